@@ -1,0 +1,45 @@
+"""Service settings, read once from the environment (prefix ``LORAPLEX_``) or a .env file.
+Nothing else in the service reads os.environ; everything takes a Settings or calls get_settings()."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """All knobs of the API process; defaults fit the local stack of scripts/loraplex-up.sh."""
+
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", env_file=".env", extra="ignore")
+
+    database_url: str = "postgresql+psycopg://loraplex@127.0.0.1:5432/loraplex"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    storage_dir: Path = Path("var/storage")
+    models_file: Path = Path("var/models.yaml")
+    # Bearer token of the worker daemons for /internal/v1/*.
+    worker_token: str = "dev-worker-token"
+    # Bearer token for operator routes (GET /v1/cluster); the worker token when unset.
+    admin_token: str | None = None
+    max_upload_bytes: int = 100 * 1024 * 1024
+    max_artifact_bytes: int = 4 * 1024 * 1024 * 1024
+    max_configurations: int = 64
+    max_page_size: int = 100
+    # A node that has not heartbeated for this long is marked down.
+    node_timeout_s: float = 60.0
+    # A failed placement is retried (with the latest checkpoint) up to this many attempts.
+    max_attempts: int = 3
+    # Republish published-but-unclaimed placements from Postgres when the app starts.
+    republish_on_startup: bool = True
+    log_level: str = "INFO"
+
+    @property
+    def operator_token(self) -> str:
+        return self.admin_token or self.worker_token
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings (tests build their own Settings and pass them to create_app)."""
+    return Settings()

@@ -1,0 +1,270 @@
+"""SQLAlchemy ORM models: the Postgres schema that is loraplex's source of truth.
+Every change here needs an Alembic migration in migrations/versions/ (tests never use create_all).
+
+Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwise):
+
+- ``tenants(id, name unique, max_gpus null=unlimited, created_at)``
+- ``api_keys(id, tenant_id, prefix unique, key_hash sha256 hex, created_at, revoked_at)``;
+  a key looks like ``lpx-<prefix 10 chars><secret>``; lookup by prefix, compare the hash.
+- ``files(id, tenant_id, filename, purpose, format chat|completion|preference, bytes,
+  line_count, sha256, storage_key, created_at, deleted_at)`` (soft delete).
+- ``tasks(id, tenant_id, base_model, method sft|dpo, training_file_id, validation_file_id,
+  validation_split, search_space jsonb, epochs, max_seq_len, seed, early_exit jsonb,
+  eval jsonb, target_modules jsonb, priority, num_train_samples, state, error, best_job_id,
+  created_at, started_at, finished_at, cancelled_at)``; states: TASK_STATES.
+- ``jobs(id, task_id, index, config jsonb {learning_rate, lora_rank, lora_alpha,
+  batch_size}, state, exit_reason, best_val_loss, best_step, last_step, error, ...)``;
+  states: JOB_STATES, exit reasons: EXIT_REASONS.
+- ``events(id bigint identity = the cursor, task_id, job_id, level, type, message,
+  data jsonb, client_key, created_at)``; unique (task_id, client_key) for retried posts.
+- ``metric_points(id bigint, task_id, job_id, step, split train|val, loss, data jsonb)``;
+  unique (job_id, step, split) so a retried batch is a no-op.
+- ``artifacts(id, task_id, job_id null, kind adapter|checkpoint, key, files jsonb
+  [{name, bytes, sha256}], step, meta jsonb, created_at)``; unique (task_id, key); file
+  blobs live in storage under ``artifacts/<id>/<name>``.
+- ``nodes(id, name unique, gpu_type, gpu_count, gpu_memory_bytes, state up|down,
+  last_heartbeat_at, registered_at, meta jsonb)``.
+- ``placements(id, task_id, node_id, gpu_indices int[], planned_start, planned_end,
+  state, attempt, created_at, published_at, claimed_at, finished_at, error)``;
+  states: PLACEMENT_STATES. Only one placement of a task is published|claimed|running.
+- ``throughput_profiles(id, base_model, gpu_type, seq_len, batch_key, tokens_per_s,
+  updated_at)``; unique (base_model, gpu_type, seq_len, batch_key).
+- ``idempotency_keys(tenant_id, key, request_hash, resource_id, created_at)``; PK (tenant, key).
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+TASK_STATES = ("validating_files", "queued", "running", "succeeded", "failed", "cancelled")
+TASK_TERMINAL = ("succeeded", "failed", "cancelled")
+JOB_STATES = ("pending", "running", "exited", "completed", "failed", "cancelled")
+JOB_TERMINAL = ("exited", "completed", "failed", "cancelled")
+EXIT_REASONS = ("diverging", "overfitting", "underperforming")
+PLACEMENT_STATES = (
+    "planned", "published", "claimed", "running", "finished", "failed", "cancelled", "superseded",
+)
+PLACEMENT_ACTIVE = ("published", "claimed", "running")
+NODE_STATES = ("up", "down")
+FILE_FORMATS = ("chat", "completion", "preference")
+ARTIFACT_KINDS = ("adapter", "checkpoint")
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC (all timestamp columns are timestamptz)."""
+    return datetime.now(timezone.utc)
+
+
+def new_id(prefix: str) -> str:
+    """A fresh random id such as ``task_3f9c0a...`` (prefix says what the thing is)."""
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def _id(prefix: str) -> Any:
+    return lambda: new_id(prefix)
+
+
+TS = DateTime(timezone=True)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("ten"))
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    max_gpus: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("key"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    prefix: Mapped[str] = mapped_column(String(32), unique=True)
+    key_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(TS)
+
+
+class File(Base):
+    __tablename__ = "files"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("file"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    filename: Mapped[str] = mapped_column(String(255))
+    purpose: Mapped[str] = mapped_column(String(32), default="fine-tune")
+    format: Mapped[str] = mapped_column(String(16))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    line_count: Mapped[int] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(64))
+    storage_key: Mapped[str] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(TS)
+    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at", "id"),)
+
+
+class Task(Base):
+    __tablename__ = "tasks"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("task"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    base_model: Mapped[str] = mapped_column(String(200))
+    method: Mapped[str] = mapped_column(String(16), default="sft")
+    training_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
+    validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
+    validation_split: Mapped[float] = mapped_column(Float, default=0.1)
+    search_space: Mapped[dict] = mapped_column(JSONB)
+    epochs: Mapped[int] = mapped_column(Integer, default=1)
+    max_seq_len: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int] = mapped_column(Integer, default=0)
+    early_exit: Mapped[dict] = mapped_column(JSONB)
+    eval: Mapped[dict] = mapped_column(JSONB)
+    target_modules: Mapped[list | None] = mapped_column(JSONB)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    num_train_samples: Mapped[int] = mapped_column(Integer, default=0)
+    state: Mapped[str] = mapped_column(String(24), default="validating_files", index=True)
+    error: Mapped[dict | None] = mapped_column(JSONB)
+    best_job_id: Mapped[str | None] = mapped_column(String(40))
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(TS)
+    finished_at: Mapped[datetime | None] = mapped_column(TS)
+    cancelled_at: Mapped[datetime | None] = mapped_column(TS)
+    __table_args__ = (Index("ix_tasks_tenant_created", "tenant_id", "created_at", "id"),)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("job"))
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
+    index: Mapped[int] = mapped_column(Integer)
+    config: Mapped[dict] = mapped_column(JSONB)
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    exit_reason: Mapped[str | None] = mapped_column(String(24))
+    best_val_loss: Mapped[float | None] = mapped_column(Float)
+    best_step: Mapped[int | None] = mapped_column(Integer)
+    last_step: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(TS)
+    finished_at: Mapped[datetime | None] = mapped_column(TS)
+    __table_args__ = (UniqueConstraint("task_id", "index", name="uq_jobs_task_index"),)
+
+
+class Event(Base):
+    __tablename__ = "events"
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"))
+    job_id: Mapped[str | None] = mapped_column(String(40))
+    level: Mapped[str] = mapped_column(String(8), default="info")
+    type: Mapped[str] = mapped_column(String(48))
+    message: Mapped[str] = mapped_column(Text, default="")
+    data: Mapped[dict | None] = mapped_column(JSONB)
+    client_key: Mapped[str | None] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    __table_args__ = (
+        UniqueConstraint("task_id", "client_key", name="uq_events_task_client_key"),
+        Index("ix_events_task_id_id", "task_id", "id"),
+    )
+
+
+class MetricPoint(Base):
+    __tablename__ = "metric_points"
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    split: Mapped[str] = mapped_column(String(8))
+    loss: Mapped[float] = mapped_column(Float)
+    data: Mapped[dict | None] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    __table_args__ = (
+        UniqueConstraint("job_id", "step", "split", name="uq_metric_points_job_step_split"),
+    )
+
+
+class Artifact(Base):
+    __tablename__ = "artifacts"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("art"))
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"))
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(16))
+    key: Mapped[str] = mapped_column(String(200))
+    files: Mapped[list] = mapped_column(JSONB)
+    step: Mapped[int | None] = mapped_column(Integer)
+    meta: Mapped[dict | None] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    __table_args__ = (UniqueConstraint("task_id", "key", name="uq_artifacts_task_key"),)
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("node"))
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    gpu_type: Mapped[str] = mapped_column(String(64))
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    gpu_memory_bytes: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(8), default="up")
+    last_heartbeat_at: Mapped[datetime | None] = mapped_column(TS)
+    registered_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    meta: Mapped[dict | None] = mapped_column(JSONB)
+
+
+class Placement(Base):
+    __tablename__ = "placements"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("pl"))
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"), index=True)
+    gpu_indices: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    planned_start: Mapped[datetime] = mapped_column(TS)
+    planned_end: Mapped[datetime] = mapped_column(TS)
+    state: Mapped[str] = mapped_column(String(16), default="planned", index=True)
+    attempt: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    published_at: Mapped[datetime | None] = mapped_column(TS)
+    claimed_at: Mapped[datetime | None] = mapped_column(TS)
+    finished_at: Mapped[datetime | None] = mapped_column(TS)
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class ThroughputProfile(Base):
+    __tablename__ = "throughput_profiles"
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
+    base_model: Mapped[str] = mapped_column(String(200))
+    gpu_type: Mapped[str] = mapped_column(String(64))
+    seq_len: Mapped[int] = mapped_column(Integer)
+    batch_key: Mapped[str] = mapped_column(String(200))
+    tokens_per_s: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[datetime] = mapped_column(TS, default=utcnow, onupdate=utcnow)
+    __table_args__ = (
+        UniqueConstraint("base_model", "gpu_type", "seq_len", "batch_key",
+                         name="uq_throughput_profiles_key"),
+    )
+
+
+class IdempotencyKey(Base):
+    __tablename__ = "idempotency_keys"
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    request_hash: Mapped[str] = mapped_column(String(64))
+    resource_id: Mapped[str] = mapped_column(String(40))
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
