@@ -1,0 +1,9 @@
+"""Grouped multi-LoRA linear operator: Triton kernels (forward and backward) and a torch reference.
+
+Importing this package needs torch only; triton is imported lazily when the Triton backend runs.
+"""
+
+from kernels.multilora import multilora_linear, triton_available
+from kernels.reference import multilora_linear_reference
+
+__all__ = ["multilora_linear", "multilora_linear_reference", "triton_available"]

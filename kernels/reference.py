@@ -1,0 +1,65 @@
+"""Plain-torch reference of the grouped multi-LoRA linear operator.
+
+Same math and signature as `kernels.multilora_linear` (minus `backend`); differentiable by
+autograd, used on CPU, in the tests, and as the fallback when no CUDA device is present.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Accumulate in fp32 (fp64 stays fp64) like the Triton kernels do.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rank_mask(ranks: torch.Tensor, r_max: int) -> torch.Tensor:
+    """Boolean mask [N, r_max]: True where rank column j < r_i (the live part of an adapter)."""
+    cols = torch.arange(r_max, device=ranks.device)
+    return cols[None, :] < ranks.to(cols.device, torch.int64)[:, None]
+
+
+def multilora_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scales: torch.Tensor,
+    ranks: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """y = x @ weight.T + bias + s_i * (x_i @ A_i[:, :r_i]) @ B_i[:r_i] for each adapter's rows.
+
+    Shapes: x [T, d_in] (rows grouped by adapter), weight [d_out, d_in], bias [d_out] or None,
+    lora_a [N, d_in, r_max], lora_b [N, r_max, d_out], scales [N], ranks [N], offsets [N+1].
+    Padded rank entries are masked with `torch.where`, so their gradients are exact zeros.
+    One host sync per call (offsets are read to split the rows).
+    """
+    n, d_in, r_max = lora_a.shape
+    t = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != d_in or weight.shape[1] != d_in:
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, weight {tuple(weight.shape)}, lora_a {tuple(lora_a.shape)}")
+    d_out = weight.shape[0]
+    if lora_b.shape != (n, r_max, d_out) or scales.shape[0] != n or ranks.shape[0] != n or offsets.shape[0] != n + 1:
+        raise ValueError("lora_b/scales/ranks/offsets do not match lora_a and weight")
+    acc = _acc_dtype(x.dtype)
+    mask = rank_mask(ranks, r_max).to(lora_a.device)
+    a = torch.where(mask[:, None, :], lora_a, torch.zeros((), dtype=lora_a.dtype, device=lora_a.device))
+    b = torch.where(mask[:, :, None], lora_b, torch.zeros((), dtype=lora_b.dtype, device=lora_b.device))
+    base = torch.nn.functional.linear(x, weight, bias).to(acc)
+    bounds = [int(v) for v in offsets.tolist()]
+    if bounds[0] != 0 or bounds[-1] != t or any(lo > hi for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)):
+        raise ValueError(f"offsets must start at 0, end at T={t} and be nondecreasing, got {bounds}")
+    s = scales.to(acc)
+    pieces = []
+    for i in range(n):
+        lo, hi = bounds[i], bounds[i + 1]
+        if hi == lo:
+            continue
+        xi = x[lo:hi].to(acc)
+        shrink = xi @ a[i].to(acc)
+        pieces.append(base[lo:hi] + s[i] * (shrink @ b[i].to(acc)))
+    y = torch.cat(pieces, 0) if pieces else base
+    return y.to(x.dtype)
