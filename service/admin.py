@@ -1,0 +1,75 @@
+"""Operator commands: ``python -m service.admin migrate`` (Alembic upgrade head),
+``create-tenant NAME`` (prints the API key once), ``create-key NAME``, ``list-tenants``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from sqlalchemy import select
+
+from service.auth import create_api_key, create_tenant
+from service.config import get_settings
+from service.db import make_engine, make_sessionmaker, session_scope
+from service.errors import ApiError
+from service.models import Tenant
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def migrate(database_url: str, revision: str = "head") -> None:
+    """Upgrade the database at database_url to revision with the migrations in migrations/."""
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config(str(ROOT / "alembic.ini"))
+    cfg.set_main_option("script_location", str(ROOT / "migrations"))
+    cfg.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
+    command.upgrade(cfg, revision)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m service.admin")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("migrate", help="apply database migrations")
+    p = sub.add_parser("create-tenant", help="create a tenant and print its API key once")
+    p.add_argument("name")
+    p.add_argument("--max-gpus", type=int, default=None)
+    p.add_argument("--if-missing", action="store_true",
+                   help="do nothing (exit 0, print nothing) when the tenant exists")
+    p = sub.add_parser("create-key", help="print a new API key for an existing tenant")
+    p.add_argument("name")
+    sub.add_parser("list-tenants")
+    args = parser.parse_args(argv)
+    settings = get_settings()
+    if args.cmd == "migrate":
+        migrate(settings.database_url)
+        print("migrations: at head")
+        return 0
+    factory = make_sessionmaker(make_engine(settings.database_url))
+    with session_scope(factory) as session:
+        if args.cmd == "create-tenant":
+            try:
+                tenant, key = create_tenant(session, args.name, args.max_gpus)
+            except ApiError as exc:
+                if args.if_missing and exc.code == "tenant_exists":
+                    return 0
+                print(f"error: {exc.message}", file=sys.stderr)
+                return 1
+            print(f"tenant: {tenant.id} ({tenant.name})", file=sys.stderr)
+            print(key)
+        elif args.cmd == "create-key":
+            tenant = session.scalar(select(Tenant).where(Tenant.name == args.name))
+            if tenant is None:
+                print(f"error: no tenant {args.name!r}", file=sys.stderr)
+                return 1
+            print(create_api_key(session, tenant))
+        else:
+            for t in session.scalars(select(Tenant).order_by(Tenant.created_at)):
+                print(f"{t.id}\t{t.name}\tmax_gpus={t.max_gpus}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

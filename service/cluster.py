@@ -1,0 +1,160 @@
+"""Nodes (register, heartbeat, timeout) and the one hook into the scheduler, cluster_changed(),
+called on task creation, cancel, completion/failure and node register/down."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.config import Settings, get_settings
+from service.events import add_event
+from service.models import PLACEMENT_ACTIVE, Job, Node, Placement, Task, utcnow
+from service.protocol import Heartbeat, HeartbeatResponse, NodeRegister
+from service.queue import unqueue_placement
+from service.schemas import ClusterOut, NodeOut, PlacementOut
+
+log = logging.getLogger("loraplex.cluster")
+
+
+def cluster_changed(session: Session, reason: str, settings: Settings | None = None) -> None:
+    """Ask the scheduler to replan, then commit. Commit the triggering change first: a failing
+    replan is logged and rolled back, never undoing the user's request."""
+    settings = settings or get_settings()
+    try:
+        from service.scheduler import replan  # type: ignore[attr-defined]
+    except ImportError:
+        log.info("replan skipped reason=%s detail=service.scheduler.replan not available", reason)
+        return
+    try:
+        replan(session, settings)
+        session.commit()
+        log.info("replanned reason=%s", reason)
+    except Exception:
+        session.rollback()
+        log.exception("replan failed reason=%s", reason)
+
+
+def next_attempt(session: Session, task_id: str) -> int:
+    """The attempt number a new placement of this task should carry: 1 + failed placements."""
+    failed = session.scalar(select(func.count()).select_from(Placement).where(
+        Placement.task_id == task_id, Placement.state == "failed"))
+    return int(failed or 0) + 1
+
+
+def active_placement(session: Session, task_id: str) -> Placement | None:
+    return session.scalar(select(Placement).where(
+        Placement.task_id == task_id, Placement.state.in_(PLACEMENT_ACTIVE)
+    ).order_by(Placement.created_at.desc()).limit(1))
+
+
+def register_node(session: Session, msg: NodeRegister) -> tuple[Node, bool]:
+    """Create or refresh the node of this name (a restarted daemon keeps its id); (node, changed)
+    where changed means the scheduler should replan."""
+    node = session.scalar(select(Node).where(Node.name == msg.name))
+    now = utcnow()
+    if node is None:
+        node = Node(name=msg.name, gpu_type=msg.gpu_type, gpu_count=msg.gpu_count,
+                    gpu_memory_bytes=msg.gpu_memory_bytes, meta=msg.meta, state="up",
+                    last_heartbeat_at=now)
+        session.add(node)
+        session.flush()
+        log.info("node registered node=%s name=%s gpus=%d", node.id, node.name, node.gpu_count)
+        return node, True
+    changed = (node.state != "up" or node.gpu_count != msg.gpu_count
+               or node.gpu_type != msg.gpu_type or node.gpu_memory_bytes != msg.gpu_memory_bytes)
+    node.gpu_type, node.gpu_count = msg.gpu_type, msg.gpu_count
+    node.gpu_memory_bytes, node.meta = msg.gpu_memory_bytes, msg.meta
+    node.state, node.last_heartbeat_at = "up", now
+    session.flush()
+    return node, changed
+
+
+def heartbeat(session: Session, node: Node, msg: Heartbeat) -> tuple[HeartbeatResponse, bool]:
+    """Refresh the node; list the tasks it runs that must stop. (response, came back up)."""
+    came_back = node.state != "up"
+    node.state, node.last_heartbeat_at = "up", utcnow()
+    cancelled: set[str] = set()
+    if msg.running_placement_ids:
+        rows = session.execute(
+            select(Placement.id, Placement.task_id, Placement.state, Placement.node_id, Task.state)
+            .join(Task, Task.id == Placement.task_id)
+            .where(Placement.id.in_(msg.running_placement_ids)))
+        for _, task_id, p_state, node_id, t_state in rows:
+            if p_state not in PLACEMENT_ACTIVE or t_state == "cancelled" or node_id != node.id:
+                cancelled.add(task_id)
+    recent = utcnow() - timedelta(minutes=10)
+    cancelled.update(session.scalars(select(Placement.task_id).where(
+        Placement.node_id == node.id, Placement.state == "cancelled",
+        Placement.claimed_at.is_not(None), Placement.finished_at >= recent)))
+    session.flush()
+    return HeartbeatResponse(node_id=node.id, state="up",
+                             cancelled_task_ids=sorted(cancelled)), came_back
+
+
+def requeue_task(session: Session, task: Task, reason: str) -> None:
+    """Put a task whose placement died back in the queue; unfinished jobs become pending."""
+    task.state = "queued"
+    for job in session.scalars(select(Job).where(Job.task_id == task.id, Job.state == "running")):
+        job.state = "pending"
+    add_event(session, task.id, "task_requeued", reason, level="warning")
+
+
+def mark_stale_nodes(session: Session, settings: Settings | None = None) -> list[str]:
+    """Mark down every up node silent for node_timeout_s; fail what ran there and requeue it.
+    Returns the ids of the nodes marked down (the scheduler loop calls this periodically)."""
+    settings = settings or get_settings()
+    cutoff = utcnow() - timedelta(seconds=settings.node_timeout_s)
+    stale = session.scalars(select(Node).where(
+        Node.state == "up",
+        (Node.last_heartbeat_at < cutoff) | Node.last_heartbeat_at.is_(None)).with_for_update(
+        skip_locked=True)).all()
+    if not stale:
+        return []
+    for node in stale:
+        node.state = "down"
+        log.warning("node down node=%s name=%s", node.id, node.name)
+        lost = session.scalars(select(Placement).where(
+            Placement.node_id == node.id,
+            Placement.state.in_(("planned", *PLACEMENT_ACTIVE)))).all()
+        for placement in lost:
+            task = session.get(Task, placement.task_id)
+            if placement.state in ("planned", "published"):
+                placement.state = "superseded"
+                unqueue_placement(placement.id, node.id, settings)
+            else:
+                placement.state, placement.error = "failed", f"node {node.name} went down"
+                placement.finished_at = utcnow()
+                if task is not None and task.state == "running":
+                    fail_or_requeue(session, task, placement, f"node {node.name} went down",
+                                    settings)
+    session.commit()
+    cluster_changed(session, "node_down", settings)
+    return [n.id for n in stale]
+
+
+def fail_or_requeue(session: Session, task: Task, placement: Placement, error: str,
+                    settings: Settings) -> None:
+    """Retry the task from its latest checkpoint while attempts remain, else fail it."""
+    if placement.attempt < settings.max_attempts:
+        requeue_task(session, task, f"attempt {placement.attempt} failed: {error}")
+        return
+    from service.tasks import finish_task_failed
+
+    finish_task_failed(session, task, error)
+
+
+def cluster_view(session: Session) -> ClusterOut:
+    nodes = session.scalars(select(Node).order_by(Node.name)).all()
+    plan = session.scalars(select(Placement).where(
+        Placement.state.in_(("planned", *PLACEMENT_ACTIVE))).order_by(Placement.planned_start)).all()
+    counts = dict(session.execute(select(Task.state, func.count()).where(
+        Task.state.in_(("queued", "running"))).group_by(Task.state)).all())
+    return ClusterOut(
+        nodes=[NodeOut.model_validate(n, from_attributes=True) for n in nodes],
+        gpus_total=sum(n.gpu_count for n in nodes),
+        gpus_up=sum(n.gpu_count for n in nodes if n.state == "up"),
+        plan=[PlacementOut.model_validate(p, from_attributes=True) for p in plan],
+        queued_tasks=counts.get("queued", 0), running_tasks=counts.get("running", 0))

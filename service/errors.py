@@ -1,0 +1,76 @@
+"""API errors and the exception handlers that render every failure as
+``{"error": {"code", "message", "param"}}`` with the right status (never a 500 for bad input)."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("loraplex.api")
+
+
+class ApiError(Exception):
+    """An error the client caused (or can act on); raised by service functions."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+
+
+def not_found(what: str, ident: str, param: str | None = None) -> ApiError:
+    return ApiError(404, "not_found", f"{what} {ident!r} not found", param)
+
+
+def invalid(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
+    return ApiError(422, code, message, param)
+
+
+def conflict(message: str, code: str = "conflict", param: str | None = None) -> ApiError:
+    return ApiError(409, code, message, param)
+
+
+def error_body(code: str, message: str, param: str | None = None) -> dict:
+    return {"error": {"code": code, "message": message, "param": param}}
+
+
+def _loc_to_param(loc: tuple | list) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header", "form")]
+    return ".".join(parts) or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route ApiError, HTTPException, validation errors and crashes to the JSON error shape."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(error_body(exc.code, exc.message, exc.param), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        param = _loc_to_param(first.get("loc", ()))
+        msg = str(first.get("msg", "invalid request"))
+        if len(errors) > 1:
+            msg += f" (and {len(errors) - 1} more)"
+        return JSONResponse(error_body("invalid_request", f"{param or 'request'}: {msg}", param),
+                            status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                 405: "method_not_allowed", 409: "conflict", 413: "too_large"}
+        return JSONResponse(error_body(codes.get(exc.status_code, "error"), str(exc.detail)),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error path=%s", request.url.path)
+        return JSONResponse(error_body("internal_error", "internal server error"), status_code=500)

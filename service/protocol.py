@@ -1,0 +1,212 @@
+"""Message shapes between the service and the GPU worker daemons (internal API + Redis queue).
+Imports only pydantic and the stdlib, so the worker can use it without the rest of the service.
+
+Flow: the worker POSTs NodeRegister to /internal/v1/nodes, then a Heartbeat to
+/internal/v1/nodes/{node_id}/heartbeat every few seconds (the reply lists tasks to cancel).
+It pops placement ids from the RQ queue ``node_queue_name(node_id)`` (RQ job function name
+PLACEMENT_FUNC, single positional argument: the placement id), claims the placement with
+POST /internal/v1/placements/{id}/claim (reply: PlacementSpec; a repeated claim by the same
+node returns the same spec), downloads files and checkpoints from the URLs in the spec,
+then reports with EventBatch, MetricBatch, JobStateUpdate, artifact uploads (multipart:
+a ``meta`` form field holding ArtifactMeta JSON plus one ``files`` part per file) and
+finally TaskFinished or TaskFailed. Every report is safe to retry.
+All internal calls carry ``Authorization: Bearer <worker token>``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PLACEMENT_FUNC = "worker.daemon.run_placement"
+CANCEL_CHANNEL = "loraplex:cancel"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def node_queue_name(node_id: str) -> str:
+    """Name of the RQ queue that carries the placements of one node."""
+    return f"loraplex:node:{node_id}"
+
+
+def cancel_key(task_id: str) -> str:
+    """Redis key set (with a TTL) when a task is cancelled; also published on CANCEL_CHANNEL."""
+    return f"loraplex:cancel:{task_id}"
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NodeRegister(_Msg):
+    name: str = Field(min_length=1, max_length=200, description="Stable node name (hostname).")
+    gpu_type: str = Field(min_length=1, max_length=64, description="e.g. 'H100-80GB', 'cpu'.")
+    gpu_count: int = Field(ge=0, le=64)
+    gpu_memory_bytes: int = Field(ge=0, description="Memory of one GPU in bytes.")
+    meta: dict | None = Field(default=None, description="Versions, driver, free-form.")
+
+
+class NodeRegistered(_Msg):
+    node_id: str
+    queue: str = Field(description="RQ queue name to pull placements from.")
+    heartbeat_interval_s: float
+
+
+class Heartbeat(_Msg):
+    running_placement_ids: list[str] = Field(default_factory=list)
+    gpu_utilization: list[float] | None = None
+
+
+class HeartbeatResponse(_Msg):
+    node_id: str
+    state: Literal["up", "down"]
+    cancelled_task_ids: list[str] = Field(
+        default_factory=list, description="Tasks running on this node that must stop now.")
+
+
+class EarlyExitSettings(_Msg):
+    """Loss-aware early exit knobs; defaults from DESIGN.md."""
+
+    enabled: bool = True
+    window: int = Field(default=2, ge=1, description="w: points in the slope window.")
+    patience: int = Field(default=2, ge=1, description="p: consecutive evals to trigger.")
+    tau_gap: float = Field(default=0.1, ge=0, description="Overfitting (val-ema)/ema threshold.")
+    tau_slope: float = Field(default=0.001, description="Divergence slope threshold.")
+    warmup_fraction: float = Field(default=0.05, ge=0, le=1)
+    keep_fraction: float = Field(default=0.25, gt=0, le=1)
+    ema_alpha: float = Field(default=0.1, gt=0, le=1, description="EMA factor of train loss.")
+
+
+class EvalSettings(_Msg):
+    eval_every_steps: int = Field(default=50, ge=1)
+    eval_max_samples: int | None = Field(default=256, ge=1)
+
+
+class JobHyperparameters(_Msg):
+    learning_rate: float
+    lora_rank: int
+    lora_alpha: float
+    batch_size: int
+
+
+class JobSpec(_Msg):
+    job_id: str
+    index: int
+    state: str = Field(description="Current state; terminal jobs are not retrained on resume.")
+    hyperparameters: JobHyperparameters
+
+
+class PlacementSpec(_Msg):
+    """Everything an executor needs to run one task on the GPUs of one placement."""
+
+    task_id: str
+    placement_id: str
+    attempt: int
+    node_id: str
+    gpu_indices: list[int]
+    method: Literal["sft", "dpo"]
+    base_model: str
+    base_model_path: str
+    training_file_id: str
+    training_file_url: str = Field(description="Path under the service URL, GET with worker token.")
+    training_file_format: str
+    validation_file_id: str | None = None
+    validation_file_url: str | None = None
+    validation_split: float
+    max_seq_len: int
+    epochs: int
+    seed: int
+    target_modules: list[str] | None = None
+    eval: EvalSettings
+    early_exit: EarlyExitSettings
+    jobs: list[JobSpec]
+    resume_checkpoint_artifact_id: str | None = None
+    resume_checkpoint_files: list[str] = Field(
+        default_factory=list, description="URLs of the checkpoint's files (worker token).")
+
+
+class EventIn(_Msg):
+    type: str = Field(min_length=1, max_length=48, description="e.g. 'job_exited', 'log'.")
+    message: str = Field(default="", max_length=10_000)
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    job_id: str | None = None
+    data: dict | None = None
+    client_key: str | None = Field(
+        default=None, max_length=128, description="Retry key: a second post is ignored.")
+    created_at: datetime | None = None
+
+
+class EventBatch(_Msg):
+    placement_id: str | None = None
+    events: list[EventIn] = Field(max_length=1000)
+
+
+class MetricPointIn(_Msg):
+    job_id: str
+    step: int = Field(ge=0)
+    split: Literal["train", "val"]
+    loss: float
+    data: dict | None = Field(default=None, description="lr, tokens, grad norm, ...")
+
+
+class MetricBatch(_Msg):
+    """Points already stored (same job, step, split) are ignored, so a retry is a no-op."""
+
+    points: list[MetricPointIn] = Field(max_length=10_000)
+
+
+class JobStateUpdate(_Msg):
+    state: Literal["pending", "running", "exited", "completed", "failed", "cancelled"]
+    exit_reason: Literal["diverging", "overfitting", "underperforming"] | None = None
+    best_val_loss: float | None = None
+    best_step: int | None = Field(default=None, ge=0)
+    last_step: int | None = Field(default=None, ge=0)
+    error: str | None = Field(default=None, max_length=10_000)
+
+
+class ArtifactMeta(_Msg):
+    """Metadata part of an artifact upload. kind=adapter needs job_id and the two PEFT files;
+    kind=checkpoint is per task (step says where training resumes). Same key = same artifact."""
+
+    kind: Literal["adapter", "checkpoint"]
+    job_id: str | None = None
+    step: int | None = Field(default=None, ge=0)
+    key: str | None = Field(default=None, max_length=200,
+                            description="Defaults to 'adapter:<job_id>' / 'checkpoint:<step>'.")
+    meta: dict | None = None
+
+
+class ArtifactOut(_Msg):
+    artifact_id: str
+    kind: str
+    key: str
+    files: list[dict]
+
+
+class TaskFinished(_Msg):
+    placement_id: str
+    best_job_id: str | None = Field(
+        default=None, description="Else the service picks the lowest best_val_loss.")
+    summary: dict | None = None
+
+
+class TaskFailed(_Msg):
+    placement_id: str
+    error: str = Field(max_length=10_000)
+    retryable: bool = Field(
+        default=True, description="Node/infra failure: retry from the latest checkpoint.")
+
+
+class ClaimRequest(_Msg):
+    node_id: str
+
+
+class Stored(_Msg):
+    stored: int = Field(description="How many items were new (retries count 0).")
+
+
+class TaskAck(_Msg):
+    task_id: str
+    state: str
+    best_job_id: str | None = None

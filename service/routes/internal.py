@@ -1,0 +1,159 @@
+"""Routes /internal/v1/* for worker daemons (worker token): nodes, heartbeats, claims, file and
+checkpoint downloads, events, metric points, job states, artifacts, task end."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, File, Form, UploadFile
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+from sqlalchemy import select
+
+from service import events, worker_api
+from service.cluster import cluster_changed, heartbeat, register_node
+from service.deps import (
+    RegistryDep,
+    SessionDep,
+    SettingsDep,
+    StorageDep,
+    require_worker,
+)
+from service.errors import invalid, not_found
+from service.models import Artifact, Job, Node
+from service.models import File as FileRow
+from service.protocol import (
+    ArtifactMeta,
+    ArtifactOut,
+    ClaimRequest,
+    EventBatch,
+    Heartbeat,
+    HeartbeatResponse,
+    JobStateUpdate,
+    MetricBatch,
+    NodeRegister,
+    NodeRegistered,
+    PlacementSpec,
+    Stored,
+    TaskAck,
+    TaskFailed,
+    TaskFinished,
+    node_queue_name,
+)
+from service.schemas import JobOut
+from service.tasks import job_out, update_job_state
+
+router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(require_worker)])
+HEARTBEAT_INTERVAL_S = 10.0
+
+
+@router.post("/nodes", response_model=NodeRegistered)
+def register(msg: NodeRegister, session: SessionDep, settings: SettingsDep) -> NodeRegistered:
+    node, changed = register_node(session, msg)
+    session.commit()
+    if changed:
+        cluster_changed(session, "node_registered", settings)
+    return NodeRegistered(node_id=node.id, queue=node_queue_name(node.id),
+                          heartbeat_interval_s=min(HEARTBEAT_INTERVAL_S,
+                                                   settings.node_timeout_s / 3))
+
+
+@router.post("/nodes/{node_id}/heartbeat", response_model=HeartbeatResponse)
+def node_heartbeat(node_id: str, msg: Heartbeat, session: SessionDep,
+                   settings: SettingsDep) -> HeartbeatResponse:
+    node = session.get(Node, node_id)
+    if node is None:
+        raise not_found("node", node_id)
+    response, came_back = heartbeat(session, node, msg)
+    session.commit()
+    if came_back:
+        cluster_changed(session, "node_up", settings)
+    return response
+
+
+@router.post("/placements/{placement_id}/claim", response_model=PlacementSpec)
+def claim(placement_id: str, msg: ClaimRequest, session: SessionDep,
+          registry: RegistryDep) -> PlacementSpec:
+    return worker_api.claim_placement(session, placement_id, msg.node_id, registry)
+
+
+@router.get("/files/{file_id}/content", response_class=StreamingResponse,
+            responses={200: {"content": {"application/jsonl": {}}}})
+def file_content(file_id: str, session: SessionDep, storage: StorageDep) -> StreamingResponse:
+    row = session.get(FileRow, file_id)
+    if row is None or row.deleted_at is not None:
+        raise not_found("file", file_id)
+    return StreamingResponse(storage.iter_bytes(row.storage_key), media_type="application/jsonl")
+
+
+@router.get("/artifacts/{artifact_id}/files/{name}", response_class=StreamingResponse,
+            responses={200: {"content": {"application/octet-stream": {}}}})
+def artifact_file(artifact_id: str, name: str, session: SessionDep,
+                  storage: StorageDep) -> StreamingResponse:
+    artifact = session.get(Artifact, artifact_id)
+    if artifact is None or name not in {f["name"] for f in artifact.files}:
+        raise not_found("artifact file", f"{artifact_id}/{name}")
+    return StreamingResponse(storage.iter_bytes(f"artifacts/{artifact.id}/{name}"),
+                             media_type="application/octet-stream")
+
+
+@router.post("/tasks/{task_id}/events", response_model=Stored)
+def post_events(task_id: str, msg: EventBatch, session: SessionDep) -> Stored:
+    task = worker_api.get_task_any(session, task_id)
+    stored = events.ingest_events(session, task, msg.events)
+    session.commit()
+    return Stored(stored=stored)
+
+
+@router.post("/tasks/{task_id}/metrics", response_model=Stored)
+def post_metrics(task_id: str, msg: MetricBatch, session: SessionDep) -> Stored:
+    task = worker_api.get_task_any(session, task_id)
+    stored = events.ingest_metrics(session, task, msg.points)
+    session.commit()
+    return Stored(stored=stored)
+
+
+@router.post("/jobs/{job_id}/state", response_model=JobOut)
+def post_job_state(job_id: str, msg: JobStateUpdate, session: SessionDep) -> JobOut:
+    job = session.scalar(select(Job).where(Job.id == job_id).with_for_update())
+    if job is None:
+        raise not_found("job", job_id)
+    task = worker_api.get_task_any(session, job.task_id, lock=True)
+    update_job_state(session, task, job, msg)
+    session.commit()
+    has_adapter = session.scalar(select(Artifact.id).where(
+        Artifact.job_id == job.id, Artifact.kind == "adapter")) is not None
+    return job_out(job, has_adapter)
+
+
+@router.post("/tasks/{task_id}/artifacts", response_model=ArtifactOut, status_code=201)
+def upload_artifact(task_id: str, session: SessionDep, storage: StorageDep,
+                    settings: SettingsDep, meta: Annotated[str, Form()],
+                    files: Annotated[list[UploadFile], File()]) -> ArtifactOut:
+    try:
+        parsed = ArtifactMeta.model_validate_json(meta)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or None
+        raise invalid(f"meta: {field or ''} {first['msg']}".strip(),
+                      param=f"meta.{field}" if field else "meta") from exc
+    task = worker_api.get_task_any(session, task_id, lock=True)
+    artifact = worker_api.store_artifact(
+        session, storage, task, parsed, [(f.filename or "", f.file) for f in files],
+        settings.max_artifact_bytes)
+    session.commit()
+    return ArtifactOut(artifact_id=artifact.id, kind=artifact.kind, key=artifact.key,
+                       files=artifact.files)
+
+
+@router.post("/tasks/{task_id}/finished", response_model=TaskAck)
+def finished(task_id: str, msg: TaskFinished, session: SessionDep,
+             settings: SettingsDep) -> TaskAck:
+    task = worker_api.task_finished(session, task_id, msg, settings)
+    return TaskAck(task_id=task.id, state=task.state, best_job_id=task.best_job_id)
+
+
+@router.post("/tasks/{task_id}/failed", response_model=TaskAck)
+def failed(task_id: str, msg: TaskFailed, session: SessionDep, settings: SettingsDep) -> TaskAck:
+    task = worker_api.task_failed(session, task_id, msg, settings)
+    return TaskAck(task_id=task.id, state=task.state, best_job_id=task.best_job_id)

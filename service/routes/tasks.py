@@ -1,0 +1,118 @@
+"""Routes /v1/tasks and /v1/jobs: create (Idempotency-Key), list, get, cancel, jobs, events,
+loss curves, adapter downloads; and GET /v1/models."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Response
+from fastapi.responses import StreamingResponse
+
+from service import adapters, events, tasks
+from service.cluster import cluster_changed
+from service.deps import RegistryDep, SessionDep, SettingsDep, StorageDep, TenantDep
+from service.models import Artifact, Job
+from service.schemas import EventPage, JobOut, MetricsOut, ModelOut, Page, TaskCreate, TaskOut
+from service.storage import Storage
+
+router = APIRouter(tags=["tasks"])
+FormatQuery = Annotated[adapters.ArchiveFormat, Query(alias="format")]
+ARCHIVE = {200: {"content": {"application/gzip": {}, "application/zip": {}},
+                 "description": "Archive with adapter_config.json + adapter_model.safetensors"}}
+
+
+@router.get("/v1/models", response_model=Page[ModelOut], tags=["models"])
+def list_models(_: TenantDep, registry: RegistryDep) -> Page[ModelOut]:
+    data = [ModelOut(id=m.name, family=m.family, parameters=m.parameters, gpus=m.gpus,
+                     max_seq_len=m.max_seq_len) for m in registry.all()]
+    return Page[ModelOut](data=data, last_id=data[-1].id if data else None)
+
+
+@router.post("/v1/tasks", status_code=201, response_model=TaskOut,
+             responses={200: {"model": TaskOut, "description": "Replay of an Idempotency-Key"},
+                        409: {"description": "Idempotency-Key reused with another body"}})
+def create_task(body: TaskCreate, response: Response, session: SessionDep, tenant: TenantDep,
+                settings: SettingsDep, registry: RegistryDep,
+                idempotency_key: Annotated[str | None, Header(max_length=255)] = None
+                ) -> TaskOut:
+    task, created = tasks.create_task(session, tenant, body, settings, registry, idempotency_key)
+    if created:
+        cluster_changed(session, "task_created", settings)
+    else:
+        response.status_code = 200
+        response.headers["Idempotent-Replayed"] = "true"
+    return tasks.task_out(session, tasks.get_task(session, tenant, task.id))
+
+
+@router.get("/v1/tasks", response_model=Page[TaskOut])
+def list_tasks(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
+               limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+               after: Annotated[str | None, Query(max_length=40)] = None) -> Page[TaskOut]:
+    rows, more = tasks.list_tasks(session, tenant, min(limit, settings.max_page_size), after)
+    return Page[TaskOut](data=[tasks.task_out(session, t) for t in rows], has_more=more,
+                         last_id=rows[-1].id if rows else None)
+
+
+@router.get("/v1/tasks/{task_id}", response_model=TaskOut)
+def get_task(session: SessionDep, tenant: TenantDep, task_id: str) -> TaskOut:
+    return tasks.task_out(session, tasks.get_task(session, tenant, task_id))
+
+
+@router.post("/v1/tasks/{task_id}/cancel", response_model=TaskOut)
+def cancel_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
+                task_id: str) -> TaskOut:
+    task = tasks.get_task(session, tenant, task_id, lock=True)
+    was = task.state
+    tasks.cancel_task(session, task, settings)
+    if was != "cancelled":
+        cluster_changed(session, "task_cancelled", settings)
+    return tasks.task_out(session, tasks.get_task(session, tenant, task_id))
+
+
+@router.get("/v1/tasks/{task_id}/jobs", response_model=Page[JobOut])
+def list_jobs(session: SessionDep, tenant: TenantDep, task_id: str) -> Page[JobOut]:
+    data = tasks.list_jobs(session, tasks.get_task(session, tenant, task_id))
+    return Page[JobOut](data=data, last_id=data[-1].id if data else None)
+
+
+@router.get("/v1/tasks/{task_id}/events", response_model=EventPage)
+def list_events(session: SessionDep, tenant: TenantDep, task_id: str,
+                after: Annotated[int | None, Query(ge=0)] = None,
+                limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> EventPage:
+    task = tasks.get_task(session, tenant, task_id)
+    data, more = events.list_events(session, task, after, limit)
+    return EventPage(data=data, has_more=more, last_id=data[-1].id if data else after)
+
+
+@router.get("/v1/tasks/{task_id}/metrics", response_model=MetricsOut)
+def task_metrics(session: SessionDep, tenant: TenantDep, task_id: str) -> MetricsOut:
+    return events.task_metrics(session, tasks.get_task(session, tenant, task_id))
+
+
+@router.get("/v1/tasks/{task_id}/adapter", response_class=StreamingResponse, responses=ARCHIVE)
+def task_adapter(session: SessionDep, tenant: TenantDep, storage: StorageDep, task_id: str,
+                 fmt: FormatQuery = "tar.gz") -> StreamingResponse:
+    job, artifact = adapters.task_adapter(session, tasks.get_task(session, tenant, task_id))
+    return _archive(storage, job, artifact, fmt)
+
+
+@router.get("/v1/jobs/{job_id}", response_model=JobOut)
+def get_job(session: SessionDep, tenant: TenantDep, job_id: str) -> JobOut:
+    job = tasks.get_job(session, tenant, job_id)
+    task = tasks.get_task(session, tenant, job.task_id)
+    return next(j for j in tasks.list_jobs(session, task) if j.id == job.id)
+
+
+@router.get("/v1/jobs/{job_id}/adapter", response_class=StreamingResponse, responses=ARCHIVE)
+def job_adapter(session: SessionDep, tenant: TenantDep, storage: StorageDep, job_id: str,
+                fmt: FormatQuery = "tar.gz") -> StreamingResponse:
+    job = tasks.get_job(session, tenant, job_id)
+    return _archive(storage, job, adapters.job_adapter(session, job), fmt)
+
+
+def _archive(storage: Storage, job: Job, artifact: Artifact,
+             fmt: adapters.ArchiveFormat) -> StreamingResponse:
+    name = adapters.archive_name(job, fmt)
+    return StreamingResponse(adapters.build_archive(storage, artifact, fmt),
+                             media_type=adapters.MEDIA_TYPES[fmt],
+                             headers={"Content-Disposition": f'attachment; filename="{name}"'})

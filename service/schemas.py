@@ -1,0 +1,233 @@
+"""Public API schemas (pydantic v2): what tenants send and what they get back.
+Separate from the ORM models so no column a tenant should not see (hashes, paths) leaks."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from service.protocol import EarlyExitSettings, EvalSettings
+
+T = TypeVar("T")
+
+
+def finite(x: float | None) -> float | None:
+    """JSON has no NaN/inf: a diverged loss is reported as null."""
+    if x is None or not math.isfinite(x):
+        return None
+    return x
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Page(BaseModel, Generic[T]):
+    object: Literal["list"] = "list"
+    data: list[T]
+    has_more: bool = False
+    last_id: str | None = Field(default=None, description="Pass as `after` for the next page.")
+
+
+class FileOut(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    filename: str
+    purpose: str
+    format: Literal["chat", "completion", "preference"]
+    bytes: int
+    line_count: int
+    sha256: str
+    created_at: datetime
+
+
+class DeletedOut(BaseModel):
+    id: str
+    object: str
+    deleted: bool = True
+
+
+class ModelOut(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    family: str | None = None
+    parameters: int | None = None
+    gpus: int
+    max_seq_len: int
+
+
+def _positive_unique(values: list, name: str) -> list:
+    if len(set(values)) != len(values):
+        raise ValueError(f"{name} has duplicate values")
+    return values
+
+
+class SearchSpace(_In):
+    """Lists per knob; the grid (cartesian product) is expanded into jobs."""
+
+    learning_rate: list[float] = Field(default=[1e-4], min_length=1, max_length=64)
+    lora_rank: list[int] = Field(default=[8], min_length=1, max_length=64)
+    lora_alpha: list[float] = Field(default=[16.0], min_length=1, max_length=64)
+    batch_size: list[int] = Field(default=[8], min_length=1, max_length=64)
+
+    @field_validator("learning_rate")
+    @classmethod
+    def _lr(cls, v: list[float]) -> list[float]:
+        if any(not (0 < x < 1) or not math.isfinite(x) for x in v):
+            raise ValueError("learning_rate values must be in (0, 1)")
+        return _positive_unique(v, "learning_rate")
+
+    @field_validator("lora_rank")
+    @classmethod
+    def _rank(cls, v: list[int]) -> list[int]:
+        if any(not (1 <= x <= 1024) for x in v):
+            raise ValueError("lora_rank values must be in [1, 1024]")
+        return _positive_unique(v, "lora_rank")
+
+    @field_validator("lora_alpha")
+    @classmethod
+    def _alpha(cls, v: list[float]) -> list[float]:
+        if any(not (0 < x <= 1e6) or not math.isfinite(x) for x in v):
+            raise ValueError("lora_alpha values must be positive")
+        return _positive_unique(v, "lora_alpha")
+
+    @field_validator("batch_size")
+    @classmethod
+    def _bs(cls, v: list[int]) -> list[int]:
+        if any(not (1 <= x <= 4096) for x in v):
+            raise ValueError("batch_size values must be in [1, 4096]")
+        return _positive_unique(v, "batch_size")
+
+
+class TaskCreate(_In):
+    base_model: str = Field(min_length=1, max_length=200)
+    training_file: str = Field(min_length=1, max_length=40)
+    validation_file: str | None = Field(default=None, max_length=40)
+    validation_split: float = Field(
+        default=0.1, gt=0, lt=0.5, description="Held-out share when no validation_file.")
+    method: Literal["sft", "dpo"] = "sft"
+    search_space: SearchSpace = Field(default_factory=SearchSpace)
+    epochs: int = Field(default=1, ge=1, le=100)
+    max_seq_len: int | None = Field(default=None, ge=16, le=1_048_576,
+                                    description="Defaults to min(2048, the model's limit).")
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    early_exit: EarlyExitSettings = Field(default_factory=EarlyExitSettings)
+    eval: EvalSettings = Field(default_factory=EvalSettings)
+    target_modules: list[str] | None = Field(default=None, max_length=32)
+    priority: int = Field(default=0, ge=0, le=10)
+
+
+class TaskOut(BaseModel):
+    id: str
+    object: Literal["task"] = "task"
+    state: str
+    base_model: str
+    method: str
+    training_file: str
+    validation_file: str | None
+    validation_split: float
+    search_space: dict
+    epochs: int
+    max_seq_len: int
+    seed: int
+    early_exit: dict
+    eval: dict
+    target_modules: list[str] | None
+    priority: int
+    num_jobs: int
+    job_counts: dict[str, int]
+    best_job_id: str | None
+    error: dict | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobOut(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    task_id: str
+    index: int
+    hyperparameters: dict
+    state: str
+    exit_reason: str | None
+    best_val_loss: float | None
+    best_step: int | None
+    last_step: int | None
+    error: str | None
+    has_adapter: bool
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class EventOut(BaseModel):
+    id: int
+    object: Literal["event"] = "event"
+    task_id: str
+    job_id: str | None
+    level: str
+    type: str
+    message: str
+    data: dict | None
+    created_at: datetime
+
+
+class EventPage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EventOut]
+    has_more: bool
+    last_id: int | None = Field(default=None, description="Pass as `after` to get newer events.")
+
+
+class LossPoint(BaseModel):
+    step: int
+    loss: float | None
+
+
+class JobCurves(BaseModel):
+    job_id: str
+    index: int
+    state: str
+    train: list[LossPoint]
+    val: list[LossPoint]
+
+
+class MetricsOut(BaseModel):
+    object: Literal["metrics"] = "metrics"
+    task_id: str
+    jobs: list[JobCurves]
+
+
+class NodeOut(BaseModel):
+    id: str
+    name: str
+    gpu_type: str
+    gpu_count: int
+    gpu_memory_bytes: int
+    state: str
+    last_heartbeat_at: datetime | None
+
+
+class PlacementOut(BaseModel):
+    id: str
+    task_id: str
+    node_id: str
+    gpu_indices: list[int]
+    planned_start: datetime
+    planned_end: datetime
+    state: str
+    attempt: int
+
+
+class ClusterOut(BaseModel):
+    object: Literal["cluster"] = "cluster"
+    nodes: list[NodeOut]
+    gpus_total: int
+    gpus_up: int
+    plan: list[PlacementOut]
+    queued_tasks: int
+    running_tasks: int

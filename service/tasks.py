@@ -1,0 +1,310 @@
+"""Tasks and jobs: creation (grid expansion, Idempotency-Key), listing, cancel, job state
+changes and the terminal transitions. Plain functions over a session; routes stay thin."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from service.config import Settings
+from service.errors import ApiError, conflict, invalid, not_found
+from service.events import add_event
+from service.files import METHOD_FORMATS, get_file
+from service.models import (
+    JOB_TERMINAL,
+    TASK_TERMINAL,
+    Artifact,
+    IdempotencyKey,
+    Job,
+    Placement,
+    Task,
+    Tenant,
+    utcnow,
+)
+from service.pagination import page_query
+from service.protocol import JobStateUpdate
+from service.queue import publish_cancel, unqueue_placement
+from service.registry import ModelRegistry
+from service.schemas import JobOut, TaskCreate, TaskOut, finite
+
+log = logging.getLogger("loraplex.tasks")
+
+KNOBS = ("learning_rate", "lora_rank", "lora_alpha", "batch_size")
+
+
+def expand_grid(space: dict[str, list]) -> list[dict]:
+    """The cartesian product of the search space, in a stable order (first knob slowest)."""
+    return [dict(zip(KNOBS, values, strict=True))
+            for values in itertools.product(*(space[k] for k in KNOBS))]
+
+
+def request_hash(body: TaskCreate) -> str:
+    canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _check_request(session: Session, tenant: Tenant, body: TaskCreate, settings: Settings,
+                   registry: ModelRegistry) -> tuple[int, int]:
+    """4xx for anything wrong in the request; returns (max_seq_len, number of train samples)."""
+    model = registry.get(body.base_model)
+    if model is None:
+        names = ", ".join(m.name for m in registry.all()) or "none registered"
+        raise invalid(f"unknown base_model {body.base_model!r} (available: {names})",
+                      param="base_model", code="model_not_found")
+    max_seq_len = body.max_seq_len or min(2048, model.max_seq_len)
+    if max_seq_len > model.max_seq_len:
+        raise invalid(f"max_seq_len {max_seq_len} exceeds {model.name}'s {model.max_seq_len}",
+                      param="max_seq_len")
+    n_configs = 1
+    for knob in KNOBS:
+        n_configs *= len(getattr(body.search_space, knob))
+    if n_configs > settings.max_configurations:
+        raise invalid(f"search space expands to {n_configs} configurations; the limit is "
+                      f"{settings.max_configurations}", param="search_space",
+                      code="too_many_configurations")
+    allowed = METHOD_FORMATS[body.method]
+    train = get_file(session, tenant, body.training_file, param="training_file")
+    if train.format not in allowed:
+        raise invalid(f"method {body.method} needs a {' or '.join(allowed)} file; "
+                      f"{train.id} is {train.format}", param="training_file")
+    samples = train.line_count
+    if body.validation_file is not None:
+        val = get_file(session, tenant, body.validation_file, param="validation_file")
+        if val.format not in allowed:
+            raise invalid(f"method {body.method} needs a {' or '.join(allowed)} file; "
+                          f"{val.id} is {val.format}", param="validation_file")
+    else:
+        held_out = max(1, round(samples * body.validation_split))
+        if samples - held_out < 1:
+            raise invalid(f"training file has {samples} records: too few to hold out a "
+                          "validation split; upload a validation_file", param="training_file")
+        samples -= held_out
+    return max_seq_len, samples
+
+
+def create_task(session: Session, tenant: Tenant, body: TaskCreate, settings: Settings,
+                registry: ModelRegistry, idempotency_key: str | None = None
+                ) -> tuple[Task, bool]:
+    """Create a task and its jobs, committed; (task, created). With an idempotency key, the same
+    key and body return the first task (created=False); another body is a 409."""
+    digest = request_hash(body)
+    if idempotency_key is not None:
+        if not (0 < len(idempotency_key) <= 255):
+            raise invalid("Idempotency-Key must be 1-255 characters", param="Idempotency-Key")
+        replay = _replay(session, tenant, idempotency_key, digest)
+        if replay is not None:
+            return replay, False
+    max_seq_len, samples = _check_request(session, tenant, body, settings, registry)
+    task = Task(tenant_id=tenant.id, base_model=body.base_model, method=body.method,
+                training_file_id=body.training_file, validation_file_id=body.validation_file,
+                validation_split=body.validation_split,
+                search_space=body.search_space.model_dump(mode="json"), epochs=body.epochs,
+                max_seq_len=max_seq_len, seed=body.seed,
+                early_exit=body.early_exit.model_dump(mode="json"),
+                eval=body.eval.model_dump(mode="json"), target_modules=body.target_modules,
+                priority=body.priority, num_train_samples=samples, state="validating_files")
+    session.add(task)
+    session.flush()
+    configs = expand_grid(task.search_space)
+    for index, config in enumerate(configs):
+        session.add(Job(task_id=task.id, index=index, config=config))
+    if idempotency_key is not None:
+        session.add(IdempotencyKey(tenant_id=tenant.id, key=idempotency_key,
+                                   request_hash=digest, resource_id=task.id))
+    add_event(session, task.id, "task_created", f"task created with {len(configs)} jobs")
+    # Files were validated line by line at upload; the references were checked above.
+    task.state = "queued"
+    add_event(session, task.id, "task_queued", "files validated; waiting for GPUs")
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        if idempotency_key is None:
+            raise
+        replay = _replay(session, tenant, idempotency_key, digest)
+        if replay is None:
+            raise
+        return replay, False
+    log.info("task created task=%s tenant=%s jobs=%d", task.id, tenant.id, len(configs))
+    return task, True
+
+
+def _replay(session: Session, tenant: Tenant, key: str, digest: str) -> Task | None:
+    row = session.get(IdempotencyKey, (tenant.id, key))
+    if row is None:
+        return None
+    if row.request_hash != digest:
+        raise conflict("Idempotency-Key was already used with a different request body",
+                       code="idempotency_key_reused", param="Idempotency-Key")
+    return session.get(Task, row.resource_id)
+
+
+def get_task(session: Session, tenant: Tenant, task_id: str, lock: bool = False) -> Task:
+    query = select(Task).where(Task.id == task_id, Task.tenant_id == tenant.id)
+    task = session.scalar(query.with_for_update() if lock else query)
+    if task is None:
+        raise not_found("task", task_id)
+    return task
+
+
+def list_tasks(session: Session, tenant: Tenant, limit: int, after: str | None
+               ) -> tuple[list[Task], bool]:
+    return page_query(session, Task, select(Task).where(Task.tenant_id == tenant.id), limit, after)
+
+
+def task_out(session: Session, task: Task) -> TaskOut:
+    counts = dict(session.execute(select(Job.state, func.count()).where(
+        Job.task_id == task.id).group_by(Job.state)).all())
+    return TaskOut(
+        id=task.id, state=task.state, base_model=task.base_model, method=task.method,
+        training_file=task.training_file_id, validation_file=task.validation_file_id,
+        validation_split=task.validation_split, search_space=task.search_space,
+        epochs=task.epochs, max_seq_len=task.max_seq_len, seed=task.seed,
+        early_exit=task.early_exit, eval=task.eval, target_modules=task.target_modules,
+        priority=task.priority, num_jobs=sum(counts.values()), job_counts=counts,
+        best_job_id=task.best_job_id, error=task.error, created_at=task.created_at,
+        started_at=task.started_at, finished_at=task.finished_at)
+
+
+def list_jobs(session: Session, task: Task) -> list[JobOut]:
+    jobs = session.scalars(select(Job).where(Job.task_id == task.id).order_by(Job.index)).all()
+    with_adapter = set(session.scalars(select(Artifact.job_id).where(
+        Artifact.task_id == task.id, Artifact.kind == "adapter")))
+    return [job_out(j, j.id in with_adapter) for j in jobs]
+
+
+def job_out(job: Job, has_adapter: bool) -> JobOut:
+    return JobOut(id=job.id, task_id=job.task_id, index=job.index, hyperparameters=job.config,
+                  state=job.state, exit_reason=job.exit_reason,
+                  best_val_loss=finite(job.best_val_loss), best_step=job.best_step,
+                  last_step=job.last_step, error=job.error, has_adapter=has_adapter,
+                  created_at=job.created_at, started_at=job.started_at,
+                  finished_at=job.finished_at)
+
+
+def get_job(session: Session, tenant: Tenant, job_id: str) -> Job:
+    job = session.scalar(select(Job).join(Task, Task.id == Job.task_id).where(
+        Job.id == job_id, Task.tenant_id == tenant.id))
+    if job is None:
+        raise not_found("job", job_id)
+    return job
+
+
+def cancel_task(session: Session, task: Task, settings: Settings) -> Task:
+    """Cancel a task that has not finished (a second cancel is a no-op); 409 once it ended."""
+    if task.state == "cancelled":
+        return task
+    if task.state in TASK_TERMINAL:
+        raise conflict(f"task {task.id!r} already {task.state}", code="task_finished")
+    now = utcnow()
+    task.state, task.cancelled_at, task.finished_at = "cancelled", now, now
+    for job in session.scalars(select(Job).where(Job.task_id == task.id,
+                                                 Job.state.not_in(JOB_TERMINAL))):
+        job.state, job.finished_at = "cancelled", now
+    unqueue: list[tuple[str, str]] = []
+    for placement in session.scalars(select(Placement).where(
+            Placement.task_id == task.id,
+            Placement.state.in_(("planned", "published", "claimed", "running")))):
+        if placement.state == "published":
+            unqueue.append((placement.id, placement.node_id))
+        placement.state, placement.finished_at = "cancelled", now
+    add_event(session, task.id, "task_cancelled", "cancelled by the user")
+    session.commit()
+    for pid, node_id in unqueue:
+        unqueue_placement(pid, node_id, settings)
+    publish_cancel(task.id, settings)
+    log.info("task cancelled task=%s", task.id)
+    return task
+
+
+ALLOWED = {
+    "pending": {"pending", "running", "exited", "completed", "failed", "cancelled"},
+    # running -> pending: parked during warmup rotation, or requeued after a node failure.
+    "running": {"pending", "running", "exited", "completed", "failed", "cancelled"},
+}
+
+
+def update_job_state(session: Session, task: Task, job: Job, msg: JobStateUpdate) -> Job:
+    """Apply a worker's job state change. Repeating the current terminal state is a no-op
+    (retry); leaving a terminal state, or any change on a finished task, is a 409."""
+    if (msg.state == "exited") != (msg.exit_reason is not None):
+        raise invalid("exit_reason is required with state 'exited' and only then",
+                      param="exit_reason")
+    if job.state in JOB_TERMINAL:
+        if msg.state == job.state:
+            return job
+        raise conflict(f"job {job.id!r} is already {job.state}", code="job_finished")
+    if task.state in TASK_TERMINAL:
+        raise conflict(f"task {task.id!r} is {task.state}", code=f"task_{task.state}")
+    if msg.state not in ALLOWED[job.state]:
+        raise conflict(f"job {job.id!r} cannot go from {job.state} to {msg.state}")
+    now = utcnow()
+    previous = job.state
+    job.state = msg.state
+    job.exit_reason = msg.exit_reason
+    for field in ("best_val_loss", "best_step", "last_step", "error"):
+        value = getattr(msg, field)
+        if value is not None:
+            setattr(job, field, value)
+    if msg.state == "running" and job.started_at is None:
+        job.started_at = now
+        placement = session.scalar(select(Placement).where(
+            Placement.task_id == task.id, Placement.state == "claimed"))
+        if placement is not None:
+            placement.state = "running"
+    if msg.state in JOB_TERMINAL:
+        job.finished_at = now
+    if previous != msg.state:
+        text = f"job {job.index} {msg.state}" + (f" ({msg.exit_reason})" if msg.exit_reason else "")
+        add_event(session, task.id, f"job_{msg.state}", text, job_id=job.id,
+                  data={"exit_reason": msg.exit_reason, "best_val_loss": finite(job.best_val_loss),
+                        "best_step": job.best_step},
+                  level="error" if msg.state == "failed" else "info")
+    return job
+
+
+def pick_best_job(session: Session, task: Task) -> str | None:
+    """The job with an adapter and the lowest finite best validation loss (ties: lowest index)."""
+    rows = session.execute(select(Job.id, Job.best_val_loss, Job.index).join(
+        Artifact, (Artifact.job_id == Job.id) & (Artifact.kind == "adapter")).where(
+        Job.task_id == task.id)).all()
+    if not rows:
+        return None
+    rows.sort(key=lambda r: (finite(r[1]) is None, finite(r[1]) or 0.0, r[2]))
+    return rows[0][0]
+
+
+def finish_task_succeeded(session: Session, task: Task, best_job_id: str | None) -> None:
+    now = utcnow()
+    for job in session.scalars(select(Job).where(Job.task_id == task.id,
+                                                 Job.state.not_in(JOB_TERMINAL))):
+        job.state, job.finished_at = "failed", now
+        job.error = "task ended before this job finished"
+    if best_job_id is None:
+        best_job_id = pick_best_job(session, task)
+    if best_job_id is None:
+        finish_task_failed(session, task, "no job produced an adapter")
+        return
+    task.state, task.best_job_id, task.finished_at = "succeeded", best_job_id, now
+    add_event(session, task.id, "task_succeeded", f"best job {best_job_id}", job_id=best_job_id)
+
+
+def finish_task_failed(session: Session, task: Task, error: str) -> None:
+    now = utcnow()
+    for job in session.scalars(select(Job).where(Job.task_id == task.id,
+                                                 Job.state.not_in(JOB_TERMINAL))):
+        job.state, job.finished_at = "failed", now
+    task.state, task.finished_at = "failed", now
+    task.error = {"code": "task_failed", "message": error}
+    add_event(session, task.id, "task_failed", error, level="error")
+
+
+def ensure_not_terminal(task: Task) -> None:
+    if task.state in TASK_TERMINAL:
+        raise ApiError(409, f"task_{task.state}", f"task {task.id!r} is {task.state}")

@@ -1,0 +1,281 @@
+"""What the internal API does for worker daemons: claim a placement (-> PlacementSpec), store
+artifacts, and the task's end (finished / failed with retry). Every call is retry-safe."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+from typing import BinaryIO
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.cluster import cluster_changed, fail_or_requeue
+from service.config import Settings
+from service.errors import ApiError, conflict, invalid, not_found
+from service.events import add_event
+from service.models import (
+    PLACEMENT_ACTIVE,
+    TASK_TERMINAL,
+    Artifact,
+    File,
+    Job,
+    Placement,
+    Task,
+    utcnow,
+)
+from service.protocol import (
+    ADAPTER_FILES,
+    ArtifactMeta,
+    EarlyExitSettings,
+    EvalSettings,
+    JobHyperparameters,
+    JobSpec,
+    PlacementSpec,
+    TaskFailed,
+    TaskFinished,
+)
+from service.registry import ModelRegistry
+from service.storage import Storage
+from service.tasks import finish_task_failed, finish_task_succeeded
+
+log = logging.getLogger("loraplex.worker_api")
+
+
+def get_task_any(session: Session, task_id: str, lock: bool = False) -> Task:
+    query = select(Task).where(Task.id == task_id)
+    task = session.scalar(query.with_for_update() if lock else query)
+    if task is None:
+        raise not_found("task", task_id)
+    return task
+
+
+def claim_placement(session: Session, placement_id: str, node_id: str,
+                    registry: ModelRegistry) -> PlacementSpec:
+    """Claim a published placement for node_id and return its spec; the same node claiming
+    again gets the same spec, anyone else a 409."""
+    placement = session.scalar(
+        select(Placement).where(Placement.id == placement_id).with_for_update())
+    if placement is None:
+        raise not_found("placement", placement_id)
+    if placement.node_id != node_id:
+        raise conflict(f"placement {placement_id!r} belongs to another node", code="wrong_node")
+    task = get_task_any(session, placement.task_id, lock=True)
+    if placement.state in ("claimed", "running"):
+        return build_spec(session, placement, task, registry)
+    if placement.state != "published" or task.state in TASK_TERMINAL:
+        raise conflict(f"placement {placement_id!r} is {placement.state} (task {task.state})",
+                       code=f"placement_{placement.state}")
+    spec = build_spec(session, placement, task, registry)
+    now = utcnow()
+    placement.state, placement.claimed_at = "claimed", now
+    if task.state == "queued":
+        task.state = "running"
+        task.started_at = task.started_at or now
+    add_event(session, task.id, "task_running",
+              f"attempt {placement.attempt} claimed by node {node_id} on GPUs "
+              f"{list(placement.gpu_indices)}",
+              data={"placement_id": placement.id, "node_id": node_id,
+                    "gpu_indices": list(placement.gpu_indices), "attempt": placement.attempt})
+    session.commit()
+    log.info("placement claimed placement=%s task=%s node=%s", placement.id, task.id, node_id)
+    return spec
+
+
+def latest_checkpoint(session: Session, task_id: str) -> Artifact | None:
+    return session.scalar(select(Artifact).where(
+        Artifact.task_id == task_id, Artifact.kind == "checkpoint"
+    ).order_by(Artifact.step.desc().nulls_last(), Artifact.created_at.desc()).limit(1))
+
+
+def build_spec(session: Session, placement: Placement, task: Task,
+               registry: ModelRegistry) -> PlacementSpec:
+    model = registry.get(task.base_model)
+    if model is None:
+        raise conflict(f"base model {task.base_model!r} is no longer registered",
+                       code="model_unavailable")
+    train = session.get(File, task.training_file_id)
+    assert train is not None
+    jobs = session.scalars(select(Job).where(Job.task_id == task.id).order_by(Job.index)).all()
+    ckpt = latest_checkpoint(session, task.id)
+    return PlacementSpec(
+        task_id=task.id, placement_id=placement.id, attempt=placement.attempt,
+        node_id=placement.node_id, gpu_indices=list(placement.gpu_indices),
+        method=task.method, base_model=task.base_model, base_model_path=model.path,  # type: ignore[arg-type]
+        training_file_id=train.id, training_file_url=f"/internal/v1/files/{train.id}/content",
+        training_file_format=train.format, validation_file_id=task.validation_file_id,
+        validation_file_url=(f"/internal/v1/files/{task.validation_file_id}/content"
+                             if task.validation_file_id else None),
+        validation_split=task.validation_split, max_seq_len=task.max_seq_len,
+        epochs=task.epochs, seed=task.seed, target_modules=task.target_modules,
+        eval=EvalSettings.model_validate(task.eval),
+        early_exit=EarlyExitSettings.model_validate(task.early_exit),
+        jobs=[JobSpec(job_id=j.id, index=j.index, state=j.state,
+                      hyperparameters=JobHyperparameters.model_validate(j.config)) for j in jobs],
+        resume_checkpoint_artifact_id=ckpt.id if ckpt else None,
+        resume_checkpoint_files=[f"/internal/v1/artifacts/{ckpt.id}/files/{f['name']}"
+                                 for f in ckpt.files] if ckpt else [])
+
+
+def _check_name(name: str) -> str:
+    if not name or "/" in name or "\\" in name or name in (".", "..") or len(name) > 200:
+        raise invalid(f"bad artifact file name {name!r}", param="files")
+    return name
+
+
+def _check_safetensors(src: BinaryIO) -> None:
+    src.seek(0)
+    head = src.read(8)
+    if len(head) < 8:
+        raise invalid("adapter_model.safetensors is too short", param="files")
+    (n,) = struct.unpack("<Q", head)
+    if n > 100 * 1024 * 1024:
+        raise invalid("adapter_model.safetensors has an implausible header", param="files")
+    try:
+        header = json.loads(src.read(n))
+    except ValueError as exc:
+        raise invalid("adapter_model.safetensors header is not JSON", param="files") from exc
+    if not isinstance(header, dict):
+        raise invalid("adapter_model.safetensors header is not an object", param="files")
+    src.seek(0)
+
+
+def _check_adapter_config(src: BinaryIO) -> None:
+    src.seek(0)
+    try:
+        cfg = json.loads(src.read())
+    except ValueError as exc:
+        raise invalid("adapter_config.json is not JSON", param="files") from exc
+    if not isinstance(cfg, dict):
+        raise invalid("adapter_config.json must be a JSON object", param="files")
+    src.seek(0)
+
+
+def store_artifact(session: Session, storage: Storage, task: Task, meta: ArtifactMeta,
+                   files: list[tuple[str, BinaryIO]], max_bytes: int) -> Artifact:
+    """Store (or replace, same key) an adapter of a job or a checkpoint of the task."""
+    if not files:
+        raise invalid("no files uploaded", param="files")
+    names = [_check_name(n) for n, _ in files]
+    if len(set(names)) != len(names):
+        raise invalid("duplicate file names", param="files")
+    job: Job | None = None
+    if meta.job_id is not None:
+        job = session.get(Job, meta.job_id)
+        if job is None or job.task_id != task.id:
+            raise invalid(f"job {meta.job_id!r} is not a job of task {task.id!r}", param="job_id")
+    if meta.kind == "adapter":
+        if job is None:
+            raise invalid("an adapter needs job_id", param="job_id")
+        missing = [n for n in ADAPTER_FILES if n not in names]
+        if missing:
+            raise invalid(f"adapter is missing {', '.join(missing)}", param="files")
+        blobs = dict(files)
+        _check_adapter_config(blobs["adapter_config.json"])
+        _check_safetensors(blobs["adapter_model.safetensors"])
+        key = meta.key or f"adapter:{job.id}"
+    else:
+        if meta.step is None and meta.key is None:
+            raise invalid("a checkpoint needs step (or key)", param="step")
+        key = meta.key or f"checkpoint:{meta.step}"
+    sizes = []
+    for _, src in files:
+        src.seek(0, 2)
+        sizes.append(src.tell())
+        src.seek(0)
+    if sum(sizes) > max_bytes:
+        raise ApiError(413, "artifact_too_large", f"artifact is {sum(sizes)} bytes; the limit "
+                       f"is {max_bytes}", "files")
+    existing = session.scalar(select(Artifact).where(
+        Artifact.task_id == task.id, Artifact.key == key).with_for_update())
+    if task.state in TASK_TERMINAL:
+        if existing is not None:
+            return existing  # a retry of an upload that landed before the task ended
+        raise conflict(f"task {task.id!r} is {task.state}", code=f"task_{task.state}")
+    artifact = existing or Artifact(task_id=task.id, key=key)
+    if existing is None:
+        session.add(artifact)
+        session.flush()
+    listing = []
+    for (name, src), size in zip(files, sizes, strict=True):
+        digest = hashlib.sha256()
+        while block := src.read(1 << 20):
+            digest.update(block)
+        src.seek(0)
+        storage.put(f"artifacts/{artifact.id}/{name}", src)
+        listing.append({"name": name, "bytes": size, "sha256": digest.hexdigest()})
+    for old in existing.files if existing is not None else []:
+        if old["name"] not in names:
+            storage.delete(f"artifacts/{artifact.id}/{old['name']}")
+    artifact.kind, artifact.job_id, artifact.step = meta.kind, meta.job_id, meta.step
+    artifact.files, artifact.meta = listing, meta.meta
+    if existing is None:
+        add_event(session, task.id, f"{meta.kind}_uploaded", f"{meta.kind} {key} stored",
+                  job_id=meta.job_id, data={"artifact_id": artifact.id, "step": meta.step})
+    session.flush()
+    return artifact
+
+
+def _placement_of(session: Session, task: Task, placement_id: str) -> Placement:
+    placement = session.scalar(
+        select(Placement).where(Placement.id == placement_id).with_for_update())
+    if placement is None or placement.task_id != task.id:
+        raise not_found("placement", placement_id, param="placement_id")
+    return placement
+
+
+def task_finished(session: Session, task_id: str, msg: TaskFinished, settings: Settings) -> Task:
+    task = get_task_any(session, task_id, lock=True)
+    placement = _placement_of(session, task, msg.placement_id)
+    if task.state == "succeeded" and placement.state == "finished":
+        return task
+    if task.state in TASK_TERMINAL:
+        raise conflict(f"task {task.id!r} is {task.state}", code=f"task_{task.state}")
+    if placement.state not in PLACEMENT_ACTIVE:
+        raise conflict(f"placement {placement.id!r} is {placement.state}",
+                       code="stale_placement")
+    if msg.best_job_id is not None:
+        has_adapter = session.scalar(select(Artifact.id).where(
+            Artifact.task_id == task.id, Artifact.job_id == msg.best_job_id,
+            Artifact.kind == "adapter"))
+        if has_adapter is None:
+            raise invalid(f"best_job_id {msg.best_job_id!r} has no adapter of this task",
+                          param="best_job_id")
+    placement.state, placement.finished_at = "finished", utcnow()
+    finish_task_succeeded(session, task, msg.best_job_id)
+    session.commit()
+    log.info("task finished task=%s state=%s best_job=%s", task.id, task.state, task.best_job_id)
+    cluster_changed(session, "task_finished", settings)
+    return task
+
+
+def task_failed(session: Session, task_id: str, msg: TaskFailed, settings: Settings) -> Task:
+    task = get_task_any(session, task_id, lock=True)
+    placement = _placement_of(session, task, msg.placement_id)
+    if placement.state == "failed":
+        return task
+    if task.state in TASK_TERMINAL:
+        raise conflict(f"task {task.id!r} is {task.state}", code=f"task_{task.state}")
+    if placement.state not in PLACEMENT_ACTIVE:
+        raise conflict(f"placement {placement.id!r} is {placement.state}",
+                       code="stale_placement")
+    placement.state, placement.finished_at, placement.error = "failed", utcnow(), msg.error
+    if msg.retryable:
+        fail_or_requeue(session, task, placement, msg.error, settings)
+    else:
+        finish_task_failed(session, task, msg.error)
+    session.commit()
+    log.warning("task attempt failed task=%s attempt=%d state=%s error=%s", task.id,
+                placement.attempt, task.state, msg.error[:200])
+    cluster_changed(session, "task_failed", settings)
+    return task
+
+
+def job_of_task(session: Session, task: Task, job_id: str) -> Job:
+    job = session.get(Job, job_id)
+    if job is None or job.task_id != task.id:
+        raise not_found("job", job_id)
+    return job
+
