@@ -45,8 +45,7 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
         return True
     if backend != "auto":
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    # TODO(issue 3): switch 'auto' to Triton on CUDA once the kernels land (next commit).
-    return False
+    return x.is_cuda and x.dtype in _TRITON_DTYPES and triton_available()
 
 
 def multilora_linear(
