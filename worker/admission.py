@@ -1,0 +1,202 @@
+"""Intra-task admission: a peak-memory model M = k0 + k1*B*L fitted from a short profiling run,
+and the policy that decides which pending jobs of a task attach to the executor now.
+
+Pure Python; torch is imported lazily, only by `profile_memory` on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+
+class JobLike(Protocol):
+    """What the policy needs to know about a job (pending or running)."""
+
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+
+class ProfilePoint(NamedTuple):
+    """One profiling measurement: peak bytes of one training step at this total batch."""
+
+    total_batch: int
+    seq_len: int
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Peak memory of one training step: k0 (weights, states, workspace) + k1 bytes per token."""
+
+    k0: float
+    k1: float
+
+    def predict(self, total_batch: int, seq_len: int) -> float:
+        """Predicted peak bytes for `total_batch` sequences of `seq_len` tokens."""
+        return self.k0 + self.k1 * total_batch * seq_len
+
+    def max_total_batch(self, budget_bytes: float, seq_len: int) -> int:
+        """Largest total batch whose predicted peak is <= budget_bytes (0 if none fits)."""
+        if self.k1 <= 0:
+            raise ValueError("k1 must be > 0 for a batch limit to exist")
+        b = math.floor((budget_bytes - self.k0) / (self.k1 * seq_len))
+        # Guard the float division at the boundary: the predicate is what admission checks.
+        while b > 0 and self.predict(b, seq_len) > budget_bytes:
+            b -= 1
+        while self.predict(b + 1, seq_len) <= budget_bytes:
+            b += 1
+        return max(b, 0)
+
+
+def fit_memory_model(points: Sequence[tuple[int, int, float]]) -> MemoryModel:
+    """Least-squares fit of peak = k0 + k1 * (B * L) over (total_batch, seq_len, peak_bytes)."""
+    xs = [float(b) * float(seq) for b, seq, _ in points]
+    ys = [float(peak) for _, _, peak in points]
+    if len(set(xs)) < 2:
+        raise ValueError("need measurements at two or more distinct B*L to fit a memory model")
+    mx = math.fsum(xs) / len(xs)
+    my = math.fsum(ys) / len(ys)
+    sxx = math.fsum((x - mx) ** 2 for x in xs)
+    k1 = math.fsum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    if k1 <= 0:
+        raise ValueError(f"peak memory does not grow with the batch (k1={k1:.3g}): bad profile")
+    return MemoryModel(k0=my - k1 * mx, k1=k1)
+
+
+def profile_memory(
+    step_fn: Callable[[int], Any],
+    batches: Iterable[int],
+    seq_len: int,
+    *,
+    device: Any = None,
+    repeats: int = 2,
+) -> list[ProfilePoint]:
+    """Run `step_fn(total_batch)` (one full training step) at each total batch on a CUDA device
+    and record the peak of `torch.cuda.max_memory_allocated`.
+
+    Each batch runs `repeats` times and keeps the largest peak, so lazily created optimizer
+    state is counted. Stops at the first out-of-memory error and returns what it measured.
+    On a machine without CUDA it raises RuntimeError: use a configured budget there.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("profile_memory needs CUDA; on CPU use AdmissionController.from_token_budget")
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    points: list[ProfilePoint] = []
+    for total_batch in batches:
+        peak = 0
+        try:
+            for _ in range(repeats):
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                step_fn(total_batch)
+                torch.cuda.synchronize(device)
+                peak = max(peak, torch.cuda.max_memory_allocated(device))
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            break
+        points.append(ProfilePoint(int(total_batch), int(seq_len), int(peak)))
+    return points
+
+
+class AdmissionController:
+    """Decides which pending jobs of a task attach to the executor, under a memory budget.
+
+    Policy (DESIGN.md, "Hierarchical scheduling"):
+    - Memory depends on the *total* batch B of all co-resident jobs (one backbone forward/backward
+      over the concatenated batch) and the sequence length L; adapter weights and their optimizer
+      state are small against activations and are part of the fit's noise, so rank is ignored.
+    - `admit` is first-fit decreasing: pending jobs whose batch size is already running go first
+      (co-location of equal batch sizes keeps the grouped LoRA kernels on their bmm path), then the
+      other sizes by decreasing batch size (equal sizes stay together); a job that does not fit is
+      skipped and smaller ones are still tried. Input order breaks ties, so the result is
+      deterministic.
+    - `backfill` after an exit tries pending jobs of the exited job's batch size first, then the
+      others in the same order as `admit`.
+    - The predicted peak must stay <= safety * budget; the margin (default 0.9) covers allocator
+      fragmentation (the fit is on `max_memory_allocated`, not reserved memory) and fit error.
+    - On a CPU nothing is profiled: `AdmissionController.from_token_budget` runs the same policy
+      against a configured number of tokens per step (k0 = 0, k1 = 1 "byte" per token).
+    """
+
+    def __init__(
+        self,
+        model: MemoryModel,
+        budget_bytes: float,
+        seq_len: int,
+        safety: float = 0.9,
+        max_jobs: int | None = None,
+    ) -> None:
+        if not (0.0 < safety <= 1.0):
+            raise ValueError(f"safety must be in (0, 1], got {safety}")
+        if budget_bytes <= 0 or seq_len < 1:
+            raise ValueError("budget_bytes must be > 0 and seq_len >= 1")
+        if max_jobs is not None and max_jobs < 1:
+            raise ValueError("max_jobs must be >= 1 when set")
+        self.model = model
+        self.budget_bytes = float(budget_bytes)
+        self.seq_len = int(seq_len)
+        self.safety = float(safety)
+        self.max_jobs = max_jobs
+
+    @classmethod
+    def from_token_budget(
+        cls, max_tokens: int, seq_len: int, max_jobs: int | None = None
+    ) -> AdmissionController:
+        """CPU form: at most `max_tokens` = total_batch * seq_len tokens per step."""
+        return cls(MemoryModel(k0=0.0, k1=1.0), float(max_tokens), seq_len, 1.0, max_jobs)
+
+    @property
+    def limit_bytes(self) -> float:
+        return self.safety * self.budget_bytes
+
+    def fits(self, total_batch: int) -> bool:
+        """Whether a step over this total batch is predicted to stay under the safety limit."""
+        return self.model.predict(total_batch, self.seq_len) <= self.limit_bytes
+
+    def unschedulable(self, pending: Iterable[JobLike]) -> list[str]:
+        """Pending jobs that would not fit even alone on an empty executor."""
+        return [j.job_id for j in pending if not self.fits(j.batch_size)]
+
+    def admit(self, pending: Sequence[JobLike], running: Sequence[JobLike]) -> list[str]:
+        """Job ids to attach now, in attach order (see the module docstring for the order)."""
+        running_sizes = {j.batch_size for j in running}
+        return self._fill(pending, running, lambda b: (b not in running_sizes, -b))
+
+    def backfill(
+        self, exited_batch_size: int, pending: Sequence[JobLike], running: Sequence[JobLike]
+    ) -> list[str]:
+        """Job ids to attach after a job of `exited_batch_size` left (`running` excludes it)."""
+        running_sizes = {j.batch_size for j in running}
+        return self._fill(
+            pending, running,
+            lambda b: (b != exited_batch_size, b not in running_sizes, -b),
+        )
+
+    def _fill(
+        self,
+        pending: Sequence[JobLike],
+        running: Sequence[JobLike],
+        priority: Callable[[int], tuple[Any, ...]],
+    ) -> list[str]:
+        total = sum(j.batch_size for j in running)
+        slots = math.inf if self.max_jobs is None else self.max_jobs - len(running)
+        order = sorted(enumerate(pending), key=lambda item: (*priority(item[1].batch_size), item[0]))
+        chosen: list[str] = []
+        for _, job in order:
+            if len(chosen) >= slots:
+                break
+            if job.batch_size < 1:
+                raise ValueError(f"job {job.job_id} has batch_size {job.batch_size}")
+            if self.fits(total + job.batch_size):
+                chosen.append(job.job_id)
+                total += job.batch_size
+        return chosen
