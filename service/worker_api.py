@@ -24,6 +24,7 @@ from service.models import (
     Job,
     Placement,
     Task,
+    new_id,
     utcnow,
 )
 from service.protocol import (
@@ -194,24 +195,24 @@ def store_artifact(session: Session, storage: Storage, task: Task, meta: Artifac
         if existing is not None:
             return existing  # a retry of an upload that landed before the task ended
         raise conflict(f"task {task.id!r} is {task.state}", code=f"task_{task.state}")
-    artifact = existing or Artifact(task_id=task.id, key=key)
-    if existing is None:
-        session.add(artifact)
-        session.flush()
+    artifact_id = existing.id if existing is not None else new_id("art")
     listing = []
     for (name, src), size in zip(files, sizes, strict=True):
         digest = hashlib.sha256()
         while block := src.read(1 << 20):
             digest.update(block)
         src.seek(0)
-        storage.put(f"artifacts/{artifact.id}/{name}", src)
+        storage.put(f"artifacts/{artifact_id}/{name}", src)
         listing.append({"name": name, "bytes": size, "sha256": digest.hexdigest()})
     for old in existing.files if existing is not None else []:
         if old["name"] not in names:
-            storage.delete(f"artifacts/{artifact.id}/{old['name']}")
+            storage.delete(f"artifacts/{artifact_id}/{old['name']}")
+    artifact = existing or Artifact(id=artifact_id, task_id=task.id, key=key)
     artifact.kind, artifact.job_id, artifact.step = meta.kind, meta.job_id, meta.step
     artifact.files, artifact.meta = listing, meta.meta
     if existing is None:
+        session.add(artifact)
+        session.flush()
         add_event(session, task.id, f"{meta.kind}_uploaded", f"{meta.kind} {key} stored",
                   job_id=meta.job_id, data={"artifact_id": artifact.id, "step": meta.step})
     session.flush()

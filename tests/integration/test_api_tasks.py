@@ -1,0 +1,187 @@
+"""Integration: /v1/tasks create (grid, cap, checks), Idempotency-Key, cursor pagination,
+cancel, jobs, events, models, tenant isolation and the error shape of bad input."""
+
+from __future__ import annotations
+
+import itertools
+
+from sqlalchemy import select
+
+from service.models import Event, Job
+
+
+def test_models_list(client, factory):  # noqa: ANN001
+    t = factory.tenant()
+    r = client.get("/v1/models", headers=t.headers)
+    assert r.status_code == 200
+    data = r.json()["data"]
+    assert [m["id"] for m in data] == ["big-model", "tiny-llama"]
+    assert data[1]["max_seq_len"] == 512 and "path" not in data[1]
+    assert client.get("/v1/models").status_code == 401
+
+
+def test_create_expands_grid(client, factory):  # noqa: ANN001
+    t = factory.tenant()
+    space = {"learning_rate": [1e-4, 2e-4], "lora_rank": [4, 8, 16], "lora_alpha": [8, 16],
+             "batch_size": [2]}
+    task = factory.task(t, search_space=space, epochs=2, seed=7)
+    assert task["state"] == "queued" and task["num_jobs"] == 12
+    assert task["job_counts"] == {"pending": 12}
+    assert task["early_exit"]["window"] == 2 and task["early_exit"]["tau_gap"] == 0.1
+    assert task["early_exit"]["keep_fraction"] == 0.25
+    jobs = client.get(f"/v1/tasks/{task['id']}/jobs", headers=t.headers).json()["data"]
+    got = [(j["hyperparameters"]["learning_rate"], j["hyperparameters"]["lora_rank"],
+            j["hyperparameters"]["lora_alpha"], j["hyperparameters"]["batch_size"]) for j in jobs]
+    want = list(itertools.product(space["learning_rate"], space["lora_rank"],
+                                  space["lora_alpha"], space["batch_size"]))
+    assert got == want
+    assert all(j["state"] == "pending" and j["best_val_loss"] is None for j in jobs)
+    assert [j["index"] for j in jobs] == list(range(12))
+    one = client.get(f"/v1/jobs/{jobs[3]['id']}", headers=t.headers)
+    assert one.status_code == 200 and one.json()["hyperparameters"]["lora_alpha"] == 16
+
+
+def test_create_rejects_bad_requests(client, factory, settings):  # noqa: ANN001
+    t = factory.tenant()
+    f = factory.file(t)["id"]
+    base = {"base_model": "tiny-llama", "training_file": f, "max_seq_len": 128}
+
+    def post(**kw):  # noqa: ANN003, ANN202
+        return client.post("/v1/tasks", headers=t.headers, json=base | kw)
+
+    too_many = {"learning_rate": [1e-5, 2e-5, 3e-5, 4e-5, 5e-5], "lora_rank": [4, 8, 16, 32]}
+    r = post(search_space=too_many)
+    assert r.status_code == 422 and settings.max_configurations < 20
+    assert r.json()["error"] == {"code": "too_many_configurations", "param": "search_space",
+                                 "message": r.json()["error"]["message"]}
+    assert "20 configurations" in r.json()["error"]["message"]
+    cases = [
+        ({"base_model": "nope"}, "base_model"),
+        ({"max_seq_len": 4096}, "max_seq_len"),
+        ({"search_space": {"learning_rate": [-1.0]}}, "search_space.learning_rate"),
+        ({"search_space": {"lora_rank": []}}, "search_space.lora_rank"),
+        ({"search_space": {"lora_rank": [4, 4]}}, "search_space.lora_rank"),
+        ({"search_space": {"dropout": [0.1]}}, "search_space.dropout"),
+        ({"epochs": 0}, "epochs"),
+        ({"method": "ppo"}, "method"),
+        ({"method": "dpo"}, "training_file"),
+        ({"early_exit": {"window": 0}}, "early_exit.window"),
+        ({"unknown_field": 1}, "unknown_field"),
+    ]
+    for kw, param in cases:
+        r = post(**kw)
+        assert r.status_code == 422, (kw, r.text)
+        assert r.json()["error"]["param"] == param, (kw, r.json())
+    r = post(training_file="file_doesnotexist")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "training_file"
+    r = client.post("/v1/tasks", headers=t.headers | {"Content-Type": "application/json"},
+                    content=b"{not json")
+    assert r.status_code == 422 and set(r.json()["error"]) == {"code", "message", "param"}
+    r = client.post("/v1/tasks", headers=t.headers, json=[1, 2])
+    assert r.status_code == 422
+    tiny = factory.file(t, [{"prompt": "a", "completion": "b"}])["id"]
+    r = post(training_file=tiny)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "training_file"
+    assert client.get("/v1/tasks", headers=t.headers).json()["data"] == []
+
+
+def test_idempotency_key(client, factory):  # noqa: ANN001
+    t, other = factory.tenant(), factory.tenant()
+    f = factory.file(t)["id"]
+    body = {"base_model": "tiny-llama", "training_file": f, "max_seq_len": 64}
+    h = t.headers | {"Idempotency-Key": "abc-1"}
+    first = client.post("/v1/tasks", headers=h, json=body)
+    second = client.post("/v1/tasks", headers=h, json=body)
+    assert first.status_code == 201 and second.status_code == 200
+    assert second.headers["Idempotent-Replayed"] == "true"
+    assert first.json()["id"] == second.json()["id"]
+    r = client.post("/v1/tasks", headers=h, json=body | {"seed": 3})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "idempotency_key_reused"
+    assert len(client.get("/v1/tasks", headers=t.headers).json()["data"]) == 1
+    # Keys are per tenant: the same key elsewhere is a different request.
+    of = factory.file(other)["id"]
+    r = client.post("/v1/tasks", headers=other.headers | {"Idempotency-Key": "abc-1"},
+                    json=body | {"training_file": of})
+    assert r.status_code == 201 and r.json()["id"] != first.json()["id"]
+
+
+def test_list_pagination(client, factory):  # noqa: ANN001
+    t = factory.tenant()
+    f = factory.file(t)["id"]
+    ids = [factory.task(t, f)["id"] for _ in range(5)]
+    page1 = client.get("/v1/tasks", headers=t.headers, params={"limit": 2}).json()
+    assert [x["id"] for x in page1["data"]] == ids[::-1][:2] and page1["has_more"]
+    page2 = client.get("/v1/tasks", headers=t.headers,
+                       params={"limit": 2, "after": page1["last_id"]}).json()
+    page3 = client.get("/v1/tasks", headers=t.headers,
+                       params={"limit": 2, "after": page2["last_id"]}).json()
+    assert [x["id"] for x in page2["data"]] == ids[::-1][2:4]
+    assert [x["id"] for x in page3["data"]] == ids[:1] and not page3["has_more"]
+    assert client.get("/v1/tasks", headers=t.headers, params={"limit": 0}).status_code == 422
+
+
+def test_cancel(client, factory, session):  # noqa: ANN001
+    t = factory.tenant()
+    task = factory.task(t)
+    r = client.post(f"/v1/tasks/{task['id']}/cancel", headers=t.headers)
+    assert r.status_code == 200 and r.json()["state"] == "cancelled"
+    assert r.json()["job_counts"] == {"cancelled": 4} and r.json()["finished_at"]
+    again = client.post(f"/v1/tasks/{task['id']}/cancel", headers=t.headers)
+    assert again.status_code == 200 and again.json()["state"] == "cancelled"
+    types = [e.type for e in session.scalars(
+        select(Event).where(Event.task_id == task["id"]).order_by(Event.id))]
+    assert types == ["task_created", "task_queued", "task_cancelled"]
+    assert session.scalar(select(Job).where(Job.task_id == task["id"])).state == "cancelled"
+
+
+def test_events_cursor(client, factory):  # noqa: ANN001
+    t = factory.tenant()
+    task = factory.task(t)
+    client.post(f"/v1/tasks/{task['id']}/cancel", headers=t.headers)
+    url = f"/v1/tasks/{task['id']}/events"
+    everything = client.get(url, headers=t.headers).json()
+    ids = [e["id"] for e in everything["data"]]
+    assert len(ids) == 3 and ids == sorted(ids) and not everything["has_more"]
+    first = client.get(url, headers=t.headers, params={"limit": 1}).json()
+    assert first["has_more"] and first["last_id"] == ids[0]
+    rest = client.get(url, headers=t.headers, params={"after": first["last_id"]}).json()
+    assert [e["id"] for e in rest["data"]] == ids[1:]
+    empty = client.get(url, headers=t.headers, params={"after": ids[-1]}).json()
+    assert empty["data"] == [] and empty["last_id"] == ids[-1]
+    assert client.get(url, headers=t.headers, params={"after": "x"}).status_code == 422
+
+
+def test_tenant_isolation(client, factory):  # noqa: ANN001
+    a, b = factory.tenant(), factory.tenant()
+    task = factory.task(a)
+    job = client.get(f"/v1/tasks/{task['id']}/jobs", headers=a.headers).json()["data"][0]
+    tid = task["id"]
+    for method, path in [
+        ("get", f"/v1/tasks/{tid}"), ("post", f"/v1/tasks/{tid}/cancel"),
+        ("get", f"/v1/tasks/{tid}/jobs"), ("get", f"/v1/tasks/{tid}/events"),
+        ("get", f"/v1/tasks/{tid}/metrics"), ("get", f"/v1/tasks/{tid}/adapter"),
+        ("get", f"/v1/jobs/{job['id']}"), ("get", f"/v1/jobs/{job['id']}/adapter"),
+    ]:
+        r = getattr(client, method)(path, headers=b.headers)
+        assert r.status_code == 404, (path, r.text)
+        assert r.json()["error"]["code"] == "not_found"
+    assert client.get("/v1/tasks", headers=b.headers).json()["data"] == []
+    # b cannot train on a's file either.
+    r = client.post("/v1/tasks", headers=b.headers, json={
+        "base_model": "tiny-llama", "training_file": task["training_file"]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "training_file"
+    assert client.get(f"/v1/tasks/{tid}", headers=a.headers).json()["state"] == "queued"
+
+
+def test_adapter_before_done(client, factory):  # noqa: ANN001
+    t = factory.tenant()
+    task = factory.task(t)
+    r = client.get(f"/v1/tasks/{task['id']}/adapter", headers=t.headers)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "task_not_succeeded"
+    job = client.get(f"/v1/tasks/{task['id']}/jobs", headers=t.headers).json()["data"][0]
+    r = client.get(f"/v1/jobs/{job['id']}/adapter", headers=t.headers)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "adapter_not_found"
+    r = client.get(f"/v1/jobs/{job['id']}/adapter", headers=t.headers, params={"format": "rar"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "format"
+    assert client.get("/v1/nowhere", headers=t.headers).status_code == 404
+    assert client.put(f"/v1/tasks/{task['id']}", headers=t.headers).status_code == 405
