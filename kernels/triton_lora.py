@@ -66,22 +66,22 @@ else:  # a few Hopper-friendly shapes; small lists keep tuning short
 
 
 @triton.jit
-def _find_tile(pid, off_ptr, N, BLOCK_M: tl.constexpr):
-    """Map program `pid` to (adapter, first row, end row); adapter = -1 for a spare program."""
-    zero = pid * 0
-    adapter = zero - 1
-    row_start = zero
-    row_end = zero
-    tile_base = zero
-    for i in range(0, N):
-        lo = tl.load(off_ptr + i)
-        hi = tl.load(off_ptr + i + 1)
-        n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
-        hit = (pid >= tile_base) & (pid < tile_base + n_tiles)
-        adapter = tl.where(hit, zero + i, adapter)
-        row_start = tl.where(hit, lo + (pid - tile_base) * BLOCK_M, row_start)
-        row_end = tl.where(hit, hi, row_end)
-        tile_base += n_tiles
+def _find_tile(pid, off_ptr, N, BLOCK_M: tl.constexpr, N_P2: tl.constexpr):
+    """Map program `pid` to (adapter, first row, end row); adapter = -1 for a spare program.
+
+    Vectorised over adapters: tile counts from offsets, a prefix sum, one hit per program.
+    """
+    idx = tl.arange(0, N_P2)
+    live = idx < N
+    lo = tl.load(off_ptr + idx, mask=live, other=0)
+    hi = tl.load(off_ptr + idx + 1, mask=live, other=0)
+    n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(n_tiles, 0)
+    tile_start = tile_end - n_tiles
+    hit = (pid >= tile_start) & (pid < tile_end)
+    adapter = tl.max(tl.where(hit, idx, -1), 0)
+    row_start = tl.sum(tl.where(hit, lo + (pid - tile_start) * BLOCK_M, 0), 0)
+    row_end = tl.sum(tl.where(hit, hi, 0), 0)
     return adapter, row_start, row_end
 
 
@@ -91,12 +91,12 @@ def _shrink_kernel(
     x_ptr, a_ptr, s_ptr, off_ptr, rank_ptr,
     N, K, R_MAX, T_BUCKET,
     stride_xm, stride_xk, stride_an, stride_ak, stride_ar, stride_sm,
-    BLOCK_R: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_R: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    adapter, row_start, row_end = _find_tile(pid_m, off_ptr, N, BLOCK_M)
+    adapter, row_start, row_end = _find_tile(pid_m, off_ptr, N, BLOCK_M, N_P2)
     valid = adapter >= 0
     ad = tl.maximum(adapter, 0)
     rank = tl.where(valid, tl.minimum(tl.load(rank_ptr + ad), R_MAX), 0)
@@ -131,12 +131,12 @@ def _expand_kernel(
     y_ptr, s_ptr, b_ptr, off_ptr, rank_ptr, scale_ptr,
     N, D_OUT, R_MAX, T_BUCKET,
     stride_ym, stride_yn, stride_sm, stride_bn, stride_br, stride_bo,
-    BLOCK_R: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_R: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    adapter, row_start, row_end = _find_tile(pid_m, off_ptr, N, BLOCK_M)
+    adapter, row_start, row_end = _find_tile(pid_m, off_ptr, N, BLOCK_M, N_P2)
     valid = adapter >= 0
     ad = tl.maximum(adapter, 0)
     rank = tl.where(valid, tl.minimum(tl.load(rank_ptr + ad), R_MAX), 0)
@@ -164,12 +164,12 @@ def _bwd_ds_db_kernel(
     dy_ptr, s_ptr, b_ptr, ds_ptr, db_ptr, off_ptr, rank_ptr, scale_ptr,
     N, D_OUT, R_MAX, T_BUCKET,
     stride_dym, stride_dyn, stride_sm, stride_bn, stride_br, stride_bo, stride_dsm,
-    BLOCK_R: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    BLOCK_R: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, COMPUTE_DB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    adapter, row_start, row_end = _find_tile(pid_m, off_ptr, N, BLOCK_M)
+    adapter, row_start, row_end = _find_tile(pid_m, off_ptr, N, BLOCK_M, N_P2)
     valid = adapter >= 0
     ad = tl.maximum(adapter, 0)
     rank = tl.where(valid, tl.minimum(tl.load(rank_ptr + ad), R_MAX), 0)
@@ -213,13 +213,13 @@ def _bwd_dx_da_kernel(
     x_ptr, ds_ptr, a_ptr, dx_ptr, da_ptr, off_ptr, rank_ptr,
     N, K, R_MAX, T_BUCKET,
     stride_xm, stride_xk, stride_dsm, stride_an, stride_ak, stride_ar,
-    BLOCK_R: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_R: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
     COMPUTE_DX: tl.constexpr, COMPUTE_DA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    adapter, row_start, row_end = _find_tile(pid_m, off_ptr, N, BLOCK_M)
+    adapter, row_start, row_end = _find_tile(pid_m, off_ptr, N, BLOCK_M, N_P2)
     valid = adapter >= 0
     ad = tl.maximum(adapter, 0)
     rank = tl.where(valid, tl.minimum(tl.load(rank_ptr + ad), R_MAX), 0)
@@ -254,11 +254,12 @@ def _bwd_dx_da_kernel(
                           mask=k_mask[:, None] & r_mask[None, :], sem="relaxed")
 
 
-def _meta(x: torch.Tensor, r_max: int, t: int) -> dict:
+def _meta(x: torch.Tensor, n: int, r_max: int, t: int) -> dict:
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
     prec = "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
     return {
         "BLOCK_R": max(16, triton.next_power_of_2(r_max)),
+        "N_P2": max(16, triton.next_power_of_2(n)),
         "ACC": acc,
         "DOT_PREC": prec,
         # Tuning key: one bucket per power of two of T, so ragged steps reuse the choice.
@@ -294,19 +295,19 @@ def lora_forward(x, lora_a, lora_b, scales, ranks, offsets, y) -> torch.Tensor:
     t, d_in = x.shape
     n, _, r_max = lora_a.shape
     d_out = lora_b.shape[2]
-    meta = _meta(x, r_max, t)
+    meta = _meta(x, n, r_max, t)
     s_buf = torch.zeros((t, r_max), dtype=_acc_torch(x.dtype), device=x.device)
     if t == 0 or n == 0:
         return s_buf
     _shrink_kernel[lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n, m["SPLIT_K"])](
         x, lora_a, s_buf, offsets, ranks, n, d_in, r_max, meta["T_BUCKET"],
         x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), s_buf.stride(0),
-        BLOCK_R=meta["BLOCK_R"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
+        BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
     )
     _expand_kernel[lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n, triton.cdiv(d_out, m["BLOCK_N"]))](
         y, s_buf, lora_b, offsets, ranks, scales, n, d_out, r_max, meta["T_BUCKET"],
         y.stride(0), y.stride(1), s_buf.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        BLOCK_R=meta["BLOCK_R"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
+        BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
     )
     return s_buf
 
@@ -316,7 +317,7 @@ def lora_backward(x, dy, s_buf, lora_a, lora_b, scales, ranks, offsets, dx, need
     t, d_in = x.shape
     n, _, r_max = lora_a.shape
     d_out = lora_b.shape[2]
-    meta = _meta(x, r_max, t)
+    meta = _meta(x, n, r_max, t)
     acc = _acc_torch(x.dtype)
     ds_buf = torch.zeros((t, r_max), dtype=acc, device=x.device)
     db = torch.zeros(lora_b.shape, dtype=acc, device=x.device)
@@ -326,14 +327,14 @@ def lora_backward(x, dy, s_buf, lora_a, lora_b, scales, ranks, offsets, dx, need
             dy, s_buf, lora_b, ds_buf, db, offsets, ranks, scales, n, d_out, r_max, meta["T_BUCKET"],
             dy.stride(0), dy.stride(1), s_buf.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
             ds_buf.stride(0),
-            BLOCK_R=meta["BLOCK_R"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"], COMPUTE_DB=need_b,
+            BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"], COMPUTE_DB=need_b,
         )
         if dx is not None or need_a:
             dx_arg = dx if dx is not None else x  # never written when COMPUTE_DX is False
             _bwd_dx_da_kernel[lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n, m["SPLIT_K"])](
                 x, ds_buf, lora_a, dx_arg, da, offsets, ranks, n, d_in, r_max, meta["T_BUCKET"],
                 x.stride(0), x.stride(1), ds_buf.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-                BLOCK_R=meta["BLOCK_R"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
+                BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
                 COMPUTE_DX=dx is not None, COMPUTE_DA=need_a,
             )
     return (da if need_a else None), (db if need_b else None)

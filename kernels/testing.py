@@ -1,0 +1,142 @@
+"""Checking helpers for the multi-LoRA operator: random cases and a float64 oracle.
+
+Shared by the CPU tests, the GPU test and bench/lora_op.py so that all three check the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+GRAD_NAMES = ("y", "dx", "dA", "dB")
+
+
+@dataclass
+class Case:
+    """One random problem: operator inputs plus the upstream gradient dy."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scales: torch.Tensor
+    ranks: torch.Tensor
+    offsets: torch.Tensor
+    dy: torch.Tensor
+    seed: int
+
+    def describe(self) -> str:
+        counts = (self.offsets[1:] - self.offsets[:-1]).tolist()
+        return (f"seed={self.seed} dtype={self.x.dtype} d_in={self.x.shape[1]} d_out={self.weight.shape[0]} "
+                f"r_max={self.lora_a.shape[2]} ranks={self.ranks.tolist()} counts={counts}")
+
+
+def make_case(
+    counts: Sequence[int],
+    ranks: Sequence[int],
+    d_in: int,
+    d_out: int,
+    r_max: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int | None = None,
+    bias: bool = True,
+    nan_padding: bool = True,
+) -> Case:
+    """Random inputs, scaled so that the LoRA term is as large as the base term (errors show).
+
+    With `nan_padding` the padded rank region of A and B is filled with NaN: a kernel that reads
+    it instead of masking it produces NaN everywhere downstream.
+    """
+    if seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    gen = torch.Generator().manual_seed(seed)
+    n = len(counts)
+    r_max = r_max or max(ranks)
+    t = int(sum(counts))
+
+    def rnd(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * std).to(dtype).to(device)
+
+    a = rnd(n, d_in, r_max, std=d_in**-0.5)
+    b = rnd(n, r_max, d_out, std=max(ranks) ** -0.5 if ranks else 1.0)
+    if nan_padding:
+        for i, r in enumerate(ranks):
+            a[i, :, r:] = float("nan")
+            b[i, r:, :] = float("nan")
+    offsets = torch.zeros(n + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(list(counts), dtype=torch.int64).cumsum(0)
+    return Case(
+        x=rnd(t, d_in),
+        weight=rnd(d_out, d_in, std=d_in**-0.5),
+        bias=rnd(d_out) if bias else None,
+        lora_a=a,
+        lora_b=b,
+        scales=(0.5 + torch.rand(n, generator=gen)).to(device),
+        ranks=torch.tensor(list(ranks), dtype=torch.int32).to(device),
+        offsets=offsets.to(device),
+        dy=rnd(t, d_out),
+        seed=seed,
+    )
+
+
+def oracle_fp64(case: Case, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """float64 y, dx, dA, dB by slicing each adapter to its rank (independent of the masking code)."""
+    f = dict(dtype=torch.float64, device=device)
+    x = case.x.to(**f).requires_grad_()
+    a = case.lora_a.to(**f).nan_to_num(0.0).requires_grad_()
+    b = case.lora_b.to(**f).nan_to_num(0.0).requires_grad_()
+    w = case.weight.to(**f)
+    y = x @ w.T
+    if case.bias is not None:
+        y = y + case.bias.to(**f)
+    bounds = case.offsets.tolist()
+    deltas = []
+    for i, r in enumerate(case.ranks.tolist()):
+        xi = x[bounds[i]:bounds[i + 1]]
+        deltas.append(float(case.scales[i]) * (xi @ a[i, :, :r]) @ b[i, :r, :])
+    y = y + torch.cat(deltas, 0) if deltas else y
+    y.backward(case.dy.to(**f))
+    return {"y": y.detach(), "dx": x.grad, "dA": a.grad, "dB": b.grad}
+
+
+def run_op(case: Case, op: Callable[..., torch.Tensor], **kw: object) -> dict[str, torch.Tensor]:
+    """Forward + backward of `op` (multilora_linear signature) on fresh leaf copies of the case."""
+    x = case.x.detach().clone().requires_grad_()
+    a = case.lora_a.detach().clone().requires_grad_()
+    b = case.lora_b.detach().clone().requires_grad_()
+    y = op(x, case.weight, case.bias, a, b, case.scales, case.ranks, case.offsets, **kw)
+    y.backward(case.dy)
+    return {"y": y.detach(), "dx": x.grad, "dA": a.grad, "dB": b.grad}
+
+
+def rel_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    """||got - want|| / ||want|| per output, in float64; NaN anywhere gives inf."""
+    out = {}
+    for k in GRAD_NAMES:
+        g, w = got[k].detach().to(torch.float64).cpu(), want[k].detach().to(torch.float64).cpu()
+        if g.shape != w.shape:
+            raise AssertionError(f"{k}: shape {tuple(g.shape)} != {tuple(w.shape)}")
+        if not torch.isfinite(g).all():
+            out[k] = float("inf")
+            continue
+        denom = w.norm().item()
+        out[k] = (g - w).norm().item() / denom if denom > 0 else g.norm().item()
+    return out
+
+
+def padding_grad_nonzero(got: dict[str, torch.Tensor], ranks: torch.Tensor) -> int:
+    """Count of entries in the padded rank region of dA/dB that are not exactly zero."""
+    bad = 0
+    for i, r in enumerate(ranks.tolist()):
+        bad += int((got["dA"][i, :, r:] != 0).sum()) + int((got["dB"][i, r:, :] != 0).sum())
+    return bad
+
+
+def empty_adapter_grad_nonzero(got: dict[str, torch.Tensor], offsets: torch.Tensor) -> int:
+    """Count of nonzero dA/dB entries of adapters that own no rows this step."""
+    counts = (offsets[1:] - offsets[:-1]).tolist()
+    return sum(int((got["dA"][i] != 0).sum()) + int((got["dB"][i] != 0).sum()) for i, c in enumerate(counts) if c == 0)
