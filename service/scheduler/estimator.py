@@ -1,0 +1,208 @@
+"""Duration and GPU-count estimates for the planner: d_i = tokens to train / throughput, g_i from
+memory. Throughput comes from profiles when present, else from FLOPs per token and the GPU's rate.
+
+Analytic throughput (LoRA on a frozen bf16 backbone with gradient checkpointing per layer):
+forward 2P + input-gradient backward 2P (no weight gradients for the frozen backbone) + the
+recomputed forward 2P = 6P FLOPs per token, plus attention 8*L*h*s_avg (causal QK^T and AV are
+2*s*h per layer and token forward, done 4 times: forward, recompute, 2x backward). The LoRA
+matmuls (rank r << h) are left out. tokens/s = rate * efficiency / flops_per_token per GPU;
+adapter parallelism scales over g GPUs with ``multi_gpu_scaling`` per extra GPU.
+Memory per GPU with g GPUs (FSDP2 shards the backbone): 2P/g bf16 weights + per-layer
+checkpoints L*h*2 bytes per token + one layer's recompute (~34*h bytes per token) + fp32
+logits for one micro-batch + workspace; g is the smallest power of two that fits in
+``usable_fraction`` of the GPU's memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    memory_bytes: int
+    matrix_flops: float  # dense bf16 FLOP/s (override with the node's measured rate)
+
+
+# Dense bf16 tensor-core peaks from the vendors' datasheets; a node that reports a measured
+# matmul rate (meta "matmul_tflops") overrides this.
+GPU_SPECS: dict[str, GpuSpec] = {
+    "H100": GpuSpec(80 * GIB, 989e12),
+    "H200": GpuSpec(141 * GIB, 989e12),
+    "A100-80GB": GpuSpec(80 * GIB, 312e12),
+    "A100": GpuSpec(40 * GIB, 312e12),
+    "L40S": GpuSpec(48 * GIB, 362e12),
+    "A10G": GpuSpec(24 * GIB, 125e12),
+    "cpu": GpuSpec(16 * GIB, 1e12),
+}
+
+
+def gpu_spec(gpu_type: str, memory_bytes: int | None = None,
+             measured_flops: float | None = None) -> GpuSpec:
+    """The spec of a GPU type, matched by prefix (``H100-80GB`` -> H100), with overrides."""
+    key = next((k for k in sorted(GPU_SPECS, key=len, reverse=True)
+                if gpu_type.upper().startswith(k.upper())), None)
+    base = GPU_SPECS[key] if key else GpuSpec(memory_bytes or 16 * GIB, 100e12)
+    return GpuSpec(memory_bytes or base.memory_bytes, measured_flops or base.matrix_flops)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    parameters: int
+    layers: int
+    hidden: int
+    vocab: int = 128_256
+
+    @classmethod
+    def from_config(cls, parameters: int | None, config: Mapping) -> ModelShape:
+        hidden = int(config.get("hidden_size", 4096))
+        layers = int(config.get("num_hidden_layers", 32))
+        vocab = int(config.get("vocab_size", 128_256))
+        inter = int(config.get("intermediate_size", 4 * hidden))
+        params = parameters or layers * (4 * hidden * hidden + 3 * hidden * inter) + 2 * vocab * hidden
+        return cls(params, layers, hidden, vocab)
+
+    @classmethod
+    def guess(cls, parameters: int) -> ModelShape:
+        """Shape of a typical dense decoder of this size: P ~ 12*L*h^2 with h ~ 128*L."""
+        layers = max(1, round((parameters / (12 * 128**2)) ** (1 / 3)))
+        hidden = max(64, int(round(math.sqrt(parameters / (12 * layers)) / 128)) * 128)
+        return cls(parameters, layers, hidden)
+
+
+@dataclass(frozen=True)
+class EstimatorConfig:
+    efficiency: float = 0.4  # model FLOPs utilisation of the analytic estimate
+    multi_gpu_scaling: float = 0.9  # throughput per extra GPU of a placement (relative)
+    usable_fraction: float = 0.9
+    workspace_bytes: int = 2 * GIB
+    bytes_per_token: float = 4.0  # JSONL bytes per token when guessing sample lengths
+    max_gpus: int = 8
+
+
+def flops_per_token(shape: ModelShape, avg_seq_len: float) -> float:
+    return 6.0 * shape.parameters + 8.0 * shape.layers * shape.hidden * avg_seq_len
+
+
+def memory_per_gpu(shape: ModelShape, gpus: int, micro_batch_tokens: int, seq_len: int,
+                   cfg: EstimatorConfig) -> float:
+    weights = 2.0 * shape.parameters / gpus
+    checkpoints = shape.layers * shape.hidden * 2.0 * micro_batch_tokens
+    recompute = 34.0 * shape.hidden * micro_batch_tokens
+    logits = 4.0 * shape.vocab * micro_batch_tokens * 2  # fp32 logits and their gradient
+    return weights + checkpoints + recompute + logits + cfg.workspace_bytes
+
+
+def gpus_needed(shape: ModelShape, gpu: GpuSpec, micro_batch_tokens: int, seq_len: int,
+                cfg: EstimatorConfig = EstimatorConfig(), minimum: int = 1) -> int:
+    """Smallest power of two >= minimum whose per-GPU memory fits; cfg.max_gpus * 2 if none."""
+    g = 1
+    while g < minimum:
+        g *= 2
+    while g <= cfg.max_gpus:
+        if memory_per_gpu(shape, g, micro_batch_tokens, seq_len, cfg) <= \
+                cfg.usable_fraction * gpu.memory_bytes:
+            return g
+        g *= 2
+    return cfg.max_gpus * 2  # fits nowhere: the planner reports it as unschedulable
+
+
+def batch_key(batch_sizes: Sequence[int]) -> str:
+    """Key of a batch composition in throughput_profiles: sorted 'size x count' pairs."""
+    counts: dict[int, int] = {}
+    for b in batch_sizes:
+        counts[b] = counts.get(b, 0) + 1
+    return ",".join(f"{b}x{n}" for b, n in sorted(counts.items()))
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """One job of a task: its batch size, steps done, state ('pending', 'running', terminal)."""
+
+    batch_size: int
+    last_step: int = 0
+    state: str = "pending"
+
+
+@dataclass(frozen=True)
+class TaskWork:
+    """What a task has to train: samples per epoch, epochs, tokens per sample, its jobs."""
+
+    base_model: str
+    samples: int
+    epochs: int
+    avg_tokens_per_sample: float
+    max_seq_len: int
+    jobs: Sequence[JobProgress]
+    early_exit: bool = True
+    warmup_fraction: float = 0.05
+    keep_fraction: float = 0.25
+
+    def steps(self, job: JobProgress) -> int:
+        return max(1, math.ceil(self.samples * self.epochs / max(1, job.batch_size)))
+
+
+def remaining_tokens(work: TaskWork) -> float:
+    """Expected tokens still to train. Terminal jobs (completed or exited early) count zero;
+    before warmup ends a job is expected to survive the warmup ranking with keep_fraction."""
+    total = 0.0
+    for job in work.jobs:
+        if job.state in ("exited", "completed", "failed", "cancelled"):
+            continue
+        steps = work.steps(job)
+        done = min(job.last_step, steps)
+        per_step = job.batch_size * work.avg_tokens_per_sample
+        if work.early_exit:
+            warm = math.ceil(work.warmup_fraction * steps)
+            if done < warm:
+                rest = (warm - done) + work.keep_fraction * (steps - warm)
+            else:
+                rest = steps - done
+        else:
+            rest = steps - done
+        total += rest * per_step
+    return total
+
+
+@dataclass
+class Estimator:
+    """d_i and g_i per GPU type. ``profiles`` maps (base_model, gpu_type, seq_len, batch_key)
+    to measured tokens/s of one GPU; ``shapes`` maps base_model to its ModelShape."""
+
+    shapes: Mapping[str, ModelShape]
+    profiles: Mapping[tuple[str, str, int, str], float] = field(default_factory=dict)
+    cfg: EstimatorConfig = EstimatorConfig()
+
+    def tokens_per_s_per_gpu(self, work: TaskWork, gpu_type: str, gpu: GpuSpec) -> float:
+        key = (work.base_model, gpu_type, work.max_seq_len,
+               batch_key([j.batch_size for j in work.jobs]))
+        if key in self.profiles:
+            return self.profiles[key]
+        near = [v for (m, g, s, _), v in self.profiles.items()
+                if m == work.base_model and g == gpu_type and s == work.max_seq_len]
+        if near:  # another batch composition of the same model, GPU and length
+            return sorted(near)[len(near) // 2]
+        shape = self.shapes[work.base_model]
+        avg = min(work.avg_tokens_per_sample, work.max_seq_len)
+        return gpu.matrix_flops * self.cfg.efficiency / flops_per_token(shape, avg)
+
+    def gpus(self, work: TaskWork, gpu: GpuSpec, minimum: int = 1) -> int:
+        micro = max((j.batch_size for j in work.jobs), default=1) * work.max_seq_len
+        return gpus_needed(self.shapes[work.base_model], gpu, micro, work.max_seq_len,
+                           self.cfg, minimum)
+
+    def estimate(self, work: TaskWork, gpu_type: str, gpu: GpuSpec, minimum_gpus: int = 1,
+                 measured_tokens_per_s: float | None = None) -> tuple[int, int]:
+        """(gpus, seconds) for the task on this GPU type. A running task passes its measured
+        tokens/s (whole placement), which replaces the profile or analytic rate."""
+        g = self.gpus(work, gpu, minimum_gpus)
+        if measured_tokens_per_s and measured_tokens_per_s > 0:
+            rate = measured_tokens_per_s
+        else:
+            per_gpu = self.tokens_per_s_per_gpu(work, gpu_type, gpu)
+            rate = per_gpu * (1 + self.cfg.multi_gpu_scaling * (g - 1))
+        return g, max(1, math.ceil(remaining_tokens(work) / rate))
