@@ -120,7 +120,12 @@ def mark_stale_nodes(session: Session, settings: Settings | None = None) -> list
             Placement.node_id == node.id,
             Placement.state.in_(("planned", *PLACEMENT_ACTIVE)))).all()
         for placement in lost:
-            task = session.get(Task, placement.task_id)
+            # Lock order everywhere: task first, then its placements (as cancel does).
+            task = session.scalar(select(Task).where(Task.id == placement.task_id)
+                                  .with_for_update())
+            session.refresh(placement)
+            if placement.state not in ("planned", *PLACEMENT_ACTIVE):
+                continue
             if placement.state in ("planned", "published"):
                 placement.state = "superseded"
                 unqueue_placement(placement.id, node.id, settings)

@@ -101,6 +101,28 @@ def create_task(session: Session, tenant: Tenant, body: TaskCreate, settings: Se
         if replay is not None:
             return replay, False
     max_seq_len, samples = _check_request(session, tenant, body, settings, registry)
+    try:
+        task = _insert_task(session, tenant, body, max_seq_len, samples, idempotency_key, digest)
+    except IntegrityError:
+        # Another request with the same Idempotency-Key committed first: answer with its task.
+        session.rollback()
+        replay = _replay(session, tenant, idempotency_key, digest) if idempotency_key else None
+        if replay is None:
+            raise
+        return replay, False
+    log.info("task created task=%s tenant=%s", task.id, tenant.id)
+    return task, True
+
+
+def _insert_task(session: Session, tenant: Tenant, body: TaskCreate, max_seq_len: int,
+                 samples: int, idempotency_key: str | None, digest: str) -> Task:
+    claim: IdempotencyKey | None = None
+    if idempotency_key is not None:
+        # Claim the key first: a concurrent twin blocks here and then fails on the primary key.
+        claim = IdempotencyKey(tenant_id=tenant.id, key=idempotency_key, request_hash=digest,
+                               resource_id="pending")
+        session.add(claim)
+        session.flush()
     task = Task(tenant_id=tenant.id, base_model=body.base_model, method=body.method,
                 training_file_id=body.training_file, validation_file_id=body.validation_file,
                 validation_split=body.validation_split,
@@ -114,25 +136,14 @@ def create_task(session: Session, tenant: Tenant, body: TaskCreate, settings: Se
     configs = expand_grid(task.search_space)
     for index, config in enumerate(configs):
         session.add(Job(task_id=task.id, index=index, config=config))
-    if idempotency_key is not None:
-        session.add(IdempotencyKey(tenant_id=tenant.id, key=idempotency_key,
-                                   request_hash=digest, resource_id=task.id))
+    if claim is not None:
+        claim.resource_id = task.id
     add_event(session, task.id, "task_created", f"task created with {len(configs)} jobs")
     # Files were validated line by line at upload; the references were checked above.
     task.state = "queued"
     add_event(session, task.id, "task_queued", "files validated; waiting for GPUs")
-    try:
-        session.commit()
-    except IntegrityError:
-        session.rollback()
-        if idempotency_key is None:
-            raise
-        replay = _replay(session, tenant, idempotency_key, digest)
-        if replay is None:
-            raise
-        return replay, False
-    log.info("task created task=%s tenant=%s jobs=%d", task.id, tenant.id, len(configs))
-    return task, True
+    session.commit()
+    return task
 
 
 def _replay(session: Session, tenant: Tenant, key: str, digest: str) -> Task | None:

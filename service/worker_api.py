@@ -57,13 +57,14 @@ def claim_placement(session: Session, placement_id: str, node_id: str,
                     registry: ModelRegistry) -> PlacementSpec:
     """Claim a published placement for node_id and return its spec; the same node claiming
     again gets the same spec, anyone else a 409."""
-    placement = session.scalar(
-        select(Placement).where(Placement.id == placement_id).with_for_update())
+    placement = session.get(Placement, placement_id)
     if placement is None:
         raise not_found("placement", placement_id)
     if placement.node_id != node_id:
         raise conflict(f"placement {placement_id!r} belongs to another node", code="wrong_node")
+    # Lock order everywhere: task first, then its placements/jobs (as cancel does).
     task = get_task_any(session, placement.task_id, lock=True)
+    session.refresh(placement, with_for_update=True)
     if placement.state in ("claimed", "running"):
         return build_spec(session, placement, task, registry)
     if placement.state != "published" or task.state in TASK_TERMINAL:

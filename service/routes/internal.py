@@ -115,10 +115,12 @@ def post_metrics(task_id: str, msg: MetricBatch, session: SessionDep) -> Stored:
 
 @router.post("/jobs/{job_id}/state", response_model=JobOut)
 def post_job_state(job_id: str, msg: JobStateUpdate, session: SessionDep) -> JobOut:
-    job = session.scalar(select(Job).where(Job.id == job_id).with_for_update())
+    job = session.get(Job, job_id)
     if job is None:
         raise not_found("job", job_id)
+    # Lock order everywhere: task, then its rows (cancel does the same), so no deadlock.
     task = worker_api.get_task_any(session, job.task_id, lock=True)
+    session.refresh(job, with_for_update=True)
     update_job_state(session, task, job, msg)
     session.commit()
     has_adapter = session.scalar(select(Artifact.id).where(

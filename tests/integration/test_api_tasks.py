@@ -185,3 +185,18 @@ def test_adapter_before_done(client, factory):  # noqa: ANN001
     assert r.status_code == 422 and r.json()["error"]["param"] == "format"
     assert client.get("/v1/nowhere", headers=t.headers).status_code == 404
     assert client.put(f"/v1/tasks/{task['id']}", headers=t.headers).status_code == 405
+
+
+def test_idempotency_key_race(client, factory):  # noqa: ANN001
+    from concurrent.futures import ThreadPoolExecutor
+
+    t = factory.tenant()
+    f = factory.file(t)["id"]
+    body = {"base_model": "tiny-llama", "training_file": f, "max_seq_len": 64}
+    h = t.headers | {"Idempotency-Key": "race"}
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: client.post("/v1/tasks", headers=h, json=body),
+                                range(4)))
+    assert sorted(r.status_code for r in results) == [200, 200, 200, 201]
+    assert len({r.json()["id"] for r in results}) == 1
+    assert len(client.get("/v1/tasks", headers=t.headers).json()["data"]) == 1
