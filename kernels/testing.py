@@ -86,9 +86,10 @@ def make_case(
 def oracle_fp64(case: Case, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """float64 y, dx, dA, dB by slicing each adapter to its rank (independent of the masking code)."""
     f = dict(dtype=torch.float64, device=device)
-    x = case.x.to(**f).requires_grad_()
-    a = case.lora_a.to(**f).nan_to_num(0.0).requires_grad_()
-    b = case.lora_b.to(**f).nan_to_num(0.0).requires_grad_()
+    # detach + clone: .to() returns the case's own tensor when it is already fp64 on `device`.
+    x = case.x.detach().to(**f).clone().requires_grad_()
+    a = case.lora_a.detach().to(**f).nan_to_num(0.0).requires_grad_()
+    b = case.lora_b.detach().to(**f).nan_to_num(0.0).requires_grad_()
     w = case.weight.to(**f)
     y = x @ w.T
     if case.bias is not None:
