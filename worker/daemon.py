@@ -1,0 +1,592 @@
+"""The node daemon: registers this node's GPUs, heartbeats, pulls placements from its RQ queue,
+runs one executor subprocess per placement and forwards what the executors report.
+
+One main loop with named states (idle, busy, draining, stopping); heartbeats on their own
+thread. Everything it needs to resume lives in the work dir, one folder per placement
+(spec.json, daemon.json, spool.jsonl, forward.json, data/, resume/, artifacts/), so a daemon
+killed at any line and restarted adopts its still-running executors and finishes forwarding
+without loss or duplicates. SIGTERM drains (no new placements, running ones finish), a second
+SIGTERM or SIGINT stops (executors get SIGTERM, the tasks are reported retryable).
+Run ``python -m worker.daemon --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from rq import Queue
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
+
+from service.protocol import (
+    Heartbeat,
+    NodeRegister,
+    PlacementSpec,
+    cancel_key,
+    node_queue_name,
+)
+from worker.service_client import (
+    TERMINAL_TYPES,
+    Backoff,
+    Forwarder,
+    ServiceClient,
+    ServiceError,
+    SpoolWriter,
+    read_complete_lines,
+)
+
+log = logging.getLogger("loraplex.worker.daemon")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+IDLE, BUSY, DRAINING, STOPPING = "idle", "busy", "draining", "stopping"
+
+
+def run_placement(placement_id: str) -> None:
+    """The RQ function name the service enqueues (protocol.PLACEMENT_FUNC). The loraplex
+    daemon pops these jobs itself; a plain ``rq worker`` on a node queue is a mistake."""
+    raise RuntimeError(f"placement {placement_id} must be run by `python -m worker.daemon`, "
+                       "not by an rq worker")
+
+
+@dataclass
+class DaemonConfig:
+    service_url: str
+    worker_token: str
+    redis_url: str
+    node_name: str
+    work_dir: Path
+    cpu_slots: int = 1
+    gpu_type: str | None = None  # override the detected type (e.g. a name the operator uses)
+    poll_interval_s: float = 0.5
+    cancel_grace_s: float = 10.0
+    stop_timeout_s: float = 30.0
+    heartbeat_interval_s: float | None = None  # default: what the service asks for
+    runner_module: str = "worker.runner"
+    runner_args: list[str] = field(default_factory=list)
+
+
+def detect_node(cfg: DaemonConfig) -> NodeRegister:
+    """This node's GPUs from torch.cuda when present, else cfg.cpu_slots 'cpu' slots."""
+    meta: dict = {"python": sys.version.split()[0], "pid": os.getpid()}
+    try:
+        import torch
+
+        meta["torch"] = torch.__version__
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            props = torch.cuda.get_device_properties(0)
+            return NodeRegister(name=cfg.node_name, gpu_type=cfg.gpu_type or props.name,
+                                gpu_count=torch.cuda.device_count(),
+                                gpu_memory_bytes=int(props.total_memory), meta=meta)
+    except ImportError:
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return NodeRegister(name=cfg.node_name, gpu_type=cfg.gpu_type or "cpu",
+                        gpu_count=cfg.cpu_slots, gpu_memory_bytes=int(memory), meta=meta)
+
+
+@dataclass
+class LocalPlacement:
+    """What the daemon knows of one placement; persisted as daemon.json in its folder."""
+
+    placement_id: str
+    directory: Path
+    status: str = "popped"  # popped -> ready -> running -> exited -> done
+    task_id: str | None = None
+    gpu_indices: list[int] = field(default_factory=list)
+    pid: int | None = None
+    cancelled: bool = False
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    forwarder: Forwarder | None = field(default=None, repr=False)
+    kill_at: float | None = None
+    next_claim_at: float = 0.0
+    claim_failures: int = 0
+
+    def save(self) -> None:
+        data = {k: getattr(self, k) for k in ("placement_id", "status", "task_id",
+                                              "gpu_indices", "pid", "cancelled")}
+        tmp = self.directory / "daemon.json.tmp"
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.directory / "daemon.json")
+
+    @classmethod
+    def load(cls, directory: Path) -> LocalPlacement | None:
+        try:
+            data = json.loads((directory / "daemon.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        return cls(directory=directory, **data)
+
+
+class Daemon:
+    """One per node. run() blocks until drained or stopped."""
+
+    def __init__(self, cfg: DaemonConfig, client: ServiceClient | None = None,
+                 conn: redis.Redis | None = None) -> None:
+        self.cfg = cfg
+        self.client = client or ServiceClient(cfg.service_url, cfg.worker_token)
+        self.conn = conn or redis.Redis.from_url(cfg.redis_url, socket_timeout=5,
+                                                 socket_connect_timeout=5)
+        self.state = IDLE
+        self.node_id: str | None = None
+        self.node: NodeRegister | None = None
+        self.heartbeat_interval_s = cfg.heartbeat_interval_s or 10.0
+        self.placements: dict[str, LocalPlacement] = {}
+        self._lock = threading.Lock()
+        self._cancelled_tasks: set[str] = set()
+        self._claimed_ids: tuple[str, ...] = ()  # snapshot for the heartbeat thread
+        self._reregister = threading.Event()
+        self._stop_heartbeat = threading.Event()
+        self._drain_requested = False
+        self._stop_requested = False
+        self._stop_deadline: float | None = None
+        (cfg.work_dir / "placements").mkdir(parents=True, exist_ok=True)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def run(self) -> int:
+        self._install_signals()
+        self.register(forever=True)
+        if self.node_id is None:
+            return 1
+        self.recover()
+        beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        beat.start()
+        try:
+            while True:
+                self.tick()
+                if self._finished():
+                    break
+                if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
+                    log.warning("stop timeout node=%s placements=%s", self.node_id,
+                                ",".join(self.placements))
+                    break
+                time.sleep(self.cfg.poll_interval_s)
+        finally:
+            self._stop_heartbeat.set()
+            beat.join(timeout=5)
+            self.client.close()
+        log.info("daemon exited node=%s", self.node_id)
+        return 0
+
+    def _finished(self) -> bool:
+        """Drained: nothing left. Stopped: nothing claimed left (popped-but-unclaimed ones
+        stay in the work dir for the next start, and the service still has them published)."""
+        if self.state == DRAINING:
+            return not self.placements
+        if self.state == STOPPING:
+            return all(p.status == "popped" for p in self.placements.values())
+        return False
+
+    def _install_signals(self) -> None:
+        def on_term(signum: int, _frame: object) -> None:
+            if self._drain_requested:
+                self._stop_requested = True
+            self._drain_requested = True
+
+        def on_int(signum: int, _frame: object) -> None:
+            self._drain_requested = self._stop_requested = True
+
+        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGINT, on_int)
+
+    def register(self, forever: bool = False) -> None:
+        self.node = self.node or detect_node(self.cfg)
+        attempt = 0
+        while True:
+            try:
+                reply = self.client.register(self.node)
+                break
+            except ServiceError as exc:
+                if not forever or not exc.retryable or self._stop_requested:
+                    log.error("register failed node_name=%s error=%s", self.cfg.node_name, exc)
+                    return
+                time.sleep(Backoff().delay(attempt))
+                attempt += 1
+        self.node_id = reply.node_id
+        if self.cfg.heartbeat_interval_s is None:
+            self.heartbeat_interval_s = reply.heartbeat_interval_s
+        log.info("node registered node=%s name=%s gpu_type=%s gpus=%d queue=%s", self.node_id,
+                 self.node.name, self.node.gpu_type, self.node.gpu_count, reply.queue)
+
+    def _set_state(self, new: str) -> None:
+        if new != self.state:
+            log.info("daemon state node=%s from=%s to=%s placements=%s", self.node_id,
+                     self.state, new, ",".join(self.placements) or "-")
+            self.state = new
+
+    # -- heartbeats (own thread) ----------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        while not self._stop_heartbeat.wait(self.heartbeat_interval_s):
+            self.heartbeat_once()
+
+    def heartbeat_once(self) -> None:
+        if self._reregister.is_set():
+            self.register()
+            self._reregister.clear()
+        try:
+            reply = self.client.heartbeat(self.node_id or "", Heartbeat(
+                running_placement_ids=list(self._claimed_ids)))
+        except ServiceError as exc:
+            if exc.status == 404:
+                self._reregister.set()  # the service forgot this node (fresh database)
+            log.warning("heartbeat failed node=%s error=%s", self.node_id, exc)
+            return
+        if reply.cancelled_task_ids:
+            with self._lock:
+                self._cancelled_tasks.update(reply.cancelled_task_ids)
+
+    # -- the main loop --------------------------------------------------------------------
+    def tick(self) -> None:
+        if self._stop_requested and self.state != STOPPING:
+            self._set_state(STOPPING)
+            self._stop_deadline = time.monotonic() + self.cfg.stop_timeout_s
+            for p in self.placements.values():
+                self._terminate(p, "node daemon stopped", cancelled=False)
+        elif self._drain_requested and self.state not in (DRAINING, STOPPING):
+            self._set_state(DRAINING)
+        self._apply_cancels()
+        for p in list(self.placements.values()):
+            self._advance(p)
+        if self.state not in (DRAINING, STOPPING):
+            self._pop_placements()
+            self._set_state(BUSY if self.placements else IDLE)
+        self._claimed_ids = tuple(p.placement_id for p in self.placements.values()
+                                  if p.status in ("ready", "running", "exited"))
+
+    def _pop_placements(self, max_per_tick: int = 8) -> None:
+        queue = Queue(node_queue_name(self.node_id or ""), connection=self.conn)
+        for _ in range(max_per_tick):
+            try:
+                popped = Queue.lpop([queue.key], None, connection=self.conn)
+                if popped is None:
+                    return
+                job_id = popped[1].decode() if isinstance(popped[1], bytes) else popped[1]
+                try:
+                    job = Job.fetch(job_id, connection=self.conn)
+                    placement_id = str(job.args[0])
+                except NoSuchJobError:
+                    log.warning("queued job vanished node=%s rq_job=%s", self.node_id, job_id)
+                    continue
+            except redis.RedisError as exc:
+                log.warning("redis unavailable node=%s error=%s", self.node_id, exc)
+                return
+            if placement_id in self.placements:
+                continue
+            directory = self.cfg.work_dir / "placements" / placement_id
+            directory.mkdir(parents=True, exist_ok=True)
+            p = LocalPlacement(placement_id=placement_id, directory=directory)
+            p.save()
+            self.placements[placement_id] = p
+            log.info("placement popped node=%s placement=%s", self.node_id, placement_id)
+            self._claim(p)
+
+    def _claim(self, p: LocalPlacement) -> None:
+        if time.monotonic() < p.next_claim_at:
+            return
+        try:
+            spec = self.client.claim(p.placement_id, self.node_id or "")
+        except ServiceError as exc:
+            if exc.retryable:
+                p.claim_failures += 1
+                p.next_claim_at = time.monotonic() + Backoff().delay(p.claim_failures)
+                log.warning("claim deferred node=%s placement=%s error=%s", self.node_id,
+                            p.placement_id, exc)
+                return
+            log.warning("claim refused node=%s placement=%s error=%s", self.node_id,
+                        p.placement_id, exc)
+            self._forget(p)
+            return
+        (p.directory / "spec.json").write_text(spec.model_dump_json(indent=1))
+        try:
+            self._fetch_inputs(p, spec)
+        except ServiceError as exc:
+            if exc.retryable:
+                p.claim_failures += 1
+                p.next_claim_at = time.monotonic() + Backoff().delay(p.claim_failures)
+                return
+            self._close_with_failure(p, spec.task_id, f"could not fetch inputs: {exc}")
+            return
+        p.task_id, p.gpu_indices, p.status = spec.task_id, list(spec.gpu_indices), "ready"
+        p.save()
+        self._delete_rq_job(p.placement_id)
+        log.info("placement claimed node=%s task=%s placement=%s attempt=%d gpus=%s",
+                 self.node_id, spec.task_id, spec.placement_id, spec.attempt, spec.gpu_indices)
+
+    def _fetch_inputs(self, p: LocalPlacement, spec: PlacementSpec) -> None:
+        """Training/validation files (cached per file id) and the resume checkpoint."""
+        cache = self.cfg.work_dir / "files"
+        data = p.directory / "data"
+        data.mkdir(exist_ok=True)
+        for name, file_id, url in (("train.jsonl", spec.training_file_id, spec.training_file_url),
+                                   ("validation.jsonl", spec.validation_file_id,
+                                    spec.validation_file_url)):
+            if file_id is None or url is None:
+                continue
+            cached = cache / f"{file_id}.jsonl"
+            if not cached.exists():
+                self.client.download(url, cached)
+            shutil.copyfile(cached, data / name)
+        if spec.resume_checkpoint_files:
+            resume = p.directory / "resume"
+            for url in spec.resume_checkpoint_files:
+                target = resume / url.rsplit("/", 1)[-1]
+                if not target.exists():
+                    self.client.download(url, target)
+
+    def _advance(self, p: LocalPlacement) -> None:
+        """Move one placement along: claim, start, watch, kill, forward, forget."""
+        if p.status == "popped":
+            self._claim(p)
+            return
+        if p.status == "ready" and not p.cancelled and self.state != STOPPING:
+            busy = {g for q in self.placements.values() if q.status == "running"
+                    for g in q.gpu_indices}
+            if not busy & set(p.gpu_indices):
+                self._start(p)
+        if p.status == "ready" and (p.cancelled or self.state == STOPPING):
+            self._close_with_failure(p, p.task_id or "", "stopped before it started",
+                                     cancelled=p.cancelled)
+        if p.status == "running":
+            self._watch(p)
+        if p.forwarder is None and p.task_id is not None:
+            p.forwarder = Forwarder(self.client, p.directory, p.task_id, p.placement_id)
+        if p.forwarder is not None:
+            p.forwarder.pump()
+            if p.status == "exited" and p.forwarder.done:
+                p.status = "done"
+                p.save()
+                self._forget(p, keep_dir=True)
+                log.info("placement done node=%s task=%s placement=%s report=%s", self.node_id,
+                         p.task_id, p.placement_id, p.forwarder.state.terminal)
+
+    def _start(self, p: LocalPlacement) -> None:
+        env = dict(os.environ)
+        gpus = ",".join(str(g) for g in p.gpu_indices)
+        env["CUDA_VISIBLE_DEVICES"] = gpus if self.node and self.node.gpu_type != "cpu" else ""
+        env["LORAPLEX_SLOTS"] = gpus
+        env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                          env.get("PYTHONPATH")]))
+        cmd = [sys.executable, "-m", self.cfg.runner_module, "--placement-dir",
+               str(p.directory), *self.cfg.runner_args]
+        with open(p.directory / "executor.log", "ab") as out:
+            p.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True,
+                                      cwd=p.directory)
+        p.pid, p.status = p.proc.pid, "running"
+        p.save()
+        log.info("executor started node=%s task=%s placement=%s pid=%d gpus=%s", self.node_id,
+                 p.task_id, p.placement_id, p.pid, gpus or "-")
+
+    def _watch(self, p: LocalPlacement) -> None:
+        code = self._exit_code(p)
+        if code is None:
+            if p.kill_at is not None and time.monotonic() >= p.kill_at:
+                log.warning("executor killed node=%s task=%s placement=%s pid=%s", self.node_id,
+                            p.task_id, p.placement_id, p.pid)
+                self._signal(p, signal.SIGKILL)
+                p.kill_at = None
+            return
+        p.status = "exited"
+        p.save()
+        log.info("executor exited node=%s task=%s placement=%s code=%s cancelled=%s",
+                 self.node_id, p.task_id, p.placement_id, code, p.cancelled)
+        if self._spool_has_terminal(p):
+            return
+        if p.cancelled:
+            self._close_with_failure(p, p.task_id or "", "cancelled", cancelled=True)
+        elif self.state == STOPPING:
+            self._close_with_failure(p, p.task_id or "", "node daemon stopped")
+        else:
+            tail = _tail(p.directory / "executor.log")
+            self._close_with_failure(p, p.task_id or "",
+                                     f"executor exited with {_describe(code)}\n{tail}")
+
+    def _exit_code(self, p: LocalPlacement) -> int | str | None:
+        """None while alive; the exit code for our children; 'lost' for an adopted pid."""
+        if p.proc is not None:
+            return p.proc.poll()
+        if p.pid is not None and _alive(p.pid, p.directory):
+            return None
+        return "lost"
+
+    def _spool_has_terminal(self, p: LocalPlacement) -> bool:
+        start = p.forwarder.state.offset if p.forwarder else 0
+        if p.forwarder is not None and p.forwarder.done:
+            return True
+        for _, _, text in read_complete_lines(p.directory / "spool.jsonl", start, 1 << 30):
+            if any(f'"type":"{t}"' in text for t in TERMINAL_TYPES):
+                return True
+        return False
+
+    def _close_with_failure(self, p: LocalPlacement, task_id: str, error: str,
+                            cancelled: bool = False) -> None:
+        """End a placement whose executor left no final word: the daemon writes it to the
+        spool itself, so delivery goes through the same durable, resumable path."""
+        writer = SpoolWriter(p.directory / "spool.jsonl")
+        try:
+            if cancelled:
+                writer.event("executor_cancelled", "executor stopped: task cancelled")
+                writer.failed("cancelled", retryable=False)  # the service answers 409: fine
+            else:
+                writer.event("executor_failed", error[:10_000], level="error")
+                writer.failed(error, retryable=True)
+        finally:
+            writer.close()
+        p.task_id = p.task_id or task_id
+        p.status = "exited"
+        p.save()
+
+    # -- cancellation ---------------------------------------------------------------------
+    def _apply_cancels(self) -> None:
+        with self._lock:
+            cancelled, self._cancelled_tasks = self._cancelled_tasks, set()
+        active = [p for p in self.placements.values()
+                  if p.task_id and not p.cancelled and p.status in ("ready", "running")]
+        if active:
+            try:
+                flags = self.conn.mget([cancel_key(p.task_id or "") for p in active])
+                cancelled |= {p.task_id or "" for p, f in zip(active, flags, strict=True) if f}
+            except redis.RedisError as exc:
+                log.warning("redis unavailable node=%s error=%s", self.node_id, exc)
+        for p in active:
+            if p.task_id in cancelled:
+                log.info("task cancelled node=%s task=%s placement=%s", self.node_id,
+                         p.task_id, p.placement_id)
+                self._terminate(p, "cancelled", cancelled=True)
+
+    def _terminate(self, p: LocalPlacement, why: str, cancelled: bool) -> None:
+        p.cancelled = p.cancelled or cancelled
+        p.save()
+        if p.status == "running" and p.kill_at is None:
+            log.info("executor terminating node=%s task=%s placement=%s pid=%s why=%s",
+                     self.node_id, p.task_id, p.placement_id, p.pid, why)
+            self._signal(p, signal.SIGTERM)
+            p.kill_at = time.monotonic() + self.cfg.cancel_grace_s
+
+    def _signal(self, p: LocalPlacement, sig: signal.Signals) -> None:
+        if p.pid is None:
+            return
+        try:
+            os.killpg(p.pid, sig)  # the executor leads its own session: its children go too
+        except ProcessLookupError:
+            pass
+
+    # -- restart --------------------------------------------------------------------------
+    def recover(self) -> None:
+        """Adopt the placements a previous daemon left in the work dir."""
+        for directory in sorted((self.cfg.work_dir / "placements").iterdir()):
+            p = LocalPlacement.load(directory)
+            if p is None or p.status == "done":
+                continue
+            self.placements[p.placement_id] = p
+            log.info("placement recovered node=%s task=%s placement=%s status=%s pid=%s",
+                     self.node_id, p.task_id, p.placement_id, p.status, p.pid)
+
+    def _forget(self, p: LocalPlacement, keep_dir: bool = False) -> None:
+        self.placements.pop(p.placement_id, None)
+        self._delete_rq_job(p.placement_id)
+        if not keep_dir:
+            shutil.rmtree(p.directory, ignore_errors=True)
+
+    def _delete_rq_job(self, placement_id: str) -> None:
+        try:
+            for job_id in (f"placement-{placement_id}",):
+                if Job.exists(job_id, connection=self.conn):
+                    Job.fetch(job_id, connection=self.conn).delete(remove_from_queue=False)
+        except (redis.RedisError, NoSuchJobError):
+            pass
+
+
+def _alive(pid: int, directory: Path) -> bool:
+    """Whether pid is still our executor (and not a recycled pid of something else)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
+        return False
+    return str(directory).encode() in cmdline
+
+
+def _describe(code: int | str) -> str:
+    if isinstance(code, str):
+        return "its process gone (daemon restarted while it ran)"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+def _tail(path: Path, max_bytes: int = 4000) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - max_bytes))
+            return fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
+    env = os.environ.get
+    ap = argparse.ArgumentParser(prog="python -m worker.daemon", description=(
+        "loraplex node daemon: runs the placements the scheduler gives this node."))
+    ap.add_argument("--service-url", default=env("LORAPLEX_SERVICE_URL", "http://127.0.0.1:8000"),
+                    help="Base URL of the service (env LORAPLEX_SERVICE_URL).")
+    ap.add_argument("--worker-token", default=env("LORAPLEX_WORKER_TOKEN", "dev-worker-token"),
+                    help="Bearer token of /internal/v1 (env LORAPLEX_WORKER_TOKEN).")
+    ap.add_argument("--redis-url", default=env("LORAPLEX_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                    help="Redis holding the placement queues (env LORAPLEX_REDIS_URL).")
+    ap.add_argument("--node-name", default=env("LORAPLEX_NODE_NAME", socket.gethostname()),
+                    help="Stable name of this node (env LORAPLEX_NODE_NAME; default hostname).")
+    ap.add_argument("--work-dir", type=Path,
+                    default=Path(env("LORAPLEX_WORK_DIR", "var/worker")),
+                    help="Where placements keep their files (env LORAPLEX_WORK_DIR).")
+    ap.add_argument("--cpu-slots", type=int, default=int(env("LORAPLEX_CPU_SLOTS", "1")),
+                    help="Executor slots to offer when the node has no CUDA GPU.")
+    ap.add_argument("--gpu-type", default=env("LORAPLEX_GPU_TYPE"),
+                    help="Override the detected GPU type name.")
+    ap.add_argument("--cancel-grace-s", type=float, default=10.0,
+                    help="Seconds between SIGTERM and SIGKILL of a cancelled executor.")
+    ap.add_argument("--poll-interval-s", type=float, default=0.5)
+    ap.add_argument("--heartbeat-interval-s", type=float, default=None,
+                    help="Default: the interval the service asks for at registration.")
+    ap.add_argument("--runner-module", default="worker.runner",
+                    help="Module run as `python -m MODULE --placement-dir DIR` per placement.")
+    ap.add_argument("--runner-arg", action="append", default=[], dest="runner_args",
+                    help="Extra argument for the runner (repeatable).")
+    ap.add_argument("--log-level", default=env("LORAPLEX_LOG_LEVEL", "INFO"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return DaemonConfig(service_url=args.service_url, worker_token=args.worker_token,
+                        redis_url=args.redis_url, node_name=args.node_name,
+                        work_dir=args.work_dir.resolve(), cpu_slots=args.cpu_slots,
+                        gpu_type=args.gpu_type, poll_interval_s=args.poll_interval_s,
+                        cancel_grace_s=args.cancel_grace_s,
+                        heartbeat_interval_s=args.heartbeat_interval_s,
+                        runner_module=args.runner_module, runner_args=list(args.runner_args))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return Daemon(parse_args(argv)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
