@@ -8,6 +8,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError, IntegrityError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("loraplex.api")
@@ -69,6 +70,21 @@ def install_error_handlers(app: FastAPI) -> None:
                  405: "method_not_allowed", 409: "conflict", 413: "too_large"}
         return JSONResponse(error_body(codes.get(exc.status_code, "error"), str(exc.detail)),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(DataError)
+    async def _data(request: Request, exc: DataError) -> JSONResponse:
+        # The database refused a value the schemas let through (a NUL byte, an out-of-range
+        # number): the client's input, so a 422 rather than a crash.
+        log.info("rejected value path=%s error=%s", request.url.path, exc.orig)
+        return JSONResponse(error_body("invalid_value", "a value is not storable (out of range "
+                                       "or containing NUL bytes)"), status_code=422)
+
+    @app.exception_handler(IntegrityError)
+    async def _integrity(request: Request, exc: IntegrityError) -> JSONResponse:
+        # Only reachable through a race the functions did not resolve themselves; retry-safe.
+        log.warning("integrity conflict path=%s error=%s", request.url.path, exc.orig)
+        return JSONResponse(error_body("conflict", "the request conflicts with a concurrent "
+                                       "change; retry"), status_code=409)
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:

@@ -10,7 +10,8 @@ node returns the same spec), downloads files and checkpoints from the URLs in th
 then reports with EventBatch, MetricBatch, JobStateUpdate, artifact uploads (multipart:
 a ``meta`` form field holding ArtifactMeta JSON plus one ``files`` part per file) and
 finally TaskFinished or TaskFailed. Every report is safe to retry.
-All internal calls carry ``Authorization: Bearer <worker token>``.
+All internal calls carry ``Authorization: Bearer <worker token>``. A heartbeat answered 404
+means the service forgot the node: register again.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 PLACEMENT_FUNC = "worker.daemon.run_placement"
 CANCEL_CHANNEL = "loraplex:cancel"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+INT32_MAX = 2**31 - 1
 
 
 def node_queue_name(node_id: str) -> str:
@@ -144,7 +146,7 @@ class EventBatch(_Msg):
 
 class MetricPointIn(_Msg):
     job_id: str
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, le=INT32_MAX)
     split: Literal["train", "val"]
     loss: float
     data: dict | None = Field(default=None, description="lr, tokens, grad norm, ...")
@@ -160,8 +162,8 @@ class JobStateUpdate(_Msg):
     state: Literal["pending", "running", "exited", "completed", "failed", "cancelled"]
     exit_reason: Literal["diverging", "overfitting", "underperforming"] | None = None
     best_val_loss: float | None = None
-    best_step: int | None = Field(default=None, ge=0)
-    last_step: int | None = Field(default=None, ge=0)
+    best_step: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    last_step: int | None = Field(default=None, ge=0, le=INT32_MAX)
     error: str | None = Field(default=None, max_length=10_000)
 
 
@@ -171,7 +173,7 @@ class ArtifactMeta(_Msg):
 
     kind: Literal["adapter", "checkpoint"]
     job_id: str | None = None
-    step: int | None = Field(default=None, ge=0)
+    step: int | None = Field(default=None, ge=0, le=INT32_MAX)
     key: str | None = Field(default=None, max_length=200,
                             description="Defaults to 'adapter:<job_id>' / 'checkpoint:<step>'.")
     meta: dict | None = None
