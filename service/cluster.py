@@ -23,6 +23,8 @@ def cluster_changed(session: Session, reason: str, settings: Settings | None = N
     """Ask the scheduler to replan, then commit. Commit the triggering change first: a failing
     replan is logged and rolled back, never undoing the user's request."""
     settings = settings or get_settings()
+    if not settings.scheduler_enabled:
+        return
     try:
         from service.scheduler import replan  # type: ignore[attr-defined]
     except ImportError:

@@ -32,6 +32,8 @@ class Settings(BaseSettings):
     max_attempts: int = 3
     # Republish published-but-unclaimed placements from Postgres when the app starts.
     republish_on_startup: bool = True
+    # False: the API never calls the scheduler (placements come from elsewhere, e.g. tests).
+    scheduler_enabled: bool = True
     log_level: str = "INFO"
 
     @property

@@ -4,6 +4,10 @@ database per test (CREATE DATABASE ... TEMPLATE of a migrated template), and the
 Fixtures other suites can use: ``pg`` (service.localstack.Postgres), ``redis_server``,
 ``db_url`` (a clean migrated database for this test), ``settings``, ``session`` (a SQLAlchemy
 session on it), ``app``, ``client`` (TestClient), ``factory`` (tests/integration/factories.py).
+
+The API's calls into the scheduler (service.scheduler.replan) are off by default here, so these
+tests place tasks by hand with ``factory.placement``; mark a test ``@pytest.mark.with_scheduler``
+to have the app replan on task arrival, cancel, completion and node changes.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ models:
     max_seq_len: 8192
     family: llama
 """
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "with_scheduler: the app calls service.scheduler.replan (off by default)")
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +96,8 @@ def db_url(pg: Postgres) -> Iterator[str]:
 
 
 @pytest.fixture
-def settings(db_url: str, redis_server: Redis, tmp_path: Path) -> Settings:
+def settings(db_url: str, redis_server: Redis, tmp_path: Path,
+             request: pytest.FixtureRequest) -> Settings:
     import redis
 
     redis.Redis.from_url(redis_server.url).flushall()
@@ -96,7 +106,8 @@ def settings(db_url: str, redis_server: Redis, tmp_path: Path) -> Settings:
     return Settings(database_url=db_url, redis_url=redis_server.url,
                     storage_dir=tmp_path / "storage", models_file=models,
                     worker_token=WORKER_TOKEN, admin_token="test-admin-token",
-                    max_upload_bytes=64 * 1024, max_configurations=16, node_timeout_s=30)
+                    max_upload_bytes=64 * 1024, max_configurations=16, node_timeout_s=30,
+                    scheduler_enabled=request.node.get_closest_marker("with_scheduler") is not None)
 
 
 @pytest.fixture
