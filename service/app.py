@@ -3,7 +3,9 @@ Redis, error handlers, Prometheus instrumentation and the routers. ``service.app
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -11,8 +13,10 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.cluster import mark_stale_nodes
 from service.config import Settings, get_settings
 from service.db import make_engine, make_sessionmaker, session_scope
 from service.errors import error_body, install_error_handlers
@@ -85,14 +89,25 @@ class Instrument:
 
 
 async def _send_json(send: Send, status: int, body: dict) -> None:
-    import json
-
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(data)).encode()),
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": data})
+
+
+def _maintenance(factory: sessionmaker[Session], settings: Settings,
+                 stop: threading.Event) -> None:
+    """Background upkeep: nodes silent for node_timeout_s go down (their tasks are requeued),
+    and published placements missing from Redis are queued again."""
+    while not stop.wait(settings.maintenance_interval_s):
+        try:
+            with session_scope(factory) as session:
+                mark_stale_nodes(session, settings)
+                republish_all(session, settings)
+        except Exception:
+            log.exception("maintenance pass failed")
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -109,7 +124,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     republish_all(session, settings)
             except Exception as exc:  # the API can serve reads while Redis/Postgres come up
                 log.warning("republish at startup failed error=%s", exc)
+        stop = threading.Event()
+        thread = None
+        if settings.maintenance_interval_s > 0:
+            thread = threading.Thread(target=_maintenance, name="loraplex-maintenance",
+                                      args=(app.state.sessionmaker, settings, stop), daemon=True)
+            thread.start()
         yield
+        stop.set()
+        if thread is not None:
+            thread.join(timeout=10)
         engine.dispose()
 
     app = FastAPI(title="loraplex", version=API_VERSION, lifespan=lifespan,
@@ -128,8 +152,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
+_default_app: FastAPI | None = None
+
+
 def __getattr__(name: str) -> FastAPI:
-    # `uvicorn service.app:app` builds the app lazily so importing this module has no effects.
+    # `uvicorn service.app:app` builds the app on first access, from the environment's
+    # settings, so merely importing this module has no effects.
+    global _default_app
     if name == "app":
-        return create_app()
+        if _default_app is None:
+            _default_app = create_app()
+        return _default_app
     raise AttributeError(name)

@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     max_attempts: int = 3
     # Republish published-but-unclaimed placements from Postgres when the app starts.
     republish_on_startup: bool = True
+    # Every this many seconds the API marks silent nodes down and re-publishes placements
+    # missing from Redis (0 disables; safe with several API replicas).
+    maintenance_interval_s: float = 15.0
     # False: the API never calls the scheduler (placements come from elsewhere, e.g. tests).
     scheduler_enabled: bool = True
     log_level: str = "INFO"

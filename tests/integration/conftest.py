@@ -107,6 +107,7 @@ def settings(db_url: str, redis_server: Redis, tmp_path: Path,
                     storage_dir=tmp_path / "storage", models_file=models,
                     worker_token=WORKER_TOKEN, admin_token="test-admin-token",
                     max_upload_bytes=64 * 1024, max_configurations=16, node_timeout_s=30,
+                    maintenance_interval_s=0,
                     scheduler_enabled=request.node.get_closest_marker("with_scheduler") is not None)
 
 

@@ -69,3 +69,39 @@ def test_admin_cli_creates_working_key(client, settings):  # noqa: ANN001
     again = subprocess.run([sys.executable, "-m", "service.admin", "create-tenant", "acme",
                             "--if-missing"], env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and again.stdout == ""
+
+
+def test_maintenance_thread_marks_nodes_down_and_republishes(settings, session):  # noqa: ANN001
+    import time
+
+    import redis
+    from rq import Queue
+
+    from service.protocol import node_queue_name
+    from tests.integration.factories import Factory
+
+    fast = settings.model_copy(update={"maintenance_interval_s": 0.2, "node_timeout_s": 1.5})
+    with TestClient(create_app(fast)) as c:
+        f = Factory(session=session, client=c, settings=fast)
+        t = f.tenant()
+        waiting, running = f.task(t)["id"], f.task(t)["id"]
+        silent, alive = f.node(), f.node()
+        queued = f.placement(waiting, alive)
+        pid = f.placement(running, silent)
+        c.post(f"/internal/v1/placements/{pid}/claim", headers=f.worker,
+               json={"node_id": silent})
+        conn = redis.Redis.from_url(fast.redis_url)
+        conn.flushall()
+        queue = Queue(node_queue_name(alive), connection=conn)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            c.post(f"/internal/v1/nodes/{alive}/heartbeat", headers=f.worker, json={})
+            state = c.get(f"/v1/tasks/{running}", headers=t.headers).json()["state"]
+            if state == "queued" and queue.get_job_ids():
+                break
+            time.sleep(0.2)
+        assert c.get(f"/v1/tasks/{running}", headers=t.headers).json()["state"] == "queued"
+        assert [j.args for j in queue.get_jobs()] == [(queued,)]
+        nodes = c.get("/v1/cluster", headers={"Authorization": "Bearer test-admin-token"})
+        states = {n["id"]: n["state"] for n in nodes.json()["nodes"]}
+        assert states == {silent: "down", alive: "up"}
