@@ -1,0 +1,215 @@
+"""End-to-end fixtures: the real service (uvicorn subprocess) on the private Postgres + Redis of
+tests/integration/conftest.py, real worker daemon subprocesses, and HTTP-only helpers.
+
+``stack`` gives a running service with one tenant; ``stack.daemon(name, ...)`` starts a daemon
+(stopped at teardown). ``stack.place(task_id)`` waits for the scheduler's placement, or, while
+service.scheduler has no replan(), publishes one the way the scheduler would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("psycopg")
+
+from service.localstack import free_port  # noqa: E402
+from tests.integration.conftest import db_url, pg, redis_server, stack_dir  # noqa: E402,F401
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER_TOKEN = "e2e-worker-token"
+
+
+def has_replan() -> bool:
+    try:
+        from service.scheduler import replan  # type: ignore[attr-defined]  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
+             interval: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@dataclass
+class Stack:
+    url: str
+    env: dict[str, str]
+    root: Path
+    db_url: str
+    redis_url: str
+    api_key: str = ""
+    service: subprocess.Popen | None = None
+    daemons: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=30)
+
+    def start_service(self) -> None:
+        log = open(self.root / "service.log", "ab")
+        self.service = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "service.app:app", "--host", "127.0.0.1",
+             "--port", self.url.rsplit(":", 1)[1], "--log-level", "warning"],
+            env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(self._healthy, 60, "the service to answer /healthz")
+
+    def stop_service(self) -> None:
+        if self.service is not None and self.service.poll() is None:
+            self.service.terminate()
+            self.service.wait(timeout=30)
+
+    def _healthy(self) -> bool:
+        assert self.service is not None and self.service.poll() is None, self.service_log()
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def service_log(self) -> str:
+        path = self.root / "service.log"
+        return path.read_text(errors="replace")[-6000:] if path.exists() else ""
+
+    def daemon(self, name: str, *args: str, env: dict[str, str] | None = None
+               ) -> subprocess.Popen:
+        work = self.root / f"worker-{name}"
+        log = open(self.root / f"daemon-{name}.log", "ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.daemon", "--service-url", self.url,
+             "--worker-token", WORKER_TOKEN, "--redis-url", self.redis_url,
+             "--node-name", name, "--work-dir", str(work), "--poll-interval-s", "0.2",
+             "--heartbeat-interval-s", "1", "--cancel-grace-s", "3", *args],
+            env=self.env | (env or {}), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        self.daemons.append(proc)
+        return proc
+
+    def daemon_log(self, name: str) -> str:
+        path = self.root / f"daemon-{name}.log"
+        return path.read_text(errors="replace")[-8000:] if path.exists() else ""
+
+    def node_id(self, name: str) -> str:
+        def find() -> str | None:
+            r = httpx.get(f"{self.url}/v1/cluster", timeout=10,
+                          headers={"Authorization": f"Bearer {WORKER_TOKEN}"})
+            for node in r.json()["nodes"]:
+                if node["name"] == name and node["state"] == "up":
+                    return node["id"]
+            return None
+        return wait_for(find, 30, f"node {name} to register")
+
+    def place(self, task_id: str, node_name: str, gpus: tuple[int, ...] = (0,)) -> None:
+        """Stand in for the scheduler while it has no replan(): publish one placement."""
+        if has_replan():
+            return
+        from sqlalchemy import create_engine
+        from sqlalchemy.orm import Session
+
+        from service.cluster import next_attempt
+        from service.config import Settings
+        from service.models import Placement, utcnow
+        from service.queue import publish_placement
+
+        node_id = self.node_id(node_name)
+        engine = create_engine(self.db_url.replace("postgresql://", "postgresql+psycopg://"))
+        try:
+            with Session(engine) as session:
+                now = utcnow()
+                p = Placement(task_id=task_id, node_id=node_id, gpu_indices=list(gpus),
+                              planned_start=now, planned_end=now, attempt=next_attempt(
+                                  session, task_id))
+                session.add(p)
+                session.flush()
+                publish_placement(session, p, Settings(redis_url=self.redis_url,
+                                                       database_url=self.db_url))
+                session.commit()
+        finally:
+            engine.dispose()
+
+    def stop_daemons(self) -> None:
+        for proc in self.daemons:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in self.daemons:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def make_tenant(db: str, name: str) -> str:
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    from service.auth import create_tenant
+
+    engine = create_engine(db.replace("postgresql://", "postgresql+psycopg://"))
+    try:
+        with Session(engine) as session:
+            _, key = create_tenant(session, name)
+            session.commit()
+    finally:
+        engine.dispose()
+    return key
+
+
+@pytest.fixture
+def models_yaml(tmp_path: Path) -> Path:
+    """Override in a test module to register a real model directory."""
+    path = tmp_path / "models.yaml"
+    model_dir = tmp_path / "fake-model"
+    model_dir.mkdir()
+    path.write_text(f"models:\n  - name: tiny\n    path: {model_dir}\n    parameters: 1000000\n"
+                    "    gpus: 1\n    max_seq_len: 256\n    family: llama\n")
+    return path
+
+
+@pytest.fixture
+def stack(db_url: str, redis_server, tmp_path: Path, models_yaml: Path  # noqa: ANN001,F811
+          ) -> Iterator[Stack]:
+    import redis
+
+    redis.Redis.from_url(redis_server.url).flushall()
+    port = free_port()
+    env = dict(os.environ) | {
+        "LORAPLEX_DATABASE_URL": db_url if "+psycopg" in db_url
+        else db_url.replace("postgresql://", "postgresql+psycopg://"),
+        "LORAPLEX_REDIS_URL": redis_server.url,
+        "LORAPLEX_STORAGE_DIR": str(tmp_path / "storage"),
+        "LORAPLEX_MODELS_FILE": str(models_yaml),
+        "LORAPLEX_WORKER_TOKEN": WORKER_TOKEN,
+        "LORAPLEX_NODE_TIMEOUT_S": "6",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "PYTHONUNBUFFERED": "1",
+    }
+    s = Stack(url=f"http://127.0.0.1:{port}", env=env, root=tmp_path, db_url=db_url,
+              redis_url=redis_server.url)
+    s.api_key = make_tenant(db_url, "e2e-tenant")
+    s.start_service()
+    try:
+        yield s
+    finally:
+        s.stop_daemons()
+        s.stop_service()
