@@ -73,7 +73,7 @@ umask 022
 # The node daemon (a later issue): one local worker on this machine when it exists.
 if [ -f worker/daemon.py ] && [ "${LORAPLEX_NO_WORKER:-0}" != 1 ]; then
   echo "loraplex-up: starting a local worker daemon (log: var/worker.log)"
-  LORAPLEX_API_URL=http://127.0.0.1:$PORT LORAPLEX_NODE_NAME=${LORAPLEX_NODE_NAME:-local} \
+  LORAPLEX_SERVICE_URL=http://127.0.0.1:$PORT LORAPLEX_NODE_NAME=${LORAPLEX_NODE_NAME:-local} \
     LORAPLEX_WORK_DIR=$ROOT/var/worker $PY -m worker.daemon >> var/worker.log 2>&1 &
   WORKER_PID=$!
   trap 'kill "$WORKER_PID" 2>/dev/null || true' EXIT
