@@ -1,0 +1,262 @@
+"""Training data for the engine: JSONL parsing (chat, prompt/completion, DPO), tokenisation with
+loss masks, validation split, per-job seeded data order, and packing of a step into rows.
+
+Packing: each job's sequences of a step go into rows of one common length, several sequences
+per row with position ids restarting at 0 (transformers then builds a block-causal mask); a row
+never mixes jobs, so one job's NaN cannot reach another job through attention.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class Record:
+    """One parsed training example: a conversation, and for DPO the rejected answer."""
+
+    messages: tuple[dict[str, str], ...]
+    rejected: str | None = None
+
+
+@dataclass(frozen=True)
+class Example:
+    """A tokenised example: ids and per-token labels (IGNORE where no loss is taken)."""
+
+    input_ids: tuple[int, ...]
+    labels: tuple[int, ...]
+
+    @property
+    def n_trained(self) -> int:
+        return sum(1 for t in self.labels[1:] if t != IGNORE)
+
+
+def parse_record(obj: dict[str, Any]) -> Record:
+    """Parse one JSONL object of the three formats of DESIGN.md into a Record."""
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError("'messages' must be a non-empty list")
+        out = []
+        for m in msgs:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in (
+                "system", "user", "assistant"
+            ):
+                raise ValueError(f"bad message {m!r}")
+            out.append({"role": m["role"], "content": m["content"]})
+        if not any(m["role"] == "assistant" for m in out):
+            raise ValueError("a chat example needs at least one assistant message")
+        return Record(tuple(out))
+    if "chosen" in obj and "rejected" in obj and "prompt" in obj:
+        return Record(
+            ({"role": "user", "content": str(obj["prompt"])},
+             {"role": "assistant", "content": str(obj["chosen"])}),
+            rejected=str(obj["rejected"]),
+        )
+    if "prompt" in obj and "completion" in obj:
+        return Record(
+            ({"role": "user", "content": str(obj["prompt"])},
+             {"role": "assistant", "content": str(obj["completion"])}),
+        )
+    raise ValueError(f"unknown record format with keys {sorted(obj)}")
+
+
+def read_jsonl(path: str | Path) -> list[Record]:
+    """All records of a JSONL file (blank lines skipped); errors name the line."""
+    records = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(parse_record(json.loads(line)))
+            except (ValueError, json.JSONDecodeError) as exc:
+                raise ValueError(f"{path}:{lineno}: {exc}") from exc
+    return records
+
+
+def _render(tokenizer: Any, messages: Sequence[dict[str, str]], gen_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=gen_prompt)
+
+
+def tokenize_record(tokenizer: Any, record: Record, max_seq_len: int) -> Example | None:
+    """Token ids with labels only on assistant tokens; truncated to max_seq_len.
+
+    With a chat template the assistant spans are found by rendering prefixes of the
+    conversation and mapping character spans to tokens; without one, prompt and completion are
+    concatenated (user turns as prompt) and EOS ends the completion. None when nothing is trained.
+    """
+    msgs = record.messages
+    if getattr(tokenizer, "chat_template", None):
+        text = _render(tokenizer, msgs, False)
+        spans = []
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                start = len(_render(tokenizer, msgs[:i], True)) if i else 0
+                end = len(_render(tokenizer, msgs[: i + 1], False))
+                spans.append((start, end))
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        train = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
+    else:
+        ids, train = [], []
+        if tokenizer.bos_token_id is not None:
+            ids.append(tokenizer.bos_token_id)
+            train.append(False)
+        for m in msgs:
+            piece = tokenizer(m["content"], add_special_tokens=False)["input_ids"]
+            is_asst = m["role"] == "assistant"
+            if is_asst and tokenizer.eos_token_id is not None:
+                piece = [*piece, tokenizer.eos_token_id]
+            ids += piece
+            train += [is_asst] * len(piece)
+    ids, train = ids[:max_seq_len], train[:max_seq_len]
+    labels = [t if keep else IGNORE for t, keep in zip(ids, train, strict=True)]
+    ex = Example(tuple(ids), tuple(labels))
+    return ex if ex.n_trained > 0 else None
+
+
+def tokenize_all(tokenizer: Any, records: Iterable[Record], max_seq_len: int) -> list[Example]:
+    """Tokenise records, dropping the ones with no trained token left after truncation."""
+    out = []
+    for r in records:
+        ex = tokenize_record(tokenizer, r, max_seq_len)
+        if ex is not None:
+            out.append(ex)
+    return out
+
+
+def split_validation(
+    examples: Sequence[Example], val_fraction: float = 0.1, seed: int = 0, max_val: int = 256
+) -> tuple[list[Example], list[Example]]:
+    """Held-out split shared by all jobs of a task (seeded); at least one of each when n >= 2."""
+    n = len(examples)
+    if n < 2:
+        raise ValueError("need at least 2 examples to hold out a validation split")
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    n_val = min(max_val, n - 1, max(1, round(val_fraction * n)))
+    val = sorted(order[:n_val])
+    train = sorted(order[n_val:])
+    return [examples[i] for i in train], [examples[i] for i in val]
+
+
+@dataclass
+class JobDataStream:
+    """One job's data order: a fresh seeded permutation each epoch; the position is resumable.
+
+    Epoch e uses random.Random(seed * 1_000_003 + e).shuffle; batches run across epoch
+    boundaries, so every step has exactly `batch_size` examples.
+    """
+
+    n: int
+    seed: int
+    epoch: int = 0
+    pos: int = 0
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    def _perm(self) -> list[int]:
+        order = list(range(self.n))
+        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_indices(self, batch_size: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < batch_size:
+            if not self._order:
+                self._order = self._perm()
+            take = min(batch_size - len(out), self.n - self.pos)
+            out += self._order[self.pos : self.pos + take]
+            self.pos += take
+            if self.pos == self.n:
+                self.epoch, self.pos, self._order = self.epoch + 1, 0, []
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n, "seed": self.seed, "epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["n"] != self.n:
+            raise ValueError(f"data stream size changed: {state['n']} != {self.n}")
+        self.seed, self.epoch, self.pos, self._order = state["seed"], state["epoch"], state["pos"], []
+
+
+@dataclass
+class PackedBatch:
+    """A step's rows: [R, L] ids, position ids, next-token targets; `row_offsets[i]` is job i's
+    first row (rows of a job are contiguous, jobs in slot order)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    row_offsets: list[int]
+    real_tokens: int
+
+    @property
+    def padded_fraction(self) -> float:
+        total = self.input_ids.numel()
+        return 0.0 if total == 0 else 1.0 - self.real_tokens / total
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(
+            self.input_ids.to(device), self.position_ids.to(device), self.targets.to(device),
+            self.row_offsets, self.real_tokens,
+        )
+
+
+def _pack_rows(seqs: Sequence[Example], length: int) -> list[list[Example]]:
+    # First-fit decreasing into rows of `length`; stable for equal lengths.
+    rows: list[list[Example]] = []
+    room: list[int] = []
+    for ex in sorted(seqs, key=lambda e: -len(e.input_ids)):
+        n = len(ex.input_ids)
+        for k, free in enumerate(room):
+            if n <= free:
+                rows[k].append(ex)
+                room[k] -= n
+                break
+        else:
+            rows.append([ex])
+            room.append(length - n)
+    return rows
+
+
+def pack_step(
+    per_job: Sequence[Sequence[Example]], pad_id: int, pack: bool = True, multiple_of: int = 1
+) -> PackedBatch:
+    """Pack each job's examples into rows of the step's common length (the longest sequence,
+    rounded up to `multiple_of`); with pack=False one sequence per row."""
+    longest = max((len(e.input_ids) for seqs in per_job for e in seqs), default=1)
+    length = -(-longest // multiple_of) * multiple_of
+    rows: list[list[Example]] = []
+    row_offsets = [0]
+    for seqs in per_job:
+        job_rows = _pack_rows(seqs, length) if pack else [[e] for e in seqs]
+        rows += job_rows
+        row_offsets.append(len(rows))
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(rows), length), dtype=torch.long)
+    tgt = torch.full((len(rows), length), IGNORE, dtype=torch.long)
+    real = 0
+    for r, row in enumerate(rows):
+        c = 0
+        for ex in row:
+            n = len(ex.input_ids)
+            ids[r, c : c + n] = torch.tensor(ex.input_ids)
+            pos[r, c : c + n] = torch.arange(n)
+            # next-token targets inside the sequence only; its last token predicts nothing
+            tgt[r, c : c + n - 1] = torch.tensor(ex.labels[1:])
+            c += n
+            real += n
+        # padding forms its own block (positions restart at 0), so it never joins a sequence
+        pos[r, c:] = torch.arange(length - c)
+    return PackedBatch(ids, pos, tgt, row_offsets, real)

@@ -1,0 +1,326 @@
+"""The multi-job training engine: one frozen backbone, many LoRA jobs attached into slots, one
+forward and one backward per step over all active jobs' micro-batches, per-job loss and AdamW.
+
+Isolation: a job's rows never share an attention row with another job, every loss is computed
+on the job's own rows, a non-finite loss is left out of the backward objective, and a job whose
+gradient norm is non-finite skips its own update; the other jobs are untouched (bit for bit).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from worker.data import IGNORE, Example, JobDataStream, PackedBatch, pack_step
+from worker.multilora import (
+    DEFAULT_TARGETS,
+    JobAdapter,
+    StepLayout,
+    inject_multilora,
+    stack_adapters,
+)
+
+
+@dataclass
+class JobSpec:
+    """One job's hyperparameters (a configuration of the task's search space)."""
+
+    job_id: str
+    rank: int = 8
+    alpha: float = 16.0
+    lr: float = 1e-4
+    batch_size: int = 4
+    epochs: float = 1.0
+    max_steps: int | None = None
+    warmup_steps: int = 0
+    schedule: str = "linear"  # linear | cosine | constant (after the linear warmup)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+    seed: int = 0
+    use_rslora: bool = False
+
+    def total_steps(self, n_train: int) -> int:
+        if self.max_steps is not None:
+            return int(self.max_steps)
+        return max(1, math.ceil(self.epochs * n_train / self.batch_size))
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str = "linear") -> float:
+    """Multiplier of the base LR after `step` optimizer steps (linear warmup, then decay to 0)."""
+    if warmup > 0 and step < warmup:
+        return step / warmup  # the HF convention: the first step runs at lr 0
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def make_optimizer(spec: JobSpec, params: Sequence[nn.Parameter], total: int):  # noqa: ANN201
+    """The job's own AdamW and LambdaLR (the same objects a PEFT run of the job alone uses)."""
+    opt = torch.optim.AdamW(
+        list(params), lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, spec.warmup_steps, total, spec.schedule)
+    )
+    return opt, sched
+
+
+@dataclass
+class JobState:
+    """Everything of one job that lives across steps (moved to CPU when the job is parked)."""
+
+    spec: JobSpec
+    adapter: JobAdapter
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    stream: JobDataStream
+    total_steps: int
+    step: int = 0
+    skipped_steps: int = 0
+    last_loss: float = math.nan
+
+    @property
+    def job_id(self) -> str:
+        return self.spec.job_id
+
+    @property
+    def batch_size(self) -> int:
+        return self.spec.batch_size
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+    def to(self, device: torch.device | str) -> JobState:
+        """Move adapter and optimizer state (park on CPU / resume on the GPU)."""
+        for p in self.adapter.parameters():
+            p.data = p.data.to(device)
+        for st in self.optimizer.state.values():
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    st[k] = v.to(device)
+        return self
+
+
+@dataclass
+class StepReport:
+    """Outcome of one engine step: per-job train loss, whether its update was skipped, grad norm."""
+
+    losses: dict[str, float]
+    skipped: dict[str, bool]
+    grad_norms: dict[str, float]
+    lrs: dict[str, float]
+    tokens: int
+    padded_fraction: float
+    steps: dict[str, int] = field(default_factory=dict)
+
+
+class MultiLoraEngine:
+    """A frozen causal LM with multi-LoRA layers and the jobs currently attached to it."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_examples: Sequence[Example],
+        pad_id: int,
+        targets: Sequence[str] = DEFAULT_TARGETS,
+        gradient_checkpointing: bool = True,
+        backend: str = "auto",
+        adapter_dtype: torch.dtype = torch.float32,
+        pack: bool = True,
+        pad_multiple: int = 1,
+    ) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.compute_dtype = next(model.parameters()).dtype
+        self.layers = inject_multilora(model, targets)
+        self.layer_list = list(self.layers.values())
+        self.shapes = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
+        self.targets = tuple(targets)
+        self.train_examples = list(train_examples)
+        self.pad_id = pad_id
+        self.backend = backend
+        self.adapter_dtype = adapter_dtype
+        self.pack = pack
+        self.pad_multiple = pad_multiple
+        self.gradient_checkpointing = gradient_checkpointing
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        self.jobs: dict[str, JobState] = {}  # active jobs in slot order
+
+    # ----- attach / detach -------------------------------------------------------------
+    def new_job(self, spec: JobSpec) -> JobState:
+        """Create a job's fresh state (adapter init, optimizer, data order) without attaching it."""
+        adapter = JobAdapter(
+            self.shapes, spec.rank, spec.alpha, spec.seed, self.adapter_dtype, self.device, spec.use_rslora
+        )
+        total = spec.total_steps(len(self.train_examples))
+        opt, sched = make_optimizer(spec, list(adapter.parameters()), total)
+        stream = JobDataStream(len(self.train_examples), spec.seed)
+        return JobState(spec, adapter, opt, sched, stream, total)
+
+    def attach(self, job: JobSpec | JobState) -> JobState:
+        """Put a job into a slot (new from a spec, or a parked/restored state); no rebuild."""
+        state = self.new_job(job) if isinstance(job, JobSpec) else job.to(self.device)
+        if state.job_id in self.jobs:
+            raise ValueError(f"job {state.job_id} is already attached")
+        self.jobs[state.job_id] = state
+        return state
+
+    def detach(self, job_id: str, park_device: torch.device | str | None = None) -> JobState:
+        """Free a job's slot; with park_device its state moves there (e.g. 'cpu')."""
+        state = self.jobs.pop(job_id)
+        return state.to(park_device) if park_device is not None else state
+
+    # ----- one step --------------------------------------------------------------------
+    def _set_layout(self, states: Sequence[JobState], token_offsets: list[int]) -> None:
+        lay = StepLayout(
+            offsets=torch.tensor(token_offsets, dtype=torch.int64, device=self.device),
+            scales=torch.tensor([s.adapter.scaling for s in states], dtype=torch.float32, device=self.device),
+            ranks=torch.tensor([s.adapter.rank for s in states], dtype=torch.int32, device=self.device),
+            backend=self.backend,
+        )
+        adapters = [s.adapter for s in states]
+        for k, layer in enumerate(self.layer_list):
+            layer.layout = lay
+            layer.stack_a, layer.stack_b = stack_adapters(adapters, k, self.compute_dtype)
+
+    def _clear_layout(self) -> None:
+        for layer in self.layer_list:
+            layer.layout = layer.stack_a = layer.stack_b = None
+
+    def _hidden(self, batch: PackedBatch) -> torch.Tensor:
+        out = self.model.base_model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False
+        )
+        return out.last_hidden_state
+
+    def _job_loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+        h = hidden.reshape(-1, hidden.shape[-1])
+        t = targets.reshape(-1)
+        sel = t != IGNORE
+        n = int(sel.sum())
+        head = self.model.get_output_embeddings()
+
+        def loss_sum(h_sel: torch.Tensor, t_sel: torch.Tensor) -> torch.Tensor:
+            logits = head(h_sel).float()
+            return nn.functional.cross_entropy(logits, t_sel, reduction="sum")
+
+        h_sel, t_sel = h[sel], t[sel]
+        if self.gradient_checkpointing and torch.is_grad_enabled():
+            # logits of a whole micro-batch are large (vocab x tokens); recompute them in backward
+            return checkpoint(loss_sum, h_sel, t_sel, use_reentrant=False), n
+        return loss_sum(h_sel, t_sel), n
+
+    def _forward_losses(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]):  # noqa: ANN202
+        batch = pack_step(per_job, self.pad_id, pack=self.pack, multiple_of=self.pad_multiple).to(self.device)
+        length = batch.input_ids.shape[1]
+        self._set_layout(states, [r * length for r in batch.row_offsets])
+        hidden = self._hidden(batch)
+        sums, counts = [], []
+        for i in range(len(states)):
+            r0, r1 = batch.row_offsets[i], batch.row_offsets[i + 1]
+            s, n = self._job_loss_sum(hidden[r0:r1], batch.targets[r0:r1])
+            sums.append(s)
+            counts.append(n)
+        return batch, sums, counts
+
+    def step(self) -> StepReport:
+        """One training step of every attached job that has steps left."""
+        states = [s for s in self.jobs.values() if not s.done]
+        if not states:
+            raise RuntimeError("no attached job has steps left")
+        per_job = [
+            [self.train_examples[i] for i in s.stream.next_indices(s.spec.batch_size)] for s in states
+        ]
+        try:
+            batch, sums, counts = self._forward_losses(states, per_job)
+            losses = [s / max(n, 1) for s, n in zip(sums, counts, strict=True)]
+            values = torch.stack([loss.detach() for loss in losses]).tolist()
+            live = [loss for loss, v in zip(losses, values, strict=True) if math.isfinite(v)]
+            if live:
+                torch.stack(live).sum().backward()
+        finally:
+            self._clear_layout()
+        return self._update(states, values, batch)
+
+    def _update(self, states: Sequence[JobState], values: list[float], batch: PackedBatch) -> StepReport:
+        norms_t = []
+        for s in states:
+            grads = [p.grad for p in s.adapter.parameters() if p.grad is not None]
+            norms_t.append(
+                torch.nn.utils.get_total_norm(grads).float().to(self.device) if grads
+                else torch.tensor(math.nan, device=self.device)
+            )
+        norms = torch.stack(norms_t).tolist()
+        report = StepReport({}, {}, {}, {}, batch.real_tokens, batch.padded_fraction)
+        for s, v, norm in zip(states, values, norms, strict=True):
+            params = list(s.adapter.parameters())
+            skip = not (math.isfinite(v) and math.isfinite(norm))
+            report.lrs[s.job_id] = s.optimizer.param_groups[0]["lr"]
+            if not skip:
+                if s.spec.max_grad_norm is not None:
+                    torch.nn.utils.clip_grads_with_norm_(params, s.spec.max_grad_norm, torch.tensor(norm))
+                s.optimizer.step()
+            else:
+                s.skipped_steps += 1
+            s.optimizer.zero_grad(set_to_none=True)
+            s.scheduler.step()
+            s.step += 1
+            s.last_loss = v
+            report.losses[s.job_id] = v
+            report.skipped[s.job_id] = skip
+            report.grad_norms[s.job_id] = norm
+            report.steps[s.job_id] = s.step
+        return report
+
+    # ----- evaluation ------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(
+        self, examples: Sequence[Example], batch_size: int = 8, job_ids: Sequence[str] | None = None
+    ) -> dict[str, float]:
+        """Token-mean loss of each attached job on the same held-out examples."""
+        states = [self.jobs[j] for j in (job_ids if job_ids is not None else list(self.jobs))]
+        if not states or not examples:
+            return {}
+        was_training = self.model.training
+        self.model.eval()
+        tot = [0.0] * len(states)
+        cnt = [0] * len(states)
+        try:
+            for lo in range(0, len(examples), batch_size):
+                chunk = list(examples[lo : lo + batch_size])
+                _, sums, counts = self._forward_losses(states, [chunk] * len(states))
+                for i, (s, n) in enumerate(zip(torch.stack(sums).tolist(), counts, strict=True)):
+                    tot[i] += s
+                    cnt[i] += n
+        finally:
+            self._clear_layout()
+            self.model.train(was_training)
+        return {s.job_id: tot[i] / max(cnt[i], 1) for i, s in enumerate(states)}
+
+    @torch.no_grad()
+    def logits(self, job_id: str, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full logits of one job on plain (unpacked) rows [B, L] (for the export round trip)."""
+        state = self.jobs[job_id]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            self._set_layout([state], [0, input_ids.numel()])
+            return self.model(input_ids=input_ids.to(self.device), use_cache=False).logits
+        finally:
+            self._clear_layout()
+            self.model.train(was_training)

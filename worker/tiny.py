@@ -1,0 +1,110 @@
+"""Tiny random causal LMs (Llama, Qwen2, Mistral) with a locally trained BPE tokenizer.
+
+Used by tests, the demo run and benchmarks: no hub exists, so everything is saved to a local
+directory and loaded back with `from_pretrained`. `python -m worker.tiny --family llama --out DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "mistral")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+_WORDS = (
+    "the a an of to in is was for on that with as by at from it this be are or which "
+    "model train loss data adapter rank learning rate batch step job task token gradient "
+    "cat dog house tree river mountain city blue red green small large quick slow happy "
+    "one two three four five six seven eight nine ten answer question please thanks yes no"
+).split()
+
+
+def synthetic_corpus(n_lines: int = 400, seed: int = 0) -> list[str]:
+    """Deterministic word-salad lines (enough to train a small BPE vocabulary)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 16))) for _ in range(n_lines)]
+
+
+def train_tokenizer(vocab_size: int = 384, seed: int = 0, chat_template: bool = True):  # noqa: ANN201
+    """A byte-level BPE tokenizer trained on the synthetic corpus, as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(synthetic_corpus(seed=seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+    )
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2):  # noqa: ANN201
+    """A transformers config of the family, small enough for CPU tests."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    if family == "mistral":
+        return MistralConfig(**common, sliding_window=None)
+    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+
+
+def make_tiny_model(
+    family: str, out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2,
+    chat_template: bool = True,
+) -> Path:
+    """Save a random tiny model of `family` plus its tokenizer to `out_dir`; returns the path."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(seed=seed, chat_template=chat_template)
+    cfg = tiny_config(family, len(tokenizer), hidden=hidden, layers=layers)
+    cfg.bos_token_id = tokenizer.bos_token_id
+    cfg.eos_token_id = tokenizer.eos_token_id
+    cfg.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--family", choices=FAMILIES, default="llama")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args(argv)
+    path = make_tiny_model(args.family, args.out, args.seed, args.hidden, args.layers)
+    print(f"saved tiny {args.family} model to {path}")
+
+
+if __name__ == "__main__":
+    main()
