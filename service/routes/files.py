@@ -1,4 +1,5 @@
-"""Routes /v1/files: upload (multipart JSONL, validated), list, get, content, delete."""
+"""Routes /v1/files: upload (multipart JSONL, validated line by line), list, get, content,
+delete. Every file is scoped to the calling tenant."""
 
 from __future__ import annotations
 
