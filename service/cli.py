@@ -1,0 +1,335 @@
+"""`loraplex`, the user's command line: upload files, create a task from a JSONL file and a search
+space, follow it live (progress bar + table of jobs and losses), cancel it, download adapters.
+
+Talks HTTP only (httpx). Configuration: --api-url / --api-key, or env LORAPLEX_API_URL and
+LORAPLEX_API_KEY. Exit code 0 on success, 1 on an API error or a task that did not succeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tarfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+TERMINAL_TASK = ("succeeded", "failed", "cancelled")
+TERMINAL_JOB = ("exited", "completed", "failed", "cancelled")
+SEARCH_FLAGS = {"lr": "learning_rate", "rank": "lora_rank", "alpha": "lora_alpha",
+                "batch_size": "batch_size"}
+
+
+class CliError(Exception):
+    """A message for the user; main() prints it and exits 1."""
+
+
+class Api:
+    """The public /v1 API with the caller's key; errors become CliError with the API's text."""
+
+    def __init__(self, url: str, key: str | None, transport: httpx.BaseTransport | None = None,
+                 timeout_s: float = 60.0) -> None:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s,
+                                 transport=transport)
+
+    def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            r = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise CliError(f"cannot reach {self.http.base_url}: {exc}") from exc
+        if r.status_code >= 400:
+            try:
+                err = r.json()["error"]
+                detail = f"{err.get('code')}: {err.get('message')}"
+                if err.get("param"):
+                    detail += f" (param {err['param']})"
+            except (ValueError, KeyError, TypeError):
+                detail = r.text[:500]
+            raise CliError(f"{method} {path} -> {r.status_code} {detail}")
+        return r
+
+    def json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self.call(method, path, **kwargs).json()
+
+    def upload(self, path: Path, purpose: str = "fine-tune") -> dict:
+        if not path.is_file():
+            raise CliError(f"no such file: {path}")
+        with open(path, "rb") as fh:
+            return self.json("POST", "/v1/files", data={"purpose": purpose},
+                             files={"file": (path.name, fh, "application/jsonl")})
+
+
+# -- arguments ------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="loraplex", description="loraplex: LoRA fine-tuning "
+                                 "with hyperparameter search, as a service.")
+    ap.add_argument("--api-url", default=os.environ.get("LORAPLEX_API_URL",
+                                                        "http://127.0.0.1:8000"),
+                    help="Service URL (env LORAPLEX_API_URL).")
+    ap.add_argument("--api-key", default=os.environ.get("LORAPLEX_API_KEY"),
+                    help="Your API key (env LORAPLEX_API_KEY).")
+    ap.add_argument("--json", action="store_true", help="Print raw JSON instead of tables.")
+    top = ap.add_subparsers(dest="group", required=True)
+
+    files = top.add_parser("files", help="Training data files.").add_subparsers(
+        dest="cmd", required=True)
+    up = files.add_parser("upload", help="Upload a JSONL file.")
+    up.add_argument("path", type=Path)
+    up.add_argument("--purpose", default="fine-tune")
+    files.add_parser("list", help="List your files.")
+
+    models = top.add_parser("models", help="Base models.").add_subparsers(dest="cmd",
+                                                                         required=True)
+    models.add_parser("list", help="Base models you can fine-tune.")
+
+    tasks = top.add_parser("tasks", help="Fine-tuning tasks.").add_subparsers(
+        dest="cmd", required=True)
+    create = tasks.add_parser("create", help="Create a task (one job per configuration).")
+    create.add_argument("--model", required=True, help="Base model id (see `models list`).")
+    create.add_argument("--train", required=True,
+                        help="A local JSONL file (uploaded first) or a file id.")
+    create.add_argument("--validation", help="A local JSONL file or a file id.")
+    create.add_argument("--search", help='Search space JSON, e.g. \'{"learning_rate": [1e-4, '
+                        '3e-4], "lora_rank": [8, 16]}\'; flags below add to it.')
+    create.add_argument("--lr", type=float, action="append", help="Learning rate (repeat).")
+    create.add_argument("--rank", type=int, action="append", help="LoRA rank (repeat).")
+    create.add_argument("--alpha", type=float, action="append", help="LoRA alpha (repeat).")
+    create.add_argument("--batch-size", type=int, action="append", help="Batch size (repeat).")
+    create.add_argument("--method", choices=("sft", "dpo"))
+    create.add_argument("--epochs", type=int)
+    create.add_argument("--max-seq-len", type=int)
+    create.add_argument("--validation-split", type=float)
+    create.add_argument("--seed", type=int)
+    create.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                        help="Any other task field, e.g. --set 'eval={\"eval_every_steps\":20}'.")
+    create.add_argument("--idempotency-key", help="Retry-safe creation key.")
+    create.add_argument("--follow", action="store_true", help="Follow the task until it ends.")
+    lst = tasks.add_parser("list", help="Your tasks, newest first.")
+    lst.add_argument("--limit", type=int, default=20)
+    for name, text in (("get", "Show a task."), ("cancel", "Cancel a task."),
+                       ("follow", "Live progress until the task ends.")):
+        p = tasks.add_parser(name, help=text)
+        p.add_argument("task_id")
+        if name == "follow":
+            p.add_argument("--interval", type=float, default=2.0, help="Seconds between polls.")
+
+    adapter = top.add_parser("adapter", help="Trained adapters.").add_subparsers(
+        dest="cmd", required=True)
+    dl = adapter.add_parser("download", help="Download the best adapter of a task (PEFT files).")
+    dl.add_argument("task_id")
+    dl.add_argument("-o", "--output", type=Path, required=True, help="Directory to write to.")
+    dl.add_argument("--job", help="A specific job's adapter instead of the task's best.")
+    return ap
+
+
+def search_space(args: argparse.Namespace) -> dict[str, list]:
+    """The search space from --search JSON plus the repeatable flags (flags win per key)."""
+    space: dict[str, list] = {}
+    if args.search:
+        try:
+            space = json.loads(args.search)
+        except ValueError as exc:
+            raise CliError(f"--search is not valid JSON: {exc}") from exc
+        if not isinstance(space, dict):
+            raise CliError("--search must be a JSON object of lists")
+        space = {k: v if isinstance(v, list) else [v] for k, v in space.items()}
+    for flag, key in SEARCH_FLAGS.items():
+        values = getattr(args, flag)
+        if values:
+            space[key] = values
+    return space
+
+
+def task_body(args: argparse.Namespace, train_id: str, validation_id: str | None) -> dict:
+    body: dict[str, Any] = {"base_model": args.model, "training_file": train_id}
+    if validation_id:
+        body["validation_file"] = validation_id
+    space = search_space(args)
+    if space:
+        body["search_space"] = space
+    for field in ("method", "epochs", "max_seq_len", "validation_split", "seed"):
+        value = getattr(args, field)
+        if value is not None:
+            body[field] = value
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise CliError(f"--set expects KEY=JSON, got {item!r}")
+        try:
+            body[key] = json.loads(raw)
+        except ValueError:
+            body[key] = raw
+    return body
+
+
+def _file_ref(api: Api, ref: str | None) -> str | None:
+    """A local path is uploaded; anything else is taken as a file id."""
+    if ref is None:
+        return None
+    path = Path(ref)
+    if path.exists():
+        return api.upload(path)["id"]
+    if ref.endswith((".jsonl", ".json")) or os.sep in ref:
+        raise CliError(f"no such file: {ref}")
+    return ref
+
+
+# -- rendering ------------------------------------------------------------------------------
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def jobs_table(jobs: Sequence[dict], curves: Sequence[dict], best_job_id: str | None = None
+               ) -> Table:
+    """One row per job: configuration, state (with the exit reason), latest losses."""
+    last = {c["job_id"]: c for c in curves}
+    table = Table(expand=False)
+    for col in ("#", "lr", "rank", "alpha", "batch", "state", "step", "train loss",
+                "val loss", "best val"):
+        table.add_column(col, justify="right" if col not in ("state",) else "left")
+    for job in sorted(jobs, key=lambda j: j["index"]):
+        hp = job["hyperparameters"]
+        curve = last.get(job["id"], {})
+        train = [p for p in curve.get("train", []) if p.get("loss") is not None]
+        val = [p for p in curve.get("val", []) if p.get("loss") is not None]
+        state = job["state"] + (f" ({job['exit_reason']})" if job.get("exit_reason") else "")
+        if job["id"] == best_job_id:
+            state += " *best*"
+        step = train[-1]["step"] if train else job.get("last_step")
+        table.add_row(str(job["index"]), f"{hp.get('learning_rate', 0):g}",
+                      str(hp.get("lora_rank", "")), f"{hp.get('lora_alpha', 0):g}",
+                      str(hp.get("batch_size", "")), state, "-" if step is None else str(step),
+                      _fmt(train[-1]["loss"] if train else None),
+                      _fmt(val[-1]["loss"] if val else None), _fmt(job.get("best_val_loss")))
+    return table
+
+
+def tasks_table(tasks: Sequence[dict]) -> Table:
+    table = Table()
+    for col in ("id", "state", "model", "jobs", "best job", "created"):
+        table.add_column(col)
+    for t in tasks:
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(t.get("job_counts", {}).items()))
+        table.add_row(t["id"], t["state"], t["base_model"], f"{t['num_jobs']} ({counts})",
+                      t.get("best_job_id") or "-", str(t["created_at"])[:19])
+    return table
+
+
+def follow(api: Api, task_id: str, console: Console, interval: float = 2.0,
+           sleep: Any = time.sleep) -> dict:
+    """Poll the task, its jobs, loss curves and events until it ends; returns the final task."""
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        console=console)
+    bar = progress.add_task("jobs finished", total=None)
+    after: int | None = None
+    with Live(console=console, refresh_per_second=4, transient=False) as live:
+        while True:
+            task = api.json("GET", f"/v1/tasks/{task_id}")
+            jobs = api.json("GET", f"/v1/tasks/{task_id}/jobs")["data"]
+            curves = api.json("GET", f"/v1/tasks/{task_id}/metrics")["jobs"]
+            params = {"limit": 1000} | ({"after": after} if after is not None else {})
+            page = api.json("GET", f"/v1/tasks/{task_id}/events", params=params)
+            for event in page["data"]:
+                live.console.print(f"[dim]{str(event['created_at'])[11:19]}[/dim] "
+                                   f"{event['type']}: {event['message']}")
+            after = page.get("last_id") or after
+            done = sum(j["state"] in TERMINAL_JOB for j in jobs)
+            progress.update(bar, total=task["num_jobs"], completed=done,
+                            description=f"task {task_id} {task['state']}")
+            live.update(Group(progress, jobs_table(jobs, curves, task.get("best_job_id"))))
+            if task["state"] in TERMINAL_TASK:
+                return task
+            sleep(interval)
+
+
+def download_adapter(api: Api, task_id: str, output: Path, job_id: str | None = None) -> list[str]:
+    """Fetch the adapter archive and unpack its PEFT files into output; returns the names."""
+    path = f"/v1/jobs/{job_id}/adapter" if job_id else f"/v1/tasks/{task_id}/adapter"
+    blob = api.call("GET", path, params={"format": "tar.gz"}).content
+    output.mkdir(parents=True, exist_ok=True)
+    names = []
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tf:
+        for member in tf.getmembers():
+            name = Path(member.name).name  # flat PEFT files only; never write outside output
+            if not member.isfile() or not name or name.startswith("."):
+                continue
+            src = tf.extractfile(member)
+            assert src is not None
+            (output / name).write_bytes(src.read())
+            names.append(name)
+    return sorted(names)
+
+
+# -- commands -------------------------------------------------------------------------------
+def run(args: argparse.Namespace, api: Api, console: Console) -> int:
+    def show(obj: Any, table: Table | None = None) -> None:
+        if args.json or table is None:
+            console.print_json(json.dumps(obj, default=str))
+        else:
+            console.print(table)
+
+    if args.group == "files" and args.cmd == "upload":
+        show(api.upload(args.path, args.purpose))
+    elif args.group == "files":
+        show(api.json("GET", "/v1/files", params={"limit": 100}))
+    elif args.group == "models":
+        show(api.json("GET", "/v1/models"))
+    elif args.group == "tasks" and args.cmd == "create":
+        body = task_body(args, _file_ref(api, args.train) or "", _file_ref(api, args.validation))
+        headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
+        task = api.json("POST", "/v1/tasks", json=body, headers=headers)
+        if args.json:
+            show(task)
+        else:
+            console.print(f"task {task['id']} {task['state']}: {task['num_jobs']} jobs")
+        if args.follow:
+            return _ended(follow(api, task["id"], console), console)
+    elif args.group == "tasks" and args.cmd == "list":
+        page = api.json("GET", "/v1/tasks", params={"limit": args.limit})
+        show(page, tasks_table(page["data"]))
+    elif args.group == "tasks" and args.cmd == "get":
+        show(api.json("GET", f"/v1/tasks/{args.task_id}"))
+    elif args.group == "tasks" and args.cmd == "cancel":
+        task = api.json("POST", f"/v1/tasks/{args.task_id}/cancel")
+        console.print(f"task {task['id']} {task['state']}")
+    elif args.group == "tasks" and args.cmd == "follow":
+        return _ended(follow(api, args.task_id, console, args.interval), console)
+    elif args.group == "adapter":
+        names = download_adapter(api, args.task_id, args.output, args.job)
+        console.print(f"wrote {', '.join(names)} to {args.output}")
+    return 0
+
+
+def _ended(task: dict, console: Console) -> int:
+    if task["state"] == "succeeded":
+        console.print(f"task {task['id']} succeeded; best job {task['best_job_id']}")
+        return 0
+    err = (task.get("error") or {}).get("message", "")
+    console.print(f"task {task['id']} {task['state']} {err}".rstrip())
+    return 1
+
+
+def main(argv: Sequence[str] | None = None, transport: httpx.BaseTransport | None = None,
+         console: Console | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = console or Console()
+    try:
+        return run(args, Api(args.api_url, args.api_key, transport), console)
+    except CliError as exc:
+        Console(stderr=True).print(f"[red]error:[/red] {exc}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

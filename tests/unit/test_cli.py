@@ -1,0 +1,156 @@
+"""Unit: the `loraplex` CLI against a fake HTTP transport: argument parsing and the task body,
+file upload before create, follow until the end (table with exit reasons), adapter download."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import httpx
+import pytest
+from rich.console import Console
+
+from service.cli import CliError, build_parser, jobs_table, main, search_space, task_body
+
+
+def parse(*argv: str):  # noqa: ANN201
+    return build_parser().parse_args(["tasks", "create", "--model", "m", "--train", "f", *argv])
+
+
+def test_search_space_from_json_and_flags() -> None:
+    args = parse("--search", '{"learning_rate": [1e-4, 3e-4], "lora_rank": 8}',
+                 "--rank", "4", "--rank", "16", "--batch-size", "2")
+    assert search_space(args) == {"learning_rate": [1e-4, 3e-4], "lora_rank": [4, 16],
+                                  "batch_size": [2]}
+    with pytest.raises(CliError):
+        search_space(parse("--search", "{not json"))
+    with pytest.raises(CliError):
+        search_space(parse("--search", "[1, 2]"))
+
+
+def test_task_body_fields_and_set() -> None:
+    args = parse("--lr", "0.001", "--epochs", "2", "--max-seq-len", "64",
+                 "--set", 'eval={"eval_every_steps": 5}', "--set", "priority=3")
+    body = task_body(args, "file_1", "file_2")
+    assert body == {"base_model": "m", "training_file": "file_1", "validation_file": "file_2",
+                    "search_space": {"learning_rate": [0.001]}, "epochs": 2, "max_seq_len": 64,
+                    "eval": {"eval_every_steps": 5}, "priority": 3}
+    with pytest.raises(CliError):
+        task_body(parse("--set", "novalue"), "f", None)
+
+
+def test_env_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_API_URL", "http://example:9")
+    monkeypatch.setenv("LORAPLEX_API_KEY", "sk-1")
+    args = build_parser().parse_args(["tasks", "list"])
+    assert (args.api_url, args.api_key) == ("http://example:9", "sk-1")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["tasks", "create", "--train", "x"])  # --model is required
+
+
+JOBS = [
+    {"id": "j0", "index": 0, "state": "completed", "exit_reason": None, "best_val_loss": 1.25,
+     "last_step": 6, "hyperparameters": {"learning_rate": 1e-4, "lora_rank": 8,
+                                         "lora_alpha": 16, "batch_size": 4}},
+    {"id": "j1", "index": 1, "state": "exited", "exit_reason": "diverging",
+     "best_val_loss": None, "last_step": 3,
+     "hyperparameters": {"learning_rate": 1e-2, "lora_rank": 8, "lora_alpha": 16,
+                         "batch_size": 4}},
+]
+CURVES = [{"job_id": "j0", "index": 0, "state": "completed",
+           "train": [{"step": 5, "loss": 1.5}, {"step": 6, "loss": 1.4}],
+           "val": [{"step": 6, "loss": 1.25}]},
+          {"job_id": "j1", "index": 1, "state": "exited", "train": [{"step": 3, "loss": None}],
+           "val": []}]
+
+
+def test_jobs_table_shows_losses_and_exit_reasons() -> None:
+    console = Console(record=True, width=160)
+    console.print(jobs_table(JOBS, CURVES, best_job_id="j0"))
+    text = console.export_text()
+    assert "completed *best*" in text and "exited (diverging)" in text
+    assert "1.4000" in text and "1.2500" in text
+    row1 = next(line for line in text.splitlines() if "diverging" in line)
+    assert "0.01" in row1 and row1.count("-") >= 2  # NaN train loss and no val loss shown as -
+
+
+class FakeApi:
+    def __init__(self) -> None:
+        self.requests: list[httpx.Request] = []
+        self.polls = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        path = request.url.path
+        if path == "/v1/files":
+            return httpx.Response(201, json={"id": "file_up"})
+        if path == "/v1/tasks" and request.method == "POST":
+            return httpx.Response(201, json={"id": "task_1", "state": "queued", "num_jobs": 2})
+        if path == "/v1/tasks/task_1":
+            self.polls += 1
+            state = "running" if self.polls < 3 else "succeeded"
+            return httpx.Response(200, json={"id": "task_1", "state": state, "num_jobs": 2,
+                                             "best_job_id": "j0", "error": None})
+        if path.endswith("/jobs"):
+            return httpx.Response(200, json={"data": JOBS})
+        if path.endswith("/metrics"):
+            return httpx.Response(200, json={"jobs": CURVES})
+        if path.endswith("/events"):
+            after = request.url.params.get("after")
+            data = [] if after else [{"id": 7, "type": "job_exited", "message": "job 1 exited",
+                                      "created_at": "2026-01-01T00:00:00"}]
+            return httpx.Response(200, json={"data": data, "has_more": False,
+                                             "last_id": 7 if data else None})
+        if path == "/v1/tasks/missing/cancel":
+            return httpx.Response(404, json={"error": {"code": "not_found",
+                                                       "message": "no such task"}})
+        if path.endswith("/adapter"):
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+                for name, data in (("adapter_config.json", b"{}"),
+                                   ("adapter_model.safetensors", b"xyz")):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tf.addfile(info, io.BytesIO(data))
+            return httpx.Response(200, content=buf.getvalue())
+        return httpx.Response(500)
+
+
+def test_create_uploads_local_file_then_follows(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr("service.cli.time.sleep", lambda s: None)
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "a", "completion": "b"}\n')
+    fake = FakeApi()
+    console = Console(record=True, width=160)
+    rc = main(["--api-key", "sk", "tasks", "create", "--model", "tiny", "--train", str(train),
+               "--lr", "1e-4", "--lr", "1e-2", "--follow"], httpx.MockTransport(fake), console)
+    assert rc == 0
+    create = next(r for r in fake.requests if r.method == "POST" and r.url.path == "/v1/tasks")
+    assert json.loads(create.content) == {"base_model": "tiny", "training_file": "file_up",
+                                          "search_space": {"learning_rate": [1e-4, 1e-2]}}
+    assert create.headers["authorization"] == "Bearer sk"
+    assert fake.polls == 3
+    afters = [r.url.params.get("after") for r in fake.requests if r.url.path.endswith("/events")]
+    assert afters == [None, "7", "7"]  # events are paged, not re-printed
+    text = console.export_text()
+    assert "job_exited: job 1 exited" in text and "succeeded; best job j0" in text
+
+
+def test_errors_exit_1_with_the_api_message(capsys: pytest.CaptureFixture) -> None:
+    rc = main(["tasks", "cancel", "missing"], httpx.MockTransport(FakeApi()),
+              Console(record=True))
+    assert rc == 1
+    assert "no such task" in capsys.readouterr().err
+    assert main(["tasks", "create", "--model", "m", "--train", "nope.jsonl"],
+                httpx.MockTransport(FakeApi()), Console(record=True)) == 1
+
+
+def test_adapter_download_extracts_peft_files(tmp_path: Path) -> None:
+    rc = main(["adapter", "download", "task_1", "-o", str(tmp_path / "out")],
+              httpx.MockTransport(FakeApi()), Console(record=True))
+    assert rc == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    assert (tmp_path / "out" / "adapter_model.safetensors").read_bytes() == b"xyz"
