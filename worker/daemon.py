@@ -52,6 +52,9 @@ from worker.service_client import (
 log = logging.getLogger("loraplex.worker.daemon")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IDLE, BUSY, DRAINING, STOPPING = "idle", "busy", "draining", "stopping"
+# Touched every tick while the executor runs: an executor whose daemon is gone for good
+# (node timed out, task moved elsewhere) sees it go stale and stops instead of reporting on.
+LEASE_NAME = "lease"
 
 
 def run_placement(placement_id: str) -> None:
@@ -359,6 +362,7 @@ class Daemon:
             self._close_with_failure(p, p.task_id or "", "stopped before it started",
                                      cancelled=p.cancelled)
         if p.status == "running":
+            _touch(p.directory / LEASE_NAME)
             self._watch(p)
         if p.forwarder is None and p.task_id is not None:
             p.forwarder = Forwarder(self.client, p.directory, p.task_id, p.placement_id)
@@ -379,6 +383,7 @@ class Daemon:
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                           env.get("PYTHONPATH")]))
+        _touch(p.directory / LEASE_NAME)
         cmd = [sys.executable, "-m", self.cfg.runner_module, "--placement-dir",
                str(p.directory), *self.cfg.runner_args]
         with open(p.directory / "executor.log", "ab") as out:
@@ -508,6 +513,13 @@ class Daemon:
                     Job.fetch(job_id, connection=self.conn).delete(remove_from_queue=False)
         except (redis.RedisError, NoSuchJobError):
             pass
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        path.touch()
 
 
 def _alive(pid: int, directory: Path) -> bool:

@@ -188,7 +188,8 @@ class ServiceClient:
         return r.json()
 
     def upload_artifact(self, task_id: str, meta: ArtifactMeta, directory: Path) -> dict:
-        paths = sorted(p for p in directory.iterdir() if p.is_file())
+        # Dot files are a writer's temporaries (atomic rename pattern), never artifact files.
+        paths = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
         handles = [open(p, "rb") for p in paths]
         try:
             files = [("files", (p.name, h, "application/octet-stream"))
