@@ -8,7 +8,8 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DataError, IntegrityError
+from redis.exceptions import RedisError
+from sqlalchemy.exc import DataError, IntegrityError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("loraplex.api")
@@ -81,10 +82,24 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(IntegrityError)
     async def _integrity(request: Request, exc: IntegrityError) -> JSONResponse:
-        # Only reachable through a race the functions did not resolve themselves; retry-safe.
+        # Only reachable through a race the functions did not resolve themselves: transient,
+        # and every endpoint is retry-safe, so ask the client to retry.
         log.warning("integrity conflict path=%s error=%s", request.url.path, exc.orig)
-        return JSONResponse(error_body("conflict", "the request conflicts with a concurrent "
-                                       "change; retry"), status_code=409)
+        return JSONResponse(error_body("concurrent_change", "the request raced a concurrent "
+                                       "change; retry"), status_code=503,
+                            headers={"Retry-After": "1"})
+
+    @app.exception_handler(OperationalError)
+    async def _db_down(request: Request, exc: OperationalError) -> JSONResponse:
+        log.error("database unavailable path=%s error=%s", request.url.path, exc.orig)
+        return JSONResponse(error_body("unavailable", "the database is unavailable; retry"),
+                            status_code=503, headers={"Retry-After": "5"})
+
+    @app.exception_handler(RedisError)
+    async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
+        log.error("redis unavailable path=%s error=%s", request.url.path, exc)
+        return JSONResponse(error_body("unavailable", "the queue is unavailable; retry"),
+                            status_code=503, headers={"Retry-After": "5"})
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:

@@ -29,6 +29,18 @@ def test_ready_fails_without_redis(settings):  # noqa: ANN001
         assert r.json()["checks"]["redis"].startswith("error")
 
 
+def test_database_down_is_503(settings):  # noqa: ANN001
+    gone = settings.model_copy(update={
+        "database_url": f"postgresql+psycopg://loraplex@127.0.0.1:{free_port()}/x",
+        "republish_on_startup": False})
+    with TestClient(create_app(gone)) as c:
+        r = c.get("/v1/tasks", headers={"Authorization": "Bearer lpx-0123456789abcdefghijkl"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+        assert r.headers["Retry-After"] == "5"
+        ready = c.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["checks"]["redis"] == "ok"
+
+
 def test_prometheus_metrics(client, factory):  # noqa: ANN001
     t = factory.tenant()
     factory.task(t)
