@@ -10,7 +10,7 @@ from sqlalchemy import select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from service.errors import invalid
+from service.errors import invalid, not_found
 from service.models import Event, Job, MetricPoint, Task, utcnow
 from service.protocol import EventIn, MetricPointIn
 from service.schemas import EventOut, JobCurves, LossPoint, MetricsOut, finite
@@ -81,13 +81,23 @@ def ingest_metrics(session: Session, task: Task, points: Sequence[MetricPointIn]
     return len(session.execute(stmt).all())
 
 
-def task_metrics(session: Session, task: Task) -> MetricsOut:
-    """Loss curves of every job of the task, train and validation, ordered by step."""
-    jobs = session.scalars(select(Job).where(Job.task_id == task.id).order_by(Job.index)).all()
+def task_metrics(session: Session, task: Task, job_id: str | None = None,
+                 after_step: int | None = None) -> MetricsOut:
+    """Loss curves of the task's jobs (or one job), train and validation, ordered by step;
+    after_step keeps only newer points, for clients that poll."""
+    job_query = select(Job).where(Job.task_id == task.id)
+    point_query = select(MetricPoint.job_id, MetricPoint.split, MetricPoint.step,
+                         MetricPoint.loss).where(MetricPoint.task_id == task.id)
+    if job_id is not None:
+        job_query = job_query.where(Job.id == job_id)
+        point_query = point_query.where(MetricPoint.job_id == job_id)
+    if after_step is not None:
+        point_query = point_query.where(MetricPoint.step > after_step)
+    jobs = session.scalars(job_query.order_by(Job.index)).all()
+    if job_id is not None and not jobs:
+        raise not_found("job", job_id, param="job_id")
     curves: dict[str, dict[str, list[LossPoint]]] = defaultdict(lambda: {"train": [], "val": []})
-    points = session.execute(
-        select(MetricPoint.job_id, MetricPoint.split, MetricPoint.step, MetricPoint.loss)
-        .where(MetricPoint.task_id == task.id).order_by(MetricPoint.job_id, MetricPoint.step))
+    points = session.execute(point_query.order_by(MetricPoint.job_id, MetricPoint.step))
     for job_id, split, step, loss in points:
         curves[job_id][split].append(LossPoint(step=step, loss=finite(loss)))
     return MetricsOut(task_id=task.id, jobs=[

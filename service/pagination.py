@@ -11,14 +11,16 @@ from sqlalchemy.orm import Session
 from service.errors import invalid
 
 
-def page_query(session: Session, model: Any, base: Select, limit: int, after: str | None
-               ) -> tuple[list[Any], bool]:
-    """Rows of base ordered by (created_at, id) descending after the cursor; (rows, has_more)."""
+def page_query(session: Session, model: Any, base: Select, limit: int, after: str | None,
+               scope: Select | None = None) -> tuple[list[Any], bool]:
+    """Rows of base ordered by (created_at, id) descending after the cursor; (rows, has_more).
+    The cursor must be a row of scope (default base): pass the unfiltered tenant query when
+    base filters on something that can change, such as a state."""
     query = base
     if after is not None:
         cursor = session.execute(
-            base.with_only_columns(model.created_at, model.id).where(model.id == after)
-        ).first()
+            (scope if scope is not None else base).with_only_columns(model.created_at, model.id)
+            .where(model.id == after)).first()
         if cursor is None:
             raise invalid(f"unknown cursor {after!r}", param="after")
         created_at, cid = cursor

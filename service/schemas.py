@@ -141,6 +141,10 @@ class TaskOut(BaseModel):
     job_counts: dict[str, int]
     best_job_id: str | None
     error: dict | None
+    attempt: int = Field(description="Current or last attempt (1 + failed placements).")
+    planned_start: datetime | None = Field(
+        default=None, description="When the scheduler plans (or planned) to start it.")
+    planned_end: datetime | None = Field(default=None, description="Its estimated end.")
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

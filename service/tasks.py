@@ -164,14 +164,24 @@ def get_task(session: Session, tenant: Tenant, task_id: str, lock: bool = False)
     return task
 
 
-def list_tasks(session: Session, tenant: Tenant, limit: int, after: str | None
-               ) -> tuple[list[Task], bool]:
-    return page_query(session, Task, select(Task).where(Task.tenant_id == tenant.id), limit, after)
+def list_tasks(session: Session, tenant: Tenant, limit: int, after: str | None,
+               state: str | None = None) -> tuple[list[Task], bool]:
+    scope = select(Task).where(Task.tenant_id == tenant.id)
+    query = scope if state is None else scope.where(Task.state == state)
+    return page_query(session, Task, query, limit, after, scope=scope)
 
 
 def task_out(session: Session, task: Task) -> TaskOut:
     counts = dict(session.execute(select(Job.state, func.count()).where(
         Job.task_id == task.id).group_by(Job.state)).all())
+    # The placement that says most about "when": the live one, else the latest that ran.
+    placement = session.execute(
+        select(Placement.planned_start, Placement.planned_end, Placement.attempt)
+        .where(Placement.task_id == task.id,
+               Placement.state.not_in(("superseded", "cancelled")))
+        .order_by(Placement.created_at.desc()).limit(1)).first()
+    failed = session.scalar(select(func.count()).select_from(Placement).where(
+        Placement.task_id == task.id, Placement.state == "failed")) or 0
     return TaskOut(
         id=task.id, state=task.state, base_model=task.base_model, method=task.method,
         training_file=task.training_file_id, validation_file=task.validation_file_id,
@@ -179,7 +189,10 @@ def task_out(session: Session, task: Task) -> TaskOut:
         epochs=task.epochs, max_seq_len=task.max_seq_len, seed=task.seed,
         early_exit=task.early_exit, eval=task.eval, target_modules=task.target_modules,
         priority=task.priority, num_jobs=sum(counts.values()), job_counts=counts,
-        best_job_id=task.best_job_id, error=task.error, created_at=task.created_at,
+        best_job_id=task.best_job_id, error=task.error,
+        attempt=placement.attempt if placement else failed + 1,
+        planned_start=placement.planned_start if placement else None,
+        planned_end=placement.planned_end if placement else None, created_at=task.created_at,
         started_at=task.started_at, finished_at=task.finished_at)
 
 

@@ -3,7 +3,7 @@ loss curves, adapter downloads; and GET /v1/models."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import StreamingResponse
@@ -16,6 +16,7 @@ from service.schemas import EventPage, JobOut, MetricsOut, ModelOut, Page, TaskC
 from service.storage import Storage
 
 router = APIRouter(tags=["tasks"])
+TaskState = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
 FormatQuery = Annotated[adapters.ArchiveFormat, Query(alias="format")]
 ARCHIVE = {200: {"content": {"application/gzip": {}, "application/zip": {}},
                  "description": "Archive with adapter_config.json + adapter_model.safetensors"}}
@@ -47,8 +48,10 @@ def create_task(body: TaskCreate, response: Response, session: SessionDep, tenan
 @router.get("/v1/tasks", response_model=Page[TaskOut])
 def list_tasks(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
                limit: Annotated[int, Query(ge=1, le=1000)] = 20,
-               after: Annotated[str | None, Query(max_length=40)] = None) -> Page[TaskOut]:
-    rows, more = tasks.list_tasks(session, tenant, min(limit, settings.max_page_size), after)
+               after: Annotated[str | None, Query(max_length=40)] = None,
+               state: Annotated[TaskState | None, Query()] = None) -> Page[TaskOut]:
+    rows, more = tasks.list_tasks(session, tenant, min(limit, settings.max_page_size), after,
+                                  state)
     return Page[TaskOut](data=[tasks.task_out(session, t) for t in rows], has_more=more,
                          last_id=rows[-1].id if rows else None)
 
@@ -85,8 +88,11 @@ def list_events(session: SessionDep, tenant: TenantDep, task_id: str,
 
 
 @router.get("/v1/tasks/{task_id}/metrics", response_model=MetricsOut)
-def task_metrics(session: SessionDep, tenant: TenantDep, task_id: str) -> MetricsOut:
-    return events.task_metrics(session, tasks.get_task(session, tenant, task_id))
+def task_metrics(session: SessionDep, tenant: TenantDep, task_id: str,
+                 job_id: Annotated[str | None, Query(max_length=40)] = None,
+                 after_step: Annotated[int | None, Query(ge=-1)] = None) -> MetricsOut:
+    return events.task_metrics(session, tasks.get_task(session, tenant, task_id), job_id,
+                               after_step)
 
 
 @router.get("/v1/tasks/{task_id}/adapter", response_class=StreamingResponse, responses=ARCHIVE)

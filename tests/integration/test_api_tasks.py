@@ -200,3 +200,36 @@ def test_idempotency_key_race(client, factory):  # noqa: ANN001
     assert sorted(r.status_code for r in results) == [200, 200, 200, 201]
     assert len({r.json()["id"] for r in results}) == 1
     assert len(client.get("/v1/tasks", headers=t.headers).json()["data"]) == 1
+
+
+def test_state_filter_metrics_filters_and_plan_times(client, factory):  # noqa: ANN001
+    t = factory.tenant()
+    f = factory.file(t)["id"]
+    a, b, c = (factory.task(t, f)["id"] for _ in range(3))
+    client.post(f"/v1/tasks/{b}/cancel", headers=t.headers)
+    queued = client.get("/v1/tasks", headers=t.headers, params={"state": "queued"}).json()
+    assert [x["id"] for x in queued["data"]] == [c, a]
+    page = client.get("/v1/tasks", headers=t.headers,
+                      params={"state": "queued", "limit": 1, "after": b}).json()
+    assert [x["id"] for x in page["data"]] == [a]  # a cursor outside the filter still works
+    assert client.get("/v1/tasks", headers=t.headers,
+                      params={"state": "sleeping"}).status_code == 422
+
+    node = factory.node()
+    pid = factory.placement(a, node)
+    got = client.get(f"/v1/tasks/{a}", headers=t.headers).json()
+    assert got["attempt"] == 1 and got["planned_start"] is not None
+    assert client.get(f"/v1/tasks/{c}", headers=t.headers).json()["planned_start"] is None
+
+    w = factory.worker
+    client.post(f"/internal/v1/placements/{pid}/claim", headers=w, json={"node_id": node})
+    j0, j1 = (j["id"] for j in client.get(f"/v1/tasks/{a}/jobs",
+                                          headers=t.headers).json()["data"][:2])
+    pts = [{"job_id": j, "step": s, "split": "train", "loss": 1.0 / s}
+           for j in (j0, j1) for s in (1, 2, 3)]
+    client.post(f"/internal/v1/tasks/{a}/metrics", headers=w, json={"points": pts})
+    url = f"/v1/tasks/{a}/metrics"
+    one = client.get(url, headers=t.headers, params={"job_id": j1, "after_step": 1}).json()
+    assert [c_["job_id"] for c_ in one["jobs"]] == [j1]
+    assert [p["step"] for p in one["jobs"][0]["train"]] == [2, 3]
+    assert client.get(url, headers=t.headers, params={"job_id": "job_x"}).status_code == 404
