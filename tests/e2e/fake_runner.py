@@ -3,7 +3,8 @@ metric points, job states, checkpoint and adapter artifacts, finish) without tra
 
 Run by the daemon as ``python -m tests.e2e.fake_runner --placement-dir DIR``. Behaviour from
 the env LORAPLEX_FAKE_MODE: ``ok`` (default), ``hang_first`` (attempt 1 checkpoints at step 2
-and then waits to be killed), ``hang`` (waits for SIGTERM, logs it, exits 143).
+and then waits to be killed), ``hang`` (waits for SIGTERM, logs it, exits 143), ``slow``
+(0.4 s per step).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def main() -> int:
         while True:
             time.sleep(0.1)
     for step in range(start + 1, STEPS + 1):
+        if mode == "slow":
+            time.sleep(0.4)
         for k, job in enumerate(live):
             spool.metric(job.job_id, step, "train", 3.0 - 0.2 * step + 0.1 * k)
         if step == 2:

@@ -157,3 +157,35 @@ def test_daemon_killed_and_restarted_adopts_its_executor(stack: Stack) -> None:
         wait_for(lambda: state_of(http, task["id"]) == "succeeded", 60,
                  f"task succeeded\n{stack.daemon_log('node-a')}")
     assert "placement recovered" in stack.daemon_log("node-a")
+
+
+def test_redis_flush_and_service_restart_lose_nothing(stack: Stack) -> None:
+    import redis
+
+    with stack.http() as http:
+        task = create_task(http)
+        stack.daemon("node-a", *RUNNER, env={"LORAPLEX_FAKE_MODE": "slow"})
+        node_id = stack.node_id("node-a")
+        # Published while Redis is then wiped: the service republishes from Postgres on start.
+        stack.daemons[-1].send_signal(signal.SIGSTOP)
+        try:
+            stack.place(task["id"], "node-a")
+            redis.Redis.from_url(stack.redis_url).flushall()
+            stack.stop_service()
+            stack.start_service()
+            queue = f"rq:queue:loraplex:node:{node_id}"
+            wait_for(lambda: redis.Redis.from_url(stack.redis_url).llen(queue) == 1, 10,
+                     "the placement republished")
+        finally:
+            stack.daemons[-1].send_signal(signal.SIGCONT)
+        wait_for(lambda: any(e["type"] == "executor_started" for e in events(
+            http, task["id"])), 30, "the executor to start")
+        redis.Redis.from_url(stack.redis_url).flushall()  # mid-task: nothing depends on it
+        stack.stop_service()  # the executor finishes while the service is down
+        time.sleep(4)
+        stack.start_service()
+        wait_for(lambda: state_of(http, task["id"]) == "succeeded", 60,
+                 f"task succeeded\n{stack.daemon_log('node-a')}")
+        curves = http.get(f"/v1/tasks/{task['id']}/metrics").json()["jobs"]
+        assert all([p["step"] for p in c["train"]] == [1, 2, 3, 4, 5, 6] for c in curves)
+    assert "forward deferred" in stack.daemon_log("node-a")
