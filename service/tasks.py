@@ -304,8 +304,18 @@ def pick_best_job(session: Session, task: Task) -> str | None:
     return rows[0][0]
 
 
+def retire_waiting_placements(session: Session, task: Task) -> None:
+    """A task that ended needs none of its planned or published placements any more."""
+    for placement in session.scalars(select(Placement).where(
+            Placement.task_id == task.id, Placement.state.in_(("planned", "published")))):
+        if placement.state == "published":
+            unqueue_placement(placement.id, placement.node_id)
+        placement.state = "superseded"
+
+
 def finish_task_succeeded(session: Session, task: Task, best_job_id: str | None) -> None:
     now = utcnow()
+    retire_waiting_placements(session, task)
     for job in session.scalars(select(Job).where(Job.task_id == task.id,
                                                  Job.state.not_in(JOB_TERMINAL))):
         job.state, job.finished_at = "failed", now
@@ -321,6 +331,7 @@ def finish_task_succeeded(session: Session, task: Task, best_job_id: str | None)
 
 def finish_task_failed(session: Session, task: Task, error: str) -> None:
     now = utcnow()
+    retire_waiting_placements(session, task)
     for job in session.scalars(select(Job).where(Job.task_id == task.id,
                                                  Job.state.not_in(JOB_TERMINAL))):
         job.state, job.finished_at = "failed", now

@@ -296,3 +296,20 @@ def test_stale_node_goes_down_and_task_requeues(client, factory, session, settin
     hb = client.post(f"/internal/v1/nodes/{node}/heartbeat", headers=w,
                      json={"running_placement_ids": [pid]}).json()
     assert hb["state"] == "up" and hb["cancelled_task_ids"] == [tid]  # stop the orphan run
+
+
+def test_ended_task_retires_waiting_placements(client, factory, session, settings):  # noqa: ANN001
+    t = factory.tenant()
+    tid = factory.task(t)["id"]
+    a, b = factory.node(), factory.node()
+    w = factory.worker
+    running = factory.placement(tid, a)
+    client.post(f"/internal/v1/placements/{running}/claim", headers=w, json={"node_id": a})
+    spare = factory.placement(tid, b)
+    assert len(_queued_ids(settings, b)) == 1
+    r = client.post(f"/internal/v1/tasks/{tid}/failed", headers=w,
+                    json={"placement_id": running, "error": "OOM", "retryable": False})
+    assert r.json()["state"] == "failed"
+    session.expire_all()
+    assert session.get(Placement, spare).state == "superseded"
+    assert _queued_ids(settings, b) == []
