@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="")
+    ap.add_argument("--profile", default="", help="write a torch.profiler table of one engine step")
     args = ap.parse_args()
     job_counts = [int(x) for x in args.jobs.split(",")]
     from peft import LoraConfig, get_peft_model
@@ -154,6 +155,35 @@ def main() -> None:
         rows.append(("(c) engine", n, t, n * SEQ / t, mem, check))
         print(rows[-1], flush=True)
 
+    # ablation: the same engine with the plain-torch per-adapter loop instead of the Triton kernels
+    n = job_counts[0]
+    for j in list(engine.jobs):
+        engine.detach(j)
+    for i in range(n):
+        engine.attach(JobSpec(f"t{i}", rank=RANKS[i % 3], alpha=2 * RANKS[i % 3], lr=1e-4,
+                              batch_size=1, max_steps=10_000, seed=i))
+    engine.backend = "torch"
+    t, mem = timed(engine.step, args.warmup, args.iters)
+    rows.append(("(c') engine, torch loop", n, t, n * SEQ / t, mem, "per-adapter PyTorch loop"))
+    engine.backend = "auto"
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            torch.cuda.synchronize()
+        text = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        ids = data[:n].to(dev)
+        floor_step(model, ids)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof2:
+            floor_step(model, ids)
+            torch.cuda.synchronize()
+        text += "\n\nFLOOR\n" + prof2.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+        Path(args.profile).write_text(text)
+
     lines = [
         f"# engine_step on {gpu} (torch {torch.__version__}, {args.layers} layers of Llama-3.1-8B shape, "
         f"seq {SEQ}, bf16, grad checkpointing, ranks 16/32/64 cycled, batch 1 per job; "
@@ -165,7 +195,7 @@ def main() -> None:
     eng = {n: t for name, n, t, *_ in rows if name.startswith("(c)")}
     seq = {n: t for name, n, t, *_ in rows if name.startswith("(b)")}
     for name, n, t, tps, mem, note in rows:
-        ca = f"{t / floor[n]:.2f}" if name.startswith("(c)") else ""
+        ca = f"{t / floor[n]:.2f}" if name.startswith("(c") else ""
         bc = f"{seq[n] / eng[n]:.2f}" if name.startswith("(c)") and n in eng else ""
         lines.append(f"| {name} | {n} | {t:.3f} | {tps:,.0f} | {mem:.1f} | {ca} | {bc} | {note} |")
     table = "\n".join(lines)
