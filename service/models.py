@@ -27,6 +27,9 @@ Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwi
 - ``placements(id, task_id, node_id, gpu_indices int[], planned_start, planned_end,
   state, attempt, created_at, published_at, claimed_at, finished_at, error)``;
   states: PLACEMENT_STATES. Only one placement of a task is published|claimed|running.
+  The scheduler writes ``planned`` rows (attempt = service.cluster.next_attempt) and publishes
+  with service.queue.publish_placement; the worker claims (claimed), its first running job
+  makes it running; the task's end makes it finished|failed; cancel makes it cancelled.
 - ``throughput_profiles(id, base_model, gpu_type, seq_len, batch_key, tokens_per_s,
   updated_at)``; unique (base_model, gpu_type, seq_len, batch_key).
 - ``idempotency_keys(tenant_id, key, request_hash, resource_id, created_at)``; PK (tenant, key).
