@@ -189,3 +189,43 @@ def test_redis_flush_and_service_restart_lose_nothing(stack: Stack) -> None:
         curves = http.get(f"/v1/tasks/{task['id']}/metrics").json()["jobs"]
         assert all([p["step"] for p in c["train"]] == [1, 2, 3, 4, 5, 6] for c in curves)
     assert "forward deferred" in stack.daemon_log("node-a")
+
+
+def test_daemon_lost_task_resumes_on_another_node(stack: Stack) -> None:
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    from service.cluster import mark_stale_nodes
+    from service.config import Settings
+
+    first = stack.daemon("node-a", *RUNNER, env={"LORAPLEX_FAKE_MODE": "hang_first"})
+    stack.daemon("node-b", *RUNNER)
+    with stack.http() as http:
+        task = create_task(http, n_lr=1)
+        stack.place(task["id"], "node-a")
+        pid = executor_pid(stack, "node-a")
+        wait_for(lambda: any(e["type"] == "checkpoint_uploaded" for e in events(
+            http, task["id"])), 30, "the checkpoint upload")
+        first.kill()  # the whole node goes: daemon and executor
+        os.killpg(pid, signal.SIGKILL)
+        first.wait()
+        # The service's periodic check (stand-in: called here once the timeout has passed).
+        settings = Settings(database_url=stack.db_url, redis_url=stack.redis_url,
+                            node_timeout_s=6)
+        engine = create_engine(stack.db_url)
+        try:
+            def marked() -> bool:
+                with Session(engine) as session:
+                    return bool(mark_stale_nodes(session, settings))
+            wait_for(marked, 30, "node-a marked down", interval=1)
+        finally:
+            engine.dispose()
+        wait_for(lambda: state_of(http, task["id"]) == "queued", 20, "task requeued")
+        stack.place(task["id"], "node-b")
+        wait_for(lambda: state_of(http, task["id"]) == "succeeded", 60,
+                 f"task succeeded\n{stack.daemon_log('node-b')}")
+        started = [e["data"] for e in events(http, task["id"]) if e["type"] == "executor_started"]
+        assert [(s["attempt"], s["resumed_from_step"]) for s in started] == [(1, 0), (2, 2)]
+        running = [e for e in events(http, task["id"]) if e["type"] == "task_running"]
+        nodes = [e["data"]["node_id"] for e in running]
+        assert len(nodes) == 2 and nodes[0] != nodes[1] == stack.node_id("node-b")
