@@ -4,7 +4,7 @@ metric points, job states, checkpoint and adapter artifacts, finish) without tra
 Run by the daemon as ``python -m tests.e2e.fake_runner --placement-dir DIR``. Behaviour from
 the env LORAPLEX_FAKE_MODE: ``ok`` (default), ``hang_first`` (attempt 1 checkpoints at step 2
 and then waits to be killed), ``hang`` (waits for SIGTERM, logs it, exits 143), ``slow``
-(0.4 s per step).
+(0.4 s per step), ``stubborn`` (ignores SIGTERM and waits: only SIGKILL ends it).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main() -> int:
         spool.event("executor_sigterm", "stopping on SIGTERM")
         sys.exit(143)
 
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "stubborn" else on_term)
     start = 0
     ckpt = root / "resume" / "state.json"
     if ckpt.exists():
@@ -65,7 +65,7 @@ def main() -> int:
     live = [j for j in spec.jobs if j.state in ("pending", "running")]
     for job in live:
         spool.job_state(job.job_id, state="running")
-    if mode == "hang":
+    if mode in ("hang", "stubborn"):
         while True:
             time.sleep(0.1)
     for step in range(start + 1, STEPS + 1):

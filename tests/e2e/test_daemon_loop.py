@@ -229,3 +229,35 @@ def test_daemon_lost_task_resumes_on_another_node(stack: Stack) -> None:
         running = [e for e in events(http, task["id"]) if e["type"] == "task_running"]
         nodes = [e["data"]["node_id"] for e in running]
         assert len(nodes) == 2 and nodes[0] != nodes[1] == stack.node_id("node-b")
+
+
+def test_sigterm_drains_and_stubborn_executors_get_sigkill(stack: Stack) -> None:
+    import redis
+
+    daemon = stack.daemon("node-a", *RUNNER, env={"LORAPLEX_FAKE_MODE": "slow"})
+    with stack.http() as http:
+        task = create_task(http)
+        stack.place(task["id"], "node-a")
+        wait_for(lambda: any(e["type"] == "executor_started" for e in events(
+            http, task["id"])), 30, "the executor to start")
+        daemon.send_signal(signal.SIGTERM)
+        wait_for(lambda: "to=draining" in stack.daemon_log("node-a"), 10, "draining")
+        later = create_task(http)
+        stack.place(later["id"], "node-a")  # a draining node takes no new placement
+        assert daemon.wait(timeout=60) == 0
+        assert state_of(http, task["id"]) == "succeeded"
+        assert state_of(http, later["id"]) == "queued"
+        queue = f"rq:queue:loraplex:node:{stack.node_id('node-a')}"
+        assert redis.Redis.from_url(stack.redis_url).llen(queue) == 1
+
+        stack.daemon("node-b", *RUNNER, env={"LORAPLEX_FAKE_MODE": "stubborn"})
+        third = create_task(http)
+        stack.place(third["id"], "node-b")
+        pid = executor_pid(stack, "node-b")
+        wait_for(lambda: any(e["type"] == "executor_started" for e in events(
+            http, third["id"])), 30, "the executor to start")
+        t0 = time.monotonic()
+        http.post(f"/v1/tasks/{third['id']}/cancel")
+        wait_for(lambda: not pid_alive(pid), 15, "SIGKILL after the grace period")
+        assert 2.5 <= time.monotonic() - t0 < 15  # --cancel-grace-s 3 in the fixture
+    assert "executor killed" in stack.daemon_log("node-b")
