@@ -1,0 +1,189 @@
+"""The multi-LoRA engine on CPU against single-job PEFT runs (tiny random Llama and Qwen2):
+equivalence, NaN isolation, attach/detach, resume from a checkpoint, and the PEFT export."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, train_alone_peft
+from worker.checkpoint import job_state_dict, load_checkpoint, restore_job, save_checkpoint
+from worker.data import parse_record, tokenize_all
+from worker.engine import JobSpec, MultiLoraEngine, lr_factor
+from worker.export import export_peft
+
+# 4 jobs: different ranks, learning rates, batch sizes (and warmup/schedules)
+SPECS = [(2, 1e-3, 1, "linear"), (4, 5e-3, 2, "cosine"), (8, 2e-3, 3, "constant"), (16, 1e-2, 4, "linear")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # 2 shared cores: intra-op threads only add contention at these sizes
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):  # noqa: ANN201
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("engine")
+    out = {}
+    for fam in ("llama", "qwen2"):
+        d = tiny_model_dir(fam, root)
+        tok = AutoTokenizer.from_pretrained(d)
+        ex = tokenize_all(tok, [parse_record(r) for r in synthetic_rows(40, seed=3)], 48)
+        out[fam] = (d, tok, ex)
+    return out
+
+
+def specs(steps: int = 20) -> list[JobSpec]:
+    return [JobSpec(f"j{i}", rank=r, alpha=2.0 * r, lr=lr, batch_size=b, schedule=sch, warmup_steps=3,
+                    seed=10 + i, max_steps=steps) for i, (r, lr, b, sch) in enumerate(SPECS)]
+
+
+def make_engine(world, fam: str = "llama") -> MultiLoraEngine:  # noqa: ANN001
+    from transformers import AutoModelForCausalLM
+
+    d, tok, ex = world[fam]
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    return MultiLoraEngine(model, ex, tok.pad_token_id)
+
+
+def run_steps(eng: MultiLoraEngine, n: int, hist: dict[str, list[float]]) -> None:
+    for _ in range(n):
+        for j, v in eng.step().losses.items():
+            hist.setdefault(j, []).append(v)
+
+
+@pytest.mark.parametrize("fam", ["llama", "qwen2"])
+def test_jobs_trained_together_equal_each_trained_alone_with_peft(world, fam) -> None:  # noqa: ANN001
+    d, tok, ex = world[fam]
+    eng = make_engine(world, fam)
+    inits = {}
+    for s in specs():
+        st = eng.attach(s)
+        inits[s.job_id] = {k: v.clone() for k, v in st.adapter.peft_state_dict().items()}
+    hist: dict[str, list[float]] = {}
+    pads = []
+    for _ in range(20):
+        rep = eng.step()
+        pads.append(rep.padded_fraction)
+        for j, v in rep.losses.items():
+            hist[j].append(v) if j in hist else hist.__setitem__(j, [v])
+    assert max(pads) < 0.5  # packing keeps padding well below one-sequence-per-row
+    for s in specs():
+        ref_losses, ref_w = train_alone_peft(d, s, inits[s.job_id], ex, 20, tok.pad_token_id)
+        assert len(hist[s.job_id]) == 20
+        assert ref_losses[-1] != ref_losses[0]  # it trained
+        assert max(abs(a - b) for a, b in zip(ref_losses, hist[s.job_id], strict=True)) < 2e-5
+        mine = eng.jobs[s.job_id].adapter.peft_state_dict()
+        assert set(mine) == set(ref_w) and len(mine) == 2 * 7 * 2
+        for k, v in ref_w.items():
+            torch.testing.assert_close(mine[k], v, atol=2e-5, rtol=1e-4)
+        assert any(v.abs().max() > 0 for k, v in mine.items() if "lora_B" in k)
+
+
+def test_nan_job_leaves_other_jobs_bit_identical(world) -> None:  # noqa: ANN001
+    runs = {}
+    for bad_lr in (1e-3, 1e30):
+        eng = make_engine(world)
+        for s in specs(8)[:3]:
+            eng.attach(s)
+        eng.attach(JobSpec("bad", rank=4, alpha=8, lr=bad_lr, batch_size=2, seed=9, max_steps=8,
+                           max_grad_norm=None))
+        reports = [eng.step() for _ in range(8)]
+        runs[bad_lr] = (eng, reports)
+    sane, broken = runs[1e-3], runs[1e30]
+    assert not any(r.skipped["bad"] for r in sane[1])
+    assert any(math.isnan(r.losses["bad"]) and r.skipped["bad"] for r in broken[1])
+    assert broken[0].jobs["bad"].skipped_steps > 0
+    for j in ("j0", "j1", "j2"):
+        assert [r.losses[j] for r in sane[1]] == [r.losses[j] for r in broken[1]]
+        a = sane[0].jobs[j].adapter.state_dict()
+        b = broken[0].jobs[j].adapter.state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    # and a job with a finite loss but a non-finite gradient is skipped without touching others
+    eng = make_engine(world)
+    for s in specs(3)[:2]:
+        eng.attach(s)
+    before = {k: v.clone() for k, v in eng.jobs["j1"].adapter.state_dict().items()}
+    with torch.no_grad():
+        eng.jobs["j1"].adapter.lora_b[0].fill_(float("inf"))
+    rep = eng.step()
+    assert rep.skipped["j1"] and not rep.skipped["j0"] and math.isfinite(rep.losses["j0"])
+    assert torch.equal(eng.jobs["j1"].adapter.lora_a[0], before["lora_a.0"])
+
+
+def test_attach_detach_and_resume_match_uninterrupted_run(world, tmp_path) -> None:  # noqa: ANN001
+    sp = {s.job_id: s for s in specs(12)}
+    # uninterrupted: all four together from step 0
+    eng = make_engine(world)
+    for s in sp.values():
+        eng.attach(s)
+    ref: dict[str, list[float]] = {}
+    run_steps(eng, 12, ref)
+    ref_w = {j: s.adapter.state_dict() for j, s in eng.jobs.items()}
+
+    # interrupted: j2 attaches late, j1 is parked to CPU and comes back, and the executor is
+    # "killed" at some point and resumed from a checkpoint on a fresh model
+    eng = make_engine(world)
+    got: dict[str, list[float]] = {}
+    for j in ("j0", "j1", "j3"):
+        eng.attach(sp[j])
+    run_steps(eng, 3, got)
+    eng.attach(sp["j2"])
+    run_steps(eng, 2, got)
+    parked = eng.detach("j1", park_device="cpu")
+    run_steps(eng, 2, got)
+    eng.attach(parked)
+    run_steps(eng, 2, got)
+    path = save_checkpoint(tmp_path / "state.pt", {"jobs": [job_state_dict(s) for s in eng.jobs.values()]})
+    del eng
+    eng = make_engine(world)
+    for d in load_checkpoint(path)["jobs"]:
+        eng.attach(restore_job(eng, d))
+    while any(not s.done for s in eng.jobs.values()):
+        run_steps(eng, 1, got)
+    for j in sp:
+        assert len(got[j]) == 12
+        torch.testing.assert_close(torch.tensor(got[j]), torch.tensor(ref[j]), atol=1e-6, rtol=1e-6)
+        w = eng.jobs[j].adapter.state_dict()
+        for k in w:
+            torch.testing.assert_close(w[k], ref_w[j][k], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fam", ["llama", "qwen2"])
+def test_export_loads_in_peft_with_same_logits(world, tmp_path, fam) -> None:  # noqa: ANN001
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    d, tok, ex = world[fam]
+    eng = make_engine(world, fam)
+    for s in specs(4)[1:3]:
+        eng.attach(s)
+    run_steps(eng, 4, {})
+    ids = torch.tensor([list(ex[0].input_ids[:20]), list(ex[1].input_ids[:20])])
+    for j in ("j1", "j2"):
+        out = export_peft(eng.jobs[j].adapter, tmp_path / j, list(eng.targets), str(d))
+        base = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        plain = base(input_ids=ids).logits
+        peft_model = PeftModel.from_pretrained(base, out).eval()
+        with torch.no_grad():
+            theirs = peft_model(input_ids=ids).logits
+        mine = eng.logits(j, ids)
+        assert (mine - plain).abs().max() > 1e-4  # the adapter changes the logits
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_lr_schedule_shapes() -> None:
+    assert lr_factor(0, 4, 20) == 0.0 and lr_factor(2, 4, 20) == 0.5 and lr_factor(4, 4, 20) == 1.0
+    assert lr_factor(20, 4, 20) == 0.0 and lr_factor(12, 4, 20) == pytest.approx(0.5)
+    assert lr_factor(12, 4, 20, "cosine") == pytest.approx(0.5)
+    assert lr_factor(19, 0, 20, "constant") == 1.0
+    with pytest.raises(ValueError):
+        lr_factor(5, 0, 10, "bogus")
