@@ -7,6 +7,7 @@ import hashlib
 import itertools
 import json
 import logging
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -172,28 +173,46 @@ def list_tasks(session: Session, tenant: Tenant, limit: int, after: str | None,
 
 
 def task_out(session: Session, task: Task) -> TaskOut:
-    counts = dict(session.execute(select(Job.state, func.count()).where(
-        Job.task_id == task.id).group_by(Job.state)).all())
+    return task_outs(session, [task])[0]
+
+
+def task_outs(session: Session, tasks: list[Task]) -> list[TaskOut]:
+    """API views of tasks, with a fixed number of queries for the whole page."""
+    ids = [t.id for t in tasks]
+    counts: dict[str, dict[str, int]] = {i: {} for i in ids}
+    for task_id, state, n in session.execute(
+            select(Job.task_id, Job.state, func.count()).where(Job.task_id.in_(ids))
+            .group_by(Job.task_id, Job.state)):
+        counts[task_id][state] = n
+    failed = dict(session.execute(
+        select(Placement.task_id, func.count()).where(
+            Placement.task_id.in_(ids), Placement.state == "failed").group_by(Placement.task_id)
+    ).all())
     # The placement that says most about "when": the live one, else the latest that ran.
-    placement = session.execute(
-        select(Placement.planned_start, Placement.planned_end, Placement.attempt)
-        .where(Placement.task_id == task.id,
-               Placement.state.not_in(("superseded", "cancelled")))
-        .order_by(Placement.created_at.desc()).limit(1)).first()
-    failed = session.scalar(select(func.count()).select_from(Placement).where(
-        Placement.task_id == task.id, Placement.state == "failed")) or 0
-    return TaskOut(
-        id=task.id, state=task.state, base_model=task.base_model, method=task.method,
-        training_file=task.training_file_id, validation_file=task.validation_file_id,
-        validation_split=task.validation_split, search_space=task.search_space,
-        epochs=task.epochs, max_seq_len=task.max_seq_len, seed=task.seed,
-        early_exit=task.early_exit, eval=task.eval, target_modules=task.target_modules,
-        priority=task.priority, num_jobs=sum(counts.values()), job_counts=counts,
-        best_job_id=task.best_job_id, error=task.error,
-        attempt=placement.attempt if placement else failed + 1,
-        planned_start=placement.planned_start if placement else None,
-        planned_end=placement.planned_end if placement else None, created_at=task.created_at,
-        started_at=task.started_at, finished_at=task.finished_at)
+    latest: dict[str, Any] = {}
+    for row in session.execute(
+            select(Placement.task_id, Placement.planned_start, Placement.planned_end,
+                   Placement.attempt)
+            .where(Placement.task_id.in_(ids),
+                   Placement.state.not_in(("superseded", "cancelled")))
+            .order_by(Placement.created_at.desc())):
+        latest.setdefault(row.task_id, row)
+    out = []
+    for task in tasks:
+        c, p = counts[task.id], latest.get(task.id)
+        out.append(TaskOut(
+            id=task.id, state=task.state, base_model=task.base_model, method=task.method,
+            training_file=task.training_file_id, validation_file=task.validation_file_id,
+            validation_split=task.validation_split, search_space=task.search_space,
+            epochs=task.epochs, max_seq_len=task.max_seq_len, seed=task.seed,
+            early_exit=task.early_exit, eval=task.eval, target_modules=task.target_modules,
+            priority=task.priority, num_jobs=sum(c.values()), job_counts=c,
+            best_job_id=task.best_job_id, error=task.error,
+            attempt=p.attempt if p else failed.get(task.id, 0) + 1,
+            planned_start=p.planned_start if p else None,
+            planned_end=p.planned_end if p else None, created_at=task.created_at,
+            started_at=task.started_at, finished_at=task.finished_at))
+    return out
 
 
 def list_jobs(session: Session, task: Task) -> list[JobOut]:

@@ -52,7 +52,7 @@ def list_tasks(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
                state: Annotated[TaskState | None, Query()] = None) -> Page[TaskOut]:
     rows, more = tasks.list_tasks(session, tenant, min(limit, settings.max_page_size), after,
                                   state)
-    return Page[TaskOut](data=[tasks.task_out(session, t) for t in rows], has_more=more,
+    return Page[TaskOut](data=tasks.task_outs(session, rows), has_more=more,
                          last_id=rows[-1].id if rows else None)
 
 
