@@ -1,0 +1,95 @@
+"""The executor recipe on a tiny Llama: admission limit, warmup rotation and ranking, divergence
+exit, best/final PEFT exports, callbacks, and a killed run resumed from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+import torch
+
+from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
+from worker.early_exit import EarlyExitConfig
+from worker.engine import JobSpec
+from worker.executor import Callbacks, Executor, ExecutorConfig
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.train: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        self.evals: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        self.states: list[tuple[str, str, dict]] = []
+        self.events: list[tuple[str, str, dict]] = []
+        self.adapters: list[tuple[str, str]] = []
+
+    def callbacks(self) -> Callbacks:
+        return Callbacks(
+            on_train_loss=lambda j, s, v: self.train[j].append((s, v)),
+            on_eval=lambda j, s, v: self.evals[j].append((s, v)),
+            on_job_state=lambda j, st, d: self.states.append((j, st, d)),
+            on_adapter=lambda j, kind, p: self.adapters.append((j, kind)),
+            on_event=lambda j, m, d: self.events.append((j, m, d)),
+        )
+
+
+def config(tmp_path, out: str, **kw) -> ExecutorConfig:  # noqa: ANN001
+    d = tiny_model_dir("llama", tmp_path)
+    train = write_jsonl(tmp_path / "train.jsonl", synthetic_rows(30, seed=5, fmt="completion"))
+    jobs = [JobSpec(f"job{i}", rank=r, alpha=2 * r, lr=lr, batch_size=b, max_steps=12, seed=i)
+            for i, (r, lr, b) in enumerate([(4, 3e-3, 2), (8, 1e-2, 2), (2, 1e-3, 3), (4, 1e30, 2),
+                                            (8, 5e-3, 3), (4, 2e-3, 2)])]
+    base = dict(model_dir=str(d), train_file=str(train), output_dir=str(tmp_path / out), jobs=jobs,
+                max_seq_len=48, eval_every=4, checkpoint_every=5, max_active_jobs=3,
+                early_exit=EarlyExitConfig(warmup_fraction=0.2, keep_ratio=0.5, tau_gap=10.0))
+    base.update(kw)
+    return ExecutorConfig(**base)
+
+
+def test_executor_runs_a_task_end_to_end(tmp_path) -> None:  # noqa: ANN001
+    rec = Recorder()
+    status = Executor(config(tmp_path, "run"), rec.callbacks()).run()
+    # every configuration got its warmup (3 steps = ceil(0.2 * 12)) before the ranking
+    assert all(len(rec.train[f"job{i}"]) >= 3 for i in (0, 1, 2, 4, 5))
+    assert 1 <= len(rec.train["job3"]) < 12
+    ranking = [d for j, m, d in rec.events if m == "warmup_ranking"]
+    assert len(ranking) == 1
+    assert any(m == "parked_after_warmup" for _, m, _ in rec.events)  # rotation happened
+    assert status["job3"] == {"state": "exited", "exit_reason": "diverging"}
+    kept = ranking[0]["keep"]
+    assert len(kept) == 3 and "job3" not in kept  # ceil(0.5 * 5 survivors)
+    for j in kept:
+        assert status[j]["state"] == "completed"
+        assert [s for s, _ in rec.train[j]] == list(range(1, 13))
+        assert (j, "best") in rec.adapters and (j, "final") in rec.adapters
+        cfg = json.loads((tmp_path / "run" / "jobs" / j / "best" / "adapter_config.json").read_text())
+        assert cfg["peft_type"] == "LORA" and cfg["r"] in (2, 4, 8)
+    for j in ranking[0]["evict"]:
+        assert status[j] == {"state": "exited", "exit_reason": "underperforming"}
+    # the kept ones are the lowest end-of-warmup validation losses
+    warm = {j: v for j in ranking[0]["keep"] + ranking[0]["evict"] for s, v in rec.evals[j] if s == 3}
+    assert max(warm[j] for j in kept) <= min(warm[j] for j in ranking[0]["evict"])
+    assert ("job0", "running", {"resumed": False}) in rec.states
+
+
+def test_killed_executor_resumes_exactly(tmp_path) -> None:  # noqa: ANN001
+    full = Recorder()
+    ref_status = Executor(config(tmp_path, "full"), full.callbacks()).run()
+    first, second = Recorder(), Recorder()
+    Executor(config(tmp_path, "killed", stop_after_steps=7), first.callbacks()).run()
+    status = Executor(config(tmp_path, "killed"), second.callbacks()).run()
+    assert any(m == "resumed" for _, m, _ in second.events)
+    assert status == ref_status
+    for j, ref in full.train.items():
+        got = first.train.get(j, []) + second.train.get(j, [])
+        assert [s for s, _ in got] == [s for s, _ in ref]
+        torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in ref]),
+                                   atol=1e-6, rtol=1e-6, equal_nan=True)
