@@ -86,8 +86,8 @@ def test_daemon_runs_a_placement_to_success(stack: Stack) -> None:
         assert tgz.status_code == 200
         with tarfile.open(fileobj=io.BytesIO(tgz.content), mode="r:gz") as tf:
             assert sorted(tf.getnames()) == ["adapter_config.json", "adapter_model.safetensors"]
-    log = stack.daemon_log("node-a")
-    assert "from=idle to=busy" in log and "placement done" in log
+    wait_for(lambda: "placement done" in stack.daemon_log("node-a"), 10, "placement done")
+    assert "from=idle to=busy" in stack.daemon_log("node-a")
 
 
 def test_executor_kill9_is_retried_from_checkpoint(stack: Stack) -> None:
