@@ -192,13 +192,27 @@ def _tenant_caps(inst: Instance, pinned: Sequence[Placed]) -> dict[str, int]:
 
 def _hint_schedule(jobs: list[UJob], node_caps: list[int], tenant_caps: dict[str, int],
                    pinned: list[Placed]) -> list[Placed]:
-    """Previous-plan order first (repaired by list scheduling), new tasks longest-first."""
+    """Previous-plan order first (repaired by list scheduling), then new tasks in the best of
+    three orders: longest, largest-area and widest first (by bounded waiting deadline first)."""
     hinted = sorted((j for j in jobs if j.hint_node is not None),
                     key=lambda j: (j.hint_start or 0, j.index))
-    fresh = sorted((j for j in jobs if j.hint_node is None),
-                   key=lambda j: (j.max_start if j.max_start is not None else 10**12,
-                                  -max(o.gpus * o.duration for o in j.options), j.index))
-    return list_schedule(hinted + fresh, node_caps, tenant_caps, pinned, follow_hints=True)
+    best: list[Placed] = []
+    for rule in (lambda o: (o.duration, o.gpus), lambda o: (o.gpus * o.duration, o.duration),
+                 lambda o: (o.gpus, o.duration)):
+        fresh = sorted((j for j in jobs if j.hint_node is None),
+                       key=lambda j, r=rule: (
+                           j.max_start if j.max_start is not None else 10**12,
+                           tuple(-x for x in max(r(o) for o in j.options)), j.index))
+        sched = list_schedule(hinted + fresh, node_caps, tenant_caps, pinned, follow_hints=True)
+        if not best or _score(sched) < _score(best):
+            best = sched
+    return best
+
+
+def _score(sched: Sequence[Placed]) -> tuple[int, int, int]:
+    late = sum(p.job.max_start is not None and p.start > p.job.max_start for p in sched)
+    return (late, max((p.end for p in sched), default=0),
+            sum(p.job.weight * p.end for p in sched))
 
 
 def _respects_waiting(sched: Sequence[Placed]) -> bool:
@@ -244,6 +258,14 @@ def solve(inst: Instance, opts: SolveOptions | None = None) -> Plan:
                 time.perf_counter() - t0, relaxed, t1 - t0)
 
 
+def heuristic_makespan(inst: Instance, unit_s: int = 1) -> int:
+    """Makespan (seconds) of the list-scheduling plan that hints the solver (a baseline)."""
+    jobs, pinned, _, _ = _build_jobs(inst, unit_s)
+    node_caps = [n.gpu_count if n.up else 0 for n in inst.nodes]
+    sched = _hint_schedule(jobs, node_caps, _tenant_caps(inst, pinned), pinned)
+    return max([p.end for p in sched] + [p.end for p in pinned] + [0]) * unit_s
+
+
 def _lower_bound(jobs: Sequence[UJob], pinned: Sequence[Placed], node_caps: Sequence[int]) -> int:
     cap = sum(node_caps)
     energy = sum(min(o.gpus * o.duration for o in j.options) for j in jobs)
@@ -269,6 +291,7 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
     node_iv: list[list] = [[] for _ in node_caps]
     tenant_iv: dict[str, list] = {t: [] for t in tenant_caps}
     energy = []
+    node_energy: list[list] = [[] for _ in node_caps]
     for j in jobs:
         dmin = min(o.duration for o in j.options)
         hi = horizon - dmin
@@ -287,6 +310,7 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
             if j.tenant in tenant_iv:
                 tenant_iv[j.tenant].append((iv, o.gpus))
             energy.append(o.gpus * o.duration * y)
+            node_energy[o.node].append(o.gpus * o.duration * y)
         m.add_exactly_one(pres[j.index, o.node] for o in j.options)
     for p in pinned:
         iv = m.new_fixed_size_interval_var(0, p.end, f"pin{p.job.index}")
@@ -303,6 +327,12 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
     m.add_max_equality(makespan, [*end.values(), pin_end])
     pinned_energy = sum(p.end * p.option.gpus for p in pinned)
     m.add(sum(energy) + pinned_energy <= sum(node_caps) * makespan)
+    for n, cap in enumerate(node_caps):  # the same energy bound per node
+        if node_energy[n]:
+            m.add(sum(node_energy[n])
+                  + sum(p.end * p.option.gpus for p in pinned if p.option.node == n)
+                  <= cap * makespan)
+    m.add_hint(makespan, max([pin_end] + [p.end for p in greedy]))
     for p in greedy:
         m.add_hint(start[p.job.index], p.start)
         m.add_hint(end[p.job.index], p.end)
@@ -320,6 +350,7 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
     t_phase1 = time.perf_counter()
     if opts.secondary_time_limit_s > 0:
         m.clear_hints()
+        m.add_hint(makespan, best)
         for j in jobs:
             m.add_hint(start[j.index], solver.value(start[j.index]))
             m.add_hint(end[j.index], solver.value(end[j.index]))
@@ -338,6 +369,9 @@ def _solver(opts: SolveOptions, limit: float) -> cp_model.CpSolver:
     solver.parameters.max_time_in_seconds = limit
     solver.parameters.num_workers = opts.workers
     solver.parameters.random_seed = opts.seed
+    # Presolve's symmetry reductions can break a feasible hint (ortools 9.15 reports "Presolve
+    # broke a feasible hint" in debug mode); keeping symmetries keeps the hint usable.
+    solver.parameters.keep_symmetry_in_presolve = True
     return solver
 
 
