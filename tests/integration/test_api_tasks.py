@@ -233,3 +233,22 @@ def test_state_filter_metrics_filters_and_plan_times(client, factory):  # noqa: 
     assert [c_["job_id"] for c_ in one["jobs"]] == [j1]
     assert [p["step"] for p in one["jobs"][0]["train"]] == [2, 3]
     assert client.get(url, headers=t.headers, params={"job_id": "job_x"}).status_code == 404
+
+
+def test_methods_validation_files_and_held_out_split(client, factory, session):  # noqa: ANN001
+    from service.models import Task
+
+    t = factory.tenant()
+    pref = factory.file(t, [{"prompt": f"p{i}", "chosen": "good", "rejected": "bad"}
+                            for i in range(10)])["id"]
+    chat = factory.file(t)["id"]  # 12 records
+    dpo = factory.task(t, pref, method="dpo")
+    assert dpo["method"] == "dpo" and dpo["validation_file"] is None
+    # 10% of 10 records held out for validation -> 9 to train on.
+    assert session.get(Task, dpo["id"]).num_train_samples == 9
+    r = client.post("/v1/tasks", headers=t.headers, json={
+        "base_model": "tiny-llama", "training_file": chat, "validation_file": pref})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "validation_file"
+    sft = factory.task(t, chat, validation_file=chat, max_seq_len=None)
+    assert sft["validation_file"] == chat and sft["max_seq_len"] == 512  # the model's limit
+    assert session.get(Task, sft["id"]).num_train_samples == 12
