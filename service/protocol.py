@@ -174,8 +174,10 @@ class ArtifactMeta(_Msg):
     kind: Literal["adapter", "checkpoint"]
     job_id: str | None = None
     step: int | None = Field(default=None, ge=0, le=INT32_MAX)
-    key: str | None = Field(default=None, max_length=200,
-                            description="Defaults to 'adapter:<job_id>' / 'checkpoint:<step>'.")
+    key: str | None = Field(
+        default=None, max_length=180,
+        description="Checkpoints only: stored as 'checkpoint:<key or step>'. An adapter's key is "
+                    "always 'adapter:<job_id>' (one per job; a new upload replaces it).")
     meta: dict | None = None
 
 

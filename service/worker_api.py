@@ -177,11 +177,11 @@ def store_artifact(session: Session, storage: Storage, task: Task, meta: Artifac
         blobs = dict(files)
         _check_adapter_config(blobs["adapter_config.json"])
         _check_safetensors(blobs["adapter_model.safetensors"])
-        key = meta.key or f"adapter:{job.id}"
+        key = f"adapter:{job.id}"  # one adapter per job: a new upload replaces it
     else:
         if meta.step is None and meta.key is None:
             raise invalid("a checkpoint needs step (or key)", param="step")
-        key = meta.key or f"checkpoint:{meta.step}"
+        key = f"checkpoint:{meta.key if meta.key is not None else meta.step}"
     sizes = []
     for _, src in files:
         src.seek(0, 2)
