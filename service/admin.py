@@ -1,5 +1,6 @@
 """Operator commands: ``python -m service.admin migrate`` (Alembic upgrade head),
-``create-tenant NAME`` (prints the API key once), ``create-key NAME``, ``list-tenants``."""
+``create-tenant NAME`` (prints the API key once), ``create-key``, ``revoke-key``, ``set-limit``,
+``list-tenants``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from service.auth import create_api_key, create_tenant
+from service.auth import create_api_key, create_tenant, revoke_api_key
 from service.config import get_settings
 from service.db import make_engine, make_sessionmaker, session_scope
 from service.errors import ApiError
@@ -40,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="do nothing (exit 0, print nothing) when the tenant exists")
     p = sub.add_parser("create-key", help="print a new API key for an existing tenant")
     p.add_argument("name")
+    p = sub.add_parser("revoke-key", help="revoke an API key (read from stdin if '-')")
+    p.add_argument("key")
+    p = sub.add_parser("set-limit", help="cap the GPUs a tenant may hold at once")
+    p.add_argument("name")
+    p.add_argument("--max-gpus", type=int, default=None, help="omit for no limit")
     sub.add_parser("list-tenants")
     args = parser.parse_args(argv)
     settings = get_settings()
@@ -65,6 +71,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: no tenant {args.name!r}", file=sys.stderr)
                 return 1
             print(create_api_key(session, tenant))
+        elif args.cmd == "revoke-key":
+            key = sys.stdin.readline().strip() if args.key == "-" else args.key
+            if not revoke_api_key(session, key):
+                print("error: no such key", file=sys.stderr)
+                return 1
+            print("revoked", file=sys.stderr)
+        elif args.cmd == "set-limit":
+            tenant = session.scalar(select(Tenant).where(Tenant.name == args.name))
+            if tenant is None:
+                print(f"error: no tenant {args.name!r}", file=sys.stderr)
+                return 1
+            tenant.max_gpus = args.max_gpus
         else:
             for t in session.scalars(select(Tenant).order_by(Tenant.created_at)):
                 print(f"{t.id}\t{t.name}\tmax_gpus={t.max_gpus}")

@@ -7,9 +7,12 @@ import subprocess
 import sys
 
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 
 from service.app import create_app
+from service.config import get_settings
 from service.localstack import free_port
+from service.models import Tenant
 
 
 def test_health_and_ready(client):  # noqa: ANN001
@@ -66,11 +69,10 @@ def test_cluster_view(client, factory):  # noqa: ANN001
     assert client.get("/v1/cluster", headers=factory.worker).status_code == 401  # admin set
 
 
-def test_admin_cli_creates_working_key(client, settings):  # noqa: ANN001
+def test_admin_cli_creates_working_key(client, settings, session, monkeypatch):  # noqa: ANN001
+    from service.admin import main
+
     env = {"LORAPLEX_DATABASE_URL": settings.database_url, "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([sys.executable, "-m", "service.admin", "migrate"], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
     run = subprocess.run([sys.executable, "-m", "service.admin", "create-tenant", "acme"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -78,9 +80,21 @@ def test_admin_cli_creates_working_key(client, settings):  # noqa: ANN001
     assert key.startswith("lpx-")
     r = client.get("/v1/tasks", headers={"Authorization": f"Bearer {key}"})
     assert r.status_code == 200
-    again = subprocess.run([sys.executable, "-m", "service.admin", "create-tenant", "acme",
-                            "--if-missing"], env=env, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 0 and again.stdout == ""
+    monkeypatch.setenv("LORAPLEX_DATABASE_URL", settings.database_url)
+    get_settings.cache_clear()
+    try:
+        assert main(["migrate"]) == 0  # already at head: a no-op
+        assert main(["create-tenant", "acme", "--if-missing"]) == 0
+        assert main(["create-tenant", "acme"]) == 1
+        assert main(["set-limit", "acme", "--max-gpus", "4"]) == 0
+        assert main(["set-limit", "nobody", "--max-gpus", "4"]) == 1
+        assert main(["revoke-key", key]) == 0
+        assert main(["revoke-key", key + "x"]) == 1
+    finally:
+        get_settings.cache_clear()
+    assert client.get("/v1/tasks", headers={"Authorization": f"Bearer {key}"}).status_code == 401
+    session.expire_all()
+    assert session.scalar(select(Tenant.max_gpus).where(Tenant.name == "acme")) == 4
 
 
 def test_maintenance_thread_marks_nodes_down_and_republishes(settings, session):  # noqa: ANN001
