@@ -231,16 +231,30 @@ def _pack_rows(seqs: Sequence[Example], length: int) -> list[list[Example]]:
 
 
 def pack_step(
-    per_job: Sequence[Sequence[Example]], pad_id: int, pack: bool = True, multiple_of: int = 1
+    per_job: Sequence[Sequence[Example]], pad_id: int, pack: bool = True, multiple_of: int = 1,
+    max_row_len: int = 2048,
 ) -> PackedBatch:
-    """Pack each job's examples into rows of the step's common length (the longest sequence,
-    rounded up to `multiple_of`); with pack=False one sequence per row."""
+    """Pack each job's examples into rows of one common length: the length among a few multiples
+    of the longest sequence (up to max_row_len) that pads least, rounded up to `multiple_of`.
+    With pack=False, one sequence per row padded to the longest."""
     longest = max((len(e.input_ids) for seqs in per_job for e in seqs), default=1)
     length = -(-longest // multiple_of) * multiple_of
+    layout = [[[e] for e in seqs] for seqs in per_job]
+    if pack:
+        # the row length with the fewest padded tokens among a few multiples of the longest
+        best = None
+        for factor in (1.0, 1.25, 1.5, 2.0, 3.0, 4.0):
+            cand = -(-max(longest, int(longest * factor)) // multiple_of) * multiple_of
+            if cand > max(length, max_row_len):
+                break
+            cand_layout = [_pack_rows(seqs, cand) for seqs in per_job]
+            area = cand * sum(len(r) for r in cand_layout)
+            if best is None or area < best[0]:
+                best = (area, cand, cand_layout)
+        _, length, layout = best
     rows: list[list[Example]] = []
     row_offsets = [0]
-    for seqs in per_job:
-        job_rows = _pack_rows(seqs, length) if pack else [[e] for e in seqs]
+    for job_rows in layout:
         rows += job_rows
         row_offsets.append(len(rows))
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
