@@ -95,6 +95,7 @@ class Executor:
         self.queue: list[JobSpec | JobState] = list(cfg.jobs)  # never started, then parked
         self.global_step = 0
         self.last_eval: dict[str, int] = {}
+        self.padded: list[float] = []  # padded-token fraction per step since the last checkpoint
 
     # ----- setup -------------------------------------------------------------------------
     def _load(self) -> None:
@@ -150,6 +151,7 @@ class Executor:
                 break
             report = self.engine.step()
             self.global_step += 1
+            self.padded.append(report.padded_fraction)
             for job_id, loss in report.losses.items():
                 step = report.steps[job_id]
                 self.cb.on_train_loss(job_id, step, loss)
@@ -257,6 +259,13 @@ class Executor:
 
     # ----- checkpoints -------------------------------------------------------------------------
     def _checkpoint(self) -> None:
+        if self.padded:
+            self.cb.on_event("", "throughput", {
+                "global_step": self.global_step,
+                "padded_fraction": sum(self.padded) / len(self.padded),
+                "active_jobs": len(self.engine.jobs),
+            })
+            self.padded = []
         active = [job_state_dict(s) for s in self.engine.jobs.values()]
         queued = [job_state_dict(q) if isinstance(q, JobState) else {"fresh": q} for q in self.queue]
         save_checkpoint(self.out / "state.pt", {
@@ -273,3 +282,35 @@ class Executor:
         self.global_step, self.last_eval = ck["global_step"], ck["last_eval"]
         set_rng_state(ck["rng"])
         self.cb.on_event("", "resumed", {"global_step": self.global_step})
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m worker.executor config.json`: run one task, printing callbacks as JSON lines."""
+    import argparse
+    import json
+    import sys
+
+    parser = argparse.ArgumentParser(description="Run one task's jobs on this machine.")
+    parser.add_argument("config", help="JSON file with ExecutorConfig fields; jobs as a list of JobSpec dicts")
+    args = parser.parse_args(argv)
+    raw = json.loads(Path(args.config).read_text())
+    raw["jobs"] = [JobSpec(**{**j, "betas": tuple(j.get("betas", (0.9, 0.999)))}) for j in raw["jobs"]]
+    if "early_exit" in raw:
+        raw["early_exit"] = EarlyExitConfig(**raw["early_exit"])
+    if "targets" in raw:
+        raw["targets"] = tuple(raw["targets"])
+
+    def emit(kind: str) -> Callable[..., None]:
+        def f(job_id: str, *rest: Any) -> None:
+            print(json.dumps({"kind": kind, "job": job_id, "data": [str(r) if isinstance(r, Path) else r
+                                                                    for r in rest]}, default=str))
+            sys.stdout.flush()
+        return f
+
+    cb = Callbacks(emit("train_loss"), emit("eval"), emit("job_state"), emit("adapter"), emit("event"))
+    status = Executor(ExecutorConfig(**raw), cb).run()
+    print(json.dumps({"kind": "done", "status": status}))
+
+
+if __name__ == "__main__":
+    main()

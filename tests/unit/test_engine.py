@@ -33,7 +33,7 @@ def world(tmp_path_factory):  # noqa: ANN201
 
     root = tmp_path_factory.mktemp("engine")
     out = {}
-    for fam in ("llama", "qwen2"):
+    for fam in ("llama", "qwen2", "mistral"):
         d = tiny_model_dir(fam, root)
         tok = AutoTokenizer.from_pretrained(d)
         ex = tokenize_all(tok, [parse_record(r) for r in synthetic_rows(40, seed=3)], 48)
@@ -157,7 +157,7 @@ def test_attach_detach_and_resume_match_uninterrupted_run(world, tmp_path) -> No
             torch.testing.assert_close(w[k], ref_w[j][k], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fam", ["llama", "qwen2"])
+@pytest.mark.parametrize("fam", ["llama", "qwen2", "mistral"])
 def test_export_loads_in_peft_with_same_logits(world, tmp_path, fam) -> None:  # noqa: ANN001
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
