@@ -1,0 +1,262 @@
+"""replan(): load unfinished tasks and nodes from Postgres, estimate, solve with the CP-SAT planner,
+write the plan as ``planned`` placement rows and publish those that start now on free GPUs.
+
+Called by service.cluster.cluster_changed on task arrival, cancel, completion/failure and node
+join/leave; it flushes but never commits (the caller does). Rules:
+- a task with a published|claimed|running placement is pinned there (never moved);
+- a queued task's old ``planned`` row is kept when the new plan agrees with it, else superseded;
+- bounded waiting: a task's start may not move past its first planned start of this attempt plus
+  ``max_delay_s`` (dropped for the whole replan when that is infeasible, e.g. a node went down);
+- time is discretised to ``unit_s`` seconds (default 60); durations are rounded up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session
+
+from service.config import Settings
+from service.models import (
+    PLACEMENT_ACTIVE,
+    File,
+    Job,
+    Node,
+    Placement,
+    Task,
+    Tenant,
+    ThroughputProfile,
+    utcnow,
+)
+from service.queue import publish_placement
+from service.registry import ModelRegistry
+from service.scheduler.estimator import (
+    Estimator,
+    EstimatorConfig,
+    JobProgress,
+    ModelShape,
+    TaskWork,
+    gpu_spec,
+)
+from service.scheduler.planner import (
+    Hint,
+    Instance,
+    NodeSpec,
+    Pinned,
+    Plan,
+    SolveOptions,
+    TaskSpec,
+    solve,
+)
+
+log = logging.getLogger("loraplex.scheduler")
+
+_LOCK_KEY = 0x4C4F5241  # pg advisory lock: one replan at a time across API replicas
+DEFAULT_MAX_DELAY_S = 3600
+DEFAULT_UNIT_S = 60
+DEFAULT_TIME_LIMIT_S = 1.0
+
+
+@dataclass
+class PlanInfo:
+    """What the last replan of this process decided (for GET /v1/cluster)."""
+
+    at: datetime | None = None
+    status: str = "none"
+    makespan_s: int = 0
+    gap: float = 0.0
+    solve_time_s: float = 0.0
+    relaxed_waiting: bool = False
+    unschedulable: dict[str, str] = field(default_factory=dict)
+
+
+_last = PlanInfo()
+
+
+def last_plan_info() -> PlanInfo:
+    return _last
+
+
+def _knob(settings: Settings, name: str, default: float) -> Any:
+    # Optional Settings fields (scheduler_*); the defaults apply until the config has them.
+    return getattr(settings, name, None) or default
+
+
+def _model_shape(registry: ModelRegistry, name: str) -> tuple[ModelShape, int]:
+    entry = registry.get(name)
+    if entry is None:
+        return ModelShape.guess(8_000_000_000), 1
+    config_path = Path(entry.path) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+        return ModelShape.from_config(entry.parameters, config), entry.gpus
+    except (OSError, ValueError):
+        return ModelShape.guess(entry.parameters or 8_000_000_000), entry.gpus
+
+
+def _work(task: Task, jobs: Iterable[Job], file: File | None) -> TaskWork:
+    ee = task.early_exit or {}
+    avg_tokens = float(task.max_seq_len)
+    if file is not None and file.line_count:
+        avg_tokens = min(avg_tokens, file.bytes / file.line_count / EstimatorConfig().bytes_per_token)
+    samples = task.num_train_samples or (file.line_count if file else 1)
+    return TaskWork(
+        task.base_model, max(1, samples), max(1, task.epochs), max(1.0, avg_tokens),
+        task.max_seq_len,
+        [JobProgress(int((j.config or {}).get("batch_size", 1)), j.last_step or 0, j.state)
+         for j in jobs],
+        early_exit=bool(ee.get("enabled", True)),
+        warmup_fraction=float(ee.get("warmup_fraction", 0.05)),
+        keep_fraction=float(ee.get("keep_fraction", 0.25)))
+
+
+def _measured_rate(work: TaskWork, since: datetime | None, now: datetime) -> float | None:
+    """Tokens/s of a running task from its jobs' steps since the placement was claimed."""
+    if since is None:
+        return None
+    elapsed = (now - since).total_seconds()
+    done = sum(j.last_step * j.batch_size * work.avg_tokens_per_sample for j in work.jobs)
+    return done / elapsed if elapsed >= 60 and done > 0 else None
+
+
+def build_instance(session: Session, settings: Settings, now: datetime
+                   ) -> tuple[Instance, dict[str, list[Placement]]]:
+    """The planner's instance from Postgres, and each task's planned|active placement rows."""
+    nodes = session.scalars(select(Node).order_by(Node.name)).all()
+    tasks = session.scalars(select(Task).where(Task.state.in_(("queued", "running")))
+                            .order_by(Task.created_at, Task.id)).all()
+    ids = [t.id for t in tasks]
+    jobs: dict[str, list[Job]] = {}
+    for j in session.scalars(select(Job).where(Job.task_id.in_(ids))):
+        jobs.setdefault(j.task_id, []).append(j)
+    rows: dict[str, list[Placement]] = {}
+    for p in session.scalars(select(Placement).where(Placement.task_id.in_(ids))
+                             .order_by(Placement.created_at)):
+        rows.setdefault(p.task_id, []).append(p)
+    files = {f.id: f for f in session.scalars(
+        select(File).where(File.id.in_({t.training_file_id for t in tasks})))}
+    limits = {t.id: t.max_gpus for t in session.scalars(
+        select(Tenant).where(Tenant.max_gpus.is_not(None)))}
+    profiles = {(p.base_model, p.gpu_type, p.seq_len, p.batch_key): p.tokens_per_s
+                for p in session.scalars(select(ThroughputProfile))}
+    registry = ModelRegistry(settings.models_file)
+    shapes, minimum = {}, {}
+    for name in {t.base_model for t in tasks}:
+        shapes[name], minimum[name] = _model_shape(registry, name)
+    est = Estimator(shapes, profiles)
+    gpu_types = {n.gpu_type: gpu_spec(n.gpu_type, n.gpu_memory_bytes or None,
+                                      _tflops(n.meta)) for n in nodes}
+    max_delay = int(_knob(settings, "scheduler_max_delay_s", DEFAULT_MAX_DELAY_S))
+    specs = []
+    for task in tasks:
+        work = _work(task, jobs.get(task.id, []), files.get(task.training_file_id))
+        mine = rows.get(task.id, [])
+        active = next((p for p in reversed(mine) if p.state in PLACEMENT_ACTIVE), None)
+        since = active.claimed_at if active is not None else None
+        by_type = {gt: est.estimate(work, gt, spec, minimum[task.base_model],
+                                    _measured_rate(work, since, now))
+                   for gt, spec in gpu_types.items()}
+        g, d = next(iter(by_type.values()), (minimum[task.base_model], 3600))
+        common = dict(id=task.id, tenant=task.tenant_id, gpus_needed=g, duration_s=d,
+                      priority=task.priority, by_gpu_type=by_type)
+        if active is not None:
+            node_type = next((n.gpu_type for n in nodes if n.id == active.node_id), None)
+            start = active.claimed_at or active.published_at or active.planned_start
+            started = int((start - now).total_seconds())
+            if node_type in by_type:  # remaining time of the running task
+                common["duration_s"] = by_type[node_type][1]
+            common["gpus_needed"] = len(active.gpu_indices)
+            common["by_gpu_type"] = {}
+            specs.append(TaskSpec(**common, state="running", pinned=Pinned(
+                active.node_id, tuple(active.gpu_indices), min(0, started))))
+            continue
+        attempt_rows = [p for p in mine if p.attempt == _attempt(mine)]
+        planned = next((p for p in reversed(mine) if p.state == "planned"), None)
+        hint = max_start = None
+        if planned is not None:
+            hint = Hint(planned.node_id, max(0, int((planned.planned_start - now).total_seconds())),
+                        tuple(planned.gpu_indices))
+        if attempt_rows:
+            first = min(p.planned_start for p in attempt_rows)
+            max_start = max(0, int((first - now).total_seconds()) + max_delay)
+        specs.append(TaskSpec(**common, hint=hint, max_start_s=max_start))
+    node_specs = [NodeSpec(n.id, n.gpu_type, n.gpu_count, up=n.state == "up") for n in nodes]
+    return Instance(node_specs, specs, limits), rows
+
+
+def _tflops(meta: dict | None) -> float | None:
+    value = (meta or {}).get("matmul_tflops")
+    return float(value) * 1e12 if isinstance(value, int | float) and value > 0 else None
+
+
+def _attempt(rows: list[Placement]) -> int:
+    return 1 + sum(p.state == "failed" for p in rows)
+
+
+def replan(session: Session, settings: Settings) -> Plan:
+    """Replan every unfinished task; write planned rows and publish what starts now."""
+    global _last
+    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK_KEY})
+    now = utcnow()
+    unit = int(_knob(settings, "scheduler_unit_s", DEFAULT_UNIT_S))
+    limit = float(_knob(settings, "scheduler_time_limit_s", DEFAULT_TIME_LIMIT_S))
+    inst, rows = build_instance(session, settings, now)
+    plan = solve(inst, SolveOptions(unit_s=unit, time_limit_s=limit,
+                                    secondary_time_limit_s=limit / 2))
+    busy: dict[str, set[int]] = {}
+    for p in session.scalars(select(Placement).where(Placement.state.in_(PLACEMENT_ACTIVE))):
+        busy.setdefault(p.node_id, set()).update(p.gpu_indices)
+    published = 0
+    for spec in inst.tasks:
+        if spec.pinned is not None:
+            continue
+        mine = rows.get(spec.id, [])
+        old = [p for p in mine if p.state == "planned"]
+        a = plan.assignments.get(spec.id)
+        if a is None:
+            for p in old:
+                p.state = "superseded"
+            log.warning("task unschedulable task=%s reason=%s", spec.id,
+                        plan.unschedulable.get(spec.id))
+            continue
+        start = now + timedelta(seconds=a.start_s)
+        end = now + timedelta(seconds=a.end_s)
+        keep = next((p for p in old if p.node_id == a.node_id
+                     and tuple(p.gpu_indices) == a.gpu_indices
+                     and abs((p.planned_start - start).total_seconds()) < unit), None)
+        for p in old:
+            if p is not keep:
+                p.state = "superseded"
+        if keep is None:
+            keep = Placement(task_id=spec.id, node_id=a.node_id, gpu_indices=list(a.gpu_indices),
+                             planned_start=start, planned_end=end, attempt=_attempt(mine))
+            session.add(keep)
+        else:
+            keep.planned_end = end
+        if a.start_s == 0 and not busy.get(a.node_id, set()) & set(a.gpu_indices):
+            keep.planned_start = now
+            session.flush()
+            publish_placement(session, keep, settings)
+            busy.setdefault(a.node_id, set()).update(a.gpu_indices)
+            published += 1
+    session.flush()
+    _last = PlanInfo(now, plan.status, plan.makespan_s, plan.gap, plan.solve_time_s,
+                     plan.relaxed_waiting, dict(plan.unschedulable))
+    log.info("replan status=%s tasks=%d published=%d makespan_s=%d gap=%.3f solve_s=%.2f "
+             "unschedulable=%d relaxed_waiting=%s", plan.status, len(inst.tasks), published,
+             plan.makespan_s, plan.gap, plan.solve_time_s, len(plan.unschedulable),
+             plan.relaxed_waiting)
+    return plan
+
+
+def current_plan(session: Session) -> list[Placement]:
+    """The plan as stored: planned and active placements, by planned start."""
+    return list(session.scalars(select(Placement).where(
+        Placement.state.in_(("planned", *PLACEMENT_ACTIVE))).order_by(Placement.planned_start)))
