@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     maintenance_interval_s: float = 15.0
     # False: the API never calls the scheduler (placements come from elsewhere, e.g. tests).
     scheduler_enabled: bool = True
+    # Knobs read by service.scheduler (CP-SAT): time unit, solver time limit, bounded waiting.
+    scheduler_unit_s: int = 60
+    scheduler_time_limit_s: float = 1.0
+    scheduler_max_delay_s: int = 3600
     log_level: str = "INFO"
 
     @property
