@@ -3,6 +3,8 @@ called on task creation, cancel, completion/failure and node register/down."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from datetime import timedelta
 
@@ -164,4 +166,17 @@ def cluster_view(session: Session) -> ClusterOut:
         gpus_total=sum(n.gpu_count for n in nodes),
         gpus_up=sum(n.gpu_count for n in nodes if n.state == "up"),
         plan=[PlacementOut.model_validate(p, from_attributes=True) for p in plan],
-        queued_tasks=counts.get("queued", 0), running_tasks=counts.get("running", 0))
+        queued_tasks=counts.get("queued", 0), running_tasks=counts.get("running", 0),
+        last_plan=_last_plan())
+
+
+def _last_plan() -> dict | None:
+    try:
+        from service.scheduler import last_plan_info  # type: ignore[attr-defined]
+
+        info = last_plan_info()
+    except (ImportError, AttributeError):
+        return None
+    if dataclasses.is_dataclass(info) and not isinstance(info, type):
+        return json.loads(json.dumps(dataclasses.asdict(info), default=str))
+    return None

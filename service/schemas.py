@@ -235,3 +235,6 @@ class ClusterOut(BaseModel):
     plan: list[PlacementOut]
     queued_tasks: int
     running_tasks: int
+    last_plan: dict | None = Field(
+        default=None, description="The scheduler's last replan in this API process: status, "
+                                  "makespan, gap, solve time, unschedulable tasks.")
