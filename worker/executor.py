@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from worker.admission import AdmissionController, MemoryModel
+from worker.admission import AdmissionController, MemoryModel, fit_memory_model, profile_memory
 from worker.checkpoint import (
     job_state_dict,
     load_checkpoint,
@@ -25,7 +25,7 @@ from worker.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from worker.data import read_jsonl, split_validation, tokenize_all
+from worker.data import Example, read_jsonl, split_validation, tokenize_all
 from worker.early_exit import EarlyExitConfig, ExitDecision, JobMonitor, WarmupRanking
 from worker.engine import JobSpec, JobState, MultiLoraEngine
 from worker.export import export_peft
@@ -120,14 +120,42 @@ class Executor:
             model, train, pad, cfg.targets, cfg.gradient_checkpointing, cfg.backend,
             getattr(torch, cfg.adapter_dtype),
         )
-        if cfg.memory_model and cfg.memory_budget_bytes:
-            self.admission = AdmissionController(
-                MemoryModel(*cfg.memory_model), cfg.memory_budget_bytes, cfg.max_seq_len,
-                max_jobs=cfg.max_active_jobs)
+        if device.type == "cuda" and cfg.max_tokens_per_step is None:
+            budget = cfg.memory_budget_bytes or torch.cuda.get_device_properties(device).total_memory
+            mm = MemoryModel(*cfg.memory_model) if cfg.memory_model else self._profile_memory_model()
+            self.cb.on_event("", "memory_model", {"k0": mm.k0, "k1": mm.k1, "budget_bytes": budget})
+            self.admission = AdmissionController(mm, budget, cfg.max_seq_len, max_jobs=cfg.max_active_jobs)
         else:
             self.admission = AdmissionController.from_token_budget(
                 cfg.max_tokens_per_step or 1 << 60, cfg.max_seq_len, cfg.max_active_jobs)
         self.cb.on_event("", "executor_loaded", {"train": len(train), "val": len(val), "device": str(device)})
+
+    def probe_step(self, total_batch: int) -> None:
+        """One full training step of a throwaway job of the largest rank at `total_batch`
+        sequences of max_seq_len tokens; leaves the engine as it found it."""
+        eng, cfg = self.engine, self.cfg
+        g = torch.Generator().manual_seed(0)
+        vocab = eng.model.get_input_embeddings().num_embeddings
+        probe = [Example(tuple(ids), tuple(ids)) for ids in
+                 torch.randint(0, vocab, (total_batch, cfg.max_seq_len), generator=g).tolist()]
+        saved, eng.train_examples = eng.train_examples, probe
+        try:
+            eng.attach(JobSpec("__probe__", rank=max(j.rank for j in cfg.jobs), lr=0.0,
+                               batch_size=total_batch, max_steps=1))
+            parked = {j: eng.detach(j) for j in list(eng.jobs) if j != "__probe__"}
+            try:
+                eng.step()
+            finally:
+                eng.detach("__probe__")
+                for state in parked.values():
+                    eng.attach(state)
+        finally:
+            eng.train_examples = saved
+
+    def _profile_memory_model(self) -> MemoryModel:
+        # peak memory at a few total batches -> M(B) = k0 + k1 * B * L (DESIGN.md, technique 3)
+        points = profile_memory(self.probe_step, (1, 2, 4), self.cfg.max_seq_len)
+        return fit_memory_model(points)
 
     # ----- the recipe --------------------------------------------------------------------
     def run(self) -> dict[str, dict[str, Any]]:

@@ -93,3 +93,19 @@ def test_killed_executor_resumes_exactly(tmp_path) -> None:  # noqa: ANN001
         assert [s for s, _ in got] == [s for s, _ in ref]
         torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in ref]),
                                    atol=1e-6, rtol=1e-6, equal_nan=True)
+
+
+def test_memory_probe_step_leaves_the_engine_untouched(tmp_path) -> None:  # noqa: ANN001
+    ex = Executor(config(tmp_path, "probe"))
+    ex._load()
+    for spec in ex.cfg.jobs[:2]:
+        ex.engine.attach(spec)
+    ex.engine.step()
+    before = {j: ({k: v.clone() for k, v in s.adapter.state_dict().items()}, s.step)
+              for j, s in ex.engine.jobs.items()}
+    train = ex.engine.train_examples
+    ex.probe_step(2)
+    assert list(ex.engine.jobs) == list(before) and ex.engine.train_examples is train
+    for j, (w, step) in before.items():
+        s = ex.engine.jobs[j]
+        assert s.step == step and all(torch.equal(v, s.adapter.state_dict()[k]) for k, v in w.items())
