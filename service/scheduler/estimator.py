@@ -63,7 +63,12 @@ class ModelShape:
         layers = int(config.get("num_hidden_layers", 32))
         vocab = int(config.get("vocab_size", 128_256))
         inter = int(config.get("intermediate_size", 4 * hidden))
-        params = parameters or layers * (4 * hidden * hidden + 3 * hidden * inter) + 2 * vocab * hidden
+        heads = int(config.get("num_attention_heads", 32))
+        kv_dim = int(config.get("num_key_value_heads", heads)) * (hidden // max(1, heads))
+        attention = 2 * hidden * hidden + 2 * hidden * kv_dim  # q, o and the (GQA) k, v
+        tied = bool(config.get("tie_word_embeddings", False))
+        params = parameters or (layers * (attention + 3 * hidden * inter)
+                                + (1 if tied else 2) * vocab * hidden)
         return cls(params, layers, hidden, vocab)
 
     @classmethod
