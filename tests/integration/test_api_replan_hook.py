@@ -74,3 +74,31 @@ def test_replan_off_without_marker(client, factory, monkeypatch):  # noqa: ANN00
     monkeypatch.setattr(service.scheduler, "replan", lambda *a: pytest.fail("called"),
                         raising=False)
     factory.task(factory.tenant())
+
+
+@pytest.mark.with_scheduler
+def test_real_scheduler_places_a_new_task(client, factory, settings):  # noqa: ANN001
+    """The wiring with the real CP-SAT scheduler: node + task -> a published placement that the
+    node can claim (skipped while service.scheduler.loop is not there)."""
+    pytest.importorskip("ortools")
+    pytest.importorskip("service.scheduler.loop")
+    import redis
+    from rq import Queue
+
+    from service.protocol import node_queue_name
+
+    node = factory.node("sched-n0", gpus=2)
+    t = factory.tenant()
+    task = factory.task(t)
+    admin = {"Authorization": "Bearer test-admin-token"}
+    plan = client.get("/v1/cluster", headers=admin).json()
+    mine = [p for p in plan["plan"] if p["task_id"] == task["id"]]
+    assert len(mine) == 1 and mine[0]["state"] == "published", plan
+    assert mine[0]["node_id"] == node and plan["last_plan"]["status"] != "none"
+    queue = Queue(node_queue_name(node), connection=redis.Redis.from_url(settings.redis_url))
+    assert [j.args for j in queue.get_jobs()] == [(mine[0]["id"],)]
+    r = client.post(f"/internal/v1/placements/{mine[0]['id']}/claim", headers=factory.worker,
+                    json={"node_id": node})
+    assert r.status_code == 200 and r.json()["task_id"] == task["id"]
+    client.post(f"/v1/tasks/{task['id']}/cancel", headers=t.headers)
+    assert client.get("/v1/cluster", headers=admin).json()["plan"] == []
