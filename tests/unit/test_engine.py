@@ -74,7 +74,7 @@ def test_jobs_trained_together_equal_each_trained_alone_with_peft(world, fam) ->
         rep = eng.step()
         pads.append(rep.padded_fraction)
         for j, v in rep.losses.items():
-            hist[j].append(v) if j in hist else hist.__setitem__(j, [v])
+            hist.setdefault(j, []).append(v)
     assert max(pads) < 0.5  # packing keeps padding well below one-sequence-per-row
     for s in specs():
         ref_losses, ref_w = train_alone_peft(d, s, inits[s.job_id], ex, 20, tok.pad_token_id)
