@@ -294,12 +294,23 @@ class MultiLoraEngine:
     # ----- evaluation ------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(
-        self, examples: Sequence[Example], batch_size: int = 8, job_ids: Sequence[str] | None = None
+        self, examples: Sequence[Example], batch_size: int = 8, job_ids: Sequence[str] | None = None,
+        max_sequences: int | None = None,
     ) -> dict[str, float]:
-        """Token-mean loss of each attached job on the same held-out examples."""
+        """Token-mean loss of each attached job on the same held-out examples. With
+        max_sequences, jobs are evaluated in groups so one forward holds at most that many
+        sequences (e.g. the training step's total batch, which admission sized to fit)."""
         states = [self.jobs[j] for j in (job_ids if job_ids is not None else list(self.jobs))]
         if not states or not examples:
             return {}
+        if max_sequences is not None:
+            group = max(1, max_sequences // batch_size)
+            if group < len(states):
+                out: dict[str, float] = {}
+                for lo in range(0, len(states), group):
+                    ids = [s.job_id for s in states[lo : lo + group]]
+                    out.update(self.evaluate(examples, batch_size, ids))
+                return out
         was_training = self.model.training
         self.model.eval()
         tot = [0.0] * len(states)

@@ -223,7 +223,9 @@ class Executor:
                     due.append(job_id)
         if not due:
             return
-        losses = self.engine.evaluate(self.val, self.cfg.eval_batch_size, due)
+        step_batch = sum(s.batch_size for s in self.engine.jobs.values())
+        losses = self.engine.evaluate(self.val, self.cfg.eval_batch_size, due,
+                                      max_sequences=max(step_batch, self.cfg.eval_batch_size))
         for job_id, val in losses.items():
             s = self.engine.jobs[job_id]
             self.last_eval[job_id] = s.step

@@ -167,6 +167,11 @@ def test_export_loads_in_peft_with_same_logits(world, tmp_path, fam) -> None:  #
     for s in specs(4)[1:3]:
         eng.attach(s)
     run_steps(eng, 4, {})
+    together = eng.evaluate(ex[:6], batch_size=3)
+    grouped = eng.evaluate(ex[:6], batch_size=3, max_sequences=3)  # one job per forward
+    assert set(together) == {"j1", "j2"} and together["j1"] != together["j2"]
+    for j in together:
+        assert together[j] == pytest.approx(grouped[j], rel=1e-6)
     ids = torch.tensor([list(ex[0].input_ids[:20]), list(ex[1].input_ids[:20])])
     for j in ("j1", "j2"):
         out = export_peft(eng.jobs[j].adapter, tmp_path / j, list(eng.targets), str(d))
