@@ -161,6 +161,7 @@ def main() -> None:
     import triton
 
     gbs = bandwidth_gbs()
+    print(f"measured copy bandwidth (read+write): {gbs:.0f} GB/s", flush=True)
     stages = breakdown(4096, 4096, 8, 1024, 16, gbs)  # first, so a cut-off run still reports it
     print("\n".join(stages), flush=True)
     lines = [f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}; bf16; fwd+bwd median ms",

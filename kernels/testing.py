@@ -53,13 +53,15 @@ def make_case(
     """
     if seed is None:
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    gen = torch.Generator().manual_seed(seed)
+    # Draw on the target device (fast for benchmark-sized cases); the seed still reproduces a case.
+    gen = torch.Generator(device=device).manual_seed(seed)
     n = len(counts)
     r_max = r_max or max(ranks)
     t = int(sum(counts))
 
     def rnd(*shape: int, std: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * std).to(dtype).to(device)
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        return (torch.randn(*shape, generator=gen, dtype=wide, device=device) * std).to(dtype)
 
     a = rnd(n, d_in, r_max, std=d_in**-0.5)
     b = rnd(n, r_max, d_out, std=max(ranks) ** -0.5 if ranks else 1.0)
@@ -75,7 +77,7 @@ def make_case(
         bias=rnd(d_out) if bias else None,
         lora_a=a,
         lora_b=b,
-        scales=(0.5 + torch.rand(n, generator=gen)).to(device),
+        scales=0.5 + torch.rand(n, generator=gen, device=device),
         ranks=torch.tensor(list(ranks), dtype=torch.int32).to(device),
         offsets=offsets.to(device),
         dy=rnd(t, d_out),

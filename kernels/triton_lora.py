@@ -40,14 +40,17 @@ if _INTERPRET:
     _FWD_CONFIGS = [_cfg(BLOCK_M=_INTERP_BLOCK_M, BLOCK_K=16, BLOCK_N=16)]
     _BWD_CONFIGS = [_cfg(BLOCK_M=_INTERP_BLOCK_M, BLOCK_K=16, BLOCK_N=16)]
 else:  # a few Hopper-friendly shapes; small lists keep tuning short
+    # BLOCK_M=16 gives small steps (T of a few thousand) enough programs to fill 132 SMs.
     _FWD_CONFIGS = [
         _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_N=128),
-        _cfg(BLOCK_M=32, BLOCK_K=128, BLOCK_N=128),
+        _cfg(BLOCK_M=32, BLOCK_K=128, BLOCK_N=128, num_stages=4),
+        _cfg(BLOCK_M=16, BLOCK_K=128, BLOCK_N=128, num_stages=4),
         _cfg(BLOCK_M=128, BLOCK_K=64, BLOCK_N=128, num_warps=8),
     ]
     _BWD_CONFIGS = [
         _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_N=128),
-        _cfg(BLOCK_M=32, BLOCK_K=128, BLOCK_N=128),
+        _cfg(BLOCK_M=32, BLOCK_K=128, BLOCK_N=128, num_stages=4),
+        _cfg(BLOCK_M=16, BLOCK_K=128, BLOCK_N=128, num_stages=4),
         _cfg(BLOCK_M=128, BLOCK_K=64, BLOCK_N=64, num_warps=8),
     ]
 
