@@ -62,6 +62,10 @@ def test_size_limit_413(client, factory, settings):  # noqa: ANN001
     r = _upload(client, t, body)
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "file_too_large"
+    # Far over the limit: refused from Content-Length before the body is read.
+    r = _upload(client, t, line * (4 * settings.max_upload_bytes // len(line)))
+    assert r.status_code == 413 and "over the limit" in r.json()["error"]["message"]
+    assert client.get("/v1/files", headers=t.headers).json()["data"] == []
 
 
 def test_list_paginates_newest_first(client, factory):  # noqa: ANN001
