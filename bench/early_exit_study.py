@@ -18,6 +18,7 @@ policy on (a)'s curves must reproduce (b); the replay then also scores other war
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -139,6 +140,7 @@ class Plan:
     seed: int
     total_steps: int
     warmup: int
+    eval_every: int
     eval_at: frozenset[int]
 
     def spec(self, epochs: int) -> JobSpec:
@@ -170,7 +172,7 @@ def make_plans(size: Size, n_train: int) -> list[Plan]:
         evals = set(range(every, total + 1, every)) | {total}
         evals |= {warmup_steps(total, f) for f in WARMUPS}
         plans.append(Plan(f"lr{lr:g}-r{rank}-b{batch}", lr, rank, batch, 1000 + i, total,
-                          warmup_steps(total, EarlyExitConfig().warmup_fraction),
+                          warmup_steps(total, EarlyExitConfig().warmup_fraction), every,
                           frozenset(evals)))
     return plans
 
@@ -259,13 +261,23 @@ def run_grid(engine: MultiLoraEngine, plans: list[Plan], val: list[Example], epo
     return out
 
 
-def replay(plans: list[Plan], full: dict[str, Outcome], cfg: EarlyExitConfig) -> dict[str, Outcome]:
+def replay(plans: list[Plan], full: dict[str, Outcome], cfg: EarlyExitConfig,
+           per_eval_slope: bool = False) -> dict[str, Outcome]:
     """The policy of `run_grid` applied to (a)'s recorded curves (valid because a job's curve does
-    not depend on its co-residents, which the real (b) run checks); for other settings."""
+    not depend on its co-residents, which the real (b) run checks); for other settings.
+
+    per_eval_slope: read tau_slope per evaluation interval instead of per step (the alternative
+    normalisation JobMonitor's docstring argues against), i.e. tau / eval_every per step.
+    """
     res = {}
     reached = {}
+    monitors = {}
     for p in plans:
-        a, mon, o = full[p.job_id], JobMonitor(cfg), Outcome()
+        job_cfg = cfg
+        if per_eval_slope:
+            job_cfg = dataclasses.replace(cfg, tau_slope=cfg.tau_slope / p.eval_every)
+        a, mon, o = full[p.job_id], JobMonitor(job_cfg), Outcome()
+        monitors[p.job_id] = mon
         vals = dict(a.curve)
         warm = warmup_steps(p.total_steps, cfg.warmup_fraction)
         res[p.job_id] = o
@@ -281,7 +293,6 @@ def replay(plans: list[Plan], full: dict[str, Outcome], cfg: EarlyExitConfig) ->
             if step == warm:
                 reached[p.job_id] = vals[step]
                 break
-        res[p.job_id].monitor = mon  # type: ignore[attr-defined]
     totals = {p.job_id: p.total_steps for p in plans}
     _, evict = warmup_ranking(reached, cfg.keep_ratio)
     for job_id in evict:
@@ -291,7 +302,7 @@ def replay(plans: list[Plan], full: dict[str, Outcome], cfg: EarlyExitConfig) ->
         o = res[p.job_id]
         if o.state == "exited":
             continue
-        a, mon, vals = full[p.job_id], o.monitor, dict(full[p.job_id].curve)  # type: ignore[attr-defined]
+        a, mon, vals = full[p.job_id], monitors[p.job_id], dict(full[p.job_id].curve)
         for step in range(o.steps + 1, p.total_steps + 1):
             o.steps, o.samples = step, step * p.batch_size
             d = mon.observe_train(step, a.train[step - 1])
@@ -360,7 +371,8 @@ def profile(engine: MultiLoraEngine, epochs: int) -> str:
             f"{held.peak_bytes / 2**20:.2f} MiB ({(pred / held.peak_bytes - 1) * 100:+.1f}%).")
 
 
-def summarize(plans: list[Plan], a: dict[str, Outcome], b: dict[str, Outcome]) -> dict:
+def summarize(plans: list[Plan], a: dict[str, Outcome], b: dict[str, Outcome],
+              warmup_fraction: float = 0.05) -> dict:
     best_a = min(plans, key=lambda p: best(a[p.job_id].curve))
     best_b = min(plans, key=lambda p: best(b[p.job_id].curve))
     samples_a = sum(o.samples for o in a.values())
@@ -374,9 +386,51 @@ def summarize(plans: list[Plan], a: dict[str, Outcome], b: dict[str, Outcome]) -
         "best_a": best(a[best_a.job_id].curve), "best_a_id": best_a.job_id,
         "best_b": best(b[best_b.job_id].curve), "best_b_id": best_b.job_id,
         "ratio": best(b[best_b.job_id].curve) / best(a[best_a.job_id].curve),
-        "survived": ob.exit_reason != "underperforming",
+        # survived = went on training after the ranking (not evicted, not exited before it)
+        "survived": ob.state == "completed"
+        or ob.steps > warmup_steps(best_a.total_steps, warmup_fraction),
         "best_a_fate": ob.exit_reason or ob.state, "reasons": reasons,
     }
+
+
+def replay_lines(plans: list[Plan], a: dict[str, Outcome], cfg: EarlyExitConfig) -> list[str]:
+    """The replay section: other warmup/keep settings, and the per-evaluation slope reading."""
+    lines = [
+        "Other settings, by replaying the policy on (a)'s curves (exact up to the deviation above):",
+        "",
+        "| warmup fraction | keep ratio | samples saved | best (b)/(a) | best of (a) survived | Spearman(warmup, end) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for wf in WARMUPS:
+        wrho = spearman([dict(a[p.job_id].curve)[warmup_steps(p.total_steps, wf)] for p in plans],
+                        [a[p.job_id].curve[-1][1] for p in plans])
+        for kr in (0.25, 0.5):
+            rcfg = EarlyExitConfig(warmup_fraction=wf, keep_ratio=kr)
+            r = summarize(plans, a, replay(plans, a, rcfg), wf)
+            lines.append(f"| {wf} | {kr} | {r['saved']:.3f} | {r['ratio']:.4f} | "
+                         f"{'yes' if r['survived'] else 'no'} | {wrho:.3f} |")
+    lines += ["", "Detector exits (diverging/overfitting) when replaying (a) with no warmup ranking "
+              "(keep_ratio 1), by slope normalisation:", ""]
+    for label, per_eval in (("per step (JobMonitor)", False), ("per evaluation point", True)):
+        rep = replay(plans, a, dataclasses.replace(cfg, keep_ratio=1.0), per_eval_slope=per_eval)
+        totals = {p.job_id: p.total_steps for p in plans}
+        exits = [f"{k} {o.exit_reason} at step {o.steps} of {totals[k]}"
+                 for k, o in rep.items() if o.exit_reason in ("diverging", "overfitting")]
+        lines.append(f"- tau_slope read {label}: {len(exits)} exits" + (f": {'; '.join(exits)}" if exits else ""))
+    return lines
+
+
+def reanalyze(path: Path, size: Size) -> None:
+    """Print the replay section from a saved --json file (no training)."""
+    d = json.loads(path.read_text())
+    n_train = size.n_train
+    plans = make_plans(size, n_train)
+    a = {}
+    for p in plans:
+        curve = [(int(st), float(v)) for st, v in d["a"][p.job_id]]
+        a[p.job_id] = Outcome(p.total_steps, p.total_steps * p.batch_size, d["train_a"][p.job_id],
+                              curve, "completed")
+    print("\n".join(replay_lines(plans, a, EarlyExitConfig())))
 
 
 def main() -> None:
@@ -384,8 +438,12 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke size")
     ap.add_argument("--out", type=Path, help="write the table here as well")
     ap.add_argument("--json", type=Path, help="write curves and events here")
+    ap.add_argument("--reanalyze", type=Path, help="only print the replay section of a --json file")
     args = ap.parse_args()
     size = TINY if args.tiny else FULL
+    if args.reanalyze:
+        reanalyze(args.reanalyze, size)
+        return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 throughout
     t0 = time.perf_counter()
@@ -412,6 +470,11 @@ def main() -> None:
     except Exception as exc:  # the study's numbers stand without the memory line
         mem_line = f"Memory model: profiling failed: {exc!r}"
     a, b = runs["a"], runs["b"]
+    if args.json:  # raw curves first, so the analysis can be redone from them
+        args.json.write_text(json.dumps({
+            "a": {k: o.curve for k, o in a.items()}, "b": {k: o.curve for k, o in b.items()},
+            "train_a": {k: o.train for k, o in a.items()}, "events": events,
+            "times": times, "memory": mem_line}))
     s = summarize(plans, a, b)
     warm_a = [dict(a[p.job_id].curve)[p.warmup] for p in plans]
     rho = spearman(warm_a, [a[p.job_id].curve[-1][1] for p in plans])
@@ -460,18 +523,8 @@ def main() -> None:
         "",
         mem_line,
         "",
-        "Other settings, by replaying the policy on (a)'s curves (exact up to the deviation above):",
-        "",
-        "| warmup fraction | keep ratio | samples saved | best (b)/(a) | best of (a) survived | Spearman(warmup, end) |",
-        "| --- | --- | --- | --- | --- | --- |",
     ]
-    for wf in WARMUPS:
-        wrho = spearman([dict(a[p.job_id].curve)[warmup_steps(p.total_steps, wf)] for p in plans],
-                        [a[p.job_id].curve[-1][1] for p in plans])
-        for kr in (0.25, 0.5):
-            r = summarize(plans, a, replay(plans, a, EarlyExitConfig(warmup_fraction=wf, keep_ratio=kr)))
-            lines.append(f"| {wf} | {kr} | {r['saved']:.3f} | {r['ratio']:.4f} | "
-                         f"{'yes' if r['survived'] else 'no'} | {wrho:.3f} |")
+    lines += replay_lines(plans, a, cfg)
     lines += [
         "",
         "| job | steps | val @warmup (a) | best val (a) | final val (a) | (b) outcome | (b) steps | best val (b) |",
@@ -487,10 +540,6 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(table + "\n")
-    if args.json:
-        args.json.write_text(json.dumps({
-            "a": {k: o.curve for k, o in a.items()}, "b": {k: o.curve for k, o in b.items()},
-            "train_a": {k: o.train for k, o in a.items()}, "events": events}))
 
 
 if __name__ == "__main__":
