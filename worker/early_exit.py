@@ -304,6 +304,21 @@ class WarmupRanking:
             self.result = warmup_ranking(self._losses, self.keep_ratio)
         return self.result
 
+    def eviction_decisions(self) -> dict[str, ExitDecision]:
+        """An "underperforming" ExitDecision per evicted job, with the numbers behind it (its
+        loss and rank, how many were ranked and kept, and the worst kept loss); after `decide`."""
+        keep, evict = self.decide()
+        ranked = keep + evict
+        cutoff = self._losses[keep[-1]] if keep else math.nan
+        return {
+            job_id: ExitDecision("underperforming", {
+                "val_loss": self._losses[job_id], "rank": ranked.index(job_id) + 1,
+                "ranked": len(ranked), "kept": len(keep), "keep_ratio": self.keep_ratio,
+                "worst_kept_val_loss": cutoff,
+            })
+            for job_id in evict
+        }
+
     def _known(self, job_id: str) -> str:
         if job_id not in self._pending:
             raise KeyError(f"job {job_id} is not waiting for warmup ranking")

@@ -272,6 +272,12 @@ def test_warmup_ranking_tracker_with_rotation() -> None:
     wr.report("d", 2.0)
     assert wr.ready
     assert wr.decide() == (["c", "a"], ["d"])  # ceil(0.5 * 3 survivors) = 2
+    decisions = wr.eviction_decisions()
+    assert list(decisions) == ["d"]
+    d = decisions["d"]
+    assert d.reason == "underperforming"
+    assert d.details["val_loss"] == 2.0 and d.details["rank"] == 3
+    assert (d.details["ranked"], d.details["kept"], d.details["worst_kept_val_loss"]) == (3, 2, 1.0)
     with pytest.raises(KeyError):
         wr.report("a", 0.1)
     with pytest.raises(RuntimeError):
