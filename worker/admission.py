@@ -1,7 +1,5 @@
 """Intra-task admission: a peak-memory model M = k0 + k1*B*L fitted from a short profiling run,
-and the policy that decides which pending jobs of a task attach to the executor now.
-
-Pure Python; torch is imported lazily, only by `profile_memory` on a CUDA device.
+and the policy that decides which pending jobs attach to the executor (torch only lazily, on CUDA).
 """
 
 from __future__ import annotations
