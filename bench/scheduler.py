@@ -293,6 +293,16 @@ def bench_simulation(seeds: list[int], n_tasks: int, rows: list[list[str]]) -> N
                  "", "", "", f"{statistics.median(replan_times):.0f} s", ""])
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer seeds and tasks")
@@ -304,7 +314,7 @@ def main() -> None:
     bench_simulation(seeds[:2] if args.quick else seeds[:3], 30 if args.quick else 60, rows)
     head = ["case", "method", "solve s (median)", "gap (median)", "gap/makespan", "status",
             "vs reference", "completion"]
-    lines = [f"device: CPU {platform.processor() or platform.machine()}, "
+    lines = [f"device: CPU {_cpu_name()}, "
              f"2 CP-SAT workers, python {platform.python_version()}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
