@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -110,12 +112,109 @@ def inputs(directory: Path, spec: PlacementSpec) -> dict[str, Path | None]:
             "resume": resume if spec.resume_checkpoint_files and resume.is_dir() else None}
 
 
+class Stopped(Exception):
+    """Raised from a callback to unwind the executor when asked to stop."""
+
+
+class _Bridge:
+    """Maps worker.executor's Callbacks onto spool records: keeps each job's best validation
+    point, uploads a job's best adapter (else its final one) just before its terminal state,
+    and announces a resumable checkpoint each time the executor has written a new state.pt."""
+
+    def __init__(self, reporter: SpoolReporter, out: Path, should_stop: StopFlag) -> None:
+        self.reporter, self.out, self.should_stop = reporter, out, should_stop
+        self.best: dict[str, tuple[float, int]] = {}
+        self.last_step: dict[str, int] = {}
+        self.adapters: dict[str, dict[str, Path]] = {}
+        self.ckpt_mtime = self._state_mtime()
+
+    def _state_mtime(self) -> float:
+        try:
+            return (self.out / "state.pt").stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
+
+    def on_train_loss(self, job_id: str, step: int, loss: float) -> None:
+        self.last_step[job_id] = step
+        self.reporter.train_loss(job_id, step, loss)
+        mtime = self._state_mtime()
+        if mtime > self.ckpt_mtime:
+            self.ckpt_mtime = mtime
+            target = self.reporter.checkpoint_dir(step)
+            shutil.copyfile(self.out / "state.pt", target / "state.pt")
+            self.reporter.checkpoint(step, target)
+        if self.should_stop():
+            raise Stopped(self.should_stop.reason)
+
+    def on_eval(self, job_id: str, step: int, loss: float) -> None:
+        self.reporter.val_loss(job_id, step, loss)
+        if math.isfinite(loss) and (job_id not in self.best or loss < self.best[job_id][0]):
+            self.best[job_id] = (loss, step)
+
+    def on_adapter(self, job_id: str, kind: str, path: Path) -> None:
+        self.adapters.setdefault(job_id, {})[kind] = Path(path)
+
+    def on_job_state(self, job_id: str, state: str, details: dict) -> None:
+        best = self.best.get(job_id)
+        if state in ("exited", "completed"):
+            exported = self.adapters.get(job_id, {})
+            src = exported.get("best") or exported.get("final")
+            if src is not None and (src / "adapter_model.safetensors").exists():
+                target = self.reporter.adapter_dir(job_id)
+                for name in ("adapter_config.json", "adapter_model.safetensors"):
+                    shutil.copyfile(src / name, target / name)
+                self.reporter.adapter(job_id, target, meta={"step": best[1] if best else None,
+                                                            "val_loss": best[0] if best else None})
+        self.reporter.job_state(
+            job_id, state, exit_reason=details.get("exit_reason") if state == "exited" else None,
+            best_val_loss=best[0] if best else None, best_step=best[1] if best else None,
+            last_step=self.last_step.get(job_id), error=details.get("error"))
+
+    def on_event(self, job_id: str, message: str, fields: dict) -> None:
+        self.reporter.event(message[:48], message, job_id or None, data=fields or None)
+
+
 def train(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
           should_stop: StopFlag) -> dict:
-    """Run the task with the training executor; returns {"best_job_id", "summary", "stopped"}."""
-    from worker import executor  # heavy: torch + transformers
+    """Run the task with worker.executor; returns {"best_job_id", "summary", "stopped"}."""
+    from worker.early_exit import EarlyExitConfig
+    from worker.engine import JobSpec as EngineJob
+    from worker.executor import Callbacks, Executor, ExecutorConfig
 
-    return executor.run_placement(spec, inputs(directory, spec), reporter, should_stop)
+    paths = inputs(directory, spec)
+    out = directory / "executor"
+    out.mkdir(exist_ok=True)
+    if paths["resume"] is not None and (paths["resume"] / "state.pt").exists():
+        shutil.copyfile(paths["resume"] / "state.pt", out / "state.pt")
+    ee = spec.early_exit
+    jobs = [EngineJob(job_id=j.job_id, rank=j.hyperparameters.lora_rank,
+                      alpha=j.hyperparameters.lora_alpha, lr=j.hyperparameters.learning_rate,
+                      batch_size=j.hyperparameters.batch_size, epochs=float(spec.epochs),
+                      seed=spec.seed + j.index) for j in spec.jobs]
+    extra = {"targets": tuple(spec.target_modules)} if spec.target_modules else {}
+    cfg = ExecutorConfig(
+        model_dir=spec.base_model_path, train_file=str(paths["train"]), output_dir=str(out),
+        jobs=jobs, val_file=str(paths["validation"]) if paths["validation"] else None,
+        val_fraction=spec.validation_split, split_seed=spec.seed, max_seq_len=spec.max_seq_len,
+        eval_every=spec.eval.eval_every_steps,
+        checkpoint_every=int(os.environ.get("LORAPLEX_CHECKPOINT_EVERY", "50")),
+        early_exit=EarlyExitConfig(window=ee.window, patience=ee.patience, tau_gap=ee.tau_gap,
+                                   tau_slope=ee.tau_slope, warmup_fraction=ee.warmup_fraction,
+                                   keep_ratio=ee.keep_fraction, ema_beta=1.0 - ee.ema_alpha,
+                                   enabled=ee.enabled), **extra)
+    bridge = _Bridge(reporter, out, should_stop)
+    callbacks = Callbacks(on_train_loss=bridge.on_train_loss, on_eval=bridge.on_eval,
+                          on_job_state=bridge.on_job_state, on_adapter=bridge.on_adapter,
+                          on_event=bridge.on_event)
+    try:
+        status = Executor(cfg, callbacks).run()
+    except Stopped:
+        return {"stopped": True}
+    finished = {j: b for j, b in bridge.best.items()
+                if status.get(j, {}).get("state") in ("completed", "exited")}
+    best = min(finished, key=lambda j: finished[j][0]) if finished else None
+    return {"best_job_id": best if best in bridge.adapters else None,
+            "summary": {"jobs": {j: s.get("state") for j, s in status.items()}}}
 
 
 def main(argv: list[str] | None = None) -> int:
