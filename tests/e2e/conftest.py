@@ -2,8 +2,10 @@
 tests/integration/conftest.py, real worker daemon subprocesses, and HTTP-only helpers.
 
 ``stack`` gives a running service with one tenant; ``stack.daemon(name, ...)`` starts a daemon
-(stopped at teardown). ``stack.place(task_id)`` waits for the scheduler's placement, or, while
-service.scheduler has no replan(), publishes one the way the scheduler would.
+(stopped at teardown). The service's scheduler is off unless the test is marked
+``@pytest.mark.with_scheduler``; without it ``stack.place(task_id, node)`` publishes a placement
+the way the scheduler would, so a test decides which node runs what. The service's maintenance
+loop (stale nodes down, republish) runs every second; a node is down after 10 s of silence.
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER_TOKEN = "e2e-worker-token"
 
 
-def has_replan() -> bool:
-    try:
-        from service.scheduler import replan  # type: ignore[attr-defined]  # noqa: F401
-    except ImportError:
-        return False
-    return True
+NODE_TIMEOUT_S = 10
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "with_scheduler: the service's scheduler places tasks (off by default)")
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
@@ -58,6 +60,7 @@ class Stack:
     db_url: str
     redis_url: str
     api_key: str = ""
+    scheduler: bool = False
     service: subprocess.Popen | None = None
     daemons: list[subprocess.Popen] = field(default_factory=list)
 
@@ -120,8 +123,8 @@ class Stack:
         return wait_for(find, 30, f"node {name} to register")
 
     def place(self, task_id: str, node_name: str, gpus: tuple[int, ...] = (0,)) -> None:
-        """Stand in for the scheduler while it has no replan(): publish one placement."""
-        if has_replan():
+        """Stand in for the scheduler (when it is off): publish one placement of the task."""
+        if self.scheduler:
             return
         from sqlalchemy import create_engine
         from sqlalchemy.orm import Session
@@ -187,12 +190,13 @@ def models_yaml(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def stack(db_url: str, redis_server, tmp_path: Path, models_yaml: Path  # noqa: ANN001,F811
-          ) -> Iterator[Stack]:
+def stack(request: pytest.FixtureRequest, db_url: str, redis_server,  # noqa: ANN001,F811
+          tmp_path: Path, models_yaml: Path) -> Iterator[Stack]:
     import redis
 
     redis.Redis.from_url(redis_server.url).flushall()
     port = free_port()
+    scheduler = request.node.get_closest_marker("with_scheduler") is not None
     env = dict(os.environ) | {
         "LORAPLEX_DATABASE_URL": db_url if "+psycopg" in db_url
         else db_url.replace("postgresql://", "postgresql+psycopg://"),
@@ -200,12 +204,14 @@ def stack(db_url: str, redis_server, tmp_path: Path, models_yaml: Path  # noqa: 
         "LORAPLEX_STORAGE_DIR": str(tmp_path / "storage"),
         "LORAPLEX_MODELS_FILE": str(models_yaml),
         "LORAPLEX_WORKER_TOKEN": WORKER_TOKEN,
-        "LORAPLEX_NODE_TIMEOUT_S": "6",
+        "LORAPLEX_NODE_TIMEOUT_S": str(NODE_TIMEOUT_S),
+        "LORAPLEX_MAINTENANCE_INTERVAL_S": "1",
+        "LORAPLEX_SCHEDULER_ENABLED": str(scheduler).lower(),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
     }
     s = Stack(url=f"http://127.0.0.1:{port}", env=env, root=tmp_path, db_url=db_url,
-              redis_url=redis_server.url)
+              redis_url=redis_server.url, scheduler=scheduler)
     s.api_key = make_tenant(db_url, "e2e-tenant")
     s.start_service()
     try:

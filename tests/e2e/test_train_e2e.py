@@ -1,7 +1,8 @@
 """End to end with real training on CPU, over HTTP only: upload a JSONL file, POST a task of 8
 configurations on a tiny Llama, a real daemon runs the real executor (worker.runner), poll to
 succeeded, early exits with reasons, download the best adapter with the CLI, load it with PEFT
-and check its validation loss beats the base model's."""
+and check its validation loss beats the base model's; then kill -9 a real executor mid-task and
+check the retry resumed from the uploaded checkpoint, not step 0."""
 
 from __future__ import annotations
 
@@ -110,3 +111,34 @@ def test_task_trains_to_a_better_adapter(stack: Stack, tmp_path: Path) -> None:
         tmp_path / "tiny-llama"), out)
     tuned_loss = val_loss(tuned, tokenizer, val)
     assert tuned_loss < base_loss * 0.9, (tuned_loss, base_loss)
+
+
+def test_killed_executor_resumes_from_its_checkpoint(stack: Stack) -> None:
+    import os
+    import signal
+
+    from tests.e2e.test_daemon_loop import events, executor_pid
+
+    stack.daemon("cpu-node", env={"LORAPLEX_CHECKPOINT_EVERY": "6"})
+    with stack.http() as http:
+        body = "".join(json.dumps(r) + "\n" for r in dataset(64, seed=3)).encode()
+        file_id = http.post("/v1/files", files={"file": ("t.jsonl", io.BytesIO(body))}).json()["id"]
+        task = http.post("/v1/tasks", json={
+            "base_model": "tiny", "training_file": file_id, "epochs": 3, "max_seq_len": 64,
+            "search_space": {"learning_rate": [1e-2, 3e-2], "batch_size": [4]},
+            "early_exit": {"enabled": False}, "eval": {"eval_every_steps": 6}}).json()
+        wait_for(lambda: http.get(f"/v1/tasks/{task['id']}").json()["state"] == "queued", 30,
+                 "queued")
+        stack.place(task["id"], "cpu-node")
+        pid = executor_pid(stack, "cpu-node")
+        wait_for(lambda: any(e["type"] == "checkpoint_uploaded" for e in events(
+            http, task["id"])), 120, "a checkpoint upload")
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: any(e["type"] == "task_requeued" for e in events(http, task["id"])),
+                 60, "requeued")
+        stack.place(task["id"], "cpu-node")
+        final = wait_for(lambda: (t := http.get(f"/v1/tasks/{task['id']}").json())["state"] in (
+            "succeeded", "failed") and t, 300, f"the end\n{stack.daemon_log('cpu-node')}")
+        assert final["state"] == "succeeded"
+        resumed = [e for e in events(http, task["id"]) if e["type"] == "resumed"]
+        assert len(resumed) == 1 and resumed[0]["data"]["global_step"] >= 6  # not step 0
