@@ -228,16 +228,21 @@ def _placement_of(session: Session, task: Task, placement_id: str) -> Placement:
     return placement
 
 
-def task_finished(session: Session, task_id: str, msg: TaskFinished, settings: Settings) -> Task:
-    task = get_task_any(session, task_id, lock=True)
-    placement = _placement_of(session, task, msg.placement_id)
-    if task.state == "succeeded" and placement.state == "finished":
-        return task
+def _require_live(task: Task, placement: Placement) -> None:
+    """A report may only move a task that is not over, through its current placement."""
     if task.state in TASK_TERMINAL:
         raise conflict(f"task {task.id!r} is {task.state}", code=f"task_{task.state}")
     if placement.state not in PLACEMENT_ACTIVE:
         raise conflict(f"placement {placement.id!r} is {placement.state}",
                        code="stale_placement")
+
+
+def task_finished(session: Session, task_id: str, msg: TaskFinished, settings: Settings) -> Task:
+    task = get_task_any(session, task_id, lock=True)
+    placement = _placement_of(session, task, msg.placement_id)
+    if task.state == "succeeded" and placement.state == "finished":
+        return task
+    _require_live(task, placement)
     if msg.best_job_id is not None:
         has_adapter = session.scalar(select(Artifact.id).where(
             Artifact.task_id == task.id, Artifact.job_id == msg.best_job_id,
@@ -258,11 +263,7 @@ def task_failed(session: Session, task_id: str, msg: TaskFailed, settings: Setti
     placement = _placement_of(session, task, msg.placement_id)
     if placement.state == "failed":
         return task
-    if task.state in TASK_TERMINAL:
-        raise conflict(f"task {task.id!r} is {task.state}", code=f"task_{task.state}")
-    if placement.state not in PLACEMENT_ACTIVE:
-        raise conflict(f"placement {placement.id!r} is {placement.state}",
-                       code="stale_placement")
+    _require_live(task, placement)
     placement.state, placement.finished_at, placement.error = "failed", utcnow(), msg.error
     if msg.retryable:
         fail_or_requeue(session, task, placement, msg.error, settings)
