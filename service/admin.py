@@ -1,6 +1,6 @@
 """Operator commands: ``python -m service.admin migrate`` (Alembic upgrade head),
-``create-tenant NAME`` (prints the API key once), ``create-key``, ``revoke-key``, ``set-limit``,
-``list-tenants``."""
+``create-tenant NAME`` (prints the API key once), ``create-key``, ``revoke-key``,
+``set-limit NAME [--max-gpus N|none] [--max-queued-tasks N|none]``, ``list-tenants``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,20 @@ from service.errors import ApiError
 from service.models import Tenant
 
 ROOT = Path(__file__).resolve().parent.parent
+_KEEP = object()  # set-limit: a flag left out leaves that limit as it is
+
+
+def _limit(value: str) -> int | None:
+    """A limit on the command line: a count >= 0, or 'none' for no limit."""
+    if value.lower() in ("none", "unlimited"):
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a count or 'none'") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError("a limit cannot be negative")
+    return n
 
 
 def migrate(database_url: str, revision: str = "head") -> None:
@@ -37,15 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("create-tenant", help="create a tenant and print its API key once")
     p.add_argument("name")
     p.add_argument("--max-gpus", type=int, default=None)
+    p.add_argument("--max-queued-tasks", type=_limit, default=None, metavar="N")
     p.add_argument("--if-missing", action="store_true",
                    help="do nothing (exit 0, print nothing) when the tenant exists")
     p = sub.add_parser("create-key", help="print a new API key for an existing tenant")
     p.add_argument("name")
     p = sub.add_parser("revoke-key", help="revoke an API key (read from stdin if '-')")
     p.add_argument("key")
-    p = sub.add_parser("set-limit", help="cap the GPUs a tenant may hold at once")
+    p = sub.add_parser("set-limit", help="set a tenant's limits (flags left out stay as they are)")
     p.add_argument("name")
-    p.add_argument("--max-gpus", type=int, default=None, help="omit for no limit")
+    p.add_argument("--max-gpus", type=_limit, default=_KEEP, metavar="N|none",
+                   help="GPUs the tenant may hold at once ('none': no limit)")
+    p.add_argument("--max-queued-tasks", type=_limit, default=_KEEP, metavar="N|none",
+                   help="tasks it may have neither running nor finished; over it POST /v1/tasks "
+                        "answers 429 ('none': no limit)")
     sub.add_parser("list-tenants")
     args = parser.parse_args(argv)
     settings = get_settings()
@@ -63,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                     return 0
                 print(f"error: {exc.message}", file=sys.stderr)
                 return 1
+            tenant.max_queued_tasks = args.max_queued_tasks
             print(f"tenant: {tenant.id} ({tenant.name})", file=sys.stderr)
             print(key)
         elif args.cmd == "create-key":
@@ -82,10 +102,19 @@ def main(argv: list[str] | None = None) -> int:
             if tenant is None:
                 print(f"error: no tenant {args.name!r}", file=sys.stderr)
                 return 1
-            tenant.max_gpus = args.max_gpus
+            if args.max_gpus is _KEEP and args.max_queued_tasks is _KEEP:
+                print("error: give --max-gpus and/or --max-queued-tasks", file=sys.stderr)
+                return 2
+            if args.max_gpus is not _KEEP:
+                tenant.max_gpus = args.max_gpus
+            if args.max_queued_tasks is not _KEEP:
+                tenant.max_queued_tasks = args.max_queued_tasks
+            print(f"{tenant.name}: max_gpus={tenant.max_gpus} "
+                  f"max_queued_tasks={tenant.max_queued_tasks}", file=sys.stderr)
         else:
             for t in session.scalars(select(Tenant).order_by(Tenant.created_at)):
-                print(f"{t.id}\t{t.name}\tmax_gpus={t.max_gpus}")
+                print(f"{t.id}\t{t.name}\tmax_gpus={t.max_gpus}\t"
+                      f"max_queued_tasks={t.max_queued_tasks}")
     return 0
 
 

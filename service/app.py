@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.cluster import mark_stale_nodes
+from service.cluster import mark_stale_nodes, start_replanner, stop_replanner
 from service.config import Settings, get_settings
 from service.db import make_engine, make_sessionmaker, session_scope
 from service.errors import error_body, install_error_handlers
@@ -130,7 +130,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             thread = threading.Thread(target=_maintenance, name="loraplex-maintenance",
                                       args=(app.state.sessionmaker, settings, stop), daemon=True)
             thread.start()
+        replanner = start_replanner(app.state.sessionmaker, settings)
+        app.state.replanner = replanner
         yield
+        stop_replanner(replanner, settings)
         stop.set()
         if thread is not None:
             thread.join(timeout=10)
@@ -144,6 +147,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.storage = LocalStorage(settings.storage_dir)
     app.state.registry = ModelRegistry(settings.models_file)
     app.state.prom = _prom()
+    app.state.replanner = None  # the background replanner, while the lifespan runs
     configure_queue(settings.redis_url)
     install_error_handlers(app)
     for module in (files, tasks, internal, ops):

@@ -1,44 +1,134 @@
-"""Nodes (register, heartbeat, timeout) and the one hook into the scheduler, cluster_changed(),
-called on task creation, cancel, completion/failure and node register/down."""
+"""Nodes (register, heartbeat, timeout), the one hook into the scheduler, cluster_changed(), called
+on task creation, cancel, completion/failure and node register/down, and the operator's view."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings, get_settings
+from service.db import session_scope
 from service.events import add_event
 from service.models import PLACEMENT_ACTIVE, Job, Node, Placement, Task, utcnow
 from service.protocol import Heartbeat, HeartbeatResponse, NodeRegister
 from service.queue import unqueue_placement
-from service.schemas import ClusterOut, NodeOut, PlacementOut
+from service.scheduler.limits import tenant_usage
+from service.scheduler.replanner import Replanner, lookup, register, unregister
+from service.schemas import ClusterOut, GpuPlanOut, NodeOut, PlacementOut, PlanInfoOut
 
 log = logging.getLogger("loraplex.cluster")
 
 
 def cluster_changed(session: Session, reason: str, settings: Settings | None = None) -> None:
-    """Ask the scheduler to replan, then commit. Commit the triggering change first: a failing
-    replan is logged and rolled back, never undoing the user's request."""
+    """Tell the scheduler the cluster changed (task arrival, cancel, completion/failure, node
+    join/leave). Background mode (the default): commit and signal this process's replanner
+    thread, so no request waits for the solver. Sync mode, or no replanner running in this
+    process (CLI, scripts): replan here, then commit. Either way the caller commits the
+    triggering change first: a failing replan is logged and rolled back, never undoing it."""
     settings = settings or get_settings()
     if not settings.scheduler_enabled:
         return
+    if settings.scheduler_replan == "background":
+        replanner = lookup(settings.database_url)
+        if replanner is not None:
+            session.commit()
+            replanner.trigger(reason)
+            return
+    replan_now(session, settings, [reason])
+
+
+def replan_now(session: Session, settings: Settings, reasons: list[str]) -> None:
+    """Run service.scheduler.replan on this session and commit; log and roll back on failure."""
     try:
         from service.scheduler import replan  # type: ignore[attr-defined]
     except ImportError:
-        log.info("replan skipped reason=%s detail=service.scheduler.replan not available", reason)
+        log.info("replan skipped reason=%s detail=service.scheduler.replan not available",
+                 ",".join(reasons))
         return
     try:
         replan(session, settings)
         session.commit()
-        log.info("replanned reason=%s", reason)
+        _note_reasons(reasons)
+        log.info("replanned reason=%s", ",".join(reasons))
     except Exception:
         session.rollback()
-        log.exception("replan failed reason=%s", reason)
+        log.exception("replan failed reason=%s", ",".join(reasons))
+
+
+def _note_reasons(reasons: list[str]) -> None:
+    try:
+        from service.scheduler import last_plan_info  # type: ignore[attr-defined]
+
+        info = last_plan_info()
+        if hasattr(info, "reasons"):
+            info.reasons = list(reasons)
+    except (ImportError, AttributeError):
+        pass
+
+
+def replan_due(session: Session, settings: Settings) -> bool:
+    """Whether a periodic pass should replan: a planned start has arrived, a queued task has
+    no plan at all (a lost trigger), or the last replan is older than 12 intervals while tasks
+    wait (estimates drift as running tasks report progress)."""
+    if session.scalar(select(Task.id).where(Task.state == "queued").limit(1)) is None:
+        return False
+    now = utcnow()
+    if session.scalar(select(Placement.id).where(
+            Placement.state == "planned", Placement.planned_start <= now).limit(1)) is not None:
+        return True
+    unplanned = session.scalar(select(Task.id).where(
+        Task.state == "queued",
+        ~select(Placement.id).where(Placement.task_id == Task.id,
+                                    Placement.state.in_(("planned", *PLACEMENT_ACTIVE)))
+        .exists()).limit(1))
+    if unplanned is not None:
+        return True
+    at = _last_plan_at()
+    return at is None or (now - at).total_seconds() > 12 * max(settings.scheduler_interval_s, 1)
+
+
+def _last_plan_at() -> datetime | None:
+    try:
+        from service.scheduler import last_plan_info  # type: ignore[attr-defined]
+
+        return getattr(last_plan_info(), "at", None)
+    except (ImportError, AttributeError):
+        return None
+
+
+def start_replanner(factory: sessionmaker[Session], settings: Settings) -> Replanner | None:
+    """Start (and register for cluster_changed) the background replanner of an app, in
+    background mode with the scheduler enabled; it replans once at start, to publish what
+    became due while no API ran. None in the other modes."""
+    if not settings.scheduler_enabled or settings.scheduler_replan != "background":
+        return None
+
+    def run(reasons: list[str]) -> None:
+        session = factory()
+        try:
+            replan_now(session, settings, reasons)
+        finally:
+            session.close()
+
+    def due() -> bool:
+        with session_scope(factory) as session:
+            return replan_due(session, settings)
+
+    replanner = Replanner(run, due, settings.scheduler_interval_s, settings.scheduler_debounce_s)
+    register(settings.database_url, replanner)
+    replanner.start()
+    replanner.trigger("startup")
+    return replanner
+
+
+def stop_replanner(replanner: Replanner | None, settings: Settings) -> None:
+    if replanner is not None:
+        unregister(settings.database_url, replanner)
+        replanner.stop()
 
 
 def next_attempt(session: Session, task_id: str) -> int:
@@ -156,27 +246,47 @@ def fail_or_requeue(session: Session, task: Task, placement: Placement, error: s
 
 
 def cluster_view(session: Session) -> ClusterOut:
+    """GET /v1/cluster: nodes, the plan (flat and per GPU, with tenant and priority), each
+    tenant's usage against its limits, and what the last replan of this process decided."""
     nodes = session.scalars(select(Node).order_by(Node.name)).all()
-    plan = session.scalars(select(Placement).where(
-        Placement.state.in_(("planned", *PLACEMENT_ACTIVE))).order_by(Placement.planned_start)).all()
+    rows = session.execute(
+        select(Placement, Task.tenant_id, Task.priority).join(Task, Task.id == Placement.task_id)
+        .where(Placement.state.in_(("planned", *PLACEMENT_ACTIVE)))
+        .order_by(Placement.planned_start, Placement.id)).all()
+    plan = [PlacementOut.model_validate(p, from_attributes=True).model_copy(
+        update={"tenant_id": tenant_id, "priority": priority}) for p, tenant_id, priority in rows]
     counts = dict(session.execute(select(Task.state, func.count()).where(
         Task.state.in_(("queued", "running"))).group_by(Task.state)).all())
     return ClusterOut(
         nodes=[NodeOut.model_validate(n, from_attributes=True) for n in nodes],
         gpus_total=sum(n.gpu_count for n in nodes),
         gpus_up=sum(n.gpu_count for n in nodes if n.state == "up"),
-        plan=[PlacementOut.model_validate(p, from_attributes=True) for p in plan],
+        plan=plan, gpus=_per_gpu(nodes, plan), tenants=tenant_usage(session),
         queued_tasks=counts.get("queued", 0), running_tasks=counts.get("running", 0),
         last_plan=_last_plan())
 
 
-def _last_plan() -> dict | None:
+def _per_gpu(nodes: list[Node], plan: list[PlacementOut]) -> list[GpuPlanOut]:
+    out = []
+    for node in nodes:
+        for index in range(node.gpu_count):
+            mine = [p for p in plan if p.node_id == node.id and index in p.gpu_indices]
+            running = next((p.task_id for p in mine if p.state in PLACEMENT_ACTIVE), None)
+            out.append(GpuPlanOut(node_id=node.id, node_name=node.name, index=index,
+                                  running_task_id=running, placements=mine))
+    return out
+
+
+def _last_plan() -> PlanInfoOut | None:
     try:
         from service.scheduler import last_plan_info  # type: ignore[attr-defined]
 
         info = last_plan_info()
     except (ImportError, AttributeError):
         return None
-    if dataclasses.is_dataclass(info) and not isinstance(info, type):
-        return json.loads(json.dumps(dataclasses.asdict(info), default=str))
-    return None
+    if not (dataclasses.is_dataclass(info) and not isinstance(info, type)):
+        return None
+    data = dataclasses.asdict(info)
+    data["unschedulable"] = [{"task_id": k, "reason": v}
+                             for k, v in sorted(data.get("unschedulable", {}).items())]
+    return PlanInfoOut.model_validate(data)

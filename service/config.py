@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -41,6 +42,11 @@ class Settings(BaseSettings):
     scheduler_unit_s: int = 60
     scheduler_time_limit_s: float = 1.0
     scheduler_max_delay_s: int = 3600
+    # "background": requests commit and signal the app's replanner thread (coalesced bursts,
+    # plus a periodic pass every scheduler_interval_s); "sync": replan inside the request.
+    scheduler_replan: Literal["background", "sync"] = "background"
+    scheduler_interval_s: float = 5.0
+    scheduler_debounce_s: float = 0.1
     log_level: str = "INFO"
 
     @property

@@ -3,7 +3,8 @@ Every change here needs an Alembic migration in migrations/versions/ (tests neve
 
 Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwise):
 
-- ``tenants(id, name unique, max_gpus null=unlimited, created_at)``
+- ``tenants(id, name unique, max_gpus null=unlimited, max_queued_tasks null=unlimited,
+  created_at)``; max_queued_tasks caps the tenant's tasks not yet running nor finished.
 - ``api_keys(id, tenant_id, prefix unique, key_hash sha256 hex, created_at, revoked_at)``;
   a key looks like ``lpx-<prefix 10 chars><secret>``; lookup by prefix, compare the hash.
 - ``files(id, tenant_id, filename, purpose, format chat|completion|preference, bytes,
@@ -97,6 +98,7 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("ten"))
     name: Mapped[str] = mapped_column(String(200), unique=True)
     max_gpus: Mapped[int | None] = mapped_column(Integer)
+    max_queued_tasks: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
 
 

@@ -225,6 +225,47 @@ class PlacementOut(BaseModel):
     planned_end: datetime
     state: str
     attempt: int
+    tenant_id: str | None = None
+    priority: int | None = None
+
+
+class GpuPlanOut(BaseModel):
+    """One GPU of a node: what runs there now and what is planned next, by planned start."""
+
+    node_id: str
+    node_name: str
+    index: int
+    running_task_id: str | None = Field(
+        default=None, description="The task holding the GPU (published, claimed or running).")
+    placements: list[PlacementOut]
+
+
+class TenantUsageOut(BaseModel):
+    tenant_id: str
+    name: str
+    running_tasks: int
+    queued_tasks: int = Field(description="Tasks neither running nor finished.")
+    gpus_in_use: int = Field(description="GPUs of the tenant's published/claimed/running "
+                                         "placements.")
+    max_gpus: int | None
+    max_queued_tasks: int | None
+
+
+class UnschedulableOut(BaseModel):
+    task_id: str
+    reason: str
+
+
+class PlanInfoOut(BaseModel):
+    at: datetime | None = Field(description="When the replan ran (null: none yet).")
+    status: str = Field(description="CP-SAT status: optimal, feasible, ... or none.")
+    makespan_s: int
+    gap: float = Field(description="Relative optimality gap of the makespan (0 when optimal).")
+    solve_time_s: float
+    relaxed_waiting: bool = Field(description="Bounded waiting was dropped to find a plan.")
+    unschedulable: list[UnschedulableOut]
+    reasons: list[str] = Field(default_factory=list,
+                               description="What triggered it (task_created, periodic, ...).")
 
 
 class ClusterOut(BaseModel):
@@ -233,8 +274,13 @@ class ClusterOut(BaseModel):
     gpus_total: int
     gpus_up: int
     plan: list[PlacementOut]
+    gpus: list[GpuPlanOut] = Field(default_factory=list,
+                                   description="The plan per node and GPU.")
+    tenants: list[TenantUsageOut] = Field(
+        default_factory=list, description="Tenants with unfinished tasks or limits: usage "
+                                          "against their limits.")
     queued_tasks: int
     running_tasks: int
-    last_plan: dict | None = Field(
+    last_plan: PlanInfoOut | None = Field(
         default=None, description="The scheduler's last replan in this API process: status, "
                                   "makespan, gap, solve time, unschedulable tasks.")

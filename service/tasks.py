@@ -32,6 +32,7 @@ from service.pagination import page_query
 from service.protocol import JobStateUpdate
 from service.queue import publish_cancel, unqueue_placement
 from service.registry import ModelRegistry
+from service.scheduler.limits import admit_task
 from service.schemas import JobOut, TaskCreate, TaskOut, finite
 
 log = logging.getLogger("loraplex.tasks")
@@ -102,6 +103,13 @@ def create_task(session: Session, tenant: Tenant, body: TaskCreate, settings: Se
         if replay is not None:
             return replay, False
     max_seq_len, samples = _check_request(session, tenant, body, settings, registry)
+    # 429 at the tenant's max_queued_tasks; locks the tenant row until the commit, so two
+    # creates at limit-1 count one after the other. A rejected create claims no key.
+    admit_task(session, tenant)
+    if idempotency_key is not None:
+        replay = _replay(session, tenant, idempotency_key, digest)  # a twin committed meanwhile
+        if replay is not None:
+            return replay, False
     try:
         task = _insert_task(session, tenant, body, max_seq_len, samples, idempotency_key, digest)
     except IntegrityError:

@@ -75,6 +75,7 @@ class PlanInfo:
     solve_time_s: float = 0.0
     relaxed_waiting: bool = False
     unschedulable: dict[str, str] = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)  # what triggered it (set by the caller)
 
 
 _last = PlanInfo()
@@ -210,12 +211,18 @@ def replan(session: Session, settings: Settings) -> Plan:
     inst, rows = build_instance(session, settings, now)
     plan = solve(inst, SolveOptions(unit_s=unit, time_limit_s=limit,
                                     secondary_time_limit_s=limit / 2))
+    # Off the request path a cancel or completion can commit while the solver runs: lock the
+    # waiting tasks (task before placements, the order cancel uses) and plan only those still
+    # queued, so nothing is published for a task that has just ended.
+    waiting = [t.id for t in inst.tasks if t.pinned is None]
+    still_queued = set(session.scalars(select(Task.id).where(
+        Task.id.in_(waiting), Task.state == "queued").order_by(Task.id).with_for_update()))
     busy: dict[str, set[int]] = {}
     for p in session.scalars(select(Placement).where(Placement.state.in_(PLACEMENT_ACTIVE))):
         busy.setdefault(p.node_id, set()).update(p.gpu_indices)
     published = 0
     for spec in inst.tasks:
-        if spec.pinned is not None:
+        if spec.pinned is not None or spec.id not in still_queued:
             continue
         mine = rows.get(spec.id, [])
         old = [p for p in mine if p.state == "planned"]

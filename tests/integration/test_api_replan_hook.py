@@ -13,6 +13,13 @@ from service.models import Node, Placement, Task, utcnow
 from service.queue import publish_placement
 
 
+@pytest.fixture
+def settings(settings):  # noqa: ANN001, ANN201 - conftest's, in sync mode
+    """These tests look at the plan right after each request: replan inside it (sync mode);
+    test_scheduler_background.py covers the background replanner."""
+    return settings.model_copy(update={"scheduler_replan": "sync"})
+
+
 @pytest.mark.with_scheduler
 def test_replan_called_and_its_placements_published(client, factory, settings, monkeypatch):  # noqa: ANN001
     calls: list[str] = []

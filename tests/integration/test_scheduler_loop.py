@@ -19,6 +19,13 @@ pytestmark = pytest.mark.with_scheduler
 ADMIN = {"Authorization": "Bearer test-admin-token"}
 
 
+@pytest.fixture
+def settings(settings):  # noqa: ANN001, ANN201 - conftest's, in sync mode
+    """These tests look at the plan right after each request: replan inside it (sync mode);
+    test_scheduler_background.py covers the background replanner."""
+    return settings.model_copy(update={"scheduler_replan": "sync"})
+
+
 def rows(session, state: str | None = None) -> list[Placement]:  # noqa: ANN001
     session.expire_all()
     q = select(Placement).order_by(Placement.created_at)

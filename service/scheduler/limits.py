@@ -1,0 +1,57 @@
+"""Per-tenant limits outside the solver: admission of new tasks against max_queued_tasks (429),
+and each tenant's usage against its limits for GET /v1/cluster (max_gpus is in the planner)."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.errors import ApiError
+from service.models import PLACEMENT_ACTIVE, Placement, Task, Tenant
+from service.schemas import TenantUsageOut
+
+# "Queued" for the limit: accepted but neither running nor finished (DESIGN.md task states).
+WAITING_STATES = ("validating_files", "queued")
+
+
+def queued_count(session: Session, tenant_id: str) -> int:
+    return int(session.scalar(select(func.count()).select_from(Task).where(
+        Task.tenant_id == tenant_id, Task.state.in_(WAITING_STATES))) or 0)
+
+
+def admit_task(session: Session, tenant: Tenant) -> None:
+    """Lock the tenant's row for the rest of the transaction, then 429 if it already has
+    max_queued_tasks waiting. The lock makes concurrent creates of one tenant count one after
+    the other (the caller's commit releases it); FOR NO KEY UPDATE leaves inserts that only
+    reference the tenant (files, keys) unblocked."""
+    limit = session.scalar(select(Tenant.max_queued_tasks).where(Tenant.id == tenant.id)
+                           .with_for_update(key_share=True))
+    if limit is None:
+        return
+    count = queued_count(session, tenant.id)
+    if count >= limit:
+        raise ApiError(429, "queue_limit_exceeded",
+                       f"tenant has {count} queued tasks and max_queued_tasks is {limit}: "
+                       "retry when one starts or finishes, or cancel one",
+                       param="max_queued_tasks")
+
+
+def tenant_usage(session: Session) -> list[TenantUsageOut]:
+    """Tenants that have unfinished tasks or a limit set, with their usage, by name."""
+    waiting = dict(session.execute(select(Task.tenant_id, func.count()).where(
+        Task.state.in_(WAITING_STATES)).group_by(Task.tenant_id)).all())
+    running = dict(session.execute(select(Task.tenant_id, func.count()).where(
+        Task.state == "running").group_by(Task.tenant_id)).all())
+    gpus: dict[str, int] = {}
+    for tenant_id, indices in session.execute(
+            select(Task.tenant_id, Placement.gpu_indices).join(Task, Task.id == Placement.task_id)
+            .where(Placement.state.in_(PLACEMENT_ACTIVE))):
+        gpus[tenant_id] = gpus.get(tenant_id, 0) + len(indices)
+    active = set(waiting) | set(running) | set(gpus)
+    tenants = session.scalars(select(Tenant).where(
+        Tenant.id.in_(active) | Tenant.max_gpus.is_not(None)
+        | Tenant.max_queued_tasks.is_not(None)).order_by(Tenant.name))
+    return [TenantUsageOut(tenant_id=t.id, name=t.name, running_tasks=running.get(t.id, 0),
+                           queued_tasks=waiting.get(t.id, 0), gpus_in_use=gpus.get(t.id, 0),
+                           max_gpus=t.max_gpus, max_queued_tasks=t.max_queued_tasks)
+            for t in tenants]
