@@ -1,5 +1,5 @@
 """Training data for the engine: JSONL parsing (chat, prompt/completion, DPO), tokenisation with
-loss masks, validation split, per-job seeded data order, and packing of a step into rows.
+loss masks (DPO pairs too), validation split, per-job seeded data order, packing of a step into rows.
 
 Packing: each job's sequences of a step go into rows of one common length, several sequences
 per row with position ids restarting at 0 (transformers then builds a block-causal mask); a row
@@ -8,10 +8,12 @@ never mixes jobs, so one job's NaN cannot reach another job through attention.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,25 @@ class Example:
     @property
     def n_trained(self) -> int:
         return sum(1 for t in self.labels[1:] if t != IGNORE)
+
+
+@dataclass(frozen=True)
+class PairExample:
+    """A tokenised DPO pair: prompt + chosen and prompt + rejected, labels on the responses."""
+
+    chosen: Example
+    rejected: Example
+
+    @cached_property
+    def key(self) -> bytes:
+        """Content digest: the reference log-probs of a pair depend on its tokens and labels
+        only, so they are cached (and checkpointed) under this key."""
+        h = hashlib.blake2b(digest_size=16)
+        for part in (self.chosen.input_ids, self.chosen.labels, self.rejected.input_ids,
+                     self.rejected.labels):
+            h.update(len(part).to_bytes(4, "little"))
+            h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in part))
+        return h.digest()
 
 
 def parse_record(obj: dict[str, Any]) -> Record:
@@ -135,6 +156,77 @@ def tokenize_all(tokenizer: Any, records: Iterable[Record], max_seq_len: int) ->
     return out
 
 
+def _prompt_and_response(tokenizer: Any, prompt: Sequence[dict[str, str]], response: str
+                         ) -> tuple[list[int], list[int], list[bool]]:
+    """Prompt ids, response ids and which response ids are trained, tokenised as SFT does
+    (chat template when the tokenizer has one, else prompt + response + EOS)."""
+    msgs = [*prompt, {"role": "assistant", "content": response}]
+    if getattr(tokenizer, "chat_template", None):
+        start = len(_render(tokenizer, prompt, True))
+        end = len(_render(tokenizer, msgs, False))
+        enc = tokenizer(_render(tokenizer, msgs, False), add_special_tokens=False,
+                        return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        n_prompt = sum(1 for a, _ in enc["offset_mapping"] if a < start)
+        train = [start <= a < end for a, _ in enc["offset_mapping"][n_prompt:]]
+        return ids[:n_prompt], ids[n_prompt:], train
+    ids: list[int] = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    for m in prompt:
+        ids += tokenizer(m["content"], add_special_tokens=False)["input_ids"]
+    resp = tokenizer(response, add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        resp = [*resp, tokenizer.eos_token_id]
+    return ids, resp, [True] * len(resp)
+
+
+def truncate_pair(prompt_len: int, chosen_len: int, rejected_len: int, max_seq_len: int,
+                  prompt_floor: int) -> tuple[int, int, int]:
+    """How many prompt tokens (kept from the END) and response tokens (kept from the START) of
+    each side stay: the prompt gives way first, down to `prompt_floor` tokens (or its own
+    length when shorter), then both responses are cut from the right to fit max_seq_len."""
+    longest = max(chosen_len, rejected_len)
+    keep_prompt = min(prompt_len, max(prompt_floor, max_seq_len - longest))
+    keep_prompt = min(keep_prompt, max_seq_len - 1)  # at least one response token fits
+    room = max_seq_len - keep_prompt
+    return keep_prompt, min(chosen_len, room), min(rejected_len, room)
+
+
+def tokenize_pair(tokenizer: Any, record: Record, max_seq_len: int,
+                  prompt_floor: int | None = None) -> PairExample | None:
+    """Both sequences of a DPO record with labels on the response tokens only, truncated by
+    `truncate_pair` (default floor: half of max_seq_len). None when a side trains nothing."""
+    if record.rejected is None:
+        raise ValueError("a DPO example needs 'prompt', 'chosen' and 'rejected'")
+    prompt, chosen = list(record.messages[:-1]), record.messages[-1]["content"]
+    p_c, r_c, t_c = _prompt_and_response(tokenizer, prompt, chosen)
+    p_r, r_r, t_r = _prompt_and_response(tokenizer, prompt, record.rejected)
+    floor = max_seq_len // 2 if prompt_floor is None else prompt_floor
+    keep_p, keep_c, keep_r = truncate_pair(max(len(p_c), len(p_r)), len(r_c), len(r_r),
+                                           max_seq_len, floor)
+    out = []
+    for p, r, t, keep_resp in ((p_c, r_c, t_c, keep_c), (p_r, r_r, t_r, keep_r)):
+        kept_prompt = p[len(p) - min(keep_p, len(p)):]
+        ids = kept_prompt + r[:keep_resp]
+        labels = [IGNORE] * len(kept_prompt) + [
+            tok if trained else IGNORE for tok, trained in zip(r[:keep_resp], t[:keep_resp], strict=True)]
+        ex = Example(tuple(ids), tuple(labels))
+        if ex.n_trained == 0:
+            return None
+        out.append(ex)
+    return PairExample(out[0], out[1])
+
+
+def tokenize_pairs(tokenizer: Any, records: Iterable[Record], max_seq_len: int,
+                   prompt_floor: int | None = None) -> list[PairExample]:
+    """Tokenise DPO records, dropping pairs with a side that has no trained token left."""
+    out = []
+    for r in records:
+        pair = tokenize_pair(tokenizer, r, max_seq_len, prompt_floor)
+        if pair is not None:
+            out.append(pair)
+    return out
+
+
 def split_validation(
     examples: Sequence[Example], val_fraction: float = 0.1, seed: int = 0, max_val: int = 256
 ) -> tuple[list[Example], list[Example]]:
@@ -200,6 +292,9 @@ class PackedBatch:
     targets: torch.Tensor
     row_offsets: list[int]
     real_tokens: int
+    # [R, L] int64: the step-wide index of the sequence each token belongs to (-1 on padding),
+    # sequences numbered job by job in the order given to pack_step (per-sequence sums, DPO)
+    seq_index: torch.Tensor | None = None
 
     @property
     def padded_fraction(self) -> float:
@@ -210,24 +305,29 @@ class PackedBatch:
         return PackedBatch(
             self.input_ids.to(device), self.position_ids.to(device), self.targets.to(device),
             self.row_offsets, self.real_tokens,
+            None if self.seq_index is None else self.seq_index.to(device),
         )
 
 
-def _pack_rows(seqs: Sequence[Example], length: int) -> list[list[Example]]:
-    # First-fit decreasing into rows of `length`; stable for equal lengths.
-    rows: list[list[Example]] = []
+def _pack_order(lengths: Sequence[int], length: int) -> list[list[int]]:
+    # First-fit decreasing of sequence positions into rows of `length`; stable for equal lengths.
+    rows: list[list[int]] = []
     room: list[int] = []
-    for ex in sorted(seqs, key=lambda e: -len(e.input_ids)):
-        n = len(ex.input_ids)
+    for k_seq in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        n = lengths[k_seq]
         for k, free in enumerate(room):
             if n <= free:
-                rows[k].append(ex)
+                rows[k].append(k_seq)
                 room[k] -= n
                 break
         else:
-            rows.append([ex])
+            rows.append([k_seq])
             room.append(length - n)
     return rows
+
+
+def _pack_rows(seqs: Sequence[Example], length: int) -> list[list[Example]]:
+    return [[seqs[k] for k in row] for row in _pack_order([len(e.input_ids) for e in seqs], length)]
 
 
 def pack_step(
@@ -239,7 +339,10 @@ def pack_step(
     With pack=False, one sequence per row padded to the longest."""
     longest = max((len(e.input_ids) for seqs in per_job for e in seqs), default=1)
     length = -(-longest // multiple_of) * multiple_of
-    layout = [[[e] for e in seqs] for seqs in per_job]
+    firsts = [0]  # step-wide index of each job's first sequence
+    for seqs in per_job:
+        firsts.append(firsts[-1] + len(seqs))
+    layout = [[[k] for k in range(len(seqs))] for seqs in per_job]
     if pack:
         # the row length with the fewest padded tokens among a few multiples of the longest
         best = None
@@ -247,30 +350,34 @@ def pack_step(
             cand = -(-max(longest, int(longest * factor)) // multiple_of) * multiple_of
             if cand > max(length, max_row_len):
                 break
-            cand_layout = [_pack_rows(seqs, cand) for seqs in per_job]
+            cand_layout = [_pack_order([len(e.input_ids) for e in seqs], cand) for seqs in per_job]
             area = cand * sum(len(r) for r in cand_layout)
             if best is None or area < best[0]:
                 best = (area, cand, cand_layout)
         _, length, layout = best
-    rows: list[list[Example]] = []
+    rows: list[list[int]] = []  # step-wide sequence indices per row
     row_offsets = [0]
-    for job_rows in layout:
-        rows += job_rows
+    for j, job_rows in enumerate(layout):
+        rows += [[firsts[j] + k for k in row] for row in job_rows]
         row_offsets.append(len(rows))
+    flat = [e for seqs in per_job for e in seqs]
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     pos = torch.zeros((len(rows), length), dtype=torch.long)
     tgt = torch.full((len(rows), length), IGNORE, dtype=torch.long)
+    seq = torch.full((len(rows), length), -1, dtype=torch.long)
     real = 0
     for r, row in enumerate(rows):
         c = 0
-        for ex in row:
+        for k in row:
+            ex = flat[k]
             n = len(ex.input_ids)
             ids[r, c : c + n] = torch.tensor(ex.input_ids)
             pos[r, c : c + n] = torch.arange(n)
             # next-token targets inside the sequence only; its last token predicts nothing
             tgt[r, c : c + n - 1] = torch.tensor(ex.labels[1:])
+            seq[r, c : c + n] = k
             c += n
             real += n
         # padding forms its own block (positions restart at 0), so it never joins a sequence
         pos[r, c:] = torch.arange(length - c)
-    return PackedBatch(ids, pos, tgt, row_offsets, real)
+    return PackedBatch(ids, pos, tgt, row_offsets, real, seq)

@@ -45,6 +45,7 @@ class JobSpec:
     max_grad_norm: float | None = 1.0
     seed: int = 0
     use_rslora: bool = False
+    beta: float = 0.1  # DPO only: strength of the KL anchor to the reference (the backbone)
 
     def total_steps(self, n_train: int) -> int:
         if self.max_steps is not None:
@@ -129,6 +130,8 @@ class StepReport:
     tokens: int
     padded_fraction: float
     steps: dict[str, int] = field(default_factory=dict)
+    # extra per-job numbers of the step beside the loss (DPO: reward accuracy and margin)
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class MultiLoraEngine:
@@ -326,6 +329,15 @@ class MultiLoraEngine:
             self._clear_layout()
             self.model.train(was_training)
         return {s.job_id: tot[i] / max(cnt[i], 1) for i, s in enumerate(states)}
+
+    def evaluate_metrics(
+        self, examples: Sequence[Example], batch_size: int = 8, job_ids: Sequence[str] | None = None,
+        max_sequences: int | None = None,
+    ) -> dict[str, dict[str, float]]:
+        """`evaluate` with every number of the objective per job: {"loss": ...} here; objectives
+        with more (DPO) override it. The executor calls this one."""
+        losses = self.evaluate(examples, batch_size, job_ids, max_sequences)
+        return {j: {"loss": v} for j, v in losses.items()}
 
     @torch.no_grad()
     def logits(self, job_id: str, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The executor recipe: load the base model, build the multi-LoRA engine, read the data, admit
-jobs, loop training steps with periodic evaluation, early exit, warmup ranking, checkpoints.
+"""The executor recipe: load the base model, build the multi-LoRA engine (SFT or DPO), read the
+data, admit jobs, loop training steps with periodic evaluation, early exit, ranking, checkpoints.
 
 Read top to bottom in `Executor.run`. Everything reaches the outside world through `Callbacks`
 (the node daemon forwards them to the service); resuming from `output_dir/state.pt` is exact.
@@ -25,7 +25,15 @@ from worker.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from worker.data import Example, read_jsonl, split_validation, tokenize_all
+from worker.data import (
+    Example,
+    PairExample,
+    read_jsonl,
+    split_validation,
+    tokenize_all,
+    tokenize_pairs,
+)
+from worker.dpo import DpoEngine
 from worker.early_exit import EarlyExitConfig, ExitDecision, JobMonitor, WarmupRanking
 from worker.engine import JobSpec, JobState, MultiLoraEngine
 from worker.export import export_peft
@@ -49,6 +57,9 @@ class Callbacks:
     on_job_state: Callable[[str, str, dict], None] = _noop  # job, state, details
     on_adapter: Callable[[str, str, Path], None] = _noop  # job, "best" | "final", directory
     on_event: Callable[[str, str, dict], None] = _noop  # job ("" = task), message, fields
+    # job, step, "train" | "val", extra numbers of that point beside the loss (DPO: reward
+    # accuracy and margin); called just BEFORE the on_train_loss / on_eval of the same point
+    on_metrics: Callable[[str, int, str, dict], None] = _noop
 
 
 @dataclass
@@ -59,6 +70,7 @@ class ExecutorConfig:
     train_file: str
     output_dir: str
     jobs: list[JobSpec]
+    method: str = "sft"  # sft | dpo (preference pairs; JobSpec.beta per job)
     val_file: str | None = None
     val_fraction: float = 0.1
     split_seed: int = 0
@@ -105,18 +117,22 @@ class Executor:
         device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
                               else ("cpu" if cfg.device == "auto" else cfg.device))
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if cfg.method not in ("sft", "dpo"):
+            raise ValueError(f"unknown method {cfg.method!r}; expected 'sft' or 'dpo'")
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=dtype).to(device)
-        train = tokenize_all(self.tokenizer, read_jsonl(cfg.train_file), cfg.max_seq_len)
+        tokenize = tokenize_pairs if cfg.method == "dpo" else tokenize_all
+        train = tokenize(self.tokenizer, read_jsonl(cfg.train_file), cfg.max_seq_len)
         if cfg.val_file:
-            val = tokenize_all(self.tokenizer, read_jsonl(cfg.val_file), cfg.max_seq_len)
+            val = tokenize(self.tokenizer, read_jsonl(cfg.val_file), cfg.max_seq_len)
         else:
             train, val = split_validation(train, cfg.val_fraction, cfg.split_seed)
         if not train or not val:
             raise ValueError("no trainable examples left after tokenisation/truncation")
         self.val = val
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.engine = MultiLoraEngine(
+        engine_cls = DpoEngine if cfg.method == "dpo" else MultiLoraEngine
+        self.engine = engine_cls(
             model, train, pad, cfg.targets, cfg.gradient_checkpointing, cfg.backend,
             getattr(torch, cfg.adapter_dtype),
         )
@@ -126,18 +142,26 @@ class Executor:
             self.cb.on_event("", "memory_model", {"k0": mm.k0, "k1": mm.k1, "budget_bytes": budget})
             self.admission = AdmissionController(mm, budget, cfg.max_seq_len, max_jobs=cfg.max_active_jobs)
         else:
+            # a DPO batch item is a pair: two sequences of up to max_seq_len tokens
+            per_item = cfg.max_seq_len * (2 if cfg.method == "dpo" else 1)
             self.admission = AdmissionController.from_token_budget(
-                cfg.max_tokens_per_step or 1 << 60, cfg.max_seq_len, cfg.max_active_jobs)
+                cfg.max_tokens_per_step or 1 << 60, per_item, cfg.max_active_jobs)
         self.cb.on_event("", "executor_loaded", {"train": len(train), "val": len(val), "device": str(device)})
 
     def probe_step(self, total_batch: int) -> None:
         """One full training step of a throwaway job of the largest rank at `total_batch`
-        sequences of max_seq_len tokens; leaves the engine as it found it."""
+        sequences of max_seq_len tokens (DPO: pairs of two such sequences, responses trained
+        on their second half, reference pass included); leaves the engine as it found it."""
         eng, cfg = self.engine, self.cfg
         g = torch.Generator().manual_seed(0)
         vocab = eng.model.get_input_embeddings().num_embeddings
-        probe = [Example(tuple(ids), tuple(ids)) for ids in
-                 torch.randint(0, vocab, (total_batch, cfg.max_seq_len), generator=g).tolist()]
+        rows = torch.randint(0, vocab, (total_batch, cfg.max_seq_len), generator=g).tolist()
+        probe: list = [Example(tuple(ids), tuple(ids)) for ids in rows]
+        if isinstance(eng, DpoEngine):
+            half = cfg.max_seq_len // 2
+            probe = [PairExample(Example(tuple(ids), (-100,) * half + tuple(ids[half:])),
+                                 Example(tuple(ids[::-1]), (-100,) * half + tuple(ids[::-1][half:])))
+                     for ids in rows]
         saved, eng.train_examples = eng.train_examples, probe
         try:
             eng.attach(JobSpec("__probe__", rank=max(j.rank for j in cfg.jobs), lr=0.0,
@@ -151,6 +175,8 @@ class Executor:
                     eng.attach(state)
         finally:
             eng.train_examples = saved
+            if isinstance(eng, DpoEngine):
+                eng.forget_reference(probe)
 
     def _profile_memory_model(self) -> MemoryModel:
         # peak memory at a few total batches -> M(B) = k0 + k1 * B * L (DESIGN.md, technique 3)
@@ -182,6 +208,8 @@ class Executor:
             self.padded.append(report.padded_fraction)
             for job_id, loss in report.losses.items():
                 step = report.steps[job_id]
+                if report.metrics.get(job_id):
+                    self.cb.on_metrics(job_id, step, "train", report.metrics[job_id])
                 self.cb.on_train_loss(job_id, step, loss)
                 if report.skipped[job_id]:
                     self.cb.on_event(job_id, "update_skipped", {"step": step, "loss": loss,
@@ -224,11 +252,15 @@ class Executor:
         if not due:
             return
         step_batch = sum(s.batch_size for s in self.engine.jobs.values())
-        losses = self.engine.evaluate(self.val, self.cfg.eval_batch_size, due,
-                                      max_sequences=max(step_batch, self.cfg.eval_batch_size))
-        for job_id, val in losses.items():
+        metrics = self.engine.evaluate_metrics(self.val, self.cfg.eval_batch_size, due,
+                                               max_sequences=max(step_batch, self.cfg.eval_batch_size))
+        for job_id, numbers in metrics.items():
             s = self.engine.jobs[job_id]
             self.last_eval[job_id] = s.step
+            val = numbers["loss"]  # DPO: the validation DPO loss, for the same detectors
+            extra = {k: v for k, v in numbers.items() if k != "loss"}
+            if extra:
+                self.cb.on_metrics(job_id, s.step, "val", extra)
             self.cb.on_eval(job_id, s.step, val)
             mon = self.monitors[job_id]
             decision = mon.observe_eval(s.step, val)
@@ -302,6 +334,8 @@ class Executor:
             "active": active, "queue": queued, "status": self.status, "monitors": self.monitors,
             "ranking": self.ranking, "global_step": self.global_step, "last_eval": self.last_eval,
             "rng": rng_state(),
+            # DPO: the reference log-probs (2 floats per pair), so a resumed run reuses them
+            **({"reference": self.engine.reference_state()} if isinstance(self.engine, DpoEngine) else {}),
         })
 
     def _resume(self, ck: dict[str, Any]) -> None:
@@ -310,6 +344,8 @@ class Executor:
         self.queue = [q["fresh"] if "fresh" in q else restore_job(self.engine, q).to("cpu") for q in ck["queue"]]
         self.status, self.monitors, self.ranking = ck["status"], ck["monitors"], ck["ranking"]
         self.global_step, self.last_eval = ck["global_step"], ck["last_eval"]
+        if isinstance(self.engine, DpoEngine) and "reference" in ck:
+            self.engine.load_reference_state(ck["reference"])
         set_rng_state(ck["rng"])
         self.cb.on_event("", "resumed", {"global_step": self.global_step})
 
@@ -337,7 +373,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.stdout.flush()
         return f
 
-    cb = Callbacks(emit("train_loss"), emit("eval"), emit("job_state"), emit("adapter"), emit("event"))
+    cb = Callbacks(emit("train_loss"), emit("eval"), emit("job_state"), emit("adapter"), emit("event"),
+                   emit("metrics"))
     status = Executor(ExecutorConfig(**raw), cb).run()
     print(json.dumps({"kind": "done", "status": status}))
 

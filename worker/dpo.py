@@ -1,0 +1,236 @@
+"""DPO on the multi-LoRA engine: per job a micro-batch of preference pairs, one forward + one
+backward over all jobs' chosen and rejected sequences, and reference log-probs shared by all jobs.
+
+Loss of a job (Rafailov et al. 2023, eq. 7), mean over its pairs:
+    -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))
+with pi / ref the summed log-probs of the response tokens under the job's adapter / the frozen
+backbone (every adapter off). Rewards are beta * (pi - ref); reward accuracy is the share of pairs
+whose chosen reward beats the rejected one, reward margin the mean difference of the two.
+
+Reference log-probs are computed once per sample (not per job): before each forward, the pairs
+not yet in `DpoEngine.reference` (keyed by PairExample.key, a content digest, so train and
+validation share one cache) go through ONE no-grad backbone forward, packed together whatever job
+they came from (no adapter runs, so mixing jobs in a row is harmless). The cache is small (two
+floats per pair); the executor checkpoints it, so a resumed run uses the very same numbers.
+Isolation is the SFT engine's: a job's log-probs come from its own rows only, a non-finite loss
+stays out of the backward objective, a non-finite gradient norm skips only that job's update.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from worker.data import IGNORE, Example, PackedBatch, PairExample, pack_step
+from worker.engine import JobState, MultiLoraEngine, StepReport
+
+METRICS = ("loss", "reward_accuracy", "reward_margin")
+
+
+def dpo_loss(
+    policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor, beta: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair DPO loss and the chosen / rejected rewards, from summed response log-probs."""
+    chosen_reward = beta * (policy_chosen - ref_chosen)
+    rejected_reward = beta * (policy_rejected - ref_rejected)
+    loss = -nn.functional.logsigmoid(chosen_reward - rejected_reward)
+    return loss, chosen_reward, rejected_reward
+
+
+def pair_sequences(pairs: Sequence[PairExample]) -> list[Example]:
+    """A job's sequences in a step: every chosen, then every rejected (pair order)."""
+    return [p.chosen for p in pairs] + [p.rejected for p in pairs]
+
+
+class DpoEngine(MultiLoraEngine):
+    """The multi-LoRA engine with the DPO objective; train examples are PairExamples.
+
+    `passes` counts backbone forwards ("reference": no-grad, adapters off; "policy": with the
+    jobs' adapters, training and evaluation), `reference_sequences` the sequences whose
+    reference log-prob was computed: each pair adds 2 exactly once per engine.
+    """
+
+    def __init__(self, model: nn.Module, train_pairs: Sequence[PairExample], pad_id: int,
+                 *args: Any, reference_chunk_tokens: int = 4096, **kwargs: Any) -> None:
+        super().__init__(model, train_pairs, pad_id, *args, **kwargs)
+        self.reference: dict[bytes, tuple[float, float]] = {}
+        self.reference_chunk_tokens = reference_chunk_tokens
+        self.passes = {"reference": 0, "policy": 0}
+        self.reference_sequences = 0
+
+    # ----- log-probs -------------------------------------------------------------------
+    def _token_logps(self, h_sel: torch.Tensor, t_sel: torch.Tensor) -> torch.Tensor:
+        logits = self.model.get_output_embeddings()(h_sel)
+        # at least float32 (bf16 logits lose the log-prob sums), float64 stays float64
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return -nn.functional.cross_entropy(logits, t_sel, reduction="none")
+
+    def _sequence_logps(self, hidden: torch.Tensor, targets: torch.Tensor, seq_index: torch.Tensor,
+                        first: int, count: int) -> torch.Tensor:
+        """Summed log-probs [count] of sequences first..first+count-1 of these rows."""
+        h = hidden.reshape(-1, hidden.shape[-1])
+        t = targets.reshape(-1)
+        sel = t != IGNORE
+        h_sel, t_sel, s_sel = h[sel], t[sel], seq_index.reshape(-1)[sel] - first
+        out = torch.zeros(count, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+        if not torch.is_grad_enabled():
+            # no graph to keep: bound the [tokens, vocab] logits by chunking the tokens
+            step = self.reference_chunk_tokens
+            for lo in range(0, h_sel.shape[0], step):
+                out.index_add_(0, s_sel[lo : lo + step], self._token_logps(h_sel[lo : lo + step],
+                                                                          t_sel[lo : lo + step]))
+            return out
+        if self.gradient_checkpointing:
+            # a job's logits are large (vocab x tokens); recompute them in backward
+            tok = checkpoint(self._token_logps, h_sel, t_sel, use_reentrant=False)
+        else:
+            tok = self._token_logps(h_sel, t_sel)
+        return out.index_add(0, s_sel, tok)
+
+    @torch.no_grad()
+    def ensure_reference(self, pairs: Sequence[PairExample]) -> int:
+        """Compute the reference log-probs of the pairs not cached yet, all in one backbone
+        forward with every adapter off; returns how many pairs were computed."""
+        missing: dict[bytes, PairExample] = {}
+        for p in pairs:
+            if p.key not in self.reference and p.key not in missing:
+                missing[p.key] = p
+        if not missing:
+            return 0
+        todo = list(missing.values())
+        seqs = pair_sequences(todo)
+        batch = pack_step([seqs], self.pad_id, pack=self.pack, multiple_of=self.pad_multiple).to(self.device)
+        self._clear_layout()  # adapters off: every MultiLoraLinear is its frozen base linear
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            hidden = self._hidden(batch)
+            logps = self._sequence_logps(hidden, batch.targets, batch.seq_index, 0, len(seqs)).tolist()
+        finally:
+            self.model.train(was_training)
+        self.passes["reference"] += 1
+        self.reference_sequences += len(seqs)
+        n = len(todo)
+        for i, p in enumerate(todo):
+            self.reference[p.key] = (logps[i], logps[n + i])
+        return n
+
+    def forget_reference(self, pairs: Sequence[PairExample]) -> None:
+        """Drop cached reference numbers (e.g. of the executor's throwaway memory-probe pairs)."""
+        for p in pairs:
+            self.reference.pop(p.key, None)
+
+    def reference_state(self) -> dict[str, torch.Tensor]:
+        """The cache as two tensors (keys [N, 16] uint8, values [N, 2] float64) for checkpoints."""
+        keys = list(self.reference)
+        return {"keys": torch.tensor([list(k) for k in keys], dtype=torch.uint8).reshape(-1, 16),
+                "values": torch.tensor([self.reference[k] for k in keys], dtype=torch.float64).reshape(-1, 2)}
+
+    def load_reference_state(self, state: dict[str, torch.Tensor]) -> None:
+        for k, v in zip(state["keys"].tolist(), state["values"].tolist(), strict=True):
+            self.reference[bytes(k)] = (v[0], v[1])
+
+    def _forward_logps(self, states: Sequence[JobState], per_job: Sequence[Sequence[PairExample]]
+                       ) -> tuple[PackedBatch, list[torch.Tensor]]:
+        """One forward of all jobs' chosen + rejected sequences with their adapters; per job the
+        summed response log-probs [2 * pairs] (chosen first), from the job's own rows."""
+        seqs = [pair_sequences(pairs) for pairs in per_job]
+        batch = pack_step(seqs, self.pad_id, pack=self.pack, multiple_of=self.pad_multiple).to(self.device)
+        length = batch.input_ids.shape[1]
+        self._set_layout(states, [r * length for r in batch.row_offsets])
+        hidden = self._hidden(batch)
+        self.passes["policy"] += 1
+        out, first = [], 0
+        for i, job_seqs in enumerate(seqs):
+            r0, r1 = batch.row_offsets[i], batch.row_offsets[i + 1]
+            out.append(self._sequence_logps(hidden[r0:r1], batch.targets[r0:r1],
+                                            batch.seq_index[r0:r1], first, len(job_seqs)))
+            first += len(job_seqs)
+        return batch, out
+
+    def _objective(self, state: JobState, pairs: Sequence[PairExample], logps: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The job's mean DPO loss (differentiable) and [loss, accuracy, margin] sums over pairs."""
+        n = len(pairs)
+        ref = torch.tensor([self.reference[p.key] for p in pairs], dtype=logps.dtype, device=logps.device)
+        loss, rc, rr = dpo_loss(logps[:n], logps[n:], ref[:, 0], ref[:, 1], state.spec.beta)
+        sums = torch.stack([loss.detach().sum(), (rc > rr).float().sum(), (rc - rr).detach().sum()])
+        return loss.mean(), sums
+
+    # ----- one step --------------------------------------------------------------------
+    def step(self) -> StepReport:
+        """One DPO training step of every attached job that has steps left."""
+        states = [s for s in self.jobs.values() if not s.done]
+        if not states:
+            raise RuntimeError("no attached job has steps left")
+        per_job = [
+            [self.train_examples[i] for i in s.stream.next_indices(s.spec.batch_size)] for s in states
+        ]
+        self.ensure_reference([p for pairs in per_job for p in pairs])
+        try:
+            batch, logps = self._forward_logps(states, per_job)
+            losses, sums = [], []
+            for s, pairs, lp in zip(states, per_job, logps, strict=True):
+                loss, stat = self._objective(s, pairs, lp)
+                losses.append(loss)
+                sums.append(stat / len(pairs))
+            stats = torch.stack(sums).tolist()  # one device sync for every job's numbers
+            values = [row[0] for row in stats]
+            live = [loss for loss, v in zip(losses, values, strict=True) if math.isfinite(v)]
+            if live:
+                torch.stack(live).sum().backward()
+        finally:
+            self._clear_layout()
+        report = self._update(states, values, batch)
+        report.metrics = {s.job_id: dict(zip(METRICS[1:], row[1:], strict=True))
+                          for s, row in zip(states, stats, strict=True)}
+        return report
+
+    # ----- evaluation ------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate_metrics(
+        self, examples: Sequence[PairExample], batch_size: int = 8,  # type: ignore[override]
+        job_ids: Sequence[str] | None = None, max_sequences: int | None = None,
+    ) -> dict[str, dict[str, float]]:
+        """Mean DPO loss, reward accuracy and margin of each attached job over the same held-out
+        pairs. max_sequences counts pairs here (as the jobs' batch sizes do): jobs are evaluated
+        in groups of at most max_sequences // batch_size per forward."""
+        states = [self.jobs[j] for j in (job_ids if job_ids is not None else list(self.jobs))]
+        if not states or not examples:
+            return {}
+        if max_sequences is not None:
+            group = max(1, max_sequences // batch_size)
+            if group < len(states):
+                out: dict[str, dict[str, float]] = {}
+                for lo in range(0, len(states), group):
+                    ids = [s.job_id for s in states[lo : lo + group]]
+                    out.update(self.evaluate_metrics(examples, batch_size, ids))
+                return out
+        was_training = self.model.training
+        self.model.eval()
+        totals = torch.zeros(len(states), len(METRICS), dtype=torch.float64)
+        try:
+            for lo in range(0, len(examples), batch_size):
+                chunk = list(examples[lo : lo + batch_size])
+                self.ensure_reference(chunk)
+                _, logps = self._forward_logps(states, [chunk] * len(states))
+                sums = torch.stack([self._objective(s, chunk, lp)[1] for s, lp in zip(states, logps, strict=True)])
+                totals += sums.double().cpu()
+        finally:
+            self._clear_layout()
+            self.model.train(was_training)
+        means = (totals / len(examples)).tolist()
+        return {s.job_id: dict(zip(METRICS, row, strict=True)) for s, row in zip(states, means, strict=True)}
+
+    def evaluate(
+        self, examples: Sequence[PairExample], batch_size: int = 8,  # type: ignore[override]
+        job_ids: Sequence[str] | None = None, max_sequences: int | None = None,
+    ) -> dict[str, float]:
+        """Mean validation DPO loss per job (what early exit and the ranking use)."""
+        return {j: m["loss"] for j, m in self.evaluate_metrics(examples, batch_size, job_ids, max_sequences).items()}
