@@ -287,6 +287,7 @@ def _last_plan() -> PlanInfoOut | None:
     if not (dataclasses.is_dataclass(info) and not isinstance(info, type)):
         return None
     data = dataclasses.asdict(info)
+    data["status"] = str(data.get("status", "none")).lower()
     data["unschedulable"] = [{"task_id": k, "reason": v}
                              for k, v in sorted(data.get("unschedulable", {}).items())]
     return PlanInfoOut.model_validate(data)

@@ -258,7 +258,8 @@ class UnschedulableOut(BaseModel):
 
 class PlanInfoOut(BaseModel):
     at: datetime | None = Field(description="When the replan ran (null: none yet).")
-    status: str = Field(description="CP-SAT status: optimal, feasible, ... or none.")
+    status: str = Field(description="optimal, feasible (CP-SAT), heuristic (list-scheduling "
+                                    "fallback), empty (nothing to plan) or none (no replan yet).")
     makespan_s: int
     gap: float = Field(description="Relative optimality gap of the makespan (0 when optimal).")
     solve_time_s: float
