@@ -11,7 +11,9 @@ then reports with EventBatch, MetricBatch, JobStateUpdate, artifact uploads (mul
 a ``meta`` form field holding ArtifactMeta JSON plus one ``files`` part per file) and
 finally TaskFinished or TaskFailed. Every report is safe to retry.
 All internal calls carry ``Authorization: Bearer <worker token>``. A heartbeat answered 404
-means the service forgot the node: register again.
+means the service forgot the node: register again. A daemon that stops cleanly (drained)
+POSTs NodeDeregister to /internal/v1/nodes/{node_id}/deregister: the node goes down, its
+queue is emptied and the scheduler replans without it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,23 @@ class NodeRegistered(_Msg):
     node_id: str
     queue: str = Field(description="RQ queue name to pull placements from.")
     heartbeat_interval_s: float
+
+
+class NodeDeregister(_Msg):
+    """Sent once by a daemon that shuts down cleanly (drained): the node leaves the plan now
+    instead of after the heartbeat timeout."""
+
+    reason: str = Field(default="drained", max_length=500)
+
+
+class NodeDeregistered(_Msg):
+    node_id: str
+    state: Literal["up", "down"]
+    superseded_placement_ids: list[str] = Field(
+        default_factory=list, description="Published, unclaimed placements taken off the node.")
+    requeued_task_ids: list[str] = Field(
+        default_factory=list,
+        description="Tasks that still ran there, back in the queue to resume elsewhere.")
 
 
 class Heartbeat(_Msg):

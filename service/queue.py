@@ -97,6 +97,17 @@ def unqueue_placement(placement_id: str, node_id: str, settings: Settings | None
         log.warning("unqueue failed placement=%s error=%s", placement_id, exc)
 
 
+def empty_node_queue(node_id: str, settings: Settings | None = None) -> int:
+    """Drop every placement waiting in a node's queue (the node left); returns how many. A
+    Redis failure is logged: the placements are superseded in Postgres, so a daemon that pops a
+    leftover later has its claim refused."""
+    try:
+        return int(Queue(node_queue_name(node_id), connection=get_redis(settings)).empty() or 0)
+    except redis.RedisError as exc:
+        log.warning("queue empty failed node=%s error=%s", node_id, exc)
+        return 0
+
+
 def republish_all(session: Session, settings: Settings | None = None) -> int:
     """Re-queue every published-but-unclaimed placement from Postgres; returns how many were
     pushed (those already waiting in their queue are left alone)."""

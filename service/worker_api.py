@@ -1,5 +1,5 @@
 """What the internal API does for worker daemons: claim a placement (-> PlacementSpec), store
-artifacts, and the task's end (finished / failed with retry). Every call is retry-safe."""
+artifacts, the task's end (finished / failed with retry), a node leaving. Every call is retry-safe."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from service.models import (
     Artifact,
     File,
     Job,
+    Node,
     Placement,
     Task,
     new_id,
@@ -34,10 +35,13 @@ from service.protocol import (
     EvalSettings,
     JobHyperparameters,
     JobSpec,
+    NodeDeregister,
+    NodeDeregistered,
     PlacementSpec,
     TaskFailed,
     TaskFinished,
 )
+from service.queue import empty_node_queue, unqueue_placement
 from service.registry import ModelRegistry
 from service.storage import Storage
 from service.tasks import finish_task_failed, finish_task_succeeded
@@ -282,3 +286,45 @@ def job_of_task(session: Session, task: Task, job_id: str) -> Job:
         raise not_found("job", job_id)
     return job
 
+
+
+def deregister_node(session: Session, node_id: str, msg: NodeDeregister,
+                    settings: Settings) -> NodeDeregistered:
+    """A daemon leaves cleanly: its node goes down now (not after the heartbeat timeout), its
+    published placements are superseded and its queue emptied, anything still claimed there is
+    failed over like a lost node's, then the scheduler replans. Repeating it changes nothing;
+    the node comes back up when its daemon registers or heartbeats again."""
+    node = session.scalar(select(Node).where(Node.id == node_id).with_for_update())
+    if node is None:
+        raise not_found("node", node_id)
+    was_up = node.state == "up"
+    node.state = "down"
+    superseded, requeued = [], []
+    rows = session.scalars(select(Placement).where(
+        Placement.node_id == node.id, Placement.state.in_(("planned", *PLACEMENT_ACTIVE)))
+        .order_by(Placement.created_at)).all()
+    for placement in rows:
+        # Lock order everywhere: task first, then its placements (as cancel does).
+        task = get_task_any(session, placement.task_id, lock=True)
+        session.refresh(placement, with_for_update=True)
+        if placement.state in ("planned", "published"):
+            placement.state = "superseded"
+            superseded.append(placement.id)
+        elif placement.state in PLACEMENT_ACTIVE:
+            error = f"node {node.name} left: {msg.reason}"
+            placement.state, placement.error, placement.finished_at = "failed", error, utcnow()
+            if task.state == "running":
+                fail_or_requeue(session, task, placement, error, settings)
+                if task.state == "queued":
+                    requeued.append(task.id)
+    session.commit()
+    for placement_id in superseded:
+        unqueue_placement(placement_id, node.id, settings)
+    dropped = empty_node_queue(node.id, settings)
+    log.info("node deregistered node=%s name=%s reason=%s superseded=%d requeued=%d "
+             "queue_dropped=%d", node.id, node.name, msg.reason, len(superseded), len(requeued),
+             dropped)
+    if was_up or superseded or requeued:
+        cluster_changed(session, "node_deregistered", settings)
+    return NodeDeregistered(node_id=node.id, state="down", superseded_placement_ids=superseded,
+                            requeued_task_ids=requeued)

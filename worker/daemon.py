@@ -6,7 +6,9 @@ thread. Everything it needs to resume lives in the work dir, one folder per plac
 (spec.json, daemon.json, spool.jsonl, forward.json, data/, resume/, artifacts/), so a daemon
 killed at any line and restarted adopts its still-running executors and finishes forwarding
 without loss or duplicates. SIGTERM drains (no new placements, running ones finish), a second
-SIGTERM or SIGINT stops (executors get SIGTERM, the tasks are reported retryable).
+SIGTERM or SIGINT stops (executors get SIGTERM, the tasks are reported retryable); either one
+ends a daemon still waiting to register. A daemon that drained or stopped with every report
+delivered deregisters, so the service replans without its node at once.
 Run ``python -m worker.daemon --help``.
 """
 
@@ -34,6 +36,7 @@ from rq.job import Job
 
 from service.protocol import (
     Heartbeat,
+    NodeDeregister,
     NodeRegister,
     PlacementSpec,
     cancel_key,
@@ -159,17 +162,37 @@ class Daemon:
 
     # -- lifecycle ------------------------------------------------------------------------
     def run(self) -> int:
+        """Register, then loop until drained or stopped. 0: a requested shutdown (also while
+        still registering); 1: registration refused for good (bad token, bad request)."""
         self._install_signals()
-        self.register(forever=True)
-        if self.node_id is None:
-            return 1
-        self.recover()
+        try:
+            self.register(forever=True)
+            if self.node_id is None:
+                if self._shutdown_requested:
+                    log.info("daemon exited before registering node_name=%s",
+                             self.cfg.node_name)
+                    return 0
+                return 1
+            self.recover()
+            clean = self._loop()
+            if clean:
+                self.deregister()
+        finally:
+            self.client.close()
+        log.info("daemon exited node=%s", self.node_id)
+        return 0
+
+    def _loop(self) -> bool:
+        """The main loop with its heartbeat thread; True when it ended cleanly (drained, or
+        stopped with every claimed placement reported), False on the stop timeout."""
         beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         beat.start()
+        clean = False
         try:
             while True:
                 self.tick()
                 if self._finished():
+                    clean = True
                     break
                 if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
                     log.warning("stop timeout node=%s placements=%s", self.node_id,
@@ -179,9 +202,41 @@ class Daemon:
         finally:
             self._stop_heartbeat.set()
             beat.join(timeout=5)
-            self.client.close()
-        log.info("daemon exited node=%s", self.node_id)
-        return 0
+        if beat.is_alive():
+            # A heartbeat still in flight could mark the node up again after it left.
+            log.warning("heartbeat thread still busy node=%s: not deregistering", self.node_id)
+            return False
+        return clean
+
+    def deregister(self) -> bool:
+        """Tell the service this node leaves now; the placements it had popped but not claimed
+        are superseded there, so their folders go too. Best effort: without it the service
+        marks the node down after its heartbeat timeout."""
+        reason = "stopped" if self.state == STOPPING else "drained"
+        try:
+            reply = self.client.deregister(self.node_id or "", NodeDeregister(reason=reason))
+        except ServiceError as exc:
+            log.warning("deregister failed node=%s error=%s", self.node_id, exc)
+            return False
+        for p in list(self.placements.values()):
+            if p.status == "popped":
+                self._forget(p)
+        log.info("node deregistered node=%s reason=%s superseded=%s", self.node_id, reason,
+                 ",".join(reply.superseded_placement_ids) or "-")
+        return True
+
+    @property
+    def _shutdown_requested(self) -> bool:
+        return self._drain_requested or self._stop_requested
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep in short slices so a signal ends the wait (a handler only sets flags)."""
+        deadline = time.monotonic() + seconds
+        while not self._shutdown_requested:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(0.1, left))
 
     def _finished(self) -> bool:
         """Drained: nothing left. Stopped: nothing claimed left (popped-but-unclaimed ones
@@ -205,18 +260,26 @@ class Daemon:
         signal.signal(signal.SIGINT, on_int)
 
     def register(self, forever: bool = False) -> None:
+        """Register this node. forever: retry (backoff, one try per wait) until the service
+        answers or a signal asks for shutdown; else the client's own few retries."""
         self.node = self.node or detect_node(self.cfg)
         attempt = 0
         while True:
             try:
-                reply = self.client.register(self.node)
+                reply = self.client.register(self.node, attempts=1 if forever else None)
                 break
             except ServiceError as exc:
-                if not forever or not exc.retryable or self._stop_requested:
+                if not forever or not exc.retryable or self._shutdown_requested:
                     log.error("register failed node_name=%s error=%s", self.cfg.node_name, exc)
                     return
-                time.sleep(Backoff().delay(attempt))
+                log.warning("register deferred node_name=%s attempt=%d error=%s",
+                            self.cfg.node_name, attempt + 1, exc)
+                self._sleep(Backoff().delay(attempt))
                 attempt += 1
+                if self._shutdown_requested:
+                    log.info("register abandoned node_name=%s: shutdown requested",
+                             self.cfg.node_name)
+                    return
         self.node_id = reply.node_id
         if self.cfg.heartbeat_interval_s is None:
             self.heartbeat_interval_s = reply.heartbeat_interval_s

@@ -39,6 +39,8 @@ from service.protocol import (
     JobStateUpdate,
     MetricBatch,
     MetricPointIn,
+    NodeDeregister,
+    NodeDeregistered,
     NodeRegister,
     NodeRegistered,
     PlacementSpec,
@@ -130,9 +132,16 @@ class ServiceClient:
         raise last
 
     # -- nodes and placements -------------------------------------------------------------
-    def register(self, msg: NodeRegister) -> NodeRegistered:
-        r = self.request("POST", "/internal/v1/nodes", body=msg.model_dump(mode="json"))
+    def register(self, msg: NodeRegister, attempts: int | None = None) -> NodeRegistered:
+        r = self.request("POST", "/internal/v1/nodes", body=msg.model_dump(mode="json"),
+                         attempts=attempts)
         return NodeRegistered.model_validate(r.json())
+
+    def deregister(self, node_id: str, msg: NodeDeregister, attempts: int = 3
+                   ) -> NodeDeregistered:
+        r = self.request("POST", f"/internal/v1/nodes/{node_id}/deregister",
+                         body=msg.model_dump(mode="json"), attempts=attempts)
+        return NodeDeregistered.model_validate(r.json())
 
     def heartbeat(self, node_id: str, msg: Heartbeat, attempts: int = 1) -> HeartbeatResponse:
         r = self.request("POST", f"/internal/v1/nodes/{node_id}/heartbeat",

@@ -31,6 +31,8 @@ from service.protocol import (
     HeartbeatResponse,
     JobStateUpdate,
     MetricBatch,
+    NodeDeregister,
+    NodeDeregistered,
     NodeRegister,
     NodeRegistered,
     PlacementSpec,
@@ -69,6 +71,12 @@ def node_heartbeat(node_id: str, msg: Heartbeat, session: SessionDep,
     if came_back:
         cluster_changed(session, "node_up", settings)
     return response
+
+
+@router.post("/nodes/{node_id}/deregister", response_model=NodeDeregistered)
+def node_deregister(node_id: str, msg: NodeDeregister, session: SessionDep,
+                    settings: SettingsDep) -> NodeDeregistered:
+    return worker_api.deregister_node(session, node_id, msg, settings)
 
 
 @router.post("/placements/{placement_id}/claim", response_model=PlacementSpec)
