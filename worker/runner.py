@@ -126,6 +126,7 @@ class _Bridge:
         self.best: dict[str, tuple[float, int]] = {}
         self.last_step: dict[str, int] = {}
         self.adapters: dict[str, dict[str, Path]] = {}
+        self.extra: dict[tuple[str, int, str], dict] = {}  # on_metrics numbers of the next point
         self.ckpt_mtime = self._state_mtime()
 
     def _state_mtime(self) -> float:
@@ -134,9 +135,14 @@ class _Bridge:
         except FileNotFoundError:
             return 0.0
 
+    def on_metrics(self, job_id: str, step: int, split: str, data: dict) -> None:
+        # JSON has no NaN/inf: a diverged number travels as null
+        self.extra[(job_id, step, split)] = {
+            k: (float(v) if math.isfinite(v) else None) for k, v in data.items()}
+
     def on_train_loss(self, job_id: str, step: int, loss: float) -> None:
         self.last_step[job_id] = step
-        self.reporter.train_loss(job_id, step, loss)
+        self.reporter.train_loss(job_id, step, loss, **self.extra.pop((job_id, step, "train"), {}))
         mtime = self._state_mtime()
         if mtime > self.ckpt_mtime:
             self.ckpt_mtime = mtime
@@ -147,7 +153,7 @@ class _Bridge:
             raise Stopped(self.should_stop.reason)
 
     def on_eval(self, job_id: str, step: int, loss: float) -> None:
-        self.reporter.val_loss(job_id, step, loss)
+        self.reporter.val_loss(job_id, step, loss, **self.extra.pop((job_id, step, "val"), {}))
         if math.isfinite(loss) and (job_id not in self.best or loss < self.best[job_id][0]):
             self.best[job_id] = (loss, step)
 
@@ -187,14 +193,18 @@ def train(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
     if paths["resume"] is not None and (paths["resume"] / "state.pt").exists():
         shutil.copyfile(paths["resume"] / "state.pt", out / "state.pt")
     ee = spec.early_exit
+    # beta: the DPO knob of a job's configuration (absent for SFT, and from older services)
+    betas = {j.job_id: getattr(j.hyperparameters, "beta", None) for j in spec.jobs}
     jobs = [EngineJob(job_id=j.job_id, rank=j.hyperparameters.lora_rank,
                       alpha=j.hyperparameters.lora_alpha, lr=j.hyperparameters.learning_rate,
                       batch_size=j.hyperparameters.batch_size, epochs=float(spec.epochs),
-                      seed=spec.seed + j.index) for j in spec.jobs]
+                      seed=spec.seed + j.index,
+                      **({"beta": float(betas[j.job_id])} if betas[j.job_id] is not None else {}))
+            for j in spec.jobs]
     extra = {"targets": tuple(spec.target_modules)} if spec.target_modules else {}
     cfg = ExecutorConfig(
         model_dir=spec.base_model_path, train_file=str(paths["train"]), output_dir=str(out),
-        jobs=jobs, val_file=str(paths["validation"]) if paths["validation"] else None,
+        jobs=jobs, method=spec.method, val_file=str(paths["validation"]) if paths["validation"] else None,
         val_fraction=spec.validation_split, split_seed=spec.seed, max_seq_len=spec.max_seq_len,
         eval_every=spec.eval.eval_every_steps,
         checkpoint_every=int(os.environ.get("LORAPLEX_CHECKPOINT_EVERY", "50")),
@@ -205,7 +215,7 @@ def train(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
     bridge = _Bridge(reporter, out, should_stop)
     callbacks = Callbacks(on_train_loss=bridge.on_train_loss, on_eval=bridge.on_eval,
                           on_job_state=bridge.on_job_state, on_adapter=bridge.on_adapter,
-                          on_event=bridge.on_event)
+                          on_event=bridge.on_event, on_metrics=bridge.on_metrics)
     try:
         status = Executor(cfg, callbacks).run()
     except Stopped:

@@ -1,0 +1,76 @@
+"""The executor subprocess entry (worker/runner.py) on a DPO placement, for real on a tiny Llama:
+method and beta reach the executor, reward accuracy/margin reach the spool's metric points."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.protocol import (
+    EarlyExitSettings,
+    EvalSettings,
+    JobHyperparameters,
+    JobSpec,
+    PlacementSpec,
+)
+from tests.helpers.engine_ref import tiny_model_dir, write_jsonl
+from tests.unit.test_dpo import preference_rows
+from worker import executor as executor_mod
+from worker import runner
+from worker.service_client import SpoolWriter, read_complete_lines
+
+
+class DpoHyperparameters(JobHyperparameters):
+    beta: float  # what the service's job configuration carries for a dpo task
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_dpo_placement_trains_with_each_jobs_beta_and_reports_rewards(tmp_path: Path,
+                                                                      monkeypatch) -> None:  # noqa: ANN001
+    model = tiny_model_dir("llama", tmp_path)
+    (tmp_path / "data").mkdir()
+    write_jsonl(tmp_path / "data" / "train.jsonl", preference_rows(18, seed=2))
+    hp = [DpoHyperparameters(learning_rate=1e-2, lora_rank=4, lora_alpha=8, batch_size=2, beta=b)
+          for b in (0.1, 0.7)]
+    spec = PlacementSpec(
+        task_id="t", placement_id="p", attempt=1, node_id="n", gpu_indices=[0], method="dpo",
+        base_model="tiny", base_model_path=str(model), training_file_id="f",
+        training_file_url="/f", training_file_format="preference", validation_split=0.2,
+        max_seq_len=40, epochs=1, seed=0, eval=EvalSettings(eval_every_steps=3),
+        early_exit=EarlyExitSettings(enabled=False),
+        jobs=[JobSpec(job_id=f"j{i}", index=i, state="pending", hyperparameters=h) for i, h in enumerate(hp)])
+    seen = {}
+
+    class Spy(executor_mod.Executor):
+        def __init__(self, cfg, callbacks) -> None:  # noqa: ANN001
+            seen["cfg"] = cfg
+            super().__init__(cfg, callbacks)
+
+    monkeypatch.setattr(executor_mod, "Executor", Spy)
+    spool = SpoolWriter(tmp_path / "spool.jsonl")
+    result = runner.train(spec, tmp_path, runner.SpoolReporter(spool, tmp_path),
+                          runner.StopFlag(tmp_path, 0))
+    spool.close()
+    cfg = seen["cfg"]
+    assert cfg.method == "dpo" and [j.beta for j in cfg.jobs] == [0.1, 0.7]
+    assert result["summary"]["jobs"] == {"j0": "completed", "j1": "completed"}
+    recs = [json.loads(t) for _, _, t in read_complete_lines(tmp_path / "spool.jsonl", 0)]
+    points = [r["point"] for r in recs if r["type"] == "metric"]
+    for split in ("train", "val"):
+        mine = [p for p in points if p["split"] == split]
+        assert {p["job_id"] for p in mine} == {"j0", "j1"}
+        for p in mine:
+            assert set(p["data"]) == {"reward_accuracy", "reward_margin"}
+            assert 0.0 <= p["data"]["reward_accuracy"] <= 1.0 and math.isfinite(p["loss"])
+    assert result["best_job_id"] in ("j0", "j1")
