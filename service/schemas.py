@@ -72,6 +72,17 @@ class SearchSpace(_In):
     lora_rank: list[int] = Field(default=[8], min_length=1, max_length=64)
     lora_alpha: list[float] = Field(default=[16.0], min_length=1, max_length=64)
     batch_size: list[int] = Field(default=[8], min_length=1, max_length=64)
+    beta: list[float] = Field(
+        default=[0.1], min_length=1, max_length=64,
+        description="DPO only: strength of the pull to the base model, each in (0, 10]. A knob "
+                    "of the grid for method dpo; sft tasks ignore it.")
+
+    @field_validator("beta")
+    @classmethod
+    def _beta(cls, v: list[float]) -> list[float]:
+        if any(not math.isfinite(x) or not (0 < x <= 10) for x in v):
+            raise ValueError("beta values must be in (0, 10]")
+        return _positive_unique(v, "beta")
 
     @field_validator("learning_rate")
     @classmethod

@@ -38,12 +38,19 @@ from service.schemas import JobOut, TaskCreate, TaskOut, finite
 log = logging.getLogger("loraplex.tasks")
 
 KNOBS = ("learning_rate", "lora_rank", "lora_alpha", "batch_size")
+DPO_KNOBS = (*KNOBS, "beta")  # beta shapes dpo grids only; an sft grid is not multiplied by it
 
 
-def expand_grid(space: dict[str, list]) -> list[dict]:
+def grid_knobs(method: str) -> tuple[str, ...]:
+    return DPO_KNOBS if method == "dpo" else KNOBS
+
+
+def expand_grid(space: dict[str, list], method: str = "sft") -> list[dict]:
     """The cartesian product of the search space, in a stable order (first knob slowest)."""
-    return [dict(zip(KNOBS, values, strict=True))
-            for values in itertools.product(*(space[k] for k in KNOBS))]
+    knobs = grid_knobs(method)
+    space = {"beta": [0.1], **space}  # search spaces stored before beta existed
+    return [dict(zip(knobs, values, strict=True))
+            for values in itertools.product(*(space[k] for k in knobs))]
 
 
 def request_hash(body: TaskCreate) -> str:
@@ -64,7 +71,7 @@ def _check_request(session: Session, tenant: Tenant, body: TaskCreate, settings:
         raise invalid(f"max_seq_len {max_seq_len} exceeds {model.name}'s {model.max_seq_len}",
                       param="max_seq_len")
     n_configs = 1
-    for knob in KNOBS:
+    for knob in grid_knobs(body.method):
         n_configs *= len(getattr(body.search_space, knob))
     if n_configs > settings.max_configurations:
         raise invalid(f"search space expands to {n_configs} configurations; the limit is "
@@ -142,7 +149,7 @@ def _insert_task(session: Session, tenant: Tenant, body: TaskCreate, max_seq_len
                 priority=body.priority, num_train_samples=samples, state="validating_files")
     session.add(task)
     session.flush()
-    configs = expand_grid(task.search_space)
+    configs = expand_grid(task.search_space, task.method)
     for index, config in enumerate(configs):
         session.add(Job(task_id=task.id, index=index, config=config))
     if claim is not None:
