@@ -252,3 +252,35 @@ def test_methods_validation_files_and_held_out_split(client, factory, session): 
     sft = factory.task(t, chat, validation_file=chat, max_seq_len=None)
     assert sft["validation_file"] == chat and sft["max_seq_len"] == 512  # the model's limit
     assert session.get(Task, sft["id"]).num_train_samples == 12
+
+
+def test_dpo_task_gets_beta_as_a_grid_knob(client, factory, settings):  # noqa: ANN001
+    t = factory.tenant()
+    pref = factory.file(t, [{"prompt": f"p{i}", "chosen": "good", "rejected": "bad"}
+                            for i in range(10)])["id"]
+    space = {"learning_rate": [1e-4], "lora_rank": [4, 8], "beta": [0.1, 0.5]}
+    dpo = factory.task(t, pref, method="dpo", search_space=space)
+    assert dpo["num_jobs"] == 4 and dpo["search_space"]["beta"] == [0.1, 0.5]
+    jobs = client.get(f"/v1/tasks/{dpo['id']}/jobs", headers=t.headers).json()["data"]
+    got = [(j["hyperparameters"]["lora_rank"], j["hyperparameters"]["beta"]) for j in jobs]
+    assert got == list(itertools.product([4, 8], [0.1, 0.5]))
+    default = factory.task(t, pref, method="dpo")  # beta defaults to 0.1
+    jobs = client.get(f"/v1/tasks/{default['id']}/jobs", headers=t.headers).json()["data"]
+    assert {j["hyperparameters"]["beta"] for j in jobs} == {0.1} and len(jobs) == 4
+    # an sft grid is not multiplied by beta, and its jobs carry no beta
+    sft = factory.task(t, search_space=space)
+    assert sft["num_jobs"] == 2
+    jobs = client.get(f"/v1/tasks/{sft['id']}/jobs", headers=t.headers).json()["data"]
+    assert all("beta" not in j["hyperparameters"] for j in jobs)
+    for bad in ([0.0], [-1.0], [10.5], [0.1, 0.1], []):
+        r = client.post("/v1/tasks", headers=t.headers, json={
+            "base_model": "tiny-llama", "training_file": pref, "method": "dpo",
+            "search_space": {"beta": bad}})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "search_space.beta", bad
+    # beta counts toward the configuration cap of a dpo task only
+    n = settings.max_configurations
+    wide = {"learning_rate": [1e-4], "lora_rank": [4], "beta": [0.01 * (i + 1) for i in range(n + 1)]}
+    r = client.post("/v1/tasks", headers=t.headers, json={
+        "base_model": "tiny-llama", "training_file": pref, "method": "dpo", "search_space": wide})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "too_many_configurations"
+    assert factory.task(t, search_space=wide)["num_jobs"] == 1
