@@ -1,8 +1,9 @@
 """replan(): load unfinished tasks and nodes from Postgres, estimate, solve with the CP-SAT planner,
 write the plan as ``planned`` placement rows and publish those that start now on free GPUs.
 
-Called by service.cluster.cluster_changed on task arrival, cancel, completion/failure and node
-join/leave; it flushes but never commits (the caller does). Rules:
+Called on task arrival, cancel, completion/failure and node join/leave through
+service.cluster.cluster_changed (by the app's background replanner thread, or inline in sync mode),
+and by the replanner's periodic pass; it flushes but never commits (the caller does). Rules:
 - a task with a published|claimed|running placement is pinned there (never moved);
 - a queued task's old ``planned`` row is kept when the new plan agrees with it, else superseded;
 - bounded waiting: a task's start may not move past its first planned start of this attempt plus

@@ -1,9 +1,5 @@
 """The per-process background replanner: requests signal it instead of solving inline; a burst of
-signals is coalesced into one replan (two when more arrive mid-solve), plus a periodic pass.
-
-No database code here: the app gives it ``run(reasons)`` (replan and commit) and ``due()`` (is a
-periodic replan worth it now). Replicas each run one; pg's advisory lock in replan serialises them.
-"""
+signals becomes one replan (two if more arrive mid-solve), plus a periodic pass when due."""
 
 from __future__ import annotations
 
@@ -19,8 +15,10 @@ _registry_lock = threading.Lock()
 
 
 class Replanner:
-    """A daemon thread that runs ``run`` after ``trigger`` calls (debounced) and every
-    ``interval_s`` when ``due()`` says so. ``wait_idle`` lets tests wait for it to settle."""
+    """A daemon thread that runs ``run(reasons)`` after ``trigger`` calls (debounced) and every
+    ``interval_s`` when ``due()`` says so. No database code here: service.cluster gives it both
+    (replan and commit; is a periodic replan worth it); pg's advisory lock in replan serialises
+    the replanners of several API replicas. ``wait_idle`` lets tests wait for it to settle."""
 
     def __init__(self, run: Callable[[list[str]], None], due: Callable[[], bool] | None = None,
                  interval_s: float = 5.0, debounce_s: float = 0.1,

@@ -27,7 +27,7 @@ class Recorder:
 
 def test_burst_of_triggers_is_one_or_two_replans() -> None:
     run = Recorder(delay=0.05)
-    r = Replanner(run, due=lambda: False, interval_s=0, debounce_s=0.05).start()
+    r = Replanner(run, due=lambda: False, interval_s=0, debounce_s=0.2).start()
     try:
         for i in range(50):
             r.trigger("task_created" if i % 2 else "task_cancelled")
@@ -57,7 +57,7 @@ def test_trigger_during_a_replan_does_not_block_and_runs_again() -> None:
         assert calls == [["a"]]
         t0 = time.perf_counter()
         r.trigger("b")  # the first replan is still blocked on the gate
-        assert time.perf_counter() - t0 < 0.1
+        assert time.perf_counter() - t0 < 1.0  # the first replan holds the gate for 5 s
         assert not r.wait_idle(0.2), "b is not served while the first replan runs"
         gate.set()
         assert r.wait_idle(5)
