@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -57,7 +58,7 @@ class PairExample:
         for part in (self.chosen.input_ids, self.chosen.labels, self.rejected.input_ids,
                      self.rejected.labels):
             h.update(len(part).to_bytes(4, "little"))
-            h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in part))
+            h.update(array("q", part).tobytes())
         return h.digest()
 
 
