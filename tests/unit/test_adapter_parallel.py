@@ -1,0 +1,209 @@
+"""Adapter parallelism on CPU (gloo, 2 ranks, tiny Llama): same adapters as one process, backfill
+of an early exit on its rank, global warmup ranking, stop + resume, and no gradient traffic."""
+
+from __future__ import annotations
+
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
+from worker.early_exit import EarlyExitConfig
+from worker.engine import JobSpec
+from worker.executor import Callbacks, Executor, ExecutorConfig
+from worker.export import load_peft_weights
+from worker.parallel import run_parallel
+
+P = 2
+# (rank, lr, batch): job1 diverges at once (lr 1e30), the rest train; keep 2 of 4 survivors
+JOBS = [(4, 3e-3, 2), (8, 1e30, 2), (2, 1e-3, 3), (4, 1e-2, 2), (8, 5e-3, 3)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.train: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        self.states: list[tuple[str, str, dict]] = []
+        self.events: list[tuple[str, str, dict]] = []
+        self.adapters: list[tuple[str, str, bool]] = []  # job, kind, files there at the callback
+
+    def callbacks(self) -> Callbacks:
+        return Callbacks(
+            on_train_loss=lambda j, s, v: self.train[j].append((s, v)),
+            on_job_state=lambda j, st, d: self.states.append((j, st, d)),
+            on_adapter=lambda j, kind, p: self.adapters.append((j, kind, all(
+                (Path(p) / f).exists() for f in ("adapter_model.safetensors", "adapter_config.json")))),
+            on_event=lambda j, m, d: self.events.append((j, m, d)),
+        )
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:  # noqa: ANN001
+    return tmp_path_factory.mktemp("adapter_parallel")
+
+
+def config(root: Path, out: str, **kw) -> ExecutorConfig:
+    d = tiny_model_dir("llama", root)
+    train = write_jsonl(root / "train.jsonl", synthetic_rows(30, seed=5, fmt="completion"))
+    jobs = [JobSpec(f"job{i}", rank=r, alpha=2 * r, lr=lr, batch_size=b, max_steps=12, seed=i)
+            for i, (r, lr, b) in enumerate(JOBS)]
+    base = dict(model_dir=str(d), train_file=str(train), output_dir=str(root / out), jobs=jobs,
+                max_seq_len=48, eval_every=4, checkpoint_every=5, max_active_jobs=1,
+                early_exit=EarlyExitConfig(warmup_fraction=0.2, keep_ratio=0.5, tau_gap=10.0))
+    base.update(kw)
+    return ExecutorConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def reference(root: Path) -> tuple[dict, Recorder]:
+    """The same task in one process with the plain Executor (2 jobs at a time, like 2 ranks x 1)."""
+    rec = Recorder()
+    status = Executor(config(root, "single", max_active_jobs=2), rec.callbacks()).run()
+    return status, rec
+
+
+def assert_same_adapters(a: Path, b: Path, jobs: list[str]) -> None:
+    for j in jobs:
+        wa, wb = load_peft_weights(a / "jobs" / j / "final"), load_peft_weights(b / "jobs" / j / "final")
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            torch.testing.assert_close(wb[k], wa[k], atol=5e-5, rtol=1e-4, msg=f"{j} {k}")
+
+
+def test_parallel_matches_one_process_backfills_and_ranks_globally(root, reference) -> None:  # noqa: ANN001
+    ref_status, ref = reference
+    rec = Recorder()
+    status = run_parallel(config(root, "par"), P, rec.callbacks())
+    assert status == ref_status
+    completed = [j for j, s in status.items() if s["state"] == "completed"]
+    assert len(completed) == 2 and status["job1"] == {"state": "exited", "exit_reason": "diverging"}
+    assert_same_adapters(root / "single", root / "par", completed)
+    for j in completed:  # the loss curves too, step by step
+        assert [s for s, _ in rec.train[j]] == list(range(1, 13))
+        torch.testing.assert_close(torch.tensor([v for _, v in rec.train[j]]),
+                                   torch.tensor([v for _, v in ref.train[j]]), atol=1e-5, rtol=1e-5)
+    # the warmup ranking saw every rank's validation losses and decided as one process does
+    rank_of = [d for _, m, d in rec.events if m == "warmup_ranking"]
+    assert rank_of == [d for _, m, d in ref.events if m == "warmup_ranking"] and len(rank_of) == 1
+    # every job ran on one rank only; both ranks trained; the diverged job's rank took the next job
+    started = [(j, d["rank"]) for j, st, d in rec.states if st == "running"]
+    owner = dict(started)
+    assert len(owner) == 5 and set(owner.values()) == {0, 1}
+    assert all(owner[j] == r for j, r in started)
+    exit_at = next(i for i, (j, st, _) in enumerate(rec.states) if j == "job1" and st == "exited")
+    backfill = next((j, d) for j, st, d in rec.states[exit_at:] if st == "running")
+    assert backfill[1]["rank"] == owner["job1"] and not backfill[1]["resumed"]
+    # files announced by rank 0 exist by the time the callback arrives (PEFT format, as on one GPU)
+    assert rec.adapters and all(there for _, _, there in rec.adapters)
+    assert {(j, "final") for j in completed} <= {(j, k) for j, k, _ in rec.adapters}
+
+
+class StopNow(Exception):
+    pass
+
+
+def test_stopped_run_resumes_to_the_same_adapters_on_2_ranks_and_on_1(root, reference) -> None:  # noqa: ANN001
+    ref_status, _ = reference
+    rec = Recorder()
+    cb = rec.callbacks()
+
+    def stop_at_step_2(job_id: str, step: int, loss: float) -> None:
+        if step >= 2:
+            raise StopNow(job_id)
+
+    cb.on_train_loss = stop_at_step_2
+    with pytest.raises(StopNow):
+        run_parallel(config(root, "stopped"), P, cb)
+    ck = torch.load(root / "stopped" / "state.pt", map_location="cpu", weights_only=False)
+    assert 2 <= ck["global_step"] < 20 and ck["parallel"]["world"] == P
+    assert not list((root / "stopped").glob("state.rank*.pt"))
+    shutil.copytree(root / "stopped", root / "stopped_p1")
+
+    rec2 = Recorder()
+    status = run_parallel(config(root, "stopped"), P, rec2.callbacks())
+    assert any(m == "resumed" and d["same_placement"] for _, m, d in rec2.events)
+    assert status == ref_status
+    completed = [j for j, s in status.items() if s["state"] == "completed"]
+    assert_same_adapters(root / "single", root / "stopped", completed)
+
+    # a different number of ranks: the one-process Executor takes the merged checkpoint over
+    status1 = Executor(config(root, "stopped_p1", max_active_jobs=2)).run()
+    assert status1 == ref_status
+    assert_same_adapters(root / "single", root / "stopped_p1", completed)
+
+
+def _collectives_rank(rank: int, world: int, port: int, model_dir: str) -> None:
+    """Two ranks: rank 0 trains a job (then one whose loss is NaN), rank 1 idles; no gradient
+    collective, no base gradient, 1/P of each layer's weights per rank, losses as in one process."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from worker.data import Example
+    from worker.engine import MultiLoraEngine
+    from worker.parallel import init_rank
+    from worker.parallel_engine import ParallelEngine, decoder_layers
+
+    device = init_rank(rank, world, port)
+    g = torch.Generator().manual_seed(0)
+    examples = [Example(tuple(r), tuple(r)) for r in torch.randint(8, 300, (6, 20), generator=g).tolist()]
+    ref = MultiLoraEngine(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), examples, 0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    eng = ParallelEngine(model, examples, 0, mesh=init_device_mesh("cpu", (world,)), device=device)
+    counts: dict[str, int] = defaultdict(int)
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single", "all_reduce", "all_gather_into_tensor",
+                 "all_gather_single"):
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            def wrapped(*a, _fn=fn, _name=name, **k):  # noqa: ANN002, ANN003, ANN202
+                counts[_name] += 1
+                return _fn(*a, **k)
+            setattr(dist, name, wrapped)
+    # rank 0 trains 'a'; rank 1 trains 'nan' (lr 1e30: every loss after its first update is
+    # non-finite, the case where one process would skip the backward), then idles
+    spec = (JobSpec("a", rank=4, alpha=8, lr=1e-2, batch_size=2, max_steps=4, seed=1) if rank == 0 else
+            JobSpec("nan", rank=4, alpha=8, lr=1e30, batch_size=2, max_steps=3, seed=2))
+    eng.attach(spec)
+    ref.attach(spec)
+    for step in range(4):
+        if eng.jobs:
+            got, want = eng.step(), ref.step()
+            torch.testing.assert_close(torch.tensor(list(got.losses.values())),
+                                       torch.tensor(list(want.losses.values())), atol=1e-5, rtol=1e-5,
+                                       equal_nan=True)
+            assert got.skipped == want.skipped
+            if rank == 1 and step == 2:
+                assert got.skipped["nan"]
+                eng.detach("nan")
+        else:
+            eng.idle_step()
+        eng.evaluate_groups(examples[:3], 2, list(eng.jobs), 4, forwards=4)
+    assert not any(k.startswith("reduce_scatter") or k == "all_reduce" for k in counts), dict(counts)
+    assert sum(counts.values()) > 0
+    assert all(p.grad is None for p in model.parameters())
+    layer_params = {n: p for n, p in decoder_layers(model).named_parameters()}
+    assert layer_params and all(isinstance(p, DTensor) for p in layer_params.values())
+    local = sum(p.to_local().numel() for p in layer_params.values())
+    total = sum(p.numel() for p in layer_params.values())
+    assert local <= total // world + len(layer_params), (local, total)
+    dist.destroy_process_group()
+
+
+def test_no_gradient_collectives_and_sharded_frozen_weights(root) -> None:  # noqa: ANN001
+    import torch.multiprocessing as mp
+
+    from worker.parallel import free_port
+
+    d = tiny_model_dir("llama", root)
+    mp.start_processes(_collectives_rank, args=(P, free_port(), str(d)), nprocs=P, start_method="spawn")
