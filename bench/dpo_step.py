@@ -120,6 +120,7 @@ def main() -> None:
     pairs = make_pairs(64, cfg.vocab_size, prompt, response)
     engine = DpoEngine(model, pairs, pad_id=0, adapter_dtype=dtype)
     rows, checks = [], []
+    failed, tol = False, (5e-2 if dtype == torch.bfloat16 else 1e-5)
     for b in batches:
         for j in list(engine.jobs):
             engine.detach(j)
@@ -142,11 +143,17 @@ def main() -> None:
         alone = one_at_a_time(engine, cold=True)
         err = max(abs(together[j] - alone[j]) for j in together)
         spread = max(together.values()) - min(together.values())
-        assert all(math.isfinite(v) for v in together.values())
-        assert err <= 2e-2 * max(abs(v) for v in alone.values()), (together, alone)
-        assert spread > 0.5 * err and max(abs(v - math.log(2)) for v in together.values()) > 1e-2, together
-        checks.append(f"batch {b}: first-step loss batched vs alone max abs err {err:.2e} "
-                      f"(losses {min(together.values()):.4f}..{max(together.values()):.4f})")
+        # bf16: a sequence's log-prob is a sum over 256 tokens, each off by ~1e-2 between GEMM
+        # shapes, so the DPO logits may move by beta * O(0.1); 5e-2 on a ~0.7 loss is that scale
+        ok = (all(math.isfinite(v) for v in together.values()) and err <= tol
+              and spread > 2 * err and max(abs(v - math.log(2)) for v in together.values()) > 1e-2)
+        failed |= not ok
+        checks.append(f"batch {b}: {'PASS' if ok else 'FAIL'} first-step loss batched vs alone max abs "
+                      f"err {err:.2e} (tol {tol:g}; losses {min(together.values()):.4f}.."
+                      f"{max(together.values()):.4f}, batched "
+                      + " ".join(f"{together[j]:.4f}" for j in together) + ", alone "
+                      + " ".join(f"{alone[j]:.4f}" for j in together) + ")")
+        print(checks[-1], flush=True)
         for cold in (True, False):
             regime = "cold" if cold else "warm"
             if not cold:  # fill the cache with every sample the timed steps can draw
@@ -194,6 +201,8 @@ def main() -> None:
     print(table)
     if args.out:
         Path(args.out).write_text(table + "\n")
+    if failed:
+        sys.exit("correctness check FAILED (see the table)")
 
 
 if __name__ == "__main__":
