@@ -9,7 +9,7 @@ import logging
 import struct
 from typing import BinaryIO
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from service.cluster import cluster_changed, fail_or_requeue
@@ -43,6 +43,7 @@ from service.protocol import (
 )
 from service.queue import empty_node_queue, unqueue_placement
 from service.registry import ModelRegistry
+from service.scheduler.loop import _LOCK_KEY as PLAN_LOCK_KEY
 from service.storage import Storage
 from service.tasks import finish_task_failed, finish_task_succeeded
 
@@ -294,6 +295,9 @@ def deregister_node(session: Session, node_id: str, msg: NodeDeregister,
     published placements are superseded and its queue emptied, anything still claimed there is
     failed over like a lost node's, then the scheduler replans. Repeating it changes nothing;
     the node comes back up when its daemon registers or heartbeats again."""
+    # Wait for a replan in flight (it holds this lock until it commits): one that read the
+    # node as up must not publish onto it after we superseded its placements.
+    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PLAN_LOCK_KEY})
     node = session.scalar(select(Node).where(Node.id == node_id).with_for_update())
     if node is None:
         raise not_found("node", node_id)

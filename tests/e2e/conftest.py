@@ -4,8 +4,11 @@ tests/integration/conftest.py, real worker daemon subprocesses, and HTTP-only he
 ``stack`` gives a running service with one tenant; ``stack.daemon(name, ...)`` starts a daemon
 (stopped at teardown). The service's scheduler is off unless the test is marked
 ``@pytest.mark.with_scheduler``; without it ``stack.place(task_id, node)`` publishes a placement
-the way the scheduler would, so a test decides which node runs what. The service's maintenance
-loop (stale nodes down, republish) runs every second; a node is down after 10 s of silence.
+the way the scheduler would, so a test decides which node runs what; with it, the service's
+background replanner (CP-SAT) places them, with a periodic pass every second. The service's
+maintenance loop (stale nodes down, republish) runs every second; a node is down after 10 s of
+silence. ``stack.tenant(name, max_gpus=...)`` adds a tenant (its API key); ``stack.sql(...)``
+reads the service's Postgres for assertions HTTP cannot make.
 """
 
 from __future__ import annotations
@@ -150,6 +153,29 @@ class Stack:
         finally:
             engine.dispose()
 
+    def tenant(self, name: str, max_gpus: int | None = None) -> str:
+        """Another tenant of the running service; returns its API key."""
+        return make_tenant(self.db_url, name, max_gpus)
+
+    def client(self, api_key: str) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=30,
+                            headers={"Authorization": f"Bearer {api_key}"})
+
+    def operator(self) -> httpx.Client:
+        """A client with the operator token (GET /v1/cluster)."""
+        return self.client(WORKER_TOKEN)
+
+    def sql(self, query: str, **params: Any) -> list[Any]:
+        """Rows of a read-only query on the service's database."""
+        from sqlalchemy import create_engine, text
+
+        engine = create_engine(self.db_url.replace("postgresql://", "postgresql+psycopg://"))
+        try:
+            with engine.connect() as conn:
+                return list(conn.execute(text(query), params))
+        finally:
+            engine.dispose()
+
     def stop_daemons(self) -> None:
         for proc in self.daemons:
             if proc.poll() is None:
@@ -162,7 +188,7 @@ class Stack:
                 proc.wait()
 
 
-def make_tenant(db: str, name: str) -> str:
+def make_tenant(db: str, name: str, max_gpus: int | None = None) -> str:
     from sqlalchemy import create_engine
     from sqlalchemy.orm import Session
 
@@ -171,7 +197,7 @@ def make_tenant(db: str, name: str) -> str:
     engine = create_engine(db.replace("postgresql://", "postgresql+psycopg://"))
     try:
         with Session(engine) as session:
-            _, key = create_tenant(session, name)
+            _, key = create_tenant(session, name, max_gpus)
             session.commit()
     finally:
         engine.dispose()
@@ -207,6 +233,7 @@ def stack(request: pytest.FixtureRequest, db_url: str, redis_server,  # noqa: AN
         "LORAPLEX_NODE_TIMEOUT_S": str(NODE_TIMEOUT_S),
         "LORAPLEX_MAINTENANCE_INTERVAL_S": "1",
         "LORAPLEX_SCHEDULER_ENABLED": str(scheduler).lower(),
+        "LORAPLEX_SCHEDULER_INTERVAL_S": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
     }

@@ -5,6 +5,9 @@ Run by the daemon as ``python -m tests.e2e.fake_runner --placement-dir DIR``. Be
 the env LORAPLEX_FAKE_MODE: ``ok`` (default), ``hang_first`` (attempt 1 checkpoints at step 2
 and then waits to be killed), ``hang`` (waits for SIGTERM, logs it, exits 143), ``slow``
 (0.4 s per step), ``stubborn`` (ignores SIGTERM and waits: only SIGKILL ends it).
+LORAPLEX_FAKE_STEP_S sets the time per step of the other modes. The executor_started event
+carries where it really ran (the daemon's work dir name, LORAPLEX_SLOTS) and its wall clock
+start; executor_done (just before the finish record) its wall clock end.
 """
 
 from __future__ import annotations
@@ -58,9 +61,12 @@ def main() -> int:
     if ckpt.exists():
         start = int(json.loads(ckpt.read_text())["step"])
     train = (root / "data" / "train.jsonl").read_text().splitlines()
+    step_s = 0.4 if mode == "slow" else float(os.environ.get("LORAPLEX_FAKE_STEP_S", "0"))
     spool.event("executor_started", f"attempt {spec.attempt} from step {start}",
                 data={"resumed_from_step": start, "attempt": spec.attempt,
-                      "train_lines": len(train),
+                      "train_lines": len(train), "t": time.time(),
+                      "work_dir": root.parent.parent.name,  # worker-<node name>
+                      "slots": os.environ.get("LORAPLEX_SLOTS"),
                       "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
     live = [j for j in spec.jobs if j.state in ("pending", "running")]
     for job in live:
@@ -69,8 +75,7 @@ def main() -> int:
         while True:
             time.sleep(0.1)
     for step in range(start + 1, STEPS + 1):
-        if mode == "slow":
-            time.sleep(0.4)
+        time.sleep(step_s)
         for k, job in enumerate(live):
             spool.metric(job.job_id, step, "train", 3.0 - 0.2 * step + 0.1 * k)
         if step == 2:
@@ -96,6 +101,7 @@ def main() -> int:
         spool.job_state(job.job_id, state="completed", best_val_loss=val, best_step=STEPS,
                         last_step=STEPS)
         best = best or job.job_id
+    spool.event("executor_done", data={"t": time.time()})
     spool.finished(best_job_id=best, summary={"steps": STEPS})
     return 0
 

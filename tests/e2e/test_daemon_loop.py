@@ -1,6 +1,8 @@
 """End to end over HTTP with the real service and real daemon subprocesses, the executor played
-by tests/e2e/fake_runner.py: success, executor kill -9 (resume from checkpoint), cancel, and a
-daemon killed and restarted mid-task (adopts its executor, no lost or duplicated reports)."""
+by tests/e2e/fake_runner.py, placements published by hand: success, executor kill -9 (resume from
+checkpoint), cancel, a daemon killed and restarted mid-task (adopts its executor, no lost or
+duplicated reports), Redis flush and service restart, drain/stop. A daemon lost for good, with
+the scheduler on, is in test_scheduled_e2e.py."""
 
 from __future__ import annotations
 
@@ -191,30 +193,6 @@ def test_redis_flush_and_service_restart_lose_nothing(stack: Stack) -> None:
     assert "forward deferred" in stack.daemon_log("node-a")
 
 
-def test_daemon_lost_task_resumes_on_another_node(stack: Stack) -> None:
-    first = stack.daemon("node-a", *RUNNER, env={"LORAPLEX_FAKE_MODE": "hang_first"})
-    with stack.http() as http:
-        task = create_task(http, n_lr=1)
-        stack.place(task["id"], "node-a")
-        pid = executor_pid(stack, "node-a")
-        wait_for(lambda: any(e["type"] == "checkpoint_uploaded" for e in events(
-            http, task["id"])), 30, "the checkpoint upload")
-        first.kill()  # the whole node goes: daemon and executor
-        os.killpg(pid, signal.SIGKILL)
-        first.wait()
-        stack.daemon("node-b", *RUNNER)
-        # The service's maintenance loop marks the silent node down and requeues its task.
-        wait_for(lambda: state_of(http, task["id"]) == "queued", 40, "task requeued")
-        stack.place(task["id"], "node-b")
-        wait_for(lambda: state_of(http, task["id"]) == "succeeded", 60,
-                 f"task succeeded\n{stack.daemon_log('node-b')}")
-        started = [e["data"] for e in events(http, task["id"]) if e["type"] == "executor_started"]
-        assert [(s["attempt"], s["resumed_from_step"]) for s in started] == [(1, 0), (2, 2)]
-        running = [e for e in events(http, task["id"]) if e["type"] == "task_running"]
-        nodes = [e["data"]["node_id"] for e in running]
-        assert len(nodes) == 2 and nodes[0] != nodes[1] == stack.node_id("node-b")
-
-
 def test_sigterm_drains_and_stubborn_executors_get_sigkill(stack: Stack) -> None:
     import redis
 
@@ -228,11 +206,17 @@ def test_sigterm_drains_and_stubborn_executors_get_sigkill(stack: Stack) -> None
         wait_for(lambda: "to=draining" in stack.daemon_log("node-a"), 10, "draining")
         later = create_task(http)
         stack.place(later["id"], "node-a")  # a draining node takes no new placement
+        node_id = stack.node_id("node-a")
         assert daemon.wait(timeout=60) == 0
         assert state_of(http, task["id"]) == "succeeded"
         assert state_of(http, later["id"]) == "queued"
-        queue = f"rq:queue:loraplex:node:{stack.node_id('node-a')}"
-        assert redis.Redis.from_url(stack.redis_url).llen(queue) == 1
+        # Drained, the daemon deregistered: its node is down and its waiting placement gone.
+        queue = f"rq:queue:loraplex:node:{node_id}"
+        assert redis.Redis.from_url(stack.redis_url).llen(queue) == 0
+        rows = stack.sql("SELECT state FROM placements WHERE task_id = :t", t=later["id"])
+        assert [r.state for r in rows] == ["superseded"]
+        with stack.operator() as op:
+            assert [n["state"] for n in op.get("/v1/cluster").json()["nodes"]] == ["down"]
 
         stack.daemon("node-b", *RUNNER, env={"LORAPLEX_FAKE_MODE": "stubborn"})
         third = create_task(http)
