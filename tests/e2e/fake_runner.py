@@ -5,7 +5,8 @@ Run by the daemon as ``python -m tests.e2e.fake_runner --placement-dir DIR``. Be
 the env LORAPLEX_FAKE_MODE: ``ok`` (default), ``hang_first`` (attempt 1 checkpoints at step 2
 and then waits to be killed), ``hang`` (waits for SIGTERM, logs it, exits 143), ``slow``
 (0.4 s per step), ``stubborn`` (ignores SIGTERM and waits: only SIGKILL ends it).
-LORAPLEX_FAKE_STEP_S sets the time per step of the other modes. The executor_started event
+LORAPLEX_FAKE_STEP_S sets the time per step of the other modes; with LORAPLEX_FAKE_MODE_LINES=N
+the mode applies only to tasks whose training file has N lines (the others run ``ok``). The executor_started event
 carries where it really ran (the daemon's work dir name, LORAPLEX_SLOTS) and its wall clock
 start; executor_done (just before the finish record) its wall clock end.
 """
@@ -49,7 +50,11 @@ def main() -> int:
     root = ap.parse_args().placement_dir
     spec = PlacementSpec.model_validate_json((root / "spec.json").read_text())
     spool = SpoolWriter(root / "spool.jsonl")
+    train = (root / "data" / "train.jsonl").read_text().splitlines()
     mode = os.environ.get("LORAPLEX_FAKE_MODE", "ok")
+    only = os.environ.get("LORAPLEX_FAKE_MODE_LINES")
+    if only is not None and int(only) != len(train):
+        mode = "ok"
 
     def on_term(signum: int, _frame: object) -> None:
         spool.event("executor_sigterm", "stopping on SIGTERM")
@@ -60,7 +65,6 @@ def main() -> int:
     ckpt = root / "resume" / "state.json"
     if ckpt.exists():
         start = int(json.loads(ckpt.read_text())["step"])
-    train = (root / "data" / "train.jsonl").read_text().splitlines()
     step_s = 0.4 if mode == "slow" else float(os.environ.get("LORAPLEX_FAKE_STEP_S", "0"))
     spool.event("executor_started", f"attempt {spec.attempt} from step {start}",
                 data={"resumed_from_step": start, "attempt": spec.attempt,

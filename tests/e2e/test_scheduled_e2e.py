@@ -150,14 +150,16 @@ def test_scheduler_places_two_tenants_on_two_nodes(stack: Stack) -> None:
 
 
 def test_lost_daemon_task_resumes_on_the_other_node_from_its_checkpoint(stack: Stack) -> None:
-    """Both daemons run; the one the scheduler picked is SIGKILLed with its executor after
-    the step-2 checkpoint. No deregister: the service notices the silence, marks the node
-    down, replans, and the other daemon resumes the task from step 2."""
-    hang = {"LORAPLEX_FAKE_MODE": "hang_first"}  # attempt 1 hangs after its checkpoint
-    daemons = {name: stack.daemon(name, *RUNNER, env=hang) for name in ("node-a", "node-b")}
+    """Two 1-slot daemons, two tasks, one on each. The daemon of the 7-line task is SIGKILLed
+    with its executor after the step-2 checkpoint, while the other runs its task. No goodbye:
+    the service notices the silence, marks the node down, replans, and the other daemon
+    resumes the task from step 2 once its own task is done."""
+    fake = {"LORAPLEX_FAKE_MODE": "hang_first", "LORAPLEX_FAKE_MODE_LINES": "7",
+            "LORAPLEX_FAKE_STEP_S": "1"}  # the 7-line task hangs after its checkpoint
+    daemons = {name: stack.daemon(name, *RUNNER, env=fake) for name in ("node-a", "node-b")}
     ids = {name: stack.node_id(name) for name in daemons}
     with stack.http() as http, stack.operator() as op:
-        task = submit(http)
+        task, other = submit(http, lines=7), submit(http)
         wait_for(lambda: any(e["type"] == "checkpoint_uploaded" for e in events(http, task)),
                  30, "the checkpoint upload\n" + stack.service_log()[-3000:])
         [first] = stack.sql("SELECT node_id FROM placements WHERE task_id = :t AND "
@@ -165,11 +167,13 @@ def test_lost_daemon_task_resumes_on_the_other_node_from_its_checkpoint(stack: S
         victim = next(n for n, i in ids.items() if i == first.node_id)
         survivor = next(n for n in ids if n != victim)
         pid = executor_pid(stack, victim)
+        assert state_of(http, other) == "running"  # on the survivor: one slot per node
         daemons[victim].kill()  # the whole node goes: daemon and executor, no goodbye
         os.killpg(pid, signal.SIGKILL)
         daemons[victim].wait()
         wait_for(lambda: state_of(http, task) == "succeeded", 60,
                  f"task succeeded\n{stack.daemon_log(survivor)}\n{stack.service_log()[-3000:]}")
+        assert state_of(http, other) == "succeeded"
         nodes = {n["name"]: n["state"] for n in op.get("/v1/cluster").json()["nodes"]}
         assert nodes == {victim: "down", survivor: "up"}
         ev = events(http, task)
@@ -181,10 +185,15 @@ def test_lost_daemon_task_resumes_on_the_other_node_from_its_checkpoint(stack: S
         assert any(e["type"] == "task_requeued" and "went down" in e["message"] for e in ev)
         curves = http.get(f"/v1/tasks/{task}/metrics").json()["jobs"]
         assert all([p["step"] for p in c["train"]] == [1, 2, 3, 4, 5, 6] for c in curves)
-        rows = stack.sql("SELECT node_id, state, attempt FROM placements WHERE task_id = :t "
-                         "AND claimed_at IS NOT NULL ORDER BY attempt", t=task)
-        assert [(r.node_id, r.state, r.attempt) for r in rows] == [
+        rows = stack.sql("SELECT task_id, node_id, state, attempt, claimed_at, finished_at "
+                         "FROM placements WHERE claimed_at IS NOT NULL ORDER BY attempt")
+        assert [(r.node_id, r.state, r.attempt) for r in rows if r.task_id == task] == [
             (ids[victim], "failed", 1), (ids[survivor], "finished", 2)]
+        assert [(r.node_id, r.state) for r in rows if r.task_id == other] == [
+            (ids[survivor], "finished")]
+        on_survivor = [(ts(r.claimed_at), ts(r.finished_at), r.task_id) for r in rows
+                       if r.node_id == ids[survivor]]
+        assert overlaps(on_survivor) == []  # its one slot: the failover waited for it
 
 
 def test_drained_daemon_deregisters_and_its_queue_moves(stack: Stack) -> None:
