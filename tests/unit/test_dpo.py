@@ -302,3 +302,21 @@ def test_executor_runs_a_dpo_task_and_resumes_exactly(tmp_path, world) -> None: 
         assert [s for s, _ in got] == [s for s, _ in ref]
         torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in ref]),
                                    atol=1e-6, rtol=1e-6)
+
+
+def test_memory_probe_step_of_a_dpo_executor_leaves_engine_and_cache_untouched(tmp_path, world) -> None:  # noqa: ANN001
+    ex = Executor(dpo_config(tmp_path, world, "probe"))
+    ex._load()
+    assert isinstance(ex.engine, DpoEngine)
+    for spec in ex.cfg.jobs[:2]:
+        ex.engine.attach(spec)
+    ex.engine.step()
+    before = {j: {k: v.clone() for k, v in s.adapter.state_dict().items()} for j, s in ex.engine.jobs.items()}
+    cache = dict(ex.engine.reference)
+    passes = dict(ex.engine.passes)
+    ex.probe_step(3)
+    assert ex.engine.passes == {"reference": passes["reference"] + 1, "policy": passes["policy"] + 1}
+    assert ex.engine.reference == cache  # the probe's random pairs were forgotten
+    assert list(ex.engine.jobs) == list(before)
+    for j, w in before.items():
+        assert all(torch.equal(v, ex.engine.jobs[j].adapter.state_dict()[k]) for k, v in w.items())

@@ -74,3 +74,20 @@ def test_dpo_placement_trains_with_each_jobs_beta_and_reports_rewards(tmp_path: 
             assert set(p["data"]) == {"reward_accuracy", "reward_margin"}
             assert 0.0 <= p["data"]["reward_accuracy"] <= 1.0 and math.isfinite(p["loss"])
     assert result["best_job_id"] in ("j0", "j1")
+
+
+def test_bridge_attaches_extras_to_their_point_and_nulls_non_finite(tmp_path: Path) -> None:
+    spool = SpoolWriter(tmp_path / "spool.jsonl")
+    (tmp_path / "out").mkdir()
+    bridge = runner._Bridge(runner.SpoolReporter(spool, tmp_path), tmp_path / "out",
+                            runner.StopFlag(tmp_path, 0))
+    bridge.on_metrics("j0", 1, "train", {"reward_accuracy": 0.5, "reward_margin": float("nan")})
+    bridge.on_metrics("j0", 2, "val", {"reward_accuracy": 1.0, "reward_margin": 0.25})
+    bridge.on_train_loss("j0", 1, 0.69)
+    bridge.on_train_loss("j1", 1, 0.70)  # a point without extras keeps data null
+    bridge.on_eval("j0", 2, 0.6)
+    spool.close()
+    points = [json.loads(t)["point"] for _, _, t in read_complete_lines(tmp_path / "spool.jsonl", 0)]
+    assert [p["data"] for p in points] == [{"reward_accuracy": 0.5, "reward_margin": None}, None,
+                                           {"reward_accuracy": 1.0, "reward_margin": 0.25}]
+    assert bridge.extra == {}
