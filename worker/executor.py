@@ -70,7 +70,6 @@ class ExecutorConfig:
     train_file: str
     output_dir: str
     jobs: list[JobSpec]
-    method: str = "sft"  # sft | dpo (preference pairs; JobSpec.beta per job)
     val_file: str | None = None
     val_fraction: float = 0.1
     split_seed: int = 0
@@ -89,6 +88,7 @@ class ExecutorConfig:
     memory_budget_bytes: float | None = None
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
     stop_after_steps: int | None = None  # stop (as if killed) after this many executor steps
+    method: str = "sft"  # sft | dpo (preference pairs; JobSpec.beta per job)
 
 
 class Executor:
