@@ -1,8 +1,9 @@
 """End to end with real training on CPU, over HTTP only: upload a JSONL file, POST a task of 8
 configurations on a tiny Llama, a real daemon runs the real executor (worker.runner), poll to
 succeeded, early exits with reasons, download the best adapter with the CLI, load it with PEFT
-and check its validation loss beats the base model's; then kill -9 a real executor mid-task and
-check the retry resumed from the uploaded checkpoint, not step 0."""
+and check its validation loss beats the base model's; then, with the scheduler and two daemons,
+kill -9 a real executor and later a whole node mid-task and check each retry resumed from the
+latest uploaded checkpoint, not step 0."""
 
 from __future__ import annotations
 
@@ -113,13 +114,31 @@ def test_task_trains_to_a_better_adapter(stack: Stack, tmp_path: Path) -> None:
     assert tuned_loss < base_loss * 0.9, (tuned_loss, base_loss)
 
 
-def test_killed_executor_resumes_from_its_checkpoint(stack: Stack) -> None:
+@pytest.mark.with_scheduler
+def test_killed_executor_then_lost_node_resume_from_checkpoints(stack: Stack) -> None:
+    """Real training, two CPU daemons, the scheduler placing: kill -9 the executor after a
+    checkpoint (retried from it), then SIGKILL the whole node running the retry after its next
+    checkpoint (the service marks it down, replans, the other node resumes). Each resume
+    starts from the latest checkpoint, never from step 0."""
     import os
     import signal
 
     from tests.e2e.test_daemon_loop import events, executor_pid
 
-    stack.daemon("cpu-node", env={"LORAPLEX_CHECKPOINT_EVERY": "6"})
+    env = {"LORAPLEX_CHECKPOINT_EVERY": "6"}
+    daemons = {name: stack.daemon(name, env=env) for name in ("cpu-a", "cpu-b")}
+    ids = {name: stack.node_id(name) for name in daemons}
+
+    def running_on() -> tuple[str, int]:
+        rows = stack.sql("SELECT node_id, attempt FROM placements WHERE task_id = :t AND "
+                         "state IN ('claimed', 'running')", t=task["id"])
+        assert len(rows) == 1, rows
+        return next(n for n, i in ids.items() if i == rows[0].node_id), rows[0].attempt
+
+    def checkpoints() -> list[int]:
+        return [e["data"]["step"] for e in events(http, task["id"])
+                if e["type"] == "checkpoint_uploaded"]
+
     with stack.http() as http:
         body = "".join(json.dumps(r) + "\n" for r in dataset(64, seed=3)).encode()
         file_id = http.post("/v1/files", files={"file": ("t.jsonl", io.BytesIO(body))}).json()["id"]
@@ -127,18 +146,28 @@ def test_killed_executor_resumes_from_its_checkpoint(stack: Stack) -> None:
             "base_model": "tiny", "training_file": file_id, "epochs": 3, "max_seq_len": 64,
             "search_space": {"learning_rate": [1e-2, 3e-2], "batch_size": [4]},
             "early_exit": {"enabled": False}, "eval": {"eval_every_steps": 6}}).json()
-        wait_for(lambda: http.get(f"/v1/tasks/{task['id']}").json()["state"] == "queued", 30,
-                 "queued")
-        stack.place(task["id"], "cpu-node")
-        pid = executor_pid(stack, "cpu-node")
-        wait_for(lambda: any(e["type"] == "checkpoint_uploaded" for e in events(
-            http, task["id"])), 120, "a checkpoint upload")
-        os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: any(e["type"] == "task_requeued" for e in events(http, task["id"])),
-                 60, "requeued")
-        stack.place(task["id"], "cpu-node")
+        wait_for(lambda: checkpoints(), 120, "a checkpoint upload\n" + stack.service_log())
+        node, attempt = running_on()
+        assert attempt == 1
+        os.kill(executor_pid(stack, node), signal.SIGKILL)
+        wait_for(lambda: any(e["type"] == "resumed" for e in events(http, task["id"])), 60,
+                 f"the retry to resume\n{stack.daemon_log(node)}")
+        # Attempt 1's reports all precede its failure, hence the requeue and this resume.
+        before = len(checkpoints())
+        wait_for(lambda: len(checkpoints()) > before, 120, "a checkpoint of the retry")
+        node, attempt = running_on()
+        assert attempt == 2
+        pid = executor_pid(stack, node)
+        daemons[node].kill()  # the whole node: daemon and executor, no deregister
+        os.killpg(pid, signal.SIGKILL)
+        daemons[node].wait()
         final = wait_for(lambda: (t := http.get(f"/v1/tasks/{task['id']}").json())["state"] in (
-            "succeeded", "failed") and t, 300, f"the end\n{stack.daemon_log('cpu-node')}")
-        assert final["state"] == "succeeded"
-        resumed = [e for e in events(http, task["id"]) if e["type"] == "resumed"]
-        assert len(resumed) == 1 and resumed[0]["data"]["global_step"] >= 6  # not step 0
+            "succeeded", "failed") and t, 300, f"the end\n{stack.service_log()}")
+        assert final["state"] == "succeeded", final
+        ev = events(http, task["id"])
+        resumed = [e["data"]["global_step"] for e in ev if e["type"] == "resumed"]
+        assert len(resumed) == 2 and 6 <= resumed[0] < resumed[1], resumed  # never step 0
+        claims = [e["data"] for e in ev if e["type"] == "task_running"]
+        assert [c["attempt"] for c in claims] == [1, 2, 3]
+        assert claims[2]["node_id"] != ids[node] == claims[1]["node_id"]
+        assert any(e["type"] == "task_requeued" and "went down" in e["message"] for e in ev)
