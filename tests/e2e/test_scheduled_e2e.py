@@ -70,18 +70,27 @@ def ts(value: datetime) -> float:
 
 
 def test_scheduler_places_two_tenants_on_two_nodes(stack: Stack) -> None:
-    fake = {"LORAPLEX_FAKE_STEP_S": "0.25"}  # ~1.5 s per task: runs overlap
-    stack.daemon("node-a", *RUNNER, "--cpu-slots", "2", env=fake)
-    stack.daemon("node-b", *RUNNER, "--cpu-slots", "1", env=fake)
-    names = {stack.node_id("node-a"): "node-a", stack.node_id("node-b"): "node-b"}
+    """Six tasks of two tenants (B limited to 1 GPU, one task of A needs 2 slots, priorities
+    0-7) on a 2-slot and a 1-slot daemon: all succeed; each ran where its placement said;
+    no slot held by two placements at once (executor clocks and claim/finish rows); B never
+    over its limit and served by priority; neither tenant sees the other's tasks."""
     key_b = stack.tenant("tenant-b", max_gpus=1)
     owner: dict[str, str] = {}
+    priority: dict[str, int] = {}
     with stack.http() as a, stack.client(key_b) as b, stack.operator() as op:
-        for http, tenant, model, priority in (
+        clients = {"A": a, "B": b}
+        # All queued before any node exists, so the first plans see every task.
+        for http, tenant, model, prio in (
                 (a, "A", "tiny", 0), (b, "B", "tiny", 3), (a, "A", "tiny-wide", 5),
                 (b, "B", "tiny", 0), (a, "A", "tiny", 0), (b, "B", "tiny", 7)):
-            owner[submit(http, model, priority)] = tenant
-        clients = {"A": a, "B": b}
+            task = submit(http, model, prio)
+            owner[task], priority[task] = tenant, prio
+        wait_for(lambda: all(state_of(clients[t], task) == "queued"
+                             for task, t in owner.items()), 30, "all tasks queued")
+        fake = {"LORAPLEX_FAKE_STEP_S": "0.25"}  # ~1.5 s per task: runs overlap
+        stack.daemon("node-a", *RUNNER, "--cpu-slots", "2", env=fake)
+        stack.daemon("node-b", *RUNNER, "--cpu-slots", "1", env=fake)
+        names = {stack.node_id("node-a"): "node-a", stack.node_id("node-b"): "node-b"}
 
         # While they run: the operator's view never shows a slot held twice or B over its limit.
         def all_ended() -> bool:
@@ -133,6 +142,10 @@ def test_scheduler_places_two_tenants_on_two_nodes(stack: Stack) -> None:
             assert overlaps(slot_runs[slot]) == [], (slot, sorted(slot_runs[slot]))
             assert overlaps(slot_claims[slot]) == [], (slot, sorted(slot_claims[slot]))
         assert peak(per_tenant["B"]) == 1  # max_gpus=1 held over its whole run
+        # B runs one task at a time, so its order is the scheduler's: highest priority first.
+        b_order = [r.task_id for r in sorted(ran, key=lambda r: r.claimed_at)
+                   if owner[r.task_id] == "B"]
+        assert [priority[t] for t in b_order] == [7, 3, 0]
         assert peak(executors) >= 2  # the non-overlap checks above were not vacuous
 
         # Tenants see only their own tasks.
