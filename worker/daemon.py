@@ -240,7 +240,7 @@ class Daemon:
 
     def _finished(self) -> bool:
         """Drained: nothing left. Stopped: nothing claimed left (popped-but-unclaimed ones
-        stay in the work dir for the next start, and the service still has them published)."""
+        stay in the work dir for the next start unless deregistering supersedes them)."""
         if self.state == DRAINING:
             return not self.placements
         if self.state == STOPPING:
