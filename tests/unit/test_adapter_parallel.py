@@ -142,6 +142,16 @@ def test_stopped_run_resumes_to_the_same_adapters_on_2_ranks_and_on_1(root, refe
     assert_same_adapters(root / "single", root / "stopped_p1", completed)
 
 
+def test_one_process_checkpoint_resumes_on_2_ranks(root, reference) -> None:  # noqa: ANN001
+    ref_status, _ = reference
+    Executor(config(root, "grow", max_active_jobs=2, stop_after_steps=4)).run()
+    rec = Recorder()
+    status = run_parallel(config(root, "grow"), P, rec.callbacks())
+    assert any(m == "resumed" and not d["same_placement"] for _, m, d in rec.events)
+    assert status == ref_status
+    assert_same_adapters(root / "single", root / "grow", [j for j, s in status.items() if s["state"] == "completed"])
+
+
 def _collectives_rank(rank: int, world: int, port: int, model_dir: str) -> None:
     """Two ranks: rank 0 trains a job (then one whose loss is NaN), rank 1 idles; no gradient
     collective, no base gradient, 1/P of each layer's weights per rank, losses as in one process."""
