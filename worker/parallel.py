@@ -33,7 +33,9 @@ import logging
 import math
 import os
 import queue as queue_mod
+import signal
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -415,10 +417,22 @@ class _QueueCallbacks:
 def _rank_main(rank: int, world: int, port: int, cfg: ExecutorConfig, q: Any, stop: Any) -> None:
     logging.basicConfig(level=os.environ.get("LORAPLEX_LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s rank={rank} %(message)s")
+    # The daemon signals the executor's whole process group: SIGTERM is the launching process's
+    # to turn into a checkpoint-and-stop of every rank at the same step (a rank that died on it
+    # would leave the others hanging in a collective). SIGINT (Ctrl-C, or the launcher's death,
+    # which torch's spawn turns into SIGINT) and a changed parent stop the ranks the same way.
+    interrupted = threading.Event()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    parent = os.getppid()
     init_rank(rank, world, port)
     try:
         cb = _QueueCallbacks(q) if rank == 0 else None
-        status = ParallelExecutor(cfg, cb, stop_requested=stop.is_set).run()
+
+        def stop_requested() -> bool:
+            return stop.is_set() or interrupted.is_set() or os.getppid() != parent
+
+        status = ParallelExecutor(cfg, cb, stop_requested=stop_requested).run()
         if rank == 0:
             q.put(("done", status))
     finally:
