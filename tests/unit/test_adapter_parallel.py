@@ -122,10 +122,12 @@ def test_stopped_run_resumes_to_the_same_adapters_on_2_ranks_and_on_1(root, refe
             raise StopNow(job_id)
 
     cb.on_train_loss = stop_at_step_2
+    # the callback's stop reaches the ranks a step or two later (they do not wait for this process);
+    # stop_after_steps bounds it, so the resume below always starts mid-run
     with pytest.raises(StopNow):
-        run_parallel(config(root, "stopped"), P, cb)
+        run_parallel(config(root, "stopped", stop_after_steps=6), P, cb)
     ck = torch.load(root / "stopped" / "state.pt", map_location="cpu", weights_only=False)
-    assert 2 <= ck["global_step"] < 20 and ck["parallel"]["world"] == P
+    assert 2 <= ck["global_step"] <= 6 and ck["parallel"]["world"] == P
     assert not list((root / "stopped").glob("state.rank*.pt"))
     shutil.copytree(root / "stopped", root / "stopped_p1")
 
