@@ -17,8 +17,10 @@ Lockstep: each executor step every rank runs one backbone forward + backward (a 
 runnable job an idle pass over one pad token), and each evaluation the same number of forwards
 (padded with idle forwards), so FSDP's all-gathers pair up. Backfill comes first: a rank whose
 job exited takes a queued job at the next admission; only when nothing is left for it does it
-idle. Shrinking the placement instead would mean resharding the backbone mid-task; the idle rank
-costs its share of the all-gathers only (see bench/results/adapter_parallel_h200x2.md).
+idle. An idle rank does not slow the others (it joins the all-gathers they need anyway, with a
+1-token pass: the (b) rows at batch 1 of bench/results/adapter_parallel_h200x2.md run exactly
+that); shrinking the placement would reshard the backbone onto fewer GPUs mid-task, impossible
+when the model needs all P to fit, and worth it only if the scheduler had work for the freed GPU.
 
 Checkpoints: each rank writes its jobs' states, rank 0 merges them with the shared state into
 the one `state.pt` of the single-GPU format (plus owners), which the runner uploads as before.
