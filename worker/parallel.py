@@ -57,7 +57,7 @@ from worker.parallel_engine import ParallelEngine, eval_forwards
 
 log = logging.getLogger("loraplex.parallel")
 
-CALLBACK_KINDS = ("on_train_loss", "on_eval", "on_job_state", "on_adapter", "on_event")
+CALLBACK_KINDS = ("on_train_loss", "on_eval", "on_job_state", "on_adapter", "on_event", "on_metrics")
 
 
 @dataclass
@@ -106,6 +106,7 @@ class ParallelExecutor(Executor):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         cfg = self.cfg
+        check_supported(cfg)
         cuda = torch.cuda.is_available() and cfg.device in ("auto", "cuda")
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         dtype = torch.bfloat16 if cuda else torch.float32
@@ -193,7 +194,8 @@ class ParallelExecutor(Executor):
 
     def _observe_train(self, report: Any) -> bool:
         local = {} if report is None else {
-            j: (report.steps[j], report.losses[j], report.skipped[j], report.grad_norms[j])
+            j: (report.steps[j], report.losses[j], report.skipped[j], report.grad_norms[j],
+                getattr(report, "metrics", {}).get(j))
             for j in report.losses}
         stop = bool(self.stop_requested is not None and self.stop_requested())
         parts = self._gather((local, stop, None if report is None else report.padded_fraction))
@@ -201,7 +203,9 @@ class ParallelExecutor(Executor):
         fractions = [p[2] for p in parts if p[2] is not None]
         self.padded.append(sum(fractions) / max(len(fractions), 1))
         for job_id in list(self.placed):
-            step, loss, skipped, norm = merged[job_id]
+            step, loss, skipped, norm, metrics = merged[job_id]
+            if metrics:
+                self.cb.on_metrics(job_id, step, "train", metrics)
             self.cb.on_train_loss(job_id, step, loss)
             if skipped:
                 self.cb.on_event(job_id, "update_skipped", {"step": step, "loss": loss, "grad_norm": norm})
@@ -382,6 +386,14 @@ class ParallelExecutor(Executor):
 
 
 # ----- launching ---------------------------------------------------------------------------------
+def check_supported(cfg: ExecutorConfig) -> None:
+    """Adapter parallelism trains SFT tasks; DPO's reference passes are not in lockstep yet."""
+    method = getattr(cfg, "method", "sft")
+    if method != "sft":
+        raise ValueError(f"adapter parallelism supports method='sft' only, not {method!r}: "
+                         "run the task on one GPU (worker.executor)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -451,6 +463,7 @@ def run_parallel(cfg: ExecutorConfig, nproc: int, callbacks: Callbacks | None = 
 
     if nproc < 1:
         raise ValueError("nproc must be >= 1")
+    check_supported(cfg)
     if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
         raise ValueError(f"{nproc} ranks asked for, {torch.cuda.device_count()} GPUs visible")
     ctx = mp.get_context("spawn")
@@ -520,7 +533,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.stdout.flush()
         return f
 
-    cb = Callbacks(emit("train_loss"), emit("eval"), emit("job_state"), emit("adapter"), emit("event"))
+    cb = Callbacks(*(emit(k.removeprefix("on_")) for k in CALLBACK_KINDS))
     status = run_parallel(ExecutorConfig(**raw), args.nproc, cb)
     print(json.dumps({"kind": "done", "status": status}))
 

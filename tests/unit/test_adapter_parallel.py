@@ -219,3 +219,9 @@ def test_no_gradient_collectives_and_sharded_frozen_weights(root) -> None:  # no
 
     d = tiny_model_dir("llama", root)
     mp.start_processes(_collectives_rank, args=(P, free_port(), str(d)), nprocs=P, start_method="spawn")
+
+
+def test_dpo_task_is_refused_before_any_rank_starts(root) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match="sft"):
+        run_parallel(config(root, "dpo", method="dpo"), P)
+    assert not (root / "dpo").exists()
