@@ -6,7 +6,9 @@ forward, resharded after it, all-gathered again in backward); the base model (em
 norm) is the root unit, which is what `MultiLoraEngine._hidden` calls, so the root hooks run. The
 LM head is left out and kept whole on every rank: the engine calls it once per job and again in
 each job's recomputed backward, and as its own FSDP unit it would be all-gathered 2 x jobs times a
-step (a tied head shares the embedding, which is then kept whole too). Adapters live outside the
+step (Qwen2.5-32B: a 1.56 GB head, ~4.4 ms per all-gather on 2 H200s scaled from the 2.78 ms
+measured per 0.98 GB layer, ~70 ms per 8-job step, against 0.78 GB more memory per rank kept
+whole). A tied head shares the embedding, which is then kept whole too. Adapters live outside the
 model (JobAdapter), so FSDP never sees them; base weights are frozen, so no gradient exists for
 FSDP to reduce-scatter: the only collectives of a step are the parameter all-gathers.
 """
