@@ -61,5 +61,9 @@ def multilora_linear_reference(
         xi = x[lo:hi].to(acc)
         shrink = xi @ a[i].to(acc)
         pieces.append(base[lo:hi] + s[i] * (shrink @ b[i].to(acc)))
-    y = torch.cat(pieces, 0) if pieces else base
+    if not pieces:
+        # T == 0: keep y on the graph of lora_a/lora_b so their gradients are zeros, not None,
+        # exactly as the Triton path returns them.
+        pieces.append(base + (x.to(acc) @ a[0].to(acc)) @ b[0].to(acc))
+    y = torch.cat(pieces, 0)
     return y.to(x.dtype)
