@@ -67,3 +67,59 @@ def multilora_linear_reference(
         pieces.append(base + (x.to(acc) @ a[0].to(acc)) @ b[0].to(acc))
     y = torch.cat(pieces, 0)
     return y.to(x.dtype)
+
+
+class _ArenaReferenceFn(torch.autograd.Function):
+    """Plain-torch arena operator: forward and backward written out per adapter (no autograd
+    inside), gradients added into grad_arena. One host sync per call (offsets, ranks, a/b offsets)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets, r_max, token):  # noqa: D102
+        acc = _acc_dtype(x.dtype)
+        y = torch.nn.functional.linear(x, weight, bias).to(acc)
+        for lo, hi, a, bt, s, _ao, _bo in _arena_blocks(x, weight, arena, a_off, b_off, scales, ranks, offsets, acc):
+            y[lo:hi] += s * ((x[lo:hi].to(acc) @ a.t()) @ bt)
+        ctx.save_for_backward(x, weight, arena, a_off, b_off, scales, ranks, offsets)
+        ctx.grad_arena = grad_arena
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        x, weight, arena, a_off, b_off, scales, ranks, offsets = ctx.saved_tensors
+        g = ctx.grad_arena
+        acc = _acc_dtype(x.dtype)
+        need_x = ctx.needs_input_grad[0]
+        dx = (dy @ weight).to(acc) if need_x else None
+        d_in, d_out = x.shape[1], weight.shape[0]
+        for lo, hi, a, bt, s, ao, bo in _arena_blocks(x, weight, arena, a_off, b_off, scales, ranks, offsets, acc):
+            xi, dyi = x[lo:hi].to(acc), dy[lo:hi].to(acc)
+            shrink = xi @ a.t()                     # [t_i, r]
+            d_bt = s * (shrink.t() @ dyi)           # [r, d_out]
+            d_s = s * (dyi @ bt.t())                # [t_i, r]
+            r = a.shape[0]
+            g[ao : ao + r * d_in] += (d_s.t() @ xi).reshape(-1).to(g.dtype)
+            g[bo : bo + r * d_out] += d_bt.reshape(-1).to(g.dtype)
+            if need_x:
+                dx[lo:hi] += d_s @ a
+        return (dx.to(x.dtype) if need_x else None,) + (None,) * 11
+
+
+def _arena_blocks(x, weight, arena, a_off, b_off, scales, ranks, offsets, acc):  # noqa: ANN001, ANN202
+    """(row lo, row hi, A [r, d_in], B^T [r, d_out], scale, A offset, B^T offset) per adapter, in order."""
+    d_in, d_out = x.shape[1], weight.shape[0]
+    bounds = [int(v) for v in offsets.tolist()]
+    if bounds[0] != 0 or bounds[-1] != x.shape[0] or any(lo > hi for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)):
+        raise ValueError(f"offsets must start at 0, end at T={x.shape[0]} and be nondecreasing, got {bounds}")
+    for i, (ao, bo, r, s) in enumerate(zip(a_off.tolist(), b_off.tolist(), ranks.tolist(), scales.tolist(), strict=True)):
+        a = arena[ao : ao + r * d_in].view(r, d_in).to(acc)
+        bt = arena[bo : bo + r * d_out].view(r, d_out).to(acc)
+        yield bounds[i], bounds[i + 1], a, bt, s, ao, bo
+
+
+def multilora_linear_arena_reference(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets,
+                                     r_max, token) -> torch.Tensor:  # noqa: ANN001
+    """Reference of `kernels.multilora_linear_arena` (same contract)."""
+    if grad_arena.dtype != _acc_dtype(x.dtype) or grad_arena.shape != arena.shape:
+        raise ValueError(f"grad_arena must be {_acc_dtype(x.dtype)} of the arena's shape")
+    return _ArenaReferenceFn.apply(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets,
+                                   r_max, token)

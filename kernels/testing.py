@@ -143,3 +143,54 @@ def empty_adapter_grad_nonzero(got: dict[str, torch.Tensor], offsets: torch.Tens
     """Count of nonzero dA/dB entries of adapters that own no rows this step."""
     counts = (offsets[1:] - offsets[:-1]).tolist()
     return sum(int((got["dA"][i] != 0).sum()) + int((got["dB"][i] != 0).sum()) for i, c in enumerate(counts) if c == 0)
+
+
+def run_arena(case: Case, op: Callable[..., torch.Tensor], x_grad: bool = True, **kw: object
+              ) -> tuple[dict[str, torch.Tensor], int]:
+    """Forward + backward of an arena operator (multilora_linear_arena signature) on the case.
+
+    The adapters go into one arena in shuffled order with NaN-filled gaps between them (a read
+    outside an adapter's own block poisons y); the gradient arena starts with random prior sums
+    (backward must add to them, not overwrite). Returns the outputs in the stacked layout of
+    `run_op` (dA [N, d_in, r_max], dB [N, r_max, d_out], zero padding) and the count of gradient
+    arena entries outside every adapter's blocks that changed."""
+    n, d_in, r_max = case.lora_a.shape
+    d_out = case.lora_b.shape[2]
+    dev, dtype = case.x.device, case.x.dtype
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    gen = torch.Generator().manual_seed(case.seed)
+    ranks = case.ranks.tolist()
+    order = torch.randperm(n, generator=gen).tolist()
+    pieces, a_off, b_off, pos = [], [0] * n, [0] * n, 0
+    for i in order:
+        gap = int(torch.randint(0, 5, (), generator=gen))
+        pieces.append(torch.full((gap,), float("nan"), dtype=dtype, device=dev))
+        pos += gap
+        r = ranks[i]
+        a_off[i] = pos
+        pieces.append(case.lora_a[i, :, :r].t().reshape(-1))
+        pos += r * d_in
+        b_off[i] = pos
+        pieces.append(case.lora_b[i, :r, :].reshape(-1))
+        pos += r * d_out
+    arena = torch.cat(pieces).contiguous()
+    prior = torch.randn(arena.shape, generator=gen, dtype=acc).to(dev)
+    grad = prior.clone()
+    x = case.x.detach().clone().requires_grad_(x_grad)
+    token = torch.zeros((), device=dev, requires_grad=True)
+    ao = torch.tensor(a_off, dtype=torch.int64, device=dev)
+    bo = torch.tensor(b_off, dtype=torch.int64, device=dev)
+    y = op(x, case.weight, case.bias, arena, grad, ao, bo, case.scales, case.ranks, case.offsets, r_max, token, **kw)
+    y.backward(case.dy)
+    delta = grad - prior
+    da = torch.zeros(n, d_in, r_max, dtype=acc, device=dev)
+    db = torch.zeros(n, r_max, d_out, dtype=acc, device=dev)
+    touched = torch.zeros(arena.shape, dtype=torch.bool, device=dev)
+    for i, r in enumerate(ranks):
+        da[i, :, :r] = delta[a_off[i] : a_off[i] + r * d_in].view(r, d_in).t()
+        db[i, :r, :] = delta[b_off[i] : b_off[i] + r * d_out].view(r, d_out)
+        touched[a_off[i] : a_off[i] + r * d_in] = True
+        touched[b_off[i] : b_off[i] + r * d_out] = True
+    stray = int((delta[~touched] != 0).sum())
+    out = {"y": y.detach(), "dx": x.grad if x_grad else None, "dA": da, "dB": db}
+    return out, stray

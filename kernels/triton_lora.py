@@ -88,14 +88,23 @@ def _tile_setup(off_ptr, rank_ptr, scale_ptr, N, R_MAX, BLOCK_M: tl.constexpr, N
     return valid, ad.to(tl.int64), rows, rows < row_end, rr, rr < rank, scale
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=["T_BUCKET", "K", "D_OUT", "R_MAX"], restore_value=["y_ptr"])
 @triton.jit
-def _fwd_kernel(
-    x_ptr, a_ptr, b_ptr, y_ptr, s_ptr, off_ptr, rank_ptr, scale_ptr,
+def _adapter_base(ptr, ad, stride_n, off_ptr, ARENA: tl.constexpr):
+    """Start of adapter `ad`'s block: `ad * stride_n` into a stacked tensor, or its own element
+    offset `off_ptr[ad]` into an arena (one flat buffer holding every job's weights)."""
+    if ARENA:
+        return ptr + tl.load(off_ptr + ad).to(tl.int64)
+    return ptr + ad * stride_n
+
+
+@triton.jit
+def _fwd_jit(
+    x_ptr, a_ptr, b_ptr, y_ptr, s_ptr, off_ptr, rank_ptr, scale_ptr, aoff_ptr, boff_ptr,
     N, K, D_OUT, R_MAX, T_BUCKET,
     stride_xm, stride_xk, stride_an, stride_ak, stride_ar, stride_bn, stride_br, stride_bo,
     stride_ym, stride_yn, stride_sm,
     BLOCK_R: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
+    ARENA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     valid, ad, rows, row_mask, rr, r_mask, scale = _tile_setup(
@@ -103,7 +112,7 @@ def _fwd_kernel(
     rows64 = rows.to(tl.int64)
     # shrink: S = X_i A_i over the whole d_in, for this row tile
     x_rows = x_ptr + rows64[:, None] * stride_xm
-    a_base = a_ptr + ad * stride_an
+    a_base = _adapter_base(a_ptr, ad, stride_an, aoff_ptr, ARENA)
     k_end = tl.where(valid, K, 0)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC)
     for k0 in range(0, k_end, BLOCK_K):
@@ -117,7 +126,7 @@ def _fwd_kernel(
              mask=row_mask[:, None] & (rr[None, :] < R_MAX))
     # expand: y += s_i S B_i, sweeping d_out
     sd = (acc * scale).to(b_ptr.dtype.element_ty)
-    b_base = b_ptr + ad * stride_bn
+    b_base = _adapter_base(b_ptr, ad, stride_bn, boff_ptr, ARENA)
     y_rows = y_ptr + rows64[:, None] * stride_ym
     n_end = tl.where(valid, D_OUT, 0)
     for n0 in range(0, n_end, BLOCK_N):
@@ -132,16 +141,15 @@ def _fwd_kernel(
         tl.store(y_ptrs, (yt.to(ACC) + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_BWD_CONFIGS, key=["T_BUCKET", "K", "D_OUT", "R_MAX"], reset_to_zero=["da_ptr", "db_ptr"],
-                 restore_value=["dx_ptr"])
 @triton.jit
-def _bwd_kernel(
+def _bwd_jit(
     x_ptr, dy_ptr, s_ptr, a_ptr, b_ptr, dx_ptr, da_ptr, db_ptr, off_ptr, rank_ptr, scale_ptr,
+    aoff_ptr, boff_ptr,
     N, K, D_OUT, R_MAX, T_BUCKET,
     stride_xm, stride_xk, stride_dym, stride_dyn, stride_sm, stride_an, stride_ak, stride_ar,
     stride_bn, stride_br, stride_bo, stride_dxm, stride_dxk,
     BLOCK_R: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
-    COMPUTE_DX: tl.constexpr, COMPUTE_DA: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    COMPUTE_DX: tl.constexpr, COMPUTE_DA: tl.constexpr, COMPUTE_DB: tl.constexpr, ARENA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     valid, ad, rows, row_mask, rr, r_mask, scale = _tile_setup(
@@ -152,8 +160,8 @@ def _bwd_kernel(
     st_t = tl.trans(tl.load(s_ptr + rows64[:, None] * stride_sm + rr[None, :],
                             mask=row_mask[:, None] & r_mask[None, :], other=0.0).to(dtype))
     dy_rows = dy_ptr + rows64[:, None] * stride_dym
-    b_base = b_ptr + ad * stride_bn
-    db_base = db_ptr + ad * stride_bn
+    b_base = _adapter_base(b_ptr, ad, stride_bn, boff_ptr, ARENA)
+    db_base = _adapter_base(db_ptr, ad, stride_bn, boff_ptr, ARENA)
     n_end = tl.where(valid, D_OUT, 0)
     ds = tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC)
     for n0 in range(0, n_end, BLOCK_N):
@@ -171,8 +179,8 @@ def _bwd_kernel(
     # sweep d_in: dX += dS A_i^T (in place over cuBLAS's dY W), dA_i += X_i^T dS (atomics)
     x_rows = x_ptr + rows64[:, None] * stride_xm
     dx_rows = dx_ptr + rows64[:, None] * stride_dxm
-    a_base = a_ptr + ad * stride_an
-    da_base = da_ptr + ad * stride_an
+    a_base = _adapter_base(a_ptr, ad, stride_an, aoff_ptr, ARENA)
+    da_base = _adapter_base(da_ptr, ad, stride_an, aoff_ptr, ARENA)
     k_end = tl.where(valid, K, 0)
     if COMPUTE_DX or COMPUTE_DA:
         for k0 in range(0, k_end, BLOCK_K):
@@ -191,6 +199,18 @@ def _bwd_kernel(
                 dap = tl.dot(tl.trans(xt), dsd, tl.zeros((BLOCK_K, BLOCK_R), dtype=ACC), input_precision=DOT_PREC)
                 tl.atomic_add(da_base + ks[:, None] * stride_ak + rr[None, :] * stride_ar, dap,
                               mask=k_mask[:, None] & r_mask[None, :], sem="relaxed")
+
+
+_KEY = ["T_BUCKET", "K", "D_OUT", "R_MAX"]
+_fwd_kernel = triton.autotune(configs=_FWD_CONFIGS, key=_KEY, restore_value=["y_ptr"])(_fwd_jit)
+# Stacked weights: dA/dB land in a fresh buffer per call, zeroed between tuning trials.
+_bwd_kernel = triton.autotune(configs=_BWD_CONFIGS, key=_KEY, reset_to_zero=["da_ptr", "db_ptr"],
+                              restore_value=["dx_ptr"])(_bwd_jit)
+# Arena: gradients accumulate into the caller's arena that already holds other layers' sums, so
+# tuning trials restore it instead of zeroing it (the autotuner zeroes reset_to_zero args again
+# after tuning, which would wipe them).
+_bwd_kernel_arena = triton.autotune(configs=_BWD_CONFIGS, key=_KEY,
+                                    restore_value=["dx_ptr", "da_ptr"])(_bwd_jit)
 
 
 def _meta(x: torch.Tensor, n: int, r_max: int, t: int) -> dict:
@@ -240,10 +260,11 @@ def lora_forward(x, lora_a, lora_b, scales, ranks, offsets, y, s_out=None) -> to
         return s_buf
     meta = _meta(x, n, r_max, t)
     _fwd_kernel[lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n,)](
-        x, lora_a, lora_b, y, s_buf, offsets, ranks, scales, n, d_in, d_out, r_max, meta["T_BUCKET"],
+        x, lora_a, lora_b, y, s_buf, offsets, ranks, scales, offsets, offsets,
+        n, d_in, d_out, r_max, meta["T_BUCKET"],
         x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1), s_buf.stride(0),
-        BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
+        BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"], ARENA=False,
     )
     return s_buf
 
@@ -263,13 +284,13 @@ def lora_backward(x, dy, s_buf, lora_a, lora_b, scales, ranks, offsets, dx, need
         if lora_a.stride() != da.stride() or lora_b.stride() != db.stride():
             lora_a, lora_b = lora_a.contiguous(), lora_b.contiguous()
         _bwd_kernel[lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n,)](
-            x, dy, s_buf, lora_a, lora_b, dx_arg, da, db, offsets, ranks, scales,
+            x, dy, s_buf, lora_a, lora_b, dx_arg, da, db, offsets, ranks, scales, offsets, offsets,
             n, d_in, d_out, r_max, meta["T_BUCKET"],
             x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), s_buf.stride(0),
             lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
             dx_arg.stride(0), dx_arg.stride(1),
             BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
-            COMPUTE_DX=dx is not None, COMPUTE_DA=need_a, COMPUTE_DB=need_b,
+            COMPUTE_DX=dx is not None, COMPUTE_DA=need_a, COMPUTE_DB=need_b, ARENA=False,
         )
     return flat, (da if need_a else None), (db if need_b else None)
 
@@ -320,3 +341,70 @@ def multilora_linear_triton(
     if scales.device != dev or ranks.device != dev or offsets.device != dev:
         scales, ranks, offsets = scales.to(dev), ranks.to(dev), offsets.to(dev)
     return MultiLoraLinearFn.apply(x, weight, bias, lora_a, lora_b, scales, ranks, offsets)
+
+
+# ----- arena form: every job's weights in one flat buffer, gradients accumulated in place -----
+def _arena_strides(d_in: int, d_out: int) -> tuple[int, ...]:
+    # A_i is [r_i, d_in] row-major (PEFT's lora_A), B_i^T is [r_i, d_out] row-major; the adapter
+    # stride is unused (per-adapter element offsets instead)
+    return 0, 1, d_in, 0, d_out, 1
+
+
+class MultiLoraArenaFn(torch.autograd.Function):
+    """Autograd wiring of `multilora_linear_arena` on the Triton kernels (ARENA=True)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets, r_max, token):  # noqa: D102
+        y = torch.nn.functional.linear(x, weight, bias)
+        if not y.is_contiguous():
+            y = y.contiguous()
+        t, d_in = x.shape
+        n, d_out = scales.shape[0], weight.shape[0]
+        s_buf = torch.empty((t, r_max), dtype=_acc_torch(x.dtype), device=x.device)
+        if t > 0 and n > 0:
+            meta = _meta(x, n, r_max, t)
+            san, sak, sar, sbn, sbr, sbo = _arena_strides(d_in, d_out)
+            _fwd_kernel[lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n,)](
+                x, arena, arena, y, s_buf, offsets, ranks, scales, a_off, b_off,
+                n, d_in, d_out, r_max, meta["T_BUCKET"],
+                x.stride(0), x.stride(1), san, sak, sar, sbn, sbr, sbo, y.stride(0), y.stride(1), s_buf.stride(0),
+                BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"], ARENA=True,
+            )
+        ctx.save_for_backward(x, weight, arena, a_off, b_off, scales, ranks, offsets, s_buf)
+        ctx.grad_arena, ctx.r_max = grad_arena, r_max
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        x, weight, arena, a_off, b_off, scales, ranks, offsets, s_buf = ctx.saved_tensors
+        grad_arena, r_max = ctx.grad_arena, ctx.r_max
+        dy = dy.contiguous()
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        t, d_in = x.shape
+        n, d_out = scales.shape[0], weight.shape[0]
+        if t > 0 and n > 0:
+            meta = _meta(x, n, r_max, t)
+            dx_arg = dx if dx is not None else x  # never written when COMPUTE_DX is False
+            san, sak, sar, sbn, sbr, sbo = _arena_strides(d_in, d_out)
+            _bwd_kernel_arena[lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n,)](
+                x, dy, s_buf, arena, arena, dx_arg, grad_arena, grad_arena, offsets, ranks, scales, a_off, b_off,
+                n, d_in, d_out, r_max, meta["T_BUCKET"],
+                x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), s_buf.stride(0),
+                san, sak, sar, sbn, sbr, sbo, dx_arg.stride(0), dx_arg.stride(1),
+                BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
+                COMPUTE_DX=dx is not None, COMPUTE_DA=True, COMPUTE_DB=True, ARENA=True,
+            )
+        return dx, None, None, None, None, None, None, None, None, None, None, None
+
+
+def multilora_linear_arena_triton(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets,
+                                  r_max, token) -> torch.Tensor:
+    """Triton backend of `kernels.multilora_linear_arena` (same contract)."""
+    if not (x.is_cuda or _INTERPRET):
+        raise RuntimeError("Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    if x.dtype != weight.dtype or arena.dtype != x.dtype:
+        raise ValueError("x, weight and arena must share one dtype")
+    if grad_arena.dtype != _acc_torch(x.dtype) or grad_arena.shape != arena.shape:
+        raise ValueError(f"grad_arena must be {_acc_torch(x.dtype)} of the arena's shape")
+    return MultiLoraArenaFn.apply(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets,
+                                  r_max, token)

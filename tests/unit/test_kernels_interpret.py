@@ -76,6 +76,22 @@ poison = {"s": ((s_buf - want_s).norm() / want_s.norm()).item() if torch.isfinit
           "y": ((y - want_y).norm() / want_y.norm()).item() if torch.isfinite(y).all() else float("inf")}
 out.append({"case": "poisoned S " + c.describe(), "dtype": "torch.float64", "errs": poison,
             "pad_nonzero": 0, "empty_nonzero": 0})
+# Arena form (what the engine calls): shuffled blocks with NaN gaps, gradients added to prior sums.
+from kernels import multilora_linear_arena
+from kernels.testing import run_arena
+for counts, ranks, d_in, d_out, dtype, x_grad in [
+    ([5, 0, 17, 33, 1], [8, 16, 64, 8, 16], 40, 24, torch.float32, True),
+    ([0, 0, 9, 0], [64, 8, 16, 8], 33, 17, torch.float64, False),
+    ([random.choice([0, 1, 2, 5]) for _ in range(20)], [random.choice([8, 16, 64]) for _ in range(20)],
+     20, 36, torch.float64, True),
+]:
+    c = make_case(counts, ranks, d_in, d_out, dtype=dtype)
+    got, stray = run_arena(c, multilora_linear_arena, x_grad=x_grad, backend="triton")
+    want = oracle_fp64(c)
+    if not x_grad:
+        got["dx"] = want["dx"]
+    out.append({"case": "arena " + c.describe(), "dtype": str(dtype), "errs": rel_errors(got, want),
+                "pad_nonzero": 0, "empty_nonzero": empty_adapter_grad_nonzero(got, c.offsets) + stray})
 print("RESULT" + json.dumps(out))
 """
 
@@ -92,7 +108,7 @@ def test_triton_kernels_under_interpreter(block_m: str) -> None:
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert len(results) == 8
+    assert len(results) == 11
     for r in results:
         tol = TOL[r["dtype"]]
         assert all(e <= tol for e in r["errs"].values()), f"{r['errs']} > {tol}: {r['case']}"
