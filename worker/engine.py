@@ -4,6 +4,12 @@ forward and one backward per step over all active jobs' micro-batches, per-job l
 Isolation: a job's rows never share an attention row with another job, every loss is computed
 on the job's own rows, a non-finite loss is left out of the backward objective, and a job whose
 gradient norm is non-finite skips its own update; the other jobs are untouched (bit for bit).
+
+Memory: attached jobs' weights live in one arena (each job's flat parameter is a view of its own
+region) and their gradients in one float32 gradient arena of the same layout, which the kernels
+address by per-job offsets; attach copies a job in, detach copies it out, the arena grows when
+full. A step costs no per-layer stacking, and each job's norm, clip and AdamW run
+on one tensor.
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ from worker.multilora import (
     JobAdapter,
     StepLayout,
     inject_multilora,
-    stack_adapters,
 )
 
 
@@ -167,6 +172,39 @@ class MultiLoraEngine:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         self.jobs: dict[str, JobState] = {}  # active jobs in slot order
+        self._init_arena()
+
+    # ----- arena -----------------------------------------------------------------------
+    def _init_arena(self) -> None:
+        """Empty arenas on self.device (a subclass that moves the model calls it again)."""
+        if self.jobs:
+            raise RuntimeError("the arena is reset only while no job is attached")
+        # job_id -> [lo, hi) element region; gradients in the accumulation dtype
+        self.grad_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
+        self.arena = torch.zeros(0, dtype=self.adapter_dtype, device=self.device)
+        self.grad_arena = torch.zeros(0, dtype=self.grad_dtype, device=self.device)
+        self.regions: dict[str, tuple[int, int]] = {}
+        self._token = torch.zeros((), device=self.device, requires_grad=True)
+
+    def _alloc(self, size: int) -> int:
+        """First fit among the gaps between regions, else at the end (growing the arena by at
+        least an eighth: few regrowths while jobs attach, little slack in device memory)."""
+        pos = 0
+        for lo, hi in sorted(self.regions.values()):
+            if lo - pos >= size:
+                return pos
+            pos = max(pos, hi)
+        if pos + size > self.arena.numel():
+            self._grow(max(pos + size, self.arena.numel() + self.arena.numel() // 8))
+        return pos
+
+    def _grow(self, capacity: int) -> None:
+        arena = torch.zeros(capacity, dtype=self.arena.dtype, device=self.device)
+        arena[: self.arena.numel()] = self.arena
+        self.arena = arena
+        self.grad_arena = torch.zeros(capacity, dtype=self.grad_dtype, device=self.device)
+        for job_id, (lo, hi) in self.regions.items():
+            self.jobs[job_id].adapter.flat.data = arena[lo:hi]
 
     # ----- attach / detach -------------------------------------------------------------
     def new_job(self, spec: JobSpec) -> JobState:
@@ -184,30 +222,58 @@ class MultiLoraEngine:
         state = self.new_job(job) if isinstance(job, JobSpec) else job.to(self.device)
         if state.job_id in self.jobs:
             raise ValueError(f"job {state.job_id} is already attached")
+        flat = state.adapter.flat
+        if flat.dtype != self.arena.dtype:
+            raise ValueError(f"job {state.job_id}: adapter dtype {flat.dtype} != engine's {self.arena.dtype}")
+        lo = self._alloc(flat.numel())
+        hi = lo + flat.numel()
         self.jobs[state.job_id] = state
+        self.regions[state.job_id] = (lo, hi)
+        with torch.no_grad():
+            self.arena[lo:hi].copy_(flat.data)
+        flat.data = self.arena[lo:hi]
         return state
 
     def detach(self, job_id: str, park_device: torch.device | str | None = None) -> JobState:
         """Free a job's slot; with park_device its state moves there (e.g. 'cpu')."""
         state = self.jobs.pop(job_id)
+        self.regions.pop(job_id)
+        flat = state.adapter.flat
+        flat.data = flat.data.clone()  # its own storage again; the region is free for another job
         return state.to(park_device) if park_device is not None else state
 
     # ----- one step --------------------------------------------------------------------
     def _set_layout(self, states: Sequence[JobState], token_offsets: list[int]) -> None:
+        """Point every layer at the arena for these jobs (in this order) and zero their gradient
+        sums: one host-to-device copy of all layers' offsets, no per-layer work."""
+        regions = [self.regions[s.job_id][0] for s in states]
+        adapters = [s.adapter for s in states]
+        offs = torch.tensor(
+            [[[lo + ad.a_offsets[k] for lo, ad in zip(regions, adapters, strict=True)],
+              [lo + ad.b_offsets[k] for lo, ad in zip(regions, adapters, strict=True)]]
+             for k in range(len(self.layer_list))],
+            dtype=torch.int64,
+        ).to(self.device, non_blocking=True)
+        arena = self.arena if self.arena.dtype == self.compute_dtype else self.arena.to(self.compute_dtype)
+        if torch.is_grad_enabled():
+            self.grad_arena.zero_()
         lay = StepLayout(
             offsets=torch.tensor(token_offsets, dtype=torch.int64, device=self.device),
             scales=torch.tensor([s.adapter.scaling for s in states], dtype=torch.float32, device=self.device),
             ranks=torch.tensor([s.adapter.rank for s in states], dtype=torch.int32, device=self.device),
+            arena=arena,
+            grad_arena=self.grad_arena,
+            r_max=max(ad.rank for ad in adapters),
+            token=self._token,
             backend=self.backend,
         )
-        adapters = [s.adapter for s in states]
         for k, layer in enumerate(self.layer_list):
             layer.layout = lay
-            layer.stack_a, layer.stack_b = stack_adapters(adapters, k, self.compute_dtype)
+            layer.a_off, layer.b_off = offs[k, 0], offs[k, 1]
 
     def _clear_layout(self) -> None:
         for layer in self.layer_list:
-            layer.layout = layer.stack_a = layer.stack_b = None
+            layer.layout = layer.a_off = layer.b_off = None
 
     def _hidden(self, batch: PackedBatch) -> torch.Tensor:
         out = self.model.base_model(
@@ -265,22 +331,22 @@ class MultiLoraEngine:
         return self._update(states, values, batch)
 
     def _update(self, states: Sequence[JobState], values: list[float], batch: PackedBatch) -> StepReport:
-        norms_t = []
-        for s in states:
-            grads = [p.grad for p in s.adapter.parameters() if p.grad is not None]
-            norms_t.append(
-                torch.nn.utils.get_total_norm(grads).float().to(self.device) if grads
-                else torch.tensor(math.nan, device=self.device)
-            )
-        norms = torch.stack(norms_t).tolist()
+        regions = [self.regions[s.job_id] for s in states]
+        norms = torch.stack(
+            [torch.linalg.vector_norm(self.grad_arena[lo:hi]) for lo, hi in regions]
+        ).tolist()  # one device sync for every job's gradient norm
         report = StepReport({}, {}, {}, {}, batch.real_tokens, batch.padded_fraction)
-        for s, v, norm in zip(states, values, norms, strict=True):
-            params = list(s.adapter.parameters())
+        for s, v, norm, (lo, hi) in zip(states, values, norms, regions, strict=True):
+            flat = s.adapter.flat
             skip = not (math.isfinite(v) and math.isfinite(norm))
             report.lrs[s.job_id] = s.optimizer.param_groups[0]["lr"]
             if not skip:
+                g = self.grad_arena[lo:hi]
                 if s.spec.max_grad_norm is not None:
-                    torch.nn.utils.clip_grads_with_norm_(params, s.spec.max_grad_norm, torch.tensor(norm))
+                    coef = min(1.0, s.spec.max_grad_norm / (norm + 1e-6))  # clip_grads_with_norm_'s rule
+                    if coef < 1.0:
+                        g.mul_(coef)
+                flat.grad = g if g.dtype == flat.dtype else g.to(flat.dtype)
                 s.optimizer.step()
             else:
                 s.skipped_steps += 1

@@ -1,9 +1,11 @@
 """Model surgery for multi-LoRA training: target linears become MultiLoraLinear layers that add
 every co-resident job's LoRA path to one shared frozen base matmul (kernels.multilora_linear).
 
-Each job owns a JobAdapter: exact-rank nn.Parameters per target layer in PEFT's layout
-(lora_A [r, d_in], lora_B [d_out, r]) initialised as PEFT does. Per step the engine stacks the
-active jobs' adapters into [N, d_in, r_max] / [N, r_max, d_out] (padding in the weights only).
+Each job owns a JobAdapter: one flat exact-rank nn.Parameter holding every target layer's
+lora_A and lora_B^T, initialised as PEFT does. While a job is attached, that parameter is a view
+of the engine's arena (one buffer for all attached jobs), and each layer reads its adapters at
+per-job offsets: nothing is stacked, padded or copied per step, and backward adds the weight
+gradients straight into the engine's gradient arena (kernels.multilora_linear_arena).
 """
 
 from __future__ import annotations
@@ -15,24 +17,29 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import multilora_linear
+from kernels import multilora_linear_arena
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
 class StepLayout:
-    """What every MultiLoraLinear needs for the current forward: token offsets per slot and the
-    per-slot scaling/rank vectors (shared by all layers)."""
+    """What every MultiLoraLinear needs for the current forward (shared by all layers): token
+    offsets per slot, per-slot scaling and rank, and the engine's adapter arenas."""
 
-    offsets: torch.Tensor  # [N+1] int64, token rows per active job
-    scales: torch.Tensor   # [N] float32
-    ranks: torch.Tensor    # [N] int32
+    offsets: torch.Tensor      # [N+1] int64, token rows per active job
+    scales: torch.Tensor       # [N] float32
+    ranks: torch.Tensor        # [N] int32
+    arena: torch.Tensor        # [P] every attached job's weights, in the compute dtype
+    grad_arena: torch.Tensor   # [P] float32 (float64 for float64): backward adds gradients here
+    r_max: int
+    token: torch.Tensor        # scalar that requires grad: makes backward reach every layer
     backend: str = "auto"
 
 
 class MultiLoraLinear(nn.Module):
-    """A frozen nn.Linear plus the stacked LoRA adapters of the active jobs for this step."""
+    """A frozen nn.Linear plus the LoRA paths of the active jobs for this step, read from the
+    engine's arena at this layer's per-job offsets (`a_off`, `b_off`, set per step)."""
 
     def __init__(self, base: nn.Linear, name: str) -> None:
         super().__init__()
@@ -41,8 +48,8 @@ class MultiLoraLinear(nn.Module):
         self.in_features = base.in_features
         self.out_features = base.out_features
         self.layout: StepLayout | None = None
-        self.stack_a: torch.Tensor | None = None
-        self.stack_b: torch.Tensor | None = None
+        self.a_off: torch.Tensor | None = None
+        self.b_off: torch.Tensor | None = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -53,13 +60,14 @@ class MultiLoraLinear(nn.Module):
         return self.base.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layout is None or self.stack_a is None:
+        lay = self.layout
+        if lay is None or self.a_off is None:
             return self.base(x)
         shape = x.shape
-        lay = self.layout
-        y = multilora_linear(
-            x.reshape(-1, shape[-1]), self.base.weight, self.base.bias, self.stack_a, self.stack_b,
-            lay.scales, lay.ranks, lay.offsets, backend=lay.backend,
+        y = multilora_linear_arena(
+            x.reshape(-1, shape[-1]), self.base.weight, self.base.bias, lay.arena, lay.grad_arena,
+            self.a_off, self.b_off, lay.scales, lay.ranks, lay.offsets, lay.r_max, lay.token,
+            backend=lay.backend,
         )
         return y.reshape(*shape[:-1], self.out_features)
 
@@ -90,8 +98,13 @@ def inject_multilora(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS)
 
 
 class JobAdapter(nn.Module):
-    """One job's LoRA weights for every target layer, in PEFT's layout and init.
+    """One job's LoRA weights for every target layer in ONE flat parameter, PEFT's init.
 
+    Layout of `flat`, layer by layer in module order: A [r, d_in] (PEFT's lora_A) then
+    B^T [r, d_out] (PEFT's lora_B, transposed), row-major. One tensor per job keeps the
+    optimizer, the gradient norm and the clipping at one kernel each, and lets the engine keep
+    every attached job's weights in one arena that the kernels address by offsets (no per-step
+    stacking). `lora_a[k]` / `lora_b[k]` are views in PEFT's shapes.
     Init (PEFT's default): A ~ kaiming_uniform(a=sqrt(5)) drawn from a generator seeded with the
     job's seed, layer by layer in module order; B = 0. Scaling alpha/r (or alpha/sqrt(r) rsLoRA).
     """
@@ -108,25 +121,53 @@ class JobAdapter(nn.Module):
         self.scaling = self.alpha / (math.sqrt(rank) if use_rslora else rank)
         self.use_rslora = use_rslora
         self.names = list(shapes)
+        self.shapes = [shapes[n] for n in self.names]
+        self.a_offsets: list[int] = []
+        self.b_offsets: list[int] = []
+        pos = 0
+        for d_in, d_out in self.shapes:
+            self.a_offsets.append(pos)
+            pos += rank * d_in
+            self.b_offsets.append(pos)
+            pos += rank * d_out
+        flat = torch.zeros(pos, dtype=torch.float32)
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        self.lora_a = nn.ParameterList()
-        self.lora_b = nn.ParameterList()
-        for name in self.names:
-            d_in, d_out = shapes[name]
-            a = torch.empty(rank, d_in, dtype=torch.float32)
+        for (d_in, _), lo in zip(self.shapes, self.a_offsets, strict=True):
+            a = flat[lo : lo + rank * d_in].view(rank, d_in)
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
-            self.lora_a.append(nn.Parameter(a.to(device=device, dtype=dtype)))
-            self.lora_b.append(nn.Parameter(torch.zeros(d_out, rank, dtype=dtype, device=device)))
+        self.flat = nn.Parameter(flat.to(device=device, dtype=dtype))
 
-    def pairs(self) -> Iterable[tuple[str, nn.Parameter, nn.Parameter]]:
+    def _a_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        r = self.rank
+        return [flat[lo : lo + r * d_in].view(r, d_in) for (d_in, _), lo in zip(self.shapes, self.a_offsets, strict=True)]
+
+    def _b_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        r = self.rank
+        return [flat[lo : lo + r * d_out].view(r, d_out).t()
+                for (_, d_out), lo in zip(self.shapes, self.b_offsets, strict=True)]
+
+    @property
+    def lora_a(self) -> list[torch.Tensor]:
+        """Per layer, A [r, d_in] (a view of `flat`)."""
+        return self._a_views(self.flat)
+
+    @property
+    def lora_b(self) -> list[torch.Tensor]:
+        """Per layer, B [d_out, r] (a transposed view of `flat`)."""
+        return self._b_views(self.flat)
+
+    def pairs(self) -> Iterable[tuple[str, torch.Tensor, torch.Tensor]]:
         return zip(self.names, self.lora_a, self.lora_b, strict=True)
 
-    def peft_state_dict(self, prefix: str = "base_model.model.") -> dict[str, torch.Tensor]:
-        """Weights under PEFT's saved key names (adapter name stripped)."""
+    def peft_state_dict(self, prefix: str = "base_model.model.", flat: torch.Tensor | None = None
+                        ) -> dict[str, torch.Tensor]:
+        """Weights under PEFT's saved key names (adapter name stripped), as views of `flat`; pass
+        another tensor of its layout (e.g. `self.flat.grad`) to name that one's parts."""
+        src = (self.flat if flat is None else flat).detach()
         out = {}
-        for name, a, b in self.pairs():
-            out[f"{prefix}{name}.lora_A.weight"] = a.detach()
-            out[f"{prefix}{name}.lora_B.weight"] = b.detach()
+        for name, a, b in zip(self.names, self._a_views(src), self._b_views(src), strict=True):
+            out[f"{prefix}{name}.lora_A.weight"] = a
+            out[f"{prefix}{name}.lora_B.weight"] = b
         return out
 
     def load_peft_state_dict(self, state: dict[str, torch.Tensor], prefix: str = "base_model.model.") -> None:
@@ -134,22 +175,3 @@ class JobAdapter(nn.Module):
             for name, a, b in self.pairs():
                 a.copy_(state[f"{prefix}{name}.lora_A.weight"])
                 b.copy_(state[f"{prefix}{name}.lora_B.weight"])
-
-
-def stack_adapters(
-    adapters: list[JobAdapter], index: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack layer `index` of the given adapters into [N, d_in, r_max] and [N, r_max, d_out],
-    zero-padding ranks (differentiable back to each job's own parameters)."""
-    r_max = max(ad.rank for ad in adapters)
-    a_list, b_list = [], []
-    for ad in adapters:
-        a = ad.lora_a[index].to(dtype).t()
-        b = ad.lora_b[index].to(dtype).t()
-        pad = r_max - ad.rank
-        if pad:
-            a = nn.functional.pad(a, (0, pad))
-            b = nn.functional.pad(b, (0, 0, 0, pad))
-        a_list.append(a)
-        b_list.append(b)
-    return torch.stack(a_list), torch.stack(b_list)

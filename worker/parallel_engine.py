@@ -99,6 +99,7 @@ class ParallelEngine(MultiLoraEngine):
         super().__init__(model, train_examples, pad_id, **engine_kw)
         shard_backbone(model, mesh, device, prefetch)
         self.device = torch.device(device)
+        self._init_arena()  # the adapters' arena on this rank's device, not the unsharded model's
 
     def step(self) -> StepReport:
         """MultiLoraEngine.step, except that the backward always runs: when every job's loss is

@@ -122,8 +122,7 @@ def capture_grads(eng: DpoEngine) -> dict[str, dict[str, torch.Tensor]]:
         orig = s.optimizer.step
 
         def step(*a, _s=s, _orig=orig, **k):  # noqa: ANN002, ANN003, ANN202
-            out[_s.job_id] = {f"base_model.model.{n}.lora_{w}.weight": t.grad.detach().clone()
-                              for n, a_, b_ in _s.adapter.pairs() for w, t in (("A", a_), ("B", b_))}
+            out[_s.job_id] = {k: v.clone() for k, v in _s.adapter.peft_state_dict(flat=_s.adapter.flat.grad).items()}
             return _orig(*a, **k)
 
         s.optimizer.step = step
