@@ -199,6 +199,8 @@ class MultiLoraEngine:
         return pos
 
     def _grow(self, capacity: int) -> None:
+        # the gradient sums are dead between steps: free them before allocating anything
+        self.grad_arena = self.grad_arena.new_zeros(0)
         arena = torch.zeros(capacity, dtype=self.arena.dtype, device=self.device)
         arena[: self.arena.numel()] = self.arena
         self.arena = arena
