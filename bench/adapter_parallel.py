@@ -165,34 +165,34 @@ def sharded_phase(c: Ctx, out: dict) -> None:
             out["a"][(seq, b)] = (t, {f"a{i}": first.losses[f"a{i}"] for i in mine}, c.peak_gib())
             for j in list(eng.jobs):
                 eng.detach(j)
-            # (b) data parallelism: adapter after adapter, its batch split over the ranks
-            states = [eng.new_job(spec(i, b)) for i in range(ADAPTERS)]
+            # (b) data parallelism: adapter after adapter, its batch split over the ranks. All 8
+            # live in the engine's arena; each round runs the backbone for one adapter only and
+            # all-reduces that adapter's gradient (its region of the gradient arena).
+            states = [eng.attach(spec(i, b)) for i in range(ADAPTERS)]
             firsts: dict[str, float] = {}
             c.reset_peak()
 
             def dp_round(states=states, firsts=firsts, b=b) -> None:  # noqa: ANN001
                 for s in states:
                     idx = s.stream.next_indices(b)[rank::world]
-                    params = list(s.adapter.parameters())
+                    lo, hi = eng.regions[s.job_id]
                     if idx:
                         rows = [eng.train_examples[k] for k in idx]
                         try:
-                            _, sums, counts = eng._forward_losses([s], [rows])
+                            _, sums, counts = eng._forward_losses([s], [rows])  # zeroes the grad arena
                             loss = sums[0] / max(counts[0], 1)
                             loss.backward()
                         finally:
                             eng._clear_layout()
                         firsts.setdefault(s.job_id, float(loss.detach()))
                     else:  # nothing real to do: join the all-gathers with the idle pass
+                        eng.grad_arena[lo:hi].zero_()
                         eng.idle_step()
-                    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                                      for p in params])
-                    dist.all_reduce(flat)
-                    flat /= world
-                    off = 0
-                    for p in params:
-                        p.grad = flat[off : off + p.numel()].view_as(p)
-                        off += p.numel()
+                    grad = eng.grad_arena[lo:hi]
+                    dist.all_reduce(grad)
+                    grad /= world
+                    flat = s.adapter.flat
+                    flat.grad = grad.to(flat.dtype)
                     s.optimizer.step()
                     s.optimizer.zero_grad(set_to_none=True)
                     s.scheduler.step()
@@ -200,6 +200,8 @@ def sharded_phase(c: Ctx, out: dict) -> None:
 
             t, _ = timed(dp_round, args.warmup_b, args.iters_b, c.sync)
             out["b"][(seq, b)] = (t, dict(firsts) if b == 1 and rank == 0 else {}, c.peak_gib())
+            for j in list(eng.jobs):
+                eng.detach(j)
             states.clear()
             if c.cuda:
                 torch.cuda.empty_cache()
