@@ -20,6 +20,14 @@ def rank_mask(ranks: torch.Tensor, r_max: int) -> torch.Tensor:
     return cols[None, :] < ranks.to(cols.device, torch.int64)[:, None]
 
 
+def _row_bounds(offsets: torch.Tensor, t: int) -> list[int]:
+    """offsets as host ints, checked: start at 0, end at T, nondecreasing (the one host sync)."""
+    bounds = [int(v) for v in offsets.tolist()]
+    if bounds[0] != 0 or bounds[-1] != t or any(lo > hi for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)):
+        raise ValueError(f"offsets must start at 0, end at T={t} and be nondecreasing, got {bounds}")
+    return bounds
+
+
 def multilora_linear_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -49,9 +57,7 @@ def multilora_linear_reference(
     a = torch.where(mask[:, None, :], lora_a, torch.zeros((), dtype=lora_a.dtype, device=lora_a.device))
     b = torch.where(mask[:, :, None], lora_b, torch.zeros((), dtype=lora_b.dtype, device=lora_b.device))
     base = torch.nn.functional.linear(x, weight, bias).to(acc)
-    bounds = [int(v) for v in offsets.tolist()]
-    if bounds[0] != 0 or bounds[-1] != t or any(lo > hi for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)):
-        raise ValueError(f"offsets must start at 0, end at T={t} and be nondecreasing, got {bounds}")
+    bounds = _row_bounds(offsets, t)
     s = scales.to(acc)
     pieces = []
     for i in range(n):
@@ -107,9 +113,7 @@ class _ArenaReferenceFn(torch.autograd.Function):
 def _arena_blocks(x, weight, arena, a_off, b_off, scales, ranks, offsets, acc):  # noqa: ANN001, ANN202
     """(row lo, row hi, A [r, d_in], B^T [r, d_out], scale, A offset, B^T offset) per adapter, in order."""
     d_in, d_out = x.shape[1], weight.shape[0]
-    bounds = [int(v) for v in offsets.tolist()]
-    if bounds[0] != 0 or bounds[-1] != x.shape[0] or any(lo > hi for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)):
-        raise ValueError(f"offsets must start at 0, end at T={x.shape[0]} and be nondecreasing, got {bounds}")
+    bounds = _row_bounds(offsets, x.shape[0])
     for i, (ao, bo, r, s) in enumerate(zip(a_off.tolist(), b_off.tolist(), ranks.tolist(), scales.tolist(), strict=True)):
         a = arena[ao : ao + r * d_in].view(r, d_in).to(acc)
         bt = arena[bo : bo + r * d_out].view(r, d_out).to(acc)

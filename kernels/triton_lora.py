@@ -247,51 +247,70 @@ def _check(x, weight, bias, lora_a, lora_b, scales, ranks, offsets) -> None:
         raise RuntimeError("Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
 
 
+def _launch_fwd(x, a, b, y, s_buf, offsets, ranks, scales, n, d_out, r_max, w_strides, arena_offs) -> None:
+    """One `_fwd_kernel` launch (T > 0). w_strides: A's (n, k, r) then B's (n, r, o) strides;
+    arena_offs: None for stacked weights, else the (a_off, b_off) element offsets of the arena."""
+    t, d_in = x.shape
+    meta = _meta(x, n, r_max, t)
+    aoff, boff = arena_offs if arena_offs is not None else (offsets, offsets)  # unread when stacked
+    _fwd_kernel[lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n,)](
+        x, a, b, y, s_buf, offsets, ranks, scales, aoff, boff,
+        n, d_in, d_out, r_max, meta["T_BUCKET"],
+        x.stride(0), x.stride(1), *w_strides, y.stride(0), y.stride(1), s_buf.stride(0),
+        BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
+        ARENA=arena_offs is not None,
+    )
+
+
+def _launch_bwd(x, dy, s_buf, a, b, dx, da, db, offsets, ranks, scales, n, d_out, r_max, w_strides, arena_offs,
+                need_a: bool, need_b: bool) -> None:
+    """One backward launch (T > 0): `_bwd_kernel` for stacked weights (dA/dB into a fresh buffer),
+    `_bwd_kernel_arena` for an arena (dA/dB added into the gradient arena at its offsets)."""
+    t, d_in = x.shape
+    meta = _meta(x, n, r_max, t)
+    dx_arg = dx if dx is not None else x  # never written when COMPUTE_DX is False
+    kernel = _bwd_kernel if arena_offs is None else _bwd_kernel_arena
+    aoff, boff = arena_offs if arena_offs is not None else (offsets, offsets)  # unread when stacked
+    kernel[lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n,)](
+        x, dy, s_buf, a, b, dx_arg, da, db, offsets, ranks, scales, aoff, boff,
+        n, d_in, d_out, r_max, meta["T_BUCKET"],
+        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), s_buf.stride(0),
+        *w_strides, dx_arg.stride(0), dx_arg.stride(1),
+        BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
+        COMPUTE_DX=dx is not None, COMPUTE_DA=need_a, COMPUTE_DB=need_b, ARENA=arena_offs is not None,
+    )
+
+
 def lora_forward(x, lora_a, lora_b, scales, ranks, offsets, y, s_out=None) -> torch.Tensor:
     """Add s_i (X_i A_i) B_i into y in place; return the shrink S [T, r_max] (acc dtype) for backward.
 
     Every row of S is written (the buffer may be uninitialised; pass `s_out` to reuse one).
     """
-    t, d_in = x.shape
+    t = x.shape[0]
     n, _, r_max = lora_a.shape
     d_out = lora_b.shape[2]
     s_buf = s_out if s_out is not None else torch.empty((t, r_max), dtype=_acc_torch(x.dtype), device=x.device)
     if t == 0:
         return s_buf
-    meta = _meta(x, n, r_max, t)
-    _fwd_kernel[lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n,)](
-        x, lora_a, lora_b, y, s_buf, offsets, ranks, scales, offsets, offsets,
-        n, d_in, d_out, r_max, meta["T_BUCKET"],
-        x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1), s_buf.stride(0),
-        BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"], ARENA=False,
-    )
+    _launch_fwd(x, lora_a, lora_b, y, s_buf, offsets, ranks, scales, n, d_out, r_max,
+                lora_a.stride() + lora_b.stride(), None)
     return s_buf
 
 
 def lora_backward(x, dy, s_buf, lora_a, lora_b, scales, ranks, offsets, dx, need_a: bool, need_b: bool):
     """Grouped backward: adds dS A^T into dx (if given); returns (dA, dB) as views of one acc buffer."""
-    t, d_in = x.shape
+    t = x.shape[0]
     n, _, r_max = lora_a.shape
     d_out = lora_b.shape[2]
     n_a = lora_a.numel()
     flat = torch.zeros(n_a + lora_b.numel(), dtype=_acc_torch(x.dtype), device=x.device)
     da, db = flat[:n_a].view(lora_a.shape), flat[n_a:].view(lora_b.shape)
     if t > 0 and (dx is not None or need_a or need_b):
-        meta = _meta(x, n, r_max, t)
-        dx_arg = dx if dx is not None else x  # never written when COMPUTE_DX is False
         # da/db use lora_a/lora_b's strides: make them contiguous-compatible views of `flat`.
         if lora_a.stride() != da.stride() or lora_b.stride() != db.stride():
             lora_a, lora_b = lora_a.contiguous(), lora_b.contiguous()
-        _bwd_kernel[lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n,)](
-            x, dy, s_buf, lora_a, lora_b, dx_arg, da, db, offsets, ranks, scales, offsets, offsets,
-            n, d_in, d_out, r_max, meta["T_BUCKET"],
-            x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), s_buf.stride(0),
-            lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-            dx_arg.stride(0), dx_arg.stride(1),
-            BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
-            COMPUTE_DX=dx is not None, COMPUTE_DA=need_a, COMPUTE_DB=need_b, ARENA=False,
-        )
+        _launch_bwd(x, dy, s_buf, lora_a, lora_b, dx, da, db, offsets, ranks, scales, n, d_out, r_max,
+                    lora_a.stride() + lora_b.stride(), None, need_a, need_b)
     return flat, (da if need_a else None), (db if need_b else None)
 
 
@@ -362,14 +381,8 @@ class MultiLoraArenaFn(torch.autograd.Function):
         n, d_out = scales.shape[0], weight.shape[0]
         s_buf = torch.empty((t, r_max), dtype=_acc_torch(x.dtype), device=x.device)
         if t > 0 and n > 0:
-            meta = _meta(x, n, r_max, t)
-            san, sak, sar, sbn, sbr, sbo = _arena_strides(d_in, d_out)
-            _fwd_kernel[lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n,)](
-                x, arena, arena, y, s_buf, offsets, ranks, scales, a_off, b_off,
-                n, d_in, d_out, r_max, meta["T_BUCKET"],
-                x.stride(0), x.stride(1), san, sak, sar, sbn, sbr, sbo, y.stride(0), y.stride(1), s_buf.stride(0),
-                BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"], ARENA=True,
-            )
+            _launch_fwd(x, arena, arena, y, s_buf, offsets, ranks, scales, n, d_out, r_max,
+                        _arena_strides(d_in, d_out), (a_off, b_off))
         ctx.save_for_backward(x, weight, arena, a_off, b_off, scales, ranks, offsets, s_buf)
         ctx.grad_arena, ctx.r_max = grad_arena, r_max
         return y
@@ -383,17 +396,8 @@ class MultiLoraArenaFn(torch.autograd.Function):
         t, d_in = x.shape
         n, d_out = scales.shape[0], weight.shape[0]
         if t > 0 and n > 0:
-            meta = _meta(x, n, r_max, t)
-            dx_arg = dx if dx is not None else x  # never written when COMPUTE_DX is False
-            san, sak, sar, sbn, sbr, sbo = _arena_strides(d_in, d_out)
-            _bwd_kernel_arena[lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n,)](
-                x, dy, s_buf, arena, arena, dx_arg, grad_arena, grad_arena, offsets, ranks, scales, a_off, b_off,
-                n, d_in, d_out, r_max, meta["T_BUCKET"],
-                x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), s_buf.stride(0),
-                san, sak, sar, sbn, sbr, sbo, dx_arg.stride(0), dx_arg.stride(1),
-                BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
-                COMPUTE_DX=dx is not None, COMPUTE_DA=True, COMPUTE_DB=True, ARENA=True,
-            )
+            _launch_bwd(x, dy, s_buf, arena, arena, dx, grad_arena, grad_arena, offsets, ranks, scales, n, d_out,
+                        r_max, _arena_strides(d_in, d_out), (a_off, b_off), True, True)
         return dx, None, None, None, None, None, None, None, None, None, None, None
 
 
