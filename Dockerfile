@@ -6,6 +6,7 @@ WORKDIR /app
 COPY pyproject.toml README.md alembic.ini openapi.yaml ./
 COPY service ./service
 COPY worker ./worker
+COPY trainer ./trainer
 COPY kernels ./kernels
 COPY migrations ./migrations
 

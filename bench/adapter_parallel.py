@@ -73,14 +73,14 @@ def init_weights(model, device: torch.device, rank: int, world: int) -> None:  #
 
 
 def examples_of(seq: int, vocab: int, n: int = 64) -> list:
-    from worker.data import Example
+    from trainer.data import Example
 
     g = torch.Generator().manual_seed(seq)
     return [Example(tuple(r), tuple(r)) for r in torch.randint(8, vocab, (n, seq), generator=g).tolist()]
 
 
 def spec(i: int, batch: int):  # noqa: ANN201
-    from worker.engine import JobSpec
+    from trainer.engine import JobSpec
 
     return JobSpec(f"a{i}", rank=RANK, alpha=ALPHA, lr=1e-4, batch_size=batch, max_steps=100_000, seed=i)
 
@@ -133,7 +133,7 @@ def sharded_phase(c: Ctx, out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from worker.parallel_engine import ParallelEngine, decoder_layers
+    from trainer.parallel_engine import ParallelEngine, decoder_layers
 
     args, dist, rank, world = c.args, c.dist, c.rank, c.world
     with torch.device("meta"):
@@ -211,7 +211,7 @@ def single_phase(c: Ctx, out: dict) -> None:
     """(c) the whole model on this rank's GPU, all 8 adapters; configurations dealt over ranks."""
     from transformers import AutoModelForCausalLM
 
-    from worker.engine import MultiLoraEngine
+    from trainer.engine import MultiLoraEngine
 
     args = c.args
     configs = [(seq, b) for seq in args.seqs for b in args.batches]
@@ -240,7 +240,7 @@ def single_phase(c: Ctx, out: dict) -> None:
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None:  # noqa: ANN001
     import gc
 
-    from worker.parallel import init_rank
+    from trainer.parallel import init_rank
 
     c = Ctx(rank, world, init_rank(rank, world, port), args)
     out: dict = {"rank": rank, "a": {}, "b": {}, "c": {}, "ag": None}
@@ -327,7 +327,7 @@ def main() -> None:
         os.environ.setdefault(k, v)
     import torch.multiprocessing as mp
 
-    from worker.parallel import free_port
+    from trainer.parallel import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

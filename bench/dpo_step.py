@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_step import llama8b_config  # noqa: E402
-from worker.data import IGNORE, Example, PairExample  # noqa: E402
-from worker.dpo import DpoEngine  # noqa: E402
-from worker.engine import JobSpec  # noqa: E402
+from trainer.data import IGNORE, Example, PairExample  # noqa: E402
+from trainer.dpo import DpoEngine  # noqa: E402
+from trainer.engine import JobSpec  # noqa: E402
 
 N_JOBS = 8
 RANKS = (16, 32, 64)
@@ -103,7 +103,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     if args.smoke:
-        from worker.tiny import tiny_config
+        from trainer.tiny import tiny_config
 
         dev, dtype, cfg = torch.device("cpu"), torch.float32, tiny_config("llama", 512)
         prompt = response = 16

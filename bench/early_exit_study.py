@@ -6,7 +6,7 @@ addition (full parameters), then frozen; the LoRA task is 3-digit addition with 
 least-significant digit first, on a small training set (several epochs, so overfitting happens)
 and a held-out validation set. Loss is on answer tokens only.
 
-Jobs train on worker/engine.py's MultiLoraEngine (all co-resident jobs in one forward/backward),
+Jobs train on trainer/engine.py's MultiLoraEngine (all co-resident jobs in one forward/backward),
 each with its own seed (adapter init, data order), so a job's curve does not depend on which jobs
 share the device: (b)'s curves are compared with the prefixes of (a)'s, and a replay of the
 policy on (a)'s curves must reproduce (b); the replay then also scores other warmup settings.
@@ -18,7 +18,6 @@ policy on (a)'s curves must reproduce (b); the replay then also scores other war
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import math
@@ -33,16 +32,16 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.admission import AdmissionController, fit_memory_model, profile_memory  # noqa: E402
-from worker.data import IGNORE, Example  # noqa: E402
-from worker.early_exit import (  # noqa: E402
-    EarlyExitConfig,
+from service.protocol import EarlyExitSettings  # noqa: E402
+from trainer.admission import AdmissionController, fit_memory_model, profile_memory  # noqa: E402
+from trainer.data import IGNORE, Example  # noqa: E402
+from trainer.early_exit import (  # noqa: E402
     JobMonitor,
     WarmupRanking,
     warmup_ranking,
     warmup_steps,
 )
-from worker.engine import JobSpec, JobState, MultiLoraEngine  # noqa: E402
+from trainer.engine import JobSpec, JobState, MultiLoraEngine  # noqa: E402
 
 VOCAB = list("0123456789+=") + ["<pad>", "<bos>", "<eos>"]
 TOK = {c: i for i, c in enumerate(VOCAB)}
@@ -172,13 +171,13 @@ def make_plans(size: Size, n_train: int) -> list[Plan]:
         evals = set(range(every, total + 1, every)) | {total}
         evals |= {warmup_steps(total, f) for f in WARMUPS}
         plans.append(Plan(f"lr{lr:g}-r{rank}-b{batch}", lr, rank, batch, 1000 + i, total,
-                          warmup_steps(total, EarlyExitConfig().warmup_fraction), every,
+                          warmup_steps(total, EarlyExitSettings().warmup_fraction), every,
                           frozenset(evals)))
     return plans
 
 
 def run_grid(engine: MultiLoraEngine, plans: list[Plan], val: list[Example], epochs: int,
-             cfg: EarlyExitConfig, budget: int, events: list[dict]) -> dict[str, Outcome]:
+             cfg: EarlyExitSettings, budget: int, events: list[dict]) -> dict[str, Outcome]:
     """Train every plan on the engine to completion or exit, under a budget of co-resident
     sequences (the CPU form of admission; the policy is the one the executor runs).
 
@@ -193,7 +192,7 @@ def run_grid(engine: MultiLoraEngine, plans: list[Plan], val: list[Example], epo
     monitors = {p.job_id: JobMonitor(cfg) for p in plans}
     pending = [engine.new_job(p.spec(epochs)) for p in plans]
     parked: dict[str, JobState] = {}
-    ranking = WarmupRanking(list(plan), cfg.keep_ratio) if cfg.enabled else None
+    ranking = WarmupRanking(list(plan), cfg.keep_fraction) if cfg.enabled else None
 
     def running() -> list[JobState]:
         return list(engine.jobs.values())
@@ -261,7 +260,7 @@ def run_grid(engine: MultiLoraEngine, plans: list[Plan], val: list[Example], epo
     return out
 
 
-def replay(plans: list[Plan], full: dict[str, Outcome], cfg: EarlyExitConfig,
+def replay(plans: list[Plan], full: dict[str, Outcome], cfg: EarlyExitSettings,
            per_eval_slope: bool = False) -> dict[str, Outcome]:
     """The policy of `run_grid` applied to (a)'s recorded curves (valid because a job's curve does
     not depend on its co-residents, which the real (b) run checks); for other settings.
@@ -275,7 +274,7 @@ def replay(plans: list[Plan], full: dict[str, Outcome], cfg: EarlyExitConfig,
     for p in plans:
         job_cfg = cfg
         if per_eval_slope:
-            job_cfg = dataclasses.replace(cfg, tau_slope=cfg.tau_slope / p.eval_every)
+            job_cfg = cfg.model_copy(update={"tau_slope": cfg.tau_slope / p.eval_every})
         a, mon, o = full[p.job_id], JobMonitor(job_cfg), Outcome()
         monitors[p.job_id] = mon
         vals = dict(a.curve)
@@ -294,7 +293,7 @@ def replay(plans: list[Plan], full: dict[str, Outcome], cfg: EarlyExitConfig,
                 reached[p.job_id] = vals[step]
                 break
     totals = {p.job_id: p.total_steps for p in plans}
-    _, evict = warmup_ranking(reached, cfg.keep_ratio)
+    _, evict = warmup_ranking(reached, cfg.keep_fraction)
     for job_id in evict:
         if res[job_id].steps < totals[job_id]:
             res[job_id].state, res[job_id].exit_reason = "exited", "underperforming"
@@ -393,7 +392,7 @@ def summarize(plans: list[Plan], a: dict[str, Outcome], b: dict[str, Outcome],
     }
 
 
-def replay_lines(plans: list[Plan], a: dict[str, Outcome], cfg: EarlyExitConfig) -> list[str]:
+def replay_lines(plans: list[Plan], a: dict[str, Outcome], cfg: EarlyExitSettings) -> list[str]:
     """The replay section: other warmup/keep settings, and the per-evaluation slope reading."""
     lines = [
         "Other settings, by replaying the policy on (a)'s curves (exact up to the deviation above):",
@@ -405,14 +404,14 @@ def replay_lines(plans: list[Plan], a: dict[str, Outcome], cfg: EarlyExitConfig)
         wrho = spearman([dict(a[p.job_id].curve)[warmup_steps(p.total_steps, wf)] for p in plans],
                         [a[p.job_id].curve[-1][1] for p in plans])
         for kr in (0.25, 0.5):
-            rcfg = EarlyExitConfig(warmup_fraction=wf, keep_ratio=kr)
+            rcfg = EarlyExitSettings(warmup_fraction=wf, keep_fraction=kr)
             r = summarize(plans, a, replay(plans, a, rcfg), wf)
             lines.append(f"| {wf} | {kr} | {r['saved']:.3f} | {r['ratio']:.4f} | "
                          f"{'yes' if r['survived'] else 'no'} | {wrho:.3f} |")
     lines += ["", "Detector exits (diverging/overfitting) when replaying (a) with no warmup ranking "
               "(keep_ratio 1), by slope normalisation:", ""]
     for label, per_eval in (("per step (JobMonitor)", False), ("per evaluation point", True)):
-        rep = replay(plans, a, dataclasses.replace(cfg, keep_ratio=1.0), per_eval_slope=per_eval)
+        rep = replay(plans, a, cfg.model_copy(update={"keep_fraction": 1.0}), per_eval_slope=per_eval)
         totals = {p.job_id: p.total_steps for p in plans}
         exits = [f"{k} {o.exit_reason} at step {o.steps} of {totals[k]}"
                  for k, o in rep.items() if o.exit_reason in ("diverging", "overfitting")]
@@ -430,7 +429,7 @@ def reanalyze(path: Path, size: Size) -> None:
         curve = [(int(st), float(v)) for st, v in d["a"][p.job_id]]
         a[p.job_id] = Outcome(p.total_steps, p.total_steps * p.batch_size, d["train_a"][p.job_id],
                               curve, "completed")
-    print("\n".join(replay_lines(plans, a, EarlyExitConfig())))
+    print("\n".join(replay_lines(plans, a, EarlyExitSettings())))
 
 
 def main() -> None:
@@ -454,12 +453,12 @@ def main() -> None:
     # autotuning on each new (tokens, rank) shape would only add noise to the wall times.
     engine = MultiLoraEngine(model, train, PAD, gradient_checkpointing=False, backend="torch")
     t_pre = time.perf_counter() - t0
-    cfg = EarlyExitConfig()
+    cfg = EarlyExitSettings()
     plans = make_plans(size, len(train))
 
     runs: dict[str, dict[str, Outcome]] = {}
     times, events = {}, []
-    for name, c in (("a", EarlyExitConfig(enabled=False)), ("b", cfg)):
+    for name, c in (("a", EarlyExitSettings(enabled=False)), ("b", cfg)):
         t = time.perf_counter()
         runs[name] = run_grid(engine, plans, val, size.epochs, c, size.concurrent_batch,
                               events if name == "b" else [])
@@ -499,7 +498,7 @@ def main() -> None:
         f"{size.pretrain_steps} steps on 1-2 digit addition, then frozen (hidden {size.hidden}, "
         f"{size.layers} layers). LoRA task: 3-digit addition with the answer reversed, "
         f"{size.n_train} train / {size.n_val} validation problems, {size.epochs} epochs, loss on "
-        f"answer tokens. Trained by worker/engine.py (MultiLoraEngine: one batched forward/backward "
+        f"answer tokens. Trained by trainer/engine.py (MultiLoraEngine: one batched forward/backward "
         f"for all co-resident jobs), per-job AdamW, linear decay, lora_alpha 16, all 7 projections.",
         f"Grid: {len(plans)} jobs = lr {list(size.lrs)} x rank {list(size.ranks)} x batch "
         f"{list(size.batches)}; admission budget {size.concurrent_batch} co-resident sequences "

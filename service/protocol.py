@@ -18,8 +18,9 @@ queue is emptied and the scheduler replans without it.
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -86,29 +87,69 @@ class HeartbeatResponse(_Msg):
         default_factory=list, description="Tasks running on this node that must stop now.")
 
 
+# ----- the task's settings: ONE set of bounds, checked at create (422) and consumed by the trainer
+# as they are (trainer.early_exit and trainer.executor read these classes, no second config).
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+LearningRate = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)]
+LoraRank = Annotated[int, Field(ge=1, le=1024)]
+LoraAlpha = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]
+BatchSize = Annotated[int, Field(ge=1, le=4096)]
+DpoBeta = Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)]
+Method = Literal["sft", "dpo"]
+GRID_KNOBS = ("learning_rate", "lora_rank", "lora_alpha", "batch_size")
+DPO_GRID_KNOBS = (*GRID_KNOBS, "beta")  # beta multiplies dpo grids only
+
+
+def grid_knobs(method: str) -> tuple[str, ...]:
+    """The hyperparameters a task's search space multiplies into jobs, for its method."""
+    return DPO_GRID_KNOBS if method == "dpo" else GRID_KNOBS
+
+
 class EarlyExitSettings(_Msg):
-    """Loss-aware early exit knobs; defaults from DESIGN.md."""
+    """Loss-aware early exit knobs; defaults from DESIGN.md (ALTO). Frozen: the trainer shares
+    one instance between every job's monitor."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = True
-    window: int = Field(default=2, ge=1, description="w: points in the slope window.")
-    patience: int = Field(default=2, ge=1, description="p: consecutive evals to trigger.")
-    tau_gap: float = Field(default=0.1, ge=0, description="Overfitting (val-ema)/ema threshold.")
-    tau_slope: float = Field(default=0.001, description="Divergence slope threshold.")
-    warmup_fraction: float = Field(default=0.05, ge=0, le=1)
-    keep_fraction: float = Field(default=0.25, gt=0, le=1)
-    ema_alpha: float = Field(default=0.1, gt=0, le=1, description="EMA factor of train loss.")
+    window: int = Field(default=2, ge=2, le=1000,
+                        description="w: points in the slope window (a slope needs two).")
+    patience: int = Field(default=2, ge=1, le=1000, description="p: consecutive evals to trigger.")
+    tau_gap: float = Field(default=0.1, ge=0, le=1000, allow_inf_nan=False,
+                           description="Overfitting threshold on (val - ema_train) / ema_train.")
+    tau_slope: float = Field(default=0.001, ge=0, le=1000, allow_inf_nan=False,
+                             description="Divergence threshold on both loss slopes.")
+    warmup_fraction: float = Field(default=0.05, ge=0, lt=1, allow_inf_nan=False,
+                                   description="Share of a job's steps before the ranking.")
+    keep_fraction: float = Field(default=0.25, gt=0, le=1, allow_inf_nan=False,
+                                 description="Share of the configurations the ranking keeps.")
+    ema_alpha: float = Field(default=0.1, gt=0, le=1, allow_inf_nan=False,
+                             description="EMA factor of the train loss (1 = no smoothing).")
+
+    def warmup_steps(self, total_steps: int) -> int:
+        """Warmup length of a job with `total_steps` steps: ceil(fraction * total), in [1, total]."""
+        if total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        # the epsilon keeps float products like 0.05 * 100 = 5.000000000000001 from rounding up
+        return min(total_steps, max(1, math.ceil(self.warmup_fraction * total_steps - 1e-9)))
 
 
 class EvalSettings(_Msg):
-    eval_every_steps: int = Field(default=50, ge=1)
-    eval_max_samples: int | None = Field(default=256, ge=1)
+    eval_every_steps: int = Field(default=50, ge=1, le=1_000_000)
+    eval_max_samples: int | None = Field(
+        default=256, ge=1, le=1_000_000,
+        description="Validation samples each evaluation uses (the first N of the held-out "
+                    "set, the same for every job); null: all of them.")
 
 
 class JobHyperparameters(_Msg):
-    learning_rate: float
-    lora_rank: int
-    lora_alpha: float
-    batch_size: int
+    """One configuration of the search space: every knob a job of any method carries."""
+
+    learning_rate: LearningRate
+    lora_rank: LoraRank
+    lora_alpha: LoraAlpha
+    batch_size: BatchSize
+    beta: DpoBeta | None = Field(default=None, description="DPO only: pull to the base model.")
 
 
 class JobSpec(_Msg):
@@ -126,7 +167,7 @@ class PlacementSpec(_Msg):
     attempt: int
     node_id: str
     gpu_indices: list[int]
-    method: Literal["sft", "dpo"]
+    method: Method
     base_model: str
     base_model_path: str
     training_file_id: str
@@ -216,7 +257,11 @@ class TaskFinished(_Msg):
 
 class TaskFailed(_Msg):
     placement_id: str
-    error: str = Field(max_length=10_000)
+    error: str = Field(max_length=10_000, description="Short and safe: shown to the tenant "
+                                                      "(no traceback, no server path).")
+    detail: str | None = Field(default=None, max_length=20_000,
+                               description="Operator-only diagnostics (traceback); never shown "
+                                           "to the tenant.")
     retryable: bool = Field(
         default=True, description="Node/infra failure: retry from the latest checkpoint.")
 
@@ -233,3 +278,21 @@ class TaskAck(_Msg):
     task_id: str
     state: str
     best_job_id: str | None = None
+
+
+class ThroughputReport(_Msg):
+    """What an executor measured on its GPUs, for the scheduler's duration estimates of the next
+    task on the same model (stored per base model, the node's GPU type, sequence length and
+    batch mix)."""
+
+    placement_id: str
+    gpus: int = Field(ge=1, le=64)
+    seq_len: int = Field(ge=1, le=INT32_MAX)
+    batch_sizes: list[int] = Field(min_length=1, max_length=4096,
+                                   description="Batch size of each job trained in the window.")
+    tokens_per_s: float = Field(gt=0, allow_inf_nan=False,
+                                description="Real (unpadded) training tokens per second.")
+    samples_per_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    memory_k0: float | None = Field(default=None, allow_inf_nan=False,
+                                    description="Memory model M(B) = k0 + k1 * B * L, bytes.")
+    memory_k1: float | None = Field(default=None, allow_inf_nan=False)

@@ -9,7 +9,16 @@ from typing import Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from service.protocol import EarlyExitSettings, EvalSettings
+from service.protocol import (
+    BatchSize,
+    DpoBeta,
+    EarlyExitSettings,
+    EvalSettings,
+    LearningRate,
+    LoraAlpha,
+    LoraRank,
+    Method,
+)
 
 T = TypeVar("T")
 
@@ -59,58 +68,29 @@ class ModelOut(BaseModel):
     max_seq_len: int
 
 
-def _positive_unique(values: list, name: str) -> list:
+def _unique(values: list) -> list:
     if len(set(values)) != len(values):
-        raise ValueError(f"{name} has duplicate values")
+        raise ValueError("values must be unique")
     return values
 
 
 class SearchSpace(_In):
-    """Lists per knob; the grid (cartesian product) is expanded into jobs."""
+    """Lists per knob; the grid (cartesian product) is expanded into jobs. Each value has the
+    bounds of the job's hyperparameter (service.protocol.JobHyperparameters), the one contract."""
 
-    learning_rate: list[float] = Field(default=[1e-4], min_length=1, max_length=64)
-    lora_rank: list[int] = Field(default=[8], min_length=1, max_length=64)
-    lora_alpha: list[float] = Field(default=[16.0], min_length=1, max_length=64)
-    batch_size: list[int] = Field(default=[8], min_length=1, max_length=64)
-    beta: list[float] = Field(
+    learning_rate: list[LearningRate] = Field(default=[1e-4], min_length=1, max_length=64)
+    lora_rank: list[LoraRank] = Field(default=[8], min_length=1, max_length=64)
+    lora_alpha: list[LoraAlpha] = Field(default=[16.0], min_length=1, max_length=64)
+    batch_size: list[BatchSize] = Field(default=[8], min_length=1, max_length=64)
+    beta: list[DpoBeta] = Field(
         default=[0.1], min_length=1, max_length=64,
         description="DPO only: strength of the pull to the base model, each in (0, 10]. A knob "
                     "of the grid for method dpo; sft tasks ignore it.")
 
-    @field_validator("beta")
+    @field_validator("learning_rate", "lora_rank", "lora_alpha", "batch_size", "beta")
     @classmethod
-    def _beta(cls, v: list[float]) -> list[float]:
-        if any(not math.isfinite(x) or not (0 < x <= 10) for x in v):
-            raise ValueError("beta values must be in (0, 10]")
-        return _positive_unique(v, "beta")
-
-    @field_validator("learning_rate")
-    @classmethod
-    def _lr(cls, v: list[float]) -> list[float]:
-        if any(not (0 < x < 1) or not math.isfinite(x) for x in v):
-            raise ValueError("learning_rate values must be in (0, 1)")
-        return _positive_unique(v, "learning_rate")
-
-    @field_validator("lora_rank")
-    @classmethod
-    def _rank(cls, v: list[int]) -> list[int]:
-        if any(not (1 <= x <= 1024) for x in v):
-            raise ValueError("lora_rank values must be in [1, 1024]")
-        return _positive_unique(v, "lora_rank")
-
-    @field_validator("lora_alpha")
-    @classmethod
-    def _alpha(cls, v: list[float]) -> list[float]:
-        if any(not (0 < x <= 1e6) or not math.isfinite(x) for x in v):
-            raise ValueError("lora_alpha values must be positive")
-        return _positive_unique(v, "lora_alpha")
-
-    @field_validator("batch_size")
-    @classmethod
-    def _bs(cls, v: list[int]) -> list[int]:
-        if any(not (1 <= x <= 4096) for x in v):
-            raise ValueError("batch_size values must be in [1, 4096]")
-        return _positive_unique(v, "batch_size")
+    def _distinct(cls, v: list) -> list:
+        return _unique(v)
 
 
 class TaskCreate(_In):
@@ -119,7 +99,7 @@ class TaskCreate(_In):
     validation_file: str | None = Field(default=None, max_length=40)
     validation_split: float = Field(
         default=0.1, gt=0, lt=0.5, description="Held-out share when no validation_file.")
-    method: Literal["sft", "dpo"] = "sft"
+    method: Method = "sft"
     search_space: SearchSpace = Field(default_factory=SearchSpace)
     epochs: int = Field(default=1, ge=1, le=100)
     max_seq_len: int | None = Field(default=None, ge=16, le=1_048_576,

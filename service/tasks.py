@@ -29,21 +29,13 @@ from service.models import (
     utcnow,
 )
 from service.pagination import page_query
-from service.protocol import JobStateUpdate
+from service.protocol import JobStateUpdate, grid_knobs
 from service.queue import publish_cancel, unqueue_placement
 from service.registry import ModelRegistry
 from service.scheduler.limits import admit_task
 from service.schemas import JobOut, TaskCreate, TaskOut, finite
 
 log = logging.getLogger("loraplex.tasks")
-
-KNOBS = ("learning_rate", "lora_rank", "lora_alpha", "batch_size")
-DPO_KNOBS = (*KNOBS, "beta")  # beta shapes dpo grids only; an sft grid is not multiplied by it
-
-
-def grid_knobs(method: str) -> tuple[str, ...]:
-    return DPO_KNOBS if method == "dpo" else KNOBS
-
 
 def expand_grid(space: dict[str, list], method: str = "sft") -> list[dict]:
     """The cartesian product of the search space, in a stable order (first knob slowest)."""

@@ -1,2 +1,3 @@
-"""loraplex worker: the node daemon and the training engine (executor, multi-LoRA model, data,
-early exit, admission, checkpoints, export). Kept light: import submodules explicitly."""
+"""loraplex node agent: the daemon (register, heartbeat, pull placements), the launcher of
+executors (worker.runner) and the spool + forwarder of their reports. The training itself is
+in trainer/. Kept light: import submodules explicitly."""

@@ -1,5 +1,5 @@
 """The executor subprocess entry: ``python -m worker.runner --placement-dir DIR`` reads the
-PlacementSpec the daemon wrote, trains the task with worker.executor and reports through the spool.
+PlacementSpec the daemon wrote, trains the task with trainer.executor and reports through the spool.
 
 The daemon has already put the inputs in DIR (data/train.jsonl, data/validation.jsonl, resume/
 with the latest checkpoint's files) and watches DIR/spool.jsonl; adapters and checkpoints are
@@ -117,7 +117,7 @@ class Stopped(Exception):
 
 
 class _Bridge:
-    """Maps worker.executor's Callbacks onto spool records: keeps each job's best validation
+    """Maps trainer.executor's Callbacks onto spool records: keeps each job's best validation
     point, uploads a job's best adapter (else its final one) just before its terminal state,
     and announces a resumable checkpoint each time the executor has written a new state.pt."""
 
@@ -182,10 +182,10 @@ class _Bridge:
 
 def train(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
           should_stop: StopFlag) -> dict:
-    """Run the task with worker.executor; returns {"best_job_id", "summary", "stopped"}."""
-    from worker.early_exit import EarlyExitConfig
-    from worker.engine import JobSpec as EngineJob
-    from worker.executor import Callbacks, Executor, ExecutorConfig
+    """Run the task with trainer.executor; returns {"best_job_id", "summary", "stopped"}."""
+    from trainer.early_exit import EarlyExitConfig
+    from trainer.engine import JobSpec as EngineJob
+    from trainer.executor import Callbacks, Executor, ExecutorConfig
 
     paths = inputs(directory, spec)
     out = directory / "executor"

@@ -265,8 +265,10 @@ class SpoolWriter:
     def finished(self, best_job_id: str | None = None, summary: dict | None = None) -> None:
         self.write({"type": "finished", "best_job_id": best_job_id, "summary": summary})
 
-    def failed(self, error: str, retryable: bool = True) -> None:
-        self.write({"type": "failed", "error": error[:10_000], "retryable": retryable})
+    def failed(self, error: str, retryable: bool = True, detail: str | None = None) -> None:
+        """`error` is shown to the tenant (short, no paths); `detail` only to operators."""
+        self.write({"type": "failed", "error": error[:10_000], "retryable": retryable,
+                    "detail": detail[-20_000:] if detail else None})
 
     def close(self) -> None:
         self._fh.close()
@@ -426,7 +428,8 @@ class Forwarder:
             self.state.terminal = "finished"
         else:
             msg2 = TaskFailed(placement_id=self.placement_id, error=record.get("error") or "?",
-                              retryable=bool(record.get("retryable", True)))
+                              retryable=bool(record.get("retryable", True)),
+                              detail=record.get("detail"))
             self._tolerate(lambda: self.client.task_failed(self.task_id, msg2), "failed")
             self.state.terminal = "failed"
 

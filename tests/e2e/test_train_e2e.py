@@ -18,7 +18,7 @@ from tests.e2e.conftest import Stack, wait_for
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
-pytest.importorskip("worker.executor", reason="the training executor has not landed")
+pytest.importorskip("trainer.executor", reason="the training executor has not landed")
 
 WORDS = "one two three four five six seven eight nine ten".split()
 
@@ -36,7 +36,7 @@ def dataset(n: int, seed: int) -> list[dict]:
 
 @pytest.fixture
 def models_yaml(tmp_path: Path) -> Path:
-    from worker.tiny import make_tiny_model
+    from trainer.tiny import make_tiny_model
 
     model_dir = make_tiny_model("llama", tmp_path / "tiny-llama", seed=0)
     path = tmp_path / "models.yaml"
@@ -46,7 +46,7 @@ def models_yaml(tmp_path: Path) -> Path:
 
 
 def val_loss(model, tokenizer, records: list[dict]) -> float:  # noqa: ANN001
-    from worker.data import parse_record, tokenize_record
+    from trainer.data import parse_record, tokenize_record
 
     total, count = 0.0, 0
     model.eval()

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from worker.data import IGNORE, Example, JobDataStream
-from worker.engine import JobSpec, make_optimizer
-from worker.multilora import DEFAULT_TARGETS
-from worker.tiny import _WORDS, make_tiny_model
+from trainer.data import IGNORE, Example, JobDataStream
+from trainer.engine import JobSpec, make_optimizer
+from trainer.families import LLAMA_LINEARS as DEFAULT_TARGETS
+from trainer.tiny import _WORDS, make_tiny_model
 
 _CACHE: dict[str, Path] = {}
 

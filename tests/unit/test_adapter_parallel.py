@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from service.protocol import EarlyExitSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
-from worker.early_exit import EarlyExitConfig
-from worker.engine import JobSpec
-from worker.executor import Callbacks, Executor, ExecutorConfig
-from worker.export import load_peft_weights
-from worker.parallel import run_parallel
+from trainer.engine import JobSpec
+from trainer.executor import Callbacks, Executor, ExecutorConfig
+from trainer.export import load_peft_weights
+from trainer.parallel import run_parallel
 
 P = 2
 # (rank, lr, batch): job1 diverges at once (lr 1e30), the rest train; keep 2 of 4 survivors
@@ -59,7 +59,7 @@ def config(root: Path, out: str, **kw) -> ExecutorConfig:
             for i, (r, lr, b) in enumerate(JOBS)]
     base = dict(model_dir=str(d), train_file=str(train), output_dir=str(root / out), jobs=jobs,
                 max_seq_len=48, eval_every=4, checkpoint_every=5, max_active_jobs=1,
-                early_exit=EarlyExitConfig(warmup_fraction=0.2, keep_ratio=0.5, tau_gap=10.0))
+                early_exit=EarlyExitSettings(warmup_fraction=0.2, keep_fraction=0.5, tau_gap=10.0))
     base.update(kw)
     return ExecutorConfig(**base)
 
@@ -162,10 +162,10 @@ def _collectives_rank(rank: int, world: int, port: int, model_dir: str) -> None:
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from worker.data import Example
-    from worker.engine import MultiLoraEngine
-    from worker.parallel import init_rank
-    from worker.parallel_engine import ParallelEngine, decoder_layers
+    from trainer.data import Example
+    from trainer.engine import MultiLoraEngine
+    from trainer.parallel import init_rank
+    from trainer.parallel_engine import ParallelEngine, decoder_layers
 
     device = init_rank(rank, world, port)
     g = torch.Generator().manual_seed(0)
@@ -215,7 +215,7 @@ def _collectives_rank(rank: int, world: int, port: int, model_dir: str) -> None:
 def test_no_gradient_collectives_and_sharded_frozen_weights(root) -> None:  # noqa: ANN001
     import torch.multiprocessing as mp
 
-    from worker.parallel import free_port
+    from trainer.parallel import free_port
 
     d = tiny_model_dir("llama", root)
     mp.start_processes(_collectives_rank, args=(P, free_port(), str(d)), nprocs=P, start_method="spawn")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from worker.admission import (
+from trainer.admission import (
     AdmissionController,
     MemoryModel,
     ProfilePoint,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers.engine_ref import padded_batch, synthetic_rows, tiny_model_dir
-from worker.data import (
+from trainer.data import (
     IGNORE,
     Example,
     JobDataStream,

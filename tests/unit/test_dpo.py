@@ -12,14 +12,14 @@ from collections import defaultdict
 import pytest
 import torch
 
+from service.protocol import EarlyExitSettings
 from tests.helpers.engine_ref import padded_batch, tiny_model_dir, write_jsonl
-from worker.data import IGNORE, Record, parse_record, tokenize_pair, tokenize_pairs, truncate_pair
-from worker.dpo import DpoEngine
-from worker.early_exit import EarlyExitConfig
-from worker.engine import JobSpec
-from worker.executor import Callbacks, Executor, ExecutorConfig
-from worker.multilora import DEFAULT_TARGETS
-from worker.tiny import _WORDS, train_tokenizer
+from trainer.data import IGNORE, Record, parse_record, tokenize_pair, tokenize_pairs, truncate_pair
+from trainer.dpo import DpoEngine
+from trainer.engine import JobSpec
+from trainer.executor import Callbacks, Executor, ExecutorConfig
+from trainer.families import LLAMA_LINEARS as DEFAULT_TARGETS
+from trainer.tiny import _WORDS, train_tokenizer
 
 # (rank, beta, pairs per step, lr): different ranks, betas and batch sizes
 JOBS = [(2, 0.1, 1, 1e-2), (4, 0.5, 2, 5e-3), (8, 2.0, 3, 2e-2)]
@@ -268,7 +268,7 @@ def dpo_config(tmp_path, world, out: str, **kw) -> ExecutorConfig:  # noqa: ANN0
             for i, (r, beta, b, lr) in enumerate(JOBS)]
     base = dict(model_dir=str(d), train_file=str(train), output_dir=str(tmp_path / out), jobs=jobs,
                 method="dpo", max_seq_len=40, eval_every=3, checkpoint_every=2, eval_batch_size=4,
-                early_exit=EarlyExitConfig(enabled=False))
+                early_exit=EarlyExitSettings(enabled=False))
     base.update(kw)
     return ExecutorConfig(**base)
 

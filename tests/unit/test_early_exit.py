@@ -8,9 +8,10 @@ import random
 from collections.abc import Callable
 
 import pytest
+from pydantic import ValidationError
 
-from worker.early_exit import (
-    EarlyExitConfig,
+from service.protocol import EarlyExitSettings
+from trainer.early_exit import (
     ExitDecision,
     JobMonitor,
     WarmupRanking,
@@ -29,10 +30,10 @@ def run(
     val: Curve,
     steps: int = 1000,
     eval_every: int = 25,
-    cfg: EarlyExitConfig | None = None,
+    cfg: EarlyExitSettings | None = None,
 ) -> tuple[JobMonitor, ExitDecision | None, int | None]:
     """Feed a job's curves to a monitor the way the executor does; stop at the first exit."""
-    mon = JobMonitor(cfg or EarlyExitConfig())
+    mon = JobMonitor(cfg or EarlyExitSettings())
     for step in range(1, steps + 1):
         mon.observe_train(step, train(step))
         if step % eval_every == 0:
@@ -159,14 +160,14 @@ def test_disabled_monitor_tracks_but_never_exits() -> None:
     def loss(t: int) -> float:
         return math.exp(t / 200.0)  # rising 0.5% per step from the start
 
-    mon, decision, _ = run(loss, loss, cfg=EarlyExitConfig(enabled=False))
+    mon, decision, _ = run(loss, loss, cfg=EarlyExitSettings(enabled=False))
     assert decision is None and mon.diverge_count > 2
     assert mon.best_step == 25
     assert mon.observe_train(2000, float("nan")) is None
 
 
 def test_ema_is_bias_corrected_and_tracks_loss() -> None:
-    mon = JobMonitor(EarlyExitConfig(ema_beta=0.9))
+    mon = JobMonitor(EarlyExitSettings(ema_alpha=0.1))
     assert math.isnan(mon.ema_train)
     mon.observe_train(1, 4.0)
     assert mon.ema_train == pytest.approx(4.0)
@@ -201,20 +202,20 @@ def test_eval_steps_must_increase() -> None:
     "kwargs",
     [
         {"window": 1}, {"patience": 0}, {"tau_gap": -0.1}, {"tau_slope": float("nan")},
-        {"warmup_fraction": 1.0}, {"warmup_fraction": -0.1}, {"keep_ratio": 0.0},
-        {"keep_ratio": 1.5}, {"ema_beta": 1.0},
+        {"warmup_fraction": 1.0}, {"warmup_fraction": -0.1}, {"keep_fraction": 0.0},
+        {"keep_fraction": 1.5}, {"ema_alpha": 0.0},
     ],
 )
 def test_config_rejects_out_of_range(kwargs: dict) -> None:
     with pytest.raises(ValueError):
-        EarlyExitConfig(**kwargs)
+        EarlyExitSettings(**kwargs)
 
 
 def test_config_defaults_and_frozen() -> None:
-    cfg = EarlyExitConfig()
+    cfg = EarlyExitSettings()
     assert (cfg.window, cfg.patience, cfg.tau_gap, cfg.tau_slope) == (2, 2, 0.1, 0.001)
-    assert (cfg.warmup_fraction, cfg.keep_ratio, cfg.enabled) == (0.05, 0.25, True)
-    with pytest.raises(AttributeError):
+    assert (cfg.warmup_fraction, cfg.keep_fraction, cfg.enabled) == (0.05, 0.25, True)
+    with pytest.raises(ValidationError):
         cfg.window = 3  # type: ignore[misc]
 
 
@@ -224,7 +225,7 @@ def test_config_defaults_and_frozen() -> None:
 )
 def test_warmup_steps(total: int, frac: float, expected: int) -> None:
     assert warmup_steps(total, frac) == expected
-    assert EarlyExitConfig(warmup_fraction=frac).warmup_steps(total) == expected
+    assert EarlyExitSettings(warmup_fraction=frac).warmup_steps(total) == expected
 
 
 @pytest.mark.parametrize(
@@ -261,7 +262,7 @@ def test_warmup_ranking_edge_cases() -> None:
 
 
 def test_warmup_ranking_tracker_with_rotation() -> None:
-    wr = WarmupRanking(["a", "b", "c"], keep_ratio=0.5)
+    wr = WarmupRanking(["a", "b", "c"], keep_fraction=0.5)
     wr.report("a", 1.0)
     wr.exit("b")  # diverged during warmup: not a survivor
     assert not wr.ready and wr.waiting == ["c"]

@@ -9,10 +9,10 @@ from collections import defaultdict
 import pytest
 import torch
 
+from service.protocol import EarlyExitSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
-from worker.early_exit import EarlyExitConfig
-from worker.engine import JobSpec
-from worker.executor import Callbacks, Executor, ExecutorConfig
+from trainer.engine import JobSpec
+from trainer.executor import Callbacks, Executor, ExecutorConfig
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,7 +49,7 @@ def config(tmp_path, out: str, **kw) -> ExecutorConfig:  # noqa: ANN001
                                             (8, 5e-3, 3), (4, 2e-3, 2)])]
     base = dict(model_dir=str(d), train_file=str(train), output_dir=str(tmp_path / out), jobs=jobs,
                 max_seq_len=48, eval_every=4, checkpoint_every=5, max_active_jobs=3,
-                early_exit=EarlyExitConfig(warmup_fraction=0.2, keep_ratio=0.5, tau_gap=10.0))
+                early_exit=EarlyExitSettings(warmup_fraction=0.2, keep_fraction=0.5, tau_gap=10.0))
     base.update(kw)
     return ExecutorConfig(**base)
 

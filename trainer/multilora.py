@@ -19,8 +19,6 @@ from torch import nn
 
 from kernels import multilora_linear_arena
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 
 @dataclass
 class StepLayout:
@@ -75,7 +73,7 @@ class MultiLoraLinear(nn.Module):
         return f"name={self.name}, in={self.in_features}, out={self.out_features}"
 
 
-def inject_multilora(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS) -> dict[str, MultiLoraLinear]:
+def inject_multilora(model: nn.Module, targets: Iterable[str]) -> dict[str, MultiLoraLinear]:
     """Freeze `model` and replace its target linears (by last name component, lm_head excluded)
     in place; returns {full module name: layer} in module order."""
     targets = set(targets)
@@ -87,8 +85,9 @@ def inject_multilora(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS)
             full = f"{name}.{child_name}" if name else child_name
             if isinstance(child, nn.Linear) and child_name in targets and child_name != "lm_head":
                 found.append((full, module, child_name, child))
-    if not found:
-        raise ValueError(f"no target linears {sorted(targets)} found in the model")
+    missing = targets - {child_name for _, _, child_name, _ in found}
+    if missing:  # e.g. q_proj in a model that fuses q/k/v: never adapt a subset silently
+        raise ValueError(f"target linears {sorted(missing)} not found in the model")
     layers = {}
     for full, parent, child_name, child in found:
         layer = MultiLoraLinear(child, full)

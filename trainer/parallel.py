@@ -1,7 +1,7 @@
 """Adapter parallelism, the executor half: one task's executor over P processes (one per GPU), the
 backbone FSDP2-sharded across them, each rank training its own disjoint set of the task's jobs.
 
-Launch: `run_parallel(cfg, nproc, callbacks, should_stop)` (or `python -m worker.parallel
+Launch: `run_parallel(cfg, nproc, callbacks, should_stop)` (or `python -m trainer.parallel
 config.json --nproc P`) spawns P ranks (NCCL on CUDA, rank r on cuda:r; gloo on CPU) and returns
 the jobs' final status like `Executor.run`. Only the calling process sees callbacks: rank 0
 forwards them through a queue (in order, and file announcements only after the owning rank has
@@ -46,14 +46,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from worker.admission import AdmissionController, MemoryModel
-from worker.checkpoint import job_state_dict, restore_job, rng_state, save_checkpoint, set_rng_state
-from worker.data import read_jsonl, split_validation, tokenize_all
-from worker.early_exit import ExitDecision
-from worker.engine import JobSpec
-from worker.executor import Callbacks, Executor, ExecutorConfig
-from worker.export import export_peft
-from worker.parallel_engine import ParallelEngine, eval_forwards
+from trainer.admission import AdmissionController, MemoryModel
+from trainer.checkpoint import (
+    job_state_dict,
+    restore_job,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from trainer.data import read_jsonl, split_validation, tokenize_all
+from trainer.early_exit import ExitDecision
+from trainer.engine import JobSpec
+from trainer.executor import Callbacks, Executor, ExecutorConfig
+from trainer.export import export_peft
+from trainer.parallel_engine import ParallelEngine, eval_forwards
 
 log = logging.getLogger("loraplex.parallel")
 
@@ -391,7 +397,7 @@ def check_supported(cfg: ExecutorConfig) -> None:
     method = getattr(cfg, "method", "sft")
     if method != "sft":
         raise ValueError(f"adapter parallelism supports method='sft' only, not {method!r}: "
-                         "run the task on one GPU (worker.executor)")
+                         "run the task on one GPU (trainer.executor)")
 
 
 def free_port() -> int:
@@ -507,13 +513,13 @@ def run_parallel(cfg: ExecutorConfig, nproc: int, callbacks: Callbacks | None = 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m worker.parallel config.json --nproc P`: one task on P ranks, callbacks printed
-    as JSON lines (the same lines as `python -m worker.executor`)."""
+    """`python -m trainer.parallel config.json --nproc P`: one task on P ranks, callbacks printed
+    as JSON lines (the same lines as `python -m trainer.executor`)."""
     import argparse
     import json
     import sys
 
-    from worker.early_exit import EarlyExitConfig
+    from service.protocol import EarlyExitSettings
 
     parser = argparse.ArgumentParser(description="Run one task's jobs with adapter parallelism.")
     parser.add_argument("config", help="JSON file with ExecutorConfig fields; jobs as a list of JobSpec dicts")
@@ -522,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
     raw = json.loads(Path(args.config).read_text())
     raw["jobs"] = [JobSpec(**{**j, "betas": tuple(j.get("betas", (0.9, 0.999)))}) for j in raw["jobs"]]
     if "early_exit" in raw:
-        raw["early_exit"] = EarlyExitConfig(**raw["early_exit"])
+        raw["early_exit"] = EarlyExitSettings(**raw["early_exit"])
     if "targets" in raw:
         raw["targets"] = tuple(raw["targets"])
 

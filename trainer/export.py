@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from worker.multilora import JobAdapter
+from trainer.multilora import JobAdapter
 
 
 def peft_config_dict(adapter: JobAdapter, targets: list[str], base_model: str = "") -> dict:

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from worker.data import IGNORE, Example, JobDataStream, PackedBatch, pack_step
-from worker.multilora import (
-    DEFAULT_TARGETS,
+from trainer.data import IGNORE, Example, JobDataStream, PackedBatch, pack_step
+from trainer.families import family_of, resolve_targets
+from trainer.multilora import (
     JobAdapter,
     StepLayout,
     inject_multilora,
@@ -147,7 +147,7 @@ class MultiLoraEngine:
         model: nn.Module,
         train_examples: Sequence[Example],
         pad_id: int,
-        targets: Sequence[str] = DEFAULT_TARGETS,
+        targets: Sequence[str] | None = None,
         gradient_checkpointing: bool = True,
         backend: str = "auto",
         adapter_dtype: torch.dtype = torch.float32,
@@ -157,10 +157,15 @@ class MultiLoraEngine:
         self.model = model
         self.device = next(model.parameters()).device
         self.compute_dtype = next(model.parameters()).dtype
-        self.layers = inject_multilora(model, targets)
+        # the family table says which linears exist, which to adapt by default and how the
+        # model scores its tokens (its own output head: the engine's loss is the model's loss)
+        self.family = family_of(getattr(model.config, "model_type", None))
+        self.targets = resolve_targets(self.family, targets)
+        cap = self.family.logit_softcap_attr
+        self.logit_softcap: float | None = getattr(model.config, cap, None) if cap else None
+        self.layers = inject_multilora(model, self.targets)
         self.layer_list = list(self.layers.values())
         self.shapes = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
-        self.targets = tuple(targets)
         self.train_examples = list(train_examples)
         self.pad_id = pad_id
         self.backend = backend
@@ -283,16 +288,23 @@ class MultiLoraEngine:
         )
         return out.last_hidden_state
 
+    def output_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's own logits of hidden states, at least float32: its LM head, then its
+        family's final soft-cap (Gemma-2: cap * tanh(logits / cap)) as the model's forward does."""
+        logits = self.model.get_output_embeddings()(h)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if self.logit_softcap:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
+
     def _job_loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
         h = hidden.reshape(-1, hidden.shape[-1])
         t = targets.reshape(-1)
         sel = t != IGNORE
         n = int(sel.sum())
-        head = self.model.get_output_embeddings()
 
         def loss_sum(h_sel: torch.Tensor, t_sel: torch.Tensor) -> torch.Tensor:
-            logits = head(h_sel).float()
-            return nn.functional.cross_entropy(logits, t_sel, reduction="sum")
+            return nn.functional.cross_entropy(self.output_logits(h_sel), t_sel, reduction="sum")
 
         h_sel, t_sel = h[sel], t[sel]
         if self.gradient_checkpointing and torch.is_grad_enabled():

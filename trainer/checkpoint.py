@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from worker.engine import JobSpec, JobState, MultiLoraEngine
+from trainer.engine import JobSpec, JobState, MultiLoraEngine
 
 
 def job_state_dict(state: JobState) -> dict[str, Any]:

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from worker.data import Example
-from worker.engine import MultiLoraEngine, StepReport
+from trainer.data import Example
+from trainer.engine import MultiLoraEngine, StepReport
 
 try:  # torch >= 2.6 public path; 2.11 and 2.13 both have it
     from torch.distributed.fsdp import fully_shard

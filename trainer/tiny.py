@@ -1,7 +1,7 @@
 """Tiny random causal LMs (Llama, Qwen2, Mistral) with a locally trained BPE tokenizer.
 
 Used by tests, the demo run and benchmarks: no hub exists, so everything is saved to a local
-directory and loaded back with `from_pretrained`. `python -m worker.tiny --family llama --out DIR`.
+directory and loaded back with `from_pretrained`. `python -m trainer.tiny --family llama --out DIR`.
 """
 
 from __future__ import annotations

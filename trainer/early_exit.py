@@ -1,5 +1,6 @@
 """Loss-aware early exit: per-job divergence and overfitting detectors, and the warmup ranking.
 Pure Python (math only): the executor feeds losses in and acts on the ExitDecision it gets back.
+Its settings are the task's own `service.protocol.EarlyExitSettings` (one set of bounds).
 """
 
 from __future__ import annotations
@@ -9,43 +10,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from service.protocol import EarlyExitSettings
+
 ExitReason = Literal["diverging", "overfitting", "underperforming"]
 
 _EPS = 1e-9
-
-
-@dataclass(frozen=True)
-class EarlyExitConfig:
-    """Thresholds of the early-exit policy, settable per task (defaults from the ALTO paper)."""
-
-    window: int = 2
-    patience: int = 2
-    tau_gap: float = 0.1
-    tau_slope: float = 0.001
-    warmup_fraction: float = 0.05
-    keep_ratio: float = 0.25
-    ema_beta: float = 0.9
-    enabled: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.window, int) or self.window < 2:
-            raise ValueError(f"window must be an int >= 2 (a slope needs two points), got {self.window!r}")
-        if not isinstance(self.patience, int) or self.patience < 1:
-            raise ValueError(f"patience must be an int >= 1, got {self.patience!r}")
-        if not (math.isfinite(self.tau_gap) and self.tau_gap >= 0):
-            raise ValueError(f"tau_gap must be finite and >= 0, got {self.tau_gap!r}")
-        if not (math.isfinite(self.tau_slope) and self.tau_slope >= 0):
-            raise ValueError(f"tau_slope must be finite and >= 0, got {self.tau_slope!r}")
-        if not (0.0 <= self.warmup_fraction < 1.0):
-            raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction!r}")
-        if not (0.0 < self.keep_ratio <= 1.0):
-            raise ValueError(f"keep_ratio must be in (0, 1], got {self.keep_ratio!r}")
-        if not (0.0 <= self.ema_beta < 1.0):
-            raise ValueError(f"ema_beta must be in [0, 1), got {self.ema_beta!r}")
-
-    def warmup_steps(self, total_steps: int) -> int:
-        """Number of warmup steps of a job with `total_steps` steps (see `warmup_steps`)."""
-        return warmup_steps(total_steps, self.warmup_fraction)
 
 
 @dataclass(frozen=True)
@@ -58,32 +27,27 @@ class ExitDecision:
 
 def warmup_steps(total_steps: int, warmup_fraction: float = 0.05) -> int:
     """Warmup length of a job: ceil(warmup_fraction * total_steps), at least 1, at most total."""
-    if total_steps < 1:
-        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
-    if not (0.0 <= warmup_fraction < 1.0):
-        raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction}")
-    # The epsilon keeps float products like 0.05 * 100 = 5.000000000000001 from rounding up.
-    return min(total_steps, max(1, math.ceil(warmup_fraction * total_steps - _EPS)))
+    return EarlyExitSettings(warmup_fraction=warmup_fraction).warmup_steps(total_steps)
 
 
-def keep_count(n: int, keep_ratio: float) -> int:
-    """How many of `n` surviving jobs the warmup ranking keeps: ceil(keep_ratio * n)."""
+def keep_count(n: int, keep_fraction: float) -> int:
+    """How many of `n` surviving jobs the warmup ranking keeps: ceil(keep_fraction * n)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    if not (0.0 < keep_ratio <= 1.0):
-        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
-    return min(n, math.ceil(keep_ratio * n - _EPS))
+    if not (0.0 < keep_fraction <= 1.0):
+        raise ValueError(f"keep_fraction must be in (0, 1], got {keep_fraction}")
+    return min(n, math.ceil(keep_fraction * n - _EPS))
 
 
 def warmup_ranking(
-    val_losses: Mapping[str, float], keep_ratio: float
+    val_losses: Mapping[str, float], keep_fraction: float
 ) -> tuple[list[str], list[str]]:
     """Split jobs into (keep_ids, evict_ids) by validation loss at the end of warmup.
 
-    Keeps the ceil(keep_ratio * n) lowest losses; NaN/inf rank last; equal losses keep the
+    Keeps the ceil(keep_fraction * n) lowest losses; NaN/inf rank last; equal losses keep the
     mapping's order (stable), so the result is deterministic for a given input order.
     """
-    n_keep = keep_count(len(val_losses), keep_ratio)
+    n_keep = keep_count(len(val_losses), keep_fraction)
     def key(item: tuple[int, tuple[str, float]]) -> tuple[bool, float, int]:
         position, (_, loss) = item
         finite = _finite(loss)
@@ -122,7 +86,7 @@ class JobMonitor:
     Choices behind the numbers (DESIGN.md, "Loss-aware early exit"):
 
     - **Train signal.** `ema_train` is an exponential moving average of the per-step train loss with
-      `ema_beta = 0.9` (a ~10-step memory) and Adam-style bias correction, so it is an unbiased
+      `ema_alpha = 0.1` (a ~10-step memory) and Adam-style bias correction, so it is an unbiased
       average from the first step on. 0.9 smooths mini-batch noise while following a real rise
       within a few tens of steps, which is the time scale between evaluations.
     - **Slope normalisation.** Slopes are least-squares slopes over the last `window` evaluation
@@ -144,8 +108,8 @@ class JobMonitor:
       the best-validation adapter; an overfitting exit hands that one back, not the last.
     """
 
-    def __init__(self, cfg: EarlyExitConfig | None = None) -> None:
-        self.cfg = cfg or EarlyExitConfig()
+    def __init__(self, cfg: EarlyExitSettings | None = None) -> None:
+        self.cfg = cfg or EarlyExitSettings()
         self._ema_raw = 0.0
         self._ema_n = 0
         self.last_train_step: int | None = None
@@ -165,9 +129,10 @@ class JobMonitor:
         """Bias-corrected EMA of the train loss (NaN before the first step)."""
         if self._ema_n == 0:
             return math.nan
-        if self.cfg.ema_beta == 0.0:
+        beta = 1.0 - self.cfg.ema_alpha  # the EMA keeps beta of the past each step
+        if beta == 0.0:
             return self._ema_raw
-        return self._ema_raw / (1.0 - self.cfg.ema_beta**self._ema_n)
+        return self._ema_raw / (1.0 - beta**self._ema_n)
 
     def observe_train(self, step: int, loss: float) -> ExitDecision | None:
         """Fold one step's train loss into the EMA; a non-finite loss is divergence at once."""
@@ -177,7 +142,7 @@ class JobMonitor:
             if self._nonfinite_train is None:
                 self._nonfinite_train = (step, loss)
             return self._decide(self._nonfinite_decision(step, "train_loss", loss))
-        beta = self.cfg.ema_beta
+        beta = 1.0 - self.cfg.ema_alpha
         self._ema_raw = beta * self._ema_raw + (1.0 - beta) * loss
         self._ema_n += 1
         return None
@@ -261,9 +226,9 @@ class WarmupRanking:
     end-of-warmup loss or exited. Jobs that exited during warmup do not count as surviving.
     """
 
-    def __init__(self, job_ids: Iterable[str], keep_ratio: float = 0.25) -> None:
-        self.keep_ratio = keep_ratio
-        keep_count(0, keep_ratio)  # validates the ratio
+    def __init__(self, job_ids: Iterable[str], keep_fraction: float = 0.25) -> None:
+        self.keep_fraction = keep_fraction
+        keep_count(0, keep_fraction)  # validates the ratio
         self._pending: dict[str, None] = dict.fromkeys(job_ids)
         self._losses: dict[str, float] = {}
         self.exited: list[str] = []
@@ -301,7 +266,7 @@ class WarmupRanking:
         if not self.ready:
             raise RuntimeError(f"{len(self._pending)} jobs have not finished warmup")
         if self.result is None:
-            self.result = warmup_ranking(self._losses, self.keep_ratio)
+            self.result = warmup_ranking(self._losses, self.keep_fraction)
         return self.result
 
     def eviction_decisions(self) -> dict[str, ExitDecision]:
@@ -313,7 +278,7 @@ class WarmupRanking:
         return {
             job_id: ExitDecision("underperforming", {
                 "val_loss": self._losses[job_id], "rank": ranked.index(job_id) + 1,
-                "ranked": len(ranked), "kept": len(keep), "keep_ratio": self.keep_ratio,
+                "ranked": len(ranked), "kept": len(keep), "keep_fraction": self.keep_fraction,
                 "worst_kept_val_loss": cutoff,
             })
             for job_id in evict

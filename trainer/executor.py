@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from worker.admission import AdmissionController, MemoryModel, fit_memory_model, profile_memory
-from worker.checkpoint import (
+from trainer.admission import AdmissionController, MemoryModel, fit_memory_model, profile_memory
+from trainer.checkpoint import (
     job_state_dict,
     load_checkpoint,
     restore_job,
@@ -25,7 +25,7 @@ from worker.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from worker.data import (
+from trainer.data import (
     Example,
     PairExample,
     read_jsonl,
@@ -33,11 +33,11 @@ from worker.data import (
     tokenize_all,
     tokenize_pairs,
 )
-from worker.dpo import DpoEngine
-from worker.early_exit import EarlyExitConfig, ExitDecision, JobMonitor, WarmupRanking
-from worker.engine import JobSpec, JobState, MultiLoraEngine
-from worker.export import export_peft
-from worker.multilora import DEFAULT_TARGETS
+from trainer.dpo import DpoEngine
+from trainer.early_exit import EarlyExitSettings, ExitDecision, JobMonitor, WarmupRanking
+from trainer.engine import JobSpec, JobState, MultiLoraEngine
+from trainer.export import export_peft
+from trainer.multilora import DEFAULT_TARGETS
 
 log = logging.getLogger("loraplex.executor")
 
@@ -86,7 +86,7 @@ class ExecutorConfig:
     max_tokens_per_step: int | None = None  # admission budget without a memory model (CPU)
     memory_model: tuple[float, float] | None = None  # (k0, k1) from a profiling run
     memory_budget_bytes: float | None = None
-    early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
+    early_exit: EarlyExitSettings = field(default_factory=EarlyExitSettings)
     stop_after_steps: int | None = None  # stop (as if killed) after this many executor steps
     method: str = "sft"  # sft | dpo (preference pairs; JobSpec.beta per job)
 
@@ -103,7 +103,7 @@ class Executor:
         }
         self.monitors = {j.job_id: JobMonitor(cfg.early_exit) for j in cfg.jobs}
         ranked = cfg.early_exit.enabled and len(cfg.jobs) > 1
-        self.ranking = WarmupRanking([j.job_id for j in cfg.jobs], cfg.early_exit.keep_ratio) if ranked else None
+        self.ranking = WarmupRanking([j.job_id for j in cfg.jobs], cfg.early_exit.keep_fraction) if ranked else None
         self.queue: list[JobSpec | JobState] = list(cfg.jobs)  # never started, then parked
         self.global_step = 0
         self.last_eval: dict[str, int] = {}
@@ -351,7 +351,7 @@ class Executor:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m worker.executor config.json`: run one task, printing callbacks as JSON lines."""
+    """`python -m trainer.executor config.json`: run one task, printing callbacks as JSON lines."""
     import argparse
     import json
     import sys
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     raw = json.loads(Path(args.config).read_text())
     raw["jobs"] = [JobSpec(**{**j, "betas": tuple(j.get("betas", (0.9, 0.999)))}) for j in raw["jobs"]]
     if "early_exit" in raw:
-        raw["early_exit"] = EarlyExitConfig(**raw["early_exit"])
+        raw["early_exit"] = EarlyExitSettings(**raw["early_exit"])
     if "targets" in raw:
         raw["targets"] = tuple(raw["targets"])
 

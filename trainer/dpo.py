@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from worker.data import IGNORE, Example, PackedBatch, PairExample, pack_step
-from worker.engine import JobState, MultiLoraEngine, StepReport
+from trainer.data import IGNORE, Example, PackedBatch, PairExample, pack_step
+from trainer.engine import JobState, MultiLoraEngine, StepReport
 
 METRICS = ("loss", "reward_accuracy", "reward_margin")
 
@@ -66,9 +66,8 @@ class DpoEngine(MultiLoraEngine):
 
     # ----- log-probs -------------------------------------------------------------------
     def _token_logps(self, h_sel: torch.Tensor, t_sel: torch.Tensor) -> torch.Tensor:
-        logits = self.model.get_output_embeddings()(h_sel)
         # at least float32 (bf16 logits lose the log-prob sums), float64 stays float64
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        logits = self.output_logits(h_sel)
         return -nn.functional.cross_entropy(logits, t_sel, reduction="none")
 
     def _sequence_logps(self, hidden: torch.Tensor, targets: torch.Tensor, seq_index: torch.Tensor,

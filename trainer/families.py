@@ -1,0 +1,75 @@
+"""Model-family knowledge in one table keyed by `config.model_type`: the linears LoRA may target
+(fused projections included), the default targets, the decoder-layer path and the model's own
+output head (final logit soft-capping). Pure stdlib: the service imports it to check a task's
+`target_modules` at create (reading the registered model's config.json), the trainer to build,
+shard and score the model exactly as the model itself does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one model family is built, as far as LoRA training needs to know."""
+
+    name: str
+    linears: tuple[str, ...]  # every linear of a decoder layer that LoRA may adapt
+    default_targets: tuple[str, ...]  # what a task adapts when it names none (all of them)
+    layers_path: str = "model.layers"  # attribute path of the decoder layers' ModuleList
+    logit_softcap_attr: str | None = None  # config attribute of the final logit soft-cap
+
+
+_LLAMA = Family("llama", LLAMA_LINEARS, LLAMA_LINEARS)
+FAMILIES: dict[str, Family] = {
+    "llama": _LLAMA,
+    "mistral": Family("mistral", LLAMA_LINEARS, LLAMA_LINEARS),
+    "qwen2": Family("qwen2", LLAMA_LINEARS, LLAMA_LINEARS),
+    "qwen3": Family("qwen3", LLAMA_LINEARS, LLAMA_LINEARS),
+    "gemma": Family("gemma", LLAMA_LINEARS, LLAMA_LINEARS),
+    # Gemma-2 caps its final logits: cap * tanh(logits / cap) (config.final_logit_softcapping)
+    "gemma2": Family("gemma2", LLAMA_LINEARS, LLAMA_LINEARS,
+                     logit_softcap_attr="final_logit_softcapping"),
+    # Phi-3 fuses q/k/v into qkv_proj and gate/up into gate_up_proj
+    "phi3": Family("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+                   ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+}
+
+
+class UnsupportedModel(ValueError):
+    """The model's family is not in the table, or a target does not exist in it."""
+
+
+def family_of(model_type: str | None) -> Family:
+    """The family of a `config.model_type`; UnsupportedModel for one the table lacks."""
+    family = FAMILIES.get(model_type or "")
+    if family is None:
+        known = ", ".join(sorted(FAMILIES))
+        raise UnsupportedModel(f"model type {model_type!r} is not supported (supported: {known})")
+    return family
+
+
+def model_type_of(model_dir: str | Path) -> str | None:
+    """`model_type` from a local model directory's config.json (None when unreadable)."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def resolve_targets(family: Family, targets: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The target linears of a task: its own (each must exist in the family), else the
+    family's defaults. Raises UnsupportedModel naming the unknown ones."""
+    if not targets:
+        return family.default_targets
+    unknown = [t for t in targets if t not in family.linears]
+    if unknown:
+        raise UnsupportedModel(
+            f"target_modules {unknown} do not exist in {family.name} models "
+            f"(choose from {', '.join(family.linears)})")
+    return tuple(dict.fromkeys(targets))  # unique, in the task's order
