@@ -19,6 +19,7 @@ queue is emptied and the scheduler replans without it.
 from __future__ import annotations
 
 import math
+import re
 from datetime import datetime
 from typing import Annotated, Literal
 
@@ -28,6 +29,18 @@ PLACEMENT_FUNC = "worker.daemon.run_placement"
 CANCEL_CHANNEL = "loraplex:cancel"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 INT32_MAX = 2**31 - 1
+
+
+_PATH = re.compile(r"(?:[A-Za-z]:)?[\\/](?:[\w.~@+-]+[\\/])+[\w.~@+-]*")
+
+
+def tenant_safe(text: str, limit: int = 500) -> str:
+    """An error message fit for a tenant: its first line only (no traceback), every filesystem
+    path replaced by <path>, at most `limit` characters. Workers and the service both apply it."""
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if first.startswith("Traceback"):
+        first = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+    return _PATH.sub("<path>", first)[:limit]
 
 
 def node_queue_name(node_id: str) -> str:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from service.protocol import JobHyperparameters
 from trainer.data import IGNORE, Example, JobDataStream, PackedBatch, pack_step
 from trainer.families import family_of, resolve_targets
 from trainer.multilora import (
@@ -51,6 +52,14 @@ class JobSpec:
     seed: int = 0
     use_rslora: bool = False
     beta: float = 0.1  # DPO only: strength of the KL anchor to the reference (the backbone)
+
+    @classmethod
+    def from_hyperparameters(cls, job_id: str, hp: JobHyperparameters, *, epochs: float,
+                             seed: int) -> JobSpec:
+        """The engine's job from the task contract's configuration (service.protocol)."""
+        extra = {"beta": hp.beta} if hp.beta is not None else {}
+        return cls(job_id=job_id, rank=hp.lora_rank, alpha=hp.lora_alpha, lr=hp.learning_rate,
+                   batch_size=hp.batch_size, epochs=float(epochs), seed=seed, **extra)
 
     def total_steps(self, n_train: int) -> int:
         if self.max_steps is not None:

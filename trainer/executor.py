@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from service.protocol import EarlyExitSettings, EvalSettings
 from trainer.admission import AdmissionController, MemoryModel, fit_memory_model, profile_memory
 from trainer.checkpoint import (
     job_state_dict,
@@ -34,10 +35,9 @@ from trainer.data import (
     tokenize_pairs,
 )
 from trainer.dpo import DpoEngine
-from trainer.early_exit import EarlyExitSettings, ExitDecision, JobMonitor, WarmupRanking
+from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
 from trainer.engine import JobSpec, JobState, MultiLoraEngine
 from trainer.export import export_peft
-from trainer.multilora import DEFAULT_TARGETS
 
 log = logging.getLogger("loraplex.executor")
 
@@ -74,10 +74,11 @@ class ExecutorConfig:
     val_fraction: float = 0.1
     split_seed: int = 0
     max_seq_len: int = 512
-    eval_every: int = 10
+    eval: EvalSettings = field(default_factory=lambda: EvalSettings(eval_every_steps=10,
+                                                                    eval_max_samples=None))
     eval_batch_size: int = 8
     checkpoint_every: int = 50
-    targets: tuple[str, ...] = DEFAULT_TARGETS
+    targets: tuple[str, ...] | None = None  # None: the model family's defaults
     gradient_checkpointing: bool = True
     device: str = "auto"
     backend: str = "auto"
@@ -89,6 +90,7 @@ class ExecutorConfig:
     early_exit: EarlyExitSettings = field(default_factory=EarlyExitSettings)
     stop_after_steps: int | None = None  # stop (as if killed) after this many executor steps
     method: str = "sft"  # sft | dpo (preference pairs; JobSpec.beta per job)
+    world_size: int = 1  # GPUs of the placement; > 1: adapter parallelism (FSDP2 backbone)
 
 
 class Executor:
@@ -348,6 +350,18 @@ class Executor:
             self.engine.load_reference_state(ck["reference"])
         set_rng_state(ck["rng"])
         self.cb.on_event("", "resumed", {"global_step": self.global_step})
+
+
+def run_executor(cfg: ExecutorConfig, callbacks: Callbacks | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> dict[str, dict[str, Any]]:
+    """Run one task with the strategy its placement asks for: this process on one GPU, or
+    `cfg.world_size` ranks (one process per GPU) with the backbone sharded (adapter parallelism).
+    Returns every job's final status."""
+    if cfg.world_size > 1:
+        from trainer.parallel import run_parallel
+
+        return run_parallel(cfg, cfg.world_size, callbacks, should_stop)
+    return Executor(cfg, callbacks).run()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from service.protocol import PlacementSpec
+from service.protocol import PlacementSpec, tenant_safe
 from worker.service_client import SPOOL_NAME, SpoolWriter
 
 log = logging.getLogger("loraplex.worker.runner")
@@ -180,44 +180,44 @@ class _Bridge:
         self.reporter.event(message[:48], message, job_id or None, data=fields or None)
 
 
-def train(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
-          should_stop: StopFlag) -> dict:
-    """Run the task with trainer.executor; returns {"best_job_id", "summary", "stopped"}."""
-    from trainer.early_exit import EarlyExitConfig
+def executor_config(spec: PlacementSpec, directory: Path):  # noqa: ANN201 - trainer import is lazy
+    """The trainer's configuration of this placement: the task's settings as the contract has
+    them (service.protocol), the daemon's files, and one rank per GPU of the placement."""
     from trainer.engine import JobSpec as EngineJob
-    from trainer.executor import Callbacks, Executor, ExecutorConfig
+    from trainer.executor import ExecutorConfig
 
     paths = inputs(directory, spec)
-    out = directory / "executor"
-    out.mkdir(exist_ok=True)
-    if paths["resume"] is not None and (paths["resume"] / "state.pt").exists():
-        shutil.copyfile(paths["resume"] / "state.pt", out / "state.pt")
-    ee = spec.early_exit
-    # beta: the DPO knob of a job's configuration (absent for SFT, and from older services)
-    betas = {j.job_id: getattr(j.hyperparameters, "beta", None) for j in spec.jobs}
-    jobs = [EngineJob(job_id=j.job_id, rank=j.hyperparameters.lora_rank,
-                      alpha=j.hyperparameters.lora_alpha, lr=j.hyperparameters.learning_rate,
-                      batch_size=j.hyperparameters.batch_size, epochs=float(spec.epochs),
-                      seed=spec.seed + j.index,
-                      **({"beta": float(betas[j.job_id])} if betas[j.job_id] is not None else {}))
-            for j in spec.jobs]
-    extra = {"targets": tuple(spec.target_modules)} if spec.target_modules else {}
-    cfg = ExecutorConfig(
-        model_dir=spec.base_model_path, train_file=str(paths["train"]), output_dir=str(out),
-        jobs=jobs, method=spec.method, val_file=str(paths["validation"]) if paths["validation"] else None,
+    jobs = [EngineJob.from_hyperparameters(j.job_id, j.hyperparameters, epochs=spec.epochs,
+                                           seed=spec.seed + j.index) for j in spec.jobs]
+    return ExecutorConfig(
+        model_dir=spec.base_model_path, train_file=str(paths["train"]),
+        output_dir=str(directory / "executor"), jobs=jobs, method=spec.method,
+        val_file=str(paths["validation"]) if paths["validation"] else None,
         val_fraction=spec.validation_split, split_seed=spec.seed, max_seq_len=spec.max_seq_len,
-        eval_every=spec.eval.eval_every_steps,
+        eval=spec.eval, early_exit=spec.early_exit,
+        targets=tuple(spec.target_modules) if spec.target_modules else None,
         checkpoint_every=int(os.environ.get("LORAPLEX_CHECKPOINT_EVERY", "50")),
-        early_exit=EarlyExitConfig(window=ee.window, patience=ee.patience, tau_gap=ee.tau_gap,
-                                   tau_slope=ee.tau_slope, warmup_fraction=ee.warmup_fraction,
-                                   keep_ratio=ee.keep_fraction, ema_beta=1.0 - ee.ema_alpha,
-                                   enabled=ee.enabled), **extra)
+        world_size=max(1, len(spec.gpu_indices)))
+
+
+def train(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
+          should_stop: StopFlag) -> dict:
+    """Run the task (one GPU, or adapter-parallel over the placement's GPUs); returns
+    {"best_job_id", "summary", "stopped"}."""
+    from trainer.executor import Callbacks, run_executor
+
+    cfg = executor_config(spec, directory)
+    out = Path(cfg.output_dir)
+    out.mkdir(exist_ok=True)
+    resume = inputs(directory, spec)["resume"]
+    if resume is not None and (resume / "state.pt").exists():
+        shutil.copyfile(resume / "state.pt", out / "state.pt")
     bridge = _Bridge(reporter, out, should_stop)
     callbacks = Callbacks(on_train_loss=bridge.on_train_loss, on_eval=bridge.on_eval,
                           on_job_state=bridge.on_job_state, on_adapter=bridge.on_adapter,
                           on_event=bridge.on_event, on_metrics=bridge.on_metrics)
     try:
-        status = Executor(cfg, callbacks).run()
+        status = run_executor(cfg, callbacks, should_stop)
     except Stopped:
         return {"stopped": True}
     finished = {j: b for j, b in bridge.best.items()
@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input (a data file no record of which tokenizes, an unknown model) will fail
         # again on retry; anything else (OOM, a lost device) is worth another attempt.
         retryable = not isinstance(exc, (ValueError, FileNotFoundError))
-        spool.failed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-4000:]}",
-                     retryable=retryable)
+        spool.failed(tenant_safe(f"{type(exc).__name__}: {exc}"), retryable=retryable,
+                     detail=traceback.format_exc())
         spool.close()
         return 1
     if stop.event.is_set() or result.get("stopped"):
