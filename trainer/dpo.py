@@ -18,7 +18,6 @@ stays out of the backward objective, a non-finite gradient norm skips only that 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer.data import IGNORE, Example, PackedBatch, PairExample, pack_step
-from trainer.engine import JobState, MultiLoraEngine, StepReport
+from trainer.engine import JobState, MultiLoraEngine
 
 METRICS = ("loss", "reward_accuracy", "reward_margin")
 
@@ -100,7 +99,11 @@ class DpoEngine(MultiLoraEngine):
         for p in pairs:
             if p.key not in self.reference and p.key not in missing:
                 missing[p.key] = p
+        # in lockstep every rank makes this pass when any rank needs it (idle if it has none)
+        needed = self.agree(int(bool(missing))) if self.agree is not None else int(bool(missing))
         if not missing:
+            if needed:
+                self.idle_forward()
             return 0
         todo = list(missing.values())
         seqs = pair_sequences(todo)
@@ -162,74 +165,26 @@ class DpoEngine(MultiLoraEngine):
         sums = torch.stack([loss.detach().sum(), (rc > rr).float().sum(), (rc - rr).detach().sum()])
         return loss.mean(), sums
 
-    # ----- one step --------------------------------------------------------------------
-    def step(self) -> StepReport:
-        """One DPO training step of every attached job that has steps left."""
-        states = [s for s in self.jobs.values() if not s.done]
-        if not states:
-            raise RuntimeError("no attached job has steps left")
-        per_job = [
-            [self.train_examples[i] for i in s.stream.next_indices(s.spec.batch_size)] for s in states
-        ]
+    # ----- the objective's parts of the engine's step and evaluation -------------------------
+    metric_names = METRICS
+
+    def _prepare(self, per_job: Sequence[Sequence[PairExample]]) -> None:  # type: ignore[override]
         self.ensure_reference([p for pairs in per_job for p in pairs])
-        try:
-            batch, logps = self._forward_logps(states, per_job)
-            losses, sums = [], []
-            for s, pairs, lp in zip(states, per_job, logps, strict=True):
-                loss, stat = self._objective(s, pairs, lp)
-                losses.append(loss)
-                sums.append(stat / len(pairs))
-            stats = torch.stack(sums).tolist()  # one device sync for every job's numbers
-            values = [row[0] for row in stats]
-            live = [loss for loss, v in zip(losses, values, strict=True) if math.isfinite(v)]
-            if live:
-                torch.stack(live).sum().backward()
-        finally:
-            self._clear_layout()
-        report = self._update(states, values, batch)
-        report.metrics = {s.job_id: dict(zip(METRICS[1:], row[1:], strict=True))
-                          for s, row in zip(states, stats, strict=True)}
-        return report
 
-    # ----- evaluation ------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate_metrics(
-        self, examples: Sequence[PairExample], batch_size: int = 8,  # type: ignore[override]
-        job_ids: Sequence[str] | None = None, max_sequences: int | None = None,
-    ) -> dict[str, dict[str, float]]:
-        """Mean DPO loss, reward accuracy and margin of each attached job over the same held-out
-        pairs. max_sequences counts pairs here (as the jobs' batch sizes do): jobs are evaluated
-        in groups of at most max_sequences // batch_size per forward."""
-        states = [self.jobs[j] for j in (job_ids if job_ids is not None else list(self.jobs))]
-        if not states or not examples:
-            return {}
-        if max_sequences is not None:
-            group = max(1, max_sequences // batch_size)
-            if group < len(states):
-                out: dict[str, dict[str, float]] = {}
-                for lo in range(0, len(states), group):
-                    ids = [s.job_id for s in states[lo : lo + group]]
-                    out.update(self.evaluate_metrics(examples, batch_size, ids))
-                return out
-        was_training = self.model.training
-        self.model.eval()
-        totals = torch.zeros(len(states), len(METRICS), dtype=torch.float64)
-        try:
-            for lo in range(0, len(examples), batch_size):
-                chunk = list(examples[lo : lo + batch_size])
-                self.ensure_reference(chunk)
-                _, logps = self._forward_logps(states, [chunk] * len(states))
-                sums = torch.stack([self._objective(s, chunk, lp)[1] for s, lp in zip(states, logps, strict=True)])
-                totals += sums.double().cpu()
-        finally:
-            self._clear_layout()
-            self.model.train(was_training)
-        means = (totals / len(examples)).tolist()
-        return {s.job_id: dict(zip(METRICS, row, strict=True)) for s, row in zip(states, means, strict=True)}
+    def _losses(self, states: Sequence[JobState], per_job: Sequence[Sequence[PairExample]]  # type: ignore[override]
+                ) -> tuple[PackedBatch, list[torch.Tensor], list[torch.Tensor]]:
+        batch, logps = self._forward_logps(states, per_job)
+        losses, numbers = [], []
+        for s, pairs, lp in zip(states, per_job, logps, strict=True):
+            loss, stat = self._objective(s, pairs, lp)
+            losses.append(loss)
+            numbers.append(stat / len(pairs))
+        return batch, losses, numbers
 
-    def evaluate(
-        self, examples: Sequence[PairExample], batch_size: int = 8,  # type: ignore[override]
-        job_ids: Sequence[str] | None = None, max_sequences: int | None = None,
-    ) -> dict[str, float]:
-        """Mean validation DPO loss per job (what early exit and the ranking use)."""
-        return {j: m["loss"] for j, m in self.evaluate_metrics(examples, batch_size, job_ids, max_sequences).items()}
+    def _eval_sums(self, states: Sequence[JobState], chunk: Sequence[PairExample]  # type: ignore[override]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        if any(p.key not in self.reference for p in chunk):
+            self.ensure_reference(chunk)
+        _, logps = self._forward_logps(states, [chunk] * len(states))
+        sums = torch.stack([self._objective(s, chunk, lp)[1] for s, lp in zip(states, logps, strict=True)])
+        return sums, torch.full((len(states),), float(len(chunk)), dtype=torch.float64)

@@ -15,7 +15,7 @@ on one tensor.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +65,15 @@ class JobSpec:
         if self.max_steps is not None:
             return int(self.max_steps)
         return max(1, math.ceil(self.epochs * n_train / self.batch_size))
+
+
+def eval_forwards(n_jobs: int, n_examples: int, batch_size: int, max_sequences: int | None) -> int:
+    """Backbone forwards of `MultiLoraEngine.evaluate_metrics` for these sizes (in lockstep every
+    rank computes it for every rank, to pad the ranks with fewer to the same count)."""
+    if n_jobs == 0 or n_examples == 0:
+        return 0
+    group = max(1, (max_sequences or 1 << 62) // batch_size)
+    return math.ceil(n_jobs / group) * math.ceil(n_examples / batch_size)
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str = "linear") -> float:
@@ -186,6 +195,9 @@ class MultiLoraEngine:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         self.jobs: dict[str, JobState] = {}  # active jobs in slot order
+        # adapter parallelism sets this to an all-reduce (max over ranks) of a local count, to
+        # agree on extra backbone passes; None: this engine runs alone (see `lockstep`)
+        self.agree: Callable[[int], int] | None = None
         self._init_arena()
 
     # ----- arena -----------------------------------------------------------------------
@@ -334,24 +346,72 @@ class MultiLoraEngine:
             counts.append(n)
         return batch, sums, counts
 
+    # ----- one step: the objective's parts (a subclass such as DpoEngine overrides them) ------
+    def _prepare(self, per_job: Sequence[Sequence[Example]]) -> None:
+        """Work before the step's forward (DPO: reference log-probs); SFT needs none."""
+
+    def _losses(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]
+                ) -> tuple[PackedBatch, list[torch.Tensor], list[torch.Tensor]]:
+        """One forward of every job's micro-batch: the batch, each job's differentiable mean loss
+        and each job's detached numbers [loss, *extra metrics] (SFT: just the loss)."""
+        batch, sums, counts = self._forward_losses(states, per_job)
+        losses = [s / max(n, 1) for s, n in zip(sums, counts, strict=True)]
+        return batch, losses, [loss.detach().reshape(1) for loss in losses]
+
+    metric_names: tuple[str, ...] = ("loss",)
+
     def step(self) -> StepReport:
-        """One training step of every attached job that has steps left."""
+        """One training step of every attached job that has steps left: one forward and one
+        backward over all their micro-batches, then each job's own update. In lockstep (the
+        backbone sharded over ranks) the backward runs even when every loss is non-finite, over
+        zero times the losses, because the other ranks' backward all-gathers wait for it."""
         states = [s for s in self.jobs.values() if not s.done]
         if not states:
             raise RuntimeError("no attached job has steps left")
         per_job = [
             [self.train_examples[i] for i in s.stream.next_indices(s.spec.batch_size)] for s in states
         ]
+        self._prepare(per_job)
         try:
-            batch, sums, counts = self._forward_losses(states, per_job)
-            losses = [s / max(n, 1) for s, n in zip(sums, counts, strict=True)]
-            values = torch.stack([loss.detach() for loss in losses]).tolist()
+            batch, losses, numbers = self._losses(states, per_job)
+            rows = torch.stack(numbers).tolist()  # one device sync for every job's numbers
+            values = [row[0] for row in rows]
             live = [loss for loss, v in zip(losses, values, strict=True) if math.isfinite(v)]
-            if live:
-                torch.stack(live).sum().backward()
+            if live or self.lockstep:
+                torch.stack(live or [loss * 0.0 for loss in losses]).sum().backward()
         finally:
             self._clear_layout()
-        return self._update(states, values, batch)
+        report = self._update(states, values, batch)
+        if len(self.metric_names) > 1:
+            report.metrics = {s.job_id: dict(zip(self.metric_names[1:], row[1:], strict=True))
+                              for s, row in zip(states, rows, strict=True)}
+        return report
+
+    # ----- lockstep passes (adapter parallelism: every rank joins every all-gather) -----------
+    @property
+    def lockstep(self) -> bool:
+        return self.agree is not None
+
+    def idle_step(self) -> None:
+        """A rank with no runnable job: the step's backbone forward + backward over one pad token
+        (loss 0, nothing updated), so it joins every layer's all-gathers of the step."""
+        self._prepare([])
+        ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
+        emb = self.model.get_input_embeddings()
+        # the embedding is frozen: let its output require grad so that backward reaches (and
+        # all-gathers) every layer, as a real step's LoRA paths make it do
+        hook = emb.register_forward_hook(lambda _m, _a, out: out.detach().requires_grad_(True))
+        try:
+            out = self.model.base_model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
+        finally:
+            hook.remove()
+        (out.last_hidden_state.float().sum() * 0.0).backward()
+
+    @torch.no_grad()
+    def idle_forward(self) -> None:
+        """One backbone forward over one pad token (an evaluation forward with no job)."""
+        ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
+        self.model.base_model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
 
     def _update(self, states: Sequence[JobState], values: list[float], batch: PackedBatch) -> StepReport:
         regions = [self.regions[s.job_id] for s in states]
@@ -384,49 +444,59 @@ class MultiLoraEngine:
         return report
 
     # ----- evaluation ------------------------------------------------------------------
+    def _eval_sums(self, states: Sequence[JobState], chunk: Sequence[Example]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One no-grad forward of every job on the same chunk: per job the sums of the
+        objective's numbers [N, len(metric_names)] and what each is averaged over [N]
+        (SFT: summed token losses over target tokens; DPO overrides: sums over pairs)."""
+        _, sums, counts = self._forward_losses(states, [chunk] * len(states))
+        return torch.stack(sums).reshape(-1, 1), torch.tensor(counts, dtype=torch.float64)
+
     @torch.no_grad()
+    def evaluate_metrics(
+        self, examples: Sequence[Example], batch_size: int = 8, job_ids: Sequence[str] | None = None,
+        max_sequences: int | None = None, forwards: int | None = None,
+    ) -> dict[str, dict[str, float]]:
+        """Every number of the objective (`metric_names`, the loss first) of each job on the same
+        held-out examples. With max_sequences, jobs go in groups so one forward holds at most
+        that many sequences (e.g. the training step's total batch, which admission sized to
+        fit). With `forwards` (lockstep), idle forwards pad this rank's passes to that count."""
+        states = [self.jobs[j] for j in (job_ids if job_ids is not None else list(self.jobs))]
+        group = max(1, (max_sequences or 1 << 62) // batch_size)
+        was_training = self.model.training
+        self.model.eval()
+        out: dict[str, dict[str, float]] = {}
+        try:
+            for g in range(0, len(states), group):
+                members = states[g : g + group]
+                totals = torch.zeros(len(members), len(self.metric_names), dtype=torch.float64)
+                denoms = torch.zeros(len(members), dtype=torch.float64)
+                for lo in range(0, len(examples), batch_size):
+                    sums, counts = self._eval_sums(members, list(examples[lo : lo + batch_size]))
+                    totals += sums.double().cpu()
+                    denoms += counts
+                means = (totals / denoms.clamp(min=1).unsqueeze(1)).tolist()
+                out.update({s.job_id: dict(zip(self.metric_names, row, strict=True))
+                            for s, row in zip(members, means, strict=True)})
+        finally:
+            self._clear_layout()
+            self.model.train(was_training)
+        own = eval_forwards(len(states), len(examples), batch_size, max_sequences)
+        if forwards is not None:
+            if own > forwards:
+                raise RuntimeError(f"this rank needs {own} eval forwards, more than the planned {forwards}")
+            for _ in range(forwards - own):
+                self.idle_forward()
+        return out
+
     def evaluate(
         self, examples: Sequence[Example], batch_size: int = 8, job_ids: Sequence[str] | None = None,
         max_sequences: int | None = None,
     ) -> dict[str, float]:
-        """Token-mean loss of each attached job on the same held-out examples. With
-        max_sequences, jobs are evaluated in groups so one forward holds at most that many
-        sequences (e.g. the training step's total batch, which admission sized to fit)."""
-        states = [self.jobs[j] for j in (job_ids if job_ids is not None else list(self.jobs))]
-        if not states or not examples:
-            return {}
-        if max_sequences is not None:
-            group = max(1, max_sequences // batch_size)
-            if group < len(states):
-                out: dict[str, float] = {}
-                for lo in range(0, len(states), group):
-                    ids = [s.job_id for s in states[lo : lo + group]]
-                    out.update(self.evaluate(examples, batch_size, ids))
-                return out
-        was_training = self.model.training
-        self.model.eval()
-        tot = [0.0] * len(states)
-        cnt = [0] * len(states)
-        try:
-            for lo in range(0, len(examples), batch_size):
-                chunk = list(examples[lo : lo + batch_size])
-                _, sums, counts = self._forward_losses(states, [chunk] * len(states))
-                for i, (s, n) in enumerate(zip(torch.stack(sums).tolist(), counts, strict=True)):
-                    tot[i] += s
-                    cnt[i] += n
-        finally:
-            self._clear_layout()
-            self.model.train(was_training)
-        return {s.job_id: tot[i] / max(cnt[i], 1) for i, s in enumerate(states)}
-
-    def evaluate_metrics(
-        self, examples: Sequence[Example], batch_size: int = 8, job_ids: Sequence[str] | None = None,
-        max_sequences: int | None = None,
-    ) -> dict[str, dict[str, float]]:
-        """`evaluate` with every number of the objective per job: {"loss": ...} here; objectives
-        with more (DPO) override it. The executor calls this one."""
-        losses = self.evaluate(examples, batch_size, job_ids, max_sequences)
-        return {j: {"loss": v} for j, v in losses.items()}
+        """The mean loss of each job on the same held-out examples (SFT: token mean; DPO: the
+        mean DPO loss over pairs), what early exit and the ranking use."""
+        metrics = self.evaluate_metrics(examples, batch_size, job_ids, max_sequences)
+        return {j: m["loss"] for j, m in metrics.items()}
 
     @torch.no_grad()
     def logits(self, job_id: str, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,25 @@
-"""The executor recipe: load the base model, build the multi-LoRA engine (SFT or DPO), read the
-data, admit jobs, loop training steps with periodic evaluation, early exit, ranking, checkpoints.
+"""The executor recipe, the one for every task: load the base model, build the multi-LoRA engine,
+read the data, admit jobs, loop training steps with periodic evaluation, early exit, ranking and
+checkpoints. Read it top to bottom in `Executor.run`.
 
-Read top to bottom in `Executor.run`. Everything reaches the outside world through `Callbacks`
-(the node daemon forwards them to the service); resuming from `output_dir/state.pt` is exact.
+It is composed of two independent parts: the objective is the engine's class (MultiLoraEngine for
+SFT, DpoEngine for DPO), the distribution is the strategy (trainer.strategy.OneGpu, or
+trainer.parallel.AdapterParallel: the backbone FSDP2-sharded over P ranks, each rank training its
+own jobs). The recipe is written for P ranks; on one GPU P = 1. Control is replicated: every rank
+holds the whole task's bookkeeping (queue, the owner of every job, statuses, every job's
+early-exit monitor, the ranking) and changes it only from gathered numbers in the same order, so
+every decision is the same on every rank without being sent; a job's adapter, optimizer state
+and data stream never leave the rank that trains it. Everything reaches the outside world
+through `Callbacks` (rank 0's), and resuming from `output_dir/state.pt` is exact.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +45,9 @@ from trainer.data import (
 )
 from trainer.dpo import DpoEngine
 from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
-from trainer.engine import JobSpec, JobState, MultiLoraEngine
+from trainer.engine import JobSpec, JobState, MultiLoraEngine, eval_forwards
 from trainer.export import export_peft
+from trainer.strategy import OneGpu
 
 log = logging.getLogger("loraplex.executor")
 
@@ -60,6 +70,9 @@ class Callbacks:
     # job, step, "train" | "val", extra numbers of that point beside the loss (DPO: reward
     # accuracy and margin); called just BEFORE the on_train_loss / on_eval of the same point
     on_metrics: Callable[[str, int, str, dict], None] = _noop
+    # no job id: the fields of service.protocol.ThroughputReport but the placement (measured
+    # tokens/s over the steps since the last report, the batch mix, the memory model)
+    on_throughput: Callable[[dict], None] = _noop
 
 
 @dataclass
@@ -93,12 +106,48 @@ class ExecutorConfig:
     world_size: int = 1  # GPUs of the placement; > 1: adapter parallelism (FSDP2 backbone)
 
 
-class Executor:
-    """Runs all jobs of one task to completion on one engine; see the module docstring."""
+CALLBACK_KINDS = tuple(f.name for f in fields(Callbacks))
 
-    def __init__(self, cfg: ExecutorConfig, callbacks: Callbacks | None = None) -> None:
+
+@dataclass
+class JobSlot:
+    """A started job as every rank knows it: its owner rank and its step count (the JobState
+    itself lives on the owner only)."""
+
+    job_id: str
+    owner: int
+    batch_size: int
+    step: int
+    total_steps: int
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+
+@dataclass
+class _Window:
+    """Training throughput since the last report: steps, seconds, real tokens, samples."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    samples: int = 0
+    padded: list[float] = field(default_factory=list)
+
+
+class Executor:
+    """Runs all jobs of one task to completion; see the module docstring. With a distributed
+    strategy, call `run` on every rank of the initialised process group."""
+
+    def __init__(self, cfg: ExecutorConfig, callbacks: Callbacks | None = None,
+                 strategy: Any = None, stop_requested: Callable[[], bool] | None = None) -> None:
         self.cfg = cfg
-        self.cb = callbacks or Callbacks()
+        self.strategy = strategy or OneGpu()
+        self.rank, self.world = self.strategy.rank, self.strategy.world
+        self.cb = self.strategy.callbacks(callbacks or Callbacks())
+        self.stop_requested = stop_requested
+        self.stopped = False
         self.out = Path(cfg.output_dir)
         self.status: dict[str, dict[str, Any]] = {
             j.job_id: {"state": "pending", "exit_reason": None} for j in cfg.jobs
@@ -106,23 +155,25 @@ class Executor:
         self.monitors = {j.job_id: JobMonitor(cfg.early_exit) for j in cfg.jobs}
         ranked = cfg.early_exit.enabled and len(cfg.jobs) > 1
         self.ranking = WarmupRanking([j.job_id for j in cfg.jobs], cfg.early_exit.keep_fraction) if ranked else None
-        self.queue: list[JobSpec | JobState] = list(cfg.jobs)  # never started, then parked
+        self.queue: list[JobSpec | JobSlot] = list(cfg.jobs)  # never started, then parked
+        self.placed: dict[str, JobSlot] = {}  # running jobs of every rank, in placement order
+        self.parked: dict[str, JobState] = {}  # this rank's parked jobs (on CPU)
         self.global_step = 0
         self.last_eval: dict[str, int] = {}
-        self.padded: list[float] = []  # padded-token fraction per step since the last checkpoint
+        self.window = _Window()
+        self.memory_model: MemoryModel | None = None
 
     # ----- setup -------------------------------------------------------------------------
     def _load(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         cfg = self.cfg
-        device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
-                              else ("cpu" if cfg.device == "auto" else cfg.device))
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if cfg.method not in ("sft", "dpo"):
             raise ValueError(f"unknown method {cfg.method!r}; expected 'sft' or 'dpo'")
+        device = self.strategy.device(cfg.device)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=dtype).to(device)
+        model = self.strategy.load_model(cfg.model_dir, device, dtype)
         tokenize = tokenize_pairs if cfg.method == "dpo" else tokenize_all
         train = tokenize(self.tokenizer, read_jsonl(cfg.train_file), cfg.max_seq_len)
         if cfg.val_file:
@@ -131,24 +182,36 @@ class Executor:
             train, val = split_validation(train, cfg.val_fraction, cfg.split_seed)
         if not train or not val:
             raise ValueError("no trainable examples left after tokenisation/truncation")
-        self.val = val
+        cap = cfg.eval.eval_max_samples
+        self.val = val[:cap] if cap else val  # the same first N for every job and evaluation
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         engine_cls = DpoEngine if cfg.method == "dpo" else MultiLoraEngine
-        self.engine = engine_cls(
+        self.engine = self.strategy.prepare_engine(engine_cls(
             model, train, pad, cfg.targets, cfg.gradient_checkpointing, cfg.backend,
             getattr(torch, cfg.adapter_dtype),
-        )
+        ), device)
+        if isinstance(self.engine, DpoEngine):
+            # the validation pairs' reference log-probs once, in the evaluation's chunks, so no
+            # evaluation needs a pass the other ranks do not make
+            for lo in range(0, len(self.val), cfg.eval_batch_size):
+                self.engine.ensure_reference(self.val[lo : lo + cfg.eval_batch_size])
         if device.type == "cuda" and cfg.max_tokens_per_step is None:
             budget = cfg.memory_budget_bytes or torch.cuda.get_device_properties(device).total_memory
             mm = MemoryModel(*cfg.memory_model) if cfg.memory_model else self._profile_memory_model()
-            self.cb.on_event("", "memory_model", {"k0": mm.k0, "k1": mm.k1, "budget_bytes": budget})
-            self.admission = AdmissionController(mm, budget, cfg.max_seq_len, max_jobs=cfg.max_active_jobs)
+            # ranks measure slightly different peaks; all must decide alike: take the largest
+            fits = self.strategy.gather((mm.k0, mm.k1))
+            self.memory_model = MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits))
+            self.cb.on_event("", "memory_model", {"k0": self.memory_model.k0, "k1": self.memory_model.k1,
+                                                  "budget_bytes": budget, "ranks": self.world})
+            self.admission = AdmissionController(self.memory_model, budget, cfg.max_seq_len,
+                                                 max_jobs=cfg.max_active_jobs)
         else:
             # a DPO batch item is a pair: two sequences of up to max_seq_len tokens
             per_item = cfg.max_seq_len * (2 if cfg.method == "dpo" else 1)
             self.admission = AdmissionController.from_token_budget(
                 cfg.max_tokens_per_step or 1 << 60, per_item, cfg.max_active_jobs)
-        self.cb.on_event("", "executor_loaded", {"train": len(train), "val": len(val), "device": str(device)})
+        self.cb.on_event("", "executor_loaded", {"train": len(train), "val": len(self.val),
+                                                 "device": str(device), "ranks": self.world})
 
     def probe_step(self, total_batch: int) -> None:
         """One full training step of a throwaway job of the largest rank at `total_batch`
@@ -198,69 +261,125 @@ class Executor:
                 self.ranking.exit(job_id)
         while True:
             self._admit()
-            done = [j for j, s in self.engine.jobs.items() if s.done]
+            done = [j for j, s in self.placed.items() if s.done]
             for job_id in done:  # e.g. a parked job whose warmup was its whole run
                 self._finish(job_id)
             if done:
                 continue
-            if not self.engine.jobs:
+            if not self.placed:
                 break
-            report = self.engine.step()
+            started = time.perf_counter()
+            report = self.engine.step() if self.engine.jobs else None
+            if report is None:  # this rank has no runnable job: join the others' passes
+                self.engine.idle_step()
             self.global_step += 1
-            self.padded.append(report.padded_fraction)
-            for job_id, loss in report.losses.items():
-                step = report.steps[job_id]
-                if report.metrics.get(job_id):
-                    self.cb.on_metrics(job_id, step, "train", report.metrics[job_id])
-                self.cb.on_train_loss(job_id, step, loss)
-                if report.skipped[job_id]:
-                    self.cb.on_event(job_id, "update_skipped", {"step": step, "loss": loss,
-                                                                "grad_norm": report.grad_norms[job_id]})
-                decision = self.monitors[job_id].observe_train(step, loss)
-                if decision is not None:
-                    self._exit(job_id, decision)
+            for slot in self.placed.values():
+                slot.step += 1
+            stop = self._observe_train(report, time.perf_counter() - started)
             self._evaluate_due()
             self._warmup_policy()
-            for job_id in [j for j, s in self.engine.jobs.items() if s.done]:
+            for job_id in [j for j, s in self.placed.items() if s.done]:
                 self._finish(job_id)
+            limit = self.cfg.stop_after_steps is not None and self.global_step >= self.cfg.stop_after_steps
+            if stop or limit:  # checkpoint, then stop as if killed: a later run resumes here
+                self.stopped = stop
+                self._checkpoint()
+                self.strategy.flush()
+                return self.status
             if self.global_step % self.cfg.checkpoint_every == 0:
                 self._checkpoint()
-            if self.cfg.stop_after_steps is not None and self.global_step >= self.cfg.stop_after_steps:
-                self._checkpoint()
-                return self.status
+            self.strategy.flush()
         self._checkpoint()
+        self.strategy.flush()
         return self.status
 
     # ----- pieces of the loop --------------------------------------------------------------
+    def _observe_train(self, report: Any, seconds: float) -> bool:
+        """Every rank's step outcome to every rank, then the same callbacks and exit decisions
+        everywhere; True when any rank was asked to stop."""
+        local = {} if report is None else {
+            j: (report.steps[j], report.losses[j], report.skipped[j], report.grad_norms[j],
+                report.metrics.get(j)) for j in report.losses}
+        stop = bool(self.stop_requested is not None and self.stop_requested())
+        numbers = None if report is None else (report.padded_fraction, report.tokens)
+        parts = self.strategy.gather((local, stop, numbers))
+        merged = {j: v for part in parts for j, v in part[0].items()}
+        measured = [p[2] for p in parts if p[2] is not None]
+        w = self.window
+        w.steps += 1
+        w.seconds += seconds
+        w.tokens += sum(m[1] for m in measured)
+        w.samples += sum(s.batch_size for s in self.placed.values())
+        w.padded.append(sum(m[0] for m in measured) / max(len(measured), 1))
+        for job_id in list(self.placed):
+            step, loss, skipped, norm, metrics = merged[job_id]
+            if metrics:
+                self.cb.on_metrics(job_id, step, "train", metrics)
+            self.cb.on_train_loss(job_id, step, loss)
+            if skipped:
+                self.cb.on_event(job_id, "update_skipped", {"step": step, "loss": loss, "grad_norm": norm})
+            decision = self.monitors[job_id].observe_train(step, loss)
+            if decision is not None:
+                self._exit(job_id, decision)
+        return any(p[1] for p in parts)
+
+    def _rank_batch(self, rank: int) -> int:
+        return sum(s.batch_size for s in self.placed.values() if s.owner == rank)
+
     def _admit(self) -> None:
+        """Deterministic admission: one job at a time to the least-loaded rank whose admission
+        controller takes it (the memory model is per rank); a parked job returns to its own rank
+        only, and during warmup only never-started jobs rotate in."""
         ranking_open = self.ranking is not None and self.ranking.result is None
-        # during warmup only never-started jobs rotate in; parked ones wait for the ranking
-        candidates = [q for q in self.queue if not (ranking_open and isinstance(q, JobState))]
-        running = list(self.engine.jobs.values())
-        for job_id in self.admission.admit(candidates, running):
-            item = next(q for q in self.queue if q.job_id == job_id)
-            self.queue.remove(item)
-            self.engine.attach(item)
-            if self.status[job_id]["state"] != "running":
-                self._set_state(job_id, "running", {"resumed": isinstance(item, JobState)})
+        while True:
+            order = sorted(range(self.world), key=lambda r: (
+                self._rank_batch(r), sum(s.owner == r for s in self.placed.values()), r))
+            for r in order:
+                cands = [q for q in self.queue if isinstance(q, JobSpec) or (q.owner == r and not ranking_open)]
+                running = [s for s in self.placed.values() if s.owner == r]
+                chosen = self.admission.admit(cands, running) if cands else []
+                if chosen:
+                    self._place(chosen[0], r)
+                    break
+            else:
+                return
+
+    def _place(self, job_id: str, rank: int) -> None:
+        item = next(q for q in self.queue if q.job_id == job_id)
+        self.queue.remove(item)
+        resumed = isinstance(item, JobSlot)
+        slot = item if resumed else JobSlot(job_id, rank, item.batch_size, 0,
+                                            item.total_steps(len(self.engine.train_examples)))
+        self.placed[job_id] = slot
+        if rank == self.rank:
+            self.engine.attach(self.parked.pop(job_id) if resumed else item)
+        if self.status[job_id]["state"] != "running":
+            self._set_state(job_id, "running", {"resumed": resumed, "rank": rank})
 
     def _evaluate_due(self) -> None:
         due = []
-        for job_id, s in self.engine.jobs.items():
+        for job_id, s in self.placed.items():
             warm_end = self._warmup_len(s) if self._in_warmup(job_id) else -1
-            if s.step % self.cfg.eval_every == 0 or s.done or s.step == warm_end:
+            if s.step % self.cfg.eval.eval_every_steps == 0 or s.done or s.step == warm_end:
                 if self.last_eval.get(job_id) != s.step:
                     due.append(job_id)
         if not due:
             return
-        step_batch = sum(s.batch_size for s in self.engine.jobs.values())
-        metrics = self.engine.evaluate_metrics(self.val, self.cfg.eval_batch_size, due,
-                                               max_sequences=max(step_batch, self.cfg.eval_batch_size))
-        for job_id, numbers in metrics.items():
-            s = self.engine.jobs[job_id]
+        bs = self.cfg.eval_batch_size
+
+        def plan(r: int) -> tuple[list[str], int]:
+            # at most the rank's training batch per forward: admission sized that to fit
+            return [j for j in due if self.placed[j].owner == r], max(self._rank_batch(r), bs)
+
+        forwards = max(eval_forwards(len(ids), len(self.val), bs, cap) for ids, cap in map(plan, range(self.world)))
+        mine, cap = plan(self.rank)
+        local = self.engine.evaluate_metrics(self.val, bs, mine, cap, forwards=forwards)
+        numbers = {j: v for part in self.strategy.gather(local) for j, v in part.items()}
+        for job_id in due:
+            s, m = self.placed[job_id], numbers[job_id]
+            val = m["loss"]  # DPO: the validation DPO loss, for the same detectors
             self.last_eval[job_id] = s.step
-            val = numbers["loss"]  # DPO: the validation DPO loss, for the same detectors
-            extra = {k: v for k, v in numbers.items() if k != "loss"}
+            extra = {k: v for k, v in m.items() if k != "loss"}
             if extra:
                 self.cb.on_metrics(job_id, s.step, "val", extra)
             self.cb.on_eval(job_id, s.step, val)
@@ -271,7 +390,7 @@ class Executor:
             if decision is not None:
                 self._exit(job_id, decision)
 
-    def _warmup_len(self, s: JobState) -> int:
+    def _warmup_len(self, s: JobSlot) -> int:
         return self.cfg.early_exit.warmup_steps(s.total_steps)
 
     def _in_warmup(self, job_id: str) -> bool:
@@ -281,13 +400,15 @@ class Executor:
         if self.ranking is None or self.ranking.result is not None:
             return
         fresh_waiting = any(isinstance(q, JobSpec) for q in self.queue)
-        for job_id, s in list(self.engine.jobs.items()):
+        for job_id, s in list(self.placed.items()):
             if self._in_warmup(job_id) and s.step >= self._warmup_len(s):
-                self.ranking.report(job_id, self.monitors[job_id].eval_val[-1]
-                                    if self.monitors[job_id].eval_val else math.inf)
-                if fresh_waiting:  # rotate: park it so a queued configuration gets its warmup
-                    self.queue.append(self.engine.detach(job_id, park_device="cpu"))
-                    self.cb.on_event(job_id, "parked_after_warmup", {"step": s.step})
+                mon = self.monitors[job_id]
+                self.ranking.report(job_id, mon.eval_val[-1] if mon.eval_val else math.inf)
+                if fresh_waiting:  # rotate: park it on its rank so a queued configuration gets its warmup
+                    self.queue.append(self.placed.pop(job_id))
+                    if s.owner == self.rank:
+                        self.parked[job_id] = self.engine.detach(job_id, park_device="cpu")
+                    self.cb.on_event(job_id, "parked_after_warmup", {"step": s.step, "rank": s.owner})
         if self.ranking.ready:
             keep, evict = self.ranking.decide()
             self.cb.on_event("", "warmup_ranking", {"keep": keep, "evict": evict})
@@ -297,8 +418,10 @@ class Executor:
     def _exit(self, job_id: str, decision: ExitDecision) -> None:
         if self.status[job_id]["state"] in ("exited", "completed", "failed"):
             return
-        if job_id in self.engine.jobs:
+        slot = self.placed.pop(job_id, None)
+        if slot is not None and slot.owner == self.rank:
             self.engine.detach(job_id)
+        self.parked.pop(job_id, None)
         self.queue = [q for q in self.queue if q.job_id != job_id]
         if self._in_warmup(job_id):
             self.ranking.exit(job_id)
@@ -306,90 +429,149 @@ class Executor:
         self._set_state(job_id, "exited", {"exit_reason": decision.reason, **decision.details})
 
     def _finish(self, job_id: str) -> None:
-        state = self.engine.detach(job_id)
-        self._export(job_id, "final", state)
-        self._set_state(job_id, "completed", {"steps": state.step, "best_val": self.monitors[job_id].best_val})
+        slot = self.placed.pop(job_id)
+        state = self.engine.detach(job_id) if slot.owner == self.rank else None
+        self._export(job_id, "final", state, owner=slot.owner)
+        self._set_state(job_id, "completed", {"steps": slot.step, "best_val": self.monitors[job_id].best_val})
 
-    def _export(self, job_id: str, kind: str, state: JobState | None = None) -> None:
-        state = state or self.engine.jobs[job_id]
-        path = export_peft(state.adapter, self.out / "jobs" / job_id / kind, list(self.cfg.targets),
-                           self.cfg.model_dir, metadata={"step": str(state.step)})
+    def _export(self, job_id: str, kind: str, state: JobState | None = None, owner: int | None = None) -> None:
+        path = self.out / "jobs" / job_id / kind
+        owner = self.placed[job_id].owner if owner is None else owner
+        if owner == self.rank:  # the weights are here; the announcement follows the files
+            state = state or self.engine.jobs[job_id]
+            export_peft(state.adapter, path, list(self.engine.targets), self.cfg.model_dir,
+                        metadata={"step": str(state.step)})
         self.cb.on_adapter(job_id, kind, path)
 
     def _set_state(self, job_id: str, state: str, details: dict) -> None:
         self.status[job_id]["state"] = state
-        log.info("job=%s state=%s details=%s", job_id, state, details)
+        if self.rank == 0:
+            log.info("job=%s state=%s details=%s", job_id, state, details)
         self.cb.on_job_state(job_id, state, details)
 
-    # ----- checkpoints -------------------------------------------------------------------------
-    def _checkpoint(self) -> None:
-        if self.padded:
-            self.cb.on_event("", "throughput", {
-                "global_step": self.global_step,
-                "padded_fraction": sum(self.padded) / len(self.padded),
-                "active_jobs": len(self.engine.jobs),
-            })
-            self.padded = []
-        active = [job_state_dict(s) for s in self.engine.jobs.values()]
-        queued = [job_state_dict(q) if isinstance(q, JobState) else {"fresh": q} for q in self.queue]
-        save_checkpoint(self.out / "state.pt", {
-            "active": active, "queue": queued, "status": self.status, "monitors": self.monitors,
-            "ranking": self.ranking, "global_step": self.global_step, "last_eval": self.last_eval,
-            "rng": rng_state(),
-            # DPO: the reference log-probs (2 floats per pair), so a resumed run reuses them
-            **({"reference": self.engine.reference_state()} if isinstance(self.engine, DpoEngine) else {}),
+    # ----- reports and checkpoints -------------------------------------------------------------
+    def _report_throughput(self) -> None:
+        w, self.window = self.window, _Window()
+        if w.steps == 0:
+            return
+        tokens_per_s = w.tokens / w.seconds if w.seconds > 0 else 0.0
+        self.cb.on_event("", "throughput", {
+            "global_step": self.global_step, "padded_fraction": sum(w.padded) / len(w.padded),
+            "active_jobs": len(self.placed), "ranks": self.world, "tokens_per_s": tokens_per_s,
         })
+        if tokens_per_s > 0 and self.placed:
+            mm = self.memory_model
+            self.cb.on_throughput({
+                "gpus": self.world, "seq_len": self.cfg.max_seq_len,
+                "batch_sizes": sorted(s.batch_size for s in self.placed.values()),
+                "tokens_per_s": tokens_per_s, "samples_per_s": w.samples / w.seconds,
+                "memory_k0": mm.k0 if mm else None, "memory_k1": mm.k1 if mm else None,
+            })
+
+    def _checkpoint(self) -> None:
+        self._report_throughput()
+        dpo = isinstance(self.engine, DpoEngine)
+        mine = {j: job_state_dict(s) for j, s in [*self.engine.jobs.items(), *self.parked.items()]}
+        parts = self.strategy.collect_parts(self.out, {
+            "jobs": mine, "reference": self.engine.reference_state() if dpo else None})
+        if parts is None:  # not rank 0: it writes the one state.pt
+            return
+        states = {j: d for part in parts for j, d in part["jobs"].items()}
+        owners = {j: s.owner for j, s in self.placed.items()}
+        owners.update({q.job_id: q.owner for q in self.queue if isinstance(q, JobSlot)})
+        payload = {
+            "active": [states[j] for j in self.placed],
+            "queue": [states[q.job_id] if isinstance(q, JobSlot) else {"fresh": q} for q in self.queue],
+            "status": self.status, "monitors": self.monitors, "ranking": self.ranking,
+            "global_step": self.global_step, "last_eval": self.last_eval, "rng": rng_state(),
+            "parallel": {"world": self.world, "owners": owners},
+        }
+        if dpo:  # the reference log-probs of every rank (2 floats per pair): a resume reuses them
+            refs = [p["reference"] for p in parts]
+            payload["reference"] = {k: torch.cat([r[k] for r in refs]) for k in ("keys", "values")}
+        save_checkpoint(self.out / "state.pt", payload)
 
     def _resume(self, ck: dict[str, Any]) -> None:
+        """Continue from a state.pt of any strategy: on the same number of ranks every job stays
+        on its rank; otherwise jobs are dealt to the least-loaded ranks, which gives the same
+        adapters, as a job's trajectory does not depend on where or beside whom it runs."""
+        par = ck.get("parallel") or {}
+        owners = par.get("owners", {}) if par.get("world") == self.world else {}
+        parked_load = [0] * self.world
         for d in ck["active"]:
-            self.engine.attach(restore_job(self.engine, d))
-        self.queue = [q["fresh"] if "fresh" in q else restore_job(self.engine, q).to("cpu") for q in ck["queue"]]
+            job_id, bs = d["spec"]["job_id"], d["spec"]["batch_size"]
+            r = owners.get(job_id)
+            if r is None:
+                r = min(range(self.world), key=lambda k: (self._rank_batch(k), k))
+            self.placed[job_id] = JobSlot(job_id, r, bs, d["step"], d["total_steps"])
+            if r == self.rank:
+                self.engine.attach(restore_job(self.engine, d))
+        self.queue = []
+        for q in ck["queue"]:
+            if "fresh" in q:
+                self.queue.append(q["fresh"])
+                continue
+            job_id = q["spec"]["job_id"]
+            r = owners.get(job_id)
+            if r is None:
+                r = min(range(self.world), key=lambda k: (parked_load[k], k))
+            parked_load[r] += 1
+            self.queue.append(JobSlot(job_id, r, q["spec"]["batch_size"], q["step"], q["total_steps"]))
+            if r == self.rank:
+                self.parked[job_id] = restore_job(self.engine, q).to("cpu")
         self.status, self.monitors, self.ranking = ck["status"], ck["monitors"], ck["ranking"]
         self.global_step, self.last_eval = ck["global_step"], ck["last_eval"]
-        if isinstance(self.engine, DpoEngine) and "reference" in ck:
+        if isinstance(self.engine, DpoEngine) and ck.get("reference") is not None:
             self.engine.load_reference_state(ck["reference"])
         set_rng_state(ck["rng"])
-        self.cb.on_event("", "resumed", {"global_step": self.global_step})
+        self.cb.on_event("", "resumed", {"global_step": self.global_step, "ranks": self.world,
+                                         "same_placement": bool(owners)})
 
 
 def run_executor(cfg: ExecutorConfig, callbacks: Callbacks | None = None,
                  should_stop: Callable[[], bool] | None = None) -> dict[str, dict[str, Any]]:
     """Run one task with the strategy its placement asks for: this process on one GPU, or
     `cfg.world_size` ranks (one process per GPU) with the backbone sharded (adapter parallelism).
-    Returns every job's final status."""
+    Returns every job's final status; when should_stop() turns true, every rank checkpoints at
+    the end of its step and returns (`Executor.stopped`)."""
     if cfg.world_size > 1:
         from trainer.parallel import run_parallel
 
         return run_parallel(cfg, cfg.world_size, callbacks, should_stop)
-    return Executor(cfg, callbacks).run()
+    return Executor(cfg, callbacks, stop_requested=should_stop).run()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m trainer.executor config.json`: run one task, printing callbacks as JSON lines."""
+    """`python -m trainer.executor config.json [--nproc P]`: run one task on this machine,
+    printing callbacks as JSON lines."""
     import argparse
     import json
     import sys
 
     parser = argparse.ArgumentParser(description="Run one task's jobs on this machine.")
     parser.add_argument("config", help="JSON file with ExecutorConfig fields; jobs as a list of JobSpec dicts")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks (GPUs); default world_size")
     args = parser.parse_args(argv)
     raw = json.loads(Path(args.config).read_text())
     raw["jobs"] = [JobSpec(**{**j, "betas": tuple(j.get("betas", (0.9, 0.999)))}) for j in raw["jobs"]]
     if "early_exit" in raw:
         raw["early_exit"] = EarlyExitSettings(**raw["early_exit"])
+    if "eval" in raw:
+        raw["eval"] = EvalSettings(**raw["eval"])
     if "targets" in raw:
         raw["targets"] = tuple(raw["targets"])
+    if args.nproc is not None:
+        raw["world_size"] = args.nproc
 
     def emit(kind: str) -> Callable[..., None]:
-        def f(job_id: str, *rest: Any) -> None:
-            print(json.dumps({"kind": kind, "job": job_id, "data": [str(r) if isinstance(r, Path) else r
-                                                                    for r in rest]}, default=str))
+        def f(*args: Any) -> None:
+            print(json.dumps({"kind": kind, "data": [str(r) if isinstance(r, Path) else r for r in args]},
+                             default=str))
             sys.stdout.flush()
         return f
 
-    cb = Callbacks(emit("train_loss"), emit("eval"), emit("job_state"), emit("adapter"), emit("event"),
-                   emit("metrics"))
-    status = Executor(ExecutorConfig(**raw), cb).run()
+    cb = Callbacks(*(emit(k.removeprefix("on_")) for k in CALLBACK_KINDS))
+    status = run_executor(ExecutorConfig(**raw), cb)
     print(json.dumps({"kind": "done", "status": status}))
 
 

@@ -5,8 +5,10 @@ The daemon has already put the inputs in DIR (data/train.jsonl, data/validation.
 with the latest checkpoint's files) and watches DIR/spool.jsonl; adapters and checkpoints are
 written as folders under DIR/artifacts and announced by a spool record once complete. Imports
 only torch/transformers/peft (through worker/) and service.protocol: GPU nodes have no service
-stack. SIGTERM asks the executor to checkpoint and stop; a stale daemon lease (DIR/lease not
-touched for LORAPLEX_LEASE_TIMEOUT_S) does the same, so an orphan stops reporting.
+stack. SIGTERM asks the executor to checkpoint at the end of its step and stop (the checkpoint is
+uploaded before the exit); a stale daemon lease (DIR/lease not touched for
+LORAPLEX_LEASE_TIMEOUT_S) does the same, so an orphan stops reporting. A placement of g > 1 GPUs
+runs the adapter-parallel executor (one process per GPU), g = 1 the one-GPU executor.
 """
 
 from __future__ import annotations
@@ -112,17 +114,13 @@ def inputs(directory: Path, spec: PlacementSpec) -> dict[str, Path | None]:
             "resume": resume if spec.resume_checkpoint_files and resume.is_dir() else None}
 
 
-class Stopped(Exception):
-    """Raised from a callback to unwind the executor when asked to stop."""
-
-
 class _Bridge:
     """Maps trainer.executor's Callbacks onto spool records: keeps each job's best validation
     point, uploads a job's best adapter (else its final one) just before its terminal state,
     and announces a resumable checkpoint each time the executor has written a new state.pt."""
 
-    def __init__(self, reporter: SpoolReporter, out: Path, should_stop: StopFlag) -> None:
-        self.reporter, self.out, self.should_stop = reporter, out, should_stop
+    def __init__(self, reporter: SpoolReporter, out: Path) -> None:
+        self.reporter, self.out = reporter, out
         self.best: dict[str, tuple[float, int]] = {}
         self.last_step: dict[str, int] = {}
         self.adapters: dict[str, dict[str, Path]] = {}
@@ -143,14 +141,20 @@ class _Bridge:
     def on_train_loss(self, job_id: str, step: int, loss: float) -> None:
         self.last_step[job_id] = step
         self.reporter.train_loss(job_id, step, loss, **self.extra.pop((job_id, step, "train"), {}))
+        self.announce_checkpoint()
+
+    def announce_checkpoint(self) -> None:
+        """Upload state.pt when the executor wrote a new one (it does so atomically)."""
         mtime = self._state_mtime()
         if mtime > self.ckpt_mtime:
             self.ckpt_mtime = mtime
+            step = max(self.last_step.values(), default=0)
             target = self.reporter.checkpoint_dir(step)
             shutil.copyfile(self.out / "state.pt", target / "state.pt")
             self.reporter.checkpoint(step, target)
-        if self.should_stop():
-            raise Stopped(self.should_stop.reason)
+
+    def on_throughput(self, data: dict) -> None:
+        self.reporter.spool.throughput(**data)
 
     def on_eval(self, job_id: str, step: int, loss: float) -> None:
         self.reporter.val_loss(job_id, step, loss, **self.extra.pop((job_id, step, "val"), {}))
@@ -212,13 +216,14 @@ def train(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
     resume = inputs(directory, spec)["resume"]
     if resume is not None and (resume / "state.pt").exists():
         shutil.copyfile(resume / "state.pt", out / "state.pt")
-    bridge = _Bridge(reporter, out, should_stop)
+    bridge = _Bridge(reporter, out)
     callbacks = Callbacks(on_train_loss=bridge.on_train_loss, on_eval=bridge.on_eval,
                           on_job_state=bridge.on_job_state, on_adapter=bridge.on_adapter,
-                          on_event=bridge.on_event, on_metrics=bridge.on_metrics)
-    try:
-        status = run_executor(cfg, callbacks, should_stop)
-    except Stopped:
+                          on_event=bridge.on_event, on_metrics=bridge.on_metrics,
+                          on_throughput=bridge.on_throughput)
+    status = run_executor(cfg, callbacks, should_stop)
+    if should_stop.event.is_set():  # the executor checkpointed at a step boundary and stopped: hand it over
+        bridge.announce_checkpoint()
         return {"stopped": True}
     finished = {j: b for j, b in bridge.best.items()
                 if status.get(j, {}).get("state") in ("completed", "exited")}

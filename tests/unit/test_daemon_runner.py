@@ -104,7 +104,8 @@ def test_sigterm_and_stale_lease_stop_with_a_retryable_failure(placement: Path,
     finally:
         signal.signal(signal.SIGTERM, previous)
     recs = records(placement)
-    assert recs[-1] == {"type": "failed", "error": "executor stopped: SIGTERM", "retryable": True}
+    assert recs[-1] == {"type": "failed", "error": "executor stopped: SIGTERM", "retryable": True,
+                        "detail": None}
 
     lease = placement / "lease"
     lease.touch()

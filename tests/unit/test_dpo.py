@@ -12,7 +12,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from service.protocol import EarlyExitSettings
+from service.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import padded_batch, tiny_model_dir, write_jsonl
 from trainer.data import IGNORE, Record, parse_record, tokenize_pair, tokenize_pairs, truncate_pair
 from trainer.dpo import DpoEngine
@@ -267,7 +267,7 @@ def dpo_config(tmp_path, world, out: str, **kw) -> ExecutorConfig:  # noqa: ANN0
     jobs = [JobSpec(f"job{i}", rank=r, alpha=2 * r, lr=lr, batch_size=b, beta=beta, max_steps=6, seed=i)
             for i, (r, beta, b, lr) in enumerate(JOBS)]
     base = dict(model_dir=str(d), train_file=str(train), output_dir=str(tmp_path / out), jobs=jobs,
-                method="dpo", max_seq_len=40, eval_every=3, checkpoint_every=2, eval_batch_size=4,
+                method="dpo", max_seq_len=40, eval=EvalSettings(eval_every_steps=3, eval_max_samples=None), checkpoint_every=2, eval_batch_size=4,
                 early_exit=EarlyExitSettings(enabled=False))
     base.update(kw)
     return ExecutorConfig(**base)

@@ -19,13 +19,8 @@ from service.protocol import (
 )
 from tests.helpers.engine_ref import tiny_model_dir, write_jsonl
 from tests.unit.test_dpo import preference_rows
-from worker import executor as executor_mod
 from worker import runner
 from worker.service_client import SpoolWriter, read_complete_lines
-
-
-class DpoHyperparameters(JobHyperparameters):
-    beta: float  # what the service's job configuration carries for a dpo task
 
 
 @pytest.fixture(autouse=True)
@@ -36,12 +31,11 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def test_dpo_placement_trains_with_each_jobs_beta_and_reports_rewards(tmp_path: Path,
-                                                                      monkeypatch) -> None:  # noqa: ANN001
+def test_dpo_placement_trains_with_each_jobs_beta_and_reports_rewards(tmp_path: Path) -> None:
     model = tiny_model_dir("llama", tmp_path)
     (tmp_path / "data").mkdir()
     write_jsonl(tmp_path / "data" / "train.jsonl", preference_rows(18, seed=2))
-    hp = [DpoHyperparameters(learning_rate=1e-2, lora_rank=4, lora_alpha=8, batch_size=2, beta=b)
+    hp = [JobHyperparameters(learning_rate=1e-2, lora_rank=4, lora_alpha=8, batch_size=2, beta=b)
           for b in (0.1, 0.7)]
     spec = PlacementSpec(
         task_id="t", placement_id="p", attempt=1, node_id="n", gpu_indices=[0], method="dpo",
@@ -50,20 +44,12 @@ def test_dpo_placement_trains_with_each_jobs_beta_and_reports_rewards(tmp_path: 
         max_seq_len=40, epochs=1, seed=0, eval=EvalSettings(eval_every_steps=3),
         early_exit=EarlyExitSettings(enabled=False),
         jobs=[JobSpec(job_id=f"j{i}", index=i, state="pending", hyperparameters=h) for i, h in enumerate(hp)])
-    seen = {}
-
-    class Spy(executor_mod.Executor):
-        def __init__(self, cfg, callbacks) -> None:  # noqa: ANN001
-            seen["cfg"] = cfg
-            super().__init__(cfg, callbacks)
-
-    monkeypatch.setattr(executor_mod, "Executor", Spy)
+    cfg = runner.executor_config(spec, tmp_path)
+    assert cfg.method == "dpo" and [j.beta for j in cfg.jobs] == [0.1, 0.7] and cfg.world_size == 1
     spool = SpoolWriter(tmp_path / "spool.jsonl")
     result = runner.train(spec, tmp_path, runner.SpoolReporter(spool, tmp_path),
                           runner.StopFlag(tmp_path, 0))
     spool.close()
-    cfg = seen["cfg"]
-    assert cfg.method == "dpo" and [j.beta for j in cfg.jobs] == [0.1, 0.7]
     assert result["summary"]["jobs"] == {"j0": "completed", "j1": "completed"}
     recs = [json.loads(t) for _, _, t in read_complete_lines(tmp_path / "spool.jsonl", 0)]
     points = [r["point"] for r in recs if r["type"] == "metric"]
@@ -79,8 +65,7 @@ def test_dpo_placement_trains_with_each_jobs_beta_and_reports_rewards(tmp_path: 
 def test_bridge_attaches_extras_to_their_point_and_nulls_non_finite(tmp_path: Path) -> None:
     spool = SpoolWriter(tmp_path / "spool.jsonl")
     (tmp_path / "out").mkdir()
-    bridge = runner._Bridge(runner.SpoolReporter(spool, tmp_path), tmp_path / "out",
-                            runner.StopFlag(tmp_path, 0))
+    bridge = runner._Bridge(runner.SpoolReporter(spool, tmp_path), tmp_path / "out")
     bridge.on_metrics("j0", 1, "train", {"reward_accuracy": 0.5, "reward_margin": float("nan")})
     bridge.on_metrics("j0", 2, "val", {"reward_accuracy": 1.0, "reward_margin": 0.25})
     bridge.on_train_loss("j0", 1, 0.69)

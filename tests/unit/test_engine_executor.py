@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from service.protocol import EarlyExitSettings
+from service.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from trainer.engine import JobSpec
 from trainer.executor import Callbacks, Executor, ExecutorConfig
@@ -48,7 +48,7 @@ def config(tmp_path, out: str, **kw) -> ExecutorConfig:  # noqa: ANN001
             for i, (r, lr, b) in enumerate([(4, 3e-3, 2), (8, 1e-2, 2), (2, 1e-3, 3), (4, 1e30, 2),
                                             (8, 5e-3, 3), (4, 2e-3, 2)])]
     base = dict(model_dir=str(d), train_file=str(train), output_dir=str(tmp_path / out), jobs=jobs,
-                max_seq_len=48, eval_every=4, checkpoint_every=5, max_active_jobs=3,
+                max_seq_len=48, eval=EvalSettings(eval_every_steps=4, eval_max_samples=None), checkpoint_every=5, max_active_jobs=3,
                 early_exit=EarlyExitSettings(warmup_fraction=0.2, keep_fraction=0.5, tau_gap=10.0))
     base.update(kw)
     return ExecutorConfig(**base)
@@ -77,7 +77,7 @@ def test_executor_runs_a_task_end_to_end(tmp_path) -> None:  # noqa: ANN001
     # the kept ones are the lowest end-of-warmup validation losses
     warm = {j: v for j in ranking[0]["keep"] + ranking[0]["evict"] for s, v in rec.evals[j] if s == 3}
     assert max(warm[j] for j in kept) <= min(warm[j] for j in ranking[0]["evict"])
-    assert ("job0", "running", {"resumed": False}) in rec.states
+    assert ("job0", "running", {"resumed": False, "rank": 0}) in rec.states
 
 
 def test_killed_executor_resumes_exactly(tmp_path) -> None:  # noqa: ANN001
