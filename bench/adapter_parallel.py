@@ -133,14 +133,15 @@ def sharded_phase(c: Ctx, out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from trainer.parallel_engine import ParallelEngine, decoder_layers
+    from trainer.engine import MultiLoraEngine
+    from trainer.parallel_engine import decoder_layers, shard_engine
 
     args, dist, rank, world = c.args, c.dist, c.rank, c.world
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(c.cfg, dtype=c.dtype)
     mesh = init_device_mesh(c.device.type, (world,))
-    eng = ParallelEngine(model, examples_of(args.seqs[0], c.cfg.vocab_size), 0, mesh=mesh, device=c.device,
-                         adapter_dtype=torch.float32)
+    eng = shard_engine(MultiLoraEngine(model, examples_of(args.seqs[0], c.cfg.vocab_size), 0,
+                                       adapter_dtype=torch.float32), mesh, c.device)
     model.to_empty(device=c.device)
     init_weights(model, c.device, rank, world)
     c.sync()

@@ -23,7 +23,10 @@ import re
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+try:
+    from pydantic import BaseModel, ConfigDict, Field
+except ImportError:  # torch + transformers alone (a bare GPU image): same shapes, no validation
+    from service._plain_models import BaseModel, ConfigDict, Field  # type: ignore[assignment]
 
 PLACEMENT_FUNC = "worker.daemon.run_placement"
 CANCEL_CHANNEL = "loraplex:cancel"

@@ -526,6 +526,8 @@ class Executor:
         set_rng_state(ck["rng"])
         self.cb.on_event("", "resumed", {"global_step": self.global_step, "ranks": self.world,
                                          "same_placement": bool(owners)})
+        for job_id, slot in self.placed.items():  # a retry starts them again: say so
+            self._set_state(job_id, "running", {"resumed": True, "rank": slot.owner})
 
 
 def run_executor(cfg: ExecutorConfig, callbacks: Callbacks | None = None,
