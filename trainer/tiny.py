@@ -1,4 +1,5 @@
-"""Tiny random causal LMs (Llama, Qwen2, Mistral) with a locally trained BPE tokenizer.
+"""Tiny random causal LMs of every supported family (Llama, Qwen2, Mistral, Gemma, Gemma-2, Phi-3)
+with a locally trained BPE tokenizer.
 
 Used by tests, the demo run and benchmarks: no hub exists, so everything is saved to a local
 directory and loaded back with `from_pretrained`. `python -m trainer.tiny --family llama --out DIR`.
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "mistral")
+FAMILIES = ("llama", "qwen2", "mistral", "gemma", "gemma2", "phi3")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -56,12 +57,24 @@ def train_tokenizer(vocab_size: int = 384, seed: int = 0, chat_template: bool = 
 
 
 def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2):  # noqa: ANN201
-    """A transformers config of the family, small enough for CPU tests."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    """A transformers config of the family, small enough for CPU tests, keeping what makes the
+    family itself: Gemma's tied and scaled embeddings; Gemma-2's soft-caps (final logit cap 3.0,
+    with weights drawn wide enough that raw logits reach past it, so the cap changes the loss)
+    and its alternating sliding-window layers (window 16, shorter than the test sequences);
+    Phi-3's fused qkv_proj and gate_up_proj."""
+    from transformers import (
+        Gemma2Config,
+        GemmaConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+    )
 
+    heads = 4
     common = dict(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
         max_position_embeddings=512, tie_word_embeddings=False,
     )
     if family == "llama":
@@ -70,6 +83,23 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         return Qwen2Config(**common)
     if family == "mistral":
         return MistralConfig(**common, sliding_window=None)
+    # Gemma's defaults are the 2B/7B shapes (head_dim 256, tied embeddings): keep the tying,
+    # shrink the head to the tiny width
+    gemma = {**common, "tie_word_embeddings": True, "head_dim": hidden // heads}
+    if family == "gemma":
+        return GemmaConfig(**gemma)
+    if family == "gemma2":
+        return Gemma2Config(
+            **gemma, query_pre_attn_scalar=hidden // heads, final_logit_softcapping=3.0,
+            attn_logit_softcapping=50.0, sliding_window=16, initializer_range=0.2,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                         for i in range(layers)],
+        )
+    if family == "phi3":
+        # Phi3Config's pad/eos default to 32000, outside a tiny vocabulary (make_tiny_model sets
+        # the tokenizer's); original_max_position_embeddings matches so no long-rope scaling applies
+        return Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                          original_max_position_embeddings=512, sliding_window=None)
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 

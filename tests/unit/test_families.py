@@ -1,0 +1,196 @@
+"""Every supported model family (trainer.families) on its tiny model (trainer.tiny): the engine's
+loss is the model's own loss (a PEFT model of the same adapter through the model's own forward),
+the exported adapter loads whole into PEFT and adapts every targeted projection of every layer,
+and a target the family lacks is refused by name."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.engine_ref import synthetic_rows
+from trainer.data import IGNORE, Example, pack_step, parse_record, tokenize_all
+from trainer.engine import JobSpec, MultiLoraEngine
+from trainer.export import export_peft, load_peft_weights
+from trainer.families import Family, UnsupportedModel, family_of
+from trainer.multilora import inject_multilora
+from trainer.tiny import FAMILIES, make_tiny_model
+
+pytest.importorskip("peft")
+
+REL = 1e-5  # float32 forward, float64 sums: the two losses agree to ~1e-7 in practice
+
+
+@dataclass
+class Trained:
+    """One family's tiny model, an engine with one job trained a few steps (B != 0), the job's
+    exported adapter and held-out examples."""
+
+    family: Family
+    model_dir: Path
+    engine: MultiLoraEngine
+    adapter_dir: Path
+    val: list[Example]
+    pad_id: int
+
+
+def base_model(model_dir: Path, **overrides):  # noqa: ANN003, ANN201
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **overrides)
+
+
+def peft_of(t: Trained):  # noqa: ANN201
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base_model(t.model_dir), t.adapter_dir)
+
+
+@torch.no_grad()
+def own_loss(model, examples: list[Example]) -> float:  # noqa: ANN001
+    """Token mean of the model's own loss (its forward with labels: shift, head, soft-cap, CE)
+    over every target token of the examples, each example one plain unpadded row."""
+    model.eval()
+    total, count = 0.0, 0
+    for ex in examples:
+        labels = torch.tensor([ex.labels])
+        n = int((labels[:, 1:] != IGNORE).sum())
+        loss = model(input_ids=torch.tensor([ex.input_ids]), labels=labels, use_cache=False).loss
+        total, count = total + float(loss) * n, count + n
+    return total / count
+
+
+def decoder_layers(model, family: Family) -> torch.nn.ModuleList:  # noqa: ANN001
+    return functools.reduce(getattr, family.layers_path.split("."), model)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp(request.param)
+    model_dir = make_tiny_model(request.param, root / "model", seed=1)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # 20 to 45 tokens: longer than Gemma-2's tiny sliding window (16)
+    examples = tokenize_all(tokenizer, [parse_record(r) for r in synthetic_rows(24, seed=3)], 64)
+    engine = MultiLoraEngine(base_model(model_dir), examples[:16], tokenizer.pad_token_id)
+    engine.attach(JobSpec("job", rank=4, alpha=8.0, lr=3e-2, batch_size=4, max_steps=3, seed=0))
+    for _ in range(3):
+        engine.step()
+    adapter_dir = export_peft(engine.jobs["job"].adapter, root / "adapter", list(engine.targets),
+                              str(model_dir))
+    return Trained(engine.family, model_dir, engine, adapter_dir, examples[16:],
+                   tokenizer.pad_token_id)
+
+
+def test_engine_loss_is_the_models_own_loss(trained: Trained) -> None:
+    assert trained.engine.family.name == trained.family.name == json.loads(
+        (trained.model_dir / "config.json").read_text())["model_type"]
+    # evaluation packs several sequences into a row (position ids restart per sequence); the
+    # reference runs each example alone: the packed forward must not change a single number
+    assert pack_step([trained.val[:4]], trained.pad_id).input_ids.shape[0] < 4
+    got = trained.engine.evaluate(trained.val, batch_size=4)["job"]
+    want = own_loss(peft_of(trained), trained.val)
+    assert got == pytest.approx(want, rel=REL)
+    # the adapter moves the loss by far more than the tolerance: the comparison sees it
+    base = own_loss(base_model(trained.model_dir), trained.val)
+    assert abs(want - base) > 1e2 * REL * base, (want, base)
+
+
+@pytest.mark.parametrize("trained", ["gemma2"], indirect=True)
+def test_gemma2_loss_needs_its_final_soft_cap_and_sliding_window(trained: Trained) -> None:
+    """The two Gemma-2 features the engine must reproduce change the tiny model's loss: without
+    the final logit soft-cap the engine's loss is off, and the window is shorter than the
+    examples (the model's own loss with full attention everywhere differs)."""
+    engine, cap = trained.engine, trained.engine.logit_softcap
+    assert cap == 3.0
+    want = own_loss(peft_of(trained), trained.val)
+    try:
+        engine.logit_softcap = None
+        uncapped = engine.evaluate(trained.val, batch_size=4)["job"]
+    finally:
+        engine.logit_softcap = cap
+    assert abs(uncapped - want) > 1e3 * REL * want, (uncapped, want)
+    assert max(len(e.input_ids) for e in trained.val) > 16
+    windowed = own_loss(base_model(trained.model_dir), trained.val)
+    layers = engine.model.config.num_hidden_layers
+    full = own_loss(base_model(trained.model_dir, layer_types=["full_attention"] * layers),
+                    trained.val)
+    assert abs(windowed - full) > 1e2 * REL * full, (windowed, full)
+
+
+def test_exported_adapter_loads_whole_and_adapts_every_target(trained: Trained) -> None:
+    from peft import (
+        LoraConfig,
+        get_peft_model,
+        get_peft_model_state_dict,
+        set_peft_model_state_dict,
+    )
+
+    family = trained.family
+    cfg = json.loads((trained.adapter_dir / "adapter_config.json").read_text())
+    assert cfg["target_modules"] == sorted(family.default_targets)
+    saved = load_peft_weights(trained.adapter_dir)
+
+    # every targeted projection of every decoder layer, by its full module name
+    base = base_model(trained.model_dir)
+    layers = decoder_layers(base, family)
+    assert len(layers) == base.config.num_hidden_layers
+    projections = [f"{family.layers_path}.{i}.{name}" for i, layer in enumerate(layers)
+                   for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)
+                   and name.rsplit(".", 1)[-1] in family.default_targets]
+    assert len(projections) == len(layers) * len(family.default_targets)
+    assert set(saved) == {f"base_model.model.{p}.lora_{ab}.weight"
+                          for p in projections for ab in "AB"}
+    assert all(saved[f"base_model.model.{p}.lora_B.weight"].abs().max() > 0 for p in projections)
+
+    # PEFT's own loading: no lora key of the model left unset, no key of the file unused
+    model = get_peft_model(base, LoraConfig.from_pretrained(str(trained.adapter_dir)))
+    result = set_peft_model_state_dict(model, saved)
+    assert not [k for k in result.missing_keys if "lora_" in k]
+    assert not result.unexpected_keys
+    # and PeftModel.from_pretrained holds exactly the exported weights
+    loaded = get_peft_model_state_dict(peft_of(trained))
+    assert set(loaded) == set(saved)
+    for k, v in saved.items():
+        torch.testing.assert_close(loaded[k], v, rtol=0, atol=0)
+
+
+def test_family_table_names_the_models_own_linears(trained: Trained) -> None:
+    """The table's linears are exactly the Linear modules of the family's decoder layers (in
+    transformers as installed): a renamed or fused projection shows up here first."""
+    layers = decoder_layers(base_model(trained.model_dir), trained.family)
+    names = {name.rsplit(".", 1)[-1] for layer in layers for name, m in layer.named_modules()
+             if isinstance(m, torch.nn.Linear)}
+    assert names == set(trained.family.linears)
+    assert set(trained.family.default_targets) <= names
+
+
+def test_a_target_the_family_lacks_is_refused_by_name(trained: Trained) -> None:
+    family = trained.family
+    unknown = "q_proj" if family.name == "phi3" else "qkv_proj"
+    with pytest.raises(UnsupportedModel, match=unknown):
+        MultiLoraEngine(base_model(trained.model_dir), trained.val, trained.pad_id,
+                        targets=(unknown, "o_proj"))
+    # the model surgery refuses it too, whatever the table says: never a silent subset
+    with pytest.raises(ValueError, match=unknown):
+        inject_multilora(base_model(trained.model_dir), [unknown, "o_proj"])
+
+
+def test_every_supported_family_has_a_tiny_model() -> None:
+    assert set(FAMILIES) == {"llama", "qwen2", "mistral", "gemma", "gemma2", "phi3"}
+    for name in FAMILIES:
+        assert family_of(name).name == name
