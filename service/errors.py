@@ -42,9 +42,25 @@ def error_body(code: str, message: str, param: str | None = None) -> dict:
     return {"error": {"code": code, "message": message, "param": param}}
 
 
+_SOURCES = ("body", "query", "path", "header", "form")
+
+
 def _loc_to_param(loc: tuple | list) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header", "form")]
+    """The field a validation error is about, as the hosted APIs name it: dotted names without
+    list positions (``search_space.learning_rate``, not ``search_space.learning_rate.0``)."""
+    parts = [str(p) for p in loc if p not in _SOURCES and not isinstance(p, int)]
     return ".".join(parts) or None
+
+
+def _loc_to_text(loc: tuple | list) -> str | None:
+    """The exact place of a validation error, list positions included (``lora_rank[1]``)."""
+    text = ""
+    for p in loc:
+        if isinstance(p, int):
+            text += f"[{p}]"
+        elif p not in _SOURCES:
+            text += f".{p}" if text else str(p)
+    return text or None
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -58,12 +74,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        param = _loc_to_param(first.get("loc", ()))
+        loc = first.get("loc", ())
+        param = _loc_to_param(loc)
         msg = str(first.get("msg", "invalid request"))
         if len(errors) > 1:
             msg += f" (and {len(errors) - 1} more)"
-        return JSONResponse(error_body("invalid_request", f"{param or 'request'}: {msg}", param),
-                            status_code=422)
+        return JSONResponse(error_body("invalid_request", f"{_loc_to_text(loc) or 'request'}: "
+                                       f"{msg}", param), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

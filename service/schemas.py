@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime
-from typing import Generic, Literal, TypeVar
+from typing import Annotated, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -98,7 +98,8 @@ class TaskCreate(_In):
     training_file: str = Field(min_length=1, max_length=40)
     validation_file: str | None = Field(default=None, max_length=40)
     validation_split: float = Field(
-        default=0.1, gt=0, lt=0.5, description="Held-out share when no validation_file.")
+        default=0.1, gt=0, lt=0.5, allow_inf_nan=False,
+        description="Held-out share when no validation_file.")
     method: Method = "sft"
     search_space: SearchSpace = Field(default_factory=SearchSpace)
     epochs: int = Field(default=1, ge=1, le=100)
@@ -107,8 +108,16 @@ class TaskCreate(_In):
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
     early_exit: EarlyExitSettings = Field(default_factory=EarlyExitSettings)
     eval: EvalSettings = Field(default_factory=EvalSettings)
-    target_modules: list[str] | None = Field(default=None, max_length=32)
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(
+        default=None, max_length=32,
+        description="Linear layers to adapt (e.g. q_proj, v_proj; qkv_proj on Phi-3); each must "
+                    "exist in the base model's family. Null: all of the family's linears.")
     priority: int = Field(default=0, ge=0, le=10)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _distinct_targets(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else _unique(v)
 
 
 class TaskOut(BaseModel):

@@ -29,13 +29,15 @@ from service.models import (
     utcnow,
 )
 from service.pagination import page_query
-from service.protocol import JobStateUpdate, grid_knobs
+from service.protocol import JobStateUpdate, grid_knobs, tenant_safe
 from service.queue import publish_cancel, unqueue_placement
-from service.registry import ModelRegistry
+from service.registry import BaseModelEntry, ModelRegistry
 from service.scheduler.limits import admit_task
 from service.schemas import JobOut, TaskCreate, TaskOut, finite
+from trainer.families import UnsupportedModel, family_of, model_type_of, resolve_targets
 
 log = logging.getLogger("loraplex.tasks")
+
 
 def expand_grid(space: dict[str, list], method: str = "sft") -> list[dict]:
     """The cartesian product of the search space, in a stable order (first knob slowest)."""
@@ -58,6 +60,7 @@ def _check_request(session: Session, tenant: Tenant, body: TaskCreate, settings:
         names = ", ".join(m.name for m in registry.all()) or "none registered"
         raise invalid(f"unknown base_model {body.base_model!r} (available: {names})",
                       param="base_model", code="model_not_found")
+    _check_targets(model, body.target_modules)
     max_seq_len = body.max_seq_len or min(2048, model.max_seq_len)
     if max_seq_len > model.max_seq_len:
         raise invalid(f"max_seq_len {max_seq_len} exceeds {model.name}'s {model.max_seq_len}",
@@ -87,6 +90,22 @@ def _check_request(session: Session, tenant: Tenant, body: TaskCreate, settings:
                           "validation split; upload a validation_file", param="training_file")
         samples -= held_out
     return max_seq_len, samples
+
+
+def _check_targets(model: BaseModelEntry, targets: list[str] | None) -> None:
+    """422 unless the model's family is one the trainer knows and every target module exists
+    in it, so a task never fails on this after it was scheduled. The family is the model's own
+    config.json `model_type` where the API can read it, else the registry entry's `family` (in
+    docker-compose only the workers mount the models)."""
+    try:
+        family = family_of(model_type_of(model.path) or model.family)
+    except UnsupportedModel as exc:
+        raise invalid(f"base model {model.name!r} cannot be fine-tuned here: {exc}",
+                      param="base_model", code="unsupported_model") from exc
+    try:
+        resolve_targets(family, targets)
+    except UnsupportedModel as exc:
+        raise invalid(str(exc), param="target_modules") from exc
 
 
 def create_task(session: Session, tenant: Tenant, body: TaskCreate, settings: Settings,
@@ -298,10 +317,12 @@ def update_job_state(session: Session, task: Task, job: Job, msg: JobStateUpdate
     previous = job.state
     job.state = msg.state
     job.exit_reason = msg.exit_reason
-    for field in ("best_val_loss", "best_step", "last_step", "error"):
+    for field in ("best_val_loss", "best_step", "last_step"):
         value = getattr(msg, field)
         if value is not None:
             setattr(job, field, value)
+    if msg.error is not None:  # shown to the tenant: no traceback, no server path
+        job.error = tenant_safe(msg.error)
     if msg.state == "running" and job.started_at is None:
         job.started_at = now
         placement = session.scalar(select(Placement).where(
@@ -356,6 +377,8 @@ def finish_task_succeeded(session: Session, task: Task, best_job_id: str | None)
 
 
 def finish_task_failed(session: Session, task: Task, error: str) -> None:
+    """Fail the task for good; `error` is what the tenant reads (made tenant-safe here too)."""
+    error = tenant_safe(error) or "training failed"
     now = utcnow()
     retire_waiting_placements(session, task)
     for job in session.scalars(select(Job).where(Job.task_id == task.id,

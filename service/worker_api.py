@@ -40,6 +40,7 @@ from service.protocol import (
     PlacementSpec,
     TaskFailed,
     TaskFinished,
+    tenant_safe,
 )
 from service.queue import empty_node_queue, unqueue_placement
 from service.registry import ModelRegistry
@@ -269,13 +270,17 @@ def task_failed(session: Session, task_id: str, msg: TaskFailed, settings: Setti
     if placement.state == "failed":
         return task
     _require_live(task, placement)
-    placement.state, placement.finished_at, placement.error = "failed", utcnow(), msg.error
+    # The tenant reads a short, safe message (task error, events); the raw error and the
+    # traceback stay in the operator-only placement.error (no tenant schema has it).
+    shown = tenant_safe(msg.error) or "training failed"
+    placement.state, placement.finished_at = "failed", utcnow()
+    placement.error = msg.error if not msg.detail else f"{msg.error}\n\n{msg.detail}"
     if msg.retryable:
-        fail_or_requeue(session, task, placement, msg.error, settings)
+        fail_or_requeue(session, task, placement, shown, settings)
     else:
-        finish_task_failed(session, task, msg.error)
+        finish_task_failed(session, task, shown)
     session.commit()
-    log.warning("task attempt failed task=%s attempt=%d state=%s error=%s", task.id,
+    log.warning("task attempt failed task=%s attempt=%d state=%s error=%r", task.id,
                 placement.attempt, task.state, msg.error[:200])
     cluster_changed(session, "task_failed", settings)
     return task
@@ -318,7 +323,7 @@ def deregister_node(session: Session, node_id: str, msg: NodeDeregister,
             error = f"node {node.name} left: {msg.reason}"
             placement.state, placement.error, placement.finished_at = "failed", error, utcnow()
             if task.state == "running":
-                fail_or_requeue(session, task, placement, error, settings)
+                fail_or_requeue(session, task, placement, tenant_safe(error), settings)
                 if task.state == "queued":
                     requeued.append(task.id)
     session.commit()
