@@ -31,8 +31,11 @@ Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwi
   The scheduler writes ``planned`` rows (attempt = service.cluster.next_attempt) and publishes
   with service.queue.publish_placement; the worker claims (claimed), its first running job
   makes it running; the task's end makes it finished|failed; cancel makes it cancelled.
-- ``throughput_profiles(id, base_model, gpu_type, seq_len, batch_key, tokens_per_s,
-  updated_at)``; unique (base_model, gpu_type, seq_len, batch_key).
+- ``throughput_profiles(id, base_model, gpu_type, seq_len, batch_key, gpus, tokens_per_s,
+  samples_per_s, memory_k0, memory_k1, updated_at)``; unique (base_model, gpu_type, seq_len,
+  batch_key, gpus). Written by executors' throughput reports (service.profiles): tokens_per_s
+  is the real tokens/s of a whole placement of ``gpus`` GPUs of that type; gpu_type is the
+  reporting node's; batch_key is service.scheduler.estimator.batch_key of the jobs trained.
 - ``idempotency_keys(tenant_id, key, request_hash, resource_id, created_at)``; PK (tenant, key).
 """
 
@@ -257,10 +260,14 @@ class ThroughputProfile(Base):
     gpu_type: Mapped[str] = mapped_column(String(64))
     seq_len: Mapped[int] = mapped_column(Integer)
     batch_key: Mapped[str] = mapped_column(String(200))
+    gpus: Mapped[int] = mapped_column(Integer)
     tokens_per_s: Mapped[float] = mapped_column(Float)
+    samples_per_s: Mapped[float | None] = mapped_column(Float)
+    memory_k0: Mapped[float | None] = mapped_column(Float)
+    memory_k1: Mapped[float | None] = mapped_column(Float)
     updated_at: Mapped[datetime] = mapped_column(TS, default=utcnow, onupdate=utcnow)
     __table_args__ = (
-        UniqueConstraint("base_model", "gpu_type", "seq_len", "batch_key",
+        UniqueConstraint("base_model", "gpu_type", "seq_len", "batch_key", "gpus",
                          name="uq_throughput_profiles_key"),
     )
 

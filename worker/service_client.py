@@ -6,13 +6,15 @@ Spool records, one JSON object per line, in the order the executor produced them
   {"type": "metric", "point": MetricPointIn fields}
   {"type": "job_state", "job_id": ..., "update": JobStateUpdate fields}
   {"type": "artifact", "dir": "<dir under the placement dir>", "meta": ArtifactMeta fields}
+  {"type": "throughput", "report": ThroughputReport fields but placement_id (the forwarder's)}
   {"type": "finished", "best_job_id": ..., "summary": {...}}   (TaskFinished)
   {"type": "failed", "error": "...", "retryable": true}         (TaskFailed)
 Only complete lines count, so a writer killed mid-line loses at most that line. The forwarder
 keeps its byte offset in a state file next to the spool, written after each delivery; a
 restart resends at most the last batch, and every report is idempotent on the service side
 (events carry client_key "<placement>:<offset>", metrics dedupe on (job, step, split), artifacts
-on their key, job states and task ends accept repeats).
+on their key, job states and task ends accept repeats, a throughput report replaces the profile
+it measured with the same numbers).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,7 @@ from service.protocol import (
     PlacementSpec,
     TaskFailed,
     TaskFinished,
+    ThroughputReport,
 )
 
 log = logging.getLogger("loraplex.worker.client")
@@ -211,6 +214,11 @@ class ServiceClient:
                 h.close()
         return r.json()
 
+    def throughput(self, task_id: str, msg: ThroughputReport) -> dict:
+        return self.request("POST", f"/internal/v1/tasks/{task_id}/throughput",
+                            body=msg.model_dump(mode="json", exclude_none=True),
+                            attempts=1).json()
+
     def task_finished(self, task_id: str, msg: TaskFinished) -> dict:
         return self.request("POST", f"/internal/v1/tasks/{task_id}/finished",
                             body=msg.model_dump(mode="json"), attempts=1).json()
@@ -261,6 +269,21 @@ class SpoolWriter:
 
     def artifact(self, directory: str, **meta: Any) -> None:
         self.write({"type": "artifact", "dir": directory, "meta": meta})
+
+    def throughput(self, *, gpus: int, seq_len: int, batch_sizes: Sequence[int],
+                   tokens_per_s: float, samples_per_s: float | None = None,
+                   memory_k0: float | None = None, memory_k1: float | None = None) -> None:
+        """What the executor measured on its GPUs since its last report (ThroughputReport fields
+        but placement_id). Numbers are made plain ints/floats here: the executor may hand over
+        numpy or torch scalars, which JSON would otherwise turn into strings."""
+        def number(x: float | None) -> float | None:
+            return None if x is None else float(x)
+
+        self.write({"type": "throughput", "report": {
+            "gpus": int(gpus), "seq_len": int(seq_len),
+            "batch_sizes": [int(b) for b in batch_sizes], "tokens_per_s": float(tokens_per_s),
+            "samples_per_s": number(samples_per_s), "memory_k0": number(memory_k0),
+            "memory_k1": number(memory_k1)}})
 
     def finished(self, best_job_id: str | None = None, summary: dict | None = None) -> None:
         self.write({"type": "finished", "best_job_id": best_job_id, "summary": summary})
@@ -386,7 +409,8 @@ class Forwarder:
                     record["event"] | {"client_key": f"{self.placement_id}:{start}"}))
             elif kind == "metric":
                 points.append(MetricPointIn.model_validate(record["point"]))
-            elif record is None or kind not in ("job_state", "artifact", *TERMINAL_TYPES):
+            elif record is None or kind not in ("job_state", "artifact", "throughput",
+                                                *TERMINAL_TYPES):
                 log.warning("spool record skipped task=%s placement=%s offset=%d",
                             self.task_id, self.placement_id, start)
                 self.state.dropped += 1
@@ -420,6 +444,8 @@ class Forwarder:
                 return
             self._tolerate(lambda: self.client.upload_artifact(self.task_id, meta, directory),
                            "artifact")
+        elif kind == "throughput":
+            self._throughput(record)
         elif kind == "finished":
             msg = TaskFinished(placement_id=self.placement_id,
                                best_job_id=record.get("best_job_id"),
@@ -432,6 +458,18 @@ class Forwarder:
                               detail=record.get("detail"))
             self._tolerate(lambda: self.client.task_failed(self.task_id, msg2), "failed")
             self.state.terminal = "failed"
+
+    def _throughput(self, record: dict) -> None:
+        # A measurement only tunes the scheduler's estimates: one the contract refuses (a NaN
+        # rate, a missing field) is dropped here, never allowed to stall the reports behind it.
+        try:
+            msg = ThroughputReport(placement_id=self.placement_id, **record["report"])
+        except (ValueError, TypeError, KeyError) as exc:
+            self.state.dropped += 1
+            log.warning("throughput record dropped task=%s placement=%s error=%s", self.task_id,
+                        self.placement_id, str(exc).splitlines()[0] if str(exc) else exc)
+            return
+        self._tolerate(lambda: self.client.throughput(self.task_id, msg), "throughput")
 
     def _tolerate(self, call: Callable[[], object], what: str) -> None:
         """Run a report; a permanent refusal (task cancelled, stale placement) is logged and

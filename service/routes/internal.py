@@ -1,5 +1,5 @@
 """Routes /internal/v1/* for worker daemons (worker token): nodes, heartbeats, claims, file and
-checkpoint downloads, events, metric points, job states, artifacts, task end."""
+checkpoint downloads, events, metric points, job states, artifacts, throughput, task end."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from sqlalchemy import select
 
-from service import events, worker_api
+from service import events, profiles, worker_api
 from service.cluster import cluster_changed, heartbeat, register_node
 from service.deps import (
     RegistryDep,
@@ -40,6 +40,7 @@ from service.protocol import (
     TaskAck,
     TaskFailed,
     TaskFinished,
+    ThroughputReport,
     node_queue_name,
 )
 from service.schemas import JobOut
@@ -154,6 +155,14 @@ def upload_artifact(task_id: str, session: SessionDep, storage: StorageDep,
     session.commit()
     return ArtifactOut(artifact_id=artifact.id, kind=artifact.kind, key=artifact.key,
                        files=artifact.files)
+
+
+@router.post("/tasks/{task_id}/throughput", response_model=Stored)
+def post_throughput(task_id: str, msg: ThroughputReport, session: SessionDep) -> Stored:
+    """An executor's measurement, kept as a throughput profile (stored: 1 new key, 0 updated)."""
+    new = profiles.store_throughput(session, task_id, msg)
+    session.commit()
+    return Stored(stored=int(new))
 
 
 @router.post("/tasks/{task_id}/finished", response_model=TaskAck)

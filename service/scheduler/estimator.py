@@ -1,6 +1,13 @@
 """Duration and GPU-count estimates for the planner: d_i = tokens to train / throughput, g_i from
 memory. Throughput comes from profiles when present, else from FLOPs per token and the GPU's rate.
 
+Profiles are what executors measured (service.profiles stores their reports): real tokens/s of a
+whole placement, keyed (base_model, gpu_type, seq_len, batch_key) and the GPU count it ran on. A
+task's jobs still to train give its batch key; without that exact mix the nearest mix of the same
+model, GPU type and length is used (closest samples per step, then job count). A measurement on
+the task's GPU count is taken as it is; one on another count is converted per GPU with the same
+``multi_gpu_scaling`` rule as the analytic rate.
+
 Analytic throughput (LoRA on a frozen bf16 backbone with gradient checkpointing per layer):
 forward 2P + input-gradient backward 2P (no weight gradients for the frozen backbone) + the
 recomputed forward 2P = 6P FLOPs per token, plus attention 8*L*h*s_avg (causal QK^T and AV are
@@ -124,6 +131,49 @@ def batch_key(batch_sizes: Sequence[int]) -> str:
     return ",".join(f"{b}x{n}" for b, n in sorted(counts.items()))
 
 
+def batch_sizes_of(key: str) -> list[int]:
+    """The batch sizes a batch_key stands for (inverse of batch_key); [] for a malformed key."""
+    sizes: list[int] = []
+    for pair in filter(None, key.split(",")):
+        size, _, count = pair.partition("x")
+        if not (size.isdigit() and count.isdigit()):
+            return []
+        sizes += [int(size)] * int(count)
+    return sizes
+
+
+def batch_distance(a: Sequence[int], b: Sequence[int]) -> tuple[float, float]:
+    """How far two batch mixes are apart, for the nearest-profile fallback: log-ratio of their
+    samples per step (what fills a GPU), then of their job counts."""
+    def ratio(x: float, y: float) -> float:
+        return abs(math.log(max(x, 1) / max(y, 1)))
+
+    return ratio(sum(a), sum(b)), ratio(len(a), len(b))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One measurement of throughput_profiles: real tokens/s of a whole placement of ``gpus``."""
+
+    tokens_per_s: float
+    gpus: int = 1
+
+
+ProfileKey = tuple[str, str, int, str]  # (base_model, gpu_type, seq_len, batch_key)
+ProfileValue = float | Profile | Sequence[Profile]  # a bare float: one GPU's tokens/s
+
+
+def _measurements(value: ProfileValue) -> Sequence[Profile]:
+    if isinstance(value, Profile):
+        return (value,)
+    if isinstance(value, int | float):
+        return (Profile(float(value), 1),)
+    return value
+
+
+JOB_TERMINAL = ("exited", "completed", "failed", "cancelled")
+
+
 @dataclass(frozen=True)
 class JobProgress:
     """One job of a task: its batch size, steps done, state ('pending', 'running', terminal)."""
@@ -156,7 +206,7 @@ def remaining_tokens(work: TaskWork) -> float:
     before warmup ends a job is expected to survive the warmup ranking with keep_fraction."""
     total = 0.0
     for job in work.jobs:
-        if job.state in ("exited", "completed", "failed", "cancelled"):
+        if job.state in JOB_TERMINAL:
             continue
         steps = work.steps(job)
         done = min(job.last_step, steps)
@@ -176,24 +226,46 @@ def remaining_tokens(work: TaskWork) -> float:
 @dataclass
 class Estimator:
     """d_i and g_i per GPU type. ``profiles`` maps (base_model, gpu_type, seq_len, batch_key)
-    to measured tokens/s of one GPU; ``shapes`` maps base_model to its ModelShape."""
+    to its measurements (Profile: tokens/s of a whole placement and its GPU count; a bare float
+    is one GPU's tokens/s); ``shapes`` maps base_model to its ModelShape."""
 
     shapes: Mapping[str, ModelShape]
-    profiles: Mapping[tuple[str, str, int, str], float] = field(default_factory=dict)
+    profiles: Mapping[ProfileKey, ProfileValue] = field(default_factory=dict)
     cfg: EstimatorConfig = EstimatorConfig()
 
-    def tokens_per_s_per_gpu(self, work: TaskWork, gpu_type: str, gpu: GpuSpec) -> float:
-        key = (work.base_model, gpu_type, work.max_seq_len,
-               batch_key([j.batch_size for j in work.jobs]))
-        if key in self.profiles:
-            return self.profiles[key]
-        near = [v for (m, g, s, _), v in self.profiles.items()
-                if m == work.base_model and g == gpu_type and s == work.max_seq_len]
-        if near:  # another batch composition of the same model, GPU and length
-            return sorted(near)[len(near) // 2]
+    def _scale(self, gpus: int) -> float:
+        """Throughput of `gpus` GPUs relative to one (adapter parallelism)."""
+        return 1 + self.cfg.multi_gpu_scaling * (gpus - 1)
+
+    def profile_rate(self, work: TaskWork, gpu_type: str, gpus: int) -> float | None:
+        """Tokens/s of the task on `gpus` GPUs of this type from the profiles; None if no profile
+        of its model, GPU type and length exists. See the module docstring for the choice."""
+        same = {k[3]: v for k, v in self.profiles.items()
+                if k[:3] == (work.base_model, gpu_type, work.max_seq_len)}
+        if not same:
+            return None
+        live = [j.batch_size for j in work.jobs if j.state not in JOB_TERMINAL]
+        sizes = live or [j.batch_size for j in work.jobs]
+        mix = batch_key(sizes)
+        if mix not in same:  # another batch composition of the same model, GPU and length
+            mix = min(same, key=lambda k: (batch_distance(batch_sizes_of(k), sizes), k))
+        best = min(_measurements(same[mix]),
+                   key=lambda p: (abs(math.log(max(1, p.gpus) / gpus)), -p.gpus))
+        if best.gpus == gpus:
+            return best.tokens_per_s
+        return best.tokens_per_s / self._scale(max(1, best.gpus)) * self._scale(gpus)
+
+    def analytic_tokens_per_s_per_gpu(self, work: TaskWork, gpu: GpuSpec) -> float:
         shape = self.shapes[work.base_model]
         avg = min(work.avg_tokens_per_sample, work.max_seq_len)
         return gpu.matrix_flops * self.cfg.efficiency / flops_per_token(shape, avg)
+
+    def tokens_per_s(self, work: TaskWork, gpu_type: str, gpu: GpuSpec, gpus: int) -> float:
+        """Tokens/s of the task on a placement of `gpus` GPUs: measured profile, else analytic."""
+        measured = self.profile_rate(work, gpu_type, gpus)
+        if measured is not None:
+            return measured
+        return self.analytic_tokens_per_s_per_gpu(work, gpu) * self._scale(gpus)
 
     def gpus(self, work: TaskWork, gpu: GpuSpec, minimum: int = 1) -> int:
         micro = max((j.batch_size for j in work.jobs), default=1) * work.max_seq_len
@@ -208,6 +280,5 @@ class Estimator:
         if measured_tokens_per_s and measured_tokens_per_s > 0:
             rate = measured_tokens_per_s
         else:
-            per_gpu = self.tokens_per_s_per_gpu(work, gpu_type, gpu)
-            rate = per_gpu * (1 + self.cfg.multi_gpu_scaling * (g - 1))
+            rate = self.tokens_per_s(work, gpu_type, gpu, g)
         return g, max(1, math.ceil(remaining_tokens(work) / rate))

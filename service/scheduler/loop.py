@@ -43,6 +43,7 @@ from service.scheduler.estimator import (
     EstimatorConfig,
     JobProgress,
     ModelShape,
+    Profile,
     TaskWork,
     gpu_spec,
 )
@@ -146,13 +147,11 @@ def build_instance(session: Session, settings: Settings, now: datetime
         select(File).where(File.id.in_({t.training_file_id for t in tasks})))}
     limits = {t.id: t.max_gpus for t in session.scalars(
         select(Tenant).where(Tenant.max_gpus.is_not(None)))}
-    profiles = {(p.base_model, p.gpu_type, p.seq_len, p.batch_key): p.tokens_per_s
-                for p in session.scalars(select(ThroughputProfile))}
     registry = ModelRegistry(settings.models_file)
     shapes, minimum = {}, {}
     for name in {t.base_model for t in tasks}:
         shapes[name], minimum[name] = _model_shape(registry, name)
-    est = Estimator(shapes, profiles)
+    est = Estimator(shapes, _profiles(session, shapes))
     gpu_types = {n.gpu_type: gpu_spec(n.gpu_type, n.gpu_memory_bytes or None,
                                       _tflops(n.meta)) for n in nodes}
     max_delay = int(_knob(settings, "scheduler_max_delay_s", DEFAULT_MAX_DELAY_S))
@@ -191,6 +190,18 @@ def build_instance(session: Session, settings: Settings, now: datetime
         specs.append(TaskSpec(**common, hint=hint, max_start_s=max_start))
     node_specs = [NodeSpec(n.id, n.gpu_type, n.gpu_count, up=n.state == "up") for n in nodes]
     return Instance(node_specs, specs, limits), rows
+
+
+def _profiles(session: Session, models: Iterable[str]
+              ) -> dict[tuple[str, str, int, str], list[Profile]]:
+    """The measured throughputs (service.profiles) of these models, keyed as the Estimator
+    looks them up; one measurement per GPU count it was taken on."""
+    out: dict[tuple[str, str, int, str], list[Profile]] = {}
+    for p in session.scalars(select(ThroughputProfile).where(
+            ThroughputProfile.base_model.in_(list(models)))):
+        out.setdefault((p.base_model, p.gpu_type, p.seq_len, p.batch_key), []).append(
+            Profile(p.tokens_per_s, p.gpus))
+    return out
 
 
 def _tflops(meta: dict | None) -> float | None:
