@@ -1,5 +1,5 @@
-"""Tiny random causal LMs of every supported family (Llama, Qwen2, Mistral, Gemma, Gemma-2, Phi-3)
-with a locally trained BPE tokenizer.
+"""Tiny random causal LMs of every family trainer.families supports (Llama, Qwen2, Qwen3,
+Mistral, Gemma, Gemma-2, Phi-3) with a locally trained BPE tokenizer.
 
 Used by tests, the demo run and benchmarks: no hub exists, so everything is saved to a local
 directory and loaded back with `from_pretrained`. `python -m trainer.tiny --family llama --out DIR`.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "mistral", "gemma", "gemma2", "phi3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -60,8 +60,8 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
     """A transformers config of the family, small enough for CPU tests, keeping what makes the
     family itself: Gemma's tied and scaled embeddings; Gemma-2's soft-caps (final logit cap 3.0,
     with weights drawn wide enough that raw logits reach past it, so the cap changes the loss)
-    and its alternating sliding-window layers (window 16, shorter than the test sequences);
-    Phi-3's fused qkv_proj and gate_up_proj."""
+    and its alternating sliding-window layers; Mistral's sliding window (both windows 16,
+    shorter than the test sequences); Qwen3's q/k norms; Phi-3's fused qkv_proj and gate_up_proj."""
     from transformers import (
         Gemma2Config,
         GemmaConfig,
@@ -69,6 +69,7 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         MistralConfig,
         Phi3Config,
         Qwen2Config,
+        Qwen3Config,
     )
 
     heads = 4
@@ -81,8 +82,10 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         return LlamaConfig(**common)
     if family == "qwen2":
         return Qwen2Config(**common)
+    if family == "qwen3":  # its default head_dim (128) is not hidden / heads
+        return Qwen3Config(**common, head_dim=hidden // heads)
     if family == "mistral":
-        return MistralConfig(**common, sliding_window=None)
+        return MistralConfig(**common, sliding_window=16)
     # Gemma's defaults are the 2B/7B shapes (head_dim 256, tied embeddings): keep the tying,
     # shrink the head to the tiny width
     gemma = {**common, "tie_word_embeddings": True, "head_dim": hidden // heads}

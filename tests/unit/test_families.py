@@ -17,6 +17,7 @@ from tests.helpers.engine_ref import synthetic_rows
 from trainer.data import IGNORE, Example, pack_step, parse_record, tokenize_all
 from trainer.engine import JobSpec, MultiLoraEngine
 from trainer.export import export_peft, load_peft_weights
+from trainer.families import FAMILIES as SUPPORTED
 from trainer.families import Family, UnsupportedModel, family_of
 from trainer.multilora import inject_multilora
 from trainer.tiny import FAMILIES, make_tiny_model
@@ -51,6 +52,30 @@ def peft_of(t: Trained):  # noqa: ANN201
     return PeftModel.from_pretrained(base_model(t.model_dir), t.adapter_dir)
 
 
+def load_whole(model_dir: Path, adapter_dir: Path):  # noqa: ANN201
+    """The adapter loaded by PeftModel.from_pretrained, once PEFT's own loading showed that it
+    uses every key of the file and leaves none of the model's LoRA weights unset."""
+    from peft import (
+        LoraConfig,
+        PeftModel,
+        get_peft_model,
+        get_peft_model_state_dict,
+        set_peft_model_state_dict,
+    )
+
+    saved = load_peft_weights(adapter_dir)
+    fresh = get_peft_model(base_model(model_dir), LoraConfig.from_pretrained(str(adapter_dir)))
+    result = set_peft_model_state_dict(fresh, saved)
+    assert not [k for k in result.missing_keys if "lora_" in k], result.missing_keys
+    assert not result.unexpected_keys, result.unexpected_keys
+    model = PeftModel.from_pretrained(base_model(model_dir), adapter_dir)
+    loaded = get_peft_model_state_dict(model)
+    assert set(loaded) == set(saved)
+    for k, v in saved.items():
+        torch.testing.assert_close(loaded[k], v, rtol=0, atol=0)
+    return model
+
+
 @torch.no_grad()
 def own_loss(model, examples: list[Example]) -> float:  # noqa: ANN001
     """Token mean of the model's own loss (its forward with labels: shift, head, soft-cap, CE)
@@ -69,6 +94,18 @@ def decoder_layers(model, family: Family) -> torch.nn.ModuleList:  # noqa: ANN00
     return functools.reduce(getattr, family.layers_path.split("."), model)
 
 
+def lora_keys(model, family: Family, targets) -> set[str]:  # noqa: ANN001
+    """PEFT's saved key names of an adapter of `targets` on every decoder layer of `model`
+    (lora_A and lora_B of each targeted projection): layers x targets x 2 of them."""
+    layers = decoder_layers(model, family)
+    assert len(layers) == model.config.num_hidden_layers
+    projections = [f"{family.layers_path}.{i}.{name}" for i, layer in enumerate(layers)
+                   for name, m in layer.named_modules()
+                   if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets]
+    assert len(projections) == len(layers) * len(set(targets))
+    return {f"base_model.model.{p}.lora_{ab}.weight" for p in projections for ab in "AB"}
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     n = torch.get_num_threads()
@@ -84,7 +121,7 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     root = tmp_path_factory.mktemp(request.param)
     model_dir = make_tiny_model(request.param, root / "model", seed=1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    # 20 to 45 tokens: longer than Gemma-2's tiny sliding window (16)
+    # 14 to 47 tokens: most longer than the tiny Mistral's and Gemma-2's sliding windows (16)
     examples = tokenize_all(tokenizer, [parse_record(r) for r in synthetic_rows(24, seed=3)], 64)
     engine = MultiLoraEngine(base_model(model_dir), examples[:16], tokenizer.pad_token_id)
     engine.attach(JobSpec("job", rank=4, alpha=8.0, lr=3e-2, batch_size=4, max_steps=3, seed=0))
@@ -111,10 +148,9 @@ def test_engine_loss_is_the_models_own_loss(trained: Trained) -> None:
 
 
 @pytest.mark.parametrize("trained", ["gemma2"], indirect=True)
-def test_gemma2_loss_needs_its_final_soft_cap_and_sliding_window(trained: Trained) -> None:
-    """The two Gemma-2 features the engine must reproduce change the tiny model's loss: without
-    the final logit soft-cap the engine's loss is off, and the window is shorter than the
-    examples (the model's own loss with full attention everywhere differs)."""
+def test_gemma2_loss_needs_its_final_soft_cap(trained: Trained) -> None:
+    """Without Gemma-2's final logit soft-cap the engine's loss is off the model's own loss by
+    far more than the tolerance: the comparison above would catch a missing cap."""
     engine, cap = trained.engine, trained.engine.logit_softcap
     assert cap == 3.0
     want = own_loss(peft_of(trained), trained.val)
@@ -124,49 +160,31 @@ def test_gemma2_loss_needs_its_final_soft_cap_and_sliding_window(trained: Traine
     finally:
         engine.logit_softcap = cap
     assert abs(uncapped - want) > 1e3 * REL * want, (uncapped, want)
+
+
+NO_WINDOW = {"mistral": {"sliding_window": None},
+             "gemma2": {"layer_types": ["full_attention"] * 2}}
+
+
+@pytest.mark.parametrize("trained", list(NO_WINDOW), indirect=True)
+def test_sliding_window_is_shorter_than_the_examples(trained: Trained) -> None:
+    """The tiny Mistral's and Gemma-2's sliding windows change their own loss on these examples,
+    so the engine's packed forward reproduces a window that matters (not a no-op)."""
     assert max(len(e.input_ids) for e in trained.val) > 16
     windowed = own_loss(base_model(trained.model_dir), trained.val)
-    layers = engine.model.config.num_hidden_layers
-    full = own_loss(base_model(trained.model_dir, layer_types=["full_attention"] * layers),
-                    trained.val)
+    full = own_loss(base_model(trained.model_dir, **NO_WINDOW[trained.family.name]), trained.val)
     assert abs(windowed - full) > 1e2 * REL * full, (windowed, full)
 
 
 def test_exported_adapter_loads_whole_and_adapts_every_target(trained: Trained) -> None:
-    from peft import (
-        LoraConfig,
-        get_peft_model,
-        get_peft_model_state_dict,
-        set_peft_model_state_dict,
-    )
-
     family = trained.family
     cfg = json.loads((trained.adapter_dir / "adapter_config.json").read_text())
     assert cfg["target_modules"] == sorted(family.default_targets)
     saved = load_peft_weights(trained.adapter_dir)
-
     # every targeted projection of every decoder layer, by its full module name
-    base = base_model(trained.model_dir)
-    layers = decoder_layers(base, family)
-    assert len(layers) == base.config.num_hidden_layers
-    projections = [f"{family.layers_path}.{i}.{name}" for i, layer in enumerate(layers)
-                   for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)
-                   and name.rsplit(".", 1)[-1] in family.default_targets]
-    assert len(projections) == len(layers) * len(family.default_targets)
-    assert set(saved) == {f"base_model.model.{p}.lora_{ab}.weight"
-                          for p in projections for ab in "AB"}
-    assert all(saved[f"base_model.model.{p}.lora_B.weight"].abs().max() > 0 for p in projections)
-
-    # PEFT's own loading: no lora key of the model left unset, no key of the file unused
-    model = get_peft_model(base, LoraConfig.from_pretrained(str(trained.adapter_dir)))
-    result = set_peft_model_state_dict(model, saved)
-    assert not [k for k in result.missing_keys if "lora_" in k]
-    assert not result.unexpected_keys
-    # and PeftModel.from_pretrained holds exactly the exported weights
-    loaded = get_peft_model_state_dict(peft_of(trained))
-    assert set(loaded) == set(saved)
-    for k, v in saved.items():
-        torch.testing.assert_close(loaded[k], v, rtol=0, atol=0)
+    assert set(saved) == lora_keys(base_model(trained.model_dir), family, family.default_targets)
+    assert all(v.abs().max() > 0 for k, v in saved.items() if ".lora_B." in k)
+    load_whole(trained.model_dir, trained.adapter_dir)
 
 
 def test_family_table_names_the_models_own_linears(trained: Trained) -> None:
@@ -191,6 +209,6 @@ def test_a_target_the_family_lacks_is_refused_by_name(trained: Trained) -> None:
 
 
 def test_every_supported_family_has_a_tiny_model() -> None:
-    assert set(FAMILIES) == {"llama", "qwen2", "mistral", "gemma", "gemma2", "phi3"}
+    assert set(FAMILIES) == set(SUPPORTED)
     for name in FAMILIES:
         assert family_of(name).name == name
