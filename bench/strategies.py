@@ -62,11 +62,14 @@ def write_data(root: Path, method: str, n: int, seed: int) -> Path:
     return path
 
 
-def run(model: Path, root: Path, method: str, world: int, steps: int, seq: int) -> dict:
-    out = root / f"{method}-w{world}"
+def run(model: Path, root: Path, method: str, world: int, steps: int, seq: int,
+        tag: str = "", reverse: bool = False) -> dict:
+    out = root / f"{method}-w{world}{tag}"
     jobs = [JobSpec(f"j{i}", rank=r, alpha=2 * r, lr=lr, batch_size=b, max_steps=steps, seed=i,
                     **({"beta": beta} if method == "dpo" else {}))
             for i, (r, lr, b, beta) in enumerate(JOBS)]
+    if reverse:  # the same jobs packed in another order: the rounding noise of a bf16 run
+        jobs = jobs[::-1]
     vals: dict[str, float] = {}
     events: list[tuple[str, dict]] = []
     cb = Callbacks(on_eval=lambda j, s, v: vals.__setitem__(j, v),
@@ -110,24 +113,34 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = make_model(root / "model", args.hidden, args.layers)
+        for world in (1, args.nproc):  # warm-up: kernel compilation lands in the on-disk caches
+            run(model, root, "sft", world, 2, args.seq, tag="-warmup")
         for method in ("sft", "dpo"):
             one = run(model, root, method, 1, args.steps, args.seq)
+            noise = run(model, root, method, 1, args.steps, args.seq, tag="-reversed", reverse=True)
             par = run(model, root, method, args.nproc, args.steps, args.seq)
-            err = rel_err(one["out"], par["out"])
+            err, ref = rel_err(one["out"], par["out"]), rel_err(one["out"], noise["out"])
             dval = max(abs(one["vals"][j] - par["vals"][j]) for j in one["vals"])
-            good = err < 2e-2 and dval < 1e-2
+            dref = max(abs(one["vals"][j] - noise["vals"][j]) for j in one["vals"])
+            good = err <= 3 * max(ref, 1e-4) and dval <= 3 * max(dref, 1e-4)
             ok &= good
             rows.append(f"| {method} | {one['wall']:.1f} | {par['wall']:.1f} | {one['tokens_per_s']:.0f} | "
-                        f"{par['tokens_per_s']:.0f} | {err:.2e} | {dval:.2e} | {'ok' if good else 'FAIL'} |")
+                        f"{par['tokens_per_s']:.0f} | {err:.2e} | {ref:.2e} | {dval:.2e} | {dref:.2e} | "
+                        f"{'ok' if good else 'FAIL'} |")
     print(f"# The one recipe on each strategy ({device}, {args.nproc} ranks)\n")
     print(f"Llama-shaped random bf16 model: hidden {args.hidden}, {args.layers} layers; 4 jobs (ranks 8-32, "
           f"batch 2-4), {args.steps} steps each, max_seq_len {args.seq}, eval every {args.steps // 2} steps "
           "on 32 samples, early exit off; wall = whole `run_executor` call (spawn, load, memory "
-          "profiling, training, evaluation, checkpoints, exports). Tolerance: adapters rel. err < 2e-2, "
-          "final val loss diff < 1e-2 (bf16; the ranks pack different rows).\n")
+          "profiling, training, evaluation, checkpoints, exports), after one 2-step warm-up run per "
+          "world size (kernel compile caches on disk; autotuning is per process, so every rank "
+          "process still tunes). tokens/s: the best window between checkpoints, all ranks together. "
+          "Correctness: bf16 runs round differently when rows are packed differently, so the "
+          "reference for 'the same adapters' is a second one-GPU run with the jobs packed in reverse "
+          "order; the P-rank run must stay within 3x that noise (adapters: relative norm error of "
+          "the worst job; val: largest final validation-loss difference).\n")
     print(f"| method | wall 1 GPU (s) | wall {args.nproc} ranks (s) | tokens/s 1 GPU | tokens/s {args.nproc} ranks "
-          "| adapter rel. err | val loss diff | check |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"| adapters 1 vs {args.nproc} | adapters 1 vs 1 reversed | val 1 vs {args.nproc} | val 1 vs 1 reversed | check |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     sys.exit(0 if ok else 1)
 

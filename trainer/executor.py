@@ -134,6 +134,7 @@ class _Window:
     tokens: int = 0
     samples: int = 0
     padded: list[float] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)  # the mix trained at the last step
 
 
 class Executor:
@@ -310,6 +311,7 @@ class Executor:
         w.seconds += seconds
         w.tokens += sum(m[1] for m in measured)
         w.samples += sum(s.batch_size for s in self.placed.values())
+        w.batch_sizes = sorted(s.batch_size for s in self.placed.values())
         w.padded.append(sum(m[0] for m in measured) / max(len(measured), 1))
         for job_id in list(self.placed):
             step, loss, skipped, norm, metrics = merged[job_id]
@@ -459,11 +461,10 @@ class Executor:
             "global_step": self.global_step, "padded_fraction": sum(w.padded) / len(w.padded),
             "active_jobs": len(self.placed), "ranks": self.world, "tokens_per_s": tokens_per_s,
         })
-        if tokens_per_s > 0 and self.placed:
+        if tokens_per_s > 0 and w.batch_sizes:  # also at the end, when no job is placed any more
             mm = self.memory_model
             self.cb.on_throughput({
-                "gpus": self.world, "seq_len": self.cfg.max_seq_len,
-                "batch_sizes": sorted(s.batch_size for s in self.placed.values()),
+                "gpus": self.world, "seq_len": self.cfg.max_seq_len, "batch_sizes": w.batch_sizes,
                 "tokens_per_s": tokens_per_s, "samples_per_s": w.samples / w.seconds,
                 "memory_k0": mm.k0 if mm else None, "memory_k1": mm.k1 if mm else None,
             })

@@ -56,7 +56,9 @@ def test_nan_job_does_not_touch_others_on_cuda(tmp_path) -> None:
     tok = AutoTokenizer.from_pretrained(d)
     ex = tokenize_all(tok, [parse_record(r) for r in synthetic_rows(30)], 64)
     runs = {}
-    for bad_lr in (1e-3, 1e30):
+    # the healthy run twice: atomic adds in the kernels' weight-gradient sums may reorder float
+    # additions between runs; the NaN run must differ from the healthy one by no more than that
+    for name, bad_lr in (("healthy", 1e-3), ("healthy_again", 1e-3), ("nan", 1e30)):
         specs = [JobSpec(f"j{i}", rank=r, alpha=2 * r, lr=lr, batch_size=b, seed=i, max_steps=6)
                  for i, (r, lr, b) in enumerate(SPECS)]
         specs.append(JobSpec("bad", rank=4, alpha=8, lr=bad_lr, batch_size=2, seed=9,
@@ -65,10 +67,15 @@ def test_nan_job_does_not_touch_others_on_cuda(tmp_path) -> None:
         skipped = 0
         for _ in range(6):
             skipped += eng.step().skipped["bad"]
-        runs[bad_lr] = ({j: s.adapter.peft_state_dict() for j, s in eng.jobs.items()}, skipped)
-    assert runs[1e30][1] > 0 and runs[1e-3][1] == 0
+        runs[name] = ({j: s.adapter.peft_state_dict() for j, s in eng.jobs.items()}, skipped)
+    assert runs["nan"][1] > 0 and runs["healthy"][1] == 0
+    healthy, again, nan = (runs[k][0] for k in ("healthy", "healthy_again", "nan"))
+    noise = max(float((again[j][k] - healthy[j][k]).abs().max()) for j in ("j0", "j1", "j2")
+                for k in healthy[j])
     for j in ("j0", "j1", "j2"):
-        for k, v in runs[1e-3][0][j].items():
-            w = runs[1e30][0][j][k]
+        for k, v in healthy[j].items():
+            w = nan[j][k]
             assert torch.isfinite(w).all()
-            assert torch.allclose(w, v, atol=1e-6, rtol=1e-5), (j, k)
+            diff = float((w - v).abs().max())
+            assert diff <= max(4 * noise, 1e-6 + 1e-5 * float(v.abs().max())), (j, k, diff, noise)
+    print(f"nan isolation on cuda: run-to-run noise {noise:.3e}")
