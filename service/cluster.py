@@ -14,7 +14,7 @@ from service.config import Settings, get_settings
 from service.db import session_scope
 from service.events import add_event
 from service.models import PLACEMENT_ACTIVE, Job, Node, Placement, Task, utcnow
-from service.protocol import Heartbeat, HeartbeatResponse, NodeRegister
+from service.protocol import Heartbeat, HeartbeatResponse, NodeRegister, tenant_safe
 from service.queue import unqueue_placement
 from service.scheduler.limits import tenant_usage
 from service.scheduler.replanner import Replanner, lookup, register, unregister
@@ -193,7 +193,7 @@ def requeue_task(session: Session, task: Task, reason: str) -> None:
     task.state = "queued"
     for job in session.scalars(select(Job).where(Job.task_id == task.id, Job.state == "running")):
         job.state = "pending"
-    add_event(session, task.id, "task_requeued", reason, level="warning")
+    add_event(session, task.id, "task_requeued", tenant_safe(reason, limit=1000), level="warning")
 
 
 def mark_stale_nodes(session: Session, settings: Settings | None = None) -> list[str]:

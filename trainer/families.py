@@ -50,7 +50,8 @@ def family_of(model_type: str | None) -> Family:
     family = FAMILIES.get(model_type or "")
     if family is None:
         known = ", ".join(sorted(FAMILIES))
-        raise UnsupportedModel(f"model type {model_type!r} is not supported (supported: {known})")
+        what = f"model type {model_type!r}" if model_type else "a model without a model_type"
+        raise UnsupportedModel(f"{what} is not supported (supported: {known})")
     return family
 
 
