@@ -188,6 +188,17 @@ class Stack:
                 proc.wait()
 
 
+def upload_jsonl(http: httpx.Client, name: str, rows: list[dict]) -> str:
+    """POST rows as a JSONL file; its id."""
+    import io
+    import json
+
+    body = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    r = http.post("/v1/files", files={"file": (name, io.BytesIO(body))})
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
 def make_tenant(db: str, name: str, max_gpus: int | None = None) -> str:
     from sqlalchemy import create_engine
     from sqlalchemy.orm import Session

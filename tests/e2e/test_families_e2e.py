@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Stack, wait_for
+from tests.e2e.conftest import Stack, upload_jsonl, wait_for
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
@@ -42,13 +42,6 @@ def models_yaml(tmp_path: Path) -> Path:
     path = tmp_path / "models.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def upload(http, name: str, rows: list[dict]) -> str:  # noqa: ANN001
-    body = "".join(json.dumps(r) + "\n" for r in rows).encode()
-    r = http.post("/v1/files", files={"file": (name, io.BytesIO(body))})
-    assert r.status_code == 201, r.text
-    return r.json()["id"]
 
 
 def download(http, url: str, out: Path) -> Path:  # noqa: ANN001
@@ -88,8 +81,8 @@ def test_every_family_trains_through_the_api(stack: Stack, tmp_path: Path) -> No
     val_path.write_text("".join(json.dumps(r) + "\n" for r in val_rows))
     tasks: dict[str, dict] = {}
     with stack.http() as http:
-        base = {"training_file": upload(http, "train.jsonl", train_rows),
-                "validation_file": upload(http, "val.jsonl", val_rows), "epochs": 1,
+        base = {"training_file": upload_jsonl(http, "train.jsonl", train_rows),
+                "validation_file": upload_jsonl(http, "val.jsonl", val_rows), "epochs": 1,
                 "max_seq_len": MAX_SEQ_LEN,
                 "search_space": {"learning_rate": [3e-2, 1e-2], "lora_rank": [4],
                                  "lora_alpha": [8.0], "batch_size": [4]},

@@ -6,14 +6,13 @@ parallelism with one rank per GPU), and the task ends `succeeded` with an adapte
 from __future__ import annotations
 
 import io
-import json
 import random
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Stack, wait_for
+from tests.e2e.conftest import Stack, upload_jsonl, wait_for
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
@@ -47,13 +46,6 @@ def records(method: str, n: int, seed: int) -> list[dict]:
     return out
 
 
-def upload(http, name: str, rows: list[dict]) -> str:  # noqa: ANN001
-    body = "".join(json.dumps(r) + "\n" for r in rows).encode()
-    r = http.post("/v1/files", files={"file": (name, io.BytesIO(body))})
-    assert r.status_code == 201, r.text
-    return r.json()["id"]
-
-
 @pytest.mark.with_scheduler
 def test_each_method_on_one_and_two_gpus_runs_the_executor_its_placement_asks_for(
         stack: Stack, tmp_path: Path) -> None:
@@ -65,8 +57,8 @@ def test_each_method_on_one_and_two_gpus_runs_the_executor_its_placement_asks_fo
     tasks: dict[tuple[str, int], str] = {}
     with stack.http() as http:
         for method, gpus in cases:
-            train = upload(http, f"{method}.jsonl", records(method, 24, seed=1))
-            val = upload(http, f"{method}-val.jsonl", records(method, 8, seed=2))
+            train = upload_jsonl(http, f"{method}.jsonl", records(method, 24, seed=1))
+            val = upload_jsonl(http, f"{method}-val.jsonl", records(method, 8, seed=2))
             space = {"learning_rate": [5e-3, 2e-2], "lora_rank": [4], "batch_size": [2]}
             if method == "dpo":
                 space["beta"] = [0.1, 0.3]
