@@ -9,7 +9,10 @@ POST /internal/v1/placements/{id}/claim (reply: PlacementSpec; a repeated claim 
 node returns the same spec), downloads files and checkpoints from the URLs in the spec,
 then reports with EventBatch, MetricBatch, JobStateUpdate, artifact uploads (multipart:
 a ``meta`` form field holding ArtifactMeta JSON plus one ``files`` part per file) and
-finally TaskFinished or TaskFailed. Every report is safe to retry.
+finally TaskFinished or TaskFailed. Every report is safe to retry, and every report names its
+placement (= attempt): the service stores only the reports of a task's current live placement
+(409 otherwise, which a daemon drops), so nothing of a superseded attempt or of a finished or
+cancelled task is ever stored. The heartbeat reply names the placements to stop.
 All internal calls carry ``Authorization: Bearer <worker token>``. A heartbeat answered 404
 means the service forgot the node: register again. A daemon that stops cleanly (drained)
 POSTs NodeDeregister to /internal/v1/nodes/{node_id}/deregister: the node goes down, its
@@ -99,8 +102,11 @@ class Heartbeat(_Msg):
 class HeartbeatResponse(_Msg):
     node_id: str
     state: Literal["up", "down"]
-    cancelled_task_ids: list[str] = Field(
-        default_factory=list, description="Tasks running on this node that must stop now.")
+    cancelled_placement_ids: list[str] = Field(
+        default_factory=list,
+        description="Placements (attempts) this node runs that must stop now: cancelled, "
+                    "superseded or failed by the service. Never a bare task id, so a new attempt "
+                    "of the same task on the same node keeps running.")
 
 
 # ----- the task's settings: ONE set of bounds, checked at create (422) and consumed by the trainer
@@ -216,7 +222,7 @@ class EventIn(_Msg):
 
 
 class EventBatch(_Msg):
-    placement_id: str | None = None
+    placement_id: str = Field(description="The attempt that reports (fencing, as for every report).")
     events: list[EventIn] = Field(max_length=1000)
 
 
@@ -231,10 +237,12 @@ class MetricPointIn(_Msg):
 class MetricBatch(_Msg):
     """Points already stored (same job, step, split) are ignored, so a retry is a no-op."""
 
+    placement_id: str = Field(description="The attempt that reports (fencing).")
     points: list[MetricPointIn] = Field(max_length=10_000)
 
 
 class JobStateUpdate(_Msg):
+    placement_id: str = Field(description="The attempt that reports (fencing).")
     state: Literal["pending", "running", "exited", "completed", "failed", "cancelled"]
     exit_reason: Literal["diverging", "overfitting", "underperforming"] | None = None
     best_val_loss: float | None = None
@@ -248,6 +256,7 @@ class ArtifactMeta(_Msg):
     kind=checkpoint is per task (step says where training resumes). Same key = same artifact."""
 
     kind: Literal["adapter", "checkpoint"]
+    placement_id: str = Field(description="The attempt that reports (fencing).")
     job_id: str | None = None
     step: int | None = Field(default=None, ge=0, le=INT32_MAX)
     key: str | None = Field(
