@@ -90,7 +90,8 @@ class ExecutorConfig:
     eval: EvalSettings = field(default_factory=lambda: EvalSettings(eval_every_steps=10,
                                                                     eval_max_samples=None))
     eval_batch_size: int = 8
-    checkpoint_every: int = 50
+    checkpoint_every: int = 50  # executor steps between checkpoints ...
+    checkpoint_every_s: float | None = None  # ... or seconds since the last one, first reached
     targets: tuple[str, ...] | None = None  # None: the model family's defaults
     gradient_checkpointing: bool = True
     device: str = "auto"
@@ -163,6 +164,8 @@ class Executor:
         self.last_eval: dict[str, int] = {}
         self.window = _Window()
         self.memory_model: MemoryModel | None = None
+        self.last_checkpoint = time.monotonic()
+        self.checkpoint_due = False  # by time, as rank 0's clock says (every rank alike)
 
     # ----- setup -------------------------------------------------------------------------
     def _load(self) -> None:
@@ -287,7 +290,7 @@ class Executor:
                 self._checkpoint()
                 self.strategy.flush()
                 return self.status
-            if self.global_step % self.cfg.checkpoint_every == 0:
+            if self.global_step % self.cfg.checkpoint_every == 0 or self.checkpoint_due:
                 self._checkpoint()
             self.strategy.flush()
         self._checkpoint()
@@ -303,7 +306,10 @@ class Executor:
                 report.metrics.get(j)) for j in report.losses}
         stop = bool(self.stop_requested is not None and self.stop_requested())
         numbers = None if report is None else (report.padded_fraction, report.tokens)
-        parts = self.strategy.gather((local, stop, numbers))
+        every_s = self.cfg.checkpoint_every_s
+        due = every_s is not None and time.monotonic() - self.last_checkpoint >= every_s
+        parts = self.strategy.gather((local, stop, numbers, due))
+        self.checkpoint_due = bool(parts[0][3])
         merged = {j: v for part in parts for j, v in part[0].items()}
         measured = [p[2] for p in parts if p[2] is not None]
         w = self.window
@@ -470,6 +476,7 @@ class Executor:
             })
 
     def _checkpoint(self) -> None:
+        self.last_checkpoint, self.checkpoint_due = time.monotonic(), False
         self._report_throughput()
         dpo = isinstance(self.engine, DpoEngine)
         mine = {j: job_state_dict(s) for j, s in [*self.engine.jobs.items(), *self.parked.items()]}
@@ -527,7 +534,12 @@ class Executor:
         set_rng_state(ck["rng"])
         self.cb.on_event("", "resumed", {"global_step": self.global_step, "ranks": self.world,
                                          "same_placement": bool(owners)})
-        for job_id, slot in self.placed.items():  # a retry starts them again: say so
+        # a retry starts every unfinished job again (the service shows them pending meanwhile):
+        # the running ones say so now, the parked ones when they are placed again
+        for st in self.status.values():
+            if st["state"] == "running":
+                st["state"] = "pending"
+        for job_id, slot in self.placed.items():
             self._set_state(job_id, "running", {"resumed": True, "rank": slot.owner})
 
 

@@ -200,7 +200,10 @@ def executor_config(spec: PlacementSpec, directory: Path):  # noqa: ANN201 - tra
         val_fraction=spec.validation_split, split_seed=spec.seed, max_seq_len=spec.max_seq_len,
         eval=spec.eval, early_exit=spec.early_exit,
         targets=tuple(spec.target_modules) if spec.target_modules else None,
+        # the work a lost node costs is bounded by the time between checkpoints (each one is
+        # uploaded as soon as it is written): every N steps or S seconds, whichever comes first
         checkpoint_every=int(os.environ.get("LORAPLEX_CHECKPOINT_EVERY", "50")),
+        checkpoint_every_s=float(os.environ.get("LORAPLEX_CHECKPOINT_EVERY_S", "300")) or None,
         world_size=max(1, len(spec.gpu_indices)))
 
 

@@ -109,3 +109,49 @@ def test_memory_probe_step_leaves_the_engine_untouched(tmp_path) -> None:  # noq
     for j, (w, step) in before.items():
         s = ex.engine.jobs[j]
         assert s.step == step and all(torch.equal(v, s.adapter.state_dict()[k]) for k, v in w.items())
+
+
+def test_checkpoint_cadence_by_time_and_eval_sample_cap(tmp_path) -> None:  # noqa: ANN001
+    """checkpoint_every_s bounds the time between checkpoints whatever checkpoint_every says (a
+    throughput report goes with each one); eval_max_samples caps the validation set."""
+    early = EarlyExitSettings(enabled=False)
+    jobs = [JobSpec("a", rank=2, alpha=4, lr=1e-3, batch_size=2, max_steps=5, seed=1)]
+    every, counts = {}, {}
+    for name, seconds in (("by_time", 0.0), ("by_steps", None)):
+        rec = Recorder()
+        cfg = config(tmp_path, name, jobs=jobs, early_exit=early, checkpoint_every=10**6,
+                     checkpoint_every_s=seconds, eval=EvalSettings(eval_every_steps=5, eval_max_samples=2))
+        Executor(cfg, rec.callbacks()).run()
+        every[name] = [d["global_step"] for _, m, d in rec.events if m == "throughput"]
+        counts[name] = next(d["val"] for _, m, d in rec.events if m == "executor_loaded")
+    assert every["by_time"] == [1, 2, 3, 4, 5]  # a checkpoint after every step (the final one too)
+    assert every["by_steps"] == [5]  # only the final one
+    assert counts == {"by_time": 2, "by_steps": 2}
+
+
+def test_stop_request_checkpoints_at_a_step_boundary_and_resumes(tmp_path) -> None:  # noqa: ANN001
+    """What SIGTERM does through the runner: the executor finishes its step, writes state.pt and
+    returns; the next run resumes there and ends where an uninterrupted run ends."""
+    full = Recorder()
+    ref_status = Executor(config(tmp_path, "full"), full.callbacks()).run()
+    calls = {"n": 0}
+
+    def stop_after_three() -> bool:
+        calls["n"] += 1
+        return calls["n"] >= 3
+
+    before = Recorder()
+    first = Executor(config(tmp_path, "stopped", checkpoint_every=10**6), before.callbacks(),
+                     stop_requested=stop_after_three)
+    first.run()
+    assert first.stopped and first.global_step == 3
+    ck = torch.load(tmp_path / "stopped" / "state.pt", map_location="cpu", weights_only=False)
+    assert ck["global_step"] == 3
+    second = Recorder()
+    status = Executor(config(tmp_path, "stopped"), second.callbacks()).run()
+    assert status == ref_status
+    resumed = [(j, d) for j, st, d in second.states if st == "running" and d.get("resumed")]
+    assert resumed  # the jobs it picks up are reported running again (a retry's truth)
+    for j, ref in full.train.items():  # no step lost, none trained twice
+        got = before.train.get(j, []) + second.train.get(j, [])
+        assert [s for s, _ in got] == [s for s, _ in ref]
