@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,15 +12,13 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.cluster import mark_stale_nodes, start_replanner, stop_replanner
+from service.background import Background
 from service.config import Settings, get_settings
-from service.db import make_engine, make_sessionmaker, session_scope
+from service.db import make_engine, make_sessionmaker
 from service.errors import error_body, install_error_handlers
 from service.queue import configure as configure_queue
-from service.queue import republish_all
 from service.registry import ModelRegistry
 from service.routes import files, internal, ops, tasks
 from service.storage import LocalStorage
@@ -97,19 +94,6 @@ async def _send_json(send: Send, status: int, body: dict) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-def _maintenance(factory: sessionmaker[Session], settings: Settings,
-                 stop: threading.Event) -> None:
-    """Background upkeep: nodes silent for node_timeout_s go down (their tasks are requeued),
-    and published placements missing from Redis are queued again."""
-    while not stop.wait(settings.maintenance_interval_s):
-        try:
-            with session_scope(factory) as session:
-                mark_stale_nodes(session, settings)
-                republish_all(session, settings)
-        except Exception:
-            log.exception("maintenance pass failed")
-
-
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     logging.basicConfig(level=settings.log_level,
@@ -118,25 +102,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if settings.republish_on_startup:
-            try:
-                with session_scope(app.state.sessionmaker) as session:
-                    republish_all(session, settings)
-            except Exception as exc:  # the API can serve reads while Redis/Postgres come up
-                log.warning("republish at startup failed error=%s", exc)
-        stop = threading.Event()
-        thread = None
-        if settings.maintenance_interval_s > 0:
-            thread = threading.Thread(target=_maintenance, name="loraplex-maintenance",
-                                      args=(app.state.sessionmaker, settings, stop), daemon=True)
-            thread.start()
-        replanner = start_replanner(app.state.sessionmaker, settings)
-        app.state.replanner = replanner
+        # Every process answers requests; the one that wins the leader election also replans,
+        # re-publishes and runs the maintenance loop (service.background).
+        background = Background(app.state.sessionmaker, settings).start()
+        app.state.background = background
+        app.state.replanner = background.replanner
         yield
-        stop_replanner(replanner, settings)
-        stop.set()
-        if thread is not None:
-            thread.join(timeout=10)
+        background.stop()
         engine.dispose()
 
     app = FastAPI(title="loraplex", version=API_VERSION, lifespan=lifespan,
@@ -147,6 +119,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.storage = LocalStorage(settings.storage_dir)
     app.state.registry = ModelRegistry(settings.models_file)
     app.state.prom = _prom()
+    app.state.background = None  # this process's replanner and leader election, while it runs
     app.state.replanner = None  # the background replanner, while the lifespan runs
     configure_queue(settings.redis_url)
     install_error_handlers(app)

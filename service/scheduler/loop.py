@@ -87,6 +87,13 @@ def last_plan_info() -> PlanInfo:
     return _last
 
 
+def set_last_plan_info(info: PlanInfo) -> None:
+    """Adopt the leader's last plan: an API process that does not lead never replans
+    (service.background), yet its GET /v1/cluster shows the plan in force."""
+    global _last
+    _last = info
+
+
 def _knob(settings: Settings, name: str, default: float) -> Any:
     # Optional Settings fields (scheduler_*); the defaults apply until the config has them.
     return getattr(settings, name, None) or default
