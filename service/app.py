@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.background import Background
+from service.cluster import watch_service_health
 from service.config import Settings, get_settings
 from service.db import make_engine, make_sessionmaker
 from service.errors import error_body, install_error_handlers
@@ -104,6 +105,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Every process answers requests; the one that wins the leader election also replans,
         # re-publishes and runs the maintenance loop (service.background).
+        if settings.maintenance_interval_s > 0:  # node silence counts from this start at most
+            watch_service_health(settings)
         background = Background(app.state.sessionmaker, settings).start()
         app.state.background = background
         app.state.replanner = background.replanner

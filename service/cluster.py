@@ -1,19 +1,27 @@
 """Nodes (register, heartbeat, timeout), the one hook into the scheduler, cluster_changed(), called
-on task creation, cancel, completion/failure and node register/down, and the operator's view."""
+on task creation, cancel, completion/failure and node register/down, and the operator's view.
+
+A node is down only when it was silent while the service itself was healthy: ServiceHealth keeps
+this process's view of its database, and mark_stale_nodes counts a node's silence from the later of
+its last heartbeat and the service's recovery. Heartbeat replies name placements (attempts) to
+stop, never a task, so a new attempt of a task on the same node is never stopped for an old one."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings, get_settings
 from service.db import session_scope
 from service.events import add_event
-from service.models import PLACEMENT_ACTIVE, Job, Node, Placement, Task, utcnow
+from service.models import PLACEMENT_ACTIVE, TASK_TERMINAL, Job, Node, Placement, Task, utcnow
 from service.protocol import Heartbeat, HeartbeatResponse, NodeRegister, tenant_safe
 from service.queue import unqueue_placement
 from service.scheduler.limits import tenant_usage
@@ -167,25 +175,38 @@ def register_node(session: Session, msg: NodeRegister) -> tuple[Node, bool]:
 
 
 def heartbeat(session: Session, node: Node, msg: Heartbeat) -> tuple[HeartbeatResponse, bool]:
-    """Refresh the node; list the tasks it runs that must stop. (response, came back up)."""
+    """Refresh the node (a node that was down is up again and keeps every placement that is still
+    current); name the placements it reports that must stop. (response, came back up)."""
     came_back = node.state != "up"
     node.state, node.last_heartbeat_at = "up", utcnow()
-    cancelled: set[str] = set()
-    if msg.running_placement_ids:
-        rows = session.execute(
-            select(Placement.id, Placement.task_id, Placement.state, Placement.node_id, Task.state)
-            .join(Task, Task.id == Placement.task_id)
-            .where(Placement.id.in_(msg.running_placement_ids)))
-        for _, task_id, p_state, node_id, t_state in rows:
-            if p_state not in PLACEMENT_ACTIVE or t_state == "cancelled" or node_id != node.id:
-                cancelled.add(task_id)
-    recent = utcnow() - timedelta(minutes=10)
-    cancelled.update(session.scalars(select(Placement.task_id).where(
-        Placement.node_id == node.id, Placement.state == "cancelled",
-        Placement.claimed_at.is_not(None), Placement.finished_at >= recent)))
+    stop = placements_to_stop(session, node.id, msg.running_placement_ids)
     session.flush()
     return HeartbeatResponse(node_id=node.id, state="up",
-                             cancelled_task_ids=sorted(cancelled)), came_back
+                             cancelled_placement_ids=stop), came_back
+
+
+def placements_to_stop(session: Session, node_id: str, reported: Iterable[str]) -> list[str]:
+    """Of the placements a node says it runs, those that are not the current live placement of
+    their task on this node: superseded, failed, finished, cancelled, of a task that is over,
+    of another node, or unknown. The service refuses every report of these (fencing), so the
+    node may stop them; a task's current attempt is never among them."""
+    reported = set(reported)
+    if not reported:
+        return []
+    rows = session.execute(
+        select(Placement.id, Placement.task_id, Placement.node_id, Placement.state, Task.state)
+        .join(Task, Task.id == Placement.task_id).where(Placement.id.in_(reported))).all()
+    live = {pid: task_id for pid, task_id, on, p_state, t_state in rows
+            if on == node_id and p_state in PLACEMENT_ACTIVE and t_state not in TASK_TERMINAL}
+    current: dict[str, str] = {}
+    if live:  # one live placement per task; were there two, only the newest is current
+        for pid, task_id in session.execute(
+                select(Placement.id, Placement.task_id)
+                .where(Placement.task_id.in_(set(live.values())),
+                       Placement.state.in_(PLACEMENT_ACTIVE))
+                .order_by(Placement.created_at.desc(), Placement.id.desc())):
+            current.setdefault(task_id, pid)
+    return sorted(pid for pid in reported if current.get(live.get(pid, "")) != pid)
 
 
 def requeue_task(session: Session, task: Task, reason: str) -> None:
@@ -196,11 +217,96 @@ def requeue_task(session: Session, task: Task, reason: str) -> None:
     add_event(session, task.id, "task_requeued", tenant_safe(reason, limit=1000), level="warning")
 
 
-def mark_stale_nodes(session: Session, settings: Settings | None = None) -> list[str]:
-    """Mark down every up node silent for node_timeout_s; fail what ran there and requeue it.
-    Returns the ids of the nodes marked down (the scheduler loop calls this periodically)."""
+class ServiceHealth:
+    """This process's own view of its database, fed by every maintenance pass: since when it has
+    reached it without a break. While the database is down the service answers heartbeats with
+    errors, which says nothing about the nodes; so a node's silence only counts from the later of
+    its last heartbeat and healthy_since. healthy_since starts when the process starts watching
+    (an API that was down, or a newly elected leader, gives every node a full timeout) and moves
+    on at each recovery: a failed pass followed by a good one, or a good one after a break longer
+    than max_gap_s (a loop that was stopped: a deposed leader, a paused process)."""
+
+    def __init__(self, max_gap_s: float, clock: Callable[[], datetime] = utcnow) -> None:
+        self.max_gap_s = max_gap_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        now = clock()
+        self.healthy_since: datetime = now
+        self.down_since: datetime | None = None
+        self.last_ok_at: datetime = now
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> ServiceHealth:
+        # A break of G seconds unseen makes a node look silent for G + its heartbeat interval
+        # (node_timeout_s / 3), so any break over node_timeout_s / 3 counts as an outage; the
+        # passes themselves are maintenance_interval_s apart.
+        return cls(max_gap_s=max(settings.node_timeout_s / 3,
+                                 1.5 * settings.maintenance_interval_s + 1.0))
+
+    def ok(self) -> None:
+        """The database answered just now."""
+        now = self._clock()
+        with self._lock:
+            gap = (now - self.last_ok_at).total_seconds()
+            if self.down_since is not None or gap > self.max_gap_s:
+                log.warning("service healthy again after_s=%.1f cause=%s: node silence counts "
+                            "from now", (now - (self.down_since or self.last_ok_at)).total_seconds(),
+                            "database_down" if self.down_since is not None else "no_pass")
+                self.healthy_since = now
+            self.down_since, self.last_ok_at = None, now
+
+    def failed(self, error: object) -> None:
+        """The database could not be reached just now."""
+        with self._lock:
+            if self.down_since is None:
+                self.down_since = self._clock()
+                first = str(error).splitlines()[0] if str(error) else type(error).__name__
+                log.warning("service unhealthy: database unreachable error=%s", first)
+
+    def check(self, session: Session) -> datetime:
+        """Probe the database on this session and return the moment from which node silence
+        counts now; a failed probe is recorded and raised."""
+        try:
+            session.execute(text("SELECT 1"))
+        except DBAPIError as exc:
+            self.failed(exc)
+            raise
+        self.ok()
+        with self._lock:
+            return self.healthy_since
+
+
+_HEALTH: dict[str, ServiceHealth] = {}
+_HEALTH_LOCK = threading.Lock()
+
+
+def watch_service_health(settings: Settings) -> ServiceHealth:
+    """Start this process's health record of settings' database: an API process that may run
+    the maintenance loop does so when it starts, so nodes silent while it was down are not
+    counted dead. From then on mark_stale_nodes uses it by default."""
+    with _HEALTH_LOCK:
+        health = _HEALTH[settings.database_url] = ServiceHealth.for_settings(settings)
+        return health
+
+
+def service_health(settings: Settings) -> ServiceHealth | None:
+    """This process's health record of settings' database, if it keeps one."""
+    with _HEALTH_LOCK:
+        return _HEALTH.get(settings.database_url)
+
+
+def mark_stale_nodes(session: Session, settings: Settings | None = None,
+                     health: ServiceHealth | None = None) -> list[str]:
+    """Mark down every up node silent for node_timeout_s while the service was healthy; fail
+    what ran there and requeue it. With a health record (default: this process's, see
+    watch_service_health) each call probes the database and silence counts from max(last
+    heartbeat, healthy_since); without one, from the last heartbeat. Returns the ids of the
+    nodes marked down (the maintenance loop calls this periodically)."""
     settings = settings or get_settings()
+    health = health or service_health(settings)
     cutoff = utcnow() - timedelta(seconds=settings.node_timeout_s)
+    if health is not None and health.check(session) > cutoff:
+        return []  # no node can have been silent that long while the service was healthy
     stale = session.scalars(select(Node).where(
         Node.state == "up",
         (Node.last_heartbeat_at < cutoff) | Node.last_heartbeat_at.is_(None)).with_for_update(

@@ -27,14 +27,17 @@ class Settings(BaseSettings):
     max_artifact_bytes: int = 4 * 1024 * 1024 * 1024
     max_configurations: int = 64
     max_page_size: int = 100
-    # A node that has not heartbeated for this long is marked down.
+    # A node that has not heartbeated for this long while the service was healthy is marked
+    # down (silence is counted from the service's own recovery: service.cluster.ServiceHealth).
     node_timeout_s: float = 60.0
     # A failed placement is retried (with the latest checkpoint) up to this many attempts.
     max_attempts: int = 3
     # Republish published-but-unclaimed placements from Postgres when the app starts.
     republish_on_startup: bool = True
     # Every this many seconds the API marks silent nodes down and re-publishes placements
-    # missing from Redis (0 disables; safe with several API replicas).
+    # missing from Redis (0 disables; safe with several API replicas). Each pass also checks the
+    # database: an outage shorter than one interval can go unseen, so keep it well under
+    # node_timeout_s / 3.
     maintenance_interval_s: float = 15.0
     # False: the API never calls the scheduler (placements come from elsewhere, e.g. tests).
     scheduler_enabled: bool = True

@@ -1,9 +1,11 @@
-"""The Redis side: placements go to one RQ queue per node, cancels to a key + pub/sub channel.
-Postgres stays the source of truth; republish_all() rebuilds the queues after a Redis wipe."""
+"""The Redis side: placements go to one RQ queue per node, cancels of placements (attempts, never a
+bare task) to a key + pub/sub channel. Postgres stays the source of truth; republish_all() rebuilds
+the queues after a Redis wipe, and heartbeat replies carry every cancel again."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from functools import lru_cache
 
 import redis
@@ -76,14 +78,23 @@ def publish_placement(session: Session, placement: Placement,
     after_commit(session, _push)
 
 
-def publish_cancel(task_id: str, settings: Settings | None = None) -> None:
-    """Tell the workers now (key + pub/sub); heartbeats carry the same news if this is lost."""
+def publish_cancel(placement_ids: str | Iterable[str], settings: Settings | None = None) -> None:
+    """Tell the workers now that these placements must stop: for each one a key
+    ``cancel_key(placement_id)`` (with a TTL) and a message on CANCEL_CHANNEL. A daemon stops
+    exactly the placements named, so a new attempt of the same task runs on. Heartbeat replies
+    carry the same news if this is lost (Redis down or wiped). A str is one placement id."""
+    ids = [placement_ids] if isinstance(placement_ids, str) else list(placement_ids)
+    if not ids:
+        return
     try:
         conn = get_redis(settings)
-        conn.set(cancel_key(task_id), "1", ex=CANCEL_TTL_S)
-        conn.publish(CANCEL_CHANNEL, task_id)
+        pipe = conn.pipeline(transaction=False)
+        for placement_id in ids:
+            pipe.set(cancel_key(placement_id), "1", ex=CANCEL_TTL_S)
+            pipe.publish(CANCEL_CHANNEL, placement_id)
+        pipe.execute()
     except redis.RedisError as exc:
-        log.warning("cancel publish failed task=%s error=%s", task_id, exc)
+        log.warning("cancel publish failed placements=%s error=%s", ",".join(ids), exc)
 
 
 def unqueue_placement(placement_id: str, node_id: str, settings: Settings | None = None) -> None:
