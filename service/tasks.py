@@ -7,9 +7,9 @@ import hashlib
 import itertools
 import json
 import logging
-from typing import Any
+from collections import Counter
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, true
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -203,40 +203,38 @@ def task_out(session: Session, task: Task) -> TaskOut:
 
 
 def task_outs(session: Session, tasks: list[Task]) -> list[TaskOut]:
-    """API views of tasks, with a fixed number of queries for the whole page."""
-    ids = [t.id for t in tasks]
-    counts: dict[str, dict[str, int]] = {i: {} for i in ids}
-    for task_id, state, n in session.execute(
-            select(Job.task_id, Job.state, func.count()).where(Job.task_id.in_(ids))
-            .group_by(Job.task_id, Job.state)):
-        counts[task_id][state] = n
-    failed = dict(session.execute(
-        select(Placement.task_id, func.count()).where(
-            Placement.task_id.in_(ids), Placement.state == "failed").group_by(Placement.task_id)
-    ).all())
-    # The placement that says most about "when": the live one, else the latest that ran.
-    latest: dict[str, Any] = {}
-    for row in session.execute(
-            select(Placement.task_id, Placement.planned_start, Placement.planned_end,
-                   Placement.attempt)
-            .where(Placement.task_id.in_(ids),
-                   Placement.state.not_in(("superseded", "cancelled")))
-            .order_by(Placement.created_at.desc())):
-        latest.setdefault(row.task_id, row)
+    """API views of tasks: one statement for the whole page (each task's job states, failed
+    attempts and the placement that says most about "when": the live one, else the latest that
+    ran), since every round trip counts on the list endpoint."""
+    if not tasks:
+        return []
+    latest = (select(Placement.attempt, Placement.planned_start, Placement.planned_end)
+              .where(Placement.task_id == Task.id,
+                     Placement.state.not_in(("superseded", "cancelled")))
+              .order_by(Placement.created_at.desc()).limit(1).lateral("latest"))
+    rows = session.execute(
+        select(Task.id,
+               select(func.array_agg(Job.state)).where(Job.task_id == Task.id)
+               .scalar_subquery(),
+               select(func.count()).where(Placement.task_id == Task.id,
+                                          Placement.state == "failed").scalar_subquery(),
+               latest.c.attempt, latest.c.planned_start, latest.c.planned_end)
+        .outerjoin(latest, true()).where(Task.id.in_([t.id for t in tasks])))
+    views = {row[0]: row[1:] for row in rows}
     out = []
     for task in tasks:
-        c, p = counts[task.id], latest.get(task.id)
+        states, failed, attempt, planned_start, planned_end = views[task.id]
+        counts = dict(Counter(states or ()))
         out.append(TaskOut(
             id=task.id, state=task.state, base_model=task.base_model, method=task.method,
             training_file=task.training_file_id, validation_file=task.validation_file_id,
             validation_split=task.validation_split, search_space=task.search_space,
             epochs=task.epochs, max_seq_len=task.max_seq_len, seed=task.seed,
             early_exit=task.early_exit, eval=task.eval, target_modules=task.target_modules,
-            priority=task.priority, num_jobs=sum(c.values()), job_counts=c,
+            priority=task.priority, num_jobs=sum(counts.values()), job_counts=counts,
             best_job_id=task.best_job_id, error=task.error,
-            attempt=p.attempt if p else failed.get(task.id, 0) + 1,
-            planned_start=p.planned_start if p else None,
-            planned_end=p.planned_end if p else None, created_at=task.created_at,
+            attempt=attempt if attempt is not None else failed + 1,
+            planned_start=planned_start, planned_end=planned_end, created_at=task.created_at,
             started_at=task.started_at, finished_at=task.finished_at))
     return out
 

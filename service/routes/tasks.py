@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
 from service import adapters, events, tasks
 from service.cluster import cluster_changed
@@ -49,11 +50,11 @@ def create_task(body: TaskCreate, response: Response, session: SessionDep, tenan
 def list_tasks(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
                limit: Annotated[int, Query(ge=1, le=1000)] = 20,
                after: Annotated[str | None, Query(max_length=40)] = None,
-               state: Annotated[TaskState | None, Query()] = None) -> Page[TaskOut]:
+               state: Annotated[TaskState | None, Query()] = None) -> Response:
     rows, more = tasks.list_tasks(session, tenant, min(limit, settings.max_page_size), after,
                                   state)
-    return Page[TaskOut](data=tasks.task_outs(session, rows), has_more=more,
-                         last_id=rows[-1].id if rows else None)
+    return _json(Page[TaskOut](data=tasks.task_outs(session, rows), has_more=more,
+                               last_id=rows[-1].id if rows else None))
 
 
 @router.get("/v1/tasks/{task_id}", response_model=TaskOut)
@@ -90,9 +91,10 @@ def list_events(session: SessionDep, tenant: TenantDep, task_id: str,
 @router.get("/v1/tasks/{task_id}/metrics", response_model=MetricsOut)
 def task_metrics(session: SessionDep, tenant: TenantDep, task_id: str,
                  job_id: Annotated[str | None, Query(max_length=40)] = None,
-                 after_step: Annotated[int | None, Query(ge=-1)] = None) -> MetricsOut:
-    return events.task_metrics(session, tasks.get_task(session, tenant, task_id), job_id,
-                               after_step)
+                 after_step: Annotated[int | None, Query(ge=-1)] = None) -> Response:
+    # MetricsOut's JSON, built without a model per loss point (events.task_metrics_json).
+    return Response(events.task_metrics_json(session, tasks.get_task(session, tenant, task_id),
+                                             job_id, after_step), media_type="application/json")
 
 
 @router.get("/v1/tasks/{task_id}/adapter", response_class=StreamingResponse, responses=ARCHIVE)
@@ -122,3 +124,10 @@ def _archive(storage: Storage, job: Job, artifact: Artifact,
     return StreamingResponse(adapters.build_archive(storage, artifact, fmt),
                              media_type=adapters.MEDIA_TYPES[fmt],
                              headers={"Content-Disposition": f'attachment; filename="{name}"'})
+
+
+def _json(model: BaseModel) -> Response:
+    """A validated schema as JSON, as is. For the most-read route (the task list):
+    FastAPI would validate the returned model a second time, in one more threadpool hop; the
+    routes still declare their response_model for the API contract."""
+    return Response(model.model_dump_json(), media_type="application/json")
