@@ -1,5 +1,7 @@
 """Task events (monotonic bigint ids, read with ``?after=``) and loss-curve metric points.
-Writers take a per-task advisory lock so event ids of one task commit in id order."""
+An event's id is taken at insert, under a per-task advisory lock, so ids of one task follow the
+order events arrived and commit in; lists are ordered by id (never by a worker's clock). Worker
+reports reach here only through service.worker_api.fence_report (the task's current attempt)."""
 
 from __future__ import annotations
 

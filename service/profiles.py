@@ -5,7 +5,7 @@ The key is what the estimator looks up: the task's base model, the GPU type of t
 node (not the worker's word), the sequence length, batch_key(batch_sizes) and the GPU count the
 rate was measured on. A report replaces the row's numbers with its own (the latest window is the
 measurement), so a retried report changes nothing. Only the live placement of a task that is not
-over may report (the fence of every other report, service.worker_api)."""
+over may report: service.worker_api.fence_report, the one fence of every report."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from service.errors import invalid
 from service.models import Node, ThroughputProfile, utcnow
 from service.protocol import ThroughputReport
 from service.scheduler.estimator import batch_key
-from service.worker_api import _placement_of, _require_live, get_task_any
+from service.worker_api import fence_report
 
 log = logging.getLogger("loraplex.profiles")
 
@@ -31,10 +31,7 @@ def store_throughput(session: Session, task_id: str, msg: ThroughputReport) -> b
     placement of another task; 409: the task is over or the placement is not live (a superseded
     or finished attempt); 422: more GPUs than the placement holds, a batch size below 1 or a
     batch mix too long to key. Flushes; the caller commits."""
-    # Lock order everywhere: task first, then its placement (as cancel does).
-    task = get_task_any(session, task_id, lock=True)
-    placement = _placement_of(session, task, msg.placement_id)
-    _require_live(task, placement)
+    task, placement = fence_report(session, task_id, msg.placement_id)
     if msg.gpus > len(placement.gpu_indices):
         raise invalid(f"gpus={msg.gpus} but placement {placement.id!r} holds "
                       f"{len(placement.gpu_indices)} GPUs", param="gpus")

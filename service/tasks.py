@@ -297,9 +297,13 @@ ALLOWED = {
 }
 
 
-def update_job_state(session: Session, task: Task, job: Job, msg: JobStateUpdate) -> Job:
-    """Apply a worker's job state change. Repeating the current terminal state is a no-op
-    (retry); leaving a terminal state, or any change on a finished task, is a 409."""
+def update_job_state(session: Session, task: Task, job: Job, msg: JobStateUpdate,
+                     placement: Placement) -> Job:
+    """Apply a job state change reported by `placement`, the task's current attempt (the caller
+    fenced it: service.worker_api.fence_report). Repeating the current terminal state is a no-op
+    (retry); leaving a terminal state is a 409. A job the requeue put back to pending goes to
+    running again when the new attempt resumes it; the first job running moves the attempt from
+    claimed to running."""
     if (msg.state == "exited") != (msg.exit_reason is not None):
         raise invalid("exit_reason is required with state 'exited' and only then",
                       param="exit_reason")
@@ -307,7 +311,7 @@ def update_job_state(session: Session, task: Task, job: Job, msg: JobStateUpdate
         if msg.state == job.state:
             return job
         raise conflict(f"job {job.id!r} is already {job.state}", code="job_finished")
-    if task.state in TASK_TERMINAL:
+    if task.state in TASK_TERMINAL:  # fenced before; kept so this function is safe on its own
         raise conflict(f"task {task.id!r} is {task.state}", code=f"task_{task.state}")
     if msg.state not in ALLOWED[job.state]:
         raise conflict(f"job {job.id!r} cannot go from {job.state} to {msg.state}")
@@ -321,11 +325,9 @@ def update_job_state(session: Session, task: Task, job: Job, msg: JobStateUpdate
             setattr(job, field, value)
     if msg.error is not None:  # shown to the tenant: no traceback, no server path
         job.error = tenant_safe(msg.error)
-    if msg.state == "running" and job.started_at is None:
-        job.started_at = now
-        placement = session.scalar(select(Placement).where(
-            Placement.task_id == task.id, Placement.state == "claimed"))
-        if placement is not None:
+    if msg.state == "running":
+        job.started_at = job.started_at or now  # the first attempt that ran it
+        if placement.state == "claimed":
             placement.state = "running"
     if msg.state in JOB_TERMINAL:
         job.finished_at = now
@@ -333,7 +335,7 @@ def update_job_state(session: Session, task: Task, job: Job, msg: JobStateUpdate
         text = f"job {job.index} {msg.state}" + (f" ({msg.exit_reason})" if msg.exit_reason else "")
         add_event(session, task.id, f"job_{msg.state}", text, job_id=job.id,
                   data={"exit_reason": msg.exit_reason, "best_val_loss": finite(job.best_val_loss),
-                        "best_step": job.best_step},
+                        "best_step": job.best_step, "attempt": placement.attempt},
                   level="error" if msg.state == "failed" else "info")
     return job
 

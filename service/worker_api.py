@@ -1,5 +1,9 @@
-"""What the internal API does for worker daemons: claim a placement (-> PlacementSpec), store
-artifacts, the task's end (finished / failed with retry), a node leaving. Every call is retry-safe."""
+"""What the internal API does for worker daemons: claim a placement (-> PlacementSpec), the
+reports of an attempt (events, loss points, job states, artifacts, the task's end), a node leaving.
+
+Every report passes ONE fence, ``fence_report``: it is stored only when it names the task's current
+live placement (= attempt) and the task is not over; anything else is a 409 and stores nothing.
+Every call is retry-safe."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import hashlib
 import json
 import logging
 import struct
+from collections.abc import Callable
 from typing import BinaryIO
 
 from sqlalchemy import select, text
@@ -15,7 +20,7 @@ from sqlalchemy.orm import Session
 from service.cluster import cluster_changed, fail_or_requeue
 from service.config import Settings
 from service.errors import ApiError, conflict, invalid, not_found
-from service.events import add_event
+from service.events import add_event, ingest_events, ingest_metrics
 from service.models import (
     PLACEMENT_ACTIVE,
     TASK_TERMINAL,
@@ -33,8 +38,11 @@ from service.protocol import (
     ArtifactMeta,
     EarlyExitSettings,
     EvalSettings,
+    EventBatch,
     JobHyperparameters,
     JobSpec,
+    JobStateUpdate,
+    MetricBatch,
     NodeDeregister,
     NodeDeregistered,
     PlacementSpec,
@@ -46,7 +54,7 @@ from service.queue import empty_node_queue, unqueue_placement
 from service.registry import ModelRegistry
 from service.scheduler.loop import _LOCK_KEY as PLAN_LOCK_KEY
 from service.storage import Storage
-from service.tasks import finish_task_failed, finish_task_succeeded
+from service.tasks import finish_task_failed, finish_task_succeeded, update_job_state
 
 log = logging.getLogger("loraplex.worker_api")
 
@@ -161,9 +169,11 @@ def _check_adapter_config(src: BinaryIO) -> None:
     src.seek(0)
 
 
-def store_artifact(session: Session, storage: Storage, task: Task, meta: ArtifactMeta,
+def store_artifact(session: Session, storage: Storage, task_id: str, meta: ArtifactMeta,
                    files: list[tuple[str, BinaryIO]], max_bytes: int) -> Artifact:
-    """Store (or replace, same key) an adapter of a job or a checkpoint of the task."""
+    """Store (or replace, same key: a retry) an adapter of a job or a checkpoint of the task,
+    reported by the attempt meta.placement_id (fenced). Flushes; the caller commits."""
+    task, _ = fence_report(session, task_id, meta.placement_id)
     if not files:
         raise invalid("no files uploaded", param="files")
     names = [_check_name(n) for n, _ in files]
@@ -198,10 +208,6 @@ def store_artifact(session: Session, storage: Storage, task: Task, meta: Artifac
                        f"is {max_bytes}", "files")
     existing = session.scalar(select(Artifact).where(
         Artifact.task_id == task.id, Artifact.key == key).with_for_update())
-    if task.state in TASK_TERMINAL:
-        if existing is not None:
-            return existing  # a retry of an upload that landed before the task ended
-        raise conflict(f"task {task.id!r} is {task.state}", code=f"task_{task.state}")
     artifact_id = existing.id if existing is not None else new_id("art")
     listing = []
     for (name, src), size in zip(files, sizes, strict=True):
@@ -239,16 +245,58 @@ def _require_live(task: Task, placement: Placement) -> None:
     if task.state in TASK_TERMINAL:
         raise conflict(f"task {task.id!r} is {task.state}", code=f"task_{task.state}")
     if placement.state not in PLACEMENT_ACTIVE:
-        raise conflict(f"placement {placement.id!r} is {placement.state}",
-                       code="stale_placement")
+        raise conflict(f"placement {placement.id!r} (attempt {placement.attempt}) is "
+                       f"{placement.state}: not the task's current attempt", code="stale_attempt")
+
+
+def fence_report(session: Session, task_id: str, placement_id: str,
+                 retry_of: Callable[[Placement], bool] | None = None) -> tuple[Task, Placement]:
+    """THE fence of every worker report (events, loss points, job states, artifacts, throughput,
+    the task's end): lock the task, then the placement (the lock order of cancel, so a report
+    and a cancel never interleave), and let through only the task's current live placement of
+    a task that is not over. 404: unknown task, or a placement of another task; 409 task_<state>:
+    the task is over; 409 stale_attempt: a superseded, failed, finished or cancelled attempt.
+
+    retry_of(placement) says that the placement ended through this very report (a TaskFinished
+    or TaskFailed sent again): it is let through, and the caller answers without storing."""
+    task = get_task_any(session, task_id, lock=True)
+    placement = _placement_of(session, task, placement_id)
+    if retry_of is not None and retry_of(placement):
+        return task, placement
+    _require_live(task, placement)
+    return task, placement
+
+
+def report_events(session: Session, task_id: str, msg: EventBatch) -> int:
+    """Store an attempt's events (client_key already stored: skipped); the new count."""
+    task, _ = fence_report(session, task_id, msg.placement_id)
+    return ingest_events(session, task, msg.events)
+
+
+def report_metrics(session: Session, task_id: str, msg: MetricBatch) -> int:
+    """Store an attempt's loss points ((job, step, split) already stored: ignored)."""
+    task, _ = fence_report(session, task_id, msg.placement_id)
+    return ingest_metrics(session, task, msg.points)
+
+
+def report_job_state(session: Session, job_id: str, msg: JobStateUpdate) -> tuple[Job, bool]:
+    """Apply an attempt's job state change; (job, whether it has an adapter)."""
+    job = session.get(Job, job_id)
+    if job is None:
+        raise not_found("job", job_id)
+    task, placement = fence_report(session, job.task_id, msg.placement_id)
+    session.refresh(job, with_for_update=True)  # after the task: the lock order of cancel
+    update_job_state(session, task, job, msg, placement)
+    has_adapter = session.scalar(select(Artifact.id).where(
+        Artifact.job_id == job.id, Artifact.kind == "adapter")) is not None
+    return job, has_adapter
 
 
 def task_finished(session: Session, task_id: str, msg: TaskFinished, settings: Settings) -> Task:
-    task = get_task_any(session, task_id, lock=True)
-    placement = _placement_of(session, task, msg.placement_id)
-    if task.state == "succeeded" and placement.state == "finished":
-        return task
-    _require_live(task, placement)
+    task, placement = fence_report(session, task_id, msg.placement_id,
+                                   retry_of=lambda p: p.state == "finished")
+    if placement.state not in PLACEMENT_ACTIVE:
+        return task  # a retry: the task already ended through this attempt
     if msg.best_job_id is not None:
         has_adapter = session.scalar(select(Artifact.id).where(
             Artifact.task_id == task.id, Artifact.job_id == msg.best_job_id,
@@ -265,16 +313,17 @@ def task_finished(session: Session, task_id: str, msg: TaskFinished, settings: S
 
 
 def task_failed(session: Session, task_id: str, msg: TaskFailed, settings: Settings) -> Task:
-    task = get_task_any(session, task_id, lock=True)
-    placement = _placement_of(session, task, msg.placement_id)
-    if placement.state == "failed":
-        return task
-    _require_live(task, placement)
     # The tenant reads a short, safe message (task error, events); the raw error and the
     # traceback stay in the operator-only placement.error (no tenant schema has it).
+    error = msg.error if not msg.detail else f"{msg.error}\n\n{msg.detail}"
+    # A retry is this attempt failed with this error; an attempt the service failed first (its
+    # node was lost) is stale, as for every other report.
+    task, placement = fence_report(session, task_id, msg.placement_id,
+                                   retry_of=lambda p: p.state == "failed" and p.error == error)
+    if placement.state not in PLACEMENT_ACTIVE:
+        return task
     shown = tenant_safe(msg.error) or "training failed"
-    placement.state, placement.finished_at = "failed", utcnow()
-    placement.error = msg.error if not msg.detail else f"{msg.error}\n\n{msg.detail}"
+    placement.state, placement.finished_at, placement.error = "failed", utcnow(), error
     if msg.retryable:
         fail_or_requeue(session, task, placement, shown, settings)
     else:

@@ -4,11 +4,14 @@ spool, a JSON-lines file an executor appends to and the daemon forwards from (re
 Spool records, one JSON object per line, in the order the executor produced them:
   {"type": "event", "event": EventIn fields (no client_key: the forwarder sets one)}
   {"type": "metric", "point": MetricPointIn fields}
-  {"type": "job_state", "job_id": ..., "update": JobStateUpdate fields}
-  {"type": "artifact", "dir": "<dir under the placement dir>", "meta": ArtifactMeta fields}
+  {"type": "job_state", "job_id": ..., "update": JobStateUpdate fields but placement_id}
+  {"type": "artifact", "dir": "<dir under the placement dir>", "meta": ArtifactMeta fields but
+   placement_id}
   {"type": "throughput", "report": ThroughputReport fields but placement_id (the forwarder's)}
   {"type": "finished", "best_job_id": ..., "summary": {...}}   (TaskFinished)
   {"type": "failed", "error": "...", "retryable": true}         (TaskFailed)
+Every report names the forwarder's placement (= attempt): the service stores only the current
+attempt's reports and refuses the others with a 409, which the forwarder drops.
 Only complete lines count, so a writer killed mid-line loses at most that line. The forwarder
 keeps its byte offset in a state file next to the spool, written after each delivery; a
 restart resends at most the last batch, and every report is idempotent on the service side
@@ -27,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -52,6 +55,7 @@ from service.protocol import (
 )
 
 log = logging.getLogger("loraplex.worker.client")
+_Report = TypeVar("_Report", JobStateUpdate, ArtifactMeta)
 
 SPOOL_NAME = "spool.jsonl"
 FORWARD_STATE_NAME = "forward.json"
@@ -183,18 +187,20 @@ class ServiceClient:
         raise ServiceError(f"GET {url}: gave up after {self.attempts} attempts")
 
     # -- reports --------------------------------------------------------------------------
-    def post_events(self, task_id: str, placement_id: str | None, events: list[EventIn]) -> int:
+    def post_events(self, task_id: str, placement_id: str, events: list[EventIn]) -> int:
         msg = EventBatch(placement_id=placement_id, events=events)
         r = self.request("POST", f"/internal/v1/tasks/{task_id}/events",
                          body=msg.model_dump(mode="json", exclude_none=True), attempts=1)
         return int(r.json()["stored"])
 
-    def post_metrics(self, task_id: str, points: list[MetricPointIn]) -> int:
+    def post_metrics(self, task_id: str, placement_id: str, points: list[MetricPointIn]) -> int:
+        msg = MetricBatch(placement_id=placement_id, points=points)
         r = self.request("POST", f"/internal/v1/tasks/{task_id}/metrics",
-                         body=MetricBatch(points=points).model_dump(mode="json"), attempts=1)
+                         body=msg.model_dump(mode="json"), attempts=1)
         return int(r.json()["stored"])
 
     def job_state(self, job_id: str, update: JobStateUpdate) -> dict:
+        """update.placement_id names the attempt that reports."""
         r = self.request("POST", f"/internal/v1/jobs/{job_id}/state",
                          body=update.model_dump(mode="json", exclude_none=True), attempts=1)
         return r.json()
@@ -425,17 +431,24 @@ class Forwarder:
             self._tolerate(lambda: self.client.post_events(self.task_id, self.placement_id,
                                                            events), "events")
         if points:
-            self._tolerate(lambda: self.client.post_metrics(self.task_id, points), "metrics")
+            self._tolerate(lambda: self.client.post_metrics(self.task_id, self.placement_id,
+                                                            points), "metrics")
         self._advance(end)
         return len(events) + len(points)
 
     def _one(self, record: dict) -> None:
         kind = record["type"]
         if kind == "job_state":
-            update = JobStateUpdate.model_validate(record["update"])
-            self._tolerate(lambda: self.client.job_state(record["job_id"], update), "job_state")
+            update = self._message(JobStateUpdate, record.get("update"), kind)
+            job_id = record.get("job_id")
+            if update is not None and isinstance(job_id, str):
+                self._tolerate(lambda: self.client.job_state(job_id, update), "job_state")
+            elif update is not None:
+                self.state.dropped += 1
         elif kind == "artifact":
-            meta = ArtifactMeta.model_validate(record["meta"])
+            meta = self._message(ArtifactMeta, record.get("meta"), kind)
+            if meta is None:
+                return
             directory = self.directory / record["dir"]
             if not directory.is_dir():
                 log.error("artifact dir missing task=%s placement=%s dir=%s", self.task_id,
@@ -458,6 +471,17 @@ class Forwarder:
                               detail=record.get("detail"))
             self._tolerate(lambda: self.client.task_failed(self.task_id, msg2), "failed")
             self.state.terminal = "failed"
+
+    def _message(self, shape: type[_Report], fields: object, kind: str) -> _Report | None:
+        """The report of a spool record, in this forwarder's placement (the attempt the service
+        fences on, whatever the record says); a record the contract refuses is dropped."""
+        try:
+            return shape.model_validate(dict(fields or {}) | {"placement_id": self.placement_id})
+        except (ValueError, TypeError) as exc:
+            self.state.dropped += 1
+            log.warning("%s record dropped task=%s placement=%s error=%s", kind, self.task_id,
+                        self.placement_id, str(exc).splitlines()[0] if str(exc) else exc)
+            return None
 
     def _throughput(self, record: dict) -> None:
         # A measurement only tunes the scheduler's estimates: one the contract refuses (a NaN

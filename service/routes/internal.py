@@ -1,5 +1,6 @@
 """Routes /internal/v1/* for worker daemons (worker token): nodes, heartbeats, claims, file and
-checkpoint downloads, events, metric points, job states, artifacts, throughput, task end."""
+checkpoint downloads, and the fenced reports of an attempt: events, metric points, job states,
+artifacts, throughput, task end."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, File, Form, UploadFile
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
-from sqlalchemy import select
 
-from service import events, profiles, worker_api
+from service import profiles, worker_api
 from service.cluster import cluster_changed, heartbeat, register_node
 from service.deps import (
     RegistryDep,
@@ -20,7 +20,7 @@ from service.deps import (
     require_worker,
 )
 from service.errors import invalid, not_found
-from service.models import Artifact, Job, Node
+from service.models import Artifact, Node
 from service.models import File as FileRow
 from service.protocol import (
     ArtifactMeta,
@@ -44,10 +44,16 @@ from service.protocol import (
     node_queue_name,
 )
 from service.schemas import JobOut
-from service.tasks import job_out, update_job_state
+from service.tasks import job_out
 
 router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(require_worker)])
 HEARTBEAT_INTERVAL_S = 10.0
+# Every report is fenced (service.worker_api.fence_report): only the task's current live
+# placement of a task that is not over is stored.
+FENCED: dict[int | str, dict] = {
+    409: {"description": "Refused, nothing stored: the task is over (code task_<state>) or the "
+                         "placement is not its current attempt (code stale_attempt)."},
+    404: {"description": "Unknown task, job or placement (or a placement of another task)."}}
 
 
 @router.post("/nodes", response_model=NodeRegistered)
@@ -106,38 +112,29 @@ def artifact_file(artifact_id: str, name: str, session: SessionDep,
                              media_type="application/octet-stream")
 
 
-@router.post("/tasks/{task_id}/events", response_model=Stored)
+@router.post("/tasks/{task_id}/events", response_model=Stored, responses=FENCED)
 def post_events(task_id: str, msg: EventBatch, session: SessionDep) -> Stored:
-    task = worker_api.get_task_any(session, task_id)
-    stored = events.ingest_events(session, task, msg.events)
+    stored = worker_api.report_events(session, task_id, msg)
     session.commit()
     return Stored(stored=stored)
 
 
-@router.post("/tasks/{task_id}/metrics", response_model=Stored)
+@router.post("/tasks/{task_id}/metrics", response_model=Stored, responses=FENCED)
 def post_metrics(task_id: str, msg: MetricBatch, session: SessionDep) -> Stored:
-    task = worker_api.get_task_any(session, task_id)
-    stored = events.ingest_metrics(session, task, msg.points)
+    stored = worker_api.report_metrics(session, task_id, msg)
     session.commit()
     return Stored(stored=stored)
 
 
-@router.post("/jobs/{job_id}/state", response_model=JobOut)
+@router.post("/jobs/{job_id}/state", response_model=JobOut, responses=FENCED)
 def post_job_state(job_id: str, msg: JobStateUpdate, session: SessionDep) -> JobOut:
-    job = session.get(Job, job_id)
-    if job is None:
-        raise not_found("job", job_id)
-    # Lock order everywhere: task, then its rows (cancel does the same), so no deadlock.
-    task = worker_api.get_task_any(session, job.task_id, lock=True)
-    session.refresh(job, with_for_update=True)
-    update_job_state(session, task, job, msg)
+    job, has_adapter = worker_api.report_job_state(session, job_id, msg)
     session.commit()
-    has_adapter = session.scalar(select(Artifact.id).where(
-        Artifact.job_id == job.id, Artifact.kind == "adapter")) is not None
     return job_out(job, has_adapter)
 
 
-@router.post("/tasks/{task_id}/artifacts", response_model=ArtifactOut, status_code=201)
+@router.post("/tasks/{task_id}/artifacts", response_model=ArtifactOut, status_code=201,
+             responses=FENCED)
 def upload_artifact(task_id: str, session: SessionDep, storage: StorageDep,
                     settings: SettingsDep, meta: Annotated[str, Form()],
                     files: Annotated[list[UploadFile], File()]) -> ArtifactOut:
@@ -148,16 +145,15 @@ def upload_artifact(task_id: str, session: SessionDep, storage: StorageDep,
         field = ".".join(str(p) for p in first["loc"]) or None
         raise invalid(f"meta: {field or ''} {first['msg']}".strip(),
                       param=f"meta.{field}" if field else "meta") from exc
-    task = worker_api.get_task_any(session, task_id, lock=True)
     artifact = worker_api.store_artifact(
-        session, storage, task, parsed, [(f.filename or "", f.file) for f in files],
+        session, storage, task_id, parsed, [(f.filename or "", f.file) for f in files],
         settings.max_artifact_bytes)
     session.commit()
     return ArtifactOut(artifact_id=artifact.id, kind=artifact.kind, key=artifact.key,
                        files=artifact.files)
 
 
-@router.post("/tasks/{task_id}/throughput", response_model=Stored)
+@router.post("/tasks/{task_id}/throughput", response_model=Stored, responses=FENCED)
 def post_throughput(task_id: str, msg: ThroughputReport, session: SessionDep) -> Stored:
     """An executor's measurement, kept as a throughput profile (stored: 1 new key, 0 updated)."""
     new = profiles.store_throughput(session, task_id, msg)
@@ -165,14 +161,14 @@ def post_throughput(task_id: str, msg: ThroughputReport, session: SessionDep) ->
     return Stored(stored=int(new))
 
 
-@router.post("/tasks/{task_id}/finished", response_model=TaskAck)
+@router.post("/tasks/{task_id}/finished", response_model=TaskAck, responses=FENCED)
 def finished(task_id: str, msg: TaskFinished, session: SessionDep,
              settings: SettingsDep) -> TaskAck:
     task = worker_api.task_finished(session, task_id, msg, settings)
     return TaskAck(task_id=task.id, state=task.state, best_job_id=task.best_job_id)
 
 
-@router.post("/tasks/{task_id}/failed", response_model=TaskAck)
+@router.post("/tasks/{task_id}/failed", response_model=TaskAck, responses=FENCED)
 def failed(task_id: str, msg: TaskFailed, session: SessionDep, settings: SettingsDep) -> TaskAck:
     task = worker_api.task_failed(session, task_id, msg, settings)
     return TaskAck(task_id=task.id, state=task.state, best_job_id=task.best_job_id)

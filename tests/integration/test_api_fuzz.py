@@ -65,7 +65,11 @@ def test_worker_reports(client, factory):  # noqa: ANN001
     task = factory.task(t)
     tid = task["id"]
     jid = client.get(f"/v1/tasks/{tid}/jobs", headers=t.headers).json()["data"][0]["id"]
+    node = factory.node()
+    pid = factory.placement(tid, node)
     w = factory.worker | {"Content-Type": "application/json"}
+    assert client.post(f"/internal/v1/placements/{pid}/claim", headers=w,
+                       json={"node_id": node}).status_code == 200
 
     def post(path: str, body: dict):  # noqa: ANN202 - json.dumps writes inf, as a worker would
         return client.post(path, headers=w, content=json.dumps(body))
@@ -77,10 +81,11 @@ def test_worker_reports(client, factory):  # noqa: ANN001
                          "job_id": WEIRD}), max_size=3),
            step=st.integers(min_value=-5, max_value=2**40), loss=st.floats())
     def run(events: list, step: int, loss: float) -> None:
-        _check(post(f"/internal/v1/tasks/{tid}/events", {"events": events}))
-        _check(post(f"/internal/v1/tasks/{tid}/metrics", {
-            "points": [{"job_id": jid, "step": step, "split": "train", "loss": loss}]}))
-        _check(post(f"/internal/v1/jobs/{jid}/state", {"state": "running", "last_step": step}))
+        _check(post(f"/internal/v1/tasks/{tid}/events", {"placement_id": pid, "events": events}))
+        _check(post(f"/internal/v1/tasks/{tid}/metrics", {"placement_id": pid, "points": [
+            {"job_id": jid, "step": step, "split": "train", "loss": loss}]}))
+        _check(post(f"/internal/v1/jobs/{jid}/state",
+                    {"placement_id": pid, "state": "running", "last_step": step}))
         _check(client.get(f"/v1/tasks/{tid}/metrics", headers=t.headers))
         _check(client.get(f"/v1/tasks/{tid}/events", headers=t.headers))
         _check(post("/internal/v1/nodes", {

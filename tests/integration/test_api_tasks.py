@@ -227,7 +227,8 @@ def test_state_filter_metrics_filters_and_plan_times(client, factory):  # noqa: 
                                           headers=t.headers).json()["data"][:2])
     pts = [{"job_id": j, "step": s, "split": "train", "loss": 1.0 / s}
            for j in (j0, j1) for s in (1, 2, 3)]
-    client.post(f"/internal/v1/tasks/{a}/metrics", headers=w, json={"points": pts})
+    assert client.post(f"/internal/v1/tasks/{a}/metrics", headers=w,
+                       json={"placement_id": pid, "points": pts}).json() == {"stored": 6}
     url = f"/v1/tasks/{a}/metrics"
     one = client.get(url, headers=t.headers, params={"job_id": j1, "after_step": 1}).json()
     assert [c_["job_id"] for c_ in one["jobs"]] == [j1]

@@ -23,11 +23,11 @@ ADAPTER_CONFIG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16,
                   "target_modules": ["q_proj", "v_proj"], "base_model_name_or_path": "tiny-llama"}
 
 
-def _upload_adapter(client, factory, task_id, job_id, config=None):  # noqa: ANN001, ANN202
+def _upload_adapter(client, factory, task_id, pid, job_id, config=None):  # noqa: ANN001, ANN202
     cfg = json.dumps(config or ADAPTER_CONFIG).encode()
     return client.post(
         f"/internal/v1/tasks/{task_id}/artifacts", headers=factory.worker,
-        data={"meta": json.dumps({"kind": "adapter", "job_id": job_id})},
+        data={"meta": json.dumps({"kind": "adapter", "job_id": job_id, "placement_id": pid})},
         files=[("files", ("adapter_config.json", io.BytesIO(cfg), "application/json")),
                ("files", ("adapter_model.safetensors", io.BytesIO(safetensors_bytes()),
                           "application/octet-stream"))])
@@ -49,7 +49,7 @@ def test_worker_round_trip(client, factory, settings):  # noqa: ANN001
 
     w = factory.worker
     hb = client.post(f"/internal/v1/nodes/{node_id}/heartbeat", headers=w, json={})
-    assert hb.status_code == 200 and hb.json()["cancelled_task_ids"] == []
+    assert hb.status_code == 200 and hb.json()["cancelled_placement_ids"] == []
 
     r = client.post(f"/internal/v1/placements/{pid}/claim", headers=w, json={"node_id": node_id})
     assert r.status_code == 200, r.text
@@ -71,10 +71,12 @@ def test_worker_round_trip(client, factory, settings):  # noqa: ANN001
 
     j0, j1 = (j.job_id for j in spec.jobs)
     for job in (j0, j1):
-        r = client.post(f"/internal/v1/jobs/{job}/state", headers=w, json={"state": "running"})
+        r = client.post(f"/internal/v1/jobs/{job}/state", headers=w,
+                        json={"placement_id": pid, "state": "running"})
         assert r.status_code == 200 and r.json()["state"] == "running"
 
-    events = {"events": [{"type": "log", "message": "step 1", "job_id": j0, "client_key": "k1"},
+    events = {"placement_id": pid,
+              "events": [{"type": "log", "message": "step 1", "job_id": j0, "client_key": "k1"},
                          {"type": "log", "message": "step 2", "client_key": "k2"}]}
     assert client.post(f"/internal/v1/tasks/{tid}/events", headers=w,
                        json=events).json() == {"stored": 2}
@@ -85,7 +87,8 @@ def test_worker_round_trip(client, factory, settings):  # noqa: ANN001
               for j in (j0, j1) for s in range(1, 4)]
     points += [{"job_id": j0, "step": 3, "split": "val", "loss": 1.5},
                {"job_id": j1, "step": 3, "split": "val", "loss": float("nan")}]
-    batch = json.dumps({"points": points})  # json.dumps writes NaN, as a Python worker would
+    # json.dumps writes NaN, as a Python worker would
+    batch = json.dumps({"placement_id": pid, "points": points})
     jw = w | {"Content-Type": "application/json"}
     assert client.post(f"/internal/v1/tasks/{tid}/metrics", headers=jw,
                        content=batch).json() == {"stored": 8}
@@ -93,22 +96,24 @@ def test_worker_round_trip(client, factory, settings):  # noqa: ANN001
                        content=batch).json() == {"stored": 0}
 
     r = client.post(f"/internal/v1/jobs/{j1}/state", headers=w,
-                    json={"state": "exited", "exit_reason": "diverging", "last_step": 3})
+                    json={"placement_id": pid, "state": "exited", "exit_reason": "diverging",
+                          "last_step": 3})
     assert r.status_code == 200 and r.json()["exit_reason"] == "diverging"
     r = client.post(f"/internal/v1/jobs/{j0}/state", headers=w,
-                    json={"state": "completed", "best_val_loss": 1.5, "best_step": 3})
+                    json={"placement_id": pid, "state": "completed", "best_val_loss": 1.5,
+                          "best_step": 3})
     assert r.status_code == 200
     # Retrying a terminal state is fine; leaving it is not.
     assert client.post(f"/internal/v1/jobs/{j0}/state", headers=w,
-                       json={"state": "completed"}).status_code == 200
+                       json={"placement_id": pid, "state": "completed"}).status_code == 200
     assert client.post(f"/internal/v1/jobs/{j0}/state", headers=w,
-                       json={"state": "running"}).status_code == 409
+                       json={"placement_id": pid, "state": "running"}).status_code == 409
 
-    up = _upload_adapter(client, factory, tid, j0)
+    up = _upload_adapter(client, factory, tid, pid, j0)
     assert up.status_code == 201, up.text
     assert {f["name"] for f in up.json()["files"]} == {"adapter_config.json",
                                                        "adapter_model.safetensors"}
-    up2 = _upload_adapter(client, factory, tid, j0)
+    up2 = _upload_adapter(client, factory, tid, pid, j0)
     assert up2.json()["artifact_id"] == up.json()["artifact_id"]
 
     fin = client.post(f"/internal/v1/tasks/{tid}/finished", headers=w,
@@ -171,12 +176,12 @@ def test_bad_artifacts_and_reports(client, factory):  # noqa: ANN001
     job = client.get(f"/v1/tasks/{tid}/jobs", headers=t.headers).json()["data"][0]["id"]
     only_cfg = client.post(
         f"/internal/v1/tasks/{tid}/artifacts", headers=w,
-        data={"meta": json.dumps({"kind": "adapter", "job_id": job})},
+        data={"meta": json.dumps({"kind": "adapter", "job_id": job, "placement_id": pid})},
         files=[("files", ("adapter_config.json", io.BytesIO(b"{}"), "application/json"))])
     assert only_cfg.status_code == 422 and "adapter_model.safetensors" in only_cfg.text
     bad_st = client.post(
         f"/internal/v1/tasks/{tid}/artifacts", headers=w,
-        data={"meta": json.dumps({"kind": "adapter", "job_id": job})},
+        data={"meta": json.dumps({"kind": "adapter", "job_id": job, "placement_id": pid})},
         files=[("files", ("adapter_config.json", io.BytesIO(b"{}"), "application/json")),
                ("files", ("adapter_model.safetensors", io.BytesIO(b"junk"), "x/y"))])
     assert bad_st.status_code == 422
@@ -185,9 +190,11 @@ def test_bad_artifacts_and_reports(client, factory):  # noqa: ANN001
                     files=[("files", ("a", io.BytesIO(b"x"), "x/y"))])
     assert r.status_code == 422 and r.json()["error"]["param"].startswith("meta")
     r = client.post(f"/internal/v1/tasks/{tid}/metrics", headers=w, json={
+        "placement_id": pid,
         "points": [{"job_id": "job_other", "step": 1, "split": "train", "loss": 1.0}]})
     assert r.status_code == 422
-    r = client.post(f"/internal/v1/jobs/{job}/state", headers=w, json={"state": "exited"})
+    r = client.post(f"/internal/v1/jobs/{job}/state", headers=w,
+                    json={"placement_id": pid, "state": "exited"})
     assert r.status_code == 422 and r.json()["error"]["param"] == "exit_reason"
     r = client.post(f"/internal/v1/tasks/{tid}/finished", headers=w, json={"placement_id": pid})
     assert r.status_code == 200 and r.json()["state"] == "failed"  # no job left an adapter
@@ -204,7 +211,8 @@ def test_checkpoint_resume_after_retryable_failure(client, factory, session, set
     client.post(f"/internal/v1/placements/{pid}/claim", headers=w, json={"node_id": node})
     for step in (10, 20):
         r = client.post(f"/internal/v1/tasks/{tid}/artifacts", headers=w,
-                        data={"meta": json.dumps({"kind": "checkpoint", "step": step})},
+                        data={"meta": json.dumps({"kind": "checkpoint", "step": step,
+                                                  "placement_id": pid})},
                         files=[("files", ("state.pt", io.BytesIO(b"S%d" % step), "x/y"))])
         assert r.status_code == 201
     r = client.post(f"/internal/v1/tasks/{tid}/failed", headers=w,
@@ -241,10 +249,11 @@ def test_cancel_reaches_worker(client, factory, settings):  # noqa: ANN001
     assert conn.get(f"loraplex:cancel:{tid}") == b"1"
     hb = client.post(f"/internal/v1/nodes/{node}/heartbeat", headers=w,
                      json={"running_placement_ids": [pid]}).json()
-    assert hb["cancelled_task_ids"] == [tid]
+    assert hb["cancelled_placement_ids"] == [pid]
     job = client.get(f"/v1/tasks/{tid}/jobs", headers=t.headers).json()["data"][0]["id"]
-    r = client.post(f"/internal/v1/jobs/{job}/state", headers=w, json={"state": "running"})
-    assert r.status_code == 409
+    r = client.post(f"/internal/v1/jobs/{job}/state", headers=w,
+                    json={"placement_id": pid, "state": "running"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "task_cancelled"
     r = client.post(f"/internal/v1/tasks/{tid}/finished", headers=w, json={"placement_id": pid})
     assert r.status_code == 409 and r.json()["error"]["code"] == "task_cancelled"
 
@@ -295,7 +304,7 @@ def test_stale_node_goes_down_and_task_requeues(client, factory, session, settin
     assert cluster.json()["gpus_up"] == 2 and cluster.json()["queued_tasks"] == 1
     hb = client.post(f"/internal/v1/nodes/{node}/heartbeat", headers=w,
                      json={"running_placement_ids": [pid]}).json()
-    assert hb["state"] == "up" and hb["cancelled_task_ids"] == [tid]  # stop the orphan run
+    assert hb["state"] == "up" and hb["cancelled_placement_ids"] == [pid]  # stop the orphan
 
 
 def test_ended_task_retires_waiting_placements(client, factory, session, settings):  # noqa: ANN001

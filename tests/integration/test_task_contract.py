@@ -238,7 +238,7 @@ def test_tenants_read_failures_without_tracebacks_or_paths(client, factory, sess
     client.post(f"/internal/v1/placements/{pid}/claim", headers=w, json={"node_id": node})
     job = client.get(f"/v1/tasks/{tid}/jobs", headers=t.headers).json()["data"][0]["id"]
     r = client.post(f"/internal/v1/jobs/{job}/state", headers=w,
-                    json={"state": "failed", "error": TRACEBACK})
+                    json={"placement_id": pid, "state": "failed", "error": TRACEBACK})
     assert r.status_code == 200
     # attempt 1: an old worker sends the raw traceback as the error (retryable: requeued)
     r = client.post(f"/internal/v1/tasks/{tid}/failed", headers=w, json={

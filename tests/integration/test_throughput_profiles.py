@@ -116,7 +116,7 @@ def test_only_the_live_attempt_may_report(client, factory, session) -> None:  # 
 
     # The failed attempt is fenced off; nothing changes.
     r = client.post(url, headers=w, json=report(old, tokens_per_s=1.0))
-    assert r.status_code == 409 and r.json()["error"]["code"] == "stale_placement"
+    assert r.status_code == 409 and r.json()["error"]["code"] == "stale_attempt"
     assert snapshot(session) == before
     # A superseded plan of the next attempt is fenced off too.
     stale = factory.placement(task, node, attempt=2, publish=False)

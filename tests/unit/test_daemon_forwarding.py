@@ -213,3 +213,64 @@ def test_backoff_is_bounded() -> None:
     for n in range(20):
         assert 0 < b.delay(n) <= 4
     assert Backoff(base_s=0.5, cap_s=4, jitter=False).delay(10) == 4
+
+
+def _multipart_meta(request: httpx.Request) -> dict:
+    """The ArtifactMeta JSON of a multipart upload (its ``meta`` form field)."""
+    boundary = request.headers["content-type"].split("boundary=")[1].encode()
+    for part in request.content.split(b"--" + boundary):
+        head, _, body = part.partition(b"\r\n\r\n")
+        if b'name="meta"' in head:
+            return json.loads(body.rstrip(b"\r\n"))
+    raise AssertionError("no meta field")
+
+
+def test_every_report_names_the_forwarders_placement(tmp_path: Path) -> None:
+    """The service fences every report on its placement (= attempt): the forwarder puts its own
+    into each one, whatever a spool record says, so an old attempt's spool cannot pass as new."""
+    bodies: dict[str, dict] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        kind = request.url.path.rsplit("/", 1)[-1]
+        if "multipart" in request.headers.get("content-type", ""):
+            bodies[kind] = _multipart_meta(request)
+            return httpx.Response(201, json={"artifact_id": "art_1", "kind": "adapter",
+                                             "key": "k", "files": []})
+        bodies[kind] = json.loads(request.content)
+        return httpx.Response(200, json={"stored": 1})
+
+    client = ServiceClient("http://svc", "tok", transport=httpx.MockTransport(handler),
+                           attempts=1, sleep=lambda s: None)
+    spool = SpoolWriter(tmp_path / "spool.jsonl")
+    spool.event("log", "started")
+    spool.metric("job_a", 1, "train", 2.0)
+    spool.job_state("job_a", state="running", placement_id="plc_old")
+    (tmp_path / "artifacts" / "a").mkdir(parents=True)
+    (tmp_path / "artifacts" / "a" / "adapter_model.safetensors").write_bytes(b"x")
+    spool.artifact("artifacts/a", kind="adapter", job_id="job_a", placement_id="plc_old")
+    spool.throughput(gpus=1, seq_len=128, batch_sizes=[2], tokens_per_s=10.0)
+    spool.failed("boom", retryable=True)
+    fwd = Forwarder(client, tmp_path, "task_1", "plc_2")
+    assert fwd.pump() == 6 and fwd.state.dropped == 0
+    assert sorted(bodies) == ["artifacts", "events", "failed", "metrics", "state",
+                              "throughput"]
+    assert {kind: body["placement_id"] for kind, body in bodies.items()} == \
+        dict.fromkeys(bodies, "plc_2")
+    # ... and the same for the other end of a run
+    spool2 = SpoolWriter(tmp_path / "b" / "spool.jsonl")
+    spool2.finished(best_job_id="job_a")
+    Forwarder(client, tmp_path / "b", "task_1", "plc_2").pump()
+    assert bodies["finished"]["placement_id"] == "plc_2"
+
+
+def test_a_record_the_contract_refuses_is_dropped(tmp_path: Path) -> None:
+    fake = FakeService()
+    spool = SpoolWriter(tmp_path / "spool.jsonl")
+    spool.job_state("job_a", state="sleeping")
+    spool.artifact("artifacts/a", kind="tarball")
+    spool.write({"type": "job_state", "update": {"state": "running"}})  # no job_id
+    spool.job_state("job_a", state="running")
+    fwd = Forwarder(make_client(fake), tmp_path, "task_1", "plc_1")
+    assert fwd.pump() == 4
+    assert fake.paths() == ["state"] and fwd.state.dropped == 3
+    assert fake.calls[0][2] == {"placement_id": "plc_1", "state": "running"}
