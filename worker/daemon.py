@@ -3,12 +3,19 @@ runs one executor subprocess per placement and forwards what the executors repor
 
 One main loop with named states (idle, busy, draining, stopping); heartbeats on their own
 thread. Everything it needs to resume lives in the work dir, one folder per placement
-(spec.json, daemon.json, spool.jsonl, forward.json, data/, resume/, artifacts/), so a daemon
-killed at any line and restarted adopts its still-running executors and finishes forwarding
-without loss or duplicates. SIGTERM drains (no new placements, running ones finish), a second
+(spec.json, daemon.json, spool.jsonl, forward.json, data/, resume/, artifacts/, executor/), so a
+daemon killed at any line and restarted adopts its still-running executors and finishes
+forwarding without loss or duplicates. SIGTERM drains (no new placements, running ones finish), a second
 SIGTERM or SIGINT stops (executors get SIGTERM, the tasks are reported retryable); either one
 ends a daemon still waiting to register. A daemon that drained or stopped with every report
 delivered deregisters, so the service replans without its node at once.
+
+The service stops placements (attempts), never tasks: a heartbeat reply names the placements it
+no longer takes reports from (cancelled, superseded, failed or finished there), and a cancel sets
+``cancel_key(placement_id)`` in Redis. The daemon stops exactly those, and ends them without a
+word (the service would refuse it); a restarted daemon asks the service first, so it never
+reports the failure of an attempt the service already gave up. A new attempt of a task on a node
+that holds a newer checkpoint of an earlier attempt resumes from it (seed_local_resume).
 Run ``python -m worker.daemon --help``.
 """
 
@@ -25,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +50,7 @@ from service.protocol import (
     node_queue_name,
 )
 from worker.service_client import (
+    SPOOL_NAME,
     TERMINAL_TYPES,
     Backoff,
     Forwarder,
@@ -113,6 +121,8 @@ class LocalPlacement:
     task_id: str | None = None
     gpu_indices: list[int] = field(default_factory=list)
     pid: int | None = None
+    # The service stopped this attempt (cancelled, superseded, failed or finished there): it
+    # takes no more reports from it, so the daemon stops it and ends it without a word.
     cancelled: bool = False
     proc: subprocess.Popen | None = field(default=None, repr=False)
     forwarder: Forwarder | None = field(default=None, repr=False)
@@ -151,7 +161,8 @@ class Daemon:
         self.heartbeat_interval_s = cfg.heartbeat_interval_s or 10.0
         self.placements: dict[str, LocalPlacement] = {}
         self._lock = threading.Lock()
-        self._cancelled_tasks: set[str] = set()
+        self._stop_ids: set[str] = set()  # placements the service named in a heartbeat reply
+        self._confirmed = threading.Event()  # a heartbeat reply since start: what is current
         self._claimed_ids: tuple[str, ...] = ()  # snapshot for the heartbeat thread
         self._reregister = threading.Event()
         self._stop_heartbeat = threading.Event()
@@ -174,6 +185,9 @@ class Daemon:
                     return 0
                 return 1
             self.recover()
+            # Learn which adopted placements are still current before touching any of them.
+            self._claimed_ids = self._claimed_snapshot()
+            self.heartbeat_once()
             clean = self._loop()
             if clean:
                 self.deregister()
@@ -309,9 +323,10 @@ class Daemon:
                 self._reregister.set()  # the service forgot this node (fresh database)
             log.warning("heartbeat failed node=%s error=%s", self.node_id, exc)
             return
-        if reply.cancelled_task_ids:
+        if reply.cancelled_placement_ids:
             with self._lock:
-                self._cancelled_tasks.update(reply.cancelled_task_ids)
+                self._stop_ids.update(reply.cancelled_placement_ids)
+        self._confirmed.set()
 
     # -- the main loop --------------------------------------------------------------------
     def tick(self) -> None:
@@ -322,14 +337,17 @@ class Daemon:
                 self._terminate(p, "node daemon stopped", cancelled=False)
         elif self._drain_requested and self.state not in (DRAINING, STOPPING):
             self._set_state(DRAINING)
-        self._apply_cancels()
+        self._apply_stops()
         for p in list(self.placements.values()):
             self._advance(p)
         if self.state not in (DRAINING, STOPPING):
             self._pop_placements()
             self._set_state(BUSY if self.placements else IDLE)
-        self._claimed_ids = tuple(p.placement_id for p in self.placements.values()
-                                  if p.status in ("ready", "running", "exited"))
+        self._claimed_ids = self._claimed_snapshot()
+
+    def _claimed_snapshot(self) -> tuple[str, ...]:
+        return tuple(p.placement_id for p in self.placements.values()
+                     if p.status in ("ready", "running", "exited"))
 
     def _pop_placements(self, max_per_tick: int = 8) -> None:
         queue = Queue(node_queue_name(self.node_id or ""), connection=self.conn)
@@ -417,19 +435,24 @@ class Daemon:
             self._claim(p)
             return
         if p.status == "ready" and not p.cancelled and self.state != STOPPING:
-            busy = {g for q in self.placements.values() if q.status == "running"
-                    for g in q.gpu_indices}
-            if not busy & set(p.gpu_indices):
+            running = [q for q in self.placements.values() if q.status == "running"]
+            busy = {g for q in running for g in q.gpu_indices}
+            # An earlier attempt of the same task still stopping here writes the checkpoint
+            # this one may resume from: wait for it.
+            if not busy & set(p.gpu_indices) and all(q.task_id != p.task_id for q in running):
                 self._start(p)
-        if p.status == "ready" and (p.cancelled or self.state == STOPPING):
-            self._close_with_failure(p, p.task_id or "", "stopped before it started",
-                                     cancelled=p.cancelled)
+        if p.status == "ready" and not p.cancelled and self.state == STOPPING:
+            self._close_with_failure(p, p.task_id or "", "stopped before it started")
         if p.status == "running":
             _touch(p.directory / LEASE_NAME)
             self._watch(p)
+        if p.cancelled:
+            if p.status in ("ready", "exited"):
+                self._retire(p)
+            return
         if p.forwarder is None and p.task_id is not None:
             p.forwarder = Forwarder(self.client, p.directory, p.task_id, p.placement_id)
-        if p.forwarder is not None:
+        if p.forwarder is not None and self._confirmed.is_set():  # (after a restart: current?)
             p.forwarder.pump()
             if p.status == "exited" and p.forwarder.done:
                 p.status = "done"
@@ -439,6 +462,17 @@ class Daemon:
                          p.task_id, p.placement_id, p.forwarder.state.terminal)
 
     def _start(self, p: LocalPlacement) -> None:
+        try:
+            spec = PlacementSpec.model_validate_json((p.directory / "spec.json").read_text())
+            seeded = seed_local_resume(self.cfg.work_dir / "placements", p.directory, spec)
+        except Exception:  # never keep a placement from starting: it resumes as offered
+            log.exception("local resume failed node=%s task=%s placement=%s", self.node_id,
+                          p.task_id, p.placement_id)
+            seeded = None
+        if seeded is not None:
+            log.info("local resume node=%s task=%s placement=%s from=%s global_step=%d "
+                     "offered_global_step=%d", self.node_id, p.task_id, p.placement_id,
+                     seeded.directory.name, seeded.global_step, seeded.offered_step)
         env = dict(os.environ)
         gpus = ",".join(str(g) for g in p.gpu_indices)
         env["CUDA_VISIBLE_DEVICES"] = gpus if self.node and self.node.gpu_type != "cpu" else ""
@@ -467,15 +501,16 @@ class Daemon:
                 self._signal(p, signal.SIGKILL)
                 p.kill_at = None
             return
+        terminal = self._spool_has_terminal(p)
+        if not (terminal or p.cancelled or self._confirmed.is_set()):
+            return  # a restarted daemon reports a failure only for an attempt still current
         p.status = "exited"
         p.save()
         log.info("executor exited node=%s task=%s placement=%s code=%s cancelled=%s",
                  self.node_id, p.task_id, p.placement_id, code, p.cancelled)
-        if self._spool_has_terminal(p):
+        if terminal or p.cancelled:
             return
-        if p.cancelled:
-            self._close_with_failure(p, p.task_id or "", "cancelled", cancelled=True)
-        elif self.state == STOPPING:
+        if self.state == STOPPING:
             self._close_with_failure(p, p.task_id or "", "node daemon stopped")
         else:
             tail = _tail(p.directory / "executor.log")
@@ -499,41 +534,53 @@ class Daemon:
                 return True
         return False
 
-    def _close_with_failure(self, p: LocalPlacement, task_id: str, error: str,
-                            cancelled: bool = False) -> None:
-        """End a placement whose executor left no final word: the daemon writes it to the
-        spool itself, so delivery goes through the same durable, resumable path."""
-        writer = SpoolWriter(p.directory / "spool.jsonl")
+    def _close_with_failure(self, p: LocalPlacement, task_id: str, error: str) -> None:
+        """End a placement (still current) whose executor left no final word: the daemon
+        writes it to the spool itself, so delivery goes through the same durable, resumable
+        path."""
+        writer = SpoolWriter(p.directory / SPOOL_NAME)
         try:
-            if cancelled:
-                writer.event("executor_cancelled", "executor stopped: task cancelled")
-                writer.failed("cancelled", retryable=False)  # the service answers 409: fine
-            else:
-                writer.event("executor_failed", error[:10_000], level="error")
-                writer.failed(error, retryable=True)
+            writer.event("executor_failed", error[:10_000], level="error")
+            writer.failed(error, retryable=True)
         finally:
             writer.close()
         p.task_id = p.task_id or task_id
         p.status = "exited"
         p.save()
 
-    # -- cancellation ---------------------------------------------------------------------
-    def _apply_cancels(self) -> None:
+    def _retire(self, p: LocalPlacement) -> None:
+        """End a placement the service stopped, without a report (it would be refused) and
+        without forwarding the rest of its spool. Its folder stays if its executor ran: a
+        later attempt of the task on this node may resume from its checkpoint."""
+        ran = p.status != "ready"
+        p.status = "done"
+        p.save()
+        self._forget(p, keep_dir=ran)
+        log.info("placement done node=%s task=%s placement=%s report=none (stopped by the "
+                 "service)", self.node_id, p.task_id, p.placement_id)
+
+    # -- stops by the service -------------------------------------------------------------
+    def _apply_stops(self) -> None:
+        """Stop exactly the placements the service stopped: named in a heartbeat reply, or
+        flagged in Redis (cancel_key(placement_id), set by a cancel). Never by task id: a new
+        attempt of the same task on this node runs on."""
         with self._lock:
-            cancelled, self._cancelled_tasks = self._cancelled_tasks, set()
-        active = [p for p in self.placements.values()
-                  if p.task_id and not p.cancelled and p.status in ("ready", "running")]
-        if active:
+            named, self._stop_ids = self._stop_ids, set()
+        # One whose own final report was delivered is named because it ended: let it exit.
+        live = [p for p in self.placements.values()
+                if not p.cancelled and p.status in ("ready", "running", "exited")
+                and not (p.forwarder is not None and p.forwarder.done)]
+        if live:
             try:
-                flags = self.conn.mget([cancel_key(p.task_id or "") for p in active])
-                cancelled |= {p.task_id or "" for p, f in zip(active, flags, strict=True) if f}
+                flags = self.conn.mget([cancel_key(p.placement_id) for p in live])
+                named |= {p.placement_id for p, f in zip(live, flags, strict=True) if f}
             except redis.RedisError as exc:
                 log.warning("redis unavailable node=%s error=%s", self.node_id, exc)
-        for p in active:
-            if p.task_id in cancelled:
-                log.info("task cancelled node=%s task=%s placement=%s", self.node_id,
-                         p.task_id, p.placement_id)
-                self._terminate(p, "cancelled", cancelled=True)
+        for p in live:
+            if p.placement_id in named:
+                log.info("placement stopped by the service node=%s task=%s placement=%s "
+                         "status=%s", self.node_id, p.task_id, p.placement_id, p.status)
+                self._terminate(p, "stopped by the service", cancelled=True)
 
     def _terminate(self, p: LocalPlacement, why: str, cancelled: bool) -> None:
         p.cancelled = p.cancelled or cancelled
@@ -576,6 +623,182 @@ class Daemon:
                     Job.fetch(job_id, connection=self.conn).delete(remove_from_queue=False)
         except (redis.RedisError, NoSuchJobError):
             pass
+
+
+# -- local resume ----------------------------------------------------------------------------
+LOCAL_RESUME_NAME = "local_resume.json"  # written last: this placement's seeding is done
+OFFERED_NAME = "resume-offered"  # where the service's checkpoint goes when a local one wins
+
+
+@dataclass
+class LocalCheckpoint:
+    """A checkpoint that an earlier attempt of the task announced in its spool on this node."""
+
+    directory: Path  # that attempt's placement folder
+    record_end: int  # its spool's offset just past the checkpoint's record
+    record: dict  # {"type": "artifact", "dir": <a copy of state.pt>, "meta": {"kind": ...}}
+    global_step: int
+    offered_step: int = -1  # global_step of the checkpoint the service offered; -1: none
+
+    @property
+    def state_file(self) -> Path:
+        return self.directory / self.record["dir"] / "state.pt"
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The executor's global_step in a state.pt, memory-mapped (the tensors are not read);
+    None when it cannot be read (torch missing, a foreign or damaged file)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError:  # not the zip format that mmap needs
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        return int(state["global_step"])
+    except Exception:  # noqa: BLE001 - unreadable is unusable, whatever the reason
+        log.warning("checkpoint unreadable path=%s", path, exc_info=True)
+        return None
+
+
+def newest_local_checkpoint(placements_dir: Path, own_dir: Path,
+                            task_id: str) -> LocalCheckpoint | None:
+    """Of the earlier attempts of task_id on this node, the last checkpoint with the highest
+    global_step (an attempt's last announced checkpoint is its newest)."""
+    best: LocalCheckpoint | None = None
+    for directory in sorted(placements_dir.iterdir()):
+        if directory == own_dir or _spec_task(directory) != task_id:
+            continue
+        last = None
+        for last in _checkpoint_records(directory):  # noqa: B007 - the last one is wanted
+            pass
+        if last is None:
+            continue
+        step = checkpoint_step(directory / last[1]["dir"] / "state.pt")
+        if step is not None and (best is None or step > best.global_step):
+            best = LocalCheckpoint(directory, last[0], last[1], step)
+    return best
+
+
+def seed_local_resume(placements_dir: Path, directory: Path,
+                      spec: PlacementSpec) -> LocalCheckpoint | None:
+    """Before a placement's executor starts: when an earlier attempt of its task on this node
+    announced a checkpoint with a higher global_step than the one the service offers (fetched
+    to DIR/resume), resume from that one, so a retry on the same node loses at most the local
+    checkpoint interval, not everything since the service last heard from the node.
+
+    The earlier attempt's reports up to that checkpoint may never have reached the service (it
+    was cut off, then stopped), while the checkpoint holds their outcome (jobs that ended, their
+    adapters). So this attempt replays them first, as its own: its spool starts with the earlier
+    spool's loss points, job states and adapters up to the checkpoint, then the checkpoint
+    itself, all idempotent at the service (points dedupe on (job, step, split); a job's adapter
+    and a checkpoint's step are keys; a repeated job state is a no-op); events are not replayed.
+    Then DIR/executor/state.pt is that checkpoint and DIR/resume moves to DIR/resume-offered, so
+    the runner does not copy the older one over it.
+
+    Steps compare by the global_step in both state.pt files (checkpoint_step): an offered one
+    that cannot be read is kept. Done once (marker file); a failure part-way leaves a placement
+    that resumes from the offered checkpoint. Returns the checkpoint seeded, else None."""
+    spool = directory / SPOOL_NAME
+    if (directory / LOCAL_RESUME_NAME).exists() or (spool.exists() and spool.stat().st_size):
+        return None
+    offered_step = -1
+    for offered in (directory / "resume" / "state.pt", directory / OFFERED_NAME / "state.pt"):
+        if offered.is_file():
+            step = checkpoint_step(offered)
+            if step is None:
+                return None
+            offered_step = step
+            break
+    best = newest_local_checkpoint(placements_dir, directory, spec.task_id)
+    if best is None or best.global_step <= offered_step:
+        return None
+    best.offered_step = offered_step
+    lines = [_local_resume_event(best, spec.attempt)]
+    for end, record, text in _spool_records(best.directory, best.record_end):
+        kind = record.get("type")
+        meta = record.get("meta") or {}
+        if kind == "artifact" and (end == best.record_end or meta.get("kind") == "adapter"):
+            _link_tree(best.directory / record["dir"], directory / record["dir"])
+        elif kind not in ("metric", "job_state"):
+            continue
+        lines.append(text)
+    tmp = spool.with_name(spool.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines))
+    os.replace(tmp, spool)
+    (directory / "executor").mkdir(exist_ok=True)
+    _link_file(best.state_file, directory / "executor" / "state.pt")
+    if (directory / "resume").is_dir():
+        shutil.rmtree(directory / OFFERED_NAME, ignore_errors=True)
+        os.replace(directory / "resume", directory / OFFERED_NAME)
+    (directory / LOCAL_RESUME_NAME).write_text(json.dumps({
+        "from_placement_id": best.directory.name, "global_step": best.global_step,
+        "offered_global_step": offered_step, "replayed_records": len(lines) - 1}))
+    return best
+
+
+def _spec_task(directory: Path) -> str | None:
+    try:
+        return json.loads((directory / "spec.json").read_text()).get("task_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _spool_records(directory: Path, stop: int | None = None) -> Iterator[tuple[int, dict, str]]:
+    """(end offset, record, line) of each complete, parsable spool line, up to offset stop."""
+    offset = 0
+    while lines := read_complete_lines(directory / SPOOL_NAME, offset, 10_000):
+        for _, end, text in lines:
+            if stop is not None and end > stop:
+                return
+            try:
+                record = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                yield end, record, text
+        offset = lines[-1][1]
+
+
+def _checkpoint_records(directory: Path) -> Iterator[tuple[int, dict]]:
+    """(end offset, record) of each checkpoint announced in a spool whose copy is still there."""
+    for end, record, _ in _spool_records(directory):
+        if (record.get("type") == "artifact" and (record.get("meta") or {}).get("kind")
+                == "checkpoint" and isinstance(record.get("dir"), str)
+                and (directory / record["dir"] / "state.pt").is_file()):
+            yield end, record
+
+
+def _local_resume_event(best: LocalCheckpoint, attempt: int) -> str:
+    offered = best.offered_step if best.offered_step >= 0 else None
+    return json.dumps({"type": "event", "event": {
+        "type": "local_resume", "level": "info", "job_id": None,
+        "message": f"attempt {attempt} resumes from this node's checkpoint of an earlier attempt "
+                   f"at step {best.global_step} (the service's latest: "
+                   f"{'none' if offered is None else f'step {offered}'})",
+        "data": {"from_placement_id": best.directory.name, "global_step": best.global_step,
+                 "offered_global_step": offered}}}, separators=(",", ":"))
+
+
+def _link_file(src: Path, dst: Path) -> None:
+    """dst becomes src's content, atomically: a hard link (checkpoints are large and never
+    changed in place: the executor replaces state.pt), a copy across filesystems."""
+    tmp = dst.with_name(f".{dst.name}.seed")  # a dot file: never uploaded as an artifact file
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.is_file() and not path.name.startswith("."):
+            _link_file(path, dst / path.name)
 
 
 def _touch(path: Path) -> None:
