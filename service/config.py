@@ -51,8 +51,8 @@ class Settings(BaseSettings):
     scheduler_interval_s: float = 5.0
     scheduler_debounce_s: float = 0.1
     log_level: str = "INFO"
-    # API worker processes of `python -m service.serve` (uvicorn --workers); 0: 2 per CPU core
-    # available to the process, at most 8. One of them, the leader, runs the background loops.
+    # API worker processes of `python -m service.serve` (uvicorn --workers); 0: one per CPU
+    # available to the process, 2 to 8. One of them, the leader, runs the background loops.
     api_workers: int = 0
     # How often an API process that does not lead tries to take the leader lock (service.leader):
     # when the leader dies, another process runs the replanner and maintenance within this time.
