@@ -87,4 +87,6 @@ if [ -s var/demo-api-key ]; then
 fi
 echo "operator settings: source var/loraplex.env"
 echo
-$PY -m uvicorn service.app:app --host 127.0.0.1 --port "$PORT" --log-level info
+# Several API processes (LORAPLEX_API_WORKERS, default from the CPU count); one of them leads and
+# runs the scheduler and maintenance loops.
+$PY -m service.serve --host 127.0.0.1 --port "$PORT" --log-level info

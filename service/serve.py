@@ -1,6 +1,8 @@
 """``python -m service.serve``: the API under uvicorn with several worker processes, as deployed.
-The count is LORAPLEX_API_WORKERS, or 2 per CPU core this process may use (at most 8); one of
-the workers wins the leader election and runs the background loops (service.background)."""
+The count is LORAPLEX_API_WORKERS, or one per CPU this process may use (at least 2, at most 8):
+the routes are sync and each process overlaps their database waits on its threadpool, so more
+processes than cores only add contention (bench/results/api_load_cpu.md). One of the workers wins
+the leader election and runs the background loops (service.background)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import math
 import os
 from pathlib import Path
 
+MIN_DEFAULT_WORKERS = 2  # a second process serves while one restarts, and stands by to lead
 MAX_DEFAULT_WORKERS = 8
 
 
@@ -27,10 +30,10 @@ def available_cpus() -> float:
 
 
 def worker_count(configured: int = 0) -> int:
-    """The configured count, else 2 per available core (rounded up), between 1 and 8."""
+    """The configured count, else one per available CPU (rounded up), between 2 and 8."""
     if configured > 0:
         return configured
-    return max(1, min(MAX_DEFAULT_WORKERS, math.ceil(2 * available_cpus())))
+    return max(MIN_DEFAULT_WORKERS, min(MAX_DEFAULT_WORKERS, math.ceil(available_cpus())))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,11 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=0,
-                        help="worker processes (default: LORAPLEX_API_WORKERS, else 2 per core)")
+                        help="worker processes (default: LORAPLEX_API_WORKERS, else 1 per CPU)")
     parser.add_argument("--log-level", default="info")
-    parser.add_argument("--proxy-headers", action="store_true",
-                        help="trust X-Forwarded-* from --forwarded-allow-ips")
-    parser.add_argument("--forwarded-allow-ips", default=None)
+    parser.add_argument("--proxy-headers", action=argparse.BooleanOptionalAction, default=True,
+                        help="trust X-Forwarded-* from --forwarded-allow-ips (as uvicorn does)")
+    parser.add_argument("--forwarded-allow-ips", default=None,
+                        help="default: $FORWARDED_ALLOW_IPS, else 127.0.0.1 (uvicorn's)")
     args = parser.parse_args(argv)
     workers = worker_count(args.workers or get_settings().api_workers)
     print(f"loraplex-serve: {workers} API worker process(es) on {args.host}:{args.port}",
