@@ -54,9 +54,10 @@ def node_queue_name(node_id: str) -> str:
     return f"loraplex:node:{node_id}"
 
 
-def cancel_key(task_id: str) -> str:
-    """Redis key set (with a TTL) when a task is cancelled; also published on CANCEL_CHANNEL."""
-    return f"loraplex:cancel:{task_id}"
+def cancel_key(placement_id: str) -> str:
+    """Redis key set (with a TTL) when a placement (an attempt) must stop; the id is also
+    published on CANCEL_CHANNEL."""
+    return f"loraplex:cancel:{placement_id}"
 
 
 class _Msg(BaseModel):

@@ -275,17 +275,20 @@ def cancel_task(session: Session, task: Task, settings: Settings) -> Task:
                                                  Job.state.not_in(JOB_TERMINAL))):
         job.state, job.finished_at = "cancelled", now
     unqueue: list[tuple[str, str]] = []
+    stop: list[str] = []  # attempts a daemon may be running: stop exactly those
     for placement in session.scalars(select(Placement).where(
             Placement.task_id == task.id,
             Placement.state.in_(("planned", "published", "claimed", "running")))):
         if placement.state == "published":
             unqueue.append((placement.id, placement.node_id))
+        if placement.state in ("published", "claimed", "running"):
+            stop.append(placement.id)
         placement.state, placement.finished_at = "cancelled", now
     add_event(session, task.id, "task_cancelled", "cancelled by the user")
     session.commit()
     for pid, node_id in unqueue:
         unqueue_placement(pid, node_id, settings)
-    publish_cancel(task.id, settings)
+    publish_cancel(stop, settings)
     log.info("task cancelled task=%s", task.id)
     return task
 
