@@ -15,7 +15,7 @@ from sqlalchemy import select
 
 from service.cluster import mark_stale_nodes
 from service.models import Node, Placement
-from service.protocol import PLACEMENT_FUNC, PlacementSpec, node_queue_name
+from service.protocol import PLACEMENT_FUNC, PlacementSpec, cancel_key, node_queue_name
 from service.queue import republish_all
 from tests.integration.factories import safetensors_bytes
 
@@ -246,7 +246,8 @@ def test_cancel_reaches_worker(client, factory, settings):  # noqa: ANN001
     client.post(f"/internal/v1/placements/{pid}/claim", headers=w, json={"node_id": node})
     assert client.post(f"/v1/tasks/{tid}/cancel", headers=t.headers).status_code == 200
     conn = redis.Redis.from_url(settings.redis_url)
-    assert conn.get(f"loraplex:cancel:{tid}") == b"1"
+    assert conn.get(cancel_key(pid)) == b"1"  # the attempt, never the bare task
+    assert conn.get(cancel_key(tid)) is None
     hb = client.post(f"/internal/v1/nodes/{node}/heartbeat", headers=w,
                      json={"running_placement_ids": [pid]}).json()
     assert hb["cancelled_placement_ids"] == [pid]
