@@ -16,16 +16,15 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from service.config import Settings, get_settings
-from service.db import session_scope
 from service.events import add_event
 from service.models import PLACEMENT_ACTIVE, TASK_TERMINAL, Job, Node, Placement, Task, utcnow
 from service.protocol import Heartbeat, HeartbeatResponse, NodeRegister, tenant_safe
 from service.queue import unqueue_placement
 from service.scheduler.limits import tenant_usage
-from service.scheduler.replanner import Replanner, lookup, register, unregister
+from service.scheduler.replanner import lookup
 from service.schemas import ClusterOut, GpuPlanOut, NodeOut, PlacementOut, PlanInfoOut
 
 log = logging.getLogger("loraplex.cluster")
@@ -106,37 +105,6 @@ def _last_plan_at() -> datetime | None:
         return getattr(last_plan_info(), "at", None)
     except (ImportError, AttributeError):
         return None
-
-
-def start_replanner(factory: sessionmaker[Session], settings: Settings) -> Replanner | None:
-    """Start (and register for cluster_changed) the background replanner of an app, in
-    background mode with the scheduler enabled; it replans once at start, to publish what
-    became due while no API ran. None in the other modes."""
-    if not settings.scheduler_enabled or settings.scheduler_replan != "background":
-        return None
-
-    def run(reasons: list[str]) -> None:
-        session = factory()
-        try:
-            replan_now(session, settings, reasons)
-        finally:
-            session.close()
-
-    def due() -> bool:
-        with session_scope(factory) as session:
-            return replan_due(session, settings)
-
-    replanner = Replanner(run, due, settings.scheduler_interval_s, settings.scheduler_debounce_s)
-    register(settings.database_url, replanner)
-    replanner.start()
-    replanner.trigger("startup")
-    return replanner
-
-
-def stop_replanner(replanner: Replanner | None, settings: Settings) -> None:
-    if replanner is not None:
-        unregister(settings.database_url, replanner)
-        replanner.stop()
 
 
 def next_attempt(session: Session, task_id: str) -> int:

@@ -20,28 +20,17 @@ import os
 import random
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.e2e.conftest import Stack, upload_jsonl, wait_for
 from tests.e2e.test_daemon_loop import events, executor_pid
+from tests.e2e.test_train_e2e import models_yaml  # noqa: F401 - the tiny Llama as "tiny"
 
 pytest.importorskip("torch")
 
 CHECKPOINT_EVERY = 4
 WORDS = "one two three four five six seven eight nine ten".split()
-
-
-@pytest.fixture
-def models_yaml(tmp_path: Path) -> Path:
-    from trainer.tiny import make_tiny_model
-
-    model_dir = make_tiny_model("llama", tmp_path / "tiny-llama", seed=0)
-    path = tmp_path / "models.yaml"
-    path.write_text(f"models:\n  - name: tiny\n    path: {model_dir}\n    parameters: 100000\n"
-                    "    gpus: 1\n    max_seq_len: 128\n    family: llama\n")
-    return path
 
 
 def rows(n: int, seed: int) -> list[dict]:
