@@ -21,7 +21,7 @@ from service.db import make_engine, make_sessionmaker
 from service.errors import error_body, install_error_handlers
 from service.queue import configure as configure_queue
 from service.registry import ModelRegistry
-from service.routes import files, internal, ops, tasks
+from service.routes import files, fine_tuning, internal, ops, tasks, ui
 from service.storage import LocalStorage
 
 log = logging.getLogger("loraplex.api")
@@ -126,7 +126,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.replanner = None  # the background replanner, while the lifespan runs
     configure_queue(settings.redis_url)
     install_error_handlers(app)
-    for module in (files, tasks, internal, ops):
+    for module in (files, tasks, fine_tuning, internal, ops, ui):
         app.include_router(module.router)
     app.add_middleware(Instrument, prom=app.state.prom, settings=settings)
     return app
