@@ -370,8 +370,9 @@ def finish_task_succeeded(session: Session, task: Task, best_job_id: str | None)
                                                  Job.state.not_in(JOB_TERMINAL))):
         job.state, job.finished_at = "failed", now
         job.error = "task ended before this job finished"
-    if best_job_id is None:
-        best_job_id = pick_best_job(session, task)
+    # The service's pick first: it sees every attempt's jobs, while an executor that resumed
+    # saw only the jobs that ended in its own run (the same rule, so without a resume they agree)
+    best_job_id = pick_best_job(session, task) or best_job_id
     if best_job_id is None:
         finish_task_failed(session, task, "no job produced an adapter")
         return

@@ -117,7 +117,9 @@ def inputs(directory: Path, spec: PlacementSpec) -> dict[str, Path | None]:
 class _Bridge:
     """Maps trainer.executor's Callbacks onto spool records: keeps each job's best validation
     point, uploads a job's best adapter (else its final one) just before its terminal state,
-    and announces a resumable checkpoint each time the executor has written a new state.pt."""
+    and announces a resumable checkpoint each time the executor has written a new state.pt
+    (the last one too: an attempt that finished but whose report never reached the service,
+    e.g. from a node declared down, lets its retry on this node resume with nothing left to do)."""
 
     def __init__(self, reporter: SpoolReporter, out: Path) -> None:
         self.reporter, self.out = reporter, out
@@ -125,13 +127,16 @@ class _Bridge:
         self.last_step: dict[str, int] = {}
         self.adapters: dict[str, dict[str, Path]] = {}
         self.extra: dict[tuple[str, int, str], dict] = {}  # on_metrics numbers of the next point
-        self.ckpt_mtime = self._state_mtime()
+        self.ckpt_seen = self._state_id()
 
-    def _state_mtime(self) -> float:
+    def _state_id(self) -> tuple[int, int] | None:
+        """Which state.pt is there: the executor replaces it (a new inode) on every write, so
+        (inode, mtime in ns) changes even when two writes share a coarse clock tick."""
         try:
-            return (self.out / "state.pt").stat().st_mtime
+            st = (self.out / "state.pt").stat()
         except FileNotFoundError:
-            return 0.0
+            return None
+        return st.st_ino, st.st_mtime_ns
 
     def on_metrics(self, job_id: str, step: int, split: str, data: dict) -> None:
         # JSON has no NaN/inf: a diverged number travels as null
@@ -145,9 +150,9 @@ class _Bridge:
 
     def announce_checkpoint(self) -> None:
         """Upload state.pt when the executor wrote a new one (it does so atomically)."""
-        mtime = self._state_mtime()
-        if mtime > self.ckpt_mtime:
-            self.ckpt_mtime = mtime
+        seen = self._state_id()
+        if seen is not None and seen != self.ckpt_seen:
+            self.ckpt_seen = seen
             step = max(self.last_step.values(), default=0)
             target = self.reporter.checkpoint_dir(step)
             shutil.copyfile(self.out / "state.pt", target / "state.pt")
@@ -225,8 +230,10 @@ def train(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
                           on_event=bridge.on_event, on_metrics=bridge.on_metrics,
                           on_throughput=bridge.on_throughput)
     status = run_executor(cfg, callbacks, should_stop)
-    if should_stop.event.is_set():  # the executor checkpointed at a step boundary and stopped: hand it over
-        bridge.announce_checkpoint()
+    # Stopped: it checkpointed at a step boundary, hand that over. Finished: the last checkpoint
+    # (small: no job left in it) announces that nothing is left, before the terminal record.
+    bridge.announce_checkpoint()
+    if should_stop.event.is_set():
         return {"stopped": True}
     finished = {j: b for j, b in bridge.best.items()
                 if status.get(j, {}).get("state") in ("completed", "exited")}

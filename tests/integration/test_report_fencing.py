@@ -332,3 +332,29 @@ def test_events_keep_causal_order_across_attempts(client, factory, session) -> N
     page = client.get(f"/v1/tasks/{run.task_id}/events", headers=t.headers,
                       params={"after": ids[2], "limit": 100}).json()["data"]
     assert [e["id"] for e in page] == ids[3:]
+
+
+def test_the_best_job_spans_attempts(client, factory, session) -> None:  # noqa: ANN001
+    """A job that ended in attempt 1 stays a candidate: attempt 2 resumed after it and names the
+    best of what it saw itself, but the task's best job is the best of every attempt's jobs."""
+    from tests.integration.test_api_worker import _upload_adapter
+
+    run, old, t = start(client, factory)
+    first, second = run.job_ids
+    assert _upload_adapter(client, factory, run.task_id, old, first).status_code == 201
+    r = run.post(f"/internal/v1/jobs/{first}/state", json={
+        "placement_id": old, "state": "completed", "best_val_loss": 0.5, "best_step": 4,
+        "last_step": 4})
+    assert r.status_code == 200, r.text
+    _fail_by_worker(run, old, factory, session)
+    new = claim(client, factory, run.task_id, factory.node(), attempt=2)
+    assert _upload_adapter(client, factory, run.task_id, new, second).status_code == 201
+    r = run.post(f"/internal/v1/jobs/{second}/state", json={
+        "placement_id": new, "state": "completed", "best_val_loss": 0.9, "best_step": 8,
+        "last_step": 8})
+    assert r.status_code == 200, r.text
+    r = run.post(f"/internal/v1/tasks/{run.task_id}/finished",
+                 json={"placement_id": new, "best_job_id": second})
+    assert r.status_code == 200, r.text
+    task = client.get(f"/v1/tasks/{run.task_id}", headers=t.headers).json()
+    assert (task["state"], task["best_job_id"]) == ("succeeded", first)

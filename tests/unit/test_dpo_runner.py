@@ -60,6 +60,13 @@ def test_dpo_placement_trains_with_each_jobs_beta_and_reports_rewards(tmp_path: 
             assert set(p["data"]) == {"reward_accuracy", "reward_margin"}
             assert 0.0 <= p["data"]["reward_accuracy"] <= 1.0 and math.isfinite(p["loss"])
     assert result["best_job_id"] in ("j0", "j1")
+    # The last record before the end is a checkpoint of the last step, after every job ended: a
+    # retry on this node resumes from it with nothing left to train (worker.daemon local resume).
+    kinds = [r["type"] if r["type"] != "artifact" else r["meta"]["kind"] for r in recs]
+    assert kinds[-1] == "checkpoint", kinds[-5:]
+    last = torch.load(tmp_path / recs[-1]["dir"] / "state.pt", weights_only=False)
+    assert last["global_step"] == max(p["step"] for p in points) and last["active"] == []
+    assert max(i for i, k in enumerate(kinds) if k == "job_state") < len(kinds) - 1
 
 
 def test_bridge_attaches_extras_to_their_point_and_nulls_non_finite(tmp_path: Path) -> None:
