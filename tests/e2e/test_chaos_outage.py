@@ -12,6 +12,7 @@ is left alone: this one starts, stops and restarts a private one."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -138,18 +139,29 @@ def test_database_outage_longer_than_the_node_timeout_keeps_attempt_1(
     assert "service healthy again" in log, log[-3000:]  # the outage was seen, and counted
 
 
+def _attempt_1_finished(stack: Stack) -> bool:
+    """Whether attempt 1's executor wrote its terminal `finished` record on the node."""
+    for spool in (stack.root / "worker-node").glob("placements/*/spool.jsonl"):
+        if json.loads((spool.parent / "spec.json").read_text())["attempt"] == 1:
+            return '"type":"finished"' in spool.read_text()
+    return False
+
+
+@pytest.mark.parametrize("n_rows", [800, 160], ids=["still_training", "finished_while_silent"])
 def test_a_node_back_after_the_timeout_resumes_the_retry_from_its_own_checkpoint(
-        outage_stack: Stack) -> None:
+        outage_stack: Stack, n_rows: int) -> None:
     """The other side: a node really silent for longer than the timeout while the service was
     healthy (its daemon paused; its executor trains on) is declared down and its attempt failed
     over. The retry lands on the same node: the daemon stops the old attempt there (named in the
     heartbeat reply; its own checkpoint at the step it stopped), reports nothing for it, and the
     new attempt resumes from that checkpoint, not from the older one the service had, replaying
-    the old attempt's unsent loss points: nothing re-trained, every curve whole."""
+    the old attempt's unsent loss points: nothing re-trained, every curve whole. With 160 rows
+    the old attempt finishes every job while its node is silent: its last checkpoint (announced
+    before its unsent final report) leaves the retry nothing to train."""
     stack = outage_stack
     daemon = stack.daemon("node", env={"LORAPLEX_CHECKPOINT_EVERY": str(CHECKPOINT_EVERY)})
     with stack.http() as http:
-        task_id = start_task(http, n_rows=800)
+        task_id = start_task(http, n_rows=n_rows)
         wait_for(lambda: http.get(f"/v1/tasks/{task_id}").json()["state"] == "queued", 30, "queued")
         stack.place(task_id, "node")
         wait_for(lambda: checkpoints(http, task_id), 120,
@@ -172,3 +184,5 @@ def test_a_node_back_after_the_timeout_resumes_the_retry_from_its_own_checkpoint
         local = [e["data"] for e in ev if e["type"] == "local_resume"]
         assert [d["global_step"] for d in local] == resumed, local
         assert "executor_failed" not in [e["type"] for e in ev]
+        if n_rows == 160:  # the case this parameter is for really happened
+            assert _attempt_1_finished(stack)
