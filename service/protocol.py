@@ -163,6 +163,11 @@ class EvalSettings(_Msg):
         default=256, ge=1, le=1_000_000,
         description="Validation samples each evaluation uses (the first N of the held-out "
                     "set, the same for every job); null: all of them.")
+    eval_every_samples: int | None = Field(
+        default=None, ge=1, le=1_000_000_000,
+        description="Evaluate a job each time it has trained on this many more samples "
+                    "(steps x its batch size), so jobs of every batch size evaluate equally "
+                    "often per sample; null: every eval_every_steps of the job's steps.")
 
 
 class JobHyperparameters(_Msg):
