@@ -38,4 +38,5 @@ def test_trainer_imports_without_pydantic_with_the_same_defaults() -> None:
     assert got["early_exit"] == EarlyExitSettings().model_dump()
     assert got["eval"] == EvalSettings().model_dump()
     assert got["beta"] is None and got["warmup"] == 6 and got["unknown"] == "refused"
-    assert got["executor_eval"] == {"eval_every_steps": 10, "eval_max_samples": None}
+    assert got["executor_eval"] == {"eval_every_steps": 10, "eval_max_samples": None,
+                                 "eval_every_samples": None}
