@@ -1,5 +1,8 @@
 """API errors and the exception handlers that render every failure as
-``{"error": {"code", "message", "param"}}`` with the right status (never a 500 for bad input)."""
+``{"error": {"type", "code", "message", "param"}}`` with the right status (never a 500 for bad
+input). ``type`` is the class of error as OpenAI's API names it (invalid_request_error,
+authentication_error, permission_error, rate_limit_error, server_error; every other 4xx is an
+invalid_request_error, 404 and 409 included, as there); ``code`` is loraplex's precise reason."""
 
 from __future__ import annotations
 
@@ -38,8 +41,19 @@ def conflict(message: str, code: str = "conflict", param: str | None = None) -> 
     return ApiError(409, code, message, param)
 
 
-def error_body(code: str, message: str, param: str | None = None) -> dict:
-    return {"error": {"code": code, "message": message, "param": param}}
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+def error_type(status: int) -> str:
+    """The OpenAI-style class of an error of this HTTP status."""
+    if status >= 500:
+        return "server_error"
+    return ERROR_TYPES.get(status, "invalid_request_error")
+
+
+def error_body(code: str, message: str, param: str | None = None, status: int = 400) -> dict:
+    return {"error": {"type": error_type(status), "code": code, "message": message,
+                      "param": param}}
 
 
 _SOURCES = ("body", "query", "path", "header", "form")
@@ -68,7 +82,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(exc.code, exc.message, exc.param), status_code=exc.status)
+        return JSONResponse(error_body(exc.code, exc.message, exc.param, exc.status),
+                            status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -80,13 +95,14 @@ def install_error_handlers(app: FastAPI) -> None:
         if len(errors) > 1:
             msg += f" (and {len(errors) - 1} more)"
         return JSONResponse(error_body("invalid_request", f"{_loc_to_text(loc) or 'request'}: "
-                                       f"{msg}", param), status_code=422)
+                                       f"{msg}", param, 422), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         codes = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
                  405: "method_not_allowed", 409: "conflict", 413: "too_large"}
-        return JSONResponse(error_body(codes.get(exc.status_code, "error"), str(exc.detail)),
+        return JSONResponse(error_body(codes.get(exc.status_code, "error"), str(exc.detail),
+                                       status=exc.status_code),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(DataError)
@@ -95,7 +111,7 @@ def install_error_handlers(app: FastAPI) -> None:
         # number): the client's input, so a 422 rather than a crash.
         log.info("rejected value path=%s error=%s", request.url.path, exc.orig)
         return JSONResponse(error_body("invalid_value", "a value is not storable (out of range "
-                                       "or containing NUL bytes)"), status_code=422)
+                                       "or containing NUL bytes)", status=422), status_code=422)
 
     @app.exception_handler(IntegrityError)
     async def _integrity(request: Request, exc: IntegrityError) -> JSONResponse:
@@ -103,22 +119,23 @@ def install_error_handlers(app: FastAPI) -> None:
         # and every endpoint is retry-safe, so ask the client to retry.
         log.warning("integrity conflict path=%s error=%s", request.url.path, exc.orig)
         return JSONResponse(error_body("concurrent_change", "the request raced a concurrent "
-                                       "change; retry"), status_code=503,
+                                       "change; retry", status=503), status_code=503,
                             headers={"Retry-After": "1"})
 
     @app.exception_handler(OperationalError)
     async def _db_down(request: Request, exc: OperationalError) -> JSONResponse:
         log.error("database unavailable path=%s error=%s", request.url.path, exc.orig)
-        return JSONResponse(error_body("unavailable", "the database is unavailable; retry"),
-                            status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse(error_body("unavailable", "the database is unavailable; retry",
+                                       status=503), status_code=503, headers={"Retry-After": "5"})
 
     @app.exception_handler(RedisError)
     async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
         log.error("redis unavailable path=%s error=%s", request.url.path, exc)
-        return JSONResponse(error_body("unavailable", "the queue is unavailable; retry"),
-                            status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse(error_body("unavailable", "the queue is unavailable; retry",
+                                       status=503), status_code=503, headers={"Retry-After": "5"})
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error path=%s", request.url.path)
-        return JSONResponse(error_body("internal_error", "internal server error"), status_code=500)
+        return JSONResponse(error_body("internal_error", "internal server error", status=500),
+                            status_code=500)
