@@ -42,15 +42,40 @@ class Page(BaseModel, Generic[T]):
 
 
 class FileOut(BaseModel):
+    """OpenAI's file object, plus what loraplex found in the file (format, records, digest)."""
+
     id: str
     object: Literal["file"] = "file"
+    bytes: int
+    created_at: int = Field(description="Unix seconds.")
     filename: str
     purpose: str
-    format: Literal["chat", "completion", "preference"]
-    bytes: int
+    status: Literal["processed", "error"] = Field(
+        default="processed", description="Files are validated on upload: a stored file is "
+                                         "processed (a bad one is refused with a 422).")
+    status_details: str | None = None
+    format: Literal["chat", "completion", "preference", "text"]
     line_count: int
     sha256: str
-    created_at: datetime
+
+    @field_validator("created_at", mode="before")
+    @classmethod
+    def _unix(cls, v: object) -> object:
+        return int(v.timestamp()) if isinstance(v, datetime) else v
+
+
+class ErrorDetail(BaseModel):
+    type: str | None = Field(default=None, description="OpenAI-style class: "
+                             "invalid_request_error, authentication_error, ...")
+    code: str
+    message: str
+    param: str | None = Field(description="The request field at fault, when there is one.")
+
+
+class ErrorOut(BaseModel):
+    """Every error the API returns: ``{"error": {"type", "code", "message", "param"}}``."""
+
+    error: ErrorDetail
 
 
 class DeletedOut(BaseModel):
