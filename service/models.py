@@ -12,7 +12,11 @@ Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwi
 - ``tasks(id, tenant_id, base_model, method sft|dpo, training_file_id, validation_file_id,
   validation_split, search_space jsonb, epochs, max_seq_len, seed, early_exit jsonb,
   eval jsonb, target_modules jsonb, priority, num_train_samples, state, error, best_job_id,
-  created_at, started_at, finished_at, cancelled_at)``; states: TASK_STATES.
+  created_at, started_at, finished_at, cancelled_at, suffix, meta jsonb)``; states:
+  TASK_STATES. ``pausing``: its live attempt was asked to stop at a step boundary (it still
+  holds its GPUs and reports); ``paused``: stopped with a checkpoint, holds nothing, not planned
+  until resumed (service.tasks.request_pause / resume_task). meta: the tenant's string pairs
+  (OpenAI's ``metadata``); suffix: part of the fine-tuned model's name.
 - ``jobs(id, task_id, index, config jsonb {learning_rate, lora_rank, lora_alpha,
   batch_size}, state, exit_reason, best_val_loss, best_step, last_step, error, ...)``;
   states: JOB_STATES, exit reasons: EXIT_REASONS.
@@ -31,6 +35,8 @@ Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwi
   The scheduler writes ``planned`` rows (attempt = service.cluster.next_attempt) and publishes
   with service.queue.publish_placement; the worker claims (claimed), its first running job
   makes it running; the task's end makes it finished|failed; cancel makes it cancelled.
+  ``stop_requested`` ('pause' | 'requeue'): the service asked the live attempt to checkpoint and
+  stop; its stop report makes it ``stopped`` (not a failed attempt).
 - ``throughput_profiles(id, base_model, gpu_type, seq_len, batch_key, gpus, tokens_per_s,
   samples_per_s, memory_k0, memory_k1, updated_at)``; unique (base_model, gpu_type, seq_len,
   batch_key, gpus). Written by executors' throughput reports (service.profiles): tokens_per_s
@@ -61,13 +67,15 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-TASK_STATES = ("validating_files", "queued", "running", "succeeded", "failed", "cancelled")
+TASK_STATES = ("validating_files", "queued", "running", "pausing", "paused", "succeeded", "failed",
+               "cancelled")
 TASK_TERMINAL = ("succeeded", "failed", "cancelled")
 JOB_STATES = ("pending", "running", "exited", "completed", "failed", "cancelled")
 JOB_TERMINAL = ("exited", "completed", "failed", "cancelled")
 EXIT_REASONS = ("diverging", "overfitting", "underperforming")
 PLACEMENT_STATES = (
     "planned", "published", "claimed", "running", "finished", "failed", "cancelled", "superseded",
+    "stopped",
 )
 PLACEMENT_ACTIVE = ("published", "claimed", "running")
 NODE_STATES = ("up", "down")
@@ -156,6 +164,8 @@ class Task(Base):
     started_at: Mapped[datetime | None] = mapped_column(TS)
     finished_at: Mapped[datetime | None] = mapped_column(TS)
     cancelled_at: Mapped[datetime | None] = mapped_column(TS)
+    suffix: Mapped[str | None] = mapped_column(String(64))
+    meta: Mapped[dict | None] = mapped_column(JSONB)
     __table_args__ = (Index("ix_tasks_tenant_created", "tenant_id", "created_at", "id"),)
 
 
@@ -251,6 +261,7 @@ class Placement(Base):
     claimed_at: Mapped[datetime | None] = mapped_column(TS)
     finished_at: Mapped[datetime | None] = mapped_column(TS)
     error: Mapped[str | None] = mapped_column(Text)
+    stop_requested: Mapped[str | None] = mapped_column(String(16))
 
 
 class ThroughputProfile(Base):
