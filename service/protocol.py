@@ -54,6 +54,13 @@ def node_queue_name(node_id: str) -> str:
     return f"loraplex:node:{node_id}"
 
 
+def pause_key(placement_id: str) -> str:
+    """Redis key set (with a TTL) when a placement must checkpoint at a step boundary and stop,
+    reporting as usual (pause, preemption): the heartbeat reply's pause_placement_ids says it
+    too, durably."""
+    return f"loraplex:pause:{placement_id}"
+
+
 def cancel_key(placement_id: str) -> str:
     """Redis key set (with a TTL) when a placement (an attempt) must stop; the id is also
     published on CANCEL_CHANNEL."""
@@ -108,6 +115,11 @@ class HeartbeatResponse(_Msg):
         description="Placements (attempts) this node runs that must stop now: cancelled, "
                     "superseded or failed by the service. Never a bare task id, so a new attempt "
                     "of the same task on the same node keeps running.")
+    pause_placement_ids: list[str] = Field(
+        default_factory=list,
+        description="Placements this node runs that must checkpoint at a step boundary and stop "
+                    "(pause or preemption), still reporting everything up to their stop (a "
+                    "retryable 'executor stopped' failure), which the service accepts.")
 
 
 # ----- the task's settings: ONE set of bounds, checked at create (422) and consumed by the trainer
