@@ -148,9 +148,21 @@ def heartbeat(session: Session, node: Node, msg: Heartbeat) -> tuple[HeartbeatRe
     came_back = node.state != "up"
     node.state, node.last_heartbeat_at = "up", utcnow()
     stop = placements_to_stop(session, node.id, msg.running_placement_ids)
+    pause = placements_to_pause(session, node.id, msg.running_placement_ids)
     session.flush()
-    return HeartbeatResponse(node_id=node.id, state="up",
-                             cancelled_placement_ids=stop), came_back
+    return HeartbeatResponse(node_id=node.id, state="up", cancelled_placement_ids=stop,
+                             pause_placement_ids=pause), came_back
+
+
+def placements_to_pause(session: Session, node_id: str, reported: Iterable[str]) -> list[str]:
+    """Of the placements a node says it runs, the live ones of this node the service asked to
+    checkpoint and stop (service.tasks.request_pause: pause or preemption)."""
+    reported = set(reported)
+    if not reported:
+        return []
+    return sorted(session.scalars(select(Placement.id).where(
+        Placement.id.in_(reported), Placement.node_id == node_id,
+        Placement.state.in_(PLACEMENT_ACTIVE), Placement.stop_requested.is_not(None))))
 
 
 def placements_to_stop(session: Session, node_id: str, reported: Iterable[str]) -> list[str]:
@@ -303,6 +315,10 @@ def mark_stale_nodes(session: Session, settings: Settings | None = None,
                 if task is not None and task.state == "running":
                     fail_or_requeue(session, task, placement, f"node {node.name} went down",
                                     settings)
+                elif task is not None and task.state == "pausing":
+                    from service.tasks import finish_pause
+
+                    finish_pause(session, task, f"node {node.name} went down while stopping")
     session.commit()
     cluster_changed(session, "node_down", settings)
     return [n.id for n in stale]

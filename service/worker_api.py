@@ -54,7 +54,13 @@ from service.queue import empty_node_queue, unqueue_placement
 from service.registry import ModelRegistry
 from service.scheduler.loop import _LOCK_KEY as PLAN_LOCK_KEY
 from service.storage import Storage
-from service.tasks import finish_task_failed, finish_task_succeeded, update_job_state
+from service.tasks import (
+    attempt_stopped,
+    finish_pause,
+    finish_task_failed,
+    finish_task_succeeded,
+    update_job_state,
+)
 
 log = logging.getLogger("loraplex.worker_api")
 
@@ -318,11 +324,17 @@ def task_failed(session: Session, task_id: str, msg: TaskFailed, settings: Setti
     error = msg.error if not msg.detail else f"{msg.error}\n\n{msg.detail}"
     # A retry is this attempt failed with this error; an attempt the service failed first (its
     # node was lost) is stale, as for every other report.
-    task, placement = fence_report(session, task_id, msg.placement_id,
-                                   retry_of=lambda p: p.state == "failed" and p.error == error)
+    task, placement = fence_report(
+        session, task_id, msg.placement_id,
+        retry_of=lambda p: p.state in ("failed", "stopped") and p.error == error)
     if placement.state not in PLACEMENT_ACTIVE:
         return task
     shown = tenant_safe(msg.error) or "training failed"
+    if msg.retryable and attempt_stopped(session, task, placement, error):
+        # The stop the service asked for (pause, preemption): not a failed attempt.
+        session.commit()
+        cluster_changed(session, "task_stopped", settings)
+        return task
     placement.state, placement.finished_at, placement.error = "failed", utcnow(), error
     if msg.retryable:
         fail_or_requeue(session, task, placement, shown, settings)
@@ -375,6 +387,8 @@ def deregister_node(session: Session, node_id: str, msg: NodeDeregister,
                 fail_or_requeue(session, task, placement, tenant_safe(error), settings)
                 if task.state == "queued":
                     requeued.append(task.id)
+            elif task.state == "pausing":  # it was stopping anyway: paused, holding nothing
+                finish_pause(session, task, tenant_safe(error))
     session.commit()
     for placement_id in superseded:
         unqueue_placement(placement_id, node.id, settings)

@@ -14,8 +14,11 @@ The service stops placements (attempts), never tasks: a heartbeat reply names th
 no longer takes reports from (cancelled, superseded, failed or finished there), and a cancel sets
 ``cancel_key(placement_id)`` in Redis. The daemon stops exactly those, and ends them without a
 word (the service would refuse it); a restarted daemon asks the service first, so it never
-reports the failure of an attempt the service already gave up. A new attempt of a task on a node
-that holds a newer checkpoint of an earlier attempt resumes from it (seed_local_resume).
+reports the failure of an attempt the service already gave up. A pause (or preemption) is the
+other kind of stop: named in ``pause_placement_ids`` or flagged by ``pause_key(placement_id)``,
+the executor gets SIGTERM, checkpoints at its step boundary, and its reports, up to its
+"executor stopped", are forwarded as usual (the service takes them). A new attempt of a task
+on a node that holds a newer checkpoint of an earlier attempt resumes from it (seed_local_resume).
 Run ``python -m worker.daemon --help``.
 """
 
@@ -48,6 +51,7 @@ from service.protocol import (
     PlacementSpec,
     cancel_key,
     node_queue_name,
+    pause_key,
 )
 from worker.service_client import (
     SPOOL_NAME,
@@ -162,6 +166,7 @@ class Daemon:
         self.placements: dict[str, LocalPlacement] = {}
         self._lock = threading.Lock()
         self._stop_ids: set[str] = set()  # placements the service named in a heartbeat reply
+        self._pause_ids: set[str] = set()  # ... to checkpoint and stop, reporting as usual
         self._confirmed = threading.Event()  # a heartbeat reply since start: what is current
         self._claimed_ids: tuple[str, ...] = ()  # snapshot for the heartbeat thread
         self._reregister = threading.Event()
@@ -323,9 +328,10 @@ class Daemon:
                 self._reregister.set()  # the service forgot this node (fresh database)
             log.warning("heartbeat failed node=%s error=%s", self.node_id, exc)
             return
-        if reply.cancelled_placement_ids:
+        if reply.cancelled_placement_ids or reply.pause_placement_ids:
             with self._lock:
                 self._stop_ids.update(reply.cancelled_placement_ids)
+                self._pause_ids.update(reply.pause_placement_ids)
         self._confirmed.set()
 
     # -- the main loop --------------------------------------------------------------------
@@ -566,14 +572,19 @@ class Daemon:
         attempt of the same task on this node runs on."""
         with self._lock:
             named, self._stop_ids = self._stop_ids, set()
+            pause, self._pause_ids = self._pause_ids, set()
         # One whose own final report was delivered is named because it ended: let it exit.
         live = [p for p in self.placements.values()
                 if not p.cancelled and p.status in ("ready", "running", "exited")
                 and not (p.forwarder is not None and p.forwarder.done)]
         if live:
             try:
-                flags = self.conn.mget([cancel_key(p.placement_id) for p in live])
-                named |= {p.placement_id for p, f in zip(live, flags, strict=True) if f}
+                flags = self.conn.mget([cancel_key(p.placement_id) for p in live]
+                                       + [pause_key(p.placement_id) for p in live])
+                named |= {p.placement_id for p, f in zip(live, flags[:len(live)], strict=True)
+                          if f}
+                pause |= {p.placement_id for p, f in zip(live, flags[len(live):], strict=True)
+                          if f}
             except redis.RedisError as exc:
                 log.warning("redis unavailable node=%s error=%s", self.node_id, exc)
         for p in live:
@@ -581,6 +592,20 @@ class Daemon:
                 log.info("placement stopped by the service node=%s task=%s placement=%s "
                          "status=%s", self.node_id, p.task_id, p.placement_id, p.status)
                 self._terminate(p, "stopped by the service", cancelled=True)
+            elif p.placement_id in pause:
+                self._pause(p)
+
+    def _pause(self, p: LocalPlacement) -> None:
+        """Pause or preemption: the executor checkpoints at its step boundary and stops (SIGTERM,
+        as when the daemon stops), and everything it reports up to its stop is forwarded: the
+        service still takes this attempt's reports and ends it by its stop report."""
+        if p.status == "ready":  # never started: nothing to checkpoint
+            log.info("placement paused before start node=%s task=%s placement=%s",
+                     self.node_id, p.task_id, p.placement_id)
+            self._close_with_failure(p, p.task_id or "", "executor stopped: paused before it "
+                                     "started")
+        elif p.status == "running":
+            self._terminate(p, "paused by the service", cancelled=False)
 
     def _terminate(self, p: LocalPlacement, why: str, cancelled: bool) -> None:
         p.cancelled = p.cancelled or cancelled

@@ -237,6 +237,7 @@ def test_target_modules_follow_the_models_own_config(client, factory, session, s
             r = post_task(client, t, base | {"base_model": model, "target_modules": targets})
             assert r.status_code == 422, (model, r.text)
             assert r.json()["error"] == {"code": "unsupported_model", "param": "base_model",
+                                         "type": "invalid_request_error",
                                          "message": r.json()["error"]["message"]}
             assert model in r.json()["error"]["message"] and str(root) not in r.text
     assert "'bert'" in post_task(client, t, base | {"base_model": "tiny-bert"}).text

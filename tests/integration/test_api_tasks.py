@@ -53,6 +53,7 @@ def test_create_rejects_bad_requests(client, factory, settings):  # noqa: ANN001
     r = post(search_space=too_many)
     assert r.status_code == 422 and settings.max_configurations < 20
     assert r.json()["error"] == {"code": "too_many_configurations", "param": "search_space",
+                                 "type": "invalid_request_error",
                                  "message": r.json()["error"]["message"]}
     assert "20 configurations" in r.json()["error"]["message"]
     cases = [
