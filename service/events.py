@@ -12,6 +12,7 @@ from sqlalchemy import func, select, text, true
 from sqlalchemy.dialects.postgresql import aggregate_order_by, insert
 from sqlalchemy.orm import Session
 
+from service.downsample import downsample
 from service.errors import invalid, not_found
 from service.models import Event, Job, MetricPoint, Task, utcnow
 from service.protocol import EventIn, MetricPointIn
@@ -84,11 +85,12 @@ def ingest_metrics(session: Session, task: Task, points: Sequence[MetricPointIn]
 
 
 def task_metrics_json(session: Session, task: Task, job_id: str | None = None,
-                      after_step: int | None = None) -> bytes:
+                      after_step: int | None = None, max_points: int | None = None) -> bytes:
     """Loss curves of the task's jobs (or one job), train and validation, ordered by step, as the
     JSON of MetricsOut; after_step keeps only newer points, for clients that poll. Built for
     the most-read route: one statement, whose rows are curves (each job's steps and losses of a
-    split as two arrays), not points, and no model object per point (a curve has thousands)."""
+    split as two arrays), not points, and no model object per point (a curve has thousands).
+    max_points cuts each curve to that many points (service.downsample: first, last, extremes)."""
     points = (select(MetricPoint.split,
                      func.array_agg(aggregate_order_by(MetricPoint.step, MetricPoint.step)),
                      func.array_agg(aggregate_order_by(MetricPoint.loss, MetricPoint.step)))
@@ -106,7 +108,8 @@ def task_metrics_json(session: Session, task: Task, job_id: str | None = None,
         job = jobs.setdefault(jid, {"job_id": jid, "index": index, "state": state,
                                     "train": [], "val": []})
         if split is not None:
-            job[split] = [{"step": step, "loss": finite(loss)}
+            steps, losses = downsample(steps, [finite(x) for x in losses], max_points)
+            job[split] = [{"step": step, "loss": loss}
                           for step, loss in zip(steps, losses, strict=True)]
     if job_id is not None and not jobs:
         raise not_found("job", job_id, param="job_id")

@@ -91,10 +91,15 @@ def list_events(session: SessionDep, tenant: TenantDep, task_id: str,
 @router.get("/v1/tasks/{task_id}/metrics", response_model=MetricsOut)
 def task_metrics(session: SessionDep, tenant: TenantDep, task_id: str,
                  job_id: Annotated[str | None, Query(max_length=40)] = None,
-                 after_step: Annotated[int | None, Query(ge=-1)] = None) -> Response:
+                 after_step: Annotated[int | None, Query(ge=-1)] = None,
+                 max_points: Annotated[int | None, Query(
+                     ge=4, le=100_000, description="At most this many points per curve: the "
+                     "first, the last and each bucket's lowest and highest loss.")] = None
+                 ) -> Response:
     # MetricsOut's JSON, built without a model per loss point (events.task_metrics_json).
     return Response(events.task_metrics_json(session, tasks.get_task(session, tenant, task_id),
-                                             job_id, after_step), media_type="application/json")
+                                             job_id, after_step, max_points),
+                    media_type="application/json")
 
 
 @router.get("/v1/tasks/{task_id}/adapter", response_class=StreamingResponse, responses=ARCHIVE)
