@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 
@@ -156,6 +157,10 @@ class AdmissionController:
     def limit_bytes(self) -> float:
         return self.safety * self.budget_bytes
 
+    def max_total_batch(self) -> int:
+        """The largest total batch (sequences of seq_len) a training step may hold."""
+        return self.model.max_total_batch(self.limit_bytes, self.seq_len)
+
     def fits(self, total_batch: int) -> bool:
         """Whether a step over this total batch is predicted to stay under the safety limit."""
         return self.model.predict(total_batch, self.seq_len) <= self.limit_bytes
@@ -198,3 +203,52 @@ class AdmissionController:
                 chosen.append(job.job_id)
                 total += job.batch_size
         return chosen
+
+
+# ----- stored memory profiles: measured once per model, sequence length and GPU kind -----------
+def profile_key(**parts: Any) -> str:
+    """The identity of a memory profile: every input its peaks depend on (the model directory
+    and its config file's content, max_seq_len, GPU name, torch version, method, targets, ...),
+    as one canonical JSON string; any difference is another profile."""
+    import json
+
+    return json.dumps(parts, sort_keys=True, default=str)
+
+
+def load_profile(path: str | Path | None, key: str) -> MemoryModel | None:
+    """The stored memory model under `key` in the JSON file at `path`, or None (no file, no such
+    key, or an unreadable file: a profile is only a cache, the executor then measures again)."""
+    import json
+
+    if path is None:
+        return None
+    try:
+        entry = json.loads(Path(path).read_text()).get(key)
+        return None if entry is None else MemoryModel(float(entry["k0"]), float(entry["k1"]))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def store_profile(path: str | Path | None, key: str, model: MemoryModel) -> None:
+    """Add (or replace) one profile in the JSON file at `path`, keeping the others; written to a
+    temporary file and renamed, so a concurrent reader sees the old or the new file, never half."""
+    import json
+    import os
+    import tempfile
+    import time
+
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        table = json.loads(path.read_text())
+        if not isinstance(table, dict):
+            table = {}
+    except (OSError, ValueError):
+        table = {}
+    table[key] = {"k0": model.k0, "k1": model.k1, "measured_at": time.time()}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profiles-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)

@@ -76,6 +76,27 @@ def eval_forwards(n_jobs: int, n_examples: int, batch_size: int, max_sequences: 
     return math.ceil(n_jobs / group) * math.ceil(n_examples / batch_size)
 
 
+def eval_chunk(n_jobs: int, n_examples: int, max_sequences: int, min_chunk: int = 1) -> int:
+    """Examples per evaluation forward that make the fewest backbone forwards when one forward
+    holds at most `max_sequences` sequences (groups of max_sequences // chunk jobs share it);
+    among equals the smallest chunk (the least memory). At least min(min_chunk, n_examples)."""
+    if n_jobs <= 0 or n_examples <= 0:
+        return max(1, min_chunk)
+    floor = max(1, min(min_chunk, n_examples))
+    cap = max(max_sequences, floor)
+    best: tuple[int, int] | None = None
+    for pieces in range(1, n_examples + 1):
+        chunk = -(-n_examples // pieces)
+        if chunk < floor:
+            break
+        if chunk > cap or (best is not None and chunk == best[1]):
+            continue
+        cost = eval_forwards(n_jobs, n_examples, chunk, cap)
+        if best is None or cost <= best[0]:
+            best = (cost, chunk)
+    return best[1] if best is not None else floor
+
+
 def lr_factor(step: int, warmup: int, total: int, schedule: str = "linear") -> float:
     """Multiplier of the base LR after `step` optimizer steps (linear warmup, then decay to 0)."""
     if warmup > 0 and step < warmup:
@@ -195,6 +216,7 @@ class MultiLoraEngine:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         self.jobs: dict[str, JobState] = {}  # active jobs in slot order
+        self.eval_logit_tokens = 8192  # tokens whose logits one no-grad loss slice computes
         # adapter parallelism sets this to an all-reduce (max over ranks) of a local count, to
         # agree on extra backbone passes; None: this engine runs alone (see `lockstep`)
         self.agree: Callable[[int], int] | None = None
@@ -331,6 +353,12 @@ class MultiLoraEngine:
         if self.gradient_checkpointing and torch.is_grad_enabled():
             # logits of a whole micro-batch are large (vocab x tokens); recompute them in backward
             return checkpoint(loss_sum, h_sel, t_sel, use_reentrant=False), n
+        if not torch.is_grad_enabled() and n > self.eval_logit_tokens:
+            # evaluation forwards are large (the admitted budget): their logits in slices, so
+            # no more than eval_logit_tokens x vocab float32 logits exist at once
+            step = self.eval_logit_tokens
+            parts = [loss_sum(h_sel[i : i + step], t_sel[i : i + step]) for i in range(0, n, step)]
+            return torch.stack(parts).sum(), n
         return loss_sum(h_sel, t_sel), n
 
     def _forward_losses(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]):  # noqa: ANN202

@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,15 @@ from typing import Any
 import torch
 
 from service.protocol import EarlyExitSettings, EvalSettings
-from trainer.admission import AdmissionController, MemoryModel, fit_memory_model, profile_memory
+from trainer.admission import (
+    AdmissionController,
+    MemoryModel,
+    fit_memory_model,
+    load_profile,
+    profile_key,
+    profile_memory,
+    store_profile,
+)
 from trainer.checkpoint import (
     job_state_dict,
     load_checkpoint,
@@ -45,7 +54,7 @@ from trainer.data import (
 )
 from trainer.dpo import DpoEngine
 from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
-from trainer.engine import JobSpec, JobState, MultiLoraEngine, eval_forwards
+from trainer.engine import JobSpec, JobState, MultiLoraEngine, eval_chunk, eval_forwards
 from trainer.export import export_peft
 from trainer.strategy import OneGpu
 
@@ -89,6 +98,8 @@ class ExecutorConfig:
     max_seq_len: int = 512
     eval: EvalSettings = field(default_factory=lambda: EvalSettings(eval_every_steps=10,
                                                                     eval_max_samples=None))
+    # the fewest validation examples of one evaluation forward; a forward holds as many
+    # sequences as a training step may (the admitted budget), so evaluation runs at full width
     eval_batch_size: int = 8
     checkpoint_every: int = 50  # executor steps between checkpoints ...
     checkpoint_every_s: float | None = None  # ... or seconds since the last one, first reached
@@ -101,6 +112,9 @@ class ExecutorConfig:
     max_tokens_per_step: int | None = None  # admission budget without a memory model (CPU)
     memory_model: tuple[float, float] | None = None  # (k0, k1) from a profiling run
     memory_budget_bytes: float | None = None
+    # JSON file of measured memory models, keyed by model, max_seq_len, GPU kind, torch version
+    # and the other inputs of a profile: a node measures once and every later executor reuses it
+    profile_cache: str | None = None
     early_exit: EarlyExitSettings = field(default_factory=EarlyExitSettings)
     stop_after_steps: int | None = None  # stop (as if killed) after this many executor steps
     method: str = "sft"  # sft | dpo (preference pairs; JobSpec.beta per job)
@@ -108,6 +122,7 @@ class ExecutorConfig:
 
 
 CALLBACK_KINDS = tuple(f.name for f in fields(Callbacks))
+PHASES = ("load", "profile", "train", "eval", "checkpoint", "export")
 
 
 @dataclass
@@ -166,6 +181,25 @@ class Executor:
         self.memory_model: MemoryModel | None = None
         self.last_checkpoint = time.monotonic()
         self.checkpoint_due = False  # by time, as rank 0's clock says (every rank alike)
+        # wall seconds by phase (each phase without the phases nested in it; "idle" is the rest)
+        self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._nested: list[float] = []
+        self.started_at: float | None = None
+        self.first_step_s: float | None = None  # executor start -> end of the first step
+        self.profile_reused: bool | None = None
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        self._nested.append(0.0)
+        try:
+            yield
+        finally:
+            inner = self._nested.pop()
+            elapsed = time.perf_counter() - t0
+            self.phases[name] += elapsed - inner
+            if self._nested:
+                self._nested[-1] += elapsed
 
     # ----- setup -------------------------------------------------------------------------
     def _load(self) -> None:
@@ -178,6 +212,7 @@ class Executor:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         model = self.strategy.load_model(cfg.model_dir, device, dtype)
+        self.device = device
         tokenize = tokenize_pairs if cfg.method == "dpo" else tokenize_all
         train = tokenize(self.tokenizer, read_jsonl(cfg.train_file), cfg.max_seq_len)
         if cfg.val_file:
@@ -187,7 +222,9 @@ class Executor:
         if not train or not val:
             raise ValueError("no trainable examples left after tokenisation/truncation")
         cap = cfg.eval.eval_max_samples
-        self.val = val[:cap] if cap else val  # the same first N for every job and evaluation
+        # the same first N for every job and evaluation, in order of length: an evaluation
+        # forward then packs sequences of like length (a mean over tokens ignores the order)
+        self.val = sorted(val[:cap] if cap else val, key=_length, reverse=True)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         engine_cls = DpoEngine if cfg.method == "dpo" else MultiLoraEngine
         self.engine = self.strategy.prepare_engine(engine_cls(
@@ -201,7 +238,8 @@ class Executor:
                 self.engine.ensure_reference(self.val[lo : lo + cfg.eval_batch_size])
         if device.type == "cuda" and cfg.max_tokens_per_step is None:
             budget = cfg.memory_budget_bytes or torch.cuda.get_device_properties(device).total_memory
-            mm = MemoryModel(*cfg.memory_model) if cfg.memory_model else self._profile_memory_model()
+            with self._phase("profile"):
+                mm = MemoryModel(*cfg.memory_model) if cfg.memory_model else self._stored_memory_model()
             # ranks measure slightly different peaks; all must decide alike: take the largest
             fits = self.strategy.gather((mm.k0, mm.k1))
             self.memory_model = MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits))
@@ -252,9 +290,43 @@ class Executor:
         points = profile_memory(self.probe_step, (1, 2, 4), self.cfg.max_seq_len)
         return fit_memory_model(points)
 
+    def profile_key(self) -> str:
+        """What this executor's memory profile depends on (see trainer.admission.profile_key)."""
+        cfg, eng = self.cfg, self.engine
+        config = Path(cfg.model_dir) / "config.json"
+        try:
+            config_text = config.read_text()
+        except OSError:
+            config_text = None
+        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return profile_key(
+            model_dir=str(Path(cfg.model_dir).resolve()), model_config=config_text,
+            seq_len=cfg.max_seq_len, gpu=gpu, torch=torch.__version__, method=cfg.method,
+            targets=sorted(eng.targets), gradient_checkpointing=cfg.gradient_checkpointing,
+            adapter_dtype=cfg.adapter_dtype, backend=cfg.backend, ranks=self.world,
+            max_lora_rank=max(j.rank for j in cfg.jobs))
+
+    def _stored_memory_model(self) -> MemoryModel:
+        """The node's stored profile for this key, or a fresh measurement that is then stored."""
+        key = self.profile_key()
+        stored = load_profile(self.cfg.profile_cache, key)
+        # every rank must agree to reuse: one that lacks it (a torn read) makes all measure
+        reuse = all(self.strategy.gather(stored is not None))
+        self.profile_reused = reuse
+        if reuse:
+            return stored
+        mm = self._profile_memory_model()
+        fits = self.strategy.gather((mm.k0, mm.k1))  # stored as the ranks will decide: the largest
+        if self.rank == 0:
+            store_profile(self.cfg.profile_cache, key,
+                          MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits)))
+        return mm
+
     # ----- the recipe --------------------------------------------------------------------
     def run(self) -> dict[str, dict[str, Any]]:
-        self._load()
+        self.started_at = time.perf_counter()
+        with self._phase("load"):
+            self._load()
         state_path = self.out / "state.pt"
         if state_path.exists():
             self._resume(load_checkpoint(state_path))
@@ -273,14 +345,18 @@ class Executor:
             if not self.placed:
                 break
             started = time.perf_counter()
-            report = self.engine.step() if self.engine.jobs else None
-            if report is None:  # this rank has no runnable job: join the others' passes
-                self.engine.idle_step()
+            with self._phase("train"):
+                report = self.engine.step() if self.engine.jobs else None
+                if report is None:  # this rank has no runnable job: join the others' passes
+                    self.engine.idle_step()
+            if self.first_step_s is None:
+                self.first_step_s = time.perf_counter() - self.started_at
             self.global_step += 1
             for slot in self.placed.values():
                 slot.step += 1
             stop = self._observe_train(report, time.perf_counter() - started)
-            self._evaluate_due()
+            with self._phase("eval"):
+                self._evaluate_due()
             self._warmup_policy()
             for job_id in [j for j, s in self.placed.items() if s.done]:
                 self._finish(job_id)
@@ -288,14 +364,28 @@ class Executor:
             if stop or limit:  # checkpoint, then stop as if killed: a later run resumes here
                 self.stopped = stop
                 self._checkpoint()
+                self._report_timings()
                 self.strategy.flush()
                 return self.status
             if self.global_step % self.cfg.checkpoint_every == 0 or self.checkpoint_due:
                 self._checkpoint()
             self.strategy.flush()
         self._checkpoint()
+        self._report_timings()
         self.strategy.flush()
         return self.status
+
+    def timings(self) -> dict[str, Any]:
+        """Wall seconds since `run` began, split by phase (idle: everything else: bookkeeping,
+        callbacks, admission), the first step's time and whether the memory profile was reused."""
+        wall = 0.0 if self.started_at is None else time.perf_counter() - self.started_at
+        busy = sum(self.phases.values())
+        return {"wall_s": wall, **{f"{k}_s": v for k, v in self.phases.items()},
+                "idle_s": max(0.0, wall - busy), "first_step_s": self.first_step_s,
+                "profile_reused": self.profile_reused, "global_step": self.global_step}
+
+    def _report_timings(self) -> None:
+        self.cb.on_event("", "timings", self.timings())
 
     # ----- pieces of the loop --------------------------------------------------------------
     def _observe_train(self, report: Any, seconds: float) -> bool:
@@ -364,23 +454,40 @@ class Executor:
         if self.status[job_id]["state"] != "running":
             self._set_state(job_id, "running", {"resumed": resumed, "rank": rank})
 
+    def _cadence_due(self, s: JobSlot) -> bool:
+        """Whether the job's last step crossed an evaluation point: every eval_every_samples
+        samples it trained on (steps x batch size), else every eval_every_steps of its steps."""
+        every = getattr(self.cfg.eval, "eval_every_samples", None)
+        if every:
+            return (s.step * s.batch_size) // every > ((s.step - 1) * s.batch_size) // every
+        return s.step % self.cfg.eval.eval_every_steps == 0
+
+    def eval_shape(self, n_jobs: int) -> tuple[int, int]:
+        """(examples per forward, sequences per forward) of an evaluation of n_jobs jobs: one
+        forward holds as many sequences as admission lets a training step hold (a no-grad
+        forward needs less than the step it was sized for), never fewer than eval_batch_size."""
+        floor = self.cfg.eval_batch_size
+        budget = max(self.admission.max_total_batch(), floor)
+        budget = min(budget, max(1, n_jobs) * max(1, len(self.val)))
+        return eval_chunk(n_jobs, len(self.val), budget, floor), budget
+
     def _evaluate_due(self) -> None:
         due = []
         for job_id, s in self.placed.items():
             warm_end = self._warmup_len(s) if self._in_warmup(job_id) else -1
-            if s.step % self.cfg.eval.eval_every_steps == 0 or s.done or s.step == warm_end:
+            if self._cadence_due(s) or s.done or s.step == warm_end:
                 if self.last_eval.get(job_id) != s.step:
                     due.append(job_id)
         if not due:
             return
-        bs = self.cfg.eval_batch_size
 
-        def plan(r: int) -> tuple[list[str], int]:
-            # at most the rank's training batch per forward: admission sized that to fit
-            return [j for j in due if self.placed[j].owner == r], max(self._rank_batch(r), bs)
+        def plan(r: int) -> tuple[list[str], int, int]:
+            ids = [j for j in due if self.placed[j].owner == r]
+            return (ids, *self.eval_shape(len(ids)))
 
-        forwards = max(eval_forwards(len(ids), len(self.val), bs, cap) for ids, cap in map(plan, range(self.world)))
-        mine, cap = plan(self.rank)
+        forwards = max(eval_forwards(len(ids), len(self.val), bs, cap)
+                       for ids, bs, cap in map(plan, range(self.world)))
+        mine, bs, cap = plan(self.rank)
         local = self.engine.evaluate_metrics(self.val, bs, mine, cap, forwards=forwards)
         numbers = {j: v for part in self.strategy.gather(local) for j, v in part.items()}
         for job_id in due:
@@ -443,6 +550,10 @@ class Executor:
         self._set_state(job_id, "completed", {"steps": slot.step, "best_val": self.monitors[job_id].best_val})
 
     def _export(self, job_id: str, kind: str, state: JobState | None = None, owner: int | None = None) -> None:
+        with self._phase("export"):
+            self._export_now(job_id, kind, state, owner)
+
+    def _export_now(self, job_id: str, kind: str, state: JobState | None, owner: int | None) -> None:
         path = self.out / "jobs" / job_id / kind
         owner = self.placed[job_id].owner if owner is None else owner
         if owner == self.rank:  # the weights are here; the announcement follows the files
@@ -476,6 +587,10 @@ class Executor:
             })
 
     def _checkpoint(self) -> None:
+        with self._phase("checkpoint"):
+            self._checkpoint_now()
+
+    def _checkpoint_now(self) -> None:
         self.last_checkpoint, self.checkpoint_due = time.monotonic(), False
         self._report_throughput()
         dpo = isinstance(self.engine, DpoEngine)
@@ -541,6 +656,12 @@ class Executor:
                 st["state"] = "pending"
         for job_id, slot in self.placed.items():
             self._set_state(job_id, "running", {"resumed": True, "rank": slot.owner})
+
+
+def _length(example: Example | PairExample) -> int:
+    if isinstance(example, PairExample):
+        return len(example.chosen.input_ids) + len(example.rejected.input_ids)
+    return len(example.input_ids)
 
 
 def run_executor(cfg: ExecutorConfig, callbacks: Callbacks | None = None,

@@ -30,6 +30,9 @@ class OneGpu:
     def load_model(self, model_dir: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
+        if device.type == "cuda":
+            # straight from the safetensors files onto the GPU: no full copy in host memory first
+            return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": device})
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
 
     def prepare_engine(self, engine: Any, device: torch.device) -> Any:

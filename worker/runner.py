@@ -209,7 +209,11 @@ def executor_config(spec: PlacementSpec, directory: Path):  # noqa: ANN201 - tra
         # uploaded as soon as it is written): every N steps or S seconds, whichever comes first
         checkpoint_every=int(os.environ.get("LORAPLEX_CHECKPOINT_EVERY", "50")),
         checkpoint_every_s=float(os.environ.get("LORAPLEX_CHECKPOINT_EVERY_S", "300")) or None,
-        world_size=max(1, len(spec.gpu_indices)))
+        world_size=max(1, len(spec.gpu_indices)),
+        # memory models measured on this node (work_dir/placements/<id> -> work_dir): one
+        # profiling run per model, sequence length and GPU kind, reused by later placements
+        profile_cache=os.environ.get("LORAPLEX_PROFILE_CACHE")
+        or str(directory.parent.parent / "memory_profiles.json"))
 
 
 def train(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,

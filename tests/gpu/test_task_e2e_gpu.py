@@ -1,0 +1,65 @@
+"""Issue 15 on CUDA: the executor measures its memory model once per key and a second executor
+on the node reuses it (no profiling, an earlier first step); evaluation forwards are as wide as the
+admitted budget and give the same losses as narrow ones. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+from service.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
+from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl  # noqa: E402
+from trainer.engine import JobSpec  # noqa: E402
+from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
+
+
+def _cfg(tmp_path, out: str, cache) -> ExecutorConfig:  # noqa: ANN001
+    d = tiny_model_dir("llama", tmp_path)
+    train = write_jsonl(tmp_path / "train.jsonl", synthetic_rows(40, seed=1, fmt="completion"))
+    val = write_jsonl(tmp_path / "val.jsonl", synthetic_rows(12, seed=2, fmt="completion"))
+    jobs = [JobSpec(f"j{i}", rank=r, alpha=2 * r, lr=3e-3, batch_size=b, max_steps=6, seed=i)
+            for i, (r, b) in enumerate([(4, 1), (8, 2), (16, 4)])]
+    return ExecutorConfig(model_dir=str(d), train_file=str(train), val_file=str(val),
+                          output_dir=str(tmp_path / out), jobs=jobs, max_seq_len=64,
+                          eval=EvalSettings(eval_every_steps=3, eval_max_samples=None,
+                                            eval_every_samples=4),
+                          early_exit=EarlyExitSettings(enabled=False), profile_cache=str(cache))
+
+
+def test_profile_stored_once_and_reused_then_wide_eval(tmp_path) -> None:  # noqa: ANN001
+    cache = tmp_path / "node" / "memory_profiles.json"
+    runs = []
+    for name in ("first", "second"):
+        events: list = []
+        vals: dict = {}
+        ex = Executor(_cfg(tmp_path, name, cache),
+                      Callbacks(on_event=lambda j, m, d, ev=events: ev.append((m, d)),
+                                on_eval=lambda j, s, v, vs=vals: vs.setdefault(j, []).append(v)))
+        status = ex.run()
+        assert all(s["state"] == "completed" for s in status.values())
+        mm = next(d for m, d in events if m == "memory_model")
+        runs.append((ex, ex.timings(), mm, vals))
+    (first, t1, mm1, v1), (second, t2, mm2, v2) = runs
+    assert t1["profile_reused"] is False and t2["profile_reused"] is True
+    assert (mm1["k0"], mm1["k1"]) == (mm2["k0"], mm2["k1"])
+    assert t2["profile_s"] < t1["profile_s"]
+    key = json.loads(next(iter(json.loads(cache.read_text()))))
+    assert key["gpu"] == torch.cuda.get_device_name() and key["seq_len"] == 64
+    # the same jobs, seeds and data: the same validation curves whether profiled or reused
+    for j in v1:
+        assert v2[j] == pytest.approx(v1[j], rel=2e-2)
+    # evaluation at the admitted budget: one forward for all 3 jobs x 12 samples when it fits
+    width = second.admission.max_total_batch()
+    assert width >= 36
+    assert second.eval_shape(3) == (12, 36)
+    eng = second.engine
+    for spec in second.cfg.jobs:
+        eng.attach(JobSpec(**{**vars(spec), "job_id": spec.job_id + "_x"}))
+    narrow = eng.evaluate_metrics(second.val, 1, None, 1)
+    wide = eng.evaluate_metrics(second.val, 12, None, 36)
+    for j in narrow:
+        assert wide[j]["loss"] == pytest.approx(narrow[j]["loss"], rel=2e-2)

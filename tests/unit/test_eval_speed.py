@@ -1,0 +1,198 @@
+"""Issue 15 on the CPU: evaluation honours eval_max_samples, evaluates by samples seen
+(eval_every_samples) so every batch size evaluates equally often per sample, evaluates at the
+admitted budget (wide forwards, the same losses as narrow ones), the memory profile is stored per
+node and reused for the same key only, and the executor splits its wall time by phase."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import defaultdict
+
+import pytest
+import torch
+
+from service.protocol import EarlyExitSettings, EvalSettings
+from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
+from trainer.admission import MemoryModel, load_profile, store_profile
+from trainer.data import read_jsonl, tokenize_all
+from trainer.engine import JobSpec, eval_chunk, eval_forwards
+from trainer.executor import PHASES, Callbacks, Executor, ExecutorConfig
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):  # noqa: ANN001, ANN201
+    root = tmp_path_factory.mktemp("eval_speed")
+    model = tiny_model_dir("llama", root)
+    train = write_jsonl(root / "train.jsonl", synthetic_rows(24, seed=3, fmt="completion"))
+    val = write_jsonl(root / "val.jsonl", synthetic_rows(9, seed=4, fmt="completion"))
+    return root, model, train, val
+
+
+def make_cfg(files, out: str, jobs, **kw) -> ExecutorConfig:  # noqa: ANN001
+    root, model, train, val = files
+    base = dict(model_dir=str(model), train_file=str(train), val_file=str(val),
+                output_dir=str(root / out), jobs=jobs, max_seq_len=48,
+                early_exit=EarlyExitSettings(enabled=False), checkpoint_every=10**6,
+                eval=EvalSettings(eval_every_steps=1000, eval_max_samples=None))
+    base.update(kw)
+    return ExecutorConfig(**base)
+
+
+class Spy(Executor):
+    """Records every evaluation call the executor makes of its engine."""
+
+    def _load(self) -> None:
+        super()._load()
+        real = self.engine.evaluate_metrics
+        self.calls: list[dict] = []
+
+        def spy(examples, batch_size=8, job_ids=None, max_sequences=None, forwards=None):  # noqa: ANN001, ANN202
+            self.calls.append({"examples": list(examples), "batch_size": batch_size,
+                               "jobs": job_ids, "max_sequences": max_sequences,
+                               "forwards": forwards})
+            return real(examples, batch_size, job_ids, max_sequences, forwards)
+
+        self.engine.evaluate_metrics = spy
+
+
+def run(cfg: ExecutorConfig) -> tuple[Spy, dict[str, list[int]], list]:
+    evals: dict[str, list[int]] = defaultdict(list)
+    events: list = []
+    ex = Spy(cfg, Callbacks(on_eval=lambda j, s, v: evals[j].append(s),
+                            on_event=lambda j, m, d: events.append((m, d))))
+    ex.run()
+    return ex, dict(evals), events
+
+
+def test_eval_max_samples_uses_the_first_n_validation_samples(files) -> None:  # noqa: ANN001
+    jobs = [JobSpec("a", rank=2, alpha=4, lr=1e-3, batch_size=2, max_steps=2, seed=1)]
+    ex, evals, _ = run(make_cfg(files, "cap", jobs, eval=EvalSettings(
+        eval_every_steps=1, eval_max_samples=4)))
+    first4 = tokenize_all(ex.tokenizer, read_jsonl(files[3]), 48)[:4]
+    assert evals == {"a": [1, 2]}
+    for call in ex.calls:  # the same first 4 (in length order) in every evaluation
+        assert sorted(call["examples"], key=lambda e: e.input_ids) == sorted(first4, key=lambda e: e.input_ids)
+        lengths = [len(e.input_ids) for e in call["examples"]]
+        assert lengths == sorted(lengths, reverse=True)
+    ex_all, _, _ = run(make_cfg(files, "nocap", jobs, eval=EvalSettings(
+        eval_every_steps=1, eval_max_samples=None)))
+    assert len(ex_all.calls[0]["examples"]) == 9
+
+
+def test_eval_cadence_by_samples_is_the_same_per_sample_for_every_batch_size(files) -> None:  # noqa: ANN001
+    jobs = [JobSpec("b1", rank=2, alpha=4, lr=1e-3, batch_size=1, max_steps=12, seed=1),
+            JobSpec("b4", rank=4, alpha=8, lr=1e-3, batch_size=4, max_steps=3, seed=2),
+            JobSpec("b3", rank=2, alpha=4, lr=1e-3, batch_size=3, max_steps=4, seed=3)]
+    _, by_samples, _ = run(make_cfg(files, "samples", jobs, eval=EvalSettings(
+        eval_every_steps=1, eval_every_samples=4, eval_max_samples=3)))
+    # a job evaluates when its samples seen cross a multiple of 4 (and at its end)
+    assert by_samples == {"b1": [4, 8, 12], "b4": [1, 2, 3], "b3": [2, 3, 4]}
+    seen = {j: [s * b for s in steps] for (j, steps), b in zip(sorted(by_samples.items()), (1, 3, 4), strict=True)}
+    assert seen == {"b1": [4, 8, 12], "b3": [6, 9, 12], "b4": [4, 8, 12]}
+    # by steps (the old cadence): the batch-1 job evaluates 4x as often per sample as batch 4
+    _, by_steps, _ = run(make_cfg(files, "steps", jobs, eval=EvalSettings(
+        eval_every_steps=1, eval_max_samples=3)))
+    assert by_steps == {"b1": list(range(1, 13)), "b4": [1, 2, 3], "b3": [1, 2, 3, 4]}
+
+
+def test_evaluation_runs_at_the_admitted_budget_with_the_same_losses(files) -> None:  # noqa: ANN001
+    jobs = [JobSpec(f"j{i}", rank=2 + i, alpha=4, lr=1e-2, batch_size=1 + i % 2, max_steps=2, seed=i)
+            for i in range(3)]
+    # a token budget of 16 sequences of 48 tokens: one eval forward may hold 16 sequences
+    wide, wide_vals, _ = run(make_cfg(files, "wide", jobs, max_tokens_per_step=16 * 48, eval_batch_size=1,
+                                      eval=EvalSettings(eval_every_steps=2, eval_max_samples=None)))
+    call = wide.calls[0]
+    assert call["max_sequences"] == 16 and call["batch_size"] == 5  # 3 jobs x 9: 2 chunks of 5
+    assert eval_forwards(3, 9, call["batch_size"], 16) == 2  # the old plan: 9 x 3 = 27 forwards
+    assert eval_forwards(3, 9, 1, 3) == 9 * 3 // 3
+    # the same numbers as one sequence per forward
+    eng = wide.engine
+    for spec in jobs:
+        eng.attach(spec)
+    val = wide.val
+    narrow = eng.evaluate_metrics(val, 1, None, 1)
+    broad = eng.evaluate_metrics(val, 9, None, 27)
+    eng.eval_logit_tokens = 3  # the no-grad loss in slices of 3 tokens: the same sums
+    sliced = eng.evaluate_metrics(val, 9, None, 27)
+    for j in narrow:
+        assert broad[j]["loss"] == pytest.approx(narrow[j]["loss"], rel=1e-5)
+        assert sliced[j]["loss"] == pytest.approx(narrow[j]["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("n_jobs,n_examples,cap,floor", [(8, 256, 200, 8), (3, 9, 16, 1), (5, 7, 3, 4),
+                                                         (32, 64, 100, 8), (1, 1, 1, 8)])
+def test_eval_chunk_is_the_fewest_forwards_within_the_cap(n_jobs, n_examples, cap, floor) -> None:  # noqa: ANN001
+    c = eval_chunk(n_jobs, n_examples, cap, floor)
+    lo = min(floor, n_examples)
+    width = max(cap, lo)
+    assert lo <= c <= max(width, lo) and (width // c) * c <= width
+    best = min(eval_forwards(n_jobs, n_examples, k, width) for k in range(lo, min(width, n_examples) + 1))
+    assert eval_forwards(n_jobs, n_examples, c, width) == best
+
+
+def test_stored_profiles_roundtrip_and_keys(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "node" / "memory_profiles.json"
+    assert load_profile(path, "k") is None  # no file yet
+    store_profile(path, "k", MemoryModel(1.5, 2.5))
+    store_profile(path, "other", MemoryModel(3.0, 4.0))
+    assert load_profile(path, "k") == MemoryModel(1.5, 2.5)
+    assert load_profile(path, "other") == MemoryModel(3.0, 4.0)
+    assert load_profile(path, "missing") is None and load_profile(None, "k") is None
+    path.write_text("{not json")
+    assert load_profile(path, "k") is None  # a torn/corrupt file is a miss, never an error
+    store_profile(path, "k", MemoryModel(5.0, 6.0))  # and is replaced by a good one
+    assert json.loads(path.read_text())["k"]["k0"] == 5.0
+
+
+def test_executor_measures_once_per_key_then_reuses(files, tmp_path) -> None:  # noqa: ANN001
+    cache = tmp_path / "profiles.json"
+    measured = []
+
+    class Counting(Executor):
+        def _profile_memory_model(self) -> MemoryModel:
+            measured.append(self.cfg.max_seq_len)
+            return MemoryModel(1e9 + self.cfg.max_seq_len, 1e3)
+
+    jobs = [JobSpec("a", rank=4, alpha=8, lr=1e-3, batch_size=2, max_steps=1)]
+    got = []
+    for seq, rank in itertools.product((48, 48, 32), (4,)):
+        ex = Counting(make_cfg(files, f"p{len(got)}", jobs, max_seq_len=seq, profile_cache=str(cache)))
+        ex._load()  # on the CPU the executor itself never profiles; ask for the stored model
+        got.append((ex._stored_memory_model(), ex.profile_reused))
+    assert measured == [48, 32]  # the second executor of the same key measured nothing
+    assert got[0] == (MemoryModel(1e9 + 48, 1e3), False)
+    assert got[1] == (MemoryModel(1e9 + 48, 1e3), True)
+    assert got[2] == (MemoryModel(1e9 + 32, 1e3), False)  # another max_seq_len: another key
+    keys = [json.loads(k) for k in json.loads(cache.read_text())]
+    assert sorted(k["seq_len"] for k in keys) == [32, 48]
+    assert {k["gpu"] for k in keys} == {"cpu"} and {k["torch"] for k in keys} == {torch.__version__}
+    # a different model (its config changed) is another key too
+    ex = Counting(make_cfg(files, "p_other", jobs, max_seq_len=48, profile_cache=str(cache)))
+    ex._load()
+    key = ex.profile_key()
+    assert key in json.loads(cache.read_text())
+    changed = json.loads(key)
+    changed["model_config"] = (changed["model_config"] or "") + " "
+    assert json.dumps(changed, sort_keys=True) not in json.loads(cache.read_text())
+
+
+def test_executor_reports_its_wall_time_by_phase(files) -> None:  # noqa: ANN001
+    jobs = [JobSpec("a", rank=2, alpha=4, lr=1e-3, batch_size=2, max_steps=4, seed=1)]
+    ex, _, events = run(make_cfg(files, "phases", jobs, checkpoint_every=2, eval=EvalSettings(
+        eval_every_steps=2, eval_max_samples=3)))
+    t = next(d for m, d in events if m == "timings")
+    assert set(t) >= {f"{p}_s" for p in PHASES} | {"wall_s", "idle_s", "first_step_s"}
+    assert all(t[f"{p}_s"] > 0 for p in ("load", "train", "eval", "checkpoint", "export"))
+    assert t["profile_s"] == 0.0  # the CPU never profiles
+    busy = sum(t[f"{p}_s"] for p in PHASES)
+    assert busy <= t["wall_s"] + 1e-6 and t["idle_s"] == pytest.approx(t["wall_s"] - busy, abs=1e-3)
+    assert t["load_s"] < t["first_step_s"] <= t["wall_s"] and t["global_step"] == 4
