@@ -19,6 +19,7 @@ from service.cluster import watch_service_health
 from service.config import Settings, get_settings
 from service.db import make_engine, make_sessionmaker
 from service.errors import error_body, install_error_handlers
+from service.openapi import document_errors
 from service.queue import configure as configure_queue
 from service.registry import ModelRegistry
 from service.routes import files, fine_tuning, internal, ops, tasks, ui
@@ -54,7 +55,8 @@ def _prom() -> Prom:
 
 class Instrument:
     """Pure ASGI middleware: request counts/latency by route template, and an early 413 for
-    uploads whose Content-Length is already over the limit (before the body is read)."""
+    uploads whose Content-Length is already over the limit (before the body is read). A body
+    without Content-Length (chunked) is counted as it streams by the upload route itself."""
 
     def __init__(self, app: ASGIApp, prom: Prom, settings: Settings) -> None:
         self.app, self.prom, self.settings = app, prom, settings
@@ -68,7 +70,7 @@ class Instrument:
             if length and length.isdigit() and int(length) > self.settings.max_upload_bytes + 65536:
                 await _send_json(send, 413, error_body(
                     "file_too_large", f"upload of {int(length)} bytes is over the limit of "
-                    f"{self.settings.max_upload_bytes}", "file"))
+                    f"{self.settings.max_upload_bytes}", "file", 413))
                 return
         status = {"code": 500}
 
@@ -128,6 +130,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     for module in (files, tasks, fine_tuning, internal, ops, ui):
         app.include_router(module.router)
+    document_errors(app)  # every route's error statuses, with the error schema
     app.add_middleware(Instrument, prom=app.state.prom, settings=settings)
     return app
 

@@ -1,8 +1,10 @@
-"""Training files: JSONL validation line by line (chat, prompt/completion, DPO preference),
+"""Training files: JSONL validation line by line (chat, prompt/completion, text, DPO preference
+in two shapes),
 storage of the blob, and tenant-scoped list/get/delete."""
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 from collections.abc import Iterable
@@ -16,12 +18,25 @@ from service.models import TASK_TERMINAL, File, Task, Tenant, new_id, utcnow
 from service.storage import Storage
 
 ROLES = ("system", "user", "assistant", "tool")
+FORMATS = ("chat", "completion", "preference", "text")
+# Which keys mark each record shape, and the file format each shape belongs to. OpenAI's,
+# Together's and Fireworks' preference shape (input / preferred_output / non_preferred_output)
+# and loraplex's prompt / chosen / rejected are both "preference" files.
+SHAPES = {
+    "chat": ({"messages"}, "chat"),
+    "preference_io": ({"input", "preferred_output", "non_preferred_output"}, "preference"),
+    "preference": ({"chosen", "rejected"}, "preference"),
+    "completion": ({"completion"}, "completion"),
+    "text": ({"text"}, "text"),
+}
 FORMAT_KEYS = {
-    "chat": ("messages",),
     "preference": ("prompt", "chosen", "rejected"),
     "completion": ("prompt", "completion"),
+    "text": ("text",),
 }
-METHOD_FORMATS = {"sft": ("chat", "completion"), "dpo": ("preference",)}
+METHOD_FORMATS = {"sft": ("chat", "completion", "text"), "dpo": ("preference",)}
+KNOWN_RECORDS = ("'messages', 'prompt'/'completion', 'text', 'prompt'/'chosen'/'rejected' or "
+                 "'input'/'preferred_output'/'non_preferred_output'")
 
 
 class FileValidationError(ValueError):
@@ -33,14 +48,24 @@ class FileValidationError(ValueError):
         super().__init__(f"{where}: {reason}")
 
 
+def detect_shape(record: dict, line: int = 0) -> str | None:
+    """The record shape its keys mark (None: none); a line with keys of two shapes is an error."""
+    found = [shape for shape, (keys, _) in SHAPES.items() if keys & record.keys()]
+    if len(found) > 1:
+        raise FileValidationError(line, None, "record mixes the keys of several formats: "
+                                  + ", ".join(sorted(set().union(
+                                      *(SHAPES[s][0] & record.keys() for s in found)))))
+    if found:
+        return found[0]
+    return "completion" if "prompt" in record else None
+
+
 def detect_format(record: dict) -> str | None:
-    if "messages" in record:
-        return "chat"
-    if "chosen" in record or "rejected" in record:
-        return "preference"
-    if "prompt" in record or "completion" in record:
-        return "completion"
-    return None
+    try:
+        shape = detect_shape(record)
+    except FileValidationError:
+        return None
+    return None if shape is None else SHAPES[shape][1]
 
 
 def _check_str(record: dict, key: str, line: int) -> None:
@@ -53,9 +78,33 @@ def _check_str(record: dict, key: str, line: int) -> None:
         raise FileValidationError(line, key, "must not be empty")
 
 
-def _check_messages(messages: object, line: int, field: str = "messages") -> None:
+def _content_text(content: object, line: int, where: str) -> str:
+    """A message's text: a string, or a list of text parts ``{"type": "text", "text": ...}``
+    (joined, as the hosted APIs do)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise FileValidationError(line, where, "must be a string or a list of text parts")
+    out = []
+    for k, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise FileValidationError(line, f"{where}[{k}]", 'must be {"type": "text", "text": '
+                                      '"..."} (only text parts are supported)')
+        if not isinstance(part.get("text"), str):
+            raise FileValidationError(line, f"{where}[{k}].text", "must be a string")
+        out.append(part["text"])
+    return "".join(out)
+
+
+def _check_messages(messages: object, line: int, field: str = "messages",
+                    need_trained: bool = True) -> None:
+    """Roles, text content (a string or text parts), and ``weight`` (0 or 1, assistant messages
+    only). A ``tool`` message, or an assistant message that only calls tools, is context the
+    trainer leaves out (tools are ignored); a chat example needs an assistant message with
+    text and weight 1."""
     if not isinstance(messages, list) or not messages:
         raise FileValidationError(line, field, "must be a non-empty list of messages")
+    trained = False
     for i, msg in enumerate(messages):
         where = f"{field}[{i}]"
         if not isinstance(msg, dict):
@@ -64,47 +113,95 @@ def _check_messages(messages: object, line: int, field: str = "messages") -> Non
         if role not in ROLES:
             raise FileValidationError(line, f"{where}.role", f"must be one of {', '.join(ROLES)}")
         content = msg.get("content")
-        if not isinstance(content, str):
-            raise FileValidationError(line, f"{where}.content", "must be a string")
-    if not any(m.get("role") == "assistant" for m in messages):
-        raise FileValidationError(line, field, "needs at least one assistant message")
+        if content is None and role == "assistant" and msg.get("tool_calls"):
+            continue  # a tool call only: ignored, as tools are
+        _content_text(content, line, f"{where}.content")
+        if "weight" in msg:
+            weight = msg["weight"]
+            if role != "assistant":
+                raise FileValidationError(line, f"{where}.weight",
+                                          "only assistant messages take a weight")
+            if isinstance(weight, bool) or weight not in (0, 1):
+                raise FileValidationError(line, f"{where}.weight", "must be 0 or 1")
+        if role == "assistant" and msg.get("weight", 1) == 1:
+            trained = True
+    if need_trained and not trained:
+        raise FileValidationError(line, field, "needs at least one assistant message with text "
+                                               "and weight 1")
+
+
+def _check_output(record: dict, key: str, line: int) -> None:
+    value = record.get(key)
+    if key not in record:
+        raise FileValidationError(line, key, "missing required field")
+    if not isinstance(value, list) or len(value) != 1 or not isinstance(value[0], dict):
+        raise FileValidationError(line, key, "must be a list of one assistant message")
+    if value[0].get("role") != "assistant":
+        raise FileValidationError(line, f"{key}[0].role", "must be assistant")
+    text = _content_text(value[0].get("content"), line, f"{key}[0].content")
+    if not text.strip():
+        raise FileValidationError(line, f"{key}[0].content", "must not be empty")
 
 
 def validate_record(record: object, line: int, fmt: str | None) -> str:
     """Check one parsed line against fmt (or detect it); return the line's format."""
     if not isinstance(record, dict):
         raise FileValidationError(line, None, "each line must be a JSON object")
-    found = detect_format(record)
-    if found is None:
-        raise FileValidationError(
-            line, None, "unknown record: expected 'messages', 'prompt'/'completion' or "
-                        "'prompt'/'chosen'/'rejected'")
+    shape = detect_shape(record, line)
+    if shape is None:
+        raise FileValidationError(line, None, f"unknown record: expected {KNOWN_RECORDS}")
+    found = SHAPES[shape][1]
     if fmt is not None and found != fmt:
-        raise FileValidationError(line, None, f"record is {found} but the file is {fmt}")
-    if found == "chat":
+        raise FileValidationError(line, None, f"record is {found} but the file is {fmt} (a file "
+                                              "holds one format)")
+    if shape == "chat":
         _check_messages(record["messages"], line)
+    elif shape == "preference_io":
+        inp = record.get("input")
+        if not isinstance(inp, dict):
+            raise FileValidationError(line, "input", "must be an object with 'messages'")
+        _check_messages(inp.get("messages"), line, "input.messages", need_trained=False)
+        _check_output(record, "preferred_output", line)
+        _check_output(record, "non_preferred_output", line)
     else:
         for key in FORMAT_KEYS[found]:
             _check_str(record, key, line)
     return found
 
 
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_line(text: str, lineno: int) -> object:
+    """One JSONL line as JSON; every way it can fail (syntax, NaN, a number past Python's
+    4,300-digit limit, nesting deeper than the parser's recursion) names the line."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise FileValidationError(lineno, None, f"invalid JSON ({exc.msg})") from exc
+    except RecursionError as exc:
+        raise FileValidationError(lineno, None, "invalid JSON (nested too deeply)") from exc
+    except ValueError as exc:  # int() digit limit, NaN / Infinity
+        reason = "a number is too long" if "digits" in str(exc) else str(exc)
+        raise FileValidationError(lineno, None, f"invalid JSON ({reason})") from exc
+
+
 def validate_jsonl(lines: Iterable[bytes]) -> tuple[str, int]:
-    """Validate a JSONL stream; return (format, number of records). Blank lines are skipped."""
+    """Validate a JSONL stream; return (format, number of records). Blank lines are skipped; a
+    UTF-8 byte order mark at the start is accepted."""
     fmt: str | None = None
     count = 0
     for lineno, raw in enumerate(lines, start=1):
+        if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+            raw = raw[len(codecs.BOM_UTF8):]
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise FileValidationError(lineno, None, "not valid UTF-8") from exc
         if not text.strip():
             continue
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise FileValidationError(lineno, None, f"invalid JSON ({exc.msg})") from exc
-        fmt = validate_record(record, lineno, fmt)
+        fmt = validate_record(parse_line(text, lineno), lineno, fmt)
         count += 1
     if fmt is None:
         raise FileValidationError(1, None, "file has no records")

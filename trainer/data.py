@@ -1,4 +1,5 @@
-"""Training data for the engine: JSONL parsing (chat, prompt/completion, DPO), tokenisation with
+"""Training data for the engine: JSONL parsing (chat with per-message weights and text parts,
+prompt/completion, text, DPO in two shapes; tools are ignored), tokenisation with
 loss masks (DPO pairs too), validation split, per-job seeded data order, packing of a step into rows.
 
 Packing: each job's sequences of a step go into rows of one common length, several sequences
@@ -25,10 +26,16 @@ IGNORE = -100
 
 @dataclass(frozen=True)
 class Record:
-    """One parsed training example: a conversation, and for DPO the rejected answer."""
+    """One parsed training example: a conversation (for DPO: the prompt and the chosen answer,
+    with the rejected answer beside it), or a plain text trained on whole.
+
+    `weights` (chat): one 0/1 per message; an assistant message of weight 0 is context, not
+    trained on. None: every assistant message is trained."""
 
     messages: tuple[dict[str, str], ...]
     rejected: str | None = None
+    weights: tuple[int, ...] | None = None
+    text: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,22 +69,68 @@ class PairExample:
         return h.digest()
 
 
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts (joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "".join(p["text"] for p in content)
+    raise ValueError(f"{where}: content must be a string or a list of text parts")
+
+
+def _messages(msgs: Any, where: str) -> tuple[list[dict[str, str]], list[int]]:
+    """Messages as {role, content} with their weights. Tools are ignored: a `tool` message and
+    an assistant message that only calls tools are left out (the service's upload check accepts
+    exactly these shapes)."""
+    if not isinstance(msgs, list) or not msgs:
+        raise ValueError(f"'{where}' must be a non-empty list")
+    out, weights = [], []
+    for m in msgs:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"bad message {m!r}")
+        if m["role"] == "tool" or (m["role"] == "assistant" and m.get("content") is None
+                                   and m.get("tool_calls")):
+            continue
+        weight = m.get("weight", 1)
+        if isinstance(weight, bool) or weight not in (0, 1) or (
+                "weight" in m and m["role"] != "assistant"):
+            raise ValueError(f"bad weight in message {m!r}: 0 or 1, on assistant messages")
+        out.append({"role": m["role"], "content": _text(m.get("content"), where)})
+        weights.append(int(weight) if m["role"] == "assistant" else 0)
+    return out, weights
+
+
+def _output(obj: dict[str, Any], key: str) -> str:
+    value = obj.get(key)
+    if not isinstance(value, list) or len(value) != 1 or not isinstance(value[0], dict) \
+            or value[0].get("role") != "assistant":
+        raise ValueError(f"'{key}' must be a list of one assistant message")
+    return _text(value[0].get("content"), key)
+
+
 def parse_record(obj: dict[str, Any]) -> Record:
-    """Parse one JSONL object of the three formats of DESIGN.md into a Record."""
+    """Parse one JSONL object into a Record: chat `messages` (per-message `weight`, content as
+    text parts, tools ignored), `prompt`/`completion`, `text`, and the preference shapes
+    `prompt`/`chosen`/`rejected` and `input`/`preferred_output`/`non_preferred_output`."""
+    if not isinstance(obj, dict):
+        raise ValueError("each line must be a JSON object")
     if "messages" in obj:
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise ValueError("'messages' must be a non-empty list")
-        out = []
-        for m in msgs:
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in (
-                "system", "user", "assistant"
-            ):
-                raise ValueError(f"bad message {m!r}")
-            out.append({"role": m["role"], "content": m["content"]})
-        if not any(m["role"] == "assistant" for m in out):
-            raise ValueError("a chat example needs at least one assistant message")
-        return Record(tuple(out))
+        out, weights = _messages(obj["messages"], "messages")
+        if not any(m["role"] == "assistant" and w for m, w in zip(out, weights, strict=True)):
+            raise ValueError("a chat example needs at least one assistant message with weight 1")
+        return Record(tuple(out), weights=None if all(
+            w for m, w in zip(out, weights, strict=True) if m["role"] == "assistant"
+        ) else tuple(weights))
+    if "preferred_output" in obj or "non_preferred_output" in obj or "input" in obj:
+        inp = obj.get("input")
+        if not isinstance(inp, dict):
+            raise ValueError("'input' must be an object with 'messages'")
+        prompt, _ = _messages(inp.get("messages"), "input.messages")
+        chosen = _output(obj, "preferred_output")
+        return Record((*prompt, {"role": "assistant", "content": chosen}),
+                      rejected=_output(obj, "non_preferred_output"))
     if "chosen" in obj and "rejected" in obj and "prompt" in obj:
         return Record(
             ({"role": "user", "content": str(obj["prompt"])},
@@ -89,19 +142,21 @@ def parse_record(obj: dict[str, Any]) -> Record:
             ({"role": "user", "content": str(obj["prompt"])},
              {"role": "assistant", "content": str(obj["completion"])}),
         )
+    if isinstance(obj.get("text"), str) and obj["text"].strip():
+        return Record((), text=obj["text"])
     raise ValueError(f"unknown record format with keys {sorted(obj)}")
 
 
 def read_jsonl(path: str | Path) -> list[Record]:
-    """All records of a JSONL file (blank lines skipped); errors name the line."""
+    """All records of a JSONL file (a UTF-8 BOM and blank lines skipped); errors name the line."""
     records = []
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8-sig") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
                 records.append(parse_record(json.loads(line)))
-            except (ValueError, json.JSONDecodeError) as exc:
+            except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
                 raise ValueError(f"{path}:{lineno}: {exc}") from exc
     return records
 
@@ -111,18 +166,27 @@ def _render(tokenizer: Any, messages: Sequence[dict[str, str]], gen_prompt: bool
 
 
 def tokenize_record(tokenizer: Any, record: Record, max_seq_len: int) -> Example | None:
-    """Token ids with labels only on assistant tokens; truncated to max_seq_len.
+    """Token ids with labels only on assistant tokens (of weight 1); truncated to max_seq_len.
+    A text record is trained on whole (BOS excepted), with EOS after it.
 
     With a chat template the assistant spans are found by rendering prefixes of the
     conversation and mapping character spans to tokens; without one, prompt and completion are
     concatenated (user turns as prompt) and EOS ends the completion. None when nothing is trained.
     """
     msgs = record.messages
-    if getattr(tokenizer, "chat_template", None):
+    weights = record.weights or tuple(1 for _ in msgs)
+    if record.text is not None:
+        ids = tokenizer(record.text, add_special_tokens=False)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            ids = [*ids, tokenizer.eos_token_id]
+        train = [True] * len(ids)
+        if tokenizer.bos_token_id is not None:
+            ids, train = [tokenizer.bos_token_id, *ids], [False, *train]
+    elif getattr(tokenizer, "chat_template", None):
         text = _render(tokenizer, msgs, False)
         spans = []
         for i, m in enumerate(msgs):
-            if m["role"] == "assistant":
+            if m["role"] == "assistant" and weights[i]:
                 start = len(_render(tokenizer, msgs[:i], True)) if i else 0
                 end = len(_render(tokenizer, msgs[: i + 1], False))
                 spans.append((start, end))
@@ -134,13 +198,13 @@ def tokenize_record(tokenizer: Any, record: Record, max_seq_len: int) -> Example
         if tokenizer.bos_token_id is not None:
             ids.append(tokenizer.bos_token_id)
             train.append(False)
-        for m in msgs:
+        for m, weight in zip(msgs, weights, strict=True):
             piece = tokenizer(m["content"], add_special_tokens=False)["input_ids"]
             is_asst = m["role"] == "assistant"
             if is_asst and tokenizer.eos_token_id is not None:
                 piece = [*piece, tokenizer.eos_token_id]
             ids += piece
-            train += [is_asst] * len(piece)
+            train += [is_asst and bool(weight)] * len(piece)
     ids, train = ids[:max_seq_len], train[:max_seq_len]
     labels = [t if keep else IGNORE for t, keep in zip(ids, train, strict=True)]
     ex = Example(tuple(ids), tuple(labels))

@@ -3,7 +3,10 @@ tenant isolation, against the real Postgres of conftest.py."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import json
+import time
 
 from tests.integration.factories import CHAT_LINES, jsonl
 
@@ -26,6 +29,11 @@ def test_upload_each_format(client, factory):  # noqa: ANN001
         out = r.json()
         assert out["format"] == fmt and out["line_count"] == len(records)
         assert out["id"].startswith("file_") and "storage_key" not in out
+        assert out["object"] == "file" and out["status"] == "processed"
+        assert isinstance(out["created_at"], int) and abs(out["created_at"] - time.time()) < 120
+        assert out["bytes"] == len(jsonl(records) + b"\n") and out["filename"] == "x.jsonl"
+        assert out["purpose"] == "fine-tune"
+        assert client.get(f"/v1/files/{out['id']}", headers=t.headers).json() == out
         got = client.get(f"/v1/files/{out['id']}/content", headers=t.headers)
         assert got.status_code == 200 and got.content == jsonl(records) + b"\n"
 
@@ -117,3 +125,162 @@ def test_upload_without_file_is_422(client, factory):  # noqa: ANN001
     t = factory.tenant()
     r = client.post("/v1/files", headers=t.headers, data={"purpose": "fine-tune"})
     assert r.status_code == 422 and r.json()["error"]["param"] == "file"
+
+
+def _nothing_stored(client, t) -> None:  # noqa: ANN001
+    assert client.get("/v1/files", headers=t.headers).json()["data"] == []
+
+
+def test_peer_formats_bom_and_parts(client, factory):  # noqa: ANN001
+    t = factory.tenant()
+    parts = [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    cases = {
+        "chat": [{"messages": [{"role": "user", "content": parts},
+                               {"role": "assistant", "content": "x", "weight": 0},
+                               {"role": "user", "content": "again"},
+                               {"role": "assistant", "content": parts, "weight": 1}]},
+                 {"tools": [{"type": "function", "function": {"name": "f"}}], "messages": [
+                     {"role": "user", "content": "q"},
+                     {"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "c", "content": "42"},
+                     {"role": "assistant", "content": "it is 42"}]}],
+        "preference": [{"input": {"messages": [{"role": "user", "content": "hi"}]},
+                        "preferred_output": [{"role": "assistant", "content": "hello"}],
+                        "non_preferred_output": [{"role": "assistant", "content": parts}]}] * 2,
+        "text": [{"text": "one"}, {"text": "two"}],
+    }
+    for fmt, records in cases.items():
+        r = _upload(client, t, b"\xef\xbb\xbf" + jsonl(records))
+        assert r.status_code == 201, r.text
+        assert (r.json()["format"], r.json()["line_count"]) == (fmt, len(records))
+    text_file = client.get("/v1/files", headers=t.headers).json()["data"][0]
+    assert text_file["format"] == "text"
+    # text files train SFT; preference files DPO only
+    r = client.post("/v1/tasks", headers=t.headers, json={
+        "base_model": "tiny-llama", "training_file": text_file["id"], "method": "dpo"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "training_file"
+
+
+def test_peer_format_errors_name_line_and_field(client, factory):  # noqa: ANN001
+    t = factory.tenant()
+    good = {"text": "fine"}
+    pref_ok = {"input": {"messages": [{"role": "user", "content": "hi"}]},
+               "preferred_output": [{"role": "assistant", "content": "a"}],
+               "non_preferred_output": [{"role": "assistant", "content": "b"}]}
+    cases = [
+        ([good, {"prompt": "p", "completion": "c"}], "line 2", "the file is text"),
+        ([pref_ok, good], "line 2", "the file is preference"),
+        ([good, {"text": "x", "messages": []}], "line 2", "several formats"),
+        ([{"messages": [{"role": "user", "content": "q"},
+                        {"role": "assistant", "content": "a", "weight": 0}]}], "line 1",
+         "weight 1"),
+        ([{"messages": [{"role": "user", "content": "q"},
+                        {"role": "assistant", "content": "a", "weight": 0.5}]}], "line 1",
+         "messages[1].weight"),
+        ([{"messages": [{"role": "user", "content": [{"type": "image_url"}]},
+                        {"role": "assistant", "content": "a"}]}], "line 1",
+         "messages[0].content[0]"),
+        ([pref_ok, {**pref_ok, "preferred_output": []}], "line 2", "preferred_output"),
+        ([pref_ok, {**pref_ok, "non_preferred_output": [{"role": "user", "content": "b"}]}],
+         "line 2", "non_preferred_output[0].role"),
+        ([good, {"text": ""}], "line 2", "'text'"),
+    ]
+    for records, line, field in cases:
+        r = _upload(client, t, jsonl(records))
+        assert r.status_code == 422, (records, r.text)
+        msg = r.json()["error"]["message"]
+        assert msg.startswith(line) and field in msg, (records, msg)
+    _nothing_stored(client, t)
+
+
+def test_hostile_lines_are_422_naming_the_line(client, factory):  # noqa: ANN001
+    t = factory.tenant()
+    first = jsonl([{"text": "ok"}])
+    # (100,000 deep is over this app's 64 KiB limit: 30,000 is as far past the parser's recursion;
+    # tests/unit/test_data.py checks 100,000 on the validator)
+    for line, reason in ((b"[" * 30_000 + b"]" * 30_000, "nested too deeply"),
+                         (b'{"text": ' + b"9" * 5000 + b"}", "number is too long"),
+                         (b'{"text": NaN}', "NaN"),
+                         (b'{"text": "a\\ud800"}', None)):
+        r = _upload(client, t, first + line + b"\n")
+        if reason is None:  # a lone surrogate is valid JSON; the record is still text
+            assert r.status_code in (201, 422), r.text
+            if r.status_code == 201:
+                assert client.delete(f"/v1/files/{r.json()['id']}",
+                                     headers=t.headers).status_code == 200
+            continue
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["param"] == "file" and err["message"].startswith("line 2") \
+            and reason in err["message"], err
+    _nothing_stored(client, t)
+
+
+def _asgi_upload(app, headers: dict[str, str], total: int, size: int) -> tuple[int, dict, int]:  # noqa: ANN001
+    """POST /v1/files straight to the ASGI app: a multipart body of about `total` bytes in
+    `size` chunks with no Content-Length (chunked). Returns the status, the JSON body and how
+    many body bytes the app asked for before it answered."""
+    head = (b"--B\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x.jsonl\"\r\n"
+            b"Content-Type: application/jsonl\r\n\r\n")
+    line = jsonl([{"prompt": "p" * 200, "completion": "c"}])
+    block = line * max(1, size // len(line))
+    chunks = [head] + [block] * (total // len(block) + 1) + [b"\r\n--B--\r\n"]
+    pulled, out = [0], {"status": 0, "body": b""}
+
+    async def receive() -> dict:
+        if not chunks:
+            return {"type": "http.disconnect"}
+        chunk = chunks.pop(0)
+        pulled[0] += len(chunk)
+        return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            out["status"] = message["status"]
+        elif message["type"] == "http.response.body":
+            out["body"] += message.get("body", b"")
+
+    hdrs = {"content-type": "multipart/form-data; boundary=B",
+            "transfer-encoding": "chunked"} | {k.lower(): v for k, v in headers.items()}
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/files", "raw_path": b"/v1/files", "query_string": b"",
+             "root_path": "", "headers": [(k.encode(), v.encode()) for k, v in hdrs.items()],
+             "client": ("127.0.0.1", 1), "server": ("test", 80), "state": {}}
+    asyncio.run(app(scope, receive, send))
+    return out["status"], json.loads(out["body"]), pulled[0]
+
+
+def test_chunked_upload_stops_at_the_limit(app, client, factory, settings):  # noqa: ANN001
+    t = factory.tenant()
+    limit = settings.max_upload_bytes
+    status, body, pulled = _asgi_upload(app, t.headers, 50 * limit, 8192)
+    assert status == 413 and body["error"]["code"] == "file_too_large", body
+    # the body was read only up to the limit (+ the multipart allowance and one chunk), not the
+    # 50x sent
+    assert limit < pulled <= limit + 65536 + 8192, pulled
+    # no key, or a wrong one: a 401 before a byte of the body is read
+    for auth in ({}, {"Authorization": "Bearer lpx-0000000000nottherealkey"}):
+        status, body, pulled = _asgi_upload(app, auth, 50 * limit, 8192)
+        assert status == 401 and pulled == 0, (status, body, pulled)
+    # chunked and under the limit: stored
+    status, body, _ = _asgi_upload(app, t.headers, limit // 2, 4096)
+    assert status == 201, body
+    assert body["format"] == "completion" and limit // 2 <= body["bytes"] < limit
+    assert client.delete(f"/v1/files/{body['id']}", headers=t.headers).status_code == 200
+    _nothing_stored(client, t)
+
+
+def test_malformed_multipart_is_422(client, factory):  # noqa: ANN001
+    t = factory.tenant()
+    for ctype, body in (("multipart/form-data", b"--x\r\n"),
+                        ("application/json", json.dumps({"file": "x"}).encode()),
+                        ("multipart/form-data; boundary=B", b"garbage")):
+        r = client.post("/v1/files", headers=t.headers | {"Content-Type": ctype}, content=body)
+        assert r.status_code == 422, (ctype, r.text)
+        assert r.json()["error"]["param"] == "file"
+    r = client.post("/v1/files", headers=t.headers,
+                    files={"file": ("x.jsonl", io.BytesIO(jsonl([{"text": "a"}])))},
+                    data={"purpose": "p" * 33})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "purpose"
+    _nothing_stored(client, t)

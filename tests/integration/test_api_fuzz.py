@@ -24,7 +24,7 @@ FUZZ = settings(max_examples=15, deadline=None, database=None)
 def _check(r) -> None:  # noqa: ANN001
     assert r.status_code < 500, r.text
     if r.status_code >= 400:
-        assert set(r.json()["error"]) == {"code", "message", "param"}
+        assert set(r.json()["error"]) == {"type", "code", "message", "param"}
 
 
 def test_task_bodies(client, factory):  # noqa: ANN001

@@ -1,4 +1,5 @@
-"""Training data: the three JSONL formats, loss masks from the chat template, truncation, the
+"""Training data: the JSONL formats (chat with weights / text parts / tools, prompt/completion,
+text, both preference shapes) and what each trains on, loss masks from the chat template, truncation, the
 validation split, per-job data order, and packing that is exact (block-causal) and tight."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from trainer.data import (
     read_jsonl,
     split_validation,
     tokenize_all,
+    tokenize_pair,
     tokenize_record,
 )
 
@@ -41,7 +43,7 @@ def test_formats_parse_and_bad_rows_name_their_line(tmp_path) -> None:  # noqa: 
     assert pc.messages == ({"role": "user", "content": "a"}, {"role": "assistant", "content": "b"})
     assert dpo.messages[1]["content"] == "good" and dpo.rejected == "bad"
     for bad in ({"messages": []}, {"messages": [{"role": "user", "content": "only user"}]},
-                {"messages": [{"role": "robot", "content": "x"}]}, {"text": "x"}):
+                {"messages": [{"role": "robot", "content": "x"}]}, {"body": "x"}, {"text": " "}):
         with pytest.raises(ValueError):
             parse_record(bad)
     p = tmp_path / "f.jsonl"
@@ -68,6 +70,171 @@ def test_loss_only_on_assistant_tokens_with_and_without_template(tok) -> None:  
         tok.chat_template = template
     assert trained_text(tok, ex2) == " three<|eos|>"
     assert ex2.input_ids[0] == tok.bos_token_id
+
+
+def _no_template(tok):  # noqa: ANN001, ANN202
+    class _Plain:
+        def __enter__(self):  # noqa: ANN204
+            self.saved, tok.chat_template = tok.chat_template, None
+
+        def __exit__(self, *exc):  # noqa: ANN002, ANN204
+            tok.chat_template = self.saved
+
+    return _Plain()
+
+
+def test_weight_zero_assistant_message_is_context_not_trained(tok) -> None:  # noqa: ANN001
+    msgs = [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two three",
+                                                   "weight": 0},
+            {"role": "user", "content": "four"}, {"role": "assistant", "content": "five six",
+                                                   "weight": 1}]
+    rec = parse_record({"messages": msgs})
+    assert rec.weights == (0, 0, 0, 1)
+    unweighted = parse_record({"messages": [{k: v for k, v in m.items() if k != "weight"}
+                                            for m in msgs]})
+    assert unweighted.weights is None
+    for template in (True, False):
+        if template:
+            ex, full = tokenize_record(tok, rec, 512), tokenize_record(tok, unweighted, 512)
+        else:
+            with _no_template(tok):
+                ex, full = tokenize_record(tok, rec, 512), tokenize_record(tok, unweighted, 512)
+        assert ex.input_ids == full.input_ids  # the weight-0 answer stays in the context
+        assert "five six" in trained_text(tok, ex) and "two three" not in trained_text(tok, ex)
+        assert "two three" in trained_text(tok, full)
+        # exactly the weighted message's tokens lost their labels
+        dropped = [i for i, (a, b) in enumerate(zip(ex.labels, full.labels, strict=True)) if a != b]
+        assert dropped and all(ex.labels[i] == IGNORE for i in dropped)
+        assert "two three" in tok.decode([full.input_ids[i] for i in dropped])
+    with pytest.raises(ValueError, match="weight 1"):
+        parse_record({"messages": [msgs[0], msgs[1]]})  # nothing left to train
+    for bad in (2, 0.5, True, "1"):
+        with pytest.raises(ValueError, match="weight"):
+            parse_record({"messages": [msgs[0], {**msgs[3], "weight": bad}]})
+    with pytest.raises(ValueError, match="weight"):
+        parse_record({"messages": [{**msgs[0], "weight": 1}, msgs[3]]})
+
+
+def test_content_as_text_parts_equals_the_string(tok) -> None:  # noqa: ANN001
+    plain = parse_record({"messages": [{"role": "user", "content": "one two"},
+                                       {"role": "assistant", "content": "three four"}]})
+    parts = parse_record({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "one "}, {"type": "text",
+                                                                        "text": "two"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "three four"}]}]})
+    assert parts == plain
+    assert tokenize_record(tok, parts, 512) == tokenize_record(tok, plain, 512)
+    with pytest.raises(ValueError, match="text parts"):
+        parse_record({"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                                  "image_url": {"url": "x"}}]},
+                                   {"role": "assistant", "content": "a"}]})
+
+
+def test_tools_are_ignored(tok) -> None:  # noqa: ANN001
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    rec = parse_record({"tools": [{"type": "function", "function": {"name": "f"}}], "messages": [
+        {"role": "user", "content": "one"}, {"role": "assistant", "content": None,
+                                             "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "assistant", "content": "two"}]})
+    assert rec.messages == ({"role": "user", "content": "one"},
+                            {"role": "assistant", "content": "two"})
+    assert "42" not in tok.decode(tokenize_record(tok, rec, 512).input_ids)
+
+
+def test_text_records_train_on_every_token(tok) -> None:  # noqa: ANN001
+    rec = parse_record({"text": "one two three"})
+    assert rec.text == "one two three" and rec.messages == ()
+    ex = tokenize_record(tok, rec, 512)
+    assert ex.input_ids[0] == tok.bos_token_id and ex.labels[0] == IGNORE
+    assert ex.labels[1:] == ex.input_ids[1:] and ex.input_ids[-1] == tok.eos_token_id
+    assert tok.decode(ex.input_ids[1:-1]).strip() == "one two three"
+    assert "<|user|>" not in tok.decode(ex.input_ids)  # no chat template around plain text
+    cut = tokenize_record(tok, rec, 3)
+    assert cut.input_ids == ex.input_ids[:3]
+
+
+def test_preference_shapes_agree(tok) -> None:  # noqa: ANN001
+    classic = parse_record({"prompt": "one two", "chosen": "three", "rejected": "four"})
+    openai = parse_record({"input": {"messages": [{"role": "user", "content": "one two"}]},
+                           "preferred_output": [{"role": "assistant", "content": "three"}],
+                           "non_preferred_output": [{"role": "assistant", "content": [
+                               {"type": "text", "text": "four"}]}]})
+    assert openai == classic
+    pair = tokenize_pair(tok, openai, 64)
+    assert pair == tokenize_pair(tok, classic, 64)
+    assert "three" in trained_text(tok, pair.chosen) and "four" in trained_text(tok, pair.rejected)
+    assert "one two" not in trained_text(tok, pair.chosen)
+    multi = parse_record({"input": {"messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "two"}, {"role": "user", "content": "three"}]},
+        "preferred_output": [{"role": "assistant", "content": "four"}],
+        "non_preferred_output": [{"role": "assistant", "content": "five"}]})
+    assert [m["role"] for m in multi.messages] == ["system", "user", "assistant", "user",
+                                                   "assistant"]
+    mp = tokenize_pair(tok, multi, 128)
+    assert trained_text(tok, mp.chosen).startswith("four")  # earlier turns are prompt only
+    for bad in ({"input": {"messages": []}, "preferred_output": [], "non_preferred_output": []},
+                {"input": {"messages": [{"role": "user", "content": "a"}]},
+                 "preferred_output": [{"role": "user", "content": "b"}],
+                 "non_preferred_output": [{"role": "assistant", "content": "c"}]},
+                {"input": "a", "preferred_output": [{"role": "assistant", "content": "b"}],
+                 "non_preferred_output": [{"role": "assistant", "content": "c"}]}):
+        with pytest.raises(ValueError):
+            parse_record(bad)
+
+
+def test_bom_and_hostile_lines(tmp_path) -> None:  # noqa: ANN001
+    from service.files import FileValidationError, validate_jsonl
+
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "hello"}).encode() + b"\n")
+    assert read_jsonl(p)[0].text == "hello"
+    for line, n in (("[" * 100_000 + "]" * 100_000, 2), ('{"text": ' + "9" * 5000 + "}", 2)):
+        p.write_text(json.dumps({"text": "ok"}) + "\n" + line + "\n")
+        with pytest.raises(ValueError, match=f":{n}:"):
+            read_jsonl(p)
+        with pytest.raises(FileValidationError, match=f"^line {n}: invalid JSON"):
+            validate_jsonl([b'{"text": "ok"}\n', line.encode()])
+    bom = [b"\xef\xbb\xbf" + json.dumps({"text": "hello"}).encode() + b"\n"]
+    assert validate_jsonl(bom) == ("text", 1)
+    with pytest.raises(FileValidationError, match="^line 2: invalid JSON"):
+        validate_jsonl([b'{"text": "a"}\n', bom[0]])  # a BOM is only a file's first bytes
+
+
+def test_service_and_trainer_accept_the_same_records() -> None:
+    from service.files import FileValidationError, validate_record
+
+    msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    out = [{"role": "assistant", "content": "b"}]
+    cases = [
+        {"messages": msgs}, {"messages": [msgs[0], {**msgs[1], "weight": 0}]},
+        {"messages": [msgs[0], {**msgs[1], "weight": 2}]},
+        {"messages": [{**msgs[0], "weight": 1}, msgs[1]]},
+        {"messages": [msgs[0], {"role": "assistant", "content": [{"type": "text", "text": "x"}]}]},
+        {"messages": [msgs[0], {"role": "assistant", "content": [{"type": "image"}]}]},
+        {"messages": [{"role": "tool", "content": "t"}, *msgs], "tools": []},
+        {"messages": [msgs[0], {"role": "assistant", "content": None}]},
+        {"prompt": "p", "completion": "c"}, {"text": "t"}, {"text": 3},
+        {"prompt": "p", "chosen": "c", "rejected": "r"},
+        {"input": {"messages": msgs[:1]}, "preferred_output": out, "non_preferred_output": out},
+        {"input": {"messages": msgs[:1]}, "preferred_output": out},
+        {"input": {"messages": msgs[:1]}, "preferred_output": out * 2,
+         "non_preferred_output": out},
+        {"unknown": 1}, [1],
+    ]
+    for case in cases:
+        try:
+            validate_record(case, 1, None)
+            service_ok = True
+        except FileValidationError:
+            service_ok = False
+        try:
+            parse_record(case)
+            trainer_ok = True
+        except ValueError:
+            trainer_ok = False
+        assert service_ok == trainer_ok, case
 
 
 def test_truncation_and_fully_truncated_examples(tok) -> None:  # noqa: ANN001

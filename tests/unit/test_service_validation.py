@@ -56,7 +56,7 @@ def test_bad_record_names_field(record: dict, field: str) -> None:
 def test_not_json_not_object_not_utf8() -> None:
     for raw, line in [([b'{"prompt": "p", "completion": "c"}\n', b"[1]\n"], 2),
                       ([b"{oops\n"], 1), ([b"\xff\xfe\n"], 1), ([b"\n", b"\n"], 1),
-                      ([b'{"text": "x"}\n'], 1)]:
+                      ([b'{"body": "x"}\n'], 1)]:
         with pytest.raises(FileValidationError) as exc:
             validate_jsonl(raw)
         assert exc.value.line == line
