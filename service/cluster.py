@@ -313,8 +313,7 @@ def mark_stale_nodes(session: Session, settings: Settings | None = None,
                 placement.state, placement.error = "failed", f"node {node.name} went down"
                 placement.finished_at = utcnow()
                 if task is not None and task.state == "running":
-                    fail_or_requeue(session, task, placement, f"node {node.name} went down",
-                                    settings)
+                    fail_or_requeue(session, task, placement, "its node went down", settings)
                 elif task is not None and task.state == "pausing":
                     from service.tasks import finish_pause
 

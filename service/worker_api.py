@@ -96,11 +96,11 @@ def claim_placement(session: Session, placement_id: str, node_id: str,
     if task.state == "queued":
         task.state = "running"
         task.started_at = task.started_at or now
+    # Tenants read events: no node ids or names (GET /v1/cluster shows them to operators).
     add_event(session, task.id, "task_running",
-              f"attempt {placement.attempt} claimed by node {node_id} on GPUs "
-              f"{list(placement.gpu_indices)}",
-              data={"placement_id": placement.id, "node_id": node_id,
-                    "gpu_indices": list(placement.gpu_indices), "attempt": placement.attempt})
+              f"attempt {placement.attempt} started on {len(placement.gpu_indices)} GPU(s)",
+              data={"placement_id": placement.id, "gpu_indices": list(placement.gpu_indices),
+                    "attempt": placement.attempt})
     session.commit()
     log.info("placement claimed placement=%s task=%s node=%s", placement.id, task.id, node_id)
     return spec
@@ -384,7 +384,8 @@ def deregister_node(session: Session, node_id: str, msg: NodeDeregister,
             error = f"node {node.name} left: {msg.reason}"
             placement.state, placement.error, placement.finished_at = "failed", error, utcnow()
             if task.state == "running":
-                fail_or_requeue(session, task, placement, tenant_safe(error), settings)
+                fail_or_requeue(session, task, placement,
+                                "its node left the cluster", settings)
                 if task.state == "queued":
                     requeued.append(task.id)
             elif task.state == "pausing":  # it was stopping anyway: paused, holding nothing
