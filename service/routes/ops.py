@@ -1,13 +1,16 @@
-"""Operator routes: /healthz, /readyz (Postgres and Redis reachable), Prometheus /metrics and
-GET /v1/cluster (nodes, GPUs and the current plan; operator token)."""
+"""Operator routes: /healthz, /readyz (Postgres and Redis reachable), Prometheus /metrics (the
+per-state task counts only for the operator token) and GET /v1/cluster (nodes, GPUs and the
+current plan; operator token)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Request, Response, Security
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from sqlalchemy import func, select, text
 
+from service.auth import check_token
 from service.cluster import cluster_view
 from service.deps import SessionDep, SettingsDep, require_operator
 from service.models import TASK_STATES, Node, Task
@@ -15,6 +18,8 @@ from service.queue import get_redis
 from service.schemas import ClusterOut
 
 router = APIRouter(tags=["operations"])
+_operator_bearer = HTTPBearer(auto_error=False, scheme_name="OperatorToken",
+                              description="Operator token (optional on /metrics)")
 
 
 @router.get("/healthz")
@@ -40,18 +45,36 @@ def readyz(session: SessionDep, settings: SettingsDep) -> JSONResponse:
                         status_code=200 if ok else 503)
 
 
+class _Without:
+    """A registry view that leaves some metric families out of the exposition."""
+
+    def __init__(self, registry: CollectorRegistry, hidden: set[str]) -> None:
+        self.registry, self.hidden = registry, hidden
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+        return (f for f in self.registry.collect() if f.name not in self.hidden)
+
+
 @router.get("/metrics", response_class=Response,
-            responses={200: {"content": {"text/plain": {}}}})
-def metrics(request: Request, session: SessionDep) -> Response:
+            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus "
+                             "exposition; task counts by state only with the operator token"}})
+def metrics(request: Request, session: SessionDep, settings: SettingsDep,
+            creds: HTTPAuthorizationCredentials | None = Security(_operator_bearer)) -> Response:
+    """HTTP request counts and latency and the nodes/GPUs up for anyone; the per-state task
+    gauges (every tenant's tasks together) only for the operator token."""
     m = request.app.state.prom
-    counts = dict(session.execute(select(Task.state, func.count()).group_by(Task.state)).all())
-    for state in TASK_STATES:
-        m.tasks.labels(state=state).set(counts.get(state, 0))
+    operator = creds is not None
+    if operator:  # a token that is given must be the right one: a 401 otherwise
+        check_token(f"{creds.scheme} {creds.credentials}", settings.operator_token)
+        counts = dict(session.execute(select(Task.state, func.count()).group_by(Task.state)).all())
+        for state in TASK_STATES:
+            m.tasks.labels(state=state).set(counts.get(state, 0))
     up = session.execute(select(func.count(), func.coalesce(func.sum(Node.gpu_count), 0)).where(
         Node.state == "up")).one()
     m.nodes_up.set(up[0])
     m.gpus_up.set(up[1])
-    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+    registry = m.registry if operator else _Without(m.registry, {"loraplex_tasks"})
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/cluster", response_model=ClusterOut, dependencies=[Depends(require_operator)])

@@ -81,7 +81,7 @@ def list_jobs(session: SessionDep, tenant: TenantDep, task_id: str) -> Page[JobO
 
 @router.get("/v1/tasks/{task_id}/events", response_model=EventPage)
 def list_events(session: SessionDep, tenant: TenantDep, task_id: str,
-                after: Annotated[int | None, Query(ge=0)] = None,
+                after: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None,
                 limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> EventPage:
     task = tasks.get_task(session, tenant, task_id)
     data, more = events.list_events(session, task, after, limit)
@@ -91,7 +91,7 @@ def list_events(session: SessionDep, tenant: TenantDep, task_id: str,
 @router.get("/v1/tasks/{task_id}/metrics", response_model=MetricsOut)
 def task_metrics(session: SessionDep, tenant: TenantDep, task_id: str,
                  job_id: Annotated[str | None, Query(max_length=40)] = None,
-                 after_step: Annotated[int | None, Query(ge=-1)] = None,
+                 after_step: Annotated[int | None, Query(ge=-1, le=2**63 - 1)] = None,
                  max_points: Annotated[int | None, Query(
                      ge=4, le=100_000, description="At most this many points per curve: the "
                      "first, the last and each bucket's lowest and highest loss.")] = None

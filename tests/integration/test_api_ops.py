@@ -49,10 +49,19 @@ def test_prometheus_metrics(client, factory):  # noqa: ANN001
     factory.task(t)
     factory.node(gpus=4)
     client.get("/v1/tasks", headers=t.headers)
-    text = client.get("/metrics").text
+    op = {"Authorization": "Bearer test-admin-token"}
+    text = client.get("/metrics", headers=op).text
     assert 'loraplex_tasks{state="queued"} 1.0' in text
     assert "loraplex_gpus_up 4.0" in text
     assert 'loraplex_http_requests_total{method="GET",route="/v1/tasks",status="200"} 1.0' in text
+    # the public exposition has no task counts (every tenant's tasks together), even after an
+    # operator scrape set them
+    public = client.get("/metrics")
+    assert public.status_code == 200 and "loraplex_gpus_up 4.0" in public.text
+    assert "loraplex_tasks" not in public.text and "loraplex_http_requests_total" in public.text
+    for bad in (factory.worker, t.headers, {"Authorization": "Bearer nope"}):
+        r = client.get("/metrics", headers=bad)
+        assert r.status_code == 401 and "loraplex_tasks" not in r.text
 
 
 def test_cluster_view(client, factory):  # noqa: ANN001
