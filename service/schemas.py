@@ -91,6 +91,9 @@ class ModelOut(BaseModel):
     parameters: int | None = None
     gpus: int
     max_seq_len: int
+    created: int = Field(default=0, description="Unix seconds (OpenAI's Model.created).")
+    owned_by: str = Field(default="system", description="system: a registered base model; "
+                                                      "else the tenant of a fine-tuned model.")
 
 
 def _unique(values: list) -> list:
@@ -138,6 +141,12 @@ class TaskCreate(_In):
         description="Linear layers to adapt (e.g. q_proj, v_proj; qkv_proj on Phi-3); each must "
                     "exist in the base model's family. Null: all of the family's linears.")
     priority: int = Field(default=0, ge=0, le=10)
+    suffix: str | None = Field(default=None, min_length=1, max_length=64,
+                               pattern=r"^[A-Za-z0-9_.-]+$",
+                               description="Part of the fine-tuned model's name.")
+    metadata: dict[Annotated[str, Field(max_length=64)],
+                   Annotated[str, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16, description="Up to 16 string pairs, yours to filter by.")
 
     @field_validator("target_modules")
     @classmethod
@@ -173,6 +182,8 @@ class TaskOut(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    suffix: str | None = None
+    metadata: dict[str, str] | None = None
 
 
 class JobOut(BaseModel):

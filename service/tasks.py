@@ -51,7 +51,11 @@ def expand_grid(space: dict[str, list], method: str = "sft") -> list[dict]:
 
 
 def request_hash(body: TaskCreate) -> str:
-    canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    data = body.model_dump(mode="json")
+    for added in ("suffix", "metadata"):  # newer fields: unset, the hash of earlier keys holds
+        if data.get(added) is None:
+            data.pop(added, None)
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -160,7 +164,8 @@ def _insert_task(session: Session, tenant: Tenant, body: TaskCreate, max_seq_len
                 max_seq_len=max_seq_len, seed=body.seed,
                 early_exit=body.early_exit.model_dump(mode="json"),
                 eval=body.eval.model_dump(mode="json"), target_modules=body.target_modules,
-                priority=body.priority, num_train_samples=samples, state="validating_files")
+                priority=body.priority, num_train_samples=samples, state="validating_files",
+                suffix=body.suffix, meta=body.metadata)
     session.add(task)
     session.flush()
     configs = expand_grid(task.search_space, task.method)
@@ -238,7 +243,8 @@ def task_outs(session: Session, tasks: list[Task]) -> list[TaskOut]:
             best_job_id=task.best_job_id, error=task.error,
             attempt=attempt if attempt is not None else failed + 1,
             planned_start=planned_start, planned_end=planned_end, created_at=task.created_at,
-            started_at=task.started_at, finished_at=task.finished_at))
+            started_at=task.started_at, finished_at=task.finished_at, suffix=task.suffix,
+            metadata=task.meta))
     return out
 
 

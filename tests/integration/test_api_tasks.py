@@ -77,7 +77,7 @@ def test_create_rejects_bad_requests(client, factory, settings):  # noqa: ANN001
     assert r.status_code == 404 and r.json()["error"]["param"] == "training_file"
     r = client.post("/v1/tasks", headers=t.headers | {"Content-Type": "application/json"},
                     content=b"{not json")
-    assert r.status_code == 422 and set(r.json()["error"]) == {"code", "message", "param"}
+    assert r.status_code == 422 and set(r.json()["error"]) == {"type", "code", "message", "param"}
     r = client.post("/v1/tasks", headers=t.headers, json=[1, 2])
     assert r.status_code == 422
     tiny = factory.file(t, [{"prompt": "a", "completion": "b"}])["id"]
