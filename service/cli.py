@@ -15,6 +15,7 @@ import sys
 import tarfile
 import time
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,25 @@ def jobs_table(jobs: Sequence[dict], curves: Sequence[dict], best_job_id: str | 
     return table
 
 
+def _when(unix: int | str | None) -> str:
+    """An OpenAI-style unix-seconds timestamp (or an ISO string) as UTC ``YYYY-MM-DD HH:MM:SS``."""
+    if isinstance(unix, int | float):
+        return datetime.fromtimestamp(unix, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return str(unix or "-")[:19].replace("T", " ")
+
+
+def files_table(files: Sequence[dict]) -> Table:
+    """One row per file, in the OpenAI file object's fields plus what loraplex found in it."""
+    table = Table()
+    for col in ("id", "filename", "format", "records", "bytes", "status", "created"):
+        table.add_column(col, justify="right" if col in ("records", "bytes") else "left")
+    for f in files:
+        table.add_row(f["id"], f["filename"], f.get("format") or "-",
+                      str(f.get("line_count", "-")), str(f["bytes"]), f.get("status") or "-",
+                      _when(f.get("created_at")))
+    return table
+
+
 def tasks_table(tasks: Sequence[dict]) -> Table:
     table = Table()
     for col in ("id", "state", "model", "jobs", "best job", "created"):
@@ -282,7 +302,8 @@ def run(args: argparse.Namespace, api: Api, console: Console) -> int:
     if args.group == "files" and args.cmd == "upload":
         show(api.upload(args.path, args.purpose))
     elif args.group == "files":
-        show(api.json("GET", "/v1/files", params={"limit": 100}))
+        page = api.json("GET", "/v1/files", params={"limit": 100})
+        show(page, files_table(page["data"]))
     elif args.group == "models":
         show(api.json("GET", "/v1/models"))
     elif args.group == "tasks" and args.cmd == "create":
