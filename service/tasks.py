@@ -99,6 +99,9 @@ def _check_request(session: Session, tenant: Tenant, body: TaskCreate, settings:
     return max_seq_len, samples
 
 
+check_request = _check_request  # dry runs check as a create does (service.dry_run)
+
+
 def _check_targets(model: BaseModelEntry, targets: list[str] | None) -> None:
     """422 unless the model's family is one the trainer knows and every target module exists
     in it, so a task never fails on this after it was scheduled. The family is the model's own
