@@ -1,0 +1,314 @@
+"""The browser dashboard in a real headless Chromium (Debian's chromium + chromium-driver, driven
+by Selenium) against the real stack: the service, PostgreSQL, Redis, the scheduler and a real
+daemon training the tiny Llama on CPU.
+
+- sign in with an API key, create a task from the page (upload, model, search space, early exit
+  settings), watch its loss curves gain points while it trains (no reload: one live stream),
+  see the early exit marked on the curves and in the leaderboard, sort the leaderboard, download
+  the best adapter and load it with PEFT, cancel another task from its page;
+- the cluster view with the operator token: the node, its GPU and the plan's timeline;
+- another tenant's key sees none of it, through the API and on the page.
+
+Screenshots of the three views go to docs/dashboard-{tasks,task,cluster}.png.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import WORKER_TOKEN, Stack, upload_jsonl, wait_for
+from tests.e2e.test_chaos import rows
+from tests.e2e.test_train_e2e import models_yaml  # noqa: F401 - the tiny Llama as "tiny"
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+if not (CHROMIUM and CHROMEDRIVER):
+    pytest.skip("chromium and chromium-driver are not installed", allow_module_level=True)
+pytest.importorskip("selenium")
+
+from selenium import webdriver  # noqa: E402
+from selenium.webdriver.chrome.options import Options  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import Select  # noqa: E402
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+ENDED = ("succeeded", "failed", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def downloads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("downloads")
+
+
+@pytest.fixture(scope="module")
+def browser(downloads: Path) -> Iterator[webdriver.Chrome]:
+    opts = Options()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--disable-background-networking", "--disable-component-update",
+                "--disable-sync", "--no-first-run", "--window-size=1280,1000"):
+        opts.add_argument(arg)
+    opts.add_experimental_option("prefs", {"download.default_directory": str(downloads),
+                                           "download.prompt_for_download": False})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.implicitly_wait(0)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def q(driver: webdriver.Chrome, css: str):  # noqa: ANN201 - a WebElement
+    return driver.find_element(By.CSS_SELECTOR, css)
+
+
+def qs(driver: webdriver.Chrome, css: str) -> list:
+    return driver.find_elements(By.CSS_SELECTOR, css)
+
+
+def wait_css(driver: webdriver.Chrome, css: str, timeout: float = 20, what: str = ""):  # noqa: ANN201
+    return wait_for(lambda: (found := qs(driver, css)) and found[0], timeout, what or css)
+
+
+def text(driver: webdriver.Chrome, css: str) -> str:
+    found = qs(driver, css)
+    return found[0].text if found else ""
+
+
+def sign_in(driver: webdriver.Chrome, stack: Stack, key: str, operator: str = "") -> None:
+    driver.get(f"{stack.url}/")
+    driver.execute_script("sessionStorage.clear()")
+    driver.get(f"{stack.url}/ui/#/signin")
+    wait_css(driver, "#api-key").send_keys(key)
+    if operator:
+        q(driver, "#op-token").send_keys(operator)
+    q(driver, "#btn-sign-in").click()
+
+
+def screenshot(driver: webdriver.Chrome, name: str) -> None:
+    DOCS.mkdir(exist_ok=True)
+    driver.save_screenshot(str(DOCS / name))
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def task_state(http: httpx.Client, task_id: str) -> str:
+    return http.get(f"/v1/tasks/{task_id}").json()["state"]
+
+
+def test_another_tenants_key_sees_nothing(stack: Stack, browser: webdriver.Chrome) -> None:
+    """Tenant A has a task; B's key gets 404 for it through every route, its list is empty, and
+    the page signed in as B shows no task and refuses the task's page and live stream."""
+    other = stack.tenant("other-tenant")
+    with stack.http() as http:
+        train = upload_jsonl(http, "train.jsonl", rows(16, 1))
+        r = http.post("/v1/tasks", json={"base_model": "tiny", "training_file": train,
+                                          "search_space": {"learning_rate": [1e-3]}})
+        assert r.status_code == 201, r.text
+        task_id = r.json()["id"]
+        job_id = http.get(f"/v1/tasks/{task_id}/jobs").json()["data"][0]["id"]
+        assert http.get(f"/v1/tasks/{task_id}/live", params={"duration_s": 0.1}).status_code == 200
+    with stack.client(other) as b:
+        assert b.get("/v1/tasks").json()["data"] == []
+        for path in (f"/v1/tasks/{task_id}", f"/v1/tasks/{task_id}/jobs",
+                     f"/v1/tasks/{task_id}/events", f"/v1/tasks/{task_id}/metrics",
+                     f"/v1/tasks/{task_id}/live", f"/v1/tasks/{task_id}/adapter",
+                     f"/v1/jobs/{job_id}", f"/v1/jobs/{job_id}/adapter"):
+            r = b.get(path)
+            assert r.status_code == 404, (path, r.status_code, r.text)
+            assert set(r.json()) == {"error"} and "base_model" not in r.text
+        assert b.post(f"/v1/tasks/{task_id}/cancel").status_code == 404
+    assert httpx.get(f"{stack.url}/v1/tasks/{task_id}/live").status_code == 401  # no key
+    assert task_state(stack.http(), task_id) != "cancelled"
+
+    sign_in(browser, stack, other)
+    wait_css(browser, "#tasks-body tr", what="the task list")
+    wait_for(lambda: "No tasks yet" in text(browser, "#tasks-body"), 10, "an empty list")
+    assert not qs(browser, f'#tasks-body tr[data-task="{task_id}"]')
+    browser.get(f"{stack.url}/ui/#/task/{task_id}")
+    wait_for(lambda: "not yours" in text(browser, "#task-msg"), 10, "the refusal on the page")
+    assert qs(browser, "#leaderboard-body tr") == []
+    assert browser.execute_script("return window.__lpxTask.jobs.length") == 0
+    # and the owner does see it
+    sign_in(browser, stack, stack.api_key)
+    wait_css(browser, f'#tasks-body tr[data-task="{task_id}"]', what="the owner's task")
+
+
+def create_task_from_page(driver: webdriver.Chrome, tmp_path: Path) -> str:
+    """Fill the new-task form (upload both files, model, search space, early exit), look at the
+    dry-run estimate when the API has one, create; the task's id from the page it opens."""
+    train = write_jsonl(tmp_path / "train.jsonl", rows(96, 1))
+    val = write_jsonl(tmp_path / "val.jsonl", rows(8, 2))
+    wait_for(lambda: qs(driver, "#f-model option"), 20, "the model list")
+    q(driver, "#f-train").send_keys(str(train))
+    q(driver, "#f-val").send_keys(str(val))
+    Select(q(driver, "#f-model")).select_by_value("tiny")
+    for css, value in (("#f-lr", "1e-2, 3e-1"), ("#f-rank", "4"), ("#f-bs", "4"),
+                       ("#f-epochs", "2")):
+        q(driver, css).clear()
+        q(driver, css).send_keys(value)
+    # The ranking after a quarter of the steps keeps one of the two jobs: the other exits.
+    q(driver, "#f-extra").send_keys(json.dumps({
+        "max_seq_len": 48, "eval": {"eval_every_steps": 3, "eval_max_samples": 8},
+        "early_exit": {"warmup_fraction": 0.25, "keep_fraction": 0.5}}))
+    if q(driver, "#btn-estimate").is_enabled():  # POST /v1/tasks?dry_run=true is there
+        q(driver, "#btn-estimate").click()
+        est = wait_for(lambda: (e := q(driver, "#estimate")).is_displayed() and e, 30,
+                       f"the estimate ({text(driver, '#create-msg')})")
+        assert "Jobs" in est.text and "\n2\n" in f"{est.text}\n", est.text
+    q(driver, "#btn-create").click()
+    wait_for(lambda: "#/task/" in driver.current_url, 60,
+             f"the new task's page ({text(driver, '#create-msg')})")
+    return driver.current_url.rsplit("#/task/", 1)[1]
+
+
+def chart_points(driver: webdriver.Chrome) -> int:
+    return int(driver.execute_script(
+        "const s = document.getElementById('loss-chart'); return s ? +(s.dataset.points||0) : 0"))
+
+
+@pytest.mark.with_scheduler
+def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads: Path,
+                              tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    started = time.monotonic()
+    stack.daemon("node")
+    sign_in(browser, stack, stack.api_key, operator=WORKER_TOKEN)
+    task_id = create_task_from_page(browser, tmp_path)
+    http = stack.http()
+    task = http.get(f"/v1/tasks/{task_id}").json()
+    assert task["num_jobs"] == 2 and task["early_exit"]["keep_fraction"] == 0.5
+    assert task["validation_file"] is not None
+    # A second task waits behind it on the one slot: cancelled from its page later.
+    waiting = http.post("/v1/tasks", json={
+        "base_model": "tiny", "training_file": task["training_file"],
+        "search_space": {"learning_rate": [1e-3]}, "max_seq_len": 48}).json()["id"]
+
+    # Curves gain points while it trains, on one page load fed by the live stream.
+    browser.execute_script("window.__sameLoad = 'yes'")
+    wait_for(lambda: text(browser, "#task-state") == "running", 120,
+             f"the task to run\n{stack.daemon_log('node')[-3000:]}")
+    seen = [chart_points(browser)]
+
+    def grew() -> bool:
+        seen.append(chart_points(browser))
+        return len({n for n in seen if n > 0}) >= 3
+
+    wait_for(grew, 120, f"the curves to grow ({seen[-5:]})\n{stack.daemon_log('node')[-2000:]}",
+             interval=0.3)
+    assert seen == sorted(seen), seen  # points only ever added
+    assert task_state(http, task_id) in ("running", "succeeded")
+    assert browser.execute_script("return window.__sameLoad") == "yes"  # no reload
+
+    # The cluster: the node, its GPU, the running task and the one waiting on the timeline.
+    browser.get(f"{stack.url}/ui/#/cluster")
+    wait_css(browser, "#nodes-body tr[data-node]", what="the node row")
+    assert "node" in text(browser, "#nodes-body") and "up" in text(browser, "#nodes-body")
+    wait_for(lambda: qs(browser, f'#timeline .bar[data-task="{task_id}"]'), 20,
+             "the running task on the timeline")
+    if task_state(http, waiting) == "queued":
+        wait_for(lambda: qs(browser, f'#timeline .bar.planned[data-task="{waiting}"]')
+                 or task_state(http, waiting) != "queued", 20, "the waiting task's bar")
+    screenshot(browser, "dashboard-cluster.png")
+
+    # Pause (when the API has it) and cancel the waiting task from its page.
+    browser.get(f"{stack.url}/ui/#/task/{waiting}")
+    wait_for(lambda: text(browser, "#task-state"), 20, "the waiting task's page")
+    q(browser, "#btn-pause").click()
+    msg = wait_for(lambda: text(browser, "#task-msg"), 20, "pause's answer")
+    if msg.startswith("Pause failed"):
+        assert len(msg) > len("Pause failed: "), msg  # the API's own error, shown
+    else:
+        wait_for(lambda: text(browser, "#task-state") == "paused", 20, "paused")
+        q(browser, "#btn-resume").click()
+        wait_for(lambda: text(browser, "#task-state") not in ("paused", ""), 20, "resumed")
+    q(browser, "#btn-cancel").click()
+    wait_for(lambda: text(browser, "#task-state") == "cancelled", 30, "the cancel on the page")
+    assert task_state(http, waiting) == "cancelled"
+
+    # Back to the training task: it ends; one job exited early and is marked on the curves.
+    browser.get(f"{stack.url}/ui/#/task/{task_id}")
+    wait_for(lambda: text(browser, "#task-state") in ENDED, 300,
+             f"the task to end\n{stack.daemon_log('node')[-3000:]}")
+    assert text(browser, "#task-state") == "succeeded", stack.daemon_log("node")[-3000:]
+    jobs = http.get(f"/v1/tasks/{task_id}/jobs").json()["data"]
+    exited = [j for j in jobs if j["state"] == "exited"]
+    assert exited, jobs
+    marks = wait_for(lambda: qs(browser, ".exit-marker"), 20, "an early-exit marker")
+    assert {(m.get_attribute("data-job"), m.get_attribute("data-reason")) for m in marks} == {
+        (j["id"], j["exit_reason"]) for j in exited}
+    rows_ = wait_for(lambda: (r := qs(browser, "#leaderboard-body tr")) and len(r) == 2 and r,
+                     20, "the leaderboard")
+    board = {r.get_attribute("data-job"): r.text for r in rows_}
+    for j in exited:
+        assert j["exit_reason"] in board[j["id"]]
+    # every point of the curves is on the chart (100 loss points are under max_points)
+    curves = http.get(f"/v1/tasks/{task_id}/metrics").json()["jobs"]
+    total = sum(len(c["train"]) + len(c["val"]) for c in curves)
+    wait_for(lambda: chart_points(browser) == total, 10, f"{total} points on the chart")
+    for c in curves:
+        path = q(browser, f'#loss-chart path[data-job="{c["job_id"]}"][data-split="train"]')
+        assert int(path.get_attribute("data-points")) == len(c["train"])
+    # server-side downsampling keeps the first and the last step (where the exit happened)
+    small = http.get(f"/v1/tasks/{task_id}/metrics", params={"max_points": 4}).json()["jobs"]
+    for c, s in zip(curves, small, strict=True):
+        assert len(s["train"]) <= 4 and s["train"][0] == c["train"][0]
+        assert s["train"][-1] == c["train"][-1]
+
+    # Sort the leaderboard by best validation loss, both ways.
+    header = q(browser, '#leaderboard th[data-sort="best_val_loss"]')
+    header.click()
+    order = [r.get_attribute("data-job") for r in qs(browser, "#leaderboard-body tr")]
+    by_loss = sorted(jobs, key=lambda j: (j["best_val_loss"] is None, j["best_val_loss"] or 0))
+    want = [j["id"] for j in by_loss]
+    if q(browser, '#leaderboard th[data-sort="best_val_loss"]').get_attribute(
+            "aria-sort") == "descending":
+        want = [j["id"] for j in reversed(by_loss) if j["best_val_loss"] is not None] + [
+            j["id"] for j in by_loss if j["best_val_loss"] is None]
+    assert order == want, (order, want)
+    q(browser, '#leaderboard th[data-sort="index"]').click()
+    assert [r.get_attribute("data-job") for r in qs(browser, "#leaderboard-body tr")] == [
+        j["id"] for j in sorted(jobs, key=lambda j: j["index"])]
+    screenshot(browser, "dashboard-task.png")
+
+    # Download the best adapter from the page and load it with PEFT.
+    best = http.get(f"/v1/tasks/{task_id}").json()["best_job_id"]
+    assert best
+    q(browser, "#btn-best").click()
+    archive = wait_for(lambda: [p for p in downloads.glob("*.tar.gz")], 30,
+                       f"the download ({text(browser, '#task-msg')})")[0]
+    wait_for(lambda: not list(downloads.glob("*.crdownload")), 10, "the download to finish")
+    assert best in archive.name
+    out = tmp_path / "best-adapter"
+    with tarfile.open(archive, mode="r:gz") as tar:
+        tar.extractall(out, filter="data")
+    with io.BytesIO(http.get(f"/v1/jobs/{best}/adapter").content) as f, \
+            tarfile.open(fileobj=f, mode="r:gz") as tar:
+        same = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    assert same == {p.name: p.read_bytes() for p in out.iterdir()}
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny-llama")
+    tuned = PeftModel.from_pretrained(base, out)
+    assert any("lora_" in n for n, _ in tuned.named_parameters())
+
+    # The tasks list: both tasks with their states.
+    browser.get(f"{stack.url}/ui/#/tasks")
+    wait_css(browser, f'#tasks-body tr[data-task="{task_id}"]', what="the list")
+    listed = text(browser, "#tasks-body")
+    assert "succeeded" in listed and "cancelled" in listed
+    screenshot(browser, "dashboard-tasks.png")
+    http.close()
+    assert time.monotonic() - started < 240
