@@ -7,6 +7,7 @@ invalid_request_error, 404 and 409 included, as there); ``code`` is loraplex's p
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -57,22 +58,30 @@ def error_body(code: str, message: str, param: str | None = None, status: int = 
 
 
 _SOURCES = ("body", "query", "path", "header", "form")
+# pydantic names the member of a union that failed (`batch_size.int`, `lr.list[float]`): not a
+# field, so never part of the param.
+_UNION_TAG = re.compile(r"[a-z-]+\[.*\]|int|float|str|bool|none|dict|list")
+
+
+def _field_parts(loc: tuple | list) -> list:
+    return [p for p in loc if p not in _SOURCES
+            and not (isinstance(p, str) and _UNION_TAG.fullmatch(p))]
 
 
 def _loc_to_param(loc: tuple | list) -> str | None:
     """The field a validation error is about, as the hosted APIs name it: dotted names without
     list positions (``search_space.learning_rate``, not ``search_space.learning_rate.0``)."""
-    parts = [str(p) for p in loc if p not in _SOURCES and not isinstance(p, int)]
+    parts = [str(p) for p in _field_parts(loc) if not isinstance(p, int)]
     return ".".join(parts) or None
 
 
 def _loc_to_text(loc: tuple | list) -> str | None:
     """The exact place of a validation error, list positions included (``lora_rank[1]``)."""
     text = ""
-    for p in loc:
+    for p in _field_parts(loc):
         if isinstance(p, int):
             text += f"[{p}]"
-        elif p not in _SOURCES:
+        else:
             text += f".{p}" if text else str(p)
     return text or None
 

@@ -1,8 +1,161 @@
 """OpenAI-compatible fine-tuning API (/v1/fine_tuning/jobs, /v1/models/{id}): a fine-tuning job is
-a loraplex task seen through the shapes of OpenAI's API."""
+a loraplex task seen through the shapes of OpenAI's API (service.openai_compat)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
 
-router = APIRouter()
+from fastapi import APIRouter, Header, Query, Request, Response
+
+from service import openai_compat as oc
+from service import tasks
+from service.cluster import cluster_changed
+from service.deps import RegistryDep, SessionDep, SettingsDep, TenantDep
+from service.dry_run import dry_run as run_dry
+from service.errors import ApiError, invalid, not_found
+from service.models import Task
+from service.schemas import ModelOut
+
+router = APIRouter(tags=["fine_tuning"])
+Limit = Annotated[int, Query(ge=1, le=100)]
+After = Annotated[str | None, Query(max_length=64)]
+JOB_RESPONSES = {404: {"description": "No such job of this tenant"},
+                 409: {"description": "The transition is not allowed from the job's status"}}
+
+
+def _one(session: SessionDep, task: Task) -> oc.FineTuningJobOut:
+    return oc.job_outs(session, [task])[0]
+
+
+@router.post("/v1/fine_tuning/jobs", response_model=oc.FineTuningJobOut,
+             responses={200: {"model": oc.FineTuningJobOut | oc.DryRunOut,
+                              "description": "The job (also a replayed Idempotency-Key), or a "
+                                             "dry run's jobs and estimate (nothing created)"},
+                        409: {"description": "Idempotency-Key reused with another body"}})
+def create_job(body: oc.FineTuningJobCreate, session: SessionDep, tenant: TenantDep,
+               settings: SettingsDep, registry: RegistryDep,
+               idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+               dry_run: Annotated[bool, Query(description="Validate and estimate only.")] = False
+               ) -> oc.FineTuningJobOut | Response:
+    native, where = oc.to_task_create(body)
+    try:
+        if dry_run:
+            estimate = run_dry(session, tenant, native, settings, registry)
+            session.rollback()
+            return Response(estimate.model_dump_json(), media_type="application/json")
+        task, created = tasks.create_task(session, tenant, native, settings, registry,
+                                          idempotency_key)
+    except ApiError as exc:
+        raise oc.remap_error(exc, where) from None
+    if created:
+        cluster_changed(session, "task_created", settings)
+    return _one(session, tasks.get_task(session, tenant, task.id))
+
+
+def _metadata_filter(request: Request) -> dict[str, str] | None:
+    """OpenAI's `metadata[k]=v` query filter."""
+    found = {}
+    for key, value in request.query_params.multi_items():
+        if key.startswith("metadata[") and key.endswith("]"):
+            name = key[len("metadata["):-1]
+            if not name or len(name) > 64 or len(value) > 512:
+                raise invalid("metadata filter keys are 1-64 characters, values at most 512",
+                              param="metadata")
+            found[name] = value
+    return found or None
+
+
+@router.get("/v1/fine_tuning/jobs", response_model=oc.FineTuningJobPage)
+def list_jobs(request: Request, session: SessionDep, tenant: TenantDep, after: After = None,
+              limit: Limit = 20) -> oc.FineTuningJobPage:
+    """Newest first; `after` is the last id of the previous page; `metadata[k]=v` filters."""
+    rows, more = oc.list_jobs(session, tenant, limit, after, _metadata_filter(request))
+    return oc.FineTuningJobPage(data=oc.job_outs(session, rows), has_more=more)
+
+
+@router.get("/v1/fine_tuning/jobs/{job_id}", response_model=oc.FineTuningJobOut,
+            responses=JOB_RESPONSES)
+def retrieve_job(session: SessionDep, tenant: TenantDep, job_id: str) -> oc.FineTuningJobOut:
+    return _one(session, tasks.get_task(session, tenant, job_id))
+
+
+@router.post("/v1/fine_tuning/jobs/{job_id}/cancel", response_model=oc.FineTuningJobOut,
+             responses=JOB_RESPONSES)
+def cancel_job(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
+               job_id: str) -> oc.FineTuningJobOut:
+    task = tasks.get_task(session, tenant, job_id, lock=True)
+    was = task.state
+    tasks.cancel_task(session, task, settings)
+    if was != "cancelled":
+        cluster_changed(session, "task_cancelled", settings)
+    return _one(session, tasks.get_task(session, tenant, job_id))
+
+
+@router.post("/v1/fine_tuning/jobs/{job_id}/pause", response_model=oc.FineTuningJobOut,
+             responses=JOB_RESPONSES)
+def pause_job(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
+              job_id: str) -> oc.FineTuningJobOut:
+    """Checkpoint at the next step boundary and free the GPUs: pausing, then paused."""
+    task = tasks.get_task(session, tenant, job_id, lock=True)
+    was = task.state
+    tasks.request_pause(session, task, requeue=False, reason="paused by the user",
+                        settings=settings)
+    session.commit()
+    if task.state != was:
+        cluster_changed(session, "task_paused", settings)
+    return _one(session, tasks.get_task(session, tenant, job_id))
+
+
+@router.post("/v1/fine_tuning/jobs/{job_id}/resume", response_model=oc.FineTuningJobOut,
+             responses=JOB_RESPONSES)
+def resume_job(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
+               job_id: str) -> oc.FineTuningJobOut:
+    """paused -> queued; training continues from the pause's checkpoint."""
+    task = tasks.get_task(session, tenant, job_id, lock=True)
+    tasks.resume_task(session, task)
+    session.commit()
+    cluster_changed(session, "task_resumed", settings)
+    return _one(session, tasks.get_task(session, tenant, job_id))
+
+
+@router.get("/v1/fine_tuning/jobs/{job_id}/events", response_model=oc.JobEventPage,
+            responses=JOB_RESPONSES)
+def list_events(session: SessionDep, tenant: TenantDep, job_id: str, after: After = None,
+                limit: Limit = 20) -> oc.JobEventPage:
+    """Newest first: messages (the task's events) and metrics (per job and evaluation)."""
+    data, more = oc.job_events(session, tasks.get_task(session, tenant, job_id), after, limit)
+    return oc.JobEventPage(data=data, has_more=more)
+
+
+@router.get("/v1/fine_tuning/jobs/{job_id}/checkpoints", response_model=oc.CheckpointPage,
+            responses=JOB_RESPONSES)
+def list_checkpoints(session: SessionDep, tenant: TenantDep, job_id: str, after: After = None,
+                     limit: Limit = 10) -> oc.CheckpointPage:
+    """Each job's adapter at its best-validation step; `best` marks the job's pick."""
+    data, more = oc.job_checkpoints(session, tasks.get_task(session, tenant, job_id), after,
+                                    limit)
+    return oc.CheckpointPage(data=data, has_more=more, first_id=data[0].id if data else None,
+                             last_id=data[-1].id if data else None)
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelOut, tags=["models"],
+            responses={404: {"description": "No such model"}})
+def retrieve_model(session: SessionDep, tenant: TenantDep, registry: RegistryDep,
+                   model_id: str) -> ModelOut:
+    """A registered base model, or a fine-tuned model of this tenant (`ft:...`)."""
+    task_id = oc.task_of_model_name(model_id)
+    if task_id is not None:
+        task = session.get(Task, task_id)
+        if task is None or task.tenant_id != tenant.id or task.state != "succeeded":
+            raise not_found("model", model_id, param="model")
+        base = registry.get(task.base_model)
+        return ModelOut(id=oc.fine_tuned_model_name(task) or model_id,
+                        family=base.family if base else None,
+                        parameters=base.parameters if base else None,
+                        gpus=base.gpus if base else 1, max_seq_len=task.max_seq_len,
+                        created=oc.unix(task.finished_at) or 0, owned_by=tenant.id)
+    model = registry.get(model_id)
+    if model is None:
+        raise not_found("model", model_id, param="model")
+    return ModelOut(id=model.name, family=model.family, parameters=model.parameters,
+                    gpus=model.gpus, max_seq_len=model.max_seq_len)

@@ -12,12 +12,15 @@ from pydantic import BaseModel
 from service import adapters, events, tasks
 from service.cluster import cluster_changed
 from service.deps import RegistryDep, SessionDep, SettingsDep, StorageDep, TenantDep
+from service.dry_run import dry_run as run_dry
 from service.models import Artifact, Job
+from service.openai_compat import DryRunOut
 from service.schemas import EventPage, JobOut, MetricsOut, ModelOut, Page, TaskCreate, TaskOut
 from service.storage import Storage
 
 router = APIRouter(tags=["tasks"])
-TaskState = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
+TaskState = Literal["validating_files", "queued", "running", "pausing", "paused", "succeeded",
+                    "failed", "cancelled"]
 FormatQuery = Annotated[adapters.ArchiveFormat, Query(alias="format")]
 ARCHIVE = {200: {"content": {"application/gzip": {}, "application/zip": {}},
                  "description": "Archive with adapter_config.json + adapter_model.safetensors"}}
@@ -31,12 +34,21 @@ def list_models(_: TenantDep, registry: RegistryDep) -> Page[ModelOut]:
 
 
 @router.post("/v1/tasks", status_code=201, response_model=TaskOut,
-             responses={200: {"model": TaskOut, "description": "Replay of an Idempotency-Key"},
+             responses={200: {"model": TaskOut | DryRunOut,
+                              "description": "Replay of an Idempotency-Key, or a dry run's "
+                                             "jobs and estimate (nothing created)"},
                         409: {"description": "Idempotency-Key reused with another body"}})
 def create_task(body: TaskCreate, response: Response, session: SessionDep, tenant: TenantDep,
                 settings: SettingsDep, registry: RegistryDep,
-                idempotency_key: Annotated[str | None, Header(max_length=255)] = None
-                ) -> TaskOut:
+                idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+                dry_run: Annotated[bool, Query(description="Validate and estimate only: the "
+                                                           "jobs, tokens, GPU-hours and planned "
+                                                           "start/finish; creates nothing.")]
+                = False) -> TaskOut | Response:
+    if dry_run:
+        estimate = run_dry(session, tenant, body, settings, registry)
+        session.rollback()
+        return _json(estimate)
     task, created = tasks.create_task(session, tenant, body, settings, registry, idempotency_key)
     if created:
         cluster_changed(session, "task_created", settings)
@@ -70,6 +82,34 @@ def cancel_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
     tasks.cancel_task(session, task, settings)
     if was != "cancelled":
         cluster_changed(session, "task_cancelled", settings)
+    return tasks.task_out(session, tasks.get_task(session, tenant, task_id))
+
+
+@router.post("/v1/tasks/{task_id}/pause", response_model=TaskOut,
+             responses={409: {"description": "The task is over"}})
+def pause_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
+               task_id: str) -> TaskOut:
+    """Stop the task at its next step boundary with a checkpoint and free its GPUs: `pausing`
+    while its attempt stops, then `paused` (at once when nothing runs yet)."""
+    task = tasks.get_task(session, tenant, task_id, lock=True)
+    was = task.state
+    tasks.request_pause(session, task, requeue=False, reason="paused by the user",
+                        settings=settings)
+    session.commit()
+    if task.state != was:
+        cluster_changed(session, "task_paused", settings)
+    return tasks.task_out(session, tasks.get_task(session, tenant, task_id))
+
+
+@router.post("/v1/tasks/{task_id}/resume", response_model=TaskOut,
+             responses={409: {"description": "The task is not paused"}})
+def resume_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
+                task_id: str) -> TaskOut:
+    """paused -> queued: the scheduler places it again and it continues from its checkpoint."""
+    task = tasks.get_task(session, tenant, task_id, lock=True)
+    tasks.resume_task(session, task)
+    session.commit()
+    cluster_changed(session, "task_resumed", settings)
     return tasks.task_out(session, tasks.get_task(session, tenant, task_id))
 
 
