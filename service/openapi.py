@@ -27,6 +27,7 @@ ERROR_DESCRIPTIONS = {
 EXTRA_ERRORS: dict[tuple[str, str], set[int]] = {
     ("post", "/v1/tasks"): {429},  # the tenant's queued-task limit
     ("post", "/internal/v1/tasks/{task_id}/artifacts"): {413},
+    ("get", "/v1/tasks/{task_id}/adapter"): {409},  # not succeeded (yet)
 }
 
 
@@ -41,7 +42,7 @@ def errors(*statuses: int, descriptions: dict[int, str] | None = None) -> dict[i
 
 def add_error_responses(doc: dict) -> dict:
     """Give every operation of an OpenAPI document the error statuses it can answer, each with
-    the error body schema: 401 behind a key or token, 404 with a path parameter, 422 with any
+    the error body schema: 400 with a body (unparseable), 401 behind a key or token, 404 with a path parameter, 422 with any
     parameter or body, 413 with an upload (the server's limit), 409 for a POST or DELETE on a
     resource, and EXTRA_ERRORS. What a route declares itself (`responses=`) is kept; an error status it declares
     without a body gets the error schema."""
@@ -66,6 +67,8 @@ def add_error_responses(doc: dict) -> dict:
                     statuses.add(409)
             if params or "requestBody" in op:
                 statuses.add(422)
+            if "requestBody" in op:
+                statuses.add(400)  # a body that is not parseable (not UTF-8 JSON / multipart)
             if "multipart/form-data" in op.get("requestBody", {}).get("content", {}):
                 statuses.add(413)
             statuses |= EXTRA_ERRORS.get((method, path), set())
@@ -74,8 +77,14 @@ def add_error_responses(doc: dict) -> dict:
                 responses.setdefault(str(status), {"description": ERROR_DESCRIPTIONS[status]})
             for status, entry in list(responses.items()):
                 if status.isdigit() and int(status) >= 400:
+                    if "HTTPValidationError" in str(entry.get("content")):
+                        # FastAPI's default 422 ({"detail": [...]}) is not what the app answers
+                        entry.update(description=ERROR_DESCRIPTIONS[422], content=content)
                     entry.setdefault("content", content)
             op["responses"] = dict(sorted(responses.items()))
+    if "HTTPValidationError" not in str(doc.get("paths")):
+        schemas.pop("HTTPValidationError", None)
+        schemas.pop("ValidationError", None)
     return doc
 
 
