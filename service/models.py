@@ -4,7 +4,8 @@ Every change here needs an Alembic migration in migrations/versions/ (tests neve
 Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwise):
 
 - ``tenants(id, name unique, max_gpus null=unlimited, max_queued_tasks null=unlimited,
-  created_at)``; max_queued_tasks caps the tenant's tasks not yet running nor finished.
+  priority, max_task_priority null=default, guaranteed_gpus null=none, created_at)``;
+  max_queued_tasks caps the tenant's tasks not yet running nor finished.
 - ``api_keys(id, tenant_id, prefix unique, key_hash sha256 hex, created_at, revoked_at)``;
   a key looks like ``lpx-<prefix 10 chars><secret>``; lookup by prefix, compare the hash.
 - ``files(id, tenant_id, filename, purpose, format chat|completion|preference, bytes,
@@ -110,6 +111,12 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(200), unique=True)
     max_gpus: Mapped[int | None] = mapped_column(Integer)
     max_queued_tasks: Mapped[int | None] = mapped_column(Integer)
+    # Operator-set scheduling (service.admin set-limit): the tenant's priority (0-10, weights its
+    # tasks in the planner), the ceiling of its tasks' own priority (None: the configured
+    # default) and its guaranteed GPU share (None: none), lent out while idle, reclaimed on need.
+    priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    max_task_priority: Mapped[int | None] = mapped_column(Integer)
+    guaranteed_gpus: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
 
 
