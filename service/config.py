@@ -41,10 +41,22 @@ class Settings(BaseSettings):
     maintenance_interval_s: float = 15.0
     # False: the API never calls the scheduler (placements come from elsewhere, e.g. tests).
     scheduler_enabled: bool = True
-    # Knobs read by service.scheduler (CP-SAT): time unit, solver time limit, bounded waiting.
+    # Knobs read by service.scheduler (CP-SAT; service/scheduler/planner.py says what they do).
+    # Time unit of the plan; durations round up to it.
     scheduler_unit_s: int = 60
-    scheduler_time_limit_s: float = 1.0
-    scheduler_max_delay_s: int = 3600
+    # CP-SAT's deterministic work limit per replan (its own units; the same state gives the same
+    # plan whatever the machine's load): 0.1 plans 200 tasks on 256 GPUs in ~1 s on 2 cores.
+    scheduler_work_limit: float = 0.1
+    # Wall-clock safety net of one solve (only reached when the machine is far slower).
+    scheduler_time_limit_s: float = 10.0
+    # Bounded waiting, counted from a task's arrival: a soft per-task bound whose penalty grows
+    # past half of it and steeply past it. Never dropped for the whole plan.
+    scheduler_max_wait_s: int = 4 * 3600
+    # Weight of the fair-share term (worst tenant's mean slowdown) against weighted flow time.
+    scheduler_fairness: float = 0.25
+    # A task's own priority (0-10 in the API) may not exceed its tenant's ceiling
+    # (tenants.max_task_priority, set by operators); this is the ceiling of tenants without one.
+    scheduler_default_task_priority_ceiling: int = 10
     # "background": requests commit and signal the app's replanner thread (coalesced bursts,
     # plus a periodic pass every scheduler_interval_s); "sync": replan inside the request.
     scheduler_replan: Literal["background", "sync"] = "background"

@@ -34,7 +34,7 @@ from service.pagination import page_query
 from service.protocol import JobStateUpdate, grid_knobs, pause_key, tenant_safe
 from service.queue import get_redis, publish_cancel, unqueue_placement
 from service.registry import BaseModelEntry, ModelRegistry
-from service.scheduler.limits import admit_task
+from service.scheduler.limits import admit_task, check_task_priority
 from service.schemas import JobOut, TaskCreate, TaskOut, finite
 from trainer.families import UnsupportedModel, family_of, model_type_of, resolve_targets
 
@@ -68,6 +68,7 @@ def _check_request(session: Session, tenant: Tenant, body: TaskCreate, settings:
         raise invalid(f"unknown base_model {body.base_model!r} (available: {names})",
                       param="base_model", code="model_not_found")
     _check_targets(model, body.target_modules)
+    check_task_priority(tenant, body.priority, settings)
     max_seq_len = body.max_seq_len or min(2048, model.max_seq_len)
     if max_seq_len > model.max_seq_len:
         raise invalid(f"max_seq_len {max_seq_len} exceeds {model.name}'s {model.max_seq_len}",

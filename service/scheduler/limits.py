@@ -1,17 +1,35 @@
 """Per-tenant limits outside the solver: admission of new tasks against max_queued_tasks (429),
-and each tenant's usage against its limits for GET /v1/cluster (max_gpus is in the planner)."""
+a task's own priority against its tenant's operator-set ceiling (422), and each tenant's usage
+against its limits for GET /v1/cluster (max_gpus and guaranteed_gpus are in the planner)."""
 
 from __future__ import annotations
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from service.config import Settings
 from service.errors import ApiError
 from service.models import PLACEMENT_ACTIVE, Placement, Task, Tenant
 from service.schemas import TenantUsageOut
 
 # "Queued" for the limit: accepted but neither running nor finished (DESIGN.md task states).
 WAITING_STATES = ("validating_files", "queued")
+
+
+def task_priority_ceiling(tenant: Tenant, settings: Settings) -> int:
+    """The highest priority a task of this tenant may ask for (operator-set, else the default)."""
+    if tenant.max_task_priority is not None:
+        return tenant.max_task_priority
+    return settings.scheduler_default_task_priority_ceiling
+
+
+def check_task_priority(tenant: Tenant, priority: int, settings: Settings) -> None:
+    """422 naming ``priority`` when a task asks for more than its tenant's ceiling."""
+    ceiling = task_priority_ceiling(tenant, settings)
+    if priority > ceiling:
+        raise ApiError(422, "priority_above_ceiling",
+                       f"priority {priority} is above this tenant's ceiling of {ceiling} (set by "
+                       "the operator); ask for at most that", param="priority")
 
 
 def queued_count(session: Session, tenant_id: str) -> int:
