@@ -1,13 +1,17 @@
-"""Adapter downloads: the best job of a task or any job, as a .tar.gz or .zip archive holding
-adapter_config.json + adapter_model.safetensors (what PeftModel.from_pretrained loads)."""
+"""Adapters: the portable adapter_config.json stored for every uploaded adapter (the registered
+model name, only fields PEFT, vLLM and LoRAX accept), and downloads of the best job of a task or
+any job, as a .tar.gz or .zip archive holding adapter_config.json + adapter_model.safetensors
+(what PeftModel.from_pretrained, vLLM's LoRARequest and LoRAX load)."""
 
 from __future__ import annotations
 
+import io
+import json
 import tarfile
 import tempfile
 import zipfile
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, BinaryIO, Literal
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -16,8 +20,80 @@ from service.errors import ApiError, conflict, not_found
 from service.models import Artifact, Job, Task
 from service.storage import CHUNK, Storage
 
+# The adapter_config.json fields that PEFT (0.6 and later), vLLM and LoRAX all read, and what
+# each must be for the adapter to load in all three (None: any value of the right type).
+PORTABLE_FIELDS: dict[str, Any] = {
+    "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None, "r": None,
+    "lora_alpha": None, "lora_dropout": None, "target_modules": None, "bias": "none",
+    "fan_in_fan_out": False, "init_lora_weights": None, "modules_to_save": None,
+    "inference_mode": None, "use_rslora": None,
+}
+# vLLM serves LoRA on the decoder's linears only (no lm_head / embedding LoRA).
+UNPORTABLE_TARGETS = frozenset({"lm_head", "embed_tokens", "wte", "wpe", "embed_out", "embed_in"})
 ArchiveFormat = Literal["tar.gz", "zip"]
 MEDIA_TYPES = {"tar.gz": "application/gzip", "zip": "application/zip"}
+
+
+def portable_config(cfg: object, base_model: str) -> dict:
+    """The adapter_config.json a tenant downloads: named after the registered base model (never
+    the worker's path to it), only PORTABLE_FIELDS, `use_rslora` only when true. ValueError for
+    a value no server could load (DoRA, bias, modules_to_save, LoRA on lm_head or embeddings, a
+    bad rank / alpha / target list)."""
+    if not isinstance(cfg, dict):
+        raise ValueError("adapter_config.json must be a JSON object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"peft_type {cfg.get('peft_type')!r}: only LORA adapters are served")
+    r, alpha, targets = cfg.get("r"), cfg.get("lora_alpha"), cfg.get("target_modules")
+    if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+        raise ValueError("r must be a positive integer")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)
+                              or alpha <= 0):
+        raise ValueError("lora_alpha must be a positive number")
+    if targets is not None and (not isinstance(targets, list) or not targets or not all(
+            isinstance(t, str) and t for t in targets)):
+        raise ValueError("target_modules must be a non-empty list of module names")
+    targets = targets or []
+    dropout = cfg.get("lora_dropout") or 0.0
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise ValueError("lora_dropout must be a number in [0, 1)")
+    dropout = float(dropout)
+    bad = sorted(set(targets) & UNPORTABLE_TARGETS)
+    if bad:
+        raise ValueError(f"target modules {bad} cannot be served as LoRA by vLLM / LoRAX")
+    if cfg.get("use_dora"):
+        raise ValueError("DoRA adapters are not served by vLLM")
+    if cfg.get("modules_to_save"):
+        raise ValueError("modules_to_save must be empty (vLLM loads LoRA weights only)")
+    if cfg.get("bias", "none") != "none":
+        raise ValueError("bias must be 'none'")
+    out = {k: v for k, v in PORTABLE_FIELDS.items() if v is not None}
+    out.update({
+        "base_model_name_or_path": base_model,
+        "lora_dropout": dropout,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    })
+    if r is not None:
+        out["r"] = r
+    if alpha is not None:
+        out["lora_alpha"] = int(alpha) if float(alpha).is_integer() else alpha
+    if targets:
+        out["target_modules"] = sorted(set(targets))
+    if cfg.get("use_rslora"):
+        out["use_rslora"] = True
+    return {k: out[k] for k in PORTABLE_FIELDS if k in out}
+
+
+def portable_config_file(src: BinaryIO, base_model: str) -> BinaryIO:
+    """portable_config of an uploaded adapter_config.json, as a new file; a 422 (param files)
+    for one that is not JSON or not portable."""
+    src.seek(0)
+    try:
+        cfg = portable_config(json.loads(src.read()), base_model)
+    except ValueError as exc:  # a JSONDecodeError too
+        raise ApiError(422, "invalid_adapter", f"adapter_config.json: {exc}", "files") from exc
+    return io.BytesIO(json.dumps(cfg, indent=2).encode())
 
 
 def job_adapter(session: Session, job: Job) -> Artifact:

@@ -17,6 +17,7 @@ from typing import BinaryIO
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
+from service.adapters import portable_config_file
 from service.cluster import cluster_changed, fail_or_requeue
 from service.config import Settings
 from service.errors import ApiError, conflict, invalid, not_found
@@ -164,17 +165,6 @@ def _check_safetensors(src: BinaryIO) -> None:
     src.seek(0)
 
 
-def _check_adapter_config(src: BinaryIO) -> None:
-    src.seek(0)
-    try:
-        cfg = json.loads(src.read())
-    except ValueError as exc:
-        raise invalid("adapter_config.json is not JSON", param="files") from exc
-    if not isinstance(cfg, dict):
-        raise invalid("adapter_config.json must be a JSON object", param="files")
-    src.seek(0)
-
-
 def store_artifact(session: Session, storage: Storage, task_id: str, meta: ArtifactMeta,
                    files: list[tuple[str, BinaryIO]], max_bytes: int) -> Artifact:
     """Store (or replace, same key: a retry) an adapter of a job or a checkpoint of the task,
@@ -196,8 +186,10 @@ def store_artifact(session: Session, storage: Storage, task_id: str, meta: Artif
         missing = [n for n in ADAPTER_FILES if n not in names]
         if missing:
             raise invalid(f"adapter is missing {', '.join(missing)}", param="files")
+        # What tenants download: the registered model name, only fields PEFT/vLLM/LoRAX accept
+        files = [(n, portable_config_file(src, task.base_model) if n == "adapter_config.json"
+                  else src) for n, src in files]
         blobs = dict(files)
-        _check_adapter_config(blobs["adapter_config.json"])
         _check_safetensors(blobs["adapter_model.safetensors"])
         key = f"adapter:{job.id}"  # one adapter per job: a new upload replaces it
     else:

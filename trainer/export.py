@@ -1,5 +1,6 @@
 """PEFT-format export of one job's adapter: adapter_config.json + adapter_model.safetensors with
-PEFT's key names, loadable by peft.PeftModel.from_pretrained (and by vLLM / LoRAX)."""
+PEFT's key names, loadable by peft.PeftModel.from_pretrained, vLLM and LoRAX. The config names the
+base model by its registered name (never a server path) and holds only fields all three accept."""
 
 from __future__ import annotations
 
@@ -11,25 +12,47 @@ import torch
 
 from trainer.multilora import JobAdapter
 
+# Modules an adapter must not target to load everywhere: vLLM serves LoRA on the decoder's
+# linears only (no lm_head / embedding LoRA, modules_to_save must be None), and LoRAX follows it.
+UNPORTABLE_TARGETS = frozenset({"lm_head", "embed_tokens", "wte", "wpe", "embed_out", "embed_in"})
+
+
+def model_label(base_model: str) -> str:
+    """What adapter_config.json names the base model by: the registered name, never a server
+    path. Given a path (a local model directory), only its last component."""
+    text = str(base_model).rstrip("/\\")
+    if "/" in text or "\\" in text:
+        looks_like_path = text.startswith(("/", ".", "~")) or ":\\" in text or Path(text).exists()
+        if looks_like_path:
+            return text.replace("\\", "/").rsplit("/", 1)[-1]
+    return text
+
 
 def peft_config_dict(adapter: JobAdapter, targets: list[str], base_model: str = "") -> dict:
-    """The adapter_config.json of a LoRA adapter (fields PEFT needs; the rest take defaults)."""
-    return {
+    """The adapter_config.json of a LoRA adapter, in the fields PEFT (0.6 and later), vLLM and
+    LoRAX all read: rank, alpha, targets, no bias, no modules_to_save, no DoRA; `use_rslora` only
+    when set (older PEFT has no such field, and its default is False)."""
+    bad = sorted(set(targets) & UNPORTABLE_TARGETS)
+    if bad:
+        raise ValueError(f"target modules {bad} cannot be served as LoRA by vLLM / LoRAX")
+    alpha = adapter.alpha
+    cfg = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
+        "base_model_name_or_path": model_label(base_model),
         "r": adapter.rank,
-        "lora_alpha": adapter.alpha,
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
         "lora_dropout": 0.0,
         "target_modules": sorted(targets),
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": adapter.use_rslora,
-        "use_dora": False,
         "init_lora_weights": True,
         "modules_to_save": None,
         "inference_mode": True,
     }
+    if adapter.use_rslora:
+        cfg["use_rslora"] = True
+    return cfg
 
 
 def export_peft(
