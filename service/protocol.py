@@ -38,15 +38,28 @@ INT32_MAX = 2**31 - 1
 
 
 _PATH = re.compile(r"(?:[A-Za-z]:)?[\\/](?:[\w.~@+-]+[\\/])+[\w.~@+-]*")
+# What else names the server's insides: URLs (hosts, credentials), Windows paths, relative paths
+# to source or data files, IP addresses.
+_HIDDEN = (
+    (re.compile(r"\b[A-Za-z][\w+.-]*://\S+"), "<url>"),
+    (re.compile(r"\b[A-Za-z]:\\[^\s'\"]*"), "<path>"),
+    (_PATH, "<path>"),
+    (re.compile(r"\b[\w.-]+(?:/[\w.-]+)*/[\w.-]+\.(?:py|pyc|so|json|jsonl|pt|bin|safetensors"
+                r"|log|txt|yaml|yml|cfg|ini|sh|cu|cpp|c|h)\b"), "<path>"),
+    (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"), "<address>"),
+)
 
 
 def tenant_safe(text: str, limit: int = 500) -> str:
     """An error message fit for a tenant: its first line only (no traceback), every filesystem
-    path replaced by <path>, at most `limit` characters. Workers and the service both apply it."""
+    path replaced by <path> (absolute, home, Windows, or a relative path to a file), URLs by
+    <url>, IP addresses by <address>, at most `limit` characters. Workers and the service both apply it."""
     first = next((line.strip() for line in text.splitlines() if line.strip()), "")
     if first.startswith("Traceback"):
         first = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
-    return _PATH.sub("<path>", first)[:limit]
+    for pattern, mask in _HIDDEN:
+        first = pattern.sub(mask, first)
+    return first[:limit]
 
 
 def node_queue_name(node_id: str) -> str:
