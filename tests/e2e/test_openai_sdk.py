@@ -1,7 +1,7 @@
 """The official `openai` Python SDK against the real stack (service with its scheduler, PostgreSQL,
 Redis, a real daemon training a tiny Llama on CPU), changing nothing but the base URL: files,
 fine_tuning.jobs create / list / retrieve / list_events / checkpoints.list / pause / resume /
-cancel for SFT (a search space of two learning rates, paused and resumed mid-training) and DPO
+cancel for SFT (a search space of two learning rates, paused and resumed) and DPO
 (a beta search space), models.retrieve, and the SDK's typed errors for bad input. One stack and
 one daemon serve the whole module."""
 
@@ -140,7 +140,7 @@ def test_sft_job_with_pause_resume_through_the_sdk(client, sdk_stack: Stack) -> 
         model="tiny", training_file=train, validation_file=val, suffix="sdk", seed=3,
         metadata={"suite": "sdk", "kind": "sft"},
         method={"type": "supervised", "supervised": {"hyperparameters": {
-            "n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": [100, 300],
+            "n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": [100, 300],
             "lora_rank": 4}}},
         extra_body=SFT_EXTRAS)
     assert job.object == "fine_tuning.job" and job.status in ("queued", "running")
@@ -154,10 +154,8 @@ def test_sft_job_with_pause_resume_through_the_sdk(client, sdk_stack: Stack) -> 
     assert [j.id for j in listed.data] == [job.id]
     assert client.fine_tuning.jobs.list(metadata={"kind": "none"}).data == []
 
-    # pause once it trains: it checkpoints, frees the GPU, and resumes where it stopped
-    wait_for(lambda: any(e.type == "metrics" for e in
-                         client.fine_tuning.jobs.list_events(job.id, limit=100).data),
-             180, f"first metrics\n{sdk_stack.daemon_log('node')[-3000:]}")
+    # pause at once (queued, or just started: then it checkpoints and stops first), resume;
+    # a pause mid-training is tests/e2e/test_pause_resume.py's, which checks the GPUs too
     paused = client.fine_tuning.jobs.pause(job.id)
     assert paused.status in ("pausing", "paused")
     wait_status(client, sdk_stack, job.id, ("paused",), 60)
@@ -178,7 +176,7 @@ def test_sft_job_with_pause_resume_through_the_sdk(client, sdk_stack: Stack) -> 
             steps[curve["job_id"]] = [p["step"] for p in curve["train"]]
         kinds = [e["type"] for e in http.get(f"/v1/tasks/{job.id}/events",
                                              params={"limit": 1000}).json()["data"]]
-    assert all(s == list(range(1, 37)) for s in steps.values()), steps  # each step once
+    assert all(s == list(range(1, 19)) for s in steps.values()), steps  # each step once
     assert "task_paused" in kinds and "task_resumed" in kinds
 
 
