@@ -30,6 +30,9 @@ EXTRA_ERRORS: dict[tuple[str, str], set[int]] = {
     ("get", "/v1/tasks/{task_id}/adapter"): {409},  # not succeeded (yet)
 }
 
+# Operations whose token is optional (without it they answer less).
+OPTIONAL_SECURITY = {("get", "/metrics")}
+
 
 def errors(*statuses: int, descriptions: dict[int, str] | None = None) -> dict[int | str, dict]:
     """`responses=` entries for error statuses, each with the error body schema."""
@@ -72,6 +75,8 @@ def add_error_responses(doc: dict) -> dict:
             if "multipart/form-data" in op.get("requestBody", {}).get("content", {}):
                 statuses.add(413)
             statuses |= EXTRA_ERRORS.get((method, path), set())
+            if (method, path) in OPTIONAL_SECURITY and {} not in op.get("security", [{}]):
+                op["security"].append({})
             responses = op.setdefault("responses", {})
             for status in sorted(statuses):
                 responses.setdefault(str(status), {"description": ERROR_DESCRIPTIONS[status]})

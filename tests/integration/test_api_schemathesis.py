@@ -40,14 +40,18 @@ def _auth(path: str, tenant_headers: dict, worker: dict) -> dict:
 
 
 def _fuzz(op: Any, strategy: Any, headers: dict, mode: GenerationMode, calls: dict,
-          failures: list[str]) -> None:
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+          failures: list[str], examples: int = EXAMPLES, want: int | None = None) -> None:
+    @settings(max_examples=examples, deadline=None, database=None,
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
     @given(case=strategy)
     def run(case: Any) -> None:
         case.headers = {**(case.headers or {}), **headers}
+        if want == 401:
+            case.headers = {k: v for k, v in case.headers.items() if k.lower() != "authorization"}
         response = case.call()
         calls["n"] += 1
+        if want is not None and response.status_code != want:
+            failures.append(f"{op.label} without a key -> {response.status_code}, not {want}")
         key = f"{op.label} {response.status_code}"
         calls["by_status"][key] = calls["by_status"].get(key, 0) + 1
         try:
@@ -97,6 +101,16 @@ def test_spec_fuzz_no_5xx_and_responses_conform(app, client, factory):  # noqa: 
             strategy = op.as_strategy(generation_mode=mode, path_parameters=path_parameters,
                                       query=query)
             _fuzz(op, strategy, headers, mode, calls, failures)
+    # without a key: every operation behind one answers 401, documented, in the error schema
+    keyed = 0
+    for op in operations:
+        security = op.definition.raw.get("security") or []
+        if security and {} not in security:  # {}: the key is optional (/metrics)
+            _fuzz(op, op.as_strategy(path_parameters={k: v for k, v in real.items()
+                                                      if "{" + k + "}" in op.path} or None),
+                  {}, GenerationMode.POSITIVE, calls, failures, examples=1, want=401)
+            keyed += 1
+    assert keyed >= 25, keyed
     print(f"schemathesis: {len(operations)} operations, {calls['n']} calls")  # noqa: T201
     assert calls["n"] >= len(operations) * 2
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:15])

@@ -92,3 +92,19 @@ def test_hostile_json_bodies_are_4xx(client, factory):  # noqa: ANN001
         assert 400 <= r.status_code < 500, r.text[:300]
         assert set(r.json()["error"]) >= {"code", "message", "param"}
     assert client.get("/v1/tasks", headers=t.headers).json()["data"] == []
+
+
+def test_every_integer_query_parameter_is_bounded(app):  # noqa: ANN001
+    """A new route with an unbounded integer parameter would reach PostgreSQL past int64 (a
+    500 or an unnamed 422): every integer parameter of the spec has a maximum within int64."""
+    doc = app.openapi()
+    seen = 0
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            for param in op.get("parameters", []):
+                schema = param.get("schema", {})
+                for s in [schema, *schema.get("anyOf", [])]:
+                    if s.get("type") == "integer":
+                        seen += 1
+                        assert s.get("maximum", 2**64) <= 2**63 - 1, (method, path, param["name"])
+    assert seen >= 5
