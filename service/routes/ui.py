@@ -63,10 +63,11 @@ def static(name: str) -> FileResponse:
                                             "events, points by job and split, reset), `end`."}})
 def task_live(request: Request, session: SessionDep, tenant: TenantDep, task_id: str,
               max_points: Annotated[int, Query(ge=4, le=100_000)] = 500,
-              duration_s: Annotated[float, Query(gt=0, le=600)] = 60) -> StreamingResponse:
+              duration_s: Annotated[float, Query(gt=0, le=600)] = 20) -> StreamingResponse:
     """The task as it trains: a first `update` with everything (curves downsampled to
     max_points), then one per second with what changed; `end` when the task has ended or after
-    duration_s (reconnect for more)."""
+    duration_s (reconnect for more). Streams stay short so that a restarting API process, which
+    lets open responses finish, is never held long by a dashboard left open."""
     tasks.get_task(session, tenant, task_id)  # 404 for another tenant's task, before streaming
     sessionmaker = request.app.state.sessionmaker
     tenant_id = tenant.id

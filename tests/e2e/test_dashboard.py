@@ -35,6 +35,7 @@ if not (CHROMIUM and CHROMEDRIVER):
 pytest.importorskip("selenium")
 
 from selenium import webdriver  # noqa: E402
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.chrome.options import Options  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -50,7 +51,7 @@ def downloads(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def browser(downloads: Path) -> Iterator[webdriver.Chrome]:
+def chromium(downloads: Path) -> Iterator[webdriver.Chrome]:
     opts = Options()
     opts.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
@@ -67,6 +68,14 @@ def browser(downloads: Path) -> Iterator[webdriver.Chrome]:
         driver.quit()
 
 
+@pytest.fixture
+def browser(stack: Stack, chromium: webdriver.Chrome) -> Iterator[webdriver.Chrome]:
+    """The browser for one test on its stack; leaves the page before the stack stops (an open
+    live stream would hold the API's graceful shutdown)."""
+    yield chromium
+    chromium.get("about:blank")
+
+
 def q(driver: webdriver.Chrome, css: str):  # noqa: ANN201 - a WebElement
     return driver.find_element(By.CSS_SELECTOR, css)
 
@@ -79,9 +88,28 @@ def wait_css(driver: webdriver.Chrome, css: str, timeout: float = 20, what: str 
     return wait_for(lambda: (found := qs(driver, css)) and found[0], timeout, what or css)
 
 
+def click(driver: webdriver.Chrome, css: str) -> None:
+    """A real click; again when the page redrew the element in between (live updates)."""
+    for _ in range(5):
+        try:
+            q(driver, css).click()
+            return
+        except StaleElementReferenceException:
+            time.sleep(0.1)
+    q(driver, css).click()
+
+
+def attrs(driver: webdriver.Chrome, css: str, *names: str) -> list[tuple]:
+    """The named attributes (or "text") of every element matching css, read in one step."""
+    return [tuple(row) for row in driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map(e => arguments[1].map("
+        "n => n === 'text' ? e.innerText : e.getAttribute(n)))", css, list(names))]
+
+
 def text(driver: webdriver.Chrome, css: str) -> str:
-    found = qs(driver, css)
-    return found[0].text if found else ""
+    """The element's visible text, read in one step (the page redraws parts as updates come)."""
+    return driver.execute_script(
+        "const e = document.querySelector(arguments[0]); return e ? e.innerText.trim() : ''", css)
 
 
 def sign_in(driver: webdriver.Chrome, stack: Stack, key: str, operator: str = "") -> None:
@@ -91,7 +119,7 @@ def sign_in(driver: webdriver.Chrome, stack: Stack, key: str, operator: str = ""
     wait_css(driver, "#api-key").send_keys(key)
     if operator:
         q(driver, "#op-token").send_keys(operator)
-    q(driver, "#btn-sign-in").click()
+    click(driver, "#btn-sign-in")
 
 
 def screenshot(driver: webdriver.Chrome, name: str) -> None:
@@ -149,7 +177,7 @@ def test_another_tenants_key_sees_nothing(stack: Stack, browser: webdriver.Chrom
 def create_task_from_page(driver: webdriver.Chrome, tmp_path: Path) -> str:
     """Fill the new-task form (upload both files, model, search space, early exit), look at the
     dry-run estimate when the API has one, create; the task's id from the page it opens."""
-    train = write_jsonl(tmp_path / "train.jsonl", rows(96, 1))
+    train = write_jsonl(tmp_path / "train.jsonl", rows(64, 1))
     val = write_jsonl(tmp_path / "val.jsonl", rows(8, 2))
     wait_for(lambda: qs(driver, "#f-model option"), 20, "the model list")
     q(driver, "#f-train").send_keys(str(train))
@@ -164,11 +192,11 @@ def create_task_from_page(driver: webdriver.Chrome, tmp_path: Path) -> str:
         "max_seq_len": 48, "eval": {"eval_every_steps": 3, "eval_max_samples": 8},
         "early_exit": {"warmup_fraction": 0.25, "keep_fraction": 0.5}}))
     if q(driver, "#btn-estimate").is_enabled():  # POST /v1/tasks?dry_run=true is there
-        q(driver, "#btn-estimate").click()
+        click(driver, "#btn-estimate")
         est = wait_for(lambda: (e := q(driver, "#estimate")).is_displayed() and e, 30,
                        f"the estimate ({text(driver, '#create-msg')})")
         assert "Jobs" in est.text and "\n2\n" in f"{est.text}\n", est.text
-    q(driver, "#btn-create").click()
+    click(driver, "#btn-create")
     wait_for(lambda: "#/task/" in driver.current_url, 60,
              f"the new task's page ({text(driver, '#create-msg')})")
     return driver.current_url.rsplit("#/task/", 1)[1]
@@ -214,6 +242,13 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     assert task_state(http, task_id) in ("running", "succeeded")
     assert browser.execute_script("return window.__sameLoad") == "yes"  # no reload
 
+    # The tasks list mid-run: one running, one waiting, with their planned start and finish.
+    browser.get(f"{stack.url}/ui/#/tasks")
+    wait_css(browser, f'#tasks-body tr[data-task="{waiting}"]', what="the list")
+    listed = dict(attrs(browser, "#tasks-body tr[data-task]", "data-task", "text"))
+    assert "running" in listed[task_id] and "planned" in listed[waiting], listed
+    screenshot(browser, "dashboard-tasks.png")
+
     # The cluster: the node, its GPU, the running task and the one waiting on the timeline.
     browser.get(f"{stack.url}/ui/#/cluster")
     wait_css(browser, "#nodes-body tr[data-node]", what="the node row")
@@ -228,15 +263,15 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     # Pause (when the API has it) and cancel the waiting task from its page.
     browser.get(f"{stack.url}/ui/#/task/{waiting}")
     wait_for(lambda: text(browser, "#task-state"), 20, "the waiting task's page")
-    q(browser, "#btn-pause").click()
+    click(browser, "#btn-pause")
     msg = wait_for(lambda: text(browser, "#task-msg"), 20, "pause's answer")
     if msg.startswith("Pause failed"):
         assert len(msg) > len("Pause failed: "), msg  # the API's own error, shown
     else:
         wait_for(lambda: text(browser, "#task-state") == "paused", 20, "paused")
-        q(browser, "#btn-resume").click()
+        click(browser, "#btn-resume")
         wait_for(lambda: text(browser, "#task-state") not in ("paused", ""), 20, "resumed")
-    q(browser, "#btn-cancel").click()
+    click(browser, "#btn-cancel")
     wait_for(lambda: text(browser, "#task-state") == "cancelled", 30, "the cancel on the page")
     assert task_state(http, waiting) == "cancelled"
 
@@ -248,21 +283,26 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     jobs = http.get(f"/v1/tasks/{task_id}/jobs").json()["data"]
     exited = [j for j in jobs if j["state"] == "exited"]
     assert exited, jobs
-    marks = wait_for(lambda: qs(browser, ".exit-marker"), 20, "an early-exit marker")
-    assert {(m.get_attribute("data-job"), m.get_attribute("data-reason")) for m in marks} == {
-        (j["id"], j["exit_reason"]) for j in exited}
-    rows_ = wait_for(lambda: (r := qs(browser, "#leaderboard-body tr")) and len(r) == 2 and r,
-                     20, "the leaderboard")
-    board = {r.get_attribute("data-job"): r.text for r in rows_}
+    marks = wait_for(lambda: attrs(browser, ".exit-marker", "data-job", "data-reason"), 20,
+                     "an early-exit marker")
+    assert set(marks) == {(j["id"], j["exit_reason"]) for j in exited}
+    wait_for(lambda: len(qs(browser, "#leaderboard-body tr")) == 2, 20, "the leaderboard")
+    board = dict(attrs(browser, "#leaderboard-body tr", "data-job", "text"))
     for j in exited:
         assert j["exit_reason"] in board[j["id"]]
+    # the event log is the task's events, each once, in order (across the stream's reconnects)
+    logged = [int(i) for (i,) in attrs(browser, "#events li", "data-id")]
+    api_events = http.get(f"/v1/tasks/{task_id}/events", params={"limit": 1000}).json()["data"]
+    assert logged == [e["id"] for e in api_events]
+    assert "job_exited" in text(browser, "#events")
     # every point of the curves is on the chart (100 loss points are under max_points)
     curves = http.get(f"/v1/tasks/{task_id}/metrics").json()["jobs"]
     total = sum(len(c["train"]) + len(c["val"]) for c in curves)
     wait_for(lambda: chart_points(browser) == total, 10, f"{total} points on the chart")
     for c in curves:
-        path = q(browser, f'#loss-chart path[data-job="{c["job_id"]}"][data-split="train"]')
-        assert int(path.get_attribute("data-points")) == len(c["train"])
+        [(n,)] = attrs(browser, f'#loss-chart path[data-job="{c["job_id"]}"][data-split="train"]',
+                       "data-points")
+        assert int(n) == len(c["train"])
     # server-side downsampling keeps the first and the last step (where the exit happened)
     small = http.get(f"/v1/tasks/{task_id}/metrics", params={"max_points": 4}).json()["jobs"]
     for c, s in zip(curves, small, strict=True):
@@ -270,25 +310,27 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
         assert s["train"][-1] == c["train"][-1]
 
     # Sort the leaderboard by best validation loss, both ways.
-    header = q(browser, '#leaderboard th[data-sort="best_val_loss"]')
-    header.click()
-    order = [r.get_attribute("data-job") for r in qs(browser, "#leaderboard-body tr")]
+    click(browser, '#leaderboard th[data-sort="best_val_loss"]')
+    order = [r for (r,) in attrs(browser, "#leaderboard-body tr", "data-job")]
     by_loss = sorted(jobs, key=lambda j: (j["best_val_loss"] is None, j["best_val_loss"] or 0))
     want = [j["id"] for j in by_loss]
-    if q(browser, '#leaderboard th[data-sort="best_val_loss"]').get_attribute(
-            "aria-sort") == "descending":
+    if attrs(browser, '#leaderboard th[data-sort="best_val_loss"]', "aria-sort") == [
+            ("descending",)]:
         want = [j["id"] for j in reversed(by_loss) if j["best_val_loss"] is not None] + [
             j["id"] for j in by_loss if j["best_val_loss"] is None]
     assert order == want, (order, want)
-    q(browser, '#leaderboard th[data-sort="index"]').click()
-    assert [r.get_attribute("data-job") for r in qs(browser, "#leaderboard-body tr")] == [
+    click(browser, '#leaderboard th[data-sort="index"]')
+    assert [r for (r,) in attrs(browser, "#leaderboard-body tr", "data-job")] == [
         j["id"] for j in sorted(jobs, key=lambda j: j["index"])]
+    browser.set_window_size(1280, 1500)  # the curves, the leaderboard and the events
+    time.sleep(0.3)
     screenshot(browser, "dashboard-task.png")
+    browser.set_window_size(1280, 1000)
 
     # Download the best adapter from the page and load it with PEFT.
     best = http.get(f"/v1/tasks/{task_id}").json()["best_job_id"]
     assert best
-    q(browser, "#btn-best").click()
+    click(browser, "#btn-best")
     archive = wait_for(lambda: [p for p in downloads.glob("*.tar.gz")], 30,
                        f"the download ({text(browser, '#task-msg')})")[0]
     wait_for(lambda: not list(downloads.glob("*.crdownload")), 10, "the download to finish")
@@ -304,11 +346,95 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     tuned = PeftModel.from_pretrained(base, out)
     assert any("lora_" in n for n, _ in tuned.named_parameters())
 
-    # The tasks list: both tasks with their states.
+    # The tasks list: both tasks with their final states.
     browser.get(f"{stack.url}/ui/#/tasks")
     wait_css(browser, f'#tasks-body tr[data-task="{task_id}"]', what="the list")
-    listed = text(browser, "#tasks-body")
-    assert "succeeded" in listed and "cancelled" in listed
-    screenshot(browser, "dashboard-tasks.png")
+    listed = dict(attrs(browser, "#tasks-body tr[data-task]", "data-task", "text"))
+    assert "succeeded" in listed[task_id] and "cancelled" in listed[waiting], listed
     http.close()
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"
+              and "Failed to load resource" not in e["message"]]  # the API's 4xx answers
+    assert not errors, errors  # no script error, no CSP violation
     assert time.monotonic() - started < 240
+
+
+def test_sixty_jobs_of_thousands_of_points_stay_usable(stack: Stack, browser: webdriver.Chrome
+                                                         ) -> None:
+    """A 60-job task with 3,000 train and 300 validation points per job (198,000 points; a spike
+    at one step, some jobs exited): the page gets each curve downsampled by the server, keeps
+    the spike and the exits, draws within seconds, and fits a narrow window."""
+    from sqlalchemy import create_engine
+    from sqlalchemy import text as sql
+
+    with stack.http() as http:
+        train = upload_jsonl(http, "train.jsonl", rows(16, 1))
+        r = http.post("/v1/tasks", json={
+            "base_model": "tiny", "training_file": train,
+            "search_space": {"learning_rate": [1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3],
+                             "lora_rank": [2, 4, 8, 16, 32, 64, 96, 128, 192, 256]}})
+        assert r.status_code == 201, r.text
+        task_id = r.json()["id"]
+        engine = create_engine(stack.db_url.replace("postgresql://", "postgresql+psycopg://"))
+        with engine.begin() as conn:
+            conn.execute(sql(
+                "UPDATE jobs SET state = 'exited', exit_reason = 'diverging', last_step = 1500 "
+                "WHERE task_id = :t AND index % 7 = 3"), {"t": task_id})
+            conn.execute(sql(
+                "INSERT INTO metric_points (task_id, job_id, step, split, loss, created_at) "
+                "SELECT j.task_id, j.id, s.s, 'train', 2 + 3.0 / s.s + j.index * 0.01 + random() * 0.05, now() "
+                "FROM jobs j CROSS JOIN generate_series(1, 3000) AS s(s) WHERE j.task_id = :t "
+                "AND (j.state <> 'exited' OR s.s <= 1500)"), {"t": task_id})
+            conn.execute(sql(
+                "INSERT INTO metric_points (task_id, job_id, step, split, loss, created_at) "
+                "SELECT j.task_id, j.id, s.s * 10, 'val', 2.1 + 3.0 / s.s + j.index * 0.01, now() "
+                "FROM jobs j CROSS JOIN generate_series(1, 300) AS s(s) WHERE j.task_id = :t"),
+                {"t": task_id})
+            conn.execute(sql("UPDATE metric_points SET loss = 40 WHERE task_id = :t AND "
+                             "step = 1234 AND split = 'train' AND job_id = (SELECT id FROM jobs "
+                             "WHERE task_id = :t AND index = 0)"), {"t": task_id})
+        engine.dispose()
+        jobs = http.get(f"/v1/tasks/{task_id}/jobs").json()["data"]
+        t0 = time.perf_counter()
+        full = http.get(f"/v1/tasks/{task_id}/metrics")
+        t_full = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        small = http.get(f"/v1/tasks/{task_id}/metrics", params={"max_points": 500})
+        t_small = time.perf_counter() - t0
+    curves = small.json()["jobs"]
+    assert len(curves) == 60 and all(len(c["train"]) <= 500 for c in curves)
+    spiked = next(c for c in curves if c["index"] == 0)
+    assert [1234, 40.0] in [[p["step"], p["loss"]] for p in spiked["train"]]
+    total = sum(len(c["train"]) + len(c["val"]) for c in curves)
+    print(f"\n60 jobs: full curves {len(full.content) / 1e6:.1f} MB in {t_full:.2f} s, "
+          f"max_points=500 {len(small.content) / 1e6:.2f} MB in {t_small:.2f} s, {total} points")
+
+    sign_in(browser, stack, stack.api_key)
+    wait_css(browser, "#tasks-body tr[data-task]", what="the list")
+    t0 = time.perf_counter()
+    browser.get(f"{stack.url}/ui/#/task/{task_id}")
+    wait_for(lambda: chart_points(browser) == total, 30, f"{total} points on the chart")
+    drawn = time.perf_counter() - t0
+    print(f"60 jobs: page drawn in {drawn:.2f} s")
+    assert drawn < 15
+    exited = {j["id"] for j in jobs if j["state"] == "exited"}
+    assert {m for (m,) in attrs(browser, ".exit-marker", "data-job")} == exited
+    assert len(qs(browser, "#leaderboard-body tr")) == 60
+    assert browser.execute_script(
+        "return window.__lpxTask.curves[arguments[0]].train.some(p => p[0] === 1234 && p[1] === 40)",
+        spiked["job_id"])
+    t0 = time.perf_counter()  # a redraw (toggle a series) stays interactive
+    click(browser, "#show-val")
+    wait_for(lambda: chart_points(browser) < total, 10, "the redraw")
+    print(f"60 jobs: redraw in {time.perf_counter() - t0:.2f} s")
+
+    browser.set_window_size(400, 900)  # a narrow window: nothing wider than the page
+    try:
+        for page in (f"#/task/{task_id}", "#/tasks"):
+            browser.get(f"{stack.url}/ui/{page}")
+            wait_css(browser, "#leaderboard-body tr, #tasks-body tr[data-task]", what=page)
+            time.sleep(0.3)
+            over = browser.execute_script(
+                "return document.documentElement.scrollWidth - window.innerWidth")
+            assert over <= 0, (page, over)
+    finally:
+        browser.set_window_size(1280, 1000)

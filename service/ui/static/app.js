@@ -459,10 +459,14 @@ function taskView(main, taskId) {
     });
   }
 
-  function renderEvents(list) {
+  let lastEventId = -1;
+  function renderEvents(all) {
+    const list = all.filter((e) => e.id > lastEventId); // a reconnect's snapshot repeats some
+    if (!list.length) return;
+    lastEventId = list[list.length - 1].id;
     const atBottom = log.parentElement && log.parentElement.scrollTop + log.parentElement.clientHeight >= log.parentElement.scrollHeight - 4;
     for (const e of list) {
-      log.appendChild(h("li", { class: `ev ${e.level}`, "data-type": e.type },
+      log.appendChild(h("li", { class: `ev ${e.level}`, "data-type": e.type, "data-id": e.id },
         h("time", { title: e.created_at }, new Date(e.created_at).toLocaleTimeString()), " ",
         h("b", {}, e.type), e.job_id ? h("span", { class: "muted" }, ` ${short(e.job_id)}`) : "", " ", e.message || ""));
     }
