@@ -11,12 +11,23 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import Stack, wait_for
-from tests.e2e.test_chaos import CHECKPOINT_EVERY, check_guarantees, checkpoints, start_task
+from tests.e2e.conftest import Stack, upload_jsonl, wait_for
+from tests.e2e.test_chaos import CHECKPOINT_EVERY, check_guarantees, checkpoints, rows
 from tests.e2e.test_daemon_loop import events, executor_pid, pid_alive
 from tests.e2e.test_train_e2e import models_yaml  # noqa: F401 - the tiny Llama as "tiny"
 
 pytest.importorskip("torch")
+STEPS = 24  # 48 records x 2 epochs / batch 4, per job
+
+
+def start_task(http) -> str:  # noqa: ANN001
+    r = http.post("/v1/tasks", json={
+        "base_model": "tiny", "training_file": upload_jsonl(http, "train.jsonl", rows(48, 1)),
+        "validation_file": upload_jsonl(http, "val.jsonl", rows(8, 2)), "epochs": 2,
+        "max_seq_len": 48, "search_space": {"learning_rate": [1e-2, 3e-2], "batch_size": [4]},
+        "early_exit": {"enabled": False}, "eval": {"eval_every_steps": 8, "eval_max_samples": 8}})
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
 
 
 def trained_steps(stack: Stack, placement_id: str) -> list[int]:
@@ -37,7 +48,7 @@ def trained_steps(stack: Stack, placement_id: str) -> list[int]:
 def test_pause_frees_the_gpus_and_resume_continues_from_the_checkpoint(stack: Stack) -> None:
     stack.daemon("node", env={"LORAPLEX_CHECKPOINT_EVERY": str(CHECKPOINT_EVERY)})
     with stack.http() as http, stack.operator() as op:
-        task_id = start_task(stack, http)  # the scheduler places it
+        task_id = start_task(http)  # the scheduler places it
         wait_for(lambda: checkpoints(http, task_id), 120,
                  f"a first checkpoint\n{stack.daemon_log('node')}")
         pid = executor_pid(stack, "node")
@@ -57,10 +68,10 @@ def test_pause_frees_the_gpus_and_resume_continues_from_the_checkpoint(stack: St
         paused_at = checkpoints(http, task_id)[-1]  # the checkpoint the pause wrote
         before = trained_steps(stack, first)
         assert max(before) == paused_at, (max(before), paused_at)  # at a step boundary
-        assert paused_at < 36  # mid-training: 72 records x 2 epochs / batch 4 = 36 steps
+        assert paused_at < STEPS, paused_at  # mid-training
         job = http.get(f"/v1/fine_tuning/jobs/{task_id}").json()
         assert job["status"] == "paused"
-        time.sleep(3)  # replans (every second) leave a paused task alone
+        time.sleep(2)  # replans (every second) leave a paused task alone
         assert stack.sql("SELECT count(*) FROM placements WHERE task_id = :t AND state IN "
                          "('planned', 'published', 'claimed', 'running')", t=task_id) == [(0,)]
         assert http.get(f"/v1/tasks/{task_id}").json()["state"] == "paused"
