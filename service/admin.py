@@ -1,6 +1,14 @@
 """Operator commands: ``python -m service.admin migrate`` (Alembic upgrade head),
 ``create-tenant NAME`` (prints the API key once), ``create-key``, ``revoke-key``,
-``set-limit NAME [--max-gpus N|none] [--max-queued-tasks N|none]``, ``list-tenants``."""
+``set-limit NAME [--max-gpus N|none] [--max-queued-tasks N|none] [--guaranteed-gpus N|none]
+[--priority P] [--max-task-priority P|none]``, ``list-tenants``.
+
+Scheduling knobs an operator sets per tenant (service/scheduler/planner.py uses them):
+--priority 0-10 weights the tenant's tasks against other tenants' (default 0); --max-task-priority
+0-10 is the highest priority its tasks may ask for themselves (none: the configured default,
+LORAPLEX_SCHEDULER_DEFAULT_TASK_PRIORITY_CEILING); --guaranteed-gpus is a share lent to others
+while idle and reclaimed (by pausing a borrower at a checkpoint) when the tenant needs it;
+--max-gpus is a hard cap, borrowing included."""
 
 from __future__ import annotations
 
@@ -31,6 +39,20 @@ def _limit(value: str) -> int | None:
     if n < 0:
         raise argparse.ArgumentTypeError("a limit cannot be negative")
     return n
+
+
+def _priority(value: str) -> int | None:
+    """A priority on the command line: 0-10, or 'none' (for a ceiling: the default)."""
+    limit = _limit(value)
+    if limit is not None and limit > 10:
+        raise argparse.ArgumentTypeError("a priority is 0 to 10")
+    return limit
+
+
+def _describe(t: Tenant) -> str:
+    return (f"max_gpus={t.max_gpus}\tmax_queued_tasks={t.max_queued_tasks}\t"
+            f"guaranteed_gpus={t.guaranteed_gpus}\tpriority={t.priority}\t"
+            f"max_task_priority={t.max_task_priority}")
 
 
 def migrate(database_url: str, revision: str = "head") -> None:
@@ -65,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-queued-tasks", type=_limit, default=_KEEP, metavar="N|none",
                    help="tasks it may have neither running nor finished; over it POST /v1/tasks "
                         "answers 429 ('none': no limit)")
+    p.add_argument("--guaranteed-gpus", type=_limit, default=_KEEP, metavar="N|none",
+                   help="GPUs guaranteed to the tenant: lent to others while it does not use "
+                        "them, reclaimed by preemption when it does ('none': no guarantee)")
+    p.add_argument("--priority", type=_priority, default=_KEEP, metavar="P",
+                   help="the tenant's scheduling priority, 0-10 (default 0)")
+    p.add_argument("--max-task-priority", type=_priority, default=_KEEP, metavar="P|none",
+                   help="highest priority (0-10) a task of the tenant may ask for; above it "
+                        "POST /v1/tasks answers 422 ('none': the service default)")
     sub.add_parser("list-tenants")
     args = parser.parse_args(argv)
     settings = get_settings()
@@ -102,19 +132,22 @@ def main(argv: list[str] | None = None) -> int:
             if tenant is None:
                 print(f"error: no tenant {args.name!r}", file=sys.stderr)
                 return 1
-            if args.max_gpus is _KEEP and args.max_queued_tasks is _KEEP:
-                print("error: give --max-gpus and/or --max-queued-tasks", file=sys.stderr)
+            knobs = ("max_gpus", "max_queued_tasks", "guaranteed_gpus", "priority",
+                     "max_task_priority")
+            given = {k: getattr(args, k) for k in knobs if getattr(args, k) is not _KEEP}
+            if not given:
+                print("error: give at least one of --max-gpus, --max-queued-tasks, "
+                      "--guaranteed-gpus, --priority, --max-task-priority", file=sys.stderr)
                 return 2
-            if args.max_gpus is not _KEEP:
-                tenant.max_gpus = args.max_gpus
-            if args.max_queued_tasks is not _KEEP:
-                tenant.max_queued_tasks = args.max_queued_tasks
-            print(f"{tenant.name}: max_gpus={tenant.max_gpus} "
-                  f"max_queued_tasks={tenant.max_queued_tasks}", file=sys.stderr)
+            if given.get("priority", 0) is None:
+                print("error: --priority is 0 to 10", file=sys.stderr)
+                return 2
+            for k, v in given.items():
+                setattr(tenant, k, v)
+            print(f"{tenant.name}: {_describe(tenant)}", file=sys.stderr)
         else:
             for t in session.scalars(select(Tenant).order_by(Tenant.created_at)):
-                print(f"{t.id}\t{t.name}\tmax_gpus={t.max_gpus}\t"
-                      f"max_queued_tasks={t.max_queued_tasks}")
+                print(f"{t.id}\t{t.name}\t{_describe(t)}")
     return 0
 
 

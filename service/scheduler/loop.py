@@ -6,9 +6,15 @@ service.cluster.cluster_changed (by the app's background replanner thread, or in
 and by the replanner's periodic pass; it flushes but never commits (the caller does). Rules:
 - a task with a published|claimed|running placement is pinned there (never moved);
 - a queued task's old ``planned`` row is kept when the new plan agrees with it, else superseded;
-- bounded waiting: a task's start may not move past its first planned start of this attempt plus
-  ``max_delay_s`` (dropped for the whole replan when that is infeasible, e.g. a node went down);
-- time is discretised to ``unit_s`` seconds (default 60); durations are rounded up.
+- bounded waiting counts from the task's arrival (created_at): ``scheduler_max_wait_s``, soft and
+  per task (planner.py);
+- priorities: the tenant's operator-set priority, and the task's own clamped to the tenant's
+  ceiling (``max_task_priority``, else ``scheduler_default_task_priority_ceiling``);
+- quotas: ``max_gpus`` is a hard cap, ``guaranteed_gpus`` a share lent out while idle; the running
+  tasks the plan preempts to reclaim it are asked to pause at a checkpoint and requeue
+  (service.tasks.request_pause); their GPUs go to the owner at the replan after they stop;
+- time is discretised to ``unit_s`` seconds (default 60); durations are rounded up; the solver
+  has a deterministic work limit (``scheduler_work_limit``): the same state gives the same plan.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from service.scheduler.estimator import (
     TaskWork,
     gpu_spec,
 )
+from service.scheduler.limits import task_priority_ceiling
 from service.scheduler.planner import (
     Hint,
     Instance,
@@ -61,9 +68,10 @@ from service.scheduler.planner import (
 log = logging.getLogger("loraplex.scheduler")
 
 _LOCK_KEY = 0x4C4F5241  # pg advisory lock: one replan at a time across API replicas
-DEFAULT_MAX_DELAY_S = 3600
+DEFAULT_MAX_WAIT_S = 4 * 3600
 DEFAULT_UNIT_S = 60
-DEFAULT_TIME_LIMIT_S = 1.0
+DEFAULT_TIME_LIMIT_S = 10.0
+DEFAULT_WORK_LIMIT = 0.1
 
 
 @dataclass
@@ -152,8 +160,10 @@ def build_instance(session: Session, settings: Settings, now: datetime
         rows.setdefault(p.task_id, []).append(p)
     files = {f.id: f for f in session.scalars(
         select(File).where(File.id.in_({t.training_file_id for t in tasks})))}
-    limits = {t.id: t.max_gpus for t in session.scalars(
-        select(Tenant).where(Tenant.max_gpus.is_not(None)))}
+    tenants = {t.id: t for t in session.scalars(
+        select(Tenant).where(Tenant.id.in_({t.tenant_id for t in tasks})))}
+    limits = {k: t.max_gpus for k, t in tenants.items() if t.max_gpus is not None}
+    guaranteed = {k: t.guaranteed_gpus for k, t in tenants.items() if t.guaranteed_gpus}
     registry = ModelRegistry(settings.models_file)
     shapes, minimum = {}, {}
     for name in {t.base_model for t in tasks}:
@@ -161,7 +171,7 @@ def build_instance(session: Session, settings: Settings, now: datetime
     est = Estimator(shapes, _profiles(session, shapes))
     gpu_types = {n.gpu_type: gpu_spec(n.gpu_type, n.gpu_memory_bytes or None,
                                       _tflops(n.meta)) for n in nodes}
-    max_delay = int(_knob(settings, "scheduler_max_delay_s", DEFAULT_MAX_DELAY_S))
+    max_wait = int(_knob(settings, "scheduler_max_wait_s", DEFAULT_MAX_WAIT_S))
     specs = []
     for task in tasks:
         work = _work(task, jobs.get(task.id, []), files.get(task.training_file_id))
@@ -172,8 +182,14 @@ def build_instance(session: Session, settings: Settings, now: datetime
                                     _measured_rate(work, since, now))
                    for gt, spec in gpu_types.items()}
         g, d = next(iter(by_type.values()), (minimum[task.base_model], 3600))
+        tenant = tenants.get(task.tenant_id)
+        ceiling = (task_priority_ceiling(tenant, settings) if tenant is not None
+                   else task.priority)
+        arrival = int((task.created_at - now).total_seconds())
         common = dict(id=task.id, tenant=task.tenant_id, gpus_needed=g, duration_s=d,
-                      priority=task.priority, by_gpu_type=by_type)
+                      priority=min(task.priority, ceiling), by_gpu_type=by_type,
+                      tenant_priority=tenant.priority if tenant is not None else 0,
+                      arrival_s=min(0, arrival))
         if active is not None:
             node_type = next((n.gpu_type for n in nodes if n.id == active.node_id), None)
             start = active.claimed_at or active.published_at or active.planned_start
@@ -183,20 +199,18 @@ def build_instance(session: Session, settings: Settings, now: datetime
             common["gpus_needed"] = len(active.gpu_indices)
             common["by_gpu_type"] = {}
             specs.append(TaskSpec(**common, state="running", pinned=Pinned(
-                active.node_id, tuple(active.gpu_indices), min(0, started))))
+                active.node_id, tuple(active.gpu_indices), min(0, started)),
+                preemptible=active.stop_requested is None))
             continue
-        attempt_rows = [p for p in mine if p.attempt == _attempt(mine)]
         planned = next((p for p in reversed(mine) if p.state == "planned"), None)
         hint = max_start = None
         if planned is not None:
             hint = Hint(planned.node_id, max(0, int((planned.planned_start - now).total_seconds())),
                         tuple(planned.gpu_indices))
-        if attempt_rows:
-            first = min(p.planned_start for p in attempt_rows)
-            max_start = max(0, int((first - now).total_seconds()) + max_delay)
+        max_start = min(0, arrival) + max_wait
         specs.append(TaskSpec(**common, hint=hint, max_start_s=max_start))
     node_specs = [NodeSpec(n.id, n.gpu_type, n.gpu_count, up=n.state == "up") for n in nodes]
-    return Instance(node_specs, specs, limits), rows
+    return Instance(node_specs, specs, limits, guaranteed), rows
 
 
 def _profiles(session: Session, models: Iterable[str]
@@ -220,16 +234,42 @@ def _attempt(rows: list[Placement]) -> int:
     return 1 + sum(p.state == "failed" for p in rows)
 
 
+def solve_options(settings: Settings) -> SolveOptions:
+    """The planner's options from the service settings (the bench uses the same)."""
+    return SolveOptions(
+        unit_s=int(_knob(settings, "scheduler_unit_s", DEFAULT_UNIT_S)),
+        work_limit=float(_knob(settings, "scheduler_work_limit", DEFAULT_WORK_LIMIT)),
+        time_limit_s=float(_knob(settings, "scheduler_time_limit_s", DEFAULT_TIME_LIMIT_S)),
+        fairness=float(getattr(settings, "scheduler_fairness", 0.25)))
+
+
+def _preempt(session: Session, plan: Plan, settings: Settings) -> None:
+    """Ask the running tasks the plan preempts (quota reclaim) to pause at a checkpoint and
+    requeue; a task that ended meanwhile is left alone."""
+    from service.errors import ApiError
+    from service.tasks import request_pause
+
+    for task_id in plan.preempt:
+        task = session.scalar(select(Task).where(Task.id == task_id).with_for_update())
+        if task is None or task.state != "running":
+            continue
+        try:
+            request_pause(session, task, requeue=True, settings=settings,
+                          reason="its GPUs are reclaimed for a tenant's guaranteed share")
+        except ApiError:
+            continue
+        log.info("quota reclaim: preempting task=%s", task_id)
+
+
 def replan(session: Session, settings: Settings) -> Plan:
     """Replan every unfinished task; write planned rows and publish what starts now."""
     global _last
     session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK_KEY})
     now = utcnow()
     unit = int(_knob(settings, "scheduler_unit_s", DEFAULT_UNIT_S))
-    limit = float(_knob(settings, "scheduler_time_limit_s", DEFAULT_TIME_LIMIT_S))
     inst, rows = build_instance(session, settings, now)
-    plan = solve(inst, SolveOptions(unit_s=unit, time_limit_s=limit,
-                                    secondary_time_limit_s=limit / 2))
+    plan = solve(inst, solve_options(settings))
+    _preempt(session, plan, settings)
     # Off the request path a cancel or completion can commit while the solver runs: lock the
     # waiting tasks (task before placements, the order cancel uses) and plan only those still
     # queued, so nothing is published for a task that has just ended.

@@ -40,6 +40,7 @@ class UJob:
     hint_node: int | None = None
     hint_start: int | None = None
     hint_gpus: tuple[int, ...] = ()
+    preemptible: bool = True  # a running task that quota reclaim may pause
 
 
 @dataclass

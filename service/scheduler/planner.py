@@ -1,22 +1,37 @@
-"""CP-SAT inter-task planner: every unfinished task gets g GPUs of one node for its estimated
-duration; minimise makespan, then priority-weighted completion. Pure: no database, no clock.
+"""CP-SAT inter-task planner for an online multi-tenant service. Pure: no database, no clock.
 
-Model (times are integers in units of ``SolveOptions.unit_s`` seconds, 0 = now; durations are
-rounded up, earliest starts up, latest starts down):
-- task i has a start s_i in [release_i, max_start_i] and an end e_i; for each node n that is up
-  and big enough, an optional interval (s_i, d_in, e_i) present iff y_in; exactly one y_in is 1.
-- per node a cumulative of the present intervals (demand g_in, capacity = its GPU count). This is
-  exact: packing.assign_gpus turns any cumulative-feasible schedule into concrete GPU indices
-  (proof in packing's docstring), and the tests check that no GPU is ever double-booked.
-- running tasks are fixed intervals [0, remaining) on their node and GPUs; they never move.
-- per tenant with a limit, a cumulative over all its tasks (running ones included).
-- phase 1 minimises the makespan M >= e_i. Redundant constraints tighten its lower bound: the
-  energy bound sum g*d <= C*M (total and per node) and a pooled cumulative that sees all up GPUs
-  as one node (each task at its smallest demand), which alone often proves optimality; phase 2 fixes M to the best found and minimises sum w_i * e_i, with
-  w_i = 1 + max(priority, 0). Both phases are hinted: by the previous plan repaired by list
-  scheduling (stable replans), else by list scheduling longest-first.
-Tasks that fit no up node (or exceed their tenant's limit) are reported in Plan.unschedulable;
-if bounded waiting makes the model infeasible the bounds are dropped and Plan.relaxed_waiting set.
+Every unfinished task gets g GPUs of one node for its estimated duration. Times are integers in
+units of ``SolveOptions.unit_s`` seconds, 0 = now; durations round up.
+
+Model:
+- task i has a start s_i >= release_i and an end e_i; for each candidate node n (up, big enough;
+  at most ``max_node_options`` per task, the warm start's node among them) an optional interval
+  (s_i, d_in, e_i) present iff y_in; exactly one y_in is 1. Per node a cumulative of the present
+  intervals (exact: packing.assign_gpus turns it into GPU indices), plus a redundant cumulative
+  of the whole cluster as one pool. Running tasks are fixed intervals [0, remaining) on their GPUs.
+- per tenant with a hard cap (``tenant_max_gpus``, the borrowing limit) a cumulative over its tasks.
+
+Objective (minimised, all integer):
+- weighted flow time sum_i w_i * e_i: w_i = (1 + tenant priority) * (10 + task priority) set by
+  operators (the task's own priority is clamped to an operator ceiling before it gets here), times
+  ``guarantee_boost`` when the task fits in its tenant's unused guaranteed share;
+- fair share: F * Z with Z >= each tenant's mean planned slowdown (arrival to end over duration,
+  in thousandths) over its queued and running tasks: the worst-off tenant is pulled up;
+- bounded waiting, counted from arrival, per task and soft: a wait past half the bound costs
+  ``urgent`` per unit, past the whole bound ``late`` per unit (far more than any reordering
+  gains), so the penalty grows with the wait; a bound is never dropped for the plan;
+- the makespan with coefficient 1 (a tie-break).
+Deterministic: CP-SAT runs its workers interleaved in one thread under a deterministic-time limit
+(``work_limit``), so the same instance gives the same plan on a loaded or an idle machine; a
+wall-clock safety limit (``time_limit_s``) only applies when that is exceeded by far.
+Warm start: the best (by this objective) of several list schedules (Smith's rule on w/(g*d) with
+urgent tasks first, w/d, and the previous plan's order merged with new tasks by the same rule),
+so a new arrival is never queued behind a stale hint.
+Quotas (``tenant_guaranteed_gpus``): a tenant may borrow idle GPUs beyond its guaranteed share
+(up to its hard cap, if any); when a tenant under its guarantee has a queued task that cannot
+start, running tasks of tenants over their guarantee are chosen for preemption (Plan.preempt,
+most recently started first, on the node where the fewest GPUs must be freed) and the task is
+planned at 0 on that node. The caller pauses them at a checkpoint and requeues them.
 """
 
 from __future__ import annotations
@@ -60,7 +75,11 @@ class Hint:
 @dataclass(frozen=True)
 class TaskSpec:
     """An unfinished task. ``duration_s`` is the (remaining, for running tasks) estimate;
-    ``by_gpu_type`` overrides (gpus_needed, duration_s) per GPU type."""
+    ``by_gpu_type`` overrides (gpus_needed, duration_s) per GPU type. ``arrival_s`` is when it
+    was submitted (seconds from now, <= 0; None: now, or its pinned start if running);
+    ``max_start_s`` the end of its waiting allowance (arrival + bound, seconds from now, may be
+    negative when already overdue): a soft deadline on its start. ``priority`` is the task's own
+    (already clamped to its tenant's ceiling), ``tenant_priority`` the operator's for its tenant."""
 
     id: str
     tenant: str
@@ -71,8 +90,11 @@ class TaskSpec:
     pinned: Pinned | None = None
     hint: Hint | None = None
     earliest_start_s: int = 0
-    max_start_s: int | None = None  # bounded waiting: never planned to start later than this
+    max_start_s: int | None = None
     by_gpu_type: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    arrival_s: int | None = None
+    tenant_priority: int = 0
+    preemptible: bool = True  # running: False when it is already being stopped
 
     def need(self, gpu_type: str) -> tuple[int, int]:
         return self.by_gpu_type.get(gpu_type, (self.gpus_needed, self.duration_s))
@@ -82,7 +104,8 @@ class TaskSpec:
 class Instance:
     nodes: Sequence[NodeSpec]
     tasks: Sequence[TaskSpec]
-    tenant_max_gpus: Mapping[str, int] = field(default_factory=dict)
+    tenant_max_gpus: Mapping[str, int] = field(default_factory=dict)  # hard cap (borrow limit)
+    tenant_guaranteed_gpus: Mapping[str, int] = field(default_factory=dict)  # reclaimable share
 
 
 @dataclass(frozen=True)
@@ -99,47 +122,78 @@ class Assignment:
 class Plan:
     assignments: dict[str, Assignment]
     unschedulable: dict[str, str]  # task id -> why it cannot be placed
-    status: str  # OPTIMAL | FEASIBLE | HEURISTIC (list scheduling fallback) | EMPTY
+    status: str  # OPTIMAL | FEASIBLE | HEURISTIC (warm start kept) | EMPTY
     makespan_s: int
     makespan_bound_s: int
-    weighted_completion_s: int
+    weighted_completion_s: int  # the objective value of the plan (see the module docstring)
     solve_time_s: float
-    relaxed_waiting: bool = False
-    makespan_time_s: float = 0.0  # wall time of phase 1 (model build + makespan solve)
+    late: dict[str, int] = field(default_factory=dict)  # task -> seconds planned past its bound
+    preempt: list[str] = field(default_factory=list)  # running tasks to pause and requeue
+    objective_bound: int = 0
+    makespan_time_s: float = 0.0  # wall time to the warm start (model build included)
+
+    @property
+    def relaxed_waiting(self) -> bool:
+        """Some task is planned to start after its waiting bound (only the late ones are)."""
+        return bool(self.late)
 
     @property
     def gap(self) -> float:
-        """Relative optimality gap of the makespan (0.0 = proven optimal)."""
-        if self.makespan_s <= 0:
+        """Relative gap of the objective to CP-SAT's bound (0.0 = proven optimal)."""
+        if self.weighted_completion_s <= 0:
             return 0.0
-        return max(0.0, (self.makespan_s - self.makespan_bound_s) / self.makespan_s)
+        return max(0.0, (self.weighted_completion_s - self.objective_bound)
+                   / self.weighted_completion_s)
 
 
 @dataclass(frozen=True)
 class SolveOptions:
     unit_s: int = 1
-    time_limit_s: float = 1.0  # phase 1 (makespan)
-    secondary_time_limit_s: float = 0.5  # phase 2 (weighted completion); 0 disables it
-    workers: int = 2
+    work_limit: float = 1.0  # CP-SAT deterministic time (its own work units; ~s on one core)
+    time_limit_s: float = 30.0  # wall-clock safety net only
+    workers: int = 4  # interleaved in one thread: deterministic
     seed: int = 0
+    fairness: float = 0.25  # F, as a fraction of mean duration * total weight per 1.0 slowdown
+    guarantee_boost: int = 4
+    max_node_options: int = 8
+    secondary_time_limit_s: float = 0.0  # unused (kept for callers of the two-phase planner)
 
 
-def weight(priority: int) -> int:
-    return 1 + max(0, min(int(priority), 100))
+WEIGHT_SCALE = 100  # flow-time weights are scaled so that the fair-share coefficient is not 0
+
+
+def weight(priority: int, tenant_priority: int = 0) -> int:
+    return (1 + max(0, min(int(tenant_priority), 100))) * (10 + max(0, min(int(priority), 10)))
 
 
 def _units_up(seconds: float, unit: int) -> int:
     return int(math.ceil(seconds / unit))
 
 
-def _build_jobs(inst: Instance, unit: int
-                ) -> tuple[list[UJob], list[Placed], dict[str, str], bool]:
+@dataclass
+class _Ctx:
+    """Per-job constants of the objective, keyed by UJob.index."""
+
+    age: dict[int, int]  # units since arrival (>= 0)
+    norm: dict[int, int]  # smallest duration (units), slowdown denominator
+    deadline: dict[int, int | None]  # soft deadline on the start (units from now)
+    half: dict[int, int]  # half the bound (units)
+    urgent: int
+    late: int
+    fair: int
+    tenants: dict[str, list[int]]  # tenant -> job indices (queued)
+    fixed: dict[str, tuple[int, int]]  # tenant -> (sum of running tasks' q*flow, count)
+
+
+def _build_jobs(inst: Instance, unit: int, opts: SolveOptions
+                ) -> tuple[list[UJob], list[Placed], dict[str, str], dict[int, TaskSpec]]:
     node_index = {n.id: i for i, n in enumerate(inst.nodes)}
     queued: list[UJob] = []
     pinned: list[Placed] = []
     bad: dict[str, str] = {}
-    clamped = False  # a latest start before the earliest start is moved up to it
+    specs: dict[int, TaskSpec] = {}
     for t in inst.tasks:
+        w = WEIGHT_SCALE * weight(t.priority, t.tenant_priority)
         if t.pinned is not None:
             ni = node_index.get(t.pinned.node_id)
             if ni is None or not inst.nodes[ni].up:
@@ -147,9 +201,11 @@ def _build_jobs(inst: Instance, unit: int
                 continue
             start = math.floor(t.pinned.start_s / unit) if t.pinned.start_s < 0 else 0
             end = max(1, _units_up(t.duration_s, unit))
-            job = UJob(len(queued) + len(pinned), t.id, t.tenant, weight(t.priority), start, None,
+            job = UJob(len(queued) + len(pinned), t.id, t.tenant, w, start, None,
                        [Option(ni, len(t.pinned.gpu_indices), end - start)],
                        pinned_gpus=tuple(t.pinned.gpu_indices), pinned_start=start)
+            job.preemptible = t.preemptible
+            specs[job.index] = t
             pinned.append(Placed(job, job.options[0], start))
             continue
         limit = inst.tenant_max_gpus.get(t.tenant)
@@ -167,20 +223,16 @@ def _build_jobs(inst: Instance, unit: int
                 bad[t.id] = f"needs {g} GPUs on one node; the largest up node has {largest}"
             continue
         release = max(0, _units_up(t.earliest_start_s, unit))
-        max_start = None
-        if t.max_start_s is not None:
-            max_start = math.floor(t.max_start_s / unit)
-            clamped = clamped or max_start < release
-            max_start = max(release, max_start)
-        job = UJob(len(queued) + len(pinned), t.id, t.tenant, weight(t.priority), release,
-                   max_start, options)
+        max_start = None if t.max_start_s is None else math.floor(t.max_start_s / unit)
+        job = UJob(len(queued) + len(pinned), t.id, t.tenant, w, release, max_start, options)
         if t.hint is not None and t.hint.node_id in node_index:
             hn = node_index[t.hint.node_id]
             if any(o.node == hn for o in options):
                 job.hint_node, job.hint_gpus = hn, tuple(t.hint.gpu_indices)
                 job.hint_start = max(release, math.floor(t.hint.start_s / unit))
+        specs[job.index] = t
         queued.append(job)
-    return queued, pinned, bad, clamped
+    return queued, pinned, bad, specs
 
 
 def _tenant_caps(inst: Instance, pinned: Sequence[Placed]) -> dict[str, int]:
@@ -191,33 +243,149 @@ def _tenant_caps(inst: Instance, pinned: Sequence[Placed]) -> dict[str, int]:
     return caps
 
 
-def _hint_schedule(jobs: list[UJob], node_caps: list[int], tenant_caps: dict[str, int],
-                   pinned: list[Placed]) -> list[Placed]:
-    """Previous-plan order first (repaired by list scheduling), then new tasks in the best of
-    three orders: longest, largest-area and widest first (by bounded waiting deadline first)."""
-    hinted = sorted((j for j in jobs if j.hint_node is not None),
-                    key=lambda j: (j.hint_start or 0, j.index))
+def _context(jobs: Sequence[UJob], pinned: Sequence[Placed], specs: Mapping[int, TaskSpec],
+             unit: int, opts: SolveOptions) -> _Ctx:
+    age, norm, deadline, half = {}, {}, {}, {}
+    tenants: dict[str, list[int]] = {}
+    for j in jobs:
+        spec = specs[j.index]
+        arrival = spec.arrival_s if spec.arrival_s is not None else 0
+        age[j.index] = max(0, -math.floor(arrival / unit))
+        norm[j.index] = max(1, min(o.duration for o in j.options))
+        deadline[j.index] = j.max_start
+        bound = (j.max_start + age[j.index]) if j.max_start is not None else 0
+        half[j.index] = max(1, bound // 2)
+        tenants.setdefault(j.tenant, []).append(j.index)
+    fixed: dict[str, tuple[int, int]] = {}
+    for p in pinned:
+        spec = specs[p.job.index]
+        arrival = spec.arrival_s if spec.arrival_s is not None else p.job.pinned_start * unit
+        a = max(0, -math.floor(arrival / unit))
+        total = max(1, p.end - p.job.pinned_start)
+        s, n = fixed.get(p.job.tenant, (0, 0))
+        fixed[p.job.tenant] = (s + (1000 * (p.end + a)) // total, n + 1)
+    wmax = max((j.weight for j in jobs), default=1)
+    total_w = sum(j.weight for j in jobs)
+    mean_d = sum(norm.values()) / max(1, len(norm))
+    fair = max(1, round(opts.fairness * mean_d * total_w / 1000))
+    return _Ctx(age, norm, deadline, half, urgent=2 * wmax,
+                late=20 * wmax * max(1, len(jobs)) + fair, fair=fair, tenants=tenants, fixed=fixed)
+
+
+def _q(ctx: _Ctx, i: int) -> int:
+    return max(1, round(1000 / ctx.norm[i]))
+
+
+def objective(sched: Sequence[Placed], ctx: _Ctx) -> int:
+    """The objective of a schedule of the queued jobs (same terms as the CP-SAT model)."""
+    total = 0
+    sums = {t: ctx.fixed.get(t, (0, 0))[0] for t in set(ctx.tenants) | set(ctx.fixed)}
+    for p in sched:
+        i = p.job.index
+        total += p.job.weight * p.end
+        d = ctx.deadline[i]
+        if d is not None:
+            total += ctx.urgent * max(0, p.start - (d - ctx.half[i]))
+            total += ctx.late * max(0, p.start - d)
+        sums[p.job.tenant] += _q(ctx, i) * (p.end + ctx.age[i])
+    z = 0
+    for t, s in sums.items():
+        n = len(ctx.tenants.get(t, ())) + ctx.fixed.get(t, (0, 0))[1]
+        z = max(z, -(-s // n)) if n else z
+    return total + ctx.fair * z + max((p.end for p in sched), default=0)
+
+
+def _warm_start(jobs: list[UJob], node_caps: list[int], tenant_caps: dict[str, int],
+                pinned: list[Placed], ctx: _Ctx) -> list[Placed]:
+    """Best of several list schedules by the objective (module docstring)."""
+    def urgency(j: UJob) -> tuple[int, int]:
+        d = ctx.deadline[j.index]
+        if d is not None and d - ctx.half[j.index] <= 0:
+            return (0, d)  # in the second half of its allowance or overdue: by deadline
+        return (1, 0)
+
+    def smith(j: UJob) -> float:
+        o = min(j.options, key=lambda o: o.gpus * o.duration)
+        return -j.weight / (o.gpus * o.duration)
+
+    def ratio(j: UJob) -> float:
+        return -j.weight / ctx.norm[j.index]
+
+    orders = [sorted(jobs, key=lambda j: (urgency(j), smith(j), -ctx.age[j.index], j.index)),
+              sorted(jobs, key=lambda j: (urgency(j), ratio(j), -ctx.age[j.index], j.index)),
+              sorted(jobs, key=lambda j: (smith(j), j.index))]
+    if any(j.hint_node is not None for j in jobs):
+        # The previous plan's order, new tasks merged in by the same rule at the time they would
+        # get: a hinted task keeps its place only against tasks it was already ahead of.
+        orders.append(sorted(jobs, key=lambda j: (
+            urgency(j), j.hint_start if j.hint_start is not None else 0, smith(j), j.index)))
     best: list[Placed] = []
-    for rule in (lambda o: (o.duration, o.gpus), lambda o: (o.gpus * o.duration, o.duration),
-                 lambda o: (o.gpus, o.duration)):
-        fresh = sorted((j for j in jobs if j.hint_node is None),
-                       key=lambda j, r=rule: (
-                           j.max_start if j.max_start is not None else 10**12,
-                           tuple(-x for x in max(r(o) for o in j.options)), j.index))
-        sched = list_schedule(hinted + fresh, node_caps, tenant_caps, pinned, follow_hints=True)
-        if not best or _score(sched) < _score(best):
-            best = sched
+    best_value = 0
+    for k, order in enumerate(orders):
+        sched = list_schedule(order, node_caps, tenant_caps, pinned, follow_hints=k == 3)
+        value = objective(sched, ctx)
+        if not best or value < best_value:
+            best, best_value = sched, value
     return best
 
 
-def _score(sched: Sequence[Placed]) -> tuple[int, int, int]:
-    late = sum(p.job.max_start is not None and p.start > p.job.max_start for p in sched)
-    return (late, max((p.end for p in sched), default=0),
-            sum(p.job.weight * p.end for p in sched))
-
-
-def _respects_waiting(sched: Sequence[Placed]) -> bool:
-    return all(p.job.max_start is None or p.start <= p.job.max_start for p in sched)
+def reclaim(inst: Instance, jobs: Sequence[UJob], pinned: Sequence[Placed],
+            node_caps: Sequence[int]) -> tuple[list[str], dict[int, int]]:
+    """Quota reclaim (module docstring): running task ids to preempt and, per queued job index
+    that gets the freed GPUs, its node."""
+    guar = inst.tenant_guaranteed_gpus
+    if not guar:
+        return [], {}
+    usage: dict[str, int] = {}
+    free = list(node_caps)
+    for p in pinned:
+        usage[p.job.tenant] = usage.get(p.job.tenant, 0) + p.option.gpus
+        free[p.option.node] -= p.option.gpus
+    live = list(pinned)
+    victims: list[str] = []
+    chosen: dict[int, int] = {}
+    order = sorted(jobs, key=lambda j: (-j.weight, -(j.release), j.index))
+    for j in order:
+        g_t = guar.get(j.tenant, 0)
+        if j.release > 0:
+            continue
+        opts = [o for o in j.options if usage.get(j.tenant, 0) + o.gpus <= g_t]
+        if not opts:
+            continue
+        if any(free[o.node] >= o.gpus for o in opts):
+            o = next(o for o in opts if free[o.node] >= o.gpus)
+            free[o.node] -= o.gpus
+            usage[j.tenant] = usage.get(j.tenant, 0) + o.gpus
+            continue
+        best = None
+        for o in opts:
+            cands = sorted((p for p in live if p.option.node == o.node and p.job.preemptible
+                            and usage.get(p.job.tenant, 0) > guar.get(p.job.tenant, 0)),
+                           key=lambda p: (-p.job.pinned_start, p.job.index))
+            got, pick, over = free[o.node], [], dict(usage)
+            for p in cands:
+                if got >= o.gpus:
+                    break
+                if over[p.job.tenant] - p.option.gpus < guar.get(p.job.tenant, 0):
+                    continue  # never take a lender below its own guarantee
+                pick.append(p)
+                over[p.job.tenant] -= p.option.gpus
+                got += p.option.gpus
+            if got >= o.gpus and (best is None or sum(p.option.gpus for p in pick)
+                                  < sum(p.option.gpus for p in best[1])):
+                best = (o, pick)
+        if best is None:
+            continue
+        o, pick = best
+        for p in pick:
+            live.remove(p)
+            victims.append(p.job.task_id)
+            usage[p.job.tenant] -= p.option.gpus
+            free[o.node] += p.option.gpus
+        free[o.node] -= o.gpus
+        usage[j.tenant] = usage.get(j.tenant, 0) + o.gpus
+        chosen[j.index] = o.node
+    return victims, chosen
 
 
 def solve(inst: Instance, opts: SolveOptions | None = None) -> Plan:
@@ -225,26 +393,40 @@ def solve(inst: Instance, opts: SolveOptions | None = None) -> Plan:
     opts = opts or SolveOptions()
     t0 = time.perf_counter()
     unit = opts.unit_s
-    jobs, pinned, bad, clamped = _build_jobs(inst, unit)
+    jobs, pinned, bad, specs = _build_jobs(inst, unit, opts)
     node_caps = [n.gpu_count if n.up else 0 for n in inst.nodes]
+    victims, chosen = reclaim(inst, jobs, pinned, node_caps)
+    if victims:  # preempted tasks leave their GPUs now and are planned as queued again
+        keep = [p for p in pinned if p.job.task_id not in victims]
+        for p in pinned:
+            if p.job.task_id in victims:
+                spec = specs[p.job.index]
+                rest = p.end
+                job = UJob(p.job.index, p.job.task_id, p.job.tenant, p.job.weight, 1, None,
+                           [Option(p.option.node, p.option.gpus, rest)]
+                           + [Option(o, p.option.gpus, rest) for o in range(len(node_caps))
+                              if o != p.option.node and node_caps[o] >= p.option.gpus])
+                specs[job.index] = TaskSpec(spec.id, spec.tenant, spec.gpus_needed, rest * unit,
+                                            spec.priority, arrival_s=spec.arrival_s
+                                            if spec.arrival_s is not None
+                                            else p.job.pinned_start * unit,
+                                            tenant_priority=spec.tenant_priority)
+                jobs.append(job)
+        pinned = keep
+    for j in jobs:
+        if j.index in chosen:
+            j.options = [o for o in j.options if o.node == chosen[j.index]]
+            j.max_start = 0 if j.max_start is None else min(j.max_start, 0)
+    boost_guarantee(inst, jobs, pinned, opts)
     tenant_caps = _tenant_caps(inst, pinned)
-    greedy = _hint_schedule(jobs, node_caps, tenant_caps, pinned)
-    relaxed = clamped
-    result = None
+    ctx = _context(jobs, pinned, specs, unit, opts)
+    greedy = _warm_start(jobs, node_caps, tenant_caps, pinned, ctx)
     t1 = time.perf_counter()
+    sched, status, bound = greedy, ("HEURISTIC" if jobs else "EMPTY"), 0
     if jobs:
-        result = _solve_cp(jobs, pinned, greedy, node_caps, tenant_caps, opts, use_waiting=True)
-        if result is None and any(j.max_start is not None for j in jobs):
-            relaxed = True
-            result = _solve_cp(jobs, pinned, greedy, node_caps, tenant_caps, opts,
-                               use_waiting=False)
-    if result is not None:
-        sched, status, bound, t1 = result
-    else:
-        sched, status = greedy, ("HEURISTIC" if jobs else "EMPTY")
-        t1 = time.perf_counter()
-        relaxed = relaxed or not _respects_waiting(greedy)
-        bound = _lower_bound(jobs, pinned, node_caps)
+        result = _solve_cp(jobs, pinned, greedy, node_caps, tenant_caps, ctx, opts)
+        if result is not None and objective(result[0], ctx) <= objective(greedy, ctx):
+            sched, status, bound = result
     placed = list(pinned) + sched
     gpus = assign_gpus(placed, node_caps)
     out = {}
@@ -253,17 +435,38 @@ def solve(inst: Instance, opts: SolveOptions | None = None) -> Plan:
         out[p.job.task_id] = Assignment(
             p.job.task_id, inst.nodes[p.option.node].id, gpus[p.job.task_id],
             start * unit, p.end * unit, pinned=p.job.pinned_gpus is not None)
+    late = {p.job.task_id: (p.start - p.job.max_start) * unit for p in sched
+            if p.job.max_start is not None and p.start > max(p.job.max_start, 0)}
     makespan = max((p.end for p in placed), default=0)
-    return Plan(out, bad, status, makespan * unit, min(bound, makespan) * unit,
-                sum(p.job.weight * p.end for p in sched) * unit,
-                time.perf_counter() - t0, relaxed, t1 - t0)
+    value = objective(sched, ctx)
+    return Plan(out, bad, status, makespan * unit, _lower_bound(jobs, pinned, node_caps) * unit,
+                value, time.perf_counter() - t0, late, victims, min(bound, value) if jobs else 0,
+                t1 - t0)
+
+
+def boost_guarantee(inst: Instance, jobs: Sequence[UJob], pinned: Sequence[Placed],
+                    opts: SolveOptions) -> None:
+    """Multiply the weight of queued tasks that fit in their tenant's unused guaranteed share."""
+    guar = inst.tenant_guaranteed_gpus
+    if not guar:
+        return
+    used: dict[str, int] = {}
+    for p in pinned:
+        used[p.job.tenant] = used.get(p.job.tenant, 0) + p.option.gpus
+    for j in sorted(jobs, key=lambda j: (-j.weight, j.index)):
+        g = min(o.gpus for o in j.options)
+        if used.get(j.tenant, 0) + g <= guar.get(j.tenant, 0):
+            used[j.tenant] = used.get(j.tenant, 0) + g
+            j.weight *= opts.guarantee_boost
 
 
 def heuristic_makespan(inst: Instance, unit_s: int = 1) -> int:
-    """Makespan (seconds) of the list-scheduling plan that hints the solver (a baseline)."""
-    jobs, pinned, _, _ = _build_jobs(inst, unit_s)
+    """Makespan (seconds) of the warm-start plan (a baseline for the benchmark)."""
+    opts = SolveOptions(unit_s=unit_s)
+    jobs, pinned, _, specs = _build_jobs(inst, unit_s, opts)
     node_caps = [n.gpu_count if n.up else 0 for n in inst.nodes]
-    sched = _hint_schedule(jobs, node_caps, _tenant_caps(inst, pinned), pinned)
+    ctx = _context(jobs, pinned, specs, unit_s, opts)
+    sched = _warm_start(jobs, node_caps, _tenant_caps(inst, pinned), pinned, ctx)
     return max([p.end for p in sched] + [p.end for p in pinned] + [0]) * unit_s
 
 
@@ -276,120 +479,119 @@ def _lower_bound(jobs: Sequence[UJob], pinned: Sequence[Placed], node_caps: Sequ
     return max(lb, math.ceil(energy / cap) if cap else 0)
 
 
+def _candidate_nodes(j: UJob, greedy_node: int, node_caps: Sequence[int],
+                     pinned_free_at: Sequence[list[tuple[int, int]]], k: int) -> set[int]:
+    """At most k nodes for a job: its warm-start node, its hinted node, then the nodes where its
+    GPUs are free soonest given the running tasks (ties by index)."""
+    def free_at(o: Option) -> int:
+        busy = sorted(pinned_free_at[o.node])  # (end, gpus) of running tasks there
+        free = node_caps[o.node] - sum(g for _, g in busy)
+        t = 0
+        for end, g in busy:
+            if free >= o.gpus:
+                break
+            free += g
+            t = end
+        return t
+
+    keep = {greedy_node}
+    if j.hint_node is not None:
+        keep.add(j.hint_node)
+    for o in sorted(j.options, key=lambda o: (free_at(o), o.node)):
+        if len(keep) >= k:
+            break
+        keep.add(o.node)
+    return keep
+
+
 def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
-              node_caps: list[int], tenant_caps: dict[str, int], opts: SolveOptions,
-              use_waiting: bool) -> tuple[list[Placed], str, int, float] | None:
-    greedy_ok = _respects_waiting(greedy) or not use_waiting
+              node_caps: list[int], tenant_caps: dict[str, int], ctx: _Ctx,
+              opts: SolveOptions) -> tuple[list[Placed], str, int] | None:
     pin_end = max((p.end for p in pinned), default=0)
-    if greedy_ok:
-        horizon = max(p.end for p in greedy)
-    else:  # any left-shifted feasible schedule ends by this serial bound
-        horizon = (max([pin_end] + [j.release for j in jobs])
-                   + sum(max(o.duration for o in j.options) for j in jobs))
-    horizon = max(horizon, pin_end)
+    horizon = max([p.end for p in greedy] + [pin_end]) + max(
+        max(o.duration for o in j.options) for j in jobs)
+    gnode = {p.job.index: p.option.node for p in greedy}
+    running = [[] for _ in node_caps]
+    for p in pinned:
+        running[p.option.node].append((p.end, p.option.gpus))
     m = cp_model.CpModel()
-    start, end, pres = {}, {}, {}
+    start, end, pres, opts_of = {}, {}, {}, {}
     node_iv: list[list] = [[] for _ in node_caps]
     tenant_iv: dict[str, list] = {t: [] for t in tenant_caps}
-    energy = []
-    node_energy: list[list] = [[] for _ in node_caps]
     pooled: list[tuple] = []
+    terms = []
     for j in jobs:
-        dmin = min(o.duration for o in j.options)
-        hi = horizon - dmin
-        if use_waiting and j.max_start is not None:
-            hi = min(hi, j.max_start)
-        if hi < j.release:
-            return None
-        s = m.new_int_var(j.release, hi, f"s{j.index}")
+        nodes = _candidate_nodes(j, gnode[j.index], node_caps, running, opts.max_node_options)
+        options = [o for o in j.options if o.node in nodes]
+        opts_of[j.index] = options
+        dmin = min(o.duration for o in options)
+        dmax = max(o.duration for o in options)
+        s = m.new_int_var(j.release, horizon - dmin, f"s{j.index}")
         e = m.new_int_var(j.release + dmin, horizon, f"e{j.index}")
         start[j.index], end[j.index] = s, e
-        for o in j.options:
+        for o in options:
             y = m.new_bool_var(f"y{j.index}_{o.node}")
             pres[j.index, o.node] = y
             iv = m.new_optional_interval_var(s, o.duration, e, y, f"iv{j.index}_{o.node}")
             node_iv[o.node].append((iv, o.gpus))
             if j.tenant in tenant_iv:
                 tenant_iv[j.tenant].append((iv, o.gpus))
-            energy.append(o.gpus * o.duration * y)
-            node_energy[o.node].append(o.gpus * o.duration * y)
-        m.add_exactly_one(pres[j.index, o.node] for o in j.options)
-        # Pooled relaxation: all up GPUs as one node, each task at its smallest demand. Redundant
-        # but it lifts the lower bound far above the energy bound (see the benchmark notes).
-        dmax = max(o.duration for o in j.options)
+        m.add_exactly_one(pres[j.index, o.node] for o in options)
         size = m.new_int_var(dmin, dmax, f"d{j.index}") if dmax > dmin else dmin
         pooled.append((m.new_interval_var(s, size, e, f"all{j.index}"),
-                       min(o.gpus for o in j.options)))
+                       min(o.gpus for o in options)))
+        terms.append(j.weight * e)
+        d = ctx.deadline[j.index]
+        if d is not None:
+            for slack, coef in ((d - ctx.half[j.index], ctx.urgent), (d, ctx.late)):
+                over = m.new_int_var(0, horizon, f"w{j.index}_{coef}")
+                m.add(over >= s - slack)
+                terms.append(coef * over)
     for p in pinned:
         iv = m.new_fixed_size_interval_var(0, p.end, f"pin{p.job.index}")
         node_iv[p.option.node].append((iv, p.option.gpus))
         if p.job.tenant in tenant_iv:
             tenant_iv[p.job.tenant].append((iv, p.option.gpus))
+        pooled.append((iv, p.option.gpus))
     for cap, ivs in zip(node_caps, node_iv, strict=True):
         if ivs:
             m.add_cumulative([iv for iv, _ in ivs], [g for _, g in ivs], cap)
-    for p in pinned:
-        pooled.append((m.new_fixed_size_interval_var(0, p.end, f"allpin{p.job.index}"),
-                       p.option.gpus))
     m.add_cumulative([iv for iv, _ in pooled], [g for _, g in pooled], sum(node_caps))
     for tenant, ivs in tenant_iv.items():
         if ivs:
             m.add_cumulative([iv for iv, _ in ivs], [g for _, g in ivs], tenant_caps[tenant])
-    makespan = m.new_int_var(max(pin_end, 0), horizon, "makespan")
+    # Fair share: Z >= every tenant's mean planned slowdown (thousandths).
+    z = m.new_int_var(0, 1000 * (horizon + max(ctx.age.values(), default=0) + 1) * 4, "z")
+    for tenant, idx in ctx.tenants.items():
+        fixed_sum, fixed_n = ctx.fixed.get(tenant, (0, 0))
+        m.add(z * (len(idx) + fixed_n) >= fixed_sum + sum(
+            _q(ctx, i) * (end[i] + ctx.age[i]) for i in idx))
+    for tenant, (fixed_sum, fixed_n) in ctx.fixed.items():
+        if tenant not in ctx.tenants:
+            m.add(z * fixed_n >= fixed_sum)
+    makespan = m.new_int_var(0, horizon, "makespan")
     m.add_max_equality(makespan, [*end.values(), pin_end])
-    pinned_energy = sum(p.end * p.option.gpus for p in pinned)
-    m.add(sum(energy) + pinned_energy <= sum(node_caps) * makespan)
-    for n, cap in enumerate(node_caps):  # the same energy bound per node
-        if node_energy[n]:
-            m.add(sum(node_energy[n])
-                  + sum(p.end * p.option.gpus for p in pinned if p.option.node == n)
-                  <= cap * makespan)
-    m.add_hint(makespan, max([pin_end] + [p.end for p in greedy]))
+    m.minimize(sum(terms) + ctx.fair * z + makespan)
     for p in greedy:
         m.add_hint(start[p.job.index], p.start)
         m.add_hint(end[p.job.index], p.end)
-        for o in p.job.options:
+        for o in opts_of[p.job.index]:
             m.add_hint(pres[p.job.index, o.node], o.node == p.option.node)
-    m.minimize(makespan)
-    solver = _solver(opts, opts.time_limit_s)
+    solver = cp_model.CpSolver()
+    prm = solver.parameters
+    prm.max_deterministic_time = opts.work_limit
+    prm.max_time_in_seconds = opts.time_limit_s
+    prm.num_workers = opts.workers
+    prm.interleave_search = True
+    prm.random_seed = opts.seed
+    # Presolve's symmetry reductions can break a feasible hint; keeping them keeps it usable.
+    prm.keep_symmetry_in_presolve = True
     st = solver.solve(m)
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
-    status = "OPTIMAL" if st == cp_model.OPTIMAL else "FEASIBLE"
-    bound = int(math.ceil(solver.best_objective_bound - 1e-6))
-    best = int(solver.value(makespan))
-    sched = _read(solver, jobs, start, pres)
-    t_phase1 = time.perf_counter()
-    if opts.secondary_time_limit_s > 0:
-        m.clear_hints()
-        m.add_hint(makespan, best)
-        for j in jobs:
-            m.add_hint(start[j.index], solver.value(start[j.index]))
-            m.add_hint(end[j.index], solver.value(end[j.index]))
-            for o in j.options:
-                m.add_hint(pres[j.index, o.node], solver.value(pres[j.index, o.node]))
-        m.add(makespan <= best)
-        m.minimize(sum(j.weight * end[j.index] for j in jobs))
-        solver2 = _solver(opts, opts.secondary_time_limit_s)
-        if solver2.solve(m) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            sched = _read(solver2, jobs, start, pres)
-    return sched, status, bound, t_phase1
-
-
-def _solver(opts: SolveOptions, limit: float) -> cp_model.CpSolver:
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = limit
-    solver.parameters.num_workers = opts.workers
-    solver.parameters.random_seed = opts.seed
-    # Presolve's symmetry reductions can break a feasible hint (ortools 9.15 reports "Presolve
-    # broke a feasible hint" in debug mode); keeping symmetries keeps the hint usable.
-    solver.parameters.keep_symmetry_in_presolve = True
-    return solver
-
-
-def _read(solver: cp_model.CpSolver, jobs: list[UJob], start: dict, pres: dict) -> list[Placed]:
-    out = []
+    sched = []
     for j in jobs:
-        opt = next(o for o in j.options if solver.boolean_value(pres[j.index, o.node]))
-        out.append(Placed(j, opt, int(solver.value(start[j.index]))))
-    return out
+        o = next(o for o in opts_of[j.index] if solver.boolean_value(pres[j.index, o.node]))
+        sched.append(Placed(j, o, int(solver.value(start[j.index]))))
+    status = "OPTIMAL" if st == cp_model.OPTIMAL else "FEASIBLE"
+    return sched, status, int(math.ceil(solver.best_objective_bound - 1e-6))

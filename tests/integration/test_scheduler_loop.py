@@ -106,24 +106,27 @@ def test_down_node_holds_nothing(factory, session, settings):  # noqa: ANN001
     assert {p.task_id for p in live} | {p.task_id for p in rows(session, "published")} == set(ids)
 
 
-def test_bounded_waiting_caps_how_far_a_planned_task_moves(factory, session, settings):  # noqa: ANN001
+def test_bounded_waiting_counts_from_arrival(factory, session, settings):  # noqa: ANN001
     node = factory.node("n0", gpus=1)
     t = factory.tenant()
     first = factory.task(t)["id"]
     waiting = factory.task(t)["id"]
     [planned] = rows(session, "planned")
     assert planned.task_id == waiting
-    # Pretend the waiting task was first planned nearly max_delay_s (1 h) ago: its start may move
-    # at most ~90 s past now, so an urgent newcomer cannot jump ahead of it.
-    planned.planned_start = utcnow() - timedelta(seconds=3600 - 90)
+    # Pretend the waiting task arrived nearly its bound (scheduler_max_wait_s) ago: it must start
+    # within ~90 s, so a newcomer of another tenant with a higher priority cannot jump ahead.
+    task = session.get(Task, waiting)
+    task.created_at = utcnow() - timedelta(seconds=settings.scheduler_max_wait_s - 90)
     session.commit()
-    urgent = factory.task(factory.tenant(), priority=10)["id"]
+    other = factory.tenant()
+    session.get(Tenant, other.id).priority = 5
+    session.commit()
+    urgent = factory.task(other, priority=10)["id"]
     session.expire_all()
     plan = {p.task_id: p for p in rows(session) if p.state in ("planned", "published")}
     assert plan[first].state == "published" and plan[first].node_id == node
-    assert not last_plan_info().relaxed_waiting
     assert plan[waiting].planned_start < plan[urgent].planned_start
-    # The bound survives superseding: it counts from the first planned row of this attempt.
+    # The bound survives superseding: it counts from the arrival, not from any planned row.
     for p in rows(session, "planned"):
         p.state = "superseded"
     session.commit()
@@ -131,3 +134,10 @@ def test_bounded_waiting_caps_how_far_a_planned_task_moves(factory, session, set
     session.commit()
     order = sorted(rows(session, "planned"), key=lambda p: p.planned_start)
     assert [p.task_id for p in order] == [waiting, urgent]
+    # Without the old arrival, the operator's priority puts the newcomer first.
+    session.get(Task, waiting).created_at = utcnow()
+    session.commit()
+    replan(session, settings)
+    session.commit()
+    order = sorted(rows(session, "planned"), key=lambda p: p.planned_start)
+    assert [p.task_id for p in order] == [urgent, waiting]
