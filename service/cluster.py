@@ -317,7 +317,7 @@ def mark_stale_nodes(session: Session, settings: Settings | None = None,
                 elif task is not None and task.state == "pausing":
                     from service.tasks import finish_pause
 
-                    finish_pause(session, task, f"node {node.name} went down while stopping")
+                    finish_pause(session, task, "its node went down while it stopped")
     session.commit()
     cluster_changed(session, "node_down", settings)
     return [n.id for n in stale]

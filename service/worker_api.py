@@ -381,7 +381,7 @@ def deregister_node(session: Session, node_id: str, msg: NodeDeregister,
                 if task.state == "queued":
                     requeued.append(task.id)
             elif task.state == "pausing":  # it was stopping anyway: paused, holding nothing
-                finish_pause(session, task, tenant_safe(error))
+                finish_pause(session, task, "its node left while it stopped")
     session.commit()
     for placement_id in superseded:
         unqueue_placement(placement_id, node.id, settings)
