@@ -111,7 +111,7 @@ TABLE: list[tuple[str, Row]] = [
                            lambda cfg, _: cfg.targets, ("v_proj", "q_proj"))),
 ]
 # Fields that stay in the service (the scheduler's business), never sent to the trainer.
-SERVICE_ONLY = {"priority"}
+SERVICE_ONLY = {"priority", "suffix", "metadata"}  # suffix, metadata: the tenant's labels
 BASE = {"base_model": "tiny-llama", "training_file": "@chat", "max_seq_len": 128}
 
 
