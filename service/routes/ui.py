@@ -1,6 +1,6 @@
 """The browser dashboard, served by the API itself from files shipped in the package: ``/`` and
 ``/ui/`` answer the page, ``/ui/static/<name>`` its script and style, and
-``GET /v1/tasks/{id}/live`` streams one task as server-sent events (tenant API key, as every
+``GET /ui/v1/tasks/{id}/live`` streams one task as server-sent events (tenant API key, as every
 /v1 route; the page reads it with fetch, so the key travels in the Authorization header)."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def static(name: str) -> FileResponse:
     return _static(name)
 
 
-@router.get("/v1/tasks/{task_id}/live", tags=["tasks"], response_class=StreamingResponse,
+@router.get("/ui/v1/tasks/{task_id}/live", tags=["tasks"], response_class=StreamingResponse,
             responses={200: {"content": {"text/event-stream": {}},
                              "description": "Server-sent events: `update` (JSON: task, jobs, "
                                             "events, points by job and split, reset), `end`."}})

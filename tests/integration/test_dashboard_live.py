@@ -1,5 +1,5 @@
 """Integration (real PostgreSQL): the dashboard's pieces of the API. The live view of a task
-(service.ui.live.tick, behind GET /v1/tasks/{id}/live): a first snapshot with downsampled curves,
+(service.ui.live.tick, behind GET /ui/v1/tasks/{id}/live): a first snapshot with downsampled curves,
 then only what changed (new points per curve, new events, job states), nothing when nothing did,
 and another tenant's task reads as gone. The metrics route's max_points, and the page's files."""
 
@@ -62,12 +62,12 @@ def test_live_ticks_send_a_snapshot_then_only_changes(client, factory, session):
 def test_live_route_and_max_points_validation(client, factory):  # noqa: ANN001
     t, other = factory.tenant(), factory.tenant()
     task_id = factory.task(t)["id"]
-    r = client.get(f"/v1/tasks/{task_id}/live", headers=t.headers, params={"duration_s": 0.05})
+    r = client.get(f"/ui/v1/tasks/{task_id}/live", headers=t.headers, params={"duration_s": 0.05})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     frames = [f for f in r.text.split("\n\n") if f.strip()]
     assert frames[0].startswith("event: update\ndata: ") and frames[-1].startswith("event: end")
-    assert client.get(f"/v1/tasks/{task_id}/live", headers=other.headers).status_code == 404
-    assert client.get(f"/v1/tasks/{task_id}/live").status_code == 401
+    assert client.get(f"/ui/v1/tasks/{task_id}/live", headers=other.headers).status_code == 404
+    assert client.get(f"/ui/v1/tasks/{task_id}/live").status_code == 401
     for bad in (0, 3, 100_001):
         r = client.get(f"/v1/tasks/{task_id}/metrics", headers=t.headers,
                        params={"max_points": bad})

@@ -494,7 +494,7 @@ function taskView(main, taskId) {
   async function connect() {
     live.textContent = "live";
     try {
-      const r = await api(`/v1/tasks/${encodeURIComponent(taskId)}/live?max_points=${MAX_POINTS}`, { raw: true, signal: ctl.signal });
+      const r = await api(`/ui/v1/tasks/${encodeURIComponent(taskId)}/live?max_points=${MAX_POINTS}`, { raw: true, signal: ctl.signal });
       const reader = r.body.getReader();
       const dec = new TextDecoder();
       let buf = "", ended = false;
