@@ -339,9 +339,11 @@ def reclaim(inst: Instance, jobs: Sequence[UJob], pinned: Sequence[Placed],
     usage: dict[str, int] = {}
     free = list(node_caps)
     for p in pinned:
+        if not p.job.preemptible:  # already being stopped: its GPUs are as good as free
+            continue
         usage[p.job.tenant] = usage.get(p.job.tenant, 0) + p.option.gpus
         free[p.option.node] -= p.option.gpus
-    live = list(pinned)
+    live = [p for p in pinned if p.job.preemptible]
     victims: list[str] = []
     chosen: dict[int, int] = {}
     order = sorted(jobs, key=lambda j: (-j.weight, -(j.release), j.index))
