@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import tarfile
 import time
@@ -196,6 +197,7 @@ def create_task_from_page(driver: webdriver.Chrome, tmp_path: Path) -> str:
         est = wait_for(lambda: (e := q(driver, "#estimate")).is_displayed() and e, 30,
                        f"the estimate ({text(driver, '#create-msg')})")
         assert "Jobs" in est.text and "\n2\n" in f"{est.text}\n", est.text
+        assert re.search(r"Start\n.*\((now|in \d+ (s|min))\)", est.text), est.text
     click(driver, "#btn-create")
     wait_for(lambda: "#/task/" in driver.current_url, 60,
              f"the new task's page ({text(driver, '#create-msg')})")
@@ -214,6 +216,7 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     from transformers import AutoModelForCausalLM
 
     stack.daemon("node")
+    stack.node_id("node")  # registered: the estimate can say where and when
     sign_in(browser, stack, stack.api_key, operator=WORKER_TOKEN)
     task_id = create_task_from_page(browser, tmp_path)
     http = stack.http()
@@ -246,6 +249,10 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     wait_css(browser, f'#tasks-body tr[data-task="{waiting}"]', what="the list")
     listed = dict(attrs(browser, "#tasks-body tr[data-task]", "data-task", "text"))
     assert "running" in listed[task_id] and "planned" in listed[waiting], listed
+    q(browser, "#f-train").send_keys(str(tmp_path / "train.jsonl"))  # and what a third would cost
+    click(browser, "#btn-estimate")
+    wait_for(lambda: q(browser, "#estimate").is_displayed() or text(browser, "#create-msg"), 30,
+             "the estimate")
     screenshot(browser, "dashboard-tasks.png")
 
     # The cluster: the node, its GPU, the running task and the one waiting on the timeline.

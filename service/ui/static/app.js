@@ -76,16 +76,19 @@ function randomKey() {
   return Array.from(b, (x) => x.toString(16).padStart(2, "0")).join("");
 }
 
+/* A time of the API: ISO 8601, or Unix seconds (the OpenAI-style fields). */
+function toDate(v) { return typeof v === "number" ? new Date(v * 1000) : new Date(v); }
+
 function when(iso) {
-  if (!iso) return "";
-  const t = new Date(iso), d = (t.getTime() - Date.now()) / 1000, a = Math.abs(d);
+  if (iso === null || iso === undefined || iso === "") return "";
+  const t = toDate(iso), d = (t.getTime() - Date.now()) / 1000, a = Math.abs(d);
   const rel = a < 60 ? `${Math.round(a)} s` : a < 3600 ? `${Math.round(a / 60)} min` : `${(a / 3600).toFixed(1)} h`;
   return d > 5 ? `in ${rel}` : a <= 5 ? "now" : `${rel} ago`;
 }
 
 function timeCell(iso, planned) {
   if (!iso) return h("td", { class: "muted" }, "-");
-  return h("td", { title: new Date(iso).toLocaleString() }, planned ? h("span", { class: "muted" }, "planned ") : "", when(iso));
+  return h("td", { title: toDate(iso).toLocaleString() }, planned ? h("span", { class: "muted" }, "planned ") : "", when(iso));
 }
 
 function stateBadge(state, id) {
@@ -300,9 +303,10 @@ function createForm() {
         row("Jobs", out.num_jobs ?? (out.jobs || []).length),
         row("GPUs", out.gpus ?? "-"),
         row("Trained tokens", out.trained_tokens != null ? Number(out.trained_tokens).toLocaleString() : "-"),
-        row("GPU hours", out.estimated_gpu_hours != null ? Number(out.estimated_gpu_hours).toFixed(3) : "-"),
-        row("Start", out.estimated_start ? `${new Date(out.estimated_start).toLocaleString()} (${when(out.estimated_start)})` : "-"),
-        row("Finish", out.estimated_finish ? `${new Date(out.estimated_finish).toLocaleString()} (${when(out.estimated_finish)})` : "-")));
+        row("With early exit", out.expected_tokens != null ? Number(out.expected_tokens).toLocaleString() : "-"),
+        row("GPU hours", out.estimated_gpu_hours != null ? Number(out.estimated_gpu_hours).toPrecision(3) : "-"),
+        row("Start", out.estimated_start != null ? `${toDate(out.estimated_start).toLocaleTimeString()} (${when(out.estimated_start)})` : "-"),
+        row("Finish", out.estimated_finish != null ? `${toDate(out.estimated_finish).toLocaleTimeString()} (${when(out.estimated_finish)})` : "-")));
       est.hidden = false;
       msg.textContent = "";
     } catch (e) { msg.textContent = `Estimate failed: ${errText(e)}`; }
