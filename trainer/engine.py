@@ -340,16 +340,23 @@ class MultiLoraEngine:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
 
-    def _job_loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _job_loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor,
+                      index: torch.Tensor | None = None, n: int | None = None) -> tuple[torch.Tensor, int]:
+        """Summed token loss of one job's rows and its number of target tokens. With `index`
+        (the flat positions of its target tokens, on the device) and `n` (their count, known on
+        the host), no device sync is needed to select them."""
         h = hidden.reshape(-1, hidden.shape[-1])
         t = targets.reshape(-1)
-        sel = t != IGNORE
-        n = int(sel.sum())
+        if index is None:
+            sel = t != IGNORE
+            n = int(sel.sum())
+            h_sel, t_sel = h[sel], t[sel]
+        else:
+            h_sel, t_sel = h.index_select(0, index), t.index_select(0, index)
 
         def loss_sum(h_sel: torch.Tensor, t_sel: torch.Tensor) -> torch.Tensor:
             return nn.functional.cross_entropy(self.output_logits(h_sel), t_sel, reduction="sum")
 
-        h_sel, t_sel = h[sel], t[sel]
         if self.gradient_checkpointing and torch.is_grad_enabled():
             # logits of a whole micro-batch are large (vocab x tokens); recompute them in backward
             return checkpoint(loss_sum, h_sel, t_sel, use_reentrant=False), n
@@ -362,14 +369,20 @@ class MultiLoraEngine:
         return loss_sum(h_sel, t_sel), n
 
     def _forward_losses(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]):  # noqa: ANN202
-        batch = pack_step(per_job, self.pad_id, pack=self.pack, multiple_of=self.pad_multiple).to(self.device)
+        cpu = pack_step(per_job, self.pad_id, pack=self.pack, multiple_of=self.pad_multiple)
+        # every job's target positions found on the host (where the batch was built), moved in
+        # one copy: selecting them on the device then needs no sync per job
+        picks = [(cpu.targets[r0:r1].reshape(-1) != IGNORE).nonzero().reshape(-1)
+                 for r0, r1 in zip(cpu.row_offsets[:-1], cpu.row_offsets[1:], strict=True)]
+        index = torch.cat(picks).to(self.device, non_blocking=True).split([len(p) for p in picks])
+        batch = cpu.to(self.device)
         length = batch.input_ids.shape[1]
         self._set_layout(states, [r * length for r in batch.row_offsets])
         hidden = self._hidden(batch)
         sums, counts = [], []
         for i in range(len(states)):
             r0, r1 = batch.row_offsets[i], batch.row_offsets[i + 1]
-            s, n = self._job_loss_sum(hidden[r0:r1], batch.targets[r0:r1])
+            s, n = self._job_loss_sum(hidden[r0:r1], batch.targets[r0:r1], index[i], len(picks[i]))
             sums.append(s)
             counts.append(n)
         return batch, sums, counts

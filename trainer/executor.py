@@ -115,6 +115,11 @@ class ExecutorConfig:
     # JSON file of measured memory models, keyed by model, max_seq_len, GPU kind, torch version
     # and the other inputs of a profile: a node measures once and every later executor reuses it
     profile_cache: str | None = None
+    # SDPA's cuDNN backend (torch's default). It plans anew for every new (rows, length) shape:
+    # ~10 ms of host time per attention call on variable-length packed steps; without it the
+    # masked (packed) attention runs on the memory-efficient kernel, slower on wide steps. On
+    # H100 the whole task was faster with it (bench/results/task_e2e_h100.md), so it stays on.
+    cudnn_attention: bool = True
     early_exit: EarlyExitSettings = field(default_factory=EarlyExitSettings)
     stop_after_steps: int | None = None  # stop (as if killed) after this many executor steps
     method: str = "sft"  # sft | dpo (preference pairs; JobSpec.beta per job)
@@ -122,7 +127,7 @@ class ExecutorConfig:
 
 
 CALLBACK_KINDS = tuple(f.name for f in fields(Callbacks))
-PHASES = ("load", "profile", "train", "eval", "checkpoint", "export")
+PHASES = ("load", "profile", "train", "eval", "checkpoint", "export", "admit")
 
 
 @dataclass
@@ -210,6 +215,8 @@ class Executor:
             raise ValueError(f"unknown method {cfg.method!r}; expected 'sft' or 'dpo'")
         device = self.strategy.device(cfg.device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         model = self.strategy.load_model(cfg.model_dir, device, dtype)
         self.device = device
@@ -336,7 +343,8 @@ class Executor:
             if self.ranking is not None:
                 self.ranking.exit(job_id)
         while True:
-            self._admit()
+            with self._phase("admit"):  # attaching (and the parking below): adapter copies
+                self._admit()
             done = [j for j, s in self.placed.items() if s.done]
             for job_id in done:  # e.g. a parked job whose warmup was its whole run
                 self._finish(job_id)
@@ -357,7 +365,8 @@ class Executor:
             stop = self._observe_train(report, time.perf_counter() - started)
             with self._phase("eval"):
                 self._evaluate_due()
-            self._warmup_policy()
+            with self._phase("admit"):
+                self._warmup_policy()
             for job_id in [j for j, s in self.placed.items() if s.done]:
                 self._finish(job_id)
             limit = self.cfg.stop_after_steps is not None and self.global_step >= self.cfg.stop_after_steps
