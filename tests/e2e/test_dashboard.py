@@ -253,7 +253,10 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     click(browser, "#btn-estimate")
     wait_for(lambda: q(browser, "#estimate").is_displayed() or text(browser, "#create-msg"), 30,
              "the estimate")
+    browser.set_window_size(1280, 1150)  # the whole form, the estimate included
+    time.sleep(0.3)
     screenshot(browser, "dashboard-tasks.png")
+    browser.set_window_size(1280, 1000)
 
     # The cluster: the node, its GPU, the running task and the one waiting on the timeline.
     browser.get(f"{stack.url}/ui/#/cluster")
@@ -363,8 +366,8 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     assert not errors, errors  # no script error, no CSP violation
 
 
-def test_sixty_jobs_of_thousands_of_points_stay_usable(stack: Stack, browser: webdriver.Chrome
-                                                         ) -> None:
+def test_sixty_jobs_of_thousands_of_points_stay_usable(stack: Stack, browser: webdriver.Chrome,
+                                                       tmp_path: Path) -> None:
     """A 60-job task with 3,000 train and 300 validation points per job (198,000 points; a spike
     at one step, some jobs exited): the page gets each curve downsampled by the server, keeps
     the spike and the exits, draws within seconds, and fits a narrow window."""
@@ -413,7 +416,7 @@ def test_sixty_jobs_of_thousands_of_points_stay_usable(stack: Stack, browser: we
     print(f"\n60 jobs: full curves {len(full.content) / 1e6:.1f} MB in {t_full:.2f} s, "
           f"max_points=500 {len(small.content) / 1e6:.2f} MB in {t_small:.2f} s, {total} points")
 
-    sign_in(browser, stack, stack.api_key)
+    sign_in(browser, stack, stack.api_key, operator=WORKER_TOKEN)
     wait_css(browser, "#tasks-body tr[data-task]", what="the list")
     t0 = time.perf_counter()
     browser.get(f"{stack.url}/ui/#/task/{task_id}")
@@ -433,12 +436,14 @@ def test_sixty_jobs_of_thousands_of_points_stay_usable(stack: Stack, browser: we
 
     browser.set_window_size(400, 900)  # a narrow window: nothing wider than the page
     try:
-        for page in (f"#/task/{task_id}", "#/tasks"):
+        for page in (f"#/task/{task_id}", "#/tasks", "#/cluster"):
             browser.get(f"{stack.url}/ui/{page}")
-            wait_css(browser, "#leaderboard-body tr, #tasks-body tr[data-task]", what=page)
+            wait_css(browser, "#leaderboard-body tr, #tasks-body tr[data-task], #timeline",
+                     what=page)
             time.sleep(0.3)
             over = browser.execute_script(
                 "return document.documentElement.scrollWidth - window.innerWidth")
+            browser.save_screenshot(str(tmp_path / f"narrow-{page.split('/')[1]}.png"))
             assert over <= 0, (page, over)
     finally:
         browser.set_window_size(1280, 1000)
