@@ -39,7 +39,8 @@ def test_deregister_supersedes_waiting_and_fails_over_claimed(stack: Stack) -> N
         assert states == {running["id"]: "failed", waiting["id"]: "superseded"}
         assert state_of(http, running["id"]) == "queued" == state_of(http, waiting["id"])
         requeued = [e for e in events(http, running["id"]) if e["type"] == "task_requeued"]
-        assert len(requeued) == 1 and "node-x left: drained" in requeued[0]["message"]
+        assert len(requeued) == 1 and "its node left the cluster" in requeued[0]["message"]
+        assert "node-x" not in requeued[0]["message"]
         with stack.operator() as op:
             assert [n["state"] for n in op.get("/v1/cluster").json()["nodes"]] == ["down"]
 
