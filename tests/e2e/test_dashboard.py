@@ -429,6 +429,11 @@ def test_sixty_jobs_of_thousands_of_points_stay_usable(stack: Stack, browser: we
     assert browser.execute_script(
         "return window.__lpxTask.curves[arguments[0]].train.some(p => p[0] === 1234 && p[1] === 40)",
         spiked["job_id"])
+    clipped = "return document.getElementById('loss-chart').dataset.clipped"
+    assert browser.execute_script(clipped) == "true"  # the spike does not flatten the rest
+    click(browser, "#log-y")
+    wait_for(lambda: browser.execute_script(clipped) == "false", 10, "log scale: all shown")
+    assert chart_points(browser) == total
     t0 = time.perf_counter()  # a redraw (toggle a series) stays interactive
     click(browser, "#show-val")
     wait_for(lambda: chart_points(browser) < total, 10, "the redraw")

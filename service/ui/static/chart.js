@@ -48,12 +48,25 @@ function drawLossChart(svg, curves, opts) {
     total += c.points.length;
   }
   svg.dataset.points = String(total);
+  // A few spikes (or the first steps) must not flatten every other curve: above a margin over
+  // the 99th percentile the chart clips, draws those points on its top edge and says so.
+  const vals = [];
+  for (const c of curves) for (const [, y] of c.points) if (y !== null && isFinite(y) && !(logY && y <= 0)) vals.push(y);
+  let clipped = false;
+  if (!logY && vals.length > 50) {
+    vals.sort((a, b) => a - b);
+    const q = vals[Math.floor(0.99 * (vals.length - 1))];
+    const cap = q + (q - vals[0]) * 0.25;
+    if (yHi > cap && cap > yLo) { yHi = cap; clipped = true; }
+  }
+  svg.dataset.clipped = String(clipped);
   if (!isFinite(yLo)) { yLo = 0; yHi = 1; }
   if (yHi - yLo < 1e-9) { yHi += 0.5; yLo = Math.max(logY ? yLo / 2 : yLo - 0.5, logY ? 1e-9 : -Infinity); }
   const fy = logY ? Math.log10 : (v) => v;
   const y0 = fy(yLo), y1 = fy(yHi), pad = (y1 - y0) * 0.05;
   const sx = (s) => L + (s / xMax) * (W - L - R);
-  const sy = (v) => T + (1 - (fy(v) - (y0 - pad)) / (y1 - y0 + 2 * pad)) * (H - T - B);
+  const top = yHi + pad * 0.999; // clipped points sit on the top edge (linear scale only)
+  const sy = (v) => T + (1 - (fy(logY ? v : Math.min(v, top)) - (y0 - pad)) / (y1 - y0 + 2 * pad)) * (H - T - B);
 
   const grid = svgEl("g", { class: "grid" });
   for (const t of niceTicks(0, xMax, 8)) {
@@ -81,6 +94,11 @@ function drawLossChart(svg, curves, opts) {
                              transform: `rotate(-90 12 ${(T + H - B) / 2})` });
   yl.textContent = logY ? "loss (log)" : "loss";
   grid.appendChild(yl);
+  if (clipped) {
+    const note = svgEl("text", { x: W - R - 6, y: T + 14, "text-anchor": "end", class: "clip-note" });
+    note.textContent = `clipped above ${fmtTick(yHi)}: log scale shows all`;
+    grid.appendChild(note);
+  }
   svg.appendChild(grid);
   svg.appendChild(svgEl("rect", { x: L, y: T, width: W - L - R, height: H - T - B, class: "frame" }));
 
