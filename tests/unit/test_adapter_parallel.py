@@ -22,12 +22,7 @@ P = 2
 JOBS = [(4, 3e-3, 2), (8, 1e30, 2), (2, 1e-3, 3), (4, 1e-2, 2), (8, 5e-3, 3)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Recorder:

@@ -25,12 +25,7 @@ from trainer.tiny import _WORDS, train_tokenizer
 JOBS = [(2, 0.1, 1, 1e-2), (4, 0.5, 2, 5e-3), (8, 2.0, 3, 2e-2)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def preference_rows(n: int, seed: int = 0) -> list[dict]:

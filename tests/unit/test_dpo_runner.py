@@ -22,13 +22,7 @@ from tests.unit.test_dpo import preference_rows
 from worker import runner
 from worker.service_client import SpoolWriter, read_complete_lines
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_dpo_placement_trains_with_each_jobs_beta_and_reports_rewards(tmp_path: Path) -> None:

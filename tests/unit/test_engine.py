@@ -18,13 +18,7 @@ from trainer.export import export_peft
 SPECS = [(2, 1e-3, 1, "linear"), (4, 5e-3, 2, "cosine"), (8, 2e-3, 3, "constant"), (16, 1e-2, 4, "linear")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # 2 shared cores: intra-op threads only add contention at these sizes
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,7 @@ from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from trainer.engine import JobSpec
 from trainer.executor import Callbacks, Executor, ExecutorConfig
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Recorder:

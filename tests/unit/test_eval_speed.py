@@ -18,13 +18,7 @@ from trainer.data import read_jsonl, tokenize_all
 from trainer.engine import JobSpec, eval_chunk, eval_forwards
 from trainer.executor import PHASES, Callbacks, Executor, ExecutorConfig
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -106,12 +106,7 @@ def lora_keys(model, family: Family, targets) -> set[str]:  # noqa: ANN001
     return {f"base_model.model.{p}.lora_{ab}.weight" for p in projections for ab in "AB"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
