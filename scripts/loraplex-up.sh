@@ -81,6 +81,7 @@ fi
 
 echo
 echo "loraplex is starting on http://127.0.0.1:$PORT  (docs: http://127.0.0.1:$PORT/docs)"
+echo "dashboard: http://127.0.0.1:$PORT/  (sign in with the API key below; cluster view: the token in var/worker-token)"
 if [ -s var/demo-api-key ]; then
   echo "demo tenant API key: $(cat var/demo-api-key)"
   echo "  export LORAPLEX_API_KEY=$(cat var/demo-api-key)"
