@@ -90,6 +90,8 @@ class DaemonConfig:
     gpu_type: str | None = None  # override the detected type (e.g. a name the operator uses)
     poll_interval_s: float = 0.5
     cancel_grace_s: float = 10.0
+    # A paused executor is writing the checkpoint the resume starts from: give it time.
+    pause_grace_s: float = 300.0
     stop_timeout_s: float = 30.0
     heartbeat_interval_s: float | None = None  # default: what the service asks for
     runner_module: str = "worker.runner"
@@ -605,16 +607,23 @@ class Daemon:
             self._close_with_failure(p, p.task_id or "", "executor stopped: paused before it "
                                      "started")
         elif p.status == "running":
-            self._terminate(p, "paused by the service", cancelled=False)
+            self._terminate(p, "paused by the service", cancelled=False,
+                            grace_s=self.cfg.pause_grace_s)
 
-    def _terminate(self, p: LocalPlacement, why: str, cancelled: bool) -> None:
+    def _terminate(self, p: LocalPlacement, why: str, cancelled: bool,
+                   grace_s: float | None = None) -> None:
+        """SIGTERM the executor, SIGKILL after grace_s (default cancel_grace_s); a second,
+        shorter stop (a cancel during a pause) brings the kill forward."""
         p.cancelled = p.cancelled or cancelled
         p.save()
+        deadline = time.monotonic() + (self.cfg.cancel_grace_s if grace_s is None else grace_s)
         if p.status == "running" and p.kill_at is None:
             log.info("executor terminating node=%s task=%s placement=%s pid=%s why=%s",
                      self.node_id, p.task_id, p.placement_id, p.pid, why)
             self._signal(p, signal.SIGTERM)
-            p.kill_at = time.monotonic() + self.cfg.cancel_grace_s
+            p.kill_at = deadline
+        elif p.status == "running" and deadline < p.kill_at:
+            p.kill_at = deadline
 
     def _signal(self, p: LocalPlacement, sig: signal.Signals) -> None:
         if p.pid is None:
@@ -887,6 +896,9 @@ def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
                     help="Override the detected GPU type name.")
     ap.add_argument("--cancel-grace-s", type=float, default=10.0,
                     help="Seconds between SIGTERM and SIGKILL of a cancelled executor.")
+    ap.add_argument("--pause-grace-s", type=float, default=300.0,
+                    help="Seconds a paused (or preempted) executor gets to checkpoint and "
+                         "exit before SIGKILL.")
     ap.add_argument("--poll-interval-s", type=float, default=0.5)
     ap.add_argument("--heartbeat-interval-s", type=float, default=None,
                     help="Default: the interval the service asks for at registration.")
@@ -902,7 +914,7 @@ def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
                         redis_url=args.redis_url, node_name=args.node_name,
                         work_dir=args.work_dir.resolve(), cpu_slots=args.cpu_slots,
                         gpu_type=args.gpu_type, poll_interval_s=args.poll_interval_s,
-                        cancel_grace_s=args.cancel_grace_s,
+                        cancel_grace_s=args.cancel_grace_s, pause_grace_s=args.pause_grace_s,
                         heartbeat_interval_s=args.heartbeat_interval_s,
                         runner_module=args.runner_module, runner_args=list(args.runner_args))
 
