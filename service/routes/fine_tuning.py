@@ -15,6 +15,7 @@ from service.dry_run import dry_run as run_dry
 from service.errors import ApiError, invalid, not_found
 from service.models import Task
 from service.schemas import ModelOut
+from service.task_actions import act
 
 router = APIRouter(tags=["fine_tuning"])
 Limit = Annotated[int, Query(ge=1, le=100)]
@@ -83,12 +84,7 @@ def retrieve_job(session: SessionDep, tenant: TenantDep, job_id: str) -> oc.Fine
              responses=JOB_RESPONSES)
 def cancel_job(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
                job_id: str) -> oc.FineTuningJobOut:
-    task = tasks.get_task(session, tenant, job_id, lock=True)
-    was = task.state
-    tasks.cancel_task(session, task, settings)
-    if was != "cancelled":
-        cluster_changed(session, "task_cancelled", settings)
-    return _one(session, tasks.get_task(session, tenant, job_id))
+    return _one(session, act(session, tenant, settings, job_id, "cancel"))
 
 
 @router.post("/v1/fine_tuning/jobs/{job_id}/pause", response_model=oc.FineTuningJobOut,
@@ -96,14 +92,7 @@ def cancel_job(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
 def pause_job(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
               job_id: str) -> oc.FineTuningJobOut:
     """Checkpoint at the next step boundary and free the GPUs: pausing, then paused."""
-    task = tasks.get_task(session, tenant, job_id, lock=True)
-    was = task.state
-    tasks.request_pause(session, task, requeue=False, reason="paused by the user",
-                        settings=settings)
-    session.commit()
-    if task.state != was:
-        cluster_changed(session, "task_paused", settings)
-    return _one(session, tasks.get_task(session, tenant, job_id))
+    return _one(session, act(session, tenant, settings, job_id, "pause"))
 
 
 @router.post("/v1/fine_tuning/jobs/{job_id}/resume", response_model=oc.FineTuningJobOut,
@@ -111,11 +100,7 @@ def pause_job(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
 def resume_job(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
                job_id: str) -> oc.FineTuningJobOut:
     """paused -> queued; training continues from the pause's checkpoint."""
-    task = tasks.get_task(session, tenant, job_id, lock=True)
-    tasks.resume_task(session, task)
-    session.commit()
-    cluster_changed(session, "task_resumed", settings)
-    return _one(session, tasks.get_task(session, tenant, job_id))
+    return _one(session, act(session, tenant, settings, job_id, "resume"))
 
 
 @router.get("/v1/fine_tuning/jobs/{job_id}/events", response_model=oc.JobEventPage,

@@ -17,6 +17,7 @@ from service.models import Artifact, Job
 from service.openai_compat import DryRunOut
 from service.schemas import EventPage, JobOut, MetricsOut, ModelOut, Page, TaskCreate, TaskOut
 from service.storage import Storage
+from service.task_actions import act
 
 router = APIRouter(tags=["tasks"])
 TaskState = Literal["validating_files", "queued", "running", "pausing", "paused", "succeeded",
@@ -77,12 +78,7 @@ def get_task(session: SessionDep, tenant: TenantDep, task_id: str) -> TaskOut:
 @router.post("/v1/tasks/{task_id}/cancel", response_model=TaskOut)
 def cancel_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
                 task_id: str) -> TaskOut:
-    task = tasks.get_task(session, tenant, task_id, lock=True)
-    was = task.state
-    tasks.cancel_task(session, task, settings)
-    if was != "cancelled":
-        cluster_changed(session, "task_cancelled", settings)
-    return tasks.task_out(session, tasks.get_task(session, tenant, task_id))
+    return tasks.task_out(session, act(session, tenant, settings, task_id, "cancel"))
 
 
 @router.post("/v1/tasks/{task_id}/pause", response_model=TaskOut,
@@ -91,14 +87,7 @@ def pause_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
                task_id: str) -> TaskOut:
     """Stop the task at its next step boundary with a checkpoint and free its GPUs: `pausing`
     while its attempt stops, then `paused` (at once when nothing runs yet)."""
-    task = tasks.get_task(session, tenant, task_id, lock=True)
-    was = task.state
-    tasks.request_pause(session, task, requeue=False, reason="paused by the user",
-                        settings=settings)
-    session.commit()
-    if task.state != was:
-        cluster_changed(session, "task_paused", settings)
-    return tasks.task_out(session, tasks.get_task(session, tenant, task_id))
+    return tasks.task_out(session, act(session, tenant, settings, task_id, "pause"))
 
 
 @router.post("/v1/tasks/{task_id}/resume", response_model=TaskOut,
@@ -106,11 +95,7 @@ def pause_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
 def resume_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
                 task_id: str) -> TaskOut:
     """paused -> queued: the scheduler places it again and it continues from its checkpoint."""
-    task = tasks.get_task(session, tenant, task_id, lock=True)
-    tasks.resume_task(session, task)
-    session.commit()
-    cluster_changed(session, "task_resumed", settings)
-    return tasks.task_out(session, tasks.get_task(session, tenant, task_id))
+    return tasks.task_out(session, act(session, tenant, settings, task_id, "resume"))
 
 
 @router.get("/v1/tasks/{task_id}/jobs", response_model=Page[JobOut])
