@@ -178,7 +178,10 @@ def test_another_tenants_key_sees_nothing(stack: Stack, browser: webdriver.Chrom
 def create_task_from_page(driver: webdriver.Chrome, tmp_path: Path) -> str:
     """Fill the new-task form (upload both files, model, search space, early exit), look at the
     dry-run estimate when the API has one, create; the task's id from the page it opens."""
-    train = write_jsonl(tmp_path / "train.jsonl", rows(64, 1))
+    # 960 rows x 2 epochs at batch 4: 480 steps (under the page's 500 points a curve), long
+    # enough (about 20 s on an idle 2-core CPU, minutes under load) to watch it train and list
+    # it as running
+    train = write_jsonl(tmp_path / "train.jsonl", rows(960, 1))
     val = write_jsonl(tmp_path / "val.jsonl", rows(8, 2))
     wait_for(lambda: qs(driver, "#f-model option"), 20, "the model list")
     q(driver, "#f-train").send_keys(str(train))
@@ -190,7 +193,7 @@ def create_task_from_page(driver: webdriver.Chrome, tmp_path: Path) -> str:
         q(driver, css).send_keys(value)
     # The ranking after a quarter of the steps keeps one of the two jobs: the other exits.
     q(driver, "#f-extra").send_keys(json.dumps({
-        "max_seq_len": 48, "eval": {"eval_every_steps": 3, "eval_max_samples": 8},
+        "max_seq_len": 48, "eval": {"eval_every_steps": 5, "eval_max_samples": 8},
         "early_exit": {"warmup_fraction": 0.25, "keep_fraction": 0.5}}))
     if q(driver, "#btn-estimate").is_enabled():  # POST /v1/tasks?dry_run=true is there
         click(driver, "#btn-estimate")
@@ -304,7 +307,7 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     api_events = http.get(f"/v1/tasks/{task_id}/events", params={"limit": 1000}).json()["data"]
     assert logged == [e["id"] for e in api_events]
     assert "job_exited" in text(browser, "#events")
-    # every point of the curves is on the chart (100 loss points are under max_points)
+    # every point of the curves is on the chart (each curve is under the page's max_points, 500)
     curves = http.get(f"/v1/tasks/{task_id}/metrics").json()["jobs"]
     total = sum(len(c["train"]) + len(c["val"]) for c in curves)
     wait_for(lambda: chart_points(browser) == total, 10, f"{total} points on the chart")
