@@ -17,15 +17,18 @@ from tests.e2e.test_daemon_loop import events, executor_pid, pid_alive
 from tests.e2e.test_train_e2e import models_yaml  # noqa: F401 - the tiny Llama as "tiny"
 
 pytest.importorskip("torch")
-STEPS = 24  # 48 records x 2 epochs / batch 4, per job
+# 960 records x 2 epochs / batch 4, per job: on an idle 2-core CPU a step of the tiny model
+# takes about 30 ms, so the task is still training when the pause (a heartbeat after the first
+# checkpoint reached the service) arrives
+STEPS = 480
 
 
 def start_task(http) -> str:  # noqa: ANN001
     r = http.post("/v1/tasks", json={
-        "base_model": "tiny", "training_file": upload_jsonl(http, "train.jsonl", rows(48, 1)),
+        "base_model": "tiny", "training_file": upload_jsonl(http, "train.jsonl", rows(2 * STEPS, 1)),
         "validation_file": upload_jsonl(http, "val.jsonl", rows(8, 2)), "epochs": 2,
         "max_seq_len": 48, "search_space": {"learning_rate": [1e-2, 3e-2], "batch_size": [4]},
-        "early_exit": {"enabled": False}, "eval": {"eval_every_steps": 8, "eval_max_samples": 8}})
+        "early_exit": {"enabled": False}, "eval": {"eval_every_steps": 40, "eval_max_samples": 8}})
     assert r.status_code == 201, r.text
     return r.json()["id"]
 
