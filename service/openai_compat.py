@@ -467,13 +467,7 @@ def job_events(session: Session, task: Task, after: str | None, limit: int
             data={"step": step, "job_id": job_id, "job_index": index.get(job_id),
                   "train_loss": tl, "valid_loss": vl})))
     items.sort(key=lambda kv: kv[0], reverse=True)
-    ordered = [e for _, e in items]
-    if after is not None:
-        pos = next((i for i, e in enumerate(ordered) if e.id == after), None)
-        if pos is None:
-            raise invalid(f"unknown cursor {after!r}", param="after")
-        ordered = ordered[pos + 1:]
-    return ordered[:limit], len(ordered) > limit
+    return _page_after([e for _, e in items], after, limit)
 
 
 def job_checkpoints(session: Session, task: Task, after: str | None, limit: int
@@ -499,9 +493,15 @@ def job_checkpoints(session: Session, task: Task, after: str | None, limit: int
             hyperparameters=job.config, best=job.id == task.best_job_id,
             metrics=CheckpointMetrics(step=step, train_loss=finite_or_none(
                 train.get((job.id, step))), valid_loss=valid, full_valid_loss=valid)))
+    return _page_after(out, after, limit)
+
+
+def _page_after(items: list, after: str | None, limit: int) -> tuple[list, bool]:
+    """The page after the item whose id is `after` (from the start without one), and whether
+    more follow; an unknown cursor is a 422 naming `after`."""
     if after is not None:
-        pos = next((i for i, c in enumerate(out) if c.id == after), None)
+        pos = next((i for i, item in enumerate(items) if item.id == after), None)
         if pos is None:
             raise invalid(f"unknown cursor {after!r}", param="after")
-        out = out[pos + 1:]
-    return out[:limit], len(out) > limit
+        items = items[pos + 1:]
+    return items[:limit], len(items) > limit
