@@ -226,19 +226,15 @@ def models_yaml(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def stack(request: pytest.FixtureRequest, db_url: str, redis_server,  # noqa: ANN001,F811
-          tmp_path: Path, models_yaml: Path) -> Iterator[Stack]:
-    import redis
-
-    redis.Redis.from_url(redis_server.url).flushall()
-    port = free_port()
-    scheduler = request.node.get_closest_marker("with_scheduler") is not None
-    env = dict(os.environ) | {
-        "LORAPLEX_DATABASE_URL": db_url if "+psycopg" in db_url
-        else db_url.replace("postgresql://", "postgresql+psycopg://"),
-        "LORAPLEX_REDIS_URL": redis_server.url,
-        "LORAPLEX_STORAGE_DIR": str(tmp_path / "storage"),
+def stack_env(database_url: str, redis_url: str, root: Path, models_yaml: Path,
+              scheduler: bool) -> dict[str, str]:
+    """The environment of a test stack's service and daemons: this process's, plus the stack's
+    databases, storage under root, the models file, short timeouts and intervals."""
+    return dict(os.environ) | {
+        "LORAPLEX_DATABASE_URL": database_url if "+psycopg" in database_url
+        else database_url.replace("postgresql://", "postgresql+psycopg://"),
+        "LORAPLEX_REDIS_URL": redis_url,
+        "LORAPLEX_STORAGE_DIR": str(root / "storage"),
         "LORAPLEX_MODELS_FILE": str(models_yaml),
         "LORAPLEX_WORKER_TOKEN": WORKER_TOKEN,
         "LORAPLEX_NODE_TIMEOUT_S": str(NODE_TIMEOUT_S),
@@ -248,6 +244,17 @@ def stack(request: pytest.FixtureRequest, db_url: str, redis_server,  # noqa: AN
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
     }
+
+
+@pytest.fixture
+def stack(request: pytest.FixtureRequest, db_url: str, redis_server,  # noqa: ANN001,F811
+          tmp_path: Path, models_yaml: Path) -> Iterator[Stack]:
+    import redis
+
+    redis.Redis.from_url(redis_server.url).flushall()
+    port = free_port()
+    scheduler = request.node.get_closest_marker("with_scheduler") is not None
+    env = stack_env(db_url, redis_server.url, tmp_path, models_yaml, scheduler)
     s = Stack(url=f"http://127.0.0.1:{port}", env=env, root=tmp_path, db_url=db_url,
               redis_url=redis_server.url, scheduler=scheduler)
     s.api_key = make_tenant(db_url, "e2e-tenant")

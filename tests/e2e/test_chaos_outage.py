@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from service.localstack import Postgres, free_port
-from tests.e2e.conftest import NODE_TIMEOUT_S, REPO, WORKER_TOKEN, Stack, make_tenant, wait_for
+from tests.e2e.conftest import NODE_TIMEOUT_S, Stack, make_tenant, stack_env, wait_for
 from tests.e2e.test_chaos import check_guarantees, checkpoints, rows, spool_points, upload_jsonl
 from tests.e2e.test_chaos import models_yaml as models_yaml  # noqa: F401 - the tiny Llama
 from tests.e2e.test_daemon_loop import events
@@ -60,19 +60,8 @@ def outage_stack(private_pg: Postgres, redis_server, tmp_path: Path,  # noqa: AN
 
     redis.Redis.from_url(redis_server.url).flushall()
     db_url = private_pg.url()
-    env = dict(os.environ) | {
-        "LORAPLEX_DATABASE_URL": db_url,
-        "LORAPLEX_REDIS_URL": redis_server.url,
-        "LORAPLEX_STORAGE_DIR": str(tmp_path / "storage"),
-        "LORAPLEX_MODELS_FILE": str(models_yaml),
-        "LORAPLEX_WORKER_TOKEN": WORKER_TOKEN,
-        "LORAPLEX_NODE_TIMEOUT_S": str(NODE_TIMEOUT_S),
-        "LORAPLEX_MAINTENANCE_INTERVAL_S": "1",
-        "LORAPLEX_LEADER_RETRY_S": "1",
-        "LORAPLEX_SCHEDULER_ENABLED": "false",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        "PYTHONUNBUFFERED": "1",
-    }
+    env = stack_env(db_url, redis_server.url, tmp_path, models_yaml, scheduler=False) | {
+        "LORAPLEX_LEADER_RETRY_S": "1"}
     stack = Stack(url=f"http://127.0.0.1:{free_port()}", env=env, root=tmp_path, db_url=db_url,
                   redis_url=redis_server.url)
     stack.api_key = make_tenant(db_url, "outage-tenant")
