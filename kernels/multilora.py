@@ -25,15 +25,61 @@ so nothing is stacked or padded per step. Backward ADDS dA_i and dB_i^T into `gr
 layout, float32; float64 for float64) at the same offsets, and returns a gradient for x only;
 `token`, a scalar that requires grad, ties y to autograd so backward runs even when x needs no
 gradient (the first layer's inputs). r_max >= max(r_i) sizes the rank tile.
+
+Operator forms of the Triton backend (`form=`; None means the process default, "compose" unless
+set by `set_default_form` or $LORAPLEX_LORA_FORM):
+    "compose"  cuBLAS base GEMMs + separate grouped LoRA passes (kernels.triton_lora)
+    "fused"    Triton GEMMs with the LoRA expand and dS A in their epilogues, per-adapter rank
+               tiles (kernels.fused_lora)
+    "auto"     per shape, the faster of the two by measured timings (kernels.form_choice)
+The torch backend ignores the form.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from kernels.reference import multilora_linear_arena_reference, multilora_linear_reference
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FORMS = ("compose", "fused", "auto")
+_default_form = os.environ.get("LORAPLEX_LORA_FORM", "compose")
+_device_names: dict[int, str] = {}
+
+
+def _check_form(form: str | None) -> None:
+    if form is not None and form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
+
+
+def set_default_form(form: str) -> None:
+    """The form used where a caller passes form=None (e.g. a benchmark switching the engine)."""
+    global _default_form
+    if form is None:
+        raise ValueError("set_default_form needs a form")
+    _check_form(form)
+    _default_form = form
+
+
+def _device_name(x: torch.Tensor) -> str:
+    if not x.is_cuda:
+        return str(x.device.type)
+    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if idx not in _device_names:
+        _device_names[idx] = torch.cuda.get_device_name(idx)
+    return _device_names[idx]
+
+
+def resolve_form(form: str | None, x: torch.Tensor, d_out: int, r_max: int) -> str:
+    """"compose" or "fused" for this call (host ints only: no device sync)."""
+    form = _default_form if form is None else form
+    if form != "auto":
+        return form
+    from kernels.form_choice import table
+
+    return table().choose(_device_name(x), x.shape[-1], d_out, x.shape[0], r_max)
 
 
 def triton_available() -> bool:
@@ -67,9 +113,15 @@ def multilora_linear(
     ranks: torch.Tensor,
     offsets: torch.Tensor,
     backend: str = "auto",
+    form: str | None = None,
 ) -> torch.Tensor:
     """Base linear plus per-adapter LoRA for row-grouped tokens; see the module docstring."""
+    _check_form(form)
     if _use_triton(x, backend):
+        if resolve_form(form, x, weight.shape[0], lora_a.shape[2]) == "fused":
+            from kernels.fused_lora import multilora_linear_fused
+
+            return multilora_linear_fused(x, weight, bias, lora_a, lora_b, scales, ranks, offsets)
         from kernels.triton_lora import multilora_linear_triton
 
         return multilora_linear_triton(x, weight, bias, lora_a, lora_b, scales, ranks, offsets)
@@ -90,9 +142,16 @@ def multilora_linear_arena(
     r_max: int,
     token: torch.Tensor,
     backend: str = "auto",
+    form: str | None = None,
 ) -> torch.Tensor:
     """Base linear plus per-adapter LoRA read from an arena; see "Arena form" above."""
+    _check_form(form)
     if _use_triton(x, backend):
+        if resolve_form(form, x, weight.shape[0], r_max) == "fused":
+            from kernels.fused_lora import multilora_linear_arena_fused
+
+            return multilora_linear_arena_fused(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks,
+                                                offsets, r_max, token)
         from kernels.triton_lora import multilora_linear_arena_triton
 
         return multilora_linear_arena_triton(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks,

@@ -21,6 +21,7 @@ fused pair halves the launches and host work, which dominated at small T.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -30,6 +31,11 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Under the interpreter one small config runs (no autotuning); tests vary BLOCK_M through the env.
 _INTERP_BLOCK_M = int(os.environ.get("LORAPLEX_INTERPRET_BLOCK_M", "16"))
+
+
+# Autotune choices persist across processes (in Triton's cache dir, $TRITON_CACHE_DIR) where the
+# installed Triton supports it (3.4+: `cache_results`), so an executor does not re-tune on start.
+AUTOTUNE_KW = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
 def _cfg(num_warps: int = 4, num_stages: int = 3, **meta: int) -> triton.Config:
@@ -202,15 +208,15 @@ def _bwd_jit(
 
 
 _KEY = ["T_BUCKET", "K", "D_OUT", "R_MAX"]
-_fwd_kernel = triton.autotune(configs=_FWD_CONFIGS, key=_KEY, restore_value=["y_ptr"])(_fwd_jit)
+_fwd_kernel = triton.autotune(configs=_FWD_CONFIGS, key=_KEY, restore_value=["y_ptr"], **AUTOTUNE_KW)(_fwd_jit)
 # Stacked weights: dA/dB land in a fresh buffer per call, zeroed between tuning trials.
 _bwd_kernel = triton.autotune(configs=_BWD_CONFIGS, key=_KEY, reset_to_zero=["da_ptr", "db_ptr"],
-                              restore_value=["dx_ptr"])(_bwd_jit)
+                              restore_value=["dx_ptr"], **AUTOTUNE_KW)(_bwd_jit)
 # Arena: gradients accumulate into the caller's arena that already holds other layers' sums, so
 # tuning trials restore it instead of zeroing it (the autotuner zeroes reset_to_zero args again
 # after tuning, which would wipe them).
 _bwd_kernel_arena = triton.autotune(configs=_BWD_CONFIGS, key=_KEY,
-                                    restore_value=["dx_ptr", "da_ptr"])(_bwd_jit)
+                                    restore_value=["dx_ptr", "da_ptr"], **AUTOTUNE_KW)(_bwd_jit)
 
 
 def _meta(x: torch.Tensor, n: int, r_max: int, t: int) -> dict:

@@ -33,6 +33,9 @@ class StepLayout:
     r_max: int
     token: torch.Tensor        # scalar that requires grad: makes backward reach every layer
     backend: str = "auto"
+    # Triton operator form: "compose" (cuBLAS + LoRA passes), "fused" (LoRA in the GEMM epilogues),
+    # "auto" (per shape, from measured timings); None = the process default (kernels.set_default_form)
+    form: str | None = None
 
 
 class MultiLoraLinear(nn.Module):
@@ -65,7 +68,7 @@ class MultiLoraLinear(nn.Module):
         y = multilora_linear_arena(
             x.reshape(-1, shape[-1]), self.base.weight, self.base.bias, lay.arena, lay.grad_arena,
             self.a_off, self.b_off, lay.scales, lay.ranks, lay.offsets, lay.r_max, lay.token,
-            backend=lay.backend,
+            backend=lay.backend, form=lay.form,
         )
         return y.reshape(*shape[:-1], self.out_features)
 

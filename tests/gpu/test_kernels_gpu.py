@@ -71,9 +71,10 @@ def test_triton_arena_matches_fp64(idx: int) -> None:
     assert stray == 0 and empty_adapter_grad_nonzero(got, case.offsets) == 0, case.describe()
 
 
-def test_arena_no_host_sync_after_warmup() -> None:
+@pytest.mark.parametrize("form", ["compose", "fused"])
+def test_arena_no_host_sync_after_warmup(form: str) -> None:
     case = make_case([100, 0, 60], [16, 8, 64], 512, 384, dtype=torch.bfloat16, device="cuda")
-    run_arena(case, multilora_linear_arena)
+    run_arena(case, multilora_linear_arena, form=form)  # compile + autotune (these sync)
     torch.cuda.synchronize()
     n, d_in, r_max = case.lora_a.shape
     arena = torch.randn(20 * (d_in + 384) * 64, device="cuda", dtype=torch.bfloat16)
@@ -85,8 +86,40 @@ def test_arena_no_host_sync_after_warmup() -> None:
     torch.cuda.set_sync_debug_mode("error")
     try:
         y = multilora_linear_arena(x, case.weight, case.bias, arena, grad, a_off, b_off, case.scales, case.ranks,
-                                   case.offsets, r_max, token)
+                                   case.offsets, r_max, token, form=form)
         y.backward(case.dy)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(y).all() and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+# ----- the fused form (kernels.fused_lora): LoRA terms in the Triton GEMMs' epilogues -----
+FUSED_CASES = CASES + [
+    ([512, 0, 256, 96], [24, 8, 40, 64], 4096, 4096, torch.bfloat16),  # ranks not powers of two
+]
+
+
+@pytest.mark.parametrize("onepass", [True, False])
+@pytest.mark.parametrize("idx", range(len(FUSED_CASES)))
+def test_fused_matches_fp64(idx: int, onepass: bool) -> None:
+    from kernels.fused_lora import multilora_linear_fused
+
+    counts, ranks, d_in, d_out, dtype = FUSED_CASES[idx]
+    case = make_case(counts, ranks, d_in, d_out, dtype=dtype, device="cuda", bias=random.random() < 0.5)
+    got = run_op(case, multilora_linear_fused, onepass=onepass)
+    errs = rel_errors(got, oracle_fp64(case, device="cuda"))
+    assert all(e <= TOL[dtype] for e in errs.values()), f"{errs} for {case.describe()}"
+    assert padding_grad_nonzero(got, case.ranks) == 0, case.describe()
+    assert empty_adapter_grad_nonzero(got, case.offsets) == 0, case.describe()
+
+
+@pytest.mark.parametrize("idx", range(len(FUSED_CASES)))
+def test_fused_arena_matches_fp64(idx: int) -> None:
+    """The engine's arena form through the public entry point with form="fused"."""
+    counts, ranks, d_in, d_out, dtype = FUSED_CASES[idx]
+    case = make_case(counts, ranks, d_in, d_out, dtype=dtype, device="cuda", bias=random.random() < 0.5)
+    got, stray = run_arena(case, multilora_linear_arena, form="fused")
+    errs = rel_errors(got, oracle_fp64(case, device="cuda"))
+    assert all(e <= TOL[dtype] for e in errs.values()), f"{errs} for {case.describe()}"
+    assert stray == 0 and empty_adapter_grad_nonzero(got, case.offsets) == 0, case.describe()
+

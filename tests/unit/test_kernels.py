@@ -148,3 +148,62 @@ def test_arena_reference_random_shapes_without_x_grad() -> None:
     want = oracle_fp64(case)
     errs = rel_errors({**got, "dx": want["dx"]}, want)
     assert all(e <= TOL[torch.float64] for e in errs.values()), f"{errs} {case.describe()}"
+
+
+def _row(form: str, ms: float, tokens: int = 8192, r_max: int = 16, device: str = "H100", d=(4096, 4096)) -> dict:
+    return {"device": device, "d_in": d[0], "d_out": d[1], "tokens": tokens, "r_max": r_max, "form": form, "ms": ms}
+
+
+def test_form_table_picks_the_faster_form_at_the_nearest_point(tmp_path) -> None:
+    from kernels.form_choice import FormTable
+
+    tab = FormTable([_row("compose", 1.0, tokens=2048), _row("fused", 1.2, tokens=2048),
+                     _row("compose", 4.0, tokens=32768), _row("fused", 3.0, tokens=32768),
+                     _row("fused", 0.1, tokens=8192)])  # fused alone at 8192: not a comparison
+    assert tab.choose("H100", 4096, 4096, 2048, 16) == "compose"
+    assert tab.choose("H100", 4096, 4096, 3000, 16) == "compose"      # nearer 2048 than 32768
+    assert tab.choose("H100", 4096, 4096, 20000, 64) == "fused"       # nearer 32768
+    assert tab.choose("H200", 4096, 4096, 32768, 16) == "compose"     # another device: no data
+    assert tab.choose("H100", 4096, 14336, 32768, 16) == "compose"    # another shape: no data
+    path = tmp_path / "forms.json"
+    tab.save(path)
+    again = FormTable.load(path)
+    assert again.rows() == tab.rows()
+    assert again.choose("H100", 4096, 4096, 20000, 64) == "fused"
+
+
+def test_form_table_rejects_bad_rows_and_ignores_failed_timings() -> None:
+    from kernels.form_choice import FormTable
+
+    with pytest.raises(ValueError):
+        FormTable([_row("bmm", 1.0)])
+    tab = FormTable([_row("compose", 2.0), _row("fused", float("nan"))])
+    assert tab.choose("H100", 4096, 4096, 8192, 16) == "compose"
+    assert [r["form"] for r in tab.rows()] == ["compose"]
+
+
+def test_form_argument_is_checked() -> None:
+    from kernels import set_default_form
+
+    case = make_case([2, 2], [8, 8], 6, 7)
+    args = [case.x, case.weight, case.bias, case.lora_a, case.lora_b, case.scales, case.ranks, case.offsets]
+    with pytest.raises(ValueError, match="form"):
+        multilora_linear(*args, form="fast")
+    with pytest.raises(ValueError, match="form"):
+        set_default_form("fast")
+    # the torch backend ignores a valid form
+    y = multilora_linear(*args, backend="torch", form="fused")
+    assert torch.equal(y, multilora_linear_reference(*args))
+
+
+def test_autotune_results_persist_where_triton_supports_it() -> None:
+    """Issue 15: with Triton >= 3.4 every autotuned kernel caches its choice on disk."""
+    triton = pytest.importorskip("triton")
+    import inspect
+
+    from kernels import fused_lora, triton_lora
+
+    kernels = [triton_lora._fwd_kernel, triton_lora._bwd_kernel, triton_lora._bwd_kernel_arena,
+               fused_lora._gemm_lora, fused_lora._shrink, fused_lora._shrink_wgrad, fused_lora._wgrad]
+    supported = "cache_results" in inspect.signature(triton.autotune).parameters
+    assert all(getattr(k, "cache_results", False) == supported for k in kernels)

@@ -1,0 +1,453 @@
+"""Fused form of the grouped multi-LoRA operator: the LoRA terms ride inside the base GEMMs.
+
+Same contracts as `kernels.triton_lora` (stacked and arena forms); what differs is the schedule:
+
+  forward   S = X A_i^T                 `_shrink`     per (adapter, row tile, rank block) item
+            Y = X W^T + b + s_i S B_i^T `_gemm_lora`  one Triton GEMM; its epilogue adds, for each
+                                                     adapter whose rows meet the output tile, the
+                                                     rank-blocks of s_i S B_i^T (no pass over Y)
+  backward  dS = dY B_i                 `_shrink` (the same kernel, dY and B^T for X and A);
+                                        with `onepass`, the same sweep over dY also adds
+                                        dB_i^T += s_i S^T dY (fp32 atomics per row tile)
+            dB_i^T += s_i S^T dY        `_wgrad`      (when not onepass) per (adapter, row chunk,
+                                                     rank block) x column block; atomics only
+                                                     across row chunks
+            dA_i += s_i dS^T X          `_wgrad`
+            dX = dY W + s_i dS A_i      `_gemm_lora`  (the same GEMM kernel, dS A in its epilogue)
+
+Per-adapter rank tiles: every LoRA loop runs over cdiv(r_i, BLOCK_R) rank blocks of the adapter's
+OWN rank (BLOCK_R = 16 by default), so a rank-16 adapter beside a rank-64 one costs one block, not
+four; the work lists are built on the device from offsets and ranks (prefix sums), no host sync.
+Ranks need not be powers of two (the last block is masked).
+
+Where a Triton GEMM is slower than cuBLAS on a shape, the composition (`triton_lora`: cuBLAS +
+separate LoRA passes) is the faster choice; `kernels.form_choice` picks per shape from measured
+timings (bench/lora_op.py writes them).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_lora import AUTOTUNE_KW, _acc_torch, _adapter_base, _check
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Under the interpreter one small config runs; tests vary the tile sizes through the env.
+_IB = int(os.environ.get("LORAPLEX_INTERPRET_BLOCK_M", "16"))
+_ICHUNK = int(os.environ.get("LORAPLEX_INTERPRET_CHUNK", "32"))
+
+
+def _cfg(num_warps: int = 4, num_stages: int = 3, **meta: int) -> triton.Config:
+    return triton.Config(meta, num_warps=num_warps, num_stages=num_stages)
+
+
+if _INTERPRET:
+    _GEMM_CONFIGS = [_cfg(BLOCK_M=_IB, BLOCK_N=16, BLOCK_K=16, BLOCK_R=16, GROUP_M=2)]
+    _SHRINK_CONFIGS = [_cfg(BLOCK_M=_IB, BLOCK_K=16)]
+    _WGRAD_CONFIGS = [_cfg(BLOCK_M=16, BLOCK_N=16, CHUNK=_ICHUNK)]
+else:  # Hopper-friendly tiles (wgmma wants BLOCK_M >= 64 and 8 warps for the large ones)
+    _GEMM_CONFIGS = [
+        _cfg(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, num_warps=8, num_stages=3),
+        _cfg(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, num_warps=8, num_stages=3),
+        _cfg(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, num_warps=8, num_stages=4),
+        _cfg(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, num_warps=4, num_stages=4),
+        _cfg(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, num_warps=4, num_stages=4),
+        _cfg(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_R=32, GROUP_M=8, num_warps=8, num_stages=3),
+    ]
+    _SHRINK_CONFIGS = [
+        _cfg(BLOCK_M=64, BLOCK_K=128),
+        _cfg(BLOCK_M=32, BLOCK_K=128, num_stages=4),
+        _cfg(BLOCK_M=16, BLOCK_K=256, num_stages=4),
+        _cfg(BLOCK_M=128, BLOCK_K=64, num_warps=8),
+    ]
+    _WGRAD_CONFIGS = [
+        _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=1024),
+        _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=512, num_stages=4),
+        _cfg(BLOCK_M=128, BLOCK_N=64, CHUNK=2048, num_warps=8),
+        _cfg(BLOCK_M=64, BLOCK_N=256, CHUNK=1024, num_warps=8),
+    ]
+
+RANK_BLOCK = 16  # rank tile of the work-list kernels (`_shrink`, `_wgrad`): tl.dot's smallest K
+
+
+@triton.jit
+def _find_item(pid, off_ptr, rank_ptr, N, R_MAX, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, N_P2: tl.constexpr):
+    """Map `pid` to one (adapter, row block of ROWS, rank block of BLOCK_R) item of the work list.
+
+    Adapter i has cdiv(t_i, ROWS) * cdiv(r_i, BLOCK_R) items (rank block fastest, so the items
+    of one row block run side by side and share its input rows through L2). Returns adapter
+    (-1 for a spare program), first row, adapter's end row, first rank column, adapter's rank.
+    """
+    idx = tl.arange(0, N_P2)
+    live = idx < N
+    lo = tl.load(off_ptr + idx, mask=live, other=0).to(tl.int32)
+    hi = tl.load(off_ptr + idx + 1, mask=live, other=0).to(tl.int32)
+    rk = tl.minimum(tl.load(rank_ptr + idx, mask=live, other=0).to(tl.int32), R_MAX)
+    n_rb = (rk + BLOCK_R - 1) // BLOCK_R
+    n_items = ((hi - lo + ROWS - 1) // ROWS) * n_rb
+    end = tl.cumsum(n_items, 0)
+    start = end - n_items
+    hit = (pid >= start) & (pid < end)
+    adapter = tl.max(tl.where(hit, idx, -1), 0)
+    local = tl.sum(tl.where(hit, pid - start, 0), 0)
+    nrb = tl.maximum(tl.sum(tl.where(hit, n_rb, 0), 0), 1)
+    row_start = tl.sum(tl.where(hit, lo, 0), 0) + (local // nrb) * ROWS
+    row_end = tl.sum(tl.where(hit, hi, 0), 0)
+    rank = tl.sum(tl.where(hit, rk, 0), 0)
+    return adapter, row_start, row_end, (local % nrb) * BLOCK_R, rank
+
+
+@triton.jit
+def _shrink_jit(
+    m_ptr, w_ptr, p_ptr, woff_ptr, off_ptr, rank_ptr,
+    s_ptr, g_ptr, goff_ptr, scale_ptr,
+    N, C, R_MAX, T_BUCKET,
+    stride_mm, stride_mc, stride_wn, stride_wr, stride_wc, stride_pm, stride_sm,
+    N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, ARENA: tl.constexpr,
+    FUSE_WGRAD: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """P[rows_i, :r_i] = M[rows_i, :] @ W_i^T with W_i [r_i, C] (A_i forward, B_i^T backward).
+
+    With FUSE_WGRAD (backward, M = dY, W = B^T): the same sweep adds s_i S^T M into G_i [r_i, C]
+    (dB_i^T) with atomics, so dS and dB come from one read of dY.
+    """
+    adapter, row_start, row_end, r0, rank = _find_item(
+        tl.program_id(0), off_ptr, rank_ptr, N, R_MAX, BLOCK_M, BLOCK_R, N_P2)
+    valid = adapter >= 0
+    ad = tl.maximum(adapter, 0).to(tl.int64)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    rows64 = rows.to(tl.int64)
+    rr = r0 + tl.arange(0, BLOCK_R)
+    r_mask = rr < rank
+    dtype = m_ptr.dtype.element_ty
+    w_base = _adapter_base(w_ptr, ad, stride_wn, woff_ptr, ARENA)
+    m_rows = m_ptr + rows64[:, None] * stride_mm
+    if FUSE_WGRAD:
+        scale = tl.load(scale_ptr + ad).to(ACC)
+        st = tl.load(s_ptr + rows64[:, None] * stride_sm + rr[None, :], mask=row_mask[:, None] & r_mask[None, :],
+                     other=0.0)
+        st_t = tl.trans((st * scale).to(dtype))
+        g_base = _adapter_base(g_ptr, ad, stride_wn, goff_ptr, ARENA)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC)
+    c_end = tl.where(valid, C, 0)
+    for c0 in range(0, c_end, BLOCK_K):
+        cs = c0 + tl.arange(0, BLOCK_K)
+        c_mask = cs < C
+        mt = tl.load(m_rows + cs[None, :] * stride_mc, mask=row_mask[:, None] & c_mask[None, :], other=0.0)
+        wt = tl.load(w_base + cs[:, None] * stride_wc + rr[None, :] * stride_wr,
+                     mask=c_mask[:, None] & r_mask[None, :], other=0.0)
+        acc = tl.dot(mt, wt, acc, input_precision=DOT_PREC)
+        if FUSE_WGRAD:
+            part = tl.dot(st_t, mt, tl.zeros((BLOCK_R, BLOCK_K), dtype=ACC), input_precision=DOT_PREC)
+            tl.atomic_add(g_base + rr[:, None] * stride_wr + cs[None, :] * stride_wc, part,
+                          mask=r_mask[:, None] & c_mask[None, :], sem="relaxed")
+    tl.store(p_ptr + rows64[:, None] * stride_pm + rr[None, :], acc, mask=row_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _wgrad_jit(
+    p_ptr, m_ptr, g_ptr, goff_ptr, off_ptr, rank_ptr, scale_ptr,
+    N, C, R_MAX, T_BUCKET,
+    stride_pm, stride_mm, stride_mc, stride_gn, stride_gr, stride_gc,
+    N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, ARENA: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """G_i[:r_i, cols] += s_i P[rows_i, :r_i]^T @ M[rows_i, cols] (dA_i: P = dS, M = X; dB_i^T:
+    P = S, M = dY). Axis 0: (adapter, row chunk of CHUNK, rank block) items; axis 1: column
+    blocks. Each program reduces its chunk in registers; chunks of one adapter meet in atomics."""
+    adapter, row_start, row_end, r0, rank = _find_item(
+        tl.program_id(0), off_ptr, rank_ptr, N, R_MAX, CHUNK, BLOCK_R, N_P2)
+    valid = adapter >= 0
+    ad = tl.maximum(adapter, 0).to(tl.int64)
+    dtype = m_ptr.dtype.element_ty
+    scale = tl.load(scale_ptr + ad).to(ACC)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_mask = cols < C
+    rr = r0 + tl.arange(0, BLOCK_R)
+    r_mask = rr < rank
+    chunk_end = tl.where(valid, tl.minimum(row_start + CHUNK, row_end), row_start)
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=ACC)
+    for m0 in range(row_start, chunk_end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < chunk_end
+        rows64 = rows.to(tl.int64)
+        pt = tl.load(p_ptr + rows64[:, None] * stride_pm + rr[None, :], mask=row_mask[:, None] & r_mask[None, :],
+                     other=0.0)
+        mt = tl.load(m_ptr + rows64[:, None] * stride_mm + cols[None, :] * stride_mc,
+                     mask=row_mask[:, None] & c_mask[None, :], other=0.0)
+        acc = tl.dot(tl.trans((pt * scale).to(dtype)), mt, acc, input_precision=DOT_PREC)
+    g_base = _adapter_base(g_ptr, ad, stride_gn, goff_ptr, ARENA)
+    tl.atomic_add(g_base + rr[:, None] * stride_gr + cols[None, :] * stride_gc, acc,
+                  mask=r_mask[:, None] & c_mask[None, :], sem="relaxed")
+
+
+@triton.jit
+def _gemm_lora_jit(
+    a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
+    M, NC, K, N, R_MAX, T_BUCKET,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
+    HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, ARENA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """C = A @ B (+ bias) + s_i P[rows_i, :r_i] @ W_i (W_i [r_i, NC]) for every adapter i whose
+    rows meet this output tile: the LoRA expand (forward: P = S, W = B^T) or dS A (backward:
+    P = dS, W = A) folded into the base GEMM's epilogue, cdiv(r_i, BLOCK_R) rank blocks each."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(NC, BLOCK_N)
+    per_group = GROUP_M * num_n  # grouped order: GROUP_M row tiles share B tiles through L2
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    m0 = pid_m * BLOCK_M
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < NC
+    rm64 = rm.to(tl.int64)
+    a_rows = a_ptr + rm64[:, None] * stride_am
+    b_cols = b_ptr + rn[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        at = tl.load(a_rows + ks[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        bt = tl.load(b_cols + ks[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(at, bt, acc, input_precision=DOT_PREC)
+    # epilogue: adapters [first, last) are those whose rows meet [m0, m0 + BLOCK_M)
+    idx = tl.arange(0, N_P2)
+    live = idx < N
+    lo = tl.load(off_ptr + idx, mask=live, other=0)
+    hi = tl.load(off_ptr + idx + 1, mask=live, other=0)
+    first = tl.sum(tl.where(live & (hi <= m0), 1, 0), 0)
+    last = tl.sum(tl.where(live & (lo < m0 + BLOCK_M), 1, 0), 0)
+    dtype = a_ptr.dtype.element_ty
+    for i in range(first, last):
+        lo_i = tl.load(off_ptr + i)
+        hi_i = tl.load(off_ptr + i + 1)
+        rank = tl.minimum(tl.load(rank_ptr + i).to(tl.int32), R_MAX)
+        scale = tl.load(scale_ptr + i).to(ACC)
+        rows_i = m_mask & (rm >= lo_i) & (rm < hi_i)
+        w_base = _adapter_base(w_ptr, i, stride_wn, woff_ptr, ARENA)
+        for r0 in range(0, rank, BLOCK_R):
+            rr = r0 + tl.arange(0, BLOCK_R)
+            r_mask = rr < rank
+            pt = tl.load(p_ptr + rm64[:, None] * stride_pm + rr[None, :], mask=rows_i[:, None] & r_mask[None, :],
+                         other=0.0)
+            wt = tl.load(w_base + rr[:, None] * stride_wr + rn[None, :] * stride_wc,
+                         mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot((pt * scale).to(dtype), wt, acc, input_precision=DOT_PREC)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(ACC)[None, :]
+    tl.store(c_ptr + rm64[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+_gemm_lora = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **AUTOTUNE_KW)(
+    _gemm_lora_jit)
+_shrink = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **AUTOTUNE_KW)(_shrink_jit)
+# Kernels that add into caller-owned gradients: tuning trials restore them (an arena already
+# holds other layers' sums).
+_shrink_wgrad = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], restore_value=["g_ptr"],
+                                **AUTOTUNE_KW)(_shrink_jit)
+_wgrad = triton.autotune(configs=_WGRAD_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], restore_value=["g_ptr"],
+                         **AUTOTUNE_KW)(_wgrad_jit)
+
+
+class _Ctx:
+    """Per-call constants every launch shares: work-list bounds and dtype metadata."""
+
+    def __init__(self, x: torch.Tensor, n: int, r_max: int, offsets, ranks, scales) -> None:  # noqa: ANN001
+        self.t = x.shape[0]
+        self.n = n
+        self.r_max = r_max
+        self.offsets, self.ranks, self.scales = offsets, ranks, scales
+        self.n_p2 = max(16, triton.next_power_of_2(n))
+        self.acc = tl.float64 if x.dtype == torch.float64 else tl.float32
+        self.prec = "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
+        self.t_bucket = triton.next_power_of_2(max(self.t, 1))
+        self.n_rb = triton.cdiv(r_max, RANK_BLOCK)
+
+    def items(self, rows: int) -> int:
+        """Upper bound of the work list's length for row blocks of `rows`."""
+        return (triton.cdiv(self.t, rows) + self.n) * self.n_rb
+
+
+def _shrink_launch(c: _Ctx, m, w, w_strides, woff, p, arena: bool, wgrad=None) -> None:  # noqa: ANN001
+    """p[rows_i, :r_i] = m[rows_i] @ W_i^T; with wgrad = (s_buf, g, goff): also g_i += s_i S^T m."""
+    s_buf, g, goff = wgrad if wgrad is not None else (p, p, woff)
+    kernel = _shrink_wgrad if wgrad is not None else _shrink
+    kernel[lambda meta: (c.items(meta["BLOCK_M"]),)](
+        m, w, p, woff, c.offsets, c.ranks, s_buf, g, goff, c.scales,
+        c.n, m.shape[1], c.r_max, c.t_bucket,
+        m.stride(0), m.stride(1), *w_strides, p.stride(0), s_buf.stride(0),
+        N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, FUSE_WGRAD=wgrad is not None, BLOCK_R=RANK_BLOCK,
+    )
+
+
+def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: bool) -> None:  # noqa: ANN001
+    """g_i[:r_i, :] += s_i p[rows_i, :r_i]^T m[rows_i] (g_strides: adapter, rank, column)."""
+    cols = m.shape[1]
+    kernel = _wgrad
+    kernel[lambda meta: (c.items(meta["CHUNK"]), triton.cdiv(cols, meta["BLOCK_N"]))](
+        p, m, g, goff, c.offsets, c.ranks, c.scales,
+        c.n, cols, c.r_max, c.t_bucket,
+        p.stride(0), m.stride(0), m.stride(1), *g_strides,
+        N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, BLOCK_R=RANK_BLOCK,
+    )
+
+
+def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: bool, out_dtype) -> torch.Tensor:  # noqa: ANN001
+    """a [T, K] @ b_kn [K, NC] (+ bias) + s_i p_i W_i into a new [T, NC] tensor."""
+    t, k = a.shape
+    nc = b_kn.shape[1]
+    out = torch.empty((t, nc), dtype=out_dtype, device=a.device)
+    _gemm_lora[lambda meta: (triton.cdiv(t, meta["BLOCK_M"]) * triton.cdiv(nc, meta["BLOCK_N"]),)](
+        a, b_kn, out, bias if bias is not None else out, p, w, woff, c.offsets, c.ranks, c.scales,
+        t, nc, k, c.n, c.r_max, c.t_bucket,
+        a.stride(0), a.stride(1), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1), p.stride(0),
+        *w_strides,
+        HAS_BIAS=bias is not None, N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena,
+    )
+    return out
+
+
+# Rank-major views of the weights: A_i and B_i^T as [r, C] with (adapter, rank, column) strides.
+def _stacked_a(lora_a: torch.Tensor) -> tuple[int, int, int]:
+    return lora_a.stride(0), lora_a.stride(2), lora_a.stride(1)     # lora_a [N, d_in, r]
+
+
+def _stacked_b(lora_b: torch.Tensor) -> tuple[int, int, int]:
+    return lora_b.stride(0), lora_b.stride(1), lora_b.stride(2)     # lora_b [N, r, d_out]
+
+
+def _arena_rank_major(cols: int) -> tuple[int, int, int]:
+    return 0, cols, 1  # arena blocks are [r, cols] row-major at per-adapter offsets (stride unused)
+
+
+def fused_forward(c: _Ctx, x, weight, bias, a, a_strides, aoff, b, b_strides, boff, arena: bool):  # noqa: ANN001
+    """(y, S): S = X A_i^T by `_shrink`, then y from the fused GEMM."""
+    s_buf = torch.empty((c.t, c.r_max), dtype=_acc_torch(x.dtype), device=x.device)
+    _shrink_launch(c, x, a, a_strides, aoff, s_buf, arena)
+    y = _gemm_launch(c, x, weight.t(), bias, s_buf, b, b_strides, boff, arena, x.dtype)
+    return y, s_buf
+
+
+def fused_backward(c: _Ctx, x, dy, s_buf, weight, a, a_strides, aoff, b, b_strides, boff, da, da_strides,
+                   db, db_strides, arena: bool, need_x: bool, need_a: bool, need_b: bool, onepass: bool):  # noqa: ANN001
+    """Adds dA_i into da and dB_i^T into db (at the adapters' blocks); returns dX (or None)."""
+    ds = torch.empty((c.t, c.r_max), dtype=_acc_torch(x.dtype), device=x.device)
+    fuse_db = need_b and onepass
+    _shrink_launch(c, dy, b, b_strides, boff, ds, arena, wgrad=(s_buf, db, boff) if fuse_db else None)
+    if need_b and not fuse_db:
+        _wgrad_launch(c, s_buf, dy, db, db_strides, boff, arena)
+    if need_a:
+        _wgrad_launch(c, ds, x, da, da_strides, aoff, arena)
+    if not need_x:
+        return None
+    return _gemm_launch(c, dy, weight, None, ds, a, a_strides, aoff, arena, dy.dtype)
+
+
+class FusedMultiLoraFn(torch.autograd.Function):
+    """Stacked form on the fused kernels; dA/dB land in one fresh accumulator, cast once."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scales, ranks, offsets, onepass):  # noqa: D102
+        n, _, r_max = lora_a.shape
+        c = _Ctx(x, n, r_max, offsets, ranks, scales)
+        if c.t == 0:
+            y, s_buf = torch.nn.functional.linear(x, weight, bias), x.new_empty((0, r_max))
+        else:
+            y, s_buf = fused_forward(c, x, weight, bias, lora_a, _stacked_a(lora_a), offsets, lora_b,
+                                     _stacked_b(lora_b), offsets, False)
+        ctx.save_for_backward(x, weight, lora_a, lora_b, scales, ranks, offsets, s_buf)
+        ctx.onepass = onepass
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        x, weight, lora_a, lora_b, scales, ranks, offsets, s_buf = ctx.saved_tensors
+        need_x, need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        n, _, r_max = lora_a.shape
+        c = _Ctx(x, n, r_max, offsets, ranks, scales)
+        flat = torch.zeros(lora_a.numel() + lora_b.numel(), dtype=_acc_torch(x.dtype), device=x.device)
+        da = flat[: lora_a.numel()].view(lora_a.shape)
+        db = flat[lora_a.numel():].view(lora_b.shape)
+        if lora_b.stride() != db.stride():  # the one-pass dB reuses B's strides for its gradient
+            lora_b = lora_b.contiguous()
+        if c.t == 0:
+            dx = dy @ weight if need_x else None
+        else:
+            dx = fused_backward(c, x, dy, s_buf, weight, lora_a, _stacked_a(lora_a), offsets, lora_b,
+                                _stacked_b(lora_b), offsets, da, _stacked_a(da), db, _stacked_b(db), False,
+                                need_x, need_a, need_b, ctx.onepass)
+        out = flat.to(lora_a.dtype)
+        da = out[: lora_a.numel()].view(lora_a.shape) if need_a else None
+        db = out[lora_a.numel():].view(lora_b.shape) if need_b else None
+        return dx, None, None, da, db, None, None, None, None
+
+
+def multilora_linear_fused(x, weight, bias, lora_a, lora_b, scales, ranks, offsets, onepass: bool = True):  # noqa: ANN001
+    """Fused Triton form of `kernels.multilora_linear` (same contract)."""
+    _check(x, weight, bias, lora_a, lora_b, scales, ranks, offsets)
+    dev = x.device
+    if scales.device != dev or ranks.device != dev or offsets.device != dev:
+        scales, ranks, offsets = scales.to(dev), ranks.to(dev), offsets.to(dev)
+    return FusedMultiLoraFn.apply(x, weight, bias, lora_a, lora_b, scales, ranks, offsets, onepass)
+
+
+class FusedArenaFn(torch.autograd.Function):
+    """Arena form on the fused kernels: gradients added into grad_arena at the adapters' offsets."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets, r_max, token,  # noqa: D102
+                onepass):
+        d_in, d_out = x.shape[1], weight.shape[0]
+        c = _Ctx(x, scales.shape[0], r_max, offsets, ranks, scales)
+        if c.t == 0 or c.n == 0:
+            y, s_buf = torch.nn.functional.linear(x, weight, bias), x.new_empty((0, r_max))
+        else:
+            y, s_buf = fused_forward(c, x, weight, bias, arena, _arena_rank_major(d_in), a_off, arena,
+                                     _arena_rank_major(d_out), b_off, True)
+        ctx.save_for_backward(x, weight, arena, a_off, b_off, scales, ranks, offsets, s_buf)
+        ctx.grad_arena, ctx.r_max, ctx.onepass = grad_arena, r_max, onepass
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        x, weight, arena, a_off, b_off, scales, ranks, offsets, s_buf = ctx.saved_tensors
+        g = ctx.grad_arena
+        need_x = ctx.needs_input_grad[0]
+        d_in, d_out = x.shape[1], weight.shape[0]
+        c = _Ctx(x, scales.shape[0], ctx.r_max, offsets, ranks, scales)
+        dy = dy.contiguous()
+        if c.t == 0 or c.n == 0:
+            dx = dy @ weight if need_x else None
+        else:
+            sa, sb = _arena_rank_major(d_in), _arena_rank_major(d_out)
+            dx = fused_backward(c, x, dy, s_buf, weight, arena, sa, a_off, arena, sb, b_off, g, sa, g, sb, True,
+                                need_x, True, True, ctx.onepass)
+        return (dx,) + (None,) * 12
+
+
+def multilora_linear_arena_fused(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets, r_max,
+                                 token, onepass: bool = True) -> torch.Tensor:  # noqa: ANN001
+    """Fused Triton form of `kernels.multilora_linear_arena` (same contract)."""
+    if not (x.is_cuda or _INTERPRET):
+        raise RuntimeError("Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    if x.dtype != weight.dtype or arena.dtype != x.dtype:
+        raise ValueError("x, weight and arena must share one dtype")
+    if grad_arena.dtype != _acc_torch(x.dtype) or grad_arena.shape != arena.shape:
+        raise ValueError(f"grad_arena must be {_acc_torch(x.dtype)} of the arena's shape")
+    return FusedArenaFn.apply(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets, r_max,
+                              token, onepass)
