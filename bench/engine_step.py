@@ -1,7 +1,8 @@
 """Training-step benchmark of the multi-LoRA engine on a random-weight Llama-3.1-8B-shaped model.
 
 One run, one device, one table: (a) the backbone alone, (b) PEFT one job at a time, (c) the
-engine, for 8 and 32 jobs x batch 1, seq 1024, bf16, gradient checkpointing, ranks 16/32/64.
+engine (and (c'') the engine on the fused operator form), for 8 and 32 jobs x batch 1, seq 1024,
+bf16, gradient checkpointing, ranks 16/32/64.
 Usage: python bench/engine_step.py [--layers 32] [--jobs 8,32] [--out FILE.md]
 """
 
@@ -124,36 +125,42 @@ def main() -> None:
         rows.append(("(b) PEFT sequential", n, t, n * SEQ / t, peft_mem,
                      "sum of per-rank medians " + "/".join(f"{peft_t[r]:.3f}" for r in RANKS)))
 
-    # (c) the engine
+    # (c) the engine, on each Triton operator form: "compose" (cuBLAS + LoRA passes, the default)
+    # and "fused" (LoRA terms in Triton GEMM epilogues, kernels.fused_lora)
+    from kernels import set_default_form
+
     examples = [Example(tuple(row.tolist()), tuple(row.tolist())) for row in data]
     engine = MultiLoraEngine(model, examples, pad_id=0, adapter_dtype=torch.bfloat16)
-    check = ""
-    for n in job_counts:
-        for j in list(engine.jobs):
-            engine.detach(j)
-        torch.cuda.empty_cache()
-        for i in range(n):
-            engine.attach(JobSpec(f"j{i}", rank=RANKS[i % 3], alpha=2 * RANKS[i % 3], lr=1e-4,
-                                  batch_size=1, max_steps=10_000, seed=i, max_grad_norm=1.0))
-        # correctness: at init B = 0, so every job's first loss equals the backbone's on its row
-        states = list(engine.jobs.values())
-        idx = [s.stream.next_indices(1)[0] for s in states]
-        for s in states:
-            s.stream.load_state_dict({"n": s.stream.n, "seed": s.stream.seed, "epoch": 0, "pos": 0})
-        with torch.no_grad():
-            ref = []
-            for i in idx[:4]:
-                ids = data[i : i + 1].to(dev)
-                ref.append(float(model(input_ids=ids, labels=ids, use_cache=False).loss))
-        first = engine.step()
-        got = [first.losses[s.job_id] for s in states[:4]]
-        err = max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True))
-        assert err < 2e-2, (got, ref)
-        assert not any(first.skipped.values())
-        check = f"first-step loss vs backbone rel err {err:.1e}"
-        t, mem = timed(engine.step, args.warmup, args.iters)
-        rows.append(("(c) engine", n, t, n * SEQ / t, mem, check))
-        print(rows[-1], flush=True)
+    for form, label in (("compose", "(c) engine"), ("fused", "(c'') engine, fused form")):
+        set_default_form(form)
+        for n in job_counts:
+            for j in list(engine.jobs):
+                engine.detach(j)
+            torch.cuda.empty_cache()
+            for i in range(n):
+                engine.attach(JobSpec(f"j{i}", rank=RANKS[i % 3], alpha=2 * RANKS[i % 3], lr=1e-4,
+                                      batch_size=1, max_steps=10_000, seed=i, max_grad_norm=1.0))
+            # correctness: at init B = 0, so every job's first loss equals the backbone's on its row
+            # (for the fused form this checks the Triton base GEMMs against cuBLAS's model)
+            states = list(engine.jobs.values())
+            idx = [s.stream.next_indices(1)[0] for s in states]
+            for s in states:
+                s.stream.load_state_dict({"n": s.stream.n, "seed": s.stream.seed, "epoch": 0, "pos": 0})
+            with torch.no_grad():
+                ref = []
+                for i in idx[:4]:
+                    ids = data[i : i + 1].to(dev)
+                    ref.append(float(model(input_ids=ids, labels=ids, use_cache=False).loss))
+            first = engine.step()
+            got = [first.losses[s.job_id] for s in states[:4]]
+            err = max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True))
+            assert err < 2e-2, (form, got, ref)
+            assert not any(first.skipped.values())
+            check = f"first-step loss vs backbone rel err {err:.1e}"
+            t, mem = timed(engine.step, args.warmup, args.iters)
+            rows.append((label, n, t, n * SEQ / t, mem, check))
+            print(rows[-1], flush=True)
+    set_default_form("compose")
 
     # ablation: the same engine with the plain-torch per-adapter loop instead of the Triton kernels
     n = job_counts[0]

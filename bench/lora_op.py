@@ -1,13 +1,23 @@
 """Benchmark of one multi-LoRA linear layer, forward + backward, bf16, on one CUDA device.
 
-(a) floor: base GEMM and its input gradient; (b) per-adapter torch loop; (c) best plain-torch
-batched path (baddbmm); (d) kernels.multilora_linear (Triton). One run prints one table.
-Usage: python3 bench/lora_op.py [--quick] [--out FILE]
+(a) floor: the frozen linear alone (cuBLAS GEMM and its input gradient); (b) per-adapter torch
+loop (with --loop); (c) best plain-torch batched path (bmm, equal token counts only);
+(d) compose: cuBLAS + the grouped Triton LoRA passes (kernels.triton_lora); (e) fused: Triton
+GEMMs with the LoRA terms in their epilogues (kernels.fused_lora), one-pass dS+dB; (e2) the fused
+form with dB from its own pass (no atomics per row tile). Mixed ranks cycle 16/32/64; "e/e16"
+compares each row with the same shape at uniform rank 16. One run prints one table, a stage
+breakdown of both Triton forms, and the issue-20 target lines.
+
+Usage (GPU):  python3 bench/lora_op.py [--quick] [--out FILE.md] [--timings kernels/lora_forms.json]
+              --timings writes the compose/fused timings that form="auto" chooses from.
+Usage (CPU):  TRITON_INTERPRET=1 python3 bench/lora_op.py --check
+              correctness of every path on small fp32 shapes vs the fp64 oracle, no timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -22,6 +32,8 @@ from kernels.testing import make_case, oracle_fp64, rel_errors, run_op  # noqa: 
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
 RANKS = {"r16": [16], "mixed": [16, 32, 64]}
+KEY = (4096, 4096, 8, 1024)
+DEVICE, DTYPE = "cuda", torch.bfloat16  # --check switches to the CPU (interpreter) and fp32
 
 
 def floor_op(x, weight, bias, *_args):
@@ -39,17 +51,26 @@ def make_loop_op(bounds: list[int], ranks: list[int], scales: list[float]):
 
 def make_bmm_op(n: int, per: int, scales: torch.Tensor):
     """(c): equal token counts, so two bmm's; padded ranks computed (padding is zero), add fused."""
-    s3 = scales.view(n, 1, 1).to(torch.bfloat16)
-
     def op(x, weight, bias, a, b, *_args):
+        s3 = scales.view(n, 1, 1).to(x.dtype)
         y = F.linear(x, weight, bias)
         shrink = torch.bmm(x.view(n, per, -1), a) * s3
         return torch.baddbmm(y.view(n, per, -1), shrink, b).view(n * per, -1)
     return op
 
 
-def triton_op(x, weight, bias, a, b, scales, ranks, offsets):
-    return multilora_linear(x, weight, bias, a, b, scales, ranks, offsets, backend="triton")
+def compose_op(x, weight, bias, a, b, scales, ranks, offsets):
+    return multilora_linear(x, weight, bias, a, b, scales, ranks, offsets, backend="triton", form="compose")
+
+
+def fused_op(x, weight, bias, a, b, scales, ranks, offsets):
+    return multilora_linear(x, weight, bias, a, b, scales, ranks, offsets, backend="triton", form="fused")
+
+
+def fused_twopass_op(x, weight, bias, a, b, scales, ranks, offsets):
+    from kernels.fused_lora import multilora_linear_fused
+
+    return multilora_linear_fused(x, weight, bias, a, b, scales, ranks, offsets, onepass=False)
 
 
 def time_fwd_bwd(op, case, rep_ms: int, graph: bool = False) -> float:
@@ -73,31 +94,40 @@ def time_fwd_bwd(op, case, rep_ms: int, graph: bool = False) -> float:
     return do_bench(step, warmup=25, rep=rep_ms, grad_to_none=[x, a, b], return_mode="median")
 
 
-def bench_case(d_in, d_out, n, per, rank_name, counts=None, rep_ms=60):
+def build_case(d_in, d_out, n, counts, rank_name):
+    device, dtype = DEVICE, DTYPE
     rank_set = RANKS[rank_name]
     ranks = [rank_set[i % len(rank_set)] for i in range(n)]
-    counts = counts or [per] * n
-    case = make_case(counts, ranks, d_in, d_out, r_max=max(ranks), dtype=torch.bfloat16, device="cuda",
+    case = make_case(counts, ranks, d_in, d_out, r_max=max(ranks), dtype=dtype, device=device,
                      bias=False, nan_padding=False)
-    for i, r in enumerate(ranks):  # zero padding: what (b) and (c) rely on; (d) masks anyway
+    for i, r in enumerate(ranks):  # zero padding: what (b) and (c) rely on; (d) and (e) mask anyway
         case.lora_a[i, :, r:] = 0
         case.lora_b[i, r:, :] = 0
+    return case, ranks
+
+
+def make_ops(case, n, counts, ranks, loop: bool) -> dict:
     bounds = [0]
     for c in counts:
         bounds.append(bounds[-1] + c)
-    equal = len(set(counts)) == 1
-    ops = {"a": floor_op, "b": make_loop_op(bounds, ranks, case.scales.tolist()), "d": triton_op}
-    if equal:
-        ops["c"] = make_bmm_op(n, per, case.scales)
+    ops = {"a": floor_op, "d": compose_op, "e": fused_op, "e2": fused_twopass_op}
+    if loop:
+        ops["b"] = make_loop_op(bounds, ranks, case.scales.tolist())
+    if len(set(counts)) == 1:
+        ops["c"] = make_bmm_op(n, counts[0], case.scales)
+    return ops
+
+
+def bench_case(d_in, d_out, n, per, rank_name, counts=None, rep_ms=60, loop=False):
+    counts = counts or [per] * n
+    case, ranks = build_case(d_in, d_out, n, counts, rank_name)
+    ops = make_ops(case, n, counts, ranks, loop)
     # correctness of every LoRA path, same inputs, vs the fp64 oracle (on the GPU, float64)
-    want = oracle_fp64(case, device="cuda")
-    errs = {}
-    for k in ("b", "c", "d"):
-        if k in ops:
-            errs[k] = max(rel_errors(run_op(case, ops[k]), want).values())
+    want = oracle_fp64(case, device=DEVICE)
+    errs = {k: max(rel_errors(run_op(case, op), want).values()) for k, op in ops.items() if k != "a"}
     del want
     times = {k: time_fwd_bwd(op, case, rep_ms) for k, op in ops.items()}
-    for k in ("a", "d"):
+    for k in ("a", "d", "e"):
         times[k + "g"] = time_fwd_bwd(ops[k], case, rep_ms, graph=True)
     return times, errs
 
@@ -111,100 +141,227 @@ def bandwidth_gbs() -> float:
     return 2 * src.numel() / ms / 1e6
 
 
-def breakdown(d_in: int, d_out: int, n: int, per: int, r: int, gbs: float) -> list[str]:
-    """Time each stage of (d) apart and compare the LoRA stages with their bytes at `gbs`."""
+def _graph_ms(fn) -> float:
     from triton.testing import do_bench_cudagraph
 
+    fn()  # compile + autotune outside the capture
+    return do_bench_cudagraph(fn, rep=60, return_mode="median")
+
+
+def breakdown(d_in: int, d_out: int, n: int, per: int, r: int, gbs: float) -> list[str]:
+    """Each stage of (d) and (e) timed apart (CUDA-graph replay); GEMMs with their TFLOP/s, LoRA
+    passes with the fewest bytes they must move at the measured bandwidth."""
+    from kernels.fused_lora import (
+        _Ctx,
+        _gemm_launch,
+        _shrink_launch,
+        _stacked_a,
+        _stacked_b,
+        _wgrad_launch,
+    )
     from kernels.triton_lora import lora_backward, lora_forward
 
-    def do_bench(fn, return_mode):
-        fn()
-        return do_bench_cudagraph(fn, rep=60, return_mode=return_mode)
-
-    case = make_case([per] * n, [r] * n, d_in, d_out, dtype=torch.bfloat16, device="cuda", bias=False,
-                     nan_padding=False)
+    case = make_case([per] * n, [r] * n, d_in, d_out, dtype=DTYPE, device=DEVICE, bias=False, nan_padding=False)
     t = n * per
     off = case.offsets
     x, w, a, b, dy = case.x, case.weight, case.lora_a, case.lora_b, case.dy
     y = F.linear(x, w)
     s_buf = lora_forward(x, a, b, case.scales, case.ranks, off, y)
     dx = dy @ w
-    ms = {
-        "fwd GEMM (cuBLAS)": do_bench(lambda: F.linear(x, w), return_mode="median"),
-        "fwd kernel: shrink+expand (ours)": do_bench(lambda: lora_forward(x, a, b, case.scales, case.ranks, off, y),
-                                         return_mode="median"),
-        "dX GEMM (cuBLAS)": do_bench(lambda: dy @ w, return_mode="median"),
-        "bwd kernel: dS+dB, dX+dA (ours)": do_bench(lambda: lora_backward(x, dy, s_buf, a, b, case.scales, case.ranks, off, dx,
-                                                              True, True), return_mode="median"),
-        "fwd+bwd (a) eager": time_fwd_bwd(floor_op, case, 60),
-        "fwd+bwd (d) eager": time_fwd_bwd(triton_op, case, 60),
-    }
-    byts = {  # fewest bytes each LoRA stage must move (bf16 activations; weights and S are small)
-        "fwd kernel: shrink+expand (ours)": 2 * t * d_in + 4 * t * d_out,
-        "bwd kernel: dS+dB, dX+dA (ours)": 2 * t * d_out + 2 * t * d_in + 4 * t * d_in,
-    }
+    c = _Ctx(x, n, r, off, case.ranks, case.scales)
+    c0 = _Ctx(x, 0, r, off[:1], case.ranks[:0], case.scales[:0])  # no adapters: the bare Triton GEMM
+    sa, sb = _stacked_a(a), _stacked_b(b)
+    ds = torch.empty_like(s_buf)
+    ga = torch.zeros(a.shape, dtype=torch.float32, device=DEVICE)
+    gb = torch.zeros(b.shape, dtype=torch.float32, device=DEVICE)
+    flops = 2 * t * d_in * d_out
+    stages = [  # (name, fn, kind) kind: "gemm" (TFLOP/s) or bytes floor of a LoRA pass
+        ("fwd GEMM, cuBLAS", lambda: F.linear(x, w), "gemm"),
+        ("fwd GEMM, Triton, no LoRA", lambda: _gemm_launch(c0, x, w.t(), None, s_buf, b, sb, off, False, x.dtype),
+         "gemm"),
+        ("fwd GEMM, Triton + expand epilogue (e)", lambda: _gemm_launch(c, x, w.t(), None, s_buf, b, sb, off, False,
+                                                                          x.dtype), "gemm"),
+        ("dX GEMM, cuBLAS", lambda: dy @ w, "gemm"),
+        ("dX GEMM, Triton, no LoRA", lambda: _gemm_launch(c0, dy, w, None, ds, a, sa, off, False, dy.dtype), "gemm"),
+        ("dX GEMM, Triton + dS A epilogue (e)", lambda: _gemm_launch(c, dy, w, None, ds, a, sa, off, False, dy.dtype),
+         "gemm"),
+        ("(d) fwd LoRA pass: shrink+expand", lambda: lora_forward(x, a, b, case.scales, case.ranks, off, y),
+         2 * t * d_in + 4 * t * d_out),
+        ("(d) bwd LoRA pass: dS+dB, dX+dA", lambda: lora_backward(x, dy, s_buf, a, b, case.scales, case.ranks, off,
+                                                                  dx, True, True), 2 * t * d_out + 6 * t * d_in),
+        ("(e) fwd shrink S = X A^T", lambda: _shrink_launch(c, x, a, sa, off, s_buf, False), 2 * t * d_in),
+        ("(e) bwd dS = dY B, one pass with dB", lambda: _shrink_launch(c, dy, b, sb, off, ds, False,
+                                                                       wgrad=(s_buf, gb, off)), 2 * t * d_out),
+        ("(e2) bwd dS = dY B alone", lambda: _shrink_launch(c, dy, b, sb, off, ds, False), 2 * t * d_out),
+        ("(e2) bwd dB = s S^T dY", lambda: _wgrad_launch(c, s_buf, dy, gb, _stacked_b(gb), off, False), 2 * t * d_out),
+        ("(e) bwd dA = s dS^T X", lambda: _wgrad_launch(c, ds, x, ga, _stacked_a(ga), off, False), 2 * t * d_in),
+    ]
     out = [f"stage breakdown (CUDA-graph replay, GPU time only) at {d_in}x{d_out}, N={n}, {per} tok, r={r}:", "",
-           "| stage | ms | bytes floor ms at measured bandwidth |", "|---|---|---|"]
-    for k, v in ms.items():
-        fl = f"{byts[k] / gbs / 1e6:.3f}" if k in byts else "-"
-        out.append(f"| {k} | {v:.3f} | {fl} |")
+           "| stage | ms | TFLOP/s (GEMM) or bytes-floor ms (LoRA pass) |", "|---|---|---|"]
+    for name, fn, kind in stages:
+        try:
+            ms = _graph_ms(fn)
+        except Exception as exc:  # one failing stage must not hide the others
+            out.append(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:120]} | - |")
+            continue
+        extra = f"{flops / ms / 1e9:.0f} TFLOP/s" if kind == "gemm" else f"floor {kind / gbs / 1e6:.3f}"
+        out.append(f"| {name} | {ms:.3f} | {extra} |")
     return out
+
+
+def _ratio(p: float, q: float) -> str:
+    return f"{p / q:.2f}" if q and math.isfinite(p) and math.isfinite(q) else "n/a"
+
+
+def row_line(label, n, per, rn, t, e, r16=None) -> str:
+    c = t.get("c", float("nan"))
+    b = t.get("b", float("nan"))
+    e16 = _ratio(t["e"], r16["e"]) if r16 else "-"
+    errs = "/".join(f"{e[k]:.1e}" if k in e else "-" for k in ("b", "c", "d", "e", "e2"))
+    return (f"| {label} | {n} | {per} | {rn} | {t['a']:.3f} | {b:.3f} | {c:.3f} | {t['d']:.3f} | {t['e']:.3f}"
+            f" | {t['e2']:.3f} | {_ratio(t['d'], t['a'])} | {_ratio(t['e'], t['a'])} | {_ratio(c, t['e'])}"
+            f" | {e16} | {t['ag']:.3f} | {t['dg']:.3f} | {t['eg']:.3f} | {_ratio(t['dg'], t['ag'])}"
+            f" | {_ratio(t['eg'], t['ag'])} | {errs} |")
+
+
+HEADER = ["| d_in x d_out | N | tok/adapter | ranks | (a) floor | (b) loop | (c) bmm | (d) compose | (e) fused"
+          " | (e2) fused 2-pass dB | d/a | e/a | c/e | e/e16 | (a) graph | (d) graph | (e) graph | d/a graph"
+          " | e/a graph | max rel err b/c/d/e/e2 |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def targets(results: dict) -> list[str]:
+    """The issue-20 targets from the table's rows (eager and graph ratios side by side)."""
+    out = []
+    key = results.get(KEY + ("r16",))
+    if key:
+        out.append(f"target: fused (e)/(a) <= 1.15 at 4096, N=8, 1024 tok, r16: eager {key['e'] / key['a']:.3f},"
+                   f" graph {key['eg'] / key['ag']:.3f} (compose (d)/(a): {key['d'] / key['a']:.3f},"
+                   f" graph {key['dg'] / key['ag']:.3f})")
+    ea = [t["e"] / t["a"] for t in results.values()]
+    eag = [t["eg"] / t["ag"] for t in results.values() if math.isfinite(t["eg"])]
+    if ea:
+        out.append(f"target: (e)/(a) <= 1.2 across the table: max eager {max(ea):.2f}"
+                   + (f", max graph {max(eag):.2f}" if eag else ""))
+    mix = [(k, t["e"] / results[k[:4] + ("r16",)]["e"]) for k, t in results.items()
+           if k[4] == "mixed" and k[:4] + ("r16",) in results]
+    if mix:
+        out.append(f"target: mixed within 1.1x of uniform r16 (e mixed / e r16): max {max(v for _, v in mix):.2f},"
+                   f" min {min(v for _, v in mix):.2f}")
+    cm = [t["c"] / t["e"] for k, t in results.items() if k[4] == "mixed" and "c" in t]
+    if cm:
+        out.append(f"target: (c)/(e) >= 1.25 with mixed ranks: min {min(cm):.2f}, max {max(cm):.2f}")
+    best = [min(t["d"], t["e"]) / t["a"] for t in results.values()]
+    if best:
+        out.append(f"per-shape choice (faster of d and e, what form='auto' picks): max ratio to (a) {max(best):.2f}")
+    return out
+
+
+def check() -> int:
+    """--check: every path vs the fp64 oracle on small shapes (CPU under TRITON_INTERPRET=1, or
+    CUDA), then the table, target and breakdown code on tiny shapes with a stand-in timer (one
+    call per measurement), so a device run cannot die on a typo after the first rows."""
+    global DEVICE, DTYPE
+    if not torch.cuda.is_available():
+        DEVICE, DTYPE = "cpu", torch.float32
+    tol = 1.5e-2 if DTYPE == torch.bfloat16 else 3e-6
+    bad = 0
+    for d_in, d_out, n, per, rn in [(48, 40, 4, 16, "r16"), (40, 56, 3, 20, "mixed")]:
+        counts = [per] * n
+        case, ranks = build_case(d_in, d_out, n, counts, rn)
+        want = oracle_fp64(case, device=DEVICE)
+        for k, op in make_ops(case, n, counts, ranks, loop=True).items():
+            if k == "a":
+                continue
+            err = max(rel_errors(run_op(case, op), want).values())
+            ok = err <= tol
+            bad += not ok
+            print(f"{d_in}x{d_out} N={n} {per} tok {rn} ({k}): max rel err {err:.1e} {'ok' if ok else 'FAIL'}",
+                  flush=True)
+    import triton.testing as tt
+
+    def once(fn, *_a, **_k) -> float:
+        fn()
+        return 1.0 + 0.01 * len(results)
+    tt.do_bench, tt.do_bench_cudagraph = once, once
+    results: dict = {}
+    lines = list(HEADER)
+    for rn in RANKS:
+        t, e = bench_case(32, 48, 2, 16, rn, loop=True)
+        bad += max(e.values()) > tol
+        results[(4096, 4096, 8, 1024, rn)] = t
+        lines.append(row_line("dry 32x48", 2, 16, rn, t, e, results.get((4096, 4096, 8, 1024, "r16"))
+                              if rn != "r16" else None))
+    t, e = bench_case(32, 48, 3, 0, "mixed", counts=[5, 0, 19])
+    lines.append(row_line("dry ragged", 3, "ragged", "mixed", t, e))
+    lines += [""] + targets(results) + [""] + breakdown(32, 48, 2, 16, 16, 1000.0)
+    print("\n".join(lines), flush=True)
+    bad += sum("failed" in ln for ln in lines)
+    return 1 if bad else 0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only d=4096 cases")
+    ap.add_argument("--loop", action="store_true", help="also time (b), the per-adapter loop (slow)")
+    ap.add_argument("--check", action="store_true", help="correctness only, small shapes (runs on CPU)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--timings", default=None, help="write compose/fused timings for form='auto' (JSON)")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="stop adding rows after this many seconds")
     args = ap.parse_args()
+    if args.check:
+        raise SystemExit(check())
+    start = time.time()
     torch.manual_seed(int(time.time()))
     dev = torch.cuda.get_device_name()
     import triton
 
+    from kernels.form_choice import FormTable
+
     gbs = bandwidth_gbs()
     print(f"measured copy bandwidth (read+write): {gbs:.0f} GB/s", flush=True)
-    stages = breakdown(4096, 4096, 8, 1024, 16, gbs)  # first, so a cut-off run still reports it
-    print("\n".join(stages), flush=True)
     lines = [f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}; bf16; fwd+bwd median ms",
-             f"measured copy bandwidth (read+write): {gbs:.0f} GB/s", "",
-             "| d_in x d_out | N | tok/adapter | ranks | (a) floor | (b) loop | (c) bmm | (d) ours | d/a | b/d | c/d"
-             " | (a) graph | (d) graph | d/a graph | max rel err b/c/d |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"measured copy bandwidth (read+write): {gbs:.0f} GB/s", ""] + HEADER
+    print("\n".join(HEADER), flush=True)
     shapes = SHAPES[:1] if args.quick else SHAPES
-    results = {}
+    results: dict = {}
+    table = FormTable()
+    cut = False
     for d_in, d_out in shapes:
         for n in (8, 32):
             for per in (256, 1024):
                 for rn in RANKS:
-                    t, e = bench_case(d_in, d_out, n, per, rn)
+                    if time.time() - start > args.budget_s:
+                        cut = True
+                        break
+                    t, e = bench_case(d_in, d_out, n, per, rn, loop=args.loop)
                     results[(d_in, d_out, n, per, rn)] = t
-                    c = t.get("c", float("nan"))
-                    lines.append(
-                        f"| {d_in}x{d_out} | {n} | {per} | {rn} | {t['a']:.3f} | {t['b']:.3f} | {c:.3f} | {t['d']:.3f}"
-                        f" | {t['d'] / t['a']:.2f} | {t['b'] / t['d']:.2f} | {c / t['d']:.2f}"
-                        f" | {t['ag']:.3f} | {t['dg']:.3f} | {t['dg'] / t['ag']:.2f}"
-                        f" | {e['b']:.1e}/{e.get('c', float('nan')):.1e}/{e['d']:.1e} |")
+                    r_max = max(RANKS[rn])
+                    table.add(dev, d_in, d_out, n * per, r_max, "compose", t["d"])
+                    table.add(dev, d_in, d_out, n * per, r_max, "fused", t["e"])
+                    lines.append(row_line(f"{d_in}x{d_out}", n, per, rn, t, e, results.get((d_in, d_out, n, per, "r16"))
+                                          if rn != "r16" else None))
                     print(lines[-1], flush=True)
-    # one ragged step (counts drawn from 0..2048, one adapter empty): (c) has no bmm form here
-    counts = [int(v) for v in torch.randint(0, 2049, (8,))]
-    counts[3] = 0
-    t, e = bench_case(4096, 4096, 8, 0, "mixed", counts=counts)
-    lines.append(f"| 4096x4096 ragged {counts} | 8 | ragged | mixed | {t['a']:.3f} | {t['b']:.3f} | n/a | {t['d']:.3f}"
-                 f" | {t['d'] / t['a']:.2f} | {t['b'] / t['d']:.2f} | n/a | {t['ag']:.3f} | {t['dg']:.3f}"
-                 f" | {t['dg'] / t['ag']:.2f} | {e['b']:.1e}/-/{e['d']:.1e} |")
-    key = results.get((4096, 4096, 8, 1024, "r16"))
-    lines.append("")
-    if key:
-        lines.append(f"target 1: (d)/(a) <= 1.15 at 4096, N=8, 1024 tok, r16: eager {key['d'] / key['a']:.3f},"
-                     f" graph {key['dg'] / key['ag']:.3f}")
-    t3 = [results[k]["b"] / results[k]["d"] for k in results if k[2] == 32 and k[3] == 256]
-    lines.append(f"target 2: (b)/(d) >= 3 at N=32, 256 tok: min {min(t3):.2f}, max {max(t3):.2f}")
-    t4 = [results[k]["c"] / results[k]["d"] for k in results if k[4] == "mixed"]
-    lines.append(f"target 3: (c)/(d) >= 1.25 with mixed ranks: min {min(t4):.2f}, max {max(t4):.2f}")
-    lines += [""] + stages
-    table = "\n".join(lines)
-    print("\n" + table)
+    if not cut and time.time() - start < args.budget_s:
+        # one ragged step (counts drawn from 0..2048, one adapter empty): (c) has no bmm form here
+        counts = [int(v) for v in torch.randint(0, 2049, (8,))]
+        counts[3] = 0
+        t, e = bench_case(4096, 4096, 8, 0, "mixed", counts=counts, loop=args.loop)
+        lines.append(row_line(f"4096x4096 ragged {counts}", 8, "ragged", "mixed", t, e))
+    lines += [""] + targets(results)
+    if cut:
+        lines.append(f"(cut at the {args.budget_s:.0f} s budget: rows after the last one were not run)")
+    table_text = "\n".join(lines)
+    print("\n" + table_text, flush=True)
     if args.out:
-        Path(args.out).write_text(table + "\n")
+        Path(args.out).write_text(table_text + "\n")
+    if args.timings:
+        table.save(args.timings)
+    if time.time() - start < args.budget_s + 30:
+        stages = breakdown(4096, 4096, 8, 1024, 16, gbs)
+        print("\n".join(stages), flush=True)
+        if args.out:
+            Path(args.out).write_text(table_text + "\n\n" + "\n".join(stages) + "\n")
 
 
 if __name__ == "__main__":
