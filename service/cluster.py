@@ -334,7 +334,7 @@ def fail_or_requeue(session: Session, task: Task, placement: Placement, error: s
     finish_task_failed(session, task, error)
 
 
-def cluster_view(session: Session) -> ClusterOut:
+def cluster_view(session: Session, settings: Settings | None = None) -> ClusterOut:
     """GET /v1/cluster: nodes, the plan (flat and per GPU, with tenant and priority), each
     tenant's usage against its limits, and what the last replan of this process decided."""
     nodes = session.scalars(select(Node).order_by(Node.name)).all()
@@ -350,7 +350,8 @@ def cluster_view(session: Session) -> ClusterOut:
         nodes=[NodeOut.model_validate(n, from_attributes=True) for n in nodes],
         gpus_total=sum(n.gpu_count for n in nodes),
         gpus_up=sum(n.gpu_count for n in nodes if n.state == "up"),
-        plan=plan, gpus=_per_gpu(nodes, plan), tenants=tenant_usage(session),
+        plan=plan, gpus=_per_gpu(nodes, plan),
+        tenants=tenant_usage(session, settings or get_settings()),
         queued_tasks=counts.get("queued", 0), running_tasks=counts.get("running", 0),
         last_plan=_last_plan())
 

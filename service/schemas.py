@@ -285,6 +285,14 @@ class TenantUsageOut(BaseModel):
                                          "placements.")
     max_gpus: int | None
     max_queued_tasks: int | None
+    priority: int = Field(default=0, description="Operator-set tenant priority (0-10): weights "
+                                                 "its tasks in the planner.")
+    max_task_priority: int = Field(default=10, description="Highest priority a task of the "
+                                   "tenant may ask for (operator-set, else the service default).")
+    guaranteed_gpus: int | None = Field(default=None, description="Share reclaimed for the "
+                                        "tenant from borrowers when it has waiting work.")
+    borrowed_gpus: int = Field(default=0, description="GPUs in use beyond guaranteed_gpus (all "
+                               "of gpus_in_use when no share is set): lent, reclaimable.")
 
 
 class UnschedulableOut(BaseModel):

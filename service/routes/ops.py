@@ -78,5 +78,5 @@ def metrics(request: Request, session: SessionDep, settings: SettingsDep,
 
 
 @router.get("/v1/cluster", response_model=ClusterOut, dependencies=[Depends(require_operator)])
-def cluster(session: SessionDep) -> ClusterOut:
-    return cluster_view(session)
+def cluster(session: SessionDep, settings: SettingsDep) -> ClusterOut:
+    return cluster_view(session, settings)

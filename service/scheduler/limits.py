@@ -54,8 +54,9 @@ def admit_task(session: Session, tenant: Tenant) -> None:
                        param="max_queued_tasks")
 
 
-def tenant_usage(session: Session) -> list[TenantUsageOut]:
-    """Tenants that have unfinished tasks or a limit set, with their usage, by name."""
+def tenant_usage(session: Session, settings: Settings) -> list[TenantUsageOut]:
+    """Tenants that have unfinished tasks or a limit or scheduling setting, with their usage
+    (GPUs borrowed beyond the guaranteed share included), by name."""
     waiting = dict(session.execute(select(Task.tenant_id, func.count()).where(
         Task.state.in_(WAITING_STATES)).group_by(Task.tenant_id)).all())
     running = dict(session.execute(select(Task.tenant_id, func.count()).where(
@@ -68,8 +69,13 @@ def tenant_usage(session: Session) -> list[TenantUsageOut]:
     active = set(waiting) | set(running) | set(gpus)
     tenants = session.scalars(select(Tenant).where(
         Tenant.id.in_(active) | Tenant.max_gpus.is_not(None)
-        | Tenant.max_queued_tasks.is_not(None)).order_by(Tenant.name))
+        | Tenant.max_queued_tasks.is_not(None) | Tenant.guaranteed_gpus.is_not(None)
+        | (Tenant.priority != 0) | Tenant.max_task_priority.is_not(None)).order_by(Tenant.name))
     return [TenantUsageOut(tenant_id=t.id, name=t.name, running_tasks=running.get(t.id, 0),
                            queued_tasks=waiting.get(t.id, 0), gpus_in_use=gpus.get(t.id, 0),
-                           max_gpus=t.max_gpus, max_queued_tasks=t.max_queued_tasks)
+                           max_gpus=t.max_gpus, max_queued_tasks=t.max_queued_tasks,
+                           priority=t.priority or 0,
+                           max_task_priority=task_priority_ceiling(t, settings),
+                           guaranteed_gpus=t.guaranteed_gpus,
+                           borrowed_gpus=max(0, gpus.get(t.id, 0) - (t.guaranteed_gpus or 0)))
             for t in tenants]

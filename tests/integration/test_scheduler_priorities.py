@@ -108,3 +108,20 @@ def test_guaranteed_share_is_reclaimed_by_pausing_a_borrower(factory, session, s
     session.expire_all()
     assert session.scalar(select(func.count()).select_from(Placement).where(
         Placement.stop_requested.is_not(None))) == 1
+
+
+def test_cluster_shows_what_operators_set_and_what_is_borrowed(client, factory, session, admin):  # noqa: ANN001
+    factory.node("n0", gpus=2)
+    owner, borrower = factory.tenant(), factory.tenant()
+    ids = [factory.task(borrower)["id"] for _ in range(2)]  # the borrower alone: both GPUs
+    assert admin(["set-limit", tenant_name(session, owner.id), "--guaranteed-gpus", "1",
+                  "--priority", "4", "--max-task-priority", "2"]) == 0
+    view = client.get("/v1/cluster", headers={"Authorization": "Bearer test-admin-token"}).json()
+    usage = {u["tenant_id"]: u for u in view["tenants"]}
+    mine = usage[owner.id]  # listed for its settings although it has no task
+    assert (mine["priority"], mine["max_task_priority"], mine["guaranteed_gpus"]) == (4, 2, 1)
+    assert mine["gpus_in_use"] == 0 and mine["borrowed_gpus"] == 0
+    theirs = usage[borrower.id]
+    assert theirs["gpus_in_use"] == len(ids) == 2 and theirs["guaranteed_gpus"] is None
+    assert theirs["borrowed_gpus"] == 2  # no share of its own: all it uses is lent
+    assert theirs["max_task_priority"] == get_settings().scheduler_default_task_priority_ceiling
