@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.background import Background
 from service.cluster import watch_service_health
 from service.config import Settings, get_settings
-from service.db import make_engine, make_sessionmaker
+from service.db import ReadPool, make_engine, make_sessionmaker
 from service.errors import error_body, install_error_handlers
 from service.openapi import document_errors
 from service.queue import configure as configure_queue
@@ -114,6 +114,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.replanner = background.replanner
         yield
         background.stop()
+        app.state.read_pool.discard_all()
         engine.dispose()
 
     app = FastAPI(title="loraplex", version=API_VERSION, lifespan=lifespan,
@@ -121,6 +122,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                               "backbone, loss-aware early exit, CP-SAT scheduling.")
     app.state.settings = settings
     app.state.sessionmaker = make_sessionmaker(engine)
+    app.state.read_pool = ReadPool(settings.database_url)  # the async read routes' connections
     app.state.storage = LocalStorage(settings.storage_dir)
     app.state.registry = ModelRegistry(settings.models_file)
     app.state.prom = _prom()

@@ -6,10 +6,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.db import ReadPool
 from service.errors import ApiError, conflict
 from service.models import ApiKey, Tenant, utcnow
 
@@ -56,17 +60,78 @@ def revoke_api_key(session: Session, key: str) -> bool:
 
 
 def authenticate(session: Session, authorization: str | None) -> Tenant:
-    """The tenant of a ``Bearer <key>`` header, or a 401."""
+    """The tenant of a ``Bearer <key>`` header, or a 401. One statement: the key and its
+    tenant."""
+    key = api_key_of(authorization)
+    row = session.execute(select(ApiKey.key_hash, ApiKey.revoked_at, Tenant)
+                          .join(Tenant, Tenant.id == ApiKey.tenant_id)
+                          .where(ApiKey.prefix == _lookup_prefix(key))).first()
+    return _accepted(key, row)[2]
+
+
+@dataclass(frozen=True)
+class ReadKey:
+    """A request's API key as the async read routes (service.read_path) use it: its lookup
+    prefix and hash, which their statements check again (the tenant is the one of the live key
+    of that hash), and its tenant when the key was last seen live."""
+    prefix: str
+    key_hash: str
+    tenant_id: str
+
+
+# The key of a request to the async read routes, and whether it is live.
+READ_KEY_SQL = ("SELECT k.key_hash, k.revoked_at, k.tenant_id FROM api_keys k "
+                "JOIN tenants t ON t.id = k.tenant_id WHERE k.prefix = %s")
+# A key found live is not asked again for this long before the route's own statement, which
+# checks it anyway: so a revoked or deleted key (or tenant) stops reading at once; only the
+# order of the errors of a request that is wrong twice (a key revoked these last seconds and
+# a bad parameter: 422 before 401) can show the cache.
+READ_KEY_TTL_S = 10.0
+READ_KEY_CACHE_SIZE = 4096
+_live_keys: dict[str, tuple[float, ReadKey]] = {}
+
+
+async def authenticate_read(pool: ReadPool, authorization: str | None) -> ReadKey:
+    """authenticate() for the async read routes, on the event loop: the key, or the same 401s.
+    Keys seen live in the last READ_KEY_TTL_S are not asked again here (the routes' statements
+    check them: read_key_live)."""
+    key = api_key_of(authorization)
+    digest = hash_key(key)
+    now = time.monotonic()
+    cached = _live_keys.get(digest)
+    if cached is not None and now - cached[0] < READ_KEY_TTL_S:
+        return cached[1]
+    rows = await pool.fetch(READ_KEY_SQL, (_lookup_prefix(key),))
+    _accepted(key, rows[0] if rows else None)
+    found = ReadKey(_lookup_prefix(key), digest, rows[0][2])
+    if len(_live_keys) >= READ_KEY_CACHE_SIZE:
+        _live_keys.clear()
+    _live_keys[digest] = (now, found)
+    return found
+
+
+async def read_key_live(pool: ReadPool, key: ReadKey) -> None:
+    """A 401 unless key is still live (a route whose statement found nothing asks why)."""
+    rows = await pool.fetch(READ_KEY_SQL, (key.prefix,))
+    if not rows or rows[0][1] is not None or not hmac.compare_digest(rows[0][0], key.key_hash):
+        _live_keys.pop(key.key_hash, None)
+        raise ApiError(401, "invalid_api_key", "invalid API key")
+
+
+def api_key_of(authorization: str | None) -> str:
+    """The API key of a ``Bearer lpx-...`` header, or a 401 when there is none or it is not
+    shaped like one."""
     key = bearer(authorization)
     if not key.startswith(KEY_PREFIX) or len(key) < len(KEY_PREFIX) + PREFIX_LEN + 8:
         raise ApiError(401, "invalid_api_key", "invalid API key")
-    row = session.scalar(select(ApiKey).where(ApiKey.prefix == _lookup_prefix(key)))
-    if row is None or row.revoked_at is not None or not hmac.compare_digest(
-            row.key_hash, hash_key(key)):
+    return key
+
+
+def _accepted(key: str, row: Any) -> Any:
+    """row (key_hash, revoked_at, ...) if it is the live key of that hash, else a 401."""
+    if row is None or row[1] is not None or not hmac.compare_digest(row[0], hash_key(key)):
         raise ApiError(401, "invalid_api_key", "invalid API key")
-    tenant = session.get(Tenant, row.tenant_id)
-    assert tenant is not None
-    return tenant
+    return row
 
 
 def bearer(authorization: str | None) -> str:

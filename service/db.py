@@ -1,12 +1,16 @@
-"""Database engine and session factory (sync SQLAlchemy 2.0 over psycopg 3).
-Also runs work that must wait for a commit (e.g. Redis publishes) via after_commit()."""
+"""Database engine and session factory (sync SQLAlchemy 2.0 over psycopg 3), and ReadPool, the
+asyncio connections of the most-read routes (service.read_path). Also runs work that must wait
+for a commit (e.g. Redis publishes) via after_commit()."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import asyncio
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+import psycopg
+from sqlalchemy import Engine, create_engine, event, exc, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 _AFTER_COMMIT = "loraplex_after_commit"
@@ -51,3 +55,90 @@ def _run_after_commit(session: Session) -> None:
 @event.listens_for(Session, "after_rollback")
 def _drop_after_commit(session: Session) -> None:
     session.info.pop(_AFTER_COMMIT, None)
+
+
+READ_POOL_SIZE = 8  # connections per API process for ReadPool (each serves one statement at once)
+READ_POOL_NAME = "loraplex-read"  # their application_name in pg_stat_activity
+
+
+def libpq_url(database_url: str) -> str:
+    """A SQLAlchemy URL (postgresql+psycopg://...) as libpq takes it."""
+    return make_url(database_url).set(drivername="postgresql").render_as_string(
+        hide_password=False)
+
+
+class ReadPool:
+    """Asyncio psycopg connections for the most-read routes, so that they run on the event loop
+    with one round trip per statement: autocommit (a statement is its own snapshot, no
+    BEGIN/ROLLBACK), psycopg prepares a statement after a few uses, and no pre-ping: a reused
+    connection that fails (PostgreSQL restarted since) is dropped and the read retried once on
+    a new one. At most ``size`` connections, opened on demand; a caller waits for a free one.
+    Bound to the event loop that uses it (a new loop, e.g. a test client's, gets new
+    connections). Errors come out as SQLAlchemy's (OperationalError, DataError, ...), so the
+    app's handlers answer them as for every other route (503, 422)."""
+
+    def __init__(self, database_url: str, size: int = READ_POOL_SIZE) -> None:
+        self.conninfo = libpq_url(database_url)
+        self.size = size
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle: list[psycopg.AsyncConnection] = []
+        self._slots = asyncio.Semaphore(size)
+
+    def _bind(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self.discard_all()
+            self._loop, self._slots = loop, asyncio.Semaphore(self.size)
+
+    async def fetch(self, query: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[tuple]:
+        """The rows of one read-only statement."""
+        self._bind()
+        async with self._slots:
+            for retry in (True, False):
+                reused = bool(self._idle)
+                try:
+                    conn = self._idle.pop() if reused else await psycopg.AsyncConnection.connect(
+                        self.conninfo, autocommit=True, application_name=READ_POOL_NAME)
+                except psycopg.Error as error:
+                    raise _sqlalchemy_error(query, params, error) from error
+                try:
+                    cursor = await conn.execute(query, params)
+                    rows = await cursor.fetchall()
+                except psycopg.OperationalError as error:
+                    _close(conn)
+                    if reused and retry:
+                        continue  # a stale connection: once more, on a fresh one
+                    raise _sqlalchemy_error(query, params, error) from error
+                except psycopg.Error as error:  # the statement failed; the connection is fine
+                    self._release(conn)
+                    raise _sqlalchemy_error(query, params, error) from error
+                except BaseException:  # cancelled mid-statement: its state is unknown
+                    _close(conn)
+                    raise
+                self._release(conn)
+                return rows
+        raise AssertionError("unreachable")
+
+    def _release(self, conn: psycopg.AsyncConnection) -> None:
+        if conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            _close(conn)
+        else:
+            self._idle.append(conn)
+
+    def discard_all(self) -> None:
+        """Close every idle connection (at shutdown, or when the loop changed)."""
+        while self._idle:
+            _close(self._idle.pop())
+
+
+def _close(conn: psycopg.AsyncConnection) -> None:
+    # Synchronous: libpq's PQfinish closes the socket; nothing to await, nothing left to send.
+    try:
+        conn.pgconn.finish()
+    except Exception:  # noqa: BLE001 - already closed
+        pass
+
+
+def _sqlalchemy_error(query: str, params: Any, error: psycopg.Error) -> exc.DBAPIError:
+    # SQLAlchemy's own mapping (by the DB-API class), with the statement for the logs.
+    return exc.DBAPIError.instance(query, params, error, psycopg.Error)

@@ -10,7 +10,7 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from service.auth import authenticate, check_token
+from service.auth import ReadKey, authenticate, authenticate_read, check_token
 from service.config import Settings
 from service.models import Tenant
 from service.registry import ModelRegistry
@@ -21,7 +21,9 @@ _worker_bearer = HTTPBearer(auto_error=False, scheme_name="WorkerToken",
                             description="Worker token: `Authorization: Bearer <token>`")
 
 
-def get_settings(request: Request) -> Settings:
+# The trivial dependencies are async: FastAPI runs a sync one on the threadpool (a thread hop
+# per dependency per request).
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
@@ -33,11 +35,11 @@ def get_session(request: Request) -> Iterator[Session]:
         session.close()
 
 
-def get_storage(request: Request) -> Storage:
+async def get_storage(request: Request) -> Storage:
     return request.app.state.storage
 
 
-def get_registry(request: Request) -> ModelRegistry:
+async def get_registry(request: Request) -> ModelRegistry:
     return request.app.state.registry
 
 
@@ -68,3 +70,13 @@ def require_operator(settings: SettingsDep,
 
 
 TenantDep = Annotated[Tenant, Depends(current_tenant)]
+
+
+async def read_key(request: Request, creds: HTTPAuthorizationCredentials | None
+                   = Security(_bearer)) -> ReadKey:
+    """current_tenant for the async read routes (service.read_path): the caller's API key, on
+    the event loop, with the same 401s."""
+    return await authenticate_read(request.app.state.read_pool, _header(creds))
+
+
+ReadKeyDep = Annotated[ReadKey, Depends(read_key)]

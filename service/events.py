@@ -5,10 +5,21 @@ reports reach here only through service.worker_api.fence_report (the task's curr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 
 from pydantic_core import to_json
-from sqlalchemy import func, select, text, true
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    and_,
+    bindparam,
+    func,
+    literal_column,
+    select,
+    text,
+    true,
+)
 from sqlalchemy.dialects.postgresql import aggregate_order_by, insert
 from sqlalchemy.orm import Session
 
@@ -90,27 +101,79 @@ def task_metrics_json(session: Session, task: Task, job_id: str | None = None,
     JSON of MetricsOut; after_step keeps only newer points, for clients that poll. Built for
     the most-read route: one statement, whose rows are curves (each job's steps and losses of a
     split as two arrays), not points, and no model object per point (a curve has thousands).
-    max_points cuts each curve to that many points (service.downsample: first, last, extremes)."""
+    max_points cuts each curve to that many points (service.downsample: first, last, extremes).
+    The async route (service.read_path) runs the same statement."""
+    rows = session.execute(metrics_statement(job_id is not None, after_step is not None),
+                           metrics_params(task.tenant_id, task.id, job_id, after_step))
+    return metrics_body(task.id, rows, job_id, max_points)
+
+
+# The splits drawn as curves, as SQL literals: the statement has only named parameters, so
+# service.read_path runs it as compiled once.
+_CURVES = [literal_column("'train'"), literal_column("'val'")]
+
+
+def metrics_statement(one_job: bool, after: bool, tenant: ColumnElement | None = None) -> Select:
+    """The curves of a task of a tenant: one row per job and split (task_id, job id, index,
+    state, split, steps, losses); a task without (matching) jobs gives one row of nulls after
+    its id, an unknown task (or another tenant's) gives none. Parameters: metrics_params; the
+    tenant is the parameter tenant_id unless given (service.read_path: the API key's)."""
     points = (select(MetricPoint.split,
                      func.array_agg(aggregate_order_by(MetricPoint.step, MetricPoint.step)),
                      func.array_agg(aggregate_order_by(MetricPoint.loss, MetricPoint.step)))
-              .where(MetricPoint.job_id == Job.id, MetricPoint.split.in_(("train", "val")))
+              .where(MetricPoint.job_id == Job.id, MetricPoint.split.in_(_CURVES))
               .group_by(MetricPoint.split))
-    if after_step is not None:
-        points = points.where(MetricPoint.step > after_step)
+    if after:
+        points = points.where(MetricPoint.step > bindparam("after_step"))
     curve = points.lateral("curve")
-    query = (select(Job.id, Job.index, Job.state, *curve.c).outerjoin(curve, true())
-             .where(Job.task_id == task.id).order_by(Job.index))
+    on = Job.task_id == Task.id
+    if one_job:
+        on = and_(on, Job.id == bindparam("job_id"))
+    return (select(Task.id, Job.id, Job.index, Job.state, *curve.c).select_from(Task)
+            .outerjoin(Job, on).outerjoin(curve, true())
+            .where(Task.id == bindparam("task_id"),
+                   Task.tenant_id == (bindparam("tenant_id") if tenant is None else tenant))
+            .order_by(Job.index))
+
+
+def metrics_params(tenant_id: str | None, task_id: str, job_id: str | None,
+                   after_step: int | None) -> dict:
+    params = {"tenant_id": tenant_id, "task_id": task_id}
     if job_id is not None:
-        query = query.where(Job.id == job_id)
-    jobs: dict[str, dict] = {}
-    for jid, index, state, split, steps, losses in session.execute(query):
-        job = jobs.setdefault(jid, {"job_id": jid, "index": index, "state": state,
-                                    "train": [], "val": []})
+        params["job_id"] = job_id
+    if after_step is not None:
+        params["after_step"] = after_step
+    return params
+
+
+def metrics_body(task_id: str, rows: Iterable[Sequence], job_id: str | None,
+                 max_points: int | None) -> bytes:
+    """MetricsOut's JSON from metrics_statement's rows (of a task that exists): the bytes
+    MetricsOut.model_dump_json() gives, written a curve at a time (a model or a dict per point
+    was most of the route's time: curves have thousands of points)."""
+    jobs: dict[str, dict[str, str]] = {}
+    for _, jid, index, state, split, steps, losses in rows:
+        if jid is None:
+            continue
+        job = jobs.setdefault(jid, {"head": to_json({"job_id": jid, "index": index,
+                                                      "state": state}).decode()[:-1],
+                                    "train": "", "val": ""})
         if split is not None:
-            steps, losses = downsample(steps, [finite(x) for x in losses], max_points)
-            job[split] = [{"step": step, "loss": loss}
-                          for step, loss in zip(steps, losses, strict=True)]
+            job[split] = _curve(steps, losses, max_points)
     if job_id is not None and not jobs:
         raise not_found("job", job_id, param="job_id")
-    return to_json({"object": "metrics", "task_id": task.id, "jobs": list(jobs.values())})
+    body = ",".join(f'{j["head"]},"train":[{j["train"]}],"val":[{j["val"]}]}}'
+                    for j in jobs.values())
+    return f'{{"object":"metrics","task_id":{to_json(task_id).decode()},"jobs":[{body}]}}'.encode()
+
+
+def _curve(steps: list[int], losses: list[float], max_points: int | None) -> str:
+    """The JSON of a curve's points without its brackets: {"step":s,"loss":x} each, a
+    non-finite loss as null, the numbers as pydantic writes them (one to_json of all losses)."""
+    if not math.isfinite(sum(losses)):  # some loss is NaN or infinite (or the sum overflowed)
+        losses = [finite(x) for x in losses]
+    steps, losses = downsample(steps, losses, max_points)
+    if not steps:
+        return ""
+    written = to_json(losses).decode()[1:-1].split(",")
+    return ",".join([f'{{"step":{s},"loss":{x}}}' for s, x in zip(steps, written, strict=True)])

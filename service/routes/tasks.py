@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from service import adapters, events, tasks
+from service import adapters, events, read_path, tasks
 from service.cluster import cluster_changed
-from service.deps import RegistryDep, SessionDep, SettingsDep, StorageDep, TenantDep
+from service.deps import ReadKeyDep, RegistryDep, SessionDep, SettingsDep, StorageDep, TenantDep
 from service.dry_run import dry_run as run_dry
 from service.models import Artifact, Job
 from service.openai_compat import DryRunOut
@@ -60,14 +60,14 @@ def create_task(body: TaskCreate, response: Response, session: SessionDep, tenan
 
 
 @router.get("/v1/tasks", response_model=Page[TaskOut])
-def list_tasks(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
-               limit: Annotated[int, Query(ge=1, le=1000)] = 20,
-               after: Annotated[str | None, Query(max_length=40)] = None,
-               state: Annotated[TaskState | None, Query()] = None) -> Response:
-    rows, more = tasks.list_tasks(session, tenant, min(limit, settings.max_page_size), after,
-                                  state)
-    return _json(Page[TaskOut](data=tasks.task_outs(session, rows), has_more=more,
-                               last_id=rows[-1].id if rows else None))
+async def list_tasks(request: Request, key: ReadKeyDep, settings: SettingsDep,
+                     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+                     after: Annotated[str | None, Query(max_length=40)] = None,
+                     state: Annotated[TaskState | None, Query()] = None) -> Response:
+    # Page[TaskOut]'s JSON, on the event loop (service.read_path).
+    return Response(await read_path.list_tasks_json(
+        request.app.state.read_pool, key, min(limit, settings.max_page_size), after, state),
+        media_type="application/json")
 
 
 @router.get("/v1/tasks/{task_id}", response_model=TaskOut)
@@ -114,17 +114,17 @@ def list_events(session: SessionDep, tenant: TenantDep, task_id: str,
 
 
 @router.get("/v1/tasks/{task_id}/metrics", response_model=MetricsOut)
-def task_metrics(session: SessionDep, tenant: TenantDep, task_id: str,
-                 job_id: Annotated[str | None, Query(max_length=40)] = None,
-                 after_step: Annotated[int | None, Query(ge=-1, le=2**63 - 1)] = None,
-                 max_points: Annotated[int | None, Query(
-                     ge=4, le=100_000, description="At most this many points per curve: the "
-                     "first, the last and each bucket's lowest and highest loss.")] = None
-                 ) -> Response:
-    # MetricsOut's JSON, built without a model per loss point (events.task_metrics_json).
-    return Response(events.task_metrics_json(session, tasks.get_task(session, tenant, task_id),
-                                             job_id, after_step, max_points),
-                    media_type="application/json")
+async def task_metrics(request: Request, key: ReadKeyDep, task_id: str,
+                       job_id: Annotated[str | None, Query(max_length=40)] = None,
+                       after_step: Annotated[int | None, Query(ge=-1, le=2**63 - 1)] = None,
+                       max_points: Annotated[int | None, Query(
+                           ge=4, le=100_000, description="At most this many points per curve: "
+                           "the first, the last and each bucket's lowest and highest loss.")]
+                       = None) -> Response:
+    # MetricsOut's JSON, on the event loop (service.read_path).
+    return Response(await read_path.task_metrics_json(
+        request.app.state.read_pool, key, task_id, job_id, after_step, max_points),
+        media_type="application/json")
 
 
 @router.get("/v1/tasks/{task_id}/adapter", response_class=StreamingResponse, responses=ARCHIVE)

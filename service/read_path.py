@@ -1,0 +1,116 @@
+"""The most-read routes on the event loop: GET /v1/tasks (a page of tasks) and
+GET /v1/tasks/{id}/metrics (loss curves), each one statement on the app's ReadPool whose tenant
+is the one of the request's API key if that key is live (checked in the statement itself, so a
+revoked key reads nothing from the moment it is revoked), answered as JSON bytes built from
+plain rows, without the ORM, a session or a model object per item. The JSON is the one
+TaskOut / MetricsOut give (same fields, order and encoding: tests/integration/
+test_api_read_path.py compares the bytes with the models' output). A statement that finds
+nothing asks whether the key is still live (a 401) before answering an empty page or a 404."""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import cache
+
+from pydantic_core import to_json
+from sqlalchemy import bindparam, select
+from sqlalchemy.dialects import postgresql
+
+from service.auth import ReadKey, read_key_live
+from service.db import ReadPool
+from service.errors import invalid, not_found
+from service.events import metrics_body, metrics_params, metrics_statement
+from service.models import ApiKey
+
+_DIALECT = postgresql.psycopg.dialect()
+# The tenant of the live API key of a prefix and hash (parameters prefix and key_hash).
+_KEY_TENANT = (select(ApiKey.tenant_id)
+               .where(ApiKey.prefix == bindparam("prefix"),
+                      ApiKey.key_hash == bindparam("key_hash"), ApiKey.revoked_at.is_(None))
+               .scalar_subquery())
+
+# A page of tasks (newest first, after the cursor) with what task_outs adds to each: the job
+# states, the failed attempts and the placement that says most about "when" (the live one,
+# else the latest that ran). {filters}: the optional state and cursor conditions.
+_LIST_SQL = """
+WITH me AS ({key_tenant})
+SELECT t.id, t.state, t.base_model, t.method, t.training_file_id, t.validation_file_id,
+       t.validation_split, t.search_space, t.epochs, t.max_seq_len, t.seed, t.early_exit, t.eval,
+       t.target_modules, t.priority, t.best_job_id, t.error, t.created_at, t.started_at,
+       t.finished_at, t.suffix, t.meta,
+       (SELECT array_agg(j.state) FROM jobs j WHERE j.task_id = t.id),
+       (SELECT count(*) FROM placements p WHERE p.task_id = t.id AND p.state = 'failed'),
+       latest.attempt, latest.planned_start, latest.planned_end
+FROM (SELECT * FROM tasks WHERE tenant_id = (SELECT tenant_id FROM me){filters}
+      ORDER BY created_at DESC, id DESC LIMIT %(limit)s) t
+LEFT JOIN LATERAL (SELECT p.attempt, p.planned_start, p.planned_end FROM placements p
+                   WHERE p.task_id = t.id AND p.state NOT IN ('superseded', 'cancelled')
+                   ORDER BY p.created_at DESC LIMIT 1) latest ON true
+ORDER BY t.created_at DESC, t.id DESC
+"""
+_STATE = " AND state = %(state)s"
+_AFTER = (" AND (created_at, id) < (SELECT c.created_at, c.id FROM tasks c"
+          " WHERE c.id = %(after)s AND c.tenant_id = (SELECT tenant_id FROM me))")
+_CURSOR_SQL = "SELECT 1 FROM tasks WHERE id = %(after)s AND tenant_id = %(tenant_id)s"
+
+
+@cache
+def _list_sql(state: bool, after: bool) -> str:
+    return _LIST_SQL.format(key_tenant=_KEY_TENANT.element.compile(dialect=_DIALECT),
+                            filters=(_STATE if state else "") + (_AFTER if after else ""))
+
+
+async def list_tasks_json(pool: ReadPool, key: ReadKey, limit: int, after: str | None,
+                          state: str | None) -> bytes:
+    """Page[TaskOut]'s JSON: the key's tenant's tasks newest first, ``limit`` of them after the
+    task ``after`` (a 422 when it is not one of the tenant's tasks), only those in ``state``."""
+    params = {"prefix": key.prefix, "key_hash": key.key_hash, "tenant_id": key.tenant_id,
+              "limit": limit + 1, "state": state, "after": after}
+    rows = await pool.fetch(_list_sql(state is not None, after is not None), params)
+    if not rows:
+        await read_key_live(pool, key)
+        if after is not None and not await pool.fetch(_CURSOR_SQL, params):
+            raise invalid(f"unknown cursor {after!r}", param="after")
+    data = [_task(row) for row in rows[:limit]]
+    return to_json({"object": "list", "data": data, "has_more": len(rows) > limit,
+                    "last_id": data[-1]["id"] if data else None})
+
+
+def _task(row: tuple) -> dict:
+    """TaskOut's fields, in its order, from a row of _LIST_SQL."""
+    (id_, state, base_model, method, training_file, validation_file, validation_split,
+     search_space, epochs, max_seq_len, seed, early_exit, eval_, target_modules, priority,
+     best_job_id, error, created_at, started_at, finished_at, suffix, meta, job_states, failed,
+     attempt, planned_start, planned_end) = row
+    counts = dict(Counter(job_states or ()))
+    return {"id": id_, "object": "task", "state": state, "base_model": base_model,
+            "method": method, "training_file": training_file, "validation_file": validation_file,
+            "validation_split": validation_split, "search_space": search_space,
+            "epochs": epochs, "max_seq_len": max_seq_len, "seed": seed,
+            "early_exit": early_exit, "eval": eval_, "target_modules": target_modules,
+            "priority": priority, "num_jobs": sum(counts.values()), "job_counts": counts,
+            "best_job_id": best_job_id, "error": error,
+            "attempt": attempt if attempt is not None else failed + 1,
+            "planned_start": planned_start, "planned_end": planned_end,
+            "created_at": created_at, "started_at": started_at, "finished_at": finished_at,
+            "suffix": suffix, "metadata": meta}
+
+
+@cache
+def _metrics_sql(one_job: bool, after: bool) -> str:
+    # service.events' statement with the key's tenant, compiled once for psycopg's %(name)s
+    # parameters.
+    return str(metrics_statement(one_job, after, _KEY_TENANT).compile(dialect=_DIALECT))
+
+
+async def task_metrics_json(pool: ReadPool, key: ReadKey, task_id: str, job_id: str | None,
+                            after_step: int | None, max_points: int | None) -> bytes:
+    """MetricsOut's JSON for the key's tenant's task (404 for another's or an unknown one), as
+    service.events.task_metrics_json gives it."""
+    params = metrics_params(None, task_id, job_id, after_step)
+    params.update(prefix=key.prefix, key_hash=key.key_hash)
+    rows = await pool.fetch(_metrics_sql(job_id is not None, after_step is not None), params)
+    if not rows:
+        await read_key_live(pool, key)
+        raise not_found("task", task_id)
+    return metrics_body(task_id, rows, job_id, max_points)

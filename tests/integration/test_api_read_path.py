@@ -1,0 +1,174 @@
+"""The async read routes (service.read_path: GET /v1/tasks and GET /v1/tasks/{id}/metrics on the
+ReadPool): the same bytes as the models gave, the same auth and tenant isolation, revocation at
+once despite the key cache, and a pool that survives dropped connections and reports outages
+as the other routes do."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import delete, select, text
+from sqlalchemy.exc import OperationalError
+
+from service import tasks
+from service.auth import revoke_api_key
+from service.db import READ_POOL_NAME, ReadPool
+from service.localstack import free_port
+from service.models import Job, MetricPoint, Placement, Task, Tenant, utcnow
+from service.schemas import JobCurves, LossPoint, MetricsOut, Page, TaskOut
+
+
+def _model_page(session, tenant_id: str, limit: int, after: str | None = None,  # noqa: ANN001
+                state: str | None = None) -> bytes:
+    """The JSON the ORM path gave (service.tasks.list_tasks + task_outs + Page[TaskOut])."""
+    session.expire_all()
+    tenant = session.get(Tenant, tenant_id)
+    rows, more = tasks.list_tasks(session, tenant, limit, after, state)
+    return Page[TaskOut](data=tasks.task_outs(session, rows), has_more=more,
+                         last_id=rows[-1].id if rows else None).model_dump_json().encode()
+
+
+def test_task_pages_are_the_models_bytes(client, factory, session):  # noqa: ANN001
+    t = factory.tenant()
+    f = factory.file(t)["id"]
+    ids = [factory.task(t, f, suffix="s" if i == 1 else None,
+                        metadata={"team": "é\"x"} if i == 2 else None)["id"] for i in range(5)]
+    client.post(f"/v1/tasks/{ids[0]}/cancel", headers=t.headers)
+    node = factory.node()
+    factory.placement(ids[1], node)  # a live placement: attempt and planned times
+    failed = session.get(Placement, factory.placement(ids[3], node, publish=False))
+    failed.state = "failed"  # a failed attempt and nothing live: attempt 2
+    task = session.get(Task, ids[3])
+    task.error = {"code": "x", "message": "boom \u2603"}
+    task.target_modules = ["q_proj", "v_proj"]
+    task.started_at = utcnow() - timedelta(microseconds=5)
+    task.validation_split = 1e-05
+    session.commit()
+    for params in ({}, {"limit": 2}, {"limit": 2, "after": ids[3]}, {"limit": 1000},
+                   {"state": "queued"}, {"state": "cancelled", "after": ids[4]},
+                   {"state": "succeeded"}, {"after": ids[0]}):
+        r = client.get("/v1/tasks", headers=t.headers, params=params)
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"] == "application/json"
+        expected = _model_page(session, t.id, min(params.get("limit", 20), 100),
+                               params.get("after"), params.get("state"))
+        assert r.content == expected, params
+    assert [x["id"] for x in client.get("/v1/tasks", headers=t.headers).json()["data"]] \
+        == ids[::-1]
+
+
+def test_curves_are_the_models_bytes(client, factory, session):  # noqa: ANN001
+    t = factory.tenant()
+    tid = factory.task(t)["id"]
+    jobs = session.scalars(select(Job).where(Job.task_id == tid).order_by(Job.index)).all()
+    losses = [3.0, 1e-05, float("nan"), 2.5e22, 0.1 + 0.2, float("inf"), 7.0, 1.0 / 3]
+    for k, job in enumerate(jobs[:3]):  # jobs[3] has no points
+        for step, loss in enumerate(losses[k:], start=1):
+            session.add(MetricPoint(task_id=tid, job_id=job.id, step=step, split="train",
+                                    loss=loss))
+        if k != 1:
+            session.add(MetricPoint(task_id=tid, job_id=job.id, step=4, split="val", loss=2.0))
+    session.commit()
+    url = f"/v1/tasks/{tid}/metrics"
+    r = client.get(url, headers=t.headers)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+
+    def points(job_id: str, split: str, after: int = -2) -> list[LossPoint]:
+        rows = session.execute(select(MetricPoint.step, MetricPoint.loss).where(
+            MetricPoint.job_id == job_id, MetricPoint.split == split, MetricPoint.step > after)
+            .order_by(MetricPoint.step)).all()
+        return [LossPoint(step=s, loss=x if math.isfinite(x) else None) for s, x in rows]
+
+    def model(selected: list[Job], after: int = -2) -> bytes:
+        return MetricsOut(task_id=tid, jobs=[
+            JobCurves(job_id=j.id, index=j.index, state=j.state, train=points(j.id, "train", after),
+                      val=points(j.id, "val", after)) for j in selected]).model_dump_json().encode()
+
+    assert r.content == model(jobs)
+    assert client.get(url, headers=t.headers, params={"job_id": jobs[2].id, "after_step": 2}
+                      ).content == model([jobs[2]], after=2)
+    assert client.get(url, headers=t.headers, params={"after_step": 99}).content \
+        == model(jobs, after=99)
+    # Downsampled curves: the same as the synchronous path (the dashboard's live view).
+    from service.events import task_metrics_json
+
+    short = client.get(url, headers=t.headers, params={"max_points": 4})
+    assert short.content == task_metrics_json(session, session.get(Task, tid), max_points=4)
+    assert len(short.json()["jobs"][0]["train"]) == 4
+    missing = client.get(url, headers=t.headers, params={"job_id": "job_x"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "job_id"
+
+
+def test_auth_isolation_and_revocation_at_once(client, factory, session):  # noqa: ANN001
+    a, b = factory.tenant(), factory.tenant()
+    ta = factory.task(a)["id"]
+    tb = factory.task(b)["id"]
+    for url in ("/v1/tasks", f"/v1/tasks/{ta}/metrics"):
+        assert client.get(url).json()["error"]["code"] == "missing_api_key"
+        assert client.get(url, headers={"Authorization": "Bearer lpx-0123456789nothing"}
+                          ).status_code == 401
+        assert client.get(url, headers={"Authorization": "Basic x"}).status_code == 401
+        assert client.get(url, headers=a.headers).status_code == 200  # now in the key cache
+    # Another tenant's task and cursor do not exist for b.
+    assert client.get(f"/v1/tasks/{ta}/metrics", headers=b.headers).status_code == 404
+    r = client.get("/v1/tasks", headers=b.headers, params={"after": ta})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "after"
+    assert [x["id"] for x in client.get("/v1/tasks", headers=b.headers).json()["data"]] == [tb]
+    # A bad key and a bad parameter: the 401 first, as on every route.
+    assert client.get("/v1/tasks", params={"limit": 0}).status_code == 401
+    assert client.get("/v1/tasks", headers=a.headers, params={"limit": 0}).status_code == 422
+    # Revoked: the very next request is refused, although the key is in the cache.
+    assert revoke_api_key(session, a.key)
+    session.commit()
+    for url in ("/v1/tasks", f"/v1/tasks/{ta}/metrics", "/v1/tasks?state=queued",
+                "/v1/tasks?state=succeeded"):
+        r = client.get(url, headers=a.headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", url
+    # A deleted tenant's key (cached a moment ago) is refused at once too.
+    assert client.get(f"/v1/tasks/{tb}/metrics", headers=b.headers).status_code == 200
+    session.execute(delete(Task).where(Task.tenant_id == b.id))
+    session.execute(text("DELETE FROM files WHERE tenant_id = :t"), {"t": b.id})
+    session.execute(delete(Tenant).where(Tenant.id == b.id))
+    session.commit()
+    assert client.get("/v1/tasks", headers=b.headers).status_code == 401
+    assert client.get(f"/v1/tasks/{tb}/metrics", headers=b.headers).status_code == 401
+    # Input PostgreSQL cannot store is a 422, as before (not a crash).
+    c = factory.tenant()
+    assert client.get("/v1/tasks", headers=c.headers, params={"after": "a\x00b"}
+                      ).status_code == 422
+
+
+def test_read_pool_retries_dropped_connections_and_reports_outages(client, factory, session,
+                                                                  settings):  # noqa: ANN001
+    t = factory.tenant()
+    tid = factory.task(t)["id"]
+    assert client.get(f"/v1/tasks/{tid}/metrics", headers=t.headers).status_code == 200
+    # PostgreSQL restarted (here: the pool's connections killed): the next read reconnects.
+    killed = session.execute(text(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+        "WHERE application_name = :n AND datname = current_database()"),
+        {"n": READ_POOL_NAME}).scalar()
+    session.commit()
+    assert killed >= 1
+    for url in ("/v1/tasks", f"/v1/tasks/{tid}/metrics"):
+        assert client.get(url, headers=t.headers).status_code == 200
+
+    async def unreachable() -> None:
+        pool = ReadPool(f"postgresql+psycopg://loraplex@127.0.0.1:{free_port()}/x")
+        await pool.fetch("SELECT 1")
+
+    with pytest.raises(OperationalError):  # the app answers it 503, as for the other routes
+        asyncio.run(unreachable())
+
+    async def bounded() -> set[int]:
+        pool = ReadPool(settings.database_url, size=2)
+        rows = await asyncio.gather(*(pool.fetch("SELECT pg_backend_pid(), pg_sleep(0.05)")
+                                      for _ in range(6)))
+        pool.discard_all()
+        return {r[0][0] for r in rows}
+
+    assert len(asyncio.run(bounded())) <= 2  # six reads shared two connections
+    assert len(asyncio.run(bounded())) <= 2  # a new event loop: new connections, still works
