@@ -20,6 +20,12 @@ large runs therefore come from real curves, and the large runs check that they r
 small runs' decisions exactly. Quality (best validation loss of (a) vs (b)) is the small model's.
 
     python bench/task_e2e.py --out bench/results/task_e2e_h100.md [--layers 4] [--json FILE]
+    python bench/task_e2e.py --pack-only [--no-shape-buckets]   # CPU: shapes and padding only
+
+`--pack-only` runs (b)'s executor on the CPU with the backbone replaced by zeros (a toy model
+loads; every step and evaluation is packed exactly as on the device, at the admission width of
+`--max-total-batch` sequences, the device run's) and reports the distinct [rows, length] shapes
+of the backbone forwards (what attention builds plans for) and the padding of training steps.
 """
 
 from __future__ import annotations
@@ -291,7 +297,7 @@ def executor_cfg(model_dir: Path, data: tuple[Path, Path], out: Path, jobs: list
         eval=EvalSettings(eval_every_steps=50, eval_max_samples=args.n_val,
                           eval_every_samples=args.eval_every_samples),
         checkpoint_every=50, checkpoint_every_s=300.0,
-        early_exit=EarlyExitSettings(enabled=early_exit), profile_cache=str(cache))
+        early_exit=EarlyExitSettings(enabled=early_exit), profile_cache=str(cache) if cache else None)
 
 
 def run_small(model_dir: Path, data, root: Path, jobs, early_exit: bool, args, cache) -> tuple[Record, dict, Executor]:  # noqa: ANN001
@@ -458,6 +464,62 @@ def quality(args, root, tok, chain_a, data, jobs, cache, res, dump) -> Record:  
     return trace
 
 
+def shape_summary(shapes: dict) -> dict:
+    """Distinct backbone-forward shapes (attention plans) of an engine's forward_shapes."""
+    train = {k[:2] for k, n in shapes.items() if k[2]}
+    evals = {k[:2] for k, n in shapes.items() if not k[2]}
+    return {"train": len(train), "eval": len(evals), "total": len(shapes),
+            "forwards": sum(shapes.values()),
+            "top": sorted(([list(k), n] for k, n in shapes.items()), key=lambda x: -x[1])[:8]}
+
+
+class PackOnlyExecutor(Executor):
+    """(b)'s executor with the backbone replaced by zeros: packing, admission, evaluation points
+    and updates are the real ones, the model costs nothing (shapes and padding on the CPU)."""
+
+    def __init__(self, cfg: ExecutorConfig, cb: Callbacks, buckets: bool) -> None:
+        super().__init__(cfg, cb)
+        self.buckets, self.cells, self.real = buckets, 0, 0
+
+    def _load(self) -> None:
+        super()._load()
+        eng = self.engine
+        if not self.buckets:
+            eng.shape_buckets = None
+        width = eng.model.config.hidden_size
+
+        def hidden(batch):  # noqa: ANN001, ANN202
+            eng.forward_shapes[(*batch.input_ids.shape, torch.is_grad_enabled())] += 1
+            if torch.is_grad_enabled():
+                self.cells += batch.input_ids.numel()
+                self.real += batch.real_tokens
+            return torch.zeros(*batch.input_ids.shape, width, requires_grad=torch.is_grad_enabled())
+
+        eng._hidden = hidden
+        # nor does the head: a zero loss that keeps the graph (the step's shapes are what counts)
+        eng._job_loss_sum = lambda h, targets, index=None, n=None: (h.sum() * 0.0, n or 1)  # noqa: ARG005
+
+
+def pack_only(args: argparse.Namespace, root: Path, data: tuple[Path, Path], jobs: list[JobSpec],
+              tok) -> dict:  # noqa: ANN001
+    """Shapes and padding of (b) on the CPU, with and without shape buckets."""
+    SMOKE["on"] = True
+    model_dir = large_model(root / "toy", 1, tok)
+    out = {}
+    for buckets in (True, False) if args.shape_buckets else (False,):
+        cfg = executor_cfg(model_dir, data, root / f"pack_{int(buckets)}", jobs, False, args, None)
+        cfg.device, cfg.max_tokens_per_step = "cpu", args.max_total_batch * args.seq
+        cfg.checkpoint_every, cfg.checkpoint_every_s = 10**9, None
+        ex = PackOnlyExecutor(cfg, Record().callbacks(), buckets)
+        t0 = time.perf_counter()
+        ex.run()
+        out["buckets" if buckets else "free"] = {
+            **shape_summary(ex.engine.forward_shapes), "steps": ex.global_step,
+            "padding": 1 - ex.real / max(ex.cells, 1), "host_s": time.perf_counter() - t0}
+        log("buckets" if buckets else "free", out["buckets" if buckets else "free"])
+    return out
+
+
 def main() -> None:  # noqa: PLR0915
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -476,6 +538,12 @@ def main() -> None:  # noqa: PLR0915
     ap.add_argument("--speed-only", action="store_true",
                     help="(b) at the large shape with its own losses, the floor and PEFT at batch "
                          "sizes 1 and 16: no quality runs, no (a)")
+    ap.add_argument("--pack-only", action="store_true",
+                    help="CPU: (b)'s packed shapes and padding only (no model compute)")
+    ap.add_argument("--max-total-batch", type=int, default=88,
+                    help="--pack-only: sequences per step admitted (the H100 run's at 4 layers)")
+    ap.add_argument("--no-shape-buckets", dest="shape_buckets", action="store_false",
+                    help="the engine packs steps in free shapes (MultiLoraEngine.shape_buckets=None)")
     ap.add_argument("--no-cudnn-attention", dest="cudnn_attention", action="store_false",
                     help="the executor turns SDPA's cuDNN backend off (ExecutorConfig.cudnn_attention)")
     args = ap.parse_args()
@@ -497,6 +565,10 @@ def main() -> None:  # noqa: PLR0915
     data = write_data(root, chain_b, args.n_train, args.n_val, args.seq)
     jobs = grid(args.n_train)
     spec = {j.job_id: j for j in jobs}
+    if args.pack_only:
+        res["pack_only"] = pack_only(args, root, data, jobs, tok)
+        dump()
+        return
     trace = None
     if not args.speed_only:
         trace = quality(args, root, tok, chain_a, data, jobs, cache, res, dump)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.data import IGNORE, Example, PackedBatch, PairExample, pack_step
+from trainer.data import IGNORE, Example, PackedBatch, PairExample
 from trainer.engine import JobState, MultiLoraEngine
 
 METRICS = ("loss", "reward_accuracy", "reward_margin")
@@ -107,7 +107,7 @@ class DpoEngine(MultiLoraEngine):
             return 0
         todo = list(missing.values())
         seqs = pair_sequences(todo)
-        batch = pack_step([seqs], self.pad_id, pack=self.pack, multiple_of=self.pad_multiple).to(self.device)
+        batch, _ = self.batch_to_device(self.pack_batch([seqs]))
         self._clear_layout()  # adapters off: every MultiLoraLinear is its frozen base linear
         was_training = self.model.training
         self.model.eval()
@@ -143,7 +143,7 @@ class DpoEngine(MultiLoraEngine):
         """One forward of all jobs' chosen + rejected sequences with their adapters; per job the
         summed response log-probs [2 * pairs] (chosen first), from the job's own rows."""
         seqs = [pair_sequences(pairs) for pairs in per_job]
-        batch = pack_step(seqs, self.pad_id, pack=self.pack, multiple_of=self.pad_multiple).to(self.device)
+        batch, _ = self.batch_to_device(self.pack_batch(seqs))
         length = batch.input_ids.shape[1]
         self._set_layout(states, [r * length for r in batch.row_offsets])
         hidden = self._hidden(batch)
@@ -160,7 +160,7 @@ class DpoEngine(MultiLoraEngine):
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The job's mean DPO loss (differentiable) and [loss, accuracy, margin] sums over pairs."""
         n = len(pairs)
-        ref = torch.tensor([self.reference[p.key] for p in pairs], dtype=logps.dtype, device=logps.device)
+        ref = self._to_device(torch.tensor([self.reference[p.key] for p in pairs], dtype=logps.dtype))
         loss, rc, rr = dpo_loss(logps[:n], logps[n:], ref[:, 0], ref[:, 1], state.spec.beta)
         sums = torch.stack([loss.detach().sum(), (rc > rr).float().sum(), (rc - rr).detach().sum()])
         return loss.mean(), sums

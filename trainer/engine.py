@@ -15,6 +15,7 @@ on one tensor.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from service.protocol import JobHyperparameters
-from trainer.data import IGNORE, Example, JobDataStream, PackedBatch, pack_step
+from trainer.data import IGNORE, Example, JobDataStream, PackedBatch, ShapeBuckets, pack_step
 from trainer.families import family_of, resolve_targets
 from trainer.multilora import (
     JobAdapter,
@@ -112,18 +113,57 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str = "linear") -> f
 
 
 def make_optimizer(spec: JobSpec, params: Sequence[nn.Parameter], total: int):  # noqa: ANN201
-    """The job's own AdamW and LambdaLR (the same objects a PEFT run of the job alone uses)."""
-    params = list(params)
-    # fused AdamW on CUDA: one kernel per job step instead of a chain of foreach ops
-    fused = bool(params) and params[0].is_cuda
+    """The job's own AdamW and LambdaLR (the same objects a PEFT run of the job alone uses). The
+    engine applies the update itself, for every job of a step at once (`multi_adamw`, the same
+    math); the optimizer holds the job's hyperparameters and state (step on the host, moments
+    beside the weights) in torch's format, for checkpoints."""
     opt = torch.optim.AdamW(
-        params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
-        fused=fused or None,
+        list(params), lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
+        foreach=False, fused=False,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, spec.warmup_steps, total, spec.schedule)
     )
     return opt, sched
+
+
+@torch.no_grad()
+def multi_adamw(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor],
+                grads: Sequence[torch.Tensor]) -> None:
+    """One AdamW step of many jobs at once: torch's single-tensor AdamW (decoupled weight decay,
+    bias corrections from the host step count) per job, each with its own optimizer's lr, betas,
+    eps and weight decay, as a few multi-tensor (`torch._foreach_*`) kernels over all jobs instead
+    of one optimizer step per job. Elementwise per tensor: one job's values never reach another's.
+    Bit for bit torch.optim.AdamW(foreach=False) on CPU; within float32 rounding of its fused
+    CUDA kernel."""
+    if not params:
+        return
+    states, hyper = [], []
+    for opt, p in zip(optimizers, params, strict=True):
+        st = opt.state[p]
+        if not st:
+            st["step"] = torch.tensor(0.0)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif st["step"].device.type != "cpu":
+            st["step"] = st["step"].cpu()  # a fused optimizer's state: counted on the host now
+        st["step"] += 1
+        opt._opt_called = True  # what torch.optim's step marks for its LR scheduler: stepped
+        g = opt.param_groups[0]
+        states.append(st)
+        hyper.append((g["lr"], *g["betas"], g["eps"], g["weight_decay"], float(st["step"])))
+    decay = [(p, 1 - h[0] * h[4]) for p, h in zip(params, hyper, strict=True) if h[4] != 0]
+    if decay:
+        torch._foreach_mul_([p for p, _ in decay], [f for _, f in decay])
+    exp_avgs = [st["exp_avg"] for st in states]
+    exp_avg_sqs = [st["exp_avg_sq"] for st in states]
+    torch._foreach_lerp_(exp_avgs, list(grads), [1 - h[1] for h in hyper])
+    torch._foreach_mul_(exp_avg_sqs, [h[2] for h in hyper])
+    torch._foreach_addcmul_(exp_avg_sqs, list(grads), list(grads), [1 - h[2] for h in hyper])
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, [(1 - h[2] ** h[5]) ** 0.5 for h in hyper])
+    torch._foreach_add_(denom, [h[3] for h in hyper])
+    torch._foreach_addcdiv_(list(params), exp_avgs, denom, [-(h[0] / (1 - h[1] ** h[5])) for h in hyper])
 
 
 @dataclass
@@ -192,6 +232,7 @@ class MultiLoraEngine:
         adapter_dtype: torch.dtype = torch.float32,
         pack: bool = True,
         pad_multiple: int = 1,
+        shape_buckets: ShapeBuckets | None = ShapeBuckets(),  # noqa: B008 (frozen)
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -211,6 +252,13 @@ class MultiLoraEngine:
         self.adapter_dtype = adapter_dtype
         self.pack = pack
         self.pad_multiple = pad_multiple
+        # packed steps take their [rows, length] from these buckets (None: free shapes); a step
+        # never holds more cells than its sequences at the longest length seen, which is what
+        # admission sized it for (sequences x max_seq_len)
+        self.shape_buckets = shape_buckets
+        self.seq_cap = max((self._longest(e) for e in self.train_examples), default=1)
+        # backbone forwards by (rows, length, with grad): attention plans are built per shape
+        self.forward_shapes: Counter[tuple[int, int, bool]] = Counter()
         self.gradient_checkpointing = gradient_checkpointing
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -295,22 +343,23 @@ class MultiLoraEngine:
     # ----- one step --------------------------------------------------------------------
     def _set_layout(self, states: Sequence[JobState], token_offsets: list[int]) -> None:
         """Point every layer at the arena for these jobs (in this order) and zero their gradient
-        sums: one host-to-device copy of all layers' offsets, no per-layer work."""
+        sums: one host-to-device copy of all layers' offsets, no per-layer work, no sync."""
         regions = [self.regions[s.job_id][0] for s in states]
         adapters = [s.adapter for s in states]
-        offs = torch.tensor(
-            [[[lo + ad.a_offsets[k] for lo, ad in zip(regions, adapters, strict=True)],
-              [lo + ad.b_offsets[k] for lo, ad in zip(regions, adapters, strict=True)]]
-             for k in range(len(self.layer_list))],
-            dtype=torch.int64,
-        ).to(self.device, non_blocking=True)
+        n_layers = len(self.layer_list)
+        ints = [lo + ad.a_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, adapters, strict=True)]
+        ints += [lo + ad.b_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, adapters, strict=True)]
+        ints += [s.adapter.rank for s in states] + list(token_offsets)
+        dev = self._to_device(torch.tensor(ints, dtype=torch.int64))
+        n = len(states)
+        offs = dev[: 2 * n_layers * n].view(2, n_layers, n)
         arena = self.arena if self.arena.dtype == self.compute_dtype else self.arena.to(self.compute_dtype)
         if torch.is_grad_enabled():
             self.grad_arena.zero_()
         lay = StepLayout(
-            offsets=torch.tensor(token_offsets, dtype=torch.int64, device=self.device),
-            scales=torch.tensor([s.adapter.scaling for s in states], dtype=torch.float32, device=self.device),
-            ranks=torch.tensor([s.adapter.rank for s in states], dtype=torch.int32, device=self.device),
+            offsets=dev[2 * n_layers * n + n :],
+            scales=self._to_device(torch.tensor([s.adapter.scaling for s in states], dtype=torch.float32)),
+            ranks=dev[2 * n_layers * n : 2 * n_layers * n + n].to(torch.int32),
             arena=arena,
             grad_arena=self.grad_arena,
             r_max=max(ad.rank for ad in adapters),
@@ -319,13 +368,44 @@ class MultiLoraEngine:
         )
         for k, layer in enumerate(self.layer_list):
             layer.layout = lay
-            layer.a_off, layer.b_off = offs[k, 0], offs[k, 1]
+            layer.a_off, layer.b_off = offs[0, k], offs[1, k]
+
+    def _to_device(self, cpu: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the engine's device without a sync (pinned, copied asynchronously)."""
+        if self.device.type != "cuda":
+            return cpu.to(self.device)
+        return cpu.pin_memory().to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _longest(example: Example | object) -> int:
+        parts = [getattr(example, "chosen", None), getattr(example, "rejected", None)]
+        return max((len(e.input_ids) for e in parts if e is not None),
+                   default=len(getattr(example, "input_ids", ())))
+
+    def pack_batch(self, per_job: Sequence[Sequence[Example]]) -> PackedBatch:
+        """A step's or an evaluation's sequences packed (on the host) into a bucketed shape, at most
+        as many cells as its sequences at the longest length seen (what admission planned for)."""
+        longest = max((len(e.input_ids) for seqs in per_job for e in seqs), default=1)
+        self.seq_cap = max(self.seq_cap, longest)
+        n_seqs = sum(len(seqs) for seqs in per_job)
+        return pack_step(per_job, self.pad_id, pack=self.pack, multiple_of=self.pad_multiple,
+                         buckets=self.shape_buckets, max_cells=n_seqs * self.seq_cap)
+
+    def batch_to_device(self, cpu: PackedBatch, *extra: torch.Tensor) -> tuple[PackedBatch, list[torch.Tensor]]:
+        """The batch (and extra int64 host tensors) on the device in ONE asynchronous copy."""
+        parts = [cpu.input_ids, cpu.position_ids, cpu.targets, cpu.seq_index, *extra]
+        flat = self._to_device(torch.cat([t.reshape(-1) for t in parts]))
+        out = list(flat.split([t.numel() for t in parts]))
+        views = [o.view(t.shape) for o, t in zip(out, parts, strict=True)]
+        batch = PackedBatch(views[0], views[1], views[2], cpu.row_offsets, cpu.real_tokens, views[3])
+        return batch, views[4:]
 
     def _clear_layout(self) -> None:
         for layer in self.layer_list:
             layer.layout = layer.a_off = layer.b_off = None
 
     def _hidden(self, batch: PackedBatch) -> torch.Tensor:
+        self.forward_shapes[(*batch.input_ids.shape, torch.is_grad_enabled())] += 1
         out = self.model.base_model(
             input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False
         )
@@ -369,13 +449,13 @@ class MultiLoraEngine:
         return loss_sum(h_sel, t_sel), n
 
     def _forward_losses(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]):  # noqa: ANN202
-        cpu = pack_step(per_job, self.pad_id, pack=self.pack, multiple_of=self.pad_multiple)
-        # every job's target positions found on the host (where the batch was built), moved in
-        # one copy: selecting them on the device then needs no sync per job
+        cpu = self.pack_batch(per_job)
+        # every job's target positions found on the host (where the batch was built), moved with
+        # the batch in one copy: selecting them on the device then needs no sync per job
         picks = [(cpu.targets[r0:r1].reshape(-1) != IGNORE).nonzero().reshape(-1)
                  for r0, r1 in zip(cpu.row_offsets[:-1], cpu.row_offsets[1:], strict=True)]
-        index = torch.cat(picks).to(self.device, non_blocking=True).split([len(p) for p in picks])
-        batch = cpu.to(self.device)
+        batch, (index,) = self.batch_to_device(cpu, torch.cat(picks))
+        index = index.split([len(p) for p in picks])
         length = batch.input_ids.shape[1]
         self._set_layout(states, [r * length for r in batch.row_offsets])
         hidden = self._hidden(batch)
@@ -403,9 +483,9 @@ class MultiLoraEngine:
 
     def step(self) -> StepReport:
         """One training step of every attached job that has steps left: one forward and one
-        backward over all their micro-batches, then each job's own update. In lockstep (the
-        backbone sharded over ranks) the backward runs even when every loss is non-finite, over
-        zero times the losses, because the other ranks' backward all-gathers wait for it."""
+        backward over all their micro-batches, then every job's own update; one device sync (the
+        numbers of the report). The backward runs even when every loss is non-finite (in
+        lockstep the other ranks' backward all-gathers wait for it)."""
         states = [s for s in self.jobs.values() if not s.done]
         if not states:
             raise RuntimeError("no attached job has steps left")
@@ -415,15 +495,22 @@ class MultiLoraEngine:
         self._prepare(per_job)
         try:
             batch, losses, numbers = self._losses(states, per_job)
-            rows = torch.stack(numbers).tolist()  # one device sync for every job's numbers
-            values = [row[0] for row in rows]
-            live = [loss for loss, v in zip(losses, values, strict=True) if math.isfinite(v)]
-            if live or self.lockstep:
-                torch.stack(live or [loss * 0.0 for loss in losses]).sum().backward()
+            # a non-finite loss is left out of the objective on the device (no sync before the
+            # backward): zero in the sum, so its job alone gets non-finite gradients (its rows
+            # and its arena region) and skips its update below
+            kept = [torch.where(torch.isfinite(loss), loss, torch.zeros_like(loss)) for loss in losses]
+            torch.stack(kept).sum().backward()
         finally:
             self._clear_layout()
-        report = self._update(states, values, batch)
-        if len(self.metric_names) > 1:
+        regions = [self.regions[s.job_id] for s in states]
+        norms = torch._foreach_norm([self.grad_arena[lo:hi] for lo, hi in regions])
+        width = len(self.metric_names)
+        # one device sync per step: every job's numbers and gradient norm together
+        flat = torch.cat([torch.stack([n.reshape(-1) for n in numbers]).reshape(-1),
+                          torch.stack(norms).to(numbers[0].dtype)]).tolist()
+        rows = [flat[i * width : (i + 1) * width] for i in range(len(states))]
+        report = self._update(states, rows, flat[len(states) * width :], batch)
+        if width > 1:
             report.metrics = {s.job_id: dict(zip(self.metric_names[1:], row[1:], strict=True))
                               for s, row in zip(states, rows, strict=True)}
         return report
@@ -454,14 +541,15 @@ class MultiLoraEngine:
         ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
         self.model.base_model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
 
-    def _update(self, states: Sequence[JobState], values: list[float], batch: PackedBatch) -> StepReport:
-        regions = [self.regions[s.job_id] for s in states]
-        norms = torch.stack(
-            [torch.linalg.vector_norm(self.grad_arena[lo:hi]) for lo, hi in regions]
-        ).tolist()  # one device sync for every job's gradient norm
+    def _update(self, states: Sequence[JobState], rows: list[list[float]], norms: list[float],
+                batch: PackedBatch) -> StepReport:
+        """Each job's clip and AdamW update from its gradient sums in the arena, all jobs' in a few
+        multi-tensor kernels; a job with a non-finite loss or gradient norm skips its own."""
         report = StepReport({}, {}, {}, {}, batch.real_tokens, batch.padded_fraction)
-        for s, v, norm, (lo, hi) in zip(states, values, norms, regions, strict=True):
-            flat = s.adapter.flat
+        clip, coefs, run = [], [], []
+        for s, row, norm in zip(states, rows, norms, strict=True):
+            lo, hi = self.regions[s.job_id]
+            v = row[0]
             skip = not (math.isfinite(v) and math.isfinite(norm))
             report.lrs[s.job_id] = s.optimizer.param_groups[0]["lr"]
             if not skip:
@@ -469,18 +557,23 @@ class MultiLoraEngine:
                 if s.spec.max_grad_norm is not None:
                     coef = min(1.0, s.spec.max_grad_norm / (norm + 1e-6))  # clip_grads_with_norm_'s rule
                     if coef < 1.0:
-                        g.mul_(coef)
-                flat.grad = g if g.dtype == flat.dtype else g.to(flat.dtype)
-                s.optimizer.step()
+                        clip.append(g)
+                        coefs.append(coef)
+                run.append((s, g))
             else:
                 s.skipped_steps += 1
-            s.optimizer.zero_grad(set_to_none=True)
-            s.scheduler.step()
-            s.step += 1
             s.last_loss = v
             report.losses[s.job_id] = v
             report.skipped[s.job_id] = skip
             report.grad_norms[s.job_id] = norm
+        if clip:
+            torch._foreach_mul_(clip, coefs)
+        flats = [s.adapter.flat for s, _ in run]
+        multi_adamw([s.optimizer for s, _ in run], flats,
+                    [g if g.dtype == f.dtype else g.to(f.dtype) for (_, g), f in zip(run, flats, strict=True)])
+        for s in states:
+            s.scheduler.step()
+            s.step += 1
             report.steps[s.job_id] = s.step
         return report
 
@@ -510,13 +603,14 @@ class MultiLoraEngine:
         try:
             for g in range(0, len(states), group):
                 members = states[g : g + group]
-                totals = torch.zeros(len(members), len(self.metric_names), dtype=torch.float64)
+                totals = torch.zeros(len(members), len(self.metric_names), dtype=torch.float64,
+                                     device=self.device)
                 denoms = torch.zeros(len(members), dtype=torch.float64)
                 for lo in range(0, len(examples), batch_size):
                     sums, counts = self._eval_sums(members, list(examples[lo : lo + batch_size]))
-                    totals += sums.double().cpu()
+                    totals += sums.double()  # summed on the device: one sync per group of jobs
                     denoms += counts
-                means = (totals / denoms.clamp(min=1).unsqueeze(1)).tolist()
+                means = (totals.cpu() / denoms.clamp(min=1).unsqueeze(1)).tolist()
                 out.update({s.job_id: dict(zip(self.metric_names, row, strict=True))
                             for s, row in zip(members, means, strict=True)})
         finally:

@@ -110,18 +110,11 @@ def dpo_alone(world, spec: JobSpec, weights: dict[str, torch.Tensor], pairs) -> 
     return loss.item(), grads
 
 
-def capture_grads(eng: DpoEngine) -> dict[str, dict[str, torch.Tensor]]:
-    """Record each job's raw gradients when its optimizer steps (max_grad_norm=None: no clip)."""
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for s in eng.jobs.values():
-        orig = s.optimizer.step
-
-        def step(*a, _s=s, _orig=orig, **k):  # noqa: ANN002, ANN003, ANN202
-            out[_s.job_id] = {k: v.clone() for k, v in _s.adapter.peft_state_dict(flat=_s.adapter.flat.grad).items()}
-            return _orig(*a, **k)
-
-        s.optimizer.step = step
-    return out
+def step_grads(eng: DpoEngine) -> dict[str, dict[str, torch.Tensor]]:
+    """Each job's gradients of the step just taken, from the engine's gradient arena (where the
+    update read them; max_grad_norm=None: no clip), under PEFT's names."""
+    return {j: {k: v.clone() for k, v in s.adapter.peft_state_dict(
+        flat=eng.grad_arena[slice(*eng.regions[j])]).items()} for j, s in eng.jobs.items()}
 
 
 def test_batched_dpo_loss_and_gradients_match_each_job_alone(world) -> None:  # noqa: ANN001
@@ -129,12 +122,12 @@ def test_batched_dpo_loss_and_gradients_match_each_job_alone(world) -> None:  # 
     for s in specs():
         eng.attach(s)
     randomize_b(eng)
-    grads = capture_grads(eng)
     for _ in range(2):  # the second step runs on updated adapters and partly cached references
         before = {j: {k: v.clone() for k, v in s.adapter.peft_state_dict().items()} for j, s in eng.jobs.items()}
         batches = {j: [eng.train_examples[i] for i in copy.deepcopy(s.stream).next_indices(s.batch_size)]
                    for j, s in eng.jobs.items()}
         rep = eng.step()
+        grads = step_grads(eng)
         for spec in specs():
             j = spec.job_id
             loss, ref_grads = dpo_alone(world, spec, before[j], batches[j])
