@@ -70,7 +70,8 @@ def libpq_url(database_url: str) -> str:
 class ReadPool:
     """Asyncio psycopg connections for the most-read routes, so that they run on the event loop
     with one round trip per statement: autocommit (a statement is its own snapshot, no
-    BEGIN/ROLLBACK), psycopg prepares a statement after a few uses, and no pre-ping: a reused
+    BEGIN/ROLLBACK), psycopg prepares a statement after a few uses, results come in binary
+    (nothing to write and parse as text: curves are arrays of thousands of floats), no pre-ping: a reused
     connection that fails (PostgreSQL restarted since) is dropped and the read retried once on
     a new one. At most ``size`` connections, opened on demand; a caller waits for a free one.
     Bound to the event loop that uses it (a new loop, e.g. a test client's, gets new
@@ -102,7 +103,7 @@ class ReadPool:
                 except psycopg.Error as error:
                     raise _sqlalchemy_error(query, params, error) from error
                 try:
-                    cursor = await conn.execute(query, params)
+                    cursor = await conn.execute(query, params, binary=True)
                     rows = await cursor.fetchall()
                 except psycopg.OperationalError as error:
                     _close(conn)
