@@ -189,49 +189,38 @@ def _wgrad_jit(
 
 
 @triton.jit
-def _gemm_lora_jit(
-    a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
-    M, NC, K, N, R_MAX, T_BUCKET,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
-    HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, ARENA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """C = A @ B (+ bias) + s_i P[rows_i, :r_i] @ W_i (W_i [r_i, NC]) for every adapter i whose
-    rows meet this output tile: the LoRA expand (forward: P = S, W = B^T) or dS A (backward:
-    P = dS, W = A) folded into the base GEMM's epilogue, cdiv(r_i, BLOCK_R) rank blocks each."""
-    pid = tl.program_id(0)
+def _tile_of(pid, M, NC, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M row tiles in a row share their B tiles through L2."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(NC, BLOCK_N)
-    per_group = GROUP_M * num_n  # grouped order: GROUP_M row tiles share B tiles through L2
-    group = pid // per_group
-    first_m = group * GROUP_M
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@triton.jit
+def _lora_epilogue_store(
+    acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
+    M, NC, N, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
+    HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, ARENA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """acc += s_i P[rows_i, :r_i] @ W_i for the adapters [first, last) whose rows meet this tile
+    (cdiv(r_i, BLOCK_R) rank blocks each), + bias; store the tile into C."""
     m0 = pid_m * BLOCK_M
     rm = m0 + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < NC
     rm64 = rm.to(tl.int64)
-    a_rows = a_ptr + rm64[:, None] * stride_am
-    b_cols = b_ptr + rn[None, :].to(tl.int64) * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        at = tl.load(a_rows + ks[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        bt = tl.load(b_cols + ks[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(at, bt, acc, input_precision=DOT_PREC)
-    # epilogue: adapters [first, last) are those whose rows meet [m0, m0 + BLOCK_M)
     idx = tl.arange(0, N_P2)
     live = idx < N
     lo = tl.load(off_ptr + idx, mask=live, other=0)
     hi = tl.load(off_ptr + idx + 1, mask=live, other=0)
     first = tl.sum(tl.where(live & (hi <= m0), 1, 0), 0)
     last = tl.sum(tl.where(live & (lo < m0 + BLOCK_M), 1, 0), 0)
-    dtype = a_ptr.dtype.element_ty
+    dtype = w_ptr.dtype.element_ty
     for i in range(first, last):
         lo_i = tl.load(off_ptr + i)
         hi_i = tl.load(off_ptr + i + 1)
@@ -253,8 +242,77 @@ def _gemm_lora_jit(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _gemm_lora_jit(
+    a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
+    M, NC, K, N, R_MAX, T_BUCKET,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
+    HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, ARENA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """C = A @ B (+ bias) + s_i P[rows_i, :r_i] @ W_i (W_i [r_i, NC]) for every adapter i whose
+    rows meet this output tile: the LoRA expand (forward: P = S, W = B^T) or dS A (backward:
+    P = dS, W = A) folded into the base GEMM's epilogue. Pointer loads (any strides)."""
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, NC, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < NC
+    a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
+    b_cols = b_ptr + rn[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        at = tl.load(a_rows + ks[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        bt = tl.load(b_cols + ks[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(at, bt, acc, input_precision=DOT_PREC)
+    _lora_epilogue_store(acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
+                         M, NC, N, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
+                         HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, BLOCK_M, BLOCK_N, BLOCK_R)
+
+
+@triton.jit
+def _gemm_lora_tma_jit(
+    a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
+    M, NC, K, N, R_MAX, T_BUCKET,
+    stride_am, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
+    B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
+    ARENA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """`_gemm_lora_jit` with the main loop's A and B tiles fetched by TMA (Hopper tensor
+    descriptors; out-of-range rows and columns read as zero). A and B must have unit stride in
+    their last dimension; B_NK: B given as [NC, K] (nn.Linear's W, forward) instead of [K, NC]."""
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, NC, BLOCK_M, BLOCK_N, GROUP_M)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if B_NK:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NC, K], strides=[stride_bn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, NC], strides=[stride_bk, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for k0 in range(0, K, BLOCK_K):
+        at = a_desc.load([m0, k0])
+        if B_NK:
+            bt = b_desc.load([n0, k0]).T
+        else:
+            bt = b_desc.load([k0, n0])
+        acc = tl.dot(at, bt, acc, input_precision=DOT_PREC)
+    _lora_epilogue_store(acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
+                         M, NC, N, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
+                         HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, BLOCK_M, BLOCK_N, BLOCK_R)
+
+
 _gemm_lora = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **AUTOTUNE_KW)(
     _gemm_lora_jit)
+_gemm_lora_tma = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **AUTOTUNE_KW)(
+    _gemm_lora_tma_jit)
 _shrink = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **AUTOTUNE_KW)(_shrink_jit)
 # Kernels that add into caller-owned gradients: tuning trials restore them (an arena already
 # holds other layers' sums).
@@ -307,17 +365,46 @@ def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: bool) -> None:  # no
     )
 
 
-def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: bool, out_dtype) -> torch.Tensor:  # noqa: ANN001
+# Opt-in (not yet measured on a GPU): the fused GEMMs' main loop on TMA tensor descriptors.
+USE_TMA = os.environ.get("LORAPLEX_FUSED_TMA", "0") == "1"
+_allocator_set = False
+
+
+def _tma_ok(a: torch.Tensor, b_kn: torch.Tensor) -> bool:
+    """TMA wants 16-byte aligned bases and row strides, unit stride along the loaded rows."""
+    es = a.element_size()
+    b_nk = b_kn.stride(0) == 1  # W^T view of nn.Linear's W: load W [NC, K] rows instead
+    b_row = b_kn.stride(1) if b_nk else b_kn.stride(0)
+    return (a.stride(1) == 1 and (b_kn.stride(1) == 1 or b_nk) and a.data_ptr() % 16 == 0
+            and b_kn.data_ptr() % 16 == 0 and (a.stride(0) * es) % 16 == 0 and (b_row * es) % 16 == 0)
+
+
+def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: bool, out_dtype,  # noqa: ANN001
+                 tma: bool | None = None) -> torch.Tensor:
     """a [T, K] @ b_kn [K, NC] (+ bias) + s_i p_i W_i into a new [T, NC] tensor."""
+    global _allocator_set
     t, k = a.shape
     nc = b_kn.shape[1]
     out = torch.empty((t, nc), dtype=out_dtype, device=a.device)
-    _gemm_lora[lambda meta: (triton.cdiv(t, meta["BLOCK_M"]) * triton.cdiv(nc, meta["BLOCK_N"]),)](
-        a, b_kn, out, bias if bias is not None else out, p, w, woff, c.offsets, c.ranks, c.scales,
-        t, nc, k, c.n, c.r_max, c.t_bucket,
+    grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]) * triton.cdiv(nc, meta["BLOCK_N"]),)  # noqa: E731
+    common = (c.n, c.r_max, c.t_bucket)
+    meta = dict(HAS_BIAS=bias is not None, N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena)
+    bias_arg = bias if bias is not None else out
+    if (USE_TMA if tma is None else tma) and _tma_ok(a, b_kn):
+        if not _allocator_set:  # device-side descriptors need a little global scratch per program
+            triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=a.device))
+            _allocator_set = True
+        b_nk = b_kn.stride(0) == 1
+        _gemm_lora_tma[grid](
+            a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, *common,
+            a.stride(0), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1), p.stride(0), *w_strides,
+            B_NK=b_nk, **meta,
+        )
+        return out
+    _gemm_lora[grid](
+        a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, *common,
         a.stride(0), a.stride(1), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1), p.stride(0),
-        *w_strides,
-        HAS_BIAS=bias is not None, N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena,
+        *w_strides, **meta,
     )
     return out
 
@@ -335,16 +422,18 @@ def _arena_rank_major(cols: int) -> tuple[int, int, int]:
     return 0, cols, 1  # arena blocks are [r, cols] row-major at per-adapter offsets (stride unused)
 
 
-def fused_forward(c: _Ctx, x, weight, bias, a, a_strides, aoff, b, b_strides, boff, arena: bool):  # noqa: ANN001
+def fused_forward(c: _Ctx, x, weight, bias, a, a_strides, aoff, b, b_strides, boff, arena: bool,  # noqa: ANN001
+                  tma: bool | None = None):
     """(y, S): S = X A_i^T by `_shrink`, then y from the fused GEMM."""
     s_buf = torch.empty((c.t, c.r_max), dtype=_acc_torch(x.dtype), device=x.device)
     _shrink_launch(c, x, a, a_strides, aoff, s_buf, arena)
-    y = _gemm_launch(c, x, weight.t(), bias, s_buf, b, b_strides, boff, arena, x.dtype)
+    y = _gemm_launch(c, x, weight.t(), bias, s_buf, b, b_strides, boff, arena, x.dtype, tma)
     return y, s_buf
 
 
 def fused_backward(c: _Ctx, x, dy, s_buf, weight, a, a_strides, aoff, b, b_strides, boff, da, da_strides,
-                   db, db_strides, arena: bool, need_x: bool, need_a: bool, need_b: bool, onepass: bool):  # noqa: ANN001
+                   db, db_strides, arena: bool, need_x: bool, need_a: bool, need_b: bool, onepass: bool,  # noqa: ANN001
+                   tma: bool | None = None):
     """Adds dA_i into da and dB_i^T into db (at the adapters' blocks); returns dX (or None)."""
     ds = torch.empty((c.t, c.r_max), dtype=_acc_torch(x.dtype), device=x.device)
     fuse_db = need_b and onepass
@@ -355,23 +444,23 @@ def fused_backward(c: _Ctx, x, dy, s_buf, weight, a, a_strides, aoff, b, b_strid
         _wgrad_launch(c, ds, x, da, da_strides, aoff, arena)
     if not need_x:
         return None
-    return _gemm_launch(c, dy, weight, None, ds, a, a_strides, aoff, arena, dy.dtype)
+    return _gemm_launch(c, dy, weight, None, ds, a, a_strides, aoff, arena, dy.dtype, tma)
 
 
 class FusedMultiLoraFn(torch.autograd.Function):
     """Stacked form on the fused kernels; dA/dB land in one fresh accumulator, cast once."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scales, ranks, offsets, onepass):  # noqa: D102
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scales, ranks, offsets, onepass, tma):  # noqa: D102
         n, _, r_max = lora_a.shape
         c = _Ctx(x, n, r_max, offsets, ranks, scales)
         if c.t == 0:
             y, s_buf = torch.nn.functional.linear(x, weight, bias), x.new_empty((0, r_max))
         else:
             y, s_buf = fused_forward(c, x, weight, bias, lora_a, _stacked_a(lora_a), offsets, lora_b,
-                                     _stacked_b(lora_b), offsets, False)
+                                     _stacked_b(lora_b), offsets, False, tma)
         ctx.save_for_backward(x, weight, lora_a, lora_b, scales, ranks, offsets, s_buf)
-        ctx.onepass = onepass
+        ctx.onepass, ctx.tma = onepass, tma
         return y
 
     @staticmethod
@@ -390,20 +479,22 @@ class FusedMultiLoraFn(torch.autograd.Function):
         else:
             dx = fused_backward(c, x, dy, s_buf, weight, lora_a, _stacked_a(lora_a), offsets, lora_b,
                                 _stacked_b(lora_b), offsets, da, _stacked_a(da), db, _stacked_b(db), False,
-                                need_x, need_a, need_b, ctx.onepass)
+                                need_x, need_a, need_b, ctx.onepass, ctx.tma)
         out = flat.to(lora_a.dtype)
         da = out[: lora_a.numel()].view(lora_a.shape) if need_a else None
         db = out[lora_a.numel():].view(lora_b.shape) if need_b else None
-        return dx, None, None, da, db, None, None, None, None
+        return dx, None, None, da, db, None, None, None, None, None
 
 
-def multilora_linear_fused(x, weight, bias, lora_a, lora_b, scales, ranks, offsets, onepass: bool = True):  # noqa: ANN001
-    """Fused Triton form of `kernels.multilora_linear` (same contract)."""
+def multilora_linear_fused(x, weight, bias, lora_a, lora_b, scales, ranks, offsets, onepass: bool = True,  # noqa: ANN001
+                           tma: bool | None = None):
+    """Fused Triton form of `kernels.multilora_linear` (same contract). onepass: dS and dB from
+    one read of dY (atomics per row tile) instead of two; tma: TMA GEMM main loops (None: USE_TMA)."""
     _check(x, weight, bias, lora_a, lora_b, scales, ranks, offsets)
     dev = x.device
     if scales.device != dev or ranks.device != dev or offsets.device != dev:
         scales, ranks, offsets = scales.to(dev), ranks.to(dev), offsets.to(dev)
-    return FusedMultiLoraFn.apply(x, weight, bias, lora_a, lora_b, scales, ranks, offsets, onepass)
+    return FusedMultiLoraFn.apply(x, weight, bias, lora_a, lora_b, scales, ranks, offsets, onepass, tma)
 
 
 class FusedArenaFn(torch.autograd.Function):

@@ -123,3 +123,16 @@ def test_fused_arena_matches_fp64(idx: int) -> None:
     assert all(e <= TOL[dtype] for e in errs.values()), f"{errs} for {case.describe()}"
     assert stray == 0 and empty_adapter_grad_nonzero(got, case.offsets) == 0, case.describe()
 
+
+
+@pytest.mark.parametrize("idx", [0, 2])
+def test_fused_tma_matches_fp64(idx: int) -> None:
+    """The opt-in TMA main loops of the fused GEMMs (LORAPLEX_FUSED_TMA=1)."""
+    from kernels import fused_lora
+
+    counts, ranks, d_in, d_out, dtype = FUSED_CASES[idx]
+    case = make_case(counts, ranks, d_in, d_out, dtype=dtype, device="cuda", bias=random.random() < 0.5)
+    assert fused_lora._tma_ok(case.x, case.weight.t()) and fused_lora._tma_ok(case.dy, case.weight)
+    got = run_op(case, fused_lora.multilora_linear_fused, tma=True)
+    errs = rel_errors(got, oracle_fp64(case, device="cuda"))
+    assert all(e <= TOL[dtype] for e in errs.values()), f"{errs} for {case.describe()}"

@@ -78,6 +78,16 @@ c.x = c.x.t().contiguous().t()
 c.lora_a = c.lora_a.transpose(1, 2).contiguous().transpose(1, 2)
 c.lora_b = c.lora_b.transpose(1, 2).contiguous().transpose(1, 2)
 record("strided", c, run_op(c, multilora_linear_fused))
+# the opt-in TMA main loops (tensor descriptors; the interpreter runs them too)
+import kernels.fused_lora as fl
+tma_ok = []
+_orig_ok = fl._tma_ok
+fl._tma_ok = lambda a, b: (tma_ok.append(_orig_ok(a, b)), tma_ok[-1])[1]
+c = make_case([5, 0, 17, 30], [8, 64, 24, 16], 40, 24, dtype=torch.float32)
+record("tma", c, run_op(c, multilora_linear_fused, tma=True))
+got, stray = run_arena(c, multilora_linear_arena_fused)  # tma=None: USE_TMA, off unless opted in
+record("no tma", c, got, stray)
+fl._tma_ok = _orig_ok
 
 # Work list of the per-adapter rank tiles: every (adapter, row block, rank block) exactly once,
 # cdiv(r_i, 16) rank blocks for adapter i (a rank-16 adapter beside a rank-64 one gets one).
@@ -155,7 +165,7 @@ got, stray = run_arena(c, via_layer)
 record("MultiLoraLinear form=fused", c, got, stray)
 layer_calls = list(calls)
 print("RESULT" + json.dumps({"results": out, "items": [got_items, want_items], "spare_ok": spare_ok,
-                             "dispatch": seen, "layer_calls": layer_calls}))
+                             "dispatch": seen, "layer_calls": layer_calls, "tma_ok": tma_ok}))
 """
 
 TOL = {"torch.float32": 3e-6, "torch.float64": 1e-12}
@@ -170,11 +180,12 @@ def test_fused_kernels_under_interpreter(block_m: str, chunk: str, part: str) ->
                PYTHONPATH=ROOT)
     env.pop("LORAPLEX_LORA_FORM", None)
     env.pop("LORAPLEX_LORA_TIMINGS", None)
+    env.pop("LORAPLEX_FUSED_TMA", None)
     proc = subprocess.run([sys.executable, "-c", _WORKER, part], capture_output=True, text=True, env=env, timeout=600,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert len(res["results"]) == 2 * 6 + (0 if part == "core" else 1 + 1 + 1 + 8 + 1)
+    assert len(res["results"]) == 2 * 6 + (0 if part == "core" else 1 + 1 + 1 + 2 + 8 + 1)
     for r in res["results"]:
         tol = TOL[r["dtype"]]
         assert all(e <= tol for e in r["errs"].values()), f"{r['errs']} > {tol}: {r['case']}"
@@ -190,3 +201,4 @@ def test_fused_kernels_under_interpreter(block_m: str, chunk: str, part: str) ->
     assert res["dispatch"] == {"fused": ["arena", "stacked"], "compose": [], "auto/0": [],
                                "auto/2": ["arena", "stacked"]}
     assert res["layer_calls"] == ["arena"]
+    assert res["tma_ok"] == [True, True]  # forward and dX GEMMs took the TMA path; off by default
