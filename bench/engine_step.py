@@ -3,7 +3,7 @@
 One run, one device, one table: (a) the backbone alone, (b) PEFT one job at a time, (c) the
 engine (and (c'') the engine on the fused operator form), for 8 and 32 jobs x batch 1, seq 1024,
 bf16, gradient checkpointing, ranks 16/32/64.
-Usage: python bench/engine_step.py [--layers 32] [--jobs 8,32] [--out FILE.md]
+Usage: python bench/engine_step.py [--layers 32] [--jobs 8,32] [--forms compose,fused] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="")
+    ap.add_argument("--forms", default="compose,fused", help="operator forms of the engine rows (c) and (c'')")
     ap.add_argument("--profile", default="", help="write a torch.profiler table of one engine step")
     args = ap.parse_args()
     job_counts = [int(x) for x in args.jobs.split(",")]
@@ -131,7 +132,9 @@ def main() -> None:
 
     examples = [Example(tuple(row.tolist()), tuple(row.tolist())) for row in data]
     engine = MultiLoraEngine(model, examples, pad_id=0, adapter_dtype=torch.bfloat16)
-    for form, label in (("compose", "(c) engine"), ("fused", "(c'') engine, fused form")):
+    labels = {"compose": "(c) engine", "fused": "(c'') engine, fused form", "auto": "(c'') engine, auto form"}
+    for form in args.forms.split(","):
+        label = labels[form]
         set_default_form(form)
         for n in job_counts:
             for j in list(engine.jobs):
