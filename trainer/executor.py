@@ -11,12 +11,19 @@ early-exit monitor, the ranking) and changes it only from gathered numbers in th
 every decision is the same on every rank without being sent; a job's adapter, optimizer state
 and data stream never leave the rank that trains it. Everything reaches the outside world
 through `Callbacks` (rank 0's), and resuming from `output_dir/state.pt` is exact.
+
+What is per executor lives here (model, engine, strategy, memory model and admission, the step
+loop); what is per task (data, validation set, queue, early exit and ranking, exports,
+checkpoints, callbacks, its stop flag) is a `trainer.colocate.TaskRun`. `Executor(cfg).run()`
+hosts one task; on one GPU, `attach_task` / `detach_task` add and remove further tasks on the same
+base model while it runs (co-location): they take effect at the next step boundary, and a task's
+failure (an exception in its callbacks or its own work) ends that task alone.
 """
 
 from __future__ import annotations
 
 import logging
-import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,26 +43,11 @@ from trainer.admission import (
     profile_memory,
     store_profile,
 )
-from trainer.checkpoint import (
-    job_state_dict,
-    load_checkpoint,
-    restore_job,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
-from trainer.data import (
-    Example,
-    PairExample,
-    read_jsonl,
-    split_validation,
-    tokenize_all,
-    tokenize_pairs,
-)
+from trainer.checkpoint import load_checkpoint
+from trainer.colocate import ExamplePool, JobSlot, StepNumbers, TaskRun
+from trainer.data import Example, PairExample
 from trainer.dpo import DpoEngine
-from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
-from trainer.engine import JobSpec, JobState, MultiLoraEngine, eval_chunk, eval_forwards
-from trainer.export import export_peft
+from trainer.engine import JobSpec, MultiLoraEngine, eval_chunk
 from trainer.strategy import OneGpu
 
 log = logging.getLogger("loraplex.executor")
@@ -129,72 +121,60 @@ class ExecutorConfig:
 CALLBACK_KINDS = tuple(f.name for f in fields(Callbacks))
 PHASES = ("load", "profile", "train", "eval", "checkpoint", "export", "admit")
 
-
-@dataclass
-class JobSlot:
-    """A started job as every rank knows it: its owner rank and its step count (the JobState
-    itself lives on the owner only)."""
-
-    job_id: str
-    owner: int
-    batch_size: int
-    step: int
-    total_steps: int
-
-    @property
-    def done(self) -> bool:
-        return self.step >= self.total_steps
-
-
-@dataclass
-class _Window:
-    """Training throughput since the last report: steps, seconds, real tokens, samples."""
-
-    steps: int = 0
-    seconds: float = 0.0
-    tokens: int = 0
-    samples: int = 0
-    padded: list[float] = field(default_factory=list)
-    batch_sizes: list[int] = field(default_factory=list)  # the mix trained at the last step
+# what a task must share with the executor it joins: the backbone, the engine and the step
+HOST_FIELDS = ("model_dir", "method", "max_seq_len", "targets", "gradient_checkpointing", "device",
+               "backend", "adapter_dtype", "world_size", "cudnn_attention")
+TASK_OUTCOMES = ("succeeded", "failed", "cancelled", "paused")
 
 
 class Executor:
-    """Runs all jobs of one task to completion; see the module docstring. With a distributed
-    strategy, call `run` on every rank of the initialised process group."""
+    """One executor: a base model on one GPU set (its strategy), one engine, one admission budget
+    and one step loop, hosting the jobs of one task or, on one GPU, of several (see the module
+    docstring). With a distributed strategy, call `run` on every rank of the process group.
+    The executor's own settings (HOST_FIELDS, the memory budget, max_active_jobs as its job cap,
+    profile_cache) are its first task's configuration `cfg`."""
 
     def __init__(self, cfg: ExecutorConfig, callbacks: Callbacks | None = None,
-                 strategy: Any = None, stop_requested: Callable[[], bool] | None = None) -> None:
+                 strategy: Any = None, stop_requested: Callable[[], bool] | None = None,
+                 task_id: str | None = None) -> None:
         self.cfg = cfg
         self.strategy = strategy or OneGpu()
         self.rank, self.world = self.strategy.rank, self.strategy.world
-        self.cb = self.strategy.callbacks(callbacks or Callbacks())
-        self.stop_requested = stop_requested
-        self.stopped = False
-        self.out = Path(cfg.output_dir)
-        self.status: dict[str, dict[str, Any]] = {
-            j.job_id: {"state": "pending", "exit_reason": None} for j in cfg.jobs
-        }
-        self.monitors = {j.job_id: JobMonitor(cfg.early_exit) for j in cfg.jobs}
-        ranked = cfg.early_exit.enabled and len(cfg.jobs) > 1
-        self.ranking = WarmupRanking([j.job_id for j in cfg.jobs], cfg.early_exit.keep_fraction) if ranked else None
-        self.queue: list[JobSpec | JobSlot] = list(cfg.jobs)  # never started, then parked
-        self.placed: dict[str, JobSlot] = {}  # running jobs of every rank, in placement order
-        self.parked: dict[str, JobState] = {}  # this rank's parked jobs (on CPU)
+        self.pool = ExamplePool()  # the engine's train examples: every hosted task's
+        self.tasks: dict[str, TaskRun] = {}  # hosted tasks, in attach order (admission order)
+        self.ended: dict[str, TaskRun] = {}  # tasks that left, with their outcome
+        self._inbox: list[tuple[str, Any]] = []  # attach / detach requests for the next boundary
+        # task id -> (job ids, output_dir) of every task hosted or asked to attach (any thread)
+        self._known: dict[str, tuple[set[str], str]] = {}
+        self._cv = threading.Condition()
+        self._closing = False
         self.global_step = 0
-        self.last_eval: dict[str, int] = {}
-        self.window = _Window()
         self.memory_model: MemoryModel | None = None
-        self.last_checkpoint = time.monotonic()
-        self.checkpoint_due = False  # by time, as rank 0's clock says (every rank alike)
         # wall seconds by phase (each phase without the phases nested in it; "idle" is the rest)
         self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._nested: list[float] = []
         self.started_at: float | None = None
         self.first_step_s: float | None = None  # executor start -> end of the first step
         self.profile_reused: bool | None = None
+        self.first = self._make_task(cfg, callbacks, stop_requested, task_id)
+        self._known[self.first.task_id] = ({j.job_id for j in cfg.jobs}, str(Path(cfg.output_dir).resolve()))
+        self.tasks[self.first.task_id] = self.first
+
+    # the first task's view, what a one-task executor was
+    @property
+    def status(self) -> dict[str, dict[str, Any]]:
+        return self.first.status
+
+    @property
+    def val(self) -> list[Example | PairExample]:
+        return self.first.val
+
+    @property
+    def stopped(self) -> bool:
+        return self.first.stopped
 
     @contextmanager
-    def _phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
         self._nested.append(0.0)
         try:
@@ -206,8 +186,168 @@ class Executor:
             if self._nested:
                 self._nested[-1] += elapsed
 
+    # ----- tasks on this executor ------------------------------------------------------------
+    def _make_task(self, cfg: ExecutorConfig, callbacks: Callbacks | None,
+                   stop_requested: Callable[[], bool] | None, task_id: str | None) -> TaskRun:
+        holder: list[TaskRun] = []
+        cb = self._guard(callbacks or Callbacks(), holder)
+        task = TaskRun(self, cfg, self.strategy.callbacks(cb), task_id or str(cfg.output_dir), stop_requested)
+        holder.append(task)
+        return task
+
+    def _guard(self, cb: Callbacks, holder: list[TaskRun]) -> Callbacks:
+        """The task's callbacks as the recipe calls them: on one GPU an exception in one ends its
+        task alone (at the next step boundary) and the task reports nothing more."""
+        if self.world > 1:
+            return cb  # ranks must decide alike: rank 0's callbacks fail in the launcher
+
+        def wrap(fn: Callable[..., None]) -> Callable[..., None]:
+            def call(*args: Any) -> None:
+                task = holder[0]
+                if task.error is not None:
+                    return
+                try:
+                    fn(*args)
+                except Exception as exc:  # noqa: BLE001 - the task's, not the executor's
+                    task.error = exc
+            return call
+        return Callbacks(*(wrap(getattr(cb, k)) for k in CALLBACK_KINDS))
+
+    def _guarded(self, task: TaskRun, fn: Callable[[], Any]) -> Any:
+        """Run a task's own work; on one GPU its exception fails that task alone."""
+        if task.error is not None:
+            return None
+        if self.world > 1:
+            return fn()
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - the task's, not the executor's
+            log.exception("task=%s failed in its own work", task.task_id)
+            task.error = exc
+            return None
+
+    def attach_task(self, cfg: ExecutorConfig, callbacks: Callbacks | None = None,
+                    stop_requested: Callable[[], bool] | None = None, task_id: str | None = None) -> str:
+        """Host another task (any thread may call it, before or while `run` runs): its jobs join
+        the engine at the next step boundary, next to the jobs already there. Raises ValueError
+        when the task cannot share this executor (another model or step setting, or an id in use)."""
+        if self.world > 1:
+            raise ValueError("an adapter-parallel executor hosts one task")
+        for name in HOST_FIELDS:
+            mine, theirs = getattr(self.cfg, name), getattr(cfg, name)
+            if name == "model_dir":
+                mine, theirs = str(Path(mine).resolve()), str(Path(theirs).resolve())
+            if mine != theirs:
+                raise ValueError(f"{name}: the task asks for {theirs!r}, this executor has {mine!r}")
+        task = self._make_task(cfg, callbacks, stop_requested, task_id)
+        jobs = {j.job_id for j in cfg.jobs}
+        with self._cv:
+            if self._closing:
+                raise ValueError("the executor is closing")
+            if task.task_id in self._known:
+                raise ValueError(f"task {task.task_id} is already on this executor")
+            taken = jobs & set().union(*(ids for ids, _ in self._known.values()))
+            if taken:
+                raise ValueError(f"job ids already on this executor: {sorted(taken)}")
+            out = str(Path(cfg.output_dir).resolve())
+            if out in {o for _, o in self._known.values()}:
+                raise ValueError("output_dir is another hosted task's")
+            self._known[task.task_id] = (jobs, out)
+            self._inbox.append(("attach", task))
+            self._cv.notify_all()
+        return task.task_id
+
+    def detach_task(self, task_id: str, outcome: str = "cancelled") -> None:
+        """Take a task off at the next step boundary: "cancelled" (its unfinished jobs end
+        cancelled) or "paused" (it checkpoints first; a later attach or executor resumes it).
+        Only its jobs leave the engine; its admission budget goes to the others' queued jobs."""
+        if outcome not in ("cancelled", "paused"):
+            raise ValueError(f"outcome must be 'cancelled' or 'paused', not {outcome!r}")
+        with self._cv:
+            self._inbox.append(("detach", (task_id, outcome)))
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Let `run` return once its tasks have ended (it stops waiting for new ones)."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        """Every task that left: its outcome, its jobs' status and its error (if it failed)."""
+        return {tid: {"outcome": t.outcome, "status": t.status,
+                      "error": None if t.error is None else f"{type(t.error).__name__}: {t.error}"}
+                for tid, t in self.ended.items()}
+
+    def _open(self, task: TaskRun) -> None:
+        task.read(self.tokenizer)
+        task.open()
+
+    def _start(self, task: TaskRun) -> None:
+        """Resume the task from its own state.pt if it has one; fail its jobs that never fit."""
+        state_path = task.out / "state.pt"
+        if state_path.exists():
+            alone = list(self.tasks) == [task.task_id] and self.global_step == 0
+            task.resume(load_checkpoint(state_path), restore_rng=alone)
+            if alone:
+                self.global_step = task.global_step
+        task.fail_unschedulable()
+
+    def _end_task(self, task: TaskRun, outcome: str) -> None:
+        """Take the task off this executor. Finished or paused: its last checkpoint first."""
+        if task.error is not None:
+            outcome = "failed"
+        if outcome in ("succeeded", "paused"):
+            self._guarded(task, task.checkpoint)
+            self._guarded(task, lambda: task.cb.on_event("", "timings", self.timings()))
+        elif outcome == "cancelled":
+            for job_id, st in task.status.items():
+                if st["state"] in ("pending", "running"):
+                    self._guarded(task, lambda j=job_id: task.set_state(j, "cancelled", {}))
+        task.release()
+        task.close()
+        task.outcome = "failed" if task.error is not None else outcome
+        self.tasks.pop(task.task_id, None)
+        self.ended[task.task_id] = task
+        with self._cv:
+            self._known.pop(task.task_id, None)
+        if self.rank == 0:
+            log.info("task=%s left the executor outcome=%s global_step=%d", task.task_id,
+                     task.outcome, self.global_step)
+
+    def _boundary(self) -> None:
+        """Between steps: failed tasks leave, then the attach / detach requests take effect."""
+        for task in list(self.tasks.values()):
+            if task.error is not None:
+                self._end_task(task, "failed")
+        with self._cv:
+            inbox, self._inbox = self._inbox, []
+        for kind, arg in inbox:
+            if kind == "attach":
+                self.tasks[arg.task_id] = arg
+                self._guarded(arg, lambda t=arg: self._open(t))
+                self._guarded(arg, lambda t=arg: self._start(t))
+                if arg.error is not None:
+                    self._end_task(arg, "failed")
+            elif arg[0] in self.tasks:
+                task = self.tasks[arg[0]]
+                task.stopped = arg[1] == "paused"
+                self._end_task(task, arg[1])
+
+    def _wait_for_work(self, linger_s: float) -> bool:
+        """No job runs: wait up to linger_s for a task to attach (until `close`)."""
+        deadline = time.monotonic() + linger_s
+        with self._cv:
+            while not self._inbox and not self._closing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(min(left, 1.0))
+            return bool(self._inbox)
+
     # ----- setup -------------------------------------------------------------------------
     def _load(self) -> None:
+        """The executor's part: model, engine, memory model and admission; then its tasks' data."""
         from transformers import AutoTokenizer
 
         cfg = self.cfg
@@ -220,38 +360,23 @@ class Executor:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         model = self.strategy.load_model(cfg.model_dir, device, dtype)
         self.device = device
-        tokenize = tokenize_pairs if cfg.method == "dpo" else tokenize_all
-        train = tokenize(self.tokenizer, read_jsonl(cfg.train_file), cfg.max_seq_len)
-        if cfg.val_file:
-            val = tokenize(self.tokenizer, read_jsonl(cfg.val_file), cfg.max_seq_len)
-        else:
-            train, val = split_validation(train, cfg.val_fraction, cfg.split_seed)
-        if not train or not val:
-            raise ValueError("no trainable examples left after tokenisation/truncation")
-        cap = cfg.eval.eval_max_samples
-        # the same first N for every job and evaluation, in order of length: an evaluation
-        # forward then packs sequences of like length (a mean over tokens ignores the order)
-        self.val = sorted(val[:cap] if cap else val, key=_length, reverse=True)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        for task in list(self.tasks.values()):
+            self._guarded(task, lambda t=task: t.read(self.tokenizer))
         engine_cls = DpoEngine if cfg.method == "dpo" else MultiLoraEngine
+        # built on the first task's examples, as a one-task executor is; then it reads the pool
         self.engine = self.strategy.prepare_engine(engine_cls(
-            model, train, pad, cfg.targets, cfg.gradient_checkpointing, cfg.backend,
+            model, self.first.train, pad, cfg.targets, cfg.gradient_checkpointing, cfg.backend,
             getattr(torch, cfg.adapter_dtype),
         ), device)
-        if isinstance(self.engine, DpoEngine):
-            # the validation pairs' reference log-probs once, in the evaluation's chunks, so no
-            # evaluation needs a pass the other ranks do not make
-            for lo in range(0, len(self.val), cfg.eval_batch_size):
-                self.engine.ensure_reference(self.val[lo : lo + cfg.eval_batch_size])
+        self.engine.train_examples = self.pool
         if device.type == "cuda" and cfg.max_tokens_per_step is None:
             budget = cfg.memory_budget_bytes or torch.cuda.get_device_properties(device).total_memory
-            with self._phase("profile"):
+            with self.phase("profile"):
                 mm = MemoryModel(*cfg.memory_model) if cfg.memory_model else self._stored_memory_model()
             # ranks measure slightly different peaks; all must decide alike: take the largest
             fits = self.strategy.gather((mm.k0, mm.k1))
             self.memory_model = MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits))
-            self.cb.on_event("", "memory_model", {"k0": self.memory_model.k0, "k1": self.memory_model.k1,
-                                                  "budget_bytes": budget, "ranks": self.world})
             self.admission = AdmissionController(self.memory_model, budget, cfg.max_seq_len,
                                                  max_jobs=cfg.max_active_jobs)
         else:
@@ -259,8 +384,9 @@ class Executor:
             per_item = cfg.max_seq_len * (2 if cfg.method == "dpo" else 1)
             self.admission = AdmissionController.from_token_budget(
                 cfg.max_tokens_per_step or 1 << 60, per_item, cfg.max_active_jobs)
-        self.cb.on_event("", "executor_loaded", {"train": len(train), "val": len(self.val),
-                                                 "device": str(device), "ranks": self.world})
+        for task in list(self.tasks.values()):
+            self._guarded(task, task.open)
+
 
     def probe_step(self, total_batch: int) -> None:
         """One full training step of a throwaway job of the largest rank at `total_batch`
@@ -330,59 +456,72 @@ class Executor:
         return mm
 
     # ----- the recipe --------------------------------------------------------------------
-    def run(self) -> dict[str, dict[str, Any]]:
+    def run(self, linger_s: float = 0.0) -> dict[str, dict[str, Any]]:
+        """Train until every hosted task has ended (and, with linger_s, no task attached for
+        that long, or `close` was called); returns the first task's jobs' status and re-raises
+        the first task's error, as a one-task executor does."""
         self.started_at = time.perf_counter()
-        with self._phase("load"):
+        with self.phase("load"):
             self._load()
-        state_path = self.out / "state.pt"
-        if state_path.exists():
-            self._resume(load_checkpoint(state_path))
-        for job_id in self.admission.unschedulable([q for q in self.queue if isinstance(q, JobSpec)]):
-            self.queue = [q for q in self.queue if q.job_id != job_id]
-            self._set_state(job_id, "failed", {"error": "does not fit the executor's memory even alone"})
-            if self.ranking is not None:
-                self.ranking.exit(job_id)
+        for task in list(self.tasks.values()):
+            self._guarded(task, lambda t=task: self._start(t))
         while True:
-            with self._phase("admit"):  # attaching (and the parking below): adapter copies
+            self._boundary()
+            with self.phase("admit"):  # attaching (and the parking below): adapter copies
                 self._admit()
-            done = [j for j, s in self.placed.items() if s.done]
-            for job_id in done:  # e.g. a parked job whose warmup was its whole run
-                self._finish(job_id)
-            if done:
-                continue
-            if not self.placed:
+            if [self._guarded(t, t.finish_done) for t in list(self.tasks.values())].count(True):
+                continue  # e.g. a parked job whose warmup was its whole run
+            self._end_idle_tasks()
+            if not self._slots():
+                if self._wait_for_work(linger_s):
+                    continue
                 break
             started = time.perf_counter()
-            with self._phase("train"):
+            with self.phase("train"):
                 report = self.engine.step() if self.engine.jobs else None
                 if report is None:  # this rank has no runnable job: join the others' passes
                     self.engine.idle_step()
             if self.first_step_s is None:
                 self.first_step_s = time.perf_counter() - self.started_at
             self.global_step += 1
-            for slot in self.placed.values():
-                slot.step += 1
-            stop = self._observe_train(report, time.perf_counter() - started)
-            with self._phase("eval"):
-                self._evaluate_due()
-            with self._phase("admit"):
-                self._warmup_policy()
-            for job_id in [j for j, s in self.placed.items() if s.done]:
-                self._finish(job_id)
-            limit = self.cfg.stop_after_steps is not None and self.global_step >= self.cfg.stop_after_steps
-            if stop or limit:  # checkpoint, then stop as if killed: a later run resumes here
-                self.stopped = stop
-                self._checkpoint()
-                self._report_timings()
-                self.strategy.flush()
-                return self.status
-            if self.global_step % self.cfg.checkpoint_every == 0 or self.checkpoint_due:
-                self._checkpoint()
+            for task in self.tasks.values():
+                task.global_step += 1
+                for slot in task.placed.values():
+                    slot.step += 1
+            stops = self._observe_train(report, time.perf_counter() - started)
+            with self.phase("eval"):
+                self._each(TaskRun.evaluate_due)
+            with self.phase("admit"):
+                self._each(TaskRun.warmup_policy)
+            self._each(TaskRun.finish_done)
+            for task in list(self.tasks.values()):
+                limit = task.cfg.stop_after_steps is not None and task.global_step >= task.cfg.stop_after_steps
+                if task.error is None and (stops[task.task_id] or limit):
+                    # checkpoint, then stop as if killed: a later run resumes the task here
+                    task.stopped = stops[task.task_id]
+                    self._end_task(task, "paused")
+                elif task.global_step % task.cfg.checkpoint_every == 0 or task.checkpoint_due:
+                    self._guarded(task, task.checkpoint)
             self.strategy.flush()
-        self._checkpoint()
-        self._report_timings()
         self.strategy.flush()
-        return self.status
+        if self.first.error is not None:
+            raise self.first.error
+        return self.first.status
+
+    def _each(self, work: Callable[[TaskRun], Any]) -> None:
+        for task in list(self.tasks.values()):
+            self._guarded(task, lambda t=task: work(t))
+
+    def _slots(self) -> list[JobSlot]:
+        return [s for t in self.tasks.values() for s in t.placed.values()]
+
+    def _end_idle_tasks(self) -> None:
+        """A task with nothing placed and nothing queued is done; when nothing is placed at all,
+        nothing queued can start either (admission just ran on an empty executor)."""
+        running = bool(self._slots())
+        for task in list(self.tasks.values()):
+            if not running or (not task.placed and not task.queue):
+                self._end_task(task, "succeeded")
 
     def timings(self) -> dict[str, Any]:
         """Wall seconds since `run` began, split by phase (idle: everything else: bookkeeping,
@@ -393,284 +532,71 @@ class Executor:
                 "idle_s": max(0.0, wall - busy), "first_step_s": self.first_step_s,
                 "profile_reused": self.profile_reused, "global_step": self.global_step}
 
-    def _report_timings(self) -> None:
-        self.cb.on_event("", "timings", self.timings())
-
     # ----- pieces of the loop --------------------------------------------------------------
-    def _observe_train(self, report: Any, seconds: float) -> bool:
-        """Every rank's step outcome to every rank, then the same callbacks and exit decisions
-        everywhere; True when any rank was asked to stop."""
+    def _observe_train(self, report: Any, seconds: float) -> dict[str, bool]:
+        """Every rank's step outcome to every rank, then each task's callbacks and exit
+        decisions, the same everywhere; per task whether any rank was asked to stop it."""
         local = {} if report is None else {
             j: (report.steps[j], report.losses[j], report.skipped[j], report.grad_norms[j],
                 report.metrics.get(j)) for j in report.losses}
-        stop = bool(self.stop_requested is not None and self.stop_requested())
+        stop = {t.task_id: bool(self._guarded(t, lambda t=t: t.stop_requested is not None
+                                              and t.stop_requested())) for t in self.tasks.values()}
         numbers = None if report is None else (report.padded_fraction, report.tokens)
-        every_s = self.cfg.checkpoint_every_s
-        due = every_s is not None and time.monotonic() - self.last_checkpoint >= every_s
+        now = time.monotonic()
+        due = {t.task_id: t.cfg.checkpoint_every_s is not None
+               and now - t.last_checkpoint >= t.cfg.checkpoint_every_s for t in self.tasks.values()}
         parts = self.strategy.gather((local, stop, numbers, due))
-        self.checkpoint_due = bool(parts[0][3])
         merged = {j: v for part in parts for j, v in part[0].items()}
         measured = [p[2] for p in parts if p[2] is not None]
-        w = self.window
-        w.steps += 1
-        w.seconds += seconds
-        w.tokens += sum(m[1] for m in measured)
-        w.samples += sum(s.batch_size for s in self.placed.values())
-        w.batch_sizes = sorted(s.batch_size for s in self.placed.values())
-        w.padded.append(sum(m[0] for m in measured) / max(len(measured), 1))
-        for job_id in list(self.placed):
-            step, loss, skipped, norm, metrics = merged[job_id]
-            if metrics:
-                self.cb.on_metrics(job_id, step, "train", metrics)
-            self.cb.on_train_loss(job_id, step, loss)
-            if skipped:
-                self.cb.on_event(job_id, "update_skipped", {"step": step, "loss": loss, "grad_norm": norm})
-            decision = self.monitors[job_id].observe_train(step, loss)
-            if decision is not None:
-                self._exit(job_id, decision)
-        return any(p[1] for p in parts)
+        slots = self._slots()
+        step = StepNumbers(seconds, sum(m[1] for m in measured), sum(s.batch_size for s in slots),
+                           sum(m[0] for m in measured) / max(len(measured), 1),
+                           sorted(s.batch_size for s in slots))
+        for task in self.tasks.values():
+            task.checkpoint_due = bool(parts[0][3][task.task_id])
+        self._each(lambda t: t.observe_train(merged, step))
+        return {tid: any(p[1][tid] for p in parts) for tid in self.tasks}
 
-    def _rank_batch(self, rank: int) -> int:
-        return sum(s.batch_size for s in self.placed.values() if s.owner == rank)
+    def rank_batch(self, rank: int) -> int:
+        return sum(s.batch_size for s in self._slots() if s.owner == rank)
 
     def _admit(self) -> None:
-        """Deterministic admission: one job at a time to the least-loaded rank whose admission
-        controller takes it (the memory model is per rank); a parked job returns to its own rank
-        only, and during warmup only never-started jobs rotate in."""
-        ranking_open = self.ranking is not None and self.ranking.result is None
-        while True:
-            order = sorted(range(self.world), key=lambda r: (
-                self._rank_batch(r), sum(s.owner == r for s in self.placed.values()), r))
-            for r in order:
-                cands = [q for q in self.queue if isinstance(q, JobSpec) or (q.owner == r and not ranking_open)]
-                running = [s for s in self.placed.values() if s.owner == r]
-                chosen = self.admission.admit(cands, running) if cands else []
-                if chosen:
-                    self._place(chosen[0], r)
-                    break
-            else:
-                return
-
-    def _place(self, job_id: str, rank: int) -> None:
-        item = next(q for q in self.queue if q.job_id == job_id)
-        self.queue.remove(item)
-        resumed = isinstance(item, JobSlot)
-        slot = item if resumed else JobSlot(job_id, rank, item.batch_size, 0,
-                                            item.total_steps(len(self.engine.train_examples)))
-        self.placed[job_id] = slot
-        if rank == self.rank:
-            self.engine.attach(self.parked.pop(job_id) if resumed else item)
-        if self.status[job_id]["state"] != "running":
-            self._set_state(job_id, "running", {"resumed": resumed, "rank": rank})
-
-    def _cadence_due(self, s: JobSlot) -> bool:
-        """Whether the job's last step crossed an evaluation point: every eval_every_samples
-        samples it trained on (steps x batch size), else every eval_every_steps of its steps."""
-        every = getattr(self.cfg.eval, "eval_every_samples", None)
-        if every:
-            return (s.step * s.batch_size) // every > ((s.step - 1) * s.batch_size) // every
-        return s.step % self.cfg.eval.eval_every_steps == 0
-
-    def eval_shape(self, n_jobs: int) -> tuple[int, int]:
-        """(examples per forward, sequences per forward) of an evaluation of n_jobs jobs: one
-        forward holds as many sequences as admission lets a training step hold (a no-grad
-        forward needs less than the step it was sized for), never fewer than eval_batch_size."""
-        floor = self.cfg.eval_batch_size
-        budget = max(self.admission.max_total_batch(), floor)
-        budget = min(budget, max(1, n_jobs) * max(1, len(self.val)))
-        return eval_chunk(n_jobs, len(self.val), budget, floor), budget
-
-    def _evaluate_due(self) -> None:
-        due = []
-        for job_id, s in self.placed.items():
-            warm_end = self._warmup_len(s) if self._in_warmup(job_id) else -1
-            if self._cadence_due(s) or s.done or s.step == warm_end:
-                if self.last_eval.get(job_id) != s.step:
-                    due.append(job_id)
-        if not due:
-            return
-
-        def plan(r: int) -> tuple[list[str], int, int]:
-            ids = [j for j in due if self.placed[j].owner == r]
-            return (ids, *self.eval_shape(len(ids)))
-
-        forwards = max(eval_forwards(len(ids), len(self.val), bs, cap)
-                       for ids, bs, cap in map(plan, range(self.world)))
-        mine, bs, cap = plan(self.rank)
-        local = self.engine.evaluate_metrics(self.val, bs, mine, cap, forwards=forwards)
-        numbers = {j: v for part in self.strategy.gather(local) for j, v in part.items()}
-        for job_id in due:
-            s, m = self.placed[job_id], numbers[job_id]
-            val = m["loss"]  # DPO: the validation DPO loss, for the same detectors
-            self.last_eval[job_id] = s.step
-            extra = {k: v for k, v in m.items() if k != "loss"}
-            if extra:
-                self.cb.on_metrics(job_id, s.step, "val", extra)
-            self.cb.on_eval(job_id, s.step, val)
-            mon = self.monitors[job_id]
-            decision = mon.observe_eval(s.step, val)
-            if mon.last_eval_was_best:
-                self._export(job_id, "best")
-            if decision is not None:
-                self._exit(job_id, decision)
-
-    def _warmup_len(self, s: JobSlot) -> int:
-        return self.cfg.early_exit.warmup_steps(s.total_steps)
-
-    def _in_warmup(self, job_id: str) -> bool:
-        return self.ranking is not None and job_id in self.ranking.waiting
-
-    def _warmup_policy(self) -> None:
-        if self.ranking is None or self.ranking.result is not None:
-            return
-        fresh_waiting = any(isinstance(q, JobSpec) for q in self.queue)
-        for job_id, s in list(self.placed.items()):
-            if self._in_warmup(job_id) and s.step >= self._warmup_len(s):
-                mon = self.monitors[job_id]
-                self.ranking.report(job_id, mon.eval_val[-1] if mon.eval_val else math.inf)
-                if fresh_waiting:  # rotate: park it on its rank so a queued configuration gets its warmup
-                    self.queue.append(self.placed.pop(job_id))
-                    if s.owner == self.rank:
-                        self.parked[job_id] = self.engine.detach(job_id, park_device="cpu")
-                    self.cb.on_event(job_id, "parked_after_warmup", {"step": s.step, "rank": s.owner})
-        if self.ranking.ready:
-            keep, evict = self.ranking.decide()
-            self.cb.on_event("", "warmup_ranking", {"keep": keep, "evict": evict})
-            for job_id in evict:
-                self._exit(job_id, ExitDecision("underperforming", {"kept": keep}))
-
-    def _exit(self, job_id: str, decision: ExitDecision) -> None:
-        if self.status[job_id]["state"] in ("exited", "completed", "failed"):
-            return
-        slot = self.placed.pop(job_id, None)
-        if slot is not None and slot.owner == self.rank:
-            self.engine.detach(job_id)
-        self.parked.pop(job_id, None)
-        self.queue = [q for q in self.queue if q.job_id != job_id]
-        if self._in_warmup(job_id):
-            self.ranking.exit(job_id)
-        self.status[job_id]["exit_reason"] = decision.reason
-        self._set_state(job_id, "exited", {"exit_reason": decision.reason, **decision.details})
-
-    def _finish(self, job_id: str) -> None:
-        slot = self.placed.pop(job_id)
-        state = self.engine.detach(job_id) if slot.owner == self.rank else None
-        self._export(job_id, "final", state, owner=slot.owner)
-        self._set_state(job_id, "completed", {"steps": slot.step, "best_val": self.monitors[job_id].best_val})
-
-    def _export(self, job_id: str, kind: str, state: JobState | None = None, owner: int | None = None) -> None:
-        with self._phase("export"):
-            self._export_now(job_id, kind, state, owner)
-
-    def _export_now(self, job_id: str, kind: str, state: JobState | None, owner: int | None) -> None:
-        path = self.out / "jobs" / job_id / kind
-        owner = self.placed[job_id].owner if owner is None else owner
-        if owner == self.rank:  # the weights are here; the announcement follows the files
-            state = state or self.engine.jobs[job_id]
-            export_peft(state.adapter, path, list(self.engine.targets), self.cfg.model_dir,
-                        metadata={"step": str(state.step)})
-        self.cb.on_adapter(job_id, kind, path)
-
-    def _set_state(self, job_id: str, state: str, details: dict) -> None:
-        self.status[job_id]["state"] = state
-        if self.rank == 0:
-            log.info("job=%s state=%s details=%s", job_id, state, details)
-        self.cb.on_job_state(job_id, state, details)
-
-    # ----- reports and checkpoints -------------------------------------------------------------
-    def _report_throughput(self) -> None:
-        w, self.window = self.window, _Window()
-        if w.steps == 0:
-            return
-        tokens_per_s = w.tokens / w.seconds if w.seconds > 0 else 0.0
-        self.cb.on_event("", "throughput", {
-            "global_step": self.global_step, "padded_fraction": sum(w.padded) / len(w.padded),
-            "active_jobs": len(self.placed), "ranks": self.world, "tokens_per_s": tokens_per_s,
-        })
-        if tokens_per_s > 0 and w.batch_sizes:  # also at the end, when no job is placed any more
-            mm = self.memory_model
-            self.cb.on_throughput({
-                "gpus": self.world, "seq_len": self.cfg.max_seq_len, "batch_sizes": w.batch_sizes,
-                "tokens_per_s": tokens_per_s, "samples_per_s": w.samples / w.seconds,
-                "memory_k0": mm.k0 if mm else None, "memory_k1": mm.k1 if mm else None,
-            })
-
-    def _checkpoint(self) -> None:
-        with self._phase("checkpoint"):
-            self._checkpoint_now()
-
-    def _checkpoint_now(self) -> None:
-        self.last_checkpoint, self.checkpoint_due = time.monotonic(), False
-        self._report_throughput()
-        dpo = isinstance(self.engine, DpoEngine)
-        mine = {j: job_state_dict(s) for j, s in [*self.engine.jobs.items(), *self.parked.items()]}
-        parts = self.strategy.collect_parts(self.out, {
-            "jobs": mine, "reference": self.engine.reference_state() if dpo else None})
-        if parts is None:  # not rank 0: it writes the one state.pt
-            return
-        states = {j: d for part in parts for j, d in part["jobs"].items()}
-        owners = {j: s.owner for j, s in self.placed.items()}
-        owners.update({q.job_id: q.owner for q in self.queue if isinstance(q, JobSlot)})
-        payload = {
-            "active": [states[j] for j in self.placed],
-            "queue": [states[q.job_id] if isinstance(q, JobSlot) else {"fresh": q} for q in self.queue],
-            "status": self.status, "monitors": self.monitors, "ranking": self.ranking,
-            "global_step": self.global_step, "last_eval": self.last_eval, "rng": rng_state(),
-            "parallel": {"world": self.world, "owners": owners},
-        }
-        if dpo:  # the reference log-probs of every rank (2 floats per pair): a resume reuses them
-            refs = [p["reference"] for p in parts]
-            payload["reference"] = {k: torch.cat([r[k] for r in refs]) for k in ("keys", "values")}
-        save_checkpoint(self.out / "state.pt", payload)
-
-    def _resume(self, ck: dict[str, Any]) -> None:
-        """Continue from a state.pt of any strategy: on the same number of ranks every job stays
-        on its rank; otherwise jobs are dealt to the least-loaded ranks, which gives the same
-        adapters, as a job's trajectory does not depend on where or beside whom it runs."""
-        par = ck.get("parallel") or {}
-        owners = par.get("owners", {}) if par.get("world") == self.world else {}
-        parked_load = [0] * self.world
-        for d in ck["active"]:
-            job_id, bs = d["spec"]["job_id"], d["spec"]["batch_size"]
-            r = owners.get(job_id)
-            if r is None:
-                r = min(range(self.world), key=lambda k: (self._rank_batch(k), k))
-            self.placed[job_id] = JobSlot(job_id, r, bs, d["step"], d["total_steps"])
-            if r == self.rank:
-                self.engine.attach(restore_job(self.engine, d))
-        self.queue = []
-        for q in ck["queue"]:
-            if "fresh" in q:
-                self.queue.append(q["fresh"])
+        """Deterministic admission under the one memory model: tasks in attach order (an earlier
+        task's queued jobs go first; a later task's wait while they do not fit, and no running job
+        is disturbed), one job at a time to the least-loaded rank whose admission controller
+        takes it (the memory model is per rank)."""
+        for task in list(self.tasks.values()):
+            if task.error is not None:
                 continue
-            job_id = q["spec"]["job_id"]
-            r = owners.get(job_id)
-            if r is None:
-                r = min(range(self.world), key=lambda k: (parked_load[k], k))
-            parked_load[r] += 1
-            self.queue.append(JobSlot(job_id, r, q["spec"]["batch_size"], q["step"], q["total_steps"]))
-            if r == self.rank:
-                self.parked[job_id] = restore_job(self.engine, q).to("cpu")
-        self.status, self.monitors, self.ranking = ck["status"], ck["monitors"], ck["ranking"]
-        self.global_step, self.last_eval = ck["global_step"], ck["last_eval"]
-        if isinstance(self.engine, DpoEngine) and ck.get("reference") is not None:
-            self.engine.load_reference_state(ck["reference"])
-        set_rng_state(ck["rng"])
-        self.cb.on_event("", "resumed", {"global_step": self.global_step, "ranks": self.world,
-                                         "same_placement": bool(owners)})
-        # a retry starts every unfinished job again (the service shows them pending meanwhile):
-        # the running ones say so now, the parked ones when they are placed again
-        for st in self.status.values():
-            if st["state"] == "running":
-                st["state"] = "pending"
-        for job_id, slot in self.placed.items():
-            self._set_state(job_id, "running", {"resumed": True, "rank": slot.owner})
+            while True:
+                slots = self._slots()
+                order = sorted(range(self.world), key=lambda r: (
+                    self.rank_batch(r), sum(s.owner == r for s in slots), r))
+                for r in order:
+                    cands = task.candidates(r)
+                    running = [s for s in slots if s.owner == r]
+                    chosen = self.admission.admit(cands, running) if cands else []
+                    if chosen:
+                        task.place(chosen[0], r)
+                        break
+                else:
+                    break
 
+    def eval_shape(self, n_jobs: int, n_examples: int | None = None, floor: int | None = None
+                   ) -> tuple[int, int]:
+        """(examples per forward, sequences per forward) of an evaluation of n_jobs jobs over
+        n_examples (default: the first task's validation set): one forward holds as many
+        sequences as admission lets a training step hold (a no-grad forward needs less than the
+        step it was sized for), never fewer than the eval_batch_size floor."""
+        floor = self.cfg.eval_batch_size if floor is None else floor
+        n_examples = len(self.first.val) if n_examples is None else n_examples
+        budget = max(self.admission.max_total_batch(), floor)
+        budget = min(budget, max(1, n_jobs) * max(1, n_examples))
+        return eval_chunk(n_jobs, n_examples, budget, floor), budget
 
-def _length(example: Example | PairExample) -> int:
-    if isinstance(example, PairExample):
-        return len(example.chosen.input_ids) + len(example.rejected.input_ids)
-    return len(example.input_ids)
+    def log_state(self, task_id: str, job_id: str, state: str, details: dict) -> None:
+        if self.rank == 0:
+            log.info("task=%s job=%s state=%s details=%s", task_id, job_id, state, details)
 
 
 def run_executor(cfg: ExecutorConfig, callbacks: Callbacks | None = None,

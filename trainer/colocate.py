@@ -1,0 +1,507 @@
+"""A task's part of an executor: everything the recipe (trainer.executor) keeps per task, so one
+executor (one backbone, one engine, one admission budget, one step loop) can host the jobs of
+several tasks, of any tenants, that attach and detach while it runs (DESIGN.md: co-location).
+
+Per task (`TaskRun`): its data (its own segment of the engine's `ExamplePool`, read by its jobs'
+`TaskStream`s), its validation set, job queue, owners and statuses, early-exit monitors and warmup
+ranking (its own jobs only), evaluations, exports, checkpoints (its own `state.pt` under its own
+output_dir, resumable alone in any executor) and callbacks. Per executor (trainer.executor.Executor):
+model, engine, strategy, memory model and admission, the step loop. A one-task executor is this
+with one TaskRun: the same code, no second recipe.
+
+Isolation: a job's numbers depend only on its own spec, data order and adapter (the engine's
+rows, losses and updates are per job); a task's decisions depend only on its own jobs' numbers;
+a task's callbacks and per-task work run guarded (trainer.executor), so an exception in them
+fails that task alone. Job ids must be unique across the tasks of one executor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainer.checkpoint import (
+    job_state_dict,
+    restore_job,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from trainer.data import (
+    Example,
+    JobDataStream,
+    PairExample,
+    read_jsonl,
+    split_validation,
+    tokenize_all,
+    tokenize_pairs,
+)
+from trainer.dpo import DpoEngine
+from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
+from trainer.engine import JobSpec, JobState, eval_forwards
+from trainer.export import export_peft
+
+if TYPE_CHECKING:
+    from trainer.executor import Callbacks, Executor, ExecutorConfig
+
+
+class ExamplePool(Sequence):
+    """The engine's train examples: every hosted task's examples, each task's at its own base
+    index (bases are never reused, so a stale index can never read another task's example)."""
+
+    def __init__(self) -> None:
+        self._bases: list[int] = []
+        self._parts: list[Sequence[Any]] = []
+        self._end = 0
+
+    def add(self, examples: Sequence[Any]) -> int:
+        base = self._end
+        self._bases.append(base)
+        self._parts.append(list(examples))
+        self._end += len(examples)
+        return base
+
+    def remove(self, base: int) -> None:
+        k = self._bases.index(base)
+        del self._bases[k], self._parts[k]
+
+    def __len__(self) -> int:
+        return self._end
+
+    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+        k = bisect.bisect_right(self._bases, i) - 1
+        if k < 0 or i - self._bases[k] >= len(self._parts[k]):
+            raise IndexError(f"example {i} belongs to no hosted task")
+        return self._parts[k][i - self._bases[k]]
+
+
+class TaskStream:
+    """A job's data order over its own task's examples (the JobDataStream of a job trained alone,
+    so the order and the checkpointed position are the same), read at the task's base."""
+
+    def __init__(self, inner: JobDataStream, base: int) -> None:
+        self.inner, self.base = inner, base
+
+    def next_indices(self, batch_size: int) -> list[int]:
+        return [self.base + i for i in self.inner.next_indices(batch_size)]
+
+    def state_dict(self) -> dict[str, int]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.inner.load_state_dict(state)
+
+
+@dataclass
+class JobSlot:
+    """A started job as every rank knows it: its owner rank and its step count (the JobState
+    itself lives on the owner only)."""
+
+    job_id: str
+    owner: int
+    batch_size: int
+    step: int
+    total_steps: int
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+
+@dataclass
+class StepNumbers:
+    """What one executor step measured (all hosted jobs): its seconds, real tokens, samples, the
+    padded fraction and the batch mix."""
+
+    seconds: float
+    tokens: int
+    samples: int
+    padded: float
+    batch_sizes: list[int]
+
+
+@dataclass
+class _Window:
+    """Training throughput since the last report: steps, seconds, real tokens, samples."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    samples: int = 0
+    padded: list[float] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)  # the mix trained at the last step
+
+    def add(self, n: StepNumbers) -> None:
+        self.steps += 1
+        self.seconds += n.seconds
+        self.tokens += n.tokens
+        self.samples += n.samples
+        self.batch_sizes = n.batch_sizes
+        self.padded.append(n.padded)
+
+
+class TaskRun:
+    """One task on an executor (see the module docstring). Control is replicated as in the
+    recipe: every rank holds the task's bookkeeping and changes it from gathered numbers only."""
+
+    def __init__(self, host: Executor, cfg: ExecutorConfig, cb: Callbacks, task_id: str,
+                 stop_requested: Callable[[], bool] | None = None) -> None:
+        self.host, self.cfg, self.cb, self.task_id = host, cfg, cb, task_id
+        self.stop_requested = stop_requested
+        self.stopped = False  # stopped on request (checkpointed; a later run resumes it)
+        self.error: BaseException | None = None  # its own code path failed: it alone ends
+        self.outcome: str | None = None  # succeeded | failed | cancelled | paused | stopped
+        self.out = Path(cfg.output_dir)
+        self.status: dict[str, dict[str, Any]] = {
+            j.job_id: {"state": "pending", "exit_reason": None} for j in cfg.jobs}
+        self.monitors = {j.job_id: JobMonitor(cfg.early_exit) for j in cfg.jobs}
+        ranked = cfg.early_exit.enabled and len(cfg.jobs) > 1
+        self.ranking = WarmupRanking([j.job_id for j in cfg.jobs], cfg.early_exit.keep_fraction) if ranked else None
+        self.queue: list[JobSpec | JobSlot] = list(cfg.jobs)  # never started, then parked
+        self.placed: dict[str, JobSlot] = {}  # its running jobs of every rank, in placement order
+        self.parked: dict[str, JobState] = {}  # this rank's parked jobs of the task (on CPU)
+        self.global_step = 0  # executor steps this task took part in (resumed from its state.pt)
+        self.last_eval: dict[str, int] = {}
+        self.window = _Window()
+        self.last_checkpoint = time.monotonic()
+        self.checkpoint_due = False  # by time, as rank 0's clock says (every rank alike)
+        self.train: list[Example | PairExample] = []
+        self.val: list[Example | PairExample] = []
+        self.base: int | None = None  # its segment of the engine's ExamplePool
+
+    # ----- data and job states ---------------------------------------------------------------
+    def read(self, tokenizer: Any) -> None:
+        """Read and tokenise the task's data (train and validation sets)."""
+        cfg = self.cfg
+        tokenize = tokenize_pairs if cfg.method == "dpo" else tokenize_all
+        train = tokenize(tokenizer, read_jsonl(cfg.train_file), cfg.max_seq_len)
+        if cfg.val_file:
+            val = tokenize(tokenizer, read_jsonl(cfg.val_file), cfg.max_seq_len)
+        else:
+            train, val = split_validation(train, cfg.val_fraction, cfg.split_seed)
+        if not train or not val:
+            raise ValueError("no trainable examples left after tokenisation/truncation")
+        cap = cfg.eval.eval_max_samples
+        # the same first N for every job and evaluation, in order of length: an evaluation
+        # forward then packs sequences of like length (a mean over tokens ignores the order)
+        self.val = sorted(val[:cap] if cap else val, key=_length, reverse=True)
+        self.train = train
+
+    def open(self) -> None:
+        """Put the task's data in its own segment of the engine's pool; report it loaded."""
+        cfg, eng = self.cfg, self.host.engine
+        self.base = self.host.pool.add(self.train)
+        if isinstance(eng, DpoEngine):
+            # the validation pairs' reference log-probs once, in the evaluation's chunks, so no
+            # evaluation needs a pass the other ranks do not make
+            for lo in range(0, len(self.val), cfg.eval_batch_size):
+                eng.ensure_reference(self.val[lo : lo + cfg.eval_batch_size])
+        mm, adm = self.host.memory_model, self.host.admission
+        if mm is not None:
+            self.cb.on_event("", "memory_model", {"k0": mm.k0, "k1": mm.k1,
+                                                  "budget_bytes": adm.budget_bytes, "ranks": self.host.world})
+        self.cb.on_event("", "executor_loaded", {"train": len(self.train), "val": len(self.val),
+                                                 "device": str(self.host.device), "ranks": self.host.world})
+
+    def close(self) -> None:
+        """Forget the task's data (its jobs are gone from the engine)."""
+        if self.base is not None:
+            self.host.pool.remove(self.base)
+            self.base = None
+
+    def _job_state(self, make: Callable[[], JobState]) -> JobState:
+        # a job's state is made against its own task's data (its stream's size and total steps
+        # are its task's), then reads the pool at the task's base
+        eng = self.host.engine
+        saved, eng.train_examples = eng.train_examples, self.train
+        try:
+            state = make()
+        finally:
+            eng.train_examples = saved
+        state.stream = TaskStream(state.stream, self.base or 0)
+        return state
+
+    def new_job(self, spec: JobSpec) -> JobState:
+        return self._job_state(lambda: self.host.engine.new_job(spec))
+
+    def restore(self, d: dict[str, Any]) -> JobState:
+        return self._job_state(lambda: restore_job(self.host.engine, d))
+
+    # ----- admission ---------------------------------------------------------------------------
+    def candidates(self, rank: int) -> list[JobSpec | JobSlot]:
+        """Queued jobs that may start on `rank` now: a parked job returns to its own rank only,
+        and during warmup only never-started jobs rotate in; none past the task's own job cap."""
+        cap = self.cfg.max_active_jobs
+        if cap is not None and sum(s.owner == rank for s in self.placed.values()) >= cap:
+            return []
+        ranking_open = self.ranking is not None and self.ranking.result is None
+        return [q for q in self.queue if isinstance(q, JobSpec) or (q.owner == rank and not ranking_open)]
+
+    def fail_unschedulable(self) -> None:
+        host = self.host
+        for job_id in host.admission.unschedulable([q for q in self.queue if isinstance(q, JobSpec)]):
+            self.queue = [q for q in self.queue if q.job_id != job_id]
+            self.set_state(job_id, "failed", {"error": "does not fit the executor's memory even alone"})
+            if self.ranking is not None:
+                self.ranking.exit(job_id)
+
+    def place(self, job_id: str, rank: int) -> None:
+        item = next(q for q in self.queue if q.job_id == job_id)
+        self.queue.remove(item)
+        resumed = isinstance(item, JobSlot)
+        slot = item if resumed else JobSlot(job_id, rank, item.batch_size, 0, item.total_steps(len(self.train)))
+        self.placed[job_id] = slot
+        if rank == self.host.rank:
+            self.host.engine.attach(self.parked.pop(job_id) if resumed else self.new_job(item))
+        if self.status[job_id]["state"] != "running":
+            self.set_state(job_id, "running", {"resumed": resumed, "rank": rank})
+
+    # ----- after each step ---------------------------------------------------------------------
+    def observe_train(self, merged: dict[str, tuple], numbers: StepNumbers) -> None:
+        """The step's outcome of the task's jobs: callbacks, then exit decisions."""
+        self.window.add(numbers)
+        for job_id in list(self.placed):
+            step, loss, skipped, norm, metrics = merged[job_id]
+            if metrics:
+                self.cb.on_metrics(job_id, step, "train", metrics)
+            self.cb.on_train_loss(job_id, step, loss)
+            if skipped:
+                self.cb.on_event(job_id, "update_skipped", {"step": step, "loss": loss, "grad_norm": norm})
+            decision = self.monitors[job_id].observe_train(step, loss)
+            if decision is not None:
+                self.exit(job_id, decision)
+
+    def cadence_due(self, s: JobSlot) -> bool:
+        """Whether the job's last step crossed an evaluation point: every eval_every_samples
+        samples it trained on (steps x batch size), else every eval_every_steps of its steps."""
+        every = getattr(self.cfg.eval, "eval_every_samples", None)
+        if every:
+            return (s.step * s.batch_size) // every > ((s.step - 1) * s.batch_size) // every
+        return s.step % self.cfg.eval.eval_every_steps == 0
+
+    def eval_shape(self, n_jobs: int) -> tuple[int, int]:
+        return self.host.eval_shape(n_jobs, len(self.val), self.cfg.eval_batch_size)
+
+    def evaluate_due(self) -> None:
+        """Evaluate the task's jobs at their evaluation points, on the task's validation set."""
+        due = []
+        for job_id, s in self.placed.items():
+            warm_end = self.warmup_len(s) if self.in_warmup(job_id) else -1
+            if self.cadence_due(s) or s.done or s.step == warm_end:
+                if self.last_eval.get(job_id) != s.step:
+                    due.append(job_id)
+        if not due:
+            return
+        host = self.host
+
+        def plan(r: int) -> tuple[list[str], int, int]:
+            ids = [j for j in due if self.placed[j].owner == r]
+            return (ids, *self.eval_shape(len(ids)))
+
+        forwards = max(eval_forwards(len(ids), len(self.val), bs, cap)
+                       for ids, bs, cap in map(plan, range(host.world)))
+        mine, bs, cap = plan(host.rank)
+        local = host.engine.evaluate_metrics(self.val, bs, mine, cap, forwards=forwards)
+        numbers = {j: v for part in host.strategy.gather(local) for j, v in part.items()}
+        for job_id in due:
+            s, m = self.placed[job_id], numbers[job_id]
+            val = m["loss"]  # DPO: the validation DPO loss, for the same detectors
+            self.last_eval[job_id] = s.step
+            extra = {k: v for k, v in m.items() if k != "loss"}
+            if extra:
+                self.cb.on_metrics(job_id, s.step, "val", extra)
+            self.cb.on_eval(job_id, s.step, val)
+            mon = self.monitors[job_id]
+            decision = mon.observe_eval(s.step, val)
+            if mon.last_eval_was_best:
+                self.export(job_id, "best")
+            if decision is not None:
+                self.exit(job_id, decision)
+
+    def warmup_len(self, s: JobSlot) -> int:
+        return self.cfg.early_exit.warmup_steps(s.total_steps)
+
+    def in_warmup(self, job_id: str) -> bool:
+        return self.ranking is not None and job_id in self.ranking.waiting
+
+    def warmup_policy(self) -> None:
+        """Rank the task's jobs among themselves once all finished warmup; meanwhile park a job
+        that finished its warmup so a queued configuration of the task gets its warmup."""
+        if self.ranking is None or self.ranking.result is not None:
+            return
+        host = self.host
+        fresh_waiting = any(isinstance(q, JobSpec) for q in self.queue)
+        for job_id, s in list(self.placed.items()):
+            if self.in_warmup(job_id) and s.step >= self.warmup_len(s):
+                mon = self.monitors[job_id]
+                self.ranking.report(job_id, mon.eval_val[-1] if mon.eval_val else math.inf)
+                if fresh_waiting:  # rotate: park it on its rank so a queued configuration gets its warmup
+                    self.queue.append(self.placed.pop(job_id))
+                    if s.owner == host.rank:
+                        self.parked[job_id] = host.engine.detach(job_id, park_device="cpu")
+                    self.cb.on_event(job_id, "parked_after_warmup", {"step": s.step, "rank": s.owner})
+        if self.ranking.ready:
+            keep, evict = self.ranking.decide()
+            self.cb.on_event("", "warmup_ranking", {"keep": keep, "evict": evict})
+            for job_id in evict:
+                self.exit(job_id, ExitDecision("underperforming", {"kept": keep}))
+
+    def exit(self, job_id: str, decision: ExitDecision) -> None:
+        if self.status[job_id]["state"] in ("exited", "completed", "failed"):
+            return
+        slot = self.placed.pop(job_id, None)
+        if slot is not None and slot.owner == self.host.rank:
+            self.host.engine.detach(job_id)
+        self.parked.pop(job_id, None)
+        self.queue = [q for q in self.queue if q.job_id != job_id]
+        if self.in_warmup(job_id):
+            self.ranking.exit(job_id)
+        self.status[job_id]["exit_reason"] = decision.reason
+        self.set_state(job_id, "exited", {"exit_reason": decision.reason, **decision.details})
+
+    def finish_done(self) -> bool:
+        """Complete the task's jobs that have run all their steps; whether there were any."""
+        done = [j for j, s in self.placed.items() if s.done]
+        for job_id in done:
+            slot = self.placed.pop(job_id)
+            state = self.host.engine.detach(job_id) if slot.owner == self.host.rank else None
+            self.export(job_id, "final", state, owner=slot.owner)
+            self.set_state(job_id, "completed", {"steps": slot.step, "best_val": self.monitors[job_id].best_val})
+        return bool(done)
+
+    def export(self, job_id: str, kind: str, state: JobState | None = None, owner: int | None = None) -> None:
+        with self.host.phase("export"):
+            path = self.out / "jobs" / job_id / kind
+            owner = self.placed[job_id].owner if owner is None else owner
+            if owner == self.host.rank:  # the weights are here; the announcement follows the files
+                state = state or self.host.engine.jobs[job_id]
+                export_peft(state.adapter, path, list(self.host.engine.targets), self.cfg.model_dir,
+                            metadata={"step": str(state.step)})
+            self.cb.on_adapter(job_id, kind, path)
+
+    def set_state(self, job_id: str, state: str, details: dict) -> None:
+        self.status[job_id]["state"] = state
+        self.host.log_state(self.task_id, job_id, state, details)
+        self.cb.on_job_state(job_id, state, details)
+
+    def release(self) -> None:
+        """Take every job of the task off the engine (this rank's), placed or parked."""
+        for job_id, slot in list(self.placed.items()):
+            if slot.owner == self.host.rank and job_id in self.host.engine.jobs:
+                self.host.engine.detach(job_id)
+        self.placed.clear()
+        self.parked.clear()
+
+    # ----- reports and checkpoints ---------------------------------------------------------------
+    def report_throughput(self) -> None:
+        w, self.window = self.window, _Window()
+        if w.steps == 0:
+            return
+        tokens_per_s = w.tokens / w.seconds if w.seconds > 0 else 0.0
+        self.cb.on_event("", "throughput", {
+            "global_step": self.global_step, "padded_fraction": sum(w.padded) / len(w.padded),
+            "active_jobs": len(self.placed), "ranks": self.host.world, "tokens_per_s": tokens_per_s,
+        })
+        if tokens_per_s > 0 and w.batch_sizes:  # also at the end, when no job is placed any more
+            mm = self.host.memory_model
+            self.cb.on_throughput({
+                "gpus": self.host.world, "seq_len": self.cfg.max_seq_len, "batch_sizes": w.batch_sizes,
+                "tokens_per_s": tokens_per_s, "samples_per_s": w.samples / w.seconds,
+                "memory_k0": mm.k0 if mm else None, "memory_k1": mm.k1 if mm else None,
+            })
+
+    def checkpoint(self) -> None:
+        with self.host.phase("checkpoint"):
+            self._checkpoint_now()
+
+    def _checkpoint_now(self) -> None:
+        host = self.host
+        self.last_checkpoint, self.checkpoint_due = time.monotonic(), False
+        self.report_throughput()
+        eng = host.engine
+        dpo = isinstance(eng, DpoEngine)
+        mine = {j: job_state_dict(s) for j, s in [*eng.jobs.items(), *self.parked.items()]
+                if j in self.placed or j in self.parked}
+        parts = host.strategy.collect_parts(self.out, {
+            "jobs": mine, "reference": self._reference_state() if dpo else None})
+        if parts is None:  # not rank 0: it writes the one state.pt
+            return
+        states = {j: d for part in parts for j, d in part["jobs"].items()}
+        owners = {j: s.owner for j, s in self.placed.items()}
+        owners.update({q.job_id: q.owner for q in self.queue if isinstance(q, JobSlot)})
+        payload = {
+            "active": [states[j] for j in self.placed],
+            "queue": [states[q.job_id] if isinstance(q, JobSlot) else {"fresh": q} for q in self.queue],
+            "status": self.status, "monitors": self.monitors, "ranking": self.ranking,
+            "global_step": self.global_step, "last_eval": self.last_eval, "rng": rng_state(),
+            "parallel": {"world": host.world, "owners": owners},
+        }
+        if dpo:  # the reference log-probs of every rank (2 floats per pair): a resume reuses them
+            refs = [p["reference"] for p in parts]
+            payload["reference"] = {k: torch.cat([r[k] for r in refs]) for k in ("keys", "values")}
+        save_checkpoint(self.out / "state.pt", payload)
+
+    def _reference_state(self) -> dict[str, torch.Tensor]:
+        """The engine's cached reference numbers of this task's own pairs only."""
+        state = self.host.engine.reference_state()
+        own = {p.key for p in [*self.train, *self.val]}
+        keep = torch.tensor([bytes(k) in own for k in state["keys"].tolist()], dtype=torch.bool)
+        return {"keys": state["keys"][keep], "values": state["values"][keep]}
+
+    def resume(self, ck: dict[str, Any], restore_rng: bool) -> None:
+        """Continue from a state.pt of any strategy: on the same number of ranks every job stays
+        on its rank; otherwise jobs are dealt to the least-loaded ranks, which gives the same
+        adapters, as a job's trajectory does not depend on where or beside whom it runs."""
+        host = self.host
+        par = ck.get("parallel") or {}
+        owners = par.get("owners", {}) if par.get("world") == host.world else {}
+        parked_load = [0] * host.world
+        for d in ck["active"]:
+            job_id, bs = d["spec"]["job_id"], d["spec"]["batch_size"]
+            r = owners.get(job_id)
+            if r is None:
+                r = min(range(host.world), key=lambda k: (host.rank_batch(k), k))
+            self.placed[job_id] = JobSlot(job_id, r, bs, d["step"], d["total_steps"])
+            if r == host.rank:
+                host.engine.attach(self.restore(d))
+        self.queue = []
+        for q in ck["queue"]:
+            if "fresh" in q:
+                self.queue.append(q["fresh"])
+                continue
+            job_id = q["spec"]["job_id"]
+            r = owners.get(job_id)
+            if r is None:
+                r = min(range(host.world), key=lambda k: (parked_load[k], k))
+            parked_load[r] += 1
+            self.queue.append(JobSlot(job_id, r, q["spec"]["batch_size"], q["step"], q["total_steps"]))
+            if r == host.rank:
+                self.parked[job_id] = self.restore(q).to("cpu")
+        self.status, self.monitors, self.ranking = ck["status"], ck["monitors"], ck["ranking"]
+        self.global_step, self.last_eval = ck["global_step"], ck["last_eval"]
+        if isinstance(host.engine, DpoEngine) and ck.get("reference") is not None:
+            host.engine.load_reference_state(ck["reference"])
+        if restore_rng:  # only an executor's first task: the others' RNG is not the host's
+            set_rng_state(ck["rng"])
+        self.cb.on_event("", "resumed", {"global_step": self.global_step, "ranks": host.world,
+                                         "same_placement": bool(owners)})
+        # a retry starts every unfinished job again (the service shows them pending meanwhile):
+        # the running ones say so now, the parked ones when they are placed again
+        for st in self.status.values():
+            if st["state"] == "running":
+                st["state"] = "pending"
+        for job_id, slot in self.placed.items():
+            self.set_state(job_id, "running", {"resumed": True, "rank": slot.owner})
+
+
+def _length(example: Example | PairExample) -> int:
+    if isinstance(example, PairExample):
+        return len(example.chosen.input_ids) + len(example.rejected.input_ids)
+    return len(example.input_ids)
