@@ -27,12 +27,27 @@ def ConfigDict(**kw: Any) -> dict[str, Any]:  # noqa: N802
     return kw
 
 
+def model_validator(*, mode: str) -> Any:
+    """pydantic's decorator for mode="before" only: the class method rewrites the keyword
+    arguments before the fields are set."""
+    if mode != "before":
+        raise NotImplementedError("only model_validator(mode='before') is mirrored")
+
+    def mark(fn: Any) -> classmethod:
+        func = fn.__func__ if isinstance(fn, classmethod) else fn
+        func._plain_before = True
+        return classmethod(func)
+
+    return mark
+
+
 class BaseModel:
     """Fields are the annotated names of the class and its bases, in order."""
 
     model_config: dict[str, Any] = {}
     _fields: tuple[str, ...] = ()
     _defaults: dict[str, FieldInfo] = {}
+    _before: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -49,8 +64,12 @@ class BaseModel:
                     defaults[name] = value if isinstance(value, FieldInfo) else FieldInfo(value)
         # every field is set on the instance, so these class attributes are never read as values
         cls._fields, cls._defaults = tuple(names), defaults
+        cls._before = tuple(name for klass in cls.__mro__ for name, v in vars(klass).items()
+                            if isinstance(v, classmethod) and getattr(v.__func__, "_plain_before", False))
 
     def __init__(self, **data: Any) -> None:
+        for name in self._before:
+            data = getattr(type(self), name)(data)
         unknown = set(data) - set(self._fields)
         if unknown:
             raise TypeError(f"{type(self).__name__}: unknown fields {sorted(unknown)}")

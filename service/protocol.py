@@ -27,9 +27,14 @@ from datetime import datetime
 from typing import Annotated, Literal
 
 try:
-    from pydantic import BaseModel, ConfigDict, Field
+    from pydantic import BaseModel, ConfigDict, Field, model_validator
 except ImportError:  # torch + transformers alone (a bare GPU image): same shapes, no validation
-    from service._plain_models import BaseModel, ConfigDict, Field  # type: ignore[assignment]
+    from service._plain_models import (  # type: ignore[assignment]
+        BaseModel,
+        ConfigDict,
+        Field,
+        model_validator,
+    )
 
 PLACEMENT_FUNC = "worker.daemon.run_placement"
 CANCEL_CHANNEL = "loraplex:cancel"
@@ -183,16 +188,30 @@ class EarlyExitSettings(_Msg):
 
 
 class EvalSettings(_Msg):
+    """When each job evaluates. By default every 1024 samples it trained on: with 256 validation
+    samples (one costs about 0.4 of a training sample, bench/results/task_e2e_h100.md) that is
+    about 9% of a job's time at every batch size, where every 50 steps cost batch-1 jobs 68%.
+    A request that names eval_every_steps alone gets that step cadence."""
+
     eval_every_steps: int = Field(default=50, ge=1, le=1_000_000)
     eval_max_samples: int | None = Field(
         default=256, ge=1, le=1_000_000,
         description="Validation samples each evaluation uses (the first N of the held-out "
                     "set, the same for every job); null: all of them.")
     eval_every_samples: int | None = Field(
-        default=None, ge=1, le=1_000_000_000,
+        default=1024, ge=1, le=1_000_000_000,
         description="Evaluate a job each time it has trained on this many more samples "
                     "(steps x its batch size), so jobs of every batch size evaluate equally "
-                    "often per sample; null: every eval_every_steps of the job's steps.")
+                    "often per sample; null: every eval_every_steps of the job's steps "
+                    "(also when eval_every_steps is given without this field).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _named_step_cadence(cls, data: object) -> object:
+        # eval_every_steps given alone means that cadence (as before this default existed)
+        if isinstance(data, dict) and "eval_every_steps" in data and "eval_every_samples" not in data:
+            return {**data, "eval_every_samples": None}
+        return data
 
 
 class JobHyperparameters(_Msg):

@@ -97,6 +97,20 @@ def test_eval_cadence_by_samples_is_the_same_per_sample_for_every_batch_size(fil
     assert by_steps == {"b1": list(range(1, 13)), "b4": [1, 2, 3], "b3": [1, 2, 3, 4]}
 
 
+def test_default_cadence_is_by_samples_unless_a_step_cadence_is_named() -> None:
+    default = EvalSettings()
+    assert (default.eval_every_samples, default.eval_max_samples) == (1024, 256)
+    # a request (or a stored task) naming eval_every_steps alone keeps that step cadence
+    assert EvalSettings(eval_every_steps=5).eval_every_samples is None
+    assert EvalSettings.model_validate({"eval_every_steps": 5}).eval_every_samples is None
+    assert EvalSettings.model_validate({"eval_max_samples": 8}).eval_every_samples == 1024
+    both = EvalSettings.model_validate({"eval_every_steps": 5, "eval_every_samples": 64})
+    assert (both.eval_every_steps, both.eval_every_samples) == (5, 64)
+    # what the service stores (a dump) reads back the same
+    for e in (default, both, EvalSettings(eval_every_steps=7)):
+        assert EvalSettings.model_validate(e.model_dump()) == e
+
+
 def test_evaluation_runs_at_the_admitted_budget_with_the_same_losses(files) -> None:  # noqa: ANN001
     jobs = [JobSpec(f"j{i}", rank=2 + i, alpha=4, lr=1e-2, batch_size=1 + i % 2, max_steps=2, seed=i)
             for i in range(3)]
