@@ -1,0 +1,120 @@
+"""The Triton kernels compiled for Hopper (sm_90) on a machine without a GPU.
+
+The interpreter tests run the kernels' arithmetic but never the compiler; this one runs Triton's
+real NVIDIA pipeline ahead of time (ptxas ships in the triton wheel) with the specialisation the
+runtime would apply to the benchmark's shapes (unit strides as constants, 16-divisible ints and
+pointers marked so), and checks what decides speed: the GEMMs use wgmma and a multi-stage
+pipeline, the TMA variant issues tensor-descriptor copies, nothing spills to local memory.
+Uses triton.compile / ASTSource (internal API): if a Triton upgrade changes them, update _compile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+_WORKER = r"""
+import json, os, re, subprocess, sys, tempfile
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kernels.fused_lora as fl
+import kernels.triton_lora as tlr
+
+target = GPUTarget("cuda", 90, 32)
+cuobjdump = os.path.join(sys.argv[1], "cuobjdump")
+
+
+def _compile(fn, args, consts, warps, stages):
+    sig, cx, attrs = {}, dict(consts), {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        v = args[name]
+        if isinstance(v, str):                      # a pointer (torch allocations are 16-aligned)
+            sig[name] = v
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif v == 1:                                # the runtime turns ints equal to 1 into constants
+            sig[name] = "constexpr"
+            cx[name] = 1
+        else:
+            sig[name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs), target=target,
+                       options={"num_warps": warps, "num_stages": stages})
+    ptx = k.asm["ptx"]
+    local = None
+    if os.path.exists(cuobjdump):
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(k.asm["cubin"])
+        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        os.unlink(f.name)
+        m = re.search(r"LOCAL:(\d+)", out)
+        local = int(m.group(1)) if m else None
+    return {"shared": k.metadata.shared, "wgmma": "wgmma" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
+            "local": local}
+
+
+P = "*bf16"
+T, DI, DO, R = 8192, 4096, 14336, 64
+base = dict(a_ptr=P, b_ptr=P, c_ptr=P, bias_ptr=P, p_ptr="*fp32", w_ptr=P, woff_ptr="*i64", off_ptr="*i64",
+            rank_ptr="*i32", scale_ptr="*fp32", M=T, K=DI, N=8, R_MAX=R, T_BUCKET=T, stride_pm=R, stride_wn=0,
+            stride_cn=1, stride_wc=1)
+fwd = dict(base, NC=DO, stride_am=DI, stride_ak=1, stride_bk=1, stride_bn=DI, stride_cm=DO, stride_wr=DO)
+dxg = dict(base, NC=DI, K=DO, stride_am=DO, stride_ak=1, stride_bk=DI, stride_bn=1, stride_cm=DI, stride_wr=DI)
+meta = dict(N_P2=16, ACC=tl.float32, DOT_PREC="tf32", ARENA=True)
+res = {}
+for name, args in (("fwd", fwd), ("dx", dxg)):
+    for cfg in fl._GEMM_CONFIGS[:2]:
+        kw = dict(cfg.kwargs)
+        res[f"gemm {name} {kw['BLOCK_M']}x{kw['BLOCK_N']}"] = _compile(
+            fl._gemm_lora_jit, args, dict(meta, HAS_BIAS=name == "fwd", **kw), cfg.num_warps, cfg.num_stages)
+    no_ak = {k: v for k, v in args.items() if k != "stride_ak"}
+    kw = dict(fl._GEMM_CONFIGS[0].kwargs)
+    res[f"gemm tma {name}"] = _compile(fl._gemm_lora_tma_jit, no_ak, dict(meta, HAS_BIAS=False, B_NK=name == "fwd",
+                                       **kw), 8, 3)
+shr = dict(m_ptr=P, w_ptr=P, p_ptr="*fp32", woff_ptr="*i64", off_ptr="*i64", rank_ptr="*i32", s_ptr="*fp32",
+           g_ptr="*fp32", goff_ptr="*i64", scale_ptr="*fp32", N=8, C=DO, R_MAX=R, T_BUCKET=T, stride_mm=DO,
+           stride_mc=1, stride_wn=0, stride_wr=DO, stride_wc=1, stride_pm=R, stride_sm=R)
+for fuse in (False, True):
+    cfg = fl._SHRINK_CONFIGS[0]
+    res[f"shrink fuse_db={fuse}"] = _compile(fl._shrink_jit, shr, dict(meta, FUSE_WGRAD=fuse, BLOCK_R=16,
+                                             **cfg.kwargs), cfg.num_warps, cfg.num_stages)
+wg = dict(p_ptr="*fp32", m_ptr=P, g_ptr="*fp32", goff_ptr="*i64", off_ptr="*i64", rank_ptr="*i32",
+          scale_ptr="*fp32", N=8, C=DI, R_MAX=R, T_BUCKET=T, stride_pm=R, stride_mm=DI, stride_mc=1, stride_gn=0,
+          stride_gr=DI, stride_gc=1)
+cfg = fl._WGRAD_CONFIGS[0]
+res["wgrad"] = _compile(fl._wgrad_jit, wg, dict(meta, BLOCK_R=16, **cfg.kwargs), cfg.num_warps, cfg.num_stages)
+print("RESULT" + json.dumps(res))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not os.path.exists(os.path.join(_BIN, "ptxas")), reason="triton without its NVIDIA ptxas")
+def test_fused_kernels_compile_for_hopper() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real compiler, not the interpreter
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.run([sys.executable, "-c", _WORKER, _BIN], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert len(res) == 9
+    for name, r in res.items():
+        assert r["local"] in (0, None), f"{name} spills to local memory: {r}"
+        if name.startswith("gemm"):
+            assert r["wgmma"], f"{name} does not use wgmma: {r}"
+            assert r["shared"] >= 2 * 128 * 64 * 2 * 2, f"{name} is not pipelined (shared {r['shared']} B)"
+    assert res["gemm tma fwd"]["tma"] and res["gemm tma dx"]["tma"]
+    assert not res["gemm fwd 128x256"]["tma"]
