@@ -38,6 +38,9 @@ Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwi
   makes it running; the task's end makes it finished|failed; cancel makes it cancelled.
   ``stop_requested`` ('pause' | 'requeue'): the service asked the live attempt to checkpoint and
   stop; its stop report makes it ``stopped`` (not a failed attempt).
+  ``estimated_s``: the scheduler's raw duration estimate (uncorrected) when it published the
+  placement; ``run_s``: claim to finish of an attempt that ended the task (finished): the pairs
+  are the estimate error fed back (service.scheduler.estimator.correction_factor).
 - ``throughput_profiles(id, base_model, gpu_type, seq_len, batch_key, gpus, tokens_per_s,
   samples_per_s, memory_k0, memory_k1, updated_at)``; unique (base_model, gpu_type, seq_len,
   batch_key, gpus). Written by executors' throughput reports (service.profiles): tokens_per_s
@@ -269,6 +272,8 @@ class Placement(Base):
     finished_at: Mapped[datetime | None] = mapped_column(TS)
     error: Mapped[str | None] = mapped_column(Text)
     stop_requested: Mapped[str | None] = mapped_column(String(16))
+    estimated_s: Mapped[int | None] = mapped_column(Integer)
+    run_s: Mapped[float | None] = mapped_column(Float)
 
 
 class ThroughputProfile(Base):

@@ -303,6 +303,8 @@ def task_finished(session: Session, task_id: str, msg: TaskFinished, settings: S
             raise invalid(f"best_job_id {msg.best_job_id!r} has no adapter of this task",
                           param="best_job_id")
     placement.state, placement.finished_at = "finished", utcnow()
+    if placement.claimed_at is not None:  # the measured run the estimate is checked against
+        placement.run_s = (placement.finished_at - placement.claimed_at).total_seconds()
     finish_task_succeeded(session, task, msg.best_job_id)
     session.commit()
     log.info("task finished task=%s state=%s best_job=%s", task.id, task.state, task.best_job_id)

@@ -18,6 +18,10 @@ Memory per GPU with g GPUs (FSDP2 shards the backbone): 2P/g bf16 weights + per-
 checkpoints L*h*2 bytes per token + one layer's recompute (~34*h bytes per token) + fp32
 logits for one micro-batch + workspace; g is the smallest power of two that fits in
 ``usable_fraction`` of the GPU's memory.
+Estimate error fed back: each published placement records its raw estimate and a finished one
+its measured run (claim to finish); a model's next estimates from profiles or FLOPs are
+multiplied by correction_factor of its latest runs (median ratio, shrunk toward 1 while few runs
+are known, within 1/4..4x). Early exit and mixes the profiles miss are what it mostly learns.
 """
 
 from __future__ import annotations
@@ -223,15 +227,37 @@ def remaining_tokens(work: TaskWork) -> float:
     return total
 
 
+CORRECTION_BOUNDS = (0.25, 4.0)
+CORRECTION_PRIOR = 3  # pseudo-samples of "no error" that a few measurements are shrunk toward
+CORRECTION_SAMPLES = 50  # the latest finished placements of a model that count
+
+
+def correction_factor(samples: Sequence[tuple[float, float]]) -> float:
+    """Estimate error fed back: from (raw estimate s, measured run s) pairs of a model's finished
+    placements, the factor its next raw estimates are multiplied by. The median log-ratio (robust
+    to one odd run), shrunk toward 1 by n / (n + CORRECTION_PRIOR) so one run moves it little,
+    and held within CORRECTION_BOUNDS; 1.0 without usable samples."""
+    logs = sorted(math.log(run / est) for est, run in samples if est > 0 and run > 0)
+    n = len(logs)
+    if n == 0:
+        return 1.0
+    mid = logs[n // 2] if n % 2 else (logs[n // 2 - 1] + logs[n // 2]) / 2
+    low, high = CORRECTION_BOUNDS
+    return min(high, max(low, math.exp(mid * n / (n + CORRECTION_PRIOR))))
+
+
 @dataclass
 class Estimator:
     """d_i and g_i per GPU type. ``profiles`` maps (base_model, gpu_type, seq_len, batch_key)
     to its measurements (Profile: tokens/s of a whole placement and its GPU count; a bare float
-    is one GPU's tokens/s); ``shapes`` maps base_model to its ModelShape."""
+    is one GPU's tokens/s); ``shapes`` maps base_model to its ModelShape; ``corrections`` maps
+    base_model to its correction_factor, applied to estimates from profiles or FLOPs (not to a
+    running task's own measured rate: that already is the measurement)."""
 
     shapes: Mapping[str, ModelShape]
     profiles: Mapping[ProfileKey, ProfileValue] = field(default_factory=dict)
     cfg: EstimatorConfig = EstimatorConfig()
+    corrections: Mapping[str, float] = field(default_factory=dict)
 
     def _scale(self, gpus: int) -> float:
         """Throughput of `gpus` GPUs relative to one (adapter parallelism)."""
@@ -273,12 +299,18 @@ class Estimator:
                            self.cfg, minimum)
 
     def estimate(self, work: TaskWork, gpu_type: str, gpu: GpuSpec, minimum_gpus: int = 1,
-                 measured_tokens_per_s: float | None = None) -> tuple[int, int]:
+                 measured_tokens_per_s: float | None = None, corrected: bool = True
+                 ) -> tuple[int, int]:
         """(gpus, seconds) for the task on this GPU type. A running task passes its measured
-        tokens/s (whole placement), which replaces the profile or analytic rate."""
+        tokens/s (whole placement), which replaces the profile or analytic rate. Otherwise the
+        model's correction factor applies unless ``corrected`` is False (the raw estimate, which
+        is what placements record so that the error can be measured against it)."""
         g = self.gpus(work, gpu, minimum_gpus)
+        factor = 1.0
         if measured_tokens_per_s and measured_tokens_per_s > 0:
             rate = measured_tokens_per_s
         else:
             rate = self.tokens_per_s(work, gpu_type, gpu, g)
-        return g, max(1, math.ceil(remaining_tokens(work) / rate))
+            if corrected:
+                factor = self.corrections.get(work.base_model, 1.0)
+        return g, max(1, math.ceil(remaining_tokens(work) / rate * factor))

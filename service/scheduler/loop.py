@@ -13,6 +13,9 @@ and by the replanner's periodic pass; it flushes but never commits (the caller d
 - quotas: ``max_gpus`` is a hard cap, ``guaranteed_gpus`` a share lent out while idle; the running
   tasks the plan preempts to reclaim it are asked to pause at a checkpoint and requeue
   (service.tasks.request_pause); their GPUs go to the owner at the replan after they stop;
+- estimate error fed back: a published placement records the raw estimate (estimated_s), the
+  finish report the run (run_s); each model's later estimates are corrected by their ratio
+  (estimator.correction_factor; bounded, per model);
 - time is discretised to ``unit_s`` seconds (default 60); durations are rounded up; the solver
   has a deterministic work limit (``scheduler_work_limit``): the same state gives the same plan.
 """
@@ -45,12 +48,14 @@ from service.models import (
 from service.queue import publish_placement
 from service.registry import ModelRegistry
 from service.scheduler.estimator import (
+    CORRECTION_SAMPLES,
     Estimator,
     EstimatorConfig,
     JobProgress,
     ModelShape,
     Profile,
     TaskWork,
+    correction_factor,
     gpu_spec,
 )
 from service.scheduler.limits import task_priority_ceiling
@@ -145,8 +150,9 @@ def _measured_rate(work: TaskWork, since: datetime | None, now: datetime) -> flo
 
 
 def build_instance(session: Session, settings: Settings, now: datetime
-                   ) -> tuple[Instance, dict[str, list[Placement]]]:
-    """The planner's instance from Postgres, and each task's planned|active placement rows."""
+                   ) -> tuple[Instance, dict[str, list[Placement]], dict[tuple[str, str], int]]:
+    """The planner's instance from Postgres, each task's planned|active placement rows, and each
+    queued task's raw (uncorrected) estimate in seconds per GPU type (recorded at publish)."""
     nodes = session.scalars(select(Node).order_by(Node.name)).all()
     tasks = session.scalars(select(Task).where(Task.state.in_(("queued", "running")))
                             .order_by(Task.created_at, Task.id)).all()
@@ -168,11 +174,12 @@ def build_instance(session: Session, settings: Settings, now: datetime
     shapes, minimum = {}, {}
     for name in {t.base_model for t in tasks}:
         shapes[name], minimum[name] = _model_shape(registry, name)
-    est = Estimator(shapes, _profiles(session, shapes))
+    est = Estimator(shapes, _profiles(session, shapes), corrections=_corrections(session, shapes))
     gpu_types = {n.gpu_type: gpu_spec(n.gpu_type, n.gpu_memory_bytes or None,
                                       _tflops(n.meta)) for n in nodes}
     max_wait = int(_knob(settings, "scheduler_max_wait_s", DEFAULT_MAX_WAIT_S))
     specs = []
+    raw: dict[tuple[str, str], int] = {}
     for task in tasks:
         work = _work(task, jobs.get(task.id, []), files.get(task.training_file_id))
         mine = rows.get(task.id, [])
@@ -202,6 +209,9 @@ def build_instance(session: Session, settings: Settings, now: datetime
                 active.node_id, tuple(active.gpu_indices), min(0, started)),
                 preemptible=active.stop_requested is None))
             continue
+        for gt, spec in gpu_types.items():
+            raw[task.id, gt] = est.estimate(work, gt, spec, minimum[task.base_model],
+                                            corrected=False)[1]
         planned = next((p for p in reversed(mine) if p.state == "planned"), None)
         hint = max_start = None
         if planned is not None:
@@ -210,7 +220,24 @@ def build_instance(session: Session, settings: Settings, now: datetime
         max_start = min(0, arrival) + max_wait
         specs.append(TaskSpec(**common, hint=hint, max_start_s=max_start))
     node_specs = [NodeSpec(n.id, n.gpu_type, n.gpu_count, up=n.state == "up") for n in nodes]
-    return Instance(node_specs, specs, limits, guaranteed), rows
+    return Instance(node_specs, specs, limits, guaranteed), rows, raw
+
+
+def _corrections(session: Session, models: Iterable[str]) -> dict[str, float]:
+    """Per model, the correction factor of its raw estimates from its latest finished placements
+    (raw estimate at publish vs measured run: estimator.correction_factor)."""
+    pairs: dict[str, list[tuple[float, float]]] = {}
+    for model, est, run in session.execute(
+            select(Task.base_model, Placement.estimated_s, Placement.run_s)
+            .join(Task, Task.id == Placement.task_id)
+            .where(Task.base_model.in_(list(models)), Placement.state == "finished",
+                   Placement.estimated_s.is_not(None), Placement.run_s.is_not(None))
+            .order_by(Placement.finished_at.desc(), Placement.id)
+            .limit(CORRECTION_SAMPLES * 20)):
+        got = pairs.setdefault(model, [])
+        if len(got) < CORRECTION_SAMPLES:
+            got.append((float(est), float(run)))
+    return {model: correction_factor(p) for model, p in pairs.items()}
 
 
 def _profiles(session: Session, models: Iterable[str]
@@ -267,7 +294,8 @@ def replan(session: Session, settings: Settings) -> Plan:
     session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK_KEY})
     now = utcnow()
     unit = int(_knob(settings, "scheduler_unit_s", DEFAULT_UNIT_S))
-    inst, rows = build_instance(session, settings, now)
+    inst, rows, raw = build_instance(session, settings, now)
+    gpu_type = {n.id: n.gpu_type for n in inst.nodes}
     plan = solve(inst, solve_options(settings))
     _preempt(session, plan, settings)
     # Off the request path a cancel or completion can commit while the solver runs: lock the
@@ -308,6 +336,7 @@ def replan(session: Session, settings: Settings) -> Plan:
             keep.planned_end = end
         if a.start_s == 0 and not busy.get(a.node_id, set()) & set(a.gpu_indices):
             keep.planned_start = now
+            keep.estimated_s = raw.get((spec.id, gpu_type.get(a.node_id, "")))
             session.flush()
             publish_placement(session, keep, settings)
             busy.setdefault(a.node_id, set()).update(a.gpu_indices)

@@ -183,7 +183,7 @@ def test_unknown_task_or_placement_auth_and_bad_values(client, factory, session)
 
 def _estimate(session, settings, task_id: str) -> int:  # noqa: ANN001
     session.expire_all()
-    inst, _ = build_instance(session, settings, utcnow())
+    inst, _, _ = build_instance(session, settings, utcnow())
     [spec] = [s for s in inst.tasks if s.id == task_id]
     gpus, seconds = spec.by_gpu_type[GPU_TYPE]
     assert gpus == 1 and spec.duration_s == seconds  # tiny-llama fits one GPU

@@ -1,5 +1,6 @@
 """Duration and GPU-count estimates: model sizes from configs, memory-based GPU counts, the
-early-exit expectation, and profiles / measured rates taking precedence over the analytic rate."""
+early-exit expectation, profiles / measured rates taking precedence over the analytic rate, and
+the per-model correction learnt from measured runs against raw estimates."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import math
 import pytest
 
 from service.scheduler.estimator import (
+    CORRECTION_BOUNDS,
+    CORRECTION_PRIOR,
     GIB,
     Estimator,
     JobProgress,
     ModelShape,
     TaskWork,
     batch_key,
+    correction_factor,
     flops_per_token,
     gpu_spec,
 )
@@ -97,3 +101,38 @@ def test_profile_then_measured_rate_override_analytic() -> None:
 
 def test_batch_key_is_order_free() -> None:
     assert batch_key([8, 4, 4]) == batch_key([4, 8, 4]) == "4x2,8x1"
+
+
+def test_correction_factor_from_measured_runs() -> None:
+    assert correction_factor([]) == 1.0
+    assert correction_factor([(0, 50.0), (100, 0.0)]) == 1.0  # unusable pairs are skipped
+    # One run twice as long: moved only part of the way (shrunk toward 1 by 1 / (1 + prior)).
+    one = correction_factor([(100, 200.0)])
+    assert one == pytest.approx(2 ** (1 / (1 + CORRECTION_PRIOR)))
+    # Many agreeing runs: close to the measured ratio, either way.
+    assert correction_factor([(100, 200.0)] * 47) == pytest.approx(2 ** (47 / 50))
+    assert correction_factor([(100, 50.0)] * 47) == pytest.approx(0.5 ** (47 / 50))
+    # The median: one wild run among agreeing ones barely moves it.
+    runs = [(100, 150.0)] * 9 + [(100, 100_000.0)]
+    assert correction_factor(runs) == pytest.approx(1.5 ** (10 / 13))
+    # Bounded both ways however far off the estimates were.
+    assert correction_factor([(1, 1e6)] * 50) == CORRECTION_BOUNDS[1]
+    assert correction_factor([(1e6, 1)] * 50) == CORRECTION_BOUNDS[0]
+
+
+def test_estimator_applies_the_models_correction_to_raw_estimates_only() -> None:
+    shapes = {"m": ModelShape.guess(int(8e9)), "n": ModelShape.guess(int(8e9))}
+    w = work(samples=10_000, early_exit=False)
+    tokens = 4 * math.ceil(10_000 / 4) * 4 * 256.0
+    key = ("m", "H100", 1024, batch_key([4, 4, 4, 4]))
+    est = Estimator(shapes, {key: 5000.0}, corrections={"m": 1.5})
+    raw = est.estimate(w, "H100", gpu_spec("H100"), corrected=False)[1]
+    assert raw == math.ceil(tokens / 5000.0)
+    assert est.estimate(w, "H100", gpu_spec("H100"))[1] == math.ceil(tokens / 5000.0 * 1.5)
+    # A running task's own measured rate is the measurement: no correction on top.
+    measured = est.estimate(w, "H100", gpu_spec("H100"), measured_tokens_per_s=10_000.0)[1]
+    assert measured == math.ceil(tokens / 10_000.0)
+    # Another model keeps its analytic estimate.
+    other = TaskWork("n", 10_000, 1, 256.0, 1024, [JobProgress(4)] * 4, early_exit=False)
+    assert est.estimate(other, "H100", gpu_spec("H100")) == Estimator(shapes).estimate(
+        other, "H100", gpu_spec("H100"))
