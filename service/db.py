@@ -5,11 +5,15 @@ for a commit (e.g. Redis publishes) via after_commit()."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import orjson
 import psycopg
+from psycopg.types.json import set_json_loads
 from sqlalchemy import Engine, create_engine, event, exc, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -71,9 +75,9 @@ class ReadPool:
     """Asyncio psycopg connections for the most-read routes, so that they run on the event loop
     with one round trip per statement: autocommit (a statement is its own snapshot, no
     BEGIN/ROLLBACK), psycopg prepares a statement after a few uses, results come in binary
-    (nothing to write and parse as text: curves are arrays of thousands of floats), no pre-ping: a reused
-    connection that fails (PostgreSQL restarted since) is dropped and the read retried once on
-    a new one. At most ``size`` connections, opened on demand; a caller waits for a free one.
+    (nothing to write and parse as text: curves are arrays of thousands of floats), no
+    pre-ping: a reused connection that fails (PostgreSQL restarted since) is dropped and the
+    read retried once on a new one. At most ``size`` connections, opened on demand; a caller waits for a free one.
     Bound to the event loop that uses it (a new loop, e.g. a test client's, gets new
     connections). Errors come out as SQLAlchemy's (OperationalError, DataError, ...), so the
     app's handlers answer them as for every other route (503, 422)."""
@@ -98,8 +102,7 @@ class ReadPool:
             for retry in (True, False):
                 reused = bool(self._idle)
                 try:
-                    conn = self._idle.pop() if reused else await psycopg.AsyncConnection.connect(
-                        self.conninfo, autocommit=True, application_name=READ_POOL_NAME)
+                    conn = self._idle.pop() if reused else await self._connect()
                 except psycopg.Error as error:
                     raise _sqlalchemy_error(query, params, error) from error
                 try:
@@ -120,6 +123,12 @@ class ReadPool:
                 return rows
         raise AssertionError("unreachable")
 
+    async def _connect(self) -> psycopg.AsyncConnection:
+        conn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True,
+                                                     application_name=READ_POOL_NAME)
+        set_json_loads(json_loads, conn)
+        return conn
+
     def _release(self, conn: psycopg.AsyncConnection) -> None:
         if conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             _close(conn)
@@ -130,6 +139,22 @@ class ReadPool:
         """Close every idle connection (at shutdown, or when the loop changed)."""
         while self._idle:
             _close(self._idle.pop())
+
+
+def json_loads(data: bytes | str) -> Any:
+    """json.loads, by orjson where it gives the same (10x faster: the jsonb columns of a page of
+    tasks were an eighth of the list route's time). orjson reads an integer of over 64 bits as
+    a float: text with a run of 19 digits or more (no float's repr has one) goes to json."""
+    raw = data.encode() if isinstance(data, str) else data
+    if _LONG_DIGITS.search(raw) is None:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(data)
+
+
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
 
 
 def _close(conn: psycopg.AsyncConnection) -> None:

@@ -172,3 +172,65 @@ def test_read_pool_retries_dropped_connections_and_reports_outages(client, facto
 
     assert len(asyncio.run(bounded())) <= 2  # six reads shared two connections
     assert len(asyncio.run(bounded())) <= 2  # a new event loop: new connections, still works
+
+
+def test_json_loads_reads_as_json_does() -> None:
+    import json
+
+    from service.db import json_loads
+
+    for raw in (b'{"a": 123456789012345678901234567890, "b": 1.5}', b"[1e-05, 1E400, -0.0]",
+                b'[18446744073709551615, -9223372036854775809, 0.30000000000000004]',
+                '{"s": "caf\u00e9 \\u2603", "n": null, "t": [true, false]}'.encode(), b"{}"):
+        got, want = json_loads(raw), json.loads(raw)
+        assert got == want and repr(got) == repr(want), raw
+    with pytest.raises(ValueError):
+        json_loads(b"{nope")
+
+
+def test_deployed_server_serves_the_read_routes(client, factory, settings,  # noqa: ANN001
+                                                monkeypatch, app) -> None:  # noqa: ANN001
+    """python -m service.serve with two processes, as deployed: both read routes answer with
+    the in-process app's bytes; each process froze its startup objects out of the collector."""
+    import gc
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from service import app as app_module
+    from service import serve
+
+    monkeypatch.setattr(app_module, "_default_app", app)
+    assert serve.loaded_app() is app and gc.get_freeze_count() > 0
+    gc.unfreeze()
+    t = factory.tenant()
+    tid = factory.task(t)["id"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")} | {
+        "LORAPLEX_DATABASE_URL": settings.database_url, "LORAPLEX_REDIS_URL": settings.redis_url,
+        "LORAPLEX_STORAGE_DIR": str(settings.storage_dir),
+        "LORAPLEX_MODELS_FILE": str(settings.models_file), "LORAPLEX_WORKER_TOKEN": "w",
+        "LORAPLEX_MAINTENANCE_INTERVAL_S": "0", "LORAPLEX_SCHEDULER_ENABLED": "false"}
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "service.serve", "--port", str(port),
+                             "--workers", "2", "--log-level", "warning"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        for url in ("/v1/tasks", f"/v1/tasks/{tid}/metrics"):
+            got = [httpx.get(base + url, headers=t.headers, timeout=10) for _ in range(4)]
+            assert {r.status_code for r in got} == {200}
+            assert {r.content for r in got} == {client.get(url, headers=t.headers).content}
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0, proc.stdout.read().decode()[-2000:]
