@@ -316,3 +316,51 @@ def test_attach_refuses_what_cannot_share_the_executor(files, tmp_path) -> None:
     with pytest.raises(ValueError, match="outcome"):
         host.detach_task("A", "deleted")
     assert list(host.tasks) == ["A"] and not host._inbox  # nothing was queued
+
+
+def test_dpo_tasks_share_an_executor_and_checkpoint_only_their_own_references(files, tmp_path) -> None:  # noqa: ANN001
+    """DPO's reference log-probs are cached once per pair for the whole executor; a task's
+    state.pt holds its own pairs' numbers only (nothing of the other tenant's data)."""
+    from tests.unit.test_dpo import preference_rows
+
+    root = files[0]
+    data = {k: write_jsonl(root / f"pref_{k}.jsonl", preference_rows(16, seed=s)) for k, s in (("a", 3), ("b", 4))}
+    recs = {"A": Recorder(), "B": Recorder()}
+    cfgs = {t: task_cfg(files, tmp_path, f"dpo_{t}", "a", [
+        JobSpec(f"{t}{i}", rank=2 + 2 * i, alpha=4, lr=5e-3, batch_size=2, beta=0.1 * (i + 1), max_steps=4, seed=i)
+        for i in range(2)], method="dpo", train_file=str(data[t.lower()]), max_seq_len=40,
+        early_exit=EarlyExitSettings(enabled=False)) for t in ("A", "B")}
+    host = Executor(cfgs["A"], recs["A"].callbacks(), task_id="A")
+    host.attach_task(cfgs["B"], recs["B"].callbacks(), task_id="B")
+    host.run()
+    assert {t: r["outcome"] for t, r in host.results().items()} == {"A": "succeeded", "B": "succeeded"}
+    keys = {}
+    for t, cfg in cfgs.items():
+        ck = torch.load(Path(cfg.output_dir) / "state.pt", map_location="cpu", weights_only=False)
+        keys[t] = {bytes(k) for k in ck["reference"]["keys"].tolist()}
+        task = host.ended[t]
+        own, val = {p.key for p in task.train + task.val}, {p.key for p in task.val}
+        assert val <= keys[t] <= own  # its validation pairs and the train pairs it used
+        assert all(len(recs[t].train[j]) == 4 for j in (f"{t}0", f"{t}1"))
+    assert not keys["A"] & keys["B"] and keys["A"] | keys["B"] == set(host.engine.reference)
+
+
+def test_a_task_asked_to_stop_pauses_alone_and_resumes_elsewhere(files, tmp_path, fixed_rows) -> None:  # noqa: ANN001
+    """B's own stop flag (its placement paused): B checkpoints at the step boundary and leaves,
+    A trains on; B resumes later on its own executor and ends exactly where it would have."""
+    ref_b = Recorder()
+    ref_status = Executor(task_cfg(files, tmp_path, "ref_b", "b", jobs_b()), ref_b.callbacks()).run()
+    rec_a, before_b, after_b = Recorder(), Recorder(), Recorder()
+    cfg_b = task_cfg(files, tmp_path, "paused_b", "b", jobs_b(), checkpoint_every=10**6)
+    host = Executor(task_cfg(files, tmp_path, "runs_a", "a", jobs_a()), rec_a.callbacks(), task_id="A")
+    host.attach_task(cfg_b, before_b.callbacks(), task_id="B",
+                     stop_requested=lambda: max((s for s, _ in before_b.train["b0"]), default=0) >= 3)
+    host.run()
+    res = host.results()
+    assert res["A"]["outcome"] == "succeeded" and res["B"]["outcome"] == "paused" and host.ended["B"].stopped
+    # the flag is read once a step, before that step's reports: seen at step 4, which completes
+    assert [s for s, _ in before_b.train["b0"]] == [1, 2, 3, 4] and max(map(len, rec_a.train.values())) == 8
+    again = Executor(cfg_b, after_b.callbacks())
+    assert again.run() == ref_status
+    for j, points in ref_b.train.items():
+        assert before_b.train[j] + after_b.train[j] == points, j
