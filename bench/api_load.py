@@ -408,6 +408,14 @@ def table(rows: list[tuple[str, str, Result]]) -> str:
     return "\n".join(lines)
 
 
+def _uvicorn_impl() -> str:
+    """What uvicorn's "auto" loop and HTTP parser pick here."""
+    import importlib.util
+
+    fast = [m for m in ("uvloop", "httptools") if importlib.util.find_spec(m) is not None]
+    return " + ".join(fast) if fast else "asyncio + h11"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", default="1,default",
@@ -426,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="also write the table (markdown) here")
     args = p.parse_args(argv)
     seed = Seed(args.tasks, args.jobs, args.curve_tasks, args.steps, args.val_every)
+    load_before = os.getloadavg()[0]  # other work on the machine (it shares the CPUs)
     rows: list[tuple[str, str, Result]] = []
     if args.url:
         import httpx
@@ -463,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.duration:.0f} s measured per endpoint after {args.warmup:.0f} s warm-up; "
              f"data: {seed.tasks} tasks x {seed.jobs} jobs, {seed.curve_tasks} tasks with curves "
              f"of {seed.steps} train + {seed.steps // seed.val_every} val points per job; "
-             f"uvicorn --log-level {args.log_level}")
+             f"uvicorn --log-level {args.log_level} ({_uvicorn_impl()}); load average "
+             f"(1 min) {load_before:.1f} before the runs, {os.getloadavg()[0]:.1f} after")
     text = f"{setup}\n\n{table(rows)}\n"
     print(text)
     if args.out:

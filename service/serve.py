@@ -1,8 +1,10 @@
 """``python -m service.serve``: the API under uvicorn with several worker processes, as deployed.
 The count is LORAPLEX_API_WORKERS, or one per CPU this process may use (at least 2, at most 8):
-the routes are sync and each process overlaps their database waits on its threadpool, so more
-processes than cores only add contention (bench/results/api_load_cpu.md). One of the workers wins
-the leader election and runs the background loops (service.background)."""
+each process overlaps its requests' database waits (the most-read routes on its event loop,
+service.read_path; the others on its threadpool), so more processes than cores only add
+contention (bench/results/api_load_cpu.md). One of the workers wins the leader election and
+runs the background loops (service.background). uvicorn uses uvloop and httptools (installed
+with the service) by itself."""
 
 from __future__ import annotations
 
