@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_lora import AUTOTUNE_KW, _acc_torch, _adapter_base, _check
+from kernels.triton_lora import AUTOTUNE_KW, _acc_torch, _adapter_base, _check, _shrink_sweep
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Under the interpreter one small config runs; tests vary the tile sizes through the env.
@@ -128,25 +128,17 @@ def _shrink_jit(
     dtype = m_ptr.dtype.element_ty
     w_base = _adapter_base(w_ptr, ad, stride_wn, woff_ptr, ARENA)
     m_rows = m_ptr + rows64[:, None] * stride_mm
+    scale = tl.load(scale_ptr + ad).to(ACC)
     if FUSE_WGRAD:
-        scale = tl.load(scale_ptr + ad).to(ACC)
         st = tl.load(s_ptr + rows64[:, None] * stride_sm + rr[None, :], mask=row_mask[:, None] & r_mask[None, :],
                      other=0.0)
-        st_t = tl.trans((st * scale).to(dtype))
-        g_base = _adapter_base(g_ptr, ad, stride_wn, goff_ptr, ARENA)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC)
+        st_t = tl.trans(st.to(dtype))
+    else:
+        st_t = w_base  # unread
+    g_base = _adapter_base(g_ptr, ad, stride_wn, goff_ptr, ARENA)
     c_end = tl.where(valid, C, 0)
-    for c0 in range(0, c_end, BLOCK_K):
-        cs = c0 + tl.arange(0, BLOCK_K)
-        c_mask = cs < C
-        mt = tl.load(m_rows + cs[None, :] * stride_mc, mask=row_mask[:, None] & c_mask[None, :], other=0.0)
-        wt = tl.load(w_base + cs[:, None] * stride_wc + rr[None, :] * stride_wr,
-                     mask=c_mask[:, None] & r_mask[None, :], other=0.0)
-        acc = tl.dot(mt, wt, acc, input_precision=DOT_PREC)
-        if FUSE_WGRAD:
-            part = tl.dot(st_t, mt, tl.zeros((BLOCK_R, BLOCK_K), dtype=ACC), input_precision=DOT_PREC)
-            tl.atomic_add(g_base + rr[:, None] * stride_wr + cs[None, :] * stride_wc, part,
-                          mask=r_mask[:, None] & c_mask[None, :], sem="relaxed")
+    acc = _shrink_sweep(tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC), m_rows, stride_mc, row_mask, w_base, stride_wc,
+                        stride_wr, rr, r_mask, C, c_end, st_t, g_base, scale, FUSE_WGRAD, ACC, DOT_PREC, BLOCK_K)
     tl.store(p_ptr + rows64[:, None] * stride_pm + rr[None, :], acc, mask=row_mask[:, None] & r_mask[None, :])
 
 

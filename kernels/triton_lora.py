@@ -104,6 +104,27 @@ def _adapter_base(ptr, ad, stride_n, off_ptr, ARENA: tl.constexpr):
 
 
 @triton.jit
+def _shrink_sweep(acc, m_rows, stride_mc, row_mask, w_base, stride_wc, stride_wr, rr, r_mask, C, c_end,
+                  st_t, g_base, g_scale, FUSE_WGRAD: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """acc += M[rows, :C] @ W[rr, :C]^T, sweeping C in BLOCK_K columns (W addressed (rank, col));
+    with FUSE_WGRAD the same sweep adds g_scale * st_t @ M[rows, cols] into G at W's layout
+    (atomics): the shrink S = X A (forward) and dS = dY B with dB (backward) of both forms."""
+    for c0 in range(0, c_end, BLOCK_K):
+        cs = c0 + tl.arange(0, BLOCK_K)
+        c_mask = cs < C
+        mt = tl.load(m_rows + cs[None, :] * stride_mc, mask=row_mask[:, None] & c_mask[None, :], other=0.0)
+        wt = tl.load(w_base + cs[:, None] * stride_wc + rr[None, :] * stride_wr,
+                     mask=c_mask[:, None] & r_mask[None, :], other=0.0)
+        acc = tl.dot(mt, wt, acc, input_precision=DOT_PREC)
+        if FUSE_WGRAD:
+            part = tl.dot(st_t, mt, tl.zeros((st_t.shape[0], BLOCK_K), dtype=ACC), input_precision=DOT_PREC)
+            tl.atomic_add(g_base + rr[:, None] * stride_wr + cs[None, :] * stride_wc, part * g_scale,
+                          mask=r_mask[:, None] & c_mask[None, :], sem="relaxed")
+    return acc
+
+
+@triton.jit
 def _fwd_jit(
     x_ptr, a_ptr, b_ptr, y_ptr, s_ptr, off_ptr, rank_ptr, scale_ptr, aoff_ptr, boff_ptr,
     N, K, D_OUT, R_MAX, T_BUCKET,
@@ -120,14 +141,8 @@ def _fwd_jit(
     x_rows = x_ptr + rows64[:, None] * stride_xm
     a_base = _adapter_base(a_ptr, ad, stride_an, aoff_ptr, ARENA)
     k_end = tl.where(valid, K, 0)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC)
-    for k0 in range(0, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        xt = tl.load(x_rows + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        at = tl.load(a_base + ks[:, None] * stride_ak + rr[None, :] * stride_ar,
-                     mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-        acc = tl.dot(xt, at, acc, input_precision=DOT_PREC)
+    acc = _shrink_sweep(tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC), x_rows, stride_xk, row_mask, a_base, stride_ak,
+                        stride_ar, rr, r_mask, K, k_end, a_base, a_base, scale, False, ACC, DOT_PREC, BLOCK_K)
     tl.store(s_ptr + rows64[:, None] * stride_sm + rr[None, :], acc,
              mask=row_mask[:, None] & (rr[None, :] < R_MAX))
     # expand: y += s_i S B_i, sweeping d_out
@@ -169,18 +184,8 @@ def _bwd_jit(
     b_base = _adapter_base(b_ptr, ad, stride_bn, boff_ptr, ARENA)
     db_base = _adapter_base(db_ptr, ad, stride_bn, boff_ptr, ARENA)
     n_end = tl.where(valid, D_OUT, 0)
-    ds = tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC)
-    for n0 in range(0, n_end, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        c_mask = cols < D_OUT
-        dyt = tl.load(dy_rows + cols[None, :] * stride_dyn, mask=row_mask[:, None] & c_mask[None, :], other=0.0)
-        bt_t = tl.load(b_base + cols[:, None] * stride_bo + rr[None, :] * stride_br,
-                       mask=c_mask[:, None] & r_mask[None, :], other=0.0)
-        ds = tl.dot(dyt, bt_t, ds, input_precision=DOT_PREC)
-        if COMPUTE_DB:
-            dbp = tl.dot(st_t, dyt, tl.zeros((BLOCK_R, BLOCK_N), dtype=ACC), input_precision=DOT_PREC)
-            tl.atomic_add(db_base + rr[:, None] * stride_br + cols[None, :] * stride_bo, dbp * scale,
-                          mask=r_mask[:, None] & c_mask[None, :], sem="relaxed")
+    ds = _shrink_sweep(tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC), dy_rows, stride_dyn, row_mask, b_base, stride_bo,
+                       stride_br, rr, r_mask, D_OUT, n_end, st_t, db_base, scale, COMPUTE_DB, ACC, DOT_PREC, BLOCK_N)
     dsd = (ds * scale).to(dtype)
     # sweep d_in: dX += dS A_i^T (in place over cuBLAS's dY W), dA_i += X_i^T dS (atomics)
     x_rows = x_ptr + rows64[:, None] * stride_xm

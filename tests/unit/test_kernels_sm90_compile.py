@@ -1,4 +1,4 @@
-"""The Triton kernels compiled for Hopper (sm_90) on a machine without a GPU.
+"""The Triton kernels (both forms) compiled for Hopper (sm_90) on a machine without a GPU.
 
 The interpreter tests run the kernels' arithmetic but never the compiler; this one runs Triton's
 real NVIDIA pipeline ahead of time (ptxas ships in the triton wheel) with the specialisation the
@@ -96,6 +96,18 @@ wg = dict(p_ptr="*fp32", m_ptr=P, g_ptr="*fp32", goff_ptr="*i64", off_ptr="*i64"
           stride_gr=DI, stride_gc=1)
 cfg = fl._WGRAD_CONFIGS[0]
 res["wgrad"] = _compile(fl._wgrad_jit, wg, dict(meta, BLOCK_R=16, **cfg.kwargs), cfg.num_warps, cfg.num_stages)
+# the composition's kernels (kernels.triton_lora), which share the shrink sweep with the fused form
+cmp_args = dict(x_ptr=P, a_ptr=P, b_ptr=P, y_ptr=P, s_ptr="*fp32", dy_ptr=P, dx_ptr=P, da_ptr="*fp32",
+                db_ptr="*fp32", off_ptr="*i64", rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i64", boff_ptr="*i64",
+                N=8, K=DI, D_OUT=DO, R_MAX=R, T_BUCKET=T, stride_xm=DI, stride_xk=1, stride_an=0, stride_ak=1,
+                stride_ar=DI, stride_bn=0, stride_br=DO, stride_bo=1, stride_ym=DO, stride_yn=1, stride_sm=R,
+                stride_dym=DO, stride_dyn=1, stride_dxm=DI, stride_dxk=1)
+cfg = tlr._FWD_CONFIGS[0]
+res["compose fwd"] = _compile(tlr._fwd_jit, cmp_args, dict(meta, BLOCK_R=R, **cfg.kwargs), cfg.num_warps,
+                              cfg.num_stages)
+cfg = tlr._BWD_CONFIGS[0]
+res["compose bwd"] = _compile(tlr._bwd_jit, cmp_args, dict(meta, BLOCK_R=R, COMPUTE_DX=True, COMPUTE_DA=True,
+                              COMPUTE_DB=True, **cfg.kwargs), cfg.num_warps, cfg.num_stages)
 print("RESULT" + json.dumps(res))
 """
 
@@ -103,14 +115,14 @@ print("RESULT" + json.dumps(res))
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not os.path.exists(os.path.join(_BIN, "ptxas")), reason="triton without its NVIDIA ptxas")
-def test_fused_kernels_compile_for_hopper() -> None:
+def test_kernels_compile_for_hopper() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real compiler, not the interpreter
     env["PYTHONPATH"] = ROOT
     proc = subprocess.run([sys.executable, "-c", _WORKER, _BIN], capture_output=True, text=True, env=env,
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert len(res) == 9
+    assert len(res) == 11
     for name, r in res.items():
         assert r["local"] in (0, None), f"{name} spills to local memory: {r}"
         if name.startswith("gemm"):
