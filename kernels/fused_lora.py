@@ -22,7 +22,9 @@ Ranks need not be powers of two (the last block is masked).
 
 Where a Triton GEMM is slower than cuBLAS on a shape, the composition (`triton_lora`: cuBLAS +
 separate LoRA passes) is the faster choice; `kernels.form_choice` picks per shape from measured
-timings (bench/lora_op.py writes them).
+timings (bench/lora_op.py writes them). `USE_TMA` / `tma=True` (opt-in, unmeasured) fetches the
+GEMMs' A and B tiles with TMA tensor descriptors instead of pointer loads; same epilogue.
+Design, predictions and what to measure: bench/NOTES_kernels.md ("Issue 20").
 """
 
 from __future__ import annotations
