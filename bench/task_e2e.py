@@ -20,7 +20,7 @@ large runs therefore come from real curves, and the large runs check that they r
 small runs' decisions exactly. Quality (best validation loss of (a) vs (b)) is the small model's.
 
     python bench/task_e2e.py --out bench/results/task_e2e_h100.md [--layers 4] [--json FILE]
-    python bench/task_e2e.py --pack-only [--no-shape-buckets]   # CPU: shapes and padding only
+    python bench/task_e2e.py --pack-only   # CPU: shapes and padding only (free, buckets, varlen)
 
 `--pack-only` runs (b)'s executor on the CPU with the backbone replaced by zeros (a toy model
 loads; every step and evaluation is packed exactly as on the device, at the admission width of
@@ -208,13 +208,18 @@ class TraceExecutor(Executor):
     """The real executor whose engine computes everything at the large shape, but whose train
     and validation losses are replaced by the small model's at the same job and step."""
 
-    def __init__(self, cfg: ExecutorConfig, cb: Callbacks, trace: Record, recorder: dict) -> None:
+    def __init__(self, cfg: ExecutorConfig, cb: Callbacks, trace: Record, recorder: dict,
+                 shape_buckets: bool = True, attention: str = "rows") -> None:
         super().__init__(cfg, cb)
         self.trace, self.recorder, self.missing = trace, recorder, 0
+        self.shape_buckets, self.attention = shape_buckets, attention
 
     def _load(self) -> None:
         super()._load()
         eng, real_step, real_eval = self.engine, self.engine.step, self.engine.evaluate_metrics
+        if not self.shape_buckets:
+            eng.shape_buckets = None
+        eng.set_attention(self.attention)
 
         def step():  # noqa: ANN202
             n = len(self.recorder["step_s"])
@@ -477,15 +482,16 @@ class PackOnlyExecutor(Executor):
     """(b)'s executor with the backbone replaced by zeros: packing, admission, evaluation points
     and updates are the real ones, the model costs nothing (shapes and padding on the CPU)."""
 
-    def __init__(self, cfg: ExecutorConfig, cb: Callbacks, buckets: bool) -> None:
+    def __init__(self, cfg: ExecutorConfig, cb: Callbacks, buckets: bool, attention: str) -> None:
         super().__init__(cfg, cb)
-        self.buckets, self.cells, self.real = buckets, 0, 0
+        self.buckets, self.attention, self.cells, self.real = buckets, attention, 0, 0
 
     def _load(self) -> None:
         super()._load()
         eng = self.engine
         if not self.buckets:
             eng.shape_buckets = None
+        eng.set_attention(self.attention)
         width = eng.model.config.hidden_size
 
         def hidden(batch):  # noqa: ANN001, ANN202
@@ -502,21 +508,22 @@ class PackOnlyExecutor(Executor):
 
 def pack_only(args: argparse.Namespace, root: Path, data: tuple[Path, Path], jobs: list[JobSpec],
               tok) -> dict:  # noqa: ANN001
-    """Shapes and padding of (b) on the CPU, with and without shape buckets."""
+    """Shapes and padding of (b) on the CPU: rows in free shapes, rows in bucketed shapes, one
+    varlen row."""
     SMOKE["on"] = True
     model_dir = large_model(root / "toy", 1, tok)
     out = {}
-    for buckets in (True, False) if args.shape_buckets else (False,):
-        cfg = executor_cfg(model_dir, data, root / f"pack_{int(buckets)}", jobs, False, args, None)
+    for name, buckets, attention in (("free", False, "rows"), ("buckets", True, "rows"),
+                                     ("varlen", True, "varlen")):
+        cfg = executor_cfg(model_dir, data, root / f"pack_{name}", jobs, False, args, None)
         cfg.device, cfg.max_tokens_per_step = "cpu", args.max_total_batch * args.seq
         cfg.checkpoint_every, cfg.checkpoint_every_s = 10**9, None
-        ex = PackOnlyExecutor(cfg, Record().callbacks(), buckets)
+        ex = PackOnlyExecutor(cfg, Record().callbacks(), buckets, attention)
         t0 = time.perf_counter()
         ex.run()
-        out["buckets" if buckets else "free"] = {
-            **shape_summary(ex.engine.forward_shapes), "steps": ex.global_step,
-            "padding": 1 - ex.real / max(ex.cells, 1), "host_s": time.perf_counter() - t0}
-        log("buckets" if buckets else "free", out["buckets" if buckets else "free"])
+        out[name] = {**shape_summary(ex.engine.forward_shapes), "steps": ex.global_step,
+                     "padding": 1 - ex.real / max(ex.cells, 1), "host_s": time.perf_counter() - t0}
+        log(name, out[name])
     return out
 
 
@@ -544,6 +551,8 @@ def main() -> None:  # noqa: PLR0915
                     help="--pack-only: sequences per step admitted (the H100 run's at 4 layers)")
     ap.add_argument("--no-shape-buckets", dest="shape_buckets", action="store_false",
                     help="the engine packs steps in free shapes (MultiLoraEngine.shape_buckets=None)")
+    ap.add_argument("--attention", choices=("rows", "varlen"), default="rows",
+                    help="the engine's packing and attention (MultiLoraEngine.set_attention)")
     ap.add_argument("--no-cudnn-attention", dest="cudnn_attention", action="store_false",
                     help="the executor turns SDPA's cuDNN backend off (ExecutorConfig.cudnn_attention)")
     args = ap.parse_args()
@@ -585,7 +594,7 @@ def main() -> None:  # noqa: PLR0915
         out = Record()
         cfg = executor_cfg(large_dir, data, root / f"large_{name}", jobs, ee, args, cache)
         cfg.cudnn_attention = args.cudnn_attention
-        ex = TraceExecutor(cfg, out.callbacks(), trace, rec)
+        ex = TraceExecutor(cfg, out.callbacks(), trace, rec, args.shape_buckets, args.attention)
         t0 = time.perf_counter()
         ex.run()
         wall = time.perf_counter() - t0
@@ -596,6 +605,9 @@ def main() -> None:  # noqa: PLR0915
                       "host_pack_s": rec["pack_s"], "host_layout_s": rec["layout_s"],
                       "max_total_batch": ex.admission.max_total_batch(), "k0": mm["k0"], "k1": mm["k1"],
                       "evals": sum(len(c) for c in out.val.values()),
+                      "attention_shapes": shape_summary(ex.engine.forward_shapes),
+                      "padding": statistics.fmean(1 - (b[0] != 0).sum().item() / b[0].numel()
+                                                  for b in rec["batches"]) if rec["batches"] else None,
                       "samples": sum(max(c) * spec[j].batch_size for j, c in out.train.items()),
                       "eval_forwards_note": "sequences per eval forward up to max_total_batch"}
         res["runs"] = runs
@@ -656,6 +668,14 @@ def render(res: dict) -> str:
                      f"{r['samples']} |")
     lines.append(f"| (c) PEFT one at a time (extrapolated) | {p['grid_s']:.1f} | {p['load_s']:.1f} | | | | | | | | "
                  f"{q['samples_b']} |")
+    for name, r in (("(a)", a), ("(b)", b)):
+        sh = r["attention_shapes"]
+        lines.append(f"\n{name}: {sh['total']} distinct backbone-forward shapes ({sh['train']} training, "
+                     f"{sh['eval']} evaluation) over {sh['forwards']} forwards; padded cells per step "
+                     f"{r['padding']:.1%}")
+    fl = b["floor"]
+    lines.append(f"\nfloor on {fl['steps']} of (b)'s steps: engine {fl['engine_s']:.2f} s vs backbone "
+                 f"{fl['floor_s']:.2f} s = {fl['engine_s'] / fl['floor_s']:.2f}x; padding {fl['padding']:.1%}")
     lines.append(f"\nquality: best val (a) {q['best_a']:.4f} ({q['best_job_a']}), (b) {q['best_b']:.4f} "
                  f"({q['best_job_b']}); ratio {q['best_a'] / q['best_b']:.4f}")
     return "\n".join(lines) + "\n"

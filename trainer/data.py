@@ -361,6 +361,20 @@ class PackedBatch:
     # [R, L] int64: the step-wide index of the sequence each token belongs to (-1 on padding),
     # sequences numbered job by job in the order given to pack_step (per-sequence sums, DPO)
     seq_index: torch.Tensor | None = None
+    # flat (varlen) batches: [1, T] holding every job's sequences one after another; job i's
+    # tokens are token_offsets[i]..token_offsets[i + 1] and cu_seqlens bound every sequence
+    # (the padding tail included), for an attention that never crosses them
+    token_offsets: list[int] | None = None
+    cu_seqlens: list[int] | None = None
+    # on the device: the keyword arguments the varlen attention reads (bounds, longest)
+    varlen: dict[str, Any] | None = None
+
+    @property
+    def job_tokens(self) -> list[int]:
+        """Each job's first token in the flattened [R * L] order (and the end)."""
+        if self.token_offsets is not None:
+            return self.token_offsets
+        return [r * self.input_ids.shape[1] for r in self.row_offsets]
 
     @property
     def padded_fraction(self) -> float:
@@ -372,6 +386,7 @@ class PackedBatch:
             self.input_ids.to(device), self.position_ids.to(device), self.targets.to(device),
             self.row_offsets, self.real_tokens,
             None if self.seq_index is None else self.seq_index.to(device),
+            self.token_offsets, self.cu_seqlens,
         )
 
 
@@ -509,6 +524,47 @@ def _fill(per_job: Sequence[Sequence[Example]], layout: Sequence[Sequence[Sequen
         row_offsets.append(r)
     row_offsets[-1] = n_rows  # rows that fill the row bucket up are the last job's (all padding)
     fill += [0] * (n_rows - r)
+    ids, pos, tgt, seq = _write(ids_cat, next_cat, seq_ids, lens, starts, fill, n_rows, length,
+                                pad_id, restart_padding)
+    return PackedBatch(ids, pos, tgt, row_offsets, sum(lens), seq)
+
+
+def pack_flat(per_job: Sequence[Sequence[Example]], pad_id: int, per_octave: int = 16,
+              max_cells: int | None = None) -> PackedBatch:
+    """Every job's sequences in ONE row [1, T], job after job, for an attention over variable-
+    length sequences (cu_seqlens): no padding between sequences and none per job; T is the token
+    count rounded up to `per_octave` sizes per doubling (at most max_cells unless the tokens
+    alone exceed it), the tail one padding sequence. Jobs are token ranges (token_offsets)."""
+    ids_cat: list[int] = []
+    next_cat: list[int] = []
+    lens, token_offsets = [], [0]
+    for seqs in per_job:
+        for ex in seqs:
+            ids_cat += ex.input_ids
+            next_cat += ex.labels[1:]
+            next_cat.append(IGNORE)
+            lens.append(len(ex.input_ids))
+        token_offsets.append(token_offsets[-1] + sum(len(e.input_ids) for e in seqs))
+    total = token_offsets[-1]
+    length = max(bucket_up(total, per_octave), 1)
+    if max_cells is not None and length > max_cells:
+        length = max(total, 1)
+    token_offsets[-1] = length  # the padding tail is the last job's (nothing trained)
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    cu = [*starts, total] + ([length] if length > total else [])
+    ids, pos, tgt, seq = _write(ids_cat, next_cat, list(range(len(lens))), lens, starts, [total], 1,
+                                length, pad_id, True)
+    return PackedBatch(ids, pos, tgt, [0] * len(per_job) + [1], total, seq, token_offsets, cu)
+
+
+def _write(ids_cat: list[int], next_cat: list[int], seq_ids: list[int], lens: list[int],
+           starts: list[int], fill: list[int], n_rows: int, length: int, pad_id: int,
+           restart_padding: bool) -> tuple[torch.Tensor, ...]:
+    """[rows, length] ids, positions, targets and sequence index of sequences written at their
+    start cells (ids and next-token targets concatenated in sequence order), each row filled up
+    to `fill` and padded after."""
     n = torch.tensor(lens, dtype=torch.long)
     total = int(n.sum()) if lens else 0
     within = torch.arange(total) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
@@ -526,5 +582,5 @@ def _fill(per_job: Sequence[Sequence[Example]], layout: Sequence[Sequence[Sequen
         pos = pos - torch.tensor(fill, dtype=torch.long).unsqueeze(1)
     pos = pos.reshape(-1)
     pos[cell] = within
-    return PackedBatch(ids.view(n_rows, length), pos.view(n_rows, length), tgt.view(n_rows, length),
-                       row_offsets, total, seq.view(n_rows, length))
+    return (ids.view(n_rows, length), pos.view(n_rows, length), tgt.view(n_rows, length),
+            seq.view(n_rows, length))

@@ -144,15 +144,17 @@ class DpoEngine(MultiLoraEngine):
         summed response log-probs [2 * pairs] (chosen first), from the job's own rows."""
         seqs = [pair_sequences(pairs) for pairs in per_job]
         batch, _ = self.batch_to_device(self.pack_batch(seqs))
-        length = batch.input_ids.shape[1]
-        self._set_layout(states, [r * length for r in batch.row_offsets])
+        bounds = batch.job_tokens
+        self._set_layout(states, bounds)
         hidden = self._hidden(batch)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        targets, seq_index = batch.targets.reshape(-1), batch.seq_index.reshape(-1)
         self.passes["policy"] += 1
         out, first = [], 0
         for i, job_seqs in enumerate(seqs):
-            r0, r1 = batch.row_offsets[i], batch.row_offsets[i + 1]
-            out.append(self._sequence_logps(hidden[r0:r1], batch.targets[r0:r1],
-                                            batch.seq_index[r0:r1], first, len(job_seqs)))
+            t0, t1 = bounds[i], bounds[i + 1]
+            out.append(self._sequence_logps(hidden[t0:t1], targets[t0:t1], seq_index[t0:t1], first,
+                                            len(job_seqs)))
             first += len(job_seqs)
         return batch, out
 

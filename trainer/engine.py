@@ -24,13 +24,22 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from service.protocol import JobHyperparameters
-from trainer.data import IGNORE, Example, JobDataStream, PackedBatch, ShapeBuckets, pack_step
+from trainer.data import (
+    IGNORE,
+    Example,
+    JobDataStream,
+    PackedBatch,
+    ShapeBuckets,
+    pack_flat,
+    pack_step,
+)
 from trainer.families import family_of, resolve_targets
 from trainer.multilora import (
     JobAdapter,
     StepLayout,
     inject_multilora,
 )
+from trainer.varlen import register_varlen
 
 
 @dataclass
@@ -233,6 +242,7 @@ class MultiLoraEngine:
         pack: bool = True,
         pad_multiple: int = 1,
         shape_buckets: ShapeBuckets | None = ShapeBuckets(),  # noqa: B008 (frozen)
+        attention: str = "rows",
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -256,6 +266,11 @@ class MultiLoraEngine:
         # never holds more cells than its sequences at the longest length seen, which is what
         # admission sized it for (sequences x max_seq_len)
         self.shape_buckets = shape_buckets
+        # "rows": each job's sequences in its own rows, the model's attention with a block mask;
+        # "varlen": every sequence one after another in one row, attention by sequence bounds
+        # (trainer.varlen: no padding, no mask, one job's values never reach another's)
+        self.attention = "rows"
+        self.set_attention(attention)
         self.seq_cap = max((self._longest(e) for e in self.train_examples), default=1)
         # backbone forwards by (rows, length, with grad): attention plans are built per shape
         self.forward_shapes: Counter[tuple[int, int, bool]] = Counter()
@@ -370,6 +385,17 @@ class MultiLoraEngine:
             layer.layout = lay
             layer.a_off, layer.b_off = offs[0, k], offs[1, k]
 
+    def set_attention(self, mode: str) -> None:
+        """Switch the packing and the model's attention between "rows" and "varlen"."""
+        if mode not in ("rows", "varlen"):
+            raise ValueError(f"attention must be 'rows' or 'varlen', got {mode!r}")
+        if mode == "varlen" and self.attention != "varlen":
+            self._row_attention = self.model.config._attn_implementation
+            self.model.set_attn_implementation(register_varlen())
+        elif mode == "rows" and self.attention == "varlen":
+            self.model.set_attn_implementation(self._row_attention)
+        self.attention = mode
+
     def _to_device(self, cpu: torch.Tensor) -> torch.Tensor:
         """A host tensor on the engine's device without a sync (pinned, copied asynchronously)."""
         if self.device.type != "cuda":
@@ -388,17 +414,25 @@ class MultiLoraEngine:
         longest = max((len(e.input_ids) for seqs in per_job for e in seqs), default=1)
         self.seq_cap = max(self.seq_cap, longest)
         n_seqs = sum(len(seqs) for seqs in per_job)
+        if self.attention == "varlen":
+            return pack_flat(per_job, self.pad_id, max_cells=n_seqs * self.seq_cap)
         return pack_step(per_job, self.pad_id, pack=self.pack, multiple_of=self.pad_multiple,
                          buckets=self.shape_buckets, max_cells=n_seqs * self.seq_cap)
 
     def batch_to_device(self, cpu: PackedBatch, *extra: torch.Tensor) -> tuple[PackedBatch, list[torch.Tensor]]:
         """The batch (and extra int64 host tensors) on the device in ONE asynchronous copy."""
-        parts = [cpu.input_ids, cpu.position_ids, cpu.targets, cpu.seq_index, *extra]
+        cu = [] if cpu.cu_seqlens is None else [torch.tensor(cpu.cu_seqlens, dtype=torch.int64)]
+        parts = [cpu.input_ids, cpu.position_ids, cpu.targets, cpu.seq_index, *cu, *extra]
         flat = self._to_device(torch.cat([t.reshape(-1) for t in parts]))
         out = list(flat.split([t.numel() for t in parts]))
         views = [o.view(t.shape) for o, t in zip(out, parts, strict=True)]
-        batch = PackedBatch(views[0], views[1], views[2], cpu.row_offsets, cpu.real_tokens, views[3])
-        return batch, views[4:]
+        batch = PackedBatch(views[0], views[1], views[2], cpu.row_offsets, cpu.real_tokens, views[3],
+                            cpu.token_offsets, cpu.cu_seqlens)
+        if cu:
+            # what the varlen attention reads: sequence bounds on the device and the longest
+            batch.varlen = {"cu_seq_lens_q": views[4].to(torch.int32), "max_length_q":
+                            max(b - a for a, b in zip(cpu.cu_seqlens[:-1], cpu.cu_seqlens[1:], strict=True))}
+        return batch, views[4 + len(cu):]
 
     def _clear_layout(self) -> None:
         for layer in self.layer_list:
@@ -406,8 +440,11 @@ class MultiLoraEngine:
 
     def _hidden(self, batch: PackedBatch) -> torch.Tensor:
         self.forward_shapes[(*batch.input_ids.shape, torch.is_grad_enabled())] += 1
+        varlen = batch.varlen or {}
+        if varlen:
+            varlen = {**varlen, "cu_seq_lens_k": varlen["cu_seq_lens_q"], "max_length_k": varlen["max_length_q"]}
         out = self.model.base_model(
-            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False
+            input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **varlen
         )
         return out.last_hidden_state
 
@@ -452,17 +489,20 @@ class MultiLoraEngine:
         cpu = self.pack_batch(per_job)
         # every job's target positions found on the host (where the batch was built), moved with
         # the batch in one copy: selecting them on the device then needs no sync per job
-        picks = [(cpu.targets[r0:r1].reshape(-1) != IGNORE).nonzero().reshape(-1)
-                 for r0, r1 in zip(cpu.row_offsets[:-1], cpu.row_offsets[1:], strict=True)]
+        bounds = cpu.job_tokens
+        flat = cpu.targets.reshape(-1)
+        picks = [(flat[t0:t1] != IGNORE).nonzero().reshape(-1)
+                 for t0, t1 in zip(bounds[:-1], bounds[1:], strict=True)]
         batch, (index,) = self.batch_to_device(cpu, torch.cat(picks))
         index = index.split([len(p) for p in picks])
-        length = batch.input_ids.shape[1]
-        self._set_layout(states, [r * length for r in batch.row_offsets])
+        self._set_layout(states, bounds)
         hidden = self._hidden(batch)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        targets = batch.targets.reshape(-1)
         sums, counts = [], []
         for i in range(len(states)):
-            r0, r1 = batch.row_offsets[i], batch.row_offsets[i + 1]
-            s, n = self._job_loss_sum(hidden[r0:r1], batch.targets[r0:r1], index[i], len(picks[i]))
+            t0, t1 = bounds[i], bounds[i + 1]
+            s, n = self._job_loss_sum(hidden[t0:t1], targets[t0:t1], index[i], len(picks[i]))
             sums.append(s)
             counts.append(n)
         return batch, sums, counts

@@ -104,11 +104,12 @@ def model_dir(tmp_path_factory):  # noqa: ANN201
     return tiny_model_dir("llama", tmp_path_factory.mktemp("packing"))
 
 
-def engine(cls, model_dir, examples, pad_id: int, pack: bool):  # noqa: ANN001, ANN201
+def engine(cls, model_dir, examples, pad_id: int, pack: bool, attention: str = "rows"):  # noqa: ANN001, ANN201
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
-    return cls(model, examples, pad_id, adapter_dtype=torch.float64, pack=pack, shape_buckets=COARSE)
+    return cls(model, examples, pad_id, adapter_dtype=torch.float64, pack=pack, shape_buckets=COARSE,
+               attention=attention)
 
 
 def step_and_grads(eng: MultiLoraEngine):  # noqa: ANN201
@@ -118,8 +119,9 @@ def step_and_grads(eng: MultiLoraEngine):  # noqa: ANN201
 
 
 def compare_packed_with_unpacked(cls, model_dir, examples, pad_id: int, jobs: list[JobSpec],  # noqa: ANN001
-                                 prepare=None, steps: int = 3) -> None:  # noqa: ANN001
-    engines = {pack: engine(cls, model_dir, examples, pad_id, pack) for pack in (True, False)}
+                                 prepare=None, steps: int = 3, attention: str = "rows") -> None:  # noqa: ANN001
+    engines = {pack: engine(cls, model_dir, examples, pad_id, pack, attention if pack else "rows")
+               for pack in (True, False)}
     for eng in engines.values():
         for spec in jobs:
             eng.attach(copy.deepcopy(spec))
@@ -133,35 +135,49 @@ def compare_packed_with_unpacked(cls, model_dir, examples, pad_id: int, jobs: li
         if cls is DpoEngine:
             per_job = [[e for p in pairs for e in (p.chosen, p.rejected)] for pairs in per_job]
         layout = packed.pack_batch(per_job)
+        if attention == "varlen":  # one row, every job's sequences, a padding tail
+            assert layout.input_ids.shape[0] == 1 and len(layout.cu_seqlens) >= len(per_job) + 1
+            pad_rows.append(layout.cu_seqlens[-1] > layout.real_tokens)
+            rep_a, grads_a = step_and_grads(packed)
+            rep_b, grads_b = step_and_grads(plain)
+            check_step(packed, rep_a, rep_b, grads_a, grads_b)
+            continue
         multi = [(layout.seq_index[r] >= 0).any() and len(set(layout.seq_index[r].tolist()) - {-1}) > 1
                  for r in range(layout.input_ids.shape[0])]
         assert any(multi), "some row must hold several sequences"
         pad_rows.append(bool((layout.seq_index[layout.row_offsets[-2]:] == -1).all(dim=1).any()))
         rep_a, grads_a = step_and_grads(packed)
         rep_b, grads_b = step_and_grads(plain)
-        for j in packed.jobs:
-            assert rep_a.losses[j] == pytest.approx(rep_b.losses[j], rel=1e-11, abs=1e-13)
-            assert rep_a.grad_norms[j] == pytest.approx(rep_b.grad_norms[j], rel=1e-10)
-            assert grads_a[j].abs().max() > 0
-            torch.testing.assert_close(grads_a[j], grads_b[j], rtol=1e-9, atol=1e-13)
-            for k, v in rep_a.metrics.get(j, {}).items():
-                assert v == pytest.approx(rep_b.metrics[j][k], rel=1e-10, abs=1e-12)
-    assert any(pad_rows), "a step with rows of pure padding (the row bucket)"
+        check_step(packed, rep_a, rep_b, grads_a, grads_b)
+    assert any(pad_rows), "a step with padding cells after the last job's (the bucket)"
     for j in packed.jobs:
         torch.testing.assert_close(packed.jobs[j].adapter.flat, plain.jobs[j].adapter.flat, rtol=1e-9, atol=1e-12)
 
 
-def test_packed_sft_step_equals_unpacked_rows(model_dir) -> None:  # noqa: ANN001
+def check_step(packed, rep_a, rep_b, grads_a, grads_b) -> None:  # noqa: ANN001
+    for j in packed.jobs:
+        assert rep_a.losses[j] == pytest.approx(rep_b.losses[j], rel=1e-11, abs=1e-13)
+        assert rep_a.grad_norms[j] == pytest.approx(rep_b.grad_norms[j], rel=1e-10)
+        assert grads_a[j].abs().max() > 0
+        torch.testing.assert_close(grads_a[j], grads_b[j], rtol=1e-9, atol=1e-13)
+        for k, v in rep_a.metrics.get(j, {}).items():
+            assert v == pytest.approx(rep_b.metrics[j][k], rel=1e-10, abs=1e-12)
+
+
+@pytest.mark.parametrize("attention", ["rows", "varlen"])
+def test_packed_sft_step_equals_unpacked_rows(model_dir, attention: str) -> None:  # noqa: ANN001
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     examples = tokenize_all(tok, [parse_record(r) for r in synthetic_rows(40, seed=5)], 48)
     jobs = [JobSpec(f"j{i}", rank=r, alpha=2.0 * r, lr=1e-2, batch_size=b, seed=20 + i, max_steps=4)
             for i, (r, b) in enumerate([(2, 1), (4, 5), (8, 11)])]
-    compare_packed_with_unpacked(MultiLoraEngine, model_dir, examples, tok.pad_token_id, jobs)
+    compare_packed_with_unpacked(MultiLoraEngine, model_dir, examples, tok.pad_token_id, jobs,
+                                 attention=attention)
 
 
-def test_packed_dpo_step_equals_unpacked_rows(model_dir) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("attention", ["rows", "varlen"])
+def test_packed_dpo_step_equals_unpacked_rows(model_dir, attention: str) -> None:  # noqa: ANN001
     from transformers import AutoTokenizer
 
     from tests.unit.test_dpo import preference_rows, randomize_b
@@ -171,7 +187,8 @@ def test_packed_dpo_step_equals_unpacked_rows(model_dir) -> None:  # noqa: ANN00
     jobs = [JobSpec(f"d{i}", rank=r, alpha=2.0 * r, lr=1e-2, batch_size=b, beta=beta, seed=30 + i,
                     max_steps=4, max_grad_norm=None)
             for i, (r, b, beta) in enumerate([(2, 1, 0.1), (4, 3, 0.5), (8, 6, 2.0)])]
-    compare_packed_with_unpacked(DpoEngine, model_dir, pairs, tok.pad_token_id, jobs, prepare=randomize_b)
+    compare_packed_with_unpacked(DpoEngine, model_dir, pairs, tok.pad_token_id, jobs, prepare=randomize_b,
+                                 attention=attention)
 
 
 def test_multi_adamw_equals_torch_adamw_job_by_job_bit_for_bit() -> None:
@@ -199,3 +216,49 @@ def test_multi_adamw_equals_torch_adamw_job_by_job_bit_for_bit() -> None:
     fresh = torch.optim.AdamW([torch.nn.Parameter(mine[1].detach().clone())], **hyper[1])
     fresh.load_state_dict(opts[1].state_dict())
     assert torch.equal(next(iter(fresh.state.values()))["exp_avg"], opts[1].state[mine[1]]["exp_avg"])
+
+
+def test_varlen_nan_job_in_the_same_row_leaves_other_jobs_bit_identical(model_dir) -> None:  # noqa: ANN001
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    examples = tokenize_all(tok, [parse_record(r) for r in synthetic_rows(30, seed=6)], 48)
+    runs = []
+    for poison in (False, True):
+        eng = engine(MultiLoraEngine, model_dir, examples, tok.pad_token_id, True, "varlen")
+        for i, b in enumerate((2, 3)):
+            eng.attach(JobSpec(f"j{i}", rank=4, alpha=8, lr=1e-2, batch_size=b, seed=i, max_steps=3))
+        eng.attach(JobSpec("bad", rank=2, alpha=4, lr=1e-2, batch_size=2, seed=9, max_steps=3))
+        if poison:
+            with torch.no_grad():
+                eng.jobs["bad"].adapter.lora_a[0].fill_(float("nan"))
+        runs.append((eng, [eng.step() for _ in range(3)]))
+    (sane, r_sane), (broken, r_broken) = runs
+    assert all(r.skipped["bad"] for r in r_broken) and not any(r.skipped["bad"] for r in r_sane)
+    for j in ("j0", "j1"):
+        assert [r.losses[j] for r in r_sane] == [r.losses[j] for r in r_broken]
+        assert torch.equal(sane.jobs[j].adapter.flat, broken.jobs[j].adapter.flat)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash varlen attention needs CUDA")
+def test_flash_varlen_attention_equals_causal_attention_per_sequence() -> None:
+    from trainer.varlen import _per_sequence, varlen_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bounds = [0, 7, 130, 131, 600, 1024]  # a 1-token sequence, uneven lengths, GQA 8/2 heads
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    leaves = [torch.randn(1, h, 1024, 64, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
+              for h in (8, 2, 2)]
+    refs = [t.detach().float().requires_grad_(True) for t in leaves]
+    out, _ = varlen_attention(None, *leaves, None, scaling=0.125, cu_seq_lens_q=cu, max_length_q=469)
+    ref = _per_sequence(*refs, bounds, 0.125)
+    grad = torch.randn(ref.shape, device="cuda", generator=g)
+    out.backward(grad.to(out.dtype))
+    ref.backward(grad)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b).norm() / b.norm())
+
+    assert rel(out, ref) < 1e-2
+    for t, r in zip(leaves, refs, strict=True):
+        assert rel(t.grad, r.grad) < 2e-2
