@@ -9,8 +9,9 @@ form with dB from its own pass (no atomics per row tile); (e3) the fused form wi
 compares each row with the same shape at uniform rank 16. One run prints one table, a stage
 breakdown of both Triton forms, and the issue-20 target lines.
 
-Usage (GPU):  python3 bench/lora_op.py [--quick] [--out FILE.md] [--timings kernels/lora_forms.json]
-              --timings writes the compose/fused timings that form="auto" chooses from.
+Usage (GPU):  python3 bench/lora_op.py [--quick] [--shapes 4096x4096,...] [--out FILE.md]
+                                     [--timings kernels/lora_forms.json]
+              --timings writes (or extends) the compose/fused timings that form="auto" chooses from.
 Usage (CPU):  TRITON_INTERPRET=1 python3 bench/lora_op.py --check
               correctness of every path on small fp32 shapes vs the fp64 oracle, no timing.
 """
@@ -322,11 +323,14 @@ def check() -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="only d=4096 cases")
+    ap.add_argument("--quick", action="store_true", help="only the first shape")
+    ap.add_argument("--shapes", default=",".join(f"{a}x{b}" for a, b in SHAPES),
+                    help="d_in x d_out list, e.g. 4096x1024 for k/v projections")
     ap.add_argument("--loop", action="store_true", help="also time (b), the per-adapter loop (slow)")
     ap.add_argument("--check", action="store_true", help="correctness only, small shapes (runs on CPU)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--timings", default=None, help="write compose/fused timings for form='auto' (JSON)")
+    ap.add_argument("--timings", default=None,
+                    help="compose/fused timings for form='auto' (JSON; an existing file is extended)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop adding rows after this many seconds")
     args = ap.parse_args()
     if args.check:
@@ -343,9 +347,10 @@ def main() -> None:
     lines = [f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}; bf16; fwd+bwd median ms",
              f"measured copy bandwidth (read+write): {gbs:.0f} GB/s", ""] + HEADER
     print("\n".join(HEADER), flush=True)
-    shapes = SHAPES[:1] if args.quick else SHAPES
+    shapes = [tuple(int(v) for v in item.split("x")) for item in args.shapes.split(",")]
+    shapes = shapes[:1] if args.quick else shapes
     results: dict = {}
-    table = FormTable()
+    table = FormTable.load(args.timings) if args.timings and Path(args.timings).exists() else FormTable()
     cut = False
     for d_in, d_out in shapes:
         for n in (8, 32):
