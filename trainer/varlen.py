@@ -10,6 +10,8 @@ arguments, which transformers hands to the attention function of every layer.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -18,14 +20,34 @@ from torch.nn import functional as F  # noqa: N812
 NAME = "loraplex_varlen"
 
 
+@functools.cache
+def _flash_options() -> tuple[Any, frozenset[str]] | None:
+    """torch's varlen kernel and its keyword arguments (causality is `window_size=(-1, 0)` in
+    newer torch, `is_causal` in older), or None where torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
            max_len: int, scaling: float | None) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
+    varlen_attn, params = _flash_options()
     # [1, H, T, D] -> [T, H, D]
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
-    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0),
-                      enable_gqa=q.shape[1] != k.shape[1])
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    kw: dict[str, Any] = {"scale": scaling} if "scale" in params else {}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0)
+    else:
+        kw["is_causal"] = True
+    out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, max_len, max_len, **kw)
     return out.unsqueeze(0)  # [1, T, H, D]
 
 
@@ -51,7 +73,8 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if dropout:
         raise ValueError("varlen attention trains without attention dropout")
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+    if (cu is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and _flash_options() is not None):
         return _flash(query, key, value, cu, int(kwargs["max_length_q"]), scaling), None
     bounds = None if cu is None else [int(x) for x in cu.tolist()]
     return _per_sequence(query, key, value, bounds, scaling), None
