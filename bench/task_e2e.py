@@ -273,15 +273,18 @@ def install_recorder() -> dict:
     rec = REC
     if not fresh:
         return rec
-    real_pack, real_layout = engine_mod.pack_step, engine_mod.MultiLoraEngine._set_layout
+    real_layout = engine_mod.MultiLoraEngine._set_layout
 
-    def pack_step(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-        t0 = time.perf_counter()
-        batch = real_pack(*a, **kw)
-        if rec["active"]:
-            rec["pack_s"] += time.perf_counter() - t0
-            rec["batches"].append((batch.input_ids, batch.position_ids, batch.targets))
-        return batch
+    def recorded(real):  # noqa: ANN001, ANN202
+        def pack(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            batch = real(*a, **kw)
+            if rec["active"]:
+                rec["pack_s"] += time.perf_counter() - t0
+                rec["batches"].append((batch.input_ids, batch.position_ids, batch.targets,
+                                       batch.cu_seqlens))
+            return batch
+        return pack
 
     def set_layout(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
         t0 = time.perf_counter()
@@ -289,7 +292,8 @@ def install_recorder() -> dict:
         if rec["active"]:
             rec["layout_s"] += time.perf_counter() - t0
 
-    engine_mod.pack_step = pack_step
+    engine_mod.pack_step = recorded(engine_mod.pack_step)
+    engine_mod.pack_flat = recorded(engine_mod.pack_flat)
     engine_mod.MultiLoraEngine._set_layout = set_layout
     return rec
 
@@ -320,13 +324,20 @@ def free() -> None:
 
 
 # ----------------------------------------------------------------------------- floor and PEFT
-def floor_step(model, ids, pos, tgt) -> None:  # noqa: ANN001
+def floor_step(model, ids, pos, tgt, cu=None) -> None:  # noqa: ANN001
     """The backbone alone (no LoRA) on one packed batch: forward, loss on the same target
-    tokens (head recomputed in backward like the engine's), backward to the embeddings."""
+    tokens (head recomputed in backward like the engine's), backward to the embeddings. A varlen
+    batch (cu: sequence bounds) runs with the same bounds (the model's attention is varlen)."""
     from torch.utils.checkpoint import checkpoint
 
+    kw = {}
+    if cu is not None:
+        bounds = torch.tensor(cu, dtype=torch.int32, device=ids.device)
+        longest = max(b - a for a, b in zip(cu[:-1], cu[1:], strict=True))
+        kw = {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest,
+              "max_length_k": longest}
     emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-    hidden = model.base_model(inputs_embeds=emb, position_ids=pos, use_cache=False).last_hidden_state
+    hidden = model.base_model(inputs_embeds=emb, position_ids=pos, use_cache=False, **kw).last_hidden_state
     head = model.get_output_embeddings()
     h, t = hidden.reshape(-1, hidden.shape[-1]), tgt.reshape(-1)
     sel = t != IGNORE
@@ -342,15 +353,16 @@ def time_floor(model, batches, step_s, n: int) -> dict:  # noqa: ANN001
     pick = sorted({first + round(i * (len(batches) - 1 - first) / max(1, n - 1)) for i in range(n)})
     dev = DEV
     out: dict[str, Any] = {"steps": len(pick)}
-    for name, plain in (("floor", False), ("floor_unpacked_positions", True)):
+    varlen = batches[0][3] is not None
+    for name, plain in (("floor", False), ("floor_unpacked_positions", True))[: 1 if varlen else 2]:
         total = 0.0
         for k, i in enumerate([pick[0], pick[0], *pick]):  # two warm-up passes
-            ids, pos, tgt = (x.to(dev) for x in batches[i])
+            ids, pos, tgt = (x.to(dev) for x in batches[i][:3])
             if plain:  # one causal sequence per row: no packed-boundary mask
                 pos = torch.arange(ids.shape[1], device=dev).expand_as(ids)
             sync()
             t0 = time.perf_counter()
-            floor_step(model, ids, pos, tgt)
+            floor_step(model, ids, pos, tgt, batches[i][3])
             sync()
             if k >= 2:
                 total += time.perf_counter() - t0
@@ -553,6 +565,8 @@ def main() -> None:  # noqa: PLR0915
                     help="the engine packs steps in free shapes (MultiLoraEngine.shape_buckets=None)")
     ap.add_argument("--attention", choices=("rows", "varlen"), default="rows",
                     help="the engine's packing and attention (MultiLoraEngine.set_attention)")
+    ap.add_argument("--compare-attention", action="store_true",
+                    help="after (c), (b) again with the other attention (if the deadline allows)")
     ap.add_argument("--no-cudnn-attention", dest="cudnn_attention", action="store_false",
                     help="the executor turns SDPA's cuDNN backend off (ExecutorConfig.cudnn_attention)")
     args = ap.parse_args()
@@ -588,13 +602,14 @@ def main() -> None:  # noqa: PLR0915
     large_dir = large_model(root / "large", args.layers, tok)
     log("large model saved")
     runs = {}
-    for name, ee in run_names:
+
+    def large_run(name: str, ee: bool, attention: str) -> None:
         rec = install_recorder()
         rec["profile_at"] = 100 if name == "b" and args.profile_out else None
         out = Record()
         cfg = executor_cfg(large_dir, data, root / f"large_{name}", jobs, ee, args, cache)
         cfg.cudnn_attention = args.cudnn_attention
-        ex = TraceExecutor(cfg, out.callbacks(), trace, rec, args.shape_buckets, args.attention)
+        ex = TraceExecutor(cfg, out.callbacks(), trace, rec, args.shape_buckets, attention)
         t0 = time.perf_counter()
         ex.run()
         wall = time.perf_counter() - t0
@@ -628,6 +643,9 @@ def main() -> None:  # noqa: PLR0915
         rec["batches"] = []
         free()
 
+    for name, ee in run_names:
+        large_run(name, ee, args.attention)
+
     # ---- (c) PEFT one configuration at a time: one job per batch size, extrapolated
     from transformers import AutoModelForCausalLM
 
@@ -650,6 +668,15 @@ def main() -> None:  # noqa: PLR0915
                                 if j.batch_size in measured)  # speed-only: bs 1 and 16 only
     res["peft"] = {"load_s": load_s, "measured": measured, "grid_s": extrapolated}
     dump()
+    del model
+    free()
+    if args.compare_attention:
+        # (b) again with the other packing and attention, if the deadline leaves room for it
+        other = "varlen" if args.attention == "rows" else "rows"
+        if time.perf_counter() - T0 + runs["b"]["wall_outer_s"] * 1.2 < args.deadline_s:
+            large_run(f"b_{other}", False, other)
+        else:
+            log("deadline: (b) with attention", other, "not run")
     if args.out and not args.speed_only:
         Path(args.out).write_text(render(res))
     log("done")
@@ -673,6 +700,11 @@ def render(res: dict) -> str:
         lines.append(f"\n{name}: {sh['total']} distinct backbone-forward shapes ({sh['train']} training, "
                      f"{sh['eval']} evaluation) over {sh['forwards']} forwards; padded cells per step "
                      f"{r['padding']:.1%}")
+    for name, r in res["runs"].items():
+        if name.startswith("b_"):
+            lines.append(f"\n{name}: train steps {r['train_s']:.1f} s vs (b) {b['train_s']:.1f} s; wall "
+                         f"{r['wall_s']:.1f} s; floor {r['floor']['engine_s'] / r['floor']['floor_s']:.2f}x; "
+                         f"padding {r['padding']:.1%}")
     fl = b["floor"]
     lines.append(f"\nfloor on {fl['steps']} of (b)'s steps: engine {fl['engine_s']:.2f} s vs backbone "
                  f"{fl['floor_s']:.2f} s = {fl['engine_s'] / fl['floor_s']:.2f}x; padding {fl['padding']:.1%}")

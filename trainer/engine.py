@@ -1,17 +1,19 @@
 """The multi-job training engine: one frozen backbone, many LoRA jobs attached into slots, one
 forward and one backward per step over all active jobs' micro-batches, per-job loss and AdamW.
 
-Isolation: a job's rows never share an attention row with another job, every loss is computed
-on the job's own rows, a non-finite loss is left out of the backward objective, and a job whose
-gradient norm is non-finite skips its own update; the other jobs are untouched (bit for bit).
+Isolation: no attention crosses a job's sequences (rows: a job's rows hold only its own
+sequences; varlen: attention by sequence bounds), every loss is computed on the job's own tokens,
+a non-finite loss counts zero in the backward objective (so only its own job's gradients turn
+non-finite), and a job whose loss or gradient norm is non-finite skips its own update; the other
+jobs are untouched (bit for bit).
 
 Memory: attached jobs' weights live in one arena (each job's flat parameter is a view of its own
 region) and their gradients in one float32 gradient arena of the same layout, which the kernels
 address by per-job offsets; attach copies a job in, detach copies it out, the arena grows when
-full. A step costs no per-layer stacking, and each job's norm, clip and AdamW run
-on one tensor.
+full. A step costs no per-layer stacking, one host-to-device copy of the batch and layout, one
+device sync (the report's numbers), and every job's norm, clip and AdamW in a few multi-tensor
+kernels over the arena's regions.
 """
-
 from __future__ import annotations
 
 import math

@@ -152,6 +152,12 @@ def compare_packed_with_unpacked(cls, model_dir, examples, pad_id: int, jobs: li
     assert any(pad_rows), "a step with padding cells after the last job's (the bucket)"
     for j in packed.jobs:
         torch.testing.assert_close(packed.jobs[j].adapter.flat, plain.jobs[j].adapter.flat, rtol=1e-9, atol=1e-12)
+    # evaluation packs the same way: the same held-out numbers
+    held_out = list(examples[-6:])
+    got, want = packed.evaluate_metrics(held_out, batch_size=3), plain.evaluate_metrics(held_out, batch_size=3)
+    for j in packed.jobs:
+        for k, v in want[j].items():
+            assert got[j][k] == pytest.approx(v, rel=1e-10, abs=1e-12)
 
 
 def check_step(packed, rep_a, rep_b, grads_a, grads_b) -> None:  # noqa: ANN001
