@@ -178,9 +178,8 @@ def run_shared(tasks: list[TaskSpec], model: Path, out: Path, args: argparse.Nam
 
     feeder = threading.Thread(target=deliver, daemon=True)
     feeder.start()
-    host.run(linger_s=3600.0)
+    res = host.serve()  # until the feeder closes it, after the last arrival
     feeder.join()
-    res = host.results()
     for tid in outcomes:
         assert res[tid]["outcome"] == "succeeded", (tid, res[tid])
     return {"wall_s": time.perf_counter() - t0, "tasks": outcomes}
@@ -207,10 +206,10 @@ def measure(fn, *a) -> tuple[dict, float | None]:  # noqa: ANN001
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tasks", type=int, default=12)
-    ap.add_argument("--gap-s", type=float, default=20.0, help="mean seconds between arrivals")
-    ap.add_argument("--steps", type=int, default=200, help="most steps of a job")
-    ap.add_argument("--rows", type=int, default=400, help="training rows per task")
+    ap.add_argument("--tasks", type=int, default=8)
+    ap.add_argument("--gap-s", type=float, default=10.0, help="mean seconds between arrivals")
+    ap.add_argument("--steps", type=int, default=100, help="most steps of a job")
+    ap.add_argument("--rows", type=int, default=300, help="training rows per task")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--max-tokens-per-step", type=int, default=None,

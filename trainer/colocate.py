@@ -155,6 +155,7 @@ class TaskRun:
                  stop_requested: Callable[[], bool] | None = None) -> None:
         self.host, self.cfg, self.cb, self.task_id = host, cfg, cb, task_id
         self.stop_requested = stop_requested
+        self.on_end: Callable[[str, dict], None] = cb.on_task_end  # the executor may route it
         self.stopped = False  # stopped on request (checkpointed; a later run resumes it)
         self.error: BaseException | None = None  # its own code path failed: it alone ends
         self.outcome: str | None = None  # succeeded | failed | cancelled | paused | stopped

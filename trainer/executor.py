@@ -23,6 +23,7 @@ failure (an exception in its callbacks or its own work) ends that task alone.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -74,6 +75,10 @@ class Callbacks:
     # no job id: the fields of service.protocol.ThroughputReport but the placement (measured
     # tokens/s over the steps since the last report, the batch mix, the memory model)
     on_throughput: Callable[[dict], None] = _noop
+    # no job id: the task left the executor, its last call: the outcome (succeeded | failed |
+    # cancelled | paused) and {"error": "Type: message" or None, "global_step": its steps}; made
+    # even when the task's own callbacks failed (what a co-located task's runner waits for)
+    on_task_end: Callable[[str, dict], None] = _noop
 
 
 @dataclass
@@ -190,8 +195,11 @@ class Executor:
     def _make_task(self, cfg: ExecutorConfig, callbacks: Callbacks | None,
                    stop_requested: Callable[[], bool] | None, task_id: str | None) -> TaskRun:
         holder: list[TaskRun] = []
-        cb = self._guard(callbacks or Callbacks(), holder)
-        task = TaskRun(self, cfg, self.strategy.callbacks(cb), task_id or str(cfg.output_dir), stop_requested)
+        callbacks = callbacks or Callbacks()
+        task = TaskRun(self, cfg, self.strategy.callbacks(self._guard(callbacks, holder)),
+                       task_id or str(cfg.output_dir), stop_requested)
+        # on one GPU the task's end reaches its own callback even after its others failed
+        task.on_end = task.cb.on_task_end if self.world > 1 else callbacks.on_task_end
         holder.append(task)
         return task
 
@@ -311,6 +319,13 @@ class Executor:
         self.ended[task.task_id] = task
         with self._cv:
             self._known.pop(task.task_id, None)
+        try:
+            task.on_end(task.outcome, {"error": self.results()[task.task_id]["error"],
+                                       "global_step": task.global_step})
+        except Exception:  # noqa: BLE001 - the task has left; the executor goes on
+            if self.world > 1:
+                raise
+            log.exception("task=%s on_task_end failed", task.task_id)
         if self.rank == 0:
             log.info("task=%s left the executor outcome=%s global_step=%d", task.task_id,
                      task.outcome, self.global_step)
@@ -335,7 +350,8 @@ class Executor:
                 self._end_task(task, arg[1])
 
     def _wait_for_work(self, linger_s: float) -> bool:
-        """No job runs: wait up to linger_s for a task to attach (until `close`)."""
+        """No job runs: wait up to linger_s for a task to attach (until `close`). When none came,
+        the executor closes in the same breath, so no attach_task can slip in unseen."""
         deadline = time.monotonic() + linger_s
         with self._cv:
             while not self._inbox and not self._closing:
@@ -343,6 +359,8 @@ class Executor:
                 if left <= 0:
                     break
                 self._cv.wait(min(left, 1.0))
+            if not self._inbox:
+                self._closing = True
             return bool(self._inbox)
 
     # ----- setup -------------------------------------------------------------------------
@@ -460,6 +478,18 @@ class Executor:
         """Train until every hosted task has ended (and, with linger_s, no task attached for
         that long, or `close` was called); returns the first task's jobs' status and re-raises
         the first task's error, as a one-task executor does."""
+        self._loop(linger_s)
+        if self.first.error is not None:
+            raise self.first.error
+        return self.first.status
+
+    def serve(self, linger_s: float = math.inf) -> dict[str, dict[str, Any]]:
+        """A shared executor's loop: train the tasks that come until `close` (or linger_s with
+        none); returns `results()`, every task's outcome (a task's failure raises nothing)."""
+        self._loop(linger_s)
+        return self.results()
+
+    def _loop(self, linger_s: float) -> None:
         self.started_at = time.perf_counter()
         with self.phase("load"):
             self._load()
@@ -504,9 +534,6 @@ class Executor:
                     self._guarded(task, task.checkpoint)
             self.strategy.flush()
         self.strategy.flush()
-        if self.first.error is not None:
-            raise self.first.error
-        return self.first.status
 
     def _each(self, work: Callable[[TaskRun], Any]) -> None:
         for task in list(self.tasks.values()):

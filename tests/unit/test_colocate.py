@@ -48,6 +48,7 @@ class Recorder:
         self.states: list[tuple[str, str, dict]] = []
         self.events: list[tuple[str, str, dict]] = []
         self.hooks: list = []  # called as hook(job, step) after each train loss
+        self.ends: list[tuple[str, dict]] = []
 
     def callbacks(self) -> Callbacks:
         def train(j: str, s: int, v: float) -> None:
@@ -60,6 +61,7 @@ class Recorder:
             on_eval=lambda j, s, v: self.evals[j].append((s, v)),
             on_job_state=lambda j, st, d: (self.states.append((j, st, d)), self.timeline.append((j, st))),
             on_event=lambda j, m, d: self.events.append((j, m, d)),
+            on_task_end=lambda outcome, d: self.ends.append((outcome, d)),
         )
 
     def losses(self, job: str) -> list[float]:
@@ -155,10 +157,12 @@ def test_a_task_attached_mid_run_trains_exactly_as_alone(files, tmp_path, fixed_
 
     t = threading.Thread(target=tenant_b)
     t.start()
-    host.run(linger_s=60)
+    results = host.serve()  # until B's thread closes it
     t.join()
     assert min(steps_seen) > 2  # B joined while A was training, at a later step boundary
-    assert host.results()["A"]["outcome"] == host.results()["B"]["outcome"] == "succeeded"
+    assert results["A"]["outcome"] == results["B"]["outcome"] == "succeeded"
+    with pytest.raises(ValueError, match="closing"):  # a task never waits on an executor that left
+        host.attach_task(task_cfg(files, tmp_path, "late", "b", [JobSpec("late0")]))
     assert_same_task(got_a, alone_a, shared_a, cfg_a, ["a0", "a1", "a2"])
     assert_same_task(got_b, alone_b, shared_b, cfg_b, ["b0", "b1"])
     # each task ranked its own jobs only
@@ -213,6 +217,9 @@ def test_a_raising_callback_or_bad_data_fails_only_its_task(files, tmp_path) -> 
     assert res["B"]["outcome"] == "failed" and "reporting broke" in res["B"]["error"]
     assert ref.results()["B"]["outcome"] == "cancelled"
     assert res["A"]["outcome"] == "succeeded" and res["A"]["error"] is None
+    assert [o for o, _ in got_a.ends] == ["succeeded"] and [o for o, _ in ref_b.ends] == ["cancelled"]
+    ((outcome, details),) = got_b.ends  # told once, though its other callbacks fell silent
+    assert outcome == "failed" and details["error"] == "RuntimeError: tenant B's reporting broke"
     # b1 (placed first: admission takes larger batches first) raised at its step 4: from then on
     # B reported nothing, b0's step 4 included
     assert {j: max(s for s, _ in got_b.train[j]) for j in ("b0", "b1")} == {"b0": 3, "b1": 4}
