@@ -35,7 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_lora import AUTOTUNE_KW, _acc_torch, _adapter_base, _check, _shrink_sweep
+from kernels.triton_lora import (
+    AUTOTUNE_KW,
+    _acc_torch,
+    _adapter_base,
+    _check,
+    _check_arena,
+    _shrink_sweep,
+)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Under the interpreter one small config runs; tests vary the tile sizes through the env.
@@ -528,11 +535,6 @@ class FusedArenaFn(torch.autograd.Function):
 def multilora_linear_arena_fused(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets, r_max,
                                  token, onepass: bool = True) -> torch.Tensor:  # noqa: ANN001
     """Fused Triton form of `kernels.multilora_linear_arena` (same contract)."""
-    if not (x.is_cuda or _INTERPRET):
-        raise RuntimeError("Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
-    if x.dtype != weight.dtype or arena.dtype != x.dtype:
-        raise ValueError("x, weight and arena must share one dtype")
-    if grad_arena.dtype != _acc_torch(x.dtype) or grad_arena.shape != arena.shape:
-        raise ValueError(f"grad_arena must be {_acc_torch(x.dtype)} of the arena's shape")
+    _check_arena(x, weight, arena, grad_arena)
     return FusedArenaFn.apply(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets, r_max,
                               token, onepass)

@@ -412,14 +412,19 @@ class MultiLoraArenaFn(torch.autograd.Function):
         return dx, None, None, None, None, None, None, None, None, None, None, None
 
 
-def multilora_linear_arena_triton(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets,
-                                  r_max, token) -> torch.Tensor:
-    """Triton backend of `kernels.multilora_linear_arena` (same contract)."""
+def _check_arena(x, weight, arena, grad_arena) -> None:  # noqa: ANN001
+    """The arena form's argument checks (both Triton forms)."""
     if not (x.is_cuda or _INTERPRET):
         raise RuntimeError("Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
     if x.dtype != weight.dtype or arena.dtype != x.dtype:
         raise ValueError("x, weight and arena must share one dtype")
     if grad_arena.dtype != _acc_torch(x.dtype) or grad_arena.shape != arena.shape:
         raise ValueError(f"grad_arena must be {_acc_torch(x.dtype)} of the arena's shape")
+
+
+def multilora_linear_arena_triton(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets,
+                                  r_max, token) -> torch.Tensor:
+    """Triton backend of `kernels.multilora_linear_arena` (same contract)."""
+    _check_arena(x, weight, arena, grad_arena)
     return MultiLoraArenaFn.apply(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets,
                                   r_max, token)
