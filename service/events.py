@@ -110,19 +110,25 @@ def task_metrics_json(session: Session, task: Task, job_id: str | None = None,
 
 # The splits drawn as curves, as SQL literals: the statement has only named parameters, so
 # service.read_path runs it as compiled once.
-_CURVES = [literal_column("'train'"), literal_column("'val'")]
+_CURVES = {"train": literal_column("'train'"), "val": literal_column("'val'")}
+
+
+def _curve_of(split: str, column: ColumnElement) -> ColumnElement:
+    """A split's values of column in step order (null when it has no points)."""
+    return (func.array_agg(aggregate_order_by(column, MetricPoint.step))
+            .filter(MetricPoint.split == _CURVES[split]))
 
 
 def metrics_statement(one_job: bool, after: bool, tenant: ColumnElement | None = None) -> Select:
-    """The curves of a task of a tenant: one row per job and split (task_id, job id, index,
-    state, split, steps, losses); a task without (matching) jobs gives one row of nulls after
-    its id, an unknown task (or another tenant's) gives none. Parameters: metrics_params; the
-    tenant is the parameter tenant_id unless given (service.read_path: the API key's)."""
-    points = (select(MetricPoint.split,
-                     func.array_agg(aggregate_order_by(MetricPoint.step, MetricPoint.step)),
-                     func.array_agg(aggregate_order_by(MetricPoint.loss, MetricPoint.step)))
-              .where(MetricPoint.job_id == Job.id, MetricPoint.split.in_(_CURVES))
-              .group_by(MetricPoint.split))
+    """The curves of a task of a tenant: one row per job (task_id, job id, index, state, then
+    steps and losses of train, then of val); a task without (matching) jobs gives one row of
+    nulls after its id, an unknown task (or another tenant's) gives none. Parameters:
+    metrics_params; the tenant is the parameter tenant_id unless given (service.read_path: the
+    API key's). One aggregate pass per job, the splits told apart by FILTER (grouping by split
+    sorted every job's points once more: 1.25 -> 1.0 ms of PostgreSQL CPU per request)."""
+    points = (select(*(_curve_of(split, column) for split in _CURVES
+                       for column in (MetricPoint.step, MetricPoint.loss)))
+              .where(MetricPoint.job_id == Job.id, MetricPoint.split.in_(list(_CURVES.values()))))
     if after:
         points = points.where(MetricPoint.step > bindparam("after_step"))
     curve = points.lateral("curve")
@@ -151,25 +157,23 @@ def metrics_body(task_id: str, rows: Iterable[Sequence], job_id: str | None,
     """MetricsOut's JSON from metrics_statement's rows (of a task that exists): the bytes
     MetricsOut.model_dump_json() gives, written a curve at a time (a model or a dict per point
     was most of the route's time: curves have thousands of points)."""
-    jobs: dict[str, dict[str, str]] = {}
-    for _, jid, index, state, split, steps, losses in rows:
-        if jid is None:
-            continue
-        job = jobs.setdefault(jid, {"head": to_json({"job_id": jid, "index": index,
-                                                      "state": state}).decode()[:-1],
-                                    "train": "", "val": ""})
-        if split is not None:
-            job[split] = _curve(steps, losses, max_points)
+    jobs = []
+    for _, jid, index, state, train_steps, train, val_steps, val in rows:
+        if jid is not None:
+            head = to_json({"job_id": jid, "index": index, "state": state}).decode()[:-1]
+            jobs.append(f'{head},"train":[{_curve(train_steps, train, max_points)}],'
+                        f'"val":[{_curve(val_steps, val, max_points)}]}}')
     if job_id is not None and not jobs:
         raise not_found("job", job_id, param="job_id")
-    body = ",".join(f'{j["head"]},"train":[{j["train"]}],"val":[{j["val"]}]}}'
-                    for j in jobs.values())
+    body = ",".join(jobs)
     return f'{{"object":"metrics","task_id":{to_json(task_id).decode()},"jobs":[{body}]}}'.encode()
 
 
-def _curve(steps: list[int], losses: list[float], max_points: int | None) -> str:
+def _curve(steps: list[int] | None, losses: list[float] | None, max_points: int | None) -> str:
     """The JSON of a curve's points without its brackets: {"step":s,"loss":x} each, a
     non-finite loss as null, the numbers as pydantic writes them (one to_json of all losses)."""
+    if not steps or not losses:
+        return ""
     if not math.isfinite(sum(losses)):  # some loss is NaN or infinite (or the sum overflowed)
         losses = [finite(x) for x in losses]
     steps, losses = downsample(steps, losses, max_points)
