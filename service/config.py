@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     scheduler_max_wait_s: int = 4 * 3600
     # Weight of the fair-share term (worst tenant's mean slowdown) against weighted flow time.
     scheduler_fairness: float = 0.25
+    # Weight of the longest planned flow time (arrival to end) as a fraction of the queue's total
+    # weight: > 0 starts old long tasks sooner (p99) at some cost in mean completion; 0: off.
+    scheduler_tail: float = 0.0
     # A task's own priority (0-10 in the API) may not exceed its tenant's ceiling
     # (tenants.max_task_priority, set by operators); this is the ceiling of tenants without one.
     scheduler_default_task_priority_ceiling: int = 10

@@ -267,7 +267,8 @@ def solve_options(settings: Settings) -> SolveOptions:
         unit_s=int(_knob(settings, "scheduler_unit_s", DEFAULT_UNIT_S)),
         work_limit=float(_knob(settings, "scheduler_work_limit", DEFAULT_WORK_LIMIT)),
         time_limit_s=float(_knob(settings, "scheduler_time_limit_s", DEFAULT_TIME_LIMIT_S)),
-        fairness=float(getattr(settings, "scheduler_fairness", 0.25)))
+        fairness=float(getattr(settings, "scheduler_fairness", 0.25)),
+        tail=float(getattr(settings, "scheduler_tail", 0.0)))
 
 
 def _preempt(session: Session, plan: Plan, settings: Settings) -> None:

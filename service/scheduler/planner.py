@@ -20,12 +20,16 @@ Objective (minimised, all integer):
 - bounded waiting, counted from arrival, per task and soft: a wait past half the bound costs
   ``urgent`` per unit, past the whole bound ``late`` per unit (far more than any reordering
   gains), so the penalty grows with the wait; a bound is never dropped for the plan;
+- optionally (``tail`` T > 0, operators' scheduler_tail) T * total weight * the longest planned
+  flow time (arrival to end) of a queued task: old long tasks start sooner (p99 completion)
+  at some cost in mean completion; off by default (bench/results/scheduler_sim_cpu.md);
 - the makespan with coefficient 1 (a tie-break).
 Deterministic: CP-SAT runs its workers interleaved in one thread under a deterministic-time limit
 (``work_limit``), so the same instance gives the same plan on a loaded or an idle machine; a
 wall-clock safety limit (``time_limit_s``) only applies when that is exceeded by far.
 Warm start: the best (by this objective) of several list schedules (Smith's rule on w/(g*d) with
-urgent tasks first, w/d, and the previous plan's order merged with new tasks by the same rule),
+urgent tasks first, w/d, arrival order (conservative backfilling), and the previous plan's order
+merged with new tasks by the same rule),
 so a new arrival is never queued behind a stale hint.
 Quotas (``tenant_guaranteed_gpus``): a tenant may borrow idle GPUs beyond its guaranteed share
 (up to its hard cap, if any); when a tenant under its guarantee has a queued task that cannot
@@ -156,6 +160,7 @@ class SolveOptions:
     fairness: float = 0.25  # F, as a fraction of mean duration * total weight per 1.0 slowdown
     guarantee_boost: int = 4
     max_node_options: int = 8
+    tail: float = 0.0  # T: the longest planned flow time costs T * total weight per unit
     secondary_time_limit_s: float = 0.0  # unused (kept for callers of the two-phase planner)
 
 
@@ -183,6 +188,7 @@ class _Ctx:
     fair: int
     tenants: dict[str, list[int]]  # tenant -> job indices (queued)
     fixed: dict[str, tuple[int, int]]  # tenant -> (sum of running tasks' q*flow, count)
+    tail: int = 0  # coefficient of the longest flow time (arrival to end) of a queued task
 
 
 def _build_jobs(inst: Instance, unit: int, opts: SolveOptions
@@ -268,8 +274,10 @@ def _context(jobs: Sequence[UJob], pinned: Sequence[Placed], specs: Mapping[int,
     total_w = sum(j.weight for j in jobs)
     mean_d = sum(norm.values()) / max(1, len(norm))
     fair = max(1, round(opts.fairness * mean_d * total_w / 1000))
+    tail = round(opts.tail * total_w)
     return _Ctx(age, norm, deadline, half, urgent=2 * wmax,
-                late=20 * wmax * max(1, len(jobs)) + fair, fair=fair, tenants=tenants, fixed=fixed)
+                late=20 * wmax * max(1, len(jobs)) + fair + tail, fair=fair, tenants=tenants,
+                fixed=fixed, tail=tail)
 
 
 def _q(ctx: _Ctx, i: int) -> int:
@@ -292,7 +300,8 @@ def objective(sched: Sequence[Placed], ctx: _Ctx) -> int:
     for t, s in sums.items():
         n = len(ctx.tenants.get(t, ())) + ctx.fixed.get(t, (0, 0))[1]
         z = max(z, -(-s // n)) if n else z
-    return total + ctx.fair * z + max((p.end for p in sched), default=0)
+    longest = max((p.end + ctx.age[p.job.index] for p in sched), default=0)
+    return total + ctx.fair * z + ctx.tail * longest + max((p.end for p in sched), default=0)
 
 
 def _warm_start(jobs: list[UJob], node_caps: list[int], tenant_caps: dict[str, int],
@@ -313,8 +322,12 @@ def _warm_start(jobs: list[UJob], node_caps: list[int], tenant_caps: dict[str, i
 
     orders = [sorted(jobs, key=lambda j: (urgency(j), smith(j), -ctx.age[j.index], j.index)),
               sorted(jobs, key=lambda j: (urgency(j), ratio(j), -ctx.age[j.index], j.index)),
-              sorted(jobs, key=lambda j: (smith(j), j.index))]
-    if any(j.hint_node is not None for j in jobs):
+              sorted(jobs, key=lambda j: (smith(j), j.index)),
+              # First come first served (list scheduling in arrival order is conservative
+              # backfilling): the oldest tasks, long and wide ones included, first.
+              sorted(jobs, key=lambda j: (urgency(j), -ctx.age[j.index], j.index))]
+    hinted = any(j.hint_node is not None for j in jobs)
+    if hinted:
         # The previous plan's order, new tasks merged in by the same rule at the time they would
         # get: a hinted task keeps its place only against tasks it was already ahead of.
         orders.append(sorted(jobs, key=lambda j: (
@@ -322,7 +335,7 @@ def _warm_start(jobs: list[UJob], node_caps: list[int], tenant_caps: dict[str, i
     best: list[Placed] = []
     best_value = 0
     for k, order in enumerate(orders):
-        sched = list_schedule(order, node_caps, tenant_caps, pinned, follow_hints=k == 3)
+        sched = list_schedule(order, node_caps, tenant_caps, pinned, follow_hints=k == len(orders) - 1 and hinted)
         value = objective(sched, ctx)
         if not best or value < best_value:
             best, best_value = sched, value
@@ -573,6 +586,10 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
             m.add(z * fixed_n >= fixed_sum)
     makespan = m.new_int_var(0, horizon, "makespan")
     m.add_max_equality(makespan, [*end.values(), pin_end])
+    if ctx.tail:
+        longest = m.new_int_var(0, horizon + max(ctx.age.values(), default=0), "longest")
+        m.add_max_equality(longest, [end[i] + ctx.age[i] for i in end])
+        terms.append(ctx.tail * longest)
     m.minimize(sum(terms) + ctx.fair * z + makespan)
     for p in greedy:
         m.add_hint(start[p.job.index], p.start)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -133,6 +134,27 @@ def test_objective_equals_brute_force(inst: Instance) -> None:
     plan = solve(inst, opts)
     check_plan(inst, plan)
     assert plan.weighted_completion_s == brute_force_objective(inst, opts)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(max_tasks=4))
+def test_objective_with_the_tail_term_equals_brute_force(inst: Instance) -> None:
+    opts = SolveOptions(work_limit=5.0, time_limit_s=30.0, tail=1.0)
+    plan = solve(inst, opts)
+    check_plan(inst, plan)
+    assert plan.weighted_completion_s == brute_force_objective(inst, opts)
+
+
+def test_tail_term_starts_an_old_long_task_sooner() -> None:
+    # "old" (50 units) arrived 100 units ago; three new 5-unit tasks. Flow time runs the short
+    # ones first (old ends at 65: flow 165); weighting the longest flow time runs old first.
+    tasks = [TaskSpec("old", "A", 1, 50, arrival_s=-100)]
+    tasks += [TaskSpec(f"s{i}", "A", 1, 5) for i in range(3)]
+    inst = Instance([NodeSpec("n0", "H100", 1)], tasks)
+    off = solve(inst, SolveOptions(work_limit=2.0, fairness=0.0))
+    on = solve(inst, SolveOptions(work_limit=2.0, fairness=0.0, tail=10.0))
+    assert off.assignments["old"].start_s == 15 and on.assignments["old"].start_s == 0
+    assert all(on.assignments[f"s{i}"].start_s >= 50 for i in range(3))
 
 
 def test_oversized_task_is_reported_not_fatal() -> None:
@@ -284,9 +306,13 @@ def test_large_instance_plans_quickly_with_a_plan_for_every_task() -> None:
     tasks = [TaskSpec(f"t{i}", f"T{i % 4}", rng.choice([1, 1, 2, 4, 8]),
                       rng.randint(5, 600) * 60, arrival_s=-rng.randint(0, 3600),
                       max_start_s=14400) for i in range(200)]
+    cpu = time.process_time()
     plan = solve(Instance(nodes, tasks), SolveOptions(unit_s=60, work_limit=0.1))
+    cpu = time.process_time() - cpu
     assert len(plan.assignments) == 200 and plan.status in ("OPTIMAL", "FEASIBLE", "HEURISTIC")
-    assert plan.solve_time_s < 10  # ~1 s alone on this machine; loose for a shared CI box
+    # ~1-2 s of CPU on this machine; CPU time, not wall: the wall time of a shared CI box under
+    # load says nothing about the planner (its work limit is deterministic).
+    assert cpu < 6
 
 
 def test_pinned_tasks_stay_put_across_replans() -> None:
