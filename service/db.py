@@ -110,8 +110,9 @@ class ReadPool:
                     rows = await cursor.fetchall()
                 except psycopg.OperationalError as error:
                     _close(conn)
-                    if reused and retry:
-                        continue  # a stale connection: once more, on a fresh one
+                    if reused and retry:  # stale (PostgreSQL restarted?): so are the other
+                        self.discard_all()  # idle ones; once more, on a fresh connection
+                        continue
                     raise _sqlalchemy_error(query, params, error) from error
                 except psycopg.Error as error:  # the statement failed; the connection is fine
                     self._release(conn)

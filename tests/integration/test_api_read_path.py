@@ -173,6 +173,21 @@ def test_read_pool_retries_dropped_connections_and_reports_outages(client, facto
     assert len(asyncio.run(bounded())) <= 2  # six reads shared two connections
     assert len(asyncio.run(bounded())) <= 2  # a new event loop: new connections, still works
 
+    async def restarted() -> list:
+        # Several idle connections, all dropped at once (as by a restart): one read still
+        # succeeds, on a new connection.
+        pool = ReadPool(settings.database_url, size=4)
+        await asyncio.gather(*(pool.fetch("SELECT pg_sleep(0.05)") for _ in range(4)))
+        killer = ReadPool(settings.database_url, size=1)
+        await killer.fetch("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                           "application_name = %s AND pid <> pg_backend_pid()", (READ_POOL_NAME,))
+        rows = await pool.fetch("SELECT 1")
+        pool.discard_all()
+        killer.discard_all()
+        return rows
+
+    assert asyncio.run(restarted()) == [(1,)]
+
 
 def test_json_loads_reads_as_json_does() -> None:
     import json
