@@ -125,8 +125,8 @@ class ReadPool:
         raise AssertionError("unreachable")
 
     async def _connect(self) -> psycopg.AsyncConnection:
-        conn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True,
-                                                     application_name=READ_POOL_NAME)
+        conn = await psycopg.AsyncConnection.connect(  # an unreachable host: 503 in 10 s
+            self.conninfo, autocommit=True, application_name=READ_POOL_NAME, connect_timeout=10)
         set_json_loads(json_loads, conn)
         return conn
 
