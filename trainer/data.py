@@ -497,36 +497,25 @@ def pack_step(
 
 def _fill(per_job: Sequence[Sequence[Example]], layout: Sequence[Sequence[Sequence[int]]],
           n_rows: int, length: int, pad_id: int, restart_padding: bool) -> PackedBatch:
-    """The batch tensors of a layout (each job's rows of its sequence numbers), built with a few
-    vectorised writes: every token's cell is found from its sequence's start cell."""
-    firsts = [0]  # step-wide index of each job's first sequence
-    for seqs in per_job:
-        firsts.append(firsts[-1] + len(seqs))
-    row_offsets = [0]
-    ids_cat: list[int] = []
-    next_cat: list[int] = []  # next-token targets inside each sequence; its last predicts nothing
-    seq_ids, lens, starts, fill = [], [], [], []
-    r = 0
+    """The batch tensors of a layout (each job's rows of its sequence numbers)."""
+    placed: list[tuple[int, Example, int]] = []  # (start cell, sequence, step-wide index)
+    fill: list[int] = []
+    row_offsets, first, r = [0], 0, 0
     for j, job_rows in enumerate(layout):
         for row in job_rows:
             c = 0
             for k in row:
                 ex = per_job[j][k]
-                ids_cat += ex.input_ids
-                next_cat += ex.labels[1:]
-                next_cat.append(IGNORE)
-                seq_ids.append(firsts[j] + k)
-                lens.append(len(ex.input_ids))
-                starts.append(r * length + c)
+                placed.append((r * length + c, ex, first + k))
                 c += len(ex.input_ids)
             fill.append(c)
             r += 1
         row_offsets.append(r)
+        first += len(per_job[j])
     row_offsets[-1] = n_rows  # rows that fill the row bucket up are the last job's (all padding)
     fill += [0] * (n_rows - r)
-    ids, pos, tgt, seq = _write(ids_cat, next_cat, seq_ids, lens, starts, fill, n_rows, length,
-                                pad_id, restart_padding)
-    return PackedBatch(ids, pos, tgt, row_offsets, sum(lens), seq)
+    ids, pos, tgt, seq = _write(placed, fill, n_rows, length, pad_id, restart_padding)
+    return PackedBatch(ids, pos, tgt, row_offsets, sum(fill), seq)
 
 
 def pack_flat(per_job: Sequence[Sequence[Example]], pad_id: int, per_octave: int = 16,
@@ -535,52 +524,44 @@ def pack_flat(per_job: Sequence[Sequence[Example]], pad_id: int, per_octave: int
     length sequences (cu_seqlens): no padding between sequences and none per job; T is the token
     count rounded up to `per_octave` sizes per doubling (at most max_cells unless the tokens
     alone exceed it), the tail one padding sequence. Jobs are token ranges (token_offsets)."""
-    ids_cat: list[int] = []
-    next_cat: list[int] = []
-    lens, token_offsets = [], [0]
+    placed: list[tuple[int, Example, int]] = []
+    token_offsets, total = [0], 0
     for seqs in per_job:
         for ex in seqs:
-            ids_cat += ex.input_ids
-            next_cat += ex.labels[1:]
-            next_cat.append(IGNORE)
-            lens.append(len(ex.input_ids))
-        token_offsets.append(token_offsets[-1] + sum(len(e.input_ids) for e in seqs))
-    total = token_offsets[-1]
+            placed.append((total, ex, len(placed)))
+            total += len(ex.input_ids)
+        token_offsets.append(total)
     length = max(bucket_up(total, per_octave), 1)
     if max_cells is not None and length > max_cells:
         length = max(total, 1)
     token_offsets[-1] = length  # the padding tail is the last job's (nothing trained)
-    starts = [0]
-    for n in lens[:-1]:
-        starts.append(starts[-1] + n)
-    cu = [*starts, total] + ([length] if length > total else [])
-    ids, pos, tgt, seq = _write(ids_cat, next_cat, list(range(len(lens))), lens, starts, [total], 1,
-                                length, pad_id, True)
+    cu = [start for start, _, _ in placed] + [total] + ([length] if length > total else [])
+    ids, pos, tgt, seq = _write(placed, [total], 1, length, pad_id, True)
     return PackedBatch(ids, pos, tgt, [0] * len(per_job) + [1], total, seq, token_offsets, cu)
 
 
-def _write(ids_cat: list[int], next_cat: list[int], seq_ids: list[int], lens: list[int],
-           starts: list[int], fill: list[int], n_rows: int, length: int, pad_id: int,
-           restart_padding: bool) -> tuple[torch.Tensor, ...]:
-    """[rows, length] ids, positions, targets and sequence index of sequences written at their
-    start cells (ids and next-token targets concatenated in sequence order), each row filled up
-    to `fill` and padded after."""
-    n = torch.tensor(lens, dtype=torch.long)
-    total = int(n.sum()) if lens else 0
-    within = torch.arange(total) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-    cell = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long), n) + within
+def _write(placed: Sequence[tuple[int, Example, int]], fill: Sequence[int], n_rows: int,
+           length: int, pad_id: int, restart_padding: bool) -> tuple[torch.Tensor, ...]:
+    """[rows, length] ids, positions, next-token targets and sequence index, each sequence
+    written at its start cell, each row padded after `fill`: slice writes into host arrays (no
+    per-token Python work, no parallel tensor ops on the host), viewed as tensors."""
     cells = n_rows * length
-    ids = torch.full((cells,), pad_id, dtype=torch.long)
-    tgt = torch.full((cells,), IGNORE, dtype=torch.long)
-    seq = torch.full((cells,), -1, dtype=torch.long)
-    ids[cell] = torch.tensor(ids_cat, dtype=torch.long)
-    tgt[cell] = torch.tensor(next_cat, dtype=torch.long)
-    seq[cell] = torch.repeat_interleave(torch.tensor(seq_ids, dtype=torch.long), n)
-    pos = torch.arange(length).repeat(n_rows, 1)
+    ids = array("q", [pad_id]) * cells
+    tgt = array("q", [IGNORE]) * cells
+    seq = array("q", [-1]) * cells
+    ramp = array("q", range(length))
+    pos = ramp * n_rows  # unpacked rows: positions run on through the padding (plain causal)
     if restart_padding:
         # padding forms its own block (positions restart at 0), so it never joins a sequence
-        pos = pos - torch.tensor(fill, dtype=torch.long).unsqueeze(1)
-    pos = pos.reshape(-1)
-    pos[cell] = within
-    return (ids.view(n_rows, length), pos.view(n_rows, length), tgt.view(n_rows, length),
-            seq.view(n_rows, length))
+        for r, c in enumerate(fill):
+            pos[r * length + c : (r + 1) * length] = ramp[: length - c]
+    ignore = array("q", [IGNORE])
+    for start, ex, k in placed:
+        n = len(ex.input_ids)
+        ids[start : start + n] = array("q", ex.input_ids)
+        # next-token targets inside the sequence only; its last token predicts nothing
+        tgt[start : start + n] = array("q", ex.labels[1:]) + ignore
+        seq[start : start + n] = array("q", [k]) * n
+        pos[start : start + n] = ramp[:n]
+    return tuple(torch.frombuffer(a, dtype=torch.int64).view(n_rows, length) if cells else
+                 torch.zeros((n_rows, length), dtype=torch.int64) for a in (ids, pos, tgt, seq))
