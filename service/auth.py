@@ -66,7 +66,7 @@ def authenticate(session: Session, authorization: str | None) -> Tenant:
     row = session.execute(select(ApiKey.key_hash, ApiKey.revoked_at, Tenant)
                           .join(Tenant, Tenant.id == ApiKey.tenant_id)
                           .where(ApiKey.prefix == _lookup_prefix(key))).first()
-    return _accepted(key, row)[2]
+    return _accepted(hash_key(key), row)[2]
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ async def authenticate_read(pool: ReadPool, authorization: str | None) -> ReadKe
     if cached is not None and now - cached[0] < READ_KEY_TTL_S:
         return cached[1]
     rows = await pool.fetch(READ_KEY_SQL, (_lookup_prefix(key),))
-    _accepted(key, rows[0] if rows else None)
+    _accepted(digest, rows[0] if rows else None)
     found = ReadKey(_lookup_prefix(key), digest, rows[0][2])
     if len(_live_keys) >= READ_KEY_CACHE_SIZE:
         _live_keys.clear()
@@ -113,9 +113,11 @@ async def authenticate_read(pool: ReadPool, authorization: str | None) -> ReadKe
 async def read_key_live(pool: ReadPool, key: ReadKey) -> None:
     """A 401 unless key is still live (a route whose statement found nothing asks why)."""
     rows = await pool.fetch(READ_KEY_SQL, (key.prefix,))
-    if not rows or rows[0][1] is not None or not hmac.compare_digest(rows[0][0], key.key_hash):
+    try:
+        _accepted(key.key_hash, rows[0] if rows else None)
+    except ApiError:
         _live_keys.pop(key.key_hash, None)
-        raise ApiError(401, "invalid_api_key", "invalid API key")
+        raise
 
 
 def api_key_of(authorization: str | None) -> str:
@@ -127,9 +129,9 @@ def api_key_of(authorization: str | None) -> str:
     return key
 
 
-def _accepted(key: str, row: Any) -> Any:
+def _accepted(key_hash: str, row: Any) -> Any:
     """row (key_hash, revoked_at, ...) if it is the live key of that hash, else a 401."""
-    if row is None or row[1] is not None or not hmac.compare_digest(row[0], hash_key(key)):
+    if row is None or row[1] is not None or not hmac.compare_digest(row[0], key_hash):
         raise ApiError(401, "invalid_api_key", "invalid API key")
     return row
 

@@ -30,7 +30,6 @@ from service.models import (
     Tenant,
     utcnow,
 )
-from service.pagination import page_query
 from service.protocol import JobStateUpdate, grid_knobs, pause_key, tenant_safe
 from service.queue import get_redis, publish_cancel, unqueue_placement
 from service.registry import BaseModelEntry, ModelRegistry
@@ -201,13 +200,6 @@ def get_task(session: Session, tenant: Tenant, task_id: str, lock: bool = False)
     if task is None:
         raise not_found("task", task_id)
     return task
-
-
-def list_tasks(session: Session, tenant: Tenant, limit: int, after: str | None,
-               state: str | None = None) -> tuple[list[Task], bool]:
-    scope = select(Task).where(Task.tenant_id == tenant.id)
-    query = scope if state is None else scope.where(Task.state == state)
-    return page_query(session, Task, query, limit, after, scope=scope)
 
 
 def task_out(session: Session, task: Task) -> TaskOut:

@@ -18,15 +18,18 @@ from service.auth import revoke_api_key
 from service.db import READ_POOL_NAME, ReadPool
 from service.localstack import free_port
 from service.models import Job, MetricPoint, Placement, Task, Tenant, utcnow
+from service.pagination import page_query
 from service.schemas import JobCurves, LossPoint, MetricsOut, Page, TaskOut
 
 
 def _model_page(session, tenant_id: str, limit: int, after: str | None = None,  # noqa: ANN001
                 state: str | None = None) -> bytes:
-    """The JSON the ORM path gave (service.tasks.list_tasks + task_outs + Page[TaskOut])."""
+    """The JSON the ORM path gave (the page query the route ran before service.read_path, then
+    service.tasks.task_outs and Page[TaskOut])."""
     session.expire_all()
-    tenant = session.get(Tenant, tenant_id)
-    rows, more = tasks.list_tasks(session, tenant, limit, after, state)
+    scope = select(Task).where(Task.tenant_id == tenant_id)
+    query = scope if state is None else scope.where(Task.state == state)
+    rows, more = page_query(session, Task, query, limit, after, scope=scope)
     return Page[TaskOut](data=tasks.task_outs(session, rows), has_more=more,
                          last_id=rows[-1].id if rows else None).model_dump_json().encode()
 
