@@ -120,9 +120,35 @@ class NodeDeregistered(_Msg):
         description="Tasks that still ran there, back in the queue to resume elsewhere.")
 
 
+def colocation_key(base_model: str, method: str, max_seq_len: int,
+                   target_modules: list[str] | None) -> str:
+    """What two tasks must share to train on one executor (trainer.executor.HOST_FIELDS that a
+    task sets; the rest are the node's): the scheduler joins a task to a warm executor only with
+    the same key, and the daemon attaches it only then."""
+    targets = ",".join(sorted(target_modules)) if target_modules else "*"
+    return f"{base_model}|{method}|{max_seq_len}|{targets}"
+
+
+class ExecutorReport(_Msg):
+    """A shared executor process on a node (co-location, DESIGN.md): one base model on one GPU
+    set, hosting the placements (tasks) attached to it. Joining it needs no free GPU: the
+    scheduler may place a task with the same colocation_key on exactly these GPUs."""
+
+    key: str = Field(max_length=2000, description="colocation_key of the tasks it can host.")
+    gpu_indices: list[int] = Field(max_length=64)
+    placement_ids: list[str] = Field(default_factory=list, max_length=1000,
+                                     description="Placements it hosts now (empty: warm, idle).")
+    free_rows: int = Field(ge=0, description="Sequence rows of its admission budget that no "
+                                             "hosted job uses (what another task's jobs can take).")
+    total_rows: int = Field(ge=0, description="Its whole admission budget in sequence rows.")
+    queued_jobs: int = Field(default=0, ge=0, description="Hosted jobs waiting for rows.")
+
+
 class Heartbeat(_Msg):
     running_placement_ids: list[str] = Field(default_factory=list)
     gpu_utilization: list[float] | None = None
+    executors: list[ExecutorReport] = Field(
+        default_factory=list, description="The node's shared executors (co-location).")
 
 
 class HeartbeatResponse(_Msg):
