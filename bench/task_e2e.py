@@ -210,6 +210,7 @@ class TraceExecutor(Executor):
 
     def __init__(self, cfg: ExecutorConfig, cb: Callbacks, trace: Record, recorder: dict,
                  shape_buckets: bool = True, attention: str = "rows") -> None:
+        cfg.attention = attention  # the executor's own setting (profile key included)
         super().__init__(cfg, cb)
         self.trace, self.recorder, self.missing = trace, recorder, 0
         self.shape_buckets, self.attention = shape_buckets, attention
@@ -219,7 +220,6 @@ class TraceExecutor(Executor):
         eng, real_step, real_eval = self.engine, self.engine.step, self.engine.evaluate_metrics
         if not self.shape_buckets:
             eng.shape_buckets = None
-        eng.set_attention(self.attention)
 
         def step():  # noqa: ANN202
             n = len(self.recorder["step_s"])
@@ -495,6 +495,7 @@ class PackOnlyExecutor(Executor):
     and updates are the real ones, the model costs nothing (shapes and padding on the CPU)."""
 
     def __init__(self, cfg: ExecutorConfig, cb: Callbacks, buckets: bool, attention: str) -> None:
+        cfg.attention = attention
         super().__init__(cfg, cb)
         self.buckets, self.attention, self.cells, self.real = buckets, attention, 0, 0
 
@@ -503,7 +504,6 @@ class PackOnlyExecutor(Executor):
         eng = self.engine
         if not self.buckets:
             eng.shape_buckets = None
-        eng.set_attention(self.attention)
         width = eng.model.config.hidden_size
 
         def hidden(batch):  # noqa: ANN001, ANN202

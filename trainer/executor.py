@@ -117,6 +117,10 @@ class ExecutorConfig:
     # masked (packed) attention runs on the memory-efficient kernel, slower on wide steps. On
     # H100 the whole task was faster with it (bench/results/task_e2e_h100.md), so it stays on.
     cudnn_attention: bool = True
+    # the engine's packing and attention (MultiLoraEngine.set_attention): "rows" (each job's
+    # sequences in its own padded rows, block mask) or "varlen" (sequences back to back in one row,
+    # attention by sequence bounds: no padding; SFT only)
+    attention: str = "rows"
     early_exit: EarlyExitSettings = field(default_factory=EarlyExitSettings)
     stop_after_steps: int | None = None  # stop (as if killed) after this many executor steps
     method: str = "sft"  # sft | dpo (preference pairs; JobSpec.beta per job)
@@ -128,7 +132,7 @@ PHASES = ("load", "profile", "train", "eval", "checkpoint", "export", "admit")
 
 # what a task must share with the executor it joins: the backbone, the engine and the step
 HOST_FIELDS = ("model_dir", "method", "max_seq_len", "targets", "gradient_checkpointing", "device",
-               "backend", "adapter_dtype", "world_size", "cudnn_attention")
+               "backend", "adapter_dtype", "world_size", "cudnn_attention", "attention")
 TASK_OUTCOMES = ("succeeded", "failed", "cancelled", "paused")
 
 
@@ -371,6 +375,8 @@ class Executor:
         cfg = self.cfg
         if cfg.method not in ("sft", "dpo"):
             raise ValueError(f"unknown method {cfg.method!r}; expected 'sft' or 'dpo'")
+        if cfg.attention not in ("rows", "varlen") or (cfg.attention == "varlen" and cfg.method == "dpo"):
+            raise ValueError(f"attention {cfg.attention!r}: 'rows', or 'varlen' for sft")
         device = self.strategy.device(cfg.device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if device.type == "cuda":
@@ -388,6 +394,7 @@ class Executor:
             getattr(torch, cfg.adapter_dtype),
         ), device)
         self.engine.train_examples = self.pool
+        self.engine.set_attention(cfg.attention)
         if device.type == "cuda" and cfg.max_tokens_per_step is None:
             budget = cfg.memory_budget_bytes or torch.cuda.get_device_properties(device).total_memory
             with self.phase("profile"):
@@ -455,7 +462,7 @@ class Executor:
             seq_len=cfg.max_seq_len, gpu=gpu, torch=torch.__version__, method=cfg.method,
             targets=sorted(eng.targets), gradient_checkpointing=cfg.gradient_checkpointing,
             adapter_dtype=cfg.adapter_dtype, backend=cfg.backend, ranks=self.world,
-            max_lora_rank=max(j.rank for j in cfg.jobs))
+            max_lora_rank=max(j.rank for j in cfg.jobs), attention=cfg.attention)
 
     def _stored_memory_model(self) -> MemoryModel:
         """The node's stored profile for this key, or a fresh measurement that is then stored."""

@@ -203,3 +203,25 @@ def test_executor_reports_its_wall_time_by_phase(files) -> None:  # noqa: ANN001
     busy = sum(t[f"{p}_s"] for p in PHASES)
     assert busy <= t["wall_s"] + 1e-6 and t["idle_s"] == pytest.approx(t["wall_s"] - busy, abs=1e-3)
     assert t["load_s"] < t["first_step_s"] <= t["wall_s"] and t["global_step"] == 4
+
+
+def test_executor_attention_setting_packs_varlen_with_the_rows_losses(files) -> None:  # noqa: ANN001
+    """ExecutorConfig.attention reaches the engine: "varlen" lays sequences back to back (no
+    padding cells) and trains to the losses of "rows"; the stored profile is keyed by it."""
+    jobs = [JobSpec("a", rank=2, alpha=4, lr=1e-3, batch_size=3, max_steps=3, seed=1),
+            JobSpec("b", rank=4, alpha=8, lr=2e-3, batch_size=2, max_steps=3, seed=2)]
+    losses: dict[str, dict[str, list[float]]] = {}
+    keys = {}
+    for mode in ("rows", "varlen"):
+        seen: dict[str, list[float]] = defaultdict(list)
+        ex = Executor(make_cfg(files, f"att_{mode}", jobs, attention=mode),
+                      Callbacks(on_train_loss=lambda j, s, loss, seen=seen: seen[j].append(loss)))
+        ex.run()
+        assert ex.engine.attention == mode
+        losses[mode], keys[mode] = dict(seen), json.loads(ex.profile_key())["attention"]
+    assert keys == {"rows": "rows", "varlen": "varlen"}
+    for job in ("a", "b"):
+        assert len(losses["varlen"][job]) == 3
+        assert losses["varlen"][job] == pytest.approx(losses["rows"][job], rel=1e-4, abs=1e-5)
+    with pytest.raises(ValueError, match="attention"):
+        Executor(make_cfg(files, "att_bad", jobs, attention="flash")).run()
