@@ -29,7 +29,9 @@ Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwi
   [{name, bytes, sha256}], step, meta jsonb, created_at)``; unique (task_id, key); file
   blobs live in storage under ``artifacts/<id>/<name>``.
 - ``nodes(id, name unique, gpu_type, gpu_count, gpu_memory_bytes, state up|down,
-  last_heartbeat_at, registered_at, meta jsonb)``.
+  last_heartbeat_at, registered_at, meta jsonb, executors jsonb, executors_at)``; executors: the
+  node's shared executors as its last heartbeat reported them (service.protocol.ExecutorReport
+  dicts), executors_at: when; the scheduler ignores them once older than node_timeout_s.
 - ``placements(id, task_id, node_id, gpu_indices int[], planned_start, planned_end,
   state, attempt, created_at, published_at, claimed_at, finished_at, error)``;
   states: PLACEMENT_STATES. Only one placement of a task is published|claimed|running.
@@ -254,6 +256,8 @@ class Node(Base):
     last_heartbeat_at: Mapped[datetime | None] = mapped_column(TS)
     registered_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
     meta: Mapped[dict | None] = mapped_column(JSONB)
+    executors: Mapped[list | None] = mapped_column(JSONB)
+    executors_at: Mapped[datetime | None] = mapped_column(TS)
 
 
 class Placement(Base):
