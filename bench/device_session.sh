@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device session's runs, in calls of at most 10 minutes (the device tool's limit), each
+# writing its tables and logs under $OUT. Usage: bash bench/device_session.sh kernels|e2e|more
+# Every step has its own time limit so a slow one cannot take the rest of the call with it.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+step() {  # step LIMIT_S NAME CMD...: run, tee its log, note its exit code and seconds
+  local limit=$1 name=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  echo "== $name rc=${PIPESTATUS[0]} ${SECONDS}s-${t0}s" | tee -a "$OUT/steps.txt"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers, peft; print(torch.__version__, triton.__version__, transformers.__version__, peft.__version__)" | tee -a "$OUT/gpu.txt"
+case "${1:-}" in
+  kernels)  # issue 20 (+ the GPU tests of every issue)
+    step 170 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu \
+      tests/unit/test_packing.py::test_flash_varlen_attention_equals_causal_attention_per_sequence
+    step 230 lora_op python3 bench/lora_op.py --budget-s 190 --out "$OUT/lora_op_fused_h100.md" --timings "$OUT/lora_forms.json"
+    [ -s "$OUT/lora_forms.json" ] && cp "$OUT/lora_forms.json" kernels/lora_forms.json
+    step 170 engine_step python3 bench/engine_step.py --jobs 8 --forms compose,fused,auto --out "$OUT/engine_step_fused_h100.md"
+    ;;
+  e2e)  # issue 15: the whole task, rows attention (the default)
+    step 560 task_e2e python3 bench/task_e2e.py --layers 4 --deadline-s 480 --work /tmp/task_e2e \
+      --json "$OUT/task_e2e_h100.json" --profile-out "$OUT/task_e2e_h100_profile.txt" --out "$OUT/task_e2e_h100_table.md"
+    ;;
+  more)  # issue 15 varlen attention (speed only) and issue 19 co-location
+    step 250 task_e2e_varlen python3 bench/task_e2e.py --layers 4 --speed-only --attention varlen --deadline-s 200 \
+      --work /tmp/task_e2e --json "$OUT/task_e2e_h100_varlen.json"
+    step 300 colocate python3 bench/colocate.py --tasks 6 --steps 60 --out "$OUT/colocate_h100.md"
+    ;;
+  *) echo "usage: $0 kernels|e2e|more" >&2; exit 2 ;;
+esac
