@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 GIB = 1024**3
 
@@ -246,6 +247,15 @@ def correction_factor(samples: Sequence[tuple[float, float]]) -> float:
     return min(high, max(low, math.exp(mid * n / (n + CORRECTION_PRIOR))))
 
 
+class Estimate(NamedTuple):
+    """One task's estimate on one GPU type: GPUs, seconds (corrected by the model's measured
+    error), and the raw seconds before that correction."""
+
+    gpus: int
+    seconds: int
+    raw_seconds: int
+
+
 @dataclass
 class Estimator:
     """d_i and g_i per GPU type. ``profiles`` maps (base_model, gpu_type, seq_len, batch_key)
@@ -299,18 +309,26 @@ class Estimator:
                            self.cfg, minimum)
 
     def estimate(self, work: TaskWork, gpu_type: str, gpu: GpuSpec, minimum_gpus: int = 1,
-                 measured_tokens_per_s: float | None = None, corrected: bool = True
-                 ) -> tuple[int, int]:
-        """(gpus, seconds) for the task on this GPU type. A running task passes its measured
-        tokens/s (whole placement), which replaces the profile or analytic rate. Otherwise the
-        model's correction factor applies unless ``corrected`` is False (the raw estimate, which
-        is what placements record so that the error can be measured against it)."""
+                 measured_tokens_per_s: float | None = None) -> tuple[int, int]:
+        """(gpus, seconds) for the task on this GPU type: ``estimate_with_raw`` without the raw
+        seconds."""
+        e = self.estimate_with_raw(work, gpu_type, gpu, minimum_gpus, measured_tokens_per_s)
+        return e.gpus, e.seconds
+
+    def estimate_with_raw(self, work: TaskWork, gpu_type: str, gpu: GpuSpec,
+                          minimum_gpus: int = 1, measured_tokens_per_s: float | None = None
+                          ) -> Estimate:
+        """The task's GPUs and seconds on this GPU type, corrected and raw, from one rate. A
+        running task passes its measured tokens/s (whole placement), which replaces the profile
+        or analytic rate and is taken as it is (raw = corrected). Otherwise the model's
+        correction factor gives ``seconds``; ``raw_seconds`` is the estimate without it, what
+        placements record so that the error can be measured against the estimator's own number."""
         g = self.gpus(work, gpu, minimum_gpus)
         factor = 1.0
         if measured_tokens_per_s and measured_tokens_per_s > 0:
             rate = measured_tokens_per_s
         else:
             rate = self.tokens_per_s(work, gpu_type, gpu, g)
-            if corrected:
-                factor = self.corrections.get(work.base_model, 1.0)
-        return g, max(1, math.ceil(remaining_tokens(work) / rate * factor))
+            factor = self.corrections.get(work.base_model, 1.0)
+        seconds = remaining_tokens(work) / rate
+        return Estimate(g, max(1, math.ceil(seconds * factor)), max(1, math.ceil(seconds)))

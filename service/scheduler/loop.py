@@ -185,9 +185,10 @@ def build_instance(session: Session, settings: Settings, now: datetime
         mine = rows.get(task.id, [])
         active = next((p for p in reversed(mine) if p.state in PLACEMENT_ACTIVE), None)
         since = active.claimed_at if active is not None else None
-        by_type = {gt: est.estimate(work, gt, spec, minimum[task.base_model],
-                                    _measured_rate(work, since, now))
-                   for gt, spec in gpu_types.items()}
+        rate = _measured_rate(work, since, now)
+        full = {gt: est.estimate_with_raw(work, gt, spec, minimum[task.base_model], rate)
+                for gt, spec in gpu_types.items()}
+        by_type = {gt: (e.gpus, e.seconds) for gt, e in full.items()}
         g, d = next(iter(by_type.values()), (minimum[task.base_model], 3600))
         tenant = tenants.get(task.tenant_id)
         ceiling = (task_priority_ceiling(tenant, settings) if tenant is not None
@@ -209,9 +210,8 @@ def build_instance(session: Session, settings: Settings, now: datetime
                 active.node_id, tuple(active.gpu_indices), min(0, started)),
                 preemptible=active.stop_requested is None))
             continue
-        for gt, spec in gpu_types.items():
-            raw[task.id, gt] = est.estimate(work, gt, spec, minimum[task.base_model],
-                                            corrected=False)[1]
+        for gt, e in full.items():
+            raw[task.id, gt] = e.raw_seconds
         planned = next((p for p in reversed(mine) if p.state == "planned"), None)
         hint = max_start = None
         if planned is not None:

@@ -92,8 +92,8 @@ def test_profile_then_measured_rate_override_analytic() -> None:
     assert est.estimate(w, "H100", gpu_spec("H100"))[1] == math.ceil(tokens / 5000.0)
     other = Estimator(shapes, {("m", "H100", 1024, "8x1"): 2500.0})  # other batch mix
     assert other.estimate(w, "H100", gpu_spec("H100"))[1] == math.ceil(tokens / 2500.0)
-    measured = est.estimate(w, "H100", gpu_spec("H100"), measured_tokens_per_s=10_000.0)[1]
-    assert measured == math.ceil(tokens / 10_000.0)
+    measured = est.estimate_with_raw(w, "H100", gpu_spec("H100"), measured_tokens_per_s=10_000.0)
+    assert measured.seconds == measured.raw_seconds == math.ceil(tokens / 10_000.0)
     analytic = Estimator(shapes).estimate(w, "H100", gpu_spec("H100"))[1]
     rate = 989e12 * 0.4 / flops_per_token(shapes["m"], 256.0)
     assert analytic == math.ceil(tokens / rate)
@@ -126,12 +126,13 @@ def test_estimator_applies_the_models_correction_to_raw_estimates_only() -> None
     tokens = 4 * math.ceil(10_000 / 4) * 4 * 256.0
     key = ("m", "H100", 1024, batch_key([4, 4, 4, 4]))
     est = Estimator(shapes, {key: 5000.0}, corrections={"m": 1.5})
-    raw = est.estimate(w, "H100", gpu_spec("H100"), corrected=False)[1]
-    assert raw == math.ceil(tokens / 5000.0)
-    assert est.estimate(w, "H100", gpu_spec("H100"))[1] == math.ceil(tokens / 5000.0 * 1.5)
+    both = est.estimate_with_raw(w, "H100", gpu_spec("H100"))  # one call, both numbers
+    assert both.raw_seconds == math.ceil(tokens / 5000.0)
+    assert both.seconds == math.ceil(tokens / 5000.0 * 1.5)
+    assert est.estimate(w, "H100", gpu_spec("H100")) == (both.gpus, both.seconds)
     # A running task's own measured rate is the measurement: no correction on top.
-    measured = est.estimate(w, "H100", gpu_spec("H100"), measured_tokens_per_s=10_000.0)[1]
-    assert measured == math.ceil(tokens / 10_000.0)
+    measured = est.estimate_with_raw(w, "H100", gpu_spec("H100"), measured_tokens_per_s=10_000.0)
+    assert measured.seconds == measured.raw_seconds == math.ceil(tokens / 10_000.0)
     # Another model keeps its analytic estimate.
     other = TaskWork("n", 10_000, 1, 256.0, 1024, [JobProgress(4)] * 4, early_exit=False)
     assert est.estimate(other, "H100", gpu_spec("H100")) == Estimator(shapes).estimate(
