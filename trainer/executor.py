@@ -291,6 +291,20 @@ class Executor:
                       "error": None if t.error is None else f"{type(t.error).__name__}: {t.error}"}
                 for tid, t in self.ended.items()}
 
+    def capacity(self) -> dict[str, int]:
+        """Read-only, from any thread (a shared executor's host reports it): the admission budget
+        in rows of one batch item (a job's batch_size unit: a sequence, for DPO a pair), the rows
+        no running job holds, and the hosted jobs still queued. Zeros before the model is loaded.
+        Snapshots of the loop's dicts (list() of a dict view is atomic under the GIL)."""
+        admission = getattr(self, "admission", None)
+        if admission is None:
+            return {"total_rows": 0, "free_rows": 0, "queued_jobs": 0}
+        tasks = list(self.tasks.values())
+        used = sum(s.batch_size for t in tasks for s in list(t.placed.values()))
+        total = admission.max_total_batch()
+        return {"total_rows": total, "free_rows": max(0, total - used),
+                "queued_jobs": sum(len(t.queue) for t in tasks)}
+
     def _open(self, task: TaskRun) -> None:
         task.read(self.tokenizer)
         task.open()

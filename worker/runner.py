@@ -216,11 +216,12 @@ def executor_config(spec: PlacementSpec, directory: Path):  # noqa: ANN201 - tra
         or str(directory.parent.parent / "memory_profiles.json"))
 
 
-def train(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
-          should_stop: StopFlag) -> dict:
-    """Run the task (one GPU, or adapter-parallel over the placement's GPUs); returns
-    {"best_job_id", "summary", "stopped"}."""
-    from trainer.executor import Callbacks, run_executor
+def open_task(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
+              on_task_end: Any = None) -> tuple[Any, Any, _Bridge]:
+    """The placement's task as an executor takes it: (ExecutorConfig, Callbacks writing its
+    spool, the bridge that keeps its best points), its output folder seeded with the resume
+    checkpoint. on_task_end: the Callbacks' (a shared executor's end of this task)."""
+    from trainer.executor import Callbacks
 
     cfg = executor_config(spec, directory)
     out = Path(cfg.output_dir)
@@ -233,17 +234,63 @@ def train(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
                           on_job_state=bridge.on_job_state, on_adapter=bridge.on_adapter,
                           on_event=bridge.on_event, on_metrics=bridge.on_metrics,
                           on_throughput=bridge.on_throughput)
-    status = run_executor(cfg, callbacks, should_stop)
-    # Stopped: it checkpointed at a step boundary, hand that over. Finished: the last checkpoint
-    # (small: no job left in it) announces that nothing is left, before the terminal record.
+    if on_task_end is not None:
+        callbacks.on_task_end = on_task_end
+    return cfg, callbacks, bridge
+
+
+def settle(bridge: _Bridge, status: dict, stopped: bool) -> dict:
+    """What a task that left its executor hands over: {"stopped": True} (it checkpointed at a
+    step boundary), else {"best_job_id", "summary"}. Either way its last checkpoint is announced
+    first (finished: a small one, no job left in it, which says that nothing is left)."""
     bridge.announce_checkpoint()
-    if should_stop.event.is_set():
+    if stopped:
         return {"stopped": True}
     finished = {j: b for j, b in bridge.best.items()
                 if status.get(j, {}).get("state") in ("completed", "exited")}
     best = min(finished, key=lambda j: finished[j][0]) if finished else None
     return {"best_job_id": best if best in bridge.adapters else None,
             "summary": {"jobs": {j: s.get("state") for j, s in status.items()}}}
+
+
+def train(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
+          should_stop: StopFlag) -> dict:
+    """Run the task (one GPU, or adapter-parallel over the placement's GPUs); returns
+    {"best_job_id", "summary", "stopped"}."""
+    from trainer.executor import run_executor
+
+    cfg, callbacks, bridge = open_task(spec, directory, reporter)
+    status = run_executor(cfg, callbacks, should_stop)
+    return settle(bridge, status, should_stop.event.is_set())
+
+
+class PlacementRun:
+    """A placement inside an executor process: its spec, spool, reporter, stop flag (SIGTERM, a
+    stale lease) and its terminal record. worker.runner runs one alone; worker.host runs several
+    on one shared executor, each reporting through its own folder the same way."""
+
+    def __init__(self, directory: Path, lease_timeout_s: float) -> None:
+        self.directory = directory.resolve()
+        self.spec = PlacementSpec.model_validate_json((self.directory / "spec.json").read_text())
+        self.spool = SpoolWriter(self.directory / SPOOL_NAME)
+        self.stop = StopFlag(self.directory, lease_timeout_s)
+        self.reporter = SpoolReporter(self.spool, self.directory)
+
+    def finished(self, result: dict) -> None:
+        self.spool.finished(best_job_id=result.get("best_job_id"), summary=result.get("summary"))
+        log.info("executor finished task=%s placement=%s best_job=%s", self.spec.task_id,
+                 self.spec.placement_id, result.get("best_job_id"))
+
+    def failed(self, exc: BaseException) -> None:
+        # Bad input (a data file no record of which tokenizes, an unknown model) will fail
+        # again on retry; anything else (OOM, a lost device) is worth another attempt.
+        retryable = not isinstance(exc, (ValueError, FileNotFoundError))
+        self.spool.failed(tenant_safe(f"{type(exc).__name__}: {exc}"), retryable=retryable,
+                          detail="".join(traceback.format_exception(exc)))
+
+    def stopped(self, reason: str) -> None:
+        self.spool.event("executor_stopped", f"stopped: {reason}")
+        self.spool.failed(f"executor stopped: {reason}", retryable=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,36 +301,27 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("LORAPLEX_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    directory = args.placement_dir.resolve()
-    spec = PlacementSpec.model_validate_json((directory / "spec.json").read_text())
-    spool = SpoolWriter(directory / SPOOL_NAME)
-    stop = StopFlag(directory, args.lease_timeout_s)
+    run = PlacementRun(args.placement_dir, args.lease_timeout_s)
+    spec, stop = run.spec, run.stop
     signal.signal(signal.SIGTERM, lambda s, f: stop.set("SIGTERM"))
-    reporter = SpoolReporter(spool, directory)
     log.info("executor starting task=%s placement=%s attempt=%d jobs=%d resume=%s",
              spec.task_id, spec.placement_id, spec.attempt, len(spec.jobs),
              spec.resume_checkpoint_artifact_id)
     try:
-        result = train(spec, directory, reporter, stop)
-    except Exception as exc:  # reported, then a non-zero exit
-        log.exception("executor failed task=%s placement=%s", spec.task_id, spec.placement_id)
-        # Bad input (a data file no record of which tokenizes, an unknown model) will fail
-        # again on retry; anything else (OOM, a lost device) is worth another attempt.
-        retryable = not isinstance(exc, (ValueError, FileNotFoundError))
-        spool.failed(tenant_safe(f"{type(exc).__name__}: {exc}"), retryable=retryable,
-                     detail=traceback.format_exc())
-        spool.close()
-        return 1
-    if stop.event.is_set() or result.get("stopped"):
-        spool.event("executor_stopped", f"stopped: {stop.reason or 'requested'}")
-        spool.failed(f"executor stopped: {stop.reason or 'requested'}", retryable=True)
-        spool.close()
+        try:
+            result = train(spec, run.directory, run.reporter, stop)
+        except Exception as exc:  # reported, then a non-zero exit
+            log.exception("executor failed task=%s placement=%s", spec.task_id,
+                          spec.placement_id)
+            run.failed(exc)
+            return 1
+        if stop.event.is_set() or result.get("stopped"):
+            run.stopped(stop.reason or "requested")
+        else:
+            run.finished(result)
         return 0
-    spool.finished(best_job_id=result.get("best_job_id"), summary=result.get("summary"))
-    spool.close()
-    log.info("executor finished task=%s placement=%s best_job=%s", spec.task_id,
-             spec.placement_id, result.get("best_job_id"))
-    return 0
+    finally:
+        run.spool.close()
 
 
 if __name__ == "__main__":

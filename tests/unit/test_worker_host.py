@@ -1,0 +1,202 @@
+"""Unit: the shared executor process (worker/host.py) on a tiny Llama (CPU), driven through its
+control channel (inbox requests, status.json) as the daemon drives it: placements of two tasks
+join one executor mid-run and each reports through its own spool; a cancel or pause detaches one
+task alone; a placement of another model is refused untouched; a crash of the executor fails
+every hosted placement retryably. The host runs in-process here (threads); the daemon tests below
+run it as the daemon does (a subprocess) and prove one process for two placements."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.protocol import (
+    EarlyExitSettings,
+    EvalSettings,
+    JobHyperparameters,
+    JobSpec,
+    PlacementSpec,
+)
+from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
+from worker import host as shared
+from worker.service_client import read_complete_lines
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir("llama", tmp_path_factory.mktemp("host_model"))
+
+
+def make_placement(root: Path, model: Path, placement_id: str, *, epochs: int = 2,
+                   seed: int = 5, max_seq_len: int = 48, gpus: tuple[int, ...] = (0,)) -> Path:
+    """A placement folder as the daemon leaves it after the claim: spec.json and data/."""
+    directory = root / "placements" / placement_id
+    (directory / "data").mkdir(parents=True)
+    write_jsonl(directory / "data" / "train.jsonl", synthetic_rows(20, seed=seed))
+    jobs = [JobSpec(job_id=f"{placement_id}_j{i}", index=i, state="pending",
+                    hyperparameters=JobHyperparameters(learning_rate=lr, lora_rank=r,
+                                                       lora_alpha=2 * r, batch_size=b))
+            for i, (lr, r, b) in enumerate([(3e-3, 4, 1), (1e-3, 2, 2)])]
+    spec = PlacementSpec(
+        task_id=f"task_{placement_id}", placement_id=placement_id, attempt=1, node_id="n",
+        gpu_indices=list(gpus), method="sft", base_model="tiny", base_model_path=str(model),
+        training_file_id="f", training_file_url="/f", training_file_format="chat",
+        validation_split=0.2, max_seq_len=max_seq_len, epochs=epochs, seed=seed,
+        eval=EvalSettings(eval_every_steps=5, eval_max_samples=4),
+        early_exit=EarlyExitSettings(enabled=False), jobs=jobs)
+    (directory / "spec.json").write_text(spec.model_dump_json())
+    return directory
+
+
+def records(directory: Path) -> list[dict]:
+    return [json.loads(t) for _, _, t in read_complete_lines(directory / "spool.jsonl", 0)]
+
+
+def wait(predicate: Callable[[], Any], what: str, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Running:
+    """A Host serving in a thread of this process (its executor on this CPU)."""
+
+    def __init__(self, directory: Path, linger_s: float = 0.5, **kw: Any) -> None:
+        self.directory = directory
+        self.host = shared.Host(directory, lease_timeout_s=0, linger_s=linger_s, poll_s=0.02,
+                                **kw)
+        self.code: int | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        self.code = self.host.serve()
+
+    def start(self) -> Running:
+        self.thread.start()
+        return self
+
+    def status(self) -> dict:
+        return shared.read_status(self.directory)
+
+    def join(self, timeout: float = 120) -> int:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the host did not exit"
+        assert self.code is not None
+        return self.code
+
+
+def attach(host_dir: Path, placement: Path) -> None:
+    shared.send(host_dir, {"op": "attach", "placement_id": placement.name,
+                           "placement_dir": str(placement)})
+
+
+def trained(placement: Path, n: int = 1) -> bool:
+    return sum(r["type"] == "metric" for r in records(placement)) >= n
+
+
+def test_two_tasks_share_one_executor_each_reporting_through_its_own_spool(
+        tmp_path: Path, model: Path) -> None:
+    a = make_placement(tmp_path, model, "pl_a", epochs=3)
+    b = make_placement(tmp_path, model, "pl_b", seed=9)
+    host_dir = tmp_path / "hosts" / "h1"
+    attach(host_dir, a)
+    running = Running(host_dir).start()
+    wait(lambda: trained(a, 3), "A to train")
+    attach(host_dir, b)  # B joins the executor while A trains
+    joined = wait(lambda: "pl_b" in running.status().get("accepted", []) and running.status(),
+                  "B to join")
+    assert "pl_a" not in joined["ended"]  # A was still training then
+    assert joined["state"] == "serving" and joined["key"] == "tiny|sft|48|*"
+    assert joined["total_rows"] > 0 and joined["free_rows"] <= joined["total_rows"]
+    assert running.join() == 0  # both ended, then it lingered idle and left
+    final = running.status()
+    assert final["state"] == "closed" and final["hosted"] == []
+    assert final["ended"] == {"pl_a": "succeeded", "pl_b": "succeeded"}
+    for placement in (a, b):
+        recs = records(placement)
+        assert recs[-1]["type"] == "finished"
+        jobs = {r["point"]["job_id"] for r in recs if r["type"] == "metric"}
+        assert jobs == {f"{placement.name}_j0", f"{placement.name}_j1"}  # its own jobs only
+        adapters = [r for r in recs if r["type"] == "artifact" and r["meta"]["kind"] == "adapter"]
+        assert {r["meta"]["job_id"] for r in adapters} == jobs
+        assert all((placement / r["dir"] / "adapter_model.safetensors").is_file()
+                   for r in adapters)
+        assert recs[-1]["best_job_id"] in jobs
+        # the last checkpoint, in its own folder, announced before the terminal record
+        ckpts = [r for r in recs if r["type"] == "artifact" and r["meta"]["kind"] == "checkpoint"]
+        assert ckpts and (placement / ckpts[-1]["dir"] / "state.pt").is_file()
+    assert not any(r["type"] == "event" and r["event"]["type"] == "resumed" for r in records(b))
+
+
+def test_cancel_and_pause_detach_one_task_alone(tmp_path: Path, model: Path) -> None:
+    a = make_placement(tmp_path, model, "pl_a", epochs=3)
+    b = make_placement(tmp_path, model, "pl_b", seed=9, epochs=3)
+    c = make_placement(tmp_path, model, "pl_c", seed=11, epochs=3)
+    host_dir = tmp_path / "hosts" / "h1"
+    for p in (a, b, c):
+        attach(host_dir, p)
+    running = Running(host_dir).start()
+    wait(lambda: trained(b, 2) and trained(c, 2), "B and C to train")
+    shared.send(host_dir, {"op": "detach", "placement_id": "pl_b", "outcome": "cancelled"})
+    shared.send(host_dir, {"op": "detach", "placement_id": "pl_c", "outcome": "paused"})
+    wait(lambda: len(running.status().get("ended", {})) >= 2, "B and C to leave")
+    status = running.status()
+    assert status["ended"] == {"pl_b": "cancelled", "pl_c": "paused"}
+    assert status["hosted"] == ["pl_a"]  # A trains on
+    assert running.join() == 0
+    assert running.status()["ended"]["pl_a"] == "succeeded"
+    assert records(a)[-1]["type"] == "finished"
+    # cancelled: its jobs end cancelled, no terminal record (the service stopped it)
+    rb = records(b)
+    assert not any(r["type"] in ("finished", "failed") for r in rb)
+    assert {r["update"]["state"] for r in rb if r["type"] == "job_state"} >= {"cancelled"}
+    # paused: a checkpoint, then the retryable stop the service takes as a pause
+    rc = records(c)
+    assert rc[-1] == {"type": "failed", "error": "executor stopped: paused by the service",
+                      "retryable": True, "detail": None}
+    assert rc[-2]["type"] == "event" and rc[-2]["event"]["type"] == "executor_stopped"
+    ckpt = [r for r in rc if r["type"] == "artifact" and r["meta"]["kind"] == "checkpoint"][-1]
+    assert (c / ckpt["dir"] / "state.pt").is_file()
+
+
+def test_another_model_is_refused_and_a_crash_fails_every_hosted_task(
+        tmp_path: Path, model: Path) -> None:
+    from trainer.executor import Executor
+
+    class Crashing(Executor):
+        """The executor itself fails (a lost device) once both tasks have trained."""
+
+        def _admit(self) -> None:
+            if len(self.tasks) == 2 and self.global_step >= 4:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            super()._admit()
+
+    a = make_placement(tmp_path, model, "pl_a", epochs=3)
+    b = make_placement(tmp_path, model, "pl_b", seed=9, epochs=3)
+    other = make_placement(tmp_path, model, "pl_other", max_seq_len=64)
+    host_dir = tmp_path / "hosts" / "h1"
+    for p in (a, other, b):
+        attach(host_dir, p)
+    running = Running(host_dir, make_executor=Crashing).start()
+    assert running.join() == 1
+    status = running.status()
+    assert status["refused"] == {"pl_other": "another model or GPU set: tiny|sft|64|* [0]"}
+    assert not (other / "spool.jsonl").exists() or not records(other)  # untouched: it may go on
+    assert status["ended"] == {"pl_a": "failed", "pl_b": "failed"} and status["state"] == "closed"
+    for placement in (a, b):
+        last = records(placement)[-1]
+        assert last["type"] == "failed" and last["retryable"] is True
+        assert "illegal memory access" in last["error"]
