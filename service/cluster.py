@@ -138,20 +138,40 @@ def register_node(session: Session, msg: NodeRegister) -> tuple[Node, bool]:
     node.gpu_type, node.gpu_count = msg.gpu_type, msg.gpu_count
     node.gpu_memory_bytes, node.meta = msg.gpu_memory_bytes, msg.meta
     node.state, node.last_heartbeat_at = "up", now
+    node.executors = node.executors_at = None  # a restarted daemon reports them anew
     session.flush()
     return node, changed
 
 
 def heartbeat(session: Session, node: Node, msg: Heartbeat) -> tuple[HeartbeatResponse, bool]:
     """Refresh the node (a node that was down is up again and keeps every placement that is still
-    current); name the placements it reports that must stop. (response, came back up)."""
+    current) and its shared executors (co-location); name the placements it reports that must
+    stop. (response, replan: it came back up, or an executor has new room while tasks wait)."""
     came_back = node.state != "up"
+    before = _executor_room(node.executors)
     node.state, node.last_heartbeat_at = "up", utcnow()
+    # The node's shared executors as of now: the scheduler reads them while fresh.
+    node.executors = [e.model_dump(mode="json") for e in msg.executors]
+    node.executors_at = node.last_heartbeat_at
+    after = _executor_room(node.executors)
+    roomier = any(rows > before.get(k, -1) for k, rows in after.items())
+    if roomier and not came_back:
+        came_back = session.scalar(select(Task.id).where(Task.state == "queued").limit(1)) \
+            is not None
     stop = placements_to_stop(session, node.id, msg.running_placement_ids)
     pause = placements_to_pause(session, node.id, msg.running_placement_ids)
     session.flush()
     return HeartbeatResponse(node_id=node.id, state="up", cancelled_placement_ids=stop,
                              pause_placement_ids=pause), came_back
+
+
+def _executor_room(reports: list | None) -> dict[tuple[str, str], int]:
+    """(key, GPUs) -> free rows of reported executors (a malformed entry counts as none)."""
+    room = {}
+    for r in reports or []:
+        if isinstance(r, dict) and isinstance(r.get("free_rows"), int):
+            room[str(r.get("key")), str(sorted(r.get("gpu_indices") or []))] = r["free_rows"]
+    return room
 
 
 def placements_to_pause(session: Session, node_id: str, reported: Iterable[str]) -> list[str]:

@@ -16,6 +16,10 @@ and by the replanner's periodic pass; it flushes but never commits (the caller d
 - estimate error fed back: a published placement records the raw estimate (estimated_s), the
   finish report the run (run_s); each model's later estimates are corrected by their ratio
   (estimator.correction_factor; bounded, per model);
+- co-location (service.scheduler.colocation): before solving, queued tasks join warm shared
+  executors that nodes' fresh heartbeats report (same colocation_key, one GPU, free rows for their
+  smallest job), published at once on the executor's GPUs; the planner sees each shared
+  executor's GPUs once, held until its last hosted task ends;
 - time is discretised to ``unit_s`` seconds (default 60); durations are rounded up; the solver
   has a deterministic work limit (``scheduler_work_limit``): the same state gives the same plan.
 """
@@ -35,6 +39,7 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.models import (
+    JOB_TERMINAL,
     PLACEMENT_ACTIVE,
     File,
     Job,
@@ -45,8 +50,21 @@ from service.models import (
     ThroughputProfile,
     utcnow,
 )
+from service.protocol import colocation_key
 from service.queue import publish_placement
 from service.registry import ModelRegistry
+from service.scheduler.colocation import (
+    Colocated,
+    Join,
+    JoinCandidate,
+    LivePlacement,
+    NodeReports,
+    colocate_instance,
+    demand,
+    fresh_executors,
+    plan_joins,
+    usable_executors,
+)
 from service.scheduler.estimator import (
     CORRECTION_SAMPLES,
     Estimator,
@@ -297,7 +315,8 @@ def replan(session: Session, settings: Settings) -> Plan:
     unit = int(_knob(settings, "scheduler_unit_s", DEFAULT_UNIT_S))
     inst, rows, raw = build_instance(session, settings, now)
     gpu_type = {n.id: n.gpu_type for n in inst.nodes}
-    plan = solve(inst, solve_options(settings))
+    col, joins = colocation(session, settings, inst, now)
+    plan = solve(col.instance, solve_options(settings))
     _preempt(session, plan, settings)
     # Off the request path a cancel or completion can commit while the solver runs: lock the
     # waiting tasks (task before placements, the order cancel uses) and plan only those still
@@ -308,8 +327,12 @@ def replan(session: Session, settings: Settings) -> Plan:
     busy: dict[str, set[int]] = {}
     for p in session.scalars(select(Placement).where(Placement.state.in_(PLACEMENT_ACTIVE))):
         busy.setdefault(p.node_id, set()).update(p.gpu_indices)
-    published = 0
-    for spec in inst.tasks:
+    joined = publish_joins(session, settings, [j for j in joins if j.task_id in still_queued],
+                           rows, now)
+    for j in joins:
+        busy.setdefault(j.executor.node_id, set()).update(j.executor.gpus)
+    published = joined
+    for spec in col.instance.tasks:
         if spec.pinned is not None or spec.id not in still_queued:
             continue
         mine = rows.get(spec.id, [])
@@ -345,11 +368,89 @@ def replan(session: Session, settings: Settings) -> Plan:
     session.flush()
     _last = PlanInfo(now, plan.status, plan.makespan_s, plan.gap, plan.solve_time_s,
                      plan.relaxed_waiting, dict(plan.unschedulable))
-    log.info("replan status=%s tasks=%d published=%d makespan_s=%d gap=%.3f solve_s=%.2f "
-             "unschedulable=%d relaxed_waiting=%s", plan.status, len(inst.tasks), published,
+    log.info("replan status=%s tasks=%d published=%d joined=%d shared_executors=%d "
+             "makespan_s=%d gap=%.3f solve_s=%.2f unschedulable=%d relaxed_waiting=%s",
+             plan.status, len(inst.tasks), published, joined, len(col.occupants),
              plan.makespan_s, plan.gap, plan.solve_time_s, len(plan.unschedulable),
              plan.relaxed_waiting)
     return plan
+
+
+def colocation(session: Session, settings: Settings, inst: Instance, now: datetime
+               ) -> tuple[Colocated, list[Join]]:
+    """Co-location (service.scheduler.colocation): which queued tasks join a warm shared
+    executor now, and the instance the planner solves (every shared executor's GPUs once)."""
+    nodes = [NodeReports(n.id, n.gpu_type, n.gpu_count, n.state == "up", n.executors,
+                         n.executors_at)
+             for n in session.scalars(select(Node).where(Node.executors_at.is_not(None))
+                                      .order_by(Node.name))]
+    executors = fresh_executors(nodes, now, settings.node_timeout_s)
+    if not executors:
+        return colocate_instance(inst, []), []
+    live, keys, sizes = _live_placements(session, inst)
+    ends = {t.id: t.duration_s for t in inst.tasks if t.pinned is not None}
+    usable = usable_executors(executors, live, ends)
+    candidates = {}
+    for t in inst.tasks:
+        if t.pinned is None and t.id in keys:
+            low, total = demand(sizes.get(t.id, []))
+            if total:
+                candidates[t.id] = JoinCandidate(t.id, keys[t.id], low, total)
+    held: dict[str, set[int]] = {}
+    for p in live:
+        held.setdefault(p.node_id, set()).update(p.gpus)
+    free = {n.id: n.gpu_count - len(held.get(n.id, ())) for n in inst.nodes if n.up}
+    joins = plan_joins(inst, usable, candidates, live, free)
+    return colocate_instance(inst, joins), joins
+
+
+def _live_placements(session: Session, inst: Instance
+                     ) -> tuple[list[LivePlacement], dict[str, str], dict[str, list[int]]]:
+    """Every live placement (its task's tenant, colocation key and rows), each unfinished task's
+    key, and the batch sizes of its unfinished jobs."""
+    rows = session.execute(
+        select(Placement.id, Placement.node_id, Placement.gpu_indices, Task)
+        .join(Task, Task.id == Placement.task_id)
+        .where(Placement.state.in_(PLACEMENT_ACTIVE)).order_by(Placement.id)).all()
+    tasks = {t.id: t for *_, t in rows}
+    want = {t.id for t in inst.tasks} - set(tasks)
+    if want:
+        tasks.update({t.id: t for t in session.scalars(select(Task).where(Task.id.in_(want)))})
+    keys = {tid: colocation_key(t.base_model, t.method, t.max_seq_len, t.target_modules)
+            for tid, t in tasks.items()}
+    sizes: dict[str, list[int]] = {}
+    for task_id, config in session.execute(
+            select(Job.task_id, Job.config).where(Job.task_id.in_(list(tasks)),
+                                                  Job.state.not_in(JOB_TERMINAL))
+            .order_by(Job.task_id, Job.index)):
+        sizes.setdefault(task_id, []).append(int((config or {}).get("batch_size", 1)))
+    live = [LivePlacement(pid, t.id, t.tenant_id, keys[t.id], node_id, tuple(sorted(gpus)),
+                          demand(sizes.get(t.id, []))[1])
+            for pid, node_id, gpus, t in rows]
+    return live, keys, sizes
+
+
+def publish_joins(session: Session, settings: Settings, joins: list[Join],
+                  rows: dict[str, list[Placement]], now: datetime) -> int:
+    """Publish a placement for each join on its executor's node and GPUs (the daemon attaches
+    it to the running executor); the task's older planned rows are superseded. A co-located
+    run records no raw estimate: its time depends on its neighbours, so it is not fed back."""
+    for j in joins:
+        mine = rows.get(j.task_id, [])
+        for p in mine:
+            if p.state == "planned":
+                p.state = "superseded"
+        keep = Placement(task_id=j.task_id, node_id=j.executor.node_id,
+                         gpu_indices=list(j.executor.gpus), planned_start=now,
+                         planned_end=now + timedelta(seconds=j.duration_s), attempt=_attempt(mine))
+        session.add(keep)
+        session.flush()
+        publish_placement(session, keep, settings)
+        log.info("task joins a shared executor task=%s node=%s gpus=%s key=%s rows=%d "
+                 "share=%.3f warm_idle=%s", j.task_id, j.executor.node_id,
+                 ",".join(map(str, j.executor.gpus)), j.executor.key, j.rows, j.share,
+                 j.warm_idle)
+    return len(joins)
 
 
 def current_plan(session: Session) -> list[Placement]:

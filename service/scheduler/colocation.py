@@ -1,0 +1,337 @@
+"""Co-location in the plan (DESIGN.md, issue 19): queued tasks join warm shared executors, and the
+planner sees each shared executor's GPUs once. Pure: no database, no clock (loop.py feeds it).
+
+A node's heartbeat reports its shared executors (service.protocol.ExecutorReport): key, GPUs,
+hosted placements, free and total sequence rows. Rules, in the order ``plan_joins`` applies them:
+- only fresh reports count (node up, report younger than node_timeout_s: ``fresh_executors``), and
+  only executors the database agrees with: a busy one's GPUs are held by live placements of its key
+  on exactly its GPUs, an idle (warm) one's by none;
+- a task may join an executor with its colocation_key, on one GPU (an adapter-parallel task, or an
+  executor on several GPUs, never joins), when the executor's free rows (minus rows of joins it
+  has not reported yet) cover the task's demand: its smallest unfinished job's batch size (a job
+  of batch size B takes B rows of the admission budget);
+- a joining task takes min(its rows, free rows), its rows being the batch sizes of its unfinished
+  jobs summed; the executor admits what fits and queues the rest;
+- who joins first: tasks of tenants under their guaranteed share, then by planner weight
+  (operator priorities), then arrival, then id; each picks a busy executor before an idle one
+  (sharing a backbone is the point), then the most free rows, then node and GPU order;
+- a tenant's usage counts each hosted task as a share of its executor's GPUs by rows:
+  gpus x rows_t / sum of the hosted tasks' rows (one task alone: all its GPUs); a join is refused
+  when the tenant's usage plus that share would pass its max_gpus;
+- bounded waiting: a join that would keep an executor's GPUs past its current end (an idle
+  executor's end is now) is refused while some other queued task waits for GPUs that no node has
+  free and is urgent (past half its waiting bound) or of a tenant under its guaranteed share.
+``colocate_instance`` then turns the instance into the one the CP-SAT planner solves: joined tasks
+are pinned on their executor's GPUs from now, and each group of live placements that share GPUs
+becomes one pinned occupant of those GPUs until the group's last task ends (not preemptible, of
+no tenant) with every hosted task pinned on zero GPUs: no GPU is counted twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+
+from service.protocol import ExecutorReport
+from service.scheduler.planner import Instance, Pinned, TaskSpec, weight
+
+SHARED_TENANT = ""  # the pinned occupant of a shared executor belongs to no tenant
+
+
+@dataclass
+class WarmExecutor:
+    """A shared executor as reported (``free_rows`` is decremented as tasks join it)."""
+
+    node_id: str
+    gpu_type: str
+    key: str
+    gpus: tuple[int, ...]
+    placement_ids: tuple[str, ...]
+    free_rows: int
+    total_rows: int
+    queued_jobs: int = 0
+    hold_end_s: int = 0  # when its GPUs are free again as planned (0: idle, free now)
+
+    @property
+    def idle(self) -> bool:
+        return not self.placement_ids
+
+    @property
+    def ref(self) -> str:
+        return f"{self.node_id}:{','.join(map(str, self.gpus))}"
+
+
+@dataclass(frozen=True)
+class NodeReports:
+    """What loop.py reads of a node row for co-location."""
+
+    id: str
+    gpu_type: str
+    gpu_count: int
+    up: bool
+    executors: list | None
+    executors_at: datetime | None
+
+
+def fresh_executors(nodes: Iterable[NodeReports], now: datetime, timeout_s: float
+                    ) -> list[WarmExecutor]:
+    """The executors of up nodes whose report is younger than timeout_s; malformed entries (and
+    GPUs the node does not have) are skipped. Sorted by node and GPUs: deterministic."""
+    out = []
+    for node in nodes:
+        if not node.up or node.executors_at is None or not node.executors:
+            continue
+        if (now - node.executors_at).total_seconds() > timeout_s:
+            continue
+        for raw in node.executors:
+            try:
+                r = ExecutorReport.model_validate(raw)
+            except ValueError:
+                continue
+            gpus = tuple(sorted(set(r.gpu_indices)))
+            if not gpus or gpus[0] < 0 or gpus[-1] >= node.gpu_count:
+                continue
+            out.append(WarmExecutor(node.id, node.gpu_type, r.key, gpus,
+                                    tuple(sorted(set(r.placement_ids))), r.free_rows,
+                                    r.total_rows, r.queued_jobs))
+    return sorted(out, key=lambda e: (e.node_id, e.gpus, e.key))
+
+
+@dataclass(frozen=True)
+class LivePlacement:
+    """A published|claimed|running placement, with its task's key, tenant and rows."""
+
+    id: str
+    task_id: str
+    tenant: str
+    key: str
+    node_id: str
+    gpus: tuple[int, ...]
+    rows: int
+
+
+def usable_executors(executors: Sequence[WarmExecutor], live: Sequence[LivePlacement],
+                     ends: Mapping[str, int]) -> list[WarmExecutor]:
+    """Executors the database agrees with (module docstring). A busy executor's free rows lose
+    the rows of live placements on it that its report does not list yet (published joins); its
+    hold end is its hosted tasks' latest planned end (``ends``: task id -> seconds from now)."""
+    out = []
+    for ex in executors:
+        on = [p for p in live if p.node_id == ex.node_id and set(p.gpus) & set(ex.gpus)]
+        if not on:  # idle, or every task it reported has ended: they detach, it is warm
+            out.append(replace(ex, placement_ids=(), hold_end_s=0,
+                               free_rows=ex.free_rows if ex.idle else ex.total_rows))
+            continue
+        if any(p.gpus != ex.gpus or p.key != ex.key for p in on):
+            continue  # its GPUs were given to something else since the report
+        unreported = sum(p.rows for p in on if p.id not in ex.placement_ids)
+        out.append(replace(ex, placement_ids=tuple(sorted(p.id for p in on)),
+                           free_rows=max(0, ex.free_rows - unreported),
+                           hold_end_s=max(ends.get(p.task_id, 0) for p in on)))
+    return out
+
+
+def tenant_usage(live: Sequence[LivePlacement]) -> dict[str, float]:
+    """GPUs each tenant uses: a placement alone on its GPUs counts them all; placements sharing
+    GPUs (one shared executor) split them by rows (module docstring)."""
+    usage: dict[str, float] = {}
+    for group in shared_groups(live):
+        total = sum(max(1, p.rows) for p in group)
+        gpus = len({(p.node_id, g) for p in group for g in p.gpus})
+        for p in group:
+            usage[p.tenant] = usage.get(p.tenant, 0.0) + gpus * max(1, p.rows) / total
+    return usage
+
+
+def shared_groups(live: Sequence[LivePlacement]) -> list[list[LivePlacement]]:
+    """Live placements grouped by shared GPUs (same node, overlapping GPU sets), in a stable
+    order (by node, lowest GPU, placement id)."""
+    parent = list(range(len(live)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[tuple[str, int], int] = {}
+    for i, p in enumerate(live):
+        for g in p.gpus:
+            j = owner.setdefault((p.node_id, g), i)
+            parent[find(i)] = find(j)
+    groups: dict[int, list[LivePlacement]] = {}
+    for i, p in enumerate(live):
+        groups.setdefault(find(i), []).append(p)
+    out = [sorted(g, key=lambda p: p.id) for g in groups.values()]
+    return sorted(out, key=lambda g: (g[0].node_id, min(x for p in g for x in p.gpus), g[0].id))
+
+
+@dataclass(frozen=True)
+class JoinCandidate:
+    """A queued task that could join: its key, demand (smallest unfinished job's batch size) and
+    rows (all unfinished jobs' batch sizes), and its (GPUs, seconds) per GPU type."""
+
+    task_id: str
+    key: str
+    demand_rows: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class Join:
+    task_id: str
+    tenant: str
+    executor: WarmExecutor
+    rows: int  # rows of the admission budget the join takes
+    share: float  # GPUs counted to its tenant at join time
+    duration_s: int
+    warm_idle: bool = False  # the executor hosted nothing: its GPUs held for its linger time
+
+
+@dataclass
+class _Group:
+    rows: int
+    gpus: int
+
+
+def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
+               candidates: Mapping[str, JoinCandidate], live: Sequence[LivePlacement],
+               free_gpus: Mapping[str, int]) -> list[Join]:
+    """Which queued tasks of ``inst`` join which executors now (module docstring); ``free_gpus``:
+    per node id, GPUs that no live placement holds now."""
+    specs = {t.id: t for t in inst.tasks if t.pinned is None}
+    usage = tenant_usage(live)
+    guar = inst.tenant_guaranteed_gpus
+    caps = inst.tenant_max_gpus
+    gpu_type = {n.id: n.gpu_type for n in inst.nodes if n.up}
+    groups: dict[str, _Group] = {}
+    for ex in executors:
+        rows = sum(max(1, p.rows) for p in live if p.node_id == ex.node_id
+                   and set(p.gpus) & set(ex.gpus))
+        groups[ex.ref] = _Group(rows, len(ex.gpus))
+    joinable = {tid for tid, c in candidates.items() if tid in specs and any(
+        _fits(specs[tid], c, ex, gpu_type) for ex in executors)}
+    blocked = any(_waits_hard(t, usage, guar, free_gpus, gpu_type)
+                  for t in specs.values() if t.id not in joinable)
+
+    def order(t: TaskSpec) -> tuple:
+        under = usage.get(t.tenant, 0.0) < guar.get(t.tenant, 0)
+        return (not under, -weight(t.priority, t.tenant_priority),
+                t.arrival_s if t.arrival_s is not None else 0, t.id)
+
+    joins: list[Join] = []
+    for t in sorted((specs[tid] for tid in joinable), key=order):
+        c = candidates[t.id]
+        fits = [ex for ex in executors if _fits(t, c, ex, gpu_type)]
+        fits.sort(key=lambda ex: (ex.idle, -ex.free_rows, ex.node_id, ex.gpus))
+        for ex in fits:
+            duration = t.need(ex.gpu_type)[1]
+            if blocked and duration > ex.hold_end_s:
+                continue  # it would keep GPUs that a task waiting too long needs
+            take = min(max(c.rows, c.demand_rows), ex.free_rows)
+            g = groups[ex.ref]
+            share = g.gpus * take / (g.rows + take)
+            cap = caps.get(t.tenant)
+            if cap is not None and usage.get(t.tenant, 0.0) + share > cap + 1e-9:
+                continue
+            idle = ex.idle
+            ex.free_rows -= take
+            ex.hold_end_s = max(ex.hold_end_s, duration)
+            ex.placement_ids = (*ex.placement_ids, f"join:{t.id}")
+            g.rows += take
+            usage[t.tenant] = usage.get(t.tenant, 0.0) + share
+            joins.append(Join(t.id, t.tenant, ex, take, share, duration, idle))
+            break
+    return joins
+
+
+def _fits(t: TaskSpec, c: JoinCandidate, ex: WarmExecutor, gpu_type: Mapping[str, str]) -> bool:
+    if ex.node_id not in gpu_type or c.key != ex.key or len(ex.gpus) != 1:
+        return False
+    return t.need(ex.gpu_type)[0] == 1 and ex.free_rows >= max(1, c.demand_rows)
+
+
+def _waits_hard(t: TaskSpec, usage: Mapping[str, float], guar: Mapping[str, int],
+                free_gpus: Mapping[str, int], gpu_type: Mapping[str, str]) -> bool:
+    """A queued task no node can start now that is urgent or under its tenant's guarantee."""
+    if any(t.need(gt)[0] <= free_gpus.get(n, 0) for n, gt in gpu_type.items()):
+        return False
+    if usage.get(t.tenant, 0.0) < guar.get(t.tenant, 0):
+        return True
+    if t.max_start_s is None:
+        return False
+    arrival = t.arrival_s if t.arrival_s is not None else 0
+    bound = t.max_start_s - arrival
+    return -arrival >= bound / 2
+
+
+@dataclass
+class Colocated:
+    """The instance the planner solves and what it hides: the occupant ids (one per shared
+    executor) and the task ids pinned on zero GPUs."""
+
+    instance: Instance
+    occupants: dict[str, list[str]] = field(default_factory=dict)  # occupant id -> task ids
+
+
+def colocate_instance(inst: Instance, joins: Sequence[Join]) -> Colocated:
+    """Pin joined tasks on their executors from now, then give each group of pinned tasks that
+    share GPUs one occupant (module docstring)."""
+    by_task = {j.task_id: j for j in joins}
+    tasks: list[TaskSpec] = []
+    for t in inst.tasks:
+        j = by_task.get(t.id)
+        if j is None:
+            tasks.append(t)
+            continue
+        tasks.append(replace(t, state="running", gpus_needed=len(j.executor.gpus),
+                             duration_s=j.duration_s, by_gpu_type={}, hint=None, max_start_s=None,
+                             pinned=Pinned(j.executor.node_id, j.executor.gpus, 0)))
+    pinned = [t for t in tasks if t.pinned is not None]
+    parent = {t.id: t.id for t in pinned}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    owner: dict[tuple[str, int], str] = {}
+    for t in pinned:
+        assert t.pinned is not None
+        for g in t.pinned.gpu_indices:
+            other = owner.setdefault((t.pinned.node_id, g), t.id)
+            a, b = find(t.id), find(other)
+            parent[max(a, b)] = min(a, b)
+    groups: dict[str, list[TaskSpec]] = {}
+    for t in pinned:
+        groups.setdefault(find(t.id), []).append(t)
+    shared = [sorted(ms, key=lambda m: m.id) for _, ms in sorted(groups.items()) if len(ms) > 1]
+    hosted = {m.id for ms in shared for m in ms}
+    new_tasks = []
+    for t in tasks:
+        if t.id in hosted and t.pinned is not None:
+            t = replace(t, pinned=Pinned(t.pinned.node_id, (), t.pinned.start_s),
+                        gpus_needed=0, preemptible=False)
+        new_tasks.append(t)
+    out = Colocated(inst)
+    for ms in shared:
+        spots = [m.pinned for m in ms if m.pinned is not None]
+        node = spots[0].node_id
+        gpus = tuple(sorted({g for s in spots for g in s.gpu_indices}))
+        start = min(s.start_s for s in spots)
+        occupant = f"executor:{node}:{','.join(map(str, gpus))}"
+        new_tasks.append(TaskSpec(
+            id=occupant, tenant=SHARED_TENANT, gpus_needed=len(gpus),
+            duration_s=max(m.duration_s for m in ms), state="running",
+            pinned=Pinned(node, gpus, start), arrival_s=start, preemptible=False))
+        out.occupants[occupant] = [m.id for m in ms]
+    out.instance = replace(inst, tasks=new_tasks)
+    return out
+
+
+def demand(batch_sizes: Iterable[int]) -> tuple[int, int]:
+    """(smallest batch size, sum of batch sizes) of a task's unfinished jobs; (0, 0) if none."""
+    sizes = [max(1, int(b)) for b in batch_sizes]
+    return (min(sizes), sum(sizes)) if sizes else (0, 0)

@@ -1,0 +1,210 @@
+"""Co-location in the plan (service.scheduler.colocation), on small instances with a known answer:
+who joins a warm shared executor and who does not, the tenant shares, the bounded-waiting guard,
+and the instance the planner then solves (a shared executor's GPUs counted once)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from service.scheduler.colocation import (
+    SHARED_TENANT,
+    JoinCandidate,
+    LivePlacement,
+    NodeReports,
+    WarmExecutor,
+    colocate_instance,
+    demand,
+    fresh_executors,
+    plan_joins,
+    tenant_usage,
+    usable_executors,
+)
+from service.scheduler.planner import (
+    Instance,
+    NodeSpec,
+    Pinned,
+    SolveOptions,
+    TaskSpec,
+    solve,
+)
+
+K = "tiny|sft|128|*"  # a colocation_key
+OTHER = "tiny|sft|256|*"
+NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
+
+
+def ex(node: str = "n0", gpus: tuple[int, ...] = (0,), key: str = K, hosted: tuple[str, ...] = (
+        "pl_a",), free: int = 8, total: int = 16, hold: int = 3600) -> WarmExecutor:
+    return WarmExecutor(node, "H100", key, gpus, hosted, free, total, 0,
+                        hold if hosted else 0)
+
+
+def queued(tid: str, tenant: str = "t1", gpus: int = 1, duration: int = 1800, **kw) -> TaskSpec:
+    return TaskSpec(tid, tenant, gpus, duration, arrival_s=kw.pop("arrival_s", 0), **kw)
+
+
+def running(tid: str, tenant: str = "t1", node: str = "n0", gpus: tuple[int, ...] = (0,),
+            duration: int = 3600) -> TaskSpec:
+    return TaskSpec(tid, tenant, len(gpus), duration, state="running",
+                    pinned=Pinned(node, gpus, -600), arrival_s=-600)
+
+
+def live(pid: str, task: str, tenant: str = "t1", gpus: tuple[int, ...] = (0,), rows: int = 8,
+         key: str = K, node: str = "n0") -> LivePlacement:
+    return LivePlacement(pid, task, tenant, key, node, gpus, rows)
+
+
+def inst(tasks: list[TaskSpec], gpus: int = 1, nodes: int = 1, **kw) -> Instance:
+    return Instance([NodeSpec(f"n{i}", "H100", gpus) for i in range(nodes)], tasks, **kw)
+
+
+def cand(tid: str, key: str = K, low: int = 4, rows: int = 8) -> JoinCandidate:
+    return JoinCandidate(tid, key, low, rows)
+
+
+BUSY = [live("pl_a", "a")]
+
+
+def joined(joins) -> dict[str, str]:  # noqa: ANN001
+    return {j.task_id: j.executor.ref for j in joins}
+
+
+def test_same_key_joins_a_busy_executor_and_takes_its_rows() -> None:
+    i = inst([running("a"), queued("b")])
+    e = ex()
+    joins = plan_joins(i, [e], {"b": cand("b", rows=6)}, BUSY, {"n0": 0})
+    assert joined(joins) == {"b": "n0:0"}
+    assert joins[0].rows == 6 and e.free_rows == 2
+    assert abs(joins[0].share - 6 / 14) < 1e-9  # 1 GPU x its rows / (hosted 8 + its 6)
+
+
+def test_who_does_not_join() -> None:
+    i = inst([running("a"), queued("b", gpus=2), queued("c"), queued("d")], gpus=2)
+    cases = {"b": cand("b"),  # adapter-parallel: two GPUs
+             "c": cand("c", key=OTHER),  # another base model / max_seq_len
+             "d": cand("d", low=9, rows=9)}  # its smallest job does not fit in 8 free rows
+    assert plan_joins(i, [ex()], cases, BUSY, {"n0": 1}) == []
+    # an executor on two GPUs (adapter parallel) hosts no other task
+    two = ex(gpus=(0, 1))
+    assert plan_joins(i, [two], {"c": cand("c")}, [live("pl_a", "a", gpus=(0, 1))], {}) == []
+
+
+def test_rows_run_out_in_priority_order() -> None:
+    i = inst([running("a"), queued("low", tenant="t2", arrival_s=-900),
+              queued("high", tenant="t3", tenant_priority=5)])
+    c = {"low": cand("low", rows=8), "high": cand("high", rows=8)}
+    assert joined(plan_joins(i, [ex()], c, BUSY, {"n0": 0})) == {"high": "n0:0"}
+    # equal weights: the older arrival first
+    i = inst([running("a"), queued("new", arrival_s=-10), queued("old", arrival_s=-900)])
+    c = {"new": cand("new"), "old": cand("old")}
+    assert joined(plan_joins(i, [ex()], c, BUSY, {"n0": 0})) == {"old": "n0:0"}
+
+
+def test_a_tenant_under_its_guarantee_joins_first() -> None:
+    i = inst([running("a"), queued("rich", tenant="t2", tenant_priority=9),
+              queued("owed", tenant="t3")], tenant_guaranteed_gpus={"t3": 1})
+    c = {"rich": cand("rich"), "owed": cand("owed")}
+    assert joined(plan_joins(i, [ex()], c, BUSY, {"n0": 0})) == {"owed": "n0:0"}
+
+
+def test_the_hard_cap_counts_co_located_shares() -> None:
+    # t2 already uses one whole GPU on n1 and 0.5 of n0's executor; its cap is 1.5
+    hosted = [live("pl_a", "a", rows=8), live("pl_x", "x", tenant="t2", rows=8),
+              live("pl_y", "y", tenant="t2", gpus=(0,), node="n1", rows=4)]
+    usage = tenant_usage(hosted)
+    assert usage == {"t1": 0.5, "t2": 1.5}
+    i = inst([running("a"), running("x", tenant="t2"),
+              running("y", tenant="t2", node="n1"), queued("b", tenant="t2")], nodes=2,
+             tenant_max_gpus={"t2": 2})
+    e = ex(hosted=("pl_a", "pl_x"), free=8, total=24)
+    got = plan_joins(i, [e], {"b": cand("b", rows=8)}, hosted, {})
+    assert joined(got) == {"b": "n0:0"}  # 1.5 + 1 x 8/24 <= 2
+    e = ex(hosted=("pl_a", "pl_x"), free=8, total=24)
+    i = inst(list(i.tasks), nodes=2, tenant_max_gpus={"t2": 1})  # 1.5 already over 1
+    assert plan_joins(i, [e], {"b": cand("b", rows=8)}, hosted, {}) == []
+
+
+def test_a_join_does_not_outlast_the_executor_while_an_urgent_task_waits_for_gpus() -> None:
+    # "w" (another key, 1 GPU) has waited 3 h of its 4 h bound; no GPU is free anywhere
+    waiter = queued("w", arrival_s=-3 * 3600, max_start_s=3600)
+    long, short = queued("long", duration=7200), queued("short", duration=600)
+    i = inst([running("a"), waiter, long, short])
+    c = {"long": cand("long"), "short": cand("short"), "w": cand("w", key=OTHER)}
+    got = plan_joins(i, [ex(hold=3600)], c, BUSY, {"n0": 0})
+    assert joined(got) == {"short": "n0:0"}  # ends before the executor would anyway
+    # with a free GPU for the waiter (or no urgent waiter) both join
+    e = ex(hold=3600, free=16)
+    assert set(joined(plan_joins(i, [e], c, BUSY, {"n0": 1}))) == {"long", "short"}
+
+
+def test_an_idle_warm_executor_is_taken_by_its_key_only() -> None:
+    idle = ex(gpus=(1,), hosted=(), free=16)
+    i = inst([queued("other"), queued("same")], gpus=2)
+    c = {"other": cand("other", key=OTHER), "same": cand("same")}
+    got = plan_joins(i, [idle], c, [], {"n0": 2})
+    assert joined(got) == {"same": "n0:1"} and got[0].warm_idle
+    col = colocate_instance(i, got)
+    plan = solve(col.instance, SolveOptions(unit_s=60))
+    assert plan.assignments["same"].gpu_indices == (1,) and plan.assignments["same"].pinned
+    # the other key takes the remaining GPU now; nothing is counted twice
+    assert plan.assignments["other"].gpu_indices == (0,)
+    assert plan.assignments["other"].start_s == 0
+
+
+def test_a_busy_executor_is_preferred_to_an_idle_one() -> None:
+    i = inst([running("a"), queued("b")], gpus=2)
+    busy, idle = ex(free=4), ex(gpus=(1,), hosted=(), free=16)
+    assert joined(plan_joins(i, [idle, busy], {"b": cand("b")}, BUSY, {"n0": 0})) == {
+        "b": "n0:0"}
+
+
+def test_shared_gpus_are_one_occupant_in_the_planner() -> None:
+    a, x = running("a", duration=3600), running("x", tenant="t2", duration=7200)
+    waiting = queued("q", tenant="t3")
+    col = colocate_instance(inst([a, x, waiting]), [])
+    [occ] = col.occupants
+    assert col.occupants[occ] == ["a", "x"]
+    by_id = {t.id: t for t in col.instance.tasks}
+    assert by_id[occ].tenant == SHARED_TENANT and by_id[occ].pinned.gpu_indices == (0,)
+    assert by_id[occ].duration_s == 7200 and not by_id[occ].preemptible
+    assert by_id["a"].pinned.gpu_indices == () and by_id["x"].gpus_needed == 0
+    plan = solve(col.instance, SolveOptions(unit_s=60))
+    # the only GPU frees when the last hosted task ends: the queued task starts then
+    assert plan.assignments["q"].start_s == 7200
+    assert plan.assignments["q"].gpu_indices == (0,)
+
+
+def test_reports_that_are_stale_or_of_a_down_node_are_not_used() -> None:
+    report = [{"key": K, "gpu_indices": [0], "placement_ids": ["pl_a"], "free_rows": 8,
+               "total_rows": 16}]
+    fresh = NodeReports("n0", "H100", 1, True, report, NOW - timedelta(seconds=10))
+    old = NodeReports("n1", "H100", 1, True, report, NOW - timedelta(seconds=31))
+    down = NodeReports("n2", "H100", 1, False, report, NOW)
+    bad = NodeReports("n3", "H100", 1, True, [{"key": K, "gpu_indices": [3], "free_rows": 1,
+                                               "total_rows": 1}, {"nonsense": 1}], NOW)
+    got = fresh_executors([old, down, bad, fresh], NOW, timeout_s=30)
+    assert [(e.node_id, e.gpus, e.free_rows) for e in got] == [("n0", (0,), 8)]
+
+
+def test_the_database_must_agree_with_a_report() -> None:
+    e = ex(hosted=("pl_a",), free=8)
+    # a published join not yet in the report takes its rows
+    got = usable_executors([e], [live("pl_a", "a"), live("pl_b", "b", rows=6)], {"a": 60, "b": 90})
+    assert got[0].free_rows == 2 and got[0].hold_end_s == 90
+    # its GPU now runs a task of another key: not usable
+    assert usable_executors([e], [live("pl_z", "z", key=OTHER)], {}) == []
+    # every task it reported has ended: warm and idle, all rows free
+    [idle] = usable_executors([e], [], {})
+    assert idle.idle and idle.free_rows == 16 and idle.hold_end_s == 0
+    # an idle report whose GPU another key took since; or a join published since (not reported)
+    assert usable_executors([ex(hosted=(), free=16)], [live("pl_z", "z", key=OTHER)], {}) == []
+    [busy] = usable_executors([ex(hosted=(), free=16)], [live("pl_b", "b", rows=6)], {"b": 90})
+    assert busy.placement_ids == ("pl_b",) and busy.free_rows == 10 and busy.hold_end_s == 90
+
+
+def test_demand_and_determinism() -> None:
+    assert demand([8, 4, 16]) == (4, 28) and demand([]) == (0, 0)
+    i = inst([running("a"), *[queued(f"q{k}", tenant=f"t{k % 3}") for k in range(6)]])
+    c = {f"q{k}": cand(f"q{k}", rows=3) for k in range(6)}
+    runs = [joined(plan_joins(i, [ex(free=8)], c, BUSY, {"n0": 0})) for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 2
