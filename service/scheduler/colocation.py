@@ -2,10 +2,12 @@
 planner sees each shared executor's GPUs once. Pure: no database, no clock (loop.py feeds it).
 
 A node's heartbeat reports its shared executors (service.protocol.ExecutorReport): key, GPUs,
-hosted placements, free and total sequence rows. Rules, in the order ``plan_joins`` applies them:
-- only fresh reports count (node up, report younger than node_timeout_s: ``fresh_executors``), and
-  only executors the database agrees with: a busy one's GPUs are held by live placements of its key
-  on exactly its GPUs, an idle (warm) one's by none;
+hosted placements, free and total sequence rows. Only fresh reports count (node up, report
+younger than node_timeout_s: ``fresh_executors``), and only as the database confirms them
+(``usable_executors``): a busy executor's GPUs are held by live placements of its key on exactly
+its GPUs, none of them being stopped; a warm idle one's GPUs by none.
+
+Joining a busy executor (``plan_joins``, before the planner solves):
 - a task may join an executor with its colocation_key, on one GPU (an adapter-parallel task, or an
   executor on several GPUs, never joins), when the executor's free rows (minus rows of joins it
   has not reported yet) cover the task's demand: its smallest unfinished job's batch size (a job
@@ -13,18 +15,27 @@ hosted placements, free and total sequence rows. Rules, in the order ``plan_join
 - a joining task takes min(its rows, free rows), its rows being the batch sizes of its unfinished
   jobs summed; the executor admits what fits and queues the rest;
 - who joins first: tasks of tenants under their guaranteed share, then by planner weight
-  (operator priorities), then arrival, then id; each picks a busy executor before an idle one
-  (sharing a backbone is the point), then the most free rows, then node and GPU order;
+  (operator priorities), then arrival, then id; each picks the executor with the most free rows
+  (then node and GPU order);
 - a tenant's usage counts each hosted task as a share of its executor's GPUs by rows:
   gpus x rows_t / sum of the hosted tasks' rows (one task alone: all its GPUs); a join is refused
   when the tenant's usage plus that share would pass its max_gpus;
-- bounded waiting: a join that would keep an executor's GPUs past its current end (an idle
-  executor's end is now) is refused while some other queued task waits for GPUs that no node has
-  free and is urgent (past half its waiting bound) or of a tenant under its guaranteed share.
+- bounded waiting: a join that would keep an executor's GPUs past its current end is refused
+  while some other queued task waits for GPUs that no node has free and is urgent (past half its
+  waiting bound) or of a tenant under its guaranteed share.
 ``colocate_instance`` then turns the instance into the one the CP-SAT planner solves: joined tasks
 are pinned on their executor's GPUs from now, and each group of live placements that share GPUs
-becomes one pinned occupant of those GPUs until the group's last task ends (not preemptible, of
-no tenant) with every hosted task pinned on zero GPUs: no GPU is counted twice.
+becomes one pinned occupant of those GPUs until the group's last task ends (of no tenant) with
+every hosted task pinned on zero GPUs: no GPU is counted twice. Quota reclaim may take a shared
+executor's GPUs only when every task it hosts is of a tenant beyond its guaranteed share: all of
+them are then paused at a checkpoint and requeued (one hosted task paused frees rows, not GPUs).
+
+A warm idle executor's GPUs are free GPUs to the planner: it decides who starts now, so every
+priority, guarantee and waiting bound holds, and a task of another key may take them (its daemon
+stops the idle executor first). After solving, ``prefer_warm`` moves a one-GPU task of the
+executor's key that the plan starts now onto the warm GPU (no model load): by relabelling two GPUs
+of the same node in the plan, or from another node when the warm GPU is free in the plan for the
+task's whole run.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from service.protocol import ExecutorReport
-from service.scheduler.planner import Instance, Pinned, TaskSpec, weight
+from service.scheduler.planner import Assignment, Instance, Pinned, Plan, TaskSpec, weight
 
 SHARED_TENANT = ""  # the pinned occupant of a shared executor belongs to no tenant
 
@@ -109,6 +120,7 @@ class LivePlacement:
     node_id: str
     gpus: tuple[int, ...]
     rows: int
+    stopping: bool = False  # the service asked it to stop (pause, quota reclaim)
 
 
 def usable_executors(executors: Sequence[WarmExecutor], live: Sequence[LivePlacement],
@@ -123,8 +135,8 @@ def usable_executors(executors: Sequence[WarmExecutor], live: Sequence[LivePlace
             out.append(replace(ex, placement_ids=(), hold_end_s=0,
                                free_rows=ex.free_rows if ex.idle else ex.total_rows))
             continue
-        if any(p.gpus != ex.gpus or p.key != ex.key for p in on):
-            continue  # its GPUs were given to something else since the report
+        if any(p.gpus != ex.gpus or p.key != ex.key or p.stopping for p in on):
+            continue  # its GPUs were given to something else since the report, or are reclaimed
         unreported = sum(p.rows for p in on if p.id not in ex.placement_ids)
         out.append(replace(ex, placement_ids=tuple(sorted(p.id for p in on)),
                            free_rows=max(0, ex.free_rows - unreported),
@@ -186,7 +198,6 @@ class Join:
     rows: int  # rows of the admission budget the join takes
     share: float  # GPUs counted to its tenant at join time
     duration_s: int
-    warm_idle: bool = False  # the executor hosted nothing: its GPUs held for its linger time
 
 
 @dataclass
@@ -198,8 +209,8 @@ class _Group:
 def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
                candidates: Mapping[str, JoinCandidate], live: Sequence[LivePlacement],
                free_gpus: Mapping[str, int]) -> list[Join]:
-    """Which queued tasks of ``inst`` join which executors now (module docstring); ``free_gpus``:
-    per node id, GPUs that no live placement holds now."""
+    """Which queued tasks of ``inst`` join which busy executors now (module docstring);
+    ``free_gpus``: per node id, GPUs that no live placement holds now."""
     specs = {t.id: t for t in inst.tasks if t.pinned is None}
     usage = tenant_usage(live)
     guar = inst.tenant_guaranteed_gpus
@@ -224,7 +235,7 @@ def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
     for t in sorted((specs[tid] for tid in joinable), key=order):
         c = candidates[t.id]
         fits = [ex for ex in executors if _fits(t, c, ex, gpu_type)]
-        fits.sort(key=lambda ex: (ex.idle, -ex.free_rows, ex.node_id, ex.gpus))
+        fits.sort(key=lambda ex: (-ex.free_rows, ex.node_id, ex.gpus))
         for ex in fits:
             duration = t.need(ex.gpu_type)[1]
             if blocked and duration > ex.hold_end_s:
@@ -235,19 +246,18 @@ def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
             cap = caps.get(t.tenant)
             if cap is not None and usage.get(t.tenant, 0.0) + share > cap + 1e-9:
                 continue
-            idle = ex.idle
             ex.free_rows -= take
             ex.hold_end_s = max(ex.hold_end_s, duration)
             ex.placement_ids = (*ex.placement_ids, f"join:{t.id}")
             g.rows += take
             usage[t.tenant] = usage.get(t.tenant, 0.0) + share
-            joins.append(Join(t.id, t.tenant, ex, take, share, duration, idle))
+            joins.append(Join(t.id, t.tenant, ex, take, share, duration))
             break
     return joins
 
 
 def _fits(t: TaskSpec, c: JoinCandidate, ex: WarmExecutor, gpu_type: Mapping[str, str]) -> bool:
-    if ex.node_id not in gpu_type or c.key != ex.key or len(ex.gpus) != 1:
+    if ex.idle or ex.node_id not in gpu_type or c.key != ex.key or len(ex.gpus) != 1:
         return False
     return t.need(ex.gpu_type)[0] == 1 and ex.free_rows >= max(1, c.demand_rows)
 
@@ -275,9 +285,12 @@ class Colocated:
     occupants: dict[str, list[str]] = field(default_factory=dict)  # occupant id -> task ids
 
 
-def colocate_instance(inst: Instance, joins: Sequence[Join]) -> Colocated:
+def colocate_instance(inst: Instance, joins: Sequence[Join],
+                      usage: Mapping[str, float] | None = None) -> Colocated:
     """Pin joined tasks on their executors from now, then give each group of pinned tasks that
-    share GPUs one occupant (module docstring)."""
+    share GPUs one occupant (module docstring). With tenants' ``usage``, an occupant whose every
+    hosted task may be preempted and is of a tenant beyond its guaranteed share may be chosen by
+    quota reclaim: loop.py then pauses every task it hosts."""
     by_task = {j.task_id: j for j in joins}
     tasks: list[TaskSpec] = []
     for t in inst.tasks:
@@ -322,10 +335,14 @@ def colocate_instance(inst: Instance, joins: Sequence[Join]) -> Colocated:
         gpus = tuple(sorted({g for s in spots for g in s.gpu_indices}))
         start = min(s.start_s for s in spots)
         occupant = f"executor:{node}:{','.join(map(str, gpus))}"
+        guar = inst.tenant_guaranteed_gpus
+        lent = usage is not None and all(
+            m.preemptible and m.id not in by_task
+            and usage.get(m.tenant, 0.0) > guar.get(m.tenant, 0) for m in ms)
         new_tasks.append(TaskSpec(
             id=occupant, tenant=SHARED_TENANT, gpus_needed=len(gpus),
             duration_s=max(m.duration_s for m in ms), state="running",
-            pinned=Pinned(node, gpus, start), arrival_s=start, preemptible=False))
+            pinned=Pinned(node, gpus, start), arrival_s=start, preemptible=lent))
         out.occupants[occupant] = [m.id for m in ms]
     out.instance = replace(inst, tasks=new_tasks)
     return out
@@ -335,3 +352,48 @@ def demand(batch_sizes: Iterable[int]) -> tuple[int, int]:
     """(smallest batch size, sum of batch sizes) of a task's unfinished jobs; (0, 0) if none."""
     sizes = [max(1, int(b)) for b in batch_sizes]
     return (min(sizes), sum(sizes)) if sizes else (0, 0)
+
+
+def prefer_warm(plan: Plan, idle: Sequence[WarmExecutor], keys: Mapping[str, str]
+                ) -> dict[str, Assignment]:
+    """Move tasks the plan starts now onto warm idle executors of their key (module docstring).
+    Returns the changed assignments (task id -> new); ``plan.assignments`` is updated too."""
+    changed: dict[str, Assignment] = {}
+    a = plan.assignments
+    taken: set[str] = set()
+    for ex in sorted(idle, key=lambda e: (e.node_id, e.gpus)):
+        if not ex.idle or len(ex.gpus) != 1:
+            continue
+        g = ex.gpus[0]
+        on_it = [x for x in a.values() if x.node_id == ex.node_id and g in x.gpu_indices]
+        if any(x.pinned for x in on_it):
+            continue
+        if any(x.start_s == 0 and keys.get(x.task_id) == ex.key for x in on_it):
+            continue  # the plan already starts its key there
+        now = sorted((x for x in a.values() if not x.pinned and x.start_s == 0
+                      and x.task_id not in taken and keys.get(x.task_id) == ex.key
+                      and len(x.gpu_indices) == 1),
+                     key=lambda x: (x.node_id != ex.node_id, x.task_id))
+        for x in now:
+            if x.node_id == ex.node_id:
+                moved = _swap(a, ex.node_id, x.gpu_indices[0], g)
+            elif not any(y.start_s < x.end_s for y in on_it):
+                moved = {x.task_id: replace(x, node_id=ex.node_id, gpu_indices=ex.gpus)}
+            else:
+                continue
+            a.update(moved)
+            changed.update(moved)
+            taken.add(x.task_id)
+            break
+    return changed
+
+
+def _swap(a: Mapping[str, Assignment], node: str, g1: int, g2: int) -> dict[str, Assignment]:
+    """Relabel GPUs g1 and g2 of a node in every unpinned assignment (none pinned holds them)."""
+    out = {}
+    for x in a.values():
+        if x.node_id == node and not x.pinned and {g1, g2} & set(x.gpu_indices):
+            swapped = tuple(sorted(g2 if i == g1 else g1 if i == g2 else i
+                                   for i in x.gpu_indices))
+            out[x.task_id] = replace(x, gpu_indices=swapped)
+    return out

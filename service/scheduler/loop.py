@@ -16,10 +16,11 @@ and by the replanner's periodic pass; it flushes but never commits (the caller d
 - estimate error fed back: a published placement records the raw estimate (estimated_s), the
   finish report the run (run_s); each model's later estimates are corrected by their ratio
   (estimator.correction_factor; bounded, per model);
-- co-location (service.scheduler.colocation): before solving, queued tasks join warm shared
+- co-location (service.scheduler.colocation): before solving, queued tasks join busy shared
   executors that nodes' fresh heartbeats report (same colocation_key, one GPU, free rows for their
   smallest job), published at once on the executor's GPUs; the planner sees each shared
-  executor's GPUs once, held until its last hosted task ends;
+  executor's GPUs once, held until its last hosted task ends; after solving, a task the plan
+  starts now moves onto a warm idle executor of its key (no model load);
 - time is discretised to ``unit_s`` seconds (default 60); durations are rounded up; the solver
   has a deterministic work limit (``scheduler_work_limit``): the same state gives the same plan.
 """
@@ -59,10 +60,13 @@ from service.scheduler.colocation import (
     JoinCandidate,
     LivePlacement,
     NodeReports,
+    WarmExecutor,
     colocate_instance,
     demand,
     fresh_executors,
     plan_joins,
+    prefer_warm,
+    tenant_usage,
     usable_executors,
 )
 from service.scheduler.estimator import (
@@ -289,13 +293,16 @@ def solve_options(settings: Settings) -> SolveOptions:
         tail=float(getattr(settings, "scheduler_tail", 0.0)))
 
 
-def _preempt(session: Session, plan: Plan, settings: Settings) -> None:
+def _preempt(session: Session, plan: Plan, settings: Settings,
+             occupants: dict[str, list[str]] | None = None) -> None:
     """Ask the running tasks the plan preempts (quota reclaim) to pause at a checkpoint and
-    requeue; a task that ended meanwhile is left alone."""
+    requeue (a shared executor's occupant: every task it hosts); a task that ended meanwhile is
+    left alone."""
     from service.errors import ApiError
     from service.tasks import request_pause
 
-    for task_id in plan.preempt:
+    victims = [t for v in plan.preempt for t in (occupants or {}).get(v, [v])]
+    for task_id in victims:
         task = session.scalar(select(Task).where(Task.id == task_id).with_for_update())
         if task is None or task.state != "running":
             continue
@@ -315,9 +322,12 @@ def replan(session: Session, settings: Settings) -> Plan:
     unit = int(_knob(settings, "scheduler_unit_s", DEFAULT_UNIT_S))
     inst, rows, raw = build_instance(session, settings, now)
     gpu_type = {n.id: n.gpu_type for n in inst.nodes}
-    col, joins = colocation(session, settings, inst, now)
+    col, joins, warm = colocation(session, settings, inst, now)
     plan = solve(col.instance, solve_options(settings))
-    _preempt(session, plan, settings)
+    for task_id, a in prefer_warm(plan, *warm).items():
+        log.info("task starts on a warm idle executor task=%s node=%s gpus=%s", task_id,
+                 a.node_id, ",".join(map(str, a.gpu_indices)))
+    _preempt(session, plan, settings, col.occupants)
     # Off the request path a cancel or completion can commit while the solver runs: lock the
     # waiting tasks (task before placements, the order cancel uses) and plan only those still
     # queued, so nothing is published for a task that has just ended.
@@ -377,17 +387,21 @@ def replan(session: Session, settings: Settings) -> Plan:
 
 
 def colocation(session: Session, settings: Settings, inst: Instance, now: datetime
-               ) -> tuple[Colocated, list[Join]]:
-    """Co-location (service.scheduler.colocation): which queued tasks join a warm shared
-    executor now, and the instance the planner solves (every shared executor's GPUs once)."""
+               ) -> tuple[Colocated, list[Join], tuple[list[WarmExecutor], dict[str, str]]]:
+    """Co-location (service.scheduler.colocation): which queued tasks join a busy shared
+    executor now, the instance the planner solves (every shared executor's GPUs once), and the
+    warm idle executors with each task's key (for prefer_warm after solving)."""
     nodes = [NodeReports(n.id, n.gpu_type, n.gpu_count, n.state == "up", n.executors,
                          n.executors_at)
              for n in session.scalars(select(Node).where(Node.executors_at.is_not(None))
                                       .order_by(Node.name))]
     executors = fresh_executors(nodes, now, settings.node_timeout_s)
-    if not executors:
-        return colocate_instance(inst, []), []
+    if not executors and not _shares_gpus(inst):
+        return colocate_instance(inst, []), [], ([], {})
     live, keys, sizes = _live_placements(session, inst)
+    usage = tenant_usage(live)
+    if not executors:
+        return colocate_instance(inst, [], usage), [], ([], keys)
     ends = {t.id: t.duration_s for t in inst.tasks if t.pinned is not None}
     usable = usable_executors(executors, live, ends)
     candidates = {}
@@ -401,7 +415,19 @@ def colocation(session: Session, settings: Settings, inst: Instance, now: dateti
         held.setdefault(p.node_id, set()).update(p.gpus)
     free = {n.id: n.gpu_count - len(held.get(n.id, ())) for n in inst.nodes if n.up}
     joins = plan_joins(inst, usable, candidates, live, free)
-    return colocate_instance(inst, joins), joins
+    idle = [e for e in usable if e.idle]
+    return colocate_instance(inst, joins, usage), joins, (idle, keys)
+
+
+def _shares_gpus(inst: Instance) -> bool:
+    seen: set[tuple[str, int]] = set()
+    for t in inst.tasks:
+        if t.pinned is not None:
+            spots = {(t.pinned.node_id, g) for g in t.pinned.gpu_indices}
+            if spots & seen:
+                return True
+            seen |= spots
+    return False
 
 
 def _live_placements(session: Session, inst: Instance
@@ -409,7 +435,8 @@ def _live_placements(session: Session, inst: Instance
     """Every live placement (its task's tenant, colocation key and rows), each unfinished task's
     key, and the batch sizes of its unfinished jobs."""
     rows = session.execute(
-        select(Placement.id, Placement.node_id, Placement.gpu_indices, Task)
+        select(Placement.id, Placement.node_id, Placement.gpu_indices, Placement.stop_requested,
+               Task)
         .join(Task, Task.id == Placement.task_id)
         .where(Placement.state.in_(PLACEMENT_ACTIVE)).order_by(Placement.id)).all()
     tasks = {t.id: t for *_, t in rows}
@@ -425,8 +452,8 @@ def _live_placements(session: Session, inst: Instance
             .order_by(Job.task_id, Job.index)):
         sizes.setdefault(task_id, []).append(int((config or {}).get("batch_size", 1)))
     live = [LivePlacement(pid, t.id, t.tenant_id, keys[t.id], node_id, tuple(sorted(gpus)),
-                          demand(sizes.get(t.id, []))[1])
-            for pid, node_id, gpus, t in rows]
+                          demand(sizes.get(t.id, []))[1], stopping is not None)
+            for pid, node_id, gpus, stopping, t in rows]
     return live, keys, sizes
 
 
@@ -447,9 +474,8 @@ def publish_joins(session: Session, settings: Settings, joins: list[Join],
         session.flush()
         publish_placement(session, keep, settings)
         log.info("task joins a shared executor task=%s node=%s gpus=%s key=%s rows=%d "
-                 "share=%.3f warm_idle=%s", j.task_id, j.executor.node_id,
-                 ",".join(map(str, j.executor.gpus)), j.executor.key, j.rows, j.share,
-                 j.warm_idle)
+                 "share=%.3f", j.task_id, j.executor.node_id,
+                 ",".join(map(str, j.executor.gpus)), j.executor.key, j.rows, j.share)
     return len(joins)
 
 

@@ -149,3 +149,21 @@ def test_register_forgets_reports(client, factory, session) -> None:  # noqa: AN
     session.expire_all()
     row = session.get(Node, node)
     assert row.executors is None and row.executors_at is None
+
+
+def test_reclaim_pauses_every_task_of_a_shared_executor(client, factory, session) -> None:  # noqa: ANN001
+    node = factory.node("n0", gpus=1)
+    a, b, owner = factory.tenant(), factory.tenant(), factory.tenant()
+    row = session.get(Tenant, owner.id)
+    row.guaranteed_gpus = 1
+    session.commit()
+    first = task(factory, a)
+    pid = claim(client, factory, session, first, node)
+    report(client, factory, node, [pid], [executor(key_of(session, first), [0], [pid], free=8)])
+    joiner = task(factory, b)
+    pid2 = claim(client, factory, session, joiner, node)
+    assert {live(session, t).stop_requested for t in (first, joiner)} == {None}
+    waiting = task(factory, owner, max_seq_len=256)  # its guaranteed GPU is lent to a and b
+    session.expire_all()
+    assert {session.get(Placement, p).stop_requested for p in (pid, pid2)} == {"requeue"}
+    assert live(session, waiting) is None  # it starts when they have stopped

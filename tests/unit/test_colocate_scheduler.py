@@ -16,13 +16,16 @@ from service.scheduler.colocation import (
     demand,
     fresh_executors,
     plan_joins,
+    prefer_warm,
     tenant_usage,
     usable_executors,
 )
 from service.scheduler.planner import (
+    Assignment,
     Instance,
     NodeSpec,
     Pinned,
+    Plan,
     SolveOptions,
     TaskSpec,
     solve,
@@ -137,25 +140,57 @@ def test_a_join_does_not_outlast_the_executor_while_an_urgent_task_waits_for_gpu
     assert set(joined(plan_joins(i, [e], c, BUSY, {"n0": 1}))) == {"long", "short"}
 
 
-def test_an_idle_warm_executor_is_taken_by_its_key_only() -> None:
-    idle = ex(gpus=(1,), hosted=(), free=16)
-    i = inst([queued("other"), queued("same")], gpus=2)
-    c = {"other": cand("other", key=OTHER), "same": cand("same")}
-    got = plan_joins(i, [idle], c, [], {"n0": 2})
-    assert joined(got) == {"same": "n0:1"} and got[0].warm_idle
-    col = colocate_instance(i, got)
-    plan = solve(col.instance, SolveOptions(unit_s=60))
-    assert plan.assignments["same"].gpu_indices == (1,) and plan.assignments["same"].pinned
-    # the other key takes the remaining GPU now; nothing is counted twice
-    assert plan.assignments["other"].gpu_indices == (0,)
-    assert plan.assignments["other"].start_s == 0
+def test_an_idle_executor_is_never_joined_before_the_plan() -> None:
+    i = inst([queued("same")], gpus=2)
+    assert plan_joins(i, [ex(gpus=(1,), hosted=(), free=16)], {"same": cand("same")}, [],
+                      {"n0": 2}) == []
 
 
-def test_a_busy_executor_is_preferred_to_an_idle_one() -> None:
-    i = inst([running("a"), queued("b")], gpus=2)
-    busy, idle = ex(free=4), ex(gpus=(1,), hosted=(), free=16)
-    assert joined(plan_joins(i, [idle, busy], {"b": cand("b")}, BUSY, {"n0": 0})) == {
-        "b": "n0:0"}
+def assignment(tid: str, node: str, gpus: tuple[int, ...], start: int = 0, end: int = 600,
+               pinned: bool = False) -> Assignment:
+    return Assignment(tid, node, gpus, start, end, pinned)
+
+
+def plan_of(*xs: Assignment) -> Plan:
+    return Plan({x.task_id: x for x in xs}, {}, "TEST", 0, 0, 0, 0.0)
+
+
+def where(plan: Plan) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {t: (x.node_id, x.gpu_indices) for t, x in plan.assignments.items()}
+
+
+def test_a_task_the_plan_starts_now_moves_onto_a_warm_gpu_of_its_key() -> None:
+    keys = {"same": K, "other": OTHER, "next": OTHER}
+    warm = ex(gpus=(1,), hosted=(), free=16)
+    # same node: GPUs 0 and 1 are relabelled in the plan, the later task follows its GPU
+    p = plan_of(assignment("same", "n0", (0,)), assignment("other", "n0", (1,)),
+                assignment("next", "n0", (1,), 600, 900))
+    moved = prefer_warm(p, [warm], keys)
+    assert set(moved) == {"same", "other", "next"}
+    assert where(p) == {"same": ("n0", (1,)), "other": ("n0", (0,)), "next": ("n0", (0,))}
+    # another node: only when the warm GPU is free in the plan for the task's whole run
+    p = plan_of(assignment("same", "n1", (0,)), assignment("other", "n0", (1,), 700, 900))
+    prefer_warm(p, [warm], keys)
+    assert where(p)["same"] == ("n0", (1,))
+    p = plan_of(assignment("same", "n1", (0,)), assignment("other", "n0", (1,), 300, 900))
+    assert prefer_warm(p, [warm], keys) == {}
+
+
+def test_the_warm_gpu_is_not_given_against_the_plan() -> None:
+    keys = {"same": K, "two": K, "other": OTHER}
+    warm = ex(gpus=(1,), hosted=(), free=16)
+    later = plan_of(assignment("same", "n0", (0,), start=600, end=900))  # not now
+    two = plan_of(assignment("two", "n0", (0, 2)))  # adapter parallel
+    held = plan_of(assignment("same", "n0", (0,)), assignment("run", "n0", (1,), -60, 600,
+                                                              pinned=True))
+    for p in (later, two, held):
+        before = where(p)
+        assert prefer_warm(p, [warm], keys) == {} and where(p) == before
+    # the planner gives the only GPU to a heavier task of another key: the warm GPU goes with it
+    i = inst([queued("same"), queued("other", tenant="t2", tenant_priority=9)])
+    plan = solve(i, SolveOptions(unit_s=60))
+    prefer_warm(plan, [ex(gpus=(0,), hosted=(), free=16)], keys)
+    assert plan.assignments["other"].start_s == 0 and plan.assignments["same"].start_s > 0
 
 
 def test_shared_gpus_are_one_occupant_in_the_planner() -> None:
@@ -193,6 +228,9 @@ def test_the_database_must_agree_with_a_report() -> None:
     assert got[0].free_rows == 2 and got[0].hold_end_s == 90
     # its GPU now runs a task of another key: not usable
     assert usable_executors([e], [live("pl_z", "z", key=OTHER)], {}) == []
+    # its tasks are being stopped (pause, quota reclaim): nothing joins it
+    stopping = LivePlacement("pl_a", "a", "t1", K, "n0", (0,), 8, stopping=True)
+    assert usable_executors([e], [stopping], {"a": 60}) == []
     # every task it reported has ended: warm and idle, all rows free
     [idle] = usable_executors([e], [], {})
     assert idle.idle and idle.free_rows == 16 and idle.hold_end_s == 0
@@ -208,3 +246,19 @@ def test_demand_and_determinism() -> None:
     c = {f"q{k}": cand(f"q{k}", rows=3) for k in range(6)}
     runs = [joined(plan_joins(i, [ex(free=8)], c, BUSY, {"n0": 0})) for _ in range(3)]
     assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 2
+
+
+def test_quota_reclaim_takes_a_shared_executor_only_from_borrowers() -> None:
+    a, x = running("a", tenant="t1"), running("x", tenant="t2")
+    owed = queued("q", tenant="t3")
+    shares = {"t1": 0.5, "t2": 0.5}
+    i = inst([a, x, owed], tenant_guaranteed_gpus={"t3": 1})
+    col = colocate_instance(i, [], shares)
+    [occ] = col.occupants
+    assert solve(col.instance, SolveOptions(unit_s=60)).preempt == [occ]
+    # t1 is within its own guarantee: its task is not paused for t3, so neither is the executor
+    i = inst([a, x, owed], tenant_guaranteed_gpus={"t3": 1, "t1": 1})
+    assert solve(colocate_instance(i, [], shares).instance, SolveOptions(unit_s=60)).preempt == []
+    # without usage (no reclaim information) a shared executor is never a victim
+    i = inst([a, x, owed], tenant_guaranteed_gpus={"t3": 1})
+    assert solve(colocate_instance(i, []).instance, SolveOptions(unit_s=60)).preempt == []
