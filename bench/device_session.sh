@@ -23,13 +23,13 @@ case "${1:-}" in
     step 170 engine_step python3 bench/engine_step.py --jobs 8 --forms compose,fused,auto --out "$OUT/engine_step_fused_h100.md"
     ;;
   e2e)  # issue 15: the whole task, rows attention (the default)
-    step 560 task_e2e python3 bench/task_e2e.py --layers 4 --deadline-s 480 --work /tmp/task_e2e \
+    step 530 task_e2e python3 bench/task_e2e.py --layers 4 --deadline-s 455 --work /tmp/task_e2e \
       --json "$OUT/task_e2e_h100.json" --profile-out "$OUT/task_e2e_h100_profile.txt" --out "$OUT/task_e2e_h100_table.md"
     ;;
   more)  # issue 15 varlen attention (speed only) and issue 19 co-location
-    step 250 task_e2e_varlen python3 bench/task_e2e.py --layers 4 --speed-only --attention varlen --deadline-s 200 \
+    step 210 task_e2e_varlen python3 bench/task_e2e.py --layers 4 --speed-only --attention varlen --deadline-s 170 \
       --work /tmp/task_e2e --json "$OUT/task_e2e_h100_varlen.json"
-    step 300 colocate python3 bench/colocate.py --tasks 6 --steps 60 --out "$OUT/colocate_h100.md"
+    step 290 colocate python3 bench/colocate.py --tasks 6 --steps 60 --out "$OUT/colocate_h100.md"
     ;;
   *) echo "usage: $0 kernels|e2e|more" >&2; exit 2 ;;
 esac
