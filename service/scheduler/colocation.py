@@ -7,7 +7,17 @@ younger than node_timeout_s: ``fresh_executors``), and only as the database conf
 (``usable_executors``): a busy executor's GPUs are held by live placements of its key on exactly
 its GPUs, none of them being stopped; a warm idle one's GPUs by none.
 
-Joining a busy executor (``plan_joins``, before the planner solves):
+``colocate_instance`` gives the CP-SAT planner each group of live placements that share GPUs as
+one pinned occupant of those GPUs until the group's last task ends (of no tenant), with every
+hosted task pinned on zero GPUs: no GPU is counted twice. Quota reclaim may take a shared
+executor's GPUs only when every task it hosts is of a tenant beyond its guaranteed share: all of
+them are then paused at a checkpoint and requeued (one hosted task paused frees rows, not GPUs).
+
+Free GPUs first: the planner decides who starts now on GPUs (every priority, guarantee and
+waiting bound holds); only queued tasks it does not start now join a busy executor
+(``plan_joins``, after solving). Joining ahead of free GPUs trained as much per held GPU-second
+but lengthened completions (time-sharing a backbone while GPUs idle): bench/colocate_sim.py,
+bench/results/colocate_sim_cpu.md. The join rules:
 - a task may join an executor with its colocation_key, on one GPU (an adapter-parallel task, or an
   executor on several GPUs, never joins), when the executor's free rows (minus rows of joins it
   has not reported yet) cover the task's demand: its smallest unfinished job's batch size (a job
@@ -21,14 +31,8 @@ Joining a busy executor (``plan_joins``, before the planner solves):
   gpus x rows_t / sum of the hosted tasks' rows (one task alone: all its GPUs); a join is refused
   when the tenant's usage plus that share would pass its max_gpus;
 - bounded waiting: a join that would keep an executor's GPUs past its current end is refused
-  while some other queued task waits for GPUs that no node has free and is urgent (past half its
-  waiting bound) or of a tenant under its guaranteed share.
-``colocate_instance`` then turns the instance into the one the CP-SAT planner solves: joined tasks
-are pinned on their executor's GPUs from now, and each group of live placements that share GPUs
-becomes one pinned occupant of those GPUs until the group's last task ends (of no tenant) with
-every hosted task pinned on zero GPUs: no GPU is counted twice. Quota reclaim may take a shared
-executor's GPUs only when every task it hosts is of a tenant beyond its guaranteed share: all of
-them are then paused at a checkpoint and requeued (one hosted task paused frees rows, not GPUs).
+  while another waiting task (not joining) is urgent (past half its waiting bound) or of a tenant
+  under its guaranteed share: the executor drains and its GPUs go to the plan.
 
 A warm idle executor's GPUs are free GPUs to the planner: it decides who starts now, so every
 priority, guarantee and waiting bound holds, and a task of another key may take them (its daemon
@@ -40,7 +44,7 @@ task's whole run.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
@@ -208,10 +212,10 @@ class _Group:
 
 def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
                candidates: Mapping[str, JoinCandidate], live: Sequence[LivePlacement],
-               free_gpus: Mapping[str, int]) -> list[Join]:
+               starting: Collection[str] = ()) -> list[Join]:
     """Which queued tasks of ``inst`` join which busy executors now (module docstring);
-    ``free_gpus``: per node id, GPUs that no live placement holds now."""
-    specs = {t.id: t for t in inst.tasks if t.pinned is None}
+    ``starting``: the queued tasks the plan starts now on GPUs (they neither join nor wait)."""
+    specs = {t.id: t for t in inst.tasks if t.pinned is None and t.id not in starting}
     usage = tenant_usage(live)
     guar = inst.tenant_guaranteed_gpus
     caps = inst.tenant_max_gpus
@@ -223,8 +227,7 @@ def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
         groups[ex.ref] = _Group(rows, len(ex.gpus))
     joinable = {tid for tid, c in candidates.items() if tid in specs and any(
         _fits(specs[tid], c, ex, gpu_type) for ex in executors)}
-    blocked = any(_waits_hard(t, usage, guar, free_gpus, gpu_type)
-                  for t in specs.values() if t.id not in joinable)
+    blocked = any(_waits_hard(t, usage, guar) for t in specs.values() if t.id not in joinable)
 
     def order(t: TaskSpec) -> tuple:
         under = usage.get(t.tenant, 0.0) < guar.get(t.tenant, 0)
@@ -262,11 +265,8 @@ def _fits(t: TaskSpec, c: JoinCandidate, ex: WarmExecutor, gpu_type: Mapping[str
     return t.need(ex.gpu_type)[0] == 1 and ex.free_rows >= max(1, c.demand_rows)
 
 
-def _waits_hard(t: TaskSpec, usage: Mapping[str, float], guar: Mapping[str, int],
-                free_gpus: Mapping[str, int], gpu_type: Mapping[str, str]) -> bool:
-    """A queued task no node can start now that is urgent or under its tenant's guarantee."""
-    if any(t.need(gt)[0] <= free_gpus.get(n, 0) for n, gt in gpu_type.items()):
-        return False
+def _waits_hard(t: TaskSpec, usage: Mapping[str, float], guar: Mapping[str, int]) -> bool:
+    """A waiting task that is urgent or of a tenant under its guaranteed share."""
     if usage.get(t.tenant, 0.0) < guar.get(t.tenant, 0):
         return True
     if t.max_start_s is None:
@@ -274,6 +274,23 @@ def _waits_hard(t: TaskSpec, usage: Mapping[str, float], guar: Mapping[str, int]
     arrival = t.arrival_s if t.arrival_s is not None else 0
     bound = t.max_start_s - arrival
     return -arrival >= bound / 2
+
+
+@dataclass
+class CoState:
+    """What loop.py gathers for co-location before solving (see the module docstring)."""
+
+    colocated: Colocated
+    busy: list[WarmExecutor] = field(default_factory=list)
+    idle: list[WarmExecutor] = field(default_factory=list)
+    candidates: dict[str, JoinCandidate] = field(default_factory=dict)
+    live: list[LivePlacement] = field(default_factory=list)
+    keys: dict[str, str] = field(default_factory=dict)  # task id -> colocation key
+
+    def joins(self, inst: Instance, starting: Collection[str]) -> list[Join]:
+        if not self.busy:
+            return []
+        return plan_joins(inst, self.busy, self.candidates, self.live, starting)
 
 
 @dataclass
@@ -285,22 +302,12 @@ class Colocated:
     occupants: dict[str, list[str]] = field(default_factory=dict)  # occupant id -> task ids
 
 
-def colocate_instance(inst: Instance, joins: Sequence[Join],
-                      usage: Mapping[str, float] | None = None) -> Colocated:
-    """Pin joined tasks on their executors from now, then give each group of pinned tasks that
-    share GPUs one occupant (module docstring). With tenants' ``usage``, an occupant whose every
-    hosted task may be preempted and is of a tenant beyond its guaranteed share may be chosen by
-    quota reclaim: loop.py then pauses every task it hosts."""
-    by_task = {j.task_id: j for j in joins}
-    tasks: list[TaskSpec] = []
-    for t in inst.tasks:
-        j = by_task.get(t.id)
-        if j is None:
-            tasks.append(t)
-            continue
-        tasks.append(replace(t, state="running", gpus_needed=len(j.executor.gpus),
-                             duration_s=j.duration_s, by_gpu_type={}, hint=None, max_start_s=None,
-                             pinned=Pinned(j.executor.node_id, j.executor.gpus, 0)))
+def colocate_instance(inst: Instance, usage: Mapping[str, float] | None = None) -> Colocated:
+    """Give each group of running tasks that share GPUs one occupant (module docstring). With
+    tenants' ``usage``, an occupant whose every hosted task may be preempted and is of a tenant
+    beyond its guaranteed share may be chosen by quota reclaim: loop.py then pauses every task it
+    hosts."""
+    tasks = list(inst.tasks)
     pinned = [t for t in tasks if t.pinned is not None]
     parent = {t.id: t.id for t in pinned}
 
@@ -337,8 +344,7 @@ def colocate_instance(inst: Instance, joins: Sequence[Join],
         occupant = f"executor:{node}:{','.join(map(str, gpus))}"
         guar = inst.tenant_guaranteed_gpus
         lent = usage is not None and all(
-            m.preemptible and m.id not in by_task
-            and usage.get(m.tenant, 0.0) > guar.get(m.tenant, 0) for m in ms)
+            m.preemptible and usage.get(m.tenant, 0.0) > guar.get(m.tenant, 0) for m in ms)
         new_tasks.append(TaskSpec(
             id=occupant, tenant=SHARED_TENANT, gpus_needed=len(gpus),
             duration_s=max(m.duration_s for m in ms), state="running",

@@ -16,11 +16,11 @@ and by the replanner's periodic pass; it flushes but never commits (the caller d
 - estimate error fed back: a published placement records the raw estimate (estimated_s), the
   finish report the run (run_s); each model's later estimates are corrected by their ratio
   (estimator.correction_factor; bounded, per model);
-- co-location (service.scheduler.colocation): before solving, queued tasks join busy shared
-  executors that nodes' fresh heartbeats report (same colocation_key, one GPU, free rows for their
-  smallest job), published at once on the executor's GPUs; the planner sees each shared
-  executor's GPUs once, held until its last hosted task ends; after solving, a task the plan
-  starts now moves onto a warm idle executor of its key (no model load);
+- co-location (service.scheduler.colocation): the planner sees each shared executor's GPUs once,
+  held until its last hosted task ends; after solving, a task the plan starts now moves onto a
+  warm idle executor of its key (no model load), and queued tasks the plan does not start now
+  join busy shared executors that nodes' fresh heartbeats report (same colocation_key, one GPU,
+  free rows for their smallest job), published at once on the executor's GPUs;
 - time is discretised to ``unit_s`` seconds (default 60); durations are rounded up; the solver
   has a deterministic work limit (``scheduler_work_limit``): the same state gives the same plan.
 """
@@ -55,16 +55,14 @@ from service.protocol import colocation_key
 from service.queue import publish_placement
 from service.registry import ModelRegistry
 from service.scheduler.colocation import (
-    Colocated,
+    CoState,
     Join,
     JoinCandidate,
     LivePlacement,
     NodeReports,
-    WarmExecutor,
     colocate_instance,
     demand,
     fresh_executors,
-    plan_joins,
     prefer_warm,
     tenant_usage,
     usable_executors,
@@ -322,12 +320,15 @@ def replan(session: Session, settings: Settings) -> Plan:
     unit = int(_knob(settings, "scheduler_unit_s", DEFAULT_UNIT_S))
     inst, rows, raw = build_instance(session, settings, now)
     gpu_type = {n.id: n.gpu_type for n in inst.nodes}
-    col, joins, warm = colocation(session, settings, inst, now)
-    plan = solve(col.instance, solve_options(settings))
-    for task_id, a in prefer_warm(plan, *warm).items():
+    co = colocation(session, settings, inst, now)
+    plan = solve(co.colocated.instance, solve_options(settings))
+    for task_id, a in prefer_warm(plan, co.idle, co.keys).items():
         log.info("task starts on a warm idle executor task=%s node=%s gpus=%s", task_id,
                  a.node_id, ",".join(map(str, a.gpu_indices)))
-    _preempt(session, plan, settings, col.occupants)
+    # Free GPUs first: only tasks the plan does not start now may join a busy shared executor.
+    joins = co.joins(inst, {t for t, a in plan.assignments.items()
+                            if not a.pinned and a.start_s == 0})
+    _preempt(session, plan, settings, co.colocated.occupants)
     # Off the request path a cancel or completion can commit while the solver runs: lock the
     # waiting tasks (task before placements, the order cancel uses) and plan only those still
     # queued, so nothing is published for a task that has just ended.
@@ -339,11 +340,9 @@ def replan(session: Session, settings: Settings) -> Plan:
         busy.setdefault(p.node_id, set()).update(p.gpu_indices)
     joined = publish_joins(session, settings, [j for j in joins if j.task_id in still_queued],
                            rows, now)
-    for j in joins:
-        busy.setdefault(j.executor.node_id, set()).update(j.executor.gpus)
-    published = joined
-    for spec in col.instance.tasks:
-        if spec.pinned is not None or spec.id not in still_queued:
+    published, joined_ids = joined, {j.task_id for j in joins}
+    for spec in co.colocated.instance.tasks:
+        if spec.pinned is not None or spec.id not in still_queued or spec.id in joined_ids:
             continue
         mine = rows.get(spec.id, [])
         old = [p for p in mine if p.state == "planned"]
@@ -380,43 +379,33 @@ def replan(session: Session, settings: Settings) -> Plan:
                      plan.relaxed_waiting, dict(plan.unschedulable))
     log.info("replan status=%s tasks=%d published=%d joined=%d shared_executors=%d "
              "makespan_s=%d gap=%.3f solve_s=%.2f unschedulable=%d relaxed_waiting=%s",
-             plan.status, len(inst.tasks), published, joined, len(col.occupants),
+             plan.status, len(inst.tasks), published, joined, len(co.colocated.occupants),
              plan.makespan_s, plan.gap, plan.solve_time_s, len(plan.unschedulable),
              plan.relaxed_waiting)
     return plan
 
 
-def colocation(session: Session, settings: Settings, inst: Instance, now: datetime
-               ) -> tuple[Colocated, list[Join], tuple[list[WarmExecutor], dict[str, str]]]:
-    """Co-location (service.scheduler.colocation): which queued tasks join a busy shared
-    executor now, the instance the planner solves (every shared executor's GPUs once), and the
-    warm idle executors with each task's key (for prefer_warm after solving)."""
+def colocation(session: Session, settings: Settings, inst: Instance, now: datetime) -> CoState:
+    """Co-location (service.scheduler.colocation): the instance the planner solves (each shared
+    executor's GPUs once) and the usable warm executors, busy and idle, with what joining needs."""
     nodes = [NodeReports(n.id, n.gpu_type, n.gpu_count, n.state == "up", n.executors,
                          n.executors_at)
              for n in session.scalars(select(Node).where(Node.executors_at.is_not(None))
                                       .order_by(Node.name))]
     executors = fresh_executors(nodes, now, settings.node_timeout_s)
     if not executors and not _shares_gpus(inst):
-        return colocate_instance(inst, []), [], ([], {})
+        return CoState(colocate_instance(inst))
     live, keys, sizes = _live_placements(session, inst)
-    usage = tenant_usage(live)
-    if not executors:
-        return colocate_instance(inst, [], usage), [], ([], keys)
+    state = CoState(colocate_instance(inst, tenant_usage(live)), live=live, keys=keys)
     ends = {t.id: t.duration_s for t in inst.tasks if t.pinned is not None}
-    usable = usable_executors(executors, live, ends)
-    candidates = {}
+    for ex in usable_executors(executors, live, ends):
+        (state.idle if ex.idle else state.busy).append(ex)
     for t in inst.tasks:
         if t.pinned is None and t.id in keys:
             low, total = demand(sizes.get(t.id, []))
             if total:
-                candidates[t.id] = JoinCandidate(t.id, keys[t.id], low, total)
-    held: dict[str, set[int]] = {}
-    for p in live:
-        held.setdefault(p.node_id, set()).update(p.gpus)
-    free = {n.id: n.gpu_count - len(held.get(n.id, ())) for n in inst.nodes if n.up}
-    joins = plan_joins(inst, usable, candidates, live, free)
-    idle = [e for e in usable if e.idle]
-    return colocate_instance(inst, joins, usage), joins, (idle, keys)
+                state.candidates[t.id] = JoinCandidate(t.id, keys[t.id], low, total)
+    return state
 
 
 def _shares_gpus(inst: Instance) -> bool:

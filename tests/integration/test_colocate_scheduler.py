@@ -167,3 +167,15 @@ def test_reclaim_pauses_every_task_of_a_shared_executor(client, factory, session
     session.expire_all()
     assert {session.get(Placement, p).stop_requested for p in (pid, pid2)} == {"requeue"}
     assert live(session, waiting) is None  # it starts when they have stopped
+
+
+def test_a_free_gpu_comes_before_joining(client, factory, session) -> None:  # noqa: ANN001
+    node = factory.node("n0", gpus=2)
+    t = factory.tenant()
+    first = task(factory, t)
+    pid = claim(client, factory, session, first, node)
+    report(client, factory, node, [pid], [executor(key_of(session, first), [0], [pid], free=16)])
+    second = task(factory, t)
+    assert live(session, second).gpu_indices == [1], "a free GPU first"
+    third = task(factory, t)  # no GPU free now: it joins the busy executor
+    assert live(session, third).gpu_indices == [0]

@@ -75,7 +75,7 @@ def joined(joins) -> dict[str, str]:  # noqa: ANN001
 def test_same_key_joins_a_busy_executor_and_takes_its_rows() -> None:
     i = inst([running("a"), queued("b")])
     e = ex()
-    joins = plan_joins(i, [e], {"b": cand("b", rows=6)}, BUSY, {"n0": 0})
+    joins = plan_joins(i, [e], {"b": cand("b", rows=6)}, BUSY)
     assert joined(joins) == {"b": "n0:0"}
     assert joins[0].rows == 6 and e.free_rows == 2
     assert abs(joins[0].share - 6 / 14) < 1e-9  # 1 GPU x its rows / (hosted 8 + its 6)
@@ -86,28 +86,28 @@ def test_who_does_not_join() -> None:
     cases = {"b": cand("b"),  # adapter-parallel: two GPUs
              "c": cand("c", key=OTHER),  # another base model / max_seq_len
              "d": cand("d", low=9, rows=9)}  # its smallest job does not fit in 8 free rows
-    assert plan_joins(i, [ex()], cases, BUSY, {"n0": 1}) == []
+    assert plan_joins(i, [ex()], cases, BUSY) == []
     # an executor on two GPUs (adapter parallel) hosts no other task
     two = ex(gpus=(0, 1))
-    assert plan_joins(i, [two], {"c": cand("c")}, [live("pl_a", "a", gpus=(0, 1))], {}) == []
+    assert plan_joins(i, [two], {"c": cand("c")}, [live("pl_a", "a", gpus=(0, 1))]) == []
 
 
 def test_rows_run_out_in_priority_order() -> None:
     i = inst([running("a"), queued("low", tenant="t2", arrival_s=-900),
               queued("high", tenant="t3", tenant_priority=5)])
     c = {"low": cand("low", rows=8), "high": cand("high", rows=8)}
-    assert joined(plan_joins(i, [ex()], c, BUSY, {"n0": 0})) == {"high": "n0:0"}
+    assert joined(plan_joins(i, [ex()], c, BUSY)) == {"high": "n0:0"}
     # equal weights: the older arrival first
     i = inst([running("a"), queued("new", arrival_s=-10), queued("old", arrival_s=-900)])
     c = {"new": cand("new"), "old": cand("old")}
-    assert joined(plan_joins(i, [ex()], c, BUSY, {"n0": 0})) == {"old": "n0:0"}
+    assert joined(plan_joins(i, [ex()], c, BUSY)) == {"old": "n0:0"}
 
 
 def test_a_tenant_under_its_guarantee_joins_first() -> None:
     i = inst([running("a"), queued("rich", tenant="t2", tenant_priority=9),
               queued("owed", tenant="t3")], tenant_guaranteed_gpus={"t3": 1})
     c = {"rich": cand("rich"), "owed": cand("owed")}
-    assert joined(plan_joins(i, [ex()], c, BUSY, {"n0": 0})) == {"owed": "n0:0"}
+    assert joined(plan_joins(i, [ex()], c, BUSY)) == {"owed": "n0:0"}
 
 
 def test_the_hard_cap_counts_co_located_shares() -> None:
@@ -120,11 +120,11 @@ def test_the_hard_cap_counts_co_located_shares() -> None:
               running("y", tenant="t2", node="n1"), queued("b", tenant="t2")], nodes=2,
              tenant_max_gpus={"t2": 2})
     e = ex(hosted=("pl_a", "pl_x"), free=8, total=24)
-    got = plan_joins(i, [e], {"b": cand("b", rows=8)}, hosted, {})
+    got = plan_joins(i, [e], {"b": cand("b", rows=8)}, hosted)
     assert joined(got) == {"b": "n0:0"}  # 1.5 + 1 x 8/24 <= 2
     e = ex(hosted=("pl_a", "pl_x"), free=8, total=24)
     i = inst(list(i.tasks), nodes=2, tenant_max_gpus={"t2": 1})  # 1.5 already over 1
-    assert plan_joins(i, [e], {"b": cand("b", rows=8)}, hosted, {}) == []
+    assert plan_joins(i, [e], {"b": cand("b", rows=8)}, hosted) == []
 
 
 def test_a_join_does_not_outlast_the_executor_while_an_urgent_task_waits_for_gpus() -> None:
@@ -133,17 +133,22 @@ def test_a_join_does_not_outlast_the_executor_while_an_urgent_task_waits_for_gpu
     long, short = queued("long", duration=7200), queued("short", duration=600)
     i = inst([running("a"), waiter, long, short])
     c = {"long": cand("long"), "short": cand("short"), "w": cand("w", key=OTHER)}
-    got = plan_joins(i, [ex(hold=3600)], c, BUSY, {"n0": 0})
+    got = plan_joins(i, [ex(hold=3600)], c, BUSY)
     assert joined(got) == {"short": "n0:0"}  # ends before the executor would anyway
-    # with a free GPU for the waiter (or no urgent waiter) both join
+    # when the plan starts the waiter now on a free GPU, both join
     e = ex(hold=3600, free=16)
-    assert set(joined(plan_joins(i, [e], c, BUSY, {"n0": 1}))) == {"long", "short"}
+    assert set(joined(plan_joins(i, [e], c, BUSY, starting={"w"}))) == {"long", "short"}
+
+
+def test_tasks_the_plan_starts_now_do_not_join() -> None:
+    i = inst([running("a"), queued("b"), queued("c")], gpus=2)
+    c = {"b": cand("b"), "c": cand("c")}
+    assert joined(plan_joins(i, [ex(free=16)], c, BUSY, starting={"b"})) == {"c": "n0:0"}
 
 
 def test_an_idle_executor_is_never_joined_before_the_plan() -> None:
     i = inst([queued("same")], gpus=2)
-    assert plan_joins(i, [ex(gpus=(1,), hosted=(), free=16)], {"same": cand("same")}, [],
-                      {"n0": 2}) == []
+    assert plan_joins(i, [ex(gpus=(1,), hosted=(), free=16)], {"same": cand("same")}, []) == []
 
 
 def assignment(tid: str, node: str, gpus: tuple[int, ...], start: int = 0, end: int = 600,
@@ -196,7 +201,7 @@ def test_the_warm_gpu_is_not_given_against_the_plan() -> None:
 def test_shared_gpus_are_one_occupant_in_the_planner() -> None:
     a, x = running("a", duration=3600), running("x", tenant="t2", duration=7200)
     waiting = queued("q", tenant="t3")
-    col = colocate_instance(inst([a, x, waiting]), [])
+    col = colocate_instance(inst([a, x, waiting]))
     [occ] = col.occupants
     assert col.occupants[occ] == ["a", "x"]
     by_id = {t.id: t for t in col.instance.tasks}
@@ -244,7 +249,7 @@ def test_demand_and_determinism() -> None:
     assert demand([8, 4, 16]) == (4, 28) and demand([]) == (0, 0)
     i = inst([running("a"), *[queued(f"q{k}", tenant=f"t{k % 3}") for k in range(6)]])
     c = {f"q{k}": cand(f"q{k}", rows=3) for k in range(6)}
-    runs = [joined(plan_joins(i, [ex(free=8)], c, BUSY, {"n0": 0})) for _ in range(3)]
+    runs = [joined(plan_joins(i, [ex(free=8)], c, BUSY)) for _ in range(3)]
     assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 2
 
 
@@ -253,12 +258,12 @@ def test_quota_reclaim_takes_a_shared_executor_only_from_borrowers() -> None:
     owed = queued("q", tenant="t3")
     shares = {"t1": 0.5, "t2": 0.5}
     i = inst([a, x, owed], tenant_guaranteed_gpus={"t3": 1})
-    col = colocate_instance(i, [], shares)
+    col = colocate_instance(i, shares)
     [occ] = col.occupants
     assert solve(col.instance, SolveOptions(unit_s=60)).preempt == [occ]
     # t1 is within its own guarantee: its task is not paused for t3, so neither is the executor
     i = inst([a, x, owed], tenant_guaranteed_gpus={"t3": 1, "t1": 1})
-    assert solve(colocate_instance(i, [], shares).instance, SolveOptions(unit_s=60)).preempt == []
+    assert solve(colocate_instance(i, shares).instance, SolveOptions(unit_s=60)).preempt == []
     # without usage (no reclaim information) a shared executor is never a victim
     i = inst([a, x, owed], tenant_guaranteed_gpus={"t3": 1})
-    assert solve(colocate_instance(i, []).instance, SolveOptions(unit_s=60)).preempt == []
+    assert solve(colocate_instance(i).instance, SolveOptions(unit_s=60)).preempt == []
