@@ -44,13 +44,15 @@ task's whole run.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import TypeVar
 
 from service.protocol import ExecutorReport
 from service.scheduler.planner import Assignment, Instance, Pinned, Plan, TaskSpec, weight
 
+T = TypeVar("T")
 SHARED_TENANT = ""  # the pinned occupant of a shared executor belongs to no tenant
 
 
@@ -163,7 +165,15 @@ def tenant_usage(live: Sequence[LivePlacement]) -> dict[str, float]:
 def shared_groups(live: Sequence[LivePlacement]) -> list[list[LivePlacement]]:
     """Live placements grouped by shared GPUs (same node, overlapping GPU sets), in a stable
     order (by node, lowest GPU, placement id)."""
-    parent = list(range(len(live)))
+    out = [sorted(g, key=lambda p: p.id) for g in _by_shared_gpus(live, lambda p: (p.node_id,
+                                                                                   p.gpus))]
+    return sorted(out, key=lambda g: (g[0].node_id, min(x for p in g for x in p.gpus), g[0].id))
+
+
+def _by_shared_gpus(items: Sequence[T], spot: Callable[[T], tuple[str, Sequence[int]]]
+                    ) -> list[list[T]]:
+    """Items whose (node, GPUs) overlap, transitively, in one group (union-find)."""
+    parent = list(range(len(items)))
 
     def find(i: int) -> int:
         while parent[i] != i:
@@ -172,15 +182,15 @@ def shared_groups(live: Sequence[LivePlacement]) -> list[list[LivePlacement]]:
         return i
 
     owner: dict[tuple[str, int], int] = {}
-    for i, p in enumerate(live):
-        for g in p.gpus:
-            j = owner.setdefault((p.node_id, g), i)
+    for i, item in enumerate(items):
+        node, gpus = spot(item)
+        for g in gpus:
+            j = owner.setdefault((node, g), i)
             parent[find(i)] = find(j)
-    groups: dict[int, list[LivePlacement]] = {}
-    for i, p in enumerate(live):
-        groups.setdefault(find(i), []).append(p)
-    out = [sorted(g, key=lambda p: p.id) for g in groups.values()]
-    return sorted(out, key=lambda g: (g[0].node_id, min(x for p in g for x in p.gpus), g[0].id))
+    groups: dict[int, list[T]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(find(i), []).append(item)
+    return list(groups.values())
 
 
 @dataclass(frozen=True)
@@ -309,25 +319,10 @@ def colocate_instance(inst: Instance, usage: Mapping[str, float] | None = None) 
     hosts."""
     tasks = list(inst.tasks)
     pinned = [t for t in tasks if t.pinned is not None]
-    parent = {t.id: t.id for t in pinned}
-
-    def find(x: str) -> str:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    owner: dict[tuple[str, int], str] = {}
-    for t in pinned:
-        assert t.pinned is not None
-        for g in t.pinned.gpu_indices:
-            other = owner.setdefault((t.pinned.node_id, g), t.id)
-            a, b = find(t.id), find(other)
-            parent[max(a, b)] = min(a, b)
-    groups: dict[str, list[TaskSpec]] = {}
-    for t in pinned:
-        groups.setdefault(find(t.id), []).append(t)
-    shared = [sorted(ms, key=lambda m: m.id) for _, ms in sorted(groups.items()) if len(ms) > 1]
+    groups = _by_shared_gpus(pinned, lambda t: (t.pinned.node_id, t.pinned.gpu_indices)
+                             if t.pinned is not None else ("", ()))
+    shared = sorted((sorted(g, key=lambda m: m.id) for g in groups if len(g) > 1),
+                    key=lambda g: g[0].id)
     hosted = {m.id for ms in shared for m in ms}
     new_tasks = []
     for t in tasks:

@@ -60,16 +60,23 @@ def executor(key: str, gpus: list[int], hosted: list[str], free: int, total: int
             "total_rows": total}
 
 
-def test_same_key_joins_a_busy_executor_others_wait(client, factory, session) -> None:  # noqa: ANN001
-    node = factory.node("n0", gpus=1)
-    a, b = factory.tenant(), factory.tenant()
-    first = task(factory, a)
+def hosting(client, factory, session, tenant, gpus: int = 1, free: int = 8  # noqa: ANN001
+            ) -> tuple[str, str, str]:
+    """A node whose GPU 0 runs a task (claimed) in a shared executor that reports ``free`` rows:
+    (node, task, placement)."""
+    node = factory.node("n0", gpus=gpus)
+    first = task(factory, tenant)
     pid = claim(client, factory, session, first, node)
-    key = key_of(session, first)
+    report(client, factory, node, [pid], [executor(key_of(session, first), [0], [pid], free)])
+    return node, first, pid
+
+
+def test_same_key_joins_a_busy_executor_others_wait(client, factory, session) -> None:  # noqa: ANN001
+    a, b = factory.tenant(), factory.tenant()
+    node, first, pid = hosting(client, factory, session, a, free=8)
     other_key = task(factory, b, max_seq_len=256)  # waits for the GPU: planned, not published
     too_big = task(factory, b, batch=16)  # same key, but 16 rows > 8 free
     assert live(session, other_key) is None and live(session, too_big) is None
-    report(client, factory, node, [pid], [executor(key, [0], [pid], free=8)])
     stored = session.get(Node, node)
     session.refresh(stored)
     assert stored.executors[0]["free_rows"] == 8 and stored.executors_at is not None
@@ -94,11 +101,8 @@ def test_same_key_joins_a_busy_executor_others_wait(client, factory, session) ->
 
 
 def test_a_stale_report_or_a_down_node_is_not_joined(client, factory, session) -> None:  # noqa: ANN001
-    node = factory.node("n0", gpus=1)
     t = factory.tenant()
-    first = task(factory, t)
-    pid = claim(client, factory, session, first, node)
-    report(client, factory, node, [pid], [executor(key_of(session, first), [0], [pid], free=8)])
+    node, _, _ = hosting(client, factory, session, t, free=8)
     row = session.get(Node, node)
     row.executors_at = utcnow() - timedelta(seconds=31)  # node_timeout_s is 30
     session.commit()
@@ -152,14 +156,11 @@ def test_register_forgets_reports(client, factory, session) -> None:  # noqa: AN
 
 
 def test_reclaim_pauses_every_task_of_a_shared_executor(client, factory, session) -> None:  # noqa: ANN001
-    node = factory.node("n0", gpus=1)
     a, b, owner = factory.tenant(), factory.tenant(), factory.tenant()
     row = session.get(Tenant, owner.id)
     row.guaranteed_gpus = 1
     session.commit()
-    first = task(factory, a)
-    pid = claim(client, factory, session, first, node)
-    report(client, factory, node, [pid], [executor(key_of(session, first), [0], [pid], free=8)])
+    node, first, pid = hosting(client, factory, session, a, free=8)
     joiner = task(factory, b)
     pid2 = claim(client, factory, session, joiner, node)
     assert {live(session, t).stop_requested for t in (first, joiner)} == {None}
@@ -170,11 +171,8 @@ def test_reclaim_pauses_every_task_of_a_shared_executor(client, factory, session
 
 
 def test_a_free_gpu_comes_before_joining(client, factory, session) -> None:  # noqa: ANN001
-    node = factory.node("n0", gpus=2)
     t = factory.tenant()
-    first = task(factory, t)
-    pid = claim(client, factory, session, first, node)
-    report(client, factory, node, [pid], [executor(key_of(session, first), [0], [pid], free=16)])
+    hosting(client, factory, session, t, gpus=2, free=16)
     second = task(factory, t)
     assert live(session, second).gpu_indices == [1], "a free GPU first"
     third = task(factory, t)  # no GPU free now: it joins the busy executor
