@@ -177,3 +177,17 @@ def test_a_free_gpu_comes_before_joining(client, factory, session) -> None:  # n
     assert live(session, second).gpu_indices == [1], "a free GPU first"
     third = task(factory, t)  # no GPU free now: it joins the busy executor
     assert live(session, third).gpu_indices == [0]
+
+
+def test_a_heartbeat_with_new_room_replans(client, factory, session) -> None:  # noqa: ANN001
+    node = factory.node("n0", gpus=1)
+    t = factory.tenant()
+    first = task(factory, t)
+    pid = claim(client, factory, session, first, node)
+    waiting = task(factory, t)  # no executor reported yet: it waits for the GPU
+    assert live(session, waiting) is None
+    key = key_of(session, first)
+    report(client, factory, node, [pid], [executor(key, [0], [pid], free=0)])
+    assert live(session, waiting) is None  # no room
+    report(client, factory, node, [pid], [executor(key, [0], [pid], free=8)])  # warmup pruned
+    assert live(session, waiting).gpu_indices == [0], "the heartbeat itself replanned"
