@@ -1,5 +1,14 @@
 """The node daemon: registers this node's GPUs, heartbeats, pulls placements from its RQ queue,
-runs one executor subprocess per placement and forwards what the executors report.
+runs their executors and forwards what the executors report.
+
+Co-location: a one-GPU placement runs on a shared executor process (worker.host, folder
+work_dir/hosts/<id>) serving its colocation_key on its GPUs: attached to the live one, else a
+new one (an idle one of another model on those GPUs is stopped first). Each hosted placement
+keeps its own folder, spool, forwarding and fencing; a cancel or pause detaches it alone; a
+crash of the shared executor fails every hosted placement retryably (each resumes from its own
+checkpoint). The heartbeat reports the shared executors (Heartbeat.executors) so the scheduler
+can join a task to a warm one. Adapter-parallel placements (g > 1), LORAPLEX_COLOCATE=0 or a
+custom --runner-module run one executor subprocess (worker.runner) per placement.
 
 One main loop with named states (idle, busy, draining, stopping); heartbeats on their own
 thread. Everything it needs to resume lives in the work dir, one folder per placement
@@ -45,6 +54,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 
 from service.protocol import (
+    ExecutorReport,
     Heartbeat,
     NodeDeregister,
     NodeRegister,
@@ -53,6 +63,7 @@ from service.protocol import (
     node_queue_name,
     pause_key,
 )
+from worker import host as shared
 from worker.service_client import (
     SPOOL_NAME,
     TERMINAL_TYPES,
@@ -96,6 +107,10 @@ class DaemonConfig:
     heartbeat_interval_s: float | None = None  # default: what the service asks for
     runner_module: str = "worker.runner"
     runner_args: list[str] = field(default_factory=list)
+    # co-location: a one-GPU placement joins a shared executor (worker.host) of its model on its
+    # GPUs. Only with the real runner: another runner module replaces the whole executor side.
+    colocate: bool = True
+    host_module: str = "worker.host"
 
 
 def detect_node(cfg: DaemonConfig) -> NodeRegister:
@@ -127,6 +142,7 @@ class LocalPlacement:
     task_id: str | None = None
     gpu_indices: list[int] = field(default_factory=list)
     pid: int | None = None
+    host_id: str | None = None  # the shared executor it is attached to (None: its own process)
     # The service stopped this attempt (cancelled, superseded, failed or finished there): it
     # takes no more reports from it, so the daemon stops it and ends it without a word.
     cancelled: bool = False
@@ -135,10 +151,11 @@ class LocalPlacement:
     kill_at: float | None = None
     next_claim_at: float = 0.0
     claim_failures: int = 0
+    refused_by: set[str] = field(default_factory=set)  # shared executors that would not take it
 
     def save(self) -> None:
         data = {k: getattr(self, k) for k in ("placement_id", "status", "task_id",
-                                              "gpu_indices", "pid", "cancelled")}
+                                              "gpu_indices", "pid", "host_id", "cancelled")}
         tmp = self.directory / "daemon.json.tmp"
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self.directory / "daemon.json")
@@ -150,6 +167,49 @@ class LocalPlacement:
         except (FileNotFoundError, ValueError):
             return None
         return cls(directory=directory, **data)
+
+
+@dataclass
+class LocalHost:
+    """A shared executor process (worker.host) on this node: one colocation_key on one GPU set;
+    persisted as daemon.json in its folder (work_dir/hosts/<host_id>)."""
+
+    host_id: str
+    directory: Path
+    key: str
+    gpu_indices: list[int]
+    pid: int | None = None
+    closing: bool = False  # asked to stop (SIGTERM): it takes no more placements
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    kill_at: float | None = None
+    # a pause or preemption gives the GPUs back: once nothing is left on it, it does not linger
+    stop_when_idle: bool = False
+
+    def save(self) -> None:
+        shared.write_json(self.directory / "daemon.json", {
+            k: getattr(self, k) for k in ("host_id", "key", "gpu_indices", "pid", "closing")})
+
+    @classmethod
+    def load(cls, directory: Path) -> LocalHost | None:
+        try:
+            data = json.loads((directory / "daemon.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        host = cls(directory=directory, **data)
+        if host.pid is None:  # the daemon stopped before it noted the pid; the host notes its own
+            host.pid = shared.read_status(directory).get("pid")
+        return host
+
+    def status(self) -> dict:
+        return shared.read_status(self.directory)
+
+    def exit_code(self) -> int | str | None:
+        """None while alive; its exit code (our child); 'lost' for an adopted pid that is gone."""
+        if self.proc is not None:
+            return self.proc.poll()
+        if self.pid is not None and _alive(self.pid, self.directory):
+            return None
+        return "lost"
 
 
 class Daemon:
@@ -166,6 +226,8 @@ class Daemon:
         self.node: NodeRegister | None = None
         self.heartbeat_interval_s = cfg.heartbeat_interval_s or 10.0
         self.placements: dict[str, LocalPlacement] = {}
+        self.hosts: dict[str, LocalHost] = {}  # shared executors (co-location)
+        self._executors: tuple[ExecutorReport, ...] = ()  # snapshot for the heartbeat thread
         self._lock = threading.Lock()
         self._stop_ids: set[str] = set()  # placements the service named in a heartbeat reply
         self._pause_ids: set[str] = set()  # ... to checkpoint and stop, reporting as usual
@@ -177,6 +239,7 @@ class Daemon:
         self._stop_requested = False
         self._stop_deadline: float | None = None
         (cfg.work_dir / "placements").mkdir(parents=True, exist_ok=True)
+        (cfg.work_dir / "hosts").mkdir(parents=True, exist_ok=True)
 
     # -- lifecycle ------------------------------------------------------------------------
     def run(self) -> int:
@@ -263,9 +326,9 @@ class Daemon:
         """Drained: nothing left. Stopped: nothing claimed left (popped-but-unclaimed ones
         stay in the work dir for the next start unless deregistering supersedes them)."""
         if self.state == DRAINING:
-            return not self.placements
+            return not self.placements and not self.hosts
         if self.state == STOPPING:
-            return all(p.status == "popped" for p in self.placements.values())
+            return all(p.status == "popped" for p in self.placements.values()) and not self.hosts
         return False
 
     def _install_signals(self) -> None:
@@ -324,7 +387,7 @@ class Daemon:
             self._reregister.clear()
         try:
             reply = self.client.heartbeat(self.node_id or "", Heartbeat(
-                running_placement_ids=list(self._claimed_ids)))
+                running_placement_ids=list(self._claimed_ids), executors=list(self._executors)))
         except ServiceError as exc:
             if exc.status == 404:
                 self._reregister.set()  # the service forgot this node (fresh database)
@@ -348,10 +411,12 @@ class Daemon:
         self._apply_stops()
         for p in list(self.placements.values()):
             self._advance(p)
+        self._tend_hosts()
         if self.state not in (DRAINING, STOPPING):
             self._pop_placements()
             self._set_state(BUSY if self.placements else IDLE)
         self._claimed_ids = self._claimed_snapshot()
+        self._executors = self._executor_reports()
 
     def _claimed_snapshot(self) -> tuple[str, ...]:
         return tuple(p.placement_id for p in self.placements.values()
@@ -443,12 +508,7 @@ class Daemon:
             self._claim(p)
             return
         if p.status == "ready" and not p.cancelled and self.state != STOPPING:
-            running = [q for q in self.placements.values() if q.status == "running"]
-            busy = {g for q in running for g in q.gpu_indices}
-            # An earlier attempt of the same task still stopping here writes the checkpoint
-            # this one may resume from: wait for it.
-            if not busy & set(p.gpu_indices) and all(q.task_id != p.task_id for q in running):
-                self._start(p)
+            self._start_ready(p)
         if p.status == "ready" and not p.cancelled and self.state == STOPPING:
             self._close_with_failure(p, p.task_id or "", "stopped before it started")
         if p.status == "running":
@@ -469,7 +529,53 @@ class Daemon:
                 log.info("placement done node=%s task=%s placement=%s report=%s", self.node_id,
                          p.task_id, p.placement_id, p.forwarder.state.terminal)
 
-    def _start(self, p: LocalPlacement) -> None:
+    def _start_ready(self, p: LocalPlacement) -> None:
+        """Start a claimed placement once its GPUs allow: attached to the live shared executor of
+        its model on exactly its GPUs, else in a new one (co-location: a one-GPU placement of the
+        real runner, LORAPLEX_COLOCATE not 0), else in its own runner process. A shared executor
+        of another model that hosts nothing is stopped to free the GPUs; one that hosts tasks is
+        waited for, never killed."""
+        running = [q for q in self.placements.values() if q.status == "running"]
+        # An earlier attempt of the same task still stopping here writes the checkpoint this one
+        # may resume from: wait for it.
+        if any(q.task_id == p.task_id for q in running):
+            return
+        try:
+            spec = PlacementSpec.model_validate_json((p.directory / "spec.json").read_text())
+        except (OSError, ValueError):
+            self._close_with_failure(p, p.task_id or "", "placement spec unreadable")
+            return
+        key = self._colocation_key(spec)
+        if key is not None:
+            for h in self.hosts.values():
+                if (h.key == key and h.gpu_indices == list(p.gpu_indices) and not h.closing
+                        and h.host_id not in p.refused_by and h.exit_code() is None
+                        and h.status().get("state") not in ("stopping", "closed")):
+                    self._attach(h, p)
+                    return
+        gpus = set(p.gpu_indices)
+        if any(q.host_id is None and gpus & set(q.gpu_indices) for q in running):
+            return
+        overlapping = [h for h in self.hosts.values() if gpus & set(h.gpu_indices)]
+        for h in overlapping:
+            if not self._hosted(h):
+                self._stop_host(h, f"GPUs {sorted(gpus)} wanted by placement {p.placement_id}")
+        if overlapping:
+            return  # wait until they have exited
+        if key is None:
+            self._start(p)
+        else:
+            self._start_host(p, key)
+
+    def _colocation_key(self, spec: PlacementSpec) -> str | None:
+        """The key of the shared executor this placement may join; None: it runs alone."""
+        if not self.cfg.colocate or self.cfg.runner_module != "worker.runner":
+            return None
+        if len(spec.gpu_indices) > 1:  # adapter parallelism: one task per executor
+            return None
+        return shared.spec_key(spec)
+
+    def _seed(self, p: LocalPlacement) -> None:
         try:
             spec = PlacementSpec.model_validate_json((p.directory / "spec.json").read_text())
             seeded = seed_local_resume(self.cfg.work_dir / "placements", p.directory, spec)
@@ -481,29 +587,126 @@ class Daemon:
             log.info("local resume node=%s task=%s placement=%s from=%s global_step=%d "
                      "offered_global_step=%d", self.node_id, p.task_id, p.placement_id,
                      seeded.directory.name, seeded.global_step, seeded.offered_step)
+
+    def _spawn(self, module: str, flag: str, directory: Path, gpu_indices: list[int],
+               log_name: str, extra: Sequence[str] = ()) -> subprocess.Popen:
+        """An executor process on these GPUs, leading its own session, logging to directory."""
         env = dict(os.environ)
-        gpus = ",".join(str(g) for g in p.gpu_indices)
+        gpus = ",".join(str(g) for g in gpu_indices)
         env["CUDA_VISIBLE_DEVICES"] = gpus if self.node and self.node.gpu_type != "cpu" else ""
         env["LORAPLEX_SLOTS"] = gpus
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                           env.get("PYTHONPATH")]))
+        cmd = [sys.executable, "-m", module, flag, str(directory), *extra]
+        with open(directory / log_name, "ab") as out:
+            return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    cwd=directory)
+
+    def _start(self, p: LocalPlacement) -> None:
+        self._seed(p)
         _touch(p.directory / LEASE_NAME)
-        cmd = [sys.executable, "-m", self.cfg.runner_module, "--placement-dir",
-               str(p.directory), *self.cfg.runner_args]
-        with open(p.directory / "executor.log", "ab") as out:
-            p.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                      cwd=p.directory)
+        p.proc = self._spawn(self.cfg.runner_module, "--placement-dir", p.directory,
+                             p.gpu_indices, "executor.log", self.cfg.runner_args)
         p.pid, p.status = p.proc.pid, "running"
         p.save()
         log.info("executor started node=%s task=%s placement=%s pid=%d gpus=%s", self.node_id,
-                 p.task_id, p.placement_id, p.pid, gpus or "-")
+                 p.task_id, p.placement_id, p.pid, p.gpu_indices or "-")
+
+    # -- shared executors (co-location) ----------------------------------------------------
+    def _start_host(self, p: LocalPlacement, key: str) -> None:
+        """A new shared executor whose first task is p (its spec sets the executor's model)."""
+        directory = self.cfg.work_dir / "hosts" / f"host-{p.placement_id}"
+        shutil.rmtree(directory, ignore_errors=True)  # a previous try of this placement's
+        directory.mkdir(parents=True)
+        h = LocalHost(host_id=directory.name, directory=directory, key=key,
+                      gpu_indices=list(p.gpu_indices))
+        h.save()  # before the process: a restarted daemon finds it (its pid in status.json)
+        self.hosts[h.host_id] = h
+        _touch(directory / LEASE_NAME)
+        self._attach(h, p)  # the request is there before the process looks for it
+        h.proc = self._spawn(self.cfg.host_module, "--host-dir", directory, h.gpu_indices,
+                             "host.log")
+        h.pid = p.pid = h.proc.pid
+        h.save()
+        p.save()
+        log.info("shared executor started node=%s host=%s pid=%d key=%s gpus=%s first=%s",
+                 self.node_id, h.host_id, h.pid, key, h.gpu_indices or "-", p.placement_id)
+
+    def _attach(self, h: LocalHost, p: LocalPlacement) -> None:
+        self._seed(p)
+        _touch(p.directory / LEASE_NAME)
+        shared.send(h.directory, {"op": "attach", "placement_id": p.placement_id,
+                                  "placement_dir": str(p.directory)})
+        # its executor's pid is the shared one (never signalled for this placement alone)
+        p.host_id, p.pid, p.status, p.kill_at = h.host_id, h.pid, "running", None
+        p.save()
+        h.stop_when_idle = False
+        log.info("placement attached node=%s task=%s placement=%s host=%s", self.node_id,
+                 p.task_id, p.placement_id, h.host_id)
+
+    def _hosted(self, h: LocalHost) -> list[LocalPlacement]:
+        return [p for p in self.placements.values()
+                if p.host_id == h.host_id and p.status == "running"]
+
+    def _stop_host(self, h: LocalHost, why: str) -> None:
+        """SIGTERM: its tasks checkpoint and stop, it takes no new one; SIGKILL after the stop
+        timeout (its tasks' own records then fail them retryably)."""
+        if h.closing:
+            return
+        h.closing = True
+        h.save()
+        h.kill_at = time.monotonic() + self.cfg.stop_timeout_s
+        log.info("shared executor stopping node=%s host=%s pid=%s why=%s", self.node_id,
+                 h.host_id, h.pid, why)
+        _kill_group(h.pid, signal.SIGTERM)
+
+    def _tend_hosts(self) -> None:
+        """Keep live shared executors' leases fresh, kill one past its stop deadline, stop idle
+        ones of a daemon that drains or stops, and forget one that has exited with no placement
+        left on it."""
+        for h in list(self.hosts.values()):
+            if h.exit_code() is None:
+                _touch(h.directory / LEASE_NAME)
+                if (self.state in (DRAINING, STOPPING) or h.stop_when_idle) and not self._hosted(h):
+                    self._stop_host(h, "idle after a pause" if h.stop_when_idle
+                                    else f"node daemon {self.state}")
+                if h.kill_at is not None and time.monotonic() >= h.kill_at:
+                    log.warning("shared executor killed node=%s host=%s pid=%s", self.node_id,
+                                h.host_id, h.pid)
+                    _kill_group(h.pid, signal.SIGKILL)
+                    h.kill_at = None
+            elif not self._hosted(h):
+                del self.hosts[h.host_id]
+                shutil.rmtree(h.directory, ignore_errors=True)
+                log.info("shared executor gone node=%s host=%s", self.node_id, h.host_id)
+
+    def _executor_reports(self) -> tuple[ExecutorReport, ...]:
+        """The shared executors another task of the same model may join (Heartbeat.executors)."""
+        reports = []
+        for h in self.hosts.values():
+            status = h.status()
+            if (h.closing or status.get("state") in ("stopping", "closed")
+                    or h.exit_code() is not None):
+                continue
+            reports.append(ExecutorReport(
+                key=h.key, gpu_indices=h.gpu_indices,
+                placement_ids=[p.placement_id for p in self._hosted(h)],
+                free_rows=int(status.get("free_rows") or 0),
+                total_rows=int(status.get("total_rows") or 0),
+                queued_jobs=int(status.get("queued_jobs") or 0)))
+        return tuple(reports)
 
     def _watch(self, p: LocalPlacement) -> None:
+        if p.host_id is not None and self._never_joined(p):
+            return
         code = self._exit_code(p)
         if code is None:
             if p.kill_at is not None and time.monotonic() >= p.kill_at:
+                if p.host_id is not None:
+                    self._detach_overdue(p)
+                    return
                 log.warning("executor killed node=%s task=%s placement=%s pid=%s", self.node_id,
                             p.task_id, p.placement_id, p.pid)
                 self._signal(p, signal.SIGKILL)
@@ -521,12 +724,51 @@ class Daemon:
         if self.state == STOPPING:
             self._close_with_failure(p, p.task_id or "", "node daemon stopped")
         else:
-            tail = _tail(p.directory / "executor.log")
+            h = self.hosts.get(p.host_id or "")
+            tail = _tail(h.directory / "host.log" if h else p.directory / "executor.log")
             self._close_with_failure(p, p.task_id or "",
                                      f"executor exited with {_describe(code)}\n{tail}")
 
+    def _never_joined(self, p: LocalPlacement) -> bool:
+        """A placement sent to a shared executor that refused it (closing, or it cannot share)
+        or exited before taking it: back to ready, so the next tick places it again."""
+        h = self.hosts.get(p.host_id or "")
+        gone = h is None or h.exit_code() is not None  # before reading: its last status then
+        status = h.status() if h is not None else {}
+        refused = (status.get("refused") or {}).get(p.placement_id)
+        if refused is None and not (gone and p.placement_id not in status.get("accepted", [])):
+            return False
+        log.info("placement not taken node=%s task=%s placement=%s host=%s why=%s",
+                 self.node_id, p.task_id, p.placement_id, p.host_id,
+                 refused or "the shared executor exited first")
+        if refused is not None and p.host_id is not None:
+            p.refused_by.add(p.host_id)
+        p.host_id, p.status, p.kill_at = None, "ready", None
+        p.save()
+        return True
+
+    def _detach_overdue(self, p: LocalPlacement) -> None:
+        """A hosted placement that did not leave its shared executor in time. The executor is
+        never killed for one task: a cancelled one is ended here (the service takes nothing
+        more from it; it leaves at its next step boundary); a paused one is reported stopped."""
+        p.kill_at = None
+        if p.cancelled:
+            p.status = "exited"
+            p.save()
+            return
+        log.warning("paused placement overdue node=%s task=%s placement=%s host=%s",
+                    self.node_id, p.task_id, p.placement_id, p.host_id)
+        self._close_with_failure(p, p.task_id or "", "executor stopped: paused, but no step "
+                                 "boundary came within the pause grace")
+
     def _exit_code(self, p: LocalPlacement) -> int | str | None:
-        """None while alive; the exit code for our children; 'lost' for an adopted pid."""
+        """None while alive; the exit code for our children; 'lost' for an adopted pid. A
+        placement on a shared executor: 0 once it has left it, else the executor's."""
+        if p.host_id is not None:
+            h = self.hosts.get(p.host_id)
+            code = h.exit_code() if h is not None else "lost"
+            ended = (h.status().get("ended") or {}) if h is not None else {}
+            return 0 if p.placement_id in ended else code
         if p.proc is not None:
             return p.proc.poll()
         if p.pid is not None and _alive(p.pid, p.directory):
@@ -606,6 +848,8 @@ class Daemon:
                      self.node_id, p.task_id, p.placement_id)
             self._close_with_failure(p, p.task_id or "", "executor stopped: paused before it "
                                      "started")
+        elif p.status == "running" and p.host_id is not None:
+            self._detach(p, "paused", self.cfg.pause_grace_s)
         elif p.status == "running":
             self._terminate(p, "paused by the service", cancelled=False,
                             grace_s=self.cfg.pause_grace_s)
@@ -613,7 +857,19 @@ class Daemon:
     def _terminate(self, p: LocalPlacement, why: str, cancelled: bool,
                    grace_s: float | None = None) -> None:
         """SIGTERM the executor, SIGKILL after grace_s (default cancel_grace_s); a second,
-        shorter stop (a cancel during a pause) brings the kill forward."""
+        shorter stop (a cancel during a pause) brings the kill forward. On a shared executor:
+        a cancel detaches the placement alone; the daemon's stop stops the executor."""
+        if p.host_id is not None and p.status == "running":
+            if cancelled and not p.cancelled:
+                p.cancelled = True
+                self._detach(p, "cancelled", self.cfg.cancel_grace_s if grace_s is None
+                             else grace_s, again=True)
+            elif not cancelled:
+                h = self.hosts.get(p.host_id)
+                if h is not None:
+                    self._stop_host(h, why)
+            p.save()
+            return
         p.cancelled = p.cancelled or cancelled
         p.save()
         deadline = time.monotonic() + (self.cfg.cancel_grace_s if grace_s is None else grace_s)
@@ -625,17 +881,39 @@ class Daemon:
         elif p.status == "running" and deadline < p.kill_at:
             p.kill_at = deadline
 
+    def _detach(self, p: LocalPlacement, outcome: str, grace_s: float,
+                again: bool = False) -> None:
+        """Ask p's shared executor to take p off at its next step boundary ("paused": after a
+        checkpoint); past grace_s, _detach_overdue. Sent once (again: a cancel after a pause)."""
+        h = self.hosts.get(p.host_id or "")
+        deadline = time.monotonic() + grace_s
+        if h is not None and outcome == "paused":
+            h.stop_when_idle = True
+        if p.kill_at is None or again:
+            if h is not None:
+                shared.send(h.directory, {"op": "detach", "placement_id": p.placement_id,
+                                          "outcome": outcome})
+            log.info("placement detaching node=%s task=%s placement=%s host=%s outcome=%s",
+                     self.node_id, p.task_id, p.placement_id, p.host_id, outcome)
+        if p.kill_at is None or deadline < p.kill_at:
+            p.kill_at = deadline
+
     def _signal(self, p: LocalPlacement, sig: signal.Signals) -> None:
-        if p.pid is None:
-            return
-        try:
-            os.killpg(p.pid, sig)  # the executor leads its own session: its children go too
-        except ProcessLookupError:
-            pass
+        _kill_group(p.pid, sig)
 
     # -- restart --------------------------------------------------------------------------
     def recover(self) -> None:
-        """Adopt the placements a previous daemon left in the work dir."""
+        """Adopt the placements and shared executors a previous daemon left in the work dir."""
+        for directory in sorted((self.cfg.work_dir / "hosts").iterdir()):
+            h = LocalHost.load(directory)
+            if h is None:  # it died while being started: its placements go back to ready
+                shutil.rmtree(directory, ignore_errors=True)
+                continue
+            if h.closing:  # it was asked to stop: it gets the stop timeout again
+                h.kill_at = time.monotonic() + self.cfg.stop_timeout_s
+            self.hosts[h.host_id] = h
+            log.info("shared executor recovered node=%s host=%s pid=%s key=%s", self.node_id,
+                     h.host_id, h.pid, h.key)
         for directory in sorted((self.cfg.work_dir / "placements").iterdir()):
             p = LocalPlacement.load(directory)
             if p is None or p.status == "done":
@@ -835,6 +1113,15 @@ def _link_tree(src: Path, dst: Path) -> None:
             _link_file(path, dst / path.name)
 
 
+def _kill_group(pid: int | None, sig: signal.Signals) -> None:
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, sig)  # an executor leads its own session: its children go too
+    except ProcessLookupError:
+        pass
+
+
 def _touch(path: Path) -> None:
     try:
         os.utime(path)
@@ -906,6 +1193,12 @@ def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
                     help="Module run as `python -m MODULE --placement-dir DIR` per placement.")
     ap.add_argument("--runner-arg", action="append", default=[], dest="runner_args",
                     help="Extra argument for the runner (repeatable).")
+    ap.add_argument("--colocate", action=argparse.BooleanOptionalAction,
+                    default=env("LORAPLEX_COLOCATE", "1") != "0",
+                    help="Run one-GPU placements of one model on one shared executor per GPU "
+                         "set (env LORAPLEX_COLOCATE=0 turns it off; only with worker.runner).")
+    ap.add_argument("--host-module", default="worker.host",
+                    help="Module run as `python -m MODULE --host-dir DIR` per shared executor.")
     ap.add_argument("--log-level", default=env("LORAPLEX_LOG_LEVEL", "INFO"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -916,7 +1209,8 @@ def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
                         gpu_type=args.gpu_type, poll_interval_s=args.poll_interval_s,
                         cancel_grace_s=args.cancel_grace_s, pause_grace_s=args.pause_grace_s,
                         heartbeat_interval_s=args.heartbeat_interval_s,
-                        runner_module=args.runner_module, runner_args=list(args.runner_args))
+                        runner_module=args.runner_module, runner_args=list(args.runner_args),
+                        colocate=args.colocate, host_module=args.host_module)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

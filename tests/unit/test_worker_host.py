@@ -200,3 +200,144 @@ def test_another_model_is_refused_and_a_crash_fails_every_hosted_task(
         last = records(placement)[-1]
         assert last["type"] == "failed" and last["retryable"] is True
         assert "illegal memory access" in last["error"]
+
+
+# -- the daemon's side: one shared executor process for the placements of one model ----------
+class Service:
+    """The internal API as a MockTransport: every report stored (artifacts are multipart)."""
+
+    def __init__(self) -> None:
+        self.stop: list[str] = []
+        self.calls: list[tuple[str, dict]] = []
+
+    def __call__(self, request: Any) -> Any:
+        import httpx
+
+        try:
+            body = json.loads(request.content) if request.content else {}
+        except ValueError:
+            body = {"multipart": len(request.content)}
+        self.calls.append((request.url.path, body))
+        if request.url.path.endswith("/heartbeat"):
+            return httpx.Response(200, json={"node_id": "node_1", "state": "up",
+                                             "cancelled_placement_ids": self.stop})
+        return httpx.Response(200, json={"stored": 1})
+
+
+@pytest.fixture
+def one_thread_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor subprocesses on one torch thread too (the CI machine has 2 shared cores)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def node_daemon(work: Path, service: Service) -> Any:
+    import httpx
+
+    from tests.unit.test_daemon_local_resume import NoRedis
+    from worker.daemon import Daemon, DaemonConfig
+    from worker.service_client import Backoff, ServiceClient
+
+    cfg = DaemonConfig(service_url="http://svc", worker_token="t", redis_url="redis://x",
+                       node_name="n1", work_dir=work, poll_interval_s=0.01, cancel_grace_s=30)
+    client = ServiceClient("http://svc", "t", transport=httpx.MockTransport(service),
+                           backoff=Backoff(base_s=0.01, jitter=False), sleep=lambda s: None)
+    d = Daemon(cfg, client=client, conn=NoRedis())  # type: ignore[arg-type]
+    d.node_id = "node_1"
+    d._pop_placements = lambda: None  # placements are put in place here, not popped
+    d._confirmed.set()
+    return d
+
+
+def ready(d: Any, directory: Path) -> None:
+    """A claimed placement the daemon will start (its spec and data are in its folder)."""
+    from worker.daemon import LocalPlacement
+
+    spec = PlacementSpec.model_validate_json((directory / "spec.json").read_text())
+    p = LocalPlacement(placement_id=directory.name, directory=directory, status="ready",
+                       task_id=spec.task_id, gpu_indices=list(spec.gpu_indices))
+    p.save()
+    d.placements[p.placement_id] = p
+
+
+def ticking(d: Any, predicate: Callable[[], Any], what: str, timeout: float = 90) -> Any:
+    def step() -> Any:
+        d.tick()
+        return predicate()
+    return wait(step, what, timeout)
+
+
+def reported(service: Any, path_end: str) -> list[dict]:
+    return [body for path, body in service.calls if path.endswith(path_end)]
+
+
+@pytest.mark.usefixtures("one_thread_host")
+def test_the_daemon_attaches_placements_of_one_model_to_one_process_across_a_restart(
+        tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.daemon import _alive
+
+    monkeypatch.setenv("LORAPLEX_EXECUTOR_LINGER_S", "60")
+    service = Service()
+    d = node_daemon(tmp_path, service)
+    a = make_placement(tmp_path, model, "pl_a", epochs=4)
+    b = make_placement(tmp_path, model, "pl_b", seed=9, epochs=20)
+    ready(d, a)
+    ticking(d, lambda: trained(a), "A to train on a new shared executor")
+    ready(d, b)  # the scheduler joined B to A's executor (same model, same GPU)
+    ticking(d, lambda: trained(b), "B to train")
+    (h,) = d.hosts.values()
+    assert {d.placements[p].host_id for p in ("pl_a", "pl_b")} == {h.host_id}
+    assert d.placements["pl_a"].pid == d.placements["pl_b"].pid == h.pid  # one process
+    assert not (a / "executor.log").exists() and not (b / "executor.log").exists()
+    d.heartbeat_once()
+    (beat,) = [e for e in reported(service, "/heartbeat")[-1]["executors"]]
+    assert beat["key"] == "tiny|sft|48|*" and beat["gpu_indices"] == [0]
+    assert sorted(beat["placement_ids"]) == ["pl_a", "pl_b"] and beat["total_rows"] > 0
+
+    # the daemon restarts (killed at any line): the new one adopts the executor and both tasks
+    d = node_daemon(tmp_path, service)
+    d.recover()
+    assert list(d.hosts) == [h.host_id] and d.hosts[h.host_id].exit_code() is None
+    d._stop_ids = {"pl_b"}  # the service cancelled B: it leaves alone, A trains on
+    ticking(d, lambda: "pl_b" not in d.placements, "B to be retired")
+    assert d.placements["pl_a"].status == "running"
+    assert not any(r["type"] in ("finished", "failed") for r in records(b))
+    ticking(d, lambda: "pl_a" not in d.placements, "A to finish")
+    assert records(a)[-1]["type"] == "finished" and reported(service, "/tasks/task_pl_a/finished")
+    assert not reported(service, "/tasks/task_pl_b/finished")
+    d.tick()
+    (idle,) = d._executors  # warm and idle: another task of the model may join it
+    assert idle.placement_ids == [] and idle.free_rows == idle.total_rows > 0
+    assert _alive(h.pid, h.directory)
+
+    # a task of another model (another max_seq_len) on the same GPU: the idle one gives way
+    other = make_placement(tmp_path, model, "pl_other", max_seq_len=64, epochs=1)
+    ready(d, other)
+    ticking(d, lambda: trained(other), "the other model's task to train")
+    assert not _alive(h.pid, h.directory) and h.host_id not in d.hosts
+    (h2,) = d.hosts.values()
+    assert h2.key == "tiny|sft|64|*"
+    ticking(d, lambda: "pl_other" not in d.placements, "the other task to finish")
+    assert records(other)[-1]["type"] == "finished"
+    d._stop_host(h2, "test over")
+    ticking(d, lambda: not d.hosts, "the executor to leave")
+
+
+@pytest.mark.usefixtures("one_thread_host")
+def test_a_crash_of_the_shared_executor_fails_every_hosted_placement_retryably(
+        tmp_path: Path, model: Path) -> None:
+    import os
+    import signal
+
+    d = node_daemon(tmp_path, Service())
+    a = make_placement(tmp_path, model, "pl_a", epochs=20)
+    b = make_placement(tmp_path, model, "pl_b", seed=9, epochs=20)
+    ready(d, a)
+    ready(d, b)
+    ticking(d, lambda: trained(a) and trained(b), "both to train")
+    (h,) = d.hosts.values()
+    os.killpg(h.pid, signal.SIGKILL)
+    ticking(d, lambda: not d.placements and not d.hosts, "both to be reported")
+    for placement in (a, b):
+        last = records(placement)[-1]
+        assert last["type"] == "failed" and last["retryable"] is True
+        assert "signal SIGKILL" in last["error"]
