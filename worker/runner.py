@@ -9,6 +9,10 @@ stack. SIGTERM asks the executor to checkpoint at the end of its step and stop (
 uploaded before the exit); a stale daemon lease (DIR/lease not touched for
 LORAPLEX_LEASE_TIMEOUT_S) does the same, so an orphan stops reporting. A placement of g > 1 GPUs
 runs the adapter-parallel executor (one process per GPU), g = 1 the one-GPU executor.
+
+The daemon runs this for a placement that runs alone (g > 1, or co-location off); a placement
+that shares an executor runs in worker.host, through the same per-placement parts below
+(PlacementRun, open_task, settle): its spool, callbacks, resume input and terminal record.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Co-location end to end (real service, PostgreSQL, Redis, a real daemon, the real executor training
 a tiny Llama on CPU): tasks of two tenants on the same base model, placed on the same GPU of one
-node (as the scheduler places a task that joins a warm executor), train on ONE shared executor
-process; each ends with its own curves and adapters, and cancelling one mid-training leaves the
-others training to success."""
+node (by hand, as the scheduler places a task that joins a warm executor), train on ONE shared
+executor process; each ends with its own curves and adapters, and cancelling one mid-training
+leaves the others training to success. Then with the scheduler: a task POSTed while the node's
+only GPU trains another task of its model joins that executor (the daemon's heartbeat reports
+it), and both succeed."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from tests.e2e.test_train_e2e import models_yaml  # noqa: F401 - the tiny Llama 
 pytest.importorskip("torch")
 
 
-def start_task(http, n: int, epochs: int, seed: int) -> str:  # noqa: ANN001
+def start_task(http, n: int, epochs: int, seed: int, queued: bool = True) -> str:  # noqa: ANN001
     r = http.post("/v1/tasks", json={
         "base_model": "tiny", "training_file": upload_jsonl(http, "train.jsonl", rows(n, seed)),
         "validation_file": upload_jsonl(http, "val.jsonl", rows(8, seed + 100)),
@@ -27,7 +29,8 @@ def start_task(http, n: int, epochs: int, seed: int) -> str:  # noqa: ANN001
         "early_exit": {"enabled": False}, "eval": {"eval_every_steps": 10, "eval_max_samples": 8}})
     assert r.status_code == 201, r.text
     task_id = r.json()["id"]
-    wait_for(lambda: state_of(http, task_id) == "queued", 30, "queued")
+    if queued:  # placed by the test (the scheduler is off)
+        wait_for(lambda: state_of(http, task_id) == "queued", 30, "queued")
     return task_id
 
 
@@ -91,3 +94,23 @@ def test_tasks_of_two_tenants_share_one_executor_and_a_cancel_leaves_the_others(
         assert adapters[0] != adapters[1]
         assert other.get(f"/v1/tasks/{a}/adapter").status_code == 404  # tenants stay apart
         assert hosts_started(stack) == 1
+
+
+@pytest.mark.with_scheduler
+def test_the_scheduler_joins_a_task_to_the_running_executor_of_its_model(stack: Stack) -> None:
+    stack.daemon("node", env={"OMP_NUM_THREADS": "1"})  # one CPU slot: GPU 0
+    with stack.http() as http, stack.client(stack.tenant("tenant-b")) as other:
+        a = start_task(http, 200, epochs=4, seed=1, queued=False)
+        wait_for(lambda: trained(http, a), 120, f"A to train\n{stack.daemon_log('node')}")
+        b = start_task(other, 120, epochs=2, seed=2, queued=False)  # no free GPU: it joins A
+        wait_for(lambda: trained(other, b), 120,
+                 f"B to train\n{stack.service_log()}\n{stack.daemon_log('node')}")
+        assert state_of(http, a) == "running"  # B trained beside A, not after it
+        placed = local_placements(stack)
+        assert placed[a]["host_id"] == placed[b]["host_id"] is not None
+        assert placed[a]["pid"] == placed[b]["pid"] and hosts_started(stack) == 1
+        rows_ = stack.sql("SELECT task_id, node_id, gpu_indices FROM placements WHERE task_id IN "
+                          "(:a, :b) AND claimed_at IS NOT NULL", a=a, b=b)
+        assert len(rows_) == 2 and len({(r.node_id, tuple(r.gpu_indices)) for r in rows_}) == 1
+        check_guarantees(stack, http, a, "succeeded")
+        check_guarantees(stack, other, b, "succeeded")

@@ -74,10 +74,11 @@ def wait(predicate: Callable[[], Any], what: str, timeout: float = 60) -> Any:
 class Running:
     """A Host serving in a thread of this process (its executor on this CPU)."""
 
-    def __init__(self, directory: Path, linger_s: float = 0.5, **kw: Any) -> None:
+    def __init__(self, directory: Path, linger_s: float = 0.5, lease_timeout_s: float = 0,
+                 **kw: Any) -> None:
         self.directory = directory
-        self.host = shared.Host(directory, lease_timeout_s=0, linger_s=linger_s, poll_s=0.02,
-                                **kw)
+        self.host = shared.Host(directory, lease_timeout_s=lease_timeout_s, linger_s=linger_s,
+                                poll_s=0.02, **kw)
         self.code: int | None = None
         self.thread = threading.Thread(target=self._serve, daemon=True)
 
@@ -170,6 +171,33 @@ def test_cancel_and_pause_detach_one_task_alone(tmp_path: Path, model: Path) -> 
     assert rc[-2]["type"] == "event" and rc[-2]["event"]["type"] == "executor_stopped"
     ckpt = [r for r in rc if r["type"] == "artifact" and r["meta"]["kind"] == "checkpoint"][-1]
     assert (c / ckpt["dir"] / "state.pt").is_file()
+
+
+def test_a_stale_daemon_lease_stops_every_hosted_task_at_a_checkpoint(
+        tmp_path: Path, model: Path) -> None:
+    """The orphan stop: no daemon touches the host's lease any more (it is gone for good):
+    every hosted task checkpoints and stops retryably, and the executor leaves."""
+    import os
+
+    a = make_placement(tmp_path, model, "pl_a", epochs=20)
+    b = make_placement(tmp_path, model, "pl_b", seed=9, epochs=20)
+    host_dir = tmp_path / "hosts" / "h1"
+    for p in (a, b):
+        attach(host_dir, p)
+    lease = host_dir / "lease"
+    lease.touch()
+    running = Running(host_dir, linger_s=60, lease_timeout_s=30).start()
+    wait(lambda: trained(a, 2) and trained(b, 2), "both to train")
+    old = time.time() - 60
+    os.utime(lease, (old, old))
+    assert running.join() == 0  # no linger: a stopped executor takes no new task
+    status = running.status()
+    assert status["ended"] == {"pl_a": "paused", "pl_b": "paused"}
+    for placement in (a, b):
+        recs = records(placement)
+        assert recs[-1]["type"] == "failed" and recs[-1]["retryable"] is True
+        assert recs[-1]["error"].startswith("executor stopped: daemon lease stale")
+        assert any(r["type"] == "artifact" and r["meta"]["kind"] == "checkpoint" for r in recs)
 
 
 def test_another_model_is_refused_and_a_crash_fails_every_hosted_task(
@@ -341,3 +369,21 @@ def test_a_crash_of_the_shared_executor_fails_every_hosted_placement_retryably(
         last = records(placement)[-1]
         assert last["type"] == "failed" and last["retryable"] is True
         assert "signal SIGKILL" in last["error"]
+
+
+def test_which_placements_share_an_executor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    from worker.daemon import parse_args
+
+    d = node_daemon(tmp_path, Service())
+    one = PlacementSpec.model_validate_json(
+        make_placement(tmp_path, tmp_path / "m", "pl_1").joinpath("spec.json").read_text())
+    two = one.model_copy(update={"gpu_indices": [0, 1]})
+    assert d._colocation_key(one) == "tiny|sft|48|*"
+    assert d._colocation_key(two) is None  # adapter parallelism: one task per executor
+    d.cfg.runner_module = "tests.e2e.fake_runner"
+    assert d._colocation_key(one) is None  # another runner replaces the executor side
+    assert parse_args(["--work-dir", str(tmp_path)]).colocate
+    assert not parse_args(["--work-dir", str(tmp_path), "--no-colocate"]).colocate
+    monkeypatch.setenv("LORAPLEX_COLOCATE", "0")
+    assert not parse_args(["--work-dir", str(tmp_path)]).colocate
