@@ -631,6 +631,9 @@ def main() -> None:  # noqa: PLR0915
                 f"steps (s, profiled): {rec['profile_steps_s']}\n{rec['profile_table']}\n")
         if name == "a":
             runs[name]["decisions_match_small"] = runs[name]["statuses"] == res["quality"]["statuses_a"]
+        elif not rec["batches"]:  # no training step ran: say why instead of timing nothing
+            runs[name]["no_steps"] = {j: d for j, (st, d) in out.states.items() if st != "completed"}
+            log("no training step recorded", runs[name]["statuses"], runs[name]["no_steps"])
         else:
             # the floor on (b)'s own packed batches: the engine's model with no job attached
             log("floor on", len(rec["batches"]), "recorded batches")

@@ -368,7 +368,11 @@ def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: bool) -> None:  # no
 
 # Opt-in (not yet measured on a GPU): the fused GEMMs' main loop on TMA tensor descriptors.
 USE_TMA = os.environ.get("LORAPLEX_FUSED_TMA", "0") == "1"
-_allocator_set = False
+
+
+def _scratch(size: int, align: int, stream: object) -> torch.Tensor:
+    """Triton's allocator for TMA descriptors' global scratch (on the current CUDA device)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _tma_ok(a: torch.Tensor, b_kn: torch.Tensor) -> bool:
@@ -383,7 +387,6 @@ def _tma_ok(a: torch.Tensor, b_kn: torch.Tensor) -> bool:
 def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: bool, out_dtype,  # noqa: ANN001
                  tma: bool | None = None) -> torch.Tensor:
     """a [T, K] @ b_kn [K, NC] (+ bias) + s_i p_i W_i into a new [T, NC] tensor."""
-    global _allocator_set
     t, k = a.shape
     nc = b_kn.shape[1]
     out = torch.empty((t, nc), dtype=out_dtype, device=a.device)
@@ -392,9 +395,10 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: bool, out
     meta = dict(HAS_BIAS=bias is not None, N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena)
     bias_arg = bias if bias is not None else out
     if (USE_TMA if tma is None else tma) and _tma_ok(a, b_kn):
-        if not _allocator_set:  # device-side descriptors need a little global scratch per program
-            triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=a.device))
-            _allocator_set = True
+        # device-side descriptors need a little global scratch per program. Triton keeps its
+        # allocator in a context variable, which the autograd engine's thread (the backward) does
+        # not inherit: set it at every launch, in whichever thread launches
+        triton.set_allocator(_scratch)
         b_nk = b_kn.stride(0) == 1
         _gemm_lora_tma[grid](
             a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, *common,
