@@ -50,6 +50,7 @@ from trainer.data import Example, PairExample
 from trainer.dpo import DpoEngine
 from trainer.engine import JobSpec, MultiLoraEngine, eval_chunk
 from trainer.strategy import OneGpu
+from trainer.varlen import flash_varlen_available
 
 log = logging.getLogger("loraplex.executor")
 
@@ -118,9 +119,11 @@ class ExecutorConfig:
     # H100 the whole task was faster with it (bench/results/task_e2e_h100.md), so it stays on.
     cudnn_attention: bool = True
     # the engine's packing and attention (MultiLoraEngine.set_attention): "rows" (each job's
-    # sequences in its own padded rows, block mask) or "varlen" (sequences back to back in one row,
-    # attention by sequence bounds: no padding; SFT only)
-    attention: str = "rows"
+    # sequences in its own padded rows, block mask), "varlen" (sequences back to back in one row,
+    # attention by sequence bounds: no padding; SFT only) or "auto": varlen where torch's flash
+    # varlen kernel runs (CUDA, SFT, one GPU), else rows. On H100 varlen took a 32-configuration
+    # task from 105.5 s to 42.5 s (bench/results/task_e2e_h100.md)
+    attention: str = "auto"
     early_exit: EarlyExitSettings = field(default_factory=EarlyExitSettings)
     stop_after_steps: int | None = None  # stop (as if killed) after this many executor steps
     method: str = "sft"  # sft | dpo (preference pairs; JobSpec.beta per job)
@@ -389,8 +392,8 @@ class Executor:
         cfg = self.cfg
         if cfg.method not in ("sft", "dpo"):
             raise ValueError(f"unknown method {cfg.method!r}; expected 'sft' or 'dpo'")
-        if cfg.attention not in ("rows", "varlen") or (cfg.attention == "varlen" and cfg.method == "dpo"):
-            raise ValueError(f"attention {cfg.attention!r}: 'rows', or 'varlen' for sft")
+        if cfg.attention not in ("auto", "rows", "varlen") or (cfg.attention == "varlen" and cfg.method == "dpo"):
+            raise ValueError(f"attention {cfg.attention!r}: 'auto', 'rows', or 'varlen' for sft")
         device = self.strategy.device(cfg.device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if device.type == "cuda":
@@ -408,7 +411,7 @@ class Executor:
             getattr(torch, cfg.adapter_dtype),
         ), device)
         self.engine.train_examples = self.pool
-        self.engine.set_attention(cfg.attention)
+        self.engine.set_attention(self._attention_mode(device))
         if device.type == "cuda" and cfg.max_tokens_per_step is None:
             budget = cfg.memory_budget_bytes or torch.cuda.get_device_properties(device).total_memory
             with self.phase("profile"):
@@ -462,6 +465,13 @@ class Executor:
         points = profile_memory(self.probe_step, (1, 2, 4), self.cfg.max_seq_len)
         return fit_memory_model(points)
 
+    def _attention_mode(self, device: torch.device) -> str:
+        """cfg.attention, with "auto" resolved for this executor's device, method and GPUs."""
+        if self.cfg.attention != "auto":
+            return self.cfg.attention
+        flash = device.type == "cuda" and self.cfg.method == "sft" and self.world == 1
+        return "varlen" if flash and flash_varlen_available() else "rows"
+
     def profile_key(self) -> str:
         """What this executor's memory profile depends on (see trainer.admission.profile_key)."""
         cfg, eng = self.cfg, self.engine
@@ -476,7 +486,7 @@ class Executor:
             seq_len=cfg.max_seq_len, gpu=gpu, torch=torch.__version__, method=cfg.method,
             targets=sorted(eng.targets), gradient_checkpointing=cfg.gradient_checkpointing,
             adapter_dtype=cfg.adapter_dtype, backend=cfg.backend, ranks=self.world,
-            max_lora_rank=max(j.rank for j in cfg.jobs), attention=cfg.attention)
+            max_lora_rank=max(j.rank for j in cfg.jobs), attention=eng.attention)
 
     def _stored_memory_model(self) -> MemoryModel:
         """The node's stored profile for this key, or a fresh measurement that is then stored."""

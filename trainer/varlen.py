@@ -31,6 +31,11 @@ def _flash_options() -> tuple[Any, frozenset[str]] | None:
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
+def flash_varlen_available() -> bool:
+    """Whether this torch has the flash varlen kernel (it runs on CUDA only)."""
+    return _flash_options() is not None
+
+
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
            max_len: int, scaling: float | None) -> torch.Tensor:
     varlen_attn, params = _flash_options()

@@ -17,6 +17,7 @@ from trainer.admission import MemoryModel, load_profile, store_profile
 from trainer.data import read_jsonl, tokenize_all
 from trainer.engine import JobSpec, eval_chunk, eval_forwards
 from trainer.executor import PHASES, Callbacks, Executor, ExecutorConfig
+from trainer.varlen import flash_varlen_available
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -225,3 +226,10 @@ def test_executor_attention_setting_packs_varlen_with_the_rows_losses(files) -> 
         assert losses["varlen"][job] == pytest.approx(losses["rows"][job], rel=1e-4, abs=1e-5)
     with pytest.raises(ValueError, match="attention"):
         Executor(make_cfg(files, "att_bad", jobs, attention="flash")).run()
+    # the default, "auto": varlen only where the flash kernel runs (CUDA, SFT, one GPU)
+    auto = Executor(make_cfg(files, "att_auto", jobs))
+    assert auto.cfg.attention == "auto"
+    assert auto._attention_mode(torch.device("cpu")) == "rows"
+    assert auto._attention_mode(torch.device("cuda")) == ("varlen" if flash_varlen_available() else "rows")
+    dpo = Executor(make_cfg(files, "att_dpo", jobs, method="dpo"))
+    assert dpo._attention_mode(torch.device("cuda")) == "rows"
