@@ -162,11 +162,8 @@ class LocalPlacement:
 
     @classmethod
     def load(cls, directory: Path) -> LocalPlacement | None:
-        try:
-            data = json.loads((directory / "daemon.json").read_text())
-        except (FileNotFoundError, ValueError):
-            return None
-        return cls(directory=directory, **data)
+        data = _read_json(directory / "daemon.json")
+        return None if data is None else cls(directory=directory, **data)
 
 
 @dataclass
@@ -191,9 +188,8 @@ class LocalHost:
 
     @classmethod
     def load(cls, directory: Path) -> LocalHost | None:
-        try:
-            data = json.loads((directory / "daemon.json").read_text())
-        except (FileNotFoundError, ValueError):
+        data = _read_json(directory / "daemon.json")
+        if data is None:
             return None
         host = cls(directory=directory, **data)
         if host.pid is None:  # the daemon stopped before it noted the pid; the host notes its own
@@ -1111,6 +1107,13 @@ def _link_tree(src: Path, dst: Path) -> None:
     for path in src.iterdir():
         if path.is_file() and not path.name.startswith("."):
             _link_file(path, dst / path.name)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def _kill_group(pid: int | None, sig: signal.Signals) -> None:
