@@ -9,7 +9,6 @@ nothing asks whether the key is still live (a 401) before answering an empty pag
 
 from __future__ import annotations
 
-from collections import Counter
 from functools import cache
 
 from pydantic_core import to_json
@@ -21,6 +20,7 @@ from service.db import ReadPool
 from service.errors import invalid, not_found
 from service.events import metrics_body, metrics_params, metrics_statement
 from service.models import ApiKey
+from service.tasks import TASK_COLUMNS, task_view
 
 _DIALECT = postgresql.psycopg.dialect()
 # The tenant of the live API key of a prefix and hash (parameters prefix and key_hash).
@@ -34,10 +34,7 @@ _KEY_TENANT = (select(ApiKey.tenant_id)
 # else the latest that ran). {filters}: the optional state and cursor conditions.
 _LIST_SQL = """
 WITH me AS ({key_tenant})
-SELECT t.id, t.state, t.base_model, t.method, t.training_file_id, t.validation_file_id,
-       t.validation_split, t.search_space, t.epochs, t.max_seq_len, t.seed, t.early_exit, t.eval,
-       t.target_modules, t.priority, t.best_job_id, t.error, t.created_at, t.started_at,
-       t.finished_at, t.suffix, t.meta,
+SELECT {columns},
        (SELECT array_agg(j.state) FROM jobs j WHERE j.task_id = t.id),
        (SELECT count(*) FROM placements p WHERE p.task_id = t.id AND p.state = 'failed'),
        latest.attempt, latest.planned_start, latest.planned_end
@@ -57,7 +54,7 @@ _CURSOR_SQL = "SELECT 1 FROM tasks WHERE id = %(after)s AND tenant_id = %(tenant
 @cache
 def _list_sql(state: bool, after: bool) -> str:
     return _LIST_SQL.format(key_tenant=_KEY_TENANT.element.compile(dialect=_DIALECT),
-                            filters=(_STATE if state else "") + (_AFTER if after else ""))
+                            columns=", ".join(f"t.{c}" for c in TASK_COLUMNS), filters=(_STATE if state else "") + (_AFTER if after else ""))
 
 
 async def list_tasks_json(pool: ReadPool, key: ReadKey, limit: int, after: str | None,
@@ -77,23 +74,9 @@ async def list_tasks_json(pool: ReadPool, key: ReadKey, limit: int, after: str |
 
 
 def _task(row: tuple) -> dict:
-    """TaskOut's fields, in its order, from a row of _LIST_SQL."""
-    (id_, state, base_model, method, training_file, validation_file, validation_split,
-     search_space, epochs, max_seq_len, seed, early_exit, eval_, target_modules, priority,
-     best_job_id, error, created_at, started_at, finished_at, suffix, meta, job_states, failed,
-     attempt, planned_start, planned_end) = row
-    counts = dict(Counter(job_states or ()))
-    return {"id": id_, "object": "task", "state": state, "base_model": base_model,
-            "method": method, "training_file": training_file, "validation_file": validation_file,
-            "validation_split": validation_split, "search_space": search_space,
-            "epochs": epochs, "max_seq_len": max_seq_len, "seed": seed,
-            "early_exit": early_exit, "eval": eval_, "target_modules": target_modules,
-            "priority": priority, "num_jobs": sum(counts.values()), "job_counts": counts,
-            "best_job_id": best_job_id, "error": error,
-            "attempt": attempt if attempt is not None else failed + 1,
-            "planned_start": planned_start, "planned_end": planned_end,
-            "created_at": created_at, "started_at": started_at, "finished_at": finished_at,
-            "suffix": suffix, "metadata": meta}
+    """TaskOut's fields, in its order, from a row of _LIST_SQL (the one view, tasks.task_view)."""
+    n = len(TASK_COLUMNS)
+    return task_view(dict(zip(TASK_COLUMNS, row[:n], strict=True)), *row[n:])
 
 
 @cache

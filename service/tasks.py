@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 from collections import Counter
+from datetime import datetime
 
 from redis.exceptions import RedisError
 from sqlalchemy import func, select, true
@@ -225,23 +226,35 @@ def task_outs(session: Session, tasks: list[Task]) -> list[TaskOut]:
                latest.c.attempt, latest.c.planned_start, latest.c.planned_end)
         .outerjoin(latest, true()).where(Task.id.in_([t.id for t in tasks])))
     views = {row[0]: row[1:] for row in rows}
-    out = []
-    for task in tasks:
-        states, failed, attempt, planned_start, planned_end = views[task.id]
-        counts = dict(Counter(states or ()))
-        out.append(TaskOut(
-            id=task.id, state=task.state, base_model=task.base_model, method=task.method,
-            training_file=task.training_file_id, validation_file=task.validation_file_id,
-            validation_split=task.validation_split, search_space=task.search_space,
-            epochs=task.epochs, max_seq_len=task.max_seq_len, seed=task.seed,
-            early_exit=task.early_exit, eval=task.eval, target_modules=task.target_modules,
-            priority=task.priority, num_jobs=sum(counts.values()), job_counts=counts,
-            best_job_id=task.best_job_id, error=task.error,
-            attempt=attempt if attempt is not None else failed + 1,
-            planned_start=planned_start, planned_end=planned_end, created_at=task.created_at,
-            started_at=task.started_at, finished_at=task.finished_at, suffix=task.suffix,
-            metadata=task.meta))
-    return out
+    return [TaskOut(**task_view({c: getattr(task, c) for c in TASK_COLUMNS}, *views[task.id]))
+            for task in tasks]
+
+
+# The task's own columns a view shows (service.read_path selects these by name, in this order).
+TASK_COLUMNS = ("id", "state", "base_model", "method", "training_file_id", "validation_file_id",
+                "validation_split", "search_space", "epochs", "max_seq_len", "seed", "early_exit",
+                "eval", "target_modules", "priority", "best_job_id", "error", "created_at",
+                "started_at", "finished_at", "suffix", "meta")
+
+
+def task_view(t: dict, job_states: list[str] | None, failed: int, attempt: int | None,
+              planned_start: datetime | None, planned_end: datetime | None) -> dict:
+    """TaskOut's fields, in its order, from a task's TASK_COLUMNS and what task_outs adds (its
+    job states, failed attempts and the placement that says most about "when"): the one view of
+    a task, for the ORM path and the read path alike."""
+    counts = dict(Counter(job_states or ()))
+    return {"id": t["id"], "object": "task", "state": t["state"], "base_model": t["base_model"],
+            "method": t["method"], "training_file": t["training_file_id"],
+            "validation_file": t["validation_file_id"], "validation_split": t["validation_split"],
+            "search_space": t["search_space"], "epochs": t["epochs"],
+            "max_seq_len": t["max_seq_len"], "seed": t["seed"], "early_exit": t["early_exit"],
+            "eval": t["eval"], "target_modules": t["target_modules"], "priority": t["priority"],
+            "num_jobs": sum(counts.values()), "job_counts": counts,
+            "best_job_id": t["best_job_id"], "error": t["error"],
+            "attempt": attempt if attempt is not None else failed + 1,
+            "planned_start": planned_start, "planned_end": planned_end,
+            "created_at": t["created_at"], "started_at": t["started_at"],
+            "finished_at": t["finished_at"], "suffix": t["suffix"], "metadata": t["meta"]}
 
 
 def list_jobs(session: Session, task: Task) -> list[JobOut]:
