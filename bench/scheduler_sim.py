@@ -32,6 +32,7 @@ import heapq
 import json
 import math
 import multiprocessing
+import os
 import platform
 import random
 import statistics
@@ -45,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from service.config import Settings  # noqa: E402
 from service.scheduler.loop import solve_options  # noqa: E402
 from service.scheduler.planner import (  # noqa: E402
+    FAIR_HISTORY,
+    FAIR_SCALE,
     Hint,
     Instance,
     NodeSpec,
@@ -52,6 +55,7 @@ from service.scheduler.planner import (  # noqa: E402
     SolveOptions,
     TaskSpec,
     solve,
+    tenant_history,
 )
 
 NODES = [NodeSpec(f"n{i}", "H100", 8) for i in range(4)]
@@ -218,11 +222,15 @@ def planner_policy(settings: Settings, guaranteed: int | None = None):
     hints: dict[str, tuple[str, float, tuple[int, ...]]] = {}  # node, absolute start, GPUs
     stats = {"replans": 0, "solve_s": [], "late_plans": 0, "preempted": 0}
     guar = {f"tenant{k}": guaranteed for k in range(TENANTS)} if guaranteed else {}
+    seen: dict[str, SimTask] = {}  # every task the planner has been shown (its finished ones too)
 
     def decide(now, queue, running, cluster):
         if not guar and not any(cluster.best_fit(t.gpus) for t in queue):
             return [], [], None  # nothing can start now: the plan would start nothing
         specs = []
+        seen.update((t.id, t) for t in queue)
+        history = tenant_history((t.tenant, t.finish, (t.finish - t.arrival) / max(60.0, t.actual_s))
+                                 for t in seen.values() if t.finish is not None)
         for t in running:
             specs.append(TaskSpec(t.id, t.tenant, t.gpus, int(math.ceil(t.remaining_est(now))),
                                   state="running", arrival_s=int(t.arrival - now),
@@ -234,7 +242,8 @@ def planner_policy(settings: Settings, guaranteed: int | None = None):
             specs.append(TaskSpec(t.id, t.tenant, t.gpus, int(math.ceil(t.remaining_est(now))),
                                   hint=hint, arrival_s=int(t.arrival - now),
                                   max_start_s=int(t.arrival + max_wait - now)))
-        plan = solve(Instance(NODES, specs, tenant_guaranteed_gpus=guar), opts)
+        plan = solve(Instance(NODES, specs, tenant_guaranteed_gpus=guar,
+                              tenant_history=history), opts)
         stats["replans"] += 1
         stats["solve_s"].append(plan.solve_time_s)
         stats["late_plans"] += bool(plan.late)
@@ -372,6 +381,7 @@ def main() -> None:
     cases = [(p, ld, e, s, n_tasks) for ld in loads for e in errors for s in seeds
              for p in POLICIES]
     t0 = time.perf_counter()
+    load_before = os.getloadavg()[0]
     results = []
     if a.resume and a.resume.exists():  # cases a stopped run finished (one JSON line each)
         results = [tuple(json.loads(line)) for line in a.resume.read_text().splitlines()]
@@ -387,6 +397,7 @@ def main() -> None:
                 log.write(json.dumps(r) + "\n")
                 log.flush()
     wall = time.perf_counter() - t0
+    load_after = os.getloadavg()[0]
     keys = {tuple(c[:4]) for c in cases}
     results = [r for r in results if tuple(r[:4]) in keys]
     agg: dict[tuple, dict[str, list[float]]] = {}
@@ -402,8 +413,10 @@ def main() -> None:
              f"{platform.python_version()}. {n_tasks} tasks per run, seeds {seeds}, "
              f"4 nodes x 8 GPUs. Planner settings (service/config.py): unit "
              f"{s.scheduler_unit_s} s, work limit {s.scheduler_work_limit}, max wait "
-             f"{s.scheduler_max_wait_s} s, fairness {s.scheduler_fairness}. Bench wall "
-             f"{wall:.0f} s.", "",
+             f"{s.scheduler_max_wait_s} s (wait margin {SolveOptions().wait_margin:g}), "
+             f"fairness {s.scheduler_fairness} (scale {FAIR_SCALE}) over each tenant's "
+             f"{FAIR_HISTORY} latest finished tasks. Bench wall {wall:.0f} s; 1-min load average "
+             f"{load_before:.1f} at start, {load_after:.1f} at end.", "",
              "| load | error | policy | mean compl. h | p99 compl. h | mean wait h | util | "
              "fairness (worst/best) | worst tenant slowdown | longest wait h |",
              "|---|---|---|---|---|---|---|---|---|---|"]

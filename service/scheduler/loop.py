@@ -80,6 +80,7 @@ from service.scheduler.estimator import (
 )
 from service.scheduler.limits import task_priority_ceiling
 from service.scheduler.planner import (
+    FAIR_HISTORY,
     Hint,
     Instance,
     NodeSpec,
@@ -88,6 +89,7 @@ from service.scheduler.planner import (
     SolveOptions,
     TaskSpec,
     solve,
+    tenant_history,
 )
 
 log = logging.getLogger("loraplex.scheduler")
@@ -240,7 +242,24 @@ def build_instance(session: Session, settings: Settings, now: datetime
         max_start = min(0, arrival) + max_wait
         specs.append(TaskSpec(**common, hint=hint, max_start_s=max_start))
     node_specs = [NodeSpec(n.id, n.gpu_type, n.gpu_count, up=n.state == "up") for n in nodes]
-    return Instance(node_specs, specs, limits, guaranteed), rows, raw
+    history = _fair_history(session, tenants)
+    return Instance(node_specs, specs, limits, guaranteed, history), rows, raw
+
+
+def _fair_history(session: Session, tenants: Iterable[str]) -> dict[str, tuple[float, int]]:
+    """Each tenant's fair-share memory (planner.tenant_history): the slowdowns (submitted to
+    finished over the measured run of the attempt that ended it) of its latest finished tasks."""
+    rows = []
+    for tenant in sorted(tenants):
+        rows += [(tenant, finished.timestamp(),
+                  (finished - created).total_seconds() / max(60.0, run))
+                 for created, finished, run in session.execute(
+                     select(Task.created_at, Task.finished_at, Placement.run_s)
+                     .join(Placement, Placement.task_id == Task.id)
+                     .where(Task.tenant_id == tenant, Task.finished_at.is_not(None),
+                            Placement.state == "finished", Placement.run_s.is_not(None))
+                     .order_by(Task.finished_at.desc(), Task.id).limit(FAIR_HISTORY))]
+    return tenant_history(rows)
 
 
 def _corrections(session: Session, models: Iterable[str]) -> dict[str, float]:

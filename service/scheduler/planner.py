@@ -15,11 +15,16 @@ Objective (minimised, all integer):
 - weighted flow time sum_i w_i * e_i: w_i = (1 + tenant priority) * (10 + task priority) set by
   operators (the task's own priority is clamped to an operator ceiling before it gets here), times
   ``guarantee_boost`` when the task fits in its tenant's unused guaranteed share;
-- fair share: F * Z with Z >= each tenant's mean planned slowdown (arrival to end over duration,
-  in thousandths) over its queued and running tasks: the worst-off tenant is pulled up;
+- fair share: F * Z with Z >= each tenant's mean slowdown (arrival to end over duration, in
+  thousandths) over its queued and running tasks (planned) and its FAIR_HISTORY latest finished
+  ones (``Instance.tenant_history``, measured), times 1 + the tenant's operator priority (a
+  weighted fair share): the worst-off tenant is pulled up, and one whose past tasks waited long
+  gets its next ones sooner (the ratio of worst to best tenant drops);
 - bounded waiting, counted from arrival, per task and soft: a wait past half the bound costs
   ``urgent`` per unit, past the whole bound ``late`` per unit (far more than any reordering
-  gains), so the penalty grows with the wait; a bound is never dropped for the plan;
+  gains), so the penalty grows with the wait; a bound is never dropped for the plan. Both start
+  ``wait_margin`` (10%) of the bound early, so a task planned near its bound still starts within
+  it when running tasks outlast their estimates;
 - optionally (``tail`` T > 0, operators' scheduler_tail) T * total weight * the longest planned
   flow time (arrival to end) of a queued task: old long tasks start sooner (p99 completion)
   at some cost in mean completion; off by default (bench/results/scheduler_sim_cpu.md);
@@ -42,7 +47,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
@@ -110,6 +115,27 @@ class Instance:
     tasks: Sequence[TaskSpec]
     tenant_max_gpus: Mapping[str, int] = field(default_factory=dict)  # hard cap (borrow limit)
     tenant_guaranteed_gpus: Mapping[str, int] = field(default_factory=dict)  # reclaimable share
+    # Per tenant, (sum, count) of the slowdowns of its recently finished tasks (tenant_history).
+    tenant_history: Mapping[str, tuple[float, int]] = field(default_factory=dict)
+
+
+FAIR_HISTORY = 20  # finished tasks per tenant whose slowdowns the fair-share term remembers
+FAIR_SCALE = 6  # the production fairness 0.25 is 1.5 mean durations x total weight per slowdown
+
+
+def tenant_history(finished: Iterable[tuple[str, float, float]]
+                   ) -> dict[str, tuple[float, int]]:
+    """The fair-share memory from (tenant, finish time, slowdown) of finished tasks: per tenant
+    the sum and count of the slowdowns of its FAIR_HISTORY latest ones."""
+    latest: dict[str, list[tuple[float, float]]] = {}
+    for tenant, at, slowdown in finished:
+        latest.setdefault(tenant, []).append((at, slowdown))
+    out = {}
+    for tenant, rows in latest.items():
+        rows.sort(reverse=True)
+        kept = [max(1.0, s) for _, s in rows[:FAIR_HISTORY]]
+        out[tenant] = (sum(kept), len(kept))
+    return out
 
 
 @dataclass(frozen=True)
@@ -157,10 +183,13 @@ class SolveOptions:
     time_limit_s: float = 30.0  # wall-clock safety net only
     workers: int = 4  # interleaved in one thread: deterministic
     seed: int = 0
-    fairness: float = 0.25  # F, as a fraction of mean duration * total weight per 1.0 slowdown
+    # F: 1.0 of the worst tenant's mean slowdown costs F * FAIR_SCALE * mean duration * total
+    # weight (the mean spans up to FAIR_HISTORY finished tasks too, hence the scale).
+    fairness: float = 0.25
     guarantee_boost: int = 4
     max_node_options: int = 8
     tail: float = 0.0  # T: the longest planned flow time costs T * total weight per unit
+    wait_margin: float = 0.1  # planned lateness counts from this fraction of the bound early
     secondary_time_limit_s: float = 0.0  # unused (kept for callers of the two-phase planner)
 
 
@@ -182,13 +211,15 @@ class _Ctx:
     age: dict[int, int]  # units since arrival (>= 0)
     norm: dict[int, int]  # smallest duration (units), slowdown denominator
     deadline: dict[int, int | None]  # soft deadline on the start (units from now)
-    half: dict[int, int]  # half the bound (units)
+    half: dict[int, int]  # half the bound plus the margin (units before the deadline)
     urgent: int
     late: int
     fair: int
     tenants: dict[str, list[int]]  # tenant -> job indices (queued)
     fixed: dict[str, tuple[int, int]]  # tenant -> (sum of running tasks' q*flow, count)
     tail: int = 0  # coefficient of the longest flow time (arrival to end) of a queued task
+    share: dict[str, int] = field(default_factory=dict)  # tenant -> 1 + its operator priority
+    margin: dict[int, int] = field(default_factory=dict)  # wait_margin of the bound (units)
 
 
 def _build_jobs(inst: Instance, unit: int, opts: SolveOptions
@@ -250,17 +281,19 @@ def _tenant_caps(inst: Instance, pinned: Sequence[Placed]) -> dict[str, int]:
 
 
 def _context(jobs: Sequence[UJob], pinned: Sequence[Placed], specs: Mapping[int, TaskSpec],
-             unit: int, opts: SolveOptions) -> _Ctx:
-    age, norm, deadline, half = {}, {}, {}, {}
+             unit: int, opts: SolveOptions,
+             history: Mapping[str, tuple[float, int]] | None = None) -> _Ctx:
+    age, norm, deadline, half, margin = {}, {}, {}, {}, {}
     tenants: dict[str, list[int]] = {}
     for j in jobs:
         spec = specs[j.index]
         arrival = spec.arrival_s if spec.arrival_s is not None else 0
         age[j.index] = max(0, -math.floor(arrival / unit))
         norm[j.index] = max(1, min(o.duration for o in j.options))
-        deadline[j.index] = j.max_start
         bound = (j.max_start + age[j.index]) if j.max_start is not None else 0
-        half[j.index] = max(1, bound // 2)
+        deadline[j.index] = j.max_start
+        margin[j.index] = round(opts.wait_margin * bound)
+        half[j.index] = max(1, bound // 2) + margin[j.index]
         tenants.setdefault(j.tenant, []).append(j.index)
     fixed: dict[str, tuple[int, int]] = {}
     for p in pinned:
@@ -270,18 +303,39 @@ def _context(jobs: Sequence[UJob], pinned: Sequence[Placed], specs: Mapping[int,
         total = max(1, p.end - p.job.pinned_start)
         s, n = fixed.get(p.job.tenant, (0, 0))
         fixed[p.job.tenant] = (s + (1000 * (p.end + a)) // total, n + 1)
+    for tenant, (h_sum, h_n) in (history or {}).items():
+        if h_n > 0 and (tenant in tenants or tenant in fixed):
+            s, n = fixed.get(tenant, (0, 0))
+            fixed[tenant] = (s + round(1000 * h_sum), n + h_n)
+    share: dict[str, int] = {}
+    for spec in specs.values():  # a tenant's slowdown counts 1 + its operator priority times
+        share[spec.tenant] = max(share.get(spec.tenant, 1),
+                                 1 + max(0, min(int(spec.tenant_priority), 100)))
     wmax = max((j.weight for j in jobs), default=1)
     total_w = sum(j.weight for j in jobs)
     mean_d = sum(norm.values()) / max(1, len(norm))
-    fair = max(1, round(opts.fairness * mean_d * total_w / 1000))
+    fair = max(1, round(opts.fairness * FAIR_SCALE * mean_d * total_w / 1000))
     tail = round(opts.tail * total_w)
     return _Ctx(age, norm, deadline, half, urgent=2 * wmax,
-                late=20 * wmax * max(1, len(jobs)) + fair + tail, fair=fair, tenants=tenants,
-                fixed=fixed, tail=tail)
+                # Past the bound costs more than any fair-share or tail gain of one unit.
+                late=(20 * max(1, len(jobs)) * (wmax + 100 * fair * max(share.values(), default=1))
+                      + tail), fair=fair, tenants=tenants,
+                fixed=fixed, tail=tail, share=share, margin=margin)
 
 
 def _q(ctx: _Ctx, i: int) -> int:
     return max(1, round(1000 / ctx.norm[i]))
+
+
+def _wait_steps(ctx: _Ctx, i: int) -> list[tuple[int, int]]:
+    """(start after which, cost per unit) of the bounded-wait penalty: urgent from half the bound
+    (less the margin), a tenth of late within the margin, late past the bound itself."""
+    d = ctx.deadline[i]
+    assert d is not None
+    steps = [(d - ctx.half[i], ctx.urgent), (d, ctx.late)]
+    if ctx.margin.get(i):
+        steps.append((d - ctx.margin[i], ctx.late // 10))
+    return steps
 
 
 def objective(sched: Sequence[Placed], ctx: _Ctx) -> int:
@@ -293,13 +347,13 @@ def objective(sched: Sequence[Placed], ctx: _Ctx) -> int:
         total += p.job.weight * p.end
         d = ctx.deadline[i]
         if d is not None:
-            total += ctx.urgent * max(0, p.start - (d - ctx.half[i]))
-            total += ctx.late * max(0, p.start - d)
+            for slack, coef in _wait_steps(ctx, i):
+                total += coef * max(0, p.start - slack)
         sums[p.job.tenant] += _q(ctx, i) * (p.end + ctx.age[i])
     z = 0
     for t, s in sums.items():
         n = len(ctx.tenants.get(t, ())) + ctx.fixed.get(t, (0, 0))[1]
-        z = max(z, -(-s // n)) if n else z
+        z = max(z, -(-(ctx.share.get(t, 1) * s) // n)) if n else z
     longest = max((p.end + ctx.age[p.job.index] for p in sched), default=0)
     return total + ctx.fair * z + ctx.tail * longest + max((p.end for p in sched), default=0)
 
@@ -434,7 +488,7 @@ def solve(inst: Instance, opts: SolveOptions | None = None) -> Plan:
             j.max_start = 0 if j.max_start is None else min(j.max_start, 0)
     boost_guarantee(inst, jobs, pinned, opts)
     tenant_caps = _tenant_caps(inst, pinned)
-    ctx = _context(jobs, pinned, specs, unit, opts)
+    ctx = _context(jobs, pinned, specs, unit, opts, inst.tenant_history)
     greedy = _warm_start(jobs, node_caps, tenant_caps, pinned, ctx)
     t1 = time.perf_counter()
     sched, status, bound = greedy, ("HEURISTIC" if jobs else "EMPTY"), 0
@@ -558,7 +612,7 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
         terms.append(j.weight * e)
         d = ctx.deadline[j.index]
         if d is not None:
-            for slack, coef in ((d - ctx.half[j.index], ctx.urgent), (d, ctx.late)):
+            for slack, coef in _wait_steps(ctx, j.index):
                 over = m.new_int_var(0, horizon, f"w{j.index}_{coef}")
                 m.add(over >= s - slack)
                 terms.append(coef * over)
@@ -576,14 +630,16 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
         if ivs:
             m.add_cumulative([iv for iv, _ in ivs], [g for _, g in ivs], tenant_caps[tenant])
     # Fair share: Z >= every tenant's mean planned slowdown (thousandths).
-    z = m.new_int_var(0, 1000 * (horizon + max(ctx.age.values(), default=0) + 1) * 4, "z")
+    top = max([1000 * (horizon + max(ctx.age.values(), default=0) + 1) * 4]
+              + [-(-s // n) + 1 for s, n in ctx.fixed.values() if n])
+    z = m.new_int_var(0, max(ctx.share.values(), default=1) * top, "z")
     for tenant, idx in ctx.tenants.items():
         fixed_sum, fixed_n = ctx.fixed.get(tenant, (0, 0))
-        m.add(z * (len(idx) + fixed_n) >= fixed_sum + sum(
-            _q(ctx, i) * (end[i] + ctx.age[i]) for i in idx))
+        m.add(z * (len(idx) + fixed_n) >= ctx.share.get(tenant, 1) * (fixed_sum + sum(
+            _q(ctx, i) * (end[i] + ctx.age[i]) for i in idx)))
     for tenant, (fixed_sum, fixed_n) in ctx.fixed.items():
         if tenant not in ctx.tenants:
-            m.add(z * fixed_n >= fixed_sum)
+            m.add(z * fixed_n >= ctx.share.get(tenant, 1) * fixed_sum)
     makespan = m.new_int_var(0, horizon, "makespan")
     m.add_max_equality(makespan, [*end.values(), pin_end])
     if ctx.tail:
