@@ -1,10 +1,17 @@
 """Resumable checkpoints of the engine's jobs: adapter weights, AdamW state, LR schedule, data
-position, step counts (plus whatever the executor adds), written atomically with torch.save."""
+position, step counts (plus whatever the executor adds), written atomically with torch.save; and
+the executor's file writing off its step loop: a snapshot at the step boundary (`take_snapshot`)
+written by one writer thread (`FileWriter`)."""
 
 from __future__ import annotations
 
+import copy
 import os
-from dataclasses import asdict, fields
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +20,13 @@ import torch
 from trainer.engine import JobSpec, JobState, MultiLoraEngine
 
 
-def job_state_dict(state: JobState) -> dict[str, Any]:
-    """Everything needed to continue one job exactly where it stopped (tensors on CPU)."""
-    return {
+def job_state_dict(state: JobState, copy: bool = True) -> dict[str, Any]:
+    """Everything needed to continue one job exactly where it stopped (tensors copied to CPU;
+    copy=False: the job's live tensors and containers, for `take_snapshot`)."""
+    live = {
         "spec": asdict(state.spec),
-        "adapter": {k: v.detach().to("cpu", copy=True) for k, v in state.adapter.state_dict().items()},
-        "optimizer": _to_cpu(state.optimizer.state_dict()),
+        "adapter": dict(state.adapter.state_dict()),
+        "optimizer": state.optimizer.state_dict(),
         "scheduler": state.scheduler.state_dict(),
         "stream": state.stream.state_dict(),
         "step": state.step,
@@ -26,6 +34,7 @@ def job_state_dict(state: JobState) -> dict[str, Any]:
         "last_loss": state.last_loss,
         "total_steps": state.total_steps,
     }
+    return take_snapshot(live).wait() if copy else live
 
 
 def spec_from_dict(d: dict[str, Any]) -> JobSpec:
@@ -77,11 +86,142 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _to_cpu(obj: Any) -> Any:
+# ----- snapshots and the writer thread --------------------------------------------------------
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in obj (dicts, lists and tuples walked)."""
     if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=True)
+        return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    return obj
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+@dataclass
+class Snapshot:
+    """A copy of some state as it was at one step boundary; `wait` returns it once the copies
+    from the GPU (queued on the stream before any later update) have landed."""
+
+    value: Any
+    events: list[Any]
+
+    def wait(self) -> Any:
+        for event in self.events:
+            event.synchronize()
+        return self.value
+
+
+def take_snapshot(obj: Any) -> Snapshot:
+    """obj as it is now, safe from the in-place updates of later steps: every tensor copied to
+    host memory (a GPU tensor into pinned memory, non_blocking: one event per device to wait
+    on, no sync here), dicts, lists and tuples rebuilt, any other value deep-copied (the
+    executor's status dicts and monitors change as it trains)."""
+    devices: dict[torch.device, None] = {}
+
+    def snap(x: Any) -> Any:
+        if torch.is_tensor(x):
+            x = x.detach()
+            if x.device.type != "cuda":
+                return x.clone()
+            out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            out.copy_(x, non_blocking=True)
+            devices[x.device] = None
+            return out
+        if isinstance(x, dict):
+            out = copy.copy(x)  # its own type (OrderedDict, defaultdict) and attributes
+            for k, v in x.items():
+                out[k] = snap(v)
+            return out
+        if type(x) is list:
+            return [snap(v) for v in x]
+        if type(x) is tuple:
+            return tuple(snap(v) for v in x)
+        return copy.deepcopy(x)
+
+    value = snap(obj)
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return Snapshot(value, events)
+
+
+@dataclass(eq=False)
+class Write:
+    """One queued write of a snapshot: done once its files are complete (or it failed)."""
+
+    task_id: str
+    kind: str  # "checkpoint" | "export"
+    nbytes: int
+    work: Callable[[], None] | None
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class FileWriter:
+    """An executor's one writer thread: writes run one at a time in the order submitted, each
+    writing its files under a temp name then renaming them. The snapshots waiting to be written
+    hold at most max_pending_bytes of tensors (one always may): `room` makes the step loop wait
+    for the writer rather than pile up snapshots. `busy` counts the writer's seconds by kind."""
+
+    def __init__(self, max_pending_bytes: float = 4 * 2**30) -> None:
+        self.max_pending_bytes = max_pending_bytes
+        self.busy: dict[str, float] = {"checkpoint": 0.0, "export": 0.0}
+        self._queue: deque[Write] = deque()
+        self._pending_bytes = 0
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    def room(self, nbytes: int) -> None:
+        """Wait until a snapshot of nbytes may join the queue."""
+        with self._cv:
+            while self._queue and self._pending_bytes + nbytes > self.max_pending_bytes:
+                self._cv.wait()
+
+    def submit(self, task_id: str, kind: str, nbytes: int, work: Callable[[], None]) -> Write:
+        write = Write(task_id, kind, nbytes, work)
+        with self._cv:
+            self._queue.append(write)
+            self._pending_bytes += nbytes
+            if self._thread is None:
+                self._stop = False
+                # a daemon thread: a crashed executor's process still exits (state.pt stays the
+                # last complete one: the write in flight was to the temp name)
+                self._thread = threading.Thread(target=self._run, name="loraplex-writer", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+        return write
+
+    def close(self) -> None:
+        """Finish every queued write, then stop the thread (a later submit starts another)."""
+        with self._cv:
+            thread, self._stop = self._thread, True
+            self._cv.notify_all()
+        if thread is not None:
+            thread.join()
+        with self._cv:
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                write = self._queue[0]
+            started = time.perf_counter()
+            try:
+                write.work()
+            except BaseException as exc:  # noqa: BLE001 - the write's task fails, at the loop
+                write.error = exc
+            with self._cv:
+                self._queue.popleft()
+                self._pending_bytes -= write.nbytes
+                self.busy[write.kind] = self.busy.get(write.kind, 0.0) + time.perf_counter() - started
+                write.work = None  # the snapshot's memory goes now
+                self._cv.notify_all()
+            write.done.set()

@@ -13,13 +13,22 @@ Isolation: a job's numbers depend only on its own spec, data order and adapter (
 rows, losses and updates are per job); a task's decisions depend only on its own jobs' numbers;
 a task's callbacks and per-task work run guarded (trainer.executor), so an exception in them
 fails that task alone. Job ids must be unique across the tasks of one executor.
+
+Files (one GPU): checkpoints and exports are snapshots taken at the step boundary (host copies:
+later steps' in-place updates cannot reach them), written by the executor's writer thread
+(trainer.checkpoint.FileWriter) while training goes on. What announces a file waits for it: a
+job's on_adapter and its terminal on_job_state are held (in order) until its files are complete,
+and `settle` drains the task's writes before it leaves the executor (its final adapters, a pause's
+checkpoint). A failed write fails its task alone. Adapter-parallel executors write in the loop.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,11 +37,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.checkpoint import (
+    Write,
     job_state_dict,
     restore_job,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    take_snapshot,
+    tensor_bytes,
 )
 from trainer.data import (
     Example,
@@ -46,10 +58,13 @@ from trainer.data import (
 from trainer.dpo import DpoEngine
 from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
 from trainer.engine import JobSpec, JobState, eval_forwards
-from trainer.export import export_peft
+from trainer.export import export_peft, peft_config_dict, write_peft
 
 if TYPE_CHECKING:
     from trainer.executor import Callbacks, Executor, ExecutorConfig
+
+log = logging.getLogger("loraplex.executor")
+JOB_TERMINAL = ("exited", "completed", "failed", "cancelled")
 
 
 class ExamplePool(Sequence):
@@ -176,6 +191,10 @@ class TaskRun:
         self.train: list[Example | PairExample] = []
         self.val: list[Example | PairExample] = []
         self.base: int | None = None  # its segment of the engine's ExamplePool
+        self.writes: list[Write] = []  # its writes on the executor's writer, not yet settled
+        self.job_writes: dict[str, Write] = {}  # each job's last write (its exports)
+        # announcements waiting for files, in the order made: (the write, callback, arguments)
+        self.held: deque[tuple[Write | None, Callable[..., None], tuple]] = deque()
 
     # ----- data and job states ---------------------------------------------------------------
     def read(self, tokenizer: Any) -> None:
@@ -378,19 +397,69 @@ class TaskRun:
         return bool(done)
 
     def export(self, job_id: str, kind: str, state: JobState | None = None, owner: int | None = None) -> None:
-        with self.host.phase("export"):
+        host = self.host
+        with host.phase("export"):
             path = self.out / "jobs" / job_id / kind
             owner = self.placed[job_id].owner if owner is None else owner
-            if owner == self.host.rank:  # the weights are here; the announcement follows the files
-                state = state or self.host.engine.jobs[job_id]
-                export_peft(state.adapter, path, list(self.host.engine.targets), self.cfg.model_dir,
-                            metadata={"step": str(state.step)})
-            self.cb.on_adapter(job_id, kind, path)
+            if owner == host.rank:  # the weights are here; the announcement follows the files
+                state = state or host.engine.jobs[job_id]
+                adapter, meta = state.adapter, {"step": str(state.step)}
+                targets = list(host.engine.targets)
+                if host.writer is None:
+                    export_peft(adapter, path, targets, self.cfg.model_dir, metadata=meta)
+                else:
+                    config = peft_config_dict(adapter, targets, self.cfg.model_dir)
+                    self.job_writes[job_id] = self._write("export", adapter.flat, lambda flat: write_peft(
+                        adapter.peft_state_dict(flat=flat), config, path, metadata=meta))
+            self._after_files(job_id, self.cb.on_adapter, job_id, kind, path)
 
     def set_state(self, job_id: str, state: str, details: dict) -> None:
         self.status[job_id]["state"] = state
         self.host.log_state(self.task_id, job_id, state, details)
-        self.cb.on_job_state(job_id, state, details)
+        if state in JOB_TERMINAL:  # after its adapters' files: a runner uploads them then
+            self._after_files(job_id, self.cb.on_job_state, job_id, state, details)
+        else:
+            self.cb.on_job_state(job_id, state, details)
+
+    # ----- files written off the step loop (see the module docstring) --------------------------
+    def _write(self, kind: str, obj: Any, write: Callable[[Any], Any]) -> Write:
+        """Snapshot obj now (waiting first while the writer holds too many snapshots), then
+        write(snapshot) on the executor's writer thread."""
+        writer = self.host.writer
+        nbytes = tensor_bytes(obj)
+        writer.room(nbytes)
+        snap = take_snapshot(obj)
+        pending = writer.submit(self.task_id, kind, nbytes, lambda: write(snap.wait()))
+        self.writes.append(pending)
+        return pending
+
+    def _after_files(self, job_id: str | None, fn: Callable[..., None], *args: Any) -> None:
+        """Call fn(*args) once the job's last write is complete (now if it is), after the
+        announcements held before it."""
+        write = self.job_writes.get(job_id) if job_id is not None else None
+        if self.held or (write is not None and not write.done.is_set()):
+            self.held.append((write, fn, args))
+        else:
+            fn(*args)
+
+    def settle(self, wait: bool = False) -> None:
+        """Between steps: take note of the task's finished writes (a failed one fails the task)
+        and make the announcements whose files are complete; wait=True: wait for all of them
+        first (its time counted as the loop's checkpoint / export time)."""
+        for write in list(self.writes):
+            if wait and not write.done.is_set():
+                with self.host.phase(write.kind):
+                    write.done.wait()
+            if not write.done.is_set():
+                break  # one writer, in order: the later ones are not done either
+            self.writes.remove(write)
+            if write.error is not None and self.error is None:
+                log.error("task=%s %s write failed: %s", self.task_id, write.kind, write.error)
+                self.error = write.error
+        while self.held and (self.held[0][0] is None or self.held[0][0].done.is_set()):
+            write, fn, args = self.held.popleft()
+            if write is None or write.error is None:  # a file that failed is never announced
+                fn(*args)
 
     def release(self) -> None:
         """Take every job of the task off the engine (this rank's), placed or parked."""
@@ -428,12 +497,21 @@ class TaskRun:
         self.report_throughput()
         eng = host.engine
         dpo = isinstance(eng, DpoEngine)
-        mine = {j: job_state_dict(s) for j, s in [*eng.jobs.items(), *self.parked.items()]
+        mine = {j: job_state_dict(s, copy=False) for j, s in [*eng.jobs.items(), *self.parked.items()]
                 if j in self.placed or j in self.parked}
-        parts = host.strategy.collect_parts(self.out, {
-            "jobs": mine, "reference": self._reference_state() if dpo else None})
+        part = {"jobs": mine, "reference": self._reference_state() if dpo else None}
+        if host.writer is not None:  # one rank: the snapshot is written off the loop
+            self._write("checkpoint", self._payload([part]),
+                        lambda payload: save_checkpoint(self.out / "state.pt", payload))
+            return
+        parts = host.strategy.collect_parts(self.out, take_snapshot(part).wait())
         if parts is None:  # not rank 0: it writes the one state.pt
             return
+        save_checkpoint(self.out / "state.pt", self._payload(parts))
+
+    def _payload(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """The task's state.pt from every rank's part (its jobs' states, DPO reference numbers)."""
+        host, dpo = self.host, isinstance(self.host.engine, DpoEngine)
         states = {j: d for part in parts for j, d in part["jobs"].items()}
         owners = {j: s.owner for j, s in self.placed.items()}
         owners.update({q.job_id: q.owner for q in self.queue if isinstance(q, JobSlot)})
@@ -447,7 +525,7 @@ class TaskRun:
         if dpo:  # the reference log-probs of every rank (2 floats per pair): a resume reuses them
             refs = [p["reference"] for p in parts]
             payload["reference"] = {k: torch.cat([r[k] for r in refs]) for k in ("keys", "values")}
-        save_checkpoint(self.out / "state.pt", payload)
+        return payload
 
     def _reference_state(self) -> dict[str, torch.Tensor]:
         """The engine's cached reference numbers of this task's own pairs only."""

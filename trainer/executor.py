@@ -44,7 +44,7 @@ from trainer.admission import (
     profile_memory,
     store_profile,
 )
-from trainer.checkpoint import load_checkpoint
+from trainer.checkpoint import FileWriter, load_checkpoint
 from trainer.colocate import ExamplePool, JobSlot, StepNumbers, TaskRun
 from trainer.data import Example, PairExample
 from trainer.dpo import DpoEngine
@@ -126,6 +126,11 @@ class ExecutorConfig:
     attention: str = "auto"
     early_exit: EarlyExitSettings = field(default_factory=EarlyExitSettings)
     stop_after_steps: int | None = None  # stop (as if killed) after this many executor steps
+    # one GPU: checkpoints and exports are snapshots written by a writer thread while training
+    # goes on (trainer.colocate: announced once complete); False: written in the step loop.
+    # write_buffer_bytes bounds the snapshots waiting (the loop waits beyond it; one always may)
+    async_writes: bool = True
+    write_buffer_bytes: float = 4 * 2**30
     method: str = "sft"  # sft | dpo (preference pairs; JobSpec.beta per job)
     world_size: int = 1  # GPUs of the placement; > 1: adapter parallelism (FSDP2 backbone)
 
@@ -153,6 +158,8 @@ class Executor:
         self.strategy = strategy or OneGpu()
         self.rank, self.world = self.strategy.rank, self.strategy.world
         self.pool = ExamplePool()  # the engine's train examples: every hosted task's
+        # the executor's one file writer (one GPU); None: tasks write in the loop
+        self.writer = FileWriter(cfg.write_buffer_bytes) if cfg.async_writes and self.world == 1 else None
         self.tasks: dict[str, TaskRun] = {}  # hosted tasks, in attach order (admission order)
         self.ended: dict[str, TaskRun] = {}  # tasks that left, with their outcome
         self._inbox: list[tuple[str, Any]] = []  # attach / detach requests for the next boundary
@@ -328,11 +335,13 @@ class Executor:
             outcome = "failed"
         if outcome in ("succeeded", "paused"):
             self._guarded(task, task.checkpoint)
-            self._guarded(task, lambda: task.cb.on_event("", "timings", self.timings()))
         elif outcome == "cancelled":
             for job_id, st in task.status.items():
                 if st["state"] in ("pending", "running"):
                     self._guarded(task, lambda j=job_id: task.set_state(j, "cancelled", {}))
+        task.settle(wait=True)  # its files complete and announced first (a pause's checkpoint)
+        if outcome in ("succeeded", "paused"):
+            self._guarded(task, lambda: task.cb.on_event("", "timings", self.timings()))
         task.release()
         task.close()
         task.outcome = "failed" if task.error is not None else outcome
@@ -352,8 +361,10 @@ class Executor:
                      task.outcome, self.global_step)
 
     def _boundary(self) -> None:
-        """Between steps: failed tasks leave, then the attach / detach requests take effect."""
+        """Between steps: files written meanwhile are announced, failed tasks leave, then the
+        attach / detach requests take effect."""
         for task in list(self.tasks.values()):
+            task.settle()
             if task.error is not None:
                 self._end_task(task, "failed")
         with self._cv:
@@ -509,7 +520,10 @@ class Executor:
         """Train until every hosted task has ended (and, with linger_s, no task attached for
         that long, or `close` was called); returns the first task's jobs' status and re-raises
         the first task's error, as a one-task executor does."""
-        self._loop(linger_s)
+        try:
+            self._loop(linger_s)
+        finally:
+            self._close_writer()
         if self.first.error is not None:
             raise self.first.error
         return self.first.status
@@ -517,7 +531,10 @@ class Executor:
     def serve(self, linger_s: float = math.inf) -> dict[str, dict[str, Any]]:
         """A shared executor's loop: train the tasks that come until `close` (or linger_s with
         none); returns `results()`, every task's outcome (a task's failure raises nothing)."""
-        self._loop(linger_s)
+        try:
+            self._loop(linger_s)
+        finally:
+            self._close_writer()
         return self.results()
 
     def _loop(self, linger_s: float) -> None:
@@ -581,6 +598,10 @@ class Executor:
             if not running or (not task.placed and not task.queue):
                 self._end_task(task, "succeeded")
 
+    def _close_writer(self) -> None:
+        if self.writer is not None:
+            self.writer.close()  # every queued write completes (after a crash too: its files are whole)
+
     def timings(self) -> dict[str, Any]:
         """Wall seconds since `run` began, split by phase (idle: everything else: bookkeeping,
         callbacks, admission), the first step's time and whether the memory profile was reused."""
@@ -588,6 +609,10 @@ class Executor:
         busy = sum(self.phases.values())
         return {"wall_s": wall, **{f"{k}_s": v for k, v in self.phases.items()},
                 "idle_s": max(0.0, wall - busy), "first_step_s": self.first_step_s,
+                # the writer thread's seconds (beside the loop's: checkpoint_s / export_s are
+                # the loop's snapshots and waits for the writer)
+                **{f"writer_{k}_s": v for k, v in (self.writer.busy if self.writer else
+                                                   dict.fromkeys(("checkpoint", "export"), 0.0)).items()},
                 "profile_reused": self.profile_reused, "global_step": self.global_step}
 
     # ----- pieces of the loop --------------------------------------------------------------

@@ -60,17 +60,25 @@ def export_peft(
     dtype: torch.dtype | None = None, metadata: dict[str, str] | None = None,
 ) -> Path:
     """Write the adapter to out_dir atomically (files land under temp names, then rename)."""
+    return write_peft(adapter.peft_state_dict(), peft_config_dict(adapter, targets, base_model),
+                      out_dir, dtype, metadata)
+
+
+def write_peft(
+    weights: dict[str, torch.Tensor], config: dict, out_dir: str | Path,
+    dtype: torch.dtype | None = None, metadata: dict[str, str] | None = None,
+) -> Path:
+    """The files of an export: `weights` (PEFT key names, e.g. `JobAdapter.peft_state_dict` of a
+    snapshot of its flat tensor) and the adapter_config.json dict, under temp names then renamed."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in adapter.peft_state_dict().items()
-    }
+    tensors = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in weights.items()}
     tmp_w = out / ".adapter_model.safetensors.tmp"
     save_file(tensors, str(tmp_w), metadata={"format": "pt", **(metadata or {})})
     tmp_c = out / ".adapter_config.json.tmp"
-    tmp_c.write_text(json.dumps(peft_config_dict(adapter, targets, base_model), indent=2))
+    tmp_c.write_text(json.dumps(config, indent=2))
     os.replace(tmp_w, out / "adapter_model.safetensors")
     os.replace(tmp_c, out / "adapter_config.json")
     return out
