@@ -108,7 +108,7 @@ def brute_force_objective(inst: Instance, opts: SolveOptions) -> int:
     so an optimal plan is among these (semi-active schedules)."""
     jobs, pinned, _, specs = planner._build_jobs(inst, opts.unit_s, opts)
     node_caps = [n.gpu_count if n.up else 0 for n in inst.nodes]
-    ctx = planner._context(jobs, pinned, specs, opts.unit_s, opts)
+    ctx = planner._context(jobs, pinned, specs, opts.unit_s, opts, inst.tenant_history)
     caps = planner._tenant_caps(inst, pinned)
     best = None
     for order in itertools.permutations(jobs):
@@ -143,6 +143,64 @@ def test_objective_with_the_tail_term_equals_brute_force(inst: Instance) -> None
     plan = solve(inst, opts)
     check_plan(inst, plan)
     assert plan.weighted_completion_s == brute_force_objective(inst, opts)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(max_tasks=4), st.data())
+def test_objective_with_fair_share_memory_equals_brute_force(inst: Instance,
+                                                             data: st.DataObject) -> None:
+    history = {t: (data.draw(st.floats(1.0, 20.0)) * n, n)
+               for t in "AB" if (n := data.draw(st.integers(0, 5)))}
+    inst = Instance(inst.nodes, inst.tasks, inst.tenant_max_gpus, tenant_history=history)
+    opts = SolveOptions(work_limit=5.0, time_limit_s=30.0, fairness=2.0)
+    plan = solve(inst, opts)
+    check_plan(inst, plan)
+    assert plan.weighted_completion_s == brute_force_objective(inst, opts)
+
+
+def test_tenant_history_keeps_each_tenants_latest_finished_tasks() -> None:
+    rows = [("A", float(t), 2.0) for t in range(planner.FAIR_HISTORY)]
+    rows += [("A", -1.0, 50.0), ("B", 5.0, 0.5), ("B", 6.0, 3.0)]  # A's oldest falls out
+    assert planner.tenant_history(rows) == {"A": (2.0 * planner.FAIR_HISTORY,
+                                                  planner.FAIR_HISTORY),
+                                            "B": (4.0, 2)}  # a slowdown counts at least 1
+
+
+def test_fair_share_memory_serves_the_tenant_whose_past_tasks_waited() -> None:
+    # One GPU, A's task a little shorter than B's: flow time runs A's first. When B's last ten
+    # tasks waited (mean slowdown 4) and A's did not, B's goes first; the other way round, A's.
+    tasks = [TaskSpec("a", "A", 1, 10), TaskSpec("b", "B", 1, 12)]
+    node = [NodeSpec("n0", "H100", 1)]
+    assert first(solve(Instance(node, tasks), FAST)) == "a"
+    waited = {"A": (10.0, 10), "B": (40.0, 10)}
+    assert first(solve(Instance(node, tasks, tenant_history=waited), FAST)) == "b"
+    waited = {"A": (40.0, 10), "B": (10.0, 10)}
+    assert first(solve(Instance(node, tasks, tenant_history=waited), FAST)) == "a"
+
+
+def test_operator_priority_weights_the_fair_share() -> None:
+    # b weighs 20 either way (its own priority 10, or its tenant's operator priority 1) and
+    # w/d ties with a's, so flow time is indifferent. A's past tasks waited a little more: by
+    # plain fair share a goes first; with B's operator priority B's slowdown counts twice.
+    history = {"A": (33.0, 10), "B": (30.0, 10)}
+    node = [NodeSpec("n0", "H100", 1)]
+    own = [TaskSpec("a", "A", 1, 10), TaskSpec("b", "B", 1, 20, priority=10)]
+    assert first(solve(Instance(node, own, tenant_history=history), FAST)) == "a"
+    operator = [TaskSpec("a", "A", 1, 10), TaskSpec("b", "B", 1, 20, tenant_priority=1)]
+    assert first(solve(Instance(node, operator, tenant_history=history), FAST)) == "b"
+
+
+def test_bounded_wait_keeps_a_margin_before_the_bound() -> None:
+    # "big" (50 units) may wait 100; ten short tasks would all go first on flow time, so without
+    # a margin big starts exactly at its bound, where a running task that overruns its estimate
+    # makes it late. The margin (10% of the bound) plans it by 90.
+    tasks = [TaskSpec("big", "A", 1, 50, max_start_s=100)]
+    tasks += [TaskSpec(f"s{i}", "A", 1, 10) for i in range(10)]
+    inst = Instance([NodeSpec("n0", "H100", 1)], tasks)
+    edge = solve(inst, SolveOptions(work_limit=0.5, fairness=0.0, wait_margin=0.0))
+    kept = solve(inst, SolveOptions(work_limit=0.5, fairness=0.0))
+    assert edge.assignments["big"].start_s == 100 and kept.assignments["big"].start_s == 90
+    assert not edge.late and not kept.late
 
 
 def test_tail_term_starts_an_old_long_task_sooner() -> None:
