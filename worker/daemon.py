@@ -81,6 +81,9 @@ IDLE, BUSY, DRAINING, STOPPING = "idle", "busy", "draining", "stopping"
 # Touched every tick while the executor runs: an executor whose daemon is gone for good
 # (node timed out, task moved elsewhere) sees it go stale and stops instead of reporting on.
 LEASE_NAME = "lease"
+# The least time a placement gets to leave a shared executor (a detach waits for the step and
+# the evaluation under way) before the executor counts as wedged and is stopped as a whole.
+HOSTED_GRACE_S = 60.0
 
 
 def run_placement(placement_id: str) -> None:
@@ -744,18 +747,16 @@ class Daemon:
         return True
 
     def _detach_overdue(self, p: LocalPlacement) -> None:
-        """A hosted placement that did not leave its shared executor in time. The executor is
-        never killed for one task: a cancelled one is ended here (the service takes nothing
-        more from it; it leaves at its next step boundary); a paused one is reported stopped."""
+        """A hosted placement that did not leave its shared executor within the grace: the
+        executor is wedged (no step boundary came), so it is stopped as a whole, as a runner
+        would be killed; every task on it stops (or fails) retryably and resumes from its own
+        checkpoint."""
         p.kill_at = None
-        if p.cancelled:
-            p.status = "exited"
-            p.save()
-            return
-        log.warning("paused placement overdue node=%s task=%s placement=%s host=%s",
-                    self.node_id, p.task_id, p.placement_id, p.host_id)
-        self._close_with_failure(p, p.task_id or "", "executor stopped: paused, but no step "
-                                 "boundary came within the pause grace")
+        h = self.hosts.get(p.host_id or "")
+        log.warning("placement overdue node=%s task=%s placement=%s host=%s", self.node_id,
+                    p.task_id, p.placement_id, p.host_id)
+        if h is not None:
+            self._stop_host(h, f"placement {p.placement_id} did not leave it within the grace")
 
     def _exit_code(self, p: LocalPlacement) -> int | str | None:
         """None while alive; the exit code for our children; 'lost' for an adopted pid. A
@@ -845,7 +846,7 @@ class Daemon:
             self._close_with_failure(p, p.task_id or "", "executor stopped: paused before it "
                                      "started")
         elif p.status == "running" and p.host_id is not None:
-            self._detach(p, "paused", self.cfg.pause_grace_s)
+            self._detach(p, "paused by the service", self.cfg.pause_grace_s)
         elif p.status == "running":
             self._terminate(p, "paused by the service", cancelled=False,
                             grace_s=self.cfg.pause_grace_s)
@@ -857,9 +858,11 @@ class Daemon:
         a cancel detaches the placement alone; the daemon's stop stops the executor."""
         if p.host_id is not None and p.status == "running":
             if cancelled and not p.cancelled:
+                # as SIGTERM does to a runner: a checkpoint at its step boundary, which a later
+                # attempt of the task on this node may resume from (seed_local_resume)
                 p.cancelled = True
-                self._detach(p, "cancelled", self.cfg.cancel_grace_s if grace_s is None
-                             else grace_s, again=True)
+                self._detach(p, "stopped by the service", self.cfg.cancel_grace_s
+                             if grace_s is None else grace_s, again=True)
             elif not cancelled:
                 h = self.hosts.get(p.host_id)
                 if h is not None:
@@ -877,20 +880,21 @@ class Daemon:
         elif p.status == "running" and deadline < p.kill_at:
             p.kill_at = deadline
 
-    def _detach(self, p: LocalPlacement, outcome: str, grace_s: float,
-                again: bool = False) -> None:
-        """Ask p's shared executor to take p off at its next step boundary ("paused": after a
-        checkpoint); past grace_s, _detach_overdue. Sent once (again: a cancel after a pause)."""
+    def _detach(self, p: LocalPlacement, why: str, grace_s: float, again: bool = False) -> None:
+        """Ask p's shared executor to take p alone off at its next step boundary, with a
+        checkpoint (the others train on). Past the grace (at least HOSTED_GRACE_S: the step and
+        evaluation under way end first), _detach_overdue. Sent once (again: a stop after a
+        pause)."""
         h = self.hosts.get(p.host_id or "")
-        deadline = time.monotonic() + grace_s
-        if h is not None and outcome == "paused":
+        deadline = time.monotonic() + max(grace_s, HOSTED_GRACE_S)
+        if h is not None and why.startswith("paused"):
             h.stop_when_idle = True
         if p.kill_at is None or again:
             if h is not None:
                 shared.send(h.directory, {"op": "detach", "placement_id": p.placement_id,
-                                          "outcome": outcome})
-            log.info("placement detaching node=%s task=%s placement=%s host=%s outcome=%s",
-                     self.node_id, p.task_id, p.placement_id, p.host_id, outcome)
+                                          "outcome": "paused", "reason": why})
+            log.info("placement detaching node=%s task=%s placement=%s host=%s why=%s",
+                     self.node_id, p.task_id, p.placement_id, p.host_id, why)
         if p.kill_at is None or deadline < p.kill_at:
             p.kill_at = deadline
 

@@ -7,7 +7,8 @@ The daemon talks to it through DIR:
   inbox/<n>.json  requests, each written atomically (tmp + rename) and taken in name order:
                   {"op": "attach", "placement_dir": ...}: the first builds the executor (its
                   spec is the executor's settings), later ones join it at a step boundary;
-                  {"op": "detach", "placement_id": ..., "outcome": "cancelled" | "paused"}
+                  {"op": "detach", "placement_id": ..., "outcome": "cancelled" | "paused",
+                   "reason": why (a paused task's stop record)}
   lease           touched by the daemon every tick; stale (LORAPLEX_LEASE_TIMEOUT_S): as SIGTERM
   status.json     written here atomically: hosted, ended and refused placements, the admission
                   budget in rows and the rows free (the daemon's heartbeat reports them)
@@ -161,7 +162,8 @@ class Host:
                 if request.get("op") == "attach":
                     self.attach(Path(str(request.get("placement_dir"))))
                 elif request.get("op") == "detach":
-                    self.detach(str(request.get("placement_id")), str(request.get("outcome")))
+                    self.detach(str(request.get("placement_id")), str(request.get("outcome")),
+                                str(request.get("reason") or "paused by the service"))
                 else:
                     log.warning("host request ignored path=%s", path.name)
                 path.unlink(missing_ok=True)
@@ -214,11 +216,13 @@ class Host:
         log.info("placement attached task=%s placement=%s key=%s hosted=%d", spec.task_id,
                  placement_id, key, len(self.hosted()))
 
-    def detach(self, placement_id: str, outcome: str) -> None:
+    def detach(self, placement_id: str, outcome: str, reason: str) -> None:
+        """Outcome "paused": it checkpoints and stops (the reason goes in its stop record);
+        "cancelled": its unfinished jobs end cancelled, with no terminal record."""
         if placement_id not in self.runs or placement_id in self.ended:
             return  # never joined, or gone already: nothing runs
         if outcome == "paused":
-            self.reasons[placement_id] = "paused by the service"
+            self.reasons[placement_id] = reason
         self.executor.detach_task(placement_id, "paused" if outcome == "paused" else "cancelled")
         log.info("placement detaching placement=%s outcome=%s", placement_id, outcome)
 

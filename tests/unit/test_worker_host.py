@@ -328,7 +328,12 @@ def test_the_daemon_attaches_placements_of_one_model_to_one_process_across_a_res
     d._stop_ids = {"pl_b"}  # the service cancelled B: it leaves alone, A trains on
     ticking(d, lambda: "pl_b" not in d.placements, "B to be retired")
     assert d.placements["pl_a"].status == "running"
-    assert not any(r["type"] in ("finished", "failed") for r in records(b))
+    # B checkpointed where it stopped (a later attempt here may resume from it), as a runner
+    # does on SIGTERM; its stop record stays on the node: the service takes nothing more
+    rb = records(b)
+    assert rb[-1]["error"] == "executor stopped: stopped by the service"
+    assert any(r["type"] == "artifact" and r["meta"]["kind"] == "checkpoint" for r in rb)
+    assert not reported(service, "/tasks/task_pl_b/failed")
     ticking(d, lambda: "pl_a" not in d.placements, "A to finish")
     assert records(a)[-1]["type"] == "finished" and reported(service, "/tasks/task_pl_a/finished")
     assert not reported(service, "/tasks/task_pl_b/finished")
