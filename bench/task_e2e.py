@@ -567,6 +567,8 @@ def main() -> None:  # noqa: PLR0915
                     help="the engine's packing and attention (MultiLoraEngine.set_attention)")
     ap.add_argument("--compare-attention", action="store_true",
                     help="after (c), (b) again with the other attention (if the deadline allows)")
+    ap.add_argument("--sync-writes", dest="async_writes", action="store_false",
+                    help="checkpoints and exports written in the step loop (ExecutorConfig.async_writes off)")
     ap.add_argument("--no-cudnn-attention", dest="cudnn_attention", action="store_false",
                     help="the executor turns SDPA's cuDNN backend off (ExecutorConfig.cudnn_attention)")
     args = ap.parse_args()
@@ -609,6 +611,7 @@ def main() -> None:  # noqa: PLR0915
         out = Record()
         cfg = executor_cfg(large_dir, data, root / f"large_{name}", jobs, ee, args, cache)
         cfg.cudnn_attention = args.cudnn_attention
+        cfg.async_writes = args.async_writes
         ex = TraceExecutor(cfg, out.callbacks(), trace, rec, args.shape_buckets, attention)
         t0 = time.perf_counter()
         ex.run()
