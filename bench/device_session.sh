@@ -31,5 +31,18 @@ case "${1:-}" in
       --work /tmp/task_e2e --json "$OUT/task_e2e_h100_varlen.json"
     step 290 colocate python3 bench/colocate.py --tasks 6 --steps 60 --out "$OUT/colocate_h100.md"
     ;;
-  *) echo "usage: $0 kernels|e2e|more" >&2; exit 2 ;;
+  next)  # what the 2026-11-23 lease left: writes off the loop (side by side), (a) with varlen,
+         # the TMA form's speed, every GPU test in one go
+    step 150 task_e2e_async python3 bench/task_e2e.py --layers 4 --speed-only --attention varlen --deadline-s 120 \
+      --work /tmp/task_e2e_async --json "$OUT/task_e2e_h100_varlen_async.json"
+    step 150 task_e2e_sync python3 bench/task_e2e.py --layers 4 --speed-only --attention varlen --sync-writes \
+      --deadline-s 120 --work /tmp/task_e2e_sync --json "$OUT/task_e2e_h100_varlen_sync.json"
+    LORAPLEX_FUSED_TMA=1 step 200 lora_op_tma python3 bench/lora_op.py --quick --out "$OUT/lora_op_tma_h100.md"
+    ;;
+  next2)  # the whole study with the defaults (varlen, writes off the loop), then every GPU test
+    step 450 task_e2e python3 bench/task_e2e.py --layers 4 --attention varlen --deadline-s 400 --work /tmp/task_e2e \
+      --json "$OUT/task_e2e_h100.json" --out "$OUT/task_e2e_h100_table.md"
+    step 120 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
+    ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2" >&2; exit 2 ;;
 esac
