@@ -18,7 +18,7 @@ Objective (minimised, all integer):
 - fair share: F * Z with Z >= each tenant's mean slowdown (arrival to end over duration, in
   thousandths) over its queued and running tasks (planned) and its FAIR_HISTORY latest finished
   ones (``Instance.tenant_history``, measured), times 1 + the tenant's operator priority (a
-  weighted fair share): the worst-off tenant is pulled up, and one whose past tasks waited long
+  weighted fair share; a queued task's slowdown counts (10 + its own priority) / 10 times): the worst-off tenant is pulled up, and one whose past tasks waited long
   gets its next ones sooner (the ratio of worst to best tenant drops);
 - bounded waiting, counted from arrival, per task and soft: a wait past half the bound costs
   ``urgent`` per unit, past the whole bound ``late`` per unit (far more than any reordering
@@ -220,6 +220,7 @@ class _Ctx:
     tail: int = 0  # coefficient of the longest flow time (arrival to end) of a queued task
     share: dict[str, int] = field(default_factory=dict)  # tenant -> 1 + its operator priority
     margin: dict[int, int] = field(default_factory=dict)  # wait_margin of the bound (units)
+    rank: dict[int, int] = field(default_factory=dict)  # job -> 10 + its own task priority
 
 
 def _build_jobs(inst: Instance, unit: int, opts: SolveOptions
@@ -320,11 +321,14 @@ def _context(jobs: Sequence[UJob], pinned: Sequence[Placed], specs: Mapping[int,
                 # Past the bound costs more than any fair-share or tail gain of one unit.
                 late=(20 * max(1, len(jobs)) * (wmax + 100 * fair * max(share.values(), default=1))
                       + tail), fair=fair, tenants=tenants,
-                fixed=fixed, tail=tail, share=share, margin=margin)
+                fixed=fixed, tail=tail, share=share, margin=margin,
+                rank={j.index: 10 + max(0, min(int(specs[j.index].priority), 10)) for j in jobs})
 
 
 def _q(ctx: _Ctx, i: int) -> int:
-    return max(1, round(1000 / ctx.norm[i]))
+    """Thousandths of slowdown per unit of a queued task's flow time; its own priority p (within
+    its tenant's ceiling) makes its slowdown count (10 + p) / 10 times in its tenant's mean."""
+    return max(1, round(100 * ctx.rank.get(i, 10) / ctx.norm[i]))
 
 
 def _wait_steps(ctx: _Ctx, i: int) -> list[tuple[int, int]]:

@@ -28,7 +28,9 @@ def test_history_is_each_tenants_finished_slowdowns(factory, session, settings) 
     factory.task(a)  # a still has unfinished tasks
     factory.task(b)  # b has nothing finished
     session.expire_all()
-    [pub] = session.scalars(select(Placement).where(Placement.task_id == done)).all()
+    # Its latest planned row (a replan may have superseded earlier ones) is the finished run.
+    pub = session.scalars(select(Placement).where(Placement.task_id == done)
+                          .order_by(Placement.created_at.desc())).first()
     task = session.get(Task, done)
     task.state, task.finished_at = "succeeded", task.created_at + timedelta(seconds=3000)
     pub.state, pub.finished_at, pub.run_s = "finished", utcnow(), 1000.0

@@ -190,6 +190,21 @@ def test_operator_priority_weights_the_fair_share() -> None:
     assert first(solve(Instance(node, operator, tenant_history=history), FAST)) == "b"
 
 
+def test_a_tasks_own_priority_counts_in_its_tenants_fair_share() -> None:
+    # A runs one task and queues "a" at its own priority 10; B queues "b". Unweighted, B's one
+    # waiting task would pull B's mean slowdown above A's and b would go first; a's priority
+    # makes its slowdown count twice, so a goes first (and b first when a asks for 0).
+    node = [NodeSpec("n0", "H100", 1)]
+    running = TaskSpec("r", "A", 1, 10, state="running", pinned=Pinned("n0", (0,), 0))
+    tasks = [running, TaskSpec("a", "A", 1, 10, priority=10), TaskSpec("b", "B", 1, 10)]
+    opts = SolveOptions(work_limit=0.5, fairness=1.0)
+    plan = solve(Instance(node, tasks), opts)
+    assert plan.assignments["a"].start_s < plan.assignments["b"].start_s
+    tasks[1] = TaskSpec("a", "A", 1, 10)
+    plan = solve(Instance(node, tasks), opts)
+    assert plan.assignments["b"].start_s < plan.assignments["a"].start_s
+
+
 def test_bounded_wait_keeps_a_margin_before_the_bound() -> None:
     # "big" (50 units) may wait 100; ten short tasks would all go first on flow time, so without
     # a margin big starts exactly at its bound, where a running task that overruns its estimate
