@@ -213,7 +213,7 @@ class TraceExecutor(Executor):
         cfg.attention = attention  # the executor's own setting (profile key included)
         super().__init__(cfg, cb)
         self.trace, self.recorder, self.missing = trace, recorder, 0
-        self.shape_buckets, self.attention = shape_buckets, attention
+        self.shape_buckets = shape_buckets
 
     def _load(self) -> None:
         super()._load()
@@ -497,7 +497,7 @@ class PackOnlyExecutor(Executor):
     def __init__(self, cfg: ExecutorConfig, cb: Callbacks, buckets: bool, attention: str) -> None:
         cfg.attention = attention
         super().__init__(cfg, cb)
-        self.buckets, self.attention, self.cells, self.real = buckets, attention, 0, 0
+        self.buckets, self.cells, self.real = buckets, 0, 0
 
     def _load(self) -> None:
         super()._load()
