@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session's runs, in calls of at most 10 minutes (the device tool's limit), each
-# writing its tables and logs under $OUT. Usage: bash bench/device_session.sh kernels|e2e|more
+# writing its tables and logs under $OUT. Usage: bash bench/device_session.sh PHASE (see the case below)
 # Every step has its own time limit so a slow one cannot take the rest of the call with it.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -44,5 +44,29 @@ case "${1:-}" in
       --json "$OUT/task_e2e_h100.json" --out "$OUT/task_e2e_h100_table.md"
     step 120 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2" >&2; exit 2 ;;
+  variants)  # issue 20: every fused GEMM variant side by side. Each variant first compiles and runs
+             # once in its own process at a small shape (in parallel: a compiler crash costs only
+             # that variant, and the compile cache is warm for the timed run)
+    ok=""
+    for v in ptr ptr+pf tma tma+pf persist persist+pf; do
+      ( timeout 240 python3 -c "
+import sys, torch
+from kernels.fused_lora import multilora_linear_fused
+from kernels.testing import make_case, oracle_fp64, rel_errors, run_op
+c = make_case([300, 0, 212], [16, 64, 24], 512, 768, dtype=torch.bfloat16, device='cuda')
+e = max(rel_errors(run_op(c, multilora_linear_fused, gemm=sys.argv[1]), oracle_fp64(c, device='cuda')).values())
+print(sys.argv[1], 'max rel err', e)
+assert e < 1.5e-2
+" "$v" > "$OUT/probe_$v.log" 2>&1; echo "$v rc=$?" >> "$OUT/probe.txt" ) &
+    done
+    wait
+    cat "$OUT/probe.txt"
+    ok=$(grep "rc=0" "$OUT/probe.txt" | cut -d' ' -f1 | paste -sd, -)
+    step 420 lora_variants python3 bench/lora_op.py --variants --only "$ok" --budget-s 300 \
+      --out "$OUT/lora_op_variants_h100.md"
+    ;;
+  tests)  # every GPU test, then the engine step with the fused form's chosen GEMM variant
+    step 300 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
+    ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests" >&2; exit 2 ;;
 esac

@@ -4,14 +4,18 @@
 loop (with --loop); (c) best plain-torch batched path (bmm, equal token counts only);
 (d) compose: cuBLAS + the grouped Triton LoRA passes (kernels.triton_lora); (e) fused: Triton
 GEMMs with the LoRA terms in their epilogues (kernels.fused_lora), one-pass dS+dB; (e2) the fused
-form with dB from its own pass (no atomics per row tile); (e3) the fused form with TMA main loops
-(opt-in, LORAPLEX_FUSED_TMA=1). A path that fails prints why and leaves its cells "nan". Mixed ranks cycle 16/32/64; "e/e16"
+form with dB from its own pass (no atomics per row tile); (e3) the fused form with another GEMM
+variant (--e3, default "tma": TMA main loops; kernels.fused_lora.GEMM_VARIANTS). A path that fails
+prints why and leaves its cells "nan". Mixed ranks cycle 16/32/64; "e/e16"
 compares each row with the same shape at uniform rank 16. One run prints one table, a stage
 breakdown of both Triton forms, and the issue-20 target lines.
 
 Usage (GPU):  python3 bench/lora_op.py [--quick] [--shapes 4096x4096,...] [--out FILE.md]
                                      [--timings kernels/lora_forms.json]
               --timings writes (or extends) the compose/fused timings that form="auto" chooses from.
+              --variants: instead, every fused GEMM variant side by side (op fwd+bwd, eager and
+              CUDA graph, vs the floor, correctness in the same run) and each variant's GEMMs timed
+              apart at 4096x4096, 8 x 1024 tokens, r16.
 Usage (CPU):  TRITON_INTERPRET=1 python3 bench/lora_op.py --check
               correctness of every path on small fp32 shapes vs the fp64 oracle, no timing.
 """
@@ -75,10 +79,20 @@ def fused_twopass_op(x, weight, bias, a, b, scales, ranks, offsets):
     return multilora_linear_fused(x, weight, bias, a, b, scales, ranks, offsets, onepass=False)
 
 
-def fused_tma_op(x, weight, bias, a, b, scales, ranks, offsets):
-    from kernels.fused_lora import multilora_linear_fused
+E3 = "tma"  # the GEMM variant of column (e3) (--e3)
+ONLY: list[str] = []  # --variants: only these (--only), e.g. those a probe compiled
 
-    return multilora_linear_fused(x, weight, bias, a, b, scales, ranks, offsets, tma=True)
+
+def fused_variant_op(variant: str):
+    def op(x, weight, bias, a, b, scales, ranks, offsets):
+        from kernels.fused_lora import multilora_linear_fused
+
+        return multilora_linear_fused(x, weight, bias, a, b, scales, ranks, offsets, gemm=variant)
+    return op
+
+
+def fused_tma_op(x, weight, bias, a, b, scales, ranks, offsets):
+    return fused_variant_op(E3)(x, weight, bias, a, b, scales, ranks, offsets)
 
 
 def time_fwd_bwd(op, case, rep_ms: int, graph: bool = False) -> float:
@@ -201,9 +215,9 @@ def breakdown(d_in: int, d_out: int, n: int, per: int, r: int, gbs: float) -> li
         ("dX GEMM, cuBLAS", lambda: dy @ w, "gemm"),
         ("dX GEMM, Triton, no LoRA", lambda: _gemm_launch(c0, dy, w, None, ds, a, sa, off, False, dy.dtype), "gemm"),
         ("fwd GEMM, Triton TMA, no LoRA", lambda: _gemm_launch(c0, x, w.t(), None, s_buf, b, sb, off, False, x.dtype,
-                                                               tma=True), "gemm"),
+                                                               gemm="tma"), "gemm"),
         ("dX GEMM, Triton TMA, no LoRA", lambda: _gemm_launch(c0, dy, w, None, ds, a, sa, off, False, dy.dtype,
-                                                              tma=True), "gemm"),
+                                                              gemm="tma"), "gemm"),
         ("dX GEMM, Triton + dS A epilogue (e)", lambda: _gemm_launch(c, dy, w, None, ds, a, sa, off, False, dy.dtype),
          "gemm"),
         ("(d) fwd LoRA pass: shrink+expand", lambda: lora_forward(x, a, b, case.scales, case.ranks, off, y),
@@ -316,12 +330,100 @@ def check() -> int:
     t, e = bench_case(32, 48, 3, 0, "mixed", counts=[5, 0, 19])
     lines.append(row_line("dry ragged", 3, "ragged", "mixed", t, e))
     lines += [""] + targets(results) + [""] + breakdown(32, 48, 2, 16, 16, 1000.0)
+    lines += [""] + variants(1e9, cases=[(32, 48, 2, 16, "r16"), (40, 56, 3, 20, "mixed")], gemm_case=(32, 48, 2, 16, 16))
     print("\n".join(lines), flush=True)
     bad += sum("failed" in ln for ln in lines)
     return 1 if bad else 0
 
 
+VARIANT_CASES = [(4096, 4096, 8, 1024, "r16"), (4096, 4096, 8, 1024, "mixed"), (4096, 4096, 32, 256, "mixed"),
+                 (4096, 14336, 8, 1024, "r16")]
+
+
+def variants(budget_s: float, cases=VARIANT_CASES, gemm_case=(4096, 4096, 8, 1024, 16)) -> list[str]:
+    """Every fused GEMM variant side by side: the whole op (fwd+bwd) at a few shapes, eager and as
+    a CUDA graph, against the floor (a) and compose (d) of the same run; then each variant's two
+    GEMMs (with their LoRA epilogues) and the bare main loops timed apart at the key shape."""
+    from kernels.fused_lora import (
+        GEMM_VARIANTS,
+        _Ctx,
+        _gemm_launch,
+        _stacked_a,
+        _stacked_b,
+    )
+    from kernels.triton_lora import lora_forward
+
+    start = time.time()
+    vs = [v for v in GEMM_VARIANTS if v in ONLY] if ONLY else list(GEMM_VARIANTS)
+    out = ["fused GEMM variants, fwd+bwd median ms (eager | CUDA graph); ratio to (a) of the same mode;"
+           " max rel err vs the fp64 oracle", "",
+           "| shape | N x tok | ranks | (a) | (d) compose | " + " | ".join(vs) + " | (a) graph | (d) graph | "
+           + " | ".join(v + " graph" for v in vs) + " | best eager / (a) | best graph / (a) | max rel err |",
+           "|" + "---|" * (10 + 2 * len(vs))]
+    for d_in, d_out, n, per, rn in cases:
+        if time.time() - start > budget_s:
+            out.append(f"(cut at the {budget_s:.0f} s budget)")
+            break
+        counts = [per] * n
+        case, _ranks = build_case(d_in, d_out, n, counts, rn)
+        want = oracle_fp64(case, device=DEVICE)
+        ops = {"a": floor_op, "d": compose_op, **{v: fused_variant_op(v) for v in vs}}
+        err = 0.0
+        for k, op in list(ops.items()):
+            if k == "a":
+                continue
+            try:
+                err = max(err, max(rel_errors(run_op(case, op), want).values()))
+            except Exception as exc:
+                print(f"({k}) failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                del ops[k]
+        del want
+        te = {k: time_fwd_bwd(op, case, 60) for k, op in ops.items()}
+        tg = {k: time_fwd_bwd(op, case, 60, graph=True) for k, op in ops.items()}
+        cell = lambda t, k: f"{t[k]:.3f}" if k in t else "failed"  # noqa: E731
+        best_e = min((te[v] for v in vs if v in te), default=float("nan"))
+        best_g = min((tg[v] for v in vs if v in tg and math.isfinite(tg[v])), default=float("nan"))
+        out.append(f"| {d_in}x{d_out} | {n} x {per} | {rn} | {te['a']:.3f} | {te['d']:.3f} | "
+                   + " | ".join(cell(te, v) for v in vs) + f" | {tg['a']:.3f} | {tg['d']:.3f} | "
+                   + " | ".join(cell(tg, v) for v in vs)
+                   + f" | {_ratio(best_e, te['a'])} | {_ratio(best_g, tg['a'])} | {err:.1e} |")
+        print(out[-1], flush=True)
+    # each variant's GEMMs apart (CUDA graph, GPU time only)
+    d_in, d_out, n, per, r = gemm_case
+    case = make_case([per] * n, [r] * n, d_in, d_out, dtype=DTYPE, device=DEVICE, bias=False, nan_padding=False)
+    x, w, a, b, dy, off = case.x, case.weight, case.lora_a, case.lora_b, case.dy, case.offsets
+    s_buf = lora_forward(x, a, b, case.scales, case.ranks, off, F.linear(x, w))
+    ds = torch.randn_like(s_buf)
+    c = _Ctx(x, n, r, off, case.ranks, case.scales)
+    c0 = _Ctx(x, 0, r, off[:1], case.ranks[:0], case.scales[:0])
+    sa, sb = _stacked_a(a), _stacked_b(b)
+    flops = 2 * n * per * d_in * d_out
+    out += ["", f"each variant's GEMMs apart (CUDA graph) at {d_in}x{d_out}, N={n}, {per} tok, r={r}:", "",
+            "| GEMM | " + " | ".join(["cuBLAS"] + vs) + " |", "|" + "---|" * (2 + len(vs))]
+    rows = [("fwd, no LoRA", lambda v: (lambda: _gemm_launch(c0, x, w.t(), None, s_buf, b, sb, off, False, x.dtype,
+                                                             gemm=v)), lambda: F.linear(x, w)),
+            ("fwd + expand epilogue", lambda v: (lambda: _gemm_launch(c, x, w.t(), None, s_buf, b, sb, off, False,
+                                                                      x.dtype, gemm=v)), lambda: F.linear(x, w)),
+            ("dX, no LoRA", lambda v: (lambda: _gemm_launch(c0, dy, w, None, ds, a, sa, off, False, dy.dtype,
+                                                            gemm=v)), lambda: dy @ w),
+            ("dX + dS A epilogue", lambda v: (lambda: _gemm_launch(c, dy, w, None, ds, a, sa, off, False, dy.dtype,
+                                                                   gemm=v)), lambda: dy @ w)]
+    for name, make, ref in rows:
+        cells = []
+        for fn in [ref] + [make(v) for v in vs]:
+            try:
+                ms = _graph_ms(fn)
+                cells.append(f"{ms:.3f} ({flops / ms / 1e9:.0f})")
+            except Exception as exc:
+                cells.append(f"failed: {type(exc).__name__}")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+        print(out[-1], flush=True)
+    out.append("(ms, and TFLOP/s of the base GEMM in parentheses)")
+    return out
+
+
 def main() -> None:
+    global E3
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only the first shape")
     ap.add_argument("--shapes", default=",".join(f"{a}x{b}" for a, b in SHAPES),
@@ -332,7 +434,13 @@ def main() -> None:
     ap.add_argument("--timings", default=None,
                     help="compose/fused timings for form='auto' (JSON; an existing file is extended)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop adding rows after this many seconds")
+    ap.add_argument("--e3", default="tma", help="GEMM variant of column (e3) (kernels.fused_lora.GEMM_VARIANTS)")
+    ap.add_argument("--variants", action="store_true", help="only the table of fused GEMM variants")
+    ap.add_argument("--only", default="", help="--variants: comma-separated variants to time (default all)")
     args = ap.parse_args()
+    E3 = args.e3
+    ONLY[:] = [v for v in args.only.split(",") if v]
+    HEADER[0] = HEADER[0].replace("(e3) fused TMA", f"(e3) fused {E3}")
     if args.check:
         raise SystemExit(check())
     start = time.time()
@@ -344,6 +452,13 @@ def main() -> None:
 
     gbs = bandwidth_gbs()
     print(f"measured copy bandwidth (read+write): {gbs:.0f} GB/s", flush=True)
+    if args.variants:
+        text = "\n".join([f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}; bf16", ""]
+                         + variants(args.budget_s))
+        print(text, flush=True)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return
     lines = [f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}; bf16; fwd+bwd median ms",
              f"measured copy bandwidth (read+write): {gbs:.0f} GB/s", ""] + HEADER
     print("\n".join(HEADER), flush=True)

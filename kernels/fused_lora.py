@@ -22,8 +22,10 @@ Ranks need not be powers of two (the last block is masked).
 
 Where a Triton GEMM is slower than cuBLAS on a shape, the composition (`triton_lora`: cuBLAS +
 separate LoRA passes) is the faster choice; `kernels.form_choice` picks per shape from measured
-timings (bench/lora_op.py writes them). `USE_TMA` / `tma=True` (opt-in, unmeasured) fetches the
-GEMMs' A and B tiles with TMA tensor descriptors instead of pointer loads; same epilogue.
+timings (bench/lora_op.py writes them). GEMM variants (`GEMM_VARIANTS`, `gemm=` or
+$LORAPLEX_FUSED_GEMM): pointer loads or TMA tensor descriptors for the main loop, one program per
+tile or persistent programs over a flattened tile loop, and optionally the epilogue's first LoRA
+operands prefetched before the main loop; same epilogue math in all.
 Design, predictions and what to measure: bench/NOTES_kernels.md ("Issue 20").
 """
 
@@ -201,45 +203,90 @@ def _tile_of(pid, M, NC, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 
 @triton.jit
-def _lora_epilogue_store(
-    acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
-    M, NC, N, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
-    HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, ARENA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """acc += s_i P[rows_i, :r_i] @ W_i for the adapters [first, last) whose rows meet this tile
-    (cdiv(r_i, BLOCK_R) rank blocks each), + bias; store the tile into C."""
-    m0 = pid_m * BLOCK_M
-    rm = m0 + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = rm < M
-    n_mask = rn < NC
-    rm64 = rm.to(tl.int64)
+def _adapter_span(m0, off_ptr, N, N_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """[first, last): the adapters whose rows meet the row tile starting at m0."""
     idx = tl.arange(0, N_P2)
     live = idx < N
     lo = tl.load(off_ptr + idx, mask=live, other=0)
     hi = tl.load(off_ptr + idx + 1, mask=live, other=0)
     first = tl.sum(tl.where(live & (hi <= m0), 1, 0), 0)
     last = tl.sum(tl.where(live & (lo < m0 + BLOCK_M), 1, 0), 0)
-    dtype = w_ptr.dtype.element_ty
+    return first, last
+
+
+@triton.jit
+def _lora_operands(i, live, r0, rm, m_mask, rn, n_mask, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
+                   R_MAX, stride_pm, stride_wn, stride_wr, stride_wc,
+                   ACC: tl.constexpr, ARENA: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(s_i P[rows_i, r0:r0+BLOCK_R], W_i[r0:r0+BLOCK_R, cols]) for adapter i (zeros unless live):
+    the two operands of one rank block of the tile's LoRA term."""
+    lo_i = tl.load(off_ptr + i, mask=live, other=0)
+    hi_i = tl.load(off_ptr + i + 1, mask=live, other=0)
+    rank = tl.minimum(tl.load(rank_ptr + i, mask=live, other=0).to(tl.int32), R_MAX)
+    scale = tl.load(scale_ptr + i, mask=live, other=0.0).to(ACC)
+    rows_i = m_mask & (rm >= lo_i) & (rm < hi_i)
+    w_base = _adapter_base(w_ptr, tl.where(live, i, 0), stride_wn, woff_ptr, ARENA)
+    rr = r0 + tl.arange(0, BLOCK_R)
+    r_mask = rr < rank
+    pt = tl.load(p_ptr + rm.to(tl.int64)[:, None] * stride_pm + rr[None, :], mask=rows_i[:, None] & r_mask[None, :],
+                 other=0.0)
+    wt = tl.load(w_base + rr[:, None] * stride_wr + rn[None, :] * stride_wc, mask=r_mask[:, None] & n_mask[None, :],
+                 other=0.0)
+    return (pt * scale).to(w_ptr.dtype.element_ty), wt
+
+
+@triton.jit
+def _lora_prefetch(m0, n0, M, NC, N, R_MAX, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
+                   stride_pm, stride_wn, stride_wr, stride_wc,
+                   PREFETCH: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, ARENA: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """With PREFETCH, the first rank block of the tile's first adapter, loaded BEFORE the GEMM's
+    main loop so its latency hides behind the loop (the epilogue then only runs the dot)."""
+    if PREFETCH:
+        rm = m0 + tl.arange(0, BLOCK_M)
+        rn = n0 + tl.arange(0, BLOCK_N)
+        first, last = _adapter_span(m0, off_ptr, N, N_P2, BLOCK_M)
+        pre_p, pre_w = _lora_operands(first, first < last, 0, rm, rm < M, rn, rn < NC, p_ptr, w_ptr, woff_ptr,
+                                      off_ptr, rank_ptr, scale_ptr, R_MAX, stride_pm, stride_wn, stride_wr,
+                                      stride_wc, ACC, ARENA, BLOCK_R)
+    else:
+        pre_p = tl.zeros((BLOCK_M, BLOCK_R), dtype=w_ptr.dtype.element_ty)
+        pre_w = tl.zeros((BLOCK_R, BLOCK_N), dtype=w_ptr.dtype.element_ty)
+    return pre_p, pre_w
+
+
+@triton.jit
+def _lora_epilogue_store(
+    acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
+    M, NC, N, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc, pre_p, pre_w,
+    HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, ARENA: tl.constexpr,
+    PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """acc += s_i P[rows_i, :r_i] @ W_i for the adapters [first, last) whose rows meet this tile
+    (cdiv(r_i, BLOCK_R) rank blocks each; with PREFETCH the first adapter's first block arrives as
+    pre_p/pre_w), + bias; store the tile into C."""
+    m0 = pid_m * BLOCK_M
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < NC
+    first, last = _adapter_span(m0, off_ptr, N, N_P2, BLOCK_M)
+    if PREFETCH:
+        acc = tl.dot(pre_p, pre_w, acc, input_precision=DOT_PREC)
     for i in range(first, last):
-        lo_i = tl.load(off_ptr + i)
-        hi_i = tl.load(off_ptr + i + 1)
         rank = tl.minimum(tl.load(rank_ptr + i).to(tl.int32), R_MAX)
-        scale = tl.load(scale_ptr + i).to(ACC)
-        rows_i = m_mask & (rm >= lo_i) & (rm < hi_i)
-        w_base = _adapter_base(w_ptr, i, stride_wn, woff_ptr, ARENA)
-        for r0 in range(0, rank, BLOCK_R):
-            rr = r0 + tl.arange(0, BLOCK_R)
-            r_mask = rr < rank
-            pt = tl.load(p_ptr + rm64[:, None] * stride_pm + rr[None, :], mask=rows_i[:, None] & r_mask[None, :],
-                         other=0.0)
-            wt = tl.load(w_base + rr[:, None] * stride_wr + rn[None, :] * stride_wc,
-                         mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot((pt * scale).to(dtype), wt, acc, input_precision=DOT_PREC)
+        if PREFETCH:
+            r_begin = tl.where(i == first, BLOCK_R, 0)
+        else:
+            r_begin = 0
+        for r0 in range(r_begin, rank, BLOCK_R):
+            pt, wt = _lora_operands(i, True, r0, rm, m_mask, rn, n_mask, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr,
+                                    scale_ptr, R_MAX, stride_pm, stride_wn, stride_wr, stride_wc, ACC, ARENA,
+                                    BLOCK_R)
+            acc = tl.dot(pt, wt, acc, input_precision=DOT_PREC)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(ACC)[None, :]
-    tl.store(c_ptr + rm64[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+    tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -249,6 +296,7 @@ def _gemm_lora_jit(
     M, NC, K, N, R_MAX, T_BUCKET,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
     HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, ARENA: tl.constexpr,
+    PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
@@ -256,6 +304,9 @@ def _gemm_lora_jit(
     rows meet this output tile: the LoRA expand (forward: P = S, W = B^T) or dS A (backward:
     P = dS, W = A) folded into the base GEMM's epilogue. Pointer loads (any strides)."""
     pid_m, pid_n = _tile_of(tl.program_id(0), M, NC, BLOCK_M, BLOCK_N, GROUP_M)
+    pre_p, pre_w = _lora_prefetch(pid_m * BLOCK_M, pid_n * BLOCK_N, M, NC, N, R_MAX, p_ptr, w_ptr, woff_ptr, off_ptr,
+                                  rank_ptr, scale_ptr, stride_pm, stride_wn, stride_wr, stride_wc, PREFETCH, N_P2, ACC,
+                                  ARENA, BLOCK_M, BLOCK_N, BLOCK_R)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
@@ -270,24 +321,13 @@ def _gemm_lora_jit(
         bt = tl.load(b_cols + ks[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(at, bt, acc, input_precision=DOT_PREC)
     _lora_epilogue_store(acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
-                         M, NC, N, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
-                         HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, BLOCK_M, BLOCK_N, BLOCK_R)
+                         M, NC, N, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc, pre_p, pre_w,
+                         HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
 @triton.jit
-def _gemm_lora_tma_jit(
-    a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
-    M, NC, K, N, R_MAX, T_BUCKET,
-    stride_am, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
-    B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
-    ARENA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """`_gemm_lora_jit` with the main loop's A and B tiles fetched by TMA (Hopper tensor
-    descriptors; out-of-range rows and columns read as zero). A and B must have unit stride in
-    their last dimension; B_NK: B given as [NC, K] (nn.Linear's W, forward) instead of [K, NC]."""
-    pid_m, pid_n = _tile_of(tl.program_id(0), M, NC, BLOCK_M, BLOCK_N, GROUP_M)
+def _tma_descs(a_ptr, b_ptr, M, NC, K, stride_am, stride_bk, stride_bn, B_NK: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
     if B_NK:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NC, K], strides=[stride_bn, 1],
@@ -295,8 +335,12 @@ def _gemm_lora_tma_jit(
     else:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, NC], strides=[stride_bk, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])
-    m0 = pid_m * BLOCK_M
-    n0 = pid_n * BLOCK_N
+    return a_desc, b_desc
+
+
+@triton.jit
+def _tma_mainloop(a_desc, b_desc, m0, n0, K, B_NK: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     for k0 in range(0, K, BLOCK_K):
         at = a_desc.load([m0, k0])
@@ -305,15 +349,83 @@ def _gemm_lora_tma_jit(
         else:
             bt = b_desc.load([k0, n0])
         acc = tl.dot(at, bt, acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _gemm_lora_tma_jit(
+    a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
+    M, NC, K, N, R_MAX, T_BUCKET,
+    stride_am, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
+    B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
+    ARENA: tl.constexpr, PREFETCH: tl.constexpr, NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """`_gemm_lora_jit` with the main loop's A and B tiles fetched by TMA (Hopper tensor
+    descriptors; out-of-range rows and columns read as zero). A and B must have unit stride in
+    their last dimension; B_NK: B given as [NC, K] (nn.Linear's W, forward) instead of [K, NC]."""
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, NC, BLOCK_M, BLOCK_N, GROUP_M)
+    a_desc, b_desc = _tma_descs(a_ptr, b_ptr, M, NC, K, stride_am, stride_bk, stride_bn, B_NK, BLOCK_M, BLOCK_N,
+                                BLOCK_K)
+    pre_p, pre_w = _lora_prefetch(pid_m * BLOCK_M, pid_n * BLOCK_N, M, NC, N, R_MAX, p_ptr, w_ptr, woff_ptr, off_ptr,
+                                  rank_ptr, scale_ptr, stride_pm, stride_wn, stride_wr, stride_wc, PREFETCH, N_P2, ACC,
+                                  ARENA, BLOCK_M, BLOCK_N, BLOCK_R)
+    acc = _tma_mainloop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K, B_NK, ACC, DOT_PREC, BLOCK_M, BLOCK_N,
+                        BLOCK_K)
     _lora_epilogue_store(acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
-                         M, NC, N, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
-                         HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, BLOCK_M, BLOCK_N, BLOCK_R)
+                         M, NC, N, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc, pre_p, pre_w,
+                         HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
+
+
+@triton.jit
+def _gemm_lora_persist_jit(
+    a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
+    M, NC, K, N, R_MAX, T_BUCKET,
+    stride_am, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
+    B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
+    ARENA: tl.constexpr, PREFETCH: tl.constexpr, NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """The TMA GEMM as a persistent kernel: NUM_SMS programs walk the output tiles (grouped order)
+    in one flattened loop, so the compiler can pipeline the next tile's TMA loads under this
+    tile's epilogue (the LoRA term and the store). The epilogue's tile index is carried in its
+    own counter, independent of the main loop's."""
+    a_desc, b_desc = _tma_descs(a_ptr, b_ptr, M, NC, K, stride_am, stride_bk, stride_bn, B_NK, BLOCK_M, BLOCK_N,
+                                BLOCK_K)
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(NC, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    tile_c = tl.program_id(0) - NUM_SMS
+    for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile_of(tile, M, NC, BLOCK_M, BLOCK_N, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        pre_p, pre_w = _lora_prefetch(m0, n0, M, NC, N, R_MAX, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
+                                      stride_pm, stride_wn, stride_wr, stride_wc, PREFETCH, N_P2, ACC, ARENA,
+                                      BLOCK_M, BLOCK_N, BLOCK_R)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+        for ki in range(k_steps):
+            at = a_desc.load([m0, ki * BLOCK_K])
+            if B_NK:
+                bt = b_desc.load([n0, ki * BLOCK_K]).T
+            else:
+                bt = b_desc.load([ki * BLOCK_K, n0])
+            acc = tl.dot(at, bt, acc, input_precision=DOT_PREC)
+        tile_c += NUM_SMS
+        pid_mc, pid_nc = _tile_of(tile_c, M, NC, BLOCK_M, BLOCK_N, GROUP_M)
+        _lora_epilogue_store(acc, pid_mc, pid_nc, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr,
+                             scale_ptr, M, NC, N, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr,
+                             stride_wc, pre_p, pre_w, HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, PREFETCH, BLOCK_M, BLOCK_N,
+                             BLOCK_R)
 
 
 _gemm_lora = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **AUTOTUNE_KW)(
     _gemm_lora_jit)
 _gemm_lora_tma = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **AUTOTUNE_KW)(
     _gemm_lora_tma_jit)
+_gemm_lora_persist = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **AUTOTUNE_KW)(
+    _gemm_lora_persist_jit)
 _shrink = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **AUTOTUNE_KW)(_shrink_jit)
 # Kernels that add into caller-owned gradients: tuning trials restore them (an arena already
 # holds other layers' sums).
@@ -366,8 +478,35 @@ def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: bool) -> None:  # no
     )
 
 
-# Opt-in (not yet measured on a GPU): the fused GEMMs' main loop on TMA tensor descriptors.
-USE_TMA = os.environ.get("LORAPLEX_FUSED_TMA", "0") == "1"
+# The fused GEMMs' main loop and epilogue schedule: "ptr" (pointer loads, one program per tile),
+# "tma" (TMA tensor descriptors), "persist" (TMA, persistent programs, one flattened loop over
+# tiles); "+pf" prefetches the epilogue's first LoRA operands before the main loop. The process
+# default comes from $LORAPLEX_FUSED_GEMM ($LORAPLEX_FUSED_TMA=1 is the older spelling of "tma").
+GEMM_VARIANTS = ("ptr", "ptr+pf", "tma", "tma+pf", "persist", "persist+pf")
+GEMM_DEFAULT = os.environ.get("LORAPLEX_FUSED_GEMM") or (
+    "tma" if os.environ.get("LORAPLEX_FUSED_TMA", "0") == "1" else "ptr")
+
+
+def gemm_variant(gemm: str | None = None, tma: bool | None = None) -> str:
+    """The variant a call runs: `gemm` if given, else `tma` (True: "tma", False: "ptr"), else the
+    process default. Unknown names are refused here, before any launch."""
+    v = gemm if gemm is not None else ("tma" if tma else "ptr") if tma is not None else GEMM_DEFAULT
+    if v not in GEMM_VARIANTS:
+        raise ValueError(f"unknown fused GEMM variant {v!r} (LORAPLEX_FUSED_GEMM or gemm=): "
+                         f"expected one of {', '.join(GEMM_VARIANTS)}")
+    return v
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if _INTERPRET or device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
 
 
 def _scratch(size: int, align: int, stream: object) -> torch.Tensor:
@@ -385,25 +524,32 @@ def _tma_ok(a: torch.Tensor, b_kn: torch.Tensor) -> bool:
 
 
 def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: bool, out_dtype,  # noqa: ANN001
-                 tma: bool | None = None) -> torch.Tensor:
-    """a [T, K] @ b_kn [K, NC] (+ bias) + s_i p_i W_i into a new [T, NC] tensor."""
+                 gemm: str | None = None) -> torch.Tensor:
+    """a [T, K] @ b_kn [K, NC] (+ bias) + s_i p_i W_i into a new [T, NC] tensor (`gemm`: the
+    variant, see GEMM_VARIANTS; TMA variants fall back to pointer loads where TMA cannot load)."""
+    variant = gemm_variant(gemm)
+    base, prefetch = variant.split("+")[0], variant.endswith("+pf")
     t, k = a.shape
     nc = b_kn.shape[1]
     out = torch.empty((t, nc), dtype=out_dtype, device=a.device)
     grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]) * triton.cdiv(nc, meta["BLOCK_N"]),)  # noqa: E731
     common = (c.n, c.r_max, c.t_bucket)
-    meta = dict(HAS_BIAS=bias is not None, N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena)
+    meta = dict(HAS_BIAS=bias is not None, N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, PREFETCH=prefetch)
     bias_arg = bias if bias is not None else out
-    if (USE_TMA if tma is None else tma) and _tma_ok(a, b_kn):
+    if base != "ptr" and _tma_ok(a, b_kn):
         # device-side descriptors need a little global scratch per program. Triton keeps its
         # allocator in a context variable, which the autograd engine's thread (the backward) does
         # not inherit: set it at every launch, in whichever thread launches
         triton.set_allocator(_scratch)
-        b_nk = b_kn.stride(0) == 1
-        _gemm_lora_tma[grid](
+        sms = _num_sms(a.device)
+        kernel = _gemm_lora_tma
+        if base == "persist":
+            kernel = _gemm_lora_persist
+            grid = lambda meta: (min(sms, triton.cdiv(t, meta["BLOCK_M"]) * triton.cdiv(nc, meta["BLOCK_N"])),)  # noqa: E731
+        kernel[grid](
             a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, *common,
             a.stride(0), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1), p.stride(0), *w_strides,
-            B_NK=b_nk, **meta,
+            B_NK=b_kn.stride(0) == 1, NUM_SMS=sms, **meta,
         )
         return out
     _gemm_lora[grid](
@@ -428,17 +574,17 @@ def _arena_rank_major(cols: int) -> tuple[int, int, int]:
 
 
 def fused_forward(c: _Ctx, x, weight, bias, a, a_strides, aoff, b, b_strides, boff, arena: bool,  # noqa: ANN001
-                  tma: bool | None = None):
+                  gemm: str | None = None):
     """(y, S): S = X A_i^T by `_shrink`, then y from the fused GEMM."""
     s_buf = torch.empty((c.t, c.r_max), dtype=_acc_torch(x.dtype), device=x.device)
     _shrink_launch(c, x, a, a_strides, aoff, s_buf, arena)
-    y = _gemm_launch(c, x, weight.t(), bias, s_buf, b, b_strides, boff, arena, x.dtype, tma)
+    y = _gemm_launch(c, x, weight.t(), bias, s_buf, b, b_strides, boff, arena, x.dtype, gemm)
     return y, s_buf
 
 
 def fused_backward(c: _Ctx, x, dy, s_buf, weight, a, a_strides, aoff, b, b_strides, boff, da, da_strides,
                    db, db_strides, arena: bool, need_x: bool, need_a: bool, need_b: bool, onepass: bool,  # noqa: ANN001
-                   tma: bool | None = None):
+                   gemm: str | None = None):
     """Adds dA_i into da and dB_i^T into db (at the adapters' blocks); returns dX (or None)."""
     ds = torch.empty((c.t, c.r_max), dtype=_acc_torch(x.dtype), device=x.device)
     fuse_db = need_b and onepass
@@ -449,23 +595,23 @@ def fused_backward(c: _Ctx, x, dy, s_buf, weight, a, a_strides, aoff, b, b_strid
         _wgrad_launch(c, ds, x, da, da_strides, aoff, arena)
     if not need_x:
         return None
-    return _gemm_launch(c, dy, weight, None, ds, a, a_strides, aoff, arena, dy.dtype, tma)
+    return _gemm_launch(c, dy, weight, None, ds, a, a_strides, aoff, arena, dy.dtype, gemm)
 
 
 class FusedMultiLoraFn(torch.autograd.Function):
     """Stacked form on the fused kernels; dA/dB land in one fresh accumulator, cast once."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scales, ranks, offsets, onepass, tma):  # noqa: D102
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scales, ranks, offsets, onepass, gemm):  # noqa: D102
         n, _, r_max = lora_a.shape
         c = _Ctx(x, n, r_max, offsets, ranks, scales)
         if c.t == 0:
             y, s_buf = torch.nn.functional.linear(x, weight, bias), x.new_empty((0, r_max))
         else:
             y, s_buf = fused_forward(c, x, weight, bias, lora_a, _stacked_a(lora_a), offsets, lora_b,
-                                     _stacked_b(lora_b), offsets, False, tma)
+                                     _stacked_b(lora_b), offsets, False, gemm)
         ctx.save_for_backward(x, weight, lora_a, lora_b, scales, ranks, offsets, s_buf)
-        ctx.onepass, ctx.tma = onepass, tma
+        ctx.onepass, ctx.gemm = onepass, gemm
         return y
 
     @staticmethod
@@ -484,7 +630,7 @@ class FusedMultiLoraFn(torch.autograd.Function):
         else:
             dx = fused_backward(c, x, dy, s_buf, weight, lora_a, _stacked_a(lora_a), offsets, lora_b,
                                 _stacked_b(lora_b), offsets, da, _stacked_a(da), db, _stacked_b(db), False,
-                                need_x, need_a, need_b, ctx.onepass, ctx.tma)
+                                need_x, need_a, need_b, ctx.onepass, ctx.gemm)
         out = flat.to(lora_a.dtype)
         da = out[: lora_a.numel()].view(lora_a.shape) if need_a else None
         db = out[lora_a.numel():].view(lora_b.shape) if need_b else None
@@ -492,14 +638,16 @@ class FusedMultiLoraFn(torch.autograd.Function):
 
 
 def multilora_linear_fused(x, weight, bias, lora_a, lora_b, scales, ranks, offsets, onepass: bool = True,  # noqa: ANN001
-                           tma: bool | None = None):
+                           tma: bool | None = None, gemm: str | None = None):
     """Fused Triton form of `kernels.multilora_linear` (same contract). onepass: dS and dB from
-    one read of dY (atomics per row tile) instead of two; tma: TMA GEMM main loops (None: USE_TMA)."""
+    one read of dY (atomics per row tile) instead of two; gemm: the GEMMs' variant (GEMM_VARIANTS;
+    None: `tma` True/False for "tma"/"ptr", else the process default)."""
     _check(x, weight, bias, lora_a, lora_b, scales, ranks, offsets)
     dev = x.device
     if scales.device != dev or ranks.device != dev or offsets.device != dev:
         scales, ranks, offsets = scales.to(dev), ranks.to(dev), offsets.to(dev)
-    return FusedMultiLoraFn.apply(x, weight, bias, lora_a, lora_b, scales, ranks, offsets, onepass, tma)
+    return FusedMultiLoraFn.apply(x, weight, bias, lora_a, lora_b, scales, ranks, offsets, onepass,
+                                 gemm_variant(gemm, tma))
 
 
 class FusedArenaFn(torch.autograd.Function):

@@ -125,14 +125,17 @@ def test_fused_arena_matches_fp64(idx: int) -> None:
 
 
 
+@pytest.mark.parametrize("variant", ["ptr+pf", "tma", "tma+pf", "persist", "persist+pf"])
 @pytest.mark.parametrize("idx", [0, 2])
-def test_fused_tma_matches_fp64(idx: int) -> None:
-    """The opt-in TMA main loops of the fused GEMMs (LORAPLEX_FUSED_TMA=1)."""
+def test_fused_gemm_variants_match_fp64(idx: int, variant: str) -> None:
+    """Every fused GEMM variant (TMA main loops, persistent programs, prefetched epilogue
+    operands) against the fp64 oracle; TMA variants must really take the TMA path here."""
     from kernels import fused_lora
 
     counts, ranks, d_in, d_out, dtype = FUSED_CASES[idx]
     case = make_case(counts, ranks, d_in, d_out, dtype=dtype, device="cuda", bias=random.random() < 0.5)
-    assert fused_lora._tma_ok(case.x, case.weight.t()) and fused_lora._tma_ok(case.dy, case.weight)
-    got = run_op(case, fused_lora.multilora_linear_fused, tma=True)
+    if variant != "ptr+pf":
+        assert fused_lora._tma_ok(case.x, case.weight.t()) and fused_lora._tma_ok(case.dy, case.weight)
+    got = run_op(case, fused_lora.multilora_linear_fused, gemm=variant)
     errs = rel_errors(got, oracle_fp64(case, device="cuda"))
     assert all(e <= TOL[dtype] for e in errs.values()), f"{errs} for {case.describe()}"

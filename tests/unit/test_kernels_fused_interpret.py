@@ -85,9 +85,26 @@ _orig_ok = fl._tma_ok
 fl._tma_ok = lambda a, b: (tma_ok.append(_orig_ok(a, b)), tma_ok[-1])[1]
 c = make_case([5, 0, 17, 30], [8, 64, 24, 16], 40, 24, dtype=torch.float32)
 record("tma", c, run_op(c, multilora_linear_fused, tma=True))
-got, stray = run_arena(c, multilora_linear_arena_fused)  # tma=None: USE_TMA, off unless opted in
+got, stray = run_arena(c, multilora_linear_arena_fused)  # the process default: "ptr" unless set
 record("no tma", c, got, stray)
 fl._tma_ok = _orig_ok
+# every GEMM variant (prefetched epilogue operands, persistent programs over more tiles than
+# programs), stacked and arena (the arena takes the process default), with tiles that hold two
+# or three adapters, a rank-64 adapter (four rank blocks) and an adapter starting mid-tile
+variants_ok = []
+c = make_case([5, 0, 17, 30, 3, 21], [8, 64, 24, 16, 64, 17], 40, 56, dtype=torch.float64, bias=True)
+for v in fl.GEMM_VARIANTS:
+    record(f"gemm {v}", c, run_op(c, multilora_linear_fused, gemm=v))
+    fl.GEMM_DEFAULT = v
+    got, stray = run_arena(c, multilora_linear_arena_fused)
+    record(f"arena gemm {v}", c, got, stray)
+    variants_ok.append(v)
+fl.GEMM_DEFAULT = "ptr"
+try:
+    fl.gemm_variant("bogus")
+    refused = False
+except ValueError as exc:
+    refused = "bogus" in str(exc)
 
 # Work list of the per-adapter rank tiles: every (adapter, row block, rank block) exactly once,
 # cdiv(r_i, 16) rank blocks for adapter i (a rank-16 adapter beside a rank-64 one gets one).
@@ -165,7 +182,8 @@ got, stray = run_arena(c, via_layer)
 record("MultiLoraLinear form=fused", c, got, stray)
 layer_calls = list(calls)
 print("RESULT" + json.dumps({"results": out, "items": [got_items, want_items], "spare_ok": spare_ok,
-                             "dispatch": seen, "layer_calls": layer_calls, "tma_ok": tma_ok}))
+                             "dispatch": seen, "layer_calls": layer_calls, "tma_ok": tma_ok,
+                             "variants": variants_ok, "refused": refused}))
 """
 
 TOL = {"torch.float32": 3e-6, "torch.float64": 1e-12}
@@ -181,11 +199,12 @@ def test_fused_kernels_under_interpreter(block_m: str, chunk: str, part: str) ->
     env.pop("LORAPLEX_LORA_FORM", None)
     env.pop("LORAPLEX_LORA_TIMINGS", None)
     env.pop("LORAPLEX_FUSED_TMA", None)
+    env.pop("LORAPLEX_FUSED_GEMM", None)
     proc = subprocess.run([sys.executable, "-c", _WORKER, part], capture_output=True, text=True, env=env, timeout=600,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert len(res["results"]) == (2 * 3 if part == "core" else 2 * 6 + 1 + 1 + 1 + 2 + 8 + 1)
+    assert len(res["results"]) == (2 * 3 if part == "core" else 2 * 6 + 1 + 1 + 1 + 2 + 2 * 6 + 8 + 1)
     for r in res["results"]:
         tol = TOL[r["dtype"]]
         assert all(e <= tol for e in r["errs"].values()), f"{r['errs']} > {tol}: {r['case']}"
@@ -194,6 +213,7 @@ def test_fused_kernels_under_interpreter(block_m: str, chunk: str, part: str) ->
         return
     got_items, want_items = res["items"]
     assert got_items == want_items
+    assert res["variants"] == ["ptr", "ptr+pf", "tma", "tma+pf", "persist", "persist+pf"] and res["refused"]
     assert res["spare_ok"]
     # per-adapter rank tiles: the rank-16 adapter has one rank block per row block, rank 64 four
     assert {tuple(i)[3] for i in got_items if i[0] == 0} == {0}
