@@ -74,17 +74,33 @@ class Timeline:
 
 
 def earliest_fit(node: Timeline, tenant: Timeline | None, release: int, duration: int,
-                 gpus: int) -> int:
+                 gpus: int, latest: int | None = None) -> int | None:
     """Earliest t >= release where the node (and the tenant's limit) can hold ``gpus`` for
-    ``duration``. Only release and span ends can be the earliest such time."""
-    cands = sorted(set(node.candidate_times(release))
-                   | (set(tenant.candidate_times(release)) if tenant else set()))
-    for t in cands:
-        if node.usage_ok(t, t + duration, gpus) and (
-                tenant is None or tenant.usage_ok(t, t + duration, gpus)):
+    ``duration``. Only release and span ends can be the earliest such time. With ``latest``,
+    None when no such t <= latest exists."""
+    ends = {release, *(e for _, e, _ in node.spans if e > release)}
+    if tenant is not None:
+        ends.update(e for _, e, _ in tenant.spans if e > release)
+    for t in sorted(ends):
+        if latest is not None and t > latest:
+            return None
+        if _fits(node, t, t + duration, gpus) and (
+                tenant is None or _fits(tenant, t, t + duration, gpus)):
             return t
     # Unreachable while every capacity >= every demand: after the last end everything is free.
     raise ValueError("no fit: demand exceeds capacity")
+
+
+def _fits(line: Timeline, start: int, end: int, demand: int) -> bool:
+    """Timeline.usage_ok, faster: the spans meeting [start, end) are checked at their starts."""
+    room = line.capacity - demand
+    meet = [(s, e, d) for s, e, d in line.spans if s < end and e > start]
+    if sum(d for _, _, d in meet) <= room:
+        return True
+    for t in [start, *(s for s, _, _ in meet if s > start)]:
+        if sum(d for s, e, d in meet if s <= t < e) > room:
+            return False
+    return True
 
 
 def timelines(node_caps: Sequence[int], tenant_caps: dict[str, int],
@@ -109,13 +125,27 @@ def list_schedule(order: Sequence[UJob], node_caps: Sequence[int], tenant_caps: 
     for job in order:
         tenant = tenants.get(job.tenant)
         best: tuple[int, int, Option] | None = None
+        seen: set[tuple] = set()
         for opt in job.options:
-            t = earliest_fit(nodes[opt.node], tenant, job.release, opt.duration, opt.gpus)
-            if follow_hints and opt.node == job.hint_node and (
-                    job.hint_start is None or t <= max(job.hint_start, job.release)):
+            hinted = follow_hints and opt.node == job.hint_node
+            node = nodes[opt.node]
+            # Nodes in the same state (capacity and spans) give the same fit and load, and the
+            # first of them wins the tie: the others need no second look.
+            state = (node.capacity, opt.gpus, opt.duration, *sorted(node.spans))
+            if not hinted and state in seen:
+                continue
+            seen.add(state)
+            # A start after best end - duration cannot win (ties go to the fuller node).
+            latest = None if best is None or hinted else best[0] - opt.duration
+            t = earliest_fit(node, tenant, job.release, opt.duration, opt.gpus, latest)
+            if t is None:
+                continue
+            if hinted and (job.hint_start is None or t <= max(job.hint_start, job.release)):
                 best = (t + opt.duration, -10**9, opt)
                 break
-            load = -sum(e - max(s, 0) for s, e, _ in nodes[opt.node].spans)
+            if best is not None and t + opt.duration > best[0]:
+                continue
+            load = -sum(e - max(s, 0) for s, e, _ in node.spans)
             key = (t + opt.duration, load, opt)
             if best is None or key[:2] < best[:2]:
                 best = key

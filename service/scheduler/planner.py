@@ -181,13 +181,15 @@ class SolveOptions:
     unit_s: int = 1
     work_limit: float = 1.0  # CP-SAT deterministic time (its own work units; ~s on one core)
     time_limit_s: float = 30.0  # wall-clock safety net only
-    workers: int = 4  # interleaved in one thread: deterministic
+    workers: int = 1  # one search thread (more: interleaved batches, same plan, more CPU)
     seed: int = 0
     # F: 1.0 of the worst tenant's mean slowdown costs F * FAIR_SCALE * mean duration * total
     # weight (the mean spans up to FAIR_HISTORY finished tasks too, hence the scale).
     fairness: float = 0.25
     guarantee_boost: int = 4
     max_node_options: int = 8
+    max_options_total: int = 800  # fewer node options per task when many tasks (model size)
+    lns_work: float = 0.005  # deterministic time of one neighbourhood search (many small ones)
     tail: float = 0.0  # T: the longest planned flow time costs T * total weight per unit
     wait_margin: float = 0.1  # planned lateness counts from this fraction of the bound early
     secondary_time_limit_s: float = 0.0  # unused (kept for callers of the two-phase planner)
@@ -342,10 +344,21 @@ def _wait_steps(ctx: _Ctx, i: int) -> list[tuple[int, int]]:
     return steps
 
 
+def _fair_z(sched: Sequence[Placed], ctx: _Ctx) -> int:
+    """The fair-share term's Z of a schedule: the largest weighted mean slowdown of a tenant."""
+    sums = {t: ctx.fixed.get(t, (0, 0))[0] for t in set(ctx.tenants) | set(ctx.fixed)}
+    for p in sched:
+        sums[p.job.tenant] += _q(ctx, p.job.index) * (p.end + ctx.age[p.job.index])
+    z = 0
+    for t, s in sums.items():
+        n = len(ctx.tenants.get(t, ())) + ctx.fixed.get(t, (0, 0))[1]
+        z = max(z, -(-(ctx.share.get(t, 1) * s) // n)) if n else z
+    return z
+
+
 def objective(sched: Sequence[Placed], ctx: _Ctx) -> int:
     """The objective of a schedule of the queued jobs (same terms as the CP-SAT model)."""
     total = 0
-    sums = {t: ctx.fixed.get(t, (0, 0))[0] for t in set(ctx.tenants) | set(ctx.fixed)}
     for p in sched:
         i = p.job.index
         total += p.job.weight * p.end
@@ -353,11 +366,7 @@ def objective(sched: Sequence[Placed], ctx: _Ctx) -> int:
         if d is not None:
             for slack, coef in _wait_steps(ctx, i):
                 total += coef * max(0, p.start - slack)
-        sums[p.job.tenant] += _q(ctx, i) * (p.end + ctx.age[i])
-    z = 0
-    for t, s in sums.items():
-        n = len(ctx.tenants.get(t, ())) + ctx.fixed.get(t, (0, 0))[1]
-        z = max(z, -(-(ctx.share.get(t, 1) * s) // n)) if n else z
+    z = _fair_z(sched, ctx)
     longest = max((p.end + ctx.age[p.job.index] for p in sched), default=0)
     return total + ctx.fair * z + ctx.tail * longest + max((p.end for p in sched), default=0)
 
@@ -577,6 +586,34 @@ def _candidate_nodes(j: UJob, greedy_node: int, node_caps: Sequence[int],
     return keep
 
 
+# Neighbourhoods whose sub-models cost the most CPU per improvement found on the benchmark
+# instances (bench/results/scheduler_cpu.md): none of them improved a plan there.
+_SLOW_NEIGHBOURHOODS = ("graph_arc_lns", "graph_cst_lns", "graph_dec_lns", "rnd_cst_lns")
+
+
+def _search_parameters(prm, opts: SolveOptions) -> None:
+    """CP-SAT's parameters. The first solution is the warm start (a complete, feasible hint), so
+    the search is large-neighbourhood search only: many small sub-problems (``lns_work`` each)
+    around the best plan, in one deterministic thread, until ``work_limit`` deterministic time.
+    Full-problem subsolvers (LP relaxations, reduced costs, core) and presolve's probing,
+    symmetry detection and LP linearisation cost seconds of CPU at 200 tasks to load and
+    improved no plan within the production limit (bench/results/scheduler_cpu.md)."""
+    prm.max_deterministic_time = opts.work_limit
+    prm.max_time_in_seconds = opts.time_limit_s
+    prm.num_workers = opts.workers
+    prm.interleave_search = True
+    prm.random_seed = opts.seed
+    prm.use_lns_only = True
+    prm.lns_initial_deterministic_limit = opts.lns_work
+    prm.ignore_subsolvers.extend(_SLOW_NEIGHBOURHOODS)
+    prm.linearization_level = 0
+    prm.symmetry_level = 0
+    prm.cp_model_probing_level = 0
+    prm.max_presolve_iterations = 1
+    # Presolve's symmetry reductions can break a feasible hint; keeping them keeps it usable.
+    prm.keep_symmetry_in_presolve = True
+
+
 def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
               node_caps: list[int], tenant_caps: dict[str, int], ctx: _Ctx,
               opts: SolveOptions) -> tuple[list[Placed], str, int] | None:
@@ -587,14 +624,20 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
     running = [[] for _ in node_caps]
     for p in pinned:
         running[p.option.node].append((p.end, p.option.gpus))
+    # Node options per task: max_node_options, fewer when that would exceed max_options_total
+    # (never under 4): each option is an optional interval in every neighbourhood CP-SAT solves.
+    per_task = min(opts.max_node_options,
+                   max(4, opts.max_options_total // max(1, len(jobs))))
     m = cp_model.CpModel()
     start, end, pres, opts_of = {}, {}, {}, {}
     node_iv: list[list] = [[] for _ in node_caps]
     tenant_iv: dict[str, list] = {t: [] for t in tenant_caps}
     pooled: list[tuple] = []
     terms = []
+    sizes: dict[int, cp_model.IntVar] = {}
+    overs: list[tuple[cp_model.IntVar, int, list[tuple[int, int]]]] = []
     for j in jobs:
-        nodes = _candidate_nodes(j, gnode[j.index], node_caps, running, opts.max_node_options)
+        nodes = _candidate_nodes(j, gnode[j.index], node_caps, running, per_task)
         options = [o for o in j.options if o.node in nodes]
         opts_of[j.index] = options
         dmin = min(o.duration for o in options)
@@ -611,15 +654,22 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
                 tenant_iv[j.tenant].append((iv, o.gpus))
         m.add_exactly_one(pres[j.index, o.node] for o in options)
         size = m.new_int_var(dmin, dmax, f"d{j.index}") if dmax > dmin else dmin
+        if dmax > dmin:
+            sizes[j.index] = size
         pooled.append((m.new_interval_var(s, size, e, f"all{j.index}"),
                        min(o.gpus for o in options)))
         terms.append(j.weight * e)
         d = ctx.deadline[j.index]
         if d is not None:
-            for slack, coef in _wait_steps(ctx, j.index):
-                over = m.new_int_var(0, horizon, f"w{j.index}_{coef}")
-                m.add(over >= s - slack)
-                terms.append(coef * over)
+            # The waiting penalty sum_k coef_k * max(0, s - slack_k) is convex in s: one
+            # variable above each partial sum of its steps (by slack) and above 0.
+            steps = sorted(_wait_steps(ctx, j.index))
+            top = sum(coef * max(0, horizon - slack) for slack, coef in steps)
+            pen = m.new_int_var(0, top, f"w{j.index}")
+            for k in range(1, len(steps) + 1):
+                m.add(pen >= sum(coef * (s - slack) for slack, coef in steps[:k]))
+            overs.append((pen, j.index, steps))
+            terms.append(pen)
     for p in pinned:
         iv = m.new_fixed_size_interval_var(0, p.end, f"pin{p.job.index}")
         node_iv[p.option.node].append((iv, p.option.gpus))
@@ -651,20 +701,24 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
         m.add_max_equality(longest, [end[i] + ctx.age[i] for i in end])
         terms.append(ctx.tail * longest)
     m.minimize(sum(terms) + ctx.fair * z + makespan)
+    # A complete hint (every variable): CP-SAT's first solution is the warm start itself.
+    hint_start = {}
     for p in greedy:
+        hint_start[p.job.index] = p.start
         m.add_hint(start[p.job.index], p.start)
         m.add_hint(end[p.job.index], p.end)
+        if p.job.index in sizes:
+            m.add_hint(sizes[p.job.index], p.option.duration)
         for o in opts_of[p.job.index]:
             m.add_hint(pres[p.job.index, o.node], o.node == p.option.node)
+    for pen, i, steps in overs:
+        m.add_hint(pen, sum(coef * max(0, hint_start[i] - slack) for slack, coef in steps))
+    m.add_hint(z, _fair_z(greedy, ctx))
+    m.add_hint(makespan, max([p.end for p in greedy] + [pin_end]))
+    if ctx.tail:
+        m.add_hint(longest, max(p.end + ctx.age[p.job.index] for p in greedy))
     solver = cp_model.CpSolver()
-    prm = solver.parameters
-    prm.max_deterministic_time = opts.work_limit
-    prm.max_time_in_seconds = opts.time_limit_s
-    prm.num_workers = opts.workers
-    prm.interleave_search = True
-    prm.random_seed = opts.seed
-    # Presolve's symmetry reductions can break a feasible hint; keeping them keeps it usable.
-    prm.keep_symmetry_in_presolve = True
+    _search_parameters(solver.parameters, opts)
     st = solver.solve(m)
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
