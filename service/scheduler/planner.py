@@ -5,10 +5,12 @@ units of ``SolveOptions.unit_s`` seconds, 0 = now; durations round up.
 
 Model:
 - task i has a start s_i >= release_i and an end e_i; for each candidate node n (up, big enough;
-  at most ``max_node_options`` per task, the warm start's node among them) an optional interval
-  (s_i, d_in, e_i) present iff y_in; exactly one y_in is 1. Per node a cumulative of the present
-  intervals (exact: packing.assign_gpus turns it into GPU indices), plus a redundant cumulative
-  of the whole cluster as one pool. Running tasks are fixed intervals [0, remaining) on their GPUs.
+  at most ``max_node_options`` per task, fewer (not under 4) when the tasks times that would
+  exceed ``max_options_total``; the warm start's and the hinted node among them) an optional
+  interval (s_i, d_in, e_i) present iff y_in; exactly one y_in is 1. Per node a cumulative of
+  the present intervals (exact: packing.assign_gpus turns it into GPU indices), plus a redundant
+  cumulative of the whole cluster as one pool. Running tasks are fixed intervals [0, remaining)
+  on their GPUs.
 - per tenant with a hard cap (``tenant_max_gpus``, the borrowing limit) a cumulative over its tasks.
 
 Objective (minimised, all integer):
@@ -29,9 +31,12 @@ Objective (minimised, all integer):
   flow time (arrival to end) of a queued task: old long tasks start sooner (p99 completion)
   at some cost in mean completion; off by default (bench/results/scheduler_sim_cpu.md);
 - the makespan with coefficient 1 (a tie-break).
-Deterministic: CP-SAT runs its workers interleaved in one thread under a deterministic-time limit
-(``work_limit``), so the same instance gives the same plan on a loaded or an idle machine; a
-wall-clock safety limit (``time_limit_s``) only applies when that is exceeded by far.
+Deterministic: CP-SAT searches in one thread under a deterministic-time limit (``work_limit``),
+so the same instance gives the same plan on a loaded or an idle machine; a wall-clock safety
+limit (``time_limit_s``) only applies when that is exceeded by far. The search starts from the
+warm start (a complete hint: CP-SAT's first solution) and is large-neighbourhood search only
+(``_search_parameters``: many small sub-problems around the best plan), the way that improves
+plans most per CPU second at these sizes (bench/results/scheduler_cpu.md).
 Warm start: the best (by this objective) of several list schedules (Smith's rule on w/(g*d) with
 urgent tasks first, w/d, arrival order (conservative backfilling), and the previous plan's order
 merged with new tasks by the same rule),
@@ -189,7 +194,8 @@ class SolveOptions:
     guarantee_boost: int = 4
     max_node_options: int = 8
     max_options_total: int = 800  # fewer node options per task when many tasks (model size)
-    lns_work: float = 0.005  # deterministic time of one neighbourhood search (many small ones)
+    lns_work: float = 0.01  # deterministic time of one neighbourhood search (many small ones)
+    portfolio: bool = False  # CP-SAT's full portfolio (bounds, LP; for reference runs: slower)
     tail: float = 0.0  # T: the longest planned flow time costs T * total weight per unit
     wait_margin: float = 0.1  # planned lateness counts from this fraction of the bound early
     secondary_time_limit_s: float = 0.0  # unused (kept for callers of the two-phase planner)
@@ -603,6 +609,9 @@ def _search_parameters(prm, opts: SolveOptions) -> None:
     prm.num_workers = opts.workers
     prm.interleave_search = True
     prm.random_seed = opts.seed
+    prm.keep_symmetry_in_presolve = True  # presolve's symmetry reductions can break the hint
+    if opts.portfolio:
+        return
     prm.use_lns_only = True
     prm.lns_initial_deterministic_limit = opts.lns_work
     prm.ignore_subsolvers.extend(_SLOW_NEIGHBOURHOODS)
@@ -610,8 +619,6 @@ def _search_parameters(prm, opts: SolveOptions) -> None:
     prm.symmetry_level = 0
     prm.cp_model_probing_level = 0
     prm.max_presolve_iterations = 1
-    # Presolve's symmetry reductions can break a feasible hint; keeping them keeps it usable.
-    prm.keep_symmetry_in_presolve = True
 
 
 def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
