@@ -65,8 +65,14 @@ assert e < 1.5e-2
     step 420 lora_variants python3 bench/lora_op.py --variants --only "$ok" --budget-s 300 \
       --out "$OUT/lora_op_variants_h100.md"
     ;;
-  tests)  # every GPU test, then the engine step with the fused form's chosen GEMM variant
-    step 300 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
+  engine)  # issue 20: the engine step (32 layers, 8 jobs) on compose and the fused GEMM variants
+    step 560 engine_step python3 bench/engine_step.py --jobs 8 --skip-peft --forms compose,fused:ptr,fused:persist \
+      --out "$OUT/engine_step_variants_h100.md"
+    ;;
+  tests)  # every GPU test, then each variant's host time per eager call (one shape)
+    step 330 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
+    step 200 lora_host python3 bench/lora_op.py --variants --only ptr,tma,persist,persist+pf --budget-s 1 \
+      --out "$OUT/lora_op_host_h100.md"
     ;;
   *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests" >&2; exit 2 ;;
 esac

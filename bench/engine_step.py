@@ -71,7 +71,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="")
-    ap.add_argument("--forms", default="compose,fused", help="operator forms of the engine rows (c) and (c'')")
+    ap.add_argument("--forms", default="compose,fused",
+                    help="operator forms of the engine rows (c) and (c''); fused:VARIANT picks the fused GEMM variant")
+    ap.add_argument("--skip-peft", action="store_true", help="leave out (b), PEFT one job at a time")
     ap.add_argument("--profile", default="", help="write a torch.profiler table of one engine step")
     args = ap.parse_args()
     job_counts = [int(x) for x in args.jobs.split(",")]
@@ -102,7 +104,7 @@ def main() -> None:
     # (b) PEFT, one job at a time at batch 1: per-rank step time, summed over the jobs' ranks
     peft_t = {}
     peft_mem = 0.0
-    for r in RANKS:
+    for r in () if args.skip_peft else RANKS:
         cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                          "gate_proj", "up_proj", "down_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
         pm = get_peft_model(model, cfg, autocast_adapter_dtype=False)
@@ -121,21 +123,23 @@ def main() -> None:
         model = pm.unload()
         del pm, opt, params
         torch.cuda.empty_cache()
-    for n in job_counts:
+    for n in () if args.skip_peft else job_counts:
         t = sum(peft_t[RANKS[i % 3]] for i in range(n))
         rows.append(("(b) PEFT sequential", n, t, n * SEQ / t, peft_mem,
                      "sum of per-rank medians " + "/".join(f"{peft_t[r]:.3f}" for r in RANKS)))
 
     # (c) the engine, on each Triton operator form: "compose" (cuBLAS + LoRA passes, the default)
     # and "fused" (LoRA terms in Triton GEMM epilogues, kernels.fused_lora)
-    from kernels import set_default_form
+    from kernels import fused_lora, set_default_form
 
     examples = [Example(tuple(row.tolist()), tuple(row.tolist())) for row in data]
     engine = MultiLoraEngine(model, examples, pad_id=0, adapter_dtype=torch.bfloat16)
     labels = {"compose": "(c) engine", "fused": "(c'') engine, fused form", "auto": "(c'') engine, auto form"}
-    for form in args.forms.split(","):
-        label = labels[form]
+    for spec in args.forms.split(","):
+        form, _, variant = spec.partition(":")
+        label = labels[form] + (f", GEMM {variant}" if variant else "")
         set_default_form(form)
+        fused_lora.GEMM_DEFAULT = fused_lora.gemm_variant(variant or None)
         for n in job_counts:
             for j in list(engine.jobs):
                 engine.detach(j)
@@ -157,7 +161,7 @@ def main() -> None:
             first = engine.step()
             got = [first.losses[s.job_id] for s in states[:4]]
             err = max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True))
-            assert err < 2e-2, (form, got, ref)
+            assert err < 2e-2, (spec, got, ref)
             assert not any(first.skipped.values())
             check = f"first-step loss vs backbone rel err {err:.1e}"
             t, mem = timed(engine.step, args.warmup, args.iters)

@@ -388,6 +388,35 @@ def variants(budget_s: float, cases=VARIANT_CASES, gemm_case=(4096, 4096, 8, 102
                    + " | ".join(cell(tg, v) for v in vs)
                    + f" | {_ratio(best_e, te['a'])} | {_ratio(best_g, tg['a'])} | {err:.1e} |")
         print(out[-1], flush=True)
+    # host time per eager fwd+bwd (launches, autograd, allocation; no sync inside the loop) against
+    # the same calls' wall time to a sync: host-bound where the two meet
+    d_in, d_out, n, per, rn = cases[0]
+    case, _ranks = build_case(d_in, d_out, n, [per] * n, rn)
+    out += ["", f"host time per eager fwd+bwd at {d_in}x{d_out}, {n} x {per} tok, {rn} (30 calls, ms per call):", "",
+            "| path | host (launch) ms | wall to sync ms |", "|---|---|---|"]
+    for k, op in {"a": floor_op, "d": compose_op, **{v: fused_variant_op(v) for v in vs}}.items():
+        x = case.x.detach().clone().requires_grad_()
+        a = case.lora_a.detach().clone().requires_grad_()
+        b = case.lora_b.detach().clone().requires_grad_()
+
+        def step(op=op, x=x, a=a, b=b):
+            op(x, case.weight, case.bias, a, b, case.scales, case.ranks, case.offsets).backward(case.dy)
+            x.grad = a.grad = b.grad = None
+        try:
+            sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+            for _ in range(3):
+                step()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(30):
+                step()
+            host = (time.perf_counter() - t0) / 30
+            sync()
+            wall = (time.perf_counter() - t0) / 30
+            out.append(f"| {k} | {host * 1e3:.3f} | {wall * 1e3:.3f} |")
+        except Exception as exc:
+            out.append(f"| {k} | failed: {type(exc).__name__} | - |")
+        print(out[-1], flush=True)
     # each variant's GEMMs apart (CUDA graph, GPU time only)
     d_in, d_out, n, per, r = gemm_case
     case = make_case([per] * n, [r] * n, d_in, d_out, dtype=DTYPE, device=DEVICE, bias=False, nan_padding=False)
