@@ -597,10 +597,12 @@ def _candidate_nodes(j: UJob, greedy_node: int, node_caps: Sequence[int],
 _SLOW_NEIGHBOURHOODS = ("graph_arc_lns", "graph_cst_lns", "graph_dec_lns", "rnd_cst_lns")
 
 
-def _search_parameters(prm, opts: SolveOptions) -> None:
+def _search_parameters(prm, opts: SolveOptions, n_jobs: int = 0) -> None:
     """CP-SAT's parameters. The first solution is the warm start (a complete, feasible hint), so
     the search is large-neighbourhood search only: many small sub-problems (``lns_work`` each)
     around the best plan, in one deterministic thread, until ``work_limit`` deterministic time.
+    Each sub-problem costs a copy and presolve of the model that its deterministic time does not
+    count, so beyond 100 tasks its work grows with the task count (fewer, larger sub-problems).
     Full-problem subsolvers (LP relaxations, reduced costs, core) and presolve's probing,
     symmetry detection and LP linearisation cost seconds of CPU at 200 tasks to load and
     improved no plan within the production limit (bench/results/scheduler_cpu.md)."""
@@ -613,7 +615,7 @@ def _search_parameters(prm, opts: SolveOptions) -> None:
     if opts.portfolio:
         return
     prm.use_lns_only = True
-    prm.lns_initial_deterministic_limit = opts.lns_work
+    prm.lns_initial_deterministic_limit = opts.lns_work * max(1.0, n_jobs / 100)
     prm.ignore_subsolvers.extend(_SLOW_NEIGHBOURHOODS)
     prm.linearization_level = 0
     prm.symmetry_level = 0
@@ -725,7 +727,7 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
     if ctx.tail:
         m.add_hint(longest, max(p.end + ctx.age[p.job.index] for p in greedy))
     solver = cp_model.CpSolver()
-    _search_parameters(solver.parameters, opts)
+    _search_parameters(solver.parameters, opts, len(jobs))
     st = solver.solve(m)
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
