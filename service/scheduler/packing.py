@@ -62,15 +62,16 @@ class Timeline:
     spans: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, demand)
 
     def usage_ok(self, start: int, end: int, demand: int) -> bool:
-        points = [start] + [s for s, _, _ in self.spans if start < s < end]
-        for t in points:
-            used = sum(d for s, e, d in self.spans if s <= t < e)
-            if used + demand > self.capacity:
+        """Room for ``demand`` over [start, end): the spans meeting it are checked at ``start``
+        and at their own starts (usage only rises there)."""
+        room = self.capacity - demand
+        meet = [(s, e, d) for s, e, d in self.spans if s < end and e > start]
+        if sum(d for _, _, d in meet) <= room:
+            return True
+        for t in [start, *(s for s, _, _ in meet if s > start)]:
+            if sum(d for s, e, d in meet if s <= t < e) > room:
                 return False
         return True
-
-    def candidate_times(self, release: int) -> list[int]:
-        return sorted({release, *(e for _, e, _ in self.spans if e > release)})
 
 
 def earliest_fit(node: Timeline, tenant: Timeline | None, release: int, duration: int,
@@ -84,23 +85,11 @@ def earliest_fit(node: Timeline, tenant: Timeline | None, release: int, duration
     for t in sorted(ends):
         if latest is not None and t > latest:
             return None
-        if _fits(node, t, t + duration, gpus) and (
-                tenant is None or _fits(tenant, t, t + duration, gpus)):
+        if node.usage_ok(t, t + duration, gpus) and (
+                tenant is None or tenant.usage_ok(t, t + duration, gpus)):
             return t
     # Unreachable while every capacity >= every demand: after the last end everything is free.
     raise ValueError("no fit: demand exceeds capacity")
-
-
-def _fits(line: Timeline, start: int, end: int, demand: int) -> bool:
-    """Timeline.usage_ok, faster: the spans meeting [start, end) are checked at their starts."""
-    room = line.capacity - demand
-    meet = [(s, e, d) for s, e, d in line.spans if s < end and e > start]
-    if sum(d for _, _, d in meet) <= room:
-        return True
-    for t in [start, *(s for s, _, _ in meet if s > start)]:
-        if sum(d for s, e, d in meet if s <= t < e) > room:
-            return False
-    return True
 
 
 def timelines(node_caps: Sequence[int], tenant_caps: dict[str, int],
