@@ -74,5 +74,32 @@ assert e < 1.5e-2
     step 200 lora_host python3 bench/lora_op.py --variants --only ptr,tma,persist,persist+pf --budget-s 1 \
       --out "$OUT/lora_op_host_h100.md"
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests" >&2; exit 2 ;;
+  hostprof)  # where an eager fused/compose fwd+bwd spends its host time (cProfile), the engine GPU tests
+    step 200 hostprof python3 -c "
+import cProfile, pstats, torch
+from kernels import multilora_linear
+from kernels.fused_lora import multilora_linear_fused
+from kernels.testing import make_case
+c = make_case([1024] * 8, [16] * 8, 4096, 4096, dtype=torch.bfloat16, device='cuda', bias=False, nan_padding=False)
+x, a, b = (t.detach().clone().requires_grad_() for t in (c.x, c.lora_a, c.lora_b))
+for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c.scales, c.ranks, c.offsets,
+                                                       backend='triton', form='compose')),
+                 ('persist', lambda: multilora_linear_fused(x, c.weight, None, a, b, c.scales, c.ranks, c.offsets,
+                                                           gemm='persist'))):
+    for _ in range(3):
+        op().backward(c.dy)
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):  # backward in this thread: cProfile sees it
+        pr.enable()
+        for _ in range(30):
+            op().backward(c.dy)
+        pr.disable()
+    torch.cuda.synchronize()
+    print('=====', name)
+    pstats.Stats(pr).sort_stats('tottime').print_stats(25)
+"
+    step 300 gpu_engine python3 -m pytest -x -rA --tb=short -p no:cacheprovider tests/gpu/test_engine_gpu.py
+    ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof" >&2; exit 2 ;;
 esac

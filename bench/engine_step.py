@@ -210,7 +210,7 @@ def main() -> None:
     seq = {n: t for name, n, t, *_ in rows if name.startswith("(b)")}
     for name, n, t, tps, mem, note in rows:
         ca = f"{t / floor[n]:.2f}" if name.startswith("(c") else ""
-        bc = f"{seq[n] / eng[n]:.2f}" if name.startswith("(c)") and n in eng else ""
+        bc = f"{seq[n] / eng[n]:.2f}" if name.startswith("(c)") and n in eng and n in seq else ""
         lines.append(f"| {name} | {n} | {t:.3f} | {tps:,.0f} | {mem:.1f} | {ca} | {bc} | {note} |")
     table = "\n".join(lines)
     print(table)
