@@ -101,5 +101,12 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
 "
     step 300 gpu_engine python3 -m pytest -x -rA --tb=short -p no:cacheprovider tests/gpu/test_engine_gpu.py
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof" >&2; exit 2 ;;
+  final)  # the defaults after the variants study (fused form, persistent GEMMs on Hopper) against
+          # compose in one run, then the GPU tests those defaults touch
+    step 200 engine_step python3 bench/engine_step.py --jobs 8 --skip-peft --forms compose,fused \
+      --out "$OUT/engine_step_default_h100.md"
+    step 360 gpu_tests python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_engine_gpu.py \
+      tests/gpu/test_kernels_gpu.py -k "engine or fused_arena or variants or no_host_sync"
+    ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final" >&2; exit 2 ;;
 esac

@@ -139,7 +139,7 @@ def main() -> None:
         form, _, variant = spec.partition(":")
         label = labels[form] + (f", GEMM {variant}" if variant else "")
         set_default_form(form)
-        fused_lora.GEMM_DEFAULT = fused_lora.gemm_variant(variant or None)
+        fused_lora.GEMM_DEFAULT = fused_lora.gemm_variant(variant) if variant else None  # None: the device's
         for n in job_counts:
             for j in list(engine.jobs):
                 engine.detach(j)

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.multilora import hopper_or_newer
 from kernels.triton_lora import (
     AUTOTUNE_KW,
     _acc_torch,
@@ -481,16 +482,20 @@ def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: bool) -> None:  # no
 # The fused GEMMs' main loop and epilogue schedule: "ptr" (pointer loads, one program per tile),
 # "tma" (TMA tensor descriptors), "persist" (TMA, persistent programs, one flattened loop over
 # tiles); "+pf" prefetches the epilogue's first LoRA operands before the main loop. The process
-# default comes from $LORAPLEX_FUSED_GEMM ($LORAPLEX_FUSED_TMA=1 is the older spelling of "tma").
+# default comes from $LORAPLEX_FUSED_GEMM ($LORAPLEX_FUSED_TMA=1 is the older spelling of "tma");
+# unset (None): "persist" on Hopper or newer (the fastest on H100: bench/results/lora_op_variants_h100.md),
+# "ptr" elsewhere and under the interpreter.
 GEMM_VARIANTS = ("ptr", "ptr+pf", "tma", "tma+pf", "persist", "persist+pf")
-GEMM_DEFAULT = os.environ.get("LORAPLEX_FUSED_GEMM") or (
-    "tma" if os.environ.get("LORAPLEX_FUSED_TMA", "0") == "1" else "ptr")
+GEMM_DEFAULT: str | None = os.environ.get("LORAPLEX_FUSED_GEMM") or (
+    "tma" if os.environ.get("LORAPLEX_FUSED_TMA", "0") == "1" else None)
 
 
-def gemm_variant(gemm: str | None = None, tma: bool | None = None) -> str:
+def gemm_variant(gemm: str | None = None, tma: bool | None = None, device: torch.device | None = None) -> str:
     """The variant a call runs: `gemm` if given, else `tma` (True: "tma", False: "ptr"), else the
-    process default. Unknown names are refused here, before any launch."""
+    process default, else the device's. Unknown names are refused here, before any launch."""
     v = gemm if gemm is not None else ("tma" if tma else "ptr") if tma is not None else GEMM_DEFAULT
+    if v is None:
+        v = "persist" if device is not None and not _INTERPRET and hopper_or_newer(device) else "ptr"
     if v not in GEMM_VARIANTS:
         raise ValueError(f"unknown fused GEMM variant {v!r} (LORAPLEX_FUSED_GEMM or gemm=): "
                          f"expected one of {', '.join(GEMM_VARIANTS)}")
@@ -527,7 +532,7 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: bool, out
                  gemm: str | None = None) -> torch.Tensor:
     """a [T, K] @ b_kn [K, NC] (+ bias) + s_i p_i W_i into a new [T, NC] tensor (`gemm`: the
     variant, see GEMM_VARIANTS; TMA variants fall back to pointer loads where TMA cannot load)."""
-    variant = gemm_variant(gemm)
+    variant = gemm_variant(gemm, device=a.device)
     base, prefetch = variant.split("+")[0], variant.endswith("+pf")
     t, k = a.shape
     nc = b_kn.shape[1]
@@ -647,7 +652,7 @@ def multilora_linear_fused(x, weight, bias, lora_a, lora_b, scales, ranks, offse
     if scales.device != dev or ranks.device != dev or offsets.device != dev:
         scales, ranks, offsets = scales.to(dev), ranks.to(dev), offsets.to(dev)
     return FusedMultiLoraFn.apply(x, weight, bias, lora_a, lora_b, scales, ranks, offsets, onepass,
-                                 gemm_variant(gemm, tma))
+                                 gemm_variant(gemm, tma, x.device))
 
 
 class FusedArenaFn(torch.autograd.Function):

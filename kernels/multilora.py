@@ -27,7 +27,8 @@ layout, float32; float64 for float64) at the same offsets, and returns a gradien
 gradient (the first layer's inputs). r_max >= max(r_i) sizes the rank tile.
 
 Operator forms of the Triton backend (`form=`; None means the process default, "compose" unless
-set by `set_default_form` or $LORAPLEX_LORA_FORM):
+set by `set_default_form` or $LORAPLEX_LORA_FORM; unset: "fused" on Hopper or newer, "compose"
+elsewhere):
     "compose"  cuBLAS base GEMMs + separate grouped LoRA passes (kernels.triton_lora)
     "fused"    Triton GEMMs with the LoRA expand and dS A in their epilogues, per-adapter rank
                tiles (kernels.fused_lora)
@@ -45,8 +46,26 @@ from kernels.reference import multilora_linear_arena_reference, multilora_linear
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FORMS = ("compose", "fused", "auto")
-_default_form = os.environ.get("LORAPLEX_LORA_FORM", "compose")
+# None: the device's default (`device_default_form`); set_default_form or $LORAPLEX_LORA_FORM pin one
+_default_form: str | None = os.environ.get("LORAPLEX_LORA_FORM") or None
 _device_names: dict[int, str] = {}
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def hopper_or_newer(device: torch.device) -> bool:
+    """True on a CUDA device of compute capability 9.0 or more (TMA, the persistent fused GEMMs)."""
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _capabilities:
+        _capabilities[idx] = torch.cuda.get_device_capability(idx)
+    return _capabilities[idx] >= (9, 0)
+
+
+def device_default_form(x: torch.Tensor) -> str:
+    """"fused" on Hopper or newer (its persistent TMA GEMMs beat cuBLAS + separate LoRA passes end to
+    end: bench/results/engine_step_variants_h100.md), "compose" elsewhere."""
+    return "fused" if hopper_or_newer(x.device) else "compose"
 
 
 def _check_form(form: str | None) -> None:
@@ -75,6 +94,9 @@ def _device_name(x: torch.Tensor) -> str:
 def resolve_form(form: str | None, x: torch.Tensor, d_out: int, r_max: int) -> str:
     """"compose" or "fused" for this call (host ints only: no device sync)."""
     form = _default_form if form is None else form
+    if form is None:
+        return device_default_form(x)
+    _check_form(form)
     if form != "auto":
         return form
     from kernels.form_choice import table
