@@ -77,5 +77,8 @@ def test_nan_job_does_not_touch_others_on_cuda(tmp_path) -> None:
             w = nan[j][k]
             assert torch.isfinite(w).all()
             diff = float((w - v).abs().max())
-            assert diff <= max(4 * noise, 1e-6 + 1e-5 * float(v.abs().max())), (j, k, diff, noise)
+            # one healthy repeat samples the float-order noise once; after 6 AdamW steps (which
+            # normalise tiny gradient differences) another ordering can land a few times above
+            # it. A leak from the 1e30-lr job would be non-finite or of the weights' own size.
+            assert diff <= max(8 * noise, 1e-6 + 1e-4 * float(v.abs().max())), (j, k, diff, noise)
     print(f"nan isolation on cuda: run-to-run noise {noise:.3e}")
