@@ -4,7 +4,8 @@ The interpreter tests run the kernels' arithmetic but never the compiler; this o
 real NVIDIA pipeline ahead of time (ptxas ships in the triton wheel) with the specialisation the
 runtime would apply to the benchmark's shapes (unit strides as constants, 16-divisible ints and
 pointers marked so), and checks what decides speed: the GEMMs use wgmma and a multi-stage
-pipeline, the TMA variant issues tensor-descriptor copies, nothing spills to local memory.
+pipeline, the TMA and persistent variants issue tensor-descriptor copies, nothing spills to local
+memory.
 Uses triton.compile / ASTSource (internal API): if a Triton upgrade changes them, update _compile.
 """
 
@@ -73,7 +74,7 @@ base = dict(a_ptr=P, b_ptr=P, c_ptr=P, bias_ptr=P, p_ptr="*fp32", w_ptr=P, woff_
             stride_cn=1, stride_wc=1)
 fwd = dict(base, NC=DO, stride_am=DI, stride_ak=1, stride_bk=1, stride_bn=DI, stride_cm=DO, stride_wr=DO)
 dxg = dict(base, NC=DI, K=DO, stride_am=DO, stride_ak=1, stride_bk=DI, stride_bn=1, stride_cm=DI, stride_wr=DI)
-meta = dict(N_P2=16, ACC=tl.float32, DOT_PREC="tf32", ARENA=True)
+meta = dict(N_P2=16, ACC=tl.float32, DOT_PREC="tf32", ARENA=True, PREFETCH=False)
 res = {}
 for name, args in (("fwd", fwd), ("dx", dxg)):
     for cfg in fl._GEMM_CONFIGS[:2]:
@@ -83,19 +84,25 @@ for name, args in (("fwd", fwd), ("dx", dxg)):
     no_ak = {k: v for k, v in args.items() if k != "stride_ak"}
     kw = dict(fl._GEMM_CONFIGS[0].kwargs)
     res[f"gemm tma {name}"] = _compile(fl._gemm_lora_tma_jit, no_ak, dict(meta, HAS_BIAS=False, B_NK=name == "fwd",
-                                       **kw), 8, 3)
+                                       NUM_SMS=132, **kw), 8, 3)
+    # the default on Hopper: persistent programs over a flattened tile loop (and its +pf form)
+    res[f"gemm persist {name}"] = _compile(fl._gemm_lora_persist_jit, no_ak, dict(
+        meta, HAS_BIAS=False, B_NK=name == "fwd", NUM_SMS=132, **kw), 8, 3)
+    res[f"gemm persist+pf {name}"] = _compile(fl._gemm_lora_persist_jit, no_ak, dict(
+        meta, HAS_BIAS=False, B_NK=name == "fwd", NUM_SMS=132, **kw) | {"PREFETCH": True}, 8, 3)
+no_pf = {k: v for k, v in meta.items() if k != "PREFETCH"}  # kernels without the GEMM epilogue
 shr = dict(m_ptr=P, w_ptr=P, p_ptr="*fp32", woff_ptr="*i64", off_ptr="*i64", rank_ptr="*i32", s_ptr="*fp32",
            g_ptr="*fp32", goff_ptr="*i64", scale_ptr="*fp32", N=8, C=DO, R_MAX=R, T_BUCKET=T, stride_mm=DO,
            stride_mc=1, stride_wn=0, stride_wr=DO, stride_wc=1, stride_pm=R, stride_sm=R)
 for fuse in (False, True):
     cfg = fl._SHRINK_CONFIGS[0]
-    res[f"shrink fuse_db={fuse}"] = _compile(fl._shrink_jit, shr, dict(meta, FUSE_WGRAD=fuse, BLOCK_R=16,
+    res[f"shrink fuse_db={fuse}"] = _compile(fl._shrink_jit, shr, dict(no_pf, FUSE_WGRAD=fuse, BLOCK_R=16,
                                              **cfg.kwargs), cfg.num_warps, cfg.num_stages)
 wg = dict(p_ptr="*fp32", m_ptr=P, g_ptr="*fp32", goff_ptr="*i64", off_ptr="*i64", rank_ptr="*i32",
           scale_ptr="*fp32", N=8, C=DI, R_MAX=R, T_BUCKET=T, stride_pm=R, stride_mm=DI, stride_mc=1, stride_gn=0,
           stride_gr=DI, stride_gc=1)
 cfg = fl._WGRAD_CONFIGS[0]
-res["wgrad"] = _compile(fl._wgrad_jit, wg, dict(meta, BLOCK_R=16, **cfg.kwargs), cfg.num_warps, cfg.num_stages)
+res["wgrad"] = _compile(fl._wgrad_jit, wg, dict(no_pf, BLOCK_R=16, **cfg.kwargs), cfg.num_warps, cfg.num_stages)
 # the composition's kernels (kernels.triton_lora), which share the shrink sweep with the fused form
 cmp_args = dict(x_ptr=P, a_ptr=P, b_ptr=P, y_ptr=P, s_ptr="*fp32", dy_ptr=P, dx_ptr=P, da_ptr="*fp32",
                 db_ptr="*fp32", off_ptr="*i64", rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i64", boff_ptr="*i64",
@@ -103,10 +110,10 @@ cmp_args = dict(x_ptr=P, a_ptr=P, b_ptr=P, y_ptr=P, s_ptr="*fp32", dy_ptr=P, dx_
                 stride_ar=DI, stride_bn=0, stride_br=DO, stride_bo=1, stride_ym=DO, stride_yn=1, stride_sm=R,
                 stride_dym=DO, stride_dyn=1, stride_dxm=DI, stride_dxk=1)
 cfg = tlr._FWD_CONFIGS[0]
-res["compose fwd"] = _compile(tlr._fwd_jit, cmp_args, dict(meta, BLOCK_R=R, **cfg.kwargs), cfg.num_warps,
+res["compose fwd"] = _compile(tlr._fwd_jit, cmp_args, dict(no_pf, BLOCK_R=R, **cfg.kwargs), cfg.num_warps,
                               cfg.num_stages)
 cfg = tlr._BWD_CONFIGS[0]
-res["compose bwd"] = _compile(tlr._bwd_jit, cmp_args, dict(meta, BLOCK_R=R, COMPUTE_DX=True, COMPUTE_DA=True,
+res["compose bwd"] = _compile(tlr._bwd_jit, cmp_args, dict(no_pf, BLOCK_R=R, COMPUTE_DX=True, COMPUTE_DA=True,
                               COMPUTE_DB=True, **cfg.kwargs), cfg.num_warps, cfg.num_stages)
 print("RESULT" + json.dumps(res))
 """
@@ -122,11 +129,12 @@ def test_kernels_compile_for_hopper() -> None:
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert len(res) == 11
+    assert len(res) == 15
     for name, r in res.items():
         assert r["local"] in (0, None), f"{name} spills to local memory: {r}"
         if name.startswith("gemm"):
             assert r["wgmma"], f"{name} does not use wgmma: {r}"
             assert r["shared"] >= 2 * 128 * 64 * 2 * 2, f"{name} is not pipelined (shared {r['shared']} B)"
     assert res["gemm tma fwd"]["tma"] and res["gemm tma dx"]["tma"]
+    assert all(res[f"gemm persist{pf} {d}"]["tma"] for pf in ("", "+pf") for d in ("fwd", "dx"))
     assert not res["gemm fwd 128x256"]["tma"]
