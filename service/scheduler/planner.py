@@ -597,7 +597,7 @@ def _candidate_nodes(j: UJob, greedy_node: int, node_caps: Sequence[int],
 _SLOW_NEIGHBOURHOODS = ("graph_arc_lns", "graph_cst_lns", "graph_dec_lns", "rnd_cst_lns")
 
 
-SMALL_QUEUE = 40  # queued tasks up to which neighbourhoods are solved without presolve
+SMALL_QUEUE = 40  # queued tasks up to which a full-problem subsolver joins the neighbourhoods
 
 
 def _search_parameters(prm, opts: SolveOptions, n_jobs: int = 0) -> None:
@@ -625,12 +625,14 @@ def _search_parameters(prm, opts: SolveOptions, n_jobs: int = 0) -> None:
     prm.cp_model_probing_level = 0
     prm.max_presolve_iterations = 1
     if n_jobs <= SMALL_QUEUE:
-        # On a small queue presolve solves most neighbourhoods outright, and a neighbourhood
-        # solved in presolve counts no deterministic time: the search then never reaches
-        # work_limit and runs into the wall-clock safety instead (seen: 6,945 neighbourhoods in
-        # 10 s on 24 tasks, a plan that depended on the machine's speed). Without presolve every
-        # neighbourhood's search is counted (that case: 0.48 s, the same plan quality).
-        prm.cp_model_presolve = False
+        # On a small queue most neighbourhoods are solved outright and count no deterministic
+        # time, so LNS alone may never reach work_limit and run into the wall-clock safety instead
+        # (seen: 6,945 neighbourhoods in 10 s on a 24-task queue, a plan that depended on the
+        # machine's speed). One full-problem subsolver interleaved with the neighbourhoods counts
+        # its time, which bounds the search (0.3-0.5 s on the queues that ran away; 0.5% above
+        # LNS alone on 20-40-task instances: bench/results/scheduler_sim_cpu.md).
+        prm.use_lns_only = False
+        prm.subsolvers.append("quick_restart_no_lp")
 
 
 def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
