@@ -350,6 +350,11 @@ def _wait_steps(ctx: _Ctx, i: int) -> list[tuple[int, int]]:
     return steps
 
 
+def _wait_cost(steps: Sequence[tuple[int, int]], start: int) -> int:
+    """The bounded-wait penalty of a start: sum of cost * max(0, start - slack) over its steps."""
+    return sum(coef * max(0, start - slack) for slack, coef in steps)
+
+
 def _fair_z(sched: Sequence[Placed], ctx: _Ctx) -> int:
     """The fair-share term's Z of a schedule: the largest weighted mean slowdown of a tenant."""
     sums = {t: ctx.fixed.get(t, (0, 0))[0] for t in set(ctx.tenants) | set(ctx.fixed)}
@@ -368,10 +373,8 @@ def objective(sched: Sequence[Placed], ctx: _Ctx) -> int:
     for p in sched:
         i = p.job.index
         total += p.job.weight * p.end
-        d = ctx.deadline[i]
-        if d is not None:
-            for slack, coef in _wait_steps(ctx, i):
-                total += coef * max(0, p.start - slack)
+        if ctx.deadline[i] is not None:
+            total += _wait_cost(_wait_steps(ctx, i), p.start)
     z = _fair_z(sched, ctx)
     longest = max((p.end + ctx.age[p.job.index] for p in sched), default=0)
     return total + ctx.fair * z + ctx.tail * longest + max((p.end for p in sched), default=0)
@@ -733,7 +736,7 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
         for o in opts_of[p.job.index]:
             m.add_hint(pres[p.job.index, o.node], o.node == p.option.node)
     for pen, i, steps in overs:
-        m.add_hint(pen, sum(coef * max(0, hint_start[i] - slack) for slack, coef in steps))
+        m.add_hint(pen, _wait_cost(steps, hint_start[i]))
     m.add_hint(z, _fair_z(greedy, ctx))
     m.add_hint(makespan, max([p.end for p in greedy] + [pin_end]))
     if ctx.tail:
