@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.multilora import hopper_or_newer
+from kernels.multilora import cuda_index, hopper_or_newer
 from kernels.triton_lora import (
     AUTOTUNE_KW,
     _acc_torch,
@@ -508,7 +508,7 @@ _NUM_SMS: dict[int, int] = {}
 def _num_sms(device: torch.device) -> int:
     if _INTERPRET or device.type != "cuda":
         return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = cuda_index(device)
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _NUM_SMS[idx]

@@ -52,11 +52,16 @@ _device_names: dict[int, str] = {}
 _capabilities: dict[int, tuple[int, int]] = {}
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device (`cuda` without one: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def hopper_or_newer(device: torch.device) -> bool:
     """True on a CUDA device of compute capability 9.0 or more (TMA, the persistent fused GEMMs)."""
     if device.type != "cuda":
         return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    idx = cuda_index(device)
     if idx not in _capabilities:
         _capabilities[idx] = torch.cuda.get_device_capability(idx)
     return _capabilities[idx] >= (9, 0)
@@ -85,7 +90,7 @@ def set_default_form(form: str) -> None:
 def _device_name(x: torch.Tensor) -> str:
     if not x.is_cuda:
         return str(x.device.type)
-    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    idx = cuda_index(x.device)
     if idx not in _device_names:
         _device_names[idx] = torch.cuda.get_device_name(idx)
     return _device_names[idx]
