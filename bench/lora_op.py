@@ -27,6 +27,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -140,23 +141,47 @@ def make_ops(case, n, counts, ranks, loop: bool) -> dict:
     return ops
 
 
+def oracle_check(case, ops: dict, where: str) -> dict[str, float]:
+    """Max relative error of every LoRA path in `ops` (all but the floor "a") vs the fp64 oracle,
+    same inputs. A path that fails (e.g. a kernel that does not compile here) is removed from
+    `ops` with error inf: it costs its own cells only."""
+    want = oracle_fp64(case, device=DEVICE)
+    errs = {}
+    for k, op in list(ops.items()):
+        if k == "a":
+            continue
+        try:
+            errs[k] = max(rel_errors(run_op(case, op), want).values())
+        except Exception as exc:
+            print(f"({k}) failed at {where}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            errs[k] = float("inf")
+            del ops[k]
+    return errs
+
+
+def stage_inputs(d_in: int, d_out: int, n: int, per: int, r: int) -> SimpleNamespace:
+    """Inputs of the GEMMs and LoRA passes timed apart: n adapters of `per` tokens at rank r, the
+    forward's S, the fused kernels' contexts with the adapters (c) and without (c0: the bare
+    Triton GEMM), and the rank-major strides of A and B."""
+    from kernels.fused_lora import _Ctx, _stacked_a, _stacked_b
+    from kernels.triton_lora import lora_forward
+
+    case = make_case([per] * n, [r] * n, d_in, d_out, dtype=DTYPE, device=DEVICE, bias=False, nan_padding=False)
+    x, w, a, b, off = case.x, case.weight, case.lora_a, case.lora_b, case.offsets
+    y = F.linear(x, w)
+    return SimpleNamespace(
+        case=case, x=x, w=w, a=a, b=b, dy=case.dy, off=off, y=y,
+        s_buf=lora_forward(x, a, b, case.scales, case.ranks, off, y),
+        c=_Ctx(x, n, r, off, case.ranks, case.scales), c0=_Ctx(x, 0, r, off[:1], case.ranks[:0], case.scales[:0]),
+        sa=_stacked_a(a), sb=_stacked_b(b))
+
+
 def bench_case(d_in, d_out, n, per, rank_name, counts=None, rep_ms=60, loop=False):
     counts = counts or [per] * n
     case, ranks = build_case(d_in, d_out, n, counts, rank_name)
     ops = make_ops(case, n, counts, ranks, loop)
-    # correctness of every LoRA path, same inputs, vs the fp64 oracle (on the GPU, float64)
-    want = oracle_fp64(case, device=DEVICE)
-    errs, times = {}, {}
-    for k, op in list(ops.items()):
-        if k == "a":
-            continue
-        try:  # a path that fails (e.g. a kernel that does not compile here) costs its row cells only
-            errs[k] = max(rel_errors(run_op(case, op), want).values())
-        except Exception as exc:
-            print(f"({k}) failed at {d_in}x{d_out} N={n}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            errs[k], times[k] = float("inf"), float("nan")
-            del ops[k]
-    del want
+    errs = oracle_check(case, ops, f"{d_in}x{d_out} N={n}")
+    times = {k: float("nan") for k in errs if k not in ops}
     times.update({k: time_fwd_bwd(op, case, rep_ms) for k, op in ops.items()})
     for k in ("a", "d", "e"):
         times[k + "g"] = time_fwd_bwd(ops[k], case, rep_ms, graph=True) if k in ops else float("nan")
@@ -183,7 +208,6 @@ def breakdown(d_in: int, d_out: int, n: int, per: int, r: int, gbs: float) -> li
     """Each stage of (d) and (e) timed apart (CUDA-graph replay); GEMMs with their TFLOP/s, LoRA
     passes with the fewest bytes they must move at the measured bandwidth."""
     from kernels.fused_lora import (
-        _Ctx,
         _gemm_launch,
         _shrink_launch,
         _stacked_a,
@@ -192,16 +216,11 @@ def breakdown(d_in: int, d_out: int, n: int, per: int, r: int, gbs: float) -> li
     )
     from kernels.triton_lora import lora_backward, lora_forward
 
-    case = make_case([per] * n, [r] * n, d_in, d_out, dtype=DTYPE, device=DEVICE, bias=False, nan_padding=False)
+    si = stage_inputs(d_in, d_out, n, per, r)
+    case, off, x, w, a, b, dy, y, s_buf = si.case, si.off, si.x, si.w, si.a, si.b, si.dy, si.y, si.s_buf
+    c, c0, sa, sb = si.c, si.c0, si.sa, si.sb
     t = n * per
-    off = case.offsets
-    x, w, a, b, dy = case.x, case.weight, case.lora_a, case.lora_b, case.dy
-    y = F.linear(x, w)
-    s_buf = lora_forward(x, a, b, case.scales, case.ranks, off, y)
     dx = dy @ w
-    c = _Ctx(x, n, r, off, case.ranks, case.scales)
-    c0 = _Ctx(x, 0, r, off[:1], case.ranks[:0], case.scales[:0])  # no adapters: the bare Triton GEMM
-    sa, sb = _stacked_a(a), _stacked_b(b)
     ds = torch.empty_like(s_buf)
     ga = torch.zeros(a.shape, dtype=torch.float32, device=DEVICE)
     gb = torch.zeros(b.shape, dtype=torch.float32, device=DEVICE)
@@ -344,14 +363,7 @@ def variants(budget_s: float, cases=VARIANT_CASES, gemm_case=(4096, 4096, 8, 102
     """Every fused GEMM variant side by side: the whole op (fwd+bwd) at a few shapes, eager and as
     a CUDA graph, against the floor (a) and compose (d) of the same run; then each variant's two
     GEMMs (with their LoRA epilogues) and the bare main loops timed apart at the key shape."""
-    from kernels.fused_lora import (
-        GEMM_VARIANTS,
-        _Ctx,
-        _gemm_launch,
-        _stacked_a,
-        _stacked_b,
-    )
-    from kernels.triton_lora import lora_forward
+    from kernels.fused_lora import GEMM_VARIANTS, _gemm_launch
 
     start = time.time()
     vs = [v for v in GEMM_VARIANTS if v in ONLY] if ONLY else list(GEMM_VARIANTS)
@@ -366,18 +378,9 @@ def variants(budget_s: float, cases=VARIANT_CASES, gemm_case=(4096, 4096, 8, 102
             break
         counts = [per] * n
         case, _ranks = build_case(d_in, d_out, n, counts, rn)
-        want = oracle_fp64(case, device=DEVICE)
         ops = {"a": floor_op, "d": compose_op, **{v: fused_variant_op(v) for v in vs}}
-        err = 0.0
-        for k, op in list(ops.items()):
-            if k == "a":
-                continue
-            try:
-                err = max(err, max(rel_errors(run_op(case, op), want).values()))
-            except Exception as exc:
-                print(f"({k}) failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                del ops[k]
-        del want
+        errs = oracle_check(case, ops, f"{d_in}x{d_out} N={n}")
+        err = max((e for k, e in errs.items() if k in ops), default=0.0)
         te = {k: time_fwd_bwd(op, case, 60) for k, op in ops.items()}
         tg = {k: time_fwd_bwd(op, case, 60, graph=True) for k, op in ops.items()}
         cell = lambda t, k: f"{t[k]:.3f}" if k in t else "failed"  # noqa: E731
@@ -419,13 +422,10 @@ def variants(budget_s: float, cases=VARIANT_CASES, gemm_case=(4096, 4096, 8, 102
         print(out[-1], flush=True)
     # each variant's GEMMs apart (CUDA graph, GPU time only)
     d_in, d_out, n, per, r = gemm_case
-    case = make_case([per] * n, [r] * n, d_in, d_out, dtype=DTYPE, device=DEVICE, bias=False, nan_padding=False)
-    x, w, a, b, dy, off = case.x, case.weight, case.lora_a, case.lora_b, case.dy, case.offsets
-    s_buf = lora_forward(x, a, b, case.scales, case.ranks, off, F.linear(x, w))
+    si = stage_inputs(d_in, d_out, n, per, r)
+    x, w, a, b, dy, off, s_buf = si.x, si.w, si.a, si.b, si.dy, si.off, si.s_buf
+    c, c0, sa, sb = si.c, si.c0, si.sa, si.sb
     ds = torch.randn_like(s_buf)
-    c = _Ctx(x, n, r, off, case.ranks, case.scales)
-    c0 = _Ctx(x, 0, r, off[:1], case.ranks[:0], case.scales[:0])
-    sa, sb = _stacked_a(a), _stacked_b(b)
     flops = 2 * n * per * d_in * d_out
     out += ["", f"each variant's GEMMs apart (CUDA graph) at {d_in}x{d_out}, N={n}, {per} tok, r={r}:", "",
             "| GEMM | " + " | ".join(["cuBLAS"] + vs) + " |", "|" + "---|" * (2 + len(vs))]
