@@ -108,5 +108,12 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 360 gpu_tests python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_engine_gpu.py \
       tests/gpu/test_kernels_gpu.py -k "engine or fused_arena or variants or no_host_sync"
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final" >&2; exit 2 ;;
+  profile)  # issue 20, session 5: where the engine step's time over the backbone goes (kernel time
+            # by category and GPU idle, per form), then the GPU tests not yet run on a device
+    step 300 engine_profile python3 bench/engine_step.py --jobs 8 --skip-peft --forms compose,fused \
+      --out "$OUT/engine_step_profiled_h100.md" --profile "$OUT/engine_step_profile_h100.md"
+    step 270 gpu_tests python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
+      -k "variants or fused_matches"
+    ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile" >&2; exit 2 ;;
 esac

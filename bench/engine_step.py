@@ -64,6 +64,50 @@ def floor_step(model, ids: torch.Tensor) -> None:  # noqa: ANN001
     total.backward()
 
 
+KINDS = (  # kernel name fragments -> category, first match wins
+    ("LoRA fused GEMM (Triton)", ("_gemm_lora",)),
+    ("LoRA passes (Triton)", ("_shrink", "_wgrad", "_expand", "_lora")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("GEMM (cuBLAS/CUTLASS)", ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "sm80_", "ampere_")),
+    ("optimizer / norms (foreach)", ("foreach", "multi_tensor", "adam")),
+)
+
+
+def profile_step(label: str, fn) -> str:  # noqa: ANN001
+    """One profiled call of fn (after one unprofiled): its wall time, the GPU kernel time summed by
+    category, and the GPU idle share of the kernels' span (host-bound stretches, syncs)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    start, end, busy = float("inf"), 0.0, 0.0
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA or "memcpy" in e.name.lower() or "memset" in e.name.lower():
+            continue
+        us = e.time_range.elapsed_us()
+        start, end, busy = min(start, e.time_range.start), max(end, e.time_range.end), busy + us
+        low = e.name.lower()
+        kind = next((k for k, frags in KINDS if any(f in low for f in frags)), "other (elementwise, loss, ...)")
+        by_kind[kind] = by_kind.get(kind, 0.0) + us
+        by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + us
+    span = max(end - start, 1.0)
+    lines = [f"### {label}: wall {wall * 1e3:.1f} ms (profiled), kernel span {span / 1e3:.1f} ms, "
+             f"kernels busy {busy / 1e3:.1f} ms, GPU idle {100 * (1 - busy / span):.1f}% of the span", "",
+             "| kernel category | ms | share |", "|---|---|---|"]
+    lines += [f"| {k} | {v / 1e3:.1f} | {100 * v / busy:.1f}% |" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])]
+    lines += ["", "| top kernels | ms |", "|---|---|"]
+    lines += [f"| `{k}` | {v / 1e3:.2f} |" for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
@@ -181,23 +225,18 @@ def main() -> None:
     rows.append(("(c') engine, torch loop", n, t, n * SEQ / t, mem, "per-adapter PyTorch loop"))
     engine.backend = "auto"
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        engine.step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            engine.step()
-            torch.cuda.synchronize()
-        text = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        n = job_counts[0]
         ids = data[:n].to(dev)
-        floor_step(model, ids)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof2:
-            floor_step(model, ids)
-            torch.cuda.synchronize()
-        text += "\n\nFLOOR\n" + prof2.key_averages().table(sort_by="cuda_time_total", row_limit=20)
-        Path(args.profile).write_text(text)
-
+        parts = [profile_step("(a) backbone alone", lambda: floor_step(model, ids))]
+        for spec in args.forms.split(","):
+            form, _, variant = spec.partition(":")
+            set_default_form(form)
+            fused_lora.GEMM_DEFAULT = fused_lora.gemm_variant(variant) if variant else None
+            parts.append(profile_step(f"(c) engine, {spec}", engine.step))
+        set_default_form("compose")
+        text = "\n\n".join(parts)
+        print(text)
+        Path(args.profile).write_text(text + "\n")
     lines = [
         f"# engine_step on {gpu} (torch {torch.__version__}, {args.layers} layers of Llama-3.1-8B shape, "
         f"seq {SEQ}, bf16, grad checkpointing, ranks 16/32/64 cycled, batch 1 per job; "
