@@ -115,5 +115,15 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 270 gpu_tests python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
       -k "variants or fused_matches"
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile" >&2; exit 2 ;;
+  tiles)  # issue 20, session 5: tuned rank tiles (BLOCK_R 16/32/64) against the earlier lists (16 only),
+          # each kernel apart at the engine's shapes, then the engine step (profiled) on both
+    step 170 stages_tuned python3 bench/lora_op.py --engine-stages --out "$OUT/engine_stages_tuned_h100.md"
+    LORAPLEX_FUSED_RANK_TILES=narrow step 130 engine_narrow python3 bench/engine_step.py --jobs 8 --skip-peft \
+      --skip-torch --forms fused --out "$OUT/engine_step_narrow_h100.md" --profile "$OUT/engine_profile_narrow_h100.md"
+    step 130 engine_tuned python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms fused \
+      --out "$OUT/engine_step_tuned_h100.md" --profile "$OUT/engine_profile_tuned_h100.md"
+    LORAPLEX_FUSED_RANK_TILES=narrow step 120 stages_narrow python3 bench/lora_op.py --engine-stages \
+      --out "$OUT/engine_stages_narrow_h100.md"
+    ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles" >&2; exit 2 ;;
 esac

@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--forms", default="compose,fused",
                     help="operator forms of the engine rows (c) and (c''); fused:VARIANT picks the fused GEMM variant")
     ap.add_argument("--skip-peft", action="store_true", help="leave out (b), PEFT one job at a time")
+    ap.add_argument("--skip-torch", action="store_true", help="leave out (c'), the plain-torch per-adapter loop")
     ap.add_argument("--profile", default="", help="write a torch.profiler table of one engine step")
     args = ap.parse_args()
     job_counts = [int(x) for x in args.jobs.split(",")]
@@ -220,10 +221,11 @@ def main() -> None:
     for i in range(n):
         engine.attach(JobSpec(f"t{i}", rank=RANKS[i % 3], alpha=2 * RANKS[i % 3], lr=1e-4,
                               batch_size=1, max_steps=10_000, seed=i))
-    engine.backend = "torch"
-    t, mem = timed(engine.step, args.warmup, args.iters)
-    rows.append(("(c') engine, torch loop", n, t, n * SEQ / t, mem, "per-adapter PyTorch loop"))
-    engine.backend = "auto"
+    if not args.skip_torch:
+        engine.backend = "torch"
+        t, mem = timed(engine.step, args.warmup, args.iters)
+        rows.append(("(c') engine, torch loop", n, t, n * SEQ / t, mem, "per-adapter PyTorch loop"))
+        engine.backend = "auto"
     if args.profile:
         n = job_counts[0]
         ids = data[:n].to(dev)

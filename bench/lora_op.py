@@ -159,14 +159,16 @@ def oracle_check(case, ops: dict, where: str) -> dict[str, float]:
     return errs
 
 
-def stage_inputs(d_in: int, d_out: int, n: int, per: int, r: int) -> SimpleNamespace:
-    """Inputs of the GEMMs and LoRA passes timed apart: n adapters of `per` tokens at rank r, the
-    forward's S, the fused kernels' contexts with the adapters (c) and without (c0: the bare
-    Triton GEMM), and the rank-major strides of A and B."""
+def stage_inputs(d_in: int, d_out: int, n: int, per: int, r: int | list[int]) -> SimpleNamespace:
+    """Inputs of the GEMMs and LoRA passes timed apart: n adapters of `per` tokens at rank r (a
+    list: cycled over the adapters), the forward's S, the fused kernels' contexts with the
+    adapters (c) and without (c0: the bare Triton GEMM), and the rank-major strides of A and B."""
     from kernels.fused_lora import _Ctx, _stacked_a, _stacked_b
     from kernels.triton_lora import lora_forward
 
-    case = make_case([per] * n, [r] * n, d_in, d_out, dtype=DTYPE, device=DEVICE, bias=False, nan_padding=False)
+    ranks = [r[i % len(r)] for i in range(n)] if isinstance(r, list) else [r] * n
+    r = max(ranks)
+    case = make_case([per] * n, ranks, d_in, d_out, dtype=DTYPE, device=DEVICE, bias=False, nan_padding=False)
     x, w, a, b, off = case.x, case.weight, case.lora_a, case.lora_b, case.offsets
     y = F.linear(x, w)
     return SimpleNamespace(
@@ -260,6 +262,78 @@ def breakdown(d_in: int, d_out: int, n: int, per: int, r: int, gbs: float) -> li
             continue
         extra = f"{flops / ms / 1e9:.0f} TFLOP/s" if kind == "gemm" else f"floor {kind / gbs / 1e6:.3f}"
         out.append(f"| {name} | {ms:.3f} | {extra} |")
+    return out
+
+
+def _engine_kernels(si: SimpleNamespace) -> list:
+    """engine_stages' kernels on one shape's inputs, in its column order."""
+    from kernels.fused_lora import (
+        _gemm_launch,
+        _shrink_launch,
+        _stacked_a,
+        _stacked_b,
+        _wgrad_launch,
+    )
+
+    x, w, a, b, dy, off, s_buf, c, sa, sb = si.x, si.w, si.a, si.b, si.dy, si.off, si.s_buf, si.c, si.sa, si.sb
+    ds = torch.empty_like(s_buf)
+    ga = torch.zeros(a.shape, dtype=torch.float32, device=DEVICE)
+    gb = torch.zeros(b.shape, dtype=torch.float32, device=DEVICE)
+    return [lambda: F.linear(x, w),
+            lambda: _gemm_launch(c, x, w.t(), None, s_buf, b, sb, off, False, x.dtype),
+            lambda: _shrink_launch(c, x, a, sa, off, s_buf, False),
+            lambda: dy @ w,
+            lambda: _gemm_launch(c, dy, w, None, ds, a, sa, off, False, dy.dtype),
+            lambda: _shrink_launch(c, dy, b, sb, off, ds, False, wgrad=(s_buf, gb, off)),
+            lambda: _shrink_launch(c, dy, b, sb, off, ds, False),
+            lambda: _wgrad_launch(c, s_buf, dy, gb, _stacked_b(gb), off, False),
+            lambda: _wgrad_launch(c, ds, x, ga, _stacked_a(ga), off, False)]
+
+
+# Llama-3.1-8B's adapted projections (d_in, d_out, per layer), as bench/engine_step.py runs them
+ENGINE_SHAPES = [(4096, 4096, 2), (4096, 1024, 2), (4096, 14336, 2), (14336, 4096, 1)]
+
+
+def engine_stages(gbs: float, layers: int = 32, n: int = 8, per: int = 1024) -> list[str]:
+    """Every kernel of one fused operator call apart (CUDA-graph replay) at the engine step's shapes
+    and rank mix (8 jobs x 1024 tokens, ranks 16/32/64 cycled), next to cuBLAS, and summed as the
+    engine step runs them: forward kernels twice (gradient checkpointing recomputes the forward),
+    backward ones once, per layer and projection. Compare with `engine_step.py --profile`."""
+    ranks = [16, 32, 64]
+    names = ["fwd GEMM cuBLAS", "fwd GEMM fused + expand", "fwd shrink S", "dX GEMM cuBLAS",
+             "dX GEMM fused + dS A", "dS + dB one pass", "dS alone", "dB pass", "dA pass"]
+    fwd = {0, 1, 2}  # run twice per step
+    out = [f"kernels of one fused call apart (CUDA graph, ms) at the engine step's shapes: {n} adapters x {per} "
+           f"tokens, ranks {'/'.join(map(str, ranks))} cycled; floor = bytes the pass must move at {gbs:.0f} GB/s", "",
+           "| d_in x d_out | " + " | ".join(names) + " | LoRA floor (fwd x2 + bwd) |", "|" + "---|" * (len(names) + 2)]
+    step = dict.fromkeys(names, 0.0)
+    floor_step = 0.0
+    for d_in, d_out, count in ENGINE_SHAPES:
+        t = n * per
+        fns = _engine_kernels(stage_inputs(d_in, d_out, n, per, ranks))
+        cells = []
+        for name, fn in zip(names, fns, strict=True):
+            try:
+                ms = _graph_ms(fn)
+            except Exception as exc:  # one failing kernel must not hide the others
+                print(f"{name} at {d_in}x{d_out} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                ms = float("nan")
+            cells.append(ms)
+            step[name] += ms * count * layers * (2 if names.index(name) in fwd else 1)
+        # fewest bytes of the one-pass LoRA passes: X twice (forward, recompute) + X for dA + dY once
+        floor_ms = (3 * 2 * t * d_in + 2 * t * d_out) / gbs / 1e6
+        floor_step += floor_ms * count * layers
+        out.append(f"| {d_in}x{d_out} (x{count}) | " + " | ".join(f"{v:.3f}" for v in cells) + f" | {floor_ms:.3f} |")
+        print(out[-1], flush=True)
+    out.append(f"| per step ({layers} layers, forward kernels x2) | "
+               + " | ".join(f"{step[k]:.1f}" for k in names) + f" | {floor_step:.1f} |")
+    base = step["fwd GEMM cuBLAS"] + step["dX GEMM cuBLAS"]
+    fused = step["fwd GEMM fused + expand"] + step["dX GEMM fused + dS A"]
+    one = step["fwd shrink S"] + step["dS + dB one pass"] + step["dA pass"]
+    two = step["fwd shrink S"] + step["dS alone"] + step["dB pass"] + step["dA pass"]
+    out += ["", f"Per step: base GEMMs cuBLAS {base:.1f} ms, fused GEMMs {fused:.1f} ms ({fused / base:.3f}x); "
+            f"LoRA passes one-pass dB {one:.1f} ms, two-pass dB {two:.1f} ms, bytes floor {floor_step:.1f} ms "
+            "(the first layer's dX GEMMs, which the engine skips, are counted)."]
     return out
 
 
@@ -466,6 +540,8 @@ def main() -> None:
     ap.add_argument("--e3", default="tma", help="GEMM variant of column (e3) (kernels.fused_lora.GEMM_VARIANTS)")
     ap.add_argument("--variants", action="store_true", help="only the table of fused GEMM variants")
     ap.add_argument("--only", default="", help="--variants: comma-separated variants to time (default all)")
+    ap.add_argument("--engine-stages", action="store_true",
+                    help="only each fused kernel apart at the engine step's shapes, summed per step")
     args = ap.parse_args()
     E3 = args.e3
     ONLY[:] = [v for v in args.only.split(",") if v]
@@ -481,9 +557,13 @@ def main() -> None:
 
     gbs = bandwidth_gbs()
     print(f"measured copy bandwidth (read+write): {gbs:.0f} GB/s", flush=True)
-    if args.variants:
-        text = "\n".join([f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}; bf16", ""]
-                         + variants(args.budget_s))
+    if args.variants or args.engine_stages:
+        import os
+
+        tiles = os.environ.get("LORAPLEX_FUSED_RANK_TILES", "tuned")
+        text = "\n".join([f"device: {dev}; torch {torch.__version__}; triton {triton.__version__}; bf16; "
+                          f"rank tiles {tiles}", ""]
+                         + (engine_stages(gbs) if args.engine_stages else variants(args.budget_s)))
         print(text, flush=True)
         if args.out:
             Path(args.out).write_text(text + "\n")

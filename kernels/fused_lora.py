@@ -16,9 +16,12 @@ Same contracts as `kernels.triton_lora` (stacked and arena forms); what differs 
             dX = dY W + s_i dS A_i      `_gemm_lora`  (the same GEMM kernel, dS A in its epilogue)
 
 Per-adapter rank tiles: every LoRA loop runs over cdiv(r_i, BLOCK_R) rank blocks of the adapter's
-OWN rank (BLOCK_R = 16 by default), so a rank-16 adapter beside a rank-64 one costs one block, not
-four; the work lists are built on the device from offsets and ranks (prefix sums), no host sync.
-Ranks need not be powers of two (the last block is masked).
+OWN rank, so with BLOCK_R = 16 a rank-16 adapter beside a rank-64 one costs one block, not four;
+the work lists are built on the device from offsets and ranks (prefix sums), no host sync. Ranks
+need not be powers of two (the last block is masked). BLOCK_R is an autotuned parameter (16, 32,
+64; never wider than the call's largest rank): a wider tile reads each adapter's rows of X or dY
+once instead of once per rank block, at the price of masked MMA columns for smaller ranks (the
+masked loads move no bytes), which is the faster trade where a pass is bound by bytes.
 
 Where a Triton GEMM is slower than cuBLAS on a shape, the composition (`triton_lora`: cuBLAS +
 separate LoRA passes) is the faster choice; `kernels.form_choice` picks per shape from measured
@@ -51,6 +54,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Under the interpreter one small config runs; tests vary the tile sizes through the env.
 _IB = int(os.environ.get("LORAPLEX_INTERPRET_BLOCK_M", "16"))
 _ICHUNK = int(os.environ.get("LORAPLEX_INTERPRET_CHUNK", "32"))
+_IBR = int(os.environ.get("LORAPLEX_INTERPRET_BLOCK_R", "16"))  # rank tile under the interpreter
 
 
 def _cfg(num_warps: int = 4, num_stages: int = 3, **meta: int) -> triton.Config:
@@ -58,10 +62,18 @@ def _cfg(num_warps: int = 4, num_stages: int = 3, **meta: int) -> triton.Config:
 
 
 if _INTERPRET:
-    _GEMM_CONFIGS = [_cfg(BLOCK_M=_IB, BLOCK_N=16, BLOCK_K=16, BLOCK_R=16, GROUP_M=2)]
-    _SHRINK_CONFIGS = [_cfg(BLOCK_M=_IB, BLOCK_K=16)]
-    _WGRAD_CONFIGS = [_cfg(BLOCK_M=16, BLOCK_N=16, CHUNK=_ICHUNK)]
-else:  # Hopper-friendly tiles (wgmma wants BLOCK_M >= 64 and 8 warps for the large ones)
+    _GEMM_CONFIGS = [_cfg(BLOCK_M=_IB, BLOCK_N=16, BLOCK_K=16, BLOCK_R=_IBR, GROUP_M=2)]
+    _SHRINK_CONFIGS = [_cfg(BLOCK_M=_IB, BLOCK_K=16, BLOCK_R=_IBR)]
+    _WGRAD_CONFIGS = [_cfg(BLOCK_M=16, BLOCK_N=16, CHUNK=_ICHUNK, BLOCK_R=_IBR)]
+else:  # Hopper-friendly tiles (wgmma wants BLOCK_M >= 64 and 8 warps for the large ones).
+    # BLOCK_R, the rank tile, is tuned too: 16 gives every adapter only the rank blocks it needs
+    # (a rank-16 adapter beside a rank-64 one costs one block), but each rank block of the
+    # work-list kernels re-reads its rows of X or dY; 32/64 read them once per adapter and pay
+    # masked MMA columns instead (free where the pass is bound by bytes, as these are).
+    # `_prune_rank_tiles` drops rank tiles wider than the call's largest rank.
+    # $LORAPLEX_FUSED_RANK_TILES=narrow keeps the earlier lists (rank tile 16, one 32 GEMM
+    # config): the baseline of bench/lora_op.py --engine-stages and bench/engine_step.py.
+    _WIDE = os.environ.get("LORAPLEX_FUSED_RANK_TILES", "tuned") != "narrow"
     _GEMM_CONFIGS = [
         _cfg(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, num_warps=8, num_stages=3),
         _cfg(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, num_warps=8, num_stages=3),
@@ -69,21 +81,42 @@ else:  # Hopper-friendly tiles (wgmma wants BLOCK_M >= 64 and 8 warps for the la
         _cfg(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, num_warps=4, num_stages=4),
         _cfg(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, num_warps=4, num_stages=4),
         _cfg(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_R=32, GROUP_M=8, num_warps=8, num_stages=3),
-    ]
+    ] + [
+        _cfg(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_R=64, GROUP_M=8, num_warps=8, num_stages=3),
+        _cfg(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, BLOCK_R=64, GROUP_M=8, num_warps=8, num_stages=3),
+    ] * _WIDE
     _SHRINK_CONFIGS = [
-        _cfg(BLOCK_M=64, BLOCK_K=128),
-        _cfg(BLOCK_M=32, BLOCK_K=128, num_stages=4),
-        _cfg(BLOCK_M=16, BLOCK_K=256, num_stages=4),
-        _cfg(BLOCK_M=128, BLOCK_K=64, num_warps=8),
-    ]
+        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=16),
+        _cfg(BLOCK_M=32, BLOCK_K=128, BLOCK_R=16, num_stages=4),
+        _cfg(BLOCK_M=16, BLOCK_K=256, BLOCK_R=16, num_stages=4),
+        _cfg(BLOCK_M=128, BLOCK_K=64, BLOCK_R=16, num_warps=8),
+    ] + [
+        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=32),
+        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=64),
+        _cfg(BLOCK_M=128, BLOCK_K=64, BLOCK_R=64, num_warps=8),
+        _cfg(BLOCK_M=128, BLOCK_K=128, BLOCK_R=64, num_warps=8),
+    ] * _WIDE
     _WGRAD_CONFIGS = [
-        _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=1024),
-        _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=512, num_stages=4),
-        _cfg(BLOCK_M=128, BLOCK_N=64, CHUNK=2048, num_warps=8),
-        _cfg(BLOCK_M=64, BLOCK_N=256, CHUNK=1024, num_warps=8),
-    ]
+        _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=1024, BLOCK_R=16),
+        _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=512, BLOCK_R=16, num_stages=4),
+        _cfg(BLOCK_M=128, BLOCK_N=64, CHUNK=2048, BLOCK_R=16, num_warps=8),
+        _cfg(BLOCK_M=64, BLOCK_N=256, CHUNK=1024, BLOCK_R=16, num_warps=8),
+    ] + [
+        _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=1024, BLOCK_R=32),
+        _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=1024, BLOCK_R=64),
+        _cfg(BLOCK_M=64, BLOCK_N=256, CHUNK=1024, BLOCK_R=64, num_warps=8),
+        _cfg(BLOCK_M=128, BLOCK_N=128, CHUNK=2048, BLOCK_R=64, num_warps=8),
+    ] * _WIDE
 
-RANK_BLOCK = 16  # rank tile of the work-list kernels (`_shrink`, `_wgrad`): tl.dot's smallest K
+def _prune_rank_tiles(configs: list[triton.Config], named_args: dict, **_kw: object) -> list[triton.Config]:
+    """Autotuner pre-filter: no rank tile wider than the call's largest rank needs (R_MAX 16
+    tunes only BLOCK_R 16); the narrowest tile always stays."""
+    need = max(16, triton.next_power_of_2(int(named_args["R_MAX"])))
+    keep = [c for c in configs if c.kwargs.get("BLOCK_R", 16) <= need]
+    return keep or configs
+
+
+_TUNE_KW = dict(AUTOTUNE_KW, prune_configs_by={"early_config_prune": _prune_rank_tiles})
 
 
 @triton.jit
@@ -421,19 +454,19 @@ def _gemm_lora_persist_jit(
                              BLOCK_R)
 
 
-_gemm_lora = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **AUTOTUNE_KW)(
+_gemm_lora = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **_TUNE_KW)(
     _gemm_lora_jit)
-_gemm_lora_tma = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **AUTOTUNE_KW)(
+_gemm_lora_tma = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **_TUNE_KW)(
     _gemm_lora_tma_jit)
-_gemm_lora_persist = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **AUTOTUNE_KW)(
+_gemm_lora_persist = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **_TUNE_KW)(
     _gemm_lora_persist_jit)
-_shrink = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **AUTOTUNE_KW)(_shrink_jit)
+_shrink = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_TUNE_KW)(_shrink_jit)
 # Kernels that add into caller-owned gradients: tuning trials restore them (an arena already
 # holds other layers' sums).
 _shrink_wgrad = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], restore_value=["g_ptr"],
-                                **AUTOTUNE_KW)(_shrink_jit)
+                                **_TUNE_KW)(_shrink_jit)
 _wgrad = triton.autotune(configs=_WGRAD_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], restore_value=["g_ptr"],
-                         **AUTOTUNE_KW)(_wgrad_jit)
+                         **_TUNE_KW)(_wgrad_jit)
 
 
 class _Ctx:
@@ -448,22 +481,21 @@ class _Ctx:
         self.acc = tl.float64 if x.dtype == torch.float64 else tl.float32
         self.prec = "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
         self.t_bucket = triton.next_power_of_2(max(self.t, 1))
-        self.n_rb = triton.cdiv(r_max, RANK_BLOCK)
 
-    def items(self, rows: int) -> int:
-        """Upper bound of the work list's length for row blocks of `rows`."""
-        return (triton.cdiv(self.t, rows) + self.n) * self.n_rb
+    def items(self, rows: int, block_r: int) -> int:
+        """Upper bound of the work list's length for row blocks of `rows` and rank tiles of `block_r`."""
+        return (triton.cdiv(self.t, rows) + self.n) * triton.cdiv(self.r_max, block_r)
 
 
 def _shrink_launch(c: _Ctx, m, w, w_strides, woff, p, arena: bool, wgrad=None) -> None:  # noqa: ANN001
     """p[rows_i, :r_i] = m[rows_i] @ W_i^T; with wgrad = (s_buf, g, goff): also g_i += s_i S^T m."""
     s_buf, g, goff = wgrad if wgrad is not None else (p, p, woff)
     kernel = _shrink_wgrad if wgrad is not None else _shrink
-    kernel[lambda meta: (c.items(meta["BLOCK_M"]),)](
+    kernel[lambda meta: (c.items(meta["BLOCK_M"], meta["BLOCK_R"]),)](
         m, w, p, woff, c.offsets, c.ranks, s_buf, g, goff, c.scales,
         c.n, m.shape[1], c.r_max, c.t_bucket,
         m.stride(0), m.stride(1), *w_strides, p.stride(0), s_buf.stride(0),
-        N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, FUSE_WGRAD=wgrad is not None, BLOCK_R=RANK_BLOCK,
+        N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, FUSE_WGRAD=wgrad is not None,
     )
 
 
@@ -471,11 +503,11 @@ def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: bool) -> None:  # no
     """g_i[:r_i, :] += s_i p[rows_i, :r_i]^T m[rows_i] (g_strides: adapter, rank, column)."""
     cols = m.shape[1]
     kernel = _wgrad
-    kernel[lambda meta: (c.items(meta["CHUNK"]), triton.cdiv(cols, meta["BLOCK_N"]))](
+    kernel[lambda meta: (c.items(meta["CHUNK"], meta["BLOCK_R"]), triton.cdiv(cols, meta["BLOCK_N"]))](
         p, m, g, goff, c.offsets, c.ranks, c.scales,
         c.n, cols, c.r_max, c.t_bucket,
         p.stride(0), m.stride(0), m.stride(1), *g_strides,
-        N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, BLOCK_R=RANK_BLOCK,
+        N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena,
     )
 
 

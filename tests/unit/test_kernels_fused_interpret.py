@@ -191,11 +191,13 @@ TOL = {"torch.float32": 3e-6, "torch.float64": 1e-12}
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("block_m", "chunk", "part"), [("16", "40", "all"), ("32", "16", "core")])
-def test_fused_kernels_under_interpreter(block_m: str, chunk: str, part: str) -> None:
-    """Two row-tile heights and two weight-gradient row chunks (40: chunks end inside a tile)."""
+@pytest.mark.parametrize(("block_m", "chunk", "block_r", "part"),
+                         [("16", "40", "16", "all"), ("32", "16", "64", "core")])
+def test_fused_kernels_under_interpreter(block_m: str, chunk: str, block_r: str, part: str) -> None:
+    """Two row-tile heights, two weight-gradient row chunks (40: chunks end inside a tile) and two
+    rank tiles (64: one tile covers a rank-64 adapter; ranks 8 and 16 use a masked part of it)."""
     env = dict(os.environ, TRITON_INTERPRET="1", LORAPLEX_INTERPRET_BLOCK_M=block_m, LORAPLEX_INTERPRET_CHUNK=chunk,
-               PYTHONPATH=ROOT)
+               LORAPLEX_INTERPRET_BLOCK_R=block_r, PYTHONPATH=ROOT)
     env.pop("LORAPLEX_LORA_FORM", None)
     env.pop("LORAPLEX_LORA_TIMINGS", None)
     env.pop("LORAPLEX_FUSED_TMA", None)

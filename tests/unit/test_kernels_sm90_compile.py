@@ -90,19 +90,23 @@ for name, args in (("fwd", fwd), ("dx", dxg)):
         meta, HAS_BIAS=False, B_NK=name == "fwd", NUM_SMS=132, **kw), 8, 3)
     res[f"gemm persist+pf {name}"] = _compile(fl._gemm_lora_persist_jit, no_ak, dict(
         meta, HAS_BIAS=False, B_NK=name == "fwd", NUM_SMS=132, **kw) | {"PREFETCH": True}, 8, 3)
+    wide = next(c for c in fl._GEMM_CONFIGS if c.kwargs["BLOCK_R"] == 64)  # one rank tile for rank 64
+    res[f"gemm persist r64 {name}"] = _compile(fl._gemm_lora_persist_jit, no_ak, dict(
+        meta, HAS_BIAS=False, B_NK=name == "fwd", NUM_SMS=132, **wide.kwargs), wide.num_warps, wide.num_stages)
 no_pf = {k: v for k, v in meta.items() if k != "PREFETCH"}  # kernels without the GEMM epilogue
 shr = dict(m_ptr=P, w_ptr=P, p_ptr="*fp32", woff_ptr="*i64", off_ptr="*i64", rank_ptr="*i32", s_ptr="*fp32",
            g_ptr="*fp32", goff_ptr="*i64", scale_ptr="*fp32", N=8, C=DO, R_MAX=R, T_BUCKET=T, stride_mm=DO,
            stride_mc=1, stride_wn=0, stride_wr=DO, stride_wc=1, stride_pm=R, stride_sm=R)
 for fuse in (False, True):
-    cfg = fl._SHRINK_CONFIGS[0]
-    res[f"shrink fuse_db={fuse}"] = _compile(fl._shrink_jit, shr, dict(no_pf, FUSE_WGRAD=fuse, BLOCK_R=16,
-                                             **cfg.kwargs), cfg.num_warps, cfg.num_stages)
+    for cfg in (fl._SHRINK_CONFIGS[0], fl._SHRINK_CONFIGS[-1]):  # rank tiles 16 and 64
+        res[f"shrink fuse_db={fuse} r{cfg.kwargs['BLOCK_R']}"] = _compile(
+            fl._shrink_jit, shr, dict(no_pf, FUSE_WGRAD=fuse, **cfg.kwargs), cfg.num_warps, cfg.num_stages)
 wg = dict(p_ptr="*fp32", m_ptr=P, g_ptr="*fp32", goff_ptr="*i64", off_ptr="*i64", rank_ptr="*i32",
           scale_ptr="*fp32", N=8, C=DI, R_MAX=R, T_BUCKET=T, stride_pm=R, stride_mm=DI, stride_mc=1, stride_gn=0,
           stride_gr=DI, stride_gc=1)
-cfg = fl._WGRAD_CONFIGS[0]
-res["wgrad"] = _compile(fl._wgrad_jit, wg, dict(no_pf, BLOCK_R=16, **cfg.kwargs), cfg.num_warps, cfg.num_stages)
+for cfg in (fl._WGRAD_CONFIGS[0], fl._WGRAD_CONFIGS[-1]):
+    res[f"wgrad r{cfg.kwargs['BLOCK_R']}"] = _compile(fl._wgrad_jit, wg, dict(no_pf, **cfg.kwargs), cfg.num_warps,
+                                                      cfg.num_stages)
 # the composition's kernels (kernels.triton_lora), which share the shrink sweep with the fused form
 cmp_args = dict(x_ptr=P, a_ptr=P, b_ptr=P, y_ptr=P, s_ptr="*fp32", dy_ptr=P, dx_ptr=P, da_ptr="*fp32",
                 db_ptr="*fp32", off_ptr="*i64", rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i64", boff_ptr="*i64",
@@ -129,7 +133,7 @@ def test_kernels_compile_for_hopper() -> None:
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert len(res) == 15
+    assert len(res) == 15 + 2 + 2 + 1  # + persist r64 fwd/dx, shrink r64 x2, wgrad r64
     for name, r in res.items():
         assert r["local"] in (0, None), f"{name} spills to local memory: {r}"
         if name.startswith("gemm"):
