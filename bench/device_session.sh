@@ -125,5 +125,14 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     LORAPLEX_FUSED_RANK_TILES=narrow step 120 stages_narrow python3 bench/lora_op.py --engine-stages \
       --out "$OUT/engine_stages_narrow_h100.md"
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles" >&2; exit 2 ;;
+  tiles2)  # the same after the tuning fix (trials no longer clone the whole gradient arena), with the
+           # tuner's choices printed; then the GPU tests of the arena path and the engine
+    LORAPLEX_FUSED_RANK_TILES=narrow step 130 engine_narrow python3 bench/engine_step.py --jobs 8 --skip-peft \
+      --skip-torch --forms fused --out "$OUT/engine_step_narrow_h100.md" --profile "$OUT/engine_profile_narrow_h100.md"
+    step 130 engine_tuned python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms fused \
+      --out "$OUT/engine_step_tuned_h100.md" --profile "$OUT/engine_profile_tuned_h100.md"
+    step 300 gpu_tests python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_engine_gpu.py \
+      tests/gpu/test_kernels_gpu.py -k "engine or fused_arena or no_host_sync"
+    ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2" >&2; exit 2 ;;
 esac

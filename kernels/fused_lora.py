@@ -461,12 +461,35 @@ _gemm_lora_tma = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "
 _gemm_lora_persist = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **_TUNE_KW)(
     _gemm_lora_persist_jit)
 _shrink = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_TUNE_KW)(_shrink_jit)
-# Kernels that add into caller-owned gradients: tuning trials restore them (an arena already
-# holds other layers' sums).
-_shrink_wgrad = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], restore_value=["g_ptr"],
-                                **_TUNE_KW)(_shrink_jit)
-_wgrad = triton.autotune(configs=_WGRAD_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], restore_value=["g_ptr"],
-                         **_TUNE_KW)(_wgrad_jit)
+# Kernels that add into caller-owned gradients (an arena already holds other layers' sums): their
+# tuning trials add too, so `_adding_launch` restores the adapters' blocks around a call that may
+# tune. Not Triton's restore_value: that clones and copies back the WHOLE tensor inside every timed
+# trial (a multi-GB arena: milliseconds against a kernel of tens of microseconds), which made the
+# tuner's choice noise.
+_shrink_wgrad = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_TUNE_KW)(_shrink_jit)
+_wgrad = triton.autotune(configs=_WGRAD_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_TUNE_KW)(_wgrad_jit)
+_TUNED: set[tuple] = set()  # (kernel, tuning key, layout) pairs whose first call has run in this process
+
+
+def _adding_launch(kernel, grid, c: _Ctx, cols: int, g: torch.Tensor, goff: torch.Tensor, arena: bool,  # noqa: ANN001
+                   args: tuple, meta: dict) -> None:
+    """Launch a kernel that adds into g. The first call per tuning key may run tuning trials, each
+    adding into g: the adapters' blocks of g (arena: from the lowest offset to the highest plus one
+    [r_max, cols] block; stacked: all of g) are saved before and restored after it, and the call
+    runs again with the chosen config. One host sync, once per key and process."""
+    key = (id(kernel), c.t_bucket, cols, c.r_max, g.dtype, arena, g.device)
+    if len(kernel.configs) == 1 or key in _TUNED:
+        kernel[grid](*args, **meta)
+        return
+    flat = g.view(-1)
+    lo, hi = (int(goff.min()), int(goff.max()) + c.r_max * cols) if arena and goff.numel() else (0, flat.numel())
+    hi = min(hi, flat.numel())
+    saved = flat[lo:hi].clone()
+    kernel[grid](*args, **meta)
+    flat[lo:hi].copy_(saved)
+    del saved
+    kernel[grid](*args, **meta)
+    _TUNED.add(key)
 
 
 class _Ctx:
@@ -490,25 +513,25 @@ class _Ctx:
 def _shrink_launch(c: _Ctx, m, w, w_strides, woff, p, arena: bool, wgrad=None) -> None:  # noqa: ANN001
     """p[rows_i, :r_i] = m[rows_i] @ W_i^T; with wgrad = (s_buf, g, goff): also g_i += s_i S^T m."""
     s_buf, g, goff = wgrad if wgrad is not None else (p, p, woff)
-    kernel = _shrink_wgrad if wgrad is not None else _shrink
-    kernel[lambda meta: (c.items(meta["BLOCK_M"], meta["BLOCK_R"]),)](
-        m, w, p, woff, c.offsets, c.ranks, s_buf, g, goff, c.scales,
-        c.n, m.shape[1], c.r_max, c.t_bucket,
-        m.stride(0), m.stride(1), *w_strides, p.stride(0), s_buf.stride(0),
-        N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, FUSE_WGRAD=wgrad is not None,
-    )
+    grid = lambda meta: (c.items(meta["BLOCK_M"], meta["BLOCK_R"]),)  # noqa: E731
+    args = (m, w, p, woff, c.offsets, c.ranks, s_buf, g, goff, c.scales, c.n, m.shape[1], c.r_max, c.t_bucket,
+            m.stride(0), m.stride(1), *w_strides, p.stride(0), s_buf.stride(0))
+    meta = dict(N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, FUSE_WGRAD=wgrad is not None)
+    if wgrad is None:
+        _shrink[grid](*args, **meta)
+    else:
+        _adding_launch(_shrink_wgrad, grid, c, m.shape[1], g, goff, arena, args, meta)
 
 
 def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: bool) -> None:  # noqa: ANN001
     """g_i[:r_i, :] += s_i p[rows_i, :r_i]^T m[rows_i] (g_strides: adapter, rank, column)."""
     cols = m.shape[1]
-    kernel = _wgrad
-    kernel[lambda meta: (c.items(meta["CHUNK"], meta["BLOCK_R"]), triton.cdiv(cols, meta["BLOCK_N"]))](
-        p, m, g, goff, c.offsets, c.ranks, c.scales,
-        c.n, cols, c.r_max, c.t_bucket,
-        p.stride(0), m.stride(0), m.stride(1), *g_strides,
-        N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena,
-    )
+    _adding_launch(
+        _wgrad, lambda meta: (c.items(meta["CHUNK"], meta["BLOCK_R"]), triton.cdiv(cols, meta["BLOCK_N"])), c, cols,
+        g, goff, arena,
+        (p, m, g, goff, c.offsets, c.ranks, c.scales, c.n, cols, c.r_max, c.t_bucket, p.stride(0), m.stride(0),
+         m.stride(1), *g_strides),
+        dict(N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena))
 
 
 # The fused GEMMs' main loop and epilogue schedule: "ptr" (pointer loads, one program per tile),

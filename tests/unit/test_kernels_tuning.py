@@ -1,0 +1,56 @@
+"""`kernels.fused_lora._adding_launch`: a kernel that adds into caller-owned gradients may run
+tuning trials on its first call per key; the gradients must end up holding exactly one call's sum."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from kernels import fused_lora as fl
+
+
+class _Tuner:
+    """Stands in for a triton.autotune object: its first launch runs `trials` extra launches (the
+    tuning trials), each adding into the adapter's block of g like the real one."""
+
+    def __init__(self, configs: int, trials: int) -> None:
+        self.configs = list(range(configs))
+        self.trials = trials
+        self.launches = 0
+
+    def __getitem__(self, grid: object):  # noqa: ANN204
+        def run(g: torch.Tensor, lo: int, hi: int, **_meta: object) -> None:
+            extra = self.trials if self.launches == 0 else 0
+            self.launches += 1 + extra
+            g[lo:hi] += 1.0 + extra  # the trials' garbage, then the real sum (1 per launch)
+        return run
+
+
+def test_adding_launch_keeps_one_sum_after_tuning_trials() -> None:
+    fl._TUNED.clear()
+    c = SimpleNamespace(t_bucket=64, r_max=2)
+    prior = torch.randn(20, dtype=torch.float32)
+    g = prior.clone()
+    goff = torch.tensor([6, 3])  # two adapters' blocks of [r_max, cols] = 2 x 3: [3, 9) and [6, 12)
+    tuner = _Tuner(configs=4, trials=4)
+    fl._adding_launch(tuner, None, c, 3, g, goff, True, (g, 3, 12), {})
+    want = prior.clone()
+    want[3:12] += 1.0
+    assert torch.equal(g, want)  # trials undone, the real call's sum kept, nothing else touched
+    assert tuner.launches == 1 + 4 + 1  # the tuning call, then the real one again
+    fl._adding_launch(tuner, None, c, 3, g, goff, True, (g, 3, 12), {})
+    want[3:12] += 1.0
+    assert torch.equal(g, want) and tuner.launches == 7  # tuned key: one launch, no save/restore
+    # stacked layout (not an arena): all of g is the adapters' gradient buffer
+    g2 = prior.clone()
+    fl._adding_launch(_Tuner(configs=2, trials=2), None, c, 3, g2, goff, False, (g2, 0, 20), {})
+    assert torch.equal(g2, prior + 1.0)
+
+
+def test_single_config_launches_once() -> None:
+    fl._TUNED.clear()
+    g = torch.zeros(8)
+    tuner = _Tuner(configs=1, trials=0)
+    fl._adding_launch(tuner, None, SimpleNamespace(t_bucket=8, r_max=2), 2, g, torch.tensor([0]), True, (g, 0, 4), {})
+    assert tuner.launches == 1 and g[:4].eq(1).all() and g[4:].eq(0).all()
