@@ -134,5 +134,15 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 300 gpu_tests python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_engine_gpu.py \
       tests/gpu/test_kernels_gpu.py -k "engine or fused_arena or no_host_sync"
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2" >&2; exit 2 ;;
+  split)  # the shrink's column splits (SPLIT_C) and wide rank tiles against the earlier lists, on the
+          # engine's arena layout, then the engine step with the tuner's choices; the arena GPU tests
+    step 150 stages_tuned python3 bench/lora_op.py --engine-stages --out "$OUT/engine_stages_tuned_h100.md"
+    step 130 engine_tuned python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms fused \
+      --out "$OUT/engine_step_tuned_h100.md" --profile "$OUT/engine_profile_tuned_h100.md"
+    LORAPLEX_FUSED_RANK_TILES=narrow step 110 stages_narrow python3 bench/lora_op.py --engine-stages \
+      --out "$OUT/engine_stages_narrow_h100.md"
+    step 170 gpu_tests python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
+      -k "fused_arena or no_host_sync"
+    ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split" >&2; exit 2 ;;
 esac

@@ -266,28 +266,36 @@ def breakdown(d_in: int, d_out: int, n: int, per: int, r: int, gbs: float) -> li
 
 
 def _engine_kernels(si: SimpleNamespace) -> list:
-    """engine_stages' kernels on one shape's inputs, in its column order."""
-    from kernels.fused_lora import (
-        _gemm_launch,
-        _shrink_launch,
-        _stacked_a,
-        _stacked_b,
-        _wgrad_launch,
-    )
+    """engine_stages' kernels on one shape's inputs, in its column order, on the engine's layout:
+    every adapter's A [r, d_in] and B^T [r, d_out] blocks in one arena at 16-element-aligned
+    offsets, gradients added into a gradient arena."""
+    from kernels.fused_lora import _arena_rank_major, _gemm_launch, _shrink_launch, _wgrad_launch
 
-    x, w, a, b, dy, off, s_buf, c, sa, sb = si.x, si.w, si.a, si.b, si.dy, si.off, si.s_buf, si.c, si.sa, si.sb
+    x, w, a, b, dy, s_buf, c = si.x, si.w, si.a, si.b, si.dy, si.s_buf, si.c
+    d_in, d_out = x.shape[1], w.shape[0]
+    pieces, a_off, b_off, pos = [], [], [], 0
+    for i, r in enumerate(si.case.ranks.tolist()):
+        for block, offs in ((a[i, :, :r].t(), a_off), (b[i, :r, :], b_off)):
+            offs.append(pos)
+            pieces.append(block.reshape(-1))
+            pos += block.numel()
+            pad = -pos % 16
+            pieces.append(torch.zeros(pad, dtype=a.dtype, device=DEVICE))
+            pos += pad
+    arena = torch.cat(pieces)
+    grad = torch.zeros(arena.numel(), dtype=torch.float32, device=DEVICE)
+    ao, bo = (torch.tensor(o, dtype=torch.int64, device=DEVICE) for o in (a_off, b_off))
+    sa, sb = _arena_rank_major(d_in), _arena_rank_major(d_out)
     ds = torch.empty_like(s_buf)
-    ga = torch.zeros(a.shape, dtype=torch.float32, device=DEVICE)
-    gb = torch.zeros(b.shape, dtype=torch.float32, device=DEVICE)
     return [lambda: F.linear(x, w),
-            lambda: _gemm_launch(c, x, w.t(), None, s_buf, b, sb, off, False, x.dtype),
-            lambda: _shrink_launch(c, x, a, sa, off, s_buf, False),
+            lambda: _gemm_launch(c, x, w.t(), None, s_buf, arena, sb, bo, True, x.dtype),
+            lambda: _shrink_launch(c, x, arena, sa, ao, s_buf, True),
             lambda: dy @ w,
-            lambda: _gemm_launch(c, dy, w, None, ds, a, sa, off, False, dy.dtype),
-            lambda: _shrink_launch(c, dy, b, sb, off, ds, False, wgrad=(s_buf, gb, off)),
-            lambda: _shrink_launch(c, dy, b, sb, off, ds, False),
-            lambda: _wgrad_launch(c, s_buf, dy, gb, _stacked_b(gb), off, False),
-            lambda: _wgrad_launch(c, ds, x, ga, _stacked_a(ga), off, False)]
+            lambda: _gemm_launch(c, dy, w, None, ds, arena, sa, ao, True, dy.dtype),
+            lambda: _shrink_launch(c, dy, arena, sb, bo, ds, True, wgrad=(s_buf, grad, bo)),
+            lambda: _shrink_launch(c, dy, arena, sb, bo, ds, True),
+            lambda: _wgrad_launch(c, s_buf, dy, grad, sb, bo, True),
+            lambda: _wgrad_launch(c, ds, x, grad, sa, ao, True)]
 
 
 # Llama-3.1-8B's adapted projections (d_in, d_out, per layer), as bench/engine_step.py runs them
@@ -303,7 +311,7 @@ def engine_stages(gbs: float, layers: int = 32, n: int = 8, per: int = 1024) -> 
     names = ["fwd GEMM cuBLAS", "fwd GEMM fused + expand", "fwd shrink S", "dX GEMM cuBLAS",
              "dX GEMM fused + dS A", "dS + dB one pass", "dS alone", "dB pass", "dA pass"]
     fwd = {0, 1, 2}  # run twice per step
-    out = [f"kernels of one fused call apart (CUDA graph, ms) at the engine step's shapes: {n} adapters x {per} "
+    out = [f"kernels of one fused call apart (CUDA graph, ms; arena layout) at the engine step's shapes: {n} adapters x {per} "
            f"tokens, ranks {'/'.join(map(str, ranks))} cycled; floor = bytes the pass must move at {gbs:.0f} GB/s", "",
            "| d_in x d_out | " + " | ".join(names) + " | LoRA floor (fwd x2 + bwd) |", "|" + "---|" * (len(names) + 2)]
     step = dict.fromkeys(names, 0.0)

@@ -55,15 +55,22 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _IB = int(os.environ.get("LORAPLEX_INTERPRET_BLOCK_M", "16"))
 _ICHUNK = int(os.environ.get("LORAPLEX_INTERPRET_CHUNK", "32"))
 _IBR = int(os.environ.get("LORAPLEX_INTERPRET_BLOCK_R", "16"))  # rank tile under the interpreter
+_ISPLIT = int(os.environ.get("LORAPLEX_INTERPRET_SPLIT_C", "1"))  # shrink column splits under the interpreter
+
+
+def _zero_p(nargs: dict) -> None:
+    """pre_hook of a split shrink config: its programs add partial sums into P."""
+    nargs["p_ptr"].zero_()
 
 
 def _cfg(num_warps: int = 4, num_stages: int = 3, **meta: int) -> triton.Config:
-    return triton.Config(meta, num_warps=num_warps, num_stages=num_stages)
+    hook = _zero_p if meta.get("SPLIT_C", 1) > 1 else None
+    return triton.Config(meta, num_warps=num_warps, num_stages=num_stages, pre_hook=hook)
 
 
 if _INTERPRET:
     _GEMM_CONFIGS = [_cfg(BLOCK_M=_IB, BLOCK_N=16, BLOCK_K=16, BLOCK_R=_IBR, GROUP_M=2)]
-    _SHRINK_CONFIGS = [_cfg(BLOCK_M=_IB, BLOCK_K=16, BLOCK_R=_IBR)]
+    _SHRINK_CONFIGS = [_cfg(BLOCK_M=_IB, BLOCK_K=16, BLOCK_R=_IBR, SPLIT_C=_ISPLIT)]
     _WGRAD_CONFIGS = [_cfg(BLOCK_M=16, BLOCK_N=16, CHUNK=_ICHUNK, BLOCK_R=_IBR)]
 else:  # Hopper-friendly tiles (wgmma wants BLOCK_M >= 64 and 8 warps for the large ones).
     # BLOCK_R, the rank tile, is tuned too: 16 gives every adapter only the rank blocks it needs
@@ -86,15 +93,20 @@ else:  # Hopper-friendly tiles (wgmma wants BLOCK_M >= 64 and 8 warps for the la
         _cfg(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, BLOCK_R=64, GROUP_M=8, num_warps=8, num_stages=3),
     ] * _WIDE
     _SHRINK_CONFIGS = [
-        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=16),
-        _cfg(BLOCK_M=32, BLOCK_K=128, BLOCK_R=16, num_stages=4),
-        _cfg(BLOCK_M=16, BLOCK_K=256, BLOCK_R=16, num_stages=4),
-        _cfg(BLOCK_M=128, BLOCK_K=64, BLOCK_R=16, num_warps=8),
+        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=16, SPLIT_C=1),
+        _cfg(BLOCK_M=32, BLOCK_K=128, BLOCK_R=16, SPLIT_C=1, num_stages=4),
+        _cfg(BLOCK_M=16, BLOCK_K=256, BLOCK_R=16, SPLIT_C=1, num_stages=4),
+        _cfg(BLOCK_M=128, BLOCK_K=64, BLOCK_R=16, SPLIT_C=1, num_warps=8),
     ] + [
-        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=32),
-        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=64),
-        _cfg(BLOCK_M=128, BLOCK_K=64, BLOCK_R=64, num_warps=8),
-        _cfg(BLOCK_M=128, BLOCK_K=128, BLOCK_R=64, num_warps=8),
+        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=32, SPLIT_C=1),
+        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=64, SPLIT_C=1),
+        _cfg(BLOCK_M=128, BLOCK_K=64, BLOCK_R=64, SPLIT_C=1, num_warps=8),
+        _cfg(BLOCK_M=128, BLOCK_K=128, BLOCK_R=64, SPLIT_C=1, num_warps=8),
+        # column splits: more, shorter programs (atomics into P)
+        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=16, SPLIT_C=4),
+        _cfg(BLOCK_M=128, BLOCK_K=128, BLOCK_R=16, SPLIT_C=4, num_warps=8),
+        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=64, SPLIT_C=2),
+        _cfg(BLOCK_M=128, BLOCK_K=64, BLOCK_R=64, SPLIT_C=4, num_warps=8),
     ] * _WIDE
     _WGRAD_CONFIGS = [
         _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=1024, BLOCK_R=16),
@@ -154,12 +166,15 @@ def _shrink_jit(
     stride_mm, stride_mc, stride_wn, stride_wr, stride_wc, stride_pm, stride_sm,
     N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, ARENA: tl.constexpr,
     FUSE_WGRAD: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_C: tl.constexpr,
 ):
     """P[rows_i, :r_i] = M[rows_i, :] @ W_i^T with W_i [r_i, C] (A_i forward, B_i^T backward).
 
     With FUSE_WGRAD (backward, M = dY, W = B^T): the same sweep adds s_i S^T M into G_i [r_i, C]
     (dB_i^T) with atomics, so dS and dB come from one read of dY.
+    With SPLIT_C > 1, axis 1 splits the C sweep in SPLIT_C parts (more programs, each shorter:
+    the pass is bound by how many bytes are in flight) that add their partial P with fp32 atomics
+    (the config's pre_hook zeroes P first).
     """
     adapter, row_start, row_end, r0, rank = _find_item(
         tl.program_id(0), off_ptr, rank_ptr, N, R_MAX, BLOCK_M, BLOCK_R, N_P2)
@@ -181,10 +196,20 @@ def _shrink_jit(
     else:
         st_t = w_base  # unread
     g_base = _adapter_base(g_ptr, ad, stride_wn, goff_ptr, ARENA)
-    c_end = tl.where(valid, C, 0)
-    acc = _shrink_sweep(tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC), m_rows, stride_mc, row_mask, w_base, stride_wc,
-                        stride_wr, rr, r_mask, C, c_end, st_t, g_base, scale, FUSE_WGRAD, ACC, DOT_PREC, BLOCK_K)
-    tl.store(p_ptr + rows64[:, None] * stride_pm + rr[None, :], acc, mask=row_mask[:, None] & r_mask[None, :])
+    # this program's columns [c0, c0 + span) of C (all of them unless SPLIT_C > 1): the sweep runs on
+    # pointers moved to c0 over C - c0 columns
+    span = tl.cdiv(tl.cdiv(C, SPLIT_C), BLOCK_K) * BLOCK_K
+    c0 = tl.program_id(1) * span
+    c_left = tl.maximum(C - c0, 0)
+    c_end = tl.where(valid, tl.minimum(c_left, span), 0)
+    acc = _shrink_sweep(tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC), m_rows + c0 * stride_mc, stride_mc, row_mask,
+                        w_base + c0 * stride_wc, stride_wc, stride_wr, rr, r_mask, c_left, c_end, st_t,
+                        g_base + c0 * stride_wc, scale, FUSE_WGRAD, ACC, DOT_PREC, BLOCK_K)
+    out = p_ptr + rows64[:, None] * stride_pm + rr[None, :]
+    if SPLIT_C == 1:
+        tl.store(out, acc, mask=row_mask[:, None] & r_mask[None, :])
+    else:
+        tl.atomic_add(out, acc, mask=row_mask[:, None] & r_mask[None, :], sem="relaxed")  # spares: no rows
 
 
 @triton.jit
@@ -513,7 +538,7 @@ class _Ctx:
 def _shrink_launch(c: _Ctx, m, w, w_strides, woff, p, arena: bool, wgrad=None) -> None:  # noqa: ANN001
     """p[rows_i, :r_i] = m[rows_i] @ W_i^T; with wgrad = (s_buf, g, goff): also g_i += s_i S^T m."""
     s_buf, g, goff = wgrad if wgrad is not None else (p, p, woff)
-    grid = lambda meta: (c.items(meta["BLOCK_M"], meta["BLOCK_R"]),)  # noqa: E731
+    grid = lambda meta: (c.items(meta["BLOCK_M"], meta["BLOCK_R"]), meta["SPLIT_C"])  # noqa: E731
     args = (m, w, p, woff, c.offsets, c.ranks, s_buf, g, goff, c.scales, c.n, m.shape[1], c.r_max, c.t_bucket,
             m.stride(0), m.stride(1), *w_strides, p.stride(0), s_buf.stride(0))
     meta = dict(N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, FUSE_WGRAD=wgrad is not None)

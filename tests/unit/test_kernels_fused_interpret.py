@@ -191,13 +191,14 @@ TOL = {"torch.float32": 3e-6, "torch.float64": 1e-12}
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("block_m", "chunk", "block_r", "part"),
-                         [("16", "40", "16", "all"), ("32", "16", "64", "core")])
-def test_fused_kernels_under_interpreter(block_m: str, chunk: str, block_r: str, part: str) -> None:
-    """Two row-tile heights, two weight-gradient row chunks (40: chunks end inside a tile) and two
-    rank tiles (64: one tile covers a rank-64 adapter; ranks 8 and 16 use a masked part of it)."""
+@pytest.mark.parametrize(("block_m", "chunk", "block_r", "split", "part"),
+                         [("16", "40", "16", "1", "all"), ("32", "16", "64", "3", "core")])
+def test_fused_kernels_under_interpreter(block_m: str, chunk: str, block_r: str, split: str, part: str) -> None:
+    """Two row-tile heights, two weight-gradient row chunks (40: chunks end inside a tile), two
+    rank tiles (64: one tile covers a rank-64 adapter; ranks 8 and 16 use a masked part of it) and
+    the shrink's column sweep whole or in 3 parts (atomics into S; a part may be empty)."""
     env = dict(os.environ, TRITON_INTERPRET="1", LORAPLEX_INTERPRET_BLOCK_M=block_m, LORAPLEX_INTERPRET_CHUNK=chunk,
-               LORAPLEX_INTERPRET_BLOCK_R=block_r, PYTHONPATH=ROOT)
+               LORAPLEX_INTERPRET_BLOCK_R=block_r, LORAPLEX_INTERPRET_SPLIT_C=split, PYTHONPATH=ROOT)
     env.pop("LORAPLEX_LORA_FORM", None)
     env.pop("LORAPLEX_LORA_TIMINGS", None)
     env.pop("LORAPLEX_FUSED_TMA", None)
