@@ -144,5 +144,12 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 170 gpu_tests python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
       -k "fused_arena or no_host_sync"
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split" >&2; exit 2 ;;
+  final2)  # this session's defaults (split shrink, tuned rank tiles) against compose and the backbone in
+           # one run, then the stacked fused GPU tests (every tuned shrink config at real shapes)
+    step 200 engine_step python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms compose,fused \
+      --out "$OUT/engine_step_final_h100.md"
+    step 330 gpu_tests python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
+      -k "fused_matches"
+    ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2" >&2; exit 2 ;;
 esac
