@@ -66,7 +66,7 @@ def floor_step(model, ids: torch.Tensor) -> None:  # noqa: ANN001
 
 KINDS = (  # kernel name fragments -> category, first match wins
     ("LoRA fused GEMM (Triton)", ("_gemm_lora",)),
-    ("LoRA passes (Triton)", ("_shrink", "_wgrad", "_expand", "_lora")),
+    ("LoRA passes (Triton)", ("_shrink", "_wgrad", "_expand", "_lora", "_fwd_jit", "_bwd_jit")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("GEMM (cuBLAS/CUTLASS)", ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "sm80_", "ampere_")),
     ("optimizer / norms (foreach)", ("foreach", "multi_tensor", "adam")),
