@@ -151,5 +151,11 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 330 gpu_tests python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
       -k "fused_matches"
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2" >&2; exit 2 ;;
+  compose)  # the composition's arena backward on the new tuning path: its GPU tests, then the engine step
+    step 200 gpu_tests python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
+      -k "triton_arena or arena_no_host_sync"
+    step 150 engine_step python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms compose,fused \
+      --out "$OUT/engine_step_compose_h100.md"
+    ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose" >&2; exit 2 ;;
 esac

@@ -48,6 +48,8 @@ from kernels.triton_lora import (
     _check,
     _check_arena,
     _shrink_sweep,
+    arena_span,
+    launch_restoring,
 )
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -493,28 +495,20 @@ _shrink = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"
 # tuner's choice noise.
 _shrink_wgrad = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_TUNE_KW)(_shrink_jit)
 _wgrad = triton.autotune(configs=_WGRAD_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_TUNE_KW)(_wgrad_jit)
-_TUNED: set[tuple] = set()  # (kernel, tuning key, layout) pairs whose first call has run in this process
-
-
 def _adding_launch(kernel, grid, c: _Ctx, cols: int, g: torch.Tensor, goff: torch.Tensor, arena: bool,  # noqa: ANN001
                    args: tuple, meta: dict) -> None:
-    """Launch a kernel that adds into g. The first call per tuning key may run tuning trials, each
-    adding into g: the adapters' blocks of g (arena: from the lowest offset to the highest plus one
-    [r_max, cols] block; stacked: all of g) are saved before and restored after it, and the call
-    runs again with the chosen config. One host sync, once per key and process."""
-    key = (id(kernel), c.t_bucket, cols, c.r_max, g.dtype, arena, g.device)
-    if len(kernel.configs) == 1 or key in _TUNED:
-        kernel[grid](*args, **meta)
-        return
+    """Launch a kernel that adds into g (`triton_lora.launch_restoring`): around its first call per
+    tuning key, the adapters' blocks of g are saved and restored (arena: from the lowest offset to
+    the end of the highest [r_max, cols] block; stacked: all of g)."""
     flat = g.view(-1)
-    lo, hi = (int(goff.min()), int(goff.max()) + c.r_max * cols) if arena and goff.numel() else (0, flat.numel())
-    hi = min(hi, flat.numel())
-    saved = flat[lo:hi].clone()
-    kernel[grid](*args, **meta)
-    flat[lo:hi].copy_(saved)
-    del saved
-    kernel[grid](*args, **meta)
-    _TUNED.add(key)
+
+    def spans() -> list:
+        if arena and goff.numel():
+            return [arena_span(flat, (goff,), (c.r_max * cols,))]
+        return [(flat, 0, flat.numel())]
+
+    launch_restoring(kernel, grid, (id(kernel), c.t_bucket, cols, c.r_max, g.dtype, arena, g.device), spans,
+                     args, meta)
 
 
 class _Ctx:

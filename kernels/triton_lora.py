@@ -218,10 +218,37 @@ _fwd_kernel = triton.autotune(configs=_FWD_CONFIGS, key=_KEY, restore_value=["y_
 _bwd_kernel = triton.autotune(configs=_BWD_CONFIGS, key=_KEY, reset_to_zero=["da_ptr", "db_ptr"],
                               restore_value=["dx_ptr"], **AUTOTUNE_KW)(_bwd_jit)
 # Arena: gradients accumulate into the caller's arena that already holds other layers' sums, so
-# tuning trials restore it instead of zeroing it (the autotuner zeroes reset_to_zero args again
-# after tuning, which would wipe them).
-_bwd_kernel_arena = triton.autotune(configs=_BWD_CONFIGS, key=_KEY,
-                                    restore_value=["dx_ptr", "da_ptr"], **AUTOTUNE_KW)(_bwd_jit)
+# tuning trials must not leave their sums there (nor zero it); `launch_restoring` saves and restores
+# what the call adds into (dx and the adapters' blocks) around the one call that may tune.
+_bwd_kernel_arena = triton.autotune(configs=_BWD_CONFIGS, key=_KEY, **AUTOTUNE_KW)(_bwd_jit)
+_TUNED: set[tuple] = set()  # tuning keys whose first call has run in this process
+
+
+def launch_restoring(kernel, grid, key: tuple, spans, args: tuple, meta: dict) -> None:  # noqa: ANN001
+    """Launch an autotuned kernel that adds into caller-owned tensors. Its first call per `key` may
+    run tuning trials, each adding too: the ranges `spans()` returns ((1-D view, lo, hi), ...) are
+    saved before that call and restored after it, then the call runs again with the chosen config.
+    Not Triton's restore_value: that clones and copies back the WHOLE tensor inside every timed
+    trial (a multi-GB gradient arena: milliseconds against a kernel of tens of microseconds), which
+    makes the tuner's choice noise. Costs one host sync and one extra call, once per key."""
+    if len(kernel.configs) == 1 or key in _TUNED:
+        kernel[grid](*args, **meta)
+        return
+    saved = [(flat, lo, hi, flat[lo:hi].clone()) for flat, lo, hi in spans()]
+    kernel[grid](*args, **meta)
+    for flat, lo, hi, copy in saved:
+        flat[lo:hi].copy_(copy)
+    del saved
+    kernel[grid](*args, **meta)
+    _TUNED.add(key)
+
+
+def arena_span(flat: torch.Tensor, offs: tuple[torch.Tensor, ...], sizes: tuple[int, ...]) -> tuple:
+    """(flat, lo, hi): from the lowest block offset in `offs` to the end of the highest block
+    (offs[j]'s blocks are sizes[j] elements long), within flat."""
+    lo = min(int(o.min()) for o in offs)
+    hi = max(int(o.max()) + size for o, size in zip(offs, sizes, strict=True))
+    return flat, lo, min(hi, flat.numel())
 
 
 def _meta(x: torch.Tensor, n: int, r_max: int, t: int) -> dict:
@@ -280,16 +307,24 @@ def _launch_bwd(x, dy, s_buf, a, b, dx, da, db, offsets, ranks, scales, n, d_out
     t, d_in = x.shape
     meta = _meta(x, n, r_max, t)
     dx_arg = dx if dx is not None else x  # never written when COMPUTE_DX is False
-    kernel = _bwd_kernel if arena_offs is None else _bwd_kernel_arena
     aoff, boff = arena_offs if arena_offs is not None else (offsets, offsets)  # unread when stacked
-    kernel[lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n,)](
-        x, dy, s_buf, a, b, dx_arg, da, db, offsets, ranks, scales, aoff, boff,
-        n, d_in, d_out, r_max, meta["T_BUCKET"],
-        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), s_buf.stride(0),
-        *w_strides, dx_arg.stride(0), dx_arg.stride(1),
-        BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
-        COMPUTE_DX=dx is not None, COMPUTE_DA=need_a, COMPUTE_DB=need_b, ARENA=arena_offs is not None,
-    )
+    grid = lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n,)  # noqa: E731
+    args = (x, dy, s_buf, a, b, dx_arg, da, db, offsets, ranks, scales, aoff, boff,
+            n, d_in, d_out, r_max, meta["T_BUCKET"],
+            x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), s_buf.stride(0),
+            *w_strides, dx_arg.stride(0), dx_arg.stride(1))
+    kw = dict(BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
+              COMPUTE_DX=dx is not None, COMPUTE_DA=need_a, COMPUTE_DB=need_b, ARENA=arena_offs is not None)
+    if arena_offs is None:
+        _bwd_kernel[grid](*args, **kw)
+        return
+
+    def spans() -> list:  # what the call adds into: dx (over cuBLAS's dY W) and the adapters' blocks
+        out = [arena_span(da.view(-1), (aoff, boff), (r_max * d_in, r_max * d_out))] if n else []
+        return out + ([(dx.view(-1), 0, dx.numel())] if dx is not None else [])
+
+    key = ("compose bwd", meta["T_BUCKET"], d_in, d_out, r_max, x.dtype, dx is not None, need_a, need_b, x.device)
+    launch_restoring(_bwd_kernel_arena, grid, key, spans, args, kw)
 
 
 def lora_forward(x, lora_a, lora_b, scales, ranks, offsets, y, s_out=None) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""`kernels.fused_lora._adding_launch`: a kernel that adds into caller-owned gradients may run
-tuning trials on its first call per key; the gradients must end up holding exactly one call's sum."""
+"""`kernels.triton_lora.launch_restoring` (and the fused form's `_adding_launch` on it): a kernel
+that adds into caller-owned gradients may run tuning trials on its first call per key; the
+gradients must end up holding exactly one call's sum."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from kernels import fused_lora as fl
+from kernels import triton_lora as tlr
 
 
 class _Tuner:
@@ -28,7 +30,7 @@ class _Tuner:
 
 
 def test_adding_launch_keeps_one_sum_after_tuning_trials() -> None:
-    fl._TUNED.clear()
+    tlr._TUNED.clear()
     c = SimpleNamespace(t_bucket=64, r_max=2)
     prior = torch.randn(20, dtype=torch.float32)
     g = prior.clone()
@@ -49,8 +51,35 @@ def test_adding_launch_keeps_one_sum_after_tuning_trials() -> None:
 
 
 def test_single_config_launches_once() -> None:
-    fl._TUNED.clear()
+    tlr._TUNED.clear()
     g = torch.zeros(8)
     tuner = _Tuner(configs=1, trials=0)
     fl._adding_launch(tuner, None, SimpleNamespace(t_bucket=8, r_max=2), 2, g, torch.tensor([0]), True, (g, 0, 4), {})
     assert tuner.launches == 1 and g[:4].eq(1).all() and g[4:].eq(0).all()
+
+
+def test_launch_restoring_restores_every_span() -> None:
+    """The composition's arena backward adds into dx and into the gradient arena: both restored."""
+    tlr._TUNED.clear()
+    dx0, arena0 = torch.randn(6), torch.randn(30)
+    dx, arena = dx0.clone(), arena0.clone()
+    aoff, boff = torch.tensor([4, 12]), torch.tensor([8, 16])
+    span = tlr.arena_span(arena, (aoff, boff), (4, 6))
+    assert span[1:] == (4, 22)  # lowest offset to the end of the highest block (16 + 6)
+
+    class Tuner:
+        configs = [0, 1, 2]
+        launches = 0
+
+        def __getitem__(self, grid: object):  # noqa: ANN204
+            def run(**_meta: object) -> None:
+                trials = 3 if Tuner.launches == 0 else 0
+                Tuner.launches += 1 + trials
+                dx.add_(1.0 + trials)
+                arena[4:22].add_(1.0 + trials)
+            return run
+
+    tlr.launch_restoring(Tuner(), None, ("k",), lambda: [span, (dx, 0, 6)], (), {})
+    assert torch.equal(dx, dx0 + 1.0) and torch.equal(arena[4:22], arena0[4:22] + 1.0)
+    assert torch.equal(arena[:4], arena0[:4]) and torch.equal(arena[22:], arena0[22:])
+    assert Tuner.launches == 5
