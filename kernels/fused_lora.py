@@ -18,10 +18,11 @@ Same contracts as `kernels.triton_lora` (stacked and arena forms); what differs 
 Per-adapter rank tiles: every LoRA loop runs over cdiv(r_i, BLOCK_R) rank blocks of the adapter's
 OWN rank, so with BLOCK_R = 16 a rank-16 adapter beside a rank-64 one costs one block, not four;
 the work lists are built on the device from offsets and ranks (prefix sums), no host sync. Ranks
-need not be powers of two (the last block is masked). BLOCK_R is an autotuned parameter (16, 32,
-64; never wider than the call's largest rank): a wider tile reads each adapter's rows of X or dY
-once instead of once per rank block, at the price of masked MMA columns for smaller ranks (the
-masked loads move no bytes), which is the faster trade where a pass is bound by bytes.
+need not be powers of two (the last block is masked). In `_shrink` and `_wgrad` BLOCK_R is an
+autotuned parameter (16, 32, 64; never wider than the call's largest rank): a wider tile reads each
+adapter's rows of X or dY once instead of once per rank block, at the price of masked MMA columns
+for smaller ranks (the masked loads move no bytes), which is the faster trade where a pass is bound
+by bytes. The GEMM epilogue's rank tile is 16, or 32 where some adapter has a larger rank.
 
 Where a Triton GEMM is slower than cuBLAS on a shape, the composition (`triton_lora`: cuBLAS +
 separate LoRA passes) is the faster choice; `kernels.form_choice` picks per shape from measured
@@ -83,17 +84,20 @@ else:  # Hopper-friendly tiles (wgmma wants BLOCK_M >= 64 and 8 warps for the la
     # $LORAPLEX_FUSED_RANK_TILES=narrow keeps the earlier lists (rank tile 16, one 32 GEMM
     # config): the baseline of bench/lora_op.py --engine-stages and bench/engine_step.py.
     _WIDE = os.environ.get("LORAPLEX_FUSED_RANK_TILES", "tuned") != "narrow"
-    _GEMM_CONFIGS = [
-        _cfg(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, num_warps=8, num_stages=3),
-        _cfg(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, num_warps=8, num_stages=3),
-        _cfg(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, num_warps=8, num_stages=4),
-        _cfg(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, num_warps=4, num_stages=4),
-        _cfg(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, BLOCK_R=16, GROUP_M=8, num_warps=4, num_stages=4),
-        _cfg(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_R=32, GROUP_M=8, num_warps=8, num_stages=3),
-    ] + [
-        _cfg(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_R=64, GROUP_M=8, num_warps=8, num_stages=3),
-        _cfg(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, BLOCK_R=64, GROUP_M=8, num_warps=8, num_stages=3),
-    ] * _WIDE
+    # The GEMMs' tiles are tuned; their epilogue's rank tile is not (`_gemm_rank_tile`): in the
+    # engine (8 jobs, ranks 16/32/64) the runs whose tuner happened to pick rank tile 32 for every
+    # GEMM took 0.957-0.959 s a step, those with a mix of 16/32/64 0.978-0.980 s, while the tuner's
+    # own trials could not tell them apart (bench/results/engine_step_breakdown_h100.md).
+    _GEMM_TILES = [
+        dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+        dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+        dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    ]
+    _GEMM_CONFIGS = [_cfg(**t) for t in _GEMM_TILES] if _WIDE else [
+        _cfg(BLOCK_R=16, **t) for t in _GEMM_TILES] + [
+        _cfg(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_R=32, GROUP_M=8, num_warps=8, num_stages=3)]
     _SHRINK_CONFIGS = [
         _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=16, SPLIT_C=1),
         _cfg(BLOCK_M=32, BLOCK_K=128, BLOCK_R=16, SPLIT_C=1, num_stages=4),
@@ -121,6 +125,14 @@ else:  # Hopper-friendly tiles (wgmma wants BLOCK_M >= 64 and 8 warps for the la
         _cfg(BLOCK_M=64, BLOCK_N=256, CHUNK=1024, BLOCK_R=64, num_warps=8),
         _cfg(BLOCK_M=128, BLOCK_N=128, CHUNK=2048, BLOCK_R=64, num_warps=8),
     ] * _WIDE
+
+def _gemm_rank_tile(r_max: int) -> dict:
+    """The fused GEMMs' epilogue rank tile, where the configs do not carry one: 16 when no adapter
+    needs more, else 32 (a rank-64 adapter takes two blocks)."""
+    if "BLOCK_R" in _GEMM_CONFIGS[0].kwargs:
+        return {}
+    return {"BLOCK_R": 16 if r_max <= 16 else 32}
+
 
 def _prune_rank_tiles(configs: list[triton.Config], named_args: dict, **_kw: object) -> list[triton.Config]:
     """Autotuner pre-filter: no rank tile wider than the call's largest rank needs (R_MAX 16
@@ -613,7 +625,8 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: bool, out
     out = torch.empty((t, nc), dtype=out_dtype, device=a.device)
     grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]) * triton.cdiv(nc, meta["BLOCK_N"]),)  # noqa: E731
     common = (c.n, c.r_max, c.t_bucket)
-    meta = dict(HAS_BIAS=bias is not None, N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, PREFETCH=prefetch)
+    meta = dict(HAS_BIAS=bias is not None, N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, PREFETCH=prefetch,
+                **_gemm_rank_tile(c.r_max))
     bias_arg = bias if bias is not None else out
     if base != "ptr" and _tma_ok(a, b_kn):
         # device-side descriptors need a little global scratch per program. Triton keeps its

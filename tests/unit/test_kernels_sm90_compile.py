@@ -78,11 +78,11 @@ meta = dict(N_P2=16, ACC=tl.float32, DOT_PREC="tf32", ARENA=True, PREFETCH=False
 res = {}
 for name, args in (("fwd", fwd), ("dx", dxg)):
     for cfg in fl._GEMM_CONFIGS[:2]:
-        kw = dict(cfg.kwargs)
+        kw = dict(cfg.kwargs) | fl._gemm_rank_tile(R)
         res[f"gemm {name} {kw['BLOCK_M']}x{kw['BLOCK_N']}"] = _compile(
             fl._gemm_lora_jit, args, dict(meta, HAS_BIAS=name == "fwd", **kw), cfg.num_warps, cfg.num_stages)
     no_ak = {k: v for k, v in args.items() if k != "stride_ak"}
-    kw = dict(fl._GEMM_CONFIGS[0].kwargs)
+    kw = dict(fl._GEMM_CONFIGS[0].kwargs) | fl._gemm_rank_tile(R)
     res[f"gemm tma {name}"] = _compile(fl._gemm_lora_tma_jit, no_ak, dict(meta, HAS_BIAS=False, B_NK=name == "fwd",
                                        NUM_SMS=132, **kw), 8, 3)
     # the default on Hopper: persistent programs over a flattened tile loop (and its +pf form)
@@ -90,9 +90,9 @@ for name, args in (("fwd", fwd), ("dx", dxg)):
         meta, HAS_BIAS=False, B_NK=name == "fwd", NUM_SMS=132, **kw), 8, 3)
     res[f"gemm persist+pf {name}"] = _compile(fl._gemm_lora_persist_jit, no_ak, dict(
         meta, HAS_BIAS=False, B_NK=name == "fwd", NUM_SMS=132, **kw) | {"PREFETCH": True}, 8, 3)
-    wide = next(c for c in fl._GEMM_CONFIGS if c.kwargs["BLOCK_R"] == 64)  # one rank tile for rank 64
+    # the epilogue with a rank tile of 64 (one block for a rank-64 adapter; the kernel takes any)
     res[f"gemm persist r64 {name}"] = _compile(fl._gemm_lora_persist_jit, no_ak, dict(
-        meta, HAS_BIAS=False, B_NK=name == "fwd", NUM_SMS=132, **wide.kwargs), wide.num_warps, wide.num_stages)
+        meta, HAS_BIAS=False, B_NK=name == "fwd", NUM_SMS=132, **(kw | {"BLOCK_R": 64})), 8, 3)
 no_pf = {k: v for k, v in meta.items() if k != "PREFETCH"}  # kernels without the GEMM epilogue
 shr = dict(m_ptr=P, w_ptr=P, p_ptr="*fp32", woff_ptr="*i64", off_ptr="*i64", rank_ptr="*i32", s_ptr="*fp32",
            g_ptr="*fp32", goff_ptr="*i64", scale_ptr="*fp32", N=8, C=DO, R_MAX=R, T_BUCKET=T, stride_mm=DO,
