@@ -126,6 +126,7 @@ else:  # Hopper-friendly tiles (wgmma wants BLOCK_M >= 64 and 8 warps for the la
         _cfg(BLOCK_M=128, BLOCK_N=128, CHUNK=2048, BLOCK_R=64, num_warps=8),
     ] * _WIDE
 
+
 def _gemm_rank_tile(r_max: int) -> dict:
     """The fused GEMMs' epilogue rank tile, where the configs do not carry one: 16 when no adapter
     needs more, else 32 (a rank-64 adapter takes two blocks)."""
