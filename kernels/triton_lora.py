@@ -213,10 +213,10 @@ def _bwd_jit(
 
 
 _KEY = ["T_BUCKET", "K", "D_OUT", "R_MAX"]
-_fwd_kernel = triton.autotune(configs=_FWD_CONFIGS, key=_KEY, restore_value=["y_ptr"], **AUTOTUNE_KW)(_fwd_jit)
-# Stacked weights: dA/dB land in a fresh buffer per call, zeroed between tuning trials.
-_bwd_kernel = triton.autotune(configs=_BWD_CONFIGS, key=_KEY, reset_to_zero=["da_ptr", "db_ptr"],
-                              restore_value=["dx_ptr"], **AUTOTUNE_KW)(_bwd_jit)
+# Every kernel here adds into caller-owned tensors (y, dx, dA/dB): `launch_restoring` keeps tuning
+# trials' sums out of them.
+_fwd_kernel = triton.autotune(configs=_FWD_CONFIGS, key=_KEY, **AUTOTUNE_KW)(_fwd_jit)
+_bwd_kernel = triton.autotune(configs=_BWD_CONFIGS, key=_KEY, **AUTOTUNE_KW)(_bwd_jit)
 # Arena: gradients accumulate into the caller's arena that already holds other layers' sums, so
 # tuning trials must not leave their sums there (nor zero it); `launch_restoring` saves and restores
 # what the call adds into (dx and the adapters' blocks) around the one call that may tune.
@@ -291,13 +291,13 @@ def _launch_fwd(x, a, b, y, s_buf, offsets, ranks, scales, n, d_out, r_max, w_st
     t, d_in = x.shape
     meta = _meta(x, n, r_max, t)
     aoff, boff = arena_offs if arena_offs is not None else (offsets, offsets)  # unread when stacked
-    _fwd_kernel[lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n,)](
-        x, a, b, y, s_buf, offsets, ranks, scales, aoff, boff,
-        n, d_in, d_out, r_max, meta["T_BUCKET"],
-        x.stride(0), x.stride(1), *w_strides, y.stride(0), y.stride(1), s_buf.stride(0),
-        BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
-        ARENA=arena_offs is not None,
-    )
+    args = (x, a, b, y, s_buf, offsets, ranks, scales, aoff, boff, n, d_in, d_out, r_max, meta["T_BUCKET"],
+            x.stride(0), x.stride(1), *w_strides, y.stride(0), y.stride(1), s_buf.stride(0))
+    kw = dict(BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
+              ARENA=arena_offs is not None)
+    key = ("compose fwd", meta["T_BUCKET"], d_in, d_out, r_max, x.dtype, arena_offs is not None, x.device)
+    launch_restoring(_fwd_kernel, lambda m: (triton.cdiv(t, m["BLOCK_M"]) + n,), key,
+                     lambda: [(y, 0, y.shape[0])], args, kw)  # y: the base output the LoRA term adds to
 
 
 def _launch_bwd(x, dy, s_buf, a, b, dx, da, db, offsets, ranks, scales, n, d_out, r_max, w_strides, arena_offs,
@@ -315,16 +315,17 @@ def _launch_bwd(x, dy, s_buf, a, b, dx, da, db, offsets, ranks, scales, n, d_out
             *w_strides, dx_arg.stride(0), dx_arg.stride(1))
     kw = dict(BLOCK_R=meta["BLOCK_R"], N_P2=meta["N_P2"], ACC=meta["ACC"], DOT_PREC=meta["DOT_PREC"],
               COMPUTE_DX=dx is not None, COMPUTE_DA=need_a, COMPUTE_DB=need_b, ARENA=arena_offs is not None)
-    if arena_offs is None:
-        _bwd_kernel[grid](*args, **kw)
-        return
 
     def spans() -> list:  # what the call adds into: dx (over cuBLAS's dY W) and the adapters' blocks
-        out = [arena_span(da.view(-1), (aoff, boff), (r_max * d_in, r_max * d_out))] if n else []
-        return out + ([(dx.view(-1), 0, dx.numel())] if dx is not None else [])
+        if arena_offs is None:  # stacked: dA/dB in their own (zeroed) buffers
+            out = [(da.view(-1), 0, da.numel()), (db.view(-1), 0, db.numel())]
+        else:
+            out = [arena_span(da.view(-1), (aoff, boff), (r_max * d_in, r_max * d_out))] if n else []
+        return out + ([(dx, 0, dx.shape[0])] if dx is not None else [])
 
-    key = ("compose bwd", meta["T_BUCKET"], d_in, d_out, r_max, x.dtype, dx is not None, need_a, need_b, x.device)
-    launch_restoring(_bwd_kernel_arena, grid, key, spans, args, kw)
+    key = ("compose bwd", meta["T_BUCKET"], d_in, d_out, r_max, x.dtype, dx is not None, need_a, need_b,
+           arena_offs is not None, x.device)
+    launch_restoring(_bwd_kernel if arena_offs is None else _bwd_kernel_arena, grid, key, spans, args, kw)
 
 
 def lora_forward(x, lora_a, lora_b, scales, ranks, offsets, y, s_out=None) -> torch.Tensor:
