@@ -73,6 +73,17 @@ KINDS = (  # kernel name fragments -> category, first match wins
 )
 
 
+def use_form(spec: str) -> tuple[str, str]:
+    """Make `spec` (FORM or fused:VARIANT) the process's operator form and fused GEMM variant (no
+    variant: the device's); returns (form, variant)."""
+    from kernels import fused_lora, set_default_form
+
+    form, _, variant = spec.partition(":")
+    set_default_form(form)
+    fused_lora.GEMM_DEFAULT = fused_lora.gemm_variant(variant) if variant else None
+    return form, variant
+
+
 def profile_step(label: str, fn) -> str:  # noqa: ANN001
     """One profiled call of fn (after one unprofiled): its wall time, the GPU kernel time summed by
     category, and the GPU idle share of the kernels' span (host-bound stretches, syncs)."""
@@ -181,10 +192,8 @@ def main() -> None:
     engine = MultiLoraEngine(model, examples, pad_id=0, adapter_dtype=torch.bfloat16)
     labels = {"compose": "(c) engine", "fused": "(c'') engine, fused form", "auto": "(c'') engine, auto form"}
     for spec in args.forms.split(","):
-        form, _, variant = spec.partition(":")
+        form, variant = use_form(spec)
         label = labels[form] + (f", GEMM {variant}" if variant else "")
-        set_default_form(form)
-        fused_lora.GEMM_DEFAULT = fused_lora.gemm_variant(variant) if variant else None  # None: the device's
         for n in job_counts:
             for j in list(engine.jobs):
                 engine.detach(j)
@@ -234,9 +243,7 @@ def main() -> None:
         ids = data[:n].to(dev)
         parts = [profile_step("(a) backbone alone", lambda: floor_step(model, ids))]
         for spec in args.forms.split(","):
-            form, _, variant = spec.partition(":")
-            set_default_form(form)
-            fused_lora.GEMM_DEFAULT = fused_lora.gemm_variant(variant) if variant else None
+            use_form(spec)
             parts.append(profile_step(f"(c) engine, {spec}", engine.step))
         set_default_form("compose")
         text = "\n\n".join(parts)

@@ -502,12 +502,12 @@ _gemm_lora_persist = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC
     _gemm_lora_persist_jit)
 _shrink = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_TUNE_KW)(_shrink_jit)
 # Kernels that add into caller-owned gradients (an arena already holds other layers' sums): their
-# tuning trials add too, so `_adding_launch` restores the adapters' blocks around a call that may
-# tune. Not Triton's restore_value: that clones and copies back the WHOLE tensor inside every timed
-# trial (a multi-GB arena: milliseconds against a kernel of tens of microseconds), which made the
-# tuner's choice noise.
+# tuning trials add too, so they launch through `_adding_launch` (`triton_lora.launch_restoring`
+# says why not Triton's restore_value).
 _shrink_wgrad = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_TUNE_KW)(_shrink_jit)
 _wgrad = triton.autotune(configs=_WGRAD_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_TUNE_KW)(_wgrad_jit)
+
+
 def _adding_launch(kernel, grid, c: _Ctx, cols: int, g: torch.Tensor, goff: torch.Tensor, arena: bool,  # noqa: ANN001
                    args: tuple, meta: dict) -> None:
     """Launch a kernel that adds into g (`triton_lora.launch_restoring`): around its first call per

@@ -98,7 +98,7 @@ shr = dict(m_ptr=P, w_ptr=P, p_ptr="*fp32", woff_ptr="*i64", off_ptr="*i64", ran
            g_ptr="*fp32", goff_ptr="*i64", scale_ptr="*fp32", N=8, C=DO, R_MAX=R, T_BUCKET=T, stride_mm=DO,
            stride_mc=1, stride_wn=0, stride_wr=DO, stride_wc=1, stride_pm=R, stride_sm=R)
 for fuse in (False, True):
-    for cfg in (fl._SHRINK_CONFIGS[0], fl._SHRINK_CONFIGS[-1]):  # rank tiles 16 and 64
+    for cfg in (fl._SHRINK_CONFIGS[0], fl._SHRINK_CONFIGS[-1]):  # rank tile 16; rank tile 64, column split
         res[f"shrink fuse_db={fuse} r{cfg.kwargs['BLOCK_R']}"] = _compile(
             fl._shrink_jit, shr, dict(no_pf, FUSE_WGRAD=fuse, **cfg.kwargs), cfg.num_warps, cfg.num_stages)
 wg = dict(p_ptr="*fp32", m_ptr=P, g_ptr="*fp32", goff_ptr="*i64", off_ptr="*i64", rank_ptr="*i32",
