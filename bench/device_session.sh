@@ -157,5 +157,33 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 150 engine_step python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms compose,fused \
       --out "$OUT/engine_step_compose_h100.md"
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose" >&2; exit 2 ;;
+  meta)  # session 6: the fused GEMMs' epilogue with the adapters' metadata in registers (one load per
+         # program, no chain of dependent loads per tile) and a 4-stage 128x256 tile, against the
+         # previous kernels (a copy of the last commit's kernels/ and bench/ in
+         # $OLD_KERNELS: its scripts put that copy first on sys.path), side by side
+    old=${OLD_KERNELS:-.device/ab_old}
+    step 140 stages_new python3 bench/lora_op.py --engine-stages --out "$OUT/engine_stages_new_h100.md"
+    PYTHONPATH=$PWD step 130 stages_old python3 "$old/bench/lora_op.py" --engine-stages --out "$OUT/engine_stages_old_h100.md"
+    step 120 engine_new python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms fused \
+      --out "$OUT/engine_step_new_h100.md"
+    PYTHONPATH=$PWD step 110 engine_old python3 "$old/bench/engine_step.py" --jobs 8 --skip-peft --skip-torch --forms fused \
+      --out "$OUT/engine_step_old_h100.md"
+    ;;
+  gputests)  # every GPU test, in parallel processes (each test's time is mostly Triton compiling its
+             # autotune configs on the CPU; one GPU is plenty for correctness checks)
+    pids=()
+    for sel in "variants" "fused_matches" "fused_arena or triton_arena" "triton_matches or no_host_sync"; do
+      name=$(echo "$sel" | tr -c 'a-z0-9\n' '_')
+      ( step 540 "gpu_$name" python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
+          -k "$sel" ) &
+      pids+=($!)
+    done
+    ( step 540 gpu_engine python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_engine_gpu.py ) &
+    pids+=($!)
+    ( step 540 gpu_e2e python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_task_e2e_gpu.py ) &
+    pids+=($!)
+    wait "${pids[@]}"
+    grep -h -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT"/gpu_*.log | sort | uniq -c | tail -60
+    ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|gputests" >&2; exit 2 ;;
 esac

@@ -90,6 +90,7 @@ else:  # Hopper-friendly tiles (wgmma wants BLOCK_M >= 64 and 8 warps for the la
     # own trials could not tell them apart (bench/results/engine_step_breakdown_h100.md).
     _GEMM_TILES = [
         dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
         dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
@@ -277,52 +278,68 @@ def _tile_of(pid, M, NC, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 
 @triton.jit
-def _adapter_span(m0, off_ptr, N, N_P2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """[first, last): the adapters whose rows meet the row tile starting at m0."""
+def _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, stride_wn,
+               N_P2: tl.constexpr, ACC: tl.constexpr, ARENA: tl.constexpr):
+    """Every adapter's row span, rank, scale and weight offset, loaded once per program into
+    registers (one round trip, issued before the main loop), so the epilogue picks an adapter's
+    values without a chain of dependent loads (span, then rank, then operands)."""
     idx = tl.arange(0, N_P2)
     live = idx < N
-    lo = tl.load(off_ptr + idx, mask=live, other=0)
-    hi = tl.load(off_ptr + idx + 1, mask=live, other=0)
+    lo = tl.load(off_ptr + idx, mask=live, other=0).to(tl.int32)
+    hi = tl.load(off_ptr + idx + 1, mask=live, other=0).to(tl.int32)
+    rk = tl.minimum(tl.load(rank_ptr + idx, mask=live, other=0).to(tl.int32), R_MAX)
+    sc = tl.load(scale_ptr + idx, mask=live, other=0.0).to(ACC)
+    if ARENA:
+        wo = tl.load(woff_ptr + idx, mask=live, other=0).to(tl.int64)
+    else:
+        wo = idx.to(tl.int64) * stride_wn
+    return live, lo, hi, rk, sc, wo
+
+
+@triton.jit
+def _pick(vec, idx, i):
+    """vec[i] of a register vector (no load)."""
+    return tl.sum(tl.where(idx == i, vec, tl.zeros_like(vec)), 0)
+
+
+@triton.jit
+def _adapter_span(m0, live, lo, hi, BLOCK_M: tl.constexpr):
+    """[first, last): the adapters whose rows meet the row tile starting at m0."""
     first = tl.sum(tl.where(live & (hi <= m0), 1, 0), 0)
     last = tl.sum(tl.where(live & (lo < m0 + BLOCK_M), 1, 0), 0)
     return first, last
 
 
 @triton.jit
-def _lora_operands(i, live, r0, rm, m_mask, rn, n_mask, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
-                   R_MAX, stride_pm, stride_wn, stride_wr, stride_wc,
-                   ACC: tl.constexpr, ARENA: tl.constexpr, BLOCK_R: tl.constexpr):
-    """(s_i P[rows_i, r0:r0+BLOCK_R], W_i[r0:r0+BLOCK_R, cols]) for adapter i (zeros unless live):
+def _lora_operands(i, ok, r0, rm, m_mask, rn, n_mask, p_ptr, w_ptr, lo, hi, rk, sc, wo, stride_pm, stride_wr,
+                   stride_wc, N_P2: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(s_i P[rows_i, r0:r0+BLOCK_R], W_i[r0:r0+BLOCK_R, cols]) for adapter i (zeros unless ok):
     the two operands of one rank block of the tile's LoRA term."""
-    lo_i = tl.load(off_ptr + i, mask=live, other=0)
-    hi_i = tl.load(off_ptr + i + 1, mask=live, other=0)
-    rank = tl.minimum(tl.load(rank_ptr + i, mask=live, other=0).to(tl.int32), R_MAX)
-    scale = tl.load(scale_ptr + i, mask=live, other=0.0).to(ACC)
-    rows_i = m_mask & (rm >= lo_i) & (rm < hi_i)
-    w_base = _adapter_base(w_ptr, tl.where(live, i, 0), stride_wn, woff_ptr, ARENA)
+    idx = tl.arange(0, N_P2)
+    rank = tl.where(ok, _pick(rk, idx, i), 0)
+    rows_i = m_mask & (rm >= _pick(lo, idx, i)) & (rm < _pick(hi, idx, i))
+    w_base = w_ptr + _pick(wo, idx, i)
     rr = r0 + tl.arange(0, BLOCK_R)
     r_mask = rr < rank
     pt = tl.load(p_ptr + rm.to(tl.int64)[:, None] * stride_pm + rr[None, :], mask=rows_i[:, None] & r_mask[None, :],
                  other=0.0)
     wt = tl.load(w_base + rr[:, None] * stride_wr + rn[None, :] * stride_wc, mask=r_mask[:, None] & n_mask[None, :],
                  other=0.0)
-    return (pt * scale).to(w_ptr.dtype.element_ty), wt
+    return (pt * _pick(sc, idx, i)).to(w_ptr.dtype.element_ty), wt
 
 
 @triton.jit
-def _lora_prefetch(m0, n0, M, NC, N, R_MAX, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
-                   stride_pm, stride_wn, stride_wr, stride_wc,
-                   PREFETCH: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, ARENA: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+def _lora_prefetch(m0, n0, M, NC, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, stride_pm, stride_wr, stride_wc,
+                   PREFETCH: tl.constexpr, N_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
     """With PREFETCH, the first rank block of the tile's first adapter, loaded BEFORE the GEMM's
     main loop so its latency hides behind the loop (the epilogue then only runs the dot)."""
     if PREFETCH:
         rm = m0 + tl.arange(0, BLOCK_M)
         rn = n0 + tl.arange(0, BLOCK_N)
-        first, last = _adapter_span(m0, off_ptr, N, N_P2, BLOCK_M)
-        pre_p, pre_w = _lora_operands(first, first < last, 0, rm, rm < M, rn, rn < NC, p_ptr, w_ptr, woff_ptr,
-                                      off_ptr, rank_ptr, scale_ptr, R_MAX, stride_pm, stride_wn, stride_wr,
-                                      stride_wc, ACC, ARENA, BLOCK_R)
+        first, last = _adapter_span(m0, live, lo, hi, BLOCK_M)
+        pre_p, pre_w = _lora_operands(first, first < last, 0, rm, rm < M, rn, rn < NC, p_ptr, w_ptr, lo, hi, rk, sc,
+                                      wo, stride_pm, stride_wr, stride_wc, N_P2, BLOCK_R)
     else:
         pre_p = tl.zeros((BLOCK_M, BLOCK_R), dtype=w_ptr.dtype.element_ty)
         pre_w = tl.zeros((BLOCK_R, BLOCK_N), dtype=w_ptr.dtype.element_ty)
@@ -331,32 +348,32 @@ def _lora_prefetch(m0, n0, M, NC, N, R_MAX, p_ptr, w_ptr, woff_ptr, off_ptr, ran
 
 @triton.jit
 def _lora_epilogue_store(
-    acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
-    M, NC, N, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc, pre_p, pre_w,
-    HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, ARENA: tl.constexpr,
+    acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, live, lo, hi, rk, sc, wo,
+    M, NC, stride_cm, stride_cn, stride_pm, stride_wr, stride_wc, pre_p, pre_w,
+    HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """acc += s_i P[rows_i, :r_i] @ W_i for the adapters [first, last) whose rows meet this tile
     (cdiv(r_i, BLOCK_R) rank blocks each; with PREFETCH the first adapter's first block arrives as
-    pre_p/pre_w), + bias; store the tile into C."""
+    pre_p/pre_w), + bias; store the tile into C. Adapter metadata comes from `_lora_meta`."""
     m0 = pid_m * BLOCK_M
     rm = m0 + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < NC
-    first, last = _adapter_span(m0, off_ptr, N, N_P2, BLOCK_M)
+    idx = tl.arange(0, N_P2)
+    first, last = _adapter_span(m0, live, lo, hi, BLOCK_M)
     if PREFETCH:
         acc = tl.dot(pre_p, pre_w, acc, input_precision=DOT_PREC)
     for i in range(first, last):
-        rank = tl.minimum(tl.load(rank_ptr + i).to(tl.int32), R_MAX)
+        rank = _pick(rk, idx, i)
         if PREFETCH:
             r_begin = tl.where(i == first, BLOCK_R, 0)
         else:
             r_begin = 0
         for r0 in range(r_begin, rank, BLOCK_R):
-            pt, wt = _lora_operands(i, True, r0, rm, m_mask, rn, n_mask, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr,
-                                    scale_ptr, R_MAX, stride_pm, stride_wn, stride_wr, stride_wc, ACC, ARENA,
-                                    BLOCK_R)
+            pt, wt = _lora_operands(i, True, r0, rm, m_mask, rn, n_mask, p_ptr, w_ptr, lo, hi, rk, sc, wo, stride_pm,
+                                    stride_wr, stride_wc, N_P2, BLOCK_R)
             acc = tl.dot(pt, wt, acc, input_precision=DOT_PREC)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(ACC)[None, :]
@@ -378,9 +395,10 @@ def _gemm_lora_jit(
     rows meet this output tile: the LoRA expand (forward: P = S, W = B^T) or dS A (backward:
     P = dS, W = A) folded into the base GEMM's epilogue. Pointer loads (any strides)."""
     pid_m, pid_n = _tile_of(tl.program_id(0), M, NC, BLOCK_M, BLOCK_N, GROUP_M)
-    pre_p, pre_w = _lora_prefetch(pid_m * BLOCK_M, pid_n * BLOCK_N, M, NC, N, R_MAX, p_ptr, w_ptr, woff_ptr, off_ptr,
-                                  rank_ptr, scale_ptr, stride_pm, stride_wn, stride_wr, stride_wc, PREFETCH, N_P2, ACC,
-                                  ARENA, BLOCK_M, BLOCK_N, BLOCK_R)
+    live, lo, hi, rk, sc, wo = _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, stride_wn, N_P2, ACC,
+                                          ARENA)
+    pre_p, pre_w = _lora_prefetch(pid_m * BLOCK_M, pid_n * BLOCK_N, M, NC, p_ptr, w_ptr, live, lo, hi, rk, sc, wo,
+                                  stride_pm, stride_wr, stride_wc, PREFETCH, N_P2, BLOCK_M, BLOCK_N, BLOCK_R)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
@@ -394,9 +412,9 @@ def _gemm_lora_jit(
         at = tl.load(a_rows + ks[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         bt = tl.load(b_cols + ks[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(at, bt, acc, input_precision=DOT_PREC)
-    _lora_epilogue_store(acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
-                         M, NC, N, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc, pre_p, pre_w,
-                         HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
+    _lora_epilogue_store(acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, M, NC,
+                         stride_cm, stride_cn, stride_pm, stride_wr, stride_wc, pre_p, pre_w,
+                         HAS_BIAS, N_P2, ACC, DOT_PREC, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
 @triton.jit
@@ -442,14 +460,15 @@ def _gemm_lora_tma_jit(
     pid_m, pid_n = _tile_of(tl.program_id(0), M, NC, BLOCK_M, BLOCK_N, GROUP_M)
     a_desc, b_desc = _tma_descs(a_ptr, b_ptr, M, NC, K, stride_am, stride_bk, stride_bn, B_NK, BLOCK_M, BLOCK_N,
                                 BLOCK_K)
-    pre_p, pre_w = _lora_prefetch(pid_m * BLOCK_M, pid_n * BLOCK_N, M, NC, N, R_MAX, p_ptr, w_ptr, woff_ptr, off_ptr,
-                                  rank_ptr, scale_ptr, stride_pm, stride_wn, stride_wr, stride_wc, PREFETCH, N_P2, ACC,
-                                  ARENA, BLOCK_M, BLOCK_N, BLOCK_R)
+    live, lo, hi, rk, sc, wo = _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, stride_wn, N_P2, ACC,
+                                          ARENA)
+    pre_p, pre_w = _lora_prefetch(pid_m * BLOCK_M, pid_n * BLOCK_N, M, NC, p_ptr, w_ptr, live, lo, hi, rk, sc, wo,
+                                  stride_pm, stride_wr, stride_wc, PREFETCH, N_P2, BLOCK_M, BLOCK_N, BLOCK_R)
     acc = _tma_mainloop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K, B_NK, ACC, DOT_PREC, BLOCK_M, BLOCK_N,
                         BLOCK_K)
-    _lora_epilogue_store(acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
-                         M, NC, N, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc, pre_p, pre_w,
-                         HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
+    _lora_epilogue_store(acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, M, NC,
+                         stride_cm, stride_cn, stride_pm, stride_wr, stride_wc, pre_p, pre_w,
+                         HAS_BIAS, N_P2, ACC, DOT_PREC, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
 @triton.jit
@@ -470,14 +489,15 @@ def _gemm_lora_persist_jit(
                                 BLOCK_K)
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(NC, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
+    live, lo, hi, rk, sc, wo = _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, stride_wn, N_P2, ACC,
+                                          ARENA)
     tile_c = tl.program_id(0) - NUM_SMS
     for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, flatten=True):
         pid_m, pid_n = _tile_of(tile, M, NC, BLOCK_M, BLOCK_N, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
-        pre_p, pre_w = _lora_prefetch(m0, n0, M, NC, N, R_MAX, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
-                                      stride_pm, stride_wn, stride_wr, stride_wc, PREFETCH, N_P2, ACC, ARENA,
-                                      BLOCK_M, BLOCK_N, BLOCK_R)
+        pre_p, pre_w = _lora_prefetch(m0, n0, M, NC, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, stride_pm, stride_wr,
+                                      stride_wc, PREFETCH, N_P2, BLOCK_M, BLOCK_N, BLOCK_R)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
         for ki in range(k_steps):
             at = a_desc.load([m0, ki * BLOCK_K])
@@ -488,10 +508,9 @@ def _gemm_lora_persist_jit(
             acc = tl.dot(at, bt, acc, input_precision=DOT_PREC)
         tile_c += NUM_SMS
         pid_mc, pid_nc = _tile_of(tile_c, M, NC, BLOCK_M, BLOCK_N, GROUP_M)
-        _lora_epilogue_store(acc, pid_mc, pid_nc, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr,
-                             scale_ptr, M, NC, N, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr,
-                             stride_wc, pre_p, pre_w, HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, PREFETCH, BLOCK_M, BLOCK_N,
-                             BLOCK_R)
+        _lora_epilogue_store(acc, pid_mc, pid_nc, c_ptr, bias_ptr, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, M, NC,
+                             stride_cm, stride_cn, stride_pm, stride_wr, stride_wc, pre_p, pre_w,
+                             HAS_BIAS, N_P2, ACC, DOT_PREC, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
 _gemm_lora = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **_TUNE_KW)(
