@@ -169,6 +169,16 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     PYTHONPATH=$PWD step 110 engine_old python3 "$old/bench/engine_step.py" --jobs 8 --skip-peft --skip-torch --forms fused \
       --out "$OUT/engine_step_old_h100.md"
     ;;
+  pf)  # session 6: the epilogue's first LoRA operands loaded before the main loop (+pf), now that the
+       # adapters' metadata sits in registers (no dependent load to wait for), against persist alone;
+       # the GEMM tuning keys now name B's layout
+    LORAPLEX_FUSED_GEMM=persist step 120 stages_persist python3 bench/lora_op.py --engine-stages \
+      --out "$OUT/engine_stages_persist_h100.md"
+    LORAPLEX_FUSED_GEMM=persist+pf step 120 stages_pf python3 bench/lora_op.py --engine-stages \
+      --out "$OUT/engine_stages_pf_h100.md"
+    step 300 engine python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch \
+      --forms fused:persist,fused:persist+pf --out "$OUT/engine_step_pf_h100.md"
+    ;;
   gputests)  # every GPU test, in parallel processes (each test's time is mostly Triton compiling its
              # autotune configs on the CPU; one GPU is plenty for correctness checks)
     pids=()
@@ -185,5 +195,5 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     wait "${pids[@]}"
     grep -h -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT"/gpu_*.log | sort | uniq -c | tail -60
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|gputests" >&2; exit 2 ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|gputests" >&2; exit 2 ;;
 esac

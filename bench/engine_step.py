@@ -223,7 +223,7 @@ def main() -> None:
             print(rows[-1], flush=True)
             for name in ("_gemm_lora_persist", "_shrink", "_shrink_wgrad", "_wgrad"):  # the tuner's choices
                 for key, cfg in getattr(fused_lora, name).cache.items():
-                    print(f"tuned {spec} {name} {key[:4]}: {cfg}", flush=True)
+                    print(f"tuned {spec} {name} {key[:5] if 'gemm' in name else key[:4]}: {cfg}", flush=True)
     set_default_form("compose")
 
     # ablation: the same engine with the plain-torch per-adapter loop instead of the Triton kernels

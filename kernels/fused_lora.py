@@ -513,12 +513,16 @@ def _gemm_lora_persist_jit(
                              HAS_BIAS, N_P2, ACC, DOT_PREC, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
-_gemm_lora = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **_TUNE_KW)(
-    _gemm_lora_jit)
-_gemm_lora_tma = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **_TUNE_KW)(
+# The GEMMs' tuning keys name B's layout too: the forward (B = W^T, read as W's [NC, K] rows) and the
+# dX GEMM (B = W [K, NC]) of two projections can share (T, NC, K) (Llama's down projection forward
+# and gate/up dX are both 4096 x 14336), and one layout's best tile was measured 7% slower on the
+# other (bench/results/engine_step_breakdown_h100.md, session 6).
+_gemm_lora = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX", "stride_bk"],
+                             **_TUNE_KW)(_gemm_lora_jit)
+_gemm_lora_tma = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX", "B_NK"], **_TUNE_KW)(
     _gemm_lora_tma_jit)
-_gemm_lora_persist = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX"], **_TUNE_KW)(
-    _gemm_lora_persist_jit)
+_gemm_lora_persist = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX", "B_NK"],
+                                     **_TUNE_KW)(_gemm_lora_persist_jit)
 _shrink = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_TUNE_KW)(_shrink_jit)
 # Kernels that add into caller-owned gradients (an arena already holds other layers' sums): their
 # tuning trials add too, so they launch through `_adding_launch` (`triton_lora.launch_restoring`
