@@ -179,6 +179,25 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 300 engine python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch \
       --forms fused:persist,fused:persist+pf --out "$OUT/engine_step_pf_h100.md"
     ;;
+  ncu)  # session 6: where the fused GEMM's LoRA epilogue spends its time (Nsight Compute, with and
+        # without adapters, same binary), then the GPU tests the last call's time limit cut
+    step 200 ncu ncu --profile-from-start off --set full -o "$OUT/epilogue" python3 bench/ncu_epilogue.py 4096 14336
+    ncu --import "$OUT/epilogue.ncu-rep" --page details > "$OUT/epilogue_details.txt" 2>&1
+    ncu --import "$OUT/epilogue.ncu-rep" --page source --csv --print-source sass > "$OUT/epilogue_sass.csv" 2>&1
+    pids=()
+    t=tests/gpu/test_kernels_gpu.py
+    groups=("$t::test_fused_matches_fp64[4-True] $t::test_fused_matches_fp64[4-False] $t::test_fused_matches_fp64[5-True] $t::test_fused_matches_fp64[5-False]"
+            "$t::test_triton_matches_fp64[4] $t::test_no_host_sync_after_warmup $t::test_arena_no_host_sync_after_warmup[compose] $t::test_arena_no_host_sync_after_warmup[fused]"
+            "$t::test_triton_arena_matches_fp64[4] $t::test_fused_arena_matches_fp64[0] $t::test_fused_arena_matches_fp64[1] $t::test_fused_arena_matches_fp64[2]"
+            "$t::test_fused_arena_matches_fp64[3] $t::test_fused_arena_matches_fp64[4] $t::test_fused_arena_matches_fp64[5]")
+    for g in 0 1 2 3; do
+      # shellcheck disable=SC2086
+      ( set -f; step 360 "gpu_group$g" python3 -m pytest -rA --tb=short -p no:cacheprovider ${groups[$g]} ) &
+      pids+=($!)
+    done
+    wait "${pids[@]}"
+    grep -h -E "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT"/gpu_*.log
+    ;;
   gputests)  # every GPU test, in parallel processes (each test's time is mostly Triton compiling its
              # autotune configs on the CPU; one GPU is plenty for correctness checks)
     pids=()
@@ -195,5 +214,5 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     wait "${pids[@]}"
     grep -h -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT"/gpu_*.log | sort | uniq -c | tail -60
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|gputests" >&2; exit 2 ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|gputests" >&2; exit 2 ;;
 esac
