@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -287,15 +288,19 @@ def _engine_kernels(si: SimpleNamespace) -> list:
     ao, bo = (torch.tensor(o, dtype=torch.int64, device=DEVICE) for o in (a_off, b_off))
     sa, sb = _arena_rank_major(d_in), _arena_rank_major(d_out)
     ds = torch.empty_like(s_buf)
+    # the kernels' arena mode as the engine runs them: 16 (offsets 16-element aligned, vouched for by
+    # the engine) unless $LORAPLEX_BENCH_ARENA says 1 (offsets of unknown alignment)
+    mode = int(os.environ.get("LORAPLEX_BENCH_ARENA", "16"))
+    assert all(o % 16 == 0 for o in a_off + b_off)
     return [lambda: F.linear(x, w),
-            lambda: _gemm_launch(c, x, w.t(), None, s_buf, arena, sb, bo, True, x.dtype),
-            lambda: _shrink_launch(c, x, arena, sa, ao, s_buf, True),
+            lambda: _gemm_launch(c, x, w.t(), None, s_buf, arena, sb, bo, mode, x.dtype),
+            lambda: _shrink_launch(c, x, arena, sa, ao, s_buf, mode),
             lambda: dy @ w,
-            lambda: _gemm_launch(c, dy, w, None, ds, arena, sa, ao, True, dy.dtype),
-            lambda: _shrink_launch(c, dy, arena, sb, bo, ds, True, wgrad=(s_buf, grad, bo)),
-            lambda: _shrink_launch(c, dy, arena, sb, bo, ds, True),
-            lambda: _wgrad_launch(c, s_buf, dy, grad, sb, bo, True),
-            lambda: _wgrad_launch(c, ds, x, grad, sa, ao, True)]
+            lambda: _gemm_launch(c, dy, w, None, ds, arena, sa, ao, mode, dy.dtype),
+            lambda: _shrink_launch(c, dy, arena, sb, bo, ds, mode, wgrad=(s_buf, grad, bo)),
+            lambda: _shrink_launch(c, dy, arena, sb, bo, ds, mode),
+            lambda: _wgrad_launch(c, s_buf, dy, grad, sb, bo, mode),
+            lambda: _wgrad_launch(c, ds, x, grad, sa, ao, mode)]
 
 
 # Llama-3.1-8B's adapted projections (d_in, d_out, per layer), as bench/engine_step.py runs them

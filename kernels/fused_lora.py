@@ -51,6 +51,7 @@ from kernels.triton_lora import (
     _shrink_sweep,
     arena_span,
     launch_restoring,
+    wide_dtype_pruner,
 )
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -75,6 +76,7 @@ if _INTERPRET:
     _GEMM_CONFIGS = [_cfg(BLOCK_M=_IB, BLOCK_N=16, BLOCK_K=16, BLOCK_R=_IBR, GROUP_M=2)]
     _SHRINK_CONFIGS = [_cfg(BLOCK_M=_IB, BLOCK_K=16, BLOCK_R=_IBR, SPLIT_C=_ISPLIT)]
     _WGRAD_CONFIGS = [_cfg(BLOCK_M=16, BLOCK_N=16, CHUNK=_ICHUNK, BLOCK_R=_IBR)]
+    _GEMM_WIDE, _SHRINK_WIDE, _WGRAD_WIDE = _GEMM_CONFIGS[0], _SHRINK_CONFIGS[0], _WGRAD_CONFIGS[0]  # unused
 else:  # Hopper-friendly tiles (wgmma wants BLOCK_M >= 64 and 8 warps for the large ones).
     # BLOCK_R, the rank tile, is tuned too: 16 gives every adapter only the rank blocks it needs
     # (a rank-16 adapter beside a rank-64 one costs one block), but each rank block of the
@@ -126,6 +128,10 @@ else:  # Hopper-friendly tiles (wgmma wants BLOCK_M >= 64 and 8 warps for the la
         _cfg(BLOCK_M=64, BLOCK_N=256, CHUNK=1024, BLOCK_R=64, num_warps=8),
         _cfg(BLOCK_M=128, BLOCK_N=128, CHUNK=2048, BLOCK_R=64, num_warps=8),
     ] * _WIDE
+    # fp32/fp64 inputs (no tensor cores: a correctness path on a GPU) run one small config each
+    _GEMM_WIDE = _cfg(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_stages=2, **({} if _WIDE else {"BLOCK_R": 16}))
+    _SHRINK_WIDE = _cfg(BLOCK_M=32, BLOCK_K=64, BLOCK_R=16, SPLIT_C=1, num_stages=2)
+    _WGRAD_WIDE = _cfg(BLOCK_M=32, BLOCK_N=64, CHUNK=512, BLOCK_R=16, num_stages=2)
 
 
 def _gemm_rank_tile(r_max: int) -> dict:
@@ -144,7 +150,10 @@ def _prune_rank_tiles(configs: list[triton.Config], named_args: dict, **_kw: obj
     return keep or configs
 
 
-_TUNE_KW = dict(AUTOTUNE_KW, prune_configs_by={"early_config_prune": _prune_rank_tiles})
+def _tune_kw(wide: triton.Config) -> dict:
+    """autotune's keywords: rank tiles pruned to the call's ranks; fp32/fp64 calls on a GPU run the
+    one small config `wide` (`triton_lora.wide_dtype_pruner` says why)."""
+    return dict(AUTOTUNE_KW, prune_configs_by={"early_config_prune": wide_dtype_pruner(wide, _prune_rank_tiles)})
 
 
 @triton.jit
@@ -292,7 +301,7 @@ def _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, stride_wn,
     if ARENA:
         wo = tl.load(woff_ptr + idx, mask=live, other=0).to(tl.int64)
     else:
-        wo = idx.to(tl.int64) * stride_wn
+        wo = idx.to(tl.int64) * stride_wn  # unread: `_lora_operands` computes i * stride_wn itself
     return live, lo, hi, rk, sc, wo
 
 
@@ -311,27 +320,36 @@ def _adapter_span(m0, live, lo, hi, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _lora_operands(i, ok, r0, rm, m_mask, rn, n_mask, p_ptr, w_ptr, lo, hi, rk, sc, wo, stride_pm, stride_wr,
-                   stride_wc, N_P2: tl.constexpr, BLOCK_R: tl.constexpr):
+def _lora_operands(i, ok, r0, rm, m_mask, rn, n_mask, p_ptr, w_ptr, lo, hi, rk, sc, wo, R_MAX, stride_pm,
+                   stride_wn, stride_wr, stride_wc, N_P2: tl.constexpr, ARENA: tl.constexpr, BLOCK_R: tl.constexpr):
     """(s_i P[rows_i, r0:r0+BLOCK_R], W_i[r0:r0+BLOCK_R, cols]) for adapter i (zeros unless ok):
-    the two operands of one rank block of the tile's LoRA term."""
+    the two operands of one rank block of the tile's LoRA term. Both loads are written so the
+    compiler can issue 16-byte vectors: W_i's offset is known to be aligned (stacked: i * stride;
+    ARENA == 16: vouched for by the caller), and P is loaded under a mask that is constant over
+    R_MAX's aligned column runs, the columns past the adapter's rank zeroed afterwards."""
     idx = tl.arange(0, N_P2)
     rank = tl.where(ok, _pick(rk, idx, i), 0)
     rows_i = m_mask & (rm >= _pick(lo, idx, i)) & (rm < _pick(hi, idx, i))
-    w_base = w_ptr + _pick(wo, idx, i)
+    if ARENA:
+        w_off = _pick(wo, idx, i)
+        if ARENA == 16:
+            w_off = tl.multiple_of(w_off, 16)
+    else:
+        w_off = tl.cast(i, tl.int64) * stride_wn
     rr = r0 + tl.arange(0, BLOCK_R)
     r_mask = rr < rank
-    pt = tl.load(p_ptr + rm.to(tl.int64)[:, None] * stride_pm + rr[None, :], mask=rows_i[:, None] & r_mask[None, :],
-                 other=0.0)
-    wt = tl.load(w_base + rr[:, None] * stride_wr + rn[None, :] * stride_wc, mask=r_mask[:, None] & n_mask[None, :],
-                 other=0.0)
+    pt = tl.load(p_ptr + rm.to(tl.int64)[:, None] * stride_pm + rr[None, :],
+                 mask=rows_i[:, None] & (rr < R_MAX)[None, :], other=0.0)
+    pt = tl.where(r_mask[None, :], pt, 0.0)  # P's columns past rank_i hold no value of this adapter
+    wt = tl.load(w_ptr + w_off + rr[:, None] * stride_wr + rn[None, :] * stride_wc,
+                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)
     return (pt * _pick(sc, idx, i)).to(w_ptr.dtype.element_ty), wt
 
 
 @triton.jit
-def _lora_prefetch(m0, n0, M, NC, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, stride_pm, stride_wr, stride_wc,
-                   PREFETCH: tl.constexpr, N_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
+def _lora_prefetch(m0, n0, M, NC, R_MAX, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, stride_pm, stride_wn, stride_wr,
+                   stride_wc, PREFETCH: tl.constexpr, N_P2: tl.constexpr, ARENA: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     """With PREFETCH, the first rank block of the tile's first adapter, loaded BEFORE the GEMM's
     main loop so its latency hides behind the loop (the epilogue then only runs the dot)."""
     if PREFETCH:
@@ -339,7 +357,7 @@ def _lora_prefetch(m0, n0, M, NC, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, stride
         rn = n0 + tl.arange(0, BLOCK_N)
         first, last = _adapter_span(m0, live, lo, hi, BLOCK_M)
         pre_p, pre_w = _lora_operands(first, first < last, 0, rm, rm < M, rn, rn < NC, p_ptr, w_ptr, lo, hi, rk, sc,
-                                      wo, stride_pm, stride_wr, stride_wc, N_P2, BLOCK_R)
+                                      wo, R_MAX, stride_pm, stride_wn, stride_wr, stride_wc, N_P2, ARENA, BLOCK_R)
     else:
         pre_p = tl.zeros((BLOCK_M, BLOCK_R), dtype=w_ptr.dtype.element_ty)
         pre_w = tl.zeros((BLOCK_R, BLOCK_N), dtype=w_ptr.dtype.element_ty)
@@ -349,8 +367,8 @@ def _lora_prefetch(m0, n0, M, NC, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, stride
 @triton.jit
 def _lora_epilogue_store(
     acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, live, lo, hi, rk, sc, wo,
-    M, NC, stride_cm, stride_cn, stride_pm, stride_wr, stride_wc, pre_p, pre_w,
-    HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
+    M, NC, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc, pre_p, pre_w,
+    HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, ARENA: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """acc += s_i P[rows_i, :r_i] @ W_i for the adapters [first, last) whose rows meet this tile
@@ -372,8 +390,8 @@ def _lora_epilogue_store(
         else:
             r_begin = 0
         for r0 in range(r_begin, rank, BLOCK_R):
-            pt, wt = _lora_operands(i, True, r0, rm, m_mask, rn, n_mask, p_ptr, w_ptr, lo, hi, rk, sc, wo, stride_pm,
-                                    stride_wr, stride_wc, N_P2, BLOCK_R)
+            pt, wt = _lora_operands(i, True, r0, rm, m_mask, rn, n_mask, p_ptr, w_ptr, lo, hi, rk, sc, wo, R_MAX,
+                                    stride_pm, stride_wn, stride_wr, stride_wc, N_P2, ARENA, BLOCK_R)
             acc = tl.dot(pt, wt, acc, input_precision=DOT_PREC)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(ACC)[None, :]
@@ -397,8 +415,9 @@ def _gemm_lora_jit(
     pid_m, pid_n = _tile_of(tl.program_id(0), M, NC, BLOCK_M, BLOCK_N, GROUP_M)
     live, lo, hi, rk, sc, wo = _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, stride_wn, N_P2, ACC,
                                           ARENA)
-    pre_p, pre_w = _lora_prefetch(pid_m * BLOCK_M, pid_n * BLOCK_N, M, NC, p_ptr, w_ptr, live, lo, hi, rk, sc, wo,
-                                  stride_pm, stride_wr, stride_wc, PREFETCH, N_P2, BLOCK_M, BLOCK_N, BLOCK_R)
+    pre_p, pre_w = _lora_prefetch(pid_m * BLOCK_M, pid_n * BLOCK_N, M, NC, R_MAX, p_ptr, w_ptr, live, lo, hi, rk, sc, wo,
+                                  stride_pm, stride_wn, stride_wr, stride_wc, PREFETCH, N_P2, ARENA, BLOCK_M,
+                                  BLOCK_N, BLOCK_R)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
@@ -412,9 +431,9 @@ def _gemm_lora_jit(
         at = tl.load(a_rows + ks[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         bt = tl.load(b_cols + ks[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(at, bt, acc, input_precision=DOT_PREC)
-    _lora_epilogue_store(acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, M, NC,
-                         stride_cm, stride_cn, stride_pm, stride_wr, stride_wc, pre_p, pre_w,
-                         HAS_BIAS, N_P2, ACC, DOT_PREC, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
+    _lora_epilogue_store(acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, M, NC, R_MAX,
+                         stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc, pre_p, pre_w,
+                         HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
 @triton.jit
@@ -462,13 +481,14 @@ def _gemm_lora_tma_jit(
                                 BLOCK_K)
     live, lo, hi, rk, sc, wo = _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, stride_wn, N_P2, ACC,
                                           ARENA)
-    pre_p, pre_w = _lora_prefetch(pid_m * BLOCK_M, pid_n * BLOCK_N, M, NC, p_ptr, w_ptr, live, lo, hi, rk, sc, wo,
-                                  stride_pm, stride_wr, stride_wc, PREFETCH, N_P2, BLOCK_M, BLOCK_N, BLOCK_R)
+    pre_p, pre_w = _lora_prefetch(pid_m * BLOCK_M, pid_n * BLOCK_N, M, NC, R_MAX, p_ptr, w_ptr, live, lo, hi, rk, sc, wo,
+                                  stride_pm, stride_wn, stride_wr, stride_wc, PREFETCH, N_P2, ARENA, BLOCK_M,
+                                  BLOCK_N, BLOCK_R)
     acc = _tma_mainloop(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, K, B_NK, ACC, DOT_PREC, BLOCK_M, BLOCK_N,
                         BLOCK_K)
-    _lora_epilogue_store(acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, M, NC,
-                         stride_cm, stride_cn, stride_pm, stride_wr, stride_wc, pre_p, pre_w,
-                         HAS_BIAS, N_P2, ACC, DOT_PREC, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
+    _lora_epilogue_store(acc, pid_m, pid_n, c_ptr, bias_ptr, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, M, NC, R_MAX,
+                         stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc, pre_p, pre_w,
+                         HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
 @triton.jit
@@ -496,8 +516,9 @@ def _gemm_lora_persist_jit(
         pid_m, pid_n = _tile_of(tile, M, NC, BLOCK_M, BLOCK_N, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
-        pre_p, pre_w = _lora_prefetch(m0, n0, M, NC, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, stride_pm, stride_wr,
-                                      stride_wc, PREFETCH, N_P2, BLOCK_M, BLOCK_N, BLOCK_R)
+        pre_p, pre_w = _lora_prefetch(m0, n0, M, NC, R_MAX, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, stride_pm,
+                                      stride_wn, stride_wr, stride_wc, PREFETCH, N_P2, ARENA, BLOCK_M, BLOCK_N,
+                                      BLOCK_R)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
         for ki in range(k_steps):
             at = a_desc.load([m0, ki * BLOCK_K])
@@ -509,8 +530,8 @@ def _gemm_lora_persist_jit(
         tile_c += NUM_SMS
         pid_mc, pid_nc = _tile_of(tile_c, M, NC, BLOCK_M, BLOCK_N, GROUP_M)
         _lora_epilogue_store(acc, pid_mc, pid_nc, c_ptr, bias_ptr, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, M, NC,
-                             stride_cm, stride_cn, stride_pm, stride_wr, stride_wc, pre_p, pre_w,
-                             HAS_BIAS, N_P2, ACC, DOT_PREC, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
+                             R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc, pre_p, pre_w,
+                             HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
 # The GEMMs' tuning keys name B's layout too: the forward (B = W^T, read as W's [NC, K] rows) and the
@@ -518,17 +539,19 @@ def _gemm_lora_persist_jit(
 # and gate/up dX are both 4096 x 14336), and one layout's best tile was measured 7% slower on the
 # other (bench/results/engine_step_breakdown_h100.md, session 6).
 _gemm_lora = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX", "stride_bk"],
-                             **_TUNE_KW)(_gemm_lora_jit)
-_gemm_lora_tma = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX", "B_NK"], **_TUNE_KW)(
-    _gemm_lora_tma_jit)
+                             **_tune_kw(_GEMM_WIDE))(_gemm_lora_jit)
+_gemm_lora_tma = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX", "B_NK"],
+                                 **_tune_kw(_GEMM_WIDE))(_gemm_lora_tma_jit)
 _gemm_lora_persist = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX", "B_NK"],
-                                     **_TUNE_KW)(_gemm_lora_persist_jit)
-_shrink = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_TUNE_KW)(_shrink_jit)
+                                     **_tune_kw(_GEMM_WIDE))(_gemm_lora_persist_jit)
+_shrink = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_tune_kw(_SHRINK_WIDE))(
+    _shrink_jit)
 # Kernels that add into caller-owned gradients (an arena already holds other layers' sums): their
 # tuning trials add too, so they launch through `_adding_launch` (`triton_lora.launch_restoring`
 # says why not Triton's restore_value).
-_shrink_wgrad = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_TUNE_KW)(_shrink_jit)
-_wgrad = triton.autotune(configs=_WGRAD_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_TUNE_KW)(_wgrad_jit)
+_shrink_wgrad = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_tune_kw(_SHRINK_WIDE))(
+    _shrink_jit)
+_wgrad = triton.autotune(configs=_WGRAD_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_tune_kw(_WGRAD_WIDE))(_wgrad_jit)
 
 
 def _adding_launch(kernel, grid, c: _Ctx, cols: int, g: torch.Tensor, goff: torch.Tensor, arena: bool,  # noqa: ANN001
@@ -771,16 +794,17 @@ class FusedArenaFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets, r_max, token,  # noqa: D102
-                onepass):
+                onepass, aligned):
         d_in, d_out = x.shape[1], weight.shape[0]
         c = _Ctx(x, scales.shape[0], r_max, offsets, ranks, scales)
+        mode = _arena_mode(aligned, arena, grad_arena, d_in, d_out)
         if c.t == 0 or c.n == 0:
             y, s_buf = torch.nn.functional.linear(x, weight, bias), x.new_empty((0, r_max))
         else:
             y, s_buf = fused_forward(c, x, weight, bias, arena, _arena_rank_major(d_in), a_off, arena,
-                                     _arena_rank_major(d_out), b_off, True)
+                                     _arena_rank_major(d_out), b_off, mode)
         ctx.save_for_backward(x, weight, arena, a_off, b_off, scales, ranks, offsets, s_buf)
-        ctx.grad_arena, ctx.r_max, ctx.onepass = grad_arena, r_max, onepass
+        ctx.grad_arena, ctx.r_max, ctx.onepass, ctx.mode = grad_arena, r_max, onepass, mode
         return y
 
     @staticmethod
@@ -795,14 +819,24 @@ class FusedArenaFn(torch.autograd.Function):
             dx = dy @ weight if need_x else None
         else:
             sa, sb = _arena_rank_major(d_in), _arena_rank_major(d_out)
-            dx = fused_backward(c, x, dy, s_buf, weight, arena, sa, a_off, arena, sb, b_off, g, sa, g, sb, True,
+            dx = fused_backward(c, x, dy, s_buf, weight, arena, sa, a_off, arena, sb, b_off, g, sa, g, sb, ctx.mode,
                                 need_x, True, True, ctx.onepass)
-        return (dx,) + (None,) * 12
+        return (dx,) + (None,) * 13
+
+
+def _arena_mode(aligned: bool, arena: torch.Tensor, grad_arena: torch.Tensor, d_in: int, d_out: int) -> int:
+    """The kernels' ARENA constexpr: 16 where every block starts 16-element aligned (the caller's
+    word for the offsets, checked here for the buffers and the blocks' row lengths), else 1."""
+    ok = (aligned and d_in % 16 == 0 and d_out % 16 == 0 and arena.data_ptr() % 32 == 0
+          and grad_arena.data_ptr() % 64 == 0)
+    return 16 if ok else 1
 
 
 def multilora_linear_arena_fused(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets, r_max,
-                                 token, onepass: bool = True) -> torch.Tensor:  # noqa: ANN001
-    """Fused Triton form of `kernels.multilora_linear_arena` (same contract)."""
+                                 token, onepass: bool = True, aligned: bool = False) -> torch.Tensor:  # noqa: ANN001
+    """Fused Triton form of `kernels.multilora_linear_arena` (same contract). aligned: the caller
+    vouches that every offset in a_off and b_off is a multiple of 16 elements (the kernels then load
+    the adapters' rows as 16-byte vectors)."""
     _check_arena(x, weight, arena, grad_arena)
     return FusedArenaFn.apply(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets, r_max,
-                              token, onepass)
+                              token, onepass, bool(aligned))

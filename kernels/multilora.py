@@ -170,15 +170,18 @@ def multilora_linear_arena(
     token: torch.Tensor,
     backend: str = "auto",
     form: str | None = None,
+    aligned: bool = False,
 ) -> torch.Tensor:
-    """Base linear plus per-adapter LoRA read from an arena; see "Arena form" above."""
+    """Base linear plus per-adapter LoRA read from an arena; see "Arena form" above. aligned: the
+    caller vouches that every offset in a_off and b_off is a multiple of 16 elements (the fused
+    kernels then load the adapters' rows as 16-byte vectors; a false word gives wrong results)."""
     _check_form(form)
     if _use_triton(x, backend):
         if resolve_form(form, x, weight.shape[0], r_max) == "fused":
             from kernels.fused_lora import multilora_linear_arena_fused
 
             return multilora_linear_arena_fused(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks,
-                                                offsets, r_max, token)
+                                                offsets, r_max, token, aligned=aligned)
         from kernels.triton_lora import multilora_linear_arena_triton
 
         return multilora_linear_arena_triton(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks,

@@ -153,7 +153,8 @@ def run_arena(case: Case, op: Callable[..., torch.Tensor], x_grad: bool = True, 
     outside an adapter's own block poisons y); the gradient arena starts with random prior sums
     (backward must add to them, not overwrite). Returns the outputs in the stacked layout of
     `run_op` (dA [N, d_in, r_max], dB [N, r_max, d_out], zero padding) and the count of gradient
-    arena entries outside every adapter's blocks that changed."""
+    arena entries outside every adapter's blocks that changed. With aligned=True (passed on to the
+    operator) every block starts at a multiple of 16 elements."""
     n, d_in, r_max = case.lora_a.shape
     d_out = case.lora_b.shape[2]
     dev, dtype = case.x.device, case.x.dtype
@@ -161,15 +162,22 @@ def run_arena(case: Case, op: Callable[..., torch.Tensor], x_grad: bool = True, 
     gen = torch.Generator().manual_seed(case.seed)
     ranks = case.ranks.tolist()
     order = torch.randperm(n, generator=gen).tolist()
+    align = 16 if kw.get("aligned") else 1  # aligned=True: every block starts at a multiple of 16 elements
     pieces, a_off, b_off, pos = [], [0] * n, [0] * n, 0
+
+    def gap(size: int) -> None:
+        nonlocal pos
+        size += -(pos + size) % align
+        pieces.append(torch.full((size,), float("nan"), dtype=dtype, device=dev))
+        pos += size
+
     for i in order:
-        gap = int(torch.randint(0, 5, (), generator=gen))
-        pieces.append(torch.full((gap,), float("nan"), dtype=dtype, device=dev))
-        pos += gap
+        gap(int(torch.randint(0, 5, (), generator=gen)))
         r = ranks[i]
         a_off[i] = pos
         pieces.append(case.lora_a[i, :, :r].t().reshape(-1))
         pos += r * d_in
+        gap(0)
         b_off[i] = pos
         pieces.append(case.lora_b[i, :r, :].reshape(-1))
         pos += r * d_out

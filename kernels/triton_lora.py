@@ -42,6 +42,22 @@ def _cfg(num_warps: int = 4, num_stages: int = 3, **meta: int) -> triton.Config:
     return triton.Config(meta, num_warps=num_warps, num_stages=num_stages)
 
 
+def wide_dtype_pruner(wide: triton.Config, then=None):  # noqa: ANN001, ANN201
+    """An autotuner pre-filter: calls on 4- or 8-byte inputs (fp32/fp64: no tensor-core path, so a
+    correctness path on a GPU, not a fast one) run the one small config `wide` instead of tuning the
+    list, whose large tiles each take many seconds to compile as FMA code (a first fp32 call at a new
+    shape compiled for minutes); 16-bit inputs go on to `then` (another pre-filter) or the list.
+    Under the interpreter the list (one config the tests size through the env) is kept."""
+
+    def prune(configs: list[triton.Config], named_args: dict, **kw: object) -> list[triton.Config]:
+        t = next((v for k, v in named_args.items() if k in ("x_ptr", "a_ptr", "m_ptr")), None)
+        if not _INTERPRET and hasattr(t, "element_size") and t.element_size() >= 4:
+            return [wide]
+        return then(configs, named_args, **kw) if then is not None else configs
+
+    return prune
+
+
 if _INTERPRET:
     _FWD_CONFIGS = [_cfg(BLOCK_M=_INTERP_BLOCK_M, BLOCK_K=16, BLOCK_N=16)]
     _BWD_CONFIGS = [_cfg(BLOCK_M=_INTERP_BLOCK_M, BLOCK_K=16, BLOCK_N=16)]
@@ -97,9 +113,14 @@ def _tile_setup(off_ptr, rank_ptr, scale_ptr, N, R_MAX, BLOCK_M: tl.constexpr, N
 @triton.jit
 def _adapter_base(ptr, ad, stride_n, off_ptr, ARENA: tl.constexpr):
     """Start of adapter `ad`'s block: `ad * stride_n` into a stacked tensor, or its own element
-    offset `off_ptr[ad]` into an arena (one flat buffer holding every job's weights)."""
+    offset `off_ptr[ad]` into an arena (one flat buffer holding every job's weights). ARENA == 16:
+    the caller vouches that every offset is a multiple of 16 elements, so the compiler may load
+    the block's rows as 16-byte vectors (unknown offsets allow only one element per load)."""
     if ARENA:
-        return ptr + tl.load(off_ptr + ad).to(tl.int64)
+        off = tl.load(off_ptr + ad).to(tl.int64)
+        if ARENA == 16:
+            off = tl.multiple_of(off, 16)
+        return ptr + off
     return ptr + ad * stride_n
 
 
@@ -215,12 +236,16 @@ def _bwd_jit(
 _KEY = ["T_BUCKET", "K", "D_OUT", "R_MAX"]
 # Every kernel here adds into caller-owned tensors (y, dx, dA/dB): `launch_restoring` keeps tuning
 # trials' sums out of them.
-_fwd_kernel = triton.autotune(configs=_FWD_CONFIGS, key=_KEY, **AUTOTUNE_KW)(_fwd_jit)
-_bwd_kernel = triton.autotune(configs=_BWD_CONFIGS, key=_KEY, **AUTOTUNE_KW)(_bwd_jit)
+_FWD_KW = dict(AUTOTUNE_KW, prune_configs_by={
+    "early_config_prune": wide_dtype_pruner(_cfg(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64, num_stages=2))})
+_BWD_KW = dict(AUTOTUNE_KW, prune_configs_by={
+    "early_config_prune": wide_dtype_pruner(_cfg(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64, num_stages=2))})
+_fwd_kernel = triton.autotune(configs=_FWD_CONFIGS, key=_KEY, **_FWD_KW)(_fwd_jit)
+_bwd_kernel = triton.autotune(configs=_BWD_CONFIGS, key=_KEY, **_BWD_KW)(_bwd_jit)
 # Arena: gradients accumulate into the caller's arena that already holds other layers' sums, so
 # tuning trials must not leave their sums there (nor zero it); `launch_restoring` saves and restores
 # what the call adds into (dx and the adapters' blocks) around the one call that may tune.
-_bwd_kernel_arena = triton.autotune(configs=_BWD_CONFIGS, key=_KEY, **AUTOTUNE_KW)(_bwd_jit)
+_bwd_kernel_arena = triton.autotune(configs=_BWD_CONFIGS, key=_KEY, **_BWD_KW)(_bwd_jit)
 _TUNED: set[tuple] = set()  # tuning keys whose first call has run in this process
 
 

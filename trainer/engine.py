@@ -382,6 +382,7 @@ class MultiLoraEngine:
             r_max=max(ad.rank for ad in adapters),
             token=self._token,
             backend=self.backend,
+            aligned=all(v % 16 == 0 for v in ints[: 2 * n_layers * n]),
         )
         for k, layer in enumerate(self.layer_list):
             layer.layout = lay

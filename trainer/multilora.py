@@ -36,6 +36,9 @@ class StepLayout:
     # Triton operator form: "compose" (cuBLAS + LoRA passes), "fused" (LoRA in the GEMM epilogues),
     # "auto" (per shape, from measured timings); None = the process default (kernels.set_default_form)
     form: str | None = None
+    # every a/b offset of this step is a multiple of 16 elements (the engine checks its host ints):
+    # the fused kernels may then load the adapters' rows as 16-byte vectors
+    aligned: bool = False
 
 
 class MultiLoraLinear(nn.Module):
@@ -68,7 +71,7 @@ class MultiLoraLinear(nn.Module):
         y = multilora_linear_arena(
             x.reshape(-1, shape[-1]), self.base.weight, self.base.bias, lay.arena, lay.grad_arena,
             self.a_off, self.b_off, lay.scales, lay.ranks, lay.offsets, lay.r_max, lay.token,
-            backend=lay.backend, form=lay.form,
+            backend=lay.backend, form=lay.form, aligned=lay.aligned,
         )
         return y.reshape(*shape[:-1], self.out_features)
 

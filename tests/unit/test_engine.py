@@ -206,6 +206,12 @@ def test_arena_regions_views_growth_and_parking(world) -> None:  # noqa: ANN001
     eng.attach(sp[0])
     eng.attach(sp[1])
     check()
+    # a step's layout says whether every block offset is 16-element aligned (the fused kernels'
+    # vector loads rely on it), from the offsets the layers really get
+    eng._set_layout([eng.jobs["j0"], eng.jobs["j1"]], [0, 0, 0])
+    offs = [v for layer in eng.layer_list for v in torch.cat([layer.a_off, layer.b_off]).tolist()]
+    assert eng.layer_list[0].layout.aligned == all(v % 16 == 0 for v in offs)
+    eng._clear_layout()
     before = {j: s.adapter.flat.detach().clone() for j, s in eng.jobs.items()}
     cap = eng.arena.numel()
     eng.attach(sp[3])  # rank 16: does not fit, the arena grows

@@ -100,6 +100,18 @@ for v in fl.GEMM_VARIANTS:
     record(f"arena gemm {v}", c, got, stray)
     variants_ok.append(v)
 fl.GEMM_DEFAULT = None  # back to the device default ("ptr" under the interpreter)
+# arena offsets the caller vouches are 16-element aligned (the engine's usual case): the kernels'
+# ARENA=16 mode (vector loads of the adapters' rows on a GPU), blocks 16-aligned between NaN gaps
+aligned_modes = []
+_orig_mode = fl._arena_mode
+fl._arena_mode = lambda *a: (aligned_modes.append(_orig_mode(*a)), aligned_modes[-1])[1]
+c = make_case([5, 0, 17, 30], [8, 64, 24, 16], 32, 48, dtype=torch.float32, bias=True)
+for v in ("ptr", "persist"):
+    fl.GEMM_DEFAULT = v
+    got, stray = run_arena(c, multilora_linear_arena_fused, aligned=True)
+    record(f"arena aligned gemm {v}", c, got, stray)
+fl.GEMM_DEFAULT = None
+fl._arena_mode = _orig_mode
 try:
     fl.gemm_variant("bogus")
     refused = False
@@ -183,7 +195,7 @@ record("MultiLoraLinear form=fused", c, got, stray)
 layer_calls = list(calls)
 print("RESULT" + json.dumps({"results": out, "items": [got_items, want_items], "spare_ok": spare_ok,
                              "dispatch": seen, "layer_calls": layer_calls, "tma_ok": tma_ok,
-                             "variants": variants_ok, "refused": refused}))
+                             "variants": variants_ok, "refused": refused, "aligned_modes": aligned_modes}))
 """
 
 TOL = {"torch.float32": 3e-6, "torch.float64": 1e-12}
@@ -207,7 +219,7 @@ def test_fused_kernels_under_interpreter(block_m: str, chunk: str, block_r: str,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert len(res["results"]) == (2 * 3 if part == "core" else 2 * 6 + 1 + 1 + 1 + 2 + 2 * 6 + 8 + 1)
+    assert len(res["results"]) == (2 * 3 if part == "core" else 2 * 6 + 1 + 1 + 1 + 2 + 2 * 6 + 2 + 8 + 1)
     for r in res["results"]:
         tol = TOL[r["dtype"]]
         assert all(e <= tol for e in r["errs"].values()), f"{r['errs']} > {tol}: {r['case']}"
@@ -217,6 +229,7 @@ def test_fused_kernels_under_interpreter(block_m: str, chunk: str, block_r: str,
     got_items, want_items = res["items"]
     assert got_items == want_items
     assert res["variants"] == ["ptr", "ptr+pf", "tma", "tma+pf", "persist", "persist+pf"] and res["refused"]
+    assert res["aligned_modes"] == [16, 16], res["aligned_modes"]  # vouched-for offsets took the aligned mode
     assert res["spare_ok"]
     # per-adapter rank tiles: the rank-16 adapter has one rank block per row block, rank 64 four
     assert {tuple(i)[3] for i in got_items if i[0] == 0} == {0}

@@ -64,7 +64,7 @@ def _compile(fn, args, consts, warps, stages):
         m = re.search(r"LOCAL:(\d+)", out)
         local = int(m.group(1)) if m else None
     return {"shared": k.metadata.shared, "wgmma": "wgmma" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
-            "local": local}
+            "local": local, "scalar16": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.[bu]16 ", ptx))}
 
 
 P = "*bf16"
@@ -119,6 +119,28 @@ res["compose fwd"] = _compile(tlr._fwd_jit, cmp_args, dict(no_pf, BLOCK_R=R, **c
 cfg = tlr._BWD_CONFIGS[0]
 res["compose bwd"] = _compile(tlr._bwd_jit, cmp_args, dict(no_pf, BLOCK_R=R, COMPUTE_DX=True, COMPUTE_DA=True,
                               COMPUTE_DB=True, **cfg.kwargs), cfg.num_warps, cfg.num_stages)
+# arena offsets the caller vouches are 16-element aligned (ARENA=16): the adapters' rows load as vectors
+for mode in (1, 16):
+    kw = dict(fl._GEMM_CONFIGS[0].kwargs) | fl._gemm_rank_tile(R)
+    res[f"gemm persist arena{mode}"] = _compile(fl._gemm_lora_persist_jit, {k: v for k, v in fwd.items() if k != "stride_ak"},
+                                                dict(meta, ARENA=mode, HAS_BIAS=False, B_NK=True, NUM_SMS=132, **kw), 8, 3)
+    cfg = fl._SHRINK_CONFIGS[0]
+    res[f"shrink arena{mode}"] = _compile(fl._shrink_jit, shr, dict(no_pf, ARENA=mode, FUSE_WGRAD=True, **cfg.kwargs),
+                                          cfg.num_warps, cfg.num_stages)
+# fp32 inputs run one small config per kernel (`triton_lora.wide_dtype_pruner`): FMA code, no tensor cores
+F32 = "*fp32"
+f32 = {k: (F32 if v == P else v) for k, v in fwd.items()}
+cfg = fl._GEMM_WIDE
+res["wide gemm fp32"] = _compile(fl._gemm_lora_persist_jit, {k: v for k, v in f32.items() if k != "stride_ak"},
+                                 dict(meta, DOT_PREC="ieee", HAS_BIAS=False, B_NK=True, NUM_SMS=132,
+                                      **(cfg.kwargs | fl._gemm_rank_tile(R))), cfg.num_warps, cfg.num_stages)
+cfg = fl._SHRINK_WIDE
+res["wide shrink fp32"] = _compile(fl._shrink_jit, {k: (F32 if v == P else v) for k, v in shr.items()},
+                                   dict(no_pf, DOT_PREC="ieee", FUSE_WGRAD=True, **cfg.kwargs), cfg.num_warps,
+                                   cfg.num_stages)
+cfg = fl._WGRAD_WIDE
+res["wide wgrad fp32"] = _compile(fl._wgrad_jit, {k: (F32 if v == P else v) for k, v in wg.items()},
+                                  dict(no_pf, DOT_PREC="ieee", **cfg.kwargs), cfg.num_warps, cfg.num_stages)
 print("RESULT" + json.dumps(res))
 """
 
@@ -133,7 +155,12 @@ def test_kernels_compile_for_hopper() -> None:
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert len(res) == 17 + 2 + 2 + 1  # + persist r64 fwd/dx, shrink r64 x2, wgrad r64
+    # + persist r64 fwd/dx, shrink r64 x2, wgrad r64, the arena's two modes x2, fp32's small configs
+    assert len(res) == 17 + 2 + 2 + 1 + 4 + 3
+    # unknown arena offsets: the adapters' bf16 rows load one element at a time; vouched-for
+    # 16-element offsets: none does (16-byte vectors)
+    assert res["gemm persist arena1"]["scalar16"] > 0 and res["shrink arena1"]["scalar16"] > 0
+    assert res["gemm persist arena16"]["scalar16"] == 0 and res["shrink arena16"]["scalar16"] == 0
     for name, r in res.items():
         assert r["local"] in (0, None), f"{name} spills to local memory: {r}"
         if name.startswith("gemm"):

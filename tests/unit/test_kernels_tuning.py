@@ -145,3 +145,22 @@ def test_tuning_trials_leave_no_trace_under_the_interpreter() -> None:
     assert len(res) == 8
     for r in res:
         assert r["err"] < 1e-12 and r["stray"] == 0, r
+
+
+def test_wide_dtypes_run_one_small_config_and_16_bit_ones_tune(monkeypatch) -> None:  # noqa: ANN001
+    """fp32/fp64 calls on a GPU skip tuning (each large tile compiles for seconds as FMA code) and
+    run the kernel's small config; bf16/fp16 calls keep the list, rank tiles pruned to the call."""
+    monkeypatch.setattr(tlr, "_INTERPRET", False)  # the GPU's behaviour (the interpreter keeps its list)
+    wide = tlr._cfg(BLOCK_M=32, BLOCK_K=64, BLOCK_R=16, SPLIT_C=1)
+    listed = [tlr._cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=r, SPLIT_C=1) for r in (16, 32, 64)]
+    prune = tlr.wide_dtype_pruner(wide, fl._prune_rank_tiles)
+    for dtype in (torch.float32, torch.float64):
+        assert prune(listed, {"m_ptr": torch.empty(2, dtype=dtype), "R_MAX": 64}) == [wide]
+    for dtype in (torch.bfloat16, torch.float16):
+        assert prune(listed, {"m_ptr": torch.empty(2, dtype=dtype), "R_MAX": 64}) == listed
+        assert prune(listed, {"m_ptr": torch.empty(2, dtype=dtype), "R_MAX": 16}) == listed[:1]
+    compose = tlr.wide_dtype_pruner(wide)  # the composition's kernels: no rank-tile pruning
+    assert compose(listed, {"x_ptr": torch.empty(2, dtype=torch.float32)}) == [wide]
+    assert compose(listed, {"x_ptr": torch.empty(2, dtype=torch.bfloat16)}) == listed
+    monkeypatch.setattr(tlr, "_INTERPRET", True)
+    assert prune(listed, {"m_ptr": torch.empty(2, dtype=torch.float32), "R_MAX": 64}) == listed
