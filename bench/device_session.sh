@@ -198,6 +198,16 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     wait "${pids[@]}"
     grep -h -E "^(PASSED|FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT"/gpu_*.log
     ;;
+  aligned)  # session 6: the arena kernels with 16-element-aligned offsets (vector loads of the adapters'
+            # rows) against the previous commit's kernels, bench and trainer ($OLD_KERNELS), side by side
+    old=${OLD_KERNELS:-.device/ab_old}
+    step 110 stages_new python3 bench/lora_op.py --engine-stages --out "$OUT/engine_stages_new_h100.md"
+    PYTHONPATH=$PWD step 100 stages_old python3 "$old/bench/lora_op.py" --engine-stages --out "$OUT/engine_stages_old_h100.md"
+    step 110 engine_new python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms fused \
+      --out "$OUT/engine_step_new_h100.md"
+    PYTHONPATH=$PWD step 100 engine_old python3 "$old/bench/engine_step.py" --jobs 8 --skip-peft --skip-torch --forms fused \
+      --out "$OUT/engine_step_old_h100.md"
+    ;;
   gputests)  # every GPU test, in parallel processes (each test's time is mostly Triton compiling its
              # autotune configs on the CPU; one GPU is plenty for correctness checks)
     pids=()
@@ -214,5 +224,5 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     wait "${pids[@]}"
     grep -h -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT"/gpu_*.log | sort | uniq -c | tail -60
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|gputests" >&2; exit 2 ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gputests" >&2; exit 2 ;;
 esac
