@@ -208,6 +208,18 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     PYTHONPATH=$PWD step 100 engine_old python3 "$old/bench/engine_step.py" --jobs 8 --skip-peft --skip-torch --forms fused \
       --out "$OUT/engine_step_old_h100.md"
     ;;
+  gpufinal)  # session 6: the GPU tests of the kernels changed this session, in three processes
+    t=tests/gpu/test_kernels_gpu.py
+    pids=()
+    ( step 560 gpu_fused_matches python3 -m pytest -rA --tb=short -p no:cacheprovider $t -k fused_matches ) &
+    pids+=($!)
+    ( step 560 gpu_fused_arena python3 -m pytest -rA --tb=short -p no:cacheprovider $t -k fused_arena ) &
+    pids+=($!)
+    ( set -f; step 560 gpu_rest python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_engine_gpu.py \
+        $t -k "engine or variants or no_host_sync or triton_matches_fp64[4] or triton_arena_matches_fp64[4]" ) &
+    pids+=($!)
+    wait "${pids[@]}"
+    ;;
   gputests)  # every GPU test, in parallel processes (each test's time is mostly Triton compiling its
              # autotune configs on the CPU; one GPU is plenty for correctness checks)
     pids=()
@@ -224,5 +236,5 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     wait "${pids[@]}"
     grep -h -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT"/gpu_*.log | sort | uniq -c | tail -60
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gputests" >&2; exit 2 ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|gputests" >&2; exit 2 ;;
 esac
