@@ -220,6 +220,13 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     pids+=($!)
     wait "${pids[@]}"
     ;;
+  tables)  # session 6: the lora_op table with this session's kernels (timings for form="auto"), then the
+           # engine step on compose, fused and auto side by side
+    step 330 lora_op python3 bench/lora_op.py --budget-s 260 --out "$OUT/lora_op_fused_h100.md" --timings "$OUT/lora_forms.json"
+    [ -s "$OUT/lora_forms.json" ] && cp "$OUT/lora_forms.json" kernels/lora_forms.json
+    step 200 engine_step python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms compose,fused,auto \
+      --out "$OUT/engine_step_final_h100.md"
+    ;;
   gputests)  # every GPU test, in parallel processes (each test's time is mostly Triton compiling its
              # autotune configs on the CPU; one GPU is plenty for correctness checks)
     pids=()
@@ -236,5 +243,5 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     wait "${pids[@]}"
     grep -h -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT"/gpu_*.log | sort | uniq -c | tail -60
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|gputests" >&2; exit 2 ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|gputests" >&2; exit 2 ;;
 esac
