@@ -12,7 +12,8 @@ breakdown of both Triton forms, and the issue-20 target lines.
 
 Usage (GPU):  python3 bench/lora_op.py [--quick] [--shapes 4096x4096,...] [--out FILE.md]
                                      [--timings kernels/lora_forms.json]
-              --timings writes (or extends) the compose/fused timings that form="auto" chooses from.
+              --timings writes (or extends) the compose/fused timings that form="auto" chooses from
+              (CUDA-graph GPU time: what an engine step that keeps the GPU busy sees).
               --variants: instead, every fused GEMM variant side by side (op fwd+bwd, eager and
               CUDA graph, vs the floor, correctness in the same run) and each variant's GEMMs timed
               apart at 4096x4096, 8 x 1024 tokens, r16.
@@ -599,8 +600,10 @@ def main() -> None:
                     t, e = bench_case(d_in, d_out, n, per, rn, loop=args.loop)
                     results[(d_in, d_out, n, per, rn)] = t
                     r_max = max(RANKS[rn])
-                    table.add(dev, d_in, d_out, n * per, r_max, "compose", t["d"])
-                    table.add(dev, d_in, d_out, n * per, r_max, "fused", t["e"])
+                    # GPU time (CUDA-graph replay): the engine keeps the GPU busy (idle ~2% of a step,
+                    # engine_step.py --profile), so the eager columns' host time would bias the choice
+                    table.add(dev, d_in, d_out, n * per, r_max, "compose", t["dg"])
+                    table.add(dev, d_in, d_out, n * per, r_max, "fused", t["eg"])
                     lines.append(row_line(f"{d_in}x{d_out}", n, per, rn, t, e, results.get((d_in, d_out, n, per, "r16"))
                                           if rn != "r16" else None))
                     print(lines[-1], flush=True)

@@ -6,9 +6,10 @@
 Which is faster depends on the shape (a Triton GEMM may trail cuBLAS on some shapes) and the
 device, so form="auto" looks the shape up in a table of forward+backward timings that
 `bench/lora_op.py --timings FILE` writes: the point measured on the same device and (d_in,
-d_out) nearest in log2(T) and log2(r_max) decides. No measurement for the device and shape: the
-composition, the form that has been measured in the field. The table is read from
-$LORAPLEX_LORA_TIMINGS, else from `kernels/lora_forms.json` when that file exists.
+d_out) nearest in log2(T) and log2(r_max) decides (GPU time, CUDA-graph replay). No measurement
+for the device and shape: the caller's fallback (kernels.multilora passes the device's default
+form; `DEFAULT_FORM` otherwise). The table is read from $LORAPLEX_LORA_TIMINGS, else from
+`kernels/lora_forms.json` when that file exists.
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ class FormTable:
                 for (dev, d_in, d_out), pts in sorted(self._points.items())
                 for (t, r), forms in sorted(pts.items()) for f, ms in sorted(forms.items())]
 
-    def choose(self, device: str, d_in: int, d_out: int, tokens: int, r_max: int) -> str:
-        """The faster form at the nearest measured point with both forms timed, else the default."""
-        key = (device, d_in, d_out, tokens, r_max)
+    def choose(self, device: str, d_in: int, d_out: int, tokens: int, r_max: int,
+               fallback: str = DEFAULT_FORM) -> str:
+        """The faster form at the nearest measured point with both forms timed, else `fallback`
+        (the caller's default for the device: no measurement for this device and shape)."""
+        key = (device, d_in, d_out, tokens, r_max, fallback)
         hit = self._memo.get(key)
         if hit is not None:
             return hit
-        form = DEFAULT_FORM
+        form = fallback
         pts = self._points.get((device, d_in, d_out), {})
         both = [(p, f) for p, f in pts.items() if all(k in f for k in FORMS)]
         if both:

@@ -106,7 +106,7 @@ def resolve_form(form: str | None, x: torch.Tensor, d_out: int, r_max: int) -> s
         return form
     from kernels.form_choice import table
 
-    return table().choose(_device_name(x), x.shape[-1], d_out, x.shape[0], r_max)
+    return table().choose(_device_name(x), x.shape[-1], d_out, x.shape[0], r_max, fallback=device_default_form(x))
 
 
 def triton_available() -> bool:

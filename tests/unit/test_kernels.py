@@ -166,6 +166,9 @@ def test_form_table_picks_the_faster_form_at_the_nearest_point(tmp_path) -> None
     assert tab.choose("H100", 4096, 4096, 20000, 64) == "fused"       # nearer 32768
     assert tab.choose("H200", 4096, 4096, 32768, 16) == "compose"     # another device: no data
     assert tab.choose("H100", 4096, 14336, 32768, 16) == "compose"    # another shape: no data
+    # no data: the caller's fallback (the device's default form), while measured points still decide
+    assert tab.choose("H100", 4096, 14336, 32768, 16, fallback="fused") == "fused"
+    assert tab.choose("H100", 4096, 4096, 2048, 16, fallback="fused") == "compose"
     path = tmp_path / "forms.json"
     tab.save(path)
     again = FormTable.load(path)
