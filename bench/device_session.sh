@@ -227,6 +227,12 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 200 engine_step python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms compose,fused,auto \
       --out "$OUT/engine_step_final_h100.md"
     ;;
+  verify)  # session 6: form=auto on the GPU-time table against fused in the engine, then the task e2e GPU test
+           # on the aligned arena path
+    step 170 engine_step python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms fused,auto \
+      --out "$OUT/engine_step_auto_h100.md"
+    step 330 gpu_e2e python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_task_e2e_gpu.py
+    ;;
   gputests)  # every GPU test, in parallel processes (each test's time is mostly Triton compiling its
              # autotune configs on the CPU; one GPU is plenty for correctness checks)
     pids=()
@@ -243,5 +249,5 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     wait "${pids[@]}"
     grep -h -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT"/gpu_*.log | sort | uniq -c | tail -60
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|gputests" >&2; exit 2 ;;
+  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac
