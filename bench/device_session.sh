@@ -12,6 +12,16 @@ step() {  # step LIMIT_S NAME CMD...: run, tee its log, note its exit code and s
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
   echo "== $name rc=${PIPESTATUS[0]} ${SECONDS}s-${t0}s" | tee -a "$OUT/steps.txt"
 }
+side_by_side() {  # this tree's engine stages and fused engine step against the copy in $OLD_KERNELS
+  # (an earlier commit's kernels/, bench/ and trainer/: its scripts put that copy first on sys.path)
+  local old=${OLD_KERNELS:-.device/ab_old}
+  step 140 stages_new python3 bench/lora_op.py --engine-stages --out "$OUT/engine_stages_new_h100.md"
+  PYTHONPATH=$PWD step 130 stages_old python3 "$old/bench/lora_op.py" --engine-stages --out "$OUT/engine_stages_old_h100.md"
+  step 120 engine_new python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms fused \
+    --out "$OUT/engine_step_new_h100.md"
+  PYTHONPATH=$PWD step 110 engine_old python3 "$old/bench/engine_step.py" --jobs 8 --skip-peft --skip-torch \
+    --forms fused --out "$OUT/engine_step_old_h100.md"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print(torch.__version__, triton.__version__, transformers.__version__, peft.__version__)" | tee -a "$OUT/gpu.txt"
 case "${1:-}" in
@@ -161,13 +171,7 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
          # program, no chain of dependent loads per tile) and a 4-stage 128x256 tile, against the
          # previous kernels (a copy of the last commit's kernels/ and bench/ in
          # $OLD_KERNELS: its scripts put that copy first on sys.path), side by side
-    old=${OLD_KERNELS:-.device/ab_old}
-    step 140 stages_new python3 bench/lora_op.py --engine-stages --out "$OUT/engine_stages_new_h100.md"
-    PYTHONPATH=$PWD step 130 stages_old python3 "$old/bench/lora_op.py" --engine-stages --out "$OUT/engine_stages_old_h100.md"
-    step 120 engine_new python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms fused \
-      --out "$OUT/engine_step_new_h100.md"
-    PYTHONPATH=$PWD step 110 engine_old python3 "$old/bench/engine_step.py" --jobs 8 --skip-peft --skip-torch --forms fused \
-      --out "$OUT/engine_step_old_h100.md"
+    side_by_side
     ;;
   pf)  # session 6: the epilogue's first LoRA operands loaded before the main loop (+pf), now that the
        # adapters' metadata sits in registers (no dependent load to wait for), against persist alone;
@@ -200,13 +204,7 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     ;;
   aligned)  # session 6: the arena kernels with 16-element-aligned offsets (vector loads of the adapters'
             # rows) against the previous commit's kernels, bench and trainer ($OLD_KERNELS), side by side
-    old=${OLD_KERNELS:-.device/ab_old}
-    step 110 stages_new python3 bench/lora_op.py --engine-stages --out "$OUT/engine_stages_new_h100.md"
-    PYTHONPATH=$PWD step 100 stages_old python3 "$old/bench/lora_op.py" --engine-stages --out "$OUT/engine_stages_old_h100.md"
-    step 110 engine_new python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms fused \
-      --out "$OUT/engine_step_new_h100.md"
-    PYTHONPATH=$PWD step 100 engine_old python3 "$old/bench/engine_step.py" --jobs 8 --skip-peft --skip-torch --forms fused \
-      --out "$OUT/engine_step_old_h100.md"
+    side_by_side
     ;;
   gpufinal)  # session 6: the GPU tests of the kernels changed this session, in three processes
     t=tests/gpu/test_kernels_gpu.py
