@@ -287,7 +287,7 @@ def _tile_of(pid, M, NC, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 
 @triton.jit
-def _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, stride_wn,
+def _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX,
                N_P2: tl.constexpr, ACC: tl.constexpr, ARENA: tl.constexpr):
     """Every adapter's row span, rank, scale and weight offset, loaded once per program into
     registers (one round trip, issued before the main loop), so the epilogue picks an adapter's
@@ -300,8 +300,8 @@ def _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, stride_wn,
     sc = tl.load(scale_ptr + idx, mask=live, other=0.0).to(ACC)
     if ARENA:
         wo = tl.load(woff_ptr + idx, mask=live, other=0).to(tl.int64)
-    else:
-        wo = idx.to(tl.int64) * stride_wn  # unread: `_lora_operands` computes i * stride_wn itself
+    else:  # stacked weights: `_lora_operands` computes i * stride_wn instead
+        wo = tl.zeros((N_P2,), dtype=tl.int64)
     return live, lo, hi, rk, sc, wo
 
 
@@ -332,7 +332,7 @@ def _lora_operands(i, ok, r0, rm, m_mask, rn, n_mask, p_ptr, w_ptr, lo, hi, rk, 
     rows_i = m_mask & (rm >= _pick(lo, idx, i)) & (rm < _pick(hi, idx, i))
     if ARENA:
         w_off = _pick(wo, idx, i)
-        if ARENA == 16:
+        if ARENA == 16:  # here, not in a helper: the hint does not cross a function call
             w_off = tl.multiple_of(w_off, 16)
     else:
         w_off = tl.cast(i, tl.int64) * stride_wn
@@ -413,8 +413,7 @@ def _gemm_lora_jit(
     rows meet this output tile: the LoRA expand (forward: P = S, W = B^T) or dS A (backward:
     P = dS, W = A) folded into the base GEMM's epilogue. Pointer loads (any strides)."""
     pid_m, pid_n = _tile_of(tl.program_id(0), M, NC, BLOCK_M, BLOCK_N, GROUP_M)
-    live, lo, hi, rk, sc, wo = _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, stride_wn, N_P2, ACC,
-                                          ARENA)
+    live, lo, hi, rk, sc, wo = _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, N_P2, ACC, ARENA)
     pre_p, pre_w = _lora_prefetch(pid_m * BLOCK_M, pid_n * BLOCK_N, M, NC, R_MAX, p_ptr, w_ptr, live, lo, hi, rk, sc, wo,
                                   stride_pm, stride_wn, stride_wr, stride_wc, PREFETCH, N_P2, ARENA, BLOCK_M,
                                   BLOCK_N, BLOCK_R)
@@ -479,8 +478,7 @@ def _gemm_lora_tma_jit(
     pid_m, pid_n = _tile_of(tl.program_id(0), M, NC, BLOCK_M, BLOCK_N, GROUP_M)
     a_desc, b_desc = _tma_descs(a_ptr, b_ptr, M, NC, K, stride_am, stride_bk, stride_bn, B_NK, BLOCK_M, BLOCK_N,
                                 BLOCK_K)
-    live, lo, hi, rk, sc, wo = _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, stride_wn, N_P2, ACC,
-                                          ARENA)
+    live, lo, hi, rk, sc, wo = _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, N_P2, ACC, ARENA)
     pre_p, pre_w = _lora_prefetch(pid_m * BLOCK_M, pid_n * BLOCK_N, M, NC, R_MAX, p_ptr, w_ptr, live, lo, hi, rk, sc, wo,
                                   stride_pm, stride_wn, stride_wr, stride_wc, PREFETCH, N_P2, ARENA, BLOCK_M,
                                   BLOCK_N, BLOCK_R)
@@ -509,8 +507,7 @@ def _gemm_lora_persist_jit(
                                 BLOCK_K)
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(NC, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
-    live, lo, hi, rk, sc, wo = _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, stride_wn, N_P2, ACC,
-                                          ARENA)
+    live, lo, hi, rk, sc, wo = _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, N_P2, ACC, ARENA)
     tile_c = tl.program_id(0) - NUM_SMS
     for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, flatten=True):
         pid_m, pid_n = _tile_of(tile, M, NC, BLOCK_M, BLOCK_N, GROUP_M)
@@ -554,7 +551,7 @@ _shrink_wgrad = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "
 _wgrad = triton.autotune(configs=_WGRAD_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_tune_kw(_WGRAD_WIDE))(_wgrad_jit)
 
 
-def _adding_launch(kernel, grid, c: _Ctx, cols: int, g: torch.Tensor, goff: torch.Tensor, arena: bool,  # noqa: ANN001
+def _adding_launch(kernel, grid, c: _Ctx, cols: int, g: torch.Tensor, goff: torch.Tensor, arena: int,  # noqa: ANN001
                    args: tuple, meta: dict) -> None:
     """Launch a kernel that adds into g (`triton_lora.launch_restoring`): around its first call per
     tuning key, the adapters' blocks of g are saved and restored (arena: from the lowest offset to
@@ -588,7 +585,7 @@ class _Ctx:
         return (triton.cdiv(self.t, rows) + self.n) * triton.cdiv(self.r_max, block_r)
 
 
-def _shrink_launch(c: _Ctx, m, w, w_strides, woff, p, arena: bool, wgrad=None) -> None:  # noqa: ANN001
+def _shrink_launch(c: _Ctx, m, w, w_strides, woff, p, arena: int, wgrad=None) -> None:  # noqa: ANN001
     """p[rows_i, :r_i] = m[rows_i] @ W_i^T; with wgrad = (s_buf, g, goff): also g_i += s_i S^T m."""
     s_buf, g, goff = wgrad if wgrad is not None else (p, p, woff)
     grid = lambda meta: (c.items(meta["BLOCK_M"], meta["BLOCK_R"]), meta["SPLIT_C"])  # noqa: E731
@@ -601,7 +598,7 @@ def _shrink_launch(c: _Ctx, m, w, w_strides, woff, p, arena: bool, wgrad=None) -
         _adding_launch(_shrink_wgrad, grid, c, m.shape[1], g, goff, arena, args, meta)
 
 
-def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: bool) -> None:  # noqa: ANN001
+def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: int) -> None:  # noqa: ANN001
     """g_i[:r_i, :] += s_i p[rows_i, :r_i]^T m[rows_i] (g_strides: adapter, rank, column)."""
     cols = m.shape[1]
     _adding_launch(
@@ -661,7 +658,7 @@ def _tma_ok(a: torch.Tensor, b_kn: torch.Tensor) -> bool:
             and b_kn.data_ptr() % 16 == 0 and (a.stride(0) * es) % 16 == 0 and (b_row * es) % 16 == 0)
 
 
-def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: bool, out_dtype,  # noqa: ANN001
+def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_dtype,  # noqa: ANN001
                  gemm: str | None = None) -> torch.Tensor:
     """a [T, K] @ b_kn [K, NC] (+ bias) + s_i p_i W_i into a new [T, NC] tensor (`gemm`: the
     variant, see GEMM_VARIANTS; TMA variants fall back to pointer loads where TMA cannot load)."""
@@ -712,7 +709,7 @@ def _arena_rank_major(cols: int) -> tuple[int, int, int]:
     return 0, cols, 1  # arena blocks are [r, cols] row-major at per-adapter offsets (stride unused)
 
 
-def fused_forward(c: _Ctx, x, weight, bias, a, a_strides, aoff, b, b_strides, boff, arena: bool,  # noqa: ANN001
+def fused_forward(c: _Ctx, x, weight, bias, a, a_strides, aoff, b, b_strides, boff, arena: int,  # noqa: ANN001
                   gemm: str | None = None):
     """(y, S): S = X A_i^T by `_shrink`, then y from the fused GEMM."""
     s_buf = torch.empty((c.t, c.r_max), dtype=_acc_torch(x.dtype), device=x.device)
@@ -722,7 +719,7 @@ def fused_forward(c: _Ctx, x, weight, bias, a, a_strides, aoff, b, b_strides, bo
 
 
 def fused_backward(c: _Ctx, x, dy, s_buf, weight, a, a_strides, aoff, b, b_strides, boff, da, da_strides,
-                   db, db_strides, arena: bool, need_x: bool, need_a: bool, need_b: bool, onepass: bool,  # noqa: ANN001
+                   db, db_strides, arena: int, need_x: bool, need_a: bool, need_b: bool, onepass: bool,  # noqa: ANN001
                    gemm: str | None = None):
     """Adds dA_i into da and dB_i^T into db (at the adapters' blocks); returns dX (or None)."""
     ds = torch.empty((c.t, c.r_max), dtype=_acc_torch(x.dtype), device=x.device)

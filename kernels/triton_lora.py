@@ -118,10 +118,11 @@ def _adapter_base(ptr, ad, stride_n, off_ptr, ARENA: tl.constexpr):
     the block's rows as 16-byte vectors (unknown offsets allow only one element per load)."""
     if ARENA:
         off = tl.load(off_ptr + ad).to(tl.int64)
-        if ARENA == 16:
+        if ARENA == 16:  # set where the value is made: the hint does not cross a function call
             off = tl.multiple_of(off, 16)
         return ptr + off
     return ptr + ad * stride_n
+
 
 
 @triton.jit
@@ -236,16 +237,15 @@ def _bwd_jit(
 _KEY = ["T_BUCKET", "K", "D_OUT", "R_MAX"]
 # Every kernel here adds into caller-owned tensors (y, dx, dA/dB): `launch_restoring` keeps tuning
 # trials' sums out of them.
-_FWD_KW = dict(AUTOTUNE_KW, prune_configs_by={
+# fp32/fp64 calls on a GPU run one small config (`wide_dtype_pruner`), forward and backward alike
+_TUNE_KW = dict(AUTOTUNE_KW, prune_configs_by={
     "early_config_prune": wide_dtype_pruner(_cfg(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64, num_stages=2))})
-_BWD_KW = dict(AUTOTUNE_KW, prune_configs_by={
-    "early_config_prune": wide_dtype_pruner(_cfg(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64, num_stages=2))})
-_fwd_kernel = triton.autotune(configs=_FWD_CONFIGS, key=_KEY, **_FWD_KW)(_fwd_jit)
-_bwd_kernel = triton.autotune(configs=_BWD_CONFIGS, key=_KEY, **_BWD_KW)(_bwd_jit)
+_fwd_kernel = triton.autotune(configs=_FWD_CONFIGS, key=_KEY, **_TUNE_KW)(_fwd_jit)
+_bwd_kernel = triton.autotune(configs=_BWD_CONFIGS, key=_KEY, **_TUNE_KW)(_bwd_jit)
 # Arena: gradients accumulate into the caller's arena that already holds other layers' sums, so
 # tuning trials must not leave their sums there (nor zero it); `launch_restoring` saves and restores
 # what the call adds into (dx and the adapters' blocks) around the one call that may tune.
-_bwd_kernel_arena = triton.autotune(configs=_BWD_CONFIGS, key=_KEY, **_BWD_KW)(_bwd_jit)
+_bwd_kernel_arena = triton.autotune(configs=_BWD_CONFIGS, key=_KEY, **_TUNE_KW)(_bwd_jit)
 _TUNED: set[tuple] = set()  # tuning keys whose first call has run in this process
 
 
