@@ -124,7 +124,6 @@ def _adapter_base(ptr, ad, stride_n, off_ptr, ARENA: tl.constexpr):
     return ptr + ad * stride_n
 
 
-
 @triton.jit
 def _shrink_sweep(acc, m_rows, stride_mc, row_mask, w_base, stride_wc, stride_wr, rr, r_mask, C, c_end,
                   st_t, g_base, g_scale, FUSE_WGRAD: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,

@@ -505,9 +505,8 @@ class TaskRun:
             # at most one checkpoint of the task in flight: the last complete one is then never
             # more than one interval behind the one being written, so a crash (kill -9) loses
             # under two intervals of steps even when writes lag the loop (a slow or loaded disk)
-            prev = self.checkpoint_write
-            if prev is not None and not prev.done.is_set():
-                prev.done.wait()
+            if self.checkpoint_write is not None:
+                self.checkpoint_write.done.wait()  # set once written or failed: never hangs
             self.checkpoint_write = self._write("checkpoint", self._payload([part]),
                                                 lambda payload: save_checkpoint(self.out / "state.pt", payload))
             return
