@@ -18,6 +18,7 @@ from service.config import Settings, get_settings
 from service.db import after_commit
 from service.models import Placement, utcnow
 from service.protocol import CANCEL_CHANNEL, PLACEMENT_FUNC, cancel_key, node_queue_name
+from service.redis_jobs import delete_job
 
 log = logging.getLogger("loraplex.queue")
 
@@ -52,7 +53,7 @@ def enqueue_placement(conn: redis.Redis, placement_id: str, node_id: str) -> boo
     if Job.exists(job_id, connection=conn):
         if job_id in queue.get_job_ids():
             return False
-        Job.fetch(job_id, connection=conn).delete()
+        delete_job(conn, job_id)
     queue.enqueue_call(PLACEMENT_FUNC, args=(placement_id,), job_id=job_id, timeout=-1,
                        result_ttl=3600, failure_ttl=24 * 3600)
     return True
@@ -102,8 +103,7 @@ def unqueue_placement(placement_id: str, node_id: str, settings: Settings | None
     try:
         conn = get_redis(settings)
         Queue(node_queue_name(node_id), connection=conn).remove(rq_job_id(placement_id))
-        if Job.exists(rq_job_id(placement_id), connection=conn):
-            Job.fetch(rq_job_id(placement_id), connection=conn).delete()
+        delete_job(conn, rq_job_id(placement_id))
     except redis.RedisError as exc:
         log.warning("unqueue failed placement=%s error=%s", placement_id, exc)
 

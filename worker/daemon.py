@@ -63,6 +63,7 @@ from service.protocol import (
     node_queue_name,
     pause_key,
 )
+from service.redis_jobs import delete_job
 from worker import host as shared
 from worker.service_client import (
     SPOOL_NAME,
@@ -930,10 +931,8 @@ class Daemon:
 
     def _delete_rq_job(self, placement_id: str) -> None:
         try:
-            for job_id in (f"placement-{placement_id}",):
-                if Job.exists(job_id, connection=self.conn):
-                    Job.fetch(job_id, connection=self.conn).delete(remove_from_queue=False)
-        except (redis.RedisError, NoSuchJobError):
+            delete_job(self.conn, f"placement-{placement_id}", remove_from_queue=False)
+        except redis.RedisError:
             pass
 
 
