@@ -271,10 +271,18 @@ class Daemon:
         stopped with every claimed placement reported), False on the stop timeout."""
         beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         beat.start()
-        clean = False
+        clean, failures = False, 0
         try:
             while True:
-                self.tick()
+                try:
+                    self.tick()
+                    failures = 0
+                except Exception:  # noqa: BLE001 - one bad tick must not end the node's work
+                    # Its executors run on; the next tick retries (after a backoff, so a lasting
+                    # fault does not spin). Signals still end the loop below.
+                    failures += 1
+                    log.exception("tick failed node=%s failures=%d", self.node_id, failures)
+                    self._sleep(Backoff().delay(min(failures, 6)))
                 if self._finished():
                     clean = True
                     break
@@ -379,7 +387,10 @@ class Daemon:
     # -- heartbeats (own thread) ----------------------------------------------------------
     def _heartbeat_loop(self) -> None:
         while not self._stop_heartbeat.wait(self.heartbeat_interval_s):
-            self.heartbeat_once()
+            try:
+                self.heartbeat_once()
+            except Exception:  # noqa: BLE001 - a dead heartbeat thread would mark the node down
+                log.exception("heartbeat error node=%s", self.node_id)
 
     def heartbeat_once(self) -> None:
         if self._reregister.is_set():

@@ -164,3 +164,35 @@ def test_failed_deregister_keeps_unclaimed_placements(tmp_path: Path) -> None:
     assert daemon.run() == 0
     assert service.paths().count("/internal/v1/nodes/node_1/deregister") == 3  # retried
     assert (popped / "daemon.json").exists()  # still published for this node: kept
+
+
+def test_a_failing_tick_or_heartbeat_does_not_end_the_daemon(tmp_path: Path) -> None:
+    """An unexpected error in one tick (a bug, a full disk) or in one heartbeat is logged and
+    retried: the loop and the heartbeat thread go on, and a later SIGTERM still drains cleanly."""
+    service = FakeService()
+    daemon = make_daemon(tmp_path, service)
+    ticks: list[float] = []
+    real_tick, real_heartbeat = daemon.tick, daemon.client.heartbeat
+
+    def flaky_tick() -> None:
+        ticks.append(time.monotonic())
+        if len(ticks) <= 2:
+            raise RuntimeError("disk full")
+        real_tick()
+
+    beats: list[int] = []
+
+    def flaky_heartbeat(*args: object, **kwargs: object):  # noqa: ANN202
+        beats.append(1)
+        if len(beats) == 2:  # the heartbeat thread's first one (the 1st is run() itself)
+            raise RuntimeError("encoder bug")
+        return real_heartbeat(*args, **kwargs)
+
+    daemon.tick = flaky_tick  # type: ignore[method-assign]
+    daemon.client.heartbeat = flaky_heartbeat  # type: ignore[method-assign]
+    signal_later(signal.SIGTERM, lambda: len(ticks) >= 4 and len(beats) >= 4)
+    assert daemon.run() == 0
+    assert len(ticks) >= 4 and len(beats) >= 4  # both went on past their failures
+    assert ticks[2] - ticks[1] >= 0.5  # the retry after a failure waits (backoff), not spins
+    assert service.paths()[-1] == "/internal/v1/nodes/node_1/deregister"
+    assert service.calls[-1][2] == {"reason": "drained"}
