@@ -453,9 +453,15 @@ class MultiLoraEngine:
 
     def output_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The model's own logits of hidden states, at least float32: its LM head, then its
-        family's final soft-cap (Gemma-2: cap * tanh(logits / cap)) as the model's forward does."""
+        family's logit scaling (Cohere: x logit_scale; Granite: / logits_scaling) and final
+        soft-cap (Gemma-2: cap * tanh(logits / cap)) as the model's forward does."""
         logits = self.model.get_output_embeddings()(h)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        config, family = self.model.config, self.family
+        if family.logit_scale_attr and getattr(config, family.logit_scale_attr, None) is not None:
+            logits = logits * getattr(config, family.logit_scale_attr)
+        if family.logit_divisor_attr and getattr(config, family.logit_divisor_attr, None) is not None:
+            logits = logits / getattr(config, family.logit_divisor_attr)
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits

@@ -12,6 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PHI3_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+STARCODER2_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")
+GLM_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
+PHI_LINEARS = ("q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2")
+NEOX_LINEARS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,8 @@ class Family:
     default_targets: tuple[str, ...]  # what a task adapts when it names none (all of them)
     layers_path: str = "model.layers"  # attribute path of the decoder layers' ModuleList
     logit_softcap_attr: str | None = None  # config attribute of the final logit soft-cap
+    logit_scale_attr: str | None = None  # config attribute the logits are multiplied by
+    logit_divisor_attr: str | None = None  # config attribute the logits are divided by
 
 
 _LLAMA = Family("llama", LLAMA_LINEARS, LLAMA_LINEARS)
@@ -36,9 +43,32 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family("gemma2", LLAMA_LINEARS, LLAMA_LINEARS,
                      logit_softcap_attr="final_logit_softcapping"),
     # Phi-3 fuses q/k/v into qkv_proj and gate/up into gate_up_proj
-    "phi3": Family("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
-                   ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    "phi3": Family("phi3", PHI3_LINEARS, PHI3_LINEARS),
+    # Gemma-3 has the soft-cap setting too (its checkpoints leave it unset)
+    "gemma3_text": Family("gemma3_text", LLAMA_LINEARS, LLAMA_LINEARS,
+                          logit_softcap_attr="final_logit_softcapping"),
+    "olmo": Family("olmo", LLAMA_LINEARS, LLAMA_LINEARS),
+    "olmo2": Family("olmo2", LLAMA_LINEARS, LLAMA_LINEARS),
+    # Granite divides its logits by config.logits_scaling
+    "granite": Family("granite", LLAMA_LINEARS, LLAMA_LINEARS, logit_divisor_attr="logits_scaling"),
+    # Cohere (Command-R) multiplies its logits by config.logit_scale
+    "cohere": Family("cohere", LLAMA_LINEARS, LLAMA_LINEARS, logit_scale_attr="logit_scale"),
+    "stablelm": Family("stablelm", LLAMA_LINEARS, LLAMA_LINEARS),
+    "helium": Family("helium", LLAMA_LINEARS, LLAMA_LINEARS),
+    "smollm3": Family("smollm3", LLAMA_LINEARS, LLAMA_LINEARS),
+    # StarCoder2's MLP is c_fc -> GELU -> c_proj
+    "starcoder2": Family("starcoder2", STARCODER2_LINEARS, STARCODER2_LINEARS),
+    # GLM-4 fuses gate/up into gate_up_proj (q/k/v stay apart)
+    "glm": Family("glm", GLM_LINEARS, GLM_LINEARS),
+    # Phi-1/Phi-2: attention output `dense`, MLP fc1 -> fc2
+    "phi": Family("phi", PHI_LINEARS, PHI_LINEARS),
+    # GPT-NeoX (Pythia): fused query_key_value, layers under gpt_neox
+    "gpt_neox": Family("gpt_neox", NEOX_LINEARS, NEOX_LINEARS, layers_path="gpt_neox.layers"),
 }
+# Not listed: OPT (its decoder builds the attention mask without the position ids, so sequences
+# the engine packs into one row would attend across their bounds), GPT-2-style Conv1D projections
+# (the multi-LoRA layers replace nn.Linear) and mixture-of-experts models (expert weights are not
+# per-layer linears).
 
 
 class UnsupportedModel(ValueError):

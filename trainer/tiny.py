@@ -1,5 +1,6 @@
 """Tiny random causal LMs of every family trainer.families supports (Llama, Qwen2, Qwen3,
-Mistral, Gemma, Gemma-2, Phi-3) with a locally trained BPE tokenizer.
+Mistral, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo, OLMo-2, Granite, Cohere, StableLM, StarCoder2,
+GLM, Helium, SmolLM3, Phi, GPT-NeoX) with a locally trained BPE tokenizer.
 
 Used by tests, the demo run and benchmarks: no hub exists, so everything is saved to a local
 directory and loaded back with `from_pretrained`. `python -m trainer.tiny --family llama --out DIR`.
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "olmo2", "granite",
+            "cohere", "stablelm", "gemma3_text", "starcoder2", "glm", "helium", "smollm3", "olmo",
+            "phi", "gpt_neox")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -61,15 +64,29 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
     family itself: Gemma's tied and scaled embeddings; Gemma-2's soft-caps (final logit cap 3.0,
     with weights drawn wide enough that raw logits reach past it, so the cap changes the loss)
     and its alternating sliding-window layers; Mistral's sliding window (both windows 16,
-    shorter than the test sequences); Qwen3's q/k norms; Phi-3's fused qkv_proj and gate_up_proj."""
+    shorter than the test sequences); Qwen3's q/k norms; Phi-3's fused qkv_proj and gate_up_proj;
+    the others' own norms, partial or missing rotary, biases, multipliers and logit scales (see
+    each branch)."""
     from transformers import (
+        CohereConfig,
         Gemma2Config,
+        Gemma3TextConfig,
         GemmaConfig,
+        GlmConfig,
+        GPTNeoXConfig,
+        GraniteConfig,
+        HeliumConfig,
         LlamaConfig,
         MistralConfig,
+        Olmo2Config,
+        OlmoConfig,
         Phi3Config,
+        PhiConfig,
         Qwen2Config,
         Qwen3Config,
+        SmolLM3Config,
+        StableLmConfig,
+        Starcoder2Config,
     )
 
     heads = 4
@@ -98,11 +115,71 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
             layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
                          for i in range(layers)],
         )
+    # most configs' default special-token ids lie outside a tiny vocabulary (make_tiny_model sets
+    # the tokenizer's): these are its pad, bos and eos
+    ids = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     if family == "phi3":
-        # Phi3Config's pad/eos default to 32000, outside a tiny vocabulary (make_tiny_model sets
-        # the tokenizer's); original_max_position_embeddings matches so no long-rope scaling applies
-        return Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                          original_max_position_embeddings=512, sliding_window=None)
+        # original_max_position_embeddings matches so no long-rope scaling applies
+        return Phi3Config(**common, **ids, original_max_position_embeddings=512, sliding_window=None)
+    if family == "gemma3_text":
+        # Gemma-3: q/k norms, local layers with their own rope base (rope_parameters per layer
+        # type), one global layer in two here (the 5:1 pattern needs 6 layers)
+        return Gemma3TextConfig(
+            **gemma, **ids, query_pre_attn_scalar=hidden // heads, sliding_window=16,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                         for i in range(layers)],
+        )
+    if family == "olmo2":  # q/k norms over the whole projection, norms after attention and MLP
+        return Olmo2Config(**common, **ids)
+    if family == "olmo":  # parameter-free LayerNorm, q/k/v clipped (OLMo-1.7's clip_qkv)
+        return OlmoConfig(**common, **ids, clip_qkv=8.0)
+    if family == "granite":
+        # Granite-3's multipliers: embeddings x12, residual branches x0.22, attention scale,
+        # logits divided by logits_scaling (weights drawn wide enough that the division changes
+        # the loss); tied embeddings
+        return GraniteConfig(
+            **{**common, "tie_word_embeddings": True}, **ids, embedding_multiplier=12.0,
+            residual_multiplier=0.22, attention_multiplier=1.0 / (hidden // heads),
+            logits_scaling=8.0, initializer_range=0.1,
+        )
+    if family == "cohere":
+        # Cohere: parallel attention and MLP off one LayerNorm, interleaved rotary, q/k norms
+        # (Command-R+), tied embeddings, logits multiplied by logit_scale (weights wide enough
+        # that it changes the loss)
+        return CohereConfig(**{**common, "tie_word_embeddings": True}, **ids, use_qk_norm=True,
+                            logit_scale=0.25, initializer_range=0.2)
+    if family == "stablelm":
+        # StableLM-2: LayerNorm, q/k/v biases, a quarter of each head rotated (partial rotary);
+        # the 12B's per-head q/k LayerNorms and parallel residual
+        return StableLmConfig(**common, **ids, use_qkv_bias=True, qk_layernorm=True,
+                              use_parallel_residual=True)
+    if family == "starcoder2":
+        # StarCoder2: LayerNorm, biases everywhere, a plain GELU MLP (c_fc / c_proj), a
+        # sliding window shorter than the test sequences (weights drawn wide enough that it
+        # changes the loss), tied embeddings
+        return Starcoder2Config(**{**common, "tie_word_embeddings": True}, **ids, use_bias=True,
+                                sliding_window=16, initializer_range=0.1)
+    if family == "glm":
+        # GLM-4: fused gate_up_proj, q/k/v biases, half of each head rotated (interleaved)
+        return GlmConfig(**common, **ids, head_dim=hidden // heads, attention_bias=True)
+    if family == "helium":
+        return HeliumConfig(**common, **ids, head_dim=hidden // heads)
+    if family == "smollm3":
+        # SmolLM3: every few layers without rotary (NoPE; here the second), tied embeddings
+        return SmolLM3Config(**{**common, "tie_word_embeddings": True}, **ids,
+                             no_rope_layers=[1 if i % 2 == 0 else 0 for i in range(layers)])
+    if family == "phi":
+        # Phi-2: LayerNorm, one parallel block, half of each head rotated, q/k/v/dense/fc1/fc2
+        # with biases, an LM head with a bias
+        return PhiConfig(**common, **ids)
+    if family == "gpt_neox":
+        # Pythia: fused query_key_value, a quarter of each head rotated, parallel residual (no
+        # grouped-query heads)
+        return GPTNeoXConfig(
+            vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+            num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=512,
+            tie_word_embeddings=False, **ids,
+        )
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 

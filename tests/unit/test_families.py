@@ -5,6 +5,7 @@ and a target the family lacks is refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from trainer.export import export_peft, load_peft_weights
 from trainer.families import FAMILIES as SUPPORTED
 from trainer.families import Family, UnsupportedModel, family_of
 from trainer.multilora import inject_multilora
+from trainer.parallel_engine import decoder_layers as sharded_layers
 from trainer.tiny import FAMILIES, make_tiny_model
 
 pytest.importorskip("peft")
@@ -142,28 +144,39 @@ def test_engine_loss_is_the_models_own_loss(trained: Trained) -> None:
     assert abs(want - base) > 1e2 * REL * base, (want, base)
 
 
-@pytest.mark.parametrize("trained", ["gemma2"], indirect=True)
-def test_gemma2_loss_needs_its_final_soft_cap(trained: Trained) -> None:
-    """Without Gemma-2's final logit soft-cap the engine's loss is off the model's own loss by
-    far more than the tolerance: the comparison above would catch a missing cap."""
-    engine, cap = trained.engine, trained.engine.logit_softcap
-    assert cap == 3.0
+# the families whose forward changes the LM head's logits, and what it does to them
+OUTPUT_HEADS = {"gemma2": ("logit_softcap_attr", 3.0), "granite": ("logit_divisor_attr", 8.0),
+                "cohere": ("logit_scale_attr", 0.25)}
+
+
+@pytest.mark.parametrize("trained", list(OUTPUT_HEADS), indirect=True)
+def test_loss_needs_the_familys_own_output_head(trained: Trained) -> None:
+    """Without Gemma-2's final logit soft-cap, Granite's logit division or Cohere's logit scale
+    the engine's loss is off the model's own loss by far more than the tolerance: the comparison
+    above would catch a missing one."""
+    engine, family = trained.engine, trained.engine.family
+    attr, value = OUTPUT_HEADS[family.name]
+    assert getattr(engine.model.config, getattr(family, attr)) == value
     want = own_loss(peft_of(trained), trained.val)
+    cap = engine.logit_softcap
     try:
-        engine.logit_softcap = None
-        uncapped = engine.evaluate(trained.val, batch_size=4)["job"]
+        engine.family, engine.logit_softcap = dataclasses.replace(family, **{attr: None}), None
+        plain = engine.evaluate(trained.val, batch_size=4)["job"]
     finally:
-        engine.logit_softcap = cap
-    assert abs(uncapped - want) > 1e3 * REL * want, (uncapped, want)
+        engine.family, engine.logit_softcap = family, cap
+    assert abs(plain - want) > 1e3 * REL * want, (plain, want)
+    assert engine.evaluate(trained.val, batch_size=4)["job"] == pytest.approx(want, rel=REL)
 
 
-NO_WINDOW = {"mistral": {"sliding_window": None},
-             "gemma2": {"layer_types": ["full_attention"] * 2}}
+NO_WINDOW = {"mistral": {"sliding_window": None}, "starcoder2": {"sliding_window": None},
+             "gemma2": {"layer_types": ["full_attention"] * 2},
+             "gemma3_text": {"layer_types": ["full_attention"] * 2}}
 
 
 @pytest.mark.parametrize("trained", list(NO_WINDOW), indirect=True)
 def test_sliding_window_is_shorter_than_the_examples(trained: Trained) -> None:
-    """The tiny Mistral's and Gemma-2's sliding windows change their own loss on these examples,
+    """The tiny Mistral's, StarCoder2's, Gemma-2's and Gemma-3's sliding windows change their own
+    loss on these examples,
     so the engine's packed forward reproduces a window that matters (not a no-op)."""
     assert max(len(e.input_ids) for e in trained.val) > 16
     windowed = own_loss(base_model(trained.model_dir), trained.val)
@@ -185,7 +198,10 @@ def test_exported_adapter_loads_whole_and_adapts_every_target(trained: Trained) 
 def test_family_table_names_the_models_own_linears(trained: Trained) -> None:
     """The table's linears are exactly the Linear modules of the family's decoder layers (in
     transformers as installed): a renamed or fused projection shows up here first."""
-    layers = decoder_layers(base_model(trained.model_dir), trained.family)
+    model = base_model(trained.model_dir)
+    layers = decoder_layers(model, trained.family)
+    # adapter parallelism shards the same layers (each one an FSDP unit)
+    assert sharded_layers(model) is layers
     names = {name.rsplit(".", 1)[-1] for layer in layers for name, m in layer.named_modules()
              if isinstance(m, torch.nn.Linear)}
     assert names == set(trained.family.linears)
@@ -194,13 +210,17 @@ def test_family_table_names_the_models_own_linears(trained: Trained) -> None:
 
 def test_a_target_the_family_lacks_is_refused_by_name(trained: Trained) -> None:
     family = trained.family
-    unknown = "q_proj" if family.name == "phi3" else "qkv_proj"
-    with pytest.raises(UnsupportedModel, match=unknown):
+    # a projection of another family (a fused one where this family splits it, and back)
+    unknown = "q_proj" if "q_proj" not in family.linears else "qkv_proj"
+    assert unknown not in family.linears
+    known = family.linears[-1]
+    with pytest.raises(UnsupportedModel, match=unknown) as refused:
         MultiLoraEngine(base_model(trained.model_dir), trained.val, trained.pad_id,
-                        targets=(unknown, "o_proj"))
+                        targets=(unknown, known))
+    assert known not in str(refused.value).split("(choose from")[0]
     # the model surgery refuses it too, whatever the table says: never a silent subset
     with pytest.raises(ValueError, match=unknown):
-        inject_multilora(base_model(trained.model_dir), [unknown, "o_proj"])
+        inject_multilora(base_model(trained.model_dir), [unknown, known])
 
 
 def test_every_supported_family_has_a_tiny_model() -> None:
