@@ -53,7 +53,6 @@ FAMILIES: dict[str, Family] = {
     "granite": Family("granite", LLAMA_LINEARS, LLAMA_LINEARS, logit_divisor_attr="logits_scaling"),
     # Cohere (Command-R) multiplies its logits by config.logit_scale
     "cohere": Family("cohere", LLAMA_LINEARS, LLAMA_LINEARS, logit_scale_attr="logit_scale"),
-    "stablelm": Family("stablelm", LLAMA_LINEARS, LLAMA_LINEARS),
     "helium": Family("helium", LLAMA_LINEARS, LLAMA_LINEARS),
     "smollm3": Family("smollm3", LLAMA_LINEARS, LLAMA_LINEARS),
     # StarCoder2's MLP is c_fc -> GELU -> c_proj
@@ -65,8 +64,10 @@ FAMILIES: dict[str, Family] = {
     # GPT-NeoX (Pythia): fused query_key_value, layers under gpt_neox
     "gpt_neox": Family("gpt_neox", NEOX_LINEARS, NEOX_LINEARS, layers_path="gpt_neox.layers"),
 }
-# Not listed: OPT (its decoder builds the attention mask without the position ids, so sequences
-# the engine packs into one row would attend across their bounds), GPT-2-style Conv1D projections
+# Not listed: OPT and Falcon (their decoders build the attention mask without the position ids,
+# so sequences the engine packs into one row would attend across their bounds), StableLM and
+# Nemotron (their decoder layers drop the keyword arguments that carry the varlen attention's
+# sequence bounds, so the one-GPU varlen packing would attend across them), GPT-2-style Conv1D projections
 # (the multi-LoRA layers replace nn.Linear) and mixture-of-experts models (expert weights are not
 # per-layer linears).
 

@@ -1,5 +1,5 @@
 """Tiny random causal LMs of every family trainer.families supports (Llama, Qwen2, Qwen3,
-Mistral, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo, OLMo-2, Granite, Cohere, StableLM, StarCoder2,
+Mistral, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo, OLMo-2, Granite, Cohere, StarCoder2,
 GLM, Helium, SmolLM3, Phi, GPT-NeoX) with a locally trained BPE tokenizer.
 
 Used by tests, the demo run and benchmarks: no hub exists, so everything is saved to a local
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "olmo2", "granite",
-            "cohere", "stablelm", "gemma3_text", "starcoder2", "glm", "helium", "smollm3", "olmo",
+            "cohere", "gemma3_text", "starcoder2", "glm", "helium", "smollm3", "olmo",
             "phi", "gpt_neox")
 
 CHAT_TEMPLATE = (
@@ -85,7 +85,6 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         Qwen2Config,
         Qwen3Config,
         SmolLM3Config,
-        StableLmConfig,
         Starcoder2Config,
     )
 
@@ -148,11 +147,6 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         # that it changes the loss)
         return CohereConfig(**{**common, "tie_word_embeddings": True}, **ids, use_qk_norm=True,
                             logit_scale=0.25, initializer_range=0.2)
-    if family == "stablelm":
-        # StableLM-2: LayerNorm, q/k/v biases, a quarter of each head rotated (partial rotary);
-        # the 12B's per-head q/k LayerNorms and parallel residual
-        return StableLmConfig(**common, **ids, use_qkv_bias=True, qk_layernorm=True,
-                              use_parallel_residual=True)
     if family == "starcoder2":
         # StarCoder2: LayerNorm, biases everywhere, a plain GELU MLP (c_fc / c_proj), a
         # sliding window shorter than the test sequences (weights drawn wide enough that it

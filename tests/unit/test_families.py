@@ -184,6 +184,29 @@ def test_sliding_window_is_shorter_than_the_examples(trained: Trained) -> None:
     assert abs(windowed - full) > 1e2 * REL * full, (windowed, full)
 
 
+# trainer/varlen.py attends within each sequence but ignores a sliding window and an attention
+# soft-cap: these families' tiny models have a window shorter than the examples (Gemma-2 also caps)
+VARLEN_IGNORES_WINDOW = {"mistral", "gemma2", "gemma3_text", "starcoder2"}
+
+
+def test_varlen_packing_gives_the_rows_loss(request: pytest.FixtureRequest, trained: Trained) -> None:
+    """The one-GPU default packs every sequence into one row and hands their bounds to the varlen
+    attention through the model's keyword arguments: a family whose layers drop them (StableLM,
+    Nemotron) would attend across sequences; here its loss would differ from the rows loss."""
+    if trained.family.name in VARLEN_IGNORES_WINDOW:
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="trainer/varlen.py ignores sliding windows and soft-caps"))
+    engine = trained.engine
+    rows = engine.evaluate(trained.val, batch_size=4)["job"]
+    try:
+        engine.set_attention("varlen")
+        assert engine.pack_batch([trained.val[:4]]).input_ids.shape[0] == 1
+        varlen = engine.evaluate(trained.val, batch_size=4)["job"]
+    finally:
+        engine.set_attention("rows")
+    assert varlen == pytest.approx(rows, rel=REL)
+
+
 def test_exported_adapter_loads_whole_and_adapts_every_target(trained: Trained) -> None:
     family = trained.family
     cfg = json.loads((trained.adapter_dir / "adapter_config.json").read_text())
