@@ -50,7 +50,7 @@ from trainer.data import Example, PairExample
 from trainer.dpo import DpoEngine
 from trainer.engine import JobSpec, MultiLoraEngine, eval_chunk
 from trainer.strategy import OneGpu
-from trainer.varlen import flash_varlen_available
+from trainer.varlen import flash_exact, flash_varlen_available
 
 log = logging.getLogger("loraplex.executor")
 
@@ -481,7 +481,10 @@ class Executor:
         if self.cfg.attention != "auto":
             return self.cfg.attention
         flash = device.type == "cuda" and self.cfg.method == "sft" and self.world == 1
-        return "varlen" if flash and flash_varlen_available() else "rows"
+        # rows where the flash kernel cannot compute the model's own attention (Gemma-2's
+        # soft-cap): the varlen fallback would be exact but slow
+        exact = flash_exact(self.engine.model.config)
+        return "varlen" if flash and flash_varlen_available() and exact else "rows"
 
     def profile_key(self) -> str:
         """What this executor's memory profile depends on (see trainer.admission.profile_key)."""

@@ -1,6 +1,9 @@
 """Attention over variable-length sequences laid one after another in one row (cu_seqlens), as a
 transformers attention implementation: the engine's "varlen" packing needs no padding between
-sequences or jobs and no [L, L] mask, and no token attends across a sequence bound.
+sequences or jobs and no [L, L] mask, and no token attends across a sequence bound. A layer's
+sliding window (Mistral, Gemma-2/3, StarCoder2: a token sees itself and the window - 1 before it)
+and attention soft-cap (Gemma-2: cap * tanh(scores / cap)) are honoured as the model's own
+attention applies them; they arrive as the attention call's `sliding_window` / `softcap`.
 
 On CUDA it is torch's flash varlen kernel (torch.nn.attention.varlen.varlen_attn, causal, GQA);
 elsewhere, or without bounds (a plain call such as the export round trip), exact causal SDPA per
@@ -36,8 +39,19 @@ def flash_varlen_available() -> bool:
     return _flash_options() is not None
 
 
+def flash_exact(config: Any) -> bool:
+    """Whether torch's flash varlen kernel computes this model's own attention: not with an
+    attention soft-cap (the kernel has none), nor with a sliding window where this torch's kernel
+    takes no window. Otherwise the varlen attention falls back to exact per-sequence attention,
+    which is correct but slow: the executor then keeps its padded rows."""
+    options = _flash_options()
+    if options is None or getattr(config, "attn_logit_softcapping", None):
+        return False
+    return not getattr(config, "sliding_window", None) or "window_size" in options[1]
+
+
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
-           max_len: int, scaling: float | None) -> torch.Tensor:
+           max_len: int, scaling: float | None, window: int | None) -> torch.Tensor:
     varlen_attn, params = _flash_options()
     # [1, H, T, D] -> [T, H, D]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
@@ -49,40 +63,69 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torc
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     if "window_size" in params:
-        kw["window_size"] = (-1, 0)
-    else:
+        kw["window_size"] = (-1 if window is None else window - 1, 0)
+    else:  # a torch without windows: varlen_attention passes none here
         kw["is_causal"] = True
     out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, max_len, max_len, **kw)
     return out.unsqueeze(0)  # [1, T, H, D]
 
 
+def _exact(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+           window: int | None, softcap: float | None) -> torch.Tensor:
+    """Causal attention of one sequence [1, H, T, D] (key/value already expanded to H heads),
+    with the model's window and soft-cap where they change anything: SDPA when neither does."""
+    length = query.shape[2]
+    if not softcap and (window is None or window >= length):
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    pos = torch.arange(length, device=query.device)
+    allowed = pos[None, :] <= pos[:, None]
+    if window is not None:
+        allowed &= pos[None, :] > pos[:, None] - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value)
+
+
 def _per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  bounds: list[int] | None, scaling: float | None) -> torch.Tensor:
+                  bounds: list[int] | None, scaling: float | None, window: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     if bounds is None:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+        out = _exact(query, key, value, scaling, window, softcap)
     else:
-        out = torch.cat([F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b],
-                                                        value[:, :, a:b], is_causal=True, scale=scaling)
+        out = torch.cat([_exact(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scaling,
+                                window, softcap)
                          for a, b in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)
     return out.transpose(1, 2).contiguous()
 
 
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, attention_mask: torch.Tensor | None,
-                     scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
-                     ) -> tuple[torch.Tensor, None]:
+                     scaling: float | None = None, dropout: float = 0.0,
+                     sliding_window: int | None = None, softcap: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query [B, H, T, D], key/value [B, Hkv, T, D]
-    -> ([B, T, H, D], None). With `cu_seq_lens_q` (B = 1): causal within each sequence."""
+    -> ([B, T, H, D], None). With `cu_seq_lens_q` (B = 1): causal within each sequence, within
+    the layer's sliding window, scores soft-capped where the layer caps them."""
     if dropout:
         raise ValueError("varlen attention trains without attention dropout")
+    window = int(sliding_window) if sliding_window else None
     cu = kwargs.get("cu_seq_lens_q")
-    if (cu is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-            and _flash_options() is not None):
-        return _flash(query, key, value, cu, int(kwargs["max_length_q"]), scaling), None
+    if cu is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        max_len = int(kwargs["max_length_q"])
+        if window is not None and window >= max_len:
+            window = None  # no sequence is longer than the window: plain causal
+        options = _flash_options()
+        if (options is not None and not softcap
+                and (window is None or "window_size" in options[1])):
+            return _flash(query, key, value, cu, max_len, scaling, window), None
     bounds = None if cu is None else [int(x) for x in cu.tolist()]
-    return _per_sequence(query, key, value, bounds, scaling), None
+    return _per_sequence(query, key, value, bounds, scaling, window, softcap), None
 
 
 def register_varlen() -> str:
