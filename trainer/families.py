@@ -17,6 +17,10 @@ STARCODER2_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")
 GLM_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
 PHI_LINEARS = ("q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2")
 NEOX_LINEARS = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+UP_DOWN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")  # no gate
+GPTJ_LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out")
+GPT_NEO_LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj", "c_fc", "c_proj")
+CODEGEN_LINEARS = ("qkv_proj", "out_proj", "fc_in", "fc_out")
 
 
 @dataclass(frozen=True)
@@ -63,11 +67,35 @@ FAMILIES: dict[str, Family] = {
     "phi": Family("phi", PHI_LINEARS, PHI_LINEARS),
     # GPT-NeoX (Pythia): fused query_key_value, layers under gpt_neox
     "gpt_neox": Family("gpt_neox", NEOX_LINEARS, NEOX_LINEARS, layers_path="gpt_neox.layers"),
+    "olmo3": Family("olmo3", LLAMA_LINEARS, LLAMA_LINEARS),
+    # Command-R7B / Command-A multiply their logits like Cohere
+    "cohere2": Family("cohere2", LLAMA_LINEARS, LLAMA_LINEARS, logit_scale_attr="logit_scale"),
+    "glm4": Family("glm4", GLM_LINEARS, GLM_LINEARS),
+    "exaone4": Family("exaone4", LLAMA_LINEARS, LLAMA_LINEARS),
+    "ministral": Family("ministral", LLAMA_LINEARS, LLAMA_LINEARS),
+    # Arcee (AFM) and Apertus: an MLP without a gate (up_proj -> activation -> down_proj)
+    "arcee": Family("arcee", UP_DOWN_LINEARS, UP_DOWN_LINEARS),
+    "apertus": Family("apertus", UP_DOWN_LINEARS, UP_DOWN_LINEARS),
+    "hunyuan_v1_dense": Family("hunyuan_v1_dense", LLAMA_LINEARS, LLAMA_LINEARS),
+    "ernie4_5": Family("ernie4_5", LLAMA_LINEARS, LLAMA_LINEARS),
+    # VaultGemma soft-caps its final logits like Gemma-2
+    "vaultgemma": Family("vaultgemma", LLAMA_LINEARS, LLAMA_LINEARS,
+                         logit_softcap_attr="final_logit_softcapping"),
+    # Persimmon (Fuyu's decoder) names its linears like GPT-NeoX
+    "persimmon": Family("persimmon", NEOX_LINEARS, NEOX_LINEARS),
+    # the GPT-2-era layouts: decoder layers at transformer.h
+    "bloom": Family("bloom", NEOX_LINEARS, NEOX_LINEARS, layers_path="transformer.h"),
+    "gptj": Family("gptj", GPTJ_LINEARS, GPTJ_LINEARS, layers_path="transformer.h"),
+    "gpt_neo": Family("gpt_neo", GPT_NEO_LINEARS, GPT_NEO_LINEARS, layers_path="transformer.h"),
+    # CodeGen fuses q/k/v into qkv_proj
+    "codegen": Family("codegen", CODEGEN_LINEARS, CODEGEN_LINEARS, layers_path="transformer.h"),
 }
-# Not listed: OPT and Falcon (their decoders build the attention mask without the position ids,
-# so sequences the engine packs into one row would attend across their bounds), StableLM and
-# Nemotron (their decoder layers drop the keyword arguments that carry the varlen attention's
-# sequence bounds, so the one-GPU varlen packing would attend across them), GPT-2-style Conv1D projections
+# Not listed: OPT, Falcon, MPT and XGLM (their decoders build the attention mask without the
+# position ids, so sequences the engine packs into one row would attend across their bounds),
+# StableLM and Nemotron (their decoder layers drop the keyword arguments that carry the varlen
+# attention's sequence bounds, so the one-GPU varlen packing would attend across them),
+# GPTBigCode and Seed-OSS (attention dropout on by default, which the varlen attention refuses
+# in training), GPT-2-style Conv1D projections
 # (the multi-LoRA layers replace nn.Linear) and mixture-of-experts models (expert weights are not
 # per-layer linears).
 

@@ -1,6 +1,7 @@
 """Tiny random causal LMs of every family trainer.families supports (Llama, Qwen2, Qwen3,
 Mistral, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo, OLMo-2, Granite, Cohere, StarCoder2,
-GLM, Helium, SmolLM3, Phi, GPT-NeoX) with a locally trained BPE tokenizer.
+GLM, GLM-4, Helium, SmolLM3, Phi, GPT-NeoX, OLMo-3, Cohere-2, EXAONE-4, Ministral, Arcee, Apertus,
+Hunyuan, ERNIE-4.5, VaultGemma, Persimmon, BLOOM, GPT-J, GPT-Neo, CodeGen) with a locally trained BPE tokenizer.
 
 Used by tests, the demo run and benchmarks: no hub exists, so everything is saved to a local
 directory and loaded back with `from_pretrained`. `python -m trainer.tiny --family llama --out DIR`.
@@ -16,7 +17,9 @@ import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "olmo2", "granite",
             "cohere", "gemma3_text", "starcoder2", "glm", "helium", "smollm3", "olmo",
-            "phi", "gpt_neox")
+            "phi", "gpt_neox", "olmo3", "cohere2", "glm4", "exaone4", "ministral", "arcee",
+            "apertus", "hunyuan_v1_dense", "ernie4_5", "vaultgemma", "persimmon", "bloom", "gptj",
+            "gpt_neo", "codegen")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -68,24 +71,39 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
     the others' own norms, partial or missing rotary, biases, multipliers and logit scales (see
     each branch)."""
     from transformers import (
+        ApertusConfig,
+        ArceeConfig,
+        BloomConfig,
+        CodeGenConfig,
+        Cohere2Config,
         CohereConfig,
+        Ernie4_5Config,
+        Exaone4Config,
         Gemma2Config,
         Gemma3TextConfig,
         GemmaConfig,
+        Glm4Config,
         GlmConfig,
+        GPTJConfig,
+        GPTNeoConfig,
         GPTNeoXConfig,
         GraniteConfig,
         HeliumConfig,
+        HunYuanDenseV1Config,
         LlamaConfig,
+        MinistralConfig,
         MistralConfig,
         Olmo2Config,
+        Olmo3Config,
         OlmoConfig,
+        PersimmonConfig,
         Phi3Config,
         PhiConfig,
         Qwen2Config,
         Qwen3Config,
         SmolLM3Config,
         Starcoder2Config,
+        VaultGemmaConfig,
     )
 
     heads = 4
@@ -174,6 +192,63 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
             num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=512,
             tie_word_embeddings=False, **ids,
         )
+    # sliding-window models: windows of 16 (shorter than the test sequences) and weights drawn
+    # wide enough (initializer_range 0.1 or more) that the window changes the loss
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if family == "olmo3":  # OLMo-2's norms, sliding-window layers between global ones
+        return Olmo3Config(**common, **ids, sliding_window=16, layer_types=alternating,
+                           initializer_range=0.1)
+    if family == "cohere2":
+        # Command-R7B: Cohere's block and logit scale (wide weights, see cohere), sliding-window
+        # layers with rotary between global layers without it
+        return Cohere2Config(**{**common, "tie_word_embeddings": True}, **ids, logit_scale=0.25,
+                             initializer_range=0.2, sliding_window=16, layer_types=alternating)
+    if family == "glm4":  # GLM's fused gate_up_proj and partial rotary, norms after each block
+        return Glm4Config(**common, **ids, head_dim=hidden // heads, attention_bias=True)
+    if family == "exaone4":  # q/k norms, norms after each block, sliding and global layers
+        return Exaone4Config(**common, **ids, sliding_window=16, layer_types=alternating,
+                             initializer_range=0.1)
+    if family == "ministral":  # Ministral-8B: interleaved sliding-window and global layers
+        return MinistralConfig(**common, **ids, head_dim=hidden // heads, sliding_window=16,
+                               layer_types=alternating, initializer_range=0.1)
+    if family == "arcee":  # AFM: ReLU^2 MLP without a gate
+        return ArceeConfig(**common, **ids, head_dim=hidden // heads)
+    if family == "apertus":
+        # xIELU MLP without a gate, q/k norms, llama3 rope scaling (its positions as the 8B's)
+        return ApertusConfig(**{**common, "max_position_embeddings": 65536}, **ids,
+                             head_dim=hidden // heads)
+    if family == "hunyuan_v1_dense":  # q/k norms
+        return HunYuanDenseV1Config(**common, **ids, head_dim=hidden // heads)
+    if family == "ernie4_5":  # interleaved rotary, tied embeddings
+        return Ernie4_5Config(**{**common, "tie_word_embeddings": True}, **ids,
+                              head_dim=hidden // heads)
+    if family == "vaultgemma":
+        # Gemma-2's soft-caps (its checkpoints' 30 / 50) and alternating windows, no post-norms
+        return VaultGemmaConfig(**gemma, **ids, query_pre_attn_scalar=hidden // heads,
+                                sliding_window=16, layer_types=alternating,
+                                initializer_range=0.1)
+    if family == "persimmon":
+        # fused query_key_value, per-head q/k LayerNorms, half of each head rotated, ReLU^2
+        return PersimmonConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"},
+                               **ids, qk_layernorm=True)
+    # the GPT-2-era configs: no grouped-query heads, their own size names
+    if family == "bloom":  # ALiBi instead of rotary, LayerNorm after the embeddings, tied
+        return BloomConfig(vocab_size=vocab_size, hidden_size=hidden, n_layer=layers, n_head=heads,
+                           tie_word_embeddings=True, **ids)
+    gpt2_era = dict(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=heads,
+                    n_inner=2 * hidden, n_positions=512, tie_word_embeddings=False, **ids)
+    if family == "gptj":  # one parallel block, a quarter of each head rotated (interleaved)
+        return GPTJConfig(**gpt2_era, rotary_dim=(hidden // heads) // 4)
+    if family == "codegen":  # GPT-J's block with q/k/v fused into qkv_proj
+        return CodeGenConfig(**gpt2_era, n_ctx=512, rotary_dim=(hidden // heads) // 4)
+    if family == "gpt_neo":
+        # learned absolute positions, global and local (windowed) attention layers, no 1/sqrt(d)
+        # attention scaling, tied embeddings
+        return GPTNeoConfig(vocab_size=vocab_size, hidden_size=hidden, num_layers=layers,
+                            num_heads=heads, intermediate_size=2 * hidden,
+                            max_position_embeddings=512, window_size=16,
+                            attention_types=[[["global", "local"], layers // 2]],
+                            initializer_range=0.1, **ids)
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 

@@ -168,9 +168,11 @@ def test_loss_needs_the_familys_own_output_head(trained: Trained) -> None:
     assert engine.evaluate(trained.val, batch_size=4)["job"] == pytest.approx(want, rel=REL)
 
 
+ALL_GLOBAL = {"layer_types": ["full_attention"] * 2}
 NO_WINDOW = {"mistral": {"sliding_window": None}, "starcoder2": {"sliding_window": None},
-             "gemma2": {"layer_types": ["full_attention"] * 2},
-             "gemma3_text": {"layer_types": ["full_attention"] * 2}}
+             "gemma2": ALL_GLOBAL, "gemma3_text": ALL_GLOBAL, "olmo3": ALL_GLOBAL,
+             "cohere2": ALL_GLOBAL, "exaone4": ALL_GLOBAL, "ministral": ALL_GLOBAL,
+             "vaultgemma": ALL_GLOBAL, "gpt_neo": {"attention_layers": ["global"] * 2}}
 
 
 @pytest.mark.parametrize("trained", list(NO_WINDOW), indirect=True)
@@ -184,18 +186,11 @@ def test_sliding_window_is_shorter_than_the_examples(trained: Trained) -> None:
     assert abs(windowed - full) > 1e2 * REL * full, (windowed, full)
 
 
-# trainer/varlen.py attends within each sequence but ignores a sliding window and an attention
-# soft-cap: these families' tiny models have a window shorter than the examples (Gemma-2 also caps)
-VARLEN_IGNORES_WINDOW = {"mistral", "gemma2", "gemma3_text", "starcoder2"}
-
-
-def test_varlen_packing_gives_the_rows_loss(request: pytest.FixtureRequest, trained: Trained) -> None:
+def test_varlen_packing_gives_the_rows_loss(trained: Trained) -> None:
     """The one-GPU default packs every sequence into one row and hands their bounds to the varlen
     attention through the model's keyword arguments: a family whose layers drop them (StableLM,
-    Nemotron) would attend across sequences; here its loss would differ from the rows loss."""
-    if trained.family.name in VARLEN_IGNORES_WINDOW:
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="trainer/varlen.py ignores sliding windows and soft-caps"))
+    Nemotron) would attend across sequences; here its loss would differ from the rows loss (which
+    the test above holds to the model's own, sliding windows and soft-caps included)."""
     engine = trained.engine
     rows = engine.evaluate(trained.val, batch_size=4)["job"]
     try:
