@@ -84,7 +84,6 @@ FAMILIES: dict[str, Family] = {
     # Persimmon (Fuyu's decoder) names its linears like GPT-NeoX
     "persimmon": Family("persimmon", NEOX_LINEARS, NEOX_LINEARS),
     # the GPT-2-era layouts: decoder layers at transformer.h
-    "bloom": Family("bloom", NEOX_LINEARS, NEOX_LINEARS, layers_path="transformer.h"),
     "gptj": Family("gptj", GPTJ_LINEARS, GPTJ_LINEARS, layers_path="transformer.h"),
     "gpt_neo": Family("gpt_neo", GPT_NEO_LINEARS, GPT_NEO_LINEARS, layers_path="transformer.h"),
     # CodeGen fuses q/k/v into qkv_proj
@@ -95,7 +94,9 @@ FAMILIES: dict[str, Family] = {
 # StableLM and Nemotron (their decoder layers drop the keyword arguments that carry the varlen
 # attention's sequence bounds, so the one-GPU varlen packing would attend across them),
 # GPTBigCode and Seed-OSS (attention dropout on by default, which the varlen attention refuses
-# in training), GPT-2-style Conv1D projections
+# in training), BLOOM (its ALiBi bias grows with the position in the whole row, not the
+# sequence, and is cast to the model's dtype: packed sequences lose precision; 1e-4 off in
+# float32 on the tiny model, far more in bfloat16), GPT-2-style Conv1D projections
 # (the multi-LoRA layers replace nn.Linear) and mixture-of-experts models (expert weights are not
 # per-layer linears).
 

@@ -1,7 +1,7 @@
 """Tiny random causal LMs of every family trainer.families supports (Llama, Qwen2, Qwen3,
 Mistral, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo, OLMo-2, Granite, Cohere, StarCoder2,
 GLM, GLM-4, Helium, SmolLM3, Phi, GPT-NeoX, OLMo-3, Cohere-2, EXAONE-4, Ministral, Arcee, Apertus,
-Hunyuan, ERNIE-4.5, VaultGemma, Persimmon, BLOOM, GPT-J, GPT-Neo, CodeGen) with a locally trained BPE tokenizer.
+Hunyuan, ERNIE-4.5, VaultGemma, Persimmon, GPT-J, GPT-Neo, CodeGen) with a locally trained BPE tokenizer.
 
 Used by tests, the demo run and benchmarks: no hub exists, so everything is saved to a local
 directory and loaded back with `from_pretrained`. `python -m trainer.tiny --family llama --out DIR`.
@@ -18,7 +18,7 @@ import torch
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "olmo2", "granite",
             "cohere", "gemma3_text", "starcoder2", "glm", "helium", "smollm3", "olmo",
             "phi", "gpt_neox", "olmo3", "cohere2", "glm4", "exaone4", "ministral", "arcee",
-            "apertus", "hunyuan_v1_dense", "ernie4_5", "vaultgemma", "persimmon", "bloom", "gptj",
+            "apertus", "hunyuan_v1_dense", "ernie4_5", "vaultgemma", "persimmon", "gptj",
             "gpt_neo", "codegen")
 
 CHAT_TEMPLATE = (
@@ -73,7 +73,6 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
     from transformers import (
         ApertusConfig,
         ArceeConfig,
-        BloomConfig,
         CodeGenConfig,
         Cohere2Config,
         CohereConfig,
@@ -232,9 +231,6 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         return PersimmonConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"},
                                **ids, qk_layernorm=True)
     # the GPT-2-era configs: no grouped-query heads, their own size names
-    if family == "bloom":  # ALiBi instead of rotary, LayerNorm after the embeddings, tied
-        return BloomConfig(vocab_size=vocab_size, hidden_size=hidden, n_layer=layers, n_head=heads,
-                           tie_word_embeddings=True, **ids)
     gpt2_era = dict(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=heads,
                     n_inner=2 * hidden, n_positions=512, tie_word_embeddings=False, **ids)
     if family == "gptj":  # one parallel block, a quarter of each head rotated (interleaved)
