@@ -229,6 +229,24 @@ class StepReport:
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
+def without_backbone_dropout(model: nn.Module) -> None:
+    """Turn off the backbone's own dropout (nn.Dropout modules and the dropout rates that layers
+    keep as plain floats, e.g. StarCoder2's residual and attention dropout). A deliberate choice:
+    the backbone serves every job of a batch in one pass, so its dropout would make a job's
+    updates depend on its batch-mates, and the varlen attention has none. LoRA's own dropout
+    is 0 too (trainer.export writes lora_dropout 0)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if ("dropout" in name or "pdrop" in name) and type(value) is float:
+                setattr(module, name, 0.0)
+    config = getattr(model, "config", None)
+    for name, value in list(vars(config).items()) if config is not None else []:
+        if ("dropout" in name or "pdrop" in name) and type(value) is float:
+            setattr(config, name, 0.0)
+
+
 class MultiLoraEngine:
     """A frozen causal LM with multi-LoRA layers and the jobs currently attached to it."""
 
@@ -255,6 +273,7 @@ class MultiLoraEngine:
         self.targets = resolve_targets(self.family, targets)
         cap = self.family.logit_softcap_attr
         self.logit_softcap: float | None = getattr(model.config, cap, None) if cap else None
+        without_backbone_dropout(model)
         self.layers = inject_multilora(model, self.targets)
         self.layer_list = list(self.layers.values())
         self.shapes = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}

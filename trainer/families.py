@@ -93,8 +93,8 @@ FAMILIES: dict[str, Family] = {
 # position ids, so sequences the engine packs into one row would attend across their bounds),
 # StableLM and Nemotron (their decoder layers drop the keyword arguments that carry the varlen
 # attention's sequence bounds, so the one-GPU varlen packing would attend across them),
-# GPTBigCode and Seed-OSS (attention dropout on by default, which the varlen attention refuses
-# in training), BLOOM (its ALiBi bias grows with the position in the whole row, not the
+# GPTBigCode and Seed-OSS (listed as refused while the engine kept the backbone's dropout, which
+# the varlen attention refuses; the engine now turns it off, but they are not checked yet), BLOOM (its ALiBi bias grows with the position in the whole row, not the
 # sequence, and is cast to the model's dtype: packed sequences lose precision; 1e-4 off in
 # float32 on the tiny model, far more in bfloat16), GPT-2-style Conv1D projections
 # (the multi-LoRA layers replace nn.Linear) and mixture-of-experts models (expert weights are not

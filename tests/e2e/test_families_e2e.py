@@ -1,6 +1,6 @@
-"""Every supported model family through the API with a real daemon and the real executor on CPU:
-one task per tiny family (trainer.tiny.FAMILIES, every family of trainer.families) trains to
-`succeeded`; each job's adapter downloads, loads whole into PEFT, adapts every targeted
+"""Model families through the API with a real daemon and the real executor on CPU: one task per
+tiny family of each layout the family table knows (E2E_FAMILIES; tests/unit/test_families.py
+checks every family of trainer.families on the engine and export alone) trains to `succeeded`; each job's adapter downloads, loads whole into PEFT, adapts every targeted
 projection of every layer, and PEFT's validation loss of it is the service's best_val_loss."""
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ from tests.helpers.engine_ref import synthetic_rows  # noqa: E402
 from tests.unit.test_families import base_model, load_whole, lora_keys, own_loss  # noqa: E402
 from trainer.export import load_peft_weights  # noqa: E402
 from trainer.families import family_of  # noqa: E402
-from trainer.tiny import FAMILIES  # noqa: E402
+from trainer.tiny import FAMILIES as TINY  # noqa: E402
+
+# One family per layout: Llama's linears, fused projections (Phi-3), final soft-cap and sliding
+# windows (Gemma-2, Gemma-3), logit scale / divisor (Cohere, Granite), other linear names and
+# layer paths (StarCoder2; GPT-NeoX at gpt_neox.layers; GPT-J at transformer.h).
+FAMILIES = ("llama", "phi3", "gemma2", "gemma3_text", "cohere", "granite", "starcoder2",
+            "gpt_neox", "gptj")
+assert set(FAMILIES) <= set(TINY)
 
 MAX_SEQ_LEN = 64
 REL = 1e-4  # the service's number went through JSON and Postgres; the runs agree to ~1e-7
@@ -74,7 +81,7 @@ def check_adapter(family: str, model_dir: Path, adapter_dir: Path, val_path: Pat
     assert abs(loss - base) > 10 * REL * base, (family, loss, base)
 
 
-def test_every_family_trains_through_the_api(stack: Stack, tmp_path: Path) -> None:
+def test_each_family_layout_trains_through_the_api(stack: Stack, tmp_path: Path) -> None:
     stack.daemon("cpu-node")
     train_rows, val_rows = synthetic_rows(24, seed=1), synthetic_rows(8, seed=2)
     val_path = tmp_path / "val.jsonl"

@@ -245,3 +245,27 @@ def test_every_supported_family_has_a_tiny_model() -> None:
     assert set(FAMILIES) == set(SUPPORTED)
     for name in FAMILIES:
         assert family_of(name).name == name
+
+
+def test_backbone_dropout_is_off_so_varlen_trains_and_steps_repeat(tmp_path: Path) -> None:
+    """A checkpoint that ships dropout (StarCoder2's attention, residual and embedding dropout
+    0.1) trains with the backbone's dropout off: the varlen attention (which has none) takes
+    it, and the same step from the same state gives the same loss whatever RNG state it meets."""
+    from transformers import AutoTokenizer
+
+    model_dir = make_tiny_model("starcoder2", tmp_path / "model", seed=1)
+    drop = {"attention_dropout": 0.1, "residual_dropout": 0.1, "embedding_dropout": 0.1}
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    examples = tokenize_all(tokenizer, [parse_record(r) for r in synthetic_rows(8, seed=3)], 64)
+    losses = []
+    for rng_seed in (0, 1):
+        model = base_model(model_dir, **drop)
+        assert model.config.attention_dropout == 0.1
+        engine = MultiLoraEngine(model, examples, tokenizer.pad_token_id, attention="varlen")
+        assert model.training and model.config.attention_dropout == 0.0
+        assert not [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        engine.attach(JobSpec("job", rank=4, alpha=8.0, lr=3e-2, batch_size=4, max_steps=2,
+                              seed=0))
+        torch.manual_seed(rng_seed)  # dropout would draw different masks from these
+        losses.append([engine.step().losses["job"] for _ in range(2)])
+    assert losses[0] == losses[1]
