@@ -274,6 +274,11 @@ class MultiLoraEngine:
         cap = self.family.logit_softcap_attr
         self.logit_softcap: float | None = getattr(model.config, cap, None) if cap else None
         without_backbone_dropout(model)
+        if (getattr(model.config, "attn_logit_softcapping", None)
+                and model.config._attn_implementation == "sdpa"):
+            # transformers' SDPA attention has no soft-cap (transformers 5.17 drops Gemma-2's
+            # silently; newer ones refuse it): the model's own attention is its eager one
+            model.set_attn_implementation("eager")
         self.layers = inject_multilora(model, self.targets)
         self.layer_list = list(self.layers.values())
         self.shapes = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}

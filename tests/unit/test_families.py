@@ -45,7 +45,11 @@ class Trained:
 def base_model(model_dir: Path, **overrides):  # noqa: ANN003, ANN201
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **overrides)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **overrides)
+    if getattr(model.config, "attn_logit_softcapping", None):
+        # Gemma-2's attention soft-cap: older transformers' default SDPA drops it silently
+        model.set_attn_implementation("eager")
+    return model
 
 
 def peft_of(t: Trained):  # noqa: ANN201
