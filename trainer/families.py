@@ -21,6 +21,7 @@ UP_DOWN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj
 GPTJ_LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out")
 GPT_NEO_LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj", "c_fc", "c_proj")
 CODEGEN_LINEARS = ("qkv_proj", "out_proj", "fc_in", "fc_out")
+GPT_BIGCODE_LINEARS = ("c_attn", "c_proj", "c_fc")  # c_proj: attention's output and MLP's down
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,11 @@ FAMILIES: dict[str, Family] = {
     "gpt_neo": Family("gpt_neo", GPT_NEO_LINEARS, GPT_NEO_LINEARS, layers_path="transformer.h"),
     # CodeGen fuses q/k/v into qkv_proj
     "codegen": Family("codegen", CODEGEN_LINEARS, CODEGEN_LINEARS, layers_path="transformer.h"),
+    # GPTBigCode (StarCoder-1, SantaCoder): multi-query q/k/v fused into c_attn; `c_proj` names
+    # both the attention's output and the MLP's down projection (a target adapts both)
+    "gpt_bigcode": Family("gpt_bigcode", GPT_BIGCODE_LINEARS, GPT_BIGCODE_LINEARS,
+                          layers_path="transformer.h"),
+    "seed_oss": Family("seed_oss", LLAMA_LINEARS, LLAMA_LINEARS),
 }
 # Not listed: OPT, Falcon, MPT and XGLM (their decoders build the attention mask without the
 # position ids, so sequences the engine packs into one row would attend across their bounds),

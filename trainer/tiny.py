@@ -1,7 +1,8 @@
 """Tiny random causal LMs of every family trainer.families supports (Llama, Qwen2, Qwen3,
 Mistral, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo, OLMo-2, Granite, Cohere, StarCoder2,
 GLM, GLM-4, Helium, SmolLM3, Phi, GPT-NeoX, OLMo-3, Cohere-2, EXAONE-4, Ministral, Arcee, Apertus,
-Hunyuan, ERNIE-4.5, VaultGemma, Persimmon, GPT-J, GPT-Neo, CodeGen) with a locally trained BPE tokenizer.
+Hunyuan, ERNIE-4.5, VaultGemma, Persimmon, GPT-J, GPT-Neo, CodeGen, GPTBigCode (StarCoder-1,
+SantaCoder), Seed-OSS) with a locally trained BPE tokenizer.
 
 Used by tests, the demo run and benchmarks: no hub exists, so everything is saved to a local
 directory and loaded back with `from_pretrained`. `python -m trainer.tiny --family llama --out DIR`.
@@ -19,7 +20,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "ol
             "cohere", "gemma3_text", "starcoder2", "glm", "helium", "smollm3", "olmo",
             "phi", "gpt_neox", "olmo3", "cohere2", "glm4", "exaone4", "ministral", "arcee",
             "apertus", "hunyuan_v1_dense", "ernie4_5", "vaultgemma", "persimmon", "gptj",
-            "gpt_neo", "codegen")
+            "gpt_neo", "codegen", "gpt_bigcode", "seed_oss")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -83,6 +84,7 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         GemmaConfig,
         Glm4Config,
         GlmConfig,
+        GPTBigCodeConfig,
         GPTJConfig,
         GPTNeoConfig,
         GPTNeoXConfig,
@@ -100,6 +102,7 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         PhiConfig,
         Qwen2Config,
         Qwen3Config,
+        SeedOssConfig,
         SmolLM3Config,
         Starcoder2Config,
         VaultGemmaConfig,
@@ -226,6 +229,11 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         return VaultGemmaConfig(**gemma, **ids, query_pre_attn_scalar=hidden // heads,
                                 sliding_window=16, layer_types=alternating,
                                 initializer_range=0.1)
+    if family == "seed_oss":
+        # Seed-OSS: q/k/v biases (no output bias), its checkpoints' attention and residual
+        # dropout 0.1 (the engine turns them off)
+        return SeedOssConfig(**common, **ids, head_dim=hidden // heads, attention_bias=True,
+                             attention_dropout=0.1, residual_dropout=0.1)
     if family == "persimmon":
         # fused query_key_value, per-head q/k LayerNorms, half of each head rotated, ReLU^2
         return PersimmonConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"},
@@ -237,6 +245,11 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         return GPTJConfig(**gpt2_era, rotary_dim=(hidden // heads) // 4)
     if family == "codegen":  # GPT-J's block with q/k/v fused into qkv_proj
         return CodeGenConfig(**gpt2_era, n_ctx=512, rotary_dim=(hidden // heads) // 4)
+    if family == "gpt_bigcode":
+        # StarCoder-1 / SantaCoder: multi-query attention (one key/value head) fused into
+        # c_attn, learned absolute positions, c_proj in both attention and MLP, dropouts 0.1
+        return GPTBigCodeConfig(**gpt2_era, multi_query=True, attn_pdrop=0.1, resid_pdrop=0.1,
+                                embd_pdrop=0.1)
     if family == "gpt_neo":
         # learned absolute positions, global and local (windowed) attention layers, no 1/sqrt(d)
         # attention scaling, tied embeddings

@@ -102,13 +102,16 @@ def decoder_layers(model, family: Family) -> torch.nn.ModuleList:  # noqa: ANN00
 
 def lora_keys(model, family: Family, targets) -> set[str]:  # noqa: ANN001
     """PEFT's saved key names of an adapter of `targets` on every decoder layer of `model`
-    (lora_A and lora_B of each targeted projection): layers x targets x 2 of them."""
+    (lora_A and lora_B of each targeted projection; every target is in every layer, and a name
+    two projections of a layer share, GPTBigCode's c_proj, targets both)."""
     layers = decoder_layers(model, family)
     assert len(layers) == model.config.num_hidden_layers
-    projections = [f"{family.layers_path}.{i}.{name}" for i, layer in enumerate(layers)
-                   for name, m in layer.named_modules()
-                   if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets]
-    assert len(projections) == len(layers) * len(set(targets))
+    projections = []
+    for i, layer in enumerate(layers):
+        own = [name for name, m in layer.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets]
+        assert {name.rsplit(".", 1)[-1] for name in own} == set(targets)
+        projections += [f"{family.layers_path}.{i}.{name}" for name in own]
     return {f"base_model.model.{p}.lora_{ab}.weight" for p in projections for ab in "AB"}
 
 
