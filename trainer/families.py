@@ -94,17 +94,19 @@ FAMILIES: dict[str, Family] = {
     "gpt_bigcode": Family("gpt_bigcode", GPT_BIGCODE_LINEARS, GPT_BIGCODE_LINEARS,
                           layers_path="transformer.h"),
     "seed_oss": Family("seed_oss", LLAMA_LINEARS, LLAMA_LINEARS),
+    # StableLM and Nemotron (an MLP without a gate): their decoder layers drop the varlen bounds
+    # but pass the position ids, from which trainer.varlen reads them
+    "stablelm": Family("stablelm", LLAMA_LINEARS, LLAMA_LINEARS),
+    "nemotron": Family("nemotron", UP_DOWN_LINEARS, UP_DOWN_LINEARS),
 }
 # Not listed: OPT, Falcon, MPT and XGLM (their decoders build the attention mask without the
 # position ids, so sequences the engine packs into one row would attend across their bounds),
-# StableLM and Nemotron (their decoder layers drop the keyword arguments that carry the varlen
-# attention's sequence bounds, so the one-GPU varlen packing would attend across them),
-# GPTBigCode and Seed-OSS (listed as refused while the engine kept the backbone's dropout, which
-# the varlen attention refuses; the engine now turns it off, but they are not checked yet), BLOOM (its ALiBi bias grows with the position in the whole row, not the
-# sequence, and is cast to the model's dtype: packed sequences lose precision; 1e-4 off in
-# float32 on the tiny model, far more in bfloat16), GPT-2-style Conv1D projections
-# (the multi-LoRA layers replace nn.Linear) and mixture-of-experts models (expert weights are not
-# per-layer linears).
+# BLOOM (its ALiBi bias grows with the position in the whole row, not the sequence, and is cast
+# to the model's dtype: packed sequences lose precision; 1e-4 off in float32 on the tiny model,
+# far more in bfloat16), GPT-2-style Conv1D projections (the multi-LoRA layers replace nn.Linear)
+# and mixture-of-experts models (expert weights are not per-layer linears). StableLM and Nemotron
+# are in since trainer.varlen reads the sequence bounds their layers drop from the position ids
+# they pass; GPTBigCode and Seed-OSS since the engine turns the backbone's dropout off.
 
 
 class UnsupportedModel(ValueError):

@@ -2,7 +2,7 @@
 Mistral, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo, OLMo-2, Granite, Cohere, StarCoder2,
 GLM, GLM-4, Helium, SmolLM3, Phi, GPT-NeoX, OLMo-3, Cohere-2, EXAONE-4, Ministral, Arcee, Apertus,
 Hunyuan, ERNIE-4.5, VaultGemma, Persimmon, GPT-J, GPT-Neo, CodeGen, GPTBigCode (StarCoder-1,
-SantaCoder), Seed-OSS) with a locally trained BPE tokenizer.
+SantaCoder), Seed-OSS, StableLM, Nemotron) with a locally trained BPE tokenizer.
 
 Used by tests, the demo run and benchmarks: no hub exists, so everything is saved to a local
 directory and loaded back with `from_pretrained`. `python -m trainer.tiny --family llama --out DIR`.
@@ -20,7 +20,8 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "ol
             "cohere", "gemma3_text", "starcoder2", "glm", "helium", "smollm3", "olmo",
             "phi", "gpt_neox", "olmo3", "cohere2", "glm4", "exaone4", "ministral", "arcee",
             "apertus", "hunyuan_v1_dense", "ernie4_5", "vaultgemma", "persimmon", "gptj",
-            "gpt_neo", "codegen", "gpt_bigcode", "seed_oss")
+            "gpt_neo", "codegen", "gpt_bigcode", "seed_oss", "stablelm",
+            "nemotron")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -94,6 +95,7 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         LlamaConfig,
         MinistralConfig,
         MistralConfig,
+        NemotronConfig,
         Olmo2Config,
         Olmo3Config,
         OlmoConfig,
@@ -104,6 +106,7 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         Qwen3Config,
         SeedOssConfig,
         SmolLM3Config,
+        StableLmConfig,
         Starcoder2Config,
         VaultGemmaConfig,
     )
@@ -234,6 +237,15 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         # dropout 0.1 (the engine turns them off)
         return SeedOssConfig(**common, **ids, head_dim=hidden // heads, attention_bias=True,
                              attention_dropout=0.1, residual_dropout=0.1)
+    if family == "stablelm":
+        # StableLM-2-12B's block: LayerNorm, q/k/v biases, per-head q/k LayerNorms, a quarter of
+        # each head rotated, parallel attention and MLP
+        return StableLmConfig(**common, **ids, use_qkv_bias=True, qk_layernorm=True,
+                              use_parallel_residual=True)
+    if family == "nemotron":
+        # Nemotron-4 / Minitron: LayerNorm with a zero-centred weight (1 + w), half of each head
+        # rotated, a squared-ReLU MLP without a gate
+        return NemotronConfig(**common, **ids, head_dim=hidden // heads)
     if family == "persimmon":
         # fused query_key_value, per-head q/k LayerNorms, half of each head rotated, ReLU^2
         return PersimmonConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"},

@@ -8,13 +8,16 @@ attention applies them; they arrive as the attention call's `sliding_window` / `
 On CUDA it is torch's flash varlen kernel (torch.nn.attention.varlen.varlen_attn, causal, GQA);
 elsewhere, or without bounds (a plain call such as the export round trip), exact causal SDPA per
 sequence. The model's forward passes the bounds as `cu_seq_lens_q` / `max_length_q` keyword
-arguments, which transformers hands to the attention function of every layer.
+arguments, which transformers hands to the attention function of every layer; where a layer drops
+them but passes its `position_ids` (StableLM, Nemotron), the bounds are where the positions
+restart (bounds_from_positions).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -104,6 +107,37 @@ def _per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out.transpose(1, 2).contiguous()
 
 
+_positions_seen: list[Any] = []  # [weakref to the position ids, their version, (cu, longest)]
+
+
+def bounds_from_positions(position_ids: torch.Tensor | None, query: torch.Tensor,
+                          key: torch.Tensor) -> tuple[torch.Tensor | None, int | None]:
+    """The sequence bounds of a packed row [1, T] from its position ids, for the layers that
+    hand the attention their position ids but drop the bounds (StableLM's and Nemotron's decoder
+    layers call their attention without the forward's keyword arguments): a sequence starts at
+    the row's first token and wherever the positions do not go on by one (the engine restarts
+    them at 0 per sequence and for the padding tail; transformers detects packed rows the same
+    way). (None, None) without position ids of this row. Finding the starts reads the positions
+    on the host: one device sync per forward (the bounds are kept for the layers after the first
+    while the same position-id tensor comes unchanged), paid only by a model whose layers drop
+    the bounds; a model that passes them never comes here."""
+    if (position_ids is None or query.shape[0] != 1 or position_ids.dim() != 2
+            or position_ids.shape != (1, query.shape[2]) or key.shape[2] != query.shape[2]):
+        return None, None
+    if _positions_seen:
+        ref, version, found = _positions_seen
+        if ref() is position_ids and version == position_ids._version:
+            return found
+    pos = position_ids[0]
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    edges = torch.cat([starts.nonzero()[:, 0], starts.new_tensor([pos.numel()], dtype=torch.long)])
+    cu = edges.to(torch.int32)
+    found = (cu, int((edges[1:] - edges[:-1]).max()))
+    _positions_seen[:] = [weakref.ref(position_ids), position_ids._version, found]
+    return found
+
+
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, attention_mask: torch.Tensor | None,
                      scaling: float | None = None, dropout: float = 0.0,
@@ -116,8 +150,11 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError("varlen attention trains without attention dropout")
     window = int(sliding_window) if sliding_window else None
     cu = kwargs.get("cu_seq_lens_q")
+    max_len = kwargs.get("max_length_q")
+    if cu is None:  # a layer that drops the bounds (StableLM, Nemotron): read the positions
+        cu, max_len = bounds_from_positions(kwargs.get("position_ids"), query, key)
     if cu is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
-        max_len = int(kwargs["max_length_q"])
+        max_len = int(max_len)
         if window is not None and window >= max_len:
             window = None  # no sequence is longer than the window: plain causal
         options = _flash_options()

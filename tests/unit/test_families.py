@@ -195,8 +195,9 @@ def test_sliding_window_is_shorter_than_the_examples(trained: Trained) -> None:
 
 def test_varlen_packing_gives_the_rows_loss(trained: Trained) -> None:
     """The one-GPU default packs every sequence into one row and hands their bounds to the varlen
-    attention through the model's keyword arguments: a family whose layers drop them (StableLM,
-    Nemotron) would attend across sequences; here its loss would differ from the rows loss (which
+    attention through the model's keyword arguments (StableLM's and Nemotron's layers drop them
+    and the attention reads them from the position ids): a family whose attention got neither
+    would attend across sequences; here its loss would differ from the rows loss (which
     the test above holds to the model's own, sliding windows and soft-caps included)."""
     engine = trained.engine
     rows = engine.evaluate(trained.val, batch_size=4)["job"]

@@ -1,6 +1,7 @@
 """Unit: trainer.varlen's attention over packed sequences honours what the model's own attention
 does: each sequence alone, causal, a layer's sliding window, an attention soft-cap (checked
-against a float64 one-mask reference), and which models the flash kernel may serve."""
+against a float64 one-mask reference), the bounds read from the position ids where a layer drops
+them (StableLM, Nemotron), and which models the flash kernel may serve."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from tests.helpers.attention_ref import packed_attention_ref
-from trainer.varlen import flash_exact, varlen_attention
+from trainer import varlen
+from trainer.varlen import bounds_from_positions, flash_exact, varlen_attention
 
 BOUNDS = [0, 5, 29, 30, 52]  # one sequence of 1 token, the others shorter/longer than window 8
 
@@ -51,3 +53,57 @@ def test_flash_serves_only_models_whose_attention_it_computes() -> None:
         pytest.skip("this torch has no flash varlen kernel")
     assert flash_exact(SimpleNamespace(sliding_window=None, attn_logit_softcapping=None))
     assert not flash_exact(SimpleNamespace(attn_logit_softcapping=50.0))  # Gemma-2
+
+
+def positions(bounds: list[int]) -> torch.Tensor:
+    """A packed row's position ids: 0, 1, ... within each sequence."""
+    return torch.cat([torch.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])[None]
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (8, 2.0)])
+def test_without_bounds_the_position_ids_give_them(window: int | None,
+                                                   softcap: float | None) -> None:
+    """A layer that drops cu_seq_lens_q but passes position_ids still attends within each
+    sequence: the bounds are where the positions restart."""
+    q, k, v = packed(2)
+    pos = positions(BOUNDS)
+    cu, longest = bounds_from_positions(pos, q, k)
+    assert cu.tolist() == BOUNDS and cu.dtype == torch.int32 and longest == 24
+    out, _ = varlen_attention(None, q, k, v, None, scaling=0.3, sliding_window=window,
+                              softcap=softcap, position_ids=pos)
+    ref = packed_attention_ref(q, k, v, BOUNDS, 0.3, window, softcap)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    # across the bounds it would differ: the positions were read, not ignored
+    assert (out.double() - packed_attention_ref(q, k, v, [0, BOUNDS[-1]], 0.3, window,
+                                                softcap)).abs().max() > 1e-2
+    # one plain sequence (positions 0..T-1) is one causal sequence
+    whole = bounds_from_positions(positions([0, BOUNDS[-1]]), q, k)
+    assert whole[0].tolist() == [0, BOUNDS[-1]] and whole[1] == BOUNDS[-1]
+    # the same tensor is read once for every layer, and again once changed in place
+    assert bounds_from_positions(pos, q, k)[0] is bounds_from_positions(pos, q, k)[0]
+    pos[0, 5:] = torch.arange(BOUNDS[-1] - 5)
+    assert bounds_from_positions(pos, q, k)[0].tolist() == [0, 5, BOUNDS[-1]]
+
+
+def test_positions_that_do_not_describe_the_row_give_no_bounds() -> None:
+    q, k, v = packed(3)
+    assert bounds_from_positions(None, q, k) == (None, None)
+    assert bounds_from_positions(positions(BOUNDS)[:, :-1], q, k) == (None, None)
+    two = torch.cat([q, q])
+    assert bounds_from_positions(positions(BOUNDS).expand(2, -1), two, torch.cat([k, k])) == (
+        None, None)
+
+
+def test_bounds_passed_are_used_and_the_positions_never_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model that passes cu_seq_lens_q never pays for reading the positions (a device sync)."""
+    def unread(*_a: object) -> None:
+        raise AssertionError("position ids read although the bounds came")
+
+    monkeypatch.setattr(varlen, "bounds_from_positions", unread)
+    q, k, v = packed(4)
+    out, _ = varlen_attention(None, q, k, v, None, scaling=0.3, position_ids=positions([0, 52]),
+                              cu_seq_lens_q=torch.tensor(BOUNDS, dtype=torch.int32),
+                              max_length_q=24)
+    torch.testing.assert_close(out.double(), packed_attention_ref(q, k, v, BOUNDS, 0.3),
+                               rtol=1e-5, atol=1e-5)
