@@ -35,3 +35,21 @@ def test_flash_varlen_matches_the_reference(window: int | None, softcap: float |
     if window == 256:  # the window matters here: the unwindowed result differs
         plain = packed_attention_ref(q, k, v, BOUNDS, dim ** -0.5, None, softcap)
         assert (out.double() - plain).abs().max() > 5e-2
+
+
+def test_flash_varlen_bounds_from_position_ids() -> None:
+    """A layer that drops the bounds but passes its position ids (StableLM, Nemotron): the flash
+    path attends within the sequences where the positions restart."""
+    if not flash_varlen_available():
+        pytest.skip("this torch has no flash varlen kernel")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    dim, total = 64, BOUNDS[-1]
+    q, k, v = (torch.randn(1, h, total, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+               for h in (8, 8, 8))
+    positions = torch.cat([torch.arange(b - a, device="cuda")
+                           for a, b in zip(BOUNDS[:-1], BOUNDS[1:], strict=True)])[None]
+    out, _ = varlen_attention(None, q, k, v, None, scaling=dim ** -0.5, position_ids=positions)
+    ref = packed_attention_ref(q, k, v, BOUNDS, dim ** -0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    whole = packed_attention_ref(q, k, v, [0, total], dim ** -0.5)
+    assert (out.double() - whole).abs().max() > 5e-2  # not one causal row
