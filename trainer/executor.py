@@ -481,10 +481,13 @@ class Executor:
         if self.cfg.attention != "auto":
             return self.cfg.attention
         flash = device.type == "cuda" and self.cfg.method == "sft" and self.world == 1
+        if not (flash and flash_varlen_available()):
+            return "rows"
         # rows where the flash kernel cannot compute the model's own attention (Gemma-2's
         # soft-cap): the varlen fallback would be exact but slow
-        exact = flash_exact(self.engine.model.config)
-        return "varlen" if flash and flash_varlen_available() and exact else "rows"
+        from transformers import AutoConfig
+
+        return "varlen" if flash_exact(AutoConfig.from_pretrained(self.cfg.model_dir)) else "rows"
 
     def profile_key(self) -> str:
         """What this executor's memory profile depends on (see trainer.admission.profile_key)."""

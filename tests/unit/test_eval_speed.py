@@ -233,3 +233,7 @@ def test_executor_attention_setting_packs_varlen_with_the_rows_losses(files) -> 
     assert auto._attention_mode(torch.device("cuda")) == ("varlen" if flash_varlen_available() else "rows")
     dpo = Executor(make_cfg(files, "att_dpo", jobs, method="dpo"))
     assert dpo._attention_mode(torch.device("cuda")) == "rows"
+    # a model whose attention the flash kernel cannot compute (Gemma-2's soft-cap) keeps rows
+    capped = Executor(make_cfg(files, "att_gemma2", jobs,
+                               model_dir=str(tiny_model_dir("gemma2", files[0]))))
+    assert capped._attention_mode(torch.device("cuda")) == "rows"
