@@ -235,16 +235,13 @@ def without_backbone_dropout(model: nn.Module) -> None:
     the backbone serves every job of a batch in one pass, so its dropout would make a job's
     updates depend on its batch-mates, and the varlen attention has none. LoRA's own dropout
     is 0 too (trainer.export writes lora_dropout 0)."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        for name, value in list(vars(module).items()):
-            if ("dropout" in name or "pdrop" in name) and type(value) is float:
-                setattr(module, name, 0.0)
     config = getattr(model, "config", None)
-    for name, value in list(vars(config).items()) if config is not None else []:
-        if ("dropout" in name or "pdrop" in name) and type(value) is float:
-            setattr(config, name, 0.0)
+    for holder in [*model.modules(), *([config] if config is not None else [])]:
+        if isinstance(holder, nn.Dropout):
+            holder.p = 0.0
+        for name, value in list(vars(holder).items()):
+            if ("dropout" in name or "pdrop" in name) and type(value) is float:
+                setattr(holder, name, 0.0)
 
 
 class MultiLoraEngine:

@@ -128,14 +128,15 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
     # Gemma's defaults are the 2B/7B shapes (head_dim 256, tied embeddings): keep the tying,
     # shrink the head to the tiny width
     gemma = {**common, "tie_word_embeddings": True, "head_dim": hidden // heads}
+    # windowed layers between global ones (Gemma-2/3, OLMo-3, Cohere-2, EXAONE-4, ...)
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     if family == "gemma":
         return GemmaConfig(**gemma)
     if family == "gemma2":
         return Gemma2Config(
             **gemma, query_pre_attn_scalar=hidden // heads, final_logit_softcapping=3.0,
             attn_logit_softcapping=50.0, sliding_window=16, initializer_range=0.2,
-            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
-                         for i in range(layers)],
+            layer_types=alternating,
         )
     # most configs' default special-token ids lie outside a tiny vocabulary (make_tiny_model sets
     # the tokenizer's): these are its pad, bos and eos
@@ -148,8 +149,7 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         # type), one global layer in two here (the 5:1 pattern needs 6 layers)
         return Gemma3TextConfig(
             **gemma, **ids, query_pre_attn_scalar=hidden // heads, sliding_window=16,
-            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
-                         for i in range(layers)],
+            layer_types=alternating,
         )
     if family == "olmo2":  # q/k norms over the whole projection, norms after attention and MLP
         return Olmo2Config(**common, **ids)
@@ -199,7 +199,6 @@ def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2)
         )
     # sliding-window models: windows of 16 (shorter than the test sequences) and weights drawn
     # wide enough (initializer_range 0.1 or more) that the window changes the loss
-    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     if family == "olmo3":  # OLMo-2's norms, sliding-window layers between global ones
         return Olmo3Config(**common, **ids, sliding_window=16, layer_types=alternating,
                            initializer_range=0.1)

@@ -42,15 +42,20 @@ def flash_varlen_available() -> bool:
     return _flash_options() is not None
 
 
-def flash_exact(config: Any) -> bool:
-    """Whether torch's flash varlen kernel computes this model's own attention: not with an
-    attention soft-cap (the kernel has none), nor with a sliding window where this torch's kernel
-    takes no window. Otherwise the varlen attention falls back to exact per-sequence attention,
-    which is correct but slow: the executor then keeps its padded rows."""
+def _flash_serves(window: int | None, softcap: float | None) -> bool:
+    """Whether torch's flash varlen kernel computes attention with this window and soft-cap:
+    never a soft-cap (the kernel has none), a window only where this torch's kernel takes one."""
     options = _flash_options()
-    if options is None or getattr(config, "attn_logit_softcapping", None):
-        return False
-    return not getattr(config, "sliding_window", None) or "window_size" in options[1]
+    return options is not None and not softcap and (not window or "window_size" in options[1])
+
+
+def flash_exact(config: Any) -> bool:
+    """Whether torch's flash varlen kernel computes this model's own attention (_flash_serves
+    with its sliding window and attention soft-cap). Otherwise the varlen attention falls back to
+    exact per-sequence attention, which is correct but slow: the executor then keeps its padded
+    rows."""
+    return _flash_serves(getattr(config, "sliding_window", None),
+                         getattr(config, "attn_logit_softcapping", None))
 
 
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
@@ -157,9 +162,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         max_len = int(max_len)
         if window is not None and window >= max_len:
             window = None  # no sequence is longer than the window: plain causal
-        options = _flash_options()
-        if (options is not None and not softcap
-                and (window is None or "window_size" in options[1])):
+        if _flash_serves(window, softcap):
             return _flash(query, key, value, cu, max_len, scaling, window), None
     bounds = None if cu is None else [int(x) for x in cu.tolist()]
     return _per_sequence(query, key, value, bounds, scaling, window, softcap), None
