@@ -486,6 +486,9 @@ def solve(inst: Instance, opts: SolveOptions | None = None) -> Plan:
     unit = opts.unit_s
     jobs, pinned, bad, specs = _build_jobs(inst, unit, opts)
     node_caps = [n.gpu_count if n.up else 0 for n in inst.nodes]
+    # caps before reclaim: a lowered cap never evicts running tasks, so a preempted one must be
+    # able to come back under it
+    tenant_caps = _tenant_caps(inst, pinned)
     victims, chosen = reclaim(inst, jobs, pinned, node_caps)
     if victims:  # preempted tasks leave their GPUs now and are planned as queued again
         keep = [p for p in pinned if p.job.task_id not in victims]
@@ -509,13 +512,17 @@ def solve(inst: Instance, opts: SolveOptions | None = None) -> Plan:
             j.options = [o for o in j.options if o.node == chosen[j.index]]
             j.max_start = 0 if j.max_start is None else min(j.max_start, 0)
     boost_guarantee(inst, jobs, pinned, opts)
-    tenant_caps = _tenant_caps(inst, pinned)
     ctx = _context(jobs, pinned, specs, unit, opts, inst.tenant_history)
     greedy = _warm_start(jobs, node_caps, tenant_caps, pinned, ctx)
     t1 = time.perf_counter()
     sched, status, bound = greedy, ("HEURISTIC" if jobs else "EMPTY"), 0
     if jobs:
-        result = _solve_cp(jobs, pinned, greedy, node_caps, tenant_caps, ctx, opts)
+        try:
+            result = _solve_cp(jobs, pinned, greedy, node_caps, tenant_caps, ctx, opts)
+        except (OverflowError, TypeError):
+            # a model past CP-SAT's 64-bit integers (durations of months in minute units times
+            # the waiting penalty's scale): the warm start stands, status HEURISTIC
+            result = None
         if result is not None and objective(result[0], ctx) <= objective(greedy, ctx):
             sched, status, bound = result
     placed = list(pinned) + sched

@@ -434,6 +434,31 @@ def test_reclaim_preempts_borrowers_down_to_their_guarantee_only() -> None:
                      FAST).preempt
 
 
+
+def test_a_borrower_under_a_lowered_cap_is_preempted_and_comes_back() -> None:
+    # B's cap was lowered to 0 while its 4-GPU task ran (a lowered cap evicts nothing), and A is
+    # under its guarantee: reclaim preempts B's task, which must still be planned to resume
+    # (the plan once failed: "no fit", every replan after it too).
+    nodes = [NodeSpec("n0", "H100", 4)]
+    tasks = [TaskSpec("b", "B", 4, 600, state="running", pinned=Pinned("n0", (0, 1, 2, 3), -60)),
+             TaskSpec("a", "A", 1, 300)]
+    plan = solve(Instance(nodes, tasks, tenant_max_gpus={"B": 0},
+                          tenant_guaranteed_gpus={"A": 2}), FAST)
+    assert plan.preempt == ["b"] and plan.assignments["a"].start_s == 0
+    assert not plan.assignments["b"].pinned and plan.assignments["b"].start_s >= 300
+
+
+def test_a_model_past_64_bit_integers_keeps_the_warm_start() -> None:
+    # Durations of decades in one-second units: the waiting penalty's bound no longer fits in
+    # CP-SAT's integers. The plan is the warm start, every task placed, none overlapping.
+    nodes = [NodeSpec("n0", "H100", 2)]
+    tasks = [TaskSpec(f"t{i}", f"T{i}", 2, 10**9 * (i + 1), max_start_s=3600) for i in range(3)]
+    plan = solve(Instance(nodes, tasks), FAST)
+    assert plan.status == "HEURISTIC" and set(plan.assignments) == {"t0", "t1", "t2"}
+    spans = sorted((a.start_s, a.end_s) for a in plan.assignments.values())
+    assert spans[0][0] == 0 and all(x[1] <= y[0] for x, y in zip(spans, spans[1:], strict=False))
+
+
 def test_same_state_gives_the_same_plan() -> None:
     rng = random.Random(3)
     nodes = [NodeSpec(f"n{i}", "H100", 8) for i in range(4)]
