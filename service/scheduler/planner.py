@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ortools.sat.python import cp_model
 
@@ -520,8 +520,8 @@ def solve(inst: Instance, opts: SolveOptions | None = None) -> Plan:
         try:
             result = _solve_cp(jobs, pinned, greedy, node_caps, tenant_caps, ctx, opts)
         except (OverflowError, TypeError):
-            # a model past CP-SAT's 64-bit integers (durations of months in minute units times
-            # the waiting penalty's scale): the warm start stands, status HEURISTIC
+            # a model past CP-SAT's 64-bit integers that _solve_cp's own check let through:
+            # the warm start stands, status HEURISTIC
             result = None
         if result is not None and objective(result[0], ctx) <= objective(greedy, ctx):
             sched, status, bound = result
@@ -607,6 +607,7 @@ def _candidate_nodes(j: UJob, greedy_node: int, node_caps: Sequence[int],
 _SLOW_NEIGHBOURHOODS = ("graph_arc_lns", "graph_cst_lns", "graph_dec_lns", "rnd_cst_lns")
 
 
+_INT_ROOM = 2 ** 60  # what the waiting penalties may sum to in the CP model (int64: 2^63)
 SMALL_QUEUE = 40  # queued tasks up to which a full-problem subsolver joins the neighbourhoods
 
 
@@ -651,6 +652,15 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
     pin_end = max((p.end for p in pinned), default=0)
     horizon = max([p.end for p in greedy] + [pin_end]) + max(
         max(o.duration for o in j.options) for j in jobs)
+    # The waiting penalties' bounds sum to about late x horizon x jobs. Past 2^60 (multi-day
+    # tasks, operator priorities, hundreds of tasks) CP-SAT's 64-bit model would overflow: late
+    # is lowered to fit while it still outweighs the urgent cost 10 times (the caller keeps the
+    # result only if the true objective prefers it to the warm start), else no model at all.
+    room = _INT_ROOM // max(1, horizon * len(jobs))
+    if ctx.late > room:
+        if room < 10 * ctx.urgent:
+            return None
+        ctx = replace(ctx, late=room)
     gnode = {p.job.index: p.option.node for p in greedy}
     running = [[] for _ in node_caps]
     for p in pinned:
