@@ -30,7 +30,7 @@ HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChec
 
 @st.composite
 def instances(draw: st.DrawFn, max_tasks: int = 7, waiting: bool = True,
-              allow_down: bool = True) -> Instance:
+              allow_down: bool = True, quotas: bool = False) -> Instance:
     n_nodes = draw(st.integers(1, 3))
     nodes = [NodeSpec(f"n{i}", draw(st.sampled_from(["H100", "A100"])), draw(st.integers(1, 4)),
                       up=draw(st.booleans()) if allow_down and i > 0 else True)
@@ -51,8 +51,10 @@ def instances(draw: st.DrawFn, max_tasks: int = 7, waiting: bool = True,
             max_start_s=max_start))
     limits = {}
     if draw(st.booleans()):
-        limits["A"] = draw(st.integers(1, 4))
-    return Instance(nodes, tasks, limits)
+        # with quotas, a cap may have been lowered under what the tenant runs (0 included)
+        limits["A"] = draw(st.integers(0 if quotas else 1, 4))
+    guaranteed = {t: draw(st.integers(0, 4)) for t in "AB" if draw(st.booleans())} if quotas else {}
+    return Instance(nodes, tasks, limits, guaranteed)
 
 
 def check_plan(inst: Instance, plan: Plan) -> None:
@@ -75,7 +77,9 @@ def check_plan(inst: Instance, plan: Plan) -> None:
         assert node.up, "a down node holds nothing"
         assert len(a.gpu_indices) == t.gpus_needed == len(set(a.gpu_indices))
         assert all(0 <= g < node.gpu_count for g in a.gpu_indices)
-        if t.pinned is not None:
+        if t.pinned is not None and tid in plan.preempt:  # requeued: its remaining time, later
+            assert not a.pinned and a.start_s > 0 and a.end_s - a.start_s == t.duration_s
+        elif t.pinned is not None:
             assert a.pinned and a.node_id == t.pinned.node_id
             assert a.gpu_indices == tuple(t.pinned.gpu_indices) and a.start_s == t.pinned.start_s
             assert a.end_s == t.duration_s
@@ -89,7 +93,8 @@ def check_plan(inst: Instance, plan: Plan) -> None:
             assert a.end_s <= max(b.start_s, 0) or b.end_s <= max(a.start_s, 0), (a, b)
     for tenant, limit in inst.tenant_max_gpus.items():
         mine = [a for a in items if by_id[a.task_id].tenant == tenant]
-        running = sum(len(a.gpu_indices) for a in mine if a.pinned)
+        running = sum(t.gpus_needed for t in inst.tasks if t.tenant == tenant
+                      and t.pinned is not None and nodes[t.pinned.node_id].up)
         for t in {max(a.start_s, 0) for a in mine}:
             used = sum(len(a.gpu_indices) for a in mine if a.start_s <= t < a.end_s)
             assert used <= max(limit, running)
@@ -99,6 +104,14 @@ def check_plan(inst: Instance, plan: Plan) -> None:
 @HYP
 @given(instances())
 def test_plans_are_valid(inst: Instance) -> None:
+    check_plan(inst, solve(inst, FAST))
+
+
+@HYP
+@given(instances(quotas=True))
+def test_plans_with_quotas_are_valid(inst: Instance) -> None:
+    """Guaranteed shares and caps (some lowered under what a tenant runs): reclaim's preempted
+    tasks come back later, nothing double-booked, no cap passed but by what ran already."""
     check_plan(inst, solve(inst, FAST))
 
 
