@@ -517,12 +517,7 @@ def solve(inst: Instance, opts: SolveOptions | None = None) -> Plan:
     t1 = time.perf_counter()
     sched, status, bound = greedy, ("HEURISTIC" if jobs else "EMPTY"), 0
     if jobs:
-        try:
-            result = _solve_cp(jobs, pinned, greedy, node_caps, tenant_caps, ctx, opts)
-        except (OverflowError, TypeError):
-            # a model past CP-SAT's 64-bit integers that _solve_cp's own check let through:
-            # the warm start stands, status HEURISTIC
-            result = None
+        result = _solve_cp(jobs, pinned, greedy, node_caps, tenant_caps, ctx, opts)
         if result is not None and objective(result[0], ctx) <= objective(greedy, ctx):
             sched, status, bound = result
     placed = list(pinned) + sched

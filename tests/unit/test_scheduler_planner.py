@@ -447,7 +447,6 @@ def test_reclaim_preempts_borrowers_down_to_their_guarantee_only() -> None:
                      FAST).preempt
 
 
-
 def test_a_borrower_under_a_lowered_cap_is_preempted_and_comes_back() -> None:
     # B's cap was lowered to 0 while its 4-GPU task ran (a lowered cap evicts nothing), and A is
     # under its guarantee: reclaim preempts B's task, which must still be planned to resume
