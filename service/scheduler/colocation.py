@@ -8,10 +8,12 @@ younger than node_timeout_s: ``fresh_executors``), and only as the database conf
 its GPUs, none of them being stopped; a warm idle one's GPUs by none.
 
 ``colocate_instance`` gives the CP-SAT planner each group of live placements that share GPUs as
-one pinned occupant of those GPUs until the group's last task ends (of no tenant), with every
+one pinned occupant of those GPUs until the group's last task ends (of no real tenant), with every
 hosted task pinned on zero GPUs: no GPU is counted twice. Quota reclaim may take a shared
 executor's GPUs only when every task it hosts is of a tenant beyond its guaranteed share: all of
 them are then paused at a checkpoint and requeued (one hosted task paused frees rows, not GPUs).
+One it may not take holds its GPUs to reclaim as any running task does, until every task it
+hosts is being stopped.
 
 Free GPUs first: the planner decides who starts now on GPUs (every priority, guarantee and
 waiting bound holds); only queued tasks it does not start now join a busy executor
@@ -32,14 +34,18 @@ bench/results/colocate_sim_cpu.md. The join rules:
   when the tenant's usage plus that share would pass its max_gpus;
 - bounded waiting: a join that would keep an executor's GPUs past its current end is refused
   while another waiting task (not joining) is urgent (past half its waiting bound) or of a tenant
-  under its guaranteed share: the executor drains and its GPUs go to the plan.
+  under its guaranteed share: the executor drains and its GPUs go to the plan;
+- quota reclaim: no task joins an executor that reclaim may take in this plan (each task it hosts
+  of a tenant beyond its guaranteed share, on a node where a queued task that fits in its tenant's
+  unused share finds too few free GPUs): the plan may have freed its GPUs, which a join would
+  hold again.
 
 A warm idle executor's GPUs are free GPUs to the planner: it decides who starts now, so every
 priority, guarantee and waiting bound holds, and a task of another key may take them (its daemon
 stops the idle executor first). After solving, ``prefer_warm`` moves a one-GPU task of the
 executor's key that the plan starts now onto the warm GPU (no model load): by relabelling two GPUs
-of the same node in the plan, or from another node when the warm GPU is free in the plan for the
-task's whole run.
+of the same node in the plan, or from another node of its GPU type when the warm GPU is free in
+the plan for the task's whole run.
 """
 
 from __future__ import annotations
@@ -235,8 +241,9 @@ def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
         rows = sum(max(1, p.rows) for p in live if p.node_id == ex.node_id
                    and set(p.gpus) & set(ex.gpus))
         groups[ex.ref] = _Group(rows, len(ex.gpus))
+    reclaimable = _reclaimable(inst, executors, live, usage)
     joinable = {tid for tid, c in candidates.items() if tid in specs and any(
-        _fits(specs[tid], c, ex, gpu_type) for ex in executors)}
+        _fits(specs[tid], c, ex, gpu_type) for ex in executors if ex.ref not in reclaimable)}
     blocked = any(_waits_hard(t, usage, guar) for t in specs.values() if t.id not in joinable)
 
     def order(t: TaskSpec) -> tuple:
@@ -247,7 +254,7 @@ def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
     joins: list[Join] = []
     for t in sorted((specs[tid] for tid in joinable), key=order):
         c = candidates[t.id]
-        fits = [ex for ex in executors if _fits(t, c, ex, gpu_type)]
+        fits = [ex for ex in executors if _fits(t, c, ex, gpu_type) and ex.ref not in reclaimable]
         fits.sort(key=lambda ex: (-ex.free_rows, ex.node_id, ex.gpus))
         for ex in fits:
             duration = t.need(ex.gpu_type)[1]
@@ -267,6 +274,53 @@ def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
             joins.append(Join(t.id, t.tenant, ex, take, share, duration))
             break
     return joins
+
+
+def _reclaimable(inst: Instance, executors: Sequence[WarmExecutor],
+                 live: Sequence[LivePlacement], usage: Mapping[str, float]) -> set[str]:
+    """The executors (refs) that quota reclaim (planner.reclaim) may take in this plan, or more:
+    those hosting only tasks of tenants beyond their guaranteed share, on a node where a queued
+    task fits in what its tenant's share leaves beyond the GPUs it runs on alone (not being
+    stopped) while fewer GPUs are free than it and the other such tasks need (running tasks hold
+    GPUs until they are being stopped, as there)."""
+    guar = inst.tenant_guaranteed_gpus
+    up = {n.id: n for n in inst.nodes if n.up}
+    whole: dict[str, int] = {}
+    held = {n: 0 for n in up}
+    for group in _by_shared_gpus([t for t in inst.tasks if t.pinned is not None
+                                  and t.pinned.node_id in up], _spot):
+        node, gpus = _spot(group[0])
+        if any(t.preemptible for t in group):
+            held[node] += len({g for t in group for g in _spot(t)[1]})
+        if len(group) == 1 and group[0].preemptible:
+            whole[group[0].tenant] = whole.get(group[0].tenant, 0) + len(gpus)
+    owed: dict[str, dict[str, int]] = {}  # queued task -> {node: GPUs} within its tenant's share
+    for t in inst.tasks:
+        room = guar.get(t.tenant, 0) - whole.get(t.tenant, 0)
+        if t.pinned is None and room > 0:
+            fits = {n.id: t.need(n.gpu_type)[0] for n in up.values()}
+            fits = {n: g for n, g in fits.items() if 0 < g <= min(room, up[n].gpu_count)}
+            if fits:
+                owed[t.id] = fits
+    nodes: set[str] = set()
+    for tid, fits in owed.items():  # the other such tasks may take free GPUs before it
+        others = sum(max(f.values()) for k, f in owed.items() if k != tid)
+        if all(up[n].gpu_count - held[n] < g + others for n, g in fits.items()):
+            nodes.update(fits)
+
+    def beyond(tenant: str) -> bool:
+        return max(usage.get(tenant, 0.0), whole.get(tenant, 0)) > guar.get(tenant, 0)
+
+    out = set()
+    for ex in executors:
+        on = [p for p in live if p.node_id == ex.node_id and set(p.gpus) & set(ex.gpus)]
+        if ex.node_id in nodes and on and all(beyond(p.tenant) for p in on):
+            out.add(ex.ref)
+    return out
+
+
+def _spot(t: TaskSpec) -> tuple[str, Sequence[int]]:
+    return (t.pinned.node_id, t.pinned.gpu_indices) if t.pinned is not None else ("", ())
 
 
 def _fits(t: TaskSpec, c: JoinCandidate, ex: WarmExecutor, gpu_type: Mapping[str, str]) -> bool:
@@ -316,7 +370,10 @@ def colocate_instance(inst: Instance, usage: Mapping[str, float] | None = None) 
     """Give each group of running tasks that share GPUs one occupant (module docstring). With
     tenants' ``usage``, an occupant whose every hosted task may be preempted and is of a tenant
     beyond its guaranteed share may be chosen by quota reclaim: loop.py then pauses every task it
-    hosts."""
+    hosts. Any other is of a tenant of its own whose guaranteed share is its GPUs: reclaim never
+    takes it, and counts its GPUs busy until every task it hosts is being stopped (to
+    planner.reclaim, a running task that is not preemptible is being stopped: GPUs as good as
+    free)."""
     tasks = list(inst.tasks)
     pinned = [t for t in tasks if t.pinned is not None]
     groups = _by_shared_gpus(pinned, lambda t: (t.pinned.node_id, t.pinned.gpu_indices)
@@ -331,21 +388,25 @@ def colocate_instance(inst: Instance, usage: Mapping[str, float] | None = None) 
                         gpus_needed=0, preemptible=False)
         new_tasks.append(t)
     out = Colocated(inst)
+    guar = dict(inst.tenant_guaranteed_gpus)
     for ms in shared:
         spots = [m.pinned for m in ms if m.pinned is not None]
         node = spots[0].node_id
         gpus = tuple(sorted({g for s in spots for g in s.gpu_indices}))
         start = min(s.start_s for s in spots)
         occupant = f"executor:{node}:{','.join(map(str, gpus))}"
-        guar = inst.tenant_guaranteed_gpus
         lent = usage is not None and all(
             m.preemptible and usage.get(m.tenant, 0.0) > guar.get(m.tenant, 0) for m in ms)
+        stopped = not any(m.preemptible for m in ms)  # every task it hosts is being stopped
+        tenant = SHARED_TENANT
+        if not lent and not stopped:  # reclaim may not take it, yet it runs on (docstring)
+            tenant, guar[occupant] = occupant, len(gpus)
         new_tasks.append(TaskSpec(
-            id=occupant, tenant=SHARED_TENANT, gpus_needed=len(gpus),
+            id=occupant, tenant=tenant, gpus_needed=len(gpus),
             duration_s=max(m.duration_s for m in ms), state="running",
-            pinned=Pinned(node, gpus, start), arrival_s=start, preemptible=lent))
+            pinned=Pinned(node, gpus, start), arrival_s=start, preemptible=not stopped))
         out.occupants[occupant] = [m.id for m in ms]
-    out.instance = replace(inst, tasks=new_tasks)
+    out.instance = replace(inst, tasks=new_tasks, tenant_guaranteed_gpus=guar)
     return out
 
 
@@ -355,10 +416,12 @@ def demand(batch_sizes: Iterable[int]) -> tuple[int, int]:
     return (min(sizes), sum(sizes)) if sizes else (0, 0)
 
 
-def prefer_warm(plan: Plan, idle: Sequence[WarmExecutor], keys: Mapping[str, str]
-                ) -> dict[str, Assignment]:
+def prefer_warm(plan: Plan, idle: Sequence[WarmExecutor], keys: Mapping[str, str],
+                gpu_type: Mapping[str, str] | None = None) -> dict[str, Assignment]:
     """Move tasks the plan starts now onto warm idle executors of their key (module docstring).
-    Returns the changed assignments (task id -> new); ``plan.assignments`` is updated too."""
+    Returns the changed assignments (task id -> new); ``plan.assignments`` is updated too. With
+    the nodes' GPU types (node id -> type), a task moves to another node only of its own node's
+    type: on another type it would need other GPUs or time than the plan gives it."""
     changed: dict[str, Assignment] = {}
     a = plan.assignments
     taken: set[str] = set()
@@ -373,7 +436,8 @@ def prefer_warm(plan: Plan, idle: Sequence[WarmExecutor], keys: Mapping[str, str
             continue  # the plan already starts its key there
         now = sorted((x for x in a.values() if not x.pinned and x.start_s == 0
                       and x.task_id not in taken and keys.get(x.task_id) == ex.key
-                      and len(x.gpu_indices) == 1),
+                      and len(x.gpu_indices) == 1
+                      and (gpu_type is None or gpu_type.get(x.node_id) == ex.gpu_type)),
                      key=lambda x: (x.node_id != ex.node_id, x.task_id))
         for x in now:
             if x.node_id == ex.node_id:
