@@ -35,10 +35,8 @@ bench/results/colocate_sim_cpu.md. The join rules:
 - bounded waiting: a join that would keep an executor's GPUs past its current end is refused
   while another waiting task (not joining) is urgent (past half its waiting bound) or of a tenant
   under its guaranteed share: the executor drains and its GPUs go to the plan;
-- quota reclaim: no task joins an executor that reclaim may take in this plan (each task it hosts
-  of a tenant beyond its guaranteed share, on a node where a queued task that fits in its tenant's
-  unused share finds too few free GPUs): the plan may have freed its GPUs, which a join would
-  hold again.
+- quota reclaim: no task joins an executor whose tasks the plan pauses (their GPUs go to a task
+  owed its guaranteed share, which a join would keep from it).
 
 A warm idle executor's GPUs are free GPUs to the planner: it decides who starts now, so every
 priority, guarantee and waiting bound holds, and a task of another key may take them (its daemon
@@ -228,9 +226,10 @@ class _Group:
 
 def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
                candidates: Mapping[str, JoinCandidate], live: Sequence[LivePlacement],
-               starting: Collection[str] = ()) -> list[Join]:
+               starting: Collection[str] = (), pausing: Collection[str] = ()) -> list[Join]:
     """Which queued tasks of ``inst`` join which busy executors now (module docstring);
-    ``starting``: the queued tasks the plan starts now on GPUs (they neither join nor wait)."""
+    ``starting``: the queued tasks the plan starts now on GPUs (they neither join nor wait);
+    ``pausing``: the running tasks the plan preempts (quota reclaim frees their GPUs)."""
     specs = {t.id: t for t in inst.tasks if t.pinned is None and t.id not in starting}
     usage = tenant_usage(live)
     guar = inst.tenant_guaranteed_gpus
@@ -241,9 +240,10 @@ def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
         rows = sum(max(1, p.rows) for p in live if p.node_id == ex.node_id
                    and set(p.gpus) & set(ex.gpus))
         groups[ex.ref] = _Group(rows, len(ex.gpus))
-    reclaimable = _reclaimable(inst, executors, live, usage)
+    reclaimed = {ex.ref for ex in executors if any(
+        p.task_id in pausing for p in live if p.node_id == ex.node_id and set(p.gpus) & set(ex.gpus))}
     joinable = {tid for tid, c in candidates.items() if tid in specs and any(
-        _fits(specs[tid], c, ex, gpu_type) for ex in executors if ex.ref not in reclaimable)}
+        _fits(specs[tid], c, ex, gpu_type) for ex in executors if ex.ref not in reclaimed)}
     blocked = any(_waits_hard(t, usage, guar) for t in specs.values() if t.id not in joinable)
 
     def order(t: TaskSpec) -> tuple:
@@ -254,7 +254,7 @@ def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
     joins: list[Join] = []
     for t in sorted((specs[tid] for tid in joinable), key=order):
         c = candidates[t.id]
-        fits = [ex for ex in executors if _fits(t, c, ex, gpu_type) and ex.ref not in reclaimable]
+        fits = [ex for ex in executors if _fits(t, c, ex, gpu_type) and ex.ref not in reclaimed]
         fits.sort(key=lambda ex: (-ex.free_rows, ex.node_id, ex.gpus))
         for ex in fits:
             duration = t.need(ex.gpu_type)[1]
@@ -274,53 +274,6 @@ def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
             joins.append(Join(t.id, t.tenant, ex, take, share, duration))
             break
     return joins
-
-
-def _reclaimable(inst: Instance, executors: Sequence[WarmExecutor],
-                 live: Sequence[LivePlacement], usage: Mapping[str, float]) -> set[str]:
-    """The executors (refs) that quota reclaim (planner.reclaim) may take in this plan, or more:
-    those hosting only tasks of tenants beyond their guaranteed share, on a node where a queued
-    task fits in what its tenant's share leaves beyond the GPUs it runs on alone (not being
-    stopped) while fewer GPUs are free than it and the other such tasks need (running tasks hold
-    GPUs until they are being stopped, as there)."""
-    guar = inst.tenant_guaranteed_gpus
-    up = {n.id: n for n in inst.nodes if n.up}
-    whole: dict[str, int] = {}
-    held = {n: 0 for n in up}
-    for group in _by_shared_gpus([t for t in inst.tasks if t.pinned is not None
-                                  and t.pinned.node_id in up], _spot):
-        node, gpus = _spot(group[0])
-        if any(t.preemptible for t in group):
-            held[node] += len({g for t in group for g in _spot(t)[1]})
-        if len(group) == 1 and group[0].preemptible:
-            whole[group[0].tenant] = whole.get(group[0].tenant, 0) + len(gpus)
-    owed: dict[str, dict[str, int]] = {}  # queued task -> {node: GPUs} within its tenant's share
-    for t in inst.tasks:
-        room = guar.get(t.tenant, 0) - whole.get(t.tenant, 0)
-        if t.pinned is None and room > 0:
-            fits = {n.id: t.need(n.gpu_type)[0] for n in up.values()}
-            fits = {n: g for n, g in fits.items() if 0 < g <= min(room, up[n].gpu_count)}
-            if fits:
-                owed[t.id] = fits
-    nodes: set[str] = set()
-    for tid, fits in owed.items():  # the other such tasks may take free GPUs before it
-        others = sum(max(f.values()) for k, f in owed.items() if k != tid)
-        if all(up[n].gpu_count - held[n] < g + others for n, g in fits.items()):
-            nodes.update(fits)
-
-    def beyond(tenant: str) -> bool:
-        return max(usage.get(tenant, 0.0), whole.get(tenant, 0)) > guar.get(tenant, 0)
-
-    out = set()
-    for ex in executors:
-        on = [p for p in live if p.node_id == ex.node_id and set(p.gpus) & set(ex.gpus)]
-        if ex.node_id in nodes and on and all(beyond(p.tenant) for p in on):
-            out.add(ex.ref)
-    return out
-
-
-def _spot(t: TaskSpec) -> tuple[str, Sequence[int]]:
-    return (t.pinned.node_id, t.pinned.gpu_indices) if t.pinned is not None else ("", ())
 
 
 def _fits(t: TaskSpec, c: JoinCandidate, ex: WarmExecutor, gpu_type: Mapping[str, str]) -> bool:
@@ -351,10 +304,14 @@ class CoState:
     live: list[LivePlacement] = field(default_factory=list)
     keys: dict[str, str] = field(default_factory=dict)  # task id -> colocation key
 
-    def joins(self, inst: Instance, starting: Collection[str]) -> list[Join]:
+    def joins(self, inst: Instance, plan: Plan) -> list[Join]:
+        """Joins after ``plan`` (solved on ``colocated.instance``): tasks it starts now on GPUs
+        neither join nor wait, and no task joins an executor it pauses."""
         if not self.busy:
             return []
-        return plan_joins(inst, self.busy, self.candidates, self.live, starting)
+        starting = {t for t, a in plan.assignments.items() if not a.pinned and a.start_s == 0}
+        return plan_joins(inst, self.busy, self.candidates, self.live, starting,
+                          self.colocated.pausing(plan))
 
 
 @dataclass
@@ -364,6 +321,10 @@ class Colocated:
 
     instance: Instance
     occupants: dict[str, list[str]] = field(default_factory=dict)  # occupant id -> task ids
+
+    def pausing(self, plan: Plan) -> list[str]:
+        """The running tasks ``plan`` preempts: an occupant stands for every task it hosts."""
+        return [t for v in plan.preempt for t in self.occupants.get(v, [v])]
 
 
 def colocate_instance(inst: Instance, usage: Mapping[str, float] | None = None) -> Colocated:

@@ -55,6 +55,7 @@ from service.protocol import colocation_key
 from service.queue import publish_placement
 from service.registry import ModelRegistry
 from service.scheduler.colocation import (
+    Colocated,
     CoState,
     Join,
     JoinCandidate,
@@ -310,16 +311,14 @@ def solve_options(settings: Settings) -> SolveOptions:
         tail=float(getattr(settings, "scheduler_tail", 0.0)))
 
 
-def _preempt(session: Session, plan: Plan, settings: Settings,
-             occupants: dict[str, list[str]] | None = None) -> None:
+def _preempt(session: Session, plan: Plan, settings: Settings, colocated: Colocated) -> None:
     """Ask the running tasks the plan preempts (quota reclaim) to pause at a checkpoint and
     requeue (a shared executor's occupant: every task it hosts); a task that ended meanwhile is
     left alone."""
     from service.errors import ApiError
     from service.tasks import request_pause
 
-    victims = [t for v in plan.preempt for t in (occupants or {}).get(v, [v])]
-    for task_id in victims:
+    for task_id in colocated.pausing(plan):
         task = session.scalar(select(Task).where(Task.id == task_id).with_for_update())
         if task is None or task.state != "running":
             continue
@@ -341,13 +340,12 @@ def replan(session: Session, settings: Settings) -> Plan:
     gpu_type = {n.id: n.gpu_type for n in inst.nodes}
     co = colocation(session, settings, inst, now)
     plan = solve(co.colocated.instance, solve_options(settings))
-    for task_id, a in prefer_warm(plan, co.idle, co.keys).items():
+    for task_id, a in prefer_warm(plan, co.idle, co.keys, gpu_type).items():
         log.info("task starts on a warm idle executor task=%s node=%s gpus=%s", task_id,
                  a.node_id, ",".join(map(str, a.gpu_indices)))
     # Free GPUs first: only tasks the plan does not start now may join a busy shared executor.
-    joins = co.joins(inst, {t for t, a in plan.assignments.items()
-                            if not a.pinned and a.start_s == 0})
-    _preempt(session, plan, settings, co.colocated.occupants)
+    joins = co.joins(inst, plan)
+    _preempt(session, plan, settings, co.colocated)
     # Off the request path a cancel or completion can commit while the solver runs: lock the
     # waiting tasks (task before placements, the order cancel uses) and plan only those still
     # queued, so nothing is published for a task that has just ended.

@@ -4,6 +4,7 @@ and the instance the planner then solves (a shared executor's GPUs counted once)
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from service.scheduler.colocation import (
@@ -205,8 +206,10 @@ def test_shared_gpus_are_one_occupant_in_the_planner() -> None:
     [occ] = col.occupants
     assert col.occupants[occ] == ["a", "x"]
     by_id = {t.id: t for t in col.instance.tasks}
-    assert by_id[occ].tenant == SHARED_TENANT and by_id[occ].pinned.gpu_indices == (0,)
-    assert by_id[occ].duration_s == 7200 and not by_id[occ].preemptible
+    assert by_id[occ].pinned.gpu_indices == (0,) and by_id[occ].duration_s == 7200
+    # reclaim may not take it (no usage given), yet it is not being stopped: a tenant of its own
+    assert by_id[occ].preemptible and by_id[occ].tenant == occ
+    assert col.instance.tenant_guaranteed_gpus[occ] == 1
     assert by_id["a"].pinned.gpu_indices == () and by_id["x"].gpus_needed == 0
     plan = solve(col.instance, SolveOptions(unit_s=60))
     # the only GPU frees when the last hosted task ends: the queued task starts then
@@ -267,3 +270,63 @@ def test_quota_reclaim_takes_a_shared_executor_only_from_borrowers() -> None:
     # without usage (no reclaim information) a shared executor is never a victim
     i = inst([a, x, owed], tenant_guaranteed_gpus={"t3": 1})
     assert solve(colocate_instance(i).instance, SolveOptions(unit_s=60)).preempt == []
+
+
+def test_no_task_joins_an_executor_the_plan_reclaims() -> None:
+    # n0's only GPU runs "a" (t1, no guarantee) in an executor of key K; "owed" (t3, another key)
+    # is owed a GPU: quota reclaim pauses "a" and starts "owed" there now
+    a, owed, b = running("a"), queued("owed", tenant="t3"), queued("b", tenant="t2")
+    hosted = [live("pl_a", "a")]
+    c = {"b": cand("b"), "owed": cand("owed", key=OTHER)}
+    i = inst([a, owed, b], tenant_guaranteed_gpus={"t3": 1})
+    col = colocate_instance(i, tenant_usage(hosted))
+    plan = solve(col.instance, SolveOptions(unit_s=60))
+    assert plan.preempt == ["a"] and where(plan)["owed"] == ("n0", (0,))
+    starting = {t for t, x in plan.assignments.items() if not x.pinned and x.start_s == 0}
+    assert starting == {"owed"} and col.pausing(plan) == ["a"]
+    # "b" would hold the GPU being freed (and keep "owed" from it for its whole run)
+    assert plan_joins(i, [ex()], c, hosted, starting, col.pausing(plan)) == []
+    # no guarantee owed: "a" runs on and "b" joins it
+    i = inst([a, owed, b])
+    plan = solve(colocate_instance(i, tenant_usage(hosted)).instance, SolveOptions(unit_s=60))
+    starting = {t for t, x in plan.assignments.items() if not x.pinned and x.start_s == 0}
+    assert plan.preempt == [] and joined(plan_joins(i, [ex()], c, hosted, starting)) == {
+        "b": "n0:0"}
+
+
+def test_reclaim_counts_a_shared_executor_it_may_not_take_as_busy() -> None:
+    # GPU 0: "a" (t1, within its guarantee) and "x" (t2) share an executor; GPU 1: "y" (t2).
+    # t3 is owed a GPU: reclaim takes y's, not one it counts free because the executor may not
+    # be taken (only a task being stopped frees its GPUs by itself)
+    a, x = running("a", tenant="t1", duration=7200), running("x", tenant="t2", duration=7200)
+    y = running("y", tenant="t2", gpus=(1,), duration=7200)
+    hosted = [live("pl_a", "a"), live("pl_x", "x", tenant="t2"),
+              live("pl_y", "y", tenant="t2", gpus=(1,))]
+    i = inst([a, x, y, queued("q", tenant="t3")], gpus=2,
+             tenant_guaranteed_gpus={"t3": 1, "t1": 1})
+    plan = solve(colocate_instance(i, tenant_usage(hosted)).instance, SolveOptions(unit_s=60))
+    assert plan.preempt == ["y"] and where(plan)["q"] == ("n0", (1,))
+    assert plan.assignments["q"].start_s == 0
+    # every task it hosts is being stopped: its GPU is as good as free, nothing else is paused
+    stopping = [replace(t, preemptible=False) for t in (a, x)]
+    i = inst([*stopping, y, queued("q", tenant="t3")], gpus=2,
+             tenant_guaranteed_gpus={"t3": 1, "t1": 1})
+    col = colocate_instance(i, tenant_usage(hosted))
+    assert solve(col.instance, SolveOptions(unit_s=60)).preempt == []
+    # one that reclaim may take is of no tenant
+    i = inst([a, x, y, queued("q", tenant="t3")], gpus=2, tenant_guaranteed_gpus={"t3": 1})
+    col = colocate_instance(i, tenant_usage(hosted))
+    [occ] = col.occupants
+    assert {t.id: t for t in col.instance.tasks}[occ].tenant == SHARED_TENANT
+
+
+def test_a_task_moves_to_a_warm_gpu_of_another_node_only_of_its_gpu_type() -> None:
+    # on another GPU type the task needs other GPUs and time than the plan gives it
+    warm = ex(gpus=(1,), hosted=(), free=16)  # on n0 (H100)
+    keys = {"same": K}
+    p = plan_of(assignment("same", "n1", (0,)))
+    assert prefer_warm(p, [warm], keys, {"n0": "H100", "n1": "A100"}) == {}
+    assert where(p)["same"] == ("n1", (0,))
+    p = plan_of(assignment("same", "n1", (0,)))
+    assert set(prefer_warm(p, [warm], keys, {"n0": "H100", "n1": "H100"})) == {"same"}
+    assert where(p)["same"] == ("n0", (1,))
