@@ -236,14 +236,14 @@ def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
     caps = inst.tenant_max_gpus
     gpu_type = {n.id: n.gpu_type for n in inst.nodes if n.up}
     groups: dict[str, _Group] = {}
+    open_: list[WarmExecutor] = []  # no task it hosts is paused by the plan
     for ex in executors:
-        rows = sum(max(1, p.rows) for p in live if p.node_id == ex.node_id
-                   and set(p.gpus) & set(ex.gpus))
-        groups[ex.ref] = _Group(rows, len(ex.gpus))
-    reclaimed = {ex.ref for ex in executors if any(
-        p.task_id in pausing for p in live if p.node_id == ex.node_id and set(p.gpus) & set(ex.gpus))}
+        on = [p for p in live if p.node_id == ex.node_id and set(p.gpus) & set(ex.gpus)]
+        groups[ex.ref] = _Group(sum(max(1, p.rows) for p in on), len(ex.gpus))
+        if not any(p.task_id in pausing for p in on):
+            open_.append(ex)
     joinable = {tid for tid, c in candidates.items() if tid in specs and any(
-        _fits(specs[tid], c, ex, gpu_type) for ex in executors if ex.ref not in reclaimed)}
+        _fits(specs[tid], c, ex, gpu_type) for ex in open_)}
     blocked = any(_waits_hard(t, usage, guar) for t in specs.values() if t.id not in joinable)
 
     def order(t: TaskSpec) -> tuple:
@@ -254,7 +254,7 @@ def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
     joins: list[Join] = []
     for t in sorted((specs[tid] for tid in joinable), key=order):
         c = candidates[t.id]
-        fits = [ex for ex in executors if _fits(t, c, ex, gpu_type) and ex.ref not in reclaimed]
+        fits = [ex for ex in open_ if _fits(t, c, ex, gpu_type)]
         fits.sort(key=lambda ex: (-ex.free_rows, ex.node_id, ex.gpus))
         for ex in fits:
             duration = t.need(ex.gpu_type)[1]
@@ -378,11 +378,11 @@ def demand(batch_sizes: Iterable[int]) -> tuple[int, int]:
 
 
 def prefer_warm(plan: Plan, idle: Sequence[WarmExecutor], keys: Mapping[str, str],
-                gpu_type: Mapping[str, str] | None = None) -> dict[str, Assignment]:
+                gpu_type: Mapping[str, str]) -> dict[str, Assignment]:
     """Move tasks the plan starts now onto warm idle executors of their key (module docstring).
-    Returns the changed assignments (task id -> new); ``plan.assignments`` is updated too. With
-    the nodes' GPU types (node id -> type), a task moves to another node only of its own node's
-    type: on another type it would need other GPUs or time than the plan gives it."""
+    Returns the changed assignments (task id -> new); ``plan.assignments`` is updated too.
+    ``gpu_type`` (node id -> type): a task moves to another node only of its own node's type, as
+    on another type it would need other GPUs or time than the plan gives it."""
     changed: dict[str, Assignment] = {}
     a = plan.assignments
     taken: set[str] = set()
@@ -398,7 +398,7 @@ def prefer_warm(plan: Plan, idle: Sequence[WarmExecutor], keys: Mapping[str, str
         now = sorted((x for x in a.values() if not x.pinned and x.start_s == 0
                       and x.task_id not in taken and keys.get(x.task_id) == ex.key
                       and len(x.gpu_indices) == 1
-                      and (gpu_type is None or gpu_type.get(x.node_id) == ex.gpu_type)),
+                      and gpu_type.get(x.node_id) == ex.gpu_type),
                      key=lambda x: (x.node_id != ex.node_id, x.task_id))
         for x in now:
             if x.node_id == ex.node_id:

@@ -157,6 +157,9 @@ def assignment(tid: str, node: str, gpus: tuple[int, ...], start: int = 0, end: 
     return Assignment(tid, node, gpus, start, end, pinned)
 
 
+H100S = {"n0": "H100", "n1": "H100"}  # the nodes' GPU types where a test's plan has no instance
+
+
 def plan_of(*xs: Assignment) -> Plan:
     return Plan({x.task_id: x for x in xs}, {}, "TEST", 0, 0, 0, 0.0)
 
@@ -171,15 +174,15 @@ def test_a_task_the_plan_starts_now_moves_onto_a_warm_gpu_of_its_key() -> None:
     # same node: GPUs 0 and 1 are relabelled in the plan, the later task follows its GPU
     p = plan_of(assignment("same", "n0", (0,)), assignment("other", "n0", (1,)),
                 assignment("next", "n0", (1,), 600, 900))
-    moved = prefer_warm(p, [warm], keys)
+    moved = prefer_warm(p, [warm], keys, H100S)
     assert set(moved) == {"same", "other", "next"}
     assert where(p) == {"same": ("n0", (1,)), "other": ("n0", (0,)), "next": ("n0", (0,))}
     # another node: only when the warm GPU is free in the plan for the task's whole run
     p = plan_of(assignment("same", "n1", (0,)), assignment("other", "n0", (1,), 700, 900))
-    prefer_warm(p, [warm], keys)
+    prefer_warm(p, [warm], keys, H100S)
     assert where(p)["same"] == ("n0", (1,))
     p = plan_of(assignment("same", "n1", (0,)), assignment("other", "n0", (1,), 300, 900))
-    assert prefer_warm(p, [warm], keys) == {}
+    assert prefer_warm(p, [warm], keys, H100S) == {}
 
 
 def test_the_warm_gpu_is_not_given_against_the_plan() -> None:
@@ -191,11 +194,11 @@ def test_the_warm_gpu_is_not_given_against_the_plan() -> None:
                                                               pinned=True))
     for p in (later, two, held):
         before = where(p)
-        assert prefer_warm(p, [warm], keys) == {} and where(p) == before
+        assert prefer_warm(p, [warm], keys, H100S) == {} and where(p) == before
     # the planner gives the only GPU to a heavier task of another key: the warm GPU goes with it
     i = inst([queued("same"), queued("other", tenant="t2", tenant_priority=9)])
     plan = solve(i, SolveOptions(unit_s=60))
-    prefer_warm(plan, [ex(gpus=(0,), hosted=(), free=16)], keys)
+    prefer_warm(plan, [ex(gpus=(0,), hosted=(), free=16)], keys, H100S)
     assert plan.assignments["other"].start_s == 0 and plan.assignments["same"].start_s > 0
 
 
@@ -328,5 +331,5 @@ def test_a_task_moves_to_a_warm_gpu_of_another_node_only_of_its_gpu_type() -> No
     assert prefer_warm(p, [warm], keys, {"n0": "H100", "n1": "A100"}) == {}
     assert where(p)["same"] == ("n1", (0,))
     p = plan_of(assignment("same", "n1", (0,)))
-    assert set(prefer_warm(p, [warm], keys, {"n0": "H100", "n1": "H100"})) == {"same"}
+    assert set(prefer_warm(p, [warm], keys, H100S)) == {"same"}
     assert where(p)["same"] == ("n0", (1,))
