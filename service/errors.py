@@ -18,6 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("loraplex.api")
 
+# PostgreSQL's deadlock_detected and serialization_failure: the transaction was rolled back.
+TRANSIENT_SQLSTATES = ("40P01", "40001")
+
 
 class ApiError(Exception):
     """An error the client caused (or can act on); raised by service functions."""
@@ -133,6 +136,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OperationalError)
     async def _db_down(request: Request, exc: OperationalError) -> JSONResponse:
+        if getattr(exc.orig, "sqlstate", None) in TRANSIENT_SQLSTATES:
+            # A deadlock or serialization failure rolled the request back: nothing changed and
+            # the database is fine, so say so and let the client retry at once.
+            log.warning("transaction rolled back path=%s error=%s", request.url.path, exc.orig)
+            return JSONResponse(error_body("concurrent_change", "the request raced a "
+                                           "concurrent change and changed nothing; retry",
+                                           status=503), status_code=503,
+                                headers={"Retry-After": "1"})
         log.error("database unavailable path=%s error=%s", request.url.path, exc.orig)
         return JSONResponse(error_body("unavailable", "the database is unavailable; retry",
                                        status=503), status_code=503, headers={"Retry-After": "5"})

@@ -20,8 +20,9 @@ import re
 import shutil
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -175,6 +176,57 @@ def test_another_tenants_key_sees_nothing(stack: Stack, browser: webdriver.Chrom
     wait_css(browser, f'#tasks-body tr[data-task="{task_id}"]', what="the owner's task")
 
 
+# The page's fetch, answering this task action's first call(s) with the given error instead of
+# the API (the rest go through): how a transient 503 looks to the page without breaking the API.
+FAIL_ACTION = """
+const [suffix, times, status, body, retryAfter] = arguments;
+window.__actionCalls = 0;
+if (!window.__realFetch) window.__realFetch = window.fetch;
+window.fetch = (path, opts) => {
+  if (String(path).endsWith(suffix) && opts && opts.method === "POST") {
+    window.__actionCalls++;
+    if (window.__actionCalls <= times)
+      return Promise.resolve(new Response(JSON.stringify(body), {status,
+        headers: {"Content-Type": "application/json", "Retry-After": retryAfter}}));
+  }
+  return window.__realFetch(path, opts);
+};
+"""
+
+
+def test_an_action_that_raced_a_change_is_sent_again(stack: Stack,
+                                                     browser: webdriver.Chrome) -> None:
+    """A 503 concurrent_change (rolled back: nothing changed) is sent again by the page, which
+    then shows the action done; any other 503 is shown at once, with the API's message."""
+    with stack.http() as http:
+        train = upload_jsonl(http, "train.jsonl", rows(16, 1))
+        task_id = http.post("/v1/tasks", json={"base_model": "tiny", "training_file": train,
+                                                "search_space": {"learning_rate": [1e-3]}}
+                            ).json()["id"]
+    sign_in(browser, stack, stack.api_key)
+    wait_css(browser, f'#tasks-body tr[data-task="{task_id}"]', what="the task list")
+    browser.get(f"{stack.url}/ui/#/task/{task_id}")
+    wait_for(lambda: text(browser, "#task-state") == "queued", 20, "the task's page")
+    down = {"error": {"type": "server_error", "code": "unavailable",
+                      "message": "the database is unavailable; retry"}}
+    browser.execute_script(FAIL_ACTION, "/pause", 1, 503, down, "5")
+    click(browser, "#btn-pause")
+    wait_for(lambda: text(browser, "#task-msg"), 10, "pause's answer")
+    assert text(browser, "#task-msg") == "Pause failed: the database is unavailable; retry"
+    assert browser.execute_script("return window.__actionCalls") == 1  # not retried
+    assert task_state(stack.http(), task_id) == "queued"
+
+    raced = {"error": {"type": "server_error", "code": "concurrent_change",
+                       "message": "the request raced a concurrent change and changed nothing"}}
+    browser.execute_script(FAIL_ACTION, "/cancel", 2, 503, raced, "1")
+    click(browser, "#btn-cancel")
+    wait_for(lambda: text(browser, "#task-msg") == "Cancel: cancelled", 20,
+             f"the cancel, sent again ({text(browser, '#task-msg')!r})")
+    assert browser.execute_script("return window.__actionCalls") == 3  # two raced, one went
+    assert text(browser, "#task-state") == "cancelled"
+    assert task_state(stack.http(), task_id) == "cancelled"
+
+
 def create_task_from_page(driver: webdriver.Chrome, tmp_path: Path) -> str:
     """Fill the new-task form (upload both files, model, search space, early exit), look at the
     dry-run estimate when the API has one, create; the task's id from the page it opens."""
@@ -226,9 +278,11 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     task = http.get(f"/v1/tasks/{task_id}").json()
     assert task["num_jobs"] == 2 and task["early_exit"]["keep_fraction"] == 0.5
     assert task["validation_file"] is not None
-    # A second task waits behind it on the one slot: cancelled from its page later.
+    # A second task, paused, resumed and cancelled from its page later. It waits for the one
+    # slot or (co-location) joins the first task's executor, so it is long enough (20 epochs)
+    # never to end before the test cancels it.
     waiting = http.post("/v1/tasks", json={
-        "base_model": "tiny", "training_file": task["training_file"],
+        "base_model": "tiny", "training_file": task["training_file"], "epochs": 20,
         "search_space": {"learning_rate": [1e-3]}, "max_seq_len": 48}).json()["id"]
 
     # Curves gain points while it trains, on one page load fed by the live stream.
@@ -272,19 +326,29 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
                  or task_state(http, waiting) != "queued", 20, "the waiting task's bar")
     screenshot(browser, "dashboard-cluster.png")
 
-    # Pause (when the API has it) and cancel the waiting task from its page.
+    # Pause, resume and cancel the second task from its page.
+    def waiting_context() -> str:  # what a failure here needs to be understood
+        evs = http.get(f"/v1/tasks/{waiting}/events", params={"limit": 100}).json()["data"]
+        return (f"page: {text(browser, '#task-state')!r} {text(browser, '#task-msg')!r}; "
+                f"API: {task_state(http, waiting)!r}; events: "
+                f"{[(e['type'], e['message']) for e in evs]}\n{stack.service_log()[-3000:]}")
+
+    def wait_page(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+        try:
+            return wait_for(predicate, timeout, what)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{waiting_context()}") from None
+
     browser.get(f"{stack.url}/ui/#/task/{waiting}")
-    wait_for(lambda: text(browser, "#task-state"), 20, "the waiting task's page")
+    wait_page(lambda: text(browser, "#task-state"), 20, "the waiting task's page")
     click(browser, "#btn-pause")
-    msg = wait_for(lambda: text(browser, "#task-msg"), 20, "pause's answer")
-    if msg.startswith("Pause failed"):
-        assert len(msg) > len("Pause failed: "), msg  # the API's own error, shown
-    else:
-        wait_for(lambda: text(browser, "#task-state") == "paused", 20, "paused")
-        click(browser, "#btn-resume")
-        wait_for(lambda: text(browser, "#task-state") not in ("paused", ""), 20, "resumed")
+    msg = wait_page(lambda: text(browser, "#task-msg"), 20, "pause's answer")
+    assert msg in ("Pause: paused", "Pause: pausing"), waiting_context()  # queued / running
+    wait_page(lambda: text(browser, "#task-state") == "paused", 30, "paused")
+    click(browser, "#btn-resume")
+    wait_page(lambda: text(browser, "#task-state") not in ("paused", ""), 20, "resumed")
     click(browser, "#btn-cancel")
-    wait_for(lambda: text(browser, "#task-state") == "cancelled", 30, "the cancel on the page")
+    wait_page(lambda: text(browser, "#task-state") == "cancelled", 30, "the cancel on the page")
     assert task_state(http, waiting) == "cancelled"
 
     # Back to the training task: it ends; one job exited early and is marked on the curves.

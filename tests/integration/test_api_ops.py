@@ -44,6 +44,54 @@ def test_database_down_is_503(settings):  # noqa: ANN001
         assert ready.status_code == 503 and ready.json()["checks"]["redis"] == "ok"
 
 
+def test_a_deadlock_answers_a_retryable_concurrent_change(db_url):  # noqa: ANN001
+    """A real deadlock (PostgreSQL picks a victim and rolls it back) is a 503 'retry now' that
+    says nothing changed, not 'the database is unavailable' with a 5 s wait."""
+    import threading
+
+    from fastapi import FastAPI
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.exc import OperationalError
+
+    from service.errors import install_error_handlers
+
+    engine = create_engine(db_url)
+    with engine.begin() as c:
+        c.execute(text("CREATE TABLE lock_pair (id int PRIMARY KEY)"))
+        c.execute(text("INSERT INTO lock_pair VALUES (1), (2)"))
+    failures: list[OperationalError] = []
+    both_hold = threading.Barrier(2)
+
+    def cross(first: int, second: int) -> None:
+        try:
+            with engine.begin() as c:
+                c.execute(text("SELECT 1 FROM lock_pair WHERE id = :i FOR UPDATE"), {"i": first})
+                both_hold.wait()
+                c.execute(text("SELECT 1 FROM lock_pair WHERE id = :i FOR UPDATE"), {"i": second})
+        except OperationalError as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=cross, args=pair) for pair in ((1, 2), (2, 1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    engine.dispose()
+    assert len(failures) == 1 and failures[0].orig.sqlstate == "40P01"
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/boom")
+    def boom() -> None:
+        raise failures[0]
+
+    r = TestClient(app).get("/boom")
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+    assert r.json()["error"]["code"] == "concurrent_change"
+    assert "changed nothing" in r.json()["error"]["message"]
+
+
 def test_prometheus_metrics(client, factory):  # noqa: ANN001
     t = factory.tenant()
     factory.task(t)

@@ -56,13 +56,22 @@ async function api(path, opts) {
   if (token) headers.Authorization = `Bearer ${token}`;
   let body = o.body;
   if (o.json !== undefined) { headers["Content-Type"] = "application/json"; body = JSON.stringify(o.json); }
-  const r = await fetch(path, { method: o.method || "GET", headers, body, signal: o.signal });
-  if (o.raw) { if (!r.ok) throw new ApiError(r.status, await r.json().catch(() => null)); return r; }
-  const text = await r.text();
-  let data = null;
-  try { data = text ? JSON.parse(text) : null; } catch (_) { data = text; }
-  if (!r.ok) throw new ApiError(r.status, data);
-  return data;
+  for (let attempt = 1; ; attempt++) {
+    const r = await fetch(path, { method: o.method || "GET", headers, body, signal: o.signal });
+    if (o.raw) { if (!r.ok) throw new ApiError(r.status, await r.json().catch(() => null)); return r; }
+    const text = await r.text();
+    let data = null;
+    try { data = text ? JSON.parse(text) : null; } catch (_) { data = text; }
+    // A request that raced a concurrent change was rolled back (nothing changed): send it again.
+    const raced = r.status === 503 && data && data.error && data.error.code === "concurrent_change";
+    if (raced && attempt < 4) {
+      const wait = Math.min(5, Number(r.headers.get("Retry-After")) || 1);
+      await new Promise((done) => setTimeout(done, wait * 1000));
+      continue;
+    }
+    if (!r.ok) throw new ApiError(r.status, data);
+    return data;
+  }
 }
 
 function errText(e) {
