@@ -85,7 +85,9 @@ def warm_objective(inst: Instance, opts: SolveOptions) -> int:
     jobs, pinned, _, specs = planner._build_jobs(inst, opts.unit_s, opts)
     caps = [n.gpu_count for n in inst.nodes]
     ctx = planner._context(jobs, pinned, specs, opts.unit_s, opts)
-    sched = planner._warm_start(jobs, caps, planner._tenant_caps(inst, pinned), pinned, ctx)
+    ctx.held = planner._held_spans(inst, opts.unit_s)
+    sched = planner._warm_start(jobs, caps, planner._tenant_caps(inst, pinned, ctx.held), pinned,
+                                ctx)
     return planner.objective(sched, ctx)
 
 

@@ -31,7 +31,10 @@ bench/results/colocate_sim_cpu.md. The join rules:
   (then node and GPU order);
 - a tenant's usage counts each hosted task as a share of its executor's GPUs by rows:
   gpus x rows_t / sum of the hosted tasks' rows (one task alone: all its GPUs); a join is refused
-  when the tenant's usage plus that share would pass its max_gpus;
+  when the tenant's usage, the GPUs of its tasks the plan starts now and that share would pass
+  its max_gpus; and the planner counts a tenant's hosted shares against its max_gpus until each
+  hosted task ends (Instance.tenant_held_gpus, rounded up at each time), so a tenant holding half
+  a GPU under a cap of 1 starts no whole-GPU task before that share is released;
 - bounded waiting: a join that would keep an executor's GPUs past its current end is refused
   while another waiting task (not joining) is urgent (past half its waiting bound) or of a tenant
   under its guaranteed share: the executor drains and its GPUs go to the plan;
@@ -154,15 +157,24 @@ def usable_executors(executors: Sequence[WarmExecutor], live: Sequence[LivePlace
     return out
 
 
-def tenant_usage(live: Sequence[LivePlacement]) -> dict[str, float]:
-    """GPUs each tenant uses: a placement alone on its GPUs counts them all; placements sharing
-    GPUs (one shared executor) split them by rows (module docstring)."""
-    usage: dict[str, float] = {}
+def task_shares(live: Sequence[LivePlacement]) -> dict[str, float]:
+    """GPUs each live task uses: a placement alone on its GPUs counts them all; placements
+    sharing GPUs (one shared executor) split them by rows (module docstring)."""
+    shares: dict[str, float] = {}
     for group in shared_groups(live):
         total = sum(max(1, p.rows) for p in group)
         gpus = len({(p.node_id, g) for p in group for g in p.gpus})
         for p in group:
-            usage[p.tenant] = usage.get(p.tenant, 0.0) + gpus * max(1, p.rows) / total
+            shares[p.task_id] = shares.get(p.task_id, 0.0) + gpus * max(1, p.rows) / total
+    return shares
+
+
+def tenant_usage(live: Sequence[LivePlacement]) -> dict[str, float]:
+    """GPUs each tenant uses: the sum of its live tasks' task_shares."""
+    shares = task_shares(live)
+    usage: dict[str, float] = {}
+    for task_id, tenant in {p.task_id: p.tenant for p in live}.items():
+        usage[tenant] = usage.get(tenant, 0.0) + shares[task_id]
     return usage
 
 
@@ -226,12 +238,19 @@ class _Group:
 
 def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
                candidates: Mapping[str, JoinCandidate], live: Sequence[LivePlacement],
-               starting: Collection[str] = (), pausing: Collection[str] = ()) -> list[Join]:
+               starting: Mapping[str, int] | None = None,
+               pausing: Collection[str] = ()) -> list[Join]:
     """Which queued tasks of ``inst`` join which busy executors now (module docstring);
-    ``starting``: the queued tasks the plan starts now on GPUs (they neither join nor wait);
-    ``pausing``: the running tasks the plan preempts (quota reclaim frees their GPUs)."""
+    ``starting``: the queued tasks the plan starts now on GPUs, with their GPU counts (they
+    neither join nor wait, and their GPUs count against their tenants' caps); ``pausing``: the
+    running tasks the plan preempts (quota reclaim frees their GPUs)."""
+    starting = starting or {}
     specs = {t.id: t for t in inst.tasks if t.pinned is None and t.id not in starting}
     usage = tenant_usage(live)
+    capped = dict(usage)  # what counts against a cap now: the plan's starts too
+    for t in inst.tasks:
+        if t.id in starting:
+            capped[t.tenant] = capped.get(t.tenant, 0.0) + starting[t.id]
     guar = inst.tenant_guaranteed_gpus
     caps = inst.tenant_max_gpus
     gpu_type = {n.id: n.gpu_type for n in inst.nodes if n.up}
@@ -264,13 +283,14 @@ def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
             g = groups[ex.ref]
             share = g.gpus * take / (g.rows + take)
             cap = caps.get(t.tenant)
-            if cap is not None and usage.get(t.tenant, 0.0) + share > cap + 1e-9:
+            if cap is not None and capped.get(t.tenant, 0.0) + share > cap + 1e-9:
                 continue
             ex.free_rows -= take
             ex.hold_end_s = max(ex.hold_end_s, duration)
             ex.placement_ids = (*ex.placement_ids, f"join:{t.id}")
             g.rows += take
             usage[t.tenant] = usage.get(t.tenant, 0.0) + share
+            capped[t.tenant] = capped.get(t.tenant, 0.0) + share
             joins.append(Join(t.id, t.tenant, ex, take, share, duration))
             break
     return joins
@@ -309,7 +329,8 @@ class CoState:
         neither join nor wait, and no task joins an executor it pauses."""
         if not self.busy:
             return []
-        starting = {t for t, a in plan.assignments.items() if not a.pinned and a.start_s == 0}
+        starting = {t: len(a.gpu_indices) for t, a in plan.assignments.items()
+                    if not a.pinned and a.start_s == 0}
         return plan_joins(inst, self.busy, self.candidates, self.live, starting,
                           self.colocated.pausing(plan))
 
@@ -327,14 +348,17 @@ class Colocated:
         return [t for v in plan.preempt for t in self.occupants.get(v, [v])]
 
 
-def colocate_instance(inst: Instance, usage: Mapping[str, float] | None = None) -> Colocated:
+def colocate_instance(inst: Instance, usage: Mapping[str, float] | None = None,
+                      shares: Mapping[str, float] | None = None) -> Colocated:
     """Give each group of running tasks that share GPUs one occupant (module docstring). With
     tenants' ``usage``, an occupant whose every hosted task may be preempted and is of a tenant
     beyond its guaranteed share may be chosen by quota reclaim: loop.py then pauses every task it
     hosts. Any other is of a tenant of its own whose guaranteed share is its GPUs: reclaim never
     takes it, and counts its GPUs busy until every task it hosts is being stopped (to
     planner.reclaim, a running task that is not preemptible is being stopped: GPUs as good as
-    free)."""
+    free). Each hosted task's share of its executor's GPUs (``shares``, task_shares; an equal
+    split where unknown) stays its tenant's until it ends: Instance.tenant_held_gpus, counted
+    against the tenant's hard cap."""
     tasks = list(inst.tasks)
     pinned = [t for t in tasks if t.pinned is not None]
     groups = _by_shared_gpus(pinned, lambda t: (t.pinned.node_id, t.pinned.gpu_indices)
@@ -350,6 +374,7 @@ def colocate_instance(inst: Instance, usage: Mapping[str, float] | None = None) 
         new_tasks.append(t)
     out = Colocated(inst)
     guar = dict(inst.tenant_guaranteed_gpus)
+    held = {t: list(h) for t, h in inst.tenant_held_gpus.items()}
     for ms in shared:
         spots = [m.pinned for m in ms if m.pinned is not None]
         node = spots[0].node_id
@@ -367,7 +392,11 @@ def colocate_instance(inst: Instance, usage: Mapping[str, float] | None = None) 
             duration_s=max(m.duration_s for m in ms), state="running",
             pinned=Pinned(node, gpus, start), arrival_s=start, preemptible=not stopped))
         out.occupants[occupant] = [m.id for m in ms]
-    out.instance = replace(inst, tasks=new_tasks, tenant_guaranteed_gpus=guar)
+        for m in ms:
+            share = (shares or {}).get(m.id, len(gpus) / len(ms))
+            held.setdefault(m.tenant, []).append((float(m.duration_s), share))
+    out.instance = replace(inst, tasks=new_tasks, tenant_guaranteed_gpus=guar,
+                           tenant_held_gpus=held)
     return out
 
 

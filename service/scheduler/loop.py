@@ -65,6 +65,7 @@ from service.scheduler.colocation import (
     demand,
     fresh_executors,
     prefer_warm,
+    task_shares,
     tenant_usage,
     usable_executors,
 )
@@ -413,7 +414,8 @@ def colocation(session: Session, settings: Settings, inst: Instance, now: dateti
     if not executors and not _shares_gpus(inst):
         return CoState(colocate_instance(inst))
     live, keys, sizes = _live_placements(session, inst)
-    state = CoState(colocate_instance(inst, tenant_usage(live)), live=live, keys=keys)
+    state = CoState(colocate_instance(inst, tenant_usage(live), task_shares(live)), live=live,
+                    keys=keys)
     ends = {t.id: t.duration_s for t in inst.tasks if t.pinned is not None}
     for ex in usable_executors(executors, live, ends):
         (state.idle if ex.idle else state.busy).append(ex)

@@ -11,7 +11,7 @@ never fails. Running (pinned) tasks hold their fixed GPUs from time 0, which the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -93,7 +93,10 @@ def earliest_fit(node: Timeline, tenant: Timeline | None, release: int, duration
 
 
 def timelines(node_caps: Sequence[int], tenant_caps: dict[str, int],
-              pinned: Iterable[Placed]) -> tuple[list[Timeline], dict[str, Timeline]]:
+              pinned: Iterable[Placed], held: Mapping[str, Sequence[tuple[int, int]]] | None = None
+              ) -> tuple[list[Timeline], dict[str, Timeline]]:
+    """The nodes' and capped tenants' timelines with the running tasks and ``held``: per
+    tenant, (end, GPUs) spans from 0 that count against its cap only (planner._held_spans)."""
     nodes = [Timeline(c) for c in node_caps]
     tenants = {t: Timeline(c) for t, c in tenant_caps.items()}
     for p in pinned:
@@ -101,15 +104,19 @@ def timelines(node_caps: Sequence[int], tenant_caps: dict[str, int],
         nodes[p.option.node].spans.append(span)
         if p.job.tenant in tenants:
             tenants[p.job.tenant].spans.append(span)
+    for tenant, spans in (held or {}).items():
+        if tenant in tenants:
+            tenants[tenant].spans.extend((0, end, g) for end, g in spans)
     return nodes, tenants
 
 
 def list_schedule(order: Sequence[UJob], node_caps: Sequence[int], tenant_caps: dict[str, int],
-                  pinned: Sequence[Placed], follow_hints: bool = False) -> list[Placed]:
+                  pinned: Sequence[Placed], follow_hints: bool = False,
+                  held: Mapping[str, Sequence[tuple[int, int]]] | None = None) -> list[Placed]:
     """Serial schedule generation: each task in ``order`` goes to the (node, time) where it ends
     first (ties: the fuller node). With follow_hints, a hinted task tries its hinted node first
     and keeps it unless that would start it later than its hinted start."""
-    nodes, tenants = timelines(node_caps, tenant_caps, pinned)
+    nodes, tenants = timelines(node_caps, tenant_caps, pinned, held)
     placed: list[Placed] = []
     for job in order:
         tenant = tenants.get(job.tenant)

@@ -11,7 +11,9 @@ Model:
   the present intervals (exact: packing.assign_gpus turns it into GPU indices), plus a redundant
   cumulative of the whole cluster as one pool. Running tasks are fixed intervals [0, remaining)
   on their GPUs.
-- per tenant with a hard cap (``tenant_max_gpus``, the borrowing limit) a cumulative over its tasks.
+- per tenant with a hard cap (``tenant_max_gpus``, the borrowing limit) a cumulative over its tasks
+  and the GPUs it holds outside them (``tenant_held_gpus``: its shares of shared executors,
+  rounded up at each time, as fixed intervals from 0).
 
 Objective (minimised, all integer):
 - weighted flow time sum_i w_i * e_i: w_i = (1 + tenant priority) * (10 + task priority) set by
@@ -122,6 +124,10 @@ class Instance:
     tenant_guaranteed_gpus: Mapping[str, int] = field(default_factory=dict)  # reclaimable share
     # Per tenant, (sum, count) of the slowdowns of its recently finished tasks (tenant_history).
     tenant_history: Mapping[str, tuple[float, int]] = field(default_factory=dict)
+    # Per tenant, GPUs it holds outside its tasks' own: (seconds from now until released, GPUs,
+    # fractional), e.g. its tasks' shares of shared executors (whose GPUs an occupant task
+    # holds). They count against its hard cap only, never against a node.
+    tenant_held_gpus: Mapping[str, Sequence[tuple[float, float]]] = field(default_factory=dict)
 
 
 FAIR_HISTORY = 20  # finished tasks per tenant whose slowdowns the fair-share term remembers
@@ -229,6 +235,7 @@ class _Ctx:
     share: dict[str, int] = field(default_factory=dict)  # tenant -> 1 + its operator priority
     margin: dict[int, int] = field(default_factory=dict)  # wait_margin of the bound (units)
     rank: dict[int, int] = field(default_factory=dict)  # job -> 10 + its own task priority
+    held: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # _held_spans
 
 
 def _build_jobs(inst: Instance, unit: int, opts: SolveOptions
@@ -281,12 +288,37 @@ def _build_jobs(inst: Instance, unit: int, opts: SolveOptions
     return queued, pinned, bad, specs
 
 
-def _tenant_caps(inst: Instance, pinned: Sequence[Placed]) -> dict[str, int]:
+def _tenant_caps(inst: Instance, pinned: Sequence[Placed],
+                 held: Mapping[str, Sequence[tuple[int, int]]]) -> dict[str, int]:
     caps = {}
     for tenant, limit in inst.tenant_max_gpus.items():
         running = sum(p.option.gpus for p in pinned if p.job.tenant == tenant)
+        running += sum(g for _, g in held.get(tenant, ()))
         caps[tenant] = max(limit, running)  # a lowered limit never evicts running tasks
     return caps
+
+
+def _held_spans(inst: Instance, unit: int) -> dict[str, list[tuple[int, int]]]:
+    """Per capped tenant, spans [0, end) (units) with whole-GPU demands whose sum at each time
+    is the ceiling of the GPUs it still holds then (tenant_held_gpus): a tenant holding 0.5 of
+    a GPU under a cap of 1 can start no whole-GPU task until it is released, and one holding
+    1.2 under a cap of 3 can start one."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for tenant, held in inst.tenant_held_gpus.items():
+        if tenant not in inst.tenant_max_gpus:
+            continue
+        spans, total, level = [], 0.0, 0
+        # latest release first: total is what the tenant holds just before this release
+        for end, g in sorted(((max(1, _units_up(s, unit)), g) for s, g in held if g > 0),
+                             reverse=True):
+            total += g
+            now = math.ceil(total - 1e-9)
+            if now > level:
+                spans.append((end, now - level))
+                level = now
+        if spans:
+            out[tenant] = spans
+    return out
 
 
 def _context(jobs: Sequence[UJob], pinned: Sequence[Placed], specs: Mapping[int, TaskSpec],
@@ -411,7 +443,8 @@ def _warm_start(jobs: list[UJob], node_caps: list[int], tenant_caps: dict[str, i
     best: list[Placed] = []
     best_value = 0
     for k, order in enumerate(orders):
-        sched = list_schedule(order, node_caps, tenant_caps, pinned, follow_hints=k == len(orders) - 1 and hinted)
+        sched = list_schedule(order, node_caps, tenant_caps, pinned,
+                              follow_hints=k == len(orders) - 1 and hinted, held=ctx.held)
         value = objective(sched, ctx)
         if not best or value < best_value:
             best, best_value = sched, value
@@ -488,7 +521,8 @@ def solve(inst: Instance, opts: SolveOptions | None = None) -> Plan:
     node_caps = [n.gpu_count if n.up else 0 for n in inst.nodes]
     # caps before reclaim: a lowered cap never evicts running tasks, so a preempted one must be
     # able to come back under it
-    tenant_caps = _tenant_caps(inst, pinned)
+    held = _held_spans(inst, unit)
+    tenant_caps = _tenant_caps(inst, pinned, held)
     victims, chosen = reclaim(inst, jobs, pinned, node_caps)
     if victims:  # preempted tasks leave their GPUs now and are planned as queued again
         keep = [p for p in pinned if p.job.task_id not in victims]
@@ -513,6 +547,7 @@ def solve(inst: Instance, opts: SolveOptions | None = None) -> Plan:
             j.max_start = 0 if j.max_start is None else min(j.max_start, 0)
     boost_guarantee(inst, jobs, pinned, opts)
     ctx = _context(jobs, pinned, specs, unit, opts, inst.tenant_history)
+    ctx.held = held
     greedy = _warm_start(jobs, node_caps, tenant_caps, pinned, ctx)
     t1 = time.perf_counter()
     sched, status, bound = greedy, ("HEURISTIC" if jobs else "EMPTY"), 0
@@ -559,7 +594,8 @@ def heuristic_makespan(inst: Instance, unit_s: int = 1) -> int:
     jobs, pinned, _, specs = _build_jobs(inst, unit_s, opts)
     node_caps = [n.gpu_count if n.up else 0 for n in inst.nodes]
     ctx = _context(jobs, pinned, specs, unit_s, opts)
-    sched = _warm_start(jobs, node_caps, _tenant_caps(inst, pinned), pinned, ctx)
+    ctx.held = _held_spans(inst, unit_s)
+    sched = _warm_start(jobs, node_caps, _tenant_caps(inst, pinned, ctx.held), pinned, ctx)
     return max([p.end for p in sched] + [p.end for p in pinned] + [0]) * unit_s
 
 
@@ -712,6 +748,11 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
         if p.job.tenant in tenant_iv:
             tenant_iv[p.job.tenant].append((iv, p.option.gpus))
         pooled.append((iv, p.option.gpus))
+    for tenant, spans in ctx.held.items():
+        for k, (span_end, g) in enumerate(spans):
+            if tenant in tenant_iv:
+                tenant_iv[tenant].append((m.new_fixed_size_interval_var(
+                    0, span_end, f"held_{tenant}_{k}"), g))
     for cap, ivs in zip(node_caps, node_iv, strict=True):
         if ivs:
             m.add_cumulative([iv for iv, _ in ivs], [g for _, g in ivs], cap)

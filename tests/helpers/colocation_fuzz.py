@@ -27,6 +27,7 @@ from service.scheduler.colocation import (
     demand,
     fresh_executors,
     prefer_warm,
+    task_shares,
     tenant_usage,
     usable_executors,
 )
@@ -247,7 +248,8 @@ def replan(w: World, opts: SolveOptions):  # noqa: ANN201
     else:
         # _live_placements: keys of the live tasks and of every instance task
         keys = dict(w.keys)
-        co = CoState(colocate_instance(inst, tenant_usage(w.live)), live=list(w.live), keys=keys)
+        co = CoState(colocate_instance(inst, tenant_usage(w.live), task_shares(w.live)),
+                     live=list(w.live), keys=keys)
         ends = {t.id: t.duration_s for t in inst.tasks if t.pinned is not None}
         for ex in usable_executors(executors, w.live, ends):
             (co.idle if ex.idle else co.busy).append(ex)
@@ -356,26 +358,33 @@ def check(w: World, out, info: Counter, unit: int) -> None:  # noqa: ANN001, C90
             if s2 < e1:
                 raise Fail("double-booked", f"{spot}: {t1} [{s1},{e1}) and {t2} [{s2},{e2}) "
                            f"(moved {set(moved)})")
-    # tenant caps as the planner defines them (pinned GPUs, a lowered cap keeps what runs)
+    # tenant caps as the planner defines them (pinned GPUs and held shares: a lowered cap
+    # keeps what runs), and at time 0 with co-located shares (task_shares) and this replan's
+    # joins: a tenant at or over its cap gets nothing new, one under it stays within it
+    shares = task_shares(w.live)
     for tenant, cap in inst.tenant_max_gpus.items():
         mine = [a for tid, a in plan.assignments.items() if cby_id[tid].tenant == tenant]
         # the planner's caps are taken before reclaim: a preempted task comes back under them
         running = sum(len(t.pinned.gpu_indices) for t in cinst.tasks if t.pinned is not None
                       and t.tenant == tenant and nodes[t.pinned.node_id].up)
-        limit = max(cap, running)
+        hosted = [t for t in cinst.tasks if t.tenant == tenant and t.pinned is not None
+                  and not t.pinned.gpu_indices]
+        hosted_share = sum(shares.get(t.id, 0.0) for t in hosted)
+        limit = max(cap, running + math.ceil(hosted_share - 1e-9))
         for x in mine:
             at = max(0, x.start_s)
             used = sum(len(a.gpu_indices) for a in mine
                        if max(0, a.start_s) <= at < a.end_s)
             if used > limit:
                 raise Fail("cap", f"{tenant} uses {used} > {limit} at {at}")
-        # with co-located shares (tenant_usage): informational
-        shares = tenant_usage(w.live).get(tenant, 0.0)
-        whole = sum(len(a.gpu_indices) for a in mine if a.pinned)
-        hosted_share = shares - whole if shares > whole else 0.0
-        now_new = sum(len(a.gpu_indices) for a in mine if not a.pinned and a.start_s == 0)
-        if now_new and whole + hosted_share + now_new > cap + 1e-9 and hosted_share > 0:
-            info["planner starts a task over cap counting hosted shares"] += 1
+        whole = sum(len(a.gpu_indices) for tid, a in plan.assignments.items()
+                    if a.pinned and cby_id[tid].tenant == tenant and tid not in victims)
+        new_now = sum(len(a.gpu_indices) for a in mine if not a.pinned and a.start_s == 0)
+        joined = sum(j.share for j in joins if j.tenant == tenant)
+        if new_now or joined:
+            if whole + hosted_share + new_now + joined > limit + 1e-9:
+                raise Fail("cap with shares", f"{tenant}: {whole} whole + {hosted_share:.2f} "
+                           f"hosted + {new_now} new + {joined:.2f} joined > {limit}")
     # D: prefer_warm
     idle_by = {(e.node_id, e.gpus): e for e in idle_snap}
     for tid, a in moved.items():

@@ -18,6 +18,7 @@ from service.scheduler.colocation import (
     fresh_executors,
     plan_joins,
     prefer_warm,
+    task_shares,
     tenant_usage,
     usable_executors,
 )
@@ -138,13 +139,13 @@ def test_a_join_does_not_outlast_the_executor_while_an_urgent_task_waits_for_gpu
     assert joined(got) == {"short": "n0:0"}  # ends before the executor would anyway
     # when the plan starts the waiter now on a free GPU, both join
     e = ex(hold=3600, free=16)
-    assert set(joined(plan_joins(i, [e], c, BUSY, starting={"w"}))) == {"long", "short"}
+    assert set(joined(plan_joins(i, [e], c, BUSY, starting={"w": 1}))) == {"long", "short"}
 
 
 def test_tasks_the_plan_starts_now_do_not_join() -> None:
     i = inst([running("a"), queued("b"), queued("c")], gpus=2)
     c = {"b": cand("b"), "c": cand("c")}
-    assert joined(plan_joins(i, [ex(free=16)], c, BUSY, starting={"b"})) == {"c": "n0:0"}
+    assert joined(plan_joins(i, [ex(free=16)], c, BUSY, starting={"b": 1})) == {"c": "n0:0"}
 
 
 def test_an_idle_executor_is_never_joined_before_the_plan() -> None:
@@ -285,14 +286,16 @@ def test_no_task_joins_an_executor_the_plan_reclaims() -> None:
     col = colocate_instance(i, tenant_usage(hosted))
     plan = solve(col.instance, SolveOptions(unit_s=60))
     assert plan.preempt == ["a"] and where(plan)["owed"] == ("n0", (0,))
-    starting = {t for t, x in plan.assignments.items() if not x.pinned and x.start_s == 0}
-    assert starting == {"owed"} and col.pausing(plan) == ["a"]
+    starting = {t: len(x.gpu_indices) for t, x in plan.assignments.items()
+                if not x.pinned and x.start_s == 0}
+    assert starting == {"owed": 1} and col.pausing(plan) == ["a"]
     # "b" would hold the GPU being freed (and keep "owed" from it for its whole run)
     assert plan_joins(i, [ex()], c, hosted, starting, col.pausing(plan)) == []
     # no guarantee owed: "a" runs on and "b" joins it
     i = inst([a, owed, b])
     plan = solve(colocate_instance(i, tenant_usage(hosted)).instance, SolveOptions(unit_s=60))
-    starting = {t for t, x in plan.assignments.items() if not x.pinned and x.start_s == 0}
+    starting = {t: len(x.gpu_indices) for t, x in plan.assignments.items()
+                if not x.pinned and x.start_s == 0}
     assert plan.preempt == [] and joined(plan_joins(i, [ex()], c, hosted, starting)) == {
         "b": "n0:0"}
 
@@ -333,3 +336,38 @@ def test_a_task_moves_to_a_warm_gpu_of_another_node_only_of_its_gpu_type() -> No
     p = plan_of(assignment("same", "n1", (0,)))
     assert set(prefer_warm(p, [warm], keys, H100S)) == {"same"}
     assert where(p)["same"] == ("n0", (1,))
+
+
+def test_a_tenants_shares_of_shared_executors_count_against_its_cap() -> None:
+    # n0:0 is one executor hosting "a" (t1) and "x" (t2), 8 rows each: t1 holds half a GPU for
+    # the hour "a" has left; n0:1 is free. t1's queued whole-GPU task "q" would make 1.5 GPUs.
+    a = running("a", tenant="t1", duration=3600)
+    x = running("x", tenant="t2", duration=7200)
+    q = queued("q", tenant="t1")
+    hosted = [live("pl_a", "a", tenant="t1"), live("pl_x", "x", tenant="t2")]
+    shares = task_shares(hosted)
+    assert shares == {"a": 0.5, "x": 0.5} and tenant_usage(hosted) == {"t1": 0.5, "t2": 0.5}
+    opts = SolveOptions(unit_s=60)
+    for cap, start in ((1, 3600), (2, 0)):  # capped at 1: q waits for "a"; at 2 it starts now
+        i = inst([a, x, q], gpus=2, tenant_max_gpus={"t1": cap})
+        col = colocate_instance(i, tenant_usage(hosted), shares)
+        assert col.instance.tenant_held_gpus == {"t1": [(3600.0, 0.5)], "t2": [(7200.0, 0.5)]}
+        plan = solve(col.instance, opts)
+        assert "q" not in plan.unschedulable and plan.assignments["q"].start_s == start, cap
+    # without the shares (an equal split) the same; a tenant without a cap is not held back
+    i = inst([a, x, q], gpus=2, tenant_max_gpus={"t1": 1})
+    assert solve(colocate_instance(i).instance, opts).assignments["q"].start_s == 3600
+    i = inst([a, x, q], gpus=2, tenant_max_gpus={"t2": 1})
+    assert solve(colocate_instance(i, tenant_usage(hosted), shares).instance,
+                 opts).assignments["q"].start_s == 0
+
+
+def test_no_join_takes_a_tenant_over_its_cap_with_what_the_plan_starts() -> None:
+    # t1 (cap 1) has "w" starting now on a whole GPU: its "b" may not also join "a"'s executor
+    i = inst([running("a", tenant="t2"), queued("w"), queued("b")], tenant_max_gpus={"t1": 1})
+    c = {"b": cand("b")}
+    hosted = [live("pl_a", "a", tenant="t2")]
+    assert plan_joins(i, [ex()], c, hosted, starting={"w": 1}) == []
+    assert joined(plan_joins(i, [ex()], c, hosted)) == {"b": "n0:0"}  # nothing else of t1's
+    i = replace(i, tenant_max_gpus={"t1": 2})
+    assert joined(plan_joins(i, [ex()], c, hosted, starting={"w": 1})) == {"b": "n0:0"}

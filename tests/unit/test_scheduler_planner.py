@@ -122,11 +122,12 @@ def brute_force_objective(inst: Instance, opts: SolveOptions) -> int:
     jobs, pinned, _, specs = planner._build_jobs(inst, opts.unit_s, opts)
     node_caps = [n.gpu_count if n.up else 0 for n in inst.nodes]
     ctx = planner._context(jobs, pinned, specs, opts.unit_s, opts, inst.tenant_history)
-    caps = planner._tenant_caps(inst, pinned)
+    held = planner._held_spans(inst, opts.unit_s)
+    caps = planner._tenant_caps(inst, pinned, held)
     best = None
     for order in itertools.permutations(jobs):
         for choice in itertools.product(*[j.options for j in order]):
-            nodes, tenants = timelines(node_caps, caps, pinned)
+            nodes, tenants = timelines(node_caps, caps, pinned, held)
             sched = []
             for j, o in zip(order, choice, strict=True):
                 ten = tenants.get(j.tenant)
