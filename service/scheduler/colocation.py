@@ -329,9 +329,7 @@ class CoState:
         neither join nor wait, and no task joins an executor it pauses."""
         if not self.busy:
             return []
-        starting = {t: len(a.gpu_indices) for t, a in plan.assignments.items()
-                    if not a.pinned and a.start_s == 0}
-        return plan_joins(inst, self.busy, self.candidates, self.live, starting,
+        return plan_joins(inst, self.busy, self.candidates, self.live, plan.starts_now(),
                           self.colocated.pausing(plan))
 
 

@@ -173,6 +173,11 @@ class Plan:
     objective_bound: int = 0
     makespan_time_s: float = 0.0  # wall time to the warm start (model build included)
 
+    def starts_now(self) -> dict[str, int]:
+        """The queued tasks this plan starts now (at 0, on GPUs), with their GPU counts."""
+        return {t: len(a.gpu_indices) for t, a in self.assignments.items()
+                if not a.pinned and a.start_s == 0}
+
     @property
     def relaxed_waiting(self) -> bool:
         """Some task is planned to start after its waiting bound (only the late ones are)."""
@@ -748,11 +753,9 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
         if p.job.tenant in tenant_iv:
             tenant_iv[p.job.tenant].append((iv, p.option.gpus))
         pooled.append((iv, p.option.gpus))
-    for tenant, spans in ctx.held.items():
-        for k, (span_end, g) in enumerate(spans):
-            if tenant in tenant_iv:
-                tenant_iv[tenant].append((m.new_fixed_size_interval_var(
-                    0, span_end, f"held_{tenant}_{k}"), g))
+    for tenant, spans in ctx.held.items():  # capped tenants only (_held_spans): in tenant_iv
+        tenant_iv[tenant].extend((m.new_fixed_size_interval_var(0, end, f"held_{tenant}_{k}"), g)
+                                 for k, (end, g) in enumerate(spans))
     for cap, ivs in zip(node_caps, node_iv, strict=True):
         if ivs:
             m.add_cumulative([iv for iv, _ in ivs], [g for _, g in ivs], cap)

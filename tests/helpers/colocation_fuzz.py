@@ -263,7 +263,7 @@ def replan(w: World, opts: SolveOptions):  # noqa: ANN201
     idle_snap = copy.deepcopy(co.idle)
     busy_snap = copy.deepcopy(co.busy)
     moved = prefer_warm(plan, co.idle, co.keys, {n.id: n.gpu_type for n in inst.nodes})
-    starting = {t for t, a in plan.assignments.items() if not a.pinned and a.start_s == 0}
+    starting = set(plan.starts_now())
     joins = co.joins(inst, plan)
     return inst, co, plan, before, moved, starting, joins, idle_snap, busy_snap
 

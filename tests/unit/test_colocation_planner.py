@@ -286,16 +286,14 @@ def test_no_task_joins_an_executor_the_plan_reclaims() -> None:
     col = colocate_instance(i, tenant_usage(hosted))
     plan = solve(col.instance, SolveOptions(unit_s=60))
     assert plan.preempt == ["a"] and where(plan)["owed"] == ("n0", (0,))
-    starting = {t: len(x.gpu_indices) for t, x in plan.assignments.items()
-                if not x.pinned and x.start_s == 0}
+    starting = plan.starts_now()
     assert starting == {"owed": 1} and col.pausing(plan) == ["a"]
     # "b" would hold the GPU being freed (and keep "owed" from it for its whole run)
     assert plan_joins(i, [ex()], c, hosted, starting, col.pausing(plan)) == []
     # no guarantee owed: "a" runs on and "b" joins it
     i = inst([a, owed, b])
     plan = solve(colocate_instance(i, tenant_usage(hosted)).instance, SolveOptions(unit_s=60))
-    starting = {t: len(x.gpu_indices) for t, x in plan.assignments.items()
-                if not x.pinned and x.start_s == 0}
+    starting = plan.starts_now()
     assert plan.preempt == [] and joined(plan_joins(i, [ex()], c, hosted, starting)) == {
         "b": "n0:0"}
 
