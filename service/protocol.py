@@ -214,16 +214,32 @@ class EarlyExitSettings(_Msg):
 
 
 class EvalSettings(_Msg):
-    """When each job evaluates. By default every 1024 samples it trained on: with 256 validation
-    samples (one costs about 0.4 of a training sample, bench/results/task_e2e_h100.md) that is
-    about 9% of a job's time at every batch size, where every 50 steps cost batch-1 jobs 68%.
-    A request that names eval_every_steps alone gets that step cadence."""
+    """When each job evaluates, and on how many validation samples. By default every 1024
+    samples it trained on; each evaluation uses validation samples in proportion to the samples
+    the job trained on since its last one (`eval_samples_per_trained`, 0.25: 256 per 1024; one
+    costs about 0.3 of a training sample, so evaluation stays near 8% of a job's time), never
+    fewer than `eval_min_samples` nor more than the evaluation set (`eval_max_samples`). Every
+    evaluation takes a leading subset of one fixed order, so jobs compare on the same samples;
+    the warmup ranking evaluates every job on the same subset, and a job's last evaluation is
+    sized by all it trained on. A request that names eval_every_steps alone gets that step
+    cadence."""
 
     eval_every_steps: int = Field(default=50, ge=1, le=1_000_000)
     eval_max_samples: int | None = Field(
         default=256, ge=1, le=1_000_000,
-        description="Validation samples each evaluation uses (the first N of the held-out "
-                    "set, the same for every job); null: all of them.")
+        description="The evaluation set: the first N of the held-out set (in a fixed "
+                    "shuffled order, the same for every job); null: all of them. No evaluation "
+                    "uses more.")
+    eval_samples_per_trained: float | None = Field(
+        default=0.25, gt=0, le=1000, allow_inf_nan=False,
+        description="Validation samples an evaluation uses per sample the job trained on since "
+                    "its last evaluation (its last one: per sample trained in all), between "
+                    "eval_min_samples and the evaluation set; null: the whole evaluation set "
+                    "every time.")
+    eval_min_samples: int = Field(
+        default=64, ge=1, le=1_000_000,
+        description="The fewest validation samples of any evaluation (or the whole evaluation "
+                    "set when smaller).")
     eval_every_samples: int | None = Field(
         default=1024, ge=1, le=1_000_000_000,
         description="Evaluate a job each time it has trained on this many more samples "

@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -210,9 +211,12 @@ class TaskRun:
         if not train or not val:
             raise ValueError("no trainable examples left after tokenisation/truncation")
         cap = cfg.eval.eval_max_samples
-        # the same first N for every job and evaluation, in order of length: an evaluation
-        # forward then packs sequences of like length (a mean over tokens ignores the order)
-        self.val = sorted(val[:cap] if cap else val, key=_length, reverse=True)
+        # one fixed shuffled order (the task's split seed): every evaluation takes a leading
+        # subset of it, so evaluations of any size compare jobs on the same samples and a small
+        # one is not biased to the file's first records (each subset is sorted by length when
+        # evaluated: a forward then packs sequences of like length)
+        random.Random(cfg.split_seed).shuffle(val)
+        self.val = val[:cap] if cap else val
         self.train = train
 
     def open(self) -> None:
@@ -307,31 +311,64 @@ class TaskRun:
             return (s.step * s.batch_size) // every > ((s.step - 1) * s.batch_size) // every
         return s.step % self.cfg.eval.eval_every_steps == 0
 
-    def eval_shape(self, n_jobs: int) -> tuple[int, int]:
-        return self.host.eval_shape(n_jobs, len(self.val), self.cfg.eval_batch_size)
+    def eval_shape(self, n_jobs: int, n_examples: int | None = None) -> tuple[int, int]:
+        n = len(self.val) if n_examples is None else n_examples
+        return self.host.eval_shape(n_jobs, n, self.cfg.eval_batch_size)
+
+    def eval_size(self, job_id: str, s: JobSlot) -> int:
+        """Validation samples of the job's evaluation due now (EvalSettings): in proportion to
+        what it trained on since its last evaluation (its last one: to all it trained on; at the
+        warmup ranking: the same for every job, from the largest warmup), rounded up to the
+        minimum times a power of two so jobs due together share forwards, within [minimum, set]."""
+        ev, full = self.cfg.eval, len(self.val)
+        ratio = getattr(ev, "eval_samples_per_trained", None)
+        if ratio is None or full == 0:
+            return full
+        if s.done:
+            trained = s.step * s.batch_size
+        elif self.in_warmup(job_id) and s.step == self.warmup_len(s):
+            trained = self.ranking_samples()
+        else:
+            trained = (s.step - self.last_eval.get(job_id, 0)) * s.batch_size
+        return eval_subset_size(ratio * trained, getattr(ev, "eval_min_samples", 1), full)
+
+    def ranking_samples(self) -> int:
+        """Samples the longest warmup of the task's jobs trains on: the warmup ranking's
+        evaluation is sized by it, one size for every job (their losses are compared)."""
+        n = len(self.train)
+        return max(self.cfg.early_exit.warmup_steps(j.total_steps(n)) * j.batch_size for j in self.cfg.jobs)
 
     def evaluate_due(self) -> None:
-        """Evaluate the task's jobs at their evaluation points, on the task's validation set."""
-        due = []
+        """Evaluate the task's jobs at their evaluation points, each on the leading subset of the
+        task's validation set its training since the last evaluation earns (`eval_size`)."""
+        due: dict[int, list[str]] = {}
         for job_id, s in self.placed.items():
             warm_end = self.warmup_len(s) if self.in_warmup(job_id) else -1
             if self.cadence_due(s) or s.done or s.step == warm_end:
                 if self.last_eval.get(job_id) != s.step:
-                    due.append(job_id)
+                    due.setdefault(self.eval_size(job_id, s), []).append(job_id)
         if not due:
             return
         host = self.host
 
-        def plan(r: int) -> tuple[list[str], int, int]:
-            ids = [j for j in due if self.placed[j].owner == r]
-            return (ids, *self.eval_shape(len(ids)))
+        def plan(ids: list[str], n: int, r: int) -> tuple[list[str], int, int]:
+            mine = [j for j in ids if self.placed[j].owner == r]
+            return (mine, *self.eval_shape(len(mine), n))
 
-        forwards = max(eval_forwards(len(ids), len(self.val), bs, cap)
-                       for ids, bs, cap in map(plan, range(host.world)))
-        mine, bs, cap = plan(host.rank)
-        local = host.engine.evaluate_metrics(self.val, bs, mine, cap, forwards=forwards)
+        # in lockstep every rank makes as many forwards as the rank that needs the most
+        forwards = max(sum(eval_forwards(len(m), n, bs, cap) for n, ids in due.items()
+                           for m, bs, cap in [plan(ids, n, r)]) for r in range(host.world))
+        local: dict[str, dict[str, float]] = {}
+        own = 0
+        for n, ids in sorted(due.items()):
+            mine, bs, cap = plan(ids, n, host.rank)
+            subset = sorted(self.val[:n], key=_length, reverse=True)
+            local.update(host.engine.evaluate_metrics(subset, bs, mine, cap))
+            own += eval_forwards(len(mine), n, bs, cap)
+        for _ in range(forwards - own):
+            host.engine.idle_forward()
         numbers = {j: v for part in host.strategy.gather(local) for j, v in part.items()}
-        for job_id in due:
+        for job_id in (j for ids in due.values() for j in ids):
             s, m = self.placed[job_id], numbers[job_id]
             val = m["loss"]  # DPO: the validation DPO loss, for the same detectors
             self.last_eval[job_id] = s.step
@@ -584,6 +621,17 @@ class TaskRun:
                 st["state"] = "pending"
         for job_id, slot in self.placed.items():
             self.set_state(job_id, "running", {"resumed": True, "rank": slot.owner})
+
+
+def eval_subset_size(earned: float, minimum: int, full: int) -> int:
+    """An evaluation's validation samples: `earned` rounded up to `minimum` times a power of two
+    (few distinct sizes, so jobs due together share forwards), within [minimum, full]."""
+    if full <= minimum:
+        return full
+    n = max(1, minimum)
+    while n < earned and n < full:
+        n *= 2
+    return min(n, full)
 
 
 def _length(example: Example | PairExample) -> int:

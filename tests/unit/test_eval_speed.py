@@ -6,6 +6,7 @@ node and reused for the same key only, and the executor splits its wall time by 
 from __future__ import annotations
 
 import json
+import random
 from collections import defaultdict
 
 import pytest
@@ -71,9 +72,12 @@ def test_eval_max_samples_uses_the_first_n_validation_samples(files) -> None:  #
     jobs = [JobSpec("a", rank=2, alpha=4, lr=1e-3, batch_size=2, max_steps=2, seed=1)]
     ex, evals, _ = run(make_cfg(files, "cap", jobs, eval=EvalSettings(
         eval_every_steps=1, eval_max_samples=4)))
-    first4 = tokenize_all(ex.tokenizer, read_jsonl(files[3]), 48)[:4]
+    every = tokenize_all(ex.tokenizer, read_jsonl(files[3]), 48)
+    # the evaluation set: the first 4 of the validation file in the split seed's shuffled order
+    random.Random(0).shuffle(every)
+    first4 = every[:4]
     assert evals == {"a": [1, 2]}
-    for call in ex.calls:  # the same first 4 (in length order) in every evaluation
+    for call in ex.calls:  # the same 4 (in length order) in every evaluation
         assert sorted(call["examples"], key=lambda e: e.input_ids) == sorted(first4, key=lambda e: e.input_ids)
         lengths = [len(e.input_ids) for e in call["examples"]]
         assert lengths == sorted(lengths, reverse=True)
@@ -237,3 +241,53 @@ def test_executor_attention_setting_packs_varlen_with_the_rows_losses(files) -> 
     capped = Executor(make_cfg(files, "att_gemma2", jobs,
                                model_dir=str(tiny_model_dir("gemma2", files[0]))))
     assert capped._attention_mode(torch.device("cuda")) == "rows"
+
+
+def test_eval_subset_size_rounds_to_the_minimum_times_a_power_of_two() -> None:
+    from trainer.colocate import eval_subset_size
+
+    assert [eval_subset_size(e, 64, 256) for e in (0, 1, 64, 65, 128, 129, 250, 10_000)] == [
+        64, 64, 64, 128, 128, 256, 256, 256]
+    assert eval_subset_size(500, 64, 200) == 200  # never past the evaluation set
+    assert eval_subset_size(1, 64, 40) == 40  # a set smaller than the minimum: all of it
+
+
+def test_evaluations_scale_with_the_samples_trained_since_the_last_one(tmp_path, files) -> None:  # noqa: ANN001
+    _, model, train, _ = files
+    val = write_jsonl(tmp_path / "val40.jsonl", synthetic_rows(40, seed=5, fmt="completion"))
+    ev = EvalSettings(eval_every_samples=8, eval_max_samples=None, eval_samples_per_trained=0.5,
+                      eval_min_samples=2)
+    jobs = [JobSpec("a", rank=2, alpha=4, lr=1e-3, batch_size=2, max_steps=6, seed=1),
+            JobSpec("b", rank=2, alpha=4, lr=1e-3, batch_size=1, max_steps=3, seed=2)]
+    ex, evals, _ = run(make_cfg(files, "scale", jobs, val_file=str(val), eval=ev))
+    assert evals == {"a": [4, 6], "b": [3]}
+    sizes = {(tuple(c["jobs"]), len(c["examples"])) for c in ex.calls}
+    # a: 8 samples since its start earn 4; its last evaluation is sized by all 12 it trained on
+    # (6, rounded up to 2 x 4 = 8); b's last: 3 samples earn 1.5, rounded up to 2
+    assert sizes == {(("a",), 4), (("a",), 8), (("b",), 2)}
+    # every evaluation is a leading subset of one order: the smaller inside the larger
+    by_size = {len(c["examples"]): {e.input_ids for e in c["examples"]} for c in ex.calls}
+    assert by_size[2] < by_size[4] < by_size[8]
+    # null ratio: the whole set every time
+    ex_all, _, _ = run(make_cfg(files, "scale-all", jobs, val_file=str(val), eval=EvalSettings(
+        eval_every_samples=8, eval_max_samples=None, eval_samples_per_trained=None)))
+    assert {len(c["examples"]) for c in ex_all.calls} == {40}
+
+
+def test_the_warmup_ranking_evaluates_every_job_on_the_same_subset(tmp_path, files) -> None:  # noqa: ANN001
+    val = write_jsonl(tmp_path / "val64.jsonl", synthetic_rows(64, seed=6, fmt="completion"))
+    jobs = [JobSpec(f"j{i}", rank=2, alpha=4, lr=1e-3, batch_size=b, max_steps=steps, seed=i)
+            for i, (b, steps) in enumerate([(1, 40), (2, 20), (4, 10), (2, 20)])]
+    ee = EarlyExitSettings(warmup_fraction=0.2, keep_fraction=0.5)
+    ev = EvalSettings(eval_every_samples=10**6, eval_max_samples=None, eval_samples_per_trained=1.0,
+                      eval_min_samples=2)
+    ex, evals, events = run(make_cfg(files, "rank", jobs, val_file=str(val), early_exit=ee, eval=ev))
+    ranking = [d for m, d in events if m == "warmup_ranking"]
+    assert ranking and len(ranking[0]["keep"]) == 2
+    first = {j: min(steps) for j, steps in evals.items()}
+    assert first == {"j0": 8, "j1": 4, "j2": 2, "j3": 4}  # each at its warmup end
+    # the longest warmup trains 8 samples: every job's ranking evaluation uses the same 8
+    firsts = [next(c for c in ex.calls if j in c["jobs"]) for j in first]
+    assert {frozenset(e.input_ids for e in c["examples"]) for c in firsts} == {
+        frozenset(e.input_ids for e in firsts[0]["examples"])}
+    assert all(len(c["examples"]) == 8 for c in firsts)

@@ -39,4 +39,5 @@ def test_trainer_imports_without_pydantic_with_the_same_defaults() -> None:
     assert got["eval"] == EvalSettings().model_dump()
     assert got["beta"] is None and got["warmup"] == 6 and got["unknown"] == "refused"
     assert got["executor_eval"] == {"eval_every_steps": 10, "eval_max_samples": None,
-                                 "eval_every_samples": None}
+                                 "eval_every_samples": None, "eval_samples_per_trained": 0.25,
+                                 "eval_min_samples": 64}
