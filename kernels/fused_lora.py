@@ -43,16 +43,14 @@ import triton.language as tl
 
 from kernels.multilora import cuda_index, hopper_or_newer
 from kernels.triton_lora import (
-    AUTOTUNE_KW,
     _acc_torch,
     _adapter_base,
     _check,
     _check_arena,
     _shrink_sweep,
-    arena_span,
-    launch_restoring,
     wide_dtype_pruner,
 )
+from kernels.tuned import Tuned
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Under the interpreter one small config runs; tests vary the tile sizes through the env.
@@ -148,12 +146,6 @@ def _prune_rank_tiles(configs: list[triton.Config], named_args: dict, **_kw: obj
     need = max(16, triton.next_power_of_2(int(named_args["R_MAX"])))
     keep = [c for c in configs if c.kwargs.get("BLOCK_R", 16) <= need]
     return keep or configs
-
-
-def _tune_kw(wide: triton.Config) -> dict:
-    """autotune's keywords: rank tiles pruned to the call's ranks; fp32/fp64 calls on a GPU run the
-    one small config `wide` (`triton_lora.wide_dtype_pruner` says why)."""
-    return dict(AUTOTUNE_KW, prune_configs_by={"early_config_prune": wide_dtype_pruner(wide, _prune_rank_tiles)})
 
 
 @triton.jit
@@ -535,36 +527,22 @@ def _gemm_lora_persist_jit(
 # dX GEMM (B = W [K, NC]) of two projections can share (T, NC, K) (Llama's down projection forward
 # and gate/up dX are both 4096 x 14336), and one layout's best tile was measured 7% slower on the
 # other (bench/results/engine_step_breakdown_h100.md, session 6).
-_gemm_lora = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX", "stride_bk"],
-                             **_tune_kw(_GEMM_WIDE))(_gemm_lora_jit)
-_gemm_lora_tma = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX", "B_NK"],
-                                 **_tune_kw(_GEMM_WIDE))(_gemm_lora_tma_jit)
-_gemm_lora_persist = triton.autotune(configs=_GEMM_CONFIGS, key=["T_BUCKET", "NC", "K", "R_MAX", "B_NK"],
-                                     **_tune_kw(_GEMM_WIDE))(_gemm_lora_persist_jit)
-_shrink = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_tune_kw(_SHRINK_WIDE))(
-    _shrink_jit)
-# Kernels that add into caller-owned gradients (an arena already holds other layers' sums): their
-# tuning trials add too, so they launch through `_adding_launch` (`triton_lora.launch_restoring`
-# says why not Triton's restore_value).
-_shrink_wgrad = triton.autotune(configs=_SHRINK_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_tune_kw(_SHRINK_WIDE))(
-    _shrink_jit)
-_wgrad = triton.autotune(configs=_WGRAD_CONFIGS, key=["T_BUCKET", "C", "R_MAX"], **_tune_kw(_WGRAD_WIDE))(_wgrad_jit)
-
-
-def _adding_launch(kernel, grid, c: _Ctx, cols: int, g: torch.Tensor, goff: torch.Tensor, arena: int,  # noqa: ANN001
-                   args: tuple, meta: dict) -> None:
-    """Launch a kernel that adds into g (`triton_lora.launch_restoring`): around its first call per
-    tuning key, the adapters' blocks of g are saved and restored (arena: from the lowest offset to
-    the end of the highest [r_max, cols] block; stacked: all of g)."""
-    flat = g.view(-1)
-
-    def spans() -> list:
-        if arena and goff.numel():
-            return [arena_span(flat, (goff,), (c.r_max * cols,))]
-        return [(flat, 0, flat.numel())]
-
-    launch_restoring(kernel, grid, (id(kernel), c.t_bucket, cols, c.r_max, g.dtype, arena, g.device), spans,
-                     args, meta)
+_PRUNE = {"gemm": wide_dtype_pruner(_GEMM_WIDE, _prune_rank_tiles),
+          "shrink": wide_dtype_pruner(_SHRINK_WIDE, _prune_rank_tiles),
+          "wgrad": wide_dtype_pruner(_WGRAD_WIDE, _prune_rank_tiles)}
+_gemm_lora = Tuned("gemm_lora", _gemm_lora_jit, _GEMM_CONFIGS, ["T_BUCKET", "NC", "K", "R_MAX", "stride_bk"],
+                   _PRUNE["gemm"])
+_gemm_lora_tma = Tuned("gemm_lora_tma", _gemm_lora_tma_jit, _GEMM_CONFIGS, ["T_BUCKET", "NC", "K", "R_MAX", "B_NK"],
+                       _PRUNE["gemm"])
+_gemm_lora_persist = Tuned("gemm_lora_persist", _gemm_lora_persist_jit, _GEMM_CONFIGS,
+                           ["T_BUCKET", "NC", "K", "R_MAX", "B_NK"], _PRUNE["gemm"])
+_shrink = Tuned("shrink", _shrink_jit, _SHRINK_CONFIGS, ["T_BUCKET", "C", "R_MAX"], _PRUNE["shrink"])
+# Kernels that add into caller-owned gradients (an arena already holds other layers' sums): an
+# offline tuning run restores those around its trials (kernels.tuned)
+_shrink_wgrad = Tuned("shrink_wgrad", _shrink_jit, _SHRINK_CONFIGS, ["T_BUCKET", "C", "R_MAX"], _PRUNE["shrink"],
+                      restore=("g_ptr",))
+_wgrad = Tuned("wgrad", _wgrad_jit, _WGRAD_CONFIGS, ["T_BUCKET", "C", "R_MAX"], _PRUNE["wgrad"],
+               restore=("g_ptr",))
 
 
 class _Ctx:
@@ -595,18 +573,15 @@ def _shrink_launch(c: _Ctx, m, w, w_strides, woff, p, arena: int, wgrad=None) ->
     if wgrad is None:
         _shrink[grid](*args, **meta)
     else:
-        _adding_launch(_shrink_wgrad, grid, c, m.shape[1], g, goff, arena, args, meta)
+        _shrink_wgrad[grid](*args, **meta)
 
 
 def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: int) -> None:  # noqa: ANN001
     """g_i[:r_i, :] += s_i p[rows_i, :r_i]^T m[rows_i] (g_strides: adapter, rank, column)."""
     cols = m.shape[1]
-    _adding_launch(
-        _wgrad, lambda meta: (c.items(meta["CHUNK"], meta["BLOCK_R"]), triton.cdiv(cols, meta["BLOCK_N"])), c, cols,
-        g, goff, arena,
-        (p, m, g, goff, c.offsets, c.ranks, c.scales, c.n, cols, c.r_max, c.t_bucket, p.stride(0), m.stride(0),
-         m.stride(1), *g_strides),
-        dict(N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena))
+    _wgrad[lambda meta: (c.items(meta["CHUNK"], meta["BLOCK_R"]), triton.cdiv(cols, meta["BLOCK_N"]))](
+        p, m, g, goff, c.offsets, c.ranks, c.scales, c.n, cols, c.r_max, c.t_bucket, p.stride(0), m.stride(0),
+        m.stride(1), *g_strides, N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena)
 
 
 # The fused GEMMs' main loop and epilogue schedule: "ptr" (pointer loads, one program per tile),

@@ -1,10 +1,8 @@
-"""`kernels.triton_lora.launch_restoring` (and the fused form's `_adding_launch` on it): a kernel
-that adds into caller-owned gradients may run tuning trials on its first call per key; the
-gradients must end up holding exactly one call's sum."""
+"""`kernels.triton_lora.launch_restoring`: a composition kernel that adds into caller-owned
+gradients may run tuning trials on its first call per key; the gradients must end up holding
+exactly one call's sum. (The fused form never tunes at run time: tests/unit/test_kernels_tables.py.)"""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import torch
 
@@ -27,35 +25,6 @@ class _Tuner:
             self.launches += 1 + extra
             g[lo:hi] += 1.0 + extra  # the trials' garbage, then the real sum (1 per launch)
         return run
-
-
-def test_adding_launch_keeps_one_sum_after_tuning_trials() -> None:
-    tlr._TUNED.clear()
-    c = SimpleNamespace(t_bucket=64, r_max=2)
-    prior = torch.randn(20, dtype=torch.float32)
-    g = prior.clone()
-    goff = torch.tensor([6, 3])  # two adapters' blocks of [r_max, cols] = 2 x 3: [3, 9) and [6, 12)
-    tuner = _Tuner(configs=4, trials=4)
-    fl._adding_launch(tuner, None, c, 3, g, goff, True, (g, 3, 12), {})
-    want = prior.clone()
-    want[3:12] += 1.0
-    assert torch.equal(g, want)  # trials undone, the real call's sum kept, nothing else touched
-    assert tuner.launches == 1 + 4 + 1  # the tuning call, then the real one again
-    fl._adding_launch(tuner, None, c, 3, g, goff, True, (g, 3, 12), {})
-    want[3:12] += 1.0
-    assert torch.equal(g, want) and tuner.launches == 7  # tuned key: one launch, no save/restore
-    # stacked layout (not an arena): all of g is the adapters' gradient buffer
-    g2 = prior.clone()
-    fl._adding_launch(_Tuner(configs=2, trials=2), None, c, 3, g2, goff, False, (g2, 0, 20), {})
-    assert torch.equal(g2, prior + 1.0)
-
-
-def test_single_config_launches_once() -> None:
-    tlr._TUNED.clear()
-    g = torch.zeros(8)
-    tuner = _Tuner(configs=1, trials=0)
-    fl._adding_launch(tuner, None, SimpleNamespace(t_bucket=8, r_max=2), 2, g, torch.tensor([0]), True, (g, 0, 4), {})
-    assert tuner.launches == 1 and g[:4].eq(1).all() and g[4:].eq(0).all()
 
 
 def test_launch_restoring_restores_every_span() -> None:
@@ -107,8 +76,7 @@ class Trials:
         return run
 
 
-for mod, name in ((tlr, "_fwd_kernel"), (tlr, "_bwd_kernel"), (tlr, "_bwd_kernel_arena"), (fl, "_shrink_wgrad"),
-                  (fl, "_wgrad")):
+for mod, name in ((tlr, "_fwd_kernel"), (tlr, "_bwd_kernel"), (tlr, "_bwd_kernel_arena")):
     setattr(mod, name, Trials(getattr(mod, name)))
 out = []
 for form, stacked, arena in (("compose", multilora_linear_triton, multilora_linear_arena_triton),
@@ -116,7 +84,7 @@ for form, stacked, arena in (("compose", multilora_linear_triton, multilora_line
     for counts, ranks in (([5, 0, 17, 33], [8, 16, 64, 8]), ([9, 4], [16, 32])):
         for fn in (stacked, arena):
             tlr._TUNED.clear()
-            for t in (tlr._fwd_kernel, tlr._bwd_kernel, tlr._bwd_kernel_arena, fl._shrink_wgrad, fl._wgrad):
+            for t in (tlr._fwd_kernel, tlr._bwd_kernel, tlr._bwd_kernel_arena):
                 t.first = True
             c = make_case(counts, ranks, 24, 40, dtype=torch.float64, bias=True)
             kw = {"onepass": False} if fn is multilora_linear_fused else {}  # the two-pass dB uses _wgrad too

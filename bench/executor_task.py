@@ -1,0 +1,166 @@
+"""The real executor on a user's search at full depth: where a task's wall time goes.
+
+One task through `trainer.executor.Executor` at the product's defaults (evaluation, early exit,
+checkpoints, exports, attention "auto", admission from a memory profile), on a Llama-3.1-8B-shaped
+model with random bf16 weights and `--layers` decoder layers: 8 jobs of ranks 16/32/64 and batch
+sizes 1/2/4, prompt/completion samples of 24-200 and 24-700 words (log-uniform), max_seq_len
+1024, each job `--steps` steps. Run twice in one process: "cold" (no stored memory profile: the
+node's first executor of the model; the kernel configurations come from the shipped table) and
+"warm" (the profile stored by the cold run). Reports per run: wall, the executor's phases, the
+first step's time from the executor's start, training tokens/s, MFU of the training steps
+(6 x backbone parameters x tokens; 8 with activation recompute, which repeats the forward), the
+wall over the training steps, evaluation's share of the wall, and what admission chose.
+
+    python bench/executor_task.py [--layers 32] [--steps 200] [--out FILE.md] [--json FILE]
+    python bench/executor_task.py --smoke     # CPU, toy sizes: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import task_e2e as te  # noqa: E402
+
+from trainer.engine import JobSpec  # noqa: E402
+from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
+
+PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
+
+
+def write_data(path: Path, n: int, seed: int) -> Path:
+    r = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(n):
+            p = int(math.exp(r.uniform(math.log(24), math.log(200))))
+            c = int(math.exp(r.uniform(math.log(24), math.log(700))))
+            words = [f"w{r.randrange(te.K)}" for _ in range(p + c)]
+            f.write(json.dumps({"prompt": " ".join(words[:p]), "completion": " ".join(words[p:])}) + "\n")
+    return path
+
+
+def jobs(steps: int) -> list[JobSpec]:
+    grid = [(16, 1), (32, 2), (64, 4), (16, 2), (32, 4), (64, 1), (16, 4), (32, 1)]
+    return [JobSpec(f"j{i}", rank=r, alpha=2.0 * r, lr=lr, batch_size=b, max_steps=steps, seed=i)
+            for i, ((r, b), lr) in enumerate(zip(grid, [1e-4, 3e-4, 1e-3, 2e-4, 5e-4, 1e-3, 1e-4, 3e-4],
+                                                 strict=True))]
+
+
+class Counted(Executor):
+    """The executor with its engine's steps counted: real tokens of every training step."""
+
+    def _load(self) -> None:
+        super()._load()
+        self.step_tokens: list[int] = []
+        real = self.engine.step
+
+        def step():  # noqa: ANN202
+            report = real()
+            self.step_tokens.append(report.tokens)
+            return report
+
+        self.engine.step = step
+
+
+def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: Path) -> dict:
+    tokens, events = [], {}
+    cb = Callbacks(on_throughput=lambda d: tokens.append(d),
+                   on_event=lambda j, m, d: events.setdefault(m, d) if not j else None)
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = ExecutorConfig(model_dir=str(model_dir), train_file=str(train), val_file=str(val), output_dir=str(out),
+                         jobs=jobs(steps), max_seq_len=1024, profile_cache=str(cache))
+    te.sync()
+    t0 = time.perf_counter()
+    ex = Counted(cfg, cb)
+    status = ex.run()
+    te.sync()
+    wall = time.perf_counter() - t0
+    train_tokens = sum(ex.step_tokens)
+    return {"wall_s": wall, "phases": dict(ex.phases), "first_step_s": ex.first_step_s,
+            "profile_reused": ex.profile_reused, "steps": ex.global_step, "train_tokens": train_tokens,
+            "states": sorted({s["state"] for s in status.values()}), "timings": events.get("timings"),
+            "admission": events.get("memory_model"), "throughput_reports": len(tokens),
+            "attention": ex.engine.attention if getattr(ex, "engine", None) is not None else None}
+
+
+def params(layers: int) -> float:
+    h, i, kv = 4096, 14336, 1024
+    return layers * (2 * h * h + 2 * h * kv + 3 * h * i) + 128256 * h  # + the LM head
+
+
+def render(res: dict, args: argparse.Namespace) -> str:
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    lines = [f"# The real executor at {args.layers} layers, {args.steps} steps ({dev})", "",
+             f"Llama-3.1-8B shape, random bf16 weights, {args.layers} layers; 8 jobs (ranks 16/32/64, batch 1/2/4), "
+             f"prompts 24-200 and completions 24-700 words, max_seq_len 1024, {args.n_train} train / {args.n_val} "
+             "validation samples; product defaults (evaluation, early exit, checkpoints, exports, attention auto). "
+             "`python bench/executor_task.py " + " ".join(sys.argv[1:]) + "`.", "",
+             "| run | wall s | load | profile | train | eval | checkpoint | export | first step s | train tok/s | "
+             "MFU | wall / train | eval share | steps | jobs end |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in res["runs"].items():
+        ph, train = r["phases"], max(r["phases"]["train"], 1e-9)
+        tps = r["train_tokens"] / train
+        recompute = 8 if (r.get("timings") or {}).get("recompute", True) else 6
+        mfu = recompute * params(args.layers) * tps / (PEAK_TFLOPS * 1e12)
+        lines.append(
+            f"| {name} | {r['wall_s']:.1f} | {ph['load']:.1f} | {ph['profile']:.1f} | {ph['train']:.1f} | "
+            f"{ph['eval']:.1f} | {ph['checkpoint']:.1f} | {ph['export']:.1f} | {r['first_step_s'] or 0:.1f} | "
+            f"{tps:,.0f} | {mfu:.1%} | {r['wall_s'] / train:.2f}x | {ph['eval'] / r['wall_s']:.1%} | {r['steps']} | "
+            f"{', '.join(r['states'])} |")
+    lines += ["", "Admission and timings events: " + json.dumps({k: (r.get("admission"), r.get("timings"))
+                                                                 for k, r in res["runs"].items()}, default=str)]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--n-train", type=int, default=2000)
+    ap.add_argument("--n-val", type=int, default=256)
+    ap.add_argument("--runs", default="cold,warm")
+    ap.add_argument("--work", default="/tmp/executor_task")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        te.SMOKE["on"] = True
+        args.layers, args.steps, args.n_train, args.n_val = 2, 3, 24, 8
+    root = Path(args.work)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    tok = te.make_tokenizer()
+    te.log("building the model")
+    model_dir = te.large_model(root / "model", args.layers, tok)
+    train = write_data(root / "train.jsonl", args.n_train, 1)
+    val = write_data(root / "val.jsonl", args.n_val, 2)
+    cache = root / "profiles.json"
+    res = {"args": vars(args), "runs": {}}
+    for name in args.runs.split(","):
+        te.log(f"run {name}")
+        res["runs"][name] = run(model_dir, train, val, root / f"out_{name}", args.steps, cache)
+        te.log(json.dumps(res["runs"][name], default=str))
+        te.free()
+    text = render(res, args)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Offline tuning of the fused multi-LoRA kernels: writes kernels/configs/<GPU name>.json.
+
+Runs the fused arena operator (forward + backward, bf16, aligned arena, the engine's form) on
+every projection shape of the named model shapes, at token buckets 2^9..2^15 and largest ranks
+8..64 (several adapters of mixed ranks and uneven token counts, like a packed step), with tuning
+on (`kernels.tuned`): each new key is benchmarked over its candidates once, here, and the best
+configuration goes into the device's table, which executors then read (no tuning in a task).
+
+    python bench/tune_kernels.py [--shapes llama8b,qwen7b] [--variants persist] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ["LORAPLEX_TUNE"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from kernels import fused_lora as fl  # noqa: E402
+from kernels import tuned  # noqa: E402
+from kernels.testing import make_case, run_arena  # noqa: E402
+
+# (hidden, intermediate, kv width) of the model shapes the engine trains
+SHAPES = {"llama8b": (4096, 14336, 1024), "qwen7b": (3584, 18944, 512), "qwen32b": (5120, 27648, 1024),
+          "llama70b": (8192, 28672, 1024)}
+
+
+def projections(hidden: int, inter: int, kv: int) -> list[tuple[int, int]]:
+    """(d_in, d_out) of q, k/v, o, gate/up, down."""
+    return sorted({(hidden, hidden), (hidden, kv), (hidden, inter), (inter, hidden)})
+
+
+def case(tokens: int, r_max: int, d_in: int, d_out: int) -> object:
+    """Eight adapters of mixed ranks (r_max among them) and uneven token counts summing to tokens."""
+    ranks = [r_max, max(8, r_max // 2), max(8, r_max // 4), r_max, 8, 16 if r_max >= 16 else 8, r_max, 8]
+    weights = [1, 2, 1, 4, 1, 2, 3, 2]
+    counts = [tokens * w // sum(weights) for w in weights]
+    counts[0] += tokens - sum(counts)
+    return make_case(counts, ranks, d_in, d_out, dtype=torch.bfloat16, device="cuda", bias=False, seed=tokens + r_max)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="llama8b,qwen7b")
+    ap.add_argument("--variants", default="persist", help="fused GEMM variants to tune (kernels.fused_lora)")
+    ap.add_argument("--tokens", default="512,1024,2048,4096,8192,16384,32768")
+    ap.add_argument("--ranks", default="8,16,32,64")
+    ap.add_argument("--out", default="", help="table file (default kernels/configs/<GPU name>.json)")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    t0 = time.perf_counter()
+    for variant in args.variants.split(","):
+        fl.GEMM_DEFAULT = variant  # the variant every call of this run launches
+        for shape in args.shapes.split(","):
+            for d_in, d_out in projections(*SHAPES[shape]):
+                for tokens in map(int, args.tokens.split(",")):
+                    for r_max in map(int, args.ranks.split(",")):
+                        before = len(tuned.BENCHMARKS)
+                        run_arena(case(tokens, r_max, d_in, d_out), fl.multilora_linear_arena_fused, aligned=True)
+                        torch.cuda.synchronize()
+                        print(f"[{time.perf_counter() - t0:7.1f}s] {variant} {shape} {d_in}x{d_out} T={tokens} "
+                              f"r_max={r_max}: {len(tuned.BENCHMARKS) - before} keys tuned", flush=True)
+    path = tuned.save_table(dev, Path(args.out) if args.out else None)
+    table = tuned.table_for(dev)
+    print(f"wrote {path}: " + ", ".join(f"{k} {len(v)}" for k, v in sorted(table.kernels.items()))
+          + f" entries; {len(tuned.BENCHMARKS)} keys benchmarked in {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

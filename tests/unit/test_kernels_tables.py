@@ -1,0 +1,155 @@
+"""`kernels.tuned`: the fused kernels' launch configurations come from a shipped table per GPU,
+looked up by the nearest key; nothing is benchmarked inside a task; an offline tuning run writes
+the table, and a second process reading it benchmarks nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from kernels import fused_lora as fl
+from kernels import tuned
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeJit:
+    """Stands in for a triton.jit function: records each launch's grid and keywords, adds 1 into
+    its output (as the gradient kernels add) and sleeps per config so tuning has a clear best."""
+
+    arg_names = ["x_ptr", "out_ptr", "T_BUCKET", "R_MAX"]
+
+    def __init__(self, slow: dict[int, float] | None = None) -> None:
+        self.launches: list[tuple] = []
+        self.slow = slow or {}
+
+    def __getitem__(self, grid):  # noqa: ANN001, ANN204
+        def run(x, out, t_bucket, r_max, **kw):  # noqa: ANN001, ANN202
+            import time
+
+            self.launches.append((grid, kw["BLOCK"], kw["num_warps"]))
+            time.sleep(self.slow.get(kw["BLOCK"], 0.0))
+            out.add_(1.0)
+        return run
+
+
+CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((16, 4), (32, 4), (64, 8))]
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
+    monkeypatch.setattr(tuned, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(tuned, "_TABLES", {})
+    tuned.tuning(False)
+    tuned.BENCHMARKS.clear()
+    yield tmp_path
+    tuned.tuning(False)
+
+
+def _write(table_dir: Path, name: str, rows: list[tuple[dict, dict]], capability=None) -> None:  # noqa: ANN001
+    t = tuned.Table(name, capability)
+    for key, cfg in rows:
+        t.add("k", key, cfg)
+    t.write(table_dir / f"{name}.json")
+
+
+def _call(k: tuned.Tuned, t_bucket: int, r_max: int = 16) -> torch.Tensor:
+    out = torch.zeros(3)
+    k[lambda meta: (meta["BLOCK"],)](torch.zeros(2, dtype=torch.bfloat16), out, t_bucket, r_max, EXTRA=1)
+    return out
+
+
+def test_the_nearest_key_of_the_table_decides_and_nothing_is_benchmarked(table_dir) -> None:  # noqa: ANN001
+    _write(table_dir, "cpu", [({"T_BUCKET": 1024, "R_MAX": 16}, {"BLOCK": 32, "num_warps": 4, "num_stages": 3}),
+                              ({"T_BUCKET": 16384, "R_MAX": 16}, {"BLOCK": 64, "num_warps": 8, "num_stages": 3})])
+    fn = FakeJit()
+    k = tuned.Tuned("k", fn, CONFIGS, ["T_BUCKET", "R_MAX"])
+    for t, want in ((512, 32), (2048, 32), (8192, 64), (65536, 64), (1024, 32)):
+        out = _call(k, t)
+        assert fn.launches[-1][0] == (want,) and fn.launches[-1][1] == want  # grid from the config
+        assert out.eq(1).all()  # one launch, one sum
+    assert tuned.BENCHMARKS == []
+    assert len(fn.launches) == 5
+
+
+def test_a_configuration_the_call_does_not_allow_is_passed_over(table_dir) -> None:  # noqa: ANN001
+    _write(table_dir, "cpu", [({"T_BUCKET": 1024, "R_MAX": 64}, {"BLOCK": 64, "num_warps": 8, "num_stages": 3}),
+                              ({"T_BUCKET": 64, "R_MAX": 16}, {"BLOCK": 16, "num_warps": 4, "num_stages": 3})])
+    fn = FakeJit()
+    # like the rank-tile pruner: a call of R_MAX 16 may not take BLOCK 64
+    prune = lambda cfgs, named: [c for c in cfgs if c.kwargs["BLOCK"] <= max(16, named["R_MAX"])]  # noqa: E731
+    k = tuned.Tuned("k", fn, CONFIGS, ["T_BUCKET", "R_MAX"], prune)
+    _call(k, 1024, r_max=16)
+    assert fn.launches[-1][1] == 16  # the nearer entry's BLOCK 64 is not allowed: the next one
+    _call(k, 1024, r_max=64)
+    assert fn.launches[-1][1] == 64
+
+
+def test_no_table_takes_the_first_allowed_config_and_a_same_capability_table_is_used(table_dir, monkeypatch) -> None:  # noqa: ANN001, E501
+    fn = FakeJit()
+    k = tuned.Tuned("k", fn, CONFIGS, ["T_BUCKET", "R_MAX"])
+    _call(k, 4096)
+    assert fn.launches[-1][1] == 16 and tuned.BENCHMARKS == []
+    # another GPU of the same compute capability ships a table: a new GPU name reads it
+    _write(table_dir, "NVIDIA_H100_80GB_HBM3", [({"T_BUCKET": 4096, "R_MAX": 16},
+                                                 {"BLOCK": 64, "num_warps": 8, "num_stages": 3})], capability=[9, 0])
+    monkeypatch.setattr(tuned, "_TABLES", {})
+    monkeypatch.setattr(tuned, "device_name", lambda device=None: "NVIDIA_H200")
+    monkeypatch.setattr(tuned, "_capability", lambda device=None: [9, 0])
+    assert tuned.table_for(torch.device("cpu")).source == "NVIDIA_H100_80GB_HBM3.json"
+    monkeypatch.setattr(tuned, "_capability", lambda device=None: [10, 0])
+    monkeypatch.setattr(tuned, "_TABLES", {})
+    assert tuned.table_for(torch.device("cpu")).kernels == {}  # another capability: heuristic
+
+
+def test_a_pre_hook_runs_before_every_launch(table_dir) -> None:  # noqa: ANN001
+    seen = []
+    cfg = triton.Config({"BLOCK": 16}, num_warps=4, pre_hook=lambda nargs: seen.append(nargs["out_ptr"].clone()))
+    k = tuned.Tuned("k", FakeJit(), [cfg], ["T_BUCKET", "R_MAX"])
+    out = _call(k, 64)
+    assert len(seen) == 1 and seen[0].eq(0).all() and out.eq(1).all()
+
+
+_SECOND = r"""
+import json, torch, triton
+from kernels import tuned
+from tests.unit.test_kernels_tables import CONFIGS, FakeJit, _call
+tuned.tuning(True)  # tuning is on, yet every key is in the table: nothing to benchmark
+k = tuned.Tuned("k", FakeJit(), CONFIGS, ["T_BUCKET", "R_MAX"])
+for t in (1024, 4096):
+    _call(k, t)
+print("RESULT" + json.dumps({"benchmarks": tuned.BENCHMARKS, "block": k.fn.launches[-1][1]}))
+"""
+
+
+def test_offline_tuning_writes_the_table_and_a_second_process_benchmarks_nothing(table_dir) -> None:  # noqa: ANN001
+    fn = FakeJit(slow={16: 0.004, 32: 0.0, 64: 0.004})
+    k = tuned.Tuned("k", fn, CONFIGS, ["T_BUCKET", "R_MAX"], restore=("out_ptr",))
+    tuned.tuning(True)
+    for t in (1024, 4096):
+        out = _call(k, t)
+        assert out.eq(1).all()  # the trials' sums are undone: one launch's sum is left
+    assert [b[1] for b in tuned.BENCHMARKS] == [(1024, 16), (4096, 16)]
+    assert fn.launches[-1][1] == 32  # the fastest
+    path = tuned.save_table(torch.device("cpu"))
+    table = json.loads(path.read_text())
+    assert {(r["key"]["T_BUCKET"], r["key"]["R_MAX"]) for r in table["kernels"]["k"]} == {(1024, 16), (4096, 16)}
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LORAPLEX_KERNEL_CONFIGS=str(table_dir))
+    proc = subprocess.run([sys.executable, "-c", _SECOND], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert got == {"benchmarks": [], "block": 32}
+
+
+def test_the_fused_kernels_are_table_launched() -> None:
+    for k in (fl._gemm_lora, fl._gemm_lora_tma, fl._gemm_lora_persist, fl._shrink, fl._shrink_wgrad, fl._wgrad):
+        assert isinstance(k, tuned.Tuned)
+    assert fl._shrink_wgrad.restore == ("g_ptr",) and fl._wgrad.restore == ("g_ptr",)
