@@ -66,6 +66,8 @@ def main() -> None:
                         torch.cuda.synchronize()
                         print(f"[{time.perf_counter() - t0:7.1f}s] {variant} {shape} {d_in}x{d_out} T={tokens} "
                               f"r_max={r_max}: {len(tuned.BENCHMARKS) - before} keys tuned", flush=True)
+                # saved as it goes: a run stopped at its time limit keeps what it tuned
+                tuned.save_table(dev, Path(args.out) if args.out else None)
     path = tuned.save_table(dev, Path(args.out) if args.out else None)
     table = tuned.table_for(dev)
     print(f"wrote {path}: " + ", ".join(f"{k} {len(v)}" for k, v in sorted(table.kernels.items()))
