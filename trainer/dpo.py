@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from trainer.data import IGNORE, Example, PackedBatch, PairExample
 from trainer.engine import JobState, MultiLoraEngine
+from trainer.head import token_losses
 
 METRICS = ("loss", "reward_accuracy", "reward_margin")
 
@@ -56,39 +56,23 @@ class DpoEngine(MultiLoraEngine):
     """
 
     def __init__(self, model: nn.Module, train_pairs: Sequence[PairExample], pad_id: int,
-                 *args: Any, reference_chunk_tokens: int = 4096, **kwargs: Any) -> None:
+                 *args: Any, **kwargs: Any) -> None:
         super().__init__(model, train_pairs, pad_id, *args, **kwargs)
         self.reference: dict[bytes, tuple[float, float]] = {}
-        self.reference_chunk_tokens = reference_chunk_tokens
         self.passes = {"reference": 0, "policy": 0}
         self.reference_sequences = 0
 
     # ----- log-probs -------------------------------------------------------------------
-    def _token_logps(self, h_sel: torch.Tensor, t_sel: torch.Tensor) -> torch.Tensor:
-        # at least float32 (bf16 logits lose the log-prob sums), float64 stays float64
-        logits = self.output_logits(h_sel)
-        return -nn.functional.cross_entropy(logits, t_sel, reduction="none")
-
     def _sequence_logps(self, hidden: torch.Tensor, targets: torch.Tensor, seq_index: torch.Tensor,
                         first: int, count: int) -> torch.Tensor:
-        """Summed log-probs [count] of sequences first..first+count-1 of these rows."""
+        """Summed log-probs [count] of sequences first..first+count-1 of these rows (the head and
+        cross-entropy at least float32, in chunks: trainer.head)."""
         h = hidden.reshape(-1, hidden.shape[-1])
         t = targets.reshape(-1)
         sel = t != IGNORE
         h_sel, t_sel, s_sel = h[sel], t[sel], seq_index.reshape(-1)[sel] - first
         out = torch.zeros(count, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
-        if not torch.is_grad_enabled():
-            # no graph to keep: bound the [tokens, vocab] logits by chunking the tokens
-            step = self.reference_chunk_tokens
-            for lo in range(0, h_sel.shape[0], step):
-                out.index_add_(0, s_sel[lo : lo + step], self._token_logps(h_sel[lo : lo + step],
-                                                                          t_sel[lo : lo + step]))
-            return out
-        if self.gradient_checkpointing:
-            # a job's logits are large (vocab x tokens); recompute them in backward
-            tok = checkpoint(self._token_logps, h_sel, t_sel, use_reentrant=False)
-        else:
-            tok = self._token_logps(h_sel, t_sel)
+        tok = -token_losses(self.output_logits, h_sel, t_sel, self.head_chunk)
         return out.index_add(0, s_sel, tok)
 
     @torch.no_grad()

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from service.protocol import JobHyperparameters
 from trainer.data import (
@@ -36,6 +35,7 @@ from trainer.data import (
     pack_step,
 )
 from trainer.families import family_of, resolve_targets
+from trainer.head import default_chunk, token_losses
 from trainer.multilora import (
     JobAdapter,
     StepLayout,
@@ -302,7 +302,8 @@ class MultiLoraEngine:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         self.jobs: dict[str, JobState] = {}  # active jobs in slot order
-        self.eval_logit_tokens = 8192  # tokens whose logits one no-grad loss slice computes
+        # tokens per chunk of the one head + cross-entropy of a step (trainer.head)
+        self.head_chunk = default_chunk(getattr(model.config, "vocab_size", 0) or 32000)
         # adapter parallelism sets this to an all-reduce (max over ranks) of a local count, to
         # agree on extra backbone passes; None: this engine runs alone (see `lockstep`)
         self.agree: Callable[[int], int] | None = None
@@ -487,55 +488,25 @@ class MultiLoraEngine:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
 
-    def _job_loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor,
-                      index: torch.Tensor | None = None, n: int | None = None) -> tuple[torch.Tensor, int]:
-        """Summed token loss of one job's rows and its number of target tokens. With `index`
-        (the flat positions of its target tokens, on the device) and `n` (their count, known on
-        the host), no device sync is needed to select them."""
-        h = hidden.reshape(-1, hidden.shape[-1])
-        t = targets.reshape(-1)
-        if index is None:
-            sel = t != IGNORE
-            n = int(sel.sum())
-            h_sel, t_sel = h[sel], t[sel]
-        else:
-            h_sel, t_sel = h.index_select(0, index), t.index_select(0, index)
-
-        def loss_sum(h_sel: torch.Tensor, t_sel: torch.Tensor) -> torch.Tensor:
-            return nn.functional.cross_entropy(self.output_logits(h_sel), t_sel, reduction="sum")
-
-        if self.gradient_checkpointing and torch.is_grad_enabled():
-            # logits of a whole micro-batch are large (vocab x tokens); recompute them in backward
-            return checkpoint(loss_sum, h_sel, t_sel, use_reentrant=False), n
-        if not torch.is_grad_enabled() and n > self.eval_logit_tokens:
-            # evaluation forwards are large (the admitted budget): their logits in slices, so
-            # no more than eval_logit_tokens x vocab float32 logits exist at once
-            step = self.eval_logit_tokens
-            parts = [loss_sum(h_sel[i : i + step], t_sel[i : i + step]) for i in range(0, n, step)]
-            return torch.stack(parts).sum(), n
-        return loss_sum(h_sel, t_sel), n
-
     def _forward_losses(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]):  # noqa: ANN202
+        """One forward of every job's micro-batch: the batch, each job's summed token loss and
+        its number of target tokens. The head and cross-entropy run once for all jobs' target
+        tokens (trainer.head: in chunks, logits never kept), then sum per job."""
         cpu = self.pack_batch(per_job)
         # every job's target positions found on the host (where the batch was built), moved with
-        # the batch in one copy: selecting them on the device then needs no sync per job
-        bounds = cpu.job_tokens
+        # the batch in one copy: selecting them on the device then needs no sync
         flat = cpu.targets.reshape(-1)
-        picks = [(flat[t0:t1] != IGNORE).nonzero().reshape(-1)
-                 for t0, t1 in zip(bounds[:-1], bounds[1:], strict=True)]
-        batch, (index,) = self.batch_to_device(cpu, torch.cat(picks))
-        index = index.split([len(p) for p in picks])
+        index = (flat != IGNORE).nonzero().reshape(-1)
+        bounds = cpu.job_tokens
+        counts = torch.searchsorted(index, torch.tensor(bounds, dtype=index.dtype)).diff().tolist()
+        batch, (index,) = self.batch_to_device(cpu, index)
         self._set_layout(states, bounds)
         hidden = self._hidden(batch)
         hidden = hidden.reshape(-1, hidden.shape[-1])
         targets = batch.targets.reshape(-1)
-        sums, counts = [], []
-        for i in range(len(states)):
-            t0, t1 = bounds[i], bounds[i + 1]
-            s, n = self._job_loss_sum(hidden[t0:t1], targets[t0:t1], index[i], len(picks[i]))
-            sums.append(s)
-            counts.append(n)
-        return batch, sums, counts
+        losses = token_losses(self.output_logits, hidden.index_select(0, index), targets.index_select(0, index),
+                              self.head_chunk)
+        return batch, [part.sum() for part in losses.split(counts)], counts
 
     # ----- one step: the objective's parts (a subclass such as DpoEngine overrides them) ------
     def _prepare(self, per_job: Sequence[Sequence[Example]]) -> None:

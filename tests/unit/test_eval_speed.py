@@ -133,7 +133,7 @@ def test_evaluation_runs_at_the_admitted_budget_with_the_same_losses(files) -> N
     val = wide.val
     narrow = eng.evaluate_metrics(val, 1, None, 1)
     broad = eng.evaluate_metrics(val, 9, None, 27)
-    eng.eval_logit_tokens = 3  # the no-grad loss in slices of 3 tokens: the same sums
+    eng.head_chunk = 3  # the no-grad loss in chunks of 3 tokens: the same sums
     sliced = eng.evaluate_metrics(val, 9, None, 27)
     for j in narrow:
         assert broad[j]["loss"] == pytest.approx(narrow[j]["loss"], rel=1e-5)

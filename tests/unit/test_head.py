@@ -1,0 +1,63 @@
+"""trainer.head: one chunked head + cross-entropy for every job of a step equals each job's own
+head and loss (values and gradients, in float64), with the family's logit scale and soft-cap, at
+any chunk size; a non-finite hidden state stays in its own tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from trainer.head import default_chunk, token_losses
+
+
+def _logits_fn(head: nn.Linear, scale: float | None, cap: float | None):  # noqa: ANN202
+    def fn(h: torch.Tensor) -> torch.Tensor:
+        z = head(h).to(torch.promote_types(h.dtype, torch.float32))
+        if scale is not None:
+            z = z * scale
+        if cap is not None:
+            z = torch.tanh(z / cap) * cap
+        return z
+    return fn
+
+
+@pytest.mark.parametrize("scale,cap", [(None, None), (0.0625, None), (None, 30.0), (2.0, 5.0)])
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1000])
+def test_chunked_losses_and_gradients_equal_the_plain_head(scale, cap, chunk) -> None:  # noqa: ANN001
+    torch.manual_seed(chunk)
+    head = nn.Linear(16, 50, bias=False).double().requires_grad_(False)
+    fn = _logits_fn(head, scale, cap)
+    h = torch.randn(23, 16, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 50, (23,))
+    w = torch.rand(23, dtype=torch.float64)  # per-token weights, as 1/n of each job
+    got = token_losses(fn, h, t, chunk)
+    (got * w).sum().backward()
+    g_got = h.grad.clone()
+    h.grad = None
+    want = nn.functional.cross_entropy(fn(h), t, reduction="none")
+    (want * w).sum().backward()
+    assert torch.allclose(got, want.detach(), rtol=1e-12, atol=1e-12)
+    assert torch.allclose(g_got, h.grad, rtol=1e-10, atol=1e-12)
+    assert head.weight.grad is None  # the frozen head gets nothing
+    with torch.no_grad():  # evaluation: the same values without a graph
+        assert torch.allclose(token_losses(fn, h, t, chunk), want.detach(), rtol=1e-12)
+
+
+def test_a_non_finite_hidden_state_stays_in_its_own_tokens() -> None:
+    head = nn.Linear(8, 20, bias=False).requires_grad_(False)
+    fn = _logits_fn(head, None, None)
+    h = torch.randn(10, 8)
+    h[3] = float("nan")
+    h.requires_grad_(True)
+    t = torch.randint(0, 20, (10,))
+    losses = token_losses(fn, h, t, 4)
+    assert torch.isnan(losses[3]) and torch.isfinite(torch.cat([losses[:3], losses[4:]])).all()
+    w = torch.ones(10)
+    w[3] = 0.0
+    (losses * w).nan_to_num(0.0).sum().backward()
+    assert torch.isfinite(torch.cat([h.grad[:3], h.grad[4:]])).all()
+
+
+def test_default_chunk_bounds_the_logits() -> None:
+    assert default_chunk(128256) == 2092 and default_chunk(32000) == 8388 and default_chunk(10**9) == 256
