@@ -221,8 +221,8 @@ def main() -> None:
             t, mem = timed(engine.step, args.warmup, args.iters)
             rows.append((label, n, t, n * SEQ / t, mem, check))
             print(rows[-1], flush=True)
-            for name in ("_gemm_lora_persist", "_shrink", "_shrink_wgrad", "_wgrad"):  # the tuner's choices
-                for key, cfg in getattr(fused_lora, name).cache.items():
+            for name in ("_gemm_lora_persist", "_shrink", "_shrink_wgrad", "_wgrad"):  # the table's choices
+                for key, cfg in getattr(fused_lora, name)._memo.items():
                     print(f"tuned {spec} {name} {key[:5] if 'gemm' in name else key[:4]}: {cfg}", flush=True)
     set_default_form("compose")
 
