@@ -37,7 +37,12 @@ def _fernet(keys: str) -> MultiFernet:
 def check_key(keys: str | None) -> None:
     """Raise ValueError unless keys is unset or a comma-separated list of Fernet keys."""
     if keys:
-        _fernet(keys)
+        try:
+            _fernet(keys)
+        except ValueError as exc:
+            raise ValueError("LORAPLEX_WEBHOOK_SECRET_KEY is not a comma-separated list of "
+                             "Fernet keys (python -m service.webhooks.security prints one)"
+                             ) from exc
 
 
 def seal(secret: str, keys: str | None) -> str:
