@@ -116,7 +116,7 @@ def attempt(claim: Claim, settings: Settings, client: httpx.Client) -> Outcome:
                 error = f"HTTP {status}" + (f": {head.strip()}" if head.strip() else "")
     except (AddressRefused, ValueError) as exc:
         error = str(exc)
-    except httpx.HTTPError as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure is this attempt's, logged and retried
         error = f"{type(exc).__name__}: {exc}"[:500] if str(exc) else type(exc).__name__
     return Outcome(started, status, error, int((time.perf_counter() - t0) * 1000))
 

@@ -25,6 +25,13 @@ Description = Annotated[str | None, Field(max_length=500)]
 class _In(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @field_validator("url", "description", mode="after", check_fields=False)
+    @classmethod
+    def _no_nul(cls, v: str | None) -> str | None:
+        if v is not None and "\x00" in v:
+            raise ValueError("must not contain NUL characters")
+        return v
+
     @field_validator("event_types", mode="after", check_fields=False)
     @classmethod
     def _unique(cls, v: list[str] | None) -> list[str] | None:

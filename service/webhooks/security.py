@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from urllib.parse import urlsplit, urlunsplit
 
+import httpx
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 
 log = logging.getLogger("loraplex.webhooks")
@@ -107,6 +108,10 @@ def check_url_shape(url: str) -> tuple[str, str, int]:
         raise AddressRefused("the URL has no host")
     if parts.username is not None or parts.password is not None:
         raise AddressRefused("the URL may not carry credentials")
+    try:  # what the HTTP client could not send is refused now, not at every attempt
+        httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        raise AddressRefused(f"not a valid URL: {exc}") from exc
     return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
 
 
@@ -116,7 +121,7 @@ def resolve(url: str, allow_private: bool) -> Target:
     scheme, host, port = check_url_shape(url)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
+    except (OSError, UnicodeError, ValueError) as exc:  # unknown, undecodable, a NUL byte
         raise AddressRefused(f"host {host!r} does not resolve") from exc
     addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
     if not addresses:

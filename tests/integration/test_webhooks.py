@@ -202,6 +202,28 @@ def test_task_and_job_events_are_delivered_signed(client, factory, receiver) -> 
         other_receiver.stop()
 
 
+def test_paused_and_failed_tasks_are_announced(client, factory, receiver) -> None:  # noqa: ANN001
+    t = factory.tenant()
+    hook = create(client, t, receiver.url, ["task.paused", "task.failed", "fine_tuning.job.failed",
+                                            "job.failed"])
+    paused = factory.task(t, search_space={"learning_rate": [1e-4], "lora_rank": [4]})["id"]
+    r = client.post(f"/v1/tasks/{paused}/pause", headers=t.headers)
+    assert r.status_code == 200 and r.json()["state"] == "paused", r.text
+    tid, pid, (job,) = start_task(client, factory, t)
+    job_state(client, factory, job, pid, "running")
+    job_state(client, factory, job, pid, "failed", error="CUDA out of memory")
+    r = client.post(f"/internal/v1/tasks/{tid}/failed", headers=factory.worker,
+                    json={"placement_id": pid, "error": "executor crashed", "retryable": False})
+    assert r.status_code == 200 and r.json()["state"] == "failed", r.text
+    wait_for(lambda: len(receiver.received) == 4, 15, "four events")
+    got = {(b["type"], b["data"]["id"]): b for b in
+           (verify(hook["secret"], r) for r in receiver.received)}
+    assert set(got) == {("task.paused", paused), ("job.failed", job), ("task.failed", tid),
+                        ("fine_tuning.job.failed", tid)}
+    assert got[("task.failed", tid)]["data"]["message"] == "executor crashed"
+    assert got[("task.paused", paused)]["data"]["state"] == "paused"
+
+
 def test_a_receiver_down_or_failing_gets_every_event_once_back(client, factory, receiver  # noqa: ANN001
                                                                ) -> None:
     t = factory.tenant()
@@ -265,6 +287,10 @@ def _state(client, tenant) -> list[dict]:  # noqa: ANN001
     ({"url": "http://user:pw@example.com/", "event_types": ["task.succeeded"]}, "url"),
     ({"url": "http://no-such-host.invalid/", "event_types": ["task.succeeded"]}, "url"),
     ({"url": "http://x.example/" + "a" * 2048, "event_types": ["task.succeeded"]}, "url"),
+    ({"url": "http://example.com/\u0000", "event_types": ["task.succeeded"]}, "url"),
+    ({"url": "http://[zz]/", "event_types": ["task.succeeded"]}, "url"),
+    ({"url": "RECEIVER", "event_types": ["task.succeeded"], "description": "a\u0000"},
+     "description"),
     ({"url": "RECEIVER", "event_types": []}, "event_types"),
     ({"url": "RECEIVER", "event_types": ["task.exploded"]}, "event_types"),
     ({"url": "RECEIVER", "event_types": "task.succeeded"}, "event_types"),
