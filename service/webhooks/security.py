@@ -127,11 +127,11 @@ def resolve(url: str, allow_private: bool) -> Target:
     if not addresses:
         raise AddressRefused(f"host {host!r} does not resolve")
     if not allow_private:
-        bad = [str(a) for a in addresses if _forbidden(a)]
-        if bad:
-            raise AddressRefused(f"host {host!r} resolves to {bad[0]}, a loopback, private or "
-                                 "reserved address (the operator's "
-                                 "LORAPLEX_WEBHOOK_ALLOW_PRIVATE allows them)")
+        # The address itself is not told: it would map the operator's network for the tenant.
+        if any(_forbidden(a) for a in addresses):
+            raise AddressRefused(f"host {host!r} resolves to a loopback, private or reserved "
+                                 "address (the operator's LORAPLEX_WEBHOOK_ALLOW_PRIVATE allows "
+                                 "them)")
     ip = addresses[0]
     parts = urlsplit(url)
     netloc_ip = f"[{ip}]" if ip.version == 6 else str(ip)

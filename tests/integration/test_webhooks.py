@@ -172,6 +172,15 @@ def test_task_and_job_events_are_delivered_signed(client, factory, receiver) -> 
         assert by_type["task.succeeded"]["data"]["best_job_id"] == j0
         assert by_type["job.exited"]["data"]["exit_reason"] == "diverging"
         assert by_type["job.exited"]["data"]["task_id"] == tid
+        # The official OpenAI SDK's webhook helper accepts OpenAI's events as its own.
+        openai = pytest.importorskip("openai")
+        sdk = openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:9/v1")
+        for r in receiver.of_type("fine_tuning.job.succeeded"):
+            event = sdk.webhooks.unwrap(r.body, r.headers, secret=hook["secret"])
+            assert type(event).__name__ == "FineTuningJobSucceededWebhookEvent"
+            assert event.data.id == tid and event.id == r.id
+        [r] = receiver.of_type("fine_tuning.job.cancelled")
+        assert sdk.webhooks.unwrap(r.body, r.headers, secret=hook["secret"]).data.id == cancelled
         with pytest.raises(Exception, match="signature"):  # a wrong secret does not verify
             verify("whsec_" + "A" * 43 + "=", receiver.received[0])
 
