@@ -22,8 +22,9 @@ from service.errors import error_body, install_error_handlers
 from service.openapi import document_errors
 from service.queue import configure as configure_queue
 from service.registry import ModelRegistry
-from service.routes import files, fine_tuning, internal, ops, tasks, ui
+from service.routes import files, fine_tuning, internal, ops, tasks, ui, webhooks
 from service.storage import LocalStorage
+from service.webhooks.delivery import Deliverer
 
 log = logging.getLogger("loraplex.api")
 API_VERSION = "0.1.0"
@@ -112,7 +113,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         background = Background(app.state.sessionmaker, settings).start()
         app.state.background = background
         app.state.replanner = background.replanner
+        # Every process delivers webhooks (rows are claimed with SKIP LOCKED, not by the leader).
+        if settings.webhook_poll_s > 0:
+            app.state.deliverer = Deliverer(app.state.sessionmaker, settings).start()
         yield
+        if app.state.deliverer is not None:
+            app.state.deliverer.stop()
         background.stop()
         app.state.read_pool.discard_all()
         engine.dispose()
@@ -128,9 +134,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.prom = _prom()
     app.state.background = None  # this process's replanner and leader election, while it runs
     app.state.replanner = None  # the background replanner, while the lifespan runs
+    app.state.deliverer = None  # this process's webhook deliverer, while the lifespan runs
     configure_queue(settings.redis_url)
     install_error_handlers(app)
-    for module in (files, tasks, fine_tuning, internal, ops, ui):
+    for module in (files, tasks, fine_tuning, internal, ops, ui, webhooks):
         app.include_router(module.router)
     document_errors(app)  # every route's error statuses, with the error schema
     app.add_middleware(Instrument, prom=app.state.prom, settings=settings)

@@ -72,6 +72,23 @@ class Settings(BaseSettings):
     # How often an API process that does not lead tries to take the leader lock (service.leader):
     # when the leader dies, another process runs the replanner and maintenance within this time.
     leader_retry_s: float = 5.0
+    # Webhooks (service.webhooks). A URL whose host resolves to a loopback, private, link-local,
+    # multicast or reserved address is refused (at create and at every delivery) unless this is
+    # true: for a receiver on the operator's own network.
+    webhook_allow_private: bool = False
+    # Fernet key(s) (comma-separated, the first encrypts; `python -m service.webhooks.security`
+    # prints a new one) that encrypt the endpoints' signing secrets at rest. Unset: secrets are
+    # stored as they are (a warning at start-up); rows written either way stay readable.
+    webhook_secret_key: str | None = None
+    # One delivery attempt's HTTP timeout; an attempt is claimed for twice this plus a second, so
+    # a process that dies mid-delivery has its attempts retried by another one after that.
+    webhook_timeout_s: float = 5.0
+    # Waits between the failed attempts of one delivery (the last repeats) and the time after
+    # which it is given up (failed); a redelivery starts both over.
+    webhook_backoff_s: list[float] = [5, 30, 120, 600, 3600, 10800, 21600]
+    webhook_give_up_s: float = 24 * 3600
+    # How often each API process looks for due deliveries (0: this process delivers none).
+    webhook_poll_s: float = 1.0
 
     @property
     def operator_token(self) -> str:

@@ -28,6 +28,7 @@ from service.errors import invalid, not_found
 from service.models import Event, Job, MetricPoint, Task, utcnow
 from service.protocol import EventIn, MetricPointIn
 from service.schemas import EventOut, finite
+from service.webhooks import outbox as webhook_outbox
 
 
 def _lock_task_events(session: Session, task_id: str) -> None:
@@ -43,6 +44,8 @@ def add_event(session: Session, task_id: str, type: str, message: str = "",
     session.add(Event(task_id=task_id, job_id=job_id, type=type, message=message, data=data,
                       level=level))
     session.flush()
+    # The webhook outbox, in this same transaction: delivered exactly when the change commits.
+    webhook_outbox.on_task_event(session, task_id, type, message, job_id, data)
 
 
 def ingest_events(session: Session, task: Task, events: Sequence[EventIn]) -> int:

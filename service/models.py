@@ -59,7 +59,9 @@ from typing import Any
 
 from sqlalchemy import (
     ARRAY,
+    JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -69,6 +71,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -307,3 +310,82 @@ class IdempotencyKey(Base):
     request_hash: Mapped[str] = mapped_column(String(64))
     resource_id: Mapped[str] = mapped_column(String(40))
     created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+
+
+# ----- webhooks (service.webhooks) ------------------------------------------------------------
+WEBHOOK_DELIVERY_STATES = ("pending", "delivered", "failed")
+
+
+class WebhookEndpoint(Base):
+    """A tenant's webhook receiver: where to POST which event types, signed with its secret
+    (``secret``: ``fernet:<token>`` encrypted with LORAPLEX_WEBHOOK_SECRET_KEY, or ``plain:<whsec_>``
+    without a key; never shown after create). Deleting sets deleted_at (the log stays)."""
+
+    __tablename__ = "webhook_endpoints"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("whep"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    url: Mapped[str] = mapped_column(String(2048))
+    description: Mapped[str | None] = mapped_column(String(500))
+    event_types: Mapped[list] = mapped_column(JSONB)
+    secret: Mapped[str] = mapped_column(Text)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True, server_default="true")
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(TS, default=utcnow, onupdate=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(TS)
+    __table_args__ = (Index("ix_webhook_endpoints_tenant_created", "tenant_id", "created_at", "id"),)
+
+
+class WebhookEvent(Base):
+    """One event as receivers get it (``payload`` is the JSON body; ``id`` is its webhook-id, the
+    same on every attempt and redelivery), written in the transaction of the change it tells."""
+
+    __tablename__ = "webhook_events"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("evt"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"),
+                                           index=True)
+    type: Mapped[str] = mapped_column(String(64))
+    # json, not jsonb: the body keeps its key order, so every attempt posts the same bytes.
+    payload: Mapped[dict] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+
+
+class WebhookDelivery(Base):
+    """The outbox: one event for one endpoint. ``pending`` rows are due at next_attempt_at; a
+    deliverer claims one by moving next_attempt_at past its attempt (lease_token says whose
+    attempt it is), so one that dies mid-attempt leaves it due again. ``attempts`` counts them
+    all, ``tries`` those since scheduled_at (creation or the last redelivery request)."""
+
+    __tablename__ = "webhook_deliveries"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("whdl"))
+    endpoint_id: Mapped[str] = mapped_column(
+        ForeignKey("webhook_endpoints.id", ondelete="CASCADE"))
+    event_id: Mapped[str] = mapped_column(ForeignKey("webhook_events.id", ondelete="CASCADE"))
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    tries: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    next_attempt_at: Mapped[datetime | None] = mapped_column(TS)
+    scheduled_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(TS)
+    lease_token: Mapped[str | None] = mapped_column(String(40))
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    __table_args__ = (
+        UniqueConstraint("endpoint_id", "event_id", name="uq_webhook_deliveries_endpoint_event"),
+        Index("ix_webhook_deliveries_endpoint_created", "endpoint_id", "created_at", "id"),
+        Index("ix_webhook_deliveries_due", "next_attempt_at",
+              postgresql_where=text("state = 'pending'")),
+    )
+
+
+class WebhookAttempt(Base):
+    """Every delivery attempt: when, the receiver's status code or the error, how long."""
+
+    __tablename__ = "webhook_attempts"
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
+    delivery_id: Mapped[str] = mapped_column(
+        ForeignKey("webhook_deliveries.id", ondelete="CASCADE"), index=True)
+    attempted_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    duration_ms: Mapped[int] = mapped_column(Integer)

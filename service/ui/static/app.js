@@ -144,6 +144,7 @@ function route() {
   if (page === "cluster") return clusterView(main);
   if (!store.key) return signInView(main, "Tasks need an API key.");
   if (page === "task" && arg) return taskView(main, decodeURIComponent(arg));
+  if (page === "webhooks") return webhooksView(main); // webhooks.js
   return tasksView(main);
 }
 
@@ -198,6 +199,7 @@ function tasksView(main) {
   async function refresh() {
     try {
       const page = await api("/v1/tasks?limit=100");
+      if (stopped) return; // the page changed while this was loading
       while (tbody.firstChild) tbody.removeChild(tbody.firstChild);
       for (const t of page.data) {
         tbody.appendChild(h("tr", { "data-task": t.id },
@@ -212,6 +214,7 @@ function tasksView(main) {
       if (!page.data.length) tbody.appendChild(h("tr", {}, h("td", { colspan: 7, class: "muted" }, "No tasks yet: create one with the form.")));
       document.getElementById("tasks-count").textContent = `${page.data.length}${page.has_more ? "+" : ""} tasks, refreshed ${new Date().toLocaleTimeString()}`;
     } catch (e) {
+      if (stopped) return;
       if (e.status === 401) { store.key = ""; location.hash = "#/signin"; return; }
       flash(`Could not load tasks: ${errText(e)}`);
     }

@@ -1,0 +1,220 @@
+"""The deliverer: a thread in every API process that posts due outbox rows to their endpoints.
+Several processes deliver side by side: a pass claims due rows with FOR UPDATE SKIP LOCKED and
+moves their next_attempt_at past the attempt (a lease), so no two claim a row at once, and a
+process that dies mid-attempt leaves the row due again once the lease ends. At least once: the
+receiver may see an event twice (after such a death), always with the same webhook-id.
+
+Each attempt re-checks the URL's addresses and connects to the address it checked (see
+security.resolve), signs the body with a fresh webhook-timestamp, follows no redirect and reads
+at most a little of the answer. A 2xx delivers; anything else waits webhook_backoff_s and tries
+again, until webhook_give_up_s after the delivery was scheduled: then it is failed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import httpx
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.config import Settings
+from service.db import session_scope
+from service.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent, utcnow
+from service.webhooks.outbox import enqueued
+from service.webhooks.security import AddressRefused, check_key, resolve, sign, unseal
+
+log = logging.getLogger("loraplex.webhooks")
+USER_AGENT = "loraplex-webhooks/1"
+WORKERS = 8  # attempts at once per process; a pass claims at most this many rows
+
+
+@dataclass(frozen=True)
+class Claim:
+    delivery_id: str
+    endpoint_id: str
+    event_id: str
+    url: str
+    secret: str  # as stored (sealed)
+    body: bytes
+    token: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    started: datetime
+    status_code: int | None
+    error: str | None
+    duration_ms: int
+
+    @property
+    def delivered(self) -> bool:
+        return self.status_code is not None and 200 <= self.status_code < 300
+
+
+def lease_s(settings: Settings) -> float:
+    """How long a claimed attempt is another process's to leave alone."""
+    return 2 * settings.webhook_timeout_s + 5
+
+
+def claim_due(session: Session, settings: Settings, limit: int = WORKERS) -> list[Claim]:
+    """Claim up to `limit` due deliveries of enabled endpoints, oldest due first; commits."""
+    now = utcnow()
+    ids = session.scalars(
+        select(WebhookDelivery.id).join(WebhookEndpoint,
+                                        WebhookEndpoint.id == WebhookDelivery.endpoint_id)
+        .where(WebhookDelivery.state == "pending", WebhookDelivery.next_attempt_at <= now,
+               WebhookEndpoint.enabled.is_(True), WebhookEndpoint.deleted_at.is_(None))
+        .order_by(WebhookDelivery.next_attempt_at).limit(limit)
+        .with_for_update(of=WebhookDelivery, skip_locked=True)).all()
+    if not ids:
+        session.rollback()
+        return []
+    token = uuid.uuid4().hex
+    session.execute(update(WebhookDelivery).where(WebhookDelivery.id.in_(ids)).values(
+        lease_token=token, next_attempt_at=now + timedelta(seconds=lease_s(settings))))
+    rows = session.execute(
+        select(WebhookDelivery.id, WebhookEndpoint.id, WebhookEvent.id, WebhookEndpoint.url,
+               WebhookEndpoint.secret, WebhookEvent.payload)
+        .join(WebhookEndpoint, WebhookEndpoint.id == WebhookDelivery.endpoint_id)
+        .join(WebhookEvent, WebhookEvent.id == WebhookDelivery.event_id)
+        .where(WebhookDelivery.id.in_(ids))).all()
+    session.commit()
+    return [Claim(delivery_id=d, endpoint_id=e, event_id=ev, url=url, secret=secret,
+                  body=json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode(),
+                  token=token)
+            for d, e, ev, url, secret, payload in rows]
+
+
+def attempt(claim: Claim, settings: Settings, client: httpx.Client) -> Outcome:
+    """POST the event once: signed, to the address checked now, no redirects."""
+    started, t0 = utcnow(), time.perf_counter()
+    status: int | None = None
+    error: str | None = None
+    try:
+        secret = unseal(claim.secret, settings.webhook_secret_key)
+        target = resolve(claim.url, settings.webhook_allow_private)
+        timestamp = int(time.time())
+        headers = {"content-type": "application/json", "user-agent": USER_AGENT,
+                   "host": target.host_header, "webhook-id": claim.event_id,
+                   "webhook-timestamp": str(timestamp),
+                   "webhook-signature": sign(secret, claim.event_id, timestamp, claim.body)}
+        extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else {}
+        with client.stream("POST", target.url, content=claim.body, headers=headers,
+                           extensions=extensions) as response:
+            status = response.status_code
+            if not 200 <= status < 300:
+                head = next(response.iter_raw(256), b"")[:200].decode("utf-8", "replace")
+                error = f"HTTP {status}" + (f": {head.strip()}" if head.strip() else "")
+    except (AddressRefused, ValueError) as exc:
+        error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure is this attempt's, logged and retried
+        error = f"{type(exc).__name__}: {exc}"[:500] if str(exc) else type(exc).__name__
+    return Outcome(started, status, error, int((time.perf_counter() - t0) * 1000))
+
+
+def record(session: Session, claim: Claim, outcome: Outcome, settings: Settings) -> str | None:
+    """Log the attempt and move the delivery on (delivered, due again later, or failed); the
+    delivery's new state, or None when it was redelivered or reclaimed meanwhile (then only the
+    attempt is logged). Commits."""
+    session.add(WebhookAttempt(delivery_id=claim.delivery_id, attempted_at=outcome.started,
+                               status_code=outcome.status_code, error=outcome.error,
+                               duration_ms=outcome.duration_ms))
+    row = session.scalar(select(WebhookDelivery).where(
+        WebhookDelivery.id == claim.delivery_id, WebhookDelivery.lease_token == claim.token)
+        .with_for_update())
+    if row is None:
+        session.commit()
+        return None
+    now = utcnow()
+    row.attempts += 1
+    row.tries += 1
+    row.last_status_code, row.last_error, row.lease_token = (outcome.status_code, outcome.error,
+                                                             None)
+    if outcome.delivered:
+        row.state, row.delivered_at, row.next_attempt_at = "delivered", now, None
+    else:
+        backoff = settings.webhook_backoff_s or [60.0]
+        wait = backoff[min(row.tries, len(backoff)) - 1] * random.uniform(0.9, 1.1)
+        due = now + timedelta(seconds=wait)
+        if due > row.scheduled_at + timedelta(seconds=settings.webhook_give_up_s):
+            row.state, row.next_attempt_at = "failed", None
+        else:
+            row.next_attempt_at = due
+    session.commit()
+    return row.state
+
+
+class Deliverer:
+    """One process's delivery thread: a pass whenever this process enqueued something and every
+    webhook_poll_s; start() in the app's lifespan, stop() at its end (attempts in flight end)."""
+
+    def __init__(self, factory: sessionmaker[Session], settings: Settings) -> None:
+        check_key(settings.webhook_secret_key)  # a bad key stops the start, not the first send
+        self._factory, self._settings = factory, settings
+        self._stop = threading.Event()
+        self._failing = False
+        self._thread = threading.Thread(target=self._loop, name="loraplex-webhooks", daemon=True)
+        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="loraplex-webhook")
+        self._client = httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False,
+                                    trust_env=False, limits=httpx.Limits(max_connections=WORKERS))
+
+    def start(self) -> Deliverer:
+        if not self._settings.webhook_secret_key:
+            log.warning("LORAPLEX_WEBHOOK_SECRET_KEY is unset: webhook signing secrets are stored "
+                        "unencrypted")
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stop.set()
+        enqueued.set()
+        self._thread.join(timeout if timeout is not None else self._settings.webhook_timeout_s * 3)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._client.close()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            busy = False
+            try:
+                busy = self.run_once() == WORKERS
+                self._failing = False
+            except Exception as exc:  # the database is down: try again at the next poll
+                if not self._failing:
+                    log.warning("webhook delivery pass failed error=%s", exc)
+                self._failing = True
+            if not busy:
+                enqueued.wait(self._settings.webhook_poll_s)
+                enqueued.clear()
+
+    def run_once(self) -> int:
+        """One pass: claim due rows, attempt them concurrently, record each; how many."""
+        session = self._factory()
+        try:
+            claims = claim_due(session, self._settings)
+        finally:
+            session.close()
+        futures = [self._pool.submit(self._deliver, c) for c in claims]
+        wait(futures)
+        for future in futures:
+            future.result()  # the first failure (the database went away) to the loop
+        return len(claims)
+
+    def _deliver(self, claim: Claim) -> None:
+        outcome = attempt(claim, self._settings, self._client)
+        try:
+            with session_scope(self._factory) as session:
+                state = record(session, claim, outcome, self._settings)
+        except IntegrityError:  # its tenant was deleted meanwhile
+            return
+        log.info("webhook attempt delivery=%s event=%s endpoint=%s status=%s state=%s ms=%d%s",
+                 claim.delivery_id, claim.event_id, claim.endpoint_id, outcome.status_code,
+                 state, outcome.duration_ms, f" error={outcome.error!r}" if outcome.error else "")
