@@ -252,3 +252,19 @@ def store_profile(path: str | Path | None, key: str, model: MemoryModel) -> None
     with os.fdopen(fd, "w") as f:
         json.dump(table, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class RecomputePolicy:
+    """Activation recompute only where it is needed: a step runs without it when the memory model
+    measured without recompute predicts its total batch fits under the limit; admission still
+    sizes the executor by the model with recompute (the wider one), so choosing never costs a
+    job its place. With one GPU only (ranks of adapter parallelism must make the same passes)."""
+
+    without: MemoryModel  # measured with recompute off
+    limit_bytes: float
+    seq_len: int
+
+    def recompute(self, total_batch: int) -> bool:
+        """Whether a step over `total_batch` sequences of seq_len tokens needs recompute."""
+        return self.without.predict(total_batch, self.seq_len) > self.limit_bytes

@@ -297,9 +297,8 @@ class MultiLoraEngine:
         self.seq_cap = max((self._longest(e) for e in self.train_examples), default=1)
         # backbone forwards by (rows, length, with grad): attention plans are built per shape
         self.forward_shapes: Counter[tuple[int, int, bool]] = Counter()
-        self.gradient_checkpointing = gradient_checkpointing
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.gradient_checkpointing = False
+        self.set_recompute(gradient_checkpointing)
         model.train()
         self.jobs: dict[str, JobState] = {}  # active jobs in slot order
         # tokens per chunk of the one head + cross-entropy of a step (trainer.head)
@@ -308,6 +307,19 @@ class MultiLoraEngine:
         # agree on extra backbone passes; None: this engine runs alone (see `lockstep`)
         self.agree: Callable[[int], int] | None = None
         self._init_arena()
+
+    def set_recompute(self, on: bool) -> None:
+        """Activation recompute (the model's gradient checkpointing) on or off for the next steps:
+        on keeps each layer's input alone and repeats its forward in the backward; off keeps every
+        activation (more memory, a quarter less compute and launches)."""
+        on = bool(on)
+        if on == self.gradient_checkpointing:
+            return
+        if on:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.model.gradient_checkpointing_disable()
+        self.gradient_checkpointing = on
 
     # ----- arena -----------------------------------------------------------------------
     def _init_arena(self) -> None:

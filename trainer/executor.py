@@ -38,6 +38,7 @@ from service.protocol import EarlyExitSettings, EvalSettings
 from trainer.admission import (
     AdmissionController,
     MemoryModel,
+    RecomputePolicy,
     fit_memory_model,
     load_profile,
     profile_key,
@@ -102,7 +103,10 @@ class ExecutorConfig:
     checkpoint_every: int = 50  # executor steps between checkpoints ...
     checkpoint_every_s: float | None = None  # ... or seconds since the last one, first reached
     targets: tuple[str, ...] | None = None  # None: the model family's defaults
-    gradient_checkpointing: bool = True
+    # activation recompute: True always, False never, "auto" where a step needs it (one CUDA GPU
+    # with measured memory models: a step whose batch fits without recompute runs without it;
+    # elsewhere always, as True)
+    gradient_checkpointing: bool | str = "auto"
     device: str = "auto"
     backend: str = "auto"
     adapter_dtype: str = "float32"
@@ -175,6 +179,8 @@ class Executor:
         self.started_at: float | None = None
         self.first_step_s: float | None = None  # executor start -> end of the first step
         self.profile_reused: bool | None = None
+        self.recompute_policy: RecomputePolicy | None = None
+        self.recompute_steps = {"on": 0, "off": 0}
         self.first = self._make_task(cfg, callbacks, stop_requested, task_id)
         self._known[self.first.task_id] = ({j.job_id for j in cfg.jobs}, str(Path(cfg.output_dir).resolve()))
         self.tasks[self.first.task_id] = self.first
@@ -418,7 +424,7 @@ class Executor:
         engine_cls = DpoEngine if cfg.method == "dpo" else MultiLoraEngine
         # built on the first task's examples, as a one-task executor is; then it reads the pool
         self.engine = self.strategy.prepare_engine(engine_cls(
-            model, self.first.train, pad, cfg.targets, cfg.gradient_checkpointing, cfg.backend,
+            model, self.first.train, pad, cfg.targets, cfg.gradient_checkpointing is not False, cfg.backend,
             getattr(torch, cfg.adapter_dtype),
         ), device)
         self.engine.train_examples = self.pool
@@ -432,6 +438,9 @@ class Executor:
             self.memory_model = MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits))
             self.admission = AdmissionController(self.memory_model, budget, cfg.max_seq_len,
                                                  max_jobs=cfg.max_active_jobs)
+            if cfg.gradient_checkpointing == "auto" and self.world == 1 and not cfg.memory_model:
+                with self.phase("profile"):
+                    self.recompute_policy = self._recompute_policy()
         else:
             # a DPO batch item is a pair: two sequences of up to max_seq_len tokens
             per_item = cfg.max_seq_len * (2 if cfg.method == "dpo" else 1)
@@ -471,10 +480,32 @@ class Executor:
             if isinstance(eng, DpoEngine):
                 eng.forget_reference(probe)
 
-    def _profile_memory_model(self) -> MemoryModel:
+    def _profile_memory_model(self, batches: tuple[int, ...] = (1, 2, 4)) -> MemoryModel:
         # peak memory at a few total batches -> M(B) = k0 + k1 * B * L (DESIGN.md, technique 3)
-        points = profile_memory(self.probe_step, (1, 2, 4), self.cfg.max_seq_len)
+        points = profile_memory(self.probe_step, batches, self.cfg.max_seq_len)
         return fit_memory_model(points)
+
+    def _recompute_policy(self) -> RecomputePolicy | None:
+        """The memory model without activation recompute (stored or measured at 1 and 2
+        sequences), as the policy that turns recompute off for steps it predicts to fit; None
+        where it cannot be measured (e.g. 2 sequences do not fit without recompute)."""
+        eng = self.engine
+        eng.set_recompute(False)
+        try:
+            without = self._stored_memory_model(recompute=False)
+        except (ValueError, RuntimeError) as e:
+            log.info("no memory model without recompute (%s): recompute stays on", e)
+            return None
+        finally:
+            eng.set_recompute(True)
+        return RecomputePolicy(without, self.admission.limit_bytes, self.cfg.max_seq_len)
+
+    def _choose_recompute(self) -> None:
+        """Before a step: recompute on or off for its total batch (RecomputePolicy); counted."""
+        if self.recompute_policy is not None:
+            total = sum(s.batch_size for s in self._slots())
+            self.engine.set_recompute(self.recompute_policy.recompute(total))
+        self.recompute_steps["on" if self.engine.gradient_checkpointing else "off"] += 1
 
     def _attention_mode(self, device: torch.device) -> str:
         """cfg.attention, with "auto" resolved for this executor's device, method and GPUs."""
@@ -489,7 +520,7 @@ class Executor:
 
         return "varlen" if flash_exact(AutoConfig.from_pretrained(self.cfg.model_dir)) else "rows"
 
-    def profile_key(self) -> str:
+    def profile_key(self, recompute: bool = True) -> str:
         """What this executor's memory profile depends on (see trainer.admission.profile_key)."""
         cfg, eng = self.cfg, self.engine
         config = Path(cfg.model_dir) / "config.json"
@@ -501,20 +532,22 @@ class Executor:
         return profile_key(
             model_dir=str(Path(cfg.model_dir).resolve()), model_config=config_text,
             seq_len=cfg.max_seq_len, gpu=gpu, torch=torch.__version__, method=cfg.method,
-            targets=sorted(eng.targets), gradient_checkpointing=cfg.gradient_checkpointing,
+            targets=sorted(eng.targets), gradient_checkpointing=recompute,
             adapter_dtype=cfg.adapter_dtype, backend=cfg.backend, ranks=self.world,
             max_lora_rank=max(j.rank for j in cfg.jobs), attention=eng.attention)
 
-    def _stored_memory_model(self) -> MemoryModel:
-        """The node's stored profile for this key, or a fresh measurement that is then stored."""
-        key = self.profile_key()
+    def _stored_memory_model(self, recompute: bool = True) -> MemoryModel:
+        """The node's stored profile for this key, or a fresh measurement that is then stored
+        (without recompute: measured at 1 and 2 sequences, its activations are large)."""
+        key = self.profile_key(recompute)
         stored = load_profile(self.cfg.profile_cache, key)
         # every rank must agree to reuse: one that lacks it (a torn read) makes all measure
         reuse = all(self.strategy.gather(stored is not None))
-        self.profile_reused = reuse
+        # reused only if every profile this executor needs was stored
+        self.profile_reused = reuse if recompute else bool(self.profile_reused) and reuse
         if reuse:
             return stored
-        mm = self._profile_memory_model()
+        mm = self._profile_memory_model((1, 2, 4) if recompute else (1, 2))
         fits = self.strategy.gather((mm.k0, mm.k1))  # stored as the ranks will decide: the largest
         if self.rank == 0:
             store_profile(self.cfg.profile_cache, key,
@@ -562,6 +595,7 @@ class Executor:
                 break
             started = time.perf_counter()
             with self.phase("train"):
+                self._choose_recompute()
                 report = self.engine.step() if self.engine.jobs else None
                 if report is None:  # this rank has no runnable job: join the others' passes
                     self.engine.idle_step()
@@ -619,7 +653,10 @@ class Executor:
                 # the loop's snapshots and waits for the writer)
                 **{f"writer_{k}_s": v for k, v in (self.writer.busy if self.writer else
                                                    dict.fromkeys(("checkpoint", "export"), 0.0)).items()},
-                "profile_reused": self.profile_reused, "global_step": self.global_step}
+                "profile_reused": self.profile_reused, "global_step": self.global_step,
+                # activation recompute: the setting and how many steps ran with and without it
+                "recompute": self.cfg.gradient_checkpointing, "recompute_steps": self.recompute_steps["on"],
+                "no_recompute_steps": self.recompute_steps["off"]}
 
     # ----- pieces of the loop --------------------------------------------------------------
     def _observe_train(self, report: Any, seconds: float) -> dict[str, bool]:

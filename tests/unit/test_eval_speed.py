@@ -291,3 +291,40 @@ def test_the_warmup_ranking_evaluates_every_job_on_the_same_subset(tmp_path, fil
     assert {frozenset(e.input_ids for e in c["examples"]) for c in firsts} == {
         frozenset(e.input_ids for e in firsts[0]["examples"])}
     assert all(len(c["examples"]) == 8 for c in firsts)
+
+
+def test_recompute_policy_runs_steps_that_fit_without_recompute(files) -> None:  # noqa: ANN001
+    """A step whose total batch the no-recompute memory model fits runs without activation
+    recompute, a larger one with it; the losses are those of recompute everywhere, and the
+    timings event counts both."""
+    from trainer.admission import RecomputePolicy
+
+    jobs = [JobSpec("big", rank=2, alpha=4, lr=1e-2, batch_size=3, max_steps=2, seed=1),
+            JobSpec("small", rank=4, alpha=8, lr=1e-2, batch_size=1, max_steps=5, seed=2)]
+
+    class Policy(Executor):
+        def _load(self) -> None:
+            super()._load()
+            # without recompute, 2 sequences fit: the steps with both jobs (4) need recompute
+            self.recompute_policy = RecomputePolicy(MemoryModel(0.0, 1.0), 2 * 48, 48)
+            real, self.modes = self.engine.step, []
+
+            def step():  # noqa: ANN202
+                self.modes.append(self.engine.gradient_checkpointing)
+                return real()
+
+            self.engine.step = step
+
+    losses: dict[str, list[float]] = defaultdict(list)
+    events: list = []
+    ex = Policy(make_cfg(files, "policy", jobs), Callbacks(
+        on_train_loss=lambda j, s, v: losses[j].append(v), on_event=lambda j, m, d: events.append((m, d))))
+    ex.run()
+    assert ex.modes == [True, True, False, False, False]  # big ends after 2 steps: small alone fits
+    timings = next(d for m, d in events if m == "timings")
+    assert (timings["recompute_steps"], timings["no_recompute_steps"], timings["recompute"]) == (2, 3, "auto")
+    ref: dict[str, list[float]] = defaultdict(list)
+    Executor(make_cfg(files, "policy-ref", jobs, gradient_checkpointing=True),
+             Callbacks(on_train_loss=lambda j, s, v: ref[j].append(v))).run()
+    for j in ref:
+        assert losses[j] == pytest.approx(ref[j], rel=1e-5)
