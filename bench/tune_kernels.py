@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="512,1024,2048,4096,8192,16384,32768")
     ap.add_argument("--ranks", default="8,16,32,64")
     ap.add_argument("--out", default="", help="table file (default kernels/configs/<GPU name>.json)")
+    ap.add_argument("--max-configs", type=int, default=3,
+                    help="distinct configurations kept per kernel (each is a compile on a cold node); 0: all")
     args = ap.parse_args()
     dev = torch.device("cuda")
     t0 = time.perf_counter()
@@ -68,8 +70,12 @@ def main() -> None:
                               f"r_max={r_max}: {len(tuned.BENCHMARKS) - before} keys tuned", flush=True)
                 # saved as it goes: a run stopped at its time limit keeps what it tuned
                 tuned.save_table(dev, Path(args.out) if args.out else None)
-    path = tuned.save_table(dev, Path(args.out) if args.out else None)
     table = tuned.table_for(dev)
+    if args.max_configs:
+        for kernel in sorted(table.kernels):
+            kept = table.reduce(kernel, args.max_configs)
+            print(f"{kernel}: kept {len(kept)} configurations: {kept}")
+    path = tuned.save_table(dev, Path(args.out) if args.out else None)
     print(f"wrote {path}: " + ", ".join(f"{k} {len(v)}" for k, v in sorted(table.kernels.items()))
           + f" entries; {len(tuned.BENCHMARKS)} keys benchmarked in {time.perf_counter() - t0:.0f} s")
 

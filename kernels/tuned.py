@@ -19,6 +19,7 @@ after the first of its key costs a dict lookup on top of the JIT's own launch.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -81,9 +82,43 @@ class Table:
         tmp.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, path)
 
-    def add(self, kernel: str, key: dict[str, int], config: dict[str, int]) -> None:
+    def add(self, kernel: str, key: dict[str, int], config: dict[str, int],
+            timings: list[tuple[dict[str, int], float]] | None = None) -> None:
+        """Set the configuration of a key (with every candidate's measured milliseconds, when
+        tuned, for `reduce`)."""
         rows = self.kernels.setdefault(kernel, [])
-        rows[:] = [r for r in rows if r["key"] != key] + [{"key": key, "config": config}]
+        row: dict[str, Any] = {"key": key, "config": config}
+        if timings:
+            row["timings"] = [{"config": c, "ms": ms} for c, ms in timings if math.isfinite(ms)]
+        rows[:] = [r for r in rows if r["key"] != key] + [row]
+
+    def reduce(self, kernel: str, max_configs: int) -> list[dict[str, int]]:
+        """Keep at most `max_configs` distinct configurations of a kernel (each one is another
+        compile on a cold node): the set that loses least against every key's best (sum of
+        time / best over the keys with timings; every subset when that is cheap, else greedily),
+        then each key takes its fastest of them.
+        Returns the configurations kept."""
+        rows = [r for r in self.kernels.get(kernel, []) if r.get("timings")]
+        if not rows:
+            return []
+        per_key = [{_ident(t["config"]): t["ms"] for t in r["timings"]} for r in rows]
+        candidates = sorted({c for m in per_key for c in m})
+
+        def cost(cfgs: Sequence[tuple]) -> float:
+            return sum(min((m[c] for c in cfgs if c in m), default=math.inf) / min(m.values()) for m in per_key)
+
+        size = min(max_configs, len(candidates))
+        if math.comb(len(candidates), size) <= 20_000:  # a dozen candidates: every subset
+            chosen = list(min(itertools.combinations(candidates, size), key=cost))
+        else:  # greedily
+            chosen = []
+            while len(chosen) < size:
+                chosen.append(min((c for c in candidates if c not in chosen), key=lambda c: cost([*chosen, c])))
+        for r, m in zip(rows, per_key, strict=True):
+            kept = [c for c in chosen if c in m]
+            if kept:
+                r["config"] = dict(min(kept, key=m.__getitem__))
+        return [dict(c) for c in chosen]
 
     def nearest(self, kernel: str, key: dict[str, int], allowed: Callable[[dict], bool]) -> dict | None:
         """The configuration of the entry nearest to `key` (sum of |log2| differences over the
@@ -186,8 +221,10 @@ class Tuned:
             exact = any(r["key"] == key for r in table.kernels.get(self.name, []))
             hit = table.nearest(self.name, key, lambda d: _ident(d) in valid)
             if _TUNING["on"] and not exact:
-                cfg = self._tune(grid, args, meta, named, allowed, device)
-                table.add(self.name, key, config_dict(cfg))
+                timings = self._tune(grid, args, meta, named, allowed, device)
+                cfg = allowed[min(range(len(allowed)), key=lambda i: timings[i])]
+                table.add(self.name, key, config_dict(cfg), [(config_dict(c), ms) for c, ms in zip(
+                    allowed, timings, strict=True)])
             elif hit is not None:
                 cfg = valid[_ident(hit)]
             else:
@@ -206,8 +243,8 @@ class Tuned:
         self.fn[g](*args, **full, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def _tune(self, grid: Any, args: tuple, meta: dict, named: dict, allowed: list[triton.Config],
-              device: torch.device) -> triton.Config:
-        """Benchmark every allowed configuration on this call's arguments; the fastest. The
+              device: torch.device) -> list[float]:
+        """Benchmark every allowed configuration on this call's arguments: their milliseconds. The
         tensors named in `restore` are put back as they were after the trials."""
         BENCHMARKS.append((self.name, tuple(int(named[k]) for k in self.key)))
         kept = [(named[n], named[n].clone()) for n in self.restore]
@@ -220,7 +257,7 @@ class Tuned:
             timings.append(ms)
         for t, copy in kept:
             t.copy_(copy)
-        return allowed[min(range(len(allowed)), key=timings.__getitem__)]
+        return timings
 
 
 def _ident(config: dict[str, int]) -> tuple:

@@ -153,3 +153,19 @@ def test_the_fused_kernels_are_table_launched() -> None:
     for k in (fl._gemm_lora, fl._gemm_lora_tma, fl._gemm_lora_persist, fl._shrink, fl._shrink_wgrad, fl._wgrad):
         assert isinstance(k, tuned.Tuned)
     assert fl._shrink_wgrad.restore == ("g_ptr",) and fl._wgrad.restore == ("g_ptr",)
+
+
+def test_reduce_keeps_the_configurations_that_lose_least() -> None:
+    a, b, c = ({"BLOCK": 16, "num_warps": 4, "num_stages": 3}, {"BLOCK": 32, "num_warps": 4, "num_stages": 3},
+               {"BLOCK": 64, "num_warps": 8, "num_stages": 3})
+    t = tuned.Table("x")
+    # four keys: c best on two, a best on one, b best on one but nearly as good as c everywhere
+    t.add("k", {"T_BUCKET": 1}, c, [(a, 3.0), (b, 1.02), (c, 1.0)])
+    t.add("k", {"T_BUCKET": 2}, c, [(a, 3.0), (b, 1.03), (c, 1.0)])
+    t.add("k", {"T_BUCKET": 4}, a, [(a, 1.0), (b, 1.5), (c, 2.0)])
+    t.add("k", {"T_BUCKET": 8}, b, [(a, 2.0), (b, 1.0), (c, 1.01)])
+    kept = t.reduce("k", 2)
+    assert len(kept) == 2 and a in kept and c in kept
+    assert [r["config"] for r in sorted(t.kernels["k"], key=lambda r: r["key"]["T_BUCKET"])] == [c, c, a, c]
+    assert t.reduce("k", 1) in ([c], [b])  # one config for all: the least total loss
+    assert len({tuple(sorted(r["config"].items())) for r in t.kernels["k"]}) == 1
