@@ -170,7 +170,7 @@ def test_executor_measures_once_per_key_then_reuses(files, tmp_path) -> None:  #
     measured = []
 
     class Counting(Executor):
-        def _profile_memory_model(self) -> MemoryModel:
+        def _profile_memory_model(self, batches: tuple[int, ...] = (1, 2, 4)) -> MemoryModel:
             measured.append(self.cfg.max_seq_len)
             return MemoryModel(1e9 + self.cfg.max_seq_len, 1e3)
 
@@ -195,6 +195,13 @@ def test_executor_measures_once_per_key_then_reuses(files, tmp_path) -> None:  #
     changed = json.loads(key)
     changed["model_config"] = (changed["model_config"] or "") + " "
     assert json.dumps(changed, sort_keys=True) not in json.loads(cache.read_text())
+    # the model without activation recompute is another key, measured once too
+    measured.clear()
+    for _ in range(2):
+        ex = Counting(make_cfg(files, "p_nr", jobs, max_seq_len=48, profile_cache=str(cache)))
+        ex._load()
+        ex._stored_memory_model(recompute=False)
+    assert measured == [48] and ex.profile_key(False) != ex.profile_key(True)
 
 
 def test_executor_reports_its_wall_time_by_phase(files) -> None:  # noqa: ANN001
