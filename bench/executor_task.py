@@ -71,6 +71,21 @@ class Counted(Executor):
             return report
 
         self.engine.step = step
+        self.eval_calls: list[dict] = []
+        real_eval = self.engine.evaluate_metrics
+
+        def evaluate_metrics(examples, batch_size=8, job_ids=None, max_sequences=None, forwards=None):  # noqa: ANN001, ANN202
+            te.sync()
+            t0 = time.perf_counter()
+            out = real_eval(examples, batch_size, job_ids, max_sequences, forwards)
+            te.sync()
+            self.eval_calls.append({"jobs": len(job_ids or []), "examples": len(examples), "chunk": batch_size,
+                                    "max_sequences": max_sequences, "step": self.global_step,
+                                    "tokens": sum(len(e.input_ids) for e in examples) * len(job_ids or []),
+                                    "s": round(time.perf_counter() - t0, 3)})
+            return out
+
+        self.engine.evaluate_metrics = evaluate_metrics
 
 
 def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: Path) -> dict:
@@ -91,7 +106,8 @@ def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: P
             "profile_reused": ex.profile_reused, "steps": ex.global_step, "train_tokens": train_tokens,
             "states": sorted({s["state"] for s in status.values()}), "timings": events.get("timings"),
             "admission": events.get("memory_model"), "throughput_reports": len(tokens),
-            "attention": ex.engine.attention if getattr(ex, "engine", None) is not None else None}
+            "attention": ex.engine.attention if getattr(ex, "engine", None) is not None else None,
+            "eval_calls": getattr(ex, "eval_calls", [])}
 
 
 def params(layers: int) -> float:
