@@ -108,6 +108,9 @@ TABLE: list[tuple[str, Row]] = [
     _eval("eval_max_samples", 33),
     _eval("eval_max_samples", None),
     _eval("eval_every_samples", 64),
+    _eval("eval_samples_per_trained", 0.5),
+    _eval("eval_samples_per_trained", None),
+    _eval("eval_min_samples", 16),
     ("target_modules", Row({"target_modules": ["v_proj", "q_proj"]},
                            lambda cfg, _: cfg.targets, ("v_proj", "q_proj"))),
 ]
