@@ -4,6 +4,7 @@ FROM python:3.11-slim AS base
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
 COPY pyproject.toml README.md alembic.ini openapi.yaml ./
+COPY contract ./contract
 COPY service ./service
 COPY worker ./worker
 COPY trainer ./trainer

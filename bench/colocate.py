@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
+from contract.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
 from trainer.engine import JobSpec  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
 from trainer.tiny import _WORDS, train_tokenizer  # noqa: E402

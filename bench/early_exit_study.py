@@ -32,7 +32,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.protocol import EarlyExitSettings  # noqa: E402
+from contract.protocol import EarlyExitSettings  # noqa: E402
 from trainer.admission import AdmissionController, fit_memory_model, profile_memory  # noqa: E402
 from trainer.data import IGNORE, Example  # noqa: E402
 from trainer.early_exit import (  # noqa: E402

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
+from contract.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
 from trainer.engine import JobSpec  # noqa: E402
 from trainer.executor import Callbacks, ExecutorConfig, run_executor  # noqa: E402
 from trainer.export import load_peft_weights  # noqa: E402

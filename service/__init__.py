@@ -1,3 +1,2 @@
-"""loraplex service: the FastAPI API, Postgres state, Redis queues and the worker protocol.
-The GPU side imports only service.protocol from here (pydantic, or with torch + transformers
-alone its plain stand-in: the same shapes, unvalidated)."""
+"""loraplex service: the FastAPI API, Postgres state, Redis queues and the internal API of the
+node agents. Nothing on the GPU side imports it: what both sides share is in contract/."""

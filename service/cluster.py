@@ -18,10 +18,10 @@ from sqlalchemy import func, select, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from contract.protocol import Heartbeat, HeartbeatResponse, NodeRegister, tenant_safe
 from service.config import Settings, get_settings
 from service.events import add_event
 from service.models import PLACEMENT_ACTIVE, TASK_TERMINAL, Job, Node, Placement, Task, utcnow
-from service.protocol import Heartbeat, HeartbeatResponse, NodeRegister, tenant_safe
 from service.queue import unqueue_placement
 from service.scheduler.limits import tenant_usage
 from service.scheduler.replanner import lookup

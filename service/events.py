@@ -23,10 +23,10 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import aggregate_order_by, insert
 from sqlalchemy.orm import Session
 
+from contract.protocol import EventIn, MetricPointIn
 from service.downsample import downsample
 from service.errors import invalid, not_found
 from service.models import Event, Job, MetricPoint, Task, utcnow
-from service.protocol import EventIn, MetricPointIn
 from service.schemas import EventOut, finite
 from service.webhooks import outbox as webhook_outbox
 

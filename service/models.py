@@ -30,7 +30,7 @@ Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwi
   blobs live in storage under ``artifacts/<id>/<name>``.
 - ``nodes(id, name unique, gpu_type, gpu_count, gpu_memory_bytes, state up|down,
   last_heartbeat_at, registered_at, meta jsonb, executors jsonb, executors_at)``; executors: the
-  node's shared executors as its last heartbeat reported them (service.protocol.ExecutorReport
+  node's shared executors as its last heartbeat reported them (contract.protocol.ExecutorReport
   dicts), executors_at: when; the scheduler ignores them once older than node_timeout_s.
 - ``placements(id, task_id, node_id, gpu_indices int[], planned_start, planned_end,
   state, attempt, created_at, published_at, claimed_at, finished_at, error)``;

@@ -14,11 +14,17 @@ from rq.job import Job
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from contract.protocol import (
+    CANCEL_CHANNEL,
+    PLACEMENT_FUNC,
+    cancel_key,
+    node_queue_name,
+    placement_job_id,
+)
+from contract.redis_jobs import delete_job
 from service.config import Settings, get_settings
 from service.db import after_commit
 from service.models import Placement, utcnow
-from service.protocol import CANCEL_CHANNEL, PLACEMENT_FUNC, cancel_key, node_queue_name
-from service.redis_jobs import delete_job
 
 log = logging.getLogger("loraplex.queue")
 
@@ -42,14 +48,10 @@ def get_redis(settings: Settings | None = None) -> redis.Redis:
     return _client(url)
 
 
-def rq_job_id(placement_id: str) -> str:
-    return f"placement-{placement_id}"
-
-
 def enqueue_placement(conn: redis.Redis, placement_id: str, node_id: str) -> bool:
     """Put the placement id on its node's queue unless it already waits there. True if pushed."""
     queue = Queue(node_queue_name(node_id), connection=conn)
-    job_id = rq_job_id(placement_id)
+    job_id = placement_job_id(placement_id)
     if Job.exists(job_id, connection=conn):
         if job_id in queue.get_job_ids():
             return False
@@ -102,8 +104,8 @@ def unqueue_placement(placement_id: str, node_id: str, settings: Settings | None
     """Drop a published placement from its queue (superseded/cancelled before any claim)."""
     try:
         conn = get_redis(settings)
-        Queue(node_queue_name(node_id), connection=conn).remove(rq_job_id(placement_id))
-        delete_job(conn, rq_job_id(placement_id))
+        Queue(node_queue_name(node_id), connection=conn).remove(placement_job_id(placement_id))
+        delete_job(conn, placement_job_id(placement_id))
     except redis.RedisError as exc:
         log.warning("unqueue failed placement=%s error=%s", placement_id, exc)
 

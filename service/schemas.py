@@ -9,7 +9,7 @@ from typing import Annotated, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from service.protocol import (
+from contract.protocol import (
     BatchSize,
     DpoBeta,
     EarlyExitSettings,
@@ -104,7 +104,7 @@ def _unique(values: list) -> list:
 
 class SearchSpace(_In):
     """Lists per knob; the grid (cartesian product) is expanded into jobs. Each value has the
-    bounds of the job's hyperparameter (service.protocol.JobHyperparameters), the one contract."""
+    bounds of the job's hyperparameter (contract.protocol.JobHyperparameters), the one contract."""
 
     learning_rate: list[LearningRate] = Field(default=[1e-4], min_length=1, max_length=64)
     lora_rank: list[LoraRank] = Field(default=[8], min_length=1, max_length=64)

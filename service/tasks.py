@@ -15,6 +15,8 @@ from sqlalchemy import func, select, true
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from contract.families import UnsupportedModel, family_of, model_type_of, resolve_targets
+from contract.protocol import JobStateUpdate, grid_knobs, pause_key, tenant_safe
 from service.config import Settings
 from service.db import after_commit
 from service.errors import ApiError, conflict, invalid, not_found
@@ -31,12 +33,10 @@ from service.models import (
     Tenant,
     utcnow,
 )
-from service.protocol import JobStateUpdate, grid_knobs, pause_key, tenant_safe
 from service.queue import get_redis, publish_cancel, unqueue_placement
 from service.registry import BaseModelEntry, ModelRegistry
 from service.scheduler.limits import admit_task, check_task_priority
 from service.schemas import JobOut, TaskCreate, TaskOut, finite
-from trainer.families import UnsupportedModel, family_of, model_type_of, resolve_targets
 
 log = logging.getLogger("loraplex.tasks")
 PAUSE_TTL_S = 7 * 24 * 3600

@@ -17,6 +17,23 @@ from typing import BinaryIO
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
+from contract.protocol import (
+    ADAPTER_FILES,
+    ArtifactMeta,
+    EarlyExitSettings,
+    EvalSettings,
+    EventBatch,
+    JobHyperparameters,
+    JobSpec,
+    JobStateUpdate,
+    MetricBatch,
+    NodeDeregister,
+    NodeDeregistered,
+    PlacementSpec,
+    TaskFailed,
+    TaskFinished,
+    tenant_safe,
+)
 from service.adapters import portable_config_file
 from service.cluster import cluster_changed, fail_or_requeue
 from service.config import Settings
@@ -33,23 +50,6 @@ from service.models import (
     Task,
     new_id,
     utcnow,
-)
-from service.protocol import (
-    ADAPTER_FILES,
-    ArtifactMeta,
-    EarlyExitSettings,
-    EvalSettings,
-    EventBatch,
-    JobHyperparameters,
-    JobSpec,
-    JobStateUpdate,
-    MetricBatch,
-    NodeDeregister,
-    NodeDeregistered,
-    PlacementSpec,
-    TaskFailed,
-    TaskFinished,
-    tenant_safe,
 )
 from service.queue import empty_node_queue, unqueue_placement
 from service.registry import ModelRegistry

@@ -1,6 +1,6 @@
 """Loss-aware early exit: per-job divergence and overfitting detectors, and the warmup ranking.
 Pure Python (math only): the executor feeds losses in and acts on the ExitDecision it gets back.
-Its settings are the task's own `service.protocol.EarlyExitSettings` (one set of bounds).
+Its settings are the task's own `contract.protocol.EarlyExitSettings` (one set of bounds).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from service.protocol import EarlyExitSettings
+from contract.protocol import EarlyExitSettings
 
 ExitReason = Literal["diverging", "overfitting", "underperforming"]
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from service.protocol import JobHyperparameters
+from contract.families import family_of, resolve_targets
+from contract.protocol import JobHyperparameters
 from trainer.data import (
     IGNORE,
     Example,
@@ -34,7 +35,6 @@ from trainer.data import (
     pack_flat,
     pack_step,
 )
-from trainer.families import family_of, resolve_targets
 from trainer.head import default_chunk, token_losses
 from trainer.multilora import (
     JobAdapter,
@@ -68,7 +68,7 @@ class JobSpec:
     @classmethod
     def from_hyperparameters(cls, job_id: str, hp: JobHyperparameters, *, epochs: float,
                              seed: int) -> JobSpec:
-        """The engine's job from the task contract's configuration (service.protocol)."""
+        """The engine's job from the task contract's configuration (contract.protocol)."""
         extra = {"beta": hp.beta} if hp.beta is not None else {}
         return cls(job_id=job_id, rank=hp.lora_rank, alpha=hp.lora_alpha, lr=hp.learning_rate,
                    batch_size=hp.batch_size, epochs=float(epochs), seed=seed, **extra)

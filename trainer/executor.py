@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from service.protocol import EarlyExitSettings, EvalSettings
+from contract.protocol import EarlyExitSettings, EvalSettings
 from trainer.admission import (
     AdmissionController,
     MemoryModel,
@@ -74,7 +74,7 @@ class Callbacks:
     # job, step, "train" | "val", extra numbers of that point beside the loss (DPO: reward
     # accuracy and margin); called just BEFORE the on_train_loss / on_eval of the same point
     on_metrics: Callable[[str, int, str, dict], None] = _noop
-    # no job id: the fields of service.protocol.ThroughputReport but the placement (measured
+    # no job id: the fields of contract.protocol.ThroughputReport but the placement (measured
     # tokens/s over the steps since the last report, the batch mix, the memory model)
     on_throughput: Callable[[dict], None] = _noop
     # no job id: the task left the executor, its last call: the outcome (succeeded | failed |

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from contract.families import family_of
 from trainer.engine import MultiLoraEngine
-from trainer.families import family_of
 
 try:  # torch >= 2.6 public path; 2.11 and 2.13 both have it
     from torch.distributed.fsdp import fully_shard
@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - older torch
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a causal LM, at its family's layers_path (trainer.families)."""
+    """The decoder layers of a causal LM, at its family's layers_path (contract.families)."""
     node: object = model
     for attr in family_of(getattr(model.config, "model_type", None)).layers_path.split("."):
         node = getattr(node, attr, None)

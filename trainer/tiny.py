@@ -1,4 +1,4 @@
-"""Tiny random causal LMs of every family trainer.families supports (Llama, Qwen2, Qwen3,
+"""Tiny random causal LMs of every family contract.families supports (Llama, Qwen2, Qwen3,
 Mistral, Gemma, Gemma-2, Gemma-3, Phi-3, OLMo, OLMo-2, Granite, Cohere, StarCoder2,
 GLM, GLM-4, Helium, SmolLM3, Phi, GPT-NeoX, OLMo-3, Cohere-2, EXAONE-4, Ministral, Arcee, Apertus,
 Hunyuan, ERNIE-4.5, VaultGemma, Persimmon, GPT-J, GPT-Neo, CodeGen, GPTBigCode (StarCoder-1,

@@ -53,7 +53,7 @@ from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 
-from service.protocol import (
+from contract.protocol import (
     ExecutorReport,
     Heartbeat,
     NodeDeregister,
@@ -62,8 +62,9 @@ from service.protocol import (
     cancel_key,
     node_queue_name,
     pause_key,
+    placement_job_id,
 )
-from service.redis_jobs import delete_job
+from contract.redis_jobs import delete_job
 from worker import host as shared
 from worker.service_client import (
     SPOOL_NAME,
@@ -942,7 +943,7 @@ class Daemon:
 
     def _delete_rq_job(self, placement_id: str) -> None:
         try:
-            delete_job(self.conn, f"placement-{placement_id}", remove_from_queue=False)
+            delete_job(self.conn, placement_job_id(placement_id), remove_from_queue=False)
         except redis.RedisError:
             pass
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from service.protocol import PlacementSpec, colocation_key
+from contract.protocol import PlacementSpec, colocation_key
 from worker.runner import PlacementRun, StopFlag, open_task, settle
 
 log = logging.getLogger("loraplex.worker.host")

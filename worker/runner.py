@@ -4,7 +4,7 @@ PlacementSpec the daemon wrote, trains the task with trainer.executor and report
 The daemon has already put the inputs in DIR (data/train.jsonl, data/validation.jsonl, resume/
 with the latest checkpoint's files) and watches DIR/spool.jsonl; adapters and checkpoints are
 written as folders under DIR/artifacts and announced by a spool record once complete. Imports
-only torch/transformers/peft (through worker/) and service.protocol: GPU nodes have no service
+only torch/transformers/peft (through worker/) and contract.protocol: GPU nodes have no service
 stack. SIGTERM asks the executor to checkpoint at the end of its step and stop (the checkpoint is
 uploaded before the exit); a stale daemon lease (DIR/lease not touched for
 LORAPLEX_LEASE_TIMEOUT_S) does the same, so an orphan stops reporting. A placement of g > 1 GPUs
@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from service.protocol import PlacementSpec, tenant_safe
+from contract.protocol import PlacementSpec, tenant_safe
 from worker.service_client import SPOOL_NAME, SpoolWriter
 
 log = logging.getLogger("loraplex.worker.runner")
@@ -195,7 +195,7 @@ class _Bridge:
 
 def executor_config(spec: PlacementSpec, directory: Path):  # noqa: ANN201 - trainer import is lazy
     """The trainer's configuration of this placement: the task's settings as the contract has
-    them (service.protocol), the daemon's files, and one rank per GPU of the placement."""
+    them (contract.protocol), the daemon's files, and one rank per GPU of the placement."""
     from trainer.engine import JobSpec as EngineJob
     from trainer.executor import ExecutorConfig
 

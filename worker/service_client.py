@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from service.protocol import (
+from contract.protocol import (
     ArtifactMeta,
     ClaimRequest,
     EventBatch,

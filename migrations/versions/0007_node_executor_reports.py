@@ -1,5 +1,5 @@
 """Co-location: nodes.executors (the node's shared executors as its daemon last reported them in
-a heartbeat: a JSON list of service.protocol.ExecutorReport) and nodes.executors_at (when). The
+a heartbeat: a JSON list of contract.protocol.ExecutorReport) and nodes.executors_at (when). The
 scheduler joins tasks to these executors; a report older than node_timeout_s, or of a node that
 is down, is never used.
 

@@ -10,19 +10,7 @@ from fastapi import APIRouter, Depends, File, Form, UploadFile
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from service import profiles, worker_api
-from service.cluster import cluster_changed, heartbeat, register_node
-from service.deps import (
-    RegistryDep,
-    SessionDep,
-    SettingsDep,
-    StorageDep,
-    require_worker,
-)
-from service.errors import invalid, not_found
-from service.models import Artifact, Node
-from service.models import File as FileRow
-from service.protocol import (
+from contract.protocol import (
     ArtifactMeta,
     ArtifactOut,
     ClaimRequest,
@@ -43,6 +31,18 @@ from service.protocol import (
     ThroughputReport,
     node_queue_name,
 )
+from service import profiles, worker_api
+from service.cluster import cluster_changed, heartbeat, register_node
+from service.deps import (
+    RegistryDep,
+    SessionDep,
+    SettingsDep,
+    StorageDep,
+    require_worker,
+)
+from service.errors import invalid, not_found
+from service.models import Artifact, Node
+from service.models import File as FileRow
 from service.schemas import JobOut
 from service.tasks import job_out
 

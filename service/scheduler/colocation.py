@@ -1,7 +1,7 @@
 """Co-location in the plan (DESIGN.md, issue 19): queued tasks join warm shared executors, and the
 planner sees each shared executor's GPUs once. Pure: no database, no clock (loop.py feeds it).
 
-A node's heartbeat reports its shared executors (service.protocol.ExecutorReport): key, GPUs,
+A node's heartbeat reports its shared executors (contract.protocol.ExecutorReport): key, GPUs,
 hosted placements, free and total sequence rows. Only fresh reports count (node up, report
 younger than node_timeout_s: ``fresh_executors``), and only as the database confirms them
 (``usable_executors``): a busy executor's GPUs are held by live placements of its key on exactly
@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TypeVar
 
-from service.protocol import ExecutorReport
+from contract.protocol import ExecutorReport
 from service.scheduler.planner import Assignment, Instance, Pinned, Plan, TaskSpec, weight
 
 T = TypeVar("T")

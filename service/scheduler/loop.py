@@ -38,6 +38,7 @@ from typing import Any
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
+from contract.protocol import colocation_key
 from service.config import Settings
 from service.models import (
     JOB_TERMINAL,
@@ -51,7 +52,6 @@ from service.models import (
     ThroughputProfile,
     utcnow,
 )
-from service.protocol import colocation_key
 from service.queue import publish_placement
 from service.registry import ModelRegistry
 from service.scheduler.colocation import (

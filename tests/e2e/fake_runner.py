@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from service.protocol import PlacementSpec
+from contract.protocol import PlacementSpec
 from worker.service_client import SpoolWriter
 
 STEPS = 6

@@ -1,6 +1,6 @@
 """Model families through the API with a real daemon and the real executor on CPU: one task per
 tiny family of each layout the family table knows (E2E_FAMILIES; tests/unit/test_families.py
-checks every family of trainer.families on the engine and export alone) trains to `succeeded`; each job's adapter downloads, loads whole into PEFT, adapts every targeted
+checks every family of contract.families on the engine and export alone) trains to `succeeded`; each job's adapter downloads, loads whole into PEFT, adapts every targeted
 projection of every layer, and PEFT's validation loss of it is the service's best_val_loss."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 pytest.importorskip("trainer.executor", reason="the training executor has not landed")
 
+from contract.families import family_of  # noqa: E402
 from tests.helpers.engine_ref import synthetic_rows  # noqa: E402
 from tests.unit.test_families import base_model, load_whole, lora_keys, own_loss  # noqa: E402
 from trainer.export import load_peft_weights  # noqa: E402
-from trainer.families import family_of  # noqa: E402
 from trainer.tiny import FAMILIES as TINY  # noqa: E402
 
 # One family per layout: Llama's linears, fused projections (Phi-3), final soft-cap and sliding

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from service.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
+from contract.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl  # noqa: E402
 from trainer.engine import JobSpec  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402

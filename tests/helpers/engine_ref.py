@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
+from contract.families import LLAMA_LINEARS as DEFAULT_TARGETS
 from trainer.data import IGNORE, Example, JobDataStream
 from trainer.engine import JobSpec, make_optimizer
-from trainer.families import LLAMA_LINEARS as DEFAULT_TARGETS
 from trainer.tiny import _WORDS, make_tiny_model
 
 _CACHE: dict[str, Path] = {}

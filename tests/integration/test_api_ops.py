@@ -160,7 +160,7 @@ def test_maintenance_thread_marks_nodes_down_and_republishes(settings, session):
     import redis
     from rq import Queue
 
-    from service.protocol import node_queue_name
+    from contract.protocol import node_queue_name
     from tests.integration.factories import Factory
 
     fast = settings.model_copy(update={"maintenance_interval_s": 0.2, "node_timeout_s": 1.5})

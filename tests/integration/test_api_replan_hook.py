@@ -92,7 +92,7 @@ def test_real_scheduler_places_a_new_task(client, factory, settings):  # noqa: A
     import redis
     from rq import Queue
 
-    from service.protocol import node_queue_name
+    from contract.protocol import node_queue_name
 
     node = factory.node("sched-n0", gpus=2)
     t = factory.tenant()

@@ -13,10 +13,10 @@ import redis
 from rq import Queue
 from sqlalchemy import select
 
+from contract.protocol import PLACEMENT_FUNC, PlacementSpec, cancel_key, node_queue_name
 from service.adapters import portable_config
 from service.cluster import mark_stale_nodes
 from service.models import Node, Placement
-from service.protocol import PLACEMENT_FUNC, PlacementSpec, cancel_key, node_queue_name
 from service.queue import republish_all
 from tests.integration.factories import safetensors_bytes
 

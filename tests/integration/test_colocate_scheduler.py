@@ -10,8 +10,8 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select
 
+from contract.protocol import colocation_key
 from service.models import Node, Placement, Task, Tenant, utcnow
-from service.protocol import colocation_key
 from service.scheduler.colocation import tenant_usage
 from service.scheduler.loop import _live_placements, build_instance
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import re
 
+from contract.protocol import MetricPointIn
 from service import events
 from service.models import Job, Task
-from service.protocol import MetricPointIn
 from service.ui.live import LiveState, tick
 
 

@@ -14,6 +14,7 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from contract.protocol import cancel_key
 from service.cluster import (
     ServiceHealth,
     mark_stale_nodes,
@@ -23,7 +24,6 @@ from service.cluster import (
 )
 from service.localstack import free_port
 from service.models import Node, Placement, Task, utcnow
-from service.protocol import cancel_key
 from service.queue import publish_cancel
 from service.tasks import cancel_task
 

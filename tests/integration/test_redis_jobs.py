@@ -1,4 +1,4 @@
-"""Deleting a placement's RQ job while another process deletes it too (service.redis_jobs)."""
+"""Deleting a placement's RQ job while another process deletes it too (contract.redis_jobs)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import redis
 from rq import Queue
 from rq.job import Job
 
-from service.redis_jobs import delete_job
+from contract.redis_jobs import delete_job
 
 
 def test_a_job_deleted_meanwhile_elsewhere_is_not_an_error(redis_server) -> None:

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 from rq import Queue
 from sqlalchemy import select
 
+from contract.protocol import node_queue_name
 from service.models import Placement, Task, Tenant, utcnow
-from service.protocol import node_queue_name
 from service.queue import get_redis
 from service.scheduler import loop
 

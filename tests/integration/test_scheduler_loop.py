@@ -10,8 +10,8 @@ import pytest
 from rq import Queue
 from sqlalchemy import select
 
+from contract.protocol import node_queue_name
 from service.models import Node, Placement, Task, Tenant, utcnow
-from service.protocol import node_queue_name
 from service.queue import get_redis
 from service.scheduler import current_plan, last_plan_info, replan
 

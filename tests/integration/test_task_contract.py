@@ -16,8 +16,8 @@ import pytest
 from pydantic import BaseModel
 from sqlalchemy import select
 
+from contract.protocol import PlacementSpec
 from service.models import Placement
-from service.protocol import PlacementSpec
 from service.schemas import PlacementOut, TaskCreate
 from tests.integration.test_api_task_validation import register_model
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.protocol import EarlyExitSettings, EvalSettings
+from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from trainer.engine import JobSpec
 from trainer.executor import Callbacks, Executor, ExecutorConfig

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from service.protocol import EarlyExitSettings, EvalSettings
+from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from trainer import checkpoint as checkpoint_mod
 from trainer import colocate

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from service.protocol import EarlyExitSettings, EvalSettings
+from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from trainer import engine as engine_mod
 from trainer.data import PackedBatch

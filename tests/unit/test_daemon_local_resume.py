@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.protocol import (
+from contract.protocol import (
     EarlyExitSettings,
     EvalSettings,
     JobHyperparameters,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from service.protocol import (
+from contract.protocol import (
     EarlyExitSettings,
     EvalSettings,
     JobHyperparameters,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.protocol import (
+from contract.protocol import (
     EarlyExitSettings,
     EvalSettings,
     JobHyperparameters,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 from pydantic import ValidationError
 
-from service.protocol import EarlyExitSettings
+from contract.protocol import EarlyExitSettings
 from trainer.early_exit import (
     ExitDecision,
     JobMonitor,

@@ -12,7 +12,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from service.protocol import EarlyExitSettings, EvalSettings
+from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from trainer.admission import MemoryModel, load_profile, store_profile
 from trainer.data import read_jsonl, tokenize_all

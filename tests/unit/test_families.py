@@ -1,4 +1,4 @@
-"""Every supported model family (trainer.families) on its tiny model (trainer.tiny): the engine's
+"""Every supported model family (contract.families) on its tiny model (trainer.tiny): the engine's
 loss is the model's own loss (a PEFT model of the same adapter through the model's own forward),
 the exported adapter loads whole into PEFT and adapts every targeted projection of every layer,
 and a target the family lacks is refused by name."""
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from contract.families import FAMILIES as SUPPORTED
+from contract.families import Family, UnsupportedModel, family_of
 from tests.helpers.engine_ref import synthetic_rows
 from trainer.data import IGNORE, Example, pack_step, parse_record, tokenize_all
 from trainer.engine import JobSpec, MultiLoraEngine
 from trainer.export import export_peft, load_peft_weights
-from trainer.families import FAMILIES as SUPPORTED
-from trainer.families import Family, UnsupportedModel, family_of
 from trainer.multilora import inject_multilora
 from trainer.parallel_engine import decoder_layers as sharded_layers
 from trainer.tiny import FAMILIES, make_tiny_model

@@ -9,7 +9,7 @@ import json
 from fractions import Fraction
 from pathlib import Path
 
-from service.protocol import ThroughputReport
+from contract.protocol import ThroughputReport
 from tests.unit.test_daemon_forwarding import FakeService, make_client
 from worker.service_client import Backoff, Forwarder, SpoolWriter, read_complete_lines
 

@@ -1,4 +1,4 @@
-"""service.protocol on a machine with torch + transformers alone (the GPU image has no pydantic):
+"""contract.protocol on a machine with torch + transformers alone (the GPU image has no pydantic):
 the trainer still imports, and the settings it builds by default are the API's defaults."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from service.protocol import EarlyExitSettings, EvalSettings
+from contract.protocol import EarlyExitSettings, EvalSettings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -16,7 +16,7 @@ PROBE = """
 import json, sys
 sys.modules["pydantic"] = None  # as on the GPU image: any import of it fails
 import trainer.executor, trainer.parallel, trainer.dpo  # the training side imports
-from service.protocol import EarlyExitSettings, EvalSettings, JobHyperparameters
+from contract.protocol import EarlyExitSettings, EvalSettings, JobHyperparameters
 from trainer.executor import ExecutorConfig
 hp = JobHyperparameters(learning_rate=1e-3, lora_rank=4, lora_alpha=8, batch_size=2)
 try:

@@ -1,4 +1,4 @@
-"""Unit: openapi.yaml matches the app, and service/protocol.py imports nothing beyond pydantic
+"""Unit: openapi.yaml matches the app, and contract/protocol.py imports nothing beyond pydantic
 and the stdlib (the GPU worker imports it without the service's dependencies)."""
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ def test_openapi_yaml_is_up_to_date() -> None:
     assert OPENAPI_PATH.read_text() == render(), "run: python -m service.openapi"
 
 
-def test_protocol_imports_only_pydantic() -> None:
-    code = ("import sys, service.protocol as p; "
-            "bad = [m for m in ('fastapi', 'sqlalchemy', 'redis', 'rq', 'service.models', "
-            "'service.config', 'starlette') if m in sys.modules]; print(bad)")
+def test_contract_imports_only_pydantic() -> None:
+    code = ("import sys, pkgutil, importlib, contract; "
+            "[importlib.import_module('contract.' + m.name) "
+            "for m in pkgutil.iter_modules(contract.__path__)]; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('fastapi', 'sqlalchemy', "
+            "'redis', 'rq', 'starlette', 'torch', 'service', 'worker', 'trainer', 'kernels')]; "
+            "print(sorted(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]"

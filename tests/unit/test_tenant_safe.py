@@ -1,11 +1,11 @@
-"""Unit: service.protocol.tenant_safe, what a tenant may read of an error: the first line (the
+"""Unit: contract.protocol.tenant_safe, what a tenant may read of an error: the first line (the
 last one of a traceback), with paths, URLs and addresses masked, and ordinary text left alone."""
 
 from __future__ import annotations
 
 import pytest
 
-from service.protocol import tenant_safe
+from contract.protocol import tenant_safe
 
 
 @pytest.mark.parametrize(("raw", "shown"), [

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from service.protocol import (
+from contract.protocol import (
     EarlyExitSettings,
     EvalSettings,
     JobHyperparameters,

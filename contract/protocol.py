@@ -1,12 +1,13 @@
 """Message shapes between the service and the GPU worker daemons (internal API + Redis queue).
-Imports only pydantic and the stdlib, so the worker can use it without the rest of the service.
+Imports only pydantic and the stdlib (with torch + transformers alone, its plain stand-in
+contract._plain_models), so the node agent and the trainer use it without the service.
 
 Flow: the worker POSTs NodeRegister to /internal/v1/nodes, then a Heartbeat to
 /internal/v1/nodes/{node_id}/heartbeat every few seconds (the reply lists tasks to cancel).
 It pops placement ids from the RQ queue ``node_queue_name(node_id)`` (RQ job function name
-PLACEMENT_FUNC, single positional argument: the placement id), claims the placement with
-POST /internal/v1/placements/{id}/claim (reply: PlacementSpec; a repeated claim by the same
-node returns the same spec), downloads files and checkpoints from the URLs in the spec,
+PLACEMENT_FUNC, job id placement_job_id, single positional argument: the placement id), claims
+the placement with POST /internal/v1/placements/{id}/claim (reply: PlacementSpec; a repeated
+claim by the same node returns the same spec), downloads files and checkpoints from the URLs in the spec,
 then reports with EventBatch, MetricBatch, JobStateUpdate, artifact uploads (multipart:
 a ``meta`` form field holding ArtifactMeta JSON plus one ``files`` part per file) and
 finally TaskFinished or TaskFailed. Every report is safe to retry, and every report names its
@@ -29,7 +30,7 @@ from typing import Annotated, Literal
 try:
     from pydantic import BaseModel, ConfigDict, Field, model_validator
 except ImportError:  # torch + transformers alone (a bare GPU image): same shapes, no validation
-    from service._plain_models import (  # type: ignore[assignment]
+    from contract._plain_models import (  # type: ignore[assignment]
         BaseModel,
         ConfigDict,
         Field,
@@ -70,6 +71,11 @@ def tenant_safe(text: str, limit: int = 500) -> str:
 def node_queue_name(node_id: str) -> str:
     """Name of the RQ queue that carries the placements of one node."""
     return f"loraplex:node:{node_id}"
+
+
+def placement_job_id(placement_id: str) -> str:
+    """Id of the RQ job that carries a placement on its node's queue (one per placement)."""
+    return f"placement-{placement_id}"
 
 
 def pause_key(placement_id: str) -> str:

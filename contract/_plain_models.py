@@ -1,4 +1,4 @@
-"""What service.protocol needs of pydantic, for a machine that has torch and transformers alone
+"""What contract.protocol needs of pydantic, for a machine that has torch and transformers alone
 (a bare GPU image running the trainer, its tests or benchmarks): plain objects with the same
 fields and defaults, built from keyword arguments, WITHOUT validation. Bounds are enforced where
 settings enter the system (the API, with pydantic, 422 on bad values) and where a placement is

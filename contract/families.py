@@ -1,6 +1,7 @@
 """Model-family knowledge in one table keyed by `config.model_type`: the linears LoRA may target
 (fused projections included), the default targets, the decoder-layer path and the model's own
-output head (Cohere's logit scale, Granite's logit division, Gemma-2's final soft-cap). Pure stdlib: the service imports it to check a task's
+output head (Cohere's logit scale, Granite's logit division, Gemma-2's final soft-cap). Pure
+stdlib, in the contract because both sides read it: the service to check a task's
 `target_modules` at create (reading the registered model's config.json), the trainer to build,
 shard and score the model exactly as the model itself does.
 """
