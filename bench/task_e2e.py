@@ -539,6 +539,58 @@ def pack_only(args: argparse.Namespace, root: Path, data: tuple[Path, Path], job
     return out
 
 
+def large_run(name: str, ee: bool, attention: str, *, args: argparse.Namespace, root: Path,
+              large_dir: Path, data: tuple[Path, Path], jobs: list[JobSpec], trace: Record | None,
+              cache: Path, res: dict, floor: bool = True) -> dict:
+    """One executor run at the large shape ((a) with early exit, (b) without), the small model's
+    losses replayed (trace); (b) also times the floor on its own packed batches. `res` holds the
+    quality phase's statuses ((a)'s decisions are checked against them)."""
+    spec = {j.job_id: j for j in jobs}
+    rec = install_recorder()
+    profile_out = getattr(args, "profile_out", "")
+    rec["profile_at"] = 100 if name == "b" and profile_out else None
+    out = Record()
+    cfg = executor_cfg(large_dir, data, root / f"large_{name}", jobs, ee, args, cache)
+    cfg.cudnn_attention = getattr(args, "cudnn_attention", True)
+    cfg.async_writes = getattr(args, "async_writes", True)
+    ex = TraceExecutor(cfg, out.callbacks(), trace, rec, getattr(args, "shape_buckets", True), attention)
+    t0 = time.perf_counter()
+    ex.run()
+    wall = time.perf_counter() - t0
+    tm = ex.timings()
+    mm = next((d for j, m, d in out.events if m == "memory_model"), {"k0": None, "k1": None})
+    run = {**tm, "wall_outer_s": wall, "steps": len(rec["step_s"]),
+           "missing_trace_points": ex.missing, "statuses": summarize_statuses(out.states),
+           "host_pack_s": rec["pack_s"], "host_layout_s": rec["layout_s"],
+           "max_total_batch": ex.admission.max_total_batch(), "k0": mm["k0"], "k1": mm["k1"],
+           "evals": sum(len(c) for c in out.val.values()),
+           "attention_shapes": shape_summary(ex.engine.forward_shapes),
+           "padding": statistics.fmean(1 - (b[0] != 0).sum().item() / b[0].numel()
+                                       for b in rec["batches"]) if rec["batches"] else None,
+           "samples": sum(max(c) * spec[j].batch_size for j, c in out.train.items()),
+           "job_steps": {j: max(c) for j, c in out.train.items()},
+           "eval_forwards_note": "sequences per eval forward up to max_total_batch"}
+    if rec.get("profile_table") and profile_out:
+        Path(profile_out).write_text(
+            f"steps (s, profiled): {rec['profile_steps_s']}\n{rec['profile_table']}\n")
+    if name == "a" and "quality" in res:
+        run["decisions_match_small"] = run["statuses"] == res["quality"]["statuses_a"]
+    elif not rec["batches"]:  # no training step ran: say why instead of timing nothing
+        run["no_steps"] = {j: d for j, (st, d) in out.states.items() if st != "completed"}
+        log("no training step recorded", run["statuses"], run["no_steps"])
+    elif floor:
+        # the floor on (b)'s own packed batches: the engine's model with no job attached
+        log("floor on", len(rec["batches"]), "recorded batches")
+        run["floor"] = time_floor(ex.engine.model, rec["batches"], rec["step_s"],
+                                  getattr(args, "floor_steps", 24))
+    log(name, {k: v for k, v in run.items() if k != "statuses"})
+    ex.engine.model.to("meta")
+    del ex
+    rec["batches"] = []
+    free()
+    return run
+
+
 def main() -> None:  # noqa: PLR0915
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -589,7 +641,6 @@ def main() -> None:  # noqa: PLR0915
     tok = make_tokenizer()
     data = write_data(root, chain_b, args.n_train, args.n_val, args.seq)
     jobs = grid(args.n_train)
-    spec = {j.job_id: j for j in jobs}
     if args.pack_only:
         res["pack_only"] = pack_only(args, root, data, jobs, tok)
         dump()
@@ -603,54 +654,15 @@ def main() -> None:  # noqa: PLR0915
     # ---- speed at the large shape: (b) first (it profiles and stores), then (a) (reuses)
     large_dir = large_model(root / "large", args.layers, tok)
     log("large model saved")
-    runs = {}
+    runs = res["runs"] = {}
 
-    def large_run(name: str, ee: bool, attention: str) -> None:
-        rec = install_recorder()
-        rec["profile_at"] = 100 if name == "b" and args.profile_out else None
-        out = Record()
-        cfg = executor_cfg(large_dir, data, root / f"large_{name}", jobs, ee, args, cache)
-        cfg.cudnn_attention = args.cudnn_attention
-        cfg.async_writes = args.async_writes
-        ex = TraceExecutor(cfg, out.callbacks(), trace, rec, args.shape_buckets, attention)
-        t0 = time.perf_counter()
-        ex.run()
-        wall = time.perf_counter() - t0
-        tm = ex.timings()
-        mm = next((d for j, m, d in out.events if m == "memory_model"), {"k0": None, "k1": None})
-        runs[name] = {**tm, "wall_outer_s": wall, "steps": len(rec["step_s"]),
-                      "missing_trace_points": ex.missing, "statuses": summarize_statuses(out.states),
-                      "host_pack_s": rec["pack_s"], "host_layout_s": rec["layout_s"],
-                      "max_total_batch": ex.admission.max_total_batch(), "k0": mm["k0"], "k1": mm["k1"],
-                      "evals": sum(len(c) for c in out.val.values()),
-                      "attention_shapes": shape_summary(ex.engine.forward_shapes),
-                      "padding": statistics.fmean(1 - (b[0] != 0).sum().item() / b[0].numel()
-                                                  for b in rec["batches"]) if rec["batches"] else None,
-                      "samples": sum(max(c) * spec[j].batch_size for j, c in out.train.items()),
-                      "eval_forwards_note": "sequences per eval forward up to max_total_batch"}
-        res["runs"] = runs
-        if rec.get("profile_table") and args.profile_out:
-            Path(args.profile_out).write_text(
-                f"steps (s, profiled): {rec['profile_steps_s']}\n{rec['profile_table']}\n")
-        if name == "a":
-            runs[name]["decisions_match_small"] = runs[name]["statuses"] == res["quality"]["statuses_a"]
-        elif not rec["batches"]:  # no training step ran: say why instead of timing nothing
-            runs[name]["no_steps"] = {j: d for j, (st, d) in out.states.items() if st != "completed"}
-            log("no training step recorded", runs[name]["statuses"], runs[name]["no_steps"])
-        else:
-            # the floor on (b)'s own packed batches: the engine's model with no job attached
-            log("floor on", len(rec["batches"]), "recorded batches")
-            runs[name]["floor"] = time_floor(ex.engine.model, rec["batches"], rec["step_s"],
-                                             args.floor_steps)
-        log(name, {k: v for k, v in runs[name].items() if k != "statuses"})
+    def run_large(name: str, ee: bool, attention: str) -> None:
+        runs[name] = large_run(name, ee, attention, args=args, root=root, large_dir=large_dir,
+                               data=data, jobs=jobs, trace=trace, cache=cache, res=res)
         dump()
-        ex.engine.model.to("meta")
-        del ex
-        rec["batches"] = []
-        free()
 
     for name, ee in run_names:
-        large_run(name, ee, args.attention)
+        run_large(name, ee, args.attention)
 
     # ---- (c) PEFT one configuration at a time: one job per batch size, extrapolated
     from transformers import AutoModelForCausalLM
@@ -680,7 +692,7 @@ def main() -> None:  # noqa: PLR0915
         # (b) again with the other packing and attention, if the deadline leaves room for it
         other = "varlen" if args.attention == "rows" else "rows"
         if time.perf_counter() - T0 + runs["b"]["wall_outer_s"] * 1.2 < args.deadline_s:
-            large_run(f"b_{other}", False, other)
+            run_large(f"b_{other}", False, other)
         else:
             log("deadline: (b) with attention", other, "not run")
     if args.out and not args.speed_only:

@@ -50,7 +50,8 @@ from trainer.data import JobDataStream, read_jsonl, tokenize_all  # noqa: E402
 
 DEV = te.DEV
 log = te.log
-ARMS = ("c1", "c2", "c3")
+ARMS = ("a", "b", "c1", "c2", "c3")
+TRACES: dict[int, te.Record] = {}  # per quality seed: the small model's curves the large runs replay
 
 
 def free() -> None:
@@ -158,8 +159,10 @@ def quality(args: argparse.Namespace, root: Path, tok: Any, seed: int, arms: lis
     train, val = examples(tok, t, args)
     n_train = len(train)
     spec = {j.job_id: j for j in jobs}
+    recs = {}
     for name, ee in (("b", False), ("a", True)):
         rec, _, ex = te.run_small(small_dir, t["data"], root, jobs, ee, args, root / "profiles.json")
+        recs[name] = rec
         samples = sum(max(c) * spec[j].batch_size for j, c in rec.train.items())
         out[name] = {**curves_summary(rec.val, samples, out.get("b")), "timings": ex.timings(),
                      "statuses": te.summarize_statuses(rec.states)}
@@ -167,6 +170,10 @@ def quality(args: argparse.Namespace, root: Path, tok: Any, seed: int, arms: lis
         log(f"seed {seed} ({name})", {k: v for k, v in out[name].items() if k not in ("best_per_job", "statuses")})
         del ex
         free()
+    # what (a) and (b) replay at the large shape: (b)'s train curves, both runs' evaluations
+    TRACES[seed] = te.Record(train=recs["b"].train, val={
+        j: {**recs["b"].val.get(j, {}), **recs["a"].val.get(j, {})} for j in recs["b"].val})
+    out["statuses_a"] = out["a"]["statuses"]
     pad = tok.pad_token_id
     out["check"] = step0(small_dir, jobs, train, pad, arms)
     pol_b, pol_a = policies(t, len(val), n_train)
@@ -223,7 +230,7 @@ def jobs_meta(jobs: list, train: list, pol_b: bl.EvalPolicy, pol_a: bl.EvalPolic
             toks.append(sum(len(train[i].input_ids) for i in stream.next_indices(j.batch_size)))
         rung = pol_a.rung(total)
         out.append({"job": j.job_id, "bs": j.batch_size, "rank": j.rank, "lr": j.lr, "total": total,
-                    "rung": rung, "tokens_total": sum(toks), "tokens_rung": sum(toks[:rung]),
+                    "rung": rung, "tokens_total": sum(toks), "tokens_rung": sum(toks[:rung]), "step_tokens": toks,
                     "evals_full": [s for _, s in pol_b.evals(total, j.batch_size)],
                     "evals_rung": [s for _, s in pol_a.evals(total, j.batch_size, 0, rung)],
                     "evals_rest": [s for _, s in pol_a.evals(total, j.batch_size, rung, total)]})
@@ -363,7 +370,18 @@ def timing(args: argparse.Namespace, root: Path, tok: Any, arms: list[str], res:
     log("large model saved", args.layers, "layers")
     tm["check"] = step0(large_dir, t["jobs"], train, tok.pad_token_id, arms)
     dump()
-    for name in [a for a in ("c1", "c2") if a in arms or (a == "c2" and "c3" in arms)]:
+    for name, ee in (("b", False), ("a", True)):
+        if name not in arms:
+            continue
+        if left(args) < args.reserve_s or args.seeds[0] not in TRACES:
+            tm[name] = {"skipped": "deadline" if args.seeds[0] in TRACES else "no quality phase to replay"}
+            continue
+        q = {"quality": {"statuses_a": res["quality"][str(args.seeds[0])]["statuses_a"]}}
+        tm[name] = te.large_run(name, ee, "auto", args=args, root=root, large_dir=large_dir, data=t["data"],
+                                jobs=t["jobs"], trace=TRACES[args.seeds[0]], cache=root / "profiles_large.json",
+                                res=q, floor=False)
+        dump()
+    for name in [a for a in ("c2", "c1") if a in arms or (a == "c2" and "c3" in arms)]:
         if left(args) < args.reserve_s:
             tm[name] = {"skipped": "deadline"}
             continue
@@ -449,7 +467,18 @@ def merge(files: list[str]) -> str:
             for a in ("c1", "c2"):
                 if isinstance(tm.get(a), dict) and "pairs" in tm[a]:
                     slot["arms"][a] = {**tm[a], "file": f, "device": r["env"]["gpu"]}
+            slot.setdefault("exec", {}).update(executor_runs(tm, f, r["env"]["gpu"]))
     return render(runs, quality, timing)
+
+
+def _ratio(x: float, ref: float | None) -> str:
+    return f"{x / ref:.2f}x" if ref else "-"
+
+
+def executor_runs(tm: dict, file: str, device: str) -> dict:
+    """(a) and (b) at the large shape, timed whole through the real executor."""
+    return {a: {**tm[a], "file": file, "device": device} for a in ("a", "b")
+            if isinstance(tm.get(a), dict) and "wall_outer_s" in tm[a]}
 
 
 def _fmt(x: Any, spec: str = ".1f") -> str:
@@ -481,11 +510,34 @@ def render(runs: list, quality: dict, timing: dict) -> str:
 
 
 def render_timing(layers: int, slot: dict, quality: dict) -> list[str]:
-    meta, arms = slot["meta"], slot["arms"]
+    meta, arms, runs = slot["meta"], slot["arms"], slot.get("exec", {})
     out = ["", f"## Time to the best adapter, Llama-3.1-8B shape, {layers} layers", "",
-           "| arm | total s | load | first use | PEFT attach/detach | park/resume | train | eval | configs full + rung only "
-           "| samples | train tokens | train tok/s | MFU (train) | tok/s end to end | measured in |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| arm | total s | x (a) | load | first use | PEFT attach/detach | park/resume | train | eval | "
+           "configs full + rung only | samples | train tokens | train tok/s | MFU (train) | tok/s end to end | measured in |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ref = runs["a"]["wall_outer_s"] if "a" in runs else None
+    n_backbone = next((a["n_backbone"] for a in arms.values() if "n_backbone" in a), None)
+    for key, name in (("a", "(a) loraplex executor, early exit"), ("b", "(b) loraplex executor, no early exit")):
+        if key not in runs:
+            continue
+        r = runs[key]
+        st = list(r["statuses"].values()) if isinstance(r.get("statuses"), dict) else []
+        full = sum(1 for v in st if str(v).startswith("completed"))
+        # tokens as the baselines count them (every token of every sample of the steps trained)
+        tokens = sum(sum(m["step_tokens"][:r["job_steps"].get(m["job"], 0)]) for m in meta)
+        tok_s = tokens / r["train_s"] if r.get("train_s") else math.nan
+        mfu = 6 * n_backbone * tok_s / bl.PEAK_FLOPS if n_backbone else math.nan
+        out.append(f"| {name} | {r['wall_outer_s']:.1f} | {_ratio(r['wall_outer_s'], ref)} | {r['load_s']:.1f} | "
+                   f"{r['profile_s']:.1f} (memory profile) | - | - | {r['train_s']:.1f} | {r['eval_s']:.1f} | "
+                   f"{full} + {len(st) - full} | {int(r['samples'])} | {tokens} | {tok_s:,.0f} | "
+                   f"{_fmt(mfu * 100)}% | {tokens / r['wall_outer_s']:,.0f} | {Path(r['file']).name} ({r['device']}) |")
+    notes = []
+    for key, r in runs.items():
+        notes.append(f"\n({key}): {r['steps']} engine steps, at most {r['max_total_batch']} sequences a step, "
+                   f"recompute {r.get('recompute', '?')} ({r.get('no_recompute_steps', '?')} steps without), "
+                   f"first step at {_fmt(r.get('first_step_s'))} s, replayed losses missing {r['missing_trace_points']}"
+                   + (f", decisions equal the small model's: {r['decisions_match_small']}"
+                      if "decisions_match_small" in r else ""))
     rows = []
     if "c1" in arms:
         rows.append(("(c1) PEFT, padded, one at a time", _estimate(meta, arms["c1"], "c1"), arms["c1"]))
@@ -498,12 +550,13 @@ def render_timing(layers: int, slot: dict, quality: dict) -> list[str]:
                              _estimate(meta, arms["c2"], "c3", keep), arms["c2"]))
     for name, e, a in rows:
         if isinstance(e, str):
-            out.append(f"| {name} | {e} |" + " |" * 13)
+            out.append(f"| {name} | {e} |" + " |" * 14)
             continue
-        out.append(f"| {name} | {e['total_s']:.1f} | {e['load_s']:.1f} | {e['first_use_s']:.1f} | {e['setup_s']:.1f} | "
+        out.append(f"| {name} | {e['total_s']:.1f} | {_ratio(e['total_s'], ref)} | {e['load_s']:.1f} | {e['first_use_s']:.1f} | {e['setup_s']:.1f} | "
                    f"{e['park_s']:.1f} | {e['train_s']:.1f} | {e['eval_s']:.1f} | {e['configs_full']} + {e['configs_rung']} | "
                    f"{int(e['samples'])} | {int(e['tokens'])} | {e['train_tok_s']:,.0f} | {e['mfu']:.1%} | "
                    f"{e['e2e_tok_s']:,.0f} | {Path(a['file']).name} ({a['device']}) |")
+    out += notes
     for name, a in arms.items():
         ck = a.get("checkpointing")
         ck = (json.dumps({k: v["checkpointing"] for k, v in ck.items()}) if ck else
@@ -591,7 +644,9 @@ NOTES = ["", "## How these numbers are made", "",
 # ----------------------------------------------------------------------------- main
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arms", default="c1,c2,c3")
+    ap.add_argument("--arms", default="a,b,c1,c2,c3")
+    ap.add_argument("--quality-arms", default=None,
+                    help="baseline arms the quality phase runs on the small model (default: --arms)")
     ap.add_argument("--phase", choices=("both", "quality", "timing"), default="both")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--configs", type=int, choices=(32, 48), default=48)
@@ -657,7 +712,8 @@ def main(argv: list[str] | None = None) -> None:
             if seed != args.seeds[0] and left(args) < args.reserve_s + 120:
                 log("deadline: quality seed", seed, "not run")
                 continue
-            res["quality"][str(seed)] = quality(args, root / f"seed{seed}", tok, seed, arms)
+            q_arms = arms if args.quality_arms is None else [a for a in args.quality_arms.split(",") if a]
+            res["quality"][str(seed)] = quality(args, root / f"seed{seed}", tok, seed, q_arms)
             dump()
     if args.phase in ("both", "timing"):
         timing(args, root / f"seed{args.seeds[0]}", tok, arms, res, dump)
@@ -678,7 +734,8 @@ def merge_one(res: dict) -> str:
     if tm:
         timing[tm["layers"]] = {"meta": tm["jobs"], "checks": [("this call", res["env"]["gpu"], tm.get("check"))],
                                 "arms": {a: {**tm[a], "file": "this call", "device": res["env"]["gpu"]}
-                                         for a in ("c1", "c2") if isinstance(tm.get(a), dict) and "pairs" in tm[a]}}
+                                         for a in ("c1", "c2") if isinstance(tm.get(a), dict) and "pairs" in tm[a]},
+                             "exec": executor_runs(tm, "this call", res["env"]["gpu"])}
     return render([("this call", res)], quality, timing)
 
 
