@@ -294,7 +294,8 @@ def lora_init(model: torch.nn.Module, spec: JobSpec) -> dict[str, torch.Tensor]:
 
     shapes = {n: (m.in_features, m.out_features) for n, m in model.named_modules()
               if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in TARGETS}
-    return dict(JobAdapter(shapes, spec.rank, spec.alpha, spec.seed).peft_state_dict())
+    device = next(model.parameters()).device  # the engine draws its init on its own device
+    return dict(JobAdapter(shapes, spec.rank, spec.alpha, spec.seed, device=device).peft_state_dict())
 
 
 def _to_cpu(obj: Any) -> Any:

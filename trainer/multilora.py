@@ -112,6 +112,9 @@ class JobAdapter(nn.Module):
     stacking). `lora_a[k]` / `lora_b[k]` are views in PEFT's shapes.
     Init (PEFT's default): A ~ kaiming_uniform(a=sqrt(5)) drawn from a generator seeded with the
     job's seed, layer by layer in module order; B = 0. Scaling alpha/r (or alpha/sqrt(r) rsLoRA).
+    The generator lives on the adapter's device (on a GPU: Philox, no host RNG and no host-to-device
+    copy of the 20-170M values of an 8B model's adapter), so the same seed gives the same init
+    on every device of one type; a CPU adapter and a GPU adapter of one seed differ.
     """
 
     def __init__(
@@ -135,12 +138,13 @@ class JobAdapter(nn.Module):
             pos += rank * d_in
             self.b_offsets.append(pos)
             pos += rank * d_out
-        flat = torch.zeros(pos, dtype=torch.float32)
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        device = torch.device(device)
+        flat = torch.zeros(pos, dtype=torch.float32, device=device)
+        gen = torch.Generator(device=device).manual_seed(seed)
         for (d_in, _), lo in zip(self.shapes, self.a_offsets, strict=True):
             a = flat[lo : lo + rank * d_in].view(rank, d_in)
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
-        self.flat = nn.Parameter(flat.to(device=device, dtype=dtype))
+        self.flat = nn.Parameter(flat.to(dtype=dtype))
 
     def _a_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         r = self.rank

@@ -82,3 +82,22 @@ def test_nan_job_does_not_touch_others_on_cuda(tmp_path) -> None:
             # it. A leak from the 1e30-lr job would be non-finite or of the weights' own size.
             assert diff <= max(8 * noise, 1e-6 + 1e-4 * float(v.abs().max())), (j, k, diff, noise)
     print(f"nan isolation on cuda: run-to-run noise {noise:.3e}")
+
+
+def test_adapter_init_is_drawn_on_the_device_and_reproducible() -> None:
+    """A job's adapter on a GPU is drawn there (no host tensor), the same for the same seed,
+    PEFT's init: A within kaiming_uniform(a=sqrt(5))'s bound 1/sqrt(d_in), B = 0."""
+    import math
+
+    from trainer.multilora import JobAdapter
+
+    shapes = {"l0.q": (256, 256), "l0.down": (512, 256)}
+    one = JobAdapter(shapes, 16, 32.0, seed=5, device="cuda")
+    two = JobAdapter(shapes, 16, 32.0, seed=5, device="cuda")
+    other = JobAdapter(shapes, 16, 32.0, seed=6, device="cuda")
+    assert one.flat.device.type == "cuda"
+    assert torch.equal(one.flat, two.flat) and not torch.equal(one.flat, other.flat)
+    for (d_in, _), a, b in zip(one.shapes, one.lora_a, one.lora_b, strict=True):
+        assert a.abs().max().item() <= 1 / math.sqrt(d_in) + 1e-7
+        assert a.std().item() > 0.5 / math.sqrt(3 * d_in)  # drawn, not zeros
+        assert not b.any()
