@@ -43,6 +43,25 @@ def errors(*statuses: int, descriptions: dict[int, str] | None = None) -> dict[i
             for s in statuses}
 
 
+def _error_statuses(method: str, path: str, op: dict) -> set[int]:
+    """The error statuses an operation can answer, from its parameters, body and security."""
+    params = op.get("parameters", [])
+    statuses: set[int] = set()
+    if op.get("security"):
+        statuses.add(401)
+    if any(p.get("in") == "path" for p in params):
+        statuses |= {404, 422}
+        if method in ("post", "delete"):
+            statuses.add(409)
+    if params or "requestBody" in op:
+        statuses.add(422)
+    if "requestBody" in op:
+        statuses.add(400)  # a body that is not parseable (not UTF-8 JSON / multipart)
+    if "multipart/form-data" in op.get("requestBody", {}).get("content", {}):
+        statuses.add(413)
+    return statuses | EXTRA_ERRORS.get((method, path), set())
+
+
 def add_error_responses(doc: dict) -> dict:
     """Give every operation of an OpenAPI document the error statuses it can answer, each with
     the error body schema: 400 with a body (unparseable), 401 behind a key or token, 404 with a path parameter, 422 with any
@@ -60,21 +79,7 @@ def add_error_responses(doc: dict) -> dict:
     content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}}
     for path, ops in doc.get("paths", {}).items():
         for method, op in ops.items():
-            params = op.get("parameters", [])
-            statuses: set[int] = set()
-            if op.get("security"):
-                statuses.add(401)
-            if any(p.get("in") == "path" for p in params):
-                statuses |= {404, 422}
-                if method in ("post", "delete"):
-                    statuses.add(409)
-            if params or "requestBody" in op:
-                statuses.add(422)
-            if "requestBody" in op:
-                statuses.add(400)  # a body that is not parseable (not UTF-8 JSON / multipart)
-            if "multipart/form-data" in op.get("requestBody", {}).get("content", {}):
-                statuses.add(413)
-            statuses |= EXTRA_ERRORS.get((method, path), set())
+            statuses = _error_statuses(method, path, op)
             if (method, path) in OPTIONAL_SECURITY and {} not in op.get("security", [{}]):
                 op["security"].append({})
             responses = op.setdefault("responses", {})

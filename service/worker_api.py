@@ -196,28 +196,15 @@ def store_artifact(session: Session, storage: Storage, task_id: str, meta: Artif
         if meta.step is None and meta.key is None:
             raise invalid("a checkpoint needs step (or key)", param="step")
         key = f"checkpoint:{meta.key if meta.key is not None else meta.step}"
-    sizes = []
-    for _, src in files:
-        src.seek(0, 2)
-        sizes.append(src.tell())
-        src.seek(0)
+    sizes = _sizes(files)
     if sum(sizes) > max_bytes:
         raise ApiError(413, "artifact_too_large", f"artifact is {sum(sizes)} bytes; the limit "
                        f"is {max_bytes}", "files")
     existing = session.scalar(select(Artifact).where(
         Artifact.task_id == task.id, Artifact.key == key).with_for_update())
     artifact_id = existing.id if existing is not None else new_id("art")
-    listing = []
-    for (name, src), size in zip(files, sizes, strict=True):
-        digest = hashlib.sha256()
-        while block := src.read(1 << 20):
-            digest.update(block)
-        src.seek(0)
-        storage.put(f"artifacts/{artifact_id}/{name}", src)
-        listing.append({"name": name, "bytes": size, "sha256": digest.hexdigest()})
-    for old in existing.files if existing is not None else []:
-        if old["name"] not in names:
-            storage.delete(f"artifacts/{artifact_id}/{old['name']}")
+    listing = _put_files(storage, f"artifacts/{artifact_id}", files, sizes,
+                         existing.files if existing is not None else [])
     artifact = existing or Artifact(id=artifact_id, task_id=task.id, key=key)
     artifact.kind, artifact.job_id, artifact.step = meta.kind, meta.job_id, meta.step
     artifact.files, artifact.meta = listing, meta.meta
@@ -228,6 +215,34 @@ def store_artifact(session: Session, storage: Storage, task_id: str, meta: Artif
                   job_id=meta.job_id, data={"artifact_id": artifact.id, "step": meta.step})
     session.flush()
     return artifact
+
+
+def _sizes(files: list[tuple[str, BinaryIO]]) -> list[int]:
+    sizes = []
+    for _, src in files:
+        src.seek(0, 2)
+        sizes.append(src.tell())
+        src.seek(0)
+    return sizes
+
+
+def _put_files(storage: Storage, prefix: str, files: list[tuple[str, BinaryIO]], sizes: list[int],
+               before: list[dict]) -> list[dict]:
+    """Store the files under prefix (a name stored before and not uploaded now is deleted);
+    their listing: name, bytes, sha256."""
+    listing = []
+    for (name, src), size in zip(files, sizes, strict=True):
+        digest = hashlib.sha256()
+        while block := src.read(1 << 20):
+            digest.update(block)
+        src.seek(0)
+        storage.put(f"{prefix}/{name}", src)
+        listing.append({"name": name, "bytes": size, "sha256": digest.hexdigest()})
+    names = {name for name, _ in files}
+    for old in before:
+        if old["name"] not in names:
+            storage.delete(f"{prefix}/{old['name']}")
+    return listing
 
 
 def _placement_of(session: Session, task: Task, placement_id: str) -> Placement:

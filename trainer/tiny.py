@@ -64,7 +64,7 @@ def train_tokenizer(vocab_size: int = 384, seed: int = 0, chat_template: bool = 
     return fast
 
 
-def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2):  # noqa: ANN201
+def tiny_config(family: str, vocab_size: int, hidden: int = 64, layers: int = 2):  # noqa: ANN201, C901 (a table: one branch per family)
     """A transformers config of the family, small enough for CPU tests, keeping what makes the
     family itself: Gemma's tied and scaled embeddings; Gemma-2's soft-caps (final logit cap 3.0,
     with weights drawn wide enough that raw logits reach past it, so the cap changes the loss)

@@ -685,6 +685,8 @@ def _search_parameters(prm, opts: SolveOptions, n_jobs: int = 0) -> None:
 def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
               node_caps: list[int], tenant_caps: dict[str, int], ctx: _Ctx,
               opts: SolveOptions) -> tuple[list[Placed], str, int] | None:
+    """The CP model of the queue around the pinned placements, warm-started from `greedy`;
+    None where no model fits CP-SAT's integers or the solver found no plan."""
     pin_end = max((p.end for p in pinned), default=0)
     horizon = max([p.end for p in greedy] + [pin_end]) + max(
         max(o.duration for o in j.options) for j in jobs)
@@ -697,7 +699,7 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
         if room < 10 * ctx.urgent:
             return None
         ctx = replace(ctx, late=room)
-    gnode = {p.job.index: p.option.node for p in greedy}
+    cp = _CpModel(node_caps, tenant_caps, ctx, horizon, pin_end)
     running = [[] for _ in node_caps]
     for p in pinned:
         running[p.option.node].append((p.end, p.option.gpus))
@@ -705,106 +707,148 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
     # (never under 4): each option is an optional interval in every neighbourhood CP-SAT solves.
     per_task = min(opts.max_node_options,
                    max(4, opts.max_options_total // max(1, len(jobs))))
-    m = cp_model.CpModel()
-    start, end, pres, opts_of = {}, {}, {}, {}
-    node_iv: list[list] = [[] for _ in node_caps]
-    tenant_iv: dict[str, list] = {t: [] for t in tenant_caps}
-    pooled: list[tuple] = []
-    terms = []
-    sizes: dict[int, cp_model.IntVar] = {}
-    overs: list[tuple[cp_model.IntVar, int, list[tuple[int, int]]]] = []
+    gnode = {p.job.index: p.option.node for p in greedy}
     for j in jobs:
-        nodes = _candidate_nodes(j, gnode[j.index], node_caps, running, per_task)
+        cp.add_job(j, _candidate_nodes(j, gnode[j.index], node_caps, running, per_task))
+    cp.add_pinned(pinned)
+    cp.add_capacities()
+    cp.add_objective()
+    cp.add_hint(greedy)
+    solver = cp_model.CpSolver()
+    _search_parameters(solver.parameters, opts, len(jobs))
+    st = solver.solve(cp.m)
+    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    status = "OPTIMAL" if st == cp_model.OPTIMAL else "FEASIBLE"
+    return cp.plan(solver, jobs), status, int(math.ceil(solver.best_objective_bound - 1e-6))
+
+
+class _CpModel:
+    """The variables and constraints of `_solve_cp`'s model, built in a fixed order (the
+    order of variables steers CP-SAT's search: the same calls give the same plan)."""
+
+    def __init__(self, node_caps: list[int], tenant_caps: dict[str, int], ctx: _Ctx,
+                 horizon: int, pin_end: int) -> None:
+        self.m = cp_model.CpModel()
+        self.node_caps, self.tenant_caps, self.ctx = node_caps, tenant_caps, ctx
+        self.horizon, self.pin_end = horizon, pin_end
+        self.start: dict[int, cp_model.IntVar] = {}
+        self.end: dict[int, cp_model.IntVar] = {}
+        self.pres: dict[tuple[int, int], cp_model.IntVar] = {}
+        self.opts_of: dict[int, list] = {}
+        self.node_iv: list[list] = [[] for _ in node_caps]
+        self.tenant_iv: dict[str, list] = {t: [] for t in tenant_caps}
+        self.pooled: list[tuple] = []
+        self.terms: list = []
+        self.sizes: dict[int, cp_model.IntVar] = {}
+        self.overs: list[tuple[cp_model.IntVar, int, list[tuple[int, int]]]] = []
+        self.z = self.makespan = self.longest = None
+
+    def _interval(self, iv, gpus: int, tenant: str, node: int) -> None:  # noqa: ANN001
+        self.node_iv[node].append((iv, gpus))
+        if tenant in self.tenant_iv:
+            self.tenant_iv[tenant].append((iv, gpus))
+
+    def add_job(self, j: UJob, nodes) -> None:  # noqa: ANN001
+        """A task's start and end, one optional interval per candidate node (exactly one
+        chosen), its interval in the cluster-wide pool, and its weighted end and waiting penalty."""
+        m, horizon = self.m, self.horizon
         options = [o for o in j.options if o.node in nodes]
-        opts_of[j.index] = options
+        self.opts_of[j.index] = options
         dmin = min(o.duration for o in options)
         dmax = max(o.duration for o in options)
         s = m.new_int_var(j.release, horizon - dmin, f"s{j.index}")
         e = m.new_int_var(j.release + dmin, horizon, f"e{j.index}")
-        start[j.index], end[j.index] = s, e
+        self.start[j.index], self.end[j.index] = s, e
         for o in options:
             y = m.new_bool_var(f"y{j.index}_{o.node}")
-            pres[j.index, o.node] = y
+            self.pres[j.index, o.node] = y
             iv = m.new_optional_interval_var(s, o.duration, e, y, f"iv{j.index}_{o.node}")
-            node_iv[o.node].append((iv, o.gpus))
-            if j.tenant in tenant_iv:
-                tenant_iv[j.tenant].append((iv, o.gpus))
-        m.add_exactly_one(pres[j.index, o.node] for o in options)
+            self._interval(iv, o.gpus, j.tenant, o.node)
+        m.add_exactly_one(self.pres[j.index, o.node] for o in options)
         size = m.new_int_var(dmin, dmax, f"d{j.index}") if dmax > dmin else dmin
         if dmax > dmin:
-            sizes[j.index] = size
-        pooled.append((m.new_interval_var(s, size, e, f"all{j.index}"),
-                       min(o.gpus for o in options)))
-        terms.append(j.weight * e)
-        d = ctx.deadline[j.index]
-        if d is not None:
+            self.sizes[j.index] = size
+        self.pooled.append((m.new_interval_var(s, size, e, f"all{j.index}"),
+                            min(o.gpus for o in options)))
+        self.terms.append(j.weight * e)
+        if self.ctx.deadline[j.index] is not None:
             # The waiting penalty sum_k coef_k * max(0, s - slack_k) is convex in s: one
             # variable above each partial sum of its steps (by slack) and above 0.
-            steps = sorted(_wait_steps(ctx, j.index))
+            steps = sorted(_wait_steps(self.ctx, j.index))
             top = sum(coef * max(0, horizon - slack) for slack, coef in steps)
             pen = m.new_int_var(0, top, f"w{j.index}")
             for k in range(1, len(steps) + 1):
                 m.add(pen >= sum(coef * (s - slack) for slack, coef in steps[:k]))
-            overs.append((pen, j.index, steps))
-            terms.append(pen)
-    for p in pinned:
-        iv = m.new_fixed_size_interval_var(0, p.end, f"pin{p.job.index}")
-        node_iv[p.option.node].append((iv, p.option.gpus))
-        if p.job.tenant in tenant_iv:
-            tenant_iv[p.job.tenant].append((iv, p.option.gpus))
-        pooled.append((iv, p.option.gpus))
-    for tenant, spans in ctx.held.items():  # capped tenants only (_held_spans): in tenant_iv
-        tenant_iv[tenant].extend((m.new_fixed_size_interval_var(0, end, f"held_{tenant}_{k}"), g)
-                                 for k, (end, g) in enumerate(spans))
-    for cap, ivs in zip(node_caps, node_iv, strict=True):
-        if ivs:
-            m.add_cumulative([iv for iv, _ in ivs], [g for _, g in ivs], cap)
-    m.add_cumulative([iv for iv, _ in pooled], [g for _, g in pooled], sum(node_caps))
-    for tenant, ivs in tenant_iv.items():
-        if ivs:
-            m.add_cumulative([iv for iv, _ in ivs], [g for _, g in ivs], tenant_caps[tenant])
-    # Fair share: Z >= every tenant's mean planned slowdown (thousandths).
-    top = max([1000 * (horizon + max(ctx.age.values(), default=0) + 1) * 4]
-              + [-(-s // n) + 1 for s, n in ctx.fixed.values() if n])
-    z = m.new_int_var(0, max(ctx.share.values(), default=1) * top, "z")
-    for tenant, idx in ctx.tenants.items():
-        fixed_sum, fixed_n = ctx.fixed.get(tenant, (0, 0))
-        m.add(z * (len(idx) + fixed_n) >= ctx.share.get(tenant, 1) * (fixed_sum + sum(
-            _q(ctx, i) * (end[i] + ctx.age[i]) for i in idx)))
-    for tenant, (fixed_sum, fixed_n) in ctx.fixed.items():
-        if tenant not in ctx.tenants:
-            m.add(z * fixed_n >= ctx.share.get(tenant, 1) * fixed_sum)
-    makespan = m.new_int_var(0, horizon, "makespan")
-    m.add_max_equality(makespan, [*end.values(), pin_end])
-    if ctx.tail:
-        longest = m.new_int_var(0, horizon + max(ctx.age.values(), default=0), "longest")
-        m.add_max_equality(longest, [end[i] + ctx.age[i] for i in end])
-        terms.append(ctx.tail * longest)
-    m.minimize(sum(terms) + ctx.fair * z + makespan)
-    # A complete hint (every variable): CP-SAT's first solution is the warm start itself.
-    hint_start = {}
-    for p in greedy:
-        hint_start[p.job.index] = p.start
-        m.add_hint(start[p.job.index], p.start)
-        m.add_hint(end[p.job.index], p.end)
-        if p.job.index in sizes:
-            m.add_hint(sizes[p.job.index], p.option.duration)
-        for o in opts_of[p.job.index]:
-            m.add_hint(pres[p.job.index, o.node], o.node == p.option.node)
-    for pen, i, steps in overs:
-        m.add_hint(pen, _wait_cost(steps, hint_start[i]))
-    m.add_hint(z, _fair_z(greedy, ctx))
-    m.add_hint(makespan, max([p.end for p in greedy] + [pin_end]))
-    if ctx.tail:
-        m.add_hint(longest, max(p.end + ctx.age[p.job.index] for p in greedy))
-    solver = cp_model.CpSolver()
-    _search_parameters(solver.parameters, opts, len(jobs))
-    st = solver.solve(m)
-    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None
-    sched = []
-    for j in jobs:
-        o = next(o for o in opts_of[j.index] if solver.boolean_value(pres[j.index, o.node]))
-        sched.append(Placed(j, o, int(solver.value(start[j.index]))))
-    status = "OPTIMAL" if st == cp_model.OPTIMAL else "FEASIBLE"
-    return sched, status, int(math.ceil(solver.best_objective_bound - 1e-6))
+            self.overs.append((pen, j.index, steps))
+            self.terms.append(pen)
+
+    def add_pinned(self, pinned: list[Placed]) -> None:
+        """Running placements as fixed intervals from 0, and capped tenants' held GPUs."""
+        m = self.m
+        for p in pinned:
+            iv = m.new_fixed_size_interval_var(0, p.end, f"pin{p.job.index}")
+            self._interval(iv, p.option.gpus, p.job.tenant, p.option.node)
+            self.pooled.append((iv, p.option.gpus))
+        for tenant, spans in self.ctx.held.items():  # capped tenants only (_held_spans): in tenant_iv
+            self.tenant_iv[tenant].extend((m.new_fixed_size_interval_var(0, end, f"held_{tenant}_{k}"), g)
+                                          for k, (end, g) in enumerate(spans))
+
+    def add_capacities(self) -> None:
+        """GPUs per node, in the whole cluster and per capped tenant."""
+        m = self.m
+        for cap, ivs in zip(self.node_caps, self.node_iv, strict=True):
+            if ivs:
+                m.add_cumulative([iv for iv, _ in ivs], [g for _, g in ivs], cap)
+        m.add_cumulative([iv for iv, _ in self.pooled], [g for _, g in self.pooled], sum(self.node_caps))
+        for tenant, ivs in self.tenant_iv.items():
+            if ivs:
+                m.add_cumulative([iv for iv, _ in ivs], [g for _, g in ivs], self.tenant_caps[tenant])
+
+    def add_objective(self) -> None:
+        """Weighted ends + waiting penalties + fair * Z (Z >= every tenant's mean planned
+        slowdown, in thousandths) + makespan (+ tail * the longest age-adjusted end)."""
+        m, ctx, end, horizon = self.m, self.ctx, self.end, self.horizon
+        top = max([1000 * (horizon + max(ctx.age.values(), default=0) + 1) * 4]
+                  + [-(-s // n) + 1 for s, n in ctx.fixed.values() if n])
+        z = self.z = m.new_int_var(0, max(ctx.share.values(), default=1) * top, "z")
+        for tenant, idx in ctx.tenants.items():
+            fixed_sum, fixed_n = ctx.fixed.get(tenant, (0, 0))
+            m.add(z * (len(idx) + fixed_n) >= ctx.share.get(tenant, 1) * (fixed_sum + sum(
+                _q(ctx, i) * (end[i] + ctx.age[i]) for i in idx)))
+        for tenant, (fixed_sum, fixed_n) in ctx.fixed.items():
+            if tenant not in ctx.tenants:
+                m.add(z * fixed_n >= ctx.share.get(tenant, 1) * fixed_sum)
+        self.makespan = m.new_int_var(0, horizon, "makespan")
+        m.add_max_equality(self.makespan, [*end.values(), self.pin_end])
+        if ctx.tail:
+            self.longest = m.new_int_var(0, horizon + max(ctx.age.values(), default=0), "longest")
+            m.add_max_equality(self.longest, [end[i] + ctx.age[i] for i in end])
+            self.terms.append(ctx.tail * self.longest)
+        m.minimize(sum(self.terms) + ctx.fair * z + self.makespan)
+
+    def add_hint(self, greedy: list[Placed]) -> None:
+        """A complete hint (every variable): CP-SAT's first solution is the warm start itself."""
+        m, ctx = self.m, self.ctx
+        hint_start = {}
+        for p in greedy:
+            hint_start[p.job.index] = p.start
+            m.add_hint(self.start[p.job.index], p.start)
+            m.add_hint(self.end[p.job.index], p.end)
+            if p.job.index in self.sizes:
+                m.add_hint(self.sizes[p.job.index], p.option.duration)
+            for o in self.opts_of[p.job.index]:
+                m.add_hint(self.pres[p.job.index, o.node], o.node == p.option.node)
+        for pen, i, steps in self.overs:
+            m.add_hint(pen, _wait_cost(steps, hint_start[i]))
+        m.add_hint(self.z, _fair_z(greedy, ctx))
+        m.add_hint(self.makespan, max([p.end for p in greedy] + [self.pin_end]))
+        if ctx.tail:
+            m.add_hint(self.longest, max(p.end + ctx.age[p.job.index] for p in greedy))
+
+    def plan(self, solver, jobs: list[UJob]) -> list[Placed]:  # noqa: ANN001
+        sched = []
+        for j in jobs:
+            o = next(o for o in self.opts_of[j.index] if solver.boolean_value(self.pres[j.index, o.node]))
+            sched.append(Placed(j, o, int(solver.value(self.start[j.index]))))
+        return sched
