@@ -107,8 +107,8 @@ def ensure_result_files(session: Session, storage: Storage, tasks: list[Task]) -
         if task.state not in TASK_TERMINAL:
             continue
         try:
-            exists = session.get(File, result_file_id(task.id)) is not None
-            if not exists and ensure_result_file(session, storage, task):
+            if session.get(File, result_file_id(task.id)) is None and \
+                    ensure_result_file(session, storage, task):
                 session.commit()
         except Exception:  # noqa: BLE001 - a read must not fail for it; the next one retries
             session.rollback()
