@@ -330,6 +330,14 @@ class MetricPointIn(_Msg):
     split: Literal["train", "val"]
     loss: float
     data: dict | None = Field(default=None, description="lr, tokens, grad norm, ...")
+    tokens: int | None = Field(
+        default=None, ge=0, le=2**53,
+        description="Train points: the exact sequence tokens (no padding; DPO: both sequences "
+                    "of each pair) this step of the job trained on; the job's usage.")
+    gpu_seconds: float | None = Field(
+        default=None, ge=0, le=1e9, allow_inf_nan=False,
+        description="Train points: the job's share of the executor's wall time since its "
+                    "previous step (times its GPUs), split between the step's jobs by tokens.")
 
 
 class MetricBatch(_Msg):

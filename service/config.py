@@ -7,6 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -27,6 +28,9 @@ class Settings(BaseSettings):
     max_artifact_bytes: int = 4 * 1024 * 1024 * 1024
     max_configurations: int = 64
     max_page_size: int = 100
+    # Operator-set price of one GPU-hour (in the operator's currency; 0: free): a task's and a
+    # tenant's cost is its GPU-seconds (service.usage) / 3600 times this.
+    price_per_gpu_hour: float = Field(default=2.0, ge=0, allow_inf_nan=False)
     # A node that has not heartbeated for this long while the service was healthy is marked
     # down (silence is counted from the service's own recovery: service.cluster.ServiceHealth).
     node_timeout_s: float = 60.0

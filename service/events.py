@@ -92,7 +92,9 @@ def ingest_metrics(session: Session, task: Task, points: Sequence[MetricPointIn]
         raise invalid(f"job {sorted(unknown)[0]!r} is not a job of task {task.id!r}",
                       param="points.job_id")
     rows = [{"task_id": task.id, "job_id": p.job_id, "step": p.step, "split": p.split,
-             "loss": p.loss, "data": p.data} for p in points]
+             "loss": p.loss, "data": p.data,
+             "tokens": p.tokens if p.split == "train" else None,
+             "gpu_seconds": p.gpu_seconds if p.split == "train" else None} for p in points]
     stmt = insert(MetricPoint).values(rows).on_conflict_do_nothing(
         constraint="uq_metric_points_job_step_split").returning(MetricPoint.id)
     return len(session.execute(stmt).all())

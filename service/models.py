@@ -23,8 +23,9 @@ Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwi
   states: JOB_STATES, exit reasons: EXIT_REASONS.
 - ``events(id bigint identity = the cursor, task_id, job_id, level, type, message,
   data jsonb, client_key, created_at)``; unique (task_id, client_key) for retried posts.
-- ``metric_points(id bigint, task_id, job_id, step, split train|val, loss, data jsonb)``;
-  unique (job_id, step, split) so a retried batch is a no-op.
+- ``metric_points(id bigint, task_id, job_id, step, split train|val, loss, data jsonb, tokens,
+  gpu_seconds)``; unique (job_id, step, split) so a retried batch is a no-op. tokens and
+  gpu_seconds (train points): the usage of that step of the job (service.usage).
 - ``artifacts(id, task_id, job_id null, kind adapter|checkpoint, key, files jsonb
   [{name, bytes, sha256}], step, meta jsonb, created_at)``; unique (task_id, key); file
   blobs live in storage under ``artifacts/<id>/<name>``.
@@ -228,6 +229,10 @@ class MetricPoint(Base):
     split: Mapped[str] = mapped_column(String(8))
     loss: Mapped[float] = mapped_column(Float)
     data: Mapped[dict | None] = mapped_column(JSONB)
+    # train points: the job's exact sequence tokens of that step and its share of the executor's
+    # GPU-seconds (contract.protocol.MetricPointIn); summed per job and task by service.usage
+    tokens: Mapped[int | None] = mapped_column(BigInteger)
+    gpu_seconds: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
     __table_args__ = (
         UniqueConstraint("job_id", "step", "split", name="uq_metric_points_job_step_split"),

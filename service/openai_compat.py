@@ -35,7 +35,7 @@ from service.errors import ApiError, invalid
 from service.models import TASK_TERMINAL, Artifact, Event, File, Job, MetricPoint, Task, Tenant
 from service.pagination import page_query
 from service.scheduler.estimator import EstimatorConfig
-from service.schemas import TaskCreate
+from service.schemas import TaskCreate, TaskOut, TaskUsage
 from service.tasks import task_outs
 
 BASE_LEARNING_RATE = 1e-4
@@ -252,10 +252,14 @@ class FineTuningJobOut(BaseModel):
     hyperparameters: dict
     model: str
     organization_id: str
-    result_files: list[str] = Field(default_factory=list)
+    result_files: list[str] = Field(
+        default_factory=list, description="Once it ended with step metrics: its result file "
+                                          "(CSV of step metrics, GET /v1/files/{id}/content).")
     seed: int
     status: str
-    trained_tokens: int | None = None
+    trained_tokens: int | None = Field(
+        default=None, description="Once it ended: the exact sequence tokens its jobs trained "
+                                  "on (usage.trained_tokens); null before.")
     training_file: str
     validation_file: str | None = None
     estimated_finish: int | None = None
@@ -266,6 +270,8 @@ class FineTuningJobOut(BaseModel):
     num_jobs: int = Field(description="loraplex: configurations trained (the search space).")
     job_counts: dict[str, int] = Field(default_factory=dict)
     best_job_id: str | None = None
+    usage: TaskUsage | None = Field(default=None, description="loraplex: tokens, GPU-seconds and "
+                                                              "cost beside the estimate.")
 
 
 class FineTuningJobPage(BaseModel):
@@ -366,12 +372,13 @@ def task_of_model_name(name: str) -> str | None:
     return next((part for part in reversed(name.split(":")) if part.startswith("task_")), None)
 
 
-def job_outs(session: Session, tasks: list[Task]) -> list[FineTuningJobOut]:
-    """OpenAI views of tasks: task_outs (states, counts, plan) plus each task's chosen
-    configuration and trained tokens, in two more statements for the whole page."""
+def job_outs(session: Session, tasks: list[Task], price: float | None = None
+             ) -> list[FineTuningJobOut]:
+    """OpenAI views of tasks: task_outs (states, counts, plan, usage, result file) plus each
+    task's chosen configuration, in two more statements for the whole page."""
     if not tasks:
         return []
-    views = {v.id: v for v in task_outs(session, tasks)}
+    views = {v.id: v for v in task_outs(session, tasks, price)}
     ids = [t.id for t in tasks]
     jobs: dict[str, list[Job]] = {}
     for job in session.scalars(select(Job).where(Job.task_id.in_(ids))):
@@ -398,8 +405,8 @@ def job_outs(session: Session, tasks: list[Task]) -> list[FineTuningJobOut]:
             fine_tuned_model=fine_tuned_model_name(task), finished_at=unix(task.finished_at),
             hyperparameters={k: v for k, v in hp.items() if k != "beta"}, model=task.base_model,
             organization_id=task.tenant_id, seed=task.seed, status=task.state,
-            trained_tokens=(trained_tokens(task, mine, files.get(task.training_file_id))
-                            if terminal else None),
+            trained_tokens=(_trained_tokens(view, task, mine, files) if terminal else None),
+            result_files=view.result_files, usage=view.usage,
             training_file=task.training_file_id, validation_file=task.validation_file_id,
             estimated_finish=(unix(view.planned_end) if task.state in ESTIMATED else None),
             metadata=task.meta, method=method, suffix=task.suffix, num_jobs=view.num_jobs,
@@ -413,6 +420,14 @@ def avg_tokens_per_sample(task_max_seq_len: int, file: File | None) -> float:
         return float(task_max_seq_len)
     per_line = file.bytes / file.line_count / EstimatorConfig().bytes_per_token
     return max(1.0, min(float(task_max_seq_len), per_line))
+
+
+def _trained_tokens(view: TaskOut, task: Task, jobs: list[Job], files: dict[str, File]) -> int:
+    """The exact count once the task's executors reported it; the estimate for tasks trained
+    before they did (no step carries tokens)."""
+    if view.usage is not None and view.usage.trained_tokens:
+        return view.usage.trained_tokens
+    return trained_tokens(task, jobs, files.get(task.training_file_id))
 
 
 def trained_tokens(task: Task, jobs: list[Job], file: File | None) -> int:

@@ -37,10 +37,19 @@ WITH me AS ({key_tenant})
 SELECT {columns},
        (SELECT array_agg(j.state) FROM jobs j WHERE j.task_id = t.id),
        (SELECT count(*) FROM placements p WHERE p.task_id = t.id AND p.state = 'failed'),
-       latest.attempt, latest.planned_start, latest.planned_end
+       latest.attempt, latest.planned_start, latest.planned_end, latest.estimated_s,
+       latest.gpus,
+       (SELECT sum(m.tokens) FROM metric_points m WHERE m.task_id = t.id AND m.split = 'train'),
+       (SELECT sum(m.gpu_seconds) FROM metric_points m
+        WHERE m.task_id = t.id AND m.split = 'train'),
+       (SELECT f.bytes FROM files f WHERE f.id = t.training_file_id),
+       (SELECT f.line_count FROM files f WHERE f.id = t.training_file_id),
+       (SELECT f.id FROM files f WHERE f.id = 'file_' || split_part(t.id, '_', 2)
+        AND f.deleted_at IS NULL)
 FROM (SELECT * FROM tasks WHERE tenant_id = (SELECT tenant_id FROM me){filters}
       ORDER BY created_at DESC, id DESC LIMIT %(limit)s) t
-LEFT JOIN LATERAL (SELECT p.attempt, p.planned_start, p.planned_end FROM placements p
+LEFT JOIN LATERAL (SELECT p.attempt, p.planned_start, p.planned_end, p.estimated_s,
+                          cardinality(p.gpu_indices) AS gpus FROM placements p
                    WHERE p.task_id = t.id AND p.state NOT IN ('superseded', 'cancelled')
                    ORDER BY p.created_at DESC LIMIT 1) latest ON true
 ORDER BY t.created_at DESC, t.id DESC
@@ -58,7 +67,7 @@ def _list_sql(state: bool, after: bool) -> str:
 
 
 async def list_tasks_json(pool: ReadPool, key: ReadKey, limit: int, after: str | None,
-                          state: str | None) -> bytes:
+                          state: str | None, price: float | None = None) -> bytes:
     """Page[TaskOut]'s JSON: the key's tenant's tasks newest first, ``limit`` of them after the
     task ``after`` (a 422 when it is not one of the tenant's tasks), only those in ``state``."""
     params = {"prefix": key.prefix, "key_hash": key.key_hash, "tenant_id": key.tenant_id,
@@ -68,15 +77,15 @@ async def list_tasks_json(pool: ReadPool, key: ReadKey, limit: int, after: str |
         await read_key_live(pool, key)
         if after is not None and not await pool.fetch(_CURSOR_SQL, params):
             raise invalid(f"unknown cursor {after!r}", param="after")
-    data = [_task(row) for row in rows[:limit]]
+    data = [_task(row, price) for row in rows[:limit]]
     return to_json({"object": "list", "data": data, "has_more": len(rows) > limit,
                     "last_id": data[-1]["id"] if data else None})
 
 
-def _task(row: tuple) -> dict:
+def _task(row: tuple, price: float | None) -> dict:
     """TaskOut's fields, in its order, from a row of _LIST_SQL (the one view, tasks.task_view)."""
     n = len(TASK_COLUMNS)
-    return task_view(dict(zip(TASK_COLUMNS, row[:n], strict=True)), *row[n:])
+    return task_view(dict(zip(TASK_COLUMNS, row[:n], strict=True)), *row[n:], price=price)
 
 
 @cache

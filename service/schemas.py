@@ -54,7 +54,8 @@ class FileOut(BaseModel):
         default="processed", description="Files are validated on upload: a stored file is "
                                          "processed (a bad one is refused with a 422).")
     status_details: str | None = None
-    format: Literal["chat", "completion", "preference", "text"]
+    format: Literal["chat", "completion", "preference", "text", "csv"] = Field(
+        description="csv: a result file of a task (purpose fine-tune-results).")
     line_count: int
     sha256: str
 
@@ -154,6 +155,27 @@ class TaskCreate(_In):
         return None if v is None else _unique(v)
 
 
+class TaskUsage(BaseModel):
+    """What a task used, beside what its dry run estimated (service.usage)."""
+
+    trained_tokens: int | None = Field(
+        description="Exact sequence tokens its jobs trained on (each training step's sequences, "
+                    "no padding; a step redone after a resume counts once); null before it ran.")
+    gpu_seconds: float | None = Field(
+        description="GPU-seconds of its executors' wall time (a shared executor's split between "
+                    "its tasks by tokens); null before it ran.")
+    cost: float | None = Field(description="gpu_seconds / 3600 x price_per_gpu_hour.")
+    estimated_tokens: int = Field(
+        description="The dry run's trained_tokens: every job runs all its steps, tokens per "
+                    "record estimated from the training file's size.")
+    expected_tokens: int = Field(description="The dry run's estimate with early exit as set.")
+    estimated_gpu_seconds: float | None = Field(
+        description="The scheduler's duration estimate of its latest placement x its GPUs.")
+    estimated_cost: float | None = None
+    price_per_gpu_hour: float | None = Field(description="The operator's price (null: unknown "
+                                                         "to this view).")
+
+
 class TaskOut(BaseModel):
     id: str
     object: Literal["task"] = "task"
@@ -184,6 +206,10 @@ class TaskOut(BaseModel):
     finished_at: datetime | None
     suffix: str | None = None
     metadata: dict[str, str] | None = None
+    result_files: list[str] = Field(
+        default_factory=list, description="Once it ended with step metrics: the id of its "
+                                          "result file (CSV, GET /v1/files/{id}/content).")
+    usage: TaskUsage | None = None
 
 
 class JobOut(BaseModel):
@@ -202,6 +228,9 @@ class JobOut(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    trained_tokens: int | None = Field(default=None, description="Exact sequence tokens it "
+                                                                 "trained on (null: not run).")
+    gpu_seconds: float | None = Field(default=None, description="Its share of GPU-seconds.")
 
 
 class EventOut(BaseModel):

@@ -141,6 +141,10 @@ class StepNumbers:
     samples: int
     padded: float
     batch_sizes: list[int]
+    # usage: the executor's GPU-seconds since its previous step (wall time x GPUs, loading and
+    # evaluations included, idle waits not), split between the step's jobs by their tokens
+    gpu_seconds: float = 0.0
+    job_tokens: int = 0  # all jobs' sequence tokens of the step (the split's denominator)
 
 
 @dataclass
@@ -293,9 +297,11 @@ class TaskRun:
         """The step's outcome of the task's jobs: callbacks, then exit decisions."""
         self.window.add(numbers)
         for job_id in list(self.placed):
-            step, loss, skipped, norm, metrics = merged[job_id]
+            step, loss, skipped, norm, metrics, tokens = merged[job_id]
             if metrics:
                 self.cb.on_metrics(job_id, step, "train", metrics)
+            share = numbers.gpu_seconds * tokens / numbers.job_tokens if numbers.job_tokens else 0.0
+            self.cb.on_usage(job_id, step, tokens, share)
             self.cb.on_train_loss(job_id, step, loss)
             if skipped:
                 self.cb.on_event(job_id, "update_skipped", {"step": step, "loss": loss, "grad_norm": norm})

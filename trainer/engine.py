@@ -227,6 +227,17 @@ class StepReport:
     steps: dict[str, int] = field(default_factory=dict)
     # extra per-job numbers of the step beside the loss (DPO: reward accuracy and margin)
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    # each job's exact sequence tokens of the step (sequence_tokens of its micro-batch): its usage
+    job_tokens: dict[str, int] = field(default_factory=dict)
+
+
+def sequence_tokens(example: object) -> int:
+    """The tokens a training step runs for one batch item: its sequence (no padding); a DPO
+    pair: both of its sequences."""
+    chosen = getattr(example, "chosen", None)
+    if chosen is not None:
+        return len(chosen.input_ids) + len(example.rejected.input_ids)
+    return len(example.input_ids)
 
 
 def without_backbone_dropout(model: nn.Module) -> None:
@@ -563,6 +574,8 @@ class MultiLoraEngine:
                           torch.stack(norms).to(numbers[0].dtype)]).tolist()
         rows = [flat[i * width : (i + 1) * width] for i in range(len(states))]
         report = self._update(states, rows, flat[len(states) * width :], batch)
+        report.job_tokens = {s.job_id: sum(sequence_tokens(e) for e in items)
+                             for s, items in zip(states, per_job, strict=True)}
         if width > 1:
             report.metrics = {s.job_id: dict(zip(self.metric_names[1:], row[1:], strict=True))
                               for s, row in zip(states, rows, strict=True)}

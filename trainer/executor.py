@@ -81,6 +81,10 @@ class Callbacks:
     # cancelled | paused) and {"error": "Type: message" or None, "global_step": its steps}; made
     # even when the task's own callbacks failed (what a co-located task's runner waits for)
     on_task_end: Callable[[str, dict], None] = _noop
+    # job, step, its exact sequence tokens of that step (trainer.engine.sequence_tokens), its
+    # share of the executor's GPU-seconds (StepNumbers.gpu_seconds); called just BEFORE the
+    # on_train_loss of the same point: the job's usage
+    on_usage: Callable[[str, int, int, float], None] = _noop
 
 
 @dataclass
@@ -177,6 +181,7 @@ class Executor:
         self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._nested: list[float] = []
         self.started_at: float | None = None
+        self._usage_mark = 0.0  # the end of the last step (usage: StepNumbers.gpu_seconds)
         self.first_step_s: float | None = None  # executor start -> end of the first step
         self.profile_reused: bool | None = None
         self.recompute_policy: RecomputePolicy | None = None
@@ -577,7 +582,7 @@ class Executor:
         return self.results()
 
     def _loop(self, linger_s: float) -> None:
-        self.started_at = time.perf_counter()
+        self.started_at = self._usage_mark = time.perf_counter()
         with self.phase("load"):
             self._load()
         for task in list(self.tasks.values()):
@@ -591,6 +596,7 @@ class Executor:
             self._end_idle_tasks()
             if not self._slots():
                 if self._wait_for_work(linger_s):
+                    self._usage_mark = time.perf_counter()  # an idle wait is nobody's usage
                     continue
                 break
             started = time.perf_counter()
@@ -664,7 +670,7 @@ class Executor:
         decisions, the same everywhere; per task whether any rank was asked to stop it."""
         local = {} if report is None else {
             j: (report.steps[j], report.losses[j], report.skipped[j], report.grad_norms[j],
-                report.metrics.get(j)) for j in report.losses}
+                report.metrics.get(j), report.job_tokens.get(j, 0)) for j in report.losses}
         stop = {t.task_id: bool(self._guarded(t, lambda t=t: t.stop_requested is not None
                                               and t.stop_requested())) for t in self.tasks.values()}
         numbers = None if report is None else (report.padded_fraction, report.tokens)
@@ -675,9 +681,12 @@ class Executor:
         merged = {j: v for part in parts for j, v in part[0].items()}
         measured = [p[2] for p in parts if p[2] is not None]
         slots = self._slots()
+        now_wall = time.perf_counter()
+        wall, self._usage_mark = now_wall - self._usage_mark, now_wall
         step = StepNumbers(seconds, sum(m[1] for m in measured), sum(s.batch_size for s in slots),
                            sum(m[0] for m in measured) / max(len(measured), 1),
-                           sorted(s.batch_size for s in slots))
+                           sorted(s.batch_size for s in slots), wall * self.world,
+                           sum(v[5] for v in merged.values()))
         for task in self.tasks.values():
             task.checkpoint_due = bool(parts[0][3][task.task_id])
         self._each(lambda t: t.observe_train(merged, step))

@@ -70,8 +70,10 @@ class SpoolReporter:
         self.artifacts = directory / "artifacts"
         self.artifacts.mkdir(exist_ok=True)
 
-    def train_loss(self, job_id: str, step: int, loss: float, **data: Any) -> None:
-        self.spool.metric(job_id, step, "train", float(loss), data or None)
+    def train_loss(self, job_id: str, step: int, loss: float,
+                   usage: tuple[int, float] | None = None, **data: Any) -> None:
+        """usage: (tokens, GPU-seconds) of the job's step (MetricPointIn.tokens, gpu_seconds)."""
+        self.spool.metric(job_id, step, "train", float(loss), data or None, usage)
 
     def val_loss(self, job_id: str, step: int, loss: float, **data: Any) -> None:
         self.spool.metric(job_id, step, "val", float(loss), data or None)
@@ -131,6 +133,7 @@ class _Bridge:
         self.last_step: dict[str, int] = {}
         self.adapters: dict[str, dict[str, Path]] = {}
         self.extra: dict[tuple[str, int, str], dict] = {}  # on_metrics numbers of the next point
+        self.usage: dict[tuple[str, int], tuple[int, float]] = {}  # on_usage of the next point
         self.ckpt_seen = self._state_id()
 
     def _state_id(self) -> tuple[int, int] | None:
@@ -147,9 +150,13 @@ class _Bridge:
         self.extra[(job_id, step, split)] = {
             k: (float(v) if math.isfinite(v) else None) for k, v in data.items()}
 
+    def on_usage(self, job_id: str, step: int, tokens: int, gpu_seconds: float) -> None:
+        self.usage[(job_id, step)] = (int(tokens), float(gpu_seconds))
+
     def on_train_loss(self, job_id: str, step: int, loss: float) -> None:
         self.last_step[job_id] = step
-        self.reporter.train_loss(job_id, step, loss, **self.extra.pop((job_id, step, "train"), {}))
+        self.reporter.train_loss(job_id, step, loss, self.usage.pop((job_id, step), None),
+                                 **self.extra.pop((job_id, step, "train"), {}))
         self.announce_checkpoint()
 
     def announce_checkpoint(self) -> None:
@@ -237,7 +244,7 @@ def open_task(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
     callbacks = Callbacks(on_train_loss=bridge.on_train_loss, on_eval=bridge.on_eval,
                           on_job_state=bridge.on_job_state, on_adapter=bridge.on_adapter,
                           on_event=bridge.on_event, on_metrics=bridge.on_metrics,
-                          on_throughput=bridge.on_throughput)
+                          on_throughput=bridge.on_throughput, on_usage=bridge.on_usage)
     if on_task_end is not None:
         callbacks.on_task_end = on_task_end
     return cfg, callbacks, bridge

@@ -266,9 +266,12 @@ class SpoolWriter:
                                                "job_id": job_id, "level": level, "data": data}})
 
     def metric(self, job_id: str, step: int, split: str, loss: float,
-               data: dict | None = None) -> None:
-        self.write({"type": "metric", "point": {"job_id": job_id, "step": step, "split": split,
-                                                "loss": loss, "data": data}})
+               data: dict | None = None, usage: tuple[int, float] | None = None) -> None:
+        """usage: a train point's (tokens, GPU-seconds); its fields are left out without it."""
+        point = {"job_id": job_id, "step": step, "split": split, "loss": loss, "data": data}
+        if usage is not None:
+            point["tokens"], point["gpu_seconds"] = usage
+        self.write({"type": "metric", "point": point})
 
     def job_state(self, job_id: str, **update: Any) -> None:
         self.write({"type": "job_state", "job_id": job_id, "update": update})

@@ -96,11 +96,13 @@ def get_file(session: SessionDep, tenant: TenantDep, file_id: str) -> FileOut:
 
 
 @router.get("/{file_id}/content", response_class=StreamingResponse,
-            responses={200: {"content": {"application/jsonl": {}}}} | errors(401, 404, 422))
+            responses={200: {"content": {"application/jsonl": {}, "text/csv": {}}}}
+            | errors(401, 404, 422))
 def file_content(session: SessionDep, tenant: TenantDep, storage: StorageDep,
                  file_id: str) -> StreamingResponse:
     row = svc.get_file(session, tenant, file_id)
-    return StreamingResponse(storage.iter_bytes(row.storage_key), media_type="application/jsonl")
+    media = "text/csv" if row.format == "csv" else "application/jsonl"
+    return StreamingResponse(storage.iter_bytes(row.storage_key), media_type=media)
 
 
 @router.delete("/{file_id}", response_model=DeletedOut, responses=errors(401, 404, 409, 422))

@@ -10,11 +10,14 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from service import openai_compat as oc
 from service import tasks
 from service.cluster import cluster_changed
-from service.deps import RegistryDep, SessionDep, SettingsDep, TenantDep
+from service.config import Settings
+from service.deps import RegistryDep, SessionDep, SettingsDep, StorageDep, TenantDep
 from service.dry_run import dry_run as run_dry
 from service.errors import ApiError, invalid, not_found
 from service.models import Task
+from service.result_files import ensure_result_files
 from service.schemas import ModelOut
+from service.storage import Storage
 from service.task_actions import act
 
 router = APIRouter(tags=["fine_tuning"])
@@ -24,8 +27,12 @@ JOB_RESPONSES = {404: {"description": "No such job of this tenant"},
                  409: {"description": "The transition is not allowed from the job's status"}}
 
 
-def _one(session: SessionDep, task: Task) -> oc.FineTuningJobOut:
-    return oc.job_outs(session, [task])[0]
+def _one(session: SessionDep, task: Task, settings: Settings,
+         storage: Storage | None = None) -> oc.FineTuningJobOut:
+    """The job's view; with storage, its result file is made first if it ended without one."""
+    if storage is not None:
+        ensure_result_files(session, storage, [task])
+    return oc.job_outs(session, [task], settings.price_per_gpu_hour)[0]
 
 
 @router.post("/v1/fine_tuning/jobs", response_model=oc.FineTuningJobOut,
@@ -50,7 +57,7 @@ def create_job(body: oc.FineTuningJobCreate, session: SessionDep, tenant: Tenant
         raise oc.remap_error(exc, where) from None
     if created:
         cluster_changed(session, "task_created", settings)
-    return _one(session, tasks.get_task(session, tenant, task.id))
+    return _one(session, tasks.get_task(session, tenant, task.id), settings)
 
 
 def _metadata_filter(request: Request) -> dict[str, str] | None:
@@ -67,24 +74,28 @@ def _metadata_filter(request: Request) -> dict[str, str] | None:
 
 
 @router.get("/v1/fine_tuning/jobs", response_model=oc.FineTuningJobPage)
-def list_jobs(request: Request, session: SessionDep, tenant: TenantDep, after: After = None,
+def list_jobs(request: Request, session: SessionDep, tenant: TenantDep, settings: SettingsDep,
+              storage: StorageDep, after: After = None,
               limit: Limit = 20) -> oc.FineTuningJobPage:
     """Newest first; `after` is the last id of the previous page; `metadata[k]=v` filters."""
     rows, more = oc.list_jobs(session, tenant, limit, after, _metadata_filter(request))
-    return oc.FineTuningJobPage(data=oc.job_outs(session, rows), has_more=more)
+    ensure_result_files(session, storage, rows)
+    return oc.FineTuningJobPage(data=oc.job_outs(session, rows, settings.price_per_gpu_hour),
+                                has_more=more)
 
 
 @router.get("/v1/fine_tuning/jobs/{job_id}", response_model=oc.FineTuningJobOut,
             responses=JOB_RESPONSES)
-def retrieve_job(session: SessionDep, tenant: TenantDep, job_id: str) -> oc.FineTuningJobOut:
-    return _one(session, tasks.get_task(session, tenant, job_id))
+def retrieve_job(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
+                 storage: StorageDep, job_id: str) -> oc.FineTuningJobOut:
+    return _one(session, tasks.get_task(session, tenant, job_id), settings, storage)
 
 
 @router.post("/v1/fine_tuning/jobs/{job_id}/cancel", response_model=oc.FineTuningJobOut,
              responses=JOB_RESPONSES)
 def cancel_job(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
-               job_id: str) -> oc.FineTuningJobOut:
-    return _one(session, act(session, tenant, settings, job_id, "cancel"))
+               storage: StorageDep, job_id: str) -> oc.FineTuningJobOut:
+    return _one(session, act(session, tenant, settings, job_id, "cancel"), settings, storage)
 
 
 @router.post("/v1/fine_tuning/jobs/{job_id}/pause", response_model=oc.FineTuningJobOut,
@@ -92,7 +103,7 @@ def cancel_job(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
 def pause_job(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
               job_id: str) -> oc.FineTuningJobOut:
     """Checkpoint at the next step boundary and free the GPUs: pausing, then paused."""
-    return _one(session, act(session, tenant, settings, job_id, "pause"))
+    return _one(session, act(session, tenant, settings, job_id, "pause"), settings)
 
 
 @router.post("/v1/fine_tuning/jobs/{job_id}/resume", response_model=oc.FineTuningJobOut,
@@ -100,7 +111,7 @@ def pause_job(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
 def resume_job(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
                job_id: str) -> oc.FineTuningJobOut:
     """paused -> queued; training continues from the pause's checkpoint."""
-    return _one(session, act(session, tenant, settings, job_id, "resume"))
+    return _one(session, act(session, tenant, settings, job_id, "resume"), settings)
 
 
 @router.get("/v1/fine_tuning/jobs/{job_id}/events", response_model=oc.JobEventPage,

@@ -43,6 +43,7 @@ from service.deps import (
 from service.errors import invalid, not_found
 from service.models import Artifact, Node
 from service.models import File as FileRow
+from service.result_files import make_result_file_after_end
 from service.schemas import JobOut
 from service.tasks import job_out
 
@@ -162,13 +163,18 @@ def post_throughput(task_id: str, msg: ThroughputReport, session: SessionDep) ->
 
 
 @router.post("/tasks/{task_id}/finished", response_model=TaskAck, responses=FENCED)
-def finished(task_id: str, msg: TaskFinished, session: SessionDep,
-             settings: SettingsDep) -> TaskAck:
+def finished(task_id: str, msg: TaskFinished, session: SessionDep, settings: SettingsDep,
+             storage: StorageDep) -> TaskAck:
     task = worker_api.task_finished(session, task_id, msg, settings)
-    return TaskAck(task_id=task.id, state=task.state, best_job_id=task.best_job_id)
+    ack = TaskAck(task_id=task.id, state=task.state, best_job_id=task.best_job_id)
+    make_result_file_after_end(session, storage, task_id)
+    return ack
 
 
 @router.post("/tasks/{task_id}/failed", response_model=TaskAck, responses=FENCED)
-def failed(task_id: str, msg: TaskFailed, session: SessionDep, settings: SettingsDep) -> TaskAck:
+def failed(task_id: str, msg: TaskFailed, session: SessionDep, settings: SettingsDep,
+           storage: StorageDep) -> TaskAck:
     task = worker_api.task_failed(session, task_id, msg, settings)
-    return TaskAck(task_id=task.id, state=task.state, best_job_id=task.best_job_id)
+    ack = TaskAck(task_id=task.id, state=task.state, best_job_id=task.best_job_id)
+    make_result_file_after_end(session, storage, task_id)  # a no-op unless it ended for good
+    return ack

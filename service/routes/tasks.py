@@ -15,6 +15,7 @@ from service.deps import ReadKeyDep, RegistryDep, SessionDep, SettingsDep, Stora
 from service.dry_run import dry_run as run_dry
 from service.models import Artifact, Job
 from service.openai_compat import DryRunOut
+from service.result_files import ensure_result_files
 from service.schemas import EventPage, JobOut, MetricsOut, ModelOut, Page, TaskCreate, TaskOut
 from service.storage import Storage
 from service.task_actions import act
@@ -56,7 +57,8 @@ def create_task(body: TaskCreate, response: Response, session: SessionDep, tenan
     else:
         response.status_code = 200
         response.headers["Idempotent-Replayed"] = "true"
-    return tasks.task_out(session, tasks.get_task(session, tenant, task.id))
+    return tasks.task_out(session, tasks.get_task(session, tenant, task.id),
+                          settings.price_per_gpu_hour)
 
 
 @router.get("/v1/tasks", response_model=Page[TaskOut])
@@ -66,19 +68,24 @@ async def list_tasks(request: Request, key: ReadKeyDep, settings: SettingsDep,
                      state: Annotated[TaskState | None, Query()] = None) -> Response:
     # Page[TaskOut]'s JSON, on the event loop (service.read_path).
     return Response(await read_path.list_tasks_json(
-        request.app.state.read_pool, key, min(limit, settings.max_page_size), after, state),
-        media_type="application/json")
+        request.app.state.read_pool, key, min(limit, settings.max_page_size), after, state,
+        settings.price_per_gpu_hour), media_type="application/json")
 
 
 @router.get("/v1/tasks/{task_id}", response_model=TaskOut)
-def get_task(session: SessionDep, tenant: TenantDep, task_id: str) -> TaskOut:
-    return tasks.task_out(session, tasks.get_task(session, tenant, task_id))
+def get_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep, storage: StorageDep,
+             task_id: str) -> TaskOut:
+    task = tasks.get_task(session, tenant, task_id)
+    ensure_result_files(session, storage, [task])
+    return tasks.task_out(session, task, settings.price_per_gpu_hour)
 
 
 @router.post("/v1/tasks/{task_id}/cancel", response_model=TaskOut)
 def cancel_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
-                task_id: str) -> TaskOut:
-    return tasks.task_out(session, act(session, tenant, settings, task_id, "cancel"))
+                storage: StorageDep, task_id: str) -> TaskOut:
+    task = act(session, tenant, settings, task_id, "cancel")
+    ensure_result_files(session, storage, [task])
+    return tasks.task_out(session, task, settings.price_per_gpu_hour)
 
 
 @router.post("/v1/tasks/{task_id}/pause", response_model=TaskOut,
@@ -87,7 +94,8 @@ def pause_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
                task_id: str) -> TaskOut:
     """Stop the task at its next step boundary with a checkpoint and free its GPUs: `pausing`
     while its attempt stops, then `paused` (at once when nothing runs yet)."""
-    return tasks.task_out(session, act(session, tenant, settings, task_id, "pause"))
+    return tasks.task_out(session, act(session, tenant, settings, task_id, "pause"),
+                          settings.price_per_gpu_hour)
 
 
 @router.post("/v1/tasks/{task_id}/resume", response_model=TaskOut,
@@ -95,7 +103,8 @@ def pause_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
 def resume_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
                 task_id: str) -> TaskOut:
     """paused -> queued: the scheduler places it again and it continues from its checkpoint."""
-    return tasks.task_out(session, act(session, tenant, settings, task_id, "resume"))
+    return tasks.task_out(session, act(session, tenant, settings, task_id, "resume"),
+                          settings.price_per_gpu_hour)
 
 
 @router.get("/v1/tasks/{task_id}/jobs", response_model=Page[JobOut])

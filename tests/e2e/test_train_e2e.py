@@ -114,12 +114,26 @@ def test_task_trains_to_a_better_adapter(stack: Stack, tmp_path: Path) -> None:
     assert tuned_loss < base_loss * 0.9, (tuned_loss, base_loss)
 
 
+def hand_count(models_yaml: Path, records: list[dict]) -> int:
+    """The sequence tokens of chat records, counted with the model's own tokenizer: the chat
+    template rendered and encoded whole (no record here reaches max_seq_len)."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(yaml.safe_load(models_yaml.read_text())["models"][0]["path"])
+    return sum(len(tok(tok.apply_chat_template(r["messages"], tokenize=False),
+                       add_special_tokens=False)["input_ids"]) for r in records)
+
+
 @pytest.mark.with_scheduler
-def test_killed_executor_then_lost_node_resume_from_checkpoints(stack: Stack) -> None:
+def test_killed_executor_then_lost_node_resume_from_checkpoints(stack: Stack,
+                                                                models_yaml: Path) -> None:
     """Real training, two CPU daemons, the scheduler placing: kill -9 the executor after a
     checkpoint (retried from it), then SIGKILL the whole node running the retry after its next
     checkpoint (the service marks it down, replans, the other node resumes). Each resume
-    starts from the latest checkpoint, never from step 0."""
+    starts from the latest checkpoint, never from step 0. Its usage is exact all the same: each
+    job trained every record once an epoch, steps redone after a resume counted once."""
+    import csv
     import os
     import signal
 
@@ -142,8 +156,11 @@ def test_killed_executor_then_lost_node_resume_from_checkpoints(stack: Stack) ->
     with stack.http() as http:
         body = "".join(json.dumps(r) + "\n" for r in dataset(64, seed=3)).encode()
         file_id = http.post("/v1/files", files={"file": ("t.jsonl", io.BytesIO(body))}).json()["id"]
+        body = "".join(json.dumps(r) + "\n" for r in dataset(8, seed=4)).encode()
+        val_id = http.post("/v1/files", files={"file": ("v.jsonl", io.BytesIO(body))}).json()["id"]
         task = http.post("/v1/tasks", json={
-            "base_model": "tiny", "training_file": file_id, "epochs": 3, "max_seq_len": 64,
+            "base_model": "tiny", "training_file": file_id, "validation_file": val_id,
+            "epochs": 3, "max_seq_len": 64,
             "search_space": {"learning_rate": [1e-2, 3e-2], "batch_size": [4]},
             "early_exit": {"enabled": False}, "eval": {"eval_every_steps": 6}}).json()
         wait_for(lambda: checkpoints(), 120, "a checkpoint upload\n" + stack.service_log())
@@ -174,3 +191,11 @@ def test_killed_executor_then_lost_node_resume_from_checkpoints(stack: Stack) ->
             "ORDER BY claimed_at", t=task["id"])]
         assert claimed[2] != ids[node] == claimed[1]
         assert any(e["type"] == "task_requeued" and "went down" in e["message"] for e in ev)
+        # usage: 64 records / batch 4 = 16 steps an epoch, 3 epochs, every record 3 times a job
+        hand = 3 * hand_count(models_yaml, dataset(64, seed=3))
+        jobs = http.get(f"/v1/tasks/{task['id']}/jobs").json()["data"]
+        assert [j["trained_tokens"] for j in jobs] == [hand, hand], (hand, jobs)
+        assert final["usage"]["trained_tokens"] == 2 * hand and final["usage"]["gpu_seconds"] > 0
+        [result] = final["result_files"]
+        rows = list(csv.DictReader(io.StringIO(http.get(f"/v1/files/{result}/content").text)))
+        assert len(rows) == 2 * 48 and sum(int(r["tokens"]) for r in rows) == 2 * hand

@@ -23,14 +23,14 @@ from service.schemas import JobCurves, LossPoint, MetricsOut, Page, TaskOut
 
 
 def _model_page(session, tenant_id: str, limit: int, after: str | None = None,  # noqa: ANN001
-                state: str | None = None) -> bytes:
+                state: str | None = None, price: float | None = None) -> bytes:
     """The JSON the ORM path gave (the page query the route ran before service.read_path, then
     service.tasks.task_outs and Page[TaskOut])."""
     session.expire_all()
     scope = select(Task).where(Task.tenant_id == tenant_id)
     query = scope if state is None else scope.where(Task.state == state)
     rows, more = page_query(session, Task, query, limit, after, scope=scope)
-    return Page[TaskOut](data=tasks.task_outs(session, rows), has_more=more,
+    return Page[TaskOut](data=tasks.task_outs(session, rows, price), has_more=more,
                          last_id=rows[-1].id if rows else None).model_dump_json().encode()
 
 
@@ -44,6 +44,10 @@ def test_task_pages_are_the_models_bytes(client, factory, session):  # noqa: ANN
     factory.placement(ids[1], node)  # a live placement: attempt and planned times
     failed = session.get(Placement, factory.placement(ids[3], node, publish=False))
     failed.state = "failed"  # a failed attempt and nothing live: attempt 2
+    failed.estimated_s = 120  # the scheduler's estimate: the usage's estimated GPU-seconds
+    job = session.scalars(select(Job).where(Job.task_id == ids[3])).first()
+    session.add_all([MetricPoint(task_id=ids[3], job_id=job.id, step=s, split="train", loss=1.0,
+                                 tokens=100 + s, gpu_seconds=0.25 * s) for s in (1, 2)])
     task = session.get(Task, ids[3])
     task.error = {"code": "x", "message": "boom \u2603"}
     task.target_modules = ["q_proj", "v_proj"]
@@ -57,7 +61,8 @@ def test_task_pages_are_the_models_bytes(client, factory, session):  # noqa: ANN
         assert r.status_code == 200, r.text
         assert r.headers["content-type"] == "application/json"
         expected = _model_page(session, t.id, min(params.get("limit", 20), 100),
-                               params.get("after"), params.get("state"))
+                               params.get("after"), params.get("state"),
+                               factory.settings.price_per_gpu_hour)
         assert r.content == expected, params
     assert [x["id"] for x in client.get("/v1/tasks", headers=t.headers).json()["data"]] \
         == ids[::-1]

@@ -53,6 +53,16 @@ def test_dpo_placement_trains_with_each_jobs_beta_and_reports_rewards(tmp_path: 
         for p in mine:
             assert set(p["data"]) == {"reward_accuracy", "reward_margin"}
             assert 0.0 <= p["data"]["reward_accuracy"] <= 1.0 and math.isfinite(p["loss"])
+    # usage on each train point: both jobs trained every pair once (batch 2 divides the 14
+    # training pairs, one epoch), so each trained the same tokens; validation points carry none
+    used: dict[str, int] = {}
+    for p in points:
+        if p["split"] == "train":
+            assert p["tokens"] > 0 and p["gpu_seconds"] >= 0
+            used[p["job_id"]] = used.get(p["job_id"], 0) + p["tokens"]
+        else:
+            assert "tokens" not in p
+    assert used["j0"] == used["j1"] > 0
     assert result["best_job_id"] in ("j0", "j1")
     # The last record before the end is a checkpoint of the last step, after every job ended: a
     # retry on this node resumes from it with nothing left to train (worker.daemon local resume).
@@ -69,6 +79,7 @@ def test_bridge_attaches_extras_to_their_point_and_nulls_non_finite(tmp_path: Pa
     bridge = runner._Bridge(runner.SpoolReporter(spool, tmp_path), tmp_path / "out")
     bridge.on_metrics("j0", 1, "train", {"reward_accuracy": 0.5, "reward_margin": float("nan")})
     bridge.on_metrics("j0", 2, "val", {"reward_accuracy": 1.0, "reward_margin": 0.25})
+    bridge.on_usage("j0", 1, 120, 0.25)
     bridge.on_train_loss("j0", 1, 0.69)
     bridge.on_train_loss("j1", 1, 0.70)  # a point without extras keeps data null
     bridge.on_eval("j0", 2, 0.6)
@@ -76,4 +87,6 @@ def test_bridge_attaches_extras_to_their_point_and_nulls_non_finite(tmp_path: Pa
     points = [json.loads(t)["point"] for _, _, t in read_complete_lines(tmp_path / "spool.jsonl", 0)]
     assert [p["data"] for p in points] == [{"reward_accuracy": 0.5, "reward_margin": None}, None,
                                            {"reward_accuracy": 1.0, "reward_margin": 0.25}]
-    assert bridge.extra == {}
+    assert bridge.extra == {} and bridge.usage == {}
+    assert (points[0]["tokens"], points[0]["gpu_seconds"]) == (120, 0.25)
+    assert "tokens" not in points[1] and "tokens" not in points[2]

@@ -74,6 +74,29 @@ def test_executor_runs_a_task_end_to_end(tmp_path) -> None:  # noqa: ANN001
     assert ("job0", "running", {"resumed": False, "rank": 0}) in rec.states
 
 
+def test_each_step_reports_its_jobs_exact_tokens_and_gpu_seconds(tmp_path) -> None:  # noqa: ANN001
+    """on_usage: a job's sequence tokens of each step; one job per example for an epoch and one
+    with the whole set in one step both trained every example once."""
+    usage: dict[str, list[tuple[int, int, float]]] = defaultdict(list)
+    cb = Recorder().callbacks()
+    cb.on_usage = lambda j, s, n, g: usage[j].append((s, n, g))
+    probe = Executor(config(tmp_path, "probe", jobs=[JobSpec("x", rank=2, lr=1e-3, batch_size=1,
+                                                             max_steps=1)]))
+    probe.run()
+    n, tokens = len(probe.first.train), sum(len(e.input_ids) for e in probe.first.train)
+    jobs = [JobSpec("one", rank=4, lr=1e-3, batch_size=1, max_steps=n, seed=1),
+            JobSpec("all", rank=4, lr=1e-3, batch_size=n, max_steps=1, seed=2)]
+    ex = Executor(config(tmp_path, "usage", jobs=jobs, early_exit=EarlyExitSettings(enabled=False)),
+                  cb)
+    ex.run()
+    assert [s for s, _, _ in usage["one"]] == list(range(1, n + 1))
+    assert sum(t for _, t, _ in usage["one"]) == sum(t for _, t, _ in usage["all"]) == tokens
+    # the first step's executor time (the load included) is split by tokens, all of it
+    first = usage["one"][0][2] + usage["all"][0][2]
+    assert usage["all"][0][2] / first == pytest.approx(tokens / (tokens + usage["one"][0][1]))
+    assert all(g > 0 for rows in usage.values() for _, _, g in rows)
+
+
 def test_killed_executor_resumes_exactly(tmp_path) -> None:  # noqa: ANN001
     full = Recorder()
     ref_status = Executor(config(tmp_path, "full"), full.callbacks()).run()
