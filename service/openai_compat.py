@@ -6,16 +6,18 @@ the legacy top-level `hyperparameters` means supervised): each is a number, a li
 extension: a search space, every value trained at once as one job each) or "auto". A knob left
 out counts as "auto", as at OpenAI. "auto" means:
 
-- learning_rate_multiplier: search [0.5, 1, 2, 4] (times BASE_LEARNING_RATE = 1e-4, so learning
-  rates 5e-5, 1e-4, 2e-4, 4e-4);
+- learning_rate_multiplier (or learning_rate): search the model's centre LoRA learning rate /3, x1
+  and x3 (service.learning_rates: the centre per model family and size from public LoRA
+  calibrations, e.g. 1e-3 for a 1B model, 3e-4 for Llama-3.1-8B);
 - lora_rank (extension): search [8, 16];
 - lora_alpha (extension): 16, batch_size: 8, n_epochs: 1, beta (dpo): 0.1 (one value each: not
   searched).
 
-So a job with no hyperparameters trains the default space of 4 learning rates x 2 ranks = 8
-configurations at once (AUTO_SPACE) and returns the adapter with the best validation loss.
-`learning_rate` (absolute, extension) may be given instead of learning_rate_multiplier. n_epochs
-is one number for the whole job (not a search space).
+So a job with no hyperparameters trains the default space of 3 learning rates x 2 ranks = 6
+configurations at once (AUTO_SPACE) and returns the adapter with the best validation loss. A
+multiplier given as a number is of BASE_LEARNING_RATE = 1e-4 (the multipliers shown for an auto
+grid are its rates / 1e-4). `learning_rate` (absolute, extension) may be given instead of
+learning_rate_multiplier. n_epochs is one number for the whole job (not a search space).
 
 fine_tuned_model is `ft:<base model>:<suffix>:<job id>` once the job succeeded; GET
 /v1/models/{that name} answers it and its adapter downloads at /v1/tasks/{job id}/adapter.
@@ -31,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service import learning_rates
 from service.errors import ApiError, invalid
 from service.models import TASK_TERMINAL, Artifact, Event, File, Job, MetricPoint, Task, Tenant
 from service.pagination import page_query
@@ -39,8 +42,7 @@ from service.schemas import TaskCreate
 from service.tasks import task_outs
 
 BASE_LEARNING_RATE = 1e-4
-AUTO_SPACE: dict[str, list] = {
-    "learning_rate_multiplier": [0.5, 1.0, 2.0, 4.0],
+AUTO_SPACE: dict[str, list] = {  # learning rates: service.learning_rates, per model
     "lora_rank": [8, 16],
     "lora_alpha": [16.0],
     "batch_size": [8],
@@ -139,17 +141,29 @@ def method_params(body: FineTuningJobCreate) -> tuple[str, Hyperparameters, str]
     return NATIVE_METHOD[kind], hp, f"method.{kind}.hyperparameters"
 
 
-def search_space(method: str, hp: Hyperparameters, where: str) -> dict[str, list]:
-    """The native search space of these hyperparameters ("auto" expanded, lists kept)."""
+def auto_centre(registry: Any, model: str) -> float:
+    """The centre learning rate of "auto" for a registered base model (service.learning_rates);
+    the generic one of the default size for a name the registry lacks (the create 422s)."""
+    entry = registry.get(model)
+    if entry is None:
+        return learning_rates.centre_learning_rate(None, learning_rates.DEFAULT_PARAMETERS)
+    return learning_rates.model_centre(entry.path, entry.family, entry.parameters)
+
+
+def search_space(method: str, hp: Hyperparameters, where: str,
+                 centre: float = BASE_LEARNING_RATE) -> dict[str, list]:
+    """The native search space of these hyperparameters ("auto" expanded around the model's
+    centre learning rate, lists kept)."""
     if hp.learning_rate is not None and hp.learning_rate_multiplier is not None:
         raise invalid("give learning_rate or learning_rate_multiplier, not both",
                       param=f"{where}.learning_rate")
+    auto_rates = learning_rates.auto_learning_rates(centre)
     if hp.learning_rate is not None:
-        rates = _values(hp.learning_rate, [m * BASE_LEARNING_RATE
-                                           for m in AUTO_SPACE["learning_rate_multiplier"]])
+        rates = _values(hp.learning_rate, auto_rates)
+    elif hp.learning_rate_multiplier in (None, "auto"):
+        rates = auto_rates
     else:
-        rates = [m * BASE_LEARNING_RATE for m in _values(
-            hp.learning_rate_multiplier or "auto", AUTO_SPACE["learning_rate_multiplier"])]
+        rates = [m * BASE_LEARNING_RATE for m in _values(hp.learning_rate_multiplier, [])]
     space = {"learning_rate": [float(f"{r:.6g}") for r in rates],
              "lora_rank": _values(hp.lora_rank, AUTO_SPACE["lora_rank"]),
              "lora_alpha": _values(hp.lora_alpha, AUTO_SPACE["lora_alpha"]),
@@ -177,11 +191,13 @@ def openai_param(param: str | None, where: str) -> str | None:
     return f"{where}.{name}" if name else where
 
 
-def to_task_create(body: FineTuningJobCreate) -> tuple[TaskCreate, str]:
-    """The native task of a fine-tuning job create, and where its hyperparameters were given.
-    4xx naming the OpenAI param for anything wrong."""
+def to_task_create(body: FineTuningJobCreate, centre: float = BASE_LEARNING_RATE
+                   ) -> tuple[TaskCreate, str]:
+    """The native task of a fine-tuning job create, and where its hyperparameters were given;
+    `centre`: the model's centre learning rate ("auto" brackets it, auto_centre). 4xx naming the
+    OpenAI param for anything wrong."""
     method, hp, where = method_params(body)
-    space = search_space(method, hp, where)
+    space = search_space(method, hp, where, centre)
     native: dict[str, Any] = {
         "base_model": body.model, "training_file": body.training_file,
         "validation_file": body.validation_file, "method": method, "search_space": space,

@@ -57,11 +57,18 @@ def test_create_retrieve_list_shapes(client, factory) -> None:  # noqa: ANN001
     assert task["metadata"] == {"team": "search", "run": "a"} and task["suffix"] == "my-bot"
     assert client.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=t.headers).json() == job
 
-    # "auto" (and knobs left out) is the documented default space: 4 rates x 2 ranks
+    # "auto" (and knobs left out) is the documented default space: 3 rates x 2 ranks, the rates
+    # around the model's centre (tiny-llama: a llama of 1M parameters, 1e-3), in units of 1e-4
     auto = ft(client, t, {"model": "tiny-llama", "training_file": train,
                           "metadata": {"team": "ads"}}).json()
-    assert auto["num_jobs"] == 8, auto
-    assert auto["hyperparameters"]["learning_rate_multiplier"] == [0.5, 1, 2, 4]
+    assert auto["num_jobs"] == 6, auto
+    assert auto["hyperparameters"]["learning_rate_multiplier"] == [3.33, 10, 30]
+    auto_task = client.get(f"/v1/tasks/{auto['id']}", headers=t.headers).json()
+    assert auto_task["search_space"]["learning_rate"] == [3.33e-4, 1e-3, 3e-3]
+    # big-model: a llama of 70B parameters, centre 1e-4
+    big = ft(client, t, {"model": "big-model", "training_file": train}, dry_run="true").json()
+    assert [j["hyperparameters"]["learning_rate"] for j in big["jobs"][::2]] == [3.33e-5, 1e-4,
+                                                                                  3e-4], big
     # legacy top-level hyperparameters = supervised
     legacy = ft(client, t, {"model": "tiny-llama", "training_file": train,
                             "hyperparameters": {"learning_rate_multiplier": 2,
@@ -166,8 +173,8 @@ def test_dry_run_validates_estimates_and_creates_nothing(client, factory, sessio
     assert est["estimated_finish"] >= est["estimated_start"]
     assert counts(session) == before
     r = ft(client, t, {"model": "tiny-llama", "training_file": train}, dry_run="true")
-    assert r.status_code == 200 and r.json()["num_jobs"] == 8, r.text
-    assert r.json()["jobs"][7]["hyperparameters"]["learning_rate"] == 4e-4
+    assert r.status_code == 200 and r.json()["num_jobs"] == 6, r.text
+    assert r.json()["jobs"][5]["hyperparameters"]["learning_rate"] == 3e-3
     assert counts(session) == before
     r = client.post("/v1/tasks", headers=t.headers, params={"dry_run": "true"}, json={
         "base_model": "tiny-llama", "training_file": train,
