@@ -310,7 +310,9 @@ class CheckpointMetrics(BaseModel):
     step: float | None = None
     train_loss: float | None = None
     valid_loss: float | None = None
+    valid_mean_token_accuracy: float | None = None
     full_valid_loss: float | None = None
+    full_valid_mean_token_accuracy: float | None = None
 
 
 class CheckpointOut(BaseModel):
@@ -455,7 +457,8 @@ def job_events(session: Session, task: Task, after: str | None, limit: int
                ) -> tuple[list[JobEventOut], bool]:
     """The job's events, newest first (OpenAI's order; `after` = the last id of the previous
     page): the task's own events as type "message" (ids ftevent-<n>) and one "metrics" event per
-    job and evaluation step (ids ftevent-m<n>), with step, train_loss and valid_loss."""
+    job and evaluation step (ids ftevent-m<n>), with step, train_loss and valid_loss (and SFT's
+    valid_mean_token_accuracy)."""
     msgs = session.execute(select(Event.id, Event.created_at, Event.level, Event.message,
                                   Event.type, Event.job_id, Event.data)
                            .where(Event.task_id == task.id)).all()
@@ -464,7 +467,7 @@ def job_events(session: Session, task: Task, after: str | None, limit: int
         select(MetricPoint.job_id, MetricPoint.step, MetricPoint.loss).where(
             MetricPoint.task_id == task.id, MetricPoint.split == "train"))}
     vals = session.execute(select(MetricPoint.id, MetricPoint.created_at, MetricPoint.job_id,
-                                  MetricPoint.step, MetricPoint.loss).where(
+                                  MetricPoint.step, MetricPoint.loss, MetricPoint.data).where(
         MetricPoint.task_id == task.id, MetricPoint.split == "val")).all()
     items: list[tuple[tuple, JobEventOut]] = []
     for eid, at, level, message, kind, job_id, data in msgs:
@@ -472,18 +475,29 @@ def job_events(session: Session, task: Task, after: str | None, limit: int
         items.append(((at, 1, eid), JobEventOut(
             id=f"ftevent-{eid}", created_at=unix(at), level=_LEVELS.get(level, "info"),
             message=message, data=payload, type="message")))
-    for mid, at, job_id, step, loss in vals:
+    for mid, at, job_id, step, loss, numbers in vals:
         tl = finite_or_none(train.get((job_id, step)))
         vl = finite_or_none(loss)
+        data = {"step": step, "job_id": job_id, "job_index": index.get(job_id),
+                "train_loss": tl, "valid_loss": vl}
+        accuracy = token_accuracy(numbers)
+        if accuracy is not None:
+            data["valid_mean_token_accuracy"] = accuracy
         items.append(((at, 0, mid), JobEventOut(
             id=f"ftevent-m{mid}", created_at=unix(at), level="info", type="metrics",
             message=f"job {index.get(job_id)} step {step}: train loss "
                     f"{'-' if tl is None else f'{tl:.4f}'}, valid loss "
-                    f"{'-' if vl is None else f'{vl:.4f}'}",
-            data={"step": step, "job_id": job_id, "job_index": index.get(job_id),
-                  "train_loss": tl, "valid_loss": vl})))
+                    f"{'-' if vl is None else f'{vl:.4f}'}"
+                    + ("" if accuracy is None else f", valid token accuracy {accuracy:.4f}"),
+            data=data)))
     items.sort(key=lambda kv: kv[0], reverse=True)
     return _page_after([e for _, e in items], after, limit)
+
+
+def token_accuracy(numbers: dict | None) -> float | None:
+    """The mean token accuracy of a validation point's reported numbers (SFT), else None."""
+    value = (numbers or {}).get("token_accuracy")
+    return finite_or_none(float(value)) if isinstance(value, int | float) else None
 
 
 def job_checkpoints(session: Session, task: Task, after: str | None, limit: int
@@ -498,6 +512,9 @@ def job_checkpoints(session: Session, task: Task, after: str | None, limit: int
     train = {(job_id, step): loss for job_id, step, loss in session.execute(
         select(MetricPoint.job_id, MetricPoint.step, MetricPoint.loss).where(
             MetricPoint.task_id == task.id, MetricPoint.split == "train"))}
+    accuracy = {(job_id, step): token_accuracy(numbers) for job_id, step, numbers in
+                session.execute(select(MetricPoint.job_id, MetricPoint.step, MetricPoint.data).where(
+                    MetricPoint.task_id == task.id, MetricPoint.split == "val"))}
     name = f"ft:{task.base_model}:{task.suffix or ''}:{task.id}"
     out = []
     for art_id, at, art_step, job in rows:
@@ -507,8 +524,10 @@ def job_checkpoints(session: Session, task: Task, after: str | None, limit: int
             id=art_id, created_at=unix(at), fine_tuned_model_checkpoint=f"{name}:{job.id}",
             fine_tuning_job_id=task.id, step_number=step, job_id=job.id,
             hyperparameters=job.config, best=job.id == task.best_job_id,
-            metrics=CheckpointMetrics(step=step, train_loss=finite_or_none(
-                train.get((job.id, step))), valid_loss=valid, full_valid_loss=valid)))
+            metrics=CheckpointMetrics(
+                step=step, train_loss=finite_or_none(train.get((job.id, step))), valid_loss=valid,
+                full_valid_loss=valid, valid_mean_token_accuracy=accuracy.get((job.id, step)),
+                full_valid_mean_token_accuracy=accuracy.get((job.id, step)))))
     return _page_after(out, after, limit)
 
 

@@ -228,12 +228,19 @@ class LossPoint(BaseModel):
     loss: float | None
 
 
+class ValPoint(LossPoint):
+    token_accuracy: float | None = Field(
+        default=None, description="SFT: mean token accuracy on the validation samples (the "
+                                  "model's argmax equals the target, over target tokens); absent "
+                                  "for DPO and points reported without it.")
+
+
 class JobCurves(BaseModel):
     job_id: str
     index: int
     state: str
     train: list[LossPoint]
-    val: list[LossPoint]
+    val: list[ValPoint]
 
 
 class MetricsOut(BaseModel):

@@ -299,8 +299,22 @@ def test_events_checkpoints_and_models_of_a_finished_job(client, factory, sessio
     w = factory.worker
     points = [{"job_id": j, "step": s, "split": split, "loss": 2.0 - s / 10 - k / 100}
               for k, j in enumerate(jobs) for s in (1, 2) for split in ("train", "val")]
+    for p in points:  # the trainer's SFT validation token accuracy (one point reported without)
+        if p["split"] == "val" and (p["job_id"], p["step"]) != (jobs[0], 1):
+            p["data"] = {"token_accuracy": 0.5 + p["step"] / 10 + jobs.index(p["job_id"]) / 100}
     assert client.post(f"/internal/v1/tasks/{task_id}/metrics", headers=w, json={
         "placement_id": pid, "points": points}).status_code == 200
+    # the native curves: token accuracy beside each validation loss that has one
+    curves = {c["job_id"]: c for c in client.get(f"/v1/tasks/{task_id}/metrics",
+                                                 headers=t.headers).json()["jobs"]}
+    assert curves[jobs[0]]["val"] == [{"step": 1, "loss": 1.9},
+                                      {"step": 2, "loss": 1.8, "token_accuracy": 0.7}]
+    assert curves[jobs[1]]["val"] == [{"step": 1, "loss": 1.89, "token_accuracy": 0.61},
+                                      {"step": 2, "loss": 1.79, "token_accuracy": 0.71}]
+    assert curves[jobs[1]]["train"] == [{"step": 1, "loss": 1.89}, {"step": 2, "loss": 1.79}]
+    cut = client.get(f"/v1/tasks/{task_id}/metrics", headers=t.headers,
+                     params={"max_points": 4, "after_step": 1, "job_id": jobs[1]}).json()
+    assert cut["jobs"][0]["val"] == [{"step": 2, "loss": 1.79, "token_accuracy": 0.71}]
     adapter = [("files", ("adapter_config.json", io.BytesIO(b'{"r": 4}'), "application/json")),
                ("files", ("adapter_model.safetensors", io.BytesIO(safetensors_bytes()), "x/y"))]
     for k, job in enumerate(jobs):
@@ -333,6 +347,9 @@ def test_events_checkpoints_and_models_of_a_finished_job(client, factory, sessio
         {(j, s) for j in jobs for s in (1, 2)}
     m = next(m for m in metrics if m["data"]["job_id"] == jobs[0] and m["data"]["step"] == 2)
     assert m["data"]["train_loss"] == m["data"]["valid_loss"] == 1.8
+    assert m["data"]["valid_mean_token_accuracy"] == 0.7 and "token accuracy 0.7000" in m["message"]
+    m = next(m for m in metrics if m["data"]["job_id"] == jobs[0] and m["data"]["step"] == 1)
+    assert "valid_mean_token_accuracy" not in m["data"]  # reported without one
     stamps = [e["created_at"] for e in events["data"]]
     assert stamps == sorted(stamps, reverse=True)  # newest first
     first = client.get(f"/v1/fine_tuning/jobs/{task_id}/events", headers=t.headers,
@@ -351,6 +368,7 @@ def test_events_checkpoints_and_models_of_a_finished_job(client, factory, sessio
     assert c["object"] == "fine_tuning.job.checkpoint" and c["fine_tuning_job_id"] == task_id
     assert c["step_number"] == 2 and c["metrics"]["valid_loss"] == 1.79
     assert c["metrics"]["train_loss"] == 1.79 and c["metrics"]["step"] == 2
+    assert c["metrics"]["valid_mean_token_accuracy"] == 0.71
     assert c["fine_tuned_model_checkpoint"].startswith(job["fine_tuned_model"])
 
     model = client.get(f"/v1/models/{job['fine_tuned_model']}", headers=t.headers)
