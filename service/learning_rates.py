@@ -66,8 +66,8 @@ def centre_learning_rate(family: str | None, parameters: float | None) -> float:
 
 
 def auto_learning_rates(centre: float) -> list[float]:
-    """The auto grid around a centre (AUTO_LR_FACTORS), at three significant digits."""
-    return [float(f"{centre * f:.3g}") for f in AUTO_LR_FACTORS]
+    """The auto grid around a centre (AUTO_LR_FACTORS), at two significant digits."""
+    return [float(f"{centre * f:.2g}") for f in AUTO_LR_FACTORS]
 
 
 def _first(config: Mapping, *keys: str, default: int | None = None) -> int | None:

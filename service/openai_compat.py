@@ -7,8 +7,9 @@ extension: a search space, every value trained at once as one job each) or "auto
 out counts as "auto", as at OpenAI. "auto" means:
 
 - learning_rate_multiplier (or learning_rate): search the model's centre LoRA learning rate /3, x1
-  and x3 (service.learning_rates: the centre per model family and size from public LoRA
-  calibrations, e.g. 1e-3 for a 1B model, 3e-4 for Llama-3.1-8B);
+  and x3 (the native search space's learning_rate "auto", service.learning_rates: the centre
+  per model family and size from public LoRA calibrations, e.g. 1e-3 for a 1B model, 3e-4 for
+  Llama-3.1-8B);
 - lora_rank (extension): search [8, 16];
 - lora_alpha (extension): 16, batch_size: 8, n_epochs: 1, beta (dpo): 0.1 (one value each: not
   searched).
@@ -33,8 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service import learning_rates
-from service.errors import ApiError, invalid
+from service.errors import ApiError, invalid, loc_to_param
 from service.models import TASK_TERMINAL, Artifact, Event, File, Job, MetricPoint, Task, Tenant
 from service.pagination import page_query
 from service.scheduler.estimator import EstimatorConfig
@@ -141,33 +141,23 @@ def method_params(body: FineTuningJobCreate) -> tuple[str, Hyperparameters, str]
     return NATIVE_METHOD[kind], hp, f"method.{kind}.hyperparameters"
 
 
-def auto_centre(registry: Any, model: str) -> float:
-    """The centre learning rate of "auto" for a registered base model (service.learning_rates);
-    the generic one of the default size for a name the registry lacks (the create 422s)."""
-    entry = registry.get(model)
-    if entry is None:
-        return learning_rates.centre_learning_rate(None, learning_rates.DEFAULT_PARAMETERS)
-    return learning_rates.model_centre(entry.path, entry.family, entry.parameters)
-
-
-def search_space(method: str, hp: Hyperparameters, where: str,
-                 centre: float = BASE_LEARNING_RATE) -> dict[str, list]:
-    """The native search space of these hyperparameters ("auto" expanded around the model's
-    centre learning rate, lists kept)."""
+def search_space(method: str, hp: Hyperparameters, where: str) -> dict[str, list | str]:
+    """The native search space of these hyperparameters ("auto" expanded, lists kept; the
+    learning rate's "auto" stays "auto": the create centres it on the model, tasks.resolve_auto)."""
     if hp.learning_rate is not None and hp.learning_rate_multiplier is not None:
         raise invalid("give learning_rate or learning_rate_multiplier, not both",
                       param=f"{where}.learning_rate")
-    auto_rates = learning_rates.auto_learning_rates(centre)
-    if hp.learning_rate is not None:
-        rates = _values(hp.learning_rate, auto_rates)
-    elif hp.learning_rate_multiplier in (None, "auto"):
-        rates = auto_rates
+    if hp.learning_rate not in (None, "auto"):
+        rates: list | str = [float(f"{r:.6g}") for r in _values(hp.learning_rate, [])]
+    elif hp.learning_rate is None and hp.learning_rate_multiplier not in (None, "auto"):
+        rates = [float(f"{m * BASE_LEARNING_RATE:.6g}")
+                 for m in _values(hp.learning_rate_multiplier, [])]
     else:
-        rates = [m * BASE_LEARNING_RATE for m in _values(hp.learning_rate_multiplier, [])]
-    space = {"learning_rate": [float(f"{r:.6g}") for r in rates],
-             "lora_rank": _values(hp.lora_rank, AUTO_SPACE["lora_rank"]),
-             "lora_alpha": _values(hp.lora_alpha, AUTO_SPACE["lora_alpha"]),
-             "batch_size": _values(hp.batch_size, AUTO_SPACE["batch_size"])}
+        rates = "auto"
+    space: dict[str, list | str] = {
+        "learning_rate": rates, "lora_rank": _values(hp.lora_rank, AUTO_SPACE["lora_rank"]),
+        "lora_alpha": _values(hp.lora_alpha, AUTO_SPACE["lora_alpha"]),
+        "batch_size": _values(hp.batch_size, AUTO_SPACE["batch_size"])}
     if method == "dpo":
         space["beta"] = _values(hp.beta, AUTO_SPACE["beta"])
     elif hp.beta != "auto":
@@ -191,13 +181,11 @@ def openai_param(param: str | None, where: str) -> str | None:
     return f"{where}.{name}" if name else where
 
 
-def to_task_create(body: FineTuningJobCreate, centre: float = BASE_LEARNING_RATE
-                   ) -> tuple[TaskCreate, str]:
-    """The native task of a fine-tuning job create, and where its hyperparameters were given;
-    `centre`: the model's centre learning rate ("auto" brackets it, auto_centre). 4xx naming the
-    OpenAI param for anything wrong."""
+def to_task_create(body: FineTuningJobCreate) -> tuple[TaskCreate, str]:
+    """The native task of a fine-tuning job create, and where its hyperparameters were given.
+    4xx naming the OpenAI param for anything wrong."""
     method, hp, where = method_params(body)
-    space = search_space(method, hp, where, centre)
+    space = search_space(method, hp, where)
     native: dict[str, Any] = {
         "base_model": body.model, "training_file": body.training_file,
         "validation_file": body.validation_file, "method": method, "search_space": space,
@@ -214,8 +202,7 @@ def to_task_create(body: FineTuningJobCreate, centre: float = BASE_LEARNING_RATE
         return TaskCreate.model_validate(native), where
     except ValidationError as exc:
         first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if not isinstance(p, int)]
-        param = openai_param(".".join(loc) or None, where)
+        param = openai_param(loc_to_param(first.get("loc", ())), where)
         raise invalid(f"{param or 'request'}: {first.get('msg', 'invalid value')}",
                       param=param) from exc
 

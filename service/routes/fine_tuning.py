@@ -38,7 +38,7 @@ def create_job(body: oc.FineTuningJobCreate, session: SessionDep, tenant: Tenant
                idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
                dry_run: Annotated[bool, Query(description="Validate and estimate only.")] = False
                ) -> oc.FineTuningJobOut | Response:
-    native, where = oc.to_task_create(body, oc.auto_centre(registry, body.model))
+    native, where = oc.to_task_create(body)
     try:
         if dry_run:
             estimate = run_dry(session, tenant, native, settings, registry)

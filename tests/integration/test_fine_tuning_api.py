@@ -62,12 +62,12 @@ def test_create_retrieve_list_shapes(client, factory) -> None:  # noqa: ANN001
     auto = ft(client, t, {"model": "tiny-llama", "training_file": train,
                           "metadata": {"team": "ads"}}).json()
     assert auto["num_jobs"] == 6, auto
-    assert auto["hyperparameters"]["learning_rate_multiplier"] == [3.33, 10, 30]
+    assert auto["hyperparameters"]["learning_rate_multiplier"] == [3.3, 10, 30]
     auto_task = client.get(f"/v1/tasks/{auto['id']}", headers=t.headers).json()
-    assert auto_task["search_space"]["learning_rate"] == [3.33e-4, 1e-3, 3e-3]
+    assert auto_task["search_space"]["learning_rate"] == [3.3e-4, 1e-3, 3e-3]
     # big-model: a llama of 70B parameters, centre 1e-4
     big = ft(client, t, {"model": "big-model", "training_file": train}, dry_run="true").json()
-    assert [j["hyperparameters"]["learning_rate"] for j in big["jobs"][::2]] == [3.33e-5, 1e-4,
+    assert [j["hyperparameters"]["learning_rate"] for j in big["jobs"][::2]] == [3.3e-5, 1e-4,
                                                                                   3e-4], big
     # legacy top-level hyperparameters = supervised
     legacy = ft(client, t, {"model": "tiny-llama", "training_file": train,
@@ -176,6 +176,19 @@ def test_dry_run_validates_estimates_and_creates_nothing(client, factory, sessio
     assert r.status_code == 200 and r.json()["num_jobs"] == 6, r.text
     assert r.json()["jobs"][5]["hyperparameters"]["learning_rate"] == 3e-3
     assert counts(session) == before
+    # the native "auto": the same grid around the model's centre (tiny-llama: 1e-3)
+    native = {"base_model": "tiny-llama", "training_file": train,
+              "search_space": {"learning_rate": "auto", "lora_rank": [4]}}
+    r = client.post("/v1/tasks", headers=t.headers, params={"dry_run": "true"}, json=native)
+    assert r.status_code == 200, r.text
+    assert [j["hyperparameters"]["learning_rate"] for j in r.json()["jobs"]] == [3.3e-4, 1e-3, 3e-3]
+    assert counts(session) == before
+    r = client.post("/v1/tasks", headers=t.headers | {"Idempotency-Key": "auto-1"}, json=native)
+    assert r.status_code == 201 and r.json()["search_space"]["learning_rate"] == [3.3e-4, 1e-3,
+                                                                                   3e-3], r.text
+    again = client.post("/v1/tasks", headers=t.headers | {"Idempotency-Key": "auto-1"}, json=native)
+    assert again.json()["id"] == r.json()["id"]
+    before = counts(session)
     r = client.post("/v1/tasks", headers=t.headers, params={"dry_run": "true"}, json={
         "base_model": "tiny-llama", "training_file": train,
         "search_space": {"learning_rate": [2.0]}})

@@ -16,6 +16,9 @@ from service.learning_rates import (
     parameter_count,
 )
 from service.openai_compat import Hyperparameters, search_space
+from service.registry import BaseModelEntry
+from service.schemas import TaskCreate
+from service.tasks import resolve_auto
 
 # config.json shapes of public checkpoints (the fields parameter_count reads)
 LLAMA_31_8B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
@@ -80,7 +83,7 @@ def test_auto_grid_brackets_the_centre(centre: float) -> None:
     grid = auto_learning_rates(centre)
     assert len(grid) == 3 and grid == sorted(grid)
     assert grid[0] < centre < grid[-1] and centre in grid
-    assert grid[-1] / grid[0] == pytest.approx(9, rel=0.01)
+    assert grid[-1] / grid[0] == pytest.approx(9, rel=0.03)  # two significant digits
 
 
 def test_model_centre_reads_the_model_directory(tmp_path) -> None:  # noqa: ANN001
@@ -91,12 +94,35 @@ def test_model_centre_reads_the_model_directory(tmp_path) -> None:  # noqa: ANN0
     assert model_centre(None, "qwen3", 8_000_000_000) == pytest.approx(1e-3)
 
 
-def test_openai_auto_space_follows_the_centre() -> None:
-    space = search_space("sft", Hyperparameters(), "hyperparameters", centre=3e-4)
-    assert space["learning_rate"] == [1e-4, 3e-4, 9e-4]
-    assert space["lora_rank"] == [8, 16]
-    # an explicit multiplier stays one of 1e-4; "auto" learning_rate is the same grid
-    given = search_space("sft", Hyperparameters(learning_rate_multiplier=[1, 3]), "h", 3e-4)
+def test_openai_auto_is_the_native_auto_and_a_task_resolves_it(tmp_path) -> None:  # noqa: ANN001
+    assert search_space("sft", Hyperparameters(), "hyperparameters")["learning_rate"] == "auto"
+    assert search_space("sft", Hyperparameters(learning_rate="auto"), "h")["learning_rate"] == "auto"
+    # an explicit multiplier stays one of 1e-4
+    given = search_space("sft", Hyperparameters(learning_rate_multiplier=[1, 3]), "h")
     assert given["learning_rate"] == [1e-4, 3e-4]
-    assert search_space("sft", Hyperparameters(learning_rate="auto"), "h", 1e-3
-                        )["learning_rate"] == [3.33e-4, 1e-3, 3e-3]
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    registry = _Registry({"llama8b": BaseModelEntry(name="llama8b", path=str(tmp_path)),
+                          "qwen3": BaseModelEntry(name="qwen3", path="/none", family="qwen3",
+                                                  parameters=8_000_000_000)})
+
+    def body(model: str, rates: object) -> TaskCreate:
+        return TaskCreate(base_model=model, training_file="file_x",
+                          search_space={"learning_rate": rates})
+
+    assert resolve_auto(body("llama8b", "auto"), registry).search_space.learning_rate == [
+        1e-4, 3e-4, 9e-4]
+    assert resolve_auto(body("qwen3", "auto"), registry).search_space.learning_rate == [
+        3.3e-4, 1e-3, 3e-3]
+    fixed = body("qwen3", [1e-4])
+    assert resolve_auto(fixed, registry) is fixed
+    assert resolve_auto(body("nope", "auto"), registry).search_space.learning_rate == [
+        1.7e-4, 5e-4, 1.5e-3]
+
+
+class _Registry:
+    def __init__(self, models: dict) -> None:
+        self.models = models
+
+    def get(self, name: str) -> BaseModelEntry | None:
+        return self.models.get(name)
