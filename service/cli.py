@@ -103,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--validation", help="A local JSONL file or a file id.")
     create.add_argument("--search", help='Search space JSON, e.g. \'{"learning_rate": [1e-4, '
                         '3e-4], "lora_rank": [8, 16]}\'; flags below add to it.')
-    create.add_argument("--lr", type=float, action="append", help="Learning rate (repeat).")
+    create.add_argument("--lr", type=_learning_rate, action="append",
+                        help="Learning rate (repeat), or auto: around the model's calibrated "
+                             "centre LoRA rate.")
     create.add_argument("--rank", type=int, action="append", help="LoRA rank (repeat).")
     create.add_argument("--alpha", type=float, action="append", help="LoRA alpha (repeat).")
     create.add_argument("--batch-size", type=int, action="append", help="Batch size (repeat).")
@@ -144,12 +146,17 @@ def search_space(args: argparse.Namespace) -> dict[str, list]:
             raise CliError(f"--search is not valid JSON: {exc}") from exc
         if not isinstance(space, dict):
             raise CliError("--search must be a JSON object of lists")
-        space = {k: v if isinstance(v, list) else [v] for k, v in space.items()}
+        space = {k: v if isinstance(v, list) or v == "auto" else [v] for k, v in space.items()}
     for flag, key in SEARCH_FLAGS.items():
         values = getattr(args, flag)
         if values:
-            space[key] = values
+            space[key] = "auto" if "auto" in values else values
     return space
+
+
+def _learning_rate(text: str) -> float | str:
+    """A --lr value: a number, or "auto" (the service centres the grid on the model)."""
+    return "auto" if text == "auto" else float(text)
 
 
 def task_body(args: argparse.Namespace, train_id: str, validation_id: str | None) -> dict:

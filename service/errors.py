@@ -78,6 +78,9 @@ def _loc_to_param(loc: tuple | list) -> str | None:
     return ".".join(parts) or None
 
 
+loc_to_param = _loc_to_param  # the OpenAI surface names its params alike (service.openai_compat)
+
+
 def _loc_to_text(loc: tuple | list) -> str | None:
     """The exact place of a validation error, list positions included (``lora_rank[1]``)."""
     text = ""

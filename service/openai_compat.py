@@ -6,16 +6,19 @@ the legacy top-level `hyperparameters` means supervised): each is a number, a li
 extension: a search space, every value trained at once as one job each) or "auto". A knob left
 out counts as "auto", as at OpenAI. "auto" means:
 
-- learning_rate_multiplier: search [0.5, 1, 2, 4] (times BASE_LEARNING_RATE = 1e-4, so learning
-  rates 5e-5, 1e-4, 2e-4, 4e-4);
+- learning_rate_multiplier (or learning_rate): search the model's centre LoRA learning rate /3, x1
+  and x3 (the native search space's learning_rate "auto", service.learning_rates: the centre
+  per model family and size from public LoRA calibrations, e.g. 1e-3 for a 1B model, 3e-4 for
+  Llama-3.1-8B);
 - lora_rank (extension): search [8, 16];
 - lora_alpha (extension): 16, batch_size: 8, n_epochs: 1, beta (dpo): 0.1 (one value each: not
   searched).
 
-So a job with no hyperparameters trains the default space of 4 learning rates x 2 ranks = 8
-configurations at once (AUTO_SPACE) and returns the adapter with the best validation loss.
-`learning_rate` (absolute, extension) may be given instead of learning_rate_multiplier. n_epochs
-is one number for the whole job (not a search space).
+So a job with no hyperparameters trains the default space of 3 learning rates x 2 ranks = 6
+configurations at once (AUTO_SPACE) and returns the adapter with the best validation loss. A
+multiplier given as a number is of BASE_LEARNING_RATE = 1e-4 (the multipliers shown for an auto
+grid are its rates / 1e-4). `learning_rate` (absolute, extension) may be given instead of
+learning_rate_multiplier. n_epochs is one number for the whole job (not a search space).
 
 fine_tuned_model is `ft:<base model>:<suffix>:<job id>` once the job succeeded; GET
 /v1/models/{that name} answers it and its adapter downloads at /v1/tasks/{job id}/adapter.
@@ -31,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.errors import ApiError, invalid
+from service.errors import ApiError, invalid, loc_to_param
 from service.models import TASK_TERMINAL, Artifact, Event, File, Job, MetricPoint, Task, Tenant
 from service.pagination import page_query
 from service.scheduler.estimator import EstimatorConfig
@@ -39,8 +42,7 @@ from service.schemas import TaskCreate, TaskOut, TaskUsage
 from service.tasks import task_outs
 
 BASE_LEARNING_RATE = 1e-4
-AUTO_SPACE: dict[str, list] = {
-    "learning_rate_multiplier": [0.5, 1.0, 2.0, 4.0],
+AUTO_SPACE: dict[str, list] = {  # learning rates: service.learning_rates, per model
     "lora_rank": [8, 16],
     "lora_alpha": [16.0],
     "batch_size": [8],
@@ -139,21 +141,23 @@ def method_params(body: FineTuningJobCreate) -> tuple[str, Hyperparameters, str]
     return NATIVE_METHOD[kind], hp, f"method.{kind}.hyperparameters"
 
 
-def search_space(method: str, hp: Hyperparameters, where: str) -> dict[str, list]:
-    """The native search space of these hyperparameters ("auto" expanded, lists kept)."""
+def search_space(method: str, hp: Hyperparameters, where: str) -> dict[str, list | str]:
+    """The native search space of these hyperparameters ("auto" expanded, lists kept; the
+    learning rate's "auto" stays "auto": the create centres it on the model, tasks.resolve_auto)."""
     if hp.learning_rate is not None and hp.learning_rate_multiplier is not None:
         raise invalid("give learning_rate or learning_rate_multiplier, not both",
                       param=f"{where}.learning_rate")
-    if hp.learning_rate is not None:
-        rates = _values(hp.learning_rate, [m * BASE_LEARNING_RATE
-                                           for m in AUTO_SPACE["learning_rate_multiplier"]])
+    if hp.learning_rate not in (None, "auto"):
+        rates: list | str = [float(f"{r:.6g}") for r in _values(hp.learning_rate, [])]
+    elif hp.learning_rate is None and hp.learning_rate_multiplier not in (None, "auto"):
+        rates = [float(f"{m * BASE_LEARNING_RATE:.6g}")
+                 for m in _values(hp.learning_rate_multiplier, [])]
     else:
-        rates = [m * BASE_LEARNING_RATE for m in _values(
-            hp.learning_rate_multiplier or "auto", AUTO_SPACE["learning_rate_multiplier"])]
-    space = {"learning_rate": [float(f"{r:.6g}") for r in rates],
-             "lora_rank": _values(hp.lora_rank, AUTO_SPACE["lora_rank"]),
-             "lora_alpha": _values(hp.lora_alpha, AUTO_SPACE["lora_alpha"]),
-             "batch_size": _values(hp.batch_size, AUTO_SPACE["batch_size"])}
+        rates = "auto"
+    space: dict[str, list | str] = {
+        "learning_rate": rates, "lora_rank": _values(hp.lora_rank, AUTO_SPACE["lora_rank"]),
+        "lora_alpha": _values(hp.lora_alpha, AUTO_SPACE["lora_alpha"]),
+        "batch_size": _values(hp.batch_size, AUTO_SPACE["batch_size"])}
     if method == "dpo":
         space["beta"] = _values(hp.beta, AUTO_SPACE["beta"])
     elif hp.beta != "auto":
@@ -198,8 +202,7 @@ def to_task_create(body: FineTuningJobCreate) -> tuple[TaskCreate, str]:
         return TaskCreate.model_validate(native), where
     except ValidationError as exc:
         first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if not isinstance(p, int)]
-        param = openai_param(".".join(loc) or None, where)
+        param = openai_param(loc_to_param(first.get("loc", ())), where)
         raise invalid(f"{param or 'request'}: {first.get('msg', 'invalid value')}",
                       param=param) from exc
 
@@ -300,7 +303,9 @@ class CheckpointMetrics(BaseModel):
     step: float | None = None
     train_loss: float | None = None
     valid_loss: float | None = None
+    valid_mean_token_accuracy: float | None = None
     full_valid_loss: float | None = None
+    full_valid_mean_token_accuracy: float | None = None
 
 
 class CheckpointOut(BaseModel):
@@ -454,7 +459,8 @@ def job_events(session: Session, task: Task, after: str | None, limit: int
                ) -> tuple[list[JobEventOut], bool]:
     """The job's events, newest first (OpenAI's order; `after` = the last id of the previous
     page): the task's own events as type "message" (ids ftevent-<n>) and one "metrics" event per
-    job and evaluation step (ids ftevent-m<n>), with step, train_loss and valid_loss."""
+    job and evaluation step (ids ftevent-m<n>), with step, train_loss and valid_loss (and SFT's
+    valid_mean_token_accuracy)."""
     msgs = session.execute(select(Event.id, Event.created_at, Event.level, Event.message,
                                   Event.type, Event.job_id, Event.data)
                            .where(Event.task_id == task.id)).all()
@@ -463,7 +469,7 @@ def job_events(session: Session, task: Task, after: str | None, limit: int
         select(MetricPoint.job_id, MetricPoint.step, MetricPoint.loss).where(
             MetricPoint.task_id == task.id, MetricPoint.split == "train"))}
     vals = session.execute(select(MetricPoint.id, MetricPoint.created_at, MetricPoint.job_id,
-                                  MetricPoint.step, MetricPoint.loss).where(
+                                  MetricPoint.step, MetricPoint.loss, MetricPoint.data).where(
         MetricPoint.task_id == task.id, MetricPoint.split == "val")).all()
     items: list[tuple[tuple, JobEventOut]] = []
     for eid, at, level, message, kind, job_id, data in msgs:
@@ -471,18 +477,29 @@ def job_events(session: Session, task: Task, after: str | None, limit: int
         items.append(((at, 1, eid), JobEventOut(
             id=f"ftevent-{eid}", created_at=unix(at), level=_LEVELS.get(level, "info"),
             message=message, data=payload, type="message")))
-    for mid, at, job_id, step, loss in vals:
+    for mid, at, job_id, step, loss, numbers in vals:
         tl = finite_or_none(train.get((job_id, step)))
         vl = finite_or_none(loss)
+        data = {"step": step, "job_id": job_id, "job_index": index.get(job_id),
+                "train_loss": tl, "valid_loss": vl}
+        accuracy = token_accuracy(numbers)
+        if accuracy is not None:
+            data["valid_mean_token_accuracy"] = accuracy
         items.append(((at, 0, mid), JobEventOut(
             id=f"ftevent-m{mid}", created_at=unix(at), level="info", type="metrics",
             message=f"job {index.get(job_id)} step {step}: train loss "
                     f"{'-' if tl is None else f'{tl:.4f}'}, valid loss "
-                    f"{'-' if vl is None else f'{vl:.4f}'}",
-            data={"step": step, "job_id": job_id, "job_index": index.get(job_id),
-                  "train_loss": tl, "valid_loss": vl})))
+                    f"{'-' if vl is None else f'{vl:.4f}'}"
+                    + ("" if accuracy is None else f", valid token accuracy {accuracy:.4f}"),
+            data=data)))
     items.sort(key=lambda kv: kv[0], reverse=True)
     return _page_after([e for _, e in items], after, limit)
+
+
+def token_accuracy(numbers: dict | None) -> float | None:
+    """The mean token accuracy of a validation point's reported numbers (SFT), else None."""
+    value = (numbers or {}).get("token_accuracy")
+    return finite_or_none(float(value)) if isinstance(value, int | float) else None
 
 
 def job_checkpoints(session: Session, task: Task, after: str | None, limit: int
@@ -497,6 +514,9 @@ def job_checkpoints(session: Session, task: Task, after: str | None, limit: int
     train = {(job_id, step): loss for job_id, step, loss in session.execute(
         select(MetricPoint.job_id, MetricPoint.step, MetricPoint.loss).where(
             MetricPoint.task_id == task.id, MetricPoint.split == "train"))}
+    accuracy = {(job_id, step): token_accuracy(numbers) for job_id, step, numbers in
+                session.execute(select(MetricPoint.job_id, MetricPoint.step, MetricPoint.data).where(
+                    MetricPoint.task_id == task.id, MetricPoint.split == "val"))}
     name = f"ft:{task.base_model}:{task.suffix or ''}:{task.id}"
     out = []
     for art_id, at, art_step, job in rows:
@@ -506,8 +526,10 @@ def job_checkpoints(session: Session, task: Task, after: str | None, limit: int
             id=art_id, created_at=unix(at), fine_tuned_model_checkpoint=f"{name}:{job.id}",
             fine_tuning_job_id=task.id, step_number=step, job_id=job.id,
             hyperparameters=job.config, best=job.id == task.best_job_id,
-            metrics=CheckpointMetrics(step=step, train_loss=finite_or_none(
-                train.get((job.id, step))), valid_loss=valid, full_valid_loss=valid)))
+            metrics=CheckpointMetrics(
+                step=step, train_loss=finite_or_none(train.get((job.id, step))), valid_loss=valid,
+                full_valid_loss=valid, valid_mean_token_accuracy=accuracy.get((job.id, step)),
+                full_valid_mean_token_accuracy=accuracy.get((job.id, step)))))
     return _page_after(out, after, limit)
 
 

@@ -107,7 +107,11 @@ class SearchSpace(_In):
     """Lists per knob; the grid (cartesian product) is expanded into jobs. Each value has the
     bounds of the job's hyperparameter (contract.protocol.JobHyperparameters), the one contract."""
 
-    learning_rate: list[LearningRate] = Field(default=[1e-4], min_length=1, max_length=64)
+    learning_rate: Annotated[list[LearningRate], Field(min_length=1, max_length=64)] | Literal[
+        "auto"] = Field(
+        default=[1e-4],
+        description='"auto": the base model\'s centre LoRA learning rate / 3, x1 and x3, the centre '
+                    "from its family and parameter count (README: Learning rates of auto).")
     lora_rank: list[LoraRank] = Field(default=[8], min_length=1, max_length=64)
     lora_alpha: list[LoraAlpha] = Field(default=[16.0], min_length=1, max_length=64)
     batch_size: list[BatchSize] = Field(default=[8], min_length=1, max_length=64)
@@ -118,8 +122,8 @@ class SearchSpace(_In):
 
     @field_validator("learning_rate", "lora_rank", "lora_alpha", "batch_size", "beta")
     @classmethod
-    def _distinct(cls, v: list) -> list:
-        return _unique(v)
+    def _distinct(cls, v: list | str) -> list | str:
+        return v if isinstance(v, str) else _unique(v)
 
 
 class TaskCreate(_In):
@@ -257,12 +261,19 @@ class LossPoint(BaseModel):
     loss: float | None
 
 
+class ValPoint(LossPoint):
+    token_accuracy: float | None = Field(
+        default=None, description="SFT: mean token accuracy on the validation samples (the "
+                                  "model's argmax equals the target, over target tokens); absent "
+                                  "for DPO and points reported without it.")
+
+
 class JobCurves(BaseModel):
     job_id: str
     index: int
     state: str
     train: list[LossPoint]
-    val: list[LossPoint]
+    val: list[ValPoint]
 
 
 class MetricsOut(BaseModel):

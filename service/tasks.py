@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from contract.families import UnsupportedModel, family_of, model_type_of, resolve_targets
 from contract.protocol import JobStateUpdate, grid_knobs, pause_key, tenant_safe
+from service import learning_rates
 from service.config import Settings
 from service.db import after_commit
 from service.errors import ApiError, conflict, invalid, not_found
@@ -51,6 +52,25 @@ def expand_grid(space: dict[str, list], method: str = "sft") -> list[dict]:
     space = {"beta": [0.1], **space}  # search spaces stored before beta existed
     return [dict(zip(knobs, values, strict=True))
             for values in itertools.product(*(space[k] for k in knobs))]
+
+
+def auto_centre(registry: ModelRegistry, model: str) -> float:
+    """The centre learning rate of "auto" for a registered base model (service.learning_rates);
+    the generic one of the default size for a name the registry lacks (the create 422s)."""
+    entry = registry.get(model)
+    if entry is None:
+        return learning_rates.centre_learning_rate(None, learning_rates.DEFAULT_PARAMETERS)
+    return learning_rates.model_centre(entry.path, entry.family, entry.parameters)
+
+
+def resolve_auto(body: TaskCreate, registry: ModelRegistry) -> TaskCreate:
+    """The task with a learning rate of "auto" replaced by the grid around its base model's
+    centre (what the task stores and trains); the body itself when it names its rates."""
+    if body.search_space.learning_rate != "auto":
+        return body
+    rates = learning_rates.auto_learning_rates(auto_centre(registry, body.base_model))
+    space = body.search_space.model_copy(update={"learning_rate": rates})
+    return body.model_copy(update={"search_space": space})
 
 
 def request_hash(body: TaskCreate) -> str:
@@ -134,6 +154,7 @@ def create_task(session: Session, tenant: Tenant, body: TaskCreate, settings: Se
         replay = _replay(session, tenant, idempotency_key, digest)
         if replay is not None:
             return replay, False
+    body = resolve_auto(body, registry)  # after the digest: a replay hashes what was sent
     max_seq_len, samples = _check_request(session, tenant, body, settings, registry)
     # 429 at the tenant's max_queued_tasks; locks the tenant row until the commit, so two
     # creates at limit-1 count one after the other. A rejected create claims no key.

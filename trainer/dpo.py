@@ -153,6 +153,7 @@ class DpoEngine(MultiLoraEngine):
 
     # ----- the objective's parts of the engine's step and evaluation -------------------------
     metric_names = METRICS
+    eval_metric_names = METRICS  # reward accuracy, not token accuracy
 
     def _prepare(self, per_job: Sequence[Sequence[PairExample]]) -> None:  # type: ignore[override]
         self.ensure_reference([p for pairs in per_job for p in pairs])

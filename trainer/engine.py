@@ -35,7 +35,7 @@ from trainer.data import (
     pack_flat,
     pack_step,
 )
-from trainer.head import default_chunk, token_losses
+from trainer.head import default_chunk, token_losses, token_losses_and_hits
 from trainer.multilora import (
     JobAdapter,
     StepLayout,
@@ -515,6 +515,14 @@ class MultiLoraEngine:
         """One forward of every job's micro-batch: the batch, each job's summed token loss and
         its number of target tokens. The head and cross-entropy run once for all jobs' target
         tokens (trainer.head: in chunks, logits never kept), then sum per job."""
+        batch, losses, _, counts = self._forward_tokens(states, per_job)
+        return batch, [part.sum() for part in losses.split(counts)], counts
+
+    def _forward_tokens(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]],
+                        hits: bool = False):  # noqa: ANN202
+        """_forward_losses' forward: the batch, the losses of all jobs' target tokens (in job
+        order), with `hits` (no grad) whether each token's argmax is its target (else None), and
+        each job's number of target tokens."""
         cpu = self.pack_batch(per_job)
         # every job's target positions found on the host (where the batch was built), moved with
         # the batch in one copy: selecting them on the device then needs no sync
@@ -527,9 +535,11 @@ class MultiLoraEngine:
         hidden = self._hidden(batch)
         hidden = hidden.reshape(-1, hidden.shape[-1])
         targets = batch.targets.reshape(-1)
-        losses = token_losses(self.output_logits, hidden.index_select(0, index), targets.index_select(0, index),
-                              self.head_chunk)
-        return batch, [part.sum() for part in losses.split(counts)], counts
+        h, t = hidden.index_select(0, index), targets.index_select(0, index)
+        if hits:
+            losses, correct = token_losses_and_hits(self.output_logits, h, t, self.head_chunk)
+            return batch, losses, correct, counts
+        return batch, token_losses(self.output_logits, h, t, self.head_chunk), None, counts
 
     # ----- one step: the objective's parts (a subclass such as DpoEngine overrides them) ------
     def _prepare(self, per_job: Sequence[Sequence[Example]]) -> None:
@@ -544,6 +554,8 @@ class MultiLoraEngine:
         return batch, losses, [loss.detach().reshape(1) for loss in losses]
 
     metric_names: tuple[str, ...] = ("loss",)
+    # evaluation's numbers: SFT adds the mean token accuracy (argmax == target over target tokens)
+    eval_metric_names: tuple[str, ...] = ("loss", "token_accuracy")
 
     def step(self) -> StepReport:
         """One training step of every attached job that has steps left: one forward and one
@@ -647,17 +659,19 @@ class MultiLoraEngine:
     def _eval_sums(self, states: Sequence[JobState], chunk: Sequence[Example]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One no-grad forward of every job on the same chunk: per job the sums of the
-        objective's numbers [N, len(metric_names)] and what each is averaged over [N]
-        (SFT: summed token losses over target tokens; DPO overrides: sums over pairs)."""
-        _, sums, counts = self._forward_losses(states, [chunk] * len(states))
-        return torch.stack(sums).reshape(-1, 1), torch.tensor(counts, dtype=torch.float64)
+        evaluation's numbers [N, len(eval_metric_names)] and what each is averaged over [N]
+        (SFT: summed token losses and hits over target tokens; DPO overrides: sums over pairs)."""
+        _, losses, hits, counts = self._forward_tokens(states, [chunk] * len(states), hits=True)
+        sums = [torch.stack([loss.sum(), hit.sum()])
+                for loss, hit in zip(losses.split(counts), hits.split(counts), strict=True)]
+        return torch.stack(sums), torch.tensor(counts, dtype=torch.float64)
 
     @torch.no_grad()
     def evaluate_metrics(
         self, examples: Sequence[Example], batch_size: int = 8, job_ids: Sequence[str] | None = None,
         max_sequences: int | None = None, forwards: int | None = None,
     ) -> dict[str, dict[str, float]]:
-        """Every number of the objective (`metric_names`, the loss first) of each job on the same
+        """Every number of the evaluation (`eval_metric_names`, the loss first) of each job on the same
         held-out examples. With max_sequences, jobs go in groups so one forward holds at most
         that many sequences (e.g. the training step's total batch, which admission sized to
         fit). With `forwards` (lockstep), idle forwards pad this rank's passes to that count."""
@@ -669,7 +683,7 @@ class MultiLoraEngine:
         try:
             for g in range(0, len(states), group):
                 members = states[g : g + group]
-                totals = torch.zeros(len(members), len(self.metric_names), dtype=torch.float64,
+                totals = torch.zeros(len(members), len(self.eval_metric_names), dtype=torch.float64,
                                      device=self.device)
                 denoms = torch.zeros(len(members), dtype=torch.float64)
                 for lo in range(0, len(examples), batch_size):
@@ -677,7 +691,7 @@ class MultiLoraEngine:
                     totals += sums.double()  # summed on the device: one sync per group of jobs
                     denoms += counts
                 means = (totals.cpu() / denoms.clamp(min=1).unsqueeze(1)).tolist()
-                out.update({s.job_id: dict(zip(self.metric_names, row, strict=True))
+                out.update({s.job_id: dict(zip(self.eval_metric_names, row, strict=True))
                             for s, row in zip(members, means, strict=True)})
         finally:
             self._clear_layout()

@@ -71,8 +71,9 @@ class Callbacks:
     on_job_state: Callable[[str, str, dict], None] = _noop  # job, state, details
     on_adapter: Callable[[str, str, Path], None] = _noop  # job, "best" | "final", directory
     on_event: Callable[[str, str, dict], None] = _noop  # job ("" = task), message, fields
-    # job, step, "train" | "val", extra numbers of that point beside the loss (DPO: reward
-    # accuracy and margin); called just BEFORE the on_train_loss / on_eval of the same point
+    # job, step, "train" | "val", extra numbers of that point beside the loss (SFT val: mean
+    # token_accuracy; DPO: reward accuracy and margin); called just BEFORE the on_train_loss /
+    # on_eval of the same point
     on_metrics: Callable[[str, int, str, dict], None] = _noop
     # no job id: the fields of contract.protocol.ThroughputReport but the placement (measured
     # tokens/s over the steps since the last report, the batch mix, the memory model)

@@ -10,6 +10,9 @@ hidden states' dtype; the backward only scales it by each token's incoming weigh
 are neither kept nor recomputed: two head matmuls per token in all, where a checkpointed head
 takes three. The frozen head gets no gradient.
 
+`token_losses_and_hits` (no grad, for evaluation) also says per token whether the head's argmax is
+the target, from the same chunk of logits (token accuracy at no second head matmul).
+
 Isolation: a token's loss and gradient depend on its own hidden state alone (rows of a matmul),
 so one job's non-finite values stay in that job's tokens; the caller sums tokens per job.
 """
@@ -64,3 +67,17 @@ def token_losses(logits_fn: LogitsFn, h: torch.Tensor, targets: torch.Tensor, ch
     with torch.no_grad():
         return torch.cat([_chunk_losses(logits_fn, h[lo : lo + chunk], targets[lo : lo + chunk])
                           for lo in range(0, h.shape[0], chunk)])
+
+
+@torch.no_grad()
+def token_losses_and_hits(logits_fn: LogitsFn, h: torch.Tensor, targets: torch.Tensor, chunk: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cross-entropy [T] and hits [T] (1.0 where the logits' argmax is the target, else
+    0.0) of hidden states h [T, d], each chunk's logits made once and used for both."""
+    dtype = torch.promote_types(h.dtype, torch.float32)
+    losses, hits = [h.new_zeros(0, dtype=dtype)], [h.new_zeros(0, dtype=dtype)]
+    for lo in range(0, h.shape[0], chunk):
+        logits, t = logits_fn(h[lo : lo + chunk]), targets[lo : lo + chunk]
+        losses.append(nn.functional.cross_entropy(logits, t, reduction="none").to(dtype))
+        hits.append((logits.argmax(dim=-1) == t).to(dtype))
+    return torch.cat(losses), torch.cat(hits)

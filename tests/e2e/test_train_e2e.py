@@ -101,6 +101,9 @@ def test_task_trains_to_a_better_adapter(stack: Stack, tmp_path: Path) -> None:
                               for j in exited)
         curves = http.get(f"/v1/tasks/{task['id']}/metrics").json()["jobs"]
         assert all(c["train"] for c in curves)
+        # every SFT validation point carries its token accuracy, from the trainer to the API
+        points = [p for c in curves for p in c["val"]]
+        assert points and all(0.0 <= p["token_accuracy"] <= 1.0 for p in points), points
     out = tmp_path / "best"
     assert cli(["--api-url", stack.url, "--api-key", stack.api_key, "adapter", "download",
                 task["id"], "-o", str(out)]) == 0

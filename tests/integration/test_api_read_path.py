@@ -10,6 +10,7 @@ import math
 from datetime import timedelta
 
 import pytest
+from pydantic_core import to_json
 from sqlalchemy import delete, select, text
 from sqlalchemy.exc import OperationalError
 
@@ -19,7 +20,7 @@ from service.db import READ_POOL_NAME, ReadPool
 from service.localstack import free_port
 from service.models import Job, MetricPoint, Placement, Task, Tenant, utcnow
 from service.pagination import page_query
-from service.schemas import JobCurves, LossPoint, MetricsOut, Page, TaskOut
+from service.schemas import JobCurves, LossPoint, MetricsOut, Page, TaskOut, ValPoint
 
 
 def _model_page(session, tenant_id: str, limit: int, after: str | None = None,  # noqa: ANN001
@@ -77,23 +78,34 @@ def test_curves_are_the_models_bytes(client, factory, session):  # noqa: ANN001
         for step, loss in enumerate(losses[k:], start=1):
             session.add(MetricPoint(task_id=tid, job_id=job.id, step=step, split="train",
                                     loss=loss))
-        if k != 1:
-            session.add(MetricPoint(task_id=tid, job_id=job.id, step=4, split="val", loss=2.0))
+        if k != 1:  # job 0's without token accuracy (DPO, or reported before it existed)
+            session.add(MetricPoint(task_id=tid, job_id=job.id, step=4, split="val", loss=2.0,
+                                    data={"token_accuracy": 1.0 / 3} if k == 2 else None))
+    session.add(MetricPoint(task_id=tid, job_id=jobs[2].id, step=5, split="val", loss=1.5,
+                            data={"token_accuracy": 0.25, "other": 1}))
     session.commit()
     url = f"/v1/tasks/{tid}/metrics"
     r = client.get(url, headers=t.headers)
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
 
     def points(job_id: str, split: str, after: int = -2) -> list[LossPoint]:
-        rows = session.execute(select(MetricPoint.step, MetricPoint.loss).where(
+        rows = session.execute(select(MetricPoint.step, MetricPoint.loss, MetricPoint.data).where(
             MetricPoint.job_id == job_id, MetricPoint.split == split, MetricPoint.step > after)
             .order_by(MetricPoint.step)).all()
-        return [LossPoint(step=s, loss=x if math.isfinite(x) else None) for s, x in rows]
+        kind = ValPoint if split == "val" else LossPoint
+        return [kind(step=s, loss=x if math.isfinite(x) else None,
+                     **({"token_accuracy": d["token_accuracy"]} if d and split == "val" else {}))
+                for s, x, d in rows]
 
     def model(selected: list[Job], after: int = -2) -> bytes:
-        return MetricsOut(task_id=tid, jobs=[
+        body = MetricsOut(task_id=tid, jobs=[
             JobCurves(job_id=j.id, index=j.index, state=j.state, train=points(j.id, "train", after),
-                      val=points(j.id, "val", after)) for j in selected]).model_dump_json().encode()
+                      val=points(j.id, "val", after)) for j in selected]).model_dump(mode="json")
+        for job in body["jobs"]:  # a validation point without token accuracy leaves the key out
+            for p in job["val"]:
+                if p["token_accuracy"] is None:
+                    del p["token_accuracy"]
+        return to_json(body)
 
     assert r.content == model(jobs)
     assert client.get(url, headers=t.headers, params={"job_id": jobs[2].id, "after_step": 2}

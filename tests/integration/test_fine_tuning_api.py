@@ -57,11 +57,18 @@ def test_create_retrieve_list_shapes(client, factory) -> None:  # noqa: ANN001
     assert task["metadata"] == {"team": "search", "run": "a"} and task["suffix"] == "my-bot"
     assert client.get(f"/v1/fine_tuning/jobs/{job['id']}", headers=t.headers).json() == job
 
-    # "auto" (and knobs left out) is the documented default space: 4 rates x 2 ranks
+    # "auto" (and knobs left out) is the documented default space: 3 rates x 2 ranks, the rates
+    # around the model's centre (tiny-llama: a llama of 1M parameters, 1e-3), in units of 1e-4
     auto = ft(client, t, {"model": "tiny-llama", "training_file": train,
                           "metadata": {"team": "ads"}}).json()
-    assert auto["num_jobs"] == 8, auto
-    assert auto["hyperparameters"]["learning_rate_multiplier"] == [0.5, 1, 2, 4]
+    assert auto["num_jobs"] == 6, auto
+    assert auto["hyperparameters"]["learning_rate_multiplier"] == [3.3, 10, 30]
+    auto_task = client.get(f"/v1/tasks/{auto['id']}", headers=t.headers).json()
+    assert auto_task["search_space"]["learning_rate"] == [3.3e-4, 1e-3, 3e-3]
+    # big-model: a llama of 70B parameters, centre 1e-4
+    big = ft(client, t, {"model": "big-model", "training_file": train}, dry_run="true").json()
+    assert [j["hyperparameters"]["learning_rate"] for j in big["jobs"][::2]] == [3.3e-5, 1e-4,
+                                                                                  3e-4], big
     # legacy top-level hyperparameters = supervised
     legacy = ft(client, t, {"model": "tiny-llama", "training_file": train,
                             "hyperparameters": {"learning_rate_multiplier": 2,
@@ -166,9 +173,22 @@ def test_dry_run_validates_estimates_and_creates_nothing(client, factory, sessio
     assert est["estimated_finish"] >= est["estimated_start"]
     assert counts(session) == before
     r = ft(client, t, {"model": "tiny-llama", "training_file": train}, dry_run="true")
-    assert r.status_code == 200 and r.json()["num_jobs"] == 8, r.text
-    assert r.json()["jobs"][7]["hyperparameters"]["learning_rate"] == 4e-4
+    assert r.status_code == 200 and r.json()["num_jobs"] == 6, r.text
+    assert r.json()["jobs"][5]["hyperparameters"]["learning_rate"] == 3e-3
     assert counts(session) == before
+    # the native "auto": the same grid around the model's centre (tiny-llama: 1e-3)
+    native = {"base_model": "tiny-llama", "training_file": train,
+              "search_space": {"learning_rate": "auto", "lora_rank": [4]}}
+    r = client.post("/v1/tasks", headers=t.headers, params={"dry_run": "true"}, json=native)
+    assert r.status_code == 200, r.text
+    assert [j["hyperparameters"]["learning_rate"] for j in r.json()["jobs"]] == [3.3e-4, 1e-3, 3e-3]
+    assert counts(session) == before
+    r = client.post("/v1/tasks", headers=t.headers | {"Idempotency-Key": "auto-1"}, json=native)
+    assert r.status_code == 201 and r.json()["search_space"]["learning_rate"] == [3.3e-4, 1e-3,
+                                                                                   3e-3], r.text
+    again = client.post("/v1/tasks", headers=t.headers | {"Idempotency-Key": "auto-1"}, json=native)
+    assert again.json()["id"] == r.json()["id"]
+    before = counts(session)
     r = client.post("/v1/tasks", headers=t.headers, params={"dry_run": "true"}, json={
         "base_model": "tiny-llama", "training_file": train,
         "search_space": {"learning_rate": [2.0]}})
@@ -292,8 +312,22 @@ def test_events_checkpoints_and_models_of_a_finished_job(client, factory, sessio
     w = factory.worker
     points = [{"job_id": j, "step": s, "split": split, "loss": 2.0 - s / 10 - k / 100}
               for k, j in enumerate(jobs) for s in (1, 2) for split in ("train", "val")]
+    for p in points:  # the trainer's SFT validation token accuracy (one point reported without)
+        if p["split"] == "val" and (p["job_id"], p["step"]) != (jobs[0], 1):
+            p["data"] = {"token_accuracy": 0.5 + p["step"] / 10 + jobs.index(p["job_id"]) / 100}
     assert client.post(f"/internal/v1/tasks/{task_id}/metrics", headers=w, json={
         "placement_id": pid, "points": points}).status_code == 200
+    # the native curves: token accuracy beside each validation loss that has one
+    curves = {c["job_id"]: c for c in client.get(f"/v1/tasks/{task_id}/metrics",
+                                                 headers=t.headers).json()["jobs"]}
+    assert curves[jobs[0]]["val"] == [{"step": 1, "loss": 1.9},
+                                      {"step": 2, "loss": 1.8, "token_accuracy": 0.7}]
+    assert curves[jobs[1]]["val"] == [{"step": 1, "loss": 1.89, "token_accuracy": 0.61},
+                                      {"step": 2, "loss": 1.79, "token_accuracy": 0.71}]
+    assert curves[jobs[1]]["train"] == [{"step": 1, "loss": 1.89}, {"step": 2, "loss": 1.79}]
+    cut = client.get(f"/v1/tasks/{task_id}/metrics", headers=t.headers,
+                     params={"max_points": 4, "after_step": 1, "job_id": jobs[1]}).json()
+    assert cut["jobs"][0]["val"] == [{"step": 2, "loss": 1.79, "token_accuracy": 0.71}]
     adapter = [("files", ("adapter_config.json", io.BytesIO(b'{"r": 4}'), "application/json")),
                ("files", ("adapter_model.safetensors", io.BytesIO(safetensors_bytes()), "x/y"))]
     for k, job in enumerate(jobs):
@@ -326,6 +360,9 @@ def test_events_checkpoints_and_models_of_a_finished_job(client, factory, sessio
         {(j, s) for j in jobs for s in (1, 2)}
     m = next(m for m in metrics if m["data"]["job_id"] == jobs[0] and m["data"]["step"] == 2)
     assert m["data"]["train_loss"] == m["data"]["valid_loss"] == 1.8
+    assert m["data"]["valid_mean_token_accuracy"] == 0.7 and "token accuracy 0.7000" in m["message"]
+    m = next(m for m in metrics if m["data"]["job_id"] == jobs[0] and m["data"]["step"] == 1)
+    assert "valid_mean_token_accuracy" not in m["data"]  # reported without one
     stamps = [e["created_at"] for e in events["data"]]
     assert stamps == sorted(stamps, reverse=True)  # newest first
     first = client.get(f"/v1/fine_tuning/jobs/{task_id}/events", headers=t.headers,
@@ -344,6 +381,7 @@ def test_events_checkpoints_and_models_of_a_finished_job(client, factory, sessio
     assert c["object"] == "fine_tuning.job.checkpoint" and c["fine_tuning_job_id"] == task_id
     assert c["step_number"] == 2 and c["metrics"]["valid_loss"] == 1.79
     assert c["metrics"]["train_loss"] == 1.79 and c["metrics"]["step"] == 2
+    assert c["metrics"]["valid_mean_token_accuracy"] == 0.71
     assert c["fine_tuned_model_checkpoint"].startswith(job["fine_tuned_model"])
 
     model = client.get(f"/v1/models/{job['fine_tuned_model']}", headers=t.headers)

@@ -24,6 +24,10 @@ def test_search_space_from_json_and_flags() -> None:
                  "--rank", "4", "--rank", "16", "--batch-size", "2")
     assert search_space(args) == {"learning_rate": [1e-4, 3e-4], "lora_rank": [4, 16],
                                   "batch_size": [2]}
+    # "auto" learning rates: the service's grid around the model's centre
+    assert search_space(parse("--lr", "auto")) == {"learning_rate": "auto"}
+    assert search_space(parse("--search", '{"learning_rate": "auto", "lora_rank": 8}')) == {
+        "learning_rate": "auto", "lora_rank": [8]}
     with pytest.raises(CliError):
         search_space(parse("--search", "{not json"))
     with pytest.raises(CliError):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from contract.families import FAMILIES as SUPPORTED
-from contract.families import Family, UnsupportedModel, family_of
+from contract.families import Family, UnsupportedModel, family_of, resolve_targets
 from tests.helpers.engine_ref import synthetic_rows
 from trainer.data import IGNORE, Example, pack_step, parse_record, tokenize_all
 from trainer.engine import JobSpec, MultiLoraEngine
@@ -253,6 +253,17 @@ def test_every_supported_family_has_a_tiny_model() -> None:
     assert set(FAMILIES) == set(SUPPORTED)
     for name in FAMILIES:
         assert family_of(name).name == name
+
+
+def test_default_targets_are_every_linear_attention_and_mlp() -> None:
+    """A task that names no target_modules (or the OpenAI surface, always) adapts every linear
+    projection of its family: attention and MLP alike (LoRA Without Regret: MLP layers matter)."""
+    for name, family in SUPPORTED.items():
+        assert family.default_targets == family.linears, name
+        assert resolve_targets(family, None) == family.linears, name
+        assert len(family.linears) >= 3, name  # at least an attention and an MLP projection
+    assert set(family_of("llama").default_targets) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
 def test_backbone_dropout_is_off_so_varlen_trains_and_steps_repeat(tmp_path: Path) -> None:
