@@ -3,7 +3,7 @@ could produce, the same call sequence as loop.colocation() + replan() without th
 invariants on the result (no exception; every task assigned or unschedulable; no GPU booked twice
 once joins and warm moves apply; caps, rows, keys and reclaim respected). Session 10 found three
 bugs with it (commit c83b106: about 1% of states failed before) and ran 10,000+ states clean.
-tests/unit/test_colocation_fuzz.py runs a few hundred states; scripts/dev/fuzz_colocation.py
+tests/slow/test_colocation_fuzz.py runs a few hundred states; scripts/dev/fuzz_colocation.py
 runs many (python scripts/dev/fuzz_colocation.py N SEED [--weird] [--stop-first] [--verbose]).
 """
 
