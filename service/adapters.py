@@ -127,7 +127,7 @@ def write_archive(out: BinaryIO, members: list[tuple[str, int, Callable[[], Bina
     if fmt == "zip":
         with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as zf:
             for name, _, open_member in members:
-                with open_member() as src, zf.open(name, "w", force_zip64=True) as dst:
+                with open_member() as src, zf.open(name, "w") as dst:
                     shutil.copyfileobj(src, dst, CHUNK)
         return
     gz = gzip.GzipFile(fileobj=out, mode="wb", mtime=0, filename="") if fmt == "tar.gz" else None
