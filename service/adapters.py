@@ -5,12 +5,16 @@ any job, as a .tar.gz or .zip archive holding adapter_config.json + adapter_mode
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import io
 import json
+import shutil
 import tarfile
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable
+from functools import partial
 from typing import Any, BinaryIO, Literal
 
 from sqlalchemy import select
@@ -31,7 +35,7 @@ PORTABLE_FIELDS: dict[str, Any] = {
 # vLLM serves LoRA on the decoder's linears only (no lm_head / embedding LoRA).
 UNPORTABLE_TARGETS = frozenset({"lm_head", "embed_tokens", "wte", "wpe", "embed_out", "embed_in"})
 ArchiveFormat = Literal["tar.gz", "zip"]
-MEDIA_TYPES = {"tar.gz": "application/gzip", "zip": "application/zip"}
+MEDIA_TYPES = {"tar.gz": "application/gzip", "zip": "application/zip", "tar": "application/x-tar"}
 
 
 def portable_config(cfg: object, base_model: str) -> dict:
@@ -116,32 +120,44 @@ def task_adapter(session: Session, task: Task) -> tuple[Job, Artifact]:
     return job, job_adapter(session, job)
 
 
-def build_archive(storage: Storage, artifact: Artifact, fmt: ArchiveFormat) -> Iterator[bytes]:
-    """Write the archive to a temp file (adapters are small next to the model) and stream it."""
-    tmp = tempfile.TemporaryFile()
+def write_archive(out: BinaryIO, members: list[tuple[str, int, Callable[[], BinaryIO]]],
+                  fmt: ArchiveFormat | Literal["tar"]) -> None:
+    """Write (name, size, open) members to `out` as a tar, .tar.gz or .zip; the same members give
+    the same bytes every time (no timestamps), so a download can resume with a Range request."""
     if fmt == "zip":
-        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-            for f in artifact.files:
-                with zf.open(f["name"], "w") as out:
-                    for block in storage.iter_bytes(f"artifacts/{artifact.id}/{f['name']}"):
-                        out.write(block)
-    else:
-        with tarfile.open(fileobj=tmp, mode="w:gz") as tf:
-            for f in artifact.files:
-                key = f"artifacts/{artifact.id}/{f['name']}"
-                info = tarfile.TarInfo(f["name"])
-                info.size = storage.size(key)
-                info.mode = 0o644
-                with storage.open(key) as src:
-                    tf.addfile(info, src)
+        with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+            for name, _, open_member in members:
+                with open_member() as src, zf.open(name, "w") as dst:
+                    shutil.copyfileobj(src, dst, CHUNK)
+        return
+    gz = gzip.GzipFile(fileobj=out, mode="wb", mtime=0, filename="") if fmt == "tar.gz" else None
+    with tarfile.open(fileobj=gz or out, mode="w") as tf:
+        for name, size, open_member in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = size, 0o644
+            with open_member() as src:
+                tf.addfile(info, src)
+    if gz is not None:
+        gz.close()
+
+
+def build_archive(storage: Storage, artifact: Artifact, fmt: ArchiveFormat) -> tuple[BinaryIO, int]:
+    """The adapter's archive in a temp file (adapters are small next to the model), at its
+    start, and its size."""
+    tmp = tempfile.TemporaryFile()
+    keys = [(f["name"], f"artifacts/{artifact.id}/{f['name']}") for f in artifact.files]
+    write_archive(tmp, [(name, storage.size(key), partial(storage.open, key))
+                        for name, key in keys], fmt)
+    size = tmp.tell()
     tmp.seek(0)
+    return tmp, size
 
-    def _stream() -> Iterator[bytes]:
-        with tmp:
-            while block := tmp.read(CHUNK):
-                yield block
 
-    return _stream()
+def archive_etag(artifact: Artifact, fmt: str) -> str:
+    """Changes with the adapter's files (a re-upload) and the format."""
+    digest = hashlib.sha256(json.dumps([artifact.id, artifact.files, fmt], sort_keys=True,
+                                       default=str).encode()).hexdigest()[:32]
+    return f'"{digest}"'
 
 
 def archive_name(job: Job, fmt: ArchiveFormat) -> str:

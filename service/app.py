@@ -22,7 +22,7 @@ from service.errors import error_body, install_error_handlers
 from service.openapi import document_errors
 from service.queue import configure as configure_queue
 from service.registry import ModelRegistry
-from service.routes import files, fine_tuning, internal, ops, tasks, ui, usage, webhooks
+from service.routes import files, fine_tuning, internal, merged, ops, tasks, ui, usage, webhooks
 from service.storage import LocalStorage
 from service.webhooks.delivery import Deliverer
 
@@ -110,7 +110,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # re-publishes and runs the maintenance loop (service.background).
         if settings.maintenance_interval_s > 0:  # node silence counts from this start at most
             watch_service_health(settings)
-        background = Background(app.state.sessionmaker, settings).start()
+        background = Background(app.state.sessionmaker, settings, app.state.storage,
+                                app.state.registry).start()
         app.state.background = background
         app.state.replanner = background.replanner
         # Every process delivers webhooks (rows are claimed with SKIP LOCKED, not by the leader).
@@ -137,7 +138,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.deliverer = None  # this process's webhook deliverer, while the lifespan runs
     configure_queue(settings.redis_url)
     install_error_handlers(app)
-    for module in (files, tasks, fine_tuning, internal, ops, ui, usage, webhooks):
+    for module in (files, tasks, merged, fine_tuning, internal, ops, ui, usage, webhooks):
         app.include_router(module.router)
     document_errors(app)  # every route's error statuses, with the error schema
     app.add_middleware(Instrument, prom=app.state.prom, settings=settings)

@@ -1,7 +1,8 @@
 """The API's background work, run by exactly one process at a time: every API process has a
 replanner that request handlers signal (service.cluster.cluster_changed), but only the leader
 (service.leader) replans, re-publishes and runs the maintenance loop; a follower forwards its
-replan requests to the leader with a NOTIFY and shows the leader's last plan in GET /v1/cluster."""
+replan requests to the leader with a NOTIFY and shows the leader's last plan in GET /v1/cluster.
+The leader also runs the merger (service.merged.runner): merged models are built one at a time."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ from service.cluster import mark_stale_nodes, replan_due, replan_now
 from service.config import Settings
 from service.db import session_scope
 from service.leader import REPLAN_CHANNEL, Leadership
+from service.merged.runner import Merger
 from service.queue import get_redis, republish_all
+from service.registry import ModelRegistry
 from service.scheduler.replanner import Replanner, register, unregister
+from service.storage import Storage
 
 log = logging.getLogger("loraplex.background")
 
@@ -62,9 +66,12 @@ class Maintenance:
 class Background:
     """One API process's part: start() in the app's lifespan, stop() at its end."""
 
-    def __init__(self, factory: sessionmaker[Session], settings: Settings) -> None:
+    def __init__(self, factory: sessionmaker[Session], settings: Settings,
+                 storage: Storage | None = None, registry: ModelRegistry | None = None) -> None:
         self._factory, self.settings = factory, settings
+        self._storage, self._registry = storage, registry
         self._maintenance: Maintenance | None = None
+        self._merger: Merger | None = None
         self._lock = threading.Lock()
         self.replanner: Replanner | None = None
         if settings.scheduler_enabled and settings.scheduler_replan == "background":
@@ -101,14 +108,21 @@ class Background:
         with self._lock:
             if self.settings.maintenance_interval_s > 0:
                 self._maintenance = Maintenance(self._factory, self.settings).start()
+            if (self.settings.merge_poll_s > 0 and self._storage is not None
+                    and self._registry is not None):
+                self._merger = Merger(self._factory, self.settings, self._storage,
+                                      self._registry).start()
         if self.replanner is not None:
             self.replanner.trigger("leader_elected")  # publish what became due while none led
 
     def _deposed(self) -> None:
         with self._lock:
             maintenance, self._maintenance = self._maintenance, None
+            merger, self._merger = self._merger, None
         if maintenance is not None:
             maintenance.stop()
+        if merger is not None:
+            merger.stop()
 
     def _requested(self, payload: str) -> None:
         if self.replanner is not None:

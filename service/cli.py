@@ -1,5 +1,6 @@
 """`loraplex`, the user's command line: upload files, create a task from a JSONL file and a search
-space, follow it live (progress bar + table of jobs and losses), cancel it, download adapters.
+space, follow it live (progress bar + table of jobs and losses), cancel it, download adapters
+and merged models.
 
 Talks HTTP only (httpx). Configuration: --api-url / --api-key, or env LORAPLEX_API_URL and
 LORAPLEX_API_KEY. Exit code 0 on success, 1 on an API error or a task that did not succeed.
@@ -11,6 +12,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import sys
 import tarfile
 import time
@@ -133,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("task_id")
     dl.add_argument("-o", "--output", type=Path, required=True, help="Directory to write to.")
     dl.add_argument("--job", help="A specific job's adapter instead of the task's best.")
+    merged = top.add_parser("merged", help="Adapters merged into the base model.").add_subparsers(
+        dest="cmd", required=True)
+    mdl = merged.add_parser("download", help="Merge the best adapter of a task into its base "
+                            "model (once, on the service) and download the model directory.")
+    mdl.add_argument("task_id")
+    mdl.add_argument("-o", "--output", type=Path, required=True, help="Directory to write to.")
+    mdl.add_argument("--job", help="A specific job's adapter instead of the task's best.")
+    mdl.add_argument("--interval", type=float, default=2.0, help="Seconds between polls.")
     return ap
 
 
@@ -284,17 +294,57 @@ def download_adapter(api: Api, task_id: str, output: Path, job_id: str | None = 
     """Fetch the adapter archive and unpack its PEFT files into output; returns the names."""
     path = f"/v1/jobs/{job_id}/adapter" if job_id else f"/v1/tasks/{task_id}/adapter"
     blob = api.call("GET", path, params={"format": "tar.gz"}).content
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tf:
+        return _unpack(tf, output)
+
+
+def download_merged(api: Api, task_id: str, output: Path, job_id: str | None = None,
+                    interval: float = 2.0) -> list[str]:
+    """Ask for the best adapter (or a job's) merged into the base model, wait while the service
+    builds it, download the tar (a partial download left by an earlier run resumes with Range)
+    and unpack the model directory into output; returns the names."""
+    path, params = f"/v1/tasks/{task_id}/merged", {"job_id": job_id} if job_id else {}
+    merged = api.json("POST", path, params=params)
+    while merged["state"] in ("queued", "running"):
+        time.sleep(interval)
+        merged = api.json("GET", path, params=params)
+    if merged["state"] != "succeeded":
+        raise CliError(f"merge {merged['id']} {merged['state']}: {merged.get('error')}")
+    output.mkdir(parents=True, exist_ok=True)
+    part = output / f".{merged['id']}.tar.part"
+    have = part.stat().st_size if part.exists() else 0
+    if have != merged["bytes"]:
+        headers = {"Range": f"bytes={have}-"} if 0 < have < merged["bytes"] else {}
+        try:
+            with api.http.stream("GET", f"{path}/content", params=params,
+                                 headers=headers) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise CliError(f"GET {path}/content -> {r.status_code} {r.text[:500]}")
+                with open(part, "ab" if r.status_code == 206 else "wb") as fh:
+                    for block in r.iter_bytes():
+                        fh.write(block)
+        except httpx.TransportError as exc:
+            raise CliError(f"download interrupted ({exc}); run again to resume") from exc
+    with tarfile.open(part) as tf:
+        names = _unpack(tf, output)
+    part.unlink()
+    return names
+
+
+def _unpack(tf: tarfile.TarFile, output: Path) -> list[str]:
+    """The archive's files, flat, into output (never outside it); their names."""
     output.mkdir(parents=True, exist_ok=True)
     names = []
-    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tf:
-        for member in tf.getmembers():
-            name = Path(member.name).name  # flat PEFT files only; never write outside output
-            if not member.isfile() or not name or name.startswith("."):
-                continue
-            src = tf.extractfile(member)
-            assert src is not None
-            (output / name).write_bytes(src.read())
-            names.append(name)
+    for member in tf.getmembers():
+        name = Path(member.name).name
+        if not member.isfile() or not name or name.startswith("."):
+            continue
+        src = tf.extractfile(member)
+        assert src is not None
+        with open(output / name, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1024 * 1024)
+        names.append(name)
     return sorted(names)
 
 
@@ -335,6 +385,9 @@ def run(args: argparse.Namespace, api: Api, console: Console) -> int:
         return _ended(follow(api, args.task_id, console, args.interval), console)
     elif args.group == "adapter":
         names = download_adapter(api, args.task_id, args.output, args.job)
+        console.print(f"wrote {', '.join(names)} to {args.output}")
+    elif args.group == "merged":
+        names = download_merged(api, args.task_id, args.output, args.job, args.interval)
         console.print(f"wrote {', '.join(names)} to {args.output}")
     return 0
 

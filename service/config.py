@@ -93,6 +93,14 @@ class Settings(BaseSettings):
     webhook_give_up_s: float = 24 * 3600
     # How often each API process looks for due deliveries (0: this process delivers none).
     webhook_poll_s: float = 1.0
+    # Merged models (service.merged): the leader merges one at a time in a thread (it needs the
+    # [train] extra and about the base model's size in memory). It looks for queued merges every
+    # merge_poll_s (0: this service runs none); a merge whose process died is taken up again
+    # once merge_lease_s passed without its heartbeat, at most merge_max_attempts times.
+    merge_poll_s: float = 2.0
+    merge_lease_s: float = 300.0
+    merge_max_attempts: int = 3
+    merge_max_shard_size: str = "5GB"
 
     @property
     def operator_token(self) -> str:

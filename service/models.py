@@ -50,6 +50,10 @@ Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwi
   is the real tokens/s of a whole placement of ``gpus`` GPUs of that type; gpu_type is the
   reporting node's; batch_key is service.scheduler.estimator.batch_key of the jobs trained.
 - ``idempotency_keys(tenant_id, key, request_hash, resource_id, created_at)``; PK (tenant, key).
+- ``merged_models(id, tenant_id, task_id, job_id unique, artifact_id, state, error, dtype, bytes,
+  storage_key, attempts, lease_token, lease_until, created_at, started_at, finished_at)``; states:
+  MERGE_STATES. One per job (its adapter merged into the task's base model, see service.merged);
+  the archive blob lives in storage under ``merged/<id>/model.tar``.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ PLACEMENT_ACTIVE = ("published", "claimed", "running")
 NODE_STATES = ("up", "down")
 FILE_FORMATS = ("chat", "completion", "preference")
 ARTIFACT_KINDS = ("adapter", "checkpoint")
+MERGE_STATES = ("queued", "running", "succeeded", "failed")
 
 
 def utcnow() -> datetime:
@@ -394,3 +399,32 @@ class WebhookAttempt(Base):
     status_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
     duration_ms: Mapped[int] = mapped_column(Integer)
+
+
+class MergedModel(Base):
+    """A job's adapter merged into its task's base model (service.merged). ``queued`` rows are
+    claimed by a merger thread (lease_token / lease_until: whose run it is, until when; a process
+    that dies mid-merge leaves the row claimable again once the lease ends)."""
+
+    __tablename__ = "merged_models"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("mrg"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    artifact_id: Mapped[str] = mapped_column(ForeignKey("artifacts.id", ondelete="CASCADE"))
+    state: Mapped[str] = mapped_column(String(16), default="queued")
+    error: Mapped[str | None] = mapped_column(Text)
+    dtype: Mapped[str | None] = mapped_column(String(16))
+    bytes: Mapped[int | None] = mapped_column(BigInteger)
+    storage_key: Mapped[str | None] = mapped_column(String(200))
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    lease_token: Mapped[str | None] = mapped_column(String(40))
+    lease_until: Mapped[datetime | None] = mapped_column(TS)
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(TS)
+    finished_at: Mapped[datetime | None] = mapped_column(TS)
+    __table_args__ = (
+        UniqueConstraint("job_id", name="uq_merged_models_job"),
+        Index("ix_merged_models_due", "created_at",
+              postgresql_where=text("state IN ('queued', 'running')")),
+    )

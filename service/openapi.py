@@ -28,6 +28,7 @@ EXTRA_ERRORS: dict[tuple[str, str], set[int]] = {
     ("post", "/v1/tasks"): {429},  # the tenant's queued-task limit
     ("post", "/internal/v1/tasks/{task_id}/artifacts"): {413},
     ("get", "/v1/tasks/{task_id}/adapter"): {409},  # not succeeded (yet)
+    ("get", "/v1/tasks/{task_id}/merged/content"): {409},  # not merged (yet), or failed
 }
 
 # Operations whose token is optional (without it they answer less).

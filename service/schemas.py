@@ -369,3 +369,22 @@ class ClusterOut(BaseModel):
     last_plan: PlanInfoOut | None = Field(
         default=None, description="The scheduler's last replan in this API process: status, "
                                   "makespan, gap, solve time, unschedulable tasks.")
+
+
+class MergedModelOut(BaseModel):
+    """A job's adapter merged into the task's base model: a plain transformers model directory
+    (sharded safetensors in the base's dtype, config, tokenizer), as a tar archive once
+    `succeeded`."""
+
+    id: str
+    object: Literal["merged_model"] = "merged_model"
+    task_id: str
+    job_id: str
+    base_model: str
+    state: Literal["queued", "running", "succeeded", "failed"]
+    error: str | None = Field(description="Why the merge failed (state failed)")
+    dtype: str | None = Field(description="The weights' dtype: the base model's")
+    bytes: int | None = Field(description="Size of the archive")
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None

@@ -3,7 +3,7 @@ loss point (metric_points.tokens, metric_points.gpu_seconds; null on validation 
 points stored before this revision). Summed per job and per task by service.usage.
 
 Revision ID: 0010_usage
-Revises: 0008_webhooks
+Revises: 0009_merged_models
 Create Date: 2026-11-25 07:00:00
 """
 
@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = '0010_usage'
-down_revision = '0008_webhooks'
+down_revision = '0009_merged_models'
 branch_labels = None
 depends_on = None
 

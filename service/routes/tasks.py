@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from service import adapters, events, read_path, tasks
 from service.cluster import cluster_changed
 from service.deps import ReadKeyDep, RegistryDep, SessionDep, SettingsDep, StorageDep, TenantDep
+from service.downloads import file_response
 from service.dry_run import dry_run as run_dry
 from service.models import Artifact, Job
 from service.openai_compat import DryRunOut
@@ -25,7 +26,9 @@ TaskState = Literal["validating_files", "queued", "running", "pausing", "paused"
                     "failed", "cancelled"]
 FormatQuery = Annotated[adapters.ArchiveFormat, Query(alias="format")]
 ARCHIVE = {200: {"content": {"application/gzip": {}, "application/zip": {}},
-                 "description": "Archive with adapter_config.json + adapter_model.safetensors"}}
+                 "description": "Archive with adapter_config.json + adapter_model.safetensors"},
+           206: {"description": "The byte range a `Range` header asked for"},
+           416: {"description": "The `Range` starts past the end of the archive"}}
 
 
 @router.get("/v1/models", response_model=Page[ModelOut], tags=["models"])
@@ -137,10 +140,10 @@ async def task_metrics(request: Request, key: ReadKeyDep, task_id: str,
 
 
 @router.get("/v1/tasks/{task_id}/adapter", response_class=StreamingResponse, responses=ARCHIVE)
-def task_adapter(session: SessionDep, tenant: TenantDep, storage: StorageDep, task_id: str,
-                 fmt: FormatQuery = "tar.gz") -> StreamingResponse:
+def task_adapter(request: Request, session: SessionDep, tenant: TenantDep, storage: StorageDep,
+                 task_id: str, fmt: FormatQuery = "tar.gz") -> Response:
     job, artifact = adapters.task_adapter(session, tasks.get_task(session, tenant, task_id))
-    return _archive(storage, job, artifact, fmt)
+    return _archive(request, storage, job, artifact, fmt)
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobOut)
@@ -151,18 +154,17 @@ def get_job(session: SessionDep, tenant: TenantDep, job_id: str) -> JobOut:
 
 
 @router.get("/v1/jobs/{job_id}/adapter", response_class=StreamingResponse, responses=ARCHIVE)
-def job_adapter(session: SessionDep, tenant: TenantDep, storage: StorageDep, job_id: str,
-                fmt: FormatQuery = "tar.gz") -> StreamingResponse:
+def job_adapter(request: Request, session: SessionDep, tenant: TenantDep, storage: StorageDep,
+                job_id: str, fmt: FormatQuery = "tar.gz") -> Response:
     job = tasks.get_job(session, tenant, job_id)
-    return _archive(storage, job, adapters.job_adapter(session, job), fmt)
+    return _archive(request, storage, job, adapters.job_adapter(session, job), fmt)
 
 
-def _archive(storage: Storage, job: Job, artifact: Artifact,
-             fmt: adapters.ArchiveFormat) -> StreamingResponse:
-    name = adapters.archive_name(job, fmt)
-    return StreamingResponse(adapters.build_archive(storage, artifact, fmt),
-                             media_type=adapters.MEDIA_TYPES[fmt],
-                             headers={"Content-Disposition": f'attachment; filename="{name}"'})
+def _archive(request: Request, storage: Storage, job: Job, artifact: Artifact,
+             fmt: adapters.ArchiveFormat) -> Response:
+    src, size = adapters.build_archive(storage, artifact, fmt)
+    return file_response(request, src, size, adapters.MEDIA_TYPES[fmt],
+                         adapters.archive_name(job, fmt), adapters.archive_etag(artifact, fmt))
 
 
 def _json(model: BaseModel) -> Response:

@@ -423,6 +423,20 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     tuned = PeftModel.from_pretrained(base, out)
     assert any("lora_" in n for n, _ in tuned.named_parameters())
 
+    # The merged model, beside it: the first click asks for it, one once it is built downloads.
+    click(browser, "#btn-merged")
+    wait_for(lambda: "Merged model: " in text(browser, "#task-msg"), 10, "the merge request")
+    merged = wait_for(lambda: (m := http.get(f"/v1/tasks/{task_id}/merged").json())["state"]
+                      in ("succeeded", "failed") and m, 120, "the merge")
+    assert merged["state"] == "succeeded", merged
+    click(browser, "#btn-merged")
+    tar = wait_for(lambda: [p for p in downloads.glob("merged-*.tar")], 30,
+                   f"the merged download ({text(browser, '#task-msg')})")[0]
+    wait_for(lambda: not list(downloads.glob("*.crdownload")), 10, "the download to finish")
+    with tarfile.open(tar) as archive:
+        assert "config.json" in archive.getnames()
+    assert tar.read_bytes() == http.get(f"/v1/tasks/{task_id}/merged/content").content
+
     # The tasks list: both tasks with their final states.
     browser.get(f"{stack.url}/ui/#/tasks")
     wait_css(browser, f'#tasks-body tr[data-task="{task_id}"]', what="the list")

@@ -158,3 +158,38 @@ def test_adapter_download_extracts_peft_files(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors"]
     assert (tmp_path / "out" / "adapter_model.safetensors").read_bytes() == b"xyz"
+
+
+def test_merged_download_waits_then_resumes_a_partial_download(tmp_path: Path,
+                                                                monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr("service.cli.time.sleep", lambda s: None)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, data in (("config.json", b"{}"), ("model.safetensors", b"w" * 5000)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    archive = buf.getvalue()
+    states = iter(["queued", "running", "succeeded"])
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/v1/tasks/task_1/merged":
+            return httpx.Response(200, json={"id": "mrg_1", "state": next(states),
+                                             "bytes": len(archive), "error": None})
+        assert request.url.path == "/v1/tasks/task_1/merged/content"
+        assert request.url.params.get("job_id") == "job_2"
+        start = int(request.headers["range"].removeprefix("bytes=").rstrip("-"))
+        return httpx.Response(206, content=archive[start:])
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".mrg_1.tar.part").write_bytes(archive[:1000])  # an earlier run broke off here
+    rc = main(["merged", "download", "task_1", "--job", "job_2", "-o", str(out)],
+              httpx.MockTransport(handler), Console(record=True))
+    assert rc == 0
+    assert [r.method for r in seen] == ["POST", "GET", "GET", "GET"]
+    assert seen[-1].headers["range"] == "bytes=1000-"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == b"w" * 5000

@@ -390,6 +390,18 @@ function taskView(main, taskId) {
     } catch (e) { msg.className = "error-text"; msg.textContent = `${what} failed: ${errText(e)}`; }
   }
 
+  // The best adapter merged into the base model: the first click asks for it (built in the
+  // background), a click once it succeeded downloads the .tar.
+  async function mergedModel(id) {
+    msg.textContent = "";
+    try {
+      const m = await api(`/v1/tasks/${id}/merged`, { method: "POST" });
+      if (m.state === "succeeded") return download(`/v1/tasks/${id}/merged/content`, `${id}-merged.tar`, msg);
+      msg.className = "ok-text";
+      msg.textContent = `Merged model: ${m.state}; click again once it succeeded`;
+    } catch (e) { msg.className = "error-text"; msg.textContent = `Merged model failed: ${errText(e)}`; }
+  }
+
   function renderHead() {
     const t = st.task;
     while (head.firstChild) head.removeChild(head.firstChild);
@@ -403,13 +415,15 @@ function taskView(main, taskId) {
     const done = TERMINAL.has(t.state);
     const best = action("Download best adapter", "btn-best", () => download(`/v1/tasks/${t.id}/adapter`, `${t.id}.tar.gz`, msg));
     best.disabled = !t.best_job_id;
+    const merged = action("Merged model", "btn-merged", () => mergedModel(t.id));
+    merged.disabled = t.state !== "succeeded" || !t.best_job_id;
     const cancel = action("Cancel", "btn-cancel", () => post(`/v1/tasks/${t.id}/cancel`, "Cancel"));
     cancel.disabled = done;
     const pause = action("Pause", "btn-pause", () => post(`/v1/tasks/${t.id}/pause`, "Pause"));
     pause.disabled = done || t.state === "paused" || t.state === "pausing";
     const resume = action("Resume", "btn-resume", () => post(`/v1/tasks/${t.id}/resume`, "Resume"));
     resume.disabled = t.state !== "paused";
-    head.appendChild(h("div", { class: "buttons" }, best, cancel, pause, resume,
+    head.appendChild(h("div", { class: "buttons" }, best, merged, cancel, pause, resume,
       t.best_job_id ? h("span", { class: "muted small" }, `best job ${t.best_job_id}`) : null));
   }
 

@@ -1,0 +1,175 @@
+"""The lifecycle of a merged model, in one place: requested (queued, or a failed one queued
+again), claimed by the merger (running, under a lease it renews), then succeeded or failed.
+One row per job: a second request for the same adapter answers the existing merge."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import or_, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from service import adapters
+from service.config import Settings
+from service.db import after_commit
+from service.errors import ApiError, conflict, not_found
+from service.models import Artifact, Job, MergedModel, Task, Tenant, new_id, utcnow
+from service.registry import ModelRegistry
+from service.schemas import MergedModelOut
+
+# Set when this process committed a merge request: its merger looks at once, not at its next poll.
+requested = threading.Event()
+
+
+def archive_key(merged_id: str) -> str:
+    return f"merged/{merged_id}/model.tar"
+
+
+def _job(session: Session, task: Task, job_id: str | None) -> Job:
+    """The job named (one of the task's) or, without one, the task's best job (409 until the
+    task succeeded)."""
+    if job_id is None:
+        return adapters.task_adapter(session, task)[0]
+    job = session.scalar(select(Job).where(Job.id == job_id, Job.task_id == task.id))
+    if job is None:
+        raise not_found("job", job_id, "job_id")
+    return job
+
+
+def request_merge(session: Session, task: Task, job_id: str | None,
+                  registry: ModelRegistry) -> tuple[MergedModel, bool]:
+    """Queue the merge of a job's adapter (the best job's by default) unless it exists; a failed
+    one is queued again. Returns the row and whether it was (re)queued. Flushes; the caller
+    commits."""
+    job = _job(session, task, job_id)
+    artifact = adapters.job_adapter(session, job)
+    if registry.get(task.base_model) is None:
+        raise conflict(f"base model {task.base_model!r} is no longer registered",
+                       code="base_model_unavailable")
+    inserted = session.execute(insert(MergedModel).values(
+        id=new_id("mrg"), tenant_id=task.tenant_id, task_id=task.id,
+        job_id=job.id, artifact_id=artifact.id, state="queued", attempts=0, created_at=utcnow(),
+    ).on_conflict_do_nothing(index_elements=["job_id"]).returning(MergedModel.id)).first() \
+        is not None
+    merged = session.scalar(select(MergedModel).where(MergedModel.job_id == job.id)
+                            .with_for_update().execution_options(populate_existing=True))
+    assert merged is not None
+    queued = inserted
+    if merged.state == "failed" or merged.artifact_id != artifact.id:  # ask again: try again
+        merged.state, merged.error, merged.attempts = "queued", None, 0
+        merged.artifact_id, merged.lease_token, merged.lease_until = artifact.id, None, None
+        merged.started_at = merged.finished_at = merged.dtype = merged.bytes = None
+        merged.storage_key = None
+        queued = True
+    session.flush()
+    if queued:
+        after_commit(session, requested.set)
+    return merged, queued
+
+
+def get_merge(session: Session, tenant: Tenant, task: Task, job_id: str | None) -> MergedModel:
+    """The merge of the job named, or of the task's best job; 404 when none was requested."""
+    if job_id is None and task.best_job_id is None:
+        raise not_found("merged model of task", task.id)
+    merged = session.scalar(select(MergedModel).where(
+        MergedModel.tenant_id == tenant.id, MergedModel.task_id == task.id,
+        MergedModel.job_id == (job_id or task.best_job_id)))
+    if merged is None:
+        raise ApiError(404, "merged_model_not_found", "no merged model was requested for job "
+                       f"{job_id or task.best_job_id!r}; POST to request one",
+                       "job_id" if job_id else None)
+    return merged
+
+
+def ready(merged: MergedModel) -> MergedModel:
+    """The merge, if its archive can be downloaded; 409 naming its state otherwise."""
+    if merged.state != "succeeded" or merged.storage_key is None:
+        detail = f": {merged.error}" if merged.error else "; poll its state until succeeded"
+        raise conflict(f"merged model {merged.id!r} is {merged.state}{detail}",
+                       code=f"merge_{merged.state}")
+    return merged
+
+
+def merged_out(merged: MergedModel, base_model: str) -> MergedModelOut:
+    return MergedModelOut(
+        id=merged.id, task_id=merged.task_id, job_id=merged.job_id, base_model=base_model,
+        state=merged.state, error=merged.error, dtype=merged.dtype, bytes=merged.bytes,
+        created_at=merged.created_at, started_at=merged.started_at,
+        finished_at=merged.finished_at)
+
+
+# The merger's side (service.merged.runner): each function commits.
+
+@dataclass(frozen=True)
+class Claim:
+    merged_id: str
+    task_id: str
+    job_id: str
+    token: str
+    base_model: str
+    artifact_id: str
+    files: list[str]
+
+
+def claim_next(session: Session, settings: Settings) -> Claim | None:
+    """Claim the oldest queued merge, or a running one whose lease ran out (its process died),
+    under a fresh lease; one interrupted merge_max_attempts times fails instead."""
+    while True:
+        now = utcnow()
+        merged = session.scalar(
+            select(MergedModel).where(or_(
+                MergedModel.state == "queued",
+                (MergedModel.state == "running") & (MergedModel.lease_until < now)))
+            .order_by(MergedModel.created_at).limit(1).with_for_update(skip_locked=True))
+        if merged is None:
+            session.rollback()
+            return None
+        if merged.attempts >= settings.merge_max_attempts:
+            merged.state, merged.finished_at, merged.lease_token = "failed", now, None
+            merged.error = (f"the merge was interrupted {merged.attempts} times; request it "
+                            "again")
+            session.commit()
+            continue
+        task = session.get(Task, merged.task_id)
+        artifact = session.get(Artifact, merged.artifact_id)
+        assert task is not None and artifact is not None  # both cascade to this row
+        token = uuid.uuid4().hex
+        merged.state, merged.attempts, merged.lease_token = "running", merged.attempts + 1, token
+        merged.lease_until = now + timedelta(seconds=settings.merge_lease_s)
+        merged.started_at = now
+        claim = Claim(merged.id, merged.task_id, merged.job_id, token, task.base_model,
+                      artifact.id, [f["name"] for f in artifact.files])
+        session.commit()
+        return claim
+
+
+def _mine(claim: Claim):  # noqa: ANN202 - a where clause
+    return (MergedModel.id == claim.merged_id) & (MergedModel.lease_token == claim.token)
+
+
+def renew(session: Session, claim: Claim, settings: Settings) -> bool:
+    """Extend the claim's lease; False when the merge is no longer this claim's."""
+    done = session.execute(update(MergedModel).where(_mine(claim)).values(
+        lease_until=utcnow() + timedelta(seconds=settings.merge_lease_s))).rowcount == 1
+    session.commit()
+    return done
+
+
+def succeed(session: Session, claim: Claim, key: str, size: int, dtype: str) -> bool:
+    done = session.execute(update(MergedModel).where(_mine(claim)).values(
+        state="succeeded", storage_key=key, bytes=size, dtype=dtype, finished_at=utcnow(),
+        lease_token=None, lease_until=None, error=None)).rowcount == 1
+    session.commit()
+    return done
+
+
+def fail(session: Session, claim: Claim, message: str) -> bool:
+    done = session.execute(update(MergedModel).where(_mine(claim)).values(
+        state="failed", error=message, finished_at=utcnow(), lease_token=None,
+        lease_until=None)).rowcount == 1
+    session.commit()
+    return done

@@ -1,0 +1,135 @@
+"""The merger: a thread of the leader (service.background) that claims queued merges one at a
+time, merges the adapter into its task's base model (service.merged.weights) off the request
+path, stores the model's tar archive once and records the outcome. A heartbeat renews the
+claim's lease while the merge runs; a merge whose process died is claimed again once its lease
+ends. A failure touches only its own row, with a message fit for the tenant."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+from functools import partial
+from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.adapters import write_archive
+from service.config import Settings
+from service.db import session_scope
+from service.merged import lifecycle
+from service.merged.lifecycle import Claim
+from service.merged.weights import MergeError, merge_adapter
+from service.registry import ModelRegistry
+from service.storage import Storage
+
+log = logging.getLogger("loraplex.merged")
+
+
+def run_merge(claim: Claim, storage: Storage, registry: ModelRegistry,
+              settings: Settings) -> tuple[str, int, str]:
+    """Merge one claimed adapter and store the archive: (storage key, bytes, dtype)."""
+    entry = registry.get(claim.base_model)
+    if entry is None:
+        raise MergeError(f"base model {claim.base_model!r} is no longer registered")
+    if not Path(entry.path).is_dir():
+        raise MergeError(f"the weights of base model {claim.base_model!r} are not available "
+                         "on this service")
+    with tempfile.TemporaryDirectory(prefix="loraplex-merge-") as tmp:
+        adapter_dir, out_dir = Path(tmp, "adapter"), Path(tmp, "model")
+        adapter_dir.mkdir()
+        for name in claim.files:
+            with storage.open(f"artifacts/{claim.artifact_id}/{name}") as src, \
+                    open(adapter_dir / name, "wb") as dst:
+                dst.write(src.read())
+        dtype = merge_adapter(entry.path, adapter_dir, out_dir, settings.merge_max_shard_size)
+        members = [(p.name, p.stat().st_size, partial(p.open, "rb"))
+                   for p in sorted(out_dir.iterdir()) if p.is_file()]
+        key = lifecycle.archive_key(claim.merged_id)
+        with tempfile.TemporaryFile(dir=tmp) as archive:
+            write_archive(archive, members, "tar")
+            archive.seek(0)
+            size = storage.put(key, archive)
+    return key, size, dtype
+
+
+class Merger:
+    """The leader's merge thread: start() when elected, stop() when deposed."""
+
+    def __init__(self, factory: sessionmaker[Session], settings: Settings, storage: Storage,
+                 registry: ModelRegistry) -> None:
+        self._factory, self._settings = factory, settings
+        self._storage, self._registry = storage, registry
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="loraplex-merger", daemon=True)
+
+    def start(self) -> Merger:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop claiming; a merge under way finishes in its (daemon) thread, or its lease ends."""
+        self._stop.set()
+        lifecycle.requested.set()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        failing = False
+        while not self._stop.is_set():
+            try:
+                busy = self.run_once()
+                failing = False
+            except Exception as exc:  # the database is down: try again at the next poll
+                if not failing:
+                    log.warning("merge pass failed error=%s", exc)
+                failing, busy = True, False
+            if not busy:
+                lifecycle.requested.wait(self._settings.merge_poll_s)
+                lifecycle.requested.clear()
+
+    def run_once(self) -> bool:
+        """Claim and run one merge; False when none was due."""
+        session = self._factory()
+        try:
+            claim = lifecycle.claim_next(session, self._settings)
+        finally:
+            session.close()
+        if claim is None:
+            return False
+        log.info("merge started merged=%s task=%s job=%s", claim.merged_id, claim.task_id,
+                 claim.job_id)
+        done = threading.Event()
+        beat = threading.Thread(target=self._heartbeat, args=(claim, done), daemon=True,
+                                name="loraplex-merger-lease")
+        beat.start()
+        try:
+            key, size, dtype = run_merge(claim, self._storage, self._registry, self._settings)
+        except MergeError as exc:
+            self._record(claim, lifecycle.fail, str(exc))
+        except Exception as exc:  # noqa: BLE001 - logged in full; the tenant sees its kind only
+            log.exception("merge crashed merged=%s task=%s job=%s", claim.merged_id,
+                          claim.task_id, claim.job_id)
+            self._record(claim, lifecycle.fail, f"the merge failed ({type(exc).__name__}); "
+                         "request it again, or ask the operator")
+        else:
+            self._record(claim, lifecycle.succeed, key, size, dtype)
+        finally:
+            done.set()
+            beat.join()
+        return True
+
+    def _record(self, claim: Claim, outcome, *args: object) -> None:  # noqa: ANN001
+        with session_scope(self._factory) as session:
+            mine = outcome(session, claim, *args)
+        log.info("merge %s merged=%s task=%s job=%s%s", outcome.__name__, claim.merged_id,
+                 claim.task_id, claim.job_id, "" if mine else " (no longer this claim's)")
+
+    def _heartbeat(self, claim: Claim, done: threading.Event) -> None:
+        while not done.wait(self._settings.merge_lease_s / 3):
+            try:
+                with session_scope(self._factory) as session:
+                    if not lifecycle.renew(session, claim, self._settings):
+                        return
+            except Exception as exc:  # noqa: BLE001 - the next beat tries again
+                log.warning("merge lease renewal failed merged=%s error=%s", claim.merged_id,
+                            exc)
