@@ -13,6 +13,7 @@ from typing import BinaryIO
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.adapter_archive import AdapterError, inspect_adapter
 from service.errors import ApiError, conflict, not_found
 from service.models import TASK_TERMINAL, File, Task, Tenant, new_id, utcnow
 from service.storage import Storage
@@ -34,6 +35,7 @@ FORMAT_KEYS = {
     "completion": ("prompt", "completion"),
     "text": ("text",),
 }
+ADAPTER_PURPOSE = "adapter"
 METHOD_FORMATS = {"sft": ("chat", "completion", "text"), "dpo": ("preference",)}
 KNOWN_RECORDS = ("'messages', 'prompt'/'completion', 'text', 'prompt'/'chosen'/'rejected' or "
                  "'input'/'preferred_output'/'non_preferred_output'")
@@ -217,6 +219,8 @@ def create_file(session: Session, storage: Storage, tenant: Tenant, filename: st
         raise ApiError(413, "file_too_large", f"file is {size} bytes; the limit is {max_bytes}",
                        "file")
     src.seek(0)
+    if purpose == ADAPTER_PURPOSE:
+        return _create_adapter(session, storage, tenant, filename, src, size)
     digest = hashlib.sha256()
 
     def _lines() -> Iterable[bytes]:
@@ -234,6 +238,31 @@ def create_file(session: Session, storage: Storage, tenant: Tenant, filename: st
     storage.put(key, src)
     row = File(id=file_id, tenant_id=tenant.id, filename=filename[:255] or "upload.jsonl",
                purpose=purpose, format=fmt, bytes=size, line_count=count,
+               sha256=digest.hexdigest(), storage_key=key)
+    session.add(row)
+    session.flush()
+    return row
+
+
+def _create_adapter(session: Session, storage: Storage, tenant: Tenant, filename: str,
+                    src: BinaryIO, size: int) -> File:
+    """A PEFT adapter archive (purpose "adapter"): checked by inspect_adapter, stored as
+    uploaded; format "adapter", line_count the number of LoRA modules in it."""
+    try:
+        info = inspect_adapter(src)
+    except AdapterError as exc:
+        raise ApiError(422, "invalid_file", f"adapter: {exc}", "file") from exc
+    src.seek(0)
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: src.read(1 << 20), b""):
+        digest.update(chunk)
+    file_id = new_id("file")
+    key = f"files/{tenant.id}/{file_id}.adapter"
+    src.seek(0)
+    storage.put(key, src)
+    row = File(id=file_id, tenant_id=tenant.id, filename=filename[:255] or "adapter.tar.gz",
+               purpose=ADAPTER_PURPOSE, format="adapter", bytes=size,
+               line_count=info.layers * len(info.target_modules),
                sha256=digest.hexdigest(), storage_key=key)
     session.add(row)
     session.flush()

@@ -54,8 +54,9 @@ class FileOut(BaseModel):
         default="processed", description="Files are validated on upload: a stored file is "
                                          "processed (a bad one is refused with a 422).")
     status_details: str | None = None
-    format: Literal["chat", "completion", "preference", "text", "csv"] = Field(
-        description="csv: a result file of a task (purpose fine-tune-results).")
+    format: Literal["chat", "completion", "preference", "text", "csv", "adapter"] = Field(
+        description="csv: a result file of a task (purpose fine-tune-results); adapter: a "
+                    "PEFT LoRA adapter archive (purpose adapter), line_count its LoRA modules.")
     line_count: int
     sha256: str
 

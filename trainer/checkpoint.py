@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,10 @@ def spec_from_dict(d: dict[str, Any]) -> JobSpec:
 
 def restore_job(engine: MultiLoraEngine, d: dict[str, Any]) -> JobState:
     """Rebuild a job's state on the engine's device from `job_state_dict` output (not attached)."""
-    state = engine.new_job(spec_from_dict(d["spec"]))
+    spec = spec_from_dict(d["spec"])
+    # the saved weights replace any init: do not read the starting adapter (gone, maybe) again
+    state = engine.new_job(replace(spec, init_adapter=None))
+    state.spec = spec
     state.adapter.load_state_dict(d["adapter"])
     state.optimizer.load_state_dict(d["optimizer"])
     state.scheduler.load_state_dict(d["scheduler"])

@@ -44,6 +44,31 @@ from trainer.multilora import (
 from trainer.varlen import register_varlen
 
 
+def load_init_adapter(adapter: JobAdapter, path: str) -> None:
+    """Set a job's weights from a PEFT adapter on disk. Modules the adapter does not cover get
+    A = B = 0 (no update, no gradient: they stay off); a key the engine has no module for, or
+    a shape that differs, is a ValueError."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    state = load_file(str(p / "adapter_model.safetensors" if p.is_dir() else p))
+    prefix = "base_model.model."
+    mine = adapter.peft_state_dict()
+    unknown = sorted(k for k in state if prefix + k.removeprefix(prefix) not in mine)
+    if unknown:
+        raise ValueError(f"init adapter: no module for {unknown[:3]}")
+    with torch.no_grad():
+        adapter.flat.zero_()
+        for k, v in state.items():
+            dst = mine[prefix + k.removeprefix(prefix)]
+            if tuple(dst.shape) != tuple(v.shape):
+                raise ValueError(f"init adapter: {k} has shape {tuple(v.shape)}; the job's is "
+                                 f"{tuple(dst.shape)}")
+            dst.copy_(v)
+
+
 @dataclass
 class JobSpec:
     """One job's hyperparameters (a configuration of the task's search space)."""
@@ -64,6 +89,9 @@ class JobSpec:
     seed: int = 0
     use_rslora: bool = False
     beta: float = 0.1  # DPO only: strength of the KL anchor to the reference (the backbone)
+    # A PEFT adapter (its directory, or its adapter_model.safetensors) the job starts from
+    # instead of a fresh init; rank and alpha must be the adapter's. Optimizer state is fresh.
+    init_adapter: str | None = None
 
     @classmethod
     def from_hyperparameters(cls, job_id: str, hp: JobHyperparameters, *, epochs: float,
@@ -372,6 +400,8 @@ class MultiLoraEngine:
         adapter = JobAdapter(
             self.shapes, spec.rank, spec.alpha, spec.seed, self.adapter_dtype, self.device, spec.use_rslora
         )
+        if spec.init_adapter is not None:
+            load_init_adapter(adapter, spec.init_adapter)
         total = spec.total_steps(len(self.train_examples))
         opt, sched = make_optimizer(spec, list(adapter.parameters()), total)
         stream = JobDataStream(len(self.train_examples), spec.seed)

@@ -25,7 +25,10 @@ _UPLOAD_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
             "file": {"type": "string", "format": "binary",
                      "description": "JSONL: chat (`messages`), `prompt`/`completion`, `text`, "
                                     "or preference (`prompt`/`chosen`/`rejected`, or `input`/"
-                                    "`preferred_output`/`non_preferred_output`)."},
+                                    "`preferred_output`/`non_preferred_output`); with purpose "
+                                    "`adapter`, a PEFT LoRA adapter archive (.tar.gz or "
+                                    ".zip of `adapter_config.json` and "
+                                    "`adapter_model.safetensors`)."},
             "purpose": {"type": "string", "maxLength": 32, "default": "fine-tune"}}}}}}}
 
 
@@ -101,7 +104,8 @@ def get_file(session: SessionDep, tenant: TenantDep, file_id: str) -> FileOut:
 def file_content(session: SessionDep, tenant: TenantDep, storage: StorageDep,
                  file_id: str) -> StreamingResponse:
     row = svc.get_file(session, tenant, file_id)
-    media = "text/csv" if row.format == "csv" else "application/jsonl"
+    media = {"csv": "text/csv", "adapter": "application/octet-stream"}.get(
+        row.format, "application/jsonl")
     return StreamingResponse(storage.iter_bytes(row.storage_key), media_type=media)
 
 

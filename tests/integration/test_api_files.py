@@ -284,3 +284,29 @@ def test_malformed_multipart_is_422(client, factory):  # noqa: ANN001
                     data={"purpose": "p" * 33})
     assert r.status_code == 422 and r.json()["error"]["param"] == "purpose"
     _nothing_stored(client, t)
+
+
+def _adapter_upload(client, tenant, body: bytes):  # noqa: ANN001, ANN202
+    return client.post("/v1/files", headers=tenant.headers, data={"purpose": "adapter"},
+                       files={"file": ("a.tar.gz", io.BytesIO(body), "application/gzip")})
+
+
+def test_upload_adapter_archive(client, factory):  # noqa: ANN001
+    from tests.unit.test_adapter_archive import _files, _tar, _weights
+
+    t = factory.tenant()
+    body = _tar(_files())
+    r = _adapter_upload(client, t, body)
+    assert r.status_code == 201, r.text
+    out = r.json()
+    assert out["purpose"] == "adapter" and out["format"] == "adapter"
+    assert out["line_count"] == 4  # 2 layers x (q_proj, v_proj)
+    got = client.get(f"/v1/files/{out['id']}/content", headers=t.headers)
+    assert got.status_code == 200 and got.content == body
+    before = client.get("/v1/files", headers=t.headers).json()["data"]
+    for bad in (b"plain text", _tar({"adapter_config.json": b"{}"}),
+                _tar(_files(**{"adapter_model.safetensors": _weights(bad_rank=True)}))):
+        r = _adapter_upload(client, t, bad)
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["param"] == "file" and "adapter" in r.json()["error"]["message"]
+    assert client.get("/v1/files", headers=t.headers).json()["data"] == before
