@@ -150,14 +150,10 @@ def pack_row(examples: Sequence[Example]) -> dict[str, Any]:
 
 
 def pad_rows(examples: Sequence[Example], pad_id: int) -> dict[str, Any]:
-    """bench/task_e2e.py's collate: one sequence per row, right-padded, attention mask."""
-    n = max(len(e.input_ids) for e in examples)
-    ids = torch.full((len(examples), n), pad_id, dtype=torch.long)
-    lab = torch.full((len(examples), n), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(examples), n), dtype=torch.long)
-    for r, e in enumerate(examples):
-        k = len(e.input_ids)
-        ids[r, :k], lab[r, :k], mask[r, :k] = torch.tensor(e.input_ids), torch.tensor(e.labels), 1
+    """bench/task_e2e.py's collate (one sequence per row, right-padded, attention mask), on the host."""
+    import task_e2e as te
+
+    ids, mask, lab = te.collate(examples, pad_id, "cpu")
     return {"ids": ids, "mask": mask, "labels": lab, "tokens": sum(len(e.input_ids) for e in examples),
             "targets": sum(e.n_trained for e in examples)}
 
