@@ -509,6 +509,12 @@ def render(runs: list, quality: dict, timing: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _sum_opt(r: dict, *keys: str) -> float | None:
+    """Sum of the keys a run reported (older runs lack the finer phases: None)."""
+    vals = [r[k] for k in keys if k in r]
+    return sum(vals) if vals else None
+
+
 def render_timing(layers: int, slot: dict, quality: dict) -> list[str]:
     meta, arms, runs = slot["meta"], slot["arms"], slot.get("exec", {})
     out = ["", f"## Time to the best adapter, Llama-3.1-8B shape, {layers} layers", "",
@@ -528,14 +534,17 @@ def render_timing(layers: int, slot: dict, quality: dict) -> list[str]:
         tok_s = tokens / r["train_s"] if r.get("train_s") else math.nan
         mfu = 6 * n_backbone * tok_s / bl.PEAK_FLOPS if n_backbone else math.nan
         out.append(f"| {name} | {r['wall_outer_s']:.1f} | {_ratio(r['wall_outer_s'], ref)} | {r['load_s']:.1f} | "
-                   f"{r['profile_s']:.1f} (memory profile) | - | - | {r['train_s']:.1f} | {r['eval_s']:.1f} | "
+                   f"{r['profile_s']:.1f} (memory profile) | {_fmt(r.get('init_s'))} (adapter init) | "
+                   f"{_fmt(_sum_opt(r, 'park_s', 'resume_s'))} | {r['train_s']:.1f} | {r['eval_s']:.1f} | "
                    f"{full} + {len(st) - full} | {int(r['samples'])} | {tokens} | {tok_s:,.0f} | "
                    f"{_fmt(mfu * 100)}% | {tokens / r['wall_outer_s']:,.0f} | {Path(r['file']).name} ({r['device']}) |")
     notes = []
     for key, r in runs.items():
         notes.append(f"\n({key}): {r['steps']} engine steps, at most {r['max_total_batch']} sequences a step, "
                    f"recompute {r.get('recompute', '?')} ({r.get('no_recompute_steps', '?')} steps without), "
-                   f"first step at {_fmt(r.get('first_step_s'))} s, replayed losses missing {r['missing_trace_points']}"
+                   f"first step at {_fmt(r.get('first_step_s'))} s, replayed losses missing {r['missing_trace_points']}, "
+                   f"other admission (bookkeeping, arena copies) {_fmt(r.get('admit_s'))} s, checkpoints "
+                   f"{_fmt(r.get('checkpoint_s'))} s, exports {_fmt(r.get('export_s'))} s"
                    + (f", decisions equal the small model's: {r['decisions_match_small']}"
                       if "decisions_match_small" in r else ""))
     rows = []

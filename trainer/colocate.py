@@ -288,7 +288,8 @@ class TaskRun:
         slot = item if resumed else JobSlot(job_id, rank, item.batch_size, 0, item.total_steps(len(self.train)))
         self.placed[job_id] = slot
         if rank == self.host.rank:
-            self.host.engine.attach(self.parked.pop(job_id) if resumed else self.new_job(item))
+            with self.host.phase("resume" if resumed else "init"):  # host copies / a new adapter's init
+                self.host.engine.attach(self.parked.pop(job_id) if resumed else self.new_job(item))
         if self.status[job_id]["state"] != "running":
             self.set_state(job_id, "running", {"resumed": resumed, "rank": rank})
 
@@ -409,7 +410,8 @@ class TaskRun:
                 if fresh_waiting:  # rotate: park it on its rank so a queued configuration gets its warmup
                     self.queue.append(self.placed.pop(job_id))
                     if s.owner == host.rank:
-                        self.parked[job_id] = host.engine.detach(job_id, park_device="cpu")
+                        with host.phase("park"):
+                            self.parked[job_id] = host.engine.detach(job_id, park_device="cpu")
                     self.cb.on_event(job_id, "parked_after_warmup", {"step": s.step, "rank": s.owner})
         if self.ranking.ready:
             keep, evict = self.ranking.decide()

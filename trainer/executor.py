@@ -145,7 +145,7 @@ class ExecutorConfig:
 
 
 CALLBACK_KINDS = tuple(f.name for f in fields(Callbacks))
-PHASES = ("load", "profile", "train", "eval", "checkpoint", "export", "admit")
+PHASES = ("load", "profile", "train", "eval", "checkpoint", "export", "admit", "init", "park", "resume")
 
 # what a task must share with the executor it joins: the backbone, the engine and the step
 HOST_FIELDS = ("model_dir", "method", "max_seq_len", "targets", "gradient_checkpointing", "device",
