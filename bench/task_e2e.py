@@ -147,11 +147,12 @@ def large_model(path: Path, layers: int, tokenizer) -> Path:  # noqa: ANN001
     return path
 
 
-def small_model(path: Path, chain_a: list[list[int]], tokenizer, steps: int) -> tuple[Path, float]:  # noqa: ANN001
-    """A 4-layer, 256-wide Llama pretrained (all weights) on chain-A walks; its final loss."""
+def small_model(path: Path, chain_a: list[list[int]], tokenizer, steps: int,  # noqa: ANN001
+                width: int = 256, depth: int = 4) -> tuple[Path, float]:
+    """A Llama (default 4 layers, 256 wide) pretrained (all weights) on chain-A walks; its final loss."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    width, depth = (32, 1) if SMOKE["on"] else (256, 4)
+    width, depth = (32, 1) if SMOKE["on"] else (width, depth)
     cfg = LlamaConfig(vocab_size=4 + K, hidden_size=width, intermediate_size=4 * width,
                       num_hidden_layers=depth, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=1024, tie_word_embeddings=False)

@@ -60,6 +60,14 @@ def free() -> None:
         torch.cuda.empty_cache()
 
 
+SMALL_SHAPE = "256x4"  # the quality model's WIDTHxDEPTH unless --small-shape says otherwise
+
+
+def small_shape(args: argparse.Namespace) -> tuple[int, int]:
+    width, depth = (int(x) for x in getattr(args, "small_shape", SMALL_SHAPE).lower().split("x"))
+    return width, depth
+
+
 def left(args: argparse.Namespace) -> float:
     return args.deadline_s - (time.perf_counter() - te.T0)
 
@@ -153,7 +161,8 @@ def curves_summary(val: dict[str, dict[int, float]], samples: int, ref: dict | N
 def quality(args: argparse.Namespace, root: Path, tok: Any, seed: int, arms: list[str]) -> dict:
     t = task(args, root, seed)
     jobs = t["jobs"]
-    small_dir, pre = te.small_model(root / "small", t["chain_a"], tok, args.pretrain_steps)
+    width, depth = small_shape(args)
+    small_dir, pre = te.small_model(root / "small", t["chain_a"], tok, args.pretrain_steps, width, depth)
     out: dict[str, Any] = {"pretrain_loss": pre, "jobs": len(jobs)}
     log(f"seed {seed}: small model pretrained, loss {pre:.4f}")
     train, val = examples(tok, t, args)
@@ -456,10 +465,11 @@ def _estimate(meta: list[dict], arm: dict, kind: str, keep: list[str] | None = N
 # ----------------------------------------------------------------------------- report
 def merge(files: list[str]) -> str:
     runs = [(f, json.loads(Path(f).read_text())) for f in files]
-    quality = {}
+    quality: dict[str, dict[int, dict]] = {}
     timing: dict[int, dict[str, Any]] = {}
     for f, r in runs:
-        quality.update({int(s): q for s, q in r.get("quality", {}).items()})
+        shape = r["args"].get("small_shape", SMALL_SHAPE)
+        quality.setdefault(shape, {}).update({int(s): q for s, q in r.get("quality", {}).items()})
         tm = r.get("timing")
         if tm:
             slot = timing.setdefault(tm["layers"], {"meta": tm["jobs"], "arms": {}, "checks": []})
@@ -489,21 +499,22 @@ def render(runs: list, quality: dict, timing: dict) -> str:
     first = runs[0][1]["args"]
     lines = ["# Sequential baselines (issue 33): c1, c2, c3 beside loraplex's executor", "",
              "Calls merged (each arm at each depth timed in the call named):", "",
-             "| file | device | torch / transformers / peft | phase | arms | layers | configs | seeds | Liger | wall s |",
+             "| file | device | torch / transformers / peft | phase | arms | layers | configs | seeds (quality model WxD) | Liger | wall s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for f, r in runs:
         a, e = r["args"], r["env"]
         lines.append(f"| {Path(f).name} | {e['gpu']} | {e['torch']} / {e['transformers']} / {e['peft']} | "
                      f"{a['phase']} | {a['arms']} | {a['layers'] if a['phase'] != 'quality' else '-'} | "
-                     f"{a['configs']} | {a['seed']} | {r.get('liger', '?')} | {_fmt(r.get('wall_s'))} |")
+                     f"{a['configs']} | {a['seed']}{'' if a['phase'] == 'timing' else ' (' + a.get('small_shape', SMALL_SHAPE) + ')'} | {r.get('liger', '?')} | {_fmt(r.get('wall_s'))} |")
     lines += ["", f"Task: task_e2e's synthetic Markov language, {first['n_train']} training / {first['n_val']} "
               f"validation samples, max_seq_len {first['seq']}, evaluation every {first['eval_every_samples']} "
               "samples and at the end on the executor's evaluation policy (EvalSettings: sizes by samples "
               "trained, leading subset of one shuffled order); one epoch per configuration; early-exit "
               "defaults (warmup 5% of a job's steps, keep 25%)."]
     for layers in sorted(timing):
-        lines += render_timing(layers, timing[layers], quality)
-    lines += render_quality(quality)
+        lines += render_timing(layers, timing[layers], quality.get(SMALL_SHAPE, {}))
+    for shape in sorted(quality, key=lambda s: s != SMALL_SHAPE):
+        lines += render_quality(quality[shape], shape)
     lines += render_checks(quality, timing)
     lines += NOTES
     return "\n".join(lines) + "\n"
@@ -577,11 +588,13 @@ def render_timing(layers: int, slot: dict, quality: dict) -> list[str]:
     return out
 
 
-def render_quality(quality: dict) -> list[str]:
+def render_quality(quality: dict, shape: str = SMALL_SHAPE) -> list[str]:
     if not quality:
         return []
     seeds = sorted(quality)
-    out = ["", f"## Quality: best validation loss of each arm (small Llama, seeds {', '.join(map(str, seeds))})", "",
+    width, depth = shape.split("x")
+    out = ["", f"## Quality: best validation loss of each arm (small Llama, {depth} layers x {width} wide, "
+           f"seeds {', '.join(map(str, seeds))})", "",
            "| arm | best val, mean over seeds | ratio to (b), mean | per seed (best / ratio) | best configuration, seed "
            f"{seeds[0]} | samples trained, seed {seeds[0]} | per-configuration best val vs (b): median / max abs delta |",
            "|---|---|---|---|---|---|---|"]
@@ -612,7 +625,8 @@ def render_checks(quality: dict, timing: dict) -> list[str]:
     out = ["", "## Step 0: the baselines' loss equals loraplex's engine's (same configuration, same batch)", "",
            "| where | configuration | tokens | engine | c1 | c2 | engine, B != 0 | c1, B != 0 | c2, B != 0 | agree |",
            "|---|---|---|---|---|---|---|---|---|---|"]
-    items = [(f"small model, seed {s}", q.get("check")) for s, q in sorted(quality.items())]
+    items = [(f"small model {shape}, seed {s}", q.get("check"))
+             for shape, by_seed in sorted(quality.items()) for s, q in sorted(by_seed.items())]
     items += [(f"{layers} layers, {f} ({gpu})", c) for layers, slot in sorted(timing.items()) for f, gpu, c in slot["checks"]]
     for where, c in items:
         if not c:
@@ -665,6 +679,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--n-val", type=int, default=64)
     ap.add_argument("--eval-every-samples", type=int, default=64)
     ap.add_argument("--pretrain-steps", type=int, default=300)
+    ap.add_argument("--small-shape", default=SMALL_SHAPE,
+                    help="quality model WIDTHxDEPTH (a second size shows the decisions hold)")
     ap.add_argument("--deadline-s", type=float, default=560.0, help="measure nothing new after this")
     ap.add_argument("--reserve-s", type=float, default=45.0, help="seconds kept free before the deadline")
     ap.add_argument("--no-liger", dest="liger", action="store_false")
@@ -737,7 +753,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def merge_one(res: dict) -> str:
-    quality = {int(s): q for s, q in res.get("quality", {}).items()}
+    quality = {res["args"].get("small_shape", SMALL_SHAPE): {int(s): q for s, q in res.get("quality", {}).items()}}
     timing = {}
     tm = res.get("timing")
     if tm:
