@@ -478,7 +478,41 @@ def merge(files: list[str]) -> str:
                 if isinstance(tm.get(a), dict) and "pairs" in tm[a]:
                     slot["arms"][a] = {**tm[a], "file": f, "device": r["env"]["gpu"]}
             slot.setdefault("exec", {}).update(executor_runs(tm, f, r["env"]["gpu"]))
+            slot.setdefault("repeats", []).append(call_ratios(f, r))
     return render(runs, quality, timing)
+
+
+def call_ratios(file: str, r: dict) -> dict:
+    """One call's own (a) and baselines at its depth, each ratio within that call (the merged
+    table takes each arm from the last call that timed it; this keeps every call's side-by-side)."""
+    tm = r["timing"]
+    out: dict[str, Any] = {"file": Path(file).name, "device": r["env"]["gpu"]}
+    if isinstance(tm.get("a"), dict) and "wall_outer_s" in tm["a"]:
+        out["a"] = tm["a"]["wall_outer_s"]
+    keep = ((r.get("quality", {}).get(str(tm.get("seed", 0))) or {}).get("c3") or {}).get("keep")
+    for name, arm, kind in (("c1", "c1", "c1"), ("c2", "c2", "c2"), ("c3", "c2", "c3")):
+        a = tm.get(arm)
+        if not (isinstance(a, dict) and "pairs" in a) or (kind == "c3" and ("park_resume" not in a or keep is None)):
+            continue
+        e = _estimate(tm["jobs"], a, kind, keep if kind == "c3" else None)
+        if not isinstance(e, str):
+            out[name] = e["total_s"]
+            out[f"{name}_measured"] = f"{len(a['pairs'])} of {len(a['pairs']) + len(a['skipped'])}"
+    return out
+
+
+def render_repeats(repeats: list[dict]) -> list[str]:
+    if len(repeats) < 2:
+        return []
+    out = ["", "Each call at this depth on its own (every ratio within one call; pairs measured / all):", "",
+           "| call | device | (a) s | (c1) s | (c2) s | (c3) s | (c1)/(a) | (c2)/(a) | (c3)/(a) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for c in repeats:
+        a = c.get("a")
+        cells = [f"{c[k]:.1f} ({c[k + '_measured']})" if k in c else "-" for k in ("c1", "c2", "c3")]
+        ratios = [_ratio(c[k], a) if k in c and a else "-" for k in ("c1", "c2", "c3")]
+        out.append(f"| {c['file']} | {c['device']} | {_fmt(a)} | " + " | ".join(cells + ratios) + " |")
+    return out
 
 
 def _ratio(x: float, ref: float | None) -> str:
@@ -577,6 +611,7 @@ def render_timing(layers: int, slot: dict, quality: dict) -> list[str]:
                    f"{int(e['samples'])} | {int(e['tokens'])} | {e['train_tok_s']:,.0f} | {e['mfu']:.1%} | "
                    f"{e['e2e_tok_s']:,.0f} | {Path(a['file']).name} ({a['device']}) |")
     out += notes
+    out += render_repeats(slot.get("repeats", []))
     for name, a in arms.items():
         ck = a.get("checkpointing")
         ck = (json.dumps({k: v["checkpointing"] for k, v in ck.items()}) if ck else
