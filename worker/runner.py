@@ -116,11 +116,9 @@ def inputs(directory: Path, spec: PlacementSpec) -> dict[str, Path | None]:
     """The files the daemon fetched for this placement."""
     val = directory / "data" / "validation.jsonl"
     resume = directory / "resume"
-    adapter = directory / "data" / INIT_ADAPTER_ARCHIVE
     return {"train": directory / "data" / "train.jsonl",
             "validation": val if spec.validation_file_id and val.exists() else None,
-            "resume": resume if spec.resume_checkpoint_files and resume.is_dir() else None,
-            "init_adapter": adapter if spec.init_adapter_file_id else None}
+            "resume": resume if spec.resume_checkpoint_files and resume.is_dir() else None}
 
 
 def unpack_adapter(archive: Path, dest: Path) -> Path:
@@ -164,9 +162,9 @@ def unpack_adapter(archive: Path, dest: Path) -> Path:
 def init_adapter_dir(directory: Path, spec: PlacementSpec) -> str | None:
     """The directory of the PEFT adapter the task's jobs start from (unpacked from the archive
     the daemon fetched, into the placement's folder), or None: fresh adapters."""
-    archive = inputs(directory, spec)["init_adapter"]
-    if archive is None:
+    if spec.init_adapter_file_id is None:
         return None
+    archive = directory / "data" / INIT_ADAPTER_ARCHIVE  # fetched by the daemon
     if not archive.exists():
         raise FileNotFoundError(f"init adapter {spec.init_adapter_file_id} was not fetched")
     return str(unpack_adapter(archive, directory / "init_adapter"))
