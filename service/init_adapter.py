@@ -142,7 +142,11 @@ class ModelLinears:
     def features(self, path: str) -> tuple[int, int] | None:
         """(in, out) of the module at `path`, None when unknown; KeyError when it is not there."""
         if self.exact is not None:
-            return self.exact[path]
+            # a checkpoint of the bare decoder (LlamaModel) names its weights without "model."
+            for name in (path, path.split(".", 1)[-1]):
+                if name in self.exact:
+                    return self.exact[name]
+            raise KeyError(path)
         m = _LAYER.search(path + ".")
         if m is None or int(m.group(1)) >= self.layers:
             raise KeyError(path)
