@@ -295,6 +295,11 @@ class PlacementSpec(_Msg):
     training_file_format: str
     validation_file_id: str | None = None
     validation_file_url: str | None = None
+    init_adapter_file_id: str | None = Field(
+        default=None, description="An uploaded PEFT adapter archive every job starts from.")
+    init_adapter_url: str | None = Field(
+        default=None, description="Its archive (.tar.gz or .zip): path under the service URL, "
+                                  "GET with worker token.")
     validation_split: float
     max_seq_len: int
     epochs: int

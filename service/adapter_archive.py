@@ -38,6 +38,9 @@ class AdapterInfo:
     # module name (e.g. "q_proj") -> (in_features, out_features)
     shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
     layers: int = 0
+    # every adapted module's path as PEFT names it (base_model.model.<the model's module path>)
+    modules: tuple[str, ...] = ()
+    use_rslora: bool = False
 
 
 def _members(src: BinaryIO) -> dict[str, bytes]:
@@ -167,7 +170,8 @@ def inspect_adapter(src: BinaryIO) -> AdapterInfo:
     base = cfg.get("base_model_name_or_path")
     return AdapterInfo(rank=r, alpha=float(alpha), target_modules=tuple(targets),
                        base_model=base if isinstance(base, str) else None,
-                       dtype=dtypes.pop(), shapes=shapes, layers=len(layers))
+                       dtype=dtypes.pop(), shapes=shapes, layers=len(layers),
+                       modules=tuple(sorted(pairs)), use_rslora=cfg.get("use_rslora") is True)
 
 
 def inspect_bytes(blob: bytes) -> AdapterInfo:

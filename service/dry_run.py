@@ -29,13 +29,14 @@ from service.scheduler.estimator import (
 )
 from service.scheduler.loop import _model_shape, _profiles, _tflops
 from service.schemas import TaskCreate
-from service.tasks import check_request, expand_grid, resolve_auto
+from service.storage import Storage
+from service.tasks import check_request, expand_grid, resolve_adapter, resolve_auto
 
 
 def dry_run(session: Session, tenant: Tenant, body: TaskCreate, settings: Settings,
-            registry: ModelRegistry) -> DryRunOut:
+            registry: ModelRegistry, storage: Storage | None = None) -> DryRunOut:
     """The task `body` would create (its jobs) and its estimate; 4xx as a create would."""
-    body = resolve_auto(body, registry)
+    body = resolve_adapter(session, storage, tenant, resolve_auto(body, registry), registry)
     max_seq_len, samples = check_request(session, tenant, body, settings, registry)
     space = body.search_space.model_dump(mode="json")
     configs = expand_grid(space, body.method)

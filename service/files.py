@@ -289,7 +289,8 @@ def delete_file(session: Session, storage: Storage, tenant: Tenant, file_id: str
     row = get_file(session, tenant, file_id)
     in_use = session.scalar(
         select(Task.id).where(
-            (Task.training_file_id == row.id) | (Task.validation_file_id == row.id),
+            (Task.training_file_id == row.id) | (Task.validation_file_id == row.id)
+            | (Task.init_adapter_file_id == row.id),
             Task.state.not_in(TASK_TERMINAL)).limit(1))
     if in_use is not None:
         raise conflict(f"file {file_id!r} is used by task {in_use!r} which has not finished",

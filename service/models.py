@@ -13,7 +13,8 @@ Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwi
 - ``tasks(id, tenant_id, base_model, method sft|dpo, training_file_id, validation_file_id,
   validation_split, search_space jsonb, epochs, max_seq_len, seed, early_exit jsonb,
   eval jsonb, target_modules jsonb, priority, num_train_samples, state, error, best_job_id,
-  created_at, started_at, finished_at, cancelled_at, suffix, meta jsonb)``; states:
+  created_at, started_at, finished_at, cancelled_at, suffix, meta jsonb,
+  init_adapter_file_id)``; states:
   TASK_STATES. ``pausing``: its live attempt was asked to stop at a step boundary (it still
   holds its GPUs and reports); ``paused``: stopped with a checkpoint, holds nothing, not planned
   until resumed (service.tasks.request_pause / resume_task). meta: the tenant's string pairs
@@ -168,6 +169,8 @@ class Task(Base):
     method: Mapped[str] = mapped_column(String(16), default="sft")
     training_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
     validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
+    # an uploaded PEFT adapter (purpose "adapter") every job starts from (service.init_adapter)
+    init_adapter_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
     validation_split: Mapped[float] = mapped_column(Float, default=0.1)
     search_space: Mapped[dict] = mapped_column(JSONB)
     epochs: Mapped[int] = mapped_column(Integer, default=1)

@@ -134,6 +134,12 @@ class TaskCreate(_In):
     validation_split: float = Field(
         default=0.1, gt=0, lt=0.5, allow_inf_nan=False,
         description="Held-out share when no validation_file.")
+    init_adapter_file: str | None = Field(
+        default=None, min_length=1, max_length=40,
+        description="A file uploaded with purpose `adapter` (a PEFT LoRA adapter) every job "
+                    "starts from instead of a fresh adapter. It fixes the rank, alpha and "
+                    "target modules: search_space.lora_rank / lora_alpha and target_modules "
+                    "must be left out or equal to the adapter's; it must fit the base model.")
     method: Method = "sft"
     search_space: SearchSpace = Field(default_factory=SearchSpace)
     epochs: int = Field(default=1, ge=1, le=100)
@@ -215,6 +221,8 @@ class TaskOut(BaseModel):
         default_factory=list, description="Once it ended with step metrics: the id of its "
                                           "result file (CSV, GET /v1/files/{id}/content).")
     usage: TaskUsage | None = None
+    init_adapter_file: str | None = Field(
+        default=None, description="The uploaded adapter its jobs started from (null: fresh).")
 
 
 class JobOut(BaseModel):

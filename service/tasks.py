@@ -23,6 +23,7 @@ from service.db import after_commit
 from service.errors import ApiError, conflict, invalid, not_found
 from service.events import add_event
 from service.files import METHOD_FORMATS, get_file
+from service.init_adapter import resolve_init_adapter
 from service.models import (
     JOB_TERMINAL,
     TASK_TERMINAL,
@@ -40,6 +41,7 @@ from service.queue import get_redis, publish_cancel, unqueue_placement
 from service.registry import BaseModelEntry, ModelRegistry
 from service.scheduler.limits import admit_task, check_task_priority
 from service.schemas import JobOut, TaskCreate, TaskOut, finite
+from service.storage import Storage
 from service.usage import job_usage, task_usage
 
 log = logging.getLogger("loraplex.tasks")
@@ -75,11 +77,21 @@ def resolve_auto(body: TaskCreate, registry: ModelRegistry) -> TaskCreate:
 
 def request_hash(body: TaskCreate) -> str:
     data = body.model_dump(mode="json")
-    for added in ("suffix", "metadata"):  # newer fields: unset, the hash of earlier keys holds
+    for added in ("suffix", "metadata", "init_adapter_file"):  # newer fields: unset, the hash of earlier keys holds
         if data.get(added) is None:
             data.pop(added, None)
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def resolve_adapter(session: Session, storage: Storage | None, tenant: Tenant, body: TaskCreate,
+                    registry: ModelRegistry) -> TaskCreate:
+    """The task with what its init_adapter_file fixes filled in (service.init_adapter)."""
+    if body.init_adapter_file is None:
+        return body
+    if storage is None:
+        raise invalid("init_adapter_file is not supported here", param="init_adapter_file")
+    return resolve_init_adapter(session, storage, tenant, body, registry)
 
 
 def _check_request(session: Session, tenant: Tenant, body: TaskCreate, settings: Settings,
@@ -143,10 +155,11 @@ def _check_targets(model: BaseModelEntry, targets: list[str] | None) -> None:
 
 
 def create_task(session: Session, tenant: Tenant, body: TaskCreate, settings: Settings,
-                registry: ModelRegistry, idempotency_key: str | None = None
-                ) -> tuple[Task, bool]:
+                registry: ModelRegistry, idempotency_key: str | None = None,
+                storage: Storage | None = None) -> tuple[Task, bool]:
     """Create a task and its jobs, committed; (task, created). With an idempotency key, the same
-    key and body return the first task (created=False); another body is a 409."""
+    key and body return the first task (created=False); another body is a 409. storage: where
+    an init_adapter_file is read (needed only with one)."""
     digest = request_hash(body)
     if idempotency_key is not None:
         if not (0 < len(idempotency_key) <= 255):
@@ -155,6 +168,7 @@ def create_task(session: Session, tenant: Tenant, body: TaskCreate, settings: Se
         if replay is not None:
             return replay, False
     body = resolve_auto(body, registry)  # after the digest: a replay hashes what was sent
+    body = resolve_adapter(session, storage, tenant, body, registry)
     max_seq_len, samples = _check_request(session, tenant, body, settings, registry)
     # 429 at the tenant's max_queued_tasks; locks the tenant row until the commit, so two
     # creates at limit-1 count one after the other. A rejected create claims no key.
@@ -187,6 +201,7 @@ def _insert_task(session: Session, tenant: Tenant, body: TaskCreate, max_seq_len
         session.flush()
     task = Task(tenant_id=tenant.id, base_model=body.base_model, method=body.method,
                 training_file_id=body.training_file, validation_file_id=body.validation_file,
+                init_adapter_file_id=body.init_adapter_file,
                 validation_split=body.validation_split,
                 search_space=body.search_space.model_dump(mode="json"), epochs=body.epochs,
                 max_seq_len=max_seq_len, seed=body.seed,
@@ -268,7 +283,8 @@ def task_outs(session: Session, tasks: list[Task], price: float | None = None) -
 TASK_COLUMNS = ("id", "state", "base_model", "method", "training_file_id", "validation_file_id",
                 "validation_split", "search_space", "epochs", "max_seq_len", "seed", "early_exit",
                 "eval", "target_modules", "priority", "best_job_id", "error", "created_at",
-                "started_at", "finished_at", "suffix", "meta", "num_train_samples")
+                "started_at", "finished_at", "suffix", "meta", "num_train_samples",
+                "init_adapter_file_id")
 
 
 def task_view(t: dict, job_states: list[str] | None, failed: int, attempt: int | None,
@@ -296,7 +312,7 @@ def task_view(t: dict, job_states: list[str] | None, failed: int, attempt: int |
             "created_at": t["created_at"], "started_at": t["started_at"],
             "finished_at": t["finished_at"], "suffix": t["suffix"], "metadata": t["meta"],
             "result_files": [result_file] if result_file else [],
-            "usage": usage.model_dump()}
+            "usage": usage.model_dump(), "init_adapter_file": t.get("init_adapter_file_id")}
 
 
 def list_jobs(session: Session, task: Task) -> list[JobOut]:

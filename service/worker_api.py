@@ -131,6 +131,9 @@ def build_spec(session: Session, placement: Placement, task: Task,
         training_file_format=train.format, validation_file_id=task.validation_file_id,
         validation_file_url=(f"/internal/v1/files/{task.validation_file_id}/content"
                              if task.validation_file_id else None),
+        init_adapter_file_id=task.init_adapter_file_id,
+        init_adapter_url=(f"/internal/v1/files/{task.init_adapter_file_id}/content"
+                          if task.init_adapter_file_id else None),
         validation_split=task.validation_split, max_seq_len=task.max_seq_len,
         epochs=task.epochs, seed=task.seed, target_modules=task.target_modules,
         eval=EvalSettings.model_validate(task.eval),

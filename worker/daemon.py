@@ -507,6 +507,7 @@ class Daemon:
             if not cached.exists():
                 self.client.download(url, cached)
             shutil.copyfile(cached, data / name)
+        self.client.fetch_init_adapter(spec, data, cache)
         if spec.resume_checkpoint_files:
             resume = p.directory / "resume"
             for url in spec.resume_checkpoint_files:

@@ -27,11 +27,12 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from contract.protocol import PlacementSpec, tenant_safe
-from worker.service_client import SPOOL_NAME, SpoolWriter
+from contract.protocol import ADAPTER_FILES, PlacementSpec, tenant_safe
+from worker.service_client import INIT_ADAPTER_ARCHIVE, SPOOL_NAME, SpoolWriter
 
 log = logging.getLogger("loraplex.worker.runner")
 LEASE_NAME = "lease"
@@ -118,6 +119,55 @@ def inputs(directory: Path, spec: PlacementSpec) -> dict[str, Path | None]:
     return {"train": directory / "data" / "train.jsonl",
             "validation": val if spec.validation_file_id and val.exists() else None,
             "resume": resume if spec.resume_checkpoint_files and resume.is_dir() else None}
+
+
+def unpack_adapter(archive: Path, dest: Path) -> Path:
+    """The two PEFT files of an uploaded adapter archive (.tar.gz or .zip; at its top or under
+    one folder, as the service checked at upload) written into dest, nothing else of it;
+    ValueError for an archive without them (a retry would not help)."""
+    import tarfile
+    import zipfile
+
+    found: dict[str, bytes] = {}
+
+    def keep(name: str, read: Any) -> None:
+        name = name.removeprefix("./").rstrip("/")
+        base = name.rsplit("/", 1)[-1]
+        if base in ADAPTER_FILES and name.count("/") <= 1:
+            found[base] = read()
+
+    try:
+        if zipfile.is_zipfile(archive):
+            with zipfile.ZipFile(archive) as zf:
+                for info in zf.infolist():
+                    if not info.is_dir():
+                        keep(info.filename, lambda i=info: zf.read(i))
+        else:
+            with tarfile.open(archive, mode="r:*") as tf:
+                for member in tf:
+                    fh = tf.extractfile(member) if member.isfile() else None
+                    if fh is not None:
+                        keep(member.name, fh.read)
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError) as exc:
+        raise ValueError(f"init adapter archive unreadable: {exc}") from exc
+    missing = [n for n in ADAPTER_FILES if n not in found]
+    if missing:
+        raise ValueError(f"init adapter archive lacks {', '.join(missing)}")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, blob in found.items():
+        (dest / name).write_bytes(blob)
+    return dest
+
+
+def init_adapter_dir(directory: Path, spec: PlacementSpec) -> str | None:
+    """The directory of the PEFT adapter the task's jobs start from (unpacked from the archive
+    the daemon fetched, into the placement's folder), or None: fresh adapters."""
+    if spec.init_adapter_file_id is None:
+        return None
+    archive = directory / "data" / INIT_ADAPTER_ARCHIVE  # fetched by the daemon
+    if not archive.exists():
+        raise FileNotFoundError(f"init adapter {spec.init_adapter_file_id} was not fetched")
+    return str(unpack_adapter(archive, directory / "init_adapter"))
 
 
 class _Bridge:
@@ -207,8 +257,10 @@ def executor_config(spec: PlacementSpec, directory: Path):  # noqa: ANN201 - tra
     from trainer.executor import ExecutorConfig
 
     paths = inputs(directory, spec)
-    jobs = [EngineJob.from_hyperparameters(j.job_id, j.hyperparameters, epochs=spec.epochs,
-                                           seed=spec.seed + j.index) for j in spec.jobs]
+    start = init_adapter_dir(directory, spec)
+    jobs = [replace(EngineJob.from_hyperparameters(j.job_id, j.hyperparameters, epochs=spec.epochs,
+                                                   seed=spec.seed + j.index), init_adapter=start)
+            for j in spec.jobs]
     return ExecutorConfig(
         model_dir=spec.base_model_path, train_file=str(paths["train"]),
         output_dir=str(directory / "executor"), jobs=jobs, method=spec.method,

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ log = logging.getLogger("loraplex.worker.client")
 _Report = TypeVar("_Report", JobStateUpdate, ArtifactMeta)
 
 SPOOL_NAME = "spool.jsonl"
+INIT_ADAPTER_ARCHIVE = "init_adapter.archive"
 FORWARD_STATE_NAME = "forward.json"
 TERMINAL_TYPES = ("finished", "failed")
 
@@ -185,6 +187,19 @@ class ServiceClient:
             except httpx.TransportError as exc:
                 log.warning("download failed url=%s attempt=%d error=%s", url, attempt + 1, exc)
         raise ServiceError(f"GET {url}: gave up after {self.attempts} attempts")
+
+    def fetch_init_adapter(self, spec: PlacementSpec, data: Path, cache: Path) -> Path | None:
+        """The placement's starting adapter archive (PlacementSpec.init_adapter_url), cached per
+        file id like the training files, copied to data/INIT_ADAPTER_ARCHIVE (the runner unpacks
+        it: worker.runner.init_adapter_dir); None when the task starts from fresh adapters."""
+        if spec.init_adapter_file_id is None or spec.init_adapter_url is None:
+            return None
+        cached = cache / f"{spec.init_adapter_file_id}.adapter"
+        if not cached.exists():
+            self.download(spec.init_adapter_url, cached)
+        target = data / INIT_ADAPTER_ARCHIVE
+        shutil.copyfile(cached, target)
+        return target
 
     # -- reports --------------------------------------------------------------------------
     def post_events(self, task_id: str, placement_id: str, events: list[EventIn]) -> int:

@@ -44,17 +44,18 @@ def list_models(_: TenantDep, registry: RegistryDep) -> Page[ModelOut]:
                                              "jobs and estimate (nothing created)"},
                         409: {"description": "Idempotency-Key reused with another body"}})
 def create_task(body: TaskCreate, response: Response, session: SessionDep, tenant: TenantDep,
-                settings: SettingsDep, registry: RegistryDep,
+                settings: SettingsDep, registry: RegistryDep, storage: StorageDep,
                 idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
                 dry_run: Annotated[bool, Query(description="Validate and estimate only: the "
                                                            "jobs, tokens, GPU-hours and planned "
                                                            "start/finish; creates nothing.")]
                 = False) -> TaskOut | Response:
     if dry_run:
-        estimate = run_dry(session, tenant, body, settings, registry)
+        estimate = run_dry(session, tenant, body, settings, registry, storage)
         session.rollback()
         return _json(estimate)
-    task, created = tasks.create_task(session, tenant, body, settings, registry, idempotency_key)
+    task, created = tasks.create_task(session, tenant, body, settings, registry, idempotency_key,
+                                      storage)
     if created:
         cluster_changed(session, "task_created", settings)
     else:
