@@ -3,17 +3,24 @@ outbox of their sync) and in the task's views (with each one's sync status)."""
 
 from __future__ import annotations
 
+import threading
 from urllib.parse import urlsplit
 
+from sqlalchemy import exists, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
+from service.db import after_commit
 from service.errors import invalid
 from service.models import TASK_TERMINAL, TaskIntegration
 from service.tracking.schemas import IntegrationIn, MlflowSettings, WandbSettings
-from service.webhooks.security import AddressRefused, resolve
+from service.webhooks.security import AddressRefused, Target, resolve
 
 ALLOW_PRIVATE = "LORAPLEX_TRACKING_ALLOW_PRIVATE"
+ENDED = ("task_succeeded", "task_failed", "task_cancelled")  # the events of a task's end
+# Set when this process committed a task's end whose integrations are now due: its syncer (if it
+# leads) looks at once, not at its next poll (service.tracking.sync); others poll.
+requested = threading.Event()
 SETTINGS = {"wandb": WandbSettings, "mlflow": MlflowSettings}
 
 # The task's integrations for its views, in order, one array per row: [type, config, state,
@@ -24,13 +31,14 @@ VIEW_SQL = ("(SELECT json_agg(json_build_array(i.type, i.config, i.state, i.atte
             "FROM task_integrations i WHERE i.task_id = {task}.id)")
 
 
-def check_tracking_uri(uri: str, settings: Settings) -> None:
-    """AddressRefused unless the URI is http(s) with a host, no credentials, query or fragment,
-    and resolves to addresses the operator allows (the webhooks' rule, service.webhooks.security)."""
+def check_tracking_uri(uri: str, settings: Settings) -> Target:
+    """Where to connect for the URI (its host resolved now, the address pinned); AddressRefused
+    unless it is http(s) with a host, no credentials, query or fragment, and resolves to
+    addresses the operator allows (the webhooks' rule, service.webhooks.security.resolve)."""
     parts = urlsplit(uri)
     if parts.query or parts.fragment:
         raise AddressRefused("the URL may not have a query or fragment")
-    resolve(uri, settings.tracking_allow_private, ALLOW_PRIVATE)
+    return resolve(uri, settings.tracking_allow_private, ALLOW_PRIVATE)
 
 
 def check_integrations(integrations: list[IntegrationIn] | None, settings: Settings) -> None:
@@ -75,3 +83,11 @@ def integration_views(rows: list | None, task_state: str) -> list[dict]:
                     "attempts": attempts, "last_error": last_error,
                     "synced_at": None if synced_at is None else int(synced_at)})
     return out
+
+
+def on_task_event(session: Session, task_id: str, type: str) -> None:
+    """A task event (service.events.add_event calls this in its transaction): the task's end
+    wakes this process's syncer once it commits, if the task has integrations."""
+    if type in ENDED and session.scalar(select(exists().where(
+            TaskIntegration.task_id == task_id, TaskIntegration.state == "pending"))):
+        after_commit(session, requested.set)
