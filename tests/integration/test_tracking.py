@@ -171,6 +171,15 @@ def test_integrations_are_stored_and_shown_waiting(client, factory, session) -> 
         {"type": "wandb", "wandb": {"project": "p", "name": None, "entity": None, "tags": None},
          "mlflow": None, "status": "waiting", "attempts": 0, "last_error": None,
          "synced_at": None}]
+    # ... and the official SDK's create and its typed view of the job
+    openai = pytest.importorskip("openai")
+    sdk = openai.OpenAI(api_key=t.key, base_url=f"{client.base_url}/v1", http_client=client)
+    made = sdk.fine_tuning.jobs.create(
+        model="tiny-llama", training_file=train,
+        integrations=[{"type": "wandb", "wandb": {"project": "sdk", "tags": ["a"]}}])
+    got = sdk.fine_tuning.jobs.retrieve(made.id).integrations
+    assert got is not None and got[0].type == "wandb" and got[0].wandb.project == "sdk"
+    assert got[0].wandb.tags == ["a"]
     rows = session.scalars(select(TaskIntegration).where(
         TaskIntegration.task_id == task["id"]).order_by(TaskIntegration.position)).all()
     assert [(r.type, r.state) for r in rows] == [("wandb", "pending"), ("mlflow", "pending")]
