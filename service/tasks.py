@@ -81,8 +81,9 @@ def resolve_auto(body: TaskCreate, registry: ModelRegistry) -> TaskCreate:
 
 def request_hash(body: TaskCreate) -> str:
     data = body.model_dump(mode="json")
-    for added in ("suffix", "metadata", "integrations"):  # newer fields: unset, the hash of
-        if data.get(added) is None:                         # earlier keys holds
+    # Newer fields, unset (integrations: or empty): the hash of a body sent before them holds.
+    for added in ("suffix", "metadata", "integrations"):
+        if data.get(added) is None or (added == "integrations" and not data[added]):
             data.pop(added, None)
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()

@@ -141,6 +141,14 @@ def test_bad_integrations_are_422_naming_the_field_and_store_nothing(client, fac
         job = client.post("/v1/fine_tuning/jobs", headers=t.headers,
                           json=openai | {"integrations": value}).json()
         assert job["integrations"] is None
+    # ... so an Idempotency-Key replays a body sent without them; with them it is another body
+    key = {"Idempotency-Key": "tracking-1"}
+    first = client.post("/v1/tasks", headers=t.headers | key, json=native)
+    assert first.status_code == 201
+    again = client.post("/v1/tasks", headers=t.headers | key, json=native | {"integrations": []})
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+    r = client.post("/v1/tasks", headers=t.headers | key, json=native | {"integrations": [WANDB]})
+    assert r.status_code == 409
 
 
 def test_integrations_are_stored_and_shown_waiting(client, factory, session) -> None:  # noqa: ANN001
