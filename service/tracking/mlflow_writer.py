@@ -52,12 +52,14 @@ class MlflowApi:
         try:
             data = r.json() if r.content else {}
         except ValueError:
-            data = {}
-        if r.status_code >= 400 or not isinstance(data, dict):
-            code = data.get("error_code", "") if isinstance(data, dict) else ""
+            data = None
+        if not isinstance(data, dict):
+            raise MlflowError(f"{endpoint}: HTTP {r.status_code}: not a JSON object (is this an "
+                              "MLflow tracking server?)")
+        if r.status_code >= 400:
+            code = data.get("error_code", "")
             raise MlflowError(f"{endpoint}: HTTP {r.status_code} {code}".rstrip() + ": "
-                              + str(data.get("message", r.text[:200]) if isinstance(data, dict)
-                                    else r.text[:200]))
+                              + str(data.get("message", r.text[:200])))
         return data
 
     def experiment(self, name: str) -> str:

@@ -139,7 +139,11 @@ def sync_due(factory: sessionmaker[Session], settings: Settings) -> int:
     finally:
         session.close()
     for claim in claims:
-        sync_one(factory, claim, settings)
+        try:
+            sync_one(factory, claim, settings)
+        except Exception:  # the database went away, or the task with it: its lease ends
+            log.exception("tracking sync crashed integration=%s task=%s", claim.integration_id,
+                          claim.task_id)
     return len(claims)
 
 
