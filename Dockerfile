@@ -12,10 +12,12 @@ COPY kernels ./kernels
 COPY migrations ./migrations
 
 FROM base AS api
-RUN pip install .
+# [tracking]: wandb, with which the API writes tasks' W&B runs (offline, under /data/wandb)
+RUN pip install ".[tracking]"
 RUN useradd --system --home /app loraplex && mkdir -p /data && chown loraplex /data
 USER loraplex
-ENV LORAPLEX_STORAGE_DIR=/data/storage LORAPLEX_MODELS_FILE=/etc/loraplex/models.yaml
+ENV LORAPLEX_STORAGE_DIR=/data/storage LORAPLEX_MODELS_FILE=/etc/loraplex/models.yaml \
+    LORAPLEX_WANDB_DIR=/data/wandb
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz')"
 # Migrations run first so a fresh database works; they are a no-op when already at head. Then

@@ -26,7 +26,7 @@ if ! $PY -c "import torch" >/dev/null 2>&1; then
   echo "install: torch==2.13.0 (CPU wheel)"
   $PY -m pip install -q torch==2.13.0
 fi
-if ! $PY -c "import service, worker, kernels, fastapi, uvloop, httptools, orjson, transformers, peft, triton, ortools, pytest, openai, schemathesis, selenium" >/dev/null 2>&1 \
+if ! $PY -c "import service, worker, kernels, fastapi, uvloop, httptools, orjson, transformers, peft, triton, ortools, pytest, openai, schemathesis, selenium, mlflow, wandb" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .install-stamp ]; then
   echo "install: pip install -e .[train,dev]"
   $PY -m pip install -q -e ".[train,dev]"

@@ -2,7 +2,8 @@
 replanner that request handlers signal (service.cluster.cluster_changed), but only the leader
 (service.leader) replans, re-publishes and runs the maintenance loop; a follower forwards its
 replan requests to the leader with a NOTIFY and shows the leader's last plan in GET /v1/cluster.
-The leader also runs the merger (service.merged.runner): merged models are built one at a time."""
+The leader also runs the merger (service.merged.runner): merged models are built one at a time,
+and the tracking syncer (service.tracking.sync): ended tasks' runs written to W&B and MLflow."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from service.queue import get_redis, republish_all
 from service.registry import ModelRegistry
 from service.scheduler.replanner import Replanner, register, unregister
 from service.storage import Storage
+from service.tracking.sync import Syncer
 
 log = logging.getLogger("loraplex.background")
 
@@ -72,6 +74,7 @@ class Background:
         self._storage, self._registry = storage, registry
         self._maintenance: Maintenance | None = None
         self._merger: Merger | None = None
+        self._syncer: Syncer | None = None
         self._lock = threading.Lock()
         self.replanner: Replanner | None = None
         if settings.scheduler_enabled and settings.scheduler_replan == "background":
@@ -112,6 +115,8 @@ class Background:
                     and self._registry is not None):
                 self._merger = Merger(self._factory, self.settings, self._storage,
                                       self._registry).start()
+            if self.settings.tracking_poll_s > 0:
+                self._syncer = Syncer(self._factory, self.settings).start()
         if self.replanner is not None:
             self.replanner.trigger("leader_elected")  # publish what became due while none led
 
@@ -119,10 +124,10 @@ class Background:
         with self._lock:
             maintenance, self._maintenance = self._maintenance, None
             merger, self._merger = self._merger, None
-        if maintenance is not None:
-            maintenance.stop()
-        if merger is not None:
-            merger.stop()
+            syncer, self._syncer = self._syncer, None
+        for loop in (maintenance, merger, syncer):
+            if loop is not None:
+                loop.stop()
 
     def _requested(self, payload: str) -> None:
         if self.replanner is not None:

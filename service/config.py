@@ -102,6 +102,26 @@ class Settings(BaseSettings):
     merge_max_attempts: int = 3
     merge_max_shard_size: str = "5GB"
 
+    # Tracking integrations (service.tracking): after a task ends, the leader writes every job as
+    # a run to the MLflow servers and W&B projects its `integrations` name, from the metrics in
+    # PostgreSQL (never from the GPU nodes). An MLflow tracking URI whose host resolves to a
+    # loopback, private, link-local or reserved address is refused (at create and at every sync,
+    # the webhooks' rule) unless this is true: for an MLflow server on the operator's network.
+    tracking_allow_private: bool = False
+    # Where W&B runs are written, offline (one folder per task: <tenant>/<task>/wandb/offline-run-*;
+    # `wandb sync` uploads them with the operator's W&B key). Needs the `wandb` package.
+    wandb_dir: Path = Path("var/wandb")
+    # One MLflow request's timeout; a sync is claimed for tracking_lease_s (a process that dies
+    # mid-sync leaves it to be retried after that).
+    tracking_timeout_s: float = 10.0
+    tracking_lease_s: float = 900.0
+    # Waits between failed syncs of one integration (the last repeats), and the time after the
+    # task's end when it is given up (failed).
+    tracking_backoff_s: list[float] = [10, 60, 300, 1800, 3600, 10800]
+    tracking_give_up_s: float = 24 * 3600
+    # How often the leader looks for due syncs (0: this service syncs none).
+    tracking_poll_s: float = 5.0
+
     @property
     def operator_token(self) -> str:
         return self.admin_token or self.worker_token

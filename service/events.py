@@ -30,6 +30,7 @@ from service.downsample import downsample, keep_indices
 from service.errors import invalid, not_found
 from service.models import Event, Job, MetricPoint, Task, utcnow
 from service.schemas import EventOut, finite
+from service.tracking import integrations as tracking
 from service.webhooks import outbox as webhook_outbox
 
 
@@ -48,6 +49,7 @@ def add_event(session: Session, task_id: str, type: str, message: str = "",
     session.flush()
     # The webhook outbox, in this same transaction: delivered exactly when the change commits.
     webhook_outbox.on_task_event(session, task_id, type, message, job_id, data)
+    tracking.on_task_event(session, task_id, type)  # its end: the integrations' syncer looks
 
 
 def ingest_events(session: Session, task: Task, events: Sequence[EventIn]) -> int:

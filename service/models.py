@@ -55,6 +55,10 @@ Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwi
   storage_key, attempts, lease_token, lease_until, created_at, started_at, finished_at)``; states:
   MERGE_STATES. One per job (its adapter merged into the task's base model, see service.merged);
   the archive blob lives in storage under ``merged/<id>/model.tar``.
+- ``task_integrations(id, task_id, position, type wandb|mlflow, config jsonb, state, attempts,
+  last_error, next_attempt_at, lease_token, result jsonb, synced_at, created_at)``; states:
+  INTEGRATION_STATES. The task's tracking integrations (its `integrations`, in order) and the
+  outbox of their sync (service.tracking): written with the task, synced once it ended.
 """
 
 from __future__ import annotations
@@ -430,4 +434,37 @@ class MergedModel(Base):
         UniqueConstraint("job_id", name="uq_merged_models_job"),
         Index("ix_merged_models_due", "created_at",
               postgresql_where=text("state IN ('queued', 'running')")),
+    )
+
+
+# ----- tracking integrations (service.tracking) -----------------------------------------------
+INTEGRATION_TYPES = ("wandb", "mlflow")
+INTEGRATION_STATES = ("pending", "synced", "failed")
+
+
+class TaskIntegration(Base):
+    """One of a task's tracking integrations and the outbox row of its sync: ``pending`` until the
+    task ended and its runs were written (due at next_attempt_at once the task is terminal; a
+    syncer claims it by moving next_attempt_at past its lease, lease_token says whose attempt it
+    is), then ``synced`` (result: what was written, e.g. MLflow run ids) or ``failed`` (given up;
+    last_error says why). A failure never touches the task."""
+
+    __tablename__ = "task_integrations"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("tint"))
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"))
+    position: Mapped[int] = mapped_column(Integer)
+    type: Mapped[str] = mapped_column(String(16))
+    config: Mapped[dict] = mapped_column(JSONB)
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    last_error: Mapped[str | None] = mapped_column(Text)
+    next_attempt_at: Mapped[datetime | None] = mapped_column(TS, default=utcnow)
+    lease_token: Mapped[str | None] = mapped_column(String(40))
+    result: Mapped[dict | None] = mapped_column(JSONB)
+    synced_at: Mapped[datetime | None] = mapped_column(TS)
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    __table_args__ = (
+        UniqueConstraint("task_id", "position", name="uq_task_integrations_task_position"),
+        Index("ix_task_integrations_due", "next_attempt_at",
+              postgresql_where=text("state = 'pending'")),
     )

@@ -40,6 +40,7 @@ from service.pagination import page_query
 from service.scheduler.estimator import EstimatorConfig
 from service.schemas import TaskCreate, TaskOut, TaskUsage
 from service.tasks import task_outs
+from service.tracking.schemas import IntegrationIn, IntegrationOut
 
 BASE_LEARNING_RATE = 1e-4
 AUTO_SPACE: dict[str, list] = {  # learning rates: service.learning_rates, per model
@@ -102,8 +103,11 @@ class FineTuningJobCreate(_In):
                                pattern=r"^[A-Za-z0-9_.-]+$")
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
     metadata: Metadata | None = Field(default=None, max_length=16)
-    integrations: list[dict] | None = Field(default=None, max_length=0,
-                                            description="Not supported: null or [].")
+    integrations: list[IntegrationIn] | None = Field(
+        default=None, max_length=8,
+        description="OpenAI's W&B integration (`{\"type\": \"wandb\", \"wandb\": {\"project\": "
+                    "...}}`) and loraplex's MLflow (`{\"type\": \"mlflow\", \"mlflow\": "
+                    "{\"tracking_uri\": ...}}`): every job is written as a run once the job ended.")
     # loraplex's extensions (the native task's settings)
     validation_split: float | None = Field(default=None, gt=0, lt=0.5, allow_inf_nan=False)
     max_seq_len: int | None = Field(default=None, ge=16, le=1_048_576)
@@ -190,7 +194,7 @@ def to_task_create(body: FineTuningJobCreate) -> tuple[TaskCreate, str]:
         "base_model": body.model, "training_file": body.training_file,
         "validation_file": body.validation_file, "method": method, "search_space": space,
         "epochs": AUTO_EPOCHS if hp.n_epochs == "auto" else hp.n_epochs,
-        "suffix": body.suffix, "metadata": body.metadata}
+        "suffix": body.suffix, "metadata": body.metadata, "integrations": body.integrations}
     if body.seed is not None:
         native["seed"] = body.seed
     for name in ("validation_split", "max_seq_len", "early_exit", "eval", "target_modules",
@@ -266,7 +270,8 @@ class FineTuningJobOut(BaseModel):
     training_file: str
     validation_file: str | None = None
     estimated_finish: int | None = None
-    integrations: list[dict] | None = None
+    integrations: list[IntegrationOut] | None = Field(
+        default=None, description="As created (null: none), each with its sync status.")
     metadata: dict[str, str] | None = None
     method: dict
     suffix: str | None = None
@@ -415,6 +420,7 @@ def job_outs(session: Session, tasks: list[Task], price: float | None = None
             training_file=task.training_file_id, validation_file=task.validation_file_id,
             estimated_finish=(unix(view.planned_end) if task.state in ESTIMATED else None),
             metadata=task.meta, method=method, suffix=task.suffix, num_jobs=view.num_jobs,
+            integrations=view.integrations or None,
             job_counts=view.job_counts, best_job_id=task.best_job_id))
     return out
 

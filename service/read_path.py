@@ -21,6 +21,7 @@ from service.errors import invalid, not_found
 from service.events import metrics_body, metrics_params, metrics_statement
 from service.models import ApiKey
 from service.tasks import TASK_COLUMNS, task_view
+from service.tracking.integrations import VIEW_SQL
 
 _DIALECT = postgresql.psycopg.dialect()
 # The tenant of the live API key of a prefix and hash (parameters prefix and key_hash).
@@ -45,7 +46,8 @@ SELECT {columns},
        (SELECT f.bytes FROM files f WHERE f.id = t.training_file_id),
        (SELECT f.line_count FROM files f WHERE f.id = t.training_file_id),
        (SELECT f.id FROM files f WHERE f.id = 'file_' || split_part(t.id, '_', 2)
-        AND f.deleted_at IS NULL)
+        AND f.deleted_at IS NULL),
+       {integrations}
 FROM (SELECT * FROM tasks WHERE tenant_id = (SELECT tenant_id FROM me){filters}
       ORDER BY created_at DESC, id DESC LIMIT %(limit)s) t
 LEFT JOIN LATERAL (SELECT p.attempt, p.planned_start, p.planned_end, p.estimated_s,
@@ -63,7 +65,9 @@ _CURSOR_SQL = "SELECT 1 FROM tasks WHERE id = %(after)s AND tenant_id = %(tenant
 @cache
 def _list_sql(state: bool, after: bool) -> str:
     return _LIST_SQL.format(key_tenant=_KEY_TENANT.element.compile(dialect=_DIALECT),
-                            columns=", ".join(f"t.{c}" for c in TASK_COLUMNS), filters=(_STATE if state else "") + (_AFTER if after else ""))
+                            columns=", ".join(f"t.{c}" for c in TASK_COLUMNS),
+                            filters=(_STATE if state else "") + (_AFTER if after else ""),
+                            integrations=VIEW_SQL.format(task="t"))
 
 
 async def list_tasks_json(pool: ReadPool, key: ReadKey, limit: int, after: str | None,

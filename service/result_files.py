@@ -42,13 +42,17 @@ def _num(x: float | None) -> str:
     return repr(float(x)) if math.isfinite(x) else str(float(x))
 
 
-def results_csv(session: Session, task: Task) -> tuple[bytes, int]:
-    """The CSV of the task's step metrics (one row per job and step with a train or validation
-    point, jobs by index, steps in order) and its number of data rows."""
+def step_metrics(session: Session, task: Task) -> tuple[dict[str, Job], dict[tuple, dict]]:
+    """The task's jobs by id and its step metrics: {(job index, step, job id): {train_loss,
+    train_accuracy, tokens, valid_loss, valid_mean_token_accuracy, at}} for every job and step
+    with a train or validation point (the accuracies: DPO's reward accuracy; at: when the step's
+    first point was stored). The one read of a task's curves that its result file and its
+    tracking runs (service.tracking) are made from."""
     jobs = {j.id: j for j in session.scalars(select(Job).where(Job.task_id == task.id))}
     points: dict[tuple[int, int, str], dict] = {}
     for p in session.execute(select(MetricPoint.job_id, MetricPoint.step, MetricPoint.split,
-                                    MetricPoint.loss, MetricPoint.data, MetricPoint.tokens)
+                                    MetricPoint.loss, MetricPoint.data, MetricPoint.tokens,
+                                    MetricPoint.created_at)
                              .where(MetricPoint.task_id == task.id)):
         job = jobs[p.job_id]
         row = points.setdefault((job.index, p.step, job.id), {})
@@ -57,6 +61,14 @@ def results_csv(session: Session, task: Task) -> tuple[bytes, int]:
             row.update(train_loss=p.loss, train_accuracy=accuracy, tokens=p.tokens)
         else:
             row.update(valid_loss=p.loss, valid_mean_token_accuracy=accuracy)
+        row["at"] = min(row.get("at", p.created_at), p.created_at)
+    return jobs, points
+
+
+def results_csv(session: Session, task: Task) -> tuple[bytes, int]:
+    """The CSV of the task's step metrics (one row per job and step with a train or validation
+    point, jobs by index, steps in order) and its number of data rows."""
+    jobs, points = step_metrics(session, task)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(RESULT_COLUMNS)

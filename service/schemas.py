@@ -19,6 +19,7 @@ from contract.protocol import (
     LoraRank,
     Method,
 )
+from service.tracking.schemas import IntegrationIn, IntegrationOut
 
 T = TypeVar("T")
 
@@ -159,6 +160,12 @@ class TaskCreate(_In):
     metadata: dict[Annotated[str, Field(max_length=64)],
                    Annotated[str, Field(max_length=512)]] | None = Field(
         default=None, max_length=16, description="Up to 16 string pairs, yours to filter by.")
+    integrations: list[IntegrationIn] | None = Field(
+        default=None, max_length=8,
+        description="Tracking: once the task ended, every job is written as a run to each W&B "
+                    "project (`{\"type\": \"wandb\", \"wandb\": {\"project\": ...}}`, "
+                    "OpenAI's shape) and MLflow server (`{\"type\": \"mlflow\", \"mlflow\": "
+                    "{\"tracking_uri\": ...}}`) given; up to 8.")
 
     @field_validator("target_modules")
     @classmethod
@@ -223,6 +230,8 @@ class TaskOut(BaseModel):
     usage: TaskUsage | None = None
     init_adapter_file: str | None = Field(
         default=None, description="The uploaded adapter its jobs started from (null: fresh).")
+    integrations: list[IntegrationOut] = Field(
+        default_factory=list, description="Its tracking integrations with each one's sync.")
 
 
 class JobOut(BaseModel):

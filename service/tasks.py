@@ -11,7 +11,7 @@ from collections import Counter
 from datetime import datetime
 
 from redis.exceptions import RedisError
-from sqlalchemy import func, select, true
+from sqlalchemy import func, literal_column, select, true
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -42,6 +42,12 @@ from service.registry import BaseModelEntry, ModelRegistry
 from service.scheduler.limits import admit_task, check_task_priority
 from service.schemas import JobOut, TaskCreate, TaskOut, finite
 from service.storage import Storage
+from service.tracking.integrations import (
+    VIEW_SQL,
+    add_integrations,
+    check_integrations,
+    integration_views,
+)
 from service.usage import job_usage, task_usage
 
 log = logging.getLogger("loraplex.tasks")
@@ -77,8 +83,9 @@ def resolve_auto(body: TaskCreate, registry: ModelRegistry) -> TaskCreate:
 
 def request_hash(body: TaskCreate) -> str:
     data = body.model_dump(mode="json")
-    for added in ("suffix", "metadata", "init_adapter_file"):  # newer fields: unset, the hash of earlier keys holds
-        if data.get(added) is None:
+    # Newer fields, unset (integrations: or empty): the hash of a body sent before them holds.
+    for added in ("suffix", "metadata", "init_adapter_file", "integrations"):
+        if data.get(added) is None or (added == "integrations" and not data[added]):
             data.pop(added, None)
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
@@ -103,6 +110,7 @@ def _check_request(session: Session, tenant: Tenant, body: TaskCreate, settings:
         raise invalid(f"unknown base_model {body.base_model!r} (available: {names})",
                       param="base_model", code="model_not_found")
     _check_targets(model, body.target_modules)
+    check_integrations(body.integrations, settings)
     check_task_priority(tenant, body.priority, settings)
     max_seq_len = body.max_seq_len or min(2048, model.max_seq_len)
     if max_seq_len > model.max_seq_len:
@@ -214,6 +222,7 @@ def _insert_task(session: Session, tenant: Tenant, body: TaskCreate, max_seq_len
     configs = expand_grid(task.search_space, task.method)
     for index, config in enumerate(configs):
         session.add(Job(task_id=task.id, index=index, config=config))
+    add_integrations(session, task.id, body.integrations)
     if claim is not None:
         claim.resource_id = task.id
     add_event(session, task.id, "task_created", f"task created with {len(configs)} jobs")
@@ -271,7 +280,8 @@ def task_outs(session: Session, tasks: list[Task], price: float | None = None) -
                select(File.bytes).where(File.id == Task.training_file_id).scalar_subquery(),
                select(File.line_count).where(File.id == Task.training_file_id).scalar_subquery(),
                select(File.id).where(File.id == func.concat("file_", func.split_part(Task.id, "_", 2)),
-                                     File.deleted_at.is_(None)).scalar_subquery())
+                                     File.deleted_at.is_(None)).scalar_subquery(),
+               literal_column(VIEW_SQL.format(task="tasks")))
         .outerjoin(latest, true()).where(Task.id.in_([t.id for t in tasks])))
     views = {row[0]: row[1:] for row in rows}
     return [TaskOut(**task_view({c: getattr(task, c) for c in TASK_COLUMNS}, *views[task.id],
@@ -292,11 +302,12 @@ def task_view(t: dict, job_states: list[str] | None, failed: int, attempt: int |
               estimated_s: float | None = None, gpus: int | None = None,
               tokens: int | None = None, gpu_seconds: float | None = None,
               file_bytes: int | None = None, file_lines: int | None = None,
-              result_file: str | None = None, *, price: float | None = None) -> dict:
+              result_file: str | None = None, integrations: list | None = None, *,
+              price: float | None = None) -> dict:
     """TaskOut's fields, in its order, from a task's TASK_COLUMNS and what task_outs adds (its
     job states, failed attempts, the placement that says most about "when" with its estimate
-    and GPUs, its usage sums, its training file's size and its result file): the one view of
-    a task, for the ORM path and the read path alike."""
+    and GPUs, its usage sums, its training file's size, its result file and its integrations):
+    the one view of a task, for the ORM path and the read path alike."""
     counts = dict(Counter(job_states or ()))
     usage = task_usage(t, tokens, gpu_seconds, file_bytes, file_lines, estimated_s, gpus, price)
     return {"id": t["id"], "object": "task", "state": t["state"], "base_model": t["base_model"],
@@ -312,7 +323,8 @@ def task_view(t: dict, job_states: list[str] | None, failed: int, attempt: int |
             "created_at": t["created_at"], "started_at": t["started_at"],
             "finished_at": t["finished_at"], "suffix": t["suffix"], "metadata": t["meta"],
             "result_files": [result_file] if result_file else [],
-            "usage": usage.model_dump(), "init_adapter_file": t.get("init_adapter_file_id")}
+            "usage": usage.model_dump(), "init_adapter_file": t.get("init_adapter_file_id"),
+            "integrations": integration_views(integrations, t["state"])}
 
 
 def list_jobs(session: Session, task: Task) -> list[JobOut]:

@@ -115,9 +115,11 @@ def check_url_shape(url: str) -> tuple[str, str, int]:
     return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
 
 
-def resolve(url: str, allow_private: bool) -> Target:
+def resolve(url: str, allow_private: bool,
+            setting: str = "LORAPLEX_WEBHOOK_ALLOW_PRIVATE") -> Target:
     """Check the URL and resolve its host: refused when any address it resolves to is loopback,
-    private, link-local, multicast, reserved or otherwise not global, unless allow_private."""
+    private, link-local, multicast, reserved or otherwise not global, unless allow_private (the
+    operator's `setting`, named in the refusal; tracking servers have their own)."""
     scheme, host, port = check_url_shape(url)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -130,8 +132,7 @@ def resolve(url: str, allow_private: bool) -> Target:
         # The address itself is not told: it would map the operator's network for the tenant.
         if any(_forbidden(a) for a in addresses):
             raise AddressRefused(f"host {host!r} resolves to a loopback, private or reserved "
-                                 "address (the operator's LORAPLEX_WEBHOOK_ALLOW_PRIVATE allows "
-                                 "them)")
+                                 f"address (the operator's {setting} allows them)")
     ip = addresses[0]
     parts = urlsplit(url)
     netloc_ip = f"[{ip}]" if ip.version == 6 else str(ip)

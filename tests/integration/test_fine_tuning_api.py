@@ -132,7 +132,7 @@ def test_bad_input_names_the_param_and_creates_nothing(client, factory, session)
             "lora_rank": [1, 2, 4, 8]}}}}, 422, sup),
         ({"suffix": "bad suffix!"}, 422, "suffix"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, 422, "metadata"),
-        ({"integrations": [{"type": "wandb"}]}, 422, "integrations"),
+        ({"integrations": [{"type": "wandb"}]}, 422, "integrations.wandb"),
         ({"unknown_field": 1}, 422, "unknown_field"),
     ]
     before = counts(session)

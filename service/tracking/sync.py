@@ -1,0 +1,183 @@
+"""The tracking syncer: a thread of the leader (service.background) that writes the runs of ended
+tasks' integrations, from the metrics in PostgreSQL, modelled on the webhook outbox. A task's
+integration rows are written with the task; once the task is terminal (succeeded, failed,
+cancelled) a pending row is due. A pass claims due rows with FOR UPDATE SKIP LOCKED and moves
+their next_attempt_at past a lease (a process that dies mid-sync leaves the row due again when
+the lease ends), writes the runs (service.tracking.mlflow_writer / wandb_writer: idempotent, so a
+retry after such a death writes each run once) and records the outcome: synced, or retried after
+tracking_backoff_s until tracking_give_up_s after the task's end, then failed. A failure touches
+only its own row, never the task."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from contract.protocol import tenant_safe
+from service.config import Settings
+from service.db import session_scope
+from service.models import TASK_TERMINAL, Task, TaskIntegration, utcnow
+from service.tracking.integrations import requested
+from service.tracking.mlflow_writer import write_mlflow
+from service.tracking.records import TaskRecord, load_task
+from service.tracking.wandb_writer import WandbUnavailable, write_wandb
+from service.webhooks.security import AddressRefused
+
+log = logging.getLogger("loraplex.tracking")
+BATCH = 4  # rows a pass claims (synced one after the other)
+
+
+@dataclass(frozen=True)
+class Claim:
+    integration_id: str
+    task_id: str
+    type: str
+    config: dict
+    token: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    result: dict | None  # what was written, when it was
+    error: str | None = None
+    final: bool = False  # the error will not go away by retrying
+
+
+def claim_due(session: Session, settings: Settings, limit: int = BATCH) -> list[Claim]:
+    """Claim up to `limit` due integrations of ended tasks, oldest due first; commits."""
+    now = utcnow()
+    rows = session.execute(
+        select(TaskIntegration.id, TaskIntegration.task_id, TaskIntegration.type,
+               TaskIntegration.config)
+        .join(Task, Task.id == TaskIntegration.task_id)
+        .where(TaskIntegration.state == "pending", TaskIntegration.next_attempt_at <= now,
+               Task.state.in_(TASK_TERMINAL))
+        .order_by(TaskIntegration.next_attempt_at).limit(limit)
+        .with_for_update(of=TaskIntegration, skip_locked=True)).all()
+    if not rows:
+        session.rollback()
+        return []
+    token = uuid.uuid4().hex
+    session.execute(update(TaskIntegration).where(
+        TaskIntegration.id.in_([r.id for r in rows])).values(
+        lease_token=token, next_attempt_at=now + timedelta(seconds=settings.tracking_lease_s)))
+    session.commit()
+    return [Claim(r.id, r.task_id, r.type, dict(r.config), token) for r in rows]
+
+
+def write_runs(claim: Claim, task: TaskRecord, settings: Settings) -> Outcome:
+    """Write the claimed integration's runs once; never raises."""
+    try:
+        if claim.type == "mlflow":
+            return Outcome(write_mlflow(task, claim.config, settings))
+        return Outcome(write_wandb(task, claim.config, settings, claim.integration_id))
+    except WandbUnavailable as exc:
+        return Outcome(None, str(exc), final=True)
+    except AddressRefused as exc:  # the host resolves elsewhere now: may change back
+        return Outcome(None, f"tracking_uri: {exc}")
+    except Exception as exc:  # noqa: BLE001 - this attempt's failure: logged and retried
+        log.warning("tracking sync failed integration=%s task=%s type=%s error=%s",
+                    claim.integration_id, claim.task_id, claim.type, exc)
+        return Outcome(None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+
+def record(session: Session, claim: Claim, outcome: Outcome, settings: Settings) -> str | None:
+    """Move the integration on (synced, due again later, or failed); its new state, or None when
+    it is no longer this claim's (its lease ended and another pass took it). Commits."""
+    row = session.scalar(select(TaskIntegration).where(
+        TaskIntegration.id == claim.integration_id, TaskIntegration.lease_token == claim.token)
+        .with_for_update())
+    if row is None:
+        session.rollback()
+        return None
+    now = utcnow()
+    row.attempts += 1
+    row.lease_token = None
+    if outcome.result is not None:
+        row.state, row.result, row.synced_at = "synced", outcome.result, now
+        row.last_error, row.next_attempt_at = None, None
+    else:
+        row.last_error = tenant_safe(outcome.error or "sync failed")
+        backoff = settings.tracking_backoff_s or [60.0]
+        due = now + timedelta(seconds=backoff[min(row.attempts, len(backoff)) - 1]
+                              * random.uniform(0.9, 1.1))
+        ended = session.scalar(select(Task.finished_at).where(Task.id == row.task_id)) or now
+        if outcome.final or due > ended + timedelta(seconds=settings.tracking_give_up_s):
+            row.state, row.next_attempt_at = "failed", None
+        else:
+            row.next_attempt_at = due
+    session.commit()
+    return row.state
+
+
+def sync_one(factory: sessionmaker[Session], claim: Claim, settings: Settings) -> str | None:
+    """Read the task, write the claim's runs, record the outcome: the integration's new state."""
+    with session_scope(factory) as session:
+        task = load_task(session, claim.task_id)
+    outcome = write_runs(claim, task, settings)
+    with session_scope(factory) as session:
+        state = record(session, claim, outcome, settings)
+    log.info("tracking sync integration=%s task=%s type=%s state=%s%s", claim.integration_id,
+             claim.task_id, claim.type, state,
+             f" error={outcome.error!r}" if outcome.error else "")
+    return state
+
+
+def sync_due(factory: sessionmaker[Session], settings: Settings) -> int:
+    """One pass: claim due integrations and sync each; how many were claimed."""
+    session = factory()
+    try:
+        claims = claim_due(session, settings)
+    finally:
+        session.close()
+    for claim in claims:
+        try:
+            sync_one(factory, claim, settings)
+        except Exception:  # the database went away, or the task with it: its lease ends
+            log.exception("tracking sync crashed integration=%s task=%s", claim.integration_id,
+                          claim.task_id)
+    return len(claims)
+
+
+class Syncer:
+    """The leader's sync thread: a pass whenever a task ended in this process and every
+    tracking_poll_s; start() when elected, stop() when deposed (a sync under way finishes in its
+    daemon thread, or its lease ends)."""
+
+    def __init__(self, factory: sessionmaker[Session], settings: Settings,
+                 pass_: Callable[[sessionmaker[Session], Settings], int] = sync_due) -> None:
+        self._factory, self._settings, self._pass = factory, settings, pass_
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="loraplex-tracking", daemon=True)
+
+    def start(self) -> Syncer:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        requested.set()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        failing = False
+        while not self._stop.is_set():
+            busy = False
+            try:
+                busy = self._pass(self._factory, self._settings) == BATCH
+                failing = False
+            except Exception as exc:  # the database is down: try again at the next poll
+                if not failing:
+                    log.warning("tracking sync pass failed error=%s", exc)
+                failing = True
+            if not busy:
+                requested.wait(self._settings.tracking_poll_s)
+                requested.clear()
