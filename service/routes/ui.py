@@ -17,7 +17,7 @@ from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from service import tasks
-from service.deps import SessionDep, TenantDep
+from service.deps import SessionDep, SettingsDep, TenantDep
 from service.errors import not_found
 from service.ui.live import LiveState, tick
 
@@ -61,7 +61,8 @@ def static(name: str) -> FileResponse:
             responses={200: {"content": {"text/event-stream": {}},
                              "description": "Server-sent events: `update` (JSON: task, jobs, "
                                             "events, points by job and split, reset), `end`."}})
-def task_live(request: Request, session: SessionDep, tenant: TenantDep, task_id: str,
+def task_live(request: Request, session: SessionDep, tenant: TenantDep, settings: SettingsDep,
+              task_id: str,
               max_points: Annotated[int, Query(ge=4, le=100_000)] = 500,
               duration_s: Annotated[float, Query(gt=0, le=600)] = 20) -> StreamingResponse:
     """The task as it trains: a first `update` with everything (curves downsampled to
@@ -77,7 +78,7 @@ def task_live(request: Request, session: SessionDep, tenant: TenantDep, task_id:
             return tick(s, tenant_id, task_id, live)
 
     async def stream() -> AsyncIterator[str]:
-        live = LiveState(max_points=max_points)
+        live = LiveState(max_points=max_points, price=settings.price_per_gpu_hour)
         deadline = time.monotonic() + duration_s
         while True:
             update, ended = await run_in_threadpool(step, live)

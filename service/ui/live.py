@@ -26,6 +26,7 @@ class LiveState:
     """What one stream has sent so far."""
 
     max_points: int
+    price: float | None = None  # per GPU-hour: the task's usage shows its cost, as GET /v1/tasks/{id}
     task_json: str = ""
     jobs_json: str = ""
     last_event_id: int | None = None
@@ -86,7 +87,7 @@ def tick(session: Session, tenant_id: str, task_id: str, live: LiveState
     if task is None:
         return {"gone": True}, True
     update: dict = {}
-    task_json = tasks.task_out(session, task).model_dump_json()
+    task_json = tasks.task_out(session, task, live.price).model_dump_json()
     if task_json != live.task_json:
         live.task_json = task_json
         update["task"] = json.loads(task_json)

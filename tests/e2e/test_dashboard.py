@@ -7,9 +7,12 @@ daemon training the tiny Llama on CPU.
   see the early exit marked on the curves and in the leaderboard, sort the leaderboard, download
   the best adapter and load it with PEFT, cancel another task from its page;
 - the cluster view with the operator token: the node, its GPU and the plan's timeline;
+- a task continued from an uploaded adapter, with a W&B integration, whose jobs reported steps:
+  its usage beside its estimate, each job's validation token accuracy, its result CSV downloaded
+  from the page, the adapter named, the integration's sync, and the tenant's usage report;
 - another tenant's key sees none of it, through the API and on the page.
 
-Screenshots of the three views go to docs/dashboard-{tasks,task,cluster}.png.
+Screenshots of the views go to docs/dashboard-{tasks,task,cluster,usage}.png.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.result_files import RESULT_COLUMNS
 from tests.e2e.conftest import WORKER_TOKEN, Stack, upload_jsonl, wait_for
 from tests.e2e.test_chaos import rows
 from tests.e2e.test_train_e2e import models_yaml  # noqa: F401 - the tiny Llama as "tiny"
@@ -45,6 +49,14 @@ from selenium.webdriver.support.ui import Select  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 ENDED = ("succeeded", "failed", "cancelled")
+
+
+@pytest.fixture(autouse=True)
+def wandb_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """W&B runs of a test's tracking integrations go under its tmp_path (set before the stack's
+    service starts: an autouse fixture comes first), not the repository's var/."""
+    monkeypatch.setenv("LORAPLEX_WANDB_DIR", str(tmp_path / "wandb"))
+    return tmp_path / "wandb"
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +270,13 @@ def create_task_from_page(driver: webdriver.Chrome, tmp_path: Path) -> str:
     wait_for(lambda: "#/task/" in driver.current_url, 60,
              f"the new task's page ({text(driver, '#create-msg')})")
     return driver.current_url.rsplit("#/task/", 1)[1]
+
+
+def same_numbers(shown: dict[str, str], api: dict[str, Any]) -> bool:
+    """The page's data-value of each key (empty: null) is the API's number."""
+    return set(shown) == set(api) and all(
+        (v is None and shown[k] == "") or (v is not None and shown[k] != "" and float(shown[k]) == v)
+        for k, v in api.items())
 
 
 def chart_points(driver: webdriver.Chrome) -> int:
@@ -534,3 +553,146 @@ def test_sixty_jobs_of_thousands_of_points_stay_usable(stack: Stack, browser: we
             assert over <= 0, (page, over)
     finally:
         browser.set_window_size(1280, 1000)
+
+
+# What an executor reports for each job, stored as the internal API stores it: train steps with
+# their exact tokens and GPU-seconds, validation steps with the mean token accuracy, the adapter.
+REPORTS = """
+INSERT INTO metric_points (task_id, job_id, step, split, loss, tokens, gpu_seconds, created_at)
+SELECT j.task_id, j.id, s, 'train', 3.0 - s * 0.1 - j.index * 0.05, 100 + 7 * j.index + s,
+       0.5 + 0.01 * s, now() FROM jobs j CROSS JOIN generate_series(1, 10) AS s WHERE j.task_id = :t;
+INSERT INTO metric_points (task_id, job_id, step, split, loss, data, created_at)
+SELECT j.task_id, j.id, s, 'val', 2.5 - s * 0.01 - j.index * 0.2,
+       jsonb_build_object('token_accuracy', 0.4 + j.index * 0.1 + s / 1000.0), now()
+FROM jobs j CROSS JOIN (VALUES (5), (10)) AS v(s) WHERE j.task_id = :t;
+UPDATE jobs SET state = 'running', last_step = 10, best_step = CASE WHEN index = 0 THEN 10 ELSE 5 END,
+       best_val_loss = 2.5 - (CASE WHEN index = 0 THEN 10 ELSE 5 END) * 0.01 - index * 0.2
+WHERE task_id = :t;
+INSERT INTO artifacts (id, task_id, job_id, kind, key, files, step, created_at)
+SELECT 'art_' || md5(j.id), j.task_id, j.id, 'adapter', 'adapters/' || j.id, '[]', j.best_step, now()
+FROM jobs j WHERE j.task_id = :t;
+"""
+
+
+def test_usage_results_tracking_and_adapter_on_the_page(stack: Stack, browser: webdriver.Chrome,
+                                                        downloads: Path, tmp_path: Path) -> None:
+    """A task continued from an uploaded adapter, with a W&B integration, whose two jobs reported
+    ten steps each and which is then cancelled: its page shows the API's usage beside the
+    estimate, each job's validation token accuracy at its best step, the adapter it started from
+    and the integration's sync; the page downloads its result CSV; the usage report of a period,
+    reached from the navigation, has its row and totals."""
+    from sqlalchemy import create_engine
+    from sqlalchemy import text as sql
+
+    from tests.e2e.test_init_adapter_e2e import make_adapter
+
+    archive = make_adapter(tmp_path / "tiny-llama", tmp_path / "adapter")
+    http = stack.http()
+    train = upload_jsonl(http, "train.jsonl", rows(16, 1))
+    r = http.post("/v1/files", data={"purpose": "adapter"},
+                  files={"file": ("my-adapter.tar.gz", io.BytesIO(archive))})
+    assert r.status_code == 201, r.text
+    adapter_file = r.json()["id"]
+    r = http.post("/v1/tasks", json={
+        "base_model": "tiny", "training_file": train, "init_adapter_file": adapter_file,
+        "search_space": {"learning_rate": [1e-3, 2e-3]}, "max_seq_len": 48,
+        "integrations": [{"type": "wandb", "wandb": {"project": "dashboard-e2e"}}]})
+    assert r.status_code == 201, r.text
+    task_id = r.json()["id"]
+    engine = create_engine(stack.db_url.replace("postgresql://", "postgresql+psycopg://"))
+    with engine.begin() as conn:
+        for statement in filter(str.strip, REPORTS.split(";")):
+            conn.execute(sql(statement), {"t": task_id})
+    engine.dispose()
+    assert http.post(f"/v1/tasks/{task_id}/cancel").json()["state"] == "cancelled"
+    task = http.get(f"/v1/tasks/{task_id}").json()
+    jobs = {j["id"]: j for j in http.get(f"/v1/tasks/{task_id}/jobs").json()["data"]}
+
+    sign_in(browser, stack, stack.api_key)
+    wait_css(browser, f'#tasks-body tr[data-task="{task_id}"]', what="the task list")
+    browser.get(f"{stack.url}/ui/#/task/{task_id}")
+    wait_for(lambda: text(browser, "#task-state") == "cancelled", 20, "the task's page")
+
+    # Usage: the API's numbers (the steps' exact tokens and GPU-seconds, the cost at the
+    # operator's price) beside the dry run's estimate.
+    usage = task["usage"]
+    assert usage["trained_tokens"] == sum(100 + 7 * j["index"] + s for j in jobs.values()
+                                          for s in range(1, 11))
+    assert usage["cost"] is not None and usage["expected_tokens"] > 0, usage
+    wait_for(lambda: same_numbers(dict(attrs(browser, "#task-usage [data-usage]", "data-usage",
+                                             "data-value")), usage), 20,
+             f"the usage on the page ({text(browser, '#task-usage')!r} vs {usage})")
+    assert text(browser, '#task-usage td[data-usage="trained_tokens"]') == (
+        f"{usage['trained_tokens']:,}")
+
+    # Each job's validation token accuracy at its best step, as its checkpoint says.
+    checkpoints = http.get(f"/v1/fine_tuning/jobs/{task_id}/checkpoints").json()["data"]
+    accuracy = {c["job_id"]: c["metrics"]["valid_mean_token_accuracy"] for c in checkpoints}
+    assert accuracy == {j: pytest.approx(0.4 + job["index"] * 0.1 + job["best_step"] / 1000)
+                        for j, job in jobs.items()}
+    wait_for(lambda: {j: (float(v) if v else None) for j, v in attrs(
+        browser, "#leaderboard-body td.val-acc", "data-job", "data-value")} == accuracy, 20,
+        f"the token accuracies ({text(browser, '#leaderboard-body')!r} vs {accuracy})")
+    for job_id, a in accuracy.items():
+        assert text(browser, f'#leaderboard-body td.val-acc[data-job="{job_id}"]') == f"{a:.4f}"
+
+    # Continued from the uploaded adapter: its id and name.
+    wait_for(lambda: "my-adapter.tar.gz" in text(browser, "#init-adapter"), 20,
+             f"the adapter named ({text(browser, '#init-adapter')!r})")
+    assert adapter_file in text(browser, "#init-adapter") and task["init_adapter_file"] == (
+        adapter_file)
+
+    # The W&B integration's sync, as the API shows it (done, or failed once: retried later).
+    def synced() -> dict | None:
+        i = http.get(f"/v1/tasks/{task_id}").json()["integrations"][0]
+        return i if i["status"] in ("synced", "failed") or i["last_error"] else None
+
+    sync = wait_for(synced, 120, "the W&B sync")
+    row = '#integrations tr[data-type="wandb"]'
+    wait_for(lambda: text(browser, f"{row} .sync-status") == sync["status"], 20,
+             f"the sync's status on the page ({text(browser, '#integrations')!r} vs {sync})")
+    assert "project dashboard-e2e" in text(browser, row)
+    assert text(browser, f"{row} .last-error") == (sync["last_error"] or "")
+    screenshot(browser, "dashboard-task-usage.png")
+
+    # The result file: the step metrics CSV, downloaded from the page with the key.
+    [result_file] = task["result_files"]
+    wait_for(lambda: attrs(browser, "#btn-results", "data-file") == [(result_file,)], 20,
+             "the result file's button")
+    click(browser, "#btn-results")
+    csv_path = wait_for(lambda: list(downloads.glob("*_step_metrics.csv")), 30,
+                        f"the CSV download ({text(browser, '#task-msg')})")[0]
+    wait_for(lambda: not list(downloads.glob("*.crdownload")), 10, "the download to finish")
+    assert task_id in csv_path.name
+    body = csv_path.read_bytes()
+    assert body.split(b"\n", 1)[0].decode() == ",".join(RESULT_COLUMNS)
+    assert body == http.get(f"/v1/files/{result_file}/content").content
+    assert body.count(b"\n") == 1 + 2 * 10  # a row per job and step
+
+    # The usage report of the last 30 days, from the navigation: the task's row and the totals
+    # are the API's.
+    click(browser, "#nav-usage")
+    wait_css(browser, f'#usage-body tr[data-task="{task_id}"]', what="the task in the report")
+    [(start, end)] = attrs(browser, "#usage-period", "data-start", "data-end")
+    report = http.get("/v1/usage", params={"start": start, "end": end}).json()
+    [line] = [t for t in report["tasks"] if t["task_id"] == task_id]
+    assert line["trained_tokens"] == usage["trained_tokens"], (line, usage)
+    shown = dict(attrs(browser, f'#usage-body tr[data-task="{task_id}"] [data-usage]',
+                       "data-usage", "data-value"))
+    assert same_numbers(shown, {k: line[k] for k in ("trained_tokens", "gpu_seconds", "cost")}), (
+        shown, line)
+    totals = dict(attrs(browser, "#usage-summary [data-total]", "data-total", "data-value"))
+    assert same_numbers(totals, {k: report[k] for k in ("trained_tokens", "gpu_seconds", "cost")}
+                        | {"tasks": len(report["tasks"])}), (totals, report)
+    screenshot(browser, "dashboard-usage.png")
+    # another period: nothing trained then
+    browser.execute_script("document.getElementById('u-start').value = '2001-01-01T00:00';"
+                           "document.getElementById('u-end').value = '2001-01-02T00:00';")
+    click(browser, "#btn-usage")
+    wait_for(lambda: "No training in this period" in text(browser, "#usage-body"), 10,
+             f"an empty period ({text(browser, '#usage-msg')!r})")
+    assert text(browser, '#usage-summary [data-total="trained_tokens"]') == "0"
+    http.close()
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"
+              and "Failed to load resource" not in e["message"]]
+    assert not errors, errors  # no script error, no CSP violation

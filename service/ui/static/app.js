@@ -1,6 +1,6 @@
 /* loraplex dashboard: sign in with an API key (sessionStorage only), the tasks of the tenant,
-   one task live (loss curves, leaderboard, events, downloads, cancel/pause/resume) and the
-   cluster (operator token). Plain JavaScript against the public API; no build step. */
+   one task live (loss curves, leaderboard, events, usage, result file, tracking, downloads,
+   cancel/pause/resume) and the cluster (operator token). Plain JavaScript against the public API; no build step. */
 "use strict";
 
 const store = {
@@ -145,6 +145,7 @@ function route() {
   if (!store.key) return signInView(main, "Tasks need an API key.");
   if (page === "task" && arg) return taskView(main, decodeURIComponent(arg));
   if (page === "webhooks") return webhooksView(main); // webhooks.js
+  if (page === "usage") return usageView(main); // usage.js
   return tasksView(main);
 }
 
@@ -355,11 +356,13 @@ function createForm() {
 
 function taskView(main, taskId) {
   const st = { task: null, jobs: [], curves: {}, events: [], sort: { key: "best_val_loss", dir: 1 },
-               highlight: null, showTrain: true, showVal: true, logY: false, updates: 0 };
+               highlight: null, showTrain: true, showVal: true, logY: false, updates: 0,
+               acc: {}, accKey: "", fileNames: {} };
   const ctl = new AbortController();
   let stopped = false, retry = null, drawPending = false;
   const msg = h("p", { id: "task-msg", class: "error-text" });
   const head = h("div", { class: "task-head" });
+  const extra = h("div", { id: "task-extra" }); // usage, tracking
   const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
   svg.id = "loss-chart";
   svg.setAttribute("class", "chart");
@@ -370,7 +373,7 @@ function taskView(main, taskId) {
   const live = h("span", { id: "live-status", class: "muted small" }, "connecting…");
   const check = (id, label, key) => h("label", { class: "inline" }, h("input", { type: "checkbox", id, checked: st[key], onchange: (e) => { st[key] = e.target.checked; draw(); } }), label);
 
-  main.appendChild(h("section", {}, h("div", { class: "card" }, head, msg)));
+  main.appendChild(h("section", {}, h("div", { class: "card" }, head, msg, extra)));
   main.appendChild(h("section", { class: "card" },
     h("div", { class: "chart-head" }, h("h2", {}, "Loss curves"), check("show-train", "train", "showTrain"), check("show-val", "validation", "showVal"), check("log-y", "log scale", "logY"), h("span", { class: "spacer" }), live),
     h("div", { class: "chart-wrap" }, svg), legend,
@@ -412,6 +415,12 @@ function taskView(main, taskId) {
       t.planned_start ? ` · planned ${when(t.planned_start)}` : "", t.planned_end && !t.finished_at ? ` → ${when(t.planned_end)}` : "",
       t.finished_at ? ` · finished ${when(t.finished_at)}` : ""));
     if (t.error) head.appendChild(h("p", { class: "error-text" }, `${t.error.code || "error"}: ${t.error.message || ""}`));
+    if (t.init_adapter_file) {
+      const name = st.fileNames[t.init_adapter_file];
+      head.appendChild(h("p", { id: "init-adapter", "data-file": t.init_adapter_file }, "Continued from the adapter ",
+        h("span", { class: "mono" }, t.init_adapter_file), name ? ` (${name})` : "", h("span", { class: "muted small" }, ": every job started from it")));
+      if (name === undefined) fileName(t.init_adapter_file);
+    }
     const done = TERMINAL.has(t.state);
     const best = action("Download best adapter", "btn-best", () => download(`/v1/tasks/${t.id}/adapter`, `${t.id}.tar.gz`, msg));
     best.disabled = !t.best_job_id;
@@ -423,8 +432,67 @@ function taskView(main, taskId) {
     pause.disabled = done || t.state === "paused" || t.state === "pausing";
     const resume = action("Resume", "btn-resume", () => post(`/v1/tasks/${t.id}/resume`, "Resume"));
     resume.disabled = t.state !== "paused";
-    head.appendChild(h("div", { class: "buttons" }, best, merged, cancel, pause, resume,
+    const resultFile = (t.result_files || [])[0];
+    const results = action("Results (CSV)", "btn-results", () => downloadResults(resultFile));
+    results.disabled = !resultFile;
+    results.title = resultFile ? `step metrics of every job: ${resultFile}` : "once the task has ended with step metrics";
+    if (resultFile) results.dataset.file = resultFile;
+    head.appendChild(h("div", { class: "buttons" }, best, merged, results, cancel, pause, resume,
       t.best_job_id ? h("span", { class: "muted small" }, `best job ${t.best_job_id}`) : null));
+    while (extra.firstChild) extra.removeChild(extra.firstChild);
+    extra.append(taskUsageTable(t.usage) || "", integrationsTable(t.integrations) || ""); // usage.js
+  }
+
+  // A file's name, for the page (null once asked: the id alone is shown when it cannot be read).
+  async function fileName(id) {
+    st.fileNames[id] = null;
+    try { st.fileNames[id] = (await api(`/v1/files/${encodeURIComponent(id)}`)).filename; renderHead(); } catch (_) { /* the id says enough */ }
+  }
+
+  async function downloadResults(id) {
+    if (st.fileNames[id] === undefined) await fileName(id);
+    return download(`/v1/files/${encodeURIComponent(id)}/content`, st.fileNames[id] || `${id}.csv`, msg);
+  }
+
+  // Each job's validation token accuracy at its best step (what its adapter holds): the
+  // task's checkpoints (GET /v1/fine_tuning/jobs/{id}/checkpoints), read again when a job's best
+  // step or adapter changes.
+  let accLoading = false;
+  async function loadAccuracy() {
+    const key = st.jobs.map((j) => `${j.id}:${j.best_step}:${j.has_adapter}`).join(",");
+    if (accLoading || key === st.accKey || !st.jobs.some((j) => j.has_adapter)) return;
+    accLoading = true;
+    try {
+      const acc = {};
+      let after = null;
+      for (let page = 0; page < 50; page++) {
+        const q = new URLSearchParams({ limit: "100" });
+        if (after) q.set("after", after);
+        const r = await api(`/v1/fine_tuning/jobs/${encodeURIComponent(taskId)}/checkpoints?${q}`);
+        for (const c of r.data) acc[c.job_id] = (c.metrics || {}).valid_mean_token_accuracy ?? null;
+        if (!r.has_more || !r.last_id) break;
+        after = r.last_id;
+      }
+      if (stopped) return;
+      st.acc = acc;
+      st.accKey = key;
+      renderBoard();
+    } catch (_) { /* shown as "-"; read again on the next change */ } finally { accLoading = false; }
+    if (!stopped && key !== st.jobs.map((j) => `${j.id}:${j.best_step}:${j.has_adapter}`).join(",")) loadAccuracy();
+  }
+
+  // Once the stream has ended: the task as GET /v1/tasks/{id} shows it (its result file is made
+  // there when the end's own attempt missed it), again every 5 s while a tracking sync is due.
+  async function afterEnd() {
+    try {
+      const t = await api(`/v1/tasks/${encodeURIComponent(taskId)}`);
+      if (stopped) return;
+      st.task = t;
+      renderHead();
+      if ((t.integrations || []).some((i) => i.status === "waiting" || i.status === "pending")) retry = setTimeout(afterEnd, 5000);
+    } catch (e) {
+      if (!stopped && e.status !== 404 && e.status !== 401) retry = setTimeout(afterEnd, 5000);
+    }
   }
 
   function knobs() {
@@ -436,7 +504,7 @@ function taskView(main, taskId) {
   function renderBoard() {
     const ks = knobs();
     const cols = [["index", "#"], ...ks.map((k) => [`hp.${k}`, k]), ["state", "state"], ["exit_reason", "exit reason"],
-      ["best_val_loss", "best val loss"], ["best_step", "best step"], ["last_step", "last step"], [null, "adapter"]];
+      ["best_val_loss", "best val loss"], ["val_token_accuracy", "val token acc"], ["best_step", "best step"], ["last_step", "last step"], [null, "adapter"]];
     while (lbHead.firstChild) lbHead.removeChild(lbHead.firstChild);
     for (const [key, label] of cols) {
       const sorted = key && st.sort.key === key;
@@ -444,7 +512,7 @@ function taskView(main, taskId) {
         onclick: key ? () => { st.sort = { key, dir: st.sort.key === key ? -st.sort.dir : 1 }; renderBoard(); } : null },
         label, sorted ? (st.sort.dir > 0 ? " ▲" : " ▼") : ""));
     }
-    const val = (j, key) => key.startsWith("hp.") ? (j.hyperparameters || {})[key.slice(3)] : j[key];
+    const val = (j, key) => key.startsWith("hp.") ? (j.hyperparameters || {})[key.slice(3)] : key === "val_token_accuracy" ? st.acc[j.id] : j[key];
     const rows = st.jobs.slice().sort((a, b) => {
       const x = val(a, st.sort.key), y = val(b, st.sort.key);
       if (x === null || x === undefined) return (y === null || y === undefined) ? a.index - b.index : 1; // nulls last
@@ -461,7 +529,9 @@ function taskView(main, taskId) {
         h("td", {}, h("span", { class: "swatch", style: `background:${LoraplexChart.jobColor(j.index)}` }), j.index, best ? " ★" : ""),
         ks.map((k) => h("td", { class: "num" }, (j.hyperparameters || {})[k] ?? "-")),
         h("td", {}, stateBadge(j.state)), h("td", { class: "exit-reason" }, j.exit_reason || ""),
-        h("td", { class: "num" }, fmtLoss(j.best_val_loss)), h("td", { class: "num" }, j.best_step ?? "-"),
+        h("td", { class: "num" }, fmtLoss(j.best_val_loss)),
+        h("td", { class: "num val-acc", "data-job": j.id, "data-value": st.acc[j.id] ?? "", title: "validation mean token accuracy at the best step" }, fmtAcc(st.acc[j.id])),
+        h("td", { class: "num" }, j.best_step ?? "-"),
         h("td", { class: "num" }, j.last_step ?? "-"), h("td", {}, dl)));
     }
   }
@@ -508,7 +578,7 @@ function taskView(main, taskId) {
     st.updates++;
     if (u.gone) { msg.textContent = "This task does not exist (or is not yours)."; return; }
     if (u.task) { st.task = u.task; renderHead(); }
-    if (u.jobs) { st.jobs = u.jobs; renderBoard(); }
+    if (u.jobs) { st.jobs = u.jobs; renderBoard(); loadAccuracy(); }
     if (u.events) renderEvents(u.events);
     if (u.points) {
       if (u.reset) st.curves = {};
@@ -545,7 +615,7 @@ function taskView(main, taskId) {
           else if (type === "end") ended = JSON.parse(data || "{}").ended;
         }
       }
-      if (ended) { live.textContent = "ended"; return; }
+      if (ended) { live.textContent = "ended"; afterEnd(); return; }
       if (!stopped) retry = setTimeout(connect, 200);
     } catch (e) {
       if (stopped) return;
