@@ -542,10 +542,10 @@ def test_sixty_jobs_of_thousands_of_points_stay_usable(stack: Stack, browser: we
 
     browser.set_window_size(400, 900)  # a narrow window: nothing wider than the page
     try:
-        for page in (f"#/task/{task_id}", "#/tasks", "#/cluster"):
+        for page in (f"#/task/{task_id}", "#/tasks", "#/cluster", "#/usage"):
             browser.get(f"{stack.url}/ui/{page}")
-            wait_css(browser, "#leaderboard-body tr, #tasks-body tr[data-task], #timeline",
-                     what=page)
+            wait_css(browser, "#leaderboard-body tr, #tasks-body tr[data-task], #timeline, "
+                     "#usage-body tr", what=page)
             time.sleep(0.3)
             over = browser.execute_script(
                 "return document.documentElement.scrollWidth - window.innerWidth")
