@@ -418,6 +418,21 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     click(browser, '#leaderboard th[data-sort="index"]')
     assert [r for (r,) in attrs(browser, "#leaderboard-body tr", "data-job")] == [
         j["id"] for j in sorted(jobs, key=lambda j: j["index"])]
+
+    # What the run used, as the executor reported it: the API's numbers on the page, and each
+    # job's validation token accuracy at its best step as its checkpoint says.
+    usage = http.get(f"/v1/tasks/{task_id}").json()["usage"]
+    assert usage["trained_tokens"] > 0 and usage["gpu_seconds"] > 0, usage
+    wait_for(lambda: same_numbers(dict(attrs(browser, "#task-usage [data-usage]", "data-usage",
+                                             "data-value")), usage), 20,
+             f"the usage on the page ({text(browser, '#task-usage')!r} vs {usage})")
+    checkpoints = http.get(f"/v1/fine_tuning/jobs/{task_id}/checkpoints").json()["data"]
+    accuracy = {j["id"]: None for j in jobs} | {
+        c["job_id"]: c["metrics"]["valid_mean_token_accuracy"] for c in checkpoints}
+    assert any(a is not None for a in accuracy.values()), checkpoints  # SFT reports it
+    wait_for(lambda: {j: (float(v) if v else None) for j, v in attrs(
+        browser, "#leaderboard-body td.val-acc", "data-job", "data-value")} == accuracy, 20,
+        f"the token accuracies ({text(browser, '#leaderboard-body')!r} vs {accuracy})")
     browser.set_window_size(1280, 1500)  # the curves, the leaderboard and the events
     time.sleep(0.3)
     screenshot(browser, "dashboard-task.png")
@@ -442,6 +457,16 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     tuned = PeftModel.from_pretrained(base, out)
     assert any("lora_" in n for n, _ in tuned.named_parameters())
 
+    # Its result file: the step metrics CSV of the run, downloaded from the page.
+    [result_file] = http.get(f"/v1/tasks/{task_id}").json()["result_files"]
+    click(browser, "#btn-results")
+    csv_path = wait_for(lambda: list(downloads.glob(f"{task_id}_step_metrics.csv")), 30,
+                        f"the CSV download ({text(browser, '#task-msg')})")[0]
+    wait_for(lambda: not list(downloads.glob("*.crdownload")), 10, "the download to finish")
+    body = csv_path.read_bytes()
+    assert body.split(b"\n", 1)[0].decode() == ",".join(RESULT_COLUMNS)
+    assert body == http.get(f"/v1/files/{result_file}/content").content
+
     # The merged model, beside it: the first click asks for it, one once it is built downloads.
     click(browser, "#btn-merged")
     wait_for(lambda: "Merged model: " in text(browser, "#task-msg"), 10, "the merge request")
@@ -461,6 +486,18 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     wait_css(browser, f'#tasks-body tr[data-task="{task_id}"]', what="the list")
     listed = dict(attrs(browser, "#tasks-body tr[data-task]", "data-task", "text"))
     assert "succeeded" in listed[task_id] and "cancelled" in listed[waiting], listed
+
+    # The usage report of the last 30 days has the run, with the API's numbers.
+    click(browser, "#nav-usage")
+    wait_css(browser, f'#usage-body tr[data-task="{task_id}"]', what="the run in the report")
+    [(start, end)] = attrs(browser, "#usage-period", "data-start", "data-end")
+    report = http.get("/v1/usage", params={"start": start, "end": end}).json()
+    [line] = [t for t in report["tasks"] if t["task_id"] == task_id]
+    assert line["trained_tokens"] == usage["trained_tokens"], (line, usage)
+    shown = dict(attrs(browser, f'#usage-body tr[data-task="{task_id}"] [data-usage]',
+                       "data-usage", "data-value"))
+    assert same_numbers(shown, {k: line[k] for k in ("trained_tokens", "gpu_seconds", "cost")}), (
+        shown, line)
     http.close()
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"
               and "Failed to load resource" not in e["message"]]  # the API's 4xx answers
@@ -660,10 +697,9 @@ def test_usage_results_tracking_and_adapter_on_the_page(stack: Stack, browser: w
     wait_for(lambda: attrs(browser, "#btn-results", "data-file") == [(result_file,)], 20,
              "the result file's button")
     click(browser, "#btn-results")
-    csv_path = wait_for(lambda: list(downloads.glob("*_step_metrics.csv")), 30,
+    csv_path = wait_for(lambda: list(downloads.glob(f"{task_id}_step_metrics.csv")), 30,
                         f"the CSV download ({text(browser, '#task-msg')})")[0]
     wait_for(lambda: not list(downloads.glob("*.crdownload")), 10, "the download to finish")
-    assert task_id in csv_path.name
     body = csv_path.read_bytes()
     assert body.split(b"\n", 1)[0].decode() == ",".join(RESULT_COLUMNS)
     assert body == http.get(f"/v1/files/{result_file}/content").content

@@ -5,6 +5,7 @@ and another tenant's task reads as gone. The metrics route's max_points, and the
 
 from __future__ import annotations
 
+import json
 import re
 
 from contract.protocol import MetricPointIn
@@ -59,6 +60,16 @@ def test_live_ticks_send_a_snapshot_then_only_changes(client, factory, session):
     assert gone == {"gone": True} and ended
 
 
+def test_live_task_has_the_usage_of_the_task_route(client, factory):  # noqa: ANN001
+    """The page's task comes from the live stream: its usage is GET /v1/tasks/{id}'s, priced."""
+    t = factory.tenant()
+    task_id = factory.task(t)["id"]
+    r = client.get(f"/ui/v1/tasks/{task_id}/live", headers=t.headers, params={"duration_s": 0.1})
+    first = json.loads(next(line[5:] for line in r.text.splitlines() if line.startswith("data:")))
+    usage = client.get(f"/v1/tasks/{task_id}", headers=t.headers).json()["usage"]
+    assert first["task"]["usage"] == usage and usage["price_per_gpu_hour"] is not None, usage
+
+
 def test_live_route_and_max_points_validation(client, factory):  # noqa: ANN001
     t, other = factory.tenant(), factory.tenant()
     task_id = factory.task(t)["id"]
@@ -80,12 +91,13 @@ def test_page_and_its_files_are_served(client):  # noqa: ANN001
     page = client.get("/ui/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert "default-src 'self'" in page.headers["content-security-policy"]
-    for name, kind in (("app.js", "javascript"), ("chart.js", "javascript"), ("app.css", "css")):
+    for name, kind in (("app.js", "javascript"), ("chart.js", "javascript"), ("app.css", "css"),
+                       ("usage.js", "javascript"), ("webhooks.js", "javascript")):
         assert f"/ui/static/{name}" in page.text
         r = client.get(f"/ui/static/{name}")
         assert r.status_code == 200 and kind in r.headers["content-type"] and r.content
     for bad in ("nope.js", "..%2Fapp.py", "__init__.py", "live.py"):
         assert client.get(f"/ui/static/{bad}").status_code == 404
-    for name in ("app.js", "chart.js", "app.css"):  # nothing loaded from elsewhere
+    for name in ("app.js", "chart.js", "app.css", "usage.js"):  # nothing loaded from elsewhere
         urls = set(re.findall(r"https?://[^\s\"'`)]+", client.get(f"/ui/static/{name}").text))
         assert urls <= {"http://www.w3.org/2000/svg"}, (name, urls)
