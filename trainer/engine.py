@@ -231,15 +231,45 @@ class JobState:
     def done(self) -> bool:
         return self.step >= self.total_steps
 
+    # a park to the host still in flight: the event its copies complete at (see `to`)
+    host_copy: torch.cuda.Event | None = field(default=None, repr=False, compare=False)
+
     def to(self, device: torch.device | str) -> JobState:
-        """Move adapter and optimizer state (park on CPU / resume on the GPU)."""
+        """Move adapter and optimizer state (park on CPU / resume on the GPU). From a GPU to the
+        host the copies go into pinned memory without waiting (they run on the copy engine in
+        stream order while the host goes on; a later use of the state waits for them, `settle`);
+        where pinned memory cannot be had, a plain blocking copy."""
+        self.settle()
+        device = torch.device(device)
+        tensors = [p.data for p in self.adapter.parameters()]
+        if device.type == "cpu" and tensors and tensors[0].is_cuda:
+            move, self.host_copy = _to_host_async, torch.cuda.Event()
+        else:
+            def move(v: torch.Tensor) -> torch.Tensor:
+                return v.to(device)
         for p in self.adapter.parameters():
-            p.data = p.data.to(device)
+            p.data = move(p.data)
         for st in self.optimizer.state.values():
             for k, v in st.items():
                 if torch.is_tensor(v) and v.dim() > 0:
-                    st[k] = v.to(device)
+                    st[k] = move(v)
+        if self.host_copy is not None:
+            self.host_copy.record()
         return self
+
+    def settle(self) -> None:
+        """Wait for a park's host copies (before the host reads or frees the state's tensors)."""
+        if self.host_copy is not None:
+            self.host_copy.synchronize()
+            self.host_copy = None
+
+
+def _to_host_async(v: torch.Tensor) -> torch.Tensor:
+    try:
+        out = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+    except RuntimeError:  # no pinned memory to be had: a blocking copy into pageable memory
+        return v.to("cpu")
+    return out.copy_(v, non_blocking=True)
 
 
 @dataclass
@@ -429,6 +459,8 @@ class MultiLoraEngine:
         state = self.jobs.pop(job_id)
         self.regions.pop(job_id)
         flat = state.adapter.flat
+        if park_device is not None and torch.device(park_device).type == "cpu" and flat.is_cuda:
+            return state.to(park_device)  # copied out of its region in stream order, before any reuse
         flat.data = flat.data.clone()  # its own storage again; the region is free for another job
         return state.to(park_device) if park_device is not None else state
 

@@ -228,3 +228,10 @@ def test_arena_regions_views_growth_and_parking(world) -> None:  # noqa: ANN001
     eng.attach(sp[2].__class__(**{**sp[2].__dict__, "rank": 2}))  # smaller: fits j0's old gap
     assert eng.regions["j2"][0] == lo0
     check()
+    kept1 = eng.jobs["j1"].adapter.flat.detach().clone()
+    on_host = eng.detach("j1", park_device="cpu")  # parked on the host: its own storage too
+    eng.arena.fill_(9.0)
+    assert torch.equal(on_host.adapter.flat.detach(), kept1)
+    eng.attach(on_host)
+    assert torch.equal(eng.jobs["j1"].adapter.flat.detach(), kept1)
+    check()
