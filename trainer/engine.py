@@ -264,6 +264,16 @@ class JobState:
             self.host_copy = None
 
 
+def release_host_cache() -> None:
+    """Give the host allocator's cached pinned blocks (parked states freed since) back to the
+    system: pinned memory cannot be swapped, and torch keeps freed blocks for reuse otherwise."""
+    if not torch.cuda.is_available():
+        return
+    release = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if release is not None:
+        release()
+
+
 def _to_host_async(v: torch.Tensor) -> torch.Tensor:
     try:
         out = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)

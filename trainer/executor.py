@@ -49,7 +49,7 @@ from trainer.checkpoint import FileWriter, load_checkpoint
 from trainer.colocate import ExamplePool, JobSlot, StepNumbers, TaskRun
 from trainer.data import Example, PairExample
 from trainer.dpo import DpoEngine
-from trainer.engine import JobSpec, MultiLoraEngine, eval_chunk
+from trainer.engine import JobSpec, MultiLoraEngine, eval_chunk, release_host_cache
 from trainer.strategy import OneGpu
 from trainer.varlen import flash_exact, flash_varlen_available
 
@@ -648,6 +648,7 @@ class Executor:
     def _close_writer(self) -> None:
         if self.writer is not None:
             self.writer.close()  # every queued write completes (after a crash too: its files are whole)
+        release_host_cache()  # parked states' pinned memory goes back to the host
 
     def timings(self) -> dict[str, Any]:
         """Wall seconds since `run` began, split by phase (idle: everything else: bookkeeping,
