@@ -66,16 +66,9 @@ from contract.protocol import (
 )
 from contract.redis_jobs import delete_job
 from worker import host as shared
-from worker.service_client import (
-    SPOOL_NAME,
-    TERMINAL_TYPES,
-    Backoff,
-    Forwarder,
-    ServiceClient,
-    ServiceError,
-    SpoolWriter,
-    read_complete_lines,
-)
+from worker.forwarder import Forwarder
+from worker.service_client import Backoff, ServiceClient, ServiceError
+from worker.spool import SPOOL_NAME, TERMINAL_TYPES, SpoolWriter, read_complete_lines
 
 log = logging.getLogger("loraplex.worker.daemon")
 REPO_ROOT = Path(__file__).resolve().parents[1]

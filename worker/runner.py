@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from contract.protocol import PlacementSpec, tenant_safe
-from worker.service_client import SPOOL_NAME, SpoolWriter
+from worker.spool import SPOOL_NAME, SpoolWriter
 
 log = logging.getLogger("loraplex.worker.runner")
 LEASE_NAME = "lease"

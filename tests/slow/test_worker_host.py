@@ -25,7 +25,7 @@ from contract.protocol import (
 )
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from worker import host as shared
-from worker.service_client import read_complete_lines
+from worker.spool import read_complete_lines
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")

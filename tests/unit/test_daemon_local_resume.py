@@ -29,7 +29,8 @@ from worker.daemon import (
     newest_local_checkpoint,
     seed_local_resume,
 )
-from worker.service_client import Backoff, ServiceClient, SpoolWriter, read_complete_lines
+from worker.service_client import Backoff, ServiceClient
+from worker.spool import SpoolWriter, read_complete_lines
 
 torch = pytest.importorskip("torch")
 TASK = "task_1"

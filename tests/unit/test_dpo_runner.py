@@ -20,7 +20,7 @@ from contract.protocol import (
 from tests.helpers.engine_ref import tiny_model_dir, write_jsonl
 from tests.unit.test_dpo import preference_rows
 from worker import runner
-from worker.service_client import SpoolWriter, read_complete_lines
+from worker.spool import SpoolWriter, read_complete_lines
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
