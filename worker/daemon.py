@@ -33,19 +33,15 @@ Run ``python -m worker.daemon --help``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -66,16 +62,17 @@ from contract.protocol import (
 )
 from contract.redis_jobs import delete_job
 from worker import host as shared
+from worker.config import DaemonConfig, parse_args
 from worker.forwarder import Forwarder
+from worker.local_resume import seed_local_resume
+from worker.local_state import LocalHost, LocalPlacement
+from worker.processes import LEASE_NAME, alive, describe, kill_group, tail, touch
 from worker.service_client import Backoff, ServiceClient, ServiceError
 from worker.spool import SPOOL_NAME, TERMINAL_TYPES, SpoolWriter, read_complete_lines
 
 log = logging.getLogger("loraplex.worker.daemon")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 IDLE, BUSY, DRAINING, STOPPING = "idle", "busy", "draining", "stopping"
-# Touched every tick while the executor runs: an executor whose daemon is gone for good
-# (node timed out, task moved elsewhere) sees it go stale and stops instead of reporting on.
-LEASE_NAME = "lease"
 # The least time a placement gets to leave a shared executor (a detach waits for the step and
 # the evaluation under way) before the executor counts as wedged and is stopped as a whole.
 HOSTED_GRACE_S = 60.0
@@ -86,29 +83,6 @@ def run_placement(placement_id: str) -> None:
     daemon pops these jobs itself; a plain ``rq worker`` on a node queue is a mistake."""
     raise RuntimeError(f"placement {placement_id} must be run by `python -m worker.daemon`, "
                        "not by an rq worker")
-
-
-@dataclass
-class DaemonConfig:
-    service_url: str
-    worker_token: str
-    redis_url: str
-    node_name: str
-    work_dir: Path
-    cpu_slots: int = 1
-    gpu_type: str | None = None  # override the detected type (e.g. a name the operator uses)
-    poll_interval_s: float = 0.5
-    cancel_grace_s: float = 10.0
-    # A paused executor is writing the checkpoint the resume starts from: give it time.
-    pause_grace_s: float = 300.0
-    stop_timeout_s: float = 30.0
-    heartbeat_interval_s: float | None = None  # default: what the service asks for
-    runner_module: str = "worker.runner"
-    runner_args: list[str] = field(default_factory=list)
-    # co-location: a one-GPU placement joins a shared executor (worker.host) of its model on its
-    # GPUs. Only with the real runner: another runner module replaces the whole executor side.
-    colocate: bool = True
-    host_module: str = "worker.host"
 
 
 def detect_node(cfg: DaemonConfig) -> NodeRegister:
@@ -128,82 +102,6 @@ def detect_node(cfg: DaemonConfig) -> NodeRegister:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return NodeRegister(name=cfg.node_name, gpu_type=cfg.gpu_type or "cpu",
                         gpu_count=cfg.cpu_slots, gpu_memory_bytes=int(memory), meta=meta)
-
-
-@dataclass
-class LocalPlacement:
-    """What the daemon knows of one placement; persisted as daemon.json in its folder."""
-
-    placement_id: str
-    directory: Path
-    status: str = "popped"  # popped -> ready -> running -> exited -> done
-    task_id: str | None = None
-    gpu_indices: list[int] = field(default_factory=list)
-    pid: int | None = None
-    host_id: str | None = None  # the shared executor it is attached to (None: its own process)
-    # The service stopped this attempt (cancelled, superseded, failed or finished there): it
-    # takes no more reports from it, so the daemon stops it and ends it without a word.
-    cancelled: bool = False
-    proc: subprocess.Popen | None = field(default=None, repr=False)
-    forwarder: Forwarder | None = field(default=None, repr=False)
-    kill_at: float | None = None
-    next_claim_at: float = 0.0
-    claim_failures: int = 0
-    refused_by: set[str] = field(default_factory=set)  # shared executors that would not take it
-
-    def save(self) -> None:
-        data = {k: getattr(self, k) for k in ("placement_id", "status", "task_id",
-                                              "gpu_indices", "pid", "host_id", "cancelled")}
-        tmp = self.directory / "daemon.json.tmp"
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, self.directory / "daemon.json")
-
-    @classmethod
-    def load(cls, directory: Path) -> LocalPlacement | None:
-        data = _read_json(directory / "daemon.json")
-        return None if data is None else cls(directory=directory, **data)
-
-
-@dataclass
-class LocalHost:
-    """A shared executor process (worker.host) on this node: one colocation_key on one GPU set;
-    persisted as daemon.json in its folder (work_dir/hosts/<host_id>)."""
-
-    host_id: str
-    directory: Path
-    key: str
-    gpu_indices: list[int]
-    pid: int | None = None
-    closing: bool = False  # asked to stop (SIGTERM): it takes no more placements
-    proc: subprocess.Popen | None = field(default=None, repr=False)
-    kill_at: float | None = None
-    # a pause or preemption gives the GPUs back: once nothing is left on it, it does not linger
-    stop_when_idle: bool = False
-
-    def save(self) -> None:
-        shared.write_json(self.directory / "daemon.json", {
-            k: getattr(self, k) for k in ("host_id", "key", "gpu_indices", "pid", "closing")})
-
-    @classmethod
-    def load(cls, directory: Path) -> LocalHost | None:
-        data = _read_json(directory / "daemon.json")
-        if data is None:
-            return None
-        host = cls(directory=directory, **data)
-        if host.pid is None:  # the daemon stopped before it noted the pid; the host notes its own
-            host.pid = shared.read_status(directory).get("pid")
-        return host
-
-    def status(self) -> dict:
-        return shared.read_status(self.directory)
-
-    def exit_code(self) -> int | str | None:
-        """None while alive; its exit code (our child); 'lost' for an adopted pid that is gone."""
-        if self.proc is not None:
-            return self.proc.poll()
-        if self.pid is not None and _alive(self.pid, self.directory):
-            return None
-        return "lost"
 
 
 class Daemon:
@@ -517,7 +415,7 @@ class Daemon:
         if p.status == "ready" and not p.cancelled and self.state == STOPPING:
             self._close_with_failure(p, p.task_id or "", "stopped before it started")
         if p.status == "running":
-            _touch(p.directory / LEASE_NAME)
+            touch(p.directory / LEASE_NAME)
             self._watch(p)
         if p.cancelled:
             if p.status in ("ready", "exited"):
@@ -611,7 +509,7 @@ class Daemon:
 
     def _start(self, p: LocalPlacement) -> None:
         self._seed(p)
-        _touch(p.directory / LEASE_NAME)
+        touch(p.directory / LEASE_NAME)
         p.proc = self._spawn(self.cfg.runner_module, "--placement-dir", p.directory,
                              p.gpu_indices, "executor.log", self.cfg.runner_args)
         p.pid, p.status = p.proc.pid, "running"
@@ -629,7 +527,7 @@ class Daemon:
                       gpu_indices=list(p.gpu_indices))
         h.save()  # before the process: a restarted daemon finds it (its pid in status.json)
         self.hosts[h.host_id] = h
-        _touch(directory / LEASE_NAME)
+        touch(directory / LEASE_NAME)
         self._attach(h, p)  # the request is there before the process looks for it
         h.proc = self._spawn(self.cfg.host_module, "--host-dir", directory, h.gpu_indices,
                              "host.log")
@@ -641,7 +539,7 @@ class Daemon:
 
     def _attach(self, h: LocalHost, p: LocalPlacement) -> None:
         self._seed(p)
-        _touch(p.directory / LEASE_NAME)
+        touch(p.directory / LEASE_NAME)
         shared.send(h.directory, {"op": "attach", "placement_id": p.placement_id,
                                   "placement_dir": str(p.directory)})
         # its executor's pid is the shared one (never signalled for this placement alone)
@@ -665,7 +563,7 @@ class Daemon:
         h.kill_at = time.monotonic() + self.cfg.stop_timeout_s
         log.info("shared executor stopping node=%s host=%s pid=%s why=%s", self.node_id,
                  h.host_id, h.pid, why)
-        _kill_group(h.pid, signal.SIGTERM)
+        kill_group(h.pid, signal.SIGTERM)
 
     def _tend_hosts(self) -> None:
         """Keep live shared executors' leases fresh, kill one past its stop deadline, stop idle
@@ -673,14 +571,14 @@ class Daemon:
         left on it."""
         for h in list(self.hosts.values()):
             if h.exit_code() is None:
-                _touch(h.directory / LEASE_NAME)
+                touch(h.directory / LEASE_NAME)
                 if (self.state in (DRAINING, STOPPING) or h.stop_when_idle) and not self._hosted(h):
                     self._stop_host(h, "idle after a pause" if h.stop_when_idle
                                     else f"node daemon {self.state}")
                 if h.kill_at is not None and time.monotonic() >= h.kill_at:
                     log.warning("shared executor killed node=%s host=%s pid=%s", self.node_id,
                                 h.host_id, h.pid)
-                    _kill_group(h.pid, signal.SIGKILL)
+                    kill_group(h.pid, signal.SIGKILL)
                     h.kill_at = None
             elif not self._hosted(h):
                 del self.hosts[h.host_id]
@@ -730,9 +628,9 @@ class Daemon:
             self._close_with_failure(p, p.task_id or "", "node daemon stopped")
         else:
             h = self.hosts.get(p.host_id or "")
-            tail = _tail(h.directory / "host.log" if h else p.directory / "executor.log")
+            log_tail = tail(h.directory / "host.log" if h else p.directory / "executor.log")
             self._close_with_failure(p, p.task_id or "",
-                                     f"executor exited with {_describe(code)}\n{tail}")
+                                     f"executor exited with {describe(code)}\n{log_tail}")
 
     def _never_joined(self, p: LocalPlacement) -> bool:
         """A placement sent to a shared executor that refused it (closing, or it cannot share)
@@ -774,7 +672,7 @@ class Daemon:
             return 0 if p.placement_id in ended else code
         if p.proc is not None:
             return p.proc.poll()
-        if p.pid is not None and _alive(p.pid, p.directory):
+        if p.pid is not None and alive(p.pid, p.directory):
             return None
         return "lost"
 
@@ -905,7 +803,7 @@ class Daemon:
             p.kill_at = deadline
 
     def _signal(self, p: LocalPlacement, sig: signal.Signals) -> None:
-        _kill_group(p.pid, sig)
+        kill_group(p.pid, sig)
 
     # -- restart --------------------------------------------------------------------------
     def recover(self) -> None:
@@ -939,289 +837,6 @@ class Daemon:
             delete_job(self.conn, placement_job_id(placement_id), remove_from_queue=False)
         except redis.RedisError:
             pass
-
-
-# -- local resume ----------------------------------------------------------------------------
-LOCAL_RESUME_NAME = "local_resume.json"  # written last: this placement's seeding is done
-OFFERED_NAME = "resume-offered"  # where the service's checkpoint goes when a local one wins
-
-
-@dataclass
-class LocalCheckpoint:
-    """A checkpoint that an earlier attempt of the task announced in its spool on this node."""
-
-    directory: Path  # that attempt's placement folder
-    record_end: int  # its spool's offset just past the checkpoint's record
-    record: dict  # {"type": "artifact", "dir": <a copy of state.pt>, "meta": {"kind": ...}}
-    global_step: int
-    offered_step: int = -1  # global_step of the checkpoint the service offered; -1: none
-
-    @property
-    def state_file(self) -> Path:
-        return self.directory / self.record["dir"] / "state.pt"
-
-
-def checkpoint_step(path: Path) -> int | None:
-    """The executor's global_step in a state.pt, memory-mapped (the tensors are not read);
-    None when it cannot be read (torch missing, a foreign or damaged file)."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except RuntimeError:  # not the zip format that mmap needs
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        return int(state["global_step"])
-    except Exception:  # noqa: BLE001 - unreadable is unusable, whatever the reason
-        log.warning("checkpoint unreadable path=%s", path, exc_info=True)
-        return None
-
-
-def newest_local_checkpoint(placements_dir: Path, own_dir: Path,
-                            task_id: str) -> LocalCheckpoint | None:
-    """Of the earlier attempts of task_id on this node, the last checkpoint with the highest
-    global_step (an attempt's last announced checkpoint is its newest)."""
-    best: LocalCheckpoint | None = None
-    for directory in sorted(placements_dir.iterdir()):
-        if directory == own_dir or _spec_task(directory) != task_id:
-            continue
-        last = None
-        for last in _checkpoint_records(directory):  # noqa: B007 - the last one is wanted
-            pass
-        if last is None:
-            continue
-        step = checkpoint_step(directory / last[1]["dir"] / "state.pt")
-        if step is not None and (best is None or step > best.global_step):
-            best = LocalCheckpoint(directory, last[0], last[1], step)
-    return best
-
-
-def seed_local_resume(placements_dir: Path, directory: Path,
-                      spec: PlacementSpec) -> LocalCheckpoint | None:
-    """Before a placement's executor starts: when an earlier attempt of its task on this node
-    announced a checkpoint with a higher global_step than the one the service offers (fetched
-    to DIR/resume), resume from that one, so a retry on the same node loses at most the local
-    checkpoint interval, not everything since the service last heard from the node.
-
-    The earlier attempt's reports up to that checkpoint may never have reached the service (it
-    was cut off, then stopped), while the checkpoint holds their outcome (jobs that ended, their
-    adapters). So this attempt replays them first, as its own: its spool starts with the earlier
-    spool's loss points, job states and adapters up to the checkpoint, then the checkpoint
-    itself, all idempotent at the service (points dedupe on (job, step, split); a job's adapter
-    and a checkpoint's step are keys; a repeated job state is a no-op); events are not replayed.
-    Then DIR/executor/state.pt is that checkpoint and DIR/resume moves to DIR/resume-offered, so
-    the runner does not copy the older one over it.
-
-    Steps compare by the global_step in both state.pt files (checkpoint_step): an offered one
-    that cannot be read is kept. Done once (marker file); a failure part-way leaves a placement
-    that resumes from the offered checkpoint. Returns the checkpoint seeded, else None."""
-    spool = directory / SPOOL_NAME
-    if (directory / LOCAL_RESUME_NAME).exists() or (spool.exists() and spool.stat().st_size):
-        return None
-    offered_step = -1
-    for offered in (directory / "resume" / "state.pt", directory / OFFERED_NAME / "state.pt"):
-        if offered.is_file():
-            step = checkpoint_step(offered)
-            if step is None:
-                return None
-            offered_step = step
-            break
-    best = newest_local_checkpoint(placements_dir, directory, spec.task_id)
-    if best is None or best.global_step <= offered_step:
-        return None
-    best.offered_step = offered_step
-    lines = [_local_resume_event(best, spec.attempt)]
-    for end, record, text in _spool_records(best.directory, best.record_end):
-        kind = record.get("type")
-        meta = record.get("meta") or {}
-        if kind == "artifact" and (end == best.record_end or meta.get("kind") == "adapter"):
-            _link_tree(best.directory / record["dir"], directory / record["dir"])
-        elif kind not in ("metric", "job_state"):
-            continue
-        lines.append(text)
-    tmp = spool.with_name(spool.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines))
-    os.replace(tmp, spool)
-    (directory / "executor").mkdir(exist_ok=True)
-    _link_file(best.state_file, directory / "executor" / "state.pt")
-    if (directory / "resume").is_dir():
-        shutil.rmtree(directory / OFFERED_NAME, ignore_errors=True)
-        os.replace(directory / "resume", directory / OFFERED_NAME)
-    (directory / LOCAL_RESUME_NAME).write_text(json.dumps({
-        "from_placement_id": best.directory.name, "global_step": best.global_step,
-        "offered_global_step": offered_step, "replayed_records": len(lines) - 1}))
-    return best
-
-
-def _spec_task(directory: Path) -> str | None:
-    try:
-        return json.loads((directory / "spec.json").read_text()).get("task_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _spool_records(directory: Path, stop: int | None = None) -> Iterator[tuple[int, dict, str]]:
-    """(end offset, record, line) of each complete, parsable spool line, up to offset stop."""
-    offset = 0
-    while lines := read_complete_lines(directory / SPOOL_NAME, offset, 10_000):
-        for _, end, text in lines:
-            if stop is not None and end > stop:
-                return
-            try:
-                record = json.loads(text)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                yield end, record, text
-        offset = lines[-1][1]
-
-
-def _checkpoint_records(directory: Path) -> Iterator[tuple[int, dict]]:
-    """(end offset, record) of each checkpoint announced in a spool whose copy is still there."""
-    for end, record, _ in _spool_records(directory):
-        if (record.get("type") == "artifact" and (record.get("meta") or {}).get("kind")
-                == "checkpoint" and isinstance(record.get("dir"), str)
-                and (directory / record["dir"] / "state.pt").is_file()):
-            yield end, record
-
-
-def _local_resume_event(best: LocalCheckpoint, attempt: int) -> str:
-    offered = best.offered_step if best.offered_step >= 0 else None
-    return json.dumps({"type": "event", "event": {
-        "type": "local_resume", "level": "info", "job_id": None,
-        "message": f"attempt {attempt} resumes from this node's checkpoint of an earlier attempt "
-                   f"at step {best.global_step} (the service's latest: "
-                   f"{'none' if offered is None else f'step {offered}'})",
-        "data": {"from_placement_id": best.directory.name, "global_step": best.global_step,
-                 "offered_global_step": offered}}}, separators=(",", ":"))
-
-
-def _link_file(src: Path, dst: Path) -> None:
-    """dst becomes src's content, atomically: a hard link (checkpoints are large and never
-    changed in place: the executor replaces state.pt), a copy across filesystems."""
-    tmp = dst.with_name(f".{dst.name}.seed")  # a dot file: never uploaded as an artifact file
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-
-
-def _link_tree(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True, exist_ok=True)
-    for path in src.iterdir():
-        if path.is_file() and not path.name.startswith("."):
-            _link_file(path, dst / path.name)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _kill_group(pid: int | None, sig: signal.Signals) -> None:
-    if pid is None:
-        return
-    try:
-        os.killpg(pid, sig)  # an executor leads its own session: its children go too
-    except ProcessLookupError:
-        pass
-
-
-def _touch(path: Path) -> None:
-    try:
-        os.utime(path)
-    except FileNotFoundError:
-        path.touch()
-
-
-def _alive(pid: int, directory: Path) -> bool:
-    """Whether pid is still our executor (and not a recycled pid of something else)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
-        return False
-    return str(directory).encode() in cmdline
-
-
-def _describe(code: int | str) -> str:
-    if isinstance(code, str):
-        return "its process gone (daemon restarted while it ran)"
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"code {code}"
-
-
-def _tail(path: Path, max_bytes: int = 4000) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - max_bytes))
-            return fh.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
-def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
-    env = os.environ.get
-    ap = argparse.ArgumentParser(prog="python -m worker.daemon", description=(
-        "loraplex node daemon: runs the placements the scheduler gives this node."))
-    ap.add_argument("--service-url", default=env("LORAPLEX_SERVICE_URL", "http://127.0.0.1:8000"),
-                    help="Base URL of the service (env LORAPLEX_SERVICE_URL).")
-    ap.add_argument("--worker-token", default=env("LORAPLEX_WORKER_TOKEN", "dev-worker-token"),
-                    help="Bearer token of /internal/v1 (env LORAPLEX_WORKER_TOKEN).")
-    ap.add_argument("--redis-url", default=env("LORAPLEX_REDIS_URL", "redis://127.0.0.1:6379/0"),
-                    help="Redis holding the placement queues (env LORAPLEX_REDIS_URL).")
-    ap.add_argument("--node-name", default=env("LORAPLEX_NODE_NAME", socket.gethostname()),
-                    help="Stable name of this node (env LORAPLEX_NODE_NAME; default hostname).")
-    ap.add_argument("--work-dir", type=Path,
-                    default=Path(env("LORAPLEX_WORK_DIR", "var/worker")),
-                    help="Where placements keep their files (env LORAPLEX_WORK_DIR).")
-    ap.add_argument("--cpu-slots", type=int, default=int(env("LORAPLEX_CPU_SLOTS", "1")),
-                    help="Executor slots to offer when the node has no CUDA GPU.")
-    ap.add_argument("--gpu-type", default=env("LORAPLEX_GPU_TYPE"),
-                    help="Override the detected GPU type name.")
-    ap.add_argument("--cancel-grace-s", type=float, default=10.0,
-                    help="Seconds between SIGTERM and SIGKILL of a cancelled executor.")
-    ap.add_argument("--pause-grace-s", type=float, default=300.0,
-                    help="Seconds a paused (or preempted) executor gets to checkpoint and "
-                         "exit before SIGKILL.")
-    ap.add_argument("--poll-interval-s", type=float, default=0.5)
-    ap.add_argument("--heartbeat-interval-s", type=float, default=None,
-                    help="Default: the interval the service asks for at registration.")
-    ap.add_argument("--runner-module", default="worker.runner",
-                    help="Module run as `python -m MODULE --placement-dir DIR` per placement.")
-    ap.add_argument("--runner-arg", action="append", default=[], dest="runner_args",
-                    help="Extra argument for the runner (repeatable).")
-    ap.add_argument("--colocate", action=argparse.BooleanOptionalAction,
-                    default=env("LORAPLEX_COLOCATE", "1") != "0",
-                    help="Run one-GPU placements of one model on one shared executor per GPU "
-                         "set (env LORAPLEX_COLOCATE=0 turns it off; only with worker.runner).")
-    ap.add_argument("--host-module", default="worker.host",
-                    help="Module run as `python -m MODULE --host-dir DIR` per shared executor.")
-    ap.add_argument("--log-level", default=env("LORAPLEX_LOG_LEVEL", "INFO"))
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    return DaemonConfig(service_url=args.service_url, worker_token=args.worker_token,
-                        redis_url=args.redis_url, node_name=args.node_name,
-                        work_dir=args.work_dir.resolve(), cpu_slots=args.cpu_slots,
-                        gpu_type=args.gpu_type, poll_interval_s=args.poll_interval_s,
-                        cancel_grace_s=args.cancel_grace_s, pause_grace_s=args.pause_grace_s,
-                        heartbeat_interval_s=args.heartbeat_interval_s,
-                        runner_module=args.runner_module, runner_args=list(args.runner_args),
-                        colocate=args.colocate, host_module=args.host_module)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

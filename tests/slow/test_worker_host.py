@@ -262,7 +262,8 @@ def node_daemon(work: Path, service: Service) -> Any:
     import httpx
 
     from tests.unit.test_daemon_local_resume import NoRedis
-    from worker.daemon import Daemon, DaemonConfig
+    from worker.config import DaemonConfig
+    from worker.daemon import Daemon
     from worker.service_client import Backoff, ServiceClient
 
     cfg = DaemonConfig(service_url="http://svc", worker_token="t", redis_url="redis://x",
@@ -278,7 +279,7 @@ def node_daemon(work: Path, service: Service) -> Any:
 
 def ready(d: Any, directory: Path) -> None:
     """A claimed placement the daemon will start (its spec and data are in its folder)."""
-    from worker.daemon import LocalPlacement
+    from worker.local_state import LocalPlacement
 
     spec = PlacementSpec.model_validate_json((directory / "spec.json").read_text())
     p = LocalPlacement(placement_id=directory.name, directory=directory, status="ready",
@@ -301,7 +302,7 @@ def reported(service: Any, path_end: str) -> list[dict]:
 @pytest.mark.usefixtures("one_thread_host")
 def test_the_daemon_attaches_placements_of_one_model_to_one_process_across_a_restart(
         tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.daemon import _alive
+    from worker.processes import alive
 
     monkeypatch.setenv("LORAPLEX_EXECUTOR_LINGER_S", "60")
     service = Service()
@@ -340,13 +341,13 @@ def test_the_daemon_attaches_placements_of_one_model_to_one_process_across_a_res
     d.tick()
     (idle,) = d._executors  # warm and idle: another task of the model may join it
     assert idle.placement_ids == [] and idle.free_rows == idle.total_rows > 0
-    assert _alive(h.pid, h.directory)
+    assert alive(h.pid, h.directory)
 
     # a task of another model (another max_seq_len) on the same GPU: the idle one gives way
     other = make_placement(tmp_path, model, "pl_other", max_seq_len=64, epochs=1)
     ready(d, other)
     ticking(d, lambda: trained(other), "the other model's task to train")
-    assert not _alive(h.pid, h.directory) and h.host_id not in d.hosts
+    assert not alive(h.pid, h.directory) and h.host_id not in d.hosts
     (h2,) = d.hosts.values()
     assert h2.key == "tiny|sft|64|*"
     ticking(d, lambda: "pl_other" not in d.placements, "the other task to finish")
@@ -378,7 +379,7 @@ def test_a_crash_of_the_shared_executor_fails_every_hosted_placement_retryably(
 
 def test_which_placements_share_an_executor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                             ) -> None:
-    from worker.daemon import parse_args
+    from worker.config import parse_args
 
     d = node_daemon(tmp_path, Service())
     one = PlacementSpec.model_validate_json(

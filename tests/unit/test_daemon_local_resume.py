@@ -19,16 +19,16 @@ from contract.protocol import (
     JobSpec,
     PlacementSpec,
 )
-from worker.daemon import (
+from worker.config import DaemonConfig
+from worker.daemon import Daemon
+from worker.local_resume import (
     LOCAL_RESUME_NAME,
     OFFERED_NAME,
-    Daemon,
-    DaemonConfig,
-    LocalPlacement,
     checkpoint_step,
     newest_local_checkpoint,
     seed_local_resume,
 )
+from worker.local_state import LocalPlacement
 from worker.service_client import Backoff, ServiceClient
 from worker.spool import SpoolWriter, read_complete_lines
 
