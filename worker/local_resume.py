@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.protocol import PlacementSpec
+from worker.local_state import LocalPlacement
 from worker.spool import SPOOL_NAME, read_complete_lines
 
 log = logging.getLogger("loraplex.worker.daemon")
@@ -127,6 +128,21 @@ def seed_local_resume(placements_dir: Path, directory: Path,
         "offered_global_step": offered_step, "replayed_records": len(lines) - 1}))
     return best
 
+
+
+def seed_before_start(p: LocalPlacement, placements_dir: Path, node_id: str | None) -> None:
+    """seed_local_resume for placement p, about to start, logged."""
+    try:
+        spec = PlacementSpec.model_validate_json((p.directory / "spec.json").read_text())
+        seeded = seed_local_resume(placements_dir, p.directory, spec)
+    except Exception:  # never keep a placement from starting: it resumes as offered
+        log.exception("local resume failed node=%s task=%s placement=%s", node_id,
+                      p.task_id, p.placement_id)
+        seeded = None
+    if seeded is not None:
+        log.info("local resume node=%s task=%s placement=%s from=%s global_step=%d "
+                 "offered_global_step=%d", node_id, p.task_id, p.placement_id,
+                 seeded.directory.name, seeded.global_step, seeded.offered_step)
 
 def _spec_task(directory: Path) -> str | None:
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 from worker import host as shared
 from worker.forwarder import Forwarder
 from worker.processes import alive
+from worker.spool import SPOOL_NAME, TERMINAL_TYPES, SpoolWriter, read_complete_lines
 
 
 @dataclass
@@ -47,6 +48,30 @@ class LocalPlacement:
     def load(cls, directory: Path) -> LocalPlacement | None:
         data = _read_json(directory / "daemon.json")
         return None if data is None else cls(directory=directory, **data)
+
+    def spool_has_terminal(self) -> bool:
+        """Whether its executor's final word (finished, failed) is in its spool."""
+        start = self.forwarder.state.offset if self.forwarder else 0
+        if self.forwarder is not None and self.forwarder.done:
+            return True
+        for _, _, text in read_complete_lines(self.directory / SPOOL_NAME, start, 1 << 30):
+            if any(f'"type":"{t}"' in text for t in TERMINAL_TYPES):
+                return True
+        return False
+
+    def close_with_failure(self, task_id: str, error: str) -> None:
+        """End a placement (still current) whose executor left no final word: the daemon
+        writes it to the spool itself, so delivery goes through the same durable, resumable
+        path."""
+        writer = SpoolWriter(self.directory / SPOOL_NAME)
+        try:
+            writer.event("executor_failed", error[:10_000], level="error")
+            writer.failed(error, retryable=True)
+        finally:
+            writer.close()
+        self.task_id = self.task_id or task_id
+        self.status = "exited"
+        self.save()
 
 
 @dataclass

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 # Touched every tick while the executor runs: an executor whose daemon is gone for good
 # (node timed out, task moved elsewhere) sees it go stale and stops instead of reporting on.
 LEASE_NAME = "lease"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def kill_group(pid: int | None, sig: signal.Signals) -> None:
@@ -60,3 +64,20 @@ def tail(path: Path, max_bytes: int = 4000) -> str:
     except OSError:
         return ""
 
+
+
+def spawn(module: str, flag: str, directory: Path, gpu_indices: list[int], log_name: str,
+          extra: Sequence[str] = (), *, cuda: bool) -> subprocess.Popen:
+    """``python -m module flag directory *extra`` on these GPUs (cuda False: a CPU node's slots,
+    no GPU visible), leading its own session, logging to directory/log_name."""
+    env = dict(os.environ)
+    gpus = ",".join(str(g) for g in gpu_indices)
+    env["CUDA_VISIBLE_DEVICES"] = gpus if cuda else ""
+    env["LORAPLEX_SLOTS"] = gpus
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", module, flag, str(directory), *extra]
+    with open(directory / log_name, "ab") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                cwd=directory)

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from worker.config import parse_args
-from worker.daemon import detect_node, run_placement
+from worker.daemon import run_placement
 from worker.local_state import LocalPlacement
 from worker.processes import alive, describe
+from worker.registration import detect_node
 
 
 def test_parse_args_env_and_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
