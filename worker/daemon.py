@@ -48,7 +48,7 @@ class Daemon:
         self.state = IDLE
         self.shutdown = Shutdown()
         self.registration = Registration(cfg, self.client)
-        self.placements: dict[str, LocalPlacement] = {}
+        self.placements: dict[str, LocalPlacement] = {}  # the node's table; its parts share it
         self.shared = SharedHosts(cfg, self.registration, self.placements)
         self.lifecycle = Lifecycle(cfg, self.client, self.conn, self.registration,
                                    self.placements, self.shared)

@@ -1,11 +1,9 @@
-"""The daemon's side of a spool: ships one placement's records to the service in order,
-resumably. Its byte offset lives in forward.json, written after each delivery, so a restart
-resends at most the last batch; every report is idempotent on the service side (events carry
-client_key "<placement>:<offset>", metrics dedupe on (job, step, split), artifacts on their
-key, job states and task ends accept repeats, a throughput report replaces the profile it
-measured with the same numbers). Every report names the forwarder's placement (= attempt): the
-service refuses another attempt's with a 409, which the forwarder drops.
-"""
+"""The daemon's side of a spool: ships one placement's records to the service, in order and
+resumably (its offset in forward.json; a restart resends at most the last batch, and every
+report is idempotent at the service: events by client_key "<placement>:<offset>", metrics by
+(job, step, split), artifacts by key; job states, task ends, throughput accept repeats).
+Reports name the forwarder's placement (= attempt): the service refuses another attempt's with
+a 409, which the forwarder drops."""
 
 from __future__ import annotations
 
