@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from contract.protocol import ADAPTER_FILES, PlacementSpec, tenant_safe
-from worker.service_client import INIT_ADAPTER_ARCHIVE, SPOOL_NAME, SpoolWriter
+from worker.spool import SPOOL_NAME, SpoolWriter
 
 log = logging.getLogger("loraplex.worker.runner")
 LEASE_NAME = "lease"
+INIT_ADAPTER_ARCHIVE = "init_adapter.archive"  # in the placement's data/, fetched by the daemon
 JOB_LIVE = ("pending", "running")
 
 
