@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.data import JobDataStream  # noqa: E402
-from trainer.engine import JobSpec, JobState, make_optimizer  # noqa: E402
+from trainer.jobs import JobSpec, JobState, make_optimizer  # noqa: E402
 from trainer.multilora import JobAdapter  # noqa: E402
 
 H, FF, KV = 4096, 14336, 1024

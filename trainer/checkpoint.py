@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from trainer.engine import JobSpec, JobState, MultiLoraEngine
+from trainer.engine import MultiLoraEngine
+from trainer.jobs import JobSpec, JobState
 
 
 def job_state_dict(state: JobState, copy: bool = True) -> dict[str, Any]:

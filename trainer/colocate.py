@@ -58,8 +58,9 @@ from trainer.data import (
 )
 from trainer.dpo import DpoEngine
 from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
-from trainer.engine import JobSpec, JobState, eval_forwards
+from trainer.engine import eval_forwards
 from trainer.export import export_peft, peft_config_dict, write_peft
+from trainer.jobs import JobSpec, JobState
 
 if TYPE_CHECKING:
     from trainer.executor import Callbacks, Executor, ExecutorConfig

@@ -49,7 +49,8 @@ from trainer.checkpoint import FileWriter, load_checkpoint
 from trainer.colocate import ExamplePool, JobSlot, StepNumbers, TaskRun
 from trainer.data import Example, PairExample
 from trainer.dpo import DpoEngine
-from trainer.engine import JobSpec, MultiLoraEngine, eval_chunk, release_host_cache
+from trainer.engine import MultiLoraEngine, eval_chunk
+from trainer.jobs import JobSpec, release_host_cache
 from trainer.strategy import OneGpu
 from trainer.varlen import flash_exact, flash_varlen_available
 

@@ -11,8 +11,9 @@ import torch
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, train_alone_peft
 from trainer.checkpoint import job_state_dict, load_checkpoint, restore_job, save_checkpoint
 from trainer.data import parse_record, tokenize_all
-from trainer.engine import JobSpec, MultiLoraEngine, lr_factor
+from trainer.engine import MultiLoraEngine
 from trainer.export import export_peft
+from trainer.jobs import JobSpec, lr_factor
 
 # 4 jobs: different ranks, learning rates, batch sizes (and warmup/schedules)
 SPECS = [(2, 1e-3, 1, "linear"), (4, 5e-3, 2, "cosine"), (8, 2e-3, 3, "constant"), (16, 1e-2, 4, "linear")]
