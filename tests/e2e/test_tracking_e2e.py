@@ -1,6 +1,7 @@
 """End to end, tracking: a task with an MLflow integration (a real `mlflow server` the test
 starts, on loopback: the operator allows private addresses) and a W&B one (offline, under the
-operator's LORAPLEX_WANDB_DIR) is trained to the end by a real daemon on a tiny Llama; the
+operator's LORAPLEX_WANDB_DIR) is created with the `loraplex` CLI's flags and trained to the end by a real daemon on a tiny
+Llama; the
 leader's syncer writes its runs, the task view shows both integrations synced, and what the
 tracking servers hold is what the loraplex API says: one run per job with the job's
 hyperparameters, train and validation curves equal to the task's stored ones step by step, the
@@ -8,7 +9,6 @@ jobs' states and exit reasons, and the task's best job the one run tagged best."
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from collections.abc import Iterator
@@ -74,30 +74,33 @@ def same_param(text: str, value: object) -> bool:
 
 def test_runs_of_a_trained_task_reach_mlflow_and_wandb(mlflow: MlflowServer, stack: Stack,
                                                        tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from service.cli import main as cli
+
     stack.daemon("cpu-node")
-    mlflow_url = mlflow.url
-    integrations = [
-        {"type": "mlflow", "mlflow": {"tracking_uri": mlflow_url, "experiment_name": EXPERIMENT}},
-        {"type": "wandb", "wandb": {"project": PROJECT, "name": "e2e", "tags": ["e2e"]}}]
+    files = {}
+    for name, records in (("train", dataset(24, seed=1)), ("val", dataset(8, seed=2))):
+        files[name] = tmp_path / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps(r) + "\n" for r in records))
+    # the CLI uploads the files and builds the integrations from its flags
+    out = Console(record=True, width=400)
+    assert cli(["--api-url", stack.url, "--api-key", stack.api_key, "--json", "tasks", "create",
+                "--model", "tiny", "--train", str(files["train"]), "--validation",
+                str(files["val"]), *(a for lr in LEARNING_RATES for a in ("--lr", str(lr))),
+                "--rank", "4", "--batch-size", "4", "--epochs", "1", "--max-seq-len", "64",
+                "--seed", "5", "--set", "suffix=e2e", "--set", 'eval={"eval_every_steps": 2}',
+                # two jobs, the warmup ranking keeps one: the other exits with a reason
+                "--set", 'early_exit={"warmup_fraction": 0.25, "keep_fraction": 0.5}',
+                "--mlflow-uri", mlflow.url, "--mlflow-experiment", EXPERIMENT,
+                "--wandb-project", PROJECT], console=out) == 0, out.export_text()
+    task = json.loads(out.export_text())
+    tid = task["id"]
     with stack.http() as http:
-        ids = []
-        for name, records in (("train.jsonl", dataset(24, seed=1)),
-                              ("val.jsonl", dataset(8, seed=2))):
-            body = "".join(json.dumps(r) + "\n" for r in records).encode()
-            r = http.post("/v1/files", files={"file": (name, io.BytesIO(body))})
-            assert r.status_code == 201, r.text
-            ids.append(r.json()["id"])
-        r = http.post("/v1/tasks", json={
-            "base_model": "tiny", "training_file": ids[0], "validation_file": ids[1],
-            "search_space": {"learning_rate": LEARNING_RATES, "lora_rank": [4],
-                             "batch_size": [4]},
-            "epochs": 2, "max_seq_len": 64, "seed": 5, "eval": {"eval_every_steps": 3},
-            # two jobs, the warmup ranking keeps one: the other exits with a reason
-            "early_exit": {"warmup_fraction": 0.25, "keep_fraction": 0.5},
-            "integrations": integrations})
-        assert r.status_code == 201, r.text
-        task = r.json()
-        tid = task["id"]
+        assert [(i["type"], i["mlflow"] or i["wandb"]) for i in task["integrations"]] == [
+            ("wandb", {"project": PROJECT, "name": None, "entity": None, "tags": None}),
+            ("mlflow", {"tracking_uri": mlflow.url, "experiment_name": EXPERIMENT,
+                        "run_name": None})]
         assert [i["status"] for i in task["integrations"]] == ["waiting", "waiting"]
         stack.place(tid, "cpu-node")
         final = wait_for(lambda: (t := http.get(f"/v1/tasks/{tid}").json())["state"] in (
@@ -109,7 +112,7 @@ def test_runs_of_a_trained_task_reach_mlflow_and_wandb(mlflow: MlflowServer, sta
             i["status"] in ("synced", "failed") for i in t["integrations"]) and t, 90,
             f"the integrations to sync\n{stack.service_log()}")
         assert [(i["type"], i["status"], i["last_error"]) for i in view["integrations"]] == [
-            ("mlflow", "synced", None), ("wandb", "synced", None)], view["integrations"]
+            ("wandb", "synced", None), ("mlflow", "synced", None)], view["integrations"]
         jobs = {j["id"]: j for j in http.get(f"/v1/tasks/{tid}/jobs").json()["data"]}
         curves = {c["job_id"]: c for c in http.get(f"/v1/tasks/{tid}/metrics").json()["jobs"]}
     best = view["best_job_id"]
@@ -118,12 +121,13 @@ def test_runs_of_a_trained_task_reach_mlflow_and_wandb(mlflow: MlflowServer, sta
     assert all(finite(c["train"]) for c in curves.values())
 
     # MLflow: a parent run of the task and one run per job
-    ml = Mlflow(mlflow_url)
+    ml = Mlflow(mlflow.url)
     experiment = ml.get("experiments/get-by-name", experiment_name=EXPERIMENT)["experiment"]
     runs = ml.runs(experiment["experiment_id"], tid)
     by_key = {tags(r)["loraplex.key"]: r for r in runs}
     assert set(by_key) == {"task", *jobs} and len(runs) == 3
     assert tags(by_key["task"])["loraplex.best_job_id"] == best
+    assert by_key["task"]["info"]["run_name"] == "e2e"
     assert [k for k, r in by_key.items() if tags(r).get("loraplex.best") == "true"] == [best]
     for job_id, job in jobs.items():
         run = by_key[job_id]
@@ -147,7 +151,7 @@ def test_runs_of_a_trained_task_reach_mlflow_and_wandb(mlflow: MlflowServer, sta
         assert len(found) == 1, found
         run = read_run(found[0])
         assert (run["id"], run["project"], run["group"]) == (job_id, PROJECT, tid)
-        assert run["name"] == f"e2e/job-{job['index']}" and run["tags"] == ["e2e"]
+        assert run["name"] == f"e2e/job-{job['index']}"
         assert all(run["config"][k] == v for k, v in job["hyperparameters"].items())
         history = run["history"]
         assert same_curve([(h["_step"], h["train_loss"]) for h in history if "train_loss" in h],

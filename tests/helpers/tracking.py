@@ -52,7 +52,7 @@ class MlflowServer:
     def stop(self) -> None:
         os.killpg(self._proc.pid, signal.SIGTERM)
         try:
-            self._proc.wait(20)
+            self._proc.wait(5)
         except subprocess.TimeoutExpired:
             os.killpg(self._proc.pid, signal.SIGKILL)
         self._log.close()
