@@ -22,6 +22,7 @@ from contract.protocol import (
     placement_job_id,
 )
 from contract.redis_jobs import delete_job
+from service import lifecycle
 from service.config import Settings, get_settings
 from service.db import after_commit
 from service.models import Placement, utcnow
@@ -65,8 +66,7 @@ def publish_placement(session: Session, placement: Placement,
                       settings: Settings | None = None) -> None:
     """Mark the placement published and, once the transaction commits, queue it for its node.
     A Redis failure is logged, not raised: republish_all() repairs the queue later."""
-    placement.state = "published"
-    placement.published_at = utcnow()
+    lifecycle.publish_placement(placement, utcnow())
     session.flush()
     conn = get_redis(settings)
     pid, node_id = placement.id, placement.node_id
