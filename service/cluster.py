@@ -120,7 +120,7 @@ def _last_plan_at() -> datetime | None:
 def next_attempt(session: Session, task_id: str) -> int:
     """The attempt number a new placement of this task should carry: 1 + failed placements."""
     failed = session.scalar(select(func.count()).select_from(Placement).where(
-        Placement.task_id == task_id, Placement.state == "failed"))
+        Placement.task_id == task_id, Placement.state == PlacementState.FAILED))
     return int(failed or 0) + 1
 
 
@@ -375,11 +375,11 @@ def cluster_view(session: Session, settings: Settings | None = None) -> ClusterO
     plan = [PlacementOut.model_validate(p, from_attributes=True).model_copy(
         update={"tenant_id": tenant_id, "priority": priority}) for p, tenant_id, priority in rows]
     counts = dict(session.execute(select(Task.state, func.count()).where(
-        Task.state.in_(("queued", "running"))).group_by(Task.state)).all())
+        Task.state.in_((TaskState.QUEUED, TaskState.RUNNING))).group_by(Task.state)).all())
     return ClusterOut(
         nodes=[NodeOut.model_validate(n, from_attributes=True) for n in nodes],
         gpus_total=sum(n.gpu_count for n in nodes),
-        gpus_up=sum(n.gpu_count for n in nodes if n.state == "up"),
+        gpus_up=sum(n.gpu_count for n in nodes if n.state == NodeState.UP),
         plan=plan, gpus=_per_gpu(nodes, plan),
         tenants=tenant_usage(session, settings or get_settings()),
         queued_tasks=counts.get("queued", 0), running_tasks=counts.get("running", 0),

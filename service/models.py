@@ -1,5 +1,7 @@
 """SQLAlchemy ORM models: the Postgres schema that is loraplex's source of truth.
 Every change here needs an Alembic migration in migrations/versions/ (tests never use create_all).
+Task, job, placement and node states, exit reasons and their transition tables are declared in
+contract.states (re-exported here); service.lifecycle makes every move.
 
 Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwise):
 

@@ -275,7 +275,8 @@ def task_outs(session: Session, tasks: list[Task], price: float | None = None) -
     latest = (select(Placement.attempt, Placement.planned_start, Placement.planned_end,
                      Placement.estimated_s, func.cardinality(Placement.gpu_indices))
               .where(Placement.task_id == Task.id,
-                     Placement.state.not_in(("superseded", "cancelled")))
+                     Placement.state.not_in((PlacementState.SUPERSEDED,
+                                              PlacementState.CANCELLED)))
               .order_by(Placement.created_at.desc()).limit(1).lateral("latest"))
     train = (MetricPoint.task_id == Task.id, MetricPoint.split == "train")
     rows = session.execute(
@@ -283,7 +284,7 @@ def task_outs(session: Session, tasks: list[Task], price: float | None = None) -
                select(func.array_agg(Job.state)).where(Job.task_id == Task.id)
                .scalar_subquery(),
                select(func.count()).where(Placement.task_id == Task.id,
-                                          Placement.state == "failed").scalar_subquery(),
+                                          Placement.state == PlacementState.FAILED).scalar_subquery(),
                *latest.c,
                select(func.sum(MetricPoint.tokens)).where(*train).scalar_subquery(),
                select(func.sum(MetricPoint.gpu_seconds)).where(*train).scalar_subquery(),

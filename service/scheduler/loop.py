@@ -232,7 +232,7 @@ def build_instance(session: Session, settings: Settings, now: datetime
                 common["duration_s"] = by_type[node_type][1]
             common["gpus_needed"] = len(active.gpu_indices)
             common["by_gpu_type"] = {}
-            specs.append(TaskSpec(**common, state="running", pinned=Pinned(
+            specs.append(TaskSpec(**common, state=TaskState.RUNNING.value, pinned=Pinned(
                 active.node_id, tuple(active.gpu_indices), min(0, started)),
                 preemptible=active.stop_requested is None))
             continue
@@ -261,7 +261,8 @@ def _fair_history(session: Session, tenants: Iterable[str]) -> dict[str, tuple[f
                      select(Task.created_at, Task.finished_at, Placement.run_s)
                      .join(Placement, Placement.task_id == Task.id)
                      .where(Task.tenant_id == tenant, Task.finished_at.is_not(None),
-                            Placement.state == "finished", Placement.run_s.is_not(None))
+                            Placement.state == PlacementState.FINISHED,
+                            Placement.run_s.is_not(None))
                      .order_by(Task.finished_at.desc(), Task.id).limit(FAIR_HISTORY))]
     return tenant_history(rows)
 
@@ -273,7 +274,7 @@ def _corrections(session: Session, models: Iterable[str]) -> dict[str, float]:
     for model, est, run in session.execute(
             select(Task.base_model, Placement.estimated_s, Placement.run_s)
             .join(Task, Task.id == Placement.task_id)
-            .where(Task.base_model.in_(list(models)), Placement.state == "finished",
+            .where(Task.base_model.in_(list(models)), Placement.state == PlacementState.FINISHED,
                    Placement.estimated_s.is_not(None), Placement.run_s.is_not(None))
             .order_by(Placement.finished_at.desc(), Placement.id)
             .limit(CORRECTION_SAMPLES * 20)):
@@ -301,7 +302,7 @@ def _tflops(meta: dict | None) -> float | None:
 
 
 def _attempt(rows: list[Placement]) -> int:
-    return 1 + sum(p.state == "failed" for p in rows)
+    return 1 + sum(p.state == PlacementState.FAILED for p in rows)
 
 
 def solve_options(settings: Settings) -> SolveOptions:
@@ -323,7 +324,7 @@ def _preempt(session: Session, plan: Plan, settings: Settings, colocated: Coloca
 
     for task_id in colocated.pausing(plan):
         task = session.scalar(select(Task).where(Task.id == task_id).with_for_update())
-        if task is None or task.state != "running":
+        if task is None or task.state != TaskState.RUNNING:
             continue
         try:
             request_pause(session, task, requeue=True, settings=settings,
@@ -409,7 +410,7 @@ def replan(session: Session, settings: Settings) -> Plan:
 def colocation(session: Session, settings: Settings, inst: Instance, now: datetime) -> CoState:
     """Co-location (service.scheduler.colocation): the instance the planner solves (each shared
     executor's GPUs once) and the usable warm executors, busy and idle, with what joining needs."""
-    nodes = [NodeReports(n.id, n.gpu_type, n.gpu_count, n.state == "up", n.executors,
+    nodes = [NodeReports(n.id, n.gpu_type, n.gpu_count, n.state == NodeState.UP, n.executors,
                          n.executors_at)
              for n in session.scalars(select(Node).where(Node.executors_at.is_not(None))
                                       .order_by(Node.name))]
