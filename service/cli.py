@@ -27,8 +27,8 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-TERMINAL_TASK = ("succeeded", "failed", "cancelled")
-TERMINAL_JOB = ("exited", "completed", "failed", "cancelled")
+from contract.states import JOB_TERMINAL, TASK_TERMINAL
+
 SEARCH_FLAGS = {"lr": "learning_rate", "rank": "lora_rank", "alpha": "lora_alpha",
                 "batch_size": "batch_size"}
 
@@ -313,11 +313,11 @@ def follow(api: Api, task_id: str, console: Console, interval: float = 2.0,
                 live.console.print(f"[dim]{str(event['created_at'])[11:19]}[/dim] "
                                    f"{event['type']}: {event['message']}")
             after = page.get("last_id") or after
-            done = sum(j["state"] in TERMINAL_JOB for j in jobs)
+            done = sum(j["state"] in JOB_TERMINAL for j in jobs)
             progress.update(bar, total=task["num_jobs"], completed=done,
                             description=f"task {task_id} {task['state']}")
             live.update(Group(progress, jobs_table(jobs, curves, task.get("best_job_id"))))
-            if task["state"] in TERMINAL_TASK:
+            if task["state"] in TASK_TERMINAL:
                 return task
             sleep(interval)
 

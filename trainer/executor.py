@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from contract.protocol import EarlyExitSettings, EvalSettings
+from contract.states import JOB_LIVE
 from trainer.admission import (
     AdmissionController,
     MemoryModel,
@@ -350,7 +351,7 @@ class Executor:
             self._guarded(task, task.checkpoint)
         elif outcome == "cancelled":
             for job_id, st in task.status.items():
-                if st["state"] in ("pending", "running"):
+                if st["state"] in JOB_LIVE:
                     self._guarded(task, lambda j=job_id: task.set_state(j, "cancelled", {}))
         task.settle(wait=True)  # its files complete and announced first (a pause's checkpoint)
         if outcome in ("succeeded", "paused"):
