@@ -18,7 +18,7 @@ engine), on the same data, grid, evaluation policy and optimizer as loraplex's e
 
 Every run starts from the engine's own adapter init (trainer.multilora.JobAdapter, the job's
 seed) where quality matters, reads batches in the job's data order (JobDataStream), and uses the
-job's AdamW hyperparameters and LR schedule (trainer.engine.lr_factor) with grad-norm clipping.
+job's AdamW hyperparameters and LR schedule (trainer.jobs.lr_factor) with grad-norm clipping.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from contract.protocol import EarlyExitSettings, EvalSettings
 from trainer.colocate import eval_subset_size
 from trainer.data import IGNORE, Example, JobDataStream
 from trainer.early_exit import warmup_ranking
-from trainer.engine import JobSpec, lr_factor
+from trainer.jobs import JobSpec, lr_factor
 from trainer.varlen import flash_varlen_available, register_varlen
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

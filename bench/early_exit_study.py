@@ -41,7 +41,8 @@ from trainer.early_exit import (  # noqa: E402
     warmup_ranking,
     warmup_steps,
 )
-from trainer.engine import JobSpec, JobState, MultiLoraEngine  # noqa: E402
+from trainer.engine import MultiLoraEngine  # noqa: E402
+from trainer.jobs import JobSpec, JobState  # noqa: E402
 
 VOCAB = list("0123456789+=") + ["<pad>", "<bos>", "<eos>"]
 TOK = {c: i for i, c in enumerate(VOCAB)}

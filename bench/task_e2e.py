@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import trainer.engine as engine_mod  # noqa: E402
 from contract.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
 from trainer.data import IGNORE, JobDataStream, read_jsonl, tokenize_all  # noqa: E402
-from trainer.engine import JobSpec, lr_factor  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
+from trainer.jobs import JobSpec, lr_factor  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 K = 512  # words of the synthetic language

@@ -27,6 +27,8 @@ import re
 from datetime import datetime
 from typing import Annotated, Literal
 
+from contract.states import EXIT_REASONS, JOB_STATES, NODE_STATES, values
+
 try:
     from pydantic import BaseModel, ConfigDict, Field, model_validator
 except ImportError:  # torch + transformers alone (a bare GPU image): same shapes, no validation
@@ -118,7 +120,7 @@ class NodeDeregister(_Msg):
 
 class NodeDeregistered(_Msg):
     node_id: str
-    state: Literal["up", "down"]
+    state: Literal[values(NODE_STATES)]
     superseded_placement_ids: list[str] = Field(
         default_factory=list, description="Published, unclaimed placements taken off the node.")
     requeued_task_ids: list[str] = Field(
@@ -159,7 +161,7 @@ class Heartbeat(_Msg):
 
 class HeartbeatResponse(_Msg):
     node_id: str
-    state: Literal["up", "down"]
+    state: Literal[values(NODE_STATES)]
     cancelled_placement_ids: list[str] = Field(
         default_factory=list,
         description="Placements (attempts) this node runs that must stop now: cancelled, "
@@ -354,8 +356,8 @@ class MetricBatch(_Msg):
 
 class JobStateUpdate(_Msg):
     placement_id: str = Field(description="The attempt that reports (fencing).")
-    state: Literal["pending", "running", "exited", "completed", "failed", "cancelled"]
-    exit_reason: Literal["diverging", "overfitting", "underperforming"] | None = None
+    state: Literal[values(JOB_STATES)]
+    exit_reason: Literal[values(EXIT_REASONS)] | None = None
     best_val_loss: float | None = None
     best_step: int | None = Field(default=None, ge=0, le=INT32_MAX)
     last_step: int | None = Field(default=None, ge=0, le=INT32_MAX)

@@ -27,8 +27,8 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-TERMINAL_TASK = ("succeeded", "failed", "cancelled")
-TERMINAL_JOB = ("exited", "completed", "failed", "cancelled")
+from contract.states import JOB_TERMINAL, TASK_TERMINAL
+
 SEARCH_FLAGS = {"lr": "learning_rate", "rank": "lora_rank", "alpha": "lora_alpha",
                 "batch_size": "batch_size"}
 
@@ -68,9 +68,10 @@ class Api:
     def upload(self, path: Path, purpose: str = "fine-tune") -> dict:
         if not path.is_file():
             raise CliError(f"no such file: {path}")
+        kind = "application/gzip" if purpose == "adapter" else "application/jsonl"
         with open(path, "rb") as fh:
             return self.json("POST", "/v1/files", data={"purpose": purpose},
-                             files={"file": (path.name, fh, "application/jsonl")})
+                             files={"file": (path.name, fh, kind)})
 
 
 # -- arguments ------------------------------------------------------------------------------
@@ -116,6 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--max-seq-len", type=int)
     create.add_argument("--validation-split", type=float)
     create.add_argument("--seed", type=int)
+    create.add_argument("--init-adapter", metavar="FILE_ID",
+                        help="Start every job from this adapter: a file id (purpose adapter) or "
+                             "a local PEFT adapter archive (.tar.gz, uploaded first).")
+    create.add_argument("--wandb-project", metavar="NAME",
+                        help="Write each job as a W&B run of this project once the task ends.")
+    create.add_argument("--mlflow-uri", metavar="URI",
+                        help="Write each job as a run on this MLflow tracking server once the "
+                             "task ends.")
+    create.add_argument("--mlflow-experiment", metavar="NAME",
+                        help="The MLflow experiment of the runs (default loraplex).")
     create.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                         help="Any other task field, e.g. --set 'eval={\"eval_every_steps\":20}'.")
     create.add_argument("--idempotency-key", help="Retry-safe creation key.")
@@ -169,10 +180,31 @@ def _learning_rate(text: str) -> float | str:
     return "auto" if text == "auto" else float(text)
 
 
-def task_body(args: argparse.Namespace, train_id: str, validation_id: str | None) -> dict:
+def integrations(args: argparse.Namespace) -> list[dict]:
+    """The task's tracking integrations from --wandb-project and --mlflow-uri/-experiment."""
+    out: list[dict] = []
+    if args.wandb_project:
+        out.append({"type": "wandb", "wandb": {"project": args.wandb_project}})
+    if args.mlflow_experiment and not args.mlflow_uri:
+        raise CliError("--mlflow-experiment needs --mlflow-uri")
+    if args.mlflow_uri:
+        mlflow = {"tracking_uri": args.mlflow_uri}
+        if args.mlflow_experiment:
+            mlflow["experiment_name"] = args.mlflow_experiment
+        out.append({"type": "mlflow", "mlflow": mlflow})
+    return out
+
+
+def task_body(args: argparse.Namespace, train_id: str, validation_id: str | None,
+              init_adapter_id: str | None = None) -> dict:
+    """The POST /v1/tasks body; --set KEY=JSON wins over the flags."""
     body: dict[str, Any] = {"base_model": args.model, "training_file": train_id}
     if validation_id:
         body["validation_file"] = validation_id
+    if init_adapter_id:
+        body["init_adapter_file"] = init_adapter_id
+    if tracking := integrations(args):
+        body["integrations"] = tracking
     space = search_space(args)
     if space:
         body["search_space"] = space
@@ -191,14 +223,14 @@ def task_body(args: argparse.Namespace, train_id: str, validation_id: str | None
     return body
 
 
-def _file_ref(api: Api, ref: str | None) -> str | None:
+def _file_ref(api: Api, ref: str | None, purpose: str = "fine-tune") -> str | None:
     """A local path is uploaded; anything else is taken as a file id."""
     if ref is None:
         return None
     path = Path(ref)
     if path.exists():
-        return api.upload(path)["id"]
-    if ref.endswith((".jsonl", ".json")) or os.sep in ref:
+        return api.upload(path, purpose)["id"]
+    if ref.endswith((".jsonl", ".json", ".tar.gz", ".tgz")) or os.sep in ref:
         raise CliError(f"no such file: {ref}")
     return ref
 
@@ -281,11 +313,11 @@ def follow(api: Api, task_id: str, console: Console, interval: float = 2.0,
                 live.console.print(f"[dim]{str(event['created_at'])[11:19]}[/dim] "
                                    f"{event['type']}: {event['message']}")
             after = page.get("last_id") or after
-            done = sum(j["state"] in TERMINAL_JOB for j in jobs)
+            done = sum(j["state"] in JOB_TERMINAL for j in jobs)
             progress.update(bar, total=task["num_jobs"], completed=done,
                             description=f"task {task_id} {task['state']}")
             live.update(Group(progress, jobs_table(jobs, curves, task.get("best_job_id"))))
-            if task["state"] in TERMINAL_TASK:
+            if task["state"] in TASK_TERMINAL:
                 return task
             sleep(interval)
 
@@ -364,7 +396,8 @@ def run(args: argparse.Namespace, api: Api, console: Console) -> int:
     elif args.group == "models":
         show(api.json("GET", "/v1/models"))
     elif args.group == "tasks" and args.cmd == "create":
-        body = task_body(args, _file_ref(api, args.train) or "", _file_ref(api, args.validation))
+        body = task_body(args, _file_ref(api, args.train) or "", _file_ref(api, args.validation),
+                         _file_ref(api, args.init_adapter, "adapter"))
         headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
         task = api.json("POST", "/v1/tasks", json=body, headers=headers)
         if args.json:

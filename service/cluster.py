@@ -19,6 +19,15 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from contract.protocol import Heartbeat, HeartbeatResponse, NodeRegister, tenant_safe
+from contract.states import (
+    PLACEMENT_CURRENT,
+    PLACEMENT_WAITING,
+    JobState,
+    NodeState,
+    PlacementState,
+    TaskState,
+)
+from service import lifecycle
 from service.config import Settings, get_settings
 from service.events import add_event
 from service.models import PLACEMENT_ACTIVE, TASK_TERMINAL, Job, Node, Placement, Task, utcnow
@@ -81,16 +90,17 @@ def replan_due(session: Session, settings: Settings) -> bool:
     """Whether a periodic pass should replan: a planned start has arrived, a queued task has
     no plan at all (a lost trigger), or the last replan is older than 12 intervals while tasks
     wait (estimates drift as running tasks report progress)."""
-    if session.scalar(select(Task.id).where(Task.state == "queued").limit(1)) is None:
+    if session.scalar(select(Task.id).where(Task.state == TaskState.QUEUED).limit(1)) is None:
         return False
     now = utcnow()
     if session.scalar(select(Placement.id).where(
-            Placement.state == "planned", Placement.planned_start <= now).limit(1)) is not None:
+            Placement.state == PlacementState.PLANNED,
+            Placement.planned_start <= now).limit(1)) is not None:
         return True
     unplanned = session.scalar(select(Task.id).where(
-        Task.state == "queued",
+        Task.state == TaskState.QUEUED,
         ~select(Placement.id).where(Placement.task_id == Task.id,
-                                    Placement.state.in_(("planned", *PLACEMENT_ACTIVE)))
+                                    Placement.state.in_(PLACEMENT_CURRENT))
         .exists()).limit(1))
     if unplanned is not None:
         return True
@@ -110,7 +120,7 @@ def _last_plan_at() -> datetime | None:
 def next_attempt(session: Session, task_id: str) -> int:
     """The attempt number a new placement of this task should carry: 1 + failed placements."""
     failed = session.scalar(select(func.count()).select_from(Placement).where(
-        Placement.task_id == task_id, Placement.state == "failed"))
+        Placement.task_id == task_id, Placement.state == PlacementState.FAILED))
     return int(failed or 0) + 1
 
 
@@ -127,17 +137,17 @@ def register_node(session: Session, msg: NodeRegister) -> tuple[Node, bool]:
     now = utcnow()
     if node is None:
         node = Node(name=msg.name, gpu_type=msg.gpu_type, gpu_count=msg.gpu_count,
-                    gpu_memory_bytes=msg.gpu_memory_bytes, meta=msg.meta, state="up",
+                    gpu_memory_bytes=msg.gpu_memory_bytes, meta=msg.meta, state=NodeState.UP.value,
                     last_heartbeat_at=now)
         session.add(node)
         session.flush()
         log.info("node registered node=%s name=%s gpus=%d", node.id, node.name, node.gpu_count)
         return node, True
-    changed = (node.state != "up" or node.gpu_count != msg.gpu_count
+    changed = (node.state != NodeState.UP or node.gpu_count != msg.gpu_count
                or node.gpu_type != msg.gpu_type or node.gpu_memory_bytes != msg.gpu_memory_bytes)
     node.gpu_type, node.gpu_count = msg.gpu_type, msg.gpu_count
     node.gpu_memory_bytes, node.meta = msg.gpu_memory_bytes, msg.meta
-    node.state, node.last_heartbeat_at = "up", now
+    lifecycle.node_up(node, now)
     node.executors = node.executors_at = None  # a restarted daemon reports them anew
     session.flush()
     return node, changed
@@ -147,21 +157,21 @@ def heartbeat(session: Session, node: Node, msg: Heartbeat) -> tuple[HeartbeatRe
     """Refresh the node (a node that was down is up again and keeps every placement that is still
     current) and its shared executors (co-location); name the placements it reports that must
     stop. (response, replan: it came back up, or an executor has new room while tasks wait)."""
-    came_back = node.state != "up"
+    came_back = node.state != NodeState.UP
     before = _executor_room(node.executors)
-    node.state, node.last_heartbeat_at = "up", utcnow()
+    lifecycle.node_up(node, utcnow())
     # The node's shared executors as of now: the scheduler reads them while fresh.
     node.executors = [e.model_dump(mode="json") for e in msg.executors]
     node.executors_at = node.last_heartbeat_at
     after = _executor_room(node.executors)
     roomier = any(rows > before.get(k, -1) for k, rows in after.items())
     if roomier and not came_back:
-        came_back = session.scalar(select(Task.id).where(Task.state == "queued").limit(1)) \
+        came_back = session.scalar(select(Task.id).where(Task.state == TaskState.QUEUED).limit(1)) \
             is not None
     stop = placements_to_stop(session, node.id, msg.running_placement_ids)
     pause = placements_to_pause(session, node.id, msg.running_placement_ids)
     session.flush()
-    return HeartbeatResponse(node_id=node.id, state="up", cancelled_placement_ids=stop,
+    return HeartbeatResponse(node_id=node.id, state=NodeState.UP.value, cancelled_placement_ids=stop,
                              pause_placement_ids=pause), came_back
 
 
@@ -211,9 +221,10 @@ def placements_to_stop(session: Session, node_id: str, reported: Iterable[str]) 
 
 def requeue_task(session: Session, task: Task, reason: str) -> None:
     """Put a task whose placement died back in the queue; unfinished jobs become pending."""
-    task.state = "queued"
-    for job in session.scalars(select(Job).where(Job.task_id == task.id, Job.state == "running")):
-        job.state = "pending"
+    lifecycle.requeue_task(task)
+    for job in session.scalars(select(Job).where(Job.task_id == task.id,
+                                                 Job.state == JobState.RUNNING)):
+        lifecycle.park_job(job)
     add_event(session, task.id, "task_requeued", tenant_safe(reason, limit=1000), level="warning")
 
 
@@ -308,33 +319,32 @@ def mark_stale_nodes(session: Session, settings: Settings | None = None,
     if health is not None and health.check(session) > cutoff:
         return []  # no node can have been silent that long while the service was healthy
     stale = session.scalars(select(Node).where(
-        Node.state == "up",
+        Node.state == NodeState.UP,
         (Node.last_heartbeat_at < cutoff) | Node.last_heartbeat_at.is_(None)).with_for_update(
         skip_locked=True)).all()
     if not stale:
         return []
     for node in stale:
-        node.state = "down"
+        lifecycle.node_down(node)
         log.warning("node down node=%s name=%s", node.id, node.name)
         lost = session.scalars(select(Placement).where(
             Placement.node_id == node.id,
-            Placement.state.in_(("planned", *PLACEMENT_ACTIVE)))).all()
+            Placement.state.in_(PLACEMENT_CURRENT))).all()
         for placement in lost:
             # Lock order everywhere: task first, then its placements (as cancel does).
             task = session.scalar(select(Task).where(Task.id == placement.task_id)
                                   .with_for_update())
             session.refresh(placement)
-            if placement.state not in ("planned", *PLACEMENT_ACTIVE):
+            if placement.state not in PLACEMENT_CURRENT:
                 continue
-            if placement.state in ("planned", "published"):
-                placement.state = "superseded"
+            if placement.state in PLACEMENT_WAITING:
+                lifecycle.supersede_placement(placement)
                 unqueue_placement(placement.id, node.id, settings)
             else:
-                placement.state, placement.error = "failed", f"node {node.name} went down"
-                placement.finished_at = utcnow()
-                if task is not None and task.state == "running":
+                lifecycle.fail_placement(placement, f"node {node.name} went down", utcnow())
+                if task is not None and task.state == TaskState.RUNNING:
                     fail_or_requeue(session, task, placement, "its node went down", settings)
-                elif task is not None and task.state == "pausing":
+                elif task is not None and task.state == TaskState.PAUSING:
                     from service.tasks import finish_pause
 
                     finish_pause(session, task, "its node went down while it stopped")
@@ -360,16 +370,16 @@ def cluster_view(session: Session, settings: Settings | None = None) -> ClusterO
     nodes = session.scalars(select(Node).order_by(Node.name)).all()
     rows = session.execute(
         select(Placement, Task.tenant_id, Task.priority).join(Task, Task.id == Placement.task_id)
-        .where(Placement.state.in_(("planned", *PLACEMENT_ACTIVE)))
+        .where(Placement.state.in_(PLACEMENT_CURRENT))
         .order_by(Placement.planned_start, Placement.id)).all()
     plan = [PlacementOut.model_validate(p, from_attributes=True).model_copy(
         update={"tenant_id": tenant_id, "priority": priority}) for p, tenant_id, priority in rows]
     counts = dict(session.execute(select(Task.state, func.count()).where(
-        Task.state.in_(("queued", "running"))).group_by(Task.state)).all())
+        Task.state.in_((TaskState.QUEUED, TaskState.RUNNING))).group_by(Task.state)).all())
     return ClusterOut(
         nodes=[NodeOut.model_validate(n, from_attributes=True) for n in nodes],
         gpus_total=sum(n.gpu_count for n in nodes),
-        gpus_up=sum(n.gpu_count for n in nodes if n.state == "up"),
+        gpus_up=sum(n.gpu_count for n in nodes if n.state == NodeState.UP),
         plan=plan, gpus=_per_gpu(nodes, plan),
         tenants=tenant_usage(session, settings or get_settings()),
         queued_tasks=counts.get("queued", 0), running_tasks=counts.get("running", 0),

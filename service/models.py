@@ -1,5 +1,7 @@
 """SQLAlchemy ORM models: the Postgres schema that is loraplex's source of truth.
 Every change here needs an Alembic migration in migrations/versions/ (tests never use create_all).
+Task, job, placement and node states, exit reasons and their transition tables are declared in
+contract.states (re-exported here); service.lifecycle makes every move.
 
 Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwise):
 
@@ -86,18 +88,21 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-TASK_STATES = ("validating_files", "queued", "running", "pausing", "paused", "succeeded", "failed",
-               "cancelled")
-TASK_TERMINAL = ("succeeded", "failed", "cancelled")
-JOB_STATES = ("pending", "running", "exited", "completed", "failed", "cancelled")
-JOB_TERMINAL = ("exited", "completed", "failed", "cancelled")
-EXIT_REASONS = ("diverging", "overfitting", "underperforming")
-PLACEMENT_STATES = (
-    "planned", "published", "claimed", "running", "finished", "failed", "cancelled", "superseded",
-    "stopped",
+from contract.states import (  # noqa: F401 (re-exported: the service imports them from here)
+    EXIT_REASONS,
+    JOB_STATES,
+    JOB_TERMINAL,
+    NODE_STATES,
+    PLACEMENT_ACTIVE,
+    PLACEMENT_STATES,
+    TASK_STATES,
+    TASK_TERMINAL,
+    JobState,
+    NodeState,
+    PlacementState,
+    TaskState,
 )
-PLACEMENT_ACTIVE = ("published", "claimed", "running")
-NODE_STATES = ("up", "down")
+
 FILE_FORMATS = ("chat", "completion", "preference")
 ARTIFACT_KINDS = ("adapter", "checkpoint")
 MERGE_STATES = ("queued", "running", "succeeded", "failed")
@@ -185,7 +190,7 @@ class Task(Base):
     target_modules: Mapped[list | None] = mapped_column(JSONB)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     num_train_samples: Mapped[int] = mapped_column(Integer, default=0)
-    state: Mapped[str] = mapped_column(String(24), default="validating_files", index=True)
+    state: Mapped[str] = mapped_column(String(24), default=TaskState.VALIDATING_FILES.value, index=True)
     error: Mapped[dict | None] = mapped_column(JSONB)
     best_job_id: Mapped[str | None] = mapped_column(String(40))
     created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
@@ -203,7 +208,7 @@ class Job(Base):
     task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
     index: Mapped[int] = mapped_column(Integer)
     config: Mapped[dict] = mapped_column(JSONB)
-    state: Mapped[str] = mapped_column(String(16), default="pending")
+    state: Mapped[str] = mapped_column(String(16), default=JobState.PENDING.value)
     exit_reason: Mapped[str | None] = mapped_column(String(24))
     best_val_loss: Mapped[float | None] = mapped_column(Float)
     best_step: Mapped[int | None] = mapped_column(Integer)
@@ -272,7 +277,7 @@ class Node(Base):
     gpu_type: Mapped[str] = mapped_column(String(64))
     gpu_count: Mapped[int] = mapped_column(Integer)
     gpu_memory_bytes: Mapped[int] = mapped_column(BigInteger)
-    state: Mapped[str] = mapped_column(String(8), default="up")
+    state: Mapped[str] = mapped_column(String(8), default=NodeState.UP.value)
     last_heartbeat_at: Mapped[datetime | None] = mapped_column(TS)
     registered_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
     meta: Mapped[dict | None] = mapped_column(JSONB)
@@ -288,7 +293,7 @@ class Placement(Base):
     gpu_indices: Mapped[list[int]] = mapped_column(ARRAY(Integer))
     planned_start: Mapped[datetime] = mapped_column(TS)
     planned_end: Mapped[datetime] = mapped_column(TS)
-    state: Mapped[str] = mapped_column(String(16), default="planned", index=True)
+    state: Mapped[str] = mapped_column(String(16), default=PlacementState.PLANNED.value, index=True)
     attempt: Mapped[int] = mapped_column(Integer, default=1)
     created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
     published_at: Mapped[datetime | None] = mapped_column(TS)

@@ -22,6 +22,8 @@ from contract.protocol import (
     placement_job_id,
 )
 from contract.redis_jobs import delete_job
+from contract.states import PlacementState
+from service import lifecycle
 from service.config import Settings, get_settings
 from service.db import after_commit
 from service.models import Placement, utcnow
@@ -65,8 +67,7 @@ def publish_placement(session: Session, placement: Placement,
                       settings: Settings | None = None) -> None:
     """Mark the placement published and, once the transaction commits, queue it for its node.
     A Redis failure is logged, not raised: republish_all() repairs the queue later."""
-    placement.state = "published"
-    placement.published_at = utcnow()
+    lifecycle.publish_placement(placement, utcnow())
     session.flush()
     conn = get_redis(settings)
     pid, node_id = placement.id, placement.node_id
@@ -125,7 +126,8 @@ def republish_all(session: Session, settings: Settings | None = None) -> int:
     """Re-queue every published-but-unclaimed placement from Postgres; returns how many were
     pushed (those already waiting in their queue are left alone)."""
     conn = get_redis(settings)
-    rows = session.scalars(select(Placement).where(Placement.state == "published")).all()
+    rows = session.scalars(select(Placement).where(
+        Placement.state == PlacementState.PUBLISHED)).all()
     pushed = sum(enqueue_placement(conn, p.id, p.node_id) for p in rows)
     if pushed:
         log.info("republished placements count=%d", pushed)

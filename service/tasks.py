@@ -17,7 +17,16 @@ from sqlalchemy.orm import Session
 
 from contract.families import UnsupportedModel, family_of, model_type_of, resolve_targets
 from contract.protocol import JobStateUpdate, grid_knobs, pause_key, tenant_safe
-from service import learning_rates
+from contract.states import (
+    PLACEMENT_ACTIVE,
+    PLACEMENT_CURRENT,
+    PLACEMENT_STARTED,
+    PLACEMENT_WAITING,
+    JobState,
+    PlacementState,
+    TaskState,
+)
+from service import learning_rates, lifecycle
 from service.config import Settings
 from service.db import after_commit
 from service.errors import ApiError, conflict, invalid, not_found
@@ -215,7 +224,8 @@ def _insert_task(session: Session, tenant: Tenant, body: TaskCreate, max_seq_len
                 max_seq_len=max_seq_len, seed=body.seed,
                 early_exit=body.early_exit.model_dump(mode="json"),
                 eval=body.eval.model_dump(mode="json"), target_modules=body.target_modules,
-                priority=body.priority, num_train_samples=samples, state="validating_files",
+                priority=body.priority, num_train_samples=samples,
+                state=TaskState.VALIDATING_FILES.value,
                 suffix=body.suffix, meta=body.metadata)
     session.add(task)
     session.flush()
@@ -227,7 +237,7 @@ def _insert_task(session: Session, tenant: Tenant, body: TaskCreate, max_seq_len
         claim.resource_id = task.id
     add_event(session, task.id, "task_created", f"task created with {len(configs)} jobs")
     # Files were validated line by line at upload; the references were checked above.
-    task.state = "queued"
+    lifecycle.queue_task(task)
     add_event(session, task.id, "task_queued", "files validated; waiting for GPUs")
     session.commit()
     return task
@@ -265,7 +275,8 @@ def task_outs(session: Session, tasks: list[Task], price: float | None = None) -
     latest = (select(Placement.attempt, Placement.planned_start, Placement.planned_end,
                      Placement.estimated_s, func.cardinality(Placement.gpu_indices))
               .where(Placement.task_id == Task.id,
-                     Placement.state.not_in(("superseded", "cancelled")))
+                     Placement.state.not_in((PlacementState.SUPERSEDED,
+                                              PlacementState.CANCELLED)))
               .order_by(Placement.created_at.desc()).limit(1).lateral("latest"))
     train = (MetricPoint.task_id == Task.id, MetricPoint.split == "train")
     rows = session.execute(
@@ -273,7 +284,7 @@ def task_outs(session: Session, tasks: list[Task], price: float | None = None) -
                select(func.array_agg(Job.state)).where(Job.task_id == Task.id)
                .scalar_subquery(),
                select(func.count()).where(Placement.task_id == Task.id,
-                                          Placement.state == "failed").scalar_subquery(),
+                                          Placement.state == PlacementState.FAILED).scalar_subquery(),
                *latest.c,
                select(func.sum(MetricPoint.tokens)).where(*train).scalar_subquery(),
                select(func.sum(MetricPoint.gpu_seconds)).where(*train).scalar_subquery(),
@@ -356,25 +367,25 @@ def get_job(session: Session, tenant: Tenant, job_id: str) -> Job:
 
 def cancel_task(session: Session, task: Task, settings: Settings) -> Task:
     """Cancel a task that has not finished (a second cancel is a no-op); 409 once it ended."""
-    if task.state == "cancelled":
+    if task.state == TaskState.CANCELLED:
         return task
     if task.state in TASK_TERMINAL:
         raise conflict(f"task {task.id!r} already {task.state}", code="task_finished")
     now = utcnow()
-    task.state, task.cancelled_at, task.finished_at = "cancelled", now, now
+    lifecycle.cancel_task(task, now)
     for job in session.scalars(select(Job).where(Job.task_id == task.id,
                                                  Job.state.not_in(JOB_TERMINAL))):
-        job.state, job.finished_at = "cancelled", now
+        lifecycle.cancel_job(job, now)
     unqueue: list[tuple[str, str]] = []
     stop: list[str] = []  # attempts a daemon may be running: stop exactly those
     for placement in session.scalars(select(Placement).where(
             Placement.task_id == task.id,
-            Placement.state.in_(("planned", "published", "claimed", "running")))):
-        if placement.state == "published":
+            Placement.state.in_(PLACEMENT_CURRENT))):
+        if placement.state == PlacementState.PUBLISHED:
             unqueue.append((placement.id, placement.node_id))
-        if placement.state in ("published", "claimed", "running"):
+        if placement.state in PLACEMENT_ACTIVE:
             stop.append(placement.id)
-        placement.state, placement.finished_at = "cancelled", now
+        lifecycle.cancel_placement(placement, now)
     add_event(session, task.id, "task_cancelled", "cancelled by the user")
     session.commit()
     for pid, node_id in unqueue:
@@ -384,13 +395,6 @@ def cancel_task(session: Session, task: Task, settings: Settings) -> Task:
     return task
 
 
-ALLOWED = {
-    "pending": {"pending", "running", "exited", "completed", "failed", "cancelled"},
-    # running -> pending: parked during warmup rotation, or requeued after a node failure.
-    "running": {"pending", "running", "exited", "completed", "failed", "cancelled"},
-}
-
-
 def update_job_state(session: Session, task: Task, job: Job, msg: JobStateUpdate,
                      placement: Placement) -> Job:
     """Apply a job state change reported by `placement`, the task's current attempt (the caller
@@ -398,7 +402,7 @@ def update_job_state(session: Session, task: Task, job: Job, msg: JobStateUpdate
     (retry); leaving a terminal state is a 409. A job the requeue put back to pending goes to
     running again when the new attempt resumes it; the first job running moves the attempt from
     claimed to running."""
-    if (msg.state == "exited") != (msg.exit_reason is not None):
+    if (msg.state == JobState.EXITED) != (msg.exit_reason is not None):
         raise invalid("exit_reason is required with state 'exited' and only then",
                       param="exit_reason")
     if job.state in JOB_TERMINAL:
@@ -407,11 +411,9 @@ def update_job_state(session: Session, task: Task, job: Job, msg: JobStateUpdate
         raise conflict(f"job {job.id!r} is already {job.state}", code="job_finished")
     if task.state in TASK_TERMINAL:  # fenced before; kept so this function is safe on its own
         raise conflict(f"task {task.id!r} is {task.state}", code=f"task_{task.state}")
-    if msg.state not in ALLOWED[job.state]:
-        raise conflict(f"job {job.id!r} cannot go from {job.state} to {msg.state}")
     now = utcnow()
     previous = job.state
-    job.state = msg.state
+    lifecycle.report_job(job, msg.state, now)  # 409 on a move JOB_TRANSITIONS does not list
     job.exit_reason = msg.exit_reason
     for field in ("best_val_loss", "best_step", "last_step"):
         value = getattr(msg, field)
@@ -419,18 +421,14 @@ def update_job_state(session: Session, task: Task, job: Job, msg: JobStateUpdate
             setattr(job, field, value)
     if msg.error is not None:  # shown to the tenant: no traceback, no server path
         job.error = tenant_safe(msg.error)
-    if msg.state == "running":
-        job.started_at = job.started_at or now  # the first attempt that ran it
-        if placement.state == "claimed":
-            placement.state = "running"
-    if msg.state in JOB_TERMINAL:
-        job.finished_at = now
+    if msg.state == JobState.RUNNING and placement.state == PlacementState.CLAIMED:
+        lifecycle.start_placement(placement)
     if previous != msg.state:
         text = f"job {job.index} {msg.state}" + (f" ({msg.exit_reason})" if msg.exit_reason else "")
         add_event(session, task.id, f"job_{msg.state}", text, job_id=job.id,
                   data={"exit_reason": msg.exit_reason, "best_val_loss": finite(job.best_val_loss),
                         "best_step": job.best_step, "attempt": placement.attempt},
-                  level="error" if msg.state == "failed" else "info")
+                  level="error" if msg.state == JobState.FAILED else "info")
     return job
 
 
@@ -448,10 +446,10 @@ def pick_best_job(session: Session, task: Task) -> str | None:
 def retire_waiting_placements(session: Session, task: Task) -> None:
     """A task that ended needs none of its planned or published placements any more."""
     for placement in session.scalars(select(Placement).where(
-            Placement.task_id == task.id, Placement.state.in_(("planned", "published")))):
-        if placement.state == "published":
+            Placement.task_id == task.id, Placement.state.in_(PLACEMENT_WAITING))):
+        if placement.state == PlacementState.PUBLISHED:
             unqueue_placement(placement.id, placement.node_id)
-        placement.state = "superseded"
+        lifecycle.supersede_placement(placement)
 
 
 def finish_task_succeeded(session: Session, task: Task, best_job_id: str | None) -> None:
@@ -459,15 +457,14 @@ def finish_task_succeeded(session: Session, task: Task, best_job_id: str | None)
     retire_waiting_placements(session, task)
     for job in session.scalars(select(Job).where(Job.task_id == task.id,
                                                  Job.state.not_in(JOB_TERMINAL))):
-        job.state, job.finished_at = "failed", now
-        job.error = "task ended before this job finished"
+        lifecycle.fail_job(job, now, "task ended before this job finished")
     # The service's pick first: it sees every attempt's jobs, while an executor that resumed
     # saw only the jobs that ended in its own run (the same rule, so without a resume they agree)
     best_job_id = pick_best_job(session, task) or best_job_id
     if best_job_id is None:
         finish_task_failed(session, task, "no job produced an adapter")
         return
-    task.state, task.best_job_id, task.finished_at = "succeeded", best_job_id, now
+    lifecycle.succeed_task(task, best_job_id, now)
     add_event(session, task.id, "task_succeeded", f"best job {best_job_id}", job_id=best_job_id)
 
 
@@ -478,9 +475,8 @@ def finish_task_failed(session: Session, task: Task, error: str) -> None:
     retire_waiting_placements(session, task)
     for job in session.scalars(select(Job).where(Job.task_id == task.id,
                                                  Job.state.not_in(JOB_TERMINAL))):
-        job.state, job.finished_at = "failed", now
-    task.state, task.finished_at = "failed", now
-    task.error = {"code": "task_failed", "message": error}
+        lifecycle.fail_job(job, now)
+    lifecycle.fail_task(task, error, now)
     add_event(session, task.id, "task_failed", error, level="error")
 
 
@@ -499,7 +495,7 @@ def ensure_not_terminal(task: Task) -> None:
 #   requeue=True (the scheduler's preemption): the task stays running until the stop arrives,
 #   then goes back to queued (and is replanned), resuming from that checkpoint.
 #   A task with no live attempt (queued, or placed but not yet claimed) pauses at once.
-PAUSABLE = ("validating_files", "queued", "running")
+PAUSABLE = (TaskState.VALIDATING_FILES, TaskState.QUEUED, TaskState.RUNNING)
 
 
 def request_pause(session: Session, task: Task, *, requeue: bool, reason: str,
@@ -509,13 +505,13 @@ def request_pause(session: Session, task: Task, *, requeue: bool, reason: str,
     requeue=False leaves it paused until resume_task. Flushes; the caller commits (the daemon is
     told over Redis after the commit, and by every heartbeat reply until it stopped). A task
     already pausing or paused is left as it is; a finished one is a 409 naming its state."""
-    if task.state in ("pausing", "paused"):
+    if task.state in (TaskState.PAUSING, TaskState.PAUSED):
         return
     if task.state not in PAUSABLE:
         raise conflict(f"task {task.id!r} is {task.state}: only a queued or running task can be "
                        "paused", code=f"task_{task.state}")
     live = session.scalars(select(Placement).where(
-        Placement.task_id == task.id, Placement.state.in_(("claimed", "running")))
+        Placement.task_id == task.id, Placement.state.in_(PLACEMENT_STARTED))
         .with_for_update()).all()
     if not live:
         if requeue:
@@ -528,7 +524,7 @@ def request_pause(session: Session, task: Task, *, requeue: bool, reason: str,
         placement.stop_requested = kind
     retire_waiting_placements(session, task)
     if not requeue:
-        task.state = "pausing"
+        lifecycle.begin_pause(task)
     add_event(session, task.id, "task_pausing" if not requeue else "task_preempting",
               f"stopping at the next step boundary with a checkpoint: {tenant_safe(reason)}",
               data={"requeue": requeue})
@@ -541,9 +537,10 @@ def request_pause(session: Session, task: Task, *, requeue: bool, reason: str,
 
 def finish_pause(session: Session, task: Task, reason: str) -> None:
     """The task holds no attempt any more: paused (its running jobs wait as pending)."""
-    task.state = "paused"
-    for job in session.scalars(select(Job).where(Job.task_id == task.id, Job.state == "running")):
-        job.state = "pending"
+    lifecycle.pause_task(task)
+    for job in session.scalars(select(Job).where(Job.task_id == task.id,
+                                                 Job.state == JobState.RUNNING)):
+        lifecycle.park_job(job)
     add_event(session, task.id, "task_paused", f"paused: {tenant_safe(reason)}; resume to "
               "continue from its last checkpoint")
 
@@ -553,16 +550,16 @@ def attempt_stopped(session: Session, task: Task, placement: Placement, error: s
     retryable failure: the placement is `stopped` (no failed attempt counted) and the task
     paused (it was pausing) or queued again (a requeue). False when the placement had no stop
     requested: the caller handles an ordinary failure."""
-    if placement.stop_requested is None or placement.state not in ("claimed", "running"):
+    if placement.stop_requested is None or placement.state not in PLACEMENT_STARTED:
         return False
-    placement.state, placement.finished_at, placement.error = "stopped", utcnow(), error
-    if task.state == "pausing":
+    lifecycle.stop_placement(placement, error, utcnow())
+    if task.state == TaskState.PAUSING:
         finish_pause(session, task, "stopped at a step boundary")
-    elif task.state == "running":
-        task.state = "queued"
+    elif task.state == TaskState.RUNNING:
+        lifecycle.requeue_task(task)
         for job in session.scalars(select(Job).where(Job.task_id == task.id,
-                                                     Job.state == "running")):
-            job.state = "pending"
+                                                     Job.state == JobState.RUNNING)):
+            lifecycle.park_job(job)
         add_event(session, task.id, "task_requeued", "stopped at a step boundary to free its "
                   "GPUs; it resumes from its checkpoint", data={"preempted": True})
     session.flush()
@@ -573,10 +570,10 @@ def attempt_stopped(session: Session, task: Task, placement: Placement, error: s
 def resume_task(session: Session, task: Task) -> None:
     """paused -> queued (locked by the caller); the next attempt resumes from the task's latest
     checkpoint (build_spec offers it). 409 naming the state from anything but paused."""
-    if task.state != "paused":
+    if task.state != TaskState.PAUSED:
         raise conflict(f"task {task.id!r} is {task.state}: only a paused task can be resumed",
                        code=f"task_{task.state}")
-    task.state = "queued"
+    lifecycle.resume_task(task)
     add_event(session, task.id, "task_resumed", "resumed: waiting for GPUs; it continues from "
               "its last checkpoint")
     session.flush()

@@ -34,6 +34,15 @@ from contract.protocol import (
     TaskFinished,
     tenant_safe,
 )
+from contract.states import (
+    PLACEMENT_CURRENT,
+    PLACEMENT_STARTED,
+    PLACEMENT_WAITING,
+    NodeState,
+    PlacementState,
+    TaskState,
+)
+from service import lifecycle
 from service.adapters import portable_config_file
 from service.cluster import cluster_changed, fail_or_requeue
 from service.config import Settings
@@ -86,17 +95,16 @@ def claim_placement(session: Session, placement_id: str, node_id: str,
     # Lock order everywhere: task first, then its placements/jobs (as cancel does).
     task = get_task_any(session, placement.task_id, lock=True)
     session.refresh(placement, with_for_update=True)
-    if placement.state in ("claimed", "running"):
+    if placement.state in PLACEMENT_STARTED:
         return build_spec(session, placement, task, registry)
-    if placement.state != "published" or task.state in TASK_TERMINAL:
+    if placement.state != PlacementState.PUBLISHED or task.state in TASK_TERMINAL:
         raise conflict(f"placement {placement_id!r} is {placement.state} (task {task.state})",
                        code=f"placement_{placement.state}")
     spec = build_spec(session, placement, task, registry)
     now = utcnow()
-    placement.state, placement.claimed_at = "claimed", now
-    if task.state == "queued":
-        task.state = "running"
-        task.started_at = task.started_at or now
+    lifecycle.claim_placement(placement, now)
+    if task.state == TaskState.QUEUED:
+        lifecycle.start_task(task, now)
     # Tenants read events: no node ids or names (GET /v1/cluster shows them to operators).
     add_event(session, task.id, "task_running",
               f"attempt {placement.attempt} started on {len(placement.gpu_indices)} GPU(s)",
@@ -310,7 +318,7 @@ def report_job_state(session: Session, job_id: str, msg: JobStateUpdate) -> tupl
 
 def task_finished(session: Session, task_id: str, msg: TaskFinished, settings: Settings) -> Task:
     task, placement = fence_report(session, task_id, msg.placement_id,
-                                   retry_of=lambda p: p.state == "finished")
+                                   retry_of=lambda p: p.state == PlacementState.FINISHED)
     if placement.state not in PLACEMENT_ACTIVE:
         return task  # a retry: the task already ended through this attempt
     if msg.best_job_id is not None:
@@ -320,7 +328,7 @@ def task_finished(session: Session, task_id: str, msg: TaskFinished, settings: S
         if has_adapter is None:
             raise invalid(f"best_job_id {msg.best_job_id!r} has no adapter of this task",
                           param="best_job_id")
-    placement.state, placement.finished_at = "finished", utcnow()
+    lifecycle.finish_placement(placement, utcnow())
     if placement.claimed_at is not None:  # the measured run the estimate is checked against
         placement.run_s = (placement.finished_at - placement.claimed_at).total_seconds()
     finish_task_succeeded(session, task, msg.best_job_id)
@@ -338,7 +346,8 @@ def task_failed(session: Session, task_id: str, msg: TaskFailed, settings: Setti
     # node was lost) is stale, as for every other report.
     task, placement = fence_report(
         session, task_id, msg.placement_id,
-        retry_of=lambda p: p.state in ("failed", "stopped") and p.error == error)
+        retry_of=lambda p: p.state in (PlacementState.FAILED, PlacementState.STOPPED)
+        and p.error == error)
     if placement.state not in PLACEMENT_ACTIVE:
         return task
     shown = tenant_safe(msg.error) or "training failed"
@@ -347,7 +356,7 @@ def task_failed(session: Session, task_id: str, msg: TaskFailed, settings: Setti
         session.commit()
         cluster_changed(session, "task_stopped", settings)
         return task
-    placement.state, placement.finished_at, placement.error = "failed", utcnow(), error
+    lifecycle.fail_placement(placement, error, utcnow())
     if msg.retryable:
         fail_or_requeue(session, task, placement, shown, settings)
     else:
@@ -379,28 +388,28 @@ def deregister_node(session: Session, node_id: str, msg: NodeDeregister,
     node = session.scalar(select(Node).where(Node.id == node_id).with_for_update())
     if node is None:
         raise not_found("node", node_id)
-    was_up = node.state == "up"
-    node.state = "down"
+    was_up = node.state == NodeState.UP
+    lifecycle.node_down(node)
     superseded, requeued = [], []
     rows = session.scalars(select(Placement).where(
-        Placement.node_id == node.id, Placement.state.in_(("planned", *PLACEMENT_ACTIVE)))
+        Placement.node_id == node.id, Placement.state.in_(PLACEMENT_CURRENT))
         .order_by(Placement.created_at)).all()
     for placement in rows:
         # Lock order everywhere: task first, then its placements (as cancel does).
         task = get_task_any(session, placement.task_id, lock=True)
         session.refresh(placement, with_for_update=True)
-        if placement.state in ("planned", "published"):
-            placement.state = "superseded"
+        if placement.state in PLACEMENT_WAITING:
+            lifecycle.supersede_placement(placement)
             superseded.append(placement.id)
         elif placement.state in PLACEMENT_ACTIVE:
             error = f"node {node.name} left: {msg.reason}"
-            placement.state, placement.error, placement.finished_at = "failed", error, utcnow()
-            if task.state == "running":
+            lifecycle.fail_placement(placement, error, utcnow())
+            if task.state == TaskState.RUNNING:
                 fail_or_requeue(session, task, placement,
                                 "its node left the cluster", settings)
-                if task.state == "queued":
+                if task.state == TaskState.QUEUED:
                     requeued.append(task.id)
-            elif task.state == "pausing":  # it was stopping anyway: paused, holding nothing
+            elif task.state == TaskState.PAUSING:  # it was stopping anyway: paused, holding nothing
                 finish_pause(session, task, "its node left while it stopped")
     session.commit()
     for placement_id in superseded:
@@ -411,5 +420,5 @@ def deregister_node(session: Session, node_id: str, msg: NodeDeregister,
              dropped)
     if was_up or superseded or requeued:
         cluster_changed(session, "node_deregistered", settings)
-    return NodeDeregistered(node_id=node.id, state="down", superseded_placement_ids=superseded,
+    return NodeDeregistered(node_id=node.id, state=NodeState.DOWN.value, superseded_placement_ids=superseded,
                             requeued_task_ids=requeued)

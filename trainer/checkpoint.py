@@ -17,12 +17,14 @@ from typing import Any
 
 import torch
 
-from trainer.engine import JobSpec, JobState, MultiLoraEngine
+from trainer.engine import MultiLoraEngine
+from trainer.jobs import JobSpec, JobState
 
 
 def job_state_dict(state: JobState, copy: bool = True) -> dict[str, Any]:
     """Everything needed to continue one job exactly where it stopped (tensors copied to CPU;
     copy=False: the job's live tensors and containers, for `take_snapshot`)."""
+    state.settle()  # a parked job's host copies are complete before anything reads them
     live = {
         "spec": asdict(state.spec),
         "adapter": dict(state.adapter.state_dict()),

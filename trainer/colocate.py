@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from contract.states import JOB_TERMINAL
+from contract.states import JobState as JobLifecycle
 from trainer.checkpoint import (
     Write,
     job_state_dict,
@@ -58,14 +60,16 @@ from trainer.data import (
 )
 from trainer.dpo import DpoEngine
 from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
-from trainer.engine import JobSpec, JobState, eval_forwards
+from trainer.engine import eval_forwards
 from trainer.export import export_peft, peft_config_dict, write_peft
+from trainer.jobs import JobSpec, JobState
 
 if TYPE_CHECKING:
     from trainer.executor import Callbacks, Executor, ExecutorConfig
 
 log = logging.getLogger("loraplex.executor")
-JOB_TERMINAL = ("exited", "completed", "failed", "cancelled")
+# a job that ended by itself (a cancelled one may still be exited by the ranking)
+ENDED_HERE = tuple(s for s in JOB_TERMINAL if s != JobLifecycle.CANCELLED)
 
 
 class ExamplePool(Sequence):
@@ -420,7 +424,7 @@ class TaskRun:
                 self.exit(job_id, ExitDecision("underperforming", {"kept": keep}))
 
     def exit(self, job_id: str, decision: ExitDecision) -> None:
-        if self.status[job_id]["state"] in ("exited", "completed", "failed"):
+        if self.status[job_id]["state"] in ENDED_HERE:
             return
         slot = self.placed.pop(job_id, None)
         if slot is not None and slot.owner == self.host.rank:

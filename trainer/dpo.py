@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from trainer.data import IGNORE, Example, PackedBatch, PairExample
-from trainer.engine import JobState, MultiLoraEngine
+from trainer.engine import MultiLoraEngine
 from trainer.head import token_losses
+from trainer.jobs import JobState
 
 METRICS = ("loss", "reward_accuracy", "reward_margin")
 

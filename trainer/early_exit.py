@@ -8,11 +8,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from contract.protocol import EarlyExitSettings
-
-ExitReason = Literal["diverging", "overfitting", "underperforming"]
+from contract.states import ExitReason
 
 _EPS = 1e-9
 
@@ -193,19 +192,19 @@ class JobMonitor:
         }
         if self.diverge_count >= cfg.patience:
             return self._decide(ExitDecision(
-                "diverging",
+                ExitReason.DIVERGING,
                 {**numbers, "tau_slope": cfg.tau_slope, "window": w,
                  "consecutive_evals": self.diverge_count},
             ))
         if self.overfit_count >= cfg.patience:
             return self._decide(ExitDecision(
-                "overfitting",
+                ExitReason.OVERFITTING,
                 {**numbers, "tau_gap": cfg.tau_gap, "consecutive_evals": self.overfit_count},
             ))
         return None
 
     def _nonfinite_decision(self, step: int, what: str, value: float) -> ExitDecision:
-        return ExitDecision("diverging", {
+        return ExitDecision(ExitReason.DIVERGING, {
             "step": step, what: value, "non_finite": what,
             "best_val": self.best_val, "best_step": self.best_step,
         })
@@ -276,7 +275,7 @@ class WarmupRanking:
         ranked = keep + evict
         cutoff = self._losses[keep[-1]] if keep else math.nan
         return {
-            job_id: ExitDecision("underperforming", {
+            job_id: ExitDecision(ExitReason.UNDERPERFORMING, {
                 "val_loss": self._losses[job_id], "rank": ranked.index(job_id) + 1,
                 "ranked": len(ranked), "kept": len(keep), "keep_fraction": self.keep_fraction,
                 "worst_kept_val_loss": cutoff,

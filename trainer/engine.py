@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from contract.families import family_of, resolve_targets
-from contract.protocol import JobHyperparameters
 from trainer.data import (
     IGNORE,
     Example,
@@ -36,75 +35,19 @@ from trainer.data import (
     pack_step,
 )
 from trainer.head import default_chunk, token_losses, token_losses_and_hits
+from trainer.jobs import (
+    JobSpec,
+    JobState,
+    load_init_adapter,
+    make_optimizer,
+    multi_adamw,
+)
 from trainer.multilora import (
     JobAdapter,
     StepLayout,
     inject_multilora,
 )
 from trainer.varlen import register_varlen
-
-
-def load_init_adapter(adapter: JobAdapter, path: str) -> None:
-    """Set a job's weights from a PEFT adapter on disk. Modules the adapter does not cover get
-    A = B = 0 (no update, no gradient: they stay off); a key the engine has no module for, or
-    a shape that differs, is a ValueError."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    state = load_file(str(p / "adapter_model.safetensors" if p.is_dir() else p))
-    prefix = "base_model.model."
-    mine = adapter.peft_state_dict()
-    unknown = sorted(k for k in state if prefix + k.removeprefix(prefix) not in mine)
-    if unknown:
-        raise ValueError(f"init adapter: no module for {unknown[:3]}")
-    with torch.no_grad():
-        adapter.flat.zero_()
-        for k, v in state.items():
-            dst = mine[prefix + k.removeprefix(prefix)]
-            if tuple(dst.shape) != tuple(v.shape):
-                raise ValueError(f"init adapter: {k} has shape {tuple(v.shape)}; the job's is "
-                                 f"{tuple(dst.shape)}")
-            dst.copy_(v)
-
-
-@dataclass
-class JobSpec:
-    """One job's hyperparameters (a configuration of the task's search space)."""
-
-    job_id: str
-    rank: int = 8
-    alpha: float = 16.0
-    lr: float = 1e-4
-    batch_size: int = 4
-    epochs: float = 1.0
-    max_steps: int | None = None
-    warmup_steps: int = 0
-    schedule: str = "linear"  # linear | cosine | constant (after the linear warmup)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-    seed: int = 0
-    use_rslora: bool = False
-    beta: float = 0.1  # DPO only: strength of the KL anchor to the reference (the backbone)
-    # A PEFT adapter (its directory, or its adapter_model.safetensors) the job starts from
-    # instead of a fresh init; rank and alpha must be the adapter's. Optimizer state is fresh.
-    init_adapter: str | None = None
-
-    @classmethod
-    def from_hyperparameters(cls, job_id: str, hp: JobHyperparameters, *, epochs: float,
-                             seed: int) -> JobSpec:
-        """The engine's job from the task contract's configuration (contract.protocol)."""
-        extra = {"beta": hp.beta} if hp.beta is not None else {}
-        return cls(job_id=job_id, rank=hp.lora_rank, alpha=hp.lora_alpha, lr=hp.learning_rate,
-                   batch_size=hp.batch_size, epochs=float(epochs), seed=seed, **extra)
-
-    def total_steps(self, n_train: int) -> int:
-        if self.max_steps is not None:
-            return int(self.max_steps)
-        return max(1, math.ceil(self.epochs * n_train / self.batch_size))
 
 
 def eval_forwards(n_jobs: int, n_examples: int, batch_size: int, max_sequences: int | None) -> int:
@@ -135,111 +78,6 @@ def eval_chunk(n_jobs: int, n_examples: int, max_sequences: int, min_chunk: int 
         if best is None or cost <= best[0]:
             best = (cost, chunk)
     return best[1] if best is not None else floor
-
-
-def lr_factor(step: int, warmup: int, total: int, schedule: str = "linear") -> float:
-    """Multiplier of the base LR after `step` optimizer steps (linear warmup, then decay to 0)."""
-    if warmup > 0 and step < warmup:
-        return step / warmup  # the HF convention: the first step runs at lr 0
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup) / max(1, total - warmup)
-    if schedule == "linear":
-        return max(0.0, 1.0 - progress)
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    raise ValueError(f"unknown schedule {schedule!r}")
-
-
-def make_optimizer(spec: JobSpec, params: Sequence[nn.Parameter], total: int):  # noqa: ANN201
-    """The job's own AdamW and LambdaLR (the same objects a PEFT run of the job alone uses). The
-    engine applies the update itself, for every job of a step at once (`multi_adamw`, the same
-    math); the optimizer holds the job's hyperparameters and state (step on the host, moments
-    beside the weights) in torch's format, for checkpoints."""
-    opt = torch.optim.AdamW(
-        list(params), lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
-        foreach=False, fused=False,
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, spec.warmup_steps, total, spec.schedule)
-    )
-    return opt, sched
-
-
-@torch.no_grad()
-def multi_adamw(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor],
-                grads: Sequence[torch.Tensor]) -> None:
-    """One AdamW step of many jobs at once: torch's single-tensor AdamW (decoupled weight decay,
-    bias corrections from the host step count) per job, each with its own optimizer's lr, betas,
-    eps and weight decay, as a few multi-tensor (`torch._foreach_*`) kernels over all jobs instead
-    of one optimizer step per job. Elementwise per tensor: one job's values never reach another's.
-    Bit for bit torch.optim.AdamW(foreach=False) on CPU; within float32 rounding of its fused
-    CUDA kernel."""
-    if not params:
-        return
-    states, hyper = [], []
-    for opt, p in zip(optimizers, params, strict=True):
-        st = opt.state[p]
-        if not st:
-            st["step"] = torch.tensor(0.0)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        elif st["step"].device.type != "cpu":
-            st["step"] = st["step"].cpu()  # a fused optimizer's state: counted on the host now
-        st["step"] += 1
-        opt._opt_called = True  # what torch.optim's step marks for its LR scheduler: stepped
-        g = opt.param_groups[0]
-        states.append(st)
-        hyper.append((g["lr"], *g["betas"], g["eps"], g["weight_decay"], float(st["step"])))
-    decay = [(p, 1 - h[0] * h[4]) for p, h in zip(params, hyper, strict=True) if h[4] != 0]
-    if decay:
-        torch._foreach_mul_([p for p, _ in decay], [f for _, f in decay])
-    exp_avgs = [st["exp_avg"] for st in states]
-    exp_avg_sqs = [st["exp_avg_sq"] for st in states]
-    torch._foreach_lerp_(exp_avgs, list(grads), [1 - h[1] for h in hyper])
-    torch._foreach_mul_(exp_avg_sqs, [h[2] for h in hyper])
-    torch._foreach_addcmul_(exp_avg_sqs, list(grads), list(grads), [1 - h[2] for h in hyper])
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, [(1 - h[2] ** h[5]) ** 0.5 for h in hyper])
-    torch._foreach_add_(denom, [h[3] for h in hyper])
-    torch._foreach_addcdiv_(list(params), exp_avgs, denom, [-(h[0] / (1 - h[1] ** h[5])) for h in hyper])
-
-
-@dataclass
-class JobState:
-    """Everything of one job that lives across steps (moved to CPU when the job is parked)."""
-
-    spec: JobSpec
-    adapter: JobAdapter
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    stream: JobDataStream
-    total_steps: int
-    step: int = 0
-    skipped_steps: int = 0
-    last_loss: float = math.nan
-
-    @property
-    def job_id(self) -> str:
-        return self.spec.job_id
-
-    @property
-    def batch_size(self) -> int:
-        return self.spec.batch_size
-
-    @property
-    def done(self) -> bool:
-        return self.step >= self.total_steps
-
-    def to(self, device: torch.device | str) -> JobState:
-        """Move adapter and optimizer state (park on CPU / resume on the GPU)."""
-        for p in self.adapter.parameters():
-            p.data = p.data.to(device)
-        for st in self.optimizer.state.values():
-            for k, v in st.items():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    st[k] = v.to(device)
-        return self
 
 
 @dataclass
@@ -429,6 +267,8 @@ class MultiLoraEngine:
         state = self.jobs.pop(job_id)
         self.regions.pop(job_id)
         flat = state.adapter.flat
+        if park_device is not None and torch.device(park_device).type == "cpu" and flat.is_cuda:
+            return state.to(park_device)  # copied out of its region in stream order, before any reuse
         flat.data = flat.data.clone()  # its own storage again; the region is free for another job
         return state.to(park_device) if park_device is not None else state
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from contract.protocol import EarlyExitSettings, EvalSettings
+from contract.states import JOB_LIVE
 from trainer.admission import (
     AdmissionController,
     MemoryModel,
@@ -49,7 +50,8 @@ from trainer.checkpoint import FileWriter, load_checkpoint
 from trainer.colocate import ExamplePool, JobSlot, StepNumbers, TaskRun
 from trainer.data import Example, PairExample
 from trainer.dpo import DpoEngine
-from trainer.engine import JobSpec, MultiLoraEngine, eval_chunk
+from trainer.engine import MultiLoraEngine, eval_chunk
+from trainer.jobs import JobSpec, release_host_cache
 from trainer.strategy import OneGpu
 from trainer.varlen import flash_exact, flash_varlen_available
 
@@ -349,7 +351,7 @@ class Executor:
             self._guarded(task, task.checkpoint)
         elif outcome == "cancelled":
             for job_id, st in task.status.items():
-                if st["state"] in ("pending", "running"):
+                if st["state"] in JOB_LIVE:
                     self._guarded(task, lambda j=job_id: task.set_state(j, "cancelled", {}))
         task.settle(wait=True)  # its files complete and announced first (a pause's checkpoint)
         if outcome in ("succeeded", "paused"):
@@ -648,6 +650,7 @@ class Executor:
     def _close_writer(self) -> None:
         if self.writer is not None:
             self.writer.close()  # every queued write completes (after a crash too: its files are whole)
+        release_host_cache()  # parked states' pinned memory goes back to the host
 
     def timings(self) -> dict[str, Any]:
         """Wall seconds since `run` began, split by phase (idle: everything else: bookkeeping,

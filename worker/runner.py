@@ -32,11 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from contract.protocol import ADAPTER_FILES, PlacementSpec, tenant_safe
-from worker.service_client import INIT_ADAPTER_ARCHIVE, SPOOL_NAME, SpoolWriter
+from contract.states import JOB_FINISHED
+from worker.spool import SPOOL_NAME, SpoolWriter
 
 log = logging.getLogger("loraplex.worker.runner")
 LEASE_NAME = "lease"
-JOB_LIVE = ("pending", "running")
+INIT_ADAPTER_ARCHIVE = "init_adapter.archive"  # in the placement's data/, fetched by the daemon
 
 
 class StopFlag:
@@ -232,7 +233,7 @@ class _Bridge:
 
     def on_job_state(self, job_id: str, state: str, details: dict) -> None:
         best = self.best.get(job_id)
-        if state in ("exited", "completed"):
+        if state in JOB_FINISHED:
             exported = self.adapters.get(job_id, {})
             src = exported.get("best") or exported.get("final")
             if src is not None and (src / "adapter_model.safetensors").exists():
@@ -310,7 +311,7 @@ def settle(bridge: _Bridge, status: dict, stopped: bool) -> dict:
     if stopped:
         return {"stopped": True}
     finished = {j: b for j, b in bridge.best.items()
-                if status.get(j, {}).get("state") in ("completed", "exited")}
+                if status.get(j, {}).get("state") in JOB_FINISHED}
     best = min(finished, key=lambda j: finished[j][0]) if finished else None
     return {"best_job_id": best if best in bridge.adapters else None,
             "summary": {"jobs": {j: s.get("state") for j, s in status.items()}}}

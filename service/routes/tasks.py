@@ -9,6 +9,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from contract.states import TASK_STATES, values
 from service import adapters, events, read_path, tasks
 from service.cluster import cluster_changed
 from service.deps import ReadKeyDep, RegistryDep, SessionDep, SettingsDep, StorageDep, TenantDep
@@ -22,8 +23,7 @@ from service.storage import Storage
 from service.task_actions import act
 
 router = APIRouter(tags=["tasks"])
-TaskState = Literal["validating_files", "queued", "running", "pausing", "paused", "succeeded",
-                    "failed", "cancelled"]
+TaskState = Literal[values(TASK_STATES)]
 FormatQuery = Annotated[adapters.ArchiveFormat, Query(alias="format")]
 ARCHIVE = {200: {"content": {"application/gzip": {}, "application/zip": {}},
                  "description": "Archive with adapter_config.json + adapter_model.safetensors"},

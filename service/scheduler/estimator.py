@@ -31,6 +31,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from contract.states import JOB_TERMINAL
+
 GIB = 1024**3
 
 
@@ -175,8 +177,6 @@ def _measurements(value: ProfileValue) -> Sequence[Profile]:
         return (Profile(float(value), 1),)
     return value
 
-
-JOB_TERMINAL = ("exited", "completed", "failed", "cancelled")
 
 
 @dataclass(frozen=True)

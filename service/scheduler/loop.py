@@ -39,6 +39,8 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from contract.protocol import colocation_key
+from contract.states import PLACEMENT_CURRENT, NodeState, PlacementState, TaskState
+from service import lifecycle
 from service.config import Settings
 from service.models import (
     JOB_TERMINAL,
@@ -178,7 +180,7 @@ def build_instance(session: Session, settings: Settings, now: datetime
     """The planner's instance from Postgres, each task's planned|active placement rows, and each
     queued task's raw (uncorrected) estimate in seconds per GPU type (recorded at publish)."""
     nodes = session.scalars(select(Node).order_by(Node.name)).all()
-    tasks = session.scalars(select(Task).where(Task.state.in_(("queued", "running")))
+    tasks = session.scalars(select(Task).where(Task.state.in_((TaskState.QUEUED, TaskState.RUNNING)))
                             .order_by(Task.created_at, Task.id)).all()
     ids = [t.id for t in tasks]
     jobs: dict[str, list[Job]] = {}
@@ -230,20 +232,20 @@ def build_instance(session: Session, settings: Settings, now: datetime
                 common["duration_s"] = by_type[node_type][1]
             common["gpus_needed"] = len(active.gpu_indices)
             common["by_gpu_type"] = {}
-            specs.append(TaskSpec(**common, state="running", pinned=Pinned(
+            specs.append(TaskSpec(**common, state=TaskState.RUNNING.value, pinned=Pinned(
                 active.node_id, tuple(active.gpu_indices), min(0, started)),
                 preemptible=active.stop_requested is None))
             continue
         for gt, e in full.items():
             raw[task.id, gt] = e.raw_seconds
-        planned = next((p for p in reversed(mine) if p.state == "planned"), None)
+        planned = next((p for p in reversed(mine) if p.state == PlacementState.PLANNED), None)
         hint = max_start = None
         if planned is not None:
             hint = Hint(planned.node_id, max(0, int((planned.planned_start - now).total_seconds())),
                         tuple(planned.gpu_indices))
         max_start = min(0, arrival) + max_wait
         specs.append(TaskSpec(**common, hint=hint, max_start_s=max_start))
-    node_specs = [NodeSpec(n.id, n.gpu_type, n.gpu_count, up=n.state == "up") for n in nodes]
+    node_specs = [NodeSpec(n.id, n.gpu_type, n.gpu_count, up=n.state == NodeState.UP) for n in nodes]
     history = _fair_history(session, tenants)
     return Instance(node_specs, specs, limits, guaranteed, history), rows, raw
 
@@ -259,7 +261,8 @@ def _fair_history(session: Session, tenants: Iterable[str]) -> dict[str, tuple[f
                      select(Task.created_at, Task.finished_at, Placement.run_s)
                      .join(Placement, Placement.task_id == Task.id)
                      .where(Task.tenant_id == tenant, Task.finished_at.is_not(None),
-                            Placement.state == "finished", Placement.run_s.is_not(None))
+                            Placement.state == PlacementState.FINISHED,
+                            Placement.run_s.is_not(None))
                      .order_by(Task.finished_at.desc(), Task.id).limit(FAIR_HISTORY))]
     return tenant_history(rows)
 
@@ -271,7 +274,7 @@ def _corrections(session: Session, models: Iterable[str]) -> dict[str, float]:
     for model, est, run in session.execute(
             select(Task.base_model, Placement.estimated_s, Placement.run_s)
             .join(Task, Task.id == Placement.task_id)
-            .where(Task.base_model.in_(list(models)), Placement.state == "finished",
+            .where(Task.base_model.in_(list(models)), Placement.state == PlacementState.FINISHED,
                    Placement.estimated_s.is_not(None), Placement.run_s.is_not(None))
             .order_by(Placement.finished_at.desc(), Placement.id)
             .limit(CORRECTION_SAMPLES * 20)):
@@ -299,7 +302,7 @@ def _tflops(meta: dict | None) -> float | None:
 
 
 def _attempt(rows: list[Placement]) -> int:
-    return 1 + sum(p.state == "failed" for p in rows)
+    return 1 + sum(p.state == PlacementState.FAILED for p in rows)
 
 
 def solve_options(settings: Settings) -> SolveOptions:
@@ -321,7 +324,7 @@ def _preempt(session: Session, plan: Plan, settings: Settings, colocated: Coloca
 
     for task_id in colocated.pausing(plan):
         task = session.scalar(select(Task).where(Task.id == task_id).with_for_update())
-        if task is None or task.state != "running":
+        if task is None or task.state != TaskState.RUNNING:
             continue
         try:
             request_pause(session, task, requeue=True, settings=settings,
@@ -352,7 +355,7 @@ def replan(session: Session, settings: Settings) -> Plan:
     # queued, so nothing is published for a task that has just ended.
     waiting = [t.id for t in inst.tasks if t.pinned is None]
     still_queued = set(session.scalars(select(Task.id).where(
-        Task.id.in_(waiting), Task.state == "queued").order_by(Task.id).with_for_update()))
+        Task.id.in_(waiting), Task.state == TaskState.QUEUED).order_by(Task.id).with_for_update()))
     busy: dict[str, set[int]] = {}
     for p in session.scalars(select(Placement).where(Placement.state.in_(PLACEMENT_ACTIVE))):
         busy.setdefault(p.node_id, set()).update(p.gpu_indices)
@@ -363,11 +366,11 @@ def replan(session: Session, settings: Settings) -> Plan:
         if spec.pinned is not None or spec.id not in still_queued or spec.id in joined_ids:
             continue
         mine = rows.get(spec.id, [])
-        old = [p for p in mine if p.state == "planned"]
+        old = [p for p in mine if p.state == PlacementState.PLANNED]
         a = plan.assignments.get(spec.id)
         if a is None:
             for p in old:
-                p.state = "superseded"
+                lifecycle.supersede_placement(p)
             log.warning("task unschedulable task=%s reason=%s", spec.id,
                         plan.unschedulable.get(spec.id))
             continue
@@ -378,9 +381,10 @@ def replan(session: Session, settings: Settings) -> Plan:
                      and abs((p.planned_start - start).total_seconds()) < unit), None)
         for p in old:
             if p is not keep:
-                p.state = "superseded"
+                lifecycle.supersede_placement(p)
         if keep is None:
             keep = Placement(task_id=spec.id, node_id=a.node_id, gpu_indices=list(a.gpu_indices),
+                             state=PlacementState.PLANNED.value,
                              planned_start=start, planned_end=end, attempt=_attempt(mine))
             session.add(keep)
         else:
@@ -406,7 +410,7 @@ def replan(session: Session, settings: Settings) -> Plan:
 def colocation(session: Session, settings: Settings, inst: Instance, now: datetime) -> CoState:
     """Co-location (service.scheduler.colocation): the instance the planner solves (each shared
     executor's GPUs once) and the usable warm executors, busy and idle, with what joining needs."""
-    nodes = [NodeReports(n.id, n.gpu_type, n.gpu_count, n.state == "up", n.executors,
+    nodes = [NodeReports(n.id, n.gpu_type, n.gpu_count, n.state == NodeState.UP, n.executors,
                          n.executors_at)
              for n in session.scalars(select(Node).where(Node.executors_at.is_not(None))
                                       .order_by(Node.name))]
@@ -473,9 +477,10 @@ def publish_joins(session: Session, settings: Settings, joins: list[Join],
     for j in joins:
         mine = rows.get(j.task_id, [])
         for p in mine:
-            if p.state == "planned":
-                p.state = "superseded"
+            if p.state == PlacementState.PLANNED:
+                lifecycle.supersede_placement(p)
         keep = Placement(task_id=j.task_id, node_id=j.executor.node_id,
+                         state=PlacementState.PLANNED.value,
                          gpu_indices=list(j.executor.gpus), planned_start=now,
                          planned_end=now + timedelta(seconds=j.duration_s), attempt=_attempt(mine))
         session.add(keep)
@@ -490,4 +495,4 @@ def publish_joins(session: Session, settings: Settings, joins: list[Join],
 def current_plan(session: Session) -> list[Placement]:
     """The plan as stored: planned and active placements, by planned start."""
     return list(session.scalars(select(Placement).where(
-        Placement.state.in_(("planned", *PLACEMENT_ACTIVE))).order_by(Placement.planned_start)))
+        Placement.state.in_(PLACEMENT_CURRENT)).order_by(Placement.planned_start)))

@@ -226,6 +226,18 @@ def models_yaml(tmp_path: Path) -> Path:
     return path
 
 
+def tiny_llama_models(tmp_path: Path) -> Path:
+    """A models file registering one real tiny Llama ('tiny', 1 GPU, max_seq_len 128), for a
+    test module's own `models_yaml` fixture when its jobs really train."""
+    from trainer.tiny import make_tiny_model
+
+    model_dir = make_tiny_model("llama", tmp_path / "tiny-llama", seed=0)
+    path = tmp_path / "models.yaml"
+    path.write_text(f"models:\n  - name: tiny\n    path: {model_dir}\n    parameters: 100000\n"
+                    "    gpus: 1\n    max_seq_len: 128\n    family: llama\n")
+    return path
+
+
 def stack_env(database_url: str, redis_url: str, root: Path, models_yaml: Path,
               scheduler: bool) -> dict[str, str]:
     """The environment of a test stack's service and daemons: this process's, plus the stack's

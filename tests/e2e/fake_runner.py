@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from contract.protocol import PlacementSpec
-from worker.service_client import SpoolWriter
+from worker.spool import SpoolWriter
 
 STEPS = 6
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Stack, wait_for
+from tests.e2e.conftest import Stack, tiny_llama_models, wait_for
 from tests.e2e.test_train_e2e import dataset
 
 torch = pytest.importorskip("torch")
@@ -27,13 +27,7 @@ BATCH, SEED, MAX_LEN = 4, 7, 64
 
 @pytest.fixture
 def models_yaml(tmp_path: Path) -> Path:
-    from trainer.tiny import make_tiny_model
-
-    model_dir = make_tiny_model("llama", tmp_path / "tiny-llama", seed=0)
-    path = tmp_path / "models.yaml"
-    path.write_text(f"models:\n  - name: tiny\n    path: {model_dir}\n    parameters: 100000\n"
-                    "    gpus: 1\n    max_seq_len: 128\n    family: llama\n")
-    return path
+    return tiny_llama_models(tmp_path)
 
 
 def make_adapter(model_dir: Path, out: Path) -> bytes:

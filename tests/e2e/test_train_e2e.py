@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Stack, wait_for
+from tests.e2e.conftest import Stack, tiny_llama_models, wait_for
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
@@ -36,13 +36,7 @@ def dataset(n: int, seed: int) -> list[dict]:
 
 @pytest.fixture
 def models_yaml(tmp_path: Path) -> Path:
-    from trainer.tiny import make_tiny_model
-
-    model_dir = make_tiny_model("llama", tmp_path / "tiny-llama", seed=0)
-    path = tmp_path / "models.yaml"
-    path.write_text(f"models:\n  - name: tiny\n    path: {model_dir}\n    parameters: 100000\n"
-                    "    gpus: 1\n    max_seq_len: 128\n    family: llama\n")
-    return path
+    return tiny_llama_models(tmp_path)
 
 
 def val_loss(model, tokenizer, records: list[dict]) -> float:  # noqa: ANN001

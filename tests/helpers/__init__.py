@@ -1,2 +1,2 @@
-"""Shared test helpers: tiny local models, synthetic JSONL data, and single-job PEFT baselines.
-Imported by the engine, data and export tests (CPU) and by the GPU tests."""
+"""Shared test helpers: tiny local models, synthetic JSONL data, and single-job PEFT baselines,
+webhook receivers and tracking-run readers. Imported by the CPU tiers and by the GPU tests."""

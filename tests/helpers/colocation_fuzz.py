@@ -219,7 +219,7 @@ def gen(rng: random.Random, weird: bool = False, dup_reports: bool = False) -> W
             reports[k] = NodeReports(r.id, r.gpu_type, n.gpu_count // 2, r.up, r.executors,
                                      r.executors_at)
     if dup_reports and rng.random() < 0.1:
-        # a report listing one executor twice: worker/daemon.py cannot (one host per GPU set:
+        # a report listing one executor twice: worker/shared_hosts.py cannot (one host per GPU set:
         # a new one starts only when no host overlaps its GPUs), so not in --weird
         for r in reports:
             if r.executors:

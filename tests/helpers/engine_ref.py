@@ -12,7 +12,7 @@ import torch
 
 from contract.families import LLAMA_LINEARS as DEFAULT_TARGETS
 from trainer.data import IGNORE, Example, JobDataStream
-from trainer.engine import JobSpec, make_optimizer
+from trainer.jobs import JobSpec, make_optimizer
 from trainer.tiny import _WORDS, make_tiny_model
 
 _CACHE: dict[str, Path] = {}

@@ -9,14 +9,8 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
-import os
-import signal
-import struct
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -26,6 +20,8 @@ from service.localstack import free_port
 from service.models import Event, IdempotencyKey, Job, Task, TaskIntegration, utcnow
 from service.tracking import wandb_writer
 from service.tracking.sync import sync_due
+from tests.helpers.tracking import Mlflow, params, read_run, tags
+from tests.helpers.tracking import mlflow_server as start_mlflow
 from tests.integration.factories import safetensors_bytes
 
 LOOP_TESTS = ("test_the_leaders_syncer_retries_a_failing_server_and_never_touches_the_task",)
@@ -44,35 +40,8 @@ def settings(settings, tmp_path, request):  # noqa: ANN001, ANN201 - the conftes
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory) -> Iterator[str]:  # noqa: ANN001
     """A real MLflow tracking server (SQLite store), its URL."""
-    root = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    log = open(root / "server.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-         f"sqlite:///{root / 'mlflow.db'}", "--default-artifact-root", str(root / "artifacts"),
-         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("mlflow server did not start: "
-                                   + (root / "server.log").read_text()[-2000:])
-            time.sleep(0.5)
+    with start_mlflow(tmp_path_factory.mktemp("mlflow")) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and the workers it started
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 def counts(session) -> dict:  # noqa: ANN001
@@ -125,8 +94,8 @@ def test_bad_integrations_are_422_naming_the_field_and_store_nothing(client, fac
     before = counts(session)
     for integrations, param, says in cases:
         for path, body in (("/v1/tasks", native), ("/v1/fine_tuning/jobs", openai)):
-            for params in ({}, {"dry_run": "true"}):
-                r = client.post(path, headers=t.headers, params=params,
+            for query in ({}, {"dry_run": "true"}):
+                r = client.post(path, headers=t.headers, params=query,
                                 json=body | {"integrations": integrations})
                 assert r.status_code == 422, (path, integrations, r.text)
                 error = r.json()["error"]
@@ -254,37 +223,6 @@ def finished_task(client, factory, tenant, integrations: list[dict]) -> tuple[st
     return task["id"], jobs
 
 
-class Mlflow:
-    """The test's reads of the tracking server, through its REST API."""
-
-    def __init__(self, url: str) -> None:
-        self.api = f"{url}/api/2.0/mlflow/"
-
-    def get(self, endpoint: str, **params: object) -> dict:
-        r = httpx.get(self.api + endpoint, params=params, timeout=10)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def runs(self, experiment_id: str, task_id: str) -> list[dict]:
-        r = httpx.post(self.api + "runs/search", timeout=10, json={
-            "experiment_ids": [experiment_id], "max_results": 100,
-            "filter": f"tags.`loraplex.task_id` = '{task_id}'"})
-        assert r.status_code == 200, r.text
-        return r.json().get("runs", [])
-
-    def history(self, run_id: str, key: str) -> list[tuple[int, float]]:
-        found = self.get("metrics/get-history", run_id=run_id, metric_key=key)
-        return sorted((m["step"], m["value"]) for m in found.get("metrics", []))
-
-
-def tags(run: dict) -> dict[str, str]:
-    return {t["key"]: t["value"] for t in run["data"].get("tags", [])}
-
-
-def params(run: dict) -> dict[str, str]:
-    return {p["key"]: p["value"] for p in run["data"].get("params", [])}
-
-
 def test_mlflow_runs_on_a_real_tracking_server(client, factory, session, settings,
                                                mlflow_server) -> None:  # noqa: ANN001
     settings.tracking_allow_private = True  # the operator allows its own network's server
@@ -358,60 +296,7 @@ def test_mlflow_runs_on_a_real_tracking_server(client, factory, session, setting
     assert row.result["runs"][jobs[1]] == again[jobs[1]]["info"]["run_id"]
 
 
-# ----- W&B offline: the run files, record by record ----------------------------------------------
-def wandb_records(path: Path) -> Iterator[object]:
-    """The protobuf records of a .wandb run file: a 7-byte header (":W&B", magic, version), then
-    32 KiB blocks of records, each with a 7-byte header (CRC-32C, length, type: full, first,
-    middle, last), as W&B's leveldb-style log writes them."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    block, pos, pending = 32768, 7, b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:  # the block's tail is padding
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack_from("<IHB", data, pos)
-        if kind == 0 and length == 0:
-            pos += left
-            continue
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-        if kind in (1, 2):
-            pending = chunk
-        else:
-            pending += chunk
-        if kind in (1, 4):
-            record = pb.Record()
-            record.ParseFromString(pending)
-            yield record
-
-
-def item_key(item) -> str:  # noqa: ANN001 - a history or summary item: key, or nested_key
-    return item.key or "/".join(item.nested_key)
-
-
-def read_run(path: Path) -> dict:
-    """A run file's run (id, project, entity, name, group, tags, config), history and summary."""
-    out: dict = {"history": [], "summary": {}}
-    for record in wandb_records(path):
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            run = record.run
-            out.update(id=run.run_id, project=run.project, entity=run.entity,
-                       name=run.display_name, group=run.run_group, tags=list(run.tags),
-                       config={i.key: json.loads(i.value_json) for i in run.config.update
-                               if not i.key.startswith("_")})
-        elif kind == "history":
-            out["history"].append({item_key(i): json.loads(i.value_json)
-                                   for i in record.history.item})
-        elif kind == "summary":
-            out["summary"].update({item_key(i): json.loads(i.value_json)
-                                   for i in record.summary.update})
-    return out
-
-
+# ----- W&B offline: the run files, record by record (tests.helpers.tracking.read_run) ----------
 def test_wandb_offline_run_files(client, factory, session, settings) -> None:  # noqa: ANN001
     if importlib.util.find_spec("wandb") is None:
         pytest.skip("wandb is not installed (scripts/install.sh installs it with the dev extra)")

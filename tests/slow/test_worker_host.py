@@ -25,7 +25,7 @@ from contract.protocol import (
 )
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from worker import host as shared
-from worker.service_client import read_complete_lines
+from worker.spool import read_complete_lines
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -262,7 +262,8 @@ def node_daemon(work: Path, service: Service) -> Any:
     import httpx
 
     from tests.unit.test_daemon_local_resume import NoRedis
-    from worker.daemon import Daemon, DaemonConfig
+    from worker.config import DaemonConfig
+    from worker.daemon import Daemon
     from worker.service_client import Backoff, ServiceClient
 
     cfg = DaemonConfig(service_url="http://svc", worker_token="t", redis_url="redis://x",
@@ -270,15 +271,15 @@ def node_daemon(work: Path, service: Service) -> Any:
     client = ServiceClient("http://svc", "t", transport=httpx.MockTransport(service),
                            backoff=Backoff(base_s=0.01, jitter=False), sleep=lambda s: None)
     d = Daemon(cfg, client=client, conn=NoRedis())  # type: ignore[arg-type]
-    d.node_id = "node_1"
-    d._pop_placements = lambda: None  # placements are put in place here, not popped
-    d._confirmed.set()
+    d.registration.node_id = "node_1"
+    d.lifecycle.pop = lambda: None  # placements are put in place here, not popped
+    d.registration.confirmed.set()
     return d
 
 
 def ready(d: Any, directory: Path) -> None:
     """A claimed placement the daemon will start (its spec and data are in its folder)."""
-    from worker.daemon import LocalPlacement
+    from worker.local_state import LocalPlacement
 
     spec = PlacementSpec.model_validate_json((directory / "spec.json").read_text())
     p = LocalPlacement(placement_id=directory.name, directory=directory, status="ready",
@@ -301,7 +302,7 @@ def reported(service: Any, path_end: str) -> list[dict]:
 @pytest.mark.usefixtures("one_thread_host")
 def test_the_daemon_attaches_placements_of_one_model_to_one_process_across_a_restart(
         tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.daemon import _alive
+    from worker.processes import alive
 
     monkeypatch.setenv("LORAPLEX_EXECUTOR_LINGER_S", "60")
     service = Service()
@@ -312,11 +313,11 @@ def test_the_daemon_attaches_placements_of_one_model_to_one_process_across_a_res
     ticking(d, lambda: trained(a), "A to train on a new shared executor")
     ready(d, b)  # the scheduler joined B to A's executor (same model, same GPU)
     ticking(d, lambda: trained(b), "B to train")
-    (h,) = d.hosts.values()
+    (h,) = d.shared.hosts.values()
     assert {d.placements[p].host_id for p in ("pl_a", "pl_b")} == {h.host_id}
     assert d.placements["pl_a"].pid == d.placements["pl_b"].pid == h.pid  # one process
     assert not (a / "executor.log").exists() and not (b / "executor.log").exists()
-    d.heartbeat_once()
+    d.registration.heartbeat_once()
     (beat,) = [e for e in reported(service, "/heartbeat")[-1]["executors"]]
     assert beat["key"] == "tiny|sft|48|*" and beat["gpu_indices"] == [0]
     assert sorted(beat["placement_ids"]) == ["pl_a", "pl_b"] and beat["total_rows"] > 0
@@ -324,8 +325,8 @@ def test_the_daemon_attaches_placements_of_one_model_to_one_process_across_a_res
     # the daemon restarts (killed at any line): the new one adopts the executor and both tasks
     d = node_daemon(tmp_path, service)
     d.recover()
-    assert list(d.hosts) == [h.host_id] and d.hosts[h.host_id].exit_code() is None
-    d._stop_ids = {"pl_b"}  # the service cancelled B: it leaves alone, A trains on
+    assert list(d.shared.hosts) == [h.host_id] and d.shared.hosts[h.host_id].exit_code() is None
+    d.registration.stop_ids = {"pl_b"}  # the service cancelled B: it leaves alone, A trains on
     ticking(d, lambda: "pl_b" not in d.placements, "B to be retired")
     assert d.placements["pl_a"].status == "running"
     # B checkpointed where it stopped (a later attempt here may resume from it), as a runner
@@ -338,21 +339,21 @@ def test_the_daemon_attaches_placements_of_one_model_to_one_process_across_a_res
     assert records(a)[-1]["type"] == "finished" and reported(service, "/tasks/task_pl_a/finished")
     assert not reported(service, "/tasks/task_pl_b/finished")
     d.tick()
-    (idle,) = d._executors  # warm and idle: another task of the model may join it
+    (idle,) = d.registration.executors  # warm and idle: another task of the model may join it
     assert idle.placement_ids == [] and idle.free_rows == idle.total_rows > 0
-    assert _alive(h.pid, h.directory)
+    assert alive(h.pid, h.directory)
 
     # a task of another model (another max_seq_len) on the same GPU: the idle one gives way
     other = make_placement(tmp_path, model, "pl_other", max_seq_len=64, epochs=1)
     ready(d, other)
     ticking(d, lambda: trained(other), "the other model's task to train")
-    assert not _alive(h.pid, h.directory) and h.host_id not in d.hosts
-    (h2,) = d.hosts.values()
+    assert not alive(h.pid, h.directory) and h.host_id not in d.shared.hosts
+    (h2,) = d.shared.hosts.values()
     assert h2.key == "tiny|sft|64|*"
     ticking(d, lambda: "pl_other" not in d.placements, "the other task to finish")
     assert records(other)[-1]["type"] == "finished"
-    d._stop_host(h2, "test over")
-    ticking(d, lambda: not d.hosts, "the executor to leave")
+    d.shared.stop(h2, "test over")
+    ticking(d, lambda: not d.shared.hosts, "the executor to leave")
 
 
 @pytest.mark.usefixtures("one_thread_host")
@@ -367,9 +368,9 @@ def test_a_crash_of_the_shared_executor_fails_every_hosted_placement_retryably(
     ready(d, a)
     ready(d, b)
     ticking(d, lambda: trained(a) and trained(b), "both to train")
-    (h,) = d.hosts.values()
+    (h,) = d.shared.hosts.values()
     os.killpg(h.pid, signal.SIGKILL)
-    ticking(d, lambda: not d.placements and not d.hosts, "both to be reported")
+    ticking(d, lambda: not d.placements and not d.shared.hosts, "both to be reported")
     for placement in (a, b):
         last = records(placement)[-1]
         assert last["type"] == "failed" and last["retryable"] is True
@@ -378,16 +379,16 @@ def test_a_crash_of_the_shared_executor_fails_every_hosted_placement_retryably(
 
 def test_which_placements_share_an_executor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                             ) -> None:
-    from worker.daemon import parse_args
+    from worker.config import parse_args
 
     d = node_daemon(tmp_path, Service())
     one = PlacementSpec.model_validate_json(
         make_placement(tmp_path, tmp_path / "m", "pl_1").joinpath("spec.json").read_text())
     two = one.model_copy(update={"gpu_indices": [0, 1]})
-    assert d._colocation_key(one) == "tiny|sft|48|*"
-    assert d._colocation_key(two) is None  # adapter parallelism: one task per executor
+    assert d.shared.colocation_key(one) == "tiny|sft|48|*"
+    assert d.shared.colocation_key(two) is None  # adapter parallelism: one task per executor
     d.cfg.runner_module = "tests.e2e.fake_runner"
-    assert d._colocation_key(one) is None  # another runner replaces the executor side
+    assert d.shared.colocation_key(one) is None  # another runner replaces the executor side
     assert parse_args(["--work-dir", str(tmp_path)]).colocate
     assert not parse_args(["--work-dir", str(tmp_path), "--no-colocate"]).colocate
     monkeypatch.setenv("LORAPLEX_COLOCATE", "0")

@@ -1,5 +1,5 @@
-"""Unit: the `loraplex` CLI against a fake HTTP transport: argument parsing and the task body,
-file upload before create, follow until the end (table with exit reasons), adapter download."""
+"""Unit: the `loraplex` CLI against a fake HTTP transport: argument parsing and the task body
+(init adapter, tracking integrations), file upload before create, follow until the end (table with exit reasons), adapter download."""
 
 from __future__ import annotations
 
@@ -43,6 +43,26 @@ def test_task_body_fields_and_set() -> None:
                     "eval": {"eval_every_steps": 5}, "priority": 3}
     with pytest.raises(CliError):
         task_body(parse("--set", "novalue"), "f", None)
+
+
+def test_task_body_init_adapter_and_integrations() -> None:
+    args = parse("--wandb-project", "lora", "--mlflow-uri", "https://mlflow.example.com",
+                 "--mlflow-experiment", "search")
+    assert task_body(args, "file_1", None, "file_adapter") == {
+        "base_model": "m", "training_file": "file_1", "init_adapter_file": "file_adapter",
+        "integrations": [
+            {"type": "wandb", "wandb": {"project": "lora"}},
+            {"type": "mlflow", "mlflow": {"tracking_uri": "https://mlflow.example.com",
+                                          "experiment_name": "search"}}]}
+    # one of them, the experiment left to the service's default
+    assert task_body(parse("--mlflow-uri", "http://m:5000"), "f", None)["integrations"] == [
+        {"type": "mlflow", "mlflow": {"tracking_uri": "http://m:5000"}}]
+    assert "integrations" not in task_body(parse(), "f", None)
+    with pytest.raises(CliError, match="--mlflow-uri"):
+        task_body(parse("--mlflow-experiment", "search"), "f", None)
+    # --set wins over the flags, as for every other field
+    body = task_body(parse("--wandb-project", "lora", "--set", "integrations=[]"), "f", None)
+    assert body["integrations"] == []
 
 
 def test_env_config(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,6 +160,31 @@ def test_create_uploads_local_file_then_follows(tmp_path: Path, monkeypatch) -> 
     assert afters == [None, "7", "7"]  # events are paged, not re-printed
     text = console.export_text()
     assert "job_exited: job 1 exited" in text and "succeeded; best job j0" in text
+
+
+def test_create_uploads_a_local_adapter_archive_and_sends_the_flags(tmp_path: Path) -> None:
+    adapter = tmp_path / "adapter.tar.gz"
+    adapter.write_bytes(b"archive")
+    fake = FakeApi()
+    rc = main(["tasks", "create", "--model", "tiny", "--train", "file_t", "--init-adapter",
+               str(adapter), "--wandb-project", "p", "--mlflow-uri", "https://mlflow.example.com"],
+              httpx.MockTransport(fake), Console(record=True))
+    assert rc == 0
+    upload = next(r for r in fake.requests if r.url.path == "/v1/files")
+    assert b'name="purpose"\r\n\r\nadapter' in upload.content and b"archive" in upload.content
+    create = next(r for r in fake.requests if r.url.path == "/v1/tasks")
+    assert json.loads(create.content) == {
+        "base_model": "tiny", "training_file": "file_t", "init_adapter_file": "file_up",
+        "integrations": [{"type": "wandb", "wandb": {"project": "p"}},
+                         {"type": "mlflow", "mlflow": {"tracking_uri":
+                                                       "https://mlflow.example.com"}}]}
+    # a file id is sent as it is; a missing local archive is an error, not an id
+    fake = FakeApi()
+    assert main(["tasks", "create", "--model", "tiny", "--train", "file_t", "--init-adapter",
+                 "file_a"], httpx.MockTransport(fake), Console(record=True)) == 0
+    assert json.loads(fake.requests[-1].content)["init_adapter_file"] == "file_a"
+    assert main(["tasks", "create", "--model", "tiny", "--train", "file_t", "--init-adapter",
+                 "gone.tar.gz"], httpx.MockTransport(FakeApi()), Console(record=True)) == 1
 
 
 def test_errors_exit_1_with_the_api_message(capsys: pytest.CaptureFixture) -> None:

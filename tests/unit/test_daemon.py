@@ -11,14 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from worker.daemon import (
-    LocalPlacement,
-    _alive,
-    _describe,
-    detect_node,
-    parse_args,
-    run_placement,
-)
+from worker.config import parse_args
+from worker.daemon import run_placement
+from worker.local_state import LocalPlacement
+from worker.processes import alive, describe
+from worker.registration import detect_node
 
 
 def test_parse_args_env_and_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -63,20 +60,20 @@ def test_alive_checks_the_pid_is_still_our_executor(tmp_path: Path) -> None:
                              "--placement-dir", str(work)])
     try:
         deadline = time.monotonic() + 10
-        while not _alive(proc.pid, work) and time.monotonic() < deadline:
+        while not alive(proc.pid, work) and time.monotonic() < deadline:
             time.sleep(0.05)  # /proc shows the new cmdline once exec has completed
-        assert _alive(proc.pid, work)
-        assert not _alive(proc.pid, tmp_path / "placements" / "pl_other")  # a reused pid
+        assert alive(proc.pid, work)
+        assert not alive(proc.pid, tmp_path / "placements" / "pl_other")  # a reused pid
     finally:
         proc.kill()
         proc.wait()
-    assert not _alive(proc.pid, work)
+    assert not alive(proc.pid, work)
 
 
 def test_exit_descriptions() -> None:
-    assert _describe(-signal.SIGKILL) == "signal SIGKILL"
-    assert _describe(3) == "code 3"
-    assert "gone" in _describe("lost")
+    assert describe(-signal.SIGKILL) == "signal SIGKILL"
+    assert describe(3) == "code 3"
+    assert "gone" in describe("lost")
 
 
 def test_run_placement_refuses_plain_rq_workers() -> None:

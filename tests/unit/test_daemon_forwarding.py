@@ -9,14 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from worker.service_client import (
-    Backoff,
-    Forwarder,
-    ServiceClient,
-    ServiceError,
-    SpoolWriter,
-    read_complete_lines,
-)
+from worker.forwarder import Forwarder
+from worker.service_client import Backoff, ServiceClient, ServiceError
+from worker.spool import SpoolWriter, read_complete_lines
 
 
 class FakeService:

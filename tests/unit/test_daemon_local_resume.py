@@ -19,17 +19,18 @@ from contract.protocol import (
     JobSpec,
     PlacementSpec,
 )
-from worker.daemon import (
+from worker.config import DaemonConfig
+from worker.daemon import Daemon
+from worker.local_resume import (
     LOCAL_RESUME_NAME,
     OFFERED_NAME,
-    Daemon,
-    DaemonConfig,
-    LocalPlacement,
     checkpoint_step,
     newest_local_checkpoint,
     seed_local_resume,
 )
-from worker.service_client import Backoff, ServiceClient, SpoolWriter, read_complete_lines
+from worker.local_state import LocalPlacement
+from worker.service_client import Backoff, ServiceClient
+from worker.spool import SpoolWriter, read_complete_lines
 
 torch = pytest.importorskip("torch")
 TASK = "task_1"
@@ -232,8 +233,8 @@ def daemon(tmp_path: Path, service: Service) -> Daemon:
     client = ServiceClient("http://svc", "t", transport=httpx.MockTransport(service),
                            backoff=Backoff(base_s=0.01, jitter=False), sleep=lambda s: None)
     d = Daemon(cfg, client=client, conn=NoRedis())  # type: ignore[arg-type]
-    d.node_id = "node_1"
-    d._drain_requested = True  # no queue to pop from here
+    d.registration.node_id = "node_1"
+    d.shutdown.drain = True  # no queue to pop from here
     return d
 
 
@@ -256,13 +257,13 @@ def test_a_restarted_daemon_reports_no_failure_for_an_attempt_the_service_gave_u
     d = daemon(tmp_path, service)
     d.recover()
     service.up = False  # the service cannot say yet: nothing is closed meanwhile
-    d._claimed_ids = d._claimed_snapshot()
-    d.heartbeat_once()
+    d.registration.claimed_ids = d.lifecycle.claimed_ids()
+    d.registration.heartbeat_once()
     d.tick()
     assert {p.status for p in d.placements.values()} == {"running"}
     assert all(t["type"] == "metric" for t in records(stale.directory))
     service.up, service.stop = True, ["pl_stale"]
-    d.heartbeat_once()
+    d.registration.heartbeat_once()
     d.tick()
     assert "pl_stale" not in d.placements  # ended without a word, its folder kept
     assert [r["type"] for r in records(stale.directory)] == ["metric"]
@@ -281,15 +282,15 @@ def test_a_named_placement_stops_and_a_new_attempt_of_its_task_runs_on(tmp_path:
     new = tmp_path / "placements" / "pl_new"
     for directory in (old, new):
         directory.mkdir(parents=True)
-    d.placements = {
+    d.placements.update({
         "pl_old": LocalPlacement("pl_old", old, status="exited", task_id=TASK),
-        "pl_new": LocalPlacement("pl_new", new, status="exited", task_id=TASK)}
+        "pl_new": LocalPlacement("pl_new", new, status="exited", task_id=TASK)})
     SpoolWriter(old / "spool.jsonl").metric("j0", 7, "train", 1.0)  # a backlog
     service.stop = ["pl_old"]
-    d._confirmed.set()
-    d.heartbeat_once()
-    d._apply_stops()
+    d.registration.confirmed.set()
+    d.registration.heartbeat_once()
+    d.lifecycle.apply_stops()
     assert d.placements["pl_old"].cancelled and not d.placements["pl_new"].cancelled
-    d._advance(d.placements["pl_old"])
+    d.lifecycle.advance(d.placements["pl_old"], stopping=False)
     assert "pl_old" not in d.placements and old.is_dir()  # kept: a checkpoint may be there
     assert not service.reports()  # its backlog is not sent: the service would refuse it

@@ -18,7 +18,7 @@ from contract.protocol import (
     PlacementSpec,
 )
 from worker import runner
-from worker.service_client import read_complete_lines
+from worker.spool import read_complete_lines
 
 
 def spec(**kw: object) -> PlacementSpec:

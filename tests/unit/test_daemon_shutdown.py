@@ -16,7 +16,9 @@ import httpx
 import pytest
 import redis
 
-from worker.daemon import Daemon, DaemonConfig, LocalPlacement
+from worker.config import DaemonConfig
+from worker.daemon import Daemon
+from worker.local_state import LocalPlacement
 from worker.service_client import Backoff, ServiceClient
 
 

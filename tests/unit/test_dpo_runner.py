@@ -20,7 +20,7 @@ from contract.protocol import (
 from tests.helpers.engine_ref import tiny_model_dir, write_jsonl
 from tests.unit.test_dpo import preference_rows
 from worker import runner
-from worker.service_client import SpoolWriter, read_complete_lines
+from worker.spool import SpoolWriter, read_complete_lines
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,7 +65,7 @@ def test_dpo_placement_trains_with_each_jobs_beta_and_reports_rewards(tmp_path: 
     assert used["j0"] == used["j1"] > 0
     assert result["best_job_id"] in ("j0", "j1")
     # The last record before the end is a checkpoint of the last step, after every job ended: a
-    # retry on this node resumes from it with nothing left to train (worker.daemon local resume).
+    # retry on this node resumes from it with nothing left to train (worker.local_resume).
     kinds = [r["type"] if r["type"] != "artifact" else r["meta"]["kind"] for r in recs]
     assert kinds[-1] == "checkpoint", kinds[-5:]
     last = torch.load(tmp_path / recs[-1]["dir"] / "state.pt", weights_only=False)

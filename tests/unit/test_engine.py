@@ -11,8 +11,9 @@ import torch
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, train_alone_peft
 from trainer.checkpoint import job_state_dict, load_checkpoint, restore_job, save_checkpoint
 from trainer.data import parse_record, tokenize_all
-from trainer.engine import JobSpec, MultiLoraEngine, lr_factor
+from trainer.engine import MultiLoraEngine
 from trainer.export import export_peft
+from trainer.jobs import JobSpec, lr_factor
 
 # 4 jobs: different ranks, learning rates, batch sizes (and warmup/schedules)
 SPECS = [(2, 1e-3, 1, "linear"), (4, 5e-3, 2, "cosine"), (8, 2e-3, 3, "constant"), (16, 1e-2, 4, "linear")]
@@ -227,4 +228,11 @@ def test_arena_regions_views_growth_and_parking(world) -> None:  # noqa: ANN001
     assert torch.equal(parked.adapter.flat.detach(), kept)
     eng.attach(sp[2].__class__(**{**sp[2].__dict__, "rank": 2}))  # smaller: fits j0's old gap
     assert eng.regions["j2"][0] == lo0
+    check()
+    kept1 = eng.jobs["j1"].adapter.flat.detach().clone()
+    on_host = eng.detach("j1", park_device="cpu")  # parked on the host: its own storage too
+    eng.arena.fill_(9.0)
+    assert torch.equal(on_host.adapter.flat.detach(), kept1)
+    eng.attach(on_host)
+    assert torch.equal(eng.jobs["j1"].adapter.flat.detach(), kept1)
     check()

@@ -11,7 +11,9 @@ from pathlib import Path
 
 from contract.protocol import ThroughputReport
 from tests.unit.test_daemon_forwarding import FakeService, make_client
-from worker.service_client import Backoff, Forwarder, SpoolWriter, read_complete_lines
+from worker.forwarder import Forwarder
+from worker.service_client import Backoff
+from worker.spool import SpoolWriter, read_complete_lines
 
 MEASURED = {"gpus": 2, "seq_len": 1024, "batch_sizes": [4, 4, 8], "tokens_per_s": 5321.5,
             "samples_per_s": 7.25, "memory_k0": 17.5e9, "memory_k1": 2048.0}

@@ -1,5 +1,5 @@
 """Packed steps in bucketed shapes (trainer.data.pack_step with ShapeBuckets) and the engine's
-batched update (trainer.engine.multi_adamw), on CPU: the layout is exact (every sequence once,
+batched update (trainer.jobs.multi_adamw), on CPU: the layout is exact (every sequence once,
 positions restarting, pure-padding rows only after the last job's), the step's loss and gradients
 equal those of the same samples run unpacked one per row (float64, SFT and DPO), and the update
 of all jobs at once equals torch's AdamW job by job, bit for bit."""
@@ -24,7 +24,8 @@ from trainer.data import (
     tokenize_pairs,
 )
 from trainer.dpo import DpoEngine
-from trainer.engine import JobSpec, MultiLoraEngine, multi_adamw
+from trainer.engine import MultiLoraEngine
+from trainer.jobs import JobSpec, multi_adamw
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,7 +14,8 @@ import pytest
 
 from tests.unit.test_daemon_runner import spec
 from worker import runner
-from worker.service_client import INIT_ADAPTER_ARCHIVE, ServiceClient
+from worker.runner import INIT_ADAPTER_ARCHIVE
+from worker.service_client import ServiceClient
 
 FILES = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": b"weights"}
 
@@ -76,10 +77,10 @@ def test_every_job_starts_from_the_fetched_adapter(tmp_path: Path) -> None:
     client = ServiceClient("http://svc", "tok", transport=httpx.MockTransport(handler))
     (tmp_path / "data").mkdir()
     for _ in range(2):  # cached per file id: one download
-        got = client.fetch_init_adapter(s, tmp_path / "data", tmp_path / "cache")
+        got = client.fetch_init_adapter(s, tmp_path / "data" / INIT_ADAPTER_ARCHIVE, tmp_path / "cache")
         assert got == tmp_path / "data" / INIT_ADAPTER_ARCHIVE
     assert calls == [url]
-    assert client.fetch_init_adapter(spec(), tmp_path / "data", tmp_path / "cache") is None
+    assert client.fetch_init_adapter(spec(), tmp_path / "data" / INIT_ADAPTER_ARCHIVE, tmp_path / "cache") is None
     cfg = runner.executor_config(s, tmp_path)
     start = tmp_path / "init_adapter"
     assert [j.init_adapter for j in cfg.jobs] == [str(start)]

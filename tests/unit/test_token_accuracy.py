@@ -25,7 +25,7 @@ from trainer.engine import JobSpec as EngineJob
 from trainer.engine import MultiLoraEngine
 from trainer.head import token_losses, token_losses_and_hits
 from worker import runner
-from worker.service_client import SpoolWriter, read_complete_lines
+from worker.spool import SpoolWriter, read_complete_lines
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,0 +1,228 @@
+"""The daemon's side of a spool: ships one placement's records to the service, in order and
+resumably (its offset in forward.json; a restart resends at most the last batch, and every
+report is idempotent at the service: events by client_key "<placement>:<offset>", metrics by
+(job, step, split), artifacts by key; job states, task ends, throughput accept repeats).
+Reports name the forwarder's placement (= attempt): the service refuses another attempt's with
+a 409, which the forwarder drops."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from contract.protocol import (
+    ArtifactMeta,
+    EventIn,
+    JobStateUpdate,
+    MetricPointIn,
+    TaskFailed,
+    TaskFinished,
+    ThroughputReport,
+)
+from worker.service_client import Backoff, ServiceClient, ServiceError
+from worker.spool import SPOOL_NAME, TERMINAL_TYPES, read_complete_lines
+
+log = logging.getLogger("loraplex.worker.client")
+_Report = TypeVar("_Report", JobStateUpdate, ArtifactMeta)
+
+FORWARD_STATE_NAME = "forward.json"
+
+
+@dataclass
+class ForwardState:
+    offset: int = 0
+    terminal: str | None = None  # "finished" / "failed" once that report is delivered
+    dropped: int = 0
+
+    @classmethod
+    def load(cls, path: Path) -> ForwardState:
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (FileNotFoundError, ValueError, TypeError):
+            return cls()
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.__dict__))
+        os.replace(tmp, path)
+
+
+@dataclass
+class Forwarder:
+    """Daemon side: ships new spool records of one placement, in order, batching consecutive
+    events and metric points. pump() never blocks on a sick service: on a retryable error it
+    schedules the next try with backoff and returns."""
+
+    client: ServiceClient
+    directory: Path
+    task_id: str
+    placement_id: str
+    batch_lines: int = 500
+    backoff: Backoff = field(default_factory=Backoff)
+    clock: Callable[[], float] = time.monotonic
+    state: ForwardState = field(init=False)
+    failures: int = field(default=0, init=False)
+    next_try_at: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        self.state = ForwardState.load(self.state_path)
+
+    @property
+    def spool_path(self) -> Path:
+        return self.directory / SPOOL_NAME
+
+    @property
+    def state_path(self) -> Path:
+        return self.directory / FORWARD_STATE_NAME
+
+    @property
+    def done(self) -> bool:
+        return self.state.terminal is not None
+
+    def pending(self) -> bool:
+        """Whether complete, unforwarded lines wait in the spool."""
+        return bool(read_complete_lines(self.spool_path, self.state.offset, 1))
+
+    def pump(self) -> int:
+        """Forward what is in the spool now; returns how many records were delivered."""
+        if self.done or self.clock() < self.next_try_at:
+            return 0
+        delivered = 0
+        while not self.done:
+            lines = read_complete_lines(self.spool_path, self.state.offset, self.batch_lines)
+            if not lines:
+                break
+            try:
+                delivered += self._deliver(lines)
+            except ServiceError as exc:
+                self.failures += 1
+                self.next_try_at = self.clock() + self.backoff.delay(self.failures - 1)
+                log.warning("forward deferred task=%s placement=%s failures=%d error=%s",
+                            self.task_id, self.placement_id, self.failures, exc)
+                break
+            self.failures = 0
+        return delivered
+
+    def _deliver(self, lines: list[tuple[int, int, str]]) -> int:
+        """Deliver a run of records: a batch of leading events/metrics, or one other record."""
+        events: list[EventIn] = []
+        points: list[MetricPointIn] = []
+        end = self.state.offset
+        for start, stop, text in lines:
+            record = _parse(text)
+            kind = record.get("type") if record else None
+            if kind == "event":
+                events.append(EventIn.model_validate(
+                    record["event"] | {"client_key": f"{self.placement_id}:{start}"}))
+            elif kind == "metric":
+                points.append(MetricPointIn.model_validate(record["point"]))
+            elif record is None or kind not in ("job_state", "artifact", "throughput",
+                                                *TERMINAL_TYPES):
+                log.warning("spool record skipped task=%s placement=%s offset=%d",
+                            self.task_id, self.placement_id, start)
+                self.state.dropped += 1
+            elif events or points:
+                break  # flush the batch before a record that depends on order
+            else:
+                self._one(record)
+                self._advance(stop)
+                return 1
+            end = stop
+        if events:
+            self._tolerate(lambda: self.client.post_events(self.task_id, self.placement_id,
+                                                           events), "events")
+        if points:
+            self._tolerate(lambda: self.client.post_metrics(self.task_id, self.placement_id,
+                                                            points), "metrics")
+        self._advance(end)
+        return len(events) + len(points)
+
+    def _one(self, record: dict) -> None:
+        kind = record["type"]
+        if kind == "job_state":
+            update = self._message(JobStateUpdate, record.get("update"), kind)
+            job_id = record.get("job_id")
+            if update is not None and isinstance(job_id, str):
+                self._tolerate(lambda: self.client.job_state(job_id, update), "job_state")
+            elif update is not None:
+                self.state.dropped += 1
+        elif kind == "artifact":
+            meta = self._message(ArtifactMeta, record.get("meta"), kind)
+            if meta is None:
+                return
+            directory = self.directory / record["dir"]
+            if not directory.is_dir():
+                log.error("artifact dir missing task=%s placement=%s dir=%s", self.task_id,
+                          self.placement_id, directory)
+                self.state.dropped += 1
+                return
+            self._tolerate(lambda: self.client.upload_artifact(self.task_id, meta, directory),
+                           "artifact")
+        elif kind == "throughput":
+            self._throughput(record)
+        elif kind == "finished":
+            msg = TaskFinished(placement_id=self.placement_id,
+                               best_job_id=record.get("best_job_id"),
+                               summary=record.get("summary"))
+            self._tolerate(lambda: self.client.task_finished(self.task_id, msg), "finished")
+            self.state.terminal = "finished"
+        else:
+            msg2 = TaskFailed(placement_id=self.placement_id, error=record.get("error") or "?",
+                              retryable=bool(record.get("retryable", True)),
+                              detail=record.get("detail"))
+            self._tolerate(lambda: self.client.task_failed(self.task_id, msg2), "failed")
+            self.state.terminal = "failed"
+
+    def _message(self, shape: type[_Report], fields: object, kind: str) -> _Report | None:
+        """The report of a spool record, in this forwarder's placement (the attempt the service
+        fences on, whatever the record says); a record the contract refuses is dropped."""
+        try:
+            return shape.model_validate(dict(fields or {}) | {"placement_id": self.placement_id})
+        except (ValueError, TypeError) as exc:
+            self.state.dropped += 1
+            log.warning("%s record dropped task=%s placement=%s error=%s", kind, self.task_id,
+                        self.placement_id, str(exc).splitlines()[0] if str(exc) else exc)
+            return None
+
+    def _throughput(self, record: dict) -> None:
+        # A measurement only tunes the scheduler's estimates: one the contract refuses (a NaN
+        # rate, a missing field) is dropped here, never allowed to stall the reports behind it.
+        try:
+            msg = ThroughputReport(placement_id=self.placement_id, **record["report"])
+        except (ValueError, TypeError, KeyError) as exc:
+            self.state.dropped += 1
+            log.warning("throughput record dropped task=%s placement=%s error=%s", self.task_id,
+                        self.placement_id, str(exc).splitlines()[0] if str(exc) else exc)
+            return
+        self._tolerate(lambda: self.client.throughput(self.task_id, msg), "throughput")
+
+    def _tolerate(self, call: Callable[[], object], what: str) -> None:
+        """Run a report; a permanent refusal (task cancelled, stale placement) is logged and
+        skipped, since retrying it can never succeed; retryable errors propagate."""
+        try:
+            call()
+        except ServiceError as exc:
+            if exc.retryable:
+                raise
+            self.state.dropped += 1
+            log.warning("report refused task=%s placement=%s what=%s status=%s code=%s",
+                        self.task_id, self.placement_id, what, exc.status, exc.code)
+
+    def _advance(self, offset: int) -> None:
+        self.state.offset = offset
+        self.state.save(self.state_path)
+
+
+def _parse(text: str) -> dict | None:
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
