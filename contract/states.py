@@ -64,6 +64,8 @@ T, J, P = TaskState, JobState, PlacementState
 
 TASK_STATES = tuple(TaskState)
 TASK_TERMINAL = (T.SUCCEEDED, T.FAILED, T.CANCELLED)
+TASK_WAITING = (T.VALIDATING_FILES, T.QUEUED)  # admitted, not yet started (tenant quotas)
+TASK_SCHEDULED = (T.QUEUED, T.RUNNING, T.PAUSING)  # the planner holds a finish time for it
 JOB_STATES = tuple(JobState)
 JOB_TERMINAL = (J.EXITED, J.COMPLETED, J.FAILED, J.CANCELLED)
 JOB_LIVE = (J.PENDING, J.RUNNING)

@@ -20,6 +20,7 @@ from typing import Any, BinaryIO, Literal
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from contract.states import TaskState
 from service.errors import ApiError, conflict, not_found
 from service.models import Artifact, Job, Task
 from service.storage import CHUNK, Storage
@@ -111,7 +112,7 @@ def job_adapter(session: Session, job: Job) -> Artifact:
 
 def task_adapter(session: Session, task: Task) -> tuple[Job, Artifact]:
     """The adapter of the task's best job; 409 until the task succeeded."""
-    if task.state != "succeeded" or task.best_job_id is None:
+    if task.state != TaskState.SUCCEEDED or task.best_job_id is None:
         raise conflict(f"task {task.id!r} is {task.state}; the best adapter exists once it "
                        "succeeded", code="task_not_succeeded")
     job = session.get(Job, task.best_job_id)

@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from contract.states import TASK_SCHEDULED
 from service.config import Settings
 from service.models import PLACEMENT_ACTIVE, File, Node, Placement, Task, Tenant, utcnow
 from service.openai_compat import DryRunJob, DryRunOut, avg_tokens_per_sample, unix
@@ -76,7 +77,7 @@ def _earliest(session: Session, est: Estimator, work: TaskWork, minimum: int
     free: dict[tuple[str, int], datetime] = {}
     for p in session.scalars(select(Placement).join(Task, Task.id == Placement.task_id).where(
             Placement.state.in_(("planned", *PLACEMENT_ACTIVE)),
-            Task.state.in_(("queued", "running", "pausing")))):
+            Task.state.in_(TASK_SCHEDULED))):
         for g in p.gpu_indices:
             key = (p.node_id, g)
             free[key] = max(free.get(key, now), p.planned_end, now)

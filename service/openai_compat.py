@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from contract.states import TASK_SCHEDULED, TaskState
 from service.errors import ApiError, invalid, loc_to_param
 from service.models import TASK_TERMINAL, Artifact, Event, File, Job, MetricPoint, Task, Tenant
 from service.pagination import page_query
@@ -50,7 +51,6 @@ AUTO_SPACE: dict[str, list] = {  # learning rates: service.learning_rates, per m
     "beta": [0.1],
 }
 AUTO_EPOCHS = 1
-ESTIMATED = ("queued", "running", "pausing")  # states with a planned finish
 OPENAI_METHOD = {"sft": "supervised", "dpo": "dpo"}
 NATIVE_METHOD = {v: k for k, v in OPENAI_METHOD.items()}
 
@@ -370,7 +370,7 @@ def finite_or_none(x: float | None) -> float | None:
 # ----- views of tasks ----------------------------------------------------------------------------
 def fine_tuned_model_name(task: Task) -> str | None:
     """The name the adapter of a succeeded job goes by: ft:<base model>:<suffix>:<job id>."""
-    if task.state != "succeeded":
+    if task.state != TaskState.SUCCEEDED:
         return None
     return f"ft:{task.base_model}:{task.suffix or ''}:{task.id}"
 
@@ -418,7 +418,7 @@ def job_outs(session: Session, tasks: list[Task], price: float | None = None
             trained_tokens=(_trained_tokens(view, task, mine, files) if terminal else None),
             result_files=view.result_files, usage=view.usage,
             training_file=task.training_file_id, validation_file=task.validation_file_id,
-            estimated_finish=(unix(view.planned_end) if task.state in ESTIMATED else None),
+            estimated_finish=(unix(view.planned_end) if task.state in TASK_SCHEDULED else None),
             metadata=task.meta, method=method, suffix=task.suffix, num_jobs=view.num_jobs,
             integrations=view.integrations or None,
             job_counts=view.job_counts, best_job_id=task.best_job_id))

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
 
+from contract.states import TaskState
 from service import openai_compat as oc
 from service import tasks
 from service.cluster import cluster_changed
@@ -142,7 +143,7 @@ def retrieve_model(session: SessionDep, tenant: TenantDep, registry: RegistryDep
     task_id = oc.task_of_model_name(model_id)
     if task_id is not None:
         task = session.get(Task, task_id)
-        if task is None or task.tenant_id != tenant.id or task.state != "succeeded":
+        if task is None or task.tenant_id != tenant.id or task.state != TaskState.SUCCEEDED:
             raise not_found("model", model_id, param="model")
         base = registry.get(task.base_model)
         return ModelOut(id=oc.fine_tuned_model_name(task) or model_id,

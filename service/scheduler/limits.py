@@ -7,13 +7,13 @@ from __future__ import annotations
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from contract.states import TASK_WAITING, TaskState
 from service.config import Settings
 from service.errors import ApiError
 from service.models import PLACEMENT_ACTIVE, Placement, Task, Tenant
 from service.schemas import TenantUsageOut
 
 # "Queued" for the limit: accepted but neither running nor finished (DESIGN.md task states).
-WAITING_STATES = ("validating_files", "queued")
 
 
 def task_priority_ceiling(tenant: Tenant, settings: Settings) -> int:
@@ -34,7 +34,7 @@ def check_task_priority(tenant: Tenant, priority: int, settings: Settings) -> No
 
 def queued_count(session: Session, tenant_id: str) -> int:
     return int(session.scalar(select(func.count()).select_from(Task).where(
-        Task.tenant_id == tenant_id, Task.state.in_(WAITING_STATES))) or 0)
+        Task.tenant_id == tenant_id, Task.state.in_(TASK_WAITING))) or 0)
 
 
 def admit_task(session: Session, tenant: Tenant) -> None:
@@ -58,9 +58,9 @@ def tenant_usage(session: Session, settings: Settings) -> list[TenantUsageOut]:
     """Tenants that have unfinished tasks or a limit or scheduling setting, with their usage
     (GPUs borrowed beyond the guaranteed share included), by name."""
     waiting = dict(session.execute(select(Task.tenant_id, func.count()).where(
-        Task.state.in_(WAITING_STATES)).group_by(Task.tenant_id)).all())
+        Task.state.in_(TASK_WAITING)).group_by(Task.tenant_id)).all())
     running = dict(session.execute(select(Task.tenant_id, func.count()).where(
-        Task.state == "running").group_by(Task.tenant_id)).all())
+        Task.state == TaskState.RUNNING).group_by(Task.tenant_id)).all())
     gpus: dict[str, int] = {}
     for tenant_id, indices in session.execute(
             select(Task.tenant_id, Placement.gpu_indices).join(Task, Task.id == Placement.task_id)
