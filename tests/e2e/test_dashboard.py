@@ -150,6 +150,22 @@ def task_state(http: httpx.Client, task_id: str) -> str:
     return http.get(f"/v1/tasks/{task_id}").json()["state"]
 
 
+
+def usage_report_row(browser, http, task_id: str, usage: dict) -> dict:  # noqa: ANN001
+    """Open the usage report from the navigation and check the task's row against the API's
+    report of the same period (its tokens also the task's own usage); the API's report."""
+    click(browser, "#nav-usage")
+    wait_css(browser, f'#usage-body tr[data-task="{task_id}"]', what="the task in the report")
+    [(start, end)] = attrs(browser, "#usage-period", "data-start", "data-end")
+    report = http.get("/v1/usage", params={"start": start, "end": end}).json()
+    [line] = [t for t in report["tasks"] if t["task_id"] == task_id]
+    assert line["trained_tokens"] == usage["trained_tokens"], (line, usage)
+    shown = dict(attrs(browser, f'#usage-body tr[data-task="{task_id}"] [data-usage]',
+                       "data-usage", "data-value"))
+    assert same_numbers(shown, {k: line[k] for k in ("trained_tokens", "gpu_seconds", "cost")}), (
+        shown, line)
+    return report
+
 def test_another_tenants_key_sees_nothing(stack: Stack, browser: webdriver.Chrome) -> None:
     """Tenant A has a task; B's key gets 404 for it through every route, its list is empty, and
     the page signed in as B shows no task and refuses the task's page and live stream."""
@@ -488,16 +504,7 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     assert "succeeded" in listed[task_id] and "cancelled" in listed[waiting], listed
 
     # The usage report of the last 30 days has the run, with the API's numbers.
-    click(browser, "#nav-usage")
-    wait_css(browser, f'#usage-body tr[data-task="{task_id}"]', what="the run in the report")
-    [(start, end)] = attrs(browser, "#usage-period", "data-start", "data-end")
-    report = http.get("/v1/usage", params={"start": start, "end": end}).json()
-    [line] = [t for t in report["tasks"] if t["task_id"] == task_id]
-    assert line["trained_tokens"] == usage["trained_tokens"], (line, usage)
-    shown = dict(attrs(browser, f'#usage-body tr[data-task="{task_id}"] [data-usage]',
-                       "data-usage", "data-value"))
-    assert same_numbers(shown, {k: line[k] for k in ("trained_tokens", "gpu_seconds", "cost")}), (
-        shown, line)
+    usage_report_row(browser, http, task_id, usage)
     http.close()
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"
               and "Failed to load resource" not in e["message"]]  # the API's 4xx answers
@@ -707,16 +714,7 @@ def test_usage_results_tracking_and_adapter_on_the_page(stack: Stack, browser: w
 
     # The usage report of the last 30 days, from the navigation: the task's row and the totals
     # are the API's.
-    click(browser, "#nav-usage")
-    wait_css(browser, f'#usage-body tr[data-task="{task_id}"]', what="the task in the report")
-    [(start, end)] = attrs(browser, "#usage-period", "data-start", "data-end")
-    report = http.get("/v1/usage", params={"start": start, "end": end}).json()
-    [line] = [t for t in report["tasks"] if t["task_id"] == task_id]
-    assert line["trained_tokens"] == usage["trained_tokens"], (line, usage)
-    shown = dict(attrs(browser, f'#usage-body tr[data-task="{task_id}"] [data-usage]',
-                       "data-usage", "data-value"))
-    assert same_numbers(shown, {k: line[k] for k in ("trained_tokens", "gpu_seconds", "cost")}), (
-        shown, line)
+    report = usage_report_row(browser, http, task_id, usage)
     totals = dict(attrs(browser, "#usage-summary [data-total]", "data-total", "data-value"))
     assert same_numbers(totals, {k: report[k] for k in ("trained_tokens", "gpu_seconds", "cost")}
                         | {"tasks": len(report["tasks"])}), (totals, report)
