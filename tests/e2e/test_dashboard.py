@@ -151,6 +151,19 @@ def task_state(http: httpx.Client, task_id: str) -> str:
 
 
 
+
+def downloaded_results(browser, http, downloads: Path, task_id: str, result_file: str) -> bytes:  # noqa: ANN001
+    """Click the task's Results (CSV) button; the downloaded file, checked to be the API's
+    result file with the documented header."""
+    click(browser, "#btn-results")
+    csv_path = wait_for(lambda: list(downloads.glob(f"{task_id}_step_metrics.csv")), 30,
+                        f"the CSV download ({text(browser, '#task-msg')})")[0]
+    wait_for(lambda: not list(downloads.glob("*.crdownload")), 10, "the download to finish")
+    body = csv_path.read_bytes()
+    assert body.split(b"\n", 1)[0].decode() == ",".join(RESULT_COLUMNS)
+    assert body == http.get(f"/v1/files/{result_file}/content").content
+    return body
+
 def usage_report_row(browser, http, task_id: str, usage: dict) -> dict:  # noqa: ANN001
     """Open the usage report from the navigation and check the task's row against the API's
     report of the same period (its tokens also the task's own usage); the API's report."""
@@ -475,13 +488,7 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
 
     # Its result file: the step metrics CSV of the run, downloaded from the page.
     [result_file] = http.get(f"/v1/tasks/{task_id}").json()["result_files"]
-    click(browser, "#btn-results")
-    csv_path = wait_for(lambda: list(downloads.glob(f"{task_id}_step_metrics.csv")), 30,
-                        f"the CSV download ({text(browser, '#task-msg')})")[0]
-    wait_for(lambda: not list(downloads.glob("*.crdownload")), 10, "the download to finish")
-    body = csv_path.read_bytes()
-    assert body.split(b"\n", 1)[0].decode() == ",".join(RESULT_COLUMNS)
-    assert body == http.get(f"/v1/files/{result_file}/content").content
+    downloaded_results(browser, http, downloads, task_id, result_file)
 
     # The merged model, beside it: the first click asks for it, one once it is built downloads.
     click(browser, "#btn-merged")
@@ -703,13 +710,7 @@ def test_usage_results_tracking_and_adapter_on_the_page(stack: Stack, browser: w
     [result_file] = task["result_files"]
     wait_for(lambda: attrs(browser, "#btn-results", "data-file") == [(result_file,)], 20,
              "the result file's button")
-    click(browser, "#btn-results")
-    csv_path = wait_for(lambda: list(downloads.glob(f"{task_id}_step_metrics.csv")), 30,
-                        f"the CSV download ({text(browser, '#task-msg')})")[0]
-    wait_for(lambda: not list(downloads.glob("*.crdownload")), 10, "the download to finish")
-    body = csv_path.read_bytes()
-    assert body.split(b"\n", 1)[0].decode() == ",".join(RESULT_COLUMNS)
-    assert body == http.get(f"/v1/files/{result_file}/content").content
+    body = downloaded_results(browser, http, downloads, task_id, result_file)
     assert body.count(b"\n") == 1 + 2 * 10  # a row per job and step
 
     # The usage report of the last 30 days, from the navigation: the task's row and the totals
