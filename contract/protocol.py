@@ -264,6 +264,26 @@ class EvalSettings(_Msg):
         return data
 
 
+class TaskSettings(_Msg):
+    """How a task trains, declared once: the API's create schema extends it, the database keeps
+    it as one document (tasks.settings), the placement carries it and the executor holds it. A
+    new setting is a field here and the code that reads it."""
+
+    validation_split: float = Field(
+        default=0.1, gt=0, lt=0.5, allow_inf_nan=False,
+        description="Held-out share when no validation_file.")
+    epochs: int = Field(default=1, ge=1, le=100)
+    max_seq_len: int | None = Field(default=None, ge=16, le=1_048_576,
+                                    description="Defaults to min(2048, the model's limit).")
+    seed: int = Field(default=0, ge=0, le=INT32_MAX)
+    early_exit: EarlyExitSettings = Field(default_factory=EarlyExitSettings)
+    eval: EvalSettings = Field(default_factory=EvalSettings)
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(
+        default=None, max_length=32,
+        description="Linear layers to adapt (e.g. q_proj, v_proj; qkv_proj on Phi-3); each must "
+                    "exist in the base model's family. Null: all of the family's linears.")
+
+
 class JobHyperparameters(_Msg):
     """One configuration of the search space: every knob a job of any method carries."""
 
@@ -302,13 +322,7 @@ class PlacementSpec(_Msg):
     init_adapter_url: str | None = Field(
         default=None, description="Its archive (.tar.gz or .zip): path under the service URL, "
                                   "GET with worker token.")
-    validation_split: float
-    max_seq_len: int
-    epochs: int
-    seed: int
-    target_modules: list[str] | None = None
-    eval: EvalSettings
-    early_exit: EarlyExitSettings
+    settings: TaskSettings = Field(description="The task's settings, max_seq_len resolved.")
     jobs: list[JobSpec]
     resume_checkpoint_artifact_id: str | None = None
     resume_checkpoint_files: list[str] = Field(

@@ -13,8 +13,9 @@ Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwi
 - ``files(id, tenant_id, filename, purpose, format chat|completion|preference, bytes,
   line_count, sha256, storage_key, created_at, deleted_at)`` (soft delete).
 - ``tasks(id, tenant_id, base_model, method sft|dpo, training_file_id, validation_file_id,
-  validation_split, search_space jsonb, epochs, max_seq_len, seed, early_exit jsonb,
-  eval jsonb, target_modules jsonb, priority, num_train_samples, state, error, best_job_id,
+  search_space jsonb, settings jsonb (contract.protocol.TaskSettings: validation_split, epochs,
+  max_seq_len, seed, early_exit, eval, target_modules, ...), priority, num_train_samples, state,
+  error, best_job_id,
   created_at, started_at, finished_at, cancelled_at, suffix, meta jsonb,
   init_adapter_file_id)``; states:
   TASK_STATES. ``pausing``: its live attempt was asked to stop at a step boundary (it still
@@ -88,6 +89,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from contract.protocol import TaskSettings
 from contract.states import (  # noqa: F401 (re-exported: the service imports them from here)
     EXIT_REASONS,
     JOB_STATES,
@@ -180,14 +182,10 @@ class Task(Base):
     validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
     # an uploaded PEFT adapter (purpose "adapter") every job starts from (service.init_adapter)
     init_adapter_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
-    validation_split: Mapped[float] = mapped_column(Float, default=0.1)
     search_space: Mapped[dict] = mapped_column(JSONB)
-    epochs: Mapped[int] = mapped_column(Integer, default=1)
-    max_seq_len: Mapped[int] = mapped_column(Integer)
-    seed: Mapped[int] = mapped_column(Integer, default=0)
-    early_exit: Mapped[dict] = mapped_column(JSONB)
-    eval: Mapped[dict] = mapped_column(JSONB)
-    target_modules: Mapped[list | None] = mapped_column(JSONB)
+    # contract.protocol.TaskSettings as one document (max_seq_len resolved): a new setting
+    # needs no column and no migration
+    settings: Mapped[dict] = mapped_column(JSONB)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     num_train_samples: Mapped[int] = mapped_column(Integer, default=0)
     state: Mapped[str] = mapped_column(String(24), default=TaskState.VALIDATING_FILES.value, index=True)
@@ -200,6 +198,10 @@ class Task(Base):
     suffix: Mapped[str | None] = mapped_column(String(64))
     meta: Mapped[dict | None] = mapped_column(JSONB)
     __table_args__ = (Index("ix_tasks_tenant_created", "tenant_id", "created_at", "id"),)
+
+    def task_settings(self) -> TaskSettings:
+        """Its settings document as the contract's model (defaults for settings added since)."""
+        return TaskSettings.model_validate(self.settings)
 
 
 class Job(Base):

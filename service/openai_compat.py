@@ -400,7 +400,7 @@ def job_outs(session: Session, tasks: list[Task], price: float | None = None
         view = views[task.id]
         mine = jobs.get(task.id, [])
         best = next((j for j in mine if j.id == task.best_job_id), None)
-        hp = hyperparameters_out(task.method, task.search_space, task.epochs,
+        hp = hyperparameters_out(task.method, task.search_space, view.epochs,
                                  best.config if best is not None else None)
         method = {"type": OPENAI_METHOD.get(task.method, task.method),
                   OPENAI_METHOD.get(task.method, task.method): {"hyperparameters": hp}}
@@ -414,7 +414,7 @@ def job_outs(session: Session, tasks: list[Task], price: float | None = None
             id=task.id, created_at=unix(task.created_at), error=error,
             fine_tuned_model=fine_tuned_model_name(task), finished_at=unix(task.finished_at),
             hyperparameters={k: v for k, v in hp.items() if k != "beta"}, model=task.base_model,
-            organization_id=task.tenant_id, seed=task.seed, status=task.state,
+            organization_id=task.tenant_id, seed=view.seed, status=task.state,
             trained_tokens=(_trained_tokens(view, task, mine, files) if terminal else None),
             result_files=view.result_files, usage=view.usage,
             training_file=task.training_file_id, validation_file=task.validation_file_id,
@@ -444,7 +444,7 @@ def _trained_tokens(view: TaskOut, task: Task, jobs: list[Job], files: dict[str,
 def trained_tokens(task: Task, jobs: list[Job], file: File | None) -> int:
     """Tokens trained (an estimate from the file's bytes per record): each job's steps x its
     batch size x tokens per record."""
-    per_sample = avg_tokens_per_sample(task.max_seq_len, file)
+    per_sample = avg_tokens_per_sample(task.settings["max_seq_len"], file)
     return int(sum((j.last_step or 0) * int((j.config or {}).get("batch_size", 1)) * per_sample
                    for j in jobs))
 

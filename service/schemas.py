@@ -12,12 +12,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from contract.protocol import (
     BatchSize,
     DpoBeta,
-    EarlyExitSettings,
-    EvalSettings,
     LearningRate,
     LoraAlpha,
     LoraRank,
     Method,
+    TaskSettings,
 )
 from service.tracking.schemas import IntegrationIn, IntegrationOut
 
@@ -128,13 +127,15 @@ class SearchSpace(_In):
         return v if isinstance(v, str) else _unique(v)
 
 
-class TaskCreate(_In):
+class TaskCreate(TaskSettings):
+    """A task: its base model, data and search space, and its settings (contract.protocol's
+    TaskSettings, the one declaration of how a task trains)."""
+
+    model_config = ConfigDict(extra="forbid")
+
     base_model: str = Field(min_length=1, max_length=200)
     training_file: str = Field(min_length=1, max_length=40)
     validation_file: str | None = Field(default=None, max_length=40)
-    validation_split: float = Field(
-        default=0.1, gt=0, lt=0.5, allow_inf_nan=False,
-        description="Held-out share when no validation_file.")
     init_adapter_file: str | None = Field(
         default=None, min_length=1, max_length=40,
         description="A file uploaded with purpose `adapter` (a PEFT LoRA adapter) every job "
@@ -143,16 +144,6 @@ class TaskCreate(_In):
                     "must be left out or equal to the adapter's; it must fit the base model.")
     method: Method = "sft"
     search_space: SearchSpace = Field(default_factory=SearchSpace)
-    epochs: int = Field(default=1, ge=1, le=100)
-    max_seq_len: int | None = Field(default=None, ge=16, le=1_048_576,
-                                    description="Defaults to min(2048, the model's limit).")
-    seed: int = Field(default=0, ge=0, le=2**31 - 1)
-    early_exit: EarlyExitSettings = Field(default_factory=EarlyExitSettings)
-    eval: EvalSettings = Field(default_factory=EvalSettings)
-    target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(
-        default=None, max_length=32,
-        description="Linear layers to adapt (e.g. q_proj, v_proj; qkv_proj on Phi-3); each must "
-                    "exist in the base model's family. Null: all of the family's linears.")
     priority: int = Field(default=0, ge=0, le=10)
     suffix: str | None = Field(default=None, min_length=1, max_length=64,
                                pattern=r"^[A-Za-z0-9_.-]+$",
@@ -171,6 +162,10 @@ class TaskCreate(_In):
     @classmethod
     def _distinct_targets(cls, v: list[str] | None) -> list[str] | None:
         return None if v is None else _unique(v)
+
+    def task_settings(self) -> TaskSettings:
+        """The request's settings, as the task stores them."""
+        return TaskSettings.model_validate(self.model_dump(include=set(TaskSettings.model_fields)))
 
 
 class TaskUsage(BaseModel):
@@ -194,7 +189,12 @@ class TaskUsage(BaseModel):
                                                          "to this view).")
 
 
-class TaskOut(BaseModel):
+class TaskOut(TaskSettings):
+    """A task as its tenant sees it: its settings (TaskSettings, max_seq_len resolved) and state."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    max_seq_len: int
     id: str
     object: Literal["task"] = "task"
     state: str
@@ -202,14 +202,7 @@ class TaskOut(BaseModel):
     method: str
     training_file: str
     validation_file: str | None
-    validation_split: float
     search_space: dict
-    epochs: int
-    max_seq_len: int
-    seed: int
-    early_exit: dict
-    eval: dict
-    target_modules: list[str] | None
     priority: int
     num_jobs: int
     job_counts: dict[str, int]

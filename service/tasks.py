@@ -16,7 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from contract.families import UnsupportedModel, family_of, model_type_of, resolve_targets
-from contract.protocol import JobStateUpdate, grid_knobs, pause_key, tenant_safe
+from contract.protocol import JobStateUpdate, TaskSettings, grid_knobs, pause_key, tenant_safe
 from contract.states import (
     PLACEMENT_ACTIVE,
     PLACEMENT_CURRENT,
@@ -219,11 +219,9 @@ def _insert_task(session: Session, tenant: Tenant, body: TaskCreate, max_seq_len
     task = Task(tenant_id=tenant.id, base_model=body.base_model, method=body.method,
                 training_file_id=body.training_file, validation_file_id=body.validation_file,
                 init_adapter_file_id=body.init_adapter_file,
-                validation_split=body.validation_split,
-                search_space=body.search_space.model_dump(mode="json"), epochs=body.epochs,
-                max_seq_len=max_seq_len, seed=body.seed,
-                early_exit=body.early_exit.model_dump(mode="json"),
-                eval=body.eval.model_dump(mode="json"), target_modules=body.target_modules,
+                search_space=body.search_space.model_dump(mode="json"),
+                settings=body.task_settings().model_copy(update={"max_seq_len": max_seq_len})
+                .model_dump(mode="json"),
                 priority=body.priority, num_train_samples=samples,
                 state=TaskState.VALIDATING_FILES.value,
                 suffix=body.suffix, meta=body.metadata)
@@ -302,8 +300,7 @@ def task_outs(session: Session, tasks: list[Task], price: float | None = None) -
 
 # The task's own columns a view shows (service.read_path selects these by name, in this order).
 TASK_COLUMNS = ("id", "state", "base_model", "method", "training_file_id", "validation_file_id",
-                "validation_split", "search_space", "epochs", "max_seq_len", "seed", "early_exit",
-                "eval", "target_modules", "priority", "best_job_id", "error", "created_at",
+                "search_space", "settings", "priority", "best_job_id", "error", "created_at",
                 "started_at", "finished_at", "suffix", "meta", "num_train_samples",
                 "init_adapter_file_id")
 
@@ -321,12 +318,11 @@ def task_view(t: dict, job_states: list[str] | None, failed: int, attempt: int |
     the one view of a task, for the ORM path and the read path alike."""
     counts = dict(Counter(job_states or ()))
     usage = task_usage(t, tokens, gpu_seconds, file_bytes, file_lines, estimated_s, gpus, price)
-    return {"id": t["id"], "object": "task", "state": t["state"], "base_model": t["base_model"],
-            "method": t["method"], "training_file": t["training_file_id"],
-            "validation_file": t["validation_file_id"], "validation_split": t["validation_split"],
-            "search_space": t["search_space"], "epochs": t["epochs"],
-            "max_seq_len": t["max_seq_len"], "seed": t["seed"], "early_exit": t["early_exit"],
-            "eval": t["eval"], "target_modules": t["target_modules"], "priority": t["priority"],
+    settings = TaskSettings.model_validate(t["settings"]).model_dump(mode="json")
+    return {**settings, "id": t["id"], "object": "task", "state": t["state"],
+            "base_model": t["base_model"], "method": t["method"],
+            "training_file": t["training_file_id"], "validation_file": t["validation_file_id"],
+            "search_space": t["search_space"], "priority": t["priority"],
             "num_jobs": sum(counts.values()), "job_counts": counts,
             "best_job_id": t["best_job_id"], "error": t["error"],
             "attempt": attempt if attempt is not None else failed + 1,

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from contract.protocol import grid_knobs
+from contract.protocol import TaskSettings, grid_knobs
 from service.errors import invalid
 from service.models import MetricPoint, Task, Tenant
 from service.scheduler.estimator import EstimatorConfig, JobProgress, TaskWork, remaining_tokens
@@ -40,13 +40,13 @@ def estimated_tokens(t: dict, file_bytes: int | None, lines: int | None) -> tupl
     sizes = [int(b) for b in space.get("batch_size", [1])]
     others = math.prod(len(space.get(k) or [None]) for k in grid_knobs(t["method"])
                        if k != "batch_size")
-    early = t["early_exit"] or {}
-    work = TaskWork(t["base_model"], max(1, t["num_train_samples"] or 0), t["epochs"],
-                    tokens_per_record(t["max_seq_len"], file_bytes, lines), t["max_seq_len"],
+    cfg = TaskSettings.model_validate(t["settings"])
+    work = TaskWork(t["base_model"], max(1, t["num_train_samples"] or 0), cfg.epochs,
+                    tokens_per_record(cfg.max_seq_len, file_bytes, lines), cfg.max_seq_len,
                     [JobProgress(b) for b in sizes for _ in range(max(1, others))],
-                    early_exit=bool(early.get("enabled", True)),
-                    warmup_fraction=float(early.get("warmup_fraction", 0.05)),
-                    keep_fraction=float(early.get("keep_fraction", 0.25)))
+                    early_exit=cfg.early_exit.enabled,
+                    warmup_fraction=cfg.early_exit.warmup_fraction,
+                    keep_fraction=cfg.early_exit.keep_fraction)
     full = sum(work.steps(j) * j.batch_size * work.avg_tokens_per_sample for j in work.jobs)
     return int(full), int(remaining_tokens(work))
 

@@ -42,7 +42,8 @@ ROWS_CAP = 1 << 20
 
 
 def spec_key(spec: PlacementSpec) -> str:
-    return colocation_key(spec.base_model, spec.method, spec.max_seq_len, spec.target_modules)
+    return colocation_key(spec.base_model, spec.method, spec.settings.max_seq_len,
+                          spec.settings.target_modules)
 
 
 def write_json(path: Path, data: dict) -> None:

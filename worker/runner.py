@@ -259,16 +259,17 @@ def executor_config(spec: PlacementSpec, directory: Path):  # noqa: ANN201 - tra
 
     paths = inputs(directory, spec)
     start = init_adapter_dir(directory, spec)
-    jobs = [replace(EngineJob.from_hyperparameters(j.job_id, j.hyperparameters, epochs=spec.epochs,
-                                                   seed=spec.seed + j.index), init_adapter=start)
+    cfg = spec.settings
+    jobs = [replace(EngineJob.from_hyperparameters(j.job_id, j.hyperparameters, epochs=cfg.epochs,
+                                                   seed=cfg.seed + j.index), init_adapter=start)
             for j in spec.jobs]
     return ExecutorConfig(
         model_dir=spec.base_model_path, train_file=str(paths["train"]),
         output_dir=str(directory / "executor"), jobs=jobs, method=spec.method,
         val_file=str(paths["validation"]) if paths["validation"] else None,
-        val_fraction=spec.validation_split, split_seed=spec.seed, max_seq_len=spec.max_seq_len,
-        eval=spec.eval, early_exit=spec.early_exit,
-        targets=tuple(spec.target_modules) if spec.target_modules else None,
+        val_fraction=cfg.validation_split, split_seed=cfg.seed, max_seq_len=cfg.max_seq_len,
+        eval=cfg.eval, early_exit=cfg.early_exit,
+        targets=tuple(cfg.target_modules) if cfg.target_modules else None,
         # the work a lost node costs is bounded by the time between checkpoints (each one is
         # uploaded as soon as it is written): every N steps or S seconds, whichever comes first
         checkpoint_every=int(os.environ.get("LORAPLEX_CHECKPOINT_EVERY", "50")),

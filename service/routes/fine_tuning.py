@@ -149,7 +149,7 @@ def retrieve_model(session: SessionDep, tenant: TenantDep, registry: RegistryDep
         return ModelOut(id=oc.fine_tuned_model_name(task) or model_id,
                         family=base.family if base else None,
                         parameters=base.parameters if base else None,
-                        gpus=base.gpus if base else 1, max_seq_len=task.max_seq_len,
+                        gpus=base.gpus if base else 1, max_seq_len=task.settings["max_seq_len"],
                         created=oc.unix(task.finished_at) or 0, owned_by=tenant.id)
     model = registry.get(model_id)
     if model is None:

@@ -151,19 +151,18 @@ def _model_shape(registry: ModelRegistry, name: str) -> tuple[ModelShape, int]:
 
 
 def _work(task: Task, jobs: Iterable[Job], file: File | None) -> TaskWork:
-    ee = task.early_exit or {}
-    avg_tokens = float(task.max_seq_len)
+    cfg = task.task_settings()
+    avg_tokens = float(cfg.max_seq_len)
     if file is not None and file.line_count:
         avg_tokens = min(avg_tokens, file.bytes / file.line_count / EstimatorConfig().bytes_per_token)
     samples = task.num_train_samples or (file.line_count if file else 1)
     return TaskWork(
-        task.base_model, max(1, samples), max(1, task.epochs), max(1.0, avg_tokens),
-        task.max_seq_len,
+        task.base_model, max(1, samples), max(1, cfg.epochs), max(1.0, avg_tokens),
+        cfg.max_seq_len,
         [JobProgress(int((j.config or {}).get("batch_size", 1)), j.last_step or 0, j.state)
          for j in jobs],
-        early_exit=bool(ee.get("enabled", True)),
-        warmup_fraction=float(ee.get("warmup_fraction", 0.05)),
-        keep_fraction=float(ee.get("keep_fraction", 0.25)))
+        early_exit=cfg.early_exit.enabled, warmup_fraction=cfg.early_exit.warmup_fraction,
+        keep_fraction=cfg.early_exit.keep_fraction)
 
 
 def _measured_rate(work: TaskWork, since: datetime | None, now: datetime) -> float | None:
@@ -455,8 +454,8 @@ def _live_placements(session: Session, inst: Instance
     want = {t.id for t in inst.tasks} - set(tasks)
     if want:
         tasks.update({t.id: t for t in session.scalars(select(Task).where(Task.id.in_(want)))})
-    keys = {tid: colocation_key(t.base_model, t.method, t.max_seq_len, t.target_modules)
-            for tid, t in tasks.items()}
+    keys = {tid: colocation_key(t.base_model, t.method, t.settings["max_seq_len"],
+                                t.settings["target_modules"]) for tid, t in tasks.items()}
     sizes: dict[str, list[int]] = {}
     for task_id, config in session.execute(
             select(Job.task_id, Job.config).where(Job.task_id.in_(list(tasks)),

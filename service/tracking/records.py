@@ -94,7 +94,8 @@ def load_task(session: Session, task_id: str) -> TaskRecord:
         steps.setdefault(job_id, []).append(Step(step=step, at=row["at"], metrics=values))
     return TaskRecord(
         id=task.id, tenant_id=task.tenant_id, base_model=task.base_model, method=task.method,
-        epochs=task.epochs, max_seq_len=task.max_seq_len, seed=task.seed, state=task.state,
+        epochs=task.settings["epochs"], max_seq_len=task.settings["max_seq_len"],
+        seed=task.settings["seed"], state=task.state,
         suffix=task.suffix, best_job_id=task.best_job_id, created_at=task.created_at,
         started_at=task.started_at, finished_at=task.finished_at,
         jobs=[JobRecord(id=j.id, index=j.index, hyperparameters=dict(j.config or {}),

@@ -51,9 +51,9 @@ def test_task_pages_are_the_models_bytes(client, factory, session):  # noqa: ANN
                                  tokens=100 + s, gpu_seconds=0.25 * s) for s in (1, 2)])
     task = session.get(Task, ids[3])
     task.error = {"code": "x", "message": "boom \u2603"}
-    task.target_modules = ["q_proj", "v_proj"]
+    task.settings = {**task.settings, "target_modules": ["q_proj", "v_proj"],
+                     "validation_split": 1e-05}
     task.started_at = utcnow() - timedelta(microseconds=5)
-    task.validation_split = 1e-05
     session.commit()
     for params in ({}, {"limit": 2}, {"limit": 2, "after": ids[3]}, {"limit": 1000},
                    {"state": "queued"}, {"state": "cancelled", "after": ids[4]},

@@ -90,8 +90,8 @@ def test_a_create_waits_for_the_tenant_lock_and_then_counts(app, client, factory
         assert thread.is_alive(), "the second create must wait for the lock"
         first = session.scalar(select(Task).where(Task.tenant_id == t.id))
         holder.add(Task(tenant_id=t.id, base_model="tiny-llama", method="sft",
-                        training_file_id=f, search_space=first.search_space, epochs=1,
-                        max_seq_len=128, early_exit={}, eval={}, state="queued"))
+                        training_file_id=f, search_space=first.search_space,
+                        settings=first.settings, state="queued"))
         holder.commit()
         thread.join(30)
         assert not thread.is_alive()

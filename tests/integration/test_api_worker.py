@@ -56,9 +56,9 @@ def test_worker_round_trip(client, factory, settings):  # noqa: ANN001
     assert r.status_code == 200, r.text
     spec = PlacementSpec.model_validate(r.json())
     assert spec.task_id == tid and spec.gpu_indices == [1] and spec.attempt == 1
-    assert spec.base_model_path == "/models/tiny-llama" and spec.max_seq_len == 128
+    assert spec.base_model_path == "/models/tiny-llama" and spec.settings.max_seq_len == 128
     assert len(spec.jobs) == 2 and spec.resume_checkpoint_artifact_id is None
-    assert spec.early_exit.patience == 2 and spec.training_file_format == "chat"
+    assert spec.settings.early_exit.patience == 2 and spec.training_file_format == "chat"
     again = client.post(f"/internal/v1/placements/{pid}/claim", headers=w,
                         json={"node_id": node_id})
     assert again.status_code == 200 and again.json() == r.json()

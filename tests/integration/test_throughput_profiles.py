@@ -195,7 +195,7 @@ def _tokens_to_train(session, task_id: str) -> float:  # noqa: ANN001
     tokens per sample guessed from the training file as the estimator does (4 bytes a token)."""
     task = session.get(Task, task_id)
     file = session.get(File, task.training_file_id)
-    per_sample = min(task.max_seq_len, file.bytes / file.line_count / 4.0)
+    per_sample = min(task.settings["max_seq_len"], file.bytes / file.line_count / 4.0)
     sizes = [b for b in SPACE["batch_size"] for _ in SPACE["learning_rate"]]
     samples = task.num_train_samples * task.epochs
     return sum(math.ceil(samples / b) * b * per_sample for b in sizes)
@@ -254,7 +254,7 @@ def test_another_batch_mix_uses_the_nearest_measured_mix(client, factory, sessio
     nxt = factory.task(t, search_space=space, early_exit={"enabled": False})["id"]
     task = session.get(Task, nxt)
     file = session.get(File, task.training_file_id)
-    per_sample = min(task.max_seq_len, file.bytes / file.line_count / 4.0)
+    per_sample = min(task.settings["max_seq_len"], file.bytes / file.line_count / 4.0)
     tokens = sum(math.ceil(task.num_train_samples * task.epochs / b) * b * per_sample
                  for b in (2, 4))
     assert _estimate(session, settings, nxt) == math.ceil(tokens / 1.0)

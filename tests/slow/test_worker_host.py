@@ -22,6 +22,7 @@ from contract.protocol import (
     JobHyperparameters,
     JobSpec,
     PlacementSpec,
+    TaskSettings,
 )
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from worker import host as shared
@@ -50,9 +51,9 @@ def make_placement(root: Path, model: Path, placement_id: str, *, epochs: int = 
         task_id=f"task_{placement_id}", placement_id=placement_id, attempt=1, node_id="n",
         gpu_indices=list(gpus), method="sft", base_model="tiny", base_model_path=str(model),
         training_file_id="f", training_file_url="/f", training_file_format="chat",
-        validation_split=0.2, max_seq_len=max_seq_len, epochs=epochs, seed=seed,
+        settings=TaskSettings(validation_split=0.2, max_seq_len=max_seq_len, epochs=epochs, seed=seed,
         eval=EvalSettings(eval_every_steps=5, eval_max_samples=4),
-        early_exit=EarlyExitSettings(enabled=False), jobs=jobs)
+        early_exit=EarlyExitSettings(enabled=False)), jobs=jobs)
     (directory / "spec.json").write_text(spec.model_dump_json())
     return directory
 

@@ -16,6 +16,7 @@ from contract.protocol import (
     JobHyperparameters,
     JobSpec,
     PlacementSpec,
+    TaskSettings,
 )
 from tests.helpers.engine_ref import tiny_model_dir, write_jsonl
 from tests.unit.test_dpo import preference_rows
@@ -34,9 +35,9 @@ def test_dpo_placement_trains_with_each_jobs_beta_and_reports_rewards(tmp_path: 
     spec = PlacementSpec(
         task_id="t", placement_id="p", attempt=1, node_id="n", gpu_indices=[0], method="dpo",
         base_model="tiny", base_model_path=str(model), training_file_id="f",
-        training_file_url="/f", training_file_format="preference", validation_split=0.2,
+        training_file_url="/f", training_file_format="preference", settings=TaskSettings(validation_split=0.2,
         max_seq_len=40, epochs=1, seed=0, eval=EvalSettings(eval_every_steps=3),
-        early_exit=EarlyExitSettings(enabled=False),
+        early_exit=EarlyExitSettings(enabled=False)),
         jobs=[JobSpec(job_id=f"j{i}", index=i, state="pending", hyperparameters=h) for i, h in enumerate(hp)])
     cfg = runner.executor_config(spec, tmp_path)
     assert cfg.method == "dpo" and [j.beta for j in cfg.jobs] == [0.1, 0.7] and cfg.world_size == 1

@@ -18,6 +18,7 @@ from contract.protocol import (
     JobHyperparameters,
     JobSpec,
     PlacementSpec,
+    TaskSettings,
 )
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from trainer.data import IGNORE, parse_record, tokenize_all
@@ -84,9 +85,9 @@ def test_sft_placement_reports_token_accuracy_on_validation_points(tmp_path: Pat
     spec = PlacementSpec(
         task_id="t", placement_id="p", attempt=1, node_id="n", gpu_indices=[0], method="sft",
         base_model="tiny", base_model_path=str(model), training_file_id="f",
-        training_file_url="/f", training_file_format="chat", validation_split=0.2,
+        training_file_url="/f", training_file_format="chat", settings=TaskSettings(validation_split=0.2,
         max_seq_len=48, epochs=1, seed=0, eval=EvalSettings(eval_every_steps=4),
-        early_exit=EarlyExitSettings(enabled=False),
+        early_exit=EarlyExitSettings(enabled=False)),
         jobs=[JobSpec(job_id="j0", index=0, state="pending", hyperparameters=hp)])
     spool = SpoolWriter(tmp_path / "spool.jsonl")
     result = runner.train(spec, tmp_path, runner.SpoolReporter(spool, tmp_path),
