@@ -25,15 +25,7 @@ import torch
 from torch import nn
 
 from contract.families import family_of, resolve_targets
-from trainer.data import (
-    IGNORE,
-    Example,
-    JobDataStream,
-    PackedBatch,
-    ShapeBuckets,
-    pack_flat,
-    pack_step,
-)
+from trainer.data import IGNORE, Example, JobDataStream
 from trainer.head import default_chunk, token_losses, token_losses_and_hits
 from trainer.jobs import (
     JobSpec,
@@ -47,6 +39,7 @@ from trainer.multilora import (
     StepLayout,
     inject_multilora,
 )
+from trainer.packing import PackedBatch, ShapeBuckets, pack_flat, pack_step
 from trainer.varlen import register_varlen
 
 
