@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_step import RANKS, SEQ, floor_step, llama8b_config  # noqa: E402
 
 from trainer.data import Example  # noqa: E402
-from trainer.engine import JobSpec, MultiLoraEngine  # noqa: E402
+from trainer.engine import MultiLoraEngine  # noqa: E402
+from trainer.jobs import JobSpec  # noqa: E402
 from trainer.packing import pack_step  # noqa: E402
 
 

@@ -52,7 +52,7 @@ from trainer.checkpoint import (
 from trainer.data import Example, JobDataStream, read_jsonl, split_validation, tokenize_all
 from trainer.dpo import DpoEngine
 from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
-from trainer.engine import eval_forwards
+from trainer.evaluation import eval_forwards
 from trainer.export import export_peft, peft_config_dict, write_peft
 from trainer.jobs import JobSpec, JobState
 from trainer.pairs import PairExample, tokenize_pairs
