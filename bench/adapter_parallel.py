@@ -80,7 +80,7 @@ def examples_of(seq: int, vocab: int, n: int = 64) -> list:
 
 
 def spec(i: int, batch: int):  # noqa: ANN201
-    from trainer.engine import JobSpec
+    from trainer.jobs import JobSpec
 
     return JobSpec(f"a{i}", rank=RANK, alpha=ALPHA, lr=1e-4, batch_size=batch, max_steps=100_000, seed=i)
 

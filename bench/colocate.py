@@ -39,8 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contract.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
-from trainer.engine import JobSpec  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
+from trainer.jobs import JobSpec  # noqa: E402
 from trainer.tiny import _WORDS, train_tokenizer  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -24,9 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_step import llama8b_config  # noqa: E402
-from trainer.data import IGNORE, Example, PairExample  # noqa: E402
+from trainer.data import IGNORE, Example  # noqa: E402
 from trainer.dpo import DpoEngine  # noqa: E402
-from trainer.engine import JobSpec  # noqa: E402
+from trainer.jobs import JobSpec  # noqa: E402
+from trainer.pairs import PairExample  # noqa: E402
 
 N_JOBS = 8
 RANKS = (16, 32, 64)

@@ -20,8 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_step import RANKS, SEQ, floor_step, llama8b_config  # noqa: E402
 
-from trainer.data import Example, pack_step  # noqa: E402
-from trainer.engine import JobSpec, MultiLoraEngine  # noqa: E402
+from trainer.data import Example  # noqa: E402
+from trainer.engine import MultiLoraEngine  # noqa: E402
+from trainer.jobs import JobSpec  # noqa: E402
+from trainer.packing import pack_step  # noqa: E402
 
 
 def med(fn, iters: int = 5, warmup: int = 2) -> float:  # noqa: ANN001

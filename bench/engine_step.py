@@ -19,7 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.data import Example  # noqa: E402
-from trainer.engine import JobSpec, MultiLoraEngine  # noqa: E402
+from trainer.engine import MultiLoraEngine  # noqa: E402
+from trainer.jobs import JobSpec  # noqa: E402
 
 SEQ = 1024
 RANKS = (16, 32, 64)

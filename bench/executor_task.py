@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import task_e2e as te  # noqa: E402
 
-from trainer.engine import JobSpec  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
+from trainer.jobs import JobSpec  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_step import llama8b_config  # noqa: E402
 
 from trainer.data import Example  # noqa: E402
-from trainer.engine import JobSpec, MultiLoraEngine  # noqa: E402
+from trainer.engine import MultiLoraEngine  # noqa: E402
+from trainer.jobs import JobSpec  # noqa: E402
 
 
 def build(layers: int, recompute: bool, tokens: int) -> MultiLoraEngine:

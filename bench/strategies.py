@@ -26,9 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contract.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
-from trainer.engine import JobSpec  # noqa: E402
 from trainer.executor import Callbacks, ExecutorConfig, run_executor  # noqa: E402
 from trainer.export import load_peft_weights  # noqa: E402
+from trainer.jobs import JobSpec  # noqa: E402
 from trainer.tiny import synthetic_corpus, train_tokenizer  # noqa: E402
 
 JOBS = [(8, 2e-4, 2, 0.1), (16, 1e-4, 4, 0.2), (32, 3e-4, 2, 0.1), (16, 5e-4, 4, 0.3)]

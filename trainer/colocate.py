@@ -49,20 +49,13 @@ from trainer.checkpoint import (
     take_snapshot,
     tensor_bytes,
 )
-from trainer.data import (
-    Example,
-    JobDataStream,
-    PairExample,
-    read_jsonl,
-    split_validation,
-    tokenize_all,
-    tokenize_pairs,
-)
+from trainer.data import Example, JobDataStream, read_jsonl, split_validation, tokenize_all
 from trainer.dpo import DpoEngine
 from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
-from trainer.engine import eval_forwards
+from trainer.evaluation import eval_forwards
 from trainer.export import export_peft, peft_config_dict, write_peft
 from trainer.jobs import JobSpec, JobState
+from trainer.pairs import PairExample, tokenize_pairs
 
 if TYPE_CHECKING:
     from trainer.executor import Callbacks, Executor, ExecutorConfig

@@ -24,10 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.data import IGNORE, Example, PackedBatch, PairExample
+from trainer.data import IGNORE, Example
 from trainer.engine import MultiLoraEngine
 from trainer.head import token_losses
 from trainer.jobs import JobState
+from trainer.packing import PackedBatch
+from trainer.pairs import PairExample
 
 METRICS = ("loss", "reward_accuracy", "reward_margin")
 

@@ -7,12 +7,11 @@ a non-finite loss counts zero in the backward objective (so only its own job's g
 non-finite), and a job whose loss or gradient norm is non-finite skips its own update; the other
 jobs are untouched (bit for bit).
 
-Memory: attached jobs' weights live in one arena (each job's flat parameter is a view of its own
-region) and their gradients in one float32 gradient arena of the same layout, which the kernels
-address by per-job offsets; attach copies a job in, detach copies it out, the arena grows when
-full. A step costs no per-layer stacking, one host-to-device copy of the batch and layout, one
-device sync (the report's numbers), and every job's norm, clip and AdamW in a few multi-tensor
-kernels over the arena's regions.
+Memory: attached jobs' weights live in one arena and their gradients in one float32 gradient
+arena of the same layout, which the kernels address by per-job offsets (trainer.arena). A step
+costs no per-layer stacking, one host-to-device copy of the batch and layout, one device sync (the
+report's numbers), and every job's norm, clip and AdamW in a few multi-tensor kernels over the
+arena's regions. Held-out evaluation: trainer.evaluation.
 """
 from __future__ import annotations
 
@@ -25,59 +24,14 @@ import torch
 from torch import nn
 
 from contract.families import family_of, resolve_targets
-from trainer.data import (
-    IGNORE,
-    Example,
-    JobDataStream,
-    PackedBatch,
-    ShapeBuckets,
-    pack_flat,
-    pack_step,
-)
+from trainer.arena import AdapterArena
+from trainer.data import IGNORE, Example
+from trainer.evaluation import EngineEvaluation
 from trainer.head import default_chunk, token_losses, token_losses_and_hits
-from trainer.jobs import (
-    JobSpec,
-    JobState,
-    load_init_adapter,
-    make_optimizer,
-    multi_adamw,
-)
-from trainer.multilora import (
-    JobAdapter,
-    StepLayout,
-    inject_multilora,
-)
+from trainer.jobs import JobState, multi_adamw
+from trainer.multilora import inject_multilora
+from trainer.packing import PackedBatch, ShapeBuckets, pack_flat, pack_step
 from trainer.varlen import register_varlen
-
-
-def eval_forwards(n_jobs: int, n_examples: int, batch_size: int, max_sequences: int | None) -> int:
-    """Backbone forwards of `MultiLoraEngine.evaluate_metrics` for these sizes (in lockstep every
-    rank computes it for every rank, to pad the ranks with fewer to the same count)."""
-    if n_jobs == 0 or n_examples == 0:
-        return 0
-    group = max(1, (max_sequences or 1 << 62) // batch_size)
-    return math.ceil(n_jobs / group) * math.ceil(n_examples / batch_size)
-
-
-def eval_chunk(n_jobs: int, n_examples: int, max_sequences: int, min_chunk: int = 1) -> int:
-    """Examples per evaluation forward that make the fewest backbone forwards when one forward
-    holds at most `max_sequences` sequences (groups of max_sequences // chunk jobs share it);
-    among equals the smallest chunk (the least memory). At least min(min_chunk, n_examples)."""
-    if n_jobs <= 0 or n_examples <= 0:
-        return max(1, min_chunk)
-    floor = max(1, min(min_chunk, n_examples))
-    cap = max(max_sequences, floor)
-    best: tuple[int, int] | None = None
-    for pieces in range(1, n_examples + 1):
-        chunk = -(-n_examples // pieces)
-        if chunk < floor:
-            break
-        if chunk > cap or (best is not None and chunk == best[1]):
-            continue
-        cost = eval_forwards(n_jobs, n_examples, chunk, cap)
-        if best is None or cost <= best[0]:
-            best = (cost, chunk)
-    return best[1] if best is not None else floor
 
 
 @dataclass
@@ -121,7 +75,7 @@ def without_backbone_dropout(model: nn.Module) -> None:
                 setattr(holder, name, 0.0)
 
 
-class MultiLoraEngine:
+class MultiLoraEngine(AdapterArena, EngineEvaluation):
     """A frozen causal LM with multi-LoRA layers and the jobs currently attached to it."""
 
     def __init__(
@@ -198,111 +152,7 @@ class MultiLoraEngine:
             self.model.gradient_checkpointing_disable()
         self.gradient_checkpointing = on
 
-    # ----- arena -----------------------------------------------------------------------
-    def _init_arena(self) -> None:
-        """Empty arenas on self.device (a subclass that moves the model calls it again)."""
-        if self.jobs:
-            raise RuntimeError("the arena is reset only while no job is attached")
-        # job_id -> [lo, hi) element region; gradients in the accumulation dtype
-        self.grad_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
-        self.arena = torch.zeros(0, dtype=self.adapter_dtype, device=self.device)
-        self.grad_arena = torch.zeros(0, dtype=self.grad_dtype, device=self.device)
-        self.regions: dict[str, tuple[int, int]] = {}
-        self._token = torch.zeros((), device=self.device, requires_grad=True)
-
-    def _alloc(self, size: int) -> int:
-        """First fit among the gaps between regions, else at the end (growing the arena by at
-        least an eighth: few regrowths while jobs attach, little slack in device memory)."""
-        pos = 0
-        for lo, hi in sorted(self.regions.values()):
-            if lo - pos >= size:
-                return pos
-            pos = max(pos, hi)
-        if pos + size > self.arena.numel():
-            self._grow(max(pos + size, self.arena.numel() + self.arena.numel() // 8))
-        return pos
-
-    def _grow(self, capacity: int) -> None:
-        # the gradient sums are dead between steps: free them before allocating anything
-        self.grad_arena = self.grad_arena.new_zeros(0)
-        arena = torch.zeros(capacity, dtype=self.arena.dtype, device=self.device)
-        arena[: self.arena.numel()] = self.arena
-        self.arena = arena
-        self.grad_arena = torch.zeros(capacity, dtype=self.grad_dtype, device=self.device)
-        for job_id, (lo, hi) in self.regions.items():
-            self.jobs[job_id].adapter.flat.data = arena[lo:hi]
-
-    # ----- attach / detach -------------------------------------------------------------
-    def new_job(self, spec: JobSpec) -> JobState:
-        """Create a job's fresh state (adapter init, optimizer, data order) without attaching it."""
-        adapter = JobAdapter(
-            self.shapes, spec.rank, spec.alpha, spec.seed, self.adapter_dtype, self.device, spec.use_rslora
-        )
-        if spec.init_adapter is not None:
-            load_init_adapter(adapter, spec.init_adapter)
-        total = spec.total_steps(len(self.train_examples))
-        opt, sched = make_optimizer(spec, list(adapter.parameters()), total)
-        stream = JobDataStream(len(self.train_examples), spec.seed)
-        return JobState(spec, adapter, opt, sched, stream, total)
-
-    def attach(self, job: JobSpec | JobState) -> JobState:
-        """Put a job into a slot (new from a spec, or a parked/restored state); no rebuild."""
-        state = self.new_job(job) if isinstance(job, JobSpec) else job.to(self.device)
-        if state.job_id in self.jobs:
-            raise ValueError(f"job {state.job_id} is already attached")
-        flat = state.adapter.flat
-        if flat.dtype != self.arena.dtype:
-            raise ValueError(f"job {state.job_id}: adapter dtype {flat.dtype} != engine's {self.arena.dtype}")
-        lo = self._alloc(flat.numel())
-        hi = lo + flat.numel()
-        self.jobs[state.job_id] = state
-        self.regions[state.job_id] = (lo, hi)
-        with torch.no_grad():
-            self.arena[lo:hi].copy_(flat.data)
-        flat.data = self.arena[lo:hi]
-        return state
-
-    def detach(self, job_id: str, park_device: torch.device | str | None = None) -> JobState:
-        """Free a job's slot; with park_device its state moves there (e.g. 'cpu')."""
-        state = self.jobs.pop(job_id)
-        self.regions.pop(job_id)
-        flat = state.adapter.flat
-        if park_device is not None and torch.device(park_device).type == "cpu" and flat.is_cuda:
-            return state.to(park_device)  # copied out of its region in stream order, before any reuse
-        flat.data = flat.data.clone()  # its own storage again; the region is free for another job
-        return state.to(park_device) if park_device is not None else state
-
-    # ----- one step --------------------------------------------------------------------
-    def _set_layout(self, states: Sequence[JobState], token_offsets: list[int]) -> None:
-        """Point every layer at the arena for these jobs (in this order) and zero their gradient
-        sums: one host-to-device copy of all layers' offsets, no per-layer work, no sync."""
-        regions = [self.regions[s.job_id][0] for s in states]
-        adapters = [s.adapter for s in states]
-        n_layers = len(self.layer_list)
-        ints = [lo + ad.a_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, adapters, strict=True)]
-        ints += [lo + ad.b_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, adapters, strict=True)]
-        ints += [s.adapter.rank for s in states] + list(token_offsets)
-        dev = self._to_device(torch.tensor(ints, dtype=torch.int64))
-        n = len(states)
-        offs = dev[: 2 * n_layers * n].view(2, n_layers, n)
-        arena = self.arena if self.arena.dtype == self.compute_dtype else self.arena.to(self.compute_dtype)
-        if torch.is_grad_enabled():
-            self.grad_arena.zero_()
-        lay = StepLayout(
-            offsets=dev[2 * n_layers * n + n :],
-            scales=self._to_device(torch.tensor([s.adapter.scaling for s in states], dtype=torch.float32)),
-            ranks=dev[2 * n_layers * n : 2 * n_layers * n + n].to(torch.int32),
-            arena=arena,
-            grad_arena=self.grad_arena,
-            r_max=max(ad.rank for ad in adapters),
-            token=self._token,
-            backend=self.backend,
-            aligned=all(v % 16 == 0 for v in ints[: 2 * n_layers * n]),
-        )
-        for k, layer in enumerate(self.layer_list):
-            layer.layout = lay
-            layer.a_off, layer.b_off = offs[0, k], offs[1, k]
-
+    # ----- one step: the batch and the forward -----------------------------------------
     def set_attention(self, mode: str) -> None:
         """Switch the packing and the model's attention between "rows" and "varlen"."""
         if mode not in ("rows", "varlen"):
@@ -351,10 +201,6 @@ class MultiLoraEngine:
             batch.varlen = {"cu_seq_lens_q": views[4].to(torch.int32), "max_length_q":
                             max(b - a for a, b in zip(cpu.cu_seqlens[:-1], cpu.cu_seqlens[1:], strict=True))}
         return batch, views[4 + len(cu):]
-
-    def _clear_layout(self) -> None:
-        for layer in self.layer_list:
-            layer.layout = layer.a_off = layer.b_off = None
 
     def _hidden(self, batch: PackedBatch) -> torch.Tensor:
         self.forward_shapes[(*batch.input_ids.shape, torch.is_grad_enabled())] += 1
@@ -424,8 +270,6 @@ class MultiLoraEngine:
         return batch, losses, [loss.detach().reshape(1) for loss in losses]
 
     metric_names: tuple[str, ...] = ("loss",)
-    # evaluation's numbers: SFT adds the mean token accuracy (argmax == target over target tokens)
-    eval_metric_names: tuple[str, ...] = ("loss", "token_accuracy")
 
     def step(self) -> StepReport:
         """One training step of every attached job that has steps left: one forward and one
@@ -524,74 +368,3 @@ class MultiLoraEngine:
             s.step += 1
             report.steps[s.job_id] = s.step
         return report
-
-    # ----- evaluation ------------------------------------------------------------------
-    def _eval_sums(self, states: Sequence[JobState], chunk: Sequence[Example]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One no-grad forward of every job on the same chunk: per job the sums of the
-        evaluation's numbers [N, len(eval_metric_names)] and what each is averaged over [N]
-        (SFT: summed token losses and hits over target tokens; DPO overrides: sums over pairs)."""
-        _, losses, hits, counts = self._forward_tokens(states, [chunk] * len(states), hits=True)
-        sums = [torch.stack([loss.sum(), hit.sum()])
-                for loss, hit in zip(losses.split(counts), hits.split(counts), strict=True)]
-        return torch.stack(sums), torch.tensor(counts, dtype=torch.float64)
-
-    @torch.no_grad()
-    def evaluate_metrics(
-        self, examples: Sequence[Example], batch_size: int = 8, job_ids: Sequence[str] | None = None,
-        max_sequences: int | None = None, forwards: int | None = None,
-    ) -> dict[str, dict[str, float]]:
-        """Every number of the evaluation (`eval_metric_names`, the loss first) of each job on the same
-        held-out examples. With max_sequences, jobs go in groups so one forward holds at most
-        that many sequences (e.g. the training step's total batch, which admission sized to
-        fit). With `forwards` (lockstep), idle forwards pad this rank's passes to that count."""
-        states = [self.jobs[j] for j in (job_ids if job_ids is not None else list(self.jobs))]
-        group = max(1, (max_sequences or 1 << 62) // batch_size)
-        was_training = self.model.training
-        self.model.eval()
-        out: dict[str, dict[str, float]] = {}
-        try:
-            for g in range(0, len(states), group):
-                members = states[g : g + group]
-                totals = torch.zeros(len(members), len(self.eval_metric_names), dtype=torch.float64,
-                                     device=self.device)
-                denoms = torch.zeros(len(members), dtype=torch.float64)
-                for lo in range(0, len(examples), batch_size):
-                    sums, counts = self._eval_sums(members, list(examples[lo : lo + batch_size]))
-                    totals += sums.double()  # summed on the device: one sync per group of jobs
-                    denoms += counts
-                means = (totals.cpu() / denoms.clamp(min=1).unsqueeze(1)).tolist()
-                out.update({s.job_id: dict(zip(self.eval_metric_names, row, strict=True))
-                            for s, row in zip(members, means, strict=True)})
-        finally:
-            self._clear_layout()
-            self.model.train(was_training)
-        own = eval_forwards(len(states), len(examples), batch_size, max_sequences)
-        if forwards is not None:
-            if own > forwards:
-                raise RuntimeError(f"this rank needs {own} eval forwards, more than the planned {forwards}")
-            for _ in range(forwards - own):
-                self.idle_forward()
-        return out
-
-    def evaluate(
-        self, examples: Sequence[Example], batch_size: int = 8, job_ids: Sequence[str] | None = None,
-        max_sequences: int | None = None,
-    ) -> dict[str, float]:
-        """The mean loss of each job on the same held-out examples (SFT: token mean; DPO: the
-        mean DPO loss over pairs), what early exit and the ranking use."""
-        metrics = self.evaluate_metrics(examples, batch_size, job_ids, max_sequences)
-        return {j: m["loss"] for j, m in metrics.items()}
-
-    @torch.no_grad()
-    def logits(self, job_id: str, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full logits of one job on plain (unpacked) rows [B, L] (for the export round trip)."""
-        state = self.jobs[job_id]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            self._set_layout([state], [0, input_ids.numel()])
-            return self.model(input_ids=input_ids.to(self.device), use_cache=False).logits
-        finally:
-            self._clear_layout()
-            self.model.train(was_training)

@@ -48,10 +48,12 @@ from trainer.admission import (
 )
 from trainer.checkpoint import FileWriter, load_checkpoint
 from trainer.colocate import ExamplePool, JobSlot, StepNumbers, TaskRun
-from trainer.data import Example, PairExample
+from trainer.data import Example
 from trainer.dpo import DpoEngine
-from trainer.engine import MultiLoraEngine, eval_chunk
+from trainer.engine import MultiLoraEngine
+from trainer.evaluation import eval_chunk
 from trainer.jobs import JobSpec, release_host_cache
+from trainer.pairs import PairExample
 from trainer.strategy import OneGpu
 from trainer.varlen import flash_exact, flash_varlen_available
 

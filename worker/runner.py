@@ -254,8 +254,8 @@ class _Bridge:
 def executor_config(spec: PlacementSpec, directory: Path):  # noqa: ANN201 - trainer import is lazy
     """The trainer's configuration of this placement: the task's settings as the contract has
     them (contract.protocol), the daemon's files, and one rank per GPU of the placement."""
-    from trainer.engine import JobSpec as EngineJob
     from trainer.executor import ExecutorConfig
+    from trainer.jobs import JobSpec as EngineJob
 
     paths = inputs(directory, spec)
     start = init_adapter_dir(directory, spec)

@@ -10,7 +10,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, train_alone_peft  # noqa: E402
 from trainer.data import parse_record, tokenize_all  # noqa: E402
-from trainer.engine import JobSpec, MultiLoraEngine  # noqa: E402
+from trainer.engine import MultiLoraEngine  # noqa: E402
+from trainer.jobs import JobSpec  # noqa: E402
 
 SPECS = [(2, 1e-3, 1), (8, 5e-3, 2), (16, 2e-3, 3)]
 

@@ -20,8 +20,9 @@ from tests.helpers.engine_ref import synthetic_rows  # noqa: E402
 from tests.unit.test_families import base_model, own_loss  # noqa: E402
 from trainer import varlen  # noqa: E402
 from trainer.data import parse_record, tokenize_all  # noqa: E402
-from trainer.engine import JobSpec, MultiLoraEngine  # noqa: E402
+from trainer.engine import MultiLoraEngine  # noqa: E402
 from trainer.export import export_peft  # noqa: E402
+from trainer.jobs import JobSpec  # noqa: E402
 from trainer.tiny import make_tiny_model  # noqa: E402
 
 # family -> the windows the flash kernel may see (None: a global layer), or "exact" for a

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir  # noqa: E402
 from trainer.checkpoint import job_state_dict  # noqa: E402
 from trainer.data import parse_record, tokenize_all  # noqa: E402
-from trainer.engine import JobSpec, MultiLoraEngine  # noqa: E402
+from trainer.engine import MultiLoraEngine  # noqa: E402
+from trainer.jobs import JobSpec  # noqa: E402
 
 
 def test_park_on_host_async_then_resume(tmp_path) -> None:

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from contract.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl  # noqa: E402
-from trainer.engine import JobSpec  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
+from trainer.jobs import JobSpec  # noqa: E402
 
 
 def _cfg(tmp_path, out: str, cache) -> ExecutorConfig:  # noqa: ANN001

@@ -12,9 +12,9 @@ import torch
 
 from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
-from trainer.engine import JobSpec
 from trainer.executor import Callbacks, Executor, ExecutorConfig
 from trainer.export import load_peft_weights
+from trainer.jobs import JobSpec
 from trainer.parallel import run_parallel
 
 P = 2

@@ -27,8 +27,8 @@ from trainer import checkpoint as checkpoint_mod
 from trainer import colocate
 from trainer import export as export_mod
 from trainer.checkpoint import FileWriter
-from trainer.engine import JobSpec
 from trainer.executor import Callbacks, Executor, ExecutorConfig
+from trainer.jobs import JobSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TERMINAL = ("completed", "exited")

@@ -28,9 +28,9 @@ from safetensors.torch import load_file
 from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from trainer import engine as engine_mod
-from trainer.data import PackedBatch
-from trainer.engine import JobSpec
 from trainer.executor import Callbacks, Executor, ExecutorConfig
+from trainer.jobs import JobSpec
+from trainer.packing import PackedBatch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FIXED = 4 * 48  # the longest row the engine's packing makes of sequences of max_seq_len 48

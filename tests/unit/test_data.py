@@ -14,14 +14,14 @@ from trainer.data import (
     IGNORE,
     Example,
     JobDataStream,
-    pack_step,
     parse_record,
     read_jsonl,
     split_validation,
     tokenize_all,
-    tokenize_pair,
     tokenize_record,
 )
+from trainer.packing import pack_step
+from trainer.pairs import tokenize_pair
 
 
 @pytest.fixture(scope="module")

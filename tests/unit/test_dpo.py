@@ -15,10 +15,11 @@ import torch
 from contract.families import LLAMA_LINEARS as DEFAULT_TARGETS
 from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import padded_batch, tiny_model_dir, write_jsonl
-from trainer.data import IGNORE, Record, parse_record, tokenize_pair, tokenize_pairs, truncate_pair
+from trainer.data import IGNORE, Record, parse_record
 from trainer.dpo import DpoEngine
-from trainer.engine import JobSpec
 from trainer.executor import Callbacks, Executor, ExecutorConfig
+from trainer.jobs import JobSpec
+from trainer.pairs import tokenize_pair, tokenize_pairs, truncate_pair
 from trainer.tiny import _WORDS, train_tokenizer
 
 # (rank, beta, pairs per step, lr): different ranks, betas and batch sizes

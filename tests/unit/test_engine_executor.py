@@ -11,8 +11,8 @@ import torch
 
 from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
-from trainer.engine import JobSpec
 from trainer.executor import Callbacks, Executor, ExecutorConfig
+from trainer.jobs import JobSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

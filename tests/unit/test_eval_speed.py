@@ -16,8 +16,9 @@ from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from trainer.admission import MemoryModel, load_profile, store_profile
 from trainer.data import read_jsonl, tokenize_all
-from trainer.engine import JobSpec, eval_chunk, eval_forwards
+from trainer.evaluation import eval_chunk, eval_forwards
 from trainer.executor import PHASES, Callbacks, Executor, ExecutorConfig
+from trainer.jobs import JobSpec
 from trainer.varlen import flash_varlen_available
 
 pytestmark = pytest.mark.usefixtures("one_thread")

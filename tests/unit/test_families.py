@@ -17,10 +17,12 @@ import torch
 from contract.families import FAMILIES as SUPPORTED
 from contract.families import Family, UnsupportedModel, family_of, resolve_targets
 from tests.helpers.engine_ref import synthetic_rows
-from trainer.data import IGNORE, Example, pack_step, parse_record, tokenize_all
-from trainer.engine import JobSpec, MultiLoraEngine
+from trainer.data import IGNORE, Example, parse_record, tokenize_all
+from trainer.engine import MultiLoraEngine
 from trainer.export import export_peft, load_peft_weights
+from trainer.jobs import JobSpec
 from trainer.multilora import inject_multilora
+from trainer.packing import pack_step
 from trainer.parallel_engine import decoder_layers as sharded_layers
 from trainer.tiny import FAMILIES, make_tiny_model
 

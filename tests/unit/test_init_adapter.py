@@ -8,8 +8,9 @@ import torch
 
 from tests.helpers.engine_ref import padded_batch, synthetic_rows, tiny_model_dir
 from trainer.data import JobDataStream, parse_record, tokenize_all
-from trainer.engine import JobSpec, MultiLoraEngine
+from trainer.engine import MultiLoraEngine
 from trainer.export import export_peft
+from trainer.jobs import JobSpec
 from trainer.multilora import JobAdapter
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,4 @@
-"""Packed steps in bucketed shapes (trainer.data.pack_step with ShapeBuckets) and the engine's
+"""Packed steps in bucketed shapes (trainer.packing.pack_step with ShapeBuckets) and the engine's
 batched update (trainer.jobs.multi_adamw), on CPU: the layout is exact (every sequence once,
 positions restarting, pure-padding rows only after the last job's), the step's loss and gradients
 equal those of the same samples run unpacked one per row (float64, SFT and DPO), and the update
@@ -13,19 +13,12 @@ import pytest
 import torch
 
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir
-from trainer.data import (
-    IGNORE,
-    Example,
-    ShapeBuckets,
-    bucket_up,
-    pack_step,
-    parse_record,
-    tokenize_all,
-    tokenize_pairs,
-)
+from trainer.data import IGNORE, Example, parse_record, tokenize_all
 from trainer.dpo import DpoEngine
 from trainer.engine import MultiLoraEngine
 from trainer.jobs import JobSpec, multi_adamw
+from trainer.packing import ShapeBuckets, bucket_up, pack_step
+from trainer.pairs import tokenize_pairs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

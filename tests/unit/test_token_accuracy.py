@@ -22,9 +22,9 @@ from contract.protocol import (
 )
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from trainer.data import IGNORE, parse_record, tokenize_all
-from trainer.engine import JobSpec as EngineJob
 from trainer.engine import MultiLoraEngine
 from trainer.head import token_losses, token_losses_and_hits
+from trainer.jobs import JobSpec as EngineJob
 from worker import runner
 from worker.spool import SpoolWriter, read_complete_lines
 

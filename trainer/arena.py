@@ -1,0 +1,129 @@
+"""The engine's adapter arena: attached jobs' weights live in one buffer (each job's flat parameter
+is a view of its own region, first fit, grown when full) and their gradients in one float32 buffer
+of the same layout; attach copies a job in, detach copies it out, and each step points every
+multi-LoRA layer at the regions of its jobs by offsets (the kernels address the arena directly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from trainer.data import JobDataStream
+from trainer.jobs import JobSpec, JobState, load_init_adapter, make_optimizer
+from trainer.multilora import JobAdapter, StepLayout
+
+
+class AdapterArena:
+    """MultiLoraEngine's job slots and their arena (a part of the engine, not used alone: it reads
+    the engine's device, dtypes, layers, training examples and `_to_device`)."""
+
+    # ----- arena -----------------------------------------------------------------------
+    def _init_arena(self) -> None:
+        """Empty arenas on self.device (a subclass that moves the model calls it again)."""
+        if self.jobs:
+            raise RuntimeError("the arena is reset only while no job is attached")
+        # job_id -> [lo, hi) element region; gradients in the accumulation dtype
+        self.grad_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
+        self.arena = torch.zeros(0, dtype=self.adapter_dtype, device=self.device)
+        self.grad_arena = torch.zeros(0, dtype=self.grad_dtype, device=self.device)
+        self.regions: dict[str, tuple[int, int]] = {}
+        self._token = torch.zeros((), device=self.device, requires_grad=True)
+
+    def _alloc(self, size: int) -> int:
+        """First fit among the gaps between regions, else at the end (growing the arena by at
+        least an eighth: few regrowths while jobs attach, little slack in device memory)."""
+        pos = 0
+        for lo, hi in sorted(self.regions.values()):
+            if lo - pos >= size:
+                return pos
+            pos = max(pos, hi)
+        if pos + size > self.arena.numel():
+            self._grow(max(pos + size, self.arena.numel() + self.arena.numel() // 8))
+        return pos
+
+    def _grow(self, capacity: int) -> None:
+        # the gradient sums are dead between steps: free them before allocating anything
+        self.grad_arena = self.grad_arena.new_zeros(0)
+        arena = torch.zeros(capacity, dtype=self.arena.dtype, device=self.device)
+        arena[: self.arena.numel()] = self.arena
+        self.arena = arena
+        self.grad_arena = torch.zeros(capacity, dtype=self.grad_dtype, device=self.device)
+        for job_id, (lo, hi) in self.regions.items():
+            self.jobs[job_id].adapter.flat.data = arena[lo:hi]
+
+    # ----- attach / detach -------------------------------------------------------------
+    def new_job(self, spec: JobSpec) -> JobState:
+        """Create a job's fresh state (adapter init, optimizer, data order) without attaching it."""
+        adapter = JobAdapter(
+            self.shapes, spec.rank, spec.alpha, spec.seed, self.adapter_dtype, self.device, spec.use_rslora
+        )
+        if spec.init_adapter is not None:
+            load_init_adapter(adapter, spec.init_adapter)
+        total = spec.total_steps(len(self.train_examples))
+        opt, sched = make_optimizer(spec, list(adapter.parameters()), total)
+        stream = JobDataStream(len(self.train_examples), spec.seed)
+        return JobState(spec, adapter, opt, sched, stream, total)
+
+    def attach(self, job: JobSpec | JobState) -> JobState:
+        """Put a job into a slot (new from a spec, or a parked/restored state); no rebuild."""
+        state = self.new_job(job) if isinstance(job, JobSpec) else job.to(self.device)
+        if state.job_id in self.jobs:
+            raise ValueError(f"job {state.job_id} is already attached")
+        flat = state.adapter.flat
+        if flat.dtype != self.arena.dtype:
+            raise ValueError(f"job {state.job_id}: adapter dtype {flat.dtype} != engine's {self.arena.dtype}")
+        lo = self._alloc(flat.numel())
+        hi = lo + flat.numel()
+        self.jobs[state.job_id] = state
+        self.regions[state.job_id] = (lo, hi)
+        with torch.no_grad():
+            self.arena[lo:hi].copy_(flat.data)
+        flat.data = self.arena[lo:hi]
+        return state
+
+    def detach(self, job_id: str, park_device: torch.device | str | None = None) -> JobState:
+        """Free a job's slot; with park_device its state moves there (e.g. 'cpu')."""
+        state = self.jobs.pop(job_id)
+        self.regions.pop(job_id)
+        flat = state.adapter.flat
+        if park_device is not None and torch.device(park_device).type == "cpu" and flat.is_cuda:
+            return state.to(park_device)  # copied out of its region in stream order, before any reuse
+        flat.data = flat.data.clone()  # its own storage again; the region is free for another job
+        return state.to(park_device) if park_device is not None else state
+
+    # ----- a step's layout -------------------------------------------------------------
+    def _set_layout(self, states: Sequence[JobState], token_offsets: list[int]) -> None:
+        """Point every layer at the arena for these jobs (in this order) and zero their gradient
+        sums: one host-to-device copy of all layers' offsets, no per-layer work, no sync."""
+        regions = [self.regions[s.job_id][0] for s in states]
+        adapters = [s.adapter for s in states]
+        n_layers = len(self.layer_list)
+        ints = [lo + ad.a_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, adapters, strict=True)]
+        ints += [lo + ad.b_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, adapters, strict=True)]
+        ints += [s.adapter.rank for s in states] + list(token_offsets)
+        dev = self._to_device(torch.tensor(ints, dtype=torch.int64))
+        n = len(states)
+        offs = dev[: 2 * n_layers * n].view(2, n_layers, n)
+        arena = self.arena if self.arena.dtype == self.compute_dtype else self.arena.to(self.compute_dtype)
+        if torch.is_grad_enabled():
+            self.grad_arena.zero_()
+        lay = StepLayout(
+            offsets=dev[2 * n_layers * n + n :],
+            scales=self._to_device(torch.tensor([s.adapter.scaling for s in states], dtype=torch.float32)),
+            ranks=dev[2 * n_layers * n : 2 * n_layers * n + n].to(torch.int32),
+            arena=arena,
+            grad_arena=self.grad_arena,
+            r_max=max(ad.rank for ad in adapters),
+            token=self._token,
+            backend=self.backend,
+            aligned=all(v % 16 == 0 for v in ints[: 2 * n_layers * n]),
+        )
+        for k, layer in enumerate(self.layer_list):
+            layer.layout = lay
+            layer.a_off, layer.b_off = offs[0, k], offs[1, k]
+
+    def _clear_layout(self) -> None:
+        for layer in self.layer_list:
+            layer.layout = layer.a_off = layer.b_off = None
