@@ -40,7 +40,7 @@ from service.models import TASK_TERMINAL, Artifact, Event, File, Job, MetricPoin
 from service.pagination import page_query
 from service.scheduler.estimator import EstimatorConfig
 from service.schemas import TaskCreate, TaskOut, TaskUsage
-from service.tasks import task_outs
+from service.task_views import task_outs
 from service.tracking.schemas import IntegrationIn, IntegrationOut
 
 BASE_LEARNING_RATE = 1e-4

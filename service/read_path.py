@@ -20,7 +20,7 @@ from service.db import ReadPool
 from service.errors import invalid, not_found
 from service.events import metrics_body, metrics_params, metrics_statement
 from service.models import ApiKey
-from service.tasks import TASK_COLUMNS, task_view
+from service.task_views import TASK_COLUMNS, task_view
 from service.tracking.integrations import VIEW_SQL
 
 _DIALECT = postgresql.psycopg.dialect()

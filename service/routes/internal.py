@@ -45,7 +45,7 @@ from service.models import Artifact, Node
 from service.models import File as FileRow
 from service.result_files import make_result_file_after_end
 from service.schemas import JobOut
-from service.tasks import job_out
+from service.task_views import job_out
 
 router = APIRouter(prefix="/internal/v1", tags=["internal"], dependencies=[Depends(require_worker)])
 HEARTBEAT_INTERVAL_S = 10.0

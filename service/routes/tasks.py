@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from contract.states import TASK_STATES, values
-from service import adapters, events, read_path, tasks
+from service import adapters, events, read_path, task_views, tasks
 from service.cluster import cluster_changed
 from service.deps import ReadKeyDep, RegistryDep, SessionDep, SettingsDep, StorageDep, TenantDep
 from service.downloads import file_response
@@ -61,7 +61,7 @@ def create_task(body: TaskCreate, response: Response, session: SessionDep, tenan
     else:
         response.status_code = 200
         response.headers["Idempotent-Replayed"] = "true"
-    return tasks.task_out(session, tasks.get_task(session, tenant, task.id),
+    return task_views.task_out(session, tasks.get_task(session, tenant, task.id),
                           settings.price_per_gpu_hour)
 
 
@@ -81,7 +81,7 @@ def get_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep, stor
              task_id: str) -> TaskOut:
     task = tasks.get_task(session, tenant, task_id)
     ensure_result_files(session, storage, [task])
-    return tasks.task_out(session, task, settings.price_per_gpu_hour)
+    return task_views.task_out(session, task, settings.price_per_gpu_hour)
 
 
 @router.post("/v1/tasks/{task_id}/cancel", response_model=TaskOut)
@@ -89,7 +89,7 @@ def cancel_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
                 storage: StorageDep, task_id: str) -> TaskOut:
     task = act(session, tenant, settings, task_id, "cancel")
     ensure_result_files(session, storage, [task])
-    return tasks.task_out(session, task, settings.price_per_gpu_hour)
+    return task_views.task_out(session, task, settings.price_per_gpu_hour)
 
 
 @router.post("/v1/tasks/{task_id}/pause", response_model=TaskOut,
@@ -98,7 +98,7 @@ def pause_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
                task_id: str) -> TaskOut:
     """Stop the task at its next step boundary with a checkpoint and free its GPUs: `pausing`
     while its attempt stops, then `paused` (at once when nothing runs yet)."""
-    return tasks.task_out(session, act(session, tenant, settings, task_id, "pause"),
+    return task_views.task_out(session, act(session, tenant, settings, task_id, "pause"),
                           settings.price_per_gpu_hour)
 
 
@@ -107,13 +107,13 @@ def pause_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
 def resume_task(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
                 task_id: str) -> TaskOut:
     """paused -> queued: the scheduler places it again and it continues from its checkpoint."""
-    return tasks.task_out(session, act(session, tenant, settings, task_id, "resume"),
+    return task_views.task_out(session, act(session, tenant, settings, task_id, "resume"),
                           settings.price_per_gpu_hour)
 
 
 @router.get("/v1/tasks/{task_id}/jobs", response_model=Page[JobOut])
 def list_jobs(session: SessionDep, tenant: TenantDep, task_id: str) -> Page[JobOut]:
-    data = tasks.list_jobs(session, tasks.get_task(session, tenant, task_id))
+    data = task_views.list_jobs(session, tasks.get_task(session, tenant, task_id))
     return Page[JobOut](data=data, last_id=data[-1].id if data else None)
 
 
@@ -151,7 +151,7 @@ def task_adapter(request: Request, session: SessionDep, tenant: TenantDep, stora
 def get_job(session: SessionDep, tenant: TenantDep, job_id: str) -> JobOut:
     job = tasks.get_job(session, tenant, job_id)
     task = tasks.get_task(session, tenant, job.task_id)
-    return next(j for j in tasks.list_jobs(session, task) if j.id == job.id)
+    return next(j for j in task_views.list_jobs(session, task) if j.id == job.id)
 
 
 @router.get("/v1/jobs/{job_id}/adapter", response_class=StreamingResponse, responses=ARCHIVE)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Integer, String, and_, column, select, values
 from sqlalchemy.orm import Session
 
-from service import events, tasks
+from service import events, task_views
 from service.models import TASK_TERMINAL, Event, MetricPoint, Task
 from service.schemas import EventOut, finite
 
@@ -87,11 +87,11 @@ def tick(session: Session, tenant_id: str, task_id: str, live: LiveState
     if task is None:
         return {"gone": True}, True
     update: dict = {}
-    task_json = tasks.task_out(session, task, live.price).model_dump_json()
+    task_json = task_views.task_out(session, task, live.price).model_dump_json()
     if task_json != live.task_json:
         live.task_json = task_json
         update["task"] = json.loads(task_json)
-    jobs = tasks.list_jobs(session, task)
+    jobs = task_views.list_jobs(session, task)
     jobs_json = json.dumps([j.model_dump(mode="json") for j in jobs])
     if jobs_json != live.jobs_json:
         live.jobs_json = jobs_json

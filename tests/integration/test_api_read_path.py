@@ -14,7 +14,7 @@ from pydantic_core import to_json
 from sqlalchemy import delete, select, text
 from sqlalchemy.exc import OperationalError
 
-from service import tasks
+from service import task_views
 from service.auth import revoke_api_key
 from service.db import READ_POOL_NAME, ReadPool
 from service.localstack import free_port
@@ -26,12 +26,12 @@ from service.schemas import JobCurves, LossPoint, MetricsOut, Page, TaskOut, Val
 def _model_page(session, tenant_id: str, limit: int, after: str | None = None,  # noqa: ANN001
                 state: str | None = None, price: float | None = None) -> bytes:
     """The JSON the ORM path gave (the page query the route ran before service.read_path, then
-    service.tasks.task_outs and Page[TaskOut])."""
+    service.task_views.task_outs and Page[TaskOut])."""
     session.expire_all()
     scope = select(Task).where(Task.tenant_id == tenant_id)
     query = scope if state is None else scope.where(Task.state == state)
     rows, more = page_query(session, Task, query, limit, after, scope=scope)
-    return Page[TaskOut](data=tasks.task_outs(session, rows, price), has_more=more,
+    return Page[TaskOut](data=task_views.task_outs(session, rows, price), has_more=more,
                          last_id=rows[-1].id if rows else None).model_dump_json().encode()
 
 
