@@ -234,6 +234,7 @@ def seed_database(database_url: str, seed: Seed) -> tuple[str, list[str]]:
     """One tenant with seed.tasks finished tasks; (its API key, ids of tasks with loss curves)."""
     from sqlalchemy import insert, text
 
+    from contract.protocol import EvalSettings, TaskSettings
     from service.auth import create_tenant
     from service.db import make_engine, make_sessionmaker
     from service.models import File, Job, MetricPoint, Node, Placement, Task, new_id
@@ -258,9 +259,10 @@ def seed_database(database_url: str, seed: Seed) -> tuple[str, list[str]]:
         jobs = [(new_id("job"), k) for k in range(seed.jobs)]
         task_rows.append(dict(
             id=task_id, tenant_id=tenant.id, base_model="tiny-llama", method="sft",
-            training_file_id=file.id, validation_split=0.1,
-            search_space={"learning_rate": lrs, "lora_rank": [16]}, epochs=1, max_seq_len=512,
-            seed=0, early_exit={"enabled": True}, eval={"eval_every_steps": seed.val_every},
+            training_file_id=file.id,
+            search_space={"learning_rate": lrs, "lora_rank": [16]},
+            settings=TaskSettings(max_seq_len=512, eval=EvalSettings(
+                eval_every_steps=seed.val_every)).model_dump(mode="json"),
             priority=0, num_train_samples=100, state="succeeded", best_job_id=jobs[0][0],
             created_at=created, started_at=created + timedelta(seconds=5),
             finished_at=created + timedelta(minutes=30)))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Literal
 
@@ -448,3 +449,42 @@ class ThroughputReport(_Msg):
     memory_k0: float | None = Field(default=None, allow_inf_nan=False,
                                     description="Memory model M(B) = k0 + k1 * B * L, bytes.")
     memory_k1: float | None = Field(default=None, allow_inf_nan=False)
+
+
+class ExecutorTimings(_Msg):
+    """Where an executor's wall time went for one task, sent when its run of the task ended
+    (finished or paused): the service keeps it as the task's `timings` event, one per attempt."""
+
+    placement_id: str
+    wall_s: float = Field(ge=0, allow_inf_nan=False, description="Since the executor started.")
+    first_step_s: float | None = Field(
+        default=None, ge=0, allow_inf_nan=False,
+        description="From the executor's start to the end of its first training step.")
+    phases: dict[str, float] = Field(
+        default_factory=dict, max_length=64,
+        description="Seconds per phase (load, profile, train, eval, park, resume, checkpoint, "
+                    "export, idle, ...).")
+    details: dict[str, int | float | bool | str | None] = Field(
+        default_factory=dict, max_length=64,
+        description="What else explains them: profile reused, steps with and without "
+                    "activation recompute, ...")
+
+
+@dataclass(frozen=True)
+class Report:
+    """A placement's report sent as one message: the type of its spool record, the contract's
+    message, and the route it is POSTed to under /internal/v1 ({task_id} filled in). The spool,
+    the forwarder and the service client dispatch on this table; a new report is an entry here,
+    its message above and the service route that consumes it."""
+
+    kind: str
+    message: type[_Msg]
+    path: str
+
+
+REPORTS: dict[str, Report] = {r.kind: r for r in (
+    Report("throughput", ThroughputReport, "/tasks/{task_id}/throughput"),
+    Report("timings", ExecutorTimings, "/tasks/{task_id}/timings"),
+    Report("finished", TaskFinished, "/tasks/{task_id}/finished"),
+    Report("failed", TaskFailed, "/tasks/{task_id}/failed"),
+)}

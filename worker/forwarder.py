@@ -16,20 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from contract.protocol import (
-    ArtifactMeta,
-    EventIn,
-    JobStateUpdate,
-    MetricPointIn,
-    TaskFailed,
-    TaskFinished,
-    ThroughputReport,
-)
+from contract.protocol import REPORTS, ArtifactMeta, EventIn, JobStateUpdate, MetricPointIn, Report
 from worker.service_client import Backoff, ServiceClient, ServiceError
 from worker.spool import SPOOL_NAME, TERMINAL_TYPES, read_complete_lines
 
 log = logging.getLogger("loraplex.worker.client")
-_Report = TypeVar("_Report", JobStateUpdate, ArtifactMeta)
+_Report = TypeVar("_Report")
 
 FORWARD_STATE_NAME = "forward.json"
 
@@ -122,8 +114,7 @@ class Forwarder:
                     record["event"] | {"client_key": f"{self.placement_id}:{start}"}))
             elif kind == "metric":
                 points.append(MetricPointIn.model_validate(record["point"]))
-            elif record is None or kind not in ("job_state", "artifact", "throughput",
-                                                *TERMINAL_TYPES):
+            elif record is None or kind not in ("job_state", "artifact", *REPORTS):
                 log.warning("spool record skipped task=%s placement=%s offset=%d",
                             self.task_id, self.placement_id, start)
                 self.state.dropped += 1
@@ -164,20 +155,8 @@ class Forwarder:
                 return
             self._tolerate(lambda: self.client.upload_artifact(self.task_id, meta, directory),
                            "artifact")
-        elif kind == "throughput":
-            self._throughput(record)
-        elif kind == "finished":
-            msg = TaskFinished(placement_id=self.placement_id,
-                               best_job_id=record.get("best_job_id"),
-                               summary=record.get("summary"))
-            self._tolerate(lambda: self.client.task_finished(self.task_id, msg), "finished")
-            self.state.terminal = "finished"
         else:
-            msg2 = TaskFailed(placement_id=self.placement_id, error=record.get("error") or "?",
-                              retryable=bool(record.get("retryable", True)),
-                              detail=record.get("detail"))
-            self._tolerate(lambda: self.client.task_failed(self.task_id, msg2), "failed")
-            self.state.terminal = "failed"
+            self._report(REPORTS[kind], record)
 
     def _message(self, shape: type[_Report], fields: object, kind: str) -> _Report | None:
         """The report of a spool record, in this forwarder's placement (the attempt the service
@@ -190,17 +169,19 @@ class Forwarder:
                         self.placement_id, str(exc).splitlines()[0] if str(exc) else exc)
             return None
 
-    def _throughput(self, record: dict) -> None:
-        # A measurement only tunes the scheduler's estimates: one the contract refuses (a NaN
-        # rate, a missing field) is dropped here, never allowed to stall the reports behind it.
-        try:
-            msg = ThroughputReport(placement_id=self.placement_id, **record["report"])
-        except (ValueError, TypeError, KeyError) as exc:
-            self.state.dropped += 1
-            log.warning("throughput record dropped task=%s placement=%s error=%s", self.task_id,
-                        self.placement_id, str(exc).splitlines()[0] if str(exc) else exc)
-            return
-        self._tolerate(lambda: self.client.throughput(self.task_id, msg), "throughput")
+    def _report(self, report: Report, record: dict) -> None:
+        """A one-message report (contract.protocol.REPORTS): its fields are the record's
+        "report" (or, in a record written before that key, the record itself). A record the
+        contract refuses is dropped, never allowed to stall the reports behind it; a task's end
+        is this forwarder's last report either way."""
+        fields = record.get("report")
+        if not isinstance(fields, dict):
+            fields = {k: v for k, v in record.items() if k != "type"}
+        msg = self._message(report.message, fields, report.kind)
+        if msg is not None:
+            self._tolerate(lambda: self.client.report(report, self.task_id, msg), report.kind)
+        if report.kind in TERMINAL_TYPES:
+            self.state.terminal = report.kind
 
     def _tolerate(self, call: Callable[[], object], what: str) -> None:
         """Run a report; a permanent refusal (task cancelled, stale placement) is logged and

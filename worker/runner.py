@@ -248,7 +248,27 @@ class _Bridge:
             last_step=self.last_step.get(job_id), error=details.get("error"))
 
     def on_event(self, job_id: str, message: str, fields: dict) -> None:
+        if message == "timings":  # the executor's phase split: its own report (ExecutorTimings)
+            self.reporter.spool.report("timings", timings_report(fields))
+            return
         self.reporter.event(message[:48], message, job_id or None, data=fields or None)
+
+
+def timings_report(timings: dict) -> dict:
+    """ExecutorTimings' fields (but placement_id) from the executor's timings(): wall_s and
+    first_step_s, every other number named <phase>_s a phase, the rest details."""
+    def number(v: object) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    phases = {k[:-2]: float(v) for k, v in timings.items()
+              if k.endswith("_s") and k not in ("wall_s", "first_step_s") and number(v)}
+    details = {k: v for k, v in timings.items() if k not in ("wall_s", "first_step_s")
+               and not (k.endswith("_s") and k[:-2] in phases)
+               and (v is None or isinstance(v, (bool, str)) or number(v))}
+    first = timings.get("first_step_s")
+    return {"wall_s": float(timings.get("wall_s") or 0.0),
+            "first_step_s": float(first) if number(first) else None,
+            "phases": phases, "details": details}
 
 
 def executor_config(spec: PlacementSpec, directory: Path):  # noqa: ANN201 - trainer import is lazy

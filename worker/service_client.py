@@ -31,9 +31,8 @@ from contract.protocol import (
     NodeRegister,
     NodeRegistered,
     PlacementSpec,
-    TaskFailed,
-    TaskFinished,
-    ThroughputReport,
+    Report,
+    _Msg,
 )
 
 log = logging.getLogger("loraplex.worker.client")
@@ -209,18 +208,11 @@ class ServiceClient:
                 h.close()
         return r.json()
 
-    def throughput(self, task_id: str, msg: ThroughputReport) -> dict:
-        return self.request("POST", f"/internal/v1/tasks/{task_id}/throughput",
+    def report(self, report: Report, task_id: str, msg: _Msg) -> dict:
+        """POST a one-message report (contract.protocol.REPORTS) to its route."""
+        return self.request("POST", "/internal/v1" + report.path.format(task_id=task_id),
                             body=msg.model_dump(mode="json", exclude_none=True),
-                            attempts=1).json()
-
-    def task_finished(self, task_id: str, msg: TaskFinished) -> dict:
-        return self.request("POST", f"/internal/v1/tasks/{task_id}/finished",
-                            body=msg.model_dump(mode="json"), attempts=1).json()
-
-    def task_failed(self, task_id: str, msg: TaskFailed) -> dict:
-        return self.request("POST", f"/internal/v1/tasks/{task_id}/failed",
-                            body=msg.model_dump(mode="json"), attempts=1).json()
+                            attempts=1).json()  # the forwarder retries, with backoff
 
 
 def _error_of(response: httpx.Response) -> tuple[str, str]:

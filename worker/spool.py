@@ -8,9 +8,9 @@ Records, one JSON object per line, in the order the executor produced them:
   {"type": "job_state", "job_id": ..., "update": JobStateUpdate fields but placement_id}
   {"type": "artifact", "dir": "<dir under the placement dir>", "meta": ArtifactMeta fields but
    placement_id}
-  {"type": "throughput", "report": ThroughputReport fields but placement_id (the forwarder's)}
-  {"type": "finished", "best_job_id": ..., "summary": {...}}   (TaskFinished)
-  {"type": "failed", "error": "...", "retryable": true}         (TaskFailed)
+  {"type": <kind>, "report": fields of REPORTS[kind].message but placement_id (the
+   forwarder's)}: throughput, timings, finished, failed (contract.protocol.REPORTS; a record
+   of an older writer may carry finished/failed fields beside "type")
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from contract.protocol import REPORTS
 
 SPOOL_NAME = "spool.jsonl"
 TERMINAL_TYPES = ("finished", "failed")
@@ -70,19 +72,26 @@ class SpoolWriter:
         def number(x: float | None) -> float | None:
             return None if x is None else float(x)
 
-        self.write({"type": "throughput", "report": {
+        self.report("throughput", {
             "gpus": int(gpus), "seq_len": int(seq_len),
             "batch_sizes": [int(b) for b in batch_sizes], "tokens_per_s": float(tokens_per_s),
             "samples_per_s": number(samples_per_s), "memory_k0": number(memory_k0),
-            "memory_k1": number(memory_k1)}})
+            "memory_k1": number(memory_k1)})
 
     def finished(self, best_job_id: str | None = None, summary: dict | None = None) -> None:
-        self.write({"type": "finished", "best_job_id": best_job_id, "summary": summary})
+        self.report("finished", {"best_job_id": best_job_id, "summary": summary})
 
     def failed(self, error: str, retryable: bool = True, detail: str | None = None) -> None:
         """`error` is shown to the tenant (short, no paths); `detail` only to operators."""
-        self.write({"type": "failed", "error": error[:10_000], "retryable": retryable,
-                    "detail": detail[-20_000:] if detail else None})
+        self.report("failed", {"error": error[:10_000], "retryable": retryable,
+                               "detail": detail[-20_000:] if detail else None})
+
+    def report(self, kind: str, fields: dict) -> None:
+        """A one-message report (contract.protocol.REPORTS[kind]): its message's fields but
+        placement_id (the forwarder's)."""
+        if kind not in REPORTS:
+            raise ValueError(f"unknown report {kind!r}")
+        self.write({"type": kind, "report": fields})
 
     def close(self) -> None:
         self._fh.close()

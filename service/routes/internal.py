@@ -15,6 +15,8 @@ from contract.protocol import (
     ArtifactOut,
     ClaimRequest,
     EventBatch,
+    EventIn,
+    ExecutorTimings,
     Heartbeat,
     HeartbeatResponse,
     JobStateUpdate,
@@ -41,6 +43,7 @@ from service.deps import (
     require_worker,
 )
 from service.errors import invalid, not_found
+from service.events import ingest_events
 from service.models import Artifact, Node
 from service.models import File as FileRow
 from service.result_files import make_result_file_after_end
@@ -160,6 +163,22 @@ def post_throughput(task_id: str, msg: ThroughputReport, session: SessionDep) ->
     new = profiles.store_throughput(session, task_id, msg)
     session.commit()
     return Stored(stored=int(new))
+
+
+@router.post("/tasks/{task_id}/timings", response_model=Stored, responses=FENCED)
+def post_timings(task_id: str, msg: ExecutorTimings, session: SessionDep) -> Stored:
+    """Where an executor's time went for the task: the attempt's `timings` event (its data the
+    phases' seconds as <phase>_s, wall_s, first_step_s and the details); a repeat stores
+    nothing (stored: 1, else 0)."""
+    task, _ = worker_api.fence_report(session, task_id, msg.placement_id)
+    data = {"wall_s": msg.wall_s, "first_step_s": msg.first_step_s,
+            **{f"{k}_s": v for k, v in msg.phases.items()}, **msg.details}
+    first = "" if msg.first_step_s is None else f", first step at {msg.first_step_s:.1f} s"
+    event = EventIn(type="timings", message=f"executor wall {msg.wall_s:.1f} s{first}",
+                    data=data, client_key=f"{msg.placement_id}:timings")
+    stored = ingest_events(session, task, [event])
+    session.commit()
+    return Stored(stored=stored)
 
 
 @router.post("/tasks/{task_id}/finished", response_model=TaskAck, responses=FENCED)

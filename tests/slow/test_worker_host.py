@@ -136,7 +136,7 @@ def test_two_tasks_share_one_executor_each_reporting_through_its_own_spool(
         assert {r["meta"]["job_id"] for r in adapters} == jobs
         assert all((placement / r["dir"] / "adapter_model.safetensors").is_file()
                    for r in adapters)
-        assert recs[-1]["best_job_id"] in jobs
+        assert recs[-1]["report"]["best_job_id"] in jobs
         # the last checkpoint, in its own folder, announced before the terminal record
         ckpts = [r for r in recs if r["type"] == "artifact" and r["meta"]["kind"] == "checkpoint"]
         assert ckpts and (placement / ckpts[-1]["dir"] / "state.pt").is_file()
@@ -167,8 +167,8 @@ def test_cancel_and_pause_detach_one_task_alone(tmp_path: Path, model: Path) -> 
     assert {r["update"]["state"] for r in rb if r["type"] == "job_state"} >= {"cancelled"}
     # paused: a checkpoint, then the retryable stop the service takes as a pause
     rc = records(c)
-    assert rc[-1] == {"type": "failed", "error": "executor stopped: paused by the service",
-                      "retryable": True, "detail": None}
+    assert rc[-1] == {"type": "failed", "report": {
+        "error": "executor stopped: paused by the service", "retryable": True, "detail": None}}
     assert rc[-2]["type"] == "event" and rc[-2]["event"]["type"] == "executor_stopped"
     ckpt = [r for r in rc if r["type"] == "artifact" and r["meta"]["kind"] == "checkpoint"][-1]
     assert (c / ckpt["dir"] / "state.pt").is_file()
@@ -196,8 +196,8 @@ def test_a_stale_daemon_lease_stops_every_hosted_task_at_a_checkpoint(
     assert status["ended"] == {"pl_a": "paused", "pl_b": "paused"}
     for placement in (a, b):
         recs = records(placement)
-        assert recs[-1]["type"] == "failed" and recs[-1]["retryable"] is True
-        assert recs[-1]["error"].startswith("executor stopped: daemon lease stale")
+        assert recs[-1]["type"] == "failed" and recs[-1]["report"]["retryable"] is True
+        assert recs[-1]["report"]["error"].startswith("executor stopped: daemon lease stale")
         assert any(r["type"] == "artifact" and r["meta"]["kind"] == "checkpoint" for r in recs)
 
 
@@ -227,8 +227,8 @@ def test_another_model_is_refused_and_a_crash_fails_every_hosted_task(
     assert status["ended"] == {"pl_a": "failed", "pl_b": "failed"} and status["state"] == "closed"
     for placement in (a, b):
         last = records(placement)[-1]
-        assert last["type"] == "failed" and last["retryable"] is True
-        assert "illegal memory access" in last["error"]
+        assert last["type"] == "failed" and last["report"]["retryable"] is True
+        assert "illegal memory access" in last["report"]["error"]
 
 
 # -- the daemon's side: one shared executor process for the placements of one model ----------
@@ -374,8 +374,8 @@ def test_a_crash_of_the_shared_executor_fails_every_hosted_placement_retryably(
     ticking(d, lambda: not d.placements and not d.shared.hosts, "both to be reported")
     for placement in (a, b):
         last = records(placement)[-1]
-        assert last["type"] == "failed" and last["retryable"] is True
-        assert "signal SIGKILL" in last["error"]
+        assert last["type"] == "failed" and last["report"]["retryable"] is True
+        assert "signal SIGKILL" in last["report"]["error"]
 
 
 def test_which_placements_share_an_executor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch

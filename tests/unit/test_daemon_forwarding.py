@@ -83,8 +83,7 @@ def test_forwarder_delivers_in_order_with_batches(tmp_path: Path) -> None:
     nan_point = fake.calls[3][2]["points"][0]  # type: ignore[index]
     assert nan_point["loss"] != nan_point["loss"]  # NaN survived the JSON trip
     assert fake.calls[4][2] == 2  # two files in the multipart upload
-    assert fake.calls[6][2] == {"placement_id": "plc_1", "best_job_id": "job_a",
-                                "summary": None}
+    assert fake.calls[6][2] == {"placement_id": "plc_1", "best_job_id": "job_a"}  # no nulls
     assert fwd.done and fwd.state.terminal == "finished"
     assert fwd.state.offset == (tmp_path / "spool.jsonl").stat().st_size
     assert fwd.pump() == 0 and len(fake.calls) == 7

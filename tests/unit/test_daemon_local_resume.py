@@ -18,6 +18,7 @@ from contract.protocol import (
     JobHyperparameters,
     JobSpec,
     PlacementSpec,
+    TaskSettings,
 )
 from worker.config import DaemonConfig
 from worker.daemon import Daemon
@@ -40,8 +41,8 @@ def spec(**kw: object) -> PlacementSpec:
     base = dict(task_id=TASK, placement_id="pl_new", attempt=2, node_id="n", gpu_indices=[0],
                 method="sft", base_model="tiny", base_model_path="/m", training_file_id="f1",
                 training_file_url="/internal/v1/files/f1/content", training_file_format="chat",
-                validation_split=0.1, max_seq_len=64, epochs=1, seed=0, eval=EvalSettings(),
-                early_exit=EarlyExitSettings(),
+                settings=TaskSettings(validation_split=0.1, max_seq_len=64, epochs=1, seed=0,
+                                      eval=EvalSettings(), early_exit=EarlyExitSettings()),
                 jobs=[JobSpec(job_id=j, index=i, state="pending", hyperparameters=
                               JobHyperparameters(learning_rate=1e-3, lora_rank=4,
                                                  lora_alpha=8, batch_size=2))

@@ -16,6 +16,7 @@ from contract.protocol import (
     JobHyperparameters,
     JobSpec,
     PlacementSpec,
+    TaskSettings,
 )
 from worker import runner
 from worker.spool import read_complete_lines
@@ -25,8 +26,8 @@ def spec(**kw: object) -> PlacementSpec:
     base = dict(task_id="task_1", placement_id="pl_1", attempt=1, node_id="n", gpu_indices=[0],
                 method="sft", base_model="tiny", base_model_path="/m", training_file_id="f1",
                 training_file_url="/internal/v1/files/f1/content", training_file_format="chat",
-                validation_split=0.1, max_seq_len=64, epochs=1, seed=0, eval=EvalSettings(),
-                early_exit=EarlyExitSettings(),
+                settings=TaskSettings(validation_split=0.1, max_seq_len=64, epochs=1, seed=0,
+                                      eval=EvalSettings(), early_exit=EarlyExitSettings()),
                 jobs=[JobSpec(job_id="j0", index=0, state="pending", hyperparameters=
                               JobHyperparameters(learning_rate=1e-3, lora_rank=4,
                                                  lora_alpha=8, batch_size=2))])
@@ -69,7 +70,7 @@ def test_success_reports_through_the_spool(placement: Path, monkeypatch) -> None
     assert recs[3]["meta"]["kind"] == "adapter" and recs[3]["dir"].startswith("artifacts/")
     assert (placement / recs[3]["dir"] / "adapter_config.json").exists()
     assert recs[4]["update"] == {"state": "completed", "best_val_loss": 2.4, "best_step": 1}
-    assert recs[5] == {"type": "finished", "best_job_id": "j0", "summary": {"steps": 1}}
+    assert recs[5] == {"type": "finished", "report": {"best_job_id": "j0", "summary": {"steps": 1}}}
 
 
 @pytest.mark.parametrize(("exc", "retryable"), [(RuntimeError("CUDA OOM"), True),
@@ -82,8 +83,8 @@ def test_exceptions_become_failed_records(placement: Path, monkeypatch, exc: Exc
     monkeypatch.setattr(runner, "train", boom)
     assert runner.main(["--placement-dir", str(placement)]) == 1
     last = records(placement)[-1]
-    assert last["type"] == "failed" and last["retryable"] is retryable
-    assert str(exc) in last["error"]
+    assert last["type"] == "failed" and last["report"]["retryable"] is retryable
+    assert str(exc) in last["report"]["error"]
 
 
 def test_sigterm_and_stale_lease_stop_with_a_retryable_failure(placement: Path,
@@ -104,8 +105,8 @@ def test_sigterm_and_stale_lease_stop_with_a_retryable_failure(placement: Path,
     finally:
         signal.signal(signal.SIGTERM, previous)
     recs = records(placement)
-    assert recs[-1] == {"type": "failed", "error": "executor stopped: SIGTERM", "retryable": True,
-                        "detail": None}
+    assert recs[-1] == {"type": "failed", "report": {
+        "error": "executor stopped: SIGTERM", "retryable": True, "detail": None}}
 
     lease = placement / "lease"
     lease.touch()
