@@ -1,5 +1,6 @@
-"""The lifecycle states of tasks, jobs, placements and nodes, the job exit reasons, their
-terminal/active sets and each lifecycle's transition table, declared once for every side.
+"""The lifecycle states of tasks, jobs, placements and nodes, the job exit reasons, how a task
+leaves its executor, their terminal/active sets and each lifecycle's transition table, declared
+once for every side.
 
 A member is its string (`JobState.RUNNING == "running"`): the database, the API and the
 messages keep the same words. service.lifecycle applies the tables; a move a table does not
@@ -53,6 +54,16 @@ class PlacementState(StrEnum):
     CANCELLED = "cancelled"
     SUPERSEDED = "superseded"
     STOPPED = "stopped"  # the stop the service asked for (pause, preemption): no failed attempt
+
+
+class TaskOutcome(StrEnum):
+    """How a task left its executor (trainer.executor says; worker.host writes the placement's
+    terminal record from it). A detach asks for cancelled or paused."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"  # its unfinished jobs end cancelled; no terminal record
+    PAUSED = "paused"  # it checkpointed and stopped: the service resumes it later
 
 
 class NodeState(StrEnum):

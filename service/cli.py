@@ -27,7 +27,8 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from contract.states import JOB_TERMINAL, TASK_TERMINAL
+from contract.states import JOB_TERMINAL, TASK_TERMINAL, TaskState
+from service.merged.states import MERGE_LIVE, MergeState
 
 SEARCH_FLAGS = {"lr": "learning_rate", "rank": "lora_rank", "alpha": "lora_alpha",
                 "batch_size": "batch_size"}
@@ -337,10 +338,10 @@ def download_merged(api: Api, task_id: str, output: Path, job_id: str | None = N
     and unpack the model directory into output; returns the names."""
     path, params = f"/v1/tasks/{task_id}/merged", {"job_id": job_id} if job_id else {}
     merged = api.json("POST", path, params=params)
-    while merged["state"] in ("queued", "running"):
+    while merged["state"] in MERGE_LIVE:
         time.sleep(interval)
         merged = api.json("GET", path, params=params)
-    if merged["state"] != "succeeded":
+    if merged["state"] != MergeState.SUCCEEDED:
         raise CliError(f"merge {merged['id']} {merged['state']}: {merged.get('error')}")
     output.mkdir(parents=True, exist_ok=True)
     part = output / f".{merged['id']}.tar.part"
@@ -426,7 +427,7 @@ def run(args: argparse.Namespace, api: Api, console: Console) -> int:
 
 
 def _ended(task: dict, console: Console) -> int:
-    if task["state"] == "succeeded":
+    if task["state"] == TaskState.SUCCEEDED:
         console.print(f"task {task['id']} succeeded; best job {task['best_job_id']}")
         return 0
     err = (task.get("error") or {}).get("message", "")

@@ -382,7 +382,7 @@ def cluster_view(session: Session, settings: Settings | None = None) -> ClusterO
         gpus_up=sum(n.gpu_count for n in nodes if n.state == NodeState.UP),
         plan=plan, gpus=_per_gpu(nodes, plan),
         tenants=tenant_usage(session, settings or get_settings()),
-        queued_tasks=counts.get("queued", 0), running_tasks=counts.get("running", 0),
+        queued_tasks=counts.get(TaskState.QUEUED, 0), running_tasks=counts.get(TaskState.RUNNING, 0),
         last_plan=_last_plan())
 
 

@@ -16,9 +16,9 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from contract.states import TASK_SCHEDULED
+from contract.states import PLACEMENT_CURRENT, TASK_SCHEDULED, NodeState
 from service.config import Settings
-from service.models import PLACEMENT_ACTIVE, File, Node, Placement, Task, Tenant, utcnow
+from service.models import File, Node, Placement, Task, Tenant, utcnow
 from service.openai_compat import DryRunJob, DryRunOut, avg_tokens_per_sample, unix
 from service.registry import ModelRegistry
 from service.scheduler.estimator import (
@@ -73,10 +73,10 @@ def _earliest(session: Session, est: Estimator, work: TaskWork, minimum: int
               ) -> tuple[int, int, str, datetime] | None:
     """(gpus, seconds, gpu type, start) of the node that would finish the task first."""
     now = utcnow()
-    nodes = session.scalars(select(Node).where(Node.state == "up").order_by(Node.name)).all()
+    nodes = session.scalars(select(Node).where(Node.state == NodeState.UP).order_by(Node.name)).all()
     free: dict[tuple[str, int], datetime] = {}
     for p in session.scalars(select(Placement).join(Task, Task.id == Placement.task_id).where(
-            Placement.state.in_(("planned", *PLACEMENT_ACTIVE)),
+            Placement.state.in_(PLACEMENT_CURRENT),
             Task.state.in_(TASK_SCHEDULED))):
         for g in p.gpu_indices:
             key = (p.node_id, g)

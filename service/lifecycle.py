@@ -35,8 +35,11 @@ class IllegalTransition(ApiError):
         self.kind, self.obj_id, self.current, self.target = kind, obj_id, current, target
 
 
-def _move(kind: str, obj: Any, table: Mapping[Any, frozenset], target: StrEnum,
-          initial: StrEnum) -> None:
+def move(kind: str, obj: Any, table: Mapping[Any, frozenset], target: StrEnum,
+         initial: StrEnum) -> None:
+    """Set obj.state to `target` if `table` lists the move from its state (IllegalTransition
+    otherwise, nothing written); the smaller machines (merged models, webhook deliveries,
+    tracking syncs) move through it with their own tables."""
     # A row not flushed yet has no state: its column default, the lifecycle's first state.
     current = obj.state if obj.state is not None else initial
     if target not in table.get(current, frozenset()):
@@ -45,15 +48,15 @@ def _move(kind: str, obj: Any, table: Mapping[Any, frozenset], target: StrEnum,
 
 
 def _task(task: Task, target: TaskState) -> None:
-    _move("task", task, TASK_TRANSITIONS, target, TaskState.VALIDATING_FILES)
+    move("task", task, TASK_TRANSITIONS, target, TaskState.VALIDATING_FILES)
 
 
 def _job(job: Job, target: JobState) -> None:
-    _move("job", job, JOB_TRANSITIONS, target, JobState.PENDING)
+    move("job", job, JOB_TRANSITIONS, target, JobState.PENDING)
 
 
 def _placement(placement: Placement, target: PlacementState) -> None:
-    _move("placement", placement, PLACEMENT_TRANSITIONS, target, PlacementState.PLANNED)
+    move("placement", placement, PLACEMENT_TRANSITIONS, target, PlacementState.PLANNED)
 
 
 # ----- tasks -------------------------------------------------------------------------------------
@@ -187,11 +190,11 @@ def cancel_placement(placement: Placement, now: datetime) -> None:
 
 def node_up(node: Node, now: datetime | None = None) -> None:
     """It registered or heartbeated; `now` (when given) is that heartbeat."""
-    _move("node", node, NODE_TRANSITIONS, NodeState.UP, NodeState.UP)
+    move("node", node, NODE_TRANSITIONS, NodeState.UP, NodeState.UP)
     if now is not None:
         node.last_heartbeat_at = now
 
 
 def node_down(node: Node) -> None:
     """Its daemon left, or went silent past the heartbeat timeout."""
-    _move("node", node, NODE_TRANSITIONS, NodeState.DOWN, NodeState.UP)
+    move("node", node, NODE_TRANSITIONS, NodeState.DOWN, NodeState.UP)

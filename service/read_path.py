@@ -15,6 +15,7 @@ from pydantic_core import to_json
 from sqlalchemy import bindparam, select
 from sqlalchemy.dialects import postgresql
 
+from contract.states import PlacementState
 from service.auth import ReadKey, read_key_live
 from service.db import ReadPool
 from service.errors import invalid, not_found
@@ -32,12 +33,13 @@ _KEY_TENANT = (select(ApiKey.tenant_id)
 
 # A page of tasks (newest first, after the cursor) with what task_outs adds to each: the job
 # states, the failed attempts and the placement that says most about "when" (the live one,
-# else the latest that ran). {filters}: the optional state and cursor conditions.
+# else the latest that ran). {filters}: the optional state and cursor conditions; {failed},
+# {superseded}, {cancelled}: those placement states.
 _LIST_SQL = """
 WITH me AS ({key_tenant})
 SELECT {columns},
        (SELECT array_agg(j.state) FROM jobs j WHERE j.task_id = t.id),
-       (SELECT count(*) FROM placements p WHERE p.task_id = t.id AND p.state = 'failed'),
+       (SELECT count(*) FROM placements p WHERE p.task_id = t.id AND p.state = '{failed}'),
        latest.attempt, latest.planned_start, latest.planned_end, latest.estimated_s,
        latest.gpus,
        (SELECT sum(m.tokens) FROM metric_points m WHERE m.task_id = t.id AND m.split = 'train'),
@@ -52,7 +54,7 @@ FROM (SELECT * FROM tasks WHERE tenant_id = (SELECT tenant_id FROM me){filters}
       ORDER BY created_at DESC, id DESC LIMIT %(limit)s) t
 LEFT JOIN LATERAL (SELECT p.attempt, p.planned_start, p.planned_end, p.estimated_s,
                           cardinality(p.gpu_indices) AS gpus FROM placements p
-                   WHERE p.task_id = t.id AND p.state NOT IN ('superseded', 'cancelled')
+                   WHERE p.task_id = t.id AND p.state NOT IN ('{superseded}', '{cancelled}')
                    ORDER BY p.created_at DESC LIMIT 1) latest ON true
 ORDER BY t.created_at DESC, t.id DESC
 """
@@ -67,7 +69,9 @@ def _list_sql(state: bool, after: bool) -> str:
     return _LIST_SQL.format(key_tenant=_KEY_TENANT.element.compile(dialect=_DIALECT),
                             columns=", ".join(f"t.{c}" for c in TASK_COLUMNS),
                             filters=(_STATE if state else "") + (_AFTER if after else ""),
-                            integrations=VIEW_SQL.format(task="t"))
+                            integrations=VIEW_SQL.format(task="t"),
+                            failed=PlacementState.FAILED, superseded=PlacementState.SUPERSEDED,
+                            cancelled=PlacementState.CANCELLED)
 
 
 async def list_tasks_json(pool: ReadPool, key: ReadKey, limit: int, after: str | None,

@@ -8,6 +8,7 @@ from typing import Literal
 
 from sqlalchemy.orm import Session
 
+from contract.states import TaskState
 from service import tasks
 from service.cluster import cluster_changed
 from service.config import Settings
@@ -22,7 +23,7 @@ def act(session: Session, tenant: Tenant, settings: Settings, task_id: str,
     was = task.state
     if action == "cancel":
         tasks.cancel_task(session, task, settings)
-        changed = was != "cancelled"
+        changed = was != TaskState.CANCELLED
     elif action == "pause":  # checkpoint at the next step boundary, free the GPUs
         tasks.request_pause(session, task, requeue=False, reason="paused by the user",
                             settings=settings)

@@ -16,7 +16,7 @@ from rq.job import Job
 from contract.protocol import PlacementSpec, node_queue_name, placement_job_id
 from contract.redis_jobs import delete_job
 from worker.config import DaemonConfig
-from worker.local_state import LocalPlacement
+from worker.local_state import LocalPlacement, LocalStatus
 from worker.registration import Registration
 from worker.runner import INIT_ADAPTER_ARCHIVE
 from worker.service_client import Backoff, ServiceClient, ServiceError
@@ -88,7 +88,7 @@ class Claims:
                 return True
             p.close_with_failure(spec.task_id, f"could not fetch inputs: {exc}")
             return True
-        p.task_id, p.gpu_indices, p.status = spec.task_id, list(spec.gpu_indices), "ready"
+        p.task_id, p.gpu_indices, p.status = spec.task_id, list(spec.gpu_indices), LocalStatus.READY
         p.save()
         self.delete_job(p.placement_id)
         log.info("placement claimed node=%s task=%s placement=%s attempt=%d gpus=%s",

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import redis
 
 from worker.config import DaemonConfig, parse_args
-from worker.local_state import LocalPlacement
+from worker.local_state import LocalPlacement, LocalStatus
 from worker.placements import Lifecycle
 from worker.registration import Registration
 from worker.service_client import Backoff, ServiceClient
@@ -150,7 +150,7 @@ class Daemon:
         if self.state == DRAINING:
             return not self.placements and not self.shared.hosts
         if self.state == STOPPING:
-            return (all(p.status == "popped" for p in self.placements.values())
+            return (all(p.status == LocalStatus.POPPED for p in self.placements.values())
                     and not self.shared.hosts)
         return False
 
@@ -169,7 +169,7 @@ class Daemon:
         if reply is None:
             return False
         for p in list(self.placements.values()):
-            if p.status == "popped":
+            if p.status == LocalStatus.POPPED:
                 self.lifecycle.forget(p)
         log.info("node deregistered node=%s reason=%s superseded=%s", self.node_id, reason,
                  ",".join(reply.superseded_placement_ids) or "-")

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from contract.protocol import PlacementSpec, colocation_key
+from contract.states import TaskOutcome
 from worker.runner import PlacementRun, StopFlag, open_task, settle
 
 log = logging.getLogger("loraplex.worker.host")
@@ -117,7 +118,7 @@ class Host:
             log.exception("shared executor failed key=%s placements=%s", self.key,
                           ",".join(self.hosted()) or "-")
             for placement_id in self.hosted():
-                self._end_run(placement_id, "failed", exc)
+                self._end_run(placement_id, TaskOutcome.FAILED, exc)
             code = 1
         self._done.set()
         control.join(timeout=10)
@@ -199,7 +200,7 @@ class Host:
             run.failed(exc)
             run.spool.close()
             self.accepted.append(placement_id)
-            self.ended[placement_id] = "failed"
+            self.ended[placement_id] = TaskOutcome.FAILED
             return
         if self.executor is None:
             make = self.make_executor or _executor_class()
@@ -222,9 +223,11 @@ class Host:
         "cancelled": its unfinished jobs end cancelled, with no terminal record."""
         if placement_id not in self.runs or placement_id in self.ended:
             return  # never joined, or gone already: nothing runs
-        if outcome == "paused":
+        paused = outcome == TaskOutcome.PAUSED
+        if paused:
             self.reasons[placement_id] = reason
-        self.executor.detach_task(placement_id, "paused" if outcome == "paused" else "cancelled")
+        self.executor.detach_task(placement_id,
+                                  TaskOutcome.PAUSED if paused else TaskOutcome.CANCELLED)
         log.info("placement detaching placement=%s outcome=%s", placement_id, outcome)
 
     # -- a task's end (the executor's thread) ---------------------------------------------
@@ -240,12 +243,12 @@ class Host:
         service stopped it and takes no more reports)."""
         run, bridge = self.runs[placement_id], self.bridges[placement_id]
         try:
-            if outcome == "succeeded":
+            if outcome == TaskOutcome.SUCCEEDED:
                 run.finished(settle(bridge, status or {}, stopped=False))
-            elif outcome == "paused":
+            elif outcome == TaskOutcome.PAUSED:
                 settle(bridge, status or {}, stopped=True)
                 run.stopped(run.stop.reason or self.reasons.get(placement_id, "requested"))
-            elif outcome == "failed":
+            elif outcome == TaskOutcome.FAILED:
                 run.failed(error or RuntimeError("the task failed"))
         finally:
             run.spool.close()

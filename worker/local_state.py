@@ -10,10 +10,25 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contract.states import StrEnum
 from worker import host as shared
 from worker.forwarder import Forwarder
 from worker.processes import alive
 from worker.spool import SPOOL_NAME, TERMINAL_TYPES, SpoolWriter, read_complete_lines
+
+
+class LocalStatus(StrEnum):
+    """Where the daemon is with a placement: popped -> ready -> running -> exited -> done (a
+    shared executor that would not take it puts it back to ready; one never started is done)."""
+
+    POPPED = "popped"  # taken off the node queue, not claimed from the service yet
+    READY = "ready"  # claimed: its spec and inputs are here
+    RUNNING = "running"  # its executor (its own process, or a shared one) runs it
+    EXITED = "exited"  # its executor left; its spool is still being forwarded
+    DONE = "done"  # every report delivered: its folder goes
+
+
+CLAIMED = (LocalStatus.READY, LocalStatus.RUNNING, LocalStatus.EXITED)  # the service gave it us
 
 
 @dataclass
@@ -22,7 +37,7 @@ class LocalPlacement:
 
     placement_id: str
     directory: Path
-    status: str = "popped"  # popped -> ready -> running -> exited -> done
+    status: str = LocalStatus.POPPED
     task_id: str | None = None
     gpu_indices: list[int] = field(default_factory=list)
     pid: int | None = None
@@ -70,7 +85,7 @@ class LocalPlacement:
         finally:
             writer.close()
         self.task_id = self.task_id or task_id
-        self.status = "exited"
+        self.status = LocalStatus.EXITED
         self.save()
 
 

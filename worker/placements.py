@@ -16,7 +16,7 @@ from worker.claims import Claims
 from worker.config import DaemonConfig
 from worker.forwarder import Forwarder
 from worker.local_resume import seed_before_start
-from worker.local_state import LocalPlacement
+from worker.local_state import CLAIMED, LocalPlacement, LocalStatus
 from worker.processes import LEASE_NAME, alive, describe, kill_group, spawn, tail, touch
 from worker.registration import Registration
 from worker.service_client import ServiceClient
@@ -53,31 +53,31 @@ class Lifecycle:
 
     def claimed_ids(self) -> tuple[str, ...]:
         return tuple(p.placement_id for p in self.placements.values()
-                     if p.status in ("ready", "running", "exited"))
+                     if p.status in CLAIMED)
 
     def advance(self, p: LocalPlacement, stopping: bool) -> None:
         """Move one placement along: claim, start, watch, kill, forward, forget. stopping: the
         daemon stops (nothing starts; an exit is the daemon's doing)."""
-        if p.status == "popped":
+        if p.status == LocalStatus.POPPED:
             self._claim(p)
             return
-        if p.status == "ready" and not p.cancelled and not stopping:
+        if p.status == LocalStatus.READY and not p.cancelled and not stopping:
             self._start_ready(p)
-        if p.status == "ready" and not p.cancelled and stopping:
+        if p.status == LocalStatus.READY and not p.cancelled and stopping:
             p.close_with_failure(p.task_id or "", "stopped before it started")
-        if p.status == "running":
+        if p.status == LocalStatus.RUNNING:
             touch(p.directory / LEASE_NAME)
             self._watch(p, stopping)
         if p.cancelled:
-            if p.status in ("ready", "exited"):
+            if p.status in (LocalStatus.READY, LocalStatus.EXITED):
                 self._retire(p)
             return
         if p.forwarder is None and p.task_id is not None:
             p.forwarder = Forwarder(self.client, p.directory, p.task_id, p.placement_id)
         if p.forwarder is not None and self.registration.confirmed.is_set():  # (current?)
             p.forwarder.pump()
-            if p.status == "exited" and p.forwarder.done:
-                p.status = "done"
+            if p.status == LocalStatus.EXITED and p.forwarder.done:
+                p.status = LocalStatus.DONE
                 p.save()
                 self.forget(p, keep_dir=True)
                 log.info("placement done node=%s task=%s placement=%s report=%s",
@@ -88,7 +88,7 @@ class Lifecycle:
         """Start a claimed placement once its GPUs allow: attached to the live shared executor of
         its model on exactly its GPUs, else in a new one (SharedHosts.colocation_key), else in
         its own runner process."""
-        running = [q for q in self.placements.values() if q.status == "running"]
+        running = [q for q in self.placements.values() if q.status == LocalStatus.RUNNING]
         # An earlier attempt of the same task still stopping here writes the checkpoint this one
         # may resume from: wait for it.
         if any(q.task_id == p.task_id for q in running):
@@ -117,7 +117,7 @@ class Lifecycle:
         touch(p.directory / LEASE_NAME)
         p.proc = spawn(self.cfg.runner_module, "--placement-dir", p.directory, p.gpu_indices,
                        "executor.log", self.cfg.runner_args, cuda=self.registration.cuda)
-        p.pid, p.status = p.proc.pid, "running"
+        p.pid, p.status = p.proc.pid, LocalStatus.RUNNING
         p.save()
         log.info("executor started node=%s task=%s placement=%s pid=%d gpus=%s",
                  self.registration.node_id, p.task_id, p.placement_id, p.pid,
@@ -140,7 +140,7 @@ class Lifecycle:
         terminal = p.spool_has_terminal()
         if not (terminal or p.cancelled or self.registration.confirmed.is_set()):
             return  # a restarted daemon reports a failure only for an attempt still current
-        p.status = "exited"
+        p.status = LocalStatus.EXITED
         p.save()
         log.info("executor exited node=%s task=%s placement=%s code=%s cancelled=%s",
                  self.registration.node_id, p.task_id, p.placement_id, code, p.cancelled)
@@ -168,8 +168,8 @@ class Lifecycle:
         """End a placement the service stopped, without a report (it would be refused) and
         without forwarding the rest of its spool. Its folder stays if its executor ran: a
         later attempt of the task on this node may resume from its checkpoint."""
-        ran = p.status != "ready"
-        p.status = "done"
+        ran = p.status != LocalStatus.READY
+        p.status = LocalStatus.DONE
         p.save()
         self.forget(p, keep_dir=ran)
         log.info("placement done node=%s task=%s placement=%s report=none (stopped by the "
@@ -183,7 +183,7 @@ class Lifecycle:
         named, pause = self.registration.take_stops()
         # One whose own final report was delivered is named because it ended: let it exit.
         live = [p for p in self.placements.values()
-                if not p.cancelled and p.status in ("ready", "running", "exited")
+                if not p.cancelled and p.status in CLAIMED
                 and not (p.forwarder is not None and p.forwarder.done)]
         if live:
             try:
@@ -209,13 +209,13 @@ class Lifecycle:
         """Pause or preemption: the executor checkpoints at its step boundary and stops (SIGTERM,
         as when the daemon stops), and everything it reports up to its stop is forwarded: the
         service still takes this attempt's reports and ends it by its stop report."""
-        if p.status == "ready":  # never started: nothing to checkpoint
+        if p.status == LocalStatus.READY:  # never started: nothing to checkpoint
             log.info("placement paused before start node=%s task=%s placement=%s",
                      self.registration.node_id, p.task_id, p.placement_id)
             p.close_with_failure(p.task_id or "", "executor stopped: paused before it started")
-        elif p.status == "running" and p.host_id is not None:
+        elif p.status == LocalStatus.RUNNING and p.host_id is not None:
             self.shared.detach(p, "paused by the service", self.cfg.pause_grace_s)
-        elif p.status == "running":
+        elif p.status == LocalStatus.RUNNING:
             self.terminate(p, "paused by the service", cancelled=False,
                            grace_s=self.cfg.pause_grace_s)
 
@@ -224,7 +224,7 @@ class Lifecycle:
         """SIGTERM the executor, SIGKILL after grace_s (default cancel_grace_s); a second,
         shorter stop (a cancel during a pause) brings the kill forward. On a shared executor:
         a cancel detaches the placement alone; the daemon's stop stops the executor."""
-        if p.host_id is not None and p.status == "running":
+        if p.host_id is not None and p.status == LocalStatus.RUNNING:
             if cancelled and not p.cancelled:
                 # as SIGTERM does to a runner: a checkpoint at its step boundary, which a later
                 # attempt of the task on this node may resume from (seed_local_resume)
@@ -240,12 +240,12 @@ class Lifecycle:
         p.cancelled = p.cancelled or cancelled
         p.save()
         deadline = time.monotonic() + (self.cfg.cancel_grace_s if grace_s is None else grace_s)
-        if p.status == "running" and p.kill_at is None:
+        if p.status == LocalStatus.RUNNING and p.kill_at is None:
             log.info("executor terminating node=%s task=%s placement=%s pid=%s why=%s",
                      self.registration.node_id, p.task_id, p.placement_id, p.pid, why)
             kill_group(p.pid, signal.SIGTERM)
             p.kill_at = deadline
-        elif p.status == "running" and deadline < p.kill_at:
+        elif p.status == LocalStatus.RUNNING and deadline < p.kill_at:
             p.kill_at = deadline
 
     # -- the table ------------------------------------------------------------------------
@@ -253,7 +253,7 @@ class Lifecycle:
         """Adopt the placements a previous daemon left in the work dir."""
         for directory in sorted((self.cfg.work_dir / "placements").iterdir()):
             p = LocalPlacement.load(directory)
-            if p is None or p.status == "done":
+            if p is None or p.status == LocalStatus.DONE:
                 continue
             self.placements[p.placement_id] = p
             log.info("placement recovered node=%s task=%s placement=%s status=%s pid=%s",

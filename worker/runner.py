@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from contract.protocol import ADAPTER_FILES, PlacementSpec, tenant_safe
-from contract.states import JOB_FINISHED
+from contract.states import JOB_FINISHED, JobState
 from worker.spool import SPOOL_NAME, SpoolWriter
 
 log = logging.getLogger("loraplex.worker.runner")
@@ -243,7 +243,7 @@ class _Bridge:
                 self.reporter.adapter(job_id, target, meta={"step": best[1] if best else None,
                                                             "val_loss": best[0] if best else None})
         self.reporter.job_state(
-            job_id, state, exit_reason=details.get("exit_reason") if state == "exited" else None,
+            job_id, state, exit_reason=details.get("exit_reason") if state == JobState.EXITED else None,
             best_val_loss=best[0] if best else None, best_step=best[1] if best else None,
             last_step=self.last_step.get(job_id), error=details.get("error"))
 

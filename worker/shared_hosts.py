@@ -10,10 +10,11 @@ import signal
 import time
 
 from contract.protocol import ExecutorReport, PlacementSpec
+from contract.states import TaskOutcome
 from worker import host as shared
 from worker.config import DaemonConfig
 from worker.local_resume import seed_before_start
-from worker.local_state import LocalHost, LocalPlacement
+from worker.local_state import LocalHost, LocalPlacement, LocalStatus
 from worker.processes import LEASE_NAME, kill_group, spawn, touch
 from worker.registration import Registration
 
@@ -90,7 +91,7 @@ class SharedHosts:
         shared.send(h.directory, {"op": "attach", "placement_id": p.placement_id,
                                   "placement_dir": str(p.directory)})
         # its executor's pid is the shared one (never signalled for this placement alone)
-        p.host_id, p.pid, p.status, p.kill_at = h.host_id, h.pid, "running", None
+        p.host_id, p.pid, p.status, p.kill_at = h.host_id, h.pid, LocalStatus.RUNNING, None
         p.save()
         h.stop_when_idle = False
         log.info("placement attached node=%s task=%s placement=%s host=%s",
@@ -98,7 +99,7 @@ class SharedHosts:
 
     def hosted(self, h: LocalHost) -> list[LocalPlacement]:
         return [p for p in self.placements.values()
-                if p.host_id == h.host_id and p.status == "running"]
+                if p.host_id == h.host_id and p.status == LocalStatus.RUNNING]
 
     def stop(self, h: LocalHost, why: str) -> None:
         """SIGTERM: its tasks checkpoint and stop, it takes no new one; SIGKILL after the stop
@@ -171,7 +172,7 @@ class SharedHosts:
                  refused or "the shared executor exited first")
         if refused is not None and p.host_id is not None:
             p.refused_by.add(p.host_id)
-        p.host_id, p.status, p.kill_at = None, "ready", None
+        p.host_id, p.status, p.kill_at = None, LocalStatus.READY, None
         p.save()
         return True
 
@@ -187,7 +188,7 @@ class SharedHosts:
         if p.kill_at is None or again:
             if h is not None:
                 shared.send(h.directory, {"op": "detach", "placement_id": p.placement_id,
-                                          "outcome": "paused", "reason": why})
+                                          "outcome": TaskOutcome.PAUSED, "reason": why})
             log.info("placement detaching node=%s task=%s placement=%s host=%s why=%s",
                      self.registration.node_id, p.task_id, p.placement_id, p.host_id, why)
         if p.kill_at is None or deadline < p.kill_at:

@@ -17,9 +17,16 @@ from service import adapters
 from service.config import Settings
 from service.db import after_commit
 from service.errors import ApiError, conflict, not_found
+from service.lifecycle import move
+from service.merged.states import MERGE_TRANSITIONS, MergeState
 from service.models import Artifact, Job, MergedModel, Task, Tenant, new_id, utcnow
 from service.registry import ModelRegistry
 from service.schemas import MergedModelOut
+
+
+def _move(merged: MergedModel, target: MergeState) -> None:
+    move("merged model", merged, MERGE_TRANSITIONS, target, MergeState.QUEUED)
+
 
 # Set when this process committed a merge request: its merger looks at once, not at its next poll.
 requested = threading.Event()
@@ -52,15 +59,16 @@ def request_merge(session: Session, task: Task, job_id: str | None,
                        code="base_model_unavailable")
     inserted = session.execute(insert(MergedModel).values(
         id=new_id("mrg"), tenant_id=task.tenant_id, task_id=task.id,
-        job_id=job.id, artifact_id=artifact.id, state="queued", attempts=0, created_at=utcnow(),
+        job_id=job.id, artifact_id=artifact.id, state=MergeState.QUEUED.value, attempts=0, created_at=utcnow(),
     ).on_conflict_do_nothing(index_elements=["job_id"]).returning(MergedModel.id)).first() \
         is not None
     merged = session.scalar(select(MergedModel).where(MergedModel.job_id == job.id)
                             .with_for_update().execution_options(populate_existing=True))
     assert merged is not None
     queued = inserted
-    if merged.state == "failed" or merged.artifact_id != artifact.id:  # ask again: try again
-        merged.state, merged.error, merged.attempts = "queued", None, 0
+    if merged.state == MergeState.FAILED or merged.artifact_id != artifact.id:  # ask again: try again
+        _move(merged, MergeState.QUEUED)
+        merged.error, merged.attempts = None, 0
         merged.artifact_id, merged.lease_token, merged.lease_until = artifact.id, None, None
         merged.started_at = merged.finished_at = merged.dtype = merged.bytes = None
         merged.storage_key = None
@@ -87,7 +95,7 @@ def get_merge(session: Session, tenant: Tenant, task: Task, job_id: str | None) 
 
 def ready(merged: MergedModel) -> MergedModel:
     """The merge, if its archive can be downloaded; 409 naming its state otherwise."""
-    if merged.state != "succeeded" or merged.storage_key is None:
+    if merged.state != MergeState.SUCCEEDED or merged.storage_key is None:
         detail = f": {merged.error}" if merged.error else "; poll its state until succeeded"
         raise conflict(f"merged model {merged.id!r} is {merged.state}{detail}",
                        code=f"merge_{merged.state}")
@@ -122,14 +130,15 @@ def claim_next(session: Session, settings: Settings) -> Claim | None:
         now = utcnow()
         merged = session.scalar(
             select(MergedModel).where(or_(
-                MergedModel.state == "queued",
-                (MergedModel.state == "running") & (MergedModel.lease_until < now)))
+                MergedModel.state == MergeState.QUEUED,
+                (MergedModel.state == MergeState.RUNNING) & (MergedModel.lease_until < now)))
             .order_by(MergedModel.created_at).limit(1).with_for_update(skip_locked=True))
         if merged is None:
             session.rollback()
             return None
         if merged.attempts >= settings.merge_max_attempts:
-            merged.state, merged.finished_at, merged.lease_token = "failed", now, None
+            _move(merged, MergeState.FAILED)
+            merged.finished_at, merged.lease_token = now, None
             merged.error = (f"the merge was interrupted {merged.attempts} times; request it "
                             "again")
             session.commit()
@@ -138,7 +147,8 @@ def claim_next(session: Session, settings: Settings) -> Claim | None:
         artifact = session.get(Artifact, merged.artifact_id)
         assert task is not None and artifact is not None  # both cascade to this row
         token = uuid.uuid4().hex
-        merged.state, merged.attempts, merged.lease_token = "running", merged.attempts + 1, token
+        _move(merged, MergeState.RUNNING)
+        merged.attempts, merged.lease_token = merged.attempts + 1, token
         merged.lease_until = now + timedelta(seconds=settings.merge_lease_s)
         merged.started_at = now
         claim = Claim(merged.id, merged.task_id, merged.job_id, token, task.base_model,
@@ -161,7 +171,7 @@ def renew(session: Session, claim: Claim, settings: Settings) -> bool:
 
 def succeed(session: Session, claim: Claim, key: str, size: int, dtype: str) -> bool:
     done = session.execute(update(MergedModel).where(_mine(claim)).values(
-        state="succeeded", storage_key=key, bytes=size, dtype=dtype, finished_at=utcnow(),
+        state=MergeState.SUCCEEDED.value, storage_key=key, bytes=size, dtype=dtype, finished_at=utcnow(),
         lease_token=None, lease_until=None, error=None)).rowcount == 1
     session.commit()
     return done
@@ -169,7 +179,7 @@ def succeed(session: Session, claim: Claim, key: str, size: int, dtype: str) -> 
 
 def fail(session: Session, claim: Claim, message: str) -> bool:
     done = session.execute(update(MergedModel).where(_mine(claim)).values(
-        state="failed", error=message, finished_at=utcnow(), lease_token=None,
+        state=MergeState.FAILED.value, error=message, finished_at=utcnow(), lease_token=None,
         lease_until=None)).rowcount == 1
     session.commit()
     return done

@@ -13,7 +13,7 @@ from sqlalchemy import func, select, text
 from service.auth import check_token
 from service.cluster import cluster_view
 from service.deps import SessionDep, SettingsDep, require_operator
-from service.models import TASK_STATES, Node, Task
+from service.models import TASK_STATES, Node, NodeState, Task
 from service.queue import get_redis
 from service.schemas import ClusterOut
 
@@ -70,7 +70,7 @@ def metrics(request: Request, session: SessionDep, settings: SettingsDep,
         for state in TASK_STATES:
             m.tasks.labels(state=state).set(counts.get(state, 0))
     up = session.execute(select(func.count(), func.coalesce(func.sum(Node.gpu_count), 0)).where(
-        Node.state == "up")).one()
+        Node.state == NodeState.UP)).one()
     m.nodes_up.set(up[0])
     m.gpus_up.set(up[1])
     registry = m.registry if operator else _Without(m.registry, {"loraplex_tasks"})

@@ -19,6 +19,7 @@ from service.webhooks.schemas import (
     WebhookOut,
     WebhookUpdate,
 )
+from service.webhooks.states import DeliveryStateName
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 Limit = Annotated[int, Query(ge=1, le=100)]
@@ -71,7 +72,7 @@ def delete_webhook(session: SessionDep, tenant: TenantDep, webhook_id: str) -> D
 @router.get("/{webhook_id}/deliveries", response_model=Page[WebhookDeliveryOut])
 def list_deliveries(session: SessionDep, tenant: TenantDep, webhook_id: str,
                     limit: Limit = 20, after: After = None,
-                    state: Annotated[outbox.DeliveryState | None, Query()] = None
+                    state: Annotated[DeliveryStateName | None, Query()] = None
                     ) -> Page[WebhookDeliveryOut]:
     """The delivery log, newest first: each event's attempts, last status code, next attempt."""
     endpoint = endpoints.get_endpoint(session, tenant, webhook_id)

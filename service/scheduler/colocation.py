@@ -57,6 +57,7 @@ from datetime import datetime
 from typing import TypeVar
 
 from contract.protocol import ExecutorReport
+from contract.states import TaskState
 from service.scheduler.planner import Assignment, Instance, Pinned, Plan, TaskSpec, weight
 
 T = TypeVar("T")
@@ -387,7 +388,7 @@ def colocate_instance(inst: Instance, usage: Mapping[str, float] | None = None,
             tenant, guar[occupant] = occupant, len(gpus)
         new_tasks.append(TaskSpec(
             id=occupant, tenant=tenant, gpus_needed=len(gpus),
-            duration_s=max(m.duration_s for m in ms), state="running",
+            duration_s=max(m.duration_s for m in ms), state=TaskState.RUNNING.value,
             pinned=Pinned(node, gpus, start), arrival_s=start, preemptible=not stopped))
         out.occupants[occupant] = [m.id for m in ms]
         for m in ms:

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from contract.states import JOB_TERMINAL
+from contract.states import JOB_TERMINAL, JobState
 
 GIB = 1024**3
 
@@ -185,7 +185,7 @@ class JobProgress:
 
     batch_size: int
     last_step: int = 0
-    state: str = "pending"
+    state: str = JobState.PENDING.value
 
 
 @dataclass(frozen=True)

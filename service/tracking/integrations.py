@@ -12,8 +12,10 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db import after_commit
 from service.errors import invalid
+from service.lifecycle import move
 from service.models import TASK_TERMINAL, TaskIntegration
 from service.tracking.schemas import IntegrationIn, MlflowSettings, WandbSettings
+from service.tracking.states import SYNC_TRANSITIONS, SYNC_WAITING, SyncState
 from service.webhooks.security import AddressRefused, Target, resolve
 
 ALLOW_PRIVATE = "LORAPLEX_TRACKING_ALLOW_PRIVATE"
@@ -29,6 +31,10 @@ SETTINGS = {"wandb": WandbSettings, "mlflow": MlflowSettings}
 VIEW_SQL = ("(SELECT json_agg(json_build_array(i.type, i.config, i.state, i.attempts, "
             "i.last_error, extract(epoch FROM i.synced_at)::bigint) ORDER BY i.position) "
             "FROM task_integrations i WHERE i.task_id = {task}.id)")
+
+
+def move_sync(row: TaskIntegration, target: SyncState) -> None:
+    move("tracking integration", row, SYNC_TRANSITIONS, target, SyncState.PENDING)
 
 
 def check_tracking_uri(uri: str, settings: Settings) -> Target:
@@ -68,7 +74,7 @@ def add_integrations(session: Session, task_id: str,
     for position, item in enumerate(integrations or ()):
         config = getattr(item, item.type).model_dump(mode="json", exclude_none=True)
         session.add(TaskIntegration(task_id=task_id, position=position, type=item.type,
-                                    config=config, state="pending"))
+                                    config=config, state=SyncState.PENDING.value))
 
 
 def integration_views(rows: list | None, task_state: str) -> list[dict]:
@@ -77,7 +83,8 @@ def integration_views(rows: list | None, task_state: str) -> list[dict]:
     out = []
     for kind, config, state, attempts, last_error, synced_at in rows or ():
         given = SETTINGS[kind].model_validate(config).model_dump()
-        status = "waiting" if state == "pending" and task_state not in TASK_TERMINAL else state
+        waiting = state == SyncState.PENDING and task_state not in TASK_TERMINAL
+        status = SYNC_WAITING if waiting else state
         out.append({"type": kind, "wandb": given if kind == "wandb" else None,
                     "mlflow": given if kind == "mlflow" else None, "status": status,
                     "attempts": attempts, "last_error": last_error,
@@ -89,5 +96,5 @@ def on_task_event(session: Session, task_id: str, type: str) -> None:
     """A task event (service.events.add_event calls this in its transaction): the task's end
     wakes this process's syncer once it commits, if the task has integrations."""
     if type in ENDED and session.scalar(select(exists().where(
-            TaskIntegration.task_id == task_id, TaskIntegration.state == "pending"))):
+            TaskIntegration.task_id == task_id, TaskIntegration.state == SyncState.PENDING))):
         after_commit(session, requested.set)

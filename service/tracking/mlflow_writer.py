@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from contract.states import JobState, TaskState
 from service.config import Settings
 from service.tracking.integrations import check_tracking_uri
 from service.tracking.records import JobRecord, TaskRecord, millis
@@ -23,8 +24,9 @@ from service.webhooks.security import Target
 USER_AGENT = "loraplex-tracking/1"
 TASK_KEY = "task"  # loraplex.key of the parent run; a job's run has its job id
 BATCH = 1000  # runs/log-batch takes at most 1000 metrics (and 100 params, 100 tags) per call
-RUN_STATUS = {"succeeded": "FINISHED", "completed": "FINISHED", "exited": "FINISHED",
-              "failed": "FAILED", "cancelled": "KILLED"}
+# An ended task's or job's state as its run's status (the two share failed and cancelled).
+RUN_STATUS = {TaskState.SUCCEEDED: "FINISHED", JobState.COMPLETED: "FINISHED",
+              JobState.EXITED: "FINISHED", JobState.FAILED: "FAILED", JobState.CANCELLED: "KILLED"}
 
 
 class MlflowError(Exception):

@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.tracking.states import SyncStatus
+
 Name = Annotated[str, Field(min_length=1, max_length=128)]
 
 
@@ -43,9 +45,6 @@ class IntegrationIn(_In):
     type: Literal["wandb", "mlflow"]
     wandb: WandbSettings | None = None
     mlflow: MlflowSettings | None = None
-
-
-SyncStatus = Literal["waiting", "pending", "synced", "failed"]
 
 
 class IntegrationOut(BaseModel):

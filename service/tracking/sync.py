@@ -25,9 +25,10 @@ from contract.protocol import tenant_safe
 from service.config import Settings
 from service.db import session_scope
 from service.models import TASK_TERMINAL, Task, TaskIntegration, utcnow
-from service.tracking.integrations import requested
+from service.tracking.integrations import move_sync, requested
 from service.tracking.mlflow_writer import write_mlflow
 from service.tracking.records import TaskRecord, load_task
+from service.tracking.states import SyncState
 from service.tracking.wandb_writer import WandbUnavailable, write_wandb
 from service.webhooks.security import AddressRefused
 
@@ -58,7 +59,7 @@ def claim_due(session: Session, settings: Settings, limit: int = BATCH) -> list[
         select(TaskIntegration.id, TaskIntegration.task_id, TaskIntegration.type,
                TaskIntegration.config)
         .join(Task, Task.id == TaskIntegration.task_id)
-        .where(TaskIntegration.state == "pending", TaskIntegration.next_attempt_at <= now,
+        .where(TaskIntegration.state == SyncState.PENDING, TaskIntegration.next_attempt_at <= now,
                Task.state.in_(TASK_TERMINAL))
         .order_by(TaskIntegration.next_attempt_at).limit(limit)
         .with_for_update(of=TaskIntegration, skip_locked=True)).all()
@@ -102,7 +103,8 @@ def record(session: Session, claim: Claim, outcome: Outcome, settings: Settings)
     row.attempts += 1
     row.lease_token = None
     if outcome.result is not None:
-        row.state, row.result, row.synced_at = "synced", outcome.result, now
+        move_sync(row, SyncState.SYNCED)
+        row.result, row.synced_at = outcome.result, now
         row.last_error, row.next_attempt_at = None, None
     else:
         row.last_error = tenant_safe(outcome.error or "sync failed")
@@ -111,7 +113,8 @@ def record(session: Session, claim: Claim, outcome: Outcome, settings: Settings)
                               * random.uniform(0.9, 1.1))
         ended = session.scalar(select(Task.finished_at).where(Task.id == row.task_id)) or now
         if outcome.final or due > ended + timedelta(seconds=settings.tracking_give_up_s):
-            row.state, row.next_attempt_at = "failed", None
+            move_sync(row, SyncState.FAILED)
+            row.next_attempt_at = None
         else:
             row.next_attempt_at = due
     session.commit()

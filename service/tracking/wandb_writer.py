@@ -20,6 +20,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from contract.states import JobState
 from service.config import Settings
 from service.tracking.records import TaskRecord
 
@@ -50,7 +51,7 @@ def runs_payload(task: TaskRecord, config: dict) -> list[dict]:
              "name": f"{name}/job-{job.index}", "group": task.id,
              "tags": list(config.get("tags") or []), "config": task.params(job),
              "history": [{"step": s.step, "metrics": s.metrics} for s in job.steps],
-             "summary": job.summary, "failed": job.state in ("failed", "cancelled")}
+             "summary": job.summary, "failed": job.state in (JobState.FAILED, JobState.CANCELLED)}
             for job in task.jobs]
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from contract.states import TaskState
+
 OPENAI_TYPES = ("fine_tuning.job.succeeded", "fine_tuning.job.failed",
                 "fine_tuning.job.cancelled")
 TASK_TYPES = ("task.running", "task.paused", "task.succeeded", "task.failed", "task.cancelled")
@@ -51,8 +53,8 @@ def event_data(type: str, task_id: str, meta: dict | None, message: str, job_id:
     state = type[5:]
     out: dict[str, Any] = {"id": task_id, "object": "task", "state": state, "message": message,
                            "metadata": meta}
-    if state == "succeeded":
+    if state == TaskState.SUCCEEDED:
         out["best_job_id"] = job_id
-    if state == "running":
+    if state == TaskState.RUNNING:
         out["attempt"] = data.get("attempt")
     return out

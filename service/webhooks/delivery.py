@@ -29,8 +29,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.config import Settings
 from service.db import session_scope
 from service.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent, utcnow
-from service.webhooks.outbox import enqueued
+from service.webhooks.outbox import enqueued, move_delivery
 from service.webhooks.security import AddressRefused, check_key, resolve, sign, unseal
+from service.webhooks.states import DeliveryState
 
 log = logging.getLogger("loraplex.webhooks")
 USER_AGENT = "loraplex-webhooks/1"
@@ -71,7 +72,7 @@ def claim_due(session: Session, settings: Settings, limit: int = WORKERS) -> lis
     ids = session.scalars(
         select(WebhookDelivery.id).join(WebhookEndpoint,
                                         WebhookEndpoint.id == WebhookDelivery.endpoint_id)
-        .where(WebhookDelivery.state == "pending", WebhookDelivery.next_attempt_at <= now,
+        .where(WebhookDelivery.state == DeliveryState.PENDING, WebhookDelivery.next_attempt_at <= now,
                WebhookEndpoint.enabled.is_(True), WebhookEndpoint.deleted_at.is_(None))
         .order_by(WebhookDelivery.next_attempt_at).limit(limit)
         .with_for_update(of=WebhookDelivery, skip_locked=True)).all()
@@ -140,13 +141,15 @@ def record(session: Session, claim: Claim, outcome: Outcome, settings: Settings)
     row.last_status_code, row.last_error, row.lease_token = (outcome.status_code, outcome.error,
                                                              None)
     if outcome.delivered:
-        row.state, row.delivered_at, row.next_attempt_at = "delivered", now, None
+        move_delivery(row, DeliveryState.DELIVERED)
+        row.delivered_at, row.next_attempt_at = now, None
     else:
         backoff = settings.webhook_backoff_s or [60.0]
         wait = backoff[min(row.tries, len(backoff)) - 1] * random.uniform(0.9, 1.1)
         due = now + timedelta(seconds=wait)
         if due > row.scheduled_at + timedelta(seconds=settings.webhook_give_up_s):
-            row.state, row.next_attempt_at = "failed", None
+            move_delivery(row, DeliveryState.FAILED)
+            row.next_attempt_at = None
         else:
             row.next_attempt_at = due
     session.commit()

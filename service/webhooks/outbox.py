@@ -5,13 +5,13 @@ restart), plus the tenant's view of it: the delivery log and redelivery on reque
 from __future__ import annotations
 
 import threading
-from typing import Literal
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.db import after_commit
 from service.errors import conflict, not_found
+from service.lifecycle import move
 from service.models import (
     Task,
     WebhookAttempt,
@@ -28,12 +28,15 @@ from service.webhooks.schemas import (
     WebhookDeliveryDetail,
     WebhookDeliveryOut,
 )
-
-DeliveryState = Literal["pending", "delivered", "failed"]
+from service.webhooks.states import DELIVERY_TRANSITIONS, DeliveryState, DeliveryStateName
 
 # Set when this process committed new deliveries: its deliverers look at once, not at their
 # next poll (service.webhooks.delivery); other processes find them by polling.
 enqueued = threading.Event()
+
+
+def move_delivery(delivery: WebhookDelivery, target: DeliveryState) -> None:
+    move("webhook delivery", delivery, DELIVERY_TRANSITIONS, target, DeliveryState.PENDING)
 
 
 def _wake() -> None:
@@ -98,7 +101,7 @@ def enqueue_test(session: Session, endpoint: WebhookEndpoint) -> WebhookDelivery
 
 
 def list_deliveries(session: Session, endpoint: WebhookEndpoint, limit: int, after: str | None,
-                    state: DeliveryState | None) -> tuple[list[WebhookDeliveryOut], bool]:
+                    state: DeliveryStateName | None) -> tuple[list[WebhookDeliveryOut], bool]:
     """The endpoint's deliveries, newest first."""
     scope = select(WebhookDelivery).where(WebhookDelivery.endpoint_id == endpoint.id)
     base = scope if state is None else scope.where(WebhookDelivery.state == state)
@@ -138,7 +141,8 @@ def redeliver(session: Session, endpoint: WebhookEndpoint, delivery_id: str) -> 
                        code="webhook_disabled")
     delivery = get_delivery(session, endpoint, delivery_id, lock=True)
     now = utcnow()
-    delivery.state, delivery.tries, delivery.lease_token = "pending", 0, None
+    move_delivery(delivery, DeliveryState.PENDING)
+    delivery.tries, delivery.lease_token = 0, None
     delivery.next_attempt_at = delivery.scheduled_at = now
     session.flush()
     after_commit(session, _wake)

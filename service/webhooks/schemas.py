@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from service.webhooks.catalog import EVENT_TYPES
+from service.webhooks.states import DeliveryStateName
 
 EventType = Literal[EVENT_TYPES]  # type: ignore[valid-type]
 EventTypes = Annotated[list[EventType], Field(  # type: ignore[valid-type]
@@ -76,7 +77,7 @@ class WebhookDeliveryOut(BaseModel):
     endpoint_id: str
     event_id: str = Field(description="The event's id: the webhook-id header of every attempt.")
     event_type: str
-    state: Literal["pending", "delivered", "failed"]
+    state: DeliveryStateName
     attempts: int
     last_status_code: int | None = Field(description="The receiver's last HTTP status (null: "
                                                      "none yet, or no answer).")
