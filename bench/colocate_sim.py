@@ -50,7 +50,7 @@ from service.scheduler.colocation import (  # noqa: E402
     demand,
     plan_joins,
 )
-from service.scheduler.planner import Instance, NodeSpec, Pinned, TaskSpec  # noqa: E402
+from service.scheduler.problem import Instance, NodeSpec, Pinned, TaskSpec  # noqa: E402
 
 GPUS = 8
 TENANTS = 3

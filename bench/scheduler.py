@@ -30,7 +30,8 @@ from service.config import Settings  # noqa: E402
 from service.scheduler import planner  # noqa: E402
 from service.scheduler.loop import solve_options  # noqa: E402
 from service.scheduler.packing import Placed  # noqa: E402
-from service.scheduler.planner import Instance, NodeSpec, SolveOptions, TaskSpec, solve  # noqa: E402
+from service.scheduler.planner import SolveOptions, solve  # noqa: E402
+from service.scheduler.problem import Instance, NodeSpec, TaskSpec  # noqa: E402
 
 
 def instance(n_tasks: int, n_nodes: int, seed: int) -> Instance:

@@ -44,19 +44,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.config import Settings  # noqa: E402
+from service.scheduler.encode import FAIR_SCALE  # noqa: E402
 from service.scheduler.loop import solve_options  # noqa: E402
-from service.scheduler.planner import (  # noqa: E402
-    FAIR_HISTORY,
-    FAIR_SCALE,
-    Hint,
-    Instance,
-    NodeSpec,
-    Pinned,
-    SolveOptions,
-    TaskSpec,
-    solve,
-    tenant_history,
-)
+from service.scheduler.planner import FAIR_HISTORY, SolveOptions, solve, tenant_history  # noqa: E402
+from service.scheduler.problem import Hint, Instance, NodeSpec, Pinned, TaskSpec  # noqa: E402
 
 NODES = [NodeSpec(f"n{i}", "H100", 8) for i in range(4)]
 GPUS = sum(n.gpu_count for n in NODES)

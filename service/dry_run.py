@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import math
 from datetime import datetime, timedelta
+from typing import Literal
 
+from pydantic import BaseModel, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from contract.states import PLACEMENT_CURRENT, TASK_SCHEDULED, NodeState
 from service.config import Settings
 from service.models import File, Node, Placement, Task, Tenant, utcnow
-from service.openai_compat import DryRunJob, DryRunOut, avg_tokens_per_sample, unix
+from service.openai_compat.views import avg_tokens_per_sample, unix
 from service.registry import ModelRegistry
 from service.scheduler.estimator import (
     Estimator,
@@ -32,6 +34,32 @@ from service.scheduler.loop import _model_shape, _profiles, _tflops
 from service.schemas import TaskCreate
 from service.storage import Storage
 from service.tasks import check_request, expand_grid, resolve_adapter, resolve_auto
+
+
+class DryRunJob(BaseModel):
+    index: int
+    hyperparameters: dict
+
+
+class DryRunOut(BaseModel):
+    """What a task would be: validated, nothing created."""
+
+    dry_run: Literal[True] = True
+    object: Literal["task.estimate"] = "task.estimate"
+    base_model: str
+    method: str
+    num_jobs: int
+    jobs: list[DryRunJob]
+    train_samples: int = Field(description="Training records per epoch (validation held out).")
+    epochs: int
+    trained_tokens: int = Field(description="Tokens to train if every job runs all its steps.")
+    expected_tokens: int = Field(description="Tokens expected with early exit as configured.")
+    gpus: int | None = Field(description="GPUs per placement (null: no node can run it).")
+    gpu_type: str | None = None
+    estimated_seconds: int | None = None
+    estimated_gpu_hours: float | None = None
+    estimated_start: int | None = Field(description="Unix seconds, from the current plan.")
+    estimated_finish: int | None = None
 
 
 def dry_run(session: Session, tenant: Tenant, body: TaskCreate, settings: Settings,

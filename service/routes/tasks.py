@@ -14,9 +14,9 @@ from service import adapters, events, read_path, task_views, tasks
 from service.cluster import cluster_changed
 from service.deps import ReadKeyDep, RegistryDep, SessionDep, SettingsDep, StorageDep, TenantDep
 from service.downloads import file_response
+from service.dry_run import DryRunOut
 from service.dry_run import dry_run as run_dry
 from service.models import Artifact, Job
-from service.openai_compat import DryRunOut
 from service.result_files import ensure_result_files
 from service.schemas import EventPage, JobOut, MetricsOut, ModelOut, Page, TaskCreate, TaskOut
 from service.storage import Storage

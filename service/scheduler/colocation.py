@@ -58,7 +58,8 @@ from typing import TypeVar
 
 from contract.protocol import ExecutorReport
 from contract.states import TaskState
-from service.scheduler.planner import Assignment, Instance, Pinned, Plan, TaskSpec, weight
+from service.scheduler.encode import weight
+from service.scheduler.problem import Assignment, Instance, Pinned, Plan, TaskSpec
 
 T = TypeVar("T")
 SHARED_TENANT = ""  # the pinned occupant of a shared executor belongs to no tenant
@@ -354,7 +355,7 @@ def colocate_instance(inst: Instance, usage: Mapping[str, float] | None = None,
     beyond its guaranteed share may be chosen by quota reclaim: loop.py then pauses every task it
     hosts. Any other is of a tenant of its own whose guaranteed share is its GPUs: reclaim never
     takes it, and counts its GPUs busy until every task it hosts is being stopped (to
-    planner.reclaim, a running task that is not preemptible is being stopped: GPUs as good as
+    quotas.reclaim, a running task that is not preemptible is being stopped: GPUs as good as
     free). Each hosted task's share of its executor's GPUs (``shares``, task_shares; an equal
     split where unknown) stays its tenant's until it ends: Instance.tenant_held_gpus, counted
     against the tenant's hard cap."""

@@ -83,18 +83,8 @@ from service.scheduler.estimator import (
     gpu_spec,
 )
 from service.scheduler.limits import task_priority_ceiling
-from service.scheduler.planner import (
-    FAIR_HISTORY,
-    Hint,
-    Instance,
-    NodeSpec,
-    Pinned,
-    Plan,
-    SolveOptions,
-    TaskSpec,
-    solve,
-    tenant_history,
-)
+from service.scheduler.planner import FAIR_HISTORY, SolveOptions, solve, tenant_history
+from service.scheduler.problem import Hint, Instance, NodeSpec, Pinned, Plan, TaskSpec
 
 log = logging.getLogger("loraplex.scheduler")
 

@@ -1,5 +1,5 @@
-"""The planner's objective, shared by its CP-SAT model (`cp.py`) and its heuristics
-(`planner.py`): per-job constants (`_Ctx`), the bounded-wait penalty, the fair-share term Z
+"""The planner's objective, shared by its CP-SAT model (`cp.py`) and its warm start
+(`warm_start.py`): per-job constants (`_Ctx`), the bounded-wait penalty, the fair-share term Z
 (the worst tenant's mean slowdown, in thousandths) and a schedule's total."""
 
 from __future__ import annotations

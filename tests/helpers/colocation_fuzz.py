@@ -32,15 +32,8 @@ from service.scheduler.colocation import (
     usable_executors,
 )
 from service.scheduler.loop import _shares_gpus
-from service.scheduler.planner import (
-    Hint,
-    Instance,
-    NodeSpec,
-    Pinned,
-    SolveOptions,
-    TaskSpec,
-    solve,
-)
+from service.scheduler.planner import SolveOptions, solve
+from service.scheduler.problem import Hint, Instance, NodeSpec, Pinned, TaskSpec
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
 TIMEOUT = 30.0

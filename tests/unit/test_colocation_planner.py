@@ -22,16 +22,8 @@ from service.scheduler.colocation import (
     tenant_usage,
     usable_executors,
 )
-from service.scheduler.planner import (
-    Assignment,
-    Instance,
-    NodeSpec,
-    Pinned,
-    Plan,
-    SolveOptions,
-    TaskSpec,
-    solve,
-)
+from service.scheduler.planner import SolveOptions, solve
+from service.scheduler.problem import Assignment, Instance, NodeSpec, Pinned, Plan, TaskSpec
 
 K = "tiny|sft|128|*"  # a colocation_key
 OTHER = "tiny|sft|256|*"

@@ -15,7 +15,8 @@ from service.learning_rates import (
     model_centre,
     parameter_count,
 )
-from service.openai_compat import Hyperparameters, search_space
+from service.openai_compat.create import search_space
+from service.openai_compat.schemas import Hyperparameters
 from service.registry import BaseModelEntry
 from service.schemas import TaskCreate
 from service.tasks import resolve_auto

@@ -13,16 +13,8 @@ from hypothesis import strategies as st
 
 from service.scheduler import planner
 from service.scheduler.packing import Option, Placed, UJob, earliest_fit, list_schedule, timelines
-from service.scheduler.planner import (
-    Hint,
-    Instance,
-    NodeSpec,
-    Pinned,
-    Plan,
-    SolveOptions,
-    TaskSpec,
-    solve,
-)
+from service.scheduler.planner import SolveOptions, solve
+from service.scheduler.problem import Hint, Instance, NodeSpec, Pinned, Plan, TaskSpec
 
 FAST = SolveOptions(work_limit=0.5, time_limit_s=10.0)
 HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
