@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from contract.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
+from contract.protocol import EarlyExitSettings, EvalSettings, TaskSettings  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
 from trainer.jobs import JobSpec  # noqa: E402
 from trainer.tiny import _WORDS, train_tokenizer  # noqa: E402
@@ -105,9 +105,10 @@ def stream(root: Path, n: int, gap_s: float, seed: int, rows: int, steps: int) -
 def task_cfg(task: TaskSpec, model: Path, out: Path, args: argparse.Namespace) -> ExecutorConfig:
     return ExecutorConfig(
         model_dir=str(model), train_file=str(task.train_file), output_dir=str(out / task.task_id),
-        jobs=task.jobs, max_seq_len=args.max_seq_len, checkpoint_every=10**6,
-        eval=EvalSettings(eval_every_steps=max(2, args.steps // 4), eval_max_samples=16),
-        early_exit=EarlyExitSettings(warmup_fraction=0.1, keep_fraction=0.25),
+        jobs=task.jobs, checkpoint_every=10**6, settings=TaskSettings(
+            max_seq_len=args.max_seq_len,
+            eval=EvalSettings(eval_every_steps=max(2, args.steps // 4), eval_max_samples=16),
+            early_exit=EarlyExitSettings(warmup_fraction=0.1, keep_fraction=0.25)),
         max_tokens_per_step=args.max_tokens_per_step, profile_cache=str(out / "profiles.json"))
 
 

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import task_e2e as te  # noqa: E402
 
+from contract.protocol import EvalSettings, TaskSettings  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
 from trainer.jobs import JobSpec  # noqa: E402
 
@@ -94,7 +95,9 @@ def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: P
                    on_event=lambda j, m, d: events.setdefault(m, d) if not j else None)
     shutil.rmtree(out, ignore_errors=True)
     cfg = ExecutorConfig(model_dir=str(model_dir), train_file=str(train), val_file=str(val), output_dir=str(out),
-                         jobs=jobs(steps), max_seq_len=1024, profile_cache=str(cache))
+                         jobs=jobs(steps), profile_cache=str(cache),
+                         settings=TaskSettings(max_seq_len=1024, eval=EvalSettings(eval_every_steps=10,
+                                                                                eval_max_samples=None)))
     te.sync()
     t0 = time.perf_counter()
     ex = Counted(cfg, cb)

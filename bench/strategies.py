@@ -1,4 +1,4 @@
-"""The one recipe on each strategy, as a placement runs it: `trainer.executor.run_executor` with
+"""The one recipe on each strategy, as a placement runs it: `trainer.launch.run_executor` with
 world_size 1 (one GPU) and P (adapter parallelism: FSDP2 backbone, rank-local jobs), for SFT and
 DPO, on one random-weight model. Prints one markdown table: wall time of the whole executor run
 (load, training, evaluation, checkpoints, exports), and, as the correctness check of the same run,
@@ -25,10 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from contract.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
-from trainer.executor import Callbacks, ExecutorConfig, run_executor  # noqa: E402
+from contract.protocol import EarlyExitSettings, EvalSettings, TaskSettings  # noqa: E402
+from trainer.config import Callbacks, ExecutorConfig  # noqa: E402
 from trainer.export import load_peft_weights  # noqa: E402
 from trainer.jobs import JobSpec  # noqa: E402
+from trainer.launch import run_executor  # noqa: E402
 from trainer.tiny import synthetic_corpus, train_tokenizer  # noqa: E402
 
 JOBS = [(8, 2e-4, 2, 0.1), (16, 1e-4, 4, 0.2), (32, 3e-4, 2, 0.1), (16, 5e-4, 4, 0.3)]
@@ -76,9 +77,9 @@ def run(model: Path, root: Path, method: str, world: int, steps: int, seq: int,
                    on_event=lambda j, m, d: events.append((m, d)))
     cfg = ExecutorConfig(model_dir=str(model), train_file=str(write_data(root, method, 256, 1)),
                          val_file=str(write_data(root, method, 32, 2)), output_dir=str(out), jobs=jobs,
-                         method=method, max_seq_len=seq, world_size=world, checkpoint_every=steps // 2,
-                         eval=EvalSettings(eval_every_steps=steps // 2, eval_max_samples=None),
-                         early_exit=EarlyExitSettings(enabled=False), eval_batch_size=8)
+                         method=method, world_size=world, checkpoint_every=steps // 2, eval_batch_size=8,
+                         settings=TaskSettings(max_seq_len=seq, early_exit=EarlyExitSettings(enabled=False),
+                                               eval=EvalSettings(eval_every_steps=steps // 2, eval_max_samples=None)))
     t0 = time.perf_counter()
     status = run_executor(cfg, cb)
     wall = time.perf_counter() - t0

@@ -213,6 +213,11 @@ class EarlyExitSettings(_Msg):
                                  description="Share of the configurations the ranking keeps.")
     ema_alpha: float = Field(default=0.1, gt=0, le=1, allow_inf_nan=False,
                              description="EMA factor of the train loss (1 = no smoothing).")
+    min_steps: int = Field(
+        default=0, ge=0, le=10_000_000,
+        description="Grace period: no job is stopped as diverging or overfitting before it has "
+                    "trained this many steps (the detectors watch, the decision waits; a "
+                    "non-finite loss still stops it at once). Ray Tune's ASHA grace_period.")
 
     def warmup_steps(self, total_steps: int) -> int:
         """Warmup length of a job with `total_steps` steps: ceil(fraction * total), in [1, total]."""

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.multilora import cuda_index, hopper_or_newer
+from kernels.devices import cuda_index, hopper_or_newer
 from kernels.triton_lora import (
     _acc_torch,
     _adapter_base,

@@ -42,6 +42,7 @@ import os
 
 import torch
 
+from kernels.devices import cuda_index, hopper_or_newer
 from kernels.reference import multilora_linear_arena_reference, multilora_linear_reference
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -49,24 +50,6 @@ FORMS = ("compose", "fused", "auto")
 # None: the device's default (`device_default_form`); set_default_form or $LORAPLEX_LORA_FORM pin one
 _default_form: str | None = os.environ.get("LORAPLEX_LORA_FORM") or None
 _device_names: dict[int, str] = {}
-_capabilities: dict[int, tuple[int, int]] = {}
-
-
-def cuda_index(device: torch.device) -> int:
-    """The index of a CUDA device (`cuda` without one: the current device)."""
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def hopper_or_newer(device: torch.device) -> bool:
-    """True on a CUDA device of compute capability 9.0 or more (TMA, the persistent fused GEMMs)."""
-    if device.type != "cuda":
-        return False
-    idx = cuda_index(device)
-    if idx not in _capabilities:
-        _capabilities[idx] = torch.cuda.get_device_capability(idx)
-    return _capabilities[idx] >= (9, 0)
-
-
 def device_default_form(x: torch.Tensor) -> str:
     """"fused" on Hopper or newer (its persistent TMA GEMMs beat cuBLAS + separate LoRA passes end to
     end: bench/results/engine_step_variants_h100.md), "compose" elsewhere."""

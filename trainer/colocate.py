@@ -24,151 +24,38 @@ checkpoint). A failed write fails its task alone. Adapter-parallel executors wri
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import Any
 
 from contract.states import JOB_TERMINAL
 from contract.states import JobState as JobLifecycle
-from trainer.checkpoint import (
-    Write,
-    job_state_dict,
-    restore_job,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-    take_snapshot,
-    tensor_bytes,
-)
-from trainer.data import Example, JobDataStream, read_jsonl, split_validation, tokenize_all
-from trainer.dpo import DpoEngine
+from trainer.checkpoint import Write, restore_job
+from trainer.config import Callbacks, ExecutorConfig
+from trainer.data import Example, read_jsonl, split_validation
 from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
 from trainer.evaluation import eval_forwards
 from trainer.export import export_peft, peft_config_dict, write_peft
 from trainer.jobs import JobSpec, JobState
-from trainer.pairs import PairExample, tokenize_pairs
-
-if TYPE_CHECKING:
-    from trainer.executor import Callbacks, Executor, ExecutorConfig
+from trainer.pairs import PairExample
+from trainer.task_files import TaskFiles
+from trainer.task_parts import JobSlot, StepNumbers, TaskStream, ThroughputWindow
 
 log = logging.getLogger("loraplex.executor")
 # a job that ended by itself (a cancelled one may still be exited by the ranking)
 ENDED_HERE = tuple(s for s in JOB_TERMINAL if s != JobLifecycle.CANCELLED)
 
 
-class ExamplePool(Sequence):
-    """The engine's train examples: every hosted task's examples, each task's at its own base
-    index (bases are never reused, so a stale index can never read another task's example)."""
-
-    def __init__(self) -> None:
-        self._bases: list[int] = []
-        self._parts: list[Sequence[Any]] = []
-        self._end = 0
-
-    def add(self, examples: Sequence[Any]) -> int:
-        base = self._end
-        self._bases.append(base)
-        self._parts.append(list(examples))
-        self._end += len(examples)
-        return base
-
-    def remove(self, base: int) -> None:
-        k = self._bases.index(base)
-        del self._bases[k], self._parts[k]
-
-    def __len__(self) -> int:
-        return self._end
-
-    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
-        k = bisect.bisect_right(self._bases, i) - 1
-        if k < 0 or i - self._bases[k] >= len(self._parts[k]):
-            raise IndexError(f"example {i} belongs to no hosted task")
-        return self._parts[k][i - self._bases[k]]
-
-
-class TaskStream:
-    """A job's data order over its own task's examples (the JobDataStream of a job trained alone,
-    so the order and the checkpointed position are the same), read at the task's base."""
-
-    def __init__(self, inner: JobDataStream, base: int) -> None:
-        self.inner, self.base = inner, base
-
-    def next_indices(self, batch_size: int) -> list[int]:
-        return [self.base + i for i in self.inner.next_indices(batch_size)]
-
-    def state_dict(self) -> dict[str, int]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.inner.load_state_dict(state)
-
-
-@dataclass
-class JobSlot:
-    """A started job as every rank knows it: its owner rank and its step count (the JobState
-    itself lives on the owner only)."""
-
-    job_id: str
-    owner: int
-    batch_size: int
-    step: int
-    total_steps: int
-
-    @property
-    def done(self) -> bool:
-        return self.step >= self.total_steps
-
-
-@dataclass
-class StepNumbers:
-    """What one executor step measured (all hosted jobs): its seconds, real tokens, samples, the
-    padded fraction and the batch mix."""
-
-    seconds: float
-    tokens: int
-    samples: int
-    padded: float
-    batch_sizes: list[int]
-    # usage: the executor's GPU-seconds since its previous step (wall time x GPUs, loading and
-    # evaluations included, idle waits not), split between the step's jobs by their tokens
-    gpu_seconds: float = 0.0
-    job_tokens: int = 0  # all jobs' sequence tokens of the step (the split's denominator)
-
-
-@dataclass
-class _Window:
-    """Training throughput since the last report: steps, seconds, real tokens, samples."""
-
-    steps: int = 0
-    seconds: float = 0.0
-    tokens: int = 0
-    samples: int = 0
-    padded: list[float] = field(default_factory=list)
-    batch_sizes: list[int] = field(default_factory=list)  # the mix trained at the last step
-
-    def add(self, n: StepNumbers) -> None:
-        self.steps += 1
-        self.seconds += n.seconds
-        self.tokens += n.tokens
-        self.samples += n.samples
-        self.batch_sizes = n.batch_sizes
-        self.padded.append(n.padded)
-
-
-class TaskRun:
+class TaskRun(TaskFiles):
     """One task on an executor (see the module docstring). Control is replicated as in the
     recipe: every rank holds the task's bookkeeping and changes it from gathered numbers only."""
 
-    def __init__(self, host: Executor, cfg: ExecutorConfig, cb: Callbacks, task_id: str,
+    def __init__(self, host: Any, cfg: ExecutorConfig, cb: Callbacks, task_id: str,  # host: its Executor
                  stop_requested: Callable[[], bool] | None = None) -> None:
         self.host, self.cfg, self.cb, self.task_id = host, cfg, cb, task_id
         self.stop_requested = stop_requested
@@ -178,16 +65,17 @@ class TaskRun:
         self.outcome: str | None = None  # succeeded | failed | cancelled | paused | stopped
         self.out = Path(cfg.output_dir)
         self.status: dict[str, dict[str, Any]] = {
-            j.job_id: {"state": "pending", "exit_reason": None} for j in cfg.jobs}
-        self.monitors = {j.job_id: JobMonitor(cfg.early_exit) for j in cfg.jobs}
-        ranked = cfg.early_exit.enabled and len(cfg.jobs) > 1
-        self.ranking = WarmupRanking([j.job_id for j in cfg.jobs], cfg.early_exit.keep_fraction) if ranked else None
+            j.job_id: {"state": JobLifecycle.PENDING, "exit_reason": None} for j in cfg.jobs}
+        early_exit = cfg.settings.early_exit
+        self.monitors = {j.job_id: JobMonitor(early_exit) for j in cfg.jobs}
+        ranked = early_exit.enabled and len(cfg.jobs) > 1
+        self.ranking = WarmupRanking([j.job_id for j in cfg.jobs], early_exit.keep_fraction) if ranked else None
         self.queue: list[JobSpec | JobSlot] = list(cfg.jobs)  # never started, then parked
         self.placed: dict[str, JobSlot] = {}  # its running jobs of every rank, in placement order
         self.parked: dict[str, JobState] = {}  # this rank's parked jobs of the task (on CPU)
         self.global_step = 0  # executor steps this task took part in (resumed from its state.pt)
         self.last_eval: dict[str, int] = {}
-        self.window = _Window()
+        self.window = ThroughputWindow()
         self.last_checkpoint = time.monotonic()
         self.checkpoint_due = False  # by time, as rank 0's clock says (every rank alike)
         self.train: list[Example | PairExample] = []
@@ -203,32 +91,27 @@ class TaskRun:
     def read(self, tokenizer: Any) -> None:
         """Read and tokenise the task's data (train and validation sets)."""
         cfg = self.cfg
-        tokenize = tokenize_pairs if cfg.method == "dpo" else tokenize_all
+        tokenize, settings = self.host.objective.tokenize, cfg.settings
         train = tokenize(tokenizer, read_jsonl(cfg.train_file), cfg.max_seq_len)
         if cfg.val_file:
             val = tokenize(tokenizer, read_jsonl(cfg.val_file), cfg.max_seq_len)
         else:
-            train, val = split_validation(train, cfg.val_fraction, cfg.split_seed)
+            train, val = split_validation(train, settings.validation_split, settings.seed)
         if not train or not val:
             raise ValueError("no trainable examples left after tokenisation/truncation")
-        cap = cfg.eval.eval_max_samples
+        cap = settings.eval.eval_max_samples
         # one fixed shuffled order (the task's split seed): every evaluation takes a leading
         # subset of it, so evaluations of any size compare jobs on the same samples and a small
         # one is not biased to the file's first records (each subset is sorted by length when
         # evaluated: a forward then packs sequences of like length)
-        random.Random(cfg.split_seed).shuffle(val)
+        random.Random(settings.seed).shuffle(val)
         self.val = val[:cap] if cap else val
         self.train = train
 
     def open(self) -> None:
         """Put the task's data in its own segment of the engine's pool; report it loaded."""
-        cfg, eng = self.cfg, self.host.engine
         self.base = self.host.pool.add(self.train)
-        if isinstance(eng, DpoEngine):
-            # the validation pairs' reference log-probs once, in the evaluation's chunks, so no
-            # evaluation needs a pass the other ranks do not make
-            for lo in range(0, len(self.val), cfg.eval_batch_size):
-                eng.ensure_reference(self.val[lo : lo + cfg.eval_batch_size])
+        self.host.objective.prepare_validation(self.host.engine, self.val, self.cfg.eval_batch_size)
         mm, adm = self.host.memory_model, self.host.admission
         if mm is not None:
             self.cb.on_event("", "memory_model", {"k0": mm.k0, "k1": mm.k1,
@@ -274,7 +157,7 @@ class TaskRun:
         host = self.host
         for job_id in host.admission.unschedulable([q for q in self.queue if isinstance(q, JobSpec)]):
             self.queue = [q for q in self.queue if q.job_id != job_id]
-            self.set_state(job_id, "failed", {"error": "does not fit the executor's memory even alone"})
+            self.set_state(job_id, JobLifecycle.FAILED, {"error": "does not fit the executor's memory even alone"})
             if self.ranking is not None:
                 self.ranking.exit(job_id)
 
@@ -287,8 +170,8 @@ class TaskRun:
         if rank == self.host.rank:
             with self.host.phase("resume" if resumed else "init"):  # host copies / a new adapter's init
                 self.host.engine.attach(self.parked.pop(job_id) if resumed else self.new_job(item))
-        if self.status[job_id]["state"] != "running":
-            self.set_state(job_id, "running", {"resumed": resumed, "rank": rank})
+        if self.status[job_id]["state"] != JobLifecycle.RUNNING:
+            self.set_state(job_id, JobLifecycle.RUNNING, {"resumed": resumed, "rank": rank})
 
     # ----- after each step ---------------------------------------------------------------------
     def observe_train(self, merged: dict[str, tuple], numbers: StepNumbers) -> None:
@@ -310,10 +193,10 @@ class TaskRun:
     def cadence_due(self, s: JobSlot) -> bool:
         """Whether the job's last step crossed an evaluation point: every eval_every_samples
         samples it trained on (steps x batch size), else every eval_every_steps of its steps."""
-        every = getattr(self.cfg.eval, "eval_every_samples", None)
+        every = getattr(self.cfg.settings.eval, "eval_every_samples", None)
         if every:
             return (s.step * s.batch_size) // every > ((s.step - 1) * s.batch_size) // every
-        return s.step % self.cfg.eval.eval_every_steps == 0
+        return s.step % self.cfg.settings.eval.eval_every_steps == 0
 
     def eval_shape(self, n_jobs: int, n_examples: int | None = None) -> tuple[int, int]:
         n = len(self.val) if n_examples is None else n_examples
@@ -324,7 +207,7 @@ class TaskRun:
         what it trained on since its last evaluation (its last one: to all it trained on; at the
         warmup ranking: the same for every job, from the largest warmup), rounded up to the
         minimum times a power of two so jobs due together share forwards, within [minimum, set]."""
-        ev, full = self.cfg.eval, len(self.val)
+        ev, full = self.cfg.settings.eval, len(self.val)
         ratio = getattr(ev, "eval_samples_per_trained", None)
         if ratio is None or full == 0:
             return full
@@ -340,7 +223,7 @@ class TaskRun:
         """Samples the longest warmup of the task's jobs trains on: the warmup ranking's
         evaluation is sized by it, one size for every job (their losses are compared)."""
         n = len(self.train)
-        return max(self.cfg.early_exit.warmup_steps(j.total_steps(n)) * j.batch_size for j in self.cfg.jobs)
+        return max(self.cfg.settings.early_exit.warmup_steps(j.total_steps(n)) * j.batch_size for j in self.cfg.jobs)
 
     def evaluate_due(self) -> None:
         """Evaluate the task's jobs at their evaluation points, each on the leading subset of the
@@ -388,7 +271,7 @@ class TaskRun:
                 self.exit(job_id, decision)
 
     def warmup_len(self, s: JobSlot) -> int:
-        return self.cfg.early_exit.warmup_steps(s.total_steps)
+        return self.cfg.settings.early_exit.warmup_steps(s.total_steps)
 
     def in_warmup(self, job_id: str) -> bool:
         return self.ranking is not None and job_id in self.ranking.waiting
@@ -427,7 +310,7 @@ class TaskRun:
         if self.in_warmup(job_id):
             self.ranking.exit(job_id)
         self.status[job_id]["exit_reason"] = decision.reason
-        self.set_state(job_id, "exited", {"exit_reason": decision.reason, **decision.details})
+        self.set_state(job_id, JobLifecycle.EXITED, {"exit_reason": decision.reason, **decision.details})
 
     def finish_done(self) -> bool:
         """Complete the task's jobs that have run all their steps; whether there were any."""
@@ -464,46 +347,6 @@ class TaskRun:
         else:
             self.cb.on_job_state(job_id, state, details)
 
-    # ----- files written off the step loop (see the module docstring) --------------------------
-    def _write(self, kind: str, obj: Any, write: Callable[[Any], Any]) -> Write:
-        """Snapshot obj now (waiting first while the writer holds too many snapshots), then
-        write(snapshot) on the executor's writer thread."""
-        writer = self.host.writer
-        nbytes = tensor_bytes(obj)
-        writer.room(nbytes)
-        snap = take_snapshot(obj)
-        pending = writer.submit(self.task_id, kind, nbytes, lambda: write(snap.wait()))
-        self.writes.append(pending)
-        return pending
-
-    def _after_files(self, job_id: str | None, fn: Callable[..., None], *args: Any) -> None:
-        """Call fn(*args) once the job's last write is complete (now if it is), after the
-        announcements held before it."""
-        write = self.job_writes.get(job_id) if job_id is not None else None
-        if self.held or (write is not None and not write.done.is_set()):
-            self.held.append((write, fn, args))
-        else:
-            fn(*args)
-
-    def settle(self, wait: bool = False) -> None:
-        """Between steps: take note of the task's finished writes (a failed one fails the task)
-        and make the announcements whose files are complete; wait=True: wait for all of them
-        first (its time counted as the loop's checkpoint / export time)."""
-        for write in list(self.writes):
-            if wait and not write.done.is_set():
-                with self.host.phase(write.kind):
-                    write.done.wait()
-            if not write.done.is_set():
-                break  # one writer, in order: the later ones are not done either
-            self.writes.remove(write)
-            if write.error is not None and self.error is None:
-                log.error("task=%s %s write failed: %s", self.task_id, write.kind, write.error)
-                self.error = write.error
-        while self.held and (self.held[0][0] is None or self.held[0][0].done.is_set()):
-            write, fn, args = self.held.popleft()
-            if write is None or write.error is None:  # a file that failed is never announced
-                fn(*args)
-
     def release(self) -> None:
         """Take every job of the task off the engine (this rank's), placed or parked."""
         for job_id, slot in list(self.placed.items()):
@@ -514,7 +357,7 @@ class TaskRun:
 
     # ----- reports and checkpoints ---------------------------------------------------------------
     def report_throughput(self) -> None:
-        w, self.window = self.window, _Window()
+        w, self.window = self.window, ThroughputWindow()
         if w.steps == 0:
             return
         tokens_per_s = w.tokens / w.seconds if w.seconds > 0 else 0.0
@@ -530,102 +373,6 @@ class TaskRun:
                 "memory_k0": mm.k0 if mm else None, "memory_k1": mm.k1 if mm else None,
             })
 
-    def checkpoint(self) -> None:
-        with self.host.phase("checkpoint"):
-            self._checkpoint_now()
-
-    def _checkpoint_now(self) -> None:
-        host = self.host
-        self.last_checkpoint, self.checkpoint_due = time.monotonic(), False
-        self.report_throughput()
-        eng = host.engine
-        dpo = isinstance(eng, DpoEngine)
-        mine = {j: job_state_dict(s, copy=False) for j, s in [*eng.jobs.items(), *self.parked.items()]
-                if j in self.placed or j in self.parked}
-        part = {"jobs": mine, "reference": self._reference_state() if dpo else None}
-        if host.writer is not None:  # one rank: the snapshot is written off the loop
-            # at most one checkpoint of the task in flight: the last complete one is then never
-            # more than one interval behind the one being written, so a crash (kill -9) loses
-            # under two intervals of steps even when writes lag the loop (a slow or loaded disk)
-            if self.checkpoint_write is not None:
-                self.checkpoint_write.done.wait()  # set once written or failed: never hangs
-            self.checkpoint_write = self._write("checkpoint", self._payload([part]),
-                                                lambda payload: save_checkpoint(self.out / "state.pt", payload))
-            return
-        parts = host.strategy.collect_parts(self.out, take_snapshot(part).wait())
-        if parts is None:  # not rank 0: it writes the one state.pt
-            return
-        save_checkpoint(self.out / "state.pt", self._payload(parts))
-
-    def _payload(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """The task's state.pt from every rank's part (its jobs' states, DPO reference numbers)."""
-        host, dpo = self.host, isinstance(self.host.engine, DpoEngine)
-        states = {j: d for part in parts for j, d in part["jobs"].items()}
-        owners = {j: s.owner for j, s in self.placed.items()}
-        owners.update({q.job_id: q.owner for q in self.queue if isinstance(q, JobSlot)})
-        payload = {
-            "active": [states[j] for j in self.placed],
-            "queue": [states[q.job_id] if isinstance(q, JobSlot) else {"fresh": q} for q in self.queue],
-            "status": self.status, "monitors": self.monitors, "ranking": self.ranking,
-            "global_step": self.global_step, "last_eval": self.last_eval, "rng": rng_state(),
-            "parallel": {"world": host.world, "owners": owners},
-        }
-        if dpo:  # the reference log-probs of every rank (2 floats per pair): a resume reuses them
-            refs = [p["reference"] for p in parts]
-            payload["reference"] = {k: torch.cat([r[k] for r in refs]) for k in ("keys", "values")}
-        return payload
-
-    def _reference_state(self) -> dict[str, torch.Tensor]:
-        """The engine's cached reference numbers of this task's own pairs only."""
-        state = self.host.engine.reference_state()
-        own = {p.key for p in [*self.train, *self.val]}
-        keep = torch.tensor([bytes(k) in own for k in state["keys"].tolist()], dtype=torch.bool)
-        return {"keys": state["keys"][keep], "values": state["values"][keep]}
-
-    def resume(self, ck: dict[str, Any], restore_rng: bool) -> None:
-        """Continue from a state.pt of any strategy: on the same number of ranks every job stays
-        on its rank; otherwise jobs are dealt to the least-loaded ranks, which gives the same
-        adapters, as a job's trajectory does not depend on where or beside whom it runs."""
-        host = self.host
-        par = ck.get("parallel") or {}
-        owners = par.get("owners", {}) if par.get("world") == host.world else {}
-        parked_load = [0] * host.world
-        for d in ck["active"]:
-            job_id, bs = d["spec"]["job_id"], d["spec"]["batch_size"]
-            r = owners.get(job_id)
-            if r is None:
-                r = min(range(host.world), key=lambda k: (host.rank_batch(k), k))
-            self.placed[job_id] = JobSlot(job_id, r, bs, d["step"], d["total_steps"])
-            if r == host.rank:
-                host.engine.attach(self.restore(d))
-        self.queue = []
-        for q in ck["queue"]:
-            if "fresh" in q:
-                self.queue.append(q["fresh"])
-                continue
-            job_id = q["spec"]["job_id"]
-            r = owners.get(job_id)
-            if r is None:
-                r = min(range(host.world), key=lambda k: (parked_load[k], k))
-            parked_load[r] += 1
-            self.queue.append(JobSlot(job_id, r, q["spec"]["batch_size"], q["step"], q["total_steps"]))
-            if r == host.rank:
-                self.parked[job_id] = self.restore(q).to("cpu")
-        self.status, self.monitors, self.ranking = ck["status"], ck["monitors"], ck["ranking"]
-        self.global_step, self.last_eval = ck["global_step"], ck["last_eval"]
-        if isinstance(host.engine, DpoEngine) and ck.get("reference") is not None:
-            host.engine.load_reference_state(ck["reference"])
-        if restore_rng:  # only an executor's first task: the others' RNG is not the host's
-            set_rng_state(ck["rng"])
-        self.cb.on_event("", "resumed", {"global_step": self.global_step, "ranks": host.world,
-                                         "same_placement": bool(owners)})
-        # a retry starts every unfinished job again (the service shows them pending meanwhile):
-        # the running ones say so now, the parked ones when they are placed again
-        for st in self.status.values():
-            if st["state"] == "running":
-                st["state"] = "pending"
-        for job_id, slot in self.placed.items():
-            self.set_state(job_id, "running", {"resumed": True, "rank": slot.owner})
 
 
 def eval_subset_size(earned: float, minimum: int, full: int) -> int:

@@ -100,7 +100,8 @@ class JobMonitor:
       warmup ranking's and the overfitting detector's business.
     - **Patience.** A detector fires after its condition holds at `patience` consecutive
       evaluations; one evaluation where it does not hold resets its counter, so a transient spike
-      (one high point, then recovery) never exits a job.
+      (one high point, then recovery) never exits a job. Before `min_steps` (a grace period, 0 by
+      default) the counters run but no detector exits the job.
     - **Non-finite losses.** A NaN/inf train or validation loss is divergence at once: the job's
       weights are already garbage and no later evaluation can recover them.
     - **Best checkpoint.** `best_val`/`best_step`/`last_eval_was_best` tell the executor when to save
@@ -190,6 +191,8 @@ class JobMonitor:
             "best_val": self.best_val,
             "best_step": self.best_step,
         }
+        if step < cfg.min_steps:  # the grace period: the detectors count, nothing exits yet
+            return None
         if self.diverge_count >= cfg.patience:
             return self._decide(ExitDecision(
                 ExitReason.DIVERGING,

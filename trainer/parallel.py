@@ -1,14 +1,8 @@
 """Adapter parallelism, the executor half: the distribution strategy of the one recipe
 (trainer.executor) over P processes, one per GPU, the backbone FSDP2-sharded across them
 (trainer.parallel_engine), each rank training its own disjoint set of the task's jobs, and the
-launcher that spawns the ranks. Any objective (SFT, DPO) runs on it.
-
-Launch: `run_parallel(cfg, nproc, callbacks, should_stop)` (what `trainer.executor.run_executor`
-calls when the placement has more than one GPU) spawns P ranks (NCCL on CUDA, rank r on cuda:r;
-gloo on CPU) and returns the jobs' final status. Only the calling process sees callbacks: rank 0
-forwards them through a queue (in order, and file announcements only after the owning rank has
-written the files, at the barrier that ends each executor step), so the daemon's one spool writer
-stays in one process.
+process group's setup. Any objective (SFT, DPO) runs on it. trainer.launch.run_parallel spawns
+the ranks; callbacks fire on rank 0, after the barrier that ends each executor step.
 
 Lockstep: each executor step every rank runs one backbone forward + backward (a rank with no
 runnable job an idle pass over one pad token), each evaluation the same number of forwards
@@ -30,10 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-import queue as queue_mod
-import signal
 import socket
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.checkpoint import save_checkpoint
-from trainer.executor import CALLBACK_KINDS, Callbacks, Executor, ExecutorConfig
+from trainer.checkpoint import FileWriter, save_checkpoint
+from trainer.config import CALLBACK_KINDS, Callbacks
 from trainer.parallel_engine import shard_engine
 
 log = logging.getLogger("loraplex.parallel")
@@ -52,6 +43,9 @@ log = logging.getLogger("loraplex.parallel")
 class AdapterParallel:
     """One rank of an initialised process group (see the module docstring): callbacks fire on
     rank 0 only, after the barrier that ends each executor step."""
+
+    whole_engine = False  # each rank holds 1/P of the backbone
+    hosts_many_tasks = False  # one task: every rank must decide alike, so a failure is everyone's
 
     def __init__(self) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -108,8 +102,14 @@ class AdapterParallel:
         path.unlink()
         return parts
 
+    def file_writer(self, async_writes: bool, buffer_bytes: float) -> FileWriter | None:
+        return None  # the ranks write their parts in the loop, at the same step
 
-# ----- launching ---------------------------------------------------------------------------------
+    def contain(self, work: Callable[[], Any], on_error: Callable[[Exception], None]) -> Any:
+        return work()  # ranks must decide alike: an exception ends the task on every rank
+
+
+# ----- the process group ------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -128,94 +128,3 @@ def init_rank(rank: int, world: int, port: int) -> torch.device:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, **kw)
     return device
-
-
-class _QueueCallbacks:
-    """Rank 0's real callbacks: each one a message to the launching process."""
-
-    def __init__(self, q: Any) -> None:
-        self.q = q
-        for kind in CALLBACK_KINDS:
-            setattr(self, kind, self._make(kind))
-
-    def _make(self, kind: str) -> Callable[..., None]:
-        def f(*args: Any) -> None:
-            self.q.put(("cb", kind, args))
-        return f
-
-
-def _rank_main(rank: int, world: int, port: int, cfg: ExecutorConfig, q: Any, stop: Any) -> None:
-    logging.basicConfig(level=os.environ.get("LORAPLEX_LOG_LEVEL", "INFO").upper(),
-                        format=f"%(asctime)s %(levelname)s %(name)s rank={rank} %(message)s")
-    # The daemon signals the executor's whole process group: SIGTERM is the launching process's
-    # to turn into a checkpoint-and-stop of every rank at the same step (a rank that died on it
-    # would leave the others hanging in a collective). SIGINT (Ctrl-C, or the launcher's death,
-    # which torch's spawn turns into SIGINT) and a changed parent stop the ranks the same way.
-    interrupted = threading.Event()
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, lambda *_: interrupted.set())
-    parent = os.getppid()
-    init_rank(rank, world, port)
-    try:
-        cb = _QueueCallbacks(q) if rank == 0 else None
-
-        def stop_requested() -> bool:
-            return stop.is_set() or interrupted.is_set() or os.getppid() != parent
-
-        status = Executor(cfg, cb, AdapterParallel(), stop_requested=stop_requested).run()
-        if rank == 0:
-            q.put(("done", status))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_parallel(cfg: ExecutorConfig, nproc: int, callbacks: Callbacks | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> dict[str, dict[str, Any]]:
-    """Train the task on `nproc` ranks of this machine (GPUs 0..nproc-1 of CUDA_VISIBLE_DEVICES)
-    and return the jobs' status. Callbacks run here, in this process, in order. When a callback
-    raises (e.g. a stop asked from inside one) or should_stop() turns true, every rank checkpoints and
-    stops at the end of its current step; the callback's exception is then re-raised here."""
-    import torch.multiprocessing as mp
-
-    if nproc < 1:
-        raise ValueError("nproc must be >= 1")
-    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
-        raise ValueError(f"{nproc} ranks asked for, {torch.cuda.device_count()} GPUs visible")
-    ctx = mp.get_context("spawn")
-    q, stop = ctx.Queue(), ctx.Event()
-    procs = mp.start_processes(_rank_main, args=(nproc, free_port(), cfg, q, stop), nprocs=nproc,
-                               join=False, start_method="spawn")
-    status: dict[str, dict[str, Any]] | None = None
-    error: BaseException | None = None
-
-    def drain(timeout: float) -> None:
-        nonlocal status, error
-        while True:
-            try:
-                msg = q.get(timeout=timeout)
-            except queue_mod.Empty:
-                return
-            timeout = 0.0
-            if msg[0] == "done":
-                status = msg[1]
-                continue
-            _, kind, args = msg
-            if error is None and callbacks is not None:
-                try:
-                    getattr(callbacks, kind)(*args)
-                except BaseException as exc:  # noqa: BLE001 - re-raised once the ranks have stopped
-                    error = exc
-                    stop.set()
-
-    while True:
-        drain(0.2)
-        if should_stop is not None and should_stop():
-            stop.set()
-        if procs.join(timeout=0.05):
-            break
-    drain(0.0)
-    if error is not None:
-        raise error
-    if status is None:
-        raise RuntimeError("adapter-parallel executor ended without a status")
-    return status

@@ -274,7 +274,7 @@ def timings_report(timings: dict) -> dict:
 def executor_config(spec: PlacementSpec, directory: Path):  # noqa: ANN201 - trainer import is lazy
     """The trainer's configuration of this placement: the task's settings as the contract has
     them (contract.protocol), the daemon's files, and one rank per GPU of the placement."""
-    from trainer.executor import ExecutorConfig
+    from trainer.config import ExecutorConfig
     from trainer.jobs import JobSpec as EngineJob
 
     paths = inputs(directory, spec)
@@ -287,9 +287,7 @@ def executor_config(spec: PlacementSpec, directory: Path):  # noqa: ANN201 - tra
         model_dir=spec.base_model_path, train_file=str(paths["train"]),
         output_dir=str(directory / "executor"), jobs=jobs, method=spec.method,
         val_file=str(paths["validation"]) if paths["validation"] else None,
-        val_fraction=cfg.validation_split, split_seed=cfg.seed, max_seq_len=cfg.max_seq_len,
-        eval=cfg.eval, early_exit=cfg.early_exit,
-        targets=tuple(cfg.target_modules) if cfg.target_modules else None,
+        settings=cfg,
         # the work a lost node costs is bounded by the time between checkpoints (each one is
         # uploaded as soon as it is written): every N steps or S seconds, whichever comes first
         checkpoint_every=int(os.environ.get("LORAPLEX_CHECKPOINT_EVERY", "50")),
@@ -306,7 +304,7 @@ def open_task(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
     """The placement's task as an executor takes it: (ExecutorConfig, Callbacks writing its
     spool, the bridge that keeps its best points), its output folder seeded with the resume
     checkpoint. on_task_end: the Callbacks' (a shared executor's end of this task)."""
-    from trainer.executor import Callbacks
+    from trainer.config import Callbacks
 
     cfg = executor_config(spec, directory)
     out = Path(cfg.output_dir)
@@ -342,7 +340,7 @@ def train(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
           should_stop: StopFlag) -> dict:
     """Run the task (one GPU, or adapter-parallel over the placement's GPUs); returns
     {"best_job_id", "summary", "stopped"}."""
-    from trainer.executor import run_executor
+    from trainer.launch import run_executor
 
     cfg, callbacks, bridge = open_task(spec, directory, reporter)
     status = run_executor(cfg, callbacks, should_stop)

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from contract.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
+from contract.protocol import EarlyExitSettings, EvalSettings, TaskSettings  # noqa: E402
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
 from trainer.jobs import JobSpec  # noqa: E402
@@ -24,10 +24,10 @@ def _cfg(tmp_path, out: str, cache) -> ExecutorConfig:  # noqa: ANN001
     jobs = [JobSpec(f"j{i}", rank=r, alpha=2 * r, lr=3e-3, batch_size=b, max_steps=6, seed=i)
             for i, (r, b) in enumerate([(4, 1), (8, 2), (16, 4)])]
     return ExecutorConfig(model_dir=str(d), train_file=str(train), val_file=str(val),
-                          output_dir=str(tmp_path / out), jobs=jobs, max_seq_len=64,
-                          eval=EvalSettings(eval_every_steps=3, eval_max_samples=None,
-                                            eval_every_samples=4),
-                          early_exit=EarlyExitSettings(enabled=False), profile_cache=str(cache))
+                          output_dir=str(tmp_path / out), jobs=jobs, profile_cache=str(cache),
+                          settings=TaskSettings(max_seq_len=64, early_exit=EarlyExitSettings(enabled=False),
+                                                eval=EvalSettings(eval_every_steps=3, eval_max_samples=None,
+                                                                  eval_every_samples=4)))
 
 
 def test_profile_stored_once_and_reused_then_wide_eval(tmp_path) -> None:  # noqa: ANN001

@@ -12,10 +12,11 @@ import torch
 
 from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
+from tests.helpers.executor_cfg import executor_config
 from trainer.executor import Callbacks, Executor, ExecutorConfig
 from trainer.export import load_peft_weights
 from trainer.jobs import JobSpec
-from trainer.parallel import run_parallel
+from trainer.launch import run_parallel
 
 P = 2
 # (rank, lr, batch): job1 diverges at once (lr 1e30), the rest train; keep 2 of 4 survivors
@@ -56,7 +57,7 @@ def config(root: Path, out: str, **kw) -> ExecutorConfig:
                 max_seq_len=48, eval=EvalSettings(eval_every_steps=4, eval_max_samples=None), checkpoint_every=5, max_active_jobs=1,
                 early_exit=EarlyExitSettings(warmup_fraction=0.2, keep_fraction=0.5, tau_gap=10.0))
     base.update(kw)
-    return ExecutorConfig(**base)
+    return executor_config(**base)
 
 
 @pytest.fixture(scope="module")

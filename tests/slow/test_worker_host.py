@@ -333,7 +333,7 @@ def test_the_daemon_attaches_placements_of_one_model_to_one_process_across_a_res
     # B checkpointed where it stopped (a later attempt here may resume from it), as a runner
     # does on SIGTERM; its stop record stays on the node: the service takes nothing more
     rb = records(b)
-    assert rb[-1]["error"] == "executor stopped: stopped by the service"
+    assert rb[-1]["type"] == "failed" and rb[-1]["report"]["error"] == "executor stopped: stopped by the service"
     assert any(r["type"] == "artifact" and r["meta"]["kind"] == "checkpoint" for r in rb)
     assert not reported(service, "/tasks/task_pl_b/failed")
     ticking(d, lambda: "pl_a" not in d.placements, "A to finish")

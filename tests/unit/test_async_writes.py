@@ -4,8 +4,8 @@ gone on meanwhile (bit for bit the file a synchronous run writes), a file is ann
 it is complete, a task leaves only after its writes are done and announced, a failed write fails
 its task alone and leaves the previous checkpoint to resume from.
 
-A slow disk is simulated by wrapping the writer's two file functions (trainer.colocate's
-save_checkpoint and write_peft) with a delay; they also record what they wrote."""
+A slow disk is simulated by wrapping the writer's two file functions (save_checkpoint of
+trainer.task_files, write_peft of trainer.colocate) with a delay; they also record what they wrote."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ from safetensors.torch import load_file
 
 from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
+from tests.helpers.executor_cfg import executor_config
 from trainer import checkpoint as checkpoint_mod
-from trainer import colocate
+from trainer import colocate, task_files
 from trainer import export as export_mod
 from trainer.checkpoint import FileWriter
 from trainer.executor import Callbacks, Executor, ExecutorConfig
@@ -94,7 +95,7 @@ class SlowDisk:
             self.exports[(out.parent.name, out.name, metadata["step"])] = load_file(out / "adapter_model.safetensors")
             return out
 
-        mp.setattr(colocate, "save_checkpoint", save)
+        mp.setattr(task_files, "save_checkpoint", save)
         mp.setattr(colocate, "write_peft", peft)
         mp.setattr(export_mod, "write_peft", peft)  # the in-loop path (export_peft)
 
@@ -117,7 +118,7 @@ def config(files, out: Path, data: int = 1, **kw) -> ExecutorConfig:  # noqa: AN
                 checkpoint_every=3, max_active_jobs=3,
                 early_exit=EarlyExitSettings(warmup_fraction=0.2, keep_fraction=0.5, tau_gap=10.0))
     base.update(kw)
-    return ExecutorConfig(**base)
+    return executor_config(**base)
 
 
 def assert_same(a: Any, b: Any, where: str = "") -> None:

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
+from tests.helpers.executor_cfg import executor_config
 from trainer import engine as engine_mod
 from trainer.executor import Callbacks, Executor, ExecutorConfig
 from trainer.jobs import JobSpec
@@ -80,11 +81,11 @@ def files(tmp_path_factory):  # noqa: ANN001, ANN201
 def task_cfg(files, tmp_path: Path, name: str, data: str, jobs: list[JobSpec], **kw) -> ExecutorConfig:  # noqa: ANN001
     _, model, paths = files
     base = dict(model_dir=str(model), train_file=str(paths[data]), output_dir=str(tmp_path / name),
-                jobs=jobs, max_seq_len=48, checkpoint_every=3, split_seed=1,
+                jobs=jobs, max_seq_len=48, checkpoint_every=3, seed=1,
                 eval=EvalSettings(eval_every_steps=3, eval_max_samples=4),
                 early_exit=EarlyExitSettings(warmup_fraction=0.25, keep_fraction=0.5, tau_gap=10.0))
     base.update(kw)
-    return ExecutorConfig(**base)
+    return executor_config(**base)
 
 
 def jobs_a(steps: int = 8) -> list[JobSpec]:

@@ -15,6 +15,7 @@ import torch
 from contract.families import LLAMA_LINEARS as DEFAULT_TARGETS
 from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import padded_batch, tiny_model_dir, write_jsonl
+from tests.helpers.executor_cfg import executor_config
 from trainer.data import IGNORE, Record, parse_record
 from trainer.dpo import DpoEngine
 from trainer.executor import Callbacks, Executor, ExecutorConfig
@@ -259,7 +260,7 @@ def dpo_config(tmp_path, world, out: str, **kw) -> ExecutorConfig:  # noqa: ANN0
                 method="dpo", max_seq_len=40, eval=EvalSettings(eval_every_steps=3, eval_max_samples=None), checkpoint_every=2, eval_batch_size=4,
                 early_exit=EarlyExitSettings(enabled=False))
     base.update(kw)
-    return ExecutorConfig(**base)
+    return executor_config(**base)
 
 
 def test_executor_runs_a_dpo_task_and_resumes_exactly(tmp_path, world) -> None:  # noqa: ANN001

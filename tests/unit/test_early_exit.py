@@ -139,6 +139,24 @@ def test_transient_spike_resets_patience() -> None:
     assert at[725] == (0, 0)  # ... and closed again
 
 
+def test_min_steps_is_a_grace_period_for_the_loss_detectors_only() -> None:
+    def loss(t: int) -> float:
+        return healthy(t) + (0.0 if t < 400 else math.exp((t - 400) / 60.0) - 1.0)
+
+    _, plain, at = run(noisy(loss, 0.05, 1), noisy(lambda t: 1.03 * loss(t), 0.005, 2))
+    assert plain is not None and at is not None
+    grace = at + 100
+    _, decision, step = run(noisy(loss, 0.05, 1), noisy(lambda t: 1.03 * loss(t), 0.005, 2),
+                            cfg=EarlyExitSettings(min_steps=grace))
+    # the detectors kept counting: the job exits at the first evaluation the grace allows
+    assert decision is not None and decision.reason == "diverging" and step == grace
+    # a non-finite loss is not waited for
+    mon = JobMonitor(EarlyExitSettings(min_steps=10_000))
+    assert mon.observe_train(3, float("nan")) is not None
+    with pytest.raises(ValidationError):
+        EarlyExitSettings(min_steps=-1)
+
+
 def test_nan_loss_is_divergence_at_once() -> None:
     mon = JobMonitor()
     for t in range(1, 30):

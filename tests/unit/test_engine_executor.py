@@ -11,6 +11,7 @@ import torch
 
 from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
+from tests.helpers.executor_cfg import executor_config
 from trainer.executor import Callbacks, Executor, ExecutorConfig
 from trainer.jobs import JobSpec
 
@@ -45,7 +46,7 @@ def config(tmp_path, out: str, **kw) -> ExecutorConfig:  # noqa: ANN001
                 max_seq_len=48, eval=EvalSettings(eval_every_steps=4, eval_max_samples=None), checkpoint_every=5, max_active_jobs=3,
                 early_exit=EarlyExitSettings(warmup_fraction=0.2, keep_fraction=0.5, tau_gap=10.0))
     base.update(kw)
-    return ExecutorConfig(**base)
+    return executor_config(**base)
 
 
 def test_executor_runs_a_task_end_to_end(tmp_path) -> None:  # noqa: ANN001

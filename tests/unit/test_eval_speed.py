@@ -14,6 +14,7 @@ import torch
 
 from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
+from tests.helpers.executor_cfg import executor_config
 from trainer.admission import MemoryModel, load_profile, store_profile
 from trainer.data import read_jsonl, tokenize_all
 from trainer.evaluation import eval_chunk, eval_forwards
@@ -40,7 +41,7 @@ def make_cfg(files, out: str, jobs, **kw) -> ExecutorConfig:  # noqa: ANN001
                 early_exit=EarlyExitSettings(enabled=False), checkpoint_every=10**6,
                 eval=EvalSettings(eval_every_steps=1000, eval_max_samples=None))
     base.update(kw)
-    return ExecutorConfig(**base)
+    return executor_config(**base)
 
 
 class Spy(Executor):

@@ -15,9 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE = """
 import json, sys
 sys.modules["pydantic"] = None  # as on the GPU image: any import of it fails
-import trainer.executor, trainer.parallel, trainer.dpo  # the training side imports
+import trainer.executor, trainer.launch, trainer.parallel, trainer.objectives  # the training side imports
 from contract.protocol import EarlyExitSettings, EvalSettings, JobHyperparameters
-from trainer.executor import ExecutorConfig
+from trainer.config import ExecutorConfig
 hp = JobHyperparameters(learning_rate=1e-3, lora_rank=4, lora_alpha=8, batch_size=2)
 try:
     EarlyExitSettings(windw=3)
@@ -26,7 +26,7 @@ except TypeError:
     unknown = "refused"
 print(json.dumps({"early_exit": EarlyExitSettings().model_dump(), "eval": EvalSettings().model_dump(),
                   "beta": hp.beta, "warmup": EarlyExitSettings(warmup_fraction=0.05).warmup_steps(101),
-                  "unknown": unknown, "executor_eval": ExecutorConfig("m", "t", "o", []).eval.model_dump()}))
+                  "unknown": unknown, "executor_eval": ExecutorConfig("m", "t", "o", []).settings.eval.model_dump()}))
 """
 
 

@@ -1,0 +1,119 @@
+"""Unit: the house rules that keep the code declared once and in rooms (issue 34), read from the
+source with `ast`: the contract package imports no other package of ours; the service imports
+nothing of the trainer or the worker and they nothing of the service; no module imports itself
+through others (no import circle, lazy imports and TYPE_CHECKING ones counted); no file outside
+the kernels and the tests is over 500 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("contract", "service", "worker", "trainer", "kernels", "bench")
+MAX_LINES = 500
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+MODULES = modules()
+
+
+def imports_of(name: str, path: Path) -> set[str]:
+    """The project modules `name` imports anywhere in its file (resolved to the longest module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        for t in targets:
+            while t and t not in MODULES:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+GRAPH = {name: imports_of(name, path) for name, path in MODULES.items()}
+
+
+def top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def test_the_graph_is_read_from_real_imports() -> None:
+    assert "contract.protocol" in GRAPH["worker.runner"]
+    assert "trainer.executor" in GRAPH["trainer.launch"]
+
+
+@pytest.mark.parametrize(("importer", "forbidden"), [
+    ("contract", {"service", "worker", "trainer", "kernels", "bench"}),
+    ("service", {"worker", "trainer", "bench"}),
+    ("worker", {"service", "bench"}),
+    ("trainer", {"service", "worker", "bench"}),
+    ("kernels", {"service", "worker", "trainer", "bench"}),
+])
+def test_packages_stand_on_the_contract_only(importer: str, forbidden: set[str]) -> None:
+    wrong = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if top(m) == importer
+                   for t in ts if top(t) in forbidden)
+    assert wrong == []
+
+
+def test_no_import_circle() -> None:
+    # Tarjan's strongly connected components: a component of two or more modules is a circle
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(GRAPH[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    assert circles == []
+
+
+def test_no_room_over_500_lines() -> None:
+    long = sorted(f"{p.relative_to(REPO)}: {n}" for name, p in MODULES.items()
+                  if top(name) != "kernels" and (n := len(p.read_text().splitlines())) > MAX_LINES)
+    assert long == []

@@ -1,0 +1,143 @@
+"""The executor's memory: the memory model M(B) = k0 + k1 * B * L (DESIGN.md, technique 3),
+stored per node and profile key or measured with probe steps, the admission controller built on
+it, and the policy that turns activation recompute off for steps that fit without it. A part of
+trainer.executor.Executor."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.admission import (
+    AdmissionController,
+    MemoryModel,
+    RecomputePolicy,
+    fit_memory_model,
+    load_profile,
+    profile_key,
+    profile_memory,
+    store_profile,
+)
+from trainer.jobs import JobSpec
+
+log = logging.getLogger("loraplex.executor")
+
+
+class MemoryPlanning:
+    """Memory model, admission and recompute policy; the mixin of trainer.executor.Executor."""
+
+    memory_model: MemoryModel | None
+    recompute_policy: RecomputePolicy | None
+    recompute_steps: dict[str, int]
+    profile_reused: bool | None
+    admission: AdmissionController
+    engine: Any
+
+    def _plan_memory(self, device: torch.device) -> None:
+        """The admission budget: on a GPU from the memory model (given, stored or measured; with
+        recompute "auto" also the model without it), elsewhere from max_tokens_per_step."""
+        cfg = self.cfg
+        if device.type == "cuda" and cfg.max_tokens_per_step is None:
+            budget = cfg.memory_budget_bytes or torch.cuda.get_device_properties(device).total_memory
+            with self.phase("profile"):
+                mm = MemoryModel(*cfg.memory_model) if cfg.memory_model else self._stored_memory_model()
+            # ranks measure slightly different peaks; all must decide alike: take the largest
+            fits = self.strategy.gather((mm.k0, mm.k1))
+            self.memory_model = MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits))
+            self.admission = AdmissionController(self.memory_model, budget, cfg.max_seq_len,
+                                                 max_jobs=cfg.max_active_jobs)
+            if cfg.gradient_checkpointing == "auto" and self.strategy.whole_engine and not cfg.memory_model:
+                with self.phase("profile"):
+                    self.recompute_policy = self._recompute_policy()
+        else:
+            per_item = cfg.max_seq_len * self.objective.sequences_per_item  # a DPO item: a pair
+            self.admission = AdmissionController.from_token_budget(
+                cfg.max_tokens_per_step or 1 << 60, per_item, cfg.max_active_jobs)
+
+    def probe_step(self, total_batch: int) -> None:
+        """One full training step of a throwaway job of the largest rank at `total_batch`
+        sequences of max_seq_len tokens (DPO: pairs of two such sequences, responses trained
+        on their second half, reference pass included); leaves the engine as it found it."""
+        eng, cfg = self.engine, self.cfg
+        g = torch.Generator().manual_seed(0)
+        vocab = eng.model.get_input_embeddings().num_embeddings
+        rows = torch.randint(0, vocab, (total_batch, cfg.max_seq_len), generator=g).tolist()
+        probe = self.objective.probe_items(rows, cfg.max_seq_len)
+        saved, eng.train_examples = eng.train_examples, probe
+        try:
+            eng.attach(JobSpec("__probe__", rank=max(j.rank for j in cfg.jobs), lr=0.0,
+                               batch_size=total_batch, max_steps=1))
+            parked = {j: eng.detach(j) for j in list(eng.jobs) if j != "__probe__"}
+            try:
+                eng.step()
+            finally:
+                eng.detach("__probe__")
+                for state in parked.values():
+                    eng.attach(state)
+        finally:
+            eng.train_examples = saved
+            self.objective.forget(eng, probe)
+
+    def _profile_memory_model(self, batches: tuple[int, ...] = (1, 2, 4)) -> MemoryModel:
+        # peak memory at a few total batches -> M(B) = k0 + k1 * B * L (DESIGN.md, technique 3)
+        points = profile_memory(self.probe_step, batches, self.cfg.max_seq_len)
+        return fit_memory_model(points)
+
+    def _recompute_policy(self) -> RecomputePolicy | None:
+        """The memory model without activation recompute (stored or measured at 1 and 2
+        sequences), as the policy that turns recompute off for steps it predicts to fit; None
+        where it cannot be measured (e.g. 2 sequences do not fit without recompute)."""
+        eng = self.engine
+        eng.set_recompute(False)
+        try:
+            without = self._stored_memory_model(recompute=False)
+        except (ValueError, RuntimeError) as e:
+            log.info("no memory model without recompute (%s): recompute stays on", e)
+            return None
+        finally:
+            eng.set_recompute(True)
+        return RecomputePolicy(without, self.admission.limit_bytes, self.cfg.max_seq_len)
+
+    def _choose_recompute(self) -> None:
+        """Before a step: recompute on or off for its total batch (RecomputePolicy); counted."""
+        if self.recompute_policy is not None:
+            total = sum(s.batch_size for s in self._slots())
+            self.engine.set_recompute(self.recompute_policy.recompute(total))
+        self.recompute_steps["on" if self.engine.gradient_checkpointing else "off"] += 1
+
+    def profile_key(self, recompute: bool = True) -> str:
+        """What this executor's memory profile depends on (see trainer.admission.profile_key)."""
+        cfg, eng = self.cfg, self.engine
+        config = Path(cfg.model_dir) / "config.json"
+        try:
+            config_text = config.read_text()
+        except OSError:
+            config_text = None
+        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return profile_key(
+            model_dir=str(Path(cfg.model_dir).resolve()), model_config=config_text,
+            seq_len=cfg.max_seq_len, gpu=gpu, torch=torch.__version__, method=cfg.method,
+            targets=sorted(eng.targets), gradient_checkpointing=recompute,
+            adapter_dtype=cfg.adapter_dtype, backend=cfg.backend, ranks=self.world,
+            max_lora_rank=max(j.rank for j in cfg.jobs), attention=eng.attention)
+
+    def _stored_memory_model(self, recompute: bool = True) -> MemoryModel:
+        """The node's stored profile for this key, or a fresh measurement that is then stored
+        (without recompute: measured at 1 and 2 sequences, its activations are large)."""
+        key = self.profile_key(recompute)
+        stored = load_profile(self.cfg.profile_cache, key)
+        # every rank must agree to reuse: one that lacks it (a torn read) makes all measure
+        reuse = all(self.strategy.gather(stored is not None))
+        # reused only if every profile this executor needs was stored
+        self.profile_reused = reuse if recompute else bool(self.profile_reused) and reuse
+        if reuse:
+            return stored
+        mm = self._profile_memory_model((1, 2, 4) if recompute else (1, 2))
+        fits = self.strategy.gather((mm.k0, mm.k1))  # stored as the ranks will decide: the largest
+        if self.rank == 0:
+            store_profile(self.cfg.profile_cache, key,
+                          MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits)))
+        return mm
