@@ -13,308 +13,33 @@ policy on (a)'s curves must reproduce (b); the replay then also scores other war
 
     python3 bench/early_exit_study.py --tiny          # CPU smoke check, a few minutes
     python3 bench/early_exit_study.py --out bench/results/early_exit_<device>.md   # GPU size
+
+The task, backbone and plans are in early_exit_study_task.py, the policy's runs and replay in
+early_exit_study_runs.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
-import random
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import early_exit_study_task as task  # noqa: E402
+from early_exit_study_runs import replay, run_grid  # noqa: E402
 
 from contract.protocol import EarlyExitSettings  # noqa: E402
-from trainer.admission import AdmissionController, fit_memory_model, profile_memory  # noqa: E402
-from trainer.data import IGNORE, Example  # noqa: E402
-from trainer.early_exit import (  # noqa: E402
-    JobMonitor,
-    WarmupRanking,
-    warmup_ranking,
-    warmup_steps,
-)
+from trainer.admission import fit_memory_model, profile_memory  # noqa: E402
+from trainer.early_exit import warmup_steps  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
-from trainer.jobs import JobSpec, JobState  # noqa: E402
-
-VOCAB = list("0123456789+=") + ["<pad>", "<bos>", "<eos>"]
-TOK = {c: i for i, c in enumerate(VOCAB)}
-PAD, BOS, EOS = TOK["<pad>"], TOK["<bos>"], TOK["<eos>"]
-
-
-@dataclass(frozen=True)
-class Size:
-    hidden: int
-    layers: int
-    heads: int
-    pretrain_steps: int
-    n_train: int
-    n_val: int
-    epochs: int
-    lrs: tuple[float, ...]
-    ranks: tuple[int, ...]
-    batches: tuple[int, ...]
-    evals_per_job: int
-    concurrent_batch: int  # admission budget: total sequences of co-resident jobs
-
-
-TINY = Size(32, 2, 2, 80, 64, 32, 2, (3e-4, 1e-3, 3e-3, 1e-2), (2, 8), (2, 4, 8), 10, 12)
-FULL = Size(256, 4, 4, 1000, 2000, 512, 3, (3e-4, 1e-3, 3e-3, 1e-2), (4, 16), (8, 16, 32), 30, 96)
-
-
-# ----------------------------------------------------------------------------- data
-def encode(a: int, b: int) -> tuple[list[int], int]:
-    """Tokens of 'a+b=' + reversed sum + eos, and the index where the answer starts."""
-    prompt = [BOS] + [TOK[c] for c in f"{a}+{b}="]
-    answer = [TOK[c] for c in str(a + b)[::-1]] + [EOS]
-    return prompt + answer, len(prompt)
-
-
-def make_batch(pairs: list[tuple[int, int]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.full((len(pairs), seq_len), PAD, dtype=torch.long)
-    labels = torch.full((len(pairs), seq_len), -100, dtype=torch.long)
-    for i, (a, b) in enumerate(pairs):
-        toks, start = encode(a, b)
-        ids[i, : len(toks)] = torch.tensor(toks)
-        labels[i, start - 1 : len(toks) - 1] = torch.tensor(toks[start:])  # next-token targets
-    return ids, labels
-
-
-def to_example(a: int, b: int) -> Example:
-    toks, start = encode(a, b)
-    return Example(tuple(toks), tuple([IGNORE] * start + toks[start:]))
-
-
-def lora_task(size: Size, seed: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    rng = random.Random(seed)
-    seen: set[tuple[int, int]] = set()
-    while len(seen) < size.n_train + size.n_val:
-        seen.add((rng.randrange(100, 1000), rng.randrange(100, 1000)))
-    pairs = sorted(seen)
-    rng.shuffle(pairs)
-    return pairs[: size.n_train], pairs[size.n_train :]
-
-
-# ----------------------------------------------------------------------------- model
-def build_backbone(size: Size, seq_len: int, device: torch.device) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=len(VOCAB), hidden_size=size.hidden, intermediate_size=2 * size.hidden,
-        num_hidden_layers=size.layers, num_attention_heads=size.heads,
-        num_key_value_heads=size.heads, max_position_embeddings=seq_len,
-        pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS,
-    )
-    torch.manual_seed(1234)
-    model = LlamaForCausalLM(cfg).to(device)
-    # Pretrain on 1-2 digit addition so the frozen backbone knows the format and digits.
-    rng = random.Random(99)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
-    for _ in range(size.pretrain_steps):
-        pairs = [(rng.randrange(0, 100), rng.randrange(0, 100)) for _ in range(64)]
-        ids, labels = make_batch(pairs, seq_len)
-        loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    model.requires_grad_(False)
-    model.eval()  # no dropout anyway; eval mode keeps it explicit
-    return model
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One configuration of the grid and its evaluation schedule (the same in (a) and (b))."""
-
-    job_id: str
-    lr: float
-    rank: int
-    batch_size: int
-    seed: int
-    total_steps: int
-    warmup: int
-    eval_every: int
-    eval_at: frozenset[int]
-
-    def spec(self, epochs: int) -> JobSpec:
-        return JobSpec(job_id=self.job_id, rank=self.rank, alpha=16.0, lr=self.lr,
-                       batch_size=self.batch_size, epochs=epochs, seed=self.seed)
-
-
-@dataclass
-class Outcome:
-    """What one job did in one run: per-step train losses, (step, val) points, how it ended."""
-
-    steps: int = 0
-    samples: int = 0
-    train: list[float] = field(default_factory=list)
-    curve: list[tuple[int, float]] = field(default_factory=list)
-    state: str = "pending"
-    exit_reason: str | None = None
-
-
-WARMUPS = (0.05, 0.1, 0.2)  # warmup fractions evaluated on every job, for the replay table
-
-
-def make_plans(size: Size, n_train: int) -> list[Plan]:
-    plans = []
-    grid = itertools.product(size.lrs, size.ranks, size.batches)
-    for i, (lr, rank, batch) in enumerate(grid):
-        total = math.ceil(size.epochs * n_train / batch)
-        every = max(1, total // size.evals_per_job)
-        evals = set(range(every, total + 1, every)) | {total}
-        evals |= {warmup_steps(total, f) for f in WARMUPS}
-        plans.append(Plan(f"lr{lr:g}-r{rank}-b{batch}", lr, rank, batch, 1000 + i, total,
-                          warmup_steps(total, EarlyExitSettings().warmup_fraction), every,
-                          frozenset(evals)))
-    return plans
-
-
-def run_grid(engine: MultiLoraEngine, plans: list[Plan], val: list[Example], epochs: int,
-             cfg: EarlyExitSettings, budget: int, events: list[dict]) -> dict[str, Outcome]:
-    """Train every plan on the engine to completion or exit, under a budget of co-resident
-    sequences (the CPU form of admission; the policy is the one the executor runs).
-
-    With `cfg.enabled`: detectors at every evaluation; at the end of its warmup a job reports its
-    validation loss and is parked on the CPU so queued jobs rotate in; once every job has finished
-    (or exited) its warmup, the top keep_ratio resume and the rest exit as underperforming.
-    """
-    seq = 16
-    ctrl = AdmissionController.from_token_budget(max_tokens=budget * seq, seq_len=seq)
-    plan = {p.job_id: p for p in plans}
-    out = {p.job_id: Outcome() for p in plans}
-    monitors = {p.job_id: JobMonitor(cfg) for p in plans}
-    pending = [engine.new_job(p.spec(epochs)) for p in plans]
-    parked: dict[str, JobState] = {}
-    ranking = WarmupRanking(list(plan), cfg.keep_fraction) if cfg.enabled else None
-
-    def running() -> list[JobState]:
-        return list(engine.jobs.values())
-
-    def attach(ids: list[str]) -> None:
-        for i in ids:
-            state = next(s for s in pending if s.job_id == i)
-            pending.remove(state)
-            engine.attach(state)
-            out[i].state = "running"
-
-    def leave(job_id: str, park: bool) -> None:
-        state = engine.detach(job_id, park_device="cpu" if park else None)
-        if park:
-            parked[job_id] = state
-        attach(ctrl.backfill(state.batch_size, pending, running()))
-
-    attach(ctrl.admit(pending, running()))
-    while engine.jobs:
-        losses = engine.step().losses
-        due = []
-        for job_id, loss in losses.items():
-            o, mon = out[job_id], monitors[job_id]
-            o.steps += 1
-            o.samples += plan[job_id].batch_size
-            o.train.append(loss)
-            if mon.observe_train(o.steps, loss) is None and o.steps in plan[job_id].eval_at:
-                due.append(job_id)
-            elif mon.decision is not None:
-                due.append(job_id)  # non-finite train loss: decided at once
-        vals = engine.evaluate(val, batch_size=len(val), job_ids=due) if due else {}
-        for job_id in due:
-            o, mon, p = out[job_id], monitors[job_id], plan[job_id]
-            decision = mon.decision
-            if job_id in vals and decision is None:
-                o.curve.append((o.steps, vals[job_id]))
-                decision = mon.observe_eval(o.steps, vals[job_id])
-            if decision is not None:
-                o.state, o.exit_reason = "exited", decision.reason
-                events.append({"job": job_id, "reason": decision.reason,
-                               **{k: v for k, v in decision.details.items()
-                                  if isinstance(v, (int, float))}})
-                if ranking is not None and job_id in ranking.waiting:
-                    ranking.exit(job_id)
-                leave(job_id, park=False)
-            elif ranking is not None and o.steps == p.warmup and job_id in ranking.waiting:
-                ranking.report(job_id, o.curve[-1][1])
-                if o.steps < p.total_steps:
-                    o.state = "parked"
-                    leave(job_id, park=True)
-        for job_id in [s.job_id for s in running() if s.done]:
-            out[job_id].state = "completed"
-            leave(job_id, park=False)
-        if ranking is not None and ranking.ready and ranking.result is None:
-            keep, evict = ranking.decide()
-            events.append({"ranking": {"keep": keep, "evict": evict}})
-            for job_id in evict:
-                if job_id in parked:
-                    del parked[job_id]
-                    out[job_id].state, out[job_id].exit_reason = "exited", "underperforming"
-            pending += [parked.pop(j) for j in keep if j in parked]
-            attach(ctrl.admit(pending, running()))
-    if pending or parked:
-        raise RuntimeError(f"jobs left behind: {[s.job_id for s in pending]} {list(parked)}")
-    return out
-
-
-def replay(plans: list[Plan], full: dict[str, Outcome], cfg: EarlyExitSettings,
-           per_eval_slope: bool = False) -> dict[str, Outcome]:
-    """The policy of `run_grid` applied to (a)'s recorded curves (valid because a job's curve does
-    not depend on its co-residents, which the real (b) run checks); for other settings.
-
-    per_eval_slope: read tau_slope per evaluation interval instead of per step (the alternative
-    normalisation JobMonitor's docstring argues against), i.e. tau / eval_every per step.
-    """
-    res = {}
-    reached = {}
-    monitors = {}
-    for p in plans:
-        job_cfg = cfg
-        if per_eval_slope:
-            job_cfg = cfg.model_copy(update={"tau_slope": cfg.tau_slope / p.eval_every})
-        a, mon, o = full[p.job_id], JobMonitor(job_cfg), Outcome()
-        monitors[p.job_id] = mon
-        vals = dict(a.curve)
-        warm = warmup_steps(p.total_steps, cfg.warmup_fraction)
-        res[p.job_id] = o
-        for step in range(1, p.total_steps + 1):
-            o.steps, o.samples = step, step * p.batch_size
-            d = mon.observe_train(step, a.train[step - 1])
-            if d is None and step in vals:
-                o.curve.append((step, vals[step]))
-                d = mon.observe_eval(step, vals[step])
-            if d is not None:
-                o.state, o.exit_reason = "exited", d.reason
-                break
-            if step == warm:
-                reached[p.job_id] = vals[step]
-                break
-    totals = {p.job_id: p.total_steps for p in plans}
-    _, evict = warmup_ranking(reached, cfg.keep_fraction)
-    for job_id in evict:
-        if res[job_id].steps < totals[job_id]:
-            res[job_id].state, res[job_id].exit_reason = "exited", "underperforming"
-    for p in plans:
-        o = res[p.job_id]
-        if o.state == "exited":
-            continue
-        a, mon, vals = full[p.job_id], monitors[p.job_id], dict(full[p.job_id].curve)
-        for step in range(o.steps + 1, p.total_steps + 1):
-            o.steps, o.samples = step, step * p.batch_size
-            d = mon.observe_train(step, a.train[step - 1])
-            if d is None and step in vals:
-                o.curve.append((step, vals[step]))
-                d = mon.observe_eval(step, vals[step])
-            if d is not None:
-                o.state, o.exit_reason = "exited", d.reason
-                break
-        else:
-            o.state = "completed"
-    return res
+from trainer.jobs import JobSpec  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -371,7 +96,7 @@ def profile(engine: MultiLoraEngine, epochs: int) -> str:
             f"{held.peak_bytes / 2**20:.2f} MiB ({(pred / held.peak_bytes - 1) * 100:+.1f}%).")
 
 
-def summarize(plans: list[Plan], a: dict[str, Outcome], b: dict[str, Outcome],
+def summarize(plans: list[task.Plan], a: dict[str, task.Outcome], b: dict[str, task.Outcome],
               warmup_fraction: float = 0.05) -> dict:
     best_a = min(plans, key=lambda p: best(a[p.job_id].curve))
     best_b = min(plans, key=lambda p: best(b[p.job_id].curve))
@@ -393,7 +118,7 @@ def summarize(plans: list[Plan], a: dict[str, Outcome], b: dict[str, Outcome],
     }
 
 
-def replay_lines(plans: list[Plan], a: dict[str, Outcome], cfg: EarlyExitSettings) -> list[str]:
+def replay_lines(plans: list[task.Plan], a: dict[str, task.Outcome], cfg: EarlyExitSettings) -> list[str]:
     """The replay section: other warmup/keep settings, and the per-evaluation slope reading."""
     lines = [
         "Other settings, by replaying the policy on (a)'s curves (exact up to the deviation above):",
@@ -401,7 +126,7 @@ def replay_lines(plans: list[Plan], a: dict[str, Outcome], cfg: EarlyExitSetting
         "| warmup fraction | keep ratio | samples saved | best (b)/(a) | best of (a) survived | Spearman(warmup, end) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for wf in WARMUPS:
+    for wf in task.WARMUPS:
         wrho = spearman([dict(a[p.job_id].curve)[warmup_steps(p.total_steps, wf)] for p in plans],
                         [a[p.job_id].curve[-1][1] for p in plans])
         for kr in (0.25, 0.5):
@@ -420,15 +145,15 @@ def replay_lines(plans: list[Plan], a: dict[str, Outcome], cfg: EarlyExitSetting
     return lines
 
 
-def reanalyze(path: Path, size: Size) -> None:
+def reanalyze(path: Path, size: task.Size) -> None:
     """Print the replay section from a saved --json file (no training)."""
     d = json.loads(path.read_text())
     n_train = size.n_train
-    plans = make_plans(size, n_train)
+    plans = task.make_plans(size, n_train)
     a = {}
     for p in plans:
         curve = [(int(st), float(v)) for st, v in d["a"][p.job_id]]
-        a[p.job_id] = Outcome(p.total_steps, p.total_steps * p.batch_size, d["train_a"][p.job_id],
+        a[p.job_id] = task.Outcome(p.total_steps, p.total_steps * p.batch_size, d["train_a"][p.job_id],
                               curve, "completed")
     print("\n".join(replay_lines(plans, a, EarlyExitSettings())))
 
@@ -440,24 +165,24 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write curves and events here")
     ap.add_argument("--reanalyze", type=Path, help="only print the replay section of a --json file")
     args = ap.parse_args()
-    size = TINY if args.tiny else FULL
+    size = task.TINY if args.tiny else task.FULL
     if args.reanalyze:
         reanalyze(args.reanalyze, size)
         return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 throughout
     t0 = time.perf_counter()
-    model = build_backbone(size, 16, device)
-    train_pairs, val_pairs = lora_task(size)
-    train, val = [to_example(*p) for p in train_pairs], [to_example(*p) for p in val_pairs]
+    model = task.build_backbone(size, 16, device)
+    train_pairs, val_pairs = task.lora_task(size)
+    train, val = [task.to_example(*p) for p in train_pairs], [task.to_example(*p) for p in val_pairs]
     # The plain-torch LoRA path: this study measures the exit policy, and the Triton kernels'
     # autotuning on each new (tokens, rank) shape would only add noise to the wall times.
-    engine = MultiLoraEngine(model, train, PAD, gradient_checkpointing=False, backend="torch")
+    engine = MultiLoraEngine(model, train, task.PAD, gradient_checkpointing=False, backend="torch")
     t_pre = time.perf_counter() - t0
     cfg = EarlyExitSettings()
-    plans = make_plans(size, len(train))
+    plans = task.make_plans(size, len(train))
 
-    runs: dict[str, dict[str, Outcome]] = {}
+    runs: dict[str, dict[str, task.Outcome]] = {}
     times, events = {}, []
     for name, c in (("a", EarlyExitSettings(enabled=False)), ("b", cfg)):
         t = time.perf_counter()

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import task_e2e as te  # noqa: E402
+import task_e2e_data as te  # noqa: E402
 
 from contract.protocol import EvalSettings, TaskSettings  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402

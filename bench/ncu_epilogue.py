@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lora_op import stage_inputs  # noqa: E402
+from lora_op_paths import stage_inputs  # noqa: E402
 
 from kernels.fused_lora import _gemm_launch  # noqa: E402
 

@@ -1,0 +1,316 @@
+"""bench/task_e2e.py's executor runs: the real executor on the small model (quality, the trace),
+at the large shape with the small model's losses replayed ((a), (b), timed, the floor on (b)'s own
+batches), and on the CPU with the backbone replaced by zeros (--pack-only: shapes and padding)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from task_e2e_data import DEV, SMOKE, free, large_model, log, small_model, sync  # noqa: E402
+from task_e2e_peft import time_floor  # noqa: E402
+
+import trainer.engine as engine_mod  # noqa: E402
+from contract.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
+from trainer.data import read_jsonl, tokenize_all  # noqa: E402
+from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
+from trainer.jobs import JobSpec  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- executor runs
+@dataclass
+class Record:
+    train: dict[str, dict[int, float]] = field(default_factory=dict)
+    val: dict[str, dict[int, float]] = field(default_factory=dict)
+    events: list[tuple[str, str, dict]] = field(default_factory=list)
+    states: dict[str, tuple[str, dict]] = field(default_factory=dict)
+
+    def callbacks(self) -> Callbacks:
+        return Callbacks(
+            on_train_loss=lambda j, s, v: self.train.setdefault(j, {}).__setitem__(s, v),
+            on_eval=lambda j, s, v: self.val.setdefault(j, {}).__setitem__(s, v),
+            on_job_state=lambda j, st, d: self.states.__setitem__(j, (st, d)),
+            on_event=lambda j, m, d: self.events.append((j, m, d)),
+        )
+
+
+class TraceExecutor(Executor):
+    """The real executor whose engine computes everything at the large shape, but whose train
+    and validation losses are replaced by the small model's at the same job and step."""
+
+    def __init__(self, cfg: ExecutorConfig, cb: Callbacks, trace: Record, recorder: dict,
+                 shape_buckets: bool = True, attention: str = "rows") -> None:
+        cfg.attention = attention  # the executor's own setting (profile key included)
+        super().__init__(cfg, cb)
+        self.trace, self.recorder, self.missing = trace, recorder, 0
+        self.shape_buckets = shape_buckets
+
+    def _load(self) -> None:
+        super()._load()
+        eng, real_step, real_eval = self.engine, self.engine.step, self.engine.evaluate_metrics
+        if not self.shape_buckets:
+            eng.shape_buckets = None
+
+        def step():  # noqa: ANN202
+            n = len(self.recorder["step_s"])
+            prof = self.recorder.get("profile_at")
+            if prof is not None and n == prof:  # a torch.profiler window of 3 steps
+                from torch.profiler import ProfilerActivity, profile
+
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV.type == "cuda" else [])
+                self.recorder["profiler"] = profile(activities=acts)
+                self.recorder["profiler"].__enter__()
+            t0 = time.perf_counter()
+            self.recorder["active"] = True
+            try:
+                report = real_step()
+            finally:
+                self.recorder["active"] = False
+            sync()
+            self.recorder["step_s"].append(time.perf_counter() - t0)
+            if prof is not None and n == prof + 2:
+                p = self.recorder.pop("profiler")
+                p.__exit__(None, None, None)
+                self.recorder["profile_table"] = p.key_averages().table(
+                    sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+                self.recorder["profile_steps_s"] = self.recorder["step_s"][-3:]
+            if self.trace is not None:
+                for j in report.losses:
+                    report.losses[j] = self.trace.train[j][report.steps[j]]
+            return report
+
+        def evaluate_metrics(examples, batch_size=8, job_ids=None, max_sequences=None,  # noqa: ANN001, ANN202
+                             forwards=None):
+            out = real_eval(examples, batch_size, job_ids, max_sequences, forwards)
+            for j in out if self.trace is not None else ():
+                curve, step = self.trace.val.get(j, {}), eng.jobs[j].step
+                if step not in curve:
+                    self.missing += 1
+                    step = max([s for s in curve if s <= step] or [min(curve)])
+                out[j]["loss"] = curve[step]
+            return out
+
+        eng.step, eng.evaluate_metrics = step, evaluate_metrics
+
+
+REC: dict[str, Any] = {}
+
+
+def install_recorder() -> dict:
+    """Record every training step's packed batch (CPU) and the host time of packing/layout."""
+    fresh = not REC
+    REC.update({"active": False, "batches": [], "step_s": [], "pack_s": 0.0, "layout_s": 0.0})
+    rec = REC
+    if not fresh:
+        return rec
+    real_layout = engine_mod.MultiLoraEngine._set_layout
+
+    def recorded(real):  # noqa: ANN001, ANN202
+        def pack(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            batch = real(*a, **kw)
+            if rec["active"]:
+                rec["pack_s"] += time.perf_counter() - t0
+                rec["batches"].append((batch.input_ids, batch.position_ids, batch.targets,
+                                       batch.cu_seqlens))
+            return batch
+        return pack
+
+    def set_layout(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        t0 = time.perf_counter()
+        real_layout(self, *a, **kw)
+        if rec["active"]:
+            rec["layout_s"] += time.perf_counter() - t0
+
+    engine_mod.pack_step = recorded(engine_mod.pack_step)
+    engine_mod.pack_flat = recorded(engine_mod.pack_flat)
+    engine_mod.MultiLoraEngine._set_layout = set_layout
+    return rec
+
+
+def executor_cfg(model_dir: Path, data: tuple[Path, Path], out: Path, jobs: list[JobSpec],
+                 early_exit: bool, args: argparse.Namespace, cache: Path) -> ExecutorConfig:
+    return ExecutorConfig(
+        model_dir=str(model_dir), train_file=str(data[0]), val_file=str(data[1]),
+        output_dir=str(out), jobs=[JobSpec(**vars(j)) for j in jobs], max_seq_len=args.seq,
+        eval=EvalSettings(eval_every_steps=50, eval_max_samples=args.n_val,
+                          eval_every_samples=args.eval_every_samples),
+        checkpoint_every=50, checkpoint_every_s=300.0,
+        early_exit=EarlyExitSettings(enabled=early_exit), profile_cache=str(cache) if cache else None)
+
+
+def run_small(model_dir: Path, data, root: Path, jobs, early_exit: bool, args, cache) -> tuple[Record, dict, Executor]:  # noqa: ANN001
+    rec = Record()
+    ex = Executor(executor_cfg(model_dir, data, root / f"small_{int(early_exit)}", jobs,
+                               early_exit, args, cache), rec.callbacks())
+    status = ex.run()
+    return rec, status, ex
+
+
+# ----------------------------------------------------------------------------- report
+def best_val(rec: Record, jobs: list[str] | None = None) -> tuple[float, str]:
+    vals = [(v, j) for j, c in rec.val.items() if jobs is None or j in jobs for v in c.values()
+            if math.isfinite(v)]
+    return min(vals)
+
+
+def summarize_statuses(states: dict[str, tuple[str, dict]]) -> dict[str, str]:
+    return {j: st + (f":{d.get('exit_reason')}" if st == "exited" else "")
+            for j, (st, d) in sorted(states.items())}
+
+
+def quality(args, root, tok, chain_a, data, jobs, cache, res, dump) -> Record:  # noqa: ANN001
+    """The small model pretrained on chain A, then the grid through the real executor without
+    (b) and with (a) early exit: the quality numbers and the trace the large runs replay."""
+    log("pretraining the small model")
+    small_dir, pre_loss = small_model(root / "small", chain_a, tok, args.pretrain_steps)
+    res["small_pretrain_loss"] = pre_loss
+    log("small pretrain loss", pre_loss)
+
+    # ---- quality: the small model through the same executor, grid and data
+    small_b, st_b, ex_b = run_small(small_dir, data, root, jobs, False, args, cache)
+    res["small_b_timings"] = ex_b.timings()
+    log("small (b)", res["small_b_timings"])
+    dump()
+    small_a, st_a, ex_a = run_small(small_dir, data, root, jobs, True, args, cache)
+    res["small_a_timings"] = ex_a.timings()
+    log("small (a)", res["small_a_timings"])
+    del ex_a, ex_b
+    trace = Record(train=small_b.train, val={j: {**small_b.val.get(j, {}), **small_a.val.get(j, {})}
+                                             for j in small_b.val})
+    n_train_ex = len(tokenize_all(tok, read_jsonl(data[0]), args.seq))
+    samples_b = sum(j.total_steps(n_train_ex) * j.batch_size for j in jobs)
+    steps_a = {j: max(c) for j, c in small_a.train.items()}
+    spec = {j.job_id: j for j in jobs}
+    samples_a = sum(steps_a[j] * spec[j].batch_size for j in steps_a)
+    qa, ja = best_val(small_a)
+    qb, jb = best_val(small_b)
+    res["quality"] = {"best_a": qa, "best_job_a": ja, "best_b": qb, "best_job_b": jb,
+                      "samples_a": samples_a, "samples_b": samples_b,
+                      "statuses_a": summarize_statuses(small_a.states),
+                      "val_at_start": statistics.median(min(c.items())[1] for c in small_b.val.values())}
+    log("quality", res["quality"])
+    dump()
+    free()
+    return trace
+
+
+def shape_summary(shapes: dict) -> dict:
+    """Distinct backbone-forward shapes (attention plans) of an engine's forward_shapes."""
+    train = {k[:2] for k, n in shapes.items() if k[2]}
+    evals = {k[:2] for k, n in shapes.items() if not k[2]}
+    return {"train": len(train), "eval": len(evals), "total": len(shapes),
+            "forwards": sum(shapes.values()),
+            "top": sorted(([list(k), n] for k, n in shapes.items()), key=lambda x: -x[1])[:8]}
+
+
+class PackOnlyExecutor(Executor):
+    """(b)'s executor with the backbone replaced by zeros: packing, admission, evaluation points
+    and updates are the real ones, the model costs nothing (shapes and padding on the CPU)."""
+
+    def __init__(self, cfg: ExecutorConfig, cb: Callbacks, buckets: bool, attention: str) -> None:
+        cfg.attention = attention
+        super().__init__(cfg, cb)
+        self.buckets, self.cells, self.real = buckets, 0, 0
+
+    def _load(self) -> None:
+        super()._load()
+        eng = self.engine
+        if not self.buckets:
+            eng.shape_buckets = None
+        width = eng.model.config.hidden_size
+
+        def hidden(batch):  # noqa: ANN001, ANN202
+            eng.forward_shapes[(*batch.input_ids.shape, torch.is_grad_enabled())] += 1
+            if torch.is_grad_enabled():
+                self.cells += batch.input_ids.numel()
+                self.real += batch.real_tokens
+            return torch.zeros(*batch.input_ids.shape, width, requires_grad=torch.is_grad_enabled())
+
+        eng._hidden = hidden
+        # nor does the head: a zero loss that keeps the graph (the step's shapes are what counts)
+        eng._job_loss_sum = lambda h, targets, index=None, n=None: (h.sum() * 0.0, n or 1)  # noqa: ARG005
+
+
+def pack_only(args: argparse.Namespace, root: Path, data: tuple[Path, Path], jobs: list[JobSpec],
+              tok) -> dict:  # noqa: ANN001
+    """Shapes and padding of (b) on the CPU: rows in free shapes, rows in bucketed shapes, one
+    varlen row."""
+    SMOKE["on"] = True
+    model_dir = large_model(root / "toy", 1, tok)
+    out = {}
+    for name, buckets, attention in (("free", False, "rows"), ("buckets", True, "rows"),
+                                     ("varlen", True, "varlen")):
+        cfg = executor_cfg(model_dir, data, root / f"pack_{name}", jobs, False, args, None)
+        cfg.device, cfg.max_tokens_per_step = "cpu", args.max_total_batch * args.seq
+        cfg.checkpoint_every, cfg.checkpoint_every_s = 10**9, None
+        ex = PackOnlyExecutor(cfg, Record().callbacks(), buckets, attention)
+        t0 = time.perf_counter()
+        ex.run()
+        out[name] = {**shape_summary(ex.engine.forward_shapes), "steps": ex.global_step,
+                     "padding": 1 - ex.real / max(ex.cells, 1), "host_s": time.perf_counter() - t0}
+        log(name, out[name])
+    return out
+
+
+def large_run(name: str, ee: bool, attention: str, *, args: argparse.Namespace, root: Path,
+              large_dir: Path, data: tuple[Path, Path], jobs: list[JobSpec], trace: Record | None,
+              cache: Path, res: dict, floor: bool = True) -> dict:
+    """One executor run at the large shape ((a) with early exit, (b) without), the small model's
+    losses replayed (trace); (b) also times the floor on its own packed batches. `res` holds the
+    quality phase's statuses ((a)'s decisions are checked against them)."""
+    spec = {j.job_id: j for j in jobs}
+    rec = install_recorder()
+    profile_out = getattr(args, "profile_out", "")
+    rec["profile_at"] = 100 if name == "b" and profile_out else None
+    out = Record()
+    cfg = executor_cfg(large_dir, data, root / f"large_{name}", jobs, ee, args, cache)
+    cfg.cudnn_attention = getattr(args, "cudnn_attention", True)
+    cfg.async_writes = getattr(args, "async_writes", True)
+    ex = TraceExecutor(cfg, out.callbacks(), trace, rec, getattr(args, "shape_buckets", True), attention)
+    t0 = time.perf_counter()
+    ex.run()
+    wall = time.perf_counter() - t0
+    tm = ex.timings()
+    mm = next((d for j, m, d in out.events if m == "memory_model"), {"k0": None, "k1": None})
+    run = {**tm, "wall_outer_s": wall, "steps": len(rec["step_s"]),
+           "missing_trace_points": ex.missing, "statuses": summarize_statuses(out.states),
+           "host_pack_s": rec["pack_s"], "host_layout_s": rec["layout_s"],
+           "max_total_batch": ex.admission.max_total_batch(), "k0": mm["k0"], "k1": mm["k1"],
+           "evals": sum(len(c) for c in out.val.values()),
+           "attention_shapes": shape_summary(ex.engine.forward_shapes),
+           "padding": statistics.fmean(1 - (b[0] != 0).sum().item() / b[0].numel()
+                                       for b in rec["batches"]) if rec["batches"] else None,
+           "samples": sum(max(c) * spec[j].batch_size for j, c in out.train.items()),
+           "job_steps": {j: max(c) for j, c in out.train.items()},
+           "eval_forwards_note": "sequences per eval forward up to max_total_batch"}
+    if rec.get("profile_table") and profile_out:
+        Path(profile_out).write_text(
+            f"steps (s, profiled): {rec['profile_steps_s']}\n{rec['profile_table']}\n")
+    if name == "a" and "quality" in res:
+        run["decisions_match_small"] = run["statuses"] == res["quality"]["statuses_a"]
+    elif not rec["batches"]:  # no training step ran: say why instead of timing nothing
+        run["no_steps"] = {j: d for j, (st, d) in out.states.items() if st != "completed"}
+        log("no training step recorded", run["statuses"], run["no_steps"])
+    elif floor:
+        # the floor on (b)'s own packed batches: the engine's model with no job attached
+        log("floor on", len(rec["batches"]), "recorded batches")
+        run["floor"] = time_floor(ex.engine.model, rec["batches"], rec["step_s"],
+                                  getattr(args, "floor_steps", 24))
+    log(name, {k: v for k, v in run.items() if k != "statuses"})
+    ex.engine.model.to("meta")
+    del ex
+    rec["batches"] = []
+    free()
+    return run
