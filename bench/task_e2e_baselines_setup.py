@@ -45,8 +45,8 @@ def task(args: argparse.Namespace, root: Path, seed: int) -> dict[str, Any]:
     chain_a, chain_b = chains(seed)
     data = write_data(root, chain_b, args.n_train, args.n_val, args.seq)
     cfg = executor_cfg(root, data, root / "unused", [], False, args, None)
-    return {"chain_a": chain_a, "data": data, "ev": cfg.eval, "ee": cfg.early_exit,
-            "split_seed": cfg.split_seed, "jobs": grid_for(args.configs, args.n_train, seed)}
+    return {"chain_a": chain_a, "data": data, "ev": cfg.settings.eval, "ee": cfg.settings.early_exit,
+            "split_seed": cfg.settings.seed, "jobs": grid_for(args.configs, args.n_train, seed)}
 
 
 def examples(tok: Any, t: dict[str, Any], args: argparse.Namespace) -> tuple[list, list]:

@@ -22,7 +22,7 @@ from task_e2e_data import DEV, SMOKE, free, large_model, log, small_model, sync 
 from task_e2e_peft import time_floor  # noqa: E402
 
 import trainer.engine as engine_mod  # noqa: E402
-from contract.protocol import EarlyExitSettings, EvalSettings  # noqa: E402
+from contract.protocol import EarlyExitSettings, EvalSettings, TaskSettings  # noqa: E402
 from trainer.data import read_jsonl, tokenize_all  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
 from trainer.jobs import JobSpec  # noqa: E402
@@ -143,11 +143,11 @@ def executor_cfg(model_dir: Path, data: tuple[Path, Path], out: Path, jobs: list
                  early_exit: bool, args: argparse.Namespace, cache: Path) -> ExecutorConfig:
     return ExecutorConfig(
         model_dir=str(model_dir), train_file=str(data[0]), val_file=str(data[1]),
-        output_dir=str(out), jobs=[JobSpec(**vars(j)) for j in jobs], max_seq_len=args.seq,
-        eval=EvalSettings(eval_every_steps=50, eval_max_samples=args.n_val,
-                          eval_every_samples=args.eval_every_samples),
-        checkpoint_every=50, checkpoint_every_s=300.0,
-        early_exit=EarlyExitSettings(enabled=early_exit), profile_cache=str(cache) if cache else None)
+        output_dir=str(out), jobs=[JobSpec(**vars(j)) for j in jobs],
+        settings=TaskSettings(max_seq_len=args.seq, early_exit=EarlyExitSettings(enabled=early_exit),
+                              eval=EvalSettings(eval_every_steps=50, eval_max_samples=args.n_val,
+                                                eval_every_samples=args.eval_every_samples)),
+        checkpoint_every=50, checkpoint_every_s=300.0, profile_cache=str(cache) if cache else None)
 
 
 def run_small(model_dir: Path, data, root: Path, jobs, early_exit: bool, args, cache) -> tuple[Record, dict, Executor]:  # noqa: ANN001
