@@ -19,34 +19,8 @@ Free GPUs first: the planner decides who starts now on GPUs (every priority, gua
 waiting bound holds); only queued tasks it does not start now join a busy executor
 (``plan_joins``, after solving). Joining ahead of free GPUs trained as much per held GPU-second
 but lengthened completions (time-sharing a backbone while GPUs idle): bench/colocate_sim.py,
-bench/results/colocate_sim_cpu.md. The join rules:
-- a task may join an executor with its colocation_key, on one GPU (an adapter-parallel task, or an
-  executor on several GPUs, never joins), when the executor's free rows (minus rows of joins it
-  has not reported yet) cover the task's demand: its smallest unfinished job's batch size (a job
-  of batch size B takes B rows of the admission budget);
-- a joining task takes min(its rows, free rows), its rows being the batch sizes of its unfinished
-  jobs summed; the executor admits what fits and queues the rest;
-- who joins first: tasks of tenants under their guaranteed share, then by planner weight
-  (operator priorities), then arrival, then id; each picks the executor with the most free rows
-  (then node and GPU order);
-- a tenant's usage counts each hosted task as a share of its executor's GPUs by rows:
-  gpus x rows_t / sum of the hosted tasks' rows (one task alone: all its GPUs); a join is refused
-  when the tenant's usage, the GPUs of its tasks the plan starts now and that share would pass
-  its max_gpus; and the planner counts a tenant's hosted shares against its max_gpus until each
-  hosted task ends (Instance.tenant_held_gpus, rounded up at each time), so a tenant holding half
-  a GPU under a cap of 1 starts no whole-GPU task before that share is released;
-- bounded waiting: a join that would keep an executor's GPUs past its current end is refused
-  while another waiting task (not joining) is urgent (past half its waiting bound) or of a tenant
-  under its guaranteed share: the executor drains and its GPUs go to the plan;
-- quota reclaim: no task joins an executor whose tasks the plan pauses (their GPUs go to a task
-  owed its guaranteed share, which a join would keep from it).
-
-A warm idle executor's GPUs are free GPUs to the planner: it decides who starts now, so every
-priority, guarantee and waiting bound holds, and a task of another key may take them (its daemon
-stops the idle executor first). After solving, ``prefer_warm`` moves a one-GPU task of the
-executor's key that the plan starts now onto the warm GPU (no model load): by relabelling two GPUs
-of the same node in the plan, or from another node of its GPU type when the warm GPU is free in
-the plan for the task's whole run.
+bench/results/colocate_sim_cpu.md. The rules of a join: ``plan_joins``; of a warm idle executor:
+``prefer_warm``.
 """
 
 from __future__ import annotations
@@ -242,10 +216,31 @@ def plan_joins(inst: Instance, executors: Sequence[WarmExecutor],
                candidates: Mapping[str, JoinCandidate], live: Sequence[LivePlacement],
                starting: Mapping[str, int] | None = None,
                pausing: Collection[str] = ()) -> list[Join]:
-    """Which queued tasks of ``inst`` join which busy executors now (module docstring);
-    ``starting``: the queued tasks the plan starts now on GPUs, with their GPU counts (they
-    neither join nor wait, and their GPUs count against their tenants' caps); ``pausing``: the
-    running tasks the plan preempts (quota reclaim frees their GPUs)."""
+    """Which queued tasks of ``inst`` join which busy executors now; ``starting``: the queued
+    tasks the plan starts now on GPUs, with their GPU counts (they neither join nor wait, and
+    their GPUs count against their tenants' caps); ``pausing``: the running tasks the plan
+    preempts (quota reclaim frees their GPUs). The rules:
+    - a task may join an executor with its colocation_key, on one GPU (an adapter-parallel task, or an
+      executor on several GPUs, never joins), when the executor's free rows (minus rows of joins it
+      has not reported yet) cover the task's demand: its smallest unfinished job's batch size (a job
+      of batch size B takes B rows of the admission budget);
+    - a joining task takes min(its rows, free rows), its rows being the batch sizes of its unfinished
+      jobs summed; the executor admits what fits and queues the rest;
+    - who joins first: tasks of tenants under their guaranteed share, then by planner weight
+      (operator priorities), then arrival, then id; each picks the executor with the most free rows
+      (then node and GPU order);
+    - a tenant's usage counts each hosted task as a share of its executor's GPUs by rows:
+      gpus x rows_t / sum of the hosted tasks' rows (one task alone: all its GPUs); a join is refused
+      when the tenant's usage, the GPUs of its tasks the plan starts now and that share would pass
+      its max_gpus; and the planner counts a tenant's hosted shares against its max_gpus until each
+      hosted task ends (Instance.tenant_held_gpus, rounded up at each time), so a tenant holding half
+      a GPU under a cap of 1 starts no whole-GPU task before that share is released;
+    - bounded waiting: a join that would keep an executor's GPUs past its current end is refused
+      while another waiting task (not joining) is urgent (past half its waiting bound) or of a tenant
+      under its guaranteed share: the executor drains and its GPUs go to the plan;
+    - quota reclaim: no task joins an executor whose tasks the plan pauses (their GPUs go to a task
+      owed its guaranteed share, which a join would keep from it).
+    """
     starting = starting or {}
     specs = {t.id: t for t in inst.tasks if t.pinned is None and t.id not in starting}
     usage = tenant_usage(live)
@@ -408,7 +403,14 @@ def demand(batch_sizes: Iterable[int]) -> tuple[int, int]:
 
 def prefer_warm(plan: Plan, idle: Sequence[WarmExecutor], keys: Mapping[str, str],
                 gpu_type: Mapping[str, str]) -> dict[str, Assignment]:
-    """Move tasks the plan starts now onto warm idle executors of their key (module docstring).
+    """Move tasks the plan starts now onto warm idle executors of their key. A warm idle
+    executor's GPUs are free GPUs to the planner: it decides who starts now, so every priority,
+    guarantee and waiting bound holds, and a task of another key may take them (its daemon stops
+    the idle executor first). After solving, this moves a one-GPU task of the executor's key that
+    the plan starts now onto the warm GPU (no model load): by relabelling two GPUs of the same
+    node in the plan, or from another node of its GPU type when the warm GPU is free in the plan
+    for the task's whole run.
+
     Returns the changed assignments (task id -> new); ``plan.assignments`` is updated too.
     ``gpu_type`` (node id -> type): a task moves to another node only of its own node's type, as
     on another type it would need other GPUs or time than the plan gives it."""

@@ -1,6 +1,19 @@
 """The planner's CP-SAT model: tasks as optional intervals on candidate nodes, GPU capacities
 per node, cluster and capped tenant, the objective of `objective.py`, warm-started from the
-planner's heuristic schedule and searched by large-neighbourhood search (`SolveOptions`)."""
+planner's heuristic schedule and searched by large-neighbourhood search (`SolveOptions`).
+
+Model:
+- task i has a start s_i >= release_i and an end e_i; for each candidate node n (up, big enough;
+  at most ``max_node_options`` per task, fewer (not under 4) when the tasks times that would
+  exceed ``max_options_total``; the warm start's and the hinted node among them) an optional
+  interval (s_i, d_in, e_i) present iff y_in; exactly one y_in is 1. Per node a cumulative of
+  the present intervals (exact: packing.assign_gpus turns it into GPU indices), plus a redundant
+  cumulative of the whole cluster as one pool. Running tasks are fixed intervals [0, remaining)
+  on their GPUs.
+- per tenant with a hard cap (``tenant_max_gpus``, the borrowing limit) a cumulative over its tasks
+  and the GPUs it holds outside them (``tenant_held_gpus``: its shares of shared executors,
+  rounded up at each time, as fixed intervals from 0).
+"""
 
 from __future__ import annotations
 

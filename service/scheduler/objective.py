@@ -1,6 +1,27 @@
 """The planner's objective, shared by its CP-SAT model (`cp.py`) and its warm start
 (`warm_start.py`): per-job constants (`_Ctx`), the bounded-wait penalty, the fair-share term Z
-(the worst tenant's mean slowdown, in thousandths) and a schedule's total."""
+(the worst tenant's mean slowdown, in thousandths) and a schedule's total.
+
+Objective (minimised, all integer):
+- weighted flow time sum_i w_i * e_i: w_i = (1 + tenant priority) * (10 + task priority) set by
+  operators (the task's own priority is clamped to an operator ceiling before it gets here), times
+  ``guarantee_boost`` when the task fits in its tenant's unused guaranteed share;
+- fair share: F * Z with Z >= each tenant's mean slowdown (arrival to end over duration, in
+  thousandths) over its queued and running tasks (planned) and its FAIR_HISTORY latest finished
+  ones (``Instance.tenant_history``, measured), times 1 + the tenant's operator priority (a
+  weighted fair share; a queued task's slowdown counts (10 + its own priority) / 10 times): the
+  worst-off tenant is pulled up, and one whose past tasks waited long gets its next ones sooner
+  (the ratio of worst to best tenant drops);
+- bounded waiting, counted from arrival, per task and soft: a wait past half the bound costs
+  ``urgent`` per unit, past the whole bound ``late`` per unit (far more than any reordering
+  gains), so the penalty grows with the wait; a bound is never dropped for the plan. Both start
+  ``wait_margin`` (10%) of the bound early, so a task planned near its bound still starts within
+  it when running tasks outlast their estimates;
+- optionally (``tail`` T > 0, operators' scheduler_tail) T * total weight * the longest planned
+  flow time (arrival to end) of a queued task: old long tasks start sooner (p99 completion)
+  at some cost in mean completion; off by default (bench/results/scheduler_sim_cpu.md);
+- the makespan with coefficient 1 (a tie-break).
+"""
 
 from __future__ import annotations
 

@@ -3,54 +3,17 @@
 Every unfinished task gets g GPUs of one node for its estimated duration. Times are integers in
 units of ``SolveOptions.unit_s`` seconds, 0 = now; durations round up.
 
-Model:
-- task i has a start s_i >= release_i and an end e_i; for each candidate node n (up, big enough;
-  at most ``max_node_options`` per task, fewer (not under 4) when the tasks times that would
-  exceed ``max_options_total``; the warm start's and the hinted node among them) an optional
-  interval (s_i, d_in, e_i) present iff y_in; exactly one y_in is 1. Per node a cumulative of
-  the present intervals (exact: packing.assign_gpus turns it into GPU indices), plus a redundant
-  cumulative of the whole cluster as one pool. Running tasks are fixed intervals [0, remaining)
-  on their GPUs.
-- per tenant with a hard cap (``tenant_max_gpus``, the borrowing limit) a cumulative over its tasks
-  and the GPUs it holds outside them (``tenant_held_gpus``: its shares of shared executors,
-  rounded up at each time, as fixed intervals from 0).
-
-Objective (minimised, all integer):
-- weighted flow time sum_i w_i * e_i: w_i = (1 + tenant priority) * (10 + task priority) set by
-  operators (the task's own priority is clamped to an operator ceiling before it gets here), times
-  ``guarantee_boost`` when the task fits in its tenant's unused guaranteed share;
-- fair share: F * Z with Z >= each tenant's mean slowdown (arrival to end over duration, in
-  thousandths) over its queued and running tasks (planned) and its FAIR_HISTORY latest finished
-  ones (``Instance.tenant_history``, measured), times 1 + the tenant's operator priority (a
-  weighted fair share; a queued task's slowdown counts (10 + its own priority) / 10 times): the worst-off tenant is pulled up, and one whose past tasks waited long
-  gets its next ones sooner (the ratio of worst to best tenant drops);
-- bounded waiting, counted from arrival, per task and soft: a wait past half the bound costs
-  ``urgent`` per unit, past the whole bound ``late`` per unit (far more than any reordering
-  gains), so the penalty grows with the wait; a bound is never dropped for the plan. Both start
-  ``wait_margin`` (10%) of the bound early, so a task planned near its bound still starts within
-  it when running tasks outlast their estimates;
-- optionally (``tail`` T > 0, operators' scheduler_tail) T * total weight * the longest planned
-  flow time (arrival to end) of a queued task: old long tasks start sooner (p99 completion)
-  at some cost in mean completion; off by default (bench/results/scheduler_sim_cpu.md);
-- the makespan with coefficient 1 (a tie-break).
 Deterministic: CP-SAT searches in one thread under a deterministic-time limit (``work_limit``),
 so the same instance gives the same plan on a loaded or an idle machine; a wall-clock safety
 limit (``time_limit_s``) only applies when that is exceeded by far. The search starts from the
 warm start (a complete hint: CP-SAT's first solution) and is large-neighbourhood search only
 (``_search_parameters``: many small sub-problems around the best plan), the way that improves
 plans most per CPU second at these sizes (bench/results/scheduler_cpu.md).
-Warm start: the best (by this objective) of several list schedules (Smith's rule on w/(g*d) with
-urgent tasks first, w/d, arrival order (conservative backfilling), and the previous plan's order
-merged with new tasks by the same rule),
-so a new arrival is never queued behind a stale hint.
-Quotas (``tenant_guaranteed_gpus``): a tenant may borrow idle GPUs beyond its guaranteed share
-(up to its hard cap, if any); when a tenant under its guarantee has a queued task that cannot
-start, running tasks of tenants over their guarantee are chosen for preemption (Plan.preempt,
-most recently started first, on the node where the fewest GPUs must be freed) and the task is
-planned at 0 on that node. The caller pauses them at a checkpoint and requeues them.
-Parts: the instance and the plan (problem), the instance in integer units (encode), the warm start
-(warm_start), quota reclaim and the guarantee boost (quotas), the CP model (cp, objective); this
-module plans with them (solve).
+
+Parts, each module's docstring telling its part: the instance and the plan (problem), the
+instance in integer units (encode), the warm start (warm_start), quota reclaim and the guarantee
+boost (quotas), the CP model and its constraints (cp) and objective (objective); this module
+plans with them (solve).
 """
 
 from __future__ import annotations

@@ -1,6 +1,13 @@
 """Tenant quotas in the plan: quota reclaim (which running tasks of tenants over their guaranteed
 share to preempt for a queued task of a tenant under its own) and the weight boost of queued
-tasks that fit in their tenant's unused guaranteed share (planner's module docstring)."""
+tasks that fit in their tenant's unused guaranteed share.
+
+Quotas (``tenant_guaranteed_gpus``): a tenant may borrow idle GPUs beyond its guaranteed share
+(up to its hard cap, if any); when a tenant under its guarantee has a queued task that cannot
+start, running tasks of tenants over their guarantee are chosen for preemption (Plan.preempt,
+most recently started first, on the node where the fewest GPUs must be freed) and the task is
+planned at 0 on that node. The caller pauses them at a checkpoint and requeues them.
+"""
 
 from __future__ import annotations
 

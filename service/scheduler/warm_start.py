@@ -1,6 +1,8 @@
-"""The planner's warm start: the best, by the objective, of several list schedules (orders in
-service.scheduler.planner's module docstring); CP-SAT's first solution and the plan kept when the
-search finds nothing better."""
+"""The planner's warm start: the best, by the objective, of several list schedules (Smith's rule on
+w/(g*d) with urgent tasks first, w/d, arrival order (conservative backfilling), and the previous
+plan's order merged with new tasks by the same rule), so a new arrival is never queued behind a
+stale hint. CP-SAT's first solution, and the plan kept when the search finds nothing better.
+"""
 
 from __future__ import annotations
 

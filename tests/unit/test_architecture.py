@@ -2,7 +2,7 @@
 source with `ast`: the contract package imports no other package of ours; the service imports
 nothing of the trainer or the worker and they nothing of the service; no module imports itself
 through others (no import circle, lazy imports and TYPE_CHECKING ones counted); no file outside
-the kernels and the tests is over 500 lines."""
+the kernels and the tests is over 500 lines; no module docstring is over 40."""
 
 from __future__ import annotations
 
@@ -116,4 +116,13 @@ def test_no_import_circle() -> None:
 def test_no_room_over_500_lines() -> None:
     long = sorted(f"{p.relative_to(REPO)}: {n}" for name, p in MODULES.items()
                   if top(name) != "kernels" and (n := len(p.read_text().splitlines())) > MAX_LINES)
+    assert long == []
+
+
+def test_module_docstrings_are_short_enough_to_read() -> None:
+    # a module that needs more than 40 lines to introduce itself is several modules; the detail
+    # belongs with the functions it describes
+    long = sorted(f"{p.relative_to(REPO)}: {n}" for p in MODULES.values()
+                  if (doc := ast.get_docstring(ast.parse(p.read_text()), clean=False))
+                  and (n := doc.count("\n") + 1) > 40)
     assert long == []
