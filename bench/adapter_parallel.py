@@ -80,9 +80,9 @@ def examples_of(seq: int, vocab: int, n: int = 64) -> list:
 
 
 def spec(i: int, batch: int):  # noqa: ANN201
-    from trainer.jobs import JobSpec
+    from trainer.jobs import TrainJob
 
-    return JobSpec(f"a{i}", rank=RANK, alpha=ALPHA, lr=1e-4, batch_size=batch, max_steps=100_000, seed=i)
+    return TrainJob(f"a{i}", lora_rank=RANK, lora_alpha=ALPHA, learning_rate=1e-4, batch_size=batch, max_steps=100_000, seed=i)
 
 
 def timed(fn, warmup: int, iters: int, sync) -> tuple[float, list[float]]:  # noqa: ANN001

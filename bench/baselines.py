@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines_liger import LIGER, liger_llama  # noqa: E402
 
 from trainer.data import IGNORE, Example, JobDataStream  # noqa: E402
-from trainer.jobs import JobSpec, lr_factor  # noqa: E402
+from trainer.jobs import TrainJob, lr_factor  # noqa: E402
 from trainer.varlen import flash_varlen_available, register_varlen  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -139,7 +139,7 @@ def arm_model(model: torch.nn.Module, arm: Arm) -> Iterator[dict]:
         model.set_attn_implementation(before)
 
 
-def lora_init(model: torch.nn.Module, spec: JobSpec) -> dict[str, torch.Tensor]:
+def lora_init(model: torch.nn.Module, spec: TrainJob) -> dict[str, torch.Tensor]:
     """The engine's init of the job's adapter (JobAdapter: PEFT's kaiming A from the job's seed,
     B = 0) under PEFT's key names, for this model's target linears in module order."""
     from trainer.multilora import JobAdapter
@@ -147,7 +147,7 @@ def lora_init(model: torch.nn.Module, spec: JobSpec) -> dict[str, torch.Tensor]:
     shapes = {n: (m.in_features, m.out_features) for n, m in model.named_modules()
               if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in TARGETS}
     device = next(model.parameters()).device  # the engine draws its init on its own device
-    return dict(JobAdapter(shapes, spec.rank, spec.alpha, spec.seed, device=device).peft_state_dict())
+    return dict(JobAdapter(shapes, spec.lora_rank, spec.lora_alpha, spec.seed, device=device).peft_state_dict())
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -164,7 +164,7 @@ class JobRun:
     """One configuration trained alone with PEFT on `model` (attach in __init__, `close` or
     `park` to detach), in the arm's way; resumable from a parked state (c3)."""
 
-    def __init__(self, model: torch.nn.Module, spec: JobSpec, arm: Arm, train: Sequence[Example],
+    def __init__(self, model: torch.nn.Module, spec: TrainJob, arm: Arm, train: Sequence[Example],
                  pad_id: int, init: dict[str, torch.Tensor] | None = None,
                  parked: dict[str, Any] | None = None) -> None:
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
@@ -176,14 +176,14 @@ class JobRun:
         elif model.is_gradient_checkpointing:
             model.gradient_checkpointing_disable()
         self.pm = get_peft_model(model, LoraConfig(
-            r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, target_modules=TARGETS, bias="none",
+            r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=0.0, target_modules=TARGETS, bias="none",
             task_type="CAUSAL_LM", use_rslora=spec.use_rslora), autocast_adapter_dtype=True)
         weights = parked["lora"] if parked else init
         if weights is not None:
             set_peft_model_state_dict(self.pm, weights)
         self.params = [p for p in self.pm.parameters() if p.requires_grad]
         self.total = spec.total_steps(len(train))
-        self.opt = torch.optim.AdamW(self.params, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+        self.opt = torch.optim.AdamW(self.params, lr=spec.learning_rate, betas=spec.betas, eps=spec.eps,
                                      weight_decay=spec.weight_decay, fused=self.dev.type == "cuda")
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: lr_factor(s, spec.warmup_steps, self.total, spec.schedule))

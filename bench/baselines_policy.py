@@ -9,13 +9,13 @@ from dataclasses import dataclass, replace
 
 from contract.protocol import EarlyExitSettings, EvalSettings
 from trainer.colocate import eval_subset_size
-from trainer.jobs import JobSpec
+from trainer.jobs import TrainJob
 
 SEED_STRIDE = 1000  # --seed s: job seeds index + 1000 s (s = 0: bench/task_e2e.py's jobs)
 
 
 # ----------------------------------------------------------------------------- grids
-def grid48(n_train: int, seed: int = 0) -> list[JobSpec]:
+def grid48(n_train: int, seed: int = 0) -> list[TrainJob]:
     """48 configurations, learning rate x batch size x rank, full factorial: lr 1e-4..1e-1 (the
     last one diverges), batch sizes 1/2/4/16, ranks 8/16/64 (alpha = 2 rank), one epoch."""
     del n_train  # one epoch of every job: its steps follow from the data
@@ -23,12 +23,12 @@ def grid48(n_train: int, seed: int = 0) -> list[JobSpec]:
     for lr in (1e-4, 1e-3, 1e-2, 1e-1):
         for bs in (1, 2, 4, 16):
             for rank in (8, 16, 64):
-                jobs.append(JobSpec(f"lr{lr:g}_b{bs}_r{rank}", rank=rank, alpha=2.0 * rank, lr=lr,
+                jobs.append(TrainJob(f"lr{lr:g}_b{bs}_r{rank}", lora_rank=rank, lora_alpha=2.0 * rank, learning_rate=lr,
                                     batch_size=bs, epochs=1.0, seed=len(jobs) + SEED_STRIDE * seed))
     return jobs
 
 
-def grid_for(n_configs: int, n_train: int, seed: int = 0) -> list[JobSpec]:
+def grid_for(n_configs: int, n_train: int, seed: int = 0) -> list[TrainJob]:
     """The 32-configuration grid of bench/task_e2e.py or the 48 one, job seeds offset by seed."""
     if n_configs == 48:
         return grid48(n_train, seed)
@@ -52,7 +52,7 @@ class EvalPolicy:
     ranking_samples: int | None = None
 
     @classmethod
-    def for_jobs(cls, ev: EvalSettings, ee: EarlyExitSettings, full: int, jobs: Sequence[JobSpec],
+    def for_jobs(cls, ev: EvalSettings, ee: EarlyExitSettings, full: int, jobs: Sequence[TrainJob],
                  n_train: int, ranked: bool) -> EvalPolicy:
         samples = max(ee.warmup_steps(j.total_steps(n_train)) * j.batch_size for j in jobs)
         return cls(ev, ee, full, samples if ranked else None)

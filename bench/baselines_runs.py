@@ -21,7 +21,7 @@ from baselines_policy import EvalPolicy  # noqa: E402
 
 from trainer.data import Example, JobDataStream  # noqa: E402
 from trainer.early_exit import warmup_ranking  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 from trainer.varlen import flash_varlen_available  # noqa: E402
 
 
@@ -78,7 +78,7 @@ def train_to(run: JobRun, policy: EvalPolicy, stop: int, val: Sequence[Example],
     rec.train.update(run.train_losses())
 
 
-def run_config(model: torch.nn.Module, spec: JobSpec, arm: Arm, train: Sequence[Example],
+def run_config(model: torch.nn.Module, spec: TrainJob, arm: Arm, train: Sequence[Example],
                val: Sequence[Example], policy: EvalPolicy, pad_id: int,
                init: dict[str, torch.Tensor] | None = None) -> tuple[torch.nn.Module, ConfigRecord]:
     """One configuration from attach to detach (c1, c2): (the base model back, its record)."""
@@ -102,9 +102,9 @@ def run_config(model: torch.nn.Module, spec: JobSpec, arm: Arm, train: Sequence[
     return model, rec
 
 
-def successive_halving(model: torch.nn.Module, jobs: Sequence[JobSpec], arm: Arm,
+def successive_halving(model: torch.nn.Module, jobs: Sequence[TrainJob], arm: Arm,
                        train: Sequence[Example], val: Sequence[Example], policy: EvalPolicy,
-                       pad_id: int, inits: Callable[[JobSpec], dict | None] = lambda _: None,
+                       pad_id: int, inits: Callable[[TrainJob], dict | None] = lambda _: None,
                        ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """(c3) Synchronous successive halving, one configuration at a time: rung 0 trains every
     configuration to its warmup budget (policy.rung: loraplex's warmup_steps of its own steps)
@@ -163,7 +163,7 @@ def uninject(engine: Any) -> None:
     engine.jobs.clear()
 
 
-def step0_losses(model: torch.nn.Module, spec: JobSpec, train: Sequence[Example], pad_id: int,
+def step0_losses(model: torch.nn.Module, spec: TrainJob, train: Sequence[Example], pad_id: int,
                  arms: Sequence[Arm], perturb: float = 0.02) -> dict[str, Any]:
     """The loss of the job's first micro-batch before any update, from loraplex's engine
     (MultiLoraEngine with this one job attached: its step 0 report) and from each arm's PEFT run

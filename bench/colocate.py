@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from contract.protocol import EarlyExitSettings, EvalSettings, TaskSettings  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 from trainer.tiny import _WORDS, train_tokenizer  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -51,7 +51,7 @@ class TaskSpec:
     task_id: str
     arrival_s: float
     train_file: Path
-    jobs: list[JobSpec]
+    jobs: list[TrainJob]
 
 
 @dataclass
@@ -94,8 +94,8 @@ def stream(root: Path, n: int, gap_s: float, seed: int, rows: int, steps: int) -
             "completion": " " + " ".join(rng.choice(_WORDS) for _ in range(rng.randint(8, 60)))}) + "\n"
             for _ in range(rows)))
         n_jobs = rng.randint(1, 2) if i % 3 == 0 else rng.randint(4, 8)
-        jobs = [JobSpec(f"t{i}j{k}", rank=rng.choice((8, 16, 32)), alpha=16.0,
-                        lr=rng.choice((1e-4, 3e-4, 1e-3, 3e-3)), batch_size=rng.choice((2, 4, 8)),
+        jobs = [TrainJob(f"t{i}j{k}", lora_rank=rng.choice((8, 16, 32)), lora_alpha=16.0,
+                        learning_rate=rng.choice((1e-4, 3e-4, 1e-3, 3e-3)), batch_size=rng.choice((2, 4, 8)),
                         max_steps=rng.randint(steps // 2, steps), seed=k) for k in range(n_jobs)]
         tasks.append(TaskSpec(f"task{i}", t, data, jobs))
         t += rng.expovariate(1.0 / gap_s) if gap_s > 0 else 0.0

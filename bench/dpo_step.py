@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.engine_step import llama8b_config  # noqa: E402
 from trainer.data import IGNORE, Example  # noqa: E402
 from trainer.dpo import DpoEngine  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 from trainer.pairs import PairExample  # noqa: E402
 
 N_JOBS = 8
@@ -127,7 +127,7 @@ def main() -> None:
             engine.detach(j)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        specs = [JobSpec(f"j{i}", rank=ranks[i % 3], alpha=2 * ranks[i % 3], lr=0.0, batch_size=b,
+        specs = [TrainJob(f"j{i}", lora_rank=ranks[i % 3], lora_alpha=2 * ranks[i % 3], learning_rate=0.0, batch_size=b,
                          beta=BETAS[i % 2], seed=i, max_steps=10_000) for i in range(N_JOBS)]
         g = torch.Generator().manual_seed(b)
         for s in specs:

@@ -39,7 +39,7 @@ from contract.protocol import EarlyExitSettings  # noqa: E402
 from trainer.admission import fit_memory_model, profile_memory  # noqa: E402
 from trainer.early_exit import warmup_steps  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -80,7 +80,7 @@ def profile(engine: MultiLoraEngine, epochs: int) -> str:
         if total_batch not in current:
             for job_id in list(engine.jobs):
                 engine.detach(job_id)
-            spec = JobSpec(job_id=f"profile-b{total_batch}", batch_size=total_batch, epochs=epochs)
+            spec = TrainJob(job_id=f"profile-b{total_batch}", batch_size=total_batch, epochs=epochs)
             current[total_batch] = engine.attach(spec).job_id
         engine.step()
 

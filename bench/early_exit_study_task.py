@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from contract.protocol import EarlyExitSettings  # noqa: E402
 from trainer.data import IGNORE, Example  # noqa: E402
 from trainer.early_exit import warmup_steps  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 
 VOCAB = list("0123456789+=") + ["<pad>", "<bos>", "<eos>"]
 TOK = {c: i for i, c in enumerate(VOCAB)}
@@ -120,8 +120,8 @@ class Plan:
     eval_every: int
     eval_at: frozenset[int]
 
-    def spec(self, epochs: int) -> JobSpec:
-        return JobSpec(job_id=self.job_id, rank=self.rank, alpha=16.0, lr=self.lr,
+    def spec(self, epochs: int) -> TrainJob:
+        return TrainJob(job_id=self.job_id, lora_rank=self.rank, lora_alpha=16.0, learning_rate=self.lr,
                        batch_size=self.batch_size, epochs=epochs, seed=self.seed)
 
 

@@ -22,7 +22,7 @@ from engine_step import RANKS, SEQ, floor_step, llama8b_config  # noqa: E402
 
 from trainer.data import Example  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 from trainer.packing import pack_step  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def main() -> None:
     examples = [Example(tuple(r.tolist()), tuple(r.tolist())) for r in data]
     eng = MultiLoraEngine(model, examples, pad_id=0, adapter_dtype=torch.bfloat16)
     for i in range(n):
-        eng.attach(JobSpec(f"j{i}", rank=RANKS[i % 3], alpha=2 * RANKS[i % 3], lr=1e-4, batch_size=1,
+        eng.attach(TrainJob(f"j{i}", lora_rank=RANKS[i % 3], lora_alpha=2 * RANKS[i % 3], learning_rate=1e-4, batch_size=1,
                            max_steps=10**6, seed=i))
     print("step", med(eng.step))
     states = list(eng.jobs.values())

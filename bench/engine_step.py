@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.data import Example  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 
 SEQ = 1024
 RANKS = (16, 32, 64)
@@ -200,7 +200,7 @@ def main() -> None:
                 engine.detach(j)
             torch.cuda.empty_cache()
             for i in range(n):
-                engine.attach(JobSpec(f"j{i}", rank=RANKS[i % 3], alpha=2 * RANKS[i % 3], lr=1e-4,
+                engine.attach(TrainJob(f"j{i}", lora_rank=RANKS[i % 3], lora_alpha=2 * RANKS[i % 3], learning_rate=1e-4,
                                       batch_size=1, max_steps=10_000, seed=i, max_grad_norm=1.0))
             # correctness: at init B = 0, so every job's first loss equals the backbone's on its row
             # (for the fused form this checks the Triton base GEMMs against cuBLAS's model)
@@ -232,7 +232,7 @@ def main() -> None:
     for j in list(engine.jobs):
         engine.detach(j)
     for i in range(n):
-        engine.attach(JobSpec(f"t{i}", rank=RANKS[i % 3], alpha=2 * RANKS[i % 3], lr=1e-4,
+        engine.attach(TrainJob(f"t{i}", lora_rank=RANKS[i % 3], lora_alpha=2 * RANKS[i % 3], learning_rate=1e-4,
                               batch_size=1, max_steps=10_000, seed=i))
     if not args.skip_torch:
         engine.backend = "torch"

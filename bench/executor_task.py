@@ -35,7 +35,7 @@ import task_e2e_data as te  # noqa: E402
 
 from contract.protocol import EvalSettings, TaskSettings  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 
@@ -51,9 +51,9 @@ def write_data(path: Path, n: int, seed: int) -> Path:
     return path
 
 
-def jobs(steps: int) -> list[JobSpec]:
+def jobs(steps: int) -> list[TrainJob]:
     grid = [(16, 1), (32, 2), (64, 4), (16, 2), (32, 4), (64, 1), (16, 4), (32, 1)]
-    return [JobSpec(f"j{i}", rank=r, alpha=2.0 * r, lr=lr, batch_size=b, max_steps=steps, seed=i)
+    return [TrainJob(f"j{i}", lora_rank=r, lora_alpha=2.0 * r, learning_rate=lr, batch_size=b, max_steps=steps, seed=i)
             for i, ((r, b), lr) in enumerate(zip(grid, [1e-4, 3e-4, 1e-3, 2e-4, 5e-4, 1e-3, 1e-4, 3e-4],
                                                  strict=True))]
 

@@ -31,7 +31,7 @@ from engine_step import llama8b_config  # noqa: E402
 
 from trainer.data import Example  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 
 
 def build(layers: int, recompute: bool, tokens: int) -> MultiLoraEngine:
@@ -47,8 +47,8 @@ def build(layers: int, recompute: bool, tokens: int) -> MultiLoraEngine:
         ids = torch.randint(0, 128000, (n,), generator=g).tolist()
         ex.append(Example(tuple(ids), tuple([-100] * (n // 3) + ids[n // 3:])))
     eng = MultiLoraEngine(model, ex, 0, gradient_checkpointing=recompute, attention="varlen")
-    eng.attach(JobSpec("a", rank=16, alpha=32, lr=1e-4, batch_size=1, max_steps=10**6, seed=1))
-    eng.attach(JobSpec("b", rank=64, alpha=128, lr=1e-4, batch_size=4, max_steps=10**6, seed=2))
+    eng.attach(TrainJob("a", lora_rank=16, lora_alpha=32, learning_rate=1e-4, batch_size=1, max_steps=10**6, seed=1))
+    eng.attach(TrainJob("b", lora_rank=64, lora_alpha=128, learning_rate=1e-4, batch_size=4, max_steps=10**6, seed=2))
     return eng
 
 

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.data import JobDataStream  # noqa: E402
-from trainer.jobs import JobSpec, JobState, make_optimizer  # noqa: E402
+from trainer.jobs import JobState, TrainJob, make_optimizer  # noqa: E402
 from trainer.multilora import JobAdapter  # noqa: E402
 
 H, FF, KV = 4096, 14336, 1024
@@ -34,7 +34,7 @@ LAYER = {"q_proj": (H, H), "k_proj": (H, KV), "v_proj": (H, KV), "o_proj": (H, H
 
 def make_state(rank: int, seed: int, layers: int) -> JobState:
     shapes = {f"model.layers.{i}.{n}": s for i in range(layers) for n, s in LAYER.items()}
-    spec = JobSpec(f"r{rank}_{seed}", rank=rank, alpha=2 * rank, lr=1e-3, batch_size=1, seed=seed)
+    spec = TrainJob(f"r{rank}_{seed}", lora_rank=rank, lora_alpha=2 * rank, learning_rate=1e-3, batch_size=1, seed=seed)
     adapter = JobAdapter(shapes, rank, 2 * rank, seed, torch.float32, "cuda")
     opt, sched = make_optimizer(spec, [adapter.flat], 10)
     g = torch.Generator(device="cuda").manual_seed(seed)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from contract.protocol import EarlyExitSettings, EvalSettings, TaskSettings  # noqa: E402
 from trainer.config import Callbacks, ExecutorConfig  # noqa: E402
 from trainer.export import load_peft_weights  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 from trainer.launch import run_executor  # noqa: E402
 from trainer.tiny import synthetic_corpus, train_tokenizer  # noqa: E402
 
@@ -66,7 +66,7 @@ def write_data(root: Path, method: str, n: int, seed: int) -> Path:
 def run(model: Path, root: Path, method: str, world: int, steps: int, seq: int,
         tag: str = "", reverse: bool = False) -> dict:
     out = root / f"{method}-w{world}{tag}"
-    jobs = [JobSpec(f"j{i}", rank=r, alpha=2 * r, lr=lr, batch_size=b, max_steps=steps, seed=i,
+    jobs = [TrainJob(f"j{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=lr, batch_size=b, max_steps=steps, seed=i,
                     **({"beta": beta} if method == "dpo" else {}))
             for i, (r, lr, b, beta) in enumerate(JOBS)]
     if reverse:  # the same jobs packed in another order: the rounding noise of a bf16 run

@@ -140,7 +140,7 @@ def main() -> None:  # noqa: PLR0915
         if time.perf_counter() - te.T0 > args.deadline_s:
             te.log("deadline: PEFT batch size", bs, "not measured")
             continue
-        sample = next(j for j in jobs if j.batch_size == bs and j.rank in (16, 64) and j.lr == 1e-3)
+        sample = next(j for j in jobs if j.batch_size == bs and j.lora_rank in (16, 64) and j.learning_rate == 1e-3)
         measured[bs], model = peft_job(model, sample, train, val, args.eval_every_samples)
         te.log("peft", measured[bs])
     extrapolated = load_s + sum(measured[j.batch_size]["seconds"] for j in jobs

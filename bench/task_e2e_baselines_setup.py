@@ -74,7 +74,7 @@ def load(model_dir: Path) -> torch.nn.Module:
 
 # ----------------------------------------------------------------------------- step 0
 def check_spec(jobs: list) -> Any:
-    return next((j for j in jobs if j.batch_size == 4 and j.lr == 1e-3), jobs[0])
+    return next((j for j in jobs if j.batch_size == 4 and j.learning_rate == 1e-3), jobs[0])
 
 
 def step0(model_dir: Path, jobs: list, train: list, pad: int, arms: list[str]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from task_e2e_data import DEV, free, large_model, log  # noqa: E402
 from task_e2e_runs import large_run  # noqa: E402
 
 from trainer.data import JobDataStream  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- timing
@@ -38,7 +38,7 @@ def jobs_meta(jobs: list, train: list, pol_b: EvalPolicy, pol_a: EvalPolicy) -> 
         for _ in range(total):
             toks.append(sum(len(train[i].input_ids) for i in stream.next_indices(j.batch_size)))
         rung = pol_a.rung(total)
-        out.append({"job": j.job_id, "bs": j.batch_size, "rank": j.rank, "lr": j.lr, "total": total,
+        out.append({"job": j.job_id, "bs": j.batch_size, "rank": j.lora_rank, "lr": j.learning_rate, "total": total,
                     "rung": rung, "tokens_total": sum(toks), "tokens_rung": sum(toks[:rung]), "step_tokens": toks,
                     "evals_full": [s for _, s in pol_b.evals(total, j.batch_size)],
                     "evals_rung": [s for _, s in pol_a.evals(total, j.batch_size, 0, rung)],
@@ -52,8 +52,8 @@ def measured_pairs(jobs: list) -> list[Any]:
     batch size measured)."""
     by = {}
     for j in jobs:
-        key = (j.batch_size, j.rank)
-        if key not in by or abs(math.log10(j.lr) + 3) < abs(math.log10(by[key].lr) + 3):
+        key = (j.batch_size, j.lora_rank)
+        if key not in by or abs(math.log10(j.learning_rate) + 3) < abs(math.log10(by[key].learning_rate) + 3):
             by[key] = j
     ranks = {bs: sorted(r for b, r in by if b == bs) for bs, _ in by}
     first = [by[(bs, rs[len(rs) // 2])] for bs, rs in sorted(ranks.items())]
@@ -65,12 +65,12 @@ def probe_checkpointing(model: torch.nn.Module, arm: bl.Arm, jobs: list, train: 
     batch size's worst micro-batch (its longest examples) at the grid's largest rank, largest
     batch size first; where it runs out of memory, that batch size and larger ones checkpoint."""
     out = {}
-    rank = max(j.rank for j in jobs)
+    rank = max(j.lora_rank for j in jobs)
     longest = sorted(train, key=lambda e: -len(e.input_ids))
     fits = True
     for bs in sorted({j.batch_size for j in jobs}, reverse=True):
         if fits:
-            spec = JobSpec("probe", rank=rank, alpha=2.0 * rank, batch_size=bs)
+            spec = TrainJob("probe", lora_rank=rank, lora_alpha=2.0 * rank, batch_size=bs)
             run = bl.JobRun(model, spec, arm, train, pad)
             try:
                 run.loss(longest[:bs]).backward()
@@ -95,8 +95,8 @@ def park_resume(model: torch.nn.Module, arm: bl.Arm, jobs: list, train: list, pa
     """(c3) per rank: seconds to park a configuration (state to the host, detach) and to resume
     it (attach, state back), after 2 steps of its smallest batch size."""
     out = {}
-    for rank in sorted({j.rank for j in jobs}):
-        spec = next(j for j in sorted(jobs, key=lambda j: j.batch_size) if j.rank == rank)
+    for rank in sorted({j.lora_rank for j in jobs}):
+        spec = next(j for j in sorted(jobs, key=lambda j: j.batch_size) if j.lora_rank == rank)
         run = bl.JobRun(model, spec, arm, train, pad)
         for _ in range(2):
             run.train_step()
@@ -132,7 +132,7 @@ def time_arm(name: str, model_dir: Path, tok: Any, t: dict, args: argparse.Names
             out["checkpointing"] = probe_checkpointing(model, arm, t["jobs"], train, pad)
             out["probe_s"] = time.perf_counter() - t1
         pairs = measured_pairs(t["jobs"])
-        warm = max(pairs, key=lambda j: (j.batch_size, -abs(j.rank - 16)))
+        warm = max(pairs, key=lambda j: (j.batch_size, -abs(j.lora_rank - 16)))
         run = bl.JobRun(model, warm, arm, train, pad)
         bl.sync(DEV)
         t1 = time.perf_counter()
@@ -141,11 +141,11 @@ def time_arm(name: str, model_dir: Path, tok: Any, t: dict, args: argparse.Names
         run.evaluate(val)
         bl.sync(DEV)
         out["first_use"] = {"seconds": time.perf_counter() - t1, "steps": min(3, run.total),
-                            "bs": warm.batch_size, "rank": warm.rank, "eval_size": len(val)}
+                            "bs": warm.batch_size, "rank": warm.lora_rank, "eval_size": len(val)}
         model = run.close()
         durations: dict[str, list[float]] = {}
         for spec in pairs:
-            key = f"{spec.batch_size},{spec.rank}"
+            key = f"{spec.batch_size},{spec.lora_rank}"
             if left(args) < args.reserve_s:
                 out["skipped"].append(key)
                 continue

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 
 K = 512  # words of the synthetic language
 P_NEXT = (0.5, 0.25, 0.15, 0.1)  # successor probabilities of a word (entropy 1.21 nats)
@@ -149,12 +149,12 @@ def small_model(path: Path, chain_a: list[list[int]], tokenizer, steps: int,  # 
     return path, loss
 
 
-def grid(n_train: int) -> list[JobSpec]:
+def grid(n_train: int) -> list[TrainJob]:
     """32 configurations: lr x batch size x two ranks (8/64 or 16/32 by batch size)."""
     jobs = []
     for lr in (1e-4, 1e-3, 1e-2, 1e-1):
         for k, bs in enumerate((1, 2, 4, 16)):
             for rank in ((8, 64) if k % 2 == 0 else (16, 32)):
-                jobs.append(JobSpec(f"lr{lr:g}_b{bs}_r{rank}", rank=rank, alpha=2.0 * rank, lr=lr,
+                jobs.append(TrainJob(f"lr{lr:g}_b{bs}_r{rank}", lora_rank=rank, lora_alpha=2.0 * rank, learning_rate=lr,
                                     batch_size=bs, epochs=1.0, seed=len(jobs)))
     return jobs

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from task_e2e_data import DEV, sync  # noqa: E402
 
 from trainer.data import IGNORE, JobDataStream  # noqa: E402
-from trainer.jobs import JobSpec, lr_factor  # noqa: E402
+from trainer.jobs import TrainJob, lr_factor  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -85,7 +85,7 @@ def collate(examples, pad: int, dev) -> tuple[torch.Tensor, torch.Tensor, torch.
     return ids.to(dev), mask.to(dev), lab.to(dev)
 
 
-def peft_job(model, spec: JobSpec, train, val, every: int, eval_bs: int = 8):  # noqa: ANN001, ANN201
+def peft_job(model, spec: TrainJob, train, val, every: int, eval_bs: int = 8):  # noqa: ANN001, ANN201
     """One configuration alone: PEFT LoRA on the 7 projections, AdamW + linear schedule, grad
     clip 1.0, dynamic padding, evaluation on the validation set every `every` samples and at the
     end, batches in the executor's data order (JobDataStream with the job's seed)."""
@@ -94,12 +94,12 @@ def peft_job(model, spec: JobSpec, train, val, every: int, eval_bs: int = 8):  #
     dev = DEV
     sync()
     t0 = time.perf_counter()
-    pm = get_peft_model(model, LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0,
+    pm = get_peft_model(model, LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=0.0,
                                           target_modules=TARGETS, task_type="CAUSAL_LM"),
                         autocast_adapter_dtype=True)
     params = [p for p in pm.parameters() if p.requires_grad]
     total = spec.total_steps(len(train))
-    opt = torch.optim.AdamW(params, lr=spec.lr, fused=True)
+    opt = torch.optim.AdamW(params, lr=spec.learning_rate, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 0, total))
     stream = JobDataStream(len(train), spec.seed)
     evals, eval_s = 0, 0.0
@@ -126,6 +126,6 @@ def peft_job(model, spec: JobSpec, train, val, every: int, eval_bs: int = 8):  #
             evals += 1
             eval_s += time.perf_counter() - e0
     sync()
-    out = {"job": spec.job_id, "batch_size": spec.batch_size, "rank": spec.rank, "steps": total,
+    out = {"job": spec.job_id, "batch_size": spec.batch_size, "rank": spec.lora_rank, "steps": total,
            "seconds": time.perf_counter() - t0, "evals": evals, "eval_s": eval_s}
     return out, pm.unload()

@@ -25,7 +25,7 @@ import trainer.engine as engine_mod  # noqa: E402
 from contract.protocol import EarlyExitSettings, EvalSettings, TaskSettings  # noqa: E402
 from trainer.data import read_jsonl, tokenize_all  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- executor runs
@@ -139,11 +139,11 @@ def install_recorder() -> dict:
     return rec
 
 
-def executor_cfg(model_dir: Path, data: tuple[Path, Path], out: Path, jobs: list[JobSpec],
+def executor_cfg(model_dir: Path, data: tuple[Path, Path], out: Path, jobs: list[TrainJob],
                  early_exit: bool, args: argparse.Namespace, cache: Path) -> ExecutorConfig:
     return ExecutorConfig(
         model_dir=str(model_dir), train_file=str(data[0]), val_file=str(data[1]),
-        output_dir=str(out), jobs=[JobSpec(**vars(j)) for j in jobs],
+        output_dir=str(out), jobs=[TrainJob(**vars(j)) for j in jobs],
         settings=TaskSettings(max_seq_len=args.seq, early_exit=EarlyExitSettings(enabled=early_exit),
                               eval=EvalSettings(eval_every_steps=50, eval_max_samples=args.n_val,
                                                 eval_every_samples=args.eval_every_samples)),
@@ -243,7 +243,7 @@ class PackOnlyExecutor(Executor):
         eng._job_loss_sum = lambda h, targets, index=None, n=None: (h.sum() * 0.0, n or 1)  # noqa: ARG005
 
 
-def pack_only(args: argparse.Namespace, root: Path, data: tuple[Path, Path], jobs: list[JobSpec],
+def pack_only(args: argparse.Namespace, root: Path, data: tuple[Path, Path], jobs: list[TrainJob],
               tok) -> dict:  # noqa: ANN001
     """Shapes and padding of (b) on the CPU: rows in free shapes, rows in bucketed shapes, one
     varlen row."""
@@ -265,7 +265,7 @@ def pack_only(args: argparse.Namespace, root: Path, data: tuple[Path, Path], job
 
 
 def large_run(name: str, ee: bool, attention: str, *, args: argparse.Namespace, root: Path,
-              large_dir: Path, data: tuple[Path, Path], jobs: list[JobSpec], trace: Record | None,
+              large_dir: Path, data: tuple[Path, Path], jobs: list[TrainJob], trace: Record | None,
               cache: Path, res: dict, floor: bool = True) -> dict:
     """One executor run at the large shape ((a) with early exit, (b) without), the small model's
     losses replayed (trace); (b) also times the floor on its own packed batches. `res` holds the

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from trainer.data import JobDataStream
-from trainer.jobs import JobSpec, JobState, load_init_adapter, make_optimizer
+from trainer.jobs import JobState, TrainJob, load_init_adapter, make_optimizer
 from trainer.multilora import JobAdapter, StepLayout
 
 
@@ -54,10 +54,10 @@ class AdapterArena:
             self.jobs[job_id].adapter.flat.data = arena[lo:hi]
 
     # ----- attach / detach -------------------------------------------------------------
-    def new_job(self, spec: JobSpec) -> JobState:
+    def new_job(self, spec: TrainJob) -> JobState:
         """Create a job's fresh state (adapter init, optimizer, data order) without attaching it."""
         adapter = JobAdapter(
-            self.shapes, spec.rank, spec.alpha, spec.seed, self.adapter_dtype, self.device, spec.use_rslora
+            self.shapes, spec.lora_rank, spec.lora_alpha, spec.seed, self.adapter_dtype, self.device, spec.use_rslora
         )
         if spec.init_adapter is not None:
             load_init_adapter(adapter, spec.init_adapter)
@@ -66,9 +66,9 @@ class AdapterArena:
         stream = JobDataStream(len(self.train_examples), spec.seed)
         return JobState(spec, adapter, opt, sched, stream, total)
 
-    def attach(self, job: JobSpec | JobState) -> JobState:
+    def attach(self, job: TrainJob | JobState) -> JobState:
         """Put a job into a slot (new from a spec, or a parked/restored state); no rebuild."""
-        state = self.new_job(job) if isinstance(job, JobSpec) else job.to(self.device)
+        state = self.new_job(job) if isinstance(job, TrainJob) else job.to(self.device)
         if state.job_id in self.jobs:
             raise ValueError(f"job {state.job_id} is already attached")
         flat = state.adapter.flat

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import threading
 import time
+import types
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 
 from trainer.engine import MultiLoraEngine
-from trainer.jobs import JobSpec, JobState
+from trainer.jobs import LEGACY_FIELDS, JobState, TrainJob
 
 
 def job_state_dict(state: JobState, copy: bool = True) -> dict[str, Any]:
@@ -39,11 +41,11 @@ def job_state_dict(state: JobState, copy: bool = True) -> dict[str, Any]:
     return take_snapshot(live).wait() if copy else live
 
 
-def spec_from_dict(d: dict[str, Any]) -> JobSpec:
-    known = {f.name for f in fields(JobSpec)}
-    d = {k: v for k, v in d.items() if k in known}
+def spec_from_dict(d: dict[str, Any]) -> TrainJob:
+    known = {f.name for f in fields(TrainJob)}
+    d = {name: v for k, v in d.items() if (name := LEGACY_FIELDS.get(k, k)) in known}
     d["betas"] = tuple(d.get("betas", (0.9, 0.999)))
-    return JobSpec(**d)
+    return TrainJob(**d)
 
 
 def restore_job(engine: MultiLoraEngine, d: dict[str, Any]) -> JobState:
@@ -86,9 +88,20 @@ def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
     return path
 
 
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("trainer.jobs", "JobSpec"):  # TrainJob's name before
+            return TrainJob
+        return super().find_class(module, name)
+
+
+_PICKLE = types.SimpleNamespace(__name__="pickle", Unpickler=_Unpickler, load=pickle.load)
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    # our own file (job specs, scheduler state are plain python objects): not weights_only
-    return torch.load(path, map_location="cpu", weights_only=False)
+    # our own file (job specs, scheduler state are plain python objects): not weights_only;
+    # one written by an earlier version (a task paused across an upgrade) still loads
+    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
 
 
 # ----- snapshots and the writer thread --------------------------------------------------------

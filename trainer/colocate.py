@@ -41,7 +41,7 @@ from trainer.data import Example, read_jsonl, split_validation
 from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
 from trainer.evaluation import eval_forwards
 from trainer.export import export_peft, peft_config_dict, write_peft
-from trainer.jobs import JobSpec, JobState
+from trainer.jobs import JobState, TrainJob
 from trainer.pairs import PairExample
 from trainer.task_files import TaskFiles
 from trainer.task_parts import JobSlot, StepNumbers, TaskStream, ThroughputWindow
@@ -70,7 +70,7 @@ class TaskRun(TaskFiles):
         self.monitors = {j.job_id: JobMonitor(early_exit) for j in cfg.jobs}
         ranked = early_exit.enabled and len(cfg.jobs) > 1
         self.ranking = WarmupRanking([j.job_id for j in cfg.jobs], early_exit.keep_fraction) if ranked else None
-        self.queue: list[JobSpec | JobSlot] = list(cfg.jobs)  # never started, then parked
+        self.queue: list[TrainJob | JobSlot] = list(cfg.jobs)  # never started, then parked
         self.placed: dict[str, JobSlot] = {}  # its running jobs of every rank, in placement order
         self.parked: dict[str, JobState] = {}  # this rank's parked jobs of the task (on CPU)
         self.global_step = 0  # executor steps this task took part in (resumed from its state.pt)
@@ -137,25 +137,25 @@ class TaskRun(TaskFiles):
         state.stream = TaskStream(state.stream, self.base or 0)
         return state
 
-    def new_job(self, spec: JobSpec) -> JobState:
+    def new_job(self, spec: TrainJob) -> JobState:
         return self._job_state(lambda: self.host.engine.new_job(spec))
 
     def restore(self, d: dict[str, Any]) -> JobState:
         return self._job_state(lambda: restore_job(self.host.engine, d))
 
     # ----- admission ---------------------------------------------------------------------------
-    def candidates(self, rank: int) -> list[JobSpec | JobSlot]:
+    def candidates(self, rank: int) -> list[TrainJob | JobSlot]:
         """Queued jobs that may start on `rank` now: a parked job returns to its own rank only,
         and during warmup only never-started jobs rotate in; none past the task's own job cap."""
         cap = self.cfg.max_active_jobs
         if cap is not None and sum(s.owner == rank for s in self.placed.values()) >= cap:
             return []
         ranking_open = self.ranking is not None and self.ranking.result is None
-        return [q for q in self.queue if isinstance(q, JobSpec) or (q.owner == rank and not ranking_open)]
+        return [q for q in self.queue if isinstance(q, TrainJob) or (q.owner == rank and not ranking_open)]
 
     def fail_unschedulable(self) -> None:
         host = self.host
-        for job_id in host.admission.unschedulable([q for q in self.queue if isinstance(q, JobSpec)]):
+        for job_id in host.admission.unschedulable([q for q in self.queue if isinstance(q, TrainJob)]):
             self.queue = [q for q in self.queue if q.job_id != job_id]
             self.set_state(job_id, JobLifecycle.FAILED, {"error": "does not fit the executor's memory even alone"})
             if self.ranking is not None:
@@ -282,7 +282,7 @@ class TaskRun(TaskFiles):
         if self.ranking is None or self.ranking.result is not None:
             return
         host = self.host
-        fresh_waiting = any(isinstance(q, JobSpec) for q in self.queue)
+        fresh_waiting = any(isinstance(q, TrainJob) for q in self.queue)
         for job_id, s in list(self.placed.items()):
             if self.in_warmup(job_id) and s.step >= self.warmup_len(s):
                 mon = self.monitors[job_id]

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from contract.protocol import EvalSettings, TaskSettings
-from trainer.jobs import JobSpec
+from trainer.jobs import TrainJob
 
 
 def _noop(*_: Any) -> None:
@@ -59,7 +59,7 @@ class ExecutorConfig:
     model_dir: str
     train_file: str
     output_dir: str
-    jobs: list[JobSpec]
+    jobs: list[TrainJob]
     val_file: str | None = None
     # the task's settings exactly as the placement carries them (validation split and seed,
     # max_seq_len, evaluation, early exit, target modules), read where they are used; a new
@@ -101,7 +101,7 @@ class ExecutorConfig:
     # write_buffer_bytes bounds the snapshots waiting (the loop waits beyond it; one always may)
     async_writes: bool = True
     write_buffer_bytes: float = 4 * 2**30
-    method: str = "sft"  # sft | dpo (preference pairs; JobSpec.beta per job)
+    method: str = "sft"  # sft | dpo (preference pairs; TrainJob.beta per job)
     world_size: int = 1  # GPUs of the placement; > 1: adapter parallelism (FSDP2 backbone)
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""One job of the engine: its specification (`JobSpec`, the hyperparameters as the engine
+"""One job of the engine: its specification (`TrainJob`, the hyperparameters as the engine
 consumes them), its optimizer and schedule, the AdamW step of many jobs at once, and its state
 across steps (`JobState`: adapter, optimizer, data position; parked on the host between turns).
 """
@@ -41,15 +41,21 @@ def load_init_adapter(adapter: JobAdapter, path: str) -> None:
             dst.copy_(v)
 
 
+# a job's fields in checkpoints written before they took the contract's names
+LEGACY_FIELDS = {"rank": "lora_rank", "alpha": "lora_alpha", "lr": "learning_rate"}
+
+
 @dataclass
-class JobSpec:
-    """One job's hyperparameters (a configuration of the task's search space)."""
+class TrainJob:
+    """One job as the engine trains it: the contract's configuration (contract.protocol.
+    JobHyperparameters, its fields under their own names) and how it is trained."""
 
     job_id: str
-    rank: int = 8
-    alpha: float = 16.0
-    lr: float = 1e-4
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    learning_rate: float = 1e-4
     batch_size: int = 4
+    beta: float = 0.1  # DPO only: strength of the KL anchor to the reference (the backbone)
     epochs: float = 1.0
     max_steps: int | None = None
     warmup_steps: int = 0
@@ -60,18 +66,21 @@ class JobSpec:
     max_grad_norm: float | None = 1.0
     seed: int = 0
     use_rslora: bool = False
-    beta: float = 0.1  # DPO only: strength of the KL anchor to the reference (the backbone)
     # A PEFT adapter (its directory, or its adapter_model.safetensors) the job starts from
     # instead of a fresh init; rank and alpha must be the adapter's. Optimizer state is fresh.
     init_adapter: str | None = None
 
     @classmethod
     def from_hyperparameters(cls, job_id: str, hp: JobHyperparameters, *, epochs: float,
-                             seed: int) -> JobSpec:
-        """The engine's job from the task contract's configuration (contract.protocol)."""
-        extra = {"beta": hp.beta} if hp.beta is not None else {}
-        return cls(job_id=job_id, rank=hp.lora_rank, alpha=hp.lora_alpha, lr=hp.learning_rate,
-                   batch_size=hp.batch_size, epochs=float(epochs), seed=seed, **extra)
+                             seed: int) -> TrainJob:
+        """The engine's job of one configuration of the task (its hyperparameters as they are)."""
+        given = {k: v for k, v in hp.model_dump().items() if v is not None}  # beta: DPO's alone
+        return cls(job_id=job_id, **given, epochs=float(epochs), seed=seed)
+
+    def __setstate__(self, state: dict) -> None:
+        # unpickled from a checkpoint (a queued job): one written before the fields took the
+        # contract's names still reads
+        self.__dict__.update({LEGACY_FIELDS.get(k, k): v for k, v in state.items()})
 
     def total_steps(self, n_train: int) -> int:
         if self.max_steps is not None:
@@ -93,13 +102,13 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str = "linear") -> f
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
-def make_optimizer(spec: JobSpec, params: Sequence[nn.Parameter], total: int):  # noqa: ANN201
+def make_optimizer(spec: TrainJob, params: Sequence[nn.Parameter], total: int):  # noqa: ANN201
     """The job's own AdamW and LambdaLR (the same objects a PEFT run of the job alone uses). The
     engine applies the update itself, for every job of a step at once (`multi_adamw`, the same
     math); the optimizer holds the job's hyperparameters and state (step on the host, moments
     beside the weights) in torch's format, for checkpoints."""
     opt = torch.optim.AdamW(
-        list(params), lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
+        list(params), lr=spec.learning_rate, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay,
         foreach=False, fused=False,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -151,7 +160,7 @@ def multi_adamw(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[to
 class JobState:
     """Everything of one job that lives across steps (moved to CPU when the job is parked)."""
 
-    spec: JobSpec
+    spec: TrainJob
     adapter: JobAdapter
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler

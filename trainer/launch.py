@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from contract.protocol import EarlyExitSettings, EvalSettings, TaskSettings
+from trainer.checkpoint import spec_from_dict
 from trainer.config import CALLBACK_KINDS, Callbacks, ExecutorConfig
 from trainer.executor import Executor
-from trainer.jobs import JobSpec
 from trainer.parallel import AdapterParallel, free_port, init_rank
 
 
@@ -141,11 +141,11 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description="Run one task's jobs on this machine.")
     parser.add_argument("config", help="JSON file with ExecutorConfig fields; jobs as a list of "
-                        "JobSpec dicts, settings as contract.protocol.TaskSettings")
+                        "TrainJob dicts, settings as contract.protocol.TaskSettings")
     parser.add_argument("--nproc", type=int, default=None, help="ranks (GPUs); default world_size")
     args = parser.parse_args(argv)
     raw = json.loads(Path(args.config).read_text())
-    raw["jobs"] = [JobSpec(**{**j, "betas": tuple(j.get("betas", (0.9, 0.999)))}) for j in raw["jobs"]]
+    raw["jobs"] = [spec_from_dict(j) for j in raw["jobs"]]
     if "settings" in raw:  # nested by hand: the plain contract (no pydantic) does not parse
         settings = dict(raw["settings"])
         for name, kind in (("early_exit", EarlyExitSettings), ("eval", EvalSettings)):

@@ -21,7 +21,7 @@ from trainer.admission import (
     profile_memory,
     store_profile,
 )
-from trainer.jobs import JobSpec
+from trainer.jobs import TrainJob
 
 log = logging.getLogger("loraplex.executor")
 
@@ -68,7 +68,7 @@ class MemoryPlanning:
         probe = self.objective.probe_items(rows, cfg.max_seq_len)
         saved, eng.train_examples = eng.train_examples, probe
         try:
-            eng.attach(JobSpec("__probe__", rank=max(j.rank for j in cfg.jobs), lr=0.0,
+            eng.attach(TrainJob("__probe__", lora_rank=max(j.lora_rank for j in cfg.jobs), learning_rate=0.0,
                                batch_size=total_batch, max_steps=1))
             parked = {j: eng.detach(j) for j in list(eng.jobs) if j != "__probe__"}
             try:
@@ -122,7 +122,7 @@ class MemoryPlanning:
             seq_len=cfg.max_seq_len, gpu=gpu, torch=torch.__version__, method=cfg.method,
             targets=sorted(eng.targets), gradient_checkpointing=recompute,
             adapter_dtype=cfg.adapter_dtype, backend=cfg.backend, ranks=self.world,
-            max_lora_rank=max(j.rank for j in cfg.jobs), attention=eng.attention)
+            max_lora_rank=max(j.lora_rank for j in cfg.jobs), attention=eng.attention)
 
     def _stored_memory_model(self, recompute: bool = True) -> MemoryModel:
         """The node's stored profile for this key, or a fresh measurement that is then stored

@@ -275,12 +275,12 @@ def executor_config(spec: PlacementSpec, directory: Path):  # noqa: ANN201 - tra
     """The trainer's configuration of this placement: the task's settings as the contract has
     them (contract.protocol), the daemon's files, and one rank per GPU of the placement."""
     from trainer.config import ExecutorConfig
-    from trainer.jobs import JobSpec as EngineJob
+    from trainer.jobs import TrainJob
 
     paths = inputs(directory, spec)
     start = init_adapter_dir(directory, spec)
     cfg = spec.settings
-    jobs = [replace(EngineJob.from_hyperparameters(j.job_id, j.hyperparameters, epochs=cfg.epochs,
+    jobs = [replace(TrainJob.from_hyperparameters(j.job_id, j.hyperparameters, epochs=cfg.epochs,
                                                    seed=cfg.seed + j.index), init_adapter=start)
             for j in spec.jobs]
     return ExecutorConfig(

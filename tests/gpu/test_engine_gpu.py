@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, train_alone_peft  # noqa: E402
 from trainer.data import parse_record, tokenize_all  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 
 SPECS = [(2, 1e-3, 1), (8, 5e-3, 2), (16, 2e-3, 3)]
 
@@ -32,7 +32,7 @@ def test_engine_matches_peft_on_cuda(tmp_path) -> None:
     d = tiny_model_dir("llama", tmp_path)
     tok = AutoTokenizer.from_pretrained(d)
     ex = tokenize_all(tok, [parse_record(r) for r in synthetic_rows(30)], 64)
-    specs = [JobSpec(f"j{i}", rank=r, alpha=2 * r, lr=lr, batch_size=b, seed=i, max_steps=8)
+    specs = [TrainJob(f"j{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=lr, batch_size=b, seed=i, max_steps=8)
              for i, (r, lr, b) in enumerate(SPECS)]
     eng = _engine(d, ex, tok, specs)
     inits = {j: {k: v.detach().cpu().clone() for k, v in s.adapter.peft_state_dict().items()}
@@ -60,9 +60,9 @@ def test_nan_job_does_not_touch_others_on_cuda(tmp_path) -> None:
     # the healthy run twice: atomic adds in the kernels' weight-gradient sums may reorder float
     # additions between runs; the NaN run must differ from the healthy one by no more than that
     for name, bad_lr in (("healthy", 1e-3), ("healthy_again", 1e-3), ("nan", 1e30)):
-        specs = [JobSpec(f"j{i}", rank=r, alpha=2 * r, lr=lr, batch_size=b, seed=i, max_steps=6)
+        specs = [TrainJob(f"j{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=lr, batch_size=b, seed=i, max_steps=6)
                  for i, (r, lr, b) in enumerate(SPECS)]
-        specs.append(JobSpec("bad", rank=4, alpha=8, lr=bad_lr, batch_size=2, seed=9,
+        specs.append(TrainJob("bad", lora_rank=4, lora_alpha=8, learning_rate=bad_lr, batch_size=2, seed=9,
                              max_steps=6, max_grad_norm=None))
         eng = _engine(d, ex, tok, specs)
         skipped = 0

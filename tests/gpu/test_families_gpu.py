@@ -22,7 +22,7 @@ from trainer import varlen  # noqa: E402
 from trainer.data import parse_record, tokenize_all  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
 from trainer.export import export_peft  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 from trainer.tiny import make_tiny_model  # noqa: E402
 
 # family -> the windows the flash kernel may see (None: a global layer), or "exact" for a
@@ -49,7 +49,7 @@ def test_varlen_on_cuda_is_the_models_own_loss(family: str, tmp_path: Path,
     assert max(len(e.input_ids) for e in examples[16:]) > 16  # longer than the windows
     model = base_model(model_dir).to("cuda", torch.bfloat16)
     engine = MultiLoraEngine(model, examples[:16], tokenizer.pad_token_id, attention="varlen")
-    engine.attach(JobSpec("job", rank=4, alpha=8.0, lr=3e-2, batch_size=4, max_steps=3, seed=0))
+    engine.attach(TrainJob("job", lora_rank=4, lora_alpha=8.0, learning_rate=3e-2, batch_size=4, max_steps=3, seed=0))
     for _ in range(3):
         engine.step()
 

@@ -13,7 +13,7 @@ from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir  # noqa: E40
 from trainer.checkpoint import job_state_dict  # noqa: E402
 from trainer.data import parse_record, tokenize_all  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 
 
 def test_park_on_host_async_then_resume(tmp_path) -> None:
@@ -25,7 +25,7 @@ def test_park_on_host_async_then_resume(tmp_path) -> None:
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).cuda()
     eng = MultiLoraEngine(model, ex, tok.pad_token_id, backend="auto")
     for i, r in enumerate((4, 8)):
-        eng.attach(JobSpec(f"j{i}", rank=r, alpha=2 * r, lr=1e-2, batch_size=2, seed=i, max_steps=6))
+        eng.attach(TrainJob(f"j{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=1e-2, batch_size=2, seed=i, max_steps=6))
     for _ in range(3):
         eng.step()
     st = eng.jobs["j0"]

@@ -14,14 +14,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 from contract.protocol import EarlyExitSettings, EvalSettings, TaskSettings  # noqa: E402
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
-from trainer.jobs import JobSpec  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
 
 
 def _cfg(tmp_path, out: str, cache) -> ExecutorConfig:  # noqa: ANN001
     d = tiny_model_dir("llama", tmp_path)
     train = write_jsonl(tmp_path / "train.jsonl", synthetic_rows(40, seed=1, fmt="completion"))
     val = write_jsonl(tmp_path / "val.jsonl", synthetic_rows(12, seed=2, fmt="completion"))
-    jobs = [JobSpec(f"j{i}", rank=r, alpha=2 * r, lr=3e-3, batch_size=b, max_steps=6, seed=i)
+    jobs = [TrainJob(f"j{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=3e-3, batch_size=b, max_steps=6, seed=i)
             for i, (r, b) in enumerate([(4, 1), (8, 2), (16, 4)])]
     return ExecutorConfig(model_dir=str(d), train_file=str(train), val_file=str(val),
                           output_dir=str(tmp_path / out), jobs=jobs, profile_cache=str(cache),
@@ -58,7 +58,7 @@ def test_profile_stored_once_and_reused_then_wide_eval(tmp_path) -> None:  # noq
     assert second.eval_shape(3) == (12, 36)
     eng = second.engine
     for spec in second.cfg.jobs:
-        eng.attach(JobSpec(**{**vars(spec), "job_id": spec.job_id + "_x"}))
+        eng.attach(TrainJob(**{**vars(spec), "job_id": spec.job_id + "_x"}))
     narrow = eng.evaluate_metrics(second.val, 1, None, 1)
     wide = eng.evaluate_metrics(second.val, 12, None, 36)
     for j in narrow:

@@ -12,7 +12,7 @@ import torch
 
 from contract.families import LLAMA_LINEARS as DEFAULT_TARGETS
 from trainer.data import IGNORE, Example, JobDataStream
-from trainer.jobs import JobSpec, make_optimizer
+from trainer.jobs import TrainJob, make_optimizer
 from trainer.tiny import _WORDS, make_tiny_model
 
 _CACHE: dict[str, Path] = {}
@@ -50,13 +50,13 @@ def write_jsonl(path: Path, rows: Sequence[dict]) -> Path:
     return path
 
 
-def peft_model(model_dir: Path, spec: JobSpec, init: dict[str, torch.Tensor], targets=DEFAULT_TARGETS):  # noqa: ANN001, ANN201
+def peft_model(model_dir: Path, spec: TrainJob, init: dict[str, torch.Tensor], targets=DEFAULT_TARGETS):  # noqa: ANN001, ANN201
     """The base model with a PEFT LoRA adapter of the job's rank/alpha, weights set from `init`."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(targets),
+    cfg = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, target_modules=list(targets),
                      lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", use_rslora=spec.use_rslora)
     model = get_peft_model(base, cfg)
     result = set_peft_model_state_dict(model, init)
@@ -79,7 +79,7 @@ def padded_batch(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Te
 
 
 def train_alone_peft(
-    model_dir: Path, spec: JobSpec, init: dict[str, torch.Tensor], train: Sequence[Example],
+    model_dir: Path, spec: TrainJob, init: dict[str, torch.Tensor], train: Sequence[Example],
     steps: int, pad_id: int, targets=DEFAULT_TARGETS,  # noqa: ANN001
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train one job alone with PEFT: same init, data order, AdamW and schedule as the engine.

@@ -15,7 +15,7 @@ from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from tests.helpers.executor_cfg import executor_config
 from trainer.executor import Callbacks, Executor, ExecutorConfig
 from trainer.export import load_peft_weights
-from trainer.jobs import JobSpec
+from trainer.jobs import TrainJob
 from trainer.launch import run_parallel
 
 P = 2
@@ -51,7 +51,7 @@ def root(tmp_path_factory) -> Path:  # noqa: ANN001
 def config(root: Path, out: str, **kw) -> ExecutorConfig:
     d = tiny_model_dir("llama", root)
     train = write_jsonl(root / "train.jsonl", synthetic_rows(30, seed=5, fmt="completion"))
-    jobs = [JobSpec(f"job{i}", rank=r, alpha=2 * r, lr=lr, batch_size=b, max_steps=12, seed=i)
+    jobs = [TrainJob(f"job{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=lr, batch_size=b, max_steps=12, seed=i)
             for i, (r, lr, b) in enumerate(JOBS)]
     base = dict(model_dir=str(d), train_file=str(train), output_dir=str(root / out), jobs=jobs,
                 max_seq_len=48, eval=EvalSettings(eval_every_steps=4, eval_max_samples=None), checkpoint_every=5, max_active_jobs=1,
@@ -180,8 +180,8 @@ def _collectives_rank(rank: int, world: int, port: int, model_dir: str) -> None:
             setattr(dist, name, wrapped)
     # rank 0 trains 'a'; rank 1 trains 'nan' (lr 1e30: every loss after its first update is
     # non-finite, the case where one process would skip the backward), then idles
-    spec = (JobSpec("a", rank=4, alpha=8, lr=1e-2, batch_size=2, max_steps=4, seed=1) if rank == 0 else
-            JobSpec("nan", rank=4, alpha=8, lr=1e30, batch_size=2, max_steps=3, seed=2))
+    spec = (TrainJob("a", lora_rank=4, lora_alpha=8, learning_rate=1e-2, batch_size=2, max_steps=4, seed=1) if rank == 0 else
+            TrainJob("nan", lora_rank=4, lora_alpha=8, learning_rate=1e30, batch_size=2, max_steps=3, seed=2))
     eng.attach(spec)
     ref.attach(spec)
     for step in range(4):
@@ -223,7 +223,7 @@ def test_dpo_on_2_ranks_matches_one_process(root) -> None:  # noqa: ANN001
     from tests.unit.test_dpo import preference_rows
 
     train = write_jsonl(root / "pairs.jsonl", preference_rows(16, seed=3))
-    jobs = [JobSpec(f"d{i}", rank=4, alpha=8, lr=lr, batch_size=2, max_steps=6, seed=i, beta=beta)
+    jobs = [TrainJob(f"d{i}", lora_rank=4, lora_alpha=8, learning_rate=lr, batch_size=2, max_steps=6, seed=i, beta=beta)
             for i, (lr, beta) in enumerate([(1e-2, 0.1), (5e-3, 0.5), (2e-2, 0.2)])]
     kw = dict(method="dpo", train_file=str(train), jobs=jobs, max_seq_len=40,
               eval=EvalSettings(eval_every_steps=3, eval_max_samples=None), eval_batch_size=4,

@@ -245,7 +245,8 @@ import json, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from kernels import set_default_form
 from trainer.data import Example
-from trainer.engine import JobSpec, MultiLoraEngine
+from trainer.engine import MultiLoraEngine
+from trainer.jobs import TrainJob
 
 
 def losses(backend, form):
@@ -257,7 +258,8 @@ def losses(backend, form):
     eng = MultiLoraEngine(model, [Example(tuple(r.tolist()), tuple(r.tolist())) for r in data], pad_id=0,
                           backend=backend)
     for i, r in enumerate([8, 16, 24]):  # mixed ranks, one not a power of two
-        eng.attach(JobSpec(f"j{i}", rank=r, alpha=2 * r, lr=1e-2, batch_size=1, max_steps=100, seed=i))
+        eng.attach(TrainJob(f"j{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=1e-2, batch_size=1, max_steps=100,
+                            seed=i))
     set_default_form(form)
     out = []
     for _ in range(2):  # the second step's losses see the first step's gradients and updates

@@ -29,7 +29,7 @@ from trainer import colocate, task_files
 from trainer import export as export_mod
 from trainer.checkpoint import FileWriter
 from trainer.executor import Callbacks, Executor, ExecutorConfig
-from trainer.jobs import JobSpec
+from trainer.jobs import TrainJob
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TERMINAL = ("completed", "exited")
@@ -110,7 +110,7 @@ def files(tmp_path_factory):  # noqa: ANN001, ANN201
 
 def config(files, out: Path, data: int = 1, **kw) -> ExecutorConfig:  # noqa: ANN001
     """Six jobs of 12 steps, three at a time (warmup rotation, ranking, a diverging job)."""
-    jobs = [JobSpec(f"{out.name}{i}", rank=r, alpha=2 * r, lr=lr, batch_size=b, max_steps=12, seed=i)
+    jobs = [TrainJob(f"{out.name}{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=lr, batch_size=b, max_steps=12, seed=i)
             for i, (r, lr, b) in enumerate([(4, 3e-3, 2), (8, 1e-2, 2), (2, 1e-3, 3), (4, 1e30, 2),
                                             (8, 5e-3, 3), (4, 2e-3, 2)])]
     base = dict(model_dir=str(files[0]), train_file=str(files[data]), output_dir=str(out), jobs=jobs,

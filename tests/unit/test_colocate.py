@@ -30,7 +30,7 @@ from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from tests.helpers.executor_cfg import executor_config
 from trainer import engine as engine_mod
 from trainer.executor import Callbacks, Executor, ExecutorConfig
-from trainer.jobs import JobSpec
+from trainer.jobs import TrainJob
 from trainer.packing import PackedBatch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -78,7 +78,7 @@ def files(tmp_path_factory):  # noqa: ANN001, ANN201
     return root, tiny_model_dir("llama", root), {k: write_jsonl(root / f"{k}.jsonl", v) for k, v in rows.items()}
 
 
-def task_cfg(files, tmp_path: Path, name: str, data: str, jobs: list[JobSpec], **kw) -> ExecutorConfig:  # noqa: ANN001
+def task_cfg(files, tmp_path: Path, name: str, data: str, jobs: list[TrainJob], **kw) -> ExecutorConfig:  # noqa: ANN001
     _, model, paths = files
     base = dict(model_dir=str(model), train_file=str(paths[data]), output_dir=str(tmp_path / name),
                 jobs=jobs, max_seq_len=48, checkpoint_every=3, seed=1,
@@ -88,13 +88,13 @@ def task_cfg(files, tmp_path: Path, name: str, data: str, jobs: list[JobSpec], *
     return executor_config(**base)
 
 
-def jobs_a(steps: int = 8) -> list[JobSpec]:
-    return [JobSpec(f"a{i}", rank=r, alpha=2 * r, lr=lr, batch_size=b, max_steps=steps, seed=i)
+def jobs_a(steps: int = 8) -> list[TrainJob]:
+    return [TrainJob(f"a{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=lr, batch_size=b, max_steps=steps, seed=i)
             for i, (r, lr, b) in enumerate([(4, 3e-3, 2), (8, 1e-2, 3), (2, 5e-3, 2)])]
 
 
-def jobs_b(steps: int = 8, lr0: float = 4e-3) -> list[JobSpec]:
-    return [JobSpec(f"b{i}", rank=r, alpha=2 * r, lr=lr, batch_size=b, max_steps=steps, seed=20 + i)
+def jobs_b(steps: int = 8, lr0: float = 4e-3) -> list[TrainJob]:
+    return [TrainJob(f"b{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=lr, batch_size=b, max_steps=steps, seed=20 + i)
             for i, (r, lr, b) in enumerate([(4, lr0, 1), (2, 2e-3, 2)])]
 
 
@@ -163,7 +163,7 @@ def test_a_task_attached_mid_run_trains_exactly_as_alone(files, tmp_path, fixed_
     assert min(steps_seen) > 2  # B joined while A was training, at a later step boundary
     assert results["A"]["outcome"] == results["B"]["outcome"] == "succeeded"
     with pytest.raises(ValueError, match="closing"):  # a task never waits on an executor that left
-        host.attach_task(task_cfg(files, tmp_path, "late", "b", [JobSpec("late0")]))
+        host.attach_task(task_cfg(files, tmp_path, "late", "b", [TrainJob("late0")]))
     assert_same_task(got_a, alone_a, shared_a, cfg_a, ["a0", "a1", "a2"])
     assert_same_task(got_b, alone_b, shared_b, cfg_b, ["b0", "b1"])
     # each task ranked its own jobs only
@@ -175,7 +175,7 @@ def test_a_task_attached_mid_run_trains_exactly_as_alone(files, tmp_path, fixed_
     assert (Path(shared_a.output_dir) / "state.pt").exists() and (Path(shared_b.output_dir) / "state.pt").exists()
 
 
-def co_run(files, tmp_path: Path, name: str, b_jobs: list[JobSpec], hook_b=None, b_data: str = "b",  # noqa: ANN001
+def co_run(files, tmp_path: Path, name: str, b_jobs: list[TrainJob], hook_b=None, b_data: str = "b",  # noqa: ANN001
            early_b: EarlyExitSettings | None = None, **kw_a) -> tuple[Executor, Recorder, Recorder, ExecutorConfig]:
     """A (3 jobs) and B on one executor from the first step, B attached before the run."""
     rec_a, rec_b = Recorder(), Recorder()
@@ -195,7 +195,7 @@ def test_a_diverging_task_leaves_the_other_bit_identical(files, tmp_path) -> Non
     # in every step, the same composition as the sane run)
     _, sane_a, sane_b, cfg_sane = co_run(files, tmp_path, "sane", jobs_b(lr0=4e-3))
     host, nan_a, nan_b, cfg_nan = co_run(files, tmp_path, "nan", [
-        JobSpec("b0", rank=4, alpha=8, lr=1e30, batch_size=1, max_steps=8, seed=20, max_grad_norm=None),
+        TrainJob("b0", lora_rank=4, lora_alpha=8, learning_rate=1e30, batch_size=1, max_steps=8, seed=20, max_grad_norm=None),
         jobs_b()[1]])
     assert any(math.isnan(v) for v in nan_b.losses("b0")) and not any(math.isnan(v) for v in sane_b.losses("b0"))
     assert any(m == "update_skipped" for j, m, _ in nan_b.events if j == "b0")
@@ -242,8 +242,8 @@ def test_cancelling_a_task_frees_only_its_slots(files, tmp_path) -> None:  # noq
     """A budget of 6 sequences: A's two jobs of 2 hold 4, B's first job takes the rest, B's other
     two wait queued (A's jobs are not disturbed); A cancelled: B's queued jobs start at once."""
     off = EarlyExitSettings(enabled=False)
-    two = [JobSpec(f"a{i}", rank=4, alpha=8, lr=3e-3, batch_size=2, max_steps=10, seed=i) for i in range(2)]
-    b_jobs = [JobSpec(f"b{i}", rank=2, alpha=4, lr=2e-3, batch_size=2, max_steps=4, seed=20 + i) for i in range(3)]
+    two = [TrainJob(f"a{i}", lora_rank=4, lora_alpha=8, learning_rate=3e-3, batch_size=2, max_steps=10, seed=i) for i in range(2)]
+    b_jobs = [TrainJob(f"b{i}", lora_rank=2, lora_alpha=4, learning_rate=2e-3, batch_size=2, max_steps=4, seed=20 + i) for i in range(3)]
     timeline: list = []
     rec_a, rec_b = Recorder(timeline), Recorder(timeline)
     cfg_a = task_cfg(files, tmp_path, "cap_a", "a", two, early_exit=off, max_tokens_per_step=6 * 48)
@@ -294,7 +294,7 @@ def test_after_a_crash_each_task_resumes_from_its_own_checkpoint(files, tmp_path
     # A alone on a one-task executor; B on a new shared executor beside a fresh task C
     after_a, after_b, after_c = Recorder(), Recorder(), Recorder()
     Executor(cfg_a, after_a.callbacks()).run()
-    cfg_c = task_cfg(files, tmp_path, "fresh_c", "a", [JobSpec("c0", rank=2, alpha=4, lr=1e-3, batch_size=2,
+    cfg_c = task_cfg(files, tmp_path, "fresh_c", "a", [TrainJob("c0", lora_rank=2, lora_alpha=4, learning_rate=1e-3, batch_size=2,
                                                                max_steps=5, seed=7)])
     second = Executor(cfg_b, after_b.callbacks(), task_id="B")
     second.attach_task(cfg_c, after_c.callbacks(), task_id="C")
@@ -316,7 +316,7 @@ def test_attach_refuses_what_cannot_share_the_executor(files, tmp_path) -> None:
     with pytest.raises(ValueError, match="method"):
         host.attach_task(task_cfg(files, tmp_path, "x", "b", jobs_b(), method="dpo"))
     with pytest.raises(ValueError, match=r"job ids .*a1"):
-        host.attach_task(task_cfg(files, tmp_path, "x", "b", [JobSpec("a1")]))
+        host.attach_task(task_cfg(files, tmp_path, "x", "b", [TrainJob("a1")]))
     with pytest.raises(ValueError, match="output_dir"):
         host.attach_task(task_cfg(files, tmp_path, "h", "b", jobs_b()))
     with pytest.raises(ValueError, match="already"):
@@ -335,7 +335,7 @@ def test_dpo_tasks_share_an_executor_and_checkpoint_only_their_own_references(fi
     data = {k: write_jsonl(root / f"pref_{k}.jsonl", preference_rows(16, seed=s)) for k, s in (("a", 3), ("b", 4))}
     recs = {"A": Recorder(), "B": Recorder()}
     cfgs = {t: task_cfg(files, tmp_path, f"dpo_{t}", "a", [
-        JobSpec(f"{t}{i}", rank=2 + 2 * i, alpha=4, lr=5e-3, batch_size=2, beta=0.1 * (i + 1), max_steps=4, seed=i)
+        TrainJob(f"{t}{i}", lora_rank=2 + 2 * i, lora_alpha=4, learning_rate=5e-3, batch_size=2, beta=0.1 * (i + 1), max_steps=4, seed=i)
         for i in range(2)], method="dpo", train_file=str(data[t.lower()]), max_seq_len=40,
         early_exit=EarlyExitSettings(enabled=False)) for t in ("A", "B")}
     host = Executor(cfgs["A"], recs["A"].callbacks(), task_id="A")

@@ -19,7 +19,7 @@ from tests.helpers.executor_cfg import executor_config
 from trainer.data import IGNORE, Record, parse_record
 from trainer.dpo import DpoEngine
 from trainer.executor import Callbacks, Executor, ExecutorConfig
-from trainer.jobs import JobSpec
+from trainer.jobs import TrainJob
 from trainer.pairs import tokenize_pair, tokenize_pairs, truncate_pair
 from trainer.tiny import _WORDS, train_tokenizer
 
@@ -59,8 +59,8 @@ def make_engine(world, dtype: torch.dtype = torch.float64) -> DpoEngine:  # noqa
     return DpoEngine(model, pairs, tok.pad_token_id, adapter_dtype=dtype)
 
 
-def specs(steps: int = 4, seeds: tuple[int, ...] = (3, 4, 5)) -> list[JobSpec]:
-    return [JobSpec(f"j{i}", rank=r, alpha=2.0 * r, lr=lr, batch_size=b, beta=beta, seed=seeds[i],
+def specs(steps: int = 4, seeds: tuple[int, ...] = (3, 4, 5)) -> list[TrainJob]:
+    return [TrainJob(f"j{i}", lora_rank=r, lora_alpha=2.0 * r, learning_rate=lr, batch_size=b, beta=beta, seed=seeds[i],
                     max_steps=steps, max_grad_norm=None)
             for i, (r, beta, b, lr) in enumerate(JOBS)]
 
@@ -86,7 +86,7 @@ def response_logps(model, seqs, pad_id: int) -> torch.Tensor:  # noqa: ANN001
     return (tok * mask).sum(-1)
 
 
-def dpo_alone(world, spec: JobSpec, weights: dict[str, torch.Tensor], pairs) -> tuple[float, dict]:  # noqa: ANN001
+def dpo_alone(world, spec: TrainJob, weights: dict[str, torch.Tensor], pairs) -> tuple[float, dict]:  # noqa: ANN001
     """One job alone: its DPO loss from the paper's formula and its adapter gradients (float64,
     PEFT, unpacked padded batches, reference = the same model with the adapter disabled)."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
@@ -94,7 +94,7 @@ def dpo_alone(world, spec: JobSpec, weights: dict[str, torch.Tensor], pairs) -> 
 
     d, tok, _ = world
     base = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64)  # as the engine loads it
-    model = get_peft_model(base, LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0,
+    model = get_peft_model(base, LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha, lora_dropout=0.0,
                                             target_modules=list(DEFAULT_TARGETS), task_type="CAUSAL_LM"))
     assert not [k for k in set_peft_model_state_dict(model, weights).unexpected_keys if "lora" in k]
     with torch.no_grad(), model.disable_adapter():
@@ -181,7 +181,7 @@ def test_nan_job_leaves_other_jobs_bit_identical(world) -> None:  # noqa: ANN001
         eng = make_engine(world, torch.float32)
         for s in specs(3):
             eng.attach(s)
-        eng.attach(JobSpec("bad", rank=4, alpha=8, batch_size=2, seed=9, max_steps=3))
+        eng.attach(TrainJob("bad", lora_rank=4, lora_alpha=8, batch_size=2, seed=9, max_steps=3))
         if poison:
             with torch.no_grad():
                 eng.jobs["bad"].adapter.lora_a[0].fill_(float("nan"))
@@ -254,7 +254,7 @@ class Recorder:
 def dpo_config(tmp_path, world, out: str, **kw) -> ExecutorConfig:  # noqa: ANN001
     d, _, _ = world
     train = write_jsonl(tmp_path / "pref.jsonl", preference_rows(20, seed=11))
-    jobs = [JobSpec(f"job{i}", rank=r, alpha=2 * r, lr=lr, batch_size=b, beta=beta, max_steps=6, seed=i)
+    jobs = [TrainJob(f"job{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=lr, batch_size=b, beta=beta, max_steps=6, seed=i)
             for i, (r, beta, b, lr) in enumerate(JOBS)]
     base = dict(model_dir=str(d), train_file=str(train), output_dir=str(tmp_path / out), jobs=jobs,
                 method="dpo", max_seq_len=40, eval=EvalSettings(eval_every_steps=3, eval_max_samples=None), checkpoint_every=2, eval_batch_size=4,

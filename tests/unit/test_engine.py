@@ -13,7 +13,7 @@ from trainer.checkpoint import job_state_dict, load_checkpoint, restore_job, sav
 from trainer.data import parse_record, tokenize_all
 from trainer.engine import MultiLoraEngine
 from trainer.export import export_peft
-from trainer.jobs import JobSpec, lr_factor
+from trainer.jobs import TrainJob, lr_factor
 
 # 4 jobs: different ranks, learning rates, batch sizes (and warmup/schedules)
 SPECS = [(2, 1e-3, 1, "linear"), (4, 5e-3, 2, "cosine"), (8, 2e-3, 3, "constant"), (16, 1e-2, 4, "linear")]
@@ -36,8 +36,8 @@ def world(tmp_path_factory):  # noqa: ANN201
     return out
 
 
-def specs(steps: int = 20) -> list[JobSpec]:
-    return [JobSpec(f"j{i}", rank=r, alpha=2.0 * r, lr=lr, batch_size=b, schedule=sch, warmup_steps=3,
+def specs(steps: int = 20) -> list[TrainJob]:
+    return [TrainJob(f"j{i}", lora_rank=r, lora_alpha=2.0 * r, learning_rate=lr, batch_size=b, schedule=sch, warmup_steps=3,
                     seed=10 + i, max_steps=steps) for i, (r, lr, b, sch) in enumerate(SPECS)]
 
 
@@ -89,7 +89,7 @@ def test_nan_job_leaves_other_jobs_bit_identical(world) -> None:  # noqa: ANN001
         eng = make_engine(world)
         for s in specs(8)[:3]:
             eng.attach(s)
-        eng.attach(JobSpec("bad", rank=4, alpha=8, lr=bad_lr, batch_size=2, seed=9, max_steps=8,
+        eng.attach(TrainJob("bad", lora_rank=4, lora_alpha=8, learning_rate=bad_lr, batch_size=2, seed=9, max_steps=8,
                            max_grad_norm=None))
         reports = [eng.step() for _ in range(8)]
         runs[bad_lr] = (eng, reports)
@@ -226,7 +226,7 @@ def test_arena_regions_views_growth_and_parking(world) -> None:  # noqa: ANN001
     kept = parked.adapter.flat.detach().clone()
     eng.arena.fill_(7.0)  # the arena is not the parked job's storage any more
     assert torch.equal(parked.adapter.flat.detach(), kept)
-    eng.attach(sp[2].__class__(**{**sp[2].__dict__, "rank": 2}))  # smaller: fits j0's old gap
+    eng.attach(sp[2].__class__(**{**sp[2].__dict__, "lora_rank": 2}))  # smaller: fits j0's old gap
     assert eng.regions["j2"][0] == lo0
     check()
     kept1 = eng.jobs["j1"].adapter.flat.detach().clone()
@@ -236,3 +236,33 @@ def test_arena_regions_views_growth_and_parking(world) -> None:  # noqa: ANN001
     eng.attach(on_host)
     assert torch.equal(eng.jobs["j1"].adapter.flat.detach(), kept1)
     check()
+
+
+def test_a_checkpoint_written_before_train_job_took_the_contracts_names_still_loads(tmp_path) -> None:  # noqa: ANN001
+    """A task paused across an upgrade: its state.pt pickles queued jobs as trainer.jobs.JobSpec
+    with the fields rank, alpha, lr, and job states' specs as dicts of those names."""
+    import dataclasses
+
+    from trainer import jobs as jobs_mod
+    from trainer.checkpoint import load_checkpoint, save_checkpoint, spec_from_dict
+
+    @dataclasses.dataclass
+    class JobSpec:  # the class as it was, under its old module and name
+        job_id: str
+        rank: int
+        alpha: float
+        lr: float
+        batch_size: int
+
+    JobSpec.__module__, JobSpec.__qualname__ = "trainer.jobs", "JobSpec"
+    jobs_mod.JobSpec = JobSpec
+    try:
+        save_checkpoint(tmp_path / "state.pt", {"queue": [{"fresh": JobSpec("q", 8, 16.0, 2e-4, 2)}]})
+    finally:
+        del jobs_mod.JobSpec
+    fresh = load_checkpoint(tmp_path / "state.pt")["queue"][0]["fresh"]
+    assert isinstance(fresh, jobs_mod.TrainJob)
+    assert (fresh.job_id, fresh.lora_rank, fresh.lora_alpha, fresh.learning_rate, fresh.batch_size) == \
+        ("q", 8, 16.0, 2e-4, 2)
+    old = spec_from_dict({"job_id": "a", "rank": 4, "alpha": 8.0, "lr": 1e-3, "batch_size": 1})
+    assert (old.lora_rank, old.lora_alpha, old.learning_rate) == (4, 8.0, 1e-3)

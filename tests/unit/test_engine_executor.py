@@ -13,7 +13,7 @@ from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from tests.helpers.executor_cfg import executor_config
 from trainer.executor import Callbacks, Executor, ExecutorConfig
-from trainer.jobs import JobSpec
+from trainer.jobs import TrainJob
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,7 +39,7 @@ class Recorder:
 def config(tmp_path, out: str, **kw) -> ExecutorConfig:  # noqa: ANN001
     d = tiny_model_dir("llama", tmp_path)
     train = write_jsonl(tmp_path / "train.jsonl", synthetic_rows(30, seed=5, fmt="completion"))
-    jobs = [JobSpec(f"job{i}", rank=r, alpha=2 * r, lr=lr, batch_size=b, max_steps=12, seed=i)
+    jobs = [TrainJob(f"job{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=lr, batch_size=b, max_steps=12, seed=i)
             for i, (r, lr, b) in enumerate([(4, 3e-3, 2), (8, 1e-2, 2), (2, 1e-3, 3), (4, 1e30, 2),
                                             (8, 5e-3, 3), (4, 2e-3, 2)])]
     base = dict(model_dir=str(d), train_file=str(train), output_dir=str(tmp_path / out), jobs=jobs,
@@ -81,12 +81,12 @@ def test_each_step_reports_its_jobs_exact_tokens_and_gpu_seconds(tmp_path) -> No
     usage: dict[str, list[tuple[int, int, float]]] = defaultdict(list)
     cb = Recorder().callbacks()
     cb.on_usage = lambda j, s, n, g: usage[j].append((s, n, g))
-    probe = Executor(config(tmp_path, "probe", jobs=[JobSpec("x", rank=2, lr=1e-3, batch_size=1,
+    probe = Executor(config(tmp_path, "probe", jobs=[TrainJob("x", lora_rank=2, learning_rate=1e-3, batch_size=1,
                                                              max_steps=1)]))
     probe.run()
     n, tokens = len(probe.first.train), sum(len(e.input_ids) for e in probe.first.train)
-    jobs = [JobSpec("one", rank=4, lr=1e-3, batch_size=1, max_steps=n, seed=1),
-            JobSpec("all", rank=4, lr=1e-3, batch_size=n, max_steps=1, seed=2)]
+    jobs = [TrainJob("one", lora_rank=4, learning_rate=1e-3, batch_size=1, max_steps=n, seed=1),
+            TrainJob("all", lora_rank=4, learning_rate=1e-3, batch_size=n, max_steps=1, seed=2)]
     ex = Executor(config(tmp_path, "usage", jobs=jobs, early_exit=EarlyExitSettings(enabled=False)),
                   cb)
     ex.run()
@@ -133,7 +133,7 @@ def test_checkpoint_cadence_by_time_and_eval_sample_cap(tmp_path) -> None:  # no
     """checkpoint_every_s bounds the time between checkpoints whatever checkpoint_every says (a
     throughput report goes with each one); eval_max_samples caps the validation set."""
     early = EarlyExitSettings(enabled=False)
-    jobs = [JobSpec("a", rank=2, alpha=4, lr=1e-3, batch_size=2, max_steps=5, seed=1)]
+    jobs = [TrainJob("a", lora_rank=2, lora_alpha=4, learning_rate=1e-3, batch_size=2, max_steps=5, seed=1)]
     every, counts = {}, {}
     for name, seconds in (("by_time", 0.0), ("by_steps", None)):
         rec = Recorder()

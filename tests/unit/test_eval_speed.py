@@ -19,7 +19,7 @@ from trainer.admission import MemoryModel, load_profile, store_profile
 from trainer.data import read_jsonl, tokenize_all
 from trainer.evaluation import eval_chunk, eval_forwards
 from trainer.executor import PHASES, Callbacks, Executor, ExecutorConfig
-from trainer.jobs import JobSpec
+from trainer.jobs import TrainJob
 from trainer.varlen import flash_varlen_available
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -71,7 +71,7 @@ def run(cfg: ExecutorConfig) -> tuple[Spy, dict[str, list[int]], list]:
 
 
 def test_eval_max_samples_uses_the_first_n_validation_samples(files) -> None:  # noqa: ANN001
-    jobs = [JobSpec("a", rank=2, alpha=4, lr=1e-3, batch_size=2, max_steps=2, seed=1)]
+    jobs = [TrainJob("a", lora_rank=2, lora_alpha=4, learning_rate=1e-3, batch_size=2, max_steps=2, seed=1)]
     ex, evals, _ = run(make_cfg(files, "cap", jobs, eval=EvalSettings(
         eval_every_steps=1, eval_max_samples=4)))
     every = tokenize_all(ex.tokenizer, read_jsonl(files[3]), 48)
@@ -89,9 +89,9 @@ def test_eval_max_samples_uses_the_first_n_validation_samples(files) -> None:  #
 
 
 def test_eval_cadence_by_samples_is_the_same_per_sample_for_every_batch_size(files) -> None:  # noqa: ANN001
-    jobs = [JobSpec("b1", rank=2, alpha=4, lr=1e-3, batch_size=1, max_steps=12, seed=1),
-            JobSpec("b4", rank=4, alpha=8, lr=1e-3, batch_size=4, max_steps=3, seed=2),
-            JobSpec("b3", rank=2, alpha=4, lr=1e-3, batch_size=3, max_steps=4, seed=3)]
+    jobs = [TrainJob("b1", lora_rank=2, lora_alpha=4, learning_rate=1e-3, batch_size=1, max_steps=12, seed=1),
+            TrainJob("b4", lora_rank=4, lora_alpha=8, learning_rate=1e-3, batch_size=4, max_steps=3, seed=2),
+            TrainJob("b3", lora_rank=2, lora_alpha=4, learning_rate=1e-3, batch_size=3, max_steps=4, seed=3)]
     _, by_samples, _ = run(make_cfg(files, "samples", jobs, eval=EvalSettings(
         eval_every_steps=1, eval_every_samples=4, eval_max_samples=3)))
     # a job evaluates when its samples seen cross a multiple of 4 (and at its end)
@@ -119,7 +119,7 @@ def test_default_cadence_is_by_samples_unless_a_step_cadence_is_named() -> None:
 
 
 def test_evaluation_runs_at_the_admitted_budget_with_the_same_losses(files) -> None:  # noqa: ANN001
-    jobs = [JobSpec(f"j{i}", rank=2 + i, alpha=4, lr=1e-2, batch_size=1 + i % 2, max_steps=2, seed=i)
+    jobs = [TrainJob(f"j{i}", lora_rank=2 + i, lora_alpha=4, learning_rate=1e-2, batch_size=1 + i % 2, max_steps=2, seed=i)
             for i in range(3)]
     # a token budget of 16 sequences of 48 tokens: one eval forward may hold 16 sequences
     wide, wide_vals, _ = run(make_cfg(files, "wide", jobs, max_tokens_per_step=16 * 48, eval_batch_size=1,
@@ -176,7 +176,7 @@ def test_executor_measures_once_per_key_then_reuses(files, tmp_path) -> None:  #
             measured.append(self.cfg.max_seq_len)
             return MemoryModel(1e9 + self.cfg.max_seq_len, 1e3)
 
-    jobs = [JobSpec("a", rank=4, alpha=8, lr=1e-3, batch_size=2, max_steps=1)]
+    jobs = [TrainJob("a", lora_rank=4, lora_alpha=8, learning_rate=1e-3, batch_size=2, max_steps=1)]
     got = []
     for seq in (48, 48, 32):
         ex = Counting(make_cfg(files, f"p{len(got)}", jobs, max_seq_len=seq, profile_cache=str(cache)))
@@ -207,7 +207,7 @@ def test_executor_measures_once_per_key_then_reuses(files, tmp_path) -> None:  #
 
 
 def test_executor_reports_its_wall_time_by_phase(files) -> None:  # noqa: ANN001
-    jobs = [JobSpec("a", rank=2, alpha=4, lr=1e-3, batch_size=2, max_steps=4, seed=1)]
+    jobs = [TrainJob("a", lora_rank=2, lora_alpha=4, learning_rate=1e-3, batch_size=2, max_steps=4, seed=1)]
     ex, _, events = run(make_cfg(files, "phases", jobs, checkpoint_every=2, eval=EvalSettings(
         eval_every_steps=2, eval_max_samples=3)))
     t = next(d for m, d in events if m == "timings")
@@ -222,8 +222,8 @@ def test_executor_reports_its_wall_time_by_phase(files) -> None:  # noqa: ANN001
 def test_executor_attention_setting_packs_varlen_with_the_rows_losses(files) -> None:  # noqa: ANN001
     """ExecutorConfig.attention reaches the engine: "varlen" lays sequences back to back (no
     padding cells) and trains to the losses of "rows"; the stored profile is keyed by it."""
-    jobs = [JobSpec("a", rank=2, alpha=4, lr=1e-3, batch_size=3, max_steps=3, seed=1),
-            JobSpec("b", rank=4, alpha=8, lr=2e-3, batch_size=2, max_steps=3, seed=2)]
+    jobs = [TrainJob("a", lora_rank=2, lora_alpha=4, learning_rate=1e-3, batch_size=3, max_steps=3, seed=1),
+            TrainJob("b", lora_rank=4, lora_alpha=8, learning_rate=2e-3, batch_size=2, max_steps=3, seed=2)]
     losses: dict[str, dict[str, list[float]]] = {}
     keys = {}
     for mode in ("rows", "varlen"):
@@ -266,8 +266,8 @@ def test_evaluations_scale_with_the_samples_trained_since_the_last_one(tmp_path,
     val = write_jsonl(tmp_path / "val40.jsonl", synthetic_rows(40, seed=5, fmt="completion"))
     ev = EvalSettings(eval_every_samples=8, eval_max_samples=None, eval_samples_per_trained=0.5,
                       eval_min_samples=2)
-    jobs = [JobSpec("a", rank=2, alpha=4, lr=1e-3, batch_size=2, max_steps=6, seed=1),
-            JobSpec("b", rank=2, alpha=4, lr=1e-3, batch_size=1, max_steps=3, seed=2)]
+    jobs = [TrainJob("a", lora_rank=2, lora_alpha=4, learning_rate=1e-3, batch_size=2, max_steps=6, seed=1),
+            TrainJob("b", lora_rank=2, lora_alpha=4, learning_rate=1e-3, batch_size=1, max_steps=3, seed=2)]
     ex, evals, _ = run(make_cfg(files, "scale", jobs, val_file=str(val), eval=ev))
     assert evals == {"a": [4, 6], "b": [3]}
     sizes = {(tuple(c["jobs"]), len(c["examples"])) for c in ex.calls}
@@ -285,7 +285,7 @@ def test_evaluations_scale_with_the_samples_trained_since_the_last_one(tmp_path,
 
 def test_the_warmup_ranking_evaluates_every_job_on_the_same_subset(tmp_path, files) -> None:  # noqa: ANN001
     val = write_jsonl(tmp_path / "val64.jsonl", synthetic_rows(64, seed=6, fmt="completion"))
-    jobs = [JobSpec(f"j{i}", rank=2, alpha=4, lr=1e-3, batch_size=b, max_steps=steps, seed=i)
+    jobs = [TrainJob(f"j{i}", lora_rank=2, lora_alpha=4, learning_rate=1e-3, batch_size=b, max_steps=steps, seed=i)
             for i, (b, steps) in enumerate([(1, 40), (2, 20), (4, 10), (2, 20)])]
     ee = EarlyExitSettings(warmup_fraction=0.2, keep_fraction=0.5)
     ev = EvalSettings(eval_every_samples=10**6, eval_max_samples=None, eval_samples_per_trained=1.0,
@@ -308,8 +308,8 @@ def test_recompute_policy_runs_steps_that_fit_without_recompute(files) -> None: 
     timings event counts both."""
     from trainer.admission import RecomputePolicy
 
-    jobs = [JobSpec("big", rank=2, alpha=4, lr=1e-2, batch_size=3, max_steps=2, seed=1),
-            JobSpec("small", rank=4, alpha=8, lr=1e-2, batch_size=1, max_steps=5, seed=2)]
+    jobs = [TrainJob("big", lora_rank=2, lora_alpha=4, learning_rate=1e-2, batch_size=3, max_steps=2, seed=1),
+            TrainJob("small", lora_rank=4, lora_alpha=8, learning_rate=1e-2, batch_size=1, max_steps=5, seed=2)]
 
     class Policy(Executor):
         def _load(self) -> None:

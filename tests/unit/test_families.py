@@ -20,7 +20,7 @@ from tests.helpers.engine_ref import synthetic_rows
 from trainer.data import IGNORE, Example, parse_record, tokenize_all
 from trainer.engine import MultiLoraEngine
 from trainer.export import export_peft, load_peft_weights
-from trainer.jobs import JobSpec
+from trainer.jobs import TrainJob
 from trainer.multilora import inject_multilora
 from trainer.packing import pack_step
 from trainer.parallel_engine import decoder_layers as sharded_layers
@@ -130,7 +130,7 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     # 14 to 47 tokens: most longer than the tiny Mistral's and Gemma-2's sliding windows (16)
     examples = tokenize_all(tokenizer, [parse_record(r) for r in synthetic_rows(24, seed=3)], 64)
     engine = MultiLoraEngine(base_model(model_dir), examples[:16], tokenizer.pad_token_id)
-    engine.attach(JobSpec("job", rank=4, alpha=8.0, lr=3e-2, batch_size=4, max_steps=3, seed=0))
+    engine.attach(TrainJob("job", lora_rank=4, lora_alpha=8.0, learning_rate=3e-2, batch_size=4, max_steps=3, seed=0))
     for _ in range(3):
         engine.step()
     adapter_dir = export_peft(engine.jobs["job"].adapter, root / "adapter", list(engine.targets),
@@ -285,7 +285,7 @@ def test_backbone_dropout_is_off_so_varlen_trains_and_steps_repeat(tmp_path: Pat
         engine = MultiLoraEngine(model, examples, tokenizer.pad_token_id, attention="varlen")
         assert model.training and model.config.attention_dropout == 0.0
         assert not [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-        engine.attach(JobSpec("job", rank=4, alpha=8.0, lr=3e-2, batch_size=4, max_steps=2,
+        engine.attach(TrainJob("job", lora_rank=4, lora_alpha=8.0, learning_rate=3e-2, batch_size=4, max_steps=2,
                               seed=0))
         torch.manual_seed(rng_seed)  # dropout would draw different masks from these
         losses.append([engine.step().losses["job"] for _ in range(2)])

@@ -1,4 +1,4 @@
-"""A job started from an uploaded PEFT adapter (JobSpec.init_adapter) begins where PEFT's own
+"""A job started from an uploaded PEFT adapter (TrainJob.init_adapter) begins where PEFT's own
 PeftModel.from_pretrained(base, adapter_dir) is: the same loss on the same batch at step 0."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tests.helpers.engine_ref import padded_batch, synthetic_rows, tiny_model_di
 from trainer.data import JobDataStream, parse_record, tokenize_all
 from trainer.engine import MultiLoraEngine
 from trainer.export import export_peft
-from trainer.jobs import JobSpec
+from trainer.jobs import TrainJob
 from trainer.multilora import JobAdapter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,7 +37,7 @@ def test_job_from_adapter_starts_at_peft_loss(tmp_path, targets) -> None:  # noq
 
     eng = MultiLoraEngine(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32), ex,
                           tok.pad_token_id)
-    spec = JobSpec("j0", rank=4, alpha=8.0, lr=1e-3, batch_size=2, seed=11, max_steps=3,
+    spec = TrainJob("j0", lora_rank=4, lora_alpha=8.0, learning_rate=1e-3, batch_size=2, seed=11, max_steps=3,
                    init_adapter=str(out))
     eng.attach(spec)
     loss0 = eng.step().losses["j0"]

@@ -16,7 +16,7 @@ from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir
 from trainer.data import IGNORE, Example, parse_record, tokenize_all
 from trainer.dpo import DpoEngine
 from trainer.engine import MultiLoraEngine
-from trainer.jobs import JobSpec, multi_adamw
+from trainer.jobs import TrainJob, multi_adamw
 from trainer.packing import ShapeBuckets, bucket_up, pack_step
 from trainer.pairs import tokenize_pairs
 
@@ -112,7 +112,7 @@ def step_and_grads(eng: MultiLoraEngine):  # noqa: ANN201
     return rep, grads
 
 
-def compare_packed_with_unpacked(cls, model_dir, examples, pad_id: int, jobs: list[JobSpec],  # noqa: ANN001
+def compare_packed_with_unpacked(cls, model_dir, examples, pad_id: int, jobs: list[TrainJob],  # noqa: ANN001
                                  prepare=None, steps: int = 3, attention: str = "rows") -> None:  # noqa: ANN001
     engines = {pack: engine(cls, model_dir, examples, pad_id, pack, attention if pack else "rows")
                for pack in (True, False)}
@@ -170,7 +170,7 @@ def test_packed_sft_step_equals_unpacked_rows(model_dir, attention: str) -> None
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     examples = tokenize_all(tok, [parse_record(r) for r in synthetic_rows(40, seed=5)], 48)
-    jobs = [JobSpec(f"j{i}", rank=r, alpha=2.0 * r, lr=1e-2, batch_size=b, seed=20 + i, max_steps=4)
+    jobs = [TrainJob(f"j{i}", lora_rank=r, lora_alpha=2.0 * r, learning_rate=1e-2, batch_size=b, seed=20 + i, max_steps=4)
             for i, (r, b) in enumerate([(2, 1), (4, 5), (8, 11)])]
     compare_packed_with_unpacked(MultiLoraEngine, model_dir, examples, tok.pad_token_id, jobs,
                                  attention=attention)
@@ -184,7 +184,7 @@ def test_packed_dpo_step_equals_unpacked_rows(model_dir, attention: str) -> None
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     pairs = tokenize_pairs(tok, [parse_record(r) for r in preference_rows(30, seed=3)], 40)
-    jobs = [JobSpec(f"d{i}", rank=r, alpha=2.0 * r, lr=1e-2, batch_size=b, beta=beta, seed=30 + i,
+    jobs = [TrainJob(f"d{i}", lora_rank=r, lora_alpha=2.0 * r, learning_rate=1e-2, batch_size=b, beta=beta, seed=30 + i,
                     max_steps=4, max_grad_norm=None)
             for i, (r, b, beta) in enumerate([(2, 1, 0.1), (4, 3, 0.5), (8, 6, 2.0)])]
     compare_packed_with_unpacked(DpoEngine, model_dir, pairs, tok.pad_token_id, jobs, prepare=randomize_b,
@@ -227,8 +227,8 @@ def test_varlen_nan_job_in_the_same_row_leaves_other_jobs_bit_identical(model_di
     for poison in (False, True):
         eng = engine(MultiLoraEngine, model_dir, examples, tok.pad_token_id, True, "varlen")
         for i, b in enumerate((2, 3)):
-            eng.attach(JobSpec(f"j{i}", rank=4, alpha=8, lr=1e-2, batch_size=b, seed=i, max_steps=3))
-        eng.attach(JobSpec("bad", rank=2, alpha=4, lr=1e-2, batch_size=2, seed=9, max_steps=3))
+            eng.attach(TrainJob(f"j{i}", lora_rank=4, lora_alpha=8, learning_rate=1e-2, batch_size=b, seed=i, max_steps=3))
+        eng.attach(TrainJob("bad", lora_rank=2, lora_alpha=4, learning_rate=1e-2, batch_size=2, seed=9, max_steps=3))
         if poison:
             with torch.no_grad():
                 eng.jobs["bad"].adapter.lora_a[0].fill_(float("nan"))

@@ -24,7 +24,7 @@ from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from trainer.data import IGNORE, parse_record, tokenize_all
 from trainer.engine import MultiLoraEngine
 from trainer.head import token_losses, token_losses_and_hits
-from trainer.jobs import JobSpec as EngineJob
+from trainer.jobs import TrainJob
 from worker import runner
 from worker.spool import SpoolWriter, read_complete_lines
 
@@ -57,7 +57,7 @@ def test_engine_token_accuracy_equals_the_hand_computation(tmp_path: Path) -> No
     eng = MultiLoraEngine(model, examples[:16], tok.pad_token_id)
     eng.head_chunk = 5  # several chunks per forward
     for i, lr in enumerate((3e-2, 1e-3)):
-        eng.attach(EngineJob(f"j{i}", rank=4, alpha=8.0, lr=lr, batch_size=4, seed=i, max_steps=12))
+        eng.attach(TrainJob(f"j{i}", lora_rank=4, lora_alpha=8.0, learning_rate=lr, batch_size=4, seed=i, max_steps=12))
     for _ in range(12):  # trained apart: the jobs' accuracies differ
         eng.step()
     held_out = examples[16:]
