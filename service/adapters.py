@@ -114,7 +114,7 @@ def task_adapter(session: Session, task: Task) -> tuple[Job, Artifact]:
     """The adapter of the task's best job; 409 until the task succeeded."""
     if task.state != TaskState.SUCCEEDED or task.best_job_id is None:
         raise conflict(f"task {task.id!r} is {task.state}; the best adapter exists once it "
-                       "succeeded", code="task_not_succeeded")
+                       f"{TaskState.SUCCEEDED}", code="task_not_succeeded")
     job = session.get(Job, task.best_job_id)
     if job is None:
         raise not_found("job", task.best_job_id)

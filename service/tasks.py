@@ -298,7 +298,7 @@ def update_job_state(session: Session, task: Task, job: Job, msg: JobStateUpdate
     running again when the new attempt resumes it; the first job running moves the attempt from
     claimed to running."""
     if (msg.state == JobState.EXITED) != (msg.exit_reason is not None):
-        raise invalid("exit_reason is required with state 'exited' and only then",
+        raise invalid(f"exit_reason is required with state '{JobState.EXITED}' and only then",
                       param="exit_reason")
     if job.state in JOB_TERMINAL:
         if msg.state == job.state:
