@@ -21,9 +21,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from contract.states import TaskState
-from service.errors import ApiError, conflict, not_found
+from service.core.errors import ApiError, conflict, not_found
+from service.core.storage import CHUNK, Storage
 from service.models import Artifact, Job, Task
-from service.storage import CHUNK, Storage
 
 # The adapter_config.json fields that PEFT (0.6 and later), vLLM and LoRAX all read, and what
 # each must be for the adapter to load in all three (None: any value of the right type).

@@ -25,9 +25,11 @@ from contract.states import (
     TaskState,
 )
 from service import learning_rates, lifecycle
-from service.config import Settings
-from service.db import after_commit
-from service.errors import ApiError, conflict, invalid, not_found
+from service.core.config import Settings
+from service.core.db import after_commit
+from service.core.errors import ApiError, conflict, invalid, not_found
+from service.core.registry import BaseModelEntry, ModelRegistry
+from service.core.storage import Storage
 from service.events import add_event
 from service.files import METHOD_FORMATS, get_file
 from service.init_adapter import resolve_init_adapter
@@ -43,10 +45,8 @@ from service.models import (
     utcnow,
 )
 from service.queue import get_redis, publish_cancel, unqueue_placement
-from service.registry import BaseModelEntry, ModelRegistry
 from service.scheduler.limits import admit_task, check_task_priority
 from service.schemas import TaskCreate, finite
-from service.storage import Storage
 from service.tracking.integrations import (
     add_integrations,
     check_integrations,
