@@ -22,8 +22,8 @@ EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz')"
 # Migrations run first so a fresh database works; they are a no-op when already at head. Then
 # uvicorn with LORAPLEX_API_WORKERS processes (default from the container's CPU quota), one of
-# which leads the background loops (service.serve, service.leader).
-CMD ["sh", "-c", "python -m service.admin migrate && exec python -m service.serve --host 0.0.0.0 --port 8000 --proxy-headers"]
+# which leads the background loops (service.api.serve, service.core.leader).
+CMD ["sh", "-c", "python -m service.admin migrate && exec python -m service.api.serve --host 0.0.0.0 --port 8000 --proxy-headers"]
 
 FROM base AS worker
 RUN pip install ".[train]"

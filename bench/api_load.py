@@ -1,10 +1,10 @@
 """API load benchmark: read endpoints under many concurrent clients, with 1 and the default
-number of API worker processes (``python -m service.serve``, the deployed entrypoint).
+number of API worker processes (``python -m service.api.serve``, the deployed entrypoint).
 
 Run: python3 bench/api_load.py [--workers 1,default] [--clients 50] [--duration 20]
                                [--out bench/results/api_load_cpu.md]
 By default it starts its own stack in a temporary directory (private PostgreSQL + Redis from
-service.localstack, migrated), seeds one tenant with --tasks finished tasks of --jobs jobs each
+service.core.localstack, migrated), seeds one tenant with --tasks finished tasks of --jobs jobs each
 (one finished placement each) and, on --curve-tasks of them, a loss curve per job (--steps train
 points, a val point every --val-every steps), then for each worker count starts the service and
 runs --clients closed-loop clients (each sends its next request when the last one answered) for
@@ -235,9 +235,9 @@ def seed_database(database_url: str, seed: Seed) -> tuple[str, list[str]]:
     from sqlalchemy import insert, text
 
     from contract.protocol import EvalSettings, TaskSettings
-    from service.auth import create_tenant
-    from service.db import make_engine, make_sessionmaker
+    from service.core.db import make_engine, make_sessionmaker
     from service.models import File, Job, MetricPoint, Node, Placement, Task, new_id
+    from service.tenants import create_tenant
 
     engine = make_engine(database_url)
     session = make_sessionmaker(engine)()
@@ -305,7 +305,7 @@ class Stack:
     """Private PostgreSQL + Redis under a temporary directory, and the API service on top."""
 
     def __init__(self, root: Path) -> None:
-        from service.localstack import Postgres, Redis, free_port
+        from service.core.localstack import Postgres, Redis, free_port
 
         self.root = root
         self.pg = Postgres(root / "postgres", free_port())
@@ -340,7 +340,7 @@ class Stack:
 
         log = open(self.root / f"service-{workers}.log", "ab")
         self.service = subprocess.Popen(
-            [sys.executable, "-m", "service.serve", "--port", str(self.port),
+            [sys.executable, "-m", "service.api.serve", "--port", str(self.port),
              "--log-level", log_level], env=self.env(workers), cwd=ROOT, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
@@ -372,7 +372,7 @@ class Stack:
 
 
 def default_workers() -> int:
-    from service.serve import worker_count
+    from service.api.serve import worker_count
 
     return worker_count(0)
 
@@ -421,7 +421,7 @@ def _uvicorn_impl() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", default="1,default",
-                   help="comma-separated worker counts; 'default' is service.serve's default")
+                   help="comma-separated worker counts; 'default' is service.api.serve's default")
     p.add_argument("--clients", type=int, default=50)
     p.add_argument("--duration", type=float, default=20.0, help="measured seconds per endpoint")
     p.add_argument("--warmup", type=float, default=3.0)

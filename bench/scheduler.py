@@ -3,7 +3,7 @@
 Run: python bench/scheduler.py [--seeds 3] [--long-work 3.0] [--out FILE]
 For 50 tasks / 64 GPUs and 200 tasks / 256 GPUs (8-GPU nodes; 4 tenants; GPU counts 1/2/4/8;
 Pareto durations; arrivals spread over the last 2 h; bound 4 h from arrival) it reports, per
-seed, the planner's wall time with the production work limit (service/config.py), its objective
+seed, the planner's wall time with the production work limit (service/core/config.py), its objective
 against its own warm start, against a long run (``--long-work`` deterministic time of CP-SAT's
 full portfolio, LP bounds included: the best plan known) and against CP-SAT's proven lower bound
 of that long run. A second table plans
@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.config import Settings  # noqa: E402
+from service.core.config import Settings  # noqa: E402
 from service.scheduler import planner  # noqa: E402
 from service.scheduler.loop import solve_options  # noqa: E402
 from service.scheduler.packing import Placed  # noqa: E402

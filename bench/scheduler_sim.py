@@ -15,7 +15,7 @@ finish): strict FIFO (stops at the first task that does not fit), FIFO with skip
 backfilling (the first waiting task gets a reservation from the running tasks' estimated ends;
 later ones start only if they do not delay it), shortest-first and largest-first (by estimate,
 with skipping), and the production planner (service.scheduler.planner.solve) with the production
-settings of service/config.py, replanned on every event, its previous plan as hints. A replan
+settings of service/core/config.py, replanned on every event, its previous plan as hints. A replan
 is skipped when no waiting task fits anywhere now (the plan could start nothing).
 Metrics (per run, then the mean over seeds; "longest wait" is the max over seeds): mean and p99
 completion time (finish - arrival), mean wait (first start - arrival), utilisation (busy
@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.config import Settings  # noqa: E402
+from service.core.config import Settings  # noqa: E402
 from service.scheduler.encode import FAIR_SCALE  # noqa: E402
 from service.scheduler.loop import solve_options  # noqa: E402
 from service.scheduler.planner import FAIR_HISTORY, SolveOptions, solve, tenant_history  # noqa: E402
@@ -402,7 +402,7 @@ def main() -> None:
     s = Settings()
     lines = [f"Machine: this 2-core x86 CPU box ({_cpu()}, shared), python "
              f"{platform.python_version()}. {n_tasks} tasks per run, seeds {seeds}, "
-             f"4 nodes x 8 GPUs. Planner settings (service/config.py): unit "
+             f"4 nodes x 8 GPUs. Planner settings (service/core/config.py): unit "
              f"{s.scheduler_unit_s} s, work limit {s.scheduler_work_limit}, max wait "
              f"{s.scheduler_max_wait_s} s (wait margin {SolveOptions().wait_margin:g}), "
              f"fairness {s.scheduler_fairness} (scale {FAIR_SCALE}) over each tenant's "

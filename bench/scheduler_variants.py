@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import scheduler_sim as sim  # noqa: E402
 
-from service.config import Settings  # noqa: E402
+from service.core.config import Settings  # noqa: E402
 from service.scheduler import planner  # noqa: E402
 
 BASELINES = [p for p in sim.POLICIES if p != "planner"]

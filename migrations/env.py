@@ -16,7 +16,7 @@ def _url() -> str:
     url = config.get_main_option("sqlalchemy.url")
     if url:
         return url
-    from service.config import get_settings
+    from service.core.config import get_settings
 
     return get_settings().database_url
 

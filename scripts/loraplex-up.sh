@@ -2,7 +2,7 @@
 # One command on a fresh machine: installs what is missing, starts a private PostgreSQL and Redis
 # under ./var/ (reused when already running), migrates, creates a demo tenant and prints its key,
 # writes var/models.yaml, then serves the API in the foreground on 127.0.0.1:8000.
-# Stop the databases later with: python3 -m service.localstack down var
+# Stop the databases later with: python3 -m service.core.localstack down var
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -17,7 +17,7 @@ chmod 755 var  # the postgres system user must reach var/postgres when we run as
 umask 077
 
 # Private PostgreSQL + Redis (ports from LORAPLEX_PG_PORT / LORAPLEX_REDIS_PORT, else 55432/56379).
-while IFS= read -r line; do export "${line?}"; done < <($PY -m service.localstack up var)
+while IFS= read -r line; do export "${line?}"; done < <($PY -m service.core.localstack up var)
 
 [ -s var/worker-token ] || $PY -c "import secrets; print(secrets.token_urlsafe(32))" > var/worker-token
 export LORAPLEX_WORKER_TOKEN=${LORAPLEX_WORKER_TOKEN:-$(cat var/worker-token)}
@@ -90,4 +90,4 @@ echo "operator settings: source var/loraplex.env"
 echo
 # Several API processes (LORAPLEX_API_WORKERS, default from the CPU count); one of them leads and
 # runs the scheduler and maintenance loops.
-$PY -m service.serve --host 127.0.0.1 --port "$PORT" --log-level info
+$PY -m service.api.serve --host 127.0.0.1 --port "$PORT" --log-level info

@@ -21,9 +21,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from contract.states import TaskState
-from service.errors import ApiError, conflict, not_found
+from service.core.errors import ApiError, conflict, not_found
+from service.core.storage import CHUNK, Storage
 from service.models import Artifact, Job, Task
-from service.storage import CHUNK, Storage
 
 # The adapter_config.json fields that PEFT (0.6 and later), vLLM and LoRAX all read, and what
 # each must be for the adapter to load in all three (None: any value of the right type).
@@ -114,7 +114,7 @@ def task_adapter(session: Session, task: Task) -> tuple[Job, Artifact]:
     """The adapter of the task's best job; 409 until the task succeeded."""
     if task.state != TaskState.SUCCEEDED or task.best_job_id is None:
         raise conflict(f"task {task.id!r} is {task.state}; the best adapter exists once it "
-                       "succeeded", code="task_not_succeeded")
+                       f"{TaskState.SUCCEEDED}", code="task_not_succeeded")
     job = session.get(Job, task.best_job_id)
     if job is None:
         raise not_found("job", task.best_job_id)

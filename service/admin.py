@@ -18,11 +18,11 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from service.auth import create_api_key, create_tenant, revoke_api_key
-from service.config import get_settings
-from service.db import make_engine, make_sessionmaker, session_scope
-from service.errors import ApiError
+from service.core.config import get_settings
+from service.core.db import make_engine, make_sessionmaker, session_scope
+from service.core.errors import ApiError
 from service.models import Tenant
+from service.tenants import create_api_key, create_tenant, revoke_api_key
 
 ROOT = Path(__file__).resolve().parent.parent
 _KEEP = object()  # set-limit: a flag left out leaves that limit as it is

@@ -28,7 +28,7 @@ from contract.states import (
     TaskState,
 )
 from service import lifecycle
-from service.config import Settings, get_settings
+from service.core.config import Settings, get_settings
 from service.events import add_event
 from service.models import PLACEMENT_ACTIVE, TASK_TERMINAL, Job, Node, Placement, Task, utcnow
 from service.queue import unqueue_placement

@@ -19,10 +19,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from contract.states import PLACEMENT_CURRENT, TASK_SCHEDULED, NodeState
-from service.config import Settings
+from service.core.config import Settings
+from service.core.registry import ModelRegistry
+from service.core.storage import Storage
 from service.models import File, Node, Placement, Task, Tenant, utcnow
-from service.openai_compat.views import avg_tokens_per_sample, unix
-from service.registry import ModelRegistry
 from service.scheduler.estimator import (
     Estimator,
     JobProgress,
@@ -32,8 +32,8 @@ from service.scheduler.estimator import (
 )
 from service.scheduler.loop import _model_shape, _profiles, _tflops
 from service.schemas import TaskCreate
-from service.storage import Storage
 from service.tasks import check_request, expand_grid, resolve_adapter, resolve_auto
+from service.usage import tokens_per_record
 
 
 class DryRunJob(BaseModel):
@@ -72,7 +72,7 @@ def dry_run(session: Session, tenant: Tenant, body: TaskCreate, settings: Settin
     if body.method != "dpo":
         configs = [{k: v for k, v in c.items() if k != "beta"} for c in configs]
     train = session.get(File, body.training_file)
-    per_sample = avg_tokens_per_sample(max_seq_len, train)
+    per_sample = tokens_per_record(max_seq_len, train and train.bytes, train and train.line_count)
     work = TaskWork(body.base_model, max(1, samples), body.epochs, per_sample, max_seq_len,
                     [JobProgress(int(c["batch_size"])) for c in configs],
                     early_exit=body.early_exit.enabled,
@@ -92,8 +92,8 @@ def dry_run(session: Session, tenant: Tenant, body: TaskCreate, settings: Settin
     gpus, seconds, gpu_type, start = best
     out.gpus, out.gpu_type, out.estimated_seconds = gpus, gpu_type, seconds
     out.estimated_gpu_hours = round(gpus * seconds / 3600, 6)
-    out.estimated_start = unix(start)
-    out.estimated_finish = unix(start + timedelta(seconds=seconds))
+    out.estimated_start = int(start.timestamp())
+    out.estimated_finish = int((start + timedelta(seconds=seconds)).timestamp())
     return out
 
 

@@ -26,8 +26,8 @@ from sqlalchemy.dialects.postgresql import aggregate_order_by, insert
 from sqlalchemy.orm import Session
 
 from contract.protocol import EventIn, MetricPointIn
+from service.core.errors import invalid, not_found
 from service.downsample import downsample, keep_indices
-from service.errors import invalid, not_found
 from service.models import Event, Job, MetricPoint, Task, utcnow
 from service.schemas import EventOut, finite
 from service.tracking import integrations as tracking
@@ -111,14 +111,14 @@ def task_metrics_json(session: Session, task: Task, job_id: str | None = None,
     the most-read route: one statement, whose rows are curves (each job's steps and losses of a
     split as two arrays), not points, and no model object per point (a curve has thousands).
     max_points cuts each curve to that many points (service.downsample: first, last, extremes).
-    The async route (service.read_path) runs the same statement."""
+    The async route (service.api.read_path) runs the same statement."""
     rows = session.execute(metrics_statement(job_id is not None, after_step is not None),
                            metrics_params(task.tenant_id, task.id, job_id, after_step))
     return metrics_body(task.id, rows, job_id, max_points)
 
 
 # The splits drawn as curves, as SQL literals: the statement has only named parameters, so
-# service.read_path runs it as compiled once.
+# service.api.read_path runs it as compiled once.
 _CURVES = {"train": literal_column("'train'"), "val": literal_column("'val'")}
 # a validation point's token accuracy (SFT), from its reported numbers; null where absent
 _TOKEN_ACCURACY = cast(MetricPoint.data.op("->>")(literal_column("'token_accuracy'")), Float)
@@ -134,7 +134,7 @@ def metrics_statement(one_job: bool, after: bool, tenant: ColumnElement | None =
     """The curves of a task of a tenant: one row per job (task_id, job id, index, state, then
     steps and losses of train, then of val); a task without (matching) jobs gives one row of
     nulls after its id (the last column: the val points' token accuracies), an unknown task (or another tenant's) gives none. Parameters:
-    metrics_params; the tenant is the parameter tenant_id unless given (service.read_path: the
+    metrics_params; the tenant is the parameter tenant_id unless given (service.api.read_path: the
     API key's). One aggregate pass per job, the splits told apart by FILTER (grouping by split
     sorted every job's points once more: 1.25 -> 1.0 ms of PostgreSQL CPU per request)."""
     points = (select(*(_curve_of(split, column) for split in _CURVES

@@ -14,9 +14,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.adapter_archive import AdapterError, inspect_adapter
-from service.errors import ApiError, conflict, not_found
+from service.core.errors import ApiError, conflict, not_found
+from service.core.storage import Storage
 from service.models import TASK_TERMINAL, File, Task, Tenant, new_id, utcnow
-from service.storage import Storage
 
 ROLES = ("system", "user", "assistant", "tool")
 FORMATS = ("chat", "completion", "preference", "text")
@@ -278,7 +278,7 @@ def get_file(session: Session, tenant: Tenant, file_id: str, param: str | None =
 
 def list_files(session: Session, tenant: Tenant, limit: int, after: str | None
                ) -> tuple[list[File], bool]:
-    from service.pagination import page_query
+    from service.core.pagination import page_query
 
     base = select(File).where(File.tenant_id == tenant.id, File.deleted_at.is_(None))
     return page_query(session, File, base, limit, after)

@@ -30,12 +30,12 @@ from sqlalchemy.orm import Session
 
 from contract.families import UnsupportedModel, family_of, model_type_of, resolve_targets
 from service.adapter_archive import AdapterError, AdapterInfo, inspect_adapter
-from service.errors import invalid
+from service.core.errors import invalid
+from service.core.registry import BaseModelEntry, ModelRegistry
+from service.core.storage import Storage
 from service.files import ADAPTER_PURPOSE
 from service.models import File, Tenant
-from service.registry import BaseModelEntry, ModelRegistry
 from service.schemas import TaskCreate
-from service.storage import Storage
 
 PARAM = "init_adapter_file"
 PEFT_PREFIX = "base_model.model."

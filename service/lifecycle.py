@@ -22,7 +22,7 @@ from contract.states import (
     StrEnum,
     TaskState,
 )
-from service.errors import ApiError
+from service.core.errors import ApiError
 from service.models import Job, Node, Placement, Task, utcnow
 
 

@@ -56,11 +56,11 @@ Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwi
 - ``idempotency_keys(tenant_id, key, request_hash, resource_id, created_at)``; PK (tenant, key).
 - ``merged_models(id, tenant_id, task_id, job_id unique, artifact_id, state, error, dtype, bytes,
   storage_key, attempts, lease_token, lease_until, created_at, started_at, finished_at)``; states:
-  MERGE_STATES. One per job (its adapter merged into the task's base model, see service.merged);
+  MergeState (service.merged.states). One per job (its adapter merged into the task's base model, see service.merged);
   the archive blob lives in storage under ``merged/<id>/model.tar``.
 - ``task_integrations(id, task_id, position, type wandb|mlflow, config jsonb, state, attempts,
   last_error, next_attempt_at, lease_token, result jsonb, synced_at, created_at)``; states:
-  INTEGRATION_STATES. The task's tracking integrations (its `integrations`, in order) and the
+  SyncState (service.tracking.states). The task's tracking integrations (its `integrations`, in order) and the
   outbox of their sync (service.tracking): written with the task, synced once it ended.
 """
 
@@ -88,6 +88,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.sql.elements import TextClause
 
 from contract.protocol import TaskSettings
 from contract.states import (  # noqa: F401 (re-exported: the service imports them from here)
@@ -104,10 +105,20 @@ from contract.states import (  # noqa: F401 (re-exported: the service imports th
     PlacementState,
     TaskState,
 )
+from service.merged.states import MERGE_LIVE, MergeState
+from service.tracking.states import SyncState
+from service.webhooks.states import DeliveryState
 
 FILE_FORMATS = ("chat", "completion", "preference")
 ARTIFACT_KINDS = ("adapter", "checkpoint")
-MERGE_STATES = ("queued", "running", "succeeded", "failed")
+
+
+def _state_in(*states: str) -> TextClause:
+    """The SQL condition of a partial index on the row's state (the words of its state enum),
+    as the migration that made the index wrote it."""
+    if len(states) == 1:
+        return text(f"state = '{states[0]}'")
+    return text("state IN (" + ", ".join(f"'{s}'" for s in states) + ")")
 
 
 def utcnow() -> datetime:
@@ -337,7 +348,6 @@ class IdempotencyKey(Base):
 
 
 # ----- webhooks (service.webhooks) ------------------------------------------------------------
-WEBHOOK_DELIVERY_STATES = ("pending", "delivered", "failed")
 
 
 class WebhookEndpoint(Base):
@@ -384,7 +394,7 @@ class WebhookDelivery(Base):
     endpoint_id: Mapped[str] = mapped_column(
         ForeignKey("webhook_endpoints.id", ondelete="CASCADE"))
     event_id: Mapped[str] = mapped_column(ForeignKey("webhook_events.id", ondelete="CASCADE"))
-    state: Mapped[str] = mapped_column(String(16), default="pending")
+    state: Mapped[str] = mapped_column(String(16), default=DeliveryState.PENDING.value)
     attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     tries: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     last_status_code: Mapped[int | None] = mapped_column(Integer)
@@ -398,7 +408,7 @@ class WebhookDelivery(Base):
         UniqueConstraint("endpoint_id", "event_id", name="uq_webhook_deliveries_endpoint_event"),
         Index("ix_webhook_deliveries_endpoint_created", "endpoint_id", "created_at", "id"),
         Index("ix_webhook_deliveries_due", "next_attempt_at",
-              postgresql_where=text("state = 'pending'")),
+              postgresql_where=_state_in(DeliveryState.PENDING)),
     )
 
 
@@ -426,7 +436,7 @@ class MergedModel(Base):
     task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     artifact_id: Mapped[str] = mapped_column(ForeignKey("artifacts.id", ondelete="CASCADE"))
-    state: Mapped[str] = mapped_column(String(16), default="queued")
+    state: Mapped[str] = mapped_column(String(16), default=MergeState.QUEUED.value)
     error: Mapped[str | None] = mapped_column(Text)
     dtype: Mapped[str | None] = mapped_column(String(16))
     bytes: Mapped[int | None] = mapped_column(BigInteger)
@@ -440,13 +450,12 @@ class MergedModel(Base):
     __table_args__ = (
         UniqueConstraint("job_id", name="uq_merged_models_job"),
         Index("ix_merged_models_due", "created_at",
-              postgresql_where=text("state IN ('queued', 'running')")),
+              postgresql_where=_state_in(*MERGE_LIVE)),
     )
 
 
 # ----- tracking integrations (service.tracking) -----------------------------------------------
 INTEGRATION_TYPES = ("wandb", "mlflow")
-INTEGRATION_STATES = ("pending", "synced", "failed")
 
 
 class TaskIntegration(Base):
@@ -462,7 +471,7 @@ class TaskIntegration(Base):
     position: Mapped[int] = mapped_column(Integer)
     type: Mapped[str] = mapped_column(String(16))
     config: Mapped[dict] = mapped_column(JSONB)
-    state: Mapped[str] = mapped_column(String(16), default="pending")
+    state: Mapped[str] = mapped_column(String(16), default=SyncState.PENDING.value)
     attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     last_error: Mapped[str | None] = mapped_column(Text)
     next_attempt_at: Mapped[datetime | None] = mapped_column(TS, default=utcnow)
@@ -473,5 +482,5 @@ class TaskIntegration(Base):
     __table_args__ = (
         UniqueConstraint("task_id", "position", name="uq_task_integrations_task_position"),
         Index("ix_task_integrations_due", "next_attempt_at",
-              postgresql_where=text("state = 'pending'")),
+              postgresql_where=_state_in(SyncState.PENDING)),
     )

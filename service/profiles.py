@@ -16,7 +16,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from contract.protocol import ThroughputReport
-from service.errors import invalid
+from service.core.errors import invalid
 from service.models import Node, ThroughputProfile, utcnow
 from service.scheduler.estimator import batch_key
 from service.worker_api import fence_report

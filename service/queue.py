@@ -24,8 +24,8 @@ from contract.protocol import (
 from contract.redis_jobs import delete_job
 from contract.states import PlacementState
 from service import lifecycle
-from service.config import Settings, get_settings
-from service.db import after_commit
+from service.core.config import Settings, get_settings
+from service.core.db import after_commit
 from service.models import Placement, utcnow
 
 log = logging.getLogger("loraplex.queue")

@@ -20,8 +20,8 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
+from service.core.storage import Storage
 from service.models import TASK_TERMINAL, File, Job, MetricPoint, Task
-from service.storage import Storage
 
 log = logging.getLogger("loraplex.result_files")
 

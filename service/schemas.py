@@ -18,6 +18,7 @@ from contract.protocol import (
     Method,
     TaskSettings,
 )
+from service.merged.states import MergeStateName
 from service.tracking.schemas import IntegrationIn, IntegrationOut
 
 T = TypeVar("T")
@@ -392,7 +393,7 @@ class MergedModelOut(BaseModel):
     task_id: str
     job_id: str
     base_model: str
-    state: Literal["queued", "running", "succeeded", "failed"]
+    state: MergeStateName
     error: str | None = Field(description="Why the merge failed (state failed)")
     dtype: str | None = Field(description="The weights' dtype: the base model's")
     bytes: int | None = Field(description="Size of the archive")

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from contract.states import TaskState
 from service import tasks
 from service.cluster import cluster_changed
-from service.config import Settings
+from service.core.config import Settings
 from service.models import Task, Tenant
 
 Action = Literal["cancel", "pause", "resume"]

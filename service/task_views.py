@@ -1,5 +1,5 @@
 """What a tenant reads of tasks and jobs: TaskOut and JobOut built from rows, one statement
-for a whole page (service.read_path serves the hottest list from the same task_view)."""
+for a whole page (service.api.read_path serves the hottest list from the same task_view)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def task_outs(session: Session, tasks: list[Task], price: float | None = None) -
             for task in tasks]
 
 
-# The task's own columns a view shows (service.read_path selects these by name, in this order).
+# The task's own columns a view shows (service.api.read_path selects these by name, in this order).
 TASK_COLUMNS = ("id", "state", "base_model", "method", "training_file_id", "validation_file_id",
                 "search_space", "settings", "priority", "best_job_id", "error", "created_at",
                 "started_at", "finished_at", "suffix", "meta", "num_train_samples",

@@ -25,9 +25,11 @@ from contract.states import (
     TaskState,
 )
 from service import learning_rates, lifecycle
-from service.config import Settings
-from service.db import after_commit
-from service.errors import ApiError, conflict, invalid, not_found
+from service.core.config import Settings
+from service.core.db import after_commit
+from service.core.errors import ApiError, conflict, invalid, not_found
+from service.core.registry import BaseModelEntry, ModelRegistry
+from service.core.storage import Storage
 from service.events import add_event
 from service.files import METHOD_FORMATS, get_file
 from service.init_adapter import resolve_init_adapter
@@ -43,10 +45,8 @@ from service.models import (
     utcnow,
 )
 from service.queue import get_redis, publish_cancel, unqueue_placement
-from service.registry import BaseModelEntry, ModelRegistry
 from service.scheduler.limits import admit_task, check_task_priority
 from service.schemas import TaskCreate, finite
-from service.storage import Storage
 from service.tracking.integrations import (
     add_integrations,
     check_integrations,
@@ -298,7 +298,7 @@ def update_job_state(session: Session, task: Task, job: Job, msg: JobStateUpdate
     running again when the new attempt resumes it; the first job running moves the attempt from
     claimed to running."""
     if (msg.state == JobState.EXITED) != (msg.exit_reason is not None):
-        raise invalid("exit_reason is required with state 'exited' and only then",
+        raise invalid(f"exit_reason is required with state '{JobState.EXITED}' and only then",
                       param="exit_reason")
     if job.state in JOB_TERMINAL:
         if msg.state == job.state:

@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from contract.protocol import TaskSettings, grid_knobs
-from service.errors import invalid
+from service.core.errors import invalid
 from service.models import MetricPoint, Task, Tenant
 from service.scheduler.estimator import EstimatorConfig, JobProgress, TaskWork, remaining_tokens
 from service.schemas import TaskUsage

@@ -43,8 +43,10 @@ from contract.states import (
 from service import lifecycle
 from service.adapters import portable_config_file
 from service.cluster import cluster_changed, fail_or_requeue
-from service.config import Settings
-from service.errors import ApiError, conflict, invalid, not_found
+from service.core.config import Settings
+from service.core.errors import ApiError, conflict, invalid, not_found
+from service.core.registry import ModelRegistry
+from service.core.storage import Storage
 from service.events import add_event, ingest_events, ingest_metrics
 from service.models import (
     PLACEMENT_ACTIVE,
@@ -59,9 +61,7 @@ from service.models import (
     utcnow,
 )
 from service.queue import empty_node_queue, unqueue_placement
-from service.registry import ModelRegistry
 from service.scheduler.loop import _LOCK_KEY as PLAN_LOCK_KEY
-from service.storage import Storage
 from service.tasks import (
     attempt_stopped,
     finish_pause,

@@ -14,13 +14,13 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from service import adapters
-from service.config import Settings
-from service.db import after_commit
-from service.errors import ApiError, conflict, not_found
+from service.core.config import Settings
+from service.core.db import after_commit
+from service.core.errors import ApiError, conflict, not_found
+from service.core.registry import ModelRegistry
 from service.lifecycle import move
 from service.merged.states import MERGE_TRANSITIONS, MergeState
 from service.models import Artifact, Job, MergedModel, Task, Tenant, new_id, utcnow
-from service.registry import ModelRegistry
 from service.schemas import MergedModelOut
 
 

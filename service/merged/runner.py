@@ -1,4 +1,4 @@
-"""The merger: a thread of the leader (service.background) that claims queued merges one at a
+"""The merger: a thread of the leader (service.api.background) that claims queued merges one at a
 time, merges the adapter into its task's base model (service.merged.weights) off the request
 path, stores the model's tar archive once and records the outcome. A heartbeat renews the
 claim's lease while the merge runs; a merge whose process died is claimed again once its lease
@@ -15,13 +15,13 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.adapters import write_archive
-from service.config import Settings
-from service.db import session_scope
+from service.core.config import Settings
+from service.core.db import session_scope
+from service.core.registry import ModelRegistry
+from service.core.storage import Storage
 from service.merged import lifecycle
 from service.merged.lifecycle import Claim
 from service.merged.weights import MergeError, merge_adapter
-from service.registry import ModelRegistry
-from service.storage import Storage
 
 log = logging.getLogger("loraplex.merged")
 

@@ -3,7 +3,9 @@ moves them, the models, the API schema and the CLI read them (this module import
 
 from __future__ import annotations
 
-from contract.states import StrEnum
+from typing import Literal
+
+from contract.states import StrEnum, values
 
 
 class MergeState(StrEnum):
@@ -17,6 +19,8 @@ M = MergeState
 
 MERGE_STATES = tuple(MergeState)
 MERGE_LIVE = (M.QUEUED, M.RUNNING)  # not ended: the merger will claim it, or runs it
+# The plain strings, for the API's field (its schema lists the values).
+MergeStateName = Literal[values(MERGE_STATES)]
 
 # Which state may move to which. Asking again re-queues a failed merge, or any whose job's adapter
 # changed; a running one whose lease ran out is claimed again, or fails once interrupted too often.

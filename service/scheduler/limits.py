@@ -8,8 +8,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from contract.states import TASK_WAITING, TaskState
-from service.config import Settings
-from service.errors import ApiError
+from service.core.config import Settings
+from service.core.errors import ApiError
 from service.models import PLACEMENT_ACTIVE, Placement, Task, Tenant
 from service.schemas import TenantUsageOut
 

@@ -41,7 +41,8 @@ from sqlalchemy.orm import Session
 from contract.protocol import colocation_key
 from contract.states import PLACEMENT_CURRENT, NodeState, PlacementState, TaskState
 from service import lifecycle
-from service.config import Settings
+from service.core.config import Settings
+from service.core.registry import ModelRegistry
 from service.models import (
     JOB_TERMINAL,
     PLACEMENT_ACTIVE,
@@ -55,7 +56,6 @@ from service.models import (
     utcnow,
 )
 from service.queue import publish_placement
-from service.registry import ModelRegistry
 from service.scheduler.colocation import (
     Colocated,
     CoState,
@@ -118,7 +118,7 @@ def last_plan_info() -> PlanInfo:
 
 def set_last_plan_info(info: PlanInfo) -> None:
     """Adopt the leader's last plan: an API process that does not lead never replans
-    (service.background), yet its GET /v1/cluster shows the plan in force."""
+    (service.api.background), yet its GET /v1/cluster shows the plan in force."""
     global _last
     _last = info
 
@@ -308,7 +308,7 @@ def _preempt(session: Session, plan: Plan, settings: Settings, colocated: Coloca
     """Ask the running tasks the plan preempts (quota reclaim) to pause at a checkpoint and
     requeue (a shared executor's occupant: every task it hosts); a task that ended meanwhile is
     left alone."""
-    from service.errors import ApiError
+    from service.core.errors import ApiError
     from service.tasks import request_pause
 
     for task_id in colocated.pausing(plan):

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from contract.states import TaskState
+
 
 @dataclass(frozen=True)
 class NodeSpec:
@@ -48,7 +50,7 @@ class TaskSpec:
     gpus_needed: int
     duration_s: int
     priority: int = 0
-    state: str = "queued"  # queued | running
+    state: str = TaskState.QUEUED.value  # queued | running
     pinned: Pinned | None = None
     hint: Hint | None = None
     earliest_start_s: int = 0

@@ -9,9 +9,9 @@ from urllib.parse import urlsplit
 from sqlalchemy import exists, select
 from sqlalchemy.orm import Session
 
-from service.config import Settings
-from service.db import after_commit
-from service.errors import invalid
+from service.core.config import Settings
+from service.core.db import after_commit
+from service.core.errors import invalid
 from service.lifecycle import move
 from service.models import TASK_TERMINAL, TaskIntegration
 from service.tracking.schemas import IntegrationIn, MlflowSettings, WandbSettings
@@ -27,7 +27,7 @@ SETTINGS = {"wandb": WandbSettings, "mlflow": MlflowSettings}
 
 # The task's integrations for its views, in order, one array per row: [type, config, state,
 # attempts, last_error, synced_at as Unix seconds]; {task} is the tasks table's name or alias in
-# the enclosing statement (service.task_views.task_outs and service.read_path share it).
+# the enclosing statement (service.task_views.task_outs and service.api.read_path share it).
 VIEW_SQL = ("(SELECT json_agg(json_build_array(i.type, i.config, i.state, i.attempts, "
             "i.last_error, extract(epoch FROM i.synced_at)::bigint) ORDER BY i.position) "
             "FROM task_integrations i WHERE i.task_id = {task}.id)")

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from contract.states import JobState, TaskState
-from service.config import Settings
+from service.core.config import Settings
 from service.tracking.integrations import check_tracking_uri
 from service.tracking.records import JobRecord, TaskRecord, millis
 from service.webhooks.security import Target

@@ -1,4 +1,4 @@
-"""The tracking syncer: a thread of the leader (service.background) that writes the runs of ended
+"""The tracking syncer: a thread of the leader (service.api.background) that writes the runs of ended
 tasks' integrations, from the metrics in PostgreSQL, modelled on the webhook outbox. A task's
 integration rows are written with the task; once the task is terminal (succeeded, failed,
 cancelled) a pending row is due. A pass claims due rows with FOR UPDATE SKIP LOCKED and moves
@@ -22,8 +22,8 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.protocol import tenant_safe
-from service.config import Settings
-from service.db import session_scope
+from service.core.config import Settings
+from service.core.db import session_scope
 from service.models import TASK_TERMINAL, Task, TaskIntegration, utcnow
 from service.tracking.integrations import move_sync, requested
 from service.tracking.mlflow_writer import write_mlflow

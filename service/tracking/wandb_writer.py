@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from contract.states import JobState
-from service.config import Settings
+from service.core.config import Settings
 from service.tracking.records import TaskRecord
 
 log = logging.getLogger("loraplex.tracking")

@@ -26,8 +26,8 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.config import Settings
-from service.db import session_scope
+from service.core.config import Settings
+from service.core.db import session_scope
 from service.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent, utcnow
 from service.webhooks.outbox import enqueued, move_delivery
 from service.webhooks.security import AddressRefused, check_key, resolve, sign, unseal

@@ -8,10 +8,10 @@ import logging
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.config import Settings
-from service.errors import conflict, invalid, not_found
+from service.core.config import Settings
+from service.core.errors import conflict, invalid, not_found
+from service.core.pagination import page_query
 from service.models import Tenant, WebhookEndpoint, utcnow
-from service.pagination import page_query
 from service.webhooks.schemas import WebhookCreate, WebhookOut, WebhookUpdate
 from service.webhooks.security import AddressRefused, new_secret, resolve, seal
 

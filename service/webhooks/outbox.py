@@ -9,8 +9,9 @@ import threading
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.db import after_commit
-from service.errors import conflict, not_found
+from service.core.db import after_commit
+from service.core.errors import conflict, not_found
+from service.core.pagination import page_query
 from service.lifecycle import move
 from service.models import (
     Task,
@@ -21,7 +22,6 @@ from service.models import (
     new_id,
     utcnow,
 )
-from service.pagination import page_query
 from service.webhooks.catalog import FROM_TASK_EVENT, TEST_TYPE, event_body, event_data
 from service.webhooks.schemas import (
     WebhookAttemptOut,

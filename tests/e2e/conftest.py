@@ -29,7 +29,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("psycopg")
 
-from service.localstack import free_port  # noqa: E402
+from service.core.localstack import free_port  # noqa: E402
 from tests.integration.conftest import db_url, pg, redis_server, stack_dir  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ class Stack:
     def start_service(self) -> None:
         log = open(self.root / "service.log", "ab")
         self.service = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "service.app:app", "--host", "127.0.0.1",
+            [sys.executable, "-m", "uvicorn", "service.api.app:app", "--host", "127.0.0.1",
              "--port", self.url.rsplit(":", 1)[1], "--log-level", "warning"],
             env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         wait_for(self._healthy, 60, "the service to answer /healthz")
@@ -133,7 +133,7 @@ class Stack:
         from sqlalchemy.orm import Session
 
         from service.cluster import next_attempt
-        from service.config import Settings
+        from service.core.config import Settings
         from service.models import Placement, utcnow
         from service.queue import publish_placement
 
@@ -203,7 +203,7 @@ def make_tenant(db: str, name: str, max_gpus: int | None = None) -> str:
     from sqlalchemy import create_engine
     from sqlalchemy.orm import Session
 
-    from service.auth import create_tenant
+    from service.tenants import create_tenant
 
     engine = create_engine(db.replace("postgresql://", "postgresql+psycopg://"))
     try:

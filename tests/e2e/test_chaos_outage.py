@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from service.localstack import Postgres, free_port
+from service.core.localstack import Postgres, free_port
 from tests.e2e.conftest import NODE_TIMEOUT_S, Stack, make_tenant, stack_env, wait_for
 from tests.e2e.test_chaos import check_guarantees, checkpoints, rows, spool_points, upload_jsonl
 from tests.e2e.test_chaos import models_yaml as models_yaml  # noqa: F401 - the tiny Llama

@@ -52,7 +52,7 @@ def sdk_stack(pg, redis_server, tmp_path_factory) -> Iterator[Stack]:  # noqa: A
     import psycopg
     import redis
 
-    from service.localstack import free_port
+    from service.core.localstack import free_port
     from tests.e2e.conftest import REPO, WORKER_TOKEN
     from trainer.tiny import make_tiny_model
 

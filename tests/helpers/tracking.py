@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from service.localstack import free_port
+from service.core.localstack import free_port
 
 
 class MlflowServer:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from service.localstack import free_port
+from service.core.localstack import free_port
 
 
 @dataclass

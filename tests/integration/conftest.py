@@ -1,7 +1,7 @@
 """Integration fixtures: ONE private PostgreSQL and ONE redis-server per test session, a fresh
 database per test (CREATE DATABASE ... TEMPLATE of a migrated template), and the app's client.
 
-Fixtures other suites can use: ``pg`` (service.localstack.Postgres), ``redis_server``,
+Fixtures other suites can use: ``pg`` (service.core.localstack.Postgres), ``redis_server``,
 ``db_url`` (a clean migrated database for this test), ``settings``, ``session`` (a SQLAlchemy
 session on it), ``app``, ``client`` (TestClient), ``factory`` (tests/integration/factories.py).
 
@@ -27,8 +27,8 @@ pytest.importorskip("psycopg")
 from fastapi.testclient import TestClient  # noqa: E402
 from sqlalchemy.orm import Session  # noqa: E402
 
-from service.config import Settings  # noqa: E402
-from service.localstack import Postgres, Redis, free_port  # noqa: E402
+from service.core.config import Settings  # noqa: E402
+from service.core.localstack import Postgres, Redis, free_port  # noqa: E402
 
 TEMPLATE_DB = "loraplex_template"
 WORKER_TOKEN = "test-worker-token"
@@ -113,7 +113,7 @@ def settings(db_url: str, redis_server: Redis, tmp_path: Path,
 
 @pytest.fixture
 def app(settings: Settings):  # noqa: ANN201 - FastAPI
-    from service.app import create_app
+    from service.api.app import create_app
 
     return create_app(settings)
 

@@ -13,10 +13,10 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from service.auth import create_tenant
-from service.config import Settings
+from service.core.config import Settings
 from service.models import Node, Placement, Task, utcnow
 from service.queue import publish_placement
+from service.tenants import create_tenant
 
 CHAT_LINES = [
     {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}

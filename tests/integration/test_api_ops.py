@@ -9,9 +9,9 @@ import sys
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from service.app import create_app
-from service.config import get_settings
-from service.localstack import free_port
+from service.api.app import create_app
+from service.core.config import get_settings
+from service.core.localstack import free_port
 from service.models import Tenant
 
 
@@ -53,7 +53,7 @@ def test_a_deadlock_answers_a_retryable_concurrent_change(db_url):  # noqa: ANN0
     from sqlalchemy import create_engine, text
     from sqlalchemy.exc import OperationalError
 
-    from service.errors import install_error_handlers
+    from service.core.errors import install_error_handlers
 
     engine = create_engine(db_url)
     with engine.begin() as c:

@@ -1,4 +1,4 @@
-"""The async read routes (service.read_path: GET /v1/tasks and GET /v1/tasks/{id}/metrics on the
+"""The async read routes (service.api.read_path: GET /v1/tasks and GET /v1/tasks/{id}/metrics on the
 ReadPool): the same bytes as the models gave, the same auth and tenant isolation, revocation at
 once despite the key cache, and a pool that survives dropped connections and reports outages
 as the other routes do."""
@@ -15,17 +15,17 @@ from sqlalchemy import delete, select, text
 from sqlalchemy.exc import OperationalError
 
 from service import task_views
-from service.auth import revoke_api_key
-from service.db import READ_POOL_NAME, ReadPool
-from service.localstack import free_port
+from service.core.db import READ_POOL_NAME, ReadPool
+from service.core.localstack import free_port
+from service.core.pagination import page_query
 from service.models import Job, MetricPoint, Placement, Task, Tenant, utcnow
-from service.pagination import page_query
 from service.schemas import JobCurves, LossPoint, MetricsOut, Page, TaskOut, ValPoint
+from service.tenants import revoke_api_key
 
 
 def _model_page(session, tenant_id: str, limit: int, after: str | None = None,  # noqa: ANN001
                 state: str | None = None, price: float | None = None) -> bytes:
-    """The JSON the ORM path gave (the page query the route ran before service.read_path, then
+    """The JSON the ORM path gave (the page query the route ran before service.api.read_path, then
     service.task_views.task_outs and Page[TaskOut])."""
     session.expire_all()
     scope = select(Task).where(Task.tenant_id == tenant_id)
@@ -212,7 +212,7 @@ def test_read_pool_retries_dropped_connections_and_reports_outages(client, facto
 def test_json_loads_reads_as_json_does() -> None:
     import json
 
-    from service.db import json_loads
+    from service.core.db import json_loads
 
     for raw in (b'{"a": 123456789012345678901234567890, "b": 1.5}', b"[1e-05, 1E400, -0.0]",
                 b'[18446744073709551615, -9223372036854775809, 0.30000000000000004]',
@@ -225,7 +225,7 @@ def test_json_loads_reads_as_json_does() -> None:
 
 def test_deployed_server_serves_the_read_routes(client, factory, settings,  # noqa: ANN001
                                                 monkeypatch, app) -> None:  # noqa: ANN001
-    """python -m service.serve with two processes, as deployed: both read routes answer with
+    """python -m service.api.serve with two processes, as deployed: both read routes answer with
     the in-process app's bytes; each process froze its startup objects out of the collector."""
     import gc
     import os
@@ -235,8 +235,8 @@ def test_deployed_server_serves_the_read_routes(client, factory, settings,  # no
 
     import httpx
 
-    from service import app as app_module
-    from service import serve
+    from service.api import app as app_module
+    from service.api import serve
 
     monkeypatch.setattr(app_module, "_default_app", app)
     assert serve.loaded_app() is app and gc.get_freeze_count() > 0
@@ -249,7 +249,7 @@ def test_deployed_server_serves_the_read_routes(client, factory, settings,  # no
         "LORAPLEX_MODELS_FILE": str(settings.models_file), "LORAPLEX_WORKER_TOKEN": "w",
         "LORAPLEX_MAINTENANCE_INTERVAL_S": "0", "LORAPLEX_SCHEDULER_ENABLED": "false"}
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "service.serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "service.api.serve", "--port", str(port),
                              "--workers", "2", "--log-level", "warning"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

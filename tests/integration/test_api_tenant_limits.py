@@ -9,7 +9,7 @@ import threading
 import pytest
 from sqlalchemy import func, select
 
-from service.config import get_settings
+from service.core.config import get_settings
 from service.models import IdempotencyKey, Task, Tenant
 from service.scheduler.limits import admit_task
 

@@ -31,7 +31,8 @@ def task(factory, tenant, batch: int = 4, **kw) -> str:  # noqa: ANN001
 
 def key_of(session, task_id: str) -> str:  # noqa: ANN001
     t = session.get(Task, task_id)
-    return colocation_key(t.base_model, t.method, t.max_seq_len, t.target_modules)
+    return colocation_key(t.base_model, t.method, t.settings["max_seq_len"],
+                          t.settings["target_modules"])
 
 
 def live(session, task_id: str) -> Placement | None:  # noqa: ANN001

@@ -1,5 +1,5 @@
 """Integration (real PostgreSQL): the dashboard's pieces of the API. The live view of a task
-(service.ui.live.tick, behind GET /ui/v1/tasks/{id}/live): a first snapshot with downsampled curves,
+(service.api.ui.live.tick, behind GET /ui/v1/tasks/{id}/live): a first snapshot with downsampled curves,
 then only what changed (new points per curve, new events, job states), nothing when nothing did,
 and another tenant's task reads as gone. The metrics route's max_points, and the page's files."""
 
@@ -10,8 +10,8 @@ import re
 
 from contract.protocol import MetricPointIn
 from service import events
+from service.api.ui.live import LiveState, tick
 from service.models import Job, Task
-from service.ui.live import LiveState, tick
 
 
 def _points(job_ids: list[str], steps: range, split: str = "train") -> list[MetricPointIn]:

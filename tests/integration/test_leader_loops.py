@@ -21,10 +21,10 @@ import psycopg
 import pytest
 from sqlalchemy import select
 
-from service.config import Settings
-from service.db import make_engine, make_sessionmaker
-from service.leader import LEADER_KEY, Leadership, libpq_url
-from service.localstack import free_port
+from service.core.config import Settings
+from service.core.db import make_engine, make_sessionmaker
+from service.core.leader import LEADER_KEY, Leadership, libpq_url
+from service.core.localstack import free_port
 from service.models import Placement
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ def test_a_dead_leader_process_is_replaced_and_requests_reach_the_leader(db_url:
     # The leader is another process, killed outright: its connection drops with it, and the lock.
     leader = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from service.leader import Leadership
+        from service.core.leader import Leadership
         ship = Leadership({db_url!r}, lambda: print("elected", flush=True), lambda: None,
                           lambda payload: print("replan", payload, flush=True), retry_s=0.2)
         ship.start()
@@ -134,7 +134,7 @@ class Service:
                 "LORAPLEX_SCHEDULER_INTERVAL_S": "0", "LORAPLEX_MAINTENANCE_INTERVAL_S": "0",
                 "LORAPLEX_LEADER_RETRY_S": str(RETRY_S)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "service.app:app", "--host", "127.0.0.1",
+            [sys.executable, "-m", "uvicorn", "service.api.app:app", "--host", "127.0.0.1",
              "--port", str(self.port), "--log-level", "info"],
             env=env, cwd=REPO, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
         wait_for(self._healthy, 60, f"{name} to answer /healthz")

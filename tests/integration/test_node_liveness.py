@@ -22,7 +22,7 @@ from service.cluster import (
     service_health,
     watch_service_health,
 )
-from service.localstack import free_port
+from service.core.localstack import free_port
 from service.models import Node, Placement, Task, utcnow
 from service.queue import publish_cancel
 from service.tasks import cancel_task
@@ -165,7 +165,7 @@ def test_a_fresh_process_gives_every_node_a_full_timeout(client, factory, sessio
 def test_the_app_keeps_a_record_when_it_runs_the_maintenance_loop(settings) -> None:  # noqa: ANN001
     from fastapi.testclient import TestClient
 
-    from service.app import create_app
+    from service.api.app import create_app
 
     on = settings.model_copy(update={"maintenance_interval_s": 60.0})
     with TestClient(create_app(on)):

@@ -95,7 +95,7 @@ def test_a_burst_of_arrivals_is_one_or_two_replans(app, client, factory, session
 
 
 def test_periodic_pass_publishes_a_start_that_arrived(settings, session):  # noqa: ANN001
-    from service.app import create_app
+    from service.api.app import create_app
     from tests.integration.factories import Factory
 
     fast = settings.model_copy(update={"scheduler_interval_s": 0.2})

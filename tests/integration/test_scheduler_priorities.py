@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import func, select
 
-from service.config import get_settings
+from service.core.config import get_settings
 from service.models import Placement, Task, Tenant, utcnow
 from service.scheduler import replan
 

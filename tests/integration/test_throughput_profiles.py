@@ -197,7 +197,7 @@ def _tokens_to_train(session, task_id: str) -> float:  # noqa: ANN001
     file = session.get(File, task.training_file_id)
     per_sample = min(task.settings["max_seq_len"], file.bytes / file.line_count / 4.0)
     sizes = [b for b in SPACE["batch_size"] for _ in SPACE["learning_rate"]]
-    samples = task.num_train_samples * task.epochs
+    samples = task.num_train_samples * task.settings["epochs"]
     return sum(math.ceil(samples / b) * b * per_sample for b in sizes)
 
 
@@ -255,7 +255,7 @@ def test_another_batch_mix_uses_the_nearest_measured_mix(client, factory, sessio
     task = session.get(Task, nxt)
     file = session.get(File, task.training_file_id)
     per_sample = min(task.settings["max_seq_len"], file.bytes / file.line_count / 4.0)
-    tokens = sum(math.ceil(task.num_train_samples * task.epochs / b) * b * per_sample
+    tokens = sum(math.ceil(task.num_train_samples * task.settings["epochs"] / b) * b * per_sample
                  for b in (2, 4))
     assert _estimate(session, settings, nxt) == math.ceil(tokens / 1.0)
     assert session.scalar(select(func.count()).select_from(ThroughputProfile)) == 2

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from sqlalchemy import func, select, update
 
-from service.localstack import free_port
+from service.core.localstack import free_port
 from service.models import Event, IdempotencyKey, Job, Task, TaskIntegration, utcnow
 from service.tracking import wandb_writer
 from service.tracking.sync import sync_due

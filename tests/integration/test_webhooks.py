@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import func, select
 from standardwebhooks.webhooks import Webhook
 
-from service.config import Settings
+from service.core.config import Settings
 from service.models import WebhookEndpoint, WebhookEvent
 from tests.helpers.webhook_receiver import Receiver, wait_for
 from tests.integration.factories import safetensors_bytes

@@ -1,4 +1,4 @@
-"""Unit: the Range header of a download (service.downloads.byte_range), as RFC 9110 reads it:
+"""Unit: the Range header of a download (service.api.downloads.byte_range), as RFC 9110 reads it:
 one range served, past-the-end refused (416), anything else (several ranges, other units, bad
 syntax) ignored so the whole archive is sent."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.downloads import byte_range
+from service.api.downloads import byte_range
 
 
 @pytest.mark.parametrize(("header", "want"), [

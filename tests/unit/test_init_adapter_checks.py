@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from service.adapter_archive import AdapterInfo
-from service.errors import ApiError
+from service.core.errors import ApiError
+from service.core.registry import BaseModelEntry
 from service.init_adapter import base_linears, check_against_model
-from service.registry import BaseModelEntry
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -8,6 +8,9 @@ import math
 
 import pytest
 
+from service.api.openai_compat.create import search_space
+from service.api.openai_compat.schemas import Hyperparameters
+from service.core.registry import BaseModelEntry
 from service.learning_rates import (
     auto_learning_rates,
     calibration,
@@ -15,9 +18,6 @@ from service.learning_rates import (
     model_centre,
     parameter_count,
 )
-from service.openai_compat.create import search_space
-from service.openai_compat.schemas import Hyperparameters
-from service.registry import BaseModelEntry
 from service.schemas import TaskCreate
 from service.tasks import resolve_auto
 

@@ -12,9 +12,9 @@ pytest.importorskip("fastapi")
 
 
 def test_openapi_yaml_is_up_to_date() -> None:
-    from service.openapi import OPENAPI_PATH, render
+    from service.api.openapi import OPENAPI_PATH, render
 
-    assert OPENAPI_PATH.read_text() == render(), "run: python -m service.openapi"
+    assert OPENAPI_PATH.read_text() == render(), "run: python -m service.api.openapi"
 
 
 def test_contract_imports_only_pydantic() -> None:
@@ -30,7 +30,7 @@ def test_contract_imports_only_pydantic() -> None:
 
 
 def test_every_route_is_documented() -> None:
-    from service.openapi import render
+    from service.api.openapi import render
 
     doc = render()
     for path in ("/v1/files", "/v1/tasks/{task_id}/events", "/v1/jobs/{job_id}/adapter",

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from service.core.storage import LocalStorage
 from service.files import FileValidationError, validate_jsonl
 from service.schemas import SearchSpace, TaskCreate
-from service.storage import LocalStorage
 from service.tasks import expand_grid, request_hash
 
 

@@ -28,9 +28,15 @@ REPO = Path(__file__).resolve().parents[2]
 LIFECYCLE_WORDS = {s.value for e in (TaskState, JobState, PlacementState, states.NodeState)
                    for s in e}
 # Other objects' own states, with their own declarations: merged models, webhook deliveries and
-# tracking syncs (service/{merged,webhooks,tracking}/states.py), and the executor host the worker
-# drives (worker/host.py).
-OTHER_WORDS = {"delivered", "synced", "loading", "serving", "stopping", "closed"}
+# tracking syncs (service/{merged,webhooks,tracking}/states.py, which import the contract alone),
+# and the executor host the worker drives (worker/host.py).
+merged_states = pytest.importorskip("service.merged.states")
+webhook_states = pytest.importorskip("service.webhooks.states")
+tracking_states = pytest.importorskip("service.tracking.states")
+STATE_MODULES = (states, merged_states, webhook_states, tracking_states)
+OTHER_WORDS = {s.value for e in (merged_states.MergeState, webhook_states.DeliveryState,
+                                 tracking_states.SyncState) for s in e}
+OTHER_WORDS |= {"loading", "serving", "stopping", "closed"}
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
@@ -70,6 +76,11 @@ def _state_literals(tree: ast.AST) -> Iterator[tuple[int, str]]:
                     found += [v for t, v in zip(target.elts, n.value.elts, strict=False) if _is_state(t)]
         elif isinstance(n, ast.keyword) and n.arg == "state":
             found = [n.value]
+        elif isinstance(n, ast.AnnAssign) and n.value is not None and (
+                _is_state(n.target) or isinstance(n.target, ast.Name) and n.target.id == "state"):
+            # a field's default: `state: str = "queued"`, `state = mapped_column(default=...)`
+            found = [n.value] if not isinstance(n.value, ast.Call) else [
+                k.value for k in n.value.keywords if k.arg in ("default", "server_default")]
         elif isinstance(n, ast.Dict):
             found = [v for k, v in zip(n.keys, n.values, strict=True)
                      if isinstance(k, ast.Constant) and k.value == "state"]
@@ -95,9 +106,19 @@ def test_every_state_literal_is_a_member() -> None:
 
 def test_the_scan_catches_a_stray_word() -> None:
     tree = ast.parse('task.state = "runnin"\nif job.state in ("pending", "exitted"): pass\n'
-                     'p.state, p.error = "superseeded", None\nst["state"] == "done"\n')
+                     'p.state, p.error = "superseeded", None\nst["state"] == "done"\n'
+                     'class A:\n    state: str = "queud"\n'
+                     '    state: Mapped[str] = mapped_column(String(8), default="pendin")\n')
     assert {w for _, w in _state_literals(tree)} - LIFECYCLE_WORDS == {
-        "runnin", "exitted", "superseeded", "done"}
+        "runnin", "exitted", "superseeded", "done", "queud", "pendin"}
+
+
+def test_the_service_spells_no_state() -> None:
+    """The service names every state it writes or compares by its enum member, never a string."""
+    spelled = [f"{path.relative_to(REPO)}:{line}: {word!r}"
+               for path in sorted((REPO / "service").rglob("*.py"))
+               for line, word in _state_literals(ast.parse(path.read_text(), str(path)))]
+    assert not spelled, "state words spelled as strings:\n" + "\n".join(spelled)
 
 
 def _module_level_sets(path: Path) -> Iterator[tuple[str, frozenset[str]]]:
@@ -109,13 +130,35 @@ def _module_level_sets(path: Path) -> Iterator[tuple[str, frozenset[str]]]:
 
 
 def test_state_sets_are_declared_once() -> None:
-    """No module outside the contract declares its own copy of a contract state set."""
-    declared = {frozenset(v.value for v in value): name for name, value in vars(states).items()
+    """No module outside the states modules declares its own copy of one of their state sets."""
+    declared = {frozenset(v.value for v in value): f"{module.__name__}.{name}"
+                for module in STATE_MODULES for name, value in vars(module).items()
                 if name.isupper() and isinstance(value, tuple) and len(value) > 1}
-    copies = [f"{path.relative_to(REPO)}: {name} (= contract.states.{declared[words]})"
+    copies = [f"{path.relative_to(REPO)}: {name} (= {declared[words]})"
               for path in _sources() for name, words in _module_level_sets(path)
               if words in declared]
     assert not copies, "\n".join(copies)
+
+
+def _state_literal_types(tree: ast.AST) -> Iterator[tuple[int, frozenset[str]]]:
+    """Every `Literal[...]` that spells out two or more state words and nothing else."""
+    for n in ast.walk(tree):
+        if (isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name | ast.Attribute)
+                and (getattr(n.value, "id", None) or getattr(n.value, "attr", None)) == "Literal"):
+            words = frozenset(_words(n.slice))
+            if len(words) > 1 and words <= LIFECYCLE_WORDS | OTHER_WORDS:
+                yield n.lineno, words
+
+
+def test_no_literal_type_spells_out_states() -> None:
+    """An API field or parameter that takes a state is typed from its enum's values (e.g.
+    service.merged.states.MergeStateName), not from a Literal that repeats the words."""
+    spelled = [f"{path.relative_to(REPO)}:{line}: Literal{sorted(words)}"
+               for path in _sources()
+               for line, words in _state_literal_types(ast.parse(path.read_text(), str(path)))]
+    assert not spelled, "\n".join(spelled)
+    tree = ast.parse('state: Literal["queued", "running"]\nobject: Literal["list"] = "list"\n')
+    assert [w for _, w in _state_literal_types(tree)] == [frozenset({"queued", "running"})]
 
 
 @pytest.mark.parametrize("table,enum,terminal", [
