@@ -2,66 +2,8 @@
 Every change here needs an Alembic migration in migrations/versions/ (tests never use create_all).
 Task, job, placement and node states, exit reasons and their transition tables are declared in
 contract.states (re-exported here); service.lifecycle makes every move.
-
-Schema notes (ids are prefixed strings like ``task_1f3c...`` unless said otherwise):
-
-- ``tenants(id, name unique, max_gpus null=unlimited, max_queued_tasks null=unlimited,
-  priority, max_task_priority null=default, guaranteed_gpus null=none, created_at)``;
-  max_queued_tasks caps the tenant's tasks not yet running nor finished.
-- ``api_keys(id, tenant_id, prefix unique, key_hash sha256 hex, created_at, revoked_at)``;
-  a key looks like ``lpx-<prefix 10 chars><secret>``; lookup by prefix, compare the hash.
-- ``files(id, tenant_id, filename, purpose, format chat|completion|preference, bytes,
-  line_count, sha256, storage_key, created_at, deleted_at)`` (soft delete).
-- ``tasks(id, tenant_id, base_model, method sft|dpo, training_file_id, validation_file_id,
-  search_space jsonb, settings jsonb (contract.protocol.TaskSettings: validation_split, epochs,
-  max_seq_len, seed, early_exit, eval, target_modules, ...), priority, num_train_samples, state,
-  error, best_job_id,
-  created_at, started_at, finished_at, cancelled_at, suffix, meta jsonb,
-  init_adapter_file_id)``; states:
-  TASK_STATES. ``pausing``: its live attempt was asked to stop at a step boundary (it still
-  holds its GPUs and reports); ``paused``: stopped with a checkpoint, holds nothing, not planned
-  until resumed (service.tasks.request_pause / resume_task). meta: the tenant's string pairs
-  (OpenAI's ``metadata``); suffix: part of the fine-tuned model's name.
-- ``jobs(id, task_id, index, config jsonb {learning_rate, lora_rank, lora_alpha,
-  batch_size}, state, exit_reason, best_val_loss, best_step, last_step, error, ...)``;
-  states: JOB_STATES, exit reasons: EXIT_REASONS.
-- ``events(id bigint identity = the cursor, task_id, job_id, level, type, message,
-  data jsonb, client_key, created_at)``; unique (task_id, client_key) for retried posts.
-- ``metric_points(id bigint, task_id, job_id, step, split train|val, loss, data jsonb, tokens,
-  gpu_seconds)``; unique (job_id, step, split) so a retried batch is a no-op. tokens and
-  gpu_seconds (train points): the usage of that step of the job (service.usage).
-- ``artifacts(id, task_id, job_id null, kind adapter|checkpoint, key, files jsonb
-  [{name, bytes, sha256}], step, meta jsonb, created_at)``; unique (task_id, key); file
-  blobs live in storage under ``artifacts/<id>/<name>``.
-- ``nodes(id, name unique, gpu_type, gpu_count, gpu_memory_bytes, state up|down,
-  last_heartbeat_at, registered_at, meta jsonb, executors jsonb, executors_at)``; executors: the
-  node's shared executors as its last heartbeat reported them (contract.protocol.ExecutorReport
-  dicts), executors_at: when; the scheduler ignores them once older than node_timeout_s.
-- ``placements(id, task_id, node_id, gpu_indices int[], planned_start, planned_end,
-  state, attempt, created_at, published_at, claimed_at, finished_at, error)``;
-  states: PLACEMENT_STATES. Only one placement of a task is published|claimed|running.
-  The scheduler writes ``planned`` rows (attempt = service.cluster.next_attempt) and publishes
-  with service.queue.publish_placement; the worker claims (claimed), its first running job
-  makes it running; the task's end makes it finished|failed; cancel makes it cancelled.
-  ``stop_requested`` ('pause' | 'requeue'): the service asked the live attempt to checkpoint and
-  stop; its stop report makes it ``stopped`` (not a failed attempt).
-  ``estimated_s``: the scheduler's raw duration estimate (uncorrected) when it published the
-  placement; ``run_s``: claim to finish of an attempt that ended the task (finished): the pairs
-  are the estimate error fed back (service.scheduler.estimator.correction_factor).
-- ``throughput_profiles(id, base_model, gpu_type, seq_len, batch_key, gpus, tokens_per_s,
-  samples_per_s, memory_k0, memory_k1, updated_at)``; unique (base_model, gpu_type, seq_len,
-  batch_key, gpus). Written by executors' throughput reports (service.profiles): tokens_per_s
-  is the real tokens/s of a whole placement of ``gpus`` GPUs of that type; gpu_type is the
-  reporting node's; batch_key is service.scheduler.estimator.batch_key of the jobs trained.
-- ``idempotency_keys(tenant_id, key, request_hash, resource_id, created_at)``; PK (tenant, key).
-- ``merged_models(id, tenant_id, task_id, job_id unique, artifact_id, state, error, dtype, bytes,
-  storage_key, attempts, lease_token, lease_until, created_at, started_at, finished_at)``; states:
-  MergeState (service.merged.states). One per job (its adapter merged into the task's base model, see service.merged);
-  the archive blob lives in storage under ``merged/<id>/model.tar``.
-- ``task_integrations(id, task_id, position, type wandb|mlflow, config jsonb, state, attempts,
-  last_error, next_attempt_at, lease_token, result jsonb, synced_at, created_at)``; states:
-  SyncState (service.tracking.states). The task's tracking integrations (its `integrations`, in order) and the
-  outbox of their sync (service.tracking): written with the task, synced once it ended.
+Each table's notes are its class's docstring; ids are prefixed strings like ``task_1f3c...``
+unless said otherwise.
 """
 
 from __future__ import annotations
@@ -143,6 +85,10 @@ class Base(DeclarativeBase):
 
 
 class Tenant(Base):
+    """``tenants(id, name unique, max_gpus null=unlimited, max_queued_tasks null=unlimited,
+    priority, max_task_priority null=default, guaranteed_gpus null=none, created_at)``;
+    max_queued_tasks caps the tenant's tasks not yet running nor finished."""
+
     __tablename__ = "tenants"
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("ten"))
     name: Mapped[str] = mapped_column(String(200), unique=True)
@@ -158,6 +104,9 @@ class Tenant(Base):
 
 
 class ApiKey(Base):
+    """``api_keys(id, tenant_id, prefix unique, key_hash sha256 hex, created_at, revoked_at)``; a
+    key looks like ``lpx-<prefix 10 chars><secret>``; lookup by prefix, compare the hash."""
+
     __tablename__ = "api_keys"
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("key"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
@@ -168,6 +117,9 @@ class ApiKey(Base):
 
 
 class File(Base):
+    """``files(id, tenant_id, filename, purpose, format chat|completion|preference, bytes,
+    line_count, sha256, storage_key, created_at, deleted_at)`` (soft delete)."""
+
     __tablename__ = "files"
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("file"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
@@ -184,6 +136,16 @@ class File(Base):
 
 
 class Task(Base):
+    """``tasks(id, tenant_id, base_model, method sft|dpo, training_file_id, validation_file_id,
+    search_space jsonb, settings jsonb (contract.protocol.TaskSettings: validation_split,
+    epochs, max_seq_len, seed, early_exit, eval, target_modules, ...), priority,
+    num_train_samples, state, error, best_job_id, created_at, started_at, finished_at,
+    cancelled_at, suffix, meta jsonb, init_adapter_file_id)``; states: TASK_STATES. ``pausing``:
+    its live attempt was asked to stop at a step boundary (it still holds its GPUs and reports);
+    ``paused``: stopped with a checkpoint, holds nothing, not planned until resumed
+    (service.tasks.request_pause / resume_task). meta: the tenant's string pairs (OpenAI's
+    ``metadata``); suffix: part of the fine-tuned model's name."""
+
     __tablename__ = "tasks"
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("task"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
@@ -216,6 +178,10 @@ class Task(Base):
 
 
 class Job(Base):
+    """``jobs(id, task_id, index, config jsonb {learning_rate, lora_rank, lora_alpha, batch_size},
+    state, exit_reason, best_val_loss, best_step, last_step, error, ...)``; states: JOB_STATES,
+    exit reasons: EXIT_REASONS."""
+
     __tablename__ = "jobs"
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("job"))
     task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
@@ -234,6 +200,9 @@ class Job(Base):
 
 
 class Event(Base):
+    """``events(id bigint identity = the cursor, task_id, job_id, level, type, message, data jsonb,
+    client_key, created_at)``; unique (task_id, client_key) for retried posts."""
+
     __tablename__ = "events"
     id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
     task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"))
@@ -251,6 +220,10 @@ class Event(Base):
 
 
 class MetricPoint(Base):
+    """``metric_points(id bigint, task_id, job_id, step, split train|val, loss, data jsonb, tokens,
+    gpu_seconds)``; unique (job_id, step, split) so a retried batch is a no-op. tokens and
+    gpu_seconds (train points): the usage of that step of the job (service.usage)."""
+
     __tablename__ = "metric_points"
     id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
     task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
@@ -270,6 +243,10 @@ class MetricPoint(Base):
 
 
 class Artifact(Base):
+    """``artifacts(id, task_id, job_id null, kind adapter|checkpoint, key, files jsonb [{name,
+    bytes, sha256}], step, meta jsonb, created_at)``; unique (task_id, key); file blobs live in
+    storage under ``artifacts/<id>/<name>``."""
+
     __tablename__ = "artifacts"
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("art"))
     task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"))
@@ -284,6 +261,12 @@ class Artifact(Base):
 
 
 class Node(Base):
+    """``nodes(id, name unique, gpu_type, gpu_count, gpu_memory_bytes, state up|down,
+    last_heartbeat_at, registered_at, meta jsonb, executors jsonb, executors_at)``; executors:
+    the node's shared executors as its last heartbeat reported them
+    (contract.protocol.ExecutorReport dicts), executors_at: when; the scheduler ignores them
+    once older than node_timeout_s."""
+
     __tablename__ = "nodes"
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("node"))
     name: Mapped[str] = mapped_column(String(200), unique=True)
@@ -299,6 +282,18 @@ class Node(Base):
 
 
 class Placement(Base):
+    """``placements(id, task_id, node_id, gpu_indices int[], planned_start, planned_end, state,
+    attempt, created_at, published_at, claimed_at, finished_at, error)``; states:
+    PLACEMENT_STATES. Only one placement of a task is published|claimed|running. The scheduler
+    writes ``planned`` rows (attempt = service.cluster.next_attempt) and publishes with
+    service.queue.publish_placement; the worker claims (claimed), its first running job makes it
+    running; the task's end makes it finished|failed; cancel makes it cancelled.
+    ``stop_requested`` ('pause' | 'requeue'): the service asked the live attempt to checkpoint
+    and stop; its stop report makes it ``stopped`` (not a failed attempt). ``estimated_s``: the
+    scheduler's raw duration estimate (uncorrected) when it published the placement; ``run_s``:
+    claim to finish of an attempt that ended the task (finished): the pairs are the estimate
+    error fed back (service.scheduler.estimator.correction_factor)."""
+
     __tablename__ = "placements"
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("pl"))
     task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
@@ -319,6 +314,12 @@ class Placement(Base):
 
 
 class ThroughputProfile(Base):
+    """``throughput_profiles(id, base_model, gpu_type, seq_len, batch_key, gpus, tokens_per_s,
+    samples_per_s, memory_k0, memory_k1, updated_at)``; unique (base_model, gpu_type, seq_len,
+    batch_key, gpus). Written by executors' throughput reports (service.profiles): tokens_per_s
+    is the real tokens/s of a whole placement of ``gpus`` GPUs of that type; gpu_type is the
+    reporting node's; batch_key is service.scheduler.estimator.batch_key of the jobs trained."""
+
     __tablename__ = "throughput_profiles"
     id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
     base_model: Mapped[str] = mapped_column(String(200))
@@ -338,6 +339,9 @@ class ThroughputProfile(Base):
 
 
 class IdempotencyKey(Base):
+    """``idempotency_keys(tenant_id, key, request_hash, resource_id, created_at)``; PK (tenant,
+    key)."""
+
     __tablename__ = "idempotency_keys"
     tenant_id: Mapped[str] = mapped_column(
         ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
@@ -428,7 +432,12 @@ class WebhookAttempt(Base):
 class MergedModel(Base):
     """A job's adapter merged into its task's base model (service.merged). ``queued`` rows are
     claimed by a merger thread (lease_token / lease_until: whose run it is, until when; a process
-    that dies mid-merge leaves the row claimable again once the lease ends)."""
+    that dies mid-merge leaves the row claimable again once the lease ends).
+
+    ``merged_models(id, tenant_id, task_id, job_id unique, artifact_id, state, error, dtype,
+    bytes, storage_key, attempts, lease_token, lease_until, created_at, started_at,
+    finished_at)``; states: MergeState (service.merged.states); one per job; the archive blob
+    lives in storage under ``merged/<id>/model.tar``."""
 
     __tablename__ = "merged_models"
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("mrg"))
@@ -463,7 +472,11 @@ class TaskIntegration(Base):
     task ended and its runs were written (due at next_attempt_at once the task is terminal; a
     syncer claims it by moving next_attempt_at past its lease, lease_token says whose attempt it
     is), then ``synced`` (result: what was written, e.g. MLflow run ids) or ``failed`` (given up;
-    last_error says why). A failure never touches the task."""
+    last_error says why). A failure never touches the task.
+
+    ``task_integrations(id, task_id, position, type wandb|mlflow, config jsonb, state, attempts,
+    last_error, next_attempt_at, lease_token, result jsonb, synced_at, created_at)``; states:
+    SyncState (service.tracking.states); the task's `integrations`, in order."""
 
     __tablename__ = "task_integrations"
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("tint"))

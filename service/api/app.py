@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.background import Background
-from service.api.openapi import document_errors
+from service.api.error_docs import document_errors
 from service.api.routes import files, fine_tuning, internal, merged, ops, tasks, ui, usage, webhooks
 from service.cluster import watch_service_health
 from service.core.config import Settings, get_settings

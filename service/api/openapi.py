@@ -5,111 +5,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import yaml
 
+from service.api.error_docs import add_error_responses
 from service.core.config import Settings
 
 OPENAPI_PATH = Path(__file__).resolve().parents[2] / "openapi.yaml"
-ERROR_DESCRIPTIONS = {
-    400: "Malformed request",
-    401: "Missing or invalid API key / token",
-    404: "Not found (or another tenant's)",
-    409: "Conflicts with the resource's state",
-    413: "Body over the size limit",
-    422: "Invalid request: `param` names the field",
-    429: "Over the tenant's limit",
-    503: "Database or queue unavailable; retry (Retry-After)",
-}
-
-# Statuses the rules of add_error_responses do not infer: (method, path) -> statuses.
-EXTRA_ERRORS: dict[tuple[str, str], set[int]] = {
-    ("post", "/v1/tasks"): {429},  # the tenant's queued-task limit
-    ("post", "/internal/v1/tasks/{task_id}/artifacts"): {413},
-    ("get", "/v1/tasks/{task_id}/adapter"): {409},  # not succeeded (yet)
-    ("get", "/v1/tasks/{task_id}/merged/content"): {409},  # not merged (yet), or failed
-}
-
-# Operations whose token is optional (without it they answer less).
-OPTIONAL_SECURITY = {("get", "/metrics")}
-
-
-def errors(*statuses: int, descriptions: dict[int, str] | None = None) -> dict[int | str, dict]:
-    """`responses=` entries for error statuses, each with the error body schema."""
-    from service.schemas import ErrorOut
-
-    descriptions = descriptions or {}
-    return {s: {"model": ErrorOut, "description": descriptions.get(s, ERROR_DESCRIPTIONS[s])}
-            for s in statuses}
-
-
-def _error_statuses(method: str, path: str, op: dict) -> set[int]:
-    """The error statuses an operation can answer, from its parameters, body and security."""
-    params = op.get("parameters", [])
-    statuses: set[int] = set()
-    if op.get("security"):
-        statuses.add(401)
-    if any(p.get("in") == "path" for p in params):
-        statuses |= {404, 422}
-        if method in ("post", "delete"):
-            statuses.add(409)
-    if params or "requestBody" in op:
-        statuses.add(422)
-    if "requestBody" in op:
-        statuses.add(400)  # a body that is not parseable (not UTF-8 JSON / multipart)
-    if "multipart/form-data" in op.get("requestBody", {}).get("content", {}):
-        statuses.add(413)
-    return statuses | EXTRA_ERRORS.get((method, path), set())
-
-
-def add_error_responses(doc: dict) -> dict:
-    """Give every operation of an OpenAPI document the error statuses it can answer, each with
-    the error body schema: 400 with a body (unparseable), 401 behind a key or token, 404 with a path parameter, 422 with any
-    parameter or body, 413 with an upload (the server's limit), 409 for a POST or DELETE on a
-    resource, and EXTRA_ERRORS. What a route declares itself (`responses=`) is kept; an error status it declares
-    without a body gets the error schema."""
-    from service.schemas import ErrorOut
-
-    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    for name, schema in ErrorOut.model_json_schema(
-            ref_template="#/components/schemas/{model}").pop("$defs", {}).items():
-        schemas.setdefault(name, schema)
-    schemas.setdefault("ErrorOut", ErrorOut.model_json_schema(
-        ref_template="#/components/schemas/{model}"))
-    content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}}
-    for path, ops in doc.get("paths", {}).items():
-        for method, op in ops.items():
-            statuses = _error_statuses(method, path, op)
-            if (method, path) in OPTIONAL_SECURITY and {} not in op.get("security", [{}]):
-                op["security"].append({})
-            responses = op.setdefault("responses", {})
-            for status in sorted(statuses):
-                responses.setdefault(str(status), {"description": ERROR_DESCRIPTIONS[status]})
-            for status, entry in list(responses.items()):
-                if status.isdigit() and int(status) >= 400:
-                    if "HTTPValidationError" in str(entry.get("content")):
-                        # FastAPI's default 422 ({"detail": [...]}) is not what the app answers
-                        entry.update(description=ERROR_DESCRIPTIONS[422], content=content)
-                    entry.setdefault("content", content)
-            op["responses"] = dict(sorted(responses.items()))
-    if "HTTPValidationError" not in str(doc.get("paths")):
-        schemas.pop("HTTPValidationError", None)
-        schemas.pop("ValidationError", None)
-    return doc
-
-
-def document_errors(app: Any) -> None:
-    """Serve the app's OpenAPI document with add_error_responses applied."""
-    default = app.openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            app.openapi_schema = add_error_responses(default())
-        return app.openapi_schema
-
-    app.openapi = openapi
-
 
 def render() -> str:
     """The OpenAPI document of the app as YAML (stable key order as FastAPI emits it)."""

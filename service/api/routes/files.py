@@ -13,7 +13,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from service import files as svc
 from service.api.deps import SessionDep, SettingsDep, StorageDep, TenantDep
-from service.api.openapi import errors
+from service.api.error_docs import errors
 from service.core.errors import ApiError
 from service.schemas import DeletedOut, FileOut, Page
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 
 from service import usage
 from service.api.deps import SessionDep, SettingsDep, TenantDep
-from service.api.openapi import errors
+from service.api.error_docs import errors
 from service.models import utcnow
 
 router = APIRouter(tags=["usage"])

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from service.api.deps import SessionDep, SettingsDep, TenantDep
-from service.api.openapi import errors
+from service.api.error_docs import errors
 from service.schemas import DeletedOut, Page
 from service.webhooks import endpoints, outbox
 from service.webhooks.schemas import (
