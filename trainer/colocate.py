@@ -319,7 +319,7 @@ class TaskRun(TaskFiles):
             slot = self.placed.pop(job_id)
             state = self.host.engine.detach(job_id) if slot.owner == self.host.rank else None
             self.export(job_id, "final", state, owner=slot.owner)
-            self.set_state(job_id, "completed", {"steps": slot.step, "best_val": self.monitors[job_id].best_val})
+            self.set_state(job_id, JobLifecycle.COMPLETED, {"steps": slot.step, "best_val": self.monitors[job_id].best_val})
         return bool(done)
 
     def export(self, job_id: str, kind: str, state: JobState | None = None, owner: int | None = None) -> None:
