@@ -16,7 +16,7 @@ import pytest
 from pydantic import BaseModel
 from sqlalchemy import select
 
-from contract.protocol import PlacementSpec
+from contract.protocol import PlacementSpec, TaskSettings
 from service.models import Placement
 from service.schemas import PlacementOut, TaskCreate
 from tests.integration.test_api_task_validation import register_model
@@ -52,11 +52,11 @@ def _knob(attr: str) -> Callable[[Any, PlacementSpec], list]:
 
 def _early(name: str, value: Any) -> tuple[str, Row]:
     return f"early_exit.{name}", Row({"early_exit": {name: value}},
-                                     lambda cfg, _: getattr(cfg.early_exit, name), value)
+                                     lambda cfg, _: getattr(cfg.settings.early_exit, name), value)
 
 
 def _eval(name: str, value: Any) -> tuple[str, Row]:
-    return f"eval.{name}", Row({"eval": {name: value}}, lambda cfg, _: getattr(cfg.eval, name),
+    return f"eval.{name}", Row({"eval": {name: value}}, lambda cfg, _: getattr(cfg.settings.eval, name),
                                value)
 
 
@@ -79,14 +79,14 @@ TABLE: list[tuple[str, Row]] = [
                             lambda ctx: (ctx.files["@val"],
                                          f"/internal/v1/files/{ctx.files['@val']}/content",
                                          str(ctx.directory / "data/validation.jsonl")))),
-    ("validation_split", Row({"validation_split": 0.25}, lambda cfg, _: cfg.val_fraction, 0.25)),
+    ("validation_split", Row({"validation_split": 0.25}, lambda cfg, _: cfg.settings.validation_split, 0.25)),
     ("method", Row(DPO, lambda cfg, _: (cfg.method, [j.beta for j in cfg.jobs]), ("dpo", [0.1]))),
     ("search_space.learning_rate", Row({"search_space": {"learning_rate": [3e-4, 1e-3]}},
-                                       _knob("lr"), [3e-4, 1e-3])),
-    ("search_space.lora_rank", Row({"search_space": {"lora_rank": [2, 16]}}, _knob("rank"),
+                                       _knob("learning_rate"), [3e-4, 1e-3])),
+    ("search_space.lora_rank", Row({"search_space": {"lora_rank": [2, 16]}}, _knob("lora_rank"),
                                    [2, 16])),
     ("search_space.lora_alpha", Row({"search_space": {"lora_alpha": [4.0, 32.5]}},
-                                    _knob("alpha"), [4.0, 32.5])),
+                                    _knob("lora_alpha"), [4.0, 32.5])),
     ("search_space.batch_size", Row({"search_space": {"batch_size": [1, 3]}},
                                     _knob("batch_size"), [1, 3])),
     ("search_space.beta", Row(DPO | {"search_space": {"beta": [0.05, 2.5]}}, _knob("beta"),
@@ -95,7 +95,7 @@ TABLE: list[tuple[str, Row]] = [
     ("max_seq_len", Row({"max_seq_len": 96}, lambda cfg, _: cfg.max_seq_len, 96)),
     ("max_seq_len", Row({"max_seq_len": None}, lambda cfg, _: cfg.max_seq_len, 512)),
     ("seed", Row({"seed": 7, "search_space": {"lora_rank": [4, 8]}},
-                 lambda cfg, _: (cfg.split_seed, [j.seed for j in cfg.jobs]), (7, [7, 8]))),
+                 lambda cfg, _: (cfg.settings.seed, [j.seed for j in cfg.jobs]), (7, [7, 8]))),
     _early("enabled", False),
     _early("window", 5),
     _early("patience", 4),
@@ -142,11 +142,14 @@ def value_at(body: dict, dotted: str) -> Any:
 
 
 def test_table_lists_every_task_field() -> None:
-    """A new field of TaskCreate (or of its nested settings) must get a row, or be declared
-    service-only: otherwise nobody checked that it reaches the trainer."""
+    """A new field of TaskCreate must get a row, be declared service-only, or be a task setting
+    (contract.protocol.TaskSettings, which the executor holds as sent:
+    test_the_executor_holds_the_task_settings_as_sent): otherwise nobody checked that it
+    reaches the trainer."""
     keys = {key for key, _ in TABLE}
     assert keys.isdisjoint(SERVICE_ONLY) and keys.isdisjoint(CHECKED_ELSEWHERE)
-    assert leaf_fields(TaskCreate) == keys | SERVICE_ONLY | set(CHECKED_ELSEWHERE)
+    assert leaf_fields(TaskCreate) - leaf_fields(TaskSettings) <= keys | SERVICE_ONLY | set(CHECKED_ELSEWHERE)
+    assert keys | SERVICE_ONLY | set(CHECKED_ELSEWHERE) <= leaf_fields(TaskCreate)
     repo = Path(__file__).resolve().parents[2]
     for field_name, tests in CHECKED_ELSEWHERE.items():
         for test in tests:
@@ -212,6 +215,22 @@ def test_world_size_is_the_placements_gpus(client, factory, tmp_path):  # noqa: 
         assert cfg.world_size == len(gpus)
 
 
+def test_the_executor_holds_the_task_settings_as_sent(client, factory, tmp_path):  # noqa: ANN001
+    """Every task setting, any added later included, reaches the executor as the document the
+    tenant sent (max_seq_len resolved): the placement carries it and the executor holds it."""
+    t = factory.tenant()
+    node = factory.node(gpus=1)
+    body = BASE | {"training_file": factory.file(t)["id"], "validation_split": 0.25, "seed": 7,
+                   "epochs": 2, "target_modules": ["v_proj", "q_proj"],
+                   "early_exit": {"patience": 4, "min_steps": 30, "tau_gap": 0.35},
+                   "eval": {"eval_every_steps": 7, "eval_min_samples": 16}}
+    sent = TaskCreate.model_validate(body).task_settings().model_dump(mode="json")
+    cfg = executor_config(_claimed_spec(client, factory, t, body, node), _placement_dir(tmp_path, "doc"))
+    assert isinstance(cfg.settings, TaskSettings)
+    assert cfg.settings.model_dump(mode="json") == sent
+    assert cfg.settings.early_exit.min_steps == 30 and cfg.max_seq_len == 128
+
+
 def test_dpo_task_is_claimable_with_beta_in_every_job(client, factory, tmp_path):  # noqa: ANN001
     t = factory.tenant()
     pref = factory.file(t, PREFERENCES)["id"]
@@ -223,7 +242,7 @@ def test_dpo_task_is_claimable_with_beta_in_every_job(client, factory, tmp_path)
     got = [(j.hyperparameters.learning_rate, j.hyperparameters.beta) for j in spec.jobs]
     assert got == [(1e-4, 0.05), (1e-4, 0.5), (2e-4, 0.05), (2e-4, 0.5)]
     cfg = executor_config(spec, _placement_dir(tmp_path, "dpo"))
-    assert [(j.lr, j.beta) for j in cfg.jobs] == got and cfg.method == "dpo"
+    assert [(j.learning_rate, j.beta) for j in cfg.jobs] == got and cfg.method == "dpo"
     # the default beta is a job hyperparameter too; an sft job carries none
     default = _claimed_spec(client, factory, t, BASE | {"training_file": pref,
                                                         "method": "dpo"}, node)
