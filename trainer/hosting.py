@@ -53,9 +53,7 @@ class TaskHosting:
 
         def wrap(fn: Callable[..., None]) -> Callable[..., None]:
             def call(*args: Any) -> None:
-                task = holder[0]
-                if task.error is None:
-                    self.strategy.contain(lambda: fn(*args), self._fail(task))
+                self._guarded(holder[0], lambda: fn(*args))
             return call
         return Callbacks(*(wrap(getattr(cb, k)) for k in CALLBACK_KINDS))
 

@@ -8,7 +8,7 @@ from typing import Any
 from contract.protocol import TaskSettings
 from trainer.config import ExecutorConfig, executor_defaults
 
-SETTING_NAMES = ("validation_split", "epochs", "max_seq_len", "seed", "early_exit", "eval", "target_modules")
+SETTING_NAMES = tuple(TaskSettings.model_fields)  # any setting added later included
 
 
 def executor_config(**kw: Any) -> ExecutorConfig:
