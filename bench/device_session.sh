@@ -247,5 +247,15 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     wait "${pids[@]}"
     grep -h -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT"/gpu_*.log | sort | uniq -c | tail -60
     ;;
-  *) echo "usage: $0 kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
+  pace)  # issue 40: the graphed step's GPU test, then the host profile at 32 layers (eager launches
+         # against CUDA graphs, recompute on and off, one process)
+    step 240 gpu_graphs python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_step_graphs_gpu.py
+    step 330 host_profile python3 bench/host_profile.py --layers 32 --out "$OUT/host_profile_graphs_h100.md"
+    ;;
+  pace_task)  # issues 40/41: the real executor at 32 layers, 200 steps: graphed (cold: no stored profile)
+              # against every step launched eagerly (the profile the cold run stored), one process
+    step 570 executor_task python3 bench/executor_task.py --layers 32 --steps 200 --runs cold,eager \
+      --out "$OUT/executor_task_graphs_h100.md" --json "$OUT/executor_task_graphs_h100.json"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac

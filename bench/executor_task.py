@@ -4,9 +4,10 @@ One task through `trainer.executor.Executor` at the product's defaults (evaluati
 checkpoints, exports, attention "auto", admission from a memory profile), on a Llama-3.1-8B-shaped
 model with random bf16 weights and `--layers` decoder layers: 8 jobs of ranks 16/32/64 and batch
 sizes 1/2/4, prompt/completion samples of 24-200 and 24-700 words (log-uniform), max_seq_len
-1024, each job `--steps` steps. Run twice in one process: "cold" (no stored memory profile: the
-node's first executor of the model; the kernel configurations come from the shipped table) and
-"warm" (the profile stored by the cold run). Reports per run: wall, the executor's phases, the
+1024, each job `--steps` steps. Runs in one process (`--runs`): "cold" (no stored memory profile:
+the node's first executor of the model; the kernel configurations come from the shipped table),
+"warm" (the profile stored by the cold run), and any run named "...eager..." with the CUDA graphs
+of the training step off (every step launched from the host: the side-by-side baseline). Reports per run: wall, the executor's phases, the
 first step's time from the executor's start, training tokens/s, MFU of the training steps
 (6 x backbone parameters x tokens; 8 with activation recompute, which repeats the forward), the
 wall over the training steps, evaluation's share of the wall, and what admission chose.
@@ -89,13 +90,13 @@ class Counted(Executor):
         self.engine.evaluate_metrics = evaluate_metrics
 
 
-def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: Path) -> dict:
+def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: Path, graphs: bool = True) -> dict:
     tokens, events = [], {}
     cb = Callbacks(on_throughput=lambda d: tokens.append(d),
                    on_event=lambda j, m, d: events.setdefault(m, d) if not j else None)
     shutil.rmtree(out, ignore_errors=True)
     cfg = ExecutorConfig(model_dir=str(model_dir), train_file=str(train), val_file=str(val), output_dir=str(out),
-                         jobs=jobs(steps), profile_cache=str(cache),
+                         jobs=jobs(steps), profile_cache=str(cache), cuda_graphs=graphs,
                          settings=TaskSettings(max_seq_len=1024, eval=EvalSettings(eval_every_steps=10,
                                                                                 eval_max_samples=None)))
     te.sync()
@@ -110,7 +111,9 @@ def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: P
             "states": sorted({s["state"] for s in status.values()}), "timings": events.get("timings"),
             "admission": events.get("memory_model"), "throughput_reports": len(tokens),
             "attention": ex.engine.attention if getattr(ex, "engine", None) is not None else None,
-            "eval_calls": getattr(ex, "eval_calls", [])}
+            "eval_calls": getattr(ex, "eval_calls", []),
+            "graphs": ex.engine.step_graphs.stats() if getattr(ex, "engine", None) is not None
+            and ex.engine.step_graphs is not None else None}
 
 
 def params(layers: int) -> float:
@@ -138,7 +141,9 @@ def render(res: dict, args: argparse.Namespace) -> str:
             f"{ph['eval']:.1f} | {ph['checkpoint']:.1f} | {ph['export']:.1f} | {r['first_step_s'] or 0:.1f} | "
             f"{tps:,.0f} | {mfu:.1%} | {r['wall_s'] / train:.2f}x | {ph['eval'] / r['wall_s']:.1%} | {r['steps']} | "
             f"{', '.join(r['states'])} |")
-    lines += ["", "Admission and timings events: " + json.dumps({k: (r.get("admission"), r.get("timings"))
+    lines += ["", "Step graphs (trainer.step_graphs) per run: " + json.dumps({k: r.get("graphs") for k, r in
+                                                                          res["runs"].items()}),
+              "", "Admission and timings events: " + json.dumps({k: (r.get("admission"), r.get("timings"))
                                                                  for k, r in res["runs"].items()}, default=str)]
     return "\n".join(lines) + "\n"
 
@@ -170,7 +175,9 @@ def main() -> None:
     res = {"args": vars(args), "runs": {}}
     for name in args.runs.split(","):
         te.log(f"run {name}")
-        res["runs"][name] = run(model_dir, train, val, root / f"out_{name}", args.steps, cache)
+        # a run named "...eager..." launches every step eagerly (no CUDA graphs): the side-by-side baseline
+        res["runs"][name] = run(model_dir, train, val, root / f"out_{name}", args.steps, cache,
+                                graphs="eager" not in name)
         te.log(json.dumps(res["runs"][name], default=str))
         te.free()
     text = render(res, args)

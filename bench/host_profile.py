@@ -3,20 +3,16 @@
 A step after the warmup ranking trains few jobs on a few thousand tokens; at 32 layers of the
 Llama-3.1-8B shape it is bound by the host, not the GPU. This script builds the engine on
 `--layers` layers (random bf16 weights), attaches 2 jobs (rank 16 batch 1, rank 64 batch 4) on
-samples of ~`--tokens` tokens, and reports: the step's wall time (synced), the GPU's busy time
-in it (torch.profiler's kernel time), the host time per LoRA linear and per kernel launch, the
-top functions by own host time (cProfile), and a launch microbenchmark of one fused kernel
-(`Tuned` launch vs the JIT function called directly).
+samples of ~`--tokens` tokens, and reports per mode (eager launches, CUDA graphs) and recompute
+setting: the step's wall time (synced), the GPU's busy time in it (torch.profiler's kernel time),
+the kernel launches the host makes, and the top ops by host time.
 
-    python bench/host_profile.py [--layers 8] [--recompute 1] [--out FILE]
+    python bench/host_profile.py [--layers 32] [--recompute 1,0] [--modes eager,graphs] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import statistics
 import sys
 import time
@@ -52,27 +48,21 @@ def build(layers: int, recompute: bool, tokens: int) -> MultiLoraEngine:
     return eng
 
 
-def main() -> None:  # noqa: PLR0915
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=400)
-    ap.add_argument("--recompute", type=int, default=1)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
-    eng = build(args.layers, bool(args.recompute), args.tokens)
-    n_linears = len(eng.layer_list)
-    for _ in range(3):
+def measure(eng: MultiLoraEngine, warmup: int, iters: int) -> dict:
+    """One mode's numbers: step wall (median, synced), tokens, GPU busy (torch.profiler's kernel
+    time over 3 steps, graph replays' kernels included), kernel launches from the host."""
+    for _ in range(warmup):
         eng.step()
     torch.cuda.synchronize()
+    before = dict(eng.step_graphs.stats()) if eng.step_graphs is not None else {}
     walls, toks = [], []
-    for _ in range(args.iters):
+    for _ in range(iters):
         t0 = time.perf_counter()
         rep = eng.step()
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t0)
         toks.append(rep.tokens)
-    wall = statistics.median(walls)
+    after = dict(eng.step_graphs.stats()) if eng.step_graphs is not None else {}
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -83,53 +73,50 @@ def main() -> None:  # noqa: PLR0915
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 3
     launches = sum(e.count for e in events if e.key in ("cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx",
                                                           "cudaLaunchKernelExC")) / 3
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(3):
-        eng.step()
-    torch.cuda.synchronize()
-    pr.disable()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
-    # launch microbenchmark: one fused shrink at the step's shape, table launch vs direct JIT call
-    from kernels import fused_lora as fl
+    graph_launches = sum(e.count for e in events if e.key in ("cudaGraphLaunch", "cuGraphLaunch")) / 3
+    wall = statistics.median(walls)
+    return {"wall_ms": wall * 1e3, "tokens": statistics.median(toks), "gpu_ms": gpu_us / 1e3,
+            "busy": gpu_us / 1e3 / (wall * 1e3), "launches": launches, "graph_launches": graph_launches,
+            "graphs": {k: after.get(k, 0) - before.get(k, 0) for k in after}, "events": events}
 
-    micro = {}
-    try:
-        x = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
-        lay_arena = eng.arena.to(torch.bfloat16)
-        offs = torch.tensor([0, 1024, 2048], device="cuda")
-        ranks = torch.tensor([16, 64], device="cuda", dtype=torch.int32)
-        scales = torch.ones(2, device="cuda")
-        woff = torch.tensor([0, 16 * 4096], device="cuda")
-        c = fl._Ctx(x, 2, 64, offs, ranks, scales)
-        p = torch.empty(2048, 64, device="cuda", dtype=torch.float32)
 
-        def table() -> None:
-            fl._shrink_launch(c, x, lay_arena, fl._arena_rank_major(4096), woff, p, 16)
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=400)
+    ap.add_argument("--recompute", default="1,0", help="recompute settings to run, e.g. 1,0")
+    ap.add_argument("--modes", default="eager,graphs", help="eager (host launches) and/or graphs (CUDA graphs)")
+    ap.add_argument("--warmup", type=int, default=24, help="steps before timing (the graphs capture their shapes)")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    from trainer.step_graphs import StepGraphs
 
-        for name, fn in (("table launch", table),):
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(500):
-                fn()
-            host = (time.perf_counter() - t0) / 500
-            torch.cuda.synchronize()
-            micro[name] = host * 1e6
-    except Exception as e:  # noqa: BLE001 (the microbenchmark is a side reading)
-        micro["error"] = repr(e)[:200]
-    lines = [f"# Host time of a small engine step ({torch.cuda.get_device_name()}, {args.layers} layers, "
-             f"recompute {bool(args.recompute)}, 2 jobs: r16 b1 + r64 b4, ~{args.tokens} tokens a sample)", "",
-             f"- step wall (median of {args.iters}, synced): {wall * 1e3:.1f} ms for {statistics.median(toks):.0f} "
-             f"tokens; GPU busy {gpu_us / 1e3:.1f} ms ({gpu_us / 1e3 / (wall * 1e3):.0%} of the wall)",
-             f"- LoRA linears: {n_linears}; wall per linear {wall * 1e3 / n_linears:.3f} ms; kernel launches per "
-             f"step {launches:.0f} ({launches / n_linears:.1f} per linear)",
-             f"- launch microbenchmark (host us per call): {micro}", "",
-             "## cProfile, 3 steps, by own time", "", "```", s.getvalue()[:9000], "```", "",
-             "## torch.profiler, 3 steps, by self CPU time", "", "```",
-             events.table(sort_by="self_cpu_time_total", row_limit=25)[:9000], "```"]
+    recomputes = [bool(int(v)) for v in args.recompute.split(",")]
+    eng = build(args.layers, recomputes[0], args.tokens)
+    n_linears = len(eng.layer_list)
+    rows, tables = [], []
+    for recompute in recomputes:
+        eng.set_recompute(recompute)
+        for mode in args.modes.split(","):
+            eng.step_graphs = StepGraphs(eng) if mode == "graphs" else None
+            m = measure(eng, args.warmup, args.iters)
+            rows.append(f"| {recompute} | {mode} | {m['wall_ms']:.1f} | {m['tokens']:.0f} | {m['gpu_ms']:.1f} | "
+                        f"{m['busy']:.0%} | {m['tokens'] / m['wall_ms'] * 1e3:,.0f} | {m['launches']:.0f} | "
+                        f"{m['graph_launches']:.0f} | {m['graphs'] or ''} |")
+            print(rows[-1], flush=True)
+            tables.append(f"### recompute {recompute}, {mode}: torch.profiler, 3 steps, by self CPU time\n\n```\n"
+                          + m["events"].table(sort_by="self_cpu_time_total", row_limit=12)[:5000] + "\n```\n")
+            eng.step_graphs = None
+    lines = [f"# Host time of a small engine step ({torch.cuda.get_device_name()}, {args.layers} layers of the "
+             f"Llama-3.1-8B shape, random bf16 weights, varlen attention, 2 jobs: r16 b1 + r64 b4, "
+             f"~{args.tokens} tokens a sample, {n_linears} LoRA linears)", "",
+             f"Each mode: {args.warmup} steps, then the median of {args.iters} synced steps; GPU busy = torch.profiler's "
+             "kernel time over 3 more steps / the median wall. `graphs`: the forward and backward replayed as CUDA "
+             "graphs (trainer.step_graphs); the counts are of the timed steps.", "",
+             "| recompute | mode | step wall ms | tokens | GPU busy ms | GPU busy % of wall | tok/s | "
+             "kernel launches from the host | graph launches | graph counts |",
+             "|---|---|---|---|---|---|---|---|---|---|", *rows, "", *tables]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

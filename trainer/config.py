@@ -95,6 +95,9 @@ class ExecutorConfig:
     # varlen kernel runs (CUDA, SFT, one GPU), else rows. On H100 varlen took a 32-configuration
     # task from 105.5 s to 42.5 s (bench/results/task_e2e_h100.md)
     attention: str = "auto"
+    # the training step's forward and backward replayed as CUDA graphs per shape where the step
+    # allows it (trainer.step_graphs: SFT, varlen, one GPU); False: every step launched eagerly
+    cuda_graphs: bool = True
     stop_after_steps: int | None = None  # stop (as if killed) after this many executor steps
     # one GPU: checkpoints and exports are snapshots written by a writer thread while training
     # goes on (trainer.colocate: announced once complete); False: written in the step loop.

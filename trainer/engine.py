@@ -31,6 +31,7 @@ from trainer.head import default_chunk, token_losses, token_losses_and_hits
 from trainer.jobs import JobState, multi_adamw
 from trainer.multilora import inject_multilora
 from trainer.packing import PackedBatch, ShapeBuckets, pack_flat, pack_step
+from trainer.step_graphs import StepGraphs
 from trainer.varlen import register_varlen
 
 
@@ -91,6 +92,7 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         pad_multiple: int = 1,
         shape_buckets: ShapeBuckets | None = ShapeBuckets(),  # noqa: B008 (frozen)
         attention: str = "rows",
+        step_graphs: bool | None = None,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -138,6 +140,10 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         # agree on extra backbone passes; None: this engine runs alone (see `lockstep`)
         self.agree: Callable[[int], int] | None = None
         self._init_arena()
+        # the training step's forward and backward as CUDA graphs per shape (trainer.step_graphs:
+        # SFT on the varlen packing, one GPU); None: on where CUDA graphs exist
+        use = StepGraphs.use_cuda_graphs(self.device) if step_graphs is None else step_graphs
+        self.step_graphs: StepGraphs | None = StepGraphs(self) if use else None
 
     def set_recompute(self, on: bool) -> None:
         """Activation recompute (the model's gradient checkpointing) on or off for the next steps:
@@ -147,7 +153,10 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         if on == self.gradient_checkpointing:
             return
         if on:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # no RNG state stashed per layer: the backbone has no dropout (without_backbone_dropout),
+            # and reading the CUDA generator's state is not allowed inside a graph capture
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False})
         else:
             self.model.gradient_checkpointing_disable()
         self.gradient_checkpointing = on
@@ -271,6 +280,26 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
 
     metric_names: tuple[str, ...] = ("loss",)
 
+    @property
+    def plain_objective(self) -> bool:
+        """The engine's own objective (SFT): no subclass changes the step's parts."""
+        cls = type(self)
+        return cls._losses is MultiLoraEngine._losses and cls._prepare is MultiLoraEngine._prepare
+
+    def _eager_forward_backward(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]
+                                ) -> tuple[PackedBatch, list[torch.Tensor]]:
+        self._prepare(per_job)
+        try:
+            batch, losses, numbers = self._losses(states, per_job)
+            # a non-finite loss is left out of the objective on the device (no sync before the
+            # backward): zero in the sum, so its job alone gets non-finite gradients (its rows
+            # and its arena region) and skips its update below
+            kept = [torch.where(torch.isfinite(loss), loss, torch.zeros_like(loss)) for loss in losses]
+            torch.stack(kept).sum().backward()
+        finally:
+            self._clear_layout()
+        return batch, numbers
+
     def step(self) -> StepReport:
         """One training step of every attached job that has steps left: one forward and one
         backward over all their micro-batches, then every job's own update; one device sync (the
@@ -282,16 +311,10 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         per_job = [
             [self.train_examples[i] for i in s.stream.next_indices(s.spec.batch_size)] for s in states
         ]
-        self._prepare(per_job)
-        try:
-            batch, losses, numbers = self._losses(states, per_job)
-            # a non-finite loss is left out of the objective on the device (no sync before the
-            # backward): zero in the sum, so its job alone gets non-finite gradients (its rows
-            # and its arena region) and skips its update below
-            kept = [torch.where(torch.isfinite(loss), loss, torch.zeros_like(loss)) for loss in losses]
-            torch.stack(kept).sum().backward()
-        finally:
-            self._clear_layout()
+        if self.step_graphs is not None and self.step_graphs.serves(states):
+            batch, numbers = self.step_graphs.forward_backward(states, per_job)
+        else:
+            batch, numbers = self._eager_forward_backward(states, per_job)
         regions = [self.regions[s.job_id] for s in states]
         norms = torch._foreach_norm([self.grad_arena[lo:hi] for lo, hi in regions])
         width = len(self.metric_names)

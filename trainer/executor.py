@@ -135,6 +135,8 @@ class Executor(TaskHosting, MemoryPlanning):
         ), device)
         self.engine.train_examples = self.pool
         self.engine.set_attention(self._attention_mode(device))
+        if not cfg.cuda_graphs:
+            self.engine.step_graphs = None
         self._plan_memory(device)
         for task in list(self.tasks.values()):
             self._guarded(task, task.open)

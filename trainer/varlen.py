@@ -106,9 +106,10 @@ def _per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if bounds is None:
         out = _exact(query, key, value, scaling, window, softcap)
     else:
+        # empty sequences (a graphed step's spare bounds repeat the row's end) hold no tokens
         out = torch.cat([_exact(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scaling,
                                 window, softcap)
-                         for a, b in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)
+                         for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a], dim=2)
     return out.transpose(1, 2).contiguous()
 
 

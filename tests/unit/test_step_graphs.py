@@ -1,0 +1,112 @@
+"""Unit: the graphed training step (trainer.step_graphs) on the CPU, where its stand-in replays
+the same body on the same static buffers: it equals the engine's eager step, a change of the job
+set reuses the capture of its shape, and a job with non-finite values is isolated as in eager
+steps. The CUDA graph itself is checked on a device (tests/gpu/test_step_graphs_gpu.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.helpers.engine_ref import tiny_model_dir
+from trainer.data import IGNORE, Example
+from trainer.engine import MultiLoraEngine
+from trainer.jobs import TrainJob
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def examples(n: int, length: int, seed: int = 0) -> list[Example]:
+    """Examples of one length (a step's token count then follows its batch sizes alone), the
+    first third of each a prompt (no target)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, 250, (length,), generator=g).tolist()
+        cut = length // 3
+        out.append(Example(tuple(ids), tuple([IGNORE] * cut + ids[cut:])))
+    return out
+
+
+def engine(model_dir, graphs: bool, data: list[Example]) -> MultiLoraEngine:  # noqa: ANN001
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return MultiLoraEngine(model, data, 0, gradient_checkpointing=True, attention="varlen",
+                           step_graphs=graphs)
+
+
+def job(name: str, rank: int, batch: int, seed: int, lr: float = 5e-3) -> TrainJob:
+    return TrainJob(name, lora_rank=rank, lora_alpha=2.0 * rank, learning_rate=lr, batch_size=batch,
+                    max_steps=100, warmup_steps=1, seed=seed, max_grad_norm=0.05)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):  # noqa: ANN201
+    return tiny_model_dir("llama", tmp_path_factory.mktemp("graphs"))
+
+
+def test_graphed_steps_equal_eager_steps_and_a_new_job_set_reuses_the_capture(model_dir) -> None:  # noqa: ANN001
+    data = examples(48, 24)
+    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
+    assert eager.step_graphs is None and graphed.step_graphs is not None
+    first = [job("a", 4, 2, 1), job("b", 8, 2, 2), job("c", 16, 2, 3)]
+    for eng in (eager, graphed):
+        for spec in first:
+            eng.attach(spec)
+
+    def both_steps(n: int) -> None:
+        for _ in range(n):
+            want, got = eager.step(), graphed.step()
+            assert got.skipped == want.skipped
+            for j in want.losses:
+                assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-5), j
+                assert math.isclose(got.grad_norms[j], want.grad_norms[j], rel_tol=1e-4), j
+
+    both_steps(4)
+    g = graphed.step_graphs
+    # one shape: run eagerly once, captured at its second step, replayed after
+    assert (g.eager_runs, g.captures, g.replays, len(g.entries)) == (1, 1, 3, 1)
+    # a job leaves and another (another rank and learning rate) takes its slot: the same capture
+    for eng in (eager, graphed):
+        eng.detach("b")
+        eng.attach(job("d", 2, 2, 4, lr=1e-2))
+    both_steps(3)
+    assert (g.captures, g.replays, len(g.entries)) == (1, 6, 1)
+    # clipping was active (max_grad_norm 0.05) and every weight agrees after the updates
+    for j in ("a", "c", "d"):
+        torch.testing.assert_close(graphed.jobs[j].adapter.flat, eager.jobs[j].adapter.flat,
+                                   rtol=1e-4, atol=1e-6)
+
+
+def test_a_non_finite_job_skips_alone_in_a_graphed_step(model_dir) -> None:  # noqa: ANN001
+    data = examples(32, 20, seed=5)
+    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
+    for eng in (eager, graphed):
+        eng.attach(job("ok", 8, 2, 1))
+        eng.attach(job("bad", 8, 1, 2))
+        with torch.no_grad():
+            eng.jobs["bad"].adapter.flat[:100] = float("nan")
+    for _ in range(3):
+        want, got = eager.step(), graphed.step()
+        assert got.skipped == want.skipped == {"ok": False, "bad": True}
+        assert math.isclose(got.losses["ok"], want.losses["ok"], rel_tol=2e-5)
+        assert not math.isfinite(got.losses["bad"])
+    torch.testing.assert_close(graphed.jobs["ok"].adapter.flat, eager.jobs["ok"].adapter.flat,
+                               rtol=1e-4, atol=1e-6)
+    assert graphed.step_graphs.captures == 1
+
+
+def test_the_arena_growing_drops_the_captures(model_dir) -> None:  # noqa: ANN001
+    graphed = engine(model_dir, True, examples(16, 16, seed=7))
+    graphed.attach(job("a", 4, 2, 1))
+    graphed.step()
+    graphed.step()
+    g = graphed.step_graphs
+    assert g.captures == 1 and len(g.entries) == 1
+    graphed.attach(job("big", 64, 2, 2))  # grows the arena: a new storage
+    graphed.step()
+    assert len(g.entries) == 1 and g.eager_runs == 2  # the old capture dropped, the new key eager

@@ -1,0 +1,302 @@
+"""The training step's forward and backward replayed as CUDA graphs, one per shape key, so the
+host does not bound the step: at 32 layers an eager step launches ~6.5k kernels and the GPU sat
+idle two thirds of its wall (bench/results/host_profile_h100_recompute.md).
+
+What varies per step lives in device tensors that one capture reads (`_Static`): the packed
+tokens, positions, next-token targets, each token's job slot, the sequence bounds, and the job
+layout (every layer's arena offsets, ranks, scalings, token offsets). A key fixes only shapes:
+tokens T (flat varlen packing, `per_octave` sizes per doubling), sequence slots, job slots and the
+rank tile, all rounded up, so admitting, finishing or exiting a job refills the same buffers and
+replays the same graph. Empty job slots own no tokens (zero-length groups: the kernels do no work
+for them). The graph holds: the gradient arena's zeroing, the backbone forward with the multi-LoRA
+layers, the head's per-token losses over every position (ignored targets count zero), each job's
+mean loss (segment sums by slot), the non-finite guard and the backward into the gradient arena.
+What follows the graph (norms, the one sync, clipping, AdamW) is the engine's, as in eager steps.
+
+The first key of a class (job slots, rank tile, flags: `GraphKey.warm_class`) runs eagerly (it
+compiles and loads every kernel, creates the backward's handles: nothing may wait for the device
+inside a capture); every key of a warm class is captured at its first step and replayed from then
+on; all graphs share one memory pool (one runs at a time, each reads its outputs before the next). Graphs live in their process only; the arena growing (a new storage) drops them. Where CUDA
+graphs do not exist (CPU tests) the same body runs eagerly on the same static buffers (`_Replay`),
+which is what the tests compare against the engine's eager step.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from trainer.data import IGNORE, Example
+from trainer.head import token_losses
+from trainer.jobs import JobState
+from trainer.multilora import MultiLoraLinear, StepLayout
+from trainer.packing import PackedBatch, pack_flat
+
+log = logging.getLogger(__name__)
+
+
+class GraphedEngine(Protocol):
+    """What a graphed step uses of its engine (trainer.engine.MultiLoraEngine)."""
+
+    model: nn.Module
+    device: torch.device
+    compute_dtype: torch.dtype
+    backend: str
+    attention: str
+    pad_id: int
+    seq_cap: int
+    head_chunk: int
+    gradient_checkpointing: bool
+    layer_list: list[MultiLoraLinear]
+    regions: dict[str, tuple[int, int]]
+    arena: torch.Tensor
+    grad_arena: torch.Tensor
+    forward_shapes: Counter
+    _token: torch.Tensor
+    output_logits: Callable[[torch.Tensor], torch.Tensor]
+
+    @property
+    def lockstep(self) -> bool: ...
+
+    @property
+    def plain_objective(self) -> bool: ...
+
+    def _clear_layout(self) -> None: ...
+
+
+def _pow2(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """What one capture fixes: shapes and the constants its kernels were specialised for."""
+
+    tokens: int        # T of the flat row
+    seq_slots: int     # sequence bounds (cu_seqlens has seq_slots + 1 entries)
+    job_slots: int     # job slots (empty ones own no tokens)
+    rank: int          # the rank tile r_max (>= every job's rank)
+    max_len: int       # longest sequence the attention is launched for
+    aligned: bool      # every arena offset a multiple of 16 elements (vector loads)
+    recompute: bool    # activation recompute on
+
+    @property
+    def warm_class(self) -> tuple:
+        """Keys of one class launch the same kernels (other token and sequence counts): once one
+        of them ran eagerly (compiling, loading and looking up every kernel, creating the
+        backward's handles), any other is captured at its first step."""
+        return (self.job_slots, self.rank, self.max_len, self.aligned, self.recompute)
+
+
+class _Static:
+    """One key's device buffers: the step's inputs (refilled by one copy per step) and the
+    graph's outputs (each job slot's mean loss)."""
+
+    def __init__(self, key: GraphKey, n_layers: int, device: torch.device) -> None:
+        t, s, n = key.tokens, key.seq_slots, key.job_slots
+        self.sizes = [t, t, t, t, s + 1, n_layers * n, n_layers * n, n, n + 1]
+        self.ints = torch.zeros(sum(self.sizes), dtype=torch.int64, device=device)
+        ids, pos, tgt, job, cu, aoff, boff, ranks, offsets = self.ints.split(self.sizes)
+        self.input_ids, self.position_ids = ids.view(1, t), pos.view(1, t)
+        self.targets, self.job_of_token, self.offsets = tgt, job, offsets
+        self.cu, self.ranks = cu, ranks
+        self.a_off, self.b_off = aoff.view(n_layers, n), boff.view(n_layers, n)
+        self.floats = torch.zeros(2 * n, dtype=torch.float32, device=device)  # scalings, target counts
+        self.scales, self.counts = self.floats[:n], self.floats[n:]
+        self.means = torch.zeros(n, dtype=torch.float32, device=device)
+
+
+class _Replay:
+    """The stand-in where CUDA graphs do not exist: replay runs the body again."""
+
+    def __init__(self, body) -> None:  # noqa: ANN001
+        self.body = body
+
+    def replay(self) -> None:
+        self.body()
+
+
+@dataclass
+class _Entry:
+    static: _Static
+    graph: torch.cuda.CUDAGraph | _Replay | None = None
+    failed: bool = False  # its capture failed: the key runs eagerly
+
+
+class StepGraphs:
+    """The engine's graphed training steps (SFT on the varlen packing, one GPU); `serves` says
+    whether a step can take this path, `forward_backward` runs it."""
+
+    def __init__(self, engine: GraphedEngine, per_octave: int = 8, max_graphs: int = 64) -> None:
+        self.engine = engine
+        self.per_octave = per_octave
+        self.max_graphs = max_graphs
+        self.warm: set[tuple] = set()  # key classes that ran eagerly in this process
+        self.entries: OrderedDict[GraphKey, _Entry] = OrderedDict()
+        self.pool = None
+        self.captures = 0
+        self.replays = 0
+        self.eager_runs = 0
+        self.failures = 0
+        self._storage = None  # (arena, grad arena) storages the graphs read and write
+
+    # ----- which steps -----------------------------------------------------------------
+    def serves(self, states: Sequence[JobState]) -> bool:
+        eng = self.engine
+        return bool(states) and eng.attention == "varlen" and not eng.lockstep and eng.plain_objective
+
+    @staticmethod
+    def use_cuda_graphs(device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    # ----- one step --------------------------------------------------------------------
+    def forward_backward(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]
+                         ) -> tuple[PackedBatch, list[torch.Tensor]]:
+        """The step's forward and backward: its host batch and each job's mean loss (device)."""
+        eng = self.engine
+        longest = max((len(e.input_ids) for seqs in per_job for e in seqs), default=1)
+        eng.seq_cap = max(eng.seq_cap, longest)
+        n_seqs = sum(len(seqs) for seqs in per_job)
+        cpu = pack_flat(per_job, eng.pad_id, per_octave=self.per_octave, max_cells=n_seqs * eng.seq_cap)
+        self._check_storage()
+        regions = [eng.regions[s.job_id][0] for s in states]
+        ints = self._layout_ints(states, regions)
+        key = GraphKey(tokens=cpu.input_ids.shape[1], seq_slots=_pow2(len(cpu.cu_seqlens) - 1, 16),
+                       job_slots=_pow2(len(states), 8), rank=_pow2(max(s.adapter.rank for s in states), 16),
+                       max_len=eng.seq_cap, aligned=all(v % 16 == 0 for v in ints),
+                       recompute=eng.gradient_checkpointing)
+        entry = self._entry(key)
+        self._fill(entry.static, key, cpu, states, ints)
+        eng.forward_shapes[(*cpu.input_ids.shape, True)] += 1
+        if entry.graph is None and not entry.failed and key.warm_class in self.warm:
+            entry.graph = self._capture(entry, key)
+        if entry.graph is not None:
+            entry.graph.replay()
+            self.replays += 1
+        else:
+            self._run(entry.static, key)
+            self.eager_runs += 1
+            self.warm.add(key.warm_class)
+        means = entry.static.means
+        return cpu, [means[i : i + 1] for i in range(len(states))]
+
+    def _check_storage(self) -> None:
+        eng = self.engine
+        now = (eng.arena.data_ptr(), eng.grad_arena.data_ptr(), eng.arena.numel())
+        if self._storage is not None and now != self._storage:
+            self.reset()  # the arena grew: every capture points at the old storage
+        self._storage = now
+
+    def reset(self) -> None:
+        """Drop every capture (their memory goes back with the pool)."""
+        self.entries.clear()
+        self.pool = None
+
+    def _entry(self, key: GraphKey) -> _Entry:
+        entry = self.entries.get(key)
+        if entry is None:
+            if len(self.entries) >= self.max_graphs:
+                self.entries.popitem(last=False)  # the least recently used key
+            entry = _Entry(_Static(key, len(self.engine.layer_list), self.engine.device))
+            self.entries[key] = entry
+        self.entries.move_to_end(key)
+        return entry
+
+    # ----- the static inputs -----------------------------------------------------------
+    def _layout_ints(self, states: Sequence[JobState], regions: list[int]) -> list[int]:
+        """Every layer's A then B element offsets, layer-major, for the jobs in slot order."""
+        n_layers = len(self.engine.layer_list)
+        ads = [s.adapter for s in states]
+        a = [lo + ad.a_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, ads, strict=True)]
+        b = [lo + ad.b_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, ads, strict=True)]
+        return a + b
+
+    def _fill(self, st: _Static, key: GraphKey, cpu: PackedBatch, states: Sequence[JobState],
+              ints: list[int]) -> None:
+        """One host buffer of the step's ints (and one of its floats), copied to the key's
+        buffers asynchronously: empty job slots own no tokens, spare sequence bounds are empty."""
+        t, n, n_jobs = key.tokens, key.job_slots, len(states)
+        n_layers = len(self.engine.layer_list)
+        bounds = list(cpu.token_offsets)
+        cu = list(cpu.cu_seqlens) + [t] * (key.seq_slots + 1 - len(cpu.cu_seqlens))
+        job = torch.repeat_interleave(torch.arange(n_jobs), torch.tensor(bounds).diff())
+        a_pad = [0] * (n - n_jobs)
+
+        def per_slot(values: list[int]) -> list[int]:
+            return [v for k in range(n_layers) for v in values[k * n_jobs : (k + 1) * n_jobs] + a_pad]
+
+        half = n_layers * n_jobs
+        tail = per_slot(ints[:half]) + per_slot(ints[half:])
+        tail += [s.adapter.rank for s in states] + a_pad + bounds + [t] * (n - n_jobs)
+        host = torch.cat([cpu.input_ids.reshape(-1), cpu.position_ids.reshape(-1), cpu.targets.reshape(-1),
+                          job, torch.tensor(cu + tail, dtype=torch.int64)])
+        counts = torch.zeros(n, dtype=torch.float32)
+        counts.index_add_(0, job, (cpu.targets.reshape(-1) != IGNORE).to(torch.float32))
+        scales = [s.adapter.scaling for s in states] + [0.0] * (n - n_jobs)
+        floats = torch.cat([torch.tensor(scales, dtype=torch.float32), counts.clamp_(min=1.0)])
+        st.ints.copy_(self._pinned(host), non_blocking=True)
+        st.floats.copy_(self._pinned(floats), non_blocking=True)
+
+    def _pinned(self, cpu: torch.Tensor) -> torch.Tensor:
+        return cpu.pin_memory() if self.engine.device.type == "cuda" else cpu
+
+    # ----- the body, its eager run and its capture -------------------------------------
+    def _run(self, st: _Static, key: GraphKey) -> None:
+        eng = self.engine
+        arena = eng.arena if eng.arena.dtype == eng.compute_dtype else eng.arena.to(eng.compute_dtype)
+        lay = StepLayout(offsets=st.offsets, scales=st.scales, ranks=st.ranks.to(torch.int32), arena=arena,
+                         grad_arena=eng.grad_arena, r_max=key.rank, token=eng._token, backend=eng.backend,
+                         aligned=key.aligned)
+        for k, layer in enumerate(eng.layer_list):
+            layer.layout, layer.a_off, layer.b_off = lay, st.a_off[k], st.b_off[k]
+        try:
+            eng.grad_arena.zero_()
+            cu = st.cu.to(torch.int32)
+            out = eng.model.base_model(input_ids=st.input_ids, position_ids=st.position_ids, use_cache=False,
+                                       cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=key.max_len,
+                                       max_length_k=key.max_len)
+            hidden = out.last_hidden_state.reshape(key.tokens, -1)
+            losses = token_losses(eng.output_logits, hidden, st.targets, eng.head_chunk)
+            sums = torch.zeros(key.job_slots, dtype=losses.dtype, device=losses.device)
+            means = sums.index_add_(0, st.job_of_token, losses) / st.counts
+            # a non-finite mean counts zero in the objective: its job alone gets non-finite
+            # gradients (its rows and its arena region) and skips its update after the graph
+            kept = torch.where(torch.isfinite(means), means, torch.zeros_like(means))
+            kept.sum().backward()
+            st.means.copy_(means.detach())
+        finally:
+            eng._clear_layout()
+
+    def _capture(self, entry: _Entry, key: GraphKey) -> torch.cuda.CUDAGraph | _Replay | None:
+        """The key's graph, captured now (None: the capture failed, the key stays eager). Relaxed
+        capture: a kernel of another token count may still compile or load its module inside it;
+        anything that waits for the device fails the capture instead, and the step runs eagerly."""
+        st = entry.static
+        self.captures += 1
+        if not self.use_cuda_graphs(self.engine.device):
+            return _Replay(lambda: self._run(st, key))
+        graph = torch.cuda.CUDAGraph()
+        # the eager runs' cached blocks go back first: the graph's pool then takes that memory
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="relaxed"):
+                self._run(st, key)
+        except RuntimeError as err:
+            entry.failed = True
+            self.failures += 1
+            torch.cuda.synchronize()
+            log.warning("step graph capture failed for %s: %s", key, str(err)[:300])
+            return None
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph
+
+    def stats(self) -> dict[str, int]:
+        return {"graphs": sum(e.graph is not None for e in self.entries.values()), "captures": self.captures,
+                "replays": self.replays, "eager_runs": self.eager_runs, "failures": self.failures}
