@@ -14,6 +14,22 @@ from trainer.data import JobDataStream
 from trainer.jobs import JobState, TrainJob, load_init_adapter, make_optimizer
 from trainer.multilora import JobAdapter, StepLayout
 
+# the share of device memory a job parked on the device leaves free: the steps' peak is already
+# held by the allocator's cache, this is room for admission to grow the step and for fragmentation
+PARK_RESERVE = 0.15
+
+
+def state_bytes(state: JobState) -> int:
+    """Device bytes of a job's state: its adapter and its optimizer's moments."""
+    tensors = [p.data for p in state.adapter.parameters()]
+    tensors += [v for st in state.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def park_target(need: int, free: int, total: int, reserve: float = PARK_RESERVE) -> str | None:
+    """None (park on the device) when `need` bytes leave at least `reserve` of `total` free."""
+    return None if free - need >= reserve * total else "cpu"
+
 
 class AdapterArena:
     """MultiLoraEngine's job slots and their arena (a part of the engine, not used alone: it reads
@@ -92,6 +108,16 @@ class AdapterArena:
             return state.to(park_device)  # copied out of its region in stream order, before any reuse
         flat.data = flat.data.clone()  # its own storage again; the region is free for another job
         return state.to(park_device) if park_device is not None else state
+
+    def park_target(self, job_id: str) -> str | None:
+        """Where an attached job waiting for its turn (the warmup ranking) is parked: None keeps it
+        on the device (a private copy of its region, nothing crosses to the host, most such jobs
+        are evicted by the ranking anyway) while the device keeps PARK_RESERVE of its memory free
+        after it; else "cpu" (pinned host memory)."""
+        if self.device.type != "cuda":
+            return "cpu"
+        free, total = torch.cuda.mem_get_info(self.device)
+        return park_target(state_bytes(self.jobs[job_id]), free, total)
 
     # ----- a step's layout -------------------------------------------------------------
     def _set_layout(self, states: Sequence[JobState], token_offsets: list[int]) -> None:

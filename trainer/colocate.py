@@ -290,8 +290,9 @@ class TaskRun(TaskFiles):
                 if fresh_waiting:  # rotate: park it on its rank so a queued configuration gets its warmup
                     self.queue.append(self.placed.pop(job_id))
                     if s.owner == host.rank:
-                        with host.phase("park"):
-                            self.parked[job_id] = host.engine.detach(job_id, park_device="cpu")
+                        with host.phase("park"):  # on the device while its memory allows
+                            self.parked[job_id] = host.engine.detach(
+                                job_id, park_device=host.engine.park_target(job_id))
                     self.cb.on_event(job_id, "parked_after_warmup", {"step": s.step, "rank": s.owner})
         if self.ranking.ready:
             keep, evict = self.ranking.decide()

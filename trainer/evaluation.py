@@ -56,6 +56,9 @@ class EngineEvaluation:
         """One no-grad forward of every job on the same chunk: per job the sums of the
         evaluation's numbers [N, len(eval_metric_names)] and what each is averaged over [N]
         (SFT: summed token losses and hits over target tokens; DPO overrides: sums over pairs)."""
+        graphs = self.step_graphs
+        if graphs is not None and graphs.serves(states):
+            return graphs.eval_sums(states, chunk)  # the same sums from a replayed graph
         _, losses, hits, counts = self._forward_tokens(states, [chunk] * len(states), hits=True)
         sums = [torch.stack([loss.sum(), hit.sum()])
                 for loss, hit in zip(losses.split(counts), hits.split(counts), strict=True)]

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from trainer.data import IGNORE, Example
-from trainer.head import token_losses
+from trainer.head import token_losses, token_losses_and_hits
 from trainer.jobs import JobState
 from trainer.multilora import MultiLoraLinear, StepLayout
 from trainer.packing import PackedBatch, pack_flat
@@ -84,18 +84,19 @@ class GraphKey:
     max_len: int       # longest sequence the attention is launched for
     aligned: bool      # every arena offset a multiple of 16 elements (vector loads)
     recompute: bool    # activation recompute on
+    train: bool = True  # the training step (forward and backward); False: an evaluation forward
 
     @property
     def warm_class(self) -> tuple:
         """Keys of one class launch the same kernels (other token and sequence counts): once one
         of them ran eagerly (compiling, loading and looking up every kernel, creating the
         backward's handles), any other is captured at its first step."""
-        return (self.job_slots, self.rank, self.max_len, self.aligned, self.recompute)
+        return (self.job_slots, self.rank, self.max_len, self.aligned, self.recompute, self.train)
 
 
 class _Static:
     """One key's device buffers: the step's inputs (refilled by one copy per step) and the
-    graph's outputs (each job slot's mean loss)."""
+    graph's outputs per job slot (training: [mean loss, -]; evaluation: [loss sum, hit sum])."""
 
     def __init__(self, key: GraphKey, n_layers: int, device: torch.device) -> None:
         t, s, n = key.tokens, key.seq_slots, key.job_slots
@@ -108,7 +109,7 @@ class _Static:
         self.a_off, self.b_off = aoff.view(n_layers, n), boff.view(n_layers, n)
         self.floats = torch.zeros(2 * n, dtype=torch.float32, device=device)  # scalings, target counts
         self.scales, self.counts = self.floats[:n], self.floats[n:]
-        self.means = torch.zeros(n, dtype=torch.float32, device=device)
+        self.out = torch.zeros(n, 2, dtype=torch.float32, device=device)
 
 
 class _Replay:
@@ -132,7 +133,7 @@ class StepGraphs:
     """The engine's graphed training steps (SFT on the varlen packing, one GPU); `serves` says
     whether a step can take this path, `forward_backward` runs it."""
 
-    def __init__(self, engine: GraphedEngine, per_octave: int = 8, max_graphs: int = 64) -> None:
+    def __init__(self, engine: GraphedEngine, per_octave: int = 4, max_graphs: int = 64) -> None:
         self.engine = engine
         self.per_octave = per_octave
         self.max_graphs = max_graphs
@@ -158,6 +159,22 @@ class StepGraphs:
     def forward_backward(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]
                          ) -> tuple[PackedBatch, list[torch.Tensor]]:
         """The step's forward and backward: its host batch and each job's mean loss (device)."""
+        cpu, entry, _ = self._execute(states, per_job, train=True)
+        out = entry.static.out
+        return cpu, [out[i, :1] for i in range(len(states))]
+
+    def eval_sums(self, states: Sequence[JobState], chunk: Sequence[Example]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One no-grad forward of every job on the same chunk: per job [loss sum, hit sum] over its
+        target tokens (device, read before the next replay) and its target count (host, float64):
+        EngineEvaluation._eval_sums' contract."""
+        _, entry, counts = self._execute(states, [chunk] * len(states), train=False)
+        return entry.static.out[: len(states)], counts[: len(states)].double()
+
+    def _execute(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]], train: bool
+                 ) -> tuple[PackedBatch, _Entry, torch.Tensor]:
+        """Pack, fill the key's buffers and run its graph (captured now if its class is warm, else
+        eagerly): the host batch, the entry and each slot's target count."""
         eng = self.engine
         longest = max((len(e.input_ids) for seqs in per_job for e in seqs), default=1)
         eng.seq_cap = max(eng.seq_cap, longest)
@@ -169,10 +186,10 @@ class StepGraphs:
         key = GraphKey(tokens=cpu.input_ids.shape[1], seq_slots=_pow2(len(cpu.cu_seqlens) - 1, 16),
                        job_slots=_pow2(len(states), 8), rank=_pow2(max(s.adapter.rank for s in states), 16),
                        max_len=eng.seq_cap, aligned=all(v % 16 == 0 for v in ints),
-                       recompute=eng.gradient_checkpointing)
+                       recompute=eng.gradient_checkpointing and train, train=train)
         entry = self._entry(key)
-        self._fill(entry.static, key, cpu, states, ints)
-        eng.forward_shapes[(*cpu.input_ids.shape, True)] += 1
+        counts = self._fill(entry.static, key, cpu, states, ints)
+        eng.forward_shapes[(*cpu.input_ids.shape, train)] += 1
         if entry.graph is None and not entry.failed and key.warm_class in self.warm:
             entry.graph = self._capture(entry, key)
         if entry.graph is not None:
@@ -182,8 +199,7 @@ class StepGraphs:
             self._run(entry.static, key)
             self.eager_runs += 1
             self.warm.add(key.warm_class)
-        means = entry.static.means
-        return cpu, [means[i : i + 1] for i in range(len(states))]
+        return cpu, entry, counts
 
     def _check_storage(self) -> None:
         eng = self.engine
@@ -217,9 +233,10 @@ class StepGraphs:
         return a + b
 
     def _fill(self, st: _Static, key: GraphKey, cpu: PackedBatch, states: Sequence[JobState],
-              ints: list[int]) -> None:
+              ints: list[int]) -> torch.Tensor:
         """One host buffer of the step's ints (and one of its floats), copied to the key's
-        buffers asynchronously: empty job slots own no tokens, spare sequence bounds are empty."""
+        buffers asynchronously: empty job slots own no tokens, spare sequence bounds are empty.
+        Returns each slot's target count."""
         t, n, n_jobs = key.tokens, key.job_slots, len(states)
         n_layers = len(self.engine.layer_list)
         bounds = list(cpu.token_offsets)
@@ -238,15 +255,18 @@ class StepGraphs:
         counts = torch.zeros(n, dtype=torch.float32)
         counts.index_add_(0, job, (cpu.targets.reshape(-1) != IGNORE).to(torch.float32))
         scales = [s.adapter.scaling for s in states] + [0.0] * (n - n_jobs)
-        floats = torch.cat([torch.tensor(scales, dtype=torch.float32), counts.clamp_(min=1.0)])
+        floats = torch.cat([torch.tensor(scales, dtype=torch.float32), counts.clamp(min=1.0)])
         st.ints.copy_(self._pinned(host), non_blocking=True)
         st.floats.copy_(self._pinned(floats), non_blocking=True)
+        return counts
 
     def _pinned(self, cpu: torch.Tensor) -> torch.Tensor:
         return cpu.pin_memory() if self.engine.device.type == "cuda" else cpu
 
     # ----- the body, its eager run and its capture -------------------------------------
     def _run(self, st: _Static, key: GraphKey) -> None:
+        """The graph's body: the backbone over the static batch with the static job layout, then
+        the training objective and its backward, or the evaluation's sums."""
         eng = self.engine
         arena = eng.arena if eng.arena.dtype == eng.compute_dtype else eng.arena.to(eng.compute_dtype)
         lay = StepLayout(offsets=st.offsets, scales=st.scales, ranks=st.ranks.to(torch.int32), arena=arena,
@@ -255,22 +275,39 @@ class StepGraphs:
         for k, layer in enumerate(eng.layer_list):
             layer.layout, layer.a_off, layer.b_off = lay, st.a_off[k], st.b_off[k]
         try:
-            eng.grad_arena.zero_()
-            cu = st.cu.to(torch.int32)
-            out = eng.model.base_model(input_ids=st.input_ids, position_ids=st.position_ids, use_cache=False,
-                                       cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=key.max_len,
-                                       max_length_k=key.max_len)
-            hidden = out.last_hidden_state.reshape(key.tokens, -1)
-            losses = token_losses(eng.output_logits, hidden, st.targets, eng.head_chunk)
-            sums = torch.zeros(key.job_slots, dtype=losses.dtype, device=losses.device)
-            means = sums.index_add_(0, st.job_of_token, losses) / st.counts
-            # a non-finite mean counts zero in the objective: its job alone gets non-finite
-            # gradients (its rows and its arena region) and skips its update after the graph
-            kept = torch.where(torch.isfinite(means), means, torch.zeros_like(means))
-            kept.sum().backward()
-            st.means.copy_(means.detach())
+            if key.train:
+                self._train_body(st, key)
+            else:
+                with torch.no_grad():
+                    self._eval_body(st, key)
         finally:
             eng._clear_layout()
+
+    def _hidden(self, st: _Static, key: GraphKey) -> torch.Tensor:
+        cu = st.cu.to(torch.int32)
+        out = self.engine.model.base_model(
+            input_ids=st.input_ids, position_ids=st.position_ids, use_cache=False, cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu, max_length_q=key.max_len, max_length_k=key.max_len)
+        return out.last_hidden_state.reshape(key.tokens, -1)
+
+    def _train_body(self, st: _Static, key: GraphKey) -> None:
+        eng = self.engine
+        eng.grad_arena.zero_()
+        losses = token_losses(eng.output_logits, self._hidden(st, key), st.targets, eng.head_chunk)
+        sums = torch.zeros(key.job_slots, dtype=losses.dtype, device=losses.device)
+        means = sums.index_add_(0, st.job_of_token, losses) / st.counts
+        # a non-finite mean counts zero in the objective: its job alone gets non-finite
+        # gradients (its rows and its arena region) and skips its update after the graph
+        kept = torch.where(torch.isfinite(means), means, torch.zeros_like(means))
+        kept.sum().backward()
+        st.out[:, 0].copy_(means.detach())
+
+    def _eval_body(self, st: _Static, key: GraphKey) -> None:
+        eng = self.engine
+        losses, hits = token_losses_and_hits(eng.output_logits, self._hidden(st, key), st.targets, eng.head_chunk)
+        st.out.zero_()
+        st.out[:, 0].index_add_(0, st.job_of_token, losses.float())
+        st.out[:, 1].index_add_(0, st.job_of_token, hits.float())
 
     def _capture(self, entry: _Entry, key: GraphKey) -> torch.cuda.CUDAGraph | _Replay | None:
         """The key's graph, captured now (None: the capture failed, the key stays eager). Relaxed

@@ -65,3 +65,23 @@ def test_cuda_graphs_equal_eager_and_reuse_captures(tmp_path, recompute: bool) -
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert g.replays == 7
+
+
+def test_cuda_graph_evaluation_equals_eager(tmp_path) -> None:  # noqa: ANN001
+    d = tiny_model_dir("llama", tmp_path)
+    data = examples(24, 40, seed=3)
+    held_out = examples(9, 40, seed=9) + examples(3, 24, seed=10)
+    eager, graphed = _engine(d, False, data, True), _engine(d, True, data, True)
+    for eng in (eager, graphed):
+        for spec in (job("a", 8, 2, 1), job("b", 32, 1, 2)):
+            eng.attach(spec)
+        eng.step()
+    for _ in range(2):
+        want = eager.evaluate_metrics(held_out, batch_size=4)
+        got = graphed.evaluate_metrics(held_out, batch_size=4)
+        for j, metrics in want.items():
+            assert math.isclose(got[j]["loss"], metrics["loss"], rel_tol=1e-2), (j, got, want)
+            assert abs(got[j]["token_accuracy"] - metrics["token_accuracy"]) < 2e-2, (j, got, want)
+    g = graphed.step_graphs
+    assert g.captures >= 1 and g.replays >= 3 and g.failures == 0
+    assert any(isinstance(e.graph, torch.cuda.CUDAGraph) for k, e in g.entries.items() if not k.train)

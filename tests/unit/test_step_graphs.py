@@ -80,6 +80,35 @@ def test_graphed_steps_equal_eager_steps_and_a_new_job_set_reuses_the_capture(mo
     for j in ("a", "c", "d"):
         torch.testing.assert_close(graphed.jobs[j].adapter.flat, eager.jobs[j].adapter.flat,
                                    rtol=1e-4, atol=1e-6)
+    # a step of another token count (a job with a larger batch) is another key of the same class:
+    # captured at its first step, no eager run
+    for eng in (eager, graphed):
+        eng.detach("d")
+        eng.attach(job("e", 8, 3, 5))
+    both_steps(2)
+    assert (g.eager_runs, g.captures, g.replays, len(g.entries)) == (1, 2, 8, 2)
+
+
+def test_graphed_evaluation_equals_eager_evaluation(model_dir) -> None:  # noqa: ANN001
+    data = examples(24, 20, seed=3)
+    held_out = examples(7, 20, seed=9) + examples(3, 12, seed=10)
+    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
+    for eng in (eager, graphed):
+        for spec in (job("a", 4, 2, 1), job("b", 16, 1, 2)):
+            eng.attach(spec)
+        eng.step()
+    for _ in range(2):  # the second evaluation replays what the first captured
+        want = eager.evaluate_metrics(held_out, batch_size=4)
+        got = graphed.evaluate_metrics(held_out, batch_size=4)
+        for j, metrics in want.items():
+            assert math.isclose(got[j]["loss"], metrics["loss"], rel_tol=1e-5), j
+            assert got[j]["token_accuracy"] == pytest.approx(metrics["token_accuracy"], abs=1e-9), j
+    g = graphed.step_graphs
+    # chunks of 4, 4 and 2 examples, the first two of one token bucket: the first chunk ran eagerly
+    # (its class cold; the training step is the other eager run), the second captured its key, the
+    # third its own; the second evaluation replays all three chunks
+    eval_keys = [k for k in g.entries if not k.train]
+    assert len(eval_keys) == 2 and g.eager_runs == 2 and g.captures == 2 and g.replays == 2 + 3
 
 
 def test_a_non_finite_job_skips_alone_in_a_graphed_step(model_dir) -> None:  # noqa: ANN001
