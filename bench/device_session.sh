@@ -252,10 +252,19 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 240 gpu_graphs python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_step_graphs_gpu.py
     step 330 host_profile python3 bench/host_profile.py --layers 32 --out "$OUT/host_profile_graphs_h100.md"
     ;;
+  pace_search)  # issue 40: the GPU tests of the graphed step and evaluation, then the user's search (a) at
+                # 32 layers, 48 configurations, its quality phase in the same call
+    step 100 gpu_graphs python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_step_graphs_gpu.py
+    step 470 search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s 440 \
+      --json "$OUT/search_a_h100.json" --out "$OUT/search_a_h100.md"
+    ;;
   pace_task)  # issues 40/41: the real executor at 32 layers, 200 steps: graphed (cold: no stored profile)
-              # against every step launched eagerly (the profile the cold run stored), one process
-    step 570 executor_task python3 bench/executor_task.py --layers 32 --steps 200 --runs cold,eager \
+              # against every step launched eagerly (the profile the cold run stored), one process; then
+              # the host profile (shorter)
+    step 330 executor_task python3 bench/executor_task.py --layers 32 --steps 200 --runs cold,eager \
       --out "$OUT/executor_task_graphs_h100.md" --json "$OUT/executor_task_graphs_h100.json"
+    step 200 host_profile python3 bench/host_profile.py --layers 32 --warmup 16 --iters 20 \
+      --out "$OUT/host_profile_graphs_h100.md"
     ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac
