@@ -7,7 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -121,6 +121,14 @@ class Settings(BaseSettings):
     tracking_give_up_s: float = 24 * 3600
     # How often the leader looks for due syncs (0: this service syncs none).
     tracking_poll_s: float = 5.0
+
+    @field_validator("storage_dir", "models_file", "wandb_dir")
+    @classmethod
+    def _absolute(cls, path: Path) -> Path:
+        # Relative defaults (var/...) mean the directory the service was started in, fixed at
+        # load: a subprocess started elsewhere (the W&B writer runs in a scratch folder) or a
+        # later chdir must not move them.
+        return path.expanduser().resolve()
 
     @property
     def operator_token(self) -> str:

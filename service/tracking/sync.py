@@ -87,7 +87,14 @@ def write_runs(claim: Claim, task: TaskRecord, settings: Settings) -> Outcome:
     except Exception as exc:  # noqa: BLE001 - this attempt's failure: logged and retried
         log.warning("tracking sync failed integration=%s task=%s type=%s error=%s",
                     claim.integration_id, claim.task_id, claim.type, exc)
-        return Outcome(None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        return Outcome(None, describe(exc))
+
+
+def describe(exc: Exception) -> str:
+    """An unexpected failure as last_error: its kind and reason; a filesystem error without the
+    file names it carries (the log above has them)."""
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def record(session: Session, claim: Claim, outcome: Outcome, settings: Settings) -> str | None:

@@ -20,6 +20,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from contract.protocol import tenant_safe
 from contract.states import JobState
 from service.core.config import Settings
 from service.tracking.records import TaskRecord
@@ -55,8 +56,30 @@ def runs_payload(task: TaskRecord, config: dict) -> list[dict]:
             for job in task.jobs]
 
 
+def writer_reason(stderr: str) -> str:
+    """The writer's last error line as a tenant may read it (no path, URL or address)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    return f": {tenant_safe(lines[-1], 200)}" if lines else ""
+
+
+def wandb_root(settings: Settings) -> Path:
+    """LORAPLEX_WANDB_DIR as an absolute path: the writer runs in a scratch folder of its own, so
+    a relative one would name another place there (Settings resolves it at load already; a copy
+    made with model_copy skips that)."""
+    return Path(settings.wandb_dir).expanduser().resolve()
+
+
 def run_folder(settings: Settings, task: TaskRecord, integration_id: str) -> Path:
-    return Path(settings.wandb_dir) / task.tenant_id / task.id / integration_id
+    return wandb_root(settings) / task.tenant_id / task.id / integration_id
+
+
+def folder_error(exc: OSError) -> WandbError:
+    """What a tenant may read of a filesystem failure under the W&B folder: what went wrong and
+    whom to ask, never the server's paths (the operator's log has them)."""
+    reason = exc.strerror or type(exc).__name__
+    return WandbError(f"the W&B runs could not be written to the service's W&B folder "
+                      f"(LORAPLEX_WANDB_DIR): {reason}; ask the operator to check that it exists "
+                      "and is writable by the API")
 
 
 def write_wandb(task: TaskRecord, config: dict, settings: Settings,
@@ -67,9 +90,21 @@ def write_wandb(task: TaskRecord, config: dict, settings: Settings,
         raise WandbUnavailable("the wandb package is not installed on this service; ask the "
                                "operator to install it (pip install wandb)")
     final = run_folder(settings, task, integration_id)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fresh = final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}"
     runs = runs_payload(task, config)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        written = write_fresh(task, runs, final)
+    except OSError as exc:
+        log.warning("wandb folder failed task=%s integration=%s error=%s", task.id,
+                    integration_id, exc)
+        raise folder_error(exc) from exc
+    return {"runs": {r["id"]: r["id"] for r in runs},
+            "path": str(written.relative_to(wandb_root(settings)))}
+
+
+def write_fresh(task: TaskRecord, runs: list[dict], final: Path) -> Path:
+    """Write the runs into a fresh folder beside `final` and put it in `final`'s place."""
+    fresh = final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}"
     timeout = 60 + 5 * len(runs)
     try:
         with tempfile.TemporaryDirectory(prefix="loraplex-wandb-") as scratch:
@@ -86,12 +121,11 @@ def write_wandb(task: TaskRecord, config: dict, settings: Settings,
             if done.returncode == 3:
                 raise WandbUnavailable("the wandb package is not installed on this service; "
                                        "ask the operator to install it (pip install wandb)")
-            raise WandbError(f"writing the W&B runs failed (exit status {done.returncode}); "
-                             "the operator's logs say why")
+            raise WandbError(f"writing the W&B runs failed (exit status {done.returncode}"
+                             f"{writer_reason(done.stderr)}); the operator's logs say more")
         if final.exists():
             shutil.rmtree(final)
         fresh.rename(final)
     finally:
         shutil.rmtree(fresh, ignore_errors=True)
-    return {"runs": {r["id"]: r["id"] for r in runs},
-            "path": str(final.relative_to(Path(settings.wandb_dir)))}
+    return final

@@ -11,11 +11,13 @@ import io
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from sqlalchemy import func, select, update
 
+from service.core.config import Settings
 from service.core.localstack import free_port
 from service.models import Event, IdempotencyKey, Job, Task, TaskIntegration, utcnow
 from service.tracking import wandb_writer
@@ -352,6 +354,52 @@ def test_wandb_not_installed_fails_for_good(client, factory, session, settings,
     assert view["status"] == "failed" and view["attempts"] == 1
     assert "wandb package is not installed" in view["last_error"]
     assert task["state"] == "succeeded"
+
+
+def test_wandb_syncs_with_the_quick_starts_relative_dir(client, factory, session, settings,
+                                                       tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Issue 43: the default LORAPLEX_WANDB_DIR is relative (var/wandb) and the writer runs in a
+    scratch folder; the runs still land under the directory the service started in."""
+    if importlib.util.find_spec("wandb") is None:
+        pytest.skip("wandb is not installed (scripts/install.sh installs it with the dev extra)")
+    monkeypatch.chdir(tmp_path)
+    loaded = Settings(**{**settings.model_dump(), "wandb_dir": "var/wandb"})
+    assert loaded.wandb_dir == tmp_path / "var" / "wandb"
+    t = factory.tenant()
+    task_id, jobs = finished_task(client, factory, t, [WANDB])
+    assert sync_due(client.app.state.sessionmaker, loaded) == 1
+    view = client.get(f"/v1/tasks/{task_id}", headers=t.headers).json()["integrations"][0]
+    assert (view["status"], view["attempts"], view["last_error"]) == ("synced", 1, None), view
+    found = list((tmp_path / "var" / "wandb").glob(f"*/{task_id}/*/wandb/offline-run-*"))
+    assert len(found) == len(jobs)
+    # a copy of the settings that skipped validation (model_copy) is resolved by the writer too
+    session.execute(update(TaskIntegration).where(TaskIntegration.task_id == task_id)
+                    .values(state="pending", next_attempt_at=utcnow()))
+    session.commit()
+    copied = settings.model_copy(update={"wandb_dir": Path("var/wandb")})
+    assert sync_due(client.app.state.sessionmaker, copied) == 1
+    view = client.get(f"/v1/tasks/{task_id}", headers=t.headers).json()["integrations"][0]
+    assert view["status"] == "synced" and view["last_error"] is None, view
+
+
+def test_a_wandb_folder_failure_says_what_to_do_and_names_no_path(
+        client, factory, session, settings, tmp_path) -> None:  # noqa: ANN001
+    """A W&B folder the API cannot write leaves the integration pending with a last_error that
+    tells the user whom to ask about what, without the server's paths."""
+    if importlib.util.find_spec("wandb") is None:
+        pytest.skip("wandb is not installed (scripts/install.sh installs it with the dev extra)")
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the W&B folder should be")
+    t = factory.tenant()
+    task_id, _ = finished_task(client, factory, t, [WANDB])
+    assert sync_due(client.app.state.sessionmaker,
+                    settings.model_copy(update={"wandb_dir": blocked})) == 1
+    view = client.get(f"/v1/tasks/{task_id}", headers=t.headers).json()["integrations"][0]
+    assert view["status"] == "pending" and view["attempts"] == 1, view
+    error = view["last_error"]
+    assert "LORAPLEX_WANDB_DIR" in error and "operator" in error, error
+    assert "<path>" not in error and str(tmp_path) not in error and "not-a-folder" not in error
+    assert "Not a directory" in error or "File exists" in error, error
 
 
 def test_the_leaders_syncer_retries_a_failing_server_and_never_touches_the_task(
