@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import struct
 import tarfile
 import zipfile
@@ -21,6 +22,10 @@ CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 DTYPES = ("F32", "F16", "BF16")
 MAX_HEADER = 16 << 20
+ADAPTER_PURPOSE = "adapter"
+# a decoder layer's place in a module path: "...layers.3.self_attn.q_proj" is layer 3 whether
+# the module sits under self_attn or mlp (GPT-2 and Falcon call the list "h", others "blocks")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
 
 class AdapterError(ValueError):
@@ -37,7 +42,7 @@ class AdapterInfo:
     dtype: str
     # module name (e.g. "q_proj") -> (in_features, out_features)
     shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
-    layers: int = 0
+    layers: int = 0  # decoder layers with an adapted module
     # every adapted module's path as PEFT names it (base_model.model.<the model's module path>)
     modules: tuple[str, ...] = ()
     use_rslora: bool = False
@@ -120,6 +125,13 @@ def _config(blob: bytes) -> dict:
     return cfg
 
 
+def _layer_of(module: str) -> str:
+    """The decoder layer a module belongs to: its layer index where the path has one, else the
+    path above the module's own container (a module outside any numbered list)."""
+    m = _LAYER.search(module)
+    return module[:m.end()] if m else module.rsplit(".", 2)[0]
+
+
 def inspect_adapter(src: BinaryIO) -> AdapterInfo:
     """Validate an adapter archive and describe it; AdapterError on the first problem."""
     found = _members(src)
@@ -160,7 +172,7 @@ def inspect_adapter(src: BinaryIO) -> AdapterInfo:
         if shapes.setdefault(short, (fin, fout)) != (fin, fout):
             raise AdapterError(f"{WEIGHTS}: module {module!r} has shape {(fin, fout)}; "
                                f"other {short} modules have {shapes[short]}")
-        layers.add(module.rsplit(".", 1)[0])
+        layers.add(_layer_of(module))
     missing = sorted(set(targets) - set(shapes))
     if missing:
         raise AdapterError(f"{WEIGHTS}: no weights for target_modules {missing}")

@@ -13,9 +13,11 @@ from typing import BinaryIO
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.adapter_archive import AdapterError, inspect_adapter
-from service.core.errors import ApiError, conflict, not_found
+from service.adapter_archive import ADAPTER_PURPOSE, AdapterError, inspect_adapter
+from service.core.errors import ApiError, conflict, invalid, not_found
+from service.core.registry import ModelRegistry
 from service.core.storage import Storage
+from service.init_adapter import check_upload
 from service.models import TASK_TERMINAL, File, Task, Tenant, new_id, utcnow
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -35,7 +37,6 @@ FORMAT_KEYS = {
     "completion": ("prompt", "completion"),
     "text": ("text",),
 }
-ADAPTER_PURPOSE = "adapter"
 METHOD_FORMATS = {"sft": ("chat", "completion", "text"), "dpo": ("preference",)}
 KNOWN_RECORDS = ("'messages', 'prompt'/'completion', 'text', 'prompt'/'chosen'/'rejected' or "
                  "'input'/'preferred_output'/'non_preferred_output'")
@@ -211,8 +212,11 @@ def validate_jsonl(lines: Iterable[bytes]) -> tuple[str, int]:
 
 
 def create_file(session: Session, storage: Storage, tenant: Tenant, filename: str,
-                src: BinaryIO, max_bytes: int, purpose: str = "fine-tune") -> File:
-    """Validate and store an uploaded JSONL file; 413 over max_bytes, 422 on a bad line."""
+                src: BinaryIO, max_bytes: int, purpose: str = "fine-tune",
+                registry: ModelRegistry | None = None, base_model: str | None = None) -> File:
+    """Validate and store an uploaded JSONL file; 413 over max_bytes, 422 on a bad line. An
+    adapter (purpose "adapter") is checked against `base_model` (a registered model's name)
+    where given, else against the registered models its config names (check_upload)."""
     src.seek(0, 2)
     size = src.tell()
     if size > max_bytes:
@@ -220,7 +224,11 @@ def create_file(session: Session, storage: Storage, tenant: Tenant, filename: st
                        "file")
     src.seek(0)
     if purpose == ADAPTER_PURPOSE:
-        return _create_adapter(session, storage, tenant, filename, src, size)
+        return _create_adapter(session, storage, tenant, filename, src, size,
+                               registry, base_model)
+    if base_model is not None:
+        raise invalid(f"base_model applies to purpose {ADAPTER_PURPOSE!r} only, not {purpose!r}",
+                      param="base_model")
     digest = hashlib.sha256()
 
     def _lines() -> Iterable[bytes]:
@@ -245,13 +253,15 @@ def create_file(session: Session, storage: Storage, tenant: Tenant, filename: st
 
 
 def _create_adapter(session: Session, storage: Storage, tenant: Tenant, filename: str,
-                    src: BinaryIO, size: int) -> File:
-    """A PEFT adapter archive (purpose "adapter"): checked by inspect_adapter, stored as
-    uploaded; format "adapter", line_count the number of LoRA modules in it."""
+                    src: BinaryIO, size: int, registry: ModelRegistry | None,
+                    base_model: str | None) -> File:
+    """A PEFT adapter archive (purpose "adapter"): checked by inspect_adapter and check_upload,
+    stored as uploaded; format "adapter", line_count the number of LoRA modules in it."""
     try:
         info = inspect_adapter(src)
     except AdapterError as exc:
         raise ApiError(422, "invalid_file", f"adapter: {exc}", "file") from exc
+    check_upload(info, registry, base_model)
     src.seek(0)
     digest = hashlib.sha256()
     for chunk in iter(lambda: src.read(1 << 20), b""):
@@ -262,7 +272,7 @@ def _create_adapter(session: Session, storage: Storage, tenant: Tenant, filename
     storage.put(key, src)
     row = File(id=file_id, tenant_id=tenant.id, filename=filename[:255] or "adapter.tar.gz",
                purpose=ADAPTER_PURPOSE, format="adapter", bytes=size,
-               line_count=info.layers * len(info.target_modules),
+               line_count=len(info.modules),
                sha256=digest.hexdigest(), storage_key=key)
     session.add(row)
     session.flush()

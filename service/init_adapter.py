@@ -29,11 +29,10 @@ from pathlib import Path
 from sqlalchemy.orm import Session
 
 from contract.families import UnsupportedModel, family_of, model_type_of, resolve_targets
-from service.adapter_archive import AdapterError, AdapterInfo, inspect_adapter
-from service.core.errors import invalid
+from service.adapter_archive import ADAPTER_PURPOSE, AdapterError, AdapterInfo, inspect_adapter
+from service.core.errors import ApiError, invalid
 from service.core.registry import BaseModelEntry, ModelRegistry
 from service.core.storage import Storage
-from service.files import ADAPTER_PURPOSE
 from service.models import File, Tenant
 from service.schemas import TaskCreate
 
@@ -83,28 +82,65 @@ def _adapter_of(session: Session, storage: Storage, tenant: Tenant, file_id: str
             info = inspect_adapter(src)
     except (AdapterError, OSError) as exc:
         raise invalid(f"init_adapter_file {file_id!r}: {exc}", param=PARAM) from exc
-    if not 1 <= info.rank <= 1024:
-        raise invalid(f"init_adapter_file {file_id!r} has rank {info.rank}; ranks are 1-1024",
-                      param=PARAM)
-    if info.use_rslora:  # the job's contract carries no rsLoRA scaling: it would start elsewhere
-        raise invalid(f"init_adapter_file {file_id!r} uses rsLoRA (use_rslora), which a task "
-                      "cannot start from", param=PARAM)
-    if not 0 < info.alpha <= 1e6:
-        raise invalid(f"init_adapter_file {file_id!r} has lora_alpha {info.alpha:g}; it must be "
-                      "in (0, 1e6]", param=PARAM)
+    check_startable(info, f"init_adapter_file {file_id!r}", PARAM)
     return info
+
+
+def check_startable(info: AdapterInfo, what: str, param: str) -> None:
+    """422 (param) for an adapter no task can start from: a rank outside the search space's
+    bounds (contract.protocol.LoraRank), rsLoRA, an alpha out of bounds. Checked at upload and
+    again at create (for files uploaded before the upload checked it)."""
+    if not 1 <= info.rank <= 1024:
+        raise invalid(f"{what} has rank {info.rank}; ranks are 1-1024", param=param)
+    if info.use_rslora:  # the job's contract carries no rsLoRA scaling: it would start elsewhere
+        raise invalid(f"{what} uses rsLoRA (use_rslora), which a task cannot start from",
+                      param=param)
+    if not 0 < info.alpha <= 1e6:
+        raise invalid(f"{what} has lora_alpha {info.alpha:g}; it must be in (0, 1e6]",
+                      param=param)
+
+
+def check_upload(info: AdapterInfo, registry: ModelRegistry | None,
+                 base_model: str | None) -> None:
+    """What an adapter upload can know before any task (422, param `file`, or `base_model` for an
+    unknown model): check_startable, and the fit to a registered base model: the one the upload
+    names (`base_model`), else those the adapter's `base_model_name_or_path` names (the lenient
+    match of check_against_model; it must fit one of them: no other model would pass its name
+    check at create). An adapter recording a model that is not registered passes: the registry
+    may gain it later, and the create checks it again."""
+    check_startable(info, "adapter", "file")
+    if base_model is not None:
+        model = registry.get(base_model) if registry is not None else None
+        if model is None:
+            raise invalid(f"base model {base_model!r} is not registered (GET /v1/models lists "
+                          "them)", param="base_model", code="model_not_found")
+        check_against_model(info, model, param="file", what="adapter")
+        return
+    if not info.base_model or registry is None:
+        return
+    named = [m for m in registry.all() if _norm(info.base_model) in (_norm(m.name), _norm(m.path))]
+    problems = []
+    for model in named:
+        try:
+            check_against_model(info, model, param="file", what="adapter")
+            return
+        except ApiError as exc:
+            problems.append(exc)
+    if problems:
+        raise problems[0]
 
 
 def _norm(name: str) -> str:
     return name.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1].casefold()
 
 
-def check_against_model(info: AdapterInfo, model: BaseModelEntry) -> None:
-    """422 (init_adapter_file) unless the adapter was made for this base model: its recorded
-    name, its target modules in the family, every module's features (module docstring)."""
+def check_against_model(info: AdapterInfo, model: BaseModelEntry, param: str = PARAM,
+                        what: str = PARAM) -> None:
+    """422 (param) unless the adapter was made for this base model: its recorded name, its
+    target modules in the family, every module's features (module docstring)."""
     if info.base_model and _norm(info.base_model) not in (_norm(model.name), _norm(model.path)):
-        raise invalid(f"init_adapter_file was made for base model {_norm(info.base_model)!r}, "
-                      f"not {model.name!r}", param=PARAM, code="adapter_model_mismatch")
+        raise invalid(f"{what} was made for base model {_norm(info.base_model)!r}, "
+                      f"not {model.name!r}", param=param, code="adapter_model_mismatch")
     try:
         family = family_of(model_type_of(model.path) or model.family)
     except UnsupportedModel:
@@ -112,21 +148,25 @@ def check_against_model(info: AdapterInfo, model: BaseModelEntry) -> None:
     try:
         resolve_targets(family, info.target_modules)
     except UnsupportedModel as exc:
-        raise invalid(f"init_adapter_file: {exc}", param=PARAM) from exc
+        raise invalid(f"{what}: {exc}", param=param) from exc
     linears = base_linears(model.path)
-    if linears is None:
-        return
+    if linears is not None:
+        _check_features(info, model, linears, param, what)
+
+
+def _check_features(info: AdapterInfo, model: BaseModelEntry, linears: ModelLinears,
+                    param: str, what: str) -> None:
     for module in info.modules:
         path = module.removeprefix(PEFT_PREFIX)
         short = path.rsplit(".", 1)[-1]
         try:
             want = linears.features(path)
         except KeyError:
-            raise invalid(f"init_adapter_file adapts {path!r}, which {model.name!r} does not "
-                          "have", param=PARAM, code="adapter_model_mismatch") from None
+            raise invalid(f"{what} adapts {path!r}, which {model.name!r} does not have",
+                          param=param, code="adapter_model_mismatch") from None
         if want is not None and want != info.shapes[short]:
-            raise invalid(f"init_adapter_file's {short} has (in, out) features "
-                          f"{info.shapes[short]}; {model.name!r}'s are {want}", param=PARAM,
+            raise invalid(f"{what}'s {short} has (in, out) features {info.shapes[short]}; "
+                          f"{model.name!r}'s are {want}", param=param,
                           code="adapter_model_mismatch")
 
 

@@ -5,12 +5,14 @@ searches the rest, and the placement a worker claims carries the archive's URL."
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from pathlib import Path
 
 import pytest
 
+from service.models import File, new_id
 from tests.integration.test_api_task_validation import counts, post_task, register_model
 
 torch = pytest.importorskip("torch")
@@ -39,17 +41,37 @@ def _model(settings, root: Path, name: str, weights: bool = True) -> Path:  # no
     return model_dir
 
 
-def _adapter(client, tenant, *, base: str = "adapter-llama", **weights) -> str:  # noqa: ANN001
+def _archive(base: str | None = "adapter-llama", **weights) -> bytes:  # noqa: ANN003
     r = weights.pop("r", 4)
     targets = weights.pop("targets", ("q_proj", "v_proj"))
     extra = weights.pop("config", {})
-    body = _tar({"adapter_config.json": _config(r=r, targets=targets,
+    return _tar({"adapter_config.json": _config(r=r, targets=targets,
                                                 base_model_name_or_path=base, **extra),
                  "adapter_model.safetensors": _weights(r=r, targets=targets, **weights)})
-    res = client.post("/v1/files", headers=tenant.headers, data={"purpose": "adapter"},
-                      files={"file": ("a.tar.gz", io.BytesIO(body), "application/gzip")})
+
+
+def _upload(client, tenant, body: bytes, **form: str):  # noqa: ANN001, ANN202
+    return client.post("/v1/files", headers=tenant.headers, data={"purpose": "adapter"} | form,
+                       files={"file": ("a.tar.gz", io.BytesIO(body), "application/gzip")})
+
+
+def _adapter(client, tenant, *, base: str | None = "adapter-llama", **weights) -> str:  # noqa: ANN001
+    res = _upload(client, tenant, _archive(base, **weights))
     assert res.status_code == 201, res.text
     return res.json()["id"]
+
+
+def _stored_adapter(client, session, tenant, body: bytes) -> str:  # noqa: ANN001
+    """An adapter stored as an upload before the upload checked what it can know (rank
+    bounds, rsLoRA): the create's own checks must still refuse it."""
+    file_id = new_id("file")
+    key = f"files/{tenant.id}/{file_id}.adapter"
+    client.app.state.storage.put(key, io.BytesIO(body))
+    session.add(File(id=file_id, tenant_id=tenant.id, filename="old.tar.gz", purpose="adapter",
+                     format="adapter", bytes=len(body), line_count=4,
+                     sha256=hashlib.sha256(body).hexdigest(), storage_key=key))
+    session.commit()
+    return file_id
 
 
 @pytest.fixture
@@ -79,23 +101,30 @@ def test_every_bad_adapter_is_a_422_naming_the_field_and_storing_nothing(
         ("targets wider", {"target_modules": ["q_proj", "v_proj", "k_proj"]}, "target_modules"),
         ("another base model", {"init_adapter_file": _adapter(client, t, base="org/other-7b")},
          "init_adapter_file"),
+        # adapters that record no base model: the upload cannot know the model they are for
         ("target not in the family",
-         {"init_adapter_file": _adapter(client, t, targets=("c_attn",))}, "init_adapter_file"),
-        ("hidden size differs", {"init_adapter_file": _adapter(client, t, dim=32)},
+         {"init_adapter_file": _adapter(client, t, base=None, targets=("c_attn",))},
          "init_adapter_file"),
-        ("more layers than the model", {"init_adapter_file": _adapter(client, t, layers=3)},
+        ("hidden size differs", {"init_adapter_file": _adapter(client, t, base=None, dim=32)},
          "init_adapter_file"),
+        ("more layers than the model",
+         {"init_adapter_file": _adapter(client, t, base=None, layers=3)}, "init_adapter_file"),
         ("config-only model, hidden size differs",
          {"base_model": "config-llama",
-          "init_adapter_file": _adapter(client, t, base="config-llama", dim=32)},
+          "init_adapter_file": _adapter(client, t, base=None, dim=32)},
          "init_adapter_file"),
         ("config-only model, more layers",
          {"base_model": "config-llama",
-          "init_adapter_file": _adapter(client, t, base="config-llama", layers=3)},
+          "init_adapter_file": _adapter(client, t, base=None, layers=3)},
          "init_adapter_file"),
-        ("rank above 1024", {"init_adapter_file": _adapter(client, t, r=1025, dim=2)},
+        # stored before the upload refused them
+        ("rank above 1024",
+         {"init_adapter_file": _stored_adapter(client, session, t, _archive(r=1025, dim=2))},
          "init_adapter_file"),
-        ("rsLoRA", {"init_adapter_file": _adapter(client, t, config={"use_rslora": True})},
+        ("rsLoRA", {"init_adapter_file": _stored_adapter(
+            client, session, t, _archive(config={"use_rslora": True}))}, "init_adapter_file"),
+        ("shapes of a registered model the adapter names",
+         {"init_adapter_file": _stored_adapter(client, session, t, _archive(dim=32))},
          "init_adapter_file"),
         ("empty id", {"init_adapter_file": ""}, "init_adapter_file"),
     ]
@@ -159,3 +188,62 @@ def test_adapter_fixes_rank_alpha_targets_and_reaches_the_worker(
     blob = client.get(spec["init_adapter_url"], headers=factory.worker)
     assert blob.status_code == 200
     assert blob.content == client.get(f"/v1/files/{adapter}/content", headers=t.headers).content
+
+
+def test_an_upload_refuses_what_it_can_know(client, factory, session, models) -> None:  # noqa: ANN001
+    """Rank bounds, rsLoRA, and the fit to a registered base model (the one the upload names in
+    `base_model`, else the one the adapter's base_model_name_or_path names) are a 422 at
+    upload that stores nothing; an adapter for a model the registry lacks still uploads."""
+    t = factory.tenant()
+    cases = [
+        ("rank above 1024", _archive(r=1025, dim=2), {}, "file"),
+        ("rsLoRA", _archive(config={"use_rslora": True}), {}, "file"),
+        ("alpha 0", _archive(config={"lora_alpha": 0}), {}, "file"),
+        ("hidden size differs from the named model", _archive(dim=32), {}, "file"),
+        ("more layers than the named model", _archive(layers=3), {}, "file"),
+        ("config-only model, hidden size differs", _archive(base="config-llama", dim=32), {},
+         "file"),
+        ("target not in the named model's family", _archive(targets=("c_attn",)), {}, "file"),
+        ("upload names another model", _archive(base="org/other-7b"),
+         {"base_model": "adapter-llama"}, "file"),
+        ("upload names a model, shapes differ", _archive(base=None, dim=32),
+         {"base_model": "config-llama"}, "file"),
+        ("upload names an unknown model", _archive(), {"base_model": "nope"}, "base_model"),
+        ("base_model on a training file", None, {"base_model": "adapter-llama"}, "base_model"),
+    ]
+    problems = []
+    for case, body, form, param in cases:
+        if body is None:
+            r = client.post("/v1/files", headers=t.headers, data=form, files={
+                "file": ("t.jsonl", io.BytesIO(b'{"text": "a"}\n'), "application/jsonl")})
+        else:
+            r = _upload(client, t, body, **form)
+        err = r.json().get("error") or {}
+        if r.status_code != 422 or err.get("param") != param:
+            problems.append((case, r.status_code, r.text[:300]))
+    assert not problems, "\n".join(map(str, problems))
+    assert client.get("/v1/files", headers=t.headers).json()["data"] == []
+    # what fits, or names a model the registry lacks, uploads (the create checks it again)
+    for body, form in ((_archive(), {}), (_archive(base=None), {"base_model": "adapter-llama"}),
+                       (_archive(base="org/other-7b", dim=32), {}),
+                       (_archive(base="config-llama"), {"base_model": "config-llama"})):
+        r = _upload(client, t, body, **form)
+        assert r.status_code == 201, r.text
+
+
+def test_adapter_line_count_is_its_modules(client, factory, models) -> None:  # noqa: ANN001
+    """2 layers x 7 target modules (attention and MLP) is 14 LoRA modules, as the README says."""
+    t = factory.tenant()
+    tensors = {}
+    for i in range(2):
+        for module, (fout, fin) in LINEARS.items():
+            name = f"base_model.model.model.layers.{i}.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.zeros(4, fin)
+            tensors[f"{name}.lora_B.weight"] = torch.zeros(fout, 4)
+    targets = [m.rsplit(".", 1)[-1] for m in LINEARS]
+    body = _tar({"adapter_config.json": _config(r=4, targets=targets,
+                                                base_model_name_or_path="adapter-llama"),
+                 "adapter_model.safetensors": safetensors_torch.save(tensors)})
+    r = _upload(client, t, body, base_model="adapter-llama")
+    assert r.status_code == 201, r.text
+    assert r.json()["line_count"] == 14

@@ -80,3 +80,16 @@ def test_good_archive_described(pack):
 def test_bad_archive_rejected(blob, words):
     with pytest.raises(AdapterError, match=words):
         inspect_bytes(blob)
+
+
+def test_a_layer_is_counted_once_whether_its_modules_are_attention_or_mlp():
+    out = {}
+    for i in range(2):
+        for path in ("self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj"):
+            base = f"base_model.model.model.layers.{i}.{path}"
+            out[f"{base}.lora_A.weight"] = torch.zeros(4, 16)
+            out[f"{base}.lora_B.weight"] = torch.zeros(16, 4)
+    info = inspect_bytes(_tar(_files(**{
+        "adapter_config.json": _config(targets=("q_proj", "v_proj", "up_proj")),
+        "adapter_model.safetensors": save(out)})))
+    assert info.layers == 2 and len(info.modules) == 6

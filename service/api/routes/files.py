@@ -12,7 +12,7 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from service import files as svc
-from service.api.deps import SessionDep, SettingsDep, StorageDep, TenantDep
+from service.api.deps import RegistryDep, SessionDep, SettingsDep, StorageDep, TenantDep
 from service.api.error_docs import errors
 from service.core.errors import ApiError
 from service.schemas import DeletedOut, FileOut, Page
@@ -29,7 +29,15 @@ _UPLOAD_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
                                     "`adapter`, a PEFT LoRA adapter archive (.tar.gz or "
                                     ".zip of `adapter_config.json` and "
                                     "`adapter_model.safetensors`)."},
-            "purpose": {"type": "string", "maxLength": 32, "default": "fine-tune"}}}}}}}
+            "purpose": {"type": "string", "minLength": 1, "maxLength": 32,
+                        "default": "fine-tune"},
+            "base_model": {"type": "string", "minLength": 1, "maxLength": 200,
+                           "description": "With purpose `adapter` only: the registered base "
+                                          "model (`GET /v1/models`) the adapter is for; the "
+                                          "upload checks its name, target modules and shapes "
+                                          "against that model (a 422 naming `file` when they "
+                                          "do not fit). Without it, the models the adapter's "
+                                          "`base_model_name_or_path` names are checked."}}}}}}}
 
 
 def _out(row: object) -> FileOut:
@@ -62,10 +70,13 @@ async def _read_form(request: Request, max_bytes: int) -> Any:
 
 @router.post("", status_code=201, response_model=FileOut, openapi_extra=_UPLOAD_BODY,
              responses=errors(401, 413, 422, descriptions={
-                 413: "File over the size limit", 422: "A bad line (number and field in the "
-                                                       "message), or no file part"}))
+                 413: "File over the size limit",
+                 422: "A bad line (number and field in the message), no file part, or an "
+                      "adapter that no task could start from (`param`: `file`; `base_model` "
+                      "for a model that is not registered)"}))
 async def upload_file(request: Request, session: SessionDep, tenant: TenantDep,
-                      storage: StorageDep, settings: SettingsDep) -> FileOut:
+                      storage: StorageDep, settings: SettingsDep,
+                      registry: RegistryDep) -> FileOut:
     # The tenant is known (its key checked) before a byte of the body is read.
     form = await _read_form(request, settings.max_upload_bytes)
     try:
@@ -75,9 +86,14 @@ async def upload_file(request: Request, session: SessionDep, tenant: TenantDep,
         if not isinstance(purpose, str) or not 0 < len(purpose) <= 32:
             raise ApiError(422, "invalid_request", "purpose: a string of 1 to 32 characters",
                            "purpose")
+        base_model = form.get("base_model")
+        if base_model is not None and (not isinstance(base_model, str)
+                                       or not 0 < len(base_model) <= 200):
+            raise ApiError(422, "invalid_request", "base_model: a string of 1 to 200 "
+                           "characters", "base_model")
         row = await run_in_threadpool(
             svc.create_file, session, storage, tenant, upload.filename or "upload.jsonl",
-            upload.file, settings.max_upload_bytes, purpose)
+            upload.file, settings.max_upload_bytes, purpose, registry, base_model)
         await run_in_threadpool(session.commit)
     finally:
         await form.close()
