@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from trainer.engine import MultiLoraEngine
+from trainer.host_pool import POOL
 from trainer.jobs import LEGACY_FIELDS, JobState, TrainJob
 
 
@@ -142,7 +143,10 @@ def take_snapshot(obj: Any) -> Snapshot:
             x = x.detach()
             if x.device.type != "cuda":
                 return x.clone()
-            out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            # pinned ahead of time where the pool has room (trainer.host_pool), else pinned now
+            out = POOL.take(x.shape, x.dtype)
+            if out is None:
+                out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             out.copy_(x, non_blocking=True)
             devices[x.device] = None
             return out

@@ -31,6 +31,7 @@ from trainer.colocate import TaskRun
 from trainer.config import Callbacks, ExecutorConfig
 from trainer.data import Example
 from trainer.evaluation import eval_chunk
+from trainer.host_pool import POOL
 from trainer.hosting import TaskHosting
 from trainer.jobs import release_host_cache
 from trainer.memory_plan import MemoryPlanning
@@ -243,6 +244,7 @@ class Executor(TaskHosting, MemoryPlanning):
         if self.writer is not None:
             self.writer.close()  # every queued write completes (after a crash too: its files are whole)
         release_host_cache()  # parked states' pinned memory goes back to the host
+        POOL.release()
 
     def timings(self) -> dict[str, Any]:
         """Wall seconds since `run` began, split by phase (idle: everything else: bookkeeping,

@@ -15,6 +15,7 @@ from contract.states import JOB_LIVE, JobState, TaskOutcome
 from trainer.checkpoint import load_checkpoint
 from trainer.colocate import TaskRun
 from trainer.config import CALLBACK_KINDS, HOST_FIELDS, Callbacks, ExecutorConfig
+from trainer.host_pool import POOL, host_memory_bytes
 
 log = logging.getLogger("loraplex.executor")
 
@@ -143,6 +144,21 @@ class TaskHosting:
             if alone:
                 self.global_step = task.global_step
         task.fail_unschedulable()
+        self._reserve_parking(task)
+
+    def _reserve_parking(self, task: TaskRun) -> None:
+        """Pin, in the background, host memory for the states the task's configurations may
+        park and the snapshots its writes take (trainer.host_pool): at most a quarter of the
+        host's memory, only on a GPU."""
+        eng = self.engine
+        if eng.device.type != "cuda" or len(task.cfg.jobs) <= 1:
+            return
+        per_rank = sum(d_in + d_out for d_in, d_out in eng.shapes.values())
+        item = eng.adapter_dtype.itemsize
+        need = sum(3 * item * per_rank * j.lora_rank for j in task.cfg.jobs)  # weights + 2 moments
+        # and the snapshots of checkpoints and exports waiting for the writer thread
+        need += int(task.cfg.write_buffer_bytes)
+        POOL.reserve(min(need + POOL.pinned_bytes, host_memory_bytes() // 4))
 
     def _end_task(self, task: TaskRun, outcome: str) -> None:
         """Take the task off this executor. Finished or paused: its last checkpoint first."""

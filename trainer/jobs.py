@@ -13,6 +13,7 @@ from torch import nn
 
 from contract.protocol import JobHyperparameters
 from trainer.data import JobDataStream
+from trainer.host_pool import POOL
 from trainer.multilora import JobAdapter
 
 
@@ -198,8 +199,16 @@ class JobState:
         else:
             def move(v: torch.Tensor) -> torch.Tensor:
                 return v.to(device)
+        to_host = device.type == "cpu" and bool(tensors) and tensors[0].is_cuda
         for p in self.adapter.parameters():
-            p.data = move(p.data)
+            moved = move(p.data)
+            p.data = moved
+            # a pool slice goes back when its tensor object is freed: the parameter keeps that
+            # object (p.data keeps the storage, not the object) for as long as it holds the data
+            if to_host:
+                p._host_slice = moved
+            else:
+                p.__dict__.pop("_host_slice", None)
         for st in self.optimizer.state.values():
             for k, v in st.items():
                 if torch.is_tensor(v) and v.dim() > 0:
@@ -226,6 +235,9 @@ def release_host_cache() -> None:
 
 
 def _to_host_async(v: torch.Tensor) -> torch.Tensor:
+    out = POOL.take(v.shape, v.dtype)  # pinned ahead of time, off the loop (trainer.host_pool)
+    if out is not None:
+        return out.copy_(v, non_blocking=True)
     try:
         out = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
     except RuntimeError:  # no pinned memory to be had: a blocking copy into pageable memory

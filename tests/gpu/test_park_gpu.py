@@ -16,8 +16,16 @@ from trainer.engine import MultiLoraEngine  # noqa: E402
 from trainer.jobs import TrainJob  # noqa: E402
 
 
-def test_park_on_host_async_then_resume(tmp_path) -> None:
+@pytest.mark.parametrize("pooled", [False, True])
+def test_park_on_host_async_then_resume(tmp_path, pooled: bool) -> None:  # noqa: ANN001
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.host_pool import POOL
+
+    if pooled:  # memory pinned ahead of time (trainer.host_pool): the park takes slices of it
+        POOL.reserve(64 << 20)
+        POOL.wait()
+    served = POOL.served
 
     d = tiny_model_dir("llama", tmp_path)
     tok = AutoTokenizer.from_pretrained(d)
@@ -32,6 +40,7 @@ def test_park_on_host_async_then_resume(tmp_path) -> None:
     want_w = st.adapter.flat.detach().clone()
     want_m = {k: v.clone() for k, v in st.optimizer.state[st.adapter.flat].items() if torch.is_tensor(v)}
     parked = eng.detach("j0", park_device="cpu")
+    assert POOL.served - served == (3 if pooled else 0)  # the weights and both moments
     eng.arena.fill_(3.0)  # queued after the park's copies: they read the region first
     assert parked.host_copy is not None  # not waited for yet
     ck = job_state_dict(parked)  # waits for them
@@ -50,3 +59,4 @@ def test_park_on_host_async_then_resume(tmp_path) -> None:
             torch.testing.assert_close(v, want_m[k], rtol=0, atol=0)
     report = eng.step()
     assert all(torch.isfinite(torch.tensor(x)) for x in report.losses.values())
+    POOL.release()
