@@ -258,6 +258,15 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 470 search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s 440 \
       --json "$OUT/search_a_h100.json" --out "$OUT/search_a_h100.md"
     ;;
+  pace_final)  # issue 40, last call of session 18: the GPU tests of the graphed step, evaluation and pooled
+               # park; the search (a) at 32 layers with its quality phase; the executor task (graphed, cold)
+    step 90 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_step_graphs_gpu.py \
+      tests/gpu/test_park_gpu.py
+    step 330 search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s 310 \
+      --json "$OUT/search_a_h100.json" --out "$OUT/search_a_h100.md"
+    step 200 executor_task python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
+      --out "$OUT/executor_task_graphs_h100.md" --json "$OUT/executor_task_graphs_h100.json"
+    ;;
   pace_task)  # issues 40/41: the real executor at 32 layers, 200 steps: graphed (cold: no stored profile)
               # against every step launched eagerly (the profile the cold run stored), one process; then
               # the host profile (shorter)
