@@ -53,15 +53,13 @@ if [ ! -f "$LORAPLEX_MODELS_FILE" ] || head -1 "$LORAPLEX_MODELS_FILE" | grep -q
   } > "$LORAPLEX_MODELS_FILE"
 fi
 
-# The settings of this stack, for `source var/loraplex.env` before operator commands.
-{
-  echo "export LORAPLEX_DATABASE_URL=$LORAPLEX_DATABASE_URL"
-  echo "export LORAPLEX_REDIS_URL=$LORAPLEX_REDIS_URL"
-  echo "export LORAPLEX_WORKER_TOKEN=$LORAPLEX_WORKER_TOKEN"
-  echo "export LORAPLEX_STORAGE_DIR=$LORAPLEX_STORAGE_DIR"
-  echo "export LORAPLEX_MODELS_FILE=$LORAPLEX_MODELS_FILE"
-  echo "export LORAPLEX_API_URL=http://127.0.0.1:$PORT"
-} > var/loraplex.env
+# The settings of this stack, for `source var/loraplex.env` before operator commands; the API
+# below runs with them too. They include development settings (logged here): webhooks and MLflow
+# may reach loopback receivers, for the README's tour. LORAPLEX_WEBHOOK_ALLOW_PRIVATE=false /
+# LORAPLEX_TRACKING_ALLOW_PRIVATE=false in the environment turn them off.
+$PY -m service.core.localstack env var --api-url "http://127.0.0.1:$PORT"
+# shellcheck source=/dev/null
+source var/loraplex.env
 
 $PY -m service.admin migrate
 if [ ! -s var/demo-api-key ]; then

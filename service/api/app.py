@@ -98,10 +98,22 @@ async def _send_json(send: Send, status: int, body: dict) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
+def log_development_settings(settings: Settings) -> None:
+    """Say so when webhooks or tracking may reach loopback and private addresses: the local
+    stack's development settings (scripts/loraplex-up.sh), off in deploy/."""
+    for name, on, what in (
+            ("LORAPLEX_WEBHOOK_ALLOW_PRIVATE", settings.webhook_allow_private, "webhook receivers"),
+            ("LORAPLEX_TRACKING_ALLOW_PRIVATE", settings.tracking_allow_private, "MLflow servers")):
+        if on:
+            log.warning("development setting %s=true: %s on loopback and private addresses are "
+                        "allowed (keep it false in production)", name, what)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    log_development_settings(settings)
     engine = make_engine(settings.database_url)
 
     @asynccontextmanager

@@ -1,11 +1,12 @@
-"""Starts a private PostgreSQL and Redis in a directory, for the dev stack and the tests.
-Used by scripts/loraplex-up.sh (``python -m service.core.localstack up var``) and tests/integration."""
+"""Starts a private PostgreSQL and Redis in a directory, for the dev stack and the tests, and writes
+the dev stack's settings file. Used by scripts/loraplex-up.sh and tests/integration."""
 
 from __future__ import annotations
 
 import argparse
 import glob
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -150,17 +151,58 @@ class Redis:
                 pass
 
 
+# The settings of the stack that `env` writes, taken from the environment loraplex-up.sh set.
+STACK_SETTINGS = ("LORAPLEX_DATABASE_URL", "LORAPLEX_REDIS_URL", "LORAPLEX_WORKER_TOKEN",
+                  "LORAPLEX_STORAGE_DIR", "LORAPLEX_MODELS_FILE", "LORAPLEX_WANDB_DIR")
+# Development settings of the local stack only (deploy/ and docker-compose.yml keep them off):
+# webhook receivers and MLflow servers on loopback or private addresses are allowed, so the
+# README's tour can point them at a receiver on this machine. Each keeps a value the caller set.
+DEV_SETTINGS = {
+    "LORAPLEX_WEBHOOK_ALLOW_PRIVATE": "webhooks may be delivered to loopback and private addresses",
+    "LORAPLEX_TRACKING_ALLOW_PRIVATE": "MLflow servers may be on loopback and private addresses",
+}
+
+
+def stack_env(environ: dict[str, str], root: Path, api_url: str) -> dict[str, str]:
+    """The dev stack's settings: what the environment holds of STACK_SETTINGS (the W&B folder
+    under `root` when unset), the development settings (true unless set), the API's URL."""
+    env = {name: environ[name] for name in STACK_SETTINGS if environ.get(name)}
+    env.setdefault("LORAPLEX_WANDB_DIR", str(root.resolve() / "wandb"))
+    env.update({name: environ.get(name) or "true" for name in DEV_SETTINGS})
+    env["LORAPLEX_API_URL"] = api_url
+    return env
+
+
+def write_env(path: Path, env: dict[str, str]) -> list[str]:
+    """Write `env` as a file a shell sources; the development settings that are on, logged."""
+    lines = ["# The local stack's settings, written by scripts/loraplex-up.sh: `source` this file",
+             "# before operator commands. *_ALLOW_PRIVATE are development settings of this stack",
+             "# (deploy/ keeps them false): export them as false before loraplex-up.sh to refuse",
+             "# loopback and private webhook receivers and MLflow servers."]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
+    path.write_text("\n".join(lines) + "\n")
+    on = [name for name in DEV_SETTINGS if env.get(name, "").lower() in ("1", "true", "yes", "on")]
+    for name in on:
+        print(f"loraplex-up: development setting {name}=true: {DEV_SETTINGS[name]} (the local "
+              f"stack only; {path.name} records it)", file=sys.stderr)
+    return on
+
+
 def main(argv: list[str] | None = None) -> int:
     """``up DIR``: start (or reuse) Postgres and Redis under DIR and print their URLs as env lines;
-    ``down DIR``: stop them."""
+    ``down DIR``: stop them; ``env DIR``: write DIR/loraplex.env (stack_env, write_env)."""
     p = argparse.ArgumentParser(prog="python -m service.core.localstack")
-    p.add_argument("action", choices=["up", "down"])
+    p.add_argument("action", choices=["up", "down", "env"])
     p.add_argument("dir", type=Path)
+    p.add_argument("--api-url", default="http://127.0.0.1:8000")
     p.add_argument("--pg-port", type=int, default=int(os.environ.get("LORAPLEX_PG_PORT", 55432)))
     p.add_argument("--redis-port", type=int,
                    default=int(os.environ.get("LORAPLEX_REDIS_PORT", 56379)))
     args = p.parse_args(argv)
     root = args.dir.resolve()
+    if args.action == "env":
+        write_env(root / "loraplex.env", stack_env(dict(os.environ), root, args.api_url))
+        return 0
     pg = Postgres(root / "postgres", args.pg_port)
     rd = Redis(root / "redis", args.redis_port)
     if args.action == "down":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +17,8 @@ from sqlalchemy import func, select
 from standardwebhooks.webhooks import Webhook
 
 from service.core.config import Settings
+from service.core.localstack import free_port
+from service.dev.webhook_receiver import make_server
 from service.models import WebhookEndpoint, WebhookEvent
 from tests.helpers.webhook_receiver import Receiver, wait_for
 from tests.integration.factories import safetensors_bytes
@@ -146,6 +149,26 @@ def test_endpoint_lifecycle_and_the_secret_shown_once(client, factory, session, 
     cancel_task(client, factory, t)
     assert session.scalar(select(func.count()).select_from(WebhookEvent).where(
         WebhookEvent.type == "task.cancelled")) == 0
+
+
+def test_the_tours_receiver_gets_the_test_event_verified(client, factory) -> None:  # noqa: ANN001
+    """The README's tour (issue 43): register an endpoint on a loopback port, start
+    `python -m service.dev.webhook_receiver --secret <its secret>` there, send a test event: the
+    receiver verifies the signature and prints it."""
+    t = factory.tenant()
+    port = free_port()
+    made = create(client, t, f"http://127.0.0.1:{port}/hook", ["task.succeeded"])
+    out = io.StringIO()
+    server = make_server("127.0.0.1", port, made["secret"], out)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert client.post(f"/v1/webhooks/{made['id']}/test", headers=t.headers).status_code == 202
+        line = wait_for(lambda: out.getvalue(), 10, "the receiver's line")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert line.startswith("verified evt_") and f'webhook.test {{"id": "{made["id"]}"' in line
 
 
 def test_task_and_job_events_are_delivered_signed(client, factory, receiver) -> None:  # noqa: ANN001
