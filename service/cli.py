@@ -66,13 +66,20 @@ class Api:
     def json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self.call(method, path, **kwargs).json()
 
-    def upload(self, path: Path, purpose: str = "fine-tune") -> dict:
+    def upload(self, path: Path, purpose: str = "fine-tune", **form: str) -> dict:
+        return self.upload_new(path, purpose, **form)[0]
+
+    def upload_new(self, path: Path, purpose: str = "fine-tune", **form: str
+                   ) -> tuple[dict, bool]:
+        """(the file object, whether this upload stored it): the service answers 200 with the
+        file it already holds for the same bytes and purpose, 201 for a new one."""
         if not path.is_file():
             raise CliError(f"no such file: {path}")
         kind = "application/gzip" if purpose == "adapter" else "application/jsonl"
         with open(path, "rb") as fh:
-            return self.json("POST", "/v1/files", data={"purpose": purpose},
-                             files={"file": (path.name, fh, kind)})
+            r = self.call("POST", "/v1/files", data={"purpose": purpose} | form,
+                          files={"file": (path.name, fh, kind)})
+        return r.json(), r.status_code == 201
 
 
 # -- arguments ------------------------------------------------------------------------------
@@ -224,16 +231,43 @@ def task_body(args: argparse.Namespace, train_id: str, validation_id: str | None
     return body
 
 
-def _file_ref(api: Api, ref: str | None, purpose: str = "fine-tune") -> str | None:
-    """A local path is uploaded; anything else is taken as a file id."""
+def _file_ref(api: Api, ref: str | None, purpose: str = "fine-tune",
+              made: list[str] | None = None, **form: str) -> str | None:
+    """A local path is uploaded (its id added to `made` when the upload stored a new file);
+    anything else is taken as a file id."""
     if ref is None:
         return None
     path = Path(ref)
     if path.exists():
-        return api.upload(path, purpose)["id"]
+        out, new = api.upload_new(path, purpose, **form)
+        if new and made is not None:
+            made.append(out["id"])
+        return out["id"]
     if ref.endswith((".jsonl", ".json", ".tar.gz", ".tgz")) or os.sep in ref:
         raise CliError(f"no such file: {ref}")
     return ref
+
+
+def create_task(api: Api, args: argparse.Namespace) -> dict:
+    """POST /v1/tasks from the flags, the local files uploaded first (the service answers an
+    upload of bytes it holds with that file). A create that fails removes the files this
+    create stored, never a file the tenant already had."""
+    made: list[str] = []
+    try:
+        body = task_body(args, _file_ref(api, args.train, made=made) or "",
+                         _file_ref(api, args.validation, made=made),
+                         _file_ref(api, args.init_adapter, "adapter", made,
+                                   base_model=args.model))
+        headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
+        return api.json("POST", "/v1/tasks", json=body, headers=headers)
+    except (CliError, KeyboardInterrupt):
+        for file_id in made:
+            # a 409 (a task of this create did start from it after all) keeps it
+            try:
+                api.call("DELETE", f"/v1/files/{file_id}")
+            except CliError:
+                pass
+        raise
 
 
 # -- rendering ------------------------------------------------------------------------------
@@ -397,10 +431,7 @@ def run(args: argparse.Namespace, api: Api, console: Console) -> int:
     elif args.group == "models":
         show(api.json("GET", "/v1/models"))
     elif args.group == "tasks" and args.cmd == "create":
-        body = task_body(args, _file_ref(api, args.train) or "", _file_ref(api, args.validation),
-                         _file_ref(api, args.init_adapter, "adapter"))
-        headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
-        task = api.json("POST", "/v1/tasks", json=body, headers=headers)
+        task = create_task(api, args)
         if args.json:
             show(task)
         else:

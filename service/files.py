@@ -10,7 +10,7 @@ import json
 from collections.abc import Iterable
 from typing import BinaryIO
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from service.adapter_archive import ADAPTER_PURPOSE, AdapterError, inspect_adapter
@@ -213,10 +213,13 @@ def validate_jsonl(lines: Iterable[bytes]) -> tuple[str, int]:
 
 def create_file(session: Session, storage: Storage, tenant: Tenant, filename: str,
                 src: BinaryIO, max_bytes: int, purpose: str = "fine-tune",
-                registry: ModelRegistry | None = None, base_model: str | None = None) -> File:
-    """Validate and store an uploaded JSONL file; 413 over max_bytes, 422 on a bad line. An
-    adapter (purpose "adapter") is checked against `base_model` (a registered model's name)
-    where given, else against the registered models its config names (check_upload)."""
+                registry: ModelRegistry | None = None, base_model: str | None = None
+                ) -> tuple[File, bool]:
+    """Validate and store an uploaded file: (the file, whether this upload created it). 413 over
+    max_bytes, 422 on a bad line. An adapter (purpose "adapter") is checked against `base_model`
+    (a registered model's name) where given, else against the registered models its config
+    names (check_upload). Deduplicated by content per tenant: the same bytes with the same
+    purpose, validated again, answer the tenant's file that holds them (created False)."""
     src.seek(0, 2)
     size = src.tell()
     if size > max_bytes:
@@ -224,11 +227,35 @@ def create_file(session: Session, storage: Storage, tenant: Tenant, filename: st
                        "file")
     src.seek(0)
     if purpose == ADAPTER_PURPOSE:
-        return _create_adapter(session, storage, tenant, filename, src, size,
-                               registry, base_model)
-    if base_model is not None:
+        fmt, count, digest = _check_adapter(src, registry, base_model)
+    elif base_model is not None:
         raise invalid(f"base_model applies to purpose {ADAPTER_PURPOSE!r} only, not {purpose!r}",
                       param="base_model")
+    else:
+        fmt, count, digest = _check_jsonl(src)
+    # one upload of these bytes at a time per tenant, so two at once make one file
+    session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:k))"),
+                    {"k": f"files:{tenant.id}:{digest}"})
+    same = session.scalar(select(File).where(
+        File.tenant_id == tenant.id, File.sha256 == digest, File.purpose == purpose,
+        File.bytes == size, File.deleted_at.is_(None)).order_by(File.created_at).limit(1))
+    if same is not None:
+        return same, False
+    file_id = new_id("file")
+    key = f"files/{tenant.id}/{file_id}.{'adapter' if fmt == 'adapter' else 'jsonl'}"
+    src.seek(0)
+    storage.put(key, src)
+    default = "adapter.tar.gz" if fmt == "adapter" else "upload.jsonl"
+    row = File(id=file_id, tenant_id=tenant.id, filename=filename[:255] or default,
+               purpose=purpose, format=fmt, bytes=size, line_count=count, sha256=digest,
+               storage_key=key)
+    session.add(row)
+    session.flush()
+    return row, True
+
+
+def _check_jsonl(src: BinaryIO) -> tuple[str, int, str]:
+    """(format, records, sha256) of a JSONL upload; 422 naming the first bad line."""
     digest = hashlib.sha256()
 
     def _lines() -> Iterable[bytes]:
@@ -240,23 +267,13 @@ def create_file(session: Session, storage: Storage, tenant: Tenant, filename: st
         fmt, count = validate_jsonl(_lines())
     except FileValidationError as exc:
         raise ApiError(422, "invalid_file", str(exc), "file") from exc
-    file_id = new_id("file")
-    key = f"files/{tenant.id}/{file_id}.jsonl"
-    src.seek(0)
-    storage.put(key, src)
-    row = File(id=file_id, tenant_id=tenant.id, filename=filename[:255] or "upload.jsonl",
-               purpose=purpose, format=fmt, bytes=size, line_count=count,
-               sha256=digest.hexdigest(), storage_key=key)
-    session.add(row)
-    session.flush()
-    return row
+    return fmt, count, digest.hexdigest()
 
 
-def _create_adapter(session: Session, storage: Storage, tenant: Tenant, filename: str,
-                    src: BinaryIO, size: int, registry: ModelRegistry | None,
-                    base_model: str | None) -> File:
-    """A PEFT adapter archive (purpose "adapter"): checked by inspect_adapter and check_upload,
-    stored as uploaded; format "adapter", line_count the number of LoRA modules in it."""
+def _check_adapter(src: BinaryIO, registry: ModelRegistry | None, base_model: str | None
+                   ) -> tuple[str, int, str]:
+    """A PEFT adapter archive (purpose "adapter"), checked by inspect_adapter and check_upload:
+    ("adapter", its number of LoRA modules, sha256)."""
     try:
         info = inspect_adapter(src)
     except AdapterError as exc:
@@ -266,17 +283,7 @@ def _create_adapter(session: Session, storage: Storage, tenant: Tenant, filename
     digest = hashlib.sha256()
     for chunk in iter(lambda: src.read(1 << 20), b""):
         digest.update(chunk)
-    file_id = new_id("file")
-    key = f"files/{tenant.id}/{file_id}.adapter"
-    src.seek(0)
-    storage.put(key, src)
-    row = File(id=file_id, tenant_id=tenant.id, filename=filename[:255] or "adapter.tar.gz",
-               purpose=ADAPTER_PURPOSE, format="adapter", bytes=size,
-               line_count=len(info.modules),
-               sha256=digest.hexdigest(), storage_key=key)
-    session.add(row)
-    session.flush()
-    return row
+    return "adapter", len(info.modules), digest.hexdigest()
 
 
 def get_file(session: Session, tenant: Tenant, file_id: str, param: str | None = None) -> File:

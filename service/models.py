@@ -132,7 +132,9 @@ class File(Base):
     storage_key: Mapped[str] = mapped_column(String(255))
     created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
     deleted_at: Mapped[datetime | None] = mapped_column(TS)
-    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at", "id"),)
+    # ix_files_tenant_sha256: an upload finds the tenant's file with the same bytes (dedup)
+    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at", "id"),
+                      Index("ix_files_tenant_sha256", "tenant_id", "sha256"))
 
 
 class Task(Base):

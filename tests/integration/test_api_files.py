@@ -78,7 +78,7 @@ def test_size_limit_413(client, factory, settings):  # noqa: ANN001
 
 def test_list_paginates_newest_first(client, factory):  # noqa: ANN001
     t = factory.tenant()
-    ids = [factory.file(t)["id"] for _ in range(5)]
+    ids = [factory.file(t, CHAT_LINES[:n])["id"] for n in range(1, 6)]  # 5 distinct files
     seen, after = [], None
     while True:
         params = {"limit": 2} | ({"after": after} if after else {})
@@ -91,6 +91,34 @@ def test_list_paginates_newest_first(client, factory):  # noqa: ANN001
     assert seen == ids[::-1]
     r = client.get("/v1/files", headers=t.headers, params={"after": "file_nope"})
     assert r.status_code == 422 and r.json()["error"]["param"] == "after"
+
+
+def test_same_bytes_and_purpose_answer_the_existing_file(client, factory):  # noqa: ANN001
+    """Uploads are deduplicated by content per tenant: the same bytes with the same purpose
+    answer 200 with the file already stored (nothing new stored); another purpose, another
+    tenant or a deleted file make a new one (201)."""
+    t, other = factory.tenant(), factory.tenant()
+    body = jsonl(CHAT_LINES)
+    first = _upload(client, t, body, name="a.jsonl")
+    assert first.status_code == 201, first.text
+    for _ in range(3):  # as the README tour's creates did
+        again = _upload(client, t, body, name="b.jsonl")
+        assert again.status_code == 200 and again.json() == first.json()
+    assert [f["id"] for f in client.get("/v1/files", headers=t.headers).json()["data"]] \
+        == [first.json()["id"]]
+    other_purpose = client.post("/v1/files", headers=t.headers, data={"purpose": "eval"},
+                                files={"file": ("a.jsonl", io.BytesIO(body))})
+    assert other_purpose.status_code == 201 and other_purpose.json()["id"] != first.json()["id"]
+    elsewhere = _upload(client, other, body)
+    assert elsewhere.status_code == 201 and elsewhere.json()["id"] != first.json()["id"]
+    assert client.delete(f"/v1/files/{first.json()['id']}", headers=t.headers).status_code == 200
+    fresh = _upload(client, t, body)
+    assert fresh.status_code == 201 and fresh.json()["id"] != first.json()["id"]
+    got = client.get(f"/v1/files/{fresh.json()['id']}/content", headers=t.headers)
+    assert got.content == body
+    # bad bytes are refused whether or not they were seen before
+    assert _upload(client, t, b"{nope}\n").status_code == 422
+    assert _upload(client, t, b"{nope}\n").status_code == 422
 
 
 def test_delete_and_in_use(client, factory):  # noqa: ANN001
@@ -310,3 +338,47 @@ def test_upload_adapter_archive(client, factory):  # noqa: ANN001
         assert r.status_code == 422, r.text
         assert r.json()["error"]["param"] == "file" and "adapter" in r.json()["error"]["message"]
     assert client.get("/v1/files", headers=t.headers).json()["data"] == before
+
+
+def test_cli_creates_reuse_uploads_and_a_failed_create_removes_its_own(
+        client, factory, tmp_path) -> None:  # noqa: ANN001
+    """`loraplex tasks create --train f.jsonl`, run again and again, keeps one copy of f.jsonl
+    (the upload answers the file the tenant has); a create that fails (422) removes what that
+    create uploaded, and keeps a file the tenant already had."""
+    import httpx
+    from rich.console import Console
+
+    from service.cli import main
+
+    t = factory.tenant()
+    train, fresh, val = tmp_path / "f.jsonl", tmp_path / "g.jsonl", tmp_path / "v.jsonl"
+    train.write_bytes(jsonl(CHAT_LINES))
+    fresh.write_bytes(jsonl(CHAT_LINES[:5]))
+    val.write_bytes(jsonl(CHAT_LINES[5:8]))
+
+    class Via(httpx.BaseTransport):  # the CLI's httpx client, served by the app's TestClient
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            r = client.request(request.method, str(request.url), headers=request.headers,
+                               content=request.read())
+            return httpx.Response(r.status_code, content=r.content,
+                                  headers={"content-type": r.headers.get("content-type", "")})
+
+    def cli(*argv: str) -> int:
+        return main(["--api-url", "http://testserver", "--api-key", t.key, "tasks", "create",
+                     "--max-seq-len", "128", *argv], transport=Via(),
+                    console=Console(record=True))
+
+    def files() -> list[str]:
+        return [f["filename"] for f in client.get("/v1/files", headers=t.headers).json()["data"]]
+
+    for _ in range(4):
+        assert cli("--model", "tiny-llama", "--train", str(train), "--rank", "4") == 0
+    assert files() == ["f.jsonl"]
+    assert len(client.get("/v1/tasks", headers=t.headers).json()["data"]) == 4
+    # unknown model: a 422 at create; g.jsonl and v.jsonl were stored by this create: removed
+    assert cli("--model", "nope", "--train", str(fresh), "--validation", str(val)) == 1
+    assert files() == ["f.jsonl"]
+    # a failed create that reused f.jsonl keeps it (other tasks use it)
+    assert cli("--model", "nope", "--train", str(train), "--validation", str(val)) == 1
+    assert files() == ["f.jsonl"]
+    assert len(client.get("/v1/tasks", headers=t.headers).json()["data"]) == 4

@@ -57,7 +57,7 @@ def _upload(client, tenant, body: bytes, **form: str):  # noqa: ANN001, ANN202
 
 def _adapter(client, tenant, *, base: str | None = "adapter-llama", **weights) -> str:  # noqa: ANN001
     res = _upload(client, tenant, _archive(base, **weights))
-    assert res.status_code == 201, res.text
+    assert res.status_code in (200, 201), res.text  # 200: the same bytes uploaded before
     return res.json()["id"]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
@@ -69,14 +69,21 @@ async def _read_form(request: Request, max_bytes: int) -> Any:
 
 
 @router.post("", status_code=201, response_model=FileOut, openapi_extra=_UPLOAD_BODY,
-             responses=errors(401, 413, 422, descriptions={
+             responses={201: {"description": "Stored: a new file"},
+                        200: {"model": FileOut, "description": "The same bytes with the same "
+                              "purpose are already one of your files: that file, unchanged "
+                              "(uploads are deduplicated by content per tenant)"}}
+             | errors(401, 413, 422, descriptions={
                  413: "File over the size limit",
                  422: "A bad line (number and field in the message), no file part, or an "
                       "adapter that no task could start from (`param`: `file`; `base_model` "
                       "for a model that is not registered)"}))
-async def upload_file(request: Request, session: SessionDep, tenant: TenantDep,
-                      storage: StorageDep, settings: SettingsDep,
+async def upload_file(request: Request, response: Response, session: SessionDep,
+                      tenant: TenantDep, storage: StorageDep, settings: SettingsDep,
                       registry: RegistryDep) -> FileOut:
+    """Upload a file (201). Uploads are deduplicated by content per tenant: bytes this tenant
+    already uploaded with the same purpose (and not deleted) are validated again and answer
+    200 with that file as it is (its id, filename and created_at); nothing new is stored."""
     # The tenant is known (its key checked) before a byte of the body is read.
     form = await _read_form(request, settings.max_upload_bytes)
     try:
@@ -91,10 +98,12 @@ async def upload_file(request: Request, session: SessionDep, tenant: TenantDep,
                                        or not 0 < len(base_model) <= 200):
             raise ApiError(422, "invalid_request", "base_model: a string of 1 to 200 "
                            "characters", "base_model")
-        row = await run_in_threadpool(
+        row, created = await run_in_threadpool(
             svc.create_file, session, storage, tenant, upload.filename or "upload.jsonl",
             upload.file, settings.max_upload_bytes, purpose, registry, base_model)
         await run_in_threadpool(session.commit)
+        if not created:
+            response.status_code = 200
     finally:
         await form.close()
     return _out(row)
