@@ -227,6 +227,10 @@ class EarlyExitSettings(_Msg):
         return min(total_steps, max(1, math.ceil(self.warmup_fraction * total_steps - 1e-9)))
 
 
+SAMPLE_CADENCE = 1024  # the default: evaluate every 1024 samples a job trained on
+STEP_CADENCE = 50  # the step cadence when a request nulls the sample one without naming steps
+
+
 class EvalSettings(_Msg):
     """When each job evaluates, and on how many validation samples. By default every 1024
     samples it trained on; each evaluation uses validation samples in proportion to the samples
@@ -235,10 +239,15 @@ class EvalSettings(_Msg):
     fewer than `eval_min_samples` nor more than the evaluation set (`eval_max_samples`). Every
     evaluation takes a leading subset of one fixed order, so jobs compare on the same samples;
     the warmup ranking evaluates every job on the same subset, and a job's last evaluation is
-    sized by all it trained on. A request that names eval_every_steps alone gets that step
-    cadence."""
+    sized by all it trained on. One cadence is in use and shown: eval_every_samples, or
+    eval_every_steps when a request names it alone (the other is null)."""
 
-    eval_every_steps: int = Field(default=50, ge=1, le=1_000_000)
+    eval_every_steps: int | None = Field(
+        default=None, ge=1, le=1_000_000,
+        description="Evaluate a job every this many of its steps instead of by samples: the "
+                    "cadence when eval_every_samples is null or left out while this is given; "
+                    "null while eval_every_samples is in use (which wins when both are given). "
+                    f"{STEP_CADENCE} when both are null.")
     eval_max_samples: int | None = Field(
         default=256, ge=1, le=1_000_000,
         description="The evaluation set: the first N of the held-out set (in a fixed "
@@ -255,7 +264,7 @@ class EvalSettings(_Msg):
         description="The fewest validation samples of any evaluation (or the whole evaluation "
                     "set when smaller).")
     eval_every_samples: int | None = Field(
-        default=1024, ge=1, le=1_000_000_000,
+        default=SAMPLE_CADENCE, ge=1, le=1_000_000_000,
         description="Evaluate a job each time it has trained on this many more samples "
                     "(steps x its batch size), so jobs of every batch size evaluate equally "
                     "often per sample; null: every eval_every_steps of the job's steps "
@@ -263,11 +272,20 @@ class EvalSettings(_Msg):
 
     @model_validator(mode="before")
     @classmethod
-    def _named_step_cadence(cls, data: object) -> object:
-        # eval_every_steps given alone means that cadence (as before this default existed)
-        if isinstance(data, dict) and "eval_every_steps" in data and "eval_every_samples" not in data:
+    def _one_cadence(cls, data: object) -> object:
+        # Exactly one cadence is set, the one the trainer uses (trainer.colocate's cadence_due):
+        # eval_every_steps named alone means that step cadence (as before the sample default);
+        # otherwise samples, and eval_every_steps shows null. Stored documents that hold both
+        # (tasks created before issue 43) read back the same way.
+        if not isinstance(data, dict):
+            return data
+        steps = data.get("eval_every_steps")
+        if steps is not None and "eval_every_samples" not in data:
             return {**data, "eval_every_samples": None}
-        return data
+        samples = data.get("eval_every_samples", SAMPLE_CADENCE)
+        if samples is not None:
+            return {**data, "eval_every_steps": None, "eval_every_samples": samples}
+        return {**data, "eval_every_steps": STEP_CADENCE if steps is None else steps}
 
 
 class TaskSettings(_Msg):

@@ -7,7 +7,8 @@ import itertools
 
 from sqlalchemy import select
 
-from service.models import Event, Job
+from service.models import Event, Job, Task
+from tests.integration.factories import safetensors_bytes
 
 
 def test_models_list(client, factory):  # noqa: ANN001
@@ -18,6 +19,43 @@ def test_models_list(client, factory):  # noqa: ANN001
     assert [m["id"] for m in data] == ["big-model", "tiny-llama"]
     assert data[1]["max_seq_len"] == 512 and "path" not in data[1]
     assert client.get("/v1/models").status_code == 401
+
+
+def test_a_task_shows_the_one_evaluation_cadence_it_uses(client, factory, session):  # noqa: ANN001
+    """Issue 43: a new task showed eval_every_steps 50 beside eval_every_samples 1024 (the
+    cadence used, as the README says); the one not in use shows null, tasks stored before too."""
+    t = factory.tenant()
+    default = factory.task(t)
+    assert (default["eval"]["eval_every_samples"], default["eval"]["eval_every_steps"]) == (
+        1024, None)
+    steps = factory.task(t, eval={"eval_every_steps": 20})
+    assert (steps["eval"]["eval_every_samples"], steps["eval"]["eval_every_steps"]) == (None, 20)
+    nulled = factory.task(t, eval={"eval_every_samples": None})
+    assert (nulled["eval"]["eval_every_samples"], nulled["eval"]["eval_every_steps"]) == (None, 50)
+    stored = session.get(Task, default["id"])
+    stored.settings = {**stored.settings, "eval": {**stored.settings["eval"],
+                                                   "eval_every_steps": 50}}
+    session.commit()
+    got = client.get(f"/v1/tasks/{default['id']}", headers=t.headers).json()["eval"]
+    assert (got["eval_every_samples"], got["eval_every_steps"]) == (1024, None)
+
+
+def test_models_show_parameters_counted_from_the_weights_headers(client, factory, settings,
+                                                                 tmp_path):  # noqa: ANN001
+    """Issue 43: a model registered without `parameters` (the quick start's demo model) shows
+    the count of its safetensors headers, not null; no weight is loaded."""
+    demo = tmp_path / "demo-model"
+    demo.mkdir()
+    (demo / "model.safetensors").write_bytes(safetensors_bytes(
+        {"embed.weight": ([3, 2], bytes(24)), "lm_head.weight": ([2, 3], bytes(24))}))
+    models = settings.models_file.read_text() + (
+        f"  - name: demo\n    path: {demo}\n    gpus: 1\n    max_seq_len: 256\n")
+    settings.models_file.write_text(models)
+    t = factory.tenant()
+    data = {m["id"]: m for m in client.get("/v1/models", headers=t.headers).json()["data"]}
+    assert data["demo"]["parameters"] == 12
+    assert data["tiny-llama"]["parameters"] == 1_000_000  # the models file's value stays
+    assert client.get("/v1/models/demo", headers=t.headers).json()["parameters"] == 12
 
 
 def test_create_expands_grid(client, factory):  # noqa: ANN001

@@ -25,6 +25,7 @@ from service.core.errors import ApiError, invalid, not_found
 from service.core.storage import Storage
 from service.dry_run import DryRunOut
 from service.dry_run import dry_run as run_dry
+from service.model_size import model_parameters
 from service.models import Task
 from service.result_files import ensure_result_files
 from service.schemas import ModelOut
@@ -157,11 +158,11 @@ def retrieve_model(session: SessionDep, tenant: TenantDep, registry: RegistryDep
         base = registry.get(task.base_model)
         return ModelOut(id=views.fine_tuned_model_name(task) or model_id,
                         family=base.family if base else None,
-                        parameters=base.parameters if base else None,
+                        parameters=model_parameters(base) if base else None,
                         gpus=base.gpus if base else 1, max_seq_len=task.settings["max_seq_len"],
                         created=views.unix(task.finished_at) or 0, owned_by=tenant.id)
     model = registry.get(model_id)
     if model is None:
         raise not_found("model", model_id, param="model")
-    return ModelOut(id=model.name, family=model.family, parameters=model.parameters,
+    return ModelOut(id=model.name, family=model.family, parameters=model_parameters(model),
                     gpus=model.gpus, max_seq_len=model.max_seq_len)

@@ -18,6 +18,7 @@ from service.cluster import cluster_changed
 from service.core.storage import Storage
 from service.dry_run import DryRunOut
 from service.dry_run import dry_run as run_dry
+from service.model_size import model_parameters
 from service.models import Artifact, Job
 from service.result_files import ensure_result_files
 from service.schemas import EventPage, JobOut, MetricsOut, ModelOut, Page, TaskCreate, TaskOut
@@ -34,7 +35,7 @@ ARCHIVE = {200: {"content": {"application/gzip": {}, "application/zip": {}},
 
 @router.get("/v1/models", response_model=Page[ModelOut], tags=["models"])
 def list_models(_: TenantDep, registry: RegistryDep) -> Page[ModelOut]:
-    data = [ModelOut(id=m.name, family=m.family, parameters=m.parameters, gpus=m.gpus,
+    data = [ModelOut(id=m.name, family=m.family, parameters=model_parameters(m), gpus=m.gpus,
                      max_seq_len=m.max_seq_len) for m in registry.all()]
     return Page[ModelOut](data=data, last_id=data[-1].id if data else None)
 
