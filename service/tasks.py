@@ -83,7 +83,17 @@ def resolve_auto(body: TaskCreate, registry: ModelRegistry) -> TaskCreate:
     return body.model_copy(update={"search_space": space})
 
 
-def request_hash(body: TaskCreate) -> str:
+def request_hash(sent: object) -> str:
+    """The Idempotency-Key digest of what the client sent: its JSON body as parsed (keys sorted,
+    no default filled in), so an upgrade that adds a setting or changes a default changes no
+    digest and a retry across it replays."""
+    canonical = json.dumps(sent, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def legacy_request_hash(body: TaskCreate) -> str:
+    """The digest keys claimed before request_hash were stored with (the validated body with
+    every default filled in): a retry of such a key still replays while the defaults hold."""
     data = body.model_dump(mode="json")
     # Newer fields, unset (integrations: or empty): the hash of a body sent before them holds.
     for added in ("suffix", "metadata", "init_adapter_file", "integrations"):
@@ -166,15 +176,18 @@ def _check_targets(model: BaseModelEntry, targets: list[str] | None) -> None:
 
 def create_task(session: Session, tenant: Tenant, body: TaskCreate, settings: Settings,
                 registry: ModelRegistry, idempotency_key: str | None = None,
-                storage: Storage | None = None) -> tuple[Task, bool]:
+                storage: Storage | None = None, sent: object = None) -> tuple[Task, bool]:
     """Create a task and its jobs, committed; (task, created). With an idempotency key, the same
-    key and body return the first task (created=False); another body is a 409. storage: where
-    an init_adapter_file is read (needed only with one)."""
-    digest = request_hash(body)
+    key and body return the first task (created=False); another body is a 409. sent: the
+    request's JSON as the client sent it, whose request_hash the key holds (default: the fields
+    the body set). storage: where an init_adapter_file is read (needed only with one)."""
+    digest = request_hash(body.model_dump(mode="json", exclude_unset=True)
+                          if sent is None else sent)
+    accepted = (digest, legacy_request_hash(body))
     if idempotency_key is not None:
         if not (0 < len(idempotency_key) <= 255):
             raise invalid("Idempotency-Key must be 1-255 characters", param="Idempotency-Key")
-        replay = _replay(session, tenant, idempotency_key, digest)
+        replay = _replay(session, tenant, idempotency_key, accepted)
         if replay is not None:
             return replay, False
     body = resolve_auto(body, registry)  # after the digest: a replay hashes what was sent
@@ -184,7 +197,7 @@ def create_task(session: Session, tenant: Tenant, body: TaskCreate, settings: Se
     # creates at limit-1 count one after the other. A rejected create claims no key.
     admit_task(session, tenant)
     if idempotency_key is not None:
-        replay = _replay(session, tenant, idempotency_key, digest)  # a twin committed meanwhile
+        replay = _replay(session, tenant, idempotency_key, accepted)  # a twin committed meanwhile
         if replay is not None:
             return replay, False
     try:
@@ -192,7 +205,7 @@ def create_task(session: Session, tenant: Tenant, body: TaskCreate, settings: Se
     except IntegrityError:
         # Another request with the same Idempotency-Key committed first: answer with its task.
         session.rollback()
-        replay = _replay(session, tenant, idempotency_key, digest) if idempotency_key else None
+        replay = _replay(session, tenant, idempotency_key, accepted) if idempotency_key else None
         if replay is None:
             raise
         return replay, False
@@ -234,11 +247,12 @@ def _insert_task(session: Session, tenant: Tenant, body: TaskCreate, max_seq_len
     return task
 
 
-def _replay(session: Session, tenant: Tenant, key: str, digest: str) -> Task | None:
+def _replay(session: Session, tenant: Tenant, key: str, accepted: tuple[str, ...]
+            ) -> Task | None:
     row = session.get(IdempotencyKey, (tenant.id, key))
     if row is None:
         return None
-    if row.request_hash != digest:
+    if row.request_hash not in accepted:
         raise conflict("Idempotency-Key was already used with a different request body",
                        code="idempotency_key_reused", param="Idempotency-Key")
     return session.get(Task, row.resource_id)

@@ -3,8 +3,9 @@ registry, the calling tenant (API key), and the worker / operator tokens."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -43,6 +44,15 @@ async def get_registry(request: Request) -> ModelRegistry:
     return request.app.state.registry
 
 
+async def sent_json(request: Request) -> Any:
+    """The request's JSON body as the client sent it (parsed; no default filled in), which an
+    Idempotency-Key's digest is taken of; None when it is not JSON (the body's own 422)."""
+    try:
+        return json.loads(await request.body())
+    except ValueError:
+        return None
+
+
 def _header(creds: HTTPAuthorizationCredentials | None) -> str | None:
     return f"{creds.scheme} {creds.credentials}" if creds else None
 
@@ -51,6 +61,7 @@ SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StorageDep = Annotated[Storage, Depends(get_storage)]
 RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]
+SentJsonDep = Annotated[Any, Depends(sent_json)]
 
 
 def current_tenant(session: SessionDep,

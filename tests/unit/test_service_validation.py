@@ -3,6 +3,7 @@ LocalStorage — no database needed."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import itertools
 import json
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from service.core.storage import LocalStorage
 from service.files import FileValidationError, validate_jsonl
-from service.schemas import SearchSpace, TaskCreate
+from service.schemas import SearchSpace
 from service.tasks import expand_grid, request_hash
 
 
@@ -81,10 +82,14 @@ def test_grid_is_cartesian_product_in_order() -> None:
 
 
 def test_request_hash_ignores_key_order_not_values() -> None:
-    a = TaskCreate.model_validate({"base_model": "m", "training_file": "f", "seed": 1})
-    b = TaskCreate.model_validate({"seed": 1, "training_file": "f", "base_model": "m"})
-    c = TaskCreate.model_validate({"base_model": "m", "training_file": "f", "seed": 2})
+    """The digest of what the client sent (parsed JSON, keys sorted at every level), with no
+    default filled in: a setting added by an upgrade changes no digest of a body without it."""
+    a = {"base_model": "m", "training_file": "f", "seed": 1, "eval": {"x": 1, "y": [2, 3]}}
+    b = {"eval": {"y": [2, 3], "x": 1}, "seed": 1, "training_file": "f", "base_model": "m"}
+    c = a | {"seed": 2}
     assert request_hash(a) == request_hash(b) != request_hash(c)
+    raw = json.dumps(a, sort_keys=True, separators=(",", ":")).encode()
+    assert request_hash(a) == hashlib.sha256(raw).hexdigest()
 
 
 def test_local_storage(tmp_path) -> None:  # noqa: ANN001

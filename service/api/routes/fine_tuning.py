@@ -9,7 +9,14 @@ from fastapi import APIRouter, Header, Query, Request, Response
 
 from contract.states import TaskState
 from service import tasks
-from service.api.deps import RegistryDep, SessionDep, SettingsDep, StorageDep, TenantDep
+from service.api.deps import (
+    RegistryDep,
+    SentJsonDep,
+    SessionDep,
+    SettingsDep,
+    StorageDep,
+    TenantDep,
+)
 from service.api.openai_compat import views
 from service.api.openai_compat.create import remap_error, to_task_create
 from service.api.openai_compat.schemas import (
@@ -50,9 +57,12 @@ def _one(session: SessionDep, task: Task, settings: Settings,
              responses={200: {"model": FineTuningJobOut | DryRunOut,
                               "description": "The job (also a replayed Idempotency-Key), or a "
                                              "dry run's jobs and estimate (nothing created)"},
-                        409: {"description": "Idempotency-Key reused with another body"}})
+                        409: {"description": "Idempotency-Key reused with another body "
+                                             "(its JSON as sent, key order aside; no default "
+                                             "is filled in, so a retry replays across "
+                                             "upgrades)"}})
 def create_job(body: FineTuningJobCreate, session: SessionDep, tenant: TenantDep,
-               settings: SettingsDep, registry: RegistryDep,
+               settings: SettingsDep, registry: RegistryDep, sent: SentJsonDep,
                idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
                dry_run: Annotated[bool, Query(description="Validate and estimate only.")] = False
                ) -> FineTuningJobOut | Response:
@@ -63,7 +73,7 @@ def create_job(body: FineTuningJobCreate, session: SessionDep, tenant: TenantDep
             session.rollback()
             return Response(estimate.model_dump_json(), media_type="application/json")
         task, created = tasks.create_task(session, tenant, native, settings, registry,
-                                          idempotency_key)
+                                          idempotency_key, sent=sent)
     except ApiError as exc:
         raise remap_error(exc, where) from None
     if created:

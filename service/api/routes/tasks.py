@@ -12,7 +12,15 @@ from pydantic import BaseModel
 from contract.states import TASK_STATES, values
 from service import adapters, events, task_views, tasks
 from service.api import read_path
-from service.api.deps import ReadKeyDep, RegistryDep, SessionDep, SettingsDep, StorageDep, TenantDep
+from service.api.deps import (
+    ReadKeyDep,
+    RegistryDep,
+    SentJsonDep,
+    SessionDep,
+    SettingsDep,
+    StorageDep,
+    TenantDep,
+)
 from service.api.downloads import file_response
 from service.cluster import cluster_changed
 from service.core.storage import Storage
@@ -44,9 +52,13 @@ def list_models(_: TenantDep, registry: RegistryDep) -> Page[ModelOut]:
              responses={200: {"model": TaskOut | DryRunOut,
                               "description": "Replay of an Idempotency-Key, or a dry run's "
                                              "jobs and estimate (nothing created)"},
-                        409: {"description": "Idempotency-Key reused with another body"}})
+                        409: {"description": "Idempotency-Key reused with another body "
+                                             "(its JSON as sent, key order aside; no default "
+                                             "is filled in, so a retry replays across "
+                                             "upgrades)"}})
 def create_task(body: TaskCreate, response: Response, session: SessionDep, tenant: TenantDep,
                 settings: SettingsDep, registry: RegistryDep, storage: StorageDep,
+                sent: SentJsonDep,
                 idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
                 dry_run: Annotated[bool, Query(description="Validate and estimate only: the "
                                                            "jobs, tokens, GPU-hours and planned "
@@ -57,7 +69,7 @@ def create_task(body: TaskCreate, response: Response, session: SessionDep, tenan
         session.rollback()
         return _json(estimate)
     task, created = tasks.create_task(session, tenant, body, settings, registry, idempotency_key,
-                                      storage)
+                                      storage, sent)
     if created:
         cluster_changed(session, "task_created", settings)
     else:
