@@ -3,7 +3,8 @@ space, follow it live (progress bar + table of jobs and losses), cancel it, down
 and merged models.
 
 Talks HTTP only (httpx). Configuration: --api-url / --api-key, or env LORAPLEX_API_URL and
-LORAPLEX_API_KEY. Exit code 0 on success, 1 on an API error or a task that did not succeed.
+LORAPLEX_API_KEY. Exit code 0 on success, 1 on an API error or a task that did not succeed,
+130 when stopped with Ctrl-C.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import sys
 import tarfile
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from contract.states import JOB_TERMINAL, TASK_TERMINAL, TaskState
+from service.cli_tables import files_table, jobs_table, print_table, tasks_table
 from service.merged.states import MERGE_LIVE, MergeState
 
 SEARCH_FLAGS = {"lr": "learning_rate", "rank": "lora_rank", "alpha": "lora_alpha",
                 "batch_size": "batch_size"}
+
+
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C
 
 
 class CliError(Exception):
@@ -271,65 +275,6 @@ def create_task(api: Api, args: argparse.Namespace) -> dict:
 
 
 # -- rendering ------------------------------------------------------------------------------
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
-
-
-def jobs_table(jobs: Sequence[dict], curves: Sequence[dict], best_job_id: str | None = None
-               ) -> Table:
-    """One row per job: configuration, state (with the exit reason), latest losses."""
-    last = {c["job_id"]: c for c in curves}
-    table = Table(expand=False)
-    for col in ("#", "lr", "rank", "alpha", "batch", "state", "step", "train loss",
-                "val loss", "best val"):
-        table.add_column(col, justify="right" if col not in ("state",) else "left")
-    for job in sorted(jobs, key=lambda j: j["index"]):
-        hp = job["hyperparameters"]
-        curve = last.get(job["id"], {})
-        train = [p for p in curve.get("train", []) if p.get("loss") is not None]
-        val = [p for p in curve.get("val", []) if p.get("loss") is not None]
-        state = job["state"] + (f" ({job['exit_reason']})" if job.get("exit_reason") else "")
-        if job["id"] == best_job_id:
-            state += " *best*"
-        step = train[-1]["step"] if train else job.get("last_step")
-        table.add_row(str(job["index"]), f"{hp.get('learning_rate', 0):g}",
-                      str(hp.get("lora_rank", "")), f"{hp.get('lora_alpha', 0):g}",
-                      str(hp.get("batch_size", "")), state, "-" if step is None else str(step),
-                      _fmt(train[-1]["loss"] if train else None),
-                      _fmt(val[-1]["loss"] if val else None), _fmt(job.get("best_val_loss")))
-    return table
-
-
-def _when(unix: int | str | None) -> str:
-    """An OpenAI-style unix-seconds timestamp (or an ISO string) as UTC ``YYYY-MM-DD HH:MM:SS``."""
-    if isinstance(unix, int | float):
-        return datetime.fromtimestamp(unix, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-    return str(unix or "-")[:19].replace("T", " ")
-
-
-def files_table(files: Sequence[dict]) -> Table:
-    """One row per file, in the OpenAI file object's fields plus what loraplex found in it."""
-    table = Table()
-    for col in ("id", "filename", "format", "records", "bytes", "status", "created"):
-        table.add_column(col, justify="right" if col in ("records", "bytes") else "left")
-    for f in files:
-        table.add_row(f["id"], f["filename"], f.get("format") or "-",
-                      str(f.get("line_count", "-")), str(f["bytes"]), f.get("status") or "-",
-                      _when(f.get("created_at")))
-    return table
-
-
-def tasks_table(tasks: Sequence[dict]) -> Table:
-    table = Table()
-    for col in ("id", "state", "model", "jobs", "best job", "created"):
-        table.add_column(col)
-    for t in tasks:
-        counts = ", ".join(f"{k} {v}" for k, v in sorted(t.get("job_counts", {}).items()))
-        table.add_row(t["id"], t["state"], t["base_model"], f"{t['num_jobs']} ({counts})",
-                      t.get("best_job_id") or "-", str(t["created_at"])[:19])
-    return table
-
-
 def follow(api: Api, task_id: str, console: Console, interval: float = 2.0,
            sleep: Any = time.sleep) -> dict:
     """Poll the task, its jobs, loss curves and events until it ends; returns the final task."""
@@ -353,8 +298,11 @@ def follow(api: Api, task_id: str, console: Console, interval: float = 2.0,
                             description=f"task {task_id} {task['state']}")
             live.update(Group(progress, jobs_table(jobs, curves, task.get("best_job_id"))))
             if task["state"] in TASK_TERMINAL:
-                return task
+                break
             sleep(interval)
+    if not console.is_terminal:  # Live ends a terminal's last line itself, not a pipe's or file's
+        console.line()
+    return task
 
 
 def download_adapter(api: Api, task_id: str, output: Path, job_id: str | None = None) -> list[str]:
@@ -421,13 +369,13 @@ def run(args: argparse.Namespace, api: Api, console: Console) -> int:
         if args.json or table is None:
             console.print_json(json.dumps(obj, default=str))
         else:
-            console.print(table)
+            print_table(console, table)
 
     if args.group == "files" and args.cmd == "upload":
         show(api.upload(args.path, args.purpose))
     elif args.group == "files":
         page = api.json("GET", "/v1/files", params={"limit": 100})
-        show(page, files_table(page["data"]))
+        show(page, files_table(console, page["data"]))
     elif args.group == "models":
         show(api.json("GET", "/v1/models"))
     elif args.group == "tasks" and args.cmd == "create":
@@ -440,7 +388,7 @@ def run(args: argparse.Namespace, api: Api, console: Console) -> int:
             return _ended(follow(api, task["id"], console), console)
     elif args.group == "tasks" and args.cmd == "list":
         page = api.json("GET", "/v1/tasks", params={"limit": args.limit})
-        show(page, tasks_table(page["data"]))
+        show(page, tasks_table(console, page["data"]))
     elif args.group == "tasks" and args.cmd == "get":
         show(api.json("GET", f"/v1/tasks/{args.task_id}"))
     elif args.group == "tasks" and args.cmd == "cancel":
@@ -475,6 +423,9 @@ def main(argv: Sequence[str] | None = None, transport: httpx.BaseTransport | Non
     except CliError as exc:
         Console(stderr=True).print(f"[red]error:[/red] {exc}")
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's code for SIGINT, no traceback
+        Console(stderr=True).print("loraplex: interrupted (Ctrl-C)", soft_wrap=True)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":
