@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 PORT=${LORAPLEX_PORT:-8000}
 
 # LORAPLEX_SKIP_INSTALL=1 skips the install step (an environment that is already set up).
-[ "${LORAPLEX_SKIP_INSTALL:-0}" = 1 ] || bash scripts/install.sh
+[ "${LORAPLEX_SKIP_INSTALL:-0}" = 1 ] || bash scripts/install.sh serve
 
 mkdir -p var
 chmod 755 var  # the postgres system user must reach var/postgres when we run as root

@@ -4,5 +4,5 @@
 # tests/gpu skips without CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+bash scripts/install.sh test
 exec ${PYTHON:-python3} -m pytest -q "$@"
