@@ -98,11 +98,16 @@ class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# A GPU's index on its node; strict (a node's messages take the types they document).
+GpuIndex = Annotated[int, Field(ge=0, lt=64, strict=True)]
+
+
 class NodeRegister(_Msg):
     name: str = Field(min_length=1, max_length=200, description="Stable node name (hostname).")
     gpu_type: str = Field(min_length=1, max_length=64, description="e.g. 'H100-80GB', 'cpu'.")
-    gpu_count: int = Field(ge=0, le=64)
-    gpu_memory_bytes: int = Field(ge=0, description="Memory of one GPU in bytes.")
+    # strict: a JSON true or 8.0 is not a count (the documented type is integer)
+    gpu_count: int = Field(ge=0, le=64, strict=True)
+    gpu_memory_bytes: int = Field(ge=0, strict=True, description="Memory of one GPU in bytes.")
     meta: dict | None = Field(default=None, description="Versions, driver, free-form.")
 
 
@@ -144,18 +149,20 @@ class ExecutorReport(_Msg):
     scheduler may place a task with the same colocation_key on exactly these GPUs."""
 
     key: str = Field(max_length=2000, description="colocation_key of the tasks it can host.")
-    gpu_indices: list[int] = Field(max_length=64)
+    gpu_indices: list[GpuIndex] = Field(max_length=64)
     placement_ids: list[str] = Field(default_factory=list, max_length=1000,
                                      description="Placements it hosts now (empty: warm, idle).")
-    free_rows: int = Field(ge=0, description="Sequence rows of its admission budget that no "
+    free_rows: int = Field(ge=0, strict=True, description="Sequence rows of its admission budget that no "
                                              "hosted job uses (what another task's jobs can take).")
-    total_rows: int = Field(ge=0, description="Its whole admission budget in sequence rows.")
-    queued_jobs: int = Field(default=0, ge=0, description="Hosted jobs waiting for rows.")
+    total_rows: int = Field(ge=0, strict=True,
+                            description="Its whole admission budget in sequence rows.")
+    queued_jobs: int = Field(default=0, ge=0, strict=True,
+                             description="Hosted jobs waiting for rows.")
 
 
 class Heartbeat(_Msg):
     running_placement_ids: list[str] = Field(default_factory=list)
-    gpu_utilization: list[float] | None = None
+    gpu_utilization: list[Annotated[float, Field(strict=True, allow_inf_nan=False)]] | None = None
     executors: list[ExecutorReport] = Field(
         default_factory=list, description="The node's shared executors (co-location).")
 
@@ -479,10 +486,12 @@ class ExecutorTimings(_Msg):
     (finished or paused): the service keeps it as the task's `timings` event, one per attempt."""
 
     placement_id: str
-    wall_s: float = Field(ge=0, allow_inf_nan=False, description="Since the executor started.")
+    wall_s: float = Field(ge=0, allow_inf_nan=False, description=(
+        "The task's own wall: since it joined the executor (a warm shared executor's task), or since "
+        "the executor started (the tasks it started with: their wall includes the model load)."))
     first_step_s: float | None = Field(
         default=None, ge=0, allow_inf_nan=False,
-        description="From the executor's start to the end of its first training step.")
+        description="From the same origin to the end of the task's first training step.")
     phases: dict[str, float] = Field(
         default_factory=dict, max_length=64,
         description="Seconds per phase (load, profile, train, eval, park, resume, checkpoint, "
@@ -490,7 +499,7 @@ class ExecutorTimings(_Msg):
     details: dict[str, int | float | bool | str | None] = Field(
         default_factory=dict, max_length=64,
         description="What else explains them: profile reused, steps with and without "
-                    "activation recompute, ...")
+                    "activation recompute, the shared executor's own wall (host_wall, seconds), ...")
 
 
 @dataclass(frozen=True)

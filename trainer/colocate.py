@@ -74,6 +74,11 @@ class TaskRun(TaskFiles):
         self.placed: dict[str, JobSlot] = {}  # its running jobs of every rank, in placement order
         self.parked: dict[str, JobState] = {}  # this rank's parked jobs of the task (on CPU)
         self.global_step = 0  # executor steps this task took part in (resumed from its state.pt)
+        # its own timings on a shared executor (Executor.timings(task)): when it joined, the
+        # executor's phase seconds then, and its first step from then
+        self.joined_at: float | None = None
+        self.phases_at_join: dict[str, float] = {}
+        self.first_step_s: float | None = None
         self.last_eval: dict[str, int] = {}
         self.window = ThroughputWindow()
         self.last_checkpoint = time.monotonic()

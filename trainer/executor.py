@@ -182,6 +182,7 @@ class Executor(TaskHosting, MemoryPlanning):
         with self.phase("load"):
             self._load()
         for task in list(self.tasks.values()):
+            self.mark_joined(task, at_start=True)
             self._guarded(task, lambda t=task: self._start(t))
         while True:
             self._boundary()
@@ -201,8 +202,12 @@ class Executor(TaskHosting, MemoryPlanning):
                 report = self.engine.step() if self.engine.jobs else None
                 if report is None:  # this rank has no runnable job: join the others' passes
                     self.engine.idle_step()
+            now = time.perf_counter()
             if self.first_step_s is None:
-                self.first_step_s = time.perf_counter() - self.started_at
+                self.first_step_s = now - self.started_at
+            for task in self.tasks.values():  # each task's own first step, from its arrival
+                if task.first_step_s is None and task.placed and task.joined_at is not None:
+                    task.first_step_s = now - task.joined_at
             self.global_step += 1
             for task in self.tasks.values():
                 task.global_step += 1
@@ -246,17 +251,35 @@ class Executor(TaskHosting, MemoryPlanning):
         release_host_cache()  # parked states' pinned memory goes back to the host
         POOL.release()
 
-    def timings(self) -> dict[str, Any]:
+    def _writer_busy(self) -> dict[str, float]:
+        return dict(self.writer.busy) if self.writer else dict.fromkeys(("checkpoint", "export"), 0.0)
+
+    def mark_joined(self, task: TaskRun, at_start: bool) -> None:
+        """Where a task's own timings count from: the executor's start for the tasks it started
+        with (their wall includes the load), else now (a task that joins a warm host)."""
+        task.joined_at = self.started_at if at_start else time.perf_counter()
+        task.phases_at_join = {} if at_start else {**self.phases, **{
+            f"writer_{k}": v for k, v in self._writer_busy().items()}}
+
+    def timings(self, task: TaskRun | None = None) -> dict[str, Any]:
         """Wall seconds since `run` began, split by phase (idle: everything else: bookkeeping,
-        callbacks, admission), the first step's time and whether the memory profile was reused."""
-        wall = 0.0 if self.started_at is None else time.perf_counter() - self.started_at
-        busy = sum(self.phases.values())
-        return {"wall_s": wall, **{f"{k}_s": v for k, v in self.phases.items()},
-                "idle_s": max(0.0, wall - busy), "first_step_s": self.first_step_s,
+        callbacks, admission), the first step's time and whether the memory profile was reused.
+        With a task: the same since that task joined (the executor's start for the tasks it
+        started with), its own first step, and the host's wall beside it (host_wall, seconds)."""
+        now = time.perf_counter()
+        host_wall = 0.0 if self.started_at is None else now - self.started_at
+        since = {} if task is None else task.phases_at_join
+        phases = {k: v - since.get(k, 0.0) for k, v in self.phases.items()}
+        writer = {k: v - since.get(f"writer_{k}", 0.0) for k, v in self._writer_busy().items()}
+        wall = host_wall if task is None or task.joined_at is None else now - task.joined_at
+        first = self.first_step_s if task is None else task.first_step_s
+        busy = sum(phases.values())
+        extra = {} if task is None else {"host_wall": host_wall}  # seconds; a detail, not a phase
+        return {"wall_s": wall, **{f"{k}_s": v for k, v in phases.items()},
+                "idle_s": max(0.0, wall - busy), "first_step_s": first, **extra,
                 # the writer thread's seconds (beside the loop's: checkpoint_s / export_s are
                 # the loop's snapshots and waits for the writer)
-                **{f"writer_{k}_s": v for k, v in (self.writer.busy if self.writer else
-                                                   dict.fromkeys(("checkpoint", "export"), 0.0)).items()},
+                **{f"writer_{k}_s": v for k, v in writer.items()},
                 "profile_reused": self.profile_reused, "global_step": self.global_step,
                 # activation recompute: the setting and how many steps ran with and without it
                 "recompute": self.cfg.gradient_checkpointing, "recompute_steps": self.recompute_steps["on"],

@@ -171,8 +171,8 @@ class TaskHosting:
                 if st["state"] in JOB_LIVE:
                     self._guarded(task, lambda j=job_id: task.set_state(j, JobState.CANCELLED, {}))
         task.settle(wait=True)  # its files complete and announced first (a pause's checkpoint)
-        if outcome in (TaskOutcome.SUCCEEDED, TaskOutcome.PAUSED):
-            self._guarded(task, lambda: task.cb.on_event("", "timings", self.timings()))
+        if outcome in (TaskOutcome.SUCCEEDED, TaskOutcome.PAUSED):  # the task's own, not the host's
+            self._guarded(task, lambda: task.cb.on_event("", "timings", self.timings(task)))
         task.release()
         task.close()
         task.outcome = TaskOutcome.FAILED if task.error is not None else outcome
@@ -200,6 +200,7 @@ class TaskHosting:
         for kind, arg in inbox:
             if kind == "attach":
                 self.tasks[arg.task_id] = arg
+                self.mark_joined(arg, at_start=False)
                 self._guarded(arg, lambda t=arg: self._open(t))
                 self._guarded(arg, lambda t=arg: self._start(t))
                 if arg.error is not None:

@@ -173,6 +173,14 @@ def test_a_task_attached_mid_run_trains_exactly_as_alone(files, tmp_path, fixed_
     assert sorted(rank_b["keep"] + rank_b["evict"]) == ["b0", "b1"]
     assert not {j for j, *_ in got_a.states} & {j for j, *_ in got_b.states}
     assert (Path(shared_a.output_dir) / "state.pt").exists() and (Path(shared_b.output_dir) / "state.pt").exists()
+    # each task reports its own timings: B's wall and first step count from its arrival, its phases
+    # hold none of the model load that came before it; A's count from the executor's start
+    (tim_a,) = [d for _, m, d in got_a.events if m == "timings"]
+    (tim_b,) = [d for _, m, d in got_b.events if m == "timings"]
+    assert tim_a["load_s"] > 0 and tim_b["load_s"] == 0
+    assert tim_b["wall_s"] < tim_b["host_wall"] and tim_b["wall_s"] < tim_a["wall_s"]
+    assert 0 < tim_b["first_step_s"] < tim_b["wall_s"]
+    assert tim_a["first_step_s"] == pytest.approx(host.first_step_s)
 
 
 def co_run(files, tmp_path: Path, name: str, b_jobs: list[TrainJob], hook_b=None, b_data: str = "b",  # noqa: ANN001
