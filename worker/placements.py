@@ -116,7 +116,8 @@ class Lifecycle:
         seed_before_start(p, self.cfg.work_dir / "placements", self.registration.node_id)
         touch(p.directory / LEASE_NAME)
         p.proc = spawn(self.cfg.runner_module, "--placement-dir", p.directory, p.gpu_indices,
-                       "executor.log", self.cfg.runner_args, cuda=self.registration.cuda)
+                       "executor.log", self.cfg.runner_args, cuda=self.registration.cuda,
+                       cache_dir=self.cfg.work_dir / "cache")
         p.pid, p.status = p.proc.pid, LocalStatus.RUNNING
         p.save()
         log.info("executor started node=%s task=%s placement=%s pid=%d gpus=%s",

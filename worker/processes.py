@@ -66,11 +66,24 @@ def tail(path: Path, max_bytes: int = 4000) -> str:
 
 
 
+def node_caches(cache_dir: Path) -> dict[str, str]:
+    """What every executor of a node keeps across processes, under the daemon's work directory
+    (an operator's own setting wins): Triton's compiled kernels (a new process loads them, it does
+    not compile them again) and the stored memory models (trainer.admission's profile cache)."""
+    return {"TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR") or str(cache_dir / "triton"),
+            "LORAPLEX_PROFILE_CACHE": os.environ.get("LORAPLEX_PROFILE_CACHE")
+            or str(cache_dir / "memory_profiles.json")}
+
+
 def spawn(module: str, flag: str, directory: Path, gpu_indices: list[int], log_name: str,
-          extra: Sequence[str] = (), *, cuda: bool) -> subprocess.Popen:
+          extra: Sequence[str] = (), *, cuda: bool, cache_dir: Path | None = None) -> subprocess.Popen:
     """``python -m module flag directory *extra`` on these GPUs (cuda False: a CPU node's slots,
-    no GPU visible), leading its own session, logging to directory/log_name."""
+    no GPU visible), leading its own session, logging to directory/log_name; with cache_dir, the
+    node's caches there (`node_caches`)."""
     env = dict(os.environ)
+    if cache_dir is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        env.update(node_caches(cache_dir))
     gpus = ",".join(str(g) for g in gpu_indices)
     env["CUDA_VISIBLE_DEVICES"] = gpus if cuda else ""
     env["LORAPLEX_SLOTS"] = gpus

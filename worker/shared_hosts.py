@@ -77,7 +77,7 @@ class SharedHosts:
         touch(directory / LEASE_NAME)
         self.attach(h, p)  # the request is there before the process looks for it
         h.proc = spawn(self.cfg.host_module, "--host-dir", directory, h.gpu_indices,
-                       "host.log", cuda=self.registration.cuda)
+                       "host.log", cuda=self.registration.cuda, cache_dir=self.cfg.work_dir / "cache")
         h.pid = p.pid = h.proc.pid
         h.save()
         p.save()
