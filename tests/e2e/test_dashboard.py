@@ -12,7 +12,8 @@ daemon training the tiny Llama on CPU.
   from the page, the adapter named, the integration's sync, and the tenant's usage report;
 - another tenant's key sees none of it, through the API and on the page.
 
-Screenshots of the views go to docs/dashboard-{tasks,task,cluster,usage}.png.
+Screenshots of the views (dashboard-{tasks,task,cluster,usage}.png) go to a temp folder, or to
+docs/ with LORAPLEX_UPDATE_SCREENSHOTS=1 (tests.helpers.screenshots).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from service.result_files import RESULT_COLUMNS
 from tests.e2e.conftest import WORKER_TOKEN, Stack, upload_jsonl, wait_for
 from tests.e2e.test_chaos import rows
 from tests.e2e.test_train_e2e import models_yaml  # noqa: F401 - the tiny Llama as "tiny"
+from tests.helpers.screenshots import screenshot
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 if not (CHROMIUM and CHROMEDRIVER):
@@ -47,7 +49,6 @@ from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import Select  # noqa: E402
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
 ENDED = ("succeeded", "failed", "cancelled")
 
 
@@ -134,11 +135,6 @@ def sign_in(driver: webdriver.Chrome, stack: Stack, key: str, operator: str = ""
     if operator:
         q(driver, "#op-token").send_keys(operator)
     click(driver, "#btn-sign-in")
-
-
-def screenshot(driver: webdriver.Chrome, name: str) -> None:
-    DOCS.mkdir(exist_ok=True)
-    driver.save_screenshot(str(DOCS / name))
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:

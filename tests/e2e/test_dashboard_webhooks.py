@@ -1,22 +1,22 @@
 """The dashboard's Webhooks page in a real headless Chromium against the real service: add an
 endpoint (the secret is shown once), send it a test event and see the delivery in its log, then
 disable it. The receiver is a real HTTP server; the event verifies with the secret the page
-showed (standardwebhooks). The screenshot goes to docs/dashboard-webhooks.png."""
+showed (standardwebhooks). The screenshot (dashboard-webhooks.png) goes to a temp folder, or to
+docs/ with LORAPLEX_UPDATE_SCREENSHOTS=1 (tests.helpers.screenshots)."""
 
 from __future__ import annotations
 
 import shutil
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from standardwebhooks.webhooks import Webhook
 
 from tests.e2e.conftest import Stack, wait_for
+from tests.helpers.screenshots import screenshot
 from tests.helpers.webhook_receiver import Receiver
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 if not (CHROMIUM and CHROMEDRIVER):
     pytest.skip("chromium and chromium-driver are not installed", allow_module_level=True)
@@ -97,8 +97,7 @@ def test_webhooks_page(stack: Stack, browser: webdriver.Chrome) -> None:
                  "the delivery in the log")
         row = text(browser, "[data-webhook] .deliveries tbody tr")
         assert "webhook.test" in row and "200" in row
-        DOCS.mkdir(exist_ok=True)
-        browser.save_screenshot(str(DOCS / "dashboard-webhooks.png"))
+        screenshot(browser, "dashboard-webhooks.png")
 
         click(browser, "[data-webhook] .wh-redeliver")
         wait_for(lambda: len(receiver.ids()) == 2, 20, "the redelivery")
