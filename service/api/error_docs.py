@@ -44,8 +44,11 @@ def _error_statuses(method: str, path: str, op: dict) -> set[int]:
     statuses: set[int] = set()
     if op.get("security"):
         statuses.add(401)
-    if any(p.get("in") == "path" for p in params):
-        statuses |= {404, 422}
+    if any(p.get("in") == "path" for p in params) or any(
+            p.get("in") == "query" and p.get("name") == "after"
+            and p.get("schema", {}).get("anyOf", [{}])[0].get("type") == "string"
+            for p in params):
+        statuses |= {404, 422}  # an id that names nothing of the caller's (a cursor too)
         if method in ("post", "delete"):
             statuses.add(409)
     if params or "requestBody" in op:
@@ -59,7 +62,8 @@ def _error_statuses(method: str, path: str, op: dict) -> set[int]:
 
 def add_error_responses(doc: dict) -> dict:
     """Give every operation of an OpenAPI document the error statuses it can answer, each with
-    the error body schema: 400 with a body (unparseable), 401 behind a key or token, 404 with a path parameter, 422 with any
+    the error body schema: 400 with a body (unparseable), 401 behind a key or token, 404 with a
+    path parameter or a cursor (`after`, an id), 422 with any
     parameter or body, 413 with an upload (the server's limit), 409 for a POST or DELETE on a
     resource, and EXTRA_ERRORS. What a route declares itself (`responses=`) is kept; an error status it declares
     without a body gets the error schema."""

@@ -18,7 +18,8 @@ from sqlalchemy.dialects import postgresql
 from contract.states import PlacementState
 from service.api.auth import ReadKey, read_key_live
 from service.core.db import ReadPool
-from service.core.errors import invalid, not_found
+from service.core.errors import not_found
+from service.core.pagination import unknown_cursor
 from service.events import metrics_body, metrics_params, metrics_statement
 from service.models import ApiKey
 from service.task_views import TASK_COLUMNS, task_view
@@ -84,7 +85,7 @@ async def list_tasks_json(pool: ReadPool, key: ReadKey, limit: int, after: str |
     if not rows:
         await read_key_live(pool, key)
         if after is not None and not await pool.fetch(_CURSOR_SQL, params):
-            raise invalid(f"unknown cursor {after!r}", param="after")
+            raise unknown_cursor(after)
     data = [_task(row, price) for row in rows[:limit]]
     return to_json({"object": "list", "data": data, "has_more": len(rows) > limit,
                     "last_id": data[-1]["id"] if data else None})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+from functools import lru_cache
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -92,6 +93,26 @@ def _loc_to_text(loc: tuple | list) -> str | None:
     return text or None
 
 
+def allowed_methods(request: Request, named: str) -> str:
+    """The `Allow` of a 405: every method the API's schema lists for the request's path.
+    Starlette names only the first route whose path matched (`named`), and a path's methods are
+    often separate routes (GET and DELETE /v1/files/{id}). A path the schema leaves out (the
+    dashboard's pages) keeps `named`."""
+    methods: set[str] = set()
+    for template, ops in request.app.openapi().get("paths", {}).items():
+        if _path_regex(template).fullmatch(request.url.path):
+            methods |= {m.upper() for m in ops if m in _HTTP_METHODS}
+    return ", ".join(sorted(methods)) if methods else named
+
+
+_HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
+
+
+@lru_cache(maxsize=512)
+def _path_regex(template: str) -> re.Pattern[str]:
+    return re.compile(re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template)))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route ApiError, HTTPException, validation errors and crashes to the JSON error shape."""
 
@@ -113,12 +134,16 @@ def install_error_handlers(app: FastAPI) -> None:
                                        f"{msg}", param, 422), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         codes = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
                  405: "method_not_allowed", 409: "conflict", 413: "too_large"}
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:
+            headers = {**(headers or {}),
+                       "Allow": allowed_methods(request, (headers or {}).get("Allow", ""))}
         return JSONResponse(error_body(codes.get(exc.status_code, "error"), str(exc.detail),
                                        status=exc.status_code),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+                            status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(DataError)
     async def _data(request: Request, exc: DataError) -> JSONResponse:

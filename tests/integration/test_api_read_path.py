@@ -118,8 +118,10 @@ def test_curves_are_the_models_bytes(client, factory, session):  # noqa: ANN001
     short = client.get(url, headers=t.headers, params={"max_points": 4})
     assert short.content == task_metrics_json(session, session.get(Task, tid), max_points=4)
     assert len(short.json()["jobs"][0]["train"]) == 4
-    missing = client.get(url, headers=t.headers, params={"job_id": "job_x"})
+    missing = client.get(url, headers=t.headers, params={"job_id": "job_" + "0" * 24})
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "job_id"
+    malformed = client.get(url, headers=t.headers, params={"job_id": "job_x"})
+    assert malformed.status_code == 422 and malformed.json()["error"]["param"] == "job_id"
 
 
 def test_auth_isolation_and_revocation_at_once(client, factory, session):  # noqa: ANN001
@@ -134,8 +136,8 @@ def test_auth_isolation_and_revocation_at_once(client, factory, session):  # noq
         assert client.get(url, headers=a.headers).status_code == 200  # now in the key cache
     # Another tenant's task and cursor do not exist for b.
     assert client.get(f"/v1/tasks/{ta}/metrics", headers=b.headers).status_code == 404
-    r = client.get("/v1/tasks", headers=b.headers, params={"after": ta})
-    assert r.status_code == 422 and r.json()["error"]["param"] == "after"
+    r = client.get("/v1/tasks", headers=b.headers, params={"after": ta})  # well-formed: a 404
+    assert r.status_code == 404 and r.json()["error"]["param"] == "after"
     assert [x["id"] for x in client.get("/v1/tasks", headers=b.headers).json()["data"]] == [tb]
     # A bad key and a bad parameter: the 401 first, as on every route.
     assert client.get("/v1/tasks", params={"limit": 0}).status_code == 401

@@ -23,8 +23,7 @@ from service.api.openai_compat.schemas import (
     JobError,
     JobEventOut,
 )
-from service.core.errors import invalid
-from service.core.pagination import page_query
+from service.core.pagination import page_query, unknown_cursor
 from service.models import TASK_TERMINAL, Artifact, Event, File, Job, MetricPoint, Task, Tenant
 from service.schemas import TaskOut
 from service.task_views import task_outs
@@ -225,10 +224,10 @@ def job_checkpoints(session: Session, task: Task, after: str | None, limit: int
 
 def _page_after(items: list, after: str | None, limit: int) -> tuple[list, bool]:
     """The page after the item whose id is `after` (from the start without one), and whether
-    more follow; an unknown cursor is a 422 naming `after`."""
+    more follow; an unknown cursor is a 404 naming `after`."""
     if after is not None:
         pos = next((i for i, item in enumerate(items) if item.id == after), None)
         if pos is None:
-            raise invalid(f"unknown cursor {after!r}", param="after")
+            raise unknown_cursor(after)
         items = items[pos + 1:]
     return items[:limit], len(items) > limit

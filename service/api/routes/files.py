@@ -15,6 +15,7 @@ from service import files as svc
 from service.api.deps import RegistryDep, SessionDep, SettingsDep, StorageDep, TenantDep
 from service.api.error_docs import errors
 from service.core.errors import ApiError
+from service.core.pagination import cursor_query
 from service.schemas import DeletedOut, FileOut, Page
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
@@ -112,7 +113,8 @@ async def upload_file(request: Request, response: Response, session: SessionDep,
 @router.get("", response_model=Page[FileOut], responses=errors(401, 422))
 def list_files(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
                limit: Annotated[int, Query(ge=1, le=1000)] = 20,
-               after: Annotated[str | None, Query(max_length=40)] = None) -> Page[FileOut]:
+               after: Annotated[str | None, cursor_query("file", "file")] = None
+               ) -> Page[FileOut]:
     rows, more = svc.list_files(session, tenant, min(limit, settings.max_page_size), after)
     return Page[FileOut](data=[_out(r) for r in rows], has_more=more,
                          last_id=rows[-1].id if rows else None)

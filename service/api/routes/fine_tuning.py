@@ -29,6 +29,7 @@ from service.api.openai_compat.schemas import (
 from service.cluster import cluster_changed
 from service.core.config import Settings
 from service.core.errors import ApiError, invalid, not_found
+from service.core.pagination import cursor_query
 from service.core.storage import Storage
 from service.dry_run import DryRunOut
 from service.dry_run import dry_run as run_dry
@@ -40,7 +41,10 @@ from service.task_actions import act
 
 router = APIRouter(tags=["fine_tuning"])
 Limit = Annotated[int, Query(ge=1, le=100)]
-After = Annotated[str | None, Query(max_length=64)]
+After = Annotated[str | None, Query(max_length=64, description=(
+    "The `id` of the last item of the previous page; one that names none of the job's is a 404 "
+    "naming `after`."))]
+JobCursor = Annotated[str | None, cursor_query("task", "fine-tuning job")]
 JOB_RESPONSES = {404: {"description": "No such job of this tenant"},
                  409: {"description": "The transition is not allowed from the job's status"}}
 
@@ -96,7 +100,7 @@ def _metadata_filter(request: Request) -> dict[str, str] | None:
 
 @router.get("/v1/fine_tuning/jobs", response_model=FineTuningJobPage)
 def list_jobs(request: Request, session: SessionDep, tenant: TenantDep, settings: SettingsDep,
-              storage: StorageDep, after: After = None,
+              storage: StorageDep, after: JobCursor = None,
               limit: Limit = 20) -> FineTuningJobPage:
     """Newest first; `after` is the last id of the previous page; `metadata[k]=v` filters."""
     rows, more = views.list_jobs(session, tenant, limit, after, _metadata_filter(request))

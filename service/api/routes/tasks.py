@@ -23,6 +23,7 @@ from service.api.deps import (
 )
 from service.api.downloads import file_response
 from service.cluster import cluster_changed
+from service.core.pagination import cursor_query, id_pattern
 from service.core.storage import Storage
 from service.dry_run import DryRunOut
 from service.dry_run import dry_run as run_dry
@@ -82,7 +83,7 @@ def create_task(body: TaskCreate, response: Response, session: SessionDep, tenan
 @router.get("/v1/tasks", response_model=Page[TaskOut])
 async def list_tasks(request: Request, key: ReadKeyDep, settings: SettingsDep,
                      limit: Annotated[int, Query(ge=1, le=1000)] = 20,
-                     after: Annotated[str | None, Query(max_length=40)] = None,
+                     after: Annotated[str | None, cursor_query("task", "task")] = None,
                      state: Annotated[TaskState | None, Query()] = None) -> Response:
     # Page[TaskOut]'s JSON, on the event loop (service.api.read_path).
     return Response(await read_path.list_tasks_json(
@@ -142,7 +143,10 @@ def list_events(session: SessionDep, tenant: TenantDep, task_id: str,
 
 @router.get("/v1/tasks/{task_id}/metrics", response_model=MetricsOut)
 async def task_metrics(request: Request, key: ReadKeyDep, task_id: str,
-                       job_id: Annotated[str | None, Query(max_length=40)] = None,
+                       job_id: Annotated[str | None, Query(
+                           pattern=id_pattern("job"), description="Only this job's curves (a "
+                           "404 naming `job_id` when it is not one of the task's jobs).")]
+                       = None,
                        after_step: Annotated[int | None, Query(ge=-1, le=2**63 - 1)] = None,
                        max_points: Annotated[int | None, Query(
                            ge=4, le=100_000, description="At most this many points per curve: "

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query
 
 from service.api.deps import SessionDep, SettingsDep, TenantDep
 from service.api.error_docs import errors
+from service.core.pagination import cursor_query
 from service.schemas import DeletedOut, Page
 from service.webhooks import endpoints, outbox
 from service.webhooks.schemas import (
@@ -23,7 +24,8 @@ from service.webhooks.states import DeliveryStateName
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 Limit = Annotated[int, Query(ge=1, le=100)]
-After = Annotated[str | None, Query(max_length=40)]
+After = Annotated[str | None, cursor_query("whep", "webhook endpoint")]
+DeliveryCursor = Annotated[str | None, cursor_query("whdl", "delivery")]
 DISABLED = {409: "The endpoint is disabled: enable it first"}
 
 
@@ -71,7 +73,7 @@ def delete_webhook(session: SessionDep, tenant: TenantDep, webhook_id: str) -> D
 
 @router.get("/{webhook_id}/deliveries", response_model=Page[WebhookDeliveryOut])
 def list_deliveries(session: SessionDep, tenant: TenantDep, webhook_id: str,
-                    limit: Limit = 20, after: After = None,
+                    limit: Limit = 20, after: DeliveryCursor = None,
                     state: Annotated[DeliveryStateName | None, Query()] = None
                     ) -> Page[WebhookDeliveryOut]:
     """The delivery log, newest first: each event's attempts, last status code, next attempt."""
