@@ -44,6 +44,7 @@ from contract.settings import (  # noqa: F401 - re-exported: the contract's one 
     LoraAlpha,
     LoraRank,
     Method,
+    SampleSettings,
     TaskSettings,
     grid_knobs,
 )
@@ -366,6 +367,23 @@ class ExecutorTimings(_Msg):
                     "activation recompute, the shared executor's own wall (host_wall, seconds), ...")
 
 
+class Sample(_Msg):
+    """One completion of the samples a task ends with."""
+
+    prompt: str = Field(max_length=8000)
+    job_id: str | None = Field(description="The configuration's job; null: the base model.")
+    completion: str = Field(max_length=100_000)
+    tokens: int = Field(ge=0, le=1_000_000, description="New tokens generated.")
+
+
+class TaskSamples(_Msg):
+    """The completions a task ended with (SampleSettings): every prompt answered by the leading
+    adapters and the base model. The service keeps them as a result file of the task."""
+
+    placement_id: str
+    samples: list[Sample] = Field(max_length=32 * 9)
+
+
 @dataclass(frozen=True)
 class Report:
     """A placement's report sent as one message: the type of its spool record, the contract's
@@ -381,6 +399,7 @@ class Report:
 REPORTS: dict[str, Report] = {r.kind: r for r in (
     Report("throughput", ThroughputReport, "/tasks/{task_id}/throughput"),
     Report("timings", ExecutorTimings, "/tasks/{task_id}/timings"),
+    Report("samples", TaskSamples, "/tasks/{task_id}/samples"),
     Report("finished", TaskFinished, "/tasks/{task_id}/finished"),
     Report("failed", TaskFailed, "/tasks/{task_id}/failed"),
 )}

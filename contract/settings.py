@@ -122,6 +122,29 @@ class EvalSettings(Message):
         return {**data, "eval_every_steps": STEP_CADENCE if steps is None else steps}
 
 
+class SampleSettings(Message):
+    """The completions a task ends with (trainer.sampling): a few held-out prompts answered by the
+    leading adapters and by the base model, side by side, from the search's own backbone."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    top_k: int = Field(default=3, ge=0, le=8,
+                       description="Adapters: the k jobs of the best validation loss (0: the base model alone).")
+    prompts: list[Annotated[str, Field(min_length=1, max_length=8000)]] | None = Field(
+        default=None, max_length=32,
+        description="The prompts, given inline (the chat template is applied when the training "
+                    "data was chat); null: the first n_prompts prompts of the validation set.")
+    n_prompts: int = Field(default=8, ge=1, le=32,
+                           description="Validation prompts used when none are given inline.")
+    max_new_tokens: int = Field(default=128, ge=1, le=1024)
+    temperature: float = Field(default=0.0, ge=0, le=2, allow_inf_nan=False,
+                               description="0: greedy; above, sampled with top_p and seed.")
+    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
+    seed: int = Field(default=0, ge=0, le=INT32_MAX,
+                      description="Sampling with the same seed repeats exactly.")
+
+
 class TaskSettings(Message):
     """How a task trains, declared once: the API's create schema extends it, the database keeps
     it as one document (tasks.settings), the placement carries it and the executor holds it. A
@@ -136,6 +159,7 @@ class TaskSettings(Message):
     seed: int = Field(default=0, ge=0, le=INT32_MAX)
     early_exit: EarlyExitSettings = Field(default_factory=EarlyExitSettings)
     eval: EvalSettings = Field(default_factory=EvalSettings)
+    samples: SampleSettings = Field(default_factory=SampleSettings)
     target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(
         default=None, max_length=32,
         description="Linear layers to adapt (e.g. q_proj, v_proj; qkv_proj on Phi-3); each must "

@@ -43,7 +43,8 @@ from trainer.varlen import flash_exact, flash_varlen_available
 
 log = logging.getLogger("loraplex.executor")
 
-PHASES = ("load", "profile", "train", "eval", "checkpoint", "export", "admit", "init", "park", "resume")
+PHASES = ("load", "profile", "train", "eval", "checkpoint", "export", "admit", "init", "park", "resume",
+          "samples")
 
 
 class Executor(TaskHosting, MemoryPlanning):

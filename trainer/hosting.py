@@ -11,11 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from contract.protocol import tenant_safe
 from contract.states import JOB_LIVE, JobState, TaskOutcome
 from trainer.checkpoint import load_checkpoint
 from trainer.colocate import TaskRun
 from trainer.config import CALLBACK_KINDS, HOST_FIELDS, Callbacks, ExecutorConfig
 from trainer.host_pool import POOL, host_memory_bytes
+from trainer.task_samples import task_samples, write_samples
 
 log = logging.getLogger("loraplex.executor")
 
@@ -146,6 +148,24 @@ class TaskHosting:
         task.fail_unschedulable()
         self._reserve_parking(task)
 
+    def _samples(self, task: TaskRun) -> None:
+        """The completions the task ends with (trainer.task_samples), from its leading adapters and
+        the base model, before it lets go of the backbone. One GPU: an adapter-parallel task ends
+        without them. A failure is the samples' alone: logged and announced, the task succeeds."""
+        if not self.strategy.whole_engine or not task.cfg.settings.samples.enabled:
+            return
+        from trainer.sampling import generate
+
+        try:
+            with self.phase("samples"):
+                rows = task_samples(task, self.engine, self.tokenizer, generate)
+            if rows:
+                write_samples(task.out, rows)
+                task.cb.on_event("", "samples", {"samples": rows})
+        except Exception as exc:  # noqa: BLE001 - the training succeeded; its samples did not
+            log.exception("task=%s samples failed", task.task_id)
+            task.cb.on_event("", "samples_failed", {"error": tenant_safe(str(exc))})
+
     def _reserve_parking(self, task: TaskRun) -> None:
         """Pin, in the background, host memory for the states the task's configurations may
         park and the snapshots its writes take (trainer.host_pool): at most a quarter of the
@@ -171,6 +191,8 @@ class TaskHosting:
                 if st["state"] in JOB_LIVE:
                     self._guarded(task, lambda j=job_id: task.set_state(j, JobState.CANCELLED, {}))
         task.settle(wait=True)  # its files complete and announced first (a pause's checkpoint)
+        if outcome == TaskOutcome.SUCCEEDED and task.error is None:
+            self._samples(task)
         if outcome in (TaskOutcome.SUCCEEDED, TaskOutcome.PAUSED):  # the task's own, not the host's
             self._guarded(task, lambda: task.cb.on_event("", "timings", self.timings(task)))
         task.release()

@@ -251,6 +251,9 @@ class _Bridge:
         if message == "timings":  # the executor's phase split: its own report (ExecutorTimings)
             self.reporter.spool.report("timings", timings_report(fields))
             return
+        if message == "samples":  # the task's closing completions: their own report (TaskSamples)
+            self.reporter.spool.report("samples", {"samples": fields["samples"]})
+            return
         self.reporter.event(message[:48], message, job_id or None, data=fields or None)
 
 

@@ -16,7 +16,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.background import Background
 from service.api.error_docs import document_errors
-from service.api.routes import files, fine_tuning, internal, merged, ops, tasks, ui, usage, webhooks
+from service.api.routes import (
+    files,
+    fine_tuning,
+    internal,
+    merged,
+    ops,
+    samples,
+    tasks,
+    ui,
+    usage,
+    webhooks,
+)
 from service.cluster import watch_service_health
 from service.core.config import Settings, get_settings
 from service.core.db import ReadPool, make_engine, make_sessionmaker
@@ -150,8 +161,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.deliverer = None  # this process's webhook deliverer, while the lifespan runs
     configure_queue(settings.redis_url)
     install_error_handlers(app)
-    for module in (files, tasks, merged, fine_tuning, internal, ops, ui, usage, webhooks):
+    for module in (files, tasks, samples, merged, fine_tuning, internal, ops, ui, usage, webhooks):
         app.include_router(module.router)
+    app.include_router(samples.internal)
     document_errors(app)  # every route's error statuses, with the error schema
     app.add_middleware(Instrument, prom=app.state.prom, settings=settings)
     return app

@@ -1,0 +1,73 @@
+"""Unit: the samples a task ends with (trainer.task_samples through the executor, CPU): every
+prompt answered by the base model and the top k jobs by best validation loss, written to
+samples.jsonl and reported; inline prompts; a failure of the samples leaves the task succeeded;
+disabled, nothing is made."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from contract.protocol import SampleSettings
+from tests.unit.test_engine_executor import Recorder, config
+from trainer import sampling
+from trainer.executor import Executor
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def samples_of(rec: Recorder) -> list[dict]:
+    found = [d for j, m, d in rec.events if m == "samples"]
+    assert len(found) <= 1
+    return found[0]["samples"] if found else []
+
+
+def test_a_task_ends_with_its_leading_adapters_and_the_base_model_side_by_side(tmp_path) -> None:  # noqa: ANN001
+    rec = Recorder()
+    cfg = config(tmp_path, "run", samples=SampleSettings(top_k=2, n_prompts=3, max_new_tokens=5))
+    status = Executor(cfg, rec.callbacks()).run()
+    rows = samples_of(rec)
+    assert len(rows) == 3 * (1 + 2)
+    best = {j: min(v for _, v in rec.evals[j]) for j in rec.evals if rec.evals[j]}
+    best = {j: v for j, v in best.items() if math.isfinite(v) and
+            (tmp_path / "run" / "jobs" / j / "best" / "adapter_model.safetensors").exists()}
+    leaders = sorted(best, key=best.get)[:2]
+    prompts = list(dict.fromkeys(r["prompt"] for r in rows))
+    assert len(prompts) == 3
+    for p in prompts:  # per prompt: the base model first, then the leaders by best validation loss
+        assert [r["job_id"] for r in rows if r["prompt"] == p] == [None, *leaders]
+    assert all(1 <= r["tokens"] <= 5 and isinstance(r["completion"], str) for r in rows)
+    written = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert written == rows
+    assert all(status[j]["state"] == "completed" for j in leaders)
+    timings = [d for j, m, d in rec.events if m == "timings"][0]
+    assert timings["samples_s"] > 0
+
+
+def test_inline_prompts_and_a_failure_that_leaves_the_task_succeeded(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    seen = {}
+
+    def broken(engine, prompts, job_ids, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen["rows"] = (len(prompts), list(job_ids))
+        raise RuntimeError("decode broke at /srv/secret/path.py")
+
+    monkeypatch.setattr(sampling, "generate", broken)
+    rec = Recorder()
+    cfg = config(tmp_path, "broken", samples=SampleSettings(top_k=1, prompts=["Tell me", "Why"], max_new_tokens=3))
+    status = Executor(cfg, rec.callbacks()).run()
+    assert seen["rows"][0] == 2 * 2 and seen["rows"][1][0] is None  # 2 inline prompts x (base + 1)
+    assert samples_of(rec) == []
+    [failed] = [d for j, m, d in rec.events if m == "samples_failed"]
+    assert "decode broke" in failed["error"] and "/srv" not in failed["error"]  # no server path
+    assert not (tmp_path / "broken" / "samples.jsonl").exists()
+    assert any(s["state"] == "completed" for s in status.values())
+    assert not any(j.startswith("__sample__") for j in status)
+
+
+def test_disabled_samples_make_nothing(tmp_path) -> None:  # noqa: ANN001
+    rec = Recorder()
+    Executor(config(tmp_path, "off", samples=SampleSettings(enabled=False)), rec.callbacks()).run()
+    assert samples_of(rec) == [] and not (tmp_path / "off" / "samples.jsonl").exists()
+    assert not any(m.startswith("samples") for _, m, _ in rec.events)
