@@ -1,0 +1,184 @@
+"""Completions of many adapters at once from the engine's own backbone (issue 44's samples): one
+batch, each row decoded with its own job's adapter (or the base model alone) through the
+multi-LoRA forward, with the model's KV cache, its own output head and greedy or nucleus sampling.
+
+Rows are grouped by job so that every job's tokens are contiguous (the layout the multi-LoRA layers
+read); the base model's rows form one group whose slot has rank 0 and scale 0 (it adds nothing).
+Prompts are left-padded for one prefill (attention mask, position ids counted from each row's first
+real token), then one token per row per step until every row has met an EOS or max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache
+
+from trainer.jobs import JobState
+
+if TYPE_CHECKING:
+    from trainer.engine import MultiLoraEngine
+
+Picker = Callable[[torch.Tensor], torch.Tensor]
+
+
+def nucleus_pick(logits: torch.Tensor, temperature: float, top_p: float,
+                 generator: torch.Generator | None) -> torch.Tensor:
+    """Each row's next token [B] from its logits [B, V]: the argmax when temperature == 0, else a
+    draw from softmax(logits / temperature) kept to its top-p nucleus (the most likely tokens whose
+    mass first reaches top_p; the most likely one always stays)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    if top_p < 1.0:
+        ordered, index = probs.sort(dim=-1, descending=True)
+        before = ordered.cumsum(-1) - ordered  # the mass of the likelier tokens
+        ordered = ordered.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, index, ordered)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _groups(job_ids: Sequence[str | None]) -> tuple[list[str | None], list[int], list[int]]:
+    """The row groups in slot order (the base model's first, then jobs as they first appear), the
+    rows of each group, and the permutation that sorts the rows into those groups (stable)."""
+    keys = sorted(dict.fromkeys(job_ids), key=lambda k: k is not None)
+    slot = {k: i for i, k in enumerate(keys)}
+    order = sorted(range(len(job_ids)), key=lambda r: slot[job_ids[r]])
+    counts = [sum(1 for j in job_ids if j == k) for k in keys]
+    return keys, counts, order
+
+
+def _point(engine: MultiLoraEngine, states: list[JobState | None], counts: list[int],
+           length: int, base_slot: int | None) -> None:
+    """Point every multi-LoRA layer at the groups' adapters for a forward of `length` tokens per
+    row (job i owns rows' tokens offsets[i]:offsets[i+1]); the base slot reads nothing."""
+    if not any(s is not None for s in states):
+        return  # the base model alone: no layout, every layer is its plain linear
+    placeholder = next(s for s in states if s is not None)
+    engine._set_layout([placeholder if s is None else s for s in states],
+                       [0, *itertools.accumulate(c * length for c in counts)])
+    if base_slot is not None:
+        layout = engine.layer_list[0].layout  # one layout object shared by every layer
+        layout.ranks[base_slot] = 0
+        layout.scales[base_slot] = 0.0
+
+
+def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, attention mask and position ids [B, L] of the prompts, padded on the left."""
+    length = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, length - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        mask[r, length - len(p):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
+def _cache_arg(backbone: torch.nn.Module) -> str:
+    """The name under which the backbone's forward takes its KV cache."""
+    params = inspect.signature(backbone.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _decode(engine: MultiLoraEngine, prompts: Sequence[Sequence[int]],
+            states: list[JobState | None], counts: list[int], *, max_new_tokens: int, pick: Picker, eos: frozenset[int],
+            pad_id: int) -> list[list[int]]:
+    """The decode loop over rows already grouped by job: a prefill of the padded prompts, then one
+    token per row per step with the model's KV cache; each row's new tokens."""
+    base_slot = states.index(None) if None in states else None
+    ids, mask, positions = _left_padded(prompts, pad_id, engine.device)
+    backbone = engine.model.base_model
+    # the model's own KV cache (sliding-window layers included), filled in place by each forward;
+    # transformers 5 renames the forward's `past_key_values` to `cache`
+    cache = {_cache_arg(backbone): DynamicCache(config=engine.model.config)}
+    _point(engine, states, counts, ids.shape[1], base_slot)
+    out = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
+    _point(engine, states, counts, 1, base_slot)  # one token per row from here on
+    position = positions[:, -1:] + 1
+    new: list[list[int]] = [[] for _ in prompts]
+    running = set(range(len(prompts)))
+    while True:
+        tokens = pick(engine.output_logits(out.last_hidden_state[:, -1]))
+        for r, t in enumerate(tokens.tolist()):
+            if r in running:
+                new[r].append(t)
+                if t in eos or len(new[r]) >= max_new_tokens:
+                    running.discard(r)
+        if not running:
+            return new
+        mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=1)
+        out = backbone(input_ids=tokens[:, None], attention_mask=mask, position_ids=position,
+                       use_cache=True, **cache)
+        position = position + 1
+
+
+def _check(engine: MultiLoraEngine, prompts: Sequence[Sequence[int]],
+           job_ids: Sequence[str | None], temperature: float, top_p: float) -> None:
+    if len(prompts) != len(job_ids):
+        raise ValueError(f"{len(prompts)} prompts but {len(job_ids)} job ids")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    unknown = sorted({j for j in job_ids if j is not None and j not in engine.jobs})
+    if unknown:
+        raise ValueError(f"jobs {unknown} are not attached to the engine")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def generate(
+    engine: MultiLoraEngine,
+    prompts: list[list[int]],
+    job_ids: list[str | None],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_token_id: int | list[int] | None = None,
+    pad_id: int,
+) -> list[list[int]]:
+    """Row r's continuation of prompts[r] by the adapter of attached job job_ids[r] (None: the base
+    model alone), all rows in one batch: its new tokens, the EOS included where one ended it, at
+    most max_new_tokens. Greedy when temperature == 0, else softmax(logits / temperature) with
+    top-p filtering drawn from a generator seeded with `seed` on the engine's device (the same
+    inputs and seed give the same tokens). The engine is left as found, even on an error: no
+    layout on its layers, its attention mode and every module's training flag as they were."""
+    _check(engine, prompts, job_ids, temperature, top_p)
+    if max_new_tokens <= 0 or not prompts:
+        return [[] for _ in prompts]
+    keys, counts, order = _groups(job_ids)
+    states = [None if k is None else engine.jobs[k] for k in keys]
+    eos = frozenset([] if eos_token_id is None else
+                    [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=engine.device).manual_seed(seed)
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        return nucleus_pick(logits, temperature, top_p, generator)
+
+    model, attention = engine.model, engine.attention
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()  # also what turns the gradient checkpointing off for these forwards
+        engine.set_attention("rows")  # the model's own attention, which the KV cache serves
+        with torch.no_grad():
+            grouped = _decode(engine, [prompts[r] for r in order], states, counts,
+                              max_new_tokens=max_new_tokens, pick=pick, eos=eos, pad_id=pad_id)
+    finally:
+        engine._clear_layout()
+        engine.set_attention(attention)
+        for module, training in modes:
+            module.training = training
+    result: list[list[int]] = [[] for _ in prompts]
+    for tokens, r in zip(grouped, order, strict=True):
+        result[r] = tokens
+    return result
