@@ -27,7 +27,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Literal
 
-from contract.base import BaseModel, ConfigDict, Field, Message, model_validator  # noqa: F401
+from contract.base import (  # noqa: F401
+    BaseModel,
+    ConfigDict,
+    Count,
+    Field,
+    Message,
+    count,
+    model_validator,
+)
 from contract.settings import (  # noqa: F401 - re-exported: the contract's one import path
     DPO_GRID_KNOBS,
     GRID_KNOBS,
@@ -106,16 +114,15 @@ def cancel_key(placement_id: str) -> str:
 _Msg = Message  # the shapes below; worker.service_client types its reports by it
 
 
-# A GPU's index on its node; strict (a node's messages take the types they document).
-GpuIndex = Annotated[int, Field(ge=0, lt=64, strict=True)]
+# A GPU's index on its node; a Count (a node's messages take the types they document).
+GpuIndex = count(ge=0, lt=64)
 
 
 class NodeRegister(_Msg):
     name: str = Field(min_length=1, max_length=200, description="Stable node name (hostname).")
     gpu_type: str = Field(min_length=1, max_length=64, description="e.g. 'H100-80GB', 'cpu'.")
-    # strict: a JSON true or 8.0 is not a count (the documented type is integer)
-    gpu_count: int = Field(ge=0, le=64, strict=True)
-    gpu_memory_bytes: int = Field(ge=0, strict=True, description="Memory of one GPU in bytes.")
+    gpu_count: Count = Field(ge=0, le=64)
+    gpu_memory_bytes: Count = Field(ge=0, le=2**63 - 1, description="Memory of one GPU in bytes.")
     meta: dict | None = Field(default=None, description="Versions, driver, free-form.")
 
 
@@ -160,11 +167,11 @@ class ExecutorReport(_Msg):
     gpu_indices: list[GpuIndex] = Field(max_length=64)
     placement_ids: list[str] = Field(default_factory=list, max_length=1000,
                                      description="Placements it hosts now (empty: warm, idle).")
-    free_rows: int = Field(ge=0, strict=True, description="Sequence rows of its admission budget that no "
+    free_rows: Count = Field(ge=0, description="Sequence rows of its admission budget that no "
                                              "hosted job uses (what another task's jobs can take).")
-    total_rows: int = Field(ge=0, strict=True,
+    total_rows: Count = Field(ge=0,
                             description="Its whole admission budget in sequence rows.")
-    queued_jobs: int = Field(default=0, ge=0, strict=True,
+    queued_jobs: Count = Field(default=0, ge=0,
                              description="Hosted jobs waiting for rows.")
 
 
@@ -371,7 +378,7 @@ class Sample(_Msg):
     """One completion of the samples a task ends with."""
 
     prompt: str = Field(max_length=8000)
-    job_id: str | None = Field(description="The configuration's job; null: the base model.")
+    job_id: str | None = Field(default=None, description="The configuration's job; null: the base model.")
     completion: str = Field(max_length=100_000)
     tokens: int = Field(ge=0, le=1_000_000, description="New tokens generated.")
 

@@ -2,7 +2,7 @@
 few held-out prompts, from the leading adapters and the base model side by side (the TaskSamples
 report). Kept as a JSONL result file of the tenant (purpose fine-tune-results, one row per
 completion: prompt, job_id, completion, tokens; the base model's rows have job_id null),
-announced by a `samples` event, read back by GET /v1/tasks/{id}/samples. The file's id is
+announced by a `samples` event (and the webhook event task.samples), read back by GET /v1/tasks/{id}/samples. The file's id is
 derived from the task's, so a repeated report stores one file; deleting the task's files deletes it.
 """
 
@@ -16,9 +16,9 @@ import logging
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from contract.protocol import EventIn, TaskSamples
+from contract.protocol import TaskSamples
 from service.core.storage import Storage
-from service.events import ingest_events
+from service.events import add_event
 from service.models import File, Job, Task
 from service.result_files import PURPOSE
 
@@ -28,6 +28,10 @@ log = logging.getLogger("loraplex.samples")
 def samples_file_id(task_id: str) -> str:
     """The one id a task's samples file can have (derived, the shape of every file id)."""
     return "file_" + hashlib.sha256(f"samples:{task_id}".encode()).hexdigest()[:24]
+
+
+# samples_file_id in SQL ({task}: the tasks row's alias), for the task views' result_files
+SAMPLES_FILE_SQL = "'file_' || substr(encode(sha256(convert_to('samples:' || {task}.id, 'UTF8')), 'hex'), 1, 24)"
 
 
 def store_samples(session: Session, storage: Storage, task: Task, msg: TaskSamples) -> int:
@@ -49,10 +53,10 @@ def store_samples(session: Session, storage: Storage, task: Task, msg: TaskSampl
         sha256=hashlib.sha256(body).hexdigest(), storage_key=key).on_conflict_do_nothing(index_elements=["id"]))
     prompts = len({s.prompt for s in msg.samples})
     configs = len({s.job_id for s in msg.samples})
-    ingest_events(session, task, [EventIn(
-        type="samples", message=f"samples: {prompts} prompts x {configs} configurations (base model included)",
-        data={"file_id": file_id, "prompts": prompts, "configurations": configs},
-        client_key=f"{msg.placement_id}:samples")])
+    # a service event (once: the file's id is derived), so the webhook outbox announces it too
+    add_event(session, task.id, "samples",
+              f"samples: {prompts} prompts x {configs} configurations (base model included)",
+              data={"file_id": file_id, "prompts": prompts, "configurations": configs})
     session.flush()
     log.info("samples stored task=%s file=%s rows=%d", task.id, file_id, len(msg.samples))
     return 1

@@ -7,11 +7,13 @@ from collections import Counter
 from datetime import datetime
 
 from sqlalchemy import func, literal_column, select, true
+from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.orm import Session
 
 from contract.protocol import TaskSettings
 from contract.states import PlacementState
 from service.models import Artifact, File, Job, MetricPoint, Placement, Task
+from service.samples import SAMPLES_FILE_SQL
 from service.schemas import JobOut, TaskOut, finite
 from service.tracking.integrations import VIEW_SQL, integration_views
 from service.usage import job_usage, task_usage
@@ -46,8 +48,10 @@ def task_outs(session: Session, tasks: list[Task], price: float | None = None) -
                select(func.sum(MetricPoint.gpu_seconds)).where(*train).scalar_subquery(),
                select(File.bytes).where(File.id == Task.training_file_id).scalar_subquery(),
                select(File.line_count).where(File.id == Task.training_file_id).scalar_subquery(),
-               select(File.id).where(File.id == func.concat("file_", func.split_part(Task.id, "_", 2)),
-                                     File.deleted_at.is_(None)).scalar_subquery(),
+               select(func.array_agg(aggregate_order_by(File.id, (File.format == "csv").desc())))
+               .where(File.id.in_([func.concat("file_", func.split_part(Task.id, "_", 2)),
+                                   literal_column(SAMPLES_FILE_SQL.format(task="tasks"))]),
+                      File.deleted_at.is_(None)).scalar_subquery(),
                literal_column(VIEW_SQL.format(task="tasks")))
         .outerjoin(latest, true()).where(Task.id.in_([t.id for t in tasks])))
     views = {row[0]: row[1:] for row in rows}
@@ -68,11 +72,11 @@ def task_view(t: dict, job_states: list[str] | None, failed: int, attempt: int |
               estimated_s: float | None = None, gpus: int | None = None,
               tokens: int | None = None, gpu_seconds: float | None = None,
               file_bytes: int | None = None, file_lines: int | None = None,
-              result_file: str | None = None, integrations: list | None = None, *,
+              result_files: list[str] | None = None, integrations: list | None = None, *,
               price: float | None = None) -> dict:
     """TaskOut's fields, in its order, from a task's TASK_COLUMNS and what task_outs adds (its
     job states, failed attempts, the placement that says most about "when" with its estimate
-    and GPUs, its usage sums, its training file's size, its result file and its integrations):
+    and GPUs, its usage sums, its training file's size, its result files and its integrations):
     the one view of a task, for the ORM path and the read path alike."""
     counts = dict(Counter(job_states or ()))
     usage = task_usage(t, tokens, gpu_seconds, file_bytes, file_lines, estimated_s, gpus, price)
@@ -87,7 +91,7 @@ def task_view(t: dict, job_states: list[str] | None, failed: int, attempt: int |
             "planned_start": planned_start, "planned_end": planned_end,
             "created_at": t["created_at"], "started_at": t["started_at"],
             "finished_at": t["finished_at"], "suffix": t["suffix"], "metadata": t["meta"],
-            "result_files": [result_file] if result_file else [],
+            "result_files": list(result_files or []),
             "usage": usage.model_dump(), "init_adapter_file": t.get("init_adapter_file_id"),
             "integrations": integration_views(integrations, t["state"])}
 

@@ -192,8 +192,8 @@ class Forwarder:
             if exc.retryable:
                 raise
             self.state.dropped += 1
-            log.warning("report refused task=%s placement=%s what=%s status=%s code=%s",
-                        self.task_id, self.placement_id, what, exc.status, exc.code)
+            log.warning("report refused task=%s placement=%s what=%s status=%s code=%s message=%s",
+                        self.task_id, self.placement_id, what, exc.status, exc.code, str(exc)[:300])
 
     def _advance(self, offset: int) -> None:
         self.state.offset = offset

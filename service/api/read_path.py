@@ -22,6 +22,7 @@ from service.core.errors import not_found
 from service.core.pagination import unknown_cursor
 from service.events import metrics_body, metrics_params, metrics_statement
 from service.models import ApiKey
+from service.samples import SAMPLES_FILE_SQL
 from service.task_views import TASK_COLUMNS, task_view
 from service.tracking.integrations import VIEW_SQL
 
@@ -48,8 +49,8 @@ SELECT {columns},
         WHERE m.task_id = t.id AND m.split = 'train'),
        (SELECT f.bytes FROM files f WHERE f.id = t.training_file_id),
        (SELECT f.line_count FROM files f WHERE f.id = t.training_file_id),
-       (SELECT f.id FROM files f WHERE f.id = 'file_' || split_part(t.id, '_', 2)
-        AND f.deleted_at IS NULL),
+       (SELECT array_agg(f.id ORDER BY f.format = 'csv' DESC) FROM files f
+        WHERE f.id IN ('file_' || split_part(t.id, '_', 2), {samples_file}) AND f.deleted_at IS NULL),
        {integrations}
 FROM (SELECT * FROM tasks WHERE tenant_id = (SELECT tenant_id FROM me){filters}
       ORDER BY created_at DESC, id DESC LIMIT %(limit)s) t
@@ -70,7 +71,7 @@ def _list_sql(state: bool, after: bool) -> str:
     return _LIST_SQL.format(key_tenant=_KEY_TENANT.element.compile(dialect=_DIALECT),
                             columns=", ".join(f"t.{c}" for c in TASK_COLUMNS),
                             filters=(_STATE if state else "") + (_AFTER if after else ""),
-                            integrations=VIEW_SQL.format(task="t"),
+                            integrations=VIEW_SQL.format(task="t"), samples_file=SAMPLES_FILE_SQL.format(task="t"),
                             failed=PlacementState.FAILED, superseded=PlacementState.SUPERSEDED,
                             cancelled=PlacementState.CANCELLED)
 

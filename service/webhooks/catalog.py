@@ -18,8 +18,10 @@ TASK_TYPES = ("task.running", "task.paused", "task.succeeded", "task.failed", "t
 # job.failed: a job its executor reported failed (the jobs a task's end stops are told by the
 # task's event, not one by one).
 JOB_TYPES = ("job.exited", "job.completed", "job.failed")
+# task.samples: the completions a task ended with are stored (GET /v1/tasks/{id}/samples)
+SAMPLES_TYPE = "task.samples"
 TEST_TYPE = "webhook.test"  # POST /v1/webhooks/{id}/test only; nothing subscribes to it
-EVENT_TYPES = (*OPENAI_TYPES, *TASK_TYPES, *JOB_TYPES)
+EVENT_TYPES = (*OPENAI_TYPES, *TASK_TYPES, SAMPLES_TYPE, *JOB_TYPES)
 
 # add_event's type -> the webhook event types it is.
 FROM_TASK_EVENT: dict[str, tuple[str, ...]] = {
@@ -31,6 +33,7 @@ FROM_TASK_EVENT: dict[str, tuple[str, ...]] = {
     "job_exited": ("job.exited",),
     "job_completed": ("job.completed",),
     "job_failed": ("job.failed",),
+    "samples": (SAMPLES_TYPE,),
 }
 
 
@@ -46,6 +49,10 @@ def event_data(type: str, task_id: str, meta: dict | None, message: str, job_id:
     data = data or {}
     if type.startswith("fine_tuning.job."):
         return {"id": task_id}
+    if type == SAMPLES_TYPE:
+        return {"id": task_id, "object": "task.samples", "file_id": data.get("file_id"),
+                "prompts": data.get("prompts"), "configurations": data.get("configurations"),
+                "metadata": meta}
     if type.startswith("job."):
         return {"id": job_id, "object": "job", "task_id": task_id, "state": type[4:],
                 "exit_reason": data.get("exit_reason"), "best_val_loss": data.get("best_val_loss"),

@@ -483,7 +483,7 @@ def test_dashboard_end_to_end(stack: Stack, browser: webdriver.Chrome, downloads
     assert any("lora_" in n for n, _ in tuned.named_parameters())
 
     # Its result file: the step metrics CSV of the run, downloaded from the page.
-    [result_file] = http.get(f"/v1/tasks/{task_id}").json()["result_files"]
+    result_file = http.get(f"/v1/tasks/{task_id}").json()["result_files"][0]  # the CSV (samples after)
     downloaded_results(browser, http, downloads, task_id, result_file)
 
     # The merged model, beside it: the first click asks for it, one once it is built downloads.
@@ -703,7 +703,7 @@ def test_usage_results_tracking_and_adapter_on_the_page(stack: Stack, browser: w
     screenshot(browser, "dashboard-task-usage.png")
 
     # The result file: the step metrics CSV, downloaded from the page with the key.
-    [result_file] = task["result_files"]
+    result_file = task["result_files"][0]  # the CSV (the samples file after it)
     wait_for(lambda: attrs(browser, "#btn-results", "data-file") == [(result_file,)], 20,
              "the result file's button")
     body = downloaded_results(browser, http, downloads, task_id, result_file)

@@ -193,6 +193,18 @@ def test_killed_executor_then_lost_node_resume_from_checkpoints(stack: Stack,
         jobs = http.get(f"/v1/tasks/{task['id']}/jobs").json()["data"]
         assert [j["trained_tokens"] for j in jobs] == [hand, hand], (hand, jobs)
         assert final["usage"]["trained_tokens"] == 2 * hand and final["usage"]["gpu_seconds"] > 0
-        [result] = final["result_files"]
+        assert len(final["result_files"]) == 2, [(e["type"], e["message"]) for e in ev
+                                                  if e["type"].startswith("samples")]
+        result, samples_file = final["result_files"]  # the step metrics CSV, then the samples
         rows = list(csv.DictReader(io.StringIO(http.get(f"/v1/files/{result}/content").text)))
         assert len(rows) == 2 * 48 and sum(int(r["tokens"]) for r in rows) == 2 * hand
+        # the samples the task ended with (issue 44), from the real executor's backbone: every
+        # prompt answered by the base model and both configurations (top 3 of 2), the base first
+        samples = http.get(f"/v1/tasks/{task['id']}/samples").json()
+        assert samples["file_id"] == samples_file and samples["data"], samples
+        data = samples["data"]
+        blocks = [data[i : i + 3] for i in range(0, len(data), 3)]  # a prompt: base, then 2 jobs
+        assert len(data) % 3 == 0 and all(len({r["prompt"] for r in b}) == 1 for b in blocks), data
+        assert all(b[0]["job_id"] is None and sorted(r["job_id"] for r in b[1:]) == sorted(j["id"] for j in jobs)
+                   for b in blocks), data
+        assert any(e["type"] == "samples" for e in ev)

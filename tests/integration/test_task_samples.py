@@ -29,6 +29,10 @@ def test_samples_are_stored_once_and_shown_to_their_tenant(client, factory, sess
         "stored": 0}  # a retry
     got = client.get(f"/v1/tasks/{task}/samples", headers=tenant.headers).json()
     assert got["data"] == rows and got["file_id"] == samples_file_id(task)
+    # listed among the task's result files, on the one task's view and on the list's
+    assert client.get(f"/v1/tasks/{task}", headers=tenant.headers).json()["result_files"] == [got["file_id"]]
+    listed = client.get("/v1/tasks", headers=tenant.headers).json()["data"]
+    assert [t["result_files"] for t in listed if t["id"] == task] == [[got["file_id"]]]
     session.expire_all()
     f = session.get(File, samples_file_id(task))
     assert f.purpose == "fine-tune-results" and f.format == "jsonl" and f.line_count == 2

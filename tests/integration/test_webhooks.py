@@ -409,3 +409,24 @@ def test_endpoints_per_tenant_are_capped(client, factory, receiver) -> None:  # 
     rest = client.get("/v1/webhooks", headers=t.headers,
                       params={"limit": 15, "after": page["last_id"]}).json()
     assert len(rest["data"]) == MAX_ENDPOINTS - 15 and not rest["has_more"]
+
+
+def test_a_tasks_samples_are_announced_signed(client, factory, session, receiver) -> None:  # noqa: ANN001
+    """task.samples (issue 44): delivered, signed, once the executor's samples are stored."""
+    from tests.integration.test_throughput_profiles import claimed
+
+    t = factory.tenant()
+    made = create(client, t, receiver.url, ["task.samples"])
+    node = factory.node("gpu-s", gpus=1)
+    task = factory.task(t)["id"]
+    pid = claimed(client, factory, task, node)
+    rows = [{"prompt": "Hi", "job_id": None, "completion": "hello", "tokens": 1}]
+    for _ in range(2):  # a retried report announces nothing twice
+        r = client.post(f"/internal/v1/tasks/{task}/samples", headers=factory.worker,
+                        json={"placement_id": pid, "samples": rows})
+        assert r.status_code == 200, r.text
+    [got] = wait_for(lambda: receiver.of_type("task.samples"), 10, "the samples event")
+    body = verify(made["secret"], got)
+    assert body["data"]["id"] == task and body["data"]["prompts"] == 1 and body["data"]["file_id"]
+    assert session.scalar(select(func.count()).select_from(WebhookEvent).where(
+        WebhookEvent.type == "task.samples")) == 1

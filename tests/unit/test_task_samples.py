@@ -71,3 +71,13 @@ def test_disabled_samples_make_nothing(tmp_path) -> None:  # noqa: ANN001
     Executor(config(tmp_path, "off", samples=SampleSettings(enabled=False)), rec.callbacks()).run()
     assert samples_of(rec) == [] and not (tmp_path / "off" / "samples.jsonl").exists()
     assert not any(m.startswith("samples") for _, m, _ in rec.events)
+
+
+def test_a_base_models_row_survives_the_daemons_serialisation() -> None:
+    """The daemon's client leaves None out of a report's JSON: a base model's row (job_id null)
+    must still be a valid report on the service's side."""
+    from contract.protocol import Sample, TaskSamples
+
+    msg = TaskSamples(placement_id="pl_x", samples=[Sample(prompt="a", completion="b", tokens=1)])
+    again = TaskSamples.model_validate(msg.model_dump(exclude_none=True))
+    assert again.samples[0].job_id is None

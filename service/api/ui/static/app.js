@@ -380,6 +380,8 @@ function taskView(main, taskId) {
     h("p", { class: "muted small" }, "Solid: train; dashed: validation; ✕: early exit (hover for the reason). Click a leaderboard row to highlight a job.")));
   main.appendChild(h("section", { class: "card" }, h("h2", {}, "Leaderboard"),
     h("div", { class: "scroll" }, h("table", { id: "leaderboard", class: "grid-table" }, h("thead", {}, lbHead), lbBody))));
+  const samplesCard = h("section", { class: "card", id: "samples", hidden: true });
+  main.appendChild(samplesCard);
   main.appendChild(h("section", { class: "card" }, h("h2", {}, "Events"), h("div", { class: "events-wrap" }, log)));
 
   function action(label, id, fn) { return h("button", { id, type: "button", onclick: fn }, label); }
@@ -432,7 +434,9 @@ function taskView(main, taskId) {
     pause.disabled = done || t.state === "paused" || t.state === "pausing";
     const resume = action("Resume", "btn-resume", () => post(`/v1/tasks/${t.id}/resume`, "Resume"));
     resume.disabled = t.state !== "paused";
-    const resultFile = (t.result_files || [])[0];
+    // the step metrics CSV's id is the task's own (the samples file, when there is one, is another)
+    const csvId = `file_${t.id.slice(t.id.indexOf("_") + 1)}`;
+    const resultFile = (t.result_files || []).includes(csvId) ? csvId : null;
     const results = action("Results (CSV)", "btn-results", () => downloadResults(resultFile));
     results.disabled = !resultFile;
     results.title = resultFile ? `step metrics of every job: ${resultFile}` : "once the task has ended with step metrics";
@@ -483,12 +487,47 @@ function taskView(main, taskId) {
 
   // Once the stream has ended: the task as GET /v1/tasks/{id} shows it (its result file is made
   // there when the end's own attempt missed it), again every 5 s while a tracking sync is due.
+  // The completions the task ended with (GET /v1/tasks/{id}/samples): each prompt's row holds the
+  // base model's and each leading configuration's side by side, in the leaderboard's order.
+  async function loadSamples() {
+    try {
+      const r = await api(`/v1/tasks/${encodeURIComponent(taskId)}/samples`);
+      if (!stopped && r.data.length) renderSamples(r);
+    } catch (_) { /* shown on the next end or samples event */ }
+  }
+
+  function renderSamples(r) {
+    const cols = [...new Set(r.data.map((s) => s.job_id))];
+    const rows = new Map();
+    for (const s of r.data) {
+      if (!rows.has(s.prompt)) rows.set(s.prompt, {});
+      rows.get(s.prompt)[s.job_id] = s;
+    }
+    const label = (id) => {
+      if (id === null) return "base model";
+      const j = st.jobs.find((x) => x.id === id);
+      const hp = j ? Object.entries(j.hyperparameters || {}).filter(([, v]) => v !== null).map(([k, v]) => `${k} ${v}`).join(", ") : "";
+      return `${short(id)}${hp ? ` (${hp})` : ""}`;
+    };
+    const head = h("tr", {}, h("th", {}, "Prompt"), ...cols.map((c) => h("th", { "data-job": c ?? "base" }, label(c))));
+    const body = h("tbody", {}, ...[...rows.entries()].map(([prompt, by]) =>
+      h("tr", {}, h("td", {}, h("pre", { class: "sample" }, prompt)),
+        ...cols.map((c) => h("td", { "data-job": c ?? "base" }, h("pre", { class: "sample" }, by[c] ? by[c].completion : ""))))));
+    while (samplesCard.firstChild) samplesCard.removeChild(samplesCard.firstChild);
+    samplesCard.append(h("h2", {}, "Samples"),
+      h("p", { class: "muted small" }, "What the leading configurations and the base model write on the same held-out prompts. ",
+        h("span", { class: "mono" }, r.file_id || "")),
+      h("div", { class: "scroll" }, h("table", { id: "samples-table", class: "grid-table" }, h("thead", {}, head), body)));
+    samplesCard.hidden = false;
+  }
+
   async function afterEnd() {
     try {
       const t = await api(`/v1/tasks/${encodeURIComponent(taskId)}`);
       if (stopped) return;
       st.task = t;
       renderHead();
+      loadSamples();
       if ((t.integrations || []).some((i) => i.status === "waiting" || i.status === "pending")) retry = setTimeout(afterEnd, 5000);
     } catch (e) {
       if (!stopped && e.status !== 404 && e.status !== 401) retry = setTimeout(afterEnd, 5000);
@@ -579,7 +618,7 @@ function taskView(main, taskId) {
     if (u.gone) { msg.textContent = "This task does not exist (or is not yours)."; return; }
     if (u.task) { st.task = u.task; renderHead(); }
     if (u.jobs) { st.jobs = u.jobs; renderBoard(); loadAccuracy(); }
-    if (u.events) renderEvents(u.events);
+    if (u.events) { renderEvents(u.events); if (u.events.some((e) => e.type === "samples")) loadSamples(); }
     if (u.points) {
       if (u.reset) st.curves = {};
       for (const [jid, c] of Object.entries(u.points)) {
