@@ -3,9 +3,7 @@ changes and the terminal transitions. Plain functions over a session; routes sta
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import logging
 
 from redis.exceptions import RedisError
@@ -24,7 +22,7 @@ from contract.states import (
     PlacementState,
     TaskState,
 )
-from service import learning_rates, lifecycle
+from service import idempotency, learning_rates, lifecycle
 from service.core.config import Settings
 from service.core.db import after_commit
 from service.core.errors import ApiError, conflict, invalid, not_found
@@ -32,6 +30,7 @@ from service.core.registry import BaseModelEntry, ModelRegistry
 from service.core.storage import Storage
 from service.events import add_event
 from service.files import METHOD_FORMATS, get_file
+from service.idempotency import accepted_digests
 from service.init_adapter import resolve_init_adapter
 from service.models import (
     JOB_TERMINAL,
@@ -81,26 +80,6 @@ def resolve_auto(body: TaskCreate, registry: ModelRegistry) -> TaskCreate:
     rates = learning_rates.auto_learning_rates(auto_centre(registry, body.base_model))
     space = body.search_space.model_copy(update={"learning_rate": rates})
     return body.model_copy(update={"search_space": space})
-
-
-def request_hash(sent: object) -> str:
-    """The Idempotency-Key digest of what the client sent: its JSON body as parsed (keys sorted,
-    no default filled in), so an upgrade that adds a setting or changes a default changes no
-    digest and a retry across it replays."""
-    canonical = json.dumps(sent, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def legacy_request_hash(body: TaskCreate) -> str:
-    """The digest keys claimed before request_hash were stored with (the validated body with
-    every default filled in): a retry of such a key still replays while the defaults hold."""
-    data = body.model_dump(mode="json")
-    # Newer fields, unset (integrations: or empty): the hash of a body sent before them holds.
-    for added in ("suffix", "metadata", "init_adapter_file", "integrations"):
-        if data.get(added) is None or (added == "integrations" and not data[added]):
-            data.pop(added, None)
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def resolve_adapter(session: Session, storage: Storage | None, tenant: Tenant, body: TaskCreate,
@@ -178,16 +157,16 @@ def create_task(session: Session, tenant: Tenant, body: TaskCreate, settings: Se
                 registry: ModelRegistry, idempotency_key: str | None = None,
                 storage: Storage | None = None, sent: object = None) -> tuple[Task, bool]:
     """Create a task and its jobs, committed; (task, created). With an idempotency key, the same
-    key and body return the first task (created=False); another body is a 409. sent: the
-    request's JSON as the client sent it, whose request_hash the key holds (default: the fields
-    the body set). storage: where an init_adapter_file is read (needed only with one)."""
-    digest = request_hash(body.model_dump(mode="json", exclude_unset=True)
-                          if sent is None else sent)
-    accepted = (digest, legacy_request_hash(body))
+    key and request return the first task (created=False); another request is a 409. The key
+    holds the digest of the canonical request (`canonical_request`); sent: the request's JSON as
+    the client sent it, also accepted. storage: where an init_adapter_file is read (needed only
+    with one)."""
+    accepted = accepted_digests(body, sent)
+    digest = accepted[0]
     if idempotency_key is not None:
         if not (0 < len(idempotency_key) <= 255):
             raise invalid("Idempotency-Key must be 1-255 characters", param="Idempotency-Key")
-        replay = _replay(session, tenant, idempotency_key, accepted)
+        replay = idempotency.replay(session, tenant, idempotency_key, accepted)
         if replay is not None:
             return replay, False
     body = resolve_auto(body, registry)  # after the digest: a replay hashes what was sent
@@ -197,7 +176,7 @@ def create_task(session: Session, tenant: Tenant, body: TaskCreate, settings: Se
     # creates at limit-1 count one after the other. A rejected create claims no key.
     admit_task(session, tenant)
     if idempotency_key is not None:
-        replay = _replay(session, tenant, idempotency_key, accepted)  # a twin committed meanwhile
+        replay = idempotency.replay(session, tenant, idempotency_key, accepted)  # a twin committed meanwhile
         if replay is not None:
             return replay, False
     try:
@@ -205,7 +184,7 @@ def create_task(session: Session, tenant: Tenant, body: TaskCreate, settings: Se
     except IntegrityError:
         # Another request with the same Idempotency-Key committed first: answer with its task.
         session.rollback()
-        replay = _replay(session, tenant, idempotency_key, accepted) if idempotency_key else None
+        replay = idempotency.replay(session, tenant, idempotency_key, accepted) if idempotency_key else None
         if replay is None:
             raise
         return replay, False
@@ -245,17 +224,6 @@ def _insert_task(session: Session, tenant: Tenant, body: TaskCreate, max_seq_len
     add_event(session, task.id, "task_queued", "files validated; waiting for GPUs")
     session.commit()
     return task
-
-
-def _replay(session: Session, tenant: Tenant, key: str, accepted: tuple[str, ...]
-            ) -> Task | None:
-    row = session.get(IdempotencyKey, (tenant.id, key))
-    if row is None:
-        return None
-    if row.request_hash not in accepted:
-        raise conflict("Idempotency-Key was already used with a different request body",
-                       code="idempotency_key_reused", param="Idempotency-Key")
-    return session.get(Task, row.resource_id)
 
 
 def get_task(session: Session, tenant: Tenant, task_id: str, lock: bool = False) -> Task:

@@ -1,6 +1,7 @@
-"""Integration: an Idempotency-Key's digest is of what the client sent (its JSON, keys sorted, no
-default filled in), so a retry across an upgrade that added a setting or changed a default
-replays instead of answering 409; keys stored with the digest of earlier versions still replay."""
+"""Integration: an Idempotency-Key's digest is of the canonical request (the validated body without
+its defaults), so a retry across an upgrade that added a setting, or one spelling a default out,
+replays instead of answering 409; keys stored with the digests of earlier versions (the JSON as
+sent, the body with every default) still replay."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import json
 
 from sqlalchemy import select
 
+from service.idempotency import canonical_request, legacy_request_hash, request_hash
 from service.models import IdempotencyKey, Task
 from service.schemas import TaskCreate
-from service.tasks import legacy_request_hash
 
 
 def _raw_digest(body: dict) -> str:
@@ -48,13 +49,20 @@ def test_a_body_recorded_before_a_new_setting_replays(client, factory, session) 
     assert len(session.scalars(select(Task).where(Task.tenant_id == t.id)).all()) == 1
 
 
-def test_the_digest_is_of_the_body_as_sent(client, factory, session) -> None:  # noqa: ANN001
-    """A create stores the digest of its JSON as sent; the OpenAI-compatible route too."""
+def test_the_digest_is_of_the_canonical_request(client, factory, session) -> None:  # noqa: ANN001
+    """A create stores the digest of what it asked for (the validated body without defaults): a
+    retry that spells a default out replays; the OpenAI-compatible route does the same."""
     t = factory.tenant()
     f = factory.file(t)["id"]
     body = {"base_model": "tiny-llama", "training_file": f, "max_seq_len": 64}
     r = client.post("/v1/tasks", headers=t.headers | {"Idempotency-Key": "native"}, json=body)
     assert r.status_code == 201, r.text
+    spelled = body | {"integrations": [], "seed": 0, "eval": {"eval_min_samples": 64}}  # defaults
+    again = client.post("/v1/tasks", headers=t.headers | {"Idempotency-Key": "native"}, json=spelled)
+    assert again.status_code == 200 and again.json()["id"] == r.json()["id"], again.text
+    other = client.post("/v1/tasks", headers=t.headers | {"Idempotency-Key": "native"},
+                        json=body | {"seed": 1})
+    assert other.status_code == 409
     job = {"model": "tiny-llama", "training_file": f,
            "method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1}}}}
     r = client.post("/v1/fine_tuning/jobs", headers=t.headers | {"Idempotency-Key": "openai"},
@@ -66,7 +74,8 @@ def test_the_digest_is_of_the_body_as_sent(client, factory, session) -> None:  #
     assert r.status_code == 200 and r.json()["id"] == first
     rows = {row.key: row.request_hash for row in session.scalars(
         select(IdempotencyKey).where(IdempotencyKey.tenant_id == t.id))}
-    assert rows == {"native": _raw_digest(body), "openai": _raw_digest(job)}
+    assert rows["native"] == request_hash(canonical_request(TaskCreate.model_validate(body)))
+    assert rows["openai"] != _raw_digest(job)  # the canonical task request, not the raw JSON
 
 
 def test_a_key_stored_by_an_earlier_version_still_replays(client, factory, session) -> None:  # noqa: ANN001

@@ -272,7 +272,9 @@ def test_state_filter_metrics_filters_and_plan_times(client, factory):  # noqa: 
     one = client.get(url, headers=t.headers, params={"job_id": j1, "after_step": 1}).json()
     assert [c_["job_id"] for c_ in one["jobs"]] == [j1]
     assert [p["step"] for p in one["jobs"][0]["train"]] == [2, 3]
-    assert client.get(url, headers=t.headers, params={"job_id": "job_x"}).status_code == 404
+    # a job id of the documented shape that is none of the task's: 404; a malformed one: 422
+    assert client.get(url, headers=t.headers, params={"job_id": "job_" + "0" * 24}).status_code == 404
+    assert client.get(url, headers=t.headers, params={"job_id": "job_x"}).status_code == 422
 
 
 def test_methods_validation_files_and_held_out_split(client, factory, session):  # noqa: ANN001

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from service.core.storage import LocalStorage
 from service.files import FileValidationError, validate_jsonl
+from service.idempotency import request_hash
 from service.schemas import SearchSpace
-from service.tasks import expand_grid, request_hash
+from service.tasks import expand_grid
 
 
 def _lines(records: list) -> list[bytes]:

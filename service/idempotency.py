@@ -1,0 +1,68 @@
+"""Idempotent creates (Idempotency-Key): the digest a key holds is of the canonical request (the
+validated body without its defaults), so a retry across an upgrade that adds a setting, or one
+that spells a default out, replays; digests earlier versions stored (the JSON as sent; the body
+with every default filled in) are accepted too. Another request under a used key is a 409."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from sqlalchemy.orm import Session
+
+from service.core.errors import conflict
+from service.models import IdempotencyKey, Task, Tenant
+from service.schemas import TaskCreate
+
+
+def request_hash(sent: object) -> str:
+    """The digest of a JSON document (keys sorted): of the canonical request (`canonical_request`)
+    for the Idempotency-Key, of the JSON as the client sent it for keys stored that way."""
+    canonical = json.dumps(sent, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def canonical_request(body: TaskCreate) -> object:
+    """What the client asked for: the validated request without the values equal to their
+    defaults. A setting an upgrade adds is absent from it as it was from the body sent before, and
+    spelling a default out (integrations: []) asks for nothing else: the same digest, a replay."""
+    return _pruned(body.model_dump(mode="json", exclude_defaults=True))
+
+
+def _pruned(value: object) -> object:
+    """Empty lists and mappings dropped: an empty list of integrations asks for what none does."""
+    if isinstance(value, dict):
+        kept = {k: _pruned(v) for k, v in value.items()}
+        return {k: v for k, v in kept.items() if v not in ([], {})}
+    if isinstance(value, list):
+        return [_pruned(v) for v in value]
+    return value
+
+
+def legacy_request_hash(body: TaskCreate) -> str:
+    """The digest keys claimed before request_hash were stored with (the validated body with
+    every default filled in): a retry of such a key still replays while the defaults hold."""
+    data = body.model_dump(mode="json")
+    # Newer fields, unset (integrations: or empty): the hash of a body sent before them holds.
+    for added in ("suffix", "metadata", "init_adapter_file", "integrations"):
+        if data.get(added) is None or (added == "integrations" and not data[added]):
+            data.pop(added, None)
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def replay(session: Session, tenant: Tenant, key: str, accepted: tuple[str, ...]
+            ) -> Task | None:
+    row = session.get(IdempotencyKey, (tenant.id, key))
+    if row is None:
+        return None
+    if row.request_hash not in accepted:
+        raise conflict("Idempotency-Key was already used with a different request body",
+                       code="idempotency_key_reused", param="Idempotency-Key")
+    return session.get(Task, row.resource_id)
+
+
+def accepted_digests(body: TaskCreate, sent: object = None) -> tuple[str, ...]:
+    """The digests a key may hold for this request; the first is the one a new key stores."""
+    digest = request_hash(canonical_request(body))
+    return digest, request_hash(sent) if sent is not None else digest, legacy_request_hash(body)
