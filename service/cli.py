@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from contract.states import JOB_TERMINAL, TASK_TERMINAL, TaskState
-from service.cli_tables import files_table, jobs_table, print_table, tasks_table
+from service.cli_tables import files_table, jobs_table, print_samples, print_table, tasks_table
 from service.merged.states import MERGE_LIVE, MergeState
 
 SEARCH_FLAGS = {"lr": "learning_rate", "rank": "lora_rank", "alpha": "lora_alpha",
@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("task_id")
     dl.add_argument("-o", "--output", type=Path, required=True, help="Directory to write to.")
     dl.add_argument("--job", help="A specific job's adapter instead of the task's best.")
+    samples = top.add_parser("samples", help="The completions a task ended with: its leading "
+                             "configurations and the base model on the same prompts.")
+    samples.add_argument("task_id")
     merged = top.add_parser("merged", help="Adapters merged into the base model.").add_subparsers(
         dest="cmd", required=True)
     mdl = merged.add_parser("download", help="Merge the best adapter of a task into its base "
@@ -396,13 +399,21 @@ def run(args: argparse.Namespace, api: Api, console: Console) -> int:
         console.print(f"task {task['id']} {task['state']}")
     elif args.group == "tasks" and args.cmd == "follow":
         return _ended(follow(api, args.task_id, console, args.interval), console)
-    elif args.group == "adapter":
-        names = download_adapter(api, args.task_id, args.output, args.job)
-        console.print(f"wrote {', '.join(names)} to {args.output}")
-    elif args.group == "merged":
-        names = download_merged(api, args.task_id, args.output, args.job, args.interval)
-        console.print(f"wrote {', '.join(names)} to {args.output}")
+    elif args.group == "samples":
+        page = api.json("GET", f"/v1/tasks/{args.task_id}/samples")
+        (show if args.json else lambda p: print_samples(console, p))(page)
+    elif args.group in ("adapter", "merged"):
+        _download(args, api, console)
     return 0
+
+
+def _download(args: argparse.Namespace, api: Api, console: Console) -> None:
+    """`adapter download` (PEFT files) or `merged download` (the merged model's directory)."""
+    if args.group == "adapter":
+        names = download_adapter(api, args.task_id, args.output, args.job)
+    else:
+        names = download_merged(api, args.task_id, args.output, args.job, args.interval)
+    console.print(f"wrote {', '.join(names)} to {args.output}")
 
 
 def _ended(task: dict, console: Console) -> int:

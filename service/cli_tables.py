@@ -1,4 +1,4 @@
-"""The user CLI's tables (service.cli): jobs with their losses, files, tasks. Ids are never cut:
+"""The user CLI's tables (service.cli): jobs with their losses, files, tasks, samples. Ids are never cut:
 a table that does not fit the terminal leaves out its least needed columns (`--json` shows
 everything), and output that is not a terminal (a pipe, a file) gets every column whole."""
 
@@ -108,3 +108,23 @@ def tasks_table(console: Console, tasks: Sequence[dict]) -> Table:
         rows.append((t["id"], t["state"], t["base_model"], f"{t['num_jobs']} ({counts})",
                      t.get("best_job_id") or "-", _when(t.get("created_at"))))
     return fitted(console, TASK_COLS, rows)
+
+
+def print_samples(console: Console, page: dict) -> None:
+    """A task's samples, prompt by prompt: the base model's completion, then each leading
+    configuration's (its job id whole), as the dashboard shows them side by side."""
+    if not page["data"]:
+        console.print(f"no samples yet for {page['task_id']} (they come when the task succeeds)")
+        return
+    last = None
+    for row in page["data"]:
+        if row["prompt"] != last:
+            last = row["prompt"]
+            console.rule()
+            console.print("[bold]prompt[/bold]", soft_wrap=True)
+            console.print(row["prompt"], markup=False, soft_wrap=True)
+        who = "base model" if row["job_id"] is None else row["job_id"]
+        console.print(f"[bold]{who}[/bold] ({row['tokens']} tokens)", soft_wrap=True)
+        console.print(row["completion"], markup=False, soft_wrap=True)
+    console.rule()
+    console.print(f"file {page['file_id']}", soft_wrap=True)

@@ -238,3 +238,24 @@ def test_merged_download_waits_then_resumes_a_partial_download(tmp_path: Path,
     assert seen[-1].headers["range"] == "bytes=1000-"
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert (out / "model.safetensors").read_bytes() == b"w" * 5000
+
+
+def test_samples_print_each_prompt_with_the_base_model_and_the_leaders() -> None:
+    page = {"object": "list", "task_id": "task_s", "file_id": "file_s", "data": [
+        {"prompt": "Say [hi]", "job_id": None, "completion": "hello", "tokens": 1},
+        {"prompt": "Say [hi]", "job_id": "job_" + "a" * 24, "completion": "hi there", "tokens": 2},
+        {"prompt": "Count", "job_id": None, "completion": "1 2 3", "tokens": 3}]}
+
+    def fake(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/tasks/task_s/samples"
+        return httpx.Response(200, json=page)
+
+    console = Console(record=True, width=40)
+    assert main(["samples", "task_s"], httpx.MockTransport(fake), console) == 0
+    text = console.export_text()
+    assert text.count("prompt") == 2 and "Say [hi]" in text  # markup in prompts printed as is
+    assert "base model (1 tokens)" in text and "job_" + "a" * 24 in text  # the id whole
+    assert text.index("hello") < text.index("hi there") < text.index("1 2 3") and "file_s" in text
+    console = Console(record=True)
+    assert main(["--json", "samples", "task_s"], httpx.MockTransport(fake), console) == 0
+    assert json.loads(console.export_text())["data"][1]["completion"] == "hi there"
