@@ -159,7 +159,7 @@ def colocation_key(base_model: str, method: str, max_seq_len: int,
 
 
 class ExecutorReport(_Msg):
-    """A shared executor process on a node (co-location, DESIGN.md): one base model on one GPU
+    """A shared executor process on a node (co-location, docs/architecture.md): one base model on one GPU
     set, hosting the placements (tasks) attached to it. Joining it needs no free GPU: the
     scheduler may place a task with the same colocation_key on exactly these GPUs."""
 

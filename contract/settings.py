@@ -28,7 +28,7 @@ def grid_knobs(method: str) -> tuple[str, ...]:
 
 
 class EarlyExitSettings(Message):
-    """Loss-aware early exit knobs; defaults from DESIGN.md (ALTO). Frozen: the trainer shares
+    """Loss-aware early exit knobs; defaults from docs/architecture.md (ALTO). Frozen: the trainer shares
     one instance between every job's monitor."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -109,7 +109,7 @@ def profile_memory(
 class AdmissionController:
     """Decides which pending jobs of a task attach to the executor, under a memory budget.
 
-    Policy (DESIGN.md, "Hierarchical scheduling"):
+    Policy (docs/architecture.md, "Hierarchical scheduling"):
     - Memory depends on the *total* batch B of all co-resident jobs (one backbone forward/backward
       over the concatenated batch) and the sequence length L; adapter weights and their optimizer
       state are small against activations and are part of the fit's noise, so rank is ignored.

@@ -1,6 +1,6 @@
 """A task's part of an executor: everything the recipe (trainer.executor) keeps per task, so one
 executor (one backbone, one engine, one admission budget, one step loop) can host the jobs of
-several tasks, of any tenants, that attach and detach while it runs (DESIGN.md: co-location).
+several tasks, of any tenants, that attach and detach while it runs (docs/architecture.md: co-location).
 
 Per task (`TaskRun`): its data (its own segment of the engine's `ExamplePool`, read by its jobs'
 `TaskStream`s), its validation set, job queue, owners and statuses, early-exit monitors and warmup

@@ -82,7 +82,7 @@ class JobMonitor:
     the latter returns an ExitDecision once a detector has held for `patience` evaluations.
     With `cfg.enabled` False it still tracks the EMA and the best checkpoint but never exits.
 
-    Choices behind the numbers (DESIGN.md, "Loss-aware early exit"):
+    Choices behind the numbers (docs/architecture.md, "Loss-aware early exit"):
 
     - **Train signal.** `ema_train` is an exponential moving average of the per-step train loss with
       `ema_alpha = 0.1` (a ~10-step memory) and Adam-style bias correction, so it is an unbiased

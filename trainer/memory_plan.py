@@ -1,4 +1,4 @@
-"""The executor's memory: the memory model M(B) = k0 + k1 * B * L (DESIGN.md, technique 3),
+"""The executor's memory: the memory model M(B) = k0 + k1 * B * L (docs/architecture.md, technique 3),
 stored per node and profile key or measured with probe steps, the admission controller built on
 it, and the policy that turns activation recompute off for steps that fit without it. A part of
 trainer.executor.Executor."""
@@ -82,7 +82,7 @@ class MemoryPlanning:
             self.objective.forget(eng, probe)
 
     def _profile_memory_model(self, batches: tuple[int, ...] = (1, 2, 4)) -> MemoryModel:
-        # peak memory at a few total batches -> M(B) = k0 + k1 * B * L (DESIGN.md, technique 3)
+        # peak memory at a few total batches -> M(B) = k0 + k1 * B * L (docs/architecture.md, technique 3)
         points = profile_memory(self.probe_step, batches, self.cfg.max_seq_len)
         return fit_memory_model(points)
 

@@ -1,4 +1,4 @@
-"""A shared executor process (co-location, DESIGN.md): ``python -m worker.host --host-dir DIR``
+"""A shared executor process (co-location, docs/architecture.md): ``python -m worker.host --host-dir DIR``
 serves one base model on one GPU set and hosts every placement the daemon attaches to it whose
 task has the same colocation_key; each placement reports through its own folder exactly as
 worker.runner does (spool, artifacts, resume, terminal record: worker.runner.PlacementRun).

@@ -1,4 +1,4 @@
-"""Co-location in the plan (DESIGN.md, issue 19): queued tasks join warm shared executors, and the
+"""Co-location in the plan (docs/architecture.md, issue 19): queued tasks join warm shared executors, and the
 planner sees each shared executor's GPUs once. Pure: no database, no clock (loop.py feeds it).
 
 A node's heartbeat reports its shared executors (contract.protocol.ExecutorReport): key, GPUs,

@@ -13,7 +13,7 @@ from service.core.errors import ApiError
 from service.models import PLACEMENT_ACTIVE, Placement, Task, Tenant
 from service.schemas import TenantUsageOut
 
-# "Queued" for the limit: accepted but neither running nor finished (DESIGN.md task states).
+# "Queued" for the limit: accepted but neither running nor finished (docs/architecture.md task states).
 
 
 def task_priority_ceiling(tenant: Tenant, settings: Settings) -> int:
