@@ -7,9 +7,11 @@ shows its usage beside its dry run's estimate (TaskUsage)."""
 from __future__ import annotations
 
 import math
+import re
 from datetime import datetime, timezone
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field, WithJsonSchema
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -95,6 +97,29 @@ class UsageReport(BaseModel):
     gpu_seconds: float
     cost: float
     tasks: list[TaskUsageLine] = Field(description="Tasks that trained in the period, by id.")
+
+
+# 9999-12-31T23:59:59Z: the last second a datetime holds.
+MAX_UNIX_S = 253_402_300_799
+_NUMBER = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?")
+
+
+def _instant(value: Any) -> Any:
+    """A period bound as the query gives it: Unix seconds (a JSON number in [0, MAX_UNIX_S])
+    become a UTC time; a string is left to the datetime parser (ISO 8601)."""
+    if isinstance(value, str) and _NUMBER.fullmatch(value):
+        seconds = float(value)
+        if not 0 <= seconds <= MAX_UNIX_S:
+            raise ValueError(f"Unix seconds must be in [0, {MAX_UNIX_S}]")
+        return datetime.fromtimestamp(seconds, timezone.utc)
+    return value
+
+
+# What GET /v1/usage takes for start and end, in the schema as in the route: an ISO 8601 time
+# (UTC when it has no offset), a date (its midnight, UTC) or Unix seconds.
+Instant = Annotated[datetime, BeforeValidator(_instant), WithJsonSchema({"anyOf": [
+    {"type": "string", "format": "date-time"}, {"type": "string", "format": "date"},
+    {"type": "number", "minimum": 0, "maximum": MAX_UNIX_S}]})]
 
 
 def _utc(ts: datetime) -> datetime:

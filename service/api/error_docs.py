@@ -25,6 +25,36 @@ EXTRA_ERRORS: dict[tuple[str, str], set[int]] = {
     ("get", "/v1/tasks/{task_id}/merged/content"): {409},  # not merged (yet), or failed
 }
 
+# What a schema cannot state: the error statuses a schema-valid request can still get, and why
+# (each description replaces the status's generic one; a route may also give its own, as
+# POST /v1/files does). The schemathesis test allows a schema-valid request only such statuses
+# (tests/integration/test_api_schemathesis.py).
+_TASK_422 = ("Invalid request: `param` names the field. Also for a body the schema cannot "
+             "judge: a {model} the operator has not registered (GET /v1/models), target_modules "
+             "the model lacks, a search space over the operator's configuration limit, "
+             "max_seq_len over the model's, a priority over the tenant's ceiling, an integration "
+             "missing its settings, a file of the wrong format for the method or with too few "
+             "records to hold out a validation split, an init_adapter_file that is not a usable "
+             "adapter of the tenant's for the model.")
+_FILE_404 = ("training_file or validation_file names no file of the tenant's (`param` names "
+             "it)")
+_URL_422 = ("Invalid request: `param` names the field. Also a url the delivery policy refuses: "
+            "not http(s), with credentials, or a host that does not resolve or resolves to a "
+            "loopback, private or reserved address (unless the operator allows them).")
+REASONS: dict[tuple[str, str], dict[int, str]] = {
+    ("post", "/v1/tasks"): {404: _FILE_404, 422: _TASK_422.format(model="base_model")},
+    ("post", "/v1/fine_tuning/jobs"): {404: _FILE_404, 422: _TASK_422.format(model="model")},
+    ("post", "/v1/webhooks"): {422: _URL_422},
+    ("patch", "/v1/webhooks/{webhook_id}"): {422: _URL_422},
+    ("get", "/v1/usage"): {422: "Invalid request: `param` names the field; also `start` after "
+                                "`end` (`param` start)."},
+    ("post", "/internal/v1/tasks/{task_id}/artifacts"): {422: (
+        "Invalid request: `param` names the field. Also, once the report is fenced: a job_id "
+        "that is not the task's, an adapter without job_id or without adapter_config.json and "
+        "a valid adapter_model.safetensors, a checkpoint without step or key, file names that "
+        "are not plain or not unique.")},
+}
+
 # Operations whose token is optional (without it they answer less).
 OPTIONAL_SECURITY = {("get", "/metrics")}
 
@@ -57,7 +87,7 @@ def _error_statuses(method: str, path: str, op: dict) -> set[int]:
         statuses.add(400)  # a body that is not parseable (not UTF-8 JSON / multipart)
     if "multipart/form-data" in op.get("requestBody", {}).get("content", {}):
         statuses.add(413)
-    return statuses | EXTRA_ERRORS.get((method, path), set())
+    return statuses | EXTRA_ERRORS.get((method, path), set()) | set(REASONS.get((method, path), {}))
 
 
 def add_error_responses(doc: dict) -> dict:
@@ -65,8 +95,9 @@ def add_error_responses(doc: dict) -> dict:
     the error body schema: 400 with a body (unparseable), 401 behind a key or token, 404 with a
     path parameter or a cursor (`after`, an id), 422 with any
     parameter or body, 413 with an upload (the server's limit), 409 for a POST or DELETE on a
-    resource, and EXTRA_ERRORS. What a route declares itself (`responses=`) is kept; an error status it declares
-    without a body gets the error schema."""
+    resource, EXTRA_ERRORS and REASONS. What a route declares itself (`responses=`) is kept, but
+    for REASONS' descriptions; an error status it declares without a body gets the error
+    schema."""
     from service.schemas import ErrorOut
 
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
@@ -90,6 +121,8 @@ def add_error_responses(doc: dict) -> dict:
                         # FastAPI's default 422 ({"detail": [...]}) is not what the app answers
                         entry.update(description=ERROR_DESCRIPTIONS[422], content=content)
                     entry.setdefault("content", content)
+            for status, why in REASONS.get((method, path), {}).items():
+                responses[str(status)]["description"] = why
             op["responses"] = dict(sorted(responses.items()))
     if "HTTPValidationError" not in str(doc.get("paths")):
         schemas.pop("HTTPValidationError", None)

@@ -68,11 +68,9 @@ def list_endpoints(session: Session, tenant: Tenant, limit: int, after: str | No
 
 def update_endpoint(session: Session, tenant: Tenant, endpoint_id: str, body: WebhookUpdate,
                     settings: Settings) -> WebhookEndpoint:
-    """Change what the body sets (null for url, event_types or enabled is a 422); flushed."""
+    """Change what the body sets (WebhookUpdate refuses a null url, event_types or enabled);
+    flushed."""
     given = body.model_fields_set
-    for field in ("url", "event_types", "enabled"):
-        if field in given and getattr(body, field) is None:
-            raise invalid(f"{field} may not be null", param=field)
     if body.url is not None:
         check_url(body.url, settings)
     row = get_endpoint(session, tenant, endpoint_id, lock=True)

@@ -46,13 +46,22 @@ class WebhookCreate(_In):
     enabled: bool = True
 
 
-class WebhookUpdate(_In):
-    """Fields left out stay as they are; `enabled: false` stops deliveries (pending ones wait)."""
+def _left_out_is_not_null(schema: dict[str, Any]) -> None:
+    """The schema of a field whose default None means "left out" states no default."""
+    for name in ("url", "event_types", "enabled"):
+        schema["properties"][name].pop("default", None)
 
-    url: Url | None = None
-    event_types: EventTypes | None = None
+
+class WebhookUpdate(_In):
+    """Fields left out stay as they are; `enabled: false` stops deliveries (pending ones wait).
+    Only description may be null (none); a null url, event_types or enabled is a 422."""
+
+    model_config = ConfigDict(json_schema_extra=_left_out_is_not_null)
+
+    url: Url = None  # type: ignore[assignment]  # None: left out (a default is not validated)
+    event_types: EventTypes = None  # type: ignore[assignment]
     description: Description = None
-    enabled: bool | None = None
+    enabled: bool = None  # type: ignore[assignment]
 
 
 class WebhookOut(BaseModel):

@@ -76,9 +76,10 @@ async def _read_form(request: Request, max_bytes: int) -> Any:
                               "(uploads are deduplicated by content per tenant)"}}
              | errors(401, 413, 422, descriptions={
                  413: "File over the size limit",
-                 422: "A bad line (number and field in the message), no file part, or an "
-                      "adapter that no task could start from (`param`: `file`; `base_model` "
-                      "for a model that is not registered)"}))
+                 422: "A bad line (number and field in the message: the file must be UTF-8 "
+                      "JSONL records of one known format), no file part, or an adapter that "
+                      "no task could start from (`param`: `file`); a `base_model` that is not "
+                      "registered or given with a purpose other than `adapter`"}))
 async def upload_file(request: Request, response: Response, session: SessionDep,
                       tenant: TenantDep, storage: StorageDep, settings: SettingsDep,
                       registry: RegistryDep) -> FileOut:

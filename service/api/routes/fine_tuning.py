@@ -57,9 +57,10 @@ def _one(session: SessionDep, task: Task, settings: Settings,
     return views.job_outs(session, [task], settings.price_per_gpu_hour)[0]
 
 
-@router.post("/v1/fine_tuning/jobs", response_model=FineTuningJobOut,
-             responses={200: {"model": FineTuningJobOut | DryRunOut,
-                              "description": "The job (also a replayed Idempotency-Key), or a "
+# One model for the 200 (a dry run's estimate is a 200 too): a response_model beside a
+# responses= model would document both at once (their $ref and anyOf together: neither fits).
+@router.post("/v1/fine_tuning/jobs", response_model=FineTuningJobOut | DryRunOut,
+             responses={200: {"description": "The job (also a replayed Idempotency-Key), or a "
                                              "dry run's jobs and estimate (nothing created)"},
                         409: {"description": "Idempotency-Key reused with another body "
                                              "(its JSON as sent, key order aside; no default "

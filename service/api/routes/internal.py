@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, File, Form, UploadFile
 from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
+from pydantic import ValidationError, WithJsonSchema
 
 from contract.protocol import (
     ArtifactMeta,
@@ -137,11 +137,16 @@ def post_job_state(job_id: str, msg: JobStateUpdate, session: SessionDep) -> Job
     return job_out(job, has_adapter)
 
 
+# The meta part is ArtifactMeta's JSON: an object part of a multipart body, which OpenAPI sends
+# as application/json. (A pydantic model as a Form() parameter would be read as the whole form.)
+MetaPart = Annotated[str, Form(), WithJsonSchema(ArtifactMeta.model_json_schema())]
+
+
 @router.post("/tasks/{task_id}/artifacts", response_model=ArtifactOut, status_code=201,
              responses=FENCED)
 def upload_artifact(task_id: str, session: SessionDep, storage: StorageDep,
-                    settings: SettingsDep, meta: Annotated[str, Form()],
-                    files: Annotated[list[UploadFile], File()]) -> ArtifactOut:
+                    settings: SettingsDep, meta: MetaPart,
+                    files: Annotated[list[UploadFile], File(min_length=1)]) -> ArtifactOut:
     try:
         parsed = ArtifactMeta.model_validate_json(meta)
     except ValidationError as exc:

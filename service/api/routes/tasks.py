@@ -9,6 +9,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from contract.protocol import INT32_MAX
 from contract.states import TASK_STATES, values
 from service import adapters, events, task_views, tasks
 from service.api import read_path
@@ -147,7 +148,8 @@ async def task_metrics(request: Request, key: ReadKeyDep, task_id: str,
                            pattern=id_pattern("job"), description="Only this job's curves (a "
                            "404 naming `job_id` when it is not one of the task's jobs).")]
                        = None,
-                       after_step: Annotated[int | None, Query(ge=-1, le=2**63 - 1)] = None,
+                       # a step is an int32 (contract MetricPointIn.step)
+                       after_step: Annotated[int | None, Query(ge=-1, le=INT32_MAX)] = None,
                        max_points: Annotated[int | None, Query(
                            ge=4, le=100_000, description="At most this many points per curve: "
                            "the first, the last and each bucket's lowest and highest loss.")]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -17,10 +16,11 @@ router = APIRouter(tags=["usage"])
 
 @router.get("/v1/usage", response_model=usage.UsageReport, responses=errors(401, 422))
 def get_usage(session: SessionDep, tenant: TenantDep, settings: SettingsDep,
-              start: Annotated[datetime, Query(description="Period start, inclusive: ISO 8601 "
-                                                           "(UTC when no offset) or Unix seconds.")],
-              end: Annotated[datetime | None, Query(description="Period end, exclusive (default: "
-                                                                "now).")] = None,
+              start: Annotated[usage.Instant, Query(description="Period start, inclusive: ISO "
+                                                    "8601 (UTC when no offset), a date or Unix "
+                                                    "seconds.")],
+              end: Annotated[usage.Instant | None, Query(description="Period end, exclusive "
+                                                         "(default: now), as start.")] = None,
               ) -> usage.UsageReport:
     """Tokens trained, GPU-seconds and cost of the tenant's tasks in [start, end), per task: each
     training step counts in the period it was reported in."""
