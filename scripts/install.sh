@@ -22,7 +22,7 @@ case "$USE" in
     # the dashboard's browser tests run Debian's headless Chromium through its chromedriver
     APT=(postgresql redis-server chromium chromium-driver)
     EXTRAS="train,tracking,dev"
-    IMPORTS="service, worker, kernels, fastapi, uvloop, httptools, orjson, transformers, peft, triton, ortools, wandb, pytest, openai, schemathesis, selenium, mlflow, standardwebhooks"
+    IMPORTS="service, worker, kernels, fastapi, uvloop, httptools, orjson, transformers, peft, triton, ortools, wandb, pytest, openai, schemathesis, kubernetes_validate, selenium, mlflow, standardwebhooks"
     ;;
   *)
     echo "usage: bash scripts/install.sh serve|test" >&2
