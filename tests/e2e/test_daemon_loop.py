@@ -26,7 +26,7 @@ LINES = [{"messages": [{"role": "user", "content": f"q{i}"},
 def create_task(http: httpx.Client, n_lr: int = 2) -> dict:
     body = "".join(json.dumps(r) + "\n" for r in LINES).encode()
     f = http.post("/v1/files", files={"file": ("train.jsonl", io.BytesIO(body))})
-    assert f.status_code == 201, f.text
+    assert f.status_code in (200, 201), f.text  # 200: the tenant's file of the same bytes
     lrs = [1e-4 * (i + 1) for i in range(n_lr)]
     t = http.post("/v1/tasks", json={"base_model": "tiny", "training_file": f.json()["id"],
                                      "search_space": {"learning_rate": lrs, "lora_rank": [4, 8]},

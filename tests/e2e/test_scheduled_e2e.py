@@ -40,7 +40,7 @@ def models_yaml(tmp_path: Path) -> Path:
 def submit(http: httpx.Client, model: str = "tiny", priority: int = 0, lines: int = 20) -> str:
     body = "".join(json.dumps(r) + "\n" for r in LINES[:lines]).encode()
     f = http.post("/v1/files", files={"file": ("train.jsonl", io.BytesIO(body))})
-    assert f.status_code == 201, f.text
+    assert f.status_code in (200, 201), f.text  # 200: the tenant's file of the same bytes
     t = http.post("/v1/tasks", json={"base_model": model, "training_file": f.json()["id"],
                                      "search_space": {"learning_rate": [1e-4, 2e-4]},
                                      "max_seq_len": 64, "priority": priority})

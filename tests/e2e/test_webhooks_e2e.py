@@ -49,7 +49,7 @@ def receiver() -> Iterator[Receiver]:
 def create_task(http: httpx.Client) -> str:
     body = "".join(json.dumps(r) + "\n" for r in LINES).encode()
     f = http.post("/v1/files", files={"file": ("train.jsonl", io.BytesIO(body))})
-    assert f.status_code == 201, f.text
+    assert f.status_code in (200, 201), f.text  # 200: the tenant's file of the same bytes
     t = http.post("/v1/tasks", json={"base_model": "tiny", "training_file": f.json()["id"],
                                      "search_space": {"learning_rate": [1e-4, 2e-4],
                                                       "lora_rank": [4]},
