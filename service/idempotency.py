@@ -10,6 +10,7 @@ import json
 
 from sqlalchemy.orm import Session
 
+from contract.settings import STEP_CADENCE
 from service.core.errors import conflict
 from service.models import IdempotencyKey, Task, Tenant
 from service.schemas import TaskCreate
@@ -40,13 +41,18 @@ def _pruned(value: object) -> object:
 
 
 def legacy_request_hash(body: TaskCreate) -> str:
-    """The digest keys claimed before request_hash were stored with (the validated body with
-    every default filled in): a retry of such a key still replays while the defaults hold."""
+    """The digest the version before the canonical one stored (the validated body with every
+    default filled in, as that version's schema had it): a key claimed before this upgrade still
+    replays. That schema had no `samples` and showed the step cadence 50 beside a sample cadence."""
     data = body.model_dump(mode="json")
     # Newer fields, unset (integrations: or empty): the hash of a body sent before them holds.
     for added in ("suffix", "metadata", "init_adapter_file", "integrations"):
         if data.get(added) is None or (added == "integrations" and not data[added]):
             data.pop(added, None)
+    data.pop("samples", None)
+    cadence = data.get("eval") or {}
+    if cadence.get("eval_every_steps") is None and cadence.get("eval_every_samples") is not None:
+        cadence["eval_every_steps"] = STEP_CADENCE
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 

@@ -105,3 +105,26 @@ def test_local_storage(tmp_path) -> None:  # noqa: ANN001
     assert not st_.exists("a/b.bin")
     with pytest.raises(ValueError):
         st_.put("../escape", io.BytesIO(b""))
+
+
+# Bodies and the Idempotency-Key digests the previous release (0c6718c) stored for them, as its
+# own request_hash printed them: a key claimed before this upgrade must still replay after it.
+PREVIOUS_RELEASE_DIGESTS = [
+    ({"base_model": "tiny-llama", "training_file": "file_" + "0" * 24, "max_seq_len": 64},
+     "55ed96b1a890d30150c23f0455b0e1c00bb5eb52d6fa76e669683c94f03549de"),
+    ({"base_model": "tiny-llama", "training_file": "file_" + "1" * 24,
+      "search_space": {"learning_rate": [1e-4, 3e-4], "lora_rank": [4, 8]}, "epochs": 2,
+      "eval": {"eval_every_steps": 20}},
+     "891777e476f81863f1ed4fa8e44344d904fe6a381a967fd926d84b2527ec4d19"),
+    ({"base_model": "tiny-llama", "training_file": "file_" + "2" * 24, "suffix": "x",
+      "eval": {"eval_every_samples": 512, "eval_max_samples": 100}, "integrations": []},
+     "98427995f5238ad3221439867009f6848416414643acd2c3e15f6f747a1367a8"),
+]
+
+
+@pytest.mark.parametrize(("body", "digest"), PREVIOUS_RELEASE_DIGESTS)
+def test_keys_stored_by_the_previous_release_still_replay(body: dict, digest: str) -> None:
+    from service.idempotency import accepted_digests
+    from service.schemas import TaskCreate
+
+    assert digest in accepted_digests(TaskCreate.model_validate(body))
