@@ -92,9 +92,18 @@ def task_samples(task: SamplingTask, engine: Any, tokenizer: Any, generate: Any)
     finally:
         for name in attached:
             engine.detach(name)
-    return [{"prompt": texts[p], "job_id": None if c is None else c.removeprefix("__sample__"),
+    return [{"prompt": shown(texts[p]), "job_id": None if c is None else c.removeprefix("__sample__"),
              "completion": tokenizer.decode(tokens, skip_special_tokens=True), "tokens": len(tokens)}
             for (p, c), tokens in zip(rows, new, strict=True)]
+
+
+PROMPT_CHARS = 8000  # the report's bound on a prompt's text (contract.protocol.Sample)
+
+
+def shown(prompt: str) -> str:
+    """A prompt as the samples show it: a long one's last PROMPT_CHARS characters (what the
+    completion follows), marked as cut."""
+    return prompt if len(prompt) <= PROMPT_CHARS else "…" + prompt[-(PROMPT_CHARS - 1):]
 
 
 def write_samples(out: Path, samples: list[dict[str, Any]]) -> Path:

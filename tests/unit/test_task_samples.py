@@ -81,3 +81,14 @@ def test_a_base_models_row_survives_the_daemons_serialisation() -> None:
     msg = TaskSamples(placement_id="pl_x", samples=[Sample(prompt="a", completion="b", tokens=1)])
     again = TaskSamples.model_validate(msg.model_dump(exclude_none=True))
     assert again.samples[0].job_id is None
+
+
+def test_a_long_prompt_is_shown_by_its_end_within_the_reports_bound() -> None:
+    from contract.protocol import Sample
+    from trainer.task_samples import PROMPT_CHARS, shown
+
+    long = "x" * 10_000 + "the end"
+    cut = shown(long)
+    assert len(cut) == PROMPT_CHARS and cut.startswith("…") and cut.endswith("the end")
+    Sample(prompt=cut, completion="y", tokens=1)  # within the contract's bound
+    assert shown("short") == "short"
