@@ -120,15 +120,20 @@ class AdapterArena:
         return park_target(state_bytes(self.jobs[job_id]), free, total)
 
     # ----- a step's layout -------------------------------------------------------------
-    def _set_layout(self, states: Sequence[JobState], token_offsets: list[int]) -> None:
-        """Point every layer at the arena for these jobs (in this order) and zero their gradient
-        sums: one host-to-device copy of all layers' offsets, no per-layer work, no sync."""
+    def layout_offsets(self, states: Sequence[JobState]) -> list[int]:
+        """Every layer's A then B element offsets in the arena, layer-major, for these jobs in
+        slot order (what the multi-LoRA layers read per job)."""
         regions = [self.regions[s.job_id][0] for s in states]
         adapters = [s.adapter for s in states]
         n_layers = len(self.layer_list)
-        ints = [lo + ad.a_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, adapters, strict=True)]
-        ints += [lo + ad.b_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, adapters, strict=True)]
-        ints += [s.adapter.rank for s in states] + list(token_offsets)
+        a = [lo + ad.a_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, adapters, strict=True)]
+        return a + [lo + ad.b_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, adapters, strict=True)]
+
+    def _set_layout(self, states: Sequence[JobState], token_offsets: list[int]) -> None:
+        """Point every layer at the arena for these jobs (in this order) and zero their gradient
+        sums: one host-to-device copy of all layers' offsets, no per-layer work, no sync."""
+        n_layers = len(self.layer_list)
+        ints = self.layout_offsets(states) + [s.adapter.rank for s in states] + list(token_offsets)
         dev = self._to_device(torch.tensor(ints, dtype=torch.int64))
         n = len(states)
         offs = dev[: 2 * n_layers * n].view(2, n_layers, n)
@@ -141,7 +146,7 @@ class AdapterArena:
             ranks=dev[2 * n_layers * n : 2 * n_layers * n + n].to(torch.int32),
             arena=arena,
             grad_arena=self.grad_arena,
-            r_max=max(ad.rank for ad in adapters),
+            r_max=max(s.adapter.rank for s in states),
             token=self._token,
             backend=self.backend,
             aligned=all(v % 16 == 0 for v in ints[: 2 * n_layers * n]),

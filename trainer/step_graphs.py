@@ -53,7 +53,6 @@ class GraphedEngine(Protocol):
     head_chunk: int
     gradient_checkpointing: bool
     layer_list: list[MultiLoraLinear]
-    regions: dict[str, tuple[int, int]]
     arena: torch.Tensor
     grad_arena: torch.Tensor
     forward_shapes: Counter
@@ -65,6 +64,8 @@ class GraphedEngine(Protocol):
 
     @property
     def plain_objective(self) -> bool: ...
+
+    def layout_offsets(self, states: Sequence[JobState]) -> list[int]: ...
 
     def _clear_layout(self) -> None: ...
 
@@ -181,8 +182,7 @@ class StepGraphs:
         n_seqs = sum(len(seqs) for seqs in per_job)
         cpu = pack_flat(per_job, eng.pad_id, per_octave=self.per_octave, max_cells=n_seqs * eng.seq_cap)
         self._check_storage()
-        regions = [eng.regions[s.job_id][0] for s in states]
-        ints = self._layout_ints(states, regions)
+        ints = eng.layout_offsets(states)
         key = GraphKey(tokens=cpu.input_ids.shape[1], seq_slots=_pow2(len(cpu.cu_seqlens) - 1, 16),
                        job_slots=_pow2(len(states), 8), rank=_pow2(max(s.adapter.rank for s in states), 16),
                        max_len=eng.seq_cap, aligned=all(v % 16 == 0 for v in ints),
@@ -224,14 +224,6 @@ class StepGraphs:
         return entry
 
     # ----- the static inputs -----------------------------------------------------------
-    def _layout_ints(self, states: Sequence[JobState], regions: list[int]) -> list[int]:
-        """Every layer's A then B element offsets, layer-major, for the jobs in slot order."""
-        n_layers = len(self.engine.layer_list)
-        ads = [s.adapter for s in states]
-        a = [lo + ad.a_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, ads, strict=True)]
-        b = [lo + ad.b_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, ads, strict=True)]
-        return a + b
-
     def _fill(self, st: _Static, key: GraphKey, cpu: PackedBatch, states: Sequence[JobState],
               ints: list[int]) -> torch.Tensor:
         """One host buffer of the step's ints (and one of its floats), copied to the key's
