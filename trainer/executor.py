@@ -209,6 +209,7 @@ class Executor(TaskHosting, MemoryPlanning):
             for task in self.tasks.values():  # each task's own first step, from its arrival
                 if task.first_step_s is None and task.placed and task.joined_at is not None:
                     task.first_step_s = now - task.joined_at
+                    self._guarded(task, lambda t=task: self._reserve_parking(t))  # off its start
             self.global_step += 1
             for task in self.tasks.values():
                 task.global_step += 1

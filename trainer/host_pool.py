@@ -5,15 +5,19 @@ copies its tensors into pinned host memory without waiting for the copies. Pinni
 park time cost ~0.7 s a state at 32 layers of an 8B model (26 s of a 48-configuration search:
 cudaHostAlloc on the loop's thread). The executor instead asks the pool, once it knows its
 configurations, to pin what their parked states may need (`reserve`): a background thread pins
-chunks while the first steps train, and a park takes a slice of a chunk (`take`), giving it back
+chunks while the steps train, and a park takes a slice of a chunk (`take`), giving it back
 when the parked tensor is freed (resumed, evicted, finished). A park the pool cannot serve yet
-allocates as before.
+allocates as before. Pinning holds the driver: the executor reserves after a task's first step
+(not while the adapters initialise and the first step compiles: 30 GB pinned then cost a
+search's first step 17 s), only what the device cannot keep, in small chunks with a pause
+between them so the loop's own driver calls get through.
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -27,8 +31,9 @@ ALIGN = 512  # bytes: every slice starts on a boundary any dtype and the copy en
 class PinnedPool:
     """Chunks of pinned host memory and first-fit slices of them."""
 
-    def __init__(self, chunk_bytes: int = 1 << 30) -> None:
+    def __init__(self, chunk_bytes: int = 256 << 20, pause_s: float = 0.005) -> None:
         self.chunk_bytes = chunk_bytes
+        self.pause_s = pause_s  # between chunks: the loop's driver calls wait at most one chunk
         self._lock = threading.Lock()
         self._chunks: list[torch.Tensor] = []
         self._free: list[list[tuple[int, int]]] = []  # per chunk: free (start, end) byte ranges
@@ -62,6 +67,7 @@ class PinnedPool:
             with self._lock:
                 self._chunks.append(chunk)
                 self._free.append([(0, size)])
+            time.sleep(self.pause_s)
 
     def wait(self) -> None:
         """Until the background pinning is done (tests, benchmarks)."""

@@ -11,8 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from contract.protocol import tenant_safe
 from contract.states import JOB_LIVE, JobState, TaskOutcome
+from trainer.arena import PARK_RESERVE
 from trainer.checkpoint import load_checkpoint
 from trainer.colocate import TaskRun
 from trainer.config import CALLBACK_KINDS, HOST_FIELDS, Callbacks, ExecutorConfig
@@ -146,7 +149,6 @@ class TaskHosting:
             if alone:
                 self.global_step = task.global_step
         task.fail_unschedulable()
-        self._reserve_parking(task)
 
     def _samples(self, task: TaskRun) -> None:
         """The completions the task ends with (trainer.task_samples), from its leading adapters and
@@ -167,15 +169,18 @@ class TaskHosting:
             task.cb.on_event("", "samples_failed", {"error": tenant_safe(str(exc))})
 
     def _reserve_parking(self, task: TaskRun) -> None:
-        """Pin, in the background, host memory for the states the task's configurations may
-        park and the snapshots its writes take (trainer.host_pool): at most a quarter of the
-        host's memory, only on a GPU."""
+        """After the task's first step (trainer.host_pool): pin, in the background, host memory
+        for the states its configurations may park beyond what the device keeps (parks stay on
+        the device while PARK_RESERVE of it stays free) and for the snapshots its writes take;
+        at most a quarter of the host's memory, only on a GPU."""
         eng = self.engine
         if eng.device.type != "cuda" or len(task.cfg.jobs) <= 1:
             return
         per_rank = sum(d_in + d_out for d_in, d_out in eng.shapes.values())
         item = eng.adapter_dtype.itemsize
-        need = sum(3 * item * per_rank * j.lora_rank for j in task.cfg.jobs)  # weights + 2 moments
+        states = sum(3 * item * per_rank * j.lora_rank for j in task.cfg.jobs)  # weights + 2 moments
+        free, total = torch.cuda.mem_get_info(eng.device)
+        need = max(0, states - max(0, free - int(PARK_RESERVE * total)))
         # and the snapshots of checkpoints and exports waiting for the writer thread
         need += int(task.cfg.write_buffer_bytes)
         POOL.reserve(min(need + POOL.pinned_bytes, host_memory_bytes() // 4))

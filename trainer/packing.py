@@ -191,11 +191,14 @@ def _fill(per_job: Sequence[Sequence[Example]], layout: Sequence[Sequence[Sequen
 
 
 def pack_flat(per_job: Sequence[Sequence[Example]], pad_id: int, per_octave: int = 16,
-              max_cells: int | None = None) -> PackedBatch:
+              max_cells: int | None = None, length: int | None = None, max_len: int | None = None
+              ) -> PackedBatch:
     """Every job's sequences in ONE row [1, T], job after job, for an attention over variable-
     length sequences (cu_seqlens): no padding between sequences and none per job; T is the token
     count rounded up to `per_octave` sizes per doubling (at most max_cells unless the tokens
-    alone exceed it), the tail one padding sequence. Jobs are token ranges (token_offsets)."""
+    alone exceed it), or `length` where given (>= the tokens), the tail padding sequences of at
+    most `max_len` tokens each (one where max_len is None). Jobs are token ranges
+    (token_offsets)."""
     placed: list[tuple[int, Example, int]] = []
     token_offsets, total = [0], 0
     for seqs in per_job:
@@ -203,11 +206,17 @@ def pack_flat(per_job: Sequence[Sequence[Example]], pad_id: int, per_octave: int
             placed.append((total, ex, len(placed)))
             total += len(ex.input_ids)
         token_offsets.append(total)
-    length = max(bucket_up(total, per_octave), 1)
-    if max_cells is not None and length > max_cells:
-        length = max(total, 1)
+    if length is None:
+        length = max(bucket_up(total, per_octave), 1)
+        if max_cells is not None and length > max_cells:
+            length = max(total, 1)
+    elif length < total:
+        raise ValueError(f"a row of {length} tokens cannot hold {total}")
     token_offsets[-1] = length  # the padding tail is the last job's (nothing trained)
-    cu = [start for start, _, _ in placed] + [total] + ([length] if length > total else [])
+    piece = max_len or max(length - total, 1)
+    cu = [start for start, _, _ in placed] + list(range(total, length, piece)) + [length]
+    if length == total:
+        cu = [start for start, _, _ in placed] + [total]
     ids, pos, tgt, seq = _write(placed, [total], 1, length, pad_id, True)
     return PackedBatch(ids, pos, tgt, [0] * len(per_job) + [1], total, seq, token_offsets, cu)
 

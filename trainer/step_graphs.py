@@ -16,7 +16,9 @@ What follows the graph (norms, the one sync, clipping, AdamW) is the engine's, a
 The first key of a class (job slots, rank tile, flags: `GraphKey.warm_class`) runs eagerly (it
 compiles and loads every kernel, creates the backward's handles: nothing may wait for the device
 inside a capture); every key of a warm class is captured at its first step and replayed from then
-on; all graphs share one memory pool (one runs at a time, each reads its outputs before the next). Graphs live in their process only; the arena growing (a new storage) drops them. Where CUDA
+on, unless a captured key of the same kind with at most `cover_ratio` times its tokens (and
+slots enough) can run it padded: then that capture replays (fewer captures, each ~1 s at 32
+layers of 8B, for a few percent of padded work); all graphs share one memory pool (one runs at a time, each reads its outputs before the next). Graphs live in their process only; the arena growing (a new storage) drops them. Where CUDA
 graphs do not exist (CPU tests) the same body runs eagerly on the same static buffers (`_Replay`),
 which is what the tests compare against the engine's eager step.
 """
@@ -134,9 +136,11 @@ class StepGraphs:
     """The engine's graphed training steps (SFT on the varlen packing, one GPU); `serves` says
     whether a step can take this path, `forward_backward` runs it."""
 
-    def __init__(self, engine: GraphedEngine, per_octave: int = 4, max_graphs: int = 64) -> None:
+    def __init__(self, engine: GraphedEngine, per_octave: int = 4, max_graphs: int = 64,
+                 cover_ratio: float = 1.45) -> None:
         self.engine = engine
         self.per_octave = per_octave
+        self.cover_ratio = cover_ratio  # a step replays a capture of up to this many times its tokens
         self.max_graphs = max_graphs
         self.warm: set[tuple] = set()  # key classes that ran eagerly in this process
         self.entries: OrderedDict[GraphKey, _Entry] = OrderedDict()
@@ -145,6 +149,7 @@ class StepGraphs:
         self.replays = 0
         self.eager_runs = 0
         self.failures = 0
+        self.covered = 0  # steps that replayed a larger key's capture (padded) instead of capturing
         self._storage = None  # (arena, grad arena) storages the graphs read and write
 
     # ----- which steps -----------------------------------------------------------------
@@ -180,13 +185,21 @@ class StepGraphs:
         longest = max((len(e.input_ids) for seqs in per_job for e in seqs), default=1)
         eng.seq_cap = max(eng.seq_cap, longest)
         n_seqs = sum(len(seqs) for seqs in per_job)
-        cpu = pack_flat(per_job, eng.pad_id, per_octave=self.per_octave, max_cells=n_seqs * eng.seq_cap)
+        cpu = pack_flat(per_job, eng.pad_id, per_octave=self.per_octave, max_cells=n_seqs * eng.seq_cap,
+                        max_len=eng.seq_cap)
         self._check_storage()
         ints = eng.layout_offsets(states)
         key = GraphKey(tokens=cpu.input_ids.shape[1], seq_slots=_pow2(len(cpu.cu_seqlens) - 1, 16),
                        job_slots=_pow2(len(states), 8), rank=_pow2(max(s.adapter.rank for s in states), 16),
                        max_len=eng.seq_cap, aligned=all(v % 16 == 0 for v in ints),
                        recompute=eng.gradient_checkpointing and train, train=train)
+        known = self.entries.get(key)
+        if (known is None or known.graph is None) and key.warm_class in self.warm:
+            cover = self._cover(key, cpu.real_tokens, n_seqs)
+            if cover is not None:  # replay a larger capture rather than capture this key
+                key = cover
+                cpu = pack_flat(per_job, eng.pad_id, length=cover.tokens, max_len=eng.seq_cap)
+                self.covered += 1
         entry = self._entry(key)
         counts = self._fill(entry.static, key, cpu, states, ints)
         eng.forward_shapes[(*cpu.input_ids.shape, train)] += 1
@@ -200,6 +213,26 @@ class StepGraphs:
             self.eager_runs += 1
             self.warm.add(key.warm_class)
         return cpu, entry, counts
+
+    def _cover(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
+        """The smallest captured key that can run this step padded (at most `cover_ratio` times
+        this key's tokens, enough sequence and job slots, a rank tile as large): a new token
+        count then costs some padded work instead of a capture (~1 s at 32 layers of 8B)."""
+        best = None
+        for k, e in self.entries.items():
+            if e.graph is None or (k.max_len, k.aligned, k.recompute, k.train) != (
+                    key.max_len, key.aligned, key.recompute, key.train):
+                continue
+            if k.job_slots < key.job_slots or k.rank < key.rank:
+                continue
+            if not n_tokens <= k.tokens <= self.cover_ratio * key.tokens:
+                continue
+            pieces = -(-(k.tokens - n_tokens) // key.max_len)  # the padding tail's sequences
+            if k.seq_slots < n_seqs + pieces:
+                continue
+            if best is None or (k.tokens, k.job_slots, k.rank) < (best.tokens, best.job_slots, best.rank):
+                best = k
+        return best
 
     def _check_storage(self) -> None:
         eng = self.engine
@@ -328,4 +361,5 @@ class StepGraphs:
 
     def stats(self) -> dict[str, int]:
         return {"graphs": sum(e.graph is not None for e in self.entries.values()), "captures": self.captures,
-                "replays": self.replays, "eager_runs": self.eager_runs, "failures": self.failures}
+                "replays": self.replays, "eager_runs": self.eager_runs, "failures": self.failures,
+                "covered": self.covered}

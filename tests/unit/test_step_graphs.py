@@ -87,6 +87,19 @@ def test_graphed_steps_equal_eager_steps_and_a_new_job_set_reuses_the_capture(mo
         eng.attach(job("e", 8, 3, 5))
     both_steps(2)
     assert (g.eager_runs, g.captures, g.replays, len(g.entries)) == (1, 2, 8, 2)
+    # fewer tokens (120, a key of its own) replay the smallest capture that holds them padded
+    # (160 tokens, within cover_ratio): no capture, the same losses, the padding trains nothing
+    for eng in (eager, graphed):
+        eng.detach("e")
+        eng.attach(job("f", 4, 1, 6))
+    both_steps(2)
+    assert (g.eager_runs, g.captures, g.replays, g.covered, len(g.entries)) == (1, 2, 10, 2, 2)
+    # ... but not beyond cover_ratio: a step of a third of the tokens gets its own capture
+    for eng in (eager, graphed):
+        for j in ("a", "c"):
+            eng.detach(j)
+    both_steps(1)
+    assert (g.captures, g.covered) == (3, 2)
 
 
 def test_graphed_evaluation_equals_eager_evaluation(model_dir) -> None:  # noqa: ANN001
