@@ -81,6 +81,7 @@ class Executor(TaskHosting, MemoryPlanning):
         self.first_step_s: float | None = None  # executor start -> end of the first step
         self.profile_reused: bool | None = None
         self.recompute_policy: RecomputePolicy | None = None
+        self.corrections = {}  # recompute on/off -> the memory model corrected online (one GPU)
         self.recompute_steps = {"on": 0, "off": 0}
         self.first = self._make_task(cfg, callbacks, stop_requested, task_id)
         self._known[self.first.task_id] = ({j.job_id for j in cfg.jobs}, str(Path(cfg.output_dir).resolve()))
@@ -200,7 +201,9 @@ class Executor(TaskHosting, MemoryPlanning):
             started = time.perf_counter()
             with self.phase("train"):
                 self._choose_recompute()
+                resident = self._step_memory_start()
                 report = self.engine.step() if self.engine.jobs else None
+                self._step_memory_end(resident, report)
                 if report is None:  # this rank has no runnable job: join the others' passes
                     self.engine.idle_step()
             now = time.perf_counter()
@@ -285,7 +288,7 @@ class Executor(TaskHosting, MemoryPlanning):
                 "profile_reused": self.profile_reused, "global_step": self.global_step,
                 # activation recompute: the setting and how many steps ran with and without it
                 "recompute": self.cfg.gradient_checkpointing, "recompute_steps": self.recompute_steps["on"],
-                "no_recompute_steps": self.recompute_steps["off"]}
+                "no_recompute_steps": self.recompute_steps["off"], **self._memory_check()}
 
     # ----- pieces of the loop --------------------------------------------------------------
     def _observe_train(self, report: Any, seconds: float) -> dict[str, bool]:

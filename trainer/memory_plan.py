@@ -1,7 +1,8 @@
 """The executor's memory: the memory model M(B) = k0 + k1 * B * L (docs/architecture.md, technique 3),
-stored per node and profile key or measured with probe steps, the admission controller built on
-it, and the policy that turns activation recompute off for steps that fit without it. A part of
-trainer.executor.Executor."""
+stored per node and profile key or built from the model's config with no profiling pass
+(trainer.memory_model) and corrected online from the real steps' peaks (stored again), the
+admission controller built on it, and the policy that turns activation recompute off for steps
+that fit without it. A part of trainer.executor.Executor."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from trainer.admission import (
     store_profile,
 )
 from trainer.jobs import TrainJob
+from trainer.memory_model import OnlineCorrection, Shapes, analytic_model, head_bytes
 
 log = logging.getLogger("loraplex.executor")
 
@@ -35,6 +37,7 @@ class MemoryPlanning:
     profile_reused: bool | None
     admission: AdmissionController
     engine: Any
+    corrections: dict[bool, OnlineCorrection]  # recompute on/off -> its model corrected online
 
     def _plan_memory(self, device: torch.device) -> None:
         """The admission budget: on a GPU from the memory model (given, stored or measured; with
@@ -125,19 +128,69 @@ class MemoryPlanning:
             max_lora_rank=max(j.lora_rank for j in cfg.jobs), attention=eng.attention)
 
     def _stored_memory_model(self, recompute: bool = True) -> MemoryModel:
-        """The node's stored profile for this key, or a fresh measurement that is then stored
-        (without recompute: measured at 1 and 2 sequences, its activations are large)."""
+        """The node's stored model for this key (measured or corrected by an earlier task), or
+        the analytic one (no profiling pass); either is corrected online from the real steps."""
         key = self.profile_key(recompute)
         stored = load_profile(self.cfg.profile_cache, key)
-        # every rank must agree to reuse: one that lacks it (a torn read) makes all measure
+        # every rank must agree to reuse: one that lacks it (a torn read) makes all build it
         reuse = all(self.strategy.gather(stored is not None))
         # reused only if every profile this executor needs was stored
         self.profile_reused = reuse if recompute else bool(self.profile_reused) and reuse
-        if reuse:
-            return stored
-        mm = self._profile_memory_model((1, 2, 4) if recompute else (1, 2))
-        fits = self.strategy.gather((mm.k0, mm.k1))  # stored as the ranks will decide: the largest
-        if self.rank == 0:
-            store_profile(self.cfg.profile_cache, key,
-                          MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits)))
+        mm = stored if reuse else self._analytic_memory_model(recompute)
+        if self.strategy.whole_engine and self.device.type == "cuda":
+            fixed = head_bytes(Shapes.of(self.engine.model.config), self.engine.head_chunk)
+            self.corrections[recompute] = OnlineCorrection(mm, fixed)
         return mm
+
+    def _analytic_memory_model(self, recompute: bool) -> MemoryModel:
+        """trainer.memory_model.analytic_model for this engine, its jobs and its device."""
+        eng, cfg = self.engine, self.cfg
+        per_rank = sum(d_in + d_out for d_in, d_out in eng.shapes.values())
+        # adapter + two AdamW moments in the adapter dtype, the gradient in float32
+        state_per_rank = per_rank * (3 * eng.adapter_dtype.itemsize + 4)
+        resident = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        layers = getattr(getattr(eng.model, "base_model", None), "layers", None)
+        if self.world > 1 and layers:  # a sharded backbone gathers a layer and prefetches the next
+            resident += 2 * sum(p.numel() * p.element_size() for p in layers[0].parameters())
+        targets = len({name.rsplit(".", 1)[-1] for name in eng.shapes})
+        return analytic_model(eng.model.config, resident=resident, state_bytes_per_rank=state_per_rank,
+                              max_rank=max(j.lora_rank for j in cfg.jobs), n_targets=targets,
+                              head_chunk=eng.head_chunk, seq_len=cfg.max_seq_len, recompute=recompute,
+                              sequences_per_item=self.objective.sequences_per_item)
+
+    # ----- online correction ------------------------------------------------------------
+    def _step_memory_start(self) -> int | None:
+        """Before a step: the allocator's resident bytes, its peak reset (None: not watched)."""
+        if not self.corrections:
+            return None
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def _step_memory_end(self, resident: int | None, report: Any) -> None:
+        """After a step: its peak against the model; a corrected model goes to admission (and
+        the recompute policy) and is stored for the node's later tasks (rank 0, one GPU)."""
+        recompute = bool(self.engine.gradient_checkpointing)
+        corr = self.corrections.get(recompute)
+        if resident is None or corr is None or report is None:
+            return
+        cells = round(report.tokens / max(1e-9, 1.0 - report.padded_fraction))
+        peak = torch.cuda.max_memory_allocated(self.device)
+        if not corr.observe(cells, recompute, resident, peak):
+            return
+        if recompute:
+            self.memory_model = corr.model
+            self.admission.model = corr.model
+        elif self.recompute_policy is not None:
+            self.recompute_policy = RecomputePolicy(corr.model, self.recompute_policy.limit_bytes,
+                                                    self.recompute_policy.seq_len)
+        if self.rank == 0:
+            store_profile(self.cfg.profile_cache, self.profile_key(recompute), corr.model)
+
+    def _memory_check(self) -> dict[str, float]:
+        """How the memory model did on the steps the allocator saw: their count and the largest
+        |predicted - measured| / measured peak (details of the timings report)."""
+        seen = [p for c in self.corrections.values() for p in c.trace if p.peak > p.resident]
+        if not seen:
+            return {}
+        return {"memory_steps_checked": len(seen),
+                "memory_model_error": max(abs(p.predicted - p.peak) / p.peak for p in seen)}

@@ -63,8 +63,13 @@ class OneGpu:
     def load_model(self, model_dir: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
+        from trainer.fast_load import load_to_device
+
         if device.type == "cuda":
-            # straight from the safetensors files onto the GPU: no full copy in host memory first
+            # every shard read by its own thread straight into the device tensors (trainer.fast_load)
+            model = load_to_device(model_dir, device, dtype)
+            if model is not None:
+                return model
             return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map={"": device})
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
 

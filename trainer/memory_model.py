@@ -1,0 +1,141 @@
+"""The memory model without a profiling pass: M(B) = k0 + k1 * B * L built from the model's config
+and the step's shapes (docs/architecture.md, technique 3), then corrected online from the
+allocator's peaks of the real steps and stored for the node's later tasks.
+
+Analytic terms (bytes, bf16 activations a = 2):
+- k0: what is resident when the executor plans (the backbone, buffers: read from the allocator),
+  one job of the largest rank (adapter + gradient + two AdamW moments, as the probe step had), the
+  head's float32 logits of one chunk (forward, softmax, gradient) and a fixed workspace.
+- k1, per token of a step: without recompute every layer keeps what its backward reads (the two
+  norms' inputs and outputs, q/k/v, the attention's output, gate/up/their product, each LoRA
+  target's x.A); with recompute a layer keeps only its input, and one layer's activations live
+  again during its backward; plus the hidden states' gradients and the per-token losses.
+`ACTIVATION_SLACK` scales the per-layer terms for what the count above leaves out (the norms'
+float32 upcasts, RoPE's temporaries, the allocator's rounding); its value comes from peaks
+measured on an H100 (bench/memory_model.py, tests/unit/test_memory_model.py holds them).
+
+Online correction (`OnlineCorrection`): after each step the allocator saw (eager steps and
+captures; a replay allocates nothing) its transient peak (peak - resident before the step) is
+compared with the model's; k1 rises at once to cover any step (safety) and falls to the largest
+observed need (+5%) once `settle` steps agree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.admission import MemoryModel
+
+ACT_BYTES = 2  # bf16 activations
+WORKSPACE = 512 << 20  # cuBLAS/Triton workspaces, the allocator's rounding of the big blocks
+ACTIVATION_SLACK = 1.25
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the model's peak depends on, read from its config."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    kv: int  # key/value width (kv heads * head dim)
+    vocab: int
+    heads: int
+
+    @classmethod
+    def of(cls, config: Any) -> Shapes:
+        text = getattr(config, "text_config", None) or config
+        h = int(text.hidden_size)
+        heads = int(text.num_attention_heads)
+        head_dim = int(getattr(text, "head_dim", None) or h // heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        return cls(hidden=h, intermediate=int(text.intermediate_size), layers=int(text.num_hidden_layers),
+                   kv=kv_heads * head_dim, vocab=int(text.vocab_size), heads=heads)
+
+
+def layer_activation_bytes(s: Shapes, n_targets: int, rank: int) -> float:
+    """Per token: what one decoder layer keeps for its backward (no recompute)."""
+    h, i, kv = s.hidden, s.intermediate, s.kv
+    elems = 4 * h          # norm inputs and outputs, both norms
+    elems += h + 2 * kv    # q, k, v after RoPE
+    elems += h             # the attention's output (o_proj's input)
+    elems += 3 * i         # gate, up, act(gate) * up (down's input)
+    elems += n_targets * rank  # each LoRA target's x.A
+    return ACTIVATION_SLACK * ACT_BYTES * elems + 4 * (2 + s.heads)  # norms' rstd, attention's lse
+
+
+def per_token_bytes(s: Shapes, recompute: bool, n_targets: int, rank: int) -> float:
+    """k1: bytes per token of a training step."""
+    layer = layer_activation_bytes(s, n_targets, rank)
+    if recompute:  # every layer's input kept, one layer's activations and their gradients live
+        body = s.layers * ACT_BYTES * s.hidden + 2 * layer
+    else:
+        body = s.layers * layer
+    head = 2 * 4 * s.hidden + 3 * 4  # the last hidden state's float32 gradient, loss, target
+    return body + head
+
+
+def head_bytes(s: Shapes, chunk: int) -> float:
+    """The head's float32 logits of one chunk: forward, softmax and gradient."""
+    return 3 * 4 * float(chunk) * s.vocab
+
+
+def analytic_model(config: Any, *, resident: float, state_bytes_per_rank: float, max_rank: int,
+                   n_targets: int, head_chunk: int, seq_len: int, recompute: bool,
+                   sequences_per_item: int = 1) -> MemoryModel:
+    """M(B) = k0 + k1 * B * L for this model and step (see the module docstring); B counts
+    batch items (a DPO item is a pair: its k1 counts both sequences)."""
+    s = Shapes.of(config)
+    k0 = resident + state_bytes_per_rank * max_rank + head_bytes(s, head_chunk) + WORKSPACE
+    k1 = per_token_bytes(s, recompute, n_targets, _tile(max_rank)) * sequences_per_item
+    return MemoryModel(k0=float(k0), k1=float(k1))
+
+
+def _tile(rank: int) -> int:
+    return max(16, 1 << max(0, rank - 1).bit_length())
+
+
+@dataclass
+class StepPeak:
+    """One step as the allocator saw it."""
+
+    tokens: int        # the step's token cells (padding included)
+    recompute: bool
+    resident: int      # allocated before the step
+    peak: int          # the allocator's peak during it
+    predicted: float   # resident + the model's transient for these tokens
+
+
+@dataclass
+class OnlineCorrection:
+    """The model corrected from real steps (see the module docstring); `trace` keeps them all."""
+
+    model: MemoryModel
+    fixed: float           # the transient's part that does not scale with tokens (head, workspace)
+    settle: int = 8
+    margin: float = 1.05
+    trace: list[StepPeak] = field(default_factory=list)
+    _need: float = 0.0     # the largest per-token need observed
+    _seen: int = 0
+
+    def predict_transient(self, tokens: int) -> float:
+        return self.fixed + self.model.k1 * tokens
+
+    def observe(self, tokens: int, recompute: bool, resident: int, peak: int) -> bool:
+        """Record a step; True when the model changed (to be stored, admission updated)."""
+        self.trace.append(StepPeak(tokens, recompute, resident, peak,
+                                   resident + self.predict_transient(tokens)))
+        if tokens <= 0 or peak <= resident:
+            return False  # a replay: its memory was taken at capture
+        need = (peak - resident - self.fixed) / tokens
+        self._need = max(self._need, need)
+        self._seen += 1
+        k1 = self.model.k1
+        if need > k1:  # never under: raise at once
+            k1 = need * self.margin
+        elif self._seen >= self.settle and self._need * self.margin < k1:
+            k1 = self._need * self.margin
+        if k1 == self.model.k1:
+            return False
+        self.model = MemoryModel(self.model.k0, k1)
+        return True
