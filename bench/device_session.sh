@@ -275,5 +275,22 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 200 host_profile python3 bench/host_profile.py --layers 32 --warmup 16 --iters 20 \
       --out "$OUT/host_profile_graphs_h100.md"
     ;;
+  s19_search)  # session 19, call 1 (issues 40, 41): the GPU tests of what changed (graphs with covers, the
+               # pooled park, the analytic memory model stored and reused), then the search (a) at 32 layers
+               # with its quality phase (fresh process: analytic model, parallel load, pool after step 1)
+    step 150 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_step_graphs_gpu.py \
+      tests/gpu/test_park_gpu.py tests/gpu/test_task_e2e_gpu.py
+    step 400 search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s 380 \
+      --json "$OUT/search_a_h100.json" --out "$OUT/search_a_h100.md"
+    ;;
+  s19_task)  # session 19, call 2 (issues 40, 41, 44): the 8-job executor task at 32 layers, 200 steps, each
+             # run a fresh process as a node makes them: the node's first (no stored model), then a second
+             # process (the model the first stored, Triton cache on disk); end-of-task samples in both
+    export TRITON_CACHE_DIR=/tmp/executor_task_cache/triton
+    step 300 task_cold python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
+      --out "$OUT/executor_task_cold_h100.md" --json "$OUT/executor_task_cold_h100.json"
+    step 200 task_second python3 bench/executor_task.py --layers 32 --steps 200 --runs second --reuse \
+      --out "$OUT/executor_task_second_h100.md" --json "$OUT/executor_task_second_h100.json"
+    ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac

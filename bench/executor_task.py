@@ -113,7 +113,23 @@ def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: P
             "attention": ex.engine.attention if getattr(ex, "engine", None) is not None else None,
             "eval_calls": getattr(ex, "eval_calls", []),
             "graphs": ex.engine.step_graphs.stats() if getattr(ex, "engine", None) is not None
-            and ex.engine.step_graphs is not None else None}
+            and ex.engine.step_graphs is not None else None,
+            # the memory model (analytic or stored, corrected online) against every step the
+            # allocator saw: tokens, recompute, resident before, peak, predicted
+            "memory_trace": [(p.tokens, p.recompute, p.resident, p.peak, round(p.predicted))
+                             for c in getattr(ex, "corrections", {}).values() for p in c.trace],
+            "samples": samples_summary(out),
+            "memory_final": {str(k): (c.model.k0, c.model.k1) for k, c in getattr(ex, "corrections", {}).items()}}
+
+
+def samples_summary(out: Path) -> dict | None:
+    """The end-of-task samples (trainer.task_samples): rows, adapters + base, new tokens."""
+    path = out / "samples.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {"rows": len(rows), "configurations": len({str(r.get("job_id")) for r in rows}),
+            "new_tokens": sum(int(r.get("tokens") or 0) for r in rows)}
 
 
 def params(layers: int) -> float:
@@ -129,8 +145,9 @@ def render(res: dict, args: argparse.Namespace) -> str:
              "validation samples; product defaults (evaluation, early exit, checkpoints, exports, attention auto). "
              "`python bench/executor_task.py " + " ".join(sys.argv[1:]) + "`.", "",
              "| run | wall s | load | profile | train | eval | checkpoint | export | first step s | train tok/s | "
-             "MFU | wall / train | eval share | steps | jobs end |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "MFU | wall / train | eval share | samples s | steps | jobs end |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    memory = []
     for name, r in res["runs"].items():
         ph, train = r["phases"], max(r["phases"]["train"], 1e-9)
         tps = r["train_tokens"] / train
@@ -139,8 +156,19 @@ def render(res: dict, args: argparse.Namespace) -> str:
         lines.append(
             f"| {name} | {r['wall_s']:.1f} | {ph['load']:.1f} | {ph['profile']:.1f} | {ph['train']:.1f} | "
             f"{ph['eval']:.1f} | {ph['checkpoint']:.1f} | {ph['export']:.1f} | {r['first_step_s'] or 0:.1f} | "
-            f"{tps:,.0f} | {mfu:.1%} | {r['wall_s'] / train:.2f}x | {ph['eval'] / r['wall_s']:.1%} | {r['steps']} | "
+            f"{tps:,.0f} | {mfu:.1%} | {r['wall_s'] / train:.2f}x | {ph['eval'] / r['wall_s']:.1%} | "
+            f"{ph.get('samples', 0.0):.1f} | {r['steps']} | "
             f"{', '.join(r['states'])} |")
+        seen = [t for t in r.get("memory_trace", []) if t[3] > t[2]]
+        if seen:
+            worst = max(abs(t[4] - t[3]) / t[3] for t in seen)
+            memory.append(f"- {name}: {len(seen)} steps the allocator saw, largest |predicted - peak| / peak "
+                          f"{worst:.1%}, peak {max(t[3] for t in seen) / 1e9:.1f} GB; final (k0, k1) "
+                          f"{r.get('memory_final')}")
+        if r.get("samples"):
+            memory.append(f"- {name}: end-of-task samples {r['samples']}")
+    if memory:
+        lines += ["", "Memory model (no profiling pass unless stored; corrected online):", *memory]
     lines += ["", "Step graphs (trainer.step_graphs) per run: " + json.dumps({k: r.get("graphs") for k, r in
                                                                           res["runs"].items()}),
               "", "Admission and timings events: " + json.dumps({k: (r.get("admission"), r.get("timings"))
@@ -159,16 +187,20 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--json", default="")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep the work directory's model (and stored profiles): a later process of a node")
     args = ap.parse_args()
     if args.smoke:
         te.SMOKE["on"] = True
         args.layers, args.steps, args.n_train, args.n_val = 2, 3, 24, 8
     root = Path(args.work)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    tok = te.make_tokenizer()
-    te.log("building the model")
-    model_dir = te.large_model(root / "model", args.layers, tok)
+    model_dir = root / "model"
+    if not (args.reuse and (model_dir / "config.json").exists()):
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        tok = te.make_tokenizer()
+        te.log("building the model")
+        model_dir = te.large_model(model_dir, args.layers, tok)
     train = write_data(root / "train.jsonl", args.n_train, 1)
     val = write_data(root / "val.jsonl", args.n_val, 2)
     cache = root / "profiles.json"

@@ -137,6 +137,11 @@ class MemoryPlanning:
         # reused only if every profile this executor needs was stored
         self.profile_reused = reuse if recompute else bool(self.profile_reused) and reuse
         mm = stored if reuse else self._analytic_memory_model(recompute)
+        if not reuse:  # the node knows it from now on (and as corrected by the steps, below)
+            fits = self.strategy.gather((mm.k0, mm.k1))  # stored as the ranks will decide: the largest
+            if self.rank == 0:
+                store_profile(self.cfg.profile_cache, key,
+                              MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits)))
         if self.strategy.whole_engine and self.device.type == "cuda":
             fixed = head_bytes(Shapes.of(self.engine.model.config), self.engine.head_chunk)
             self.corrections[recompute] = OnlineCorrection(mm, fixed)
