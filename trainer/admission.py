@@ -133,6 +133,8 @@ class AdmissionController:
         seq_len: int,
         safety: float = 0.9,
         max_jobs: int | None = None,
+        resident: Callable[[], float] | None = None,
+        state_bytes: Callable[[JobLike], float] | None = None,
     ) -> None:
         if not (0.0 < safety <= 1.0):
             raise ValueError(f"safety must be in (0, 1], got {safety}")
@@ -145,6 +147,11 @@ class AdmissionController:
         self.seq_len = int(seq_len)
         self.safety = float(safety)
         self.max_jobs = max_jobs
+        # live form (one GPU, trainer.memory_model): what is resident now (the backbone, attached
+        # and device-parked states) is read at each decision, each job adds its state, and the
+        # model's k0 is the step's fixed transient only
+        self.resident = resident
+        self.state_bytes = state_bytes
 
     @classmethod
     def from_token_budget(
@@ -157,17 +164,26 @@ class AdmissionController:
     def limit_bytes(self) -> float:
         return self.safety * self.budget_bytes
 
+    @property
+    def headroom(self) -> float:
+        """The limit less what is resident now (live form; the whole limit otherwise)."""
+        return self.limit_bytes - (self.resident() if self.resident is not None else 0.0)
+
     def max_total_batch(self) -> int:
         """The largest total batch (sequences of seq_len) a training step may hold."""
-        return self.model.max_total_batch(self.limit_bytes, self.seq_len)
+        return self.model.max_total_batch(self.headroom, self.seq_len)
 
-    def fits(self, total_batch: int) -> bool:
-        """Whether a step over this total batch is predicted to stay under the safety limit."""
-        return self.model.predict(total_batch, self.seq_len) <= self.limit_bytes
+    def fits(self, total_batch: int, added_bytes: float = 0.0) -> bool:
+        """Whether a step over this total batch (with `added_bytes` of new jobs' states) is
+        predicted to stay under the safety limit."""
+        return self.model.predict(total_batch, self.seq_len) + added_bytes <= self.headroom
+
+    def _state(self, job: JobLike) -> float:
+        return self.state_bytes(job) if self.state_bytes is not None else 0.0
 
     def unschedulable(self, pending: Iterable[JobLike]) -> list[str]:
         """Pending jobs that would not fit even alone on an empty executor."""
-        return [j.job_id for j in pending if not self.fits(j.batch_size)]
+        return [j.job_id for j in pending if not self.fits(j.batch_size, self._state(j))]
 
     def admit(self, pending: Sequence[JobLike], running: Sequence[JobLike]) -> list[str]:
         """Job ids to attach now, in attach order (see the module docstring for the order)."""
@@ -194,14 +210,18 @@ class AdmissionController:
         slots = math.inf if self.max_jobs is None else self.max_jobs - len(running)
         order = sorted(enumerate(pending), key=lambda item: (*priority(item[1].batch_size), item[0]))
         chosen: list[str] = []
+        added = 0.0
+        headroom = self.headroom  # read once: the decision is about now
         for _, job in order:
             if len(chosen) >= slots:
                 break
             if job.batch_size < 1:
                 raise ValueError(f"job {job.job_id} has batch_size {job.batch_size}")
-            if self.fits(total + job.batch_size):
+            state = self._state(job)
+            if self.model.predict(total + job.batch_size, self.seq_len) + added + state <= headroom:
                 chosen.append(job.job_id)
                 total += job.batch_size
+                added += state
         return chosen
 
 
@@ -261,10 +281,12 @@ class RecomputePolicy:
     sizes the executor by the model with recompute (the wider one), so choosing never costs a
     job its place. With one GPU only (ranks of adapter parallelism must make the same passes)."""
 
-    without: MemoryModel  # measured with recompute off
+    without: MemoryModel  # measured (or built, trainer.memory_model) with recompute off
     limit_bytes: float
     seq_len: int
+    resident: Callable[[], float] | None = None  # the live form: what is resident now
 
     def recompute(self, total_batch: int) -> bool:
         """Whether a step over `total_batch` sequences of seq_len tokens needs recompute."""
-        return self.without.predict(total_batch, self.seq_len) > self.limit_bytes
+        now = self.resident() if self.resident is not None else 0.0
+        return self.without.predict(total_batch, self.seq_len) + now > self.limit_bytes

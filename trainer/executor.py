@@ -82,6 +82,7 @@ class Executor(TaskHosting, MemoryPlanning):
         self.profile_reused: bool | None = None
         self.recompute_policy: RecomputePolicy | None = None
         self.corrections = {}  # recompute on/off -> the memory model corrected online (one GPU)
+        self.memory_retries = 0
         self.recompute_steps = {"on": 0, "off": 0}
         self.first = self._make_task(cfg, callbacks, stop_requested, task_id)
         self._known[self.first.task_id] = ({j.job_id for j in cfg.jobs}, str(Path(cfg.output_dir).resolve()))
@@ -202,7 +203,7 @@ class Executor(TaskHosting, MemoryPlanning):
             with self.phase("train"):
                 self._choose_recompute()
                 resident = self._step_memory_start()
-                report = self.engine.step() if self.engine.jobs else None
+                report = self._train_step() if self.engine.jobs else None
                 self._step_memory_end(resident, report)
                 if report is None:  # this rank has no runnable job: join the others' passes
                     self.engine.idle_step()

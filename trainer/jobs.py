@@ -118,9 +118,29 @@ def make_optimizer(spec: TrainJob, params: Sequence[nn.Parameter], total: int): 
     return opt, sched
 
 
-@torch.no_grad()
+# elements per multi-tensor AdamW group: the groups' temporary (the second moments' square roots)
+# stays under 4 bytes x this however many jobs step together (trainer.memory_model counts it)
+ADAMW_CHUNK = 64 << 20
+
+
 def multi_adamw(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor],
                 grads: Sequence[torch.Tensor]) -> None:
+    """`_multi_adamw` over groups of jobs of at most ADAMW_CHUNK elements (a larger job alone)."""
+    group: list[int] = []
+    size = 0
+    for i, p in enumerate(params):
+        if group and size + p.numel() > ADAMW_CHUNK:
+            _multi_adamw([optimizers[k] for k in group], [params[k] for k in group], [grads[k] for k in group])
+            group, size = [], 0
+        group.append(i)
+        size += p.numel()
+    if group:
+        _multi_adamw([optimizers[k] for k in group], [params[k] for k in group], [grads[k] for k in group])
+
+
+@torch.no_grad()
+def _multi_adamw(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor],
+                 grads: Sequence[torch.Tensor]) -> None:
     """One AdamW step of many jobs at once: torch's single-tensor AdamW (decoupled weight decay,
     bias corrections from the host step count) per job, each with its own optimizer's lr, betas,
     eps and weight decay, as a few multi-tensor (`torch._foreach_*`) kernels over all jobs instead

@@ -3,9 +3,12 @@ and the step's shapes (docs/architecture.md, technique 3), then corrected online
 allocator's peaks of the real steps and stored for the node's later tasks.
 
 Analytic terms (bytes, bf16 activations a = 2):
-- k0: what is resident when the executor plans (the backbone, buffers: read from the allocator),
-  one job of the largest rank (adapter + gradient + two AdamW moments, as the probe step had), the
-  head's float32 logits of one chunk (forward, softmax, gradient) and a fixed workspace.
+- what is resident (the backbone, the attached and device-parked jobs' states): read from the
+  allocator when admission decides (one GPU: the live form); each job admitted adds its state
+  (adapter, float32 gradient, two AdamW moments); with several ranks (which must decide alike)
+  the static form's k0 holds the resident bytes at planning and one job of the largest rank.
+- k0 (live form): the step's fixed transient: the head's float32 logits of one chunk (forward,
+  softmax, gradient), AdamW's grouped temporary, a workspace.
 - k1, per token of a step: without recompute every layer keeps what its backward reads (the two
   norms' inputs and outputs, q/k/v, the attention's output, gate/up/their product, each LoRA
   target's x.A); with recompute a layer keeps only its input, and one layer's activations live
@@ -25,10 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.admission import MemoryModel
+from trainer.jobs import ADAMW_CHUNK
 
 ACT_BYTES = 2  # bf16 activations
+HEAD_BYTES = 12  # per logit of the head's chunk: float32 logits, softmax, gradient
 WORKSPACE = 512 << 20  # cuBLAS/Triton workspaces, the allocator's rounding of the big blocks
 ACTIVATION_SLACK = 1.25
+ARENA_SLACK = 1.125  # the arena grows by an eighth at least: a job's state costs up to this more
 
 
 @dataclass(frozen=True)
@@ -75,18 +81,33 @@ def per_token_bytes(s: Shapes, recompute: bool, n_targets: int, rank: int) -> fl
     return body + head
 
 
-def head_bytes(s: Shapes, chunk: int) -> float:
-    """The head's float32 logits of one chunk: forward, softmax and gradient."""
-    return 3 * 4 * float(chunk) * s.vocab
+def head_bytes(s: Shapes, tokens: int) -> float:
+    """The head's float32 logits of `tokens` tokens (one chunk at most): forward, softmax, gradient."""
+    return float(HEAD_BYTES) * tokens * s.vocab
 
 
-def analytic_model(config: Any, *, resident: float, state_bytes_per_rank: float, max_rank: int,
-                   n_targets: int, head_chunk: int, seq_len: int, recompute: bool,
-                   sequences_per_item: int = 1) -> MemoryModel:
-    """M(B) = k0 + k1 * B * L for this model and step (see the module docstring); B counts
-    batch items (a DPO item is a pair: its k1 counts both sequences)."""
+def state_bytes_per_param(adapter_itemsize: int) -> float:
+    """A job's state per adapter parameter: the adapter and its two AdamW moments in the adapter
+    dtype, its float32 gradient; with the arena's growth."""
+    return (3 * adapter_itemsize + 4) * ARENA_SLACK
+
+
+def fixed_transient(s: Shapes, head_chunk: int, adapter_params: int) -> float:
+    """What a step allocates whatever its tokens (at most): the head's chunk, AdamW's temporary."""
+    return head_bytes(s, head_chunk) + 4.0 * min(adapter_params, ADAMW_CHUNK)
+
+
+def analytic_model(config: Any, *, head_chunk: int, max_rank: int, n_targets: int, recompute: bool,
+                   sequences_per_item: int = 1, resident: float | None = None,
+                   state_bytes_per_rank: float = 0.0) -> MemoryModel:
+    """M(B) = k0 + k1 * B * L for this model and step (see the module docstring); B counts batch
+    items (a DPO item is a pair: its k1 counts both sequences). Live form (resident None): k0 is
+    the step's fixed transient and a workspace; admission adds what is resident when it decides
+    and each job's state. Static form: k0 also holds `resident` and one job of the largest rank."""
     s = Shapes.of(config)
-    k0 = resident + state_bytes_per_rank * max_rank + head_bytes(s, head_chunk) + WORKSPACE
+    k0 = fixed_transient(s, head_chunk, ADAMW_CHUNK) + WORKSPACE
+    if resident is not None:
+        k0 += resident + state_bytes_per_rank * max_rank
     k1 = per_token_bytes(s, recompute, n_targets, _tile(max_rank)) * sequences_per_item
     return MemoryModel(k0=float(k0), k1=float(k1))
 
@@ -108,26 +129,32 @@ class StepPeak:
 
 @dataclass
 class OnlineCorrection:
-    """The model corrected from real steps (see the module docstring); `trace` keeps them all."""
+    """The model corrected from real steps (see the module docstring); `trace` keeps them all.
+    A step's transient is predicted as `head_per_token` x min(tokens, head_chunk) + the AdamW
+    temporary of its adapters + k1 x tokens."""
 
     model: MemoryModel
-    fixed: float           # the transient's part that does not scale with tokens (head, workspace)
+    head_per_token: float
+    head_chunk: int
     settle: int = 8
     margin: float = 1.05
     trace: list[StepPeak] = field(default_factory=list)
     _need: float = 0.0     # the largest per-token need observed
     _seen: int = 0
 
-    def predict_transient(self, tokens: int) -> float:
-        return self.fixed + self.model.k1 * tokens
+    def fixed(self, tokens: int, adapter_params: int) -> float:
+        return self.head_per_token * min(tokens, self.head_chunk) + 4.0 * min(adapter_params, ADAMW_CHUNK)
 
-    def observe(self, tokens: int, recompute: bool, resident: int, peak: int) -> bool:
+    def predict_transient(self, tokens: int, adapter_params: int = 0) -> float:
+        return self.fixed(tokens, adapter_params) + self.model.k1 * tokens
+
+    def observe(self, tokens: int, recompute: bool, resident: int, peak: int, adapter_params: int = 0) -> bool:
         """Record a step; True when the model changed (to be stored, admission updated)."""
         self.trace.append(StepPeak(tokens, recompute, resident, peak,
-                                   resident + self.predict_transient(tokens)))
+                                   resident + self.predict_transient(tokens, adapter_params)))
         if tokens <= 0 or peak <= resident:
             return False  # a replay: its memory was taken at capture
-        need = (peak - resident - self.fixed) / tokens
+        need = (peak - resident - self.fixed(tokens, adapter_params)) / tokens
         self._need = max(self._need, need)
         self._seen += 1
         k1 = self.model.k1

@@ -23,7 +23,14 @@ from trainer.admission import (
     store_profile,
 )
 from trainer.jobs import TrainJob
-from trainer.memory_model import OnlineCorrection, Shapes, analytic_model, head_bytes
+from trainer.memory_model import (
+    ARENA_SLACK,
+    HEAD_BYTES,
+    OnlineCorrection,
+    Shapes,
+    analytic_model,
+    state_bytes_per_param,
+)
 
 log = logging.getLogger("loraplex.executor")
 
@@ -38,6 +45,7 @@ class MemoryPlanning:
     admission: AdmissionController
     engine: Any
     corrections: dict[bool, OnlineCorrection]  # recompute on/off -> its model corrected online
+    memory_retries: int  # steps run again after running out of device memory
 
     def _plan_memory(self, device: torch.device) -> None:
         """The admission budget: on a GPU from the memory model (given, stored or measured; with
@@ -50,8 +58,10 @@ class MemoryPlanning:
             # ranks measure slightly different peaks; all must decide alike: take the largest
             fits = self.strategy.gather((mm.k0, mm.k1))
             self.memory_model = MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits))
-            self.admission = AdmissionController(self.memory_model, budget, cfg.max_seq_len,
-                                                 max_jobs=cfg.max_active_jobs)
+            live = self._live_memory and not cfg.memory_model
+            self.admission = AdmissionController(
+                self.memory_model, budget, cfg.max_seq_len, max_jobs=cfg.max_active_jobs,
+                resident=self._resident_bytes if live else None, state_bytes=self._state_bytes if live else None)
             if cfg.gradient_checkpointing == "auto" and self.strategy.whole_engine and not cfg.memory_model:
                 with self.phase("profile"):
                     self.recompute_policy = self._recompute_policy()
@@ -102,7 +112,8 @@ class MemoryPlanning:
             return None
         finally:
             eng.set_recompute(True)
-        return RecomputePolicy(without, self.admission.limit_bytes, self.cfg.max_seq_len)
+        return RecomputePolicy(without, self.admission.limit_bytes, self.cfg.max_seq_len,
+                               self.admission.resident)
 
     def _choose_recompute(self) -> None:
         """Before a step: recompute on or off for its total batch (RecomputePolicy); counted."""
@@ -125,7 +136,8 @@ class MemoryPlanning:
             seq_len=cfg.max_seq_len, gpu=gpu, torch=torch.__version__, method=cfg.method,
             targets=sorted(eng.targets), gradient_checkpointing=recompute,
             adapter_dtype=cfg.adapter_dtype, backend=cfg.backend, ranks=self.world,
-            max_lora_rank=max(j.lora_rank for j in cfg.jobs), attention=eng.attention)
+            max_lora_rank=max(j.lora_rank for j in cfg.jobs), attention=eng.attention,
+            memory_model="live" if self._live_memory else "static")
 
     def _stored_memory_model(self, recompute: bool = True) -> MemoryModel:
         """The node's stored model for this key (measured or corrected by an earlier task), or
@@ -142,26 +154,53 @@ class MemoryPlanning:
             if self.rank == 0:
                 store_profile(self.cfg.profile_cache, key,
                               MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits)))
-        if self.strategy.whole_engine and self.device.type == "cuda":
-            fixed = head_bytes(Shapes.of(self.engine.model.config), self.engine.head_chunk)
-            self.corrections[recompute] = OnlineCorrection(mm, fixed)
+        if self._live_memory:
+            shapes = Shapes.of(self.engine.model.config)
+            self.corrections[recompute] = OnlineCorrection(mm, HEAD_BYTES * shapes.vocab, self.engine.head_chunk)
         return mm
 
-    def _analytic_memory_model(self, recompute: bool) -> MemoryModel:
-        """trainer.memory_model.analytic_model for this engine, its jobs and its device."""
-        eng, cfg = self.engine, self.cfg
+    @property
+    def _live_memory(self) -> bool:
+        """One GPU: admission reads what is resident at each decision (trainer.memory_model);
+        ranks of adapter parallelism must decide alike: the static form there."""
+        return self.strategy.whole_engine and self.device.type == "cuda"
+
+    def _resident_bytes(self) -> float:
+        return float(torch.cuda.memory_allocated(self.device))
+
+    def _state_bytes(self, job: Any) -> float:
+        """The device bytes a job adds when it attaches: its state (a resuming job parked on the
+        device only its gradient region)."""
+        eng = self.engine
         per_rank = sum(d_in + d_out for d_in, d_out in eng.shapes.values())
-        # adapter + two AdamW moments in the adapter dtype, the gradient in float32
-        state_per_rank = per_rank * (3 * eng.adapter_dtype.itemsize + 4)
-        resident = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        layers = getattr(getattr(eng.model, "base_model", None), "layers", None)
-        if self.world > 1 and layers:  # a sharded backbone gathers a layer and prefetches the next
-            resident += 2 * sum(p.numel() * p.element_size() for p in layers[0].parameters())
+        rank = getattr(job, "lora_rank", None)
+        if rank is None:  # a started job resuming from its park
+            state = next((t.parked[job.job_id] for t in self.tasks.values() if job.job_id in t.parked), None)
+            if state is None:
+                return 0.0
+            if state.adapter.flat.is_cuda:
+                return 4.0 * per_rank * state.adapter.rank * ARENA_SLACK
+            rank = state.adapter.rank
+        return per_rank * rank * state_bytes_per_param(eng.adapter_dtype.itemsize)
+
+    def _analytic_memory_model(self, recompute: bool) -> MemoryModel:
+        """trainer.memory_model.analytic_model for this engine and its jobs: the live form on one
+        GPU, else the static form with what is resident now (a sharded backbone: with a gathered
+        layer and the next one prefetched)."""
+        eng, cfg = self.engine, self.cfg
+        resident, per_rank = None, 0.0
+        if not self._live_memory:
+            resident = float(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else 0.0
+            layers = getattr(getattr(eng.model, "base_model", None), "layers", None)
+            if self.world > 1 and layers:
+                resident += 2 * sum(p.numel() * p.element_size() for p in layers[0].parameters())
+            per_rank = sum(d_in + d_out for d_in, d_out in eng.shapes.values()) * state_bytes_per_param(
+                eng.adapter_dtype.itemsize)
         targets = len({name.rsplit(".", 1)[-1] for name in eng.shapes})
-        return analytic_model(eng.model.config, resident=resident, state_bytes_per_rank=state_per_rank,
+        return analytic_model(eng.model.config, head_chunk=eng.head_chunk,
                               max_rank=max(j.lora_rank for j in cfg.jobs), n_targets=targets,
-                              head_chunk=eng.head_chunk, seq_len=cfg.max_seq_len, recompute=recompute,
-                              sequences_per_item=self.objective.sequences_per_item)
+                              recompute=recompute, sequences_per_item=self.objective.sequences_per_item,
+                              resident=resident, state_bytes_per_rank=per_rank)
 
     # ----- online correction ------------------------------------------------------------
     def _step_memory_start(self) -> int | None:
@@ -180,16 +219,38 @@ class MemoryPlanning:
             return
         cells = round(report.tokens / max(1e-9, 1.0 - report.padded_fraction))
         peak = torch.cuda.max_memory_allocated(self.device)
-        if not corr.observe(cells, recompute, resident, peak):
+        if not corr.observe(cells, recompute, resident, peak, self.engine.arena.numel()):
             return
         if recompute:
             self.memory_model = corr.model
             self.admission.model = corr.model
         elif self.recompute_policy is not None:
             self.recompute_policy = RecomputePolicy(corr.model, self.recompute_policy.limit_bytes,
-                                                    self.recompute_policy.seq_len)
+                                                    self.recompute_policy.seq_len, self.recompute_policy.resident)
         if self.rank == 0:
             store_profile(self.cfg.profile_cache, self.profile_key(recompute), corr.model)
+
+    def _train_step(self) -> Any:
+        """The engine's step; one that runs out of device memory (the model under-predicted it)
+        is run again with recompute on and the model widened by half (admission then admits
+        less; the jobs' batches of the failed attempt are drawn anew)."""
+        try:
+            return self.engine.step()
+        except torch.cuda.OutOfMemoryError:
+            if not self.corrections:
+                raise
+            log.warning("a step ran out of device memory: recompute on, the memory model widened")
+            torch.cuda.empty_cache()
+            self.memory_retries += 1
+            for recompute, corr in self.corrections.items():
+                corr.model = MemoryModel(corr.model.k0, corr.model.k1 * 1.5)
+                if recompute:
+                    self.memory_model = self.admission.model = corr.model
+            if self.recompute_policy is not None and False in self.corrections:
+                self.recompute_policy = RecomputePolicy(self.corrections[False].model, self.recompute_policy.limit_bytes,
+                                                        self.recompute_policy.seq_len, self.recompute_policy.resident)
+            self.engine.set_recompute(True)
+            return self.engine.step()
 
     def _memory_check(self) -> dict[str, float]:
         """How the memory model did on the steps the allocator saw: their count and the largest
@@ -197,5 +258,5 @@ class MemoryPlanning:
         seen = [p for c in self.corrections.values() for p in c.trace if p.peak > p.resident]
         if not seen:
             return {}
-        return {"memory_steps_checked": len(seen),
+        return {"memory_steps_checked": len(seen), "memory_retries": self.memory_retries,
                 "memory_model_error": max(abs(p.predicted - p.peak) / p.peak for p in seen)}

@@ -7,8 +7,16 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig
 
-from trainer.admission import MemoryModel
-from trainer.memory_model import OnlineCorrection, Shapes, analytic_model, per_token_bytes
+from trainer.admission import AdmissionController, MemoryModel
+from trainer.jobs import TrainJob
+from trainer.memory_model import (
+    OnlineCorrection,
+    Shapes,
+    analytic_model,
+    head_bytes,
+    per_token_bytes,
+    state_bytes_per_param,
+)
 
 LLAMA_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8)
@@ -20,19 +28,39 @@ def test_shapes_and_terms_of_the_8b_config() -> None:
     with_rc, without = (per_token_bytes(s, rc, 7, 64) for rc in (True, False))
     # recompute keeps a layer's input per layer (+ one layer live): far less than every layer's
     assert 32 * 2 * 4096 < with_rc < without / 4
-    mm = analytic_model(LLAMA_8B, resident=16e9, state_bytes_per_rank=2.6e6 * 16, max_rank=64, n_targets=7,
-                        head_chunk=2048, seq_len=1024, recompute=True)
-    # the backbone, one rank-64 job's state (2.7 GB), the head's chunk (3.2 GB), a workspace
-    assert 16e9 + 2.6e6 * 16 * 64 < mm.k0 < 16e9 + 2.6e6 * 16 * 64 + 4e9
-    assert mm.k1 == pytest.approx(with_rc)
+    live = analytic_model(LLAMA_8B, head_chunk=2048, max_rank=64, n_targets=7, recompute=True)
+    # live form: the step's fixed transient only (the head's chunk: 3.2 GB; AdamW's group; a workspace)
+    assert head_bytes(s, 2048) == 12 * 2048 * 128256
+    assert head_bytes(s, 2048) < live.k0 < head_bytes(s, 2048) + 1.2e9
+    assert live.k1 == pytest.approx(with_rc)
+    # static form: with the resident bytes and one job of the largest rank
+    static = analytic_model(LLAMA_8B, head_chunk=2048, max_rank=64, n_targets=7, recompute=True,
+                            resident=16e9, state_bytes_per_rank=2.6e6 * 18)
+    assert static.k0 == pytest.approx(live.k0 + 16e9 + 2.6e6 * 18 * 64)
     # a DPO item is two sequences
-    pairs = analytic_model(LLAMA_8B, resident=16e9, state_bytes_per_rank=0, max_rank=16, n_targets=7,
-                           head_chunk=2048, seq_len=1024, recompute=True, sequences_per_item=2)
-    assert pairs.k1 == pytest.approx(2 * per_token_bytes(Shapes.of(LLAMA_8B), True, 7, 16))
+    pairs = analytic_model(LLAMA_8B, head_chunk=2048, max_rank=16, n_targets=7, recompute=True,
+                           sequences_per_item=2)
+    assert pairs.k1 == pytest.approx(2 * per_token_bytes(s, True, 7, 16))
+    # a job's state: fp32 adapter + two moments + fp32 gradient, with the arena's growth
+    assert state_bytes_per_param(4) == pytest.approx(16 * 1.125)
+
+
+def test_live_admission_counts_what_is_resident_and_each_jobs_state() -> None:
+    resident = {"now": 20e9}
+    adm = AdmissionController(MemoryModel(1e9, 1e6), 40e9, 1000, safety=1.0, resident=lambda: resident["now"],
+                              state_bytes=lambda j: 2e9 * j.lora_rank / 64)
+    jobs = [TrainJob(f"j{i}", lora_rank=64, batch_size=2) for i in range(6)]
+    # headroom 20 GB: each job 2 GB state + 2 GB of activations (2 x 1000 tokens x 1 MB), 1 GB fixed
+    assert adm.admit(jobs, []) == ["j0", "j1", "j2", "j3"]
+    resident["now"] = 30e9  # e.g. states parked on the device since
+    assert adm.admit(jobs, []) == ["j0", "j1"]
+    assert adm.max_total_batch() == 9
+    assert adm.unschedulable([TrainJob("big", lora_rank=64, batch_size=7)]) == []
+    assert adm.unschedulable([TrainJob("huge", lora_rank=64, batch_size=8)]) == ["huge"]
 
 
 def test_online_correction_raises_at_once_and_settles_to_the_observed_need() -> None:
-    corr = OnlineCorrection(MemoryModel(20e9, 500e3), fixed=1e9, settle=3)
+    corr = OnlineCorrection(MemoryModel(20e9, 500e3), head_per_token=1e6, head_chunk=1000, settle=3)
     # a step needing 600 kB a token: raised at once, above it
     assert corr.observe(2000, True, 20_000_000_000, int(20e9 + 1e9 + 600e3 * 2000))
     assert corr.model.k1 == pytest.approx(600e3 * 1.05)
@@ -42,7 +70,7 @@ def test_online_correction_raises_at_once_and_settles_to_the_observed_need() -> 
     assert not corr.observe(1000, True, 20_000_000_000, int(20e9 + 1e9 + 400e3 * 1000))
     assert corr.observe(3000, True, 20_000_000_000, int(20e9 + 1e9 + 590e3 * 3000)) is False
     assert corr.model.k1 == pytest.approx(630e3)
-    corr2 = OnlineCorrection(MemoryModel(20e9, 900e3), fixed=1e9, settle=2)
+    corr2 = OnlineCorrection(MemoryModel(20e9, 900e3), head_per_token=1e6, head_chunk=1000, settle=2)
     corr2.observe(1000, True, 20_000_000_000, int(20e9 + 1e9 + 500e3 * 1000))
     assert corr2.model.k1 == 900e3  # one step: not yet
     assert corr2.observe(1000, True, 20_000_000_000, int(20e9 + 1e9 + 520e3 * 1000))

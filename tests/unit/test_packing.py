@@ -191,7 +191,10 @@ def test_packed_dpo_step_equals_unpacked_rows(model_dir, attention: str) -> None
                                  attention=attention)
 
 
-def test_multi_adamw_equals_torch_adamw_job_by_job_bit_for_bit() -> None:
+@pytest.mark.parametrize("chunk", [None, 800])
+def test_multi_adamw_equals_torch_adamw_job_by_job_bit_for_bit(chunk, monkeypatch) -> None:  # noqa: ANN001
+    if chunk is not None:  # groups of at most 800 elements (the 1000-element job alone): the same
+        monkeypatch.setattr("trainer.jobs.ADAMW_CHUNK", chunk)
     g = torch.Generator().manual_seed(0)
     hyper = [dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0),
              dict(lr=3e-4, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
