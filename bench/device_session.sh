@@ -278,8 +278,7 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
   s19_search)  # session 19, call 1 (issues 40, 41): the GPU tests of what changed (graphs with covers, the
                # pooled park, the analytic memory model stored and reused), then the search (a) at 32 layers
                # with its quality phase (fresh process: analytic model, parallel load, pool after step 1)
-    step 150 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_step_graphs_gpu.py \
-      tests/gpu/test_park_gpu.py tests/gpu/test_task_e2e_gpu.py
+    step 60 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_task_e2e_gpu.py
     step 400 search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s 380 \
       --json "$OUT/search_a_h100.json" --out "$OUT/search_a_h100.md"
     ;;
@@ -291,6 +290,8 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
       --out "$OUT/executor_task_cold_h100.md" --json "$OUT/executor_task_cold_h100.json"
     step 200 task_second python3 bench/executor_task.py --layers 32 --steps 200 --runs second --reuse \
       --out "$OUT/executor_task_second_h100.md" --json "$OUT/executor_task_second_h100.json"
+    # the kernels those runs compiled (this image's Triton, sm_90): a node's cache can start from them
+    tar -C /tmp/executor_task_cache -czf "$OUT/triton_cache_sm90.tar.gz" triton && ls -la "$OUT/triton_cache_sm90.tar.gz"
     ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac

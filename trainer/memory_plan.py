@@ -166,7 +166,9 @@ class MemoryPlanning:
         return self.strategy.whole_engine and self.device.type == "cuda"
 
     def _resident_bytes(self) -> float:
-        return float(torch.cuda.memory_allocated(self.device))
+        """Live tensors, and the step graphs' pool (its blocks serve only the replays)."""
+        graphs = self.engine.step_graphs
+        return float(torch.cuda.memory_allocated(self.device)) + (graphs.pool_bytes if graphs else 0)
 
     def _state_bytes(self, job: Any) -> float:
         """The device bytes a job adds when it attaches: its state (a resuming job parked on the

@@ -151,6 +151,7 @@ class StepGraphs:
         self.failures = 0
         self.covered = 0  # steps that replayed a larger key's capture (padded) instead of capturing
         self._storage = None  # (arena, grad arena) storages the graphs read and write
+        self.pool_bytes = 0  # device memory the captures' pool took
 
     # ----- which steps -----------------------------------------------------------------
     def serves(self, states: Sequence[JobState]) -> bool:
@@ -245,6 +246,7 @@ class StepGraphs:
         """Drop every capture (their memory goes back with the pool)."""
         self.entries.clear()
         self.pool = None
+        self.pool_bytes = 0
 
     def _entry(self, key: GraphKey) -> _Entry:
         entry = self.entries.get(key)
@@ -346,6 +348,7 @@ class StepGraphs:
         # the eager runs' cached blocks go back first: the graph's pool then takes that memory
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(self.engine.device)
         try:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="relaxed"):
                 self._run(st, key)
@@ -357,6 +360,8 @@ class StepGraphs:
             return None
         if self.pool is None:
             self.pool = graph.pool()
+        # the pool's memory: kept for the replays, invisible to memory_allocated (admission adds it)
+        self.pool_bytes += max(0, torch.cuda.memory_reserved(self.engine.device) - before)
         return graph
 
     def stats(self) -> dict[str, int]:
