@@ -82,7 +82,7 @@ class Executor(TaskHosting, MemoryPlanning):
         self.profile_reused: bool | None = None
         self.recompute_policy: RecomputePolicy | None = None
         self.corrections = {}  # recompute on/off -> the memory model corrected online (one GPU)
-        self.memory_retries = 0
+        self.memory_retries = self.memory_replays = 0
         self.recompute_steps = {"on": 0, "off": 0}
         self.first = self._make_task(cfg, callbacks, stop_requested, task_id)
         self._known[self.first.task_id] = ({j.job_id for j in cfg.jobs}, str(Path(cfg.output_dir).resolve()))

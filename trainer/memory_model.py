@@ -13,9 +13,12 @@ Analytic terms (bytes, bf16 activations a = 2):
   norms' inputs and outputs, q/k/v, the attention's output, gate/up/their product, each LoRA
   target's x.A); with recompute a layer keeps only its input, and one layer's activations live
   again during its backward; plus the hidden states' gradients and the per-token losses.
-`ACTIVATION_SLACK` scales the per-layer terms for what the count above leaves out (the norms'
-float32 upcasts, RoPE's temporaries, the allocator's rounding); its value comes from peaks
-measured on an H100 (bench/memory_model.py, tests/unit/test_memory_model.py holds them).
+- per step whatever its tokens: the head's logits of min(tokens, chunk) tokens, AdamW's grouped
+  temporary and STEP_FIXED.
+`ACTIVATION_SLACK`, `HEAD_BYTES` and `STEP_FIXED` cover what the count above leaves out (the
+norms' float32 upcasts, RoPE's temporaries, the allocator's rounding); their values come from the
+peaks of an 8B-shaped task's steps on an H100 (bench/executor_task.py's memory trace, kept in
+tests/unit/data/memory_peaks_h100.json, which tests/unit/test_memory_model.py checks).
 
 Online correction (`OnlineCorrection`): after each step the allocator saw (eager steps and
 captures; a replay allocates nothing) its transient peak (peak - resident before the step) is
@@ -31,9 +34,10 @@ from trainer.admission import MemoryModel
 from trainer.jobs import ADAMW_CHUNK
 
 ACT_BYTES = 2  # bf16 activations
-HEAD_BYTES = 12  # per logit of the head's chunk: float32 logits, softmax, gradient
+HEAD_BYTES = 16  # per logit of the head's chunk: bf16 logits, their float32 upcast, softmax, gradients
+STEP_FIXED = 768 << 20  # what a step holds whatever its tokens beyond the head (H100, 8B: ~0.8 GB)
 WORKSPACE = 512 << 20  # cuBLAS/Triton workspaces, the allocator's rounding of the big blocks
-ACTIVATION_SLACK = 1.25
+ACTIVATION_SLACK = 1.5
 ARENA_SLACK = 1.125  # the arena grows by an eighth at least: a job's state costs up to this more
 
 
@@ -73,8 +77,8 @@ def layer_activation_bytes(s: Shapes, n_targets: int, rank: int) -> float:
 def per_token_bytes(s: Shapes, recompute: bool, n_targets: int, rank: int) -> float:
     """k1: bytes per token of a training step."""
     layer = layer_activation_bytes(s, n_targets, rank)
-    if recompute:  # every layer's input kept, one layer's activations and their gradients live
-        body = s.layers * ACT_BYTES * s.hidden + 2 * layer
+    if recompute:  # every layer's input kept, and one layer's activations live again
+        body = s.layers * ACT_BYTES * s.hidden + layer
     else:
         body = s.layers * layer
     head = 2 * 4 * s.hidden + 3 * 4  # the last hidden state's float32 gradient, loss, target
@@ -94,7 +98,7 @@ def state_bytes_per_param(adapter_itemsize: int) -> float:
 
 def fixed_transient(s: Shapes, head_chunk: int, adapter_params: int) -> float:
     """What a step allocates whatever its tokens (at most): the head's chunk, AdamW's temporary."""
-    return head_bytes(s, head_chunk) + 4.0 * min(adapter_params, ADAMW_CHUNK)
+    return head_bytes(s, head_chunk) + 4.0 * min(adapter_params, ADAMW_CHUNK) + STEP_FIXED
 
 
 def analytic_model(config: Any, *, head_chunk: int, max_rank: int, n_targets: int, recompute: bool,
@@ -122,7 +126,7 @@ class StepPeak:
 
     tokens: int        # the step's token cells (padding included)
     recompute: bool
-    resident: int      # allocated before the step
+    resident: int      # allocated before the step (or after it, where more stayed)
     peak: int          # the allocator's peak during it
     predicted: float   # resident + the model's transient for these tokens
 
@@ -143,18 +147,24 @@ class OnlineCorrection:
     _seen: int = 0
 
     def fixed(self, tokens: int, adapter_params: int) -> float:
-        return self.head_per_token * min(tokens, self.head_chunk) + 4.0 * min(adapter_params, ADAMW_CHUNK)
+        return (self.head_per_token * min(tokens, self.head_chunk) + 4.0 * min(adapter_params, ADAMW_CHUNK)
+                + STEP_FIXED)
 
     def predict_transient(self, tokens: int, adapter_params: int = 0) -> float:
         return self.fixed(tokens, adapter_params) + self.model.k1 * tokens
 
-    def observe(self, tokens: int, recompute: bool, resident: int, peak: int, adapter_params: int = 0) -> bool:
-        """Record a step; True when the model changed (to be stored, admission updated)."""
-        self.trace.append(StepPeak(tokens, recompute, resident, peak,
-                                   resident + self.predict_transient(tokens, adapter_params)))
-        if tokens <= 0 or peak <= resident:
-            return False  # a replay: its memory was taken at capture
-        need = (peak - resident - self.fixed(tokens, adapter_params)) / tokens
+    def observe(self, tokens: int, recompute: bool, resident: int, peak: int, adapter_params: int = 0,
+                after: int = 0) -> bool:
+        """Record a step the allocator saw (not a graph's replay: its memory was taken at its
+        capture); `after`: what stayed allocated after it (a first step's lasting allocations,
+        e.g. AdamW's moments or a library's workspace, are not its transient). True when the
+        model changed (to be stored, admission updated)."""
+        base = max(resident, after)
+        self.trace.append(StepPeak(tokens, recompute, base, peak,
+                                   base + self.predict_transient(tokens, adapter_params)))
+        if tokens <= 0 or peak <= base:
+            return False
+        need = (peak - base - self.fixed(tokens, adapter_params)) / tokens
         self._need = max(self._need, need)
         self._seen += 1
         k1 = self.model.k1

@@ -46,6 +46,7 @@ class MemoryPlanning:
     engine: Any
     corrections: dict[bool, OnlineCorrection]  # recompute on/off -> its model corrected online
     memory_retries: int  # steps run again after running out of device memory
+    memory_replays: int  # steps replayed from a graph (their memory counted at its capture)
 
     def _plan_memory(self, device: torch.device) -> None:
         """The admission budget: on a GPU from the memory model (given, stored or measured; with
@@ -219,9 +220,14 @@ class MemoryPlanning:
         corr = self.corrections.get(recompute)
         if resident is None or corr is None or report is None:
             return
+        graphs = self.engine.step_graphs
+        if graphs is not None and graphs.last_replayed:
+            self.memory_replays += 1  # its memory is the pool's, counted when it was captured
+            return
         cells = round(report.tokens / max(1e-9, 1.0 - report.padded_fraction))
         peak = torch.cuda.max_memory_allocated(self.device)
-        if not corr.observe(cells, recompute, resident, peak, self.engine.arena.numel()):
+        after = torch.cuda.memory_allocated(self.device)
+        if not corr.observe(cells, recompute, resident, peak, self.engine.arena.numel(), after):
             return
         if recompute:
             self.memory_model = corr.model
@@ -261,4 +267,5 @@ class MemoryPlanning:
         if not seen:
             return {}
         return {"memory_steps_checked": len(seen), "memory_retries": self.memory_retries,
+                "memory_replays": self.memory_replays,
                 "memory_model_error": max(abs(p.predicted - p.peak) / p.peak for p in seen)}

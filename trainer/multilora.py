@@ -54,6 +54,9 @@ class MultiLoraLinear(nn.Module):
         self.layout: StepLayout | None = None
         self.a_off: torch.Tensor | None = None
         self.b_off: torch.Tensor | None = None
+        # decoding (trainer.sampling): per group of batch rows [lo, hi), its A^T and (scaled) B^T
+        # in the compute dtype, or None for the base model's rows; plain matmuls, few launches
+        self.dense: list[tuple[int, int, torch.Tensor, torch.Tensor] | None] | None = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -64,6 +67,13 @@ class MultiLoraLinear(nn.Module):
         return self.base.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
+            y = self.base(x)
+            for group in self.dense:
+                if group is not None:
+                    lo, hi, a_t, b_t = group
+                    y[lo:hi] += (x[lo:hi] @ a_t) @ b_t
+            return y
         lay = self.layout
         if lay is None or self.a_off is None:
             return self.base(x)

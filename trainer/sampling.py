@@ -1,9 +1,11 @@
 """Completions of many adapters at once from the engine's own backbone (issue 44's samples): one
 batch, each row decoded with its own job's adapter (or the base model alone) through the
-multi-LoRA forward, with the model's KV cache, its own output head and greedy or nucleus sampling.
+multi-LoRA layers in their decoding form (each group of rows its adapter's A and B as plain
+matmuls: few launches for a decode step's few tokens), with the model's KV cache, its own output
+head and greedy or nucleus sampling.
 
-Rows are grouped by job so that every job's tokens are contiguous (the layout the multi-LoRA layers
-read); the base model's rows form one group whose slot has rank 0 and scale 0 (it adds nothing).
+Rows are grouped by job so that every job's rows are contiguous; the base model's rows form one
+group that adds nothing.
 Prompts are left-padded for one prefill (attention mask, position ids counted from each row's first
 real token), then one token per row per step until every row has met an EOS or max_new_tokens.
 """
@@ -52,19 +54,32 @@ def _groups(job_ids: Sequence[str | None]) -> tuple[list[str | None], list[int],
     return keys, counts, order
 
 
-def _point(engine: MultiLoraEngine, states: list[JobState | None], counts: list[int],
-           length: int, base_slot: int | None) -> None:
-    """Point every multi-LoRA layer at the groups' adapters for a forward of `length` tokens per
-    row (job i owns rows' tokens offsets[i]:offsets[i+1]); the base slot reads nothing."""
+def _point(engine: MultiLoraEngine, states: list[JobState | None], counts: list[int]) -> None:
+    """Point every multi-LoRA layer at the groups' adapters as plain matmuls over their batch
+    rows (row group i: rows offsets[i]:offsets[i+1]; the base model's group adds nothing): a
+    decode step's few tokens then cost a few small launches per layer, not the training kernels'
+    (at 32 layers of 8B the Triton path made a token step ~0.28 s of host time)."""
     if not any(s is not None for s in states):
-        return  # the base model alone: no layout, every layer is its plain linear
-    placeholder = next(s for s in states if s is not None)
-    engine._set_layout([placeholder if s is None else s for s in states],
-                       [0, *itertools.accumulate(c * length for c in counts)])
-    if base_slot is not None:
-        layout = engine.layer_list[0].layout  # one layout object shared by every layer
-        layout.ranks[base_slot] = 0
-        layout.scales[base_slot] = 0.0
+        return  # the base model alone: every layer is its plain linear
+    bounds = [0, *itertools.accumulate(counts)]
+    dtype = engine.compute_dtype
+    index = {layer.name: k for k, layer in enumerate(engine.layer_list)}
+    per_layer: list[list[tuple[int, int, torch.Tensor, torch.Tensor] | None]] = [
+        [None] * len(states) for _ in engine.layer_list]
+    for g, state in enumerate(states):
+        if state is None:
+            continue
+        adapter = state.adapter
+        for name, a, b in adapter.pairs():
+            per_layer[index[name]][g] = (bounds[g], bounds[g + 1], a.detach().t().to(dtype).contiguous(),
+                                         (b.detach() * adapter.scaling).t().to(dtype).contiguous())
+    for layer, groups in zip(engine.layer_list, per_layer, strict=True):
+        layer.dense = groups
+
+
+def _unpoint(engine: MultiLoraEngine) -> None:
+    for layer in engine.layer_list:
+        layer.dense = None
 
 
 def _left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
@@ -91,15 +106,13 @@ def _decode(engine: MultiLoraEngine, prompts: Sequence[Sequence[int]],
             pad_id: int) -> list[list[int]]:
     """The decode loop over rows already grouped by job: a prefill of the padded prompts, then one
     token per row per step with the model's KV cache; each row's new tokens."""
-    base_slot = states.index(None) if None in states else None
     ids, mask, positions = _left_padded(prompts, pad_id, engine.device)
     backbone = engine.model.base_model
     # the model's own KV cache (sliding-window layers included), filled in place by each forward;
     # transformers 5 renames the forward's `past_key_values` to `cache`
     cache = {_cache_arg(backbone): DynamicCache(config=engine.model.config)}
-    _point(engine, states, counts, ids.shape[1], base_slot)
+    _point(engine, states, counts)
     out = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
-    _point(engine, states, counts, 1, base_slot)  # one token per row from here on
     position = positions[:, -1:] + 1
     new: list[list[int]] = [[] for _ in prompts]
     running = set(range(len(prompts)))
@@ -174,6 +187,7 @@ def generate(
             grouped = _decode(engine, [prompts[r] for r in order], states, counts,
                               max_new_tokens=max_new_tokens, pick=pick, eos=eos, pad_id=pad_id)
     finally:
+        _unpoint(engine)
         engine._clear_layout()
         engine.set_attention(attention)
         for module, training in modes:

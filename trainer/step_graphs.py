@@ -137,7 +137,7 @@ class StepGraphs:
     whether a step can take this path, `forward_backward` runs it."""
 
     def __init__(self, engine: GraphedEngine, per_octave: int = 4, max_graphs: int = 64,
-                 cover_ratio: float = 1.45) -> None:
+                 cover_ratio: float = 1.19) -> None:
         self.engine = engine
         self.per_octave = per_octave
         self.cover_ratio = cover_ratio  # a step replays a capture of up to this many times its tokens
@@ -152,6 +152,7 @@ class StepGraphs:
         self.covered = 0  # steps that replayed a larger key's capture (padded) instead of capturing
         self._storage = None  # (arena, grad arena) storages the graphs read and write
         self.pool_bytes = 0  # device memory the captures' pool took
+        self.last_replayed = False  # the last step replayed an earlier capture
 
     # ----- which steps -----------------------------------------------------------------
     def serves(self, states: Sequence[JobState]) -> bool:
@@ -204,8 +205,11 @@ class StepGraphs:
         entry = self._entry(key)
         counts = self._fill(entry.static, key, cpu, states, ints)
         eng.forward_shapes[(*cpu.input_ids.shape, train)] += 1
-        if entry.graph is None and not entry.failed and key.warm_class in self.warm:
+        captured_now = entry.graph is None and not entry.failed and key.warm_class in self.warm
+        if captured_now:
             entry.graph = self._capture(entry, key)
+        # a replay of an earlier capture allocates nothing (its memory is the pool's)
+        self.last_replayed = entry.graph is not None and not captured_now
         if entry.graph is not None:
             entry.graph.replay()
             self.replays += 1

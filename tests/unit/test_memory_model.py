@@ -4,12 +4,16 @@ when a step needs more, lowered to what the steps needed once they agree, replay
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from transformers import LlamaConfig
 
 from trainer.admission import AdmissionController, MemoryModel
-from trainer.jobs import TrainJob
+from trainer.jobs import ADAMW_CHUNK, TrainJob
 from trainer.memory_model import (
+    STEP_FIXED,
     OnlineCorrection,
     Shapes,
     analytic_model,
@@ -29,9 +33,9 @@ def test_shapes_and_terms_of_the_8b_config() -> None:
     # recompute keeps a layer's input per layer (+ one layer live): far less than every layer's
     assert 32 * 2 * 4096 < with_rc < without / 4
     live = analytic_model(LLAMA_8B, head_chunk=2048, max_rank=64, n_targets=7, recompute=True)
-    # live form: the step's fixed transient only (the head's chunk: 3.2 GB; AdamW's group; a workspace)
-    assert head_bytes(s, 2048) == 12 * 2048 * 128256
-    assert head_bytes(s, 2048) < live.k0 < head_bytes(s, 2048) + 1.2e9
+    # live form: the step's fixed transient only (the head's chunk: 4.2 GB; AdamW's group; a workspace)
+    assert head_bytes(s, 2048) == 16 * 2048 * 128256
+    assert head_bytes(s, 2048) < live.k0 < head_bytes(s, 2048) + 1.7e9
     assert live.k1 == pytest.approx(with_rc)
     # static form: with the resident bytes and one job of the largest rank
     static = analytic_model(LLAMA_8B, head_chunk=2048, max_rank=64, n_targets=7, recompute=True,
@@ -61,20 +65,38 @@ def test_live_admission_counts_what_is_resident_and_each_jobs_state() -> None:
 
 def test_online_correction_raises_at_once_and_settles_to_the_observed_need() -> None:
     corr = OnlineCorrection(MemoryModel(20e9, 500e3), head_per_token=1e6, head_chunk=1000, settle=3)
+    fixed = corr.fixed(1000, 0)  # the head's chunk (1 GB at >= 1000 tokens) and the step's constant
+    assert fixed == pytest.approx(1e9 + STEP_FIXED)
+    res = 20_000_000_000
     # a step needing 600 kB a token: raised at once, above it
-    assert corr.observe(2000, True, 20_000_000_000, int(20e9 + 1e9 + 600e3 * 2000))
+    assert corr.observe(2000, True, res, int(res + fixed + 600e3 * 2000))
     assert corr.model.k1 == pytest.approx(600e3 * 1.05)
-    # a replay allocates nothing: ignored
-    assert not corr.observe(2000, True, 20_000_000_000, 20_000_000_000)
+    # what stays allocated after a step (a first step's AdamW moments) is not its transient
+    assert not corr.observe(2000, True, res, int(res + 5e9 + fixed + 100e3 * 2000), after=int(res + 5e9))
     # steps needing less: kept until `settle` steps agree, then lowered to the largest need + 5%
-    assert not corr.observe(1000, True, 20_000_000_000, int(20e9 + 1e9 + 400e3 * 1000))
-    assert corr.observe(3000, True, 20_000_000_000, int(20e9 + 1e9 + 590e3 * 3000)) is False
+    assert not corr.observe(1000, True, res, int(res + fixed + 400e3 * 1000))
+    assert corr.observe(3000, True, res, int(res + fixed + 590e3 * 3000)) is False
     assert corr.model.k1 == pytest.approx(630e3)
     corr2 = OnlineCorrection(MemoryModel(20e9, 900e3), head_per_token=1e6, head_chunk=1000, settle=2)
-    corr2.observe(1000, True, 20_000_000_000, int(20e9 + 1e9 + 500e3 * 1000))
+    corr2.observe(1000, True, res, int(res + fixed + 500e3 * 1000))
     assert corr2.model.k1 == 900e3  # one step: not yet
-    assert corr2.observe(1000, True, 20_000_000_000, int(20e9 + 1e9 + 520e3 * 1000))
+    assert corr2.observe(1000, True, res, int(res + fixed + 520e3 * 1000))
     assert corr2.model.k1 == pytest.approx(520e3 * 1.05)
     assert corr2.model.k0 == 20e9
     # every step is traced with its prediction at the model of its time
-    assert [round(p.predicted) for p in corr2.trace] == [round(20e9 + 1e9 + 900e3 * 1000)] * 2
+    assert [round(p.predicted) for p in corr2.trace] == [round(res + fixed + 900e3 * 1000)] * 2
+
+
+def test_the_analytic_model_against_peaks_measured_on_an_h100() -> None:
+    """Every step of an 8B-shaped task the allocator saw on an H100 (eager steps and graph
+    captures, with and without recompute, 640 to 8192 tokens): the analytic model, before any
+    correction, predicts its peak within 10% and never more than 1% under."""
+    data = json.loads((Path(__file__).parent / "data" / "memory_peaks_h100.json").read_text())
+    s = Shapes.of(LlamaConfig(**data["model"]))
+    assert len(data["steps"]) >= 10 and {st["recompute"] for st in data["steps"]} == {True, False}
+    for st in data["steps"]:
+        t = st["tokens"]
+        transient = (head_bytes(s, min(t, data["head_chunk"])) + 4 * ADAMW_CHUNK + STEP_FIXED
+                     + per_token_bytes(s, st["recompute"], data["targets"], data["max_rank"]) * t)
+        error = (st["resident"] + transient - st["peak"]) / st["peak"]
+        assert -0.01 <= error <= 0.10, (st, error)

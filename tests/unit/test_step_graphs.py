@@ -88,7 +88,8 @@ def test_graphed_steps_equal_eager_steps_and_a_new_job_set_reuses_the_capture(mo
     both_steps(2)
     assert (g.eager_runs, g.captures, g.replays, len(g.entries)) == (1, 2, 8, 2)
     # fewer tokens (120, a key of its own) replay the smallest capture that holds them padded
-    # (160 tokens, within cover_ratio): no capture, the same losses, the padding trains nothing
+    # (160 tokens, within cover_ratio 1.4): no capture, the same losses, the padding trains nothing
+    g.cover_ratio = 1.4
     for eng in (eager, graphed):
         eng.detach("e")
         eng.attach(job("f", 4, 1, 6))
