@@ -21,6 +21,7 @@ from contract.sample_requests import (
 )
 from service import tasks
 from service.api.deps import RegistryDep, SessionDep, SettingsDep, TenantDep, require_worker
+from service.api.error_docs import errors
 from service.api.routes.samples import SampleOut
 from service.core.errors import not_found
 from service.models import Node, SampleRequest
@@ -98,7 +99,9 @@ def get_sample_request(session: SessionDep, tenant: TenantDep, task_id: str,
     return request_out(lifecycle.get_request(session, tenant, task, request_id))
 
 
-@internal.post("/claim", response_model=SampleWork, responses={204: {"description": "None due."}})
+@internal.post("/claim", response_model=SampleWork,
+               responses={204: {"description": "None due."}, **errors(404, descriptions={
+                   404: "The node is not registered (register again)."})})
 def claim_sample_request(msg: SampleClaim, session: SessionDep, settings: SettingsDep,
                          registry: RegistryDep) -> SampleWork | Response:
     """The oldest due request for this node, under a fresh lease (204: none)."""
