@@ -28,7 +28,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from contract.states import JOB_TERMINAL, TASK_TERMINAL, TaskState
-from service.cli_tables import files_table, jobs_table, print_samples, print_table, tasks_table
+from service import cli_samples
+from service.cli_tables import files_table, jobs_table, print_table, tasks_table
 from service.merged.states import MERGE_LIVE, MergeState
 
 SEARCH_FLAGS = {"lr": "learning_rate", "rank": "lora_rank", "alpha": "lora_alpha",
@@ -158,9 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("task_id")
     dl.add_argument("-o", "--output", type=Path, required=True, help="Directory to write to.")
     dl.add_argument("--job", help="A specific job's adapter instead of the task's best.")
-    samples = top.add_parser("samples", help="The completions a task ended with: its leading "
-                             "configurations and the base model on the same prompts.")
-    samples.add_argument("task_id")
+    cli_samples.add_arguments(top.add_parser(
+        "samples", help="The completions a task ended with (its leading configurations and the "
+        "base model on the same prompts), or, with --prompt, yours on demand."))
     merged = top.add_parser("merged", help="Adapters merged into the base model.").add_subparsers(
         dest="cmd", required=True)
     mdl = merged.add_parser("download", help="Merge the best adapter of a task into its base "
@@ -400,8 +401,7 @@ def run(args: argparse.Namespace, api: Api, console: Console) -> int:
     elif args.group == "tasks" and args.cmd == "follow":
         return _ended(follow(api, args.task_id, console, args.interval), console)
     elif args.group == "samples":
-        page = api.json("GET", f"/v1/tasks/{args.task_id}/samples")
-        (show if args.json else lambda p: print_samples(console, p))(page)
+        cli_samples.run(api, args, console, show)
     elif args.group in ("adapter", "merged"):
         _download(args, api, console)
     return 0
@@ -431,7 +431,7 @@ def main(argv: Sequence[str] | None = None, transport: httpx.BaseTransport | Non
     console = console or Console()
     try:
         return run(args, Api(args.api_url, args.api_key, transport), console)
-    except CliError as exc:
+    except (CliError, cli_samples.SamplesError) as exc:
         Console(stderr=True).print(f"[red]error:[/red] {exc}")
         return 1
     except KeyboardInterrupt:  # Ctrl-C: one line and the shell's code for SIGINT, no traceback

@@ -111,8 +111,8 @@ def tasks_table(console: Console, tasks: Sequence[dict]) -> Table:
 
 
 def print_samples(console: Console, page: dict) -> None:
-    """A task's samples, prompt by prompt: the base model's completion, then each leading
-    configuration's (its job id whole), as the dashboard shows them side by side."""
+    """A task's samples (or a sample request's), prompt by prompt: the base model's completion,
+    then each configuration's (its job id whole), as the dashboard shows them side by side."""
     if not page["data"]:
         console.print(f"no samples yet for {page['task_id']} (they come when the task succeeds)")
         return
@@ -127,4 +127,5 @@ def print_samples(console: Console, page: dict) -> None:
         console.print(f"[bold]{who}[/bold] ({row['tokens']} tokens)", soft_wrap=True)
         console.print(row["completion"], markup=False, soft_wrap=True)
     console.rule()
-    console.print(f"file {page['file_id']}", soft_wrap=True)
+    if page.get("file_id"):
+        console.print(f"file {page['file_id']}", soft_wrap=True)

@@ -47,6 +47,7 @@ from service.model_base import id_default as _id
 from service.models_outbox import (  # noqa: F401
     INTEGRATION_TYPES,
     MergedModel,
+    SampleRequest,
     TaskIntegration,
     WebhookAttempt,
     WebhookDelivery,

@@ -1,6 +1,7 @@
 """The background outboxes' tables: webhook endpoints, events, deliveries and attempts; merged
-models; tracking integrations. Each worked by its leased outbox (service.webhooks,
-service.merged, service.tracking); service.models names them too."""
+models; tracking integrations; sample requests. Each worked by its leased outbox (service.webhooks,
+service.merged, service.tracking; sample requests by the node daemons); service.models names them
+too."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from service.merged.states import MERGE_LIVE, MergeState
 from service.model_base import TS, Base, utcnow
 from service.model_base import id_default as _id
 from service.model_base import state_in as _state_in
+from service.sample_requests.states import SAMPLE_REQUEST_LIVE, SampleRequestState
 from service.tracking.states import SyncState
 from service.webhooks.states import DeliveryState
 
@@ -171,4 +173,40 @@ class TaskIntegration(Base):
         UniqueConstraint("task_id", "position", name="uq_task_integrations_task_position"),
         Index("ix_task_integrations_due", "next_attempt_at",
               postgresql_where=_state_in(SyncState.PENDING)),
+    )
+
+
+# ----- samples on demand (service.sample_requests) -------------------------------------------
+
+
+class SampleRequest(Base):
+    """A tenant's prompts to be answered by adapters of a finished task and by its base model
+    (issue 44). ``queued`` rows are claimed by node daemons (lease_token / lease_until: whose run
+    it is, until when; a node that dies leaves the row claimable again once the lease ends).
+    The prompts and completions live in the row: they go with the task (cascade).
+
+    ``sample_requests(id, tenant_id, task_id, state, error, settings jsonb (the request:
+    contract.sample_requests.SampleRequestSettings), job_ids jsonb (the adapters chosen),
+    samples jsonb (the completions, once succeeded), attempts, node_id, lease_token,
+    lease_until, created_at, started_at, finished_at)``; states: SampleRequestState."""
+
+    __tablename__ = "sample_requests"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("smpl"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
+    state: Mapped[str] = mapped_column(String(16), default=SampleRequestState.QUEUED.value)
+    error: Mapped[str | None] = mapped_column(Text)
+    settings: Mapped[dict] = mapped_column(JSONB)
+    job_ids: Mapped[list] = mapped_column(JSONB)
+    samples: Mapped[list | None] = mapped_column(JSONB)
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    node_id: Mapped[str | None] = mapped_column(String(40))
+    lease_token: Mapped[str | None] = mapped_column(String(40))
+    lease_until: Mapped[datetime | None] = mapped_column(TS)
+    created_at: Mapped[datetime] = mapped_column(TS, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(TS)
+    finished_at: Mapped[datetime | None] = mapped_column(TS)
+    __table_args__ = (
+        Index("ix_sample_requests_due", "created_at",
+              postgresql_where=_state_in(*SAMPLE_REQUEST_LIVE)),
     )

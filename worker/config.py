@@ -33,6 +33,11 @@ class DaemonConfig:
     # GPUs. Only with the real runner: another runner module replaces the whole executor side.
     colocate: bool = True
     host_module: str = "worker.host"
+    # samples on demand (worker.sample_requests): how often an idle node asks for one, the module
+    # that answers one in a fresh process, and how long one may take before it is given back
+    sample_poll_s: float = float(os.environ.get("LORAPLEX_SAMPLE_POLL_S", "2"))
+    sampler_module: str = "worker.sampler"
+    sample_timeout_s: float = 600.0
 
 
 

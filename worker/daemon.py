@@ -1,6 +1,6 @@
 """The node daemon: one main loop with named states (idle, busy, draining, stopping) that runs the
 placements the scheduler gives this node. Its parts: registration (heartbeats), shutdown
-(signals), placements (+ claims, shared_hosts, local_resume), forwarder. Run
+(signals), placements (+ claims, shared_hosts, local_resume), forwarder, sample_requests. Run
 ``python -m worker.daemon --help``."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from worker.config import DaemonConfig, parse_args
 from worker.local_state import LocalPlacement, LocalStatus
 from worker.placements import Lifecycle
 from worker.registration import Registration
+from worker.sample_requests import SampleRequests
 from worker.service_client import Backoff, ServiceClient
 from worker.shared_hosts import SharedHosts
 from worker.shutdown import Shutdown
@@ -52,6 +53,8 @@ class Daemon:
         self.shared = SharedHosts(cfg, self.registration, self.placements)
         self.lifecycle = Lifecycle(cfg, self.client, self.conn, self.registration,
                                    self.placements, self.shared)
+        self.sampling = SampleRequests(cfg, self.client, self.registration, self.placements,
+                                       self.shared)
         self._stop_heartbeat = threading.Event()
         self._stop_deadline: float | None = None
         (cfg.work_dir / "placements").mkdir(parents=True, exist_ok=True)
@@ -126,12 +129,14 @@ class Daemon:
             self._stop_deadline = time.monotonic() + self.cfg.stop_timeout_s
             for p in self.placements.values():
                 self.lifecycle.terminate(p, "node daemon stopped", cancelled=False)
+            self.sampling.stop("node daemon stopped")
         elif self.shutdown.drain and self.state not in (DRAINING, STOPPING):
             self._set_state(DRAINING)
         self.lifecycle.apply_stops()
         for p in list(self.placements.values()):
             self.lifecycle.advance(p, stopping=self.state == STOPPING)
         self.shared.tend(self.state if self.state in (DRAINING, STOPPING) else None)
+        self.sampling.tend(accepting=self.state not in (DRAINING, STOPPING))
         if self.state not in (DRAINING, STOPPING):
             self.lifecycle.pop()
             self._set_state(BUSY if self.placements else IDLE)
@@ -148,7 +153,7 @@ class Daemon:
         """Drained: nothing left. Stopped: nothing claimed left (popped-but-unclaimed ones
         stay in the work dir for the next start unless deregistering supersedes them)."""
         if self.state == DRAINING:
-            return not self.placements and not self.shared.hosts
+            return not self.placements and not self.shared.hosts and not self.sampling.busy
         if self.state == STOPPING:
             return (all(p.status == LocalStatus.POPPED for p in self.placements.values())
                     and not self.shared.hosts)
@@ -158,6 +163,7 @@ class Daemon:
         """Adopt the shared executors and placements a previous daemon left in the work dir."""
         self.shared.recover()
         self.lifecycle.recover()
+        self.sampling.recover()
 
     def deregister(self) -> bool:
         """Tell the service this node leaves now (it drained or stopped with every report

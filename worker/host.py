@@ -8,7 +8,8 @@ The daemon talks to it through DIR:
                   {"op": "attach", "placement_dir": ...}: the first builds the executor (its
                   spec is the executor's settings), later ones join it at a step boundary;
                   {"op": "detach", "placement_id": ..., "outcome": "cancelled" | "paused",
-                   "reason": why (a paused task's stop record)}
+                   "reason": why (a paused task's stop record)};
+                  {"op": "sample", "dir": ...}: a sample request answered on the idle engine
   lease           touched by the daemon every tick; stale (LORAPLEX_LEASE_TIMEOUT_S): as SIGTERM
   status.json     written here atomically: hosted, ended and refused placements, the admission
                   budget in rows and the rows free (the daemon's heartbeat reports them)
@@ -33,6 +34,7 @@ from typing import Any
 
 from contract.protocol import PlacementSpec, colocation_key
 from contract.states import TaskOutcome
+from worker import sampler
 from worker.runner import PlacementRun, StopFlag, open_task, settle
 
 log = logging.getLogger("loraplex.worker.host")
@@ -163,6 +165,8 @@ class Host:
             with self._lock:
                 if request.get("op") == "attach":
                     self.attach(Path(str(request.get("placement_dir"))))
+                elif request.get("op") == "sample":
+                    self.sample(Path(str(request.get("dir"))))
                 elif request.get("op") == "detach":
                     self.detach(str(request.get("placement_id")), str(request.get("outcome")),
                                 str(request.get("reason") or "paused by the service"))
@@ -229,6 +233,19 @@ class Host:
         self.executor.detach_task(placement_id,
                                   TaskOutcome.PAUSED if paused else TaskOutcome.CANCELLED)
         log.info("placement detaching placement=%s outcome=%s", placement_id, outcome)
+
+    def sample(self, directory: Path) -> None:
+        """Answer a sample request (worker.sampler) with this executor's engine, only while it
+        lingers with no task: the executor's loop waits for work and no attach is taken meanwhile
+        (this thread takes them). Else its result says it refused, and the request goes back."""
+        engine = getattr(self.executor, "engine", None)
+        if (self.hosted() or getattr(self.executor, "tasks", None) or engine is None
+                or getattr(engine, "jobs", None) or self.state in ("stopping", "closed")):
+            sampler.write_result(directory, {"refused": "the warm executor was busy"})
+            return
+        result = sampler.run(directory, engine, self.executor.tokenizer)
+        log.info("sample request answered dir=%s rows=%d", directory.name,
+                 len(result.get("samples") or ()))
 
     # -- a task's end (the executor's thread) ---------------------------------------------
     def task_end(self, placement_id: str, outcome: str) -> None:

@@ -22,6 +22,7 @@ from service.api.routes import (
     internal,
     merged,
     ops,
+    sample_requests,
     samples,
     tasks,
     ui,
@@ -161,9 +162,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.deliverer = None  # this process's webhook deliverer, while the lifespan runs
     configure_queue(settings.redis_url)
     install_error_handlers(app)
-    for module in (files, tasks, samples, merged, fine_tuning, internal, ops, ui, usage, webhooks):
+    for module in (files, tasks, samples, sample_requests, merged, fine_tuning, internal, ops, ui, usage, webhooks):
         app.include_router(module.router)
     app.include_router(samples.internal)
+    app.include_router(sample_requests.internal)
     document_errors(app)  # every route's error statuses, with the error schema
     app.add_middleware(Instrument, prom=app.state.prom, settings=settings)
     return app

@@ -101,6 +101,13 @@ class Settings(BaseSettings):
     merge_lease_s: float = 300.0
     merge_max_attempts: int = 3
     merge_max_shard_size: str = "5GB"
+    # Samples on demand (service.sample_requests): node daemons claim them; a node that dies
+    # leaves its request claimable again once sample_lease_s passed without a renewal, at most
+    # sample_max_attempts times. A request of a model a node serves warm waits sample_warm_wait_s
+    # for that node before any other node may take it.
+    sample_lease_s: float = 120.0
+    sample_max_attempts: int = 3
+    sample_warm_wait_s: float = 10.0
 
     # Tracking integrations (service.tracking): after a task ends, the leader writes every job as
     # a run to the MLflow servers and W&B projects its `integrations` name, from the metrics in

@@ -259,3 +259,40 @@ def test_samples_print_each_prompt_with_the_base_model_and_the_leaders() -> None
     console = Console(record=True)
     assert main(["--json", "samples", "task_s"], httpx.MockTransport(fake), console) == 0
     assert json.loads(console.export_text())["data"][1]["completion"] == "hi there"
+
+
+def test_samples_on_demand_post_the_prompts_wait_and_print_the_completions() -> None:
+    seen: list[httpx.Request] = []
+    rows = [{"prompt": "Hi", "job_id": None, "completion": "hello", "tokens": 1},
+            {"prompt": "Hi", "job_id": "job_b", "completion": "hey you", "tokens": 2}]
+    states = iter(["running", "succeeded"])
+
+    def fake(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.method == "POST":
+            assert request.url.path == "/v1/tasks/task_s/samples"
+            return httpx.Response(202, json={"id": "smpl_1", "task_id": "task_s", "state": "queued",
+                                             "error": None, "data": []})
+        assert request.url.path == "/v1/tasks/task_s/samples/smpl_1"
+        state = next(states)
+        return httpx.Response(200, json={"id": "smpl_1", "task_id": "task_s", "state": state,
+                                         "error": None, "data": rows if state == "succeeded" else []})
+
+    console = Console(record=True, width=60)
+    argv = ["samples", "task_s", "--prompt", "Hi", "--job", "job_b", "--max-new-tokens", "4",
+            "--seed", "3", "--interval", "0"]
+    assert main(argv, httpx.MockTransport(fake), console) == 0
+    assert json.loads(seen[0].content) == {"prompts": ["Hi"], "job_ids": ["job_b"], "include_base": True,
+                                           "max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0,
+                                           "seed": 3}
+    assert [r.method for r in seen] == ["POST", "GET", "GET"]
+    text = console.export_text()
+    assert text.index("hello") < text.index("hey you") and "job_b (2 tokens)" in text
+
+    def failed(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200 if request.method == "GET" else 202, json={
+            "id": "smpl_2", "task_id": "task_s", "state": "failed", "data": [],
+            "error": "the sampling was interrupted 3 times"})
+
+    assert main(["samples", "task_s", "--prompt", "Hi", "--top-k", "1"], httpx.MockTransport(failed),
+                Console(record=True)) == 1

@@ -382,6 +382,9 @@ function taskView(main, taskId) {
     h("div", { class: "scroll" }, h("table", { id: "leaderboard", class: "grid-table" }, h("thead", {}, lbHead), lbBody))));
   const samplesCard = h("section", { class: "card", id: "samples", hidden: true });
   main.appendChild(samplesCard);
+  // Samples on demand (POST /v1/tasks/{id}/samples): your prompts, once the task succeeded.
+  const askCard = h("section", { class: "card", id: "ask-samples", hidden: true });
+  main.appendChild(askCard);
   main.appendChild(h("section", { class: "card" }, h("h2", {}, "Events"), h("div", { class: "events-wrap" }, log)));
 
   function action(label, id, fn) { return h("button", { id, type: "button", onclick: fn }, label); }
@@ -496,7 +499,42 @@ function taskView(main, taskId) {
     } catch (_) { /* shown on the next end or samples event */ }
   }
 
+  function renderAsk() {
+    if (!askCard.hidden || !st.task || st.task.state !== "succeeded") return;
+    const prompts = h("textarea", { id: "ask-prompts", rows: 3, placeholder: "One prompt per line (up to 32)" });
+    const topK = h("input", { id: "ask-top-k", type: "number", min: 0, max: 8, value: 3 });
+    const tokens = h("input", { id: "ask-tokens", type: "number", min: 1, max: 1024, value: 128 });
+    const note = h("p", { class: "muted small", id: "ask-state" });
+    const out = h("div", {});
+    async function ask() {
+      const body = { prompts: prompts.value.split("\n").filter((x) => x.trim()), top_k: Number(topK.value), max_new_tokens: Number(tokens.value) };
+      try {
+        let r = await api(`/v1/tasks/${encodeURIComponent(taskId)}/samples`, { method: "POST", json: body });
+        while (!stopped && (r.state === "queued" || r.state === "running")) {
+          note.textContent = `request ${r.id}: ${r.state}`;
+          await new Promise((ok) => setTimeout(ok, 1000));
+          r = await api(`/v1/tasks/${encodeURIComponent(taskId)}/samples/${encodeURIComponent(r.id)}`);
+        }
+        note.textContent = `request ${r.id}: ${r.state}${r.error ? ` (${r.error})` : ""}`;
+        while (out.firstChild) out.removeChild(out.firstChild);
+        if (r.state === "succeeded") out.appendChild(samplesTable(r));
+      } catch (e) { note.textContent = e.message || String(e); }
+    }
+    askCard.append(h("h2", {}, "Ask your own prompts"), prompts,
+      h("div", {}, h("label", {}, "top k ", topK), " ", h("label", {}, "max new tokens ", tokens), " ",
+        h("button", { id: "ask-run", type: "button", onclick: ask }, "Sample")), note, out);
+    askCard.hidden = false;
+  }
+
   function renderSamples(r) {
+    while (samplesCard.firstChild) samplesCard.removeChild(samplesCard.firstChild);
+    samplesCard.append(h("h2", {}, "Samples"),
+      h("p", { class: "muted small" }, "What the leading configurations and the base model write on the same held-out prompts. ",
+        h("span", { class: "mono" }, r.file_id || "")), samplesTable(r, "samples-table"));
+    samplesCard.hidden = false;
+  }
+
+  function samplesTable(r, id) {
     const cols = [...new Set(r.data.map((s) => s.job_id))];
     const rows = new Map();
     for (const s of r.data) {
@@ -513,12 +551,7 @@ function taskView(main, taskId) {
     const body = h("tbody", {}, ...[...rows.entries()].map(([prompt, by]) =>
       h("tr", {}, h("td", {}, h("pre", { class: "sample" }, prompt)),
         ...cols.map((c) => h("td", { "data-job": c ?? "base" }, h("pre", { class: "sample" }, by[c] ? by[c].completion : ""))))));
-    while (samplesCard.firstChild) samplesCard.removeChild(samplesCard.firstChild);
-    samplesCard.append(h("h2", {}, "Samples"),
-      h("p", { class: "muted small" }, "What the leading configurations and the base model write on the same held-out prompts. ",
-        h("span", { class: "mono" }, r.file_id || "")),
-      h("div", { class: "scroll" }, h("table", { id: "samples-table", class: "grid-table" }, h("thead", {}, head), body)));
-    samplesCard.hidden = false;
+    return h("div", { class: "scroll" }, h("table", { id, class: "grid-table" }, h("thead", {}, head), body));
   }
 
   async function afterEnd() {
@@ -528,6 +561,7 @@ function taskView(main, taskId) {
       st.task = t;
       renderHead();
       loadSamples();
+      renderAsk();
       if ((t.integrations || []).some((i) => i.status === "waiting" || i.status === "pending")) retry = setTimeout(afterEnd, 5000);
     } catch (e) {
       if (!stopped && e.status !== 404 && e.status !== 401) retry = setTimeout(afterEnd, 5000);
