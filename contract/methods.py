@@ -54,6 +54,8 @@ class MethodSpec:
 
 BETA = Knob("beta", 0.1, "DPO only: strength of the pull to the base model, each in (0, 10].",
             gt=0, le=10)
+ORPO_LAMBDA = Knob("orpo_lambda", 0.1, "ORPO only: weight of the odds-ratio term beside the chosen "
+                   "answers' NLL (the paper's lambda), each in (0, 10].", gt=0, le=10)
 
 SFT = MethodSpec("sft", ("chat", "completion", "text"), "supervised fine-tuning on completions",
                  openai="supervised")
@@ -62,7 +64,10 @@ SFT = MethodSpec("sft", ("chat", "completion", "text"), "supervised fine-tuning 
 DPO = MethodSpec("dpo", ("preference",), "direct preference optimisation against the frozen "
                  "base model (Rafailov et al. 2023)", knobs=(BETA,), openai="dpo")
 
-METHODS: dict[str, MethodSpec] = {m.name: m for m in (SFT, DPO)}
+ORPO = MethodSpec("orpo", ("preference",), "odds-ratio preference optimisation, no reference "
+                  "model (Hong et al. 2024)", knobs=(ORPO_LAMBDA,))
+
+METHODS: dict[str, MethodSpec] = {m.name: m for m in (SFT, DPO, ORPO)}
 DEFAULT_METHOD = SFT.name
 Method = Literal[tuple(METHODS)]  # type: ignore[valid-type]  # "sft", "dpo", ...
 GRID_KNOBS = ("learning_rate", "lora_rank", "lora_alpha", "batch_size")

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from contract.methods import METHODS
 from trainer.dpo import Dpo
+from trainer.orpo import Orpo
 from trainer.sft import Sft
 
-OBJECTIVES: dict[str, type[Sft]] = {c.name: c for c in (Sft, Dpo)}
+OBJECTIVES: dict[str, type[Sft]] = {c.name: c for c in (Sft, Dpo, Orpo)}
 assert OBJECTIVES.keys() == METHODS.keys(), "every method of contract.methods has its objective"
 
 
