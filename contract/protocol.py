@@ -37,7 +37,6 @@ from contract.base import (  # noqa: F401
     model_validator,
 )
 from contract.settings import (  # noqa: F401 - re-exported: the contract's one import path
-    DPO_GRID_KNOBS,
     GRID_KNOBS,
     INT32_MAX,
     SAMPLE_CADENCE,

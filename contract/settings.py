@@ -5,9 +5,10 @@ job's hyperparameters and the search-space knobs. Re-exported by contract.protoc
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated
 
 from contract.base import ConfigDict, Field, Message, model_validator
+from contract.methods import GRID_KNOBS, METHOD_KNOBS, Method, grid_knobs  # noqa: F401 - re-exported
 
 INT32_MAX = 2**31 - 1
 
@@ -16,15 +17,7 @@ LearningRate = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)]
 LoraRank = Annotated[int, Field(ge=1, le=1024)]
 LoraAlpha = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]
 BatchSize = Annotated[int, Field(ge=1, le=4096)]
-DpoBeta = Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)]
-Method = Literal["sft", "dpo"]
-GRID_KNOBS = ("learning_rate", "lora_rank", "lora_alpha", "batch_size")
-DPO_GRID_KNOBS = (*GRID_KNOBS, "beta")  # beta multiplies dpo grids only
-
-
-def grid_knobs(method: str) -> tuple[str, ...]:
-    """The hyperparameters a task's search space multiplies into jobs, for its method."""
-    return DPO_GRID_KNOBS if method == "dpo" else GRID_KNOBS
+DpoBeta = METHOD_KNOBS["beta"].value_type()
 
 
 class EarlyExitSettings(Message):
@@ -166,13 +159,20 @@ class TaskSettings(Message):
                     "exist in the base model's family. Null: all of the family's linears.")
 
 
-class JobHyperparameters(Message):
-    """One configuration of the search space: every knob a job of any method carries."""
-
+class _SharedHyperparameters(Message):
     learning_rate: LearningRate
     lora_rank: LoraRank
     lora_alpha: LoraAlpha
     batch_size: BatchSize
-    beta: DpoBeta | None = Field(default=None, description="DPO only: pull to the base model.")
+
+
+# One configuration of the search space: the knobs every method searches, then every method's
+# own knob (contract.methods: set for its method's jobs, None for the others).
+JobHyperparameters = type("JobHyperparameters", (_SharedHyperparameters,), {
+    "__module__": __name__,
+    "__doc__": "One configuration of the search space: every knob a job of any method carries.",
+    "__annotations__": {k.name: k.value_type() | None for k in METHOD_KNOBS.values()},
+    **{k.name: Field(default=None, description=k.description) for k in METHOD_KNOBS.values()},
+})
 
 

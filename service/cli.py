@@ -27,13 +27,14 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
+from contract.methods import METHOD_KNOBS, METHODS
 from contract.states import JOB_TERMINAL, TASK_TERMINAL, TaskState
 from service import cli_samples
 from service.cli_tables import files_table, jobs_table, print_table, tasks_table
 from service.merged.states import MERGE_LIVE, MergeState
 
 SEARCH_FLAGS = {"lr": "learning_rate", "rank": "lora_rank", "alpha": "lora_alpha",
-                "batch_size": "batch_size"}
+                "batch_size": "batch_size", **{k: k for k in METHOD_KNOBS}}
 
 
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped with Ctrl-C
@@ -125,7 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--rank", type=int, action="append", help="LoRA rank (repeat).")
     create.add_argument("--alpha", type=float, action="append", help="LoRA alpha (repeat).")
     create.add_argument("--batch-size", type=int, action="append", help="Batch size (repeat).")
-    create.add_argument("--method", choices=("sft", "dpo"))
+    create.add_argument("--method", choices=tuple(METHODS), help="; ".join(
+        f"{m.name}: {m.summary}" for m in METHODS.values()))
+    for knob in METHOD_KNOBS.values():  # each method's own knob (contract.methods)
+        create.add_argument(f"--{knob.name.replace('_', '-')}", dest=knob.name, type=float,
+                            action="append", help=f"{knob.description} (repeat).")
     create.add_argument("--epochs", type=int)
     create.add_argument("--max-seq-len", type=int)
     create.add_argument("--validation-split", type=float)

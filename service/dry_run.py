@@ -68,11 +68,10 @@ def dry_run(session: Session, tenant: Tenant, body: TaskCreate, settings: Settin
     body = resolve_adapter(session, storage, tenant, resolve_auto(body, registry), registry)
     max_seq_len, samples = check_request(session, tenant, body, settings, registry)
     space = body.search_space.model_dump(mode="json")
-    configs = expand_grid(space, body.method)
-    if body.method != "dpo":
-        configs = [{k: v for k, v in c.items() if k != "beta"} for c in configs]
+    configs = expand_grid(space, body.method)  # the method's knobs alone (contract.methods)
     train = session.get(File, body.training_file)
-    per_sample = tokens_per_record(max_seq_len, train and train.bytes, train and train.line_count)
+    per_sample = tokens_per_record(max_seq_len, train and train.bytes, train and train.line_count,
+                                   body.method)
     work = TaskWork(body.base_model, max(1, samples), body.epochs, per_sample, max_seq_len,
                     [JobProgress(int(c["batch_size"])) for c in configs],
                     early_exit=body.early_exit.enabled,

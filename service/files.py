@@ -37,7 +37,6 @@ FORMAT_KEYS = {
     "completion": ("prompt", "completion"),
     "text": ("text",),
 }
-METHOD_FORMATS = {"sft": ("chat", "completion", "text"), "dpo": ("preference",)}
 KNOWN_RECORDS = ("'messages', 'prompt'/'completion', 'text', 'prompt'/'chosen'/'rejected' or "
                  "'input'/'preferred_output'/'non_preferred_output'")
 

@@ -15,6 +15,8 @@ from service.core.errors import conflict
 from service.models import IdempotencyKey, Task, Tenant
 from service.schemas import TaskCreate
 
+LEGACY_KNOBS = ("learning_rate", "lora_rank", "lora_alpha", "batch_size", "beta")
+
 
 def request_hash(sent: object) -> str:
     """The digest of a JSON document (keys sorted): of the canonical request (`canonical_request`)
@@ -50,6 +52,10 @@ def legacy_request_hash(body: TaskCreate) -> str:
         if data.get(added) is None or (added == "integrations" and not data[added]):
             data.pop(added, None)
     data.pop("samples", None)
+    # That schema's search space: the shared knobs and DPO's beta (a method's knob added since,
+    # contract.methods, is not in a body that release hashed).
+    space = data.get("search_space") or {}
+    data["search_space"] = {k: v for k, v in space.items() if k in LEGACY_KNOBS}
     cadence = data.get("eval") or {}
     if cadence.get("eval_every_steps") is None and cadence.get("eval_every_samples") is not None:
         cadence["eval_every_steps"] = STEP_CADENCE

@@ -25,6 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
+from contract.methods import DEFAULT_METHOD
 from contract.protocol import TaskSettings
 from contract.states import (  # noqa: F401 (re-exported: the service imports them from here)
     EXIT_REASONS,
@@ -113,7 +114,7 @@ class File(Base):
 
 
 class Task(Base):
-    """``tasks(id, tenant_id, base_model, method sft|dpo, training_file_id, validation_file_id,
+    """``tasks(id, tenant_id, base_model, method (contract.methods), training_file_id, validation_file_id,
     search_space jsonb, settings jsonb (contract.protocol.TaskSettings: validation_split,
     epochs, max_seq_len, seed, early_exit, eval, target_modules, ...), priority,
     num_train_samples, state, error, best_job_id, created_at, started_at, finished_at,
@@ -127,7 +128,7 @@ class Task(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("task"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     base_model: Mapped[str] = mapped_column(String(200))
-    method: Mapped[str] = mapped_column(String(16), default="sft")
+    method: Mapped[str] = mapped_column(String(16), default=DEFAULT_METHOD)
     training_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
     validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"))
     # an uploaded PEFT adapter (purpose "adapter") every job starts from (service.init_adapter)

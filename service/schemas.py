@@ -7,15 +7,14 @@ import math
 from datetime import datetime
 from typing import Annotated, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
+from contract.methods import DEFAULT_METHOD, METHODS, Method
 from contract.protocol import (
     BatchSize,
-    DpoBeta,
     LearningRate,
     LoraAlpha,
     LoraRank,
-    Method,
     TaskSettings,
 )
 from service.merged.states import MergeStateName
@@ -105,10 +104,7 @@ def _unique(values: list) -> list:
     return values
 
 
-class SearchSpace(_In):
-    """Lists per knob; the grid (cartesian product) is expanded into jobs. Each value has the
-    bounds of the job's hyperparameter (contract.protocol.JobHyperparameters), the one contract."""
-
+class _SharedSearchSpace(_In):
     learning_rate: Annotated[list[LearningRate], Field(min_length=1, max_length=64)] | Literal[
         "auto"] = Field(
         default=[1e-4],
@@ -117,15 +113,23 @@ class SearchSpace(_In):
     lora_rank: list[LoraRank] = Field(default=[8], min_length=1, max_length=64)
     lora_alpha: list[LoraAlpha] = Field(default=[16.0], min_length=1, max_length=64)
     batch_size: list[BatchSize] = Field(default=[8], min_length=1, max_length=64)
-    beta: list[DpoBeta] = Field(
-        default=[0.1], min_length=1, max_length=64,
-        description="DPO only: strength of the pull to the base model, each in (0, 10]. A knob "
-                    "of the grid for method dpo; sft tasks ignore it.")
 
-    @field_validator("learning_rate", "lora_rank", "lora_alpha", "batch_size", "beta")
+    @field_validator("*")
     @classmethod
     def _distinct(cls, v: list | str) -> list | str:
         return v if isinstance(v, str) else _unique(v)
+
+
+# Lists per knob; every method's own knobs (contract.methods) after the shared ones.
+SearchSpace = create_model(
+    "SearchSpace", __base__=_SharedSearchSpace, __module__=__name__,
+    __doc__="Lists per knob; the grid (cartesian product) is expanded into jobs. Each value has "
+            "the bounds of the job's hyperparameter (contract.protocol.JobHyperparameters), the "
+            "one contract.",
+    **{k.name: (list[k.value_type()], Field(  # type: ignore[valid-type]
+        default=[k.default], min_length=1, max_length=64,
+        description=f"{k.description} A knob of the grid for method {m.name}; other methods "
+                    "ignore it.")) for m in METHODS.values() for k in m.knobs})
 
 
 class TaskCreate(TaskSettings):
@@ -143,7 +147,7 @@ class TaskCreate(TaskSettings):
                     "starts from instead of a fresh adapter. It fixes the rank, alpha and "
                     "target modules: search_space.lora_rank / lora_alpha and target_modules "
                     "must be left out or equal to the adapter's; it must fit the base model.")
-    method: Method = "sft"
+    method: Method = DEFAULT_METHOD  # type: ignore[valid-type]
     search_space: SearchSpace = Field(default_factory=SearchSpace)
     priority: int = Field(default=0, ge=0, le=10)
     suffix: str | None = Field(default=None, min_length=1, max_length=64,

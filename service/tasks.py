@@ -12,7 +12,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from contract.families import UnsupportedModel, family_of, model_type_of, resolve_targets
-from contract.protocol import JobStateUpdate, grid_knobs, pause_key, tenant_safe
+from contract.methods import DEFAULT_METHOD, grid_knobs, method_spec
+from contract.protocol import JobStateUpdate, pause_key, tenant_safe
 from contract.states import (
     PLACEMENT_ACTIVE,
     PLACEMENT_CURRENT,
@@ -29,7 +30,7 @@ from service.core.errors import ApiError, conflict, invalid, not_found
 from service.core.registry import BaseModelEntry, ModelRegistry
 from service.core.storage import Storage
 from service.events import add_event
-from service.files import METHOD_FORMATS, get_file
+from service.files import get_file
 from service.idempotency import accepted_digests
 from service.init_adapter import resolve_init_adapter
 from service.models import (
@@ -55,10 +56,12 @@ log = logging.getLogger("loraplex.tasks")
 PAUSE_TTL_S = 7 * 24 * 3600
 
 
-def expand_grid(space: dict[str, list], method: str = "sft") -> list[dict]:
-    """The cartesian product of the search space, in a stable order (first knob slowest)."""
+def expand_grid(space: dict[str, list], method: str = DEFAULT_METHOD) -> list[dict]:
+    """The cartesian product of the method's knobs of the search space, in a stable order (first
+    knob slowest); a method's own knob a stored space lacks (stored before it existed) is its
+    default."""
     knobs = grid_knobs(method)
-    space = {"beta": [0.1], **space}  # search spaces stored before beta existed
+    space = {**{k.name: [k.default] for k in method_spec(method).knobs}, **space}
     return [dict(zip(knobs, values, strict=True))
             for values in itertools.product(*(space[k] for k in knobs))]
 
@@ -114,7 +117,7 @@ def _check_request(session: Session, tenant: Tenant, body: TaskCreate, settings:
         raise invalid(f"search space expands to {n_configs} configurations; the limit is "
                       f"{settings.max_configurations}", param="search_space",
                       code="too_many_configurations")
-    allowed = METHOD_FORMATS[body.method]
+    allowed = method_spec(body.method).formats
     train = get_file(session, tenant, body.training_file, param="training_file")
     if train.format not in allowed:
         raise invalid(f"method {body.method} needs a {' or '.join(allowed)} file; "

@@ -15,7 +15,8 @@ from pydantic import BaseModel, BeforeValidator, Field, WithJsonSchema
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from contract.protocol import TaskSettings, grid_knobs
+from contract.methods import DEFAULT_METHOD, grid_knobs, method_spec
+from contract.protocol import TaskSettings
 from service.core.errors import invalid
 from service.models import MetricPoint, Task, Tenant
 from service.scheduler.estimator import EstimatorConfig, JobProgress, TaskWork, remaining_tokens
@@ -28,12 +29,15 @@ def cost_of(gpu_seconds: float | None, price: float | None) -> float | None:
     return round(gpu_seconds / 3600 * price, 6)
 
 
-def tokens_per_record(max_seq_len: int, file_bytes: int | None, lines: int | None) -> float:
-    """Tokens per training record from the file's bytes per line (the scheduler's estimate)."""
+def tokens_per_record(max_seq_len: int, file_bytes: int | None, lines: int | None,
+                      method: str = DEFAULT_METHOD) -> float:
+    """Tokens per training record from the file's bytes per line (the scheduler's estimate),
+    times the method's cost factor (contract.methods)."""
+    factor = method_spec(method).cost_factor
     if not file_bytes or not lines:
-        return float(max_seq_len)
+        return float(max_seq_len) * factor
     per_line = file_bytes / lines / EstimatorConfig().bytes_per_token
-    return max(1.0, min(float(max_seq_len), per_line))
+    return max(1.0, min(float(max_seq_len), per_line)) * factor
 
 
 def estimated_tokens(t: dict, file_bytes: int | None, lines: int | None) -> tuple[int, int]:
@@ -44,7 +48,7 @@ def estimated_tokens(t: dict, file_bytes: int | None, lines: int | None) -> tupl
                        if k != "batch_size")
     cfg = TaskSettings.model_validate(t["settings"])
     work = TaskWork(t["base_model"], max(1, t["num_train_samples"] or 0), cfg.epochs,
-                    tokens_per_record(cfg.max_seq_len, file_bytes, lines), cfg.max_seq_len,
+                    tokens_per_record(cfg.max_seq_len, file_bytes, lines, t["method"]), cfg.max_seq_len,
                     [JobProgress(b) for b in sizes for _ in range(max(1, others))],
                     early_exit=cfg.early_exit.enabled,
                     warmup_fraction=cfg.early_exit.warmup_fraction,

@@ -104,7 +104,7 @@ class ExecutorConfig:
     # write_buffer_bytes bounds the snapshots waiting (the loop waits beyond it; one always may)
     async_writes: bool = True
     write_buffer_bytes: float = 4 * 2**30
-    method: str = "sft"  # sft | dpo (preference pairs; TrainJob.beta per job)
+    method: str = "sft"  # a method of contract.methods (trainer.objectives holds its objective)
     world_size: int = 1  # GPUs of the placement; > 1: adapter parallelism (FSDP2 backbone)
 
     def __post_init__(self) -> None:

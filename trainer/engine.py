@@ -19,6 +19,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -76,6 +77,24 @@ def without_backbone_dropout(model: nn.Module) -> None:
                 setattr(holder, name, 0.0)
 
 
+class StepObjective(Protocol):
+    """The loss of a step, as the engine calls it (trainer.objectives: SFT, DPO, ORPO). Inside a
+    CUDA-graph capture, no part may sync the host; `graphable`: the step graphs' token-mean
+    loss is this objective's (trainer.step_graphs)."""
+
+    graphable: bool
+    metric_names: tuple[str, ...]  # the step's numbers per job, the loss first
+    eval_metric_names: tuple[str, ...]  # evaluation's, the loss first
+
+    def prepare(self, engine: MultiLoraEngine, per_job: Sequence[Sequence]) -> None: ...
+
+    def losses(self, engine: MultiLoraEngine, states: Sequence[JobState], per_job: Sequence[Sequence]
+               ) -> tuple[PackedBatch, list[torch.Tensor], list[torch.Tensor]]: ...
+
+    def eval_sums(self, engine: MultiLoraEngine, states: Sequence[JobState], chunk: Sequence
+                  ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class MultiLoraEngine(AdapterArena, EngineEvaluation):
     """A frozen causal LM with multi-LoRA layers and the jobs currently attached to it."""
 
@@ -93,8 +112,10 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         shape_buckets: ShapeBuckets | None = ShapeBuckets(),  # noqa: B008 (frozen)
         attention: str = "rows",
         step_graphs: bool | None = None,
+        objective: StepObjective | None = None,
     ) -> None:
         self.model = model
+        self.objective = objective  # the step's loss; None: the token mean (SFT's)
         self.device = next(model.parameters()).device
         self.compute_dtype = next(model.parameters()).dtype
         # the family table says which linears exist, which to adapt by default and how the
@@ -266,25 +287,38 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
             return batch, losses, correct, counts
         return batch, token_losses(self.output_logits, h, t, self.head_chunk), None, counts
 
-    # ----- one step: the objective's parts (a subclass such as DpoEngine overrides them) ------
+    # ----- one step: the objective's parts (its component, self.objective, computes them) ------
     def _prepare(self, per_job: Sequence[Sequence[Example]]) -> None:
         """Work before the step's forward (DPO: reference log-probs); SFT needs none."""
+        if self.objective is not None:
+            self.objective.prepare(self, per_job)
 
     def _losses(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]
                 ) -> tuple[PackedBatch, list[torch.Tensor], list[torch.Tensor]]:
         """One forward of every job's micro-batch: the batch, each job's differentiable mean loss
         and each job's detached numbers [loss, *extra metrics] (SFT: just the loss)."""
+        if self.objective is not None:
+            return self.objective.losses(self, states, per_job)
+        return self.token_mean_losses(states, per_job)
+
+    def token_mean_losses(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]
+                          ) -> tuple[PackedBatch, list[torch.Tensor], list[torch.Tensor]]:
+        """_losses of the token mean over each job's target tokens (SFT's loss)."""
         batch, sums, counts = self._forward_losses(states, per_job)
         losses = [s / max(n, 1) for s, n in zip(sums, counts, strict=True)]
         return batch, losses, [loss.detach().reshape(1) for loss in losses]
 
-    metric_names: tuple[str, ...] = ("loss",)
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return ("loss",) if self.objective is None else self.objective.metric_names
 
     @property
     def plain_objective(self) -> bool:
-        """The engine's own objective (SFT): no subclass changes the step's parts."""
+        """The token mean (SFT's), which the step graphs replay: no objective or a graphable one,
+        and no subclass changes the step's parts."""
         cls = type(self)
-        return cls._losses is MultiLoraEngine._losses and cls._prepare is MultiLoraEngine._prepare
+        return ((self.objective is None or self.objective.graphable)
+                and cls._losses is MultiLoraEngine._losses and cls._prepare is MultiLoraEngine._prepare)
 
     def _eager_forward_backward(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]
                                 ) -> tuple[PackedBatch, list[torch.Tensor]]:

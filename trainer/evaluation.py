@@ -46,16 +46,29 @@ def eval_chunk(n_jobs: int, n_examples: int, max_sequences: int, min_chunk: int 
 
 class EngineEvaluation:
     """MultiLoraEngine's evaluation (a part of the engine, not used alone: it runs the engine's
-    `_forward_tokens`; an objective such as DpoEngine overrides `_eval_sums`)."""
+    `_forward_tokens`; the engine's objective, when it has one, computes `_eval_sums`)."""
 
     # evaluation's numbers: SFT adds the mean token accuracy (argmax == target over target tokens)
-    eval_metric_names: tuple[str, ...] = ("loss", "token_accuracy")
+    TOKEN_METRICS = ("loss", "token_accuracy")
+
+    @property
+    def eval_metric_names(self) -> tuple[str, ...]:
+        objective = getattr(self, "objective", None)
+        return self.TOKEN_METRICS if objective is None else objective.eval_metric_names
 
     def _eval_sums(self, states: Sequence[JobState], chunk: Sequence[Example]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One no-grad forward of every job on the same chunk: per job the sums of the
         evaluation's numbers [N, len(eval_metric_names)] and what each is averaged over [N]
-        (SFT: summed token losses and hits over target tokens; DPO overrides: sums over pairs)."""
+        (SFT: summed token losses and hits over target tokens; DPO: sums over pairs)."""
+        objective = getattr(self, "objective", None)
+        if objective is not None:
+            return objective.eval_sums(self, states, chunk)
+        return self.token_eval_sums(states, chunk)
+
+    def token_eval_sums(self, states: Sequence[JobState], chunk: Sequence[Example]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """_eval_sums of the token losses and hits (SFT's), from a replayed graph where one serves."""
         graphs = self.step_graphs
         if graphs is not None and graphs.serves(states):
             return graphs.eval_sums(states, chunk)  # the same sums from a replayed graph

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
 
+from contract.methods import METHOD_KNOBS
 from contract.protocol import JobHyperparameters
 from trainer.data import JobDataStream
 from trainer.host_pool import POOL
@@ -56,7 +57,7 @@ class TrainJob:
     lora_alpha: float = 16.0
     learning_rate: float = 1e-4
     batch_size: int = 4
-    beta: float = 0.1  # DPO only: strength of the KL anchor to the reference (the backbone)
+    beta: float = 0.1  # DPO's knob (contract.methods), a field of its own as checkpoints hold it
     epochs: float = 1.0
     max_steps: int | None = None
     warmup_steps: int = 0
@@ -70,18 +71,28 @@ class TrainJob:
     # A PEFT adapter (its directory, or its adapter_model.safetensors) the job starts from
     # instead of a fresh init; rank and alpha must be the adapter's. Optimizer state is fresh.
     init_adapter: str | None = None
+    # every other method's own knob by name (contract.methods.METHOD_KNOBS); `knob` reads them
+    knobs: dict[str, float] = field(default_factory=dict)
+
+    def knob(self, name: str) -> float:
+        """A method's own knob of this job: its value, else the method's default."""
+        value = self.knobs.get(name, getattr(self, name, None))
+        return METHOD_KNOBS[name].default if value is None else float(value)
 
     @classmethod
     def from_hyperparameters(cls, job_id: str, hp: JobHyperparameters, *, epochs: float,
                              seed: int) -> TrainJob:
         """The engine's job of one configuration of the task (its hyperparameters as they are)."""
-        given = {k: v for k, v in hp.model_dump().items() if v is not None}  # beta: DPO's alone
-        return cls(job_id=job_id, **given, epochs=float(epochs), seed=seed)
+        given = {k: v for k, v in hp.model_dump().items() if v is not None}  # its method's knobs
+        own = {f.name for f in fields(cls)}
+        return cls(job_id=job_id, **{k: v for k, v in given.items() if k in own},
+                   knobs={k: v for k, v in given.items() if k not in own},
+                   epochs=float(epochs), seed=seed)
 
     def __setstate__(self, state: dict) -> None:
         # unpickled from a checkpoint (a queued job): one written before the fields took the
         # contract's names still reads
-        self.__dict__.update({LEGACY_FIELDS.get(k, k): v for k, v in state.items()})
+        self.__dict__.update({"knobs": {}, **{LEGACY_FIELDS.get(k, k): v for k, v in state.items()}})
 
     def total_steps(self, n_train: int) -> int:
         if self.max_steps is not None:

@@ -1,6 +1,7 @@
-"""DPO preference pairs: a record's prompt with its chosen and its rejected answer tokenised as
-SFT tokenises a conversation (labels on the responses only), truncated so both sides fit, and the
-content key the reference log-probs are cached under."""
+"""Preference pairs: a record's prompt with its chosen and its rejected answer tokenised as SFT
+tokenises a conversation (labels on the responses only), truncated so both sides fit, the content
+key DPO's reference log-probs are cached under, and `PairObjective`, what the pair objectives
+(DPO, ORPO) share: a pair per batch item and every sequence's summed response log-prob."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import torch
+
 from trainer.data import IGNORE, Example, Record, render_chat
+from trainer.engine import MultiLoraEngine
+from trainer.head import token_losses
+from trainer.jobs import JobState
+from trainer.packing import PackedBatch
+from trainer.sft import Sft
 
 
 @dataclass(frozen=True)
@@ -102,3 +110,84 @@ def tokenize_pairs(tokenizer: Any, records: Iterable[Record], max_seq_len: int,
         if pair is not None:
             out.append(pair)
     return out
+
+
+def pair_sequences(pairs: Sequence[PairExample]) -> list[Example]:
+    """A job's sequences in a step: every chosen, then every rejected (pair order)."""
+    return [p.chosen for p in pairs] + [p.rejected for p in pairs]
+
+
+class PairObjective(Sft):
+    """A batch item is a pair (chosen, rejected); the loss is the subclass's (`pair_numbers`) of
+    each job's per-sequence response log-probs and target-token counts, from ONE forward of all
+    jobs' chosen and rejected sequences. Every index is found on the host where the batch is
+    built, so the device work syncs nothing."""
+
+    sequences_per_item = 2
+    packs_back_to_back = False
+    graphable = False
+    metric_names: tuple[str, ...] = ("loss", "reward_accuracy", "reward_margin")
+    eval_metric_names = metric_names
+
+    def tokenize(self, tokenizer: Any, records: Any, max_seq_len: int) -> list:
+        return tokenize_pairs(tokenizer, records, max_seq_len)
+
+    def probe_items(self, rows: list[list[int]], max_seq_len: int) -> list:
+        # two sequences of max_seq_len tokens, the responses their second halves
+        half = max_seq_len // 2
+        return [PairExample(Example(tuple(ids), (-100,) * half + tuple(ids[half:])),
+                            Example(tuple(ids[::-1]), (-100,) * half + tuple(ids[::-1][half:])))
+                for ids in rows]
+
+    def sequence_logps(self, engine: MultiLoraEngine, states: Sequence[JobState] | None,
+                       seqs: Sequence[Sequence[Example]]
+                       ) -> tuple[PackedBatch, torch.Tensor, torch.Tensor]:
+        """One forward of these sequences (per job; states None: every adapter off): the batch,
+        each sequence's summed target log-prob and its number of target tokens (float), all
+        sequences in order (job by job)."""
+        cpu = engine.pack_batch(seqs)
+        index = (cpu.targets.reshape(-1) != IGNORE).nonzero().reshape(-1)
+        seq_of = cpu.seq_index.reshape(-1).index_select(0, index)
+        n = sum(len(s) for s in seqs)
+        counts = torch.bincount(seq_of, minlength=n)
+        batch, (index, seq_of, counts) = engine.batch_to_device(cpu, index, seq_of, counts)
+        if states is None:
+            engine._clear_layout()
+        else:
+            engine._set_layout(states, cpu.job_tokens)
+        hidden = engine._hidden(batch)
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+        targets = batch.targets.reshape(-1).index_select(0, index)
+        tok = -token_losses(engine.output_logits, hidden, targets, engine.head_chunk)
+        logps = torch.zeros(n, dtype=tok.dtype, device=tok.device).index_add(0, seq_of, tok)
+        return batch, logps, counts.to(tok.dtype)
+
+    def pair_numbers(self, engine: MultiLoraEngine, state: JobState, pairs: Sequence[PairExample],
+                     logps: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The job's mean loss over its pairs (differentiable) and the sums over its pairs of
+        metric_names [k], from its sequences' log-probs and counts (chosen first)."""
+        raise NotImplementedError
+
+    def _per_job(self, engine: MultiLoraEngine, states: Sequence[JobState],
+                 per_job: Sequence[Sequence[PairExample]]) -> tuple[PackedBatch, list, list]:
+        batch, logps, counts = self.sequence_logps(engine, states, [pair_sequences(p) for p in per_job])
+        sizes = [2 * len(p) for p in per_job]
+        return batch, list(logps.split(sizes)), list(counts.split(sizes))
+
+    def losses(self, engine: MultiLoraEngine, states: Sequence[JobState],
+               per_job: Sequence[Sequence[PairExample]]
+               ) -> tuple[PackedBatch, list[torch.Tensor], list[torch.Tensor]]:
+        batch, logps, counts = self._per_job(engine, states, per_job)
+        losses, numbers = [], []
+        for s, pairs, lp, n in zip(states, per_job, logps, counts, strict=True):
+            loss, sums = self.pair_numbers(engine, s, pairs, lp, n)
+            losses.append(loss)
+            numbers.append(sums / len(pairs))
+        return batch, losses, numbers
+
+    def eval_sums(self, engine: MultiLoraEngine, states: Sequence[JobState],
+                  chunk: Sequence[PairExample]) -> tuple[torch.Tensor, torch.Tensor]:
+        _, logps, counts = self._per_job(engine, states, [chunk] * len(states))
+        sums = torch.stack([self.pair_numbers(engine, s, chunk, lp, n)[1]
+                            for s, lp, n in zip(states, logps, counts, strict=True)])
+        return sums, torch.full((len(states),), float(len(chunk)), dtype=torch.float64)

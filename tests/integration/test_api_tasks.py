@@ -326,3 +326,42 @@ def test_dpo_task_gets_beta_as_a_grid_knob(client, factory, settings):  # noqa: 
         "base_model": "tiny-llama", "training_file": pref, "method": "dpo", "search_space": wide})
     assert r.status_code == 422 and r.json()["error"]["code"] == "too_many_configurations"
     assert factory.task(t, search_space=wide)["num_jobs"] == 1
+
+
+def test_orpo_task_gets_orpo_lambda_as_a_grid_knob(client, factory, settings):  # noqa: ANN001
+    """ORPO (contract.methods) through POST /v1/tasks: its lambda a bounded grid knob of its
+    own tasks alone, on DPO's preference files, and its dry run."""
+    t = factory.tenant()
+    pref = factory.file(t, [{"prompt": f"p{i}", "chosen": "good", "rejected": "bad"}
+                            for i in range(10)])["id"]
+    space = {"learning_rate": [1e-4], "lora_rank": [4, 8], "orpo_lambda": [0.1, 0.5]}
+    orpo = factory.task(t, pref, method="orpo", search_space=space)
+    assert orpo["method"] == "orpo" and orpo["num_jobs"] == 4
+    assert orpo["search_space"]["orpo_lambda"] == [0.1, 0.5]
+    jobs = client.get(f"/v1/tasks/{orpo['id']}/jobs", headers=t.headers).json()["data"]
+    got = [(j["hyperparameters"]["lora_rank"], j["hyperparameters"]["orpo_lambda"]) for j in jobs]
+    assert got == list(itertools.product([4, 8], [0.1, 0.5]))
+    assert all("beta" not in j["hyperparameters"] for j in jobs)
+    default = factory.task(t, pref, method="orpo")  # orpo_lambda defaults to 0.1
+    jobs = client.get(f"/v1/tasks/{default['id']}/jobs", headers=t.headers).json()["data"]
+    assert {j["hyperparameters"]["orpo_lambda"] for j in jobs} == {0.1}
+    # a dpo (and an sft) grid is not multiplied by orpo_lambda, and its jobs carry none
+    dpo = factory.task(t, pref, method="dpo", search_space=space)
+    assert dpo["num_jobs"] == 2
+    jobs = client.get(f"/v1/tasks/{dpo['id']}/jobs", headers=t.headers).json()["data"]
+    assert all("orpo_lambda" not in j["hyperparameters"] for j in jobs)
+    for bad in ([0.0], [-1.0], [10.5], [0.1, 0.1], [], ["x"], 0.1):
+        r = client.post("/v1/tasks", headers=t.headers, json={
+            "base_model": "tiny-llama", "training_file": pref, "method": "orpo",
+            "search_space": {"orpo_lambda": bad}})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "search_space.orpo_lambda", bad
+    r = client.post("/v1/tasks", headers=t.headers, json={
+        "base_model": "tiny-llama", "training_file": factory.file(t)["id"], "method": "orpo"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "training_file"
+    assert "preference" in r.json()["error"]["message"]
+    r = client.post("/v1/tasks?dry_run=true", headers=t.headers, json={
+        "base_model": "tiny-llama", "training_file": pref, "method": "orpo", "search_space": space})
+    assert r.status_code == 200, r.text
+    est = r.json()
+    assert est["method"] == "orpo" and est["num_jobs"] == 4
+    assert {j["hyperparameters"]["orpo_lambda"] for j in est["jobs"]} == {0.1, 0.5}

@@ -101,3 +101,13 @@ def test_page_and_its_files_are_served(client):  # noqa: ANN001
     for name in ("app.js", "chart.js", "app.css", "usage.js"):  # nothing loaded from elsewhere
         urls = set(re.findall(r"https?://[^\s\"'`)]+", client.get(f"/ui/static/{name}").text))
         assert urls <= {"http://www.w3.org/2000/svg"}, (name, urls)
+
+
+def test_the_create_form_lists_the_methods_from_the_registry(client):  # noqa: ANN001
+    from contract.methods import METHODS
+
+    got = client.get("/ui/v1/methods").json()["data"]
+    assert [m["name"] for m in got] == list(METHODS)
+    orpo = next(m for m in got if m["name"] == "orpo")
+    assert orpo["formats"] == ["preference"] and orpo["knobs"][0]["name"] == "orpo_lambda"
+    assert orpo["knobs"][0]["default"] == 0.1

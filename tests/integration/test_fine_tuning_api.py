@@ -393,3 +393,17 @@ def test_events_checkpoints_and_models_of_a_finished_job(client, factory, sessio
     r = client.get("/v1/models/nope", headers=t.headers)
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
     assert session.scalar(select(func.count()).select_from(MetricPoint)) == 8
+
+
+def test_a_method_openai_lacks_is_native_only(client, factory) -> None:  # noqa: ANN001
+    """ORPO has no OpenAI method type (contract.methods): the fine-tuning create refuses it by
+    name; a native ORPO task still reads back as a fine-tuning job, under its own name."""
+    t = factory.tenant()
+    prefs = factory.file(t, PREFS, "prefs.jsonl")["id"]
+    r = ft(client, t, {"model": "tiny-llama", "training_file": prefs, "method": {"type": "orpo"}})
+    assert r.status_code == 422 and r.json()["error"]["param"].startswith("method"), r.text
+    task = factory.task(t, prefs, method="orpo", search_space={"orpo_lambda": [0.2, 0.4]})
+    job = client.get(f"/v1/fine_tuning/jobs/{task['id']}", headers=t.headers).json()
+    assert job["method"] == {"type": "orpo", "orpo": {"hyperparameters": {
+        **job["hyperparameters"], "orpo_lambda": [0.2, 0.4]}}}
+    assert "orpo_lambda" not in job["hyperparameters"]

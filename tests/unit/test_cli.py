@@ -65,6 +65,16 @@ def test_task_body_init_adapter_and_integrations() -> None:
     assert body["integrations"] == []
 
 
+def test_every_method_and_its_own_knob_are_flags() -> None:
+    """contract.methods: --method offers every method, and each method's own knob is a flag."""
+    body = task_body(parse("--method", "orpo", "--orpo-lambda", "0.1", "--orpo-lambda", "0.5"), "f", None)
+    assert body["method"] == "orpo" and body["search_space"] == {"orpo_lambda": [0.1, 0.5]}
+    body = task_body(parse("--method", "dpo", "--beta", "0.2"), "f", None)
+    assert body["method"] == "dpo" and body["search_space"] == {"beta": [0.2]}
+    with pytest.raises(SystemExit):
+        parse("--method", "kto")
+
+
 def test_env_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LORAPLEX_API_URL", "http://example:9")
     monkeypatch.setenv("LORAPLEX_API_KEY", "sk-1")

@@ -11,8 +11,8 @@ out counts as "auto", as at OpenAI. "auto" means:
   per model family and size from public LoRA calibrations, e.g. 1e-3 for a 1B model, 3e-4 for
   Llama-3.1-8B);
 - lora_rank (extension): search [8, 16];
-- lora_alpha (extension): 16, batch_size: 8, n_epochs: 1, beta (dpo): 0.1 (one value each: not
-  searched).
+- lora_alpha (extension): 16, batch_size: 8, n_epochs: 1, a method's own knob (beta, dpo) its
+  default in contract.methods, 0.1 (one value each: not searched).
 
 So a job with no hyperparameters trains the default space of 3 learning rates x 2 ranks = 6
 configurations at once (AUTO_SPACE) and returns the adapter with the best validation loss. A
@@ -27,6 +27,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from contract.methods import DEFAULT_METHOD, METHOD_KNOBS, METHODS, method_spec, openai_methods
 from service.api.openai_compat.schemas import FineTuningJobCreate, Hyperparameters
 from service.core.errors import ApiError, invalid, loc_to_param
 from service.schemas import TaskCreate
@@ -36,11 +37,11 @@ AUTO_SPACE: dict[str, list] = {  # learning rates: service.learning_rates, per m
     "lora_rank": [8, 16],
     "lora_alpha": [16.0],
     "batch_size": [8],
-    "beta": [0.1],
+    **{k.name: [k.default] for k in METHOD_KNOBS.values()},  # a method's own: its default
 }
 AUTO_EPOCHS = 1
-OPENAI_METHOD = {"sft": "supervised", "dpo": "dpo"}
-NATIVE_METHOD = {v: k for k, v in OPENAI_METHOD.items()}
+NATIVE_METHOD = {name: m.name for name, m in openai_methods().items()}
+OPENAI_METHOD = {m.name: m.openai or m.name for m in METHODS.values()}  # shown as its own name
 
 
 def _values(value: Any, auto: list) -> list:
@@ -52,16 +53,16 @@ def _values(value: Any, auto: list) -> list:
 def method_params(body: FineTuningJobCreate) -> tuple[str, Hyperparameters, str]:
     """(native method, its hyperparameters, the param path they came from)."""
     if body.method is None:
-        return "sft", body.hyperparameters or Hyperparameters(), "hyperparameters"
+        return DEFAULT_METHOD, body.hyperparameters or Hyperparameters(), "hyperparameters"
     if body.hyperparameters is not None:
         raise invalid("give hyperparameters in method.<type>.hyperparameters, not both there "
                       "and at the top level", param="hyperparameters")
     kind = body.method.type
     params = getattr(body.method, kind)
-    other = "dpo" if kind == "supervised" else "supervised"
-    if getattr(body.method, other) is not None:
-        raise invalid(f"method.type is {kind!r} but method.{other} is given",
-                      param=f"method.{other}")
+    for other in NATIVE_METHOD:
+        if other != kind and getattr(body.method, other) is not None:
+            raise invalid(f"method.type is {kind!r} but method.{other} is given",
+                          param=f"method.{other}")
     hp = params.hyperparameters if params is not None else Hyperparameters()
     return NATIVE_METHOD[kind], hp, f"method.{kind}.hyperparameters"
 
@@ -83,17 +84,21 @@ def search_space(method: str, hp: Hyperparameters, where: str) -> dict[str, list
         "learning_rate": rates, "lora_rank": _values(hp.lora_rank, AUTO_SPACE["lora_rank"]),
         "lora_alpha": _values(hp.lora_alpha, AUTO_SPACE["lora_alpha"]),
         "batch_size": _values(hp.batch_size, AUTO_SPACE["batch_size"])}
-    if method == "dpo":
-        space["beta"] = _values(hp.beta, AUTO_SPACE["beta"])
-    elif hp.beta != "auto":
-        raise invalid("beta is a dpo hyperparameter", param=f"{where}.beta")
+    own = method_spec(method).knob_names()
+    for name in sorted(Hyperparameters.model_fields.keys() & METHOD_KNOBS.keys()):
+        value = getattr(hp, name)
+        if name in own:
+            space[name] = _values(value, AUTO_SPACE[name])
+        elif value != "auto":
+            owners = " or ".join(m.openai or m.name for m in METHODS.values() if name in m.knob_names())
+            raise invalid(f"{name} is a {owners} hyperparameter", param=f"{where}.{name}")
     return space
 
 
 NATIVE_PARAM = {"base_model": "model", "search_space.learning_rate": "learning_rate_multiplier",
                 "search_space.lora_rank": "lora_rank", "search_space.lora_alpha": "lora_alpha",
-                "search_space.batch_size": "batch_size", "search_space.beta": "beta",
-                "search_space": "", "epochs": "n_epochs"}
+                "search_space.batch_size": "batch_size", "search_space": "", "epochs": "n_epochs",
+                **{f"search_space.{k}": k for k in METHOD_KNOBS}}
 
 
 def openai_param(param: str | None, where: str) -> str | None:

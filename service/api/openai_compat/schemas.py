@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
+from contract.methods import openai_methods
 from service.schemas import TaskUsage
 from service.tracking.schemas import IntegrationIn, IntegrationOut
 
@@ -21,27 +22,32 @@ class _In(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Hyperparameters(_In):
-    """A method's hyperparameters: OpenAI's names plus loraplex's (learning_rate, lora_rank,
-    lora_alpha); each a value, a list of values (a search space) or "auto"."""
-
+class _SharedHyperparameters(_In):
     batch_size: IntKnob = "auto"
     learning_rate_multiplier: FloatKnob | None = None
     learning_rate: FloatKnob | None = None
     n_epochs: Auto | int = "auto"
-    beta: FloatKnob = "auto"
-    lora_rank: IntKnob = "auto"
-    lora_alpha: FloatKnob = "auto"
+
+
+# A method's own knobs (contract.methods: DPO's beta) for every method OpenAI offers
+Hyperparameters = create_model(
+    "Hyperparameters", __base__=_SharedHyperparameters, __module__=__name__,
+    __doc__="A method's hyperparameters: OpenAI's names plus loraplex's (learning_rate, "
+            "lora_rank, lora_alpha); each a value, a list of values (a search space) or "
+            '"auto".',
+    **{k.name: (FloatKnob, "auto") for m in openai_methods().values() for k in m.knobs},
+    lora_rank=(IntKnob, "auto"), lora_alpha=(FloatKnob, "auto"))
 
 
 class MethodParams(_In):
-    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)  # type: ignore[valid-type]
 
 
-class MethodIn(_In):
-    type: Literal["supervised", "dpo"]
-    supervised: MethodParams | None = None
-    dpo: MethodParams | None = None
+# OpenAI's method object: its type and one field per method type (supervised, dpo)
+MethodIn = create_model(
+    "MethodIn", __base__=_In, __module__=__name__,
+    type=(Literal[tuple(openai_methods())], ...),  # type: ignore[valid-type]
+    **{name: (MethodParams | None, None) for name in openai_methods()})
 
 
 Metadata = dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]

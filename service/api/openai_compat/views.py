@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from contract.methods import METHOD_KNOBS, method_spec
 from contract.states import TASK_SCHEDULED, TaskState
 from service.api.openai_compat.create import BASE_LEARNING_RATE, OPENAI_METHOD
 from service.api.openai_compat.schemas import (
@@ -49,8 +50,8 @@ def hyperparameters_out(method: str, space: dict, epochs: int,
            "learning_rate_multiplier": _one_or_list(lr), "n_epochs": epochs,
            "lora_rank": _one_or_list(space.get("lora_rank", [])),
            "lora_alpha": _one_or_list(space.get("lora_alpha", []))}
-    if method == "dpo":
-        out["beta"] = _one_or_list(space.get("beta", [0.1]))
+    for knob in method_spec(method).knobs:  # the method's own (contract.methods: dpo's beta)
+        out[knob.name] = _one_or_list(space.get(knob.name, [knob.default]))
     return out
 
 
@@ -103,7 +104,7 @@ def job_outs(session: Session, tasks: list[Task], price: float | None = None
         out.append(FineTuningJobOut(
             id=task.id, created_at=unix(task.created_at), error=error,
             fine_tuned_model=fine_tuned_model_name(task), finished_at=unix(task.finished_at),
-            hyperparameters={k: v for k, v in hp.items() if k != "beta"}, model=task.base_model,
+            hyperparameters={k: v for k, v in hp.items() if k not in METHOD_KNOBS}, model=task.base_model,
             organization_id=task.tenant_id, seed=view.seed, status=task.state,
             trained_tokens=(_trained_tokens(view, task, mine, files) if terminal else None),
             result_files=view.result_files, usage=view.usage,
@@ -127,7 +128,7 @@ def trained_tokens(task: Task, jobs: list[Job], file: File | None) -> int:
     """Tokens trained (an estimate from the file's bytes per record): each job's steps x its
     batch size x tokens per record."""
     per_sample = tokens_per_record(task.settings["max_seq_len"], file and file.bytes,
-                                   file and file.line_count)
+                                   file and file.line_count, task.method)
     return int(sum((j.last_step or 0) * int((j.config or {}).get("batch_size", 1)) * per_sample
                    for j in jobs))
 

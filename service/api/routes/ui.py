@@ -1,7 +1,8 @@
 """The browser dashboard, served by the API itself from files shipped in the package: ``/`` and
 ``/ui/`` answer the page, ``/ui/static/<name>`` its script and style, and
 ``GET /ui/v1/tasks/{id}/live`` streams one task as server-sent events (tenant API key, as every
-/v1 route; the page reads it with fetch, so the key travels in the Authorization header)."""
+/v1 route; the page reads it with fetch, so the key travels in the Authorization header);
+``GET /ui/v1/methods`` lists the training methods (contract.methods) the create form offers."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from contract.methods import METHODS
 from service import tasks
 from service.api.deps import SessionDep, SettingsDep, TenantDep
 from service.api.ui.live import LiveState, tick
@@ -55,6 +57,14 @@ def index() -> FileResponse:
 @router.get("/ui/static/{name}", include_in_schema=False)
 def static(name: str) -> FileResponse:
     return _static(name)
+
+
+@router.get("/ui/v1/methods", include_in_schema=False)
+def methods() -> dict:
+    """The methods, their files and their own knobs with defaults (no key: nothing private)."""
+    return {"data": [{"name": m.name, "summary": m.summary, "formats": list(m.formats),
+                      "knobs": [{"name": k.name, "default": k.default, "description": k.description}
+                                for k in m.knobs]} for m in METHODS.values()]}
 
 
 @router.get("/ui/v1/tasks/{task_id}/live", tags=["tasks"], response_class=StreamingResponse,

@@ -252,7 +252,23 @@ function createForm() {
   const train = h("input", { id: "f-train", type: "file", accept: ".jsonl,.json,application/jsonl" });
   const val = h("input", { id: "f-val", type: "file", accept: ".jsonl,.json,application/jsonl" });
   const model = h("select", { id: "f-model" });
-  const method = h("select", { id: "f-method" }, h("option", { value: "sft" }, "sft"), h("option", { value: "dpo" }, "dpo"));
+  const method = h("select", { id: "f-method" }, h("option", { value: "sft" }, "sft"));
+  const methodKnobs = h("div", { id: "f-method-knobs", class: "row2" }); // the chosen method's own knobs
+  const ownKnobs = []; // [method, knob name, input]
+  const showKnobs = () => { for (const [m, , input] of ownKnobs) input.parentNode.hidden = m !== method.value; };
+  method.addEventListener("change", showKnobs);
+  fetch("/ui/v1/methods").then((r) => r.json()).then((p) => { // the methods, from contract.methods
+    method.textContent = "";
+    for (const m of p.data) {
+      method.appendChild(h("option", { value: m.name, title: m.summary }, m.name));
+      for (const k of m.knobs) {
+        const input = h("input", { id: `f-knob-${k.name}`, value: String(k.default) });
+        ownKnobs.push([m.name, k.name, input]);
+        methodKnobs.appendChild(field(k.name, input));
+      }
+    }
+    showKnobs();
+  }).catch(() => {});
   const lr = h("input", { id: "f-lr", value: "1e-4, 3e-4" });
   const rank = h("input", { id: "f-rank", value: "8" });
   const alpha = h("input", { id: "f-alpha", value: "16" });
@@ -288,6 +304,7 @@ function createForm() {
   async function body() {
     const space = {};
     const knobs = [["learning_rate", lr, "num"], ["lora_rank", rank, "int"], ["lora_alpha", alpha, "num"], ["batch_size", bs, "int"]];
+    for (const [m, k, input] of ownKnobs) if (m === method.value) knobs.push([k, input, "num"]);
     for (const [k, input, kind] of knobs) { const v = listOf(input.value, kind, k); if (v) space[k] = v; }
     let more = {};
     if (extra.value.trim()) {
@@ -344,7 +361,7 @@ function createForm() {
   h("div", { class: "row2" }, field("Base model", model), field("Method", method)),
   h("fieldset", {}, h("legend", {}, "Search space (comma-separated lists; the grid of them is the jobs)"),
     h("div", { class: "row2" }, field("learning_rate", lr), field("lora_rank", rank)),
-    h("div", { class: "row2" }, field("lora_alpha", alpha), field("batch_size", bs))),
+    h("div", { class: "row2" }, field("lora_alpha", alpha), field("batch_size", bs)), methodKnobs),
   field("Epochs", epochs),
   field("More settings (JSON, merged into the request)", extra, "e.g. early_exit, eval, max_seq_len, validation_split, priority"),
   h("div", { class: "buttons" }, estBtn, createBtn),
