@@ -293,5 +293,14 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     # the kernels those runs compiled (this image's Triton, sm_90): a node's cache can start from them
     tar -C /tmp/executor_task_cache -czf "$OUT/triton_cache_sm90.tar.gz" triton && ls -la "$OUT/triton_cache_sm90.tar.gz"
     ;;
+  s19_final)  # session 19, last call: the GPU tests of what changed (graphs, park, the stored memory
+              # model, DPO/ORPO losses without a host sync), then the 8-job executor task at 32 layers in a
+              # fresh process (no stored model; end-of-task samples through the decoding form)
+    step 150 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_task_e2e_gpu.py \
+      tests/gpu/test_step_graphs_gpu.py tests/gpu/test_park_gpu.py tests/gpu/test_pair_objectives_gpu.py
+    export TRITON_CACHE_DIR=/tmp/executor_task_cache/triton
+    step 280 task_cold python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
+      --out "$OUT/executor_task_cold_h100.md" --json "$OUT/executor_task_cold_h100.json"
+    ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac
