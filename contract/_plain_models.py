@@ -64,6 +64,7 @@ class BaseModel:
                     defaults[name] = value if isinstance(value, FieldInfo) else FieldInfo(value)
         # every field is set on the instance, so these class attributes are never read as values
         cls._fields, cls._defaults = tuple(names), defaults
+        cls.model_fields = {n: defaults.get(n, FieldInfo()) for n in names}  # pydantic's name for them
         cls._before = tuple(name for klass in cls.__mro__ for name, v in vars(klass).items()
                             if isinstance(v, classmethod) and getattr(v.__func__, "_plain_before", False))
 

@@ -288,5 +288,10 @@ class RecomputePolicy:
 
     def recompute(self, total_batch: int) -> bool:
         """Whether a step over `total_batch` sequences of seq_len tokens needs recompute."""
+        return self.recompute_tokens(total_batch * self.seq_len)
+
+    def recompute_tokens(self, tokens: int, padding: float = 1.25) -> bool:
+        """Whether a step of `tokens` sequence tokens needs recompute (its row padded by up to
+        `padding`: the packing's buckets and a replayed larger capture)."""
         now = self.resident() if self.resident is not None else 0.0
-        return self.without.predict(total_batch, self.seq_len) + now > self.limit_bytes
+        return self.without.k0 + self.without.k1 * tokens * padding + now > self.limit_bytes

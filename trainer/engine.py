@@ -166,6 +166,9 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         use = StepGraphs.use_cuda_graphs(self.device) if step_graphs is None else step_graphs
         self.step_graphs: StepGraphs | None = StepGraphs(self) if use else None
 
+    # tokens of a step -> whether it needs activation recompute (None: the setting stays)
+    recompute_for: Callable[[int], bool] | None = None
+
     def set_recompute(self, on: bool) -> None:
         """Activation recompute (the model's gradient checkpointing) on or off for the next steps:
         on keeps each layer's input alone and repeats its forward in the backward; off keeps every
@@ -345,6 +348,8 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         per_job = [
             [self.train_examples[i] for i in s.stream.next_indices(s.spec.batch_size)] for s in states
         ]
+        if self.recompute_for is not None:  # decided on the step's own tokens (trainer.memory_plan)
+            self.set_recompute(self.recompute_for(sum(sequence_tokens(e) for items in per_job for e in items)))
         if self.step_graphs is not None and self.step_graphs.serves(states):
             batch, numbers = self.step_graphs.forward_backward(states, per_job)
         else:

@@ -204,6 +204,7 @@ class Executor(TaskHosting, MemoryPlanning):
                 self._choose_recompute()
                 resident = self._step_memory_start()
                 report = self._train_step() if self.engine.jobs else None
+                self._count_recompute()
                 self._step_memory_end(resident, report)
                 if report is None:  # this rank has no runnable job: join the others' passes
                     self.engine.idle_step()

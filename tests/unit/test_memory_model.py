@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from trainer.admission import AdmissionController, MemoryModel
@@ -100,3 +101,27 @@ def test_the_analytic_model_against_peaks_measured_on_an_h100() -> None:
                      + per_token_bytes(s, st["recompute"], data["targets"], data["max_rank"]) * t)
         error = (st["resident"] + transient - st["peak"]) / st["peak"]
         assert -0.01 <= error <= 0.10, (st, error)
+
+
+def test_recompute_is_chosen_from_the_steps_own_tokens(tmp_path) -> None:  # noqa: ANN001
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.engine_ref import tiny_model_dir
+    from trainer.admission import RecomputePolicy
+    from trainer.data import IGNORE, Example
+    from trainer.engine import MultiLoraEngine
+
+    policy = RecomputePolicy(MemoryModel(1e9, 1e6), 10e9, 1024, resident=lambda: 4e9)
+    # 1024-token sequences: the worst case of 2 needs recompute; 3,000 real tokens (x1.25) do not
+    assert policy.recompute(5) and not policy.recompute_tokens(3000) and policy.recompute_tokens(4100)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama", tmp_path), dtype=torch.float32)
+    data = [Example(tuple(range(3, 3 + n)), tuple([IGNORE] + list(range(4, 3 + n)))) for n in (8, 40)]
+    eng = MultiLoraEngine(model, data, 0, gradient_checkpointing=True)
+    seen = []
+    eng.recompute_for = lambda tokens: seen.append(tokens) or tokens > 16
+    eng.attach(TrainJob("j", lora_rank=4, batch_size=1, max_steps=4, seed=0))
+    flags = []
+    for _ in range(4):
+        eng.step()
+        flags.append(eng.gradient_checkpointing)
+    assert sorted(set(seen)) == [8, 40] and flags == [t > 16 for t in seen]

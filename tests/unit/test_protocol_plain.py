@@ -41,3 +41,14 @@ def test_trainer_imports_without_pydantic_with_the_same_defaults() -> None:
     assert got["executor_eval"] == {"eval_every_steps": 10, "eval_max_samples": None,
                                  "eval_every_samples": None, "eval_samples_per_trained": 0.25,
                                  "eval_min_samples": 64}
+
+
+def test_every_gpu_test_module_imports_without_pydantic() -> None:
+    """The GPU image has torch + transformers alone: a GPU test (or a helper it reaches) that needs
+    pydantic, FastAPI or SQLAlchemy fails its collection there and stops the whole run."""
+    modules = sorted(p.stem for p in (REPO / "tests" / "gpu").glob("test_*.py"))
+    probe = ("import importlib, sys\n"
+             "for m in ('pydantic', 'fastapi', 'sqlalchemy'):\n    sys.modules[m] = None\n"
+             f"for name in {modules!r}:\n    importlib.import_module('tests.gpu.' + name)\nprint('ok')\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
