@@ -38,7 +38,8 @@ HEAD_BYTES = 16  # per logit of the head's chunk: bf16 logits, their float32 upc
 STEP_FIXED = 768 << 20  # what a step holds whatever its tokens beyond the head (H100, 8B: ~0.8 GB)
 WORKSPACE = 512 << 20  # cuBLAS/Triton workspaces, the allocator's rounding of the big blocks
 ACTIVATION_SLACK = 1.5
-ARENA_SLACK = 1.125  # the arena grows by an eighth at least: a job's state costs up to this more
+ARENA_SLACK = 1.125
+LASTING = 256 << 20  # a step that leaves more allocated than this (new jobs' states) is not corrected from  # the arena grows by an eighth at least: a job's state costs up to this more
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class StepPeak:
 
     tokens: int        # the step's token cells (padding included)
     recompute: bool
-    resident: int      # allocated before the step (or after it, where more stayed)
+    resident: int      # allocated before the step
     peak: int          # the allocator's peak during it
     predicted: float   # resident + the model's transient for these tokens
 
@@ -159,12 +160,15 @@ class OnlineCorrection:
         capture); `after`: what stayed allocated after it (a first step's lasting allocations,
         e.g. AdamW's moments or a library's workspace, are not its transient). True when the
         model changed (to be stored, admission updated)."""
-        base = max(resident, after)
-        self.trace.append(StepPeak(tokens, recompute, base, peak,
-                                   base + self.predict_transient(tokens, adapter_params)))
-        if tokens <= 0 or peak <= base:
-            return False
-        need = (peak - base - self.fixed(tokens, adapter_params)) / tokens
+        transient = self.predict_transient(tokens, adapter_params)
+        lasting = after - resident > LASTING
+        # the lasting allocations (new jobs' AdamW moments) come after the activations are freed
+        predicted = max(resident + transient, after + 4.0 * min(adapter_params, ADAMW_CHUNK)) if lasting \
+            else resident + transient
+        self.trace.append(StepPeak(tokens, recompute, resident, peak, predicted))
+        if tokens <= 0 or peak <= resident or lasting:
+            return False  # nothing to learn from a step whose peak may be its lasting allocations
+        need = (peak - resident - self.fixed(tokens, adapter_params)) / tokens
         self._need = max(self._need, need)
         self._seen += 1
         k1 = self.model.k1

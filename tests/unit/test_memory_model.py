@@ -72,8 +72,11 @@ def test_online_correction_raises_at_once_and_settles_to_the_observed_need() -> 
     # a step needing 600 kB a token: raised at once, above it
     assert corr.observe(2000, True, res, int(res + fixed + 600e3 * 2000))
     assert corr.model.k1 == pytest.approx(600e3 * 1.05)
-    # what stays allocated after a step (a first step's AdamW moments) is not its transient
-    assert not corr.observe(2000, True, res, int(res + 5e9 + fixed + 100e3 * 2000), after=int(res + 5e9))
+    # a step that leaves more allocated (a first step's AdamW moments): not corrected from, and
+    # predicted as its activations or its lasting allocations, whichever is larger
+    assert not corr.observe(2000, True, res, int(res + 5e9 + 1e9), after=int(res + 5e9))
+    assert corr.model.k1 == pytest.approx(600e3 * 1.05)
+    assert corr.trace[-1].predicted == pytest.approx(max(res + fixed + 630e3 * 2000, res + 5e9))
     # steps needing less: kept until `settle` steps agree, then lowered to the largest need + 5%
     assert not corr.observe(1000, True, res, int(res + fixed + 400e3 * 1000))
     assert corr.observe(3000, True, res, int(res + fixed + 590e3 * 3000)) is False
