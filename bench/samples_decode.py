@@ -1,0 +1,121 @@
+"""Where the end-of-task samples' time goes (issue 44: 3 adapters + base, 8 prompts, 128 new
+tokens at 32 layers of the 8B shape must add at most 10 s to a task).
+
+On a Llama-3.1-8B-shaped model with random bf16 weights and `--layers` layers, 3 adapters of rank
+16/32/64 (B made non-zero, so the LoRA paths do real work) attached to the engine, 8 prompts of
+~200 tokens: `trainer.sampling.generate` for the 32 rows (base + 3 adapters x 8 prompts) with no
+EOS (every row decodes `--new` tokens), timed whole; then the same for the base model's 8 rows alone
+(no LoRA: what the backbone's decode costs); then a profile of a few decode steps (host wall per
+step, kernel time per step, launches per step). Greedy rows are checked to repeat exactly.
+
+    python bench/samples_decode.py [--layers 32] [--new 128] [--out FILE.md]
+    python bench/samples_decode.py --smoke     # CPU, toy sizes: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import task_e2e_data as te  # noqa: E402
+
+from trainer.engine import MultiLoraEngine  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
+from trainer.sampling import generate  # noqa: E402
+
+
+def timed(fn):  # noqa: ANN001, ANN201
+    te.sync()
+    t0 = time.perf_counter()
+    out = fn()
+    te.sync()
+    return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=200)
+    ap.add_argument("--work", default="/tmp/samples_decode")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        te.SMOKE["on"] = True
+        args.layers, args.new, args.prompt_len = 2, 4, 12
+    from transformers import AutoModelForCausalLM
+
+    root = Path(args.work)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    model_dir = te.large_model(root / "model", args.layers, te.make_tokenizer())
+    dtype = torch.bfloat16 if te.DEV.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(te.DEV)
+    vocab = model.config.vocab_size
+    engine = MultiLoraEngine(model, [], 0, gradient_checkpointing=True)
+    names = []
+    for i, rank in enumerate((16, 32, 64)):
+        name = f"a{rank}"
+        engine.attach(TrainJob(name, lora_rank=rank, lora_alpha=2.0 * rank, max_steps=1, seed=i))
+        with torch.no_grad():  # a trained adapter's B is not zero: the LoRA paths do real work
+            for _, _, b in engine.jobs[name].adapter.pairs():
+                b.normal_(0, 0.02)
+        names.append(name)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(8)]
+    columns = [None, *names]
+    rows = [(p, c) for p in prompts for c in columns]
+
+    def run(rows):  # noqa: ANN001, ANN202
+        return generate(engine, [p for p, _ in rows], [c for _, c in rows], max_new_tokens=args.new,
+                        eos_token_id=None, pad_id=0)
+
+    run(rows[:4])  # warm-up: kernels, allocator
+    first, all_s = timed(lambda: run(rows))
+    again, _ = timed(lambda: run(rows))
+    base_rows = [(p, None) for p in prompts]
+    _, base_s = timed(lambda: run(base_rows))
+    steps = {}
+    if te.DEV.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            _, prof_s = timed(lambda: generate(engine, [p for p, _ in rows], [c for _, c in rows],
+                                               max_new_tokens=8, eos_token_id=None, pad_id=0))
+        events = prof.key_averages()
+        kernel_us = sum(e.self_device_time_total for e in events)
+        launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")))
+        steps = {"profiled_new_tokens": 8, "wall_s": prof_s, "kernel_s": kernel_us / 1e6, "launches": launches,
+                 "top": [(e.key, e.count, round(e.self_device_time_total / 1e3, 1))
+                         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]]}
+    res = {"args": vars(args), "device": torch.cuda.get_device_name() if te.DEV.type == "cuda" else "cpu",
+           "rows": len(rows), "new_tokens": sum(len(t) for t in first), "generate_s": all_s,
+           "per_decode_step_ms": 1e3 * all_s / args.new, "base_only_8_rows_s": base_s,
+           "repeats_exactly": first == again, "profile": steps}
+    text = "\n".join([
+        f"# End-of-task samples' decode at {args.layers} layers ({res['device']})", "",
+        "Llama-3.1-8B shape, random bf16 weights; 3 adapters (ranks 16/32/64, B non-zero) + base, 8 prompts of "
+        f"{args.prompt_len} tokens, {args.new} new tokens, no EOS, greedy. `python bench/samples_decode.py "
+        + " ".join(sys.argv[1:]) + "`.", "",
+        "| rows | new tokens | generate s | ms per decode step | base alone (8 rows) s | repeats exactly |",
+        "|---|---|---|---|---|---|",
+        f"| {res['rows']} | {res['new_tokens']} | {all_s:.2f} | {res['per_decode_step_ms']:.1f} | {base_s:.2f} | "
+        f"{res['repeats_exactly']} |", "", "Profile of 8 new tokens: " + json.dumps(steps)]) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    assert res["repeats_exactly"], "greedy decoding did not repeat"
+
+
+if __name__ == "__main__":
+    main()
