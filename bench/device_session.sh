@@ -302,5 +302,16 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 280 task_cold python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
       --out "$OUT/executor_task_cold_h100.md" --json "$OUT/executor_task_cold_h100.json"
     ;;
+  s20)  # next session, call 1: every GPU test, then where the end-of-task samples' time goes
+    step 330 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu
+    step 200 samples python3 bench/samples_decode.py --layers 32 --new 128 --out "$OUT/samples_decode_h100.md"
+    ;;
+  s20_task)  # next session, call 2: the 8-job executor task (fresh process; recompute per step's tokens)
+    export TRITON_CACHE_DIR=/tmp/executor_task_cache/triton
+    step 280 task_cold python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
+      --out "$OUT/executor_task_cold_h100.md" --json "$OUT/executor_task_cold_h100.json"
+    step 200 task_second python3 bench/executor_task.py --layers 32 --steps 200 --runs second --reuse \
+      --out "$OUT/executor_task_second_h100.md" --json "$OUT/executor_task_second_h100.json"
+    ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac
