@@ -54,9 +54,11 @@ class MultiLoraLinear(nn.Module):
         self.layout: StepLayout | None = None
         self.a_off: torch.Tensor | None = None
         self.b_off: torch.Tensor | None = None
-        # decoding (trainer.sampling): per group of batch rows [lo, hi), its A^T and (scaled) B^T
-        # in the compute dtype, or None for the base model's rows; plain matmuls, few launches
-        self.dense: list[tuple[int, int, torch.Tensor, torch.Tensor] | None] | None = None
+        # decoding (trainer.sampling), plain matmuls with few launches: groups of equal rows as
+        # stacked (A^T [G, d_in, r], scaled B^T [G, r, d_out]) for two batched matmuls, or per
+        # group of batch rows [lo, hi) its A^T and scaled B^T (None for the base model's rows)
+        self.dense: tuple[torch.Tensor, torch.Tensor] | list[tuple[int, int, torch.Tensor, torch.Tensor] | None] \
+            | None = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -69,6 +71,10 @@ class MultiLoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
             y = self.base(x)
+            if isinstance(self.dense, tuple):  # every group the same rows: two batched matmuls
+                a_t, b_t = self.dense
+                y += torch.bmm(torch.bmm(x.reshape(a_t.shape[0], -1, x.shape[-1]), a_t), b_t).view_as(y)
+                return y
             for group in self.dense:
                 if group is not None:
                     lo, hi, a_t, b_t = group

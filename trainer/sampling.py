@@ -1,7 +1,8 @@
 """Completions of many adapters at once from the engine's own backbone (issue 44's samples): one
 batch, each row decoded with its own job's adapter (or the base model alone) through the
 multi-LoRA layers in their decoding form (each group of rows its adapter's A and B as plain
-matmuls: few launches for a decode step's few tokens), with the model's KV cache, its own output
+matmuls, two batched ones for all groups where they hold the same number of rows: few launches
+for a decode step's few tokens), with the model's KV cache, its own output
 head and greedy or nucleus sampling.
 
 Rows are grouped by job so that every job's rows are contiguous; the base model's rows form one
@@ -73,6 +74,17 @@ def _point(engine: MultiLoraEngine, states: list[JobState | None], counts: list[
         for name, a, b in adapter.pairs():
             per_layer[index[name]][g] = (bounds[g], bounds[g + 1], a.detach().t().to(dtype).contiguous(),
                                          (b.detach() * adapter.scaling).t().to(dtype).contiguous())
+    if len(set(counts)) == 1 and len(states) > 1:  # groups of equal rows: stacked, ranks padded
+        r_max = max(s.adapter.rank for s in states if s is not None)
+        for layer, groups in zip(engine.layer_list, per_layer, strict=True):
+            a_t = torch.zeros(len(states), layer.in_features, r_max, dtype=dtype, device=engine.device)
+            b_t = torch.zeros(len(states), r_max, layer.out_features, dtype=dtype, device=engine.device)
+            for g, group in enumerate(groups):
+                if group is not None:
+                    a_t[g, :, : group[2].shape[1]] = group[2]
+                    b_t[g, : group[3].shape[0]] = group[3]
+            layer.dense = (a_t, b_t)
+        return
     for layer, groups in zip(engine.layer_list, per_layer, strict=True):
         layer.dense = groups
 
