@@ -1,6 +1,6 @@
 """The backbone onto the GPU at the disk's (or the page cache's) speed: the model is built on the
-device from its config, then every safetensors shard is read by its own thread straight into the
-device tensors (a 16 GB backbone took 17 s through `from_pretrained` with weights in the page
+device from its config, then its tensors, dealt by size to several threads (whatever the shards),
+are read straight into the device tensors (a 16 GB backbone took 17 s through `from_pretrained` with weights in the page
 cache, one tensor at a time). Where the checkpoint's names do not map one to one onto the model's
 state (a family whose loader converts weights, a missing tensor other than a tied head), it falls
 back to `from_pretrained`: the same model either way.
@@ -53,16 +53,28 @@ def load_to_device(model_dir: str, device: torch.device, dtype: torch.dtype, thr
         del model, state
         return None
 
-    def read(f: Path) -> None:
+    # the tensors dealt to `threads` readers by size (largest first onto the lightest reader): one
+    # large file is read by every thread too
+    loads: list[list[tuple[Path, str]]] = [[] for _ in range(max(1, threads))]
+    sizes = [0] * len(loads)
+    for f, n in sorted(((f, n) for f, ns in names.items() for n in ns),
+                       key=lambda fn: -state[fn[1]].numel() * state[fn[1]].element_size()):
+        k = sizes.index(min(sizes))
+        loads[k].append((f, n))
+        sizes[k] += state[n].numel() * state[n].element_size()
+
+    def read(items: list[tuple[Path, str]]) -> None:
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        with safe_open(str(f), framework="pt", device="cpu") as sf, torch.cuda.stream(stream):
-            for n in names[f]:
-                state[n].copy_(sf.get_tensor(n))
+        with torch.cuda.stream(stream):
+            for f in dict.fromkeys(f for f, _ in items):
+                with safe_open(str(f), framework="pt", device="cpu") as sf:
+                    for _, n in (item for item in items if item[0] == f):
+                        state[n].copy_(sf.get_tensor(n))
         if stream is not None:
             stream.synchronize()
 
-    with torch.no_grad(), ThreadPoolExecutor(max_workers=max(1, min(threads, len(files)))) as pool:
-        list(pool.map(read, files))
+    with torch.no_grad(), ThreadPoolExecutor(max_workers=len(loads)) as pool:
+        list(pool.map(read, [items for items in loads if items]))
     if tied:
         model.tie_weights()
     if (root / "generation_config.json").exists():
