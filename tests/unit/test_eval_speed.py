@@ -168,43 +168,48 @@ def test_stored_profiles_roundtrip_and_keys(tmp_path) -> None:  # noqa: ANN001
     assert json.loads(path.read_text())["k"]["k0"] == 5.0
 
 
-def test_executor_measures_once_per_key_then_reuses(files, tmp_path) -> None:  # noqa: ANN001
+def test_executor_builds_its_model_once_per_key_then_reuses(files, tmp_path) -> None:  # noqa: ANN001
+    """No probe step: the first executor of a key builds the memory model from the config
+    (trainer.memory_model) and stores it at once; the next of that key starts from the stored one."""
     cache = tmp_path / "profiles.json"
-    measured = []
+    probed = []
 
     class Counting(Executor):
-        def _profile_memory_model(self, batches: tuple[int, ...] = (1, 2, 4)) -> MemoryModel:
-            measured.append(self.cfg.max_seq_len)
-            return MemoryModel(1e9 + self.cfg.max_seq_len, 1e3)
+        def probe_step(self, total_batch: int) -> None:
+            probed.append(total_batch)
 
     jobs = [TrainJob("a", lora_rank=4, lora_alpha=8, learning_rate=1e-3, batch_size=2, max_steps=1)]
     got = []
     for seq in (48, 48, 32):
         ex = Counting(make_cfg(files, f"p{len(got)}", jobs, max_seq_len=seq, profile_cache=str(cache)))
-        ex._load()  # on the CPU the executor itself never profiles; ask for the stored model
+        ex._load()  # on the CPU admission uses a token budget; ask for the (stored) model
         got.append((ex._stored_memory_model(), ex.profile_reused))
-    assert measured == [48, 32]  # the second executor of the same key measured nothing
-    assert got[0] == (MemoryModel(1e9 + 48, 1e3), False)
-    assert got[1] == (MemoryModel(1e9 + 48, 1e3), True)
-    assert got[2] == (MemoryModel(1e9 + 32, 1e3), False)  # another max_seq_len: another key
+    assert probed == []  # no profiling pass
+    assert got[0][0] == got[1][0] and got[0][0].k1 > 0 and got[0][0].k0 > 0
+    assert [reused for _, reused in got] == [False, True, False]  # another max_seq_len: another key
     keys = [json.loads(k) for k in json.loads(cache.read_text())]
     assert sorted(k["seq_len"] for k in keys) == [32, 48]
     assert {k["gpu"] for k in keys} == {"cpu"} and {k["torch"] for k in keys} == {torch.__version__}
-    # a different model (its config changed) is another key too
-    ex = Counting(make_cfg(files, "p_other", jobs, max_seq_len=48, profile_cache=str(cache)))
+    assert {k["memory_model"] for k in keys} == {"static"}  # one GPU (live form) keys apart
+    # what is stored is what the next executor starts from (e.g. corrected by a task's steps)
+    table = json.loads(cache.read_text())
+    key48 = next(k for k in table if json.loads(k)["seq_len"] == 48)
+    table[key48].update(k0=5e9, k1=7e5)
+    cache.write_text(json.dumps(table))
+    ex = Counting(make_cfg(files, "p_corrected", jobs, max_seq_len=48, profile_cache=str(cache)))
     ex._load()
+    assert ex._stored_memory_model() == MemoryModel(5e9, 7e5) and ex.profile_reused
+    # a different model (its config changed) is another key too
     key = ex.profile_key()
     assert key in json.loads(cache.read_text())
     changed = json.loads(key)
     changed["model_config"] = (changed["model_config"] or "") + " "
     assert json.dumps(changed, sort_keys=True) not in json.loads(cache.read_text())
-    # the model without activation recompute is another key, measured once too
-    measured.clear()
-    for _ in range(2):
-        ex = Counting(make_cfg(files, "p_nr", jobs, max_seq_len=48, profile_cache=str(cache)))
-        ex._load()
-        ex._stored_memory_model(recompute=False)
-    assert measured == [48] and ex.profile_key(False) != ex.profile_key(True)
+    # the model without activation recompute is another key, larger per token
+    ex = Counting(make_cfg(files, "p_nr", jobs, max_seq_len=48, profile_cache=str(cache)))
+    ex._load()
+    without = ex._stored_memory_model(recompute=False)
+    assert ex.profile_key(False) != ex.profile_key(True) and without.k1 > got[0][0].k1 and probed == []
 
 
 def test_executor_reports_its_wall_time_by_phase(files) -> None:  # noqa: ANN001
@@ -304,9 +309,9 @@ def test_the_warmup_ranking_evaluates_every_job_on_the_same_subset(tmp_path, fil
 
 
 def test_recompute_policy_runs_steps_that_fit_without_recompute(files) -> None:  # noqa: ANN001
-    """A step whose total batch the no-recompute memory model fits runs without activation
-    recompute, a larger one with it; the losses are those of recompute everywhere, and the
-    timings event counts both."""
+    """A step whose own tokens the no-recompute memory model fits (decided once the step has
+    drawn its batch) runs without activation recompute, a larger one with it; the losses are
+    those of recompute everywhere, and the timings event counts both."""
     from trainer.admission import RecomputePolicy
 
     jobs = [TrainJob("big", lora_rank=2, lora_alpha=4, learning_rate=1e-2, batch_size=3, max_steps=2, seed=1),
@@ -315,13 +320,15 @@ def test_recompute_policy_runs_steps_that_fit_without_recompute(files) -> None: 
     class Policy(Executor):
         def _load(self) -> None:
             super()._load()
-            # without recompute, 2 sequences fit: the steps with both jobs (4) need recompute
+            # without recompute, 96 bytes: a step fits without it up to 76 tokens (x1.25 padding)
             self.recompute_policy = RecomputePolicy(MemoryModel(0.0, 1.0), 2 * 48, 48)
-            real, self.modes = self.engine.step, []
+            real, self.modes, self.tokens = self.engine.step, [], []
 
             def step():  # noqa: ANN202
-                self.modes.append(self.engine.gradient_checkpointing)
-                return real()
+                report = real()
+                self.modes.append(self.engine.gradient_checkpointing)  # what this step ran with
+                self.tokens.append(sum(report.job_tokens.values()))
+                return report
 
             self.engine.step = step
 
@@ -330,9 +337,11 @@ def test_recompute_policy_runs_steps_that_fit_without_recompute(files) -> None: 
     ex = Policy(make_cfg(files, "policy", jobs), Callbacks(
         on_train_loss=lambda j, s, v: losses[j].append(v), on_event=lambda j, m, d: events.append((m, d))))
     ex.run()
-    assert ex.modes == [True, True, False, False, False]  # big ends after 2 steps: small alone fits
+    assert ex.modes == [t * 1.25 > 96 for t in ex.tokens]  # each step by its own tokens
+    assert True in ex.modes and False in ex.modes
     timings = next(d for m, d in events if m == "timings")
-    assert (timings["recompute_steps"], timings["no_recompute_steps"], timings["recompute"]) == (2, 3, "auto")
+    on = sum(ex.modes)
+    assert (timings["recompute_steps"], timings["no_recompute_steps"], timings["recompute"]) == (on, 5 - on, "auto")
     ref: dict[str, list[float]] = defaultdict(list)
     Executor(make_cfg(files, "policy-ref", jobs, gradient_checkpointing=True),
              Callbacks(on_train_loss=lambda j, s, v: ref[j].append(v))).run()
