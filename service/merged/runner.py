@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import tempfile
-import threading
 from functools import partial
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.background import BackgroundWorker
 from service.adapters import write_archive
 from service.core.config import Settings
 from service.core.db import session_scope
@@ -54,38 +54,17 @@ def run_merge(claim: Claim, storage: Storage, registry: ModelRegistry,
 
 
 class Merger:
-    """The leader's merge thread: start() when elected, stop() when deposed."""
+    """The leader's merges: ``worker`` runs a pass after each merge, whenever this process
+    requested one and every merge_poll_s; start it when elected, stop it when deposed (a merge
+    under way finishes in its daemon thread, or its lease ends)."""
 
     def __init__(self, factory: sessionmaker[Session], settings: Settings, storage: Storage,
                  registry: ModelRegistry) -> None:
         self._factory, self._settings = factory, settings
         self._storage, self._registry = storage, registry
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="loraplex-merger", daemon=True)
-
-    def start(self) -> Merger:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop claiming; a merge under way finishes in its (daemon) thread, or its lease ends."""
-        self._stop.set()
-        lifecycle.requested.set()
-        self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        failing = False
-        while not self._stop.is_set():
-            try:
-                busy = self.run_once()
-                failing = False
-            except Exception as exc:  # the database is down: try again at the next poll
-                if not failing:
-                    log.warning("merge pass failed error=%s", exc)
-                failing, busy = True, False
-            if not busy:
-                lifecycle.requested.wait(self._settings.merge_poll_s)
-                lifecycle.requested.clear()
+        self.worker = BackgroundWorker("loraplex-merger", self.run_once,
+                                       every_s=settings.merge_poll_s, wake=lifecycle.requested,
+                                       logger=log, stop_s=5.0)
 
     def run_once(self) -> bool:
         """Claim and run one merge; False when none was due."""
@@ -98,10 +77,7 @@ class Merger:
             return False
         log.info("merge started merged=%s task=%s job=%s", claim.merged_id, claim.task_id,
                  claim.job_id)
-        done = threading.Event()
-        beat = threading.Thread(target=self._heartbeat, args=(claim, done), daemon=True,
-                                name="loraplex-merger-lease")
-        beat.start()
+        beat = self._heartbeat(claim).start()
         try:
             key, size, dtype = run_merge(claim, self._storage, self._registry, self._settings)
         except MergeError as exc:
@@ -114,8 +90,7 @@ class Merger:
         else:
             self._record(claim, lifecycle.succeed, key, size, dtype)
         finally:
-            done.set()
-            beat.join()
+            beat.stop()
         return True
 
     def _record(self, claim: Claim, outcome, *args: object) -> None:  # noqa: ANN001
@@ -124,12 +99,13 @@ class Merger:
         log.info("merge %s merged=%s task=%s job=%s%s", outcome.__name__, claim.merged_id,
                  claim.task_id, claim.job_id, "" if mine else " (no longer this claim's)")
 
-    def _heartbeat(self, claim: Claim, done: threading.Event) -> None:
-        while not done.wait(self._settings.merge_lease_s / 3):
-            try:
-                with session_scope(self._factory) as session:
-                    if not lifecycle.renew(session, claim, self._settings):
-                        return
-            except Exception as exc:  # noqa: BLE001 - the next beat tries again
-                log.warning("merge lease renewal failed merged=%s error=%s", claim.merged_id,
-                            exc)
+    def _heartbeat(self, claim: Claim) -> BackgroundWorker:
+        """Renews the claim's lease every third of it until stopped, or until the merge is no
+        longer this claim's; a failed renewal is tried again at the next beat."""
+        def renew() -> None:
+            with session_scope(self._factory) as session:
+                if not lifecycle.renew(session, claim, self._settings):
+                    beat.stop()
+        beat = BackgroundWorker("loraplex-merger-lease", renew, logger=log, wait_first=True,
+                                every_s=self._settings.merge_lease_s / 3)
+        return beat

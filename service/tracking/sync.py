@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.background import BackgroundWorker
 from contract.protocol import tenant_safe
 from service.core.config import Settings
 from service.core.db import session_scope
@@ -157,37 +156,10 @@ def sync_due(factory: sessionmaker[Session], settings: Settings) -> int:
     return len(claims)
 
 
-class Syncer:
-    """The leader's sync thread: a pass whenever a task ended in this process and every
-    tracking_poll_s; start() when elected, stop() when deposed (a sync under way finishes in its
-    daemon thread, or its lease ends)."""
-
-    def __init__(self, factory: sessionmaker[Session], settings: Settings,
-                 pass_: Callable[[sessionmaker[Session], Settings], int] = sync_due) -> None:
-        self._factory, self._settings, self._pass = factory, settings, pass_
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="loraplex-tracking", daemon=True)
-
-    def start(self) -> Syncer:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        requested.set()
-        self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        failing = False
-        while not self._stop.is_set():
-            busy = False
-            try:
-                busy = self._pass(self._factory, self._settings) == BATCH
-                failing = False
-            except Exception as exc:  # the database is down: try again at the next poll
-                if not failing:
-                    log.warning("tracking sync pass failed error=%s", exc)
-                failing = True
-            if not busy:
-                requested.wait(self._settings.tracking_poll_s)
-                requested.clear()
+def syncer(factory: sessionmaker[Session], settings: Settings) -> BackgroundWorker:
+    """The leader's sync worker: a pass whenever a task ended in this process and every
+    tracking_poll_s, at once again after a full one; start it when elected, stop it when deposed
+    (a sync under way finishes in its daemon thread, or its lease ends)."""
+    return BackgroundWorker("loraplex-tracking", lambda: sync_due(factory, settings) == BATCH,
+                            every_s=settings.tracking_poll_s, wake=requested, logger=log,
+                            stop_s=5.0)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -26,6 +25,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.background import BackgroundWorker
 from service.core.config import Settings
 from service.core.db import session_scope
 from service.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent, utcnow
@@ -163,9 +163,9 @@ class Deliverer:
     def __init__(self, factory: sessionmaker[Session], settings: Settings) -> None:
         check_key(settings.webhook_secret_key)  # a bad key stops the start, not the first send
         self._factory, self._settings = factory, settings
-        self._stop = threading.Event()
-        self._failing = False
-        self._thread = threading.Thread(target=self._loop, name="loraplex-webhooks", daemon=True)
+        self.worker = BackgroundWorker("loraplex-webhooks", lambda: self.run_once() == WORKERS,
+                                       every_s=settings.webhook_poll_s, wake=enqueued,
+                                       logger=log, stop_s=settings.webhook_timeout_s * 3)
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="loraplex-webhook")
         self._client = httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False,
                                     trust_env=False, limits=httpx.Limits(max_connections=WORKERS))
@@ -174,29 +174,13 @@ class Deliverer:
         if not self._settings.webhook_secret_key:
             log.warning("LORAPLEX_WEBHOOK_SECRET_KEY is unset: webhook signing secrets are stored "
                         "unencrypted")
-        self._thread.start()
+        self.worker.start()
         return self
 
     def stop(self, timeout: float | None = None) -> None:
-        self._stop.set()
-        enqueued.set()
-        self._thread.join(timeout if timeout is not None else self._settings.webhook_timeout_s * 3)
+        self.worker.stop(timeout)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._client.close()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            busy = False
-            try:
-                busy = self.run_once() == WORKERS
-                self._failing = False
-            except Exception as exc:  # the database is down: try again at the next poll
-                if not self._failing:
-                    log.warning("webhook delivery pass failed error=%s", exc)
-                self._failing = True
-            if not busy:
-                enqueued.wait(self._settings.webhook_poll_s)
-                enqueued.clear()
 
     def run_once(self) -> int:
         """One pass: claim due rows, attempt them concurrently, record each; how many."""
