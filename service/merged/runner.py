@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from contract.background import BackgroundWorker
+from service import outbox
 from service.adapters import write_archive
 from service.core.config import Settings
-from service.core.db import session_scope
 from service.core.registry import ModelRegistry
 from service.core.storage import Storage
 from service.merged import lifecycle
@@ -54,9 +55,10 @@ def run_merge(claim: Claim, storage: Storage, registry: ModelRegistry,
 
 
 class Merger:
-    """The leader's merges: ``worker`` runs a pass after each merge, whenever this process
-    requested one and every merge_poll_s; start it when elected, stop it when deposed (a merge
-    under way finishes in its daemon thread, or its lease ends)."""
+    """The leader's merges, on the leased outbox (service.outbox): ``worker`` runs a pass (claim
+    one, merge it with its lease renewed, record the outcome) after each merge, whenever this
+    process requested one and every merge_poll_s; start it when elected, stop it when deposed
+    (a merge under way finishes in its daemon thread, or its lease ends)."""
 
     def __init__(self, factory: sessionmaker[Session], settings: Settings, storage: Storage,
                  registry: ModelRegistry) -> None:
@@ -68,44 +70,37 @@ class Merger:
 
     def run_once(self) -> bool:
         """Claim and run one merge; False when none was due."""
-        session = self._factory()
-        try:
-            claim = lifecycle.claim_next(session, self._settings)
-        finally:
-            session.close()
-        if claim is None:
-            return False
+        return outbox.work_due(self._factory, self._claim, self._merge) > 0
+
+    def _claim(self, session: Session) -> list[Claim]:
+        claim = lifecycle.claim_next(session, self._settings)
+        return [] if claim is None else [claim]
+
+    def _merge(self, claim: Claim) -> None:
         log.info("merge started merged=%s task=%s job=%s", claim.merged_id, claim.task_id,
                  claim.job_id)
-        beat = self._heartbeat(claim).start()
+        (end, _), mine = outbox.attempt_and_record(
+            self._factory, claim, self._attempt, self._record,
+            lambda session, c: lifecycle.renew(session, c, self._settings),
+            self._settings.merge_lease_s / 3)
+        log.info("merge %s merged=%s task=%s job=%s%s", end.__name__, claim.merged_id,
+                 claim.task_id, claim.job_id, "" if mine else " (no longer this claim's)")
+
+    def _attempt(self, claim: Claim) -> tuple[Callable[..., bool], tuple]:
+        """The merge's outcome: how to record it (succeed or fail) and with what."""
         try:
             key, size, dtype = run_merge(claim, self._storage, self._registry, self._settings)
         except MergeError as exc:
-            self._record(claim, lifecycle.fail, str(exc))
+            return lifecycle.fail, (str(exc),)
         except Exception as exc:  # noqa: BLE001 - logged in full; the tenant sees its kind only
             log.exception("merge crashed merged=%s task=%s job=%s", claim.merged_id,
                           claim.task_id, claim.job_id)
-            self._record(claim, lifecycle.fail, f"the merge failed ({type(exc).__name__}); "
-                         "request it again, or ask the operator")
-        else:
-            self._record(claim, lifecycle.succeed, key, size, dtype)
-        finally:
-            beat.stop()
-        return True
+            return lifecycle.fail, (f"the merge failed ({type(exc).__name__}); request it "
+                                    "again, or ask the operator",)
+        return lifecycle.succeed, (key, size, dtype)
 
-    def _record(self, claim: Claim, outcome, *args: object) -> None:  # noqa: ANN001
-        with session_scope(self._factory) as session:
-            mine = outcome(session, claim, *args)
-        log.info("merge %s merged=%s task=%s job=%s%s", outcome.__name__, claim.merged_id,
-                 claim.task_id, claim.job_id, "" if mine else " (no longer this claim's)")
-
-    def _heartbeat(self, claim: Claim) -> BackgroundWorker:
-        """Renews the claim's lease every third of it until stopped, or until the merge is no
-        longer this claim's; a failed renewal is tried again at the next beat."""
-        def renew() -> None:
-            with session_scope(self._factory) as session:
-                if not lifecycle.renew(session, claim, self._settings):
-                    beat.stop()
-        beat = BackgroundWorker("loraplex-merger-lease", renew, logger=log, wait_first=True,
-                                every_s=self._settings.merge_lease_s / 3)
-        return beat
+    @staticmethod
+    def _record(session: Session, claim: Claim,
+                outcome: tuple[Callable[..., bool], tuple]) -> bool:
+        end, args = outcome
+        return end(session, claim, *args)
