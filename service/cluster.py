@@ -18,19 +18,19 @@ from sqlalchemy import func, select, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from contract.protocol import Heartbeat, HeartbeatResponse, NodeRegister, tenant_safe
+from contract.protocol import Heartbeat, HeartbeatResponse, NodeRegister
 from contract.states import (
     PLACEMENT_CURRENT,
     PLACEMENT_WAITING,
-    JobState,
     NodeState,
     PlacementState,
     TaskState,
 )
 from service import lifecycle
 from service.core.config import Settings, get_settings
-from service.events import add_event
-from service.models import PLACEMENT_ACTIVE, TASK_TERMINAL, Job, Node, Placement, Task, utcnow
+from service.models import PLACEMENT_ACTIVE, TASK_TERMINAL, Node, Placement, Task, utcnow
+from service.pausing import finish_pause
+from service.pausing import requeue_task as requeue_task  # re-exported
 from service.queue import unqueue_placement
 from service.scheduler.limits import tenant_usage
 from service.scheduler.replanner import lookup
@@ -186,7 +186,7 @@ def _executor_room(reports: list | None) -> dict[tuple[str, str], int]:
 
 def placements_to_pause(session: Session, node_id: str, reported: Iterable[str]) -> list[str]:
     """Of the placements a node says it runs, the live ones of this node the service asked to
-    checkpoint and stop (service.tasks.request_pause: pause or preemption)."""
+    checkpoint and stop (service.pausing.request_pause: pause or preemption)."""
     reported = set(reported)
     if not reported:
         return []
@@ -217,15 +217,6 @@ def placements_to_stop(session: Session, node_id: str, reported: Iterable[str]) 
                 .order_by(Placement.created_at.desc(), Placement.id.desc())):
             current.setdefault(task_id, pid)
     return sorted(pid for pid in reported if current.get(live.get(pid, "")) != pid)
-
-
-def requeue_task(session: Session, task: Task, reason: str) -> None:
-    """Put a task whose placement died back in the queue; unfinished jobs become pending."""
-    lifecycle.requeue_task(task)
-    for job in session.scalars(select(Job).where(Job.task_id == task.id,
-                                                 Job.state == JobState.RUNNING)):
-        lifecycle.park_job(job)
-    add_event(session, task.id, "task_requeued", tenant_safe(reason, limit=1000), level="warning")
 
 
 class ServiceHealth:
@@ -342,15 +333,22 @@ def mark_stale_nodes(session: Session, settings: Settings | None = None,
                 unqueue_placement(placement.id, node.id, settings)
             else:
                 lifecycle.fail_placement(placement, f"node {node.name} went down", utcnow())
-                if task is not None and task.state == TaskState.RUNNING:
-                    fail_or_requeue(session, task, placement, "its node went down", settings)
-                elif task is not None and task.state == TaskState.PAUSING:
-                    from service.tasks import finish_pause
-
-                    finish_pause(session, task, "its node went down while it stopped")
+                if task is not None:
+                    attempt_lost(session, task, placement, settings, "its node went down",
+                                 "its node went down while it stopped")
     session.commit()
     cluster_changed(session, "node_down", settings)
     return [n.id for n in stale]
+
+
+def attempt_lost(session: Session, task: Task, placement: Placement, settings: Settings,
+                 error: str, stopping_reason: str) -> None:
+    """The task's live attempt is gone with its node (failed by the caller): a running task is
+    retried or failed (fail_or_requeue), one that was pausing ends paused, holding nothing."""
+    if task.state == TaskState.RUNNING:
+        fail_or_requeue(session, task, placement, error, settings)
+    elif task.state == TaskState.PAUSING:
+        finish_pause(session, task, stopping_reason)
 
 
 def fail_or_requeue(session: Session, task: Task, placement: Placement, error: str,

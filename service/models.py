@@ -121,7 +121,7 @@ class Task(Base):
     cancelled_at, suffix, meta jsonb, init_adapter_file_id)``; states: TASK_STATES. ``pausing``:
     its live attempt was asked to stop at a step boundary (it still holds its GPUs and reports);
     ``paused``: stopped with a checkpoint, holds nothing, not planned until resumed
-    (service.tasks.request_pause / resume_task). meta: the tenant's string pairs (OpenAI's
+    (service.pausing.request_pause / resume_task). meta: the tenant's string pairs (OpenAI's
     ``metadata``); suffix: part of the fine-tuned model's name."""
 
     __tablename__ = "tasks"

@@ -1,7 +1,7 @@
 """The background outboxes' tables: webhook endpoints, events, deliveries and attempts; merged
-models; tracking integrations; sample requests. Each worked by its leased outbox (service.webhooks,
-service.merged, service.tracking; sample requests by the node daemons); service.models names them
-too."""
+models; tracking integrations; sample requests. Each worked on the one leased outbox
+(service.outbox) by service.webhooks, service.merged, service.tracking and, for sample requests,
+the node daemons through service.sample_requests; service.models names them too."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from typing import Literal
 from sqlalchemy.orm import Session
 
 from contract.states import TaskState
-from service import tasks
+from service import pausing, tasks
 from service.cluster import cluster_changed
 from service.core.config import Settings
 from service.models import Task, Tenant
@@ -25,12 +25,12 @@ def act(session: Session, tenant: Tenant, settings: Settings, task_id: str,
         tasks.cancel_task(session, task, settings)
         changed = was != TaskState.CANCELLED
     elif action == "pause":  # checkpoint at the next step boundary, free the GPUs
-        tasks.request_pause(session, task, requeue=False, reason="paused by the user",
+        pausing.request_pause(session, task, requeue=False, reason="paused by the user",
                             settings=settings)
         session.commit()
         changed = task.state != was
     else:  # paused -> queued: placed again, it continues from the pause's checkpoint
-        tasks.resume_task(session, task)
+        pausing.resume_task(session, task)
         session.commit()
         changed = True
     if changed:

@@ -6,26 +6,22 @@ from __future__ import annotations
 import itertools
 import logging
 
-from redis.exceptions import RedisError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from contract.families import UnsupportedModel, family_of, model_type_of, resolve_targets
 from contract.methods import DEFAULT_METHOD, grid_knobs, method_spec
-from contract.protocol import JobStateUpdate, pause_key, tenant_safe
+from contract.protocol import JobStateUpdate, tenant_safe
 from contract.states import (
     PLACEMENT_ACTIVE,
     PLACEMENT_CURRENT,
-    PLACEMENT_STARTED,
-    PLACEMENT_WAITING,
     JobState,
     PlacementState,
     TaskState,
 )
 from service import idempotency, learning_rates, lifecycle
 from service.core.config import Settings
-from service.core.db import after_commit
 from service.core.errors import ApiError, conflict, invalid, not_found
 from service.core.registry import BaseModelEntry, ModelRegistry
 from service.core.storage import Storage
@@ -44,7 +40,9 @@ from service.models import (
     Tenant,
     utcnow,
 )
-from service.queue import get_redis, publish_cancel, unqueue_placement
+from service.pausing import request_pause as request_pause  # re-exported: the stop moves' home
+from service.pausing import retire_waiting_placements
+from service.queue import publish_cancel, unqueue_placement
 from service.scheduler.limits import admit_task, check_task_priority
 from service.schemas import TaskCreate, finite
 from service.tracking.integrations import (
@@ -53,7 +51,6 @@ from service.tracking.integrations import (
 )
 
 log = logging.getLogger("loraplex.tasks")
-PAUSE_TTL_S = 7 * 24 * 3600
 
 
 def expand_grid(space: dict[str, list], method: str = DEFAULT_METHOD) -> list[dict]:
@@ -323,15 +320,6 @@ def pick_best_job(session: Session, task: Task) -> str | None:
     return rows[0][0]
 
 
-def retire_waiting_placements(session: Session, task: Task) -> None:
-    """A task that ended needs none of its planned or published placements any more."""
-    for placement in session.scalars(select(Placement).where(
-            Placement.task_id == task.id, Placement.state.in_(PLACEMENT_WAITING))):
-        if placement.state == PlacementState.PUBLISHED:
-            unqueue_placement(placement.id, placement.node_id)
-        lifecycle.supersede_placement(placement)
-
-
 def finish_task_succeeded(session: Session, task: Task, best_job_id: str | None) -> None:
     now = utcnow()
     retire_waiting_placements(session, task)
@@ -363,110 +351,3 @@ def finish_task_failed(session: Session, task: Task, error: str) -> None:
 def ensure_not_terminal(task: Task) -> None:
     if task.state in TASK_TERMINAL:
         raise ApiError(409, f"task_{task.state}", f"task {task.id!r} is {task.state}")
-
-
-# ----- pause and resume ------------------------------------------------------------------------
-# A pause stops the task's live attempt at a step boundary with a checkpoint, through the daemon
-# (heartbeat reply pause_placement_ids, Redis pause_key): the executor gets SIGTERM, checkpoints,
-# reports everything up to its stop and then a retryable failure "executor stopped". The fence
-# lets all of it in (the attempt stays live until then); its stop report ends it as `stopped`
-# (not a failed attempt) via attempt_stopped. Task states:
-#   requeue=False (a user's pause): running -> pausing -> paused; resume_task: paused -> queued.
-#   requeue=True (the scheduler's preemption): the task stays running until the stop arrives,
-#   then goes back to queued (and is replanned), resuming from that checkpoint.
-#   A task with no live attempt (queued, or placed but not yet claimed) pauses at once.
-PAUSABLE = (TaskState.VALIDATING_FILES, TaskState.QUEUED, TaskState.RUNNING)
-
-
-def request_pause(session: Session, task: Task, *, requeue: bool, reason: str,
-                  settings: Settings | None = None) -> None:
-    """Ask `task` (locked by the caller: get_task(lock=True)) to stop at its next step boundary
-    with a checkpoint, freeing its GPUs; requeue=True puts it back in the queue once stopped,
-    requeue=False leaves it paused until resume_task. Flushes; the caller commits (the daemon is
-    told over Redis after the commit, and by every heartbeat reply until it stopped). A task
-    already pausing or paused is left as it is; a finished one is a 409 naming its state."""
-    if task.state in (TaskState.PAUSING, TaskState.PAUSED):
-        return
-    if task.state not in PAUSABLE:
-        raise conflict(f"task {task.id!r} is {task.state}: only a queued or running task can be "
-                       "paused", code=f"task_{task.state}")
-    live = session.scalars(select(Placement).where(
-        Placement.task_id == task.id, Placement.state.in_(PLACEMENT_STARTED))
-        .with_for_update()).all()
-    if not live:
-        if requeue:
-            return  # nothing runs: it is waiting already
-        retire_waiting_placements(session, task)
-        finish_pause(session, task, reason)
-        return
-    kind = "requeue" if requeue else "pause"
-    for placement in live:
-        placement.stop_requested = kind
-    retire_waiting_placements(session, task)
-    if not requeue:
-        lifecycle.begin_pause(task)
-    add_event(session, task.id, "task_pausing" if not requeue else "task_preempting",
-              f"stopping at the next step boundary with a checkpoint: {tenant_safe(reason)}",
-              data={"requeue": requeue})
-    ids = [p.id for p in live]
-    after_commit(session, lambda: publish_pause(ids, settings))
-    session.flush()
-    log.info("task pause requested task=%s requeue=%s placements=%s", task.id, requeue,
-             ",".join(ids))
-
-
-def finish_pause(session: Session, task: Task, reason: str) -> None:
-    """The task holds no attempt any more: paused (its running jobs wait as pending)."""
-    lifecycle.pause_task(task)
-    for job in session.scalars(select(Job).where(Job.task_id == task.id,
-                                                 Job.state == JobState.RUNNING)):
-        lifecycle.park_job(job)
-    add_event(session, task.id, "task_paused", f"paused: {tenant_safe(reason)}; resume to "
-              "continue from its last checkpoint")
-
-
-def attempt_stopped(session: Session, task: Task, placement: Placement, error: str) -> bool:
-    """The end of an attempt the service asked to stop (placement.stop_requested), reported as a
-    retryable failure: the placement is `stopped` (no failed attempt counted) and the task
-    paused (it was pausing) or queued again (a requeue). False when the placement had no stop
-    requested: the caller handles an ordinary failure."""
-    if placement.stop_requested is None or placement.state not in PLACEMENT_STARTED:
-        return False
-    lifecycle.stop_placement(placement, error, utcnow())
-    if task.state == TaskState.PAUSING:
-        finish_pause(session, task, "stopped at a step boundary")
-    elif task.state == TaskState.RUNNING:
-        lifecycle.requeue_task(task)
-        for job in session.scalars(select(Job).where(Job.task_id == task.id,
-                                                     Job.state == JobState.RUNNING)):
-            lifecycle.park_job(job)
-        add_event(session, task.id, "task_requeued", "stopped at a step boundary to free its "
-                  "GPUs; it resumes from its checkpoint", data={"preempted": True})
-    session.flush()
-    log.info("attempt stopped task=%s placement=%s state=%s", task.id, placement.id, task.state)
-    return True
-
-
-def resume_task(session: Session, task: Task) -> None:
-    """paused -> queued (locked by the caller); the next attempt resumes from the task's latest
-    checkpoint (build_spec offers it). 409 naming the state from anything but paused."""
-    if task.state != TaskState.PAUSED:
-        raise conflict(f"task {task.id!r} is {task.state}: only a paused task can be resumed",
-                       code=f"task_{task.state}")
-    lifecycle.resume_task(task)
-    add_event(session, task.id, "task_resumed", "resumed: waiting for GPUs; it continues from "
-              "its last checkpoint")
-    session.flush()
-    log.info("task resumed task=%s", task.id)
-
-
-def publish_pause(placement_ids: list[str], settings: Settings | None = None) -> None:
-    """Tell the daemons now (Redis pause_key) that these placements must checkpoint and stop;
-    heartbeat replies carry the same news if this is lost."""
-    try:
-        pipe = get_redis(settings).pipeline(transaction=False)
-        for placement_id in placement_ids:
-            pipe.set(pause_key(placement_id), "1", ex=PAUSE_TTL_S)
-        pipe.execute()
-    except RedisError as exc:
-        log.warning("pause publish failed placements=%s error=%s", ",".join(placement_ids), exc)

@@ -42,7 +42,7 @@ from contract.states import (
 )
 from service import lifecycle
 from service.adapters import portable_config_file
-from service.cluster import cluster_changed, fail_or_requeue
+from service.cluster import attempt_lost, cluster_changed, fail_or_requeue
 from service.core.config import Settings
 from service.core.errors import ApiError, conflict, invalid, not_found
 from service.core.registry import ModelRegistry
@@ -60,11 +60,10 @@ from service.models import (
     new_id,
     utcnow,
 )
+from service.pausing import attempt_stopped
 from service.queue import empty_node_queue, unqueue_placement
 from service.scheduler.loop import _LOCK_KEY as PLAN_LOCK_KEY
 from service.tasks import (
-    attempt_stopped,
-    finish_pause,
     finish_task_failed,
     finish_task_succeeded,
     update_job_state,
@@ -399,13 +398,11 @@ def deregister_node(session: Session, node_id: str, msg: NodeDeregister,
         elif placement.state in PLACEMENT_ACTIVE:
             error = f"node {node.name} left: {msg.reason}"
             lifecycle.fail_placement(placement, error, utcnow())
-            if task.state == TaskState.RUNNING:
-                fail_or_requeue(session, task, placement,
-                                "its node left the cluster", settings)
-                if task.state == TaskState.QUEUED:
-                    requeued.append(task.id)
-            elif task.state == TaskState.PAUSING:  # it was stopping anyway: paused, holding nothing
-                finish_pause(session, task, "its node left while it stopped")
+            was = task.state
+            attempt_lost(session, task, placement, settings, "its node left the cluster",
+                         "its node left while it stopped")
+            if was == TaskState.RUNNING and task.state == TaskState.QUEUED:
+                requeued.append(task.id)
     session.commit()
     for placement_id in superseded:
         unqueue_placement(placement_id, node.id, settings)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
 from collections.abc import Sequence
 
 import redis
 
+from contract.background import BackgroundWorker
 from worker.config import DaemonConfig, parse_args
 from worker.local_state import LocalPlacement, LocalStatus
 from worker.placements import Lifecycle
@@ -55,7 +55,6 @@ class Daemon:
                                    self.placements, self.shared)
         self.sampling = SampleRequests(cfg, self.client, self.registration, self.placements,
                                        self.shared)
-        self._stop_heartbeat = threading.Event()
         self._stop_deadline: float | None = None
         (cfg.work_dir / "placements").mkdir(parents=True, exist_ok=True)
         (cfg.work_dir / "hosts").mkdir(parents=True, exist_ok=True)
@@ -91,9 +90,8 @@ class Daemon:
     def _loop(self) -> bool:
         """The main loop with its heartbeat thread; True when it ended cleanly (drained, or
         stopped with every claimed placement reported), False on the stop timeout."""
-        beat = threading.Thread(target=self.registration.heartbeat_loop,
-                                args=(self._stop_heartbeat,), name="heartbeat", daemon=True)
-        beat.start()
+        beat = BackgroundWorker("heartbeat", self.registration.heartbeat_once, logger=log,
+                                every_s=self.registration.interval_s, wait_first=True).start()
         clean, failures = False, 0
         try:
             while True:
@@ -115,9 +113,8 @@ class Daemon:
                     break
                 time.sleep(self.cfg.poll_interval_s)
         finally:
-            self._stop_heartbeat.set()
-            beat.join(timeout=5)
-        if beat.is_alive():
+            beat.stop(timeout=5)
+        if beat.alive:
             # A heartbeat still in flight could mark the node up again after it left.
             log.warning("heartbeat thread still busy node=%s: not deregistering", self.node_id)
             return False

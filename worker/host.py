@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from contract.background import BackgroundWorker, Backoff
 from contract.protocol import PlacementSpec, colocation_key
 from contract.states import TaskOutcome
 from worker import sampler
@@ -97,7 +98,6 @@ class Host:
         self.refused: dict[str, str] = {}  # placement -> why it never joined (it may go elsewhere)
         self.state = "loading"
         self._lock = threading.RLock()
-        self._done = threading.Event()
 
     # -- the process ------------------------------------------------------------------------
     def serve(self) -> int:
@@ -111,8 +111,10 @@ class Host:
             time.sleep(self.poll_s)
         if self.executor is None:
             return self._close(0)
-        control = threading.Thread(target=self._control, name="host-control", daemon=True)
-        control.start()
+        # a crashed control step is restarted, so stop requests are still applied
+        control = BackgroundWorker("host-control", self._control, every_s=self.poll_s,
+                                   wait_first=True, logger=log,
+                                   backoff=Backoff(self.poll_s, 30.0)).start()
         code = 0
         try:
             self.executor.serve(self.linger_s)
@@ -122,8 +124,7 @@ class Host:
             for placement_id in self.hosted():
                 self._end_run(placement_id, TaskOutcome.FAILED, exc)
             code = 1
-        self._done.set()
-        control.join(timeout=10)
+        control.stop(timeout=10)
         return self._close(code)
 
     def _close(self, code: int) -> int:
@@ -136,16 +137,15 @@ class Host:
         return code
 
     def _control(self) -> None:
-        while not self._done.wait(self.poll_s):
-            if self.stop() and self.state != "stopping":
-                self.state = "stopping"
-                log.info("shared executor stopping key=%s why=%s placements=%s", self.key,
-                         self.stop.reason, ",".join(self.hosted()) or "-")
-                for placement_id in self.hosted():
-                    self.runs[placement_id].stop.set(self.stop.reason)
-                self.executor.close()
-            self.take_requests()
-            self.write_status()
+        if self.stop() and self.state != "stopping":
+            self.state = "stopping"
+            log.info("shared executor stopping key=%s why=%s placements=%s", self.key,
+                     self.stop.reason, ",".join(self.hosted()) or "-")
+            for placement_id in self.hosted():
+                self.runs[placement_id].stop.set(self.stop.reason)
+            self.executor.close()
+        self.take_requests()
+        self.write_status()
 
     # -- requests -------------------------------------------------------------------------
     def take_requests(self, first: bool = False) -> bool:

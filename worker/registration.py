@@ -101,13 +101,6 @@ class Registration:
             return None
 
     # -- heartbeats (own thread) ----------------------------------------------------------
-    def heartbeat_loop(self, stop: threading.Event) -> None:
-        while not stop.wait(self.interval_s):
-            try:
-                self.heartbeat_once()
-            except Exception:  # noqa: BLE001 - a dead heartbeat thread would mark the node down
-                log.exception("heartbeat error node=%s", self.node_id)
-
     def heartbeat_once(self) -> None:
         if self._reregister.is_set():
             self.register()

@@ -12,10 +12,12 @@ import json
 import logging
 import threading
 from datetime import datetime
+from functools import partial
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.background import BackgroundWorker, Health
 from service.cluster import mark_stale_nodes, replan_due, replan_now
 from service.core.config import Settings
 from service.core.db import session_scope
@@ -25,7 +27,7 @@ from service.core.storage import Storage
 from service.merged.runner import Merger
 from service.queue import get_redis, republish_all
 from service.scheduler.replanner import Replanner, register, unregister
-from service.tracking.sync import Syncer
+from service.tracking.sync import syncer
 
 log = logging.getLogger("loraplex.background")
 
@@ -40,29 +42,11 @@ def maintenance_pass(factory: sessionmaker[Session], settings: Settings) -> None
         republish_all(session, settings)
 
 
-class Maintenance:
-    """The leader's maintenance thread: a pass every maintenance_interval_s."""
-
-    def __init__(self, factory: sessionmaker[Session], settings: Settings) -> None:
-        self._factory, self._settings = factory, settings
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="loraplex-maintenance",
-                                        daemon=True)
-
-    def start(self) -> Maintenance:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._thread.join(timeout=timeout)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._settings.maintenance_interval_s):
-            try:
-                maintenance_pass(self._factory, self._settings)
-            except Exception:
-                log.exception("maintenance pass failed")
+def maintenance(factory: sessionmaker[Session], settings: Settings) -> BackgroundWorker:
+    """The leader's maintenance worker: a pass every maintenance_interval_s."""
+    return BackgroundWorker("loraplex-maintenance", partial(maintenance_pass, factory, settings),
+                            every_s=settings.maintenance_interval_s, wait_first=True, logger=log,
+                            stop_s=10.0)
 
 
 class Background:
@@ -72,9 +56,7 @@ class Background:
                  storage: Storage | None = None, registry: ModelRegistry | None = None) -> None:
         self._factory, self.settings = factory, settings
         self._storage, self._registry = storage, registry
-        self._maintenance: Maintenance | None = None
-        self._merger: Merger | None = None
-        self._syncer: Syncer | None = None
+        self._loops: list[BackgroundWorker] = []  # the leader's, while it leads
         self._lock = threading.Lock()
         self.replanner: Replanner | None = None
         if settings.scheduler_enabled and settings.scheduler_replan == "background":
@@ -86,6 +68,13 @@ class Background:
     @property
     def is_leader(self) -> bool:
         return self.leadership.is_leader
+
+    def health(self) -> list[Health]:
+        """Every background worker of this process: the replanner, the election, the leader's."""
+        with self._lock:
+            loops = [*([self.replanner.worker] if self.replanner else []),
+                     self.leadership.worker, *self._loops]
+        return [w.health() for w in loops]
 
     def start(self) -> Background:
         if self.replanner is not None:
@@ -108,26 +97,25 @@ class Background:
                     republish_all(session, self.settings)
             except Exception as exc:  # Redis may come up later; maintenance republishes then
                 log.warning("republish on election failed error=%s", exc)
+        loops = []
+        if self.settings.maintenance_interval_s > 0:
+            loops.append(maintenance(self._factory, self.settings))
+        if (self.settings.merge_poll_s > 0 and self._storage is not None
+                and self._registry is not None):
+            loops.append(Merger(self._factory, self.settings, self._storage,
+                                self._registry).worker)
+        if self.settings.tracking_poll_s > 0:
+            loops.append(syncer(self._factory, self.settings))
         with self._lock:
-            if self.settings.maintenance_interval_s > 0:
-                self._maintenance = Maintenance(self._factory, self.settings).start()
-            if (self.settings.merge_poll_s > 0 and self._storage is not None
-                    and self._registry is not None):
-                self._merger = Merger(self._factory, self.settings, self._storage,
-                                      self._registry).start()
-            if self.settings.tracking_poll_s > 0:
-                self._syncer = Syncer(self._factory, self.settings).start()
+            self._loops = [w.start() for w in loops]
         if self.replanner is not None:
             self.replanner.trigger("leader_elected")  # publish what became due while none led
 
     def _deposed(self) -> None:
         with self._lock:
-            maintenance, self._maintenance = self._maintenance, None
-            merger, self._merger = self._merger, None
-            syncer, self._syncer = self._syncer, None
-        for loop in (maintenance, merger, syncer):
-            if loop is not None:
-                loop.stop()
+            loops, self._loops = self._loops, []
+        for loop in loops:
+            loop.stop()
 
     def _requested(self, payload: str) -> None:
         if self.replanner is not None:

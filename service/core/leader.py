@@ -17,6 +17,8 @@ from collections.abc import Callable
 import psycopg
 from sqlalchemy.engine import make_url
 
+from contract.background import BackgroundWorker
+
 log = logging.getLogger("loraplex.leader")
 
 LEADER_KEY = 0x4C4F524C  # pg advisory lock key of the leader ("LORL"); replan's xact lock differs
@@ -42,10 +44,9 @@ class Leadership:
         self._on_elected, self._on_deposed, self._on_replan = on_elected, on_deposed, on_replan
         self.retry_s, self.key = max(0.05, retry_s), key
         self._poll_s = min(1.0, self.retry_s)  # how soon a lost connection or stop() is noticed
-        self._stop = threading.Event()
         self._first_try = threading.Event()
         self._leader = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.worker = BackgroundWorker(name, self._try, every_s=self.retry_s, logger=log)
 
     @property
     def is_leader(self) -> bool:
@@ -54,31 +55,26 @@ class Leadership:
     def start(self, wait_s: float = 10.0) -> Leadership:
         """Start campaigning; wait (up to wait_s) for the first try, so a lone process leads
         before it serves its first request."""
-        self._thread.start()
+        self.worker.start()
         self._first_try.wait(wait_s)
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
         """Step down (on_deposed runs) and release the lock by closing the connection."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=timeout)
+        self.worker.stop(timeout)
 
     def wait_leader(self, timeout: float) -> bool:
         """For tests: wait until this process leads."""
         return self._leader.wait(timeout)
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._campaign()
-            except Exception as exc:  # connection refused or lost: retry on a new connection
-                log.warning("leader election connection failed pid=%d error=%s", os.getpid(),
-                            type(exc).__name__ if isinstance(exc, psycopg.Error) else exc)
-            finally:
-                self._step_down()
-                self._first_try.set()
-            self._stop.wait(self.retry_s)
+    def _try(self) -> None:
+        """One campaign; a connection refused or lost raises, and the worker retries it on a
+        new connection after retry_s."""
+        try:
+            self._campaign()
+        finally:
+            self._step_down()
+            self._first_try.set()
 
     def _campaign(self) -> None:
         with psycopg.connect(self._url, autocommit=True, connect_timeout=5,
@@ -88,7 +84,7 @@ class Leadership:
             while not conn.execute("SELECT pg_try_advisory_lock(%s)",
                                    (self.key,)).fetchone()[0]:
                 self._first_try.set()
-                if self._stop.wait(self.retry_s):
+                if self.worker.wait(self.retry_s):
                     return
             try:
                 self._lead(conn)
@@ -104,7 +100,7 @@ class Leadership:
         except Exception:
             log.exception("leader start-up failed pid=%d", os.getpid())
         self._first_try.set()
-        while not self._stop.is_set():
+        while not self.worker.stopping:
             for note in conn.notifies(timeout=self._poll_s):
                 self._deliver(note.payload)
             conn.execute("SELECT 1")  # raises once the connection (and with it the lock) is gone

@@ -5,15 +5,13 @@ One row per job: a second request for the same adapter answers the existing merg
 from __future__ import annotations
 
 import threading
-import uuid
 from dataclasses import dataclass
-from datetime import timedelta
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from service import adapters
+from service import adapters, outbox
 from service.core.config import Settings
 from service.core.db import after_commit
 from service.core.errors import ApiError, conflict, not_found
@@ -128,15 +126,14 @@ def claim_next(session: Session, settings: Settings) -> Claim | None:
     under a fresh lease; one interrupted merge_max_attempts times fails instead."""
     while True:
         now = utcnow()
-        merged = session.scalar(
-            select(MergedModel).where(or_(
-                MergedModel.state == MergeState.QUEUED,
-                (MergedModel.state == MergeState.RUNNING) & (MergedModel.lease_until < now)))
-            .order_by(MergedModel.created_at).limit(1).with_for_update(skip_locked=True))
-        if merged is None:
+        rows = outbox.lock_due(session, select(MergedModel).where(outbox.lapsed(
+            MergedModel, MergeState.QUEUED, MergeState.RUNNING, now))
+            .order_by(MergedModel.created_at).limit(1))
+        if not rows:
             session.rollback()
             return None
-        if merged.attempts >= settings.merge_max_attempts:
+        merged = rows[0]
+        if outbox.exhausted(merged, settings.merge_max_attempts):
             _move(merged, MergeState.FAILED)
             merged.finished_at, merged.lease_token = now, None
             merged.error = (f"the merge was interrupted {merged.attempts} times; request it "
@@ -146,10 +143,8 @@ def claim_next(session: Session, settings: Settings) -> Claim | None:
         task = session.get(Task, merged.task_id)
         artifact = session.get(Artifact, merged.artifact_id)
         assert task is not None and artifact is not None  # both cascade to this row
-        token = uuid.uuid4().hex
         _move(merged, MergeState.RUNNING)
-        merged.attempts, merged.lease_token = merged.attempts + 1, token
-        merged.lease_until = now + timedelta(seconds=settings.merge_lease_s)
+        token = outbox.take(merged, settings.merge_lease_s, now)
         merged.started_at = now
         claim = Claim(merged.id, merged.task_id, merged.job_id, token, task.base_model,
                       artifact.id, [f["name"] for f in artifact.files])
@@ -157,29 +152,28 @@ def claim_next(session: Session, settings: Settings) -> Claim | None:
         return claim
 
 
-def _mine(claim: Claim):  # noqa: ANN202 - a where clause
-    return (MergedModel.id == claim.merged_id) & (MergedModel.lease_token == claim.token)
-
-
 def renew(session: Session, claim: Claim, settings: Settings) -> bool:
-    """Extend the claim's lease; False when the merge is no longer this claim's."""
-    done = session.execute(update(MergedModel).where(_mine(claim)).values(
-        lease_until=utcnow() + timedelta(seconds=settings.merge_lease_s))).rowcount == 1
+    """Extend the claim's lease; False when the merge is no longer this claim's. Commits."""
+    return outbox.renew(session, MergedModel.lease_until, claim.merged_id, claim.token,
+                        settings.merge_lease_s)
+
+
+def _end(session: Session, claim: Claim, state: MergeState, **values: object) -> bool:
+    merged = outbox.mine(session, MergedModel, claim.merged_id, claim.token)
+    if merged is not None:
+        _move(merged, state)
+        merged.finished_at = utcnow()
+        merged.lease_token = merged.lease_until = None
+        for name, value in values.items():
+            setattr(merged, name, value)
     session.commit()
-    return done
+    return merged is not None
 
 
 def succeed(session: Session, claim: Claim, key: str, size: int, dtype: str) -> bool:
-    done = session.execute(update(MergedModel).where(_mine(claim)).values(
-        state=MergeState.SUCCEEDED.value, storage_key=key, bytes=size, dtype=dtype, finished_at=utcnow(),
-        lease_token=None, lease_until=None, error=None)).rowcount == 1
-    session.commit()
-    return done
+    return _end(session, claim, MergeState.SUCCEEDED, storage_key=key, bytes=size, dtype=dtype,
+                error=None)
 
 
 def fail(session: Session, claim: Claim, message: str) -> bool:
-    done = session.execute(update(MergedModel).where(_mine(claim)).values(
-        state=MergeState.FAILED.value, error=message, finished_at=utcnow(), lease_token=None,
-        lease_until=None)).rowcount == 1
-    session.commit()
-    return done
+    return _end(session, claim, MergeState.FAILED, error=message)

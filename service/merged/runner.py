@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import logging
 import tempfile
-import threading
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.background import BackgroundWorker
+from service import outbox
 from service.adapters import write_archive
 from service.core.config import Settings
-from service.core.db import session_scope
 from service.core.registry import ModelRegistry
 from service.core.storage import Storage
 from service.merged import lifecycle
@@ -54,82 +55,52 @@ def run_merge(claim: Claim, storage: Storage, registry: ModelRegistry,
 
 
 class Merger:
-    """The leader's merge thread: start() when elected, stop() when deposed."""
+    """The leader's merges, on the leased outbox (service.outbox): ``worker`` runs a pass (claim
+    one, merge it with its lease renewed, record the outcome) after each merge, whenever this
+    process requested one and every merge_poll_s; start it when elected, stop it when deposed
+    (a merge under way finishes in its daemon thread, or its lease ends)."""
 
     def __init__(self, factory: sessionmaker[Session], settings: Settings, storage: Storage,
                  registry: ModelRegistry) -> None:
         self._factory, self._settings = factory, settings
         self._storage, self._registry = storage, registry
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="loraplex-merger", daemon=True)
-
-    def start(self) -> Merger:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop claiming; a merge under way finishes in its (daemon) thread, or its lease ends."""
-        self._stop.set()
-        lifecycle.requested.set()
-        self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        failing = False
-        while not self._stop.is_set():
-            try:
-                busy = self.run_once()
-                failing = False
-            except Exception as exc:  # the database is down: try again at the next poll
-                if not failing:
-                    log.warning("merge pass failed error=%s", exc)
-                failing, busy = True, False
-            if not busy:
-                lifecycle.requested.wait(self._settings.merge_poll_s)
-                lifecycle.requested.clear()
+        self.worker = BackgroundWorker("loraplex-merger", self.run_once,
+                                       every_s=settings.merge_poll_s, wake=lifecycle.requested,
+                                       logger=log, stop_s=5.0)
 
     def run_once(self) -> bool:
         """Claim and run one merge; False when none was due."""
-        session = self._factory()
-        try:
-            claim = lifecycle.claim_next(session, self._settings)
-        finally:
-            session.close()
-        if claim is None:
-            return False
+        return outbox.work_due(self._factory, self._claim, self._merge) > 0
+
+    def _claim(self, session: Session) -> list[Claim]:
+        claim = lifecycle.claim_next(session, self._settings)
+        return [] if claim is None else [claim]
+
+    def _merge(self, claim: Claim) -> None:
         log.info("merge started merged=%s task=%s job=%s", claim.merged_id, claim.task_id,
                  claim.job_id)
-        done = threading.Event()
-        beat = threading.Thread(target=self._heartbeat, args=(claim, done), daemon=True,
-                                name="loraplex-merger-lease")
-        beat.start()
+        (end, _), mine = outbox.attempt_and_record(
+            self._factory, claim, self._attempt, self._record,
+            lambda session, c: lifecycle.renew(session, c, self._settings),
+            self._settings.merge_lease_s / 3)
+        log.info("merge %s merged=%s task=%s job=%s%s", end.__name__, claim.merged_id,
+                 claim.task_id, claim.job_id, "" if mine else " (no longer this claim's)")
+
+    def _attempt(self, claim: Claim) -> tuple[Callable[..., bool], tuple]:
+        """The merge's outcome: how to record it (succeed or fail) and with what."""
         try:
             key, size, dtype = run_merge(claim, self._storage, self._registry, self._settings)
         except MergeError as exc:
-            self._record(claim, lifecycle.fail, str(exc))
+            return lifecycle.fail, (str(exc),)
         except Exception as exc:  # noqa: BLE001 - logged in full; the tenant sees its kind only
             log.exception("merge crashed merged=%s task=%s job=%s", claim.merged_id,
                           claim.task_id, claim.job_id)
-            self._record(claim, lifecycle.fail, f"the merge failed ({type(exc).__name__}); "
-                         "request it again, or ask the operator")
-        else:
-            self._record(claim, lifecycle.succeed, key, size, dtype)
-        finally:
-            done.set()
-            beat.join()
-        return True
+            return lifecycle.fail, (f"the merge failed ({type(exc).__name__}); request it "
+                                    "again, or ask the operator",)
+        return lifecycle.succeed, (key, size, dtype)
 
-    def _record(self, claim: Claim, outcome, *args: object) -> None:  # noqa: ANN001
-        with session_scope(self._factory) as session:
-            mine = outcome(session, claim, *args)
-        log.info("merge %s merged=%s task=%s job=%s%s", outcome.__name__, claim.merged_id,
-                 claim.task_id, claim.job_id, "" if mine else " (no longer this claim's)")
-
-    def _heartbeat(self, claim: Claim, done: threading.Event) -> None:
-        while not done.wait(self._settings.merge_lease_s / 3):
-            try:
-                with session_scope(self._factory) as session:
-                    if not lifecycle.renew(session, claim, self._settings):
-                        return
-            except Exception as exc:  # noqa: BLE001 - the next beat tries again
-                log.warning("merge lease renewal failed merged=%s error=%s", claim.merged_id,
-                            exc)
+    @staticmethod
+    def _record(session: Session, claim: Claim,
+                outcome: tuple[Callable[..., bool], tuple]) -> bool:
+        end, args = outcome
+        return end(session, claim, *args)

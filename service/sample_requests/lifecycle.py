@@ -5,15 +5,15 @@ lease ends; one interrupted sample_max_attempts times fails with a message sayin
 
 from __future__ import annotations
 
-import uuid
 from datetime import timedelta
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from contract.protocol import tenant_safe
 from contract.sample_requests import SampleAdapter, SampleRequestSettings, SampleResult, SampleWork
 from contract.states import NodeState, TaskState
+from service import outbox
 from service.core.config import Settings
 from service.core.errors import ApiError, conflict, invalid, not_found
 from service.core.registry import ModelRegistry
@@ -147,21 +147,19 @@ def claim_next(session: Session, node_id: str, warm_models: list[str], settings:
     young = now - timedelta(seconds=settings.sample_warm_wait_s)
     due = session.execute(
         select(SampleRequest, Task).join(Task, Task.id == SampleRequest.task_id)
-        .where(or_(SampleRequest.state == S.QUEUED,
-                   (SampleRequest.state == S.RUNNING) & (SampleRequest.lease_until < now)))
+        .where(outbox.lapsed(SampleRequest, S.QUEUED, S.RUNNING, now))
         .order_by(SampleRequest.created_at).limit(50)
         .with_for_update(of=SampleRequest, skip_locked=True)).all()
     for row, task in due:
-        if row.attempts >= settings.sample_max_attempts:
+        if outbox.exhausted(row, settings.sample_max_attempts):
             _end(row, S.FAILED, f"the sampling was interrupted {row.attempts} times (its node "
                                 "went away); request it again")
             continue
         if task.base_model in elsewhere and row.created_at > young:
             continue  # a warm executor of its model serves on another node: there first
         _move(row, S.RUNNING)
-        row.attempts, row.lease_token, row.node_id = row.attempts + 1, uuid.uuid4().hex, node_id
-        row.lease_until = now + timedelta(seconds=settings.sample_lease_s)
-        row.started_at = now
+        outbox.take(row, settings.sample_lease_s, now)
+        row.node_id, row.started_at = node_id, now
         work = _work(session, row, task, registry, settings)
         if isinstance(work, str):
             _end(row, S.FAILED, work)
@@ -173,21 +171,16 @@ def claim_next(session: Session, node_id: str, warm_models: list[str], settings:
 
 
 def _mine(session: Session, request_id: str, token: str) -> SampleRequest | None:
-    row = session.scalar(select(SampleRequest).where(SampleRequest.id == request_id)
-                         .with_for_update())
-    if row is None:
+    row = outbox.mine(session, SampleRequest, request_id, token, SampleRequest.state == S.RUNNING)
+    if row is None and session.get(SampleRequest, request_id) is None:
         raise not_found("sample request", request_id)
-    return row if row.lease_token == token and row.state == S.RUNNING else None
+    return row
 
 
 def renew(session: Session, request_id: str, token: str, settings: Settings) -> bool:
-    """Extend the claim's lease; False when the request is no longer this claim's."""
-    done = session.execute(update(SampleRequest).where(
-        SampleRequest.id == request_id, SampleRequest.lease_token == token,
-        SampleRequest.state == S.RUNNING).values(
-        lease_until=utcnow() + timedelta(seconds=settings.sample_lease_s))).rowcount == 1
-    session.commit()
-    return done
+    """Extend the claim's lease; False when the request is no longer this claim's. Commits."""
+    return outbox.renew(session, SampleRequest.lease_until, request_id, token,
+                        settings.sample_lease_s, SampleRequest.state == S.RUNNING)
 
 
 def succeed(session: Session, request_id: str, msg: SampleResult) -> tuple[str, bool]:

@@ -12,7 +12,7 @@ and by the replanner's periodic pass; it flushes but never commits (the caller d
   ceiling (``max_task_priority``, else ``scheduler_default_task_priority_ceiling``);
 - quotas: ``max_gpus`` is a hard cap, ``guaranteed_gpus`` a share lent out while idle; the running
   tasks the plan preempts to reclaim it are asked to pause at a checkpoint and requeue
-  (service.tasks.request_pause); their GPUs go to the owner at the replan after they stop;
+  (service.pausing.request_pause); their GPUs go to the owner at the replan after they stop;
 - estimate error fed back: a published placement records the raw estimate (estimated_s), the
   finish report the run (run_s); each model's later estimates are corrected by their ratio
   (estimator.correction_factor; bounded, per model);
@@ -309,7 +309,7 @@ def _preempt(session: Session, plan: Plan, settings: Settings, colocated: Coloca
     requeue (a shared executor's occupant: every task it hosts); a task that ended meanwhile is
     left alone."""
     from service.core.errors import ApiError
-    from service.tasks import request_pause
+    from service.pausing import request_pause
 
     for task_id in colocated.pausing(plan):
         task = session.scalar(select(Task).where(Task.id == task_id).with_for_update())

@@ -8,6 +8,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from contract.background import BackgroundWorker, Backoff, Health
+
 log = logging.getLogger("loraplex.scheduler")
 
 _registry: dict[str, Replanner] = {}
@@ -26,26 +28,28 @@ class Replanner:
         self._run, self._due = run, due
         self.interval_s, self.debounce_s = interval_s, debounce_s
         self._wake = threading.Event()
-        self._stop = threading.Event()
         self._cond = threading.Condition()
         self._reasons: list[str] = []
         self._requested = 0  # triggers so far
         self._served = 0  # triggers covered by a finished replan
         self.replans = 0  # replans run (triggered + periodic), for tests and logs
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        # The step waits on _wake itself (every_s=0); stop() sets it after asking the loop to end.
+        self.worker = BackgroundWorker(name, self._step, wake=self._wake, logger=log,
+                                       backoff=Backoff(1.0, 30.0))
 
     def start(self) -> Replanner:
-        self._thread.start()
+        self.worker.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=timeout)
+        self.worker.stop(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.worker.alive
+
+    def health(self) -> Health:
+        return self.worker.health()
 
     def trigger(self, reason: str) -> None:
         """Ask for a replan soon; never blocks on the solver."""
@@ -66,23 +70,22 @@ class Replanner:
                 self._cond.wait(min(left, 0.5))
         return True
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            woke = self._wake.wait(self.interval_s if self.interval_s > 0 else None)
-            if self._stop.is_set():
-                break
-            if woke:
-                # Let the rest of a burst arrive, then take every trigger so far in one replan.
-                self._stop.wait(self.debounce_s)
-                self._wake.clear()
-                with self._cond:
-                    target, reasons, self._reasons = self._requested, self._reasons, []
-                self._safe_run(sorted(set(reasons)))
-                with self._cond:
-                    self._served = max(self._served, target)
-                    self._cond.notify_all()
-            elif self._is_due():
-                self._safe_run(["periodic"])
+    def _step(self) -> None:
+        woke = self._wake.wait(self.interval_s if self.interval_s > 0 else None)
+        if self.worker.stopping:
+            return
+        if woke:
+            # Let the rest of a burst arrive, then take every trigger so far in one replan.
+            self.worker.wait(self.debounce_s)
+            self._wake.clear()
+            with self._cond:
+                target, reasons, self._reasons = self._requested, self._reasons, []
+            self._safe_run(sorted(set(reasons)))
+            with self._cond:
+                self._served = max(self._served, target)
+                self._cond.notify_all()
+        elif self._is_due():
+            self._safe_run(["periodic"])
 
     def _is_due(self) -> bool:
         if self._due is None:

@@ -11,17 +11,15 @@ only its own row, never the task."""
 from __future__ import annotations
 
 import logging
-import random
-import threading
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.background import BackgroundWorker
 from contract.protocol import tenant_safe
+from service import outbox
 from service.core.config import Settings
 from service.core.db import session_scope
 from service.models import TASK_TERMINAL, Task, TaskIntegration, utcnow
@@ -54,24 +52,20 @@ class Outcome:
 
 def claim_due(session: Session, settings: Settings, limit: int = BATCH) -> list[Claim]:
     """Claim up to `limit` due integrations of ended tasks, oldest due first; commits."""
-    now = utcnow()
-    rows = session.execute(
-        select(TaskIntegration.id, TaskIntegration.task_id, TaskIntegration.type,
-               TaskIntegration.config)
+    ids, token = outbox.claim(session, select(TaskIntegration.id)
         .join(Task, Task.id == TaskIntegration.task_id)
-        .where(TaskIntegration.state == SyncState.PENDING, TaskIntegration.next_attempt_at <= now,
-               Task.state.in_(TASK_TERMINAL))
-        .order_by(TaskIntegration.next_attempt_at).limit(limit)
-        .with_for_update(of=TaskIntegration, skip_locked=True)).all()
-    if not rows:
+        .where(TaskIntegration.state == SyncState.PENDING,
+               TaskIntegration.next_attempt_at <= utcnow(), Task.state.in_(TASK_TERMINAL))
+        .order_by(TaskIntegration.next_attempt_at).limit(limit),
+        TaskIntegration.next_attempt_at, settings.tracking_lease_s)
+    if not ids:
         session.rollback()
         return []
-    token = uuid.uuid4().hex
-    session.execute(update(TaskIntegration).where(
-        TaskIntegration.id.in_([r.id for r in rows])).values(
-        lease_token=token, next_attempt_at=now + timedelta(seconds=settings.tracking_lease_s)))
+    rows = {r.id: r for r in session.execute(select(
+        TaskIntegration.id, TaskIntegration.task_id, TaskIntegration.type,
+        TaskIntegration.config).where(TaskIntegration.id.in_(ids)))}
     session.commit()
-    return [Claim(r.id, r.task_id, r.type, dict(r.config), token) for r in rows]
+    return [Claim(i, rows[i].task_id, rows[i].type, dict(rows[i].config), token) for i in ids]
 
 
 def write_runs(claim: Claim, task: TaskRecord, settings: Settings) -> Outcome:
@@ -100,9 +94,7 @@ def describe(exc: Exception) -> str:
 def record(session: Session, claim: Claim, outcome: Outcome, settings: Settings) -> str | None:
     """Move the integration on (synced, due again later, or failed); its new state, or None when
     it is no longer this claim's (its lease ended and another pass took it). Commits."""
-    row = session.scalar(select(TaskIntegration).where(
-        TaskIntegration.id == claim.integration_id, TaskIntegration.lease_token == claim.token)
-        .with_for_update())
+    row = outbox.mine(session, TaskIntegration, claim.integration_id, claim.token)
     if row is None:
         session.rollback()
         return None
@@ -115,26 +107,25 @@ def record(session: Session, claim: Claim, outcome: Outcome, settings: Settings)
         row.last_error, row.next_attempt_at = None, None
     else:
         row.last_error = tenant_safe(outcome.error or "sync failed")
-        backoff = settings.tracking_backoff_s or [60.0]
-        due = now + timedelta(seconds=backoff[min(row.attempts, len(backoff)) - 1]
-                              * random.uniform(0.9, 1.1))
         ended = session.scalar(select(Task.finished_at).where(Task.id == row.task_id)) or now
-        if outcome.final or due > ended + timedelta(seconds=settings.tracking_give_up_s):
+        row.next_attempt_at = outbox.retry_at(
+            now, row.attempts, settings.tracking_backoff_s,
+            ended + timedelta(seconds=settings.tracking_give_up_s), final=outcome.final)
+        if row.next_attempt_at is None:
             move_sync(row, SyncState.FAILED)
-            row.next_attempt_at = None
-        else:
-            row.next_attempt_at = due
     session.commit()
     return row.state
 
 
 def sync_one(factory: sessionmaker[Session], claim: Claim, settings: Settings) -> str | None:
     """Read the task, write the claim's runs, record the outcome: the integration's new state."""
-    with session_scope(factory) as session:
-        task = load_task(session, claim.task_id)
-    outcome = write_runs(claim, task, settings)
-    with session_scope(factory) as session:
-        state = record(session, claim, outcome, settings)
+    def attempt(c: Claim) -> Outcome:
+        with session_scope(factory) as session:
+            task = load_task(session, c.task_id)
+        return write_runs(c, task, settings)
+
+    outcome, state = outbox.attempt_and_record(
+        factory, claim, attempt, lambda s, c, o: record(s, c, o, settings))
     log.info("tracking sync integration=%s task=%s type=%s state=%s%s", claim.integration_id,
              claim.task_id, claim.type, state,
              f" error={outcome.error!r}" if outcome.error else "")
@@ -143,51 +134,20 @@ def sync_one(factory: sessionmaker[Session], claim: Claim, settings: Settings) -
 
 def sync_due(factory: sessionmaker[Session], settings: Settings) -> int:
     """One pass: claim due integrations and sync each; how many were claimed."""
-    session = factory()
-    try:
-        claims = claim_due(session, settings)
-    finally:
-        session.close()
-    for claim in claims:
+    def sync(claim: Claim) -> None:
         try:
             sync_one(factory, claim, settings)
         except Exception:  # the database went away, or the task with it: its lease ends
             log.exception("tracking sync crashed integration=%s task=%s", claim.integration_id,
                           claim.task_id)
-    return len(claims)
+
+    return outbox.work_due(factory, lambda s: claim_due(s, settings), sync)
 
 
-class Syncer:
-    """The leader's sync thread: a pass whenever a task ended in this process and every
-    tracking_poll_s; start() when elected, stop() when deposed (a sync under way finishes in its
-    daemon thread, or its lease ends)."""
-
-    def __init__(self, factory: sessionmaker[Session], settings: Settings,
-                 pass_: Callable[[sessionmaker[Session], Settings], int] = sync_due) -> None:
-        self._factory, self._settings, self._pass = factory, settings, pass_
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="loraplex-tracking", daemon=True)
-
-    def start(self) -> Syncer:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        requested.set()
-        self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        failing = False
-        while not self._stop.is_set():
-            busy = False
-            try:
-                busy = self._pass(self._factory, self._settings) == BATCH
-                failing = False
-            except Exception as exc:  # the database is down: try again at the next poll
-                if not failing:
-                    log.warning("tracking sync pass failed error=%s", exc)
-                failing = True
-            if not busy:
-                requested.wait(self._settings.tracking_poll_s)
-                requested.clear()
+def syncer(factory: sessionmaker[Session], settings: Settings) -> BackgroundWorker:
+    """The leader's sync worker: a pass whenever a task ended in this process and every
+    tracking_poll_s, at once again after a full one; start it when elected, stop it when deposed
+    (a sync under way finishes in its daemon thread, or its lease ends)."""
+    return BackgroundWorker("loraplex-tracking", lambda: sync_due(factory, settings) == BATCH,
+                            every_s=settings.tracking_poll_s, wake=requested, logger=log,
+                            stop_s=5.0)

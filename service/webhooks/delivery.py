@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import json
 import logging
-import random
-import threading
 import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import httpx
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.background import BackgroundWorker
+from service import outbox
 from service.core.config import Settings
-from service.core.db import session_scope
 from service.models import WebhookAttempt, WebhookDelivery, WebhookEndpoint, WebhookEvent, utcnow
 from service.webhooks.outbox import enqueued, move_delivery
 from service.webhooks.security import AddressRefused, check_key, resolve, sign, unseal
@@ -68,20 +66,16 @@ def lease_s(settings: Settings) -> float:
 
 def claim_due(session: Session, settings: Settings, limit: int = WORKERS) -> list[Claim]:
     """Claim up to `limit` due deliveries of enabled endpoints, oldest due first; commits."""
-    now = utcnow()
-    ids = session.scalars(
-        select(WebhookDelivery.id).join(WebhookEndpoint,
-                                        WebhookEndpoint.id == WebhookDelivery.endpoint_id)
-        .where(WebhookDelivery.state == DeliveryState.PENDING, WebhookDelivery.next_attempt_at <= now,
+    ids, token = outbox.claim(session, select(WebhookDelivery.id).join(
+        WebhookEndpoint, WebhookEndpoint.id == WebhookDelivery.endpoint_id)
+        .where(WebhookDelivery.state == DeliveryState.PENDING,
+               WebhookDelivery.next_attempt_at <= utcnow(),
                WebhookEndpoint.enabled.is_(True), WebhookEndpoint.deleted_at.is_(None))
-        .order_by(WebhookDelivery.next_attempt_at).limit(limit)
-        .with_for_update(of=WebhookDelivery, skip_locked=True)).all()
+        .order_by(WebhookDelivery.next_attempt_at).limit(limit),
+        WebhookDelivery.next_attempt_at, lease_s(settings))
     if not ids:
         session.rollback()
         return []
-    token = uuid.uuid4().hex
-    session.execute(update(WebhookDelivery).where(WebhookDelivery.id.in_(ids)).values(
-        lease_token=token, next_attempt_at=now + timedelta(seconds=lease_s(settings))))
     rows = session.execute(
         select(WebhookDelivery.id, WebhookEndpoint.id, WebhookEvent.id, WebhookEndpoint.url,
                WebhookEndpoint.secret, WebhookEvent.payload)
@@ -129,9 +123,7 @@ def record(session: Session, claim: Claim, outcome: Outcome, settings: Settings)
     session.add(WebhookAttempt(delivery_id=claim.delivery_id, attempted_at=outcome.started,
                                status_code=outcome.status_code, error=outcome.error,
                                duration_ms=outcome.duration_ms))
-    row = session.scalar(select(WebhookDelivery).where(
-        WebhookDelivery.id == claim.delivery_id, WebhookDelivery.lease_token == claim.token)
-        .with_for_update())
+    row = outbox.mine(session, WebhookDelivery, claim.delivery_id, claim.token)
     if row is None:
         session.commit()
         return None
@@ -144,14 +136,11 @@ def record(session: Session, claim: Claim, outcome: Outcome, settings: Settings)
         move_delivery(row, DeliveryState.DELIVERED)
         row.delivered_at, row.next_attempt_at = now, None
     else:
-        backoff = settings.webhook_backoff_s or [60.0]
-        wait = backoff[min(row.tries, len(backoff)) - 1] * random.uniform(0.9, 1.1)
-        due = now + timedelta(seconds=wait)
-        if due > row.scheduled_at + timedelta(seconds=settings.webhook_give_up_s):
+        row.next_attempt_at = outbox.retry_at(
+            now, row.tries, settings.webhook_backoff_s,
+            row.scheduled_at + timedelta(seconds=settings.webhook_give_up_s))
+        if row.next_attempt_at is None:
             move_delivery(row, DeliveryState.FAILED)
-            row.next_attempt_at = None
-        else:
-            row.next_attempt_at = due
     session.commit()
     return row.state
 
@@ -163,9 +152,9 @@ class Deliverer:
     def __init__(self, factory: sessionmaker[Session], settings: Settings) -> None:
         check_key(settings.webhook_secret_key)  # a bad key stops the start, not the first send
         self._factory, self._settings = factory, settings
-        self._stop = threading.Event()
-        self._failing = False
-        self._thread = threading.Thread(target=self._loop, name="loraplex-webhooks", daemon=True)
+        self.worker = BackgroundWorker("loraplex-webhooks", lambda: self.run_once() == WORKERS,
+                                       every_s=settings.webhook_poll_s, wake=enqueued,
+                                       logger=log, stop_s=settings.webhook_timeout_s * 3)
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="loraplex-webhook")
         self._client = httpx.Client(timeout=settings.webhook_timeout_s, follow_redirects=False,
                                     trust_env=False, limits=httpx.Limits(max_connections=WORKERS))
@@ -174,48 +163,24 @@ class Deliverer:
         if not self._settings.webhook_secret_key:
             log.warning("LORAPLEX_WEBHOOK_SECRET_KEY is unset: webhook signing secrets are stored "
                         "unencrypted")
-        self._thread.start()
+        self.worker.start()
         return self
 
     def stop(self, timeout: float | None = None) -> None:
-        self._stop.set()
-        enqueued.set()
-        self._thread.join(timeout if timeout is not None else self._settings.webhook_timeout_s * 3)
+        self.worker.stop(timeout)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._client.close()
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            busy = False
-            try:
-                busy = self.run_once() == WORKERS
-                self._failing = False
-            except Exception as exc:  # the database is down: try again at the next poll
-                if not self._failing:
-                    log.warning("webhook delivery pass failed error=%s", exc)
-                self._failing = True
-            if not busy:
-                enqueued.wait(self._settings.webhook_poll_s)
-                enqueued.clear()
-
     def run_once(self) -> int:
         """One pass: claim due rows, attempt them concurrently, record each; how many."""
-        session = self._factory()
-        try:
-            claims = claim_due(session, self._settings)
-        finally:
-            session.close()
-        futures = [self._pool.submit(self._deliver, c) for c in claims]
-        wait(futures)
-        for future in futures:
-            future.result()  # the first failure (the database went away) to the loop
-        return len(claims)
+        return outbox.work_due(self._factory, lambda s: claim_due(s, self._settings),
+                               self._deliver, self._pool)
 
     def _deliver(self, claim: Claim) -> None:
-        outcome = attempt(claim, self._settings, self._client)
         try:
-            with session_scope(self._factory) as session:
-                state = record(session, claim, outcome, self._settings)
+            outcome, state = outbox.attempt_and_record(
+                self._factory, claim, lambda c: attempt(c, self._settings, self._client),
+                lambda s, c, o: record(s, c, o, self._settings))
         except IntegrityError:  # its tenant was deleted meanwhile
             return
         log.info("webhook attempt delivery=%s event=%s endpoint=%s status=%s state=%s ms=%d%s",
