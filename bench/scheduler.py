@@ -77,17 +77,17 @@ def packable(n_tasks: int, n_nodes: int, seed: int, waves: int = 3) -> Instance:
 def optimum(inst: Instance, opts: SolveOptions) -> int:
     """The objective of the plan that starts every task at its release (a lower bound of any
     plan; for a packable instance it is feasible, so it is the optimum)."""
-    jobs, pinned, _, specs = planner._build_jobs(inst, opts.unit_s, opts)
-    ctx = planner._context(jobs, pinned, specs, opts.unit_s, opts)
+    jobs, pinned, _, specs = planner.build_jobs(inst, opts.unit_s, opts)
+    ctx = planner.plan_context(jobs, pinned, specs, opts.unit_s, opts)
     return planner.objective([Placed(j, j.options[0], j.release) for j in jobs], ctx)
 
 
 def warm_objective(inst: Instance, opts: SolveOptions) -> int:
-    jobs, pinned, _, specs = planner._build_jobs(inst, opts.unit_s, opts)
+    jobs, pinned, _, specs = planner.build_jobs(inst, opts.unit_s, opts)
     caps = [n.gpu_count for n in inst.nodes]
-    ctx = planner._context(jobs, pinned, specs, opts.unit_s, opts)
-    ctx.held = planner._held_spans(inst, opts.unit_s)
-    sched = planner._warm_start(jobs, caps, planner._tenant_caps(inst, pinned, ctx.held), pinned,
+    ctx = planner.plan_context(jobs, pinned, specs, opts.unit_s, opts)
+    ctx.held = planner.held_spans(inst, opts.unit_s)
+    sched = planner.warm_start_plan(jobs, caps, planner.tenant_capacities(inst, pinned, ctx.held), pinned,
                                 ctx)
     return planner.objective(sched, ctx)
 

@@ -45,7 +45,7 @@ def patch(variant: str) -> None:
     exps = {k: float(v or 0.5) for k, _, v in (p.partition("=") for p in parts) if k in "gd"}
     if not exps:
         return
-    build, context = planner._build_jobs, planner._context
+    build, context = planner.build_jobs, planner.plan_context
     unscaled: dict[int, int] = {}
 
     def scaled_build(inst, unit, opts):  # noqa: ANN001, ANN202
@@ -65,9 +65,9 @@ def patch(variant: str) -> None:
             ctx.urgent = round(2 * max(w0) * sum(j.weight for j in jobs) / sum(w0))
         return ctx
 
-    planner._build_jobs = scaled_build
+    planner.build_jobs = scaled_build
     if "keepurg" in parts:
-        planner._context = unscaled_urgent
+        planner.plan_context = unscaled_urgent
 
 
 def run(args: tuple[str, str, float, str, int]) -> tuple[tuple, list[float], dict]:

@@ -110,7 +110,7 @@ def cancel_key(placement_id: str) -> str:
     return f"loraplex:cancel:{placement_id}"
 
 
-_Msg = Message  # the shapes below; worker.service_client types its reports by it
+_Msg = Message  # the shapes below
 
 
 # A GPU's index on its node; a Count (a node's messages take the types they document).

@@ -30,7 +30,7 @@ from service.scheduler.estimator import (
     gpu_spec,
     remaining_tokens,
 )
-from service.scheduler.loop import _model_shape, _profiles, _tflops
+from service.scheduler.loop import gpu_tflops, measured_profiles, model_shape
 from service.schemas import TaskCreate
 from service.tasks import check_request, expand_grid, resolve_adapter, resolve_auto
 from service.usage import tokens_per_record
@@ -82,8 +82,8 @@ def dry_run(session: Session, tenant: Tenant, body: TaskCreate, settings: Settin
                     jobs=[DryRunJob(index=i, hyperparameters=c) for i, c in enumerate(configs)],
                     train_samples=samples, epochs=body.epochs, trained_tokens=int(full),
                     expected_tokens=0, gpus=None, estimated_start=None)
-    shape, minimum = _model_shape(registry, body.base_model)
-    est = Estimator({body.base_model: shape}, _profiles(session, [body.base_model]))
+    shape, minimum = model_shape(registry, body.base_model)
+    est = Estimator({body.base_model: shape}, measured_profiles(session, [body.base_model]))
     out.expected_tokens = int(remaining_tokens(work))
     best = _earliest(session, est, work, minimum)
     if best is None:
@@ -110,7 +110,7 @@ def _earliest(session: Session, est: Estimator, work: TaskWork, minimum: int
             free[key] = max(free.get(key, now), p.planned_end, now)
     best: tuple[int, int, str, datetime] | None = None
     for node in nodes:
-        spec = gpu_spec(node.gpu_type, node.gpu_memory_bytes or None, _tflops(node.meta))
+        spec = gpu_spec(node.gpu_type, node.gpu_memory_bytes or None, gpu_tflops(node.meta))
         gpus, seconds = est.estimate(work, node.gpu_type, spec, minimum)
         if gpus > node.gpu_count:
             continue

@@ -62,7 +62,7 @@ from service.models import (
 )
 from service.pausing import attempt_stopped
 from service.queue import empty_node_queue, unqueue_placement
-from service.scheduler.loop import _LOCK_KEY as PLAN_LOCK_KEY
+from service.scheduler.loop import PLAN_LOCK_KEY
 from service.tasks import (
     finish_task_failed,
     finish_task_succeeded,

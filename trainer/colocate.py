@@ -44,7 +44,7 @@ from trainer.export import export_peft, peft_config_dict, write_peft
 from trainer.jobs import JobState, TrainJob
 from trainer.pairs import PairExample
 from trainer.task_files import TaskFiles
-from trainer.task_parts import JobSlot, StepNumbers, TaskStream, ThroughputWindow
+from trainer.task_parts import JobSlot, StepNumbers, TaskHost, TaskStream, ThroughputWindow
 
 log = logging.getLogger("loraplex.executor")
 # a job that ended by itself (a cancelled one may still be exited by the ranking)
@@ -55,7 +55,7 @@ class TaskRun(TaskFiles):
     """One task on an executor (see the module docstring). Control is replicated as in the
     recipe: every rank holds the task's bookkeeping and changes it from gathered numbers only."""
 
-    def __init__(self, host: Any, cfg: ExecutorConfig, cb: Callbacks, task_id: str,  # host: its Executor
+    def __init__(self, host: TaskHost, cfg: ExecutorConfig, cb: Callbacks, task_id: str,
                  stop_requested: Callable[[], bool] | None = None) -> None:
         self.host, self.cfg, self.cb, self.task_id = host, cfg, cb, task_id
         self.stop_requested = stop_requested

@@ -22,7 +22,7 @@ from trainer.checkpoint import (
     take_snapshot,
     tensor_bytes,
 )
-from trainer.task_parts import JobSlot
+from trainer.task_parts import JobSlot, TaskHost
 
 log = logging.getLogger("loraplex.executor")
 
@@ -30,7 +30,7 @@ log = logging.getLogger("loraplex.executor")
 class TaskFiles:
     """Writes, announcements, checkpoint and resume; the mixin of trainer.colocate.TaskRun."""
 
-    host: Any
+    host: TaskHost  # the executor hosting the task
     cfg: Any  # trainer.config.ExecutorConfig
     out: Path
     writes: list[Write]

@@ -1,13 +1,14 @@
 """The small pieces a task on an executor is made of: the engine's pool of every hosted task's
 examples, a job's data stream at its task's offset, a started job as every rank knows it, and
-what one step measured."""
+what one step measured; and what a task may use of the executor that hosts it (`TaskHost`)."""
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from trainer.data import JobDataStream
 
@@ -109,3 +110,30 @@ class ThroughputWindow:
         self.samples += n.samples
         self.batch_sizes = n.batch_sizes
         self.padded.append(n.padded)
+
+
+class TaskHost(Protocol):
+    """What a task (trainer.colocate.TaskRun) uses of the executor hosting it
+    (trainer.executor.Executor): nothing else, so a change on either side shows here."""
+
+    engine: Any  # trainer.engine.MultiLoraEngine: attach, detach, park_target, evaluation
+    objective: Any  # trainer.objectives: the task's data, validation and checkpointed numbers
+    strategy: Any  # trainer.strategy.Strategy: gather, contain, collect_parts
+    writer: Any  # trainer.checkpoint.FileWriter | None: the writes off the loop
+    pool: ExamplePool  # every hosted task's train examples
+    admission: Any  # trainer.admission.AdmissionController
+    memory_model: Any  # trainer.admission.MemoryModel | None
+    device: Any  # torch.device
+    rank: int
+    world: int
+
+    def phase(self, name: str) -> AbstractContextManager[None]: ...
+
+    def rank_batch(self, rank: int) -> int: ...
+
+    def eval_shape(self, n_jobs: int, n_examples: int | None = None, floor: int | None = None
+                   ) -> tuple[int, int]: ...
+
+    def log_state(self, task_id: str, job_id: str, state: str, details: dict) -> None: ...
+
+

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from contract.base import Message
 from contract.protocol import (
     ArtifactMeta,
     ClaimRequest,
@@ -32,7 +33,6 @@ from contract.protocol import (
     NodeRegistered,
     PlacementSpec,
     Report,
-    _Msg,
 )
 
 log = logging.getLogger("loraplex.worker.client")
@@ -208,7 +208,7 @@ class ServiceClient:
                 h.close()
         return r.json()
 
-    def report(self, report: Report, task_id: str, msg: _Msg) -> dict:
+    def report(self, report: Report, task_id: str, msg: Message) -> dict:
         """POST a one-message report (contract.protocol.REPORTS) to its route."""
         return self.request("POST", "/internal/v1" + report.path.format(task_id=task_id),
                             body=msg.model_dump(mode="json", exclude_none=True),

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from ortools.sat.python import cp_model
 
-from service.scheduler.objective import _Ctx, _fair_z, _q, _wait_cost, _wait_steps
+from service.scheduler.objective import PlanContext, fair_z, job_weight, wait_cost, wait_steps
 from service.scheduler.packing import Option, Placed, UJob
 
 
@@ -116,8 +116,8 @@ def _search_parameters(prm, opts: SolveOptions, n_jobs: int = 0) -> None:
         prm.subsolvers.append("quick_restart_no_lp")
 
 
-def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
-              node_caps: list[int], tenant_caps: dict[str, int], ctx: _Ctx,
+def solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
+              node_caps: list[int], tenant_caps: dict[str, int], ctx: PlanContext,
               opts: SolveOptions) -> tuple[list[Placed], str, int] | None:
     """The CP model of the queue around the pinned placements, warm-started from `greedy`;
     None where no model fits CP-SAT's integers or the solver found no plan."""
@@ -158,10 +158,10 @@ def _solve_cp(jobs: list[UJob], pinned: list[Placed], greedy: list[Placed],
 
 
 class _CpModel:
-    """The variables and constraints of `_solve_cp`'s model, built in a fixed order (the
+    """The variables and constraints of `solve_cp`'s model, built in a fixed order (the
     order of variables steers CP-SAT's search: the same calls give the same plan)."""
 
-    def __init__(self, node_caps: list[int], tenant_caps: dict[str, int], ctx: _Ctx,
+    def __init__(self, node_caps: list[int], tenant_caps: dict[str, int], ctx: PlanContext,
                  horizon: int, pin_end: int) -> None:
         self.m = cp_model.CpModel()
         self.node_caps, self.tenant_caps, self.ctx = node_caps, tenant_caps, ctx
@@ -209,7 +209,7 @@ class _CpModel:
         if self.ctx.deadline[j.index] is not None:
             # The waiting penalty sum_k coef_k * max(0, s - slack_k) is convex in s: one
             # variable above each partial sum of its steps (by slack) and above 0.
-            steps = sorted(_wait_steps(self.ctx, j.index))
+            steps = sorted(wait_steps(self.ctx, j.index))
             top = sum(coef * max(0, horizon - slack) for slack, coef in steps)
             pen = m.new_int_var(0, top, f"w{j.index}")
             for k in range(1, len(steps) + 1):
@@ -224,7 +224,7 @@ class _CpModel:
             iv = m.new_fixed_size_interval_var(0, p.end, f"pin{p.job.index}")
             self._interval(iv, p.option.gpus, p.job.tenant, p.option.node)
             self.pooled.append((iv, p.option.gpus))
-        for tenant, spans in self.ctx.held.items():  # capped tenants only (_held_spans): in tenant_iv
+        for tenant, spans in self.ctx.held.items():  # capped tenants only (held_spans): in tenant_iv
             self.tenant_iv[tenant].extend((m.new_fixed_size_interval_var(0, end, f"held_{tenant}_{k}"), g)
                                           for k, (end, g) in enumerate(spans))
 
@@ -249,7 +249,7 @@ class _CpModel:
         for tenant, idx in ctx.tenants.items():
             fixed_sum, fixed_n = ctx.fixed.get(tenant, (0, 0))
             m.add(z * (len(idx) + fixed_n) >= ctx.share.get(tenant, 1) * (fixed_sum + sum(
-                _q(ctx, i) * (end[i] + ctx.age[i]) for i in idx)))
+                job_weight(ctx, i) * (end[i] + ctx.age[i]) for i in idx)))
         for tenant, (fixed_sum, fixed_n) in ctx.fixed.items():
             if tenant not in ctx.tenants:
                 m.add(z * fixed_n >= ctx.share.get(tenant, 1) * fixed_sum)
@@ -274,8 +274,8 @@ class _CpModel:
             for o in self.opts_of[p.job.index]:
                 m.add_hint(self.pres[p.job.index, o.node], o.node == p.option.node)
         for pen, i, steps in self.overs:
-            m.add_hint(pen, _wait_cost(steps, hint_start[i]))
-        m.add_hint(self.z, _fair_z(greedy, ctx))
+            m.add_hint(pen, wait_cost(steps, hint_start[i]))
+        m.add_hint(self.z, fair_z(greedy, ctx))
         m.add_hint(self.makespan, max([p.end for p in greedy] + [self.pin_end]))
         if ctx.tail:
             m.add_hint(self.longest, max(p.end + ctx.age[p.job.index] for p in greedy))

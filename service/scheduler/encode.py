@@ -1,6 +1,6 @@
 """The planner's instance in the solver's integer terms: tasks as jobs in time units with their
 node options (UJob, Placed), flow-time weights, tenant caps and held GPUs, and the objective's
-per-job constants (_Ctx): what the warm start, quotas and the CP model of the planner work on."""
+per-job constants (PlanContext): what the warm start, quotas and the CP model of the planner work on."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from service.scheduler.cp import SolveOptions
-from service.scheduler.objective import _Ctx
+from service.scheduler.objective import PlanContext
 from service.scheduler.packing import Option, Placed, UJob
 from service.scheduler.problem import Instance, TaskSpec
 
@@ -24,7 +24,7 @@ def _units_up(seconds: float, unit: int) -> int:
     return int(math.ceil(seconds / unit))
 
 
-def _build_jobs(inst: Instance, unit: int, opts: SolveOptions
+def build_jobs(inst: Instance, unit: int, opts: SolveOptions
                 ) -> tuple[list[UJob], list[Placed], dict[str, str], dict[int, TaskSpec]]:
     node_index = {n.id: i for i, n in enumerate(inst.nodes)}
     queued: list[UJob] = []
@@ -74,7 +74,7 @@ def _build_jobs(inst: Instance, unit: int, opts: SolveOptions
     return queued, pinned, bad, specs
 
 
-def _tenant_caps(inst: Instance, pinned: Sequence[Placed],
+def tenant_capacities(inst: Instance, pinned: Sequence[Placed],
                  held: Mapping[str, Sequence[tuple[int, int]]]) -> dict[str, int]:
     caps = {}
     for tenant, limit in inst.tenant_max_gpus.items():
@@ -84,7 +84,7 @@ def _tenant_caps(inst: Instance, pinned: Sequence[Placed],
     return caps
 
 
-def _held_spans(inst: Instance, unit: int) -> dict[str, list[tuple[int, int]]]:
+def held_spans(inst: Instance, unit: int) -> dict[str, list[tuple[int, int]]]:
     """Per capped tenant, spans [0, end) (units) with whole-GPU demands whose sum at each time
     is the ceiling of the GPUs it still holds then (tenant_held_gpus): a tenant holding 0.5 of
     a GPU under a cap of 1 can start no whole-GPU task until it is released, and one holding
@@ -107,9 +107,9 @@ def _held_spans(inst: Instance, unit: int) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
-def _context(jobs: Sequence[UJob], pinned: Sequence[Placed], specs: Mapping[int, TaskSpec],
+def plan_context(jobs: Sequence[UJob], pinned: Sequence[Placed], specs: Mapping[int, TaskSpec],
              unit: int, opts: SolveOptions,
-             history: Mapping[str, tuple[float, int]] | None = None) -> _Ctx:
+             history: Mapping[str, tuple[float, int]] | None = None) -> PlanContext:
     age, norm, deadline, half, margin = {}, {}, {}, {}, {}
     tenants: dict[str, list[int]] = {}
     for j in jobs:
@@ -143,7 +143,7 @@ def _context(jobs: Sequence[UJob], pinned: Sequence[Placed], specs: Mapping[int,
     mean_d = sum(norm.values()) / max(1, len(norm))
     fair = max(1, round(opts.fairness * FAIR_SCALE * mean_d * total_w / 1000))
     tail = round(opts.tail * total_w)
-    return _Ctx(age, norm, deadline, half, urgent=2 * wmax,
+    return PlanContext(age, norm, deadline, half, urgent=2 * wmax,
                 # Past the bound costs more than any fair-share or tail gain of one unit.
                 late=(20 * max(1, len(jobs)) * (wmax + 100 * fair * max(share.values(), default=1))
                       + tail), fair=fair, tenants=tenants,

@@ -88,7 +88,7 @@ from service.scheduler.problem import Hint, Instance, NodeSpec, Pinned, Plan, Ta
 
 log = logging.getLogger("loraplex.scheduler")
 
-_LOCK_KEY = 0x4C4F5241  # pg advisory lock: one replan at a time across API replicas
+PLAN_LOCK_KEY = 0x4C4F5241  # pg advisory lock: one replan at a time across API replicas
 DEFAULT_MAX_WAIT_S = 4 * 3600
 DEFAULT_UNIT_S = 60
 DEFAULT_TIME_LIMIT_S = 10.0
@@ -128,7 +128,7 @@ def _knob(settings: Settings, name: str, default: float) -> Any:
     return getattr(settings, name, None) or default
 
 
-def _model_shape(registry: ModelRegistry, name: str) -> tuple[ModelShape, int]:
+def model_shape(registry: ModelRegistry, name: str) -> tuple[ModelShape, int]:
     entry = registry.get(name)
     if entry is None:
         return ModelShape.guess(8_000_000_000), 1
@@ -188,10 +188,10 @@ def build_instance(session: Session, settings: Settings, now: datetime
     registry = ModelRegistry(settings.models_file)
     shapes, minimum = {}, {}
     for name in {t.base_model for t in tasks}:
-        shapes[name], minimum[name] = _model_shape(registry, name)
-    est = Estimator(shapes, _profiles(session, shapes), corrections=_corrections(session, shapes))
+        shapes[name], minimum[name] = model_shape(registry, name)
+    est = Estimator(shapes, measured_profiles(session, shapes), corrections=_corrections(session, shapes))
     gpu_types = {n.gpu_type: gpu_spec(n.gpu_type, n.gpu_memory_bytes or None,
-                                      _tflops(n.meta)) for n in nodes}
+                                      gpu_tflops(n.meta)) for n in nodes}
     max_wait = int(_knob(settings, "scheduler_max_wait_s", DEFAULT_MAX_WAIT_S))
     specs = []
     raw: dict[tuple[str, str], int] = {}
@@ -273,7 +273,7 @@ def _corrections(session: Session, models: Iterable[str]) -> dict[str, float]:
     return {model: correction_factor(p) for model, p in pairs.items()}
 
 
-def _profiles(session: Session, models: Iterable[str]
+def measured_profiles(session: Session, models: Iterable[str]
               ) -> dict[tuple[str, str, int, str], list[Profile]]:
     """The measured throughputs (service.profiles) of these models, keyed as the Estimator
     looks them up; one measurement per GPU count it was taken on."""
@@ -285,7 +285,7 @@ def _profiles(session: Session, models: Iterable[str]
     return out
 
 
-def _tflops(meta: dict | None) -> float | None:
+def gpu_tflops(meta: dict | None) -> float | None:
     value = (meta or {}).get("matmul_tflops")
     return float(value) * 1e12 if isinstance(value, int | float) and value > 0 else None
 
@@ -326,7 +326,7 @@ def _preempt(session: Session, plan: Plan, settings: Settings, colocated: Coloca
 def replan(session: Session, settings: Settings) -> Plan:
     """Replan every unfinished task; write planned rows and publish what starts now."""
     global _last
-    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK_KEY})
+    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PLAN_LOCK_KEY})
     now = utcnow()
     unit = int(_knob(settings, "scheduler_unit_s", DEFAULT_UNIT_S))
     inst, rows, raw = build_instance(session, settings, now)

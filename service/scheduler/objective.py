@@ -1,5 +1,5 @@
 """The planner's objective, shared by its CP-SAT model (`cp.py`) and its warm start
-(`warm_start.py`): per-job constants (`_Ctx`), the bounded-wait penalty, the fair-share term Z
+(`warm_start.py`): per-job constants (`PlanContext`), the bounded-wait penalty, the fair-share term Z
 (the worst tenant's mean slowdown, in thousandths) and a schedule's total.
 
 Objective (minimised, all integer):
@@ -32,7 +32,7 @@ from service.scheduler.packing import Placed
 
 
 @dataclass
-class _Ctx:
+class PlanContext:
     """Per-job constants of the objective, keyed by UJob.index."""
 
     age: dict[int, int]  # units since arrival (>= 0)
@@ -48,16 +48,16 @@ class _Ctx:
     share: dict[str, int] = field(default_factory=dict)  # tenant -> 1 + its operator priority
     margin: dict[int, int] = field(default_factory=dict)  # wait_margin of the bound (units)
     rank: dict[int, int] = field(default_factory=dict)  # job -> 10 + its own task priority
-    held: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # _held_spans
+    held: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # held_spans
 
 
-def _q(ctx: _Ctx, i: int) -> int:
+def job_weight(ctx: PlanContext, i: int) -> int:
     """Thousandths of slowdown per unit of a queued task's flow time; its own priority p (within
     its tenant's ceiling) makes its slowdown count (10 + p) / 10 times in its tenant's mean."""
     return max(1, round(100 * ctx.rank.get(i, 10) / ctx.norm[i]))
 
 
-def _wait_steps(ctx: _Ctx, i: int) -> list[tuple[int, int]]:
+def wait_steps(ctx: PlanContext, i: int) -> list[tuple[int, int]]:
     """(start after which, cost per unit) of the bounded-wait penalty: urgent from half the bound
     (less the margin), a tenth of late within the margin, late past the bound itself."""
     d = ctx.deadline[i]
@@ -68,16 +68,16 @@ def _wait_steps(ctx: _Ctx, i: int) -> list[tuple[int, int]]:
     return steps
 
 
-def _wait_cost(steps: Sequence[tuple[int, int]], start: int) -> int:
+def wait_cost(steps: Sequence[tuple[int, int]], start: int) -> int:
     """The bounded-wait penalty of a start: sum of cost * max(0, start - slack) over its steps."""
     return sum(coef * max(0, start - slack) for slack, coef in steps)
 
 
-def _fair_z(sched: Sequence[Placed], ctx: _Ctx) -> int:
+def fair_z(sched: Sequence[Placed], ctx: PlanContext) -> int:
     """The fair-share term's Z of a schedule: the largest weighted mean slowdown of a tenant."""
     sums = {t: ctx.fixed.get(t, (0, 0))[0] for t in set(ctx.tenants) | set(ctx.fixed)}
     for p in sched:
-        sums[p.job.tenant] += _q(ctx, p.job.index) * (p.end + ctx.age[p.job.index])
+        sums[p.job.tenant] += job_weight(ctx, p.job.index) * (p.end + ctx.age[p.job.index])
     z = 0
     for t, s in sums.items():
         n = len(ctx.tenants.get(t, ())) + ctx.fixed.get(t, (0, 0))[1]
@@ -85,14 +85,14 @@ def _fair_z(sched: Sequence[Placed], ctx: _Ctx) -> int:
     return z
 
 
-def objective(sched: Sequence[Placed], ctx: _Ctx) -> int:
+def objective(sched: Sequence[Placed], ctx: PlanContext) -> int:
     """The objective of a schedule of the queued jobs (same terms as the CP-SAT model)."""
     total = 0
     for p in sched:
         i = p.job.index
         total += p.job.weight * p.end
         if ctx.deadline[i] is not None:
-            total += _wait_cost(_wait_steps(ctx, i), p.start)
-    z = _fair_z(sched, ctx)
+            total += wait_cost(wait_steps(ctx, i), p.start)
+    z = fair_z(sched, ctx)
     longest = max((p.end + ctx.age[p.job.index] for p in sched), default=0)
     return total + ctx.fair * z + ctx.tail * longest + max((p.end for p in sched), default=0)

@@ -96,7 +96,7 @@ def timelines(node_caps: Sequence[int], tenant_caps: dict[str, int],
               pinned: Iterable[Placed], held: Mapping[str, Sequence[tuple[int, int]]] | None = None
               ) -> tuple[list[Timeline], dict[str, Timeline]]:
     """The nodes' and capped tenants' timelines with the running tasks and ``held``: per
-    tenant, (end, GPUs) spans from 0 that count against its cap only (encode._held_spans)."""
+    tenant, (end, GPUs) spans from 0 that count against its cap only (encode.held_spans)."""
     nodes = [Timeline(c) for c in node_caps]
     tenants = {t: Timeline(c) for t, c in tenant_caps.items()}
     for p in pinned:

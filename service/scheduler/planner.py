@@ -22,13 +22,13 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 
-from service.scheduler.cp import SolveOptions, _solve_cp
-from service.scheduler.encode import _build_jobs, _context, _held_spans, _tenant_caps
+from service.scheduler.cp import SolveOptions, solve_cp
+from service.scheduler.encode import build_jobs, held_spans, plan_context, tenant_capacities
 from service.scheduler.objective import objective
 from service.scheduler.packing import Option, Placed, UJob, assign_gpus
 from service.scheduler.problem import Assignment, Instance, Plan, TaskSpec
 from service.scheduler.quotas import boost_guarantee, reclaim
-from service.scheduler.warm_start import _warm_start
+from service.scheduler.warm_start import warm_start_plan
 
 FAIR_HISTORY = 20  # finished tasks per tenant whose slowdowns the fair-share term remembers
 
@@ -53,12 +53,12 @@ def solve(inst: Instance, opts: SolveOptions | None = None) -> Plan:
     opts = opts or SolveOptions()
     t0 = time.perf_counter()
     unit = opts.unit_s
-    jobs, pinned, bad, specs = _build_jobs(inst, unit, opts)
+    jobs, pinned, bad, specs = build_jobs(inst, unit, opts)
     node_caps = [n.gpu_count if n.up else 0 for n in inst.nodes]
     # caps before reclaim: a lowered cap never evicts running tasks, so a preempted one must be
     # able to come back under it
-    held = _held_spans(inst, unit)
-    tenant_caps = _tenant_caps(inst, pinned, held)
+    held = held_spans(inst, unit)
+    tenant_caps = tenant_capacities(inst, pinned, held)
     victims, chosen = reclaim(inst, jobs, pinned, node_caps)
     if victims:  # preempted tasks leave their GPUs now and are planned as queued again
         keep = [p for p in pinned if p.job.task_id not in victims]
@@ -82,13 +82,13 @@ def solve(inst: Instance, opts: SolveOptions | None = None) -> Plan:
             j.options = [o for o in j.options if o.node == chosen[j.index]]
             j.max_start = 0 if j.max_start is None else min(j.max_start, 0)
     boost_guarantee(inst, jobs, pinned, opts)
-    ctx = _context(jobs, pinned, specs, unit, opts, inst.tenant_history)
+    ctx = plan_context(jobs, pinned, specs, unit, opts, inst.tenant_history)
     ctx.held = held
-    greedy = _warm_start(jobs, node_caps, tenant_caps, pinned, ctx)
+    greedy = warm_start_plan(jobs, node_caps, tenant_caps, pinned, ctx)
     t1 = time.perf_counter()
     sched, status, bound = greedy, ("HEURISTIC" if jobs else "EMPTY"), 0
     if jobs:
-        result = _solve_cp(jobs, pinned, greedy, node_caps, tenant_caps, ctx, opts)
+        result = solve_cp(jobs, pinned, greedy, node_caps, tenant_caps, ctx, opts)
         if result is not None and objective(result[0], ctx) <= objective(greedy, ctx):
             sched, status, bound = result
     placed = list(pinned) + sched
@@ -111,11 +111,11 @@ def solve(inst: Instance, opts: SolveOptions | None = None) -> Plan:
 def heuristic_makespan(inst: Instance, unit_s: int = 1) -> int:
     """Makespan (seconds) of the warm-start plan (a baseline for the benchmark)."""
     opts = SolveOptions(unit_s=unit_s)
-    jobs, pinned, _, specs = _build_jobs(inst, unit_s, opts)
+    jobs, pinned, _, specs = build_jobs(inst, unit_s, opts)
     node_caps = [n.gpu_count if n.up else 0 for n in inst.nodes]
-    ctx = _context(jobs, pinned, specs, unit_s, opts)
-    ctx.held = _held_spans(inst, unit_s)
-    sched = _warm_start(jobs, node_caps, _tenant_caps(inst, pinned, ctx.held), pinned, ctx)
+    ctx = plan_context(jobs, pinned, specs, unit_s, opts)
+    ctx.held = held_spans(inst, unit_s)
+    sched = warm_start_plan(jobs, node_caps, tenant_capacities(inst, pinned, ctx.held), pinned, ctx)
     return max([p.end for p in sched] + [p.end for p in pinned] + [0]) * unit_s
 
 

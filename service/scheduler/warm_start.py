@@ -6,12 +6,12 @@ stale hint. CP-SAT's first solution, and the plan kept when the search finds not
 
 from __future__ import annotations
 
-from service.scheduler.objective import _Ctx, objective
+from service.scheduler.objective import PlanContext, objective
 from service.scheduler.packing import Placed, UJob, list_schedule
 
 
-def _warm_start(jobs: list[UJob], node_caps: list[int], tenant_caps: dict[str, int],
-                pinned: list[Placed], ctx: _Ctx) -> list[Placed]:
+def warm_start_plan(jobs: list[UJob], node_caps: list[int], tenant_caps: dict[str, int],
+                pinned: list[Placed], ctx: PlanContext) -> list[Placed]:
     """Best of several list schedules by the objective (planner's module docstring)."""
     def urgency(j: UJob) -> tuple[int, int]:
         d = ctx.deadline[j.index]

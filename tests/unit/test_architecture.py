@@ -2,7 +2,7 @@
 (test_contract_layering keeps the packages' and the service floors' import directions): no
 module imports itself through others (no import circle, lazy imports and TYPE_CHECKING ones
 counted); no file outside the kernels and the tests is over 500 lines; no module docstring is
-over 40."""
+over 40; no private name imported from another module; no executor handed to a task as `Any`."""
 
 from __future__ import annotations
 
@@ -111,3 +111,37 @@ def test_module_docstrings_are_short_enough_to_read() -> None:
                   if (doc := ast.get_docstring(ast.parse(p.read_text()), clean=False))
                   and (n := doc.count("\n") + 1) > 40)
     assert long == []
+
+
+PRODUCT = ("contract", "service", "worker", "trainer")
+
+
+def test_no_private_name_imported_across_modules() -> None:
+    # a name another module needs is part of its module's interface: public, so a reader (and a
+    # refactoring tool) sees the dependency
+    found = []
+    for name, path in MODULES.items():
+        if top(name) not in PRODUCT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and top(node.module) in PACKAGES:
+                found += [f"{path.relative_to(REPO)}: {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert found == []
+
+
+def test_no_host_typed_any() -> None:
+    # what a task uses of its executor is a Protocol (trainer.task_parts.TaskHost), not Any
+    found = []
+    for name, path in MODULES.items():
+        if top(name) not in PRODUCT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            pairs = []
+            if isinstance(node, ast.arg):
+                pairs = [(node.arg, node.annotation)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                pairs = [(node.target.id, node.annotation)]
+            found += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n, ann in pairs
+                      if n == "host" and isinstance(ann, ast.Name) and ann.id == "Any"]
+    assert found == []

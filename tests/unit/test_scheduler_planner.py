@@ -111,11 +111,11 @@ def brute_force_objective(inst: Instance, opts: SolveOptions) -> int:
     """The best objective over every task order and every node choice per task (serial schedule
     generation: each task at its earliest fit). The objective only grows with completion times,
     so an optimal plan is among these (semi-active schedules)."""
-    jobs, pinned, _, specs = planner._build_jobs(inst, opts.unit_s, opts)
+    jobs, pinned, _, specs = planner.build_jobs(inst, opts.unit_s, opts)
     node_caps = [n.gpu_count if n.up else 0 for n in inst.nodes]
-    ctx = planner._context(jobs, pinned, specs, opts.unit_s, opts, inst.tenant_history)
-    held = planner._held_spans(inst, opts.unit_s)
-    caps = planner._tenant_caps(inst, pinned, held)
+    ctx = planner.plan_context(jobs, pinned, specs, opts.unit_s, opts, inst.tenant_history)
+    held = planner.held_spans(inst, opts.unit_s)
+    caps = planner.tenant_capacities(inst, pinned, held)
     best = None
     for order in itertools.permutations(jobs):
         for choice in itertools.product(*[j.options for j in order]):
