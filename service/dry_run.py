@@ -30,7 +30,7 @@ from service.scheduler.estimator import (
     gpu_spec,
     remaining_tokens,
 )
-from service.scheduler.loop import gpu_tflops, measured_profiles, model_shape
+from service.scheduler.snapshot import gpu_tflops, measured_profiles, model_shape
 from service.schemas import TaskCreate
 from service.tasks import check_request, expand_grid, resolve_adapter, resolve_auto
 from service.usage import tokens_per_record

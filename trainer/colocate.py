@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from contract.states import JOB_TERMINAL
+from contract.states import JOB_TERMINAL, ExitReason
 from contract.states import JobState as JobLifecycle
 from trainer.checkpoint import Write, restore_job
 from trainer.config import Callbacks, ExecutorConfig
@@ -303,7 +303,7 @@ class TaskRun(TaskFiles):
             keep, evict = self.ranking.decide()
             self.cb.on_event("", "warmup_ranking", {"keep": keep, "evict": evict})
             for job_id in evict:
-                self.exit(job_id, ExitDecision("underperforming", {"kept": keep}))
+                self.exit(job_id, ExitDecision(ExitReason.UNDERPERFORMING, {"kept": keep}))
 
     def exit(self, job_id: str, decision: ExitDecision) -> None:
         if self.status[job_id]["state"] in ENDED_HERE:

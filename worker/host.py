@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,17 @@ from contract.protocol import PlacementSpec, colocation_key
 from contract.states import TaskOutcome
 from worker import sampler
 from worker.runner import PlacementRun, StopFlag, open_task, settle
+
+
+class HostState(StrEnum):
+    """A shared executor process's state (its status()["state"]): loading the model, serving tasks,
+    stopping (no new task), closed."""
+
+    LOADING = "loading"
+    SERVING = "serving"
+    STOPPING = "stopping"
+    CLOSED = "closed"
+
 
 log = logging.getLogger("loraplex.worker.host")
 INBOX_NAME = "inbox"
@@ -96,7 +108,7 @@ class Host:
         self.accepted: list[str] = []
         self.ended: dict[str, str] = {}  # placement -> outcome (its terminal record is written)
         self.refused: dict[str, str] = {}  # placement -> why it never joined (it may go elsewhere)
-        self.state = "loading"
+        self.state = HostState.LOADING
         self._lock = threading.RLock()
 
     # -- the process ------------------------------------------------------------------------
@@ -129,7 +141,7 @@ class Host:
 
     def _close(self, code: int) -> int:
         with self._lock:
-            self.state = "closed"
+            self.state = HostState.CLOSED
             self.take_requests()  # attach requests that came too late are refused
             self.write_status()
         log.info("shared executor exited key=%s code=%d ended=%s", self.key, code,
@@ -137,8 +149,8 @@ class Host:
         return code
 
     def _control(self) -> None:
-        if self.stop() and self.state != "stopping":
-            self.state = "stopping"
+        if self.stop() and self.state != HostState.STOPPING:
+            self.state = HostState.STOPPING
             log.info("shared executor stopping key=%s why=%s placements=%s", self.key,
                      self.stop.reason, ",".join(self.hosted()) or "-")
             for placement_id in self.hosted():
@@ -181,7 +193,7 @@ class Host:
     def attach(self, directory: Path) -> None:
         """One placement joins: its task attaches to the executor (the first one builds it)."""
         placement_id = directory.name
-        if self.state in ("stopping", "closed"):
+        if self.state in (HostState.STOPPING, HostState.CLOSED):
             self.refused[placement_id] = f"the shared executor is {self.state}"
             return
         try:
@@ -240,7 +252,7 @@ class Host:
         (this thread takes them). Else its result says it refused, and the request goes back."""
         engine = getattr(self.executor, "engine", None)
         if (self.hosted() or getattr(self.executor, "tasks", None) or engine is None
-                or getattr(engine, "jobs", None) or self.state in ("stopping", "closed")):
+                or getattr(engine, "jobs", None) or self.state in (HostState.STOPPING, HostState.CLOSED)):
             sampler.write_result(directory, {"refused": "the warm executor was busy"})
             return
         result = sampler.run(directory, engine, self.executor.tokenizer)
@@ -285,8 +297,8 @@ class Host:
         if self.executor is not None and hasattr(self.executor, "capacity"):
             capacity = self.executor.capacity()
         state = self.state
-        if state == "loading" and capacity["total_rows"] > 0:
-            state = self.state = "serving"
+        if state == HostState.LOADING and capacity["total_rows"] > 0:
+            state = self.state = HostState.SERVING
         with self._lock:
             write_json(self.directory / STATUS_NAME, {
                 "pid": os.getpid(), "key": self.key, "gpu_indices": self.gpu_indices,

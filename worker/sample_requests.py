@@ -25,6 +25,7 @@ from contract.sample_requests import (
 )
 from worker import host as shared
 from worker.config import DaemonConfig
+from worker.host import HostState
 from worker.local_state import LocalHost, LocalPlacement, LocalStatus
 from worker.processes import kill_group, spawn
 from worker.registration import Registration
@@ -82,7 +83,7 @@ class SampleRequests:
     def _idle_hosts(self) -> list[LocalHost]:
         return [h for h in self.shared.hosts.values()
                 if not h.closing and h.exit_code() is None and not self.shared.hosted(h)
-                and h.status().get("state") == "serving"]
+                and h.status().get("state") == HostState.SERVING]
 
     def _free_slot(self) -> list[int] | None:
         """A slot (GPU, or a CPU node's slot) no placement and no shared executor holds."""

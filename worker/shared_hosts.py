@@ -13,6 +13,7 @@ from contract.protocol import ExecutorReport, PlacementSpec
 from contract.states import TaskOutcome
 from worker import host as shared
 from worker.config import DaemonConfig
+from worker.host import HostState
 from worker.local_resume import seed_before_start
 from worker.local_state import LocalHost, LocalPlacement, LocalStatus
 from worker.processes import LEASE_NAME, kill_group, spawn, touch
@@ -52,7 +53,7 @@ class SharedHosts:
         for h in self.hosts.values():
             if (h.key == key and h.gpu_indices == list(p.gpu_indices) and not h.closing
                     and h.host_id not in p.refused_by and h.exit_code() is None
-                    and h.status().get("state") not in ("stopping", "closed")):
+                    and h.status().get("state") not in (HostState.STOPPING, HostState.CLOSED)):
                 return h
         return None
 
@@ -139,7 +140,7 @@ class SharedHosts:
         reports = []
         for h in self.hosts.values():
             status = h.status()
-            if (h.closing or status.get("state") in ("stopping", "closed")
+            if (h.closing or status.get("state") in (HostState.STOPPING, HostState.CLOSED)
                     or h.exit_code() is not None):
                 continue
             reports.append(ExecutorReport(

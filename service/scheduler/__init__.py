@@ -1,6 +1,7 @@
 """Inter-task scheduler: CP-SAT planner (planner, with problem, encode, warm_start, quotas, cp,
-objective, packing), duration/GPU estimator (estimator) and the database loop (loop.replan). The
-planner imports no database code; loop is loaded on use."""
+objective, packing), duration/GPU estimator (estimator), the instance read from the database
+(snapshot) and the database loop (loop.replan). The planner imports no database code; loop is
+loaded on use."""
 
 from __future__ import annotations
 
