@@ -10,6 +10,9 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# the fair-share weight, stated once: the service's setting and the planner's default
+DEFAULT_SCHEDULER_FAIRNESS = 0.25
+
 
 class Settings(BaseSettings):
     """All knobs of the API process; defaults fit the local stack of scripts/loraplex-up.sh."""
@@ -57,7 +60,7 @@ class Settings(BaseSettings):
     # past half of it and steeply past it. Never dropped for the whole plan.
     scheduler_max_wait_s: int = 4 * 3600
     # Weight of the fair-share term (worst tenant's mean slowdown) against weighted flow time.
-    scheduler_fairness: float = 0.25
+    scheduler_fairness: float = DEFAULT_SCHEDULER_FAIRNESS
     # Weight of the longest planned flow time (arrival to end) as a fraction of the queue's total
     # weight: > 0 starts old long tasks sooner (p99) at some cost in mean completion; 0: off.
     scheduler_tail: float = 0.0

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 from ortools.sat.python import cp_model
 
+from service.core.config import DEFAULT_SCHEDULER_FAIRNESS
 from service.scheduler.objective import PlanContext, fair_z, job_weight, wait_cost, wait_steps
 from service.scheduler.packing import Option, Placed, UJob
 
@@ -36,7 +37,7 @@ class SolveOptions:
     seed: int = 0
     # F: 1.0 of the worst tenant's mean slowdown costs F * FAIR_SCALE * mean duration * total
     # weight (the mean spans up to FAIR_HISTORY finished tasks too, hence the scale).
-    fairness: float = 0.25
+    fairness: float = DEFAULT_SCHEDULER_FAIRNESS
     guarantee_boost: int = 4
     max_node_options: int = 8
     max_options_total: int = 800  # fewer node options per task when many tasks (model size)

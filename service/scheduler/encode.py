@@ -12,7 +12,7 @@ from service.scheduler.objective import PlanContext
 from service.scheduler.packing import Option, Placed, UJob
 from service.scheduler.problem import Instance, TaskSpec
 
-FAIR_SCALE = 6  # the production fairness 0.25 is 1.5 mean durations x total weight per slowdown
+FAIR_SCALE = 6  # the default fairness (0.25) is 1.5 mean durations x total weight per slowdown
 WEIGHT_SCALE = 100  # flow-time weights are scaled so that the fair-share coefficient is not 0
 
 

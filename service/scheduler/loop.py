@@ -113,7 +113,7 @@ def solve_options(settings: Settings) -> SolveOptions:
         unit_s=int(knob(settings, "scheduler_unit_s", DEFAULT_UNIT_S)),
         work_limit=float(knob(settings, "scheduler_work_limit", DEFAULT_WORK_LIMIT)),
         time_limit_s=float(knob(settings, "scheduler_time_limit_s", DEFAULT_TIME_LIMIT_S)),
-        fairness=float(getattr(settings, "scheduler_fairness", 0.25)),
+        fairness=float(settings.scheduler_fairness),
         tail=float(getattr(settings, "scheduler_tail", 0.0)))
 
 
