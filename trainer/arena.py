@@ -36,6 +36,11 @@ class AdapterArena:
     the engine's device, dtypes, layers, training examples and `_to_device`)."""
 
     # ----- arena -----------------------------------------------------------------------
+    @property
+    def params_per_rank(self) -> int:
+        """Adapter parameters a job has per unit of rank (every target's A and B)."""
+        return sum(d_in + d_out for d_in, d_out in self.shapes.values())
+
     def _init_arena(self) -> None:
         """Empty arenas on self.device (a subclass that moves the model calls it again)."""
         if self.jobs:

@@ -201,7 +201,6 @@ class Executor(TaskHosting, MemoryPlanning):
                 break
             started = time.perf_counter()
             with self.phase("train"):
-                self._choose_recompute()
                 resident = self._step_memory_start()
                 report = self._train_step() if self.engine.jobs else None
                 self._count_recompute()

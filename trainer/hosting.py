@@ -176,7 +176,7 @@ class TaskHosting:
         eng = self.engine
         if eng.device.type != "cuda" or len(task.cfg.jobs) <= 1:
             return
-        per_rank = sum(d_in + d_out for d_in, d_out in eng.shapes.values())
+        per_rank = eng.params_per_rank
         item = eng.adapter_dtype.itemsize
         states = sum(3 * item * per_rank * j.lora_rank for j in task.cfg.jobs)  # weights + 2 moments
         free, total = torch.cuda.mem_get_info(eng.device)

@@ -38,8 +38,8 @@ HEAD_BYTES = 16  # per logit of the head's chunk: bf16 logits, their float32 upc
 STEP_FIXED = 768 << 20  # what a step holds whatever its tokens beyond the head (H100, 8B: ~0.8 GB)
 WORKSPACE = 512 << 20  # cuBLAS/Triton workspaces, the allocator's rounding of the big blocks
 ACTIVATION_SLACK = 1.5
-ARENA_SLACK = 1.125
-LASTING = 256 << 20  # a step that leaves more allocated than this (new jobs' states) is not corrected from  # the arena grows by an eighth at least: a job's state costs up to this more
+ARENA_SLACK = 1.125  # the arena grows by an eighth at least: a job's state costs up to this more
+LASTING = 256 << 20  # a step that leaves more allocated than this (new jobs' states) is not corrected from
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,15 @@ def state_bytes_per_param(adapter_itemsize: int) -> float:
     return (3 * adapter_itemsize + 4) * ARENA_SLACK
 
 
-def fixed_transient(s: Shapes, head_chunk: int, adapter_params: int) -> float:
-    """What a step allocates whatever its tokens (at most): the head's chunk, AdamW's temporary."""
-    return head_bytes(s, head_chunk) + 4.0 * min(adapter_params, ADAMW_CHUNK) + STEP_FIXED
+def adamw_temporary(adapter_params: int) -> float:
+    """AdamW's grouped temporary (trainer.jobs.multi_adamw) over this many adapter parameters."""
+    return 4.0 * min(adapter_params, ADAMW_CHUNK)
+
+
+def fixed_transient(head_per_token: float, tokens: int, adapter_params: int) -> float:
+    """What a step allocates beside its activations: the head's logits of `tokens` tokens (one
+    chunk at most), AdamW's temporary, STEP_FIXED."""
+    return head_per_token * tokens + adamw_temporary(adapter_params) + STEP_FIXED
 
 
 def analytic_model(config: Any, *, head_chunk: int, max_rank: int, n_targets: int, recompute: bool,
@@ -110,7 +116,7 @@ def analytic_model(config: Any, *, head_chunk: int, max_rank: int, n_targets: in
     the step's fixed transient and a workspace; admission adds what is resident when it decides
     and each job's state. Static form: k0 also holds `resident` and one job of the largest rank."""
     s = Shapes.of(config)
-    k0 = fixed_transient(s, head_chunk, ADAMW_CHUNK) + WORKSPACE
+    k0 = fixed_transient(HEAD_BYTES * s.vocab, head_chunk, ADAMW_CHUNK) + WORKSPACE
     if resident is not None:
         k0 += resident + state_bytes_per_rank * max_rank
     k1 = per_token_bytes(s, recompute, n_targets, _tile(max_rank)) * sequences_per_item
@@ -148,8 +154,7 @@ class OnlineCorrection:
     _seen: int = 0
 
     def fixed(self, tokens: int, adapter_params: int) -> float:
-        return (self.head_per_token * min(tokens, self.head_chunk) + 4.0 * min(adapter_params, ADAMW_CHUNK)
-                + STEP_FIXED)
+        return fixed_transient(self.head_per_token, min(tokens, self.head_chunk), adapter_params)
 
     def predict_transient(self, tokens: int, adapter_params: int = 0) -> float:
         return self.fixed(tokens, adapter_params) + self.model.k1 * tokens
@@ -163,7 +168,7 @@ class OnlineCorrection:
         transient = self.predict_transient(tokens, adapter_params)
         lasting = after - resident > LASTING
         # the lasting allocations (new jobs' AdamW moments) come after the activations are freed
-        predicted = max(resident + transient, after + 4.0 * min(adapter_params, ADAMW_CHUNK)) if lasting \
+        predicted = max(resident + transient, after + adamw_temporary(adapter_params)) if lasting \
             else resident + transient
         self.trace.append(StepPeak(tokens, recompute, resident, peak, predicted))
         if tokens <= 0 or peak <= resident or lasting:

@@ -70,6 +70,7 @@ class MemoryPlanning:
             per_item = cfg.max_seq_len * self.objective.sequences_per_item  # a DPO item: a pair
             self.admission = AdmissionController.from_token_budget(
                 cfg.max_tokens_per_step or 1 << 60, per_item, cfg.max_active_jobs)
+        self.engine.recompute_for = self._recompute_for
 
     def probe_step(self, total_batch: int) -> None:
         """One full training step of a throwaway job of the largest rank at `total_batch`
@@ -116,12 +117,14 @@ class MemoryPlanning:
         return RecomputePolicy(without, self.admission.limit_bytes, self.cfg.max_seq_len,
                                self.admission.resident)
 
-    def _choose_recompute(self) -> None:
-        """Before a step: the engine decides recompute on or off from the step's own tokens once
-        it has drawn them (RecomputePolicy.recompute_tokens; the worst case of its total batch
-        left most steps recomputing: 198 of 200 in an 8-job task of 1.7k tokens a step)."""
-        if self.recompute_policy is not None and self.engine.recompute_for is None:
-            self.engine.recompute_for = lambda tokens: self.recompute_policy.recompute_tokens(tokens)
+    def _recompute_for(self, tokens: int) -> bool:
+        """The engine's hook (installed by _plan_memory): recompute on or off from a step's own
+        tokens once it has drawn them (RecomputePolicy.recompute_tokens; the worst case of its
+        total batch left most steps recomputing: 198 of 200 in an 8-job task of 1.7k tokens a
+        step); without a policy the setting stays."""
+        if self.recompute_policy is None:
+            return self.engine.gradient_checkpointing
+        return self.recompute_policy.recompute_tokens(tokens)
 
     def _count_recompute(self) -> None:
         self.recompute_steps["on" if self.engine.gradient_checkpointing else "off"] += 1
@@ -178,7 +181,7 @@ class MemoryPlanning:
         """The device bytes a job adds when it attaches: its state (a resuming job parked on the
         device only its gradient region)."""
         eng = self.engine
-        per_rank = sum(d_in + d_out for d_in, d_out in eng.shapes.values())
+        per_rank = eng.params_per_rank
         rank = getattr(job, "lora_rank", None)
         if rank is None:  # a started job resuming from its park
             state = next((t.parked[job.job_id] for t in self.tasks.values() if job.job_id in t.parked), None)
@@ -200,8 +203,7 @@ class MemoryPlanning:
             layers = getattr(getattr(eng.model, "base_model", None), "layers", None)
             if self.world > 1 and layers:
                 resident += 2 * sum(p.numel() * p.element_size() for p in layers[0].parameters())
-            per_rank = sum(d_in + d_out for d_in, d_out in eng.shapes.values()) * state_bytes_per_param(
-                eng.adapter_dtype.itemsize)
+            per_rank = eng.params_per_rank * state_bytes_per_param(eng.adapter_dtype.itemsize)
         targets = len({name.rsplit(".", 1)[-1] for name in eng.shapes})
         return analytic_model(eng.model.config, head_chunk=eng.head_chunk,
                               max_rank=max(j.lora_rank for j in cfg.jobs), n_targets=targets,
