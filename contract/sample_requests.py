@@ -10,15 +10,13 @@ from typing import Annotated
 
 from contract.base import Field, Message
 from contract.protocol import Sample
-from contract.settings import INT32_MAX
+from contract.settings import INT32_MAX, MAX_PROMPTS, Decoding, Prompt
 
-Prompt = Annotated[str, Field(min_length=1, max_length=8000)]
 JobId = Annotated[str, Field(min_length=1, max_length=40)]
-MAX_PROMPTS = 32
 MAX_JOBS = 8
 
 
-class SampleRequestSettings(Message):
+class SampleRequestSettings(Decoding):
     """What a tenant asks for: its prompts, the configurations that answer them (job ids, or the
     top k by best validation loss; neither: the top 3), the base model beside them, and the
     decoding (as the task's end-of-task SampleSettings)."""
@@ -33,12 +31,6 @@ class SampleRequestSettings(Message):
         "Instead of job_ids: the k jobs of the best validation loss that have an adapter (3 when "
         "neither is given; 0: the base model alone)."))
     include_base: bool = Field(default=True, description="The base model answers too (job_id null).")
-    max_new_tokens: int = Field(default=128, ge=1, le=1024)
-    temperature: float = Field(default=0.0, ge=0, le=2, allow_inf_nan=False,
-                               description="0: greedy; above, sampled with top_p and seed.")
-    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
-    seed: int = Field(default=0, ge=0, le=INT32_MAX,
-                      description="Sampling with the same seed repeats exactly.")
 
 
 class SampleClaim(Message):

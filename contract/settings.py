@@ -115,7 +115,24 @@ class EvalSettings(Message):
         return {**data, "eval_every_steps": STEP_CADENCE if steps is None else steps}
 
 
-class SampleSettings(Message):
+PROMPT_CHARS = 8000  # a sample prompt's bound (given inline, asked on demand, reported)
+MAX_PROMPTS = 32
+Prompt = Annotated[str, Field(min_length=1, max_length=PROMPT_CHARS)]
+
+
+class Decoding(Message):
+    """How completions are decoded: the end-of-task samples (SampleSettings) and samples asked on
+    demand (contract.sample_requests) alike."""
+
+    max_new_tokens: int = Field(default=128, ge=1, le=1024)
+    temperature: float = Field(default=0.0, ge=0, le=2, allow_inf_nan=False,
+                               description="0: greedy; above, sampled with top_p and seed.")
+    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
+    seed: int = Field(default=0, ge=0, le=INT32_MAX,
+                      description="Sampling with the same seed repeats exactly.")
+
+
+class SampleSettings(Decoding):
     """The completions a task ends with (trainer.sampling): a few held-out prompts answered by the
     leading adapters and by the base model, side by side, from the search's own backbone."""
 
@@ -124,18 +141,12 @@ class SampleSettings(Message):
     enabled: bool = True
     top_k: int = Field(default=3, ge=0, le=8,
                        description="Adapters: the k jobs of the best validation loss (0: the base model alone).")
-    prompts: list[Annotated[str, Field(min_length=1, max_length=8000)]] | None = Field(
-        default=None, max_length=32,
+    prompts: list[Prompt] | None = Field(
+        default=None, max_length=MAX_PROMPTS,
         description="The prompts, given inline (the chat template is applied when the training "
                     "data was chat); null: the first n_prompts prompts of the validation set.")
-    n_prompts: int = Field(default=8, ge=1, le=32,
+    n_prompts: int = Field(default=8, ge=1, le=MAX_PROMPTS,
                            description="Validation prompts used when none are given inline.")
-    max_new_tokens: int = Field(default=128, ge=1, le=1024)
-    temperature: float = Field(default=0.0, ge=0, le=2, allow_inf_nan=False,
-                               description="0: greedy; above, sampled with top_p and seed.")
-    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
-    seed: int = Field(default=0, ge=0, le=INT32_MAX,
-                      description="Sampling with the same seed repeats exactly.")
 
 
 class TaskSettings(Message):
