@@ -26,9 +26,14 @@ def state_bytes(state: JobState) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def park_room(free: int, total: int, reserve: float = PARK_RESERVE) -> float:
+    """Bytes that parks may still take on the device: what is free beyond `reserve` of `total`."""
+    return free - reserve * total
+
+
 def park_target(need: int, free: int, total: int, reserve: float = PARK_RESERVE) -> str | None:
     """None (park on the device) when `need` bytes leave at least `reserve` of `total` free."""
-    return None if free - need >= reserve * total else "cpu"
+    return None if need <= park_room(free, total, reserve) else "cpu"
 
 
 class AdapterArena:

@@ -15,7 +15,7 @@ import torch
 
 from contract.protocol import tenant_safe
 from contract.states import JOB_LIVE, JobState, TaskOutcome
-from trainer.arena import PARK_RESERVE
+from trainer.arena import park_room
 from trainer.checkpoint import load_checkpoint
 from trainer.colocate import TaskRun
 from trainer.config import CALLBACK_KINDS, HOST_FIELDS, Callbacks, ExecutorConfig
@@ -180,7 +180,7 @@ class TaskHosting:
         item = eng.adapter_dtype.itemsize
         states = sum(3 * item * per_rank * j.lora_rank for j in task.cfg.jobs)  # weights + 2 moments
         free, total = torch.cuda.mem_get_info(eng.device)
-        need = max(0, states - max(0, free - int(PARK_RESERVE * total)))
+        need = max(0, states - max(0, int(park_room(free, total))))
         # and the snapshots of checkpoints and exports waiting for the writer thread
         need += int(task.cfg.write_buffer_bytes)
         POOL.reserve(min(need + POOL.pinned_bytes, host_memory_bytes() // 4))
