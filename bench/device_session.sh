@@ -312,6 +312,10 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
       --out "$OUT/executor_task_cold_h100.md" --json "$OUT/executor_task_cold_h100.json"
     step 200 task_second python3 bench/executor_task.py --layers 32 --steps 200 --runs second --reuse \
       --out "$OUT/executor_task_second_h100.md" --json "$OUT/executor_task_second_h100.json"
+    # the Triton cache this image built (to ship for sm_90), and the logs as one file each: the
+    # device tool brings back at most 8 files
+    tar -C /tmp/executor_task_cache -czf "$OUT/triton_cache_sm90.tar.gz" triton
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log ./*.txt)
     ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac
