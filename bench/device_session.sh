@@ -317,5 +317,21 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     tar -C /tmp/executor_task_cache -czf "$OUT/triton_cache_sm90.tar.gz" triton
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log ./*.txt)
     ;;
+  s20_warm)  # session 20, call 3 (issues 41, 44, 42): the pair objectives' GPU test (varlen), the 60-step
+             # task of issue 41 in a fresh process with the shipped Triton cache (kernels compiled in the
+             # task counted), then a task joining a warm worker.host and samples on demand there (the
+             # node's side needs pydantic: carried as wheels in .whl)
+    step 90 gpu_pairs python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_pair_objectives_gpu.py
+    export TRITON_CACHE_DIR=/tmp/s20_triton
+    rm -rf "$TRITON_CACHE_DIR"
+    step 200 task60 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold \
+      --out "$OUT/executor_task60_h100.md" --json "$OUT/executor_task60_h100.json"
+    echo "cubins in the Triton cache after the task: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)," \
+      "shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')" | tee -a "$OUT/steps.txt"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site step 230 warm_host python3 bench/warm_host.py --layers 32 --n-train 120 \
+      --work /tmp/executor_task --reuse --deadline-s 210 --out "$OUT/warm_host_h100.md" --json "$OUT/warm_host_h100.json"
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac

@@ -90,15 +90,19 @@ class Counted(Executor):
         self.engine.evaluate_metrics = evaluate_metrics
 
 
-def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: Path, graphs: bool = True) -> dict:
+EVALS = {"product": EvalSettings(),  # the product's cadence: every 1024 samples a job trained on
+         "every10": EvalSettings(eval_every_steps=10, eval_max_samples=None)}  # sessions 17-20's tables
+
+
+def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: Path, graphs: bool = True,
+        evaluation: str = "product") -> dict:
     tokens, events = [], {}
     cb = Callbacks(on_throughput=lambda d: tokens.append(d),
                    on_event=lambda j, m, d: events.setdefault(m, d) if not j else None)
     shutil.rmtree(out, ignore_errors=True)
     cfg = ExecutorConfig(model_dir=str(model_dir), train_file=str(train), val_file=str(val), output_dir=str(out),
                          jobs=jobs(steps), profile_cache=str(cache), cuda_graphs=graphs,
-                         settings=TaskSettings(max_seq_len=1024, eval=EvalSettings(eval_every_steps=10,
-                                                                                eval_max_samples=None)))
+                         settings=TaskSettings(max_seq_len=1024, eval=EVALS[evaluation]))
     te.sync()
     t0 = time.perf_counter()
     ex = Counted(cfg, cb)
@@ -142,7 +146,10 @@ def render(res: dict, args: argparse.Namespace) -> str:
     lines = [f"# The real executor at {args.layers} layers, {args.steps} steps ({dev})", "",
              f"Llama-3.1-8B shape, random bf16 weights, {args.layers} layers; 8 jobs (ranks 16/32/64, batch 1/2/4), "
              f"prompts 24-200 and completions 24-700 words, max_seq_len 1024, {args.n_train} train / {args.n_val} "
-             "validation samples; product defaults (evaluation, early exit, checkpoints, exports, attention auto). "
+             "validation samples; product defaults (early exit, checkpoints, exports, end-of-task samples, attention "
+             "auto); evaluation " + ("the product's (every 1024 samples a job trained on, 0.25 validation sample "
+             "per trained one, at least 64)" if args.eval == "product" else "every 10 steps on the whole validation "
+             "set (as sessions 17-20's tables)") + ". "
              "`python bench/executor_task.py " + " ".join(sys.argv[1:]) + "`.", "",
              "| run | wall s | load | profile | train | eval | checkpoint | export | first step s | train tok/s | "
              "MFU | wall / train | eval share | samples s | steps | jobs end |",
@@ -187,6 +194,9 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--json", default="")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--eval", choices=sorted(EVALS), default="product",
+                    help="product: the product's evaluation defaults; every10: every 10 steps on the whole "
+                         "validation set (the tables of sessions 17-20)")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the work directory's model (and stored profiles): a later process of a node")
     args = ap.parse_args()
@@ -209,7 +219,7 @@ def main() -> None:
         te.log(f"run {name}")
         # a run named "...eager..." launches every step eagerly (no CUDA graphs): the side-by-side baseline
         res["runs"][name] = run(model_dir, train, val, root / f"out_{name}", args.steps, cache,
-                                graphs="eager" not in name)
+                                graphs="eager" not in name, evaluation=args.eval)
         te.log(json.dumps(res["runs"][name], default=str))
         te.free()
     text = render(res, args)

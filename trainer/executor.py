@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from contract.states import TaskOutcome
+from kernels.shipped_cache import seed as seed_triton_cache
 from trainer.admission import MemoryModel, RecomputePolicy
 from trainer.colocate import TaskRun
 from trainer.config import Callbacks, ExecutorConfig
@@ -126,6 +127,7 @@ class Executor(TaskHosting, MemoryPlanning):
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if device.type == "cuda":
             torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
+            seed_triton_cache()  # the kernels shipped for this GPU kind: none compiles in the task
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         model = self.strategy.load_model(cfg.model_dir, device, dtype)
         self.device = device

@@ -109,12 +109,15 @@ def load_engine(model_dir: str, targets: list[str] | None) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from kernels.shipped_cache import seed as seed_triton_cache
     from trainer.engine import MultiLoraEngine
 
     if not Path(model_dir).is_dir():
         raise SampleError("the base model's weights are not available on this node")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        seed_triton_cache()  # the kernels shipped for this GPU kind
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -27,6 +27,9 @@ def test_pair_loss_never_syncs_and_trains(method: str, tmp_path) -> None:  # noq
     pairs = tokenize_pairs(tok, [parse_record(r) for r in preference_rows(16, seed=5)], 40)
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda()
     eng = objective_for(method).engine_class(model, pairs, tok.pad_token_id)
+    # the product's attention on CUDA (attention "auto"): in "rows" mode the model's own mask code
+    # reads the device (transformers' packed-sequence check), and a step is never captured there
+    eng.set_attention("varlen")
     for i, b in enumerate((2, 4)):
         eng.attach(TrainJob(f"j{i}", lora_rank=4, lora_alpha=8, learning_rate=1e-2, batch_size=b, seed=i,
                             max_steps=20, epochs=20))

@@ -1,0 +1,236 @@
+"""A task that joins a warm node, and samples asked on demand there (issue 41: first step at most
+3 s after the placement is claimed; issue 44: an on-demand request that joins a warm host returns
+in at most 15 s), through the real shared executor process (`python -m worker.host`, started as
+the daemon starts it) and its control channel (inbox requests, spool, status.json).
+
+On a Llama-3.1-8B-shaped model with random bf16 weights and `--layers` layers:
+1. task A (8 jobs) is attached to a new host process: the node's cold start (process, load, first
+   step), then A trains to its end and the host lingers warm;
+2. task B (8 other jobs, same model) is attached to the lingering host: the time from the attach
+   request (what the daemon sends once it has claimed the placement and fetched its files) to
+   B's first training point in B's spool, and B's own timings report (its wall from its join);
+3. samples on demand: a request dir as the daemon writes it (work.json, 3 of B's adapters), sent
+   as {"op": "sample"} to the lingering host: the time until its result.json (8 prompts, 3 adapters
+   + base, 128 new tokens, greedy).
+The daemon's own parts (claiming through the service, fetching files, its poll interval) are not
+in these times: the table says so.
+
+    python bench/warm_host.py [--layers 32] [--out FILE.md] [--json FILE]
+    python bench/warm_host.py --smoke          # CPU, toy sizes: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import executor_task as et  # noqa: E402
+import task_e2e_data as te  # noqa: E402
+
+from contract.protocol import (  # noqa: E402
+    JobHyperparameters,
+    JobSpec,
+    PlacementSpec,
+    SampleSettings,
+    TaskSettings,
+)
+from contract.sample_requests import SampleAdapter, SampleWork  # noqa: E402
+from worker import host as shared  # noqa: E402
+from worker.sampler import ADAPTERS_NAME, RESULT_NAME, WORK_NAME  # noqa: E402
+from worker.spool import read_complete_lines  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+GRID = [(16, 1, 1e-4), (32, 2, 3e-4), (64, 4, 1e-3), (16, 2, 2e-4), (32, 4, 5e-4), (64, 1, 1e-3),
+        (16, 4, 1e-4), (32, 1, 3e-4)]
+
+
+def placement(root: Path, name: str, model: Path, train: Path, max_seq_len: int, layers_note: str) -> Path:
+    """A placement folder as the daemon leaves it after the claim: spec.json and data/."""
+    directory = root / "placements" / name
+    shutil.rmtree(directory, ignore_errors=True)
+    (directory / "data").mkdir(parents=True)
+    shutil.copyfile(train, directory / "data" / "train.jsonl")
+    jobs = [JobSpec(job_id=f"{name}_j{i}", index=i, state="pending",
+                    hyperparameters=JobHyperparameters(learning_rate=lr, lora_rank=r, lora_alpha=2 * r, batch_size=b))
+            for i, (r, b, lr) in enumerate(GRID)]
+    spec = PlacementSpec(
+        task_id=f"task_{name}", placement_id=name, attempt=1, node_id="bench", gpu_indices=[0], method="sft",
+        base_model=f"llama-8b-shape-{layers_note}", base_model_path=str(model), training_file_id="f",
+        training_file_url="/f", training_file_format="prompt_completion",
+        settings=TaskSettings(validation_split=0.1, epochs=1, max_seq_len=max_seq_len, seed=7,
+                              samples=SampleSettings(enabled=False)),
+        jobs=jobs)
+    (directory / "spec.json").write_text(spec.model_dump_json())
+    return directory
+
+
+def records(directory: Path) -> list[dict]:
+    path = directory / "spool.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(t) for _, _, t in read_complete_lines(path, 0)]
+
+
+def wait(predicate, what: str, timeout: float, poll: float = 0.01):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def first_point(directory: Path) -> bool:
+    return any(r["type"] == "metric" and r["point"]["split"] == "train" for r in records(directory))
+
+
+def finished(directory: Path) -> dict | None:
+    recs = records(directory)
+    return recs[-1] if recs and recs[-1]["type"] in ("finished", "failed") else None
+
+
+def timings(directory: Path) -> dict | None:
+    found = [r["report"] for r in records(directory) if r["type"] == "timings"]
+    return found[-1] if found else None
+
+
+def sample_dir(root: Path, b: Path, model: Path, new: int) -> Path:
+    """A sample request as the daemon writes it: work.json and 3 of B's adapters."""
+    directory = root / "samples" / "req1"
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    adapters = [r for r in records(b) if r["type"] == "artifact" and r["meta"]["kind"] == "adapter"][:3]
+    for r in adapters:
+        shutil.copytree(b / r["dir"], directory / ADAPTERS_NAME / r["meta"]["job_id"])
+    prompts = [" ".join(f"w{(i * 37 + k) % te.K}" for k in range(60)) for i in range(8)]
+    work = SampleWork(request_id="req1", lease_token="t", lease_s=60, task_id="task_b", attempt=1,
+                      base_model="bench", base_model_path=str(model), prompts=prompts,
+                      adapters=[SampleAdapter(job_id=r["meta"]["job_id"], files=[]) for r in adapters],
+                      include_base=True, max_new_tokens=new, temperature=0.0, top_p=1.0, seed=0)
+    (directory / WORK_NAME).write_text(work.model_dump_json())
+    return directory
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--n-train", type=int, default=240)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--work", default="/tmp/warm_host")
+    ap.add_argument("--reuse", action="store_true", help="keep the work directory's model")
+    ap.add_argument("--deadline-s", type=float, default=480)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        te.SMOKE["on"] = True
+        args.layers, args.n_train, args.new = 2, 24, 4
+    end_by = time.monotonic() + args.deadline_s
+    root = Path(args.work)
+    model = root / "model"
+    if not (args.reuse and (model / "config.json").exists()):
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        te.log("building the model")
+        model = te.large_model(model, args.layers, te.make_tokenizer())
+    train = et.write_data(root / "train.jsonl", args.n_train, 1)
+    max_seq_len = 128 if args.smoke else 1024
+    a = placement(root, "pl_a", model, train, max_seq_len, str(args.layers))
+    b = placement(root, "pl_b", model, train, max_seq_len, str(args.layers))
+    host_dir = root / "hosts" / "h1"
+    shutil.rmtree(host_dir, ignore_errors=True)
+    host_dir.mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "0",
+           "LORAPLEX_SLOTS": "0", "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR") or str(root / "triton")}
+    res: dict = {"args": vars(args)}
+    shared.send(host_dir, {"op": "attach", "placement_id": a.name, "placement_dir": str(a)})
+    t_start = time.monotonic()
+    log = (host_dir / "host.log").open("ab")
+    proc = subprocess.Popen([sys.executable, "-m", "worker.host", "--host-dir", str(host_dir), "--linger-s", "600",
+                             "--lease-timeout-s", "0"], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        left = lambda: max(1.0, end_by - time.monotonic())  # noqa: E731
+        wait(lambda: first_point(a), "A's first step", left())
+        res["cold_first_step_s"] = time.monotonic() - t_start
+        te.log(f"A: first step {res['cold_first_step_s']:.1f} s after the host process started")
+        wait(lambda: finished(a), "A's end", left(), poll=0.2)
+        res["a_wall_s"] = time.monotonic() - t_start
+        res["a_timings"] = timings(a)
+        wait(lambda: (s := shared.read_status(host_dir)).get("state") == "serving" and not s.get("hosted"),
+             "the host to linger", left())
+        t0 = time.monotonic()
+        shared.send(host_dir, {"op": "attach", "placement_id": b.name, "placement_dir": str(b)})
+        wait(lambda: first_point(b), "B's first step", left())
+        res["warm_first_step_s"] = time.monotonic() - t0
+        te.log(f"B: first step {res['warm_first_step_s']:.2f} s after the attach request")
+        wait(lambda: finished(b), "B's end", left(), poll=0.2)
+        res["b_wall_s"] = time.monotonic() - t0
+        res["b_timings"] = timings(b)
+        res["b_end"] = finished(b)["type"]
+        wait(lambda: (s := shared.read_status(host_dir)).get("state") == "serving" and not s.get("hosted"),
+             "the host to linger again", left())
+        req = sample_dir(root, b, model, args.new)
+        t0 = time.monotonic()
+        shared.send(host_dir, {"op": "sample", "dir": str(req)})
+        result = wait(lambda: (req / RESULT_NAME).exists() and json.loads((req / RESULT_NAME).read_text()),
+                      "the sample result", left())
+        res["sample_s"] = time.monotonic() - t0
+        samples = result.get("samples") or []
+        res["sample_result"] = {"rows": len(samples), "refused": result.get("refused"), "error": result.get("error"),
+                                "configurations": len({str(s.get("job_id")) for s in samples}),
+                                "new_tokens": sum(int(s.get("tokens") or 0) for s in samples)}
+        te.log(f"samples on demand: {res['sample_s']:.2f} s, {res['sample_result']}")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    res["host_log_tail"] = (host_dir / "host.log").read_text(errors="replace")[-3000:]
+    dev = "cpu"
+    try:
+        import torch
+
+        dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        pass
+    bt = res.get("b_timings") or {}
+    text = "\n".join([
+        f"# A task joining a warm host, samples on demand there ({dev})", "",
+        f"Llama-3.1-8B shape, random bf16 weights, {args.layers} layers; tasks of 8 jobs (ranks 16/32/64, batch "
+        f"1/2/4), {args.n_train} prompt/completion samples, 1 epoch, max_seq_len {max_seq_len}; the real shared "
+        "executor process (`python -m worker.host`) driven through its inbox as the daemon drives it. Times start "
+        "at the daemon's request (the claim through the service, the file fetches and the daemon's poll are not "
+        "in them). `python bench/warm_host.py " + " ".join(sys.argv[1:]) + "`.", "",
+        "| measure | seconds |", "|---|---|",
+        f"| cold: host process start -> task A's first training point | {res.get('cold_first_step_s', float('nan')):.2f} |",
+        f"| warm: attach request -> task B's first training point | {res.get('warm_first_step_s', float('nan')):.2f} |",
+        f"| warm: task B's own first step (its timings, from its join) | {bt.get('first_step_s', float('nan')):.2f} |",
+        f"| warm: task B's own wall (its timings) / its training | {bt.get('wall_s', float('nan')):.1f} / "
+        f"{(bt.get('phases') or {}).get('train', float('nan')):.1f} |",
+        f"| samples on demand on the warm host: request -> result ({res.get('sample_result')}) | "
+        f"{res.get('sample_s', float('nan')):.2f} |", "",
+        "Task B's timings: " + json.dumps(bt, default=str)]) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

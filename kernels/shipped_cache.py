@@ -1,0 +1,100 @@
+"""Compiled kernels shipped with the code (issue 41: nothing compiles inside a task on a known GPU
+kind). `kernels/triton_cache/sm<CC>-triton<VERSION>.tar.gz` is a Triton cache directory as a
+device filled it (the executor's training, evaluation and decode kernels, with their autotuning
+choices); a process that is about to run the engine on such a GPU with that Triton version copies
+the entries its own cache lacks into it (`seed`), once per cache directory. Triton then loads those
+kernels instead of compiling them. An entry of the cache is keyed by the kernel's source, its
+specialisation, the compiler and the device: an archive from other sources only adds entries
+nobody asks for, never a wrong kernel.
+
+Refreshing an archive (after the kernels change): on the device, run a task with an empty
+`TRITON_CACHE_DIR`, then tar that directory's contents (bench/device_session.sh s20_task does)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tarfile
+from pathlib import Path, PurePosixPath
+
+log = logging.getLogger("loraplex.kernels.shipped_cache")
+ARCHIVES = Path(__file__).resolve().parent / "triton_cache"
+MARKER_PREFIX = ".loraplex-shipped-"
+
+
+def cache_dir() -> Path:
+    """The directory Triton compiles into in this process: $TRITON_CACHE_DIR, else its default."""
+    env = os.environ.get("TRITON_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".triton" / "cache"
+
+
+def archive_name(capability: tuple[int, int], triton_version: str) -> str:
+    return f"sm{capability[0]}{capability[1]}-triton{triton_version}.tar.gz"
+
+
+def device_key() -> tuple[tuple[int, int], str] | None:
+    """(compute capability, Triton version) of this process's GPU, or None without CUDA/Triton."""
+    try:
+        import torch
+        import triton
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability()), triton.__version__  # type: ignore[return-value]
+
+
+def _entry_path(name: str) -> PurePosixPath | None:
+    """An archive member's path inside the cache (its leading `triton/` folder dropped), or None
+    for anything that would land outside it."""
+    parts = [p for p in PurePosixPath(name).parts if p not in ("", ".")]
+    if parts and parts[0] == "triton":
+        parts = parts[1:]
+    if not parts or any(p == ".." for p in parts) or PurePosixPath(name).is_absolute():
+        return None
+    return PurePosixPath(*parts)
+
+
+def seed(target: Path | None = None, key: tuple[tuple[int, int], str] | None = None,
+         archives: Path = ARCHIVES) -> int:
+    """Copy the shipped archive of this GPU kind and Triton version into the cache directory
+    (default: this process's), adding only files it lacks; the number of files added. Nothing
+    happens without a matching archive, or when the directory already took this archive (a marker
+    file names its digest). Never raises for a cache it cannot write: Triton then compiles."""
+    key = key if key is not None else device_key()
+    if key is None:
+        return 0
+    archive = archives / archive_name(*key)
+    if not archive.is_file():
+        return 0
+    target = target if target is not None else cache_dir()
+    try:
+        digest = hashlib.sha256(archive.read_bytes()).hexdigest()[:16]
+        marker = target / f"{MARKER_PREFIX}{digest}"
+        if marker.exists():
+            return 0
+        added = 0
+        with tarfile.open(archive, "r:gz") as tar:
+            for member in tar:
+                rel = _entry_path(member.name)
+                if rel is None or not member.isfile():
+                    continue
+                dest = target.joinpath(*rel.parts)
+                if dest.exists():
+                    continue
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                src = tar.extractfile(member)
+                if src is None:
+                    continue
+                tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")  # a reader never sees a part
+                tmp.write_bytes(src.read())
+                os.replace(tmp, dest)
+                added += 1
+        marker.touch()
+    except OSError as exc:
+        log.warning("shipped Triton cache not copied: %s", type(exc).__name__)
+        return 0
+    if added:
+        log.info("shipped Triton cache: %d files added from %s", added, archive.name)
+    return added

@@ -1,0 +1,82 @@
+"""The compiled kernels shipped with the code (kernels.shipped_cache): a process on a GPU kind with
+an archive copies the entries its Triton cache lacks, once, never overwriting one and never
+writing outside the cache; other kinds and Triton versions take nothing. The committed archive
+for the H100/H200 (sm90) holds compiled kernels with their autotuning choices."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from kernels import shipped_cache
+
+KEY = ((9, 0), "3.6.0")
+
+
+def make_archive(folder: Path, entries: dict[str, bytes], key=KEY) -> Path:  # noqa: ANN001
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / shipped_cache.archive_name(*key)
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in entries.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_seed_adds_missing_entries_once_and_keeps_existing_ones(tmp_path: Path) -> None:
+    archives = tmp_path / "archives"
+    make_archive(archives, {"triton/AAA/k.cubin": b"cubin", "triton/AAA/k.json": b"{}",
+                            "triton/BBB/__grp__k.json": b"grp"})
+    cache = tmp_path / "cache"
+    (cache / "AAA").mkdir(parents=True)
+    (cache / "AAA" / "k.json").write_bytes(b"mine")  # compiled here before: kept as it is
+    assert shipped_cache.seed(cache, KEY, archives) == 2
+    assert (cache / "AAA" / "k.cubin").read_bytes() == b"cubin"
+    assert (cache / "BBB" / "__grp__k.json").read_bytes() == b"grp"
+    assert (cache / "AAA" / "k.json").read_bytes() == b"mine"
+    (cache / "AAA" / "k.cubin").unlink()  # a cache that took this archive is not read again
+    assert shipped_cache.seed(cache, KEY, archives) == 0
+    assert not (cache / "AAA" / "k.cubin").exists()
+    assert not list(cache.rglob("*.tmp"))
+
+
+@pytest.mark.parametrize("key", [((8, 0), "3.6.0"), ((9, 0), "3.5.1"), None])
+def test_other_gpu_kinds_and_versions_take_nothing(tmp_path: Path, key, monkeypatch) -> None:  # noqa: ANN001
+    archives = tmp_path / "archives"
+    make_archive(archives, {"triton/AAA/k.cubin": b"cubin"})
+    monkeypatch.setattr(shipped_cache, "device_key", lambda: None)  # no CUDA: nothing to match
+    cache = tmp_path / "cache"
+    assert shipped_cache.seed(cache, key, archives) == 0
+    assert not cache.exists()
+
+
+def test_members_outside_the_cache_are_never_written(tmp_path: Path) -> None:
+    archives = tmp_path / "archives"
+    make_archive(archives, {"triton/../../evil": b"x", "/abs/evil": b"x", "triton/OK/k.cubin": b"ok"})
+    cache = tmp_path / "deep" / "cache"
+    assert shipped_cache.seed(cache, KEY, archives) == 1
+    assert (cache / "OK" / "k.cubin").read_bytes() == b"ok"
+    assert not (tmp_path / "evil").exists() and not (tmp_path / "deep" / "evil").exists()
+
+
+def test_the_default_cache_is_tritons(monkeypatch, tmp_path: Path) -> None:  # noqa: ANN001
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "t"))
+    assert shipped_cache.cache_dir() == tmp_path / "t"
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    assert shipped_cache.cache_dir() == Path.home() / ".triton" / "cache"
+
+
+def test_the_committed_sm90_archive_holds_compiled_kernels_and_tuning(tmp_path: Path) -> None:
+    archives = sorted(shipped_cache.ARCHIVES.glob("sm90-triton*.tar.gz"))
+    assert archives, "an archive for the H100/H200 is shipped"
+    version = archives[-1].name.removeprefix("sm90-triton").removesuffix(".tar.gz")
+    cache = tmp_path / "cache"
+    assert shipped_cache.seed(cache, ((9, 0), version)) > 0
+    names = [p.name for p in cache.rglob("*") if p.is_file()]
+    kernels = {n.removesuffix(".cubin") for n in names if n.endswith(".cubin")}
+    assert "_gemm_lora_persist_jit" in kernels, kernels
+    assert any(n.endswith(".json") and n.startswith("__grp__") for n in names)  # each kernel's group
