@@ -62,3 +62,24 @@ def test_shards_are_read_in_parallel_and_a_foreign_checkpoint_falls_back(tmp_pat
     weight_map["extra.weight"] = "model-00001-of-00003.safetensors"
     (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     assert load_to_device(str(model_dir), torch.device("cpu"), torch.float32) is None
+
+
+@pytest.mark.parametrize("stored, wanted", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                            (torch.bfloat16, torch.bfloat16)])
+def test_chunked_staging_and_dtype_conversion_give_the_same_weights(stored, wanted, tmp_path) -> None:  # noqa: ANN001
+    """Through the staging buffers in chunks much smaller than a tensor (the GPU's path, here on
+    the CPU), and from a checkpoint stored in another dtype than the model's: the weights are
+    from_pretrained's, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_tiny_model("llama", tmp_path / "m", seed=4)
+    if stored != torch.float32:  # rewrite the checkpoint in the stored dtype
+        path = model_dir / "model.safetensors"
+        save_file({k: v.to(stored).contiguous() for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
+    want = AutoModelForCausalLM.from_pretrained(model_dir, dtype=wanted)
+    got = load_to_device(str(model_dir), torch.device("cpu"), wanted, threads=3, stage_bytes=1000, staged=True)
+    assert got is not None
+    ws, gs = want.state_dict(), got.state_dict()
+    for k in ws:
+        assert gs[k].dtype == wanted
+        torch.testing.assert_close(gs[k], ws[k], rtol=0, atol=0, msg=k)
