@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
 
+from trainer.decode_graph import StaticDecoder, static_decodable
 from trainer.jobs import JobState
 
 if TYPE_CHECKING:
@@ -115,15 +117,18 @@ def _cache_arg(backbone: torch.nn.Module) -> str:
 
 def _decode(engine: MultiLoraEngine, prompts: Sequence[Sequence[int]],
             states: list[JobState | None], counts: list[int], *, max_new_tokens: int, pick: Picker, eos: frozenset[int],
-            pad_id: int) -> list[list[int]]:
+            pad_id: int, static: bool = False) -> list[list[int]]:
     """The decode loop over rows already grouped by job: a prefill of the padded prompts, then one
     token per row per step with the model's KV cache; each row's new tokens."""
     ids, mask, positions = _left_padded(prompts, pad_id, engine.device)
     backbone = engine.model.base_model
+    _point(engine, states, counts)
+    if static:  # greedy on CUDA: a static cache, each token step one CUDA graph (trainer.decode_graph)
+        return StaticDecoder(backbone, engine.model.config, engine.output_logits, _cache_arg(backbone), ids, mask,
+                             positions, max_new_tokens, eos, graphs=engine.device.type == "cuda").run()
     # the model's own KV cache (sliding-window layers included), filled in place by each forward;
     # transformers 5 renames the forward's `past_key_values` to `cache`
     cache = {_cache_arg(backbone): DynamicCache(config=engine.model.config)}
-    _point(engine, states, counts)
     out = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
     position = positions[:, -1:] + 1
     new: list[list[int]] = [[] for _ in prompts]
@@ -169,14 +174,20 @@ def generate(
     seed: int = 0,
     eos_token_id: int | list[int] | None = None,
     pad_id: int,
+    static: bool | None = None,
 ) -> list[list[int]]:
     """Row r's continuation of prompts[r] by the adapter of attached job job_ids[r] (None: the base
     model alone), all rows in one batch: its new tokens, the EOS included where one ended it, at
     most max_new_tokens. Greedy when temperature == 0, else softmax(logits / temperature) with
     top-p filtering drawn from a generator seeded with `seed` on the engine's device (the same
-    inputs and seed give the same tokens). The engine is left as found, even on an error: no
-    layout on its layers, its attention mode and every module's training flag as they were."""
+    inputs and seed give the same tokens). static (default: on CUDA, unless
+    LORAPLEX_STATIC_DECODE=0): greedy decoding over a static KV cache with graphed token steps
+    (trainer.decode_graph) where it gives the eager loop's result. The engine is left as found,
+    even on an error: no layout on its layers, its attention mode and every module's training
+    flag as they were."""
     _check(engine, prompts, job_ids, temperature, top_p)
+    if static is None:  # by default on CUDA, where the host's launches bound an eager token step
+        static = engine.device.type == "cuda" and os.environ.get("LORAPLEX_STATIC_DECODE", "1") != "0"
     if max_new_tokens <= 0 or not prompts:
         return [[] for _ in prompts]
     keys, counts, order = _groups(job_ids)
@@ -197,7 +208,8 @@ def generate(
         engine.set_attention("rows")  # the model's own attention, which the KV cache serves
         with torch.no_grad():
             grouped = _decode(engine, [prompts[r] for r in order], states, counts,
-                              max_new_tokens=max_new_tokens, pick=pick, eos=eos, pad_id=pad_id)
+                              max_new_tokens=max_new_tokens, pick=pick, eos=eos, pad_id=pad_id,
+                              static=static and static_decodable(model, temperature))
     finally:
         _unpoint(engine)
         engine._clear_layout()

@@ -13,6 +13,7 @@ import torch
 
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir
 from trainer.data import parse_record, tokenize_all
+from trainer.decode_graph import static_decodable
 from trainer.engine import MultiLoraEngine
 from trainer.jobs import TrainJob
 from trainer.sampling import generate, nucleus_pick
@@ -236,3 +237,43 @@ def test_bad_calls_are_refused(llama: MultiLoraEngine) -> None:
         generate(llama, [[]], [None], max_new_tokens=2, pad_id=pad)
     with pytest.raises(ValueError, match="top_p"):
         generate(llama, [[11]], [None], max_new_tokens=2, temperature=1.0, top_p=0.0, pad_id=pad)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_cache_decode_equals_each_adapters_own_generate(family: str, root: Path) -> None:
+    """The static path (trainer.decode_graph: preallocated KV cache, a fixed boolean mask, the
+    token step that CUDA replays as a graph; run eagerly here) gives PEFT's and transformers' own
+    greedy completions where it is used; the families it is not used for are the ones whose
+    attention it cannot mask (sliding windows, another attention than SDPA)."""
+    dtype = torch.float32 if family in FLOAT32 else torch.float64
+    model_dir = tiny_model_dir(family, root)
+    engine = engine_with_adapters(model_dir, dtype)
+    config = engine.model.config
+    if not static_decodable(engine.model, 0.0):
+        assert config._attn_implementation != "sdpa" or getattr(config, "sliding_window", None) or any(
+            t != "full_attention" for t in getattr(config, "layer_types", None) or [])
+        return
+    prompts, job_ids = mixed_rows(random_prompts(config.vocab_size, (3, 9, 14, 6)))
+    got = generate(engine, prompts, job_ids, max_new_tokens=NEW, eos_token_id=config.eos_token_id,
+                   pad_id=config.pad_token_id, static=True)
+    assert got == generate(engine, prompts, job_ids, max_new_tokens=NEW, eos_token_id=config.eos_token_id,
+                           pad_id=config.pad_token_id, static=False)
+    references = {None: load(model_dir, dtype)}
+    references.update({j: peft_of(model_dir, dtype, engine, j) for j in RANKS})
+    want = [hf_greedy(references[j], p, config.eos_token_id) for p, j in zip(prompts, job_ids, strict=True)]
+    assert got == want
+
+
+def test_static_decode_stops_rows_at_eos_like_the_eager_loop(llama: MultiLoraEngine) -> None:
+    prompts = random_prompts(llama.model.config.vocab_size, (4, 8, 5, 12), seed=2)
+    job_ids = ["a", None, "b", "a"]
+    pad = llama.pad_id
+    new = 40  # past the static path's EOS checks (every 16 steps)
+    full = generate(llama, prompts, job_ids, max_new_tokens=new, pad_id=pad, static=False)
+    assert generate(llama, prompts, job_ids, max_new_tokens=new, pad_id=pad, static=True) == full
+    eos = next(t for t in full[0][1:] if any(t not in c for c in full[1:]))
+    want = [c[: c.index(eos) + 1] if eos in c else c for c in full]
+    assert generate(llama, prompts, job_ids, max_new_tokens=new, eos_token_id=eos, pad_id=pad, static=True) == want
+    everyone = [c[0] for c in full]  # each row's first token ends it: the loop stops at its first check
+    assert generate(llama, prompts, job_ids, max_new_tokens=new, eos_token_id=everyone, pad_id=pad,
+                    static=True) == [c[: c.index(next(t for t in c if t in everyone)) + 1] for c in full]
