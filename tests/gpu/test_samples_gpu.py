@@ -1,0 +1,88 @@
+"""Samples on CUDA at the Llama-3.1-8B shape (issue 44): the static-cache decode with graphed token
+steps (trainer.decode_graph, the default on CUDA) gives each adapter's own PEFT `generate` and the
+base model's own greedy completions token for token (float32, two layers of the real widths, the
+real vocabulary), repeats itself exactly in bfloat16, and seeded sampling repeats. Skipped
+without CUDA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+from trainer.engine import MultiLoraEngine  # noqa: E402
+from trainer.jobs import TrainJob  # noqa: E402
+from trainer.sampling import generate  # noqa: E402
+
+NEW = 24
+RANKS = {"a": 16, "b": 64}
+
+
+def shaped_model(dtype: torch.dtype):  # noqa: ANN201
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, num_hidden_layers=2, max_position_embeddings=8192,
+                      rope_theta=500000.0, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+                      bos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def with_adapters(model) -> MultiLoraEngine:  # noqa: ANN001
+    engine = MultiLoraEngine(model, [], 0, gradient_checkpointing=False)
+    for i, (job_id, rank) in enumerate(RANKS.items()):
+        state = engine.attach(TrainJob(job_id, lora_rank=rank, lora_alpha=2.0 * rank, seed=i, max_steps=1))
+        g = torch.Generator(device="cuda").manual_seed(10 + i)
+        with torch.no_grad():
+            for b in state.adapter.lora_b:
+                b.copy_(torch.randn(b.shape, generator=g, device="cuda") * 0.02)
+    return engine
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 128000, (int(L),), generator=g).tolist() for L in torch.randint(5, 40, (n,), generator=g)]
+
+
+def test_graphed_greedy_equals_peft_generate_at_the_8b_shape() -> None:
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    base = shaped_model(torch.float32)
+    reference = copy.deepcopy(base)  # the plain model, before the engine wraps its linears
+    engine = with_adapters(base)
+    ps = prompts(4)
+    rows = [(p, j) for p in ps for j in (None, *RANKS)]
+    got = generate(engine, [p for p, _ in rows], [j for _, j in rows], max_new_tokens=NEW, pad_id=0)
+    assert [len(c) for c in got] == [NEW] * len(rows)  # no EOS on this model's random weights
+    peft = {}
+    for job_id in RANKS:
+        adapter = engine.jobs[job_id].adapter
+        cfg = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, target_modules=list(engine.targets),
+                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+        model = get_peft_model(copy.deepcopy(reference), cfg)
+        set_peft_model_state_dict(model, adapter.peft_state_dict())
+        peft[job_id] = model.eval()
+    for (p, job_id), tokens in zip(rows, got, strict=True):
+        model = reference if job_id is None else peft[job_id]
+        ids = torch.tensor([p], device="cuda")
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        assert tokens == out[0, len(p):].tolist(), job_id
+
+
+def test_graphed_greedy_repeats_in_bf16_and_seeded_sampling_repeats() -> None:
+    engine = with_adapters(shaped_model(torch.bfloat16))
+    ps = prompts(8, seed=1)
+    rows = [(p, j) for p in ps for j in (None, *RANKS)]
+    texts, jobs = [p for p, _ in rows], [j for _, j in rows]
+    first = generate(engine, texts, jobs, max_new_tokens=NEW, pad_id=0)
+    assert generate(engine, texts, jobs, max_new_tokens=NEW, pad_id=0) == first
+    sampled = generate(engine, texts, jobs, max_new_tokens=NEW, pad_id=0, temperature=1.0, top_p=0.9, seed=7)
+    assert generate(engine, texts, jobs, max_new_tokens=NEW, pad_id=0, temperature=1.0, top_p=0.9, seed=7) == sampled
+    assert sampled != first
