@@ -333,5 +333,22 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
       --work /tmp/executor_task --reuse --deadline-s 210 --out "$OUT/warm_host_h100.md" --json "$OUT/warm_host_h100.json"
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
+  s20_final)  # session 20, last call: every GPU test on the code that lands (the executor's components,
+              # the staged load, the graphed decode), the warm host again (cold start with the staged
+              # load, end-of-task and on-demand samples graphed), a fresh process's load twice, the decode
+    step 280 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu
+    export TRITON_CACHE_DIR=/tmp/s20f_triton
+    rm -rf "$TRITON_CACHE_DIR"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site step 200 warm_host python3 bench/warm_host.py --layers 32 --n-train 120 --deadline-s 180 \
+      --out "$OUT/warm_host_h100.md" --json "$OUT/warm_host_h100.json"
+    for i in 1 2; do
+      step 40 "fast_load$i" python3 bench/fast_load.py /tmp/warm_host/model --json "$OUT/fast_load_h100.jsonl"
+    done
+    rm -rf /tmp/warm_host
+    step 120 samples python3 bench/samples_decode.py --layers 32 --new 128 --out "$OUT/samples_decode_h100.md" \
+      --json "$OUT/samples_decode_h100.json"
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac

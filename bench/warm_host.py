@@ -54,7 +54,8 @@ GRID = [(16, 1, 1e-4), (32, 2, 3e-4), (64, 4, 1e-3), (16, 2, 2e-4), (32, 4, 5e-4
         (16, 4, 1e-4), (32, 1, 3e-4)]
 
 
-def placement(root: Path, name: str, model: Path, train: Path, max_seq_len: int, layers_note: str) -> Path:
+def placement(root: Path, name: str, model: Path, train: Path, max_seq_len: int, layers_note: str,
+              samples: bool) -> Path:
     """A placement folder as the daemon leaves it after the claim: spec.json and data/."""
     directory = root / "placements" / name
     shutil.rmtree(directory, ignore_errors=True)
@@ -68,7 +69,7 @@ def placement(root: Path, name: str, model: Path, train: Path, max_seq_len: int,
         base_model=f"llama-8b-shape-{layers_note}", base_model_path=str(model), training_file_id="f",
         training_file_url="/f", training_file_format="prompt_completion",
         settings=TaskSettings(validation_split=0.1, epochs=1, max_seq_len=max_seq_len, seed=7,
-                              samples=SampleSettings(enabled=False)),
+                              samples=SampleSettings(enabled=samples)),
         jobs=jobs)
     (directory / "spec.json").write_text(spec.model_dump_json())
     return directory
@@ -147,8 +148,9 @@ def main() -> None:
         model = te.large_model(model, args.layers, te.make_tokenizer())
     train = et.write_data(root / "train.jsonl", args.n_train, 1)
     max_seq_len = 128 if args.smoke else 1024
-    a = placement(root, "pl_a", model, train, max_seq_len, str(args.layers))
-    b = placement(root, "pl_b", model, train, max_seq_len, str(args.layers))
+    # A ends with the product's end-of-task samples (8 prompts, top 3 + base, 128 new tokens)
+    a = placement(root, "pl_a", model, train, max_seq_len, str(args.layers), samples=True)
+    b = placement(root, "pl_b", model, train, max_seq_len, str(args.layers), samples=False)
     host_dir = root / "hosts" / "h1"
     shutil.rmtree(host_dir, ignore_errors=True)
     host_dir.mkdir(parents=True)
@@ -218,6 +220,10 @@ def main() -> None:
         "in them). `python bench/warm_host.py " + " ".join(sys.argv[1:]) + "`.", "",
         "| measure | seconds |", "|---|---|",
         f"| cold: host process start -> task A's first training point | {res.get('cold_first_step_s', float('nan')):.2f} |",
+        f"| cold: task A's own first step (its timings, from the executor's start) | "
+        f"{(res.get('a_timings') or {}).get('first_step_s', float('nan')):.2f} |",
+        f"| cold: task A's end-of-task samples (its timings: 3 adapters + base, 8 prompts, 128 new tokens) | "
+        f"{((res.get('a_timings') or {}).get('phases') or {}).get('samples', float('nan')):.2f} |",
         f"| warm: attach request -> task B's first training point | {res.get('warm_first_step_s', float('nan')):.2f} |",
         f"| warm: task B's own first step (its timings, from its join) | {bt.get('first_step_s', float('nan')):.2f} |",
         f"| warm: task B's own wall (its timings) / its training | {bt.get('wall_s', float('nan')):.1f} / "
