@@ -107,10 +107,11 @@ def load_engine(model_dir: str, targets: list[str] | None) -> tuple[Any, Any]:
     """A fresh backbone from the local model directory, in the executor's dtype, as an engine
     with no job: (engine, tokenizer)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from kernels.shipped_cache import seed as seed_triton_cache
     from trainer.engine import MultiLoraEngine
+    from trainer.strategy import OneGpu
 
     if not Path(model_dir).is_dir():
         raise SampleError("the base model's weights are not available on this node")
@@ -119,7 +120,7 @@ def load_engine(model_dir: str, targets: list[str] | None) -> tuple[Any, Any]:
     if device.type == "cuda":
         seed_triton_cache()  # the kernels shipped for this GPU kind
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    model = OneGpu().load_model(model_dir, device, dtype)  # the executor's load (parallel, staged on a GPU)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     engine = MultiLoraEngine(model, [], pad, targets, gradient_checkpointing=False)
     return engine, tokenizer
