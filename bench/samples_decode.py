@@ -121,11 +121,7 @@ def main() -> None:
         f"Rows whose greedy tokens equal the eager loop's (bf16, random weights: near-ties may flip): "
         f"{res['rows_equal_to_eager']} of {res['rows']}.", "",
         "Profile of 8 new tokens (static path): " + json.dumps(steps)]) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+    te.emit(text, res, args)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,15 @@ def free() -> None:
 
 
 # ----------------------------------------------------------------------------- data and models
+def emit(text: str, res: dict, args: Any) -> None:
+    """A bench's table printed and written to --out, its numbers to --json (where given)."""
+    print(text)
+    if getattr(args, "out", ""):
+        Path(args.out).write_text(text)
+    if getattr(args, "json", ""):
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+
+
 def chains(seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
     """Chain A (pretraining) and chain B (the task): each word's 4 successors; B keeps two of A's
     (in another order of likelihood) and draws two new ones, so the task needs real learning."""

@@ -101,6 +101,11 @@ def finished(directory: Path) -> dict | None:
     return recs[-1] if recs and recs[-1]["type"] in ("finished", "failed") else None
 
 
+def lingering(host_dir: Path) -> bool:
+    status = shared.read_status(host_dir)
+    return status.get("state") == "serving" and not status.get("hosted")
+
+
 def timings(directory: Path) -> dict | None:
     found = [r["report"] for r in records(directory) if r["type"] == "timings"]
     return found[-1] if found else None
@@ -171,8 +176,7 @@ def main() -> None:
         wait(lambda: finished(a), "A's end", left(), poll=0.2)
         res["a_wall_s"] = time.monotonic() - t_start
         res["a_timings"] = timings(a)
-        wait(lambda: (s := shared.read_status(host_dir)).get("state") == "serving" and not s.get("hosted"),
-             "the host to linger", left())
+        wait(lambda: lingering(host_dir), "the host to linger", left())
         t0 = time.monotonic()
         shared.send(host_dir, {"op": "attach", "placement_id": b.name, "placement_dir": str(b)})
         wait(lambda: first_point(b), "B's first step", left())
@@ -182,8 +186,7 @@ def main() -> None:
         res["b_wall_s"] = time.monotonic() - t0
         res["b_timings"] = timings(b)
         res["b_end"] = finished(b)["type"]
-        wait(lambda: (s := shared.read_status(host_dir)).get("state") == "serving" and not s.get("hosted"),
-             "the host to linger again", left())
+        wait(lambda: lingering(host_dir), "the host to linger again", left())
         req = sample_dir(root, b, model, args.new)
         t0 = time.monotonic()
         shared.send(host_dir, {"op": "sample", "dir": str(req)})
@@ -231,11 +234,7 @@ def main() -> None:
         f"| samples on demand on the warm host: request -> result ({res.get('sample_result')}) | "
         f"{res.get('sample_s', float('nan')):.2f} |", "",
         "Task B's timings: " + json.dumps(bt, default=str)]) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+    te.emit(text, res, args)
 
 
 if __name__ == "__main__":
