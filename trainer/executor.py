@@ -75,7 +75,7 @@ class Executor:
         self._usage_mark = 0.0  # the end of the last step (usage: StepNumbers.gpu_seconds)
         self.roster = TaskRoster(self, cfg)
         self.first = self.roster.make(cfg, callbacks, stop_requested, task_id)
-        self.roster.host_first(self.first)
+        self.roster.add_first(self.first)
 
     # the tasks (the roster's), and the first task's view, what a one-task executor was
     @property

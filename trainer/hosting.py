@@ -68,9 +68,9 @@ class TaskRoster:
     """The tasks of one executor (see the module docstring). `tasks` (hosted, in attach order:
     admission order) and `ended` are the loop's; the requests may come from any thread."""
 
-    def __init__(self, host: RosterHost, settings: ExecutorConfig) -> None:
+    def __init__(self, host: RosterHost, cfg: ExecutorConfig) -> None:
         self.host = host  # what every TaskRun of this executor is built on
-        self.settings = settings  # the executor's own (its first task's): HOST_FIELDS must match
+        self.cfg = cfg  # the executor's own (its first task's): a task's HOST_FIELDS must match it
         self.tasks: dict[str, TaskRun] = {}
         self.ended: dict[str, TaskRun] = {}  # tasks that left, with their outcome
         self._requests: list[Attach | Detach] = []  # for the next boundary
@@ -124,7 +124,7 @@ class TaskRoster:
         return [s for t in self.tasks.values() for s in t.placed.values()]
 
     # ----- coming and going --------------------------------------------------------------------
-    def host_first(self, task: TaskRun) -> None:
+    def add_first(self, task: TaskRun) -> None:
         """The executor's first task: hosted from the start (no request)."""
         with self._cv:
             self._known[task.task_id] = ({j.job_id for j in task.cfg.jobs}, str(Path(task.cfg.output_dir).resolve()))
@@ -137,7 +137,7 @@ class TaskRoster:
         if not self.host.strategy.hosts_many_tasks:
             raise ValueError("this executor's strategy hosts one task")
         for name in HOST_FIELDS:
-            mine, theirs = getattr(self.settings, name), getattr(cfg, name)
+            mine, theirs = getattr(self.cfg, name), getattr(cfg, name)
             if name == "model_dir":
                 mine, theirs = str(Path(mine).resolve()), str(Path(theirs).resolve())
             if mine != theirs:

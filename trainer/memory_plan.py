@@ -58,9 +58,10 @@ class MemoryPlan:
     def __init__(self, cfg: ExecutorConfig, engine: MultiLoraEngine, device: torch.device,
                  objective: Sft, strategy: Strategy,
                  phase: Callable[[str], AbstractContextManager[None]],
-                 parked: Callable[[str], JobState | None]) -> None:
+                 parked_state: Callable[[str], JobState | None]) -> None:
         self.cfg, self.engine, self.device = cfg, engine, device
-        self.objective, self.strategy, self.phase, self.parked = objective, strategy, phase, parked
+        self.objective, self.strategy, self.phase = objective, strategy, phase
+        self.parked_state = parked_state  # a job id -> its state parked by a hosted task, or None
         self.model: MemoryModel | None = None  # None: admission by a token budget (the CPU)
         self.recompute_policy: RecomputePolicy | None = None
         self.corrections: dict[bool, OnlineCorrection] = {}  # recompute on/off -> corrected online
@@ -209,7 +210,7 @@ class MemoryPlan:
         per_rank = eng.params_per_rank
         rank = getattr(job, "lora_rank", None)
         if rank is None:  # a started job resuming from its park
-            state = self.parked(job.job_id)
+            state = self.parked_state(job.job_id)
             if state is None:
                 return 0.0
             if state.adapter.flat.is_cuda:
