@@ -110,8 +110,9 @@ def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: P
     te.sync()
     wall = time.perf_counter() - t0
     train_tokens = sum(ex.step_tokens)
-    return {"wall_s": wall, "phases": dict(ex.phases), "first_step_s": ex.first_step_s,
-            "profile_reused": ex.profile_reused, "steps": ex.global_step, "train_tokens": train_tokens,
+    corrections = ex.memory.corrections if ex.memory is not None else {}
+    return {"wall_s": wall, "phases": dict(ex.clock.phases), "first_step_s": ex.clock.first_step_s,
+            "profile_reused": ex.memory.profile_reused if ex.memory is not None else None, "steps": ex.global_step, "train_tokens": train_tokens,
             "states": sorted({s["state"] for s in status.values()}), "timings": events.get("timings"),
             "admission": events.get("memory_model"), "throughput_reports": len(tokens),
             "attention": ex.engine.attention if getattr(ex, "engine", None) is not None else None,
@@ -121,9 +122,9 @@ def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: P
             # the memory model (analytic or stored, corrected online) against every step the
             # allocator saw: tokens, recompute, resident before, peak, predicted
             "memory_trace": [(p.tokens, p.recompute, p.resident, p.peak, round(p.predicted))
-                             for c in getattr(ex, "corrections", {}).values() for p in c.trace],
+                             for c in corrections.values() for p in c.trace],
             "samples": samples_summary(out),
-            "memory_final": {str(k): (c.model.k0, c.model.k1) for k, c in getattr(ex, "corrections", {}).items()}}
+            "memory_final": {str(k): (c.model.k0, c.model.k1) for k, c in corrections.items()}}
 
 
 def samples_summary(out: Path) -> dict | None:

@@ -7,53 +7,58 @@ Composed, never branched on: the objective (trainer.objectives: SFT, DPO), the s
 Control is replicated: every rank holds the whole bookkeeping and changes it only from gathered
 numbers in the same order, so every decision is the same on every rank; a job's adapter,
 optimizer state and data stream never leave the rank that trains it. Per task (data, queue,
-early exit, exports, checkpoints, callbacks) is a `trainer.colocate.TaskRun`; tasks attach and
-detach at step boundaries (trainer.hosting); the memory model and admission are
-trainer.memory_plan's; trainer.launch starts an executor. Resuming from state.pt is exact.
+early exit, exports, checkpoints, callbacks) is a `trainer.colocate.TaskRun`.
+
+The executor is the device loop (load, admit, step, observe, evaluate, checkpoint); it owns
+components, each one meaning in its own module and reached through public methods, never a
+mixin: `roster` (trainer.hosting.TaskRoster: the tasks hosted and ended, the attach / detach
+requests taken at step boundaries, each task's passage and guarded work), `memory`
+(trainer.memory_plan.MemoryPlan: the memory model, admission, recompute policy, the step's
+out-of-memory retry; built once the engine exists) and `clock` (trainer.phase_clock.PhaseClock:
+wall seconds by phase). A task and the roster see the executor through Protocols
+(trainer.task_parts.TaskHost, trainer.hosting.RosterHost). trainer.launch starts an executor.
+Resuming from state.pt is exact.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from contract.states import TaskOutcome
 from kernels.shipped_cache import seed as seed_triton_cache
-from trainer.admission import MemoryModel, RecomputePolicy
+from trainer.admission import AdmissionController, MemoryModel
 from trainer.colocate import TaskRun
 from trainer.config import Callbacks, ExecutorConfig
 from trainer.data import Example
 from trainer.evaluation import eval_chunk
 from trainer.host_pool import POOL
-from trainer.hosting import TaskHosting
+from trainer.hosting import TaskRoster
+from trainer.jobs import JobState as EngineJobState
 from trainer.jobs import release_host_cache
-from trainer.memory_plan import MemoryPlanning
+from trainer.memory_plan import MemoryPlan
 from trainer.objectives import objective_for
 from trainer.pairs import PairExample
+from trainer.phase_clock import PhaseClock
 from trainer.strategy import OneGpu, Strategy
-from trainer.task_parts import ExamplePool, JobSlot, StepNumbers
+from trainer.task_parts import ExamplePool, StepNumbers
 from trainer.varlen import flash_exact, flash_varlen_available
 
 log = logging.getLogger("loraplex.executor")
 
-PHASES = ("load", "profile", "train", "eval", "checkpoint", "export", "admit", "init", "park", "resume",
-          "samples")
 
-
-class Executor(TaskHosting, MemoryPlanning):
+class Executor:
     """One executor: a base model on one GPU set (its strategy), one engine, one admission budget
     and one step loop, hosting the jobs of one task or, on one GPU, of several (see the module
     docstring). With a distributed strategy, call `run` on every rank of the process group.
     The executor's own settings (HOST_FIELDS, the memory budget, max_active_jobs as its job cap,
-    profile_cache) are its first task's configuration `cfg`."""
+    profile_cache) are its first task's configuration `cfg`. It is the `TaskHost` its tasks use."""
 
     def __init__(self, cfg: ExecutorConfig, callbacks: Callbacks | None = None,
                  strategy: Strategy | None = None, stop_requested: Callable[[], bool] | None = None,
@@ -65,31 +70,25 @@ class Executor(TaskHosting, MemoryPlanning):
         self.pool = ExamplePool()  # the engine's train examples: every hosted task's
         # the executor's one file writer (one GPU); None: tasks write in the loop
         self.writer = self.strategy.file_writer(cfg.async_writes, cfg.write_buffer_bytes)
-        self.tasks: dict[str, TaskRun] = {}  # hosted tasks, in attach order (admission order)
-        self.ended: dict[str, TaskRun] = {}  # tasks that left, with their outcome
-        self._inbox: list[tuple[str, Any]] = []  # attach / detach requests for the next boundary
-        # task id -> (job ids, output_dir) of every task hosted or asked to attach (any thread)
-        self._known: dict[str, tuple[set[str], str]] = {}
-        self._cv = threading.Condition()
-        self._closing = False
+        self.memory: MemoryPlan | None = None  # planned once the engine is built (`_load`)
         self.global_step = 0
-        self.memory_model: MemoryModel | None = None
-        # wall seconds by phase (each phase without the phases nested in it; "idle" is the rest)
-        self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-        self._nested: list[float] = []
-        self.started_at: float | None = None
+        self.clock = PhaseClock(self.writer)  # wall seconds by phase
         self._usage_mark = 0.0  # the end of the last step (usage: StepNumbers.gpu_seconds)
-        self.first_step_s: float | None = None  # executor start -> end of the first step
-        self.profile_reused: bool | None = None
-        self.recompute_policy: RecomputePolicy | None = None
-        self.corrections = {}  # recompute on/off -> the memory model corrected online (one GPU)
-        self.memory_retries = self.memory_replays = 0
-        self.recompute_steps = {"on": 0, "off": 0}
-        self.first = self._make_task(cfg, callbacks, stop_requested, task_id)
-        self._known[self.first.task_id] = ({j.job_id for j in cfg.jobs}, str(Path(cfg.output_dir).resolve()))
-        self.tasks[self.first.task_id] = self.first
+        self.roster = TaskRoster(self, cfg)
+        self.first = self.roster.make(cfg, callbacks, stop_requested, task_id)
+        self.roster.add_first(self.first)
 
-    # the first task's view, what a one-task executor was
+    # the tasks (the roster's), and the first task's view, what a one-task executor was
+    @property
+    def tasks(self) -> dict[str, TaskRun]:
+        """The hosted tasks, in attach order (admission order)."""
+        return self.roster.tasks
+
+    @property
+    def ended(self) -> dict[str, TaskRun]:
+        """The tasks that left, with their outcome."""
+        return self.roster.ended
+
     @property
     def status(self) -> dict[str, dict[str, Any]]:
         return self.first.status
@@ -102,18 +101,20 @@ class Executor(TaskHosting, MemoryPlanning):
     def stopped(self) -> bool:
         return self.first.stopped
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        self._nested.append(0.0)
-        try:
-            yield
-        finally:
-            inner = self._nested.pop()
-            elapsed = time.perf_counter() - t0
-            self.phases[name] += elapsed - inner
-            if self._nested:
-                self._nested[-1] += elapsed
+    # what a task reads of the memory plan (TaskHost)
+    @property
+    def admission(self) -> AdmissionController:
+        if self.memory is None:
+            raise AttributeError("admission: the executor has not loaded its model yet")
+        return self.memory.admission
+
+    @property
+    def memory_model(self) -> MemoryModel | None:
+        return None if self.memory is None else self.memory.model
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        """Time a phase of the loop (trainer.phase_clock; a task's writes use it too)."""
+        return self.clock.phase(name)
 
     # ----- setup -------------------------------------------------------------------------
     def _load(self) -> None:
@@ -133,7 +134,7 @@ class Executor(TaskHosting, MemoryPlanning):
         self.device = device
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         for task in list(self.tasks.values()):
-            self._guarded(task, lambda t=task: t.read(self.tokenizer))
+            self.roster.guarded(task, lambda t=task: t.read(self.tokenizer))
         # built on the first task's examples, as a one-task executor is; then it reads the pool
         self.engine = self.strategy.prepare_engine(self.objective.engine_class(
             model, self.first.train, pad, cfg.targets, cfg.gradient_checkpointing is not False, cfg.backend,
@@ -143,9 +144,11 @@ class Executor(TaskHosting, MemoryPlanning):
         self.engine.set_attention(self._attention_mode(device))
         if not cfg.cuda_graphs:
             self.engine.step_graphs = None
-        self._plan_memory(device)
+        self.memory = MemoryPlan(cfg, self.engine, device, self.objective, self.strategy, self.phase,
+                                 self._parked_state)
+        self.engine.recompute_for = self.memory.recompute_for
         for task in list(self.tasks.values()):
-            self._guarded(task, task.open)
+            self.roster.guarded(task, task.open)
 
     def _attention_mode(self, device: torch.device) -> str:
         """cfg.attention, with "auto" resolved for this executor's device, method and GPUs."""
@@ -183,39 +186,39 @@ class Executor(TaskHosting, MemoryPlanning):
         return self.results()
 
     def _loop(self, linger_s: float) -> None:
-        self.started_at = self._usage_mark = time.perf_counter()
+        self._usage_mark = self.clock.start()
         with self.phase("load"):
             self._load()
+        memory = self.memory
+        assert memory is not None
         for task in list(self.tasks.values()):
             self.mark_joined(task, at_start=True)
-            self._guarded(task, lambda t=task: self._start(t))
+            self.roster.guarded(task, lambda t=task: self.roster.start(t))
         while True:
-            self._boundary()
+            self.roster.boundary()
             with self.phase("admit"):  # attaching (and the parking below): adapter copies
                 self._admit()
-            if [self._guarded(t, t.finish_done) for t in list(self.tasks.values())].count(True):
+            if [self.roster.guarded(t, t.finish_done) for t in list(self.tasks.values())].count(True):
                 continue  # e.g. a parked job whose warmup was its whole run
-            self._end_idle_tasks()
-            if not self._slots():
-                if self._wait_for_work(linger_s):
+            self.roster.end_idle()
+            if not self.roster.slots():
+                if self.roster.wait_for_work(linger_s):
                     self._usage_mark = time.perf_counter()  # an idle wait is nobody's usage
                     continue
                 break
             started = time.perf_counter()
             with self.phase("train"):
-                resident = self._step_memory_start()
-                report = self._train_step() if self.engine.jobs else None
-                self._count_recompute()
-                self._step_memory_end(resident, report)
+                resident = memory.step_start()
+                report = memory.train_step() if self.engine.jobs else None
+                memory.step_end(resident, report)
                 if report is None:  # this rank has no runnable job: join the others' passes
                     self.engine.idle_step()
             now = time.perf_counter()
-            if self.first_step_s is None:
-                self.first_step_s = now - self.started_at
+            self.clock.step_ended(now)
             for task in self.tasks.values():  # each task's own first step, from its arrival
                 if task.first_step_s is None and task.placed and task.joined_at is not None:
                     task.first_step_s = now - task.joined_at
-                    self._guarded(task, lambda t=task: self._reserve_parking(t))  # off its start
+                    self.roster.guarded(task, lambda t=task: self.roster.reserve_parking(t))  # off its start
             self.global_step += 1
             for task in self.tasks.values():
                 task.global_step += 1
@@ -223,35 +226,20 @@ class Executor(TaskHosting, MemoryPlanning):
                     slot.step += 1
             stops = self._observe_train(report, time.perf_counter() - started)
             with self.phase("eval"):
-                self._each(TaskRun.evaluate_due)
+                self.roster.each(TaskRun.evaluate_due)
             with self.phase("admit"):
-                self._each(TaskRun.warmup_policy)
-            self._each(TaskRun.finish_done)
+                self.roster.each(TaskRun.warmup_policy)
+            self.roster.each(TaskRun.finish_done)
             for task in list(self.tasks.values()):
                 limit = task.cfg.stop_after_steps is not None and task.global_step >= task.cfg.stop_after_steps
                 if task.error is None and (stops[task.task_id] or limit):
                     # checkpoint, then stop as if killed: a later run resumes the task here
                     task.stopped = stops[task.task_id]
-                    self._end_task(task, TaskOutcome.PAUSED)
+                    self.roster.end(task, TaskOutcome.PAUSED)
                 elif task.global_step % task.cfg.checkpoint_every == 0 or task.checkpoint_due:
-                    self._guarded(task, task.checkpoint)
+                    self.roster.guarded(task, task.checkpoint)
             self.strategy.flush()
         self.strategy.flush()
-
-    def _each(self, work: Callable[[TaskRun], Any]) -> None:
-        for task in list(self.tasks.values()):
-            self._guarded(task, lambda t=task: work(t))
-
-    def _slots(self) -> list[JobSlot]:
-        return [s for t in self.tasks.values() for s in t.placed.values()]
-
-    def _end_idle_tasks(self) -> None:
-        """A task with nothing placed and nothing queued is done; when nothing is placed at all,
-        nothing queued can start either (admission just ran on an empty executor)."""
-        running = bool(self._slots())
-        for task in list(self.tasks.values()):
-            if not running or (not task.placed and not task.queue):
-                self._end_task(task, TaskOutcome.SUCCEEDED)
 
     def _close_writer(self) -> None:
         if self.writer is not None:
@@ -259,39 +247,56 @@ class Executor(TaskHosting, MemoryPlanning):
         release_host_cache()  # parked states' pinned memory goes back to the host
         POOL.release()
 
-    def _writer_busy(self) -> dict[str, float]:
-        return dict(self.writer.busy) if self.writer else dict.fromkeys(("checkpoint", "export"), 0.0)
-
     def mark_joined(self, task: TaskRun, at_start: bool) -> None:
-        """Where a task's own timings count from: the executor's start for the tasks it started
-        with (their wall includes the load), else now (a task that joins a warm host)."""
-        task.joined_at = self.started_at if at_start else time.perf_counter()
-        task.phases_at_join = {} if at_start else {**self.phases, **{
-            f"writer_{k}": v for k, v in self._writer_busy().items()}}
+        """Where a task's own timings count from (PhaseClock.mark_joined)."""
+        self.clock.mark_joined(task, at_start)
 
     def timings(self, task: TaskRun | None = None) -> dict[str, Any]:
-        """Wall seconds since `run` began, split by phase (idle: everything else: bookkeeping,
-        callbacks, admission), the first step's time and whether the memory profile was reused.
-        With a task: the same since that task joined (the executor's start for the tasks it
-        started with), its own first step, and the host's wall beside it (host_wall, seconds)."""
-        now = time.perf_counter()
-        host_wall = 0.0 if self.started_at is None else now - self.started_at
-        since = {} if task is None else task.phases_at_join
-        phases = {k: v - since.get(k, 0.0) for k, v in self.phases.items()}
-        writer = {k: v - since.get(f"writer_{k}", 0.0) for k, v in self._writer_busy().items()}
-        wall = host_wall if task is None or task.joined_at is None else now - task.joined_at
-        first = self.first_step_s if task is None else task.first_step_s
-        busy = sum(phases.values())
-        extra = {} if task is None else {"host_wall": host_wall}  # seconds; a detail, not a phase
-        return {"wall_s": wall, **{f"{k}_s": v for k, v in phases.items()},
-                "idle_s": max(0.0, wall - busy), "first_step_s": first, **extra,
-                # the writer thread's seconds (beside the loop's: checkpoint_s / export_s are
-                # the loop's snapshots and waits for the writer)
-                **{f"writer_{k}_s": v for k, v in writer.items()},
-                "profile_reused": self.profile_reused, "global_step": self.global_step,
-                # activation recompute: the setting and how many steps ran with and without it
-                "recompute": self.cfg.gradient_checkpointing, "recompute_steps": self.recompute_steps["on"],
-                "no_recompute_steps": self.recompute_steps["off"], **self._memory_check()}
+        """Wall seconds since `run` began, split by phase (trainer.phase_clock; with a task:
+        since that task joined), the executor's step count, the recompute setting and the memory
+        plan's details (recompute steps, whether the profile was reused, how the model did)."""
+        return {**self.clock.split(task), "global_step": self.global_step,
+                "recompute": self.cfg.gradient_checkpointing,
+                **(self.memory.timings() if self.memory else {"profile_reused": None})}
+
+    # ----- tasks coming and going (trainer.hosting.TaskRoster; any thread) -------------------
+    def attach_task(self, cfg: ExecutorConfig, callbacks: Callbacks | None = None,
+                    stop_requested: Callable[[], bool] | None = None, task_id: str | None = None) -> str:
+        """Host another task (any thread may call it, before or while `run` runs): its jobs join
+        the engine at the next step boundary, next to the jobs already there. Raises ValueError
+        when the task cannot share this executor (another model or step setting, or an id in use)."""
+        return self.roster.request_attach(cfg, callbacks, stop_requested, task_id)
+
+    def detach_task(self, task_id: str, outcome: str = TaskOutcome.CANCELLED) -> None:
+        """Take a task off at the next step boundary: "cancelled" (its unfinished jobs end
+        cancelled) or "paused" (it checkpoints first; a later attach or executor resumes it).
+        Only its jobs leave the engine; its admission budget goes to the others' queued jobs."""
+        self.roster.request_detach(task_id, outcome)
+
+    def close(self) -> None:
+        """Let `run` return once its tasks have ended (it stops waiting for new ones)."""
+        self.roster.close()
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        """Every task that left: its outcome, its jobs' status and its error (if it failed)."""
+        return self.roster.results()
+
+    def capacity(self) -> dict[str, int]:
+        """Read-only, from any thread (a shared executor's host reports it): the admission budget
+        in rows of one batch item (a job's batch_size unit: a sequence, for DPO a pair), the rows
+        no running job holds, and the hosted jobs still queued. Zeros before the model is loaded.
+        Snapshots of the loop's dicts (list() of a dict view is atomic under the GIL)."""
+        if self.memory is None:
+            return {"total_rows": 0, "free_rows": 0, "queued_jobs": 0}
+        tasks = list(self.tasks.values())
+        used = sum(s.batch_size for t in tasks for s in list(t.placed.values()))
+        total = self.memory.admission.max_total_batch()
+        return {"total_rows": total, "free_rows": max(0, total - used),
+                "queued_jobs": sum(len(t.queue) for t in tasks)}
+
+    def _parked_state(self, job_id: str) -> EngineJobState | None:
+        """A job parked by one of the hosted tasks (the memory plan's state bytes read it)."""
+        return next((t.parked[job_id] for t in self.tasks.values() if job_id in t.parked), None)
 
     # ----- pieces of the loop --------------------------------------------------------------
     def _observe_train(self, report: Any, seconds: float) -> dict[str, bool]:
@@ -300,7 +305,7 @@ class Executor(TaskHosting, MemoryPlanning):
         local = {} if report is None else {
             j: (report.steps[j], report.losses[j], report.skipped[j], report.grad_norms[j],
                 report.metrics.get(j), report.job_tokens.get(j, 0)) for j in report.losses}
-        stop = {t.task_id: bool(self._guarded(t, lambda t=t: t.stop_requested is not None
+        stop = {t.task_id: bool(self.roster.guarded(t, lambda t=t: t.stop_requested is not None
                                               and t.stop_requested())) for t in self.tasks.values()}
         numbers = None if report is None else (report.padded_fraction, report.tokens)
         now = time.monotonic()
@@ -309,7 +314,7 @@ class Executor(TaskHosting, MemoryPlanning):
         parts = self.strategy.gather((local, stop, numbers, due))
         merged = {j: v for part in parts for j, v in part[0].items()}
         measured = [p[2] for p in parts if p[2] is not None]
-        slots = self._slots()
+        slots = self.roster.slots()
         now_wall = time.perf_counter()
         wall, self._usage_mark = now_wall - self._usage_mark, now_wall
         step = StepNumbers(seconds, sum(m[1] for m in measured), sum(s.batch_size for s in slots),
@@ -318,11 +323,11 @@ class Executor(TaskHosting, MemoryPlanning):
                            sum(v[5] for v in merged.values()))
         for task in self.tasks.values():
             task.checkpoint_due = bool(parts[0][3][task.task_id])
-        self._each(lambda t: t.observe_train(merged, step))
+        self.roster.each(lambda t: t.observe_train(merged, step))
         return {tid: any(p[1][tid] for p in parts) for tid in self.tasks}
 
     def rank_batch(self, rank: int) -> int:
-        return sum(s.batch_size for s in self._slots() if s.owner == rank)
+        return sum(s.batch_size for s in self.roster.slots() if s.owner == rank)
 
     def _admit(self) -> None:
         """Deterministic admission under the one memory model: tasks in attach order (an earlier
@@ -333,7 +338,7 @@ class Executor(TaskHosting, MemoryPlanning):
             if task.error is not None:
                 continue
             while True:
-                slots = self._slots()
+                slots = self.roster.slots()
                 order = sorted(range(self.world), key=lambda r: (
                     self.rank_batch(r), sum(s.owner == r for s in slots), r))
                 for r in order:

@@ -1,6 +1,16 @@
-"""The executor's tasks (co-location): how tasks attach and detach while the loop runs, at step
-boundaries, each with its callbacks guarded so that, where the strategy lets tasks fail alone, a
-task's exception ends that task and nothing else. A part of trainer.executor.Executor."""
+"""The tasks an executor hosts (`TaskRoster`, co-location): which tasks are on it and which have
+left (with their outcomes), the attach and detach requests any thread makes and the loop takes at
+a step boundary, waiting for work, each task's passage (opened, resumed, its parking reserved
+after its first step, ended: last checkpoint or cancellation, samples, timings, its end
+announced), and each task's own work guarded so that, where the strategy lets tasks fail alone,
+a task's exception ends that task and nothing else.
+
+A component of trainer.executor.Executor (`executor.roster`), split from it by meaning: the
+executor is the device loop (load, admit, step, observe), the roster the set of tasks and their
+lifecycle on it. What the roster uses of the executor is `RosterHost`: what a task uses
+(trainer.task_parts.TaskHost, on which it builds each `TaskRun`) and the tokenizer, the step
+count (a task resuming alone continues the executor's from its own), the task's timings and the
+mark where they start."""
 
 from __future__ import annotations
 
@@ -8,8 +18,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -20,37 +31,65 @@ from trainer.checkpoint import load_checkpoint
 from trainer.colocate import TaskRun
 from trainer.config import CALLBACK_KINDS, HOST_FIELDS, Callbacks, ExecutorConfig
 from trainer.host_pool import POOL, host_memory_bytes
+from trainer.task_parts import JobSlot, TaskHost
 from trainer.task_samples import task_samples, write_samples
 
 log = logging.getLogger("loraplex.executor")
 
 
-class TaskHosting:
-    """Attach, detach and end tasks; the mixin of trainer.executor.Executor that holds its
-    `tasks`, `ended`, `_inbox`, `_known`, `_cv` and `_closing`."""
+class RosterHost(TaskHost, Protocol):
+    """What the roster uses of its executor (trainer.executor.Executor): what a task uses, and
+    the few things of a task's passage that are the executor's own."""
 
-    tasks: dict[str, TaskRun]
-    ended: dict[str, TaskRun]
-    _inbox: list[tuple[str, Any]]
-    _known: dict[str, tuple[set[str], str]]
-    _cv: threading.Condition
-    _closing: bool
+    tokenizer: Any  # the model's tokenizer: a task's data, its samples
+    global_step: int  # the executor's steps (a task resuming alone continues them)
 
-    def _make_task(self, cfg: ExecutorConfig, callbacks: Callbacks | None,
-                   stop_requested: Callable[[], bool] | None, task_id: str | None) -> TaskRun:
+    def timings(self, task: TaskRun | None = None) -> dict[str, Any]: ...
+
+    def mark_joined(self, task: TaskRun, at_start: bool) -> None: ...
+
+
+@dataclass(frozen=True)
+class Attach:
+    """A request: host this task from the next step boundary."""
+
+    task: TaskRun
+
+
+@dataclass(frozen=True)
+class Detach:
+    """A request: take this task off at the next step boundary, cancelled or paused."""
+
+    task_id: str
+    outcome: str
+
+
+class TaskRoster:
+    """The tasks of one executor (see the module docstring). `tasks` (hosted, in attach order:
+    admission order) and `ended` are the loop's; the requests may come from any thread."""
+
+    def __init__(self, host: RosterHost, cfg: ExecutorConfig) -> None:
+        self.host = host  # what every TaskRun of this executor is built on
+        self.cfg = cfg  # the executor's own (its first task's): a task's HOST_FIELDS must match it
+        self.tasks: dict[str, TaskRun] = {}
+        self.ended: dict[str, TaskRun] = {}  # tasks that left, with their outcome
+        self._requests: list[Attach | Detach] = []  # for the next boundary
+        # task id -> (job ids, output_dir) of every task hosted or asked to attach (any thread)
+        self._known: dict[str, tuple[set[str], str]] = {}
+        self._cv = threading.Condition()
+        self.closing = False
+
+    # ----- a task and its guarded work -------------------------------------------------------
+    def make(self, cfg: ExecutorConfig, callbacks: Callbacks | None,
+             stop_requested: Callable[[], bool] | None, task_id: str | None) -> TaskRun:
+        """A task on this executor, its callbacks routed by the strategy and guarded."""
         holder: list[TaskRun] = []
-        routed = self.strategy.callbacks(callbacks or Callbacks())
-        task = TaskRun(self, cfg, self._guard(routed, holder), task_id or str(cfg.output_dir),
+        routed = self.host.strategy.callbacks(callbacks or Callbacks())
+        task = TaskRun(self.host, cfg, self._guard(routed, holder), task_id or str(cfg.output_dir),
                        stop_requested)
         task.on_end = routed.on_task_end  # unguarded: reached even after the others failed
         holder.append(task)
         return task
-
-    def _fail(self, task: TaskRun) -> Callable[[Exception], None]:
-        def fail(exc: Exception) -> None:
-            log.error("task=%s failed in its own work", task.task_id, exc_info=exc)
-            task.error = exc
-        return fail
 
     def _guard(self, cb: Callbacks, holder: list[TaskRun]) -> Callbacks:
         """The task's callbacks as the recipe calls them: where tasks fail alone (the strategy's
@@ -59,22 +98,43 @@ class TaskHosting:
 
         def wrap(fn: Callable[..., None]) -> Callable[..., None]:
             def call(*args: Any) -> None:
-                self._guarded(holder[0], lambda: fn(*args))
+                self.guarded(holder[0], lambda: fn(*args))
             return call
         return Callbacks(*(wrap(getattr(cb, k)) for k in CALLBACK_KINDS))
 
-    def _guarded(self, task: TaskRun, fn: Callable[[], Any]) -> Any:
-        """Run a task's own work; where tasks fail alone, its exception fails that task alone."""
+    def guarded(self, task: TaskRun, fn: Callable[[], Any]) -> Any:
+        """Run a task's own work; where tasks fail alone, its exception fails that task alone
+        (None then, and for a task that has failed already)."""
         if task.error is not None:
             return None
-        return self.strategy.contain(fn, self._fail(task))
 
-    def attach_task(self, cfg: ExecutorConfig, callbacks: Callbacks | None = None,
-                    stop_requested: Callable[[], bool] | None = None, task_id: str | None = None) -> str:
-        """Host another task (any thread may call it, before or while `run` runs): its jobs join
-        the engine at the next step boundary, next to the jobs already there. Raises ValueError
-        when the task cannot share this executor (another model or step setting, or an id in use)."""
-        if not self.strategy.hosts_many_tasks:
+        def fail(exc: Exception) -> None:
+            log.error("task=%s failed in its own work", task.task_id, exc_info=exc)
+            task.error = exc
+
+        return self.host.strategy.contain(fn, fail)
+
+    def each(self, work: Callable[[TaskRun], Any]) -> None:
+        """`work` for every hosted task, each guarded."""
+        for task in list(self.tasks.values()):
+            self.guarded(task, lambda t=task: work(t))
+
+    def slots(self) -> list[JobSlot]:
+        """Every hosted task's started jobs."""
+        return [s for t in self.tasks.values() for s in t.placed.values()]
+
+    # ----- coming and going --------------------------------------------------------------------
+    def add_first(self, task: TaskRun) -> None:
+        """The executor's first task: hosted from the start (no request)."""
+        with self._cv:
+            self._known[task.task_id] = ({j.job_id for j in task.cfg.jobs}, str(Path(task.cfg.output_dir).resolve()))
+        self.tasks[task.task_id] = task
+
+    def request_attach(self, cfg: ExecutorConfig, callbacks: Callbacks | None = None,
+                       stop_requested: Callable[[], bool] | None = None, task_id: str | None = None) -> str:
+        """Ask to host another task (any thread; see Executor.attach_task); its id. ValueError
+        when it cannot share this executor (another model or step setting, or an id in use)."""
+        if not self.host.strategy.hosts_many_tasks:
             raise ValueError("this executor's strategy hosts one task")
         for name in HOST_FIELDS:
             mine, theirs = getattr(self.cfg, name), getattr(cfg, name)
@@ -82,10 +142,10 @@ class TaskHosting:
                 mine, theirs = str(Path(mine).resolve()), str(Path(theirs).resolve())
             if mine != theirs:
                 raise ValueError(f"{name}: the task asks for {theirs!r}, this executor has {mine!r}")
-        task = self._make_task(cfg, callbacks, stop_requested, task_id)
+        task = self.make(cfg, callbacks, stop_requested, task_id)
         jobs = {j.job_id for j in cfg.jobs}
         with self._cv:
-            if self._closing:
+            if self.closing:
                 raise ValueError("the executor is closing")
             if task.task_id in self._known:
                 raise ValueError(f"task {task.task_id} is already on this executor")
@@ -96,84 +156,88 @@ class TaskHosting:
             if out in {o for _, o in self._known.values()}:
                 raise ValueError("output_dir is another hosted task's")
             self._known[task.task_id] = (jobs, out)
-            self._inbox.append(("attach", task))
+            self._requests.append(Attach(task))
             self._cv.notify_all()
         return task.task_id
 
-    def detach_task(self, task_id: str, outcome: str = TaskOutcome.CANCELLED) -> None:
-        """Take a task off at the next step boundary: "cancelled" (its unfinished jobs end
-        cancelled) or "paused" (it checkpoints first; a later attach or executor resumes it).
-        Only its jobs leave the engine; its admission budget goes to the others' queued jobs."""
+    def request_detach(self, task_id: str, outcome: str) -> None:
+        """Ask to take a task off (any thread; see Executor.detach_task)."""
         if outcome not in (TaskOutcome.CANCELLED, TaskOutcome.PAUSED):
             raise ValueError(f"outcome must be 'cancelled' or 'paused', not {outcome!r}")
         with self._cv:
-            self._inbox.append(("detach", (task_id, outcome)))
+            self._requests.append(Detach(task_id, outcome))
             self._cv.notify_all()
+
+    def pending(self) -> list[Attach | Detach]:
+        """The requests not yet taken (a snapshot)."""
+        with self._cv:
+            return list(self._requests)
 
     def close(self) -> None:
-        """Let `run` return once its tasks have ended (it stops waiting for new ones)."""
+        """No new task: the loop ends once its tasks have ended."""
         with self._cv:
-            self._closing = True
+            self.closing = True
             self._cv.notify_all()
 
-    def results(self) -> dict[str, dict[str, Any]]:
-        """Every task that left: its outcome, its jobs' status and its error (if it failed)."""
-        return {tid: {"outcome": t.outcome, "status": t.status,
-                      "error": None if t.error is None else f"{type(t.error).__name__}: {t.error}"}
-                for tid, t in self.ended.items()}
+    def wait_for_work(self, linger_s: float) -> bool:
+        """No job runs: wait up to linger_s for a request (until `close`); whether one came.
+        When none came, the roster closes in the same breath, so no attach can slip in unseen."""
+        deadline = time.monotonic() + linger_s
+        with self._cv:
+            while not self._requests and not self.closing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(min(left, 1.0))
+            if not self._requests:
+                self.closing = True
+            return bool(self._requests)
 
-    def capacity(self) -> dict[str, int]:
-        """Read-only, from any thread (a shared executor's host reports it): the admission budget
-        in rows of one batch item (a job's batch_size unit: a sequence, for DPO a pair), the rows
-        no running job holds, and the hosted jobs still queued. Zeros before the model is loaded.
-        Snapshots of the loop's dicts (list() of a dict view is atomic under the GIL)."""
-        admission = getattr(self, "admission", None)
-        if admission is None:
-            return {"total_rows": 0, "free_rows": 0, "queued_jobs": 0}
-        tasks = list(self.tasks.values())
-        used = sum(s.batch_size for t in tasks for s in list(t.placed.values()))
-        total = admission.max_total_batch()
-        return {"total_rows": total, "free_rows": max(0, total - used),
-                "queued_jobs": sum(len(t.queue) for t in tasks)}
+    # ----- a task's passage (the loop's thread) ----------------------------------------------
+    def boundary(self) -> None:
+        """Between steps: files written meanwhile are announced, failed tasks leave, then the
+        attach / detach requests made since the last boundary take effect, in order."""
+        for task in list(self.tasks.values()):
+            task.settle()
+            if task.error is not None:
+                self.end(task, TaskOutcome.FAILED)
+        with self._cv:
+            requests, self._requests = self._requests, []
+        for request in requests:
+            if isinstance(request, Attach):
+                task = request.task
+                self.tasks[task.task_id] = task
+                self.host.mark_joined(task, at_start=False)
+                self.guarded(task, lambda t=task: self.open(t))
+                self.guarded(task, lambda t=task: self.start(t))
+                if task.error is not None:
+                    self.end(task, TaskOutcome.FAILED)
+            elif request.task_id in self.tasks:
+                task = self.tasks[request.task_id]
+                task.stopped = request.outcome == TaskOutcome.PAUSED
+                self.end(task, request.outcome)
 
-    def _open(self, task: TaskRun) -> None:
-        task.read(self.tokenizer)
+    def open(self, task: TaskRun) -> None:
+        """A task that joins a loaded executor: its data read, its part of the pool opened."""
+        task.read(self.host.tokenizer)
         task.open()
 
-    def _start(self, task: TaskRun) -> None:
+    def start(self, task: TaskRun) -> None:
         """Resume the task from its own state.pt if it has one; fail its jobs that never fit."""
         state_path = task.out / "state.pt"
         if state_path.exists():
-            alone = list(self.tasks) == [task.task_id] and self.global_step == 0
+            alone = list(self.tasks) == [task.task_id] and self.host.global_step == 0
             task.resume(load_checkpoint(state_path), restore_rng=alone)
             if alone:
-                self.global_step = task.global_step
+                self.host.global_step = task.global_step
         task.fail_unschedulable()
 
-    def _samples(self, task: TaskRun) -> None:
-        """The completions the task ends with (trainer.task_samples), from its leading adapters and
-        the base model, before it lets go of the backbone. One GPU: an adapter-parallel task ends
-        without them. A failure is the samples' alone: logged and announced, the task succeeds."""
-        if not self.strategy.whole_engine or not task.cfg.settings.samples.enabled:
-            return
-        from trainer.sampling import generate
-
-        try:
-            with self.phase("samples"):
-                rows = task_samples(task, self.engine, self.tokenizer, generate)
-            if rows:
-                write_samples(task.out, rows)
-                task.cb.on_event("", "samples", {"samples": rows})
-        except Exception as exc:  # noqa: BLE001 - the training succeeded; its samples did not
-            log.exception("task=%s samples failed", task.task_id)
-            task.cb.on_event("", "samples_failed", {"error": tenant_safe(str(exc))})
-
-    def _reserve_parking(self, task: TaskRun) -> None:
+    def reserve_parking(self, task: TaskRun) -> None:
         """After the task's first step (trainer.host_pool): pin, in the background, host memory
         for the states its configurations may park beyond what the device keeps (parks stay on
         the device while PARK_RESERVE of it stays free) and for the snapshots its writes take;
         at most a quarter of the host's memory, only on a GPU."""
-        eng = self.engine
+        eng = self.host.engine
         if eng.device.type != "cuda" or len(task.cfg.jobs) <= 1:
             return
         per_rank = eng.params_per_rank
@@ -185,21 +249,30 @@ class TaskHosting:
         need += int(task.cfg.write_buffer_bytes)
         POOL.reserve(min(need + POOL.pinned_bytes, host_memory_bytes() // 4))
 
-    def _end_task(self, task: TaskRun, outcome: str) -> None:
-        """Take the task off this executor. Finished or paused: its last checkpoint first."""
+    def end_idle(self) -> None:
+        """A task with nothing placed and nothing queued is done; when nothing is placed at all,
+        nothing queued can start either (admission just ran on an empty executor)."""
+        running = bool(self.slots())
+        for task in list(self.tasks.values()):
+            if not running or (not task.placed and not task.queue):
+                self.end(task, TaskOutcome.SUCCEEDED)
+
+    def end(self, task: TaskRun, outcome: str) -> None:
+        """Take the task off the executor. Finished or paused: its last checkpoint first."""
+        host = self.host
         if task.error is not None:
             outcome = TaskOutcome.FAILED
         if outcome in (TaskOutcome.SUCCEEDED, TaskOutcome.PAUSED):
-            self._guarded(task, task.checkpoint)
+            self.guarded(task, task.checkpoint)
         elif outcome == TaskOutcome.CANCELLED:
             for job_id, st in task.status.items():
                 if st["state"] in JOB_LIVE:
-                    self._guarded(task, lambda j=job_id: task.set_state(j, JobState.CANCELLED, {}))
+                    self.guarded(task, lambda j=job_id: task.set_state(j, JobState.CANCELLED, {}))
         task.settle(wait=True)  # its files complete and announced first (a pause's checkpoint)
         if outcome == TaskOutcome.SUCCEEDED and task.error is None:
             self._samples(task)
         if outcome in (TaskOutcome.SUCCEEDED, TaskOutcome.PAUSED):  # the task's own, not the host's
-            self._guarded(task, lambda: task.cb.on_event("", "timings", self.timings(task)))
+            self.guarded(task, lambda: task.cb.on_event("", "timings", host.timings(task)))
         task.release()
         task.close()
         task.outcome = TaskOutcome.FAILED if task.error is not None else outcome
@@ -209,44 +282,33 @@ class TaskHosting:
             self._known.pop(task.task_id, None)
         end = {"error": self.results()[task.task_id]["error"], "global_step": task.global_step}
         # the task has left: where tasks fail alone, its failing on_task_end ends nothing more
-        self.strategy.contain(lambda: task.on_end(task.outcome, end),
+        host.strategy.contain(lambda: task.on_end(task.outcome, end),
                               lambda exc: log.error("task=%s on_task_end failed", task.task_id, exc_info=exc))
-        if self.rank == 0:
+        if host.rank == 0:
             log.info("task=%s left the executor outcome=%s global_step=%d", task.task_id,
-                     task.outcome, self.global_step)
+                     task.outcome, host.global_step)
 
-    def _boundary(self) -> None:
-        """Between steps: files written meanwhile are announced, failed tasks leave, then the
-        attach / detach requests take effect."""
-        for task in list(self.tasks.values()):
-            task.settle()
-            if task.error is not None:
-                self._end_task(task, TaskOutcome.FAILED)
-        with self._cv:
-            inbox, self._inbox = self._inbox, []
-        for kind, arg in inbox:
-            if kind == "attach":
-                self.tasks[arg.task_id] = arg
-                self.mark_joined(arg, at_start=False)
-                self._guarded(arg, lambda t=arg: self._open(t))
-                self._guarded(arg, lambda t=arg: self._start(t))
-                if arg.error is not None:
-                    self._end_task(arg, TaskOutcome.FAILED)
-            elif arg[0] in self.tasks:
-                task = self.tasks[arg[0]]
-                task.stopped = arg[1] == TaskOutcome.PAUSED
-                self._end_task(task, arg[1])
+    def _samples(self, task: TaskRun) -> None:
+        """The completions the task ends with (trainer.task_samples), from its leading adapters and
+        the base model, before it lets go of the backbone. One GPU: an adapter-parallel task ends
+        without them. A failure is the samples' alone: logged and announced, the task succeeds."""
+        host = self.host
+        if not host.strategy.whole_engine or not task.cfg.settings.samples.enabled:
+            return
+        from trainer.sampling import generate
 
-    def _wait_for_work(self, linger_s: float) -> bool:
-        """No job runs: wait up to linger_s for a task to attach (until `close`). When none came,
-        the executor closes in the same breath, so no attach_task can slip in unseen."""
-        deadline = time.monotonic() + linger_s
-        with self._cv:
-            while not self._inbox and not self._closing:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cv.wait(min(left, 1.0))
-            if not self._inbox:
-                self._closing = True
-            return bool(self._inbox)
+        try:
+            with host.phase("samples"):
+                rows = task_samples(task, host.engine, host.tokenizer, generate)
+            if rows:
+                write_samples(task.out, rows)
+                task.cb.on_event("", "samples", {"samples": rows})
+        except Exception as exc:  # noqa: BLE001 - the training succeeded; its samples did not
+            log.exception("task=%s samples failed", task.task_id)
+            task.cb.on_event("", "samples_failed", {"error": tenant_safe(str(exc))})
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        """Every task that left: its outcome, its jobs' status and its error (if it failed)."""
+        return {tid: {"outcome": t.outcome, "status": t.status,
+                      "error": None if t.error is None else f"{type(t.error).__name__}: {t.error}"}
+                for tid, t in self.ended.items()}

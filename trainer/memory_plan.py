@@ -1,12 +1,23 @@
-"""The executor's memory: the memory model M(B) = k0 + k1 * B * L (docs/architecture.md, technique 3),
-stored per node and profile key or built from the model's config with no profiling pass
-(trainer.memory_model) and corrected online from the real steps' peaks (stored again), the
-admission controller built on it, and the policy that turns activation recompute off for steps
-that fit without it. A part of trainer.executor.Executor."""
+"""An executor's memory plan (`MemoryPlan`): the memory model M(B) = k0 + k1 * B * L
+(docs/architecture.md, technique 3), stored per node and profile key or built from the model's
+config with no profiling pass (trainer.memory_model) and corrected online from the real steps'
+peaks (stored again), the admission controller built on it, the policy that turns activation
+recompute off for steps that fit without it, and the step that runs again when it ran out of
+memory.
+
+A component, not a part of the executor: it has its own meaning (how many rows the device holds,
+and whether a step recomputes) and its own state (the model, its corrections, the counters the
+timings report). trainer.executor.Executor owns one (`executor.memory`), built once the engine
+exists, with exactly what it reads: the settings, the engine and its device, the objective (the
+probe's items), the strategy (the ranks decide alike), the executor's phase timer (the "profile"
+phase) and where a job parked by a hosted task is found. The engine's per-step recompute hook
+and admission's resident and state bytes are its bound methods."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +25,7 @@ import torch
 
 from trainer.admission import (
     AdmissionController,
+    JobLike,
     MemoryModel,
     RecomputePolicy,
     fit_memory_model,
@@ -22,7 +34,9 @@ from trainer.admission import (
     profile_memory,
     store_profile,
 )
-from trainer.jobs import TrainJob
+from trainer.config import ExecutorConfig
+from trainer.engine import MultiLoraEngine
+from trainer.jobs import JobState, TrainJob
 from trainer.memory_model import (
     ARENA_SLACK,
     HEAD_BYTES,
@@ -31,46 +45,133 @@ from trainer.memory_model import (
     analytic_model,
     state_bytes_per_param,
 )
+from trainer.sft import Sft
+from trainer.strategy import Strategy
 
 log = logging.getLogger("loraplex.executor")
 
 
-class MemoryPlanning:
-    """Memory model, admission and recompute policy; the mixin of trainer.executor.Executor."""
+class MemoryPlan:
+    """The memory model, admission and recompute policy of one executor (see the module
+    docstring); built on the executor's loaded engine, it plans at once (`admission` is set)."""
 
-    memory_model: MemoryModel | None
-    recompute_policy: RecomputePolicy | None
-    recompute_steps: dict[str, int]
-    profile_reused: bool | None
-    admission: AdmissionController
-    engine: Any
-    corrections: dict[bool, OnlineCorrection]  # recompute on/off -> its model corrected online
-    memory_retries: int  # steps run again after running out of device memory
-    memory_replays: int  # steps replayed from a graph (their memory counted at its capture)
+    def __init__(self, cfg: ExecutorConfig, engine: MultiLoraEngine, device: torch.device,
+                 objective: Sft, strategy: Strategy,
+                 phase: Callable[[str], AbstractContextManager[None]],
+                 parked_state: Callable[[str], JobState | None]) -> None:
+        self.cfg, self.engine, self.device = cfg, engine, device
+        self.objective, self.strategy, self.phase = objective, strategy, phase
+        self.parked_state = parked_state  # a job id -> its state parked by a hosted task, or None
+        self.model: MemoryModel | None = None  # None: admission by a token budget (the CPU)
+        self.recompute_policy: RecomputePolicy | None = None
+        self.corrections: dict[bool, OnlineCorrection] = {}  # recompute on/off -> corrected online
+        self.profile_reused: bool | None = None  # whether every stored profile it needs was there
+        self.retries = 0  # steps run again after running out of device memory
+        self.replays = 0  # steps replayed from a graph (their memory counted at its capture)
+        self.recompute_steps = {"on": 0, "off": 0}
+        self.admission = self._plan()
 
-    def _plan_memory(self, device: torch.device) -> None:
-        """The admission budget: on a GPU from the memory model (given, stored or measured; with
+    def _plan(self) -> AdmissionController:
+        """The admission budget: on a GPU from the memory model (given, stored or built; with
         recompute "auto" also the model without it), elsewhere from max_tokens_per_step."""
-        cfg = self.cfg
-        if device.type == "cuda" and cfg.max_tokens_per_step is None:
-            budget = cfg.memory_budget_bytes or torch.cuda.get_device_properties(device).total_memory
-            with self.phase("profile"):
-                mm = MemoryModel(*cfg.memory_model) if cfg.memory_model else self._stored_memory_model()
-            # ranks measure slightly different peaks; all must decide alike: take the largest
-            fits = self.strategy.gather((mm.k0, mm.k1))
-            self.memory_model = MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits))
-            live = self._live_memory and not cfg.memory_model
-            self.admission = AdmissionController(
-                self.memory_model, budget, cfg.max_seq_len, max_jobs=cfg.max_active_jobs,
-                resident=self._resident_bytes if live else None, state_bytes=self._state_bytes if live else None)
-            if cfg.gradient_checkpointing == "auto" and self.strategy.whole_engine and not cfg.memory_model:
-                with self.phase("profile"):
-                    self.recompute_policy = self._recompute_policy()
-        else:
+        cfg, device = self.cfg, self.device
+        if device.type != "cuda" or cfg.max_tokens_per_step is not None:
             per_item = cfg.max_seq_len * self.objective.sequences_per_item  # a DPO item: a pair
-            self.admission = AdmissionController.from_token_budget(
+            return AdmissionController.from_token_budget(
                 cfg.max_tokens_per_step or 1 << 60, per_item, cfg.max_active_jobs)
-        self.engine.recompute_for = self._recompute_for
+        budget = cfg.memory_budget_bytes or torch.cuda.get_device_properties(device).total_memory
+        with self.phase("profile"):
+            mm = MemoryModel(*cfg.memory_model) if cfg.memory_model else self.stored_model()
+        # ranks measure slightly different peaks; all must decide alike: take the largest
+        fits = self.strategy.gather((mm.k0, mm.k1))
+        self.model = MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits))
+        live = self.live and not cfg.memory_model
+        admission = AdmissionController(
+            self.model, budget, cfg.max_seq_len, max_jobs=cfg.max_active_jobs,
+            resident=self.resident_bytes if live else None, state_bytes=self.state_bytes if live else None)
+        if cfg.gradient_checkpointing == "auto" and self.strategy.whole_engine and not cfg.memory_model:
+            with self.phase("profile"):
+                self.recompute_policy = self._without_recompute(admission)
+        return admission
+
+    def _without_recompute(self, admission: AdmissionController) -> RecomputePolicy | None:
+        """The memory model without activation recompute (stored or built), as the policy that
+        turns recompute off for steps it predicts to fit; None where it cannot be had."""
+        eng = self.engine
+        eng.set_recompute(False)
+        try:
+            without = self.stored_model(recompute=False)
+        except (ValueError, RuntimeError) as e:
+            log.info("no memory model without recompute (%s): recompute stays on", e)
+            return None
+        finally:
+            eng.set_recompute(True)
+        return RecomputePolicy(without, admission.limit_bytes, self.cfg.max_seq_len, admission.resident)
+
+    @property
+    def live(self) -> bool:
+        """One GPU: admission reads what is resident at each decision (trainer.memory_model);
+        ranks of adapter parallelism must decide alike: the static form there."""
+        return self.strategy.whole_engine and self.device.type == "cuda"
+
+    # ----- the model: stored, built or measured --------------------------------------------
+    def profile_key(self, recompute: bool = True) -> str:
+        """What this executor's memory profile depends on (see trainer.admission.profile_key)."""
+        cfg, eng = self.cfg, self.engine
+        try:
+            config_text = (Path(cfg.model_dir) / "config.json").read_text()
+        except OSError:
+            config_text = None
+        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return profile_key(
+            model_dir=str(Path(cfg.model_dir).resolve()), model_config=config_text,
+            seq_len=cfg.max_seq_len, gpu=gpu, torch=torch.__version__, method=cfg.method,
+            targets=sorted(eng.targets), gradient_checkpointing=recompute,
+            adapter_dtype=cfg.adapter_dtype, backend=cfg.backend, ranks=self.strategy.world,
+            max_lora_rank=max(j.lora_rank for j in cfg.jobs), attention=eng.attention,
+            memory_model="live" if self.live else "static")
+
+    def stored_model(self, recompute: bool = True) -> MemoryModel:
+        """The node's stored model for this key (measured or corrected by an earlier task), or
+        the analytic one (no profiling pass); either is corrected online from the real steps."""
+        key = self.profile_key(recompute)
+        stored = load_profile(self.cfg.profile_cache, key)
+        # every rank must agree to reuse: one that lacks it (a torn read) makes all build it
+        reuse = all(self.strategy.gather(stored is not None))
+        # reused only if every profile this executor needs was stored
+        self.profile_reused = reuse if recompute else bool(self.profile_reused) and reuse
+        mm = stored if reuse else self.analytic_model(recompute)
+        if not reuse:  # the node knows it from now on (and as corrected by the steps, below)
+            fits = self.strategy.gather((mm.k0, mm.k1))  # stored as the ranks will decide: the largest
+            if self.strategy.rank == 0:
+                store_profile(self.cfg.profile_cache, key,
+                              MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits)))
+        if self.live:
+            shapes = Shapes.of(self.engine.model.config)
+            self.corrections[recompute] = OnlineCorrection(mm, HEAD_BYTES * shapes.vocab, self.engine.head_chunk)
+        return mm
+
+    def analytic_model(self, recompute: bool) -> MemoryModel:
+        """trainer.memory_model.analytic_model for this engine and its jobs: the live form on one
+        GPU, else the static form with what is resident now (a sharded backbone: with a gathered
+        layer and the next one prefetched)."""
+        eng, cfg = self.engine, self.cfg
+        resident, per_rank = None, 0.0
+        if not self.live:
+            resident = float(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else 0.0
+            layers = getattr(getattr(eng.model, "base_model", None), "layers", None)
+            if self.strategy.world > 1 and layers:
+                resident += 2 * sum(p.numel() * p.element_size() for p in layers[0].parameters())
+            per_rank = eng.params_per_rank * state_bytes_per_param(eng.adapter_dtype.itemsize)
+        targets = len({name.rsplit(".", 1)[-1] for name in eng.shapes})
+        return analytic_model(eng.model.config, head_chunk=eng.head_chunk,
+                              max_rank=max(j.lora_rank for j in cfg.jobs), n_targets=targets,
+                              recompute=recompute, sequences_per_item=self.objective.sequences_per_item,
+                              resident=resident, state_bytes_per_rank=per_rank)
+
+    def measured_model(self, batches: tuple[int, ...] = (1, 2, 4)) -> MemoryModel:
+        """A profiling pass (CUDA): the peak of `probe_step` at a few total batches, fitted."""
+        return fit_memory_model(profile_memory(self.probe_step, batches, self.cfg.max_seq_len))
 
     def probe_step(self, total_batch: int) -> None:
         """One full training step of a throwaway job of the largest rank at `total_batch`
@@ -96,95 +197,20 @@ class MemoryPlanning:
             eng.train_examples = saved
             self.objective.forget(eng, probe)
 
-    def _profile_memory_model(self, batches: tuple[int, ...] = (1, 2, 4)) -> MemoryModel:
-        # peak memory at a few total batches -> M(B) = k0 + k1 * B * L (docs/architecture.md, technique 3)
-        points = profile_memory(self.probe_step, batches, self.cfg.max_seq_len)
-        return fit_memory_model(points)
-
-    def _recompute_policy(self) -> RecomputePolicy | None:
-        """The memory model without activation recompute (stored or measured at 1 and 2
-        sequences), as the policy that turns recompute off for steps it predicts to fit; None
-        where it cannot be measured (e.g. 2 sequences do not fit without recompute)."""
-        eng = self.engine
-        eng.set_recompute(False)
-        try:
-            without = self._stored_memory_model(recompute=False)
-        except (ValueError, RuntimeError) as e:
-            log.info("no memory model without recompute (%s): recompute stays on", e)
-            return None
-        finally:
-            eng.set_recompute(True)
-        return RecomputePolicy(without, self.admission.limit_bytes, self.cfg.max_seq_len,
-                               self.admission.resident)
-
-    def _recompute_for(self, tokens: int) -> bool:
-        """The engine's hook (installed by _plan_memory): recompute on or off from a step's own
-        tokens once it has drawn them (RecomputePolicy.recompute_tokens; the worst case of its
-        total batch left most steps recomputing: 198 of 200 in an 8-job task of 1.7k tokens a
-        step); without a policy the setting stays."""
-        if self.recompute_policy is None:
-            return self.engine.gradient_checkpointing
-        return self.recompute_policy.recompute_tokens(tokens)
-
-    def _count_recompute(self) -> None:
-        self.recompute_steps["on" if self.engine.gradient_checkpointing else "off"] += 1
-
-    def profile_key(self, recompute: bool = True) -> str:
-        """What this executor's memory profile depends on (see trainer.admission.profile_key)."""
-        cfg, eng = self.cfg, self.engine
-        config = Path(cfg.model_dir) / "config.json"
-        try:
-            config_text = config.read_text()
-        except OSError:
-            config_text = None
-        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        return profile_key(
-            model_dir=str(Path(cfg.model_dir).resolve()), model_config=config_text,
-            seq_len=cfg.max_seq_len, gpu=gpu, torch=torch.__version__, method=cfg.method,
-            targets=sorted(eng.targets), gradient_checkpointing=recompute,
-            adapter_dtype=cfg.adapter_dtype, backend=cfg.backend, ranks=self.world,
-            max_lora_rank=max(j.lora_rank for j in cfg.jobs), attention=eng.attention,
-            memory_model="live" if self._live_memory else "static")
-
-    def _stored_memory_model(self, recompute: bool = True) -> MemoryModel:
-        """The node's stored model for this key (measured or corrected by an earlier task), or
-        the analytic one (no profiling pass); either is corrected online from the real steps."""
-        key = self.profile_key(recompute)
-        stored = load_profile(self.cfg.profile_cache, key)
-        # every rank must agree to reuse: one that lacks it (a torn read) makes all build it
-        reuse = all(self.strategy.gather(stored is not None))
-        # reused only if every profile this executor needs was stored
-        self.profile_reused = reuse if recompute else bool(self.profile_reused) and reuse
-        mm = stored if reuse else self._analytic_memory_model(recompute)
-        if not reuse:  # the node knows it from now on (and as corrected by the steps, below)
-            fits = self.strategy.gather((mm.k0, mm.k1))  # stored as the ranks will decide: the largest
-            if self.rank == 0:
-                store_profile(self.cfg.profile_cache, key,
-                              MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits)))
-        if self._live_memory:
-            shapes = Shapes.of(self.engine.model.config)
-            self.corrections[recompute] = OnlineCorrection(mm, HEAD_BYTES * shapes.vocab, self.engine.head_chunk)
-        return mm
-
-    @property
-    def _live_memory(self) -> bool:
-        """One GPU: admission reads what is resident at each decision (trainer.memory_model);
-        ranks of adapter parallelism must decide alike: the static form there."""
-        return self.strategy.whole_engine and self.device.type == "cuda"
-
-    def _resident_bytes(self) -> float:
+    # ----- what admission reads (one GPU, the live form) -------------------------------------
+    def resident_bytes(self) -> float:
         """Live tensors, and the step graphs' pool (its blocks serve only the replays)."""
         graphs = self.engine.step_graphs
         return float(torch.cuda.memory_allocated(self.device)) + (graphs.pool_bytes if graphs else 0)
 
-    def _state_bytes(self, job: Any) -> float:
-        """The device bytes a job adds when it attaches: its state (a resuming job parked on the
-        device only its gradient region)."""
+    def state_bytes(self, job: JobLike) -> float:
+        """The device bytes a job (a TrainJob, or a started job's slot) adds when it attaches:
+        its state (a resuming job parked on the device only its gradient region)."""
         eng = self.engine
         per_rank = eng.params_per_rank
         rank = getattr(job, "lora_rank", None)
         if rank is None:  # a started job resuming from its park
-            state = next((t.parked[job.job_id] for t in self.tasks.values() if job.job_id in t.parked), None)
+            state = self.parked_state(job.job_id)
             if state is None:
                 return 0.0
             if state.adapter.flat.is_cuda:
@@ -192,61 +218,27 @@ class MemoryPlanning:
             rank = state.adapter.rank
         return per_rank * rank * state_bytes_per_param(eng.adapter_dtype.itemsize)
 
-    def _analytic_memory_model(self, recompute: bool) -> MemoryModel:
-        """trainer.memory_model.analytic_model for this engine and its jobs: the live form on one
-        GPU, else the static form with what is resident now (a sharded backbone: with a gathered
-        layer and the next one prefetched)."""
-        eng, cfg = self.engine, self.cfg
-        resident, per_rank = None, 0.0
-        if not self._live_memory:
-            resident = float(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else 0.0
-            layers = getattr(getattr(eng.model, "base_model", None), "layers", None)
-            if self.world > 1 and layers:
-                resident += 2 * sum(p.numel() * p.element_size() for p in layers[0].parameters())
-            per_rank = eng.params_per_rank * state_bytes_per_param(eng.adapter_dtype.itemsize)
-        targets = len({name.rsplit(".", 1)[-1] for name in eng.shapes})
-        return analytic_model(eng.model.config, head_chunk=eng.head_chunk,
-                              max_rank=max(j.lora_rank for j in cfg.jobs), n_targets=targets,
-                              recompute=recompute, sequences_per_item=self.objective.sequences_per_item,
-                              resident=resident, state_bytes_per_rank=per_rank)
+    # ----- each step ----------------------------------------------------------------------
+    def recompute_for(self, tokens: int) -> bool:
+        """The engine's hook (`engine.recompute_for`): recompute on or off from a step's own
+        tokens once it has drawn them (RecomputePolicy.recompute_tokens; the worst case of its
+        total batch left most steps recomputing: 198 of 200 in an 8-job task of 1.7k tokens a
+        step); without a policy the setting stays."""
+        if self.recompute_policy is None:
+            return self.engine.gradient_checkpointing
+        return self.recompute_policy.recompute_tokens(tokens)
 
-    # ----- online correction ------------------------------------------------------------
-    def _step_memory_start(self) -> int | None:
+    def step_start(self) -> int | None:
         """Before a step: the allocator's resident bytes, its peak reset (None: not watched)."""
         if not self.corrections:
             return None
         torch.cuda.reset_peak_memory_stats(self.device)
         return torch.cuda.memory_allocated(self.device)
 
-    def _step_memory_end(self, resident: int | None, report: Any) -> None:
-        """After a step: its peak against the model; a corrected model goes to admission (and
-        the recompute policy) and is stored for the node's later tasks (rank 0, one GPU)."""
-        recompute = bool(self.engine.gradient_checkpointing)
-        corr = self.corrections.get(recompute)
-        if resident is None or corr is None or report is None:
-            return
-        graphs = self.engine.step_graphs
-        if graphs is not None and graphs.last_replayed:
-            self.memory_replays += 1  # its memory is the pool's, counted when it was captured
-            return
-        cells = round(report.tokens / max(1e-9, 1.0 - report.padded_fraction))
-        peak = torch.cuda.max_memory_allocated(self.device)
-        after = torch.cuda.memory_allocated(self.device)
-        if not corr.observe(cells, recompute, resident, peak, self.engine.arena.numel(), after):
-            return
-        if recompute:
-            self.memory_model = corr.model
-            self.admission.model = corr.model
-        elif self.recompute_policy is not None:
-            self.recompute_policy = RecomputePolicy(corr.model, self.recompute_policy.limit_bytes,
-                                                    self.recompute_policy.seq_len, self.recompute_policy.resident)
-        if self.rank == 0:
-            store_profile(self.cfg.profile_cache, self.profile_key(recompute), corr.model)
-
-    def _train_step(self) -> Any:
-        """The engine's step; one that runs out of device memory (the model under-predicted it)
-        is run again with recompute on and the model widened by half (admission then admits
-        less; the jobs' batches of the failed attempt are drawn anew)."""
+    def train_step(self) -> Any:
+        """The engine's step (its StepReport); one that runs out of device memory (the model
+        under-predicted it) is run again with recompute on and the model widened by half
+        (admission then admits less; the jobs' batches of the failed attempt are drawn anew)."""
         try:
             return self.engine.step()
         except torch.cuda.OutOfMemoryError:
@@ -254,23 +246,55 @@ class MemoryPlanning:
                 raise
             log.warning("a step ran out of device memory: recompute on, the memory model widened")
             torch.cuda.empty_cache()
-            self.memory_retries += 1
+            self.retries += 1
             for recompute, corr in self.corrections.items():
                 corr.model = MemoryModel(corr.model.k0, corr.model.k1 * 1.5)
                 if recompute:
-                    self.memory_model = self.admission.model = corr.model
+                    self.model = self.admission.model = corr.model
             if self.recompute_policy is not None and False in self.corrections:
-                self.recompute_policy = RecomputePolicy(self.corrections[False].model, self.recompute_policy.limit_bytes,
-                                                        self.recompute_policy.seq_len, self.recompute_policy.resident)
+                self._without_recompute_is(self.corrections[False].model)
             self.engine.set_recompute(True)
             return self.engine.step()
 
-    def _memory_check(self) -> dict[str, float]:
-        """How the memory model did on the steps the allocator saw: their count and the largest
-        |predicted - measured| / measured peak (details of the timings report)."""
+    def step_end(self, resident: int | None, report: Any) -> None:
+        """After a step (its StepReport, None where this rank ran none): the step counted by
+        recompute, its peak against the model; a corrected model goes to admission (and the
+        recompute policy) and is stored for the node's later tasks (rank 0, one GPU)."""
+        recompute = bool(self.engine.gradient_checkpointing)
+        self.recompute_steps["on" if recompute else "off"] += 1
+        corr = self.corrections.get(recompute)
+        if resident is None or corr is None or report is None:
+            return
+        graphs = self.engine.step_graphs
+        if graphs is not None and graphs.last_replayed:
+            self.replays += 1  # its memory is the pool's, counted when it was captured
+            return
+        cells = round(report.tokens / max(1e-9, 1.0 - report.padded_fraction))
+        peak = torch.cuda.max_memory_allocated(self.device)
+        after = torch.cuda.memory_allocated(self.device)
+        if not corr.observe(cells, recompute, resident, peak, self.engine.arena.numel(), after):
+            return
+        if recompute:
+            self.model = self.admission.model = corr.model
+        elif self.recompute_policy is not None:
+            self._without_recompute_is(corr.model)
+        if self.strategy.rank == 0:
+            store_profile(self.cfg.profile_cache, self.profile_key(recompute), corr.model)
+
+    def _without_recompute_is(self, model: MemoryModel) -> None:
+        policy = self.recompute_policy
+        assert policy is not None
+        self.recompute_policy = RecomputePolicy(model, policy.limit_bytes, policy.seq_len, policy.resident)
+
+    def timings(self) -> dict[str, Any]:
+        """The memory plan's details of the timings report: whether the profile was reused, the
+        steps with and without recompute and, where the allocator saw steps, how the model did
+        (their count and the largest |predicted - measured| / measured peak)."""
+        out = {"profile_reused": self.profile_reused, "recompute_steps": self.recompute_steps["on"],
+               "no_recompute_steps": self.recompute_steps["off"]}
         seen = [p for c in self.corrections.values() for p in c.trace if p.peak > p.resident]
-        if not seen:
-            return {}
-        return {"memory_steps_checked": len(seen), "memory_retries": self.memory_retries,
-                "memory_replays": self.memory_replays,
-                "memory_model_error": max(abs(p.predicted - p.peak) / p.peak for p in seen)}
+        if seen:
+            out.update(memory_steps_checked=len(seen), memory_retries=self.retries,
+                       memory_replays=self.replays,
+                       memory_model_error=max(abs(p.predicted - p.peak) / p.peak for p in seen))
+        return out

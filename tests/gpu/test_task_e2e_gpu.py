@@ -48,7 +48,7 @@ def test_profile_stored_once_and_reused_then_wide_eval(tmp_path) -> None:  # noq
     assert t1["profile_reused"] is False and t2["profile_reused"] is True
     assert t1["profile_s"] < 1.0  # no profiling pass: the analytic model
     # the second starts from the model the first left on the node (corrected by its steps)
-    left = first.corrections[True].model
+    left = first.memory.corrections[True].model
     assert (mm2["k0"], mm2["k1"]) == pytest.approx((left.k0, left.k1))
     # every step the allocator saw was checked against the model (the 10% target is the 8B
     # bench's: bench/executor_task.py), and none ran out of memory

@@ -180,7 +180,7 @@ def test_a_task_attached_mid_run_trains_exactly_as_alone(files, tmp_path, fixed_
     assert tim_a["load_s"] > 0 and tim_b["load_s"] == 0
     assert tim_b["wall_s"] < tim_b["host_wall"]  # the host started before B arrived
     assert 0 < tim_b["first_step_s"] < tim_b["wall_s"]
-    assert tim_a["first_step_s"] == pytest.approx(host.first_step_s)
+    assert tim_a["first_step_s"] == pytest.approx(host.clock.first_step_s)
 
 
 def co_run(files, tmp_path: Path, name: str, b_jobs: list[TrainJob], hook_b=None, b_data: str = "b",  # noqa: ANN001
@@ -331,7 +331,7 @@ def test_attach_refuses_what_cannot_share_the_executor(files, tmp_path) -> None:
         host.attach_task(task_cfg(files, tmp_path, "y", "b", jobs_b()), task_id="A")
     with pytest.raises(ValueError, match="outcome"):
         host.detach_task("A", "deleted")
-    assert list(host.tasks) == ["A"] and not host._inbox  # nothing was queued
+    assert list(host.tasks) == ["A"] and not host.roster.pending()  # nothing was queued
 
 
 def test_dpo_tasks_share_an_executor_and_checkpoint_only_their_own_references(files, tmp_path) -> None:  # noqa: ANN001

@@ -303,7 +303,7 @@ def test_memory_probe_step_of_a_dpo_executor_leaves_engine_and_cache_untouched(t
     before = {j: {k: v.clone() for k, v in s.adapter.state_dict().items()} for j, s in ex.engine.jobs.items()}
     cache = dict(ex.engine.reference)
     passes = dict(ex.engine.passes)
-    ex.probe_step(3)
+    ex.memory.probe_step(3)
     assert ex.engine.passes == {"reference": passes["reference"] + 1, "policy": passes["policy"] + 1}
     assert ex.engine.reference == cache  # the probe's random pairs were forgotten
     assert list(ex.engine.jobs) == list(before)

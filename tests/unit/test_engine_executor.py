@@ -122,7 +122,7 @@ def test_memory_probe_step_leaves_the_engine_untouched(tmp_path) -> None:  # noq
     before = {j: ({k: v.clone() for k, v in s.adapter.state_dict().items()}, s.step)
               for j, s in ex.engine.jobs.items()}
     train = ex.engine.train_examples
-    ex.probe_step(2)
+    ex.memory.probe_step(2)
     assert list(ex.engine.jobs) == list(before) and ex.engine.train_examples is train
     for j, (w, step) in before.items():
         s = ex.engine.jobs[j]

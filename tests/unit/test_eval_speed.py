@@ -18,8 +18,10 @@ from tests.helpers.executor_cfg import executor_config
 from trainer.admission import MemoryModel, load_profile, store_profile
 from trainer.data import read_jsonl, tokenize_all
 from trainer.evaluation import eval_chunk, eval_forwards
-from trainer.executor import PHASES, Callbacks, Executor, ExecutorConfig
+from trainer.executor import Callbacks, Executor, ExecutorConfig
 from trainer.jobs import TrainJob
+from trainer.memory_plan import MemoryPlan
+from trainer.phase_clock import PHASES
 from trainer.varlen import flash_varlen_available
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -168,22 +170,19 @@ def test_stored_profiles_roundtrip_and_keys(tmp_path) -> None:  # noqa: ANN001
     assert json.loads(path.read_text())["k"]["k0"] == 5.0
 
 
-def test_executor_builds_its_model_once_per_key_then_reuses(files, tmp_path) -> None:  # noqa: ANN001
+def test_executor_builds_its_model_once_per_key_then_reuses(files, tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """No probe step: the first executor of a key builds the memory model from the config
     (trainer.memory_model) and stores it at once; the next of that key starts from the stored one."""
     cache = tmp_path / "profiles.json"
     probed = []
-
-    class Counting(Executor):
-        def probe_step(self, total_batch: int) -> None:
-            probed.append(total_batch)
+    monkeypatch.setattr(MemoryPlan, "probe_step", lambda self, total_batch: probed.append(total_batch))
 
     jobs = [TrainJob("a", lora_rank=4, lora_alpha=8, learning_rate=1e-3, batch_size=2, max_steps=1)]
     got = []
     for seq in (48, 48, 32):
-        ex = Counting(make_cfg(files, f"p{len(got)}", jobs, max_seq_len=seq, profile_cache=str(cache)))
+        ex = Executor(make_cfg(files, f"p{len(got)}", jobs, max_seq_len=seq, profile_cache=str(cache)))
         ex._load()  # on the CPU admission uses a token budget; ask for the (stored) model
-        got.append((ex._stored_memory_model(), ex.profile_reused))
+        got.append((ex.memory.stored_model(), ex.memory.profile_reused))
     assert probed == []  # no profiling pass
     assert got[0][0] == got[1][0] and got[0][0].k1 > 0 and got[0][0].k0 > 0
     assert [reused for _, reused in got] == [False, True, False]  # another max_seq_len: another key
@@ -196,20 +195,20 @@ def test_executor_builds_its_model_once_per_key_then_reuses(files, tmp_path) -> 
     key48 = next(k for k in table if json.loads(k)["seq_len"] == 48)
     table[key48].update(k0=5e9, k1=7e5)
     cache.write_text(json.dumps(table))
-    ex = Counting(make_cfg(files, "p_corrected", jobs, max_seq_len=48, profile_cache=str(cache)))
+    ex = Executor(make_cfg(files, "p_corrected", jobs, max_seq_len=48, profile_cache=str(cache)))
     ex._load()
-    assert ex._stored_memory_model() == MemoryModel(5e9, 7e5) and ex.profile_reused
+    assert ex.memory.stored_model() == MemoryModel(5e9, 7e5) and ex.memory.profile_reused
     # a different model (its config changed) is another key too
-    key = ex.profile_key()
+    key = ex.memory.profile_key()
     assert key in json.loads(cache.read_text())
     changed = json.loads(key)
     changed["model_config"] = (changed["model_config"] or "") + " "
     assert json.dumps(changed, sort_keys=True) not in json.loads(cache.read_text())
     # the model without activation recompute is another key, larger per token
-    ex = Counting(make_cfg(files, "p_nr", jobs, max_seq_len=48, profile_cache=str(cache)))
+    ex = Executor(make_cfg(files, "p_nr", jobs, max_seq_len=48, profile_cache=str(cache)))
     ex._load()
-    without = ex._stored_memory_model(recompute=False)
-    assert ex.profile_key(False) != ex.profile_key(True) and without.k1 > got[0][0].k1 and probed == []
+    without = ex.memory.stored_model(recompute=False)
+    assert ex.memory.profile_key(False) != ex.memory.profile_key(True) and without.k1 > got[0][0].k1 and probed == []
 
 
 def test_executor_reports_its_wall_time_by_phase(files) -> None:  # noqa: ANN001
@@ -238,7 +237,7 @@ def test_executor_attention_setting_packs_varlen_with_the_rows_losses(files) -> 
                       Callbacks(on_train_loss=lambda j, s, loss, seen=seen: seen[j].append(loss)))
         ex.run()
         assert ex.engine.attention == mode
-        losses[mode], keys[mode] = dict(seen), json.loads(ex.profile_key())["attention"]
+        losses[mode], keys[mode] = dict(seen), json.loads(ex.memory.profile_key())["attention"]
     assert keys == {"rows": "rows", "varlen": "varlen"}
     for job in ("a", "b"):
         assert len(losses["varlen"][job]) == 3
@@ -321,7 +320,7 @@ def test_recompute_policy_runs_steps_that_fit_without_recompute(files) -> None: 
         def _load(self) -> None:
             super()._load()
             # without recompute, 96 bytes: a step fits without it up to 76 tokens (x1.25 padding)
-            self.recompute_policy = RecomputePolicy(MemoryModel(0.0, 1.0), 2 * 48, 48)
+            self.memory.recompute_policy = RecomputePolicy(MemoryModel(0.0, 1.0), 2 * 48, 48)
             real, self.modes, self.tokens = self.engine.step, [], []
 
             def step():  # noqa: ANN202
