@@ -294,7 +294,11 @@ class MemoryPlan:
                "no_recompute_steps": self.recompute_steps["off"]}
         seen = [p for c in self.corrections.values() for p in c.trace if p.peak > p.resident]
         if seen:
+            worst = max(seen, key=lambda p: abs(p.predicted - p.peak) / p.peak)
             out.update(memory_steps_checked=len(seen), memory_retries=self.retries,
                        memory_replays=self.replays,
-                       memory_model_error=max(abs(p.predicted - p.peak) / p.peak for p in seen))
+                       memory_model_error=abs(worst.predicted - worst.peak) / worst.peak,
+                       # where the largest error was: its cells, recompute, resident, peak and predicted bytes
+                       memory_worst_step=[worst.tokens, worst.recompute, worst.resident, worst.peak,
+                                          round(worst.predicted)])
         return out
