@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ class ForwardState:
     terminal: str | None = None  # "finished" / "failed" once that report is delivered
     dropped: int = 0
     # the last checkpoint the service stored for this placement (or the one it resumed from):
-    # {"artifact_id", "files": [names]}; the next one carries the files of the same name
+    # {"artifact_id", "files": [names], "dir"}; the next one carries the files of the same name
     checkpoint: dict | None = None
 
     @classmethod
@@ -170,18 +171,21 @@ class Forwarder:
                 self.state.dropped += 1
                 return
             if meta.kind == "checkpoint":
-                self._tolerate(lambda: self._checkpoint(meta, directory), "artifact")
+                self._tolerate(lambda: self._checkpoint(meta, record["dir"]), "artifact")
             else:
                 self._tolerate(lambda: self.client.upload_artifact(self.task_id, meta, directory),
                                "artifact")
         else:
             self._report(REPORTS[kind], record)
 
-    def _checkpoint(self, meta: ArtifactMeta, directory: Path) -> None:
+    def _checkpoint(self, meta: ArtifactMeta, rel: str) -> None:
         """Upload a checkpoint, sending only what the service does not hold: its job files
         named as in the last checkpoint stored are carried (a job file's name is its content:
         written once, never changed); state.pt always goes. A carry the service cannot honour
-        (that checkpoint gone) is answered by uploading every file."""
+        (that checkpoint gone) is answered by uploading every file. Then the folder of the one
+        stored before goes (its links would keep superseded job files on disk); this one stays
+        for a retry on this node (worker.local_resume)."""
+        directory = self.directory / rel
         last = self.state.checkpoint or {}
         names = {p.name for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")}
         carry = sorted(names & set(last.get("files", [])) - {STATE_NAME})
@@ -199,8 +203,10 @@ class Forwarder:
                             self.task_id, self.placement_id, last["artifact_id"])
         if out is None:
             out = self.client.upload_artifact(self.task_id, meta, directory)
-        self.state.checkpoint = {"artifact_id": out["artifact_id"],
+        self.state.checkpoint = {"artifact_id": out["artifact_id"], "dir": rel,
                                  "files": [f["name"] for f in out.get("files", [])]}
+        if last.get("dir") not in (None, rel):
+            shutil.rmtree(self.directory / last["dir"], ignore_errors=True)
 
     def _message(self, shape: type[_Report], fields: object, kind: str) -> _Report | None:
         """The report of a spool record, in this forwarder's placement (the attempt the service

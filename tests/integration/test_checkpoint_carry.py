@@ -81,6 +81,8 @@ def test_unchanged_job_files_are_carried_listed_and_kept(client, factory, sessio
     assert listed["job-b-1-t.pt"]["bytes"] == len(parked)
     url = f"/internal/v1/artifacts/{second.id}/files/job-b-1-t.pt"
     assert client.get(url, headers=factory.worker).content == parked
+    assert not (work / "artifacts" / "checkpoint-1").exists()  # superseded: its links go
+    assert (work / "artifacts" / "checkpoint-2" / "job-b-1-t.pt").is_file()  # the last one stays
     assert fwd.state.checkpoint["artifact_id"] == second.id
     assert sorted(fwd.state.checkpoint["files"]) == sorted(listed)
 
