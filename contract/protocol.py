@@ -282,7 +282,8 @@ class JobStateUpdate(_Msg):
 
 class ArtifactMeta(_Msg):
     """Metadata part of an artifact upload. kind=adapter needs job_id and the two PEFT files;
-    kind=checkpoint is per task (step says where training resumes). Same key = same artifact."""
+    kind=checkpoint is per task (step says where training resumes), its unchanged files may be
+    carried from an earlier one (carry_from, carried). Same key = same artifact."""
 
     kind: Literal["adapter", "checkpoint"]
     placement_id: str = Field(description="The attempt that reports (fencing).")
@@ -293,6 +294,19 @@ class ArtifactMeta(_Msg):
         description="Checkpoints only: stored as 'checkpoint:<key or step>'. An adapter's key is "
                     "always 'adapter:<job_id>' (one per job; a new upload replaces it).")
     meta: dict | None = None
+    carry_from: str | None = Field(
+        default=None, max_length=40,
+        description="Checkpoints only: an earlier checkpoint artifact of the task whose files "
+                    "named in `carried` this one holds unchanged (not uploaded again).")
+    carried: list[str] | None = Field(
+        default=None, max_length=100_000,
+        description="Names of carry_from's files this checkpoint lists as its own, unchanged "
+                    "(a checkpoint's job files are immutable by name). 409 carry_unavailable "
+                    "when carry_from or one of them is gone: upload every file instead.")
+
+
+# the service's answer (409) to a carry it cannot honour: the worker uploads every file instead
+CARRY_UNAVAILABLE = "carry_unavailable"
 
 
 class ArtifactOut(_Msg):

@@ -7,19 +7,13 @@ Every call is retry-safe."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import struct
 from collections.abc import Callable
-from typing import BinaryIO
 
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from contract.protocol import (
-    ADAPTER_FILES,
-    ArtifactMeta,
     EventBatch,
     JobHyperparameters,
     JobSpec,
@@ -41,12 +35,10 @@ from contract.states import (
     TaskState,
 )
 from service import lifecycle
-from service.adapters import portable_config_file
 from service.cluster import attempt_lost, cluster_changed, fail_or_requeue
 from service.core.config import Settings
-from service.core.errors import ApiError, conflict, invalid, not_found
+from service.core.errors import conflict, invalid, not_found
 from service.core.registry import ModelRegistry
-from service.core.storage import Storage
 from service.events import add_event, ingest_events, ingest_metrics
 from service.models import (
     PLACEMENT_ACTIVE,
@@ -57,7 +49,6 @@ from service.models import (
     Node,
     Placement,
     Task,
-    new_id,
     utcnow,
 )
 from service.pausing import attempt_stopped
@@ -145,109 +136,6 @@ def build_spec(session: Session, placement: Placement, task: Task,
         resume_checkpoint_artifact_id=ckpt.id if ckpt else None,
         resume_checkpoint_files=[f"/internal/v1/artifacts/{ckpt.id}/files/{f['name']}"
                                  for f in ckpt.files] if ckpt else [])
-
-
-def _check_name(name: str) -> str:
-    if not name or "/" in name or "\\" in name or name in (".", "..") or len(name) > 200:
-        raise invalid(f"bad artifact file name {name!r}", param="files")
-    return name
-
-
-def _check_safetensors(src: BinaryIO) -> None:
-    src.seek(0)
-    head = src.read(8)
-    if len(head) < 8:
-        raise invalid("adapter_model.safetensors is too short", param="files")
-    (n,) = struct.unpack("<Q", head)
-    if n > 100 * 1024 * 1024:
-        raise invalid("adapter_model.safetensors has an implausible header", param="files")
-    try:
-        header = json.loads(src.read(n))
-    except ValueError as exc:
-        raise invalid("adapter_model.safetensors header is not JSON", param="files") from exc
-    if not isinstance(header, dict):
-        raise invalid("adapter_model.safetensors header is not an object", param="files")
-    src.seek(0)
-
-
-def store_artifact(session: Session, storage: Storage, task_id: str, meta: ArtifactMeta,
-                   files: list[tuple[str, BinaryIO]], max_bytes: int) -> Artifact:
-    """Store (or replace, same key: a retry) an adapter of a job or a checkpoint of the task,
-    reported by the attempt meta.placement_id (fenced). Flushes; the caller commits."""
-    task, _ = fence_report(session, task_id, meta.placement_id)
-    if not files:
-        raise invalid("no files uploaded", param="files")
-    names = [_check_name(n) for n, _ in files]
-    if len(set(names)) != len(names):
-        raise invalid("duplicate file names", param="files")
-    job: Job | None = None
-    if meta.job_id is not None:
-        job = session.get(Job, meta.job_id)
-        if job is None or job.task_id != task.id:
-            raise invalid(f"job {meta.job_id!r} is not a job of task {task.id!r}", param="job_id")
-    if meta.kind == "adapter":
-        if job is None:
-            raise invalid("an adapter needs job_id", param="job_id")
-        missing = [n for n in ADAPTER_FILES if n not in names]
-        if missing:
-            raise invalid(f"adapter is missing {', '.join(missing)}", param="files")
-        # What tenants download: the registered model name, only fields PEFT/vLLM/LoRAX accept
-        files = [(n, portable_config_file(src, task.base_model) if n == "adapter_config.json"
-                  else src) for n, src in files]
-        blobs = dict(files)
-        _check_safetensors(blobs["adapter_model.safetensors"])
-        key = f"adapter:{job.id}"  # one adapter per job: a new upload replaces it
-    else:
-        if meta.step is None and meta.key is None:
-            raise invalid("a checkpoint needs step (or key)", param="step")
-        key = f"checkpoint:{meta.key if meta.key is not None else meta.step}"
-    sizes = _sizes(files)
-    if sum(sizes) > max_bytes:
-        raise ApiError(413, "artifact_too_large", f"artifact is {sum(sizes)} bytes; the limit "
-                       f"is {max_bytes}", "files")
-    existing = session.scalar(select(Artifact).where(
-        Artifact.task_id == task.id, Artifact.key == key).with_for_update())
-    artifact_id = existing.id if existing is not None else new_id("art")
-    listing = _put_files(storage, f"artifacts/{artifact_id}", files, sizes,
-                         existing.files if existing is not None else [])
-    artifact = existing or Artifact(id=artifact_id, task_id=task.id, key=key)
-    artifact.kind, artifact.job_id, artifact.step = meta.kind, meta.job_id, meta.step
-    artifact.files, artifact.meta = listing, meta.meta
-    if existing is None:
-        session.add(artifact)
-        session.flush()
-        add_event(session, task.id, f"{meta.kind}_uploaded", f"{meta.kind} {key} stored",
-                  job_id=meta.job_id, data={"artifact_id": artifact.id, "step": meta.step})
-    session.flush()
-    return artifact
-
-
-def _sizes(files: list[tuple[str, BinaryIO]]) -> list[int]:
-    sizes = []
-    for _, src in files:
-        src.seek(0, 2)
-        sizes.append(src.tell())
-        src.seek(0)
-    return sizes
-
-
-def _put_files(storage: Storage, prefix: str, files: list[tuple[str, BinaryIO]], sizes: list[int],
-               before: list[dict]) -> list[dict]:
-    """Store the files under prefix (a name stored before and not uploaded now is deleted);
-    their listing: name, bytes, sha256."""
-    listing = []
-    for (name, src), size in zip(files, sizes, strict=True):
-        digest = hashlib.sha256()
-        while block := src.read(1 << 20):
-            digest.update(block)
-        src.seek(0)
-        storage.put(f"{prefix}/{name}", src)
-        listing.append({"name": name, "bytes": size, "sha256": digest.hexdigest()})
-    names = {name for name, _ in files}
-    for old in before:
-        if old["name"] not in names:
-            storage.delete(f"{prefix}/{old['name']}")
-    return listing
 
 
 def _placement_of(session: Session, task: Task, placement_id: str) -> Placement:

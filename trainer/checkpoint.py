@@ -1,20 +1,16 @@
 """Resumable checkpoints of the engine's jobs: adapter weights, AdamW state, LR schedule, data
-position, step counts (plus whatever the executor adds), written atomically with torch.save; and
+position, step counts (plus whatever the executor adds; the files: trainer.checkpoint_files); and
 the executor's file writing off its step loop: a snapshot at the step boundary (`take_snapshot`)
 written by one writer thread (`FileWriter`)."""
 
 from __future__ import annotations
 
 import copy
-import os
-import pickle
 import threading
 import time
-import types
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,32 +73,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(path: str | Path, payload: dict[str, Any]) -> Path:
-    """torch.save to a temp file then rename, so a killed executor never leaves half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
-    return path
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("trainer.jobs", "JobSpec"):  # TrainJob's name before
-            return TrainJob
-        return super().find_class(module, name)
-
-
-_PICKLE = types.SimpleNamespace(__name__="pickle", Unpickler=_Unpickler, load=pickle.load)
-
-
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    # our own file (job specs, scheduler state are plain python objects): not weights_only;
-    # one written by an earlier version (a task paused across an upgrade) still loads
-    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
 
 
 # ----- snapshots and the writer thread --------------------------------------------------------

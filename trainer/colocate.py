@@ -36,6 +36,7 @@ from typing import Any
 from contract.states import JOB_TERMINAL, ExitReason
 from contract.states import JobState as JobLifecycle
 from trainer.checkpoint import Write, restore_job
+from trainer.checkpoint_files import new_tag
 from trainer.config import Callbacks, ExecutorConfig
 from trainer.data import Example, read_jsonl, split_validation
 from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
@@ -89,6 +90,8 @@ class TaskRun(TaskFiles):
         self.writes: list[Write] = []  # its writes on the executor's writer, not yet settled
         self.checkpoint_write: Write | None = None  # its latest checkpoint write (one in flight at most)
         self.job_writes: dict[str, Write] = {}  # each job's last write (its exports)
+        self.job_files: dict[str, tuple[int, str | None]] = {}  # each job's last state on file
+        self.file_tag = new_tag()  # in the names of the job files this run writes
         # announcements waiting for files, in the order made: (the write, callback, arguments)
         self.held: deque[tuple[Write | None, Callable[..., None], tuple]] = deque()
 

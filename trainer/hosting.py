@@ -27,7 +27,7 @@ import torch
 from contract.protocol import tenant_safe
 from contract.states import JOB_LIVE, JobState, TaskOutcome
 from trainer.arena import park_room
-from trainer.checkpoint import load_checkpoint
+from trainer.checkpoint_files import load_checkpoint
 from trainer.colocate import TaskRun
 from trainer.config import CALLBACK_KINDS, HOST_FIELDS, Callbacks, ExecutorConfig
 from trainer.host_pool import POOL, host_memory_bytes

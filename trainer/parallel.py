@@ -14,9 +14,9 @@ does not slow the others (it joins the all-gathers they need anyway, with a 1-to
 placement would reshard the backbone onto fewer GPUs mid-task, impossible when the model needs
 all P to fit, and worth it only if the scheduler had work for the freed GPU.
 
-Checkpoints: each rank writes its jobs' states (and DPO reference numbers) as a part, rank 0
-merges them into the one `state.pt` (with every job's owner), which the runner uploads as for
-one GPU. Resume on the same P keeps every job on its rank; on another P (or from a one-GPU
+Checkpoints: each rank writes its jobs' states (those that trained since the last checkpoint;
+DPO reference numbers) as a part, rank 0 writes their job files and the one `state.pt` naming
+them (with every job's owner), which the runner uploads as for one GPU. Resume on the same P keeps every job on its rank; on another P (or from a one-GPU
 state.pt) the jobs are dealt to the least-loaded ranks.
 """
 
@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.checkpoint import FileWriter, save_checkpoint
+from trainer.checkpoint import FileWriter
+from trainer.checkpoint_files import save_checkpoint
 from trainer.config import CALLBACK_KINDS, Callbacks
 from trainer.parallel_engine import shard_engine
 

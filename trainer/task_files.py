@@ -1,7 +1,8 @@
 """A task's files: checkpoints and exports written off the step loop by the executor's writer
 thread (one GPU), announcements held until their files are complete, and the task's state.pt,
-written from every rank's part and resumed on any number of ranks. A part of
-trainer.colocate.TaskRun (its module docstring tells the rules)."""
+written from every rank's part and resumed on any number of ranks: each job's state in its own
+file, rewritten only when the job trained since (trainer.checkpoint_files tells the format). A
+part of trainer.colocate.TaskRun (its module docstring tells the rules)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +19,18 @@ from trainer.checkpoint import (
     Write,
     job_state_dict,
     rng_state,
-    save_checkpoint,
     set_rng_state,
     take_snapshot,
     tensor_bytes,
 )
+from trainer.checkpoint_files import (
+    FORMAT,
+    job_file_name,
+    resolve_job,
+    save_checkpoint,
+    write_checkpoint,
+)
+from trainer.jobs import JobState
 from trainer.task_parts import JobSlot, TaskHost
 
 log = logging.getLogger("loraplex.executor")
@@ -37,6 +46,10 @@ class TaskFiles:
     held: deque[tuple[Write | None, Callable[..., None], tuple]]
     job_writes: dict[str, Write]
     checkpoint_write: Write | None
+    # each started job's last state on file: (its step then, the file's name; None on a rank
+    # but 0, which names and writes the files) and this run's token in the names it writes
+    job_files: dict[str, tuple[int, str | None]]
+    file_tag: str
 
     def _write(self, kind: str, obj: Any, write: Callable[[Any], Any]) -> Write:
         """Snapshot obj now (waiting first while the writer holds too many snapshots), then
@@ -86,7 +99,7 @@ class TaskFiles:
         self.last_checkpoint, self.checkpoint_due = time.monotonic(), False
         self.report_throughput()
         eng = host.engine
-        mine = {j: job_state_dict(s, copy=False) for j, s in [*eng.jobs.items(), *self.parked.items()]
+        mine = {j: self._job_part(s) for j, s in [*eng.jobs.items(), *self.parked.items()]
                 if j in self.placed or j in self.parked}
         part = {"jobs": mine, "objective": host.objective.task_state(eng, [*self.train, *self.val])}
         if host.writer is not None:  # one rank: the snapshot is written off the loop
@@ -95,23 +108,47 @@ class TaskFiles:
             # under two intervals of steps even when writes lag the loop (a slow or loaded disk)
             if self.checkpoint_write is not None:
                 self.checkpoint_write.done.wait()  # set once written or failed: never hangs
-            self.checkpoint_write = self._write("checkpoint", self._payload([part]),
-                                                lambda payload: save_checkpoint(self.out / "state.pt", payload))
+            self.checkpoint_write = self._write("checkpoint", self._payload([part]), lambda snap: write_checkpoint(
+                self.out, *snap, save=save_checkpoint))
             return
         parts = host.strategy.collect_parts(self.out, take_snapshot(part).wait())
-        if parts is None:  # not rank 0: it writes the one state.pt
+        if parts is None:  # not rank 0: it writes the one state.pt and the job files
             return
-        save_checkpoint(self.out / "state.pt", self._payload(parts))
+        write_checkpoint(self.out, *self._payload(parts), save=save_checkpoint)
 
-    def _payload(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """The task's state.pt from every rank's part (its jobs' states, the objective's numbers)."""
+    def _job_part(self, state: JobState) -> dict[str, Any]:
+        """A job's part of a checkpoint: its whole state when it trained since its last file,
+        else only what state.pt keeps of it (its file stays as it is)."""
+        known = self.job_files.get(state.job_id)
+        if known is not None and known[0] == state.step:
+            return {"spec": asdict(state.spec), "step": state.step, "total_steps": state.total_steps}
+        self.job_files[state.job_id] = (state.step, None)
+        return job_state_dict(state, copy=False)
+
+    def _job_ref(self, job_id: str, d: dict[str, Any], files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """The job's entry in state.pt, naming its file (a new one for a whole state, in files)."""
+        if "adapter" in d:
+            name = job_file_name(job_id, d["step"], self.file_tag)
+            files[name] = d
+            self.job_files[job_id] = (d["step"], name)
+        else:
+            step, name = self.job_files.get(job_id, (None, None))
+            if name is None or step != d["step"]:  # a rank's unchanged job rank 0 never wrote
+                raise RuntimeError(f"job {job_id} at step {d['step']} has no file (last {name})")
+        return {"file": name, "spec": d["spec"], "step": d["step"], "total_steps": d["total_steps"]}
+
+    def _payload(self, parts: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """The task's state.pt from every rank's part (its jobs, the objective's numbers), and
+        the job files to write first (name -> a job's whole state)."""
         host = self.host
-        states = {j: d for part in parts for j, d in part["jobs"].items()}
+        files: dict[str, dict[str, Any]] = {}
+        refs = {j: self._job_ref(j, d, files) for part in parts for j, d in part["jobs"].items()}
         owners = {j: s.owner for j, s in self.placed.items()}
         owners.update({q.job_id: q.owner for q in self.queue if isinstance(q, JobSlot)})
         payload = {
-            "active": [states[j] for j in self.placed],
-            "queue": [states[q.job_id] if isinstance(q, JobSlot) else {"fresh": q} for q in self.queue],
+            "format": FORMAT,
+            "active": [refs[j] for j in self.placed],
+            "queue": [refs[q.job_id] if isinstance(q, JobSlot) else {"fresh": q} for q in self.queue],
             "status": self.status, "monitors": self.monitors, "ranking": self.ranking,
             "global_step": self.global_step, "last_eval": self.last_eval, "rng": rng_state(),
             "parallel": {"world": host.world, "owners": owners},
@@ -119,7 +156,7 @@ class TaskFiles:
         merged = host.objective.merge_task_states([p["objective"] for p in parts])
         if merged is not None:  # DPO: every rank's reference log-probs, reused by a resume
             payload["reference"] = merged
-        return payload
+        return payload, files
 
     def resume(self, ck: dict[str, Any], restore_rng: bool) -> None:
         """Continue from a state.pt of any strategy: on the same number of ranks every job stays
@@ -127,6 +164,8 @@ class TaskFiles:
         adapters, as a job's trajectory does not depend on where or beside whom it runs."""
         host = self.host
         par = ck.get("parallel") or {}
+        self.job_files = {d["spec"]["job_id"]: (d["step"], d["file"])  # on file as they are
+                          for d in [*ck["active"], *ck["queue"]] if "file" in d}
         owners = par.get("owners", {}) if par.get("world") == host.world else {}
         parked_load = [0] * host.world
         for d in ck["active"]:
@@ -136,7 +175,7 @@ class TaskFiles:
                 r = min(range(host.world), key=lambda k: (host.rank_batch(k), k))
             self.placed[job_id] = JobSlot(job_id, r, bs, d["step"], d["total_steps"])
             if r == host.rank:
-                host.engine.attach(self.restore(d))
+                host.engine.attach(self.restore(resolve_job(self.out, d)))
         self.queue = []
         for q in ck["queue"]:
             if "fresh" in q:
@@ -149,7 +188,7 @@ class TaskFiles:
             parked_load[r] += 1
             self.queue.append(JobSlot(job_id, r, q["spec"]["batch_size"], q["step"], q["total_steps"]))
             if r == host.rank:
-                self.parked[job_id] = self.restore(q).to("cpu")
+                self.parked[job_id] = self.restore(resolve_job(self.out, q)).to("cpu")
         self.status, self.monitors, self.ranking = ck["status"], ck["monitors"], ck["ranking"]
         for monitor in self.monitors.values():  # the task's settings as given now, not as pickled
             monitor.cfg = self.cfg.settings.early_exit

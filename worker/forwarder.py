@@ -10,13 +10,23 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from contract.protocol import REPORTS, ArtifactMeta, EventIn, JobStateUpdate, MetricPointIn, Report
+from contract.protocol import (
+    CARRY_UNAVAILABLE,
+    REPORTS,
+    ArtifactMeta,
+    EventIn,
+    JobStateUpdate,
+    MetricPointIn,
+    PlacementSpec,
+    Report,
+)
 from worker.service_client import Backoff, ServiceClient, ServiceError
 from worker.spool import SPOOL_NAME, TERMINAL_TYPES, read_complete_lines
 
@@ -24,6 +34,7 @@ log = logging.getLogger("loraplex.worker.client")
 _Report = TypeVar("_Report")
 
 FORWARD_STATE_NAME = "forward.json"
+STATE_NAME = "state.pt"  # a checkpoint's one file that changes under the same name
 
 
 @dataclass
@@ -31,6 +42,9 @@ class ForwardState:
     offset: int = 0
     terminal: str | None = None  # "finished" / "failed" once that report is delivered
     dropped: int = 0
+    # the last checkpoint the service stored for this placement (or the one it resumed from):
+    # {"artifact_id", "files": [names], "dir"}; the next one carries the files of the same name
+    checkpoint: dict | None = None
 
     @classmethod
     def load(cls, path: Path) -> ForwardState:
@@ -63,7 +77,10 @@ class Forwarder:
     next_try_at: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
+        fresh = not self.state_path.exists()
         self.state = ForwardState.load(self.state_path)
+        if fresh:  # the checkpoint this placement resumes from is the first one to carry from
+            self.state.checkpoint = _resumed_from(self.directory)
 
     @property
     def spool_path(self) -> Path:
@@ -153,10 +170,43 @@ class Forwarder:
                           self.placement_id, directory)
                 self.state.dropped += 1
                 return
-            self._tolerate(lambda: self.client.upload_artifact(self.task_id, meta, directory),
-                           "artifact")
+            if meta.kind == "checkpoint":
+                self._tolerate(lambda: self._checkpoint(meta, record["dir"]), "artifact")
+            else:
+                self._tolerate(lambda: self.client.upload_artifact(self.task_id, meta, directory),
+                               "artifact")
         else:
             self._report(REPORTS[kind], record)
+
+    def _checkpoint(self, meta: ArtifactMeta, rel: str) -> None:
+        """Upload a checkpoint, sending only what the service does not hold: its job files
+        named as in the last checkpoint stored are carried (a job file's name is its content:
+        written once, never changed); state.pt always goes. A carry the service cannot honour
+        (that checkpoint gone) is answered by uploading every file. Then the folder of the one
+        stored before goes (its links would keep superseded job files on disk); this one stays
+        for a retry on this node (worker.local_resume)."""
+        directory = self.directory / rel
+        last = self.state.checkpoint or {}
+        names = {p.name for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")}
+        carry = sorted(names & set(last.get("files", [])) - {STATE_NAME})
+        out = None
+        if carry:
+            try:
+                out = self.client.upload_artifact(
+                    self.task_id, meta.model_copy(update={"carry_from": last["artifact_id"],
+                                                          "carried": carry}),
+                    directory, skip=frozenset(carry))
+            except ServiceError as exc:
+                if exc.code != CARRY_UNAVAILABLE:
+                    raise
+                log.warning("carry refused task=%s placement=%s from=%s: uploading every file",
+                            self.task_id, self.placement_id, last["artifact_id"])
+        if out is None:
+            out = self.client.upload_artifact(self.task_id, meta, directory)
+        self.state.checkpoint = {"artifact_id": out["artifact_id"], "dir": rel,
+                                 "files": [f["name"] for f in out.get("files", [])]}
+        if last.get("dir") not in (None, rel):
+            shutil.rmtree(self.directory / last["dir"], ignore_errors=True)
 
     def _message(self, shape: type[_Report], fields: object, kind: str) -> _Report | None:
         """The report of a spool record, in this forwarder's placement (the attempt the service
@@ -198,6 +248,18 @@ class Forwarder:
     def _advance(self, offset: int) -> None:
         self.state.offset = offset
         self.state.save(self.state_path)
+
+
+def _resumed_from(directory: Path) -> dict | None:
+    """The checkpoint artifact the placement's spec resumes from, as ForwardState keeps it."""
+    try:
+        spec = PlacementSpec.model_validate_json((directory / "spec.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if spec.resume_checkpoint_artifact_id is None:
+        return None
+    return {"artifact_id": spec.resume_checkpoint_artifact_id,
+            "files": [url.rsplit("/", 1)[-1] for url in spec.resume_checkpoint_files]}
 
 
 def _parse(text: str) -> dict | None:

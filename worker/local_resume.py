@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.protocol import PlacementSpec
+from worker.checkpoint_links import checkpoint_step as complete_step
+from worker.checkpoint_links import link_checkpoint, link_file
 from worker.local_state import LocalPlacement
 from worker.spool import SPOOL_NAME, read_complete_lines
 
@@ -26,7 +28,7 @@ class LocalCheckpoint:
 
     directory: Path  # that attempt's placement folder
     record_end: int  # its spool's offset just past the checkpoint's record
-    record: dict  # {"type": "artifact", "dir": <a copy of state.pt>, "meta": {"kind": ...}}
+    record: dict  # {"type": "artifact", "dir": <state.pt and its job files>, "meta": {...}}
     global_step: int
     offered_step: int = -1  # global_step of the checkpoint the service offered; -1: none
 
@@ -37,38 +39,33 @@ class LocalCheckpoint:
 
 def checkpoint_step(path: Path) -> int | None:
     """The executor's global_step in a state.pt, memory-mapped (the tensors are not read);
-    None when it cannot be read (torch missing, a foreign or damaged file)."""
+    None when it cannot be used (torch missing, a foreign or damaged file, a job file it names
+    missing or cut beside it)."""
     try:
-        import torch
+        return complete_step(path)
     except ImportError:
         return None
-    try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except RuntimeError:  # not the zip format that mmap needs
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        return int(state["global_step"])
     except Exception:  # noqa: BLE001 - unreadable is unusable, whatever the reason
-        log.warning("checkpoint unreadable path=%s", path, exc_info=True)
+        log.warning("checkpoint unusable path=%s", path, exc_info=True)
         return None
 
 
 def newest_local_checkpoint(placements_dir: Path, own_dir: Path,
                             task_id: str) -> LocalCheckpoint | None:
-    """Of the earlier attempts of task_id on this node, the last checkpoint with the highest
-    global_step (an attempt's last announced checkpoint is its newest)."""
+    """Of the earlier attempts of task_id on this node, the last complete checkpoint with the
+    highest global_step (an attempt's last complete checkpoint is its newest; one with a job
+    file missing falls back to the one before)."""
     best: LocalCheckpoint | None = None
     for directory in sorted(placements_dir.iterdir()):
         if directory == own_dir or _spec_task(directory) != task_id:
             continue
-        last = None
-        for last in _checkpoint_records(directory):  # noqa: B007 - the last one is wanted
-            pass
-        if last is None:
-            continue
-        step = checkpoint_step(directory / last[1]["dir"] / "state.pt")
-        if step is not None and (best is None or step > best.global_step):
-            best = LocalCheckpoint(directory, last[0], last[1], step)
+        for end, record in reversed(list(_checkpoint_records(directory))):
+            step = checkpoint_step(directory / record["dir"] / "state.pt")
+            if step is None:
+                continue
+            if best is None or step > best.global_step:
+                best = LocalCheckpoint(directory, end, record, step)
+            break
     return best
 
 
@@ -85,7 +82,7 @@ def seed_local_resume(placements_dir: Path, directory: Path,
     spool's loss points, job states and adapters up to the checkpoint, then the checkpoint
     itself, all idempotent at the service (points dedupe on (job, step, split); a job's adapter
     and a checkpoint's step are keys; a repeated job state is a no-op); events are not replayed.
-    Then DIR/executor/state.pt is that checkpoint and DIR/resume moves to DIR/resume-offered, so
+    Then DIR/executor/state.pt is that checkpoint (its job files linked beside it) and DIR/resume moves to DIR/resume-offered, so
     the runner does not copy the older one over it.
 
     Steps compare by the global_step in both state.pt files (checkpoint_step): an offered one
@@ -118,8 +115,7 @@ def seed_local_resume(placements_dir: Path, directory: Path,
     tmp = spool.with_name(spool.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in lines))
     os.replace(tmp, spool)
-    (directory / "executor").mkdir(exist_ok=True)
-    _link_file(best.state_file, directory / "executor" / "state.pt")
+    link_checkpoint(best.state_file.parent, directory / "executor")
     if (directory / "resume").is_dir():
         shutil.rmtree(directory / OFFERED_NAME, ignore_errors=True)
         os.replace(directory / "resume", directory / OFFERED_NAME)
@@ -187,21 +183,9 @@ def _local_resume_event(best: LocalCheckpoint, attempt: int) -> str:
                  "offered_global_step": offered}}}, separators=(",", ":"))
 
 
-def _link_file(src: Path, dst: Path) -> None:
-    """dst becomes src's content, atomically: a hard link (checkpoints are large and never
-    changed in place: the executor replaces state.pt), a copy across filesystems."""
-    tmp = dst.with_name(f".{dst.name}.seed")  # a dot file: never uploaded as an artifact file
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-
-
 def _link_tree(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for path in src.iterdir():
         if path.is_file() and not path.name.startswith("."):
-            _link_file(path, dst / path.name)
+            link_file(path, dst / path.name)
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from contract.protocol import ADAPTER_FILES, PlacementSpec, tenant_safe
 from contract.states import JOB_FINISHED, JobState
+from worker.checkpoint_links import link_checkpoint
 from worker.spool import SPOOL_NAME, SpoolWriter
 
 log = logging.getLogger("loraplex.worker.runner")
@@ -211,13 +212,20 @@ class _Bridge:
         self.announce_checkpoint()
 
     def announce_checkpoint(self) -> None:
-        """Upload state.pt when the executor wrote a new one (it does so atomically)."""
+        """Upload the checkpoint when the executor wrote a new state.pt (it does so atomically):
+        state.pt and the job files it names, hard-linked into the artifact's folder. One whose
+        files a newer checkpoint deleted meanwhile is skipped (the newer one is announced next)."""
         seen = self._state_id()
         if seen is not None and seen != self.ckpt_seen:
             self.ckpt_seen = seen
             step = max(self.last_step.values(), default=0)
             target = self.reporter.checkpoint_dir(step)
-            shutil.copyfile(self.out / "state.pt", target / "state.pt")
+            try:
+                link_checkpoint(self.out, target)
+            except (OSError, RuntimeError) as exc:
+                log.warning("checkpoint skipped dir=%s error=%s", self.out, exc)
+                shutil.rmtree(target, ignore_errors=True)
+                return
             self.reporter.checkpoint(step, target)
 
     def on_throughput(self, data: dict) -> None:
@@ -314,7 +322,7 @@ def open_task(spec: PlacementSpec, directory: Path, reporter: SpoolReporter,
     out.mkdir(exist_ok=True)
     resume = inputs(directory, spec)["resume"]
     if resume is not None and (resume / "state.pt").exists():
-        shutil.copyfile(resume / "state.pt", out / "state.pt")
+        link_checkpoint(resume, out)  # state.pt and its job files, whole (else the start fails)
     bridge = _Bridge(reporter, out)
     callbacks = Callbacks(on_train_loss=bridge.on_train_loss, on_eval=bridge.on_eval,
                           on_job_state=bridge.on_job_state, on_adapter=bridge.on_adapter,

@@ -193,9 +193,12 @@ class ServiceClient:
                          body=update.model_dump(mode="json", exclude_none=True), attempts=1)
         return r.json()
 
-    def upload_artifact(self, task_id: str, meta: ArtifactMeta, directory: Path) -> dict:
+    def upload_artifact(self, task_id: str, meta: ArtifactMeta, directory: Path,
+                        skip: frozenset[str] = frozenset()) -> dict:
+        """POST the folder's files but those in skip (a checkpoint's carried ones)."""
         # Dot files are a writer's temporaries (atomic rename pattern), never artifact files.
-        paths = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
+        paths = sorted(p for p in directory.iterdir()
+                       if p.is_file() and not p.name.startswith(".") and p.name not in skip)
         handles = [open(p, "rb") for p in paths]
         try:
             files = [("files", (p.name, h, "application/octet-stream"))

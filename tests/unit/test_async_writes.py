@@ -5,7 +5,8 @@ it is complete, a task leaves only after its writes are done and announced, a fa
 its task alone and leaves the previous checkpoint to resume from.
 
 A slow disk is simulated by wrapping the writer's two file functions (save_checkpoint of
-trainer.task_files, write_peft of trainer.colocate) with a delay; they also record what they wrote."""
+trainer.task_files, write_peft of trainer.colocate) with a delay; they also record what they wrote
+(a state.pt with the job files it names read in: the names carry each run's own token)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from safetensors.torch import load_file
 from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
 from tests.helpers.executor_cfg import executor_config
-from trainer import checkpoint as checkpoint_mod
+from trainer import checkpoint_files as checkpoint_mod
 from trainer import colocate, task_files
 from trainer import export as export_mod
 from trainer.checkpoint import FileWriter
@@ -80,13 +81,15 @@ class SlowDisk:
         real_save, real_peft = checkpoint_mod.save_checkpoint, export_mod.write_peft
 
         def save(path: Path, payload: dict) -> Path:
+            if Path(path).name != "state.pt":  # a job file of the checkpoint: written first
+                return real_save(path, payload)
             time.sleep(checkpoint_s)
             if fail is not None:
                 fail(Path(path), payload)
             out = real_save(path, payload)
             if self.host is not None:
                 self.lag.append((payload["global_step"], self.host.global_step))
-            self.checkpoints[payload["global_step"]] = torch.load(out, map_location="cpu", weights_only=False)
+            self.checkpoints[payload["global_step"]] = resolved(out)
             return out
 
         def peft(weights: dict, config: dict, out_dir: Path, dtype: Any = None, metadata: Any = None) -> Path:
@@ -98,6 +101,14 @@ class SlowDisk:
         mp.setattr(task_files, "save_checkpoint", save)
         mp.setattr(colocate, "write_peft", peft)
         mp.setattr(export_mod, "write_peft", peft)  # the in-loop path (export_peft)
+
+
+def resolved(path: Path) -> dict:
+    """A state.pt as read back, each job's entry replaced by the state in its file."""
+    ck = checkpoint_mod.load_checkpoint(path)
+    for key in ("active", "queue"):
+        ck[key] = [checkpoint_mod.resolve_job(path.parent, d) for d in ck[key]]
+    return ck
 
 
 @pytest.fixture(scope="module")

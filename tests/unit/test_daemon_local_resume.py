@@ -50,11 +50,19 @@ def spec(**kw: object) -> PlacementSpec:
     return PlacementSpec.model_validate(base | kw)
 
 
-def state_pt(path: Path, global_step: int) -> Path:
-    """An executor state.pt as far as the daemon reads it (tensors included, as for real)."""
+def state_pt(path: Path, global_step: int, files: bool = False) -> Path:
+    """An executor state.pt as far as the daemon reads it (tensors included, as for real);
+    files: the current format, the job's state in its own file beside it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"global_step": global_step, "active": [{"adapter": torch.zeros(64)}]}, path)
-    return path
+    if not files:
+        torch.save({"global_step": global_step, "active": [{"adapter": torch.zeros(64)}]}, path)
+        return path
+    from trainer.checkpoint_files import write_checkpoint
+
+    name = f"job-j0-{global_step}-ab.pt"
+    ref = {"file": name, "spec": {"job_id": "j0"}, "step": global_step, "total_steps": 99}
+    return write_checkpoint(path.parent, {"format": 2, "global_step": global_step, "active": [ref],
+                                          "queue": []}, {name: {"adapter": torch.zeros(64)}})
 
 
 def records(directory: Path) -> list[dict]:
@@ -62,7 +70,7 @@ def records(directory: Path) -> list[dict]:
 
 
 def earlier_attempt(placements: Path, pid: str, attempt: int, steps: int, every: int,
-                    task_id: str = TASK, finish_j1_at: int | None = None) -> Path:
+                    task_id: str = TASK, finish_j1_at: int | None = None, files: bool = False) -> Path:
     """A placement folder as a stopped executor of an earlier attempt leaves it: per step a loss
     point of each live job, a checkpoint (copy + spool record) every `every` steps, j1 ending
     (adapter + job state) at step finish_j1_at, then the stop's events and failure."""
@@ -87,7 +95,7 @@ def earlier_attempt(placements: Path, pid: str, attempt: int, steps: int, every:
             w.artifact(f"artifacts/adapter-j1-{step}", kind="adapter", job_id="j1")
             w.job_state("j1", state="completed", best_val_loss=0.5, best_step=step)
         if step % every == 0:
-            state_pt(d / "artifacts" / f"checkpoint-{step}" / "state.pt", step)
+            state_pt(d / "artifacts" / f"checkpoint-{step}" / "state.pt", step, files)
             w.artifact(f"artifacts/checkpoint-{step}", kind="checkpoint", step=step)
         w.throughput(gpus=1, seq_len=64, batch_sizes=[2, 2], tokens_per_s=100.0)
     w.event("executor_stopped", "stopped: SIGTERM")
@@ -110,6 +118,23 @@ def test_checkpoint_step_reads_global_step(tmp_path: Path) -> None:
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     assert checkpoint_step(tmp_path / "bad.pt") is None
     assert checkpoint_step(tmp_path / "missing.pt") is None
+
+
+def test_job_files_are_linked_and_an_incomplete_checkpoint_falls_back(tmp_path: Path) -> None:
+    """Checkpoints with job files: the newest whose job file is gone is unusable, the one
+    before it seeds the executor's folder: state.pt and its job file, hard links."""
+    placements = tmp_path / "placements"
+    old = earlier_attempt(placements, "pl_old", 1, steps=13, every=4, files=True)
+    (old / "artifacts" / "checkpoint-12" / "job-j0-12-ab.pt").unlink()
+    assert checkpoint_step(old / "artifacts" / "checkpoint-12" / "state.pt") is None
+    new = new_attempt(placements, offered_step=4)
+    seeded = seed_local_resume(placements, new, spec())
+    assert seeded is not None and (seeded.global_step, seeded.offered_step) == (8, 4)
+    assert checkpoint_step(new / "executor" / "state.pt") == 8
+    for name in ("state.pt", "job-j0-8-ab.pt"):
+        assert os.path.samefile(new / "executor" / name, old / "artifacts" / "checkpoint-8" / name)
+    assert sorted(p.name for p in (new / "executor").iterdir()) == ["job-j0-8-ab.pt", "state.pt"]
+    assert records(new)[-1]["dir"] == "artifacts/checkpoint-8"
 
 
 def test_a_newer_local_checkpoint_wins_and_replays_the_reports_before_it(tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, train_alone_peft
-from trainer.checkpoint import job_state_dict, load_checkpoint, restore_job, save_checkpoint
+from trainer.checkpoint import job_state_dict, restore_job
+from trainer.checkpoint_files import load_checkpoint, save_checkpoint
 from trainer.data import parse_record, tokenize_all
 from trainer.engine import MultiLoraEngine
 from trainer.export import export_peft
@@ -248,7 +249,8 @@ def test_a_checkpoint_written_before_train_job_took_the_contracts_names_still_lo
     import dataclasses
 
     from trainer import jobs as jobs_mod
-    from trainer.checkpoint import load_checkpoint, save_checkpoint, spec_from_dict
+    from trainer.checkpoint import spec_from_dict
+    from trainer.checkpoint_files import load_checkpoint, save_checkpoint
 
     @dataclasses.dataclass
     class JobSpec:  # the class as it was, under its old module and name

@@ -33,7 +33,7 @@ from contract.protocol import (
     ThroughputReport,
     node_queue_name,
 )
-from service import profiles, worker_api
+from service import artifact_store, profiles, worker_api
 from service.api.deps import (
     RegistryDep,
     SessionDep,
@@ -110,9 +110,10 @@ def file_content(file_id: str, session: SessionDep, storage: StorageDep) -> Stre
 def artifact_file(artifact_id: str, name: str, session: SessionDep,
                   storage: StorageDep) -> StreamingResponse:
     artifact = session.get(Artifact, artifact_id)
-    if artifact is None or name not in {f["name"] for f in artifact.files}:
+    entry = next((f for f in artifact.files if f["name"] == name), None) if artifact else None
+    if artifact is None or entry is None:
         raise not_found("artifact file", f"{artifact_id}/{name}")
-    return StreamingResponse(storage.iter_bytes(f"artifacts/{artifact.id}/{name}"),
+    return StreamingResponse(storage.iter_bytes(artifact_store.blob_key(artifact, entry)),
                              media_type="application/octet-stream")
 
 
@@ -154,7 +155,7 @@ def upload_artifact(task_id: str, session: SessionDep, storage: StorageDep,
         field = ".".join(str(p) for p in first["loc"]) or None
         raise invalid(f"meta: {field or ''} {first['msg']}".strip(),
                       param=f"meta.{field}" if field else "meta") from exc
-    artifact = worker_api.store_artifact(
+    artifact = artifact_store.store_artifact(
         session, storage, task_id, parsed, [(f.filename or "", f.file) for f in files],
         settings.max_artifact_bytes)
     session.commit()
