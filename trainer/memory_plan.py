@@ -298,7 +298,8 @@ class MemoryPlan:
             out.update(memory_steps_checked=len(seen), memory_retries=self.retries,
                        memory_replays=self.replays,
                        memory_model_error=abs(worst.predicted - worst.peak) / worst.peak,
-                       # where the largest error was: its cells, recompute, resident, peak and predicted bytes
-                       memory_worst_step=[worst.tokens, worst.recompute, worst.resident, worst.peak,
-                                          round(worst.predicted)])
+                       # where the largest error was (the report's details are scalars)
+                       memory_worst_cells=worst.tokens, memory_worst_recompute=bool(worst.recompute),
+                       memory_worst_resident=worst.resident, memory_worst_peak=worst.peak,
+                       memory_worst_predicted=round(worst.predicted))
         return out

@@ -53,7 +53,7 @@ def test_profile_stored_once_and_reused_then_wide_eval(tmp_path) -> None:  # noq
     # every step the allocator saw was checked against the model (the 10% target is the 8B
     # bench's: bench/executor_task.py), and none ran out of memory
     assert t1["memory_steps_checked"] > 0 and t1["memory_retries"] == 0
-    cells, _, resident, peak, predicted = t1["memory_worst_step"]  # where the largest error was
+    cells, resident, peak, predicted = (t1[f"memory_worst_{k}"] for k in ("cells", "resident", "peak", "predicted"))
     assert cells > 0 and peak > resident and abs(predicted - peak) / peak == pytest.approx(t1["memory_model_error"])
     key = json.loads(next(iter(json.loads(cache.read_text()))))
     assert key["gpu"] == torch.cuda.get_device_name() and key["seq_len"] == 64
