@@ -203,6 +203,9 @@ class Forwarder:
                             self.task_id, self.placement_id, last["artifact_id"])
         if out is None:
             out = self.client.upload_artifact(self.task_id, meta, directory)
+        if not isinstance(out, dict) or not isinstance(out.get("artifact_id"), str):
+            self.state.checkpoint = None  # an answer without its listing: nothing to carry from
+            return
         self.state.checkpoint = {"artifact_id": out["artifact_id"], "dir": rel,
                                  "files": [f["name"] for f in out.get("files", [])]}
         if last.get("dir") not in (None, rel):
