@@ -350,5 +350,17 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
       --json "$OUT/samples_decode_h100.json"
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
+  s20_load)  # session 20: the backbone read by pread into pinned buffers (not mapped pages): the warm host's
+             # cold start, then a fresh process's load three times (8, 8, 16 readers)
+    export TRITON_CACHE_DIR=/tmp/s20l_triton
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site step 200 warm_host python3 bench/warm_host.py --layers 32 --n-train 120 --deadline-s 180 \
+      --out "$OUT/warm_host_load_h100.md" --json "$OUT/warm_host_load_h100.json"
+    for t in 8 8 16; do
+      step 40 "fast_load$t" python3 bench/fast_load.py /tmp/warm_host/model --threads "$t" --json "$OUT/fast_load_pread.jsonl"
+    done
+    step 60 gpu_load python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_fast_load_gpu.py
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 """The backbone onto the GPU at the disk's (or the page cache's) speed: the model is built on the
 device from its config, then its tensors, dealt by size to several threads (whatever the shards),
-are copied from the mapped shard files (the safetensors header read here: no intermediate host tensor) through
-two pinned buffers per reader to the device tensors (a 16 GB backbone took 17 s through `from_pretrained` with
+are read by pread from the shard files (the safetensors header parsed here: no intermediate host tensor, no page
+faults on mapped pages) into two pinned buffers per reader and copied asynchronously to the device tensors (a 16 GB backbone took 17 s through `from_pretrained` with
 weights in the page cache, one tensor at a time; 9 s read tensor by tensor into pageable memory, then copied). Where the checkpoint's names do not map one to one onto the model's
 state (a family whose loader converts weights, a missing tensor other than a tied head), it falls
 back to `from_pretrained`: the same model either way.
@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import mmap
+import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,11 +48,23 @@ def read_header(path: Path) -> tuple[int, dict[str, dict]]:
     return 8 + n, header
 
 
+def read_into(fd: int, out: Any, offset: int) -> None:
+    """Fill `out` (a writable buffer) with the file's bytes from offset: pread, the kernel's one copy
+    from the page cache (no page faults on mapped pages, no intermediate buffer)."""
+    view = memoryview(out).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise EOFError("the checkpoint file ends before its tensors do")
+        done += n
+
+
 class _Stager:
-    """One reader's path from the file's mapped pages to a device tensor: on CUDA through two
-    pinned buffers in turn (a copy from the page cache, then an asynchronous copy to the device on
-    the reader's stream, the next chunk's host copy overlapping it); on the CPU directly (staged
-    there only when asked: the same chunks, for tests)."""
+    """One reader's path from the file to a device tensor: on CUDA through two pinned buffers in
+    turn (read from the page cache by pread, then an asynchronous copy to the device on the
+    reader's stream, the next chunk's read overlapping it); on the CPU straight into the tensor
+    (staged there only when asked: the same chunks, for tests)."""
 
     def __init__(self, device: torch.device, stage_bytes: int, staged: bool | None = None) -> None:
         cuda = device.type == "cuda"
@@ -59,22 +72,23 @@ class _Stager:
         self.stream = torch.cuda.Stream(device) if cuda and self.staged else None
         self.bufs = ([torch.empty(stage_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
                      if self.staged else [])
+        self.views = [buf.numpy() for buf in self.bufs]
         self.events: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst's bytes from src's (uint8, as many)."""
+    def copy(self, dst: torch.Tensor, fd: int, offset: int) -> None:
+        """dst's bytes (a contiguous uint8 view) read from the file at offset."""
         if not self.staged:
-            dst.copy_(src)
+            read_into(fd, dst.detach().numpy(), offset)
             return
         size = self.bufs[0].numel()
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            for off in range(0, src.numel(), size):
-                m = min(size, src.numel() - off)
+            for off in range(0, dst.numel(), size):
+                m = min(size, dst.numel() - off)
                 k, self.turn = self.turn, self.turn ^ 1
                 if self.events[k] is not None:
                     self.events[k].synchronize()  # its previous chunk has left for the device
-                self.bufs[k][:m].copy_(src[off:off + m])
+                read_into(fd, self.views[k][:m], offset + off)
                 dst[off:off + m].copy_(self.bufs[k][:m], non_blocking=self.stream is not None)
                 if self.stream is not None:
                     self.events[k] = torch.cuda.Event()
@@ -87,7 +101,7 @@ class _Stager:
 
 def load_to_device(model_dir: str, device: torch.device, dtype: torch.dtype, threads: int = 8,
                    stage_bytes: int = STAGE_BYTES, staged: bool | None = None) -> nn.Module | None:
-    """The model on `device` with the checkpoint's weights, read in parallel from the mapped shard
+    """The model on `device` with the checkpoint's weights, read in parallel from the shard
     files (through pinned staging buffers to a GPU); None where the checkpoint does not map onto
     the model name for name and shape for shape (the caller uses from_pretrained)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -110,19 +124,14 @@ def load_to_device(model_dir: str, device: torch.device, dtype: torch.dtype, thr
         del model, state
         return None
 
-    maps, views = {}, {}
-    for f in files:  # one private mapping per file (written by no one: nothing is copied)
-        with open(f, "rb") as fh:
-            maps[f] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-        if hasattr(mmap, "MADV_WILLNEED"):
-            maps[f].madvise(mmap.MADV_WILLNEED)  # read ahead while the readers start
-        views[f] = torch.frombuffer(maps[f], dtype=torch.uint8)
+    fds = {f: os.open(f, os.O_RDONLY) for f in files}
+    for fd in fds.values():
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)  # read ahead while the readers start
 
-    def source(n: str) -> torch.Tensor:
-        f = where[n]
-        base, header = headers[f]
-        start, stop = header[n]["data_offsets"]
-        return views[f][base + start: base + stop]
+    def offset(n: str) -> int:
+        base, header = headers[where[n]]
+        return base + header[n]["data_offsets"][0]
 
     # the tensors dealt to `threads` readers by size (largest first onto the lightest reader): one
     # large file is read by every thread too
@@ -136,24 +145,23 @@ def load_to_device(model_dir: str, device: torch.device, dtype: torch.dtype, thr
     def read(names: list[str]) -> None:
         stager = _Stager(device, stage_bytes, staged)
         for n in names:
-            dst, src = state[n], source(n)
+            dst, fd = state[n], fds[where[n]]
             stored = SAFETENSORS_DTYPES[headers[where[n]][1][n]["dtype"]]
             if stored == dst.dtype and dst.is_contiguous():
-                stager.copy(dst.view(-1).view(torch.uint8), src)
-            else:  # another dtype than the model's: converted by copy_ (rare: bf16 models, bf16 files)
-                dst.copy_(src.view(stored).view(dst.shape))
+                stager.copy(dst.view(-1).view(torch.uint8), fd, offset(n))
+            else:  # another dtype than the model's: read, then converted by copy_ (rare)
+                start, stop = headers[where[n]][1][n]["data_offsets"]
+                raw = torch.empty(stop - start, dtype=torch.uint8)
+                read_into(fd, raw.numpy(), offset(n))
+                dst.copy_(raw.view(stored).view(dst.shape))
         stager.finish()
 
     try:
         with torch.no_grad(), ThreadPoolExecutor(max_workers=len(loads)) as pool:
             list(pool.map(read, [names for names in loads if names]))
     finally:
-        views.clear()
-        for m in maps.values():
-            try:
-                m.close()
-            except BufferError:  # a view still referenced (an error's traceback): the GC unmaps it
-                pass
+        for fd in fds.values():
+            os.close(fd)
     if tied:
         model.tie_weights()
     if (root / "generation_config.json").exists():
