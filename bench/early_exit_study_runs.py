@@ -16,7 +16,7 @@ from trainer.admission import AdmissionController  # noqa: E402
 from trainer.data import Example  # noqa: E402
 from trainer.early_exit import JobMonitor, WarmupRanking, warmup_ranking, warmup_steps  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
-from trainer.jobs import JobState  # noqa: E402
+from trainer.jobs import JobRun  # noqa: E402
 
 
 def run_grid(engine: MultiLoraEngine, plans: list[Plan], val: list[Example], epochs: int,
@@ -34,10 +34,10 @@ def run_grid(engine: MultiLoraEngine, plans: list[Plan], val: list[Example], epo
     out = {p.job_id: Outcome() for p in plans}
     monitors = {p.job_id: JobMonitor(cfg) for p in plans}
     pending = [engine.new_job(p.spec(epochs)) for p in plans]
-    parked: dict[str, JobState] = {}
+    parked: dict[str, JobRun] = {}
     ranking = WarmupRanking(list(plan), cfg.keep_fraction) if cfg.enabled else None
 
-    def running() -> list[JobState]:
+    def running() -> list[JobRun]:
         return list(engine.jobs.values())
 
     def attach(ids: list[str]) -> None:

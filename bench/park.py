@@ -1,5 +1,5 @@
 """Parking a job's state on the host (issue 33: (a) spent 23 s of 198 s parking adapters after
-warmup at 32 layers): the old blocking copy into pageable memory against JobState.to's copy into
+warmup at 32 layers): the old blocking copy into pageable memory against JobRun.to's copy into
 pinned memory without waiting, on the Llama-3.1-8B shape's 32 layers (every linear adapted),
 ranks 8 / 16 / 64, adapter and AdamW moments in float32 (what the engine holds).
 
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.data import JobDataStream  # noqa: E402
-from trainer.jobs import JobState, TrainJob, make_optimizer  # noqa: E402
+from trainer.jobs import JobRun, TrainJob, make_optimizer  # noqa: E402
 from trainer.multilora import JobAdapter  # noqa: E402
 
 H, FF, KV = 4096, 14336, 1024
@@ -32,7 +32,7 @@ LAYER = {"q_proj": (H, H), "k_proj": (H, KV), "v_proj": (H, KV), "o_proj": (H, H
          "gate_proj": (H, FF), "up_proj": (H, FF), "down_proj": (FF, H)}
 
 
-def make_state(rank: int, seed: int, layers: int) -> JobState:
+def make_state(rank: int, seed: int, layers: int) -> JobRun:
     shapes = {f"model.layers.{i}.{n}": s for i in range(layers) for n, s in LAYER.items()}
     spec = TrainJob(f"r{rank}_{seed}", lora_rank=rank, lora_alpha=2 * rank, learning_rate=1e-3, batch_size=1, seed=seed)
     adapter = JobAdapter(shapes, rank, 2 * rank, seed, torch.float32, "cuda")
@@ -43,15 +43,15 @@ def make_state(rank: int, seed: int, layers: int) -> JobState:
                                "exp_avg_sq": torch.rand(adapter.flat.shape, device="cuda", generator=g)}
     with torch.no_grad():
         adapter.flat.normal_(generator=g)  # never time on zeros
-    return JobState(spec, adapter, opt, sched, JobDataStream(128, seed), 10)
+    return JobRun(spec, adapter, opt, sched, JobDataStream(128, seed), 10)
 
 
-def tensors(st: JobState) -> list[torch.Tensor]:
+def tensors(st: JobRun) -> list[torch.Tensor]:
     return [st.adapter.flat.data] + [v for v in st.optimizer.state[st.adapter.flat].values() if v.dim() > 0]
 
 
-def park_legacy(st: JobState) -> None:
-    """What JobState.to did before: a blocking copy of each tensor into pageable memory."""
+def park_legacy(st: JobRun) -> None:
+    """What JobRun.to did before: a blocking copy of each tensor into pageable memory."""
     st.adapter.flat.data = st.adapter.flat.data.to("cpu")
     mom = st.optimizer.state[st.adapter.flat]
     for k, v in list(mom.items()):

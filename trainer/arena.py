@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from trainer.data import JobDataStream
-from trainer.jobs import JobState, TrainJob, load_init_adapter, make_optimizer
+from trainer.jobs import JobRun, TrainJob, load_init_adapter, make_optimizer
 from trainer.multilora import JobAdapter, StepLayout
 
 # the share of device memory a job parked on the device leaves free: the steps' peak is already
@@ -19,7 +19,7 @@ from trainer.multilora import JobAdapter, StepLayout
 PARK_RESERVE = 0.15
 
 
-def state_bytes(state: JobState) -> int:
+def state_bytes(state: JobRun) -> int:
     """Device bytes of a job's state: its adapter and its optimizer's moments."""
     tensors = [p.data for p in state.adapter.parameters()]
     tensors += [v for st in state.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
@@ -80,7 +80,7 @@ class AdapterArena:
             self.jobs[job_id].adapter.flat.data = arena[lo:hi]
 
     # ----- attach / detach -------------------------------------------------------------
-    def new_job(self, spec: TrainJob) -> JobState:
+    def new_job(self, spec: TrainJob) -> JobRun:
         """Create a job's fresh state (adapter init, optimizer, data order) without attaching it."""
         adapter = JobAdapter(
             self.shapes, spec.lora_rank, spec.lora_alpha, spec.seed, self.adapter_dtype, self.device, spec.use_rslora
@@ -90,9 +90,9 @@ class AdapterArena:
         total = spec.total_steps(len(self.train_examples))
         opt, sched = make_optimizer(spec, list(adapter.parameters()), total)
         stream = JobDataStream(len(self.train_examples), spec.seed)
-        return JobState(spec, adapter, opt, sched, stream, total)
+        return JobRun(spec, adapter, opt, sched, stream, total)
 
-    def attach(self, job: TrainJob | JobState) -> JobState:
+    def attach(self, job: TrainJob | JobRun) -> JobRun:
         """Put a job into a slot (new from a spec, or a parked/restored state); no rebuild."""
         state = self.new_job(job) if isinstance(job, TrainJob) else job.to(self.device)
         if state.job_id in self.jobs:
@@ -109,7 +109,7 @@ class AdapterArena:
         flat.data = self.arena[lo:hi]
         return state
 
-    def detach(self, job_id: str, park_device: torch.device | str | None = None) -> JobState:
+    def detach(self, job_id: str, park_device: torch.device | str | None = None) -> JobRun:
         """Free a job's slot; with park_device its state moves there (e.g. 'cpu')."""
         state = self.jobs.pop(job_id)
         self.regions.pop(job_id)
@@ -130,7 +130,7 @@ class AdapterArena:
         return park_target(state_bytes(self.jobs[job_id]), free, total)
 
     # ----- a step's layout -------------------------------------------------------------
-    def layout_offsets(self, states: Sequence[JobState]) -> list[int]:
+    def layout_offsets(self, states: Sequence[JobRun]) -> list[int]:
         """Every layer's A then B element offsets in the arena, layer-major, for these jobs in
         slot order (what the multi-LoRA layers read per job)."""
         regions = [self.regions[s.job_id][0] for s in states]
@@ -139,7 +139,7 @@ class AdapterArena:
         a = [lo + ad.a_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, adapters, strict=True)]
         return a + [lo + ad.b_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, adapters, strict=True)]
 
-    def _set_layout(self, states: Sequence[JobState], token_offsets: list[int]) -> None:
+    def _set_layout(self, states: Sequence[JobRun], token_offsets: list[int]) -> None:
         """Point every layer at the arena for these jobs (in this order) and zero their gradient
         sums: one host-to-device copy of all layers' offsets, no per-layer work, no sync."""
         n_layers = len(self.layer_list)

@@ -17,10 +17,10 @@ import torch
 
 from trainer.engine import MultiLoraEngine
 from trainer.host_pool import POOL
-from trainer.jobs import LEGACY_FIELDS, JobState, TrainJob
+from trainer.jobs import LEGACY_FIELDS, JobRun, TrainJob
 
 
-def job_state_dict(state: JobState, copy: bool = True) -> dict[str, Any]:
+def job_state_dict(state: JobRun, copy: bool = True) -> dict[str, Any]:
     """Everything needed to continue one job exactly where it stopped (tensors copied to CPU;
     copy=False: the job's live tensors and containers, for `take_snapshot`)."""
     state.settle()  # a parked job's host copies are complete before anything reads them
@@ -45,7 +45,7 @@ def spec_from_dict(d: dict[str, Any]) -> TrainJob:
     return TrainJob(**d)
 
 
-def restore_job(engine: MultiLoraEngine, d: dict[str, Any]) -> JobState:
+def restore_job(engine: MultiLoraEngine, d: dict[str, Any]) -> JobRun:
     """Rebuild a job's state on the engine's device from `job_state_dict` output (not attached)."""
     spec = spec_from_dict(d["spec"])
     # the saved weights replace any init: do not read the starting adapter (gone, maybe) again

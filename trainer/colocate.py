@@ -42,7 +42,7 @@ from trainer.data import Example, read_jsonl, split_validation
 from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
 from trainer.evaluation import eval_forwards
 from trainer.export import export_peft, peft_config_dict, write_peft
-from trainer.jobs import JobState, TrainJob
+from trainer.jobs import JobRun, TrainJob
 from trainer.pairs import PairExample
 from trainer.task_files import TaskFiles
 from trainer.task_parts import JobSlot, StepNumbers, TaskHost, TaskStream, ThroughputWindow
@@ -73,7 +73,7 @@ class TaskRun(TaskFiles):
         self.ranking = WarmupRanking([j.job_id for j in cfg.jobs], early_exit.keep_fraction) if ranked else None
         self.queue: list[TrainJob | JobSlot] = list(cfg.jobs)  # never started, then parked
         self.placed: dict[str, JobSlot] = {}  # its running jobs of every rank, in placement order
-        self.parked: dict[str, JobState] = {}  # this rank's parked jobs of the task (on CPU)
+        self.parked: dict[str, JobRun] = {}  # this rank's parked jobs of the task (on CPU)
         self.global_step = 0  # executor steps this task took part in (resumed from its state.pt)
         # its own timings on a shared executor (Executor.timings(task)): when it joined, the
         # executor's phase seconds then, and its first step from then
@@ -133,7 +133,7 @@ class TaskRun(TaskFiles):
             self.host.pool.remove(self.base)
             self.base = None
 
-    def _job_state(self, make: Callable[[], JobState]) -> JobState:
+    def _job_state(self, make: Callable[[], JobRun]) -> JobRun:
         # a job's state is made against its own task's data (its stream's size and total steps
         # are its task's), then reads the pool at the task's base
         eng = self.host.engine
@@ -145,10 +145,10 @@ class TaskRun(TaskFiles):
         state.stream = TaskStream(state.stream, self.base or 0)
         return state
 
-    def new_job(self, spec: TrainJob) -> JobState:
+    def new_job(self, spec: TrainJob) -> JobRun:
         return self._job_state(lambda: self.host.engine.new_job(spec))
 
-    def restore(self, d: dict[str, Any]) -> JobState:
+    def restore(self, d: dict[str, Any]) -> JobRun:
         return self._job_state(lambda: restore_job(self.host.engine, d))
 
     # ----- admission ---------------------------------------------------------------------------
@@ -331,7 +331,7 @@ class TaskRun(TaskFiles):
             self.set_state(job_id, JobLifecycle.COMPLETED, {"steps": slot.step, "best_val": self.monitors[job_id].best_val})
         return bool(done)
 
-    def export(self, job_id: str, kind: str, state: JobState | None = None, owner: int | None = None) -> None:
+    def export(self, job_id: str, kind: str, state: JobRun | None = None, owner: int | None = None) -> None:
         host = self.host
         with host.phase("export"):
             path = self.out / "jobs" / job_id / kind

@@ -27,7 +27,7 @@ from torch import nn
 
 from trainer.data import Example
 from trainer.engine import MultiLoraEngine
-from trainer.jobs import JobState
+from trainer.jobs import JobRun
 from trainer.packing import PackedBatch
 from trainer.pairs import PairExample, PairObjective, pair_sequences
 
@@ -64,7 +64,7 @@ class Dpo(PairObjective):
     def engine_class(self, *args: Any, **kwargs: Any) -> MultiLoraEngine:
         return DpoEngine(*args, objective=self, **kwargs)
 
-    def sequence_logps(self, engine: MultiLoraEngine, states: Sequence[JobState] | None,
+    def sequence_logps(self, engine: MultiLoraEngine, states: Sequence[JobRun] | None,
                        seqs: Sequence[Sequence[Example]]
                        ) -> tuple[PackedBatch, torch.Tensor, torch.Tensor]:
         self.passes["reference" if states is None else "policy"] += 1
@@ -117,7 +117,7 @@ class Dpo(PairObjective):
     def prepare(self, engine: MultiLoraEngine, per_job: Sequence[Sequence[PairExample]]) -> None:
         self.ensure_reference(engine, [p for pairs in per_job for p in pairs])
 
-    def pair_numbers(self, engine: MultiLoraEngine, state: JobState, pairs: Sequence[PairExample],
+    def pair_numbers(self, engine: MultiLoraEngine, state: JobRun, pairs: Sequence[PairExample],
                      logps: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The job's mean DPO loss (differentiable) and [loss, accuracy, margin] sums over pairs."""
         n = len(pairs)
@@ -126,7 +126,7 @@ class Dpo(PairObjective):
         sums = torch.stack([loss.detach().sum(), (rc > rr).float().sum(), (rc - rr).detach().sum()])
         return loss.mean(), sums
 
-    def eval_sums(self, engine: MultiLoraEngine, states: Sequence[JobState],
+    def eval_sums(self, engine: MultiLoraEngine, states: Sequence[JobRun],
                   chunk: Sequence[PairExample]) -> tuple[torch.Tensor, torch.Tensor]:
         if any(p.key not in self.reference for p in chunk):
             self.ensure_reference(engine, chunk)

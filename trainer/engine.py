@@ -29,7 +29,7 @@ from trainer.arena import AdapterArena
 from trainer.data import IGNORE, Example
 from trainer.evaluation import EngineEvaluation
 from trainer.head import default_chunk, token_losses, token_losses_and_hits
-from trainer.jobs import JobState, multi_adamw
+from trainer.jobs import JobRun, multi_adamw
 from trainer.multilora import inject_multilora
 from trainer.packing import PackedBatch, ShapeBuckets, pack_flat, pack_step
 from trainer.step_graphs import StepGraphs
@@ -88,10 +88,10 @@ class StepObjective(Protocol):
 
     def prepare(self, engine: MultiLoraEngine, per_job: Sequence[Sequence]) -> None: ...
 
-    def losses(self, engine: MultiLoraEngine, states: Sequence[JobState], per_job: Sequence[Sequence]
+    def losses(self, engine: MultiLoraEngine, states: Sequence[JobRun], per_job: Sequence[Sequence]
                ) -> tuple[PackedBatch, list[torch.Tensor], list[torch.Tensor]]: ...
 
-    def eval_sums(self, engine: MultiLoraEngine, states: Sequence[JobState], chunk: Sequence
+    def eval_sums(self, engine: MultiLoraEngine, states: Sequence[JobRun], chunk: Sequence
                   ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -154,7 +154,7 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         self.gradient_checkpointing = False
         self.set_recompute(gradient_checkpointing)
         model.train()
-        self.jobs: dict[str, JobState] = {}  # active jobs in slot order
+        self.jobs: dict[str, JobRun] = {}  # active jobs in slot order
         # tokens per chunk of the one head + cross-entropy of a step (trainer.head)
         self.head_chunk = default_chunk(getattr(model.config, "vocab_size", 0) or 32000)
         # adapter parallelism sets this to an all-reduce (max over ranks) of a local count, to
@@ -260,14 +260,14 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
 
-    def _forward_losses(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]):  # noqa: ANN202
+    def _forward_losses(self, states: Sequence[JobRun], per_job: Sequence[Sequence[Example]]):  # noqa: ANN202
         """One forward of every job's micro-batch: the batch, each job's summed token loss and
         its number of target tokens. The head and cross-entropy run once for all jobs' target
         tokens (trainer.head: in chunks, logits never kept), then sum per job."""
         batch, losses, _, counts = self._forward_tokens(states, per_job)
         return batch, [part.sum() for part in losses.split(counts)], counts
 
-    def _forward_tokens(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]],
+    def _forward_tokens(self, states: Sequence[JobRun], per_job: Sequence[Sequence[Example]],
                         hits: bool = False):  # noqa: ANN202
         """_forward_losses' forward: the batch, the losses of all jobs' target tokens (in job
         order), with `hits` (no grad) whether each token's argmax is its target (else None), and
@@ -296,7 +296,7 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         if self.objective is not None:
             self.objective.prepare(self, per_job)
 
-    def _losses(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]
+    def _losses(self, states: Sequence[JobRun], per_job: Sequence[Sequence[Example]]
                 ) -> tuple[PackedBatch, list[torch.Tensor], list[torch.Tensor]]:
         """One forward of every job's micro-batch: the batch, each job's differentiable mean loss
         and each job's detached numbers [loss, *extra metrics] (SFT: just the loss)."""
@@ -304,7 +304,7 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
             return self.objective.losses(self, states, per_job)
         return self.token_mean_losses(states, per_job)
 
-    def token_mean_losses(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]
+    def token_mean_losses(self, states: Sequence[JobRun], per_job: Sequence[Sequence[Example]]
                           ) -> tuple[PackedBatch, list[torch.Tensor], list[torch.Tensor]]:
         """_losses of the token mean over each job's target tokens (SFT's loss)."""
         batch, sums, counts = self._forward_losses(states, per_job)
@@ -323,7 +323,7 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         return ((self.objective is None or self.objective.graphable)
                 and cls._losses is MultiLoraEngine._losses and cls._prepare is MultiLoraEngine._prepare)
 
-    def _eager_forward_backward(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]
+    def _eager_forward_backward(self, states: Sequence[JobRun], per_job: Sequence[Sequence[Example]]
                                 ) -> tuple[PackedBatch, list[torch.Tensor]]:
         self._prepare(per_job)
         try:
@@ -395,7 +395,7 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
         self.model.base_model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
 
-    def _update(self, states: Sequence[JobState], rows: list[list[float]], norms: list[float],
+    def _update(self, states: Sequence[JobRun], rows: list[list[float]], norms: list[float],
                 batch: PackedBatch) -> StepReport:
         """Each job's clip and AdamW update from its gradient sums in the arena, all jobs' in a few
         multi-tensor kernels; a job with a non-finite loss or gradient norm skips its own."""

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from trainer.data import Example
-from trainer.jobs import JobState
+from trainer.jobs import JobRun
 
 
 def eval_forwards(n_jobs: int, n_examples: int, batch_size: int, max_sequences: int | None) -> int:
@@ -56,7 +56,7 @@ class EngineEvaluation:
         objective = getattr(self, "objective", None)
         return self.TOKEN_METRICS if objective is None else objective.eval_metric_names
 
-    def _eval_sums(self, states: Sequence[JobState], chunk: Sequence[Example]
+    def _eval_sums(self, states: Sequence[JobRun], chunk: Sequence[Example]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One no-grad forward of every job on the same chunk: per job the sums of the
         evaluation's numbers [N, len(eval_metric_names)] and what each is averaged over [N]
@@ -66,7 +66,7 @@ class EngineEvaluation:
             return objective.eval_sums(self, states, chunk)
         return self.token_eval_sums(states, chunk)
 
-    def token_eval_sums(self, states: Sequence[JobState], chunk: Sequence[Example]
+    def token_eval_sums(self, states: Sequence[JobRun], chunk: Sequence[Example]
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """_eval_sums of the token losses and hits (SFT's), from a replayed graph where one serves."""
         graphs = self.step_graphs

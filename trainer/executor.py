@@ -40,8 +40,7 @@ from trainer.data import Example
 from trainer.evaluation import eval_chunk
 from trainer.host_pool import POOL
 from trainer.hosting import TaskRoster
-from trainer.jobs import JobState as EngineJobState
-from trainer.jobs import release_host_cache
+from trainer.jobs import JobRun, release_host_cache
 from trainer.memory_plan import MemoryPlan
 from trainer.objectives import objective_for
 from trainer.pairs import PairExample
@@ -294,7 +293,7 @@ class Executor:
         return {"total_rows": total, "free_rows": max(0, total - used),
                 "queued_jobs": sum(len(t.queue) for t in tasks)}
 
-    def _parked_state(self, job_id: str) -> EngineJobState | None:
+    def _parked_state(self, job_id: str) -> JobRun | None:
         """A job parked by one of the hosted tasks (the memory plan's state bytes read it)."""
         return next((t.parked[job_id] for t in self.tasks.values() if job_id in t.parked), None)
 

@@ -1,6 +1,6 @@
 """One job of the engine: its specification (`TrainJob`, the hyperparameters as the engine
 consumes them), its optimizer and schedule, the AdamW step of many jobs at once, and its state
-across steps (`JobState`: adapter, optimizer, data position; parked on the host between turns).
+across steps (`JobRun`: adapter, optimizer, data position; parked on the host between turns).
 """
 from __future__ import annotations
 
@@ -189,8 +189,9 @@ def _multi_adamw(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[t
 
 
 @dataclass
-class JobState:
-    """Everything of one job that lives across steps (moved to CPU when the job is parked)."""
+class JobRun:
+    """Everything of one job that lives across steps (moved to CPU when the job is parked): a job's
+    run in the engine. Not its lifecycle state, which is contract.states.JobState."""
 
     spec: TrainJob
     adapter: JobAdapter
@@ -217,7 +218,7 @@ class JobState:
     # a park to the host still in flight: the event its copies complete at (see `to`)
     host_copy: torch.cuda.Event | None = field(default=None, repr=False, compare=False)
 
-    def to(self, device: torch.device | str) -> JobState:
+    def to(self, device: torch.device | str) -> JobRun:
         """Move adapter and optimizer state (park on CPU / resume on the GPU). From a GPU to the
         host the copies go into pinned memory without waiting (they run on the copy engine in
         stream order while the host goes on; a later use of the state waits for them, `settle`);

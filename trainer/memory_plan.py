@@ -36,7 +36,7 @@ from trainer.admission import (
 )
 from trainer.config import ExecutorConfig
 from trainer.engine import MultiLoraEngine
-from trainer.jobs import JobState, TrainJob
+from trainer.jobs import JobRun, TrainJob
 from trainer.memory_model import (
     ARENA_SLACK,
     HEAD_BYTES,
@@ -58,7 +58,7 @@ class MemoryPlan:
     def __init__(self, cfg: ExecutorConfig, engine: MultiLoraEngine, device: torch.device,
                  objective: Sft, strategy: Strategy,
                  phase: Callable[[str], AbstractContextManager[None]],
-                 parked_state: Callable[[str], JobState | None]) -> None:
+                 parked_state: Callable[[str], JobRun | None]) -> None:
         self.cfg, self.engine, self.device = cfg, engine, device
         self.objective, self.strategy, self.phase = objective, strategy, phase
         self.parked_state = parked_state  # a job id -> its state parked by a hosted task, or None

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from trainer.engine import MultiLoraEngine
-from trainer.jobs import JobState
+from trainer.jobs import JobRun
 from trainer.pairs import PairExample, PairObjective
 
 
@@ -43,7 +43,7 @@ class Orpo(PairObjective):
 
     name = "orpo"
 
-    def pair_numbers(self, engine: MultiLoraEngine, state: JobState, pairs: Sequence[PairExample],
+    def pair_numbers(self, engine: MultiLoraEngine, state: JobRun, pairs: Sequence[PairExample],
                      logps: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The job's mean ORPO loss (differentiable) and [loss, accuracy, margin] sums over pairs."""
         n = len(pairs)

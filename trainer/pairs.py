@@ -17,7 +17,7 @@ import torch
 from trainer.data import IGNORE, Example, Record, render_chat
 from trainer.engine import MultiLoraEngine
 from trainer.head import token_losses
-from trainer.jobs import JobState
+from trainer.jobs import JobRun
 from trainer.packing import PackedBatch
 from trainer.sft import Sft
 
@@ -139,7 +139,7 @@ class PairObjective(Sft):
                             Example(tuple(ids[::-1]), (-100,) * half + tuple(ids[::-1][half:])))
                 for ids in rows]
 
-    def sequence_logps(self, engine: MultiLoraEngine, states: Sequence[JobState] | None,
+    def sequence_logps(self, engine: MultiLoraEngine, states: Sequence[JobRun] | None,
                        seqs: Sequence[Sequence[Example]]
                        ) -> tuple[PackedBatch, torch.Tensor, torch.Tensor]:
         """One forward of these sequences (per job; states None: every adapter off): the batch,
@@ -162,19 +162,19 @@ class PairObjective(Sft):
         logps = torch.zeros(n, dtype=tok.dtype, device=tok.device).index_add(0, seq_of, tok)
         return batch, logps, counts.to(tok.dtype)
 
-    def pair_numbers(self, engine: MultiLoraEngine, state: JobState, pairs: Sequence[PairExample],
+    def pair_numbers(self, engine: MultiLoraEngine, state: JobRun, pairs: Sequence[PairExample],
                      logps: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The job's mean loss over its pairs (differentiable) and the sums over its pairs of
         metric_names [k], from its sequences' log-probs and counts (chosen first)."""
         raise NotImplementedError
 
-    def _per_job(self, engine: MultiLoraEngine, states: Sequence[JobState],
+    def _per_job(self, engine: MultiLoraEngine, states: Sequence[JobRun],
                  per_job: Sequence[Sequence[PairExample]]) -> tuple[PackedBatch, list, list]:
         batch, logps, counts = self.sequence_logps(engine, states, [pair_sequences(p) for p in per_job])
         sizes = [2 * len(p) for p in per_job]
         return batch, list(logps.split(sizes)), list(counts.split(sizes))
 
-    def losses(self, engine: MultiLoraEngine, states: Sequence[JobState],
+    def losses(self, engine: MultiLoraEngine, states: Sequence[JobRun],
                per_job: Sequence[Sequence[PairExample]]
                ) -> tuple[PackedBatch, list[torch.Tensor], list[torch.Tensor]]:
         batch, logps, counts = self._per_job(engine, states, per_job)
@@ -185,7 +185,7 @@ class PairObjective(Sft):
             numbers.append(sums / len(pairs))
         return batch, losses, numbers
 
-    def eval_sums(self, engine: MultiLoraEngine, states: Sequence[JobState],
+    def eval_sums(self, engine: MultiLoraEngine, states: Sequence[JobRun],
                   chunk: Sequence[PairExample]) -> tuple[torch.Tensor, torch.Tensor]:
         _, logps, counts = self._per_job(engine, states, [chunk] * len(states))
         sums = torch.stack([self.pair_numbers(engine, s, chunk, lp, n)[1]

@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from trainer.decode_graph import StaticDecoder, static_decodable
-from trainer.jobs import JobState
+from trainer.jobs import JobRun
 
 if TYPE_CHECKING:
     from trainer.engine import MultiLoraEngine
@@ -57,7 +57,7 @@ def _groups(job_ids: Sequence[str | None]) -> tuple[list[str | None], list[int],
     return keys, counts, order
 
 
-def _point(engine: MultiLoraEngine, states: list[JobState | None], counts: list[int]) -> None:
+def _point(engine: MultiLoraEngine, states: list[JobRun | None], counts: list[int]) -> None:
     """Point every multi-LoRA layer at the groups' adapters as plain matmuls over their batch
     rows (row group i: rows offsets[i]:offsets[i+1]; the base model's group adds nothing): a
     decode step's few tokens then cost a few small launches per layer, not the training kernels'
@@ -116,7 +116,7 @@ def _cache_arg(backbone: torch.nn.Module) -> str:
 
 
 def _decode(engine: MultiLoraEngine, prompts: Sequence[Sequence[int]],
-            states: list[JobState | None], counts: list[int], *, max_new_tokens: int, pick: Picker, eos: frozenset[int],
+            states: list[JobRun | None], counts: list[int], *, max_new_tokens: int, pick: Picker, eos: frozenset[int],
             pad_id: int, static: bool = False) -> list[list[int]]:
     """The decode loop over rows already grouped by job: a prefill of the padded prompts, then one
     token per row per step with the model's KV cache; each row's new tokens."""

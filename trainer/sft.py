@@ -12,7 +12,7 @@ import torch
 
 from trainer.data import Example, tokenize_all
 from trainer.engine import MultiLoraEngine
-from trainer.jobs import JobState
+from trainer.jobs import JobRun
 from trainer.packing import PackedBatch
 
 
@@ -42,13 +42,13 @@ class Sft:
     def prepare(self, engine: MultiLoraEngine, per_job: Sequence[Sequence[Any]]) -> None:
         """Work before the step's forward (nothing, here)."""
 
-    def losses(self, engine: MultiLoraEngine, states: Sequence[JobState],
+    def losses(self, engine: MultiLoraEngine, states: Sequence[JobRun],
                per_job: Sequence[Sequence[Example]]
                ) -> tuple[PackedBatch, list[torch.Tensor], list[torch.Tensor]]:
         """The batch, each job's differentiable loss and its detached numbers (metric_names)."""
         return engine.token_mean_losses(states, per_job)
 
-    def eval_sums(self, engine: MultiLoraEngine, states: Sequence[JobState],
+    def eval_sums(self, engine: MultiLoraEngine, states: Sequence[JobRun],
                   chunk: Sequence[Example]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per job the sums of eval_metric_names [N, k] on the chunk and their counts [N]."""
         return engine.token_eval_sums(states, chunk)

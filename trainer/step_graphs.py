@@ -35,7 +35,7 @@ from torch import nn
 
 from trainer.data import IGNORE, Example
 from trainer.head import token_losses, token_losses_and_hits
-from trainer.jobs import JobState
+from trainer.jobs import JobRun
 from trainer.multilora import MultiLoraLinear, StepLayout
 from trainer.packing import PackedBatch, pack_flat
 
@@ -67,7 +67,7 @@ class GraphedEngine(Protocol):
     @property
     def plain_objective(self) -> bool: ...
 
-    def layout_offsets(self, states: Sequence[JobState]) -> list[int]: ...
+    def layout_offsets(self, states: Sequence[JobRun]) -> list[int]: ...
 
     def _clear_layout(self) -> None: ...
 
@@ -155,7 +155,7 @@ class StepGraphs:
         self.last_replayed = False  # the last step replayed an earlier capture
 
     # ----- which steps -----------------------------------------------------------------
-    def serves(self, states: Sequence[JobState]) -> bool:
+    def serves(self, states: Sequence[JobRun]) -> bool:
         eng = self.engine
         return bool(states) and eng.attention == "varlen" and not eng.lockstep and eng.plain_objective
 
@@ -164,14 +164,14 @@ class StepGraphs:
         return device.type == "cuda"
 
     # ----- one step --------------------------------------------------------------------
-    def forward_backward(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]]
+    def forward_backward(self, states: Sequence[JobRun], per_job: Sequence[Sequence[Example]]
                          ) -> tuple[PackedBatch, list[torch.Tensor]]:
         """The step's forward and backward: its host batch and each job's mean loss (device)."""
         cpu, entry, _ = self._execute(states, per_job, train=True)
         out = entry.static.out
         return cpu, [out[i, :1] for i in range(len(states))]
 
-    def eval_sums(self, states: Sequence[JobState], chunk: Sequence[Example]
+    def eval_sums(self, states: Sequence[JobRun], chunk: Sequence[Example]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """One no-grad forward of every job on the same chunk: per job [loss sum, hit sum] over its
         target tokens (device, read before the next replay) and its target count (host, float64):
@@ -179,7 +179,7 @@ class StepGraphs:
         _, entry, counts = self._execute(states, [chunk] * len(states), train=False)
         return entry.static.out[: len(states)], counts[: len(states)].double()
 
-    def _execute(self, states: Sequence[JobState], per_job: Sequence[Sequence[Example]], train: bool
+    def _execute(self, states: Sequence[JobRun], per_job: Sequence[Sequence[Example]], train: bool
                  ) -> tuple[PackedBatch, _Entry, torch.Tensor]:
         """Pack, fill the key's buffers and run its graph (captured now if its class is warm, else
         eagerly): the host batch, the entry and each slot's target count."""
@@ -263,7 +263,7 @@ class StepGraphs:
         return entry
 
     # ----- the static inputs -----------------------------------------------------------
-    def _fill(self, st: _Static, key: GraphKey, cpu: PackedBatch, states: Sequence[JobState],
+    def _fill(self, st: _Static, key: GraphKey, cpu: PackedBatch, states: Sequence[JobRun],
               ints: list[int]) -> torch.Tensor:
         """One host buffer of the step's ints (and one of its floats), copied to the key's
         buffers asynchronously: empty job slots own no tokens, spare sequence bounds are empty.

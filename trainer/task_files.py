@@ -30,7 +30,7 @@ from trainer.checkpoint_files import (
     save_checkpoint,
     write_checkpoint,
 )
-from trainer.jobs import JobState
+from trainer.jobs import JobRun
 from trainer.task_parts import JobSlot, TaskHost
 
 log = logging.getLogger("loraplex.executor")
@@ -116,7 +116,7 @@ class TaskFiles:
             return
         write_checkpoint(self.out, *self._payload(parts), save=save_checkpoint)
 
-    def _job_part(self, state: JobState) -> dict[str, Any]:
+    def _job_part(self, state: JobRun) -> dict[str, Any]:
         """A job's part of a checkpoint: its whole state when it trained since its last file,
         else only what state.pt keeps of it (its file stays as it is)."""
         known = self.job_files.get(state.job_id)

@@ -62,7 +62,7 @@ class TaskStream:
 
 @dataclass
 class JobSlot:
-    """A started job as every rank knows it: its owner rank and its step count (the JobState
+    """A started job as every rank knows it: its owner rank and its step count (the JobRun
     itself lives on the owner only)."""
 
     job_id: str
