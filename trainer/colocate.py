@@ -14,7 +14,7 @@ rows, losses and updates are per job); a task's decisions depend only on its own
 a task's callbacks and per-task work run guarded (trainer.executor), so an exception in them
 fails that task alone. Job ids must be unique across the tasks of one executor.
 
-Files (one GPU): checkpoints and exports are snapshots taken at the step boundary (host copies:
+Files (one GPU): checkpoints and exports are snapshots taken at the step boundary (executor copies:
 later steps' in-place updates cannot reach them), written by the executor's writer thread
 (trainer.checkpoint.FileWriter) while training goes on. What announces a file waits for it: a
 job's on_adapter and its terminal on_job_state are held (in order) until its files are complete,
@@ -45,7 +45,7 @@ from trainer.export import export_peft, peft_config_dict, write_peft
 from trainer.jobs import JobRun, TrainJob
 from trainer.pairs import PairExample
 from trainer.task_files import TaskFiles
-from trainer.task_parts import JobSlot, StepNumbers, TaskHost, TaskStream, ThroughputWindow
+from trainer.task_parts import JobSlot, StepNumbers, TaskExecutor, TaskStream, ThroughputWindow
 
 log = logging.getLogger("loraplex.executor")
 # a job that ended by itself (a cancelled one may still be exited by the ranking)
@@ -56,9 +56,9 @@ class TaskRun(TaskFiles):
     """One task on an executor (see the module docstring). Control is replicated as in the
     recipe: every rank holds the task's bookkeeping and changes it from gathered numbers only."""
 
-    def __init__(self, host: TaskHost, cfg: ExecutorConfig, cb: Callbacks, task_id: str,
+    def __init__(self, executor: TaskExecutor, cfg: ExecutorConfig, cb: Callbacks, task_id: str,
                  stop_requested: Callable[[], bool] | None = None) -> None:
-        self.host, self.cfg, self.cb, self.task_id = host, cfg, cb, task_id
+        self.executor, self.cfg, self.cb, self.task_id = executor, cfg, cb, task_id
         self.stop_requested = stop_requested
         self.on_end: Callable[[str, dict], None] = cb.on_task_end  # the executor may route it
         self.stopped = False  # stopped on request (checkpointed; a later run resumes it)
@@ -99,7 +99,7 @@ class TaskRun(TaskFiles):
     def read(self, tokenizer: Any) -> None:
         """Read and tokenise the task's data (train and validation sets)."""
         cfg = self.cfg
-        tokenize, settings = self.host.objective.tokenize, cfg.settings
+        tokenize, settings = self.executor.objective.tokenize, cfg.settings
         train = tokenize(tokenizer, read_jsonl(cfg.train_file), cfg.max_seq_len)
         if cfg.val_file:
             val = tokenize(tokenizer, read_jsonl(cfg.val_file), cfg.max_seq_len)
@@ -118,25 +118,25 @@ class TaskRun(TaskFiles):
 
     def open(self) -> None:
         """Put the task's data in its own segment of the engine's pool; report it loaded."""
-        self.base = self.host.pool.add(self.train)
-        self.host.objective.prepare_validation(self.host.engine, self.val, self.cfg.eval_batch_size)
-        mm, adm = self.host.memory_model, self.host.admission
+        self.base = self.executor.pool.add(self.train)
+        self.executor.objective.prepare_validation(self.executor.engine, self.val, self.cfg.eval_batch_size)
+        mm, adm = self.executor.memory_model, self.executor.admission
         if mm is not None:
             self.cb.on_event("", "memory_model", {"k0": mm.k0, "k1": mm.k1,
-                                                  "budget_bytes": adm.budget_bytes, "ranks": self.host.world})
+                                                  "budget_bytes": adm.budget_bytes, "ranks": self.executor.world})
         self.cb.on_event("", "executor_loaded", {"train": len(self.train), "val": len(self.val),
-                                                 "device": str(self.host.device), "ranks": self.host.world})
+                                                 "device": str(self.executor.device), "ranks": self.executor.world})
 
     def close(self) -> None:
         """Forget the task's data (its jobs are gone from the engine)."""
         if self.base is not None:
-            self.host.pool.remove(self.base)
+            self.executor.pool.remove(self.base)
             self.base = None
 
     def _job_state(self, make: Callable[[], JobRun]) -> JobRun:
         # a job's state is made against its own task's data (its stream's size and total steps
         # are its task's), then reads the pool at the task's base
-        eng = self.host.engine
+        eng = self.executor.engine
         saved, eng.train_examples = eng.train_examples, self.train
         try:
             state = make()
@@ -146,10 +146,10 @@ class TaskRun(TaskFiles):
         return state
 
     def new_job(self, spec: TrainJob) -> JobRun:
-        return self._job_state(lambda: self.host.engine.new_job(spec))
+        return self._job_state(lambda: self.executor.engine.new_job(spec))
 
     def restore(self, d: dict[str, Any]) -> JobRun:
-        return self._job_state(lambda: restore_job(self.host.engine, d))
+        return self._job_state(lambda: restore_job(self.executor.engine, d))
 
     # ----- admission ---------------------------------------------------------------------------
     def candidates(self, rank: int) -> list[TrainJob | JobSlot]:
@@ -162,8 +162,8 @@ class TaskRun(TaskFiles):
         return [q for q in self.queue if isinstance(q, TrainJob) or (q.owner == rank and not ranking_open)]
 
     def fail_unschedulable(self) -> None:
-        host = self.host
-        for job_id in host.admission.unschedulable([q for q in self.queue if isinstance(q, TrainJob)]):
+        executor = self.executor
+        for job_id in executor.admission.unschedulable([q for q in self.queue if isinstance(q, TrainJob)]):
             self.queue = [q for q in self.queue if q.job_id != job_id]
             self.set_state(job_id, JobLifecycle.FAILED, {"error": "does not fit the executor's memory even alone"})
             if self.ranking is not None:
@@ -175,9 +175,9 @@ class TaskRun(TaskFiles):
         resumed = isinstance(item, JobSlot)
         slot = item if resumed else JobSlot(job_id, rank, item.batch_size, 0, item.total_steps(len(self.train)))
         self.placed[job_id] = slot
-        if rank == self.host.rank:
-            with self.host.phase("resume" if resumed else "init"):  # host copies / a new adapter's init
-                self.host.engine.attach(self.parked.pop(job_id) if resumed else self.new_job(item))
+        if rank == self.executor.rank:
+            with self.executor.phase("resume" if resumed else "init"):  # executor copies / a new adapter's init
+                self.executor.engine.attach(self.parked.pop(job_id) if resumed else self.new_job(item))
         if self.status[job_id]["state"] != JobLifecycle.RUNNING:
             self.set_state(job_id, JobLifecycle.RUNNING, {"resumed": resumed, "rank": rank})
 
@@ -208,7 +208,7 @@ class TaskRun(TaskFiles):
 
     def eval_shape(self, n_jobs: int, n_examples: int | None = None) -> tuple[int, int]:
         n = len(self.val) if n_examples is None else n_examples
-        return self.host.eval_shape(n_jobs, n, self.cfg.eval_batch_size)
+        return self.executor.eval_shape(n_jobs, n, self.cfg.eval_batch_size)
 
     def eval_size(self, job_id: str, s: JobSlot) -> int:
         """Validation samples of the job's evaluation due now (EvalSettings): in proportion to
@@ -244,7 +244,7 @@ class TaskRun(TaskFiles):
                     due.setdefault(self.eval_size(job_id, s), []).append(job_id)
         if not due:
             return
-        host = self.host
+        executor = self.executor
 
         def plan(ids: list[str], n: int, r: int) -> tuple[list[str], int, int]:
             mine = [j for j in ids if self.placed[j].owner == r]
@@ -252,17 +252,17 @@ class TaskRun(TaskFiles):
 
         # in lockstep every rank makes as many forwards as the rank that needs the most
         forwards = max(sum(eval_forwards(len(m), n, bs, cap) for n, ids in due.items()
-                           for m, bs, cap in [plan(ids, n, r)]) for r in range(host.world))
+                           for m, bs, cap in [plan(ids, n, r)]) for r in range(executor.world))
         local: dict[str, dict[str, float]] = {}
         own = 0
         for n, ids in sorted(due.items()):
-            mine, bs, cap = plan(ids, n, host.rank)
+            mine, bs, cap = plan(ids, n, executor.rank)
             subset = sorted(self.val[:n], key=_length, reverse=True)
-            local.update(host.engine.evaluate_metrics(subset, bs, mine, cap))
+            local.update(executor.engine.evaluate_metrics(subset, bs, mine, cap))
             own += eval_forwards(len(mine), n, bs, cap)
         for _ in range(forwards - own):
-            host.engine.idle_forward()
-        numbers = {j: v for part in host.strategy.gather(local) for j, v in part.items()}
+            executor.engine.idle_forward()
+        numbers = {j: v for part in executor.strategy.gather(local) for j, v in part.items()}
         for job_id in (j for ids in due.values() for j in ids):
             s, m = self.placed[job_id], numbers[job_id]
             val = m["loss"]  # DPO: the validation DPO loss, for the same detectors
@@ -289,7 +289,7 @@ class TaskRun(TaskFiles):
         that finished its warmup so a queued configuration of the task gets its warmup."""
         if self.ranking is None or self.ranking.result is not None:
             return
-        host = self.host
+        executor = self.executor
         fresh_waiting = any(isinstance(q, TrainJob) for q in self.queue)
         for job_id, s in list(self.placed.items()):
             if self.in_warmup(job_id) and s.step >= self.warmup_len(s):
@@ -297,10 +297,10 @@ class TaskRun(TaskFiles):
                 self.ranking.report(job_id, mon.eval_val[-1] if mon.eval_val else math.inf)
                 if fresh_waiting:  # rotate: park it on its rank so a queued configuration gets its warmup
                     self.queue.append(self.placed.pop(job_id))
-                    if s.owner == host.rank:
-                        with host.phase("park"):  # on the device while its memory allows
-                            self.parked[job_id] = host.engine.detach(
-                                job_id, park_device=host.engine.park_target(job_id))
+                    if s.owner == executor.rank:
+                        with executor.phase("park"):  # on the device while its memory allows
+                            self.parked[job_id] = executor.engine.detach(
+                                job_id, park_device=executor.engine.park_target(job_id))
                     self.cb.on_event(job_id, "parked_after_warmup", {"step": s.step, "rank": s.owner})
         if self.ranking.ready:
             keep, evict = self.ranking.decide()
@@ -312,8 +312,8 @@ class TaskRun(TaskFiles):
         if self.status[job_id]["state"] in ENDED_HERE:
             return
         slot = self.placed.pop(job_id, None)
-        if slot is not None and slot.owner == self.host.rank:
-            self.host.engine.detach(job_id)
+        if slot is not None and slot.owner == self.executor.rank:
+            self.executor.engine.detach(job_id)
         self.parked.pop(job_id, None)
         self.queue = [q for q in self.queue if q.job_id != job_id]
         if self.in_warmup(job_id):
@@ -326,21 +326,21 @@ class TaskRun(TaskFiles):
         done = [j for j, s in self.placed.items() if s.done]
         for job_id in done:
             slot = self.placed.pop(job_id)
-            state = self.host.engine.detach(job_id) if slot.owner == self.host.rank else None
+            state = self.executor.engine.detach(job_id) if slot.owner == self.executor.rank else None
             self.export(job_id, "final", state, owner=slot.owner)
             self.set_state(job_id, JobLifecycle.COMPLETED, {"steps": slot.step, "best_val": self.monitors[job_id].best_val})
         return bool(done)
 
     def export(self, job_id: str, kind: str, state: JobRun | None = None, owner: int | None = None) -> None:
-        host = self.host
-        with host.phase("export"):
+        executor = self.executor
+        with executor.phase("export"):
             path = self.out / "jobs" / job_id / kind
             owner = self.placed[job_id].owner if owner is None else owner
-            if owner == host.rank:  # the weights are here; the announcement follows the files
-                state = state or host.engine.jobs[job_id]
+            if owner == executor.rank:  # the weights are here; the announcement follows the files
+                state = state or executor.engine.jobs[job_id]
                 adapter, meta = state.adapter, {"step": str(state.step)}
-                targets = list(host.engine.targets)
-                if host.writer is None:
+                targets = list(executor.engine.targets)
+                if executor.writer is None:
                     export_peft(adapter, path, targets, self.cfg.model_dir, metadata=meta)
                 else:
                     config = peft_config_dict(adapter, targets, self.cfg.model_dir)
@@ -350,7 +350,7 @@ class TaskRun(TaskFiles):
 
     def set_state(self, job_id: str, state: str, details: dict) -> None:
         self.status[job_id]["state"] = state
-        self.host.log_state(self.task_id, job_id, state, details)
+        self.executor.log_state(self.task_id, job_id, state, details)
         if state in JOB_TERMINAL:  # after its adapters' files: a runner uploads them then
             self._after_files(job_id, self.cb.on_job_state, job_id, state, details)
         else:
@@ -359,8 +359,8 @@ class TaskRun(TaskFiles):
     def release(self) -> None:
         """Take every job of the task off the engine (this rank's), placed or parked."""
         for job_id, slot in list(self.placed.items()):
-            if slot.owner == self.host.rank and job_id in self.host.engine.jobs:
-                self.host.engine.detach(job_id)
+            if slot.owner == self.executor.rank and job_id in self.executor.engine.jobs:
+                self.executor.engine.detach(job_id)
         self.placed.clear()
         self.parked.clear()
 
@@ -372,12 +372,12 @@ class TaskRun(TaskFiles):
         tokens_per_s = w.tokens / w.seconds if w.seconds > 0 else 0.0
         self.cb.on_event("", "throughput", {
             "global_step": self.global_step, "padded_fraction": sum(w.padded) / len(w.padded),
-            "active_jobs": len(self.placed), "ranks": self.host.world, "tokens_per_s": tokens_per_s,
+            "active_jobs": len(self.placed), "ranks": self.executor.world, "tokens_per_s": tokens_per_s,
         })
         if tokens_per_s > 0 and w.batch_sizes:  # also at the end, when no job is placed any more
-            mm = self.host.memory_model
+            mm = self.executor.memory_model
             self.cb.on_throughput({
-                "gpus": self.host.world, "seq_len": self.cfg.max_seq_len, "batch_sizes": w.batch_sizes,
+                "gpus": self.executor.world, "seq_len": self.cfg.max_seq_len, "batch_sizes": w.batch_sizes,
                 "tokens_per_s": tokens_per_s, "samples_per_s": w.samples / w.seconds,
                 "memory_k0": mm.k0 if mm else None, "memory_k1": mm.k1 if mm else None,
             })

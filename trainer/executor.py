@@ -16,7 +16,7 @@ requests taken at step boundaries, each task's passage and guarded work), `memor
 (trainer.memory_plan.MemoryPlan: the memory model, admission, recompute policy, the step's
 out-of-memory retry; built once the engine exists) and `clock` (trainer.phase_clock.PhaseClock:
 wall seconds by phase). A task and the roster see the executor through Protocols
-(trainer.task_parts.TaskHost, trainer.hosting.RosterHost). trainer.launch starts an executor.
+(trainer.task_parts.TaskExecutor, trainer.hosting.RosterExecutor). trainer.launch starts an executor.
 Resuming from state.pt is exact.
 """
 
@@ -57,7 +57,7 @@ class Executor:
     and one step loop, hosting the jobs of one task or, on one GPU, of several (see the module
     docstring). With a distributed strategy, call `run` on every rank of the process group.
     The executor's own settings (HOST_FIELDS, the memory budget, max_active_jobs as its job cap,
-    profile_cache) are its first task's configuration `cfg`. It is the `TaskHost` its tasks use."""
+    profile_cache) are its first task's configuration `cfg`. It is the `TaskExecutor` its tasks use."""
 
     def __init__(self, cfg: ExecutorConfig, callbacks: Callbacks | None = None,
                  strategy: Strategy | None = None, stop_requested: Callable[[], bool] | None = None,
@@ -100,7 +100,7 @@ class Executor:
     def stopped(self) -> bool:
         return self.first.stopped
 
-    # what a task reads of the memory plan (TaskHost)
+    # what a task reads of the memory plan (TaskExecutor)
     @property
     def admission(self) -> AdmissionController:
         if self.memory is None:

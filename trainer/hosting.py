@@ -7,8 +7,8 @@ a task's exception ends that task and nothing else.
 
 A component of trainer.executor.Executor (`executor.roster`), split from it by meaning: the
 executor is the device loop (load, admit, step, observe), the roster the set of tasks and their
-lifecycle on it. What the roster uses of the executor is `RosterHost`: what a task uses
-(trainer.task_parts.TaskHost, on which it builds each `TaskRun`) and the tokenizer, the step
+lifecycle on it. What the roster uses of the executor is `RosterExecutor`: what a task uses
+(trainer.task_parts.TaskExecutor, on which it builds each `TaskRun`) and the tokenizer, the step
 count (a task resuming alone continues the executor's from its own), the task's timings and the
 mark where they start."""
 
@@ -31,13 +31,13 @@ from trainer.checkpoint_files import load_checkpoint
 from trainer.colocate import TaskRun
 from trainer.config import CALLBACK_KINDS, HOST_FIELDS, Callbacks, ExecutorConfig
 from trainer.host_pool import POOL, host_memory_bytes
-from trainer.task_parts import JobSlot, TaskHost
+from trainer.task_parts import JobSlot, TaskExecutor
 from trainer.task_samples import task_samples, write_samples
 
 log = logging.getLogger("loraplex.executor")
 
 
-class RosterHost(TaskHost, Protocol):
+class RosterExecutor(TaskExecutor, Protocol):
     """What the roster uses of its executor (trainer.executor.Executor): what a task uses, and
     the few things of a task's passage that are the executor's own."""
 
@@ -68,8 +68,8 @@ class TaskRoster:
     """The tasks of one executor (see the module docstring). `tasks` (hosted, in attach order:
     admission order) and `ended` are the loop's; the requests may come from any thread."""
 
-    def __init__(self, host: RosterHost, cfg: ExecutorConfig) -> None:
-        self.host = host  # what every TaskRun of this executor is built on
+    def __init__(self, executor: RosterExecutor, cfg: ExecutorConfig) -> None:
+        self.executor = executor  # what every TaskRun of this executor is built on
         self.cfg = cfg  # the executor's own (its first task's): a task's HOST_FIELDS must match it
         self.tasks: dict[str, TaskRun] = {}
         self.ended: dict[str, TaskRun] = {}  # tasks that left, with their outcome
@@ -84,8 +84,8 @@ class TaskRoster:
              stop_requested: Callable[[], bool] | None, task_id: str | None) -> TaskRun:
         """A task on this executor, its callbacks routed by the strategy and guarded."""
         holder: list[TaskRun] = []
-        routed = self.host.strategy.callbacks(callbacks or Callbacks())
-        task = TaskRun(self.host, cfg, self._guard(routed, holder), task_id or str(cfg.output_dir),
+        routed = self.executor.strategy.callbacks(callbacks or Callbacks())
+        task = TaskRun(self.executor, cfg, self._guard(routed, holder), task_id or str(cfg.output_dir),
                        stop_requested)
         task.on_end = routed.on_task_end  # unguarded: reached even after the others failed
         holder.append(task)
@@ -112,7 +112,7 @@ class TaskRoster:
             log.error("task=%s failed in its own work", task.task_id, exc_info=exc)
             task.error = exc
 
-        return self.host.strategy.contain(fn, fail)
+        return self.executor.strategy.contain(fn, fail)
 
     def each(self, work: Callable[[TaskRun], Any]) -> None:
         """`work` for every hosted task, each guarded."""
@@ -134,7 +134,7 @@ class TaskRoster:
                        stop_requested: Callable[[], bool] | None = None, task_id: str | None = None) -> str:
         """Ask to host another task (any thread; see Executor.attach_task); its id. ValueError
         when it cannot share this executor (another model or step setting, or an id in use)."""
-        if not self.host.strategy.hosts_many_tasks:
+        if not self.executor.strategy.hosts_many_tasks:
             raise ValueError("this executor's strategy hosts one task")
         for name in HOST_FIELDS:
             mine, theirs = getattr(self.cfg, name), getattr(cfg, name)
@@ -207,7 +207,7 @@ class TaskRoster:
             if isinstance(request, Attach):
                 task = request.task
                 self.tasks[task.task_id] = task
-                self.host.mark_joined(task, at_start=False)
+                self.executor.mark_joined(task, at_start=False)
                 self.guarded(task, lambda t=task: self.open(t))
                 self.guarded(task, lambda t=task: self.start(t))
                 if task.error is not None:
@@ -219,25 +219,25 @@ class TaskRoster:
 
     def open(self, task: TaskRun) -> None:
         """A task that joins a loaded executor: its data read, its part of the pool opened."""
-        task.read(self.host.tokenizer)
+        task.read(self.executor.tokenizer)
         task.open()
 
     def start(self, task: TaskRun) -> None:
         """Resume the task from its own state.pt if it has one; fail its jobs that never fit."""
         state_path = task.out / "state.pt"
         if state_path.exists():
-            alone = list(self.tasks) == [task.task_id] and self.host.global_step == 0
+            alone = list(self.tasks) == [task.task_id] and self.executor.global_step == 0
             task.resume(load_checkpoint(state_path), restore_rng=alone)
             if alone:
-                self.host.global_step = task.global_step
+                self.executor.global_step = task.global_step
         task.fail_unschedulable()
 
     def reserve_parking(self, task: TaskRun) -> None:
         """After the task's first step (trainer.host_pool): pin, in the background, host memory
         for the states its configurations may park beyond what the device keeps (parks stay on
         the device while PARK_RESERVE of it stays free) and for the snapshots its writes take;
-        at most a quarter of the host's memory, only on a GPU."""
-        eng = self.host.engine
+        at most a quarter of the machine's memory, only on a GPU."""
+        eng = self.executor.engine
         if eng.device.type != "cuda" or len(task.cfg.jobs) <= 1:
             return
         per_rank = eng.params_per_rank
@@ -259,7 +259,7 @@ class TaskRoster:
 
     def end(self, task: TaskRun, outcome: str) -> None:
         """Take the task off the executor. Finished or paused: its last checkpoint first."""
-        host = self.host
+        executor = self.executor
         if task.error is not None:
             outcome = TaskOutcome.FAILED
         if outcome in (TaskOutcome.SUCCEEDED, TaskOutcome.PAUSED):
@@ -271,8 +271,8 @@ class TaskRoster:
         task.settle(wait=True)  # its files complete and announced first (a pause's checkpoint)
         if outcome == TaskOutcome.SUCCEEDED and task.error is None:
             self._samples(task)
-        if outcome in (TaskOutcome.SUCCEEDED, TaskOutcome.PAUSED):  # the task's own, not the host's
-            self.guarded(task, lambda: task.cb.on_event("", "timings", host.timings(task)))
+        if outcome in (TaskOutcome.SUCCEEDED, TaskOutcome.PAUSED):  # the task's own, not the executor's
+            self.guarded(task, lambda: task.cb.on_event("", "timings", executor.timings(task)))
         task.release()
         task.close()
         task.outcome = TaskOutcome.FAILED if task.error is not None else outcome
@@ -282,24 +282,24 @@ class TaskRoster:
             self._known.pop(task.task_id, None)
         end = {"error": self.results()[task.task_id]["error"], "global_step": task.global_step}
         # the task has left: where tasks fail alone, its failing on_task_end ends nothing more
-        host.strategy.contain(lambda: task.on_end(task.outcome, end),
+        executor.strategy.contain(lambda: task.on_end(task.outcome, end),
                               lambda exc: log.error("task=%s on_task_end failed", task.task_id, exc_info=exc))
-        if host.rank == 0:
+        if executor.rank == 0:
             log.info("task=%s left the executor outcome=%s global_step=%d", task.task_id,
-                     task.outcome, host.global_step)
+                     task.outcome, executor.global_step)
 
     def _samples(self, task: TaskRun) -> None:
         """The completions the task ends with (trainer.task_samples), from its leading adapters and
         the base model, before it lets go of the backbone. One GPU: an adapter-parallel task ends
         without them. A failure is the samples' alone: logged and announced, the task succeeds."""
-        host = self.host
-        if not host.strategy.whole_engine or not task.cfg.settings.samples.enabled:
+        executor = self.executor
+        if not executor.strategy.whole_engine or not task.cfg.settings.samples.enabled:
             return
         from trainer.sampling import generate
 
         try:
-            with host.phase("samples"):
-                rows = task_samples(task, host.engine, host.tokenizer, generate)
+            with executor.phase("samples"):
+                rows = task_samples(task, executor.engine, executor.tokenizer, generate)
             if rows:
                 write_samples(task.out, rows)
                 task.cb.on_event("", "samples", {"samples": rows})

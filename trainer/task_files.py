@@ -31,7 +31,7 @@ from trainer.checkpoint_files import (
     write_checkpoint,
 )
 from trainer.jobs import JobRun
-from trainer.task_parts import JobSlot, TaskHost
+from trainer.task_parts import JobSlot, TaskExecutor
 
 log = logging.getLogger("loraplex.executor")
 
@@ -39,7 +39,7 @@ log = logging.getLogger("loraplex.executor")
 class TaskFiles:
     """Writes, announcements, checkpoint and resume; the mixin of trainer.colocate.TaskRun."""
 
-    host: TaskHost  # the executor hosting the task
+    executor: TaskExecutor  # the executor hosting the task
     cfg: Any  # trainer.config.ExecutorConfig
     out: Path
     writes: list[Write]
@@ -54,7 +54,7 @@ class TaskFiles:
     def _write(self, kind: str, obj: Any, write: Callable[[Any], Any]) -> Write:
         """Snapshot obj now (waiting first while the writer holds too many snapshots), then
         write(snapshot) on the executor's writer thread."""
-        writer = self.host.writer
+        writer = self.executor.writer
         nbytes = tensor_bytes(obj)
         writer.room(nbytes)
         snap = take_snapshot(obj)
@@ -77,7 +77,7 @@ class TaskFiles:
         first (its time counted as the loop's checkpoint / export time)."""
         for write in list(self.writes):
             if wait and not write.done.is_set():
-                with self.host.phase(write.kind):
+                with self.executor.phase(write.kind):
                     write.done.wait()
             if not write.done.is_set():
                 break  # one writer, in order: the later ones are not done either
@@ -91,18 +91,18 @@ class TaskFiles:
                 fn(*args)
 
     def checkpoint(self) -> None:
-        with self.host.phase("checkpoint"):
+        with self.executor.phase("checkpoint"):
             self._checkpoint_now()
 
     def _checkpoint_now(self) -> None:
-        host = self.host
+        executor = self.executor
         self.last_checkpoint, self.checkpoint_due = time.monotonic(), False
         self.report_throughput()
-        eng = host.engine
+        eng = executor.engine
         mine = {j: self._job_part(s) for j, s in [*eng.jobs.items(), *self.parked.items()]
                 if j in self.placed or j in self.parked}
-        part = {"jobs": mine, "objective": host.objective.task_state(eng, [*self.train, *self.val])}
-        if host.writer is not None:  # one rank: the snapshot is written off the loop
+        part = {"jobs": mine, "objective": executor.objective.task_state(eng, [*self.train, *self.val])}
+        if executor.writer is not None:  # one rank: the snapshot is written off the loop
             # at most one checkpoint of the task in flight: the last complete one is then never
             # more than one interval behind the one being written, so a crash (kill -9) loses
             # under two intervals of steps even when writes lag the loop (a slow or loaded disk)
@@ -111,7 +111,7 @@ class TaskFiles:
             self.checkpoint_write = self._write("checkpoint", self._payload([part]), lambda snap: write_checkpoint(
                 self.out, *snap, save=save_checkpoint))
             return
-        parts = host.strategy.collect_parts(self.out, take_snapshot(part).wait())
+        parts = executor.strategy.collect_parts(self.out, take_snapshot(part).wait())
         if parts is None:  # not rank 0: it writes the one state.pt and the job files
             return
         write_checkpoint(self.out, *self._payload(parts), save=save_checkpoint)
@@ -140,7 +140,7 @@ class TaskFiles:
     def _payload(self, parts: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """The task's state.pt from every rank's part (its jobs, the objective's numbers), and
         the job files to write first (name -> a job's whole state)."""
-        host = self.host
+        executor = self.executor
         files: dict[str, dict[str, Any]] = {}
         refs = {j: self._job_ref(j, d, files) for part in parts for j, d in part["jobs"].items()}
         owners = {j: s.owner for j, s in self.placed.items()}
@@ -151,9 +151,9 @@ class TaskFiles:
             "queue": [refs[q.job_id] if isinstance(q, JobSlot) else {"fresh": q} for q in self.queue],
             "status": self.status, "monitors": self.monitors, "ranking": self.ranking,
             "global_step": self.global_step, "last_eval": self.last_eval, "rng": rng_state(),
-            "parallel": {"world": host.world, "owners": owners},
+            "parallel": {"world": executor.world, "owners": owners},
         }
-        merged = host.objective.merge_task_states([p["objective"] for p in parts])
+        merged = executor.objective.merge_task_states([p["objective"] for p in parts])
         if merged is not None:  # DPO: every rank's reference log-probs, reused by a resume
             payload["reference"] = merged
         return payload, files
@@ -162,20 +162,20 @@ class TaskFiles:
         """Continue from a state.pt of any strategy: on the same number of ranks every job stays
         on its rank; otherwise jobs are dealt to the least-loaded ranks, which gives the same
         adapters, as a job's trajectory does not depend on where or beside whom it runs."""
-        host = self.host
+        executor = self.executor
         par = ck.get("parallel") or {}
         self.job_files = {d["spec"]["job_id"]: (d["step"], d["file"])  # on file as they are
                           for d in [*ck["active"], *ck["queue"]] if "file" in d}
-        owners = par.get("owners", {}) if par.get("world") == host.world else {}
-        parked_load = [0] * host.world
+        owners = par.get("owners", {}) if par.get("world") == executor.world else {}
+        parked_load = [0] * executor.world
         for d in ck["active"]:
             job_id, bs = d["spec"]["job_id"], d["spec"]["batch_size"]
             r = owners.get(job_id)
             if r is None:
-                r = min(range(host.world), key=lambda k: (host.rank_batch(k), k))
+                r = min(range(executor.world), key=lambda k: (executor.rank_batch(k), k))
             self.placed[job_id] = JobSlot(job_id, r, bs, d["step"], d["total_steps"])
-            if r == host.rank:
-                host.engine.attach(self.restore(resolve_job(self.out, d)))
+            if r == executor.rank:
+                executor.engine.attach(self.restore(resolve_job(self.out, d)))
         self.queue = []
         for q in ck["queue"]:
             if "fresh" in q:
@@ -184,19 +184,19 @@ class TaskFiles:
             job_id = q["spec"]["job_id"]
             r = owners.get(job_id)
             if r is None:
-                r = min(range(host.world), key=lambda k: (parked_load[k], k))
+                r = min(range(executor.world), key=lambda k: (parked_load[k], k))
             parked_load[r] += 1
             self.queue.append(JobSlot(job_id, r, q["spec"]["batch_size"], q["step"], q["total_steps"]))
-            if r == host.rank:
+            if r == executor.rank:
                 self.parked[job_id] = self.restore(resolve_job(self.out, q)).to("cpu")
         self.status, self.monitors, self.ranking = ck["status"], ck["monitors"], ck["ranking"]
         for monitor in self.monitors.values():  # the task's settings as given now, not as pickled
             monitor.cfg = self.cfg.settings.early_exit
         self.global_step, self.last_eval = ck["global_step"], ck["last_eval"]
-        host.objective.load_task_state(host.engine, ck.get("reference"))
-        if restore_rng:  # only an executor's first task: the others' RNG is not the host's
+        executor.objective.load_task_state(executor.engine, ck.get("reference"))
+        if restore_rng:  # only an executor's first task: the others' RNG is not the executor's
             set_rng_state(ck["rng"])
-        self.cb.on_event("", "resumed", {"global_step": self.global_step, "ranks": host.world,
+        self.cb.on_event("", "resumed", {"global_step": self.global_step, "ranks": executor.world,
                                          "same_placement": bool(owners)})
         # a retry starts every unfinished job again (the service shows them pending meanwhile):
         # the running ones say so now, the parked ones when they are placed again

@@ -1,6 +1,6 @@
 """The small pieces a task on an executor is made of: the engine's pool of every hosted task's
 examples, a job's data stream at its task's offset, a started job as every rank knows it, and
-what one step measured; and what a task may use of the executor that hosts it (`TaskHost`)."""
+what one step measured; and what a task may use of the executor that hosts it (`TaskExecutor`)."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ class ThroughputWindow:
         self.padded.append(n.padded)
 
 
-class TaskHost(Protocol):
+class TaskExecutor(Protocol):
     """What a task (trainer.colocate.TaskRun) uses of the executor hosting it
     (trainer.executor.Executor): nothing else, so a change on either side shows here."""
 

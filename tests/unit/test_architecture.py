@@ -134,8 +134,8 @@ def test_no_private_name_imported_across_modules() -> None:
     assert found == []
 
 
-def test_no_host_typed_any() -> None:
-    # what a task uses of its executor is a Protocol (trainer.task_parts.TaskHost), not Any
+def test_no_executor_typed_any() -> None:
+    # what a task uses of its executor is a Protocol (trainer.task_parts.TaskExecutor), not Any
     found = []
     for name, path in MODULES.items():
         if top(name) not in PRODUCT:
@@ -147,7 +147,7 @@ def test_no_host_typed_any() -> None:
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 pairs = [(node.target.id, node.annotation)]
             found += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n, ann in pairs
-                      if n == "host" and isinstance(ann, ast.Name) and ann.id == "Any"]
+                      if n in ("host", "executor") and isinstance(ann, ast.Name) and ann.id == "Any"]
     assert found == []
 
 
