@@ -157,8 +157,3 @@ def resolve_job(directory: str | Path, entry: dict[str, Any]) -> dict[str, Any]:
     except Exception as exc:  # a cut or damaged file: the checkpoint is unusable
         raise CheckpointIncomplete(f"job file {entry['file']} cannot be read: {exc}") from exc
 
-
-def checkpoint_files(path: str | Path) -> list[str]:
-    """The job files a state.pt names (its tensors not read); raises CheckpointIncomplete when
-    one is missing or cut beside it, and whatever torch raises for an unreadable state.pt."""
-    return [ref["file"] for ref in job_refs(load_checkpoint(path, mmap=True))]

@@ -27,7 +27,7 @@ import torch
 from contract.protocol import tenant_safe
 from contract.states import JOB_LIVE, JobState, TaskOutcome
 from trainer.arena import park_room
-from trainer.checkpoint_files import load_checkpoint
+from trainer.checkpoint_files import STATE_NAME, load_checkpoint
 from trainer.colocate import TaskRun
 from trainer.config import CALLBACK_KINDS, HOST_FIELDS, Callbacks, ExecutorConfig
 from trainer.host_pool import POOL, host_memory_bytes
@@ -224,7 +224,7 @@ class TaskRoster:
 
     def start(self, task: TaskRun) -> None:
         """Resume the task from its own state.pt if it has one; fail its jobs that never fit."""
-        state_path = task.out / "state.pt"
+        state_path = task.out / STATE_NAME
         if state_path.exists():
             alone = list(self.tasks) == [task.task_id] and self.executor.global_step == 0
             task.resume(load_checkpoint(state_path), restore_rng=alone)

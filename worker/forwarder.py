@@ -27,6 +27,7 @@ from contract.protocol import (
     PlacementSpec,
     Report,
 )
+from worker.checkpoint_links import STATE_NAME
 from worker.service_client import Backoff, ServiceClient, ServiceError
 from worker.spool import SPOOL_NAME, TERMINAL_TYPES, read_complete_lines
 
@@ -34,7 +35,6 @@ log = logging.getLogger("loraplex.worker.client")
 _Report = TypeVar("_Report")
 
 FORWARD_STATE_NAME = "forward.json"
-STATE_NAME = "state.pt"  # a checkpoint's one file that changes under the same name
 
 
 @dataclass
@@ -188,6 +188,7 @@ class Forwarder:
         directory = self.directory / rel
         last = self.state.checkpoint or {}
         names = {p.name for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")}
+        # state.pt: the one file of a checkpoint that changes under its name, never carried
         carry = sorted(names & set(last.get("files", [])) - {STATE_NAME})
         out = None
         if carry:

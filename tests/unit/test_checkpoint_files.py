@@ -20,7 +20,6 @@ from trainer import checkpoint_files as files_mod
 from trainer import task_files
 from trainer.checkpoint_files import (
     CheckpointIncomplete,
-    checkpoint_files,
     job_refs,
     load_checkpoint,
     resolve_job,
@@ -30,6 +29,11 @@ from trainer.executor import Callbacks, Executor, ExecutorConfig
 from trainer.jobs import TrainJob
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def named(state: Path) -> list[str]:
+    """The job files a complete state.pt names (load_checkpoint refuses an incomplete one)."""
+    return [ref["file"] for ref in job_refs(load_checkpoint(state, mmap=True))]
 
 
 @pytest.fixture(scope="module")
@@ -167,14 +171,14 @@ def test_resume_from_either_format_is_exact(inputs, tmp_path, reference, fmt) ->
 
 def test_a_missing_or_cut_job_file_makes_the_checkpoint_unusable(inputs, tmp_path) -> None:  # noqa: ANN001
     out = _stopped(inputs, tmp_path, after=5)
-    names = checkpoint_files(out / "state.pt")
+    names = named(out / "state.pt")
     assert names and all((out / n).is_file() for n in names)
     cut = tmp_path / "cut"
     shutil.copytree(out, cut)
     data = (cut / names[0]).read_bytes()
     (cut / names[0]).write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointIncomplete, match="bytes"):
-        checkpoint_files(cut / "state.pt")
+        named(cut / "state.pt")
     (out / names[-1]).unlink()
     with pytest.raises(CheckpointIncomplete, match="missing"):
         load_checkpoint(out / "state.pt")
@@ -204,7 +208,7 @@ def test_a_write_killed_after_the_job_files_leaves_the_previous_checkpoint(tmp_p
     with pytest.raises(KeyboardInterrupt):
         write_checkpoint(tmp_path, second, {"job-a-2-x.pt": {"w": t + 1}}, save=dies)
     ck = load_checkpoint(tmp_path / "state.pt")
-    assert ck["global_step"] == 1 and checkpoint_files(tmp_path / "state.pt") == ["job-a-1-x.pt", "job-b-1-x.pt"]
+    assert ck["global_step"] == 1 and named(tmp_path / "state.pt") == ["job-a-1-x.pt", "job-b-1-x.pt"]
     assert torch.equal(resolve_job(tmp_path, ck["active"][0])["w"], t)
     write_checkpoint(tmp_path, second, {"job-a-2-x.pt": {"w": t + 1}})
     assert sorted(p.name for p in tmp_path.glob("job-*")) == ["job-a-2-x.pt", "job-b-1-x.pt"]
