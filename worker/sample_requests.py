@@ -111,7 +111,14 @@ class SampleRequests:
             return
         if r.status_code == 204:
             return
-        work = SampleWork.model_validate(r.json())
+        try:
+            work = SampleWork.model_validate(r.json())
+        except ValueError as exc:  # pydantic's ValidationError and JSON's errors are ValueErrors
+            # a service of another version, or a proxy's page: the daemon keeps its placements
+            # going and asks again at the next poll (nothing was leased to it that it knows of)
+            log.warning("sample claim answer not understood node=%s status=%d error=%s",
+                        self.registration.node_id, r.status_code, type(exc).__name__)
+            return
         directory = self.root / work.request_id
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True)

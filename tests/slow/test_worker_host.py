@@ -250,6 +250,8 @@ class Service:
         if request.url.path.endswith("/heartbeat"):
             return httpx.Response(200, json={"node_id": "node_1", "state": "up",
                                              "cancelled_placement_ids": self.stop})
+        if request.url.path.endswith("/sample_requests/claim"):
+            return httpx.Response(204)  # no sample request waiting, as the service answers
         return httpx.Response(200, json={"stored": 1})
 
 
