@@ -18,8 +18,11 @@ Files (one GPU): checkpoints and exports are snapshots taken at the step boundar
 later steps' in-place updates cannot reach them), written by the executor's writer thread
 (trainer.checkpoint.FileWriter) while training goes on. What announces a file waits for it: a
 job's on_adapter and its terminal on_job_state are held (in order) until its files are complete,
-and `settle` drains the task's writes before it leaves the executor (its final adapters, a pause's
-checkpoint). A failed write fails its task alone. Adapter-parallel executors write in the loop.
+and `files.settle` drains the task's writes before it leaves the executor (its final adapters, a
+pause's checkpoint). A failed write fails its task alone. Adapter-parallel executors write in the
+loop. The files are a component the task holds (`task.files`, trainer.task_files.TaskFiles: its
+writes, held announcements, checkpoints and resume), which sees the task through a Protocol of what
+it uses (`CheckpointedTask`).
 """
 
 from __future__ import annotations
@@ -27,16 +30,13 @@ from __future__ import annotations
 import logging
 import math
 import random
-import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from contract.states import JOB_TERMINAL, ExitReason
 from contract.states import JobState as JobLifecycle
-from trainer.checkpoint import Write, restore_job
-from trainer.checkpoint_files import new_tag
+from trainer.checkpoint import restore_job
 from trainer.config import Callbacks, ExecutorConfig
 from trainer.data import Example, read_jsonl, split_validation
 from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
@@ -52,7 +52,7 @@ log = logging.getLogger("loraplex.executor")
 ENDED_HERE = tuple(s for s in JOB_TERMINAL if s != JobLifecycle.CANCELLED)
 
 
-class TaskRun(TaskFiles):
+class TaskRun:
     """One task on an executor (see the module docstring). Control is replicated as in the
     recipe: every rank holds the task's bookkeeping and changes it from gathered numbers only."""
 
@@ -82,18 +82,11 @@ class TaskRun(TaskFiles):
         self.first_step_s: float | None = None
         self.last_eval: dict[str, int] = {}
         self.window = ThroughputWindow()
-        self.last_checkpoint = time.monotonic()
-        self.checkpoint_due = False  # by time, as rank 0's clock says (every rank alike)
         self.train: list[Example | PairExample] = []
         self.val: list[Example | PairExample] = []
         self.base: int | None = None  # its segment of the engine's ExamplePool
-        self.writes: list[Write] = []  # its writes on the executor's writer, not yet settled
-        self.checkpoint_write: Write | None = None  # its latest checkpoint write (one in flight at most)
-        self.job_writes: dict[str, Write] = {}  # each job's last write (its exports)
-        self.job_files: dict[str, tuple[int, str | None]] = {}  # each job's last state on file
-        self.file_tag = new_tag()  # in the names of the job files this run writes
-        # announcements waiting for files, in the order made: (the write, callback, arguments)
-        self.held: deque[tuple[Write | None, Callable[..., None], tuple]] = deque()
+        # its writes, held announcements, checkpoints (and when the next is due) and resume
+        self.files = TaskFiles(executor, self)
 
     # ----- data and job states ---------------------------------------------------------------
     def read(self, tokenizer: Any) -> None:
@@ -344,15 +337,15 @@ class TaskRun(TaskFiles):
                     export_peft(adapter, path, targets, self.cfg.model_dir, metadata=meta)
                 else:
                     config = peft_config_dict(adapter, targets, self.cfg.model_dir)
-                    self.job_writes[job_id] = self._write("export", adapter.flat, lambda flat: write_peft(
+                    self.files.job_writes[job_id] = self.files.write("export", adapter.flat, lambda flat: write_peft(
                         adapter.peft_state_dict(flat=flat), config, path, metadata=meta))
-            self._after_files(job_id, self.cb.on_adapter, job_id, kind, path)
+            self.files.after_files(job_id, self.cb.on_adapter, job_id, kind, path)
 
     def set_state(self, job_id: str, state: str, details: dict) -> None:
         self.status[job_id]["state"] = state
         self.executor.log_state(self.task_id, job_id, state, details)
         if state in JOB_TERMINAL:  # after its adapters' files: a runner uploads them then
-            self._after_files(job_id, self.cb.on_job_state, job_id, state, details)
+            self.files.after_files(job_id, self.cb.on_job_state, job_id, state, details)
         else:
             self.cb.on_job_state(job_id, state, details)
 
@@ -381,7 +374,6 @@ class TaskRun(TaskFiles):
                 "tokens_per_s": tokens_per_s, "samples_per_s": w.samples / w.seconds,
                 "memory_k0": mm.k0 if mm else None, "memory_k1": mm.k1 if mm else None,
             })
-
 
 
 def eval_subset_size(earned: float, minimum: int, full: int) -> int:

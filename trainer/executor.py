@@ -235,8 +235,8 @@ class Executor:
                     # checkpoint, then stop as if killed: a later run resumes the task here
                     task.stopped = stops[task.task_id]
                     self.roster.end(task, TaskOutcome.PAUSED)
-                elif task.global_step % task.cfg.checkpoint_every == 0 or task.checkpoint_due:
-                    self.roster.guarded(task, task.checkpoint)
+                elif task.global_step % task.cfg.checkpoint_every == 0 or task.files.checkpoint_due:
+                    self.roster.guarded(task, task.files.checkpoint)
             self.strategy.flush()
         self.strategy.flush()
 
@@ -309,7 +309,7 @@ class Executor:
         numbers = None if report is None else (report.padded_fraction, report.tokens)
         now = time.monotonic()
         due = {t.task_id: t.cfg.checkpoint_every_s is not None
-               and now - t.last_checkpoint >= t.cfg.checkpoint_every_s for t in self.tasks.values()}
+               and now - t.files.last_checkpoint >= t.cfg.checkpoint_every_s for t in self.tasks.values()}
         parts = self.strategy.gather((local, stop, numbers, due))
         merged = {j: v for part in parts for j, v in part[0].items()}
         measured = [p[2] for p in parts if p[2] is not None]
@@ -321,7 +321,7 @@ class Executor:
                            sorted(s.batch_size for s in slots), wall * self.world,
                            sum(v[5] for v in merged.values()))
         for task in self.tasks.values():
-            task.checkpoint_due = bool(parts[0][3][task.task_id])
+            task.files.checkpoint_due = bool(parts[0][3][task.task_id])
         self.roster.each(lambda t: t.observe_train(merged, step))
         return {tid: any(p[1][tid] for p in parts) for tid in self.tasks}
 

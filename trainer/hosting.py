@@ -198,7 +198,7 @@ class TaskRoster:
         """Between steps: files written meanwhile are announced, failed tasks leave, then the
         attach / detach requests made since the last boundary take effect, in order."""
         for task in list(self.tasks.values()):
-            task.settle()
+            task.files.settle()
             if task.error is not None:
                 self.end(task, TaskOutcome.FAILED)
         with self._cv:
@@ -227,7 +227,7 @@ class TaskRoster:
         state_path = task.out / STATE_NAME
         if state_path.exists():
             alone = list(self.tasks) == [task.task_id] and self.executor.global_step == 0
-            task.resume(load_checkpoint(state_path), restore_rng=alone)
+            task.files.resume(load_checkpoint(state_path), restore_rng=alone)
             if alone:
                 self.executor.global_step = task.global_step
         task.fail_unschedulable()
@@ -263,12 +263,12 @@ class TaskRoster:
         if task.error is not None:
             outcome = TaskOutcome.FAILED
         if outcome in (TaskOutcome.SUCCEEDED, TaskOutcome.PAUSED):
-            self.guarded(task, task.checkpoint)
+            self.guarded(task, task.files.checkpoint)
         elif outcome == TaskOutcome.CANCELLED:
             for job_id, st in task.status.items():
                 if st["state"] in JOB_LIVE:
                     self.guarded(task, lambda j=job_id: task.set_state(j, JobState.CANCELLED, {}))
-        task.settle(wait=True)  # its files complete and announced first (a pause's checkpoint)
+        task.files.settle(wait=True)  # its files complete and announced first (a pause's checkpoint)
         if outcome == TaskOutcome.SUCCEEDED and task.error is None:
             self._samples(task)
         if outcome in (TaskOutcome.SUCCEEDED, TaskOutcome.PAUSED):  # the task's own, not the executor's

@@ -1,8 +1,13 @@
-"""A task's files: checkpoints and exports written off the step loop by the executor's writer
-thread (one GPU), announcements held until their files are complete, and the task's state.pt,
-written from every rank's part and resumed on any number of ranks: each job's state in its own
-file, rewritten only when the job trained since (trainer.checkpoint_files tells the format). A
-part of trainer.colocate.TaskRun (its module docstring tells the rules)."""
+"""A task's files (`TaskFiles`): checkpoints and exports written off the step loop by the
+executor's writer thread (one GPU), announcements held until their files are complete, and the
+task's state.pt, written from every rank's part and resumed on any number of ranks: each job's
+state in its own file, rewritten only when the job trained since (trainer.checkpoint_files tells
+the format), and when the task checkpoints next (its interval by time).
+
+A component of trainer.colocate.TaskRun (`task.files`; that module's docstring tells the rules):
+it owns the task's writes, held announcements and job files, and sees the task through
+`CheckpointedTask` (the bookkeeping state.pt keeps and a resume restores, and the few calls
+around them) and its executor through trainer.task_parts.TaskExecutor."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from contract.states import JobState as JobLifecycle
 from trainer.checkpoint import (
@@ -26,43 +31,78 @@ from trainer.checkpoint import (
 from trainer.checkpoint_files import (
     FORMAT,
     job_file_name,
+    new_tag,
     resolve_job,
     save_checkpoint,
     write_checkpoint,
 )
-from trainer.jobs import JobRun
+from trainer.config import Callbacks, ExecutorConfig
+from trainer.data import Example
+from trainer.early_exit import JobMonitor, WarmupRanking
+from trainer.jobs import JobRun, TrainJob
+from trainer.pairs import PairExample
 from trainer.task_parts import JobSlot, TaskExecutor
 
 log = logging.getLogger("loraplex.executor")
 
 
-class TaskFiles:
-    """Writes, announcements, checkpoint and resume; the mixin of trainer.colocate.TaskRun."""
+class CheckpointedTask(Protocol):
+    """What a task's files use of the task (trainer.colocate.TaskRun): its bookkeeping, which a
+    checkpoint writes and a resume restores, its error (a failed write sets it), and the calls
+    around them."""
 
-    executor: TaskExecutor  # the executor hosting the task
-    cfg: Any  # trainer.config.ExecutorConfig
+    task_id: str
+    cfg: ExecutorConfig
+    cb: Callbacks
     out: Path
-    writes: list[Write]
-    held: deque[tuple[Write | None, Callable[..., None], tuple]]
-    job_writes: dict[str, Write]
-    checkpoint_write: Write | None
-    # each started job's last state on file: (its step then, the file's name; None on a rank
-    # but 0, which names and writes the files) and this run's token in the names it writes
-    job_files: dict[str, tuple[int, str | None]]
-    file_tag: str
+    error: BaseException | None
+    train: list[Example | PairExample]
+    val: list[Example | PairExample]
+    queue: list[TrainJob | JobSlot]
+    placed: dict[str, JobSlot]
+    parked: dict[str, JobRun]
+    status: dict[str, dict[str, Any]]
+    monitors: dict[str, JobMonitor]
+    ranking: WarmupRanking | None
+    global_step: int
+    last_eval: dict[str, int]
 
-    def _write(self, kind: str, obj: Any, write: Callable[[Any], Any]) -> Write:
+    def report_throughput(self) -> None: ...
+
+    def restore(self, d: dict[str, Any]) -> JobRun: ...
+
+    def set_state(self, job_id: str, state: str, details: dict) -> None: ...
+
+
+class TaskFiles:
+    """A task's writes, announcements, checkpoint and resume (see the module docstring)."""
+
+    def __init__(self, executor: TaskExecutor, task: CheckpointedTask) -> None:
+        self.executor, self.task = executor, task
+        self.last_checkpoint = time.monotonic()
+        self.checkpoint_due = False  # by time, as rank 0's clock says (every rank alike)
+        self.writes: list[Write] = []  # its writes on the executor's writer, not yet settled
+        self.checkpoint_write: Write | None = None  # its latest checkpoint write (one in flight at most)
+        self.job_writes: dict[str, Write] = {}  # each job's last write (its exports)
+        # each started job's last state on file: (its step then, the file's name; None on a rank
+        # but 0, which names and writes the files)
+        self.job_files: dict[str, tuple[int, str | None]] = {}
+        self.file_tag = new_tag()  # in the names of the job files this run writes
+        # announcements waiting for files, in the order made: (the write, callback, arguments)
+        self.held: deque[tuple[Write | None, Callable[..., None], tuple]] = deque()
+
+    def write(self, kind: str, obj: Any, write: Callable[[Any], Any]) -> Write:
         """Snapshot obj now (waiting first while the writer holds too many snapshots), then
         write(snapshot) on the executor's writer thread."""
         writer = self.executor.writer
         nbytes = tensor_bytes(obj)
         writer.room(nbytes)
         snap = take_snapshot(obj)
-        pending = writer.submit(self.task_id, kind, nbytes, lambda: write(snap.wait()))
+        pending = writer.submit(self.task.task_id, kind, nbytes, lambda: write(snap.wait()))
         self.writes.append(pending)
         return pending
 
-    def _after_files(self, job_id: str | None, fn: Callable[..., None], *args: Any) -> None:
+    def after_files(self, job_id: str | None, fn: Callable[..., None], *args: Any) -> None:
         """Call fn(*args) once the job's last write is complete (now if it is), after the
         announcements held before it."""
         write = self.job_writes.get(job_id) if job_id is not None else None
@@ -75,6 +115,7 @@ class TaskFiles:
         """Between steps: take note of the task's finished writes (a failed one fails the task)
         and make the announcements whose files are complete; wait=True: wait for all of them
         first (its time counted as the loop's checkpoint / export time)."""
+        task = self.task
         for write in list(self.writes):
             if wait and not write.done.is_set():
                 with self.executor.phase(write.kind):
@@ -82,9 +123,9 @@ class TaskFiles:
             if not write.done.is_set():
                 break  # one writer, in order: the later ones are not done either
             self.writes.remove(write)
-            if write.error is not None and self.error is None:
-                log.error("task=%s %s write failed: %s", self.task_id, write.kind, write.error)
-                self.error = write.error
+            if write.error is not None and task.error is None:
+                log.error("task=%s %s write failed: %s", task.task_id, write.kind, write.error)
+                task.error = write.error
         while self.held and (self.held[0][0] is None or self.held[0][0].done.is_set()):
             write, fn, args = self.held.popleft()
             if write is None or write.error is None:  # a file that failed is never announced
@@ -95,26 +136,26 @@ class TaskFiles:
             self._checkpoint_now()
 
     def _checkpoint_now(self) -> None:
-        executor = self.executor
+        executor, task = self.executor, self.task
         self.last_checkpoint, self.checkpoint_due = time.monotonic(), False
-        self.report_throughput()
+        task.report_throughput()
         eng = executor.engine
-        mine = {j: self._job_part(s) for j, s in [*eng.jobs.items(), *self.parked.items()]
-                if j in self.placed or j in self.parked}
-        part = {"jobs": mine, "objective": executor.objective.task_state(eng, [*self.train, *self.val])}
+        mine = {j: self._job_part(s) for j, s in [*eng.jobs.items(), *task.parked.items()]
+                if j in task.placed or j in task.parked}
+        part = {"jobs": mine, "objective": executor.objective.task_state(eng, [*task.train, *task.val])}
         if executor.writer is not None:  # one rank: the snapshot is written off the loop
             # at most one checkpoint of the task in flight: the last complete one is then never
             # more than one interval behind the one being written, so a crash (kill -9) loses
             # under two intervals of steps even when writes lag the loop (a slow or loaded disk)
             if self.checkpoint_write is not None:
                 self.checkpoint_write.done.wait()  # set once written or failed: never hangs
-            self.checkpoint_write = self._write("checkpoint", self._payload([part]), lambda snap: write_checkpoint(
-                self.out, *snap, save=save_checkpoint))
+            self.checkpoint_write = self.write("checkpoint", self._payload([part]), lambda snap: write_checkpoint(
+                task.out, *snap, save=save_checkpoint))
             return
-        parts = executor.strategy.collect_parts(self.out, take_snapshot(part).wait())
+        parts = executor.strategy.collect_parts(task.out, take_snapshot(part).wait())
         if parts is None:  # not rank 0: it writes the one state.pt and the job files
             return
-        write_checkpoint(self.out, *self._payload(parts), save=save_checkpoint)
+        write_checkpoint(task.out, *self._payload(parts), save=save_checkpoint)
 
     def _job_part(self, state: JobRun) -> dict[str, Any]:
         """A job's part of a checkpoint: its whole state when it trained since its last file,
@@ -140,17 +181,17 @@ class TaskFiles:
     def _payload(self, parts: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """The task's state.pt from every rank's part (its jobs, the objective's numbers), and
         the job files to write first (name -> a job's whole state)."""
-        executor = self.executor
+        executor, task = self.executor, self.task
         files: dict[str, dict[str, Any]] = {}
         refs = {j: self._job_ref(j, d, files) for part in parts for j, d in part["jobs"].items()}
-        owners = {j: s.owner for j, s in self.placed.items()}
-        owners.update({q.job_id: q.owner for q in self.queue if isinstance(q, JobSlot)})
+        owners = {j: s.owner for j, s in task.placed.items()}
+        owners.update({q.job_id: q.owner for q in task.queue if isinstance(q, JobSlot)})
         payload = {
             "format": FORMAT,
-            "active": [refs[j] for j in self.placed],
-            "queue": [refs[q.job_id] if isinstance(q, JobSlot) else {"fresh": q} for q in self.queue],
-            "status": self.status, "monitors": self.monitors, "ranking": self.ranking,
-            "global_step": self.global_step, "last_eval": self.last_eval, "rng": rng_state(),
+            "active": [refs[j] for j in task.placed],
+            "queue": [refs[q.job_id] if isinstance(q, JobSlot) else {"fresh": q} for q in task.queue],
+            "status": task.status, "monitors": task.monitors, "ranking": task.ranking,
+            "global_step": task.global_step, "last_eval": task.last_eval, "rng": rng_state(),
             "parallel": {"world": executor.world, "owners": owners},
         }
         merged = executor.objective.merge_task_states([p["objective"] for p in parts])
@@ -159,10 +200,10 @@ class TaskFiles:
         return payload, files
 
     def resume(self, ck: dict[str, Any], restore_rng: bool) -> None:
-        """Continue from a state.pt of any strategy: on the same number of ranks every job stays
-        on its rank; otherwise jobs are dealt to the least-loaded ranks, which gives the same
-        adapters, as a job's trajectory does not depend on where or beside whom it runs."""
-        executor = self.executor
+        """Continue the task from a state.pt of any strategy: on the same number of ranks every
+        job stays on its rank; otherwise jobs are dealt to the least-loaded ranks, which gives the
+        same adapters, as a job's trajectory does not depend on where or beside whom it runs."""
+        executor, task = self.executor, self.task
         par = ck.get("parallel") or {}
         self.job_files = {d["spec"]["job_id"]: (d["step"], d["file"])  # on file as they are
                           for d in [*ck["active"], *ck["queue"]] if "file" in d}
@@ -173,35 +214,35 @@ class TaskFiles:
             r = owners.get(job_id)
             if r is None:
                 r = min(range(executor.world), key=lambda k: (executor.rank_batch(k), k))
-            self.placed[job_id] = JobSlot(job_id, r, bs, d["step"], d["total_steps"])
+            task.placed[job_id] = JobSlot(job_id, r, bs, d["step"], d["total_steps"])
             if r == executor.rank:
-                executor.engine.attach(self.restore(resolve_job(self.out, d)))
-        self.queue = []
+                executor.engine.attach(task.restore(resolve_job(task.out, d)))
+        task.queue = []
         for q in ck["queue"]:
             if "fresh" in q:
-                self.queue.append(q["fresh"])
+                task.queue.append(q["fresh"])
                 continue
             job_id = q["spec"]["job_id"]
             r = owners.get(job_id)
             if r is None:
                 r = min(range(executor.world), key=lambda k: (parked_load[k], k))
             parked_load[r] += 1
-            self.queue.append(JobSlot(job_id, r, q["spec"]["batch_size"], q["step"], q["total_steps"]))
+            task.queue.append(JobSlot(job_id, r, q["spec"]["batch_size"], q["step"], q["total_steps"]))
             if r == executor.rank:
-                self.parked[job_id] = self.restore(resolve_job(self.out, q)).to("cpu")
-        self.status, self.monitors, self.ranking = ck["status"], ck["monitors"], ck["ranking"]
-        for monitor in self.monitors.values():  # the task's settings as given now, not as pickled
-            monitor.cfg = self.cfg.settings.early_exit
-        self.global_step, self.last_eval = ck["global_step"], ck["last_eval"]
+                task.parked[job_id] = task.restore(resolve_job(task.out, q)).to("cpu")
+        task.status, task.monitors, task.ranking = ck["status"], ck["monitors"], ck["ranking"]
+        for monitor in task.monitors.values():  # the task's settings as given now, not as pickled
+            monitor.cfg = task.cfg.settings.early_exit
+        task.global_step, task.last_eval = ck["global_step"], ck["last_eval"]
         executor.objective.load_task_state(executor.engine, ck.get("reference"))
         if restore_rng:  # only an executor's first task: the others' RNG is not the executor's
             set_rng_state(ck["rng"])
-        self.cb.on_event("", "resumed", {"global_step": self.global_step, "ranks": executor.world,
+        task.cb.on_event("", "resumed", {"global_step": task.global_step, "ranks": executor.world,
                                          "same_placement": bool(owners)})
         # a retry starts every unfinished job again (the service shows them pending meanwhile):
         # the running ones say so now, the parked ones when they are placed again
-        for st in self.status.values():
+        for st in task.status.values():
             if st["state"] == JobLifecycle.RUNNING:
                 st["state"] = JobLifecycle.PENDING
-        for job_id, slot in self.placed.items():
-            self.set_state(job_id, JobLifecycle.RUNNING, {"resumed": True, "rank": slot.owner})
+        for job_id, slot in task.placed.items():
+            task.set_state(job_id, JobLifecycle.RUNNING, {"resumed": True, "rank": slot.owner})

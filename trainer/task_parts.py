@@ -113,8 +113,9 @@ class ThroughputWindow:
 
 
 class TaskExecutor(Protocol):
-    """What a task (trainer.colocate.TaskRun) uses of the executor hosting it
-    (trainer.executor.Executor): nothing else, so a change on either side shows here."""
+    """What a task (trainer.colocate.TaskRun, and its files, trainer.task_files.TaskFiles) uses
+    of the executor hosting it (trainer.executor.Executor): nothing else, so a change on either
+    side shows here."""
 
     engine: Any  # trainer.engine.MultiLoraEngine: attach, detach, park_target, evaluation
     objective: Any  # trainer.objectives: the task's data, validation and checkpointed numbers

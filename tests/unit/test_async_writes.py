@@ -225,7 +225,7 @@ def test_a_file_is_announced_only_once_complete_and_the_task_ends_after(files, t
     def end(outcome: str, d: dict) -> None:
         ck = torch.load(out / "state.pt", map_location="cpu", weights_only=False)
         assert ck["global_step"] == d["global_step"] and not ck["active"]  # the final one, whole
-        assert not ex.first.writes and not ex.first.held  # nothing left to write or to tell
+        assert not ex.first.files.writes and not ex.first.files.held  # nothing left to write or to tell
         base.on_task_end(outcome, d)
 
     ex = Executor(cfg, Callbacks(on_train_loss=train, on_adapter=adapter, on_job_state=job_state,
