@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -31,6 +32,7 @@ import task_e2e_data as te  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
 from trainer.jobs import TrainJob  # noqa: E402
 from trainer.sampling import generate  # noqa: E402
+from worker.processes import CUBLAS_WORKSPACE  # noqa: E402
 
 
 def timed(fn):  # noqa: ANN001, ANN201
@@ -50,7 +52,14 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--json", default="")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--no-repeatable", action="store_true",
+                    help="leave cuBLAS's workspace to torch (a node sets CUBLAS_WORKSPACE_CONFIG for its "
+                         "processes: trainer.sampling.repeatable); set before the first cuBLAS call")
     args = ap.parse_args()
+    if args.no_repeatable:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:  # as worker.processes.spawn does for every GPU process of a node
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     if args.smoke:
         te.SMOKE["on"] = True
         args.layers, args.new, args.prompt_len = 2, 4, 12
@@ -102,7 +111,11 @@ def main() -> None:
         steps = {"profiled_new_tokens": 8, "wall_s": prof_s, "kernel_s": kernel_us / 1e6, "launches": launches,
                  "top": [(e.key, e.count, round(e.self_device_time_total / 1e3, 1))
                          for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]]}
-    res = {"args": vars(args), "device": torch.cuda.get_device_name() if te.DEV.type == "cuda" else "cpu",
+    seeded = [generate(engine, [p for p, _ in rows], [c for _, c in rows], max_new_tokens=args.new,
+                       eos_token_id=None, pad_id=0, temperature=1.0, top_p=0.9, seed=7) for _ in range(2)]
+    res = {"args": vars(args), "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+           "device": torch.cuda.get_device_name() if te.DEV.type == "cuda" else "cpu",
+           "seeded_sampling_repeats_exactly": seeded[0] == seeded[1],
            "rows": len(rows), "new_tokens": sum(len(t) for t in first), "generate_s": all_s,
            "per_decode_step_ms": 1e3 * all_s / args.new, "base_only_8_rows_s": base_s,
            "repeats_exactly": first == again, "eager_generate_s": eager_s, "eager_repeats_exactly": eager == eager_again,
@@ -120,6 +133,8 @@ def main() -> None:
         f"{1e3 * eager_s / args.new:.1f} | | {res['eager_repeats_exactly']} |", "",
         f"Rows whose greedy tokens equal the eager loop's (bf16, random weights: near-ties may flip): "
         f"{res['rows_equal_to_eager']} of {res['rows']}.", "",
+        f"Seeded sampling (temperature 1, top-p 0.9) repeats exactly: {res['seeded_sampling_repeats_exactly']}. "
+        f"CUBLAS_WORKSPACE_CONFIG: {res['cublas_workspace']}.", "",
         "Profile of 8 new tokens (static path): " + json.dumps(steps)]) + "\n"
     te.emit(text, res, args)
 

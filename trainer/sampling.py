@@ -13,10 +13,12 @@ real token), then one token per row per step until every row has met an EOS or m
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import os
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +31,28 @@ if TYPE_CHECKING:
     from trainer.engine import MultiLoraEngine
 
 Picker = Callable[[torch.Tensor], torch.Tensor]
+
+
+@contextlib.contextmanager
+def repeatable(device: torch.device) -> Iterator[None]:
+    """On CUDA, with cuBLAS's workspaces fixed (CUBLAS_WORKSPACE_CONFIG, set before the process's
+    first cuBLAS call: worker.processes.spawn sets it for every process of a node): torch's deterministic algorithms for the decode (warn-only: an op without a
+    deterministic kernel still runs, and its warning is not the user's), restored after. Both
+    together made greedy decoding at 32 layers of bf16 repeat; neither alone did (session 20's
+    probes on the H200). Else nothing changes: the CPU's kernels repeat as they are, and without
+    the variable cuBLAS does not repeat whatever torch asks. LORAPLEX_REPEATABLE_DECODE=0: off."""
+    if (device.type != "cuda" or not os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+            or os.environ.get("LORAPLEX_REPEATABLE_DECODE", "1") == "0"):
+        yield
+        return
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation.*")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 def nucleus_pick(logits: torch.Tensor, temperature: float, top_p: float,
@@ -206,7 +230,7 @@ def generate(
     try:
         model.eval()  # also what turns the gradient checkpointing off for these forwards
         engine.set_attention("rows")  # the model's own attention, which the KV cache serves
-        with torch.no_grad():
+        with torch.no_grad(), repeatable(engine.device):
             grouped = _decode(engine, [prompts[r] for r in order], states, counts,
                               max_new_tokens=max_new_tokens, pick=pick, eos=eos, pad_id=pad_id,
                               static=static and static_decodable(model, temperature))

@@ -66,6 +66,11 @@ def tail(path: Path, max_bytes: int = 4000) -> str:
 
 
 
+# cuBLAS's fixed workspaces (4 MiB x 8), set in every GPU process a node starts: what a repeatable
+# decode needs (trainer.sampling.repeatable) and must be there before a process's first cuBLAS call
+CUBLAS_WORKSPACE = ":4096:8"
+
+
 def node_caches(cache_dir: Path) -> dict[str, str]:
     """What every executor of a node keeps across processes, under the daemon's work directory
     (an operator's own setting wins): Triton's compiled kernels (a new process loads them, it does
@@ -86,6 +91,8 @@ def spawn(module: str, flag: str, directory: Path, gpu_indices: list[int], log_n
         env.update(node_caches(cache_dir))
     gpus = ",".join(str(g) for g in gpu_indices)
     env["CUDA_VISIBLE_DEVICES"] = gpus if cuda else ""
+    if cuda:  # samples repeat run to run (trainer.sampling.repeatable); an operator's value wins
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     env["LORAPLEX_SLOTS"] = gpus
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))

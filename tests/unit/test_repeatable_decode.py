@@ -1,0 +1,58 @@
+"""Unit: what makes a GPU decode repeat (issue 44). Every GPU process a node starts gets cuBLAS's
+fixed workspaces (an operator's own value wins; a CPU node's processes are left as they are), and
+the decode's deterministic-algorithms scope is entered only where it does something (CUDA with that
+variable) and always restores the process's own setting, even when the decode raises."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import sampling
+from worker import processes
+
+
+def _spawned_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cuda: bool) -> dict[str, str]:
+    seen: dict[str, str] = {}
+
+    class Proc:
+        def __init__(self, cmd, env, **kw) -> None:  # noqa: ANN001, ANN003
+            seen.update(env)
+
+    monkeypatch.setattr(processes.subprocess, "Popen", Proc)
+    processes.spawn("worker.runner", "--dir", tmp_path, [0], "x.log", cuda=cuda)
+    return seen
+
+
+def test_a_gpu_process_gets_cublas_fixed_workspaces_and_an_operators_value_wins(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert _spawned_env(monkeypatch, tmp_path, cuda=True)["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert "CUBLAS_WORKSPACE_CONFIG" not in _spawned_env(monkeypatch, tmp_path, cuda=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    assert _spawned_env(monkeypatch, tmp_path, cuda=True)["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+def test_the_scope_changes_nothing_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    with sampling.repeatable(torch.device("cpu")):
+        assert not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.parametrize("env, on", [({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, True),
+                                     ({}, False),
+                                     ({"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "LORAPLEX_REPEATABLE_DECODE": "0"}, False)])
+def test_on_cuda_deterministic_algorithms_within_the_scope_and_restored_after(
+        monkeypatch: pytest.MonkeyPatch, env: dict[str, str], on: bool) -> None:
+    for name in ("CUBLAS_WORKSPACE_CONFIG", "LORAPLEX_REPEATABLE_DECODE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(KeyError), sampling.repeatable(torch.device("cuda")):  # only read, never used
+        assert torch.are_deterministic_algorithms_enabled() is on
+        assert not on or torch.is_deterministic_algorithms_warn_only_enabled()  # never fails a decode
+        raise KeyError("the decode failed")
+    assert not torch.are_deterministic_algorithms_enabled()
