@@ -55,7 +55,10 @@ class BackgroundWorker:
     wait ends early when the event is set (and clears it): the loop's "something is due now".
     A step that raises is logged (the first of a run of failures as a warning, with its
     traceback) and tried again after ``backoff.delay(failures)`` (default: ``every_s``,
-    constant). The step may call ``stop()`` itself to end the loop."""
+    constant). The step may call ``stop()`` itself to end the loop; ``join()`` waits for that
+    end, and a later ``start()`` runs the loop again in a new thread (a worker that stops itself
+    once its work is done and is started again when more comes: trainer.checkpoint.FileWriter,
+    trainer.host_pool.PinnedPool)."""
 
     def __init__(self, name: str, step: Callable[[], object], *, every_s: float = 0.0,
                  wake: threading.Event | None = None, wait_first: bool = False,
@@ -66,14 +69,32 @@ class BackgroundWorker:
         self.backoff = backoff or Backoff(every_s, every_s)
         self._log = logger or log
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._starting = threading.Lock()
+        self._thread = self._new_thread()
         self._runs = self._failures = self._crashes = 0
         self._last_run_at: datetime | None = None
         self._last_error: str | None = None
         self._last_error_at: datetime | None = None
 
+    def _new_thread(self) -> threading.Thread:
+        return threading.Thread(target=self._loop, name=self.name, daemon=True)
+
     def start(self) -> BackgroundWorker:
-        self._thread.start()
+        """Run the loop in its thread. A running worker runs on (a no-op); one whose loop ended
+        (stopped) runs again in a new thread, its health carried on; one asked to stop whose
+        step is still finishing is waited for first (from inside the step: it runs on)."""
+        with self._starting:
+            if self._thread.is_alive():
+                if not self._stop.is_set():
+                    return self
+                if threading.current_thread() is self._thread:
+                    self._stop.clear()
+                    return self
+                self._thread.join()
+            if self._thread.ident is not None:  # a thread runs once: a fresh one
+                self._thread = self._new_thread()
+            self._stop.clear()
+            self._thread.start()
         return self
 
     def stop(self, timeout: float | None = None) -> None:
@@ -84,6 +105,14 @@ class BackgroundWorker:
             self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout if timeout is not None else self.stop_s)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` (None: as long as it takes) for the loop to end, without asking
+        it to (a step that stops itself once its work is done); True once it is not running."""
+        thread = self._thread
+        if thread.is_alive() and threading.current_thread() is not thread:
+            thread.join(timeout)
+        return not thread.is_alive()
 
     @property
     def stopping(self) -> bool:
@@ -96,6 +125,11 @@ class BackgroundWorker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def running(self) -> bool:
+        """Alive and not asked to stop."""
+        return self._thread.is_alive() and not self._stop.is_set()
 
     def health(self) -> Health:
         return Health(self.name, self.alive, self._runs, self._last_run_at, self._failures,

@@ -21,6 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from contract.states import TaskState
+from service.artifact_keys import blob_key
 from service.core.errors import ApiError, conflict, not_found
 from service.core.storage import CHUNK, Storage
 from service.models import Artifact, Job, Task
@@ -146,7 +147,7 @@ def build_archive(storage: Storage, artifact: Artifact, fmt: ArchiveFormat) -> t
     """The adapter's archive in a temp file (adapters are small next to the model), at its
     start, and its size."""
     tmp = tempfile.TemporaryFile()
-    keys = [(f["name"], f"artifacts/{artifact.id}/{f['name']}") for f in artifact.files]
+    keys = [(f["name"], blob_key(artifact, f)) for f in artifact.files]
     write_archive(tmp, [(name, storage.size(key), partial(storage.open, key))
                         for name, key in keys], fmt)
     size = tmp.tell()

@@ -14,16 +14,12 @@ from sqlalchemy.orm import Session
 
 from contract.protocol import ADAPTER_FILES, CARRY_UNAVAILABLE, ArtifactMeta
 from service.adapters import portable_config_file
+from service.artifact_keys import blob_key, blob_owner, file_key
 from service.core.errors import ApiError, conflict, invalid
 from service.core.storage import Storage
 from service.events import add_event
 from service.models import Artifact, Job, new_id
 from service.worker_api import fence_report
-
-
-def blob_key(artifact: Artifact, entry: dict) -> str:
-    """Where a listed file's bytes are stored: its own blob, or the one it was carried from."""
-    return entry.get("blob") or f"artifacts/{artifact.id}/{entry['name']}"
 
 
 def _check_name(name: str) -> str:
@@ -88,7 +84,7 @@ def store_artifact(session: Session, storage: Storage, task_id: str, meta: Artif
         Artifact.task_id == task.id, Artifact.key == key).with_for_update())
     artifact_id = existing.id if existing is not None else new_id("art")
     carried = _carried(session, storage, task.id, meta, set(names))
-    listing = _put_files(storage, f"artifacts/{artifact_id}", files, sizes) + carried
+    listing = _put_files(storage, artifact_id, files, sizes) + carried
     if existing is not None:  # a retry, or a checkpoint of the same step: it replaces the listing
         _drop_unlisted(session, storage, existing, listing)
     artifact = existing or Artifact(id=artifact_id, task_id=task.id, key=key)
@@ -112,16 +108,17 @@ def _sizes(files: list[tuple[str, BinaryIO]]) -> list[int]:
     return sizes
 
 
-def _put_files(storage: Storage, prefix: str, files: list[tuple[str, BinaryIO]],
+def _put_files(storage: Storage, artifact_id: str, files: list[tuple[str, BinaryIO]],
                sizes: list[int]) -> list[dict]:
-    """Store the files under prefix; their listing: name, bytes, sha256."""
+    """Store the files as the artifact's own (artifact_keys.file_key); their listing: name,
+    bytes, sha256."""
     listing = []
     for (name, src), size in zip(files, sizes, strict=True):
         digest = hashlib.sha256()
         while block := src.read(1 << 20):
             digest.update(block)
         src.seek(0)
-        storage.put(f"{prefix}/{name}", src)
+        storage.put(file_key(artifact_id, name), src)
         listing.append({"name": name, "bytes": size, "sha256": digest.hexdigest()})
     return listing
 
@@ -168,7 +165,7 @@ def _listed_elsewhere(session: Session, blob: str, artifact_id: str) -> bool:
         Artifact.id != artifact_id, Artifact.files.contains([{"blob": blob}])).limit(1))
     if carrier is not None:
         return True
-    _, owner_id, name = blob.split("/", 2)
+    owner_id, name = blob_owner(blob)
     owner = session.get(Artifact, owner_id) if owner_id != artifact_id else None
     return owner is not None and any(f["name"] == name and "blob" not in f for f in owner.files)
 

@@ -224,7 +224,7 @@ class Artifact(Base):
     """``artifacts(id, task_id, job_id null, kind adapter|checkpoint, key, files jsonb [{name,
     bytes, sha256, blob?}], step, meta jsonb, created_at)``; unique (task_id, key); file blobs live
     in storage under ``artifacts/<id>/<name>``, or, for a checkpoint's file carried unchanged from
-    an earlier one, under the key in ``blob`` (service.artifact_store)."""
+    an earlier one, under the key in ``blob`` (service.artifact_keys)."""
 
     __tablename__ = "artifacts"
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=_id("art"))

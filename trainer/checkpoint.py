@@ -6,6 +6,7 @@ written by one writer thread (`FileWriter`)."""
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from collections import deque
@@ -15,9 +16,12 @@ from typing import Any
 
 import torch
 
+from contract.background import BackgroundWorker
 from trainer.engine import MultiLoraEngine
 from trainer.host_pool import POOL
 from trainer.jobs import LEGACY_FIELDS, JobRun, TrainJob
+
+log = logging.getLogger("loraplex.executor")
 
 
 def job_state_dict(state: JobRun, copy: bool = True) -> dict[str, Any]:
@@ -156,7 +160,10 @@ class FileWriter:
     """An executor's one writer thread: writes run one at a time in the order submitted, each
     writing its files under a temp name then renaming them. The snapshots waiting to be written
     hold at most max_pending_bytes of tensors (one always may): `room` makes the step loop wait
-    for the writer rather than pile up snapshots. `busy` counts the writer's seconds by kind."""
+    for the writer rather than pile up snapshots. `busy` counts the writer's seconds by kind.
+    The thread is a BackgroundWorker whose step runs the next queued write (woken by a submit);
+    a daemon thread: a crashed executor's process still exits (state.pt stays the last complete
+    one: the write in flight was to the temp name)."""
 
     def __init__(self, max_pending_bytes: float = 4 * 2**30) -> None:
         self.max_pending_bytes = max_pending_bytes
@@ -164,8 +171,11 @@ class FileWriter:
         self._queue: deque[Write] = deque()
         self._pending_bytes = 0
         self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stop = False
+        self._closing = False  # close(): the step ends the loop once the queue is empty
+        self._wake = threading.Event()
+        # every_s: a look at the queue now and then besides the wakes (a submit, close, stop)
+        self._worker = BackgroundWorker("loraplex-writer", self._write_next, every_s=60.0,
+                                        wake=self._wake, logger=log)
 
     def room(self, nbytes: int) -> None:
         """Wait until a snapshot of nbytes may join the queue."""
@@ -178,42 +188,38 @@ class FileWriter:
         with self._cv:
             self._queue.append(write)
             self._pending_bytes += nbytes
-            if self._thread is None:
-                self._stop = False
-                # a daemon thread: a crashed executor's process still exits (state.pt stays the
-                # last complete one: the write in flight was to the temp name)
-                self._thread = threading.Thread(target=self._run, name="loraplex-writer", daemon=True)
-                self._thread.start()
             self._cv.notify_all()
+        self._worker.start()  # running: a no-op; closed (or never started): the thread starts
+        self._wake.set()
         return write
 
     def close(self) -> None:
         """Finish every queued write, then stop the thread (a later submit starts another)."""
         with self._cv:
-            thread, self._stop = self._thread, True
-            self._cv.notify_all()
-        if thread is not None:
-            thread.join()
+            self._closing = True
+        self._wake.set()
+        self._worker.join()
         with self._cv:
-            self._thread = None
+            self._closing = False
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._stop:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                write = self._queue[0]
-            started = time.perf_counter()
-            try:
-                write.work()
-            except BaseException as exc:  # noqa: BLE001 - the write's task fails, at the loop
-                write.error = exc
-            with self._cv:
-                self._queue.popleft()
-                self._pending_bytes -= write.nbytes
-                self.busy[write.kind] = self.busy.get(write.kind, 0.0) + time.perf_counter() - started
-                write.work = None  # the snapshot's memory goes now
-                self._cv.notify_all()
-            write.done.set()
+    def _write_next(self) -> bool:
+        """The worker's step: the queue's first write, run; True while more may be queued."""
+        with self._cv:
+            if not self._queue:
+                if self._closing:
+                    self._worker.stop()  # from inside the step: the loop ends after it
+                return False
+            write = self._queue[0]
+        started = time.perf_counter()
+        try:
+            write.work()
+        except BaseException as exc:  # noqa: BLE001 - the write's task fails, at the loop
+            write.error = exc
+        with self._cv:
+            self._queue.popleft()
+            self._pending_bytes -= write.nbytes
+            self.busy[write.kind] = self.busy.get(write.kind, 0.0) + time.perf_counter() - started
+            write.work = None  # the snapshot's memory goes now
+            self._cv.notify_all()
+        write.done.set()
+        return True

@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import weakref
 from collections.abc import Sequence
 
 import torch
+
+from contract.background import BackgroundWorker
 
 log = logging.getLogger("loraplex.executor")
 
@@ -37,10 +38,12 @@ class PinnedPool:
         self._lock = threading.Lock()
         self._chunks: list[torch.Tensor] = []
         self._free: list[list[tuple[int, int]]] = []  # per chunk: free (start, end) byte ranges
-        self._thread: threading.Thread | None = None
         self._target = 0
         self.served = 0
         self.missed = 0
+        # the background pinning: a daemon thread (a killed executor still exits) whose step pins
+        # one chunk; it stops itself at the target, and `reserve` starts it again
+        self._pinner = BackgroundWorker("loraplex-pin", self._pin_next, logger=log)
 
     # ----- filling ---------------------------------------------------------------------
     @property
@@ -51,28 +54,34 @@ class PinnedPool:
         """Pin chunks until `nbytes` are held, in a background thread (returns at once)."""
         with self._lock:
             self._target = max(self._target, int(nbytes))
-            if self._thread is not None and self._thread.is_alive():
-                return
-            self._thread = threading.Thread(target=self._fill, name="loraplex-pin", daemon=True)
-            self._thread.start()
+        # pinning: it sees the new target (it stops only under the lock, at the target it read);
+        # stopped or stopping: a new loop starts
+        self._pinner.start()
 
-    def _fill(self) -> None:
-        while self.pinned_bytes < self._target:
-            size = min(self.chunk_bytes, max(ALIGN, self._target - self.pinned_bytes))
-            try:
-                chunk = _pinned_bytes(size)
-            except RuntimeError as err:  # no more pinned memory to be had: serve what there is
-                log.warning("pinned pool stops at %d bytes: %s", self.pinned_bytes, err)
-                return
-            with self._lock:
-                self._chunks.append(chunk)
-                self._free.append([(0, size)])
-            time.sleep(self.pause_s)
+    def _pin_next(self) -> bool:
+        """The pinner's step: one more chunk towards the target; True while more is due. At the
+        target, or where no more pinned memory is to be had, it ends its loop."""
+        with self._lock:
+            want = self._target - self.pinned_bytes
+            if want <= 0:
+                self._pinner.stop()  # from inside the step: the loop ends after it
+                return False
+        size = min(self.chunk_bytes, max(ALIGN, want))
+        try:
+            chunk = _pinned_bytes(size)
+        except Exception as err:  # noqa: BLE001 - no more pinned memory to be had: serve what there is
+            log.warning("pinned pool stops at %d bytes: %s", self.pinned_bytes, err)
+            self._pinner.stop()
+            return False
+        with self._lock:
+            self._chunks.append(chunk)
+            self._free.append([(0, size)])
+        self._pinner.wait(self.pause_s)
+        return True
 
     def wait(self) -> None:
         """Until the background pinning is done (tests, benchmarks)."""
-        if self._thread is not None:
-            self._thread.join()
+        self._pinner.join()
 
     def release(self) -> None:
         """Drop the pool's chunks (slices still in use keep their chunk alive until freed)."""

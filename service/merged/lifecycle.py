@@ -12,6 +12,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from service import adapters, outbox
+from service.artifact_keys import blob_key
 from service.core.config import Settings
 from service.core.db import after_commit
 from service.core.errors import ApiError, conflict, not_found
@@ -118,7 +119,7 @@ class Claim:
     token: str
     base_model: str
     artifact_id: str
-    files: list[str]
+    files: list[tuple[str, str]]  # the adapter's (name, storage key: artifact_keys.blob_key)
 
 
 def claim_next(session: Session, settings: Settings) -> Claim | None:
@@ -147,7 +148,7 @@ def claim_next(session: Session, settings: Settings) -> Claim | None:
         token = outbox.take(merged, settings.merge_lease_s, now)
         merged.started_at = now
         claim = Claim(merged.id, merged.task_id, merged.job_id, token, task.base_model,
-                      artifact.id, [f["name"] for f in artifact.files])
+                      artifact.id, [(f["name"], blob_key(artifact, f)) for f in artifact.files])
         session.commit()
         return claim
 

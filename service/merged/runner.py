@@ -39,8 +39,8 @@ def run_merge(claim: Claim, storage: Storage, registry: ModelRegistry,
     with tempfile.TemporaryDirectory(prefix="loraplex-merge-") as tmp:
         adapter_dir, out_dir = Path(tmp, "adapter"), Path(tmp, "model")
         adapter_dir.mkdir()
-        for name in claim.files:
-            with storage.open(f"artifacts/{claim.artifact_id}/{name}") as src, \
+        for name, key in claim.files:
+            with storage.open(key) as src, \
                     open(adapter_dir / name, "wb") as dst:
                 dst.write(src.read())
         dtype = merge_adapter(entry.path, adapter_dir, out_dir, settings.merge_max_shard_size)

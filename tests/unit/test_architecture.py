@@ -3,7 +3,8 @@
 module imports itself through others (no import circle, lazy imports and TYPE_CHECKING ones
 counted); no product file is over 450 lines (a bench 500, the kernels apart); no module docstring is
 over 40; no private name imported from another module; no executor handed to a task as `Any`; no
-trainer class built on a mixin (a base that reads through `self` what only a subclass sets)."""
+thread built outside contract.background; no trainer class built on a mixin (a base that reads
+through `self` what only a subclass sets)."""
 
 from __future__ import annotations
 
@@ -148,6 +149,26 @@ def test_no_executor_typed_any() -> None:
                 pairs = [(node.target.id, node.annotation)]
             found += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n, ann in pairs
                       if n in ("host", "executor") and isinstance(ann, ast.Name) and ann.id == "Any"]
+    assert found == []
+
+
+def test_one_background_thread_primitive() -> None:
+    # a thread of the product's own is a contract.background.BackgroundWorker (start, stop,
+    # crash-restart with backoff, health; issue 42): threading.Thread is built there alone,
+    # neither called (threading.Thread, Thread imported from threading) nor subclassed elsewhere
+    found = []
+    for name, path in MODULES.items():
+        if top(name) not in (*PRODUCT, "kernels") or name == "contract.background":
+            continue
+        tree = ast.parse(path.read_text())
+        aliases = {"threading.Thread"} | {
+            a.asname or a.name for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module == "threading"
+            for a in node.names if a.name == "Thread"}
+        for node in ast.walk(tree):
+            used = [node.func] if isinstance(node, ast.Call) else (
+                node.bases if isinstance(node, ast.ClassDef) else [])
+            found += [f"{path.relative_to(REPO)}:{node.lineno}" for u in used if ast.unparse(u) in aliases]
     assert found == []
 
 

@@ -361,3 +361,39 @@ def test_file_writer_keeps_order_bounds_its_snapshots_and_reports_errors() -> No
     assert done == [0, 1, 3] and all(w.done.is_set() for w in writes)
     assert isinstance(writes[1].error, OSError) and writes[0].error is None and writes[1].work is None
     assert writer.busy["export"] > 0.0 and writer._pending_bytes == 0
+
+
+def test_file_writer_thread_stops_on_close_and_a_later_submit_starts_it_again() -> None:
+    """The writer's thread (a daemon: a killed executor still exits) starts on the first submit,
+    waits for writes without spinning, ends on close once its queue is drained, and a submit
+    after close starts a new one; close with nothing ever submitted returns at once."""
+    FileWriter().close()
+    writer = FileWriter()
+    threads: list[threading.Thread] = []
+
+    def work() -> None:
+        threads.append(threading.current_thread())
+
+    writer.submit("t", "checkpoint", 1, work).done.wait(10)
+    thread = threads[0]
+    assert thread.name == "loraplex-writer" and thread.daemon and thread.is_alive()
+    time.sleep(0.1)  # its look at the queue after the write
+    runs = writer._worker.health().runs
+    time.sleep(0.3)
+    assert writer._worker.health().runs - runs <= 1  # idle: it waits for the next submit
+    writer.submit("t", "export", 1, work).done.wait(10)
+    assert threads[1] is thread  # one thread for the writes in between
+    gate = threading.Event()
+    last = writer.submit("t", "export", 1, lambda: gate.wait(10) and work())
+    closing = threading.Thread(target=writer.close)
+    closing.start()
+    time.sleep(0.1)
+    assert closing.is_alive() and not last.done.is_set()  # close waits for the queued write
+    gate.set()
+    closing.join(10)
+    assert last.done.is_set() and threads[2] is thread and not thread.is_alive()
+    assert writer.submit("t", "checkpoint", 1, work).done.wait(10)
+    assert threads[3] is not thread and threads[3].daemon and threads[3].is_alive()
+    writer.close()
+    assert not threads[3].is_alive() and writer._pending_bytes == 0
+    assert all(w > 0.0 for w in writer.busy.values())

@@ -76,3 +76,50 @@ def test_wait_first_and_a_step_that_stops_its_loop() -> None:
     w.start()
     assert wait_until(lambda: not w.alive)
     assert runs == [1, 1] and time.monotonic() - t0 >= 0.09 and w.stopping
+
+
+def test_a_stopped_worker_starts_again_in_a_new_thread() -> None:
+    """A worker whose step stops it once its work is done (join waits for that) runs again on a
+    later start, in a fresh daemon thread of the same name, its health carried on; start while
+    it runs is a no-op; start while a stop is under way waits for the old loop first."""
+    todo: list[int] = []
+    done: list[int] = []
+    release = threading.Event()
+    release.set()
+
+    def step() -> bool:
+        if not todo:
+            w.stop()  # the work is done: the loop ends
+            return False
+        release.wait(5)
+        done.append(todo.pop(0))
+        return True
+
+    w = BackgroundWorker("t-again", step, every_s=60)
+    assert w.join(0) and not w.running  # never started: nothing to wait for
+    todo += [1, 2]
+    w.start()
+    first = w._thread
+    assert w.join(5) and done == [1, 2] and not w.alive and w.stopping
+    todo.append(3)
+    w.start()
+    assert w.join(5) and done == [1, 2, 3]
+    assert w._thread is not first and w._thread.daemon and w._thread.name == "t-again"
+    assert w.health().runs == 5  # 3 writes + 2 stopping steps, over both threads
+
+    release.clear()
+    todo.append(4)
+    w.start()
+    assert wait_until(lambda: w.running)
+    running = w._thread
+    assert w.start() is w and w._thread is running  # running: a no-op
+    w.stop(0)  # asked to stop while its step waits
+    assert w.stopping and w.alive
+    todo.append(5)
+    starter = threading.Thread(target=w.start)
+    starter.start()
+    time.sleep(0.1)
+    assert starter.is_alive()  # waits for the old loop to end
+    release.set()
+    starter.join(5)
+    assert w.join(5) and done == [1, 2, 3, 4, 5] and w._thread is not running

@@ -1,13 +1,19 @@
 """Unit: the pinned pool parked job states take host memory from (trainer.host_pool): slices of
 chunks pinned in the background, given back when their tensors are freed, none handed out twice,
-and a state parked through it (CPU stand-in: plain memory) round-trips exactly."""
+and a state parked through it (CPU stand-in: plain memory) round-trips exactly; the pinning
+thread (a contract.background.BackgroundWorker) stops itself at the target or where no memory is
+to be had, follows a raised target, and starts again on a later reserve."""
 
 from __future__ import annotations
 
 import gc
+import threading
+import time
 
+import pytest
 import torch
 
+from trainer import host_pool
 from trainer.host_pool import ALIGN, PinnedPool
 
 
@@ -49,3 +55,76 @@ def test_a_full_pool_refuses_and_serves_again_after_a_free() -> None:
     held.pop(1)
     gc.collect()
     assert pool.take((ALIGN // 4,), torch.float32) is not None
+
+
+class FakePin:
+    """host_pool._pinned_bytes stand-in: plain CPU memory, each size recorded; a gate holds
+    each allocation; from the `fail_at`-th on, it raises as cudaHostAlloc does out of memory."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.sizes: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_at = fail_at
+        self.threads: list[threading.Thread] = []
+
+    def __call__(self, size: int) -> torch.Tensor:
+        self.threads.append(threading.current_thread())
+        self.gate.wait(5)
+        if self.fail_at is not None and len(self.sizes) + 1 >= self.fail_at:
+            raise RuntimeError("CUDA error: out of memory")
+        self.sizes.append(size)
+        return torch.empty(size, dtype=torch.uint8)
+
+
+def test_the_pinning_thread_stops_at_its_target_follows_a_raised_one_and_starts_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pin = FakePin()
+    monkeypatch.setattr(host_pool, "_pinned_bytes", pin)
+    pool = PinnedPool(chunk_bytes=4 * ALIGN, pause_s=0.0)
+    pool.wait()  # nothing reserved: returns at once
+    pin.gate.clear()
+    pool.reserve(6 * ALIGN)
+    assert wait_until(lambda: pin.threads)
+    thread = pin.threads[0]
+    assert thread.name == "loraplex-pin" and thread.daemon and thread is not threading.current_thread()
+    pool.reserve(10 * ALIGN)  # raised while the first chunk pins: the same thread goes on to it
+    pin.gate.set()
+    pool.wait()
+    assert pin.sizes == [4 * ALIGN, 4 * ALIGN, 2 * ALIGN] and pool.pinned_bytes == 10 * ALIGN
+    assert set(pin.threads) == {thread} and not thread.is_alive()  # stopped itself at the target
+    pool.reserve(8 * ALIGN)  # already held: the new loop stops at once
+    pool.wait()
+    assert pool.pinned_bytes == 10 * ALIGN and len(pin.sizes) == 3
+    pool.reserve(12 * ALIGN)  # more: pinning starts again, in a new daemon thread
+    pool.wait()
+    assert pin.sizes[3:] == [2 * ALIGN] and pool.pinned_bytes == 12 * ALIGN
+    assert pin.threads[-1] is not thread and pin.threads[-1].daemon
+    assert pool.take((ALIGN,), torch.uint8) is not None
+    pool.release()
+    assert pool.pinned_bytes == 0 and pool.take((1,), torch.uint8) is None
+    pool.reserve(ALIGN)  # after a release: pins from nothing again
+    pool.wait()
+    assert pool.pinned_bytes == ALIGN
+
+
+def test_pinning_stops_where_no_memory_is_to_be_had(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    pin = FakePin(fail_at=3)
+    monkeypatch.setattr(host_pool, "_pinned_bytes", pin)
+    pool = PinnedPool(chunk_bytes=ALIGN, pause_s=0.0)
+    with caplog.at_level("WARNING", logger="loraplex.executor"):
+        pool.reserve(10 * ALIGN)
+        pool.wait()  # returns: the loop ended, short of its target
+    assert pool.pinned_bytes == 2 * ALIGN and not pin.threads[-1].is_alive()
+    assert "pinned pool stops at 1024 bytes" in caplog.text
+    assert pool.take((ALIGN,), torch.uint8) is not None  # what there is, served
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False

@@ -41,6 +41,7 @@ from service.api.deps import (
     StorageDep,
     require_worker,
 )
+from service.artifact_keys import blob_key
 from service.cluster import cluster_changed, heartbeat, register_node
 from service.core.errors import invalid, not_found
 from service.events import ingest_events
@@ -113,7 +114,7 @@ def artifact_file(artifact_id: str, name: str, session: SessionDep,
     entry = next((f for f in artifact.files if f["name"] == name), None) if artifact else None
     if artifact is None or entry is None:
         raise not_found("artifact file", f"{artifact_id}/{name}")
-    return StreamingResponse(storage.iter_bytes(artifact_store.blob_key(artifact, entry)),
+    return StreamingResponse(storage.iter_bytes(blob_key(artifact, entry)),
                              media_type="application/octet-stream")
 
 
