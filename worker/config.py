@@ -33,6 +33,10 @@ class DaemonConfig:
     # GPUs. Only with the real runner: another runner module replaces the whole executor side.
     colocate: bool = True
     host_module: str = "worker.host"
+    # a spare shared executor on each free GPU, warmed up ahead of any placement (worker.host
+    # --spare): a task that comes to a cold GPU pays its model's load, not a process's start.
+    # "auto": on a GPU node (with co-location and the real runner), off on a CPU node
+    spare_hosts: str = os.environ.get("LORAPLEX_SPARE_HOSTS", "auto")
     # samples on demand (worker.sample_requests): how often an idle node asks for one, the module
     # that answers one in a fresh process, and how long one may take before it is given back
     sample_poll_s: float = float(os.environ.get("LORAPLEX_SAMPLE_POLL_S", "2"))
@@ -78,6 +82,10 @@ def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
                          "set (env LORAPLEX_COLOCATE=0 turns it off; only with worker.runner).")
     ap.add_argument("--host-module", default="worker.host",
                     help="Module run as `python -m MODULE --host-dir DIR` per shared executor.")
+    ap.add_argument("--spare-hosts", choices=("auto", "on", "off"),
+                    default=env("LORAPLEX_SPARE_HOSTS", "auto"),
+                    help="Keep a warmed-up shared executor on each free GPU for the next task "
+                         "(env LORAPLEX_SPARE_HOSTS; auto: on a GPU node, off on a CPU node).")
     ap.add_argument("--log-level", default=env("LORAPLEX_LOG_LEVEL", "INFO"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -89,5 +97,6 @@ def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
                         cancel_grace_s=args.cancel_grace_s, pause_grace_s=args.pause_grace_s,
                         heartbeat_interval_s=args.heartbeat_interval_s,
                         runner_module=args.runner_module, runner_args=list(args.runner_args),
-                        colocate=args.colocate, host_module=args.host_module)
+                        colocate=args.colocate, host_module=args.host_module,
+                        spare_hosts=args.spare_hosts)
 

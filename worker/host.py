@@ -13,6 +13,8 @@ The daemon talks to it through DIR:
   lease           touched by the daemon every tick; stale (LORAPLEX_LEASE_TIMEOUT_S): as SIGTERM
   status.json     written here atomically: hosted, ended and refused placements, the admission
                   budget in rows and the rows free (the daemon's heartbeat reports them)
+--spare: started by the daemon on a free GPU ahead of any placement (worker.shared_hosts); it
+warms up (imports, CUDA context) and waits, state "spare", until the daemon gives it a task.
 SIGTERM: every hosted task checkpoints at its step boundary and stops (a retryable "executor
 stopped"), and the executor takes no new task. With no task left it lingers
 LORAPLEX_EXECUTOR_LINGER_S (60) warm, for a next task of the same model, then exits.
@@ -41,9 +43,11 @@ from worker.runner import PlacementRun, StopFlag, open_task, settle
 
 
 class HostState(StrEnum):
-    """A shared executor process's state (its status()["state"]): loading the model, serving tasks,
+    """A shared executor process's state (its status()["state"]): a spare (started ahead of any
+    placement, warmed up: its first attach gives it its model), loading the model, serving tasks,
     stopping (no new task), closed."""
 
+    SPARE = "spare"
     LOADING = "loading"
     SERVING = "serving"
     STOPPING = "stopping"
@@ -55,6 +59,32 @@ INBOX_NAME = "inbox"
 STATUS_NAME = "status.json"
 # a CPU executor's budget is unbounded (no memory model); the report says "plenty", not 2**50
 ROWS_CAP = 1 << 20
+# what a first task's executor imports when it builds its model (transformers loads these lazily:
+# about 6 s of a fresh process on the H200, session 20), imported by a spare while it waits
+WARM_MODULES = ("transformers.modeling_utils", "transformers.integrations.tensor_parallel",
+                "transformers.masking_utils", "transformers.generation.utils",
+                "transformers.models.auto.modeling_auto")
+
+
+def warm_up() -> float:
+    """A spare's head start on its first task, in seconds: the executor's imports (torch,
+    transformers' model-building modules, the engine and its kernels) and, on a GPU, the CUDA
+    context and a cuBLAS handle, so that the first placement pays only its model's load."""
+    import importlib
+
+    started = time.perf_counter()
+    import torch
+
+    _executor_class()
+    for name in WARM_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another transformers version: what is not there is not needed
+            log.debug("warm-up module missing name=%s", name)
+    if torch.cuda.is_available():
+        x = torch.ones(64, 64, device="cuda")
+        (x @ x).sum().item()  # the context, a cuBLAS handle and a first sync
+    return time.perf_counter() - started
 
 
 def spec_key(spec: PlacementSpec) -> str:
@@ -94,7 +124,8 @@ class Host:
     control thread that takes the daemon's requests and writes status.json."""
 
     def __init__(self, directory: Path, lease_timeout_s: float, linger_s: float,
-                 poll_s: float = 0.2, make_executor: Callable[..., Any] | None = None) -> None:
+                 poll_s: float = 0.2, make_executor: Callable[..., Any] | None = None,
+                 spare: bool = False) -> None:
         self.directory = directory.resolve()
         self.lease_timeout_s, self.linger_s, self.poll_s = lease_timeout_s, linger_s, poll_s
         self.stop = StopFlag(self.directory, lease_timeout_s)  # SIGTERM or a stale host lease
@@ -108,15 +139,22 @@ class Host:
         self.accepted: list[str] = []
         self.ended: dict[str, str] = {}  # placement -> outcome (its terminal record is written)
         self.refused: dict[str, str] = {}  # placement -> why it never joined (it may go elsewhere)
-        self.state = HostState.LOADING
+        self.state = HostState.SPARE if spare else HostState.LOADING
+        self.warm_s: float | None = None  # a spare's warm-up, in its status
         self._lock = threading.RLock()
 
     # -- the process ------------------------------------------------------------------------
     def serve(self) -> int:
         """Build the executor from the first request, serve until it has lingered idle, been
-        stopped, or failed; every placement accepted gets its terminal record."""
+        stopped, or failed; every placement accepted gets its terminal record. A spare warms up
+        first and then waits for its first request as long as the daemon's lease stays fresh."""
         self.write_status()
         deadline = time.monotonic() + 60  # the daemon writes the first request before the start
+        if self.state == HostState.SPARE:
+            self.warm_s = warm_up()
+            log.info("spare executor warm seconds=%.2f", self.warm_s)
+            self.write_status()
+            deadline = float("inf")
         while not self.stop() and time.monotonic() < deadline:
             if self.take_requests(first=True):
                 break  # the first placement built the executor, or failed alone
@@ -219,6 +257,7 @@ class Host:
             self.ended[placement_id] = TaskOutcome.FAILED
             return
         if self.executor is None:
+            self.state = HostState.LOADING  # a spare no more: its model loads now
             make = self.make_executor or _executor_class()
             self.executor = make(cfg, callbacks, stop_requested=run.stop, task_id=placement_id)
             self.key, self.gpu_indices = key, list(spec.gpu_indices)
@@ -306,7 +345,8 @@ class Host:
                 "ended": dict(self.ended), "refused": dict(self.refused),
                 "total_rows": min(ROWS_CAP, capacity["total_rows"]),
                 "free_rows": min(ROWS_CAP, capacity["free_rows"]),
-                "queued_jobs": capacity["queued_jobs"], "updated_at": time.time()})
+                "queued_jobs": capacity["queued_jobs"], "warm_s": self.warm_s,
+                "updated_at": time.time()})
 
 
 def _executor_class() -> Callable[..., Any]:
@@ -323,10 +363,12 @@ def main(argv: list[str] | None = None) -> int:
                     default=float(os.environ.get("LORAPLEX_LEASE_TIMEOUT_S", "120")))
     ap.add_argument("--linger-s", type=float,
                     default=float(os.environ.get("LORAPLEX_EXECUTOR_LINGER_S", "60")))
+    ap.add_argument("--spare", action="store_true",
+                    help="start ahead of any placement: warm up, then wait for the first attach")
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("LORAPLEX_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    host = Host(args.host_dir, args.lease_timeout_s, args.linger_s)
+    host = Host(args.host_dir, args.lease_timeout_s, args.linger_s, spare=args.spare)
     signal.signal(signal.SIGTERM, lambda s, f: host.stop.set("SIGTERM"))
     return host.serve()
 

@@ -105,6 +105,9 @@ class Lifecycle:
         gpus = set(p.gpu_indices)
         if any(q.host_id is None and gpus & set(q.gpu_indices) for q in running):
             return
+        if key is not None and (h := self.shared.spare_for(p)) is not None:
+            self.shared.adopt(h, p, key)
+            return
         if not self.shared.make_room(p):
             return
         if key is None:

@@ -31,7 +31,7 @@ from worker.processes import kill_group, spawn
 from worker.registration import Registration
 from worker.sampler import ADAPTERS_NAME, WORK_NAME, read_result
 from worker.service_client import ServiceClient, ServiceError
-from worker.shared_hosts import SharedHosts
+from worker.shared_hosts import SPARE_KEY, SharedHosts
 
 log = logging.getLogger("loraplex.worker.samples")
 
@@ -62,6 +62,12 @@ class SampleRequests:
     def busy(self) -> bool:
         return self.run is not None
 
+    @property
+    def slot(self) -> list[int]:
+        """The slot a sampler process of this node holds now (none on a shared executor)."""
+        run = self.run
+        return list(run.slot) if run is not None and run.host is None else []
+
     def recover(self) -> None:
         """A previous daemon's requests are not resumed: their leases end and the service queues
         them again."""
@@ -90,7 +96,8 @@ class SampleRequests:
         node = self.registration.node
         taken = {g for p in self.placements.values() if p.status != LocalStatus.DONE
                  for g in p.gpu_indices}
-        taken |= {g for h in self.shared.hosts.values() for g in h.gpu_indices}
+        # a spare holds no model: a sampler process may share its GPU
+        taken |= {g for h in self.shared.hosts.values() if h.key != SPARE_KEY for g in h.gpu_indices}
         if any(p.status == LocalStatus.POPPED for p in self.placements.values()):
             return None  # a placement whose slots are not known yet: it goes first
         free = [g for g in range(node.gpu_count if node is not None else 0) if g not in taken]

@@ -20,6 +20,8 @@ from worker.processes import LEASE_NAME, kill_group, spawn, touch
 from worker.registration import Registration
 
 log = logging.getLogger("loraplex.worker.daemon")
+# a spare's key until the daemon gives it its first task (worker.host --spare)
+SPARE_KEY = ""
 # The least time a placement gets to leave a shared executor (a detach waits for the step and
 # the evaluation under way) before the executor counts as wedged and is stopped as a whole.
 HOSTED_GRACE_S = 60.0
@@ -38,11 +40,14 @@ class SharedHosts:
                  placements: dict[str, LocalPlacement]) -> None:
         self.cfg, self.registration, self.placements = cfg, registration, placements
         self.hosts: dict[str, LocalHost] = {}
+        # spares that died unasked in a row, and when the next may start (a broken environment
+        # does not start one every tick)
+        self.spare_failures, self.spare_after = 0, 0.0
 
     def colocation_key(self, spec: PlacementSpec) -> str | None:
         """The key of the shared executor this placement may join; None: it runs alone
         (adapter parallelism, co-location off, or a runner module other than worker.runner)."""
-        if not self.cfg.colocate or self.cfg.runner_module != "worker.runner":
+        if not self.colocation_enabled():
             return None
         if len(spec.gpu_indices) > 1:  # adapter parallelism: one task per executor
             return None
@@ -56,6 +61,58 @@ class SharedHosts:
                     and h.status().get("state") not in (HostState.STOPPING, HostState.CLOSED)):
                 return h
         return None
+
+    # -- spares: warmed-up executors on free GPUs, for the next task whatever its model ------
+    def spares_on(self) -> bool:
+        mode = self.cfg.spare_hosts
+        return (mode == "on" or (mode == "auto" and self.registration.cuda)) and \
+            self.colocation_enabled()
+
+    def colocation_enabled(self) -> bool:
+        return self.cfg.colocate and self.cfg.runner_module == "worker.runner"
+
+    def spare_for(self, p: LocalPlacement) -> LocalHost | None:
+        """A live spare on exactly p's GPUs (warmed up or still warming: its first request
+        waits in its inbox)."""
+        for h in self.hosts.values():
+            if (h.key == SPARE_KEY and h.gpu_indices == list(p.gpu_indices) and not h.closing
+                    and h.exit_code() is None):
+                return h
+        return None
+
+    def adopt(self, h: LocalHost, p: LocalPlacement, key: str) -> None:
+        """The spare h takes p as its first task: it serves p's model from now on."""
+        h.key, self.spare_failures = key, 0
+        h.save()  # before the request: a restarted daemon sees a host of this model
+        self.attach(h, p)
+        log.info("spare executor adopted node=%s host=%s pid=%s key=%s placement=%s",
+                 self.registration.node_id, h.host_id, h.pid, key, p.placement_id)
+
+    def keep_spares(self, taken: set[int]) -> None:
+        """A spare on each of the node's GPUs that no placement (`taken`: also a sample
+        request's slot) and no shared executor holds."""
+        node = self.registration.node
+        if node is None or not self.spares_on() or time.monotonic() < self.spare_after:
+            return
+        held = taken | {g for h in self.hosts.values() for g in h.gpu_indices}
+        for g in range(node.gpu_count):
+            if g not in held:
+                self.start_spare([g])
+
+    def start_spare(self, gpus: list[int]) -> LocalHost:
+        directory = self.cfg.work_dir / "hosts" / f"spare-{time.time_ns()}"
+        directory.mkdir(parents=True)
+        h = LocalHost(host_id=directory.name, directory=directory, key=SPARE_KEY, gpu_indices=gpus)
+        h.save()
+        self.hosts[h.host_id] = h
+        touch(directory / LEASE_NAME)
+        h.proc = spawn(self.cfg.host_module, "--host-dir", directory, gpus, "host.log", ["--spare"],
+                       cuda=self.registration.cuda, cache_dir=self.cfg.work_dir / "cache")
+        h.pid = h.proc.pid
+        h.save()
+        log.info("spare executor started node=%s host=%s pid=%d gpus=%s",
+                 self.registration.node_id, h.host_id, h.pid, gpus)
+        return h
 
     def make_room(self, p: LocalPlacement) -> bool:
         """Whether no shared executor holds p's GPUs; the idle ones that do are stopped."""
@@ -130,6 +187,12 @@ class SharedHosts:
                     kill_group(h.pid, signal.SIGKILL)
                     h.kill_at = None
             elif not self.hosted(h):
+                if h.key == SPARE_KEY and not h.closing:  # it died before any task came
+                    self.spare_failures += 1
+                    self.spare_after = time.monotonic() + min(600.0, 5.0 * 2 ** self.spare_failures)
+                    log.warning("spare executor died node=%s host=%s code=%s failures=%d",
+                                self.registration.node_id, h.host_id, h.exit_code(),
+                                self.spare_failures)
                 del self.hosts[h.host_id]
                 shutil.rmtree(h.directory, ignore_errors=True)
                 log.info("shared executor gone node=%s host=%s", self.registration.node_id,
@@ -141,8 +204,8 @@ class SharedHosts:
         for h in self.hosts.values():
             status = h.status()
             if (h.closing or status.get("state") in (HostState.STOPPING, HostState.CLOSED)
-                    or h.exit_code() is not None):
-                continue
+                    or h.exit_code() is not None or h.key == SPARE_KEY):
+                continue  # a spare serves no model yet: the scheduler joins nothing to it
             reports.append(ExecutorReport(
                 key=h.key, gpu_indices=h.gpu_indices,
                 placement_ids=[p.placement_id for p in self.hosted(h)],

@@ -261,7 +261,7 @@ def one_thread_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
-def node_daemon(work: Path, service: Service) -> Any:
+def node_daemon(work: Path, service: Service, **cfg_kw: Any) -> Any:
     import httpx
 
     from tests.unit.test_daemon_local_resume import NoRedis
@@ -270,7 +270,8 @@ def node_daemon(work: Path, service: Service) -> Any:
     from worker.service_client import Backoff, ServiceClient
 
     cfg = DaemonConfig(service_url="http://svc", worker_token="t", redis_url="redis://x",
-                       node_name="n1", work_dir=work, poll_interval_s=0.01, cancel_grace_s=30)
+                       node_name="n1", work_dir=work, poll_interval_s=0.01, cancel_grace_s=30,
+                       **cfg_kw)
     client = ServiceClient("http://svc", "t", transport=httpx.MockTransport(service),
                            backoff=Backoff(base_s=0.01, jitter=False), sleep=lambda s: None)
     d = Daemon(cfg, client=client, conn=NoRedis())  # type: ignore[arg-type]
@@ -357,6 +358,41 @@ def test_the_daemon_attaches_placements_of_one_model_to_one_process_across_a_res
     assert records(other)[-1]["type"] == "finished"
     d.shared.stop(h2, "test over")
     ticking(d, lambda: not d.shared.hosts, "the executor to leave")
+
+
+@pytest.mark.usefixtures("one_thread_host")
+def test_a_spare_executor_warms_up_ahead_and_the_next_task_trains_on_it(
+        tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 41: with spares on, an idle node keeps a warmed-up `worker.host --spare` on its free
+    slot; the next task, of a model the node never ran, trains in that process (no new one); once
+    the task is done and its executor has lingered out, a new spare takes the slot; a draining
+    daemon stops it."""
+    from worker.registration import detect_node
+
+    monkeypatch.setenv("LORAPLEX_EXECUTOR_LINGER_S", "1")
+    service = Service()
+    d = node_daemon(tmp_path, service, spare_hosts="on")
+    d.registration.node = detect_node(d.cfg)
+    (spare,) = ticking(d, lambda: list(d.shared.hosts.values()), "a spare on the idle slot")
+    status = wait(lambda: (s := spare.status()).get("warm_s") is not None and s, "the spare to warm up")
+    assert status["state"] == "spare" and status["key"] is None and status["hosted"] == []
+    d.registration.heartbeat_once()
+    assert reported(service, "/heartbeat")[-1]["executors"] == []  # nothing to join yet
+
+    a = make_placement(tmp_path, model, "pl_a", epochs=2)
+    ready(d, a)
+    ticking(d, lambda: trained(a), "A to train on the spare")
+    assert d.placements["pl_a"].host_id == spare.host_id and d.placements["pl_a"].pid == spare.pid
+    assert spare.key == "tiny|sft|48|*" and len(d.shared.hosts) == 1
+    assert "spare executor warm" in (spare.directory / "host.log").read_text()
+    ticking(d, lambda: "pl_a" not in d.placements, "A to finish")
+    assert records(a)[-1]["type"] == "finished" and reported(service, "/tasks/task_pl_a/finished")
+    # the model's executor lingers 1 s, exits; a fresh spare takes the slot
+    (again,) = ticking(d, lambda: [h for h in d.shared.hosts.values() if h.host_id != spare.host_id],
+                       "a new spare")
+    assert again.key == "" and again.pid != spare.pid
+    d.shared.tend("draining")
+    wait(lambda: again.exit_code() is not None, "the spare to stop on a drain")
 
 
 @pytest.mark.usefixtures("one_thread_host")
