@@ -362,5 +362,28 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 60 gpu_load python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_fast_load_gpu.py
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
+  s21_a)  # session 21 (next device session), call 1 (issues 42, 41): every GPU test on the code that lands
+          # (the engine's arena and evaluation as components, the writer on BackgroundWorker, the
+          # repeatable decode), then a task of a model the node never ran, attached to a warmed-up spare
+    step 280 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu
+    export TRITON_CACHE_DIR=/tmp/s21_triton
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site step 220 warm_spare python3 bench/warm_host.py --spare --layers 32 --n-train 120 \
+      --deadline-s 200 --out "$OUT/warm_host_spare_h100.md" --json "$OUT/warm_host_spare_h100.json"
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
+  s21_b)  # session 21, call 2 (issue 44): the decode at 32 layers with cuBLAS's fixed workspaces and
+          # deterministic algorithms (as a node runs it) and without, each in a fresh process; what the
+          # variable costs a training step (the engine's step, 8 jobs, each in a fresh process)
+    step 150 samples_rep python3 bench/samples_decode.py --layers 32 --new 128 --out "$OUT/samples_repeatable.md" \
+      --json "$OUT/samples_repeatable.json"
+    step 150 samples_free python3 bench/samples_decode.py --layers 32 --new 128 --no-repeatable \
+      --out "$OUT/samples_free.md" --json "$OUT/samples_free.json"
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 step 120 step_ws python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch \
+      --forms fused --out "$OUT/engine_step_ws.md"
+    step 120 step_free python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms fused \
+      --out "$OUT/engine_step_free.md"
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac

@@ -139,6 +139,9 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--json", default="")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--spare", action="store_true",
+                    help="start the host as a node's spare (worker.host --spare): warmed up before task A's "
+                         "attach, which then starts the clock (issue 41: a GPU node keeps one per free GPU)")
     args = ap.parse_args()
     if args.smoke:
         te.SMOKE["on"] = True
@@ -162,17 +165,26 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "0",
            "LORAPLEX_SLOTS": "0", "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR") or str(root / "triton")}
     res: dict = {"args": vars(args)}
-    shared.send(host_dir, {"op": "attach", "placement_id": a.name, "placement_dir": str(a)})
+    if not args.spare:  # the daemon writes the first request before it starts a host
+        shared.send(host_dir, {"op": "attach", "placement_id": a.name, "placement_dir": str(a)})
     t_start = time.monotonic()
     log = (host_dir / "host.log").open("ab")
     proc = subprocess.Popen([sys.executable, "-m", "worker.host", "--host-dir", str(host_dir), "--linger-s", "600",
-                             "--lease-timeout-s", "0"], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                             "--lease-timeout-s", "0", *(["--spare"] if args.spare else [])], env=env, cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         left = lambda: max(1.0, end_by - time.monotonic())  # noqa: E731
+        if args.spare:
+            status = wait(lambda: (s := shared.read_status(host_dir)).get("warm_s") is not None and s,
+                          "the spare to warm up", left())
+            res["spare_ready_s"], res["spare_warm_s"] = time.monotonic() - t_start, status["warm_s"]
+            te.log(f"spare: warm {res['spare_ready_s']:.1f} s after its start (warm-up {status['warm_s']:.1f} s)")
+            shared.send(host_dir, {"op": "attach", "placement_id": a.name, "placement_dir": str(a)})
+            t_start = time.monotonic()
         wait(lambda: first_point(a), "A's first step", left())
         res["cold_first_step_s"] = time.monotonic() - t_start
-        te.log(f"A: first step {res['cold_first_step_s']:.1f} s after the host process started")
+        te.log(f"A: first step {res['cold_first_step_s']:.1f} s after "
+               + ("its attach to the spare" if args.spare else "the host process started"))
         wait(lambda: finished(a), "A's end", left(), poll=0.2)
         res["a_wall_s"] = time.monotonic() - t_start
         res["a_timings"] = timings(a)
@@ -222,7 +234,11 @@ def main() -> None:
         "at the daemon's request (the claim through the service, the file fetches and the daemon's poll are not "
         "in them). `python bench/warm_host.py " + " ".join(sys.argv[1:]) + "`.", "",
         "| measure | seconds |", "|---|---|",
-        f"| cold: host process start -> task A's first training point | {res.get('cold_first_step_s', float('nan')):.2f} |",
+        (f"| spare: process start -> warmed up (its warm-up {res.get('spare_warm_s', float('nan')):.2f}) | "
+         f"{res.get('spare_ready_s', float('nan')):.2f} |") if args.spare else "",
+        ("| cold model on a spare: attach request -> task A's first training point | " if args.spare else
+         "| cold: host process start -> task A's first training point | ")
+        + f"{res.get('cold_first_step_s', float('nan')):.2f} |",
         f"| cold: task A's own first step (its timings, from the executor's start) | "
         f"{(res.get('a_timings') or {}).get('first_step_s', float('nan')):.2f} |",
         f"| cold: task A's end-of-task samples (its timings: 3 adapters + base, 8 prompts, 128 new tokens) | "
