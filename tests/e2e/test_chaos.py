@@ -76,7 +76,12 @@ def check_guarantees(stack: Stack, http, task_id: str, expect: str) -> dict:  # 
         if expect == "succeeded":
             assert steps and steps[-1] == job["last_step"], (job, steps[-1:])
     retrained = {k: v for k, v in spool_points(stack).items() if len(v) > 1}
-    assert not retrained, f"re-trained steps differ: {list(retrained.items())[:3]}"
+    if retrained:  # which attempt wrote which loss, and where each resume started
+        by_attempt = {a: spool_points(stack, attempt=a) for a in (1, 2, 3)}
+        where = [e["data"] for e in events(http, task_id) if e["type"] in ("resumed", "checkpoint_uploaded")]
+        detail = {k: {a: sorted(pts.get(k, ())) for a, pts in by_attempt.items() if k in pts}
+                  for k in list(retrained)[:4]}
+        raise AssertionError(f"re-trained steps differ: {detail}; checkpoints and resumes: {where}")
     before = snapshot(http, task_id)
     time.sleep(3)  # late reports (a backlog, a dying executor) must not land any more
     assert snapshot(http, task_id) == before
