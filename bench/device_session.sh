@@ -385,5 +385,17 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
       --out "$OUT/engine_step_free.md"
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
+  s21_search)  # session 21, call 3 (issue 40): the user's search (a) at 32 layers, 48 configurations, its
+               # quality phase in the same call; the executor's folder (its ~38 GB first checkpoint) on
+               # tmpfs when it has the room (the device's disk does not, beside the 16 GB model)
+    df -h /tmp /dev/shm | tee -a "$OUT/steps.txt"
+    runs=""
+    if [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 45 ]; then runs=/dev/shm/search_a; fi
+    echo "runs dir: ${runs:-under --work (disk)}" | tee -a "$OUT/steps.txt"
+    step 560 search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s 530 \
+      ${runs:+--runs-dir "$runs"} --json "$OUT/search_a.json" --out "$OUT/search_a.md"
+    rm -rf /dev/shm/search_a
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac
