@@ -176,7 +176,7 @@ def sharded_phase(c: Ctx, out: dict) -> None:
             def dp_round(states=states, firsts=firsts, b=b) -> None:  # noqa: ANN001
                 for s in states:
                     idx = s.stream.next_indices(b)[rank::world]
-                    lo, hi = eng.regions[s.job_id]
+                    lo, hi = eng.slots.regions[s.job_id]
                     if idx:
                         rows = [eng.train_examples[k] for k in idx]
                         try:
@@ -184,12 +184,12 @@ def sharded_phase(c: Ctx, out: dict) -> None:
                             loss = sums[0] / max(counts[0], 1)
                             loss.backward()
                         finally:
-                            eng._clear_layout()
+                            eng.slots.clear_layout()
                         firsts.setdefault(s.job_id, float(loss.detach()))
                     else:  # nothing real to do: join the all-gathers with the idle pass
-                        eng.grad_arena[lo:hi].zero_()
+                        eng.slots.grad_arena[lo:hi].zero_()
                         eng.idle_step()
-                    grad = eng.grad_arena[lo:hi]
+                    grad = eng.slots.grad_arena[lo:hi]
                     dist.all_reduce(grad)
                     grad /= world
                     flat = s.adapter.flat

@@ -79,15 +79,15 @@ def main() -> None:
         batch = pack_step(per_job, 0, pack=True).to(dev)
         t0 = mark("pack", t0)
         length = batch.input_ids.shape[1]
-        eng._set_layout(states, [r * length for r in batch.row_offsets])
+        eng.slots.set_layout(states, [r * length for r in batch.row_offsets])
         t0 = mark("layout", t0)
-        h = eng._hidden(batch)
+        h = eng.hidden(batch)
         t0 = mark("fwd_backbone", t0)
         sums = [eng._job_loss_sum(h[i : i + 1], batch.targets[i : i + 1])[0] for i in range(n)]
         t0 = mark("loss", t0)
         torch.stack(sums).sum().backward()
         mark("backward", t0)
-        eng._clear_layout()
+        eng.slots.clear_layout()
         t0 = time.perf_counter()
         eng._update(states, [1.0] * n, batch)
         mark("update", t0)
@@ -102,7 +102,7 @@ def main() -> None:
     def nolora_forward() -> None:
         with torch.no_grad():
             batch = pack_step(per_job, 0, pack=True).to(dev)
-            h = eng._hidden(batch)
+            h = eng.hidden(batch)
             for i in range(n):
                 eng._job_loss_sum(h[i : i + 1], batch.targets[i : i + 1])
 

@@ -235,10 +235,10 @@ def main() -> None:
         engine.attach(TrainJob(f"t{i}", lora_rank=RANKS[i % 3], lora_alpha=2 * RANKS[i % 3], learning_rate=1e-4,
                               batch_size=1, max_steps=10_000, seed=i))
     if not args.skip_torch:
-        engine.backend = "torch"
+        engine.slots.backend = "torch"
         t, mem = timed(engine.step, args.warmup, args.iters)
         rows.append(("(c') engine, torch loop", n, t, n * SEQ / t, mem, "per-adapter PyTorch loop"))
-        engine.backend = "auto"
+        engine.slots.backend = "auto"
     if args.profile:
         n = job_counts[0]
         ids = data[:n].to(dev)

@@ -24,6 +24,7 @@ from task_e2e_peft import time_floor  # noqa: E402
 
 import trainer.engine as engine_mod  # noqa: E402
 from contract.protocol import EarlyExitSettings, EvalSettings, TaskSettings  # noqa: E402
+from trainer.arena import AdapterArena  # noqa: E402
 from trainer.data import read_jsonl, tokenize_all  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
 from trainer.jobs import TrainJob  # noqa: E402
@@ -115,7 +116,7 @@ def install_recorder() -> dict:
     rec = REC
     if not fresh:
         return rec
-    real_layout = engine_mod.MultiLoraEngine._set_layout
+    real_layout = AdapterArena.set_layout
 
     def recorded(real):  # noqa: ANN001, ANN202
         def pack(*a, **kw):  # noqa: ANN002, ANN003, ANN202
@@ -136,7 +137,7 @@ def install_recorder() -> dict:
 
     engine_mod.pack_step = recorded(engine_mod.pack_step)
     engine_mod.pack_flat = recorded(engine_mod.pack_flat)
-    engine_mod.MultiLoraEngine._set_layout = set_layout
+    AdapterArena.set_layout = set_layout
     return rec
 
 
@@ -239,7 +240,7 @@ class PackOnlyExecutor(Executor):
                 self.real += batch.real_tokens
             return torch.zeros(*batch.input_ids.shape, width, requires_grad=torch.is_grad_enabled())
 
-        eng._hidden = hidden
+        eng.hidden = hidden
         # nor does the head: a zero loss that keeps the graph (the step's shapes are what counts)
         eng._job_loss_sum = lambda h, targets, index=None, n=None: (h.sum() * 0.0, n or 1)  # noqa: ARG005
 

@@ -1,7 +1,10 @@
-"""The engine's adapter arena: attached jobs' weights live in one buffer (each job's flat parameter
-is a view of its own region, first fit, grown when full) and their gradients in one float32 buffer
-of the same layout; attach copies a job in, detach copies it out, and each step points every
-multi-LoRA layer at the regions of its jobs by offsets (the kernels address the arena directly).
+"""The engine's job slots (`AdapterArena`, held as `engine.slots`): attached jobs' weights live in
+one buffer (each job's flat parameter is a view of its own region, first fit, grown when full) and
+their gradients in one float32 buffer of the same layout; attach copies a job in, detach copies it
+out, and each step points every multi-LoRA layer at the regions of its jobs by offsets (the kernels
+address the arena directly). A whole class: built from what it reads of the engine (its layers,
+device, dtypes and kernel backend), it knows nothing else of it; a job's state (adapter, optimizer,
+data order) is made by the engine (`MultiLoraEngine.new_job`) and handed in.
 """
 
 from __future__ import annotations
@@ -10,9 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from trainer.data import JobDataStream
-from trainer.jobs import JobRun, TrainJob, load_init_adapter, make_optimizer
-from trainer.multilora import JobAdapter, StepLayout
+from trainer.jobs import JobRun
+from trainer.multilora import MultiLoraLinear, StepLayout
 
 # the share of device memory a job parked on the device leaves free: the steps' peak is already
 # held by the allocator's cache, this is room for admission to grow the step and for fragmentation
@@ -36,26 +38,39 @@ def park_target(need: int, free: int, total: int, reserve: float = PARK_RESERVE)
     return None if need <= park_room(free, total, reserve) else "cpu"
 
 
+def host_to_device(cpu: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a sync (pinned, copied asynchronously)."""
+    if device.type != "cuda":
+        return cpu.to(device)
+    return cpu.pin_memory().to(device, non_blocking=True)
+
+
 class AdapterArena:
-    """MultiLoraEngine's job slots and their arena (a part of the engine, not used alone: it reads
-    the engine's device, dtypes, layers, training examples and `_to_device`)."""
+    """The jobs attached to an engine's multi-LoRA layers, in slot order, and their arenas (see
+    the module docstring). `backend` is the kernels' choice every step layout carries."""
+
+    def __init__(self, layers: Sequence[MultiLoraLinear], device: torch.device, adapter_dtype: torch.dtype,
+                 compute_dtype: torch.dtype, backend: str = "auto") -> None:
+        self.layers = list(layers)
+        self.adapter_dtype = adapter_dtype
+        self.compute_dtype = compute_dtype
+        self.backend = backend
+        self.jobs: dict[str, JobRun] = {}  # attached jobs in slot order
+        self.reset(device)
 
     # ----- arena -----------------------------------------------------------------------
-    @property
-    def params_per_rank(self) -> int:
-        """Adapter parameters a job has per unit of rank (every target's A and B)."""
-        return sum(d_in + d_out for d_in, d_out in self.shapes.values())
-
-    def _init_arena(self) -> None:
-        """Empty arenas on self.device (a subclass that moves the model calls it again)."""
+    def reset(self, device: torch.device) -> None:
+        """Empty arenas on `device` (an engine whose backbone moved there calls it again)."""
         if self.jobs:
             raise RuntimeError("the arena is reset only while no job is attached")
+        self.device = device
         # job_id -> [lo, hi) element region; gradients in the accumulation dtype
         self.grad_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
         self.arena = torch.zeros(0, dtype=self.adapter_dtype, device=self.device)
         self.grad_arena = torch.zeros(0, dtype=self.grad_dtype, device=self.device)
         self.regions: dict[str, tuple[int, int]] = {}
-        self._token = torch.zeros((), device=self.device, requires_grad=True)
+        # a scalar that requires grad: the backward reaches every layer (and the gradient arena)
+        self.token = torch.zeros((), device=self.device, requires_grad=True)
 
     def _alloc(self, size: int) -> int:
         """First fit among the gaps between regions, else at the end (growing the arena by at
@@ -80,21 +95,8 @@ class AdapterArena:
             self.jobs[job_id].adapter.flat.data = arena[lo:hi]
 
     # ----- attach / detach -------------------------------------------------------------
-    def new_job(self, spec: TrainJob) -> JobRun:
-        """Create a job's fresh state (adapter init, optimizer, data order) without attaching it."""
-        adapter = JobAdapter(
-            self.shapes, spec.lora_rank, spec.lora_alpha, spec.seed, self.adapter_dtype, self.device, spec.use_rslora
-        )
-        if spec.init_adapter is not None:
-            load_init_adapter(adapter, spec.init_adapter)
-        total = spec.total_steps(len(self.train_examples))
-        opt, sched = make_optimizer(spec, list(adapter.parameters()), total)
-        stream = JobDataStream(len(self.train_examples), spec.seed)
-        return JobRun(spec, adapter, opt, sched, stream, total)
-
-    def attach(self, job: TrainJob | JobRun) -> JobRun:
-        """Put a job into a slot (new from a spec, or a parked/restored state); no rebuild."""
-        state = self.new_job(job) if isinstance(job, TrainJob) else job.to(self.device)
+    def attach(self, state: JobRun) -> JobRun:
+        """Put a job's state (already on the arena's device) into a slot; no rebuild."""
         if state.job_id in self.jobs:
             raise ValueError(f"job {state.job_id} is already attached")
         flat = state.adapter.flat
@@ -135,16 +137,16 @@ class AdapterArena:
         slot order (what the multi-LoRA layers read per job)."""
         regions = [self.regions[s.job_id][0] for s in states]
         adapters = [s.adapter for s in states]
-        n_layers = len(self.layer_list)
+        n_layers = len(self.layers)
         a = [lo + ad.a_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, adapters, strict=True)]
         return a + [lo + ad.b_offsets[k] for k in range(n_layers) for lo, ad in zip(regions, adapters, strict=True)]
 
-    def _set_layout(self, states: Sequence[JobRun], token_offsets: list[int]) -> None:
+    def set_layout(self, states: Sequence[JobRun], token_offsets: list[int]) -> None:
         """Point every layer at the arena for these jobs (in this order) and zero their gradient
         sums: one host-to-device copy of all layers' offsets, no per-layer work, no sync."""
-        n_layers = len(self.layer_list)
+        n_layers = len(self.layers)
         ints = self.layout_offsets(states) + [s.adapter.rank for s in states] + list(token_offsets)
-        dev = self._to_device(torch.tensor(ints, dtype=torch.int64))
+        dev = host_to_device(torch.tensor(ints, dtype=torch.int64), self.device)
         n = len(states)
         offs = dev[: 2 * n_layers * n].view(2, n_layers, n)
         arena = self.arena if self.arena.dtype == self.compute_dtype else self.arena.to(self.compute_dtype)
@@ -152,19 +154,21 @@ class AdapterArena:
             self.grad_arena.zero_()
         lay = StepLayout(
             offsets=dev[2 * n_layers * n + n :],
-            scales=self._to_device(torch.tensor([s.adapter.scaling for s in states], dtype=torch.float32)),
+            scales=host_to_device(torch.tensor([s.adapter.scaling for s in states], dtype=torch.float32),
+                                  self.device),
             ranks=dev[2 * n_layers * n : 2 * n_layers * n + n].to(torch.int32),
             arena=arena,
             grad_arena=self.grad_arena,
             r_max=max(s.adapter.rank for s in states),
-            token=self._token,
+            token=self.token,
             backend=self.backend,
             aligned=all(v % 16 == 0 for v in ints[: 2 * n_layers * n]),
         )
-        for k, layer in enumerate(self.layer_list):
+        for k, layer in enumerate(self.layers):
             layer.layout = lay
             layer.a_off, layer.b_off = offs[0, k], offs[1, k]
 
-    def _clear_layout(self) -> None:
-        for layer in self.layer_list:
+    def clear_layout(self) -> None:
+        """Every layer back to its base linear alone, until the next layout."""
+        for layer in self.layers:
             layer.layout = layer.a_off = layer.b_off = None

@@ -293,7 +293,7 @@ class TaskRun:
                     if s.owner == executor.rank:
                         with executor.phase("park"):  # on the device while its memory allows
                             self.parked[job_id] = executor.engine.detach(
-                                job_id, park_device=executor.engine.park_target(job_id))
+                                job_id, park_device=executor.engine.slots.park_target(job_id))
                     self.cb.on_event(job_id, "parked_after_warmup", {"step": s.step, "rank": s.owner})
         if self.ranking.ready:
             keep, evict = self.ranking.decide()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.arena import host_to_device
 from trainer.data import Example
 from trainer.engine import MultiLoraEngine
 from trainer.jobs import JobRun
@@ -121,7 +122,7 @@ class Dpo(PairObjective):
                      logps: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The job's mean DPO loss (differentiable) and [loss, accuracy, margin] sums over pairs."""
         n = len(pairs)
-        ref = engine._to_device(torch.tensor([self.reference[p.key] for p in pairs], dtype=logps.dtype))
+        ref = host_to_device(torch.tensor([self.reference[p.key] for p in pairs], dtype=logps.dtype), engine.device)
         loss, rc, rr = dpo_loss(logps[:n], logps[n:], ref[:, 0], ref[:, 1], state.spec.knob("beta"))
         sums = torch.stack([loss.detach().sum(), (rc > rr).float().sum(), (rc - rr).detach().sum()])
         return loss.mean(), sums

@@ -8,14 +8,16 @@ non-finite), and a job whose loss or gradient norm is non-finite skips its own u
 jobs are untouched (bit for bit).
 
 Memory: attached jobs' weights live in one arena and their gradients in one float32 gradient
-arena of the same layout, which the kernels address by per-job offsets (trainer.arena). A step
-costs no per-layer stacking, one host-to-device copy of the batch and layout, one device sync (the
-report's numbers), and every job's norm, clip and AdamW in a few multi-tensor kernels over the
-arena's regions. Held-out evaluation: trainer.evaluation.
+arena of the same layout, which the kernels address by per-job offsets: the engine's job slots,
+`engine.slots` (trainer.arena.AdapterArena). A step costs no per-layer stacking, one
+host-to-device copy of the batch and layout, one device sync (the report's numbers), and every
+job's norm, clip and AdamW in a few multi-tensor kernels over the arena's regions. Held-out
+evaluation: `engine.evaluation` (trainer.evaluation.Evaluation). Both are components the engine
+holds and builds from what they read; the engine keeps the calls its users make (`jobs`,
+`attach`, `detach`, `evaluate_metrics`, `evaluate`) and makes a job's state (`new_job`).
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,12 +27,12 @@ import torch
 from torch import nn
 
 from contract.families import family_of, resolve_targets
-from trainer.arena import AdapterArena
+from trainer.arena import AdapterArena, host_to_device
 from trainer.data import IGNORE, Example
-from trainer.evaluation import EngineEvaluation
+from trainer.evaluation import TOKEN_METRICS, Evaluation
 from trainer.head import default_chunk, token_losses, token_losses_and_hits
-from trainer.jobs import JobRun, multi_adamw
-from trainer.multilora import inject_multilora
+from trainer.jobs import JobRun, TrainJob, update_jobs
+from trainer.multilora import inject_multilora, without_backbone_dropout
 from trainer.packing import PackedBatch, ShapeBuckets, pack_flat, pack_step
 from trainer.step_graphs import StepGraphs
 from trainer.varlen import register_varlen
@@ -62,21 +64,6 @@ def sequence_tokens(example: object) -> int:
     return len(example.input_ids)
 
 
-def without_backbone_dropout(model: nn.Module) -> None:
-    """Turn off the backbone's own dropout (nn.Dropout modules and the dropout rates that layers
-    keep as plain floats, e.g. StarCoder2's residual and attention dropout). A deliberate choice:
-    the backbone serves every job of a batch in one pass, so its dropout would make a job's
-    updates depend on its batch-mates, and the varlen attention has none. LoRA's own dropout
-    is 0 too (trainer.export writes lora_dropout 0)."""
-    config = getattr(model, "config", None)
-    for holder in [*model.modules(), *([config] if config is not None else [])]:
-        if isinstance(holder, nn.Dropout):
-            holder.p = 0.0
-        for name, value in list(vars(holder).items()):
-            if ("dropout" in name or "pdrop" in name) and type(value) is float:
-                setattr(holder, name, 0.0)
-
-
 class StepObjective(Protocol):
     """The loss of a step, as the engine calls it (trainer.objectives: SFT, DPO, ORPO). Inside a
     CUDA-graph capture, no part may sync the host; `graphable`: the step graphs' token-mean
@@ -95,7 +82,7 @@ class StepObjective(Protocol):
                   ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-class MultiLoraEngine(AdapterArena, EngineEvaluation):
+class MultiLoraEngine:
     """A frozen causal LM with multi-LoRA layers and the jobs currently attached to it."""
 
     def __init__(
@@ -135,7 +122,6 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         self.shapes = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
         self.train_examples = list(train_examples)
         self.pad_id = pad_id
-        self.backend = backend
         self.adapter_dtype = adapter_dtype
         self.pack = pack
         self.pad_multiple = pad_multiple
@@ -154,13 +140,14 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         self.gradient_checkpointing = False
         self.set_recompute(gradient_checkpointing)
         model.train()
-        self.jobs: dict[str, JobRun] = {}  # active jobs in slot order
         # tokens per chunk of the one head + cross-entropy of a step (trainer.head)
         self.head_chunk = default_chunk(getattr(model.config, "vocab_size", 0) or 32000)
         # adapter parallelism sets this to an all-reduce (max over ranks) of a local count, to
         # agree on extra backbone passes; None: this engine runs alone (see `lockstep`)
         self.agree: Callable[[int], int] | None = None
-        self._init_arena()
+        # the attached jobs, in slot order, and their arenas; the held-out evaluation
+        self.slots = AdapterArena(self.layer_list, self.device, adapter_dtype, self.compute_dtype, backend)
+        self.evaluation = Evaluation(self)
         # the training step's forward and backward as CUDA graphs per shape (trainer.step_graphs:
         # SFT on the varlen packing, one GPU); None: on where CUDA graphs exist
         use = StepGraphs.use_cuda_graphs(self.device) if step_graphs is None else step_graphs
@@ -185,6 +172,35 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
             self.model.gradient_checkpointing_disable()
         self.gradient_checkpointing = on
 
+    # ----- jobs: their state, their slots (self.slots) -----------------------------------
+    @property
+    def jobs(self) -> dict[str, JobRun]:
+        """The attached jobs in slot order."""
+        return self.slots.jobs
+
+    @property
+    def params_per_rank(self) -> int:
+        """Adapter parameters a job has per unit of rank (every target's A and B)."""
+        return sum(d_in + d_out for d_in, d_out in self.shapes.values())
+
+    def new_job(self, spec: TrainJob) -> JobRun:
+        """Create a job's fresh state (adapter init, optimizer, data order) without attaching it."""
+        return JobRun.new(spec, self.shapes, self.adapter_dtype, self.device, len(self.train_examples))
+
+    def attach(self, job: TrainJob | JobRun) -> JobRun:
+        """Put a job into a slot (new from a spec, or a parked/restored state); no rebuild."""
+        return self.slots.attach(self.new_job(job) if isinstance(job, TrainJob) else job.to(self.device))
+
+    def detach(self, job_id: str, park_device: torch.device | str | None = None) -> JobRun:
+        """Free a job's slot; with park_device its state moves there (e.g. 'cpu')."""
+        return self.slots.detach(job_id, park_device)
+
+    def move_to(self, device: torch.device) -> None:
+        """The engine's device is `device` (its backbone was moved or sharded there): the arenas,
+        empty (no job attached yet), start again there."""
+        self.device = device
+        self.slots.reset(device)
+
     # ----- one step: the batch and the forward -----------------------------------------
     def set_attention(self, mode: str) -> None:
         """Switch the packing and the model's attention between "rows" and "varlen"."""
@@ -196,12 +212,6 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         elif mode == "rows" and self.attention == "varlen":
             self.model.set_attn_implementation(self._row_attention)
         self.attention = mode
-
-    def _to_device(self, cpu: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the engine's device without a sync (pinned, copied asynchronously)."""
-        if self.device.type != "cuda":
-            return cpu.to(self.device)
-        return cpu.pin_memory().to(self.device, non_blocking=True)
 
     @staticmethod
     def _longest(example: Example | object) -> int:
@@ -224,7 +234,7 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         """The batch (and extra int64 host tensors) on the device in ONE asynchronous copy."""
         cu = [] if cpu.cu_seqlens is None else [torch.tensor(cpu.cu_seqlens, dtype=torch.int64)]
         parts = [cpu.input_ids, cpu.position_ids, cpu.targets, cpu.seq_index, *cu, *extra]
-        flat = self._to_device(torch.cat([t.reshape(-1) for t in parts]))
+        flat = host_to_device(torch.cat([t.reshape(-1) for t in parts]), self.device)
         out = list(flat.split([t.numel() for t in parts]))
         views = [o.view(t.shape) for o, t in zip(out, parts, strict=True)]
         batch = PackedBatch(views[0], views[1], views[2], cpu.row_offsets, cpu.real_tokens, views[3],
@@ -235,7 +245,8 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
                             max(b - a for a, b in zip(cpu.cu_seqlens[:-1], cpu.cu_seqlens[1:], strict=True))}
         return batch, views[4 + len(cu):]
 
-    def _hidden(self, batch: PackedBatch) -> torch.Tensor:
+    def hidden(self, batch: PackedBatch) -> torch.Tensor:
+        """The backbone's last hidden states of a batch on the device (with the current layout)."""
         self.forward_shapes[(*batch.input_ids.shape, torch.is_grad_enabled())] += 1
         varlen = batch.varlen or {}
         if varlen:
@@ -264,11 +275,11 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         """One forward of every job's micro-batch: the batch, each job's summed token loss and
         its number of target tokens. The head and cross-entropy run once for all jobs' target
         tokens (trainer.head: in chunks, logits never kept), then sum per job."""
-        batch, losses, _, counts = self._forward_tokens(states, per_job)
+        batch, losses, _, counts = self.forward_tokens(states, per_job)
         return batch, [part.sum() for part in losses.split(counts)], counts
 
-    def _forward_tokens(self, states: Sequence[JobRun], per_job: Sequence[Sequence[Example]],
-                        hits: bool = False):  # noqa: ANN202
+    def forward_tokens(self, states: Sequence[JobRun], per_job: Sequence[Sequence[Example]], hits: bool = False
+                       ) -> tuple[PackedBatch, torch.Tensor, torch.Tensor | None, list[int]]:
         """_forward_losses' forward: the batch, the losses of all jobs' target tokens (in job
         order), with `hits` (no grad) whether each token's argmax is its target (else None), and
         each job's number of target tokens."""
@@ -280,8 +291,8 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
         bounds = cpu.job_tokens
         counts = torch.searchsorted(index, torch.tensor(bounds, dtype=index.dtype)).diff().tolist()
         batch, (index,) = self.batch_to_device(cpu, index)
-        self._set_layout(states, bounds)
-        hidden = self._hidden(batch)
+        self.slots.set_layout(states, bounds)
+        hidden = self.hidden(batch)
         hidden = hidden.reshape(-1, hidden.shape[-1])
         targets = batch.targets.reshape(-1)
         h, t = hidden.index_select(0, index), targets.index_select(0, index)
@@ -334,7 +345,7 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
             kept = [torch.where(torch.isfinite(loss), loss, torch.zeros_like(loss)) for loss in losses]
             torch.stack(kept).sum().backward()
         finally:
-            self._clear_layout()
+            self.slots.clear_layout()
         return batch, numbers
 
     def step(self) -> StepReport:
@@ -354,8 +365,8 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
             batch, numbers = self.step_graphs.forward_backward(states, per_job)
         else:
             batch, numbers = self._eager_forward_backward(states, per_job)
-        regions = [self.regions[s.job_id] for s in states]
-        norms = torch._foreach_norm([self.grad_arena[lo:hi] for lo, hi in regions])
+        regions = [self.slots.regions[s.job_id] for s in states]
+        norms = torch._foreach_norm([self.slots.grad_arena[lo:hi] for lo, hi in regions])
         width = len(self.metric_names)
         # one device sync per step: every job's numbers and gradient norm together
         flat = torch.cat([torch.stack([n.reshape(-1) for n in numbers]).reshape(-1),
@@ -368,6 +379,31 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
             report.metrics = {s.job_id: dict(zip(self.metric_names[1:], row[1:], strict=True))
                               for s, row in zip(states, rows, strict=True)}
         return report
+
+    # ----- held-out evaluation (self.evaluation; the objective's sums) ---------------------
+    @property
+    def eval_metric_names(self) -> tuple[str, ...]:
+        return TOKEN_METRICS if self.objective is None else self.objective.eval_metric_names
+
+    def eval_sums(self, states: Sequence[JobRun], chunk: Sequence[Example]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One no-grad forward of every job on the same chunk: per job the sums of the
+        evaluation's numbers [N, len(eval_metric_names)] and what each is averaged over [N]
+        (SFT: summed token losses and hits over target tokens; DPO: sums over pairs)."""
+        if self.objective is not None:
+            return self.objective.eval_sums(self, states, chunk)
+        return self.evaluation.token_sums(states, chunk)
+
+    def evaluate_metrics(self, examples: Sequence[Example], batch_size: int = 8, job_ids: Sequence[str] | None = None,
+                         max_sequences: int | None = None, forwards: int | None = None) -> dict[str, dict[str, float]]:
+        """Each job's evaluation numbers on the same held-out examples (Evaluation.metrics)."""
+        return self.evaluation.metrics(examples, batch_size, job_ids, max_sequences, forwards)
+
+    def evaluate(self, examples: Sequence[Example], batch_size: int = 8, job_ids: Sequence[str] | None = None,
+                 max_sequences: int | None = None) -> dict[str, float]:
+        """The mean loss of each job on the same held-out examples (SFT: token mean; DPO: the
+        mean DPO loss over pairs), what early exit and the ranking use."""
+        metrics = self.evaluate_metrics(examples, batch_size, job_ids, max_sequences)
+        return {j: m["loss"] for j, m in metrics.items()}
 
     # ----- lockstep passes (adapter parallelism: every rank joins every all-gather) -----------
     @property
@@ -397,36 +433,13 @@ class MultiLoraEngine(AdapterArena, EngineEvaluation):
 
     def _update(self, states: Sequence[JobRun], rows: list[list[float]], norms: list[float],
                 batch: PackedBatch) -> StepReport:
-        """Each job's clip and AdamW update from its gradient sums in the arena, all jobs' in a few
-        multi-tensor kernels; a job with a non-finite loss or gradient norm skips its own."""
+        """The step's report, each job's clip and AdamW update done from its gradient sums in the
+        arena (trainer.jobs.update_jobs: a job with a non-finite loss or norm skips its own)."""
         report = StepReport({}, {}, {}, {}, batch.real_tokens, batch.padded_fraction)
-        clip, coefs, run = [], [], []
-        for s, row, norm in zip(states, rows, norms, strict=True):
-            lo, hi = self.regions[s.job_id]
-            v = row[0]
-            skip = not (math.isfinite(v) and math.isfinite(norm))
-            report.lrs[s.job_id] = s.optimizer.param_groups[0]["lr"]
-            if not skip:
-                g = self.grad_arena[lo:hi]
-                if s.spec.max_grad_norm is not None:
-                    coef = min(1.0, s.spec.max_grad_norm / (norm + 1e-6))  # clip_grads_with_norm_'s rule
-                    if coef < 1.0:
-                        clip.append(g)
-                        coefs.append(coef)
-                run.append((s, g))
-            else:
-                s.skipped_steps += 1
-            s.last_loss = v
-            report.losses[s.job_id] = v
-            report.skipped[s.job_id] = skip
-            report.grad_norms[s.job_id] = norm
-        if clip:
-            torch._foreach_mul_(clip, coefs)
-        flats = [s.adapter.flat for s, _ in run]
-        multi_adamw([s.optimizer for s, _ in run], flats,
-                    [g if g.dtype == f.dtype else g.to(f.dtype) for (_, g), f in zip(run, flats, strict=True)])
-        for s in states:
-            s.scheduler.step()
-            s.step += 1
+        report.lrs = {s.job_id: s.optimizer.param_groups[0]["lr"] for s in states}  # the step's, before it
+        grads = [self.slots.grad_arena[slice(*self.slots.regions[s.job_id])] for s in states]
+        skipped = update_jobs(states, [row[0] for row in rows], norms, grads)
+        for s, row, norm, skip in zip(states, rows, norms, skipped, strict=True):
+            report.losses[s.job_id], report.skipped[s.job_id], report.grad_norms[s.job_id] = row[0], skip, norm
             report.steps[s.job_id] = s.step
         return report

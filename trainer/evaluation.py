@@ -1,21 +1,32 @@
-"""Held-out evaluation of the attached jobs: every job's numbers on the same examples in no-grad
-forwards (jobs grouped so a forward holds at most a step's sequences), and how many backbone
-forwards that takes (eval_forwards, eval_chunk: lockstep ranks plan and pad to the same count).
+"""Held-out evaluation of the attached jobs (`Evaluation`, held as `engine.evaluation`): every
+job's numbers on the same examples in no-grad forwards (jobs grouped so a forward holds at most a
+step's sequences), and how many backbone forwards that takes (eval_forwards, eval_chunk: lockstep
+ranks plan and pad to the same count). A whole class: it sees its engine through `Evaluated`
+(its model, device, job slots, step graphs, forward and the objective's evaluation sums).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
+from torch import nn
 
+from trainer.arena import AdapterArena
 from trainer.data import Example
 from trainer.jobs import JobRun
+from trainer.packing import PackedBatch
+from trainer.step_graphs import StepGraphs
+
+# evaluation's numbers without an objective (SFT's): the mean token loss and the mean token
+# accuracy (argmax == target over target tokens)
+TOKEN_METRICS = ("loss", "token_accuracy")
 
 
 def eval_forwards(n_jobs: int, n_examples: int, batch_size: int, max_sequences: int | None) -> int:
-    """Backbone forwards of `MultiLoraEngine.evaluate_metrics` for these sizes (in lockstep every
+    """Backbone forwards of `Evaluation.metrics` for these sizes (in lockstep every
     rank computes it for every rank, to pad the ranks with fewer to the same count)."""
     if n_jobs == 0 or n_examples == 0:
         return 0
@@ -44,95 +55,100 @@ def eval_chunk(n_jobs: int, n_examples: int, max_sequences: int, min_chunk: int 
     return best[1] if best is not None else floor
 
 
-class EngineEvaluation:
-    """MultiLoraEngine's evaluation (a part of the engine, not used alone: it runs the engine's
-    `_forward_tokens`; the engine's objective, when it has one, computes `_eval_sums`)."""
+class Evaluated(Protocol):
+    """What an evaluation uses of its engine (trainer.engine.MultiLoraEngine): the model and its
+    device, the job slots (their jobs and layout), the step graphs, the forward of every job's
+    target tokens, the idle forward (lockstep) and the objective's evaluation (`eval_sums`, which
+    is `Evaluation.token_sums` without an objective)."""
 
-    # evaluation's numbers: SFT adds the mean token accuracy (argmax == target over target tokens)
-    TOKEN_METRICS = ("loss", "token_accuracy")
+    model: nn.Module
+    device: torch.device
+    slots: AdapterArena
+    step_graphs: StepGraphs | None
 
     @property
-    def eval_metric_names(self) -> tuple[str, ...]:
-        objective = getattr(self, "objective", None)
-        return self.TOKEN_METRICS if objective is None else objective.eval_metric_names
+    def eval_metric_names(self) -> tuple[str, ...]: ...
 
-    def _eval_sums(self, states: Sequence[JobRun], chunk: Sequence[Example]
+    def eval_sums(self, states: Sequence[JobRun], chunk: Sequence[Example]
+                  ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward_tokens(self, states: Sequence[JobRun], per_job: Sequence[Sequence[Example]], hits: bool = False
+                       ) -> tuple[PackedBatch, torch.Tensor, torch.Tensor | None, list[int]]: ...
+
+    def idle_forward(self) -> None: ...
+
+
+class Evaluation:
+    """An engine's held-out evaluation (see the module docstring)."""
+
+    def __init__(self, engine: Evaluated) -> None:
+        self.engine = engine
+
+    def token_sums(self, states: Sequence[JobRun], chunk: Sequence[Example]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One no-grad forward of every job on the same chunk: per job the sums of the
-        evaluation's numbers [N, len(eval_metric_names)] and what each is averaged over [N]
-        (SFT: summed token losses and hits over target tokens; DPO: sums over pairs)."""
-        objective = getattr(self, "objective", None)
-        if objective is not None:
-            return objective.eval_sums(self, states, chunk)
-        return self.token_eval_sums(states, chunk)
-
-    def token_eval_sums(self, states: Sequence[JobRun], chunk: Sequence[Example]
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """_eval_sums of the token losses and hits (SFT's), from a replayed graph where one serves."""
-        graphs = self.step_graphs
+        """The engine's `eval_sums` of the token losses and hits (SFT's), from a replayed graph
+        where one serves: one no-grad forward of every job on the same chunk, per job the sums
+        [N, 2] and the target tokens they are averaged over [N]."""
+        eng = self.engine
+        graphs = eng.step_graphs
         if graphs is not None and graphs.serves(states):
             return graphs.eval_sums(states, chunk)  # the same sums from a replayed graph
-        _, losses, hits, counts = self._forward_tokens(states, [chunk] * len(states), hits=True)
+        _, losses, hits, counts = eng.forward_tokens(states, [chunk] * len(states), hits=True)
+        assert hits is not None  # asked for
         sums = [torch.stack([loss.sum(), hit.sum()])
                 for loss, hit in zip(losses.split(counts), hits.split(counts), strict=True)]
         return torch.stack(sums), torch.tensor(counts, dtype=torch.float64)
 
     @torch.no_grad()
-    def evaluate_metrics(
+    def metrics(
         self, examples: Sequence[Example], batch_size: int = 8, job_ids: Sequence[str] | None = None,
         max_sequences: int | None = None, forwards: int | None = None,
     ) -> dict[str, dict[str, float]]:
-        """Every number of the evaluation (`eval_metric_names`, the loss first) of each job on the same
-        held-out examples. With max_sequences, jobs go in groups so one forward holds at most
-        that many sequences (e.g. the training step's total batch, which admission sized to
-        fit). With `forwards` (lockstep), idle forwards pad this rank's passes to that count."""
-        states = [self.jobs[j] for j in (job_ids if job_ids is not None else list(self.jobs))]
+        """Every number of the evaluation (the engine's `eval_metric_names`, the loss first) of each
+        job on the same held-out examples. With max_sequences, jobs go in groups so one forward
+        holds at most that many sequences (e.g. the training step's total batch, which admission
+        sized to fit). With `forwards` (lockstep), idle forwards pad this rank's passes to that count."""
+        eng = self.engine
+        jobs = eng.slots.jobs
+        states = [jobs[j] for j in (job_ids if job_ids is not None else list(jobs))]
         group = max(1, (max_sequences or 1 << 62) // batch_size)
-        was_training = self.model.training
-        self.model.eval()
+        was_training = eng.model.training
+        eng.model.eval()
         out: dict[str, dict[str, float]] = {}
         try:
             for g in range(0, len(states), group):
                 members = states[g : g + group]
-                totals = torch.zeros(len(members), len(self.eval_metric_names), dtype=torch.float64,
-                                     device=self.device)
+                totals = torch.zeros(len(members), len(eng.eval_metric_names), dtype=torch.float64,
+                                     device=eng.device)
                 denoms = torch.zeros(len(members), dtype=torch.float64)
                 for lo in range(0, len(examples), batch_size):
-                    sums, counts = self._eval_sums(members, list(examples[lo : lo + batch_size]))
+                    sums, counts = eng.eval_sums(members, list(examples[lo : lo + batch_size]))
                     totals += sums.double()  # summed on the device: one sync per group of jobs
                     denoms += counts
                 means = (totals.cpu() / denoms.clamp(min=1).unsqueeze(1)).tolist()
-                out.update({s.job_id: dict(zip(self.eval_metric_names, row, strict=True))
+                out.update({s.job_id: dict(zip(eng.eval_metric_names, row, strict=True))
                             for s, row in zip(members, means, strict=True)})
         finally:
-            self._clear_layout()
-            self.model.train(was_training)
+            eng.slots.clear_layout()
+            eng.model.train(was_training)
         own = eval_forwards(len(states), len(examples), batch_size, max_sequences)
         if forwards is not None:
             if own > forwards:
                 raise RuntimeError(f"this rank needs {own} eval forwards, more than the planned {forwards}")
             for _ in range(forwards - own):
-                self.idle_forward()
+                eng.idle_forward()
         return out
-
-    def evaluate(
-        self, examples: Sequence[Example], batch_size: int = 8, job_ids: Sequence[str] | None = None,
-        max_sequences: int | None = None,
-    ) -> dict[str, float]:
-        """The mean loss of each job on the same held-out examples (SFT: token mean; DPO: the
-        mean DPO loss over pairs), what early exit and the ranking use."""
-        metrics = self.evaluate_metrics(examples, batch_size, job_ids, max_sequences)
-        return {j: m["loss"] for j, m in metrics.items()}
 
     @torch.no_grad()
     def logits(self, job_id: str, input_ids: torch.Tensor) -> torch.Tensor:
         """Full logits of one job on plain (unpacked) rows [B, L] (for the export round trip)."""
-        state = self.jobs[job_id]
-        was_training = self.model.training
-        self.model.eval()
+        eng = self.engine
+        state = eng.slots.jobs[job_id]
+        was_training = eng.model.training
+        eng.model.eval()
         try:
-            self._set_layout([state], [0, input_ids.numel()])
-            return self.model(input_ids=input_ids.to(self.device), use_cache=False).logits
+            eng.slots.set_layout([state], [0, input_ids.numel()])
+            return eng.model(input_ids=input_ids.to(eng.device), use_cache=False).logits
         finally:
-            self._clear_layout()
-            self.model.train(was_training)
+            eng.slots.clear_layout()
+            eng.model.train(was_training)

@@ -1,6 +1,8 @@
 """One job of the engine: its specification (`TrainJob`, the hyperparameters as the engine
-consumes them), its optimizer and schedule, the AdamW step of many jobs at once, and its state
-across steps (`JobRun`: adapter, optimizer, data position; parked on the host between turns).
+consumes them), its optimizer and schedule, the AdamW step of many jobs at once and a step's
+update of every job (`update_jobs`: clip, AdamW, a non-finite job skipping its own), and its state
+across steps (`JobRun`, `JobRun.new`: adapter, optimizer, data position; parked on the host
+between turns).
 """
 from __future__ import annotations
 
@@ -203,6 +205,18 @@ class JobRun:
     skipped_steps: int = 0
     last_loss: float = math.nan
 
+    @classmethod
+    def new(cls, spec: TrainJob, shapes: dict[str, tuple[int, int]], dtype: torch.dtype,
+            device: torch.device, n_examples: int) -> JobRun:
+        """A job's fresh state on `device`: its adapter over these target shapes (PEFT's init, or
+        spec.init_adapter), its optimizer and schedule, its data order over n_examples."""
+        adapter = JobAdapter(shapes, spec.lora_rank, spec.lora_alpha, spec.seed, dtype, device, spec.use_rslora)
+        if spec.init_adapter is not None:
+            load_init_adapter(adapter, spec.init_adapter)
+        total = spec.total_steps(n_examples)
+        opt, sched = make_optimizer(spec, list(adapter.parameters()), total)
+        return cls(spec, adapter, opt, sched, JobDataStream(n_examples, spec.seed), total)
+
     @property
     def job_id(self) -> str:
         return self.spec.job_id
@@ -254,6 +268,37 @@ class JobRun:
         if self.host_copy is not None:
             self.host_copy.synchronize()
             self.host_copy = None
+
+
+def update_jobs(states: Sequence[JobRun], losses: Sequence[float], norms: Sequence[float],
+                grads: Sequence[torch.Tensor]) -> list[bool]:
+    """Each job's clip and AdamW update from its gradient sums (`grads`: its region of the
+    engine's gradient arena), all jobs' in a few multi-tensor kernels, then every job's schedule
+    and step count; a job whose loss or gradient norm is non-finite skips its own update. Returns
+    which jobs skipped."""
+    clip, coefs, run, skipped = [], [], [], []
+    for s, v, norm, g in zip(states, losses, norms, grads, strict=True):
+        skip = not (math.isfinite(v) and math.isfinite(norm))
+        if not skip:
+            if s.spec.max_grad_norm is not None:
+                coef = min(1.0, s.spec.max_grad_norm / (norm + 1e-6))  # clip_grads_with_norm_'s rule
+                if coef < 1.0:
+                    clip.append(g)
+                    coefs.append(coef)
+            run.append((s, g))
+        else:
+            s.skipped_steps += 1
+        s.last_loss = v
+        skipped.append(skip)
+    if clip:
+        torch._foreach_mul_(clip, coefs)
+    flats = [s.adapter.flat for s, _ in run]
+    multi_adamw([s.optimizer for s, _ in run], flats,
+                [g if g.dtype == f.dtype else g.to(f.dtype) for (_, g), f in zip(run, flats, strict=True)])
+    for s in states:
+        s.scheduler.step()
+        s.step += 1
+    return skipped
 
 
 def release_host_cache() -> None:

@@ -272,7 +272,7 @@ class MemoryPlan:
         cells = round(report.tokens / max(1e-9, 1.0 - report.padded_fraction))
         peak = torch.cuda.max_memory_allocated(self.device)
         after = torch.cuda.memory_allocated(self.device)
-        if not corr.observe(cells, recompute, resident, peak, self.engine.arena.numel(), after):
+        if not corr.observe(cells, recompute, resident, peak, self.engine.slots.arena.numel(), after):
             return
         if recompute:
             self.model = self.admission.model = corr.model

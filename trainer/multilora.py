@@ -5,7 +5,8 @@ Each job owns a JobAdapter: one flat exact-rank nn.Parameter holding every targe
 lora_A and lora_B^T, initialised as PEFT does. While a job is attached, that parameter is a view
 of the engine's arena (one buffer for all attached jobs), and each layer reads its adapters at
 per-job offsets: nothing is stacked, padded or copied per step, and backward adds the weight
-gradients straight into the engine's gradient arena (kernels.multilora_linear_arena).
+gradients straight into the engine's gradient arena (kernels.multilora_linear_arena). The
+backbone's own dropout is turned off (`without_backbone_dropout`: one pass serves every job).
 """
 
 from __future__ import annotations
@@ -93,6 +94,21 @@ class MultiLoraLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"name={self.name}, in={self.in_features}, out={self.out_features}"
+
+
+def without_backbone_dropout(model: nn.Module) -> None:
+    """Turn off the backbone's own dropout (nn.Dropout modules and the dropout rates that layers
+    keep as plain floats, e.g. StarCoder2's residual and attention dropout). A deliberate choice:
+    the backbone serves every job of a batch in one pass, so its dropout would make a job's
+    updates depend on its batch-mates, and the varlen attention has none. LoRA's own dropout
+    is 0 too (trainer.export writes lora_dropout 0)."""
+    config = getattr(model, "config", None)
+    for holder in [*model.modules(), *([config] if config is not None else [])]:
+        if isinstance(holder, nn.Dropout):
+            holder.p = 0.0
+        for name, value in list(vars(holder).items()):
+            if ("dropout" in name or "pdrop" in name) and type(value) is float:
+                setattr(holder, name, 0.0)
 
 
 def inject_multilora(model: nn.Module, targets: Iterable[str]) -> dict[str, MultiLoraLinear]:

@@ -152,10 +152,10 @@ class PairObjective(Sft):
         counts = torch.bincount(seq_of, minlength=n)
         batch, (index, seq_of, counts) = engine.batch_to_device(cpu, index, seq_of, counts)
         if states is None:
-            engine._clear_layout()
+            engine.slots.clear_layout()
         else:
-            engine._set_layout(states, cpu.job_tokens)
-        hidden = engine._hidden(batch)
+            engine.slots.set_layout(states, cpu.job_tokens)
+        hidden = engine.hidden(batch)
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
         targets = batch.targets.reshape(-1).index_select(0, index)
         tok = -token_losses(engine.output_logits, hidden, targets, engine.head_chunk)

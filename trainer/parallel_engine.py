@@ -3,7 +3,7 @@ sharded with FSDP2 layer by layer, and the engine put in lockstep with the other
 
 Sharding (`shard_backbone`): every decoder layer is its own FSDP2 unit (all-gathered before its
 forward, resharded after it, all-gathered again in backward); the base model (embeddings + final
-norm) is the root unit, which is what `MultiLoraEngine._hidden` calls, so the root hooks run. The
+norm) is the root unit, which is what `MultiLoraEngine.hidden` calls, so the root hooks run. The
 LM head is left out and kept whole on every rank: the engine calls it once per job and again in
 each job's recomputed backward, and as its own FSDP unit it would be all-gathered 2 x jobs times a
 step (Qwen2.5-32B: a 1.56 GB head, ~4.4 ms per all-gather on 2 H200s scaled from the 2.78 ms
@@ -94,7 +94,7 @@ def shard_engine(engine: MultiLoraEngine, mesh, device: torch.device, prefetch: 
         return int(value.item())
 
     shard_backbone(engine.model, mesh, device, prefetch)
-    engine.device = torch.device(device)
-    engine._init_arena()  # the adapters' arena on this rank's device, not the unsharded model's
+    # the adapters' arena on this rank's device, not the unsharded model's
+    engine.move_to(torch.device(device))
     engine.agree = agree
     return engine

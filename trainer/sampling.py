@@ -236,7 +236,7 @@ def generate(
                               static=static and static_decodable(model, temperature))
     finally:
         _unpoint(engine)
-        engine._clear_layout()
+        engine.slots.clear_layout()
         engine.set_attention(attention)
         for module, training in modes:
             module.training = training

@@ -51,7 +51,7 @@ class Sft:
     def eval_sums(self, engine: MultiLoraEngine, states: Sequence[JobRun],
                   chunk: Sequence[Example]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per job the sums of eval_metric_names [N, k] on the chunk and their counts [N]."""
-        return engine.token_eval_sums(states, chunk)
+        return engine.evaluation.token_sums(states, chunk)
 
     # ----- per-task numbers beside the adapters ---------------------------------------------
     def forget(self, engine: MultiLoraEngine, items: Sequence[Any]) -> None:

@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from trainer.arena import AdapterArena
 from trainer.data import IGNORE, Example
 from trainer.head import token_losses, token_losses_and_hits
 from trainer.jobs import JobRun
@@ -48,17 +49,14 @@ class GraphedEngine(Protocol):
     model: nn.Module
     device: torch.device
     compute_dtype: torch.dtype
-    backend: str
     attention: str
     pad_id: int
     seq_cap: int
     head_chunk: int
     gradient_checkpointing: bool
     layer_list: list[MultiLoraLinear]
-    arena: torch.Tensor
-    grad_arena: torch.Tensor
+    slots: AdapterArena  # the arenas, their token and kernel backend, the job layout
     forward_shapes: Counter
-    _token: torch.Tensor
     output_logits: Callable[[torch.Tensor], torch.Tensor]
 
     @property
@@ -66,10 +64,6 @@ class GraphedEngine(Protocol):
 
     @property
     def plain_objective(self) -> bool: ...
-
-    def layout_offsets(self, states: Sequence[JobRun]) -> list[int]: ...
-
-    def _clear_layout(self) -> None: ...
 
 
 def _pow2(n: int, floor: int) -> int:
@@ -175,7 +169,7 @@ class StepGraphs:
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """One no-grad forward of every job on the same chunk: per job [loss sum, hit sum] over its
         target tokens (device, read before the next replay) and its target count (host, float64):
-        EngineEvaluation._eval_sums' contract."""
+        MultiLoraEngine.eval_sums' contract."""
         _, entry, counts = self._execute(states, [chunk] * len(states), train=False)
         return entry.static.out[: len(states)], counts[: len(states)].double()
 
@@ -190,7 +184,7 @@ class StepGraphs:
         cpu = pack_flat(per_job, eng.pad_id, per_octave=self.per_octave, max_cells=n_seqs * eng.seq_cap,
                         max_len=eng.seq_cap)
         self._check_storage()
-        ints = eng.layout_offsets(states)
+        ints = eng.slots.layout_offsets(states)
         key = GraphKey(tokens=cpu.input_ids.shape[1], seq_slots=_pow2(len(cpu.cu_seqlens) - 1, 16),
                        job_slots=_pow2(len(states), 8), rank=_pow2(max(s.adapter.rank for s in states), 16),
                        max_len=eng.seq_cap, aligned=all(v % 16 == 0 for v in ints),
@@ -240,8 +234,8 @@ class StepGraphs:
         return best
 
     def _check_storage(self) -> None:
-        eng = self.engine
-        now = (eng.arena.data_ptr(), eng.grad_arena.data_ptr(), eng.arena.numel())
+        slots = self.engine.slots
+        now = (slots.arena.data_ptr(), slots.grad_arena.data_ptr(), slots.arena.numel())
         if self._storage is not None and now != self._storage:
             self.reset()  # the arena grew: every capture points at the old storage
         self._storage = now
@@ -298,10 +292,10 @@ class StepGraphs:
     def _run(self, st: _Static, key: GraphKey) -> None:
         """The graph's body: the backbone over the static batch with the static job layout, then
         the training objective and its backward, or the evaluation's sums."""
-        eng = self.engine
-        arena = eng.arena if eng.arena.dtype == eng.compute_dtype else eng.arena.to(eng.compute_dtype)
+        eng, slots = self.engine, self.engine.slots
+        arena = slots.arena if slots.arena.dtype == eng.compute_dtype else slots.arena.to(eng.compute_dtype)
         lay = StepLayout(offsets=st.offsets, scales=st.scales, ranks=st.ranks.to(torch.int32), arena=arena,
-                         grad_arena=eng.grad_arena, r_max=key.rank, token=eng._token, backend=eng.backend,
+                         grad_arena=slots.grad_arena, r_max=key.rank, token=slots.token, backend=slots.backend,
                          aligned=key.aligned)
         for k, layer in enumerate(eng.layer_list):
             layer.layout, layer.a_off, layer.b_off = lay, st.a_off[k], st.b_off[k]
@@ -312,7 +306,7 @@ class StepGraphs:
                 with torch.no_grad():
                     self._eval_body(st, key)
         finally:
-            eng._clear_layout()
+            slots.clear_layout()
 
     def _hidden(self, st: _Static, key: GraphKey) -> torch.Tensor:
         cu = st.cu.to(torch.int32)
@@ -323,7 +317,7 @@ class StepGraphs:
 
     def _train_body(self, st: _Static, key: GraphKey) -> None:
         eng = self.engine
-        eng.grad_arena.zero_()
+        eng.slots.grad_arena.zero_()
         losses = token_losses(eng.output_logits, self._hidden(st, key), st.targets, eng.head_chunk)
         sums = torch.zeros(key.job_slots, dtype=losses.dtype, device=losses.device)
         means = sums.index_add_(0, st.job_of_token, losses) / st.counts

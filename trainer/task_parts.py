@@ -117,7 +117,7 @@ class TaskExecutor(Protocol):
     of the executor hosting it (trainer.executor.Executor): nothing else, so a change on either
     side shows here."""
 
-    engine: Any  # trainer.engine.MultiLoraEngine: attach, detach, park_target, evaluation
+    engine: Any  # trainer.engine.MultiLoraEngine: attach, detach, slots.park_target, evaluation
     objective: Any  # trainer.objectives: the task's data, validation and checkpointed numbers
     strategy: Any  # trainer.strategy.Strategy: gather, contain, collect_parts
     writer: Any  # trainer.checkpoint.FileWriter | None: the writes off the loop

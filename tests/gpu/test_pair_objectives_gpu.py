@@ -44,7 +44,7 @@ def test_pair_loss_never_syncs_and_trains(method: str, tmp_path) -> None:  # noq
         torch.stack(losses).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        eng._clear_layout()
+        eng.slots.clear_layout()
     assert len(numbers) == 2 and all(n.shape == (3,) for n in numbers)
     for _ in range(15):
         last = eng.step()

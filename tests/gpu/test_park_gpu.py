@@ -41,7 +41,7 @@ def test_park_on_host_async_then_resume(tmp_path, pooled: bool) -> None:  # noqa
     want_m = {k: v.clone() for k, v in st.optimizer.state[st.adapter.flat].items() if torch.is_tensor(v)}
     parked = eng.detach("j0", park_device="cpu")
     assert POOL.served - served == (3 if pooled else 0)  # the weights and both moments
-    eng.arena.fill_(3.0)  # queued after the park's copies: they read the region first
+    eng.slots.arena.fill_(3.0)  # queued after the park's copies: they read the region first
     assert parked.host_copy is not None  # not waited for yet
     ck = job_state_dict(parked)  # waits for them
     assert parked.host_copy is None

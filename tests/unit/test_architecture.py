@@ -229,12 +229,10 @@ def test_no_state_or_exit_reason_string_outside_its_declaration() -> None:
 TRAINER_CLASSES = {f"{name}.{node.name}": node for name, path in MODULES.items() if top(name) == "trainer"
                    for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)}
 INTERFACE_BASES = {"Protocol", "ABC", "Exception", "Enum", "StrEnum", "IntEnum", "NamedTuple", "Generic"}
-# mixins still in the trainer (the executor's and TaskRun's are gone, issue 42), each with why it stays;
-# the check below fails on any other, and on an entry here that is no mixin any more
-KNOWN_MIXINS = {
-    "trainer.arena.AdapterArena": "the engine's job slots; MultiLoraEngine's split is its own issue",
-    "trainer.evaluation.EngineEvaluation": "the engine's evaluation; as above",
-}
+# mixins still in the trainer, each with why it stays: none (issue 42: the executor's, TaskRun's
+# and the engine's are components now); the check below fails on any other, and on an entry here
+# that is no mixin any more
+KNOWN_MIXINS: dict[str, str] = {}
 
 
 def _base_names(node: ast.ClassDef) -> list[str]:

@@ -116,7 +116,7 @@ def step_grads(eng: DpoEngine) -> dict[str, dict[str, torch.Tensor]]:
     """Each job's gradients of the step just taken, from the engine's gradient arena (where the
     update read them; max_grad_norm=None: no clip), under PEFT's names."""
     return {j: {k: v.clone() for k, v in s.adapter.peft_state_dict(
-        flat=eng.grad_arena[slice(*eng.regions[j])]).items()} for j, s in eng.jobs.items()}
+        flat=eng.slots.grad_arena[slice(*eng.slots.regions[j])]).items()} for j, s in eng.jobs.items()}
 
 
 def test_batched_dpo_loss_and_gradients_match_each_job_alone(world) -> None:  # noqa: ANN001

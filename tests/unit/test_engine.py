@@ -180,7 +180,7 @@ def test_export_loads_in_peft_with_same_logits(world, tmp_path, fam) -> None:  #
         peft_model = PeftModel.from_pretrained(base, out).eval()
         with torch.no_grad():
             theirs = peft_model(input_ids=ids).logits
-        mine = eng.logits(j, ids)
+        mine = eng.evaluation.logits(j, ids)
         assert (mine - plain).abs().max() > 1e-4  # the adapter changes the logits
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
 
@@ -201,12 +201,12 @@ def test_arena_regions_views_growth_and_parking(world) -> None:  # noqa: ANN001
     sp = specs(4)
 
     def check() -> None:
-        spans = sorted(eng.regions.values())
+        spans = sorted(eng.slots.regions.values())
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
-        base, size = eng.arena.data_ptr(), eng.arena.numel() * eng.arena.element_size()
-        for j, (lo, hi) in eng.regions.items():
+        base, size = eng.slots.arena.data_ptr(), eng.slots.arena.numel() * eng.slots.arena.element_size()
+        for j, (lo, hi) in eng.slots.regions.items():
             flat = eng.jobs[j].adapter.flat
-            assert flat.data_ptr() == base + lo * eng.arena.element_size() and flat.numel() == hi - lo
+            assert flat.data_ptr() == base + lo * eng.slots.arena.element_size() and flat.numel() == hi - lo
             assert base <= flat.data_ptr() < base + size
 
     eng.attach(sp[0])
@@ -214,29 +214,29 @@ def test_arena_regions_views_growth_and_parking(world) -> None:  # noqa: ANN001
     check()
     # a step's layout says whether every block offset is 16-element aligned (the fused kernels'
     # vector loads rely on it), from the offsets the layers really get
-    eng._set_layout([eng.jobs["j0"], eng.jobs["j1"]], [0, 0, 0])
+    eng.slots.set_layout([eng.jobs["j0"], eng.jobs["j1"]], [0, 0, 0])
     offs = [v for layer in eng.layer_list for v in torch.cat([layer.a_off, layer.b_off]).tolist()]
     assert eng.layer_list[0].layout.aligned == all(v % 16 == 0 for v in offs)
-    eng._clear_layout()
+    eng.slots.clear_layout()
     before = {j: s.adapter.flat.detach().clone() for j, s in eng.jobs.items()}
-    cap = eng.arena.numel()
+    cap = eng.slots.arena.numel()
     eng.attach(sp[3])  # rank 16: does not fit, the arena grows
-    assert eng.arena.numel() > cap
+    assert eng.slots.arena.numel() > cap
     check()
     for j, w in before.items():
         assert torch.equal(eng.jobs[j].adapter.flat.detach(), w)
     eng.step()
-    lo0 = eng.regions["j0"][0]
+    lo0 = eng.slots.regions["j0"][0]
     parked = eng.detach("j0")
     kept = parked.adapter.flat.detach().clone()
-    eng.arena.fill_(7.0)  # the arena is not the parked job's storage any more
+    eng.slots.arena.fill_(7.0)  # the arena is not the parked job's storage any more
     assert torch.equal(parked.adapter.flat.detach(), kept)
     eng.attach(sp[2].__class__(**{**sp[2].__dict__, "lora_rank": 2}))  # smaller: fits j0's old gap
-    assert eng.regions["j2"][0] == lo0
+    assert eng.slots.regions["j2"][0] == lo0
     check()
     kept1 = eng.jobs["j1"].adapter.flat.detach().clone()
     on_host = eng.detach("j1", park_device="cpu")  # parked on the host: its own storage too
-    eng.arena.fill_(9.0)
+    eng.slots.arena.fill_(9.0)
     assert torch.equal(on_host.adapter.flat.detach(), kept1)
     eng.attach(on_host)
     assert torch.equal(eng.jobs["j1"].adapter.flat.detach(), kept1)
@@ -290,4 +290,4 @@ def test_a_waiting_job_parks_on_the_device_only_while_its_reserve_stays_free(wor
     assert before == s.adapter.flat.numel() * 4  # no optimizer moments before the first step
     eng.step()
     assert state_bytes(s) == 3 * before  # the adapter and AdamW's two moments
-    assert eng.park_target("p") == "cpu"  # a CPU engine has no device memory to park in
+    assert eng.slots.park_target("p") == "cpu"  # a CPU engine has no device memory to park in

@@ -158,7 +158,7 @@ def test_batched_orpo_loss_and_gradients_match_each_job_alone(world) -> None:  #
         for spec in specs():
             j = spec.job_id
             grads = {k: v for k, v in eng.jobs[j].adapter.peft_state_dict(
-                flat=eng.grad_arena[slice(*eng.regions[j])]).items()}
+                flat=eng.slots.grad_arena[slice(*eng.slots.regions[j])]).items()}
             loss, ref_grads = orpo_alone(world, spec, before[j], batches[j])
             assert rep.losses[j] == pytest.approx(loss, rel=1e-10, abs=1e-12)
             assert set(grads) == set(ref_grads) and len(ref_grads) == 2 * 7 * 2

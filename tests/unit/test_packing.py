@@ -108,7 +108,7 @@ def engine(cls, model_dir, examples, pad_id: int, pack: bool, attention: str = "
 
 def step_and_grads(eng: MultiLoraEngine):  # noqa: ANN201
     rep = eng.step()
-    grads = {j: eng.grad_arena[slice(*eng.regions[j])].clone() for j in eng.jobs}
+    grads = {j: eng.slots.grad_arena[slice(*eng.slots.regions[j])].clone() for j in eng.jobs}
     return rep, grads
 
 

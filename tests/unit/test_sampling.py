@@ -179,8 +179,8 @@ def engine_state(engine: MultiLoraEngine) -> dict:
                           *(getattr(m, "gradient_checkpointing", None) for m in model.modules())],
         "step_graphs": engine.step_graphs,
         "layouts": [(layer.layout, layer.a_off, layer.b_off) for layer in engine.layer_list],
-        "arena": engine.arena.clone(),
-        "grad_arena": engine.grad_arena.clone(),
+        "arena": engine.slots.arena.clone(),
+        "grad_arena": engine.slots.grad_arena.clone(),
     }
 
 

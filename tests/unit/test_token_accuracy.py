@@ -65,7 +65,7 @@ def test_engine_token_accuracy_equals_the_hand_computation(tmp_path: Path) -> No
     for job_id in eng.jobs:
         hits = total = 0
         for ex in held_out:
-            logits = eng.logits(job_id, torch.tensor([ex.input_ids]))[0]
+            logits = eng.evaluation.logits(job_id, torch.tensor([ex.input_ids]))[0]
             labels = torch.tensor(ex.labels[1:])
             mask = labels != IGNORE
             hits += int((logits[:-1].argmax(-1)[mask] == labels[mask]).sum())
