@@ -217,7 +217,11 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
-    res["host_log_tail"] = (host_dir / "host.log").read_text(errors="replace")[-3000:]
+    host_log = (host_dir / "host.log").read_text(errors="replace")
+    res["host_log_tail"] = host_log[-3000:]
+    # each task's memory trace (trainer.memory_plan: cells, recompute, resident, peak, predicted MB)
+    res["memory_traces"] = [json.loads(line.split("steps=", 1)[1]) for line in host_log.splitlines()
+                            if "memory trace steps=" in line]
     dev = "cpu"
     try:
         import torch

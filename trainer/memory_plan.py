@@ -15,6 +15,7 @@ and admission's resident and state bytes are its bound methods."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -302,4 +303,9 @@ class MemoryPlan:
                        memory_worst_cells=worst.tokens, memory_worst_recompute=bool(worst.recompute),
                        memory_worst_resident=worst.resident, memory_worst_peak=worst.peak,
                        memory_worst_predicted=round(worst.predicted))
+            # every step the allocator saw, for whoever tunes the model (the report holds scalars):
+            # [cells, recompute, resident, peak, predicted] in MB, the last 64
+            log.info("memory trace steps=%s", json.dumps([
+                [p.tokens, int(p.recompute), p.resident >> 20, p.peak >> 20, round(p.predicted) >> 20]
+                for p in seen[-64:]]))
         return out
