@@ -8,9 +8,18 @@ import bisect
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainer.data import JobDataStream
+
+if TYPE_CHECKING:  # the executor's parts as a task sees them (no import at run time)
+    import torch
+
+    from trainer.admission import AdmissionController, MemoryModel
+    from trainer.checkpoint import FileWriter
+    from trainer.engine import MultiLoraEngine
+    from trainer.sft import Sft
+    from trainer.strategy import Strategy
 
 
 class ExamplePool(Sequence):
@@ -117,14 +126,14 @@ class TaskExecutor(Protocol):
     of the executor hosting it (trainer.executor.Executor): nothing else, so a change on either
     side shows here."""
 
-    engine: Any  # trainer.engine.MultiLoraEngine: attach, detach, slots.park_target, evaluation
-    objective: Any  # trainer.objectives: the task's data, validation and checkpointed numbers
-    strategy: Any  # trainer.strategy.Strategy: gather, contain, collect_parts
-    writer: Any  # trainer.checkpoint.FileWriter | None: the writes off the loop
+    engine: MultiLoraEngine  # attach, detach, slots.park_target, evaluation
+    objective: Sft  # the method's objective (trainer.objectives): data, validation, checkpointed numbers
+    strategy: Strategy  # gather, contain, collect_parts
+    writer: FileWriter | None  # the writes off the loop (one rank)
     pool: ExamplePool  # every hosted task's train examples
-    admission: Any  # trainer.admission.AdmissionController
-    memory_model: Any  # trainer.admission.MemoryModel | None
-    device: Any  # torch.device
+    admission: AdmissionController
+    memory_model: MemoryModel | None
+    device: torch.device
     rank: int
     world: int
 
