@@ -36,8 +36,9 @@ Picker = Callable[[torch.Tensor], torch.Tensor]
 @contextlib.contextmanager
 def repeatable(device: torch.device) -> Iterator[None]:
     """On CUDA, with cuBLAS's workspaces fixed (CUBLAS_WORKSPACE_CONFIG, set before the process's
-    first cuBLAS call: worker.processes.spawn sets it for every process of a node): torch's deterministic algorithms for the decode (warn-only: an op without a
-    deterministic kernel still runs, and its warning is not the user's), restored after. Both
+    first cuBLAS call: worker.processes.spawn sets it for every process of a node): torch's
+    deterministic algorithms for the decode (warn-only: an op without a deterministic kernel
+    still runs, and its warning is not the user's), restored after. Both
     together made greedy decoding at 32 layers of bf16 repeat; neither alone did (session 20's
     probes on the H200). Else nothing changes: the CPU's kernels repeat as they are, and without
     the variable cuBLAS does not repeat whatever torch asks. LORAPLEX_REPEATABLE_DECODE=0: off."""

@@ -137,9 +137,7 @@ class Daemon:
         if self.state not in (DRAINING, STOPPING):
             self.lifecycle.pop()
             self._set_state(BUSY if self.placements else IDLE)
-            taken = {g for p in self.placements.values() if p.status != LocalStatus.DONE
-                     for g in p.gpu_indices}
-            self.shared.keep_spares(taken | set(self.sampling.slot))
+            self.shared.keep_spares(also=self.sampling.slot)
         self.registration.claimed_ids = self.lifecycle.claimed_ids()
         self.registration.executors = self.shared.reports()
 

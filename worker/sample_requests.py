@@ -94,8 +94,7 @@ class SampleRequests:
     def _free_slot(self) -> list[int] | None:
         """A slot (GPU, or a CPU node's slot) no placement and no shared executor holds."""
         node = self.registration.node
-        taken = {g for p in self.placements.values() if p.status != LocalStatus.DONE
-                 for g in p.gpu_indices}
+        taken = self.shared.placement_gpus()
         # a spare holds no model: a sampler process may share its GPU
         taken |= {g for h in self.shared.hosts.values() if h.key != SPARE_KEY for g in h.gpu_indices}
         if any(p.status == LocalStatus.POPPED for p in self.placements.values()):

@@ -8,6 +8,8 @@ import logging
 import shutil
 import signal
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 from contract.protocol import ExecutorReport, PlacementSpec
 from contract.states import TaskOutcome
@@ -88,31 +90,23 @@ class SharedHosts:
         log.info("spare executor adopted node=%s host=%s pid=%s key=%s placement=%s",
                  self.registration.node_id, h.host_id, h.pid, key, p.placement_id)
 
-    def keep_spares(self, taken: set[int]) -> None:
-        """A spare on each of the node's GPUs that no placement (`taken`: also a sample
-        request's slot) and no shared executor holds."""
+    def keep_spares(self, also: Sequence[int] = ()) -> None:
+        """A spare on each of the node's GPUs that no placement, no shared executor and none of
+        `also` (a sampler process's slot) holds."""
         node = self.registration.node
         if node is None or not self.spares_on() or time.monotonic() < self.spare_after:
             return
-        held = taken | {g for h in self.hosts.values() for g in h.gpu_indices}
+        held = self.placement_gpus() | set(also) | {g for h in self.hosts.values() for g in h.gpu_indices}
         for g in range(node.gpu_count):
             if g not in held:
-                self.start_spare([g])
+                h = self._new_host(self.cfg.work_dir / "hosts" / f"spare-{time.time_ns()}", SPARE_KEY, [g])
+                self._spawn(h, ["--spare"])
+                log.info("spare executor started node=%s host=%s pid=%d gpus=%s",
+                         self.registration.node_id, h.host_id, h.pid, h.gpu_indices)
 
-    def start_spare(self, gpus: list[int]) -> LocalHost:
-        directory = self.cfg.work_dir / "hosts" / f"spare-{time.time_ns()}"
-        directory.mkdir(parents=True)
-        h = LocalHost(host_id=directory.name, directory=directory, key=SPARE_KEY, gpu_indices=gpus)
-        h.save()
-        self.hosts[h.host_id] = h
-        touch(directory / LEASE_NAME)
-        h.proc = spawn(self.cfg.host_module, "--host-dir", directory, gpus, "host.log", ["--spare"],
-                       cuda=self.registration.cuda, cache_dir=self.cfg.work_dir / "cache")
-        h.pid = h.proc.pid
-        h.save()
-        log.info("spare executor started node=%s host=%s pid=%d gpus=%s",
-                 self.registration.node_id, h.host_id, h.pid, gpus)
-        return h
+    def placement_gpus(self) -> set[int]:
+        """The GPUs (a CPU node's slots) this node's placements hold, the ones not done."""
+        return {g for p in self.placements.values() if p.status != LocalStatus.DONE for g in p.gpu_indices}
 
     def make_room(self, p: LocalPlacement) -> bool:
         """Whether no shared executor holds p's GPUs; the idle ones that do are stopped."""
@@ -127,21 +121,30 @@ class SharedHosts:
         """A new shared executor whose first task is p (its spec sets the executor's model)."""
         directory = self.cfg.work_dir / "hosts" / f"host-{p.placement_id}"
         shutil.rmtree(directory, ignore_errors=True)  # a previous try of this placement's
-        directory.mkdir(parents=True)
-        h = LocalHost(host_id=directory.name, directory=directory, key=key,
-                      gpu_indices=list(p.gpu_indices))
-        h.save()  # before the process: a restarted daemon finds it (its pid in status.json)
-        self.hosts[h.host_id] = h
-        touch(directory / LEASE_NAME)
+        h = self._new_host(directory, key, list(p.gpu_indices))
         self.attach(h, p)  # the request is there before the process looks for it
-        h.proc = spawn(self.cfg.host_module, "--host-dir", directory, h.gpu_indices,
-                       "host.log", cuda=self.registration.cuda, cache_dir=self.cfg.work_dir / "cache")
-        h.pid = p.pid = h.proc.pid
-        h.save()
+        p.pid = self._spawn(h).pid
         p.save()
         log.info("shared executor started node=%s host=%s pid=%d key=%s gpus=%s first=%s",
                  self.registration.node_id, h.host_id, h.pid, key, h.gpu_indices or "-",
                  p.placement_id)
+
+    def _new_host(self, directory: Path, key: str, gpus: list[int]) -> LocalHost:
+        """A shared executor's folder, record and lease, before its process: a restarted daemon
+        finds it (its pid then in status.json)."""
+        directory.mkdir(parents=True)
+        h = LocalHost(host_id=directory.name, directory=directory, key=key, gpu_indices=gpus)
+        h.save()
+        self.hosts[h.host_id] = h
+        touch(directory / LEASE_NAME)
+        return h
+
+    def _spawn(self, h: LocalHost, extra: Sequence[str] = ()) -> LocalHost:
+        h.proc = spawn(self.cfg.host_module, "--host-dir", h.directory, h.gpu_indices, "host.log", extra,
+                       cuda=self.registration.cuda, cache_dir=self.cfg.work_dir / "cache")
+        h.pid = h.proc.pid
+        h.save()
+        return h
 
     def attach(self, h: LocalHost, p: LocalPlacement) -> None:
         seed_before_start(p, self.cfg.work_dir / "placements", self.registration.node_id)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 
 import pytest
 import torch
 
+from tests.unit.test_background_worker import wait_until
 from trainer import host_pool
 from trainer.host_pool import ALIGN, PinnedPool
 
@@ -121,10 +121,3 @@ def test_pinning_stops_where_no_memory_is_to_be_had(monkeypatch: pytest.MonkeyPa
     assert pool.take((ALIGN,), torch.uint8) is not None  # what there is, served
 
 
-def wait_until(predicate, timeout: float = 5.0) -> bool:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False

@@ -55,29 +55,34 @@ def placement(tmp_path: Path, pid: str, gpus: list[int]) -> LocalPlacement:
 
 
 def test_a_gpu_node_keeps_one_spare_per_free_gpu_and_never_offers_it(tmp_path: Path, spawned) -> None:  # noqa: ANN001
-    sh = hosts(tmp_path)
-    sh.keep_spares(taken={1})  # GPU 1 is a placement's
+    busy = placement(tmp_path, "pl_busy", [1])
+    busy.status = LocalStatus.RUNNING
+    done = placement(tmp_path, "pl_done", [0])
+    done.status = LocalStatus.DONE  # holds nothing any more
+    sh = hosts(tmp_path, gpus=3, placements={"pl_busy": busy, "pl_done": done})
+    sh.keep_spares(also=[2])  # GPU 1 is a placement's, GPU 2 a sampler process's
     assert [p.cmd[3:] for p in spawned] == [["--spare", "gpus=[0]"]]
     (h,) = sh.hosts.values()
-    assert h.key == SPARE_KEY and h.gpu_indices == [0]
+    assert h.key == SPARE_KEY and h.gpu_indices == [0] and h.pid == spawned[0].pid
     assert json.loads((h.directory / "daemon.json").read_text())["key"] == SPARE_KEY  # a restart knows
-    sh.keep_spares(taken={1})
+    sh.keep_spares(also=[2])
     assert len(spawned) == 1  # GPU 0 is held by the spare now
     assert sh.reports() == ()  # the scheduler joins nothing to a spare
 
 
 def test_a_cpu_node_has_none_unless_asked(tmp_path: Path, spawned) -> None:  # noqa: ANN001
-    hosts(tmp_path, cuda=False).keep_spares(set())
-    hosts(tmp_path, mode="off").keep_spares(set())
+    hosts(tmp_path, cuda=False).keep_spares()
+    hosts(tmp_path, mode="off").keep_spares()
     assert spawned == []
-    hosts(tmp_path, cuda=False, mode="on").keep_spares(set())
+    hosts(tmp_path, cuda=False, mode="on").keep_spares()
     assert len(spawned) == 2
 
 
 def test_a_one_gpu_placement_adopts_the_spare_on_its_gpu(tmp_path: Path, spawned) -> None:  # noqa: ANN001
-    p = placement(tmp_path, "pl_a", [0])
-    sh = hosts(tmp_path, placements={"pl_a": p})
-    sh.keep_spares(set())
+    placements: dict[str, LocalPlacement] = {}
+    sh = hosts(tmp_path, placements=placements)
+    sh.keep_spares()  # the node idle: spares on both GPUs
+    placements["pl_a"] = p = placement(tmp_path, "pl_a", [0])  # then a placement comes
     spare = sh.spare_for(p)
     assert spare is not None and spare.gpu_indices == [0]
     assert sh.spare_for(placement(tmp_path, "pl_b", [0, 1])) is None
@@ -92,7 +97,7 @@ def test_a_one_gpu_placement_adopts_the_spare_on_its_gpu(tmp_path: Path, spawned
 
 def test_a_placement_that_cannot_share_has_the_spares_stopped_first(tmp_path: Path, spawned) -> None:  # noqa: ANN001
     sh = hosts(tmp_path)
-    sh.keep_spares(set())
+    sh.keep_spares()
     p = placement(tmp_path, "pl_big", [0, 1])
     assert not sh.make_room(p)  # both spares asked to stop; it starts once they have exited
     assert all(h.closing for h in sh.hosts.values())
@@ -110,17 +115,17 @@ def test_a_spare_that_keeps_dying_is_restarted_with_a_growing_wait(tmp_path: Pat
     sh = hosts(tmp_path, gpus=1)
     waits = []
     for _ in range(3):
-        sh.keep_spares(set())
+        sh.keep_spares()
         spawned[-1].code = 1  # died at its start
         sh.tend(None)
         assert sh.hosts == {}
         count = len(spawned)
-        sh.keep_spares(set())
+        sh.keep_spares()
         assert len(spawned) == count  # not at once
         waits.append(sh.spare_after - now[0])
         now[0] = sh.spare_after
     assert waits == [10.0, 20.0, 40.0]
-    sh.keep_spares(set())
+    sh.keep_spares()
     sh.adopt(next(iter(sh.hosts.values())), placement(tmp_path, "pl_a", [0]), "k")
     assert sh.spare_failures == 0  # one that served resets the count
 
@@ -129,7 +134,7 @@ def test_a_sample_request_may_use_a_spares_slot(tmp_path: Path, spawned) -> None
     from worker.sample_requests import SampleRequests
 
     sh = hosts(tmp_path, gpus=1)
-    sh.keep_spares(set())
+    sh.keep_spares()
     part = SampleRequests(sh.cfg, None, sh.registration, {}, sh)  # type: ignore[arg-type]
     assert part._free_slot() == [0]
     assert part._idle_hosts() == []  # no model to answer on
