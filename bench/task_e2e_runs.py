@@ -303,7 +303,10 @@ def large_run(name: str, ee: bool, attention: str, *, args: argparse.Namespace, 
                                        for b in rec["batches"]) if rec["batches"] else None,
            "samples": sum(max(c) * spec[j].batch_size for j, c in out.train.items()),
            "job_steps": {j: max(c) for j, c in out.train.items()},
-           "eval_forwards_note": "sequences per eval forward up to max_total_batch"}
+           "eval_forwards_note": "sequences per eval forward up to max_total_batch",
+           # every step the allocator saw: [cells, recompute, resident, peak, predicted] in MB
+           "memory_trace": [[p.tokens, int(p.recompute), p.resident >> 20, p.peak >> 20, round(p.predicted) >> 20]
+                            for c in ex.memory.corrections.values() for p in c.trace]}
     if rec.get("profile_table") and profile_out:
         Path(profile_out).write_text(
             f"steps (s, profiled): {rec['profile_steps_s']}\n{rec['profile_table']}\n")

@@ -14,10 +14,12 @@ from transformers import LlamaConfig
 from trainer.admission import AdmissionController, MemoryModel
 from trainer.jobs import ADAMW_CHUNK, TrainJob
 from trainer.memory_model import (
+    HEAD_BYTES,
     STEP_FIXED,
     OnlineCorrection,
     Shapes,
     analytic_model,
+    envelope,
     head_bytes,
     per_token_bytes,
     state_bytes_per_param,
@@ -64,31 +66,75 @@ def test_live_admission_counts_what_is_resident_and_each_jobs_state() -> None:
     assert adm.unschedulable([TrainJob("huge", lora_rank=64, batch_size=8)]) == ["huge"]
 
 
-def test_online_correction_raises_at_once_and_settles_to_the_observed_need() -> None:
+def test_online_correction_raises_at_once_and_settles_to_the_steps_envelope() -> None:
     corr = OnlineCorrection(MemoryModel(20e9, 500e3), head_per_token=1e6, head_chunk=1000, settle=3)
     fixed = corr.fixed(1000, 0)  # the head's chunk (1 GB at >= 1000 tokens) and the step's constant
     assert fixed == pytest.approx(1e9 + STEP_FIXED)
     res = 20_000_000_000
-    # a step needing 600 kB a token: raised at once, above it
+    # the largest step so far needing 600 kB a token: the slope raised at once, above it
     assert corr.observe(2000, True, res, int(res + fixed + 600e3 * 2000))
-    assert corr.model.k1 == pytest.approx(600e3 * 1.05)
+    assert corr.model.k1 == pytest.approx(600e3 * 1.05) and corr.extra == 0
     # a step that leaves more allocated (a first step's AdamW moments): not corrected from, and
     # predicted as its activations or its lasting allocations, whichever is larger
     assert not corr.observe(2000, True, res, int(res + 5e9 + 1e9), after=int(res + 5e9))
     assert corr.model.k1 == pytest.approx(600e3 * 1.05)
     assert corr.trace[-1].predicted == pytest.approx(max(res + fixed + 630e3 * 2000, res + 5e9))
-    # steps needing less: kept until `settle` steps agree, then lowered to the largest need + 5%
-    assert not corr.observe(1000, True, res, int(res + fixed + 400e3 * 1000))
-    assert corr.observe(3000, True, res, int(res + fixed + 590e3 * 3000)) is False
+    # a smaller step short by 300 MB: the constant rises (k0 with it), not the slope (charged per
+    # token, 300 MB over 100 tokens would have made k1 3 MB/token: 5x every large step's need)
+    assert corr.observe(100, True, res, int(res + corr.fixed(100, 0) + 630e3 * 100 + 300e6))
     assert corr.model.k1 == pytest.approx(630e3)
+    assert corr.extra == pytest.approx(300e6 * 1.05 + 630e3 * 100 * 0.05)
+    assert corr.model.k0 == pytest.approx(20e9 + corr.extra)
+    again = corr.trace[-1]
+    assert corr.predict_transient(100) + res >= again.peak  # covers the step that raised it
+    # settled (3 steps over a span of 20x): the envelope through the largest step, with the
+    # steepest slope that covers the smaller ones, lowered where it predicts less at the largest
+    assert corr.observe(4000, True, res, int(res + corr.fixed(4000, 0) + 520e3 * 4000 + 300e6))
+    assert corr.model.k1 < 630e3
+    for t, x in [(2000, 600e3 * 2000), (100, 630e3 * 100 + 300e6), (4000, 520e3 * 4000 + 300e6)]:
+        assert corr.extra + corr.model.k1 * t >= x  # every step stays covered
+    top = 520e3 * 4000 + 300e6
+    assert corr.extra + corr.model.k1 * 4000 == pytest.approx(top * 1.05)
+    # every step is traced with its prediction at the model of its time
     corr2 = OnlineCorrection(MemoryModel(20e9, 900e3), head_per_token=1e6, head_chunk=1000, settle=2)
     corr2.observe(1000, True, res, int(res + fixed + 500e3 * 1000))
-    assert corr2.model.k1 == 900e3  # one step: not yet
-    assert corr2.observe(1000, True, res, int(res + fixed + 520e3 * 1000))
-    assert corr2.model.k1 == pytest.approx(520e3 * 1.05)
-    assert corr2.model.k0 == 20e9
-    # every step is traced with its prediction at the model of its time
+    corr2.observe(1000, True, res, int(res + fixed + 520e3 * 1000))
+    assert corr2.model == MemoryModel(20e9, 900e3)  # no span of tokens: no slope to settle to
     assert [round(p.predicted) for p in corr2.trace] == [round(res + fixed + 900e3 * 1000)] * 2
+
+
+def test_envelope_of_the_steps() -> None:
+    # through the largest step, the steepest slope covering the rest; none without a span
+    assert envelope([(1000, 1e9), (1500, 1.4e9)]) is None
+    e, k = envelope([(100, 0.5e9), (1000, 2e9), (4000, 5e9)])
+    assert k == pytest.approx(3e9 / 3000) and e == pytest.approx(5e9 - 4000 * k)
+    assert all(e + k * t >= x - 1 for t, x in [(100, 0.5e9), (1000, 2e9), (4000, 5e9)])
+    # points under a line through the origin: no negative constant
+    assert envelope([(100, 1e6), (1000, 1e9)]) == (0.0, pytest.approx(1e6))
+
+
+def test_online_correction_on_a_shared_hosts_steps_recorded_on_an_h200() -> None:
+    """Every step the allocator saw in the shared executor host on an H200 (two 8-job tasks of
+    the 8B shape in one process, 64 to 8192 tokens, with and without recompute), replayed through
+    the correction from the analytic model: each peak predicted within 10% (the code that ran
+    there over-predicted an 842-token step by 15.4%: small steps' deficits charged per token) and
+    never more than 1% under."""
+    data = json.loads((Path(__file__).parent / "data" / "memory_trace_host_h200.json").read_text())
+    config = LlamaConfig(**data["model"])
+    s = Shapes.of(config)
+    worst_before = max(abs(p - peak) / peak for _, _, _, peak, p in data["steps"])
+    assert worst_before > 0.15  # what the trace's own predictions were
+    for recompute in (True, False):
+        mm = analytic_model(config, head_chunk=data["head_chunk"], max_rank=data["max_rank"],
+                            n_targets=data["targets"], recompute=recompute)
+        corr = OnlineCorrection(mm, head_per_token=HEAD_BYTES * s.vocab, head_chunk=data["head_chunk"])
+        steps = [st for st in data["steps"] if st[1] == int(recompute)]
+        assert len(steps) >= 4
+        for cells, _, resident, peak, _ in steps:
+            corr.observe(cells, recompute, resident << 20, peak << 20, ADAMW_CHUNK)
+        for p in corr.trace:
+            error = (p.predicted - p.peak) / p.peak
+            assert -0.01 <= error <= 0.10, (p, error)
 
 
 def test_the_analytic_model_against_peaks_measured_on_an_h100() -> None:
