@@ -397,5 +397,19 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     rm -rf /dev/shm/search_a
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
+  s22_a)  # session 22, call 1 (issues 40, 41): the memory model's correction (offset for small steps, the
+          # envelope once settled): the user's search (a) at 32 layers (its memory trace in the JSON),
+          # then the shared host with a spare (its trace too)
+    runs=""
+    if [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 45 ]; then runs=/dev/shm/search_a; fi
+    step 330 search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s 300 \
+      ${runs:+--runs-dir "$runs"} --json "$OUT/search_a.json" --out "$OUT/search_a.md"
+    rm -rf /dev/shm/search_a
+    export TRITON_CACHE_DIR=/tmp/s22_triton
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site step 220 warm_spare python3 bench/warm_host.py --spare --layers 32 --n-train 120 \
+      --deadline-s 200 --out "$OUT/warm_host_spare.md" --json "$OUT/warm_host_spare.json"
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac
