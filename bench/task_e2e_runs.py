@@ -73,6 +73,7 @@ class TraceExecutor(Executor):
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV.type == "cuda" else [])
                 self.recorder["profiler"] = profile(activities=acts)
                 self.recorder["profiler"].__enter__()
+            before = graph_counts(eng)
             t0 = time.perf_counter()
             self.recorder["active"] = True
             try:
@@ -81,6 +82,10 @@ class TraceExecutor(Executor):
                 self.recorder["active"] = False
             sync()
             self.recorder["step_s"].append(time.perf_counter() - t0)
+            # where a step's time goes: [tokens, jobs, recompute, seconds, graph event]
+            self.recorder["step_trace"].append([
+                report.tokens, len(report.losses), int(bool(eng.gradient_checkpointing)),
+                round(self.recorder["step_s"][-1], 4), graph_event(eng, before)])
             if prof is not None and n == prof + 2:
                 p = self.recorder.pop("profiler")
                 p.__exit__(None, None, None)
@@ -94,7 +99,14 @@ class TraceExecutor(Executor):
 
         def evaluate_metrics(examples, batch_size=8, job_ids=None, max_sequences=None,  # noqa: ANN001, ANN202
                              forwards=None):
+            before, t0 = graph_counts(eng), time.perf_counter()
             out = real_eval(examples, batch_size, job_ids, max_sequences, forwards)
+            sync()
+            # [jobs, examples, examples per forward, sequences per forward, seconds, graph counts' change]
+            after = graph_counts(eng)
+            self.recorder["eval_trace"].append([
+                len(out), len(examples), batch_size, max_sequences, round(time.perf_counter() - t0, 4),
+                {k: after[k] - before[k] for k in after if after[k] != before[k]}])
             for j in out if self.trace is not None else ():
                 curve, step = self.trace.val.get(j, {}), eng.jobs[j].step
                 if step not in curve:
@@ -109,10 +121,23 @@ class TraceExecutor(Executor):
 REC: dict[str, Any] = {}
 
 
+def graph_counts(eng: Any) -> dict[str, int]:
+    graphs = getattr(eng, "step_graphs", None)
+    return graphs.stats() if graphs is not None else {}
+
+
+def graph_event(eng: Any, before: dict[str, int]) -> str:
+    """What the step graphs did in a step: replay, capture, eager, covered (or none)."""
+    after = graph_counts(eng)
+    changed = [k for k in ("captures", "eager_runs", "covered", "replays") if after.get(k, 0) != before.get(k, 0)]
+    return "+".join(changed) or "none"
+
+
 def install_recorder() -> dict:
     """Record every training step's packed batch (CPU) and the host time of packing/layout."""
     fresh = not REC
-    REC.update({"active": False, "batches": [], "step_s": [], "pack_s": 0.0, "layout_s": 0.0})
+    REC.update({"active": False, "batches": [], "step_s": [], "pack_s": 0.0, "layout_s": 0.0,
+                "step_trace": [], "eval_trace": []})
     rec = REC
     if not fresh:
         return rec
@@ -305,6 +330,8 @@ def large_run(name: str, ee: bool, attention: str, *, args: argparse.Namespace, 
            "job_steps": {j: max(c) for j, c in out.train.items()},
            "eval_forwards_note": "sequences per eval forward up to max_total_batch",
            # every step the allocator saw: [cells, recompute, resident, peak, predicted] in MB
+           "step_trace": rec["step_trace"], "eval_trace": rec["eval_trace"],
+           "graphs": graph_counts(ex.engine),
            "memory_trace": [[p.tokens, int(p.recompute), p.resident >> 20, p.peak >> 20, round(p.predicted) >> 20]
                             for c in ex.memory.corrections.values() for p in c.trace]}
     if rec.get("profile_table") and profile_out:
