@@ -413,15 +413,14 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     ;;
   s22_b)  # session 22, call 2 (issues 40, 41): search (a) with every step's and evaluation's time and graph
           # event in its JSON (where training and evaluation go) and the writer's direct safetensors
-          # writes, then issue 41's 60-step 8-job task in a fresh process (wall / training)
+          # writes, then the repeatable decode (issue 44) with the shrink unsplit under deterministic mode
     runs=""
     if [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 45 ]; then runs=/dev/shm/search_a; fi
     step 330 search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s 300 \
       ${runs:+--runs-dir "$runs"} --json "$OUT/search_a.json" --out "$OUT/search_a.md"
     rm -rf /dev/shm/search_a
-    export TRITON_CACHE_DIR=/tmp/s22_triton
-    step 200 task60 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold \
-      --out "$OUT/executor_task60.md" --json "$OUT/executor_task60.json"
+    step 150 samples_rep python3 bench/samples_decode.py --layers 32 --new 128 --out "$OUT/samples_repeatable.md" \
+      --json "$OUT/samples_repeatable.json"
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
