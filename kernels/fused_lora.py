@@ -563,14 +563,6 @@ class _Ctx:
         return (triton.cdiv(self.t, rows) + self.n) * triton.cdiv(self.r_max, block_r)
 
 
-def _unsplit(cfg: triton.Config) -> triton.Config:
-    """A split shrink configuration's tile with SPLIT_C = 1: its programs add their partial sums
-    into P with float atomics, in an order that changes from run to run; where torch's
-    deterministic algorithms are on (trainer.sampling.repeatable: a seeded decode repeats) each
-    program sweeps all of C and stores, so a forward gives the same bits every time."""
-    return _cfg(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **{**cfg.kwargs, "SPLIT_C": 1})
-
-
 def _shrink_launch(c: _Ctx, m, w, w_strides, woff, p, arena: int, wgrad=None) -> None:  # noqa: ANN001
     """p[rows_i, :r_i] = m[rows_i] @ W_i^T; with wgrad = (s_buf, g, goff): also g_i += s_i S^T m."""
     s_buf, g, goff = wgrad if wgrad is not None else (p, p, woff)
@@ -579,10 +571,7 @@ def _shrink_launch(c: _Ctx, m, w, w_strides, woff, p, arena: int, wgrad=None) ->
             m.stride(0), m.stride(1), *w_strides, p.stride(0), s_buf.stride(0))
     meta = dict(N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, FUSE_WGRAD=wgrad is not None)
     if wgrad is None:
-        cfg = _shrink.choose(grid, args, meta)
-        if cfg.kwargs.get("SPLIT_C", 1) > 1 and torch.are_deterministic_algorithms_enabled():
-            cfg = _unsplit(cfg)  # the same tile without the column splits' float atomics
-        _shrink._run(cfg, grid, args, meta)
+        _shrink[grid](*args, **meta)
     else:
         _shrink_wgrad[grid](*args, **meta)
 
