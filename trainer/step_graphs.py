@@ -13,9 +13,10 @@ layers, the head's per-token losses over every position (ignored targets count z
 mean loss (segment sums by slot), the non-finite guard and the backward into the gradient arena.
 What follows the graph (norms, the one sync, clipping, AdamW) is the engine's, as in eager steps.
 
-The first key of a class (job slots, rank tile, flags: `GraphKey.warm_class`) runs eagerly (it
-compiles and loads every kernel, creates the backward's handles: nothing may wait for the device
-inside a capture); every key of a warm class is captured at its first step and replayed from then
+Keys of more than MAX_CAPTURE_TOKENS tokens (the GPU, not the host, bounds them) always run
+eagerly on their static buffers. The first key of a class (job slots, rank tile, flags:
+`GraphKey.warm_class`) runs eagerly (it compiles and loads every kernel, creates the backward's
+handles: nothing may wait for the device inside a capture); every key of a warm class is captured at its first step and replayed from then
 on, unless a captured key of the same kind with at most `cover_ratio` times its tokens (and
 slots enough) can run it padded: then that capture replays (fewer captures, each ~1 s at 32
 layers of 8B, for a few percent of padded work); all graphs share one memory pool (one runs at a time, each reads its outputs before the next). Graphs live in their process only; the arena growing (a new storage) drops them. Where CUDA
@@ -64,6 +65,15 @@ class GraphedEngine(Protocol):
 
     @property
     def plain_objective(self) -> bool: ...
+
+
+# Keys of more tokens run eagerly on their static buffers, never captured: their kernels keep the
+# GPU busy while the host launches the next (at 32 layers of the 8B shape a step's GPU time
+# passes its ~0.5 s of host launches near 4k tokens), while a capture costs ~1 s and keeps its
+# activations in the graphs' pool for good. On an H200 a 48-configuration search captured its
+# 57k-token warmup steps (6-7 s each, nothing to gain): the pool then held so much that admission
+# allowed 8 sequences a forward and evaluation ran 192 forwards of one job and 8 examples (16 s).
+MAX_CAPTURE_TOKENS = 16384
 
 
 def _pow2(n: int, floor: int) -> int:
@@ -131,9 +141,10 @@ class StepGraphs:
     whether a step can take this path, `forward_backward` runs it."""
 
     def __init__(self, engine: GraphedEngine, per_octave: int = 4, max_graphs: int = 64,
-                 cover_ratio: float = 1.19) -> None:
+                 cover_ratio: float = 1.19, max_capture_tokens: int = MAX_CAPTURE_TOKENS) -> None:
         self.engine = engine
         self.per_octave = per_octave
+        self.max_capture_tokens = max_capture_tokens  # larger keys run eagerly (see MAX_CAPTURE_TOKENS)
         self.cover_ratio = cover_ratio  # a step replays a capture of up to this many times its tokens
         self.max_graphs = max_graphs
         self.warm: set[tuple] = set()  # key classes that ran eagerly in this process
@@ -199,7 +210,8 @@ class StepGraphs:
         entry = self._entry(key)
         counts = self._fill(entry.static, key, cpu, states, ints)
         eng.forward_shapes[(*cpu.input_ids.shape, train)] += 1
-        captured_now = entry.graph is None and not entry.failed and key.warm_class in self.warm
+        captured_now = (entry.graph is None and not entry.failed and key.warm_class in self.warm
+                        and key.tokens <= self.max_capture_tokens)
         if captured_now:
             entry.graph = self._capture(entry, key)
         # a replay of an earlier capture allocates nothing (its memory is the pool's)

@@ -153,3 +153,28 @@ def test_the_arena_growing_drops_the_captures(model_dir) -> None:  # noqa: ANN00
     graphed.attach(job("big", 64, 2, 2))  # grows the arena: a new storage
     graphed.step()
     assert len(g.entries) == 1 and g.eager_runs == 2  # the old capture dropped, the new key eager
+
+
+def test_keys_above_the_capture_limit_run_eagerly_and_equal_eager_steps(model_dir) -> None:  # noqa: ANN001
+    """A step of more tokens than max_capture_tokens (GPU-bound on a device: nothing to gain, its
+    activations would stay in the graphs' pool) runs eagerly on the static buffers every time;
+    a smaller one of the same class is still captured and replayed."""
+    data = examples(48, 24)
+    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
+    g = graphed.step_graphs
+    g.max_capture_tokens = 100  # a batch of 2 x 24 tokens: under; 6 x 24: over
+    for eng in (eager, graphed):
+        eng.attach(job("a", 4, 2, 1))
+        eng.attach(job("b", 8, 4, 2))
+    for _ in range(3):
+        want, got = eager.step(), graphed.step()
+        for j in want.losses:
+            assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-5), j
+    assert (g.eager_runs, g.captures, g.replays) == (3, 0, 0) and not g.last_replayed
+    for eng in (eager, graphed):
+        eng.detach("b")
+    for _ in range(3):
+        want, got = eager.step(), graphed.step()
+        assert math.isclose(got.losses["a"], want.losses["a"], rel_tol=2e-5)
+    assert (g.eager_runs, g.captures, g.replays) == (3, 1, 3) and g.last_replayed
+    torch.testing.assert_close(graphed.jobs["a"].adapter.flat, eager.jobs["a"].adapter.flat, rtol=1e-4, atol=1e-6)
