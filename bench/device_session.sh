@@ -423,5 +423,16 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
       --json "$OUT/samples_repeatable.json"
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
+  s22_c)  # session 22, call 3 (issues 40, 41): search (a) with steps over 16k tokens never captured (the
+          # graphs' pool no longer squeezes admission and evaluation) and the writer's direct
+          # safetensors writes; then every GPU test on the code that lands
+    runs=""
+    if [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 45 ]; then runs=/dev/shm/search_a; fi
+    step 300 search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s 280 \
+      ${runs:+--runs-dir "$runs"} --json "$OUT/search_a.json" --out "$OUT/search_a.md"
+    rm -rf /dev/shm/search_a
+    step 285 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac
