@@ -434,5 +434,15 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 285 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
+  s22_d)  # session 22, call 4 (issue 41): the 60-step 8-job task in a fresh process (the memory model's
+          # correction, steps over 16k tokens eager), then the spare host again, on the code that lands
+    export TRITON_CACHE_DIR=/tmp/s22d_triton
+    step 200 task60 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold \
+      --out "$OUT/executor_task60.md" --json "$OUT/executor_task60.json"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site step 220 warm_spare python3 bench/warm_host.py --spare --layers 32 --n-train 120 \
+      --deadline-s 200 --out "$OUT/warm_host_spare.md" --json "$OUT/warm_host_spare.json"
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac
