@@ -444,5 +444,13 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
       --deadline-s 200 --out "$OUT/warm_host_spare.md" --json "$OUT/warm_host_spare.json"
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
+  s22_e)  # session 22, call 5 (issue 40): where an evaluation's time goes at 32 layers (the search's first
+          # evaluation: 12 jobs x 64 samples, 16 a forward, 205 sequences; its third: 24 jobs, 11, 132)
+    step 200 eval12 python3 bench/eval_profile.py --layers 32 --jobs 12 --chunk 16 --cap 205 \
+      --out "$OUT/eval_profile_12.md" --json "$OUT/eval_profile_12.json"
+    step 200 eval24 python3 bench/eval_profile.py --layers 32 --jobs 24 --chunk 11 --cap 132 \
+      --out "$OUT/eval_profile_24.md" --json "$OUT/eval_profile_24.json"
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac
