@@ -452,5 +452,8 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
       --out "$OUT/eval_profile_24.md" --json "$OUT/eval_profile_24.json"
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
+  s22_f)  # session 22, call 6 (issue 44): which module of the decode's prefill differs from run to run
+    step 150 probe python3 bench/decode_probe.py --layers 32 --json "$OUT/decode_probe.json"
+    ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests" >&2; exit 2 ;;
 esac
