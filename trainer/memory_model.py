@@ -40,6 +40,7 @@ STEP_FIXED = 768 << 20  # what a step holds whatever its tokens beyond the head 
 WORKSPACE = 512 << 20  # cuBLAS/Triton workspaces, the allocator's rounding of the big blocks
 ACTIVATION_SLACK = 1.5
 ARENA_SLACK = 1.125  # the arena grows by an eighth at least: a job's state costs up to this more
+MAX_POINTS = 512  # the steps the envelope is drawn over (the largest always among them)
 LASTING = 256 << 20  # a step that leaves more allocated than this (new jobs' states) is not corrected from
 
 
@@ -196,6 +197,9 @@ class OnlineCorrection:
         excess = float(peak - resident - self.fixed(tokens, adapter_params))
         largest = max((t for t, _ in self._points), default=0)
         self._points.append((tokens, excess))
+        if len(self._points) > MAX_POINTS:  # a long task: the largest step and the latest ones
+            top = max(range(len(self._points)), key=lambda i: self._points[i])
+            self._points = [self._points[top]] + [p for i, p in enumerate(self._points) if i != top][-(MAX_POINTS - 1):]
         e, k = self.extra, self.model.k1
         if excess > e + k * tokens:  # never under: raise at once
             if tokens >= largest:

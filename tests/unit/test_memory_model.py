@@ -15,6 +15,7 @@ from trainer.admission import AdmissionController, MemoryModel
 from trainer.jobs import ADAMW_CHUNK, TrainJob
 from trainer.memory_model import (
     HEAD_BYTES,
+    MAX_POINTS,
     STEP_FIXED,
     OnlineCorrection,
     Shapes,
@@ -174,3 +175,14 @@ def test_recompute_is_chosen_from_the_steps_own_tokens(tmp_path) -> None:  # noq
         eng.step()
         flags.append(eng.gradient_checkpointing)
     assert sorted(set(seen)) == [8, 40] and flags == [t > 16 for t in seen]
+
+
+def test_a_long_tasks_steps_keep_the_largest_and_the_latest() -> None:
+    corr = OnlineCorrection(MemoryModel(1e9, 1e5), head_per_token=0.0, head_chunk=1, settle=2)
+    res = 10**10
+    for i in range(3 * MAX_POINTS):
+        t = 9000 if i == 5 else 100 + (i * 37) % 4000
+        corr.observe(t, True, res, int(res + corr.fixed(t, 0) + 9e4 * t + 1e8))
+    assert len(corr._points) == MAX_POINTS and max(t for t, _ in corr._points) == 9000
+    # the line found from them: the steps' 90 kB a token and 100 MB constant, with the margin
+    assert corr.model.k1 == pytest.approx(9e4 * 1.05) and corr.extra == pytest.approx(1e8 * 1.05)
