@@ -38,10 +38,12 @@ def repeatable(device: torch.device) -> Iterator[None]:
     """On CUDA, with cuBLAS's workspaces fixed (CUBLAS_WORKSPACE_CONFIG, set before the process's
     first cuBLAS call: worker.processes.spawn sets it for every process of a node): torch's
     deterministic algorithms for the decode (warn-only: an op without a deterministic kernel
-    still runs, and its warning is not the user's), restored after. Both
-    together made greedy decoding at 32 layers of bf16 repeat; neither alone did (session 20's
-    probes on the H200). Else nothing changes: the CPU's kernels repeat as they are, and without
-    the variable cuBLAS does not repeat whatever torch asks. LORAPLEX_REPEATABLE_DECODE=0: off."""
+    still runs, and its warning is not the user's), restored after. Neither alone made greedy
+    decoding at 32 layers of bf16 repeat (session 20's probes on an H200), and with both it still
+    did not in session 22's three runs there (bench/results/session22_h200.md: some op of the
+    decode's forward differs run to run; bench/decode_probe.py finds which); at 2 layers in
+    float32 the decode repeats (tests/gpu/test_samples_gpu.py). Else nothing changes: the CPU's
+    kernels repeat as they are. LORAPLEX_REPEATABLE_DECODE=0: off."""
     if (device.type != "cuda" or not os.environ.get("CUBLAS_WORKSPACE_CONFIG")
             or os.environ.get("LORAPLEX_REPEATABLE_DECODE", "1") == "0"):
         yield
