@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_step import llama8b_config  # noqa: E402
+from task_e2e_data import emit  # noqa: E402
 
 from trainer.engine import MultiLoraEngine  # noqa: E402
 from trainer.jobs import TrainJob  # noqa: E402
@@ -84,9 +85,7 @@ def main() -> None:
            "modules_called": [len(a), len(b)], "modules_differing": len(differ),
            "first_differing": differ[:5], "tokens_equal": outs[0] == outs[1],
            "deterministic_algorithms_in_decode": "trainer.sampling.repeatable"}
-    print(json.dumps(res, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+    emit(json.dumps(res, indent=1), res, args)
 
 
 if __name__ == "__main__":

@@ -37,18 +37,22 @@ def llama8b_config(layers: int):  # noqa: ANN201
 
 
 def timed(fn, warmup: int, iters: int) -> tuple[float, float]:  # noqa: ANN001
-    """Median seconds of fn() over iters after warmup, and the peak memory (GiB) during them."""
+    """Median seconds of fn() over iters after warmup, and the peak memory (GiB) during them
+    (0 on a CPU, where nothing is synced either: a --smoke run)."""
+    cuda = torch.cuda.is_available()
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
 
 
 def floor_step(model, ids: torch.Tensor) -> None:  # noqa: ANN001

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_step import llama8b_config  # noqa: E402
+from engine_step import llama8b_config, timed  # noqa: E402
+from task_e2e_data import emit  # noqa: E402
 
 from trainer.data import Example  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
@@ -44,17 +43,6 @@ def examples(n: int, tokens: int, vocab: int, seed: int) -> list[Example]:
         ids = torch.randint(3, vocab, (k,), generator=g).tolist()
         out.append(Example(tuple(ids), tuple([-100] * (k // 4) + ids[k // 4:])))
     return out
-
-
-def timed(fn, iters: int) -> float:  # noqa: ANN001
-    walls = []
-    for _ in range(iters):
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
-        walls.append(time.perf_counter() - t0)
-    return statistics.median(walls)
 
 
 def main() -> None:
@@ -103,7 +91,7 @@ def main() -> None:
     for graphs in (True, False):
         eng.step_graphs = graphed if graphs else None
         results[graphs] = run()  # warm: kernels, captures
-        s = timed(run, args.iters)
+        s = timed(run, 0, args.iters)[0]
         rows.append(("engine, step graphs" if graphs else "engine, eager", s, toks,
                      graphed.stats() if graphs and graphed is not None else {}))
     res["loss_agree"] = max(abs(results[True][j]["loss"] - results[False][j]["loss"]) / results[False][j]["loss"]
@@ -138,8 +126,7 @@ def main() -> None:
             model.model(input_ids=b.input_ids.to(dev), position_ids=b.position_ids.to(dev), use_cache=False,
                         cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
 
-    floor()
-    s = timed(floor, args.iters)
+    s = timed(floor, 1, args.iters)[0]  # one warm-up run, then synced medians
     rows.append(("backbone alone (no job, no head)", s, args.jobs * sum(len(e.input_ids) for e in val), {}))
     n_params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
     lines = [f"# An evaluation's forwards ({res['device']}, {config.num_hidden_layers} layers of the Llama-3.1-8B shape)", "",
@@ -154,13 +141,8 @@ def main() -> None:
     if "top" in res:
         lines += ["", f"Eager evaluation, GPU kernels: {res['kernel_s']:.3f} s in all; the top 15 (name, calls, ms):", ""]
         lines += [f"- {k} x{c}: {ms} ms" for k, c, ms in res["top"]]
-    text = "\n".join(lines) + "\n"
-    print(text)
     res["rows"] = [list(r[:3]) for r in rows]
-    if args.out:
-        Path(args.out).write_text(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+    emit("\n".join(lines) + "\n", res, args)
 
 
 if __name__ == "__main__":
