@@ -210,7 +210,7 @@ class OnlineCorrection:
             fit = envelope(self._points)
             if fit is not None:
                 fe, fk = fit[0] * self.margin, fit[1] * self.margin
-                top = max(t for t, _ in self._points)
+                top = max(largest, tokens)  # the largest step (always among the points kept)
                 if fe + fk * top < e + k * top:  # lower where the largest step was
                     e, k = fe, fk
         if (e, k) == (self.extra, self.model.k1):
