@@ -22,6 +22,16 @@ side_by_side() {  # this tree's engine stages and fused engine step against the 
   PYTHONPATH=$PWD step 110 engine_old python3 "$old/bench/engine_step.py" --jobs 8 --skip-peft --skip-torch \
     --forms fused --out "$OUT/engine_step_old_h100.md"
 }
+search_a() {  # search_a LIMIT DEADLINE: the user's search (a) at 32 layers, 48 configurations, its quality
+  # phase in the same call; the executor's folder (its ~38 GB first checkpoint) on tmpfs when that
+  # has the room (the device's disk does not, beside the 16 GB model)
+  local runs=""
+  if [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 45 ]; then runs=/dev/shm/search_a; fi
+  echo "runs dir: ${runs:-under --work (disk)}" | tee -a "$OUT/steps.txt"
+  step "$1" search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s "$2" \
+    ${runs:+--runs-dir "$runs"} --json "$OUT/search_a.json" --out "$OUT/search_a.md"
+  rm -rf /dev/shm/search_a
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print(torch.__version__, triton.__version__, transformers.__version__, peft.__version__)" | tee -a "$OUT/gpu.txt"
 case "${1:-}" in
@@ -389,22 +399,13 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
                # quality phase in the same call; the executor's folder (its ~38 GB first checkpoint) on
                # tmpfs when it has the room (the device's disk does not, beside the 16 GB model)
     df -h /tmp /dev/shm | tee -a "$OUT/steps.txt"
-    runs=""
-    if [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 45 ]; then runs=/dev/shm/search_a; fi
-    echo "runs dir: ${runs:-under --work (disk)}" | tee -a "$OUT/steps.txt"
-    step 560 search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s 530 \
-      ${runs:+--runs-dir "$runs"} --json "$OUT/search_a.json" --out "$OUT/search_a.md"
-    rm -rf /dev/shm/search_a
+    search_a 560 530
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
   s22_a)  # session 22, call 1 (issues 40, 41): the memory model's correction (offset for small steps, the
           # envelope once settled): the user's search (a) at 32 layers (its memory trace in the JSON),
           # then the shared host with a spare (its trace too)
-    runs=""
-    if [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 45 ]; then runs=/dev/shm/search_a; fi
-    step 330 search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s 300 \
-      ${runs:+--runs-dir "$runs"} --json "$OUT/search_a.json" --out "$OUT/search_a.md"
-    rm -rf /dev/shm/search_a
+    search_a 330 300
     export TRITON_CACHE_DIR=/tmp/s22_triton
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site step 220 warm_spare python3 bench/warm_host.py --spare --layers 32 --n-train 120 \
@@ -414,11 +415,7 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
   s22_b)  # session 22, call 2 (issues 40, 41): search (a) with every step's and evaluation's time and graph
           # event in its JSON (where training and evaluation go) and the writer's direct safetensors
           # writes, then the repeatable decode (issue 44) with the shrink unsplit under deterministic mode
-    runs=""
-    if [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 45 ]; then runs=/dev/shm/search_a; fi
-    step 330 search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s 300 \
-      ${runs:+--runs-dir "$runs"} --json "$OUT/search_a.json" --out "$OUT/search_a.md"
-    rm -rf /dev/shm/search_a
+    search_a 330 300
     step 150 samples_rep python3 bench/samples_decode.py --layers 32 --new 128 --out "$OUT/samples_repeatable.md" \
       --json "$OUT/samples_repeatable.json"
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
@@ -426,11 +423,7 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
   s22_c)  # session 22, call 3 (issues 40, 41): search (a) with steps over 16k tokens never captured (the
           # graphs' pool no longer squeezes admission and evaluation) and the writer's direct
           # safetensors writes; then every GPU test on the code that lands
-    runs=""
-    if [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 45 ]; then runs=/dev/shm/search_a; fi
-    step 300 search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s 280 \
-      ${runs:+--runs-dir "$runs"} --json "$OUT/search_a.json" --out "$OUT/search_a.md"
-    rm -rf /dev/shm/search_a
+    search_a 300 280
     step 285 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
