@@ -33,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=200)
+    ap.add_argument("--new", type=int, default=4, help="new tokens per row (forwards compared: 1 + new - 1)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -59,31 +60,70 @@ def main() -> None:
     prompts = [torch.randint(3, config.vocab_size, (n_prompt,), generator=g).tolist() for _ in range(8)]
     rows = [(p, c) for p in prompts for c in [None, *names]]
     mod_names = {m: n for n, m in model.named_modules()}
-    records: list[list[tuple[str, float, float]]] = []
+    records: list[list[tuple[str, tuple[float, ...], tuple[float, ...]]]] = []
+    keep: dict[int, tuple] = {}  # call index -> (module, args, kwargs) kept in the third run
 
-    def hook(module, _inputs, output) -> None:  # noqa: ANN001
-        t = output if torch.is_tensor(output) else next((o for o in (output if isinstance(output, tuple) else
-                                                                      getattr(output, "values", lambda: [])())
-                                                         if torch.is_tensor(o)), None)
-        if t is not None and records:
-            f = t.detach().float()
-            records[-1].append((mod_names.get(module, "?"), float(f.sum()), float(f.abs().sum())))
+    def digest(ts) -> tuple[float, ...]:  # noqa: ANN001
+        out: list[float] = []
+        for t in ts:
+            if torch.is_tensor(t) and t.is_floating_point():
+                f = t.detach().float()
+                out += [float(f.sum()), float(f.abs().sum()), float((f * f).sum())]
+            elif torch.is_tensor(t):
+                out.append(float(t.detach().long().sum()))
+        return tuple(out)
 
-    handles = [m.register_forward_hook(hook) for m in model.modules()]
+    def flat(x) -> list:  # noqa: ANN001
+        if torch.is_tensor(x):
+            return [x]
+        if isinstance(x, (tuple, list)):
+            return [t for y in x for t in flat(y)]
+        if isinstance(x, dict):
+            return [t for y in x.values() for t in flat(y)]
+        return [t for t in flat(list(getattr(x, "values", lambda: [])()))] if hasattr(x, "values") else []
+
+    def hook(module, args, kwargs, output) -> None:  # noqa: ANN001
+        if not records:
+            return
+        k = len(records[-1])
+        if k in keep and keep[k] is None:
+            keep[k] = (module, tuple(a.clone() if torch.is_tensor(a) else a for a in args),
+                       {n: v.clone() if torch.is_tensor(v) else v for n, v in kwargs.items()})
+        records[-1].append((mod_names.get(module, "?"), digest(flat(args) + flat(kwargs)), digest(flat(output))))
+
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in model.modules()]
     outs = []
+
+    def once() -> list[list[int]]:
+        records.append([])
+        return generate(eng, [p for p, _ in rows], [c for _, c in rows], max_new_tokens=args.new,
+                        eos_token_id=None, pad_id=0, static=False)
+
     try:
-        for _ in range(2):
-            records.append([])
-            outs.append(generate(eng, [p for p, _ in rows], [c for _, c in rows], max_new_tokens=1,
-                                 eos_token_id=None, pad_id=0, static=False))
+        outs = [once(), once()]
+        a, b = records
+        idx = [k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x[2] != y[2]]
+        first = idx[0] if idx else None
+        same_inputs = None if first is None else a[first][1] == b[first][1]
+        rerun_equal = None
+        if first is not None:  # the module alone, twice on the same kept inputs
+            keep[first] = None
+            once()
+            module, kargs, kkw = keep[first]
+            with torch.no_grad():
+                r1, r2 = module(*kargs, **kkw), module(*kargs, **kkw)
+            rerun_equal = all(torch.equal(u, v) for u, v in zip(flat(r1), flat(r2), strict=True))
     finally:
         for h in handles:
             h.remove()
-    a, b = records
-    differ = [(x[0], x[1] - y[1]) for x, y in zip(a, b, strict=False) if (x[1], x[2]) != (y[1], y[2])]
+    embeds = [k for k, x in enumerate(a) if x[0].endswith("embed_tokens")]
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "layers": config.num_hidden_layers,
-           "modules_called": [len(a), len(b)], "modules_differing": len(differ),
-           "first_differing": differ[:5], "tokens_equal": outs[0] == outs[1],
+           "new_tokens": args.new, "modules_called": [len(a), len(b)], "modules_differing": len(idx),
+           "first_differing": None if first is None else {
+               "index": first, "module": a[first][0], "forward": sum(1 for e in embeds if e <= first) - 1,
+               "inputs_equal": same_inputs, "module_alone_twice_equal": rerun_equal,
+               "next": [a[k][0] for k in idx[1:6]]},
+           "tokens_equal": outs[0] == outs[1], "rows_equal": sum(x == y for x, y in zip(*outs, strict=True)),
            "deterministic_algorithms_in_decode": "trainer.sampling.repeatable"}
     emit(json.dumps(res, indent=1), res, args)
 

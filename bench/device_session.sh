@@ -448,5 +448,9 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
   s22_f)  # session 22, call 6 (issue 44): which module of the decode's prefill differs from run to run
     step 150 probe python3 bench/decode_probe.py --layers 32 --json "$OUT/decode_probe.json"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f" >&2; exit 2 ;;
+  s23_a)  # session 23, call 1 (issue 44): the first module whose output differs between two identical eager
+          # decodes (prefill and 3 token steps), whether its inputs were equal, and whether it repeats alone
+    step 200 probe python3 bench/decode_probe.py --layers 32 --new 4 --json "$OUT/decode_probe.json"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a" >&2; exit 2 ;;
 esac
