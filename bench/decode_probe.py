@@ -34,10 +34,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--new", type=int, default=4, help="new tokens per row (forwards compared: 1 + new - 1)")
+    ap.add_argument("--sdpa", default="", help="LORAPLEX_DECODE_SDPA for the decode (e.g. math)")
+    ap.add_argument("--kernels", action="store_true", help="also list the GPU kernels of one 2-token decode")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as a node's GPU processes get it
+    if args.sdpa:
+        os.environ["LORAPLEX_DECODE_SDPA"] = args.sdpa
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -116,6 +120,14 @@ def main() -> None:
     finally:
         for h in handles:
             h.remove()
+    kernels = []
+    if args.kernels and dev.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            generate(eng, [p for p, _ in rows], [c for _, c in rows], max_new_tokens=2, eos_token_id=None,
+                     pad_id=0, static=False)
+        kernels = [(e.key[:120], e.count) for e in sorted(prof.key_averages(), key=lambda e: -e.count)[:25]]
     embeds = [k for k, x in enumerate(a) if x[0].endswith("embed_tokens")]
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "layers": config.num_hidden_layers,
            "new_tokens": args.new, "modules_called": [len(a), len(b)], "modules_differing": len(idx),
@@ -124,6 +136,7 @@ def main() -> None:
                "inputs_equal": same_inputs, "module_alone_twice_equal": rerun_equal,
                "next": [a[k][0] for k in idx[1:6]]},
            "tokens_equal": outs[0] == outs[1], "rows_equal": sum(x == y for x, y in zip(*outs, strict=True)),
+           "sdpa": os.environ.get("LORAPLEX_DECODE_SDPA", ""), "kernels": kernels,
            "deterministic_algorithms_in_decode": "trainer.sampling.repeatable"}
     emit(json.dumps(res, indent=1), res, args)
 

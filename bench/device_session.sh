@@ -452,5 +452,13 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
           # decodes (prefill and 3 token steps), whether its inputs were equal, and whether it repeats alone
     step 200 probe python3 bench/decode_probe.py --layers 32 --new 4 --json "$OUT/decode_probe.json"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a" >&2; exit 2 ;;
+  s23_b)  # session 23, call 2 (issue 44): the probe with the decode's attention on the math backend, the
+          # default's kernels, then the decode bench (speed, repeats) with math attention
+    step 100 probe_math python3 bench/decode_probe.py --layers 32 --new 4 --sdpa math --json "$OUT/probe_math.json"
+    step 100 probe_kernels python3 bench/decode_probe.py --layers 32 --new 4 --kernels --json "$OUT/probe_kernels.json"
+    LORAPLEX_DECODE_SDPA=math step 170 samples_math python3 bench/samples_decode.py --layers 32 --new 128 \
+      --out "$OUT/samples_math.md" --json "$OUT/samples_math.json"
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b" >&2; exit 2 ;;
 esac

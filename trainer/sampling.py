@@ -51,11 +51,28 @@ def repeatable(device: torch.device) -> Iterator[None]:
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _attention_backends():
             warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation.*")
             yield
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+_SDPA = {"math": "MATH", "efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+
+
+def _attention_backends() -> contextlib.AbstractContextManager:
+    """The attention backends the decode may use (LORAPLEX_DECODE_SDPA: a comma list of math,
+    efficient, flash, cudnn; empty: torch's own choice)."""
+    names = [n.strip() for n in os.environ.get("LORAPLEX_DECODE_SDPA", "").split(",") if n.strip()]
+    if not names:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    unknown = [n for n in names if n not in _SDPA]
+    if unknown:
+        raise ValueError(f"LORAPLEX_DECODE_SDPA: unknown attention backends {unknown}; known: {sorted(_SDPA)}")
+    return sdpa_kernel([getattr(SDPBackend, _SDPA[n]) for n in names])
 
 
 def nucleus_pick(logits: torch.Tensor, temperature: float, top_p: float,
