@@ -38,12 +38,15 @@ def repeatable(device: torch.device) -> Iterator[None]:
     """On CUDA, with cuBLAS's workspaces fixed (CUBLAS_WORKSPACE_CONFIG, set before the process's
     first cuBLAS call: worker.processes.spawn sets it for every process of a node): torch's
     deterministic algorithms for the decode (warn-only: an op without a deterministic kernel
-    still runs, and its warning is not the user's), restored after. Neither alone made greedy
-    decoding at 32 layers of bf16 repeat (session 20's probes on an H200), and with both it still
-    did not in session 22's three runs there (bench/results/session22_h200.md: some op of the
-    decode's forward differs run to run; bench/decode_probe.py finds which); at 2 layers in
-    float32 the decode repeats (tests/gpu/test_samples_gpu.py). Else nothing changes: the CPU's
-    kernels repeat as they are. LORAPLEX_REPEATABLE_DECODE=0: off."""
+    still runs, and its warning is not the user's) and attention on the math backend, restored
+    after. The attention is what did not repeat: with a mask (left-padded rows), torch picks its
+    memory-efficient kernel, and on an H200 its output for the token steps (one query over the
+    cache) differed between two identical bf16 decodes at 32 layers while every input was equal
+    (bench/decode_probe.py, session 23); with the math backend the decode repeats, greedy and
+    seeded, eager and graphed, at some cost in speed (bench/results/session23_h200.md).
+    LORAPLEX_DECODE_SDPA names other backends (a comma list of math, efficient, flash, cudnn;
+    `auto`: torch's own choice). Else nothing changes: the CPU's kernels repeat as they are.
+    LORAPLEX_REPEATABLE_DECODE=0: all of it off."""
     if (device.type != "cuda" or not os.environ.get("CUBLAS_WORKSPACE_CONFIG")
             or os.environ.get("LORAPLEX_REPEATABLE_DECODE", "1") == "0"):
         yield
@@ -62,16 +65,17 @@ _SDPA = {"math": "MATH", "efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATT
 
 
 def _attention_backends() -> contextlib.AbstractContextManager:
-    """The attention backends the decode may use (LORAPLEX_DECODE_SDPA: a comma list of math,
-    efficient, flash, cudnn; empty: torch's own choice)."""
-    names = [n.strip() for n in os.environ.get("LORAPLEX_DECODE_SDPA", "").split(",") if n.strip()]
-    if not names:
+    """The attention backends a repeatable decode may use: LORAPLEX_DECODE_SDPA, a comma list of
+    math, efficient, flash, cudnn (default: math, the one that repeats); `auto`: torch's own choice."""
+    names = [n.strip() for n in os.environ.get("LORAPLEX_DECODE_SDPA", "math").split(",") if n.strip()]
+    if names == ["auto"]:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     unknown = [n for n in names if n not in _SDPA]
-    if unknown:
-        raise ValueError(f"LORAPLEX_DECODE_SDPA: unknown attention backends {unknown}; known: {sorted(_SDPA)}")
+    if unknown or not names:
+        raise ValueError(f"LORAPLEX_DECODE_SDPA: unknown attention backends {unknown or names}; "
+                         f"known: {sorted(_SDPA)} or auto")
     return sdpa_kernel([getattr(SDPBackend, _SDPA[n]) for n in names])
 
 

@@ -21,11 +21,11 @@ NEW = 24
 RANKS = {"a": 16, "b": 64}
 
 
-def shaped_model(dtype: torch.dtype):  # noqa: ANN201
+def shaped_model(dtype: torch.dtype, layers: int = 2):  # noqa: ANN201
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                      num_key_value_heads=8, num_hidden_layers=2, max_position_embeddings=8192,
+                      num_key_value_heads=8, num_hidden_layers=layers, max_position_embeddings=8192,
                       rope_theta=500000.0, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
                       bos_token_id=2)
     torch.manual_seed(0)
@@ -86,3 +86,21 @@ def test_graphed_greedy_repeats_in_bf16_and_seeded_sampling_repeats() -> None:
     sampled = generate(engine, texts, jobs, max_new_tokens=NEW, pad_id=0, temperature=1.0, top_p=0.9, seed=7)
     assert generate(engine, texts, jobs, max_new_tokens=NEW, pad_id=0, temperature=1.0, top_p=0.9, seed=7) == sampled
     assert sampled != first
+
+
+def test_a_node_decode_repeats_in_bf16_with_padded_rows_and_a_growing_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    # as a node runs it (trainer.sampling.repeatable: deterministic algorithms, math attention): at 32
+    # layers, 32 rows of 200 tokens, the memory-efficient attention's token steps did not repeat (session
+    # 23's probe on an H200); here 4 layers, rows of unequal length (padded), eager and graphed
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.delenv("LORAPLEX_DECODE_SDPA", raising=False)
+    monkeypatch.delenv("LORAPLEX_REPEATABLE_DECODE", raising=False)
+    engine = with_adapters(shaped_model(torch.bfloat16, layers=4))
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(10, 128000, (int(n),), generator=g).tolist() for n in torch.randint(150, 230, (8,), generator=g)]
+    rows = [(p, j) for p in ps for j in (None, *RANKS, "a")]
+    texts, jobs = [p for p, _ in rows], [j for _, j in rows]
+    for static in (False, True):
+        first = generate(engine, texts, jobs, max_new_tokens=16, pad_id=0, static=static)
+        for _ in range(2):
+            assert generate(engine, texts, jobs, max_new_tokens=16, pad_id=0, static=static) == first, static

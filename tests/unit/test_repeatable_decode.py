@@ -56,3 +56,33 @@ def test_on_cuda_deterministic_algorithms_within_the_scope_and_restored_after(
         assert not on or torch.is_deterministic_algorithms_warn_only_enabled()  # never fails a decode
         raise KeyError("the decode failed")
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def _sdpa_flags() -> tuple[bool, bool, bool, bool]:
+    b = torch.backends.cuda
+    return b.math_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.flash_sdp_enabled(), b.cudnn_sdp_enabled()
+
+
+@pytest.mark.parametrize("value, inside", [(None, (True, False, False, False)),
+                                           ("math,efficient", (True, True, False, False)),
+                                           ("auto", None)])
+def test_on_cuda_the_decode_attention_runs_on_the_named_backends_and_they_are_restored(
+        monkeypatch: pytest.MonkeyPatch, value: str | None, inside: tuple[bool, ...] | None) -> None:
+    # the memory-efficient kernel did not repeat in the token steps on an H200 (session 23): math by default
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.delenv("LORAPLEX_DECODE_SDPA", raising=False)
+    if value is not None:
+        monkeypatch.setenv("LORAPLEX_DECODE_SDPA", value)
+    before = _sdpa_flags()
+    with pytest.raises(KeyError), sampling.repeatable(torch.device("cuda")):
+        assert _sdpa_flags() == (before if inside is None else inside)
+        raise KeyError("the decode failed")
+    assert _sdpa_flags() == before
+
+
+def test_an_unknown_attention_backend_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setenv("LORAPLEX_DECODE_SDPA", "math,fast")
+    with pytest.raises(ValueError, match=r"LORAPLEX_DECODE_SDPA.*'fast'"), sampling.repeatable(torch.device("cuda")):
+        pass
+    assert not torch.are_deterministic_algorithms_enabled()
