@@ -337,8 +337,11 @@ class TaskRun:
                     export_peft(adapter, path, targets, self.cfg.model_dir, metadata=meta)
                 else:
                     config = peft_config_dict(adapter, targets, self.cfg.model_dir)
-                    self.files.job_writes[job_id] = self.files.write("export", adapter.flat, lambda flat: write_peft(
+                    write = self.files.write("export", adapter.flat, lambda flat: write_peft(
                         adapter.peft_state_dict(flat=flat), config, path, metadata=meta))
+                    self.files.job_writes[job_id] = write
+                    if kind == "best":
+                        self.files.best_write = write
             self.files.after_files(job_id, self.cb.on_adapter, job_id, kind, path)
 
     def set_state(self, job_id: str, state: str, details: dict) -> None:

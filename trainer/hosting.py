@@ -268,9 +268,16 @@ class TaskRoster:
             for job_id, st in task.status.items():
                 if st["state"] in JOB_LIVE:
                     self.guarded(task, lambda j=job_id: task.set_state(j, JobState.CANCELLED, {}))
-        task.files.settle(wait=True)  # its files complete and announced first (a pause's checkpoint)
+        rows = None
         if outcome == TaskOutcome.SUCCEEDED and task.error is None:
-            self._samples(task)
+            # the samples read the best adapters' files: they decode once those are written, while
+            # the writer goes on with the final adapters and the last checkpoint; they are
+            # announced after every file of the task, as before
+            task.files.wait_for_best()
+            rows = self._samples(task)
+        task.files.settle(wait=True)  # its files complete and announced first (a pause's checkpoint)
+        if rows and task.error is None:
+            self._announce_samples(task, rows)
         if outcome in (TaskOutcome.SUCCEEDED, TaskOutcome.PAUSED):  # the task's own, not the executor's
             self.guarded(task, lambda: task.cb.on_event("", "timings", executor.timings(task)))
         task.release()
@@ -288,24 +295,34 @@ class TaskRoster:
             log.info("task=%s left the executor outcome=%s global_step=%d", task.task_id,
                      task.outcome, executor.global_step)
 
-    def _samples(self, task: TaskRun) -> None:
+    def _samples(self, task: TaskRun) -> list[dict[str, Any]] | None:
         """The completions the task ends with (trainer.task_samples), from its leading adapters and
         the base model, before it lets go of the backbone. One GPU: an adapter-parallel task ends
         without them. A failure is the samples' alone: logged and announced, the task succeeds."""
         executor = self.executor
         if not executor.strategy.whole_engine or not task.cfg.settings.samples.enabled:
-            return
+            return None
         from trainer.sampling import generate
 
         try:
             with executor.phase("samples"):
-                rows = task_samples(task, executor.engine, executor.tokenizer, generate)
-            if rows:
-                write_samples(task.out, rows)
-                task.cb.on_event("", "samples", {"samples": rows})
+                return task_samples(task, executor.engine, executor.tokenizer, generate)
         except Exception as exc:  # noqa: BLE001 - the training succeeded; its samples did not
-            log.exception("task=%s samples failed", task.task_id)
-            task.cb.on_event("", "samples_failed", {"error": tenant_safe(str(exc))})
+            self._samples_failed(task, exc)
+            return None
+
+    def _announce_samples(self, task: TaskRun, rows: list[dict[str, Any]]) -> None:
+        """The samples' file and event, once the task's other files are complete and announced."""
+        try:
+            write_samples(task.out, rows)
+            task.cb.on_event("", "samples", {"samples": rows})
+        except Exception as exc:  # noqa: BLE001 - as above: the samples' failure alone
+            self._samples_failed(task, exc)
+
+    @staticmethod
+    def _samples_failed(task: TaskRun, exc: BaseException) -> None:
+        log.error("task=%s samples failed", task.task_id, exc_info=exc)
+        task.cb.on_event("", "samples_failed", {"error": tenant_safe(str(exc))})
 
     def results(self) -> dict[str, dict[str, Any]]:
         """Every task that left: its outcome, its jobs' status and its error (if it failed)."""

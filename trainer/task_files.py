@@ -84,6 +84,7 @@ class TaskFiles:
         self.writes: list[Write] = []  # its writes on the executor's writer, not yet settled
         self.checkpoint_write: Write | None = None  # its latest checkpoint write (one in flight at most)
         self.job_writes: dict[str, Write] = {}  # each job's last write (its exports)
+        self.best_write: Write | None = None  # the task's latest write of a best adapter
         # each started job's last state on file: (its step then, the file's name; None on a rank
         # but 0, which names and writes the files)
         self.job_files: dict[str, tuple[int, str | None]] = {}
@@ -130,6 +131,15 @@ class TaskFiles:
             write, fn, args = self.held.popleft()
             if write is None or write.error is None:  # a file that failed is never announced
                 fn(*args)
+
+    def wait_for_best(self) -> None:
+        """Wait until every best adapter submitted so far is on file (the writer writes in order:
+        its latest best write and all before it), not for the writes queued after it (final
+        adapters, the last checkpoint): what the task's samples read, while the rest is written."""
+        write = self.best_write
+        if write is not None and not write.done.is_set():
+            with self.executor.phase("export"):
+                write.done.wait()
 
     def checkpoint(self) -> None:
         with self.executor.phase("checkpoint"):

@@ -92,3 +92,42 @@ def test_a_long_prompt_is_shown_by_its_end_within_the_reports_bound() -> None:
     assert len(cut) == PROMPT_CHARS and cut.startswith("…") and cut.endswith("the end")
     Sample(prompt=cut, completion="y", tokens=1)  # within the contract's bound
     assert shown("short") == "short"
+
+
+def test_the_samples_decode_while_the_last_writes_go_on_and_are_announced_after_them(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # issue 41: the samples wait for the best adapters' files only; the final adapters and the last
+    # checkpoint are written meanwhile, and every file of the task is announced before the samples
+    import time
+
+    from trainer import task_files
+
+    clock: list[tuple[str, float]] = []
+    real_write, real_generate = task_files.write_checkpoint, sampling.generate
+
+    def slow_write(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        time.sleep(0.6)
+        out = real_write(*a, **kw)
+        clock.append(("checkpoint written", time.monotonic()))
+        return out
+
+    def timed_generate(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        clock.append(("decode", time.monotonic()))
+        return real_generate(*a, **kw)
+
+    monkeypatch.setattr(task_files, "write_checkpoint", slow_write)
+    monkeypatch.setattr(sampling, "generate", timed_generate)
+    order: list[str] = []
+    rec = Recorder()
+    cb = rec.callbacks()
+    on_adapter, on_state, on_event = cb.on_adapter, cb.on_job_state, cb.on_event
+    cb.on_adapter = lambda j, k, p: (order.append(f"adapter {j} {k}"), on_adapter(j, k, p))
+    cb.on_job_state = lambda j, s, d: (order.append(f"state {j} {s}"), on_state(j, s, d))
+    cb.on_event = lambda j, m, d: (order.append(m), on_event(j, m, d))
+    cfg = config(tmp_path, "overlap", samples=SampleSettings(top_k=2, n_prompts=2, max_new_tokens=3))
+    Executor(cfg, cb).run()
+    assert samples_of(rec)
+    decode = next(t for what, t in clock if what == "decode")
+    assert clock[-1][0] == "checkpoint written" and clock[-1][1] > decode  # the decode did not wait for it
+    last_file = max(i for i, what in enumerate(order) if what.startswith(("adapter ", "state ")))
+    assert order.index("samples") > last_file
+    assert any(what.endswith(" final") for what in order)
