@@ -460,5 +460,13 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
       --out "$OUT/samples_math.md" --json "$OUT/samples_math.json"
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b" >&2; exit 2 ;;
+  s23_c)  # session 23, call 3 (issues 40, 44): search (a) with the steps one pass could run only with
+          # recompute split into passes without (engine.split_for; its step trace names each pass's
+          # cells), then the GPU tests of the repeatable decode and of the split step
+    search_a 300 280
+    step 170 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_samples_gpu.py \
+      tests/gpu/test_engine_gpu.py
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c" >&2; exit 2 ;;
 esac

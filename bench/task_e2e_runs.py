@@ -82,10 +82,11 @@ class TraceExecutor(Executor):
                 self.recorder["active"] = False
             sync()
             self.recorder["step_s"].append(time.perf_counter() - t0)
-            # where a step's time goes: [tokens, jobs, recompute, seconds, graph event]
+            # where a step's time goes: [tokens, jobs, recompute, seconds, graph event, the cells of
+            # its largest pass where it ran as several (engine.split_for), else 0]
             self.recorder["step_trace"].append([
                 report.tokens, len(report.losses), int(bool(eng.gradient_checkpointing)),
-                round(self.recorder["step_s"][-1], 4), graph_event(eng, before)])
+                round(self.recorder["step_s"][-1], 4), graph_event(eng, before), report.pass_cells or 0])
             if prof is not None and n == prof + 2:
                 p = self.recorder.pop("profiler")
                 p.__exit__(None, None, None)

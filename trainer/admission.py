@@ -274,6 +274,12 @@ def store_profile(path: str | Path | None, key: str, model: MemoryModel) -> None
     os.replace(tmp, path)
 
 
+# a step split into passes without recompute (RecomputePolicy.passes): no pass under this many
+# tokens (a smaller one leaves the GPU waiting on the host's launches) and at most this many passes
+MIN_PASS_TOKENS = 4096
+MAX_PASSES = 16
+
+
 @dataclass(frozen=True)
 class RecomputePolicy:
     """Activation recompute only where it is needed: a step runs without it when the memory model
@@ -293,5 +299,34 @@ class RecomputePolicy:
     def recompute_tokens(self, tokens: int, padding: float = 1.25) -> bool:
         """Whether a step of `tokens` sequence tokens needs recompute (its row padded by up to
         `padding`: the packing's buckets and a replayed larger capture)."""
+        return tokens > self.room_tokens(padding)
+
+    def room_tokens(self, padding: float = 1.25) -> float:
+        """The most sequence tokens one pass without recompute fits now (padded by `padding`)."""
         now = self.resident() if self.resident is not None else 0.0
-        return self.without.k0 + self.without.k1 * tokens * padding + now > self.limit_bytes
+        return (self.limit_bytes - now - self.without.k0) / max(self.without.k1 * padding, 1e-9)
+
+    def passes(self, job_tokens: Sequence[int], padding: float = 1.25) -> list[list[int]] | None:
+        """Where one pass over a step's jobs (their sequence tokens) needs recompute: the jobs
+        (indices) in passes that each fit without it, run one after another (a pass keeps only its
+        own activations; recompute repeats every layer's forward, a third more compute). First
+        fit by size, so the passes are few and even. None: one pass (it fits; or a job alone does
+        not, or passes would be under MIN_PASS_TOKENS each or over MAX_PASSES: recompute then)."""
+        if not job_tokens or not self.recompute_tokens(sum(job_tokens), padding):
+            return None
+        room = self.room_tokens(padding)
+        if room < MIN_PASS_TOKENS or max(job_tokens) > room:
+            return None
+        groups: list[list[int]] = []
+        sizes: list[int] = []
+        for i in sorted(range(len(job_tokens)), key=lambda i: -job_tokens[i]):
+            k = next((k for k, n in enumerate(sizes) if n + job_tokens[i] <= room), None)
+            if k is None:
+                groups.append([])
+                sizes.append(0)
+                k = len(groups) - 1
+            groups[k].append(i)
+            sizes[k] += job_tokens[i]
+        if len(groups) > MAX_PASSES:
+            return None
+        return [sorted(g) for g in groups]

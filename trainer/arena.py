@@ -9,7 +9,8 @@ data order) is made by the engine (`MultiLoraEngine.new_job`) and handed in.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -56,7 +57,18 @@ class AdapterArena:
         self.compute_dtype = compute_dtype
         self.backend = backend
         self.jobs: dict[str, JobRun] = {}  # attached jobs in slot order
+        self._accumulate = False  # set_layout keeps the gradient sums (a step's later passes)
         self.reset(device)
+
+    @contextlib.contextmanager
+    def accumulating(self, on: bool = True) -> Iterator[None]:
+        """Within: set_layout adds to the gradient sums as they are (a step's later passes over
+        other jobs) rather than zeroing them first."""
+        was, self._accumulate = self._accumulate, on
+        try:
+            yield
+        finally:
+            self._accumulate = was
 
     # ----- arena -----------------------------------------------------------------------
     def reset(self, device: torch.device) -> None:
@@ -150,7 +162,7 @@ class AdapterArena:
         n = len(states)
         offs = dev[: 2 * n_layers * n].view(2, n_layers, n)
         arena = self.arena if self.arena.dtype == self.compute_dtype else self.arena.to(self.compute_dtype)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self._accumulate:
             self.grad_arena.zero_()
         lay = StepLayout(
             offsets=dev[2 * n_layers * n + n :],

@@ -53,6 +53,17 @@ class StepReport:
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     # each job's exact sequence tokens of the step (sequence_tokens of its micro-batch): its usage
     job_tokens: dict[str, int] = field(default_factory=dict)
+    # a step run as several forward-backward passes (engine.split_for): the cells (rows x length)
+    # of its largest pass, which sets its peak; None: one pass
+    pass_cells: int | None = None
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """What a step's report reads of its batch where it ran as several passes."""
+
+    real_tokens: int
+    padded_fraction: float
 
 
 def sequence_tokens(example: object) -> int:
@@ -155,6 +166,9 @@ class MultiLoraEngine:
 
     # tokens of a step -> whether it needs activation recompute (None: the setting stays)
     recompute_for: Callable[[int], bool] | None = None
+    # each job's tokens of a step -> the jobs (their indices) of each forward-backward pass when the
+    # step runs as several passes without recompute rather than one with it (None: one pass)
+    split_for: Callable[[list[int]], list[list[int]] | None] | None = None
 
     def set_recompute(self, on: bool) -> None:
         """Activation recompute (the model's gradient checkpointing) on or off for the next steps:
@@ -348,6 +362,26 @@ class MultiLoraEngine:
             self.slots.clear_layout()
         return batch, numbers
 
+    def _forward_backward_passes(self, states: Sequence[JobRun], per_job: Sequence[Sequence[Example]],
+                                 passes: list[list[int]]) -> tuple[StepTotals, list[torch.Tensor], int]:
+        """The step as several eager forward-backward passes, each over its jobs alone (indices
+        into states): a job's loss and gradient depend on its own rows and adapter only, so the
+        passes give what one would, and each keeps only its own activations. The gradient sums
+        are zeroed by the first pass only. Each job's numbers in states' order, the step's token
+        totals, and the cells of its largest pass."""
+        numbers: list[torch.Tensor | None] = [None] * len(states)
+        real, cells, largest = 0, 0, 0
+        for k, members in enumerate(passes):
+            with self.slots.accumulating(k > 0):
+                batch, part = self._eager_forward_backward([states[i] for i in members], [per_job[i] for i in members])
+            for i, n in zip(members, part, strict=True):
+                numbers[i] = n
+            n_cells = batch.input_ids.numel()
+            real, cells, largest = real + batch.real_tokens, cells + n_cells, max(largest, n_cells)
+        if any(n is None for n in numbers) or sum(len(m) for m in passes) != len(states):
+            raise ValueError(f"the passes {passes} do not cover the step's {len(states)} jobs once each")
+        return StepTotals(real, 0.0 if cells == 0 else 1.0 - real / cells), numbers, largest  # type: ignore[return-value]
+
     def step(self) -> StepReport:
         """One training step of every attached job that has steps left: one forward and one
         backward over all their micro-batches, then every job's own update; one device sync (the
@@ -359,12 +393,19 @@ class MultiLoraEngine:
         per_job = [
             [self.train_examples[i] for i in s.stream.next_indices(s.spec.batch_size)] for s in states
         ]
-        if self.recompute_for is not None:  # decided on the step's own tokens (trainer.memory_plan)
-            self.set_recompute(self.recompute_for(sum(sequence_tokens(e) for items in per_job for e in items)))
-        if self.step_graphs is not None and self.step_graphs.serves(states):
-            batch, numbers = self.step_graphs.forward_backward(states, per_job)
+        tokens = [sum(sequence_tokens(e) for e in items) for items in per_job]
+        passes = self.split_for(tokens) if self.split_for is not None else None
+        pass_cells = None
+        if passes is not None and len(passes) > 1:  # jobs are independent: each pass its own jobs' gradients
+            self.set_recompute(False)
+            batch, numbers, pass_cells = self._forward_backward_passes(states, per_job, passes)
         else:
-            batch, numbers = self._eager_forward_backward(states, per_job)
+            if self.recompute_for is not None:  # decided on the step's own tokens (trainer.memory_plan)
+                self.set_recompute(self.recompute_for(sum(tokens)))
+            if self.step_graphs is not None and self.step_graphs.serves(states):
+                batch, numbers = self.step_graphs.forward_backward(states, per_job)
+            else:
+                batch, numbers = self._eager_forward_backward(states, per_job)
         regions = [self.slots.regions[s.job_id] for s in states]
         norms = torch._foreach_norm([self.slots.grad_arena[lo:hi] for lo, hi in regions])
         width = len(self.metric_names)
@@ -373,8 +414,8 @@ class MultiLoraEngine:
                           torch.stack(norms).to(numbers[0].dtype)]).tolist()
         rows = [flat[i * width : (i + 1) * width] for i in range(len(states))]
         report = self._update(states, rows, flat[len(states) * width :], batch)
-        report.job_tokens = {s.job_id: sum(sequence_tokens(e) for e in items)
-                             for s, items in zip(states, per_job, strict=True)}
+        report.job_tokens = {s.job_id: n for s, n in zip(states, tokens, strict=True)}
+        report.pass_cells = pass_cells
         if width > 1:
             report.metrics = {s.job_id: dict(zip(self.metric_names[1:], row[1:], strict=True))
                               for s, row in zip(states, rows, strict=True)}
@@ -432,7 +473,7 @@ class MultiLoraEngine:
         self.model.base_model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
 
     def _update(self, states: Sequence[JobRun], rows: list[list[float]], norms: list[float],
-                batch: PackedBatch) -> StepReport:
+                batch: PackedBatch | StepTotals) -> StepReport:
         """The step's report, each job's clip and AdamW update done from its gradient sums in the
         arena (trainer.jobs.update_jobs: a job with a non-finite loss or norm skips its own)."""
         report = StepReport({}, {}, {}, {}, batch.real_tokens, batch.padded_fraction)

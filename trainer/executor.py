@@ -146,6 +146,7 @@ class Executor:
         self.memory = MemoryPlan(cfg, self.engine, device, self.objective, self.strategy, self.phase,
                                  self._parked_state)
         self.engine.recompute_for = self.memory.recompute_for
+        self.engine.split_for = self.memory.split_for
         for task in list(self.tasks.values()):
             self.roster.guarded(task, task.open)
 

@@ -102,3 +102,27 @@ def test_adapter_init_is_drawn_on_the_device_and_reproducible() -> None:
         assert a.abs().max().item() <= 1 / math.sqrt(d_in) + 1e-7
         assert a.std().item() > 0.5 / math.sqrt(3 * d_in)  # drawn, not zeros
         assert not b.any()
+
+
+def test_a_step_run_as_passes_matches_one_pass_through_the_kernels(tmp_path) -> None:
+    # the search's 57k-token steps run as passes without recompute (engine.split_for): the first pass
+    # zeroes the gradient arena, the later ones add their own jobs' regions through the Triton kernels
+    from transformers import AutoTokenizer
+
+    d = tiny_model_dir("llama", tmp_path)
+    tok = AutoTokenizer.from_pretrained(d)
+    ex = tokenize_all(tok, [parse_record(r) for r in synthetic_rows(30)], 64)
+    runs = []
+    for split in (None, [[0, 2], [1]]):
+        specs = [TrainJob(f"j{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=lr, batch_size=b, seed=i,
+                          max_steps=4) for i, (r, lr, b) in enumerate(SPECS)]
+        eng = _engine(d, ex, tok, specs)
+        eng.step_graphs = None
+        eng.split_for = lambda tokens, split=split: split
+        losses = [eng.step().losses for _ in range(4)]
+        runs.append((losses, {j: s.adapter.flat.detach().cpu().clone() for j, s in eng.jobs.items()}))
+    (one, w1), (split, w2) = runs
+    for a, b in zip(one, split, strict=True):  # TF32 dots and atomic adds: float-level differences only
+        assert all(abs(a[j] - b[j]) < 1e-3 * max(1.0, abs(a[j])) for j in a)
+    for j in w1:
+        assert torch.allclose(w1[j], w2[j], atol=1e-4, rtol=1e-3), j

@@ -186,3 +186,61 @@ def test_a_long_tasks_steps_keep_the_largest_and_the_latest() -> None:
     assert len(corr._points) == MAX_POINTS and max(t for t, _ in corr._points) == 9000
     # the line found from them: the steps' 90 kB a token and 100 MB constant, with the margin
     assert corr.model.k1 == pytest.approx(9e4 * 1.05) and corr.extra == pytest.approx(1e8 * 1.05)
+
+
+def test_a_step_that_one_pass_would_recompute_runs_as_passes_that_each_fit_without() -> None:
+    from trainer.admission import MAX_PASSES, MIN_PASS_TOKENS, RecomputePolicy
+
+    # room for (10e9 - 4e9 - 1e9) / (1e5 x 1.25) = 40,000 tokens a pass
+    policy = RecomputePolicy(MemoryModel(1e9, 1e5), 10e9, 1024, resident=lambda: 4e9)
+    assert policy.room_tokens() == pytest.approx(40_000)
+    assert policy.passes([9000] * 4) is None  # 36k fits in one pass
+    tokens = [30_000, 12_000, 25_000, 9_000, 14_000, 3_000]
+    passes = policy.passes(tokens)
+    assert passes is not None and len(passes) == 3  # 93k tokens: three passes of at most 40k
+    assert sorted(i for p in passes for i in p) == list(range(len(tokens)))
+    assert all(sum(tokens[i] for i in p) <= 40_000 for p in passes)
+    assert policy.passes([41_000, 1_000]) is None  # a job alone does not fit: recompute
+    many = [39_000] * (MAX_PASSES + 1)
+    assert policy.passes(many) is None and policy.passes(many[:MAX_PASSES]) is not None
+    tight = RecomputePolicy(MemoryModel(1e9, 1e5), 1e9 + 4e9 + 1.25e5 * (MIN_PASS_TOKENS - 1), 1024,
+                            resident=lambda: 4e9)
+    assert tight.passes([3000, 3000]) is None  # passes under MIN_PASS_TOKENS: recompute instead
+
+
+def test_a_step_run_as_passes_equals_the_step_run_as_one(tmp_path) -> None:  # noqa: ANN001
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.engine_ref import tiny_model_dir
+    from trainer.data import IGNORE, Example
+    from trainer.engine import MultiLoraEngine
+
+    rng = torch.Generator().manual_seed(0)
+    data = []
+    for n in torch.randint(6, 30, (24,), generator=rng).tolist():
+        ids = torch.randint(3, 200, (n,), generator=rng).tolist()
+        data.append(Example(tuple(ids), tuple([IGNORE] * 2 + ids[2:])))
+    results = []
+    for split in (None, [[0, 2], [1, 3]]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama", tmp_path), dtype=torch.float64)
+        eng = MultiLoraEngine(model, data, 0, gradient_checkpointing=False, step_graphs=False)
+        seen = []
+        eng.split_for = lambda tokens, split=split, seen=seen: seen.append(tokens) or split
+        for i, (rank, lr) in enumerate([(4, 1e-2), (8, 3e-3), (2, 1e30), (4, 5e-3)]):  # job 2 diverges
+            eng.attach(TrainJob(f"j{i}", lora_rank=rank, lora_alpha=2 * rank, learning_rate=lr, batch_size=2,
+                                max_steps=3, seed=i))
+        start = eng.jobs["j0"].adapter.flat.detach().clone()
+        reports = [eng.step() for _ in range(3)]
+        assert not torch.equal(start, eng.jobs["j0"].adapter.flat)  # trained
+        results.append((reports, {j: s.adapter.flat.detach().clone() for j, s in eng.jobs.items()}, seen))
+    (one, w1, seen1), (split, w2, seen2) = results
+    assert seen1 == seen2 and len(seen1[0]) == 4  # each job's tokens, asked every step
+    for a, b in zip(one, split, strict=True):
+        assert a.pass_cells is None and b.pass_cells is not None and b.pass_cells < a.tokens / (1 - a.padded_fraction)
+        assert a.tokens == b.tokens and a.job_tokens == b.job_tokens and a.skipped == b.skipped
+        for j in a.losses:
+            assert a.losses[j] == pytest.approx(b.losses[j], rel=1e-12, nan_ok=True)
+            assert a.grad_norms[j] == pytest.approx(b.grad_norms[j], rel=1e-10, nan_ok=True)
+    for j in w1:
+        torch.testing.assert_close(w1[j], w2[j], rtol=1e-10, atol=1e-12, equal_nan=True)
