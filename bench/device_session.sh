@@ -468,5 +468,25 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
       tests/gpu/test_engine_gpu.py
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c" >&2; exit 2 ;;
+  s23_d)  # session 23, call 4 (issues 41, 44): the 60-step task in a fresh process (the end's writes overlap
+          # its samples; the decode's math attention), then the shared host with a spare (the join, the
+          # end-of-task and on-demand samples)
+    export TRITON_CACHE_DIR=/tmp/s23d_triton
+    step 200 task60 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold \
+      --out "$OUT/executor_task60.md" --json "$OUT/executor_task60.json"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site step 220 warm_spare python3 bench/warm_host.py --spare --layers 32 --n-train 120 \
+      --deadline-s 200 --out "$OUT/warm_host_spare.md" --json "$OUT/warm_host_spare.json"
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
+  s23_e)  # session 23, call 5 (issue 40): search (a)'s timing alone with the split steps, every slow step
+          # and evaluation logged as it comes, then the GPU test of the split step
+    step 260 search_timing python3 bench/task_e2e_baselines.py --layers 32 --arms a --phase timing \
+      --deadline-s 240 --runs-dir /dev/shm/search_a --json "$OUT/search_timing.json" --out "$OUT/search_timing.md"
+    rm -rf /dev/shm/search_a
+    step 100 gpu_split python3 -m pytest -q --tb=short -p no:cacheprovider \
+      tests/gpu/test_engine_gpu.py::test_a_step_run_as_passes_matches_one_pass_through_the_kernels
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e" >&2; exit 2 ;;
 esac

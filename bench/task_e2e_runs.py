@@ -87,6 +87,8 @@ class TraceExecutor(Executor):
             self.recorder["step_trace"].append([
                 report.tokens, len(report.losses), int(bool(eng.gradient_checkpointing)),
                 round(self.recorder["step_s"][-1], 4), graph_event(eng, before), report.pass_cells or 0])
+            if self.recorder["step_s"][-1] > 1.0:  # the slow steps as they come (a killed run still tells)
+                log(f"step {n}: {self.recorder['step_trace'][-1]}")
             if prof is not None and n == prof + 2:
                 p = self.recorder.pop("profiler")
                 p.__exit__(None, None, None)
@@ -108,6 +110,8 @@ class TraceExecutor(Executor):
             self.recorder["eval_trace"].append([
                 len(out), len(examples), batch_size, max_sequences, round(time.perf_counter() - t0, 4),
                 {k: after[k] - before[k] for k in after if after[k] != before[k]}])
+            if self.recorder["eval_trace"][-1][4] > 2.0:
+                log(f"evaluation: {self.recorder['eval_trace'][-1]}")
             for j in out if self.trace is not None else ():
                 curve, step = self.trace.val.get(j, {}), eng.jobs[j].step
                 if step not in curve:

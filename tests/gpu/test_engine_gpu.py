@@ -106,7 +106,9 @@ def test_adapter_init_is_drawn_on_the_device_and_reproducible() -> None:
 
 def test_a_step_run_as_passes_matches_one_pass_through_the_kernels(tmp_path) -> None:
     # the search's 57k-token steps run as passes without recompute (engine.split_for): the first pass
-    # zeroes the gradient arena, the later ones add their own jobs' regions through the Triton kernels
+    # zeroes the gradient arena, the later ones add their own jobs' regions through the Triton kernels.
+    # One step's losses and gradient sums (Adam over several steps would magnify the kernels' atomic
+    # reorderings of tiny gradients: the healthy-run-twice test above sees those too)
     from transformers import AutoTokenizer
 
     d = tiny_model_dir("llama", tmp_path)
@@ -119,10 +121,12 @@ def test_a_step_run_as_passes_matches_one_pass_through_the_kernels(tmp_path) -> 
         eng = _engine(d, ex, tok, specs)
         eng.step_graphs = None
         eng.split_for = lambda tokens, split=split: split
-        losses = [eng.step().losses for _ in range(4)]
-        runs.append((losses, {j: s.adapter.flat.detach().cpu().clone() for j, s in eng.jobs.items()}))
-    (one, w1), (split, w2) = runs
-    for a, b in zip(one, split, strict=True):  # TF32 dots and atomic adds: float-level differences only
-        assert all(abs(a[j] - b[j]) < 1e-3 * max(1.0, abs(a[j])) for j in a)
-    for j in w1:
-        assert torch.allclose(w1[j], w2[j], atol=1e-4, rtol=1e-3), j
+        report = eng.step()
+        grads = {j: eng.slots.grad_arena[slice(*eng.slots.regions[j])].detach().cpu().clone() for j in eng.jobs}
+        runs.append((report, grads))
+    (one, g1), (split, g2) = runs
+    assert one.pass_cells is None and split.pass_cells is not None
+    for j in g1:
+        assert abs(one.losses[j] - split.losses[j]) < 1e-4 * max(1.0, abs(one.losses[j])), j
+        assert g1[j].abs().sum() > 0 and g2[j].abs().sum() > 0, j  # the later pass's job kept its gradient
+        assert (g1[j] - g2[j]).norm() <= 1e-3 * g1[j].norm(), j
