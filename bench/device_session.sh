@@ -481,7 +481,7 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     ;;
   s23_e)  # session 23, call 5 (issue 40): search (a)'s timing alone with the split steps, every slow step
           # and evaluation logged as it comes, then the GPU test of the split step
-    step 260 search_timing python3 bench/task_e2e_baselines.py --layers 32 --arms a --phase timing \
+    LORAPLEX_SPLIT_STEPS=1 step 260 search_timing python3 bench/task_e2e_baselines.py --layers 32 --arms a --phase timing \
       --deadline-s 240 --runs-dir /dev/shm/search_a --json "$OUT/search_timing.json" --out "$OUT/search_timing.md"
     rm -rf /dev/shm/search_a
     step 100 gpu_split python3 -m pytest -q --tb=short -p no:cacheprovider \

@@ -30,6 +30,14 @@ from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
 from trainer.jobs import TrainJob  # noqa: E402
 
 
+def triton_kernels() -> int:
+    """Entries of this process's Triton cache (a step that grew it compiled kernels); -1: none."""
+    import os
+
+    path = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return sum(1 for _ in os.scandir(path)) if path.is_dir() else -1
+
+
 # ----------------------------------------------------------------------------- executor runs
 @dataclass
 class Record:
@@ -82,13 +90,13 @@ class TraceExecutor(Executor):
                 self.recorder["active"] = False
             sync()
             self.recorder["step_s"].append(time.perf_counter() - t0)
-            # where a step's time goes: [tokens, jobs, recompute, seconds, graph event, the cells of
-            # its largest pass where it ran as several (engine.split_for), else 0]
+            # where a step's time goes: [tokens, jobs, recompute, seconds, graph event, each pass's
+            # cells where it ran as several (engine.split_for), else 0]
             self.recorder["step_trace"].append([
                 report.tokens, len(report.losses), int(bool(eng.gradient_checkpointing)),
                 round(self.recorder["step_s"][-1], 4), graph_event(eng, before), report.pass_cells or 0])
             if self.recorder["step_s"][-1] > 1.0:  # the slow steps as they come (a killed run still tells)
-                log(f"step {n}: {self.recorder['step_trace'][-1]}")
+                log(f"step {n}: {self.recorder['step_trace'][-1]}, Triton's cache holds {triton_kernels()}")
             if prof is not None and n == prof + 2:
                 p = self.recorder.pop("profiler")
                 p.__exit__(None, None, None)

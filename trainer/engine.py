@@ -53,9 +53,9 @@ class StepReport:
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     # each job's exact sequence tokens of the step (sequence_tokens of its micro-batch): its usage
     job_tokens: dict[str, int] = field(default_factory=dict)
-    # a step run as several forward-backward passes (engine.split_for): the cells (rows x length)
-    # of its largest pass, which sets its peak; None: one pass
-    pass_cells: int | None = None
+    # a step run as several forward-backward passes (engine.split_for): each pass's cells (rows x
+    # length; the largest sets the step's peak); None: one pass
+    pass_cells: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -363,24 +363,25 @@ class MultiLoraEngine:
         return batch, numbers
 
     def _forward_backward_passes(self, states: Sequence[JobRun], per_job: Sequence[Sequence[Example]],
-                                 passes: list[list[int]]) -> tuple[StepTotals, list[torch.Tensor], int]:
+                                 passes: list[list[int]]) -> tuple[StepTotals, list[torch.Tensor], list[int]]:
         """The step as several eager forward-backward passes, each over its jobs alone (indices
         into states): a job's loss and gradient depend on its own rows and adapter only, so the
         passes give what one would, and each keeps only its own activations. The gradient sums
         are zeroed by the first pass only. Each job's numbers in states' order, the step's token
-        totals, and the cells of its largest pass."""
+        totals, and each pass's cells."""
         numbers: list[torch.Tensor | None] = [None] * len(states)
-        real, cells, largest = 0, 0, 0
+        real, cells = 0, []
         for k, members in enumerate(passes):
             with self.slots.accumulating(k > 0):
                 batch, part = self._eager_forward_backward([states[i] for i in members], [per_job[i] for i in members])
             for i, n in zip(members, part, strict=True):
                 numbers[i] = n
-            n_cells = batch.input_ids.numel()
-            real, cells, largest = real + batch.real_tokens, cells + n_cells, max(largest, n_cells)
+            real += batch.real_tokens
+            cells.append(batch.input_ids.numel())
         if any(n is None for n in numbers) or sum(len(m) for m in passes) != len(states):
             raise ValueError(f"the passes {passes} do not cover the step's {len(states)} jobs once each")
-        return StepTotals(real, 0.0 if cells == 0 else 1.0 - real / cells), numbers, largest  # type: ignore[return-value]
+        total = sum(cells)
+        return StepTotals(real, 0.0 if total == 0 else 1.0 - real / total), numbers, cells  # type: ignore[return-value]
 
     def step(self) -> StepReport:
         """One training step of every attached job that has steps left: one forward and one

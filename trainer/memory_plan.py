@@ -235,8 +235,10 @@ class MemoryPlan:
         """The engine's hook (`engine.split_for`): a step that one pass could run only with
         recompute runs as passes over its jobs that each fit without (RecomputePolicy.passes;
         the search's first steps of all its configurations at once, 57k tokens, recomputed at
-        8.3k tok/s on an H200). None: one pass; without a policy (several ranks) always."""
-        if self.recompute_policy is None or os.environ.get("LORAPLEX_SPLIT_STEPS", "1") == "0":
+        8.3k tok/s on an H200). None: one pass; without a policy (several ranks) always. Off unless
+        LORAPLEX_SPLIT_STEPS=1: in session 23's 60-step task on an H200 the one step it split made
+        training 8 s slower (24.0 -> 31.9 s), cause not yet measured."""
+        if self.recompute_policy is None or os.environ.get("LORAPLEX_SPLIT_STEPS", "0") != "1":
             return None
         return self.recompute_policy.passes(job_tokens)
 
@@ -283,7 +285,8 @@ class MemoryPlan:
             self.replays += 1  # its memory is the pool's, counted when it was captured
             return
         # a step of several passes peaks in its largest one (each frees its activations)
-        cells = report.pass_cells or round(report.tokens / max(1e-9, 1.0 - report.padded_fraction))
+        cells = (max(report.pass_cells) if report.pass_cells
+                 else round(report.tokens / max(1e-9, 1.0 - report.padded_fraction)))
         peak = torch.cuda.max_memory_allocated(self.device)
         after = torch.cuda.memory_allocated(self.device)
         if not corr.observe(cells, recompute, resident, peak, self.engine.slots.arena.numel(), after):
