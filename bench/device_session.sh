@@ -488,5 +488,11 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
       tests/gpu/test_engine_gpu.py::test_a_step_run_as_passes_matches_one_pass_through_the_kernels
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e" >&2; exit 2 ;;
+  s23_f)  # session 23, call 6 (issue 40): search (a) with the split steps on, killed at 250 s: its log
+          # names each slow step (the first ones: all 48 configurations at once) with its passes' cells
+    export LORAPLEX_SPLIT_STEPS=1
+    search_a 250 240
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f" >&2; exit 2 ;;
 esac
