@@ -494,5 +494,10 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     search_a 250 240
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f" >&2; exit 2 ;;
+  s23_g)  # session 23, call 7 (issues 41, 44): the 60-step task as a node runs it (cuBLAS's fixed
+          # workspaces, so the end-of-task samples decode repeatably: math attention)
+    step 170 task60 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold \
+      --out "$OUT/executor_task60.md" --json "$OUT/executor_task60.json"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g" >&2; exit 2 ;;
 esac

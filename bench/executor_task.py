@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import shutil
 import sys
@@ -37,6 +38,7 @@ import task_e2e_data as te  # noqa: E402
 from contract.protocol import EvalSettings, TaskSettings  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
 from trainer.jobs import TrainJob  # noqa: E402
+from worker.processes import CUBLAS_WORKSPACE  # noqa: E402
 
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 
@@ -201,6 +203,8 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true",
                     help="keep the work directory's model (and stored profiles): a later process of a node")
     args = ap.parse_args()
+    # as worker.processes.spawn gives every GPU process of a node (the repeatable decode's samples)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     if args.smoke:
         te.SMOKE["on"] = True
         args.layers, args.steps, args.n_train, args.n_val = 2, 3, 24, 8

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import executor_task as et  # noqa: E402
 import task_e2e_data as te  # noqa: E402
+from executor_task import CUBLAS_WORKSPACE  # noqa: E402
 
 from contract.protocol import (  # noqa: E402
     JobHyperparameters,
@@ -143,6 +144,8 @@ def main() -> None:
                     help="start the host as a node's spare (worker.host --spare): warmed up before task A's "
                          "attach, which then starts the clock (issue 41: a GPU node keeps one per free GPU)")
     args = ap.parse_args()
+    # as worker.processes.spawn gives every GPU process of a node (the repeatable decode's samples)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     if args.smoke:
         te.SMOKE["on"] = True
         args.layers, args.n_train, args.new = 2, 24, 4
