@@ -32,6 +32,16 @@ search_a() {  # search_a LIMIT DEADLINE: the user's search (a) at 32 layers, 48 
     ${runs:+--runs-dir "$runs"} --json "$OUT/search_a.json" --out "$OUT/search_a.md"
   rm -rf /dev/shm/search_a
 }
+task60() {  # task60 LIMIT: the 60-step, 8-job task at 32 layers in a fresh process (issue 41's table)
+  step "$1" task60 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold \
+    --out "$OUT/executor_task60.md" --json "$OUT/executor_task60.json"
+}
+warm_spare() {  # the shared host with a spare (issue 41's join, issue 44's samples); pydantic from .whl (carried)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  PYTHONPATH=/tmp/site step 220 warm_spare python3 bench/warm_host.py --spare --layers 32 --n-train 120 \
+    --deadline-s 200 --out "$OUT/warm_host_spare.md" --json "$OUT/warm_host_spare.json"
+}
+pack_logs() { (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log); }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print(torch.__version__, triton.__version__, transformers.__version__, peft.__version__)" | tee -a "$OUT/gpu.txt"
 case "${1:-}" in
@@ -341,7 +351,7 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site step 230 warm_host python3 bench/warm_host.py --layers 32 --n-train 120 \
       --work /tmp/executor_task --reuse --deadline-s 210 --out "$OUT/warm_host_h100.md" --json "$OUT/warm_host_h100.json"
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    pack_logs
     ;;
   s20_final)  # session 20, last call: every GPU test on the code that lands (the executor's components,
               # the staged load, the graphed decode), the warm host again (cold start with the staged
@@ -358,7 +368,7 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     rm -rf /tmp/warm_host
     step 120 samples python3 bench/samples_decode.py --layers 32 --new 128 --out "$OUT/samples_decode_h100.md" \
       --json "$OUT/samples_decode_h100.json"
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    pack_logs
     ;;
   s20_load)  # session 20: the backbone read by pread into pinned buffers (not mapped pages): the warm host's
              # cold start, then a fresh process's load three times (8, 8, 16 readers)
@@ -370,7 +380,7 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
       step 40 "fast_load$t" python3 bench/fast_load.py /tmp/warm_host/model --threads "$t" --json "$OUT/fast_load_pread.jsonl"
     done
     step 60 gpu_load python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_fast_load_gpu.py
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    pack_logs
     ;;
   s21_a)  # session 21 (next device session), call 1 (issues 42, 41): every GPU test on the code that lands
           # (the engine's arena and evaluation as components, the writer on BackgroundWorker, the
@@ -380,7 +390,7 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site step 220 warm_spare python3 bench/warm_host.py --spare --layers 32 --n-train 120 \
       --deadline-s 200 --out "$OUT/warm_host_spare_h100.md" --json "$OUT/warm_host_spare_h100.json"
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    pack_logs
     ;;
   s21_b)  # session 21, call 2 (issue 44): the decode at 32 layers with cuBLAS's fixed workspaces and
           # deterministic algorithms (as a node runs it) and without, each in a fresh process; what the
@@ -393,24 +403,22 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
       --forms fused --out "$OUT/engine_step_ws.md"
     step 120 step_free python3 bench/engine_step.py --jobs 8 --skip-peft --skip-torch --forms fused \
       --out "$OUT/engine_step_free.md"
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    pack_logs
     ;;
   s21_search)  # session 21, call 3 (issue 40): the user's search (a) at 32 layers, 48 configurations, its
                # quality phase in the same call; the executor's folder (its ~38 GB first checkpoint) on
                # tmpfs when it has the room (the device's disk does not, beside the 16 GB model)
     df -h /tmp /dev/shm | tee -a "$OUT/steps.txt"
     search_a 560 530
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    pack_logs
     ;;
   s22_a)  # session 22, call 1 (issues 40, 41): the memory model's correction (offset for small steps, the
           # envelope once settled): the user's search (a) at 32 layers (its memory trace in the JSON),
           # then the shared host with a spare (its trace too)
     search_a 330 300
     export TRITON_CACHE_DIR=/tmp/s22_triton
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site step 220 warm_spare python3 bench/warm_host.py --spare --layers 32 --n-train 120 \
-      --deadline-s 200 --out "$OUT/warm_host_spare.md" --json "$OUT/warm_host_spare.json"
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    warm_spare
+    pack_logs
     ;;
   s22_b)  # session 22, call 2 (issues 40, 41): search (a) with every step's and evaluation's time and graph
           # event in its JSON (where training and evaluation go) and the writer's direct safetensors
@@ -418,24 +426,21 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     search_a 330 300
     step 150 samples_rep python3 bench/samples_decode.py --layers 32 --new 128 --out "$OUT/samples_repeatable.md" \
       --json "$OUT/samples_repeatable.json"
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    pack_logs
     ;;
   s22_c)  # session 22, call 3 (issues 40, 41): search (a) with steps over 16k tokens never captured (the
           # graphs' pool no longer squeezes admission and evaluation) and the writer's direct
           # safetensors writes; then every GPU test on the code that lands
     search_a 300 280
     step 285 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    pack_logs
     ;;
   s22_d)  # session 22, call 4 (issue 41): the 60-step 8-job task in a fresh process (the memory model's
           # correction, steps over 16k tokens eager), then the spare host again, on the code that lands
     export TRITON_CACHE_DIR=/tmp/s22d_triton
-    step 200 task60 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold \
-      --out "$OUT/executor_task60.md" --json "$OUT/executor_task60.json"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site step 220 warm_spare python3 bench/warm_host.py --spare --layers 32 --n-train 120 \
-      --deadline-s 200 --out "$OUT/warm_host_spare.md" --json "$OUT/warm_host_spare.json"
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    task60 200
+    warm_spare
+    pack_logs
     ;;
   s22_e)  # session 22, call 5 (issue 40): where an evaluation's time goes at 32 layers (the search's first
           # evaluation: 12 jobs x 64 samples, 16 a forward, 205 sequences; its third: 24 jobs, 11, 132)
@@ -443,7 +448,7 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
       --out "$OUT/eval_profile_12.md" --json "$OUT/eval_profile_12.json"
     step 200 eval24 python3 bench/eval_profile.py --layers 32 --jobs 24 --chunk 11 --cap 132 \
       --out "$OUT/eval_profile_24.md" --json "$OUT/eval_profile_24.json"
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    pack_logs
     ;;
   s22_f)  # session 22, call 6 (issue 44): which module of the decode's prefill differs from run to run
     step 150 probe python3 bench/decode_probe.py --layers 32 --json "$OUT/decode_probe.json"
@@ -458,7 +463,7 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 100 probe_kernels python3 bench/decode_probe.py --layers 32 --new 4 --kernels --json "$OUT/probe_kernels.json"
     LORAPLEX_DECODE_SDPA=math step 170 samples_math python3 bench/samples_decode.py --layers 32 --new 128 \
       --out "$OUT/samples_math.md" --json "$OUT/samples_math.json"
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    pack_logs
     ;;
   s23_c)  # session 23, call 3 (issues 40, 44): search (a) with the steps one pass could run only with
           # recompute split into passes without (engine.split_for; its step trace names each pass's
@@ -466,18 +471,15 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     search_a 300 280
     step 170 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_samples_gpu.py \
       tests/gpu/test_engine_gpu.py
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    pack_logs
     ;;
   s23_d)  # session 23, call 4 (issues 41, 44): the 60-step task in a fresh process (the end's writes overlap
           # its samples; the decode's math attention), then the shared host with a spare (the join, the
           # end-of-task and on-demand samples)
     export TRITON_CACHE_DIR=/tmp/s23d_triton
-    step 200 task60 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold \
-      --out "$OUT/executor_task60.md" --json "$OUT/executor_task60.json"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site step 220 warm_spare python3 bench/warm_host.py --spare --layers 32 --n-train 120 \
-      --deadline-s 200 --out "$OUT/warm_host_spare.md" --json "$OUT/warm_host_spare.json"
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    task60 200
+    warm_spare
+    pack_logs
     ;;
   s23_e)  # session 23, call 5 (issue 40): search (a)'s timing alone with the split steps, every slow step
           # and evaluation logged as it comes, then the GPU test of the split step
@@ -486,18 +488,17 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     rm -rf /dev/shm/search_a
     step 100 gpu_split python3 -m pytest -q --tb=short -p no:cacheprovider \
       tests/gpu/test_engine_gpu.py::test_a_step_run_as_passes_matches_one_pass_through_the_kernels
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    pack_logs
     ;;
   s23_f)  # session 23, call 6 (issue 40): search (a) with the split steps on, killed at 250 s: its log
           # names each slow step (the first ones: all 48 configurations at once) with its passes' cells
     export LORAPLEX_SPLIT_STEPS=1
     search_a 250 240
-    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    pack_logs
     ;;
   s23_g)  # session 23, call 7 (issues 41, 44): the 60-step task as a node runs it (cuBLAS's fixed
           # workspaces, so the end-of-task samples decode repeatably: math attention)
-    step 170 task60 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold \
-      --out "$OUT/executor_task60.md" --json "$OUT/executor_task60.json"
+    task60 170
     ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g" >&2; exit 2 ;;
 esac
