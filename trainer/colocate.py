@@ -337,11 +337,16 @@ class TaskRun:
                     export_peft(adapter, path, targets, self.cfg.model_dir, metadata=meta)
                 else:
                     config = peft_config_dict(adapter, targets, self.cfg.model_dir)
-                    write = self.files.write("export", adapter.flat, lambda flat: write_peft(
-                        adapter.peft_state_dict(flat=flat), config, path, metadata=meta))
+                    if kind == "final" and self.files.best_steps.get(job_id) == state.step:
+                        # its best is this very step's adapter, queued already: the same files again
+                        write = self.files.link("export", path.with_name("best"), path)
+                    else:
+                        write = self.files.write("export", adapter.flat, lambda flat: write_peft(
+                            adapter.peft_state_dict(flat=flat), config, path, metadata=meta))
                     self.files.job_writes[job_id] = write
                     if kind == "best":
                         self.files.best_write = write
+                        self.files.best_steps[job_id] = state.step
             self.files.after_files(job_id, self.cb.on_adapter, job_id, kind, path)
 
     def set_state(self, job_id: str, state: str, details: dict) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -85,6 +86,27 @@ def write_peft(
     os.replace(tmp_w, out / "adapter_model.safetensors")
     os.replace(tmp_c, out / "adapter_config.json")
     return out
+
+
+EXPORT_FILES = ("adapter_model.safetensors", "adapter_config.json")  # what write_peft leaves in a folder
+
+
+def link_files(src: str | Path, dst: str | Path) -> Path:
+    """dst's export files as src's (the same weights exported twice: a job's final adapter at the
+    step of its best): each a hard link where src and dst share a file system, else a copy; under
+    a temp name, then renamed, as write_peft does. A later write of src replaces its files by
+    rename, so dst keeps what it got."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in EXPORT_FILES:
+        tmp = dst / f".{name}.tmp"
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(src / name, tmp)
+        except OSError:
+            shutil.copyfile(src / name, tmp)
+        os.replace(tmp, dst / name)
+    return dst
 
 
 # The safetensors format's dtype names (its README); any other torch dtype is refused rather than

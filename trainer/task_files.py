@@ -39,6 +39,7 @@ from trainer.checkpoint_files import (
 from trainer.config import Callbacks, ExecutorConfig
 from trainer.data import Example
 from trainer.early_exit import JobMonitor, WarmupRanking
+from trainer.export import link_files
 from trainer.jobs import JobRun, TrainJob
 from trainer.pairs import PairExample
 from trainer.task_parts import JobSlot, TaskExecutor
@@ -85,6 +86,7 @@ class TaskFiles:
         self.checkpoint_write: Write | None = None  # its latest checkpoint write (one in flight at most)
         self.job_writes: dict[str, Write] = {}  # each job's last write (its exports)
         self.best_write: Write | None = None  # the task's latest write of a best adapter
+        self.best_steps: dict[str, int] = {}  # each job's step at its latest best export
         # each started job's last state on file: (its step then, the file's name; None on a rank
         # but 0, which names and writes the files)
         self.job_files: dict[str, tuple[int, str | None]] = {}
@@ -100,6 +102,14 @@ class TaskFiles:
         writer.room(nbytes)
         snap = take_snapshot(obj)
         pending = writer.submit(self.task.task_id, kind, nbytes, lambda: write(snap.wait()))
+        self.writes.append(pending)
+        return pending
+
+    def link(self, kind: str, src: Path, dst: Path) -> Write:
+        """On the writer, after every write queued before it: dst's files as those of src (an
+        export of the same weights, written already): hard links where the file system allows,
+        else copies, each under a temp name then renamed."""
+        pending = self.executor.writer.submit(self.task.task_id, kind, 0, lambda: link_files(src, dst))
         self.writes.append(pending)
         return pending
 

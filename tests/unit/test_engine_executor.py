@@ -173,3 +173,33 @@ def test_stop_request_checkpoints_at_a_step_boundary_and_resumes(tmp_path) -> No
     for j, ref in full.train.items():  # no step lost, none trained twice
         got = before.train.get(j, []) + second.train.get(j, [])
         assert [s for s, _ in got] == [s for s, _ in ref]
+
+
+def test_a_final_adapter_at_its_best_step_is_the_best_exports_files_not_a_second_write(tmp_path) -> None:  # noqa: ANN001
+    import os
+
+    from safetensors import safe_open
+
+    rec = Recorder()
+    status = Executor(config(tmp_path, "linked"), rec.callbacks()).run()
+
+    def step_of(d) -> str:  # noqa: ANN001
+        with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
+            return f.metadata()["step"]
+
+    linked = 0
+    for job_id, st in status.items():
+        jobs = tmp_path / "linked" / "jobs" / job_id
+        final, best = jobs / "final", jobs / "best"
+        if st["state"] != "completed" or not (best / "adapter_model.safetensors").exists():
+            continue
+        assert (final / "adapter_model.safetensors").exists() and (final / "adapter_config.json").exists()
+        same = step_of(final) == step_of(best)
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            if same:  # the one write's files, under both names
+                assert os.stat(final / name).st_ino == os.stat(best / name).st_ino
+                linked += 1
+            else:
+                assert (final / name).read_bytes() != (best / name).read_bytes() or name.endswith(".json")
+        assert (job_id, "final") in rec.adapters
+    assert linked  # at least one job ended on its best step (evaluated at its last step)

@@ -152,3 +152,22 @@ def test_copies_and_buffers_flushed_mid_file_keep_the_order(tmp_path, monkeypatc
     tensors |= {f"b{i}": flat[300 + i * 60:300 + (i + 1) * 60].view(6, 10).t() for i in range(5)}
     path = save_safetensors(tensors, tmp_path / "t.safetensors", {"format": "pt"})
     assert_same(load_file(str(path)), tensors)
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_an_exports_files_linked_or_copied_under_another_name(tmp_path, monkeypatch, links: bool) -> None:  # noqa: ANN001
+    from trainer.export import EXPORT_FILES, link_files
+
+    src = tmp_path / "best"
+    write_peft({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, {"r": 4}, src, metadata={"step": "7"})
+    if not links:  # another file system: no hard link, a copy
+        def no_link(*_a) -> None:  # noqa: ANN002
+            raise OSError("cross-device link")
+        monkeypatch.setattr(os, "link", no_link)
+    dst = link_files(src, tmp_path / "final")
+    for name in EXPORT_FILES:
+        assert (dst / name).read_bytes() == (src / name).read_bytes()
+        assert (os.stat(dst / name).st_ino == os.stat(src / name).st_ino) is links
+    assert not [p for p in dst.iterdir() if p.name.startswith(".")]  # no temp file left
+    write_peft({"w": torch.zeros(2, 3)}, {"r": 4}, src)  # a later write of src leaves dst as it was
+    assert load_file(str(dst / "adapter_model.safetensors"))["w"].sum() == 15
