@@ -37,7 +37,7 @@ class Callbacks:
     # TaskOutcome) and {"error": "Type: message" or None, "global_step": its steps}; made even
     # when the task's own callbacks failed (what a co-located task's runner waits for)
     on_task_end: Callable[[str, dict], None] = _noop
-    # job, step, its exact sequence tokens of that step (trainer.engine.sequence_tokens), its
+    # job, step, its exact sequence tokens of that step (trainer.data.sequence_tokens), its
     # share of the executor's GPU-seconds (StepNumbers.gpu_seconds); called just BEFORE the
     # on_train_loss of the same point: the job's usage
     on_usage: Callable[[str, int, int, float], None] = _noop

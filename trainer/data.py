@@ -248,3 +248,12 @@ class JobDataStream:
         if state["n"] != self.n:
             raise ValueError(f"data stream size changed: {state['n']} != {self.n}")
         self.seed, self.epoch, self.pos, self._order = state["seed"], state["epoch"], state["pos"], []
+
+
+def sequence_tokens(example: object) -> int:
+    """The tokens a training step runs for one batch item: its sequence (no padding); a DPO
+    pair: both of its sequences."""
+    chosen = getattr(example, "chosen", None)
+    if chosen is not None:
+        return len(chosen.input_ids) + len(example.rejected.input_ids)
+    return len(example.input_ids)

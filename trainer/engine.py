@@ -28,13 +28,14 @@ from torch import nn
 
 from contract.families import family_of, resolve_targets
 from trainer.arena import AdapterArena, host_to_device
-from trainer.data import IGNORE, Example
+from trainer.data import IGNORE, Example, sequence_tokens
 from trainer.evaluation import TOKEN_METRICS, Evaluation
 from trainer.head import default_chunk, token_losses, token_losses_and_hits
 from trainer.jobs import JobRun, TrainJob, update_jobs
 from trainer.multilora import inject_multilora, without_backbone_dropout
 from trainer.packing import PackedBatch, ShapeBuckets, pack_flat, pack_step
 from trainer.step_graphs import StepGraphs
+from trainer.step_passes import StepTotals, forward_backward_passes
 from trainer.varlen import register_varlen
 
 
@@ -56,23 +57,6 @@ class StepReport:
     # a step run as several forward-backward passes (engine.split_for): each pass's cells (rows x
     # length; the largest sets the step's peak); None: one pass
     pass_cells: list[int] | None = None
-
-
-@dataclass(frozen=True)
-class StepTotals:
-    """What a step's report reads of its batch where it ran as several passes."""
-
-    real_tokens: int
-    padded_fraction: float
-
-
-def sequence_tokens(example: object) -> int:
-    """The tokens a training step runs for one batch item: its sequence (no padding); a DPO
-    pair: both of its sequences."""
-    chosen = getattr(example, "chosen", None)
-    if chosen is not None:
-        return len(chosen.input_ids) + len(example.rejected.input_ids)
-    return len(example.input_ids)
 
 
 class StepObjective(Protocol):
@@ -362,27 +346,6 @@ class MultiLoraEngine:
             self.slots.clear_layout()
         return batch, numbers
 
-    def _forward_backward_passes(self, states: Sequence[JobRun], per_job: Sequence[Sequence[Example]],
-                                 passes: list[list[int]]) -> tuple[StepTotals, list[torch.Tensor], list[int]]:
-        """The step as several eager forward-backward passes, each over its jobs alone (indices
-        into states): a job's loss and gradient depend on its own rows and adapter only, so the
-        passes give what one would, and each keeps only its own activations. The gradient sums
-        are zeroed by the first pass only. Each job's numbers in states' order, the step's token
-        totals, and each pass's cells."""
-        numbers: list[torch.Tensor | None] = [None] * len(states)
-        real, cells = 0, []
-        for k, members in enumerate(passes):
-            with self.slots.accumulating(k > 0):
-                batch, part = self._eager_forward_backward([states[i] for i in members], [per_job[i] for i in members])
-            for i, n in zip(members, part, strict=True):
-                numbers[i] = n
-            real += batch.real_tokens
-            cells.append(batch.input_ids.numel())
-        if any(n is None for n in numbers) or sum(len(m) for m in passes) != len(states):
-            raise ValueError(f"the passes {passes} do not cover the step's {len(states)} jobs once each")
-        total = sum(cells)
-        return StepTotals(real, 0.0 if total == 0 else 1.0 - real / total), numbers, cells  # type: ignore[return-value]
-
     def step(self) -> StepReport:
         """One training step of every attached job that has steps left: one forward and one
         backward over all their micro-batches, then every job's own update; one device sync (the
@@ -395,11 +358,11 @@ class MultiLoraEngine:
             [self.train_examples[i] for i in s.stream.next_indices(s.spec.batch_size)] for s in states
         ]
         tokens = [sum(sequence_tokens(e) for e in items) for items in per_job]
-        passes = self.split_for(tokens) if self.split_for is not None else None
-        pass_cells = None
-        if passes is not None and len(passes) > 1:  # jobs are independent: each pass its own jobs' gradients
+        passes, pass_cells = self.split_for(tokens) if self.split_for is not None else None, None
+        if passes is not None and len(passes) > 1:  # trainer.step_passes: each pass its own jobs
             self.set_recompute(False)
-            batch, numbers, pass_cells = self._forward_backward_passes(states, per_job, passes)
+            batch, numbers, pass_cells = forward_backward_passes(self.slots, self._eager_forward_backward,
+                                                                 states, per_job, passes)
         else:
             if self.recompute_for is not None:  # decided on the step's own tokens (trainer.memory_plan)
                 self.set_recompute(self.recompute_for(sum(tokens)))
