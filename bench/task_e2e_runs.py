@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -32,8 +33,6 @@ from trainer.jobs import TrainJob  # noqa: E402
 
 def triton_kernels() -> int:
     """Entries of this process's Triton cache (a step that grew it compiled kernels); -1: none."""
-    import os
-
     path = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     return sum(1 for _ in os.scandir(path)) if path.is_dir() else -1
 

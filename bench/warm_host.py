@@ -36,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import executor_task as et  # noqa: E402
 import task_e2e_data as te  # noqa: E402
-from executor_task import CUBLAS_WORKSPACE  # noqa: E402
 
 from contract.protocol import (  # noqa: E402
     JobHyperparameters,
@@ -47,6 +46,7 @@ from contract.protocol import (  # noqa: E402
 )
 from contract.sample_requests import SampleAdapter, SampleWork  # noqa: E402
 from worker import host as shared  # noqa: E402
+from worker.processes import CUBLAS_WORKSPACE  # noqa: E402
 from worker.sampler import ADAPTERS_NAME, RESULT_NAME, WORK_NAME  # noqa: E402
 from worker.spool import read_complete_lines  # noqa: E402
 

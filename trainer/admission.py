@@ -312,9 +312,9 @@ class RecomputePolicy:
         own activations; recompute repeats every layer's forward, a third more compute). First
         fit by size, so the passes are few and even. None: one pass (it fits; or a job alone does
         not, or passes would be under MIN_PASS_TOKENS each or over MAX_PASSES: recompute then)."""
-        if not job_tokens or not self.recompute_tokens(sum(job_tokens), padding):
-            return None
         room = self.room_tokens(padding)
+        if not job_tokens or sum(job_tokens) <= room:  # one pass fits (recompute_tokens' rule)
+            return None
         if room < MIN_PASS_TOKENS or max(job_tokens) > room:
             return None
         groups: list[list[int]] = []

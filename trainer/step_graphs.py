@@ -13,15 +13,17 @@ layers, the head's per-token losses over every position (ignored targets count z
 mean loss (segment sums by slot), the non-finite guard and the backward into the gradient arena.
 What follows the graph (norms, the one sync, clipping, AdamW) is the engine's, as in eager steps.
 
-Keys of more than MAX_CAPTURE_TOKENS tokens (the GPU, not the host, bounds them) always run
-eagerly on their static buffers. The first key of a class (job slots, rank tile, flags:
+Keys of more than MAX_CAPTURE_TOKENS tokens (the GPU, not the host, bounds them) always run eagerly
+on their static buffers. The first key of a class (job slots, rank tile, flags:
 `GraphKey.warm_class`) runs eagerly (it compiles and loads every kernel, creates the backward's
-handles: nothing may wait for the device inside a capture); every key of a warm class is
-captured at its first step and replayed from then on, unless a captured key of the same kind with at most `cover_ratio` times its tokens (and
-slots enough) can run it padded: then that capture replays (fewer captures, each ~1 s at 32
-layers of 8B, for a few percent of padded work); all graphs share one memory pool (one runs at a time, each reads its outputs before the next). Graphs live in their process only; the arena growing (a new storage) drops them. Where CUDA
-graphs do not exist (CPU tests) the same body runs eagerly on the same static buffers (`_Replay`),
-which is what the tests compare against the engine's eager step.
+handles: nothing may wait for the device inside a capture); every key of a warm class is captured at
+its first step and replayed from then on, unless a captured key of the same kind with at most
+`cover_ratio` times its tokens (and slots enough) can run it padded: then that capture replays
+(fewer captures, each ~1 s at 32 layers of 8B, for a few percent of padded work); all graphs share
+one memory pool (one runs at a time, each reads its outputs before the next). Graphs live in their
+process only; the arena growing (a new storage) drops them. Where CUDA graphs do not exist (CPU
+tests) the same body runs eagerly on the same static buffers (`_Replay`), which is what the tests
+compare against the engine's eager step.
 """
 from __future__ import annotations
 
