@@ -500,5 +500,16 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
           # workspaces, so the end-of-task samples decode repeatably: math attention)
     task60 170
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g" >&2; exit 2 ;;
+  s24_a)  # session 24, call 1 (issue 40): search (a) with the split steps on, every pass launched with the
+          # step's whole job layout (its N_P2, R_MAX: no specialization per pass), its Triton cache packed
+          # after (the shipped archive's refresh); then the GPU test of the split step
+    export LORAPLEX_SPLIT_STEPS=1 TRITON_CACHE_DIR=/tmp/s24_triton
+    search_a 430 400
+    echo "triton cache entries: $(ls /tmp/s24_triton | wc -l)" | tee -a "$OUT/steps.txt"
+    (cd /tmp/s24_triton && tar -czf "$OUT/triton_cache_s24a.tar.gz" .)
+    step 100 gpu_split python3 -m pytest -q --tb=short -p no:cacheprovider \
+      tests/gpu/test_engine_gpu.py::test_a_step_run_as_passes_matches_one_pass_through_the_kernels
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a" >&2; exit 2 ;;
 esac

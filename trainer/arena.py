@@ -58,17 +58,40 @@ class AdapterArena:
         self.backend = backend
         self.jobs: dict[str, JobRun] = {}  # attached jobs in slot order
         self._accumulate = False  # set_layout keeps the gradient sums (a step's later passes)
+        self._step: list[JobRun] | None = None  # within pass_of: the whole step's jobs
         self.reset(device)
 
     @contextlib.contextmanager
-    def accumulating(self, on: bool = True) -> Iterator[None]:
-        """Within: set_layout adds to the gradient sums as they are (a step's later passes over
-        other jobs) rather than zeroing them first."""
-        was, self._accumulate = self._accumulate, on
+    def pass_of(self, step: Sequence[JobRun], later: bool) -> Iterator[None]:
+        """Within: set_layout lays out one pass of a step over `step`'s jobs (trainer.step_passes).
+        A later pass adds to the gradient sums as they are rather than zeroing them first. Every
+        pass launches the kernels with the whole step's jobs, the absent ones holding no rows, so
+        each pass runs the kernels' specializations that the step's job count and largest rank
+        chose (Triton compiles per constexpr N_P2, per R_MAX's tile and per integer argument's
+        divisibility): a pass of other jobs or ranks compiles nothing new."""
+        was = self._accumulate, self._step
+        self._accumulate, self._step = later, list(step)
         try:
             yield
         finally:
-            self._accumulate = was
+            self._accumulate, self._step = was
+
+    def _whole_step(self, states: Sequence[JobRun], token_offsets: list[int]
+                    ) -> tuple[Sequence[JobRun], list[int]]:
+        """Within pass_of: the step's jobs in its order and their token offsets, a job absent from
+        this pass (`states`, in the step's order) an empty range where it would stand."""
+        if self._step is None:
+            return states, token_offsets
+        ids = [s.job_id for s in states]
+        where = {j: k for k, j in enumerate(ids)}
+        order = [where[s.job_id] for s in self._step if s.job_id in where]
+        if order != list(range(len(ids))):
+            raise ValueError(f"the pass's jobs {ids} are not the step's, in its order")
+        offsets, k = [], 0
+        for s in self._step:
+            offsets.append(token_offsets[k])
+            k += s.job_id in where
+        return self._step, offsets + [token_offsets[-1]]
 
     # ----- arena -----------------------------------------------------------------------
     def reset(self, device: torch.device) -> None:
@@ -156,6 +179,7 @@ class AdapterArena:
     def set_layout(self, states: Sequence[JobRun], token_offsets: list[int]) -> None:
         """Point every layer at the arena for these jobs (in this order) and zero their gradient
         sums: one host-to-device copy of all layers' offsets, no per-layer work, no sync."""
+        states, token_offsets = self._whole_step(states, token_offsets)
         n_layers = len(self.layers)
         ints = self.layout_offsets(states) + [s.adapter.rank for s in states] + list(token_offsets)
         dev = host_to_device(torch.tensor(ints, dtype=torch.int64), self.device)

@@ -3,7 +3,8 @@ chosen by trainer.admission.RecomputePolicy.passes): where one pass over every j
 activation recompute, passes that each fit without it. A job's loss and gradient depend on its own
 rows and adapter only, so the passes give what one pass would; each keeps only its own activations.
 The first pass zeroes the gradient arena, the later ones add their own jobs' regions to it
-(`AdapterArena.accumulating`)."""
+(`AdapterArena.pass_of`). Every pass launches the kernels with the whole step's jobs (those
+of other passes hold no rows), so a pass compiles no kernel specialization the step would not."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def forward_backward_passes(slots: AdapterArena, forward_backward: ForwardBackwa
     numbers: list[torch.Tensor] = [torch.empty(0)] * len(states)
     real, cells = 0, []
     for k, members in enumerate(passes):
-        with slots.accumulating(k > 0):
+        with slots.pass_of(states, later=k > 0):
             batch, part = forward_backward([states[i] for i in members], [per_job[i] for i in members])
         for i, n in zip(members, part, strict=True):
             numbers[i] = n

@@ -227,14 +227,29 @@ def test_a_step_run_as_passes_equals_the_step_run_as_one(tmp_path) -> None:  # n
         eng = MultiLoraEngine(model, data, 0, gradient_checkpointing=False, step_graphs=False)
         seen = []
         eng.split_for = lambda tokens, split=split, seen=seen: seen.append(tokens) or split
+        layouts = []  # what each pass launches with: its job count, largest rank, rows per job
+        set_layout = eng.slots.set_layout
+
+        def recording(states, offsets, set_layout=set_layout, layouts=layouts, slots=eng.slots):  # noqa: ANN001, ANN202
+            set_layout(states, offsets)
+            lay = slots.layers[0].layout
+            layouts.append((lay.ranks.numel(), lay.r_max, lay.offsets.diff().tolist(), [s.job_id for s in states]))
+
+        eng.slots.set_layout = recording
         for i, (rank, lr) in enumerate([(4, 1e-2), (8, 3e-3), (2, 1e30), (4, 5e-3)]):  # job 2 diverges
             eng.attach(TrainJob(f"j{i}", lora_rank=rank, lora_alpha=2 * rank, learning_rate=lr, batch_size=2,
                                 max_steps=3, seed=i))
         start = eng.jobs["j0"].adapter.flat.detach().clone()
         reports = [eng.step() for _ in range(3)]
         assert not torch.equal(start, eng.jobs["j0"].adapter.flat)  # trained
-        results.append((reports, {j: s.adapter.flat.detach().clone() for j, s in eng.jobs.items()}, seen))
-    (one, w1, seen1), (split, w2, seen2) = results
+        results.append((reports, {j: s.adapter.flat.detach().clone() for j, s in eng.jobs.items()}, seen, layouts))
+    (one, w1, seen1, lay1), (split, w2, seen2, lay2) = results
+    # every pass launches the kernels with the whole step's 4 jobs and its largest rank (the
+    # specializations one pass compiles), the other pass's jobs holding no rows
+    assert len(lay1) == 3 and len(lay2) == 6
+    assert all(n == 4 and r_max == 8 for n, r_max, _, _ in lay1 + lay2)
+    for (_, _, rows, ids), members in zip(lay2, [[0, 2], [1, 3]] * 3, strict=True):
+        assert [i for i, n in enumerate(rows) if n > 0] == members and len(ids) == 2
     assert seen1 == seen2 and len(seen1[0]) == 4  # each job's tokens, asked every step
     for a, b in zip(one, split, strict=True):
         assert a.pass_cells is None and len(b.pass_cells) == 2 and max(b.pass_cells) < a.tokens / (1 - a.padded_fraction)
