@@ -26,10 +26,18 @@ search_a() {  # search_a LIMIT DEADLINE: the user's search (a) at 32 layers, 48 
   # phase in the same call; the executor's folder (its ~38 GB first checkpoint) on tmpfs when that
   # has the room (the device's disk does not, beside the 16 GB model)
   local runs=""
-  if [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 45 ]; then runs=/dev/shm/search_a; fi
+  # (not on an 80 GB card: its parked states and the writer's snapshots already take the host's RAM;
+  # session 24's H100 run was killed there with the checkpoint on tmpfs), and the host's memory and
+  # disk every 5 s while it runs
+  if [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 45 ] && [ "$(gpu_mib)" -gt 100000 ]; then
+    runs=/dev/shm/search_a; fi
   echo "runs dir: ${runs:-under --work (disk)}" | tee -a "$OUT/steps.txt"
+  df -h /tmp /dev/shm | tee -a "$OUT/steps.txt"
+  (while sleep 5; do echo "$SECONDS $(free -m | awk '/Mem:/{print "used",$3,"shared",$5,"cache",$6,"avail",$7}') \
+    $(df --output=used -BM /tmp | tail -1)"; done > "$OUT/host_memory.txt") & local sampler=$!
   step "$1" search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s "$2" \
     ${runs:+--runs-dir "$runs"} --json "$OUT/search_a.json" --out "$OUT/search_a.md"
+  kill "$sampler"; dmesg 2>/dev/null | grep -i -E "killed process|out of memory" | tail -3 | tee -a "$OUT/steps.txt"
   rm -rf /dev/shm/search_a
 }
 task60() {  # task60 LIMIT: the 60-step, 8-job task at 32 layers in a fresh process (issue 41's table)
@@ -41,6 +49,7 @@ warm_spare() {  # the shared host with a spare (issue 41's join, issue 44's samp
   PYTHONPATH=/tmp/site step 220 warm_spare python3 bench/warm_host.py --spare --layers 32 --n-train 120 \
     --deadline-s 200 --out "$OUT/warm_host_spare.md" --json "$OUT/warm_host_spare.json"
 }
+gpu_mib() { nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1; }
 pack_logs() { (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log); }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print(torch.__version__, triton.__version__, transformers.__version__, peft.__version__)" | tee -a "$OUT/gpu.txt"
@@ -511,5 +520,13 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
       tests/gpu/test_engine_gpu.py::test_a_step_run_as_passes_matches_one_pass_through_the_kernels
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a" >&2; exit 2 ;;
+  s24_b)  # session 24, call 2 (issue 40): where passes without recompute beat one pass with it (the
+          # pass size; bench/split_step.py), then search (a) with the split on, the host's memory logged
+    step 200 split_step python3 bench/split_step.py --layers 32 --jobs 16 --batch 4 --passes 1r,1,2,4,8,16 \
+      --out "$OUT/split_step.md"
+    export LORAPLEX_SPLIT_STEPS=1 TRITON_CACHE_DIR=/tmp/s24_triton
+    search_a 360 330
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b" >&2; exit 2 ;;
 esac
