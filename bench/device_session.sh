@@ -23,22 +23,25 @@ side_by_side() {  # this tree's engine stages and fused engine step against the 
     --forms fused --out "$OUT/engine_step_old_h100.md"
 }
 search_a() {  # search_a LIMIT DEADLINE: the user's search (a) at 32 layers, 48 configurations, its quality
-  # phase in the same call; the executor's folder (its ~38 GB first checkpoint) on tmpfs when that
-  # has the room (the device's disk does not, beside the 16 GB model)
-  local runs=""
-  # (not on an 80 GB card: its parked states and the writer's snapshots already take the host's RAM;
-  # session 24's H100 run was killed there with the checkpoint on tmpfs), and the host's memory and
-  # disk every 5 s while it runs
-  if [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 45 ] && [ "$(gpu_mib)" -gt 100000 ]; then
-    runs=/dev/shm/search_a; fi
-  echo "runs dir: ${runs:-under --work (disk)}" | tee -a "$OUT/steps.txt"
+  # phase in the same call, the host's memory and disk logged every 5 s. Its executor folder (a
+  # checkpoint of ~40-50 GB: every started job's adapter and AdamW moments) does not fit the device's
+  # disk beside the 16 GB model: on a card of over 100 GB the folder goes to tmpfs; on an 80 GB card
+  # (more states parked in pinned host memory, up to 78 GB: session 24's H100 run on tmpfs was killed)
+  # the model and the bench's small files go to tmpfs and the folder stays on the disk
+  local runs="" work=""
+  if [ "$(gpu_mib)" -gt 100000 ]; then
+    [ "$(df --output=avail -B1G /dev/shm | tail -1)" -ge 45 ] && runs=/dev/shm/search_a
+  else
+    work=/dev/shm/search_work; runs=/tmp/search_a
+  fi
+  echo "runs dir: ${runs:-under --work (disk)}; work: ${work:-default}" | tee -a "$OUT/steps.txt"
   df -h /tmp /dev/shm | tee -a "$OUT/steps.txt"
   (while sleep 5; do echo "$SECONDS $(free -m | awk '/Mem:/{print "used",$3,"shared",$5,"cache",$6,"avail",$7}') \
     $(df --output=used -BM /tmp | tail -1)"; done > "$OUT/host_memory.txt") & local sampler=$!
   step "$1" search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s "$2" \
-    ${runs:+--runs-dir "$runs"} --json "$OUT/search_a.json" --out "$OUT/search_a.md"
+    ${runs:+--runs-dir "$runs"} ${work:+--work "$work"} --json "$OUT/search_a.json" --out "$OUT/search_a.md"
   kill "$sampler"; dmesg 2>/dev/null | grep -i -E "killed process|out of memory" | tail -3 | tee -a "$OUT/steps.txt"
-  rm -rf /dev/shm/search_a
+  rm -rf /dev/shm/search_a /dev/shm/search_work /tmp/search_a
 }
 task60() {  # task60 LIMIT: the 60-step, 8-job task at 32 layers in a fresh process (issue 41's table)
   step "$1" task60 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold \
@@ -528,5 +531,16 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     search_a 360 330
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b" >&2; exit 2 ;;
+  s24_c)  # session 24, call 3 (issue 40): search (a) on an 80 GB card with the split steps on (the model on
+          # tmpfs, the checkpoints on the disk)
+    export LORAPLEX_SPLIT_STEPS=1 TRITON_CACHE_DIR=/tmp/s24_triton
+    search_a 560 530
+    pack_logs
+    ;;
+  s24_d)  # session 24, call 4 (issue 40): the same with the split off (recompute where one pass needs it)
+    export TRITON_CACHE_DIR=/tmp/s24_triton
+    search_a 560 530
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d" >&2; exit 2 ;;
 esac
