@@ -73,7 +73,8 @@ class TaskRun:
         self.ranking = WarmupRanking([j.job_id for j in cfg.jobs], early_exit.keep_fraction) if ranked else None
         self.queue: list[TrainJob | JobSlot] = list(cfg.jobs)  # never started, then parked
         self.placed: dict[str, JobSlot] = {}  # its running jobs of every rank, in placement order
-        self.parked: dict[str, JobRun] = {}  # this rank's parked jobs of the task (on CPU)
+        self.parked: dict[str, JobRun] = {}  # this rank's parked jobs of the task
+        self.parked_on_device: set[str] = set()  # those of them kept on the device (the others: host)
         self.global_step = 0  # executor steps this task took part in (resumed from its state.pt)
         # its own timings on a shared executor (Executor.timings(task)): when it joined, the
         # executor's phase seconds then, and its first step from then
@@ -154,6 +155,28 @@ class TaskRun:
         ranking_open = self.ranking is not None and self.ranking.result is None
         return [q for q in self.queue if isinstance(q, TrainJob) or (q.owner == rank and not ranking_open)]
 
+    def spill_parked(self) -> bool:
+        """Move this rank's parked states that wait on the device to pinned host memory (a job that
+        does not fit beside them would otherwise wait for them forever); whether any moved."""
+        on_device = sorted(self.parked_on_device & set(self.parked))
+        self.parked_on_device.clear()
+        if on_device:
+            with self.executor.phase("park"):
+                for job_id in on_device:
+                    self.parked[job_id] = self.parked[job_id].to("cpu")
+            self.cb.on_event("", "parked_to_host", {"jobs": on_device})
+        return bool(on_device)
+
+    def fail_stranded(self) -> None:
+        """Its queued jobs, where the task ends because nothing runs and none of them could be
+        admitted on the empty executor: failed, saying so (never left pending in a task that
+        ends as succeeded)."""
+        for item in list(self.queue):
+            self.queue.remove(item)
+            self.parked.pop(item.job_id, None)
+            self.set_state(item.job_id, JobLifecycle.FAILED,
+                           {"error": "could not be admitted: no room on the executor when nothing else ran"})
+
     def fail_unschedulable(self) -> None:
         executor = self.executor
         for job_id in executor.admission.unschedulable([q for q in self.queue if isinstance(q, TrainJob)]):
@@ -170,6 +193,7 @@ class TaskRun:
         self.placed[job_id] = slot
         if rank == self.executor.rank:
             with self.executor.phase("resume" if resumed else "init"):  # executor copies / a new adapter's init
+                self.parked_on_device.discard(job_id)
                 self.executor.engine.attach(self.parked.pop(job_id) if resumed else self.new_job(item))
         if self.status[job_id]["state"] != JobLifecycle.RUNNING:
             self.set_state(job_id, JobLifecycle.RUNNING, {"resumed": resumed, "rank": rank})
@@ -292,8 +316,10 @@ class TaskRun:
                     self.queue.append(self.placed.pop(job_id))
                     if s.owner == executor.rank:
                         with executor.phase("park"):  # on the device while its memory allows
-                            self.parked[job_id] = executor.engine.detach(
-                                job_id, park_device=executor.engine.slots.park_target(job_id))
+                            target = executor.engine.slots.park_target(job_id)
+                            self.parked[job_id] = executor.engine.detach(job_id, park_device=target)
+                            if target is None:
+                                self.parked_on_device.add(job_id)
                     self.cb.on_event(job_id, "parked_after_warmup", {"step": s.step, "rank": s.owner})
         if self.ranking.ready:
             keep, evict = self.ranking.decide()
@@ -308,6 +334,7 @@ class TaskRun:
         if slot is not None and slot.owner == self.executor.rank:
             self.executor.engine.detach(job_id)
         self.parked.pop(job_id, None)
+        self.parked_on_device.discard(job_id)
         self.queue = [q for q in self.queue if q.job_id != job_id]
         if self.in_warmup(job_id):
             self.ranking.exit(job_id)
@@ -364,6 +391,7 @@ class TaskRun:
                 self.executor.engine.detach(job_id)
         self.placed.clear()
         self.parked.clear()
+        self.parked_on_device.clear()
 
     # ----- reports and checkpoints ---------------------------------------------------------------
     def report_throughput(self) -> None:

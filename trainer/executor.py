@@ -349,7 +349,12 @@ class Executor:
                         task.place(chosen[0], r)
                         break
                 else:
-                    break
+                    # nothing runs and a queued job does not fit: states parked on the device
+                    # (waiting for a ranking that waits for this job) go to the host, then again
+                    if slots or not any(task.candidates(r) for r in range(self.world)):
+                        break
+                    if not any([t.spill_parked() for t in self.tasks.values()]):
+                        break
 
     def eval_shape(self, n_jobs: int, n_examples: int | None = None, floor: int | None = None
                    ) -> tuple[int, int]:

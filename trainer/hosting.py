@@ -255,6 +255,7 @@ class TaskRoster:
         running = bool(self.slots())
         for task in list(self.tasks.values()):
             if not running or (not task.placed and not task.queue):
+                task.fail_stranded()
                 self.end(task, TaskOutcome.SUCCEEDED)
 
     def end(self, task: TaskRun, outcome: str) -> None:

@@ -75,6 +75,47 @@ def test_executor_runs_a_task_end_to_end(tmp_path) -> None:  # noqa: ANN001
     assert ("job0", "running", {"resumed": False, "rank": 0}) in rec.states
 
 
+def test_states_parked_on_the_device_go_to_the_host_when_a_queued_job_cannot_start(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # an 80 GB card in the search: jobs that finished their warmup wait for the ranking parked on
+    # the device while its memory allows; once they leave no room for the next configuration's
+    # warmup, with nothing running, the ranking (which waits for that warmup) never came and the
+    # task ended "succeeded" with its jobs still pending. Stand-in for the device's memory: the
+    # admission refuses while 3 states are parked on the device.
+    from trainer.admission import AdmissionController
+    from trainer.arena import AdapterArena
+
+    ex = Executor(config(tmp_path, "run"), (rec := Recorder()).callbacks())
+    admit = AdmissionController.admit
+
+    def crowded(self, pending, running):  # noqa: ANN001, ANN202
+        return [] if sum(len(t.parked_on_device) for t in ex.tasks.values()) >= 3 else admit(self, pending, running)
+
+    monkeypatch.setattr(AdmissionController, "admit", crowded)
+    monkeypatch.setattr(AdapterArena, "park_target", lambda self, job_id: None)  # room on the device
+    status = ex.run()
+    spills = [d["jobs"] for _, m, d in rec.events if m == "parked_to_host"]
+    assert spills and all(len(jobs) == 3 for jobs in spills)
+    ranking = [d for _, m, d in rec.events if m == "warmup_ranking"]
+    assert len(ranking) == 1 and len(ranking[0]["keep"]) == 3
+    assert all(st["state"] in ("completed", "exited") for st in status.values()), status
+    for j in ranking[0]["keep"]:
+        assert status[j]["state"] == "completed" and [s for s, _ in rec.train[j]] == list(range(1, 13))
+
+
+def test_a_job_no_executor_can_admit_fails_saying_so_not_left_pending(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from trainer.admission import AdmissionController
+
+    admit = AdmissionController.admit
+    monkeypatch.setattr(AdmissionController, "admit", lambda self, pending, running: admit(
+        self, [j for j in pending if j.job_id != "job5"], running))
+    rec = Recorder()
+    status = Executor(config(tmp_path, "run", early_exit=EarlyExitSettings(enabled=False)), rec.callbacks()).run()
+    assert status["job5"]["state"] == "failed"
+    failed = [d for j, st, d in rec.states if j == "job5" and st == "failed"]
+    assert failed and "could not be admitted" in failed[0]["error"]
+    assert all(status[f"job{i}"]["state"] in ("completed", "exited") for i in range(5))
+
+
 def test_each_step_reports_its_jobs_exact_tokens_and_gpu_seconds(tmp_path) -> None:  # noqa: ANN001
     """on_usage: a job's sequence tokens of each step; one job per example for an epoch and one
     with the whole set in one step both trained every example once."""
