@@ -542,5 +542,14 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     search_a 560 530
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d" >&2; exit 2 ;;
+  s24_e)  # session 24, call 5 (issues 40, 41): search (a) on the 80 GB card with half its memory kept
+          # free of parked states (LORAPLEX_PARK_RESERVE=0.5: its evaluations ran 8 sequences a forward
+          # beside ~50 GB resident at 0.15), then the 60-step task (the linked final exports, the
+          # overlapped end)
+    export TRITON_CACHE_DIR=/tmp/s24_triton
+    LORAPLEX_PARK_RESERVE=0.5 search_a 330 300
+    task60 200
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e" >&2; exit 2 ;;
 esac

@@ -10,6 +10,7 @@ data order) is made by the engine (`MultiLoraEngine.new_job`) and handed in.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -20,6 +21,22 @@ from trainer.multilora import MultiLoraLinear, StepLayout
 # the share of device memory a job parked on the device leaves free: the steps' peak is already
 # held by the allocator's cache, this is room for admission to grow the step and for fragmentation
 PARK_RESERVE = 0.15
+
+
+def _park_reserve(value: str | None) -> float:
+    """$LORAPLEX_PARK_RESERVE (a share of device memory in [0, 1)), else PARK_RESERVE."""
+    if value is None or value == "":
+        return PARK_RESERVE
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"LORAPLEX_PARK_RESERVE={value!r}: a share of device memory in [0, 1)")
+    return share
+
+
+PARK_RESERVE = _park_reserve(os.environ.get("LORAPLEX_PARK_RESERVE"))
 
 
 def state_bytes(state: JobRun) -> int:
