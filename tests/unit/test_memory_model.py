@@ -259,3 +259,39 @@ def test_a_step_run_as_passes_equals_the_step_run_as_one(tmp_path) -> None:  # n
             assert a.grad_norms[j] == pytest.approx(b.grad_norms[j], rel=1e-10, nan_ok=True)
     for j in w1:
         torch.testing.assert_close(w1[j], w2[j], rtol=1e-10, atol=1e-12, equal_nan=True)
+
+
+def test_an_evaluation_forward_is_sized_by_its_own_bytes_per_token() -> None:
+    from trainer.memory_model import eval_share
+
+    # no grad: one layer's activations live at once beside the residual stream, against a step
+    # that keeps every layer's input and recomputes one layer: about 0.4 of it at 8B
+    share = eval_share(LLAMA_8B, 7, 64)
+    s = Shapes.of(LLAMA_8B)
+    assert 0.25 < share < 0.5
+    assert share * per_token_bytes(s, True, 7, 64) > 4 * s.hidden + 3 * 2 * s.intermediate  # one layer's MLP
+    tiny = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=256)
+    assert 0.8 < eval_share(tiny, 7, 8) < 1.0  # one layer: a forward holds nearly what a recompute step does
+
+
+def test_an_evaluation_that_runs_out_of_memory_runs_again_sized_as_a_training_step() -> None:
+    from trainer.memory_plan import MemoryPlan
+
+    plan = MemoryPlan.__new__(MemoryPlan)  # the two attributes its evaluation sizing reads
+    plan.admission = AdmissionController(MemoryModel(1e9, 4e5), 80e9, 512, resident=lambda: 66e9)
+    plan.eval_share, plan.eval_retries = 0.35, 0
+    step = plan.admission.max_total_batch()
+    assert step > 0 and plan.eval_max_batch() >= int(2.5 * step)
+    sizes = []
+
+    def run() -> str:
+        sizes.append(plan.eval_max_batch())
+        if len(sizes) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return "metrics"
+
+    assert plan.evaluation(run) == "metrics"
+    assert sizes == [sizes[0], step] and plan.eval_share == 1.0 and plan.eval_retries == 1
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # sized as a step already: not hidden
+        plan.evaluation(lambda: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("again")))
