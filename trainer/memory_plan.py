@@ -191,14 +191,17 @@ class MemoryPlan:
 
     def evaluation(self, run: Callable[[], Any]) -> Any:
         """An evaluation's forwards (`run`, sized by eval_max_batch). One that runs out of device
-        memory (the share under-predicted it) runs again sized as a training step, as every
-        later evaluation is then."""
+        memory (the share under-predicted it, or the captures' pool grew with its larger
+        forwards) runs again sized as a training step, as every later evaluation is then, after
+        every capture is dropped (their pool goes back; later steps capture anew)."""
         try:
             return run()
         except torch.cuda.OutOfMemoryError:
             if self.eval_share >= 1.0:
                 raise
             log.warning("an evaluation ran out of device memory: sized as a training step from now on")
+            if self.engine.step_graphs is not None:
+                self.engine.step_graphs.reset()
             torch.cuda.empty_cache()
             self.eval_share, self.eval_retries = 1.0, self.eval_retries + 1
             return run()

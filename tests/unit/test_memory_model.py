@@ -276,9 +276,13 @@ def test_an_evaluation_forward_is_sized_by_its_own_bytes_per_token() -> None:
 
 
 def test_an_evaluation_that_runs_out_of_memory_runs_again_sized_as_a_training_step() -> None:
+    from types import SimpleNamespace
+
     from trainer.memory_plan import MemoryPlan
 
-    plan = MemoryPlan.__new__(MemoryPlan)  # the two attributes its evaluation sizing reads
+    plan = MemoryPlan.__new__(MemoryPlan)  # the attributes its evaluation sizing reads
+    resets = []
+    plan.engine = SimpleNamespace(step_graphs=SimpleNamespace(reset=lambda: resets.append(1)))
     plan.admission = AdmissionController(MemoryModel(1e9, 4e5), 80e9, 512, resident=lambda: 66e9)
     plan.eval_share, plan.eval_retries = 0.35, 0
     step = plan.admission.max_total_batch()
@@ -293,5 +297,6 @@ def test_an_evaluation_that_runs_out_of_memory_runs_again_sized_as_a_training_st
 
     assert plan.evaluation(run) == "metrics"
     assert sizes == [sizes[0], step] and plan.eval_share == 1.0 and plan.eval_retries == 1
+    assert resets == [1]  # the captures (their pool) dropped before the second run
     with pytest.raises(torch.cuda.OutOfMemoryError):  # sized as a step already: not hidden
         plan.evaluation(lambda: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("again")))
