@@ -273,15 +273,10 @@ class TaskRun:
         local: dict[str, dict[str, float]] = {}
         own = 0
         for n, ids in sorted(due.items()):
+            mine, bs, cap = plan(ids, n, executor.rank)
             subset = sorted(self.val[:n], key=_length, reverse=True)
-
-            def run(ids: list[str] = ids, n: int = n, subset: list = subset) -> tuple[dict, int]:
-                mine, bs, cap = plan(ids, n, executor.rank)
-                return executor.engine.evaluate_metrics(subset, bs, mine, cap), eval_forwards(len(mine), n, bs, cap)
-
-            metrics, made = run() if executor.memory is None else executor.memory.evaluation(run)
-            local.update(metrics)
-            own += made
+            local.update(executor.engine.evaluate_metrics(subset, bs, mine, cap))
+            own += eval_forwards(len(mine), n, bs, cap)
         for _ in range(forwards - own):
             executor.engine.idle_forward()
         numbers = {j: v for part in executor.strategy.gather(local) for j, v in part.items()}

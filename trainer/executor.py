@@ -360,13 +360,11 @@ class Executor:
                    ) -> tuple[int, int]:
         """(examples per forward, sequences per forward) of an evaluation of n_jobs jobs over
         n_examples (default: the first task's validation set): one forward holds as many
-        sequences as the memory model lets a no-grad forward hold now (MemoryPlan.eval_max_batch;
-        without one, as admission lets a training step hold), never fewer than the
-        eval_batch_size floor."""
+        sequences as admission lets a training step hold (a no-grad forward needs less than the
+        step it was sized for), never fewer than the eval_batch_size floor."""
         floor = self.cfg.eval_batch_size if floor is None else floor
         n_examples = len(self.first.val) if n_examples is None else n_examples
-        memory = self.memory
-        budget = max(memory.eval_max_batch() if memory is not None else self.admission.max_total_batch(), floor)
+        budget = max(self.admission.max_total_batch(), floor)
         budget = min(budget, max(1, n_jobs) * max(1, n_examples))
         return eval_chunk(n_jobs, n_examples, budget, floor), budget
 

@@ -88,17 +88,6 @@ def per_token_bytes(s: Shapes, recompute: bool, n_targets: int, rank: int) -> fl
     return body + head
 
 
-def eval_share(config: Any, n_targets: int, max_rank: int) -> float:
-    """An evaluation forward's bytes per token over a training step's with recompute (the
-    narrower training model; at most 1): no grad, so nothing stays for a backward and at most one
-    layer's activations are live at once, beside the residual stream and its normed copy. The
-    evaluation sizes its forwards by the (online-corrected) step model with k1 scaled by this."""
-    s = Shapes.of(config)
-    rank = _tile(max_rank)
-    forward = layer_activation_bytes(s, n_targets, rank) + 2 * ACT_BYTES * s.hidden
-    return min(1.0, forward / per_token_bytes(s, True, n_targets, rank))
-
-
 def head_bytes(s: Shapes, tokens: int) -> float:
     """The head's float32 logits of `tokens` tokens (one chunk at most): forward, softmax, gradient."""
     return float(HEAD_BYTES) * tokens * s.vocab

@@ -45,7 +45,6 @@ from trainer.memory_model import (
     OnlineCorrection,
     Shapes,
     analytic_model,
-    eval_share,
     state_bytes_per_param,
 )
 from trainer.sft import Sft
@@ -73,10 +72,7 @@ class MemoryPlan:
         self.replays = 0  # steps replayed from a graph (their memory counted at its capture)
         self.recompute_steps = {"on": 0, "off": 0}
         self.split_steps = 0  # steps run as several passes without recompute (split_for)
-        self.eval_retries = 0  # evaluations run again after running out of device memory
         self.admission = self._plan()
-        # an evaluation forward's bytes per token over the step model's (one GPU: the live form)
-        self.eval_share = self._eval_share() if self.model is not None and self.live else 1.0
 
     def _plan(self) -> AdmissionController:
         """The admission budget: on a GPU from the memory model (given, stored or built; with
@@ -175,36 +171,6 @@ class MemoryPlan:
                               max_rank=max(j.lora_rank for j in cfg.jobs), n_targets=targets,
                               recompute=recompute, sequences_per_item=self.objective.sequences_per_item,
                               resident=resident, state_bytes_per_rank=per_rank)
-
-    def _eval_share(self) -> float:
-        eng = self.engine
-        targets = len({name.rsplit(".", 1)[-1] for name in eng.shapes})
-        return eval_share(eng.model.config, targets, max(j.lora_rank for j in self.cfg.jobs))
-
-    def eval_max_batch(self) -> int:
-        """Sequences (of max_seq_len) one evaluation forward may hold now: admission's step model
-        with its bytes per token scaled to a no-grad forward's (`eval_share`)."""
-        adm = self.admission
-        if self.eval_share >= 1.0:
-            return adm.max_total_batch()
-        return MemoryModel(adm.model.k0, adm.model.k1 * self.eval_share).max_total_batch(adm.headroom, adm.seq_len)
-
-    def evaluation(self, run: Callable[[], Any]) -> Any:
-        """An evaluation's forwards (`run`, sized by eval_max_batch). One that runs out of device
-        memory (the share under-predicted it, or the captures' pool grew with its larger
-        forwards) runs again sized as a training step, as every later evaluation is then, after
-        every capture is dropped (their pool goes back; later steps capture anew)."""
-        try:
-            return run()
-        except torch.cuda.OutOfMemoryError:
-            if self.eval_share >= 1.0:
-                raise
-            log.warning("an evaluation ran out of device memory: sized as a training step from now on")
-            if self.engine.step_graphs is not None:
-                self.engine.step_graphs.reset()
-            torch.cuda.empty_cache()
-            self.eval_share, self.eval_retries = 1.0, self.eval_retries + 1
-            return run()
 
     def measured_model(self, batches: tuple[int, ...] = (1, 2, 4)) -> MemoryModel:
         """A profiling pass (CUDA): the peak of `probe_step` at a few total batches, fitted."""
