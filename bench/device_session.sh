@@ -561,5 +561,11 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 420 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g" >&2; exit 2 ;;
+  s24_h)  # session 24, call 10 (issue 40): search (a) on the 80 GB card with the pinned pool sized for
+          # every state (device-parked ones too) and states moved out of the device one at a time
+    export TRITON_CACHE_DIR=/tmp/s24_triton
+    search_a 330 300
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h" >&2; exit 2 ;;
 esac
