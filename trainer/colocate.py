@@ -36,7 +36,6 @@ from typing import Any
 
 from contract.states import JOB_TERMINAL, ExitReason
 from contract.states import JobState as JobLifecycle
-from trainer.arena import state_bytes
 from trainer.checkpoint import restore_job
 from trainer.config import Callbacks, ExecutorConfig
 from trainer.data import Example, read_jsonl, split_validation
@@ -157,19 +156,16 @@ class TaskRun:
         return [q for q in self.queue if isinstance(q, TrainJob) or (q.owner == rank and not ranking_open)]
 
     def spill_parked(self) -> bool:
-        """Move the largest of this rank's parked states that wait on the device to pinned host
-        memory (a job that does not fit beside them would otherwise wait for them forever);
-        whether one moved. Admission tries again after each: only what the job needs moves."""
-        on_device = [j for j in self.parked_on_device if j in self.parked]
-        if not on_device:
-            self.parked_on_device.clear()
-            return False
-        job_id = max(sorted(on_device), key=lambda j: state_bytes(self.parked[j]))
-        self.parked_on_device.discard(job_id)
-        with self.executor.phase("park"):
-            self.parked[job_id] = self.parked[job_id].to("cpu")
-        self.cb.on_event("", "parked_to_host", {"jobs": [job_id]})
-        return True
+        """Move this rank's parked states that wait on the device to pinned host memory (a job that
+        does not fit beside them would otherwise wait for them forever); whether any moved."""
+        on_device = sorted(self.parked_on_device & set(self.parked))
+        self.parked_on_device.clear()
+        if on_device:
+            with self.executor.phase("park"):
+                for job_id in on_device:
+                    self.parked[job_id] = self.parked[job_id].to("cpu")
+            self.cb.on_event("", "parked_to_host", {"jobs": on_device})
+        return bool(on_device)
 
     def fail_stranded(self) -> None:
         """Its queued jobs, where the task ends because nothing runs and none of them could be

@@ -353,7 +353,7 @@ class Executor:
                     # (waiting for a ranking that waits for this job) go to the host, then again
                     if slots or not any(task.candidates(r) for r in range(self.world)):
                         break
-                    if not any(t.spill_parked() for t in self.tasks.values()):  # one state, then again
+                    if not any([t.spill_parked() for t in self.tasks.values()]):
                         break
 
     def eval_shape(self, n_jobs: int, n_examples: int | None = None, floor: int | None = None

@@ -22,8 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from contract.protocol import tenant_safe
 from contract.states import JOB_LIVE, JobState, TaskOutcome
+from trainer.arena import park_room
 from trainer.checkpoint_files import STATE_NAME, load_checkpoint
 from trainer.colocate import TaskRun
 from trainer.config import CALLBACK_KINDS, HOST_FIELDS, Callbacks, ExecutorConfig
@@ -231,17 +234,17 @@ class TaskRoster:
 
     def reserve_parking(self, task: TaskRun) -> None:
         """After the task's first step (trainer.host_pool): pin, in the background, host memory
-        for the states its configurations may park and for the snapshots its writes take; at
-        most a quarter of the machine's memory, only on a GPU. Every state counts, those that
-        may park on the device too: the room the device had at the first step is gone once the
-        warmups fill it, and a state moved out then (`TaskRun.spill_parked`) would otherwise
-        pin its memory on the loop (~0.7 s a state at 8B; session 24's H100 search: 14.8 s)."""
+        for the states its configurations may park beyond what the device keeps (parks stay on
+        the device while PARK_RESERVE of it stays free) and for the snapshots its writes take;
+        at most a quarter of the machine's memory, only on a GPU."""
         eng = self.executor.engine
         if eng.device.type != "cuda" or len(task.cfg.jobs) <= 1:
             return
         per_rank = eng.params_per_rank
         item = eng.adapter_dtype.itemsize
-        need = sum(3 * item * per_rank * j.lora_rank for j in task.cfg.jobs)  # weights + 2 moments
+        states = sum(3 * item * per_rank * j.lora_rank for j in task.cfg.jobs)  # weights + 2 moments
+        free, total = torch.cuda.mem_get_info(eng.device)
+        need = max(0, states - max(0, int(park_room(free, total))))
         # and the snapshots of checkpoints and exports waiting for the writer thread
         need += int(task.cfg.write_buffer_bytes)
         POOL.reserve(min(need + POOL.pinned_bytes, host_memory_bytes() // 4))
