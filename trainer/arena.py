@@ -20,13 +20,13 @@ from trainer.multilora import MultiLoraLinear, StepLayout
 
 # the share of device memory a job parked on the device leaves free: the steps' peak is already
 # held by the allocator's cache, this is room for admission to grow the step and for fragmentation
-PARK_RESERVE = 0.15
+DEFAULT_PARK_RESERVE = 0.15
 
 
 def _park_reserve(value: str | None) -> float:
-    """$LORAPLEX_PARK_RESERVE (a share of device memory in [0, 1)), else PARK_RESERVE."""
+    """$LORAPLEX_PARK_RESERVE (a share of device memory in [0, 1)), else DEFAULT_PARK_RESERVE."""
     if value is None or value == "":
-        return PARK_RESERVE
+        return DEFAULT_PARK_RESERVE
     try:
         share = float(value)
     except ValueError:

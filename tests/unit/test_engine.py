@@ -294,9 +294,9 @@ def test_a_waiting_job_parks_on_the_device_only_while_its_reserve_stays_free(wor
 
 
 def test_the_park_reserve_is_read_from_the_environment_and_refused_outside_0_to_1() -> None:
-    from trainer.arena import PARK_RESERVE, _park_reserve
+    from trainer.arena import DEFAULT_PARK_RESERVE, _park_reserve
 
-    assert _park_reserve(None) == _park_reserve("") == PARK_RESERVE
+    assert _park_reserve(None) == _park_reserve("") == DEFAULT_PARK_RESERVE == 0.15
     assert _park_reserve("0.5") == 0.5 and _park_reserve("0") == 0.0
     for bad in ("1", "-0.1", "half", "nan"):
         with pytest.raises(ValueError, match="LORAPLEX_PARK_RESERVE"):
