@@ -567,5 +567,18 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     search_a 330 300
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h" >&2; exit 2 ;;
+  s25_a)  # session 25, call 1 (issue 40): search (a) on the 80 GB card with evaluation forwards sized by a
+          # no-grad forward's room in tokens (MemoryPlan.eval_tokens), one arena copy an evaluation,
+          # eager forwards over 4,096 tokens, the background pinning paused while it evaluates
+    export TRITON_CACHE_DIR=/tmp/s25_triton
+    search_a 560 530
+    pack_logs
+    ;;
+  s25_b)  # session 25, call 2 (issues 40, 41): the 60-step task, then every GPU test on the code that lands
+    export TRITON_CACHE_DIR=/tmp/s25_triton
+    task60 170
+    step 380 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b" >&2; exit 2 ;;
 esac

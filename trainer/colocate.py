@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -223,9 +223,11 @@ class TaskRun:
             return (s.step * s.batch_size) // every > ((s.step - 1) * s.batch_size) // every
         return s.step % self.cfg.settings.eval.eval_every_steps == 0
 
-    def eval_shape(self, n_jobs: int, n_examples: int | None = None) -> tuple[int, int]:
+    def eval_shape(self, n_jobs: int, n_examples: int | None = None,
+                   subset: Sequence[Example | PairExample] | None = None) -> tuple[int, int]:
         n = len(self.val) if n_examples is None else n_examples
-        return self.executor.eval_shape(n_jobs, n, self.cfg.eval_batch_size)
+        lengths = None if subset is None else [_length(e) for e in subset]
+        return self.executor.eval_shape(n_jobs, n, self.cfg.eval_batch_size, lengths)
 
     def eval_size(self, job_id: str, s: JobSlot) -> int:
         """Validation samples of the job's evaluation due now (EvalSettings): in proportion to
@@ -262,21 +264,28 @@ class TaskRun:
         if not due:
             return
         executor = self.executor
+        subsets = {n: sorted(self.val[:n], key=_length, reverse=True) for n in due}  # longest first
 
         def plan(ids: list[str], n: int, r: int) -> tuple[list[str], int, int]:
             mine = [j for j in ids if self.placed[j].owner == r]
-            return (mine, *self.eval_shape(len(mine), n))
+            return (mine, *self.eval_shape(len(mine), n, subsets[n]))
+
+        def run(ids: list[str], n: int) -> tuple[tuple[dict, int], int]:
+            mine, bs, cap = plan(ids, n, executor.rank)  # planned now: the room as it is
+            largest = min(len(mine), max(1, cap // bs)) * sum(_length(e) for e in subsets[n][:bs])
+            metrics = executor.engine.evaluate_metrics(subsets[n], bs, mine, cap)
+            return (metrics, eval_forwards(len(mine), n, bs, cap)), largest
 
         # in lockstep every rank makes as many forwards as the rank that needs the most
         forwards = max(sum(eval_forwards(len(m), n, bs, cap) for n, ids in due.items()
                            for m, bs, cap in [plan(ids, n, r)]) for r in range(executor.world))
         local: dict[str, dict[str, float]] = {}
         own = 0
-        for n, ids in sorted(due.items()):
-            mine, bs, cap = plan(ids, n, executor.rank)
-            subset = sorted(self.val[:n], key=_length, reverse=True)
-            local.update(executor.engine.evaluate_metrics(subset, bs, mine, cap))
-            own += eval_forwards(len(mine), n, bs, cap)
+        with executor.engine.slots.compute_copy():  # one arena copy for all its forwards
+            for n, ids in sorted(due.items()):
+                metrics, made = executor.evaluation(lambda ids=ids, n=n: run(ids, n))
+                local.update(metrics)
+                own += made
         for _ in range(forwards - own):
             executor.engine.idle_forward()
         numbers = {j: v for part in executor.strategy.gather(local) for j, v in part.items()}

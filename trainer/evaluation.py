@@ -1,12 +1,14 @@
 """Held-out evaluation of the attached jobs (`Evaluation`, held as `engine.evaluation`): every
 job's numbers on the same examples in no-grad forwards (jobs grouped so a forward holds at most a
-step's sequences), and how many backbone forwards that takes (eval_forwards, eval_chunk: lockstep
-ranks plan and pad to the same count). A whole class: it sees its engine through `Evaluated`
+step's sequences, or on one GPU a no-grad forward's room in tokens), and how many backbone forwards
+that takes (eval_forwards, eval_chunk, eval_chunk_tokens: lockstep ranks plan and pad to the same
+count). A whole class: it sees its engine through `Evaluated`
 (its model, device, job slots, step graphs, forward and the objective's evaluation sums).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Protocol
@@ -53,6 +55,36 @@ def eval_chunk(n_jobs: int, n_examples: int, max_sequences: int, min_chunk: int 
         if best is None or cost <= best[0]:
             best = (cost, chunk)
     return best[1] if best is not None else floor
+
+
+def eval_chunk_tokens(n_jobs: int, lengths: Sequence[int], max_tokens: int, min_chunk: int = 1
+                      ) -> tuple[int, int]:
+    """(examples per forward, sequences per forward) that make the fewest backbone forwards when
+    one forward holds at most `max_tokens` tokens (a no-grad forward's room on one GPU, not a
+    training step's batch). `lengths`: the examples' tokens, longest first as the evaluation runs
+    them (its first chunk is its largest). Among equals the smallest chunk. At least
+    min(min_chunk, n) examples of one job a forward, even over max_tokens."""
+    n = len(lengths)
+    floor = max(1, min(min_chunk, n))
+    if n_jobs <= 0 or n == 0:
+        return floor, floor
+    prefix = list(itertools.accumulate(lengths))
+    best: tuple[int, int, int] | None = None  # (forwards, chunk, jobs a forward)
+    for pieces in range(1, n + 1):
+        chunk = -(-n // pieces)
+        if chunk < floor:
+            break
+        if best is not None and chunk == best[1]:
+            continue
+        group = min(n_jobs, max_tokens // max(1, prefix[chunk - 1]))
+        if group < 1:
+            continue
+        cost = eval_forwards(n_jobs, n, chunk, group * chunk)
+        if best is None or cost <= best[0]:
+            best = (cost, chunk, group)
+    if best is None:  # not even the floor's chunk of one job fits: it runs all the same
+        return floor, floor
+    return best[1], best[1] * best[2]
 
 
 class Evaluated(Protocol):

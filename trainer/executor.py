@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -37,7 +37,7 @@ from trainer.admission import AdmissionController, MemoryModel
 from trainer.colocate import TaskRun
 from trainer.config import Callbacks, ExecutorConfig
 from trainer.data import Example
-from trainer.evaluation import eval_chunk
+from trainer.evaluation import eval_chunk, eval_chunk_tokens
 from trainer.host_pool import POOL
 from trainer.hosting import TaskRoster
 from trainer.jobs import JobRun, release_host_cache
@@ -356,17 +356,28 @@ class Executor:
                     if not any([t.spill_parked() for t in self.tasks.values()]):
                         break
 
-    def eval_shape(self, n_jobs: int, n_examples: int | None = None, floor: int | None = None
-                   ) -> tuple[int, int]:
+    def eval_shape(self, n_jobs: int, n_examples: int | None = None, floor: int | None = None,
+                   lengths: Sequence[int] | None = None) -> tuple[int, int]:
         """(examples per forward, sequences per forward) of an evaluation of n_jobs jobs over
-        n_examples (default: the first task's validation set): one forward holds as many
-        sequences as admission lets a training step hold (a no-grad forward needs less than the
-        step it was sized for), never fewer than the eval_batch_size floor."""
+        n_examples (default: the first task's validation set). Given the examples' `lengths`
+        (longest first) on one GPU, a forward holds the tokens of a no-grad forward's room now
+        (MemoryPlan.eval_tokens); else as many sequences as admission lets a training step hold.
+        Never fewer than the eval_batch_size floor."""
         floor = self.cfg.eval_batch_size if floor is None else floor
+        tokens = self.memory.eval_tokens() if self.memory is not None and lengths is not None else None
+        if tokens is not None and lengths is not None:
+            return eval_chunk_tokens(n_jobs, lengths, tokens, floor)
         n_examples = len(self.first.val) if n_examples is None else n_examples
         budget = max(self.admission.max_total_batch(), floor)
         budget = min(budget, max(1, n_jobs) * max(1, n_examples))
         return eval_chunk(n_jobs, n_examples, budget, floor), budget
+
+    def evaluation(self, run: Callable[[], tuple[Any, int]]) -> Any:
+        """An evaluation's forwards (`run`: its result and its largest forward's tokens), watched
+        by the memory plan (MemoryPlan.evaluation), within one arena copy for all of them, the
+        background pinning paused (PinnedPool.paused)."""
+        with self.engine.slots.compute_copy(), POOL.paused():
+            return run()[0] if self.memory is None else self.memory.evaluation(run)
 
     def log_state(self, task_id: str, job_id: str, state: str, details: dict) -> None:
         if self.rank == 0:

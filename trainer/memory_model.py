@@ -88,6 +88,20 @@ def per_token_bytes(s: Shapes, recompute: bool, n_targets: int, rank: int) -> fl
     return body + head
 
 
+def eval_token_bytes(config: Any, n_targets: int, max_rank: int) -> float:
+    """Per token of an evaluation forward (no grad): one layer's activations live at once (counted
+    as a training step keeps them, an upper bound), beside the residual stream, its normed copy
+    and the last hidden state, and the per-token losses, hits and packed ints."""
+    s = Shapes.of(config)
+    return layer_activation_bytes(s, n_targets, _tile(max_rank)) + 3 * ACT_BYTES * s.hidden + 64
+
+
+def eval_fixed_bytes(config: Any, head_chunk: int) -> float:
+    """What an evaluation forward holds whatever its tokens: the head's chunk of logits (counted
+    as a step's, gradient included) and a workspace."""
+    return head_bytes(Shapes.of(config), head_chunk) + WORKSPACE
+
+
 def head_bytes(s: Shapes, tokens: int) -> float:
     """The head's float32 logits of `tokens` tokens (one chunk at most): forward, softmax, gradient."""
     return float(HEAD_BYTES) * tokens * s.vocab

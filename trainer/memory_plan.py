@@ -45,9 +45,12 @@ from trainer.memory_model import (
     OnlineCorrection,
     Shapes,
     analytic_model,
+    eval_fixed_bytes,
+    eval_token_bytes,
     state_bytes_per_param,
 )
 from trainer.sft import Sft
+from trainer.step_graphs import MAX_EVAL_CAPTURE_TOKENS
 from trainer.strategy import Strategy
 
 log = logging.getLogger("loraplex.executor")
@@ -72,7 +75,10 @@ class MemoryPlan:
         self.replays = 0  # steps replayed from a graph (their memory counted at its capture)
         self.recompute_steps = {"on": 0, "off": 0}
         self.split_steps = 0  # steps run as several passes without recompute (split_for)
+        self.eval_retries = 0  # evaluations run again after running out of device memory
         self.admission = self._plan()
+        # an evaluation forward's bytes per token and fixed part (one GPU; None: sized as a step)
+        self.eval_per_token, self.eval_fixed = self._eval_model() if self.live and self.model else (None, 0.0)
 
     def _plan(self) -> AdmissionController:
         """The admission budget: on a GPU from the memory model (given, stored or built; with
@@ -221,6 +227,52 @@ class MemoryPlan:
             rank = state.adapter.rank
         return per_rank * rank * state_bytes_per_param(eng.adapter_dtype.itemsize)
 
+    # ----- evaluation forwards (one GPU, the live form) ---------------------------------------
+    def _eval_model(self) -> tuple[float, float]:
+        eng = self.engine
+        targets = len({name.rsplit(".", 1)[-1] for name in eng.shapes})
+        rank = max(j.lora_rank for j in self.cfg.jobs)
+        return eval_token_bytes(eng.model.config, targets, rank), eval_fixed_bytes(eng.model.config, eng.head_chunk)
+
+    def eval_tokens(self) -> int | None:
+        """Tokens one evaluation forward may hold now: the room under admission's limit (what is
+        resident read live: the graphs' pool, an evaluation's arena copy) less a forward's fixed
+        part, over a no-grad forward's bytes per token (trainer.memory_model.eval_token_bytes;
+        raised by evaluations that peaked above it). A forward keeps nothing for a backward, so it
+        holds several times a training step's tokens. None: sized as a training step (ranks that
+        must decide alike; the CPU; after two evaluations ran out of memory)."""
+        if self.eval_per_token is None:
+            return None
+        room = self.admission.headroom - self.eval_fixed - self.engine.slots.pending_copy_bytes()
+        return max(0, int(room / self.eval_per_token))
+
+    def evaluation(self, run: Callable[[], tuple[Any, int]]) -> Any:
+        """An evaluation's forwards, sized by eval_tokens when `run` plans them: `run` returns its
+        result and its largest forward's tokens. The allocator's peak over it raises the bytes
+        per token when above them; one that runs out of device memory runs again with them
+        doubled, a second time sized as a training step."""
+        if self.eval_per_token is None:
+            return run()[0]
+        slots, graphs = self.engine.slots, self.engine.step_graphs
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        copy, pool = slots.pending_copy_bytes(), graphs.pool_bytes if graphs else 0
+        try:
+            out, tokens = run()
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            self.eval_retries += 1
+            self.eval_per_token = 2 * self.eval_per_token if self.eval_retries == 1 else None
+            log.warning("an evaluation ran out of device memory: run again %s", "with its bytes a token doubled"
+                        if self.eval_per_token else "sized as a training step")
+            return self.evaluation(run)
+        # beside its forwards' transients: the arena's copy if it made one, captures' pool growth
+        lasting = copy - slots.pending_copy_bytes() + (graphs.pool_bytes if graphs else 0) - pool
+        seen = (torch.cuda.max_memory_allocated(self.device) - before - self.eval_fixed - lasting) / max(1, tokens)
+        if tokens > MAX_EVAL_CAPTURE_TOKENS and seen > self.eval_per_token:  # eager: the allocator saw it
+            self.eval_per_token = seen * 1.05
+        return out
+
     # ----- each step ----------------------------------------------------------------------
     def recompute_for(self, tokens: int) -> bool:
         """The engine's hook (`engine.recompute_for`): recompute on or off from a step's own
@@ -309,7 +361,9 @@ class MemoryPlan:
         steps with and without recompute and, where the allocator saw steps, how the model did
         (their count and the largest |predicted - measured| / measured peak)."""
         out = {"profile_reused": self.profile_reused, "recompute_steps": self.recompute_steps["on"],
-               "no_recompute_steps": self.recompute_steps["off"], "split_steps": self.split_steps}
+               "no_recompute_steps": self.recompute_steps["off"], "split_steps": self.split_steps,
+               "eval_retries": self.eval_retries,
+               "eval_bytes_per_token": None if self.eval_per_token is None else round(self.eval_per_token)}
         seen = [p for c in self.corrections.values() for p in c.trace if p.peak > p.resident]
         if seen:
             worst = max(seen, key=lambda p: abs(p.predicted - p.peak) / p.peak)

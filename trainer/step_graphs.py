@@ -13,8 +13,8 @@ layers, the head's per-token losses over every position (ignored targets count z
 mean loss (segment sums by slot), the non-finite guard and the backward into the gradient arena.
 What follows the graph (norms, the one sync, clipping, AdamW) is the engine's, as in eager steps.
 
-Keys of more than MAX_CAPTURE_TOKENS tokens (the GPU, not the host, bounds them) always run eagerly
-on their static buffers. The first key of a class (job slots, rank tile, flags:
+Keys of more than MAX_CAPTURE_TOKENS tokens (the GPU, not the host, bounds them; evaluation forwards:
+MAX_EVAL_CAPTURE_TOKENS) always run eagerly on their static buffers. The first key of a class (job slots, rank tile, flags:
 `GraphKey.warm_class`) runs eagerly (it compiles and loads every kernel, creates the backward's
 handles: nothing may wait for the device inside a capture); every key of a warm class is captured at
 its first step and replayed from then on, unless a captured key of the same kind with at most
@@ -76,6 +76,10 @@ class GraphedEngine(Protocol):
 # 57k-token warmup steps (6-7 s each, nothing to gain): the pool then held so much that admission
 # allowed 8 sequences a forward and evaluation ran 192 forwards of one job and 8 examples (16 s).
 MAX_CAPTURE_TOKENS = 16384
+# An evaluation forward (a third of a step's launches) keeps the GPU busy from fewer tokens, its keys
+# seldom repeat (subset sizes, job groups), and eager ones share the evaluation's one arena copy
+# (AdapterArena.compute_copy) where a capture makes its own in the pool: larger ones run eagerly.
+MAX_EVAL_CAPTURE_TOKENS = 4096
 
 
 def _pow2(n: int, floor: int) -> int:
@@ -143,10 +147,12 @@ class StepGraphs:
     whether a step can take this path, `forward_backward` runs it."""
 
     def __init__(self, engine: GraphedEngine, per_octave: int = 4, max_graphs: int = 64,
-                 cover_ratio: float = 1.19, max_capture_tokens: int = MAX_CAPTURE_TOKENS) -> None:
+                 cover_ratio: float = 1.19, max_capture_tokens: int = MAX_CAPTURE_TOKENS,
+                 max_eval_capture_tokens: int = MAX_EVAL_CAPTURE_TOKENS) -> None:
         self.engine = engine
         self.per_octave = per_octave
         self.max_capture_tokens = max_capture_tokens  # larger keys run eagerly (see MAX_CAPTURE_TOKENS)
+        self.max_eval_capture_tokens = max_eval_capture_tokens  # the same for evaluation forwards
         self.cover_ratio = cover_ratio  # a step replays a capture of up to this many times its tokens
         self.max_graphs = max_graphs
         self.warm: set[tuple] = set()  # key classes that ran eagerly in this process
@@ -212,8 +218,9 @@ class StepGraphs:
         entry = self._entry(key)
         counts = self._fill(entry.static, key, cpu, states, ints)
         eng.forward_shapes[(*cpu.input_ids.shape, train)] += 1
+        limit = self.max_capture_tokens if train else min(self.max_capture_tokens, self.max_eval_capture_tokens)
         captured_now = (entry.graph is None and not entry.failed and key.warm_class in self.warm
-                        and key.tokens <= self.max_capture_tokens)
+                        and key.tokens <= limit)
         if captured_now:
             entry.graph = self._capture(entry, key)
         # a replay of an earlier capture allocates nothing (its memory is the pool's)
@@ -307,7 +314,7 @@ class StepGraphs:
         """The graph's body: the backbone over the static batch with the static job layout, then
         the training objective and its backward, or the evaluation's sums."""
         eng, slots = self.engine, self.engine.slots
-        arena = slots.arena if slots.arena.dtype == eng.compute_dtype else slots.arena.to(eng.compute_dtype)
+        arena = slots.compute_arena()  # inside a capture, or with grad: a copy the graph makes
         lay = StepLayout(offsets=st.offsets, scales=st.scales, ranks=st.ranks.to(torch.int32), arena=arena,
                          grad_arena=slots.grad_arena, r_max=key.rank, token=slots.token, backend=slots.backend,
                          aligned=key.aligned)

@@ -5,7 +5,7 @@ what one step measured; and what a task may use of the executor that hosts it (`
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -141,8 +141,10 @@ class TaskExecutor(Protocol):
 
     def rank_batch(self, rank: int) -> int: ...
 
-    def eval_shape(self, n_jobs: int, n_examples: int | None = None, floor: int | None = None
-                   ) -> tuple[int, int]: ...
+    def eval_shape(self, n_jobs: int, n_examples: int | None = None, floor: int | None = None,
+                   lengths: Sequence[int] | None = None) -> tuple[int, int]: ...
+
+    def evaluation(self, run: Callable[[], tuple[Any, int]]) -> Any: ...
 
     def log_state(self, task_id: str, job_id: str, state: str, details: dict) -> None: ...
 

@@ -121,3 +121,18 @@ def test_pinning_stops_where_no_memory_is_to_be_had(monkeypatch: pytest.MonkeyPa
     assert pool.take((ALIGN,), torch.uint8) is not None  # what there is, served
 
 
+
+
+def test_no_chunk_is_pinned_while_the_pool_is_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An evaluation pauses the background pinning (its launches would wait on the driver's lock
+    while a chunk pins): no chunk starts within, and the pinning goes on to its target after."""
+    pin = FakePin()
+    monkeypatch.setattr(host_pool, "_pinned_bytes", pin)
+    pool = PinnedPool(chunk_bytes=ALIGN, pause_s=0.0)
+    with pool.paused():
+        with pool.paused():  # nested (an evaluation inside a held scope): still paused at its end
+            pool.reserve(4 * ALIGN)
+        assert not wait_until(lambda: pin.sizes, timeout=0.3)
+        assert pool.pinned_bytes == 0 and pin.threads == []
+    pool.wait()
+    assert pin.sizes == [ALIGN] * 4 and pool.pinned_bytes == 4 * ALIGN

@@ -125,6 +125,32 @@ def test_graphed_evaluation_equals_eager_evaluation(model_dir) -> None:  # noqa:
     assert len(eval_keys) == 2 and g.eager_runs == 2 and g.captures == 2 and g.replays == 2 + 3
 
 
+def test_evaluation_forwards_above_their_capture_limit_run_eagerly(model_dir) -> None:  # noqa: ANN001
+    """Evaluation forwards of more tokens than max_eval_capture_tokens run eagerly every time (no
+    capture, no pool), inside one arena copy, with the eager engine's numbers; the smaller chunk
+    is still captured and replayed."""
+    data = examples(24, 20, seed=3)
+    held_out = examples(8, 20, seed=9) + examples(2, 12, seed=10)
+    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
+    g = graphed.step_graphs
+    g.max_eval_capture_tokens = 100  # chunks of 4 x 20 tokens x 2 jobs: over; 2 x 12 x 2: under
+    for eng in (eager, graphed):
+        for spec in (job("a", 4, 2, 1), job("b", 16, 1, 2)):
+            eng.attach(spec)
+        eng.step()
+    for _ in range(2):
+        want = eager.evaluate_metrics(held_out, batch_size=4)
+        with graphed.slots.compute_copy():
+            got = graphed.evaluate_metrics(held_out, batch_size=4)
+        for j, metrics in want.items():
+            assert math.isclose(got[j]["loss"], metrics["loss"], rel_tol=1e-5), j
+    eval_keys = [k for k in g.entries if not k.train]
+    # eager: the training step and the two large chunks of each evaluation; the small chunk (its
+    # class warmed by the large ones) captured at the first and replayed at both
+    assert [k.tokens > 100 for k in eval_keys] == [True, False]
+    assert (g.eager_runs, g.captures, g.replays) == (1 + 4, 1, 2)
+
+
 def test_a_non_finite_job_skips_alone_in_a_graphed_step(model_dir) -> None:  # noqa: ANN001
     data = examples(32, 20, seed=5)
     eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
