@@ -123,7 +123,9 @@ class Evaluation:
         [N, 2] and the target tokens they are averaged over [N]."""
         eng = self.engine
         graphs = eng.step_graphs
-        if graphs is not None and graphs.serves(states):
+        # within an evaluation's arena copy (AdapterArena.compute_copy) the forwards run eagerly:
+        # a capture would keep the copy's address past it
+        if graphs is not None and graphs.serves(states) and not eng.slots.copied:
             return graphs.eval_sums(states, chunk)  # the same sums from a replayed graph
         _, losses, hits, counts = eng.forward_tokens(states, [chunk] * len(states), hits=True)
         assert hits is not None  # asked for

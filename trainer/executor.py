@@ -374,9 +374,9 @@ class Executor:
 
     def evaluation(self, run: Callable[[], tuple[Any, int]]) -> Any:
         """An evaluation's forwards (`run`: its result and its largest forward's tokens), watched
-        by the memory plan (MemoryPlan.evaluation), within one arena copy for all of them, the
-        background pinning paused (PinnedPool.paused)."""
-        with self.engine.slots.compute_copy(), POOL.paused():
+        by the memory plan (MemoryPlan.evaluation), the background pinning paused meanwhile
+        (PinnedPool.paused)."""
+        with POOL.paused():
             return run()[0] if self.memory is None else self.memory.evaluation(run)
 
     def log_state(self, task_id: str, job_id: str, state: str, details: dict) -> None:

@@ -236,27 +236,26 @@ class MemoryPlan:
 
     def eval_tokens(self) -> int | None:
         """Tokens one evaluation forward may hold now: the room under admission's limit (what is
-        resident read live: the graphs' pool, an evaluation's arena copy) less a forward's fixed
+        resident read live: the graphs' pool, the evaluation's arena copy) less a forward's fixed
         part, over a no-grad forward's bytes per token (trainer.memory_model.eval_token_bytes;
         raised by evaluations that peaked above it). A forward keeps nothing for a backward, so it
         holds several times a training step's tokens. None: sized as a training step (ranks that
         must decide alike; the CPU; after two evaluations ran out of memory)."""
         if self.eval_per_token is None:
             return None
-        room = self.admission.headroom - self.eval_fixed - self.engine.slots.pending_copy_bytes()
-        return max(0, int(room / self.eval_per_token))
+        return max(0, int((self.admission.headroom - self.eval_fixed) / self.eval_per_token))
 
     def evaluation(self, run: Callable[[], tuple[Any, int]]) -> Any:
         """An evaluation's forwards, sized by eval_tokens when `run` plans them: `run` returns its
         result and its largest forward's tokens. The allocator's peak over it raises the bytes
         per token when above them; one that runs out of device memory runs again with them
-        doubled, a second time sized as a training step."""
+        doubled, a second time sized as a training step. After it the allocator's free cached
+        blocks go back (its forwards' transients, several GB: the next step's arena copy, one
+        block of 5.4 GB at 32 layers of 8B, then finds room whole, not in fragments)."""
         if self.eval_per_token is None:
             return run()[0]
-        slots, graphs = self.engine.slots, self.engine.step_graphs
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        copy, pool = slots.pending_copy_bytes(), graphs.pool_bytes if graphs else 0
         try:
             out, tokens = run()
         except torch.cuda.OutOfMemoryError:
@@ -266,11 +265,10 @@ class MemoryPlan:
             log.warning("an evaluation ran out of device memory: run again %s", "with its bytes a token doubled"
                         if self.eval_per_token else "sized as a training step")
             return self.evaluation(run)
-        # beside its forwards' transients: the arena's copy if it made one, captures' pool growth
-        lasting = copy - slots.pending_copy_bytes() + (graphs.pool_bytes if graphs else 0) - pool
-        seen = (torch.cuda.max_memory_allocated(self.device) - before - self.eval_fixed - lasting) / max(1, tokens)
-        if tokens > MAX_EVAL_CAPTURE_TOKENS and seen > self.eval_per_token:  # eager: the allocator saw it
+        seen = (torch.cuda.max_memory_allocated(self.device) - before - self.eval_fixed) / max(1, tokens)
+        if tokens > MAX_EVAL_CAPTURE_TOKENS and seen > self.eval_per_token:  # a large forward's peak
             self.eval_per_token = seen * 1.05
+        torch.cuda.empty_cache()
         return out
 
     # ----- each step ----------------------------------------------------------------------

@@ -76,9 +76,9 @@ class GraphedEngine(Protocol):
 # 57k-token warmup steps (6-7 s each, nothing to gain): the pool then held so much that admission
 # allowed 8 sequences a forward and evaluation ran 192 forwards of one job and 8 examples (16 s).
 MAX_CAPTURE_TOKENS = 16384
-# An evaluation forward (a third of a step's launches) keeps the GPU busy from fewer tokens, its keys
-# seldom repeat (subset sizes, job groups), and eager ones share the evaluation's one arena copy
-# (AdapterArena.compute_copy) where a capture makes its own in the pool: larger ones run eagerly.
+# An evaluation forward (a third of a step's launches) keeps the GPU busy from fewer tokens and its
+# keys seldom repeat (subset sizes, job groups): larger ones run eagerly. (A task's evaluations run
+# eagerly on their arena copy anyway: trainer.evaluation, AdapterArena.compute_copy.)
 MAX_EVAL_CAPTURE_TOKENS = 4096
 
 
@@ -314,9 +314,9 @@ class StepGraphs:
         """The graph's body: the backbone over the static batch with the static job layout, then
         the training objective and its backward, or the evaluation's sums."""
         eng, slots = self.engine, self.engine.slots
-        arena = slots.compute_arena()  # inside a capture, or with grad: a copy the graph makes
+        arena, grad_arena = slots.layout_arenas()  # never an evaluation's copy here (it runs eagerly)
         lay = StepLayout(offsets=st.offsets, scales=st.scales, ranks=st.ranks.to(torch.int32), arena=arena,
-                         grad_arena=slots.grad_arena, r_max=key.rank, token=slots.token, backend=slots.backend,
+                         grad_arena=grad_arena, r_max=key.rank, token=slots.token, backend=slots.backend,
                          aligned=key.aligned)
         for k, layer in enumerate(eng.layer_list):
             layer.layout, layer.a_off, layer.b_off = lay, st.a_off[k], st.b_off[k]

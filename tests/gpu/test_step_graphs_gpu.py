@@ -85,3 +85,21 @@ def test_cuda_graph_evaluation_equals_eager(tmp_path) -> None:  # noqa: ANN001
     g = graphed.step_graphs
     assert g.captures >= 1 and g.replays >= 3 and g.failures == 0
     assert any(isinstance(e.graph, torch.cuda.CUDAGraph) for k, e in g.entries.items() if not k.train)
+
+
+def test_an_evaluation_on_its_arena_copy_equals_the_whole_arena(tmp_path) -> None:  # noqa: ANN001
+    """The fused kernels (bf16, aligned offsets) reading an evaluation's copy of its jobs alone
+    (AdapterArena.compute_copy) give the numbers of the whole arena copied at each forward."""
+    d = tiny_model_dir("llama", tmp_path)
+    data = examples(24, 40, seed=3)
+    held_out = examples(9, 40, seed=9)
+    eng = _engine(d, True, data, True)
+    for spec in (job("a", 8, 2, 1), job("b", 32, 1, 2), job("c", 16, 1, 3)):
+        eng.attach(spec)
+    eng.step()
+    want = eng.evaluate_metrics(held_out, batch_size=5, job_ids=["c", "a"])
+    with eng.slots.compute_copy([eng.jobs["c"], eng.jobs["a"]]):
+        assert eng.slots.copied
+        got = eng.evaluate_metrics(held_out, batch_size=5, job_ids=["c", "a"])
+    for j in want:
+        assert math.isclose(got[j]["loss"], want[j]["loss"], rel_tol=1e-3), (j, got[j], want[j])

@@ -15,9 +15,12 @@ import pytest
 import torch
 
 from contract.protocol import EvalSettings
+from tests.helpers.engine_ref import tiny_model_dir
 from tests.unit.test_eval_speed import Spy, files, make_cfg  # noqa: F401  (files: a fixture)
+from tests.unit.test_step_graphs import examples, job
 from trainer.arena import AdapterArena
 from trainer.config import Callbacks
+from trainer.engine import MultiLoraEngine
 from trainer.evaluation import eval_chunk, eval_chunk_tokens, eval_forwards
 from trainer.jobs import TrainJob
 from trainer.memory_model import Shapes, eval_fixed_bytes, eval_token_bytes, per_token_bytes
@@ -68,35 +71,51 @@ def test_an_evaluation_forward_needs_a_fraction_of_a_training_steps_bytes_per_to
     assert eval_fixed_bytes(cfg, 1024) > 16 * 1024 * 128256  # the head's chunk
 
 
-def _arena() -> AdapterArena:
-    slots = AdapterArena([], torch.device("cpu"), torch.float32, torch.bfloat16)
-    slots.arena = torch.randn(1000)
-    return slots
+def _bf16_engine(model_dir, data):  # noqa: ANN001, ANN202
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    return MultiLoraEngine(model, data, 0, gradient_checkpointing=True, attention="varlen", step_graphs=True)
 
 
-def test_one_arena_copy_serves_an_evaluation_and_goes_with_it() -> None:
-    slots = _arena()
-    assert slots.pending_copy_bytes() == 2000
-    with torch.no_grad():
-        assert slots.compute_arena() is not slots.compute_arena()  # outside the scope: a copy each
-        with slots.compute_copy():
-            first = slots.compute_arena()
-            assert first.dtype == torch.bfloat16 and torch.equal(first, slots.arena.to(torch.bfloat16))
-            assert slots.compute_arena() is first and slots.pending_copy_bytes() == 0
-            with slots.compute_copy():  # nested: the same copy, kept at the inner end
-                assert slots.compute_arena() is first
-            assert slots.compute_arena() is first
-            slots.arena.add_(1.0)  # the arena changed: its copy is made again
-            assert slots.pending_copy_bytes() == 2000
-            again = slots.compute_arena()
-            assert again is not first and torch.equal(again, slots.arena.to(torch.bfloat16))
-            slots.arena = torch.randn(2000)  # a new storage (the arena grew)
-            assert slots.compute_arena() is not again and slots.compute_arena().numel() == 2000
-        assert slots._copy is None and slots.pending_copy_bytes() == 4000  # freed at the end
-    with slots.compute_copy():  # a layout with grad (a training step) never takes the kept copy
-        assert slots.compute_arena() is not slots.compute_arena()
+def test_an_evaluation_reads_one_copy_of_its_jobs_adapters(tmp_path) -> None:  # noqa: ANN001
+    """Float32 adapters under a bfloat16 backbone: within compute_copy, the evaluated jobs'
+    regions alone are copied once (each at its offset modulo 16), every no-grad layout reads that
+    copy (no capture), and the numbers equal those of the whole arena copied at each forward."""
+    data = examples(24, 20, seed=3)
+    held_out = examples(6, 20, seed=9)
+    eng = _bf16_engine(tiny_model_dir("llama", tmp_path), data)
+    assert eng.slots.arena.dtype == torch.float32 and eng.compute_dtype == torch.bfloat16
+    for spec in (job("a", 4, 2, 1), job("b", 16, 1, 2), job("c", 8, 1, 3)):
+        eng.attach(spec)
+    eng.step()
+    slots = eng.slots
+    want = eng.evaluate_metrics(held_out, batch_size=3, job_ids=["a", "c"])
+    evaluated = [eng.jobs["a"], eng.jobs["c"]]
+    with slots.compute_copy(evaluated):
+        copy, regions, _ = slots._copy
+        assert slots.copied and set(regions) == {"a", "c"}
+        assert copy.dtype == torch.bfloat16 and copy.numel() < slots.arena.numel()
+        for j, (lo, hi) in regions.items():
+            a_lo, a_hi = slots.regions[j]
+            assert lo % 16 == a_lo % 16 and hi - lo == a_hi - a_lo
+            assert torch.equal(copy[lo:hi], slots.arena[a_lo:a_hi].to(torch.bfloat16))
+        with torch.no_grad():
+            assert slots.compute_arena() is copy
+            with pytest.raises(ValueError, match="not in the evaluation's arena copy"):
+                slots.layout_offsets([eng.jobs["b"]])
+        assert slots.compute_arena() is not copy  # a layout with grad (a step) copies the whole arena
+        replays = eng.step_graphs.replays + eng.step_graphs.captures
+        got = eng.evaluate_metrics(held_out, batch_size=3, job_ids=["a", "c"])
+        assert eng.step_graphs.replays + eng.step_graphs.captures == replays  # eager: nothing captured
+    assert not slots.copied and slots._copy is None
+    for j in want:
+        assert got[j]["loss"] == pytest.approx(want[j]["loss"], rel=1e-6), j
+        assert got[j]["token_accuracy"] == pytest.approx(want[j]["token_accuracy"], abs=1e-9), j
     same = AdapterArena([], torch.device("cpu"), torch.float32, torch.float32)
-    assert same.compute_arena() is same.arena and same.pending_copy_bytes() == 0
+    with same.compute_copy(evaluated):  # the arena in the compute dtype: nothing copied
+        assert not same.copied and same.compute_arena() is same.arena
 
 
 class _Device:
@@ -187,7 +206,7 @@ def test_evaluations_planned_by_tokens_give_the_losses_of_one_sequence_a_forward
         eng.attach(spec)
     narrow = eng.evaluate_metrics(ex.val, 1, None, 1)
     call = ex.calls[0]
-    with eng.slots.compute_copy():
+    with eng.slots.compute_copy(list(eng.jobs.values())):
         planned = eng.evaluate_metrics(ex.val, call["batch_size"], None, call["max_sequences"])
     for j in narrow:
         assert math.isclose(planned[j]["loss"], narrow[j]["loss"], rel_tol=1e-5), j

@@ -127,8 +127,8 @@ def test_graphed_evaluation_equals_eager_evaluation(model_dir) -> None:  # noqa:
 
 def test_evaluation_forwards_above_their_capture_limit_run_eagerly(model_dir) -> None:  # noqa: ANN001
     """Evaluation forwards of more tokens than max_eval_capture_tokens run eagerly every time (no
-    capture, no pool), inside one arena copy, with the eager engine's numbers; the smaller chunk
-    is still captured and replayed."""
+    capture, no pool) with the eager engine's numbers; the smaller chunk is still captured and
+    replayed."""
     data = examples(24, 20, seed=3)
     held_out = examples(8, 20, seed=9) + examples(2, 12, seed=10)
     eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
@@ -140,8 +140,7 @@ def test_evaluation_forwards_above_their_capture_limit_run_eagerly(model_dir) ->
         eng.step()
     for _ in range(2):
         want = eager.evaluate_metrics(held_out, batch_size=4)
-        with graphed.slots.compute_copy():
-            got = graphed.evaluate_metrics(held_out, batch_size=4)
+        got = graphed.evaluate_metrics(held_out, batch_size=4)
         for j, metrics in want.items():
             assert math.isclose(got[j]["loss"], metrics["loss"], rel_tol=1e-5), j
     eval_keys = [k for k in g.entries if not k.train]
