@@ -374,10 +374,8 @@ class Executor:
 
     def evaluation(self, run: Callable[[], tuple[Any, int]]) -> Any:
         """An evaluation's forwards (`run`: its result and its largest forward's tokens), watched
-        by the memory plan (MemoryPlan.evaluation), the background pinning paused meanwhile
-        (PinnedPool.paused)."""
-        with POOL.paused():
-            return run()[0] if self.memory is None else self.memory.evaluation(run)
+        by the memory plan (MemoryPlan.evaluation)."""
+        return run()[0] if self.memory is None else self.memory.evaluation(run)
 
     def log_state(self, task_id: str, job_id: str, state: str, details: dict) -> None:
         if self.rank == 0:

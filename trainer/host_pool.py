@@ -9,17 +9,18 @@ chunks while the steps train, and a park takes a slice of a chunk (`take`), givi
 when the parked tensor is freed (resumed, evicted, finished). A park the pool cannot serve yet
 allocates as before. Pinning holds the driver: the executor reserves after a task's first step
 (not while the adapters initialise and the first step compiles: 30 GB pinned then cost a
-search's first step 17 s), only what the device cannot keep, in small chunks with a pause
-between them so the loop's own driver calls get through.
+search's first step 17 s), only what the device cannot keep, in chunks with a pause after each at
+least as long as its pinning took (`yield_ratio`) so the loop's own driver calls get through
+(an evaluation's large eager forwards hide it: their launches end long before their kernels).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
+import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -33,14 +34,17 @@ ALIGN = 512  # bytes: every slice starts on a boundary any dtype and the copy en
 class PinnedPool:
     """Chunks of pinned host memory and first-fit slices of them."""
 
-    def __init__(self, chunk_bytes: int = 256 << 20, pause_s: float = 0.005) -> None:
+    def __init__(self, chunk_bytes: int = 128 << 20, pause_s: float = 0.005, yield_ratio: float = 1.0) -> None:
         self.chunk_bytes = chunk_bytes
         self.pause_s = pause_s  # between chunks: the loop's driver calls wait at most one chunk
+        # and at least this many times the last chunk's pinning: the loop's launches had the driver
+        # ~5% of the time while 30 GB pinned back to back (a search's eager step after its first
+        # evaluation: 8.9 s against 2.4 s); at 1.0 they have it at least half the time
+        self.yield_ratio = yield_ratio
         self._lock = threading.Lock()
         self._chunks: list[torch.Tensor] = []
         self._free: list[list[tuple[int, int]]] = []  # per chunk: free (start, end) byte ranges
         self._target = 0
-        self._holds = 0  # paused(): no chunk is pinned while an evaluation runs
         self.served = 0
         self.missed = 0
         # the background pinning: a daemon thread (a killed executor still exits) whose step pins
@@ -60,20 +64,6 @@ class PinnedPool:
         # stopped or stopping: a new loop starts
         self._pinner.start()
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Within: the background pinning pins no new chunk (one under way finishes). An
-        evaluation's eager forwards launch thousands of kernels, each waiting while a chunk is
-        pinned (the driver's lock): a search's first evaluation ran 13.7 s beside 27 GB being
-        pinned, where its forwards need ~5 s."""
-        with self._lock:
-            self._holds += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._holds -= 1
-
     def _pin_next(self) -> bool:
         """The pinner's step: one more chunk towards the target; True while more is due. At the
         target, or where no more pinned memory is to be had, it ends its loop."""
@@ -82,21 +72,19 @@ class PinnedPool:
             if want <= 0:
                 self._pinner.stop()  # from inside the step: the loop ends after it
                 return False
-            held = self._holds > 0
-        if held:
-            self._pinner.wait(0.02)
-            return True
         size = min(self.chunk_bytes, max(ALIGN, want))
+        began = time.monotonic()
         try:
             chunk = _pinned_bytes(size)
         except Exception as err:  # noqa: BLE001 - no more pinned memory to be had: serve what there is
             log.warning("pinned pool stops at %d bytes: %s", self.pinned_bytes, err)
             self._pinner.stop()
             return False
+        took = time.monotonic() - began
         with self._lock:
             self._chunks.append(chunk)
             self._free.append([(0, size)])
-        self._pinner.wait(self.pause_s)
+        self._pinner.wait(max(self.pause_s, self.yield_ratio * took))
         return True
 
     def wait(self) -> None:
