@@ -570,7 +570,8 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
   s25_a)  # session 25, call 1 (issue 40): search (a) on the 80 GB card with evaluation forwards sized by a
           # no-grad forward's room in tokens (MemoryPlan.eval_tokens) on a copy of its jobs' adapters
           # alone, run eagerly (calls 1-2); the background pinning yielding the driver half the time
-          # (PinnedPool.yield_ratio, call 3)
+          # (PinnedPool.yield_ratio, call 3: reverted); no pause of the pinning and no emptied cache
+          # around evaluations (call 4)
     export TRITON_CACHE_DIR=/tmp/s25_triton
     search_a 560 530
     pack_logs

@@ -9,16 +9,14 @@ chunks while the steps train, and a park takes a slice of a chunk (`take`), givi
 when the parked tensor is freed (resumed, evicted, finished). A park the pool cannot serve yet
 allocates as before. Pinning holds the driver: the executor reserves after a task's first step
 (not while the adapters initialise and the first step compiles: 30 GB pinned then cost a
-search's first step 17 s), only what the device cannot keep, in chunks with a pause after each at
-least as long as its pinning took (`yield_ratio`) so the loop's own driver calls get through
-(an evaluation's large eager forwards hide it: their launches end long before their kernels).
+search's first step 17 s), only what the device cannot keep, in small chunks with a pause
+between them so the loop's own driver calls get through.
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
-import time
 import weakref
 from collections.abc import Sequence
 
@@ -34,13 +32,9 @@ ALIGN = 512  # bytes: every slice starts on a boundary any dtype and the copy en
 class PinnedPool:
     """Chunks of pinned host memory and first-fit slices of them."""
 
-    def __init__(self, chunk_bytes: int = 128 << 20, pause_s: float = 0.005, yield_ratio: float = 1.0) -> None:
+    def __init__(self, chunk_bytes: int = 256 << 20, pause_s: float = 0.005) -> None:
         self.chunk_bytes = chunk_bytes
         self.pause_s = pause_s  # between chunks: the loop's driver calls wait at most one chunk
-        # and at least this many times the last chunk's pinning: the loop's launches had the driver
-        # ~5% of the time while 30 GB pinned back to back (a search's eager step after its first
-        # evaluation: 8.9 s against 2.4 s); at 1.0 they have it at least half the time
-        self.yield_ratio = yield_ratio
         self._lock = threading.Lock()
         self._chunks: list[torch.Tensor] = []
         self._free: list[list[tuple[int, int]]] = []  # per chunk: free (start, end) byte ranges
@@ -73,18 +67,16 @@ class PinnedPool:
                 self._pinner.stop()  # from inside the step: the loop ends after it
                 return False
         size = min(self.chunk_bytes, max(ALIGN, want))
-        began = time.monotonic()
         try:
             chunk = _pinned_bytes(size)
         except Exception as err:  # noqa: BLE001 - no more pinned memory to be had: serve what there is
             log.warning("pinned pool stops at %d bytes: %s", self.pinned_bytes, err)
             self._pinner.stop()
             return False
-        took = time.monotonic() - began
         with self._lock:
             self._chunks.append(chunk)
             self._free.append([(0, size)])
-        self._pinner.wait(max(self.pause_s, self.yield_ratio * took))
+        self._pinner.wait(self.pause_s)
         return True
 
     def wait(self) -> None:

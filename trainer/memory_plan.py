@@ -249,9 +249,7 @@ class MemoryPlan:
         """An evaluation's forwards, sized by eval_tokens when `run` plans them: `run` returns its
         result and its largest forward's tokens. The allocator's peak over it raises the bytes
         per token when above them; one that runs out of device memory runs again with them
-        doubled, a second time sized as a training step. After it the allocator's free cached
-        blocks go back (its forwards' transients, several GB: the next step's arena copy, one
-        block of 5.4 GB at 32 layers of 8B, then finds room whole, not in fragments)."""
+        doubled, a second time sized as a training step."""
         if self.eval_per_token is None:
             return run()[0]
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -268,7 +266,6 @@ class MemoryPlan:
         seen = (torch.cuda.max_memory_allocated(self.device) - before - self.eval_fixed) / max(1, tokens)
         if tokens > MAX_EVAL_CAPTURE_TOKENS and seen > self.eval_per_token:  # a large forward's peak
             self.eval_per_token = seen * 1.05
-        torch.cuda.empty_cache()
         return out
 
     # ----- each step ----------------------------------------------------------------------
