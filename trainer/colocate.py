@@ -276,20 +276,17 @@ class TaskRun:
             metrics = executor.engine.evaluate_metrics(subsets[n], bs, mine, cap)
             return (metrics, eval_forwards(len(mine), n, bs, cap)), largest
 
+        # in lockstep every rank makes as many forwards as the rank that needs the most
+        forwards = max(sum(eval_forwards(len(m), n, bs, cap) for n, ids in due.items()
+                           for m, bs, cap in [plan(ids, n, r)]) for r in range(executor.world))
         local: dict[str, dict[str, float]] = {}
         own = 0
-        engine = executor.engine
-        # one copy of the evaluated jobs' adapters in the compute dtype serves all the forwards
-        with engine.slots.compute_copy([engine.jobs[j] for ids in due.values() for j in ids if j in engine.jobs]):
-            # in lockstep every rank makes as many forwards as the rank that needs the most
-            forwards = max(sum(eval_forwards(len(m), n, bs, cap) for n, ids in due.items()
-                               for m, bs, cap in [plan(ids, n, r)]) for r in range(executor.world))
-            for n, ids in sorted(due.items()):
-                metrics, made = executor.evaluation(lambda ids=ids, n=n: run(ids, n))
-                local.update(metrics)
-                own += made
+        for n, ids in sorted(due.items()):
+            metrics, made = executor.evaluation(lambda ids=ids, n=n: run(ids, n))
+            local.update(metrics)
+            own += made
         for _ in range(forwards - own):
-            engine.idle_forward()
+            executor.engine.idle_forward()
         numbers = {j: v for part in executor.strategy.gather(local) for j, v in part.items()}
         for job_id in (j for ids in due.values() for j in ids):
             s, m = self.placed[job_id], numbers[job_id]

@@ -57,12 +57,13 @@ def eval_chunk(n_jobs: int, n_examples: int, max_sequences: int, min_chunk: int 
     return best[1] if best is not None else floor
 
 
-def eval_chunk_tokens(n_jobs: int, lengths: Sequence[int], max_tokens: int, min_chunk: int = 1
-                      ) -> tuple[int, int]:
+def eval_chunk_tokens(n_jobs: int, lengths: Sequence[int], max_tokens: int, min_chunk: int = 1,
+                      job_tokens: int = 0) -> tuple[int, int]:
     """(examples per forward, sequences per forward) that make the fewest backbone forwards when
     one forward holds at most `max_tokens` tokens (a no-grad forward's room on one GPU, not a
-    training step's batch). `lengths`: the examples' tokens, longest first as the evaluation runs
-    them (its first chunk is its largest). Among equals the smallest chunk. At least
+    training step's batch), each job of it costing `job_tokens` more (its adapter's copy, in
+    tokens' worth of memory). `lengths`: the examples' tokens, longest first as the evaluation
+    runs them (its first chunk is its largest). Among equals the smallest chunk. At least
     min(min_chunk, n) examples of one job a forward, even over max_tokens."""
     n = len(lengths)
     floor = max(1, min(min_chunk, n))
@@ -76,7 +77,7 @@ def eval_chunk_tokens(n_jobs: int, lengths: Sequence[int], max_tokens: int, min_
             break
         if best is not None and chunk == best[1]:
             continue
-        group = min(n_jobs, max_tokens // max(1, prefix[chunk - 1]))
+        group = min(n_jobs, max_tokens // max(1, prefix[chunk - 1] + job_tokens))
         if group < 1:
             continue
         cost = eval_forwards(n_jobs, n, chunk, group * chunk)
@@ -152,13 +153,9 @@ class Evaluation:
         try:
             for g in range(0, len(states), group):
                 members = states[g : g + group]
-                totals = torch.zeros(len(members), len(eng.eval_metric_names), dtype=torch.float64,
-                                     device=eng.device)
-                denoms = torch.zeros(len(members), dtype=torch.float64)
-                for lo in range(0, len(examples), batch_size):
-                    sums, counts = eng.eval_sums(members, list(examples[lo : lo + batch_size]))
-                    totals += sums.double()  # summed on the device: one sync per group of jobs
-                    denoms += counts
+                # the group's adapters copied once in the compute dtype (AdapterArena.compute_copy)
+                with eng.slots.compute_copy(members):
+                    totals, denoms = self._group_sums(members, examples, batch_size)
                 means = (totals.cpu() / denoms.clamp(min=1).unsqueeze(1)).tolist()
                 out.update({s.job_id: dict(zip(eng.eval_metric_names, row, strict=True))
                             for s, row in zip(members, means, strict=True)})
@@ -172,6 +169,19 @@ class Evaluation:
             for _ in range(forwards - own):
                 eng.idle_forward()
         return out
+
+    def _group_sums(self, members: Sequence[JobRun], examples: Sequence[Example], batch_size: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One group's evaluation sums [jobs, numbers] (device, float64) and what each job's are
+        averaged over (host), every chunk of `batch_size` examples one forward."""
+        eng = self.engine
+        totals = torch.zeros(len(members), len(eng.eval_metric_names), dtype=torch.float64, device=eng.device)
+        denoms = torch.zeros(len(members), dtype=torch.float64)
+        for lo in range(0, len(examples), batch_size):
+            sums, counts = eng.eval_sums(members, list(examples[lo : lo + batch_size]))
+            totals += sums.double()  # summed on the device: one sync per group of jobs
+            denoms += counts
+        return totals, denoms
 
     @torch.no_grad()
     def logits(self, job_id: str, input_ids: torch.Tensor) -> torch.Tensor:

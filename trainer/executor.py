@@ -364,9 +364,10 @@ class Executor:
         (MemoryPlan.eval_tokens); else as many sequences as admission lets a training step hold.
         Never fewer than the eval_batch_size floor."""
         floor = self.cfg.eval_batch_size if floor is None else floor
-        tokens = self.memory.eval_tokens() if self.memory is not None and lengths is not None else None
-        if tokens is not None and lengths is not None:
-            return eval_chunk_tokens(n_jobs, lengths, tokens, floor)
+        memory = self.memory
+        tokens = memory.eval_tokens() if memory is not None and lengths is not None else None
+        if memory is not None and tokens is not None and lengths is not None:
+            return eval_chunk_tokens(n_jobs, lengths, tokens, floor, memory.eval_job_tokens())
         n_examples = len(self.first.val) if n_examples is None else n_examples
         budget = max(self.admission.max_total_batch(), floor)
         budget = min(budget, max(1, n_jobs) * max(1, n_examples))
@@ -374,8 +375,11 @@ class Executor:
 
     def evaluation(self, run: Callable[[], tuple[Any, int]]) -> Any:
         """An evaluation's forwards (`run`: its result and its largest forward's tokens), watched
-        by the memory plan (MemoryPlan.evaluation)."""
-        return run()[0] if self.memory is None else self.memory.evaluation(run)
+        by the memory plan (MemoryPlan.evaluation; out of memory, the hosted tasks' states parked
+        on the device may go to the host)."""
+        if self.memory is None:
+            return run()[0]
+        return self.memory.evaluation(run, lambda: any([t.spill_parked() for t in self.tasks.values()]))
 
     def log_state(self, task_id: str, job_id: str, state: str, details: dict) -> None:
         if self.rank == 0:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -245,11 +246,21 @@ class MemoryPlan:
             return None
         return max(0, int((self.admission.headroom - self.eval_fixed) / self.eval_per_token))
 
-    def evaluation(self, run: Callable[[], tuple[Any, int]]) -> Any:
+    def eval_job_tokens(self) -> int:
+        """What a job adds to an evaluation forward beside its tokens, in tokens' worth: its
+        adapter's copy in the compute dtype (AdapterArena.compute_copy; the largest rank's)."""
+        eng = self.engine
+        if self.eval_per_token is None or eng.slots.arena.dtype == eng.compute_dtype:
+            return 0
+        copy = eng.params_per_rank * max(j.lora_rank for j in self.cfg.jobs) * eng.compute_dtype.itemsize
+        return math.ceil(copy / self.eval_per_token)
+
+    def evaluation(self, run: Callable[[], tuple[Any, int]], relieve: Callable[[], bool] | None = None) -> Any:
         """An evaluation's forwards, sized by eval_tokens when `run` plans them: `run` returns its
         result and its largest forward's tokens. The allocator's peak over it raises the bytes
-        per token when above them; one that runs out of device memory runs again with them
-        doubled, a second time sized as a training step."""
+        per token when above them. One that runs out of device memory runs again with them
+        doubled; then, where `relieve` frees device memory (parked states to the host), with
+        that; then sized as a training step."""
         if self.eval_per_token is None:
             return run()[0]
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -259,10 +270,13 @@ class MemoryPlan:
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             self.eval_retries += 1
-            self.eval_per_token = 2 * self.eval_per_token if self.eval_retries == 1 else None
-            log.warning("an evaluation ran out of device memory: run again %s", "with its bytes a token doubled"
-                        if self.eval_per_token else "sized as a training step")
-            return self.evaluation(run)
+            if self.eval_retries == 1:
+                self.eval_per_token *= 2
+            elif relieve is None or not relieve():
+                self.eval_per_token = None
+            log.warning("an evaluation ran out of device memory: run again %s", "sized as a training step"
+                        if self.eval_per_token is None else "with fewer tokens a forward or more room")
+            return self.evaluation(run, relieve)
         seen = (torch.cuda.max_memory_allocated(self.device) - before - self.eval_fixed) / max(1, tokens)
         if tokens > MAX_EVAL_CAPTURE_TOKENS and seen > self.eval_per_token:  # a large forward's peak
             self.eval_per_token = seen * 1.05

@@ -57,6 +57,9 @@ def test_eval_chunk_tokens_holds_many_jobs_where_a_step_held_few() -> None:
     assert eval_chunk_tokens(48, lengths, 60_000, 8) == (32, 32 * 8)
     assert eval_forwards(48, 64, 32, 32 * 8) == 12
     assert eval_chunk_tokens(3, [900, 800], 500, 1) == (1, 1)  # nothing fits: one example of one job
+    # each job's adapter copy costs room too: chunks of 64 (4 jobs of 13.6k + 1k: 12 forwards) now
+    # beat chunks of 32 (7 jobs of 7.2k + 1k: 14)
+    assert eval_chunk_tokens(48, lengths, 60_000, 8, job_tokens=1000) == (64, 64 * 4)
 
 
 def test_an_evaluation_forward_needs_a_fraction_of_a_training_steps_bytes_per_token() -> None:
@@ -160,19 +163,32 @@ def test_the_memory_plan_sizes_corrects_and_retries_evaluations(files, monkeypat
     plan.evaluation(forwards(500 + 1000 + 100 * 4000, 4000))
     assert plan.eval_per_token == pytest.approx(3.0 * 1.05)
 
-    # out of memory: again with the bytes per token doubled, then sized as a training step
+    # out of memory: again with the bytes per token doubled, then with the device relieved (parked
+    # states to the host), then sized as a training step
     seen: list[int | None] = []
 
-    def failing():  # noqa: ANN202
-        seen.append(plan.eval_tokens())
-        if len(seen) < 3:
-            raise torch.cuda.OutOfMemoryError("out of memory")
-        return "numbers", 10
+    def failing(times: int):  # noqa: ANN202
+        def run():  # noqa: ANN202
+            seen.append(plan.eval_tokens())
+            if len(seen) <= times:
+                raise torch.cuda.OutOfMemoryError("out of memory")
+            return "numbers", 10
+        return run
 
-    assert plan.evaluation(failing) == "numbers"
-    assert seen == [int((room - 1000.0) / 3.15), int((room - 1000.0) / 6.3), None]
-    assert plan.eval_retries == 2 and plan.eval_per_token is None
-    assert ex.timings()["eval_retries"] == 2
+    relieved: list[bool] = []
+
+    def relieve() -> bool:  # the parked states go to the host once; then nothing is left to move
+        relieved.append(not relieved)
+        return relieved[-1]
+
+    assert plan.evaluation(failing(2), relieve) == "numbers"
+    assert seen == [int((room - 1000.0) / 3.15), int((room - 1000.0) / 6.3), int((room - 1000.0) / 6.3)]
+    assert relieved == [True] and plan.eval_retries == 2
+    seen.clear()
+    assert plan.evaluation(failing(1), relieve) == "numbers"  # nothing left to relieve
+    assert seen == [int((room - 1000.0) / 6.3), None] and relieved == [True, False]
+    assert plan.eval_per_token is None and plan.eval_tokens() is None
+    assert plan.eval_retries == 3 and ex.timings()["eval_retries"] == 3
 
 
 def test_evaluations_planned_by_tokens_give_the_losses_of_one_sequence_a_forward(files, monkeypatch) -> None:  # noqa: ANN001, F811
