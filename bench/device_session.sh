@@ -571,7 +571,8 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
           # no-grad forward's room in tokens (MemoryPlan.eval_tokens) on a copy of its jobs' adapters
           # alone, run eagerly (calls 1-2); the background pinning yielding the driver half the time
           # (PinnedPool.yield_ratio, call 3: reverted); no pause of the pinning and no emptied cache
-          # around evaluations (call 4)
+          # around evaluations (call 4); copies per forward group (call 5); the cache emptied after an
+          # evaluation again and steps over 8k tokens never captured (call 6)
     export TRITON_CACHE_DIR=/tmp/s25_triton
     search_a 560 530
     pack_logs

@@ -260,7 +260,9 @@ class MemoryPlan:
         result and its largest forward's tokens. The allocator's peak over it raises the bytes
         per token when above them. One that runs out of device memory runs again with them
         doubled; then, where `relieve` frees device memory (parked states to the host), with
-        that; then sized as a training step."""
+        that; then sized as a training step. After it the allocator's free cached blocks go back
+        (its forwards' transients and group copies, in fragments: session 25's H100 search then
+        failed to find 5.4 GB whole for a step's arena copy beside 6.9 GB cached and free)."""
         if self.eval_per_token is None:
             return run()[0]
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -280,6 +282,7 @@ class MemoryPlan:
         seen = (torch.cuda.max_memory_allocated(self.device) - before - self.eval_fixed) / max(1, tokens)
         if tokens > MAX_EVAL_CAPTURE_TOKENS and seen > self.eval_per_token:  # a large forward's peak
             self.eval_per_token = seen * 1.05
+        torch.cuda.empty_cache()
         return out
 
     # ----- each step ----------------------------------------------------------------------

@@ -75,7 +75,10 @@ class GraphedEngine(Protocol):
 # activations in the graphs' pool for good. On an H200 a 48-configuration search captured its
 # 57k-token warmup steps (6-7 s each, nothing to gain): the pool then held so much that admission
 # allowed 8 sequences a forward and evaluation ran 192 forwards of one job and 8 examples (16 s).
-MAX_CAPTURE_TOKENS = 16384
+# On an H100 (session 25) the capture of a 14.5k-token step of 33 jobs took 15.6 GB of pool (its
+# arena copy 5.4 GB among it): evaluations then held 8 sequences a forward and a later step ran out
+# of memory; from 8k tokens a step with recompute keeps the GPU busy longer than its launches take.
+MAX_CAPTURE_TOKENS = 8192
 # An evaluation forward (a third of a step's launches) keeps the GPU busy from fewer tokens and its
 # keys seldom repeat (subset sizes, job groups): larger ones run eagerly. (A task's evaluations run
 # eagerly on their arena copy anyway: trainer.evaluation, AdapterArena.compute_copy.)
