@@ -16,13 +16,13 @@ from tests.unit.test_step_graphs import examples, job  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
 
 
-def _engine(model_dir, graphs: bool, data, recompute: bool):  # noqa: ANN001, ANN202
+def _engine(model_dir, graphs: bool, data, recompute: bool, adapter_dtype=None):  # noqa: ANN001, ANN202
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     return MultiLoraEngine(model, data, 0, gradient_checkpointing=recompute, attention="varlen",
-                           step_graphs=graphs)
+                           step_graphs=graphs, adapter_dtype=adapter_dtype or torch.float32)
 
 
 @pytest.mark.parametrize("recompute", [True, False])
@@ -68,10 +68,13 @@ def test_cuda_graphs_equal_eager_and_reuse_captures(tmp_path, recompute: bool) -
 
 
 def test_cuda_graph_evaluation_equals_eager(tmp_path) -> None:  # noqa: ANN001
+    """Adapters in the compute dtype (bf16): evaluation forwards replay graphs. (Float32 adapters
+    evaluate eagerly on a bf16 copy of the group's adapters: the test below.)"""
     d = tiny_model_dir("llama", tmp_path)
     data = examples(24, 40, seed=3)
     held_out = examples(9, 40, seed=9) + examples(3, 24, seed=10)
-    eager, graphed = _engine(d, False, data, True), _engine(d, True, data, True)
+    eager = _engine(d, False, data, True, torch.bfloat16)
+    graphed = _engine(d, True, data, True, torch.bfloat16)
     for eng in (eager, graphed):
         for spec in (job("a", 8, 2, 1), job("b", 32, 1, 2)):
             eng.attach(spec)
@@ -103,3 +106,9 @@ def test_an_evaluation_on_its_arena_copy_equals_the_whole_arena(tmp_path) -> Non
         got = eng.evaluate_metrics(held_out, batch_size=5, job_ids=["c", "a"])
     for j in want:
         assert math.isclose(got[j]["loss"], want[j]["loss"], rel_tol=1e-3), (j, got[j], want[j])
+    # the engine's evaluation makes the same copy per group of jobs, eagerly: nothing captured
+    captures = eng.step_graphs.captures
+    again = eng.evaluate_metrics(held_out, batch_size=5, job_ids=["c", "a"])
+    assert eng.step_graphs.captures == captures and not eng.slots.copied
+    for j in want:
+        assert math.isclose(again[j]["loss"], want[j]["loss"], rel_tol=1e-3), (j, again[j], want[j])
