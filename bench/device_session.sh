@@ -594,5 +594,12 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 200 pin_probe python3 bench/pin_probe.py --gb 8 --json "$OUT/pin_probe.json"
     step 120 pin_probe_64 python3 bench/pin_probe.py --gb 4 --chunk-mb 64 --json "$OUT/pin_probe_64.json"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d" >&2; exit 2 ;;
+  s25_e)  # session 25, call 10 (issue 40): the park pool's chunks pinned by registering memory the pinner
+          # faulted in (huge pages), not cudaHostAlloc: its GPU test, then search (a)
+    export TRITON_CACHE_DIR=/tmp/s25_triton
+    step 120 gpu_park_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_park_gpu.py
+    search_a 420 400
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e" >&2; exit 2 ;;
 esac

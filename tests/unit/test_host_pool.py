@@ -121,3 +121,34 @@ def test_pinning_stops_where_no_memory_is_to_be_had(monkeypatch: pytest.MonkeyPa
     assert pool.take((ALIGN,), torch.uint8) is not None  # what there is, served
 
 
+
+
+def test_release_unpins_free_chunks_now_and_used_ones_with_their_last_slice(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registered chunks must be unregistered before their memory goes: release unpins a chunk
+    no slice uses at once, and one still in use when its last slice is freed (never twice)."""
+    monkeypatch.setattr(host_pool, "_pinned_bytes", FakePin())
+    unpinned: list[torch.Tensor] = []
+    monkeypatch.setattr(host_pool, "_unpin", unpinned.append)
+    pool = PinnedPool(chunk_bytes=2 * ALIGN, pause_s=0.0)
+    pool.reserve(4 * ALIGN)
+    pool.wait()
+    first, second = pool._chunks
+    a = pool.take((ALIGN,), torch.uint8)
+    b = pool.take((ALIGN,), torch.uint8)
+    c = pool.take((ALIGN,), torch.uint8)  # the first chunk full, one slice of the second
+    assert a is not None and b is not None and c is not None
+    del b
+    gc.collect()
+    pool.release()
+    assert unpinned == [] and pool.pinned_bytes == 0  # both still have a slice in use
+    del c
+    gc.collect()
+    assert len(unpinned) == 1 and unpinned[0] is second
+    del a
+    gc.collect()
+    assert len(unpinned) == 2 and unpinned[1] is first
+    pool.reserve(2 * ALIGN)  # pins afresh; a new release unpins the unused chunk at once
+    pool.wait()
+    pool.release()
+    assert len(unpinned) == 3 and pool._retired == []
