@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from tests.helpers.engine_ref import tiny_model_dir  # noqa: E402
-from tests.unit.test_step_graphs import examples, job  # noqa: E402
+from tests.unit.test_step_graphs import examples, job, same_evaluations  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
 
 
@@ -75,16 +75,7 @@ def test_cuda_graph_evaluation_equals_eager(tmp_path) -> None:  # noqa: ANN001
     held_out = examples(9, 40, seed=9) + examples(3, 24, seed=10)
     eager = _engine(d, False, data, True, torch.bfloat16)
     graphed = _engine(d, True, data, True, torch.bfloat16)
-    for eng in (eager, graphed):
-        for spec in (job("a", 8, 2, 1), job("b", 32, 1, 2)):
-            eng.attach(spec)
-        eng.step()
-    for _ in range(2):
-        want = eager.evaluate_metrics(held_out, batch_size=4)
-        got = graphed.evaluate_metrics(held_out, batch_size=4)
-        for j, metrics in want.items():
-            assert math.isclose(got[j]["loss"], metrics["loss"], rel_tol=1e-2), (j, got, want)
-            assert abs(got[j]["token_accuracy"] - metrics["token_accuracy"]) < 2e-2, (j, got, want)
+    same_evaluations(eager, graphed, [job("a", 8, 2, 1), job("b", 32, 1, 2)], held_out, 1e-2, 2e-2)
     g = graphed.step_graphs
     assert g.captures >= 1 and g.replays >= 3 and g.failures == 0
     assert any(isinstance(e.graph, torch.cuda.CUDAGraph) for k, e in g.entries.items() if not k.train)

@@ -44,6 +44,22 @@ def job(name: str, rank: int, batch: int, seed: int, lr: float = 5e-3) -> TrainJ
                     max_steps=100, warmup_steps=1, seed=seed, max_grad_norm=0.05)
 
 
+def same_evaluations(eager: MultiLoraEngine, graphed: MultiLoraEngine, specs: list[TrainJob],
+                     held_out: list[Example], rel: float, accuracy_abs: float) -> None:
+    """Both engines get the jobs and one step, then evaluate twice (the second replays what the
+    first captured): the same loss and token accuracy for every job."""
+    for eng in (eager, graphed):
+        for spec in specs:
+            eng.attach(spec)
+        eng.step()
+    for _ in range(2):
+        want = eager.evaluate_metrics(held_out, batch_size=4)
+        got = graphed.evaluate_metrics(held_out, batch_size=4)
+        for j, metrics in want.items():
+            assert math.isclose(got[j]["loss"], metrics["loss"], rel_tol=rel), (j, got, want)
+            assert abs(got[j]["token_accuracy"] - metrics["token_accuracy"]) <= accuracy_abs, (j, got, want)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):  # noqa: ANN201
     return tiny_model_dir("llama", tmp_path_factory.mktemp("graphs"))
@@ -107,16 +123,7 @@ def test_graphed_evaluation_equals_eager_evaluation(model_dir) -> None:  # noqa:
     data = examples(24, 20, seed=3)
     held_out = examples(7, 20, seed=9) + examples(3, 12, seed=10)
     eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
-    for eng in (eager, graphed):
-        for spec in (job("a", 4, 2, 1), job("b", 16, 1, 2)):
-            eng.attach(spec)
-        eng.step()
-    for _ in range(2):  # the second evaluation replays what the first captured
-        want = eager.evaluate_metrics(held_out, batch_size=4)
-        got = graphed.evaluate_metrics(held_out, batch_size=4)
-        for j, metrics in want.items():
-            assert math.isclose(got[j]["loss"], metrics["loss"], rel_tol=1e-5), j
-            assert got[j]["token_accuracy"] == pytest.approx(metrics["token_accuracy"], abs=1e-9), j
+    same_evaluations(eager, graphed, [job("a", 4, 2, 1), job("b", 16, 1, 2)], held_out, 1e-5, 1e-9)
     g = graphed.step_graphs
     # chunks of 4, 4 and 2 examples, the first two of one token bucket: the first chunk ran eagerly
     # (its class cold; the training step is the other eager run), the second captured its key, the
@@ -134,15 +141,7 @@ def test_evaluation_forwards_above_their_capture_limit_run_eagerly(model_dir) ->
     eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
     g = graphed.step_graphs
     g.max_eval_capture_tokens = 100  # chunks of 4 x 20 tokens x 2 jobs: over; 2 x 12 x 2: under
-    for eng in (eager, graphed):
-        for spec in (job("a", 4, 2, 1), job("b", 16, 1, 2)):
-            eng.attach(spec)
-        eng.step()
-    for _ in range(2):
-        want = eager.evaluate_metrics(held_out, batch_size=4)
-        got = graphed.evaluate_metrics(held_out, batch_size=4)
-        for j, metrics in want.items():
-            assert math.isclose(got[j]["loss"], metrics["loss"], rel_tol=1e-5), j
+    same_evaluations(eager, graphed, [job("a", 4, 2, 1), job("b", 16, 1, 2)], held_out, 1e-5, 1e-9)
     eval_keys = [k for k in g.entries if not k.train]
     # eager: the training step and the two large chunks of each evaluation; the small chunk (its
     # class warmed by the large ones) captured at the first and replayed at both
