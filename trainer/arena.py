@@ -151,22 +151,18 @@ class AdapterArena:
         which would keep its address past the scope)."""
         return self._copy is not None
 
-    def compute_arena(self) -> torch.Tensor:
-        """The arena as the kernels read it (the compute dtype): the arena itself in that dtype;
-        for a no-grad layout within compute_copy, the scope's copy of its jobs; else a copy of the
-        whole arena made now."""
-        return self.layout_arenas()[0]
-
     def layout_arenas(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(compute_arena, the gradient arena of its shape) for a layout: within compute_copy, for
-        no-grad layouts, a zero-stride stand-in for the gradients (nothing is written to it)."""
+        """(the arena as the kernels read it, a gradient arena of its shape) for a layout: the
+        arena itself where it is in the compute dtype, else a copy of it made now; for a no-grad
+        layout within compute_copy, the scope's copy of its jobs and a zero-stride stand-in for
+        the gradients (nothing is written to it)."""
         if self._copy is not None and not torch.is_grad_enabled():
             return self._copy[0], self._copy[2]
         arena = self.arena if self.arena.dtype == self.compute_dtype else self.arena.to(self.compute_dtype)
         return arena, self.grad_arena
 
     def _regions_now(self, states: Sequence[JobRun]) -> list[int]:
-        """Each job's first element in the arena the layout reads (compute_arena)."""
+        """Each job's first element in the arena the layout reads (layout_arenas)."""
         if self._copy is None or torch.is_grad_enabled():
             return [self.regions[s.job_id][0] for s in states]
         regions = self._copy[1]

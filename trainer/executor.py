@@ -364,10 +364,10 @@ class Executor:
         (MemoryPlan.eval_tokens); else as many sequences as admission lets a training step hold.
         Never fewer than the eval_batch_size floor."""
         floor = self.cfg.eval_batch_size if floor is None else floor
-        memory = self.memory
-        tokens = memory.eval_tokens() if memory is not None and lengths is not None else None
-        if memory is not None and tokens is not None and lengths is not None:
-            return eval_chunk_tokens(n_jobs, lengths, tokens, floor, memory.eval_job_tokens())
+        tokens = self.memory.eval_tokens() if self.memory is not None and lengths is not None else None
+        if tokens is not None:
+            assert self.memory is not None and lengths is not None  # as eval_tokens was asked
+            return eval_chunk_tokens(n_jobs, lengths, tokens, floor, self.memory.eval_job_tokens())
         n_examples = len(self.first.val) if n_examples is None else n_examples
         budget = max(self.admission.max_total_batch(), floor)
         budget = min(budget, max(1, n_jobs) * max(1, n_examples))

@@ -119,6 +119,16 @@ class MemoryPlan:
         return RecomputePolicy(without, admission.limit_bytes, self.cfg.max_seq_len, admission.resident)
 
     @property
+    def max_rank(self) -> int:
+        """The largest LoRA rank among the executor's jobs (what every size here is planned for)."""
+        return max(j.lora_rank for j in self.cfg.jobs)
+
+    @property
+    def n_targets(self) -> int:
+        """How many kinds of linear the adapters target (q_proj, v_proj, ...)."""
+        return len({name.rsplit(".", 1)[-1] for name in self.engine.shapes})
+
+    @property
     def live(self) -> bool:
         """One GPU: admission reads what is resident at each decision (trainer.memory_model);
         ranks of adapter parallelism must decide alike: the static form there."""
@@ -138,7 +148,7 @@ class MemoryPlan:
             seq_len=cfg.max_seq_len, gpu=gpu, torch=torch.__version__, method=cfg.method,
             targets=sorted(eng.targets), gradient_checkpointing=recompute,
             adapter_dtype=cfg.adapter_dtype, backend=cfg.backend, ranks=self.strategy.world,
-            max_lora_rank=max(j.lora_rank for j in cfg.jobs), attention=eng.attention,
+            max_lora_rank=self.max_rank, attention=eng.attention,
             memory_model="live" if self.live else "static")
 
     def stored_model(self, recompute: bool = True) -> MemoryModel:
@@ -165,7 +175,7 @@ class MemoryPlan:
         """trainer.memory_model.analytic_model for this engine and its jobs: the live form on one
         GPU, else the static form with what is resident now (a sharded backbone: with a gathered
         layer and the next one prefetched)."""
-        eng, cfg = self.engine, self.cfg
+        eng = self.engine
         resident, per_rank = None, 0.0
         if not self.live:
             resident = float(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else 0.0
@@ -173,9 +183,8 @@ class MemoryPlan:
             if self.strategy.world > 1 and layers:
                 resident += 2 * sum(p.numel() * p.element_size() for p in layers[0].parameters())
             per_rank = eng.params_per_rank * state_bytes_per_param(eng.adapter_dtype.itemsize)
-        targets = len({name.rsplit(".", 1)[-1] for name in eng.shapes})
         return analytic_model(eng.model.config, head_chunk=eng.head_chunk,
-                              max_rank=max(j.lora_rank for j in cfg.jobs), n_targets=targets,
+                              max_rank=self.max_rank, n_targets=self.n_targets,
                               recompute=recompute, sequences_per_item=self.objective.sequences_per_item,
                               resident=resident, state_bytes_per_rank=per_rank)
 
@@ -194,7 +203,7 @@ class MemoryPlan:
         probe = self.objective.probe_items(rows, cfg.max_seq_len)
         saved, eng.train_examples = eng.train_examples, probe
         try:
-            eng.attach(TrainJob("__probe__", lora_rank=max(j.lora_rank for j in cfg.jobs), learning_rate=0.0,
+            eng.attach(TrainJob("__probe__", lora_rank=self.max_rank, learning_rate=0.0,
                                batch_size=total_batch, max_steps=1))
             parked = {j: eng.detach(j) for j in list(eng.jobs) if j != "__probe__"}
             try:
@@ -230,10 +239,8 @@ class MemoryPlan:
 
     # ----- evaluation forwards (one GPU, the live form) ---------------------------------------
     def _eval_model(self) -> tuple[float, float]:
-        eng = self.engine
-        targets = len({name.rsplit(".", 1)[-1] for name in eng.shapes})
-        rank = max(j.lora_rank for j in self.cfg.jobs)
-        return eval_token_bytes(eng.model.config, targets, rank), eval_fixed_bytes(eng.model.config, eng.head_chunk)
+        config = self.engine.model.config
+        return eval_token_bytes(config, self.n_targets, self.max_rank), eval_fixed_bytes(config, self.engine.head_chunk)
 
     def eval_tokens(self) -> int | None:
         """Tokens one evaluation forward may hold now: the room under admission's limit (what is
@@ -252,7 +259,7 @@ class MemoryPlan:
         eng = self.engine
         if self.eval_per_token is None or eng.slots.arena.dtype == eng.compute_dtype:
             return 0
-        copy = eng.params_per_rank * max(j.lora_rank for j in self.cfg.jobs) * eng.compute_dtype.itemsize
+        copy = eng.params_per_rank * self.max_rank * eng.compute_dtype.itemsize
         return math.ceil(copy / self.eval_per_token)
 
     def evaluation(self, run: Callable[[], tuple[Any, int]], relieve: Callable[[], bool] | None = None) -> Any:

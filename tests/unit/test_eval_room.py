@@ -107,11 +107,11 @@ def test_an_evaluation_reads_one_copy_of_its_jobs_adapters(tmp_path) -> None:  #
                 a_lo, a_hi = slots.regions[j]
                 assert lo % 16 == a_lo % 16 and hi - lo == a_hi - a_lo
                 assert torch.equal(copy[lo:hi], slots.arena[a_lo:a_hi].to(torch.bfloat16))
-            assert slots.compute_arena() is copy
+            assert slots.layout_arenas()[0] is copy
             with pytest.raises(ValueError, match="not in the evaluation's arena copy"):
                 slots.layout_offsets([eng.jobs["b"]])
             with torch.enable_grad():  # a layout with grad (a step) copies the whole arena
-                assert slots.compute_arena() is not copy
+                assert slots.layout_arenas()[0] is not copy
             runs = eng.step_graphs.replays + eng.step_graphs.captures + eng.step_graphs.eager_runs
             got, got_counts = eng.evaluation.token_sums(evaluated, held_out)
             # eager on the copy: no graph, not even the graphs' eager run on their buffers
@@ -125,7 +125,7 @@ def test_an_evaluation_reads_one_copy_of_its_jobs_adapters(tmp_path) -> None:  #
         assert metrics[j]["loss"] == pytest.approx(want[k, 0].item() / counts[k].item(), rel=1e-6), j
     same = AdapterArena([], torch.device("cpu"), torch.float32, torch.float32)
     with same.compute_copy(evaluated):  # the arena in the compute dtype: nothing copied
-        assert not same.copied and same.compute_arena() is same.arena
+        assert not same.copied and same.layout_arenas()[0] is same.arena
 
 
 class _Device:
