@@ -224,9 +224,8 @@ class TaskRun:
         return s.step % self.cfg.settings.eval.eval_every_steps == 0
 
     def eval_shape(self, n_jobs: int, n_examples: int | None = None,
-                   subset: Sequence[Example | PairExample] | None = None) -> tuple[int, int]:
+                   lengths: Sequence[int] | None = None) -> tuple[int, int]:
         n = len(self.val) if n_examples is None else n_examples
-        lengths = None if subset is None else [_length(e) for e in subset]
         return self.executor.eval_shape(n_jobs, n, self.cfg.eval_batch_size, lengths)
 
     def eval_size(self, job_id: str, s: JobSlot) -> int:
@@ -265,14 +264,15 @@ class TaskRun:
             return
         executor = self.executor
         subsets = {n: sorted(self.val[:n], key=_length, reverse=True) for n in due}  # longest first
+        lengths = {n: [_length(e) for e in subset] for n, subset in subsets.items()}
 
         def plan(ids: list[str], n: int, r: int) -> tuple[list[str], int, int]:
             mine = [j for j in ids if self.placed[j].owner == r]
-            return (mine, *self.eval_shape(len(mine), n, subsets[n]))
+            return (mine, *self.eval_shape(len(mine), n, lengths[n]))
 
         def run(ids: list[str], n: int) -> tuple[tuple[dict, int], int]:
             mine, bs, cap = plan(ids, n, executor.rank)  # planned now: the room as it is
-            largest = min(len(mine), max(1, cap // bs)) * sum(_length(e) for e in subsets[n][:bs])
+            largest = min(len(mine), max(1, cap // bs)) * sum(lengths[n][:bs])
             metrics = executor.engine.evaluate_metrics(subsets[n], bs, mine, cap)
             return (metrics, eval_forwards(len(mine), n, bs, cap)), largest
 

@@ -353,7 +353,7 @@ class Executor:
                     # (waiting for a ranking that waits for this job) go to the host, then again
                     if slots or not any(task.candidates(r) for r in range(self.world)):
                         break
-                    if not any([t.spill_parked() for t in self.tasks.values()]):
+                    if not self._spill_parked():
                         break
 
     def eval_shape(self, n_jobs: int, n_examples: int | None = None, floor: int | None = None,
@@ -379,7 +379,11 @@ class Executor:
         on the device may go to the host)."""
         if self.memory is None:
             return run()[0]
-        return self.memory.evaluation(run, lambda: any([t.spill_parked() for t in self.tasks.values()]))
+        return self.memory.evaluation(run, self._spill_parked)
+
+    def _spill_parked(self) -> bool:
+        """Every hosted task's states parked on the device to the host; whether any moved."""
+        return any([t.spill_parked() for t in self.tasks.values()])  # a list: every task spills
 
     def log_state(self, task_id: str, job_id: str, state: str, details: dict) -> None:
         if self.rank == 0:
