@@ -30,6 +30,7 @@ from contract.families import family_of, resolve_targets
 from trainer.arena import AdapterArena, host_to_device
 from trainer.data import IGNORE, Example, sequence_tokens
 from trainer.evaluation import TOKEN_METRICS, Evaluation
+from trainer.fused_blocks import fuse_blocks
 from trainer.head import default_chunk, token_losses, token_losses_and_hits
 from trainer.jobs import JobRun, TrainJob, update_jobs
 from trainer.multilora import inject_multilora, without_backbone_dropout
@@ -89,8 +90,7 @@ class MultiLoraEngine:
         gradient_checkpointing: bool = True,
         backend: str = "auto",
         adapter_dtype: torch.dtype = torch.float32,
-        pack: bool = True,
-        pad_multiple: int = 1,
+        pack: bool = True, pad_multiple: int = 1,
         shape_buckets: ShapeBuckets | None = ShapeBuckets(),  # noqa: B008 (frozen)
         attention: str = "rows",
         step_graphs: bool | None = None,
@@ -100,8 +100,8 @@ class MultiLoraEngine:
         self.objective = objective  # the step's loss; None: the token mean (SFT's)
         self.device = next(model.parameters()).device
         self.compute_dtype = next(model.parameters()).dtype
-        # the family table says which linears exist, which to adapt by default and how the
-        # model scores its tokens (its own output head: the engine's loss is the model's loss)
+        # the family table: which linears exist, which to adapt by default, how the model
+        # scores its tokens (its own output head: the engine's loss is the model's loss)
         self.family = family_of(getattr(model.config, "model_type", None))
         self.targets = resolve_targets(self.family, targets)
         cap = self.family.logit_softcap_attr
@@ -112,6 +112,7 @@ class MultiLoraEngine:
             # transformers' SDPA attention has no soft-cap (transformers 5.17 drops Gemma-2's
             # silently; newer ones refuse it): the model's own attention is its eager one
             model.set_attn_implementation("eager")
+        self.fused_blocks = fuse_blocks(model)  # the norms' and MLPs' fused kernels (on the GPU)
         self.layers = inject_multilora(model, self.targets)
         self.layer_list = list(self.layers.values())
         self.shapes = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
@@ -134,8 +135,7 @@ class MultiLoraEngine:
         self.forward_shapes: Counter[tuple[int, int, bool]] = Counter()
         self.gradient_checkpointing = False
         self.set_recompute(gradient_checkpointing)
-        model.train()
-        # tokens per chunk of the one head + cross-entropy of a step (trainer.head)
+        model.train()  # and tokens per chunk of the one head + cross-entropy (trainer.head):
         self.head_chunk = default_chunk(getattr(model.config, "vocab_size", 0) or 32000)
         # adapter parallelism sets this to an all-reduce (max over ranks) of a local count, to
         # agree on extra backbone passes; None: this engine runs alone (see `lockstep`)

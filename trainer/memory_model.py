@@ -16,7 +16,8 @@ Analytic terms (bytes, bf16 activations a = 2):
 - per step whatever its tokens: the head's logits of min(tokens, chunk) tokens, AdamW's grouped
   temporary and STEP_FIXED.
 `ACTIVATION_SLACK`, `HEAD_BYTES` and `STEP_FIXED` cover what the count above leaves out (the
-norms' float32 upcasts, RoPE's temporaries, the allocator's rounding); their values come from the
+norms' float32 upcasts, RoPE's temporaries, the allocator's rounding; FUSED_ACTIVATION_SLACK where
+the norms and the gate run fused, trainer.fused_blocks); their values come from the
 peaks of an 8B-shaped task's steps on an H100 (bench/executor_task.py's memory trace, kept in
 tests/unit/data/memory_peaks_h100.json, which tests/unit/test_memory_model.py checks).
 
@@ -39,6 +40,9 @@ HEAD_BYTES = 16  # per logit of the head's chunk: bf16 logits, their float32 upc
 STEP_FIXED = 768 << 20  # what a step holds whatever its tokens beyond the head (H100, 8B: ~0.8 GB)
 WORKSPACE = 512 << 20  # cuBLAS/Triton workspaces, the allocator's rounding of the big blocks
 ACTIVATION_SLACK = 1.5
+# with the norms and the MLP's gate on fused kernels (trainer.fused_blocks) a layer keeps what the
+# count below names and little else: no float32 copy of a norm's input, no silu(gate)
+FUSED_ACTIVATION_SLACK = 1.15
 ARENA_SLACK = 1.125  # the arena grows by an eighth at least: a job's state costs up to this more
 MAX_POINTS = 512  # the steps the envelope is drawn over (the largest always among them)
 LASTING = 256 << 20  # a step that leaves more allocated than this (new jobs' states) is not corrected from
@@ -66,20 +70,22 @@ class Shapes:
                    kv=kv_heads * head_dim, vocab=int(text.vocab_size), heads=heads)
 
 
-def layer_activation_bytes(s: Shapes, n_targets: int, rank: int) -> float:
-    """Per token: what one decoder layer keeps for its backward (no recompute)."""
+def layer_activation_bytes(s: Shapes, n_targets: int, rank: int, fused: bool = False) -> float:
+    """Per token: what one decoder layer keeps for its backward (no recompute); `fused`: its
+    norms and gate on the fused kernels."""
     h, i, kv = s.hidden, s.intermediate, s.kv
     elems = 4 * h          # norm inputs and outputs, both norms
     elems += h + 2 * kv    # q, k, v after RoPE
     elems += h             # the attention's output (o_proj's input)
     elems += 3 * i         # gate, up, act(gate) * up (down's input)
     elems += n_targets * rank  # each LoRA target's x.A
-    return ACTIVATION_SLACK * ACT_BYTES * elems + 4 * (2 + s.heads)  # norms' rstd, attention's lse
+    slack = FUSED_ACTIVATION_SLACK if fused else ACTIVATION_SLACK
+    return slack * ACT_BYTES * elems + 4 * (2 + s.heads)  # norms' rstd, attention's lse
 
 
-def per_token_bytes(s: Shapes, recompute: bool, n_targets: int, rank: int) -> float:
+def per_token_bytes(s: Shapes, recompute: bool, n_targets: int, rank: int, fused: bool = False) -> float:
     """k1: bytes per token of a training step."""
-    layer = layer_activation_bytes(s, n_targets, rank)
+    layer = layer_activation_bytes(s, n_targets, rank, fused)
     if recompute:  # every layer's input kept, and one layer's activations live again
         body = s.layers * ACT_BYTES * s.hidden + layer
     else:
@@ -126,7 +132,7 @@ def fixed_transient(head_per_token: float, tokens: int, adapter_params: int) -> 
 
 def analytic_model(config: Any, *, head_chunk: int, max_rank: int, n_targets: int, recompute: bool,
                    sequences_per_item: int = 1, resident: float | None = None,
-                   state_bytes_per_rank: float = 0.0) -> MemoryModel:
+                   state_bytes_per_rank: float = 0.0, fused: bool = False) -> MemoryModel:
     """M(B) = k0 + k1 * B * L for this model and step (see the module docstring); B counts batch
     items (a DPO item is a pair: its k1 counts both sequences). Live form (resident None): k0 is
     the step's fixed transient and a workspace; admission adds what is resident when it decides
@@ -135,7 +141,7 @@ def analytic_model(config: Any, *, head_chunk: int, max_rank: int, n_targets: in
     k0 = fixed_transient(HEAD_BYTES * s.vocab, head_chunk, ADAMW_CHUNK) + WORKSPACE
     if resident is not None:
         k0 += resident + state_bytes_per_rank * max_rank
-    k1 = per_token_bytes(s, recompute, n_targets, _tile(max_rank)) * sequences_per_item
+    k1 = per_token_bytes(s, recompute, n_targets, _tile(max_rank), fused) * sequences_per_item
     return MemoryModel(k0=float(k0), k1=float(k1))
 
 

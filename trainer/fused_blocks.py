@@ -1,0 +1,136 @@
+"""The backbone's RMSNorms and SiLU-gated MLPs on fused kernels (kernels.norm_act), on the GPU.
+
+transformers' modules run a norm as ~8 kernels each way (float32 upcast, pow, mean, rsqrt, two
+muls, casts) and keep a float32 copy of its input for the backward; the MLP's gate as silu and mul,
+keeping silu's output too. The fused forms run one kernel each way, keep the input and one float32
+per row (the norm) or gate and up (the MLP), and round where the modules round.
+
+Which modules: any whose class is an RMSNorm with a frozen 1-d weight and an epsilon, and any MLP
+with gate_proj, up_proj, down_proj and a SiLU act_fn; each class is admitted only once a probe
+agrees with its own forward on random rows (through the module's real weights, before the LoRA
+layers go in): a family whose norm differs (Gemma's 1 + weight, LayerNorms, norms of a different
+order) keeps its own forward. Off on the CPU (unless TRITON_INTERPRET=1 and `force`), under
+LORAPLEX_FUSED_BLOCKS=0, and for a sharded backbone (adapter parallelism: its parameters are
+DTensors until FSDP gathers them).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels.norm_act import available, rms_norm, silu_mul
+
+log = logging.getLogger(__name__)
+PROBE_RTOL = 2.0 ** -6  # two bfloat16 ulps: the kernels sum in another order than torch's reductions
+
+
+def _eps(module: nn.Module) -> float | None:
+    for attr in ("variance_epsilon", "eps"):
+        value = getattr(module, attr, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def norm_like(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return ("rmsnorm" in type(module).__name__.lower() and isinstance(weight, nn.Parameter)
+            and weight.dim() == 1 and not weight.requires_grad and _eps(module) is not None
+            and getattr(module, "bias", None) is None)
+
+
+def mlp_like(module: nn.Module) -> bool:
+    act = getattr(module, "act_fn", None)
+    return (all(isinstance(getattr(module, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj"))
+            and act is not None and (isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLU", "SiLUActivation")))
+
+
+def _fused_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, self.weight, self._loraplex_eps)
+
+
+def _fused_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
+    if got.shape != want.shape or got.dtype != want.dtype or not torch.isfinite(want).all():
+        return False
+    g, w = got.float(), want.float()
+    return bool(((g - w).abs() <= PROBE_RTOL * w.abs() + 1e-6 * w.abs().max()).all())
+
+
+def _probe_rows(width: int, like: torch.Tensor, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device=like.device).manual_seed(seed)
+    rows = torch.randn(5, width, generator=gen, device=like.device, dtype=torch.float32)
+    return (rows * 2 + 0.5).to(like.dtype)  # an offset mean: a LayerNorm cannot pass for an RMSNorm
+
+
+@torch.no_grad()
+def probe_norm(module: nn.Module) -> bool:
+    """Whether rms_norm computes what this module's forward does (on random rows)."""
+    x = _probe_rows(module.weight.shape[0], module.weight, 0)
+    try:
+        want = module.forward(x)
+        return isinstance(want, torch.Tensor) and _agrees(rms_norm(x, module.weight, _eps(module)), want)
+    except Exception as exc:  # noqa: BLE001 - any failure means: keep the module's own forward
+        log.debug("norm probe of %s failed: %s", type(module).__name__, exc)
+        return False
+
+
+@torch.no_grad()
+def probe_mlp(module: nn.Module) -> bool:
+    """Whether the fused gate computes what this MLP's forward does (on random rows)."""
+    weight = next(module.gate_proj.parameters())
+    x = _probe_rows(int(getattr(module.gate_proj, "in_features", weight.shape[-1])), weight, 1)
+    try:
+        want = module.forward(x)
+        return isinstance(want, torch.Tensor) and _agrees(_fused_mlp_forward(module, x), want)
+    except Exception as exc:  # noqa: BLE001 - any failure means: keep the module's own forward
+        log.debug("mlp probe of %s failed: %s", type(module).__name__, exc)
+        return False
+
+
+def _sharded(model: nn.Module) -> bool:
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def fuse_blocks(model: nn.Module, force: bool = False) -> dict[str, Any]:
+    """Swap the forwards of the model's norms and MLPs the probes admit for the fused kernels, in
+    place; returns how many of each and the classes kept as they were. Call before the LoRA
+    layers go in (the MLP probe runs the plain projections)."""
+    done: dict[str, Any] = {"norms": 0, "mlps": 0, "kept": []}
+    param = next(model.parameters(), None)
+    if (param is None or os.environ.get("LORAPLEX_FUSED_BLOCKS", "1") == "0" or _sharded(model)
+            or not available(param) or (param.device.type != "cuda" and not force)):
+        return done
+    verdict: dict[tuple[type, str], bool] = {}
+    for module in model.modules():
+        kind = "norms" if norm_like(module) else "mlps" if mlp_like(module) else None
+        if kind is None:
+            continue
+        key = (type(module), kind)
+        if key not in verdict:
+            verdict[key] = probe_norm(module) if kind == "norms" else probe_mlp(module)
+            if not verdict[key]:
+                done["kept"].append(type(module).__name__)
+        if verdict[key]:
+            if kind == "norms":
+                module._loraplex_eps = _eps(module)
+                module.forward = types.MethodType(_fused_norm_forward, module)
+            else:
+                module.forward = types.MethodType(_fused_mlp_forward, module)
+            done[kind] += 1
+    log.info("fused blocks: %d norms, %d MLPs; kept their own forward: %s", done["norms"], done["mlps"],
+             done["kept"] or "none")
+    return done
+
+
+def fused(model: nn.Module) -> bool:
+    """Whether fuse_blocks swapped any of the model's MLPs (what the memory model reads)."""
+    return any(getattr(m.forward, "__func__", None) is _fused_mlp_forward for m in model.modules())
