@@ -601,5 +601,20 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     search_a 420 400
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e" >&2; exit 2 ;;
+  s26_a)  # session 26, call 1 (issues 40, 41): the fused norms and MLP gate (trainer.fused_blocks): their
+          # GPU test, the side-by-side bench at 32 layers, then the 60-step task in a fresh process whose
+          # Triton cache starts as the shipped archive (what compiles in the task are the new kernels);
+          # that cache comes back as the next archive
+    export TRITON_CACHE_DIR=/tmp/s26_pre
+    step 150 gpu_norm_act python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_norm_act_gpu.py
+    step 200 fused_blocks python3 bench/fused_blocks.py --layers 32 --out "$OUT/fused_blocks.md" --json "$OUT/fused_blocks.json"
+    export TRITON_CACHE_DIR=/tmp/s26/triton
+    rm -rf /tmp/s26
+    task60 170
+    echo "cubins after: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)," \
+      "shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')" | tee -a "$OUT/steps.txt"
+    tar -C /tmp/s26 -czf "$OUT/triton_cache_sm90.tar.gz" triton
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a" >&2; exit 2 ;;
 esac
