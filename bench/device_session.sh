@@ -601,7 +601,7 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     search_a 420 400
     pack_logs
     ;;
-  s26_a)  # session 26, call 1 (issues 40, 41): the fused norms and MLP gate (trainer.fused_blocks): their
+  s26_a)  # session 26, calls 1-2 (issues 40, 41): the fused norms and MLP gate (trainer.fused_blocks): their
           # GPU test, the side-by-side bench at 32 layers, then the 60-step task in a fresh process whose
           # Triton cache starts as the shipped archive (what compiles in the task are the new kernels);
           # that cache comes back as the next archive

@@ -102,13 +102,15 @@ def _sharded(model: nn.Module) -> bool:
 
 def fuse_blocks(model: nn.Module, force: bool = False) -> dict[str, Any]:
     """Swap the forwards of the model's norms and MLPs the probes admit for the fused kernels, in
-    place; returns how many of each and the classes kept as they were. Call before the LoRA
-    layers go in (the MLP probe runs the plain projections)."""
+    place, the backbone frozen first (as the engine freezes it); returns how many of each and the
+    classes kept as they were. Call before the LoRA layers go in (the MLP probe runs the plain
+    projections)."""
     done: dict[str, Any] = {"norms": 0, "mlps": 0, "kept": []}
     param = next(model.parameters(), None)
     if (param is None or os.environ.get("LORAPLEX_FUSED_BLOCKS", "1") == "0" or _sharded(model)
             or not available(param) or (param.device.type != "cuda" and not force)):
         return done
+    model.requires_grad_(False)  # the backbone is frozen (the LoRA layers train; the norms' weights never)
     verdict: dict[tuple[type, str], bool] = {}
     for module in model.modules():
         kind = "norms" if norm_like(module) else "mlps" if mlp_like(module) else None

@@ -76,9 +76,7 @@ from trainer.tiny import tiny_config
 from trainer.fused_blocks import fuse_blocks, fused
 for fam in ("llama", "qwen3", "gemma"):
     torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(tiny_config(fam, 256), dtype=torch.float32)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = AutoModelForCausalLM.from_config(tiny_config(fam, 256), dtype=torch.float32)  # not frozen yet
     out[f"cpu {fam}"] = fuse_blocks(model)  # no force: the CPU keeps the modules' own forwards
     done = fuse_blocks(model, force=True)
     done["fused"] = fused(model)
@@ -95,8 +93,6 @@ ex = tokenize_all(tok, [parse_record(r) for r in synthetic_rows(24, seed=3)], 48
 runs = {}
 for name in ("plain", "fused"):
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-    for p in model.parameters():
-        p.requires_grad_(False)
     if name == "fused":
         out["engine fused"] = fuse_blocks(model, force=True)
     eng = MultiLoraEngine(model, ex, tok.pad_token_id, attention="varlen", step_graphs=False)
