@@ -616,5 +616,15 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     tar -C /tmp/s26 -czf "$OUT/triton_cache_sm90.tar.gz" triton
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a" >&2; exit 2 ;;
+  s26_b)  # session 26, call 3 (issues 40, 41): with the archive that call 2 brought back (the fused kernels
+          # shipped): the 60-step task in a fresh process (nothing should compile in it), then search (a)
+    export TRITON_CACHE_DIR=/tmp/s26b/triton
+    rm -rf /tmp/s26b
+    task60 150
+    echo "cubins after: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)," \
+      "shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')" | tee -a "$OUT/steps.txt"
+    search_a 380 360
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b" >&2; exit 2 ;;
 esac

@@ -153,6 +153,28 @@ def test_the_analytic_model_against_peaks_measured_on_an_h100() -> None:
         assert -0.01 <= error <= 0.10, (st, error)
 
 
+def test_the_fused_analytic_model_against_peaks_measured_on_an_h100() -> None:
+    """The same with the norms and the MLP gate on fused kernels (trainer.fused_blocks: no float32
+    copy of a norm's input, no silu(gate) kept): every step of the 60-step task the allocator saw
+    (session 26, 640 to 7168 tokens, with and without recompute) within 10% and never more than 1%
+    under; the unfused model's slack would over-predict its steps without recompute by more."""
+    data = json.loads((Path(__file__).parent / "data" / "memory_peaks_fused_h100.json").read_text())
+    s = Shapes.of(LlamaConfig(**data["model"]))
+    assert len(data["steps"]) >= 10 and {st["recompute"] for st in data["steps"]} == {True, False}
+    worst_unfused = 0.0
+    for st in data["steps"]:
+        t = st["tokens"]
+        fixed = head_bytes(s, min(t, data["head_chunk"])) + 4 * ADAMW_CHUNK + STEP_FIXED
+        for fused in (True, False):
+            per_token = per_token_bytes(s, st["recompute"], data["targets"], data["max_rank"], fused)
+            error = (st["resident"] + fixed + per_token * t - st["peak"]) / st["peak"]
+            if fused:
+                assert -0.01 <= error <= 0.10, (st, error)
+            elif not st["recompute"]:
+                worst_unfused = max(worst_unfused, error)
+    assert worst_unfused > 0.10
+
+
 def test_recompute_is_chosen_from_the_steps_own_tokens(tmp_path) -> None:  # noqa: ANN001
     from transformers import AutoModelForCausalLM
 
