@@ -626,5 +626,26 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     search_a 380 360
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b" >&2; exit 2 ;;
+  s26_c)  # session 26, call 4 (issues 40, 41): the 60-step task in fresh processes, modules' own forwards
+          # (LORAPLEX_FUSED_BLOCKS=0) against the fused ones, side by side on one machine; then every GPU test
+    export TRITON_CACHE_DIR=/tmp/s26c/triton
+    rm -rf /tmp/s26c
+    step 150 task60_plain env LORAPLEX_FUSED_BLOCKS=0 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold \
+      --out "$OUT/executor_task60_plain.md" --json "$OUT/executor_task60_plain.json"
+    task60 150
+    step 280 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu
+    pack_logs
+    ;;
+  s26_d)  # session 26, call 5 (issue 40): search (a) with the modules' own forwards, then with the fused ones
+    export TRITON_CACHE_DIR=/tmp/s26d/triton
+    rm -rf /tmp/s26d
+    export LORAPLEX_FUSED_BLOCKS=0
+    search_a 280 260
+    unset LORAPLEX_FUSED_BLOCKS
+    mv "$OUT/search_a.json" "$OUT/search_a_plain.json"; mv "$OUT/search_a.md" "$OUT/search_a_plain.md"
+    mv "$OUT/host_memory.txt" "$OUT/host_memory_plain.txt"
+    search_a 280 260
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d" >&2; exit 2 ;;
 esac
