@@ -636,9 +636,13 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     step 280 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu
     pack_logs
     ;;
-  s26_d)  # session 26, call 5 (issue 40): search (a) with the modules' own forwards, then with the fused ones
+  s26_d)  # session 26, call 5 (issue 40): search (a) with the modules' own forwards, then with the fused ones,
+          # after a short warm-up process (call 4: a fresh machine's first process ran the 60-step task's
+          # training 1.7x slower than the next one did)
     export TRITON_CACHE_DIR=/tmp/s26d/triton
     rm -rf /tmp/s26d
+    step 90 warmup python3 bench/executor_task.py --layers 2 --steps 10 --runs cold --work /tmp/s26d/warm \
+      --out "$OUT/warmup.md"
     export LORAPLEX_FUSED_BLOCKS=0
     search_a 280 260
     unset LORAPLEX_FUSED_BLOCKS
