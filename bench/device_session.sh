@@ -651,5 +651,19 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     search_a 280 260
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d" >&2; exit 2 ;;
+  s26_e)  # session 26, call 6 (issues 40, 41): after a warm-up process, the 60-step task with the modules'
+          # own forwards and with the fused ones, then search (a) with the pinned pool growing on a miss
+          # (by registration, not cudaHostAlloc) and its counters in the timings
+    export TRITON_CACHE_DIR=/tmp/s26e/triton
+    rm -rf /tmp/s26e
+    step 90 warmup python3 bench/executor_task.py --layers 2 --steps 10 --runs cold --work /tmp/s26e/warm \
+      --out "$OUT/warmup.md"
+    step 130 task60_plain env LORAPLEX_FUSED_BLOCKS=0 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold \
+      --out "$OUT/executor_task60_plain.md" --json "$OUT/executor_task60_plain.json"
+    task60 130
+    search_a 300 280
+    rm -f "$OUT/warmup.md"
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e" >&2; exit 2 ;;
 esac

@@ -254,9 +254,10 @@ class Executor:
     def timings(self, task: TaskRun | None = None) -> dict[str, Any]:
         """Wall seconds since `run` began, split by phase (trainer.phase_clock; with a task:
         since that task joined), the executor's step count, the recompute setting and the memory
-        plan's details (recompute steps, whether the profile was reused, how the model did)."""
+        plan's details (recompute steps, whether the profile was reused, how the model did) and
+        the pinned pool's (slices served, missed, chunks pinned on the loop, GB pinned)."""
         return {**self.clock.split(task), "global_step": self.global_step,
-                "recompute": self.cfg.gradient_checkpointing,
+                "recompute": self.cfg.gradient_checkpointing, **POOL.counts(),
                 **(self.memory.timings() if self.memory else {"profile_reused": None})}
 
     # ----- tasks coming and going (trainer.hosting.TaskRoster; any thread) -------------------

@@ -19,6 +19,7 @@ from trainer.host_pool import ALIGN, PinnedPool
 
 def test_slices_come_from_reserved_chunks_and_go_back_when_freed() -> None:
     pool = PinnedPool(chunk_bytes=64 * 1024)
+    pool.grow_limit = 0  # the background chunks alone (growth on a miss: its own test)
     assert pool.take((10,), torch.float32) is None and pool.missed == 1  # nothing pinned yet
     pool.reserve(100 * 1024)
     pool.wait()
@@ -46,6 +47,7 @@ def test_slices_come_from_reserved_chunks_and_go_back_when_freed() -> None:
 
 def test_a_full_pool_refuses_and_serves_again_after_a_free() -> None:
     pool = PinnedPool(chunk_bytes=4 * ALIGN)
+    pool.grow_limit = 4 * ALIGN  # what the background pinned: no room to grow
     pool.reserve(4 * ALIGN)
     pool.wait()
     held = [pool.take((ALIGN // 4,), torch.float32) for _ in range(4)]
@@ -55,6 +57,29 @@ def test_a_full_pool_refuses_and_serves_again_after_a_free() -> None:
     held.pop(1)
     gc.collect()
     assert pool.take((ALIGN // 4,), torch.float32) is not None
+
+
+def test_a_miss_grows_the_pool_by_a_chunk_on_the_callers_thread_within_its_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pin = FakePin()
+    monkeypatch.setattr(host_pool, "_pinned_bytes", pin)
+    pool = PinnedPool(chunk_bytes=4 * ALIGN)
+    pool.grow_limit = 10 * ALIGN
+    a = pool.take((ALIGN,), torch.uint8)  # nothing pinned: one chunk, pinned here
+    assert a is not None and pin.sizes == [4 * ALIGN] and pin.threads == [threading.current_thread()]
+    b = pool.take((3 * ALIGN,), torch.uint8)  # the rest of that chunk
+    assert b is not None and pin.sizes == [4 * ALIGN]
+    big = pool.take((5 * ALIGN,), torch.uint8)  # larger than a chunk: a chunk of its own size
+    assert big is not None and pin.sizes == [4 * ALIGN, 5 * ALIGN]
+    assert pool.take((2 * ALIGN,), torch.uint8) is None  # 9 + 4 over the limit of 10: the caller's
+    assert pool.counts() == {"pool_served": 3, "pool_missed": 1, "pool_grown": 2,
+                             "pool_pinned_gb": round(9 * ALIGN / 2**30, 2)}
+    for t in (a, b, big):
+        t.fill_(7)
+    assert int(a.sum()) + int(b.sum()) == 7 * 4 * ALIGN  # disjoint slices of one chunk
+    del a
+    gc.collect()
+    assert pool.take((ALIGN,), torch.uint8) is not None and pool.grown == 2  # a freed slice first
 
 
 class FakePin:
@@ -82,6 +107,7 @@ def test_the_pinning_thread_stops_at_its_target_follows_a_raised_one_and_starts_
     pin = FakePin()
     monkeypatch.setattr(host_pool, "_pinned_bytes", pin)
     pool = PinnedPool(chunk_bytes=4 * ALIGN, pause_s=0.0)
+    pool.grow_limit = 0  # the background thread's chunks alone
     pool.wait()  # nothing reserved: returns at once
     pin.gate.clear()
     pool.reserve(6 * ALIGN)
