@@ -665,5 +665,14 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     rm -f "$OUT/warmup.md"
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e" >&2; exit 2 ;;
+  s26_f)  # session 26, call 7 (issue 40): the park and fused-kernel GPU tests, then search (a) with the pool
+          # growing up to half the host's memory (call 6: 25 parks missed it at a quarter)
+    export TRITON_CACHE_DIR=/tmp/s26f/triton
+    rm -rf /tmp/s26f
+    step 120 gpu_park_norm python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_park_gpu.py \
+      tests/gpu/test_norm_act_gpu.py
+    search_a 320 300
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f" >&2; exit 2 ;;
 esac

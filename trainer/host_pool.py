@@ -7,8 +7,9 @@ cudaHostAlloc on the loop's thread). The executor instead asks the pool, once it
 configurations, to pin what their parked states may need (`reserve`): a background thread pins
 chunks while the steps train, and a park takes a slice of a chunk (`take`), giving it back
 when the parked tensor is freed (resumed, evicted, finished). A park the pool cannot serve yet
-grows it by one chunk on the spot (registered, as the thread pins), up to a quarter of the host's
-memory; past that the caller allocates as before. The executor reserves after a task's first step, only what the device cannot
+grows it by one chunk on the spot (registered, as the thread pins), up to half the host's memory
+(search (a) on an 80 GB H100 parked past the quarter the thread pins: 25 parks then pinned by
+cudaHostAlloc on the loop); past that the caller allocates as before. The executor reserves after a task's first step, only what the device cannot
 keep. The thread faults its chunks in itself and then registers them (`_pinned_bytes`): with
 cudaHostAlloc the driver's lock was held the whole time, and the loop's launches waited (30 GB
 pinned at the start cost a search's first step 17 s; later, its first evaluation 13.7 s instead
@@ -47,7 +48,9 @@ class PinnedPool:
         self.served = 0
         self.missed = 0
         self.grown = 0  # chunks pinned on a caller's thread (`take` found no room)
-        self.grow_limit: int | None = None  # None: a quarter of the host's memory
+        # None: half the host's memory (the background target stops at a quarter; past this limit
+        # a caller pins by cudaHostAlloc as before, which no limit held back)
+        self.grow_limit: int | None = None
         # the background pinning: a daemon thread (a killed executor still exits) whose step pins
         # one chunk; it stops itself at the target, and `reserve` starts it again
         self._pinner = BackgroundWorker("loraplex-pin", self._pin_next, logger=log)
@@ -111,7 +114,7 @@ class PinnedPool:
     # ----- slices ----------------------------------------------------------------------
     def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
         """A pinned host tensor of this shape and dtype from the pool. Where no chunk has room,
-        one more chunk is pinned here by registration (`grow`: ~20 ms for 256 MB, where the
+        one more chunk is pinned here by registration (`_grow`: ~20 ms for 256 MB, where the
         caller's cudaHostAlloc took ~0.1 s and held the driver's lock), within `grow_limit`;
         None past it. Its bytes return to the pool when the tensor is freed."""
         numel = 1
@@ -142,7 +145,7 @@ class PinnedPool:
     def _grow(self, nbytes: int) -> bool:
         """One more chunk (at least `nbytes`) pinned on the caller's thread, within grow_limit."""
         size = max(self.chunk_bytes, nbytes)
-        limit = self.grow_limit if self.grow_limit is not None else host_memory_bytes() // 4
+        limit = self.grow_limit if self.grow_limit is not None else host_memory_bytes() // 2
         if self.pinned_bytes + size > limit:
             return False
         try:
