@@ -42,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines_liger import LIGER, liger_llama  # noqa: E402
 
 from trainer.data import IGNORE, Example, JobDataStream  # noqa: E402
-from trainer.fused_blocks import unfuse_rope  # noqa: E402
 from trainer.jobs import TrainJob, lr_factor  # noqa: E402
 from trainer.varlen import flash_varlen_available, register_varlen  # noqa: E402
 
@@ -123,7 +122,6 @@ def arm_model(model: torch.nn.Module, arm: Arm) -> Iterator[dict]:
     """The model set up for the arm while it trains: varlen attention (c2), Liger, SDPA's cuDNN
     backend off (c2: its plans are per shape, every packed row has its own length)."""
     info = {"attention": model.config._attn_implementation, "liger": False, "cudnn_sdp": None}
-    unfuse_rope()  # transformers' own RoPE (an engine arm in this process swapped its module's function)
     before = model.config._attn_implementation
     cudnn = torch.backends.cuda.cudnn_sdp_enabled()
     if arm.packed:

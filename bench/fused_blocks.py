@@ -1,13 +1,12 @@
-"""The backbone's norms, MLP gate and RoPE on fused kernels (trainer.fused_blocks) against
-transformers' own modules, side by side in one process on one engine (issue 40).
+"""The backbone's norms and MLP gate on fused kernels (trainer.fused_blocks) against transformers'
+own modules, side by side in one process on one engine (issue 40).
 
 At `--layers` layers of the Llama-3.1-8B shape (random bf16 weights, varlen attention) the engine
 trains `--small` jobs on ~2k-token steps (CUDA graphs, as after a search's warmup ranking) and
 `--large` jobs on ~13k-token steps (eager, as its first steps), with recompute off and on, and
 evaluates 2 jobs over 64 examples (one no-grad forward). The arms alternate on the same engine:
-`fused` is the engine as built (its modules' forwards and RoPE function swapped), `plain` the
-modules' own (the swapped forwards taken off, transformers' RoPE put back; captured graphs dropped
-at every switch). Per case and arm: the
+`fused` is the engine as built (its modules' forwards swapped), `plain` the modules' own forwards
+(the swapped forwards taken off; captured graphs dropped at every switch). Per case and arm: the
 median step wall over `--iters` synced steps after `--warmup`, tokens a second, and for eager
 steps the transient peak per token (the allocator's peak less what was allocated before the
 step). Correctness in the same run: each arm's first step from fresh jobs of the same seeds, the
@@ -33,7 +32,6 @@ from engine_step import llama8b_config  # noqa: E402
 
 from trainer.data import Example  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
-from trainer.fused_blocks import ROPE_PATCHED  # noqa: E402
 from trainer.jobs import TrainJob  # noqa: E402
 from trainer.step_graphs import StepGraphs  # noqa: E402
 
@@ -72,8 +70,6 @@ class Arms:
                 m.forward = fwd
             else:
                 m.__dict__.pop("forward", None)
-        for name, (own, fused) in ROPE_PATCHED.items():  # RoPE: a function of transformers' module
-            sys.modules[name].apply_rotary_pos_emb = fused if arm == "fused" else own
         self.eng.step_graphs = StepGraphs(self.eng) if graphs else None
 
 
@@ -168,8 +164,7 @@ def main() -> None:
              dict(name="large, eager, recompute", jobs=args.large, batch=4, graphs=False, recompute=True),
              dict(name="small, eager, no recompute", jobs=args.small, batch=2, graphs=False, recompute=False)]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)"
-    swapped = {"norms": n_norms, "mlps": len(arms.swapped) - n_norms,
-               "ropes": sum(own is not fused for own, fused in ROPE_PATCHED.values())}
+    swapped = {"norms": n_norms, "mlps": len(arms.swapped) - n_norms}
     rows, results = [], {"device": device, "args": vars(args), "fused": swapped, "cases": {}}
     for case in cases:
         got = {arm: run_case(eng, arms, arm, case, args) for arm in ("plain", "fused")}
@@ -191,8 +186,8 @@ def main() -> None:
     text = "\n".join([
         f"# Fused norms and MLP gate against transformers' modules ({results['device']}, {args.layers} layers of the "
         f"Llama-3.1-8B shape, random bf16 weights, varlen attention, samples of ~{args.tokens} tokens)", "",
-        f"One engine, arms alternating per case; fused swapped {swapped['norms']} norms, "
-        f"{swapped['mlps']} MLPs and {swapped['ropes']} RoPE function. Median of {args.iters} synced steps after {args.warmup}; "
+        f"One engine, arms alternating per case; fused swapped {swapped['norms']} norms and "
+        f"{swapped['mlps']} MLPs. Median of {args.iters} synced steps after {args.warmup}; "
         "peak/token: the first step's transient peak over its tokens (eager steps; a graphed step's first "
         "step is its capture); loss gap: the largest relative difference of a job's first-step loss "
         "(evaluation: its loss) between the arms.", "",

@@ -1,5 +1,5 @@
-"""Fused RMSNorm, SiLU-gate and RoPE for a frozen backbone: one Triton kernel each way where
-transformers' modules launch one kernel per elementwise op (issue 40: at 32 layers of the 8B shape the norms',
+"""Fused RMSNorm and SiLU-gate for a frozen backbone: one Triton kernel each way where transformers'
+modules launch one kernel per elementwise op (issue 40: at 32 layers of the 8B shape the norms',
 the MLP gate's and their casts' `mul`, `pow`, `copy_`, `add`, `rsqrt` kernels took about a quarter
 of a training step's GPU time, bench/results/host_profile_h100_recompute.md).
 
@@ -10,9 +10,6 @@ of a training step's GPU time, bench/results/host_profile_h100_recompute.md).
 - `silu_mul(gate, up)`: `silu(gate) * up` with silu's output rounded to gate's dtype first, as
   `act_fn(gate_proj(x)) * up_proj(x)` does; the backward recomputes the sigmoid from gate and keeps
   gate and up alone (autograd kept silu(gate) too: one intermediate-wide tensor a layer less).
-- `rope(x, cos, sin)`: `x * cos + rotate_half(x) * sin` (transformers' apply_rotary_pos_emb for one
-  of q and k), each product and the sum rounded as the bf16 ops round; the backward rotates the
-  gradient back in one kernel. Any strides of x's leading dims (q arrives as a transposed view).
 
 Each runs its Triton kernels on CUDA tensors (or on the CPU under TRITON_INTERPRET=1, how the tests
 check them), and `*_reference` is the same computation in torch ops (the modules' own). Integer
@@ -184,84 +181,3 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
-
-
-# ----------------------------------------------------------------------------- RoPE
-if triton is not None:
-    @triton.jit
-    def _rope_rows(X, C, S, Y, n_rows, H, T, sxb, sxh, sxt, syb, syh, syt, scb, sct,
-                   HALF, BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        b, h, t = r // (H * T), (r // T) % H, r % T
-        d = tl.arange(0, BLOCK_H)[None, :]
-        m = (r < n_rows)[:, None] & (d < HALF)
-        xo = (b * sxb + h * sxh + t * sxt)[:, None] + d
-        yo = (b * syb + h * syh + t * syt)[:, None] + d
-        co = (b * scb + t * sct)[:, None] + d
-        x1 = tl.load(X + xo, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(X + xo + HALF, mask=m, other=0.0).to(tl.float32)
-        c1 = tl.load(C + co, mask=m, other=0.0).to(tl.float32)
-        c2 = tl.load(C + co + HALF, mask=m, other=0.0).to(tl.float32)
-        s1 = tl.load(S + co, mask=m, other=0.0).to(tl.float32)
-        s2 = tl.load(S + co + HALF, mask=m, other=0.0).to(tl.float32)
-        dt = Y.dtype.element_ty
-        if BACKWARD:  # the gradient through x*cos + rotate_half(x)*sin: one rounding at the end
-            y1 = x1 * c1 + x2 * s2
-            y2 = x2 * c2 - x1 * s1
-        else:  # each product rounded, then the sum, as the bf16 ops do
-            y1 = (x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)
-            y2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-        tl.store(Y + yo, y1.to(dt), mask=m)
-        tl.store(Y + yo + HALF, y2.to(dt), mask=m)
-
-
-def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
-    """x [B, H, T, D] (any strides, the last dim dense), cos/sin [B or 1, T, D]: the rotation, out
-    in x's memory layout (as the bf16 ops' outputs are)."""
-    b, h, t, d = x.shape
-    y = torch.empty_like(x)  # preserves x's layout (a transposed view: [B, T, H, D] in memory)
-    n = b * h * t
-    half = d // 2
-    block = triton.next_power_of_2(half)
-    rows = max(1, min(64, ELEMENTS_PER_PROGRAM // (2 * block)))
-    scb = cos.stride(0) if cos.shape[0] > 1 else 0
-    if n:
-        _rope_rows[(triton.cdiv(n, rows),)](
-            x, cos, sin, y, n, h, t, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
-            scb, cos.stride(1), half, BACKWARD=backward, BLOCK_H=block, ROWS=rows, num_warps=_warps(block, rows))
-    return y
-
-
-class _Rope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # noqa: ANN205
-        ctx.save_for_backward(cos, sin)
-        return _rope_launch(x, cos, sin, backward=False)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # noqa: ANN205
-        cos, sin = ctx.saved_tensors
-        return _rope_launch(dy if dy.stride(-1) == 1 else dy.contiguous(), cos, sin, backward=True), None, None
-
-
-def rope_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether `rope` serves these operands: 4-d x with a dense last dim of even width, cos and
-    sin [B or 1, T, D] alike with a dense last dim, on a device the kernels run on."""
-    return (x.dim() == 4 and cos.dim() == 3 and x.shape[-1] % 2 == 0 and x.stride(-1) == 1
-            and cos.shape == sin.shape and cos.stride() == sin.stride() and cos.stride(-1) == 1
-            and cos.shape[1:] == (x.shape[2], x.shape[3]) and cos.shape[0] in (1, x.shape[0])
-            and not cos.requires_grad and not sin.requires_grad and available(x))
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin over x [B, H, T, D] with cos and sin [B, T, D] (unsqueezed at
-    dim 1, as transformers' apply_rotary_pos_emb does), rounded as its bf16 ops round."""
-    if not rope_ok(x, cos, sin):
-        raise ValueError("rope: x [B, H, T, D] with a dense last dim and cos/sin [B or 1, T, D] expected")
-    return _Rope.apply(x, cos, sin)
-
-
-def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s

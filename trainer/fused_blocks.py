@@ -1,4 +1,4 @@
-"""The backbone's RMSNorms, SiLU-gated MLPs and RoPE on fused kernels (kernels.norm_act), on the GPU.
+"""The backbone's RMSNorms and SiLU-gated MLPs on fused kernels (kernels.norm_act), on the GPU.
 
 transformers' modules run a norm as ~8 kernels each way (float32 upcast, pow, mean, rsqrt, two
 muls, casts) and keep a float32 copy of its input for the backward; the MLP's gate as silu and mul,
@@ -8,10 +8,7 @@ per row (the norm) or gate and up (the MLP), and round where the modules round.
 Which modules: any whose class is an RMSNorm with a frozen 1-d weight and an epsilon, and any MLP
 with gate_proj, up_proj, down_proj and a SiLU act_fn; each class is admitted only once a probe
 agrees with its own forward on random rows (through the module's real weights, before the LoRA
-layers go in). RoPE: the `apply_rotary_pos_emb` of an attention module's transformers module,
-swapped in that module (once a process: every model of the family there uses it) once a probe on
-random q and k agrees with it, outputs' layout included; calls it does not serve (other
-unsqueeze dims, extra arguments, shapes) go to the original. a family whose norm differs (Gemma's 1 + weight, LayerNorms, norms of a different
+layers go in): a family whose norm differs (Gemma's 1 + weight, LayerNorms, norms of a different
 order) keeps its own forward. Off on the CPU (unless TRITON_INTERPRET=1 and `force`), under
 LORAPLEX_FUSED_BLOCKS=0, and for a sharded backbone (adapter parallelism: its parameters are
 DTensors until FSDP gathers them).
@@ -20,14 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import types
 from typing import Any
 
 import torch
 from torch import nn
 
-from kernels.norm_act import available, rms_norm, rope, rope_ok, silu_mul
+from kernels.norm_act import available, rms_norm, silu_mul
 
 log = logging.getLogger(__name__)
 PROBE_RTOL = 2.0 ** -6  # two bfloat16 ulps: the kernels sum in another order than torch's reductions
@@ -100,76 +96,6 @@ def probe_mlp(module: nn.Module) -> bool:
         return False
 
 
-# transformers' modules whose apply_rotary_pos_emb runs on the fused kernel: module name ->
-# (its own function, the fused one); patched once per process (the attention looks the name up
-# in its module at each call: every model of that family in the process uses it)
-ROPE_PATCHED: dict[str, tuple[Any, Any]] = {}
-
-
-def _fused_rope_of(original: Any) -> Any:
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *args, **kwargs):  # noqa: ANN001, ANN202
-        if unsqueeze_dim != 1 or args or kwargs or not (rope_ok(q, cos, sin) and rope_ok(k, cos, sin)):
-            return original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
-        return rope(q, cos, sin), rope(k, cos, sin)
-
-    apply_rotary_pos_emb._loraplex_original = original
-    return apply_rotary_pos_emb
-
-
-def attention_like(module: nn.Module) -> bool:
-    home = sys.modules.get(type(module).__module__)
-    return (isinstance(getattr(module, "q_proj", None), nn.Module) and isinstance(getattr(module, "head_dim", None), int)
-            and callable(getattr(home, "apply_rotary_pos_emb", None)))
-
-
-@torch.no_grad()
-def probe_rope(module: nn.Module, fn: Any) -> bool:
-    """Whether the fused rotation computes what the module's apply_rotary_pos_emb does (on random
-    q and k laid out as the attention makes them: [B, T, heads, D] viewed as [B, heads, T, D])."""
-    weight = next(module.q_proj.parameters())
-    config = getattr(module, "config", None)
-    heads = int(getattr(config, "num_attention_heads", 0) or 4)
-    kv = int(getattr(config, "num_key_value_heads", 0) or heads)
-    d, t = module.head_dim, 7
-    gen = torch.Generator(device=weight.device).manual_seed(2)
-    q, k = (torch.randn(2, t, n, d, generator=gen, device=weight.device).to(weight.dtype).transpose(1, 2)
-            for n in (heads, kv))
-    angle = torch.arange(t, device=weight.device, dtype=torch.float32)[:, None] * torch.rand(
-        d // 2, generator=gen, device=weight.device)
-    emb = torch.cat((angle, angle), dim=-1)[None].expand(2, t, d)
-    cos, sin = emb.cos().to(weight.dtype), emb.sin().to(weight.dtype)
-    try:
-        want = fn(q, k, cos, sin)
-        got = _fused_rope_of(fn)(q, k, cos, sin)
-        return all(_agrees(g, w) and g.stride() == w.stride() for g, w in zip(got, want, strict=True))
-    except Exception as exc:  # noqa: BLE001 - any failure means: keep the module's own function
-        log.debug("rope probe of %s failed: %s", type(module).__name__, exc)
-        return False
-
-
-def _fuse_rope(module: nn.Module, done: dict[str, Any]) -> None:
-    name = type(module).__module__
-    if name in ROPE_PATCHED:
-        return
-    home = sys.modules[name]
-    fn = home.apply_rotary_pos_emb
-    if getattr(fn, "_loraplex_original", None) is not None or not probe_rope(module, fn):
-        done["kept"].append(f"{name.rsplit('.', 1)[-1]}.apply_rotary_pos_emb")
-        ROPE_PATCHED[name] = (fn, fn)
-        return
-    fused_fn = _fused_rope_of(fn)
-    home.apply_rotary_pos_emb = fused_fn
-    ROPE_PATCHED[name] = (fn, fused_fn)
-    done["ropes"] += 1
-
-
-def unfuse_rope() -> None:
-    """Every patched module's own apply_rotary_pos_emb back (tests and side-by-side benches)."""
-    for name, (original, _) in ROPE_PATCHED.items():
-        sys.modules[name].apply_rotary_pos_emb = original
-    ROPE_PATCHED.clear()
-
-
 def _sharded(model: nn.Module) -> bool:
     return any(type(p).__name__ == "DTensor" for p in model.parameters())
 
@@ -179,7 +105,7 @@ def fuse_blocks(model: nn.Module, force: bool = False) -> dict[str, Any]:
     place, the backbone frozen first (as the engine freezes it); returns how many of each and the
     classes kept as they were. Call before the LoRA layers go in (the MLP probe runs the plain
     projections)."""
-    done: dict[str, Any] = {"norms": 0, "mlps": 0, "ropes": 0, "kept": []}
+    done: dict[str, Any] = {"norms": 0, "mlps": 0, "kept": []}
     param = next(model.parameters(), None)
     if (param is None or os.environ.get("LORAPLEX_FUSED_BLOCKS", "1") == "0" or _sharded(model)
             or not available(param) or (param.device.type != "cuda" and not force)):
@@ -187,8 +113,6 @@ def fuse_blocks(model: nn.Module, force: bool = False) -> dict[str, Any]:
     model.requires_grad_(False)  # the backbone is frozen (the LoRA layers train; the norms' weights never)
     verdict: dict[tuple[type, str], bool] = {}
     for module in model.modules():
-        if attention_like(module):
-            _fuse_rope(module, done)
         kind = "norms" if norm_like(module) else "mlps" if mlp_like(module) else None
         if kind is None:
             continue
@@ -204,8 +128,8 @@ def fuse_blocks(model: nn.Module, force: bool = False) -> dict[str, Any]:
             else:
                 module.forward = types.MethodType(_fused_mlp_forward, module)
             done[kind] += 1
-    log.info("fused blocks: %d norms, %d MLPs, %d RoPE functions; kept their own: %s", done["norms"],
-             done["mlps"], done["ropes"], done["kept"] or "none")
+    log.info("fused blocks: %d norms, %d MLPs; kept their own forward: %s", done["norms"], done["mlps"],
+             done["kept"] or "none")
     return done
 
 

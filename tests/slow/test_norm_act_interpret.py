@@ -5,11 +5,9 @@ the flag never leaks into other tests.
 - Each kernel, forward and backward, in float32 against a float64 oracle (torch autograd through the
   modules' own ops), on ragged widths, one row, no rows, and a 3-d input; in bfloat16 against the modules'
   own bfloat16 ops (the kernels round where they round).
-- RoPE against the float64 oracle on q laid out as the attention makes it (a transposed view; the
-  output keeps that layout), cos and sin per batch row or broadcast.
-- fuse_blocks on tiny models: Llama's and Qwen3's norms (q/k norms too), MLPs and RoPE are
-  swapped; Gemma's norm (1 + weight) and its GELU MLP keep their own forwards (its RoPE is
-  Llama's); a model on the CPU without `force` is left alone; unfuse_rope restores the modules'.
+- fuse_blocks on tiny models: Llama's and Qwen3's norms (q/k norms too) and MLPs are swapped;
+  Gemma's norm (1 + weight) and its GELU MLP keep their own forwards; a model on the CPU without
+  `force` is left alone.
 - An engine step of 4 jobs on a fused model gives the unfused model's losses and gradients.
 """
 from __future__ import annotations
@@ -72,26 +70,6 @@ xb = x.to(torch.bfloat16)
 out["rms bf16 ulps"] = ulps(rms_norm(xb, w, 1e-5), rms_norm_reference(xb, w, 1e-5))
 g, u = (torch.randn(64, 96).to(torch.bfloat16) for _ in range(2))
 out["silu bf16 ulps"] = ulps(silu_mul(g, u), silu_mul_reference(g, u))
-# RoPE on q laid out as the attention makes it ([B, T, H, D] viewed as [B, H, T, D]), cos and sin
-# per batch row or broadcast from one
-from kernels.norm_act import rope, rope_reference
-for b_cos in (2, 1):
-    x = torch.randn(2, 9, 3, 16).transpose(1, 2)
-    angle = torch.randn(b_cos, 9, 8)
-    cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
-    dy = torch.randn(2, 3, 9, 16)
-    xa = x.clone().requires_grad_()
-    y = rope(xa, cos, sin)
-    y.backward(dy)
-    xr = x.double().requires_grad_()
-    rope_reference(xr, cos.double(), sin.double()).backward(dy.double())
-    out[f"rope cos batch {b_cos}"] = {"y": rel(y, rope_reference(x.double(), cos.double(), sin.double())),
-                                      "dx": rel(xa.grad, xr.grad), "layout": list(y.stride()) == list(x.stride())}
-xb = torch.randn(2, 9, 3, 16).to(torch.bfloat16).transpose(1, 2)
-cb, sb = cos.to(torch.bfloat16), sin.to(torch.bfloat16)
-# a sum of two rounded products can cancel: measured against the operands' scale, not the result's ulp
-out["rope bf16 scaled"] = ((rope(xb, cb, sb).float() - rope_reference(xb, cb, sb).float()).abs().max()
-                           / xb.float().abs().max()).item()
 # the backbone: which modules fuse_blocks swaps, on tiny models
 from transformers import AutoModelForCausalLM
 from trainer.tiny import tiny_config
@@ -103,11 +81,6 @@ for fam in ("llama", "qwen3", "gemma"):
     done = fuse_blocks(model, force=True)
     done["fused"] = fused(model)
     out[f"fuse {fam}"] = done
-from trainer import fused_blocks
-out["rope patched"] = sorted(n.rsplit(".", 1)[-1] for n, (a, b) in fused_blocks.ROPE_PATCHED.items() if a is not b)
-fused_blocks.unfuse_rope()  # the plain engine below: transformers' own rotation again
-from transformers.models.llama import modeling_llama
-out["rope restored"] = getattr(modeling_llama.apply_rotary_pos_emb, "_loraplex_original", None) is None
 # an engine step on a fused model against the same model unfused
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir
 from transformers import AutoTokenizer
@@ -156,19 +129,13 @@ def test_fused_norm_and_gate_under_interpreter() -> None:
     # a value, so up to 3 ulps here; tests/gpu/test_norm_act_gpu.py holds the kernels to one ulp
     assert got["rms bf16 ulps"] <= 3 and got["silu bf16 ulps"] <= 3, (got["rms bf16 ulps"], got["silu bf16 ulps"])
     for fam in ("llama", "qwen3", "gemma"):
-        assert got[f"cpu {fam}"] == {"norms": 0, "mlps": 0, "ropes": 0, "kept": []}, got[f"cpu {fam}"]
+        assert got[f"cpu {fam}"] == {"norms": 0, "mlps": 0, "kept": []}, got[f"cpu {fam}"]
     layers = 2
-    assert got["fuse llama"] == {"norms": 2 * layers + 1, "mlps": layers, "ropes": 1, "kept": [], "fused": True}
-    assert got["fuse qwen3"] == {"norms": 4 * layers + 1, "mlps": layers, "ropes": 1, "kept": [], "fused": True}
+    assert got["fuse llama"] == {"norms": 2 * layers + 1, "mlps": layers, "kept": [], "fused": True}
+    assert got["fuse qwen3"] == {"norms": 4 * layers + 1, "mlps": layers, "kept": [], "fused": True}
     gemma = got["fuse gemma"]
-    assert gemma["norms"] == 0 and gemma["mlps"] == 0 and gemma["ropes"] == 1 and not gemma["fused"], gemma
+    assert gemma["norms"] == 0 and gemma["mlps"] == 0 and not gemma["fused"], gemma
     assert gemma["kept"] == ["GemmaRMSNorm"], gemma
     assert got["engine fused"]["norms"] == 2 * layers + 1 and got["engine fused"]["mlps"] == layers
-    assert got["engine fused"]["ropes"] == 1  # patched again after unfuse_rope
-    assert got["rope patched"] == ["modeling_gemma", "modeling_llama", "modeling_qwen3"] and got["rope restored"]
-    for b_cos in (2, 1):
-        r = got[f"rope cos batch {b_cos}"]
-        assert r["y"] <= 2e-6 and r["dx"] <= 2e-6 and r["layout"], r
-    assert got["rope bf16 scaled"] <= 2.0 ** -6, got["rope bf16 scaled"]  # truncated products: 2 ulps of scale
     e = got["engine"]
     assert e["steps"] == 3 and e["loss"] <= 1e-5 and e["adapter"] <= 1e-4, e
