@@ -674,5 +674,17 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     search_a 320 300
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f" >&2; exit 2 ;;
+  s26_g)  # session 26, call 9 (issue 40), run on branch rope-fused (RoPE on a fused kernel): the fused kernels'
+          # GPU test (its RoPE test failed: 1-ulp differences; the RoPE probe rejected the kernel), the
+          # side-by-side bench, search (a). On main this phase runs the same steps without RoPE
+    export TRITON_CACHE_DIR=/tmp/s26g/triton
+    rm -rf /tmp/s26g
+    step 90 gpu_norm_act python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_norm_act_gpu.py
+    step 160 fused_blocks python3 bench/fused_blocks.py --layers 32 --json "$OUT/fused_blocks.json"
+    search_a 280 260
+    tar -C /tmp/s26g -czf "$OUT/triton_cache_sm90.tar.gz" triton
+    pack_logs
+    rm -f "$OUT"/*.txt "$OUT/search_a.md"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g" >&2; exit 2 ;;
 esac
