@@ -10,8 +10,9 @@ with gate_proj, up_proj, down_proj and a SiLU act_fn; each class is admitted onl
 agrees with its own forward on random rows (through the module's real weights, before the LoRA
 layers go in): a family whose norm differs (Gemma's 1 + weight, LayerNorms, norms of a different
 order) keeps its own forward. Off on the CPU (unless TRITON_INTERPRET=1 and `force`), under
-LORAPLEX_FUSED_BLOCKS=0, and for a sharded backbone (adapter parallelism: its parameters are
-DTensors until FSDP gathers them).
+LORAPLEX_FUSED_BLOCKS=0, and under adapter parallelism (its engine is built on an unsharded model
+on the CPU or the meta device, then sharded; a backbone already sharded, DTensor parameters, is
+left alone too).
 """
 from __future__ import annotations
 
