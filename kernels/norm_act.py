@@ -108,13 +108,12 @@ class _RmsNorm(torch.autograd.Function):
         return dx.view(ctx.shape), None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
-             ) -> torch.Tensor:
-    """Llama-style RMSNorm over the last dimension with a frozen weight (no gradient for it)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama-style RMSNorm over the last dimension with a frozen weight (no gradient for it), in
+    the dtype the module's `weight * normalised` gives."""
     if weight.requires_grad:
         raise ValueError("rms_norm: the weight must be frozen (its gradient is not computed)")
-    out = out_dtype or torch.promote_types(x.dtype, weight.dtype)
-    return _RmsNorm.apply(x, weight, eps, out)
+    return _RmsNorm.apply(x, weight, eps, torch.promote_types(x.dtype, weight.dtype))
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

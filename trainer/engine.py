@@ -135,7 +135,7 @@ class MultiLoraEngine:
         self.forward_shapes: Counter[tuple[int, int, bool]] = Counter()
         self.gradient_checkpointing = False
         self.set_recompute(gradient_checkpointing)
-        model.train()  # and tokens per chunk of the one head + cross-entropy (trainer.head):
+        model.train()
         self.head_chunk = default_chunk(getattr(model.config, "vocab_size", 0) or 32000)
         # adapter parallelism sets this to an all-reduce (max over ranks) of a local count, to
         # agree on extra backbone passes; None: this engine runs alone (see `lockstep`)

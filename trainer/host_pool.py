@@ -9,11 +9,12 @@ chunks while the steps train, and a park takes a slice of a chunk (`take`), givi
 when the parked tensor is freed (resumed, evicted, finished). A park the pool cannot serve yet
 grows it by one chunk on the spot (registered, as the thread pins), up to half the host's memory
 (search (a) on an 80 GB H100 parked past the quarter the thread pins: 25 parks then pinned by
-cudaHostAlloc on the loop); past that the caller allocates as before. The executor reserves after a task's first step, only what the device cannot
-keep. The thread faults its chunks in itself and then registers them (`_pinned_bytes`): with
-cudaHostAlloc the driver's lock was held the whole time, and the loop's launches waited (30 GB
-pinned at the start cost a search's first step 17 s; later, its first evaluation 13.7 s instead
-of ~5.5 s, and its adapter inits 4-5 s instead of 0.5 s). Released chunks are unregistered.
+cudaHostAlloc on the loop); past that the caller allocates as before. The executor reserves
+after a task's first step, only what the device cannot keep. The thread faults its chunks in
+itself and then registers them (`_pinned_bytes`): with cudaHostAlloc the driver's lock was held
+the whole time, and the loop's launches waited (30 GB pinned at the start cost a search's first
+step 17 s; later, its first evaluation 13.7 s instead of ~5.5 s, and its adapter inits 4-5 s
+instead of 0.5 s). Released chunks are unregistered.
 """
 from __future__ import annotations
 
@@ -125,7 +126,8 @@ class PinnedPool:
         if found is None and self._grow(nbytes):
             found = self._slice(nbytes)
         if found is None:
-            self.missed += 1
+            with self._lock:  # the counters change under the lock, as `served` does in _slice
+                self.missed += 1
             return None
         chunk, lo = found
         out = chunk[lo : lo + numel * dtype.itemsize].view(dtype).view(tuple(shape))
