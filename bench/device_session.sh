@@ -686,5 +686,18 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     pack_logs
     rm -f "$OUT"/*.txt "$OUT/search_a.md"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g" >&2; exit 2 ;;
+  s27_a)  # session 27, call 1 (issues 40, 41): where the end's samples go (the decode per LoRA form and
+          # attention backend, kernels profiled), then the 60-step task and search (a) with the allocator's
+          # retries, the pool's pinning seconds and the writer's backlog per step and evaluation (the slow
+          # 11-job evaluation of session 26)
+    export TRITON_CACHE_DIR=/tmp/s27a/triton
+    rm -rf /tmp/s27a
+    step 150 samples_decode python3 bench/samples_decode.py --layers 32 --new 128 --work /dev/shm/sd \
+      --variants compose:math,fused:efficient,compose:efficient --json "$OUT/samples_decode.json" --out "$OUT/samples_decode.md"
+    rm -rf /dev/shm/sd
+    task60 120
+    search_a 290 270
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a" >&2; exit 2 ;;
 esac

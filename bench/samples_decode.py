@@ -43,6 +43,31 @@ def timed(fn):  # noqa: ANN001, ANN201
     return out, time.perf_counter() - t0
 
 
+def decode_variant(run, rows, form: str, sdpa: str, new: int) -> dict:  # noqa: ANN001
+    """The same rows decoded with the LoRA operator's `form` and the attention backends `sdpa`:
+    seconds (median of 2 after a warm-up), ms per step, and the GPU's top kernels over 8 steps."""
+    from kernels.multilora import set_default_form
+
+    set_default_form(form)
+    os.environ["LORAPLEX_DECODE_SDPA"] = sdpa
+    try:
+        run(rows[:4])
+        times = sorted(timed(lambda: run(rows))[1] for _ in range(2))
+        out = {"generate_s": round(times[0], 3), "ms_per_step": round(1e3 * times[0] / new, 2)}
+        if te.DEV.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                timed(lambda: run(rows))
+            events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+            total = sum(e.self_device_time_total for e in events)
+            out["gpu_ms_per_step"] = round(total / 1e3 / new, 2)
+            out["top"] = [(e.key[:70], e.count, round(e.self_device_time_total / 1e3 / new, 3)) for e in events[:10]]
+        return out
+    finally:
+        os.environ.pop("LORAPLEX_DECODE_SDPA", None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
@@ -52,6 +77,10 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--json", default="")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--variants", default="",
+                    help="after the default decode, the same rows per FORM:SDPA (comma list, e.g. "
+                         "compose:math,fused:efficient): the LoRA operator's form and the decode's "
+                         "attention backends (LORAPLEX_DECODE_SDPA), each timed and profiled")
     ap.add_argument("--no-repeatable", action="store_true",
                     help="leave cuBLAS's workspace to torch (a node sets CUBLAS_WORKSPACE_CONFIG for its "
                          "processes: trainer.sampling.repeatable); set before the first cuBLAS call")
@@ -111,6 +140,10 @@ def main() -> None:
         steps = {"profiled_new_tokens": 8, "wall_s": prof_s, "kernel_s": kernel_us / 1e6, "launches": launches,
                  "top": [(e.key, e.count, round(e.self_device_time_total / 1e3, 1))
                          for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]]}
+    variants = {}
+    for spec in [v for v in args.variants.split(",") if v]:
+        form, sdpa = spec.split(":")
+        variants[spec] = decode_variant(run, rows, form, sdpa, args.new)
     seeded = [generate(engine, [p for p, _ in rows], [c for _, c in rows], max_new_tokens=args.new,
                        eos_token_id=None, pad_id=0, temperature=1.0, top_p=0.9, seed=7) for _ in range(2)]
     res = {"args": vars(args), "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
@@ -119,7 +152,8 @@ def main() -> None:
            "rows": len(rows), "new_tokens": sum(len(t) for t in first), "generate_s": all_s,
            "per_decode_step_ms": 1e3 * all_s / args.new, "base_only_8_rows_s": base_s,
            "repeats_exactly": first == again, "eager_generate_s": eager_s, "eager_repeats_exactly": eager == eager_again,
-           "rows_equal_to_eager": sum(a == b for a, b in zip(first, eager, strict=True)), "profile": steps}
+           "rows_equal_to_eager": sum(a == b for a, b in zip(first, eager, strict=True)), "profile": steps,
+           "variants": variants}
     text = "\n".join([
         f"# End-of-task samples' decode at {args.layers} layers ({res['device']})", "",
         "Llama-3.1-8B shape, random bf16 weights; 3 adapters (ranks 16/32/64, B non-zero) + base, 8 prompts of "
@@ -135,7 +169,8 @@ def main() -> None:
         f"{res['rows_equal_to_eager']} of {res['rows']}.", "",
         f"Seeded sampling (temperature 1, top-p 0.9) repeats exactly: {res['seeded_sampling_repeats_exactly']}. "
         f"CUBLAS_WORKSPACE_CONFIG: {res['cublas_workspace']}.", "",
-        "Profile of 8 new tokens (static path): " + json.dumps(steps)]) + "\n"
+        "Profile of 8 new tokens (static path): " + json.dumps(steps), "",
+        *[f"Variant {k}: {json.dumps(v)}" for k, v in variants.items()]]) + "\n"
     te.emit(text, res, args)
 
 

@@ -80,7 +80,7 @@ class TraceExecutor(Executor):
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV.type == "cuda" else [])
                 self.recorder["profiler"] = profile(activities=acts)
                 self.recorder["profiler"].__enter__()
-            before = graph_counts(eng)
+            before, ctx = graph_counts(eng), context(self)
             t0 = time.perf_counter()
             self.recorder["active"] = True
             try:
@@ -93,7 +93,8 @@ class TraceExecutor(Executor):
             # cells where it ran as several (engine.split_for), else 0]
             self.recorder["step_trace"].append([
                 report.tokens, len(report.losses), int(bool(eng.gradient_checkpointing)),
-                round(self.recorder["step_s"][-1], 4), graph_event(eng, before), report.pass_cells or 0])
+                round(self.recorder["step_s"][-1], 4), graph_event(eng, before), report.pass_cells or 0,
+                context_change(self, ctx)])
             if self.recorder["step_s"][-1] > 1.0:  # the slow steps as they come (a killed run still tells)
                 log(f"step {n}: {self.recorder['step_trace'][-1]}, Triton's cache holds {triton_kernels()}")
             if prof is not None and n == prof + 2:
@@ -109,14 +110,14 @@ class TraceExecutor(Executor):
 
         def evaluate_metrics(examples, batch_size=8, job_ids=None, max_sequences=None,  # noqa: ANN001, ANN202
                              forwards=None):
-            before, t0 = graph_counts(eng), time.perf_counter()
+            before, ctx, t0 = graph_counts(eng), context(self), time.perf_counter()
             out = real_eval(examples, batch_size, job_ids, max_sequences, forwards)
             sync()
             # [jobs, examples, examples per forward, sequences per forward, seconds, graph counts' change]
             after = graph_counts(eng)
             self.recorder["eval_trace"].append([
                 len(out), len(examples), batch_size, max_sequences, round(time.perf_counter() - t0, 4),
-                {k: after[k] - before[k] for k in after if after[k] != before[k]}])
+                {k: after[k] - before[k] for k in after if after[k] != before[k]}, context_change(self, ctx)])
             if self.recorder["eval_trace"][-1][4] > 2.0:
                 log(f"evaluation: {self.recorder['eval_trace'][-1]}")
             for j in out if self.trace is not None else ():
@@ -131,6 +132,29 @@ class TraceExecutor(Executor):
 
 
 REC: dict[str, Any] = {}
+
+
+def context(executor: Any) -> dict[str, float]:
+    """What else the process was doing around a step or an evaluation: the allocator's retries and
+    cudaMalloc calls, the pinned pool's growth on the loop and its background pinning, the bytes
+    waiting for the file writer and whether the background pinner runs."""
+    from trainer.host_pool import POOL
+    from trainer.memory_plan import allocator_counts
+
+    c = {**allocator_counts(getattr(executor, "device", None)), **POOL.counts()}
+    writer = getattr(executor, "writer", None)
+    c["writer_pending_mb"] = round(getattr(writer, "_pending_bytes", 0) / 2**20, 1)
+    c["pinner_running"] = int(POOL._pinner.running)
+    return c
+
+
+def context_change(executor: Any, before: dict[str, float]) -> dict[str, float]:
+    """The counters that moved since `before` (their change), and the writer's backlog and the
+    pinner's state at the start where they were non-zero."""
+    after = context(executor)
+    moved = {k: round(after[k] - v, 3) for k, v in before.items()
+             if k not in ("writer_pending_mb", "pinner_running", "pool_pinned_gb") and after.get(k) != v}
+    return {**moved, **{k: before[k] for k in ("writer_pending_mb", "pinner_running") if before.get(k)}}
 
 
 def graph_counts(eng: Any) -> dict[str, int]:

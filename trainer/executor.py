@@ -41,7 +41,7 @@ from trainer.evaluation import eval_chunk, eval_chunk_tokens
 from trainer.host_pool import POOL
 from trainer.hosting import TaskRoster
 from trainer.jobs import JobRun, release_host_cache
-from trainer.memory_plan import MemoryPlan
+from trainer.memory_plan import MemoryPlan, allocator_counts
 from trainer.objectives import objective_for
 from trainer.pairs import PairExample
 from trainer.phase_clock import PhaseClock
@@ -255,9 +255,11 @@ class Executor:
         """Wall seconds since `run` began, split by phase (trainer.phase_clock; with a task:
         since that task joined), the executor's step count, the recompute setting and the memory
         plan's details (recompute steps, whether the profile was reused, how the model did) and
-        the pinned pool's (slices served, missed, chunks pinned on the loop, GB pinned)."""
+        the pinned pool's (slices served, missed, chunks pinned on the loop, GB pinned), and on a
+        GPU the caching allocator's retries (a full device: cached blocks freed and the allocation
+        tried again, a device sync each) and cudaMalloc calls since the process began."""
         return {**self.clock.split(task), "global_step": self.global_step,
-                "recompute": self.cfg.gradient_checkpointing, **POOL.counts(),
+                "recompute": self.cfg.gradient_checkpointing, **POOL.counts(), **allocator_counts(getattr(self, "device", None)),
                 **(self.memory.timings() if self.memory else {"profile_reused": None})}
 
     # ----- tasks coming and going (trainer.hosting.TaskRoster; any thread) -------------------

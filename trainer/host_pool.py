@@ -23,6 +23,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -49,6 +50,8 @@ class PinnedPool:
         self.served = 0
         self.missed = 0
         self.grown = 0  # chunks pinned on a caller's thread (`take` found no room)
+        self.grow_s = 0.0  # seconds callers spent pinning those chunks
+        self.pin_s = 0.0  # seconds the background thread spent pinning (the loop's launches slow meanwhile)
         # None: half the host's memory (the background target stops at a quarter; past this limit
         # a caller pins by cudaHostAlloc as before, which no limit held back)
         self.grow_limit: int | None = None
@@ -78,6 +81,7 @@ class PinnedPool:
                 self._pinner.stop()  # from inside the step: the loop ends after it
                 return False
         size = min(self.chunk_bytes, max(ALIGN, want))
+        t0 = time.perf_counter()
         try:
             chunk = _pinned_bytes(size)
         except Exception as err:  # noqa: BLE001 - no more pinned memory to be had: serve what there is
@@ -85,6 +89,7 @@ class PinnedPool:
             self._pinner.stop()
             return False
         with self._lock:
+            self.pin_s += time.perf_counter() - t0
             self._chunks.append(chunk)
             self._free.append([(0, size)])
         self._pinner.wait(self.pause_s)
@@ -92,8 +97,9 @@ class PinnedPool:
 
     def counts(self) -> dict[str, float]:
         """The timings report's view: slices served and missed, chunks grown on a caller's
-        thread, GB pinned now."""
+        thread and the seconds that took, the background thread's pinning seconds, GB pinned now."""
         return {"pool_served": self.served, "pool_missed": self.missed, "pool_grown": self.grown,
+                "pool_grow_s": round(self.grow_s, 3), "pool_pin_s": round(self.pin_s, 3),
                 "pool_pinned_gb": round(self.pinned_bytes / 2**30, 2)}
 
     def wait(self) -> None:
@@ -150,6 +156,7 @@ class PinnedPool:
         limit = self.grow_limit if self.grow_limit is not None else host_memory_bytes() // 2
         if self.pinned_bytes + size > limit:
             return False
+        t0 = time.perf_counter()
         try:
             chunk = _pinned_bytes(size)
         except Exception as err:  # noqa: BLE001 - no more pinned memory: the caller's fallback
@@ -159,6 +166,7 @@ class PinnedPool:
             self._chunks.append(chunk)
             self._free.append([(0, size)])
             self.grown += 1
+            self.grow_s += time.perf_counter() - t0
         return True
 
     def _give_back(self, chunk: torch.Tensor, lo: int, nbytes: int) -> None:

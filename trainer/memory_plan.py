@@ -400,3 +400,14 @@ class MemoryPlan:
                 [p.tokens, int(p.recompute), p.resident >> 20, p.peak >> 20, round(p.predicted) >> 20]
                 for p in seen[-64:]]))
         return out
+
+
+def allocator_counts(device: torch.device | None) -> dict[str, int]:
+    """The caching allocator's retries on a GPU (a full device: its cached blocks freed and the
+    allocation tried again, each a device sync) and its cudaMalloc calls, since the process
+    began; nothing elsewhere."""
+    if device is None or device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"alloc_retries": int(stats.get("num_alloc_retries", 0)),
+            "device_mallocs": int(stats.get("num_device_alloc", 0))}
