@@ -715,5 +715,17 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/executor_task60.md" "$OUT/host_memory.txt"  # at most 8 files come back
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b" >&2; exit 2 ;;
+  s27_c)  # session 27, call 5 (issues 40, 41): the archive that call 4 brought back (87 cubins: what search (a)
+          # and the 60-step task compiled) shipped; the same two runs from it, counting what still compiles
+    export TRITON_CACHE_DIR=/tmp/s27c/triton
+    rm -rf /tmp/s27c
+    search_a 300 280
+    echo "cache entries after search (a): $(ls "$TRITON_CACHE_DIR" | wc -l)" | tee -a "$OUT/steps.txt"
+    task60 130
+    echo "cache entries after the 60-step task: $(ls "$TRITON_CACHE_DIR" | wc -l)," \
+      "shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$') cubins" | tee -a "$OUT/steps.txt"
+    pack_logs
+    rm -f "$OUT/search_a.md" "$OUT/executor_task60.md" "$OUT/host_memory.txt"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c" >&2; exit 2 ;;
 esac
