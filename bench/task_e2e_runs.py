@@ -111,8 +111,24 @@ class TraceExecutor(Executor):
         def evaluate_metrics(examples, batch_size=8, job_ids=None, max_sequences=None,  # noqa: ANN001, ANN202
                              forwards=None):
             before, ctx, t0 = graph_counts(eng), context(self), time.perf_counter()
+            # LORAPLEX_BENCH_PROFILE_EVAL=N: the N-th evaluation (from 0) under torch.profiler, its
+            # top kernels and host ops logged (where a slow evaluation's time goes)
+            profiled = os.environ.get("LORAPLEX_BENCH_PROFILE_EVAL") == str(len(self.recorder["eval_trace"]))
+            if profiled:
+                from torch.profiler import ProfilerActivity, profile
+
+                prof = profile(activities=[ProfilerActivity.CPU]
+                               + ([ProfilerActivity.CUDA] if DEV.type == "cuda" else []))
+                prof.__enter__()
             out = real_eval(examples, batch_size, job_ids, max_sequences, forwards)
             sync()
+            if profiled:
+                prof.__exit__(None, None, None)
+                events = prof.key_averages()
+                gpu_us = sum(e.self_device_time_total for e in events)
+                log(f"profiled evaluation: wall {time.perf_counter() - t0:.2f} s, kernels {gpu_us / 1e6:.2f} s\n"
+                    + events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=50)
+                    + events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50))
             # [jobs, examples, examples per forward, sequences per forward, seconds, graph counts' change]
             after = graph_counts(eng)
             self.recorder["eval_trace"].append([
