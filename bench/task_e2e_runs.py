@@ -120,8 +120,23 @@ class TraceExecutor(Executor):
                 prof = profile(activities=[ProfilerActivity.CPU]
                                + ([ProfilerActivity.CUDA] if DEV.type == "cuda" else []))
                 prof.__enter__()
+            # LORAPLEX_BENCH_CPROFILE_EVAL=N: the N-th evaluation's Python functions (cProfile), logged
+            py_prof = None
+            if os.environ.get("LORAPLEX_BENCH_CPROFILE_EVAL") == str(len(self.recorder["eval_trace"])):
+                import cProfile
+
+                py_prof = cProfile.Profile()
+                py_prof.enable()
             out = real_eval(examples, batch_size, job_ids, max_sequences, forwards)
             sync()
+            if py_prof is not None:
+                import io
+                import pstats
+
+                py_prof.disable()
+                text = io.StringIO()
+                pstats.Stats(py_prof, stream=text).sort_stats("tottime").print_stats(25)
+                log(f"cProfiled evaluation: wall {time.perf_counter() - t0:.2f} s\n{text.getvalue()}")
             if profiled:
                 prof.__exit__(None, None, None)
                 events = prof.key_averages()
