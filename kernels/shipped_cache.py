@@ -13,6 +13,7 @@ Refreshing an archive (after the kernels change): on the device, run a task with
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import tarfile
@@ -81,14 +82,18 @@ def seed(target: Path | None = None, key: tuple[tuple[int, int], str] | None = N
                 if rel is None or not member.isfile():
                     continue
                 dest = target.joinpath(*rel.parts)
-                if dest.exists():
+                group = dest.name.startswith("__grp__") and dest.suffix == ".json"
+                if dest.exists() and not (group and not _group_whole(dest)):
                     continue
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 src = tar.extractfile(member)
                 if src is None:
                     continue
+                data = src.read()
+                if group:
+                    data = _group_here(data, dest.parent)
                 tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")  # a reader never sees a part
-                tmp.write_bytes(src.read())
+                tmp.write_bytes(data)
                 os.replace(tmp, dest)
                 added += 1
         marker.touch()
@@ -98,3 +103,27 @@ def seed(target: Path | None = None, key: tuple[tuple[int, int], str] | None = N
     if added:
         log.info("shipped Triton cache: %d files added from %s", added, archive.name)
     return added
+
+
+def _group_here(data: bytes, entry_dir: Path) -> bytes:
+    """A kernel's group file (`__grp__<name>.json`) pointing at its files in `entry_dir`. Triton
+    writes each child's absolute path, i.e. the cache directory of the device that compiled it,
+    and takes an entry whose children are not at those paths for a miss: it compiled every shipped
+    kernel again in any other directory (bench/results/session27_h100.md)."""
+    try:
+        grp = json.loads(data)
+        children = grp.get("child_paths")
+    except (ValueError, AttributeError):  # not a group Triton wrote: copied as it is
+        return data
+    if isinstance(children, dict):
+        grp["child_paths"] = {name: str(entry_dir / PurePosixPath(str(path)).name) for name, path in children.items()}
+    return json.dumps(grp).encode()
+
+
+def _group_whole(path: Path) -> bool:
+    """Whether every file a group file names exists (what Triton checks before it uses the entry)."""
+    try:
+        children = json.loads(path.read_text()).get("child_paths")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(children, dict) and all(os.path.exists(p) for p in children.values())

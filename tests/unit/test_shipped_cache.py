@@ -80,3 +80,50 @@ def test_the_committed_sm90_archive_holds_compiled_kernels_and_tuning(tmp_path: 
     kernels = {n.removesuffix(".cubin") for n in names if n.endswith(".cubin")}
     assert "_gemm_lora_persist_jit" in kernels, kernels
     assert any(n.endswith(".json") and n.startswith("__grp__") for n in names)  # each kernel's group
+
+
+def _groups_whole(cache: Path) -> list[Path]:
+    """The group files whose children are not where they say (Triton then compiles the kernel)."""
+    import json
+
+    broken = []
+    for grp in cache.rglob("__grp__*.json"):
+        children = json.loads(grp.read_text())["child_paths"]
+        if not all(Path(p).is_file() and Path(p).parent == grp.parent for p in children.values()):
+            broken.append(grp)
+    return broken
+
+
+def test_a_kernels_group_points_at_its_files_in_the_cache_it_was_copied_to(tmp_path: Path) -> None:
+    import json
+
+    elsewhere = "/tmp/the_device_cache/triton/ENTRY"  # where the device compiled it
+    grp = json.dumps({"child_paths": {"k.cubin": f"{elsewhere}/k.cubin", "k.json": f"{elsewhere}/k.json"}}).encode()
+    archives = tmp_path / "archives"
+    make_archive(archives, {"triton/ENTRY/k.cubin": b"cubin", "triton/ENTRY/k.json": b"{}",
+                            "triton/ENTRY/__grp__k.json": grp})
+    cache = tmp_path / "cache"
+    stale = cache / "ENTRY" / "__grp__k.json"  # an earlier seeding's group, pointing elsewhere
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(grp)
+    assert shipped_cache.seed(cache, KEY, archives) == 3
+    children = json.loads(stale.read_text())["child_paths"]
+    assert children == {"k.cubin": str(cache / "ENTRY" / "k.cubin"), "k.json": str(cache / "ENTRY" / "k.json")}
+    assert _groups_whole(cache) == []
+    try:  # Triton's own lookup finds the entry (a miss would compile the kernel again)
+        from triton.runtime.cache import FileCacheManager
+    except ImportError:
+        return
+    manager = FileCacheManager.__new__(FileCacheManager)
+    manager.cache_dir = str(cache / "ENTRY")
+    assert manager.get_group("k.json") == children
+
+
+def test_every_kernel_of_the_committed_archive_is_found_where_it_is_seeded(tmp_path: Path) -> None:
+    archive = sorted(shipped_cache.ARCHIVES.glob("sm90-triton*.tar.gz"))[-1]
+    version = archive.name.removeprefix("sm90-triton").removesuffix(".tar.gz")
+    cache = tmp_path / "some" / "other" / "cache"
+    assert shipped_cache.seed(cache, ((9, 0), version)) > 0
+    groups = list(cache.rglob("__grp__*.json"))
+    assert len(groups) >= len(list(cache.rglob("*.cubin"))) > 0
+    assert _groups_whole(cache) == []
