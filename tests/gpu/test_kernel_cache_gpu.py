@@ -49,3 +49,36 @@ def test_a_second_process_compiles_nothing(tmp_path) -> None:  # noqa: ANN001
             first = files(cache)
             assert first, "the first process compiled into the node's cache"
     assert files(cache) == first  # the second loaded every kernel from the cache
+
+
+def stamps(root: Path) -> dict[str, int]:
+    """Every file of a cache and its modification time (a kernel compiled again rewrites its entry's
+    files in place: the set of names alone does not change)."""
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_process_from_kernels_shipped_from_another_directory_compiles_nothing(tmp_path) -> None:  # noqa: ANN001
+    """The shipped archive's case: compiled in one directory, seeded into another (a worker's).
+    Triton's group files name the compiling directory's absolute paths; unless the seed rewrites
+    them, every shipped kernel is compiled again (session 27, bench/results/session27_h100.md)."""
+    import tarfile
+
+    from kernels import shipped_cache
+
+    built = tmp_path / "device" / "triton"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", PROBE], env={**env, "TRITON_CACHE_DIR": str(built)}, cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+    key = shipped_cache.device_key()
+    archives = tmp_path / "archives"
+    archives.mkdir()
+    with tarfile.open(archives / shipped_cache.archive_name(*key), "w:gz") as tar:
+        tar.add(built, arcname="triton")
+    node = tmp_path / "node" / "triton"
+    assert shipped_cache.seed(node, key, archives) > 0
+    before = stamps(node)
+    out = subprocess.run([sys.executable, "-c", PROBE], env={**env, "TRITON_CACHE_DIR": str(node)}, cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+    assert stamps(node) == before  # nothing compiled: no file added, none rewritten
