@@ -6,6 +6,7 @@ no file to it. Skipped without CUDA."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,7 @@ def test_a_process_from_kernels_shipped_from_another_directory_compiles_nothing(
     archives.mkdir()
     with tarfile.open(archives / shipped_cache.archive_name(*key), "w:gz") as tar:
         tar.add(built, arcname="triton")
+    shutil.rmtree(built)  # the compiling machine's directory is not on the node
     node = tmp_path / "node" / "triton"
     assert shipped_cache.seed(node, key, archives) > 0
     before = stamps(node)
