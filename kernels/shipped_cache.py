@@ -3,7 +3,9 @@ kind). `kernels/triton_cache/sm<CC>-triton<VERSION>.tar.gz` is a Triton cache di
 device filled it (the executor's training, evaluation and decode kernels, with their autotuning
 choices); a process that is about to run the engine on such a GPU with that Triton version copies
 the entries its own cache lacks into it (`seed`), once per cache directory. Triton then loads those
-kernels instead of compiling them. An entry of the cache is keyed by the kernel's source, its
+kernels instead of compiling them: each kernel's group file, which Triton writes with the
+compiling directory's absolute paths, is rewritten to the directory it lands in (else Triton takes
+the entry for a miss and compiles it again). An entry of the cache is keyed by the kernel's source, its
 specialisation, the compiler and the device: an archive from other sources only adds entries
 nobody asks for, never a wrong kernel.
 
