@@ -140,12 +140,12 @@ def main() -> None:
         steps = {"profiled_new_tokens": 8, "wall_s": prof_s, "kernel_s": kernel_us / 1e6, "launches": launches,
                  "top": [(e.key, e.count, round(e.self_device_time_total / 1e3, 1))
                          for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]]}
-    variants = {}
+    seeded = [generate(engine, [p for p, _ in rows], [c for _, c in rows], max_new_tokens=args.new,
+                       eos_token_id=None, pad_id=0, temperature=1.0, top_p=0.9, seed=7) for _ in range(2)]
+    variants = {}  # last: each sets the process's LoRA form, which the runs above leave at the default
     for spec in [v for v in args.variants.split(",") if v]:
         form, sdpa = spec.split(":")
         variants[spec] = decode_variant(run, rows, form, sdpa, args.new)
-    seeded = [generate(engine, [p for p, _ in rows], [c for _, c in rows], max_new_tokens=args.new,
-                       eos_token_id=None, pad_id=0, temperature=1.0, top_p=0.9, seed=7) for _ in range(2)]
     res = {"args": vars(args), "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
            "device": torch.cuda.get_device_name() if te.DEV.type == "cuda" else "cpu",
            "seeded_sampling_repeats_exactly": seeded[0] == seeded[1],

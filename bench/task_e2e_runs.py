@@ -113,7 +113,8 @@ class TraceExecutor(Executor):
             before, ctx, t0 = graph_counts(eng), context(self), time.perf_counter()
             # LORAPLEX_BENCH_PROFILE_EVAL=N: the N-th evaluation (from 0) under torch.profiler, its
             # top kernels and host ops logged (where a slow evaluation's time goes)
-            profiled = os.environ.get("LORAPLEX_BENCH_PROFILE_EVAL") == str(len(self.recorder["eval_trace"]))
+            index = str(len(self.recorder["eval_trace"]))
+            profiled = os.environ.get("LORAPLEX_BENCH_PROFILE_EVAL") == index
             if profiled:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -122,7 +123,7 @@ class TraceExecutor(Executor):
                 prof.__enter__()
             # LORAPLEX_BENCH_CPROFILE_EVAL=N: the N-th evaluation's Python functions (cProfile), logged
             py_prof = None
-            if os.environ.get("LORAPLEX_BENCH_CPROFILE_EVAL") == str(len(self.recorder["eval_trace"])):
+            if os.environ.get("LORAPLEX_BENCH_CPROFILE_EVAL") == index:
                 import cProfile
 
                 py_prof = cProfile.Profile()
@@ -165,6 +166,9 @@ class TraceExecutor(Executor):
 REC: dict[str, Any] = {}
 
 
+CONTEXT_STATES = ("writer_pending_mb", "pinner_running")  # states at the start, not counters
+
+
 def context(executor: Any) -> dict[str, float]:
     """What else the process was doing around a step or an evaluation: the allocator's retries and
     cudaMalloc calls, the pinned pool's growth on the loop and its background pinning, the bytes
@@ -184,8 +188,8 @@ def context_change(executor: Any, before: dict[str, float]) -> dict[str, float]:
     pinner's state at the start where they were non-zero."""
     after = context(executor)
     moved = {k: round(after[k] - v, 3) for k, v in before.items()
-             if k not in ("writer_pending_mb", "pinner_running", "pool_pinned_gb") and after.get(k) != v}
-    return {**moved, **{k: before[k] for k in ("writer_pending_mb", "pinner_running") if before.get(k)}}
+             if k not in (*CONTEXT_STATES, "pool_pinned_gb") and after.get(k) != v}
+    return {**moved, **{k: before[k] for k in CONTEXT_STATES if before.get(k)}}
 
 
 def graph_counts(eng: Any) -> dict[str, int]:

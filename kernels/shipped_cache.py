@@ -85,7 +85,7 @@ def seed(target: Path | None = None, key: tuple[tuple[int, int], str] | None = N
                     continue
                 dest = target.joinpath(*rel.parts)
                 group = dest.name.startswith("__grp__") and dest.suffix == ".json"
-                if dest.exists() and not (group and not _group_whole(dest)):
+                if dest.exists() and (not group or _group_whole(dest)):  # a broken group is replaced
                     continue
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 src = tar.extractfile(member)

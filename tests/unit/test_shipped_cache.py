@@ -82,7 +82,7 @@ def test_the_committed_sm90_archive_holds_compiled_kernels_and_tuning(tmp_path: 
     assert any(n.endswith(".json") and n.startswith("__grp__") for n in names)  # each kernel's group
 
 
-def _groups_whole(cache: Path) -> list[Path]:
+def _broken_groups(cache: Path) -> list[Path]:
     """The group files whose children are not where they say (Triton then compiles the kernel)."""
     import json
 
@@ -109,7 +109,7 @@ def test_a_kernels_group_points_at_its_files_in_the_cache_it_was_copied_to(tmp_p
     assert shipped_cache.seed(cache, KEY, archives) == 3
     children = json.loads(stale.read_text())["child_paths"]
     assert children == {"k.cubin": str(cache / "ENTRY" / "k.cubin"), "k.json": str(cache / "ENTRY" / "k.json")}
-    assert _groups_whole(cache) == []
+    assert _broken_groups(cache) == []
     try:  # Triton's own lookup finds the entry (a miss would compile the kernel again)
         from triton.runtime.cache import FileCacheManager
     except ImportError:
@@ -126,4 +126,4 @@ def test_every_kernel_of_the_committed_archive_is_found_where_it_is_seeded(tmp_p
     assert shipped_cache.seed(cache, ((9, 0), version)) > 0
     groups = list(cache.rglob("__grp__*.json"))
     assert len(groups) >= len(list(cache.rglob("*.cubin"))) > 0
-    assert _groups_whole(cache) == []
+    assert _broken_groups(cache) == []
