@@ -43,13 +43,15 @@ def timed(fn):  # noqa: ANN001, ANN201
     return out, time.perf_counter() - t0
 
 
-def decode_variant(run, rows, form: str, sdpa: str, new: int) -> dict:  # noqa: ANN001
-    """The same rows decoded with the LoRA operator's `form` and the attention backends `sdpa`:
-    seconds (median of 2 after a warm-up), ms per step, and the GPU's top kernels over 8 steps."""
+def decode_variant(run, rows, form: str, sdpa: str, new: int, gqa: bool = True) -> dict:  # noqa: ANN001
+    """The same rows decoded with the LoRA operator's `form` and the attention backends `sdpa`
+    (gqa=False: transformers' SDPA function as it is, LORAPLEX_DECODE_GQA=0): seconds (median of
+    2 after a warm-up), ms per step, and the GPU's top kernels over 8 steps."""
     from kernels.multilora import set_default_form
 
     set_default_form(form)
     os.environ["LORAPLEX_DECODE_SDPA"] = sdpa
+    os.environ["LORAPLEX_DECODE_GQA"] = "1" if gqa else "0"
     try:
         run(rows[:4])
         times = sorted(timed(lambda: run(rows))[1] for _ in range(2))
@@ -66,6 +68,7 @@ def decode_variant(run, rows, form: str, sdpa: str, new: int) -> dict:  # noqa: 
         return out
     finally:
         os.environ.pop("LORAPLEX_DECODE_SDPA", None)
+        os.environ.pop("LORAPLEX_DECODE_GQA", None)
 
 
 def main() -> None:
@@ -78,9 +81,11 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--variants", default="",
-                    help="after the default decode, the same rows per FORM:SDPA (comma list, e.g. "
-                         "compose:math,fused:efficient): the LoRA operator's form and the decode's "
-                         "attention backends (LORAPLEX_DECODE_SDPA), each timed and profiled")
+                    help="after the default decode, the same rows per FORM:SDPA[:nogqa] (comma list, e.g. "
+                         "compose:math,fused:efficient,fused:math:nogqa): the LoRA operator's form, the decode's "
+                         "attention backends (LORAPLEX_DECODE_SDPA) and, with nogqa, transformers' SDPA "
+                         "function as it is (LORAPLEX_DECODE_GQA=0), each timed and profiled")
+    ap.add_argument("--skip-eager", action="store_true", help="no eager-loop comparison (saves its minutes)")
     ap.add_argument("--no-repeatable", action="store_true",
                     help="leave cuBLAS's workspace to torch (a node sets CUBLAS_WORKSPACE_CONFIG for its "
                          "processes: trainer.sampling.repeatable); set before the first cuBLAS call")
@@ -120,11 +125,14 @@ def main() -> None:
                         eos_token_id=None, pad_id=0, static=static)
 
     run(rows[:4])  # warm-up: kernels, allocator
-    run(rows[:4], static=False)
     first, all_s = timed(lambda: run(rows))
     again, _ = timed(lambda: run(rows))
-    eager, eager_s = timed(lambda: run(rows, static=False))
-    eager_again, _ = timed(lambda: run(rows, static=False))
+    eager = eager_again = None
+    eager_s = float("nan")
+    if not args.skip_eager:
+        run(rows[:4], static=False)
+        eager, eager_s = timed(lambda: run(rows, static=False))
+        eager_again, _ = timed(lambda: run(rows, static=False))
     base_rows = [(p, None) for p in prompts]
     _, base_s = timed(lambda: run(base_rows))
     steps = {}
@@ -144,15 +152,16 @@ def main() -> None:
                        eos_token_id=None, pad_id=0, temperature=1.0, top_p=0.9, seed=7) for _ in range(2)]
     variants = {}  # last: each sets the process's LoRA form, which the runs above leave at the default
     for spec in [v for v in args.variants.split(",") if v]:
-        form, sdpa = spec.split(":")
-        variants[spec] = decode_variant(run, rows, form, sdpa, args.new)
+        form, sdpa, *rest = spec.split(":")
+        variants[spec] = decode_variant(run, rows, form, sdpa, args.new, gqa=rest != ["nogqa"])
     res = {"args": vars(args), "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
            "device": torch.cuda.get_device_name() if te.DEV.type == "cuda" else "cpu",
            "seeded_sampling_repeats_exactly": seeded[0] == seeded[1],
            "rows": len(rows), "new_tokens": sum(len(t) for t in first), "generate_s": all_s,
            "per_decode_step_ms": 1e3 * all_s / args.new, "base_only_8_rows_s": base_s,
-           "repeats_exactly": first == again, "eager_generate_s": eager_s, "eager_repeats_exactly": eager == eager_again,
-           "rows_equal_to_eager": sum(a == b for a, b in zip(first, eager, strict=True)), "profile": steps,
+           "repeats_exactly": first == again, "eager_generate_s": eager_s, "eager_repeats_exactly": None if eager is None else eager == eager_again,
+           "rows_equal_to_eager": None if eager is None else sum(a == b for a, b in zip(first, eager, strict=True)),
+           "profile": steps,
            "variants": variants}
     text = "\n".join([
         f"# End-of-task samples' decode at {args.layers} layers ({res['device']})", "",

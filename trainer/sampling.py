@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
+from trainer.decode_attention import register_decode_attention
 from trainer.decode_graph import StaticDecoder, static_decodable
 from trainer.jobs import JobRun
 
@@ -230,7 +231,9 @@ def generate(
     top-p filtering drawn from a generator seeded with `seed` on the engine's device (the same
     inputs and seed give the same tokens). static (default: on CUDA, unless
     LORAPLEX_STATIC_DECODE=0): greedy decoding over a static KV cache with graphed token steps
-    (trainer.decode_graph) where it gives the eager loop's result. The engine is left as found,
+    (trainer.decode_graph) where it gives the eager loop's result. A model on SDPA attention decodes
+    on trainer.decode_attention's (the token steps without repeat_kv; LORAPLEX_DECODE_GQA=0: off).
+    The engine is left as found,
     even on an error: no layout on its layers, its attention mode and every module's training
     flag as they were."""
     _check(engine, prompts, job_ids, temperature, top_p)
@@ -251,14 +254,21 @@ def generate(
 
     model, attention = engine.model, engine.attention
     modes = [(m, m.training) for m in model.modules()]
+    regrouped = False
     try:
         model.eval()  # also what turns the gradient checkpointing off for these forwards
         engine.set_attention("rows")  # the model's own attention, which the KV cache serves
+        static = static and static_decodable(model, temperature)
+        if model.config._attn_implementation == "sdpa" and os.environ.get("LORAPLEX_DECODE_GQA", "1") != "0":
+            # SDPA's, with the token steps over the cache's own key/value heads (no repeat_kv copy)
+            model.set_attn_implementation(register_decode_attention())
+            regrouped = True
         with torch.no_grad(), repeatable(engine.device):
             grouped = _decode(engine, [prompts[r] for r in order], states, counts,
-                              max_new_tokens=max_new_tokens, pick=pick, eos=eos, pad_id=pad_id,
-                              static=static and static_decodable(model, temperature))
+                              max_new_tokens=max_new_tokens, pick=pick, eos=eos, pad_id=pad_id, static=static)
     finally:
+        if regrouped:
+            model.set_attn_implementation("sdpa")
         _unpoint(engine)
         engine.slots.clear_layout()
         engine.set_attention(attention)

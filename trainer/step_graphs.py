@@ -83,6 +83,14 @@ MAX_CAPTURE_TOKENS = 8192
 # keys seldom repeat (subset sizes, job groups): larger ones run eagerly. (A task's evaluations run
 # eagerly on their arena copy anyway: trainer.evaluation, AdapterArena.compute_copy.)
 MAX_EVAL_CAPTURE_TOKENS = 4096
+# A step of a new key replays a captured one of at most cover_ratio (1.19) times its tokens, or of at
+# most COVER_TOKENS more: below ~2k tokens a replay's time hardly grows with its tokens (at 32 layers
+# of 8B, 2 jobs on an H100: 0.062 s at 150 tokens, 0.088 s at 600; session 27's search (a)), while a
+# capture costs ~0.3 s (its host launches once more): the tail of a search, a few jobs whose token
+# counts change every step, captured one key in two. A key covered CAPTURE_AFTER times is captured at
+# its next step (padding it for good would cost a long task more than one capture).
+COVER_TOKENS = 512
+CAPTURE_AFTER = 8
 
 
 def _pow2(n: int, floor: int) -> int:
@@ -151,12 +159,16 @@ class StepGraphs:
 
     def __init__(self, engine: GraphedEngine, per_octave: int = 4, max_graphs: int = 64,
                  cover_ratio: float = 1.19, max_capture_tokens: int = MAX_CAPTURE_TOKENS,
-                 max_eval_capture_tokens: int = MAX_EVAL_CAPTURE_TOKENS) -> None:
+                 max_eval_capture_tokens: int = MAX_EVAL_CAPTURE_TOKENS, cover_tokens: int = COVER_TOKENS,
+                 capture_after: int = CAPTURE_AFTER) -> None:
         self.engine = engine
         self.per_octave = per_octave
         self.max_capture_tokens = max_capture_tokens  # larger keys run eagerly (see MAX_CAPTURE_TOKENS)
         self.max_eval_capture_tokens = max_eval_capture_tokens  # the same for evaluation forwards
         self.cover_ratio = cover_ratio  # a step replays a capture of up to this many times its tokens
+        self.cover_tokens = cover_tokens  # ... or of up to this many tokens more (small steps)
+        self.capture_after = capture_after  # a key covered this many times is captured at its next step
+        self.cover_uses: Counter[GraphKey] = Counter()
         self.max_graphs = max_graphs
         self.warm: set[tuple] = set()  # key classes that ran eagerly in this process
         self.entries: OrderedDict[GraphKey, _Entry] = OrderedDict()
@@ -212,9 +224,11 @@ class StepGraphs:
                        max_len=eng.seq_cap, aligned=all(v % 16 == 0 for v in ints),
                        recompute=eng.gradient_checkpointing and train, train=train)
         known = self.entries.get(key)
-        if (known is None or known.graph is None) and key.warm_class in self.warm:
+        if ((known is None or known.graph is None) and key.warm_class in self.warm
+                and self.cover_uses[key] < self.capture_after):
             cover = self._cover(key, cpu.real_tokens, n_seqs)
             if cover is not None:  # replay a larger capture rather than capture this key
+                self.cover_uses[key] += 1
                 key = cover
                 cpu = pack_flat(per_job, eng.pad_id, length=cover.tokens, max_len=eng.seq_cap)
                 self.covered += 1
@@ -239,8 +253,10 @@ class StepGraphs:
 
     def _cover(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
         """The smallest captured key that can run this step padded (at most `cover_ratio` times
-        this key's tokens, enough sequence and job slots, a rank tile as large): a new token
-        count then costs some padded work instead of a capture (~1 s at 32 layers of 8B)."""
+        this key's tokens or `cover_tokens` more, enough sequence and job slots, a rank tile as
+        large): a new token count then costs some padded work instead of a capture (0.3-1 s at 32
+        layers of 8B), until the key has been covered `capture_after` times (a key that keeps
+        coming is worth its own capture: the padding would cost more than the capture)."""
         best = None
         for k, e in self.entries.items():
             if e.graph is None or (k.max_len, k.aligned, k.recompute, k.train) != (
@@ -248,7 +264,7 @@ class StepGraphs:
                 continue
             if k.job_slots < key.job_slots or k.rank < key.rank:
                 continue
-            if not n_tokens <= k.tokens <= self.cover_ratio * key.tokens:
+            if not n_tokens <= k.tokens <= max(self.cover_ratio * key.tokens, key.tokens + self.cover_tokens):
                 continue
             pieces = -(-(k.tokens - n_tokens) // key.max_len)  # the padding tail's sequences
             if k.seq_slots < n_seqs + pieces:
@@ -267,6 +283,7 @@ class StepGraphs:
     def reset(self) -> None:
         """Drop every capture (their memory goes back with the pool)."""
         self.entries.clear()
+        self.cover_uses.clear()
         self.pool = None
         self.pool_bytes = 0
 

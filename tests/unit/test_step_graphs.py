@@ -105,7 +105,8 @@ def test_graphed_steps_equal_eager_steps_and_a_new_job_set_reuses_the_capture(mo
     assert (g.eager_runs, g.captures, g.replays, len(g.entries)) == (1, 2, 8, 2)
     # fewer tokens (120, a key of its own) replay the smallest capture that holds them padded
     # (160 tokens, within cover_ratio 1.4): no capture, the same losses, the padding trains nothing
-    g.cover_ratio = 1.4
+    # (cover_tokens 0: the ratio alone; the absolute allowance has its own test below)
+    g.cover_ratio, g.cover_tokens = 1.4, 0
     for eng in (eager, graphed):
         eng.detach("e")
         eng.attach(job("f", 4, 1, 6))
@@ -119,10 +120,44 @@ def test_graphed_steps_equal_eager_steps_and_a_new_job_set_reuses_the_capture(mo
     assert (g.captures, g.covered) == (3, 2)
 
 
+def test_small_steps_replay_a_capture_a_few_hundred_tokens_larger_until_their_key_keeps_coming(model_dir) -> None:  # noqa: ANN001
+    """A step of a new key replays a captured one of up to cover_tokens more tokens (far beyond
+    cover_ratio) with the eager step's numbers; once its key has been covered capture_after
+    times, its next step captures it, and later ones replay that capture."""
+    data = examples(48, 24)
+    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
+    for eng in (eager, graphed):
+        for spec in (job("a", 4, 3, 1), job("b", 8, 3, 2)):
+            eng.attach(spec)
+
+    def both_steps(n: int) -> None:
+        for _ in range(n):
+            want, got = eager.step(), graphed.step()
+            for j in want.losses:
+                assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-5), j
+                assert math.isclose(got.grad_norms[j], want.grad_norms[j], rel_tol=1e-4), j
+
+    g = graphed.step_graphs
+    g.cover_ratio, g.cover_tokens, g.capture_after = 1.19, 200, 2
+    both_steps(2)  # 144 tokens: one eager run, then its capture
+    assert (g.eager_runs, g.captures, g.covered) == (1, 1, 0)
+    for eng in (eager, graphed):
+        eng.detach("b")
+    # 72 tokens: half the capture's (over cover_ratio, within cover_tokens): covered twice ...
+    both_steps(2)
+    assert (g.captures, g.covered, len(g.entries)) == (1, 2, 1)
+    # ... then captured (the key keeps coming), and replayed from then on
+    both_steps(2)
+    assert (g.captures, g.covered, g.replays, len(g.entries)) == (2, 2, 5, 2)
+    for j in graphed.jobs:
+        torch.testing.assert_close(graphed.jobs[j].adapter.flat, eager.jobs[j].adapter.flat, rtol=1e-4, atol=1e-6)
+
+
 def test_graphed_evaluation_equals_eager_evaluation(model_dir) -> None:  # noqa: ANN001
     data = examples(24, 20, seed=3)
     held_out = examples(7, 20, seed=9) + examples(3, 12, seed=10)
     eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
+    graphed.step_graphs.cover_tokens = 0  # every chunk's key its own capture (not the larger one's, padded)
     same_evaluations(eager, graphed, [job("a", 4, 2, 1), job("b", 16, 1, 2)], held_out, 1e-5, 1e-9)
     g = graphed.step_graphs
     # chunks of 4, 4 and 2 examples, the first two of one token bucket: the first chunk ran eagerly
