@@ -754,5 +754,21 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/executor_task60.md" "$OUT/host_memory.txt"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f" >&2; exit 2 ;;
+  s28_a)  # session 28, call 1 (issues 41, 40): a fresh node's first process (the warm host: process start ->
+          # A's first step, with the kernels found since session 27's seed fix; B joining it; samples on
+          # demand), the 60-step task in the next process, then the decode with its token steps over the
+          # cache's own key/value heads (trainer.decode_attention) against transformers' SDPA function
+    export TRITON_CACHE_DIR=/tmp/s28a/triton
+    rm -rf /tmp/s28a
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site step 230 warm_host python3 bench/warm_host.py --layers 32 --n-train 120 \
+      --work /tmp/executor_task --deadline-s 210 --out "$OUT/warm_host.md" --json "$OUT/warm_host.json"
+    step 130 task60 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold --work /tmp/executor_task \
+      --reuse --out "$OUT/executor_task60.md" --json "$OUT/executor_task60.json"
+    step 150 samples_decode python3 bench/samples_decode.py --layers 32 --new 128 --model /tmp/executor_task/model \
+      --skip-eager --variants fused:math:nogqa --json "$OUT/samples_decode.json" --out "$OUT/samples_decode.md"
+    pack_logs
+    rm -f "$OUT/warm_host.md" "$OUT/executor_task60.md" "$OUT/samples_decode.md"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a" >&2; exit 2 ;;
 esac

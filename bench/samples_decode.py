@@ -85,6 +85,7 @@ def main() -> None:
                          "compose:math,fused:efficient,fused:math:nogqa): the LoRA operator's form, the decode's "
                          "attention backends (LORAPLEX_DECODE_SDPA) and, with nogqa, transformers' SDPA "
                          "function as it is (LORAPLEX_DECODE_GQA=0), each timed and profiled")
+    ap.add_argument("--model", default="", help="an existing model directory (not written again)")
     ap.add_argument("--skip-eager", action="store_true", help="no eager-loop comparison (saves its minutes)")
     ap.add_argument("--no-repeatable", action="store_true",
                     help="leave cuBLAS's workspace to torch (a node sets CUBLAS_WORKSPACE_CONFIG for its "
@@ -99,10 +100,13 @@ def main() -> None:
         args.layers, args.new, args.prompt_len = 2, 4, 12
     from transformers import AutoModelForCausalLM
 
-    root = Path(args.work)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    model_dir = te.large_model(root / "model", args.layers, te.make_tokenizer())
+    if args.model:  # a model another bench of the call wrote (its shape: --layers is its own)
+        model_dir = Path(args.model)
+    else:
+        root = Path(args.work)
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        model_dir = te.large_model(root / "model", args.layers, te.make_tokenizer())
     dtype = torch.bfloat16 if te.DEV.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(te.DEV)
     vocab = model.config.vocab_size

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections import Counter
 import os
 import shutil
 import statistics
@@ -26,6 +27,7 @@ from task_e2e_peft import time_floor  # noqa: E402
 import trainer.engine as engine_mod  # noqa: E402
 from contract.protocol import EarlyExitSettings, EvalSettings, TaskSettings  # noqa: E402
 from trainer.arena import AdapterArena  # noqa: E402
+from trainer.colocate import TaskRun  # noqa: E402
 from trainer.data import read_jsonl, tokenize_all  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
 from trainer.jobs import TrainJob  # noqa: E402
@@ -65,8 +67,39 @@ class TraceExecutor(Executor):
         self.trace, self.recorder, self.missing = trace, recorder, 0
         self.shape_buckets = shape_buckets
 
+    def _observe_train(self, report: Any, seconds: float) -> dict[str, bool]:
+        t0, phased = time.perf_counter(), sum(self.clock.phases.values())
+        try:
+            return super()._observe_train(report, seconds)
+        finally:
+            self.recorder["idle_parts"]["observe"] += (time.perf_counter() - t0
+                                                       - (sum(self.clock.phases.values()) - phased))
+
+    def _timed_parts(self) -> None:
+        """The loop's work outside its phases (its "idle" seconds), by part: the step's outcome
+        to the tasks (callbacks, exit decisions: `_observe_train`), the step boundary (attach,
+        detach), the jobs' completion, the strategy's flush."""
+        rec, clock = self.recorder, self.clock  # the process's one recorder (install_recorder renews its counters)
+
+        def timed(name: str, fn: Any) -> Any:  # noqa: ANN401
+            def run(*a: Any, **kw: Any) -> Any:  # noqa: ANN401
+                t0, phased = time.perf_counter(), sum(clock.phases.values())
+                try:
+                    return fn(*a, **kw)
+                finally:  # its seconds outside the phases it entered (an export, the samples)
+                    rec["idle_parts"][name] += time.perf_counter() - t0 - (sum(clock.phases.values()) - phased)
+            return run
+
+        self.roster.boundary = timed("boundary", self.roster.boundary)
+        self.roster.end_idle = timed("end_idle", self.roster.end_idle)
+        self.strategy.flush = timed("flush", self.strategy.flush)
+        if not getattr(TaskRun.finish_done, "timed", False):  # the loop calls it on the class too
+            TaskRun.finish_done = timed("finish_done", TaskRun.finish_done)
+            TaskRun.finish_done.timed = True
+
     def _load(self) -> None:
         super()._load()
+        self._timed_parts()
         eng, real_step, real_eval = self.engine, self.engine.step, self.engine.evaluate_metrics
         if not self.shape_buckets:
             eng.shape_buckets = None
@@ -208,7 +241,7 @@ def install_recorder() -> dict:
     """Record every training step's packed batch (CPU) and the host time of packing/layout."""
     fresh = not REC
     REC.update({"active": False, "batches": [], "step_s": [], "pack_s": 0.0, "layout_s": 0.0,
-                "step_trace": [], "eval_trace": []})
+                "step_trace": [], "eval_trace": [], "idle_parts": Counter()})
     rec = REC
     if not fresh:
         return rec
@@ -402,6 +435,7 @@ def large_run(name: str, ee: bool, attention: str, *, args: argparse.Namespace, 
            "eval_forwards_note": "sequences per eval forward up to max_total_batch",
            # every step the allocator saw: [cells, recompute, resident, peak, predicted] in MB
            "step_trace": rec["step_trace"], "eval_trace": rec["eval_trace"],
+           "idle_parts_s": {k: round(v, 3) for k, v in rec["idle_parts"].items()},
            "graphs": graph_counts(ex.engine),
            "memory_trace": [[p.tokens, int(p.recompute), p.resident >> 20, p.peak >> 20, round(p.predicted) >> 20]
                             for c in ex.memory.corrections.values() for p in c.trace]}
