@@ -770,5 +770,23 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     pack_logs
     rm -f "$OUT/warm_host.md" "$OUT/executor_task60.md" "$OUT/samples_decode.md"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a" >&2; exit 2 ;;
+  s28_b)  # session 28, call 2 (issues 41, 40): call 1's loads took 13.7 s (the warm host's first process) and
+          # 15.1 s (the 60-step task after it) against 2-3 s in earlier calls: the 60-step task as a fresh
+          # machine's first process with the load's parts logged, the load alone in parts twice (the build on
+          # the device, the file reads, load_to_device), then search (a) (small steps covering larger captures;
+          # its loop time outside the phases by part)
+    export TRITON_CACHE_DIR=/tmp/s28b/triton
+    rm -rf /tmp/s28b
+    (free -g; grep -i -E "^(dirty|writeback|cached)" /proc/meminfo) | tee -a "$OUT/steps.txt"
+    task60 150
+    (free -g; grep -i -E "^(dirty|writeback|cached)" /proc/meminfo) | tee -a "$OUT/steps.txt"
+    for i in 1 2; do
+      step 60 "fast_load$i" python3 bench/fast_load.py /tmp/executor_task/model --parts --json "$OUT/fast_load.jsonl"
+    done
+    rm -rf /tmp/executor_task
+    search_a 300 270
+    pack_logs
+    rm -f "$OUT/search_a.md" "$OUT/executor_task60.md" "$OUT/host_memory.txt"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b" >&2; exit 2 ;;
 esac

@@ -114,7 +114,8 @@ def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: P
     train_tokens = sum(ex.step_tokens)
     corrections = ex.memory.corrections if ex.memory is not None else {}
     return {"wall_s": wall, "phases": dict(ex.clock.phases), "first_step_s": ex.clock.first_step_s,
-            "profile_reused": ex.memory.profile_reused if ex.memory is not None else None, "steps": ex.global_step, "train_tokens": train_tokens,
+            "profile_reused": ex.memory.profile_reused if ex.memory is not None else None,
+            "load_parts": getattr(ex, "load_parts", None), "steps": ex.global_step, "train_tokens": train_tokens,
             "states": sorted({s["state"] for s in status.values()}), "timings": events.get("timings"),
             "admission": events.get("memory_model"), "throughput_reports": len(tokens),
             "attention": ex.engine.attention if getattr(ex, "engine", None) is not None else None,

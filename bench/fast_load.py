@@ -31,11 +31,32 @@ def main() -> None:
     ap.add_argument("model_dir")
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--json", default="")
+    ap.add_argument("--parts", action="store_true", help="first time the build on the device and the file reads alone")
     args = ap.parse_args()
     t_import = time.perf_counter() - T0
     torch.cuda.init()
     torch.empty(1, device="cuda")
     t_cuda = time.perf_counter() - T0
+    parts = {}
+    if args.parts:  # the load's parts, each alone first: the model built on the device from its
+        # config (weights initialised there), and the shard files read from the page cache (pread)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        t1 = time.perf_counter()
+        with torch.device("cuda"):
+            built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_dir), dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        parts["build_on_device_s"] = round(time.perf_counter() - t1, 2)
+        del built
+        torch.cuda.empty_cache()
+        t1, total = time.perf_counter(), 0
+        buf = bytearray(64 << 20)
+        for f in shard_files(Path(args.model_dir)):
+            with open(f, "rb", buffering=0) as fh:
+                while n := fh.readinto(buf):
+                    total += n
+        parts["read_files_s"] = round(time.perf_counter() - t1, 2)
+        parts["read_gb_per_s"] = round(total / 1e9 / parts["read_files_s"], 2)
     t1 = time.perf_counter()
     model = load_to_device(args.model_dir, torch.device("cuda"), torch.bfloat16, threads=args.threads)
     torch.cuda.synchronize()
@@ -51,7 +72,7 @@ def main() -> None:
                 ok &= bool(torch.equal(sf.get_tensor(n).cuda(), model.state_dict()[n]))
     res = {"import_s": round(t_import, 2), "cuda_ready_s": round(t_cuda, 2), "load_s": round(t_load, 2),
            "on_device_s": round(time.perf_counter() - T0, 2), "gb": round(nbytes / 1e9, 2),
-           "gb_per_s": round(nbytes / 1e9 / t_load, 2), "threads": args.threads, "tensors_equal_files": ok}
+           "gb_per_s": round(nbytes / 1e9 / t_load, 2), "threads": args.threads, "tensors_equal_files": ok, **parts}
     print(json.dumps(res))
     if args.json:
         with open(args.json, "a") as fh:

@@ -22,6 +22,7 @@ Resuming from state.pt is exact.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -123,17 +124,21 @@ class Executor:
         cfg = self.cfg
         if cfg.attention not in ("auto", "rows") and not (cfg.attention == "varlen" and self.objective.packs_back_to_back):
             raise ValueError(f"attention {cfg.attention!r}: 'auto', 'rows', or 'varlen' for sft")
+        marks = [("start", time.perf_counter())]
         device = self.strategy.device(cfg.device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if device.type == "cuda":
             torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
             seed_triton_cache()  # the kernels shipped for this GPU kind: none compiles in the task
+        marks.append(("device", time.perf_counter()))
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         model = self.strategy.load_model(cfg.model_dir, device, dtype)
+        marks.append(("model", time.perf_counter()))
         self.device = device
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         for task in list(self.tasks.values()):
             self.roster.guarded(task, lambda t=task: t.read(self.tokenizer))
+        marks.append(("data", time.perf_counter()))
         # built on the first task's examples, as a one-task executor is; then it reads the pool
         self.engine = self.strategy.prepare_engine(self.objective.engine_class(
             model, self.first.train, pad, cfg.targets, cfg.gradient_checkpointing is not False, cfg.backend,
@@ -147,8 +152,14 @@ class Executor:
                                  self._parked_state)
         self.engine.recompute_for = self.memory.recompute_for
         self.engine.split_for = self.memory.split_for
+        marks.append(("engine", time.perf_counter()))
         for task in list(self.tasks.values()):
             self.roster.guarded(task, task.open)
+        marks.append(("open", time.perf_counter()))
+        # where the load's seconds went: the device and kernel cache, the backbone, the tasks' data,
+        # the engine and memory plan, the tasks' files
+        self.load_parts = {name: round(t - prev, 3) for (_, prev), (name, t) in zip(marks, marks[1:])}
+        log.info("load parts seconds=%s", json.dumps(self.load_parts))
 
     def _attention_mode(self, device: torch.device) -> str:
         """cfg.attention, with "auto" resolved for this executor's device, method and GPUs."""
