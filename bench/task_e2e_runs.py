@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections import Counter
 import os
 import shutil
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

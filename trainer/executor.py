@@ -158,7 +158,7 @@ class Executor:
         marks.append(("open", time.perf_counter()))
         # where the load's seconds went: the device and kernel cache, the backbone, the tasks' data,
         # the engine and memory plan, the tasks' files
-        self.load_parts = {name: round(t - prev, 3) for (_, prev), (name, t) in zip(marks, marks[1:])}
+        self.load_parts = {name: round(t - prev, 3) for (_, prev), (name, t) in zip(marks[:-1], marks[1:], strict=True)}
         log.info("load parts seconds=%s", json.dumps(self.load_parts))
 
     def _attention_mode(self, device: torch.device) -> str:
