@@ -4,6 +4,7 @@ validation split, per-job data order, and packing that is exact (block-causal) a
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -244,6 +245,51 @@ def test_truncation_and_fully_truncated_examples(tok) -> None:  # noqa: ANN001
     cut = tokenize_record(tok, rec, len(full.input_ids) - 2)
     assert cut is not None and cut.input_ids == full.input_ids[:-2]
     assert len(tokenize_all(tok, [rec, rec], 8)) == 0
+
+
+def one_at_a_time(tok, rec, max_seq_len: int) -> Example | None:  # noqa: ANN001
+    """The tokenisation rules with one tokenizer call per text (the reference for the batched one)."""
+    if rec.text is not None:
+        ids = [tok.bos_token_id, *tok(rec.text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+        train = [False] + [True] * (len(ids) - 1)
+    elif tok.chat_template:
+        msgs = list(rec.messages)
+        text = tok.apply_chat_template(msgs, tokenize=False)
+        spans = [(len(tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)) if i else 0,
+                  len(tok.apply_chat_template(msgs[: i + 1], tokenize=False)))
+                 for i, m in enumerate(msgs) if m["role"] == "assistant" and (rec.weights or [1] * len(msgs))[i]]
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        train = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
+    else:
+        ids, train = [tok.bos_token_id], [False]
+        for m in rec.messages:
+            piece = tok(m["content"], add_special_tokens=False)["input_ids"]
+            piece += [tok.eos_token_id] if m["role"] == "assistant" else []
+            ids, train = ids + piece, train + [m["role"] == "assistant"] * len(piece)
+    labels = [t if keep else IGNORE for t, keep in zip(ids[:max_seq_len], train[:max_seq_len], strict=True)]
+    ex = Example(tuple(ids[:max_seq_len]), tuple(labels))
+    return ex if ex.n_trained > 0 else None
+
+
+@pytest.mark.parametrize("template", [True, False])
+def test_a_file_tokenised_in_batches_equals_one_record_at_a_time(tok, template: bool) -> None:  # noqa: ANN001
+    """tokenize_all encodes many records' texts in one tokenizer call (a fast tokenizer's threads):
+    the same examples, in order, as encoding every text alone; records with nothing trained
+    after truncation are dropped in place, across batch boundaries."""
+    rows = [*synthetic_rows(9, seed=4), *synthetic_rows(9, seed=5, fmt="prompt"),
+            {"text": "plain text to train on whole"}, {"prompt": "one " * 40, "completion": "cut off"},
+            {"messages": [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c d"},
+                          {"role": "user", "content": "e"}, {"role": "assistant", "content": "f g h"}]}]
+    records = [parse_record(r) for r in rows]
+    records = records[::2] + records[1::2]  # formats interleaved
+    with _no_template(tok) if not template else contextlib.nullcontext():
+        want = [ex for ex in (one_at_a_time(tok, r, 24) for r in records) if ex is not None]
+        for batch in (4096, 3):
+            got = tokenize_all(tok, records, 24, batch=batch)
+            assert got == want
+        assert len(want) < len(records)  # the cut-off record was dropped
+        assert tokenize_record(tok, records[0], 24) == one_at_a_time(tok, records[0], 24)
 
 
 def test_validation_split_is_seeded_disjoint_and_shared() -> None:
