@@ -788,5 +788,26 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/executor_task60.md" "$OUT/host_memory.txt"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b" >&2; exit 2 ;;
+  s28_c)  # session 28, call 3 (issues 41, 40): the host process's imports (-X importtime), the warm host as a
+          # fresh machine's first process (the load by part, the data tokenised in batches), then search (a)
+          # with split steps on (LORAPLEX_SPLIT_STEPS=1: a step that would recompute runs as passes without;
+          # off since session 23 because each new pass shape compiled kernels, which the seed fix may have
+          # ended): the Triton cache counted before and after, and brought back if it grew
+    export TRITON_CACHE_DIR=/tmp/s28c/triton
+    rm -rf /tmp/s28c
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:$PWD python3 -X importtime -c "import worker.host" 2> "$OUT/importtime.txt" >/dev/null
+    sort -t'|' -k2 -n -r "$OUT/importtime.txt" | head -40 > "$OUT/importtime_top.txt"; rm -f "$OUT/importtime.txt"
+    PYTHONPATH=/tmp/site step 220 warm_host python3 bench/warm_host.py --layers 32 --n-train 120 \
+      --work /tmp/executor_task --deadline-s 200 --out "$OUT/warm_host.md" --json "$OUT/warm_host.json"
+    rm -rf /tmp/executor_task
+    before=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
+    LORAPLEX_SPLIT_STEPS=1 search_a 300 270
+    after=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
+    echo "cubins before search (a): $before, after: $after" | tee -a "$OUT/steps.txt"
+    [ "$after" -gt "$before" ] && tar -C /tmp/s28c -czf "$OUT/triton_cache_sm90.tar.gz" triton
+    pack_logs
+    rm -f "$OUT/search_a.md" "$OUT/warm_host.md" "$OUT/host_memory.txt"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c" >&2; exit 2 ;;
 esac

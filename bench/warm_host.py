@@ -225,6 +225,12 @@ def main() -> None:
     # each task's memory trace (trainer.memory_plan: cells, recompute, resident, peak, predicted MB)
     res["memory_traces"] = [json.loads(line.split("steps=", 1)[1]) for line in host_log.splitlines()
                             if "memory trace steps=" in line]
+    # the executor's load by part (trainer.executor: device, model, data, engine, memory, open) and
+    # the fused blocks' probes
+    res["load_parts"] = [json.loads(line.split("seconds=", 1)[1]) for line in host_log.splitlines()
+                         if "load parts seconds=" in line]
+    res["fused_blocks_log"] = [line.split("fused blocks: ", 1)[1] for line in host_log.splitlines()
+                               if "fused blocks: " in line]
     dev = "cpu"
     try:
         import torch

@@ -148,16 +148,17 @@ class Executor:
         self.engine.set_attention(self._attention_mode(device))
         if not cfg.cuda_graphs:
             self.engine.step_graphs = None
+        marks.append(("engine", time.perf_counter()))
         self.memory = MemoryPlan(cfg, self.engine, device, self.objective, self.strategy, self.phase,
                                  self._parked_state)
         self.engine.recompute_for = self.memory.recompute_for
         self.engine.split_for = self.memory.split_for
-        marks.append(("engine", time.perf_counter()))
+        marks.append(("memory", time.perf_counter()))
         for task in list(self.tasks.values()):
             self.roster.guarded(task, task.open)
         marks.append(("open", time.perf_counter()))
         # where the load's seconds went: the device and kernel cache, the backbone, the tasks' data,
-        # the engine and memory plan, the tasks' files
+        # the engine (its fused blocks' probes, the LoRA layers), the memory plan, the tasks' files
         self.load_parts = {name: round(t - prev, 3) for (_, prev), (name, t) in zip(marks[:-1], marks[1:], strict=True)}
         log.info("load parts seconds=%s", json.dumps(self.load_parts))
 

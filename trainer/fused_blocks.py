@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import types
 from typing import Any
 
@@ -112,6 +113,7 @@ def fuse_blocks(model: nn.Module, force: bool = False) -> dict[str, Any]:
             or not available(param) or (param.device.type != "cuda" and not force)):
         return done
     model.requires_grad_(False)  # the backbone is frozen (the LoRA layers train; the norms' weights never)
+    t0 = time.perf_counter()
     verdict: dict[tuple[type, str], bool] = {}
     for module in model.modules():
         kind = "norms" if norm_like(module) else "mlps" if mlp_like(module) else None
@@ -129,8 +131,8 @@ def fuse_blocks(model: nn.Module, force: bool = False) -> dict[str, Any]:
             else:
                 module.forward = types.MethodType(_fused_mlp_forward, module)
             done[kind] += 1
-    log.info("fused blocks: %d norms, %d MLPs; kept their own forward: %s", done["norms"], done["mlps"],
-             done["kept"] or "none")
+    log.info("fused blocks: %d norms, %d MLPs; kept their own forward: %s (probes and swaps %.2f s)", done["norms"],
+             done["mlps"], done["kept"] or "none", time.perf_counter() - t0)
     return done
 
 
