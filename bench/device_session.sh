@@ -809,5 +809,29 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/warm_host.md" "$OUT/host_memory.txt"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c" >&2; exit 2 ;;
+  s28_d)  # session 28, call 4 (issues 41, 40): call 3's warm host spent 13.7 s in its load phase of which the
+          # load's parts timed 3.5 s: the import chain of a fresh process stage by stage, the GPU tests of the
+          # decode, the step graphs and the kernel cache, then the warm host again as a fresh machine's first
+          # process (the load's parts now with transformers' first import and the process's age at the load)
+    export TRITON_CACHE_DIR=/tmp/s28d/triton
+    rm -rf /tmp/s28d
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:$PWD python3 -c "
+import time; t = [time.perf_counter()]
+import worker.host; t.append(time.perf_counter())
+import trainer.executor; t.append(time.perf_counter())
+from transformers import AutoTokenizer; t.append(time.perf_counter())
+from transformers import AutoModelForCausalLM; import transformers.models.llama.modeling_llama; t.append(time.perf_counter())
+import torch; torch.cuda.init(); torch.empty(1, device='cuda'); t.append(time.perf_counter())
+names = ['worker.host', 'trainer.executor', 'transformers AutoTokenizer', 'llama modeling', 'CUDA ready']
+print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])})
+" 2>&1 | tee -a "$OUT/steps.txt"
+    step 240 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_samples_gpu.py \
+      tests/gpu/test_step_graphs_gpu.py tests/gpu/test_kernel_cache_gpu.py
+    PYTHONPATH=/tmp/site step 220 warm_host python3 bench/warm_host.py --layers 32 --n-train 120 \
+      --work /tmp/executor_task --deadline-s 200 --out "$OUT/warm_host.md" --json "$OUT/warm_host.json"
+    pack_logs
+    rm -f "$OUT/warm_host.md"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d" >&2; exit 2 ;;
 esac

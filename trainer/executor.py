@@ -25,9 +25,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,6 +53,18 @@ from trainer.task_parts import ExamplePool, StepNumbers
 from trainer.varlen import flash_exact, flash_varlen_available
 
 log = logging.getLogger("loraplex.executor")
+
+
+def process_age(at: float) -> float | None:
+    """Seconds from this process's start (the kernel's record of it) to perf_counter time `at`:
+    what a node's cold start spends before the executor's load (the interpreter, the imports).
+    None where /proc does not tell."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: its start
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(uptime - ticks / os.sysconf("SC_CLK_TCK") - (time.perf_counter() - at), 3)
 
 
 class Executor:
@@ -119,12 +133,13 @@ class Executor:
     # ----- setup -------------------------------------------------------------------------
     def _load(self) -> None:
         """The executor's part: model, engine, memory model and admission; then its tasks' data."""
+        marks = [("start", time.perf_counter())]
         from transformers import AutoTokenizer
 
+        marks.append(("imports", time.perf_counter()))
         cfg = self.cfg
         if cfg.attention not in ("auto", "rows") and not (cfg.attention == "varlen" and self.objective.packs_back_to_back):
             raise ValueError(f"attention {cfg.attention!r}: 'auto', 'rows', or 'varlen' for sft")
-        marks = [("start", time.perf_counter())]
         device = self.strategy.device(cfg.device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if device.type == "cuda":
@@ -132,6 +147,7 @@ class Executor:
             seed_triton_cache()  # the kernels shipped for this GPU kind: none compiles in the task
         marks.append(("device", time.perf_counter()))
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
+        marks.append(("tokenizer", time.perf_counter()))
         model = self.strategy.load_model(cfg.model_dir, device, dtype)
         marks.append(("model", time.perf_counter()))
         self.device = device
@@ -157,9 +173,11 @@ class Executor:
         for task in list(self.tasks.values()):
             self.roster.guarded(task, task.open)
         marks.append(("open", time.perf_counter()))
-        # where the load's seconds went: the device and kernel cache, the backbone, the tasks' data,
+        # where the load's seconds went: transformers' first import, the device and kernel cache, the
+        # backbone (its family's modeling module imported on the way), the tasks' data,
         # the engine (its fused blocks' probes, the LoRA layers), the memory plan, the tasks' files
         self.load_parts = {name: round(t - prev, 3) for (_, prev), (name, t) in zip(marks[:-1], marks[1:], strict=True)}
+        self.load_parts["process_age_at_load_s"] = process_age(marks[0][1])
         log.info("load parts seconds=%s", json.dumps(self.load_parts))
 
     def _attention_mode(self, device: torch.device) -> str:

@@ -4,6 +4,7 @@ exit, best/final PEFT exports, callbacks, and a killed run resumed from its chec
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
 
 import pytest
@@ -125,6 +126,13 @@ def test_each_step_reports_its_jobs_exact_tokens_and_gpu_seconds(tmp_path) -> No
     probe = Executor(config(tmp_path, "probe", jobs=[TrainJob("x", lora_rank=2, learning_rate=1e-3, batch_size=1,
                                                              max_steps=1)]))
     probe.run()
+    # the load by part (logged for a node's cold start): every part timed, within the load phase,
+    # and the process's age when the load began (the interpreter and the imports before it)
+    parts = dict(probe.load_parts)
+    age = parts.pop("process_age_at_load_s")
+    assert list(parts) == ["imports", "device", "tokenizer", "model", "data", "engine", "memory", "open"]
+    assert all(v >= 0 for v in parts.values()) and sum(parts.values()) <= probe.clock.phases["load"] + 1e-3
+    assert age is None or 0 < age < time.monotonic()
     n, tokens = len(probe.first.train), sum(len(e.input_ids) for e in probe.first.train)
     jobs = [TrainJob("one", lora_rank=4, learning_rate=1e-3, batch_size=1, max_steps=n, seed=1),
             TrainJob("all", lora_rank=4, learning_rate=1e-3, batch_size=n, max_steps=1, seed=2)]
