@@ -833,5 +833,15 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     pack_logs
     rm -f "$OUT/warm_host.md"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d" >&2; exit 2 ;;
+  s28_imports)  # session 28, call 5 (issue 41): call 4's cold host spent 7.2 s in transformers' first import
+                # (`from transformers import AutoTokenizer`) of its 14.5 s to the first step: which modules, and
+                # whether a second process pays it again (files read once, bytecode compiled once)
+    for i in 1 2; do
+      python3 -X importtime -c "import torch, trainer.executor; from transformers import AutoTokenizer" 2> "$OUT/imp$i.txt"
+      echo "run $i: $(grep -E '\| transformers$' "$OUT/imp$i.txt")" | tee -a "$OUT/steps.txt"
+      sort -t'|' -k2 -n -r "$OUT/imp$i.txt" | head -60 > "$OUT/importtime_top$i.txt"; rm -f "$OUT/imp$i.txt"
+    done
+    python3 -c "import importlib.metadata as m; print(len(list(m.distributions())), 'distributions')" | tee -a "$OUT/steps.txt"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports" >&2; exit 2 ;;
 esac
