@@ -843,5 +843,20 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     done
     python3 -c "import importlib.metadata as m; print(len(list(m.distributions())), 'distributions')" | tee -a "$OUT/steps.txt"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports" >&2; exit 2 ;;
+  s28_e)  # session 28, call 6 (issues 41, 40), the code that lands: a fresh machine's spare host (imports and
+          # CUDA ahead of any placement, the product's default) given task A, B joining, samples on demand;
+          # the 60-step task in the next process; search (a) (split steps off, the refreshed archive)
+    export TRITON_CACHE_DIR=/tmp/s28e/triton
+    rm -rf /tmp/s28e
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site step 180 warm_spare python3 bench/warm_host.py --spare --layers 32 --n-train 120 \
+      --work /tmp/executor_task --deadline-s 170 --out "$OUT/warm_spare.md" --json "$OUT/warm_spare.json"
+    step 100 task60 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold --work /tmp/executor_task \
+      --reuse --out "$OUT/executor_task60.md" --json "$OUT/executor_task60.json"
+    rm -rf /tmp/executor_task
+    search_a 300 260
+    pack_logs
+    rm -f "$OUT/search_a.md" "$OUT/warm_spare.md" "$OUT/executor_task60.md" "$OUT/host_memory.txt"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e" >&2; exit 2 ;;
 esac
