@@ -67,14 +67,6 @@ class TraceExecutor(Executor):
         self.trace, self.recorder, self.missing = trace, recorder, 0
         self.shape_buckets = shape_buckets
 
-    def _observe_train(self, report: Any, seconds: float) -> dict[str, bool]:
-        t0, phased = time.perf_counter(), sum(self.clock.phases.values())
-        try:
-            return super()._observe_train(report, seconds)
-        finally:
-            self.recorder["idle_parts"]["observe"] += (time.perf_counter() - t0
-                                                       - (sum(self.clock.phases.values()) - phased))
-
     def _timed_parts(self) -> None:
         """The loop's work outside its phases (its "idle" seconds), by part: the step's outcome
         to the tasks (callbacks, exit decisions: `_observe_train`), the step boundary (attach,
@@ -90,6 +82,7 @@ class TraceExecutor(Executor):
                     rec["idle_parts"][name] += time.perf_counter() - t0 - (sum(clock.phases.values()) - phased)
             return run
 
+        self._observe_train = timed("observe", self._observe_train)  # the loop calls it on self
         self.roster.boundary = timed("boundary", self.roster.boundary)
         self.roster.end_idle = timed("end_idle", self.roster.end_idle)
         self.strategy.flush = timed("flush", self.strategy.flush)

@@ -155,7 +155,6 @@ class _Plan:
         msgs = record.messages
         self.weights = record.weights or tuple(1 for _ in msgs)
         self.record = record
-        self.made: Example | None = None
         self.chat = record.text is None and bool(getattr(tokenizer, "chat_template", None))
         self.spans: list[tuple[int, int]] = []
         if record.text is not None:
@@ -213,15 +212,16 @@ def tokenize_all(tokenizer: Any, records: Iterable[Record], max_seq_len: int, ke
     out: list[Example | None] = []
     for lo in range(0, len(records), batch):
         plans = [_Plan(tokenizer, r) for r in records[lo : lo + batch]]
+        made: list[Example | None] = [None] * len(plans)
         for chat in (False, True):  # chat texts need their character offsets; the others do not
-            group = [p for p in plans if p.chat == chat]
-            ids, offs = _encode(tokenizer, [t for p in group for t in p.texts], chat)
+            group = [i for i, p in enumerate(plans) if p.chat == chat]
+            ids, offs = _encode(tokenizer, [t for i in group for t in plans[i].texts], chat)
             at = 0
-            for p in group:
-                n = len(p.texts)
-                p.made = p.example(tokenizer, ids[at : at + n], offs[at : at + n] if chat else None, max_seq_len)
+            for i in group:
+                n = len(plans[i].texts)
+                made[i] = plans[i].example(tokenizer, ids[at : at + n], offs[at : at + n] if chat else None, max_seq_len)
                 at += n
-        out += [p.made for p in plans]
+        out += made
     return out if keep_empty else [ex for ex in out if ex is not None]
 
 

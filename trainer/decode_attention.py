@@ -22,6 +22,9 @@ from typing import Any
 
 import torch
 from torch.nn import functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "loraplex_decode_sdpa"
 
@@ -31,8 +34,6 @@ def decode_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                           **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query [B, H, T, D], key/value [B, Hkv, L, D]
     -> ([B, T, H, D], None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     special = any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux", "sinks"))
     if query.shape[2] != 1 or groups <= 1 or dropout or special or kwargs.get("output_attentions"):
@@ -50,9 +51,6 @@ def decode_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
 
 def register_decode_attention() -> str:
     """Register the attention and SDPA's mask function under NAME (idempotent); the name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register(NAME, decode_sdpa_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     return NAME
