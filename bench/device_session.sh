@@ -861,5 +861,22 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
   s28_f)  # session 28, call 7: every GPU test on the code that lands
     step 420 gpu_tests python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f" >&2; exit 2 ;;
+  s29_a)  # session 29, call 1 (issue 41): a fresh process against a process forked by the node's zygote
+          # (worker.zygote: the executor's imports done before the placement, CUDA untouched). The GPU
+          # test of a forked child, then the warm host twice, each with its own empty Triton cache
+          # (the shipped archive) and no stored memory model: a new interpreter, then forked
+    export TRITON_CACHE_DIR=/tmp/s29a/triton0
+    rm -rf /tmp/s29a
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site step 150 gpu_test_zygote python3 -m pytest -q --tb=short -p no:cacheprovider \
+      tests/gpu/test_zygote_gpu.py
+    TRITON_CACHE_DIR=/tmp/s29a/triton1 LORAPLEX_PROFILE_CACHE=/tmp/s29a/profiles1.json PYTHONPATH=/tmp/site \
+      step 200 warm_host_exec python3 bench/warm_host.py --layers 32 --n-train 120 --work /tmp/executor_task \
+      --deadline-s 190 --json "$OUT/warm_host_exec.json"
+    TRITON_CACHE_DIR=/tmp/s29a/triton2 LORAPLEX_PROFILE_CACHE=/tmp/s29a/profiles2.json PYTHONPATH=/tmp/site \
+      step 200 warm_host_zygote python3 bench/warm_host.py --layers 32 --n-train 120 --work /tmp/executor_task \
+      --reuse --zygote --deadline-s 190 --json "$OUT/warm_host_zygote.json"
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a" >&2; exit 2 ;;
 esac

@@ -49,6 +49,7 @@ from worker import host as shared  # noqa: E402
 from worker.processes import CUBLAS_WORKSPACE  # noqa: E402
 from worker.sampler import ADAPTERS_NAME, RESULT_NAME, WORK_NAME  # noqa: E402
 from worker.spool import read_complete_lines  # noqa: E402
+from worker.zygote import Zygote  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GRID = [(16, 1, 1e-4), (32, 2, 3e-4), (64, 4, 1e-3), (16, 2, 2e-4), (32, 4, 5e-4), (64, 1, 1e-3),
@@ -143,6 +144,9 @@ def main() -> None:
     ap.add_argument("--spare", action="store_true",
                     help="start the host as a node's spare (worker.host --spare): warmed up before task A's "
                          "attach, which then starts the clock (issue 41: a GPU node keeps one per free GPU)")
+    ap.add_argument("--zygote", action="store_true",
+                    help="fork the host from a node's zygote (worker.zygote: the executor's imports done, no "
+                         "CUDA), as the daemon does on a GPU node; the clock starts at the fork request")
     args = ap.parse_args()
     # as worker.processes.spawn gives every GPU process of a node (the repeatable decode's samples)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
@@ -170,13 +174,28 @@ def main() -> None:
     res: dict = {"args": vars(args)}
     if not args.spare:  # the daemon writes the first request before it starts a host
         shared.send(host_dir, {"op": "attach", "placement_id": a.name, "placement_dir": str(a)})
+    left = lambda: max(1.0, end_by - time.monotonic())  # noqa: E731
+    host_args = ["--host-dir", str(host_dir), "--linger-s", "600", "--lease-timeout-s", "0",
+                 *(["--spare"] if args.spare else [])]
+    zygote = None
+    if args.zygote:  # started as the daemon starts it: the node's environment, no GPU of its own
+        t0 = time.monotonic()
+        zygote = Zygote({**env, "CUDA_VISIBLE_DEVICES": "", "LORAPLEX_SLOTS": ""}, root, root / "zygote.log")
+        if not zygote.ready(left()):
+            raise SystemExit("the zygote did not get ready: " + (root / "zygote.log").read_text()[-2000:])
+        res["zygote_ready_s"], res["zygote_imports_s"] = time.monotonic() - t0, zygote.info["imports_s"]
+        te.log(f"zygote: ready {res['zygote_ready_s']:.1f} s after its start (imports {res['zygote_imports_s']:.1f} s)")
     t_start = time.monotonic()
     log = (host_dir / "host.log").open("ab")
-    proc = subprocess.Popen([sys.executable, "-m", "worker.host", "--host-dir", str(host_dir), "--linger-s", "600",
-                             "--lease-timeout-s", "0", *(["--spare"] if args.spare else [])], env=env, cwd=REPO,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    if zygote is not None:
+        proc = zygote.spawn("worker.host", host_args, env, host_dir, host_dir / "host.log")
+        if proc is None:
+            raise SystemExit("the zygote refused the host")
+        res["fork_s"] = time.monotonic() - t_start
+    else:
+        proc = subprocess.Popen([sys.executable, "-m", "worker.host", *host_args], env=env, cwd=REPO,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        left = lambda: max(1.0, end_by - time.monotonic())  # noqa: E731
         if args.spare:
             status = wait(lambda: (s := shared.read_status(host_dir)).get("warm_s") is not None and s,
                           "the spare to warm up", left())
@@ -187,7 +206,8 @@ def main() -> None:
         wait(lambda: first_point(a), "A's first step", left())
         res["cold_first_step_s"] = time.monotonic() - t_start
         te.log(f"A: first step {res['cold_first_step_s']:.1f} s after "
-               + ("its attach to the spare" if args.spare else "the host process started"))
+               + ("its attach to the spare" if args.spare else "the host process started"
+                  + (" (forked by the zygote)" if zygote else "")))
         wait(lambda: finished(a), "A's end", left(), poll=0.2)
         res["a_wall_s"] = time.monotonic() - t_start
         res["a_timings"] = timings(a)
@@ -220,6 +240,8 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+        if zygote is not None:
+            zygote.close()
     host_log = (host_dir / "host.log").read_text(errors="replace")
     res["host_log_tail"] = host_log[-3000:]
     # each task's memory trace (trainer.memory_plan: cells, recompute, resident, peak, predicted MB)
@@ -239,7 +261,7 @@ def main() -> None:
     except ImportError:
         pass
     bt = res.get("b_timings") or {}
-    text = "\n".join([
+    text = "\n".join(line for line in [
         f"# A task joining a warm host, samples on demand there ({dev})", "",
         f"Llama-3.1-8B shape, random bf16 weights, {args.layers} layers; tasks of 8 jobs (ranks 16/32/64, batch "
         f"1/2/4), {args.n_train} prompt/completion samples, 1 epoch, max_seq_len {max_seq_len}; the real shared "
@@ -248,8 +270,11 @@ def main() -> None:
         "in them). `python bench/warm_host.py " + " ".join(sys.argv[1:]) + "`.", "",
         "| measure | seconds |", "|---|---|",
         (f"| spare: process start -> warmed up (its warm-up {res.get('spare_warm_s', float('nan')):.2f}) | "
-         f"{res.get('spare_ready_s', float('nan')):.2f} |") if args.spare else "",
+         f"{res.get('spare_ready_s', float('nan')):.2f} |") if args.spare else None,
+        (f"| zygote: process start -> its imports done (imports {res.get('zygote_imports_s', float('nan')):.2f}) | "
+         f"{res.get('zygote_ready_s', float('nan')):.2f} |") if args.zygote else None,
         ("| cold model on a spare: attach request -> task A's first training point | " if args.spare else
+         "| cold: host process forked by the zygote -> task A's first training point | " if args.zygote else
          "| cold: host process start -> task A's first training point | ")
         + f"{res.get('cold_first_step_s', float('nan')):.2f} |",
         f"| cold: task A's own first step (its timings, from the executor's start) | "
@@ -262,7 +287,7 @@ def main() -> None:
         f"{(bt.get('phases') or {}).get('train', float('nan')):.1f} |",
         f"| samples on demand on the warm host: request -> result ({res.get('sample_result')}) | "
         f"{res.get('sample_s', float('nan')):.2f} |", "",
-        "Task B's timings: " + json.dumps(bt, default=str)]) + "\n"
+        "Task B's timings: " + json.dumps(bt, default=str)] if line is not None) + "\n"
     te.emit(text, res, args)
 
 

@@ -42,6 +42,9 @@ class DaemonConfig:
     sample_poll_s: float = float(os.environ.get("LORAPLEX_SAMPLE_POLL_S", "2"))
     sampler_module: str = "worker.sampler"
     sample_timeout_s: float = 600.0
+    # the node's zygote (worker.zygote): executor processes forked with their imports done.
+    # "auto": on a GPU node; "on"; "off" (every process a new interpreter)
+    zygote: str = os.environ.get("LORAPLEX_ZYGOTE", "auto")
 
 
 
@@ -86,6 +89,9 @@ def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
                     default=env("LORAPLEX_SPARE_HOSTS", "auto"),
                     help="Keep a warmed-up shared executor on each free GPU for the next task "
                          "(env LORAPLEX_SPARE_HOSTS; auto: on a GPU node, off on a CPU node).")
+    ap.add_argument("--zygote", choices=("auto", "on", "off"), default=env("LORAPLEX_ZYGOTE", "auto"),
+                    help="Fork executor processes from a process that has done their imports "
+                         "(worker.zygote; env LORAPLEX_ZYGOTE; auto: on a GPU node).")
     ap.add_argument("--log-level", default=env("LORAPLEX_LOG_LEVEL", "INFO"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -98,5 +104,5 @@ def parse_args(argv: Sequence[str] | None = None) -> DaemonConfig:
                         heartbeat_interval_s=args.heartbeat_interval_s,
                         runner_module=args.runner_module, runner_args=list(args.runner_args),
                         colocate=args.colocate, host_module=args.host_module,
-                        spare_hosts=args.spare_hosts)
+                        spare_hosts=args.spare_hosts, zygote=args.zygote)
 

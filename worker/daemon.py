@@ -16,6 +16,7 @@ from contract.background import BackgroundWorker
 from worker.config import DaemonConfig, parse_args
 from worker.local_state import LocalPlacement, LocalStatus
 from worker.placements import Lifecycle
+from worker.processes import NodeZygote
 from worker.registration import Registration
 from worker.sample_requests import SampleRequests
 from worker.service_client import Backoff, ServiceClient
@@ -50,7 +51,8 @@ class Daemon:
         self.shutdown = Shutdown()
         self.registration = Registration(cfg, self.client)
         self.placements: dict[str, LocalPlacement] = {}  # the node's table; its parts share it
-        self.shared = SharedHosts(cfg, self.registration, self.placements)
+        self.zygote = NodeZygote(cfg.zygote, cfg.work_dir)
+        self.shared = SharedHosts(cfg, self.registration, self.placements, self.zygote)
         self.lifecycle = Lifecycle(cfg, self.client, self.conn, self.registration,
                                    self.placements, self.shared)
         self.sampling = SampleRequests(cfg, self.client, self.registration, self.placements,
@@ -83,6 +85,7 @@ class Daemon:
             if clean:
                 self.deregister()
         finally:
+            self.zygote.close()
             self.client.close()
         log.info("daemon exited node=%s", self.node_id)
         return 0
@@ -135,6 +138,7 @@ class Daemon:
         self.shared.tend(self.state if self.state in (DRAINING, STOPPING) else None)
         self.sampling.tend(accepting=self.state not in (DRAINING, STOPPING))
         if self.state not in (DRAINING, STOPPING):
+            self.zygote.tend(self.registration.cuda)
             self.lifecycle.pop()
             self._set_state(BUSY if self.placements else IDLE)
             self.shared.keep_spares(also=self.sampling.slot)

@@ -60,20 +60,18 @@ STATUS_NAME = "status.json"
 # a CPU executor's budget is unbounded (no memory model); the report says "plenty", not 2**50
 ROWS_CAP = 1 << 20
 # what a first task's executor imports when it builds its model (transformers loads these lazily:
-# about 6 s of a fresh process on the H200, session 20), imported by a spare while it waits
+# about 6 s of a fresh process on the H200, session 20), imported by a spare while it waits and by
+# the node's zygote (worker.zygote) before it forks any executor
 WARM_MODULES = ("transformers.modeling_utils", "transformers.integrations.tensor_parallel",
                 "transformers.masking_utils", "transformers.generation.utils",
-                "transformers.models.auto.modeling_auto")
+                "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+                "trainer.sampling", "worker.runner", "worker.sampler")
 
 
-def warm_up() -> float:
-    """A spare's head start on its first task, in seconds: the executor's imports (torch,
-    transformers' model-building modules, the engine and its kernels) and, on a GPU, the CUDA
-    context and a cuBLAS handle, so that the first placement pays only its model's load."""
+def warm_imports() -> None:
+    """The executor's imports (torch, transformers' model-building modules, the engine and its
+    kernels), none of which touches CUDA."""
     import importlib
-
-    started = time.perf_counter()
-    import torch
 
     _executor_class()
     for name in WARM_MODULES:
@@ -81,6 +79,15 @@ def warm_up() -> float:
             importlib.import_module(name)
         except ImportError:  # another transformers version: what is not there is not needed
             log.debug("warm-up module missing name=%s", name)
+
+
+def warm_up() -> float:
+    """A spare's head start on its first task, in seconds: `warm_imports` and, on a GPU, the CUDA
+    context and a cuBLAS handle, so that the first placement pays only its model's load."""
+    started = time.perf_counter()
+    import torch
+
+    warm_imports()
     if torch.cuda.is_available():
         x = torch.ones(64, 64, device="cuda")
         (x @ x).sum().item()  # the context, a cuBLAS handle and a first sync

@@ -13,8 +13,9 @@ from pathlib import Path
 from contract.states import StrEnum
 from worker import host as shared
 from worker.forwarder import Forwarder
-from worker.processes import alive
+from worker.processes import exit_code_of
 from worker.spool import SPOOL_NAME, TERMINAL_TYPES, SpoolWriter, read_complete_lines
+from worker.zygote import ForkedProcess
 
 
 class LocalStatus(StrEnum):
@@ -45,7 +46,7 @@ class LocalPlacement:
     # The service stopped this attempt (cancelled, superseded, failed or finished there): it
     # takes no more reports from it, so the daemon stops it and ends it without a word.
     cancelled: bool = False
-    proc: subprocess.Popen | None = field(default=None, repr=False)
+    proc: subprocess.Popen | ForkedProcess | None = field(default=None, repr=False)
     forwarder: Forwarder | None = field(default=None, repr=False)
     kill_at: float | None = None
     next_claim_at: float = 0.0
@@ -100,7 +101,7 @@ class LocalHost:
     gpu_indices: list[int]
     pid: int | None = None
     closing: bool = False  # asked to stop (SIGTERM): it takes no more placements
-    proc: subprocess.Popen | None = field(default=None, repr=False)
+    proc: subprocess.Popen | ForkedProcess | None = field(default=None, repr=False)
     kill_at: float | None = None
     # a pause or preemption gives the GPUs back: once nothing is left on it, it does not linger
     stop_when_idle: bool = False
@@ -126,9 +127,7 @@ class LocalHost:
         """None while alive; its exit code (our child); 'lost' for an adopted pid that is gone."""
         if self.proc is not None:
             return self.proc.poll()
-        if self.pid is not None and alive(self.pid, self.directory):
-            return None
-        return "lost"
+        return exit_code_of(self.pid, self.directory)
 
 
 

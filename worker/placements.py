@@ -17,7 +17,7 @@ from worker.config import DaemonConfig
 from worker.forwarder import Forwarder
 from worker.local_resume import seed_before_start
 from worker.local_state import CLAIMED, LocalPlacement, LocalStatus
-from worker.processes import LEASE_NAME, alive, describe, kill_group, spawn, tail, touch
+from worker.processes import LEASE_NAME, describe, exit_code_of, kill_group, spawn, tail, touch
 from worker.registration import Registration
 from worker.service_client import ServiceClient
 from worker.shared_hosts import SharedHosts
@@ -120,7 +120,7 @@ class Lifecycle:
         touch(p.directory / LEASE_NAME)
         p.proc = spawn(self.cfg.runner_module, "--placement-dir", p.directory, p.gpu_indices,
                        "executor.log", self.cfg.runner_args, cuda=self.registration.cuda,
-                       cache_dir=self.cfg.work_dir / "cache")
+                       cache_dir=self.cfg.work_dir / "cache", zygote=self.shared.zygote.current())
         p.pid, p.status = p.proc.pid, LocalStatus.RUNNING
         p.save()
         log.info("executor started node=%s task=%s placement=%s pid=%d gpus=%s",
@@ -164,9 +164,7 @@ class Lifecycle:
             return self.shared.exit_code(p)
         if p.proc is not None:
             return p.proc.poll()
-        if p.pid is not None and alive(p.pid, p.directory):
-            return None
-        return "lost"
+        return exit_code_of(p.pid, p.directory)
 
     def _retire(self, p: LocalPlacement) -> None:
         """End a placement the service stopped, without a report (it would be refused) and

@@ -3,13 +3,19 @@ and an adopted pid counts as ours only while its command line names its folder."
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from worker.zygote import MARKER_NAME, ForkedProcess, Zygote, read_exit
+
+log = logging.getLogger("loraplex.worker.processes")
 # Touched every tick while the executor runs: an executor whose daemon is gone for good
 # (node timed out, task moved elsewhere) sees it go stale and stops instead of reporting on.
 LEASE_NAME = "lease"
@@ -32,16 +38,48 @@ def touch(path: Path) -> None:
         path.touch()
 
 
-def alive(pid: int, directory: Path) -> bool:
-    """Whether pid is still our executor (and not a recycled pid of something else)."""
+def _proc_fields(pid: int) -> tuple[bytes, list[str]] | None:
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
+        return None
+    return cmdline, stat.rsplit(")", 1)[-1].split()
+
+
+def _noted(pid: int, fields: list[str], directory: Path) -> bool:
+    """Whether the folder's note (a zygote's child) names pid and this process's start time."""
+    try:
+        note = json.loads((directory / MARKER_NAME).read_text())
+    except (OSError, ValueError):
         return False
-    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
+    return note.get("pid") == pid and note.get("start") == int(fields[19])
+
+
+def alive(pid: int, directory: Path) -> bool:
+    """Whether pid is still our executor (and not a recycled pid of something else): its command
+    line names its folder, or (a zygote's child, whose command line is the zygote's) the folder's
+    note names pid and its start time."""
+    proc = _proc_fields(pid)
+    if proc is None or proc[1][0] == "Z":
         return False
-    return str(directory).encode() in cmdline
+    return str(directory).encode() in proc[0] or _noted(pid, proc[1], directory)
+
+
+def exit_code_of(pid: int | None, directory: Path) -> int | str | None:
+    """An adopted executor's exit status: None while it runs (or, a zygote's child, until the
+    zygote has noted its end), the status its zygote noted, else "lost" (another daemon's child)."""
+    if pid is None:
+        return "lost"
+    if alive(pid, directory):
+        return None
+    code = read_exit(directory, pid)
+    if code is not None:
+        return code
+    proc = _proc_fields(pid)
+    if proc is not None and proc[1][0] == "Z" and _noted(pid, proc[1], directory):
+        return None  # ended, its zygote about to note it
+    return "lost"
 
 
 def describe(code: int | str) -> str:
@@ -80,11 +118,9 @@ def node_caches(cache_dir: Path) -> dict[str, str]:
             or str(cache_dir / "memory_profiles.json")}
 
 
-def spawn(module: str, flag: str, directory: Path, gpu_indices: list[int], log_name: str,
-          extra: Sequence[str] = (), *, cuda: bool, cache_dir: Path | None = None) -> subprocess.Popen:
-    """``python -m module flag directory *extra`` on these GPUs (cuda False: a CPU node's slots,
-    no GPU visible), leading its own session, logging to directory/log_name; with cache_dir, the
-    node's caches there (`node_caches`)."""
+def process_env(gpu_indices: Sequence[int], *, cuda: bool, cache_dir: Path | None = None) -> dict[str, str]:
+    """The environment of a node's process on these GPUs (cuda False: a CPU node's slots, no GPU
+    visible); with cache_dir, the node's caches there (`node_caches`)."""
     env = dict(os.environ)
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -96,8 +132,61 @@ def spawn(module: str, flag: str, directory: Path, gpu_indices: list[int], log_n
     env["LORAPLEX_SLOTS"] = gpus
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", module, flag, str(directory), *extra]
+    return env
+
+
+def spawn(module: str, flag: str, directory: Path, gpu_indices: list[int], log_name: str,
+          extra: Sequence[str] = (), *, cuda: bool, cache_dir: Path | None = None,
+          zygote: Zygote | None = None) -> subprocess.Popen | ForkedProcess:
+    """``python -m module flag directory *extra`` on these GPUs (`process_env`), leading its own
+    session, logging to directory/log_name: forked by the node's zygote when it has one ready
+    (worker.zygote: the imports already done), else a new interpreter."""
+    env = process_env(gpu_indices, cuda=cuda, cache_dir=cache_dir)
+    args = [flag, str(directory), *extra]
+    if zygote is not None:
+        child = zygote.spawn(module, args, env, directory, directory / log_name)
+        if child is not None:
+            return child
     with open(directory / log_name, "ab") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                cwd=directory)
+        return subprocess.Popen([sys.executable, "-m", module, *args], env=env,
+                                stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=directory)
+
+
+class NodeZygote:
+    """The daemon's zygote (worker.zygote), kept: started once the node knows whether it has GPUs
+    (mode "auto": on a GPU node; "on", "off"), started again after it dies, with a growing pause
+    after each death in a row (a broken environment does not start one every tick)."""
+
+    def __init__(self, mode: str, work_dir: Path) -> None:
+        self.mode, self.work_dir = mode, work_dir
+        self.zygote: Zygote | None = None
+        self.failures, self.after = 0, 0.0
+
+    def tend(self, cuda: bool) -> None:
+        if self.mode == "off" or (self.mode == "auto" and not cuda):
+            return
+        if self.zygote is not None:
+            if self.zygote.alive():
+                self.zygote.ready()
+                return
+            self.failures += 1
+            self.after = time.monotonic() + min(600.0, 5.0 * 2 ** self.failures)
+            log.warning("zygote died code=%s failures=%d", self.zygote.proc.poll(), self.failures)
+            self.zygote = None
+        if time.monotonic() >= self.after:
+            env = process_env([], cuda=cuda, cache_dir=self.work_dir / "cache")
+            self.zygote = Zygote(env, self.work_dir, self.work_dir / "zygote.log")
+            log.info("zygote started pid=%d", self.zygote.proc.pid)
+
+    def current(self) -> Zygote | None:
+        """The zygote once it is ready to fork, else None (the caller execs)."""
+        if self.zygote is not None and self.zygote.ready():
+            self.failures = 0
+            return self.zygote
+        return None
+
+    def close(self) -> None:
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None

@@ -32,6 +32,7 @@ from worker.registration import Registration
 from worker.sampler import ADAPTERS_NAME, WORK_NAME, read_result
 from worker.service_client import ServiceClient, ServiceError
 from worker.shared_hosts import SPARE_KEY, SharedHosts
+from worker.zygote import ForkedProcess
 
 log = logging.getLogger("loraplex.worker.samples")
 
@@ -42,7 +43,7 @@ class SampleRun:
     directory: Path
     slot: list[int]
     host: LocalHost | None = None  # the shared executor answering it, else proc
-    proc: Popen | None = None
+    proc: Popen | ForkedProcess | None = None
     renew_at: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.monotonic)
 
@@ -148,7 +149,8 @@ class SampleRequests:
             shared.send(host.directory, {"op": "sample", "dir": str(directory)})
         else:
             run.proc = spawn(self.cfg.sampler_module, "--dir", directory, run.slot, "sampler.log",
-                             cuda=self.registration.cuda, cache_dir=self.cfg.work_dir / "cache")
+                             cuda=self.registration.cuda, cache_dir=self.cfg.work_dir / "cache",
+                             zygote=self.shared.zygote.current())
 
     def _watch(self, run: SampleRun) -> None:
         result = read_result(run.directory)

@@ -18,7 +18,7 @@ from worker.config import DaemonConfig
 from worker.host import HostState
 from worker.local_resume import seed_before_start
 from worker.local_state import LocalHost, LocalPlacement, LocalStatus
-from worker.processes import LEASE_NAME, kill_group, spawn, touch
+from worker.processes import LEASE_NAME, NodeZygote, kill_group, spawn, touch
 from worker.registration import Registration
 
 log = logging.getLogger("loraplex.worker.daemon")
@@ -39,8 +39,10 @@ class SharedHosts:
     task to a warm one."""
 
     def __init__(self, cfg: DaemonConfig, registration: Registration,
-                 placements: dict[str, LocalPlacement]) -> None:
+                 placements: dict[str, LocalPlacement], zygote: NodeZygote | None = None) -> None:
         self.cfg, self.registration, self.placements = cfg, registration, placements
+        # the node's executor processes are forked there once it is ready (worker.zygote)
+        self.zygote = zygote or NodeZygote("off", cfg.work_dir)
         self.hosts: dict[str, LocalHost] = {}
         # spares that died unasked in a row, and when the next may start (a broken environment
         # does not start one every tick)
@@ -141,7 +143,8 @@ class SharedHosts:
 
     def _spawn(self, h: LocalHost, extra: Sequence[str] = ()) -> LocalHost:
         h.proc = spawn(self.cfg.host_module, "--host-dir", h.directory, h.gpu_indices, "host.log", extra,
-                       cuda=self.registration.cuda, cache_dir=self.cfg.work_dir / "cache")
+                       cuda=self.registration.cuda, cache_dir=self.cfg.work_dir / "cache",
+                       zygote=self.zygote.current())
         h.pid = h.proc.pid
         h.save()
         return h

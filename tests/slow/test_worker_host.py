@@ -396,6 +396,38 @@ def test_a_spare_executor_warms_up_ahead_and_the_next_task_trains_on_it(
 
 
 @pytest.mark.usefixtures("one_thread_host")
+def test_with_a_zygote_the_executor_is_forked_trains_and_a_restarted_daemon_adopts_it(
+        tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 41: a node's zygote (worker.zygote) has done the executor's imports; the task's shared
+    executor is forked there (its command line is the zygote's), trains, and a daemon restarted
+    while it runs adopts it, and reads its exit status once it stops (the old zygote noted it)."""
+    from worker.zygote import ForkedProcess
+
+    monkeypatch.setenv("LORAPLEX_EXECUTOR_LINGER_S", "60")
+    service = Service()
+    d = node_daemon(tmp_path, service, zygote="on")
+    ticking(d, lambda: d.zygote.current() is not None, "the zygote's imports", timeout=240)
+    a = make_placement(tmp_path, model, "pl_a", epochs=2)
+    ready(d, a)
+    ticking(d, lambda: trained(a), "A to train in a forked executor")
+    (h,) = d.shared.hosts.values()
+    assert isinstance(h.proc, ForkedProcess) and d.placements["pl_a"].pid == h.pid
+    assert b"worker.zygote" in Path(f"/proc/{h.pid}/cmdline").read_bytes()
+    assert "left the executor" not in (h.directory / "host.log").read_text()
+
+    d.zygote.close()  # the daemon dies; its zygote waits for its children, noting their ends
+    d = node_daemon(tmp_path, service)
+    d.recover()
+    assert list(d.shared.hosts) == [h.host_id] and d.shared.hosts[h.host_id].exit_code() is None
+    ticking(d, lambda: "pl_a" not in d.placements, "A to finish")
+    assert records(a)[-1]["type"] == "finished" and reported(service, "/tasks/task_pl_a/finished")
+    adopted = d.shared.hosts[h.host_id]
+    d.shared.stop(adopted, "test over")
+    wait(lambda: adopted.exit_code() is not None, "the adopted executor to stop")
+    assert adopted.exit_code() == 0  # its status as the zygote noted it, not "lost"
+
+
+@pytest.mark.usefixtures("one_thread_host")
 def test_a_crash_of_the_shared_executor_fails_every_hosted_placement_retryably(
         tmp_path: Path, model: Path) -> None:
     import os
