@@ -377,7 +377,8 @@ class TaskRun:
                         write = self.files.link("export", path.with_name("best"), path)
                     else:
                         write = self.files.write("export", adapter.flat, lambda flat: write_peft(
-                            adapter.peft_state_dict(flat=flat), config, path, metadata=meta))
+                            adapter.peft_state_dict(flat=flat), config, path, metadata=meta),
+                            best_of=job_id if kind == "best" else None)
                     self.files.job_writes[job_id] = write
                     if kind == "best":
                         self.files.best_write = write

@@ -264,17 +264,16 @@ class TaskRoster:
         if task.error is not None:
             outcome = TaskOutcome.FAILED
         if outcome in (TaskOutcome.SUCCEEDED, TaskOutcome.PAUSED):
-            self.guarded(task, task.files.checkpoint)
+            self.guarded(task, lambda: task.files.checkpoint(last=True))
         elif outcome == TaskOutcome.CANCELLED:
             for job_id, st in task.status.items():
                 if st["state"] in JOB_LIVE:
                     self.guarded(task, lambda j=job_id: task.set_state(j, JobState.CANCELLED, {}))
         rows = None
         if outcome == TaskOutcome.SUCCEEDED and task.error is None:
-            # the samples read the best adapters' files: they decode once those are written, while
-            # the writer goes on with the final adapters and the last checkpoint; they are
-            # announced after every file of the task, as before
-            task.files.wait_for_best()
+            # the samples read the best adapters (a file, or the snapshot its write is writing:
+            # trainer.task_files.pending_best), so they decode while the writer goes on with the
+            # last exports and checkpoint; they are announced after every file of the task
             rows = self._samples(task)
         task.files.settle(wait=True)  # its files complete and announced first (a pause's checkpoint)
         if rows and task.error is None:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from contract.states import JobState as JobLifecycle
 from trainer.checkpoint import (
+    Snapshot,
     Write,
     job_state_dict,
     rng_state,
@@ -86,6 +87,9 @@ class TaskFiles:
         self.checkpoint_write: Write | None = None  # its latest checkpoint write (one in flight at most)
         self.job_writes: dict[str, Write] = {}  # each job's last write (its exports)
         self.best_write: Write | None = None  # the task's latest write of a best adapter
+        # each job's latest best adapter while its files are being written: (the write, its
+        # snapshot), what the task's samples read instead of waiting for the files (`pending_best`)
+        self.best_snaps: dict[str, tuple[Write, Snapshot]] = {}
         self.best_steps: dict[str, int] = {}  # each job's step at its latest best export
         # each started job's last state on file: (its step then, the file's name; None on a rank
         # but 0, which names and writes the files)
@@ -94,16 +98,27 @@ class TaskFiles:
         # announcements waiting for files, in the order made: (the write, callback, arguments)
         self.held: deque[tuple[Write | None, Callable[..., None], tuple]] = deque()
 
-    def write(self, kind: str, obj: Any, write: Callable[[Any], Any]) -> Write:
+    def write(self, kind: str, obj: Any, write: Callable[[Any], Any], best_of: str | None = None) -> Write:
         """Snapshot obj now (waiting first while the writer holds too many snapshots), then
-        write(snapshot) on the executor's writer thread."""
+        write(snapshot) on the executor's writer thread. best_of: the job whose best adapter obj
+        is (its snapshot is kept for `pending_best` until the files are complete)."""
         writer = self.executor.writer
         nbytes = tensor_bytes(obj)
         writer.room(nbytes)
         snap = take_snapshot(obj)
         pending = writer.submit(self.task.task_id, kind, nbytes, lambda: write(snap.wait()))
         self.writes.append(pending)
+        if best_of is not None:
+            self.best_snaps[best_of] = (pending, snap)
         return pending
+
+    def pending_best(self, job_id: str) -> Any | None:
+        """The job's latest best adapter (its flat weights, in host memory) while its files are
+        still being written; None once they are complete (read them), or if it has none."""
+        entry = self.best_snaps.get(job_id)
+        if entry is None or entry[0].done.is_set():
+            return None
+        return entry[1].wait()
 
     def link(self, kind: str, src: Path, dst: Path) -> Write:
         """On the writer, after every write queued before it: dst's files as those of src (an
@@ -137,25 +152,20 @@ class TaskFiles:
             if write.error is not None and task.error is None:
                 log.error("task=%s %s write failed: %s", task.task_id, write.kind, write.error)
                 task.error = write.error
+        self.best_snaps = {j: e for j, e in self.best_snaps.items() if not e[0].done.is_set()}
         while self.held and (self.held[0][0] is None or self.held[0][0].done.is_set()):
             write, fn, args = self.held.popleft()
             if write is None or write.error is None:  # a file that failed is never announced
                 fn(*args)
 
-    def wait_for_best(self) -> None:
-        """Wait until every best adapter submitted so far is on file (the writer writes in order:
-        its latest best write and all before it), not for the writes queued after it (final
-        adapters, the last checkpoint): what the task's samples read, while the rest is written."""
-        write = self.best_write
-        if write is not None and not write.done.is_set():
-            with self.executor.phase("export"):
-                write.done.wait()
-
-    def checkpoint(self) -> None:
+    def checkpoint(self, last: bool = False) -> None:
+        """The task's checkpoint now. last: the task's end (finished or paused), which waits for
+        all its files anyway (`settle(wait=True)`): it does not wait for the one in flight first,
+        so what comes before that wait (the samples' decode) runs while the writer writes."""
         with self.executor.phase("checkpoint"):
-            self._checkpoint_now()
+            self._checkpoint_now(last)
 
-    def _checkpoint_now(self) -> None:
+    def _checkpoint_now(self, last: bool = False) -> None:
         executor, task = self.executor, self.task
         self.last_checkpoint, self.checkpoint_due = time.monotonic(), False
         task.report_throughput()
@@ -167,7 +177,7 @@ class TaskFiles:
             # at most one checkpoint of the task in flight: the last complete one is then never
             # more than one interval behind the one being written, so a crash (kill -9) loses
             # under two intervals of steps even when writes lag the loop (a slow or loaded disk)
-            if self.checkpoint_write is not None:
+            if self.checkpoint_write is not None and not last:
                 self.checkpoint_write.done.wait()  # set once written or failed: never hangs
             self.checkpoint_write = self.write("checkpoint", self._payload([part]), lambda snap: write_checkpoint(
                 task.out, *snap, save=save_checkpoint))

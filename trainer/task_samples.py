@@ -1,6 +1,6 @@
 """The samples a task ends with (contract SampleSettings): a few held-out prompts answered by the
 task's leading adapters (the top k jobs by best validation loss, from their exported best
-adapters) and by the base model, in one decode batch on the executor's backbone (trainer.sampling)
+adapters: the files, or the snapshot being written to them) and by the base model, in one decode batch on the executor's backbone (trainer.sampling)
 before the task lets go of it. Written as samples.jsonl in the task's output directory and
 reported to the service (the TaskSamples report, kept there as a result file of the task).
 """
@@ -11,6 +11,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+import torch
 
 from contract.protocol import SampleSettings
 from trainer.data import IGNORE, render_chat
@@ -26,6 +28,7 @@ class SamplingTask(Protocol):
     out: Path
     val: list[Any]
     monitors: dict[str, Any]
+    files: Any  # trainer.task_files.TaskFiles: pending_best(job_id)
 
 
 def prompt_ids(example: Any) -> list[int]:
@@ -48,10 +51,12 @@ def inline_prompt_ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def leading_jobs(task: SamplingTask, k: int) -> list[str]:
-    """The k jobs of the best validation loss that have an exported best adapter."""
+    """The k jobs of the best validation loss that have an exported best adapter (on file, or
+    being written)."""
     ranked = sorted((m.best_val, job_id) for job_id, m in task.monitors.items()
                     if m.best_val is not None and math.isfinite(m.best_val))
-    found = [j for _, j in ranked if (adapter_dir(task, j) / "adapter_model.safetensors").exists()]
+    found = [j for _, j in ranked if task.files.pending_best(j) is not None
+             or (adapter_dir(task, j) / "adapter_model.safetensors").exists()]
     return found[:k]
 
 
@@ -78,10 +83,14 @@ def task_samples(task: SamplingTask, engine: Any, tokenizer: Any, generate: Any)
         for job_id in jobs:
             spec = specs[job_id]
             name = f"__sample__{job_id}"
-            engine.attach(TrainJob(name, lora_rank=spec.lora_rank, lora_alpha=spec.lora_alpha,
-                                   use_rslora=spec.use_rslora, max_steps=1,
-                                   init_adapter=str(adapter_dir(task, job_id))))
+            pending = task.files.pending_best(job_id)  # files not complete yet: their snapshot
+            run = engine.attach(TrainJob(name, lora_rank=spec.lora_rank, lora_alpha=spec.lora_alpha,
+                                         use_rslora=spec.use_rslora, max_steps=1,
+                                         init_adapter=None if pending is not None else str(adapter_dir(task, job_id))))
             attached.append(name)
+            if pending is not None:
+                with torch.no_grad():
+                    run.adapter.flat.copy_(pending)
         columns: Sequence[str | None] = [None, *attached]
         rows = [(p, c) for p in range(len(prompts)) for c in columns]
         eos = tokenizer.eos_token_id

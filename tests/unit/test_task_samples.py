@@ -131,3 +131,40 @@ def test_the_samples_decode_while_the_last_writes_go_on_and_are_announced_after_
     last_file = max(i for i, what in enumerate(order) if what.startswith(("adapter ", "state ")))
     assert order.index("samples") > last_file
     assert any(what.endswith(" final") for what in order)
+
+
+def test_the_samples_read_a_best_adapter_still_being_written_from_its_snapshot(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # the samples do not wait for the writer: a best adapter whose files are not complete is read
+    # from the snapshot its write holds (TaskFiles.pending_best), and the samples are the same
+    import time
+
+    from trainer import colocate
+
+    settings = SampleSettings(top_k=2, n_prompts=2, max_new_tokens=4)
+    rec = Recorder()
+    Executor(config(tmp_path, "fast", samples=settings), rec.callbacks()).run()
+    expected = samples_of(rec)
+    assert len(expected) == 2 * 3
+
+    clock: list[tuple[str, float]] = []
+    real_write, real_generate = colocate.write_peft, sampling.generate
+
+    def slow_write(state, config_dict, path, **kw):  # noqa: ANN001, ANN003, ANN202
+        time.sleep(0.4)
+        out = real_write(state, config_dict, path, **kw)
+        clock.append((f"written {path.name}", time.monotonic()))
+        return out
+
+    def timed_generate(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        clock.append(("decode", time.monotonic()))
+        return real_generate(*a, **kw)
+
+    monkeypatch.setattr(colocate, "write_peft", slow_write)
+    monkeypatch.setattr(sampling, "generate", timed_generate)
+    rec = Recorder()
+    Executor(config(tmp_path, "slow", samples=settings), rec.callbacks()).run()
+    decode = next(t for what, t in clock if what == "decode")
+    last_best = max(t for what, t in clock if what == "written best")
+    assert decode < last_best  # it read at least one best adapter before its files were complete
+    assert samples_of(rec) == expected
+    assert (tmp_path / "slow" / "samples.jsonl").exists()
