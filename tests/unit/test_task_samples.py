@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
@@ -16,6 +17,30 @@ from trainer import sampling
 from trainer.executor import Executor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def slowed(monkeypatch, module, name: str, seconds: float, clock: list, label) -> None:  # noqa: ANN001
+    """module.name sleeps `seconds` first; its end goes on the clock as label(*its arguments)."""
+    real = getattr(module, name)
+
+    def slow(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        time.sleep(seconds)
+        out = real(*a, **kw)
+        clock.append((label(*a), time.monotonic()))
+        return out
+
+    monkeypatch.setattr(module, name, slow)
+
+
+def timed_decode(monkeypatch, clock: list) -> None:  # noqa: ANN001
+    """The samples' decode notes its start on the clock."""
+    real = sampling.generate
+
+    def timed(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        clock.append(("decode", time.monotonic()))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sampling, "generate", timed)
 
 
 def samples_of(rec: Recorder) -> list[dict]:
@@ -97,25 +122,11 @@ def test_a_long_prompt_is_shown_by_its_end_within_the_reports_bound() -> None:
 def test_the_samples_decode_while_the_last_writes_go_on_and_are_announced_after_them(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     # issue 41: the samples wait for the best adapters' files only; the final adapters and the last
     # checkpoint are written meanwhile, and every file of the task is announced before the samples
-    import time
-
     from trainer import task_files
 
     clock: list[tuple[str, float]] = []
-    real_write, real_generate = task_files.write_checkpoint, sampling.generate
-
-    def slow_write(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-        time.sleep(0.6)
-        out = real_write(*a, **kw)
-        clock.append(("checkpoint written", time.monotonic()))
-        return out
-
-    def timed_generate(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-        clock.append(("decode", time.monotonic()))
-        return real_generate(*a, **kw)
-
-    monkeypatch.setattr(task_files, "write_checkpoint", slow_write)
-    monkeypatch.setattr(sampling, "generate", timed_generate)
+    slowed(monkeypatch, task_files, "write_checkpoint", 0.6, clock, lambda *a: "checkpoint written")
+    timed_decode(monkeypatch, clock)
     order: list[str] = []
     rec = Recorder()
     cb = rec.callbacks()
@@ -136,8 +147,6 @@ def test_the_samples_decode_while_the_last_writes_go_on_and_are_announced_after_
 def test_the_samples_read_a_best_adapter_still_being_written_from_its_snapshot(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     # the samples do not wait for the writer: a best adapter whose files are not complete is read
     # from the snapshot its write holds (TaskFiles.pending_best), and the samples are the same
-    import time
-
     from trainer import colocate
 
     settings = SampleSettings(top_k=2, n_prompts=2, max_new_tokens=4)
@@ -147,20 +156,8 @@ def test_the_samples_read_a_best_adapter_still_being_written_from_its_snapshot(t
     assert len(expected) == 2 * 3
 
     clock: list[tuple[str, float]] = []
-    real_write, real_generate = colocate.write_peft, sampling.generate
-
-    def slow_write(state, config_dict, path, **kw):  # noqa: ANN001, ANN003, ANN202
-        time.sleep(0.4)
-        out = real_write(state, config_dict, path, **kw)
-        clock.append((f"written {path.name}", time.monotonic()))
-        return out
-
-    def timed_generate(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-        clock.append(("decode", time.monotonic()))
-        return real_generate(*a, **kw)
-
-    monkeypatch.setattr(colocate, "write_peft", slow_write)
-    monkeypatch.setattr(sampling, "generate", timed_generate)
+    slowed(monkeypatch, colocate, "write_peft", 0.4, clock, lambda state, config_dict, path: f"written {path.name}")
+    timed_decode(monkeypatch, clock)
     rec = Recorder()
     Executor(config(tmp_path, "slow", samples=settings), rec.callbacks()).run()
     decode = next(t for what, t in clock if what == "decode")

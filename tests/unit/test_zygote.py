@@ -15,19 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_background_worker import wait_until
 from worker.processes import NodeZygote, alive, exit_code_of, kill_group, process_env, spawn
 from worker.zygote import ForkedProcess, Zygote
 
 CHILD = "tests.helpers.zygote_child"
-
-
-def wait_until(predicate, timeout: float = 20.0) -> bool:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def folder(tmp_path: Path, name: str) -> Path:
@@ -86,7 +78,7 @@ def test_the_daemon_recognises_signals_and_reads_a_running_child(tmp_path, zygot
     assert alive(proc.pid, d)  # from the first look: the zygote notes it before it answers
     assert not alive(proc.pid, folder(tmp_path, "other"))  # another folder's pid is not ours
     assert exit_code_of(proc.pid, d) is None and proc.poll() is None
-    assert wait_until(lambda: (d / "child.json").exists())
+    assert wait_until(lambda: (d / "child.json").exists(), timeout=20)
     kill_group(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM
     assert not alive(proc.pid, d) and exit_code_of(proc.pid, d) == -signal.SIGTERM
