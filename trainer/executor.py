@@ -86,6 +86,7 @@ class Executor:
         self.writer = self.strategy.file_writer(cfg.async_writes, cfg.write_buffer_bytes)
         self.memory: MemoryPlan | None = None  # planned once the engine is built (`_load`)
         self.global_step = 0
+        self.loaded_with: set[str] = set()  # the tasks hosted when the model loaded (`_load`)
         self.clock = PhaseClock(self.writer)  # wall seconds by phase
         self._usage_mark = 0.0  # the end of the last step (usage: StepNumbers.gpu_seconds)
         self.roster = TaskRoster(self, cfg)
@@ -134,6 +135,7 @@ class Executor:
     def _load(self) -> None:
         """The executor's part: model, engine, memory model and admission; then its tasks' data."""
         marks = [("start", time.perf_counter())]
+        self.loaded_with = set(self.tasks)  # their walls hold this load: their timings show its parts
         from transformers import AutoTokenizer
 
         marks.append(("imports", time.perf_counter()))
@@ -288,9 +290,12 @@ class Executor:
         the pinned pool's (slices served, missed, chunks pinned on the loop, GB pinned), and on a
         GPU the caching allocator's retries (a full device: cached blocks freed and the allocation
         tried again, a device sync each) and cudaMalloc calls since the process began."""
+        # the load by part, for a task whose wall holds the load (not one that joined a warm host)
+        parts = {} if task is not None and task.task_id not in self.loaded_with else {
+            f"load_part_{k.removesuffix('_s')}": v for k, v in getattr(self, "load_parts", {}).items()}
         return {**self.clock.split(task), "global_step": self.global_step,
                 "recompute": self.cfg.gradient_checkpointing, **POOL.counts(), **allocator_counts(getattr(self, "device", None)),
-                **(self.memory.timings() if self.memory else {"profile_reused": None})}
+                **(self.memory.timings() if self.memory else {"profile_reused": None}), **parts}
 
     # ----- tasks coming and going (trainer.hosting.TaskRoster; any thread) -------------------
     def attach_task(self, cfg: ExecutorConfig, callbacks: Callbacks | None = None,

@@ -1,5 +1,6 @@
 """Executor processes of this node: each leads its own session (a signal reaches its children),
-and an adopted pid counts as ours only while its command line names its folder."""
+forked by the node's zygote where it has one ready (worker.zygote) or execed, and an adopted pid
+counts as ours only while its command line, or the zygote's note in its folder, names it."""
 
 from __future__ import annotations
 

@@ -178,6 +178,15 @@ def test_a_task_attached_mid_run_trains_exactly_as_alone(files, tmp_path, fixed_
     (tim_a,) = [d for _, m, d in got_a.events if m == "timings"]
     (tim_b,) = [d for _, m, d in got_b.events if m == "timings"]
     assert tim_a["load_s"] > 0 and tim_b["load_s"] == 0
+    # A's also show the load by part (details of its report, not phases); B's hold none of it
+    from worker.runner import timings_report
+
+    report_a = timings_report(tim_a)
+    assert {"load_part_model", "load_part_data", "load_part_engine"} <= set(report_a["details"])
+    assert not any(k.startswith("load_part") for k in report_a["phases"])
+    assert sum(v for k, v in report_a["details"].items()
+               if k.startswith("load_part_") and k != "load_part_process_age_at_load") <= tim_a["load_s"] + 1e-3
+    assert not any(k.startswith("load_part") for k in tim_b)
     assert tim_b["wall_s"] < tim_b["host_wall"]  # the host started before B arrived
     assert 0 < tim_b["first_step_s"] < tim_b["wall_s"]
     assert tim_a["first_step_s"] == pytest.approx(host.clock.first_step_s)
