@@ -30,7 +30,7 @@ class FakeProc:
 def spawned(monkeypatch: pytest.MonkeyPatch) -> list[FakeProc]:
     procs: list[FakeProc] = []
 
-    def spawn(module, flag, directory, gpus, log_name, extra=(), *, cuda, cache_dir=None):  # noqa: ANN001, ANN202
+    def spawn(module, flag, directory, gpus, log_name, extra=(), *, cuda, cache_dir=None, zygote=None):  # noqa: ANN001, ANN202
         procs.append(FakeProc(1000 + len(procs), [module, flag, str(directory), *extra, f"gpus={gpus}"]))
         return procs[-1]
 
