@@ -46,7 +46,7 @@ from contract.protocol import (  # noqa: E402
 )
 from contract.sample_requests import SampleAdapter, SampleWork  # noqa: E402
 from worker import host as shared  # noqa: E402
-from worker.processes import CUBLAS_WORKSPACE  # noqa: E402
+from worker.processes import CUBLAS_WORKSPACE, ForkedProcess  # noqa: E402
 from worker.sampler import ADAPTERS_NAME, RESULT_NAME, WORK_NAME  # noqa: E402
 from worker.spool import read_complete_lines  # noqa: E402
 from worker.zygote import Zygote  # noqa: E402
@@ -188,9 +188,10 @@ def main() -> None:
     t_start = time.monotonic()
     log = (host_dir / "host.log").open("ab")
     if zygote is not None:
-        proc = zygote.spawn("worker.host", host_args, env, host_dir, host_dir / "host.log")
-        if proc is None:
+        pid = zygote.spawn("worker.host", host_args, env, host_dir, host_dir / "host.log")
+        if pid is None:
             raise SystemExit("the zygote refused the host")
+        proc = ForkedProcess(pid, host_dir)
         res["fork_s"] = time.monotonic() - t_start
     else:
         proc = subprocess.Popen([sys.executable, "-m", "worker.host", *host_args], env=env, cwd=REPO,

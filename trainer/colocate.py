@@ -381,7 +381,6 @@ class TaskRun:
                             best_of=job_id if kind == "best" else None)
                     self.files.job_writes[job_id] = write
                     if kind == "best":
-                        self.files.best_write = write
                         self.files.best_steps[job_id] = state.step
             self.files.after_files(job_id, self.cb.on_adapter, job_id, kind, path)
 

@@ -86,7 +86,6 @@ class TaskFiles:
         self.writes: list[Write] = []  # its writes on the executor's writer, not yet settled
         self.checkpoint_write: Write | None = None  # its latest checkpoint write (one in flight at most)
         self.job_writes: dict[str, Write] = {}  # each job's last write (its exports)
-        self.best_write: Write | None = None  # the task's latest write of a best adapter
         # each job's latest best adapter while its files are being written: (the write, its
         # snapshot), what the task's samples read instead of waiting for the files (`pending_best`)
         self.best_snaps: dict[str, tuple[Write, Snapshot]] = {}

@@ -13,9 +13,8 @@ from pathlib import Path
 from contract.states import StrEnum
 from worker import host as shared
 from worker.forwarder import Forwarder
-from worker.processes import exit_code_of
+from worker.processes import ForkedProcess, exit_code_of
 from worker.spool import SPOOL_NAME, TERMINAL_TYPES, SpoolWriter, read_complete_lines
-from worker.zygote import ForkedProcess
 
 
 class LocalStatus(StrEnum):

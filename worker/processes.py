@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from worker.zygote import MARKER_NAME, ForkedProcess, Zygote, read_exit
+from worker.zygote import MARKER_NAME, Zygote, read_exit, start_ticks, stat_fields
 
 log = logging.getLogger("loraplex.worker.processes")
 # Touched every tick while the executor runs: an executor whose daemon is gone for good
@@ -42,10 +42,10 @@ def touch(path: Path) -> None:
 def _proc_fields(pid: int) -> tuple[bytes, list[str]] | None:
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return cmdline, stat.rsplit(")", 1)[-1].split()
+    fields = stat_fields(pid)
+    return None if fields is None else (cmdline, fields)
 
 
 def _noted(pid: int, fields: list[str], directory: Path) -> bool:
@@ -54,33 +54,56 @@ def _noted(pid: int, fields: list[str], directory: Path) -> bool:
         note = json.loads((directory / MARKER_NAME).read_text())
     except (OSError, ValueError):
         return False
-    return note.get("pid") == pid and note.get("start") == int(fields[19])
+    return note.get("pid") == pid and note.get("start") == start_ticks(fields)
+
+
+def _running(pid: int, proc: tuple[bytes, list[str]] | None, directory: Path) -> bool:
+    """Whether `_proc_fields(pid)` is our executor, running: not a zombie, and its command line
+    names its folder, or (a zygote's child, whose command line is the zygote's) the folder's note
+    names pid and its start time (not a recycled pid of something else)."""
+    return (proc is not None and proc[1][0] != "Z"
+            and (str(directory).encode() in proc[0] or _noted(pid, proc[1], directory)))
 
 
 def alive(pid: int, directory: Path) -> bool:
-    """Whether pid is still our executor (and not a recycled pid of something else): its command
-    line names its folder, or (a zygote's child, whose command line is the zygote's) the folder's
-    note names pid and its start time."""
-    proc = _proc_fields(pid)
-    if proc is None or proc[1][0] == "Z":
-        return False
-    return str(directory).encode() in proc[0] or _noted(pid, proc[1], directory)
+    """Whether pid is still our executor (`_running`)."""
+    return _running(pid, _proc_fields(pid), directory)
 
 
 def exit_code_of(pid: int | None, directory: Path) -> int | str | None:
-    """An adopted executor's exit status: None while it runs (or, a zygote's child, until the
-    zygote has noted its end), the status its zygote noted, else "lost" (another daemon's child)."""
+    """An executor's exit status when it is not our Popen child (adopted, or a zygote's child):
+    None while it runs (or, a zygote's child, until the zygote has noted its end), the status its
+    zygote noted, else "lost" (another daemon's child, or its zygote died before noting it)."""
     if pid is None:
         return "lost"
-    if alive(pid, directory):
+    proc = _proc_fields(pid)  # looked at before the note: a zygote notes a status before it reaps
+    if _running(pid, proc, directory):
         return None
     code = read_exit(directory, pid)
-    if code is not None:
-        return code
-    proc = _proc_fields(pid)
-    if proc is not None and proc[1][0] == "Z" and _noted(pid, proc[1], directory):
+    if code is None and proc is not None and proc[1][0] == "Z" and _noted(pid, proc[1], directory):
         return None  # ended, its zygote about to note it
-    return "lost"
+    return "lost" if code is None else code
+
+
+class ForkedProcess:
+    """A zygote's child as its daemon holds it: Popen's pid, poll() (`exit_code_of`) and wait()."""
+
+    def __init__(self, pid: int, directory: Path) -> None:
+        self.pid, self.directory = pid, directory
+        self.returncode: int | str | None = None
+
+    def poll(self) -> int | str | None:
+        if self.returncode is None:
+            self.returncode = exit_code_of(self.pid, self.directory)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | str:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"zygote child {self.pid}", timeout or 0.0)
+            time.sleep(0.05)
+        return code
 
 
 def describe(code: int | str) -> str:
@@ -145,9 +168,9 @@ def spawn(module: str, flag: str, directory: Path, gpu_indices: list[int], log_n
     env = process_env(gpu_indices, cuda=cuda, cache_dir=cache_dir)
     args = [flag, str(directory), *extra]
     if zygote is not None:
-        child = zygote.spawn(module, args, env, directory, directory / log_name)
-        if child is not None:
-            return child
+        pid = zygote.spawn(module, args, env, directory, directory / log_name)
+        if pid is not None:
+            return ForkedProcess(pid, directory)
     with open(directory / log_name, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", module, *args], env=env,
                                 stdout=out, stderr=subprocess.STDOUT,

@@ -27,12 +27,11 @@ from worker import host as shared
 from worker.config import DaemonConfig
 from worker.host import HostState
 from worker.local_state import LocalHost, LocalPlacement, LocalStatus
-from worker.processes import kill_group, spawn
+from worker.processes import ForkedProcess, kill_group, spawn
 from worker.registration import Registration
 from worker.sampler import ADAPTERS_NAME, WORK_NAME, read_result
 from worker.service_client import ServiceClient, ServiceError
 from worker.shared_hosts import SPARE_KEY, SharedHosts
-from worker.zygote import ForkedProcess
 
 log = logging.getLogger("loraplex.worker.samples")
 

@@ -9,7 +9,7 @@ own GPUs, environment, folder and log, and runs its module as ``python -m`` woul
 The daemon talks to it through its stdin and stdout, one JSON line each way:
   ready   {"ready": true, "pid": ..., "imports_s": ...} once the imports are done
   request {"module": ..., "args": [...], "env": {...}, "cwd": ..., "log": ...}
-  reply   {"pid": ..., "start": ...} (start: the child's start time in clock ticks, /proc's)
+  reply   {"pid": ...}
 A child leads its own session (a signal reaches its children). The zygote reaps each child and
 writes its exit status to ``<cwd>/.exit-<pid>.json`` (a negative code: the signal that ended it), and
 the zygote notes the child in ``<cwd>/.process.json`` ({"pid", "start"}), which is how a restarted
@@ -38,6 +38,8 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from worker.host import write_json
+
 log = logging.getLogger("loraplex.worker.zygote")
 
 # what a request may set differently from the zygote's own environment
@@ -49,20 +51,19 @@ def exit_file(cwd: Path, pid: int) -> Path:
     return cwd / f".exit-{pid}.json"
 
 
-def start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22): with the pid,
-    it names one process (a recycled pid starts later)."""
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command's name (the state first), None once it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[-1].split()[19])
+    return stat.rsplit(")", 1)[-1].split()
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+def start_ticks(fields: list[str]) -> int:
+    """A process's start time in clock ticks since boot (stat field 22) from `stat_fields`: with
+    the pid, it names one process (a recycled pid starts later)."""
+    return int(fields[19])
 
 
 def _exit_code(code: object) -> int:
@@ -135,7 +136,9 @@ class Server:
                 os._exit(code)
         self.children[pid] = Path(req["cwd"])
         # noted before the reply: the daemon recognises the child from its first look
-        _write_json(Path(req["cwd"]) / MARKER_NAME, {"pid": pid, "start": start_ticks(pid)})
+        fields = stat_fields(pid)  # the child exists until this zygote reaps it
+        write_json(Path(req["cwd"]) / MARKER_NAME,
+                    {"pid": pid, "start": None if fields is None else start_ticks(fields)})
         return pid
 
     def reap(self) -> None:
@@ -155,7 +158,7 @@ class Server:
             cwd = self.children.pop(pid, None)
             if cwd is not None:
                 try:
-                    _write_json(exit_file(cwd, pid), {"pid": pid, "code": code})
+                    write_json(exit_file(cwd, pid), {"pid": pid, "code": code})
                 except OSError:  # its folder is gone: nobody is left to ask
                     pass
             os.waitpid(pid, 0)
@@ -184,7 +187,7 @@ class Server:
             for req in batch:
                 try:
                     pid = self.fork(req)
-                    self.reply({"pid": pid, "start": start_ticks(pid)})
+                    self.reply({"pid": pid})
                 except (OSError, KeyError, TypeError) as exc:
                     self.reply({"error": f"{type(exc).__name__}: {exc}"})
         while self.children:  # the daemon is gone: its children's exit codes still go on file
@@ -203,44 +206,11 @@ def read_exit(cwd: Path, pid: int) -> int | None:
         return None
 
 
-class ForkedProcess:
-    """A zygote's child as its daemon holds it: Popen's pid, poll() and wait(). poll() is the exit
-    status the zygote noted; "lost" for a child that is gone with none noted (the zygote died before
-    it could reap it)."""
-
-    LOST_AFTER_S = 2.0  # gone from /proc with no status on file this long: the zygote will not write one
-
-    def __init__(self, pid: int, start: int | None, cwd: Path) -> None:
-        self.pid, self.start, self.cwd = pid, start, cwd
-        self.returncode: int | str | None = None
-        self._gone_at: float | None = None
-
-    def poll(self) -> int | str | None:
-        if self.returncode is not None:
-            return self.returncode
-        code = read_exit(self.cwd, self.pid)
-        if code is not None:
-            self.returncode = code
-        elif start_ticks(self.pid) != self.start:  # reaped (or its pid already reused)
-            now = time.monotonic()
-            self._gone_at = self._gone_at or now
-            if now - self._gone_at >= self.LOST_AFTER_S:
-                self.returncode = "lost"
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int | str:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"zygote child {self.pid}", timeout or 0.0)
-            time.sleep(0.05)
-        return code
-
-
 class Zygote:
     """The daemon's handle on its zygote process (``python -m worker.zygote``), started with env:
-    `spawn` forks a child there once the zygote has done its imports, or answers None (not ready
-    yet, gone, or a request it must not serve), and the caller execs the process instead."""
+    `spawn` forks a child there once the zygote has done its imports and answers its pid, or
+    answers None (not ready yet, gone, or a request it must not serve), and the caller execs the
+    process instead (worker.processes.spawn, whose ForkedProcess holds the child)."""
 
     def __init__(self, env: Mapping[str, str], cwd: Path, log_path: Path,
                  preload: Sequence[str] | None = None) -> None:
@@ -272,7 +242,7 @@ class Zygote:
         return all(env.get(k) == self.env.get(k) for k in keys)
 
     def spawn(self, module: str, args: Sequence[str], env: Mapping[str, str], cwd: Path,
-              log_path: Path) -> ForkedProcess | None:
+              log_path: Path) -> int | None:
         if not self.ready() or not self.serves(env):
             return None
         req = {"module": module, "args": [str(a) for a in args], "env": dict(env),
@@ -289,7 +259,7 @@ class Zygote:
             if reply is None:  # a reply late or lost would pair with the next request: stop using it
                 self.close()
             return None
-        return ForkedProcess(int(reply["pid"]), reply.get("start"), cwd)
+        return int(reply["pid"])
 
     def _line(self, timeout: float) -> dict | None:
         out = self.proc.stdout

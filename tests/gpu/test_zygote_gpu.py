@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def test_a_forked_executor_process_uses_its_gpu(tmp_path: Path) -> None:
-    from worker.processes import process_env, spawn
-    from worker.zygote import ForkedProcess, Zygote
+    from worker.processes import ForkedProcess, process_env, spawn
+    from worker.zygote import Zygote
 
     cache = tmp_path / "cache"
     z = Zygote(process_env([], cuda=True, cache_dir=cache), tmp_path, tmp_path / "zygote.log")

@@ -401,7 +401,7 @@ def test_with_a_zygote_the_executor_is_forked_trains_and_a_restarted_daemon_adop
     """Issue 41: a node's zygote (worker.zygote) has done the executor's imports; the task's shared
     executor is forked there (its command line is the zygote's), trains, and a daemon restarted
     while it runs adopts it, and reads its exit status once it stops (the old zygote noted it)."""
-    from worker.zygote import ForkedProcess
+    from worker.processes import ForkedProcess
 
     monkeypatch.setenv("LORAPLEX_EXECUTOR_LINGER_S", "60")
     service = Service()

@@ -16,8 +16,16 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_background_worker import wait_until
-from worker.processes import NodeZygote, alive, exit_code_of, kill_group, process_env, spawn
-from worker.zygote import ForkedProcess, Zygote
+from worker.processes import (
+    ForkedProcess,
+    NodeZygote,
+    alive,
+    exit_code_of,
+    kill_group,
+    process_env,
+    spawn,
+)
+from worker.zygote import Zygote
 
 CHILD = "tests.helpers.zygote_child"
 
