@@ -148,8 +148,8 @@ class MultiLoraEngine:
         use = StepGraphs.use_cuda_graphs(self.device) if step_graphs is None else step_graphs
         self.step_graphs: StepGraphs | None = StepGraphs(self) if use else None
 
-    # tokens of a step -> whether it needs activation recompute (None: the setting stays)
-    recompute_for: Callable[[int], bool] | None = None
+    # a step's tokens (keyword `padding`: the row's allowance over them) -> recompute on (None: stays)
+    recompute_for: Callable[..., bool | None] | None = None
     # each job's tokens of a step -> the jobs (their indices) of each forward-backward pass when the
     # step runs as several passes without recompute rather than one with it (None: one pass)
     split_for: Callable[[list[int]], list[list[int]] | None] | None = None
@@ -364,11 +364,11 @@ class MultiLoraEngine:
             batch, numbers, pass_cells = forward_backward_passes(self.slots, self._eager_forward_backward,
                                                                  states, per_job, passes)
         else:
-            if self.recompute_for is not None:  # decided on the step's own tokens (trainer.memory_plan)
-                self.set_recompute(self.recompute_for(sum(tokens)))
-            if self.step_graphs is not None and self.step_graphs.serves(states):
+            if self.step_graphs is not None and self.step_graphs.serves(states):  # recompute decided there
                 batch, numbers = self.step_graphs.forward_backward(states, per_job)
             else:
+                want = None if self.recompute_for is None else self.recompute_for(sum(tokens))
+                self.set_recompute(self.gradient_checkpointing if want is None else want)
                 batch, numbers = self._eager_forward_backward(states, per_job)
         regions = [self.slots.regions[s.job_id] for s in states]
         norms = torch._foreach_norm([self.slots.grad_arena[lo:hi] for lo, hi in regions])

@@ -294,14 +294,15 @@ class MemoryPlan:
         return out
 
     # ----- each step ----------------------------------------------------------------------
-    def recompute_for(self, tokens: int) -> bool:
+    def recompute_for(self, tokens: int, padding: float = 1.25) -> bool | None:
         """The engine's hook (`engine.recompute_for`): recompute on or off from a step's own
         tokens once it has drawn them (RecomputePolicy.recompute_tokens; the worst case of its
         total batch left most steps recomputing: 198 of 200 in an 8-job task of 1.7k tokens a
-        step); without a policy the setting stays."""
+        step); `padding`: the allowance for the row's length over them (1.0: the row itself, a
+        graphed step's key). None without a policy: the setting stays."""
         if self.recompute_policy is None:
-            return self.engine.gradient_checkpointing
-        return self.recompute_policy.recompute_tokens(tokens)
+            return None
+        return self.recompute_policy.recompute_tokens(tokens, padding)
 
     def split_for(self, job_tokens: list[int]) -> list[list[int]] | None:
         """The engine's hook (`engine.split_for`): a step that one pass could run only with

@@ -186,6 +186,8 @@ def test_recompute_is_chosen_from_the_steps_own_tokens(tmp_path) -> None:  # noq
     policy = RecomputePolicy(MemoryModel(1e9, 1e6), 10e9, 1024, resident=lambda: 4e9)
     # 1024-token sequences: the worst case of 2 needs recompute; 3,000 real tokens (x1.25) do not
     assert policy.recompute(5) and not policy.recompute_tokens(3000) and policy.recompute_tokens(4100)
+    # a row whose length is known (a graphed step's key) gets no padding allowance: 4,100 fit then
+    assert not policy.recompute_tokens(4100, padding=1.0) and policy.recompute_tokens(5100, padding=1.0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama", tmp_path), dtype=torch.float32)
     data = [Example(tuple(range(3, 3 + n)), tuple([IGNORE] + list(range(4, 3 + n)))) for n in (8, 40)]
     eng = MultiLoraEngine(model, data, 0, gradient_checkpointing=True)

@@ -237,3 +237,53 @@ def test_keys_above_the_capture_limit_run_eagerly_and_equal_eager_steps(model_di
         assert math.isclose(got.losses["a"], want.losses["a"], rel_tol=2e-5)
     assert (g.eager_runs, g.captures, g.replays) == (3, 1, 3) and g.last_replayed
     torch.testing.assert_close(graphed.jobs["a"].adapter.flat, eager.jobs["a"].adapter.flat, rtol=1e-4, atol=1e-6)
+
+
+def test_a_graphed_step_decides_recompute_from_the_row_it_runs(model_dir) -> None:  # noqa: ANN001
+    """The memory plan's hook is asked about the row the graphed step runs, with no padding
+    allowance (padding=1.0): a row that fits runs without recompute, one that does not with it;
+    a step that a capture without recompute replays (a larger key's, padded) runs without it
+    whatever the room (a replay allocates nothing: its memory is the pool's); a None answer (no
+    policy) keeps the setting. Every step's numbers equal the eager engine's."""
+    data = examples(48, 24)
+    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
+    g = graphed.step_graphs
+    g.cover_ratio, g.cover_tokens = 1.4, 0
+    asked: list[tuple[int, float]] = []
+    room = {"tokens": 1000}
+
+    def recompute_for(tokens: int, padding: float = 1.25) -> bool | None:
+        asked.append((tokens, padding))
+        return None if room["tokens"] is None else tokens > room["tokens"]
+
+    graphed.recompute_for = recompute_for
+
+    def steps(n: int) -> list[bool]:
+        flags = []
+        for _ in range(n):
+            want, got = eager.step(), graphed.step()
+            for j in want.losses:
+                assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-5), j
+                assert math.isclose(got.grad_norms[j], want.grad_norms[j], rel_tol=1e-4), j
+            flags.append(graphed.gradient_checkpointing)
+        return flags
+
+    for eng in (eager, graphed):
+        eng.attach(job("a", 4, 4, 1))
+        eng.attach(job("b", 4, 2, 2))  # 144 tokens a step: a row of 144 (its sequences' cells)
+    assert steps(2) == [False, False]  # the eager run, then its capture: both fit
+    assert asked == [(144, 1.0), (144, 1.0)] and g.captures == 1
+    room["tokens"] = 20  # nothing new fits now
+    for eng in (eager, graphed):
+        eng.detach("a")  # 48 tokens: the 144-token capture is over cover_ratio
+    assert steps(1) == [True] and asked[-1] == (48, 1.0)
+    for eng in (eager, graphed):
+        eng.detach("b")
+        eng.attach(job("c", 4, 5, 3))  # 120 tokens, which the 144-token capture covers
+    replays = g.replays
+    assert steps(2) == [False, False] and g.replays == replays + 2 and g.covered == 2
+    room["tokens"] = None  # no policy: the setting stays
+    graphed.set_recompute(True)
+    assert steps(1) == [True]
+    for j in graphed.jobs:
+        torch.testing.assert_close(graphed.jobs[j].adapter.flat, eager.jobs[j].adapter.flat, rtol=1e-4, atol=1e-6)
