@@ -85,7 +85,10 @@ class StaticDecoder:
         """The next step as a CUDA graph (captured, not run); on failure the step stays eager."""
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # this thread's calls alone are checked: the task's writer thread may wait on a
+            # snapshot's event meanwhile (the samples no longer wait for it), which the default
+            # mode (global) turns into an error there (an H100's 60-step task lost its export)
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self._step()
             self.graph = graph
         except Exception as exc:  # noqa: BLE001 - a forward that cannot be captured decodes eagerly

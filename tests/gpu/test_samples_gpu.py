@@ -104,3 +104,51 @@ def test_a_node_decode_repeats_in_bf16_with_padded_rows_and_a_growing_cache(monk
         first = generate(engine, texts, jobs, max_new_tokens=16, pad_id=0, static=static)
         for _ in range(2):
             assert generate(engine, texts, jobs, max_new_tokens=16, pad_id=0, static=static) == first, static
+
+
+def test_the_decode_capture_leaves_another_threads_event_wait_alone() -> None:
+    # the end of a task decodes its samples while the task's writer thread waits on a snapshot's
+    # event (trainer.checkpoint.Snapshot.wait); under the default capture mode (global) that wait
+    # failed while the token step was being captured, and the task with it (H100, session 30)
+    import threading
+
+    from trainer import decode_graph
+
+    engine = with_adapters(shaped_model(torch.bfloat16))
+    ps = prompts(8, seed=2)
+    rows = [(p, j) for p in ps for j in (None, *RANKS)]
+    texts, jobs = [p for p, _ in rows], [j for _, j in rows]
+    alone = generate(engine, texts, jobs, max_new_tokens=NEW, pad_id=0)
+    event = torch.cuda.Event()
+    event.record()
+    errors: list[BaseException] = []
+    waits = [0]
+    stop = threading.Event()
+
+    def writer() -> None:
+        while not stop.is_set():
+            try:
+                event.synchronize()
+                waits[0] += 1
+            except BaseException as exc:  # noqa: BLE001 - what the test reports
+                errors.append(exc)
+                return
+
+    captured = []
+    real = decode_graph.StaticDecoder._capture
+
+    def capture(self) -> None:  # noqa: ANN001
+        real(self)
+        captured.append(self.graph is not None)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        decode_graph.StaticDecoder._capture = capture
+        during = generate(engine, texts, jobs, max_new_tokens=NEW, pad_id=0)
+    finally:
+        decode_graph.StaticDecoder._capture = real
+        stop.set()
+        thread.join()
+    assert errors == [] and captured and all(captured) and waits[0] > 0
+    assert during == alone

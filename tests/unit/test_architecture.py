@@ -172,6 +172,24 @@ def test_one_background_thread_primitive() -> None:
     assert found == []
 
 
+def test_a_graph_capture_leaves_other_threads_free() -> None:
+    # every CUDA-graph capture of the product names a capture mode that checks its own thread
+    # alone ("thread_local" or "relaxed"): under the default ("global") the task's writer thread,
+    # waiting on a snapshot's event while the samples' decode captured its token step, failed
+    # with "operation not permitted when stream is capturing" and the task with it (H100, session 30)
+    found, captures = [], 0
+    for name, path in MODULES.items():
+        if top(name) not in (*PRODUCT, "kernels"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("torch.cuda.graph", "torch.cuda.graphs.graph"):
+                captures += 1
+                mode = next((k.value for k in node.keywords if k.arg == "capture_error_mode"), None)
+                if not (isinstance(mode, ast.Constant) and mode.value in ("thread_local", "relaxed")):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert captures >= 2 and found == []
+
+
 def _declared_states() -> dict[str, set[str]]:
     """Every value of a StrEnum declared in contract/states.py and worker/host.py (HostState),
     with the file that declares it."""
