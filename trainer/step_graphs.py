@@ -95,6 +95,9 @@ MAX_EVAL_CAPTURE_TOKENS = 4096
 # its next step (padding it for good would cost a long task more than one capture).
 COVER_TOKENS = 512
 CAPTURE_AFTER = 8
+# A capture without recompute decides with the recompute policy's padding allowance (its memory stays
+# in the pool): StepGraphs._recompute_key.
+CAPTURE_PADDING = 1.25
 
 
 def _pow2(n: int, floor: int) -> int:
@@ -258,19 +261,26 @@ class StepGraphs:
         return cpu, entry, counts
 
     def _recompute_key(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey:
-        """Recompute off or on for a training step, from what the step will run: off where a
-        capture without recompute replays it (the key's own or a cover: a replay allocates nothing,
-        its memory is the pool's, counted resident since its capture), else where the memory plan
-        finds room for the row as it is, its exact tokens (`recompute_for(tokens, padding=1.0)`),
-        else on. The engine's eager rule allows a quarter more for padding: 35 steps of a search's
-        7 jobs (3-4k tokens) recomputed for it on an H100 (session 29), 25% slower each."""
+        """Recompute off or on for a training step, from what the step will run (the memory plan's
+        `recompute_for(tokens, padding)` on the row's exact tokens):
+        - a replay of a capture without recompute (the key's own or a cover): off, whatever the
+          room (a replay allocates nothing: its memory is the pool's, counted resident);
+        - an eager run: off where the row fits as it is (padding 1.0; its memory goes back after it);
+        - a capture: off only with CAPTURE_PADDING's allowance, the engine's eager rule: a capture
+          keeps its activations in the graphs' pool for the process's life. On an H100 (session
+          30) a 60-step task's 7,168-token key captured without recompute held 40 GB of pool: its
+          later steps recomputed and its evaluation ran 13 sequences a forward (11.0 s, not 4.2).
+        The eager rule alone recomputed 24 of a search's steps that replayed such captures."""
         off = replace(key, recompute=False)
         known = self.entries.get(off)
+        warm = off.warm_class in self.warm
         replays = (known is not None and known.graph is not None) or (
-            off.warm_class in self.warm and self.cover_uses[off] < self.capture_after
-            and self._cover(off, n_tokens, n_seqs) is not None)  # _execute's rule for a cover
+            warm and self.cover_uses[off] < self.capture_after
+            and self._cover(off, n_tokens, n_seqs) is not None)  # _execute's rules for a cover ...
+        captures = (not replays and warm and off.tokens <= self.max_capture_tokens
+                    and (known is None or not known.failed))  # ... and a capture
         eng = self.engine
-        want = eng.recompute_for(off.tokens, padding=1.0)  # type: ignore[misc]
+        want = eng.recompute_for(off.tokens, padding=CAPTURE_PADDING if captures else 1.0)  # type: ignore[misc]
         if want is None:  # no policy: the setting stays
             return key
         on = bool(want) and not replays

@@ -14,6 +14,7 @@ from tests.helpers.engine_ref import tiny_model_dir
 from trainer.data import IGNORE, Example
 from trainer.engine import MultiLoraEngine
 from trainer.jobs import TrainJob
+from trainer.step_graphs import CAPTURE_PADDING
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -241,7 +242,8 @@ def test_keys_above_the_capture_limit_run_eagerly_and_equal_eager_steps(model_di
 
 def test_a_graphed_step_decides_recompute_from_the_row_it_runs(model_dir) -> None:  # noqa: ANN001
     """The memory plan's hook is asked about the row the graphed step runs, with no padding
-    allowance (padding=1.0): a row that fits runs without recompute, one that does not with it;
+    allowance for an eager run (padding=1.0) and the policy's for a capture (its activations stay
+    in the pool): a row that fits runs without recompute, one that does not with it;
     a step that a capture without recompute replays (a larger key's, padded) runs without it
     whatever the room (a replay allocates nothing: its memory is the pool's); a None answer (no
     policy) keeps the setting. Every step's numbers equal the eager engine's."""
@@ -271,12 +273,14 @@ def test_a_graphed_step_decides_recompute_from_the_row_it_runs(model_dir) -> Non
     for eng in (eager, graphed):
         eng.attach(job("a", 4, 4, 1))
         eng.attach(job("b", 4, 2, 2))  # 144 tokens a step: a row of 144 (its sequences' cells)
-    assert steps(2) == [False, False]  # the eager run, then its capture: both fit
-    assert asked == [(144, 1.0), (144, 1.0)] and g.captures == 1
+    # the eager run, then its capture (asked with the allowance: a capture's memory stays): both fit
+    assert steps(2) == [False, False]
+    assert asked == [(144, 1.0), (144, CAPTURE_PADDING)] and g.captures == 1
     room["tokens"] = 20  # nothing new fits now
     for eng in (eager, graphed):
         eng.detach("a")  # 48 tokens: the 144-token capture is over cover_ratio
-    assert steps(1) == [True] and asked[-1] == (48, 1.0)
+    # without recompute it would be a capture of its own (its class is warm): asked with the allowance
+    assert steps(1) == [True] and asked[-1] == (48, CAPTURE_PADDING)
     for eng in (eager, graphed):
         eng.detach("b")
         eng.attach(job("c", 4, 5, 3))  # 120 tokens, which the 144-token capture covers
