@@ -30,7 +30,7 @@ from trainer.arena import park_room
 from trainer.checkpoint_files import STATE_NAME, load_checkpoint
 from trainer.colocate import TaskRun
 from trainer.config import CALLBACK_KINDS, HOST_FIELDS, Callbacks, ExecutorConfig
-from trainer.host_pool import POOL, host_memory_bytes
+from trainer.host_pool import POOL
 from trainer.task_parts import JobSlot, TaskExecutor
 from trainer.task_samples import task_samples, write_samples
 
@@ -236,7 +236,7 @@ class TaskRoster:
         """After the task's first step (trainer.host_pool): pin, in the background, host memory
         for the states its configurations may park beyond what the device keeps (parks stay on
         the device while PARK_RESERVE of it stays free) and for the snapshots its writes take;
-        at most a quarter of the machine's memory, only on a GPU."""
+        within the pool's limit (PinnedPool.target_for), only on a GPU."""
         eng = self.executor.engine
         if eng.device.type != "cuda" or len(task.cfg.jobs) <= 1:
             return
@@ -244,10 +244,8 @@ class TaskRoster:
         item = eng.adapter_dtype.itemsize
         states = sum(3 * item * per_rank * j.lora_rank for j in task.cfg.jobs)  # weights + 2 moments
         free, total = torch.cuda.mem_get_info(eng.device)
-        need = max(0, states - max(0, int(park_room(free, total))))
         # and the snapshots of checkpoints and exports waiting for the writer thread
-        need += int(task.cfg.write_buffer_bytes)
-        POOL.reserve(min(need + POOL.pinned_bytes, host_memory_bytes() // 4))
+        POOL.reserve(POOL.target_for(states - max(0.0, park_room(free, total)), task.cfg.write_buffer_bytes))
 
     def end_idle(self) -> None:
         """A task with nothing placed and nothing queued is done; when nothing is placed at all,

@@ -180,3 +180,26 @@ def test_release_unpins_free_chunks_now_and_used_ones_with_their_last_slice(
     pool.wait()
     pool.release()
     assert len(unpinned) == 3 and pool._retired == []
+
+
+def test_a_tasks_reserve_covers_its_parks_and_snapshots_up_to_the_pools_own_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # what a task reserves (trainer.hosting.reserve_parking): the states beyond the device's room and
+    # the writes' snapshots, on top of what is pinned, up to the limit the loop's growth has too (half
+    # the host); the earlier cap, a quarter, left a search 30 chunks short, pinned on its loop
+    monkeypatch.setattr(host_pool, "_pinned_bytes", FakePin())
+    pool = PinnedPool(chunk_bytes=4 * ALIGN, pause_s=0.0)
+    pool.grow_limit = 100 * ALIGN
+    assert pool.target_for(30 * ALIGN, 10 * ALIGN) == 40 * ALIGN
+    assert pool.target_for(-5 * ALIGN, 10 * ALIGN) == 10 * ALIGN  # the device keeps every state
+    assert pool.target_for(300 * ALIGN, 10 * ALIGN) == 100 * ALIGN
+    pool.reserve(8 * ALIGN)
+    pool.wait()
+    assert pool.target_for(30 * ALIGN, 10 * ALIGN) == 48 * ALIGN  # on top of what it holds
+    pool.grow_limit = None
+    gib = 2**30
+    monkeypatch.setattr(host_pool, "host_memory_bytes", lambda: 64 * gib)
+    assert pool.limit_bytes() == 32 * gib
+    assert pool.target_for(40 * gib, 4 * gib) == 32 * gib  # past a quarter (16), to half
+    assert pool.target_for(20 * gib, 4 * gib) == 24 * gib + 8 * ALIGN
+    pool.release()
