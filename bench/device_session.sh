@@ -958,5 +958,19 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/host_memory.txt"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d" >&2; exit 2 ;;
+  s30_e)  # session 30, call 5 (issues 40, 41), the code that lands: the pinner's chunks hold the largest
+          # tensor a park takes (call 4 still grew the pool by 30 chunks on the loop: rank-64 states of
+          # 671 MB a tensor against 256 MB chunks): search (a), then the GPU tests call 4 did not reach
+          # and the parks' own
+    export TRITON_CACHE_DIR=/tmp/s30e/triton
+    rm -rf /tmp/s30e
+    search_a 300 270
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site step $((440 - SECONDS)) gpu_tests_rest python3 -m pytest -q --tb=short -p no:cacheprovider \
+      tests/gpu/test_park_gpu.py tests/gpu/test_step_graphs_gpu.py tests/gpu/test_task_e2e_gpu.py \
+      tests/gpu/test_varlen_gpu.py tests/gpu/test_zygote_gpu.py
+    pack_logs
+    rm -f "$OUT/search_a.md" "$OUT/host_memory.txt"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e" >&2; exit 2 ;;
 esac

@@ -245,7 +245,8 @@ class TaskRoster:
         states = sum(3 * item * per_rank * j.lora_rank for j in task.cfg.jobs)  # weights + 2 moments
         free, total = torch.cuda.mem_get_info(eng.device)
         # and the snapshots of checkpoints and exports waiting for the writer thread
-        POOL.reserve(POOL.target_for(states - max(0.0, park_room(free, total)), task.cfg.write_buffer_bytes))
+        POOL.reserve(POOL.target_for(states - max(0.0, park_room(free, total)), task.cfg.write_buffer_bytes),
+                     largest=item * per_rank * max(j.lora_rank for j in task.cfg.jobs))  # one tensor of a park
 
     def end_idle(self) -> None:
         """A task with nothing placed and nothing queued is done; when nothing is placed at all,

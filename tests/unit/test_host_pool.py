@@ -203,3 +203,28 @@ def test_a_tasks_reserve_covers_its_parks_and_snapshots_up_to_the_pools_own_limi
     assert pool.target_for(40 * gib, 4 * gib) == 32 * gib  # past a quarter (16), to half
     assert pool.target_for(20 * gib, 4 * gib) == 24 * gib + 8 * ALIGN
     pool.release()
+
+
+def test_chunks_hold_the_largest_tensor_a_park_takes_so_no_park_pins_on_the_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a slice is contiguous: a park's tensor larger than the pool's chunks found none whole and was
+    # pinned on the loop (search (a)'s rank-64 states, 671 MB against 256 MB chunks: 30 chunks a call)
+    pin = FakePin()
+    monkeypatch.setattr(host_pool, "_pinned_bytes", pin)
+    pool = PinnedPool(chunk_bytes=4 * ALIGN, pause_s=0.0)
+    pool.grow_limit = 100 * ALIGN
+    pool.reserve(30 * ALIGN, largest=10 * ALIGN - 7)  # rounded up to ALIGN
+    pool.wait()
+    assert pin.sizes == [10 * ALIGN] * 3 and pool.pinned_bytes == 30 * ALIGN
+    slices = [pool.take((10 * ALIGN,), torch.uint8) for _ in range(3)]
+    assert all(t is not None for t in slices) and pool.grown == 0 and pool.missed == 0
+    # without `largest`, a take of that size grows the pool on the caller's thread
+    other = PinnedPool(chunk_bytes=4 * ALIGN, pause_s=0.0)
+    other.grow_limit = 100 * ALIGN
+    other.reserve(30 * ALIGN)
+    other.wait()
+    assert other.take((10 * ALIGN,), torch.uint8) is not None and other.grown == 1
+    del slices
+    pool.release()
+    other.release()
+    assert pool.pinned_bytes == 0 and pool._largest == 0
