@@ -7,10 +7,11 @@ cudaHostAlloc on the loop's thread). The executor instead asks the pool, once it
 configurations, to pin what their parked states may need (`reserve`): a background thread pins
 chunks while the steps train, and a park takes a slice of a chunk (`take`), giving it back
 when the parked tensor is freed (resumed, evicted, finished). A park the pool cannot serve yet
-grows it by one chunk on the spot (registered, as the thread pins), up to half the host's memory
-(search (a) on an 80 GB H100 parked past the quarter the thread pins: 25 parks then pinned by
-cudaHostAlloc on the loop); past that the caller allocates as before. The executor reserves
-after a task's first step, only what the device cannot keep. The thread faults its chunks in
+grows it by one chunk on the spot (registered, as the thread pins), up to half the host's memory,
+the thread's limit too; past that the caller allocates as before. The thread's chunks hold the
+largest tensor a park takes (search (a)'s rank-64 states, 671 MB a tensor, found no 256 MB chunk
+whole: 30 chunks pinned on its loop, 1.9-7.3 s of park time on an H100, 0.03 s once they did).
+The executor reserves after a task's first step, only what the device cannot keep. The thread faults its chunks in
 itself and then registers them (`_pinned_bytes`): with cudaHostAlloc the driver's lock was held
 the whole time, and the loop's launches waited (30 GB pinned at the start cost a search's first
 step 17 s; later, its first evaluation 13.7 s instead of ~5.5 s, and its adapter inits 4-5 s
@@ -161,9 +162,10 @@ class PinnedPool:
 
     def target_for(self, parked: float, write_buffer: float) -> int:
         """What to reserve for a task: the bytes its states may park beyond the device's room and
-        its writes' snapshots, on top of what the pool holds, within `limit_bytes`. (A quarter of
-        the host, the earlier cap, left search (a) on an H100 30 chunks short, 7.5 GB, in every
-        call: its parks pinned them on the loop, 1.9-7.3 s of its park time.)"""
+        its writes' snapshots, on top of what the pool holds, within `limit_bytes` (the limit the
+        loop's own growth has: pinned ahead rather than on the loop). The earlier cap, a quarter of
+        the host, is not what left search (a) short (its chunks were too small: `reserve`'s
+        `largest`); with this one its pinner ran 11.7 s beside the steps, against 6.5 s."""
         return min(int(max(0.0, parked) + write_buffer) + self.pinned_bytes, self.limit_bytes())
 
     def _grow(self, nbytes: int) -> bool:

@@ -186,7 +186,7 @@ def test_a_tasks_reserve_covers_its_parks_and_snapshots_up_to_the_pools_own_limi
         monkeypatch: pytest.MonkeyPatch) -> None:
     # what a task reserves (trainer.hosting.reserve_parking): the states beyond the device's room and
     # the writes' snapshots, on top of what is pinned, up to the limit the loop's growth has too (half
-    # the host); the earlier cap, a quarter, left a search 30 chunks short, pinned on its loop
+    # the host, where the thread stopped at a quarter before)
     monkeypatch.setattr(host_pool, "_pinned_bytes", FakePin())
     pool = PinnedPool(chunk_bytes=4 * ALIGN, pause_s=0.0)
     pool.grow_limit = 100 * ALIGN
