@@ -972,5 +972,19 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/host_memory.txt"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e" >&2; exit 2 ;;
+  s31_a)  # the next session, call 1 (issue 40): the park pool's background target at a quarter of the host
+          # against half (LORAPLEX_PIN_SHARE), both with chunks that hold a park's largest tensor. Session
+          # 30's call 5 (half): park+resume 0.11 s, but its pinner ran 11.7 s beside the steps (6.5 s at a
+          # quarter) and training took 55.0 s against 51.9-52.4 s. Search (a) twice on one machine
+    export TRITON_CACHE_DIR=/tmp/s31a/triton
+    rm -rf /tmp/s31a
+    export LORAPLEX_PIN_SHARE=0.25
+    search_a 280 250
+    mv "$OUT/search_a.json" "$OUT/search_a_share025.json"; mv "$OUT/search_a.log" "$OUT/search_a_share025.log"
+    unset LORAPLEX_PIN_SHARE
+    search_a 280 250
+    pack_logs
+    rm -f "$OUT/search_a.md" "$OUT/host_memory.txt"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a" >&2; exit 2 ;;
 esac

@@ -37,6 +37,25 @@ log = logging.getLogger("loraplex.executor")
 ALIGN = 512  # bytes: every slice starts on a boundary any dtype and the copy engine like
 
 
+def _pin_share(value: str | None) -> float:
+    """$LORAPLEX_PIN_SHARE: the share of the host's memory a task's background target may reach,
+    in (0, 0.5] (the pool's own limit, the default). Session 30's search (a) pinned 11.7 s beside
+    its steps with 0.5 against 6.5 s with 0.25; which of the two keeps its parks off the loop with
+    chunks that hold their tensors is the next measurement (bench/device_session.sh s31_a)."""
+    if value is None or value == "":
+        return 0.5
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0.0 < share <= 0.5:
+        raise ValueError(f"LORAPLEX_PIN_SHARE={value!r}: a share of host memory in (0, 0.5]")
+    return share
+
+
+PIN_SHARE = _pin_share(os.environ.get("LORAPLEX_PIN_SHARE"))
+
+
 class PinnedPool:
     """Chunks of pinned host memory and first-fit slices of them."""
 
@@ -163,10 +182,11 @@ class PinnedPool:
     def target_for(self, parked: float, write_buffer: float) -> int:
         """What to reserve for a task: the bytes its states may park beyond the device's room and
         its writes' snapshots, on top of what the pool holds, within `limit_bytes` (the limit the
-        loop's own growth has: pinned ahead rather than on the loop). The earlier cap, a quarter of
-        the host, is not what left search (a) short (its chunks were too small: `reserve`'s
-        `largest`); with this one its pinner ran 11.7 s beside the steps, against 6.5 s."""
-        return min(int(max(0.0, parked) + write_buffer) + self.pinned_bytes, self.limit_bytes())
+        loop's own growth has: pinned ahead rather than on the loop) and PIN_SHARE of the host.
+        The earlier cap, a quarter of the host, is not what left search (a) short (its chunks were
+        too small: `reserve`'s `largest`); with half, its pinner ran 11.7 s beside the steps, not 6.5."""
+        cap = min(self.limit_bytes(), int(PIN_SHARE * host_memory_bytes()))
+        return min(int(max(0.0, parked) + write_buffer) + self.pinned_bytes, cap)
 
     def _grow(self, nbytes: int) -> bool:
         """One more chunk (at least `nbytes`) pinned on the caller's thread, within grow_limit."""

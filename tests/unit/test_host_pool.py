@@ -228,3 +228,17 @@ def test_chunks_hold_the_largest_tensor_a_park_takes_so_no_park_pins_on_the_loop
     pool.release()
     other.release()
     assert pool.pinned_bytes == 0 and pool._largest == 0
+
+
+def test_the_pin_share_caps_the_target_and_a_bad_one_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    gib = 2**30
+    assert host_pool._pin_share(None) == host_pool._pin_share("") == 0.5
+    assert host_pool._pin_share("0.25") == 0.25
+    for bad in ("0", "0.6", "-1", "half"):
+        with pytest.raises(ValueError, match="LORAPLEX_PIN_SHARE"):
+            host_pool._pin_share(bad)
+    monkeypatch.setattr(host_pool, "host_memory_bytes", lambda: 64 * gib)
+    monkeypatch.setattr(host_pool, "PIN_SHARE", 0.25)
+    pool = PinnedPool()
+    assert pool.limit_bytes() == 32 * gib  # the loop's growth keeps half
+    assert pool.target_for(40 * gib, 4 * gib) == 16 * gib and pool.target_for(8 * gib, 4 * gib) == 12 * gib
