@@ -76,11 +76,15 @@ def test_graphed_greedy_equals_peft_generate_at_the_8b_shape() -> None:
         assert tokens == out[0, len(p):].tolist(), job_id
 
 
-def test_graphed_greedy_repeats_in_bf16_and_seeded_sampling_repeats() -> None:
+def bf16_rows(seed: int) -> tuple[MultiLoraEngine, list[list[int]], list[str | None]]:
+    """The bfloat16 model with both adapters, and 8 prompts each decoded by the base and each adapter."""
     engine = with_adapters(shaped_model(torch.bfloat16))
-    ps = prompts(8, seed=1)
-    rows = [(p, j) for p in ps for j in (None, *RANKS)]
-    texts, jobs = [p for p, _ in rows], [j for _, j in rows]
+    rows = [(p, j) for p in prompts(8, seed=seed) for j in (None, *RANKS)]
+    return engine, [p for p, _ in rows], [j for _, j in rows]
+
+
+def test_graphed_greedy_repeats_in_bf16_and_seeded_sampling_repeats() -> None:
+    engine, texts, jobs = bf16_rows(1)
     first = generate(engine, texts, jobs, max_new_tokens=NEW, pad_id=0)
     assert generate(engine, texts, jobs, max_new_tokens=NEW, pad_id=0) == first
     sampled = generate(engine, texts, jobs, max_new_tokens=NEW, pad_id=0, temperature=1.0, top_p=0.9, seed=7)
@@ -114,10 +118,7 @@ def test_the_decode_capture_leaves_another_threads_event_wait_alone() -> None:
 
     from trainer import decode_graph
 
-    engine = with_adapters(shaped_model(torch.bfloat16))
-    ps = prompts(8, seed=2)
-    rows = [(p, j) for p in ps for j in (None, *RANKS)]
-    texts, jobs = [p for p, _ in rows], [j for _, j in rows]
+    engine, texts, jobs = bf16_rows(2)
     alone = generate(engine, texts, jobs, max_new_tokens=NEW, pad_id=0)
     event = torch.cuda.Event()
     event.record()
