@@ -11,11 +11,11 @@ grows it by one chunk on the spot (registered, as the thread pins), up to half t
 the thread's limit too; past that the caller allocates as before. The thread's chunks hold the
 largest tensor a park takes (search (a)'s rank-64 states, 671 MB a tensor, found no 256 MB chunk
 whole: 30 chunks pinned on its loop, 1.9-7.3 s of park time on an H100, 0.03 s once they did).
-The executor reserves after a task's first step, only what the device cannot keep. The thread faults its chunks in
-itself and then registers them (`_pinned_bytes`): with cudaHostAlloc the driver's lock was held
-the whole time, and the loop's launches waited (30 GB pinned at the start cost a search's first
-step 17 s; later, its first evaluation 13.7 s instead of ~5.5 s, and its adapter inits 4-5 s
-instead of 0.5 s). Released chunks are unregistered.
+The executor reserves after a task's first step, only what the device cannot keep. The thread
+faults its chunks in itself and then registers them (`_pinned_bytes`): with cudaHostAlloc the
+driver's lock was held the whole time, and the loop's launches waited (30 GB pinned at the start
+cost a search's first step 17 s; later, its first evaluation 13.7 s instead of ~5.5 s, and its
+adapter inits 4-5 s instead of 0.5 s). Released chunks are unregistered.
 """
 from __future__ import annotations
 

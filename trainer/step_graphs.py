@@ -270,7 +270,8 @@ class StepGraphs:
           keeps its activations in the graphs' pool for the process's life. On an H100 (session
           30) a 60-step task's 7,168-token key captured without recompute held 40 GB of pool: its
           later steps recomputed and its evaluation ran 13 sequences a forward (11.0 s, not 4.2).
-        The eager rule alone recomputed 24 of a search's steps that replayed such captures."""
+        With these rules search (a) ran 73-80 of its 129 steps without recompute, against 56 under
+        the eager rule alone (its 5-job steps 0.14-0.17 s against 0.21-0.30 s)."""
         off = replace(key, recompute=False)
         known = self.entries.get(off)
         warm = off.warm_class in self.warm
