@@ -205,6 +205,9 @@ def _collectives_rank(rank: int, world: int, port: int, model_dir: str) -> None:
     local = sum(p.to_local().numel() for p in layer_params.values())
     total = sum(p.numel() for p in layer_params.values())
     assert local <= total // world + len(layer_params), (local, total)
+    # both ranks past their last collective before either tears its group down: a full CI run
+    # (session 30) once saw rank 1 abort in teardown ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
