@@ -983,6 +983,8 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     mv "$OUT/search_a.json" "$OUT/search_a_share025.json"; mv "$OUT/search_a.log" "$OUT/search_a_share025.log"
     unset LORAPLEX_PIN_SHARE
     search_a 280 250
+    # session 30 reshaped this file's setup (one helper) after its last GPU run
+    step $((590 - SECONDS)) gpu_tests_samples python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_samples_gpu.py
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/host_memory.txt"
     ;;
