@@ -232,21 +232,17 @@ class StepGraphs:
                        recompute=eng.gradient_checkpointing and train, train=train)
         if train and eng.recompute_for is not None:
             key = self._recompute_key(key, cpu.real_tokens, n_seqs)
-        known = self.entries.get(key)
-        if ((known is None or known.graph is None) and key.warm_class in self.warm
-                and self.cover_uses[key] < self.capture_after):
-            cover = self._cover(key, cpu.real_tokens, n_seqs)
-            if cover is not None:  # replay a larger capture rather than capture this key
-                self.cover_uses[key] += 1
-                key = cover
-                cpu = pack_flat(per_job, eng.pad_id, length=cover.tokens, max_len=eng.seq_cap)
-                self.covered += 1
+        cover = self._cover_for(key, cpu.real_tokens, n_seqs)
+        if cover is not None:  # replay a larger capture rather than capture this key
+            self.cover_uses[key] += 1
+            key = cover
+            cpu = pack_flat(per_job, eng.pad_id, length=cover.tokens, max_len=eng.seq_cap)
+            self.covered += 1
         entry = self._entry(key)
         counts = self._fill(entry.static, key, cpu, states, ints)
         eng.forward_shapes[(*cpu.input_ids.shape, train)] += 1
         limit = self.max_capture_tokens if train else min(self.max_capture_tokens, self.max_eval_capture_tokens)
-        captured_now = (entry.graph is None and not entry.failed and key.warm_class in self.warm
-                        and key.tokens <= limit)
+        captured_now = self._captures(key, limit)
         if captured_now:
             entry.graph = self._capture(entry, key)
         # a replay of an earlier capture allocates nothing (its memory is the pool's)
@@ -274,12 +270,8 @@ class StepGraphs:
         the eager rule alone (its 5-job steps 0.14-0.17 s against 0.21-0.30 s)."""
         off = replace(key, recompute=False)
         known = self.entries.get(off)
-        warm = off.warm_class in self.warm
-        replays = (known is not None and known.graph is not None) or (
-            warm and self.cover_uses[off] < self.capture_after
-            and self._cover(off, n_tokens, n_seqs) is not None)  # _execute's rules for a cover ...
-        captures = (not replays and warm and off.tokens <= self.max_capture_tokens
-                    and (known is None or not known.failed))  # ... and a capture
+        replays = (known is not None and known.graph is not None) or self._cover_for(off, n_tokens, n_seqs) is not None
+        captures = not replays and self._captures(off, self.max_capture_tokens)
         eng = self.engine
         want = eng.recompute_for(off.tokens, padding=CAPTURE_PADDING if captures else 1.0)  # type: ignore[misc]
         if want is None:  # no policy: the setting stays
@@ -287,6 +279,18 @@ class StepGraphs:
         on = bool(want) and not replays
         eng.set_recompute(on)
         return replace(key, recompute=on)
+
+    def _cover_for(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
+        """`_cover`, where one may serve: the key not captured, its class warm, covered < capture_after."""
+        known = self.entries.get(key)
+        free = (known is None or known.graph is None) and key.warm_class in self.warm
+        return self._cover(key, n_tokens, n_seqs) if free and self.cover_uses[key] < self.capture_after else None
+
+    def _captures(self, key: GraphKey, limit: int) -> bool:
+        """Whether a step of `key` is captured now: not yet (nor failed), its class warm, <= limit tokens."""
+        entry = self.entries.get(key)
+        return ((entry is None or (entry.graph is None and not entry.failed))
+                and key.warm_class in self.warm and key.tokens <= limit)
 
     def _cover(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
         """The smallest captured key that can run this step padded (at most `cover_ratio` times
