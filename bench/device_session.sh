@@ -39,7 +39,8 @@ search_a() {  # search_a LIMIT DEADLINE: the user's search (a) at 32 layers, 48 
   (while sleep 5; do echo "$SECONDS $(free -m | awk '/Mem:/{print "used",$3,"shared",$5,"cache",$6,"avail",$7}') \
     $(df --output=used -BM /tmp | tail -1)"; done > "$OUT/host_memory.txt") & local sampler=$!
   step "$1" search_a python3 bench/task_e2e_baselines.py --layers 32 --arms a --quality-arms a --deadline-s "$2" \
-    ${runs:+--runs-dir "$runs"} ${work:+--work "$work"} --json "$OUT/search_a.json" --out "$OUT/search_a.md"
+    ${runs:+--runs-dir "$runs"} ${work:+--work "$work"} --json "$OUT/search_a.json" --out "$OUT/search_a.md" \
+    ${SEARCH_A_EXTRA:-}
   kill "$sampler"; dmesg 2>/dev/null | grep -i -E "killed process|out of memory" | tail -3 | tee -a "$OUT/steps.txt"
   rm -rf /dev/shm/search_a /dev/shm/search_work /tmp/search_a
 }
@@ -988,5 +989,18 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/host_memory.txt"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a" >&2; exit 2 ;;
+  s31_b)  # session 31, call 2 (issue 40): the rotary embedding on one kernel each way (kernels.rope). The
+          # three arms on one engine at 32 layers (plain, norms+MLP fused, + rotary), its GPU tests, then
+          # search (a) with it; the Triton cache it leaves (the shipped one + the rotary kernels) comes back
+    export TRITON_CACHE_DIR=/tmp/s31b/triton
+    rm -rf /tmp/s31b
+    search_a 280 250
+    step 170 fused_blocks python3 bench/fused_blocks.py --layers 32 --warmup 2 --iters 5 \
+      --out "$OUT/fused_blocks_rope_h100.md" --json "$OUT/fused_blocks_rope_h100.json"
+    step $((590 - SECONDS)) gpu_tests_norm python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_norm_act_gpu.py
+    (cd /tmp/s31b && tar -czf "$OUT/triton_cache_sm90.tar.gz" triton)
+    pack_logs
+    rm -f "$OUT/search_a.md" "$OUT/host_memory.txt"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b" >&2; exit 2 ;;
 esac

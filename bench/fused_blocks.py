@@ -1,12 +1,13 @@
-"""The backbone's norms and MLP gate on fused kernels (trainer.fused_blocks) against transformers'
-own modules, side by side in one process on one engine (issue 40).
+"""The backbone's norms, MLP gate and rotary embedding on fused kernels (trainer.fused_blocks)
+against transformers' own modules and function, side by side in one process on one engine (issue 40).
 
 At `--layers` layers of the Llama-3.1-8B shape (random bf16 weights, varlen attention) the engine
 trains `--small` jobs on ~2k-token steps (CUDA graphs, as after a search's warmup ranking) and
 `--large` jobs on ~13k-token steps (eager, as its first steps), with recompute off and on, and
 evaluates 2 jobs over 64 examples (one no-grad forward). The arms alternate on the same engine:
-`fused` is the engine as built (its modules' forwards swapped), `plain` the modules' own forwards
-(the swapped forwards taken off; captured graphs dropped at every switch). Per case and arm: the
+`fused` is the engine as built (its modules' forwards and the rotary function swapped), `norms+MLP`
+the same with transformers' own rotary function, `plain` the modules' own forwards and function
+(the swaps taken off; captured graphs dropped at every switch). Per case and arm: the
 median step wall over `--iters` synced steps after `--warmup`, tokens a second, and for eager
 steps the transient peak per token (the allocator's peak less what was allocated before the
 step). Correctness in the same run: each arm's first step from fresh jobs of the same seeds, the
@@ -32,10 +33,12 @@ from engine_step import llama8b_config  # noqa: E402
 
 from trainer.data import Example  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
+from trainer.fused_blocks import use_fused_rope  # noqa: E402
 from trainer.jobs import TrainJob  # noqa: E402
 from trainer.step_graphs import StepGraphs  # noqa: E402
 
 RANKS = (16, 64, 8, 32)
+ARMS = ("plain", "norms+MLP", "fused")
 
 
 def sync() -> None:
@@ -58,15 +61,17 @@ def examples(n: int, tokens: int, seed: int) -> list[Example]:
 
 
 class Arms:
-    """The engine's swapped forwards, taken off (plain) and put back (fused)."""
+    """The engine's swapped forwards, taken off (plain) and put back (norms+MLP, fused), and the
+    swapped rotary function (fused alone)."""
 
     def __init__(self, eng: MultiLoraEngine) -> None:
         self.eng = eng
         self.swapped = {m: m.__dict__["forward"] for m in eng.model.modules() if "forward" in m.__dict__}
 
     def use(self, arm: str, graphs: bool) -> None:
+        use_fused_rope(arm == "fused")
         for m, fwd in self.swapped.items():
-            if arm == "fused":
+            if arm != "plain":
                 m.forward = fwd
             else:
                 m.__dict__.pop("forward", None)
@@ -145,6 +150,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
+    forced = {"ropes": 0}
     if args.smoke:
         from trainer.fused_blocks import fuse_blocks
 
@@ -152,7 +158,7 @@ def main() -> None:
         cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, vocab_size=128000)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).requires_grad_(False)
-        fuse_blocks(model, force=True)
+        forced = fuse_blocks(model, force=True)
     else:
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(llama8b_config(args.layers), dtype=torch.bfloat16)
@@ -164,35 +170,39 @@ def main() -> None:
              dict(name="large, eager, recompute", jobs=args.large, batch=4, graphs=False, recompute=True),
              dict(name="small, eager, no recompute", jobs=args.small, batch=2, graphs=False, recompute=False)]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)"
-    swapped = {"norms": n_norms, "mlps": len(arms.swapped) - n_norms}
+    swapped = {"norms": n_norms, "mlps": len(arms.swapped) - n_norms, "ropes": eng.fused_blocks["ropes"] or forced["ropes"]}
     rows, results = [], {"device": device, "args": vars(args), "fused": swapped, "cases": {}}
     for case in cases:
-        got = {arm: run_case(eng, arms, arm, case, args) for arm in ("plain", "fused")}
+        got = {arm: run_case(eng, arms, arm, case, args) for arm in ARMS}
         gap = rel_gap(got["fused"]["losses"], got["plain"]["losses"])
         results["cases"][case["name"]] = {**got, "loss_gap": gap}
-        p, f = got["plain"], got["fused"]
-        rows.append(f"| {case['name']} | {case['jobs']} | {p['tokens']:.0f} | {p['wall_ms']:.1f} | {f['wall_ms']:.1f} | "
-                    f"{p['tok_s']:,.0f} | {f['tok_s']:,.0f} | {p['wall_ms'] / f['wall_ms']:.2f}x | "
-                    f"{p['first_peak_per_token'] / 2**20:.2f} | {f['first_peak_per_token'] / 2**20:.2f} | {gap:.1e} |")
+        p, n, f = got["plain"], got["norms+MLP"], got["fused"]
+        rows.append(f"| {case['name']} | {case['jobs']} | {p['tokens']:.0f} | {p['wall_ms']:.1f} | {n['wall_ms']:.1f} | "
+                    f"{f['wall_ms']:.1f} | {p['tok_s']:,.0f} | {f['tok_s']:,.0f} | {n['wall_ms'] / f['wall_ms']:.3f}x | "
+                    f"{p['wall_ms'] / f['wall_ms']:.2f}x | {p['first_peak_per_token'] / 2**20:.2f} | "
+                    f"{f['first_peak_per_token'] / 2**20:.2f} | {gap:.1e} |")
         print(rows[-1], flush=True)
     held = examples(64, args.tokens, 2)
-    ev = {arm: run_eval(eng, arms, arm, held, args.iters) for arm in ("plain", "fused")}
+    ev = {arm: run_eval(eng, arms, arm, held, args.iters) for arm in ARMS}
     gap = rel_gap(ev["fused"]["metrics"], ev["plain"]["metrics"])
     results["cases"]["evaluation"] = {**ev, "loss_gap": gap}
-    rows.append(f"| evaluation forward, 2 jobs x 64 examples | 2 | {ev['plain']['tokens']} | {ev['plain']['wall_ms']:.1f} | "
-                f"{ev['fused']['wall_ms']:.1f} | {ev['plain']['tok_s']:,.0f} | {ev['fused']['tok_s']:,.0f} | "
-                f"{ev['plain']['wall_ms'] / ev['fused']['wall_ms']:.2f}x | - | - | {gap:.1e} |")
+    p, n, f = ev["plain"], ev["norms+MLP"], ev["fused"]
+    rows.append(f"| evaluation forward, 2 jobs x 64 examples | 2 | {p['tokens']} | {p['wall_ms']:.1f} | {n['wall_ms']:.1f} | "
+                f"{f['wall_ms']:.1f} | {p['tok_s']:,.0f} | {f['tok_s']:,.0f} | {n['wall_ms'] / f['wall_ms']:.3f}x | "
+                f"{p['wall_ms'] / f['wall_ms']:.2f}x | - | - | {gap:.1e} |")
     print(rows[-1], flush=True)
     text = "\n".join([
-        f"# Fused norms and MLP gate against transformers' modules ({results['device']}, {args.layers} layers of the "
+        f"# Fused norms, MLP gate and rotary embedding against transformers' own ({results['device']}, {args.layers} layers of the "
         f"Llama-3.1-8B shape, random bf16 weights, varlen attention, samples of ~{args.tokens} tokens)", "",
-        f"One engine, arms alternating per case; fused swapped {swapped['norms']} norms and "
-        f"{swapped['mlps']} MLPs. Median of {args.iters} synced steps after {args.warmup}; "
+        f"One engine, arms alternating per case; fused swapped {swapped['norms']} norms, "
+        f"{swapped['mlps']} MLPs and the rotary function of {swapped['ropes']} attention layers; norms+MLP is "
+        f"fused with transformers' own rotary function. Median of {args.iters} synced steps after {args.warmup}; "
         "peak/token: the first step's transient peak over its tokens (eager steps; a graphed step's first "
         "step is its capture); loss gap: the largest relative difference of a job's first-step loss "
         "(evaluation: its loss) between the arms.", "",
-        "| case | jobs | tokens | plain ms | fused ms | plain tok/s | fused tok/s | speedup | plain peak MiB/token | "
-        "fused peak MiB/token | loss gap |", "|---|---|---|---|---|---|---|---|---|---|---|", *rows]) + "\n"
+        "| case | jobs | tokens | plain ms | norms+MLP ms | fused ms | plain tok/s | fused tok/s | rotary's speedup "
+        "(norms+MLP / fused) | speedup (plain / fused) | plain peak MiB/token | fused peak MiB/token | loss gap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]) + "\n"
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -74,6 +74,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-liger", dest="liger", action="store_false")
     ap.add_argument("--liger-wheels", default=str(REPO / ".whl"))
     ap.add_argument("--work", default="/tmp/task_e2e_baselines")
+    ap.add_argument("--write-buffer-gb", type=float, default=None,
+                    help="ExecutorConfig.write_buffer_bytes of (a) and (b), in GiB (default: the product's)")
     ap.add_argument("--runs-dir", default="", help="the large runs' executor folders (checkpoints, exports): "
                     "default under --work; e.g. /dev/shm where (a)'s first checkpoint outgrows the disk")
     ap.add_argument("--json", default="")

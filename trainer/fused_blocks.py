@@ -1,4 +1,5 @@
-"""The backbone's RMSNorms and SiLU-gated MLPs on fused kernels (kernels.norm_act), on the GPU.
+"""The backbone's RMSNorms, SiLU-gated MLPs and rotary embeddings on fused kernels
+(kernels.norm_act, kernels.rope), on the GPU.
 
 transformers' modules run a norm as ~8 kernels each way (float32 upcast, pow, mean, rsqrt, two
 muls, casts) and keep a float32 copy of its input for the backward; the MLP's gate as silu and mul,
@@ -9,7 +10,12 @@ Which modules: any whose class is an RMSNorm with a frozen 1-d weight and an eps
 with gate_proj, up_proj, down_proj and a SiLU act_fn; each class is admitted only once a probe
 agrees with its own forward on random rows (through the module's real weights, before the LoRA
 layers go in): a family whose norm differs (Gemma's 1 + weight, LayerNorms, norms of a different
-order) keeps its own forward. Off on the CPU (unless TRITON_INTERPRET=1 and `force`), under
+order) keeps its own forward. The rotary embedding is a function of the attention class's module
+(`apply_rotary_pos_emb`, which its forward calls by that global name): where a probe finds that
+function equal to kernels.rope on random q, k, cos and sin, the module's global becomes a
+dispatcher that runs the kernel on the calls of that form and the function itself on any other
+(partial rotary, other layouts). That swap is the process's (every model of the family, as
+transformers' kernel hub would do it); `use_fused_rope(False)` puts the functions back. Off on the CPU (unless TRITON_INTERPRET=1 and `force`), under
 LORAPLEX_FUSED_BLOCKS=0, and under adapter parallelism (its engine is built on an unsharded model
 on the CPU or the meta device, then sharded; a backbone already sharded, DTensor parameters, is
 left alone too).
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import types
 from typing import Any
@@ -26,6 +33,7 @@ import torch
 from torch import nn
 
 from kernels.norm_act import available, rms_norm, silu_mul
+from kernels.rope import rope, rope_applies
 
 log = logging.getLogger(__name__)
 PROBE_RTOL = 2.0 ** -6  # two bfloat16 ulps: the kernels sum in another order than torch's reductions
@@ -98,16 +106,88 @@ def probe_mlp(module: nn.Module) -> bool:
         return False
 
 
+ROPE_NAME = "apply_rotary_pos_emb"
+# the modules whose rotary function was swapped: name -> (module, its own function, the dispatcher)
+ROPE_SWAPS: dict[str, tuple[types.ModuleType, Any, Any]] = {}
+
+
+def _rope_dispatcher(own: Any) -> Any:  # noqa: ANN401
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        unsqueeze = kwargs.get("unsqueeze_dim", args[0] if args else 1)
+        if (len(args) <= 1 and set(kwargs) <= {"unsqueeze_dim"} and type(unsqueeze) is int
+                and rope_applies(q, k, cos, sin, unsqueeze)):
+            return rope(q, k, cos, sin)
+        return own(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb.loraplex_own = own
+    return apply_rotary_pos_emb
+
+
+def attention_like(module: nn.Module) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Module) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+@torch.no_grad()
+def probe_rope(module: nn.Module, own: Any) -> bool:  # noqa: ANN401
+    """Whether kernels.rope computes what `own` (the module's rotary function) does on random q
+    [1, 3, 5, D] and k [1, 2, 5, D] (transposed views, as the projections give them) and cos, sin."""
+    weight = next(module.q_proj.parameters())
+    dim = getattr(module, "head_dim", None)
+    if not isinstance(dim, int) or dim % 2:
+        return False
+    gen = torch.Generator(device=weight.device).manual_seed(2)
+    q, k = (torch.randn(1, 5, h * dim, generator=gen, device=weight.device).to(weight.dtype)
+            .view(1, 5, h, dim).transpose(1, 2) for h in (3, 2))
+    cos, sin = (torch.randn(1, 5, dim, generator=gen, device=weight.device).to(weight.dtype) for _ in range(2))
+    try:
+        want = own(q, k, cos, sin)
+        got = rope(q, k, cos, sin)
+        return rope_applies(q, k, cos, sin) and all(_agrees(g, w) for g, w in zip(got, want, strict=True))
+    except Exception as exc:  # noqa: BLE001 - any failure means: keep the module's own function
+        log.debug("rope probe of %s failed: %s", type(module).__name__, exc)
+        return False
+
+
+def _fuse_ropes(model: nn.Module) -> tuple[int, list[str]]:
+    """Swap the rotary functions of the model's attention classes' modules the probe admits
+    (once per module for the process); the attention layers that now run the kernel, and the
+    classes kept."""
+    layers, kept, seen = 0, [], set()
+    for module in model.modules():
+        if not attention_like(module):
+            continue
+        name = type(module).__module__
+        mod = sys.modules.get(name)
+        fn = getattr(mod, ROPE_NAME, None)
+        if name not in seen and name not in ROPE_SWAPS and callable(fn):
+            if probe_rope(module, fn):
+                ROPE_SWAPS[name] = (mod, fn, _rope_dispatcher(fn))
+                setattr(mod, ROPE_NAME, ROPE_SWAPS[name][2])
+            else:
+                kept.append(type(module).__name__)
+        seen.add(name)
+        layers += name in ROPE_SWAPS
+    return layers, kept
+
+
+def use_fused_rope(on: bool) -> None:
+    """Put the swapped rotary functions back (False) or the dispatchers again (True), process-wide
+    (bench/fused_blocks.py's arms)."""
+    for mod, own, dispatcher in ROPE_SWAPS.values():
+        setattr(mod, ROPE_NAME, dispatcher if on else own)
+
+
 def _sharded(model: nn.Module) -> bool:
     return any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
 def fuse_blocks(model: nn.Module, force: bool = False) -> dict[str, Any]:
     """Swap the forwards of the model's norms and MLPs the probes admit for the fused kernels, in
-    place, the backbone frozen first (as the engine freezes it); returns how many of each and the
-    classes kept as they were. Call before the LoRA layers go in (the MLP probe runs the plain
-    projections)."""
-    done: dict[str, Any] = {"norms": 0, "mlps": 0, "kept": []}
+    place, the backbone frozen first (as the engine freezes it), and its attention's rotary
+    function (process-wide, see the module docstring; not under LORAPLEX_FUSED_ROPE=0); returns
+    how many of each and the classes kept as they were. Call before the LoRA layers go in (the
+    MLP probe runs the plain projections)."""
+    done: dict[str, Any] = {"norms": 0, "mlps": 0, "ropes": 0, "kept": []}
     param = next(model.parameters(), None)
     if (param is None or os.environ.get("LORAPLEX_FUSED_BLOCKS", "1") == "0" or _sharded(model)
             or not available(param) or (param.device.type != "cuda" and not force)):
@@ -131,8 +211,11 @@ def fuse_blocks(model: nn.Module, force: bool = False) -> dict[str, Any]:
             else:
                 module.forward = types.MethodType(_fused_mlp_forward, module)
             done[kind] += 1
-    log.info("fused blocks: %d norms, %d MLPs; kept their own forward: %s (probes and swaps %.2f s)", done["norms"],
-             done["mlps"], done["kept"] or "none", time.perf_counter() - t0)
+    if os.environ.get("LORAPLEX_FUSED_ROPE", "1") != "0":
+        done["ropes"], kept = _fuse_ropes(model)
+        done["kept"] += kept
+    log.info("fused blocks: %d norms, %d MLPs, %d rotary embeddings; kept their own forward: %s (probes and swaps "
+             "%.2f s)", done["norms"], done["mlps"], done["ropes"], done["kept"] or "none", time.perf_counter() - t0)
     return done
 
 

@@ -1,7 +1,8 @@
-"""The fused RMSNorm and SiLU-gate kernels on CUDA (kernels.norm_act, trainer.fused_blocks): in
-bfloat16 within one ulp of transformers' own modules forward, their gradients as close to a
-float64 oracle as the modules' own, less memory kept for the backward, and an engine step on a
-fused backbone equal to the unfused one. Skipped without CUDA."""
+"""The fused RMSNorm, SiLU-gate and rotary kernels on CUDA (kernels.norm_act, kernels.rope,
+trainer.fused_blocks): in bfloat16 within one ulp of transformers' own modules forward (the rotary
+embedding bit for bit, both ways), their gradients as close to a float64 oracle as the modules'
+own, less memory kept for the backward, and an engine step on a fused backbone equal to the
+unfused one. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from kernels.norm_act import rms_norm, silu_mul  # noqa: E402
+from kernels.rope import rope, rope_applies  # noqa: E402
 from tests.unit.test_step_graphs import examples, job  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
+from trainer.fused_blocks import use_fused_rope  # noqa: E402
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -59,6 +62,34 @@ def test_silu_gate_matches_the_mlp_ops_and_its_gradient() -> None:
     assert errs[0][0] <= 1.5 * errs[1][0] + 1e-4 and errs[0][1] <= 1.5 * errs[1][1] + 1e-4, errs
 
 
+def test_rope_gives_the_llama_functions_bits_both_ways() -> None:
+    """The 8B shape's heads (32 query, 8 key of 128) as transposed views of the projections, cos and
+    sin from Llama's own rotary module over packed positions (three sequences back to back)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama as ml
+
+    own = getattr(ml.apply_rotary_pos_emb, "loraplex_own", ml.apply_rotary_pos_emb)
+    torch.manual_seed(2)
+    cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)
+    length = 700
+    x = torch.randn(1, length, 4096, device="cuda", dtype=torch.bfloat16)
+    positions = torch.cat([torch.arange(n, device="cuda") for n in (300, 250, 150)])[None]
+    cos, sin = ml.LlamaRotaryEmbedding(cfg, device="cuda")(x, positions)
+    q, k = (torch.randn(1, length, h * 128, device="cuda", dtype=torch.bfloat16).view(1, length, h, 128).transpose(1, 2)
+            for h in (32, 8))
+    assert rope_applies(q, k, cos, sin)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    got, want = [], []
+    for fn, out in ((rope, got), (own, want)):
+        qa, ka = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+        y = fn(qa, ka, cos, sin)
+        torch.autograd.backward(y, (gq, gk))
+        out.extend([y[0], y[1], qa.grad, ka.grad])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w), (g.float() - w.float()).abs().max().item()
+    assert got[0].stride() == q.stride() and got[1].stride() == k.stride()
+
+
 def _engine(monkeypatch, fused: bool) -> MultiLoraEngine:  # noqa: ANN001
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -75,9 +106,10 @@ def _engine(monkeypatch, fused: bool) -> MultiLoraEngine:  # noqa: ANN001
 def test_a_fused_engine_step_equals_the_unfused_one_and_keeps_less(monkeypatch) -> None:  # noqa: ANN001
     engines = {name: _engine(monkeypatch, name == "fused") for name in ("fused", "plain")}
     assert engines["fused"].fused_blocks["mlps"] == 2 and engines["fused"].fused_blocks["norms"] == 5
-    assert engines["plain"].fused_blocks["mlps"] == 0
+    assert engines["plain"].fused_blocks["mlps"] == 0 and engines["fused"].fused_blocks["ropes"] == 2
     peaks, losses = {}, {}
     for name, eng in engines.items():
+        use_fused_rope(name == "fused")  # the rotary swap is the process's
         for spec in (job("a", 8, 4, 1), job("b", 16, 4, 2)):
             eng.attach(spec)
         torch.cuda.synchronize()
@@ -85,6 +117,7 @@ def test_a_fused_engine_step_equals_the_unfused_one_and_keeps_less(monkeypatch) 
         base = torch.cuda.memory_allocated()
         losses[name] = [eng.step().losses for _ in range(3)]
         peaks[name] = torch.cuda.max_memory_allocated() - base
+    use_fused_rope(True)
     for want, got in zip(losses["plain"], losses["fused"], strict=True):
         for j, v in want.items():
             assert abs(got[j] - v) <= 2e-3 * abs(v), (j, got[j], v)

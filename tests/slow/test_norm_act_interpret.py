@@ -91,7 +91,9 @@ d = tiny_model_dir("llama", Path(tempfile.mkdtemp()))
 tok = AutoTokenizer.from_pretrained(d)
 ex = tokenize_all(tok, [parse_record(r) for r in synthetic_rows(24, seed=3)], 48)
 runs = {}
+from trainer.fused_blocks import use_fused_rope
 for name in ("plain", "fused"):
+    use_fused_rope(name == "fused")  # the rotary swap is the process's (the families above made it)
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     if name == "fused":
         out["engine fused"] = fuse_blocks(model, force=True)
@@ -129,13 +131,14 @@ def test_fused_norm_and_gate_under_interpreter() -> None:
     # a value, so up to 3 ulps here; tests/gpu/test_norm_act_gpu.py holds the kernels to one ulp
     assert got["rms bf16 ulps"] <= 3 and got["silu bf16 ulps"] <= 3, (got["rms bf16 ulps"], got["silu bf16 ulps"])
     for fam in ("llama", "qwen3", "gemma"):
-        assert got[f"cpu {fam}"] == {"norms": 0, "mlps": 0, "kept": []}, got[f"cpu {fam}"]
+        assert got[f"cpu {fam}"] == {"norms": 0, "mlps": 0, "ropes": 0, "kept": []}, got[f"cpu {fam}"]
     layers = 2
-    assert got["fuse llama"] == {"norms": 2 * layers + 1, "mlps": layers, "kept": [], "fused": True}
-    assert got["fuse qwen3"] == {"norms": 4 * layers + 1, "mlps": layers, "kept": [], "fused": True}
-    gemma = got["fuse gemma"]
-    assert gemma["norms"] == 0 and gemma["mlps"] == 0 and not gemma["fused"], gemma
+    assert got["fuse llama"] == {"norms": 2 * layers + 1, "mlps": layers, "ropes": layers, "kept": [], "fused": True}
+    assert got["fuse qwen3"] == {"norms": 4 * layers + 1, "mlps": layers, "ropes": layers, "kept": [], "fused": True}
+    gemma = got["fuse gemma"]  # its rotary embedding is Llama's: that one swaps
+    assert gemma["norms"] == 0 and gemma["mlps"] == 0 and gemma["ropes"] == layers and not gemma["fused"], gemma
     assert gemma["kept"] == ["GemmaRMSNorm"], gemma
     assert got["engine fused"]["norms"] == 2 * layers + 1 and got["engine fused"]["mlps"] == layers
+    assert got["engine fused"]["ropes"] == layers
     e = got["engine"]
     assert e["steps"] == 3 and e["loss"] <= 1e-5 and e["adapter"] <= 1e-4, e
