@@ -6,10 +6,10 @@ about 8% of the GPU time, bench/results/raw/eval_profile_s27_h100_call6.txt).
 `rope(q, k, cos, sin)` is `apply_rotary_pos_emb(q, k, cos, sin)` of the Llama-style families:
 `x * cos + rotate_half(x) * sin` with `rotate_half(x) = cat(-x2, x1)`, for q [B, Hq, L, D] and
 k [B, Hk, L, D] (any strides with a unit last one: transformers passes transposed views of the
-projections), cos and sin [B or 1, L, D]. Each product is rounded to the tensors' dtype before the
-sum, as the torch ops round, so in bfloat16 it gives the module's bits, and so does the backward
-(`g * cos + rotate_half^T(g * sin)`, the two paths' products rounded before autograd's sum). The
-outputs keep q's and k's strides (transformers' attention then reads them as it read the ops'
+projections), cos and sin [B or 1, L, D]. It computes in float32 and rounds once, where the ops
+round each product and the sum (a bfloat16 result is at least as close to a float64 oracle as
+theirs, and within one of their roundings: not their bits); so does the backward
+(`g * cos + rotate_half^T(g * sin)`). The outputs keep q's and k's strides (transformers' attention then reads them as it read the ops'
 outputs). Nothing is kept for the backward but cos and sin.
 
 `rope_applies(...)` says whether a call has that form; anything else (partial rotary, other
@@ -38,7 +38,7 @@ if triton is not None:
     def _rope_kernel(X, C, S, Y, H, L, sxb, sxh, sxl, syb, syh, syl, scb, scl,
                      HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
         """One token's heads [BLOCK_H, D]: y1 = x1*c1 - x2*s1, y2 = x2*c2 + x1*s2 (forward); the
-        backward is the same with (s1, s2) -> (-s2, -s1). Products rounded to X's dtype first."""
+        backward is the same with (s1, s2) -> (-s2, -s1). In float32, rounded once."""
         row = tl.program_id(0).to(tl.int64)
         b = row // L
         t = row % L
@@ -58,9 +58,8 @@ if triton is not None:
         xs = X + b * sxb + t * sxl + h[:, None].to(tl.int64) * sxh + d[None, :]
         x1 = tl.load(xs, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(xs + HALF, mask=m, other=0.0).to(tl.float32)
-        dt = X.dtype.element_ty
-        y1 = (x1 * c1[None, :]).to(dt).to(tl.float32) - (x2 * s1[None, :]).to(dt).to(tl.float32)
-        y2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
+        y1 = x1 * c1[None, :] - x2 * s1[None, :]
+        y2 = x2 * c2[None, :] + x1 * s2[None, :]
         ys = Y + b * syb + t * syl + h[:, None].to(tl.int64) * syh + d[None, :]
         tl.store(ys, y1.to(Y.dtype.element_ty), mask=m)
         tl.store(ys + HALF, y2.to(Y.dtype.element_ty), mask=m)
