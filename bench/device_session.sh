@@ -1002,7 +1002,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/host_memory.txt"
     ;;
-  s31_c)  # session 31, call 4 (issue 40): s31_b again after call 2 found the rotary probe refusing its own kernel
+  s31_c)  # session 31, call 5 (issue 40): s31_b again after call 2 found the rotary probe refusing its own kernel
           # on the GPU (the kernel's roundings differ from the ops' there: it now computes in float32 and
           # rounds once, and the probe's tolerance scales with the products): its GPU tests, the three arms,
           # then search (a) with the rotary kernel; the Triton cache it leaves comes back
@@ -1016,8 +1016,8 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/host_memory.txt"
     ;;
-  s31_d)  # session 31, call 5 (issues 40, 41): from the refreshed archive (the rotary kernels shipped): search (a)
-          # with an 8 GB write buffer (call 4, 4 GB: the loop's exports 4.5 s, the writer busy 40 s), the
+  s31_d)  # session 31, call 6 (issues 40, 41): from the refreshed archive (the rotary kernels shipped): search (a)
+          # with an 8 GB write buffer (call 5, 4 GB: the loop's exports 4.5 s, the writer busy 40 s), the
           # 60-step task in a fresh process, and the kernel cache's GPU tests (nothing compiles)
     export TRITON_CACHE_DIR=/tmp/s31d/triton
     rm -rf /tmp/s31d
