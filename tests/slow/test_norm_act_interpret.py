@@ -12,26 +12,16 @@ the flag never leaks into other tests.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.helpers.interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
 _WORKER = r"""
-import json, sys, tempfile
+import tempfile
 from pathlib import Path
-import torch
 from kernels.norm_act import rms_norm, rms_norm_reference, silu_mul, silu_mul_reference
-torch.manual_seed(0)
-out = {}
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item() if b.numel() else 0.0
 def check_rms(shape, dtype, eps=1e-6):
     d = shape[-1]
     x = torch.randn(*shape, dtype=dtype) * 2 + 0.3
@@ -107,19 +97,13 @@ worst_loss = max(abs(runs["fused"][0][k][j] - v) / abs(v) for k, step in enumera
                  for j, v in step.items())
 worst_adapter = max(rel(runs["fused"][1][j], a) for j, a in runs["plain"][1].items())
 out["engine"] = {"loss": worst_loss, "adapter": worst_adapter, "steps": len(runs["plain"][0])}
-print("RESULT" + json.dumps(out))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fused_norm_and_gate_under_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", _WORKER],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout.split("RESULT", 1)[1])
+    got = run_interpreted(_WORKER, timeout_s=600)
     tol = {"torch.float32": 2e-6}  # the kernels compute in float32 (bf16 and fp32 models)
     for name, r in got.items():
         if name.startswith(("rms (", "silu (")):

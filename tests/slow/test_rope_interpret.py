@@ -13,25 +13,14 @@ neither the flag nor the process-wide swap leaks into other tests.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.helpers.interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
 _WORKER = r"""
-import json
-import torch
 from kernels.rope import rope, rope_applies, rope_reference
-torch.manual_seed(0)
-out = {}
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item() if b.numel() else 0.0
 def qk(bsz, hq, hk, length, dim, dtype):
     return [torch.randn(bsz, length, h * dim, dtype=dtype).view(bsz, length, h, dim).transpose(1, 2) for h in (hq, hk)]
 def check(bsz, hq, hk, length, dim, cos_rows, dtype):
@@ -90,18 +79,13 @@ for fam in FAMILIES:
         emb.grad = None
     out[f"family {fam}"] = {"ropes": done["ropes"], "kept": done["kept"], "loss": abs(got[True][0] - got[False][0]),
                             "grad": rel(got[True][1], got[False][1]), "calls": got[True][2], "calls_off": got[False][2]}
-print("RESULT" + json.dumps(out))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fused_rope_under_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", _WORKER], capture_output=True, text=True, env=env, timeout=900, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout.split("RESULT", 1)[1])
+    got = run_interpreted(_WORKER, timeout_s=900)
     for name, r in got.items():
         if name.startswith("fp32"):
             assert r["applies"] and r["strides"] and r["dtype"] == "torch.float32", (name, r)
