@@ -90,9 +90,34 @@ class TraceExecutor(Executor):
             TaskRun.finish_done = timed("finish_done", TaskRun.finish_done)
             TaskRun.finish_done.timed = True
 
+    def _traced_writes(self) -> None:
+        """Each write of the writer thread: [kind, MB of snapshot, seconds since the loop started
+        when submitted, seconds queued, seconds writing] (what the loop's waits for it are made of)."""
+        writer, rec = self.writer, self.recorder
+        if writer is None:
+            return
+        real_submit = writer.submit
+
+        def submit(task_id, kind, nbytes, work):  # noqa: ANN001, ANN202
+            row = [kind, round(nbytes / 2**20, 1), round(time.perf_counter() - (self.clock.started_at or 0.0), 2)]
+            queued = time.perf_counter()
+
+            def timed_work():  # noqa: ANN202
+                t0 = time.perf_counter()
+                try:
+                    return work()
+                finally:
+                    row.extend([round(t0 - queued, 2), round(time.perf_counter() - t0, 2)])
+
+            rec["writes"].append(row)
+            return real_submit(task_id, kind, nbytes, timed_work)
+
+        writer.submit = submit
+
     def _load(self) -> None:
         super()._load()
         self._timed_parts()
+        self._traced_writes()
         eng, real_step, real_eval = self.engine, self.engine.step, self.engine.evaluate_metrics
         if not self.shape_buckets:
             eng.shape_buckets = None
@@ -234,7 +259,7 @@ def install_recorder() -> dict:
     """Record every training step's packed batch (CPU) and the host time of packing/layout."""
     fresh = not REC
     REC.update({"active": False, "batches": [], "step_s": [], "pack_s": 0.0, "layout_s": 0.0,
-                "step_trace": [], "eval_trace": [], "idle_parts": Counter()})
+                "step_trace": [], "eval_trace": [], "idle_parts": Counter(), "writes": []})
     rec = REC
     if not fresh:
         return rec
@@ -431,6 +456,9 @@ def large_run(name: str, ee: bool, attention: str, *, args: argparse.Namespace, 
            # every step the allocator saw: [cells, recompute, resident, peak, predicted] in MB
            "step_trace": rec["step_trace"], "eval_trace": rec["eval_trace"],
            "idle_parts_s": {k: round(v, 3) for k, v in rec["idle_parts"].items()},
+           # every write of the writer thread and the GB by kind (bench-side: TraceExecutor._traced_writes)
+           "writes": rec["writes"], "written_gb": {k: round(sum(w[1] for w in rec["writes"] if w[0] == k) / 1024, 2)
+                                                  for k in ("checkpoint", "export")},
            "graphs": graph_counts(ex.engine),
            "memory_trace": [[p.tokens, int(p.recompute), p.resident >> 20, p.peak >> 20, round(p.predicted) >> 20]
                             for c in ex.memory.corrections.values() for p in c.trace]}
