@@ -9,8 +9,9 @@ k [B, Hk, L, D] (any strides with a unit last one: transformers passes transpose
 projections), cos and sin [B or 1, L, D]. It computes in float32 and rounds once, where the ops
 round each product and the sum (a bfloat16 result is at least as close to a float64 oracle as
 theirs, and within one of their roundings: not their bits); so does the backward
-(`g * cos + rotate_half^T(g * sin)`). The outputs keep q's and k's strides (transformers' attention then reads them as it read the ops'
-outputs). Nothing is kept for the backward but cos and sin.
+(`g * cos + rotate_half^T(g * sin)`). The outputs keep q's and k's strides (transformers'
+attention then reads them as it read the ops' outputs). Nothing is kept for the backward but cos
+and sin.
 
 `rope_applies(...)` says whether a call has that form; anything else (partial rotary, other
 layouts, mixed dtypes, a cos that needs a gradient) stays with the caller's own function.
