@@ -16,13 +16,14 @@ function equal to kernels.rope on random q, k, cos and sin, the module's global 
 dispatcher that runs the kernel on the calls of that form and the function itself on any other
 (partial rotary, other layouts). That swap is the process's (every model of the family, as
 transformers' kernel hub would do it); `use_fused_rope(False)` puts the functions back, and
-LORAPLEX_FUSED_ROPE=0 leaves them alone. Off on the CPU (unless TRITON_INTERPRET=1 and `force`),
+LORAPLEX_FUSED_ROPE=0 leaves them alone (it does not undo a swap made earlier in the process). Off on the CPU (unless TRITON_INTERPRET=1 and `force`),
 under LORAPLEX_FUSED_BLOCKS=0, and under adapter parallelism (its engine is built on an unsharded model
 on the CPU or the meta device, then sharded; a backbone already sharded, DTensor parameters, is
 left alone too).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -108,17 +109,39 @@ def probe_mlp(module: nn.Module) -> bool:
 
 
 ROPE_NAME = "apply_rotary_pos_emb"
+# the probe's tolerance per dtype, relative to a rotated element's terms: four unit roundoffs (the
+# ops round two products and a sum, the kernel once: at most three apart)
+PROBE_ROPE_RTOL = {torch.bfloat16: 2.0 ** -6, torch.float16: 2.0 ** -9, torch.float32: 2.0 ** -22}
 # the modules whose rotary function was swapped: name -> (module, its own function, the dispatcher)
 ROPE_SWAPS: dict[str, tuple[types.ModuleType, Any, Any]] = {}
 
 
 def _rope_dispatcher(own: Any) -> Any:  # noqa: ANN401
-    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        unsqueeze = kwargs.get("unsqueeze_dim", args[0] if args else 1)
-        if (len(args) <= 1 and set(kwargs) <= {"unsqueeze_dim"} and type(unsqueeze) is int
-                and rope_applies(q, k, cos, sin, unsqueeze)):
-            return rope(q, k, cos, sin)
-        return own(q, k, cos, sin, *args, **kwargs)
+    """`own` where a call is not of the Llama form (q, k, cos, sin[, unsqueeze_dim=1]) by its own
+    signature (an older one with position_ids, keywords of other names: bound, not guessed)."""
+    try:
+        sig: inspect.Signature | None = inspect.signature(own)
+    except (TypeError, ValueError):  # no signature to bind calls by: only the plain call is taken
+        sig = None
+    names = list(sig.parameters)[:4] if sig is not None else []
+
+    def apply_rotary_pos_emb(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if len(args) == 4 and not kwargs:  # the families' own call
+            q, k, cos, sin = args
+            return rope(q, k, cos, sin) if rope_applies(q, k, cos, sin) else own(*args)
+        try:
+            bound = sig.bind(*args, **kwargs).arguments if sig is not None else {}
+        except TypeError:
+            return own(*args, **kwargs)  # raises as the function itself does
+        # any other argument given at its default (an older form's position_ids=None) changes nothing
+        extra = [n for n, v in bound.items() if n not in names and n != "unsqueeze_dim"
+                 and v is not sig.parameters[n].default]
+        unsqueeze = bound.get("unsqueeze_dim", 1)
+        if len(names) == 4 and not extra and type(unsqueeze) is int and all(n in bound for n in names):
+            q, k, cos, sin = (bound[n] for n in names)
+            if rope_applies(q, k, cos, sin, unsqueeze):
+                return rope(q, k, cos, sin)
+        return own(*args, **kwargs)
 
     apply_rotary_pos_emb.loraplex_own = own
     return apply_rotary_pos_emb
@@ -132,22 +155,25 @@ def attention_like(module: nn.Module) -> bool:
 def probe_rope(module: nn.Module, own: Any) -> bool:  # noqa: ANN401
     """Whether kernels.rope computes what `own` (the module's rotary function) does on random q
     [1, 3, 5, D] and k [1, 2, 5, D] (transposed views, as the projections give them) and cos, sin."""
-    weight = next(module.q_proj.parameters())
+    weight = next(module.q_proj.parameters(), None)
     dim = getattr(module, "head_dim", None)
-    if not isinstance(dim, int) or dim % 2:
+    if weight is None or weight.dtype not in PROBE_ROPE_RTOL or not isinstance(dim, int) or dim % 2:
         return False
     gen = torch.Generator(device=weight.device).manual_seed(2)
     q, k = (torch.randn(1, 5, h * dim, generator=gen, device=weight.device).to(weight.dtype)
             .view(1, 5, h, dim).transpose(1, 2) for h in (3, 2))
     cos, sin = (torch.randn(1, 5, dim, generator=gen, device=weight.device).to(weight.dtype) for _ in range(2))
+    if not rope_applies(q, k, cos, sin):
+        return False
     try:
         want = own(q, k, cos, sin)
         got = rope(q, k, cos, sin)
         # the kernel rounds once where the function may round each product: near a cancellation
         # that is many of the result's last places, but few of the products' (`scale`)
-        return rope_applies(q, k, cos, sin) and all(
+        tol = PROBE_ROPE_RTOL[weight.dtype]
+        return all(
             isinstance(w, torch.Tensor) and g.shape == w.shape and g.dtype == w.dtype
-            and bool(((g.float() - w.float()).abs() <= PROBE_RTOL * _rope_scale(x, cos, sin)).all())
+            and bool(((g.float() - w.float()).abs() <= tol * _rope_scale(x, cos, sin)).all())
             for g, w, x in zip(got, want, (q, k), strict=True))
     except Exception as exc:  # noqa: BLE001 - any failure means: keep the module's own function
         log.debug("rope probe of %s failed: %s", type(module).__name__, exc)
@@ -172,6 +198,7 @@ def _fuse_ropes(model: nn.Module) -> tuple[int, list[str]]:
         name = type(module).__module__
         mod = sys.modules.get(name)
         fn = getattr(mod, ROPE_NAME, None)
+        fn = getattr(fn, "loraplex_own", fn)  # a dispatcher that came in by import: its function
         if name not in seen and name not in ROPE_SWAPS and callable(fn):
             if probe_rope(module, fn):
                 ROPE_SWAPS[name] = (mod, fn, _rope_dispatcher(fn))
@@ -179,7 +206,8 @@ def _fuse_ropes(model: nn.Module) -> tuple[int, list[str]]:
             else:
                 kept.append(type(module).__name__)
         seen.add(name)
-        layers += name in ROPE_SWAPS
+        # the layers whose calls reach the kernel now (none while use_fused_rope(False) holds)
+        layers += name in ROPE_SWAPS and getattr(mod, ROPE_NAME, None) is ROPE_SWAPS[name][2]
     return layers, kept
 
 

@@ -111,16 +111,18 @@ def test_a_fused_engine_step_equals_the_unfused_one_and_keeps_less(monkeypatch) 
     assert engines["fused"].fused_blocks["mlps"] == 2 and engines["fused"].fused_blocks["norms"] == 5
     assert engines["plain"].fused_blocks["mlps"] == 0 and engines["fused"].fused_blocks["ropes"] == 2
     peaks, losses = {}, {}
-    for name, eng in engines.items():
-        use_fused_rope(name == "fused")  # the rotary swap is the process's
-        for spec in (job("a", 8, 4, 1), job("b", 16, 4, 2)):
-            eng.attach(spec)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        losses[name] = [eng.step().losses for _ in range(3)]
-        peaks[name] = torch.cuda.max_memory_allocated() - base
-    use_fused_rope(True)
+    try:
+        for name, eng in engines.items():
+            use_fused_rope(name == "fused")  # the rotary swap is the process's
+            for spec in (job("a", 8, 4, 1), job("b", 16, 4, 2)):
+                eng.attach(spec)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            losses[name] = [eng.step().losses for _ in range(3)]
+            peaks[name] = torch.cuda.max_memory_allocated() - base
+    finally:
+        use_fused_rope(True)
     for want, got in zip(losses["plain"], losses["fused"], strict=True):
         for j, v in want.items():
             assert abs(got[j] - v) <= 2e-3 * abs(v), (j, got[j], v)

@@ -4,7 +4,8 @@ neither the flag nor the process-wide swap leaks into other tests.
 
 - The kernel, forward and backward, in float32 against a float64 oracle (transformers' own ops):
   cos for every batch row or one for all, ragged head counts, a half width that is no power of
-  two, one position, none; in bfloat16 against the ops in bfloat16 within bfloat16's precision (on a GPU, bit for bit).
+  two, one position (a decode step, cos of every batch row), none; in bfloat16 against the ops in
+  bfloat16 within bfloat16's precision.
 - `rope_applies` refuses the calls it does not compute (another unsqueeze dim, partial rotary
   widths, mixed dtypes, a cos that wants a gradient, a 3-d q).
 - Every tiny family (trainer.tiny.FAMILIES) in eval mode: its loss and input gradient with the
@@ -40,7 +41,7 @@ def check(bsz, hq, hk, length, dim, cos_rows, dtype):
     return {"applies": rope_applies(q, k, cos, sin), "q": rel(ya[0], yr[0]), "k": rel(ya[1], yr[1]),
             "dq": rel(qa.grad, qr.grad), "dk": rel(ka.grad, kr.grad),
             "strides": ya[0].stride() == q.stride() and ya[1].stride() == k.stride(), "dtype": str(ya[0].dtype)}
-for case in [(2, 4, 2, 5, 16, 1), (2, 3, 1, 7, 12, 2), (1, 5, 5, 1, 8, 1), (3, 2, 2, 0, 16, 1)]:
+for case in [(2, 4, 2, 5, 16, 1), (2, 3, 1, 7, 12, 2), (1, 5, 5, 1, 8, 1), (3, 4, 1, 1, 10, 3), (3, 2, 2, 0, 16, 1)]:
     out[f"fp32 {case}"] = check(*case, torch.float32)
 out["bf16"] = check(2, 4, 2, 9, 32, 1, torch.bfloat16)
 # calls it does not take
@@ -63,6 +64,29 @@ def counted(*a):
     calls[0] += 1
     return kernel(*a)
 fb.rope = counted
+# the dispatcher binds a call by the function's own signature: keywords of the Llama form take the
+# kernel; an argument the form lacks (an older signature's position_ids) or a bad call, the function
+def old_form(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    return rope_reference(q, k, cos, sin) if position_ids is None else (q, k)
+dispatch = fb._rope_dispatcher(old_form)
+q, k = qk(1, 2, 2, 4, 8, torch.float32)
+cos, sin = torch.randn(1, 4, 8), torch.randn(1, 4, 8)
+counts = []
+for call in (lambda: dispatch(q, k, cos, sin), lambda: dispatch(q=q, k=k, cos=cos, sin=sin, unsqueeze_dim=1),
+             lambda: dispatch(q, k, cos, sin, None, 1), lambda: dispatch(q, k, cos, sin, position_ids=torch.arange(4)),
+             lambda: dispatch(q, k, cos, sin, unsqueeze_dim=2)):
+    before = calls[0]
+    try:
+        got = call()
+    except Exception as exc:
+        got = type(exc).__name__
+    counts.append(calls[0] - before)
+try:
+    dispatch(q, k, cos, sin, None, 1, unsqueeze_dim=1)
+    bad = "ran"
+except TypeError:
+    bad = "TypeError"
+out["dispatch"] = {"kernel calls": counts, "bad call": bad}
 for fam in FAMILIES:
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(tiny_config(fam, 256), dtype=torch.float32).eval()
@@ -98,6 +122,9 @@ def test_fused_rope_under_interpreter() -> None:
     assert max(bf[k] for k in ("q", "k", "dq", "dk")) <= 2e-2, bf
     assert got["refused"] == {"unsqueeze 2": False, "partial": False, "mixed dtype": False, "cos grad": False,
                               "3-d q": False, "plain": True}, got["refused"]
+    # plain call, keywords, position_ids=None positionally: the kernel; position_ids given, or
+    # another unsqueeze dim (refused by rope_applies): the function itself
+    assert got["dispatch"] == {"kernel calls": [1, 1, 1, 0, 0], "bad call": "TypeError"}, got["dispatch"]
     layers = 2
     for name, r in got.items():
         if name.startswith("family"):
