@@ -16,10 +16,10 @@ function equal to kernels.rope on random q, k, cos and sin, the module's global 
 dispatcher that runs the kernel on the calls of that form and the function itself on any other
 (partial rotary, other layouts). That swap is the process's (every model of the family, as
 transformers' kernel hub would do it); `use_fused_rope(False)` puts the functions back, and
-LORAPLEX_FUSED_ROPE=0 leaves them alone (it does not undo a swap made earlier in the process). Off on the CPU (unless TRITON_INTERPRET=1 and `force`),
-under LORAPLEX_FUSED_BLOCKS=0, and under adapter parallelism (its engine is built on an unsharded model
-on the CPU or the meta device, then sharded; a backbone already sharded, DTensor parameters, is
-left alone too).
+LORAPLEX_FUSED_ROPE=0 leaves them alone (it does not undo a swap made earlier in the process).
+Off on the CPU (unless TRITON_INTERPRET=1 and `force`), under LORAPLEX_FUSED_BLOCKS=0, and under
+adapter parallelism (its engine is built on an unsharded model on the CPU or the meta device, then
+sharded; a backbone already sharded, DTensor parameters, is left alone too).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The fused RMSNorm, SiLU-gate and rotary kernels on CUDA (kernels.norm_act, kernels.rope,
 trainer.fused_blocks): in bfloat16 within one ulp of transformers' own modules forward (the rotary
-embedding as close to a float64 oracle as its function, both ways), their gradients as close to a float64 oracle as the modules'
-own, less memory kept for the backward, and an engine step on a fused backbone equal to the
-unfused one. Skipped without CUDA."""
+embedding as close to a float64 oracle as its function, both ways), their gradients as close to a
+float64 oracle as the modules' own, less memory kept for the backward, and an engine step on a
+fused backbone equal to the unfused one. Skipped without CUDA."""
 
 from __future__ import annotations
 
