@@ -1054,5 +1054,22 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
       --quality-arms a --seed 1,2 --deadline-s 100 --json "$OUT/quality_norope.json" --out "$OUT/quality_norope.md"
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g" >&2; exit 2 ;;
+  s32_b)  # session 32, call 2 (issues 40, 41): the static decode without deterministic algorithms and its token
+          # steps' attention on two GEMMs from the bf16 cache (trainer.decode_attention): its GPU tests, the
+          # samples' decode at 32 layers against the previous commit's (.device/ab_old, carried), then search
+          # (a) with checkpoints by time alone (the node's new default) and the 60-step task
+    export TRITON_CACHE_DIR=/tmp/s32b/triton
+    rm -rf /tmp/s32b
+    step 90 gpu_tests_samples python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_samples_gpu.py
+    step 150 samples_new python3 bench/samples_decode.py --layers 32 --new 128 --work /dev/shm/sd --skip-eager \
+      --json "$OUT/samples_decode_new.json" --out "$OUT/samples_decode_new.md"
+    PYTHONPATH=$PWD step 110 samples_old python3 .device/ab_old/bench/samples_decode.py --layers 32 --new 128 \
+      --model /dev/shm/sd/model --skip-eager --json "$OUT/samples_decode_old.json" --out "$OUT/samples_decode_old.md"
+    rm -rf /dev/shm/sd
+    search_a 260 235
+    task60 $((590 - SECONDS))
+    pack_logs
+    rm -f "$OUT/search_a.md" "$OUT/executor_task60.md" "$OUT/host_memory.txt"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b" >&2; exit 2 ;;
 esac

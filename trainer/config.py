@@ -68,8 +68,11 @@ class ExecutorConfig:
     # the fewest validation examples of one evaluation forward; a forward holds as many
     # sequences as a training step may (the admitted budget), so evaluation runs at full width
     eval_batch_size: int = 8
-    checkpoint_every: int = 50  # executor steps between checkpoints ...
-    checkpoint_every_s: float | None = None  # ... or seconds since the last one, first reached
+    # checkpoints: every checkpoint_every executor steps (None: no step count) or checkpoint_every_s
+    # seconds since the last one (None: no clock), first reached; the node's default is by time
+    # alone (worker.runner: a step count says nothing of the seconds of work a crash loses)
+    checkpoint_every: int | None = None
+    checkpoint_every_s: float | None = 300.0
     # activation recompute: True always, False never, "auto" where a step needs it (one CUDA GPU
     # with measured memory models: a step whose batch fits without recompute runs without it;
     # elsewhere always, as True)

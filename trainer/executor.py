@@ -268,7 +268,8 @@ class Executor:
                     # checkpoint, then stop as if killed: a later run resumes the task here
                     task.stopped = stops[task.task_id]
                     self.roster.end(task, TaskOutcome.PAUSED)
-                elif task.global_step % task.cfg.checkpoint_every == 0 or task.files.checkpoint_due:
+                elif task.files.checkpoint_due or (task.cfg.checkpoint_every
+                                                   and task.global_step % task.cfg.checkpoint_every == 0):
                     self.roster.guarded(task, task.files.checkpoint)
             self.strategy.flush()
         self.strategy.flush()

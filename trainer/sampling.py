@@ -35,25 +35,32 @@ Picker = Callable[[torch.Tensor], torch.Tensor]
 
 
 @contextlib.contextmanager
-def repeatable(device: torch.device) -> Iterator[None]:
+def repeatable(device: torch.device, algorithms: bool = True) -> Iterator[None]:
     """On CUDA, with cuBLAS's workspaces fixed (CUBLAS_WORKSPACE_CONFIG, set before the process's
-    first cuBLAS call: worker.processes.spawn sets it for every process of a node): torch's
-    deterministic algorithms for the decode (warn-only: an op without a deterministic kernel
-    still runs, and its warning is not the user's) and attention on the math backend, restored
-    after. The attention is what did not repeat: with a mask (left-padded rows), torch picks its
-    memory-efficient kernel, and on an H200 its output for the token steps (one query over the
-    cache) differed between two identical bf16 decodes at 32 layers while every input was equal
-    (bench/decode_probe.py, session 23); with the math backend the decode repeats, greedy and
-    seeded, eager and graphed, at some cost in speed (bench/results/session23_h200.md).
-    LORAPLEX_DECODE_SDPA names other backends (a comma list of math, efficient, flash, cudnn;
-    `auto`: torch's own choice). Else nothing changes: the CPU's kernels repeat as they are.
+    first cuBLAS call: worker.processes.spawn sets it for every process of a node): SDPA on the
+    math backend and, with `algorithms`, torch's deterministic algorithms (warn-only: an op
+    without a deterministic kernel still runs, and its warning is not the user's), restored after.
+    SDPA is what did not repeat: with a mask (left-padded rows), torch picks its memory-efficient
+    kernel, and on an H200 its output for the token steps (one query over the cache) differed
+    between two identical bf16 decodes at 32 layers while every input was equal
+    (bench/decode_probe.py, session 23); on the math backend the decode repeats, greedy and seeded,
+    eager and graphed. The token steps now run on trainer.decode_attention's GEMMs; the prefill
+    and other models' steps still reach SDPA. LORAPLEX_DECODE_SDPA names other backends (a comma
+    list of math, efficient, flash, cudnn; `auto`: torch's own choice).
+    The static greedy decode goes without the deterministic algorithms (`generate`): its ops write
+    each cache position once and sum nothing across threads in a varying order, and under them
+    torch routes the cache's `index_copy_` through a sorted index_put that copies each layer's
+    whole cache out and back, and fills every new tensor with NaN (~7 GB and ~1,000 kernels a token
+    step at 32 layers of the 8B shape). The GPU test of a node's decode checks that it repeats.
+    Elsewhere nothing changes: the CPU's kernels repeat as they are.
     LORAPLEX_REPEATABLE_DECODE=0: all of it off."""
     if (device.type != "cuda" or not os.environ.get("CUBLAS_WORKSPACE_CONFIG")
             or os.environ.get("LORAPLEX_REPEATABLE_DECODE", "1") == "0"):
         yield
         return
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    if algorithms:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         with warnings.catch_warnings(), _attention_backends():
             warnings.filterwarnings("ignore", message=".*does not have a deterministic implementation.*")
@@ -263,7 +270,7 @@ def generate(
             # SDPA's, with the token steps over the cache's own key/value heads (no repeat_kv copy)
             model.set_attn_implementation(register_decode_attention())
             regrouped = True
-        with torch.no_grad(), repeatable(engine.device):
+        with torch.no_grad(), repeatable(engine.device, algorithms=not static):
             grouped = _decode(engine, [prompts[r] for r in order], states, counts,
                               max_new_tokens=max_new_tokens, pick=pick, eos=eos, pad_id=pad_id, static=static)
     finally:

@@ -300,8 +300,10 @@ def executor_config(spec: PlacementSpec, directory: Path):  # noqa: ANN201 - tra
         val_file=str(paths["validation"]) if paths["validation"] else None,
         settings=cfg,
         # the work a lost node costs is bounded by the time between checkpoints (each one is
-        # uploaded as soon as it is written): every N steps or S seconds, whichever comes first
-        checkpoint_every=int(os.environ.get("LORAPLEX_CHECKPOINT_EVERY", "50")),
+        # uploaded as soon as it is written): every S seconds, or N steps where an operator names
+        # N (0, the default: no step count; a step count is no bound in seconds, and a checkpoint
+        # holds every trained job's adapter and AdamW moments: 2-5 GB for an 8B search's jobs)
+        checkpoint_every=int(os.environ.get("LORAPLEX_CHECKPOINT_EVERY", "0")) or None,
         checkpoint_every_s=float(os.environ.get("LORAPLEX_CHECKPOINT_EVERY_S", "300")) or None,
         world_size=max(1, len(spec.gpu_indices)),
         # memory models measured on this node (work_dir/placements/<id> -> work_dir): one

@@ -1,8 +1,8 @@
 """Samples on CUDA at the Llama-3.1-8B shape (issue 44): the static-cache decode with graphed token
 steps (trainer.decode_graph, the default on CUDA) gives each adapter's own PEFT `generate` and the
 base model's own greedy completions token for token (float32, two layers of the real widths, the
-real vocabulary), repeats itself exactly in bfloat16, and seeded sampling repeats. Skipped
-without CUDA."""
+real vocabulary), repeats itself exactly in bfloat16, and seeded sampling repeats; a token step's
+attention in bfloat16 is near float64 and repeats. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ def test_graphed_greedy_repeats_in_bf16_and_seeded_sampling_repeats() -> None:
 
 
 def test_a_node_decode_repeats_in_bf16_with_padded_rows_and_a_growing_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    # as a node runs it (trainer.sampling.repeatable: deterministic algorithms, math attention): at 32
+    # as a node runs it (trainer.sampling.repeatable: the token steps' own attention, math SDPA for the
+    # prefill, deterministic algorithms only off the static path): at 32
     # layers, 32 rows of 200 tokens, the memory-efficient attention's token steps did not repeat (session
     # 23's probe on an H200); here 4 layers, rows of unequal length (padded), eager and graphed
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -153,3 +154,26 @@ def test_the_decode_capture_leaves_another_threads_event_wait_alone() -> None:
         thread.join()
     assert errors == [] and captured and all(captured) and waits[0] > 0
     assert during == alone
+
+
+def test_the_token_steps_attention_in_bf16_is_near_float64_and_repeats() -> None:
+    # trainer.decode_attention: cuBLAS's float32 scores from the bfloat16 cache (no float32 copy of it),
+    # at a token step's shape of the 8B model (32 rows, 8 key/value heads of 4 queries, a 328-long cache)
+    import types
+
+    from trainer.decode_attention import decode_sdpa_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, length = 32, 328
+    q = torch.randn(rows, 32, 1, 128, generator=g, device="cuda")
+    k, v = (torch.randn(rows, 8, length, 128, generator=g, device="cuda") for _ in range(2))
+    mask = torch.ones(rows, 1, 1, length, dtype=torch.bool, device="cuda")
+    for r in range(rows):
+        mask[r, ..., : 5 * r] = False  # left padding
+    module = types.SimpleNamespace(num_key_value_groups=4, is_causal=True)
+    want = decode_sdpa_attention(module, q.double(), k.double(), v.double(), mask, scaling=128 ** -0.5)[0]
+    got = decode_sdpa_attention(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, scaling=128 ** -0.5)[0]
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - want).abs().max().item() < 2 ** -7 * want.abs().max().item()
+    again = decode_sdpa_attention(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, scaling=128 ** -0.5)[0]
+    assert torch.equal(got, again)

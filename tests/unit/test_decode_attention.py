@@ -1,6 +1,7 @@
 """trainer.decode_attention: a token step's attention over the cache's own key/value heads equals
 the attention over heads repeated for every query head (the float64 softmax of the scores, masked),
-for masks shared by the heads and masks per head; every other call is transformers' SDPA function
+for masks shared by the heads, masks per head and additive masks, with or without grouped heads,
+and in bfloat16 within bfloat16's precision; every other call is transformers' SDPA function
 unchanged; and trainer.sampling's decodes run their token steps on it and leave the model on SDPA."""
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 from tests.helpers.engine_ref import tiny_model_dir
 from trainer import decode_attention
@@ -67,10 +67,41 @@ def test_other_calls_are_transformers_own_sdpa() -> None:
     got, _ = decode_sdpa_attention(module, q, k, v, mask, scaling=0.3)
     want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    plain = types.SimpleNamespace(num_key_value_groups=1, is_causal=True)  # no grouped heads
-    q1, k1, v1 = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
-    torch.testing.assert_close(decode_sdpa_attention(plain, q1, k1, v1, None, scaling=0.2)[0],
-                               sdpa_attention_forward(plain, q1, k1, v1, None, scaling=0.2)[0], rtol=0, atol=0)
+    drop, _, kd, vd = case(seed=2)  # dropout: transformers' own as well
+    q1 = torch.randn(5, 8, 1, 16)
+    torch.manual_seed(0)
+    got, _ = decode_sdpa_attention(drop, q1, kd, vd, None, dropout=0.5, scaling=0.3)
+    torch.manual_seed(0)
+    want, _ = sdpa_attention_forward(drop, q1, kd, vd, None, dropout=0.5, scaling=0.3)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_token_step_without_grouped_heads_and_with_an_additive_mask() -> None:
+    plain = types.SimpleNamespace(num_key_value_groups=1, is_causal=True)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(3, 2, n, 16, generator=g) for n in (1, 7, 7))
+    closed = torch.zeros(3, 1, 1, 7, dtype=torch.bool)
+    closed[1, ..., :3] = True
+    additive = torch.zeros(3, 1, 1, 7).masked_fill(closed, float("-inf"))
+    got, _ = decode_sdpa_attention(plain, q, k, v, additive, scaling=0.2)
+    torch.testing.assert_close(got.double(), reference(q, k, v, ~closed, 0.2), rtol=1e-5, atol=1e-5)
+    # no scaling given: 1/sqrt(D), as SDPA's default
+    got, _ = decode_sdpa_attention(plain, q, k, v, None)
+    torch.testing.assert_close(got.double(), reference(q, k, v, None, 16 ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_is_within_its_precision_and_float64_stays_float64() -> None:
+    module, q, k, v = case(rows=4, length=40, dim=64, seed=5)
+    mask = torch.ones(4, 1, 1, 40, dtype=torch.bool)
+    mask[2, ..., :11] = False
+    want = reference(q, k, v, mask, 0.125)
+    half, _ = decode_sdpa_attention(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, scaling=0.125)
+    assert half.dtype == torch.bfloat16
+    # the inputs' own rounding (2^-9 relative) dominates: within a few bfloat16 places of float64
+    assert (half.double() - want).abs().max() < 2 ** -6 * want.abs().max()
+    wide, _ = decode_sdpa_attention(module, q.double(), k.double(), v.double(), mask, scaling=0.125)
+    assert wide.dtype == torch.float64
+    torch.testing.assert_close(wide, want, rtol=1e-12, atol=1e-12)
 
 
 def test_it_is_registered_with_sdpas_masks() -> None:
@@ -95,10 +126,11 @@ def test_generate_runs_its_token_steps_on_it_and_leaves_sdpa(static: bool, tmp_p
     engine = MultiLoraEngine(model, [], model.config.pad_token_id)
     engine.attach(TrainJob("a", lora_rank=2, lora_alpha=4.0, seed=0, learning_rate=1e-2, batch_size=1, max_steps=2))
     seen: list[tuple[int, ...]] = []
+    real = decode_attention.token_attention
 
     def spy(q, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         seen.append(tuple(q.shape))
-        return F.scaled_dot_product_attention(q, *args, **kwargs)
+        return real(q, *args, **kwargs)
 
     prompts = [[11, 12, 13], [14, 15, 16, 17, 18]]
     off = {"LORAPLEX_DECODE_GQA": "0"}
@@ -106,7 +138,7 @@ def test_generate_runs_its_token_steps_on_it_and_leaves_sdpa(static: bool, tmp_p
         for k, v in off.items():
             m.setenv(k, v)
         want = generate(engine, prompts, ["a", None], max_new_tokens=5, pad_id=engine.pad_id, static=static)
-    monkeypatch.setattr(decode_attention, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
+    monkeypatch.setattr(decode_attention, "token_attention", spy)
     got = generate(engine, prompts, ["a", None], max_new_tokens=5, pad_id=engine.pad_id, static=static)
     assert got == want
     groups = model.config.num_attention_heads // model.config.num_key_value_heads

@@ -58,6 +58,44 @@ def test_on_cuda_deterministic_algorithms_within_the_scope_and_restored_after(
     assert not torch.are_deterministic_algorithms_enabled()
 
 
+def test_the_static_decodes_scope_pins_the_attention_without_deterministic_algorithms(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # under them the static cache's index_copy_ copies each layer's cache out and back (trainer.sampling)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.delenv("LORAPLEX_DECODE_SDPA", raising=False)
+    monkeypatch.delenv("LORAPLEX_REPEATABLE_DECODE", raising=False)
+    before = _sdpa_flags()
+    with pytest.raises(KeyError), sampling.repeatable(torch.device("cuda"), algorithms=False):
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert _sdpa_flags() == (True, False, False, False)
+        raise KeyError("the decode failed")
+    assert _sdpa_flags() == before and not torch.are_deterministic_algorithms_enabled()
+
+
+def test_generate_asks_for_the_algorithms_only_off_the_static_path(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.engine_ref import tiny_model_dir
+    from trainer.engine import MultiLoraEngine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama", tmp_path), dtype=torch.float32).eval()
+    engine = MultiLoraEngine(model, [], model.config.pad_token_id)
+    asked: list[bool] = []
+    real = sampling.repeatable
+
+    def spy(device, algorithms=True):  # noqa: ANN001, ANN202
+        asked.append(algorithms)
+        return real(device, algorithms)
+
+    monkeypatch.setattr(sampling, "repeatable", spy)
+    for static in (True, False):
+        sampling.generate(engine, [[5, 6, 7]], [None], max_new_tokens=2, pad_id=engine.pad_id, static=static)
+    sampling.generate(engine, [[5, 6, 7]], [None], max_new_tokens=2, pad_id=engine.pad_id, static=True,
+                      temperature=1.0)  # sampled: never the static path
+    assert asked == [False, True, True]
+
+
 def _sdpa_flags() -> tuple[bool, bool, bool, bool]:
     b = torch.backends.cuda
     return b.math_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.flash_sdp_enabled(), b.cudnn_sdp_enabled()
