@@ -437,10 +437,10 @@ def large_run(name: str, ee: bool, attention: str, *, args: argparse.Namespace, 
     try:
         ex.run()
         wall = time.perf_counter() - t0
+        tm = ex.timings()  # before the folder's removal below (the executor's wall counts to now)
     finally:
         if runs_dir:  # its checkpoints and exports are not read again: the memory goes back
             shutil.rmtree(out_dir, ignore_errors=True)
-    tm = ex.timings()
     mm = next((d for j, m, d in out.events if m == "memory_model"), {"k0": None, "k1": None})
     run = {**tm, "wall_outer_s": wall, "steps": len(rec["step_s"]),
            "missing_trace_points": ex.missing, "statuses": summarize_statuses(out.states),
