@@ -1090,5 +1090,27 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/executor_task60.md" "$OUT/host_memory.txt"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d" >&2; exit 2 ;;
+  s33_a)  # the next session, call 1 (issue 40): every (batch size, rank) pair of (c2) at 32 layers, none
+          # extrapolated (12 configurations trained whole: ~270 s), and (c3) from them with its own quality
+          # phase (its successive-halving decisions) in the same call; (a) comes from search_a (s33_b) on the
+          # same device kind. Liger from .whl (carry it: liger_kernel-0.8.5 was downloaded there in session 32)
+    export TRITON_CACHE_DIR=/tmp/s33a/triton
+    rm -rf /tmp/s33a /dev/shm/tb
+    step 590 baselines_c2c3 python3 bench/task_e2e_baselines.py --layers 32 --arms c2,c3 --quality-arms c3 \
+      --deadline-s 570 --reserve-s 50 --work /dev/shm/tb --json "$OUT/baselines_c2c3_32l.json" \
+      --out "$OUT/baselines_c2c3_32l.md"
+    rm -rf /dev/shm/tb
+    pack_logs
+    ;;
+  s33_b)  # the next session, call 2 (issues 40, 41): search (a) (its steps now record what the device holds at
+          # their start: allocated, states parked on the device, the step graphs' pool; session 32 found 27
+          # steps of 7 jobs, ~3.5k tokens, recomputing at 0.37-0.41 s with 53 GB allocated), then the 60-step task
+    export TRITON_CACHE_DIR=/tmp/s33b/triton
+    rm -rf /tmp/s33b
+    search_a 300 270
+    task60 $((590 - SECONDS))
+    pack_logs
+    rm -f "$OUT/search_a.md" "$OUT/executor_task60.md" "$OUT/host_memory.txt"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b" >&2; exit 2 ;;
 esac

@@ -217,20 +217,31 @@ class TraceExecutor(Executor):
 REC: dict[str, Any] = {}
 
 
-CONTEXT_STATES = ("writer_pending_mb", "pinner_running")  # states at the start, not counters
+# states at the start, not counters
+CONTEXT_STATES = ("writer_pending_mb", "pinner_running", "allocated_mb", "parked_device_mb", "graph_pool_mb")
 
 
 def context(executor: Any) -> dict[str, float]:
     """What else the process was doing around a step or an evaluation: the allocator's retries and
     cudaMalloc calls, the pinned pool's growth on the loop and its background pinning, the bytes
-    waiting for the file writer and whether the background pinner runs."""
+    waiting for the file writer and whether the background pinner runs; on a GPU what the device
+    holds at the start (allocated, of it the states parked on the device, and the step graphs'
+    pool beside it: what leaves a step room to run without recompute)."""
+    from trainer.arena import state_bytes
     from trainer.host_pool import POOL
     from trainer.memory_plan import allocator_counts
 
-    c = {**allocator_counts(getattr(executor, "device", None)), **POOL.counts()}
+    device = getattr(executor, "device", None)
+    c = {**allocator_counts(device), **POOL.counts()}
     writer = getattr(executor, "writer", None)
     c["writer_pending_mb"] = round(getattr(writer, "_pending_bytes", 0) / 2**20, 1)
     c["pinner_running"] = int(POOL._pinner.running)
+    if device is not None and device.type == "cuda":
+        parked = [t.parked[j] for t in executor.tasks.values() for j in t.parked_on_device if j in t.parked]
+        graphs = getattr(executor.engine, "step_graphs", None)
+        c["allocated_mb"] = round(torch.cuda.memory_allocated(device) / 2**20)
+        c["parked_device_mb"] = round(sum(state_bytes(s) for s in parked) / 2**20)
+        c["graph_pool_mb"] = round((graphs.pool_bytes if graphs is not None else 0) / 2**20)
     return c
 
 
