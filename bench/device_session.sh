@@ -1102,15 +1102,21 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     rm -rf /dev/shm/tb
     pack_logs
     ;;
-  s33_b)  # the next session, call 2 (issues 40, 41): search (a) (its steps now record what the device holds at
-          # their start: allocated, states parked on the device, the step graphs' pool; session 32 found 27
-          # steps of 7 jobs, ~3.5k tokens, recomputing at 0.37-0.41 s with 53 GB allocated), then the 60-step task
+  s33_b)  # the next session, call 2 (issue 40): search (a) (its steps now record what the device holds at their
+          # start: allocated, states parked on the device, the step graphs' pool; session 32 found 27 steps of
+          # 7 jobs, ~3.5k tokens, recomputing at 0.37-0.41 s with 53 GB allocated).
+          # Then search (a) again with LORAPLEX_SPLIT_STEPS=1 (a step that one pass runs only with recompute
+          # runs as passes without it: 1.29x at 4k-token passes in session 24's bench/split_step.py, off
+          # since its first-use costs; the Triton kernels now ship ready): its 14 eager recompute steps of
+          # 9-41k tokens took 22.5 s of session 32's 48.8 s of training
     export TRITON_CACHE_DIR=/tmp/s33b/triton
     rm -rf /tmp/s33b
-    search_a 300 270
-    task60 $((590 - SECONDS))
+    search_a 250 225
+    mv "$OUT/search_a.json" "$OUT/search_a_default.json"; mv "$OUT/search_a.log" "$OUT/search_a_default.log"
+    LORAPLEX_SPLIT_STEPS=1 search_a $((590 - SECONDS)) $((565 - SECONDS))
+    mv "$OUT/search_a.json" "$OUT/search_a_split.json"; mv "$OUT/search_a.log" "$OUT/search_a_split.log"
     pack_logs
-    rm -f "$OUT/search_a.md" "$OUT/executor_task60.md" "$OUT/host_memory.txt"
+    rm -f "$OUT/search_a.md" "$OUT/host_memory.txt"
     ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b" >&2; exit 2 ;;
 esac
