@@ -1107,8 +1107,8 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
           # 7 jobs, ~3.5k tokens, recomputing at 0.37-0.41 s with 53 GB allocated).
           # Then search (a) again with LORAPLEX_SPLIT_STEPS=1 (a step that one pass runs only with recompute
           # runs as passes without it: 1.29x at 4k-token passes in session 24's bench/split_step.py, off
-          # since its first-use costs; the Triton kernels now ship ready): its 14 eager recompute steps of
-          # 9-41k tokens took 22.5 s of session 32's 48.8 s of training
+          # since its first-use costs; the Triton kernels now ship ready): its 15 eager recompute steps of
+          # 6-41k tokens took 23.4 s of session 32's 48.6 s of training
     export TRITON_CACHE_DIR=/tmp/s33b/triton
     rm -rf /tmp/s33b
     search_a 250 225
