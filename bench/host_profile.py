@@ -107,6 +107,9 @@ def main() -> None:
             print(rows[-1], flush=True)
             tables.append(f"### recompute {recompute}, {mode}: torch.profiler, 3 steps, by self CPU time\n\n```\n"
                           + m["events"].table(sort_by="self_cpu_time_total", row_limit=12)[:5000] + "\n```\n")
+            tables.append(f"### recompute {recompute}, {mode}: the same 3 steps' kernels, by GPU time\n\n```\n"
+                          + m["events"].table(sort_by="self_device_time_total", row_limit=25,
+                                              max_name_column_width=70)[:9000] + "\n```\n")
             eng.step_graphs = None
     lines = [f"# Host time of a small engine step ({torch.cuda.get_device_name()}, {args.layers} layers of the "
              f"Llama-3.1-8B shape, random bf16 weights, varlen attention, 2 jobs: r16 b1 + r64 b4, "
