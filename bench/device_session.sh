@@ -1118,12 +1118,13 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/host_memory.txt"
     ;;
-  s32_e)  # session 32, call 5 (issue 40): the budget's last ~130 s: where a small replayed step's GPU time goes
-          # (2 jobs, ~150-token samples, no recompute, graphs: 65-85 ms a step in search (a) whatever its tokens)
-    export TRITON_CACHE_DIR=/tmp/s32e/triton
+  s33_c)  # the next session (issue 40; session 32 had too little budget left to start a machine for it): where
+          # a small replayed step's GPU time goes (2 jobs, ~150-token samples, no recompute, graphs: 65-85 ms a
+          # step in search (a) whatever its tokens; ~60-90 s)
+    export TRITON_CACHE_DIR=/tmp/s33c/triton
     step 115 host_profile python3 bench/host_profile.py --layers 32 --tokens 150 --recompute 0 --modes graphs \
       --warmup 12 --iters 10 --out "$OUT/host_profile_small_step.md"
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s32_e|s33_a|s33_b" >&2; exit 2 ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c" >&2; exit 2 ;;
 esac
