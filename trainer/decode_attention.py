@@ -43,8 +43,9 @@ def decode_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     -> ([B, T, H, D], None)."""
     groups = getattr(module, "num_key_value_groups", 1)
     special = any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux", "sinks"))
-    if (query.shape[2] != 1 or query.shape[1] != key.shape[1] * groups or dropout or special
-            or kwargs.get("output_attentions")):
+    mask_ok = attention_mask is None or attention_mask.dtype == torch.bool or attention_mask.is_floating_point()
+    if (query.shape[2] != 1 or query.shape[1] != key.shape[1] * groups or query.shape[0] != key.shape[0]
+            or not mask_ok or dropout or special or kwargs.get("output_attentions")):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     b, h, _, d = query.shape
@@ -59,8 +60,10 @@ def decode_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
 def token_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                     scaling: float) -> torch.Tensor:
     """q [B, Hkv, G, D] (each key/value head's G queries), key/value [B, Hkv, L, D], mask (bool:
-    True attends; else added to the scores) broadcast to [B, Hkv, G, L] -> [B, Hkv, G, Dv] in q's
-    dtype: softmax(q k^T * scaling) v with float32 (or wider) scores, softmax and sums."""
+    True attends; floating: added to the scores) broadcast to [B, Hkv, G, L] -> [B, Hkv, G, Dv] in
+    q's dtype: softmax(q k^T * scaling) v with float32 (or wider) scores, softmax and sums. Every
+    query attends at least one position (a decode's new token attends itself): a row the mask
+    closes whole comes out NaN, where SDPA gives zeros."""
     b, hkv, g, d = q.shape
     length = key.shape[2]
     scores = _gemm_f32(q.reshape(b * hkv, g, d), key.reshape(b * hkv, length, d).transpose(1, 2))

@@ -239,7 +239,8 @@ def generate(
     inputs and seed give the same tokens). static (default: on CUDA, unless
     LORAPLEX_STATIC_DECODE=0): greedy decoding over a static KV cache with graphed token steps
     (trainer.decode_graph) where it gives the eager loop's result. A model on SDPA attention decodes
-    on trainer.decode_attention's (the token steps without repeat_kv; LORAPLEX_DECODE_GQA=0: off).
+    on trainer.decode_attention's (the token steps on two GEMMs over the cache's own key/value
+    heads, no repeat_kv and no float32 copy of the cache; LORAPLEX_DECODE_GQA=0: off).
     The engine is left as found,
     even on an error: no layout on its layers, its attention mode and every module's training
     flag as they were."""

@@ -76,7 +76,10 @@ def test_other_calls_are_transformers_own_sdpa() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_a_token_step_without_grouped_heads_and_with_an_additive_mask() -> None:
+def test_a_token_step_without_grouped_heads_and_with_an_additive_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = decode_attention.token_attention
+    monkeypatch.setattr(decode_attention, "token_attention", lambda *a: calls.append(1) or real(*a))
     plain = types.SimpleNamespace(num_key_value_groups=1, is_causal=True)
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(3, 2, n, 16, generator=g) for n in (1, 7, 7))
@@ -88,6 +91,23 @@ def test_a_token_step_without_grouped_heads_and_with_an_additive_mask() -> None:
     # no scaling given: 1/sqrt(D), as SDPA's default
     got, _ = decode_sdpa_attention(plain, q, k, v, None)
     torch.testing.assert_close(got.double(), reference(q, k, v, None, 16 ** -0.5), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2  # both on the GEMMs, not transformers' SDPA
+
+
+def test_masks_of_other_dtypes_and_a_batch_unlike_the_caches_go_to_transformers_sdpa(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    monkeypatch.setattr(decode_attention, "token_attention", lambda *a: pytest.fail("not for the GEMMs"))
+    module, q, k, v = case()
+    ones = torch.ones(5, 1, 1, 13, dtype=torch.long)  # SDPA refuses an integer mask: so must this
+    with pytest.raises(RuntimeError):
+        decode_sdpa_attention(module, q, k, v, ones, scaling=0.25)
+    with pytest.raises(RuntimeError):
+        sdpa_attention_forward(module, q, k, v, ones, scaling=0.25)
+    got, _ = decode_sdpa_attention(module, q[:1], k, v, None, scaling=0.25)  # batch 1 against 5: broadcast
+    want, _ = sdpa_attention_forward(module, q[:1], k, v, None, scaling=0.25)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_bfloat16_is_within_its_precision_and_float64_stays_float64() -> None:

@@ -41,6 +41,8 @@ def test_dpo_placement_trains_with_each_jobs_beta_and_reports_rewards(tmp_path: 
         jobs=[JobSpec(job_id=f"j{i}", index=i, state="pending", hyperparameters=h) for i, h in enumerate(hp)])
     cfg = runner.executor_config(spec, tmp_path)
     assert cfg.method == "dpo" and [j.beta for j in cfg.jobs] == [0.1, 0.7] and cfg.world_size == 1
+    # a node checkpoints by time alone unless its operator names a step count
+    assert (cfg.checkpoint_every, cfg.checkpoint_every_s) == (None, 300.0)
     spool = SpoolWriter(tmp_path / "spool.jsonl")
     result = runner.train(spec, tmp_path, runner.SpoolReporter(spool, tmp_path),
                           runner.StopFlag(tmp_path, 0))

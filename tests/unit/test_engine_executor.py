@@ -196,6 +196,19 @@ def test_checkpoint_cadence_by_time_and_eval_sample_cap(tmp_path) -> None:  # no
     assert counts == {"by_time": 2, "by_steps": 2}
 
 
+@pytest.mark.parametrize("steps, seconds, want", [(None, None, [5]), (0, None, [5]), (2, None, [2, 4, 5]),
+                                                  (None, 3600.0, [5])])
+def test_checkpoint_cadence_without_a_step_count(tmp_path, steps, seconds, want) -> None:  # noqa: ANN001
+    """checkpoint_every None or 0 (a node's default: by time alone) counts no steps; a step count
+    still checkpoints at its multiples; the task's end always checkpoints."""
+    jobs = [TrainJob("a", lora_rank=2, lora_alpha=4, learning_rate=1e-3, batch_size=2, max_steps=5, seed=1)]
+    rec = Recorder()
+    cfg = config(tmp_path, "cadence", jobs=jobs, early_exit=EarlyExitSettings(enabled=False), checkpoint_every=steps,
+                 checkpoint_every_s=seconds, eval=EvalSettings(eval_every_steps=5, eval_max_samples=2))
+    Executor(cfg, rec.callbacks()).run()
+    assert [d["global_step"] for _, m, d in rec.events if m == "throughput"] == want
+
+
 def test_stop_request_checkpoints_at_a_step_boundary_and_resumes(tmp_path) -> None:  # noqa: ANN001
     """What SIGTERM does through the runner: the executor finishes its step, writes state.pt and
     returns; the next run resumes there and ends where an uninterrupted run ends."""
