@@ -18,7 +18,7 @@ import baselines as bl  # noqa: E402
 from baselines_runs import run_config, successive_halving  # noqa: E402
 from task_e2e_baselines_setup import examples, load, policies, small_shape, step0, task  # noqa: E402
 from task_e2e_data import DEV, free, log, small_model  # noqa: E402
-from task_e2e_runs import Record, run_small, summarize_statuses  # noqa: E402
+from task_e2e_runs import Record, replay_trace, run_small, summarize_statuses  # noqa: E402
 
 TRACES: dict[int, Record] = {}  # per quality seed: the small model's curves the large runs replay
 
@@ -61,9 +61,11 @@ def quality(args: argparse.Namespace, root: Path, tok: Any, seed: int, arms: lis
         log(f"seed {seed} ({name})", {k: v for k, v in out[name].items() if k not in ("best_per_job", "statuses")})
         del ex
         free()
-    # what (a) and (b) replay at the large shape: (b)'s train curves, both runs' evaluations
-    TRACES[seed] = Record(train=recs["b"].train, val={
-        j: {**recs["b"].val.get(j, {}), **recs["a"].val.get(j, {})} for j in recs["b"].val})
+    # what (a) and (b) replay at the large shape: (a)'s own losses where (a) has them, (b)'s for the
+    # steps only (b) ran, train and evaluation alike (replaying (b)'s train losses beside (a)'s
+    # evaluations gave (a)'s overfitting detector another train average than the small (a) run had:
+    # one lr-0.1 configuration's decision differed in session 32)
+    TRACES[seed] = replay_trace(recs["b"], recs["a"])
     out["statuses_a"] = out["a"]["statuses"]
     pad = tok.pad_token_id
     out["check"] = step0(small_dir, jobs, train, pad, arms)

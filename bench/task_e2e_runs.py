@@ -56,6 +56,14 @@ class Record:
         )
 
 
+def replay_trace(b: Record, a: Record) -> Record:
+    """The losses the large runs replay: each job's (a) run's, train and evaluation alike, with
+    (b)'s for the steps (a) did not run (the decisions then see what the small (a) run saw)."""
+    jobs = set(b.train) | set(a.train) | set(b.val) | set(a.val)
+    return Record(train={j: {**b.train.get(j, {}), **a.train.get(j, {})} for j in jobs},
+                  val={j: {**b.val.get(j, {}), **a.val.get(j, {})} for j in jobs})
+
+
 class TraceExecutor(Executor):
     """The real executor whose engine computes everything at the large shape, but whose train
     and validation losses are replaced by the small model's at the same job and step."""
@@ -349,8 +357,7 @@ def quality(args, root, tok, chain_a, data, jobs, cache, res, dump) -> Record:  
     res["small_a_timings"] = ex_a.timings()
     log("small (a)", res["small_a_timings"])
     del ex_a, ex_b
-    trace = Record(train=small_b.train, val={j: {**small_b.val.get(j, {}), **small_a.val.get(j, {})}
-                                             for j in small_b.val})
+    trace = replay_trace(small_b, small_a)
     n_train_ex = len(tokenize_all(tok, read_jsonl(data[0]), args.seq))
     samples_b = sum(j.total_steps(n_train_ex) * j.batch_size for j in jobs)
     steps_a = {j: max(c) for j, c in small_a.train.items()}
