@@ -58,7 +58,7 @@ class Record:
 
 def replay_trace(b: Record, a: Record) -> Record:
     """The losses the large runs replay: each job's (a) run's, train and evaluation alike, with
-    (b)'s for the steps (a) did not run (the decisions then see what the small (a) run saw)."""
+    (b)'s for the steps (a) did not run (the decisions see what the small (a) run saw)."""
     jobs = set(b.train) | set(a.train) | set(b.val) | set(a.val)
     return Record(train={j: {**b.train.get(j, {}), **a.train.get(j, {})} for j in jobs},
                   val={j: {**b.val.get(j, {}), **a.val.get(j, {})} for j in jobs})
@@ -225,8 +225,7 @@ class TraceExecutor(Executor):
 REC: dict[str, Any] = {}
 
 
-# states at the start, not counters
-CONTEXT_STATES = ("writer_pending_mb", "pinner_running", "allocated_mb", "parked_device_mb", "graph_pool_mb")
+CONTEXT_STATES = ("writer_pending_mb", "pinner_running", "allocated_mb", "parked_device_mb", "graph_pool_mb")  # at start
 
 
 def context(executor: Any) -> dict[str, float]:
