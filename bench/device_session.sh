@@ -1126,5 +1126,31 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
       --warmup 12 --iters 10 --out "$OUT/host_profile_small_step.md"
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c" >&2; exit 2 ;;
+  s33_d)  # session 33, call 1 (issue 40): search (a) with each step's memory context (allocated, states parked
+          # on the device, the step graphs' pool), then its timing phase with LORAPLEX_SPLIT_STEPS=1, then
+          # where a small replayed step's GPU time goes (s33_c's profile)
+    export TRITON_CACHE_DIR=/tmp/s33d/triton
+    rm -rf /tmp/s33d
+    search_a 250 225
+    mv "$OUT/search_a.json" "$OUT/search_a_default.json"; mv "$OUT/search_a.log" "$OUT/search_a_default.log"
+    LORAPLEX_SPLIT_STEPS=1 SEARCH_A_EXTRA="--phase timing" search_a $((480 - SECONDS)) $((455 - SECONDS))
+    mv "$OUT/search_a.json" "$OUT/search_a_split.json"; mv "$OUT/search_a.log" "$OUT/search_a_split.log"
+    step $((590 - SECONDS)) host_profile python3 bench/host_profile.py --layers 32 --tokens 150 --recompute 0 \
+      --modes graphs --warmup 12 --iters 10 --out "$OUT/host_profile_small_step.md"
+    pack_logs
+    rm -f "$OUT/search_a.md" "$OUT/host_memory.txt"
+    ;;
+  s33_e)  # session 33, call 2 (issues 40, 41): search (a) with LORAPLEX_SPLIT_STEPS=1 (quality phase and all:
+          # (a)'s timing replays it), against s33_d's default; then the 60-step task with and without split steps
+    export TRITON_CACHE_DIR=/tmp/s33e/triton
+    rm -rf /tmp/s33e
+    LORAPLEX_SPLIT_STEPS=1 search_a 250 225
+    mv "$OUT/search_a.json" "$OUT/search_a_split.json"; mv "$OUT/search_a.log" "$OUT/search_a_split.log"
+    LORAPLEX_SPLIT_STEPS=1 task60 110
+    mv "$OUT/executor_task60.json" "$OUT/executor_task60_split.json"; mv "$OUT/task60.log" "$OUT/task60_split.log"
+    task60 $((590 - SECONDS))
+    pack_logs
+    rm -f "$OUT/search_a.md" "$OUT/host_memory.txt" "$OUT/executor_task60.md"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e" >&2; exit 2 ;;
 esac
