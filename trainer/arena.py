@@ -207,6 +207,39 @@ class AdapterArena:
         for job_id, (lo, hi) in self.regions.items():
             self.jobs[job_id].adapter.flat.data = arena[lo:hi]
 
+    def free_bytes(self) -> int:
+        """Device bytes the arenas (weights and gradient sums) hold for no attached job."""
+        live = sum(hi - lo for lo, hi in self.regions.values())
+        return (self.arena.numel() - live) * (self.arena.element_size() + self.grad_arena.element_size())
+
+    def compact(self, min_free: int) -> int:
+        """Between steps: where the arenas hold at least `min_free` bytes for no job, pack the
+        attached jobs' regions into new arenas of their size (each keeps its offset modulo 16, as
+        compute_copy's does, so a layout stays as aligned as it was); the bytes freed (0: nothing
+        moved). The arenas only grow otherwise: a search's first steps attach every configuration
+        at once, and once its warmup ranking evicts three of four, an H100 held 11 GB of arena for
+        no job, which pushed its later steps of 3.5k tokens into recompute. New storage: a step's
+        captured graphs point at the old one and are dropped (trainer.step_graphs)."""
+        free = self.free_bytes()
+        if free < max(1, min_free) or self._step is not None or self._copy is not None:
+            return 0
+        spans = sorted(self.regions.items(), key=lambda kv: kv[1][0])
+        starts, pos = {}, 0
+        for job_id, (lo, hi) in spans:
+            starts[job_id] = pos + (lo - pos) % 16
+            pos = starts[job_id] + hi - lo
+        self.grad_arena = self.grad_arena.new_zeros(0)  # the gradient sums are dead between steps
+        arena = torch.zeros(pos, dtype=self.arena.dtype, device=self.device)
+        with torch.no_grad():
+            for job_id, (lo, hi) in spans:
+                start = starts[job_id]
+                arena[start : start + hi - lo].copy_(self.arena[lo:hi])
+                self.regions[job_id] = (start, start + hi - lo)
+                self.jobs[job_id].adapter.flat.data = arena[start : start + hi - lo]
+        self.arena = arena
+        self.grad_arena = torch.zeros(pos, dtype=self.grad_dtype, device=self.device)
+        return free - self.free_bytes()
+
     # ----- attach / detach -------------------------------------------------------------
     def attach(self, state: JobRun) -> JobRun:
         """Put a job's state (already on the arena's device) into a slot; no rebuild."""

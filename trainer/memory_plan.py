@@ -57,6 +57,11 @@ from trainer.strategy import Strategy
 
 log = logging.getLogger("loraplex.executor")
 
+# the share of device memory the adapter arenas may hold for no job before a step packs them: 5%
+# (4 GB on an H100) is a few rank-64 jobs of an 8B model, so the packing (and the step graphs'
+# captures it drops) comes once a search's warmup ranking evicted most of its configurations
+ARENA_COMPACT_SHARE = 0.05
+
 
 class MemoryPlan:
     """The memory model, admission and recompute policy of one executor (see the module
@@ -78,6 +83,7 @@ class MemoryPlan:
         self.recompute_steps = {"on": 0, "off": 0}
         self.split_steps = 0  # steps run as several passes without recompute (split_for)
         self.eval_retries = 0  # evaluations run again after running out of device memory
+        self.arena_compactions = 0  # times compact_arena packed the arenas
         self.admission = self._plan()
         # an evaluation forward's bytes per token and fixed part (one GPU; None: sized as a step)
         self.eval_per_token, self.eval_fixed = self._eval_model() if self.live and self.model else (None, 0.0)
@@ -316,8 +322,25 @@ class MemoryPlan:
             return None
         return self.recompute_policy.passes(job_tokens)
 
+    def compact_arena(self) -> None:
+        """Before a step (one GPU): where the adapter arenas hold at least ARENA_COMPACT_SHARE of
+        the device for no job, pack them (AdapterArena.compact) and drop the step graphs, whose
+        captures point at the old arenas, with their pool; both go back to the device."""
+        if not self.live:
+            return
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        freed = self.engine.slots.compact(int(ARENA_COMPACT_SHARE * total))
+        if freed:
+            if self.engine.step_graphs is not None:
+                self.engine.step_graphs.reset()
+            torch.cuda.empty_cache()
+            self.arena_compactions += 1
+            log.info("adapter arenas packed: %.2f GB back to the device", freed / 1e9)
+
     def step_start(self) -> int | None:
-        """Before a step: the allocator's resident bytes, its peak reset (None: not watched)."""
+        """Before a step: the arenas packed where they hold much for no job (compact_arena); the
+        allocator's resident bytes, its peak reset (None: not watched)."""
+        self.compact_arena()
         if not self.corrections:
             return None
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -383,7 +406,7 @@ class MemoryPlan:
         (their count and the largest |predicted - measured| / measured peak)."""
         out = {"profile_reused": self.profile_reused, "recompute_steps": self.recompute_steps["on"],
                "no_recompute_steps": self.recompute_steps["off"], "split_steps": self.split_steps,
-               "eval_retries": self.eval_retries,
+               "eval_retries": self.eval_retries, "arena_compactions": self.arena_compactions,
                "eval_bytes_per_token": None if self.eval_per_token is None else round(self.eval_per_token)}
         seen = [p for c in self.corrections.values() for p in c.trace if p.peak > p.resident]
         if seen:

@@ -71,3 +71,25 @@ def test_profile_stored_once_and_reused_then_wide_eval(tmp_path) -> None:  # noq
     wide = eng.evaluate_metrics(second.val, 12, None, 36)
     for j in narrow:
         assert wide[j]["loss"] == pytest.approx(narrow[j]["loss"], rel=2e-2)
+
+
+def test_the_arenas_packed_once_jobs_left_and_the_curves_unchanged(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Jobs of 2, 4 and 6 steps: once the first two completed, the arenas held their regions for
+    no job. With the packing's threshold at 0 each step after a job left packs them (and drops
+    the step graphs); the validation curves equal a run that never packs."""
+    from trainer import memory_plan
+
+    curves, counts = [], []
+    for share in (1.0, 0.0):
+        monkeypatch.setattr(memory_plan, "ARENA_COMPACT_SHARE", share)
+        cfg = _cfg(tmp_path, f"share{share}", tmp_path / f"profiles{share}.json")
+        cfg.jobs = [TrainJob(**{**vars(j), "max_steps": 2 * (i + 1)}) for i, j in enumerate(cfg.jobs)]
+        vals: dict = {}
+        ex = Executor(cfg, Callbacks(on_eval=lambda j, s, v, vs=vals: vs.setdefault(j, []).append(v)))
+        status = ex.run()
+        assert all(s["state"] == "completed" for s in status.values())
+        curves.append(vals)
+        counts.append(ex.timings()["arena_compactions"])
+    assert counts[0] == 0 and counts[1] >= 2
+    for j, want in curves[0].items():
+        assert curves[1][j] == pytest.approx(want, rel=2e-2), j
