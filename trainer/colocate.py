@@ -4,8 +4,9 @@ several tasks, of any tenants, that attach and detach while it runs (docs/archit
 
 Per task (`TaskRun`): its data (its own segment of the engine's `ExamplePool`, read by its jobs'
 `TaskStream`s), its validation set, job queue, owners and statuses, early-exit monitors and warmup
-ranking (its own jobs only), evaluations, exports, checkpoints (its own `state.pt` under its own
-output_dir, resumable alone in any executor) and callbacks. Per executor (trainer.executor.Executor):
+ranking (its own jobs only; a job's end waits for its ranking, trainer.warmup_hold), evaluations,
+exports, checkpoints (its own `state.pt` under its own output_dir, resumable alone in any executor)
+and callbacks. Per executor (trainer.executor.Executor):
 model, engine, strategy, memory model and admission, the step loop. A one-task executor is this
 with one TaskRun: the same code, no second recipe.
 
@@ -46,6 +47,7 @@ from trainer.jobs import JobRun, TrainJob
 from trainer.pairs import PairExample
 from trainer.task_files import TaskFiles
 from trainer.task_parts import JobSlot, StepNumbers, TaskExecutor, TaskStream, ThroughputWindow
+from trainer.warmup_hold import awaits_ranking, hold_completion, hold_exit, park, settle_kept
 
 log = logging.getLogger("loraplex.executor")
 # a job that ended by itself (a cancelled one may still be exited by the ranking)
@@ -311,32 +313,31 @@ class TaskRun:
 
     def warmup_policy(self) -> None:
         """Rank the task's jobs among themselves once all finished warmup; meanwhile park a job
-        that finished its warmup so a queued configuration of the task gets its warmup."""
+        that finished its warmup so a queued configuration of the task gets its warmup (else it
+        trains on, its end held for the ranking: trainer.warmup_hold)."""
         if self.ranking is None or self.ranking.result is not None:
             return
-        executor = self.executor
         fresh_waiting = any(isinstance(q, TrainJob) for q in self.queue)
         for job_id, s in list(self.placed.items()):
             if self.in_warmup(job_id) and s.step >= self.warmup_len(s):
                 mon = self.monitors[job_id]
                 self.ranking.report(job_id, mon.eval_val[-1] if mon.eval_val else math.inf)
                 if fresh_waiting:  # rotate: park it on its rank so a queued configuration gets its warmup
-                    self.queue.append(self.placed.pop(job_id))
-                    if s.owner == executor.rank:
-                        with executor.phase("park"):  # on the device while its memory allows
-                            target = executor.engine.slots.park_target(job_id)
-                            self.parked[job_id] = executor.engine.detach(job_id, park_device=target)
-                            if target is None:
-                                self.parked_on_device.add(job_id)
-                    self.cb.on_event(job_id, "parked_after_warmup", {"step": s.step, "rank": s.owner})
+                    park(self, job_id, "parked_after_warmup", {})
         if self.ranking.ready:
             keep, evict = self.ranking.decide()
             self.cb.on_event("", "warmup_ranking", {"keep": keep, "evict": evict})
             for job_id in evict:
                 self.exit(job_id, ExitDecision(ExitReason.UNDERPERFORMING, {"kept": keep}))
+            settle_kept(self, keep)  # the kept jobs' held ends: a detector's exit, a completion
 
     def exit(self, job_id: str, decision: ExitDecision) -> None:
+        """End the job as `decision` says; a detector's decision on a job that awaits its warmup
+        ranking is held instead (it stops; the ranking decides first: trainer.warmup_hold)."""
         if self.status[job_id]["state"] in ENDED_HERE:
+            return
+        if job_id in self.placed and awaits_ranking(self, job_id):
+            hold_exit(self, job_id, decision)
             return
         slot = self.placed.pop(job_id, None)
         if slot is not None and slot.owner == self.executor.rank:
@@ -350,14 +351,22 @@ class TaskRun:
         self.set_state(job_id, JobLifecycle.EXITED, {"exit_reason": decision.reason, **decision.details})
 
     def finish_done(self) -> bool:
-        """Complete the task's jobs that have run all their steps; whether there were any."""
+        """Complete the task's jobs that have run all their steps (one that awaits its warmup
+        ranking stops, its completion held: trainer.warmup_hold); whether there were any."""
         done = [j for j, s in self.placed.items() if s.done]
         for job_id in done:
+            if awaits_ranking(self, job_id):
+                hold_completion(self, job_id)
+                continue
             slot = self.placed.pop(job_id)
-            state = self.executor.engine.detach(job_id) if slot.owner == self.executor.rank else None
-            self.export(job_id, "final", state, owner=slot.owner)
-            self.set_state(job_id, JobLifecycle.COMPLETED, {"steps": slot.step, "best_val": self.monitors[job_id].best_val})
+            self.complete(job_id, slot, self.executor.engine.detach(job_id) if slot.owner == self.executor.rank else None)
         return bool(done)
+
+    def complete(self, job_id: str, slot: JobSlot, state: JobRun | None) -> None:
+        """A job that ran all its steps, off the engine (its state on its owner rank): its final
+        adapter, then its completion."""
+        self.export(job_id, "final", state, owner=slot.owner)
+        self.set_state(job_id, JobLifecycle.COMPLETED, {"steps": slot.step, "best_val": self.monitors[job_id].best_val})
 
     def export(self, job_id: str, kind: str, state: JobRun | None = None, owner: int | None = None) -> None:
         executor = self.executor

@@ -122,6 +122,7 @@ class JobMonitor:
         self.diverge_count = 0
         self.overfit_count = 0
         self._nonfinite_train: tuple[int, float] | None = None
+        # its first decision: what a job held for its warmup ranking exits with once kept
         self.decision: ExitDecision | None = None
 
     @property
@@ -253,6 +254,11 @@ class WarmupRanking:
         """The job exited (a detector fired) before finishing its warmup."""
         self._pending.pop(self._known(job_id))
         self.exited.append(job_id)
+
+    def awaits(self, job_id: str) -> bool:
+        """Whether the job reported its end-of-warmup loss and the ranking has not decided yet:
+        its end (a detector's exit, its last step) waits for the decision (trainer.warmup_hold)."""
+        return self.result is None and job_id in self._losses
 
     @property
     def waiting(self) -> list[str]:
