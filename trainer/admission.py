@@ -244,7 +244,9 @@ def load_profile(path: str | Path | None, key: str) -> MemoryModel | None:
         return None
     try:
         entry = json.loads(Path(path).read_text()).get(key)
-        return None if entry is None else MemoryModel(float(entry["k0"]), float(entry["k1"]))
+        if entry is None or not float(entry["k1"]) > 0 or not float(entry["k0"]) >= 0:
+            return None  # none, or no model (a slope of 0 admits any batch): built again
+        return MemoryModel(float(entry["k0"]), float(entry["k1"]))
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 

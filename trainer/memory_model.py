@@ -45,6 +45,10 @@ ACTIVATION_SLACK = 1.5
 FUSED_ACTIVATION_SLACK = 1.15
 ARENA_SLACK = 1.125  # the arena grows by an eighth at least: a job's state costs up to this more
 MAX_POINTS = 512  # the steps the envelope is drawn over (the largest always among them)
+# the least share of its starting slope a corrected model keeps: a step's peak read low (a buffer
+# freed during it that was resident at its start, e.g. a pending export's copy) must never lower
+# k1 to 0, which would make admission take any batch and a retry's widened slope stay 0
+K1_FLOOR = 0.5
 LASTING = 256 << 20  # a step that leaves more allocated than this (new jobs' states) is not corrected from
 
 
@@ -175,7 +179,8 @@ class OnlineCorrection:
       needless recompute);
     - once `settle` steps spanning at least a doubling of tokens were seen, the line lowers to
       the upper envelope of them all (through the largest step, the steepest slope that covers
-      every smaller one), with `margin` on both terms."""
+      every smaller one), with `margin` on both terms.
+    The slope never falls under K1_FLOOR of the one it started from."""
 
     model: MemoryModel
     head_per_token: float
@@ -185,9 +190,11 @@ class OnlineCorrection:
     trace: list[StepPeak] = field(default_factory=list)
     _k0_start: float = field(init=False, default=0.0)
     _points: list[tuple[int, float]] = field(init=False, default_factory=list)  # (tokens, excess)
+    _k1_floor: float = field(init=False, default=0.0)  # K1_FLOOR of the starting slope
 
     def __post_init__(self) -> None:
         self._k0_start = self.model.k0
+        self._k1_floor = K1_FLOOR * self.model.k1
 
     @property
     def extra(self) -> float:
@@ -233,6 +240,7 @@ class OnlineCorrection:
                 top = max(largest, tokens)  # the largest step (always among the points kept)
                 if fe + fk * top < e + k * top:  # lower where the largest step was
                     e, k = fe, fk
+        k = max(k, self._k1_floor)
         if (e, k) == (self.extra, self.model.k1):
             return False
         self.model = MemoryModel(self._k0_start + max(0.0, e), k)

@@ -84,6 +84,7 @@ class MemoryPlan:
         self.split_steps = 0  # steps run as several passes without recompute (split_for)
         self.eval_retries = 0  # evaluations run again after running out of device memory
         self.arena_compactions = 0  # times compact_arena packed the arenas
+        self.last_short = False  # the last step recomputed or ran as passes (short of memory)
         self.admission = self._plan()
         # an evaluation forward's bytes per token and fixed part (one GPU; None: sized as a step)
         self.eval_per_token, self.eval_fixed = self._eval_model() if self.live and self.model else (None, 0.0)
@@ -323,10 +324,13 @@ class MemoryPlan:
         return self.recompute_policy.passes(job_tokens)
 
     def compact_arena(self) -> None:
-        """Before a step (one GPU): where the adapter arenas hold at least ARENA_COMPACT_SHARE of
-        the device for no job, pack them (AdapterArena.compact) and drop the step graphs, whose
-        captures point at the old arenas, with their pool; both go back to the device."""
-        if not self.live:
+        """Before a step (one GPU) after one that was short of memory (it recomputed or ran as
+        passes): where the adapter arenas hold at least ARENA_COMPACT_SHARE of the device for no
+        job, pack them (AdapterArena.compact) and drop the step graphs, whose captures point at
+        the old arenas, with their pool; both go back to the device. Steps that had room keep
+        their captures: session 33's search packed 3 times, and the 2 packings after its steps
+        ran without recompute cost ~1 s of new captures and bought nothing."""
+        if not self.live or not self.last_short:
             return
         total = torch.cuda.get_device_properties(self.device).total_memory
         freed = self.engine.slots.compact(int(ARENA_COMPACT_SHARE * total))
@@ -372,6 +376,7 @@ class MemoryPlan:
         recompute, its peak against the model; a corrected model goes to admission (and the
         recompute policy) and is stored for the node's later tasks (rank 0, one GPU)."""
         recompute = bool(self.engine.gradient_checkpointing)
+        self.last_short = recompute or bool(report is not None and report.pass_cells)
         self.recompute_steps["on" if recompute else "off"] += 1
         self.split_steps += bool(report is not None and report.pass_cells)
         corr = self.corrections.get(recompute)

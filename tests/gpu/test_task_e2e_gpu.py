@@ -75,8 +75,9 @@ def test_profile_stored_once_and_reused_then_wide_eval(tmp_path) -> None:  # noq
 
 def test_the_arenas_packed_once_jobs_left_and_the_curves_unchanged(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """Jobs of 2, 4 and 6 steps: once the first two completed, the arenas held their regions for
-    no job. With the packing's threshold at 0 each step after a job left packs them (and drops
-    the step graphs); the validation curves equal a run that never packs."""
+    no job. With the packing's threshold at 0 and recompute on (every step short of memory, the
+    packing's condition), each step after a job left packs them (and drops the step graphs); the
+    validation curves equal a run that never packs."""
     from trainer import memory_plan
 
     curves, counts = [], []
@@ -84,6 +85,7 @@ def test_the_arenas_packed_once_jobs_left_and_the_curves_unchanged(tmp_path, mon
         monkeypatch.setattr(memory_plan, "ARENA_COMPACT_SHARE", share)
         cfg = _cfg(tmp_path, f"share{share}", tmp_path / f"profiles{share}.json")
         cfg.jobs = [TrainJob(**{**vars(j), "max_steps": 2 * (i + 1)}) for i, j in enumerate(cfg.jobs)]
+        cfg.gradient_checkpointing = True
         vals: dict = {}
         ex = Executor(cfg, Callbacks(on_eval=lambda j, s, v, vs=vals: vs.setdefault(j, []).append(v)))
         status = ex.run()

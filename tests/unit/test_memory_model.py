@@ -283,3 +283,23 @@ def test_a_step_run_as_passes_equals_the_step_run_as_one(tmp_path) -> None:  # n
             assert a.grad_norms[j] == pytest.approx(b.grad_norms[j], rel=1e-10, nan_ok=True)
     for j in w1:
         torch.testing.assert_close(w1[j], w2[j], rtol=1e-10, atol=1e-12, equal_nan=True)
+
+
+def test_the_slope_never_falls_under_its_floor_and_a_stored_slope_of_zero_is_not_reused(tmp_path) -> None:  # noqa: ANN001
+    """Steps whose peaks read low at the largest token counts (a buffer resident at a step's start
+    and freed during it) would settle the envelope to a slope of 0: admission would then take any
+    batch. The slope keeps K1_FLOOR of its start; a stored model without a slope is built again."""
+    from trainer.admission import load_profile, store_profile
+    from trainer.memory_model import K1_FLOOR
+
+    corr = OnlineCorrection(MemoryModel(1e9, 4e5), head_per_token=0.0, head_chunk=1, settle=3)
+    res = 10**10
+    for t, x in [(500, 6e8), (1000, 6e8), (4000, 5e8), (8000, 4e8)]:  # more tokens, less excess
+        corr.observe(t, True, res, int(res + corr.fixed(t, 0) + x))
+    assert envelope(corr._points)[1] == 0.0
+    assert corr.model.k1 == pytest.approx(K1_FLOOR * 4e5) and corr.model.max_total_batch(2e10, 1024) > 0
+    path = tmp_path / "profiles.json"
+    store_profile(path, "k", MemoryModel(1e9, 0.0))
+    assert load_profile(path, "k") is None
+    store_profile(path, "k", MemoryModel(1e9, 3e5))
+    assert load_profile(path, "k") == MemoryModel(1e9, 3e5)
