@@ -1175,5 +1175,20 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/host_memory.txt"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g" >&2; exit 2 ;;
+  s33_h)  # session 33 (issues 40, 41): the 60-step task with split steps, without, with again (each step's synced
+          # seconds now recorded; call 2's split run came first, on a cold Triton cache), then search (a) with the
+          # code that lands and split steps on
+    export TRITON_CACHE_DIR=/tmp/s33h/triton
+    rm -rf /tmp/s33h
+    LORAPLEX_SPLIT_STEPS=1 task60 100
+    mv "$OUT/executor_task60.json" "$OUT/executor_task60_split1.json"; mv "$OUT/task60.log" "$OUT/task60_split1.log"
+    task60 100
+    mv "$OUT/executor_task60.json" "$OUT/executor_task60_default.json"; mv "$OUT/task60.log" "$OUT/task60_default.log"
+    LORAPLEX_SPLIT_STEPS=1 task60 100
+    mv "$OUT/executor_task60.json" "$OUT/executor_task60_split2.json"; mv "$OUT/task60.log" "$OUT/task60_split2.log"
+    LORAPLEX_SPLIT_STEPS=1 search_a $((590 - SECONDS)) $((570 - SECONDS))
+    pack_logs
+    rm -f "$OUT/search_a.md" "$OUT/host_memory.txt" "$OUT/executor_task60.md"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h" >&2; exit 2 ;;
 esac

@@ -69,9 +69,16 @@ class Counted(Executor):
         self.step_tokens: list[int] = []
         real = self.engine.step
 
+        self.step_trace: list[list] = []  # [tokens, jobs, recompute, synced seconds, each pass's cells or 0]
+
         def step():  # noqa: ANN202
+            te.sync()
+            t0 = time.perf_counter()
             report = real()
+            te.sync()
             self.step_tokens.append(report.tokens)
+            self.step_trace.append([report.tokens, len(report.losses), int(bool(self.engine.gradient_checkpointing)),
+                                    round(time.perf_counter() - t0, 4), report.pass_cells or 0])
             return report
 
         self.engine.step = step
@@ -119,7 +126,7 @@ def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: P
             "states": sorted({s["state"] for s in status.values()}), "timings": events.get("timings"),
             "admission": events.get("memory_model"), "throughput_reports": len(tokens),
             "attention": ex.engine.attention if getattr(ex, "engine", None) is not None else None,
-            "eval_calls": getattr(ex, "eval_calls", []),
+            "eval_calls": getattr(ex, "eval_calls", []), "step_trace": getattr(ex, "step_trace", []),
             "graphs": ex.engine.step_graphs.stats() if getattr(ex, "engine", None) is not None
             and ex.engine.step_graphs is not None else None,
             # the memory model (analytic or stored, corrected online) against every step the
