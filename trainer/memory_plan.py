@@ -176,8 +176,7 @@ class MemoryPlan:
                               MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits)))
         if self.live:
             shapes = Shapes.of(self.engine.model.config)
-            self.corrections[recompute] = OnlineCorrection(mm, HEAD_BYTES * shapes.vocab, self.engine.head_chunk,
-                                                           copy_bytes=self.copy_bytes)
+            self.corrections[recompute] = OnlineCorrection(mm, HEAD_BYTES * shapes.vocab, self.engine.head_chunk)
         return mm
 
     def analytic_model(self, recompute: bool) -> MemoryModel:
@@ -226,18 +225,10 @@ class MemoryPlan:
             self.objective.forget(eng, probe)
 
     # ----- what admission reads (one GPU, the live form) -------------------------------------
-    @property
-    def copy_bytes(self) -> int:
-        """Bytes per arena element of a step's compute-dtype copy of the arenas (0: none made)."""
-        slots = self.engine.slots
-        return 0 if slots.arena.dtype == slots.compute_dtype else slots.compute_dtype.itemsize
-
     def resident_bytes(self) -> float:
-        """Live tensors, the step graphs' pool (its blocks serve only the replays) and the copy of
-        the arenas every step makes whatever its tokens."""
+        """Live tensors, and the step graphs' pool (its blocks serve only the replays)."""
         graphs = self.engine.step_graphs
-        return (float(torch.cuda.memory_allocated(self.device)) + (graphs.pool_bytes if graphs else 0)
-                + self.copy_bytes * self.engine.slots.arena.numel())
+        return float(torch.cuda.memory_allocated(self.device)) + (graphs.pool_bytes if graphs else 0)
 
     def state_bytes(self, job: JobLike) -> float:
         """The device bytes a job (a TrainJob, or a started job's slot) adds when it attaches:
@@ -335,9 +326,10 @@ class MemoryPlan:
     def compact_arena(self) -> None:
         """Before a step (one GPU) after one that was short of memory (it recomputed or ran as
         passes): where the adapter arenas hold at least ARENA_COMPACT_SHARE of the device for no
-        job, pack them (AdapterArena.compact) and drop the step graphs (their captures point at the
-        old arenas) with their pool. Steps that had room keep their captures: in session 33 two
-        packings after steps without recompute cost ~1 s of new captures and bought nothing."""
+        job, pack them (AdapterArena.compact) and drop the step graphs, whose captures point at
+        the old arenas, with their pool; both go back to the device. Steps that had room keep
+        their captures: session 33's search packed 3 times, and the 2 packings after its steps
+        ran without recompute cost ~1 s of new captures and bought nothing."""
         if not self.live or not self.last_short:
             return
         total = torch.cuda.get_device_properties(self.device).total_memory
