@@ -219,7 +219,7 @@ class AdapterArena:
         moved). The arenas only grow otherwise: a search's first steps attach every configuration
         at once, and once its warmup ranking evicts three of four, an H100 held 11 GB of arena for
         no job, which pushed its later steps of 3.5k tokens into recompute. New storage: a step's
-        captured graphs point at the old one and are dropped (trainer.step_graphs)."""
+        captured graphs point at the old one (the caller drops them; trainer.step_graphs would)."""
         free = self.free_bytes()
         if free < max(1, min_free) or self._step is not None or self._copy is not None:
             return 0

@@ -180,7 +180,7 @@ class OnlineCorrection:
     - once `settle` steps spanning at least a doubling of tokens were seen, the line lowers to
       the upper envelope of them all (through the largest step, the steepest slope that covers
       every smaller one), with `margin` on both terms.
-    The slope never falls under K1_FLOOR of the one it started from."""
+    The slope never falls under K1_FLOOR of `floor_of` (the model built from the config)."""
 
     model: MemoryModel
     head_per_token: float
@@ -190,11 +190,14 @@ class OnlineCorrection:
     trace: list[StepPeak] = field(default_factory=list)
     _k0_start: float = field(init=False, default=0.0)
     _points: list[tuple[int, float]] = field(init=False, default_factory=list)  # (tokens, excess)
-    _k1_floor: float = field(init=False, default=0.0)  # K1_FLOOR of the starting slope
+    # the least slope: K1_FLOOR of `floor_of` (the model built from the config, which no stored
+    # correction moves; else the starting slope), so it never halves task after task on a node
+    floor_of: float | None = None
+    _k1_floor: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         self._k0_start = self.model.k0
-        self._k1_floor = K1_FLOOR * self.model.k1
+        self._k1_floor = K1_FLOOR * (self.model.k1 if self.floor_of is None else self.floor_of)
 
     @property
     def extra(self) -> float:
@@ -237,6 +240,9 @@ class OnlineCorrection:
             fit = envelope(self._points)
             if fit is not None:
                 fe, fk = fit[0] * self.margin, fit[1] * self.margin
+                if fk < self._k1_floor:  # the floor's line above every point, not the fit's constant
+                    fk = self._k1_floor
+                    fe = self.margin * max(0.0, max(x - fk * t for t, x in self._points))
                 top = max(largest, tokens)  # the largest step (always among the points kept)
                 if fe + fk * top < e + k * top:  # lower where the largest step was
                     e, k = fe, fk

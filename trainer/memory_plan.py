@@ -176,7 +176,9 @@ class MemoryPlan:
                               MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits)))
         if self.live:
             shapes = Shapes.of(self.engine.model.config)
-            self.corrections[recompute] = OnlineCorrection(mm, HEAD_BYTES * shapes.vocab, self.engine.head_chunk)
+            built = mm if not reuse else self.analytic_model(recompute)
+            self.corrections[recompute] = OnlineCorrection(mm, HEAD_BYTES * shapes.vocab, self.engine.head_chunk,
+                                                           floor_of=built.k1)
         return mm
 
     def analytic_model(self, recompute: bool) -> MemoryModel:

@@ -21,7 +21,7 @@ its first step and replayed from then on, unless a captured key of the same kind
 `cover_ratio` times its tokens (and slots enough) can run it padded: then that capture replays
 (fewer captures, each ~1 s at 32 layers of 8B, for a few percent of padded work); all graphs share
 one memory pool (one runs at a time, each reads its outputs before the next). Graphs live in their
-process only; the arena growing (a new storage) drops them. Where CUDA graphs do not exist (CPU
+process only; the arena growing or packed (a new storage) drops them. Where CUDA graphs do not exist (CPU
 tests) the same body runs eagerly on the same static buffers (`_Replay`), which is what the tests
 compare against the engine's eager step.
 """
@@ -318,7 +318,7 @@ class StepGraphs:
         slots = self.engine.slots
         now = (slots.arena.data_ptr(), slots.grad_arena.data_ptr(), slots.arena.numel())
         if self._storage is not None and now != self._storage:
-            self.reset()  # the arena grew: every capture points at the old storage
+            self.reset()  # the arena grew or was packed: every capture points at the old storage
         self._storage = now
 
     def reset(self) -> None:

@@ -61,7 +61,11 @@ def park(task: RankedTask, job_id: str, event: str, details: dict) -> None:
 
 
 def hold_exit(task: RankedTask, job_id: str, decision: ExitDecision) -> None:
-    """A detector decided to exit a job that awaits its ranking: it stops, the decision held."""
+    """A detector decided to exit a job that awaits its ranking: it stops, the decision held
+    (its monitor's first decision, what settle_kept applies; recorded there if it is not yet)."""
+    monitor = task.monitors[job_id]
+    if monitor.decision is None:
+        monitor.decision = decision
     park(task, job_id, "exit_held", {**decision.details, "exit_reason": decision.reason,
                                      "until": "warmup_ranking"})
 

@@ -303,3 +303,25 @@ def test_the_slope_never_falls_under_its_floor_and_a_stored_slope_of_zero_is_not
     assert load_profile(path, "k") is None
     store_profile(path, "k", MemoryModel(1e9, 3e5))
     assert load_profile(path, "k") == MemoryModel(1e9, 3e5)
+
+
+def test_the_floor_is_the_built_models_and_a_floored_lowering_never_raises_a_prediction() -> None:
+    """The floor comes from the model built from the config (`floor_of`), not from a stored start
+    that an earlier task lowered, so it never halves task after task; where the envelope falls
+    under it, the line is the floor's slope with the least constant above every step, and it
+    lowers the model only where that predicts less."""
+    from trainer.memory_model import K1_FLOOR
+
+    res = 10**10
+    stored = OnlineCorrection(MemoryModel(1e9, 1e5), head_per_token=0.0, head_chunk=1, settle=3, floor_of=8e5)
+    for t in (1000, 1500, 2000):  # steps that need nothing per token
+        stored.observe(t, True, res, int(res + stored.fixed(t, 0) + 1e8))
+    assert stored.model.k1 >= K1_FLOOR * 8e5
+    flat = OnlineCorrection(MemoryModel(1e9, 1e6), head_per_token=0.0, head_chunk=1, settle=3)
+    before = flat.predict_transient(1000)
+    for t in (1000, 1500, 2000):  # a flat 0.95 GB excess: the envelope's slope is 0
+        flat.observe(t, True, res, int(res + flat.fixed(t, 0) + 9.5e8))
+        assert flat.predict_transient(1000) <= before + 1  # never raised by a lowering
+        for u in (1000, 1500, 2000):
+            assert flat.extra + flat.model.k1 * u >= 9.5e8 - 1  # every step still covered
+    assert flat.model.k1 == pytest.approx(K1_FLOOR * 1e6)
