@@ -124,21 +124,9 @@ class AdapterArena:
         if self._copy is not None or self.arena.dtype == self.compute_dtype or not states:
             yield
             return
-        regions: dict[str, tuple[int, int]] = {}
-        pos = 0
-        for s in states:
-            lo, hi = self.regions[s.job_id]
-            start = pos + (lo - pos) % 16
-            regions[s.job_id] = (start, start + hi - lo)
-            pos = start + hi - lo
-        copy = torch.zeros(pos, dtype=self.compute_dtype, device=self.device)
-        with torch.no_grad():
-            for s in states:
-                lo, hi = self.regions[s.job_id]
-                start = regions[s.job_id][0]
-                copy[start : start + hi - lo].copy_(self.arena[lo:hi])
+        copy, regions = self._packed([s.job_id for s in states], self.compute_dtype)
         # the kernels take a gradient arena of the arena's shape; a no-grad forward never writes it
-        grads = torch.zeros(1, dtype=self.grad_dtype, device=self.device).expand(pos)
+        grads = torch.zeros(1, dtype=self.grad_dtype, device=self.device).expand(copy.numel())
         self._copy = (copy, regions, grads)
         try:
             yield
@@ -214,8 +202,8 @@ class AdapterArena:
 
     def compact(self, min_free: int) -> int:
         """Between steps: where the arenas hold at least `min_free` bytes for no job, pack the
-        attached jobs' regions into new arenas of their size (each keeps its offset modulo 16, as
-        compute_copy's does, so a layout stays as aligned as it was); the bytes freed (0: nothing
+        attached jobs' regions into new arenas of their size (`_packed`, as compute_copy's: each
+        keeps its offset modulo 16, so a layout stays as aligned as it was); the bytes freed (0: nothing
         moved). The arenas only grow otherwise: a search's first steps attach every configuration
         at once, and once its warmup ranking evicts three of four, an H100 held 11 GB of arena for
         no job, which pushed its later steps of 3.5k tokens into recompute. New storage: a step's
@@ -223,22 +211,31 @@ class AdapterArena:
         free = self.free_bytes()
         if free < max(1, min_free) or self._step is not None or self._copy is not None:
             return 0
-        spans = sorted(self.regions.items(), key=lambda kv: kv[1][0])
-        starts, pos = {}, 0
-        for job_id, (lo, hi) in spans:
-            starts[job_id] = pos + (lo - pos) % 16
-            pos = starts[job_id] + hi - lo
         self.grad_arena = self.grad_arena.new_zeros(0)  # the gradient sums are dead between steps
-        arena = torch.zeros(pos, dtype=self.arena.dtype, device=self.device)
-        with torch.no_grad():
-            for job_id, (lo, hi) in spans:
-                start = starts[job_id]
-                arena[start : start + hi - lo].copy_(self.arena[lo:hi])
-                self.regions[job_id] = (start, start + hi - lo)
-                self.jobs[job_id].adapter.flat.data = arena[start : start + hi - lo]
-        self.arena = arena
-        self.grad_arena = torch.zeros(pos, dtype=self.grad_dtype, device=self.device)
+        self.arena, self.regions = self._packed(sorted(self.regions, key=lambda j: self.regions[j][0]),
+                                                self.arena.dtype)
+        for job_id, (lo, hi) in self.regions.items():
+            self.jobs[job_id].adapter.flat.data = self.arena[lo:hi]
+        self.grad_arena = torch.zeros(self.arena.numel(), dtype=self.grad_dtype, device=self.device)
         return free - self.free_bytes()
+
+    def _packed(self, job_ids: Sequence[str], dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+        """These jobs' regions copied one after another, in this order, into a new buffer of
+        `dtype`, each at its offset modulo 16 (the kernels' aligned loads stay aligned); the
+        buffer and each job's region in it."""
+        regions: dict[str, tuple[int, int]] = {}
+        pos = 0
+        for job_id in job_ids:
+            lo, hi = self.regions[job_id]
+            start = pos + (lo - pos) % 16
+            regions[job_id] = (start, start + hi - lo)
+            pos = start + hi - lo
+        buffer = torch.zeros(pos, dtype=dtype, device=self.device)
+        with torch.no_grad():
+            for job_id, (start, end) in regions.items():
+                lo = self.regions[job_id][0]
+                buffer[start:end].copy_(self.arena[lo : lo + end - start])
+        return buffer, regions
 
     # ----- attach / detach -------------------------------------------------------------
     def attach(self, state: JobRun) -> JobRun:

@@ -378,9 +378,10 @@ class MemoryPlan:
         recompute, its peak against the model; a corrected model goes to admission (and the
         recompute policy) and is stored for the node's later tasks (rank 0, one GPU)."""
         recompute = bool(self.engine.gradient_checkpointing)
-        self.last_short = recompute or bool(report is not None and report.pass_cells)
+        split = bool(report is not None and report.pass_cells)
+        self.last_short = recompute or split
         self.recompute_steps["on" if recompute else "off"] += 1
-        self.split_steps += bool(report is not None and report.pass_cells)
+        self.split_steps += split
         corr = self.corrections.get(recompute)
         if resident is None or corr is None or report is None:
             return
