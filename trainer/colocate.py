@@ -267,6 +267,7 @@ class TaskRun:
         executor = self.executor
         subsets = {n: sorted(self.val[:n], key=_length, reverse=True) for n in due}  # longest first
         lengths = {n: [_length(e) for e in subset] for n, subset in subsets.items()}
+        executor.eval_room(sum(len(ids) * sum(lengths[n]) for n, ids in due.items()))  # before any plan
 
         def plan(ids: list[str], n: int, r: int) -> tuple[list[str], int, int]:
             mine = [j for j in ids if self.placed[j].owner == r]

@@ -178,7 +178,7 @@ class MemoryPlan:
             shapes = Shapes.of(self.engine.model.config)
             built = mm if not reuse else self.analytic_model(recompute)
             self.corrections[recompute] = OnlineCorrection(mm, HEAD_BYTES * shapes.vocab, self.engine.head_chunk,
-                                                           floor_of=built.k1)
+                                                           floor_of=built.k1, copy_bytes=self.engine.slots.copy_itemsize)
         return mm
 
     def analytic_model(self, recompute: bool) -> MemoryModel:
@@ -228,9 +228,11 @@ class MemoryPlan:
 
     # ----- what admission reads (one GPU, the live form) -------------------------------------
     def resident_bytes(self) -> float:
-        """Live tensors, and the step graphs' pool (its blocks serve only the replays)."""
+        """Live tensors, the step graphs' pool (its blocks serve only the replays) and the copy of
+        the arenas every training step makes whatever its tokens."""
         graphs = self.engine.step_graphs
-        return float(torch.cuda.memory_allocated(self.device)) + (graphs.pool_bytes if graphs else 0)
+        return (float(torch.cuda.memory_allocated(self.device)) + (graphs.pool_bytes if graphs else 0)
+                + self.engine.slots.step_copy_bytes)
 
     def state_bytes(self, job: JobLike) -> float:
         """The device bytes a job (a TrainJob, or a started job's slot) adds when it attaches:
@@ -261,7 +263,8 @@ class MemoryPlan:
         must decide alike; the CPU; after two evaluations ran out of memory)."""
         if self.eval_per_token is None:
             return None
-        return max(0, int((self.admission.headroom - self.eval_fixed) / self.eval_per_token))
+        copy = self.engine.slots.step_copy_bytes if self.admission.resident else 0  # no forward's (eval_job_tokens)
+        return max(0, int((self.admission.headroom + copy - self.eval_fixed) / self.eval_per_token))
 
     def eval_job_tokens(self) -> int:
         """What a job adds to an evaluation forward beside its tokens, in tokens' worth: its
@@ -317,21 +320,20 @@ class MemoryPlan:
         """The engine's hook (`engine.split_for`): a step that one pass could run only with
         recompute runs as passes over its jobs that each fit without (RecomputePolicy.passes;
         the search's first steps of all its configurations at once, 57k tokens, recomputed at
-        8.3k tok/s on an H200). None: one pass; without a policy (several ranks) always. Off unless
-        LORAPLEX_SPLIT_STEPS=1: on an H200 (session 23) a split step whose kernels existed ran 1.49x
-        faster, but each new pass shape first compiled the fused kernels, which made those steps
-        2-4x slower and the 60-step task's training 8 s longer (24.0 -> 31.9 s)."""
-        if self.recompute_policy is None or os.environ.get("LORAPLEX_SPLIT_STEPS", "0") != "1":
+        8.3k tok/s on an H200). None: one pass; without a policy (several ranks) always; with
+        LORAPLEX_SPLIT_STEPS=0. On since session 34: with the passes' kernels in the shipped Triton
+        cache, split steps ran 1.83 s against 2.11 s recomputed (session 33, H100); a cold cache
+        compiled them first (5.4 s of the 60-step task), what kept them off from session 23 on."""
+        if self.recompute_policy is None or os.environ.get("LORAPLEX_SPLIT_STEPS", "1") == "0":
             return None
         return self.recompute_policy.passes(job_tokens)
 
     def compact_arena(self) -> None:
         """Before a step (one GPU) after one that was short of memory (it recomputed or ran as
         passes): where the adapter arenas hold at least ARENA_COMPACT_SHARE of the device for no
-        job, pack them (AdapterArena.compact) and drop the step graphs, whose captures point at
-        the old arenas, with their pool; both go back to the device. Steps that had room keep
-        their captures: session 33's search packed 3 times, and the 2 packings after its steps
-        ran without recompute cost ~1 s of new captures and bought nothing."""
+        job, pack them (AdapterArena.compact) and drop the step graphs (their captures point at the
+        old arenas) with their pool. Steps that had room keep their captures: in session 33 two
+        packings after steps without recompute cost ~1 s of new captures and bought nothing."""
         if not self.live or not self.last_short:
             return
         total = torch.cuda.get_device_properties(self.device).total_memory

@@ -103,6 +103,32 @@ def test_states_parked_on_the_device_go_to_the_host_when_a_queued_job_cannot_sta
         assert status[j]["state"] == "completed" and [s for s, _ in rec.train[j]] == list(range(1, 13))
 
 
+def test_an_evaluation_short_of_room_sends_the_states_parked_on_the_device_to_the_host(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # session 33's search planned its warmup evaluations beside 10.6 GB of states parked on the
+    # device (32 sequences a forward, 0.49-0.64 s a job against 0.43 s; 8 beside 31.7 GB). Stand-in
+    # for the device's memory: no room for an evaluation's forward while any state is parked there.
+    from trainer.arena import AdapterArena
+    from trainer.memory_plan import MemoryPlan
+
+    ex = Executor(config(tmp_path, "run"), (rec := Recorder()).callbacks())
+
+    def parked() -> int:
+        return sum(len(t.parked_on_device) for t in ex.tasks.values())
+
+    monkeypatch.setattr(MemoryPlan, "eval_tokens", lambda self: 0 if parked() else 10**6)
+    monkeypatch.setattr(AdapterArena, "park_target", lambda self, job_id: None)  # room on the device
+    at_plan: list[int] = []
+    shape = Executor.eval_shape
+    monkeypatch.setattr(Executor, "eval_shape", lambda self, *a, **k: at_plan.append(parked()) or shape(self, *a, **k))
+    status = ex.run()
+    assert [m for _, m, _ in rec.events].count("parked_to_host") >= 1
+    assert at_plan and max(at_plan) == 0  # no evaluation planned beside a state parked on the device
+    ranking = [d for _, m, d in rec.events if m == "warmup_ranking"]
+    assert len(ranking) == 1 and len(ranking[0]["keep"]) == 3
+    for j in ranking[0]["keep"]:
+        assert status[j]["state"] == "completed" and [s for s, _ in rec.train[j]] == list(range(1, 13))
+
+
 def test_a_job_no_executor_can_admit_fails_saying_so_not_left_pending(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     from trainer.admission import AdmissionController
 
