@@ -29,6 +29,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ import torch
 from contract.states import TaskOutcome
 from kernels.shipped_cache import seed as seed_triton_cache
 from trainer.admission import AdmissionController, MemoryModel
+from trainer.arena import state_bytes
 from trainer.colocate import TaskRun
 from trainer.config import Callbacks, ExecutorConfig
 from trainer.data import Example
@@ -172,6 +174,9 @@ class Executor:
         self.memory = MemoryPlan(cfg, self.engine, device, self.objective, self.strategy, self.phase,
                                  self._parked_state)
         self.engine.recompute_for = self.memory.recompute_for
+        if self.memory.recompute_policy is not None:  # states parked on the device leave before a recompute
+            self.memory.recompute_policy = replace(self.memory.recompute_policy, spare=self._parked_device_bytes,
+                                                   release=self._spill_parked)
         self.engine.split_for = self.memory.split_for
         marks.append(("memory", time.perf_counter()))
         for task in list(self.tasks.values()):
@@ -415,10 +420,9 @@ class Executor:
         return eval_chunk(n_jobs, n_examples, budget, floor), budget
 
     def eval_room(self, tokens: int) -> None:
-        """Before an evaluation whose forwards want `tokens` (capped at EVAL_WANT_TOKENS, past which
-        a forward gains nothing): where the room (MemoryPlan.eval_tokens) is short of them, the
-        states parked on the device go to the host first (session 33: 32-sequence forwards beside
-        10.6 GB of them, 0.49-0.64 s a job's evaluation against 0.43 s; 8 beside 31.7 GB)."""
+        """Before an evaluation whose forwards want `tokens` (up to EVAL_WANT_TOKENS): where the room
+        (MemoryPlan.eval_tokens) is short of them, the states parked on the device go to the host
+        (session 33: 32-sequence forwards beside 10.6 GB of them, 0.49-0.64 s a job against 0.43)."""
         room = self.memory.eval_tokens() if self.memory is not None else None
         if room is not None and room < min(tokens, EVAL_WANT_TOKENS):
             self._spill_parked()
@@ -430,6 +434,11 @@ class Executor:
         if self.memory is None:
             return run()[0]
         return self.memory.evaluation(run, self._spill_parked)
+
+    def _parked_device_bytes(self) -> float:
+        """Device bytes of the hosted tasks' states parked on the device (RecomputePolicy.spare)."""
+        return float(sum(state_bytes(t.parked[j]) for t in self.tasks.values() for j in t.parked_on_device
+                         if j in t.parked))
 
     def _spill_parked(self) -> bool:
         """Every hosted task's states parked on the device to the host; whether any moved."""

@@ -21,6 +21,7 @@ import math
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -408,7 +409,7 @@ class MemoryPlan:
     def _without_recompute_is(self, model: MemoryModel) -> None:
         policy = self.recompute_policy
         assert policy is not None
-        self.recompute_policy = RecomputePolicy(model, policy.limit_bytes, policy.seq_len, policy.resident)
+        self.recompute_policy = replace(policy, without=model)  # its spare bytes and release kept
 
     def timings(self) -> dict[str, Any]:
         """The memory plan's details of the timings report: whether the profile was reused, the

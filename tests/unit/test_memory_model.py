@@ -232,6 +232,33 @@ def test_a_step_that_one_pass_would_recompute_runs_as_passes_that_each_fit_witho
     assert tight.passes([3000, 3000]) is None  # passes under MIN_PASS_TOKENS: recompute instead
 
 
+def test_a_step_that_fits_without_recompute_only_once_the_device_parks_leave_sends_them_to_the_host() -> None:
+    from trainer.admission import RecomputePolicy
+
+    parked = [3e9]  # states parked on the device, counted resident
+
+    def release() -> bool:
+        moved.append(parked[0])
+        parked[0] = 0.0
+        return True
+
+    moved: list[float] = []
+    policy = RecomputePolicy(MemoryModel(1e9, 1e6), 20e9, 1024, resident=lambda: 10e9 + parked[0],
+                             spare=lambda: parked[0], release=release)
+    # room: (20e9 - 13e9 - 1e9) / 1.25e6 = 4,800 tokens; 7,200 without the parked states
+    assert policy.room_tokens() == pytest.approx(4800) and policy.room_tokens(spare=True) == pytest.approx(7200)
+    assert not policy.recompute_tokens(4000) and moved == []  # fits beside them: they stay
+    assert policy.recompute_tokens(8000) and moved == []  # would not fit without them either: they stay
+    assert policy.passes([3000, 3000, 3000]) is not None and moved == []  # 9k tokens: passes, they stay
+    assert not policy.recompute_tokens(6000) and moved == [3e9]  # fits only without them: moved first
+    assert policy.room_tokens() == pytest.approx(7200)
+    parked[0] = 3e9
+    assert policy.passes([3000, 3000]) is None and moved == [3e9, 3e9]  # one pass once they left
+    parked[0] = 3e9
+    plain = RecomputePolicy(MemoryModel(1e9, 1e6), 20e9, 1024, resident=lambda: 10e9 + parked[0])
+    assert plain.recompute_tokens(6000) and plain.passes([3000, 3000]) == [[0], [1]]  # nothing to move
+
+
 def test_a_step_run_as_passes_equals_the_step_run_as_one(tmp_path) -> None:  # noqa: ANN001
     from transformers import AutoModelForCausalLM
 
