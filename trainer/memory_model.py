@@ -187,9 +187,6 @@ class OnlineCorrection:
     head_chunk: int
     settle: int = 8
     margin: float = 1.05
-    # bytes per arena element of the step's compute-dtype copy of the arenas (AdapterArena.layout_arenas:
-    # 2 for a float32 arena and bfloat16 kernels, 0 where the arena is in the compute dtype)
-    copy_bytes: float = 0.0
     trace: list[StepPeak] = field(default_factory=list)
     _k0_start: float = field(init=False, default=0.0)
     _points: list[tuple[int, float]] = field(init=False, default_factory=list)  # (tokens, excess)
@@ -208,11 +205,7 @@ class OnlineCorrection:
         return max(0.0, self.model.k0 - self._k0_start)
 
     def fixed(self, tokens: int, adapter_params: int) -> float:
-        """The step's fixed transient (fixed_transient) and its copy of the arenas' `adapter_params`
-        elements: a search's first steps copy arenas sized for 34 jobs; charged per token, that copy
-        raised k1 and, once the arenas were packed, the model over-predicted 17-27%."""
-        return (fixed_transient(self.head_per_token, min(tokens, self.head_chunk), adapter_params)
-                + self.copy_bytes * adapter_params)
+        return fixed_transient(self.head_per_token, min(tokens, self.head_chunk), adapter_params)
 
     def predict_transient(self, tokens: int, adapter_params: int = 0) -> float:
         return self.fixed(tokens, adapter_params) + self.extra + self.model.k1 * tokens

@@ -179,7 +179,7 @@ class MemoryPlan:
             shapes = Shapes.of(self.engine.model.config)
             built = mm if not reuse else self.analytic_model(recompute)
             self.corrections[recompute] = OnlineCorrection(mm, HEAD_BYTES * shapes.vocab, self.engine.head_chunk,
-                                                           floor_of=built.k1, copy_bytes=self.engine.slots.copy_itemsize)
+                                                           floor_of=built.k1)
         return mm
 
     def analytic_model(self, recompute: bool) -> MemoryModel:
@@ -229,11 +229,9 @@ class MemoryPlan:
 
     # ----- what admission reads (one GPU, the live form) -------------------------------------
     def resident_bytes(self) -> float:
-        """Live tensors, the step graphs' pool (its blocks serve only the replays) and the copy of
-        the arenas every training step makes whatever its tokens."""
+        """Live tensors, and the step graphs' pool (its blocks serve only the replays)."""
         graphs = self.engine.step_graphs
-        return (float(torch.cuda.memory_allocated(self.device)) + (graphs.pool_bytes if graphs else 0)
-                + self.engine.slots.step_copy_bytes)
+        return float(torch.cuda.memory_allocated(self.device)) + (graphs.pool_bytes if graphs else 0)
 
     def state_bytes(self, job: JobLike) -> float:
         """The device bytes a job (a TrainJob, or a started job's slot) adds when it attaches:
@@ -264,8 +262,7 @@ class MemoryPlan:
         must decide alike; the CPU; after two evaluations ran out of memory)."""
         if self.eval_per_token is None:
             return None
-        copy = self.engine.slots.step_copy_bytes if self.admission.resident else 0  # no forward's (eval_job_tokens)
-        return max(0, int((self.admission.headroom + copy - self.eval_fixed) / self.eval_per_token))
+        return max(0, int((self.admission.headroom - self.eval_fixed) / self.eval_per_token))
 
     def eval_job_tokens(self) -> int:
         """What a job adds to an evaluation forward beside its tokens, in tokens' worth: its

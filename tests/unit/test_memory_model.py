@@ -352,23 +352,3 @@ def test_the_floor_is_the_built_models_and_a_floored_lowering_never_raises_a_pre
         for u in (1000, 1500, 2000):
             assert flat.extra + flat.model.k1 * u >= 9.5e8 - 1  # every step still covered
     assert flat.model.k1 == pytest.approx(K1_FLOOR * 1e6)
-
-
-def test_the_steps_copy_of_the_arenas_is_fixed_not_charged_per_token() -> None:
-    """A search's first steps copy arenas sized for all its configurations (a float32 arena read by
-    bfloat16 kernels: 2 bytes an element). Counted as fixed, that copy leaves the slope alone, so
-    once the arenas are packed the prediction follows the smaller copy (session 33: charged per
-    token, it over-predicted the later steps by 17-27%)."""
-    res, big, small = 10**10, 2_000_000_000, 300_000_000
-    want = 4.5e5  # bytes a token the activations really take
-    corr = OnlineCorrection(MemoryModel(1e9, want), head_per_token=0.0, head_chunk=1, copy_bytes=2.0)
-    assert corr.fixed(16_000, big) - corr.fixed(16_000, small) == pytest.approx(2.0 * (big - small))
-    peak = int(res + corr.fixed(16_000, big) + want * 16_000)  # the big copy in the peak
-    assert not corr.observe(16_000, True, res, peak, big)  # predicted as it is: nothing to correct
-    assert corr.model.k1 == want
-    later = res + corr.fixed(20_000, small) + want * 20_000
-    assert corr.predict_transient(20_000, small) + res == pytest.approx(later)
-    blind = OnlineCorrection(MemoryModel(1e9, want), head_per_token=0.0, head_chunk=1)  # the copy unknown
-    blind.observe(16_000, True, res, peak, big)
-    over = (blind.predict_transient(20_000, small) + res) / later - 1
-    assert over > 0.15  # what the packed search saw
