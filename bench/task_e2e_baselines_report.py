@@ -287,8 +287,15 @@ def render_checks(quality: dict, timing: dict) -> list[str]:
             continue
         out.append(f"| {where} | {c['job']} | {c['tokens']} | " + " | ".join(
             _fmt(c.get(k), ".6f") for k in ("engine", "c1", "c2", "engine_lora", "c1_lora", "c2_lora"))
-            + f" | {'yes' if c['ok'] else 'NO'} (tolerance {'1e-4' if c['fp32'] else '1e-2 x loss'}) |")
+            + f" | {_agree(c)} (tolerance {'1e-4' if c['fp32'] else '1e-2 x loss'}) |")
     return out
+
+
+def _agree(check: dict) -> str:
+    """The row's verdict: "n/a" where no baseline arm ran to compare with the engine."""
+    if not check.get("verdict"):
+        return "n/a (no baseline arm ran)"
+    return "yes" if check["ok"] else "NO"
 
 
 NOTES = ["", "## How these numbers are made", "",
