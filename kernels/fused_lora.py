@@ -65,6 +65,20 @@ def _zero_p(nargs: dict) -> None:
     nargs["p_ptr"].zero_()
 
 
+# Arguments Triton must not specialise: it compiles a kernel per combination of "divisible by 16" and
+# "== 1" over the integer arguments and of 16-byte alignment over the pointers, and a task's token
+# counts (M), adapter counts (N) and the step's small metadata tensors (offsets, ranks, scalings: a
+# few bytes a program reads once) vary from step to step and from run to run. Specialised, a node met
+# combinations the shipped Triton archive lacked and compiled inside a task (session 34: 4 fused-GEMM
+# kernels, 3.3 s of one step of the 60-step task); no speed depends on them.
+_VARYING = dict(do_not_specialize=["M", "N"],
+                do_not_specialize_on_alignment=["woff_ptr", "off_ptr", "rank_ptr", "scale_ptr"])
+_VARYING_SHRINK = dict(do_not_specialize=["N"],
+                       do_not_specialize_on_alignment=["woff_ptr", "off_ptr", "rank_ptr", "scale_ptr", "goff_ptr"])
+_VARYING_WGRAD = dict(do_not_specialize=["N"],
+                      do_not_specialize_on_alignment=["goff_ptr", "off_ptr", "rank_ptr", "scale_ptr"])
+
+
 def _cfg(num_warps: int = 4, num_stages: int = 3, **meta: int) -> triton.Config:
     hook = _zero_p if meta.get("SPLIT_C", 1) > 1 else None
     return triton.Config(meta, num_warps=num_warps, num_stages=num_stages, pre_hook=hook)
@@ -175,7 +189,7 @@ def _find_item(pid, off_ptr, rank_ptr, N, R_MAX, ROWS: tl.constexpr, BLOCK_R: tl
     return adapter, row_start, row_end, (local % nrb) * BLOCK_R, rank
 
 
-@triton.jit
+@triton.jit(**_VARYING_SHRINK)
 def _shrink_jit(
     m_ptr, w_ptr, p_ptr, woff_ptr, off_ptr, rank_ptr,
     s_ptr, g_ptr, goff_ptr, scale_ptr,
@@ -229,7 +243,7 @@ def _shrink_jit(
         tl.atomic_add(out, acc, mask=row_mask[:, None] & r_mask[None, :], sem="relaxed")  # spares: no rows
 
 
-@triton.jit
+@triton.jit(**_VARYING_WGRAD)
 def _wgrad_jit(
     p_ptr, m_ptr, g_ptr, goff_ptr, off_ptr, rank_ptr, scale_ptr,
     N, C, R_MAX, T_BUCKET,
@@ -391,7 +405,7 @@ def _lora_epilogue_store(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(**_VARYING)
 def _gemm_lora_jit(
     a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
     M, NC, K, N, R_MAX, T_BUCKET,
@@ -454,7 +468,7 @@ def _tma_mainloop(a_desc, b_desc, m0, n0, K, B_NK: tl.constexpr, ACC: tl.constex
     return acc
 
 
-@triton.jit
+@triton.jit(**_VARYING)
 def _gemm_lora_tma_jit(
     a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
     M, NC, K, N, R_MAX, T_BUCKET,
@@ -481,7 +495,7 @@ def _gemm_lora_tma_jit(
                          HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
-@triton.jit
+@triton.jit(**_VARYING)
 def _gemm_lora_persist_jit(
     a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
     M, NC, K, N, R_MAX, T_BUCKET,
