@@ -138,23 +138,26 @@ ADAMW_CHUNK = 64 << 20
 
 
 def multi_adamw(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor],
-                grads: Sequence[torch.Tensor]) -> None:
-    """`_multi_adamw` over groups of jobs of at most ADAMW_CHUNK elements (a larger job alone)."""
+                grads: Sequence[torch.Tensor], clips: Sequence[float] | None = None) -> None:
+    """`_multi_adamw` over groups of jobs of at most ADAMW_CHUNK elements (a larger job alone);
+    `clips`: each job's gradient clipping factor (1: none), applied before the update."""
     group: list[int] = []
     size = 0
     for i, p in enumerate(params):
         if group and size + p.numel() > ADAMW_CHUNK:
-            _multi_adamw([optimizers[k] for k in group], [params[k] for k in group], [grads[k] for k in group])
+            _multi_adamw([optimizers[k] for k in group], [params[k] for k in group], [grads[k] for k in group],
+                         None if clips is None else [clips[k] for k in group])
             group, size = [], 0
         group.append(i)
         size += p.numel()
     if group:
-        _multi_adamw([optimizers[k] for k in group], [params[k] for k in group], [grads[k] for k in group])
+        _multi_adamw([optimizers[k] for k in group], [params[k] for k in group], [grads[k] for k in group],
+                     None if clips is None else [clips[k] for k in group])
 
 
 @torch.no_grad()
 def _multi_adamw(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor],
-                 grads: Sequence[torch.Tensor]) -> None:
+                 grads: Sequence[torch.Tensor], clips: Sequence[float] | None = None) -> None:
     """One AdamW step of many jobs at once: torch's single-tensor AdamW (decoupled weight decay,
     bias corrections from the host step count) per job, each with its own optimizer's lr, betas,
     eps and weight decay, as a few multi-tensor (`torch._foreach_*`) kernels over all jobs instead
@@ -177,9 +180,13 @@ def _multi_adamw(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[t
         g = opt.param_groups[0]
         states.append(st)
         hyper.append((g["lr"], *g["betas"], g["eps"], g["weight_decay"], float(st["step"])))
+    clips = [1.0] * len(params) if clips is None else list(clips)
     if _use_fused(params[0]):
-        _fused_each(params, grads, states, hyper)
+        _fused_each(params, grads, states, hyper, clips)
         return
+    clipped = [(g, c) for g, c in zip(grads, clips, strict=True) if c < 1.0]
+    if clipped:
+        torch._foreach_mul_([g for g, _ in clipped], [c for _, c in clipped])
     decay = [(p, 1 - h[0] * h[4]) for p, h in zip(params, hyper, strict=True) if h[4] != 0]
     if decay:
         torch._foreach_mul_([p for p, _ in decay], [f for _, f in decay])
@@ -203,17 +210,21 @@ def _use_fused(param: torch.Tensor) -> bool:
 
 
 def _fused_each(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], states: list[dict],
-                hyper: list[tuple]) -> None:
+                hyper: list[tuple], clips: Sequence[float]) -> None:
     """`_multi_adamw`'s update as torch's fused AdamW kernel, one call per job (its own lr, betas,
     eps, weight decay and step): it reads and writes each element once, 28 bytes an element
     against ~80 for the eight foreach passes (at 734 tokens, 2 jobs, the foreach AdamW was ~8% of
-    an H100 step). The steps go to the device in one copy (the kernel reads its bias corrections
-    there; the host keeps the count). Same math as torch.optim.AdamW(fused=True)."""
-    steps = torch.tensor([h[5] for h in hyper], dtype=torch.float32, pin_memory=params[0].is_cuda)
-    steps = steps.to(params[0].device, non_blocking=True)
+    an H100 step); a job's clipping rides in it as its gradient scale (1 / the factor) instead of
+    a pass of its own. The steps and scales go to the device in one copy (the host keeps the
+    count). Same math as torch.optim.AdamW(fused=True) after clip_grads_with_norm_."""
+    n = len(params)
+    values = [h[5] for h in hyper] + [1.0 / c for c in clips]
+    vals = torch.tensor(values, dtype=torch.float32, pin_memory=params[0].is_cuda)
+    vals = vals.to(params[0].device, non_blocking=True)
     for i, (p, g, st, h) in enumerate(zip(params, grads, states, hyper, strict=True)):
-        torch._fused_adamw_([p], [g], [st["exp_avg"]], [st["exp_avg_sq"]], [], [steps[i]], lr=h[0], beta1=h[1],
-                            beta2=h[2], weight_decay=h[4], eps=h[3], amsgrad=False, maximize=False)
+        torch._fused_adamw_([p], [g], [st["exp_avg"]], [st["exp_avg_sq"]], [], [vals[i]], lr=h[0], beta1=h[1],
+                            beta2=h[2], weight_decay=h[4], eps=h[3], amsgrad=False, maximize=False,
+                            grad_scale=vals[n + i] if clips[i] < 1.0 else None, found_inf=None)
 
 
 @dataclass
@@ -302,25 +313,22 @@ def update_jobs(states: Sequence[JobRun], losses: Sequence[float], norms: Sequen
     engine's gradient arena), all jobs' in a few multi-tensor kernels, then every job's schedule
     and step count; a job whose loss or gradient norm is non-finite skips its own update. Returns
     which jobs skipped."""
-    clip, coefs, run, skipped = [], [], [], []
+    coefs, run, skipped = [], [], []
     for s, v, norm, g in zip(states, losses, norms, grads, strict=True):
         skip = not (math.isfinite(v) and math.isfinite(norm))
         if not skip:
+            coef = 1.0
             if s.spec.max_grad_norm is not None:
                 coef = min(1.0, s.spec.max_grad_norm / (norm + 1e-6))  # clip_grads_with_norm_'s rule
-                if coef < 1.0:
-                    clip.append(g)
-                    coefs.append(coef)
+            coefs.append(coef)
             run.append((s, g))
         else:
             s.skipped_steps += 1
         s.last_loss = v
         skipped.append(skip)
-    if clip:
-        torch._foreach_mul_(clip, coefs)
     flats = [s.adapter.flat for s, _ in run]
     multi_adamw([s.optimizer for s, _ in run], flats,
-                [g if g.dtype == f.dtype else g.to(f.dtype) for (_, g), f in zip(run, flats, strict=True)])
+                [g if g.dtype == f.dtype else g.to(f.dtype) for (_, g), f in zip(run, flats, strict=True)], coefs)
     for s in states:
         s.scheduler.step()
         s.step += 1

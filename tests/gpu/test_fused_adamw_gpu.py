@@ -32,7 +32,7 @@ def _run(fused: bool | None, monkeypatch) -> list[torch.Tensor]:  # noqa: ANN001
                 opt.step()
             params = [opt.param_groups[0]["params"][0].detach() for opt in opts]
         else:
-            jobs.multi_adamw(opts, params, grads)
+            jobs.multi_adamw(opts, params, grads, [1.0] * len(params))
     torch.cuda.synchronize()
     return params
 

@@ -1,6 +1,7 @@
 """Unit: the jobs' AdamW as torch's fused kernel, one call per job (trainer.jobs._fused_each, what
 runs on CUDA), equals the foreach path (what runs on CPU, bit for bit torch.optim.AdamW) within
-float32 rounding, job by job, with each job's own lr, betas, eps, weight decay and step count.
+float32 rounding, job by job, with each job's own lr, betas, eps, weight decay, step count and
+gradient clipping (the fused kernel's gradient scale).
 torch's fused AdamW has a CPU kernel too, so the fused path runs here on CPU."""
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ def test_the_fused_update_equals_the_foreach_update_job_by_job(monkeypatch) -> N
     monkeypatch.setattr(jobs, "_fused_each", lambda *a: fused_calls.append(len(a[0])) or each(*a))
     for step in range(5):
         grads = [torch.randn(p.numel(), generator=gen) * (step + 1) for p in params]
-        jobs.multi_adamw(ref_opts, ref, grads)  # the CPU: the foreach path
+        clips = [0.5, 1.0, 0.25] if step % 2 else [1.0, 0.3, 1.0]  # clipping factors, 1: none
+        jobs.multi_adamw(ref_opts, ref, [g.clone() for g in grads], clips)  # the CPU: the foreach path
         with monkeypatch.context() as m:
             m.setattr(jobs, "_use_fused", lambda p: True)
             # the second job starts a step late: its own step count drives its bias correction
             live = [0, 2] if step == 0 else [0, 1, 2]
-            jobs.multi_adamw([opts[i] for i in live], [params[i] for i in live], [grads[i] for i in live])
+            jobs.multi_adamw([opts[i] for i in live], [params[i] for i in live], [grads[i] for i in live],
+                             [clips[i] for i in live])
         if step == 0:  # the reference does the same
             ref_opts[1].state.clear()
             ref[1].copy_(_jobs(0)[1][1])
