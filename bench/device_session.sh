@@ -53,6 +53,20 @@ warm_spare() {  # the shared host with a spare (issue 41's join, issue 44's samp
   PYTHONPATH=/tmp/site step 220 warm_spare python3 bench/warm_host.py --spare --layers 32 --n-train 120 \
     --deadline-s 200 --out "$OUT/warm_host_spare.md" --json "$OUT/warm_host_spare.json"
 }
+search_then_task() {  # search_then_task DIR LIMIT DEADLINE: search (a), then the 60-step task, on a fresh Triton cache
+  # in DIR seeded from the shipped archive as a node seeds it; the cubins counted after each (one added is a compile
+  # inside a task) and the cache brought back where it grew
+  export TRITON_CACHE_DIR=$1/triton
+  rm -rf "$1"
+  local shipped after_search after
+  shipped=$(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')
+  search_a "$2" "$3"
+  after_search=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
+  task60 100
+  after=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
+  echo "cubins shipped: $shipped, after search (a): $after_search, after the 60-step task: $after" | tee -a "$OUT/steps.txt"
+  if [ "$after" -gt "$shipped" ]; then tar -C "$1" -czf "$OUT/triton_cache_sm90.tar.gz" triton; fi
+}
 gpu_mib() { nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1; }
 pack_logs() { (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log); }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -1202,15 +1216,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
           # fixed part with evaluation's room kept (states parked on the device go to the host before an
           # evaluation short of room): search (a), then the 60-step task, on one fresh Triton cache seeded from
           # the shipped archive; the cubins they add come back; then the GPU tests of the task
-    export TRITON_CACHE_DIR=/tmp/s34a/triton
-    rm -rf /tmp/s34a
-    shipped=$(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')
-    search_a 250 230
-    after_search=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
-    task60 100
-    after=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
-    echo "cubins shipped: $shipped, after search (a): $after_search, after the 60-step task: $after" | tee -a "$OUT/steps.txt"
-    [ "$after" -gt "$shipped" ] && tar -C /tmp/s34a -czf "$OUT/triton_cache_sm90.tar.gz" triton
+    search_then_task /tmp/s34a 250 230
     step $((590 - SECONDS)) gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_task_e2e_gpu.py
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/host_memory.txt" "$OUT/executor_task60.md"
@@ -1219,15 +1225,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
           # 11-12 jobs recomputed instead of splitting, the graphs' pool reached 27 GB); states parked on the device
           # leave for a step that then fits without recompute; the refreshed archive (call 1's cache, 139 cubins):
           # search (a), then the 60-step task, on one fresh cache seeded from it; a cubin added means a compile
-    export TRITON_CACHE_DIR=/tmp/s34b/triton
-    rm -rf /tmp/s34b
-    shipped=$(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')
-    search_a 250 230
-    after_search=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
-    task60 100
-    after=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
-    echo "cubins shipped: $shipped, after search (a): $after_search, after the 60-step task: $after" | tee -a "$OUT/steps.txt"
-    [ "$after" -gt "$shipped" ] && tar -C /tmp/s34b -czf "$OUT/triton_cache_sm90.tar.gz" triton
+    search_then_task /tmp/s34b 250 230
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/host_memory.txt" "$OUT/executor_task60.md"
     ;;
@@ -1250,15 +1248,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
           # nor on the alignment of their metadata pointers (kernels.fused_lora._VARYING): search (a), then the 60-step
           # task, on a fresh cache seeded from the archive (whose fused-kernel entries these launches mostly miss);
           # that cache comes back (the archive's refresh); then every GPU test
-    export TRITON_CACHE_DIR=/tmp/s34d/triton
-    rm -rf /tmp/s34d
-    shipped=$(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')
-    search_a 230 210
-    after_search=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
-    task60 100
-    after=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
-    echo "cubins shipped: $shipped, after search (a): $after_search, after the 60-step task: $after" | tee -a "$OUT/steps.txt"
-    tar -C /tmp/s34d -czf "$OUT/triton_cache_sm90.tar.gz" triton
+    search_then_task /tmp/s34d 230 210
     step $((590 - SECONDS)) gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/host_memory.txt" "$OUT/executor_task60.md"
@@ -1267,15 +1257,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
           # those its unspecialised launches compiled, the stale ones dropped: 74 cubins) and the jobs' AdamW as torch's
           # fused kernel per job (clipping as its gradient scale): search (a), then the 60-step task, on a fresh cache
           # seeded from the archive (a cubin added is a compile inside a task), then every GPU test
-    export TRITON_CACHE_DIR=/tmp/s34e/triton
-    rm -rf /tmp/s34e
-    shipped=$(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')
-    search_a 230 210
-    after_search=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
-    task60 100
-    after=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
-    echo "cubins shipped: $shipped, after search (a): $after_search, after the 60-step task: $after" | tee -a "$OUT/steps.txt"
-    [ "$after" -gt "$shipped" ] && tar -C /tmp/s34e -czf "$OUT/triton_cache_sm90.tar.gz" triton
+    search_then_task /tmp/s34e 230 210
     step $((590 - SECONDS)) gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/host_memory.txt" "$OUT/executor_task60.md"
