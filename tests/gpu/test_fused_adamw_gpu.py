@@ -17,14 +17,14 @@ SETTINGS = [dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0),
             dict(lr=1e-1, betas=(0.95, 0.9999), eps=1e-8, weight_decay=0.01)]
 
 
-def _run(fused: bool | None, monkeypatch) -> list[torch.Tensor]:  # noqa: ANN001
-    """Five steps of three jobs; fused None: torch.optim.AdamW(fused=True), each job's own."""
+def _run(fused: bool | None, monkeypatch, steps: int = 5) -> list[torch.Tensor]:  # noqa: ANN001
+    """`steps` steps of three jobs; fused None: torch.optim.AdamW(fused=True), each job's own."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     params = [torch.randn(n, generator=gen, device="cuda") for n in (1 << 20, 37, 3 << 18)]
     opts = [torch.optim.AdamW([torch.nn.Parameter(p)] if fused is None else [p], foreach=False,
                               fused=fused is None, **kw) for p, kw in zip(params, SETTINGS, strict=True)]
     monkeypatch.setattr(jobs, "FUSED_ADAMW", bool(fused))
-    for step in range(5):
+    for step in range(steps):
         grads = [torch.randn(p.numel(), generator=gen, device="cuda") * (step + 1) for p in params]
         if fused is None:
             for opt, g in zip(opts, grads, strict=True):
@@ -34,7 +34,7 @@ def _run(fused: bool | None, monkeypatch) -> list[torch.Tensor]:  # noqa: ANN001
         else:
             jobs.multi_adamw(opts, params, grads, [1.0] * len(params))
     torch.cuda.synchronize()
-    return params
+    return [p.detach().clone() for p in params]
 
 
 def test_the_fused_update_on_cuda_equals_the_foreach_one_and_torchs_fused_adamw(monkeypatch) -> None:  # noqa: ANN001
@@ -45,7 +45,13 @@ def test_the_fused_update_on_cuda_equals_the_foreach_one_and_torchs_fused_adamw(
     assert calls == [3] * 5  # the fused path ran, every job each step
     foreach = _run(False, monkeypatch)
     torchs = _run(None, monkeypatch)
-    for f, r, t in zip(fused, foreach, torchs, strict=True):
-        assert torch.allclose(f, r, rtol=1e-5, atol=1e-6)
-        assert torch.allclose(f, t, rtol=1e-6, atol=1e-7)
+    start = _run(None, monkeypatch, steps=0)
+    for f, r, t, p0 in zip(fused, foreach, torchs, start, strict=True):
+        moved = float((t - p0).abs().max())
+        ulp = torch.finfo(torch.float32).eps * float(t.abs().max())  # float32 rounding at these values
+        vs_torch, vs_foreach = float((f - t).abs().max()), float((f - r).abs().max())
+        # torch's own fused AdamW, the same kernel: equal but for float32 rounding
+        assert vs_torch <= 4 * ulp + 1e-6 * moved, (vs_torch, vs_foreach, moved, ulp)
+        # the foreach passes round in another order: apart by far less than the update itself
+        assert vs_foreach <= 64 * ulp + 1e-4 * moved, (vs_torch, vs_foreach, moved, ulp)
     assert len(calls) == 5  # the foreach run did not take the fused path
