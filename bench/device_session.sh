@@ -1273,7 +1273,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     export TRITON_CACHE_DIR=/tmp/s34g/triton
     rm -rf /tmp/s34g
     step 150 host_profile python3 bench/host_profile.py --layers 32 --tokens 150 --recompute 0 --modes graphs \
-      --out "$OUT/host_profile_small_step_s34_h100.md"
+      --warmup 12 --iters 10 --out "$OUT/host_profile_small_step_s34_h100.md"
     step $((560 - SECONDS)) executor_task python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
       --out "$OUT/executor_task200_s34_h100.md" --json "$OUT/executor_task200_s34_h100.json"
     pack_logs
