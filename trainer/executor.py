@@ -38,10 +38,10 @@ import torch
 from contract.states import TaskOutcome
 from kernels.shipped_cache import seed as seed_triton_cache
 from trainer.admission import AdmissionController, MemoryModel
-from trainer.arena import state_bytes
 from trainer.colocate import TaskRun
 from trainer.config import Callbacks, ExecutorConfig
 from trainer.data import Example
+from trainer.device_room import eval_short, release, spare_bytes
 from trainer.evaluation import eval_chunk, eval_chunk_tokens
 from trainer.host_pool import POOL
 from trainer.hosting import TaskRoster
@@ -54,8 +54,6 @@ from trainer.strategy import OneGpu, Strategy
 from trainer.task_parts import ExamplePool, StepNumbers
 from trainer.varlen import flash_exact, flash_varlen_available
 
-# tokens an evaluation forward needs to keep an H100 busy (a 12-job evaluation of 64 samples is ~190k)
-EVAL_WANT_TOKENS = 32768
 log = logging.getLogger("loraplex.executor")
 
 
@@ -174,9 +172,10 @@ class Executor:
         self.memory = MemoryPlan(cfg, self.engine, device, self.objective, self.strategy, self.phase,
                                  self._parked_state)
         self.engine.recompute_for = self.memory.recompute_for
-        if self.memory.recompute_policy is not None:  # states parked on the device leave before a recompute
-            self.memory.recompute_policy = replace(self.memory.recompute_policy, spare=self._parked_device_bytes,
-                                                   release=self._spill_parked)
+        if self.memory.recompute_policy is not None:  # parked states, a stale pool leave before a recompute
+            self.memory.recompute_policy = replace(
+                self.memory.recompute_policy, spare=lambda: spare_bytes(self.engine, self.tasks.values()),
+                release=lambda: release(self.engine, self._spill_parked))
         self.engine.split_for = self.memory.split_for
         marks.append(("memory", time.perf_counter()))
         for task in list(self.tasks.values()):
@@ -420,11 +419,9 @@ class Executor:
         return eval_chunk(n_jobs, n_examples, budget, floor), budget
 
     def eval_room(self, tokens: int) -> None:
-        """Before an evaluation whose forwards want `tokens` (up to EVAL_WANT_TOKENS): where the room
-        (MemoryPlan.eval_tokens) is short of them, the states parked on the device go to the host
-        (session 33: 32-sequence forwards beside 10.6 GB of them, 0.49-0.64 s a job against 0.43)."""
-        room = self.memory.eval_tokens() if self.memory is not None else None
-        if room is not None and room < min(tokens, EVAL_WANT_TOKENS):
+        """Before an evaluation whose forwards want `tokens`: the states parked on the device go to
+        the host where the room is short of them (trainer.device_room.eval_short)."""
+        if eval_short(self.memory.eval_tokens() if self.memory is not None else None, tokens):
             self._spill_parked()
 
     def evaluation(self, run: Callable[[], tuple[Any, int]]) -> Any:
@@ -434,11 +431,6 @@ class Executor:
         if self.memory is None:
             return run()[0]
         return self.memory.evaluation(run, self._spill_parked)
-
-    def _parked_device_bytes(self) -> float:
-        """Device bytes of the hosted tasks' states parked on the device (RecomputePolicy.spare)."""
-        return float(sum(state_bytes(t.parked[j]) for t in self.tasks.values() for j in t.parked_on_device
-                         if j in t.parked))
 
     def _spill_parked(self) -> bool:
         """Every hosted task's states parked on the device to the host; whether any moved."""

@@ -13,15 +13,12 @@ layers, the head's per-token losses over every position (ignored targets count z
 mean loss (segment sums by slot), the non-finite guard and the backward into the gradient arena.
 What follows the graph (norms, the one sync, clipping, AdamW) is the engine's, as in eager steps.
 
-Keys of more than MAX_CAPTURE_TOKENS tokens (the GPU, not the host, bounds them; evaluation forwards:
-MAX_EVAL_CAPTURE_TOKENS) always run eagerly on their static buffers. The first key of a class (job slots, rank tile, flags:
-`GraphKey.warm_class`) runs eagerly (it compiles and loads every kernel, creates the backward's
-handles: nothing may wait for the device inside a capture); every key of a warm class is captured at
-its first step and replayed from then on, unless a captured key of the same kind with at most
-`cover_ratio` times its tokens (and slots enough) can run it padded: then that capture replays
-(fewer captures, each ~1 s at 32 layers of 8B, for a few percent of padded work); all graphs share
-one memory pool (one runs at a time, each reads its outputs before the next). Graphs live in their
-process only; the arena growing or packed (a new storage) drops them. Where CUDA graphs do not exist (CPU
+Keys over MAX_CAPTURE_TOKENS (evaluation: MAX_EVAL_CAPTURE_TOKENS) run eagerly on their buffers. The
+first key of a class (`GraphKey.warm_class`) runs eagerly (it compiles and loads every kernel: nothing
+may wait for the device inside a capture); a key of a warm class is captured at its first step, unless
+a captured key within `cover_ratio` of its tokens can run it padded. All graphs share one memory pool;
+they live in their process only; the arena growing or packed drops them, and so does a step that runs
+without recompute only once a mostly stale pool is gone (`stale_pool`). Without CUDA graphs (CPU
 tests) the same body runs eagerly on the same static buffers (`_Replay`), which is what the tests
 compare against the engine's eager step.
 """
@@ -73,31 +70,24 @@ class GraphedEngine(Protocol):
     def plain_objective(self) -> bool: ...
 
 
-# Keys of more tokens run eagerly on their static buffers, never captured: their kernels keep the
-# GPU busy while the host launches the next (at 32 layers of the 8B shape a step's GPU time
-# passes its ~0.5 s of host launches near 4k tokens), while a capture costs ~1 s and keeps its
-# activations in the graphs' pool for good. On an H200 a 48-configuration search captured its
-# 57k-token warmup steps (6-7 s each, nothing to gain): the pool then held so much that admission
-# allowed 8 sequences a forward and evaluation ran 192 forwards of one job and 8 examples (16 s).
-# On an H100 (session 25) the capture of a 14.5k-token step of 33 jobs took 15.6 GB of pool (its
-# arena copy 5.4 GB among it): evaluations then held 8 sequences a forward and a later step ran out
-# of memory; from 8k tokens a step with recompute keeps the GPU busy longer than its launches take.
+# Keys of more tokens run eagerly, never captured: their kernels keep the GPU busy while the host
+# launches the next (at 32 layers of 8B from ~4k tokens), while a capture costs ~1 s and keeps its
+# activations in the pool for good: an H200 search's 57k-token captures left evaluation 8 sequences a
+# forward (16 s); an H100's 14.5k-token capture took 15.6 GB and a later step ran out of memory.
 MAX_CAPTURE_TOKENS = 8192
 # An evaluation forward (a third of a step's launches) keeps the GPU busy from fewer tokens and its
-# keys seldom repeat (subset sizes, job groups): larger ones run eagerly. (A task's evaluations run
-# eagerly on their arena copy anyway: trainer.evaluation, AdapterArena.compute_copy.)
+# keys seldom repeat: larger ones run eagerly (a task's evaluations do anyway, on their arena copy).
 MAX_EVAL_CAPTURE_TOKENS = 4096
 # A step of a new key replays a captured one of at most cover_ratio (1.19) times its tokens, or of at
-# most COVER_TOKENS more: below ~2k tokens a replay's time hardly grows with its tokens (at 32 layers
-# of 8B, 2 jobs on an H100: 0.062 s at 150 tokens, 0.088 s at 600; session 27's search (a)), while a
-# capture costs ~0.3 s (its host launches once more): the tail of a search, a few jobs whose token
-# counts change every step, captured one key in two. A key covered CAPTURE_AFTER times is captured at
-# its next step (padding it for good would cost a long task more than one capture).
+# most COVER_TOKENS more: below ~2k tokens a replay's time hardly grows with its tokens (2 jobs at 32
+# layers of 8B on an H100: 0.062 s at 150 tokens, 0.088 s at 600) and a capture costs ~0.3 s. A key
+# covered CAPTURE_AFTER times is captured at its next step (padding it for good costs more).
 COVER_TOKENS = 512
 CAPTURE_AFTER = 8
 # A capture without recompute decides with the recompute policy's padding allowance (its memory stays
 # in the pool): StepGraphs._recompute_key.
 CAPTURE_PADDING = 1.25
+STALE_STEPS = 16  # captures no step ran for this many steps are stale (StepGraphs.stale_pool)
 
 
 def _pow2(n: int, floor: int) -> int:
@@ -158,6 +148,8 @@ class _Entry:
     static: _Static
     graph: torch.cuda.CUDAGraph | _Replay | None = None
     failed: bool = False  # its capture failed: the key runs eagerly
+    pool: int = 0  # the pool's bytes its capture took
+    last: int = 0  # the step (StepGraphs.calls) that last ran it
 
 
 class StepGraphs:
@@ -188,6 +180,7 @@ class StepGraphs:
         self._storage = None  # (arena, grad arena) storages the graphs read and write
         self.pool_bytes = 0  # device memory the captures' pool took
         self.last_replayed = False  # the last step replayed an earlier capture
+        self.calls = 0  # steps and forwards run
 
     # ----- which steps -----------------------------------------------------------------
     def serves(self, states: Sequence[JobRun]) -> bool:
@@ -239,6 +232,7 @@ class StepGraphs:
             cpu = pack_flat(per_job, eng.pad_id, length=cover.tokens, max_len=eng.seq_cap)
             self.covered += 1
         entry = self._entry(key)
+        entry.last = self.calls = self.calls + 1
         counts = self._fill(entry.static, key, cpu, states, ints)
         eng.forward_shapes[(*cpu.input_ids.shape, train)] += 1
         limit = self.max_capture_tokens if train else min(self.max_capture_tokens, self.max_eval_capture_tokens)
@@ -295,9 +289,7 @@ class StepGraphs:
     def _cover(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
         """The smallest captured key that can run this step padded (at most `cover_ratio` times
         this key's tokens or `cover_tokens` more, enough sequence and job slots, a rank tile as
-        large): a new token count then costs some padded work instead of a capture (0.3-1 s at 32
-        layers of 8B), until the key has been covered `capture_after` times (a key that keeps
-        coming is worth its own capture: the padding would cost more than the capture)."""
+        large), until the key has been covered `capture_after` times."""
         best = None
         for k, e in self.entries.items():
             if e.graph is None or (k.max_len, k.aligned, k.recompute, k.train) != (
@@ -441,8 +433,15 @@ class StepGraphs:
         if self.pool is None:
             self.pool = graph.pool()
         # the pool's memory: kept for the replays, invisible to memory_allocated (admission adds it)
-        self.pool_bytes += max(0, torch.cuda.memory_reserved(self.engine.device) - before)
+        entry.pool = max(0, torch.cuda.memory_reserved(self.engine.device) - before)
+        self.pool_bytes += entry.pool
         return graph
+
+    def stale_pool(self, idle: int = STALE_STEPS) -> int:
+        """The pool's bytes where at least half are captures no step ran in the last `idle` steps (the
+        200-step task's first large keys: 126 small steps recomputed beside them); else 0."""
+        stale = sum(e.pool for e in self.entries.values() if self.calls - e.last >= idle)
+        return self.pool_bytes if 2 * stale >= self.pool_bytes > 0 else 0
 
     def stats(self) -> dict[str, int]:
         return {"graphs": sum(e.graph is not None for e in self.entries.values()), "captures": self.captures,

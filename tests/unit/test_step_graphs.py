@@ -291,3 +291,42 @@ def test_a_graphed_step_decides_recompute_from_the_row_it_runs(model_dir) -> Non
     assert steps(1) == [True]
     for j in graphed.jobs:
         torch.testing.assert_close(graphed.jobs[j].adapter.flat, eager.jobs[j].adapter.flat, rtol=1e-4, atol=1e-6)
+
+
+def test_a_mostly_stale_pool_is_spare_and_its_release_drops_the_captures(model_dir) -> None:  # noqa: ANN001
+    # the 200-step task's first steps (8 jobs, 5-7k tokens) captured without recompute; its 190 later
+    # steps of 2 jobs, ~1.5k tokens, then recomputed beside that pool (126 of 200). On the CPU a
+    # capture takes no pool: each capture's bytes are set as a GPU's would be.
+    from trainer.device_room import release, spare_bytes
+    from trainer.step_graphs import STALE_STEPS
+
+    graphed = engine(model_dir, True, examples(32, 16, seed=3))
+    g = graphed.step_graphs
+    g.cover_ratio, g.cover_tokens = 1.0, 0  # no padded replays: each key its own capture
+    graphed.attach(job("big", 4, 4, 1))
+    graphed.attach(job("small", 4, 1, 2))
+    for _ in range(3):  # the first warms the class, the second captures the big key
+        graphed.step()
+    (big,) = [e for e in g.entries.values() if e.graph is not None]
+    graphed.detach("big")
+    for _ in range(3):
+        graphed.step()
+    small = [e for e in g.entries.values() if e.graph is not None and e is not big]
+    assert small and g.calls - big.last < STALE_STEPS
+    big.pool, small[0].pool = 3 << 30, 1 << 30
+    g.pool_bytes = 4 << 30
+    assert g.stale_pool() == 0 and spare_bytes(graphed, []) == 0.0  # the big key ran lately
+    for _ in range(STALE_STEPS):
+        graphed.step()
+    assert g.stale_pool() == 4 << 30 and spare_bytes(graphed, []) == float(4 << 30)
+    small[0].pool = 5 << 30  # most of the pool is captures still in use: not spare
+    g.pool_bytes = 8 << 30
+    assert g.stale_pool() == 0
+    small[0].pool, g.pool_bytes = 1 << 30, 4 << 30
+    spilled: list[bool] = []
+    assert release(graphed, lambda: spilled.append(True) or False)
+    assert spilled == [True] and not g.entries and g.pool_bytes == 0 and g.stale_pool() == 0
+    captures = g.captures
+    graphed.step()
+    graphed.step()
+    assert g.captures == captures + 1  # later steps capture again (the class stays warm)
