@@ -141,18 +141,20 @@ def multi_adamw(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[to
                 grads: Sequence[torch.Tensor], clips: Sequence[float] | None = None) -> None:
     """`_multi_adamw` over groups of jobs of at most ADAMW_CHUNK elements (a larger job alone);
     `clips`: each job's gradient clipping factor (1: none), applied before the update."""
+    def update(group: list[int]) -> None:
+        _multi_adamw([optimizers[k] for k in group], [params[k] for k in group], [grads[k] for k in group],
+                     None if clips is None else [clips[k] for k in group])
+
     group: list[int] = []
     size = 0
     for i, p in enumerate(params):
         if group and size + p.numel() > ADAMW_CHUNK:
-            _multi_adamw([optimizers[k] for k in group], [params[k] for k in group], [grads[k] for k in group],
-                         None if clips is None else [clips[k] for k in group])
+            update(group)
             group, size = [], 0
         group.append(i)
         size += p.numel()
     if group:
-        _multi_adamw([optimizers[k] for k in group], [params[k] for k in group], [grads[k] for k in group],
-                     None if clips is None else [clips[k] for k in group])
+        update(group)
 
 
 @torch.no_grad()
