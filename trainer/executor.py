@@ -177,6 +177,8 @@ class Executor:
                 self.memory.recompute_policy, spare=lambda: spare_bytes(self.engine, self.tasks.values()),
                 release=lambda: release(self.engine, self._spill_parked))
         self.engine.split_for = self.memory.split_for
+        if self.engine.step_graphs is not None:  # a capture first checks the device's free memory
+            self.engine.step_graphs.capture_need = self.memory.capture_bytes
         marks.append(("memory", time.perf_counter()))
         for task in list(self.tasks.values()):
             self.roster.guarded(task, task.open)

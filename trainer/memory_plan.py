@@ -314,6 +314,11 @@ class MemoryPlan:
             return None
         return self.recompute_policy.recompute_tokens(tokens, padding)
 
+    def capture_bytes(self, tokens: int, recompute: bool) -> float | None:
+        """A capture's pool (StepGraphs.capture_need): activations without recompute; None with it."""
+        policy = self.recompute_policy
+        return None if recompute or policy is None else policy.without.k1 * tokens
+
     def split_for(self, job_tokens: list[int]) -> list[list[int]] | None:
         """The engine's hook (`engine.split_for`): a step that one pass could run only with
         recompute runs as passes over its jobs that each fit without (RecomputePolicy.passes;

@@ -16,8 +16,9 @@ What follows the graph (norms, the one sync, clipping, AdamW) is the engine's, a
 Keys over MAX_CAPTURE_TOKENS (evaluation: MAX_EVAL_CAPTURE_TOKENS) run eagerly on their buffers. The
 first key of a class (`GraphKey.warm_class`) runs eagerly (it compiles and loads every kernel: nothing
 may wait for the device inside a capture); a key of a warm class is captured at its first step, unless
-a captured key within `cover_ratio` of its tokens can run it padded. All graphs share one memory pool;
-they live in their process only; the arena growing or packed drops them, and so does a step that runs
+a captured key within `cover_ratio` of its tokens can run it padded. All graphs share one memory pool; a
+capture the device lacks the free memory for waits (`graph_parts.capture_short`); graphs live in their
+process only; the arena growing or packed drops them, and so does a step that runs
 without recompute only once a mostly stale pool is gone (`stale_pool`). Without CUDA graphs (CPU
 tests) the same body runs eagerly on the same static buffers (`_Replay`), which is what the tests
 compare against the engine's eager step.
@@ -27,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -35,6 +36,10 @@ from torch import nn
 
 from trainer.arena import AdapterArena
 from trainer.data import IGNORE, Example
+from trainer.graph_parts import CAPTURE_RETRY_STEPS, GraphKey, capture_short, memory_report, pow2
+from trainer.graph_parts import Entry as _Entry
+from trainer.graph_parts import Replay as _Replay
+from trainer.graph_parts import Static as _Static
 from trainer.head import token_losses, token_losses_and_hits
 from trainer.jobs import JobRun
 from trainer.multilora import MultiLoraLinear, StepLayout
@@ -90,68 +95,6 @@ CAPTURE_PADDING = 1.25
 STALE_STEPS = 16  # captures no step ran for this many steps are stale (StepGraphs.stale_pool)
 
 
-def _pow2(n: int, floor: int) -> int:
-    return max(floor, 1 << max(0, n - 1).bit_length())
-
-
-@dataclass(frozen=True)
-class GraphKey:
-    """What one capture fixes: shapes and the constants its kernels were specialised for."""
-
-    tokens: int        # T of the flat row
-    seq_slots: int     # sequence bounds (cu_seqlens has seq_slots + 1 entries)
-    job_slots: int     # job slots (empty ones own no tokens)
-    rank: int          # the rank tile r_max (>= every job's rank)
-    max_len: int       # longest sequence the attention is launched for
-    aligned: bool      # every arena offset a multiple of 16 elements (vector loads)
-    recompute: bool    # activation recompute on
-    train: bool = True  # the training step (forward and backward); False: an evaluation forward
-
-    @property
-    def warm_class(self) -> tuple:
-        """Keys of one class launch the same kernels (other token and sequence counts): once one
-        of them ran eagerly (compiling, loading and looking up every kernel, creating the
-        backward's handles), any other is captured at its first step."""
-        return (self.job_slots, self.rank, self.max_len, self.aligned, self.recompute, self.train)
-
-
-class _Static:
-    """One key's device buffers: the step's inputs (refilled by one copy per step) and the
-    graph's outputs per job slot (training: [mean loss, -]; evaluation: [loss sum, hit sum])."""
-
-    def __init__(self, key: GraphKey, n_layers: int, device: torch.device) -> None:
-        t, s, n = key.tokens, key.seq_slots, key.job_slots
-        self.sizes = [t, t, t, t, s + 1, n_layers * n, n_layers * n, n, n + 1]
-        self.ints = torch.zeros(sum(self.sizes), dtype=torch.int64, device=device)
-        ids, pos, tgt, job, cu, aoff, boff, ranks, offsets = self.ints.split(self.sizes)
-        self.input_ids, self.position_ids = ids.view(1, t), pos.view(1, t)
-        self.targets, self.job_of_token, self.offsets = tgt, job, offsets
-        self.cu, self.ranks = cu, ranks
-        self.a_off, self.b_off = aoff.view(n_layers, n), boff.view(n_layers, n)
-        self.floats = torch.zeros(2 * n, dtype=torch.float32, device=device)  # scalings, target counts
-        self.scales, self.counts = self.floats[:n], self.floats[n:]
-        self.out = torch.zeros(n, 2, dtype=torch.float32, device=device)
-
-
-class _Replay:
-    """The stand-in where CUDA graphs do not exist: replay runs the body again."""
-
-    def __init__(self, body) -> None:  # noqa: ANN001
-        self.body = body
-
-    def replay(self) -> None:
-        self.body()
-
-
-@dataclass
-class _Entry:
-    static: _Static
-    graph: torch.cuda.CUDAGraph | _Replay | None = None
-    failed: bool = False  # its capture failed: the key runs eagerly
-    pool: int = 0  # the pool's bytes its capture took
-    last: int = 0  # the step (StepGraphs.calls) that last ran it
-
-
 class StepGraphs:
     """The engine's graphed training steps (SFT on the varlen packing, one GPU); `serves` says
     whether a step can take this path, `forward_backward` runs it."""
@@ -176,6 +119,10 @@ class StepGraphs:
         self.replays = 0
         self.eager_runs = 0
         self.failures = 0
+        self.deferrals = 0  # captures put off: the device had too little free memory for their pool
+        # a training key's tokens, recompute -> the bytes its capture keeps in the pool (None: unknown;
+        # the executor's memory plan, MemoryPlan.capture_bytes)
+        self.capture_need: Callable[[int, bool], float | None] | None = None
         self.covered = 0  # steps that replayed a larger key's capture (padded) instead of capturing
         self._storage = None  # (arena, grad arena) storages the graphs read and write
         self.pool_bytes = 0  # device memory the captures' pool took
@@ -219,8 +166,8 @@ class StepGraphs:
                         max_len=eng.seq_cap)
         self._check_storage()
         ints = eng.slots.layout_offsets(states)
-        key = GraphKey(tokens=cpu.input_ids.shape[1], seq_slots=_pow2(len(cpu.cu_seqlens) - 1, 16),
-                       job_slots=_pow2(len(states), 8), rank=_pow2(max(s.adapter.rank for s in states), 16),
+        key = GraphKey(tokens=cpu.input_ids.shape[1], seq_slots=pow2(len(cpu.cu_seqlens) - 1, 16),
+                       job_slots=pow2(len(states), 8), rank=pow2(max(s.adapter.rank for s in states), 16),
                        max_len=eng.seq_cap, aligned=all(v % 16 == 0 for v in ints),
                        recompute=eng.gradient_checkpointing and train, train=train)
         if train and eng.recompute_for is not None:
@@ -275,15 +222,20 @@ class StepGraphs:
         return replace(key, recompute=on)
 
     def _cover_for(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
-        """`_cover`, where one may serve: the key not captured, its class warm, covered < capture_after."""
+        """`_cover`, where one may serve: the key not captured, its class warm, covered < capture_after
+        (a key whose capture failed or was deferred, any number of times)."""
         known = self.entries.get(key)
         free = (known is None or known.graph is None) and key.warm_class in self.warm
-        return self._cover(key, n_tokens, n_seqs) if free and self.cover_uses[key] < self.capture_after else None
+        barred = known is not None and (known.failed or known.deferred >= 0)
+        return self._cover(key, n_tokens, n_seqs) if free and (
+            barred or self.cover_uses[key] < self.capture_after) else None
 
     def _captures(self, key: GraphKey, limit: int) -> bool:
-        """Whether a step of `key` is captured now: not yet (nor failed), its class warm, <= limit tokens."""
+        """Whether a step of `key` is captured now: not yet (nor failed, nor deferred in the last
+        CAPTURE_RETRY_STEPS steps), its class warm, <= limit tokens."""
         entry = self.entries.get(key)
-        return ((entry is None or (entry.graph is None and not entry.failed))
+        waits = entry is not None and entry.deferred >= 0 and self.calls - entry.deferred < CAPTURE_RETRY_STEPS
+        return ((entry is None or (entry.graph is None and not entry.failed and not waits))
                 and key.warm_class in self.warm and key.tokens <= limit)
 
     def _cover(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
@@ -409,18 +361,28 @@ class StepGraphs:
         st.out[:, 1].index_add_(0, st.job_of_token, hits.float())
 
     def _capture(self, entry: _Entry, key: GraphKey) -> torch.cuda.CUDAGraph | _Replay | None:
-        """The key's graph, captured now (None: the capture failed, the key stays eager). Relaxed
-        capture: a kernel of another token count may still compile or load its module inside it;
-        anything that waits for the device fails the capture instead, and the step runs eagerly."""
-        st = entry.static
+        """The key's graph, captured now (None: the capture failed, the key stays eager; or the
+        device lacks the free memory its pool needs, `capture_need`: it is tried again later).
+        Relaxed capture: a kernel of another token count may still compile or load its module
+        inside it; anything that waits for the device fails the capture instead, and the step runs
+        eagerly."""
+        st, device = entry.static, self.engine.device
+        cuda = self.use_cuda_graphs(device)
+        if cuda:  # the eager runs' cached blocks go back first: the graph's pool then takes that memory
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        need = self.capture_need(key.tokens, key.recompute) if self.capture_need and key.train else None
+        short = capture_short(device, need, self.pool_bytes)
+        if short is not None:
+            entry.deferred = self.calls
+            self.deferrals += 1
+            log.warning("step graph capture deferred for %s: %s", key, short)
+            return None
         self.captures += 1
-        if not self.use_cuda_graphs(self.engine.device):
+        if not cuda:
             return _Replay(lambda: self._run(st, key))
         graph = torch.cuda.CUDAGraph()
-        # the eager runs' cached blocks go back first: the graph's pool then takes that memory
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(self.engine.device)
+        before = torch.cuda.memory_reserved(device)
         try:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="relaxed"):
                 self._run(st, key)
@@ -428,7 +390,8 @@ class StepGraphs:
             entry.failed = True
             self.failures += 1
             torch.cuda.synchronize()
-            log.warning("step graph capture failed for %s: %s", key, str(err)[:300])
+            log.warning("step graph capture failed for %s: %s [%s]", key, str(err).split(". ")[0][:200],
+                        memory_report(device))
             return None
         if self.pool is None:
             self.pool = graph.pool()
@@ -446,4 +409,4 @@ class StepGraphs:
     def stats(self) -> dict[str, int]:
         return {"graphs": sum(e.graph is not None for e in self.entries.values()), "captures": self.captures,
                 "replays": self.replays, "eager_runs": self.eager_runs, "failures": self.failures,
-                "covered": self.covered}
+                "deferrals": self.deferrals, "covered": self.covered}

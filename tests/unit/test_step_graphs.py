@@ -330,3 +330,68 @@ def test_a_mostly_stale_pool_is_spare_and_its_release_drops_the_captures(model_d
     graphed.step()
     graphed.step()
     assert g.captures == captures + 1  # later steps capture again (the class stays warm)
+
+
+def test_a_capture_the_device_lacks_free_memory_for_waits_and_its_key_replays_a_larger_capture(
+        model_dir, monkeypatch) -> None:  # noqa: ANN001
+    # session 34's search (a) on an H100: three captures began with 0.2 GB free on the device (the
+    # caching allocator held the rest for eager steps) and failed; their keys then ran eagerly for
+    # good. Now a capture first asks whether its pool fits what the device has free: where not, the
+    # step runs eagerly, the key waits CAPTURE_RETRY_STEPS steps, and meanwhile a larger capture may
+    # replay it padded however often. On the CPU the device's answer is set.
+    import trainer.step_graphs as sg
+    from trainer.graph_parts import CAPTURE_RETRY_STEPS
+
+    short: list[bool] = [False]
+    asked: list[tuple[int, bool]] = []
+    monkeypatch.setattr(sg, "capture_short", lambda device, need, pool: "no room" if short[0] else None)
+    data = examples(48, 24)
+    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
+    g = graphed.step_graphs
+    g.capture_need = lambda tokens, recompute: asked.append((tokens, recompute)) or 1.0
+    g.cover_ratio, g.cover_tokens, g.capture_after = 1.19, 200, 2
+    for eng in (eager, graphed):
+        for spec in (job("a", 4, 3, 1), job("b", 8, 3, 2)):
+            eng.attach(spec)
+
+    def both_steps(n: int) -> None:
+        for _ in range(n):
+            want, got = eager.step(), graphed.step()
+            for j in want.losses:
+                assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-5), j
+
+    both_steps(2)  # 144 tokens: an eager run, then its capture (the device had room)
+    assert (g.eager_runs, g.captures, g.deferrals) == (1, 1, 0) and asked == [(144, True)]
+    for eng in (eager, graphed):
+        eng.detach("b")
+    both_steps(2)  # 72 tokens: covered twice (capture_after) ...
+    assert (g.captures, g.covered) == (1, 2)
+    short[0] = True
+    both_steps(1)  # ... then its capture finds no room: deferred, the step runs eagerly
+    assert (g.captures, g.deferrals, g.eager_runs, g.failures) == (1, 1, 2, 0)
+    both_steps(CAPTURE_RETRY_STEPS - 1)  # while it waits the larger capture replays it, padded
+    assert (g.captures, g.deferrals, g.covered, g.eager_runs) == (1, 1, 2 + CAPTURE_RETRY_STEPS - 1, 2)
+    short[0] = False
+    graphed.step_graphs.cover_ratio = 1.0  # (no cover now) its wait over, the key is captured
+    graphed.step_graphs.cover_tokens = 0
+    both_steps(2)
+    assert (g.captures, g.deferrals) == (2, 1) and g.entries[next(reversed(g.entries))].graph is not None
+    for j in graphed.jobs:
+        torch.testing.assert_close(graphed.jobs[j].adapter.flat, eager.jobs[j].adapter.flat, rtol=1e-4, atol=1e-6)
+
+
+def test_a_capture_fits_what_the_device_has_free_and_the_pool_holds(monkeypatch) -> None:  # noqa: ANN001
+    from trainer import graph_parts
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {
+        "reserved_bytes.all.current": 70 * gib, "allocated_bytes.all.current": 45 * gib,
+        "inactive_split_bytes.all.current": 20 * gib, "segment.all.current": 900})
+    cuda = torch.device("cuda", 0)
+    assert graph_parts.capture_short(cuda, None, 0) is None  # no need known: no check
+    assert graph_parts.capture_short(torch.device("cpu"), 1e12, 0) is None
+    assert graph_parts.capture_short(cuda, 5 * gib, 3 * gib) is None  # 2 free + 3 of the pool
+    why = graph_parts.capture_short(cuda, 6 * gib, 3 * gib)
+    assert why is not None and "needs 6.0 GiB" in why and "split free 20.00 in 900 segments" in why
+    assert "outside PyTorch 8.00" in why  # 80 - 2 free - 70 reserved

@@ -1,0 +1,102 @@
+"""The step graphs' parts (trainer.step_graphs): a capture's key, its device buffers, its entry, and
+whether the device has the memory a capture needs. A capture's private pool takes memory the device
+has free or the graphs' pool already holds; the blocks the caching allocator keeps for eager steps
+are not its, and empty_cache cannot give back a segment a live tensor still splits. Session 34's
+search (a) on an H100 tried three captures with 0.2 GB free on the device (45 GB allocated): each ran
+out of memory, and their keys ran eagerly for the rest of the search (21 eager steps where 6 had)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# a capture deferred for want of free device memory is tried again after this many steps
+CAPTURE_RETRY_STEPS = 8
+
+
+def pow2(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """What one capture fixes: shapes and the constants its kernels were specialised for."""
+
+    tokens: int        # T of the flat row
+    seq_slots: int     # sequence bounds (cu_seqlens has seq_slots + 1 entries)
+    job_slots: int     # job slots (empty ones own no tokens)
+    rank: int          # the rank tile r_max (>= every job's rank)
+    max_len: int       # longest sequence the attention is launched for
+    aligned: bool      # every arena offset a multiple of 16 elements (vector loads)
+    recompute: bool    # activation recompute on
+    train: bool = True  # the training step (forward and backward); False: an evaluation forward
+
+    @property
+    def warm_class(self) -> tuple:
+        """Keys of one class launch the same kernels (other token and sequence counts): once one
+        of them ran eagerly (compiling, loading and looking up every kernel, creating the
+        backward's handles), any other is captured at its first step."""
+        return (self.job_slots, self.rank, self.max_len, self.aligned, self.recompute, self.train)
+
+
+class Static:
+    """One key's device buffers: the step's inputs (refilled by one copy per step) and the
+    graph's outputs per job slot (training: [mean loss, -]; evaluation: [loss sum, hit sum])."""
+
+    def __init__(self, key: GraphKey, n_layers: int, device: torch.device) -> None:
+        t, s, n = key.tokens, key.seq_slots, key.job_slots
+        self.sizes = [t, t, t, t, s + 1, n_layers * n, n_layers * n, n, n + 1]
+        self.ints = torch.zeros(sum(self.sizes), dtype=torch.int64, device=device)
+        ids, pos, tgt, job, cu, aoff, boff, ranks, offsets = self.ints.split(self.sizes)
+        self.input_ids, self.position_ids = ids.view(1, t), pos.view(1, t)
+        self.targets, self.job_of_token, self.offsets = tgt, job, offsets
+        self.cu, self.ranks = cu, ranks
+        self.a_off, self.b_off = aoff.view(n_layers, n), boff.view(n_layers, n)
+        self.floats = torch.zeros(2 * n, dtype=torch.float32, device=device)  # scalings, target counts
+        self.scales, self.counts = self.floats[:n], self.floats[n:]
+        self.out = torch.zeros(n, 2, dtype=torch.float32, device=device)
+
+
+class Replay:
+    """The stand-in where CUDA graphs do not exist: replay runs the body again."""
+
+    def __init__(self, body) -> None:  # noqa: ANN001
+        self.body = body
+
+    def replay(self) -> None:
+        self.body()
+
+
+@dataclass
+class Entry:
+    static: Static
+    graph: torch.cuda.CUDAGraph | Replay | None = None
+    failed: bool = False  # its capture failed: the key runs eagerly (or replays a larger capture)
+    deferred: int = -1  # the step whose capture found too little free memory (tried again later)
+    pool: int = 0  # the pool's bytes its capture took
+    last: int = 0  # the step (StepGraphs.calls) that last ran it
+
+
+def capture_short(device: torch.device, need: float | None, pool_bytes: int) -> str | None:
+    """Why a capture whose pool needs `need` bytes would not fit now (None: it fits, or no need is
+    known): it has the device's free memory and the graphs' pool (a capture reuses the pool)."""
+    if need is None or device.type != "cuda":
+        return None
+    free = torch.cuda.mem_get_info(device)[0]
+    if need <= free + pool_bytes:
+        return None
+    return f"needs {need / 2**30:.1f} GiB, pool {pool_bytes / 2**30:.1f} GiB; {memory_report(device)}"
+
+
+def memory_report(device: torch.device) -> str:
+    """The device's memory in one line: what is free, what PyTorch reserved and allocated, the free
+    bytes of its segments that live tensors split, and what is outside PyTorch."""
+    stats = torch.cuda.memory_stats(device)
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = stats.get("reserved_bytes.all.current", 0)
+    def gib(b: float) -> str:
+        return f"{b / 2**30:.2f}"
+    return (f"free {gib(free)} of {gib(total)} GiB; PyTorch reserved {gib(reserved)}, allocated "
+            f"{gib(stats.get('allocated_bytes.all.current', 0))}, split free "
+            f"{gib(stats.get('inactive_split_bytes.all.current', 0))} in {stats.get('segment.all.current', 0)} "
+            f"segments; outside PyTorch {gib(total - free - reserved)}")
