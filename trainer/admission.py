@@ -337,9 +337,6 @@ class RecomputePolicy:
             return None
         if self._released_for(sum(job_tokens), padding):  # one pass fits once the spare bytes left
             return None
-        least = max(MIN_PASS_TOKENS, *job_tokens, -(-sum(job_tokens) // MAX_PASSES))  # the room passes need
-        if room < least and self._released_for(least, padding):  # passes fit once they left (the warmup's steps)
-            room = self.room_tokens(padding)
         if room < MIN_PASS_TOKENS or max(job_tokens) > room:
             return None
         groups: list[list[int]] = []

@@ -259,34 +259,6 @@ def test_a_step_that_fits_without_recompute_only_once_the_device_parks_leave_sen
     assert plain.recompute_tokens(6000) and plain.passes([3000, 3000]) == [[0], [1]]  # nothing to move
 
 
-def test_a_step_that_passes_fit_only_once_the_device_parks_leave_sends_them_first() -> None:
-    # session 34's search (a): its warmup steps (16k tokens of 34 jobs) recomputed beside 10.6 GB of
-    # parked states, with room for passes of ~3.2k tokens (under MIN_PASS_TOKENS); ~4.9k without them
-    from trainer.admission import MIN_PASS_TOKENS, RecomputePolicy
-
-    parked, moved = [3e9], []
-
-    def release() -> bool:
-        moved.append(parked[0])
-        parked[0] = 0.0
-        return True
-
-    def policy(resident: float) -> RecomputePolicy:
-        return RecomputePolicy(MemoryModel(1e9, 1e6), 20e9, 1024, resident=lambda: resident + parked[0],
-                               spare=lambda: parked[0], release=release)
-
-    # room (20e9 - 15e9 - 1e9) / 1.25e6 = 3,200 tokens a pass beside them; 5,600 once they left
-    near = policy(12e9)
-    assert near.room_tokens() < MIN_PASS_TOKENS <= near.room_tokens(spare=True)
-    passes = near.passes([3000] * 5)
-    assert moved == [3e9] and passes is not None and sorted(i for p in passes for i in p) == list(range(5))
-    assert all(len(p) == 1 for p in passes)  # 5,600 tokens a pass: one job each
-    # where they leaving would still not make room for passes, they stay and the step recomputes
-    parked[0], moved[:] = 3e9, []
-    far = policy(14e9)  # 4,000 tokens a pass without them: under MIN_PASS_TOKENS
-    assert far.passes([3000] * 5) is None and moved == [] and far.recompute_tokens(15000)
-
-
 def test_a_step_run_as_passes_equals_the_step_run_as_one(tmp_path) -> None:  # noqa: ANN001
     from transformers import AutoModelForCausalLM
 
