@@ -61,6 +61,25 @@ def same_evaluations(eager: MultiLoraEngine, graphed: MultiLoraEngine, specs: li
             assert abs(got[j]["token_accuracy"] - metrics["token_accuracy"]) <= accuracy_abs, (j, got, want)
 
 
+def two_jobs(model_dir) -> tuple[MultiLoraEngine, MultiLoraEngine]:  # noqa: ANN001
+    """An eager and a graphed engine, each with the same two jobs of 3 sequences a step (144 tokens)."""
+    data = examples(48, 24)
+    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
+    for eng in (eager, graphed):
+        for spec in (job("a", 4, 3, 1), job("b", 8, 3, 2)):
+            eng.attach(spec)
+    return eager, graphed
+
+
+def same_steps(eager: MultiLoraEngine, graphed: MultiLoraEngine, n: int) -> None:
+    """n steps of both engines: the same losses and gradient norms."""
+    for _ in range(n):
+        want, got = eager.step(), graphed.step()
+        for j in want.losses:
+            assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-5), j
+            assert math.isclose(got.grad_norms[j], want.grad_norms[j], rel_tol=1e-4), j
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):  # noqa: ANN201
     return tiny_model_dir("llama", tmp_path_factory.mktemp("graphs"))
@@ -125,18 +144,10 @@ def test_small_steps_replay_a_capture_a_few_hundred_tokens_larger_until_their_ke
     """A step of a new key replays a captured one of up to cover_tokens more tokens (far beyond
     cover_ratio) with the eager step's numbers; once its key has been covered capture_after
     times, its next step captures it, and later ones replay that capture."""
-    data = examples(48, 24)
-    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
-    for eng in (eager, graphed):
-        for spec in (job("a", 4, 3, 1), job("b", 8, 3, 2)):
-            eng.attach(spec)
+    eager, graphed = two_jobs(model_dir)
 
     def both_steps(n: int) -> None:
-        for _ in range(n):
-            want, got = eager.step(), graphed.step()
-            for j in want.losses:
-                assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-5), j
-                assert math.isclose(got.grad_norms[j], want.grad_norms[j], rel_tol=1e-4), j
+        same_steps(eager, graphed, n)
 
     g = graphed.step_graphs
     g.cover_ratio, g.cover_tokens, g.capture_after = 1.19, 200, 2
@@ -345,20 +356,13 @@ def test_a_capture_the_device_lacks_free_memory_for_waits_and_its_key_replays_a_
     short: list[bool] = [False]
     asked: list[tuple[int, bool]] = []
     monkeypatch.setattr(sg, "capture_short", lambda device, need, pool: "no room" if short[0] else None)
-    data = examples(48, 24)
-    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
+    eager, graphed = two_jobs(model_dir)
     g = graphed.step_graphs
     g.capture_need = lambda tokens, recompute: asked.append((tokens, recompute)) or 1.0
     g.cover_ratio, g.cover_tokens, g.capture_after = 1.19, 200, 2
-    for eng in (eager, graphed):
-        for spec in (job("a", 4, 3, 1), job("b", 8, 3, 2)):
-            eng.attach(spec)
 
     def both_steps(n: int) -> None:
-        for _ in range(n):
-            want, got = eager.step(), graphed.step()
-            for j in want.losses:
-                assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-5), j
+        same_steps(eager, graphed, n)
 
     both_steps(2)  # 144 tokens: an eager run, then its capture (the device had room)
     assert (g.eager_runs, g.captures, g.deferrals) == (1, 1, 0) and asked == [(144, True)]
