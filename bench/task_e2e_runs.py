@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import capture_peaks  # noqa: E402, F401  (a diagnostic where LORAPLEX_BENCH_CAPTURE_PEAKS is set)
 from task_e2e_data import DEV, SMOKE, free, large_model, log, small_model, sync  # noqa: E402
 from task_e2e_peft import time_floor  # noqa: E402
 
@@ -148,8 +149,7 @@ class TraceExecutor(Executor):
                 self.recorder["active"] = False
             sync()
             self.recorder["step_s"].append(time.perf_counter() - t0)
-            # where a step's time goes: [tokens, jobs, recompute, seconds, graph event, each pass's
-            # cells where it ran as several (engine.split_for), else 0]
+            # [tokens, jobs, recompute, seconds, graph event, each pass's cells where split, else 0]
             self.recorder["step_trace"].append([
                 report.tokens, len(report.losses), int(bool(eng.gradient_checkpointing)),
                 round(self.recorder["step_s"][-1], 4), graph_event(eng, before), report.pass_cells or 0,
