@@ -43,6 +43,7 @@ from trainer.config import Callbacks, ExecutorConfig
 from trainer.data import Example
 from trainer.device_room import eval_short, release, spare_bytes
 from trainer.evaluation import eval_chunk, eval_chunk_tokens
+from trainer.graph_parts import steps_left
 from trainer.host_pool import POOL
 from trainer.hosting import TaskRoster
 from trainer.jobs import JobRun, release_host_cache
@@ -248,6 +249,8 @@ class Executor:
                 break
             started = time.perf_counter()
             with self.phase("train"):
+                if self.engine.step_graphs is not None:  # near the end a padded replay beats a capture
+                    self.engine.step_graphs.horizon = steps_left(self.engine, self.tasks.values())
                 resident = memory.step_start()
                 report = memory.train_step() if self.engine.jobs else None
                 memory.step_end(resident, report)

@@ -6,7 +6,9 @@ search (a) on an H100 tried three captures with 0.2 GB free on the device (45 GB
 out of memory, and their keys ran eagerly for the rest of the search (21 eager steps where 6 had)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -100,3 +102,11 @@ def memory_report(device: torch.device) -> str:
             f"{gib(stats.get('allocated_bytes.all.current', 0))}, split free "
             f"{gib(stats.get('inactive_split_bytes.all.current', 0))} in {stats.get('segment.all.current', 0)} "
             f"segments; outside PyTorch {gib(total - free - reserved)}")
+
+
+def steps_left(engine: Any, tasks: Iterable[Any]) -> int | None:
+    """The steps the engine's attached jobs have left where no task has a job queued (StepGraphs.horizon;
+    None: one is queued or parked, and its steps will follow)."""
+    if any(task.queue for task in tasks):
+        return None
+    return max((j.total_steps - j.step for j in engine.jobs.values()), default=0)

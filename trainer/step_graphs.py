@@ -93,6 +93,10 @@ CAPTURE_AFTER = 8
 # in the pool): StepGraphs._recompute_key.
 CAPTURE_PADDING = 1.25
 STALE_STEPS = 16  # captures no step ran for this many steps are stale (StepGraphs.stale_pool)
+# with fewer steps than this left to run, a key a capture can replay padded is not captured: a capture
+# costs 0.25-0.8 s over a replay and a padded replay ~0.03 s (search (a)'s 2-job tail captured 3 keys in
+# its last 18 steps, ~0.7 s); the executor sets the steps left (`horizon`)
+CAPTURE_HORIZON = 16
 
 
 class StepGraphs:
@@ -128,6 +132,7 @@ class StepGraphs:
         self.pool_bytes = 0  # device memory the captures' pool took
         self.last_replayed = False  # the last step replayed an earlier capture
         self.calls = 0  # steps and forwards run
+        self.horizon: int | None = None  # the steps left to run (None: not known, or more will come)
 
     # ----- which steps -----------------------------------------------------------------
     def serves(self, states: Sequence[JobRun]) -> bool:
@@ -223,10 +228,12 @@ class StepGraphs:
 
     def _cover_for(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
         """`_cover`, where one may serve: the key not captured, its class warm, covered < capture_after
-        (a key whose capture failed or was deferred, any number of times)."""
+        (a key whose capture failed or was deferred, or with under CAPTURE_HORIZON steps left, any
+        number of times)."""
         known = self.entries.get(key)
         free = (known is None or known.graph is None) and key.warm_class in self.warm
-        barred = known is not None and (known.failed or known.deferred >= 0)
+        barred = known is not None and (known.failed or known.deferred >= 0) or (
+            self.horizon is not None and self.horizon < CAPTURE_HORIZON)
         return self._cover(key, n_tokens, n_seqs) if free and (
             barred or self.cover_uses[key] < self.capture_after) else None
 

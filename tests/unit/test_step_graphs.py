@@ -399,3 +399,31 @@ def test_a_capture_fits_what_the_device_has_free_and_the_pool_holds(monkeypatch)
     why = graph_parts.capture_short(cuda, 6 * gib, 3 * gib)
     assert why is not None and "needs 6.0 GiB" in why and "split free 20.00 in 900 segments" in why
     assert "outside PyTorch 8.00" in why  # 80 - 2 free - 70 reserved
+
+
+def test_near_the_end_a_key_a_capture_can_replay_padded_is_not_captured(model_dir) -> None:  # noqa: ANN001
+    # search (a)'s 2-job tail captured 3 keys in its last 18 steps (0.25 s each over a replay, a padded
+    # replay ~0.03 s): with under CAPTURE_HORIZON steps left, a coverable key stays covered
+    from types import SimpleNamespace
+
+    from trainer.graph_parts import steps_left
+    from trainer.step_graphs import CAPTURE_HORIZON
+
+    eager, graphed = two_jobs(model_dir)
+    g = graphed.step_graphs
+    g.cover_ratio, g.cover_tokens, g.capture_after = 1.19, 200, 2
+    same_steps(eager, graphed, 2)  # 144 tokens: an eager run, then its capture
+    for eng in (eager, graphed):
+        eng.detach("b")
+    g.horizon = CAPTURE_HORIZON - 1
+    same_steps(eager, graphed, 4)  # 72 tokens: covered past capture_after, never captured
+    assert (g.captures, g.covered, len(g.entries)) == (1, 4, 1)
+    g.horizon = None  # more steps will come (a queued job): the key is captured at its next step
+    same_steps(eager, graphed, 1)
+    assert (g.captures, g.covered) == (2, 4)
+    # the executor's horizon: the attached jobs' steps left, unless a task has a job queued
+    jobs = {"a": SimpleNamespace(total_steps=40, step=30), "b": SimpleNamespace(total_steps=90, step=12)}
+    engine_ = SimpleNamespace(jobs=jobs)
+    assert steps_left(engine_, [SimpleNamespace(queue=[]), SimpleNamespace(queue=[])]) == 78
+    assert steps_left(engine_, [SimpleNamespace(queue=[]), SimpleNamespace(queue=["queued"])]) is None
+    assert steps_left(SimpleNamespace(jobs={}), []) == 0
