@@ -178,8 +178,9 @@ class Executor:
                 self.memory.recompute_policy, spare=lambda: spare_bytes(self.engine, self.tasks.values()),
                 release=lambda: release(self.engine, self._spill_parked))
         self.engine.split_for = self.memory.split_for
-        if self.engine.step_graphs is not None:  # a capture first checks the device's free memory
+        if self.engine.step_graphs is not None:  # a capture checks the free memory; near the end, none
             self.engine.step_graphs.capture_need = self.memory.capture_bytes
+            self.engine.step_graphs.steps_left = lambda: steps_left(self.engine, self.tasks.values())
         marks.append(("memory", time.perf_counter()))
         for task in list(self.tasks.values()):
             self.roster.guarded(task, task.open)
@@ -249,8 +250,6 @@ class Executor:
                 break
             started = time.perf_counter()
             with self.phase("train"):
-                if self.engine.step_graphs is not None:  # near the end a padded replay beats a capture
-                    self.engine.step_graphs.horizon = steps_left(self.engine, self.tasks.values())
                 resident = memory.step_start()
                 report = memory.train_step() if self.engine.jobs else None
                 memory.step_end(resident, report)

@@ -105,7 +105,7 @@ def memory_report(device: torch.device) -> str:
 
 
 def steps_left(engine: Any, tasks: Iterable[Any]) -> int | None:
-    """The steps the engine's attached jobs have left where no task has a job queued (StepGraphs.horizon;
+    """The steps the engine's attached jobs have left where no task has a job queued (StepGraphs.steps_left;
     None: one is queued or parked, and its steps will follow)."""
     if any(task.queue for task in tasks):
         return None

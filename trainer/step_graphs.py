@@ -95,7 +95,7 @@ CAPTURE_PADDING = 1.25
 STALE_STEPS = 16  # captures no step ran for this many steps are stale (StepGraphs.stale_pool)
 # with fewer steps than this left to run, a key a capture can replay padded is not captured: a capture
 # costs 0.25-0.8 s over a replay and a padded replay ~0.03 s (search (a)'s 2-job tail captured 3 keys in
-# its last 18 steps, ~0.7 s); the executor sets the steps left (`horizon`)
+# its last 18 steps, ~0.7 s); the executor gives the steps left (`steps_left`)
 CAPTURE_HORIZON = 16
 
 
@@ -132,7 +132,8 @@ class StepGraphs:
         self.pool_bytes = 0  # device memory the captures' pool took
         self.last_replayed = False  # the last step replayed an earlier capture
         self.calls = 0  # steps and forwards run
-        self.horizon: int | None = None  # the steps left to run (None: not known, or more will come)
+        # -> the steps left to run (None: not known, or more will come; the executor's graph_parts.steps_left)
+        self.steps_left: Callable[[], int | None] | None = None
 
     # ----- which steps -----------------------------------------------------------------
     def serves(self, states: Sequence[JobRun]) -> bool:
@@ -231,11 +232,17 @@ class StepGraphs:
         (a key whose capture failed or was deferred, or with under CAPTURE_HORIZON steps left, any
         number of times)."""
         known = self.entries.get(key)
-        free = (known is None or known.graph is None) and key.warm_class in self.warm
-        barred = known is not None and (known.failed or known.deferred >= 0) or (
-            self.horizon is not None and self.horizon < CAPTURE_HORIZON)
-        return self._cover(key, n_tokens, n_seqs) if free and (
-            barred or self.cover_uses[key] < self.capture_after) else None
+        if (known is not None and known.graph is not None) or key.warm_class not in self.warm:
+            return None
+        barred = known is not None and (known.failed or known.deferred >= 0)
+        if not barred and self.cover_uses[key] >= self.capture_after and not self._near_end():
+            return None
+        return self._cover(key, n_tokens, n_seqs)
+
+    def _near_end(self) -> bool:
+        """Under CAPTURE_HORIZON steps left to run (`steps_left`; unknown: not near)."""
+        left = self.steps_left() if self.steps_left is not None else None
+        return left is not None and left < CAPTURE_HORIZON
 
     def _captures(self, key: GraphKey, limit: int) -> bool:
         """Whether a step of `key` is captured now: not yet (nor failed, nor deferred in the last

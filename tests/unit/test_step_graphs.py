@@ -415,13 +415,13 @@ def test_near_the_end_a_key_a_capture_can_replay_padded_is_not_captured(model_di
     same_steps(eager, graphed, 2)  # 144 tokens: an eager run, then its capture
     for eng in (eager, graphed):
         eng.detach("b")
-    g.horizon = CAPTURE_HORIZON - 1
+    g.steps_left = lambda: CAPTURE_HORIZON - 1
     same_steps(eager, graphed, 4)  # 72 tokens: covered past capture_after, never captured
     assert (g.captures, g.covered, len(g.entries)) == (1, 4, 1)
-    g.horizon = None  # more steps will come (a queued job): the key is captured at its next step
+    g.steps_left = lambda: None  # more steps will come (a queued job): the key is captured at its next step
     same_steps(eager, graphed, 1)
     assert (g.captures, g.covered) == (2, 4)
-    # the executor's horizon: the attached jobs' steps left, unless a task has a job queued
+    # the executor's steps left: the attached jobs', unless a task has a job queued
     jobs = {"a": SimpleNamespace(total_steps=40, step=30), "b": SimpleNamespace(total_steps=90, step=12)}
     engine_ = SimpleNamespace(jobs=jobs)
     assert steps_left(engine_, [SimpleNamespace(queue=[]), SimpleNamespace(queue=[])]) == 78
