@@ -1348,5 +1348,22 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     step 590 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g" >&2; exit 2 ;;
+  s36_a)  # session 36, call 1 (issue 40): the small steps' LoRA kernels. The shrink/wgrad entries tuned again with
+          # 8-16 column splits and 256-row chunks among the candidates (--retune); a replayed 2-job step of 734 tokens
+          # with the table before and after (same call, same cache); then one 16-job step of 16k tokens profiled
+          # (recompute: the warmup's big steps) beside the backbone alone
+    mkdir -p /tmp/old_cfg /tmp/new_cfg && cp kernels/configs/*.json /tmp/old_cfg/
+    LORAPLEX_KERNEL_CONFIGS=/tmp/old_cfg step 300 tune python3 bench/tune_kernels.py --retune shrink,shrink_wgrad,wgrad \
+      --max-configs 4 --out /tmp/new_cfg/NVIDIA_H100_80GB_HBM3.json
+    cp /tmp/new_cfg/*.json "$OUT/"
+    for t in old new; do
+      LORAPLEX_KERNEL_CONFIGS=/tmp/${t}_cfg step 75 "hostprof_$t" python3 bench/host_profile.py --layers 32 --tokens 150 \
+        --recompute 0 --modes graphs --warmup 12 --iters 10 --out "$OUT/host_profile_small_s36_$t.md"
+    done
+    LORAPLEX_KERNEL_CONFIGS=/tmp/new_cfg step $((590 - SECONDS)) engine16 python3 bench/engine_step.py --jobs 16 \
+      --skip-peft --skip-torch --forms fused --warmup 1 --iters 3 --profile "$OUT/engine16_profile_s36.md" \
+      --out "$OUT/engine16_s36.md"
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a" >&2; exit 2 ;;
 esac

@@ -7,6 +7,7 @@ on (`kernels.tuned`): each new key is benchmarked over its candidates once, here
 configuration goes into the device's table, which executors then read (no tuning in a task).
 
     python bench/tune_kernels.py [--shapes llama8b,qwen7b] [--variants persist] [--out FILE]
+    python bench/tune_kernels.py --retune shrink,shrink_wgrad,wgrad   # those kernels' entries again
 """
 
 from __future__ import annotations
@@ -54,8 +55,13 @@ def main() -> None:
     ap.add_argument("--out", default="", help="table file (default kernels/configs/<GPU name>.json)")
     ap.add_argument("--max-configs", type=int, default=3,
                     help="distinct configurations kept per kernel (each is a compile on a cold node); 0: all")
+    ap.add_argument("--retune", default="", help="kernels whose table entries are dropped first, so tuned again "
+                    "(new candidates); only they are reduced. Default: none dropped, every kernel reduced")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    retune = [k for k in args.retune.split(",") if k]
+    for kernel in retune:
+        tuned.table_for(dev).kernels.pop(kernel, None)
     t0 = time.perf_counter()
     for variant in args.variants.split(","):
         fl.GEMM_DEFAULT = variant  # the variant every call of this run launches
@@ -72,7 +78,7 @@ def main() -> None:
                 tuned.save_table(dev, Path(args.out) if args.out else None)
     table = tuned.table_for(dev)
     if args.max_configs:
-        for kernel in sorted(table.kernels):
+        for kernel in sorted(retune or table.kernels):
             kept = table.reduce(kernel, args.max_configs)
             print(f"{kernel}: kept {len(kept)} configurations: {kept}")
     path = tuned.save_table(dev, Path(args.out) if args.out else None)
