@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine_step import llama8b_config  # noqa: E402
+from bench.engine_step import llama8b_config, profile_step  # noqa: E402
 from trainer.data import Example  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
 from trainer.jobs import TrainJob  # noqa: E402
@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="CPU, 2 layers of a tiny shape: the arms agree")
     ap.add_argument("--out", default="")
+    ap.add_argument("--profile", default="", help="also one profiled step of each arm: GPU busy share, kernels (FILE.md)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     dev = torch.device("cuda" if cuda else "cpu")
@@ -84,7 +85,7 @@ def main() -> None:
     states = list(engine.jobs.values())
     start = [(s.adapter.flat.detach().clone(), s.stream.state_dict()) for s in states]
     tokens = args.jobs * args.batch * args.seq
-    table, first = [], None
+    table, first, profiles = [], None, []
     for arm in args.passes.split(","):
         set_arm(engine, arm)
         with torch.no_grad():
@@ -120,6 +121,8 @@ def main() -> None:
         assert err < tol, (arm, err)
         t = statistics.median(times[args.warmup:])
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+        if args.profile and cuda:
+            profiles.append(profile_step(f"arm {arm}", engine.step))
         table.append((arm, t, tokens / t, peak, f"losses, grad norms vs the first arm: rel {err:.1e}"))
         print(table[-1], flush=True)
     name = torch.cuda.get_device_name() if cuda else "cpu (smoke)"
@@ -139,6 +142,8 @@ def main() -> None:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    if profiles:
+        Path(args.profile).write_text("\n\n".join(profiles) + "\n")
 
 
 if __name__ == "__main__":
