@@ -128,15 +128,6 @@ else:  # Hopper-friendly tiles (wgmma wants BLOCK_M >= 64 and 8 warps for the la
         _cfg(BLOCK_M=128, BLOCK_K=128, BLOCK_R=16, SPLIT_C=4, num_warps=8),
         _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=64, SPLIT_C=2),
         _cfg(BLOCK_M=128, BLOCK_K=64, BLOCK_R=64, SPLIT_C=4, num_warps=8),
-        # a step of a few hundred tokens has a few dozen row blocks: 8-16 splits fill the SMs (at
-        # T = 512, C = 14336 four splits took 24-46 us against a read of X in ~5)
-        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=16, SPLIT_C=8),
-        _cfg(BLOCK_M=32, BLOCK_K=128, BLOCK_R=16, SPLIT_C=8, num_stages=4),
-        _cfg(BLOCK_M=16, BLOCK_K=256, BLOCK_R=16, SPLIT_C=8, num_stages=4),
-        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=16, SPLIT_C=16),
-        _cfg(BLOCK_M=32, BLOCK_K=128, BLOCK_R=16, SPLIT_C=16, num_stages=4),
-        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=64, SPLIT_C=8),
-        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=64, SPLIT_C=16),
     ] * _WIDE
     _WGRAD_CONFIGS = [
         _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=1024, BLOCK_R=16),
@@ -148,11 +139,6 @@ else:  # Hopper-friendly tiles (wgmma wants BLOCK_M >= 64 and 8 warps for the la
         _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=1024, BLOCK_R=64),
         _cfg(BLOCK_M=64, BLOCK_N=256, CHUNK=1024, BLOCK_R=64, num_warps=8),
         _cfg(BLOCK_M=128, BLOCK_N=128, CHUNK=2048, BLOCK_R=64, num_warps=8),
-        # short chunks: more programs where an adapter has a few hundred rows
-        _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=256, BLOCK_R=16),
-        _cfg(BLOCK_M=64, BLOCK_N=64, CHUNK=256, BLOCK_R=16),
-        _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=256, BLOCK_R=32),
-        _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=256, BLOCK_R=64),
     ] * _WIDE
     # fp32/fp64 inputs (no tensor cores: a correctness path on a GPU) run one small config each
     _GEMM_WIDE = _cfg(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_stages=2, **({} if _WIDE else {"BLOCK_R": 16}))
