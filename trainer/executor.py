@@ -44,7 +44,7 @@ from trainer.data import Example
 from trainer.device_room import eval_short, release, spare_bytes
 from trainer.evaluation import eval_chunk, eval_chunk_tokens
 from trainer.graph_parts import steps_left
-from trainer.host_pool import PIN_HOLD_EVAL, POOL
+from trainer.host_pool import POOL
 from trainer.hosting import TaskRoster
 from trainer.jobs import JobRun, release_host_cache
 from trainer.memory_plan import MemoryPlan, allocator_counts
@@ -431,9 +431,10 @@ class Executor:
     def evaluation(self, run: Callable[[], tuple[Any, int]]) -> Any:
         """An evaluation's forwards (`run`: its result and its largest forward's tokens), watched
         by the memory plan (MemoryPlan.evaluation; out of memory, the hosted tasks' states parked
-        on the device may go to the host); no chunk is pinned meanwhile (PinnedPool.held)."""
-        with POOL.held(PIN_HOLD_EVAL):
-            return run()[0] if self.memory is None else self.memory.evaluation(run, self._spill_parked)
+        on the device may go to the host)."""
+        if self.memory is None:
+            return run()[0]
+        return self.memory.evaluation(run, self._spill_parked)
 
     def _spill_parked(self) -> bool:
         """Every hosted task's states parked on the device to the host; whether any moved."""

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -54,9 +54,6 @@ def _pin_share(value: str | None) -> float:
 
 
 PIN_SHARE = _pin_share(os.environ.get("LORAPLEX_PIN_SHARE"))
-# an evaluation holds the background pinning (PinnedPool.held); $LORAPLEX_PIN_HOLD_EVAL=0: it does not
-PIN_HOLD_EVAL = os.environ.get("LORAPLEX_PIN_HOLD_EVAL", "1") != "0"
-HOLD_POLL_S = 0.02  # a held pinner looks again this often
 
 
 class PinnedPool:
@@ -76,8 +73,6 @@ class PinnedPool:
         self.grown = 0  # chunks pinned on a caller's thread (`take` found no room)
         self.grow_s = 0.0  # seconds callers spent pinning those chunks
         self.pin_s = 0.0  # seconds the background thread spent pinning (the loop's launches slow meanwhile)
-        self._holds = 0  # `held` sections open: the pinner waits
-        self._draining = False  # `wait`: pin through any hold (nothing waits on a held pinner)
         # None: half the host's memory (the background target too: target_for; past this limit
         # a caller pins by cudaHostAlloc as before, which no limit held back)
         self.grow_limit: int | None = None
@@ -102,32 +97,9 @@ class PinnedPool:
         # stopped or stopping: a new loop starts
         self._pinner.start()
 
-    @contextlib.contextmanager
-    def held(self, on: bool = True) -> Iterator[None]:
-        """Within: the background thread starts no chunk (one under way finishes). A chunk's
-        registration holds the driver's lock and every launch waits behind it: search (a)'s first
-        evaluation (eager forwards, thousands of launches) took 4.9-5.0 s in four H100 runs with
-        3.2-3.5 s of pinning beside it. `on` False: no hold."""
-        if not on:
-            yield
-            return
-        with self._lock:
-            self._holds += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._holds -= 1
-
     def _pin_next(self) -> bool:
         """The pinner's step: one more chunk towards the target; True while more is due. At the
-        target, or where no more pinned memory is to be had, it ends its loop; while `held`, it
-        waits."""
-        with self._lock:
-            holding = self._holds > 0 and not self._draining
-        if holding:
-            self._pinner.wait(HOLD_POLL_S)
-            return True
+        target, or where no more pinned memory is to be had, it ends its loop."""
         with self._lock:
             want = self._target - self.pinned_bytes
             if want <= 0:
@@ -156,14 +128,8 @@ class PinnedPool:
                 "pool_pinned_gb": round(self.pinned_bytes / 2**30, 2)}
 
     def wait(self) -> None:
-        """Until the background pinning is done (tests, benchmarks), through any hold."""
-        with self._lock:
-            self._draining = True
-        try:
-            self._pinner.join()
-        finally:
-            with self._lock:
-                self._draining = False
+        """Until the background pinning is done (tests, benchmarks)."""
+        self._pinner.join()
 
     def release(self) -> None:
         """Drop the pool's chunks, unpinned; one with slices still in use stays pinned (and alive)

@@ -136,33 +136,6 @@ def test_the_pinning_thread_stops_at_its_target_follows_a_raised_one_and_starts_
     assert pool.pinned_bytes == ALIGN
 
 
-def test_a_held_pool_pins_no_chunk_until_the_hold_ends_and_wait_pins_through_one(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # an evaluation holds the pinner (a chunk's registration blocks the loop's launches on a GPU)
-    pin = FakePin()
-    monkeypatch.setattr(host_pool, "_pinned_bytes", pin)
-    pool = PinnedPool(chunk_bytes=4 * ALIGN, pause_s=0.0)
-    pool.grow_limit = 0
-    with pool.held():
-        pool.reserve(8 * ALIGN)
-        assert wait_until(lambda: pool._pinner.alive)
-        threading.Event().wait(0.2)  # ten of the held pinner's looks
-        assert pin.sizes == [] and pool.pinned_bytes == 0
-        with pool.held(on=False):  # a hold turned off holds nothing more
-            pass
-        assert pin.sizes == []
-    assert wait_until(lambda: pool.pinned_bytes == 8 * ALIGN)  # the hold ended: the pinner goes on
-    assert pin.sizes == [4 * ALIGN, 4 * ALIGN]
-    with pool.held():  # wait() inside a hold pins through it rather than wait on itself
-        pool.reserve(12 * ALIGN)
-        pool.wait()
-        assert pool.pinned_bytes == 12 * ALIGN
-    with pool.held(on=False):
-        pool.reserve(16 * ALIGN)
-        assert wait_until(lambda: pool.pinned_bytes == 16 * ALIGN)
-    pool.release()
-
-
 def test_pinning_stops_where_no_memory_is_to_be_had(monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     pin = FakePin(fail_at=3)
