@@ -10,11 +10,20 @@ specialisation, the compiler and the device: an archive from other sources only 
 nobody asks for, never a wrong kernel.
 
 Refreshing an archive (after the kernels change): on the device, run a task with an empty
-`TRITON_CACHE_DIR`, then tar that directory's contents (bench/device_session.sh s20_task does)."""
+`TRITON_CACHE_DIR`, then tar that directory's contents (bench/device_session.sh s20_task does), and
+write the manifest again: `python -m kernels.shipped_cache --manifest`. The manifest names, per
+archive, its digest and every kernel's fingerprint (`kernel_fingerprints`) at the time it was made;
+tests/unit/test_shipped_cache.py fails where a kernel changed since, or moved: Triton's cache key
+holds a kernel's first line, so lines added above a kernel make every shipped entry of it a miss
+(session 36: 14 lines of configurations above the fused kernels, 39 kernels compiled inside
+search (a) on an H100)."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import importlib
+import inspect
 import json
 import logging
 import os
@@ -24,6 +33,9 @@ from pathlib import Path, PurePosixPath
 log = logging.getLogger("loraplex.kernels.shipped_cache")
 ARCHIVES = Path(__file__).resolve().parent / "triton_cache"
 MARKER_PREFIX = ".loraplex-shipped-"
+MANIFEST = ARCHIVES / "manifest.json"
+# the modules whose Triton kernels (and the helpers they call) the archives hold
+KERNEL_MODULES = ("kernels.fused_lora", "kernels.triton_lora", "kernels.norm_act", "kernels.rope")
 
 
 def cache_dir() -> Path:
@@ -129,3 +141,42 @@ def _group_whole(path: Path) -> bool:
     except (OSError, ValueError, AttributeError):
         return False
     return isinstance(children, dict) and all(os.path.exists(p) for p in children.values())
+
+
+def kernel_fingerprints(modules: tuple[str, ...] = KERNEL_MODULES) -> dict[str, list]:
+    """Every Triton kernel defined in `modules` (the JIT functions, compiled or interpreted):
+    "module.name" -> [a digest of its source, its first line]. Triton keys a compiled kernel by
+    both (and by the keys of the kernels it calls), so a shipped entry serves only while neither
+    changed."""
+    out: dict[str, list] = {}
+    for name in modules:
+        for attr, obj in vars(importlib.import_module(name)).items():
+            fn = getattr(obj, "fn", None)
+            if type(obj).__name__ not in ("JITFunction", "InterpretedFunction") or not inspect.isfunction(fn):
+                continue
+            if fn.__module__ != name:  # a helper imported from another module: listed under its own
+                continue
+            lines, first = inspect.getsourcelines(fn)
+            out[f"{name}.{attr}"] = [hashlib.sha256("".join(lines).encode()).hexdigest()[:16], first]
+    return dict(sorted(out.items()))
+
+
+def archive_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def write_manifest(archives: Path = ARCHIVES, manifest: Path = MANIFEST) -> dict:
+    """The manifest of the archives present, from the kernels as they are now (run right after the
+    archives were refreshed from these kernels)."""
+    kernels = kernel_fingerprints()
+    body = {path.name: {"sha256": archive_digest(path), "kernels": kernels}
+            for path in sorted(archives.glob("*.tar.gz"))}
+    manifest.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+    return body
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="the shipped Triton archives' manifest")
+    ap.add_argument("--manifest", action="store_true", help=f"write {MANIFEST.name} from the kernels as they are")
+    if ap.parse_args().manifest:
+        print(", ".join(f"{k}: {len(v['kernels'])} kernels" for k, v in write_manifest().items()))

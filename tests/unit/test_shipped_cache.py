@@ -6,8 +6,10 @@ for the H100/H200 (sm90) holds compiled kernels with their autotuning choices.""
 from __future__ import annotations
 
 import io
+import json
+import sys
 import tarfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -127,3 +129,36 @@ def test_every_kernel_of_the_committed_archive_is_found_where_it_is_seeded(tmp_p
     groups = list(cache.rglob("__grp__*.json"))
     assert len(groups) >= len(list(cache.rglob("*.cubin"))) > 0
     assert _broken_groups(cache) == []
+
+
+def test_the_manifest_names_every_shipped_archive_and_the_kernels_it_was_made_from() -> None:
+    # a kernel edited, or moved by lines above it, misses every shipped entry of it (Triton's cache
+    # key holds its source and first line) and compiles inside a task: refresh the archive on a
+    # device, then `python -m kernels.shipped_cache --manifest`
+    manifest = json.loads(shipped_cache.MANIFEST.read_text())
+    archives = sorted(p.name for p in shipped_cache.ARCHIVES.glob("*.tar.gz"))
+    assert archives and sorted(manifest) == archives
+    now = shipped_cache.kernel_fingerprints()
+    for name in archives:
+        entry = manifest[name]
+        assert entry["sha256"] == shipped_cache.archive_digest(shipped_cache.ARCHIVES / name), (
+            f"{name} changed after its manifest was written: write the manifest again")
+        changed = sorted(k for k in entry["kernels"] if now.get(k) != entry["kernels"][k])
+        assert not changed, f"kernels changed or moved since {name} was made (refresh it on a device): {changed}"
+    shipped = {PurePosixPath(m).stem for m in tarfile.open(shipped_cache.ARCHIVES / archives[0]).getnames()
+               if m.endswith(".cubin")}
+    assert shipped and all(any(k.endswith("." + s) for k in now) for s in shipped)  # every shipped kernel is watched
+
+
+def test_a_kernel_moved_by_a_line_gets_another_fingerprint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    body = "import triton\n\n\n@triton.jit\ndef _k(x_ptr):\n    pass\n"
+    (tmp_path / "moved_kernel.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = shipped_cache.kernel_fingerprints(("moved_kernel",))
+    assert list(first) == ["moved_kernel._k"]
+    sys.modules.pop("moved_kernel")
+    (tmp_path / "moved_kernel.py").write_text("# a line above\n" + body)  # the same source, one line lower
+    second = shipped_cache.kernel_fingerprints(("moved_kernel",))
+    assert second["moved_kernel._k"][0] == first["moved_kernel._k"][0]
+    assert second["moved_kernel._k"][1] == first["moved_kernel._k"][1] + 1 and second != first
+    sys.modules.pop("moved_kernel")
