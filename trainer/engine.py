@@ -30,7 +30,7 @@ from contract.families import family_of, resolve_targets
 from trainer.arena import AdapterArena, host_to_device
 from trainer.data import IGNORE, Example, sequence_tokens
 from trainer.evaluation import TOKEN_METRICS, Evaluation
-from trainer.fused_blocks import fuse_blocks
+from trainer.fused_blocks import fuse_blocks, set_mlp_rebuild
 from trainer.head import default_chunk, token_losses, token_losses_and_hits
 from trainer.jobs import JobRun, TrainJob, update_jobs
 from trainer.multilora import inject_multilora, without_backbone_dropout
@@ -133,7 +133,7 @@ class MultiLoraEngine:
         self.seq_cap = max((self._longest(e) for e in self.train_examples), default=1)
         # backbone forwards by (rows, length, with grad): attention plans are built per shape
         self.forward_shapes: Counter[tuple[int, int, bool]] = Counter()
-        self.gradient_checkpointing = False
+        self.gradient_checkpointing = not gradient_checkpointing  # so the first set_recompute sets it all
         self.set_recompute(gradient_checkpointing)
         model.train()
         self.head_chunk = default_chunk(getattr(model.config, "vocab_size", 0) or 32000)
@@ -155,9 +155,8 @@ class MultiLoraEngine:
     split_for: Callable[[list[int]], list[list[int]] | None] | None = None
 
     def set_recompute(self, on: bool) -> None:
-        """Activation recompute (the model's gradient checkpointing) on or off for the next steps:
-        on keeps each layer's input alone and repeats its forward in the backward; off keeps every
-        activation (more memory, a quarter less compute and launches)."""
+        """Activation recompute (the model's gradient checkpointing) on or off for the next steps: on keeps
+        each layer's input alone and repeats its forward in the backward; off keeps every activation."""
         on = bool(on)
         if on == self.gradient_checkpointing:
             return
@@ -168,6 +167,7 @@ class MultiLoraEngine:
                 gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False})
         else:
             self.model.gradient_checkpointing_disable()
+        set_mlp_rebuild(self.model, not on)  # trainer.fused_blocks.MLP_REBUILD
         self.gradient_checkpointing = on
 
     # ----- jobs: their state, their slots (self.slots) -----------------------------------

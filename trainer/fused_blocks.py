@@ -66,8 +66,61 @@ def _fused_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.T
     return rms_norm(hidden_states, self.weight, self._loraplex_eps)
 
 
+# $LORAPLEX_MLP_REBUILD=1: a step without recompute keeps no copy of down_proj's input, silu(gate) * up
+# (the intermediate width, 3 of a layer's ~17 hidden widths a token at 8B); down_proj's backward rebuilds it
+# from gate and up, which the SiLU's backward keeps anyway (one elementwise kernel a layer). Off until a device
+# measures what the memory it frees buys (bench/device_session.sh s37_a).
+MLP_REBUILD = os.environ.get("LORAPLEX_MLP_REBUILD", "0") == "1"
+
+
+class _Rebuilt:
+    """What down_proj's backward keeps of its input while `rebuilding`: how to compute it again."""
+
+    __slots__ = ("gate", "up", "shape")
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, shape: torch.Size) -> None:
+        self.gate, self.up, self.shape = gate, up, shape
+
+
 def _fused_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    h = silu_mul(gate, up)
+    if not (getattr(self, "_loraplex_rebuild", False) and h.requires_grad):
+        return self.down_proj(h)
+    ptr, numel, dtype = h.data_ptr(), h.numel(), h.dtype
+
+    def pack(t: torch.Tensor) -> torch.Tensor | _Rebuilt:
+        # h itself or a reshape of it (the LoRA layer's 2-d view): a recipe instead of its bytes
+        if t.data_ptr() == ptr and t.numel() == numel and t.dtype == dtype and t.is_contiguous():
+            return _Rebuilt(gate, up, t.shape)
+        return t
+
+    def unpack(saved: torch.Tensor | _Rebuilt) -> torch.Tensor:
+        if not isinstance(saved, _Rebuilt):
+            return saved
+        with torch.no_grad():
+            return silu_mul(saved.gate, saved.up).view(saved.shape)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return self.down_proj(h)
+
+
+def set_mlp_rebuild(model: nn.Module, on: bool) -> int:
+    """Whether the fused MLPs' down projections rebuild their input in the backward (only where
+    MLP_REBUILD and `on`: the engine's steps without recompute; a checkpointed layer must save as
+    torch.utils.checkpoint expects). The number of MLPs that now rebuild."""
+    on = bool(on) and MLP_REBUILD
+    count = 0
+    for m in model.modules():
+        if getattr(m.forward, "__func__", None) is _fused_mlp_forward:
+            m._loraplex_rebuild = on
+            count += on
+    return count
+
+
+def mlp_rebuilds(model: nn.Module) -> bool:
+    """Whether a step without recompute rebuilds the MLPs' down inputs (what the memory model reads)."""
+    return MLP_REBUILD and fused(model)
 
 
 def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:

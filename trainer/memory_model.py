@@ -74,22 +74,24 @@ class Shapes:
                    kv=kv_heads * head_dim, vocab=int(text.vocab_size), heads=heads)
 
 
-def layer_activation_bytes(s: Shapes, n_targets: int, rank: int, fused: bool = False) -> float:
+def layer_activation_bytes(s: Shapes, n_targets: int, rank: int, fused: bool = False, rebuild: bool = False) -> float:
     """Per token: what one decoder layer keeps for its backward (no recompute); `fused`: its
-    norms and gate on the fused kernels."""
+    norms and gate on the fused kernels; `rebuild`: down's input rebuilt in the backward
+    (trainer.fused_blocks.MLP_REBUILD), not kept."""
     h, i, kv = s.hidden, s.intermediate, s.kv
     elems = 4 * h          # norm inputs and outputs, both norms
     elems += h + 2 * kv    # q, k, v after RoPE
     elems += h             # the attention's output (o_proj's input)
-    elems += 3 * i         # gate, up, act(gate) * up (down's input)
+    elems += (2 if rebuild else 3) * i  # gate, up, act(gate) * up (down's input)
     elems += n_targets * rank  # each LoRA target's x.A
     slack = FUSED_ACTIVATION_SLACK if fused else ACTIVATION_SLACK
     return slack * ACT_BYTES * elems + 4 * (2 + s.heads)  # norms' rstd, attention's lse
 
 
-def per_token_bytes(s: Shapes, recompute: bool, n_targets: int, rank: int, fused: bool = False) -> float:
-    """k1: bytes per token of a training step."""
-    layer = layer_activation_bytes(s, n_targets, rank, fused)
+def per_token_bytes(s: Shapes, recompute: bool, n_targets: int, rank: int, fused: bool = False,
+                    rebuild: bool = False) -> float:
+    """k1: bytes per token of a training step (`rebuild`: without recompute only)."""
+    layer = layer_activation_bytes(s, n_targets, rank, fused, rebuild and not recompute)
     if recompute:  # every layer's input kept, and one layer's activations live again
         body = s.layers * ACT_BYTES * s.hidden + layer
     else:
@@ -136,7 +138,7 @@ def fixed_transient(head_per_token: float, tokens: int, adapter_params: int) -> 
 
 def analytic_model(config: Any, *, head_chunk: int, max_rank: int, n_targets: int, recompute: bool,
                    sequences_per_item: int = 1, resident: float | None = None,
-                   state_bytes_per_rank: float = 0.0, fused: bool = False) -> MemoryModel:
+                   state_bytes_per_rank: float = 0.0, fused: bool = False, rebuild: bool = False) -> MemoryModel:
     """M(B) = k0 + k1 * B * L for this model and step (see the module docstring); B counts batch
     items (a DPO item is a pair: its k1 counts both sequences). Live form (resident None): k0 is
     the step's fixed transient and a workspace; admission adds what is resident when it decides
@@ -145,7 +147,7 @@ def analytic_model(config: Any, *, head_chunk: int, max_rank: int, n_targets: in
     k0 = fixed_transient(HEAD_BYTES * s.vocab, head_chunk, ADAMW_CHUNK) + WORKSPACE
     if resident is not None:
         k0 += resident + state_bytes_per_rank * max_rank
-    k1 = per_token_bytes(s, recompute, n_targets, _tile(max_rank), fused) * sequences_per_item
+    k1 = per_token_bytes(s, recompute, n_targets, _tile(max_rank), fused, rebuild) * sequences_per_item
     return MemoryModel(k0=float(k0), k1=float(k1))
 
 

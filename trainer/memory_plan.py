@@ -40,7 +40,7 @@ from trainer.admission import (
 )
 from trainer.config import ExecutorConfig
 from trainer.engine import MultiLoraEngine
-from trainer.fused_blocks import fused
+from trainer.fused_blocks import fused, mlp_rebuilds
 from trainer.jobs import JobRun, TrainJob
 from trainer.memory_model import (
     ARENA_SLACK,
@@ -158,7 +158,7 @@ class MemoryPlan:
             targets=sorted(eng.targets), gradient_checkpointing=recompute,
             adapter_dtype=cfg.adapter_dtype, backend=cfg.backend, ranks=self.strategy.world,
             max_lora_rank=self.max_rank, attention=eng.attention,
-            memory_model="live" if self.live else "static", fused_blocks=fused(eng.model))
+            memory_model="live" if self.live else "static", fused_blocks=fused(eng.model), mlp_rebuild=mlp_rebuilds(eng.model))
 
     def stored_model(self, recompute: bool = True) -> MemoryModel:
         """The node's stored model for this key (measured or corrected by an earlier task), or
@@ -194,10 +194,10 @@ class MemoryPlan:
             if self.strategy.world > 1 and layers:
                 resident += 2 * sum(p.numel() * p.element_size() for p in layers[0].parameters())
             per_rank = eng.params_per_rank * state_bytes_per_param(eng.adapter_dtype.itemsize)
-        return analytic_model(eng.model.config, head_chunk=eng.head_chunk,
-                              max_rank=self.max_rank, n_targets=self.n_targets,
-                              recompute=recompute, sequences_per_item=self.objective.sequences_per_item,
-                              resident=resident, state_bytes_per_rank=per_rank, fused=fused(eng.model))
+        return analytic_model(eng.model.config, head_chunk=eng.head_chunk, max_rank=self.max_rank,
+                              n_targets=self.n_targets, recompute=recompute,
+                              sequences_per_item=self.objective.sequences_per_item, resident=resident,
+                              state_bytes_per_rank=per_rank, fused=fused(eng.model), rebuild=mlp_rebuilds(eng.model))
 
     def measured_model(self, batches: tuple[int, ...] = (1, 2, 4)) -> MemoryModel:
         """A profiling pass (CUDA): the peak of `probe_step` at a few total batches, fitted."""

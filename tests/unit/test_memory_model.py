@@ -352,3 +352,16 @@ def test_the_floor_is_the_built_models_and_a_floored_lowering_never_raises_a_pre
         for u in (1000, 1500, 2000):
             assert flat.extra + flat.model.k1 * u >= 9.5e8 - 1  # every step still covered
     assert flat.model.k1 == pytest.approx(K1_FLOOR * 1e6)
+
+
+def test_the_mlp_rebuild_takes_downs_input_off_a_step_without_recompute_only() -> None:
+    # trainer.fused_blocks.MLP_REBUILD: down_proj's input (the intermediate width a token and layer)
+    # is rebuilt in the backward, not kept; a checkpointed step keeps what it kept
+    from trainer.memory_model import ACT_BYTES, FUSED_ACTIVATION_SLACK, Shapes, per_token_bytes
+
+    s = Shapes(hidden=4096, intermediate=14336, layers=32, kv=1024, vocab=128256, heads=32)
+    kept = per_token_bytes(s, False, 7, 64, fused=True)
+    rebuilt = per_token_bytes(s, False, 7, 64, fused=True, rebuild=True)
+    assert kept - rebuilt == pytest.approx(s.layers * FUSED_ACTIVATION_SLACK * ACT_BYTES * s.intermediate)
+    assert 0.75 < rebuilt / kept < 0.85  # about a fifth of an 8B step's activations
+    assert per_token_bytes(s, True, 7, 64, fused=True, rebuild=True) == per_token_bytes(s, True, 7, 64, fused=True)
