@@ -67,7 +67,7 @@ def _fused_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.T
 
 
 # $LORAPLEX_MLP_REBUILD=1: a step without recompute keeps no copy of down_proj's input, silu(gate) * up
-# (the intermediate width, 3 of a layer's ~17 hidden widths a token at 8B); down_proj's backward rebuilds it
+# (the intermediate width: 3.5 of the 17 hidden widths a layer keeps a token at 8B); down_proj's backward rebuilds it
 # from gate and up, which the SiLU's backward keeps anyway (one elementwise kernel a layer). Off until a device
 # measures what the memory it frees buys (bench/device_session.sh s37_a).
 MLP_REBUILD = os.environ.get("LORAPLEX_MLP_REBUILD", "0") == "1"
