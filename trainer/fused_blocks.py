@@ -74,7 +74,7 @@ MLP_REBUILD = os.environ.get("LORAPLEX_MLP_REBUILD", "0") == "1"
 
 
 class _Rebuilt:
-    """What down_proj's backward keeps of its input while `rebuilding`: how to compute it again."""
+    """What down_proj's backward keeps of its input under the MLP rebuild: how to compute it again."""
 
     __slots__ = ("gate", "up", "shape")
 
