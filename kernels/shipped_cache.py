@@ -48,6 +48,11 @@ def archive_name(capability: tuple[int, int], triton_version: str) -> str:
     return f"sm{capability[0]}{capability[1]}-triton{triton_version}.tar.gz"
 
 
+def archive_digest(path: Path) -> str:
+    """An archive's identity: the seed's marker and the manifest name it by this."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
 def device_key() -> tuple[tuple[int, int], str] | None:
     """(compute capability, Triton version) of this process's GPU, or None without CUDA/Triton."""
     try:
@@ -85,7 +90,7 @@ def seed(target: Path | None = None, key: tuple[tuple[int, int], str] | None = N
         return 0
     target = target if target is not None else cache_dir()
     try:
-        digest = hashlib.sha256(archive.read_bytes()).hexdigest()[:16]
+        digest = archive_digest(archive)
         marker = target / f"{MARKER_PREFIX}{digest}"
         if marker.exists():
             return 0
@@ -159,10 +164,6 @@ def kernel_fingerprints(modules: tuple[str, ...] = KERNEL_MODULES) -> dict[str, 
             lines, first = inspect.getsourcelines(fn)
             out[f"{name}.{attr}"] = [hashlib.sha256("".join(lines).encode()).hexdigest()[:16], first]
     return dict(sorted(out.items()))
-
-
-def archive_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 def write_manifest(archives: Path = ARCHIVES, manifest: Path = MANIFEST) -> dict:

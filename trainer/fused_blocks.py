@@ -105,17 +105,14 @@ def _fused_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(h)
 
 
-def set_mlp_rebuild(model: nn.Module, on: bool) -> int:
+def set_mlp_rebuild(model: nn.Module, on: bool) -> None:
     """Whether the fused MLPs' down projections rebuild their input in the backward (only where
     MLP_REBUILD and `on`: the engine's steps without recompute; a checkpointed layer must save as
-    torch.utils.checkpoint expects). The number of MLPs that now rebuild."""
+    torch.utils.checkpoint expects)."""
     on = bool(on) and MLP_REBUILD
-    count = 0
     for m in model.modules():
         if getattr(m.forward, "__func__", None) is _fused_mlp_forward:
             m._loraplex_rebuild = on
-            count += on
-    return count
 
 
 def mlp_rebuilds(model: nn.Module) -> bool:

@@ -145,8 +145,8 @@ def test_the_manifest_names_every_shipped_archive_and_the_kernels_it_was_made_fr
             f"{name} changed after its manifest was written: write the manifest again")
         changed = sorted(k for k in entry["kernels"] if now.get(k) != entry["kernels"][k])
         assert not changed, f"kernels changed or moved since {name} was made (refresh it on a device): {changed}"
-    shipped = {PurePosixPath(m).stem for m in tarfile.open(shipped_cache.ARCHIVES / archives[0]).getnames()
-               if m.endswith(".cubin")}
+    with tarfile.open(shipped_cache.ARCHIVES / archives[0]) as tar:
+        shipped = {PurePosixPath(m).stem for m in tar.getnames() if m.endswith(".cubin")}
     assert shipped and all(any(k.endswith("." + s) for k in now) for s in shipped)  # every shipped kernel is watched
 
 
