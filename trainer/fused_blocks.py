@@ -68,9 +68,10 @@ def _fused_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.T
 
 # $LORAPLEX_MLP_REBUILD=1: a step without recompute keeps no copy of down_proj's input, silu(gate) * up
 # (the intermediate width: 3.5 of the 17 hidden widths a layer keeps a token at 8B); down_proj's backward rebuilds it
-# from gate and up, which the SiLU's backward keeps anyway (one elementwise kernel a layer). Off until a device
-# measures what the memory it frees buys (bench/device_session.sh s37_a).
-MLP_REBUILD = os.environ.get("LORAPLEX_MLP_REBUILD", "0") == "1"
+# from gate and up, which the SiLU's backward keeps anyway (one elementwise kernel a layer). On by default since
+# session 37 (H100, search (a)): the warmup's steps of 22-34 jobs ran without recompute, 0.59-0.69 s where
+# recomputed they took 0.80-0.85 s; LORAPLEX_MLP_REBUILD=0 turns it off.
+MLP_REBUILD = os.environ.get("LORAPLEX_MLP_REBUILD", "1") == "1"
 
 
 class _Rebuilt:

@@ -1,5 +1,6 @@
 """The fused MLP's down input rebuilt in the backward on CUDA (trainer.fused_blocks.MLP_REBUILD): steps
-without recompute, eager and replayed as CUDA graphs, give the same losses as without it, and an eager
+without recompute, eager and replayed as CUDA graphs, give the same losses as without it (a graph's against
+the eager step's within bf16's rounding), and an eager
 step peaks lower by about (layers - 1) x tokens x intermediate x 2 bytes (the last layer's product is
 rebuilt while the others' are gone). Skipped without CUDA."""
 
@@ -42,11 +43,14 @@ def _run(monkeypatch, rebuild: bool, graphs: bool) -> tuple[list[dict[str, float
 
 def test_rebuilt_down_inputs_change_no_loss_and_lower_the_peak(monkeypatch) -> None:  # noqa: ANN001
     runs = {(r, g): _run(monkeypatch, r, g) for r in (False, True) for g in (False, True)}
-    want = runs[(False, False)][0]
-    for key, (losses, _, _) in runs.items():
-        for step_want, step_got in zip(want, losses, strict=True):
-            for j, v in step_want.items():
-                assert abs(step_got[j] - v) <= 1e-6 * abs(v), (key, j, step_got[j], v)
+    for (rebuild, graphs), (losses, _, _) in runs.items():
+        # the same mode without the rebuild: equal (the same kernels on the same bytes); a graphed
+        # step against the eager one: within bf16's rounding (session 37, H100: 4e-5 of the loss,
+        # with and without the rebuild alike: cuBLAS picks other algorithms under capture)
+        for want, tol in ((runs[(False, graphs)][0], 1e-6), (runs[(rebuild, False)][0], 1e-3)):
+            for step_want, step_got in zip(want, losses, strict=True):
+                for j, v in step_want.items():
+                    assert abs(step_got[j] - v) <= tol * abs(v), (rebuild, graphs, j, step_got[j], v)
     tokens = runs[(False, False)][2]
     saved = runs[(False, False)][1] - runs[(True, False)][1]
     assert saved >= 0.8 * (LAYERS - 1) * tokens * INTER * 2, (saved, runs[(False, False)][1], runs[(True, False)][1])
