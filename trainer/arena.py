@@ -139,12 +139,6 @@ class AdapterArena:
         which would keep its address past the scope)."""
         return self._copy is not None
 
-    @property
-    def copy_itemsize(self) -> int:
-        """Bytes per arena element of the compute-dtype copy an eager training step's layout makes
-        of the whole arena (layout_arenas): 0 where the arena is in the compute dtype."""
-        return 0 if self.arena.dtype == self.compute_dtype else self.compute_dtype.itemsize
-
     def layout_arenas(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(the arena as the kernels read it, a gradient arena of its shape) for a layout: the
         arena itself where it is in the compute dtype, else a copy of it made now; for a no-grad

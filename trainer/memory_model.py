@@ -189,9 +189,6 @@ class OnlineCorrection:
     head_chunk: int
     settle: int = 8
     margin: float = 1.05
-    # bytes per arena element of an eager step's compute-dtype copy of the arena (2 for a float32
-    # arena and bfloat16 kernels, AdapterArena.copy_itemsize): part of the step's fixed transient
-    copy_bytes: float = 0.0
     trace: list[StepPeak] = field(default_factory=list)
     _k0_start: float = field(init=False, default=0.0)
     _points: list[tuple[int, float]] = field(init=False, default_factory=list)  # (tokens, excess)
@@ -210,13 +207,7 @@ class OnlineCorrection:
         return max(0.0, self.model.k0 - self._k0_start)
 
     def fixed(self, tokens: int, adapter_params: int) -> float:
-        """The step's fixed transient (fixed_transient) and its copy of the arena's `adapter_params`
-        elements. Learnt as a constant instead, the copy of a search's first steps (an arena sized
-        for 34 jobs, 4-5 GB) stayed in the model once the arena was packed: session 37's steps of
-        384-2k tokens were over-predicted 14-20%. Admission does not count it resident (session
-        34: 11-12-job steps then recomputed rather than split); this is the trace's and the fit's."""
-        return (fixed_transient(self.head_per_token, min(tokens, self.head_chunk), adapter_params)
-                + self.copy_bytes * adapter_params)
+        return fixed_transient(self.head_per_token, min(tokens, self.head_chunk), adapter_params)
 
     def predict_transient(self, tokens: int, adapter_params: int = 0) -> float:
         return self.fixed(tokens, adapter_params) + self.extra + self.model.k1 * tokens

@@ -179,7 +179,7 @@ class MemoryPlan:
             shapes = Shapes.of(self.engine.model.config)
             built = mm if not reuse else self.analytic_model(recompute)
             self.corrections[recompute] = OnlineCorrection(mm, HEAD_BYTES * shapes.vocab, self.engine.head_chunk,
-                                                           floor_of=built.k1, copy_bytes=self.engine.slots.copy_itemsize)
+                                                           floor_of=built.k1)
         return mm
 
     def analytic_model(self, recompute: bool) -> MemoryModel:

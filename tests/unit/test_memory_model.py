@@ -21,7 +21,6 @@ from trainer.memory_model import (
     Shapes,
     analytic_model,
     envelope,
-    fixed_transient,
     head_bytes,
     per_token_bytes,
     state_bytes_per_param,
@@ -366,28 +365,3 @@ def test_the_mlp_rebuild_takes_downs_input_off_a_step_without_recompute_only() -
     assert kept - rebuilt == pytest.approx(s.layers * FUSED_ACTIVATION_SLACK * ACT_BYTES * s.intermediate)
     assert 0.75 < rebuilt / kept < 0.85  # about a fifth of an 8B step's activations
     assert per_token_bytes(s, True, 7, 64, fused=True, rebuild=True) == per_token_bytes(s, True, 7, 64, fused=True)
-
-
-def test_the_arenas_step_copy_is_counted_per_element_not_learnt_as_a_constant() -> None:
-    # session 37 (H100, search (a) with the MLP rebuild): a split step of 4352 cells over an arena
-    # sized for 34 jobs (1.3G elements: its bfloat16 copy 2.6 GB) peaked 2.6 GB over the model;
-    # learnt as a constant, that over-predicted the later steps of 384-2k tokens (arena 0.3G) by 14-20%
-    k1, res = 4.2e6, 24e9
-
-    def peak(corr: OnlineCorrection, resident: float, tokens: int, arena: int) -> int:
-        """The step's true peak: its fixed part, its activations and the bfloat16 copy of the arena."""
-        return int(resident + fixed_transient(0.0, 1, arena) + k1 * tokens + 2 * arena)
-
-    for copy_bytes in (2.0, 0.0):
-        corr = OnlineCorrection(MemoryModel(2e9, k1), head_per_token=0.0, head_chunk=1, settle=50,
-                                copy_bytes=copy_bytes)
-        for tokens, resident, arena in ((9216, res, 500_000_000), (4352, 46e9, 1_300_000_000),
-                                        (384, res, 300_000_000)):
-            corr.observe(tokens, False, int(resident), peak(corr, resident, tokens, arena), arena)
-        last = corr.trace[-1]
-        err = (last.predicted - last.peak) / last.peak
-        if copy_bytes:
-            assert 0 <= err < 0.01 and corr.extra == 0  # every step covered, nothing learnt as a constant
-        else:
-            # the copy learnt as a constant: small steps over-predicted (~6% here, 14-20% on the device)
-            assert corr.extra > 2e9 and err > 0.05
