@@ -295,6 +295,15 @@ def backbone_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
 
 
+def config_matmul_params(config: Any) -> int:
+    """backbone_params from a Llama-style config alone (no model built): each layer's q, k, v, o,
+    gate, up and down weights and the LM head, for a run whose arms built no baseline model."""
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    head = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
+    return layers * (2 * h * q + 2 * h * kv + 3 * h * i) + config.vocab_size * h
+
+
 def env_versions() -> dict[str, str]:
     import peft
     import transformers

@@ -14,7 +14,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from baselines import PEAK_FLOPS  # noqa: E402
+from baselines import PEAK_FLOPS, config_matmul_params  # noqa: E402
+from engine_step import llama8b_config  # noqa: E402
 from task_e2e_baselines_setup import SMALL_SHAPE  # noqa: E402
 
 
@@ -186,7 +187,9 @@ def render_timing(layers: int, slot: dict, quality: dict) -> list[str]:
            "configs full + rung only | samples | train tokens | train tok/s | MFU (train) | tok/s end to end | measured in |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ref = runs["a"]["wall_outer_s"] if "a" in runs else None
-    n_backbone = next((a["n_backbone"] for a in arms.values() if "n_backbone" in a), None)
+    # a baseline arm counts its model's weights; an (a)-only run: the same count from the shape's config
+    n_backbone = next((a["n_backbone"] for a in arms.values() if "n_backbone" in a),
+                      config_matmul_params(llama8b_config(layers)))
     for key, name in (("a", "(a) loraplex executor, early exit"), ("b", "(b) loraplex executor, no early exit")):
         if key not in runs:
             continue
