@@ -1452,5 +1452,20 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     pack_logs
     rm -f "$OUT/host_memory.txt"
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d" >&2; exit 2 ;;
+  s38_a)  # next session (issue 40's evaluation, 31 s of search (a)'s 77-80 s): every evaluation of search (a) runs
+          # ~6.5 ms a sequence (~31k tok/s, ~48% MFU forward only) whatever its job count; the training steps'
+          # GEMM runs ~660 TFLOP/s. Where an evaluation's time goes against the backbone's own forward over the
+          # same tokens: search (a)'s [12 jobs, 64 examples, 64 a forward, 192 sequences] evaluation and a
+          # one-job one, then search (a) with its 4th evaluation under torch.profiler (top kernels in its log)
+    step 200 eval_profile_12 python3 bench/eval_profile.py --layers 32 --jobs 12 --chunk 64 --cap 192 --iters 3 \
+      --out "$OUT/eval_profile_12_h100.md"
+    step 120 eval_profile_1 python3 bench/eval_profile.py --layers 32 --jobs 1 --chunk 64 --cap 64 --iters 3 \
+      --out "$OUT/eval_profile_1_h100.md"
+    export TRITON_CACHE_DIR=/tmp/s38a/triton
+    rm -rf /tmp/s38a
+    LORAPLEX_BENCH_PROFILE_EVAL=3 search_a $((590 - SECONDS)) 190
+    pack_logs
+    rm -f "$OUT/host_memory.txt"
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d|s38_a" >&2; exit 2 ;;
 esac
