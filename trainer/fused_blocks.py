@@ -69,7 +69,7 @@ def _fused_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.T
 # $LORAPLEX_MLP_REBUILD=1: a step without recompute keeps no copy of down_proj's input, silu(gate) * up
 # (the intermediate width: 3.5 of the 17 hidden widths a layer keeps a token at 8B); down_proj's backward rebuilds it
 # from gate and up, which the SiLU's backward keeps anyway (one elementwise kernel a layer). Off by default: on an
-# H100 (session 37) search (a) trained in 43.0 s with it against 41.6 s without. The memory it frees let the
+# H100 (session 37) search (a) trained in 43.0 s with it against 41.8-42.0 s without. The memory it frees let the
 # warmup's 34-job step run as 4 passes without recompute (2.96 s) where it ran as one recomputed pass (1.60 s),
 # and the 24-job steps as 2 passes (0.78-1.0 s, against 0.80-0.85 s recomputed as graphs).
 MLP_REBUILD = os.environ.get("LORAPLEX_MLP_REBUILD", "0") == "1"
