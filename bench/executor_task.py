@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import task_e2e_data as te  # noqa: E402
+from baselines import config_matmul_params  # noqa: E402
+from engine_step import llama8b_config  # noqa: E402
 
 from contract.protocol import EvalSettings, TaskSettings  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
@@ -147,11 +149,6 @@ def samples_summary(out: Path) -> dict | None:
             "new_tokens": sum(int(r.get("tokens") or 0) for r in rows)}
 
 
-def params(layers: int) -> float:
-    h, i, kv = 4096, 14336, 1024
-    return layers * (2 * h * h + 2 * h * kv + 3 * h * i) + 128256 * h  # + the LM head
-
-
 def render(res: dict, args: argparse.Namespace) -> str:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     lines = [f"# The real executor at {args.layers} layers, {args.steps} steps ({dev})", "",
@@ -166,11 +163,12 @@ def render(res: dict, args: argparse.Namespace) -> str:
              "MFU | wall / train | eval share | samples s | steps | jobs end |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     memory = []
+    n_backbone = config_matmul_params(llama8b_config(args.layers))
     for name, r in res["runs"].items():
         ph, train = r["phases"], max(r["phases"]["train"], 1e-9)
         tps = r["train_tokens"] / train
         recompute = 8 if (r.get("timings") or {}).get("recompute", True) else 6
-        mfu = recompute * params(args.layers) * tps / (PEAK_TFLOPS * 1e12)
+        mfu = recompute * n_backbone * tps / (PEAK_TFLOPS * 1e12)
         lines.append(
             f"| {name} | {r['wall_s']:.1f} | {ph['load']:.1f} | {ph['profile']:.1f} | {ph['train']:.1f} | "
             f"{ph['eval']:.1f} | {ph['checkpoint']:.1f} | {ph['export']:.1f} | {r['first_step_s'] or 0:.1f} | "

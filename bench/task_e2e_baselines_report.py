@@ -188,8 +188,8 @@ def render_timing(layers: int, slot: dict, quality: dict) -> list[str]:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ref = runs["a"]["wall_outer_s"] if "a" in runs else None
     # a baseline arm counts its model's weights; an (a)-only run: the same count from the shape's config
-    n_backbone = next((a["n_backbone"] for a in arms.values() if "n_backbone" in a),
-                      config_matmul_params(llama8b_config(layers)))
+    n_backbone = (next((a["n_backbone"] for a in arms.values() if "n_backbone" in a), None)
+                  or config_matmul_params(llama8b_config(layers)))
     for key, name in (("a", "(a) loraplex executor, early exit"), ("b", "(b) loraplex executor, no early exit")):
         if key not in runs:
             continue

@@ -1,8 +1,8 @@
 """The fused MLP's down input rebuilt in the backward on CUDA (trainer.fused_blocks.MLP_REBUILD): steps
 without recompute, eager and replayed as CUDA graphs, give the same losses as without it (a graph's against
-the eager step's within bf16's rounding), and an eager
-step peaks lower by about (layers - 1) x tokens x intermediate x 2 bytes (the last layer's product is
-rebuilt while the others' are gone). Skipped without CUDA."""
+the eager step's within bf16's rounding), and an eager step peaks lower by about (layers - 1) x tokens x
+intermediate x 2 bytes (the last layer's product is rebuilt while the others' are gone). Skipped without
+CUDA."""
 
 from __future__ import annotations
 
