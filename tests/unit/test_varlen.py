@@ -107,3 +107,51 @@ def test_bounds_passed_are_used_and_the_positions_never_read(
                               max_length_q=24)
     torch.testing.assert_close(out.double(), packed_attention_ref(q, k, v, BOUNDS, 0.3),
                                rtol=1e-5, atol=1e-5)
+
+
+def _fake_varlen(seen: list, check: bool, flag: bool):  # noqa: ANN202
+    """A stand-in for torch's varlen_attn of one torch version: with the `enable_gqa` flag (2.13),
+    without it and without a check (2.11), or with a check and no flag (a wrapper that refuses
+    fewer key/value heads). It records the key heads it got and attends as the flash kernel does
+    (each key/value head serving its group of query heads)."""
+    def attend(q, k, v, cu, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **kw):  # noqa: ANN001, ANN202
+        if check and q.shape[1] != k.shape[1] and not kw.get("enable_gqa"):
+            raise ValueError("Expect query and key/value to have the same number of heads")
+        seen.append((k.shape[1], bool(kw.get("enable_gqa"))))
+        bounds = [int(x) for x in cu.tolist()]
+        ref = packed_attention_ref(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                   bounds, scale)
+        return ref[0].to(q.dtype)
+
+    def with_flag(q, k, v, cu, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):  # noqa: ANN001, ANN202
+        return attend(q, k, v, cu, cu_k, max_q, max_k, scale=scale, window_size=window_size, enable_gqa=enable_gqa)
+
+    def without(q, k, v, cu, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):  # noqa: ANN001, ANN202
+        return attend(q, k, v, cu, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    fn = with_flag if flag else without
+    import inspect
+    return fn, frozenset(inspect.signature(fn).parameters)
+
+
+@pytest.mark.parametrize(("check", "flag", "heads_seen"), [
+    (True, True, [(2, True)]),                    # torch 2.13: the flag
+    (False, False, [(2, False)]),                 # torch 2.11: no flag, no check
+    (True, False, [(4, False), (4, False)]),      # a wrapper that refuses: expanded, then at once
+])
+def test_grouped_query_heads_reach_the_flash_kernel_unexpanded(
+        monkeypatch: pytest.MonkeyPatch, check: bool, flag: bool, heads_seen: list) -> None:
+    """Fewer key/value heads go to the flash kernel as they are (no two query-sized copies a layer),
+    with the flag where torch has one; a wrapper that refuses them gets them expanded, the same
+    attention, and is not asked again."""
+    seen: list = []
+    monkeypatch.setattr(varlen, "_flash_options", lambda: _fake_varlen(seen, check, flag))
+    monkeypatch.setattr(varlen, "_GQA_STRAIGHT", [True])
+    q, k, v = packed(5)
+    cu = torch.tensor(BOUNDS, dtype=torch.int32)
+    ref = packed_attention_ref(q, k, v, BOUNDS, 0.3)
+    for _ in range(2 if check and not flag else 1):
+        out = varlen._flash(q, k, v, cu, 24, 0.3, None)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert seen == heads_seen
+    assert varlen._GQA_STRAIGHT == [not (check and not flag)]
