@@ -35,7 +35,7 @@ ARCHIVES = Path(__file__).resolve().parent / "triton_cache"
 MARKER_PREFIX = ".loraplex-shipped-"
 MANIFEST = ARCHIVES / "manifest.json"
 # the modules whose Triton kernels (and the helpers they call) the archives hold
-KERNEL_MODULES = ("kernels.fused_lora", "kernels.triton_lora", "kernels.norm_act", "kernels.rope")
+KERNEL_MODULES = ("kernels.fused_lora", "kernels.triton_lora", "kernels.norm_act", "kernels.rope", "kernels.cross_entropy")
 
 
 def cache_dir() -> Path:

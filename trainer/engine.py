@@ -31,7 +31,7 @@ from trainer.arena import AdapterArena, host_to_device
 from trainer.data import IGNORE, Example, sequence_tokens
 from trainer.evaluation import TOKEN_METRICS, Evaluation
 from trainer.fused_blocks import fuse_blocks, set_mlp_rebuild
-from trainer.head import default_chunk, token_losses, token_losses_and_hits
+from trainer.head import ModelHead, default_chunk, token_losses, token_losses_and_hits
 from trainer.jobs import JobRun, TrainJob, update_jobs
 from trainer.multilora import inject_multilora, without_backbone_dropout
 from trainer.packing import PackedBatch, ShapeBuckets, pack_flat, pack_step
@@ -106,6 +106,7 @@ class MultiLoraEngine:
         self.targets = resolve_targets(self.family, targets)
         cap = self.family.logit_softcap_attr
         self.logit_softcap: float | None = getattr(model.config, cap, None) if cap else None
+        self.output_logits = ModelHead(self)  # the model's own logits (trainer.head)
         without_backbone_dropout(model)
         if (getattr(model.config, "attn_logit_softcapping", None)
                 and model.config._attn_implementation == "sdpa"):
@@ -253,21 +254,6 @@ class MultiLoraEngine:
             input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **varlen
         )
         return out.last_hidden_state
-
-    def output_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The model's own logits of hidden states, at least float32: its LM head, then its
-        family's logit scaling (Cohere: x logit_scale; Granite: / logits_scaling) and final
-        soft-cap (Gemma-2: cap * tanh(logits / cap)) as the model's forward does."""
-        logits = self.model.get_output_embeddings()(h)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        config, family = self.model.config, self.family
-        if family.logit_scale_attr and getattr(config, family.logit_scale_attr, None) is not None:
-            logits = logits * getattr(config, family.logit_scale_attr)
-        if family.logit_divisor_attr and getattr(config, family.logit_divisor_attr, None) is not None:
-            logits = logits / getattr(config, family.logit_divisor_attr)
-        if self.logit_softcap:
-            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
-        return logits
 
     def _forward_losses(self, states: Sequence[JobRun], per_job: Sequence[Sequence[Example]]):  # noqa: ANN202
         """One forward of every job's micro-batch: the batch, each job's summed token loss and

@@ -216,12 +216,12 @@ def test_engine_is_left_as_found_training_in_varlen(root: Path) -> None:
         raise RuntimeError("head failed")
 
     before = engine_state(engine)
-    engine.output_logits = broken  # fails after the prefill: layouts set, attention switched
+    head, engine.output_logits = engine.output_logits, broken  # fails after the prefill: layouts set, attention switched
     try:
         with pytest.raises(RuntimeError, match="head failed"):
             generate(engine, prompts, ["a", "a", None], max_new_tokens=4, pad_id=engine.pad_id)
     finally:
-        del engine.output_logits
+        engine.output_logits = head
     assert_same_state(before, engine_state(engine))
     assert all(lay == (None, None, None) for lay in before["layouts"])
     assert engine.step().losses == twin.step().losses
