@@ -14,7 +14,12 @@ Analytic terms (bytes, bf16 activations a = 2):
   target's x.A); with recompute a layer keeps only its input, and one layer's activations live
   again during its backward; plus the hidden states' gradients and the per-token losses.
 - per step whatever its tokens: the head's logits of min(tokens, chunk) tokens, AdamW's grouped
-  temporary and STEP_FIXED.
+  temporary and STEP_FIXED. The head's float32 logits, softmax and gradient (HEAD_BYTES a logit),
+  or, where the head's cross-entropy runs fused (trainer.head: its bf16 logits, their gradient
+  written over them), FUSED_HEAD_BYTES.
+- the attention's key and value as each layer keeps them: at their own heads' width where the
+  flash kernel takes grouped-query heads as they are (trainer.varlen), else expanded to the
+  query's heads (`kv_expanded`, every other attention path: transformers' own repeat them).
 `ACTIVATION_SLACK`, `HEAD_BYTES` and `STEP_FIXED` cover what the count above leaves out (the
 norms' float32 upcasts, RoPE's temporaries, the allocator's rounding; FUSED_ACTIVATION_SLACK where
 the norms and the gate run fused, trainer.fused_blocks); their values come from the
@@ -32,17 +37,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from trainer.admission import MemoryModel
 from trainer.jobs import ADAMW_CHUNK
 
 ACT_BYTES = 2  # bf16 activations
 HEAD_BYTES = 16  # per logit of the head's chunk: bf16 logits, their float32 upcast, softmax, gradients
+FUSED_HEAD_BYTES = 8  # the fused cross-entropy's: bf16 logits (their gradient written over them), workspaces
 STEP_FIXED = 768 << 20  # what a step holds whatever its tokens beyond the head (H100, 8B: ~0.8 GB)
 WORKSPACE = 512 << 20  # cuBLAS/Triton workspaces, the allocator's rounding of the big blocks
-ACTIVATION_SLACK = 1.5
+# fitted (sessions 19 and 26) while the expanded key/value were not counted: 1.5 and 1.15 then; since
+# session 38 counted (`kv_expanded`), and the fused slack refitted from session 38's H100 peaks
+ACTIVATION_SLACK = 1.41
 # with the norms and the MLP's gate on fused kernels (trainer.fused_blocks) a layer keeps what the
 # count below names and little else: no float32 copy of a norm's input, no silu(gate)
-FUSED_ACTIVATION_SLACK = 1.15
+FUSED_ACTIVATION_SLACK = 1.06
 ARENA_SLACK = 1.125  # the arena grows by an eighth at least: a job's state costs up to this more
 MAX_POINTS = 512  # the steps the envelope is drawn over (the largest always among them)
 # the least share of its starting slope a corrected model keeps: a step's peak read low (a buffer
@@ -62,6 +72,7 @@ class Shapes:
     kv: int  # key/value width (kv heads * head dim)
     vocab: int
     heads: int
+    q: int = 0  # query width (heads * head dim); 0: the hidden size
 
     @classmethod
     def of(cls, config: Any) -> Shapes:
@@ -71,16 +82,19 @@ class Shapes:
         head_dim = int(getattr(text, "head_dim", None) or h // heads)
         kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
         return cls(hidden=h, intermediate=int(text.intermediate_size), layers=int(text.num_hidden_layers),
-                   kv=kv_heads * head_dim, vocab=int(text.vocab_size), heads=heads)
+                   kv=kv_heads * head_dim, vocab=int(text.vocab_size), heads=heads, q=heads * head_dim)
 
 
-def layer_activation_bytes(s: Shapes, n_targets: int, rank: int, fused: bool = False, rebuild: bool = False) -> float:
+def layer_activation_bytes(s: Shapes, n_targets: int, rank: int, fused: bool = False, rebuild: bool = False,
+                           kv_expanded: bool = True) -> float:
     """Per token: what one decoder layer keeps for its backward (no recompute); `fused`: its
     norms and gate on the fused kernels; `rebuild`: down's input rebuilt in the backward
-    (trainer.fused_blocks.MLP_REBUILD), not kept."""
+    (trainer.fused_blocks.MLP_REBUILD), not kept; `kv_expanded`: the attention keeps key and
+    value repeated to the query's heads."""
     h, i, kv = s.hidden, s.intermediate, s.kv
     elems = 4 * h          # norm inputs and outputs, both norms
     elems += h + 2 * kv    # q, k, v after RoPE
+    elems += 2 * max(0, (s.q or h) - kv) if kv_expanded else 0  # key and value repeated per query head
     elems += h             # the attention's output (o_proj's input)
     elems += (2 if rebuild else 3) * i  # gate, up, act(gate) * up (down's input)
     elems += n_targets * rank  # each LoRA target's x.A
@@ -89,9 +103,9 @@ def layer_activation_bytes(s: Shapes, n_targets: int, rank: int, fused: bool = F
 
 
 def per_token_bytes(s: Shapes, recompute: bool, n_targets: int, rank: int, fused: bool = False,
-                    rebuild: bool = False) -> float:
+                    rebuild: bool = False, kv_expanded: bool = True) -> float:
     """k1: bytes per token of a training step (`rebuild`: without recompute only)."""
-    layer = layer_activation_bytes(s, n_targets, rank, fused, rebuild and not recompute)
+    layer = layer_activation_bytes(s, n_targets, rank, fused, rebuild and not recompute, kv_expanded)
     if recompute:  # every layer's input kept, and one layer's activations live again
         body = s.layers * ACT_BYTES * s.hidden + layer
     else:
@@ -108,15 +122,29 @@ def eval_token_bytes(config: Any, n_targets: int, max_rank: int) -> float:
     return layer_activation_bytes(s, n_targets, _tile(max_rank)) + 3 * ACT_BYTES * s.hidden + 64
 
 
-def eval_fixed_bytes(config: Any, head_chunk: int) -> float:
+def eval_fixed_bytes(config: Any, head_chunk: int, fused_head: bool = False) -> float:
     """What an evaluation forward holds whatever its tokens: the head's chunk of logits (counted
     as a step's, gradient included) and a workspace."""
-    return head_bytes(Shapes.of(config), head_chunk) + WORKSPACE
+    return head_bytes(Shapes.of(config), head_chunk, fused_head) + WORKSPACE
 
 
-def head_bytes(s: Shapes, tokens: int) -> float:
-    """The head's float32 logits of `tokens` tokens (one chunk at most): forward, softmax, gradient."""
-    return float(HEAD_BYTES) * tokens * s.vocab
+def head_bytes(s: Shapes, tokens: int, fused_head: bool = False) -> float:
+    """The head's logits of `tokens` tokens (one chunk at most): float32 forward, softmax and
+    gradient, or the fused cross-entropy's bf16 logits (`fused_head`)."""
+    return float(FUSED_HEAD_BYTES if fused_head else HEAD_BYTES) * tokens * s.vocab
+
+
+def engine_terms(engine: Any) -> dict[str, bool]:  # noqa: ANN401
+    """What the count depends on in how this engine runs: `fused_head`, the head's cross-entropy
+    fused (trainer.head.ModelHead.plain_weight), and `kv_expanded`, false where the attention is
+    the flash varlen kernel (trainer.varlen: grouped-query heads as they are)."""
+    from trainer.varlen import flash_exact, flash_varlen_available
+
+    plain = getattr(engine.output_logits, "plain_weight", None)
+    probe = torch.empty(0, dtype=engine.compute_dtype, device=engine.device)
+    flash = (engine.attention == "varlen" and engine.device.type == "cuda" and flash_varlen_available()
+             and flash_exact(engine.model.config) and engine.compute_dtype in (torch.float16, torch.bfloat16))
+    return {"fused_head": plain is not None and plain(probe) is not None, "kv_expanded": not flash}
 
 
 def state_bytes_per_param(adapter_itemsize: int) -> float:
@@ -138,16 +166,17 @@ def fixed_transient(head_per_token: float, tokens: int, adapter_params: int) -> 
 
 def analytic_model(config: Any, *, head_chunk: int, max_rank: int, n_targets: int, recompute: bool,
                    sequences_per_item: int = 1, resident: float | None = None,
-                   state_bytes_per_rank: float = 0.0, fused: bool = False, rebuild: bool = False) -> MemoryModel:
+                   state_bytes_per_rank: float = 0.0, fused: bool = False, rebuild: bool = False,
+                   fused_head: bool = False, kv_expanded: bool = True) -> MemoryModel:
     """M(B) = k0 + k1 * B * L for this model and step (see the module docstring); B counts batch
     items (a DPO item is a pair: its k1 counts both sequences). Live form (resident None): k0 is
     the step's fixed transient and a workspace; admission adds what is resident when it decides
     and each job's state. Static form: k0 also holds `resident` and one job of the largest rank."""
     s = Shapes.of(config)
-    k0 = fixed_transient(HEAD_BYTES * s.vocab, head_chunk, ADAMW_CHUNK) + WORKSPACE
+    k0 = fixed_transient(head_bytes(s, 1, fused_head), head_chunk, ADAMW_CHUNK) + WORKSPACE
     if resident is not None:
         k0 += resident + state_bytes_per_rank * max_rank
-    k1 = per_token_bytes(s, recompute, n_targets, _tile(max_rank), fused, rebuild) * sequences_per_item
+    k1 = per_token_bytes(s, recompute, n_targets, _tile(max_rank), fused, rebuild, kv_expanded) * sequences_per_item
     return MemoryModel(k0=float(k0), k1=float(k1))
 
 

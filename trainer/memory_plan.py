@@ -2,16 +2,14 @@
 (docs/architecture.md, technique 3), stored per node and profile key or built from the model's
 config with no profiling pass (trainer.memory_model) and corrected online from the real steps'
 peaks (stored again), the admission controller built on it, the policy that turns activation
-recompute off for steps that fit without it, and the step that runs again when it ran out of
-memory.
+recompute off for steps that fit without it, and the step that runs again out of memory.
 
-A component, not a part of the executor: it has its own meaning (how many rows the device holds,
-and whether a step recomputes) and its own state (the model, its corrections, the counters the
-timings report). trainer.executor.Executor owns one (`executor.memory`), built once the engine
-exists, with exactly what it reads: the settings, the engine and its device, the objective (the
-probe's items), the strategy (the ranks decide alike), the executor's phase timer (the "profile"
-phase) and where a job parked by a hosted task is found. The engine's per-step recompute hook
-and admission's resident and state bytes are its bound methods."""
+A component, not a part of the executor: its own meaning (how many rows the device holds, whether
+a step recomputes) and state (the model, its corrections, the timings' counters).
+trainer.executor.Executor owns one (`executor.memory`), built once the engine exists, with what it
+reads: the settings, the engine and its device, the objective (the probe's items), the strategy
+(the ranks decide alike), the phase timer ("profile") and where a hosted task's parked job is. The
+engine's recompute hook and admission's resident and state bytes are its bound methods."""
 
 from __future__ import annotations
 
@@ -44,12 +42,13 @@ from trainer.fused_blocks import fused, mlp_rebuilds
 from trainer.jobs import JobRun, TrainJob
 from trainer.memory_model import (
     ARENA_SLACK,
-    HEAD_BYTES,
     OnlineCorrection,
     Shapes,
     analytic_model,
+    engine_terms,
     eval_fixed_bytes,
     eval_token_bytes,
+    head_bytes,
     state_bytes_per_param,
 )
 from trainer.sft import Sft
@@ -176,10 +175,9 @@ class MemoryPlan:
                 store_profile(self.cfg.profile_cache, key,
                               MemoryModel(max(f[0] for f in fits), max(f[1] for f in fits)))
         if self.live:
-            shapes = Shapes.of(self.engine.model.config)
             built = mm if not reuse else self.analytic_model(recompute)
-            self.corrections[recompute] = OnlineCorrection(mm, HEAD_BYTES * shapes.vocab, self.engine.head_chunk,
-                                                           floor_of=built.k1)
+            head = head_bytes(Shapes.of(self.engine.model.config), 1, engine_terms(self.engine)["fused_head"])
+            self.corrections[recompute] = OnlineCorrection(mm, head, self.engine.head_chunk, floor_of=built.k1)
         return mm
 
     def analytic_model(self, recompute: bool) -> MemoryModel:
@@ -197,7 +195,8 @@ class MemoryPlan:
         return analytic_model(eng.model.config, head_chunk=eng.head_chunk, max_rank=self.max_rank,
                               n_targets=self.n_targets, recompute=recompute,
                               sequences_per_item=self.objective.sequences_per_item, resident=resident,
-                              state_bytes_per_rank=per_rank, fused=fused(eng.model), rebuild=mlp_rebuilds(eng.model))
+                              state_bytes_per_rank=per_rank, fused=fused(eng.model), rebuild=mlp_rebuilds(eng.model),
+                              **engine_terms(eng))
 
     def measured_model(self, batches: tuple[int, ...] = (1, 2, 4)) -> MemoryModel:
         """A profiling pass (CUDA): the peak of `probe_step` at a few total batches, fitted."""
@@ -251,7 +250,8 @@ class MemoryPlan:
     # ----- evaluation forwards (one GPU, the live form) ---------------------------------------
     def _eval_model(self) -> tuple[float, float]:
         config = self.engine.model.config
-        return eval_token_bytes(config, self.n_targets, self.max_rank), eval_fixed_bytes(config, self.engine.head_chunk)
+        return (eval_token_bytes(config, self.n_targets, self.max_rank),
+                eval_fixed_bytes(config, self.engine.head_chunk, engine_terms(self.engine)["fused_head"]))
 
     def eval_tokens(self) -> int | None:
         """Tokens one evaluation forward may hold now: the room under admission's limit (what is

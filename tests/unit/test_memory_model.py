@@ -175,6 +175,51 @@ def test_the_fused_analytic_model_against_peaks_measured_on_an_h100() -> None:
     assert worst_unfused > 0.10
 
 
+def test_the_model_with_the_fused_head_and_unexpanded_key_value_against_peaks_measured_on_an_h100() -> None:
+    """Session 38's code (the head's cross-entropy fused: bf16 logits alone; grouped-query key and
+    value kept at their own width by the flash kernel): every step the allocator saw of the 60-step
+    task, and of search (a) after its warmup (384 to 6912 cells, with and without recompute), within
+    10% and never more than 1% under; counted as before (float32 head, expanded key/value) the same
+    steps are over-predicted by more than 10%, the 11-13% that session 38's first run showed."""
+    data = json.loads((Path(__file__).parent / "data" / "memory_peaks_s38_h100.json").read_text())
+    s = Shapes.of(LlamaConfig(**data["model"]))
+    assert len(data["steps"]) >= 10 and {st["recompute"] for st in data["steps"]} == {True, False}
+    worst_before = 0.0
+    for st in data["steps"]:
+        t = st["tokens"]
+        for now in (True, False):
+            fixed = head_bytes(s, min(t, data["head_chunk"]), fused_head=now) + 4 * ADAMW_CHUNK + STEP_FIXED
+            per_token = per_token_bytes(s, st["recompute"], data["targets"], data["max_rank"], True, kv_expanded=not now)
+            error = (st["resident"] + fixed + per_token * t - st["peak"]) / st["peak"]
+            if now:
+                assert -0.01 <= error <= 0.10, (st, error)
+            else:
+                worst_before = max(worst_before, error)
+    assert worst_before > 0.10
+
+
+def test_the_terms_follow_how_the_engine_runs() -> None:
+    """On the CPU the head's cross-entropy is torch's and the attention repeats key and value: the
+    counted terms say so, and the expanded key/value add 2 (query width - key/value width) elements
+    a token a layer."""
+    from trainer.engine import MultiLoraEngine
+    from trainer.memory_model import engine_terms, layer_activation_bytes
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    from transformers import AutoModelForCausalLM
+
+    eng = MultiLoraEngine(AutoModelForCausalLM.from_config(cfg), [], 0, attention="varlen")
+    assert engine_terms(eng) == {"fused_head": False, "kv_expanded": True}
+    eng.output_logits.force_fused = True  # the kernel under the interpreter: on this device, with force
+    from kernels.cross_entropy import available
+
+    assert engine_terms(eng)["fused_head"] == available(torch.empty(0))
+    sh = Shapes.of(cfg)
+    grown = layer_activation_bytes(sh, 7, 16, True) - layer_activation_bytes(sh, 7, 16, True, kv_expanded=False)
+    assert grown == pytest.approx(1.06 * 2 * 2 * (32 - 16))
+
+
 def test_recompute_is_chosen_from_the_steps_own_tokens(tmp_path) -> None:  # noqa: ANN001
     from transformers import AutoModelForCausalLM
 
