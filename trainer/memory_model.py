@@ -34,6 +34,7 @@ lowers to their upper envelope (+5%).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +45,10 @@ from trainer.jobs import ADAMW_CHUNK
 
 ACT_BYTES = 2  # bf16 activations
 HEAD_BYTES = 16  # per logit of the head's chunk: bf16 logits, their float32 upcast, softmax, gradients
-FUSED_HEAD_BYTES = 8  # the fused cross-entropy's: bf16 logits (their gradient written over them), workspaces
+# the fused cross-entropy's: bf16 logits (their gradient written over them), workspaces. The variable
+# is for measuring how this count steers admission (16 gives it the float32 path's count of before:
+# session 38's warmup packed 36 jobs into recomputed steps with 8), not a setting
+FUSED_HEAD_BYTES = int(os.environ.get("LORAPLEX_FUSED_HEAD_BYTES", "8"))
 STEP_FIXED = 768 << 20  # what a step holds whatever its tokens beyond the head (H100, 8B: ~0.8 GB)
 WORKSPACE = 512 << 20  # cuBLAS/Triton workspaces, the allocator's rounding of the big blocks
 # fitted (sessions 19 and 26) while the expanded key/value were not counted: 1.5 and 1.15 then; since
