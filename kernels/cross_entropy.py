@@ -92,6 +92,8 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, grad: bool =
         _ce_rows[(rows,)](logits, targets.contiguous(), losses, hit, logits.shape[1], logits.stride(0),
                           IGNORE_INDEX=IGNORE, GRAD=grad, HITS=hits, BLOCK_V=BLOCK,
                           num_warps=1 if _INTERPRET else 8)
+        if hits:  # the kernel's max passes over a NaN; torch.argmax takes it: no hit on a row whose loss is NaN
+            hit.masked_fill_(torch.isnan(losses), 0.0)
     return losses, hit if hits else None
 
 

@@ -23,6 +23,7 @@ cap; a GPU), each chunk's cross-entropy, argmax and gradient come from the bf16 
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -127,8 +128,14 @@ class ModelHead:
     `force_fused`: the fused cross-entropy on the CPU too (tests, under TRITON_INTERPRET=1)."""
 
     def __init__(self, engine: Any) -> None:  # noqa: ANN401
-        self._engine = weakref.ref(engine)
+        self._ref = weakref.ref(engine)
         self.force_fused = False
+
+    def _engine(self) -> Any:  # noqa: ANN401
+        eng = self._ref()
+        if eng is None:
+            raise RuntimeError("this head's engine is gone (a head serves the engine that built it)")
+        return eng
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         eng = self._engine()
@@ -153,7 +160,9 @@ class ModelHead:
     def plain_weight(self, h: torch.Tensor) -> torch.Tensor | None:
         """The LM head's weight where the logits of h are its product alone (no bias, scaling or cap;
         a local tensor, not a shard of adapter parallelism's) and the fused kernel runs on h's device
-        (on the CPU only with `force_fused`), else None."""
+        (on the CPU only with `force_fused`), else None. LORAPLEX_FUSED_CE=0: always None."""
+        if os.environ.get("LORAPLEX_FUSED_CE", "1") == "0":
+            return None
         eng = self._engine()
         head = eng.model.get_output_embeddings()
         weight = getattr(head, "weight", None)

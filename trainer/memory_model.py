@@ -142,11 +142,11 @@ def engine_terms(engine: Any) -> dict[str, bool]:  # noqa: ANN401
     """What the count depends on in how this engine runs: `fused_head`, the head's cross-entropy
     fused (trainer.head.ModelHead.plain_weight), and `kv_expanded`, false where the attention is
     the flash varlen kernel (trainer.varlen: grouped-query heads as they are)."""
-    from trainer.varlen import flash_exact, flash_varlen_available
+    from trainer.varlen import flash_exact, gqa_unexpanded
 
     plain = getattr(engine.output_logits, "plain_weight", None)
     probe = torch.empty(0, dtype=engine.compute_dtype, device=engine.device)
-    flash = (engine.attention == "varlen" and engine.device.type == "cuda" and flash_varlen_available()
+    flash = (engine.attention == "varlen" and engine.device.type == "cuda" and gqa_unexpanded()
              and flash_exact(engine.model.config) and engine.compute_dtype in (torch.float16, torch.bfloat16))
     return {"fused_head": plain is not None and plain(probe) is not None, "kv_expanded": not flash}
 

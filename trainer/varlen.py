@@ -69,6 +69,13 @@ def flash_exact(config: Any) -> bool:
 _GQA_STRAIGHT = [True]
 
 
+def gqa_unexpanded() -> bool:
+    """Whether the flash path keeps grouped-query key/value heads at their own width (the memory
+    model counts what the attention keeps)."""
+    options = _flash_options()
+    return options is not None and ("enable_gqa" in options[1] or _GQA_STRAIGHT[0])
+
+
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
            max_len: int, scaling: float | None, window: int | None) -> torch.Tensor:
     varlen_attn, params = _flash_options()

@@ -64,3 +64,40 @@ def test_default_chunk_bounds_the_logits() -> None:
     # a multiple of 16 for every vocabulary: each chunk's int64 targets start 16-byte aligned, so the
     # fused cross-entropy's kernel compiles once (Qwen2.5's 152,064 gave 1,765 tokens before)
     assert all(default_chunk(v) % 16 == 0 for v in (152064, 151936, 49152, 50257, 256000, 32001))
+
+
+def test_the_fused_cross_entropy_serves_a_plain_head_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModelHead.plain_weight (the fused kernel's gate) on a real engine, its device check stood in:
+    the LM head's weight for a bias-free head with no logit scale or cap, on the CPU only when forced;
+    None for a soft-cap, a head with a bias, another dtype, or under LORAPLEX_FUSED_CE=0."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from trainer import head as head_mod
+    from trainer.engine import MultiLoraEngine
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    eng = MultiLoraEngine(AutoModelForCausalLM.from_config(cfg), [], 0)
+    monkeypatch.setattr(head_mod, "fused_ce_available", lambda _t: True)
+    head, h = eng.output_logits, torch.zeros(3, 32)
+    assert head.plain_weight(h) is None  # the CPU, not forced
+    head.force_fused = True
+    assert head.plain_weight(h) is eng.model.get_output_embeddings().weight
+    assert head.plain_weight(h.double()) is None  # another dtype than the head's
+    monkeypatch.setenv("LORAPLEX_FUSED_CE", "0")
+    assert head.plain_weight(h) is None
+    monkeypatch.delenv("LORAPLEX_FUSED_CE")
+    eng.logit_softcap = 30.0
+    assert head.plain_weight(h) is None
+    eng.logit_softcap = None
+    lin = eng.model.get_output_embeddings()
+    lin.bias = torch.nn.Parameter(torch.zeros(64), requires_grad=False)
+    assert head.plain_weight(h) is None
+    lin.bias = None
+    assert head.plain_weight(h) is lin.weight
+    del eng
+    import gc
+
+    gc.collect()
+    with pytest.raises(RuntimeError, match="engine is gone"):
+        head(h)

@@ -198,23 +198,25 @@ def test_the_model_with_the_fused_head_and_unexpanded_key_value_against_peaks_me
     assert worst_before > 0.10
 
 
-def test_the_terms_follow_how_the_engine_runs() -> None:
+def test_the_terms_follow_how_the_engine_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU the head's cross-entropy is torch's and the attention repeats key and value: the
-    counted terms say so, and the expanded key/value add 2 (query width - key/value width) elements
-    a token a layer."""
+    counted terms say so. A head the fused kernel serves (here forced, its device check stood in)
+    is counted as fused, and the expanded key/value add 2 (query width - key/value width)
+    elements a token a layer."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer import head as head_mod
     from trainer.engine import MultiLoraEngine
     from trainer.memory_model import engine_terms, layer_activation_bytes
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)
-    from transformers import AutoModelForCausalLM
-
     eng = MultiLoraEngine(AutoModelForCausalLM.from_config(cfg), [], 0, attention="varlen")
     assert engine_terms(eng) == {"fused_head": False, "kv_expanded": True}
-    eng.output_logits.force_fused = True  # the kernel under the interpreter: on this device, with force
-    from kernels.cross_entropy import available
-
-    assert engine_terms(eng)["fused_head"] == available(torch.empty(0))
+    monkeypatch.setattr(head_mod, "fused_ce_available", lambda _t: True)
+    assert engine_terms(eng)["fused_head"] is False  # on the CPU only when forced
+    eng.output_logits.force_fused = True
+    assert engine_terms(eng) == {"fused_head": True, "kv_expanded": True}
     sh = Shapes.of(cfg)
     grown = layer_activation_bytes(sh, 7, 16, True) - layer_activation_bytes(sh, 7, 16, True, kv_expanded=False)
     assert grown == pytest.approx(1.06 * 2 * 2 * (32 - 16))
