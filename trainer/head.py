@@ -90,11 +90,9 @@ def token_losses(logits_fn: LogitsFn, h: torch.Tensor, targets: torch.Tensor, ch
     weight = _plain(logits_fn, h)
     if torch.is_grad_enabled() and h.requires_grad:
         return _ChunkedHeadLoss.apply(h, targets, logits_fn, chunk, weight)
+    if weight is not None:  # the evaluation's kernel (hits unread): one compiled kernel fewer
+        return token_losses_and_hits(logits_fn, h, targets, chunk)[0]
     with torch.no_grad():
-        if weight is not None:  # the evaluation's kernel (hits unread): one compiled kernel fewer
-            return torch.cat([cross_entropy_rows(nn.functional.linear(h[lo : lo + chunk], weight),
-                                                 targets[lo : lo + chunk], hits=True)[0]
-                              for lo in range(0, h.shape[0], chunk)])
         return torch.cat([_chunk_losses(logits_fn, h[lo : lo + chunk], targets[lo : lo + chunk])
                           for lo in range(0, h.shape[0], chunk)])
 
