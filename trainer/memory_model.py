@@ -14,7 +14,8 @@ Analytic terms (bytes, bf16 activations a = 2):
   target's x.A); with recompute a layer keeps only its input, and one layer's activations live
   again during its backward; plus the hidden states' gradients and the per-token losses.
 - per step whatever its tokens: the head's logits of min(tokens, chunk) tokens, AdamW's grouped
-  temporary and STEP_FIXED. The head's float32 logits, softmax and gradient (HEAD_BYTES a logit),
+  temporary and STEP_FIXED; where the adapters are not in the compute dtype, the step's copy of
+  the whole arena in it (counted by the plan with what is resident, and in each new job's state). The head's float32 logits, softmax and gradient (HEAD_BYTES a logit),
   or, where the head's cross-entropy runs fused (trainer.head: its bf16 logits, their gradient
   written over them), FUSED_HEAD_BYTES.
 - the attention's key and value as each layer keeps them: at their own heads' width where the
@@ -29,11 +30,13 @@ tests/unit/data/memory_peaks_h100.json, which tests/unit/test_memory_model.py ch
 Online correction (`OnlineCorrection`): after each step the allocator saw (eager steps and
 captures; a replay allocates nothing) its transient peak (peak - resident before the step) is
 compared with the model's; a step it under-predicted raises the model at once (the slope for a
-step as large as any before, else a constant held in k0), and once `settle` steps agree the line
-lowers to their upper envelope (+5%).
+step as large as any before, else a constant held in k0), and once `settle` steps span a doubling
+of tokens the line moves to the covering one of least over-prediction relative to their peaks
+(+5%) where that is tighter than the line it replaces.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,10 +154,11 @@ def engine_terms(engine: Any) -> dict[str, bool]:  # noqa: ANN401
     return {"fused_head": plain is not None and plain(probe) is not None, "kv_expanded": not flash}
 
 
-def state_bytes_per_param(adapter_itemsize: int) -> float:
+def state_bytes_per_param(adapter_itemsize: int, copy_itemsize: float = 0.0) -> float:
     """A job's state per adapter parameter: the adapter and its two AdamW moments in the adapter
-    dtype, its float32 gradient; with the arena's growth."""
-    return (3 * adapter_itemsize + 4) * ARENA_SLACK
+    dtype, its float32 gradient, and (`copy_itemsize`) a step's copy of it in the compute dtype;
+    with the arena's growth."""
+    return (3 * adapter_itemsize + 4 + copy_itemsize) * ARENA_SLACK
 
 
 def adamw_temporary(adapter_params: int) -> float:
@@ -162,10 +166,12 @@ def adamw_temporary(adapter_params: int) -> float:
     return 4.0 * min(adapter_params, ADAMW_CHUNK)
 
 
-def fixed_transient(head_per_token: float, tokens: int, adapter_params: int) -> float:
+def fixed_transient(head_per_token: float, tokens: int, adapter_params: int, copy_per_param: float = 0.0) -> float:
     """What a step allocates beside its activations: the head's logits of `tokens` tokens (one
-    chunk at most), AdamW's temporary, STEP_FIXED."""
-    return head_per_token * tokens + adamw_temporary(adapter_params) + STEP_FIXED
+    chunk at most), AdamW's temporary, STEP_FIXED, and where the arena is not in the compute
+    dtype its copy in it (`copy_per_param` bytes for each of the arena's `adapter_params`:
+    AdapterArena.layout_arenas, every job's region, attached or not)."""
+    return head_per_token * tokens + adamw_temporary(adapter_params) + STEP_FIXED + copy_per_param * adapter_params
 
 
 def analytic_model(config: Any, *, head_chunk: int, max_rank: int, n_targets: int, recompute: bool,
@@ -197,24 +203,30 @@ class StepPeak:
     resident: int      # allocated before the step
     peak: int          # the allocator's peak during it
     predicted: float   # resident + the model's transient for these tokens
+    adapter_params: int = 0  # the adapter arena's elements then
 
 
 @dataclass
 class OnlineCorrection:
     """The model corrected from real steps (see the module docstring); `trace` keeps them all.
-    A step's transient is predicted as `head_per_token` x min(tokens, head_chunk) + the AdamW
-    temporary of its adapters + `extra` + k1 x tokens, where `extra` (a constant the steps
-    showed beyond the counted fixed part: a workspace, a kernel's scratch) is what the model's
-    k0 holds above the k0 it started from.
+    A step's transient is predicted as its counted fixed part (`fixed`: the head's logits of
+    min(tokens, head_chunk) tokens at `head_per_token`, the AdamW temporary, the arena's copy at
+    `copy_per_param`) + `extra` + k1 x tokens, where `extra` (a constant the steps showed beyond
+    the counted fixed part: a workspace, a kernel's scratch) is what the model's k0 holds above
+    the k0 it started from.
 
     Each step's excess x (its transient less the counted fixed part) corrects the line e + k1 t:
     - under-predicted, a step at least as large as any before raises the slope (the safe guess
       for larger steps), a smaller one the constant (a small step's few-hundred-MB deficit
       charged per token made an 8B task's k1 1.7x too large: 15-27% over-predicted peaks and
       needless recompute);
-    - once `settle` steps spanning at least a doubling of tokens were seen, the line lowers to
-      the upper envelope of them all (through the largest step, the steepest slope that covers
-      every smaller one), with `margin` on both terms.
+    - once `settle` steps spanning at least a doubling of tokens were seen, the line moves to
+      the one that covers them all (`envelope`: the least largest over-prediction relative to
+      each step's peak), with `margin` on both terms, where that over-predicts them less than
+      the line it replaces. Session 38's envelope went through the largest step: on an H200 a
+      search's largest step came after its warmup ranking, lighter per token than the warmup's
+      48-job steps, and the line through it had a 3.5 MB slope and an 18 GB constant: its
+      later small steps over-predicted by 23-60%.
     The slope never falls under K1_FLOOR of `floor_of` (the model built from the config)."""
 
     model: MemoryModel
@@ -222,9 +234,10 @@ class OnlineCorrection:
     head_chunk: int
     settle: int = 8
     margin: float = 1.05
+    copy_per_param: float = 0.0
     trace: list[StepPeak] = field(default_factory=list)
     _k0_start: float = field(init=False, default=0.0)
-    _points: list[tuple[int, float]] = field(init=False, default_factory=list)  # (tokens, excess)
+    _points: list[tuple[int, float, float]] = field(init=False, default_factory=list)  # (tokens, excess, peak)
     # the least slope: K1_FLOOR of `floor_of` (the model built from the config, which no stored
     # correction moves; else the starting slope), so it never halves task after task on a node
     floor_of: float | None = None
@@ -240,7 +253,7 @@ class OnlineCorrection:
         return max(0.0, self.model.k0 - self._k0_start)
 
     def fixed(self, tokens: int, adapter_params: int) -> float:
-        return fixed_transient(self.head_per_token, min(tokens, self.head_chunk), adapter_params)
+        return fixed_transient(self.head_per_token, min(tokens, self.head_chunk), adapter_params, self.copy_per_param)
 
     def predict_transient(self, tokens: int, adapter_params: int = 0) -> float:
         return self.fixed(tokens, adapter_params) + self.extra + self.model.k1 * tokens
@@ -256,12 +269,12 @@ class OnlineCorrection:
         # the lasting allocations (new jobs' AdamW moments) come after the activations are freed
         predicted = max(resident + transient, after + adamw_temporary(adapter_params)) if lasting \
             else resident + transient
-        self.trace.append(StepPeak(tokens, recompute, resident, peak, predicted))
+        self.trace.append(StepPeak(tokens, recompute, resident, peak, predicted, adapter_params))
         if tokens <= 0 or peak <= resident or lasting:
             return False  # nothing to learn from a step whose peak may be its lasting allocations
         excess = float(peak - resident - self.fixed(tokens, adapter_params))
-        largest = max((t for t, _ in self._points), default=0)
-        self._points.append((tokens, excess))
+        largest = max((t for t, _, _ in self._points), default=0)
+        self._points.append((tokens, excess, float(peak)))
         if len(self._points) > MAX_POINTS:  # a long task: the largest step and the latest ones
             top = max(range(len(self._points)), key=lambda i: self._points[i])
             self._points = [self._points[top]] + [p for i, p in enumerate(self._points) if i != top][-(MAX_POINTS - 1):]
@@ -272,14 +285,10 @@ class OnlineCorrection:
             else:
                 e = excess * self.margin - k * tokens
         elif len(self._points) >= self.settle:
-            fit = envelope(self._points)
+            fit = envelope(self._points, self._k1_floor / self.margin)
             if fit is not None:
                 fe, fk = fit[0] * self.margin, fit[1] * self.margin
-                if fk < self._k1_floor:  # the floor's line above every point, not the fit's constant
-                    fk = self._k1_floor
-                    fe = self.margin * max(0.0, max(x - fk * t for t, x in self._points))
-                top = max(largest, tokens)  # the largest step (always among the points kept)
-                if fe + fk * top < e + k * top:  # lower where the largest step was
+                if over(self._points, fe, fk) < over(self._points, e, max(k, self._k1_floor)):
                     e, k = fe, fk
         k = max(k, self._k1_floor)
         if (e, k) == (self.extra, self.model.k1):
@@ -288,17 +297,31 @@ class OnlineCorrection:
         return True
 
 
-def envelope(points: list[tuple[int, float]]) -> tuple[float, float] | None:
-    """The line e + k t (e, k >= 0) above every (tokens, excess) point, through the largest step,
-    with the steepest slope that still covers the smaller ones (the safe slope for larger steps);
-    None until the points span at least a doubling of tokens (a slope needs a span)."""
-    top = max(t for t, _ in points)
-    if top < 2 * min(t for t, _ in points):
+def over(points: list[tuple[int, float, float]], e: float, k: float) -> float:
+    """The line e + k t's largest over-prediction of the points (tokens, excess, peak), relative
+    to each one's peak (negative where it under-predicts one)."""
+    return max((e + k * t - x) / w for t, x, w in points)
+
+
+def envelope(points: list[tuple[int, float, float]], floor: float = 0.0) -> tuple[float, float] | None:
+    """The line e + k t (e >= 0, k >= floor) above every point (tokens, excess, peak) whose
+    largest over-prediction relative to a point's peak is least; None until the points span at
+    least a doubling of tokens (a slope needs a span). For a slope k the least covering constant
+    is e(k) = max(0, max x - k t), convex in k, so the relative over-prediction is convex in k
+    too: a golden-section search over [floor, the slope through the origin covering them all]."""
+    ts = [t for t, _, _ in points]
+    if max(ts) < 2 * min(ts):
         return None
-    x_top = max(x for t, x in points if t == top)
-    k = min(((x_top - x) / (top - t) for t, x in points if t < top), default=0.0)
-    k = max(0.0, k)
-    e = max(x - k * t for t, x in points)
-    if e < 0:  # a line through the origin covers them: the least slope that does
-        e, k = 0.0, max(x / t for t, x in points)
-    return e, k
+
+    def line(k: float) -> tuple[float, float]:
+        return max(0.0, max(x - k * t for t, x, _ in points)), k
+
+    lo, hi = floor, max(floor, max(x / t for t, x, _ in points))
+    g = (math.sqrt(5) - 1) / 2
+    for _ in range(80):
+        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+        if over(points, *line(a)) <= over(points, *line(b)):
+            hi = b
+        else:
+            lo = a
+    return line(lo)

@@ -4,12 +4,10 @@ config with no profiling pass (trainer.memory_model) and corrected online from t
 peaks (stored again), the admission controller built on it, the policy that turns activation
 recompute off for steps that fit without it, and the step that runs again out of memory.
 
-A component, not a part of the executor: its own meaning (how many rows the device holds, whether
-a step recomputes) and state (the model, its corrections, the timings' counters).
-trainer.executor.Executor owns one (`executor.memory`), built once the engine exists, with what it
-reads: the settings, the engine and its device, the objective (the probe's items), the strategy
-(the ranks decide alike), the phase timer ("profile") and where a hosted task's parked job is. The
-engine's recompute hook and admission's resident and state bytes are its bound methods."""
+A component (its own meaning and state) that trainer.executor.Executor owns (`executor.memory`),
+built once the engine exists, with what it reads: the settings, the engine and its device, the
+objective (the probe's items), the strategy (the ranks decide alike), the phase timer and where a
+hosted task's parked job is. The engine's hooks and admission's callables are its bound methods."""
 
 from __future__ import annotations
 
@@ -85,6 +83,8 @@ class MemoryPlan:
         self.eval_retries = 0  # evaluations run again after running out of device memory
         self.arena_compactions = 0  # times compact_arena packed the arenas
         self.last_short = False  # the last step recomputed or ran as passes (short of memory)
+        # a step's copy of the arena in the compute dtype, bytes an element (AdapterArena.layout_arenas)
+        self.copy_per_param = 0.0 if engine.adapter_dtype == engine.compute_dtype else float(engine.compute_dtype.itemsize)
         self.admission = self._plan()
         # an evaluation forward's bytes per token and fixed part (one GPU; None: sized as a step)
         self.eval_per_token, self.eval_fixed = self._eval_model() if self.live and self.model else (None, 0.0)
@@ -106,7 +106,7 @@ class MemoryPlan:
         live = self.live and not cfg.memory_model
         admission = AdmissionController(
             self.model, budget, cfg.max_seq_len, max_jobs=cfg.max_active_jobs,
-            resident=self.resident_bytes if live else None, state_bytes=self.state_bytes if live else None)
+            resident=self.step_resident if live else None, state_bytes=self.state_bytes if live else None)
         if cfg.gradient_checkpointing == "auto" and self.strategy.whole_engine and not cfg.memory_model:
             with self.phase("profile"):
                 self.recompute_policy = self._without_recompute(admission)
@@ -157,16 +157,15 @@ class MemoryPlan:
             targets=sorted(eng.targets), gradient_checkpointing=recompute,
             adapter_dtype=cfg.adapter_dtype, backend=cfg.backend, ranks=self.strategy.world,
             max_lora_rank=self.max_rank, attention=eng.attention,
-            memory_model="live" if self.live else "static", fused_blocks=fused(eng.model), mlp_rebuild=mlp_rebuilds(eng.model))
+            memory_model="live-copy" if self.live else "static", fused_blocks=fused(eng.model), mlp_rebuild=mlp_rebuilds(eng.model))
 
     def stored_model(self, recompute: bool = True) -> MemoryModel:
         """The node's stored model for this key (measured or corrected by an earlier task), or
         the analytic one (no profiling pass); either is corrected online from the real steps."""
         key = self.profile_key(recompute)
         stored = load_profile(self.cfg.profile_cache, key)
-        # every rank must agree to reuse: one that lacks it (a torn read) makes all build it
+        # every rank must agree to reuse (a torn read makes all build it); reused: every profile needed was
         reuse = all(self.strategy.gather(stored is not None))
-        # reused only if every profile this executor needs was stored
         self.profile_reused = reuse if recompute else bool(self.profile_reused) and reuse
         mm = stored if reuse else self.analytic_model(recompute)
         if not reuse:  # the node knows it from now on (and as corrected by the steps, below)
@@ -177,7 +176,8 @@ class MemoryPlan:
         if self.live:
             built = mm if not reuse else self.analytic_model(recompute)
             head = head_bytes(Shapes.of(self.engine.model.config), 1, engine_terms(self.engine)["fused_head"])
-            self.corrections[recompute] = OnlineCorrection(mm, head, self.engine.head_chunk, floor_of=built.k1)
+            self.corrections[recompute] = OnlineCorrection(mm, head, self.engine.head_chunk, floor_of=built.k1,
+                                                           copy_per_param=self.copy_per_param)
         return mm
 
     def analytic_model(self, recompute: bool) -> MemoryModel:
@@ -204,8 +204,8 @@ class MemoryPlan:
 
     def probe_step(self, total_batch: int) -> None:
         """One full training step of a throwaway job of the largest rank at `total_batch`
-        sequences of max_seq_len tokens (DPO: pairs of two such sequences, responses trained
-        on their second half, reference pass included); leaves the engine as it found it."""
+        sequences of max_seq_len tokens (DPO: pairs, reference pass included); leaves the engine
+        as it found it."""
         eng, cfg = self.engine, self.cfg
         g = torch.Generator().manual_seed(0)
         vocab = eng.model.get_input_embeddings().num_embeddings
@@ -232,9 +232,17 @@ class MemoryPlan:
         graphs = self.engine.step_graphs
         return float(torch.cuda.memory_allocated(self.device)) + (graphs.pool_bytes if graphs else 0)
 
+    def step_copy(self) -> float:
+        """The arena's copy a training step makes (every job's region: ~5 GB for a search's 48
+        jobs of the 8B shape, uncounted until session 39)."""
+        return self.copy_per_param * self.engine.slots.arena.numel()
+
+    def step_resident(self) -> float:
+        """Admission's and the recompute policy's resident: what is, and a step's arena copy."""
+        return self.resident_bytes() + self.step_copy()
+
     def state_bytes(self, job: JobLike) -> float:
-        """The device bytes a job (a TrainJob, or a started job's slot) adds when it attaches:
-        its state (a resuming job parked on the device only its gradient region)."""
+        """A job's (a TrainJob, a started job's slot) device bytes on attaching (one parked on the device: its gradient)."""
         eng = self.engine
         per_rank = eng.params_per_rank
         rank = getattr(job, "lora_rank", None)
@@ -243,9 +251,9 @@ class MemoryPlan:
             if state is None:
                 return 0.0
             if state.adapter.flat.is_cuda:
-                return 4.0 * per_rank * state.adapter.rank * ARENA_SLACK
+                return (4.0 + self.copy_per_param) * per_rank * state.adapter.rank * ARENA_SLACK
             rank = state.adapter.rank
-        return per_rank * rank * state_bytes_per_param(eng.adapter_dtype.itemsize)
+        return per_rank * rank * state_bytes_per_param(eng.adapter_dtype.itemsize, self.copy_per_param)
 
     # ----- evaluation forwards (one GPU, the live form) ---------------------------------------
     def _eval_model(self) -> tuple[float, float]:
@@ -257,12 +265,13 @@ class MemoryPlan:
         """Tokens one evaluation forward may hold now: the room under admission's limit (what is
         resident read live: the graphs' pool, the evaluation's arena copy) less a forward's fixed
         part, over a no-grad forward's bytes per token (trainer.memory_model.eval_token_bytes;
-        raised by evaluations that peaked above it). A forward keeps nothing for a backward, so it
-        holds several times a training step's tokens. None: sized as a training step (ranks that
+        raised by evaluations that peaked above it). None: sized as a training step (ranks that
         must decide alike; the CPU; after two evaluations ran out of memory)."""
         if self.eval_per_token is None:
             return None
-        return max(0, int((self.admission.headroom - self.eval_fixed) / self.eval_per_token))
+        live = self.admission.resident is not None  # its resident holds a step's arena copy: not here
+        room = self.admission.headroom + (self.step_copy() if live else 0.0)
+        return max(0, int((room - self.eval_fixed) / self.eval_per_token))
 
     def eval_job_tokens(self) -> int:
         """What a job adds to an evaluation forward beside its tokens, in tokens' worth: its
@@ -279,8 +288,7 @@ class MemoryPlan:
         per token when above them. One that runs out of device memory runs again with them
         doubled; then, where `relieve` frees device memory (parked states to the host), with
         that; then sized as a training step. After it the allocator's free cached blocks go back
-        (its forwards' transients and group copies, in fragments: session 25's H100 search then
-        failed to find 5.4 GB whole for a step's arena copy beside 6.9 GB cached and free)."""
+        (session 25: fragments of them left no 5.4 GB whole for a step's arena copy)."""
         if self.eval_per_token is None:
             return run()[0]
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -306,10 +314,9 @@ class MemoryPlan:
     # ----- each step ----------------------------------------------------------------------
     def recompute_for(self, tokens: int, padding: float = 1.25) -> bool | None:
         """The engine's hook (`engine.recompute_for`): recompute on or off from a step's own
-        tokens once it has drawn them (RecomputePolicy.recompute_tokens; the worst case of its
-        total batch left most steps recomputing: 198 of 200 in an 8-job task of 1.7k tokens a
-        step); `padding`: the allowance for the row's length over them (1.0: the row itself, a
-        graphed step's key). None without a policy: the setting stays."""
+        tokens once it has drawn them (RecomputePolicy.recompute_tokens); `padding`: the allowance
+        for the row's length over them (1.0: the row itself, a graphed step's key). None without
+        a policy: the setting stays."""
         if self.recompute_policy is None:
             return None
         return self.recompute_policy.recompute_tokens(tokens, padding)
@@ -322,11 +329,8 @@ class MemoryPlan:
     def split_for(self, job_tokens: list[int]) -> list[list[int]] | None:
         """The engine's hook (`engine.split_for`): a step that one pass could run only with
         recompute runs as passes over its jobs that each fit without (RecomputePolicy.passes;
-        the search's first steps of all its configurations at once, 57k tokens, recomputed at
-        8.3k tok/s on an H200). None: one pass; without a policy (several ranks) always; with
-        LORAPLEX_SPLIT_STEPS=0. On since session 34: with the passes' kernels in the shipped Triton
-        cache, split steps ran 1.83 s against 2.11 s recomputed (session 33, H100); a cold cache
-        compiled them first (5.4 s of the 60-step task), what kept them off from session 23 on."""
+        session 33, H100: 1.83 s against 2.11 s recomputed). None: one pass; without a policy
+        (several ranks) always; with LORAPLEX_SPLIT_STEPS=0."""
         if self.recompute_policy is None or os.environ.get("LORAPLEX_SPLIT_STEPS", "1") == "0":
             return None
         return self.recompute_policy.passes(job_tokens)
@@ -335,8 +339,7 @@ class MemoryPlan:
         """Before a step (one GPU) after one that was short of memory (it recomputed or ran as
         passes): where the adapter arenas hold at least ARENA_COMPACT_SHARE of the device for no
         job, pack them (AdapterArena.compact) and drop the step graphs (their captures point at the
-        old arenas) with their pool. Steps that had room keep their captures: in session 33 two
-        packings after steps without recompute cost ~1 s of new captures and bought nothing."""
+        old arenas) with their pool. Steps that had room keep their captures (session 33)."""
         if not self.live or not self.last_short:
             return
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -415,8 +418,7 @@ class MemoryPlan:
 
     def timings(self) -> dict[str, Any]:
         """The memory plan's details of the timings report: whether the profile was reused, the
-        steps with and without recompute and, where the allocator saw steps, how the model did
-        (their count and the largest |predicted - measured| / measured peak)."""
+        steps with and without recompute and, where the allocator saw steps, how the model did."""
         out = {"profile_reused": self.profile_reused, "recompute_steps": self.recompute_steps["on"],
                "no_recompute_steps": self.recompute_steps["off"], "split_steps": self.split_steps,
                "eval_retries": self.eval_retries, "arena_compactions": self.arena_compactions,
@@ -424,18 +426,16 @@ class MemoryPlan:
         seen = [p for c in self.corrections.values() for p in c.trace if p.peak > p.resident]
         if seen:
             worst = max(seen, key=lambda p: abs(p.predicted - p.peak) / p.peak)
-            out.update(memory_steps_checked=len(seen), memory_retries=self.retries,
-                       memory_replays=self.replays,
+            out.update(memory_steps_checked=len(seen), memory_retries=self.retries, memory_replays=self.replays,
                        memory_model_error=abs(worst.predicted - worst.peak) / worst.peak,
-                       # where the largest error was (the report's details are scalars)
                        memory_worst_cells=worst.tokens, memory_worst_recompute=bool(worst.recompute),
                        memory_worst_resident=worst.resident, memory_worst_peak=worst.peak,
                        memory_worst_predicted=round(worst.predicted))
-            # every step the allocator saw, for whoever tunes the model (the report holds scalars):
-            # [cells, recompute, resident, peak, predicted] in MB, the last 64
+            # the last 64 steps the allocator saw, for whoever tunes the model: [cells, recompute,
+            # resident, peak, predicted] in MB and the arena's elements in millions
             log.info("memory trace steps=%s", json.dumps([
-                [p.tokens, int(p.recompute), p.resident >> 20, p.peak >> 20, round(p.predicted) >> 20]
-                for p in seen[-64:]]))
+                [p.tokens, int(p.recompute), p.resident >> 20, p.peak >> 20, round(p.predicted) >> 20,
+                 round(p.adapter_params / 1e6)] for p in seen[-64:]]))
         return out
 
 
