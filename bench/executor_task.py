@@ -132,8 +132,8 @@ def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: P
             "graphs": ex.engine.step_graphs.stats() if getattr(ex, "engine", None) is not None
             and ex.engine.step_graphs is not None else None,
             # the memory model (analytic or stored, corrected online) against every step the
-            # allocator saw: tokens, recompute, resident before, peak, predicted
-            "memory_trace": [(p.tokens, p.recompute, p.resident, p.peak, round(p.predicted))
+            # allocator saw: tokens, recompute, resident before, peak, predicted, the arena's elements
+            "memory_trace": [(p.tokens, p.recompute, p.resident, p.peak, round(p.predicted), p.adapter_params)
                              for c in corrections.values() for p in c.trace],
             "samples": samples_summary(out),
             "memory_final": {str(k): (c.model.k0, c.model.k1) for k, c in corrections.items()}}

@@ -477,7 +477,8 @@ def large_run(name: str, ee: bool, attention: str, *, args: argparse.Namespace, 
            "writes": rec["writes"], "written_gb": {k: round(sum(w[1] for w in rec["writes"] if w[0] == k) / 1024, 2)
                                                   for k in ("checkpoint", "export")},
            "graphs": graph_counts(ex.engine),
-           "memory_trace": [[p.tokens, int(p.recompute), p.resident >> 20, p.peak >> 20, round(p.predicted) >> 20]
+           "memory_trace": [[p.tokens, int(p.recompute), p.resident >> 20, p.peak >> 20, round(p.predicted) >> 20,
+                             round(p.adapter_params / 1e6)]
                             for c in ex.memory.corrections.values() for p in c.trace]}
     if rec.get("profile_table") and profile_out:
         Path(profile_out).write_text(
