@@ -406,7 +406,7 @@ def test_the_slope_never_falls_under_its_floor_and_a_stored_slope_of_zero_is_not
     res = 10**10
     for t, x in [(500, 6e8), (1000, 6e8), (4000, 5e8), (8000, 4e8)]:  # more tokens, less excess
         corr.observe(t, True, res, int(res + corr.fixed(t, 0) + x))
-    assert envelope(corr._points)[1] == 0.0
+    assert envelope(corr._points)[1] == pytest.approx(0.0, abs=1.0)  # under a byte a token
     assert corr.model.k1 == pytest.approx(K1_FLOOR * 4e5) and corr.model.max_total_batch(2e10, 1024) > 0
     path = tmp_path / "profiles.json"
     store_profile(path, "k", MemoryModel(1e9, 0.0))
