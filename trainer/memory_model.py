@@ -324,7 +324,7 @@ def envelope(points: list[tuple[int, float, float]], floor: float = 0.0) -> tupl
     a, b = hi - g * (hi - lo), lo + g * (hi - lo)
     fa, fb = cost(a), cost(b)
     for _ in range(48):  # each step keeps one of its two slopes: 0.618^48 of the range, ~1e-10
-        if fa <= fb:
+        if fa < fb:  # a tie moves right: of equally tight lines, the steeper (the safer for larger steps)
             hi, b, fb = b, a, fa
             a = hi - g * (hi - lo)
             fa = cost(a)
@@ -332,4 +332,4 @@ def envelope(points: list[tuple[int, float, float]], floor: float = 0.0) -> tupl
             lo, a, fa = a, b, fb
             b = lo + g * (hi - lo)
             fb = cost(b)
-    return line(a if fa <= fb else b)
+    return line(a if fa < fb else b)

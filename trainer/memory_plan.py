@@ -191,7 +191,7 @@ class MemoryPlan:
             layers = getattr(getattr(eng.model, "base_model", None), "layers", None)
             if self.strategy.world > 1 and layers:
                 resident += 2 * sum(p.numel() * p.element_size() for p in layers[0].parameters())
-            per_rank = eng.params_per_rank * state_bytes_per_param(eng.adapter_dtype.itemsize)
+            per_rank = eng.params_per_rank * state_bytes_per_param(eng.adapter_dtype.itemsize, self.copy_per_param)
         return analytic_model(eng.model.config, head_chunk=eng.head_chunk, max_rank=self.max_rank,
                               n_targets=self.n_targets, recompute=recompute,
                               sequences_per_item=self.objective.sequences_per_item, resident=resident,
@@ -322,9 +322,9 @@ class MemoryPlan:
         return self.recompute_policy.recompute_tokens(tokens, padding)
 
     def capture_bytes(self, tokens: int, recompute: bool) -> float | None:
-        """A capture's pool (StepGraphs.capture_need): activations without recompute; None with it."""
+        """A capture's pool (StepGraphs.capture_need): activations without recompute, the step's arena copy."""
         policy = self.recompute_policy
-        return None if recompute or policy is None else policy.without.k1 * tokens
+        return None if recompute or policy is None else policy.without.k1 * tokens + self.step_copy()
 
     def split_for(self, job_tokens: list[int]) -> list[list[int]] | None:
         """The engine's hook (`engine.split_for`): a step that one pass could run only with

@@ -89,8 +89,8 @@ def test_online_correction_raises_at_once_and_settles_to_the_steps_envelope() ->
     assert corr.model.k0 == pytest.approx(20e9 + corr.extra)
     again = corr.trace[-1]
     assert corr.predict_transient(100) + res >= again.peak  # covers the step that raised it
-    # settled (3 steps over a span of 20x): the envelope through the largest step, with the
-    # steepest slope that covers the smaller ones, lowered where it predicts less at the largest
+    # settled (3 steps over a span of 20x): the covering line of least relative over-prediction,
+    # taken where it over-predicts the steps less than the line before
     assert corr.observe(4000, True, res, int(res + corr.fixed(4000, 0) + 520e3 * 4000 + 300e6))
     assert corr.model.k1 < 630e3
     for t, x in [(2000, 600e3 * 2000), (100, 630e3 * 100 + 300e6), (4000, 520e3 * 4000 + 300e6)]:
@@ -126,6 +126,10 @@ def test_envelope_of_the_steps() -> None:
     assert k3 == pytest.approx(1.4e6) and e3 == pytest.approx(max(x - 1.4e6 * t for t, x, _ in pts))
     # points under a line through the origin: no negative constant
     assert envelope([(100, 1e6, 1e9), (1000, 1e9, 1e9)]) == (pytest.approx(0.0, abs=1.0), pytest.approx(1e6))
+    # equally tight lines (the largest relative over-prediction is a step the tangent step's own
+    # constant sets, whatever the slope in [0.5, 1] MB): the steepest, the safer for larger steps
+    tie = [(1000, 1e9, 1e9), (1000, 0.5e9, 1e9), (500, 0.4e9, 1e12), (2000, 1.5e9, 1e12)]
+    assert envelope(tie)[1] == pytest.approx(1e6, rel=1e-3)
 
 
 def test_a_later_lighter_largest_step_does_not_raise_every_small_steps_prediction() -> None:
@@ -481,11 +485,17 @@ def test_a_steps_copy_of_the_arena_in_the_compute_dtype_is_counted(tmp_path) -> 
     job = TrainJob("b", lora_rank=16, batch_size=1)
     assert plan.state_bytes(job) == pytest.approx(eng.params_per_rank * 16 * (3 * 4 + 4 + 2) * ARENA_SLACK)
     assert state_bytes_per_param(4, 2) - state_bytes_per_param(4) == pytest.approx(2 * ARENA_SLACK)
-    # the correction: a step's fixed part holds the copy of the arena it had
+    # the correction: a step's fixed part holds the copy of the arena it had. A 1G-element arena's
+    # step peaking 2 GB above the rest of the count: predicted as it came with the copy counted (the
+    # model unchanged), under-predicted without it (the model raised to cover 2 GB it did not know)
+    base = fixed_transient(0.0, 1, 10**9)
+    peak = int(5e9 + base + 2e9 + 1e5 * 100)
     corr = OnlineCorrection(MemoryModel(1e9, 1e5), head_per_token=0.0, head_chunk=1, copy_per_param=2.0)
-    assert corr.fixed(100, 10**9) == pytest.approx(fixed_transient(0.0, 1, 10**9) + 2e9)
-    assert not corr.observe(100, True, 5 * 10**9, int(5e9 + corr.fixed(100, 10**9) + 1e5 * 100), 10**9)
-    assert corr.trace[-1].adapter_params == 10**9
+    assert not corr.observe(100, True, 5 * 10**9, peak, 10**9)
+    assert corr.trace[-1].predicted == pytest.approx(peak) and corr.trace[-1].adapter_params == 10**9
+    blind = OnlineCorrection(MemoryModel(1e9, 1e5), head_per_token=0.0, head_chunk=1)
+    assert blind.observe(100, True, 5 * 10**9, peak, 10**9)
+    assert blind.trace[-1].predicted < peak - 1.9e9
     # an arena in the compute dtype is read as it is: no copy
     same = MultiLoraEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama", tmp_path / "b"),
                                                                 dtype=torch.float32), [], 0)
@@ -510,13 +520,13 @@ def test_an_h200_searchs_steps_with_the_arenas_copy_counted() -> None:
         corr = OnlineCorrection(mm, head_bytes(s, 1, True), data["head_chunk"], floor_of=mm.k1, copy_per_param=copy)
         steps = data["steps"]
         for i, (cells, _, resident, peak, _, arena) in enumerate(steps):
+            # what stayed allocated after a step, read from the next one's start (the first step's AdamW
+            # moments for 48 jobs: 28 GB); the device read it at the step's end
             nxt = steps[i + 1][2] if i + 1 < len(steps) else resident
             after = nxt << 20 if nxt - resident > 256 else resident << 20
             corr.observe(cells, False, resident << 20, peak << 20, int(arena * 1e6), after)
         return [(p.predicted - p.peak) / p.peak for p in corr.trace]
 
-    device = [(p - peak) / peak for _, _, _, peak, p, _ in data["steps"]]
-    assert max(device) < 0.08 and min(device) > 0
     counted = replay(2.0)
     assert min(counted) >= 0 and max(counted) <= 0.08, counted
     assert max(replay(0.0)[8:]) > max(counted[8:])
