@@ -478,8 +478,7 @@ def large_run(name: str, ee: bool, attention: str, *, args: argparse.Namespace, 
                                                   for k in ("checkpoint", "export")},
            "graphs": graph_counts(ex.engine),
            "memory_trace": [[p.tokens, int(p.recompute), p.resident >> 20, p.peak >> 20, round(p.predicted) >> 20,
-                             round(p.adapter_params / 1e6)]
-                            for c in ex.memory.corrections.values() for p in c.trace]}
+                             round(p.adapter_params / 1e6)] for c in ex.memory.corrections.values() for p in c.trace]}
     if rec.get("profile_table") and profile_out:
         Path(profile_out).write_text(
             f"steps (s, profiled): {rec['profile_steps_s']}\n{rec['profile_table']}\n")
