@@ -15,9 +15,10 @@ Analytic terms (bytes, bf16 activations a = 2):
   again during its backward; plus the hidden states' gradients and the per-token losses.
 - per step whatever its tokens: the head's logits of min(tokens, chunk) tokens, AdamW's grouped
   temporary and STEP_FIXED; where the adapters are not in the compute dtype, the step's copy of
-  the whole arena in it (counted by the plan with what is resident, and in each new job's state). The head's float32 logits, softmax and gradient (HEAD_BYTES a logit),
-  or, where the head's cross-entropy runs fused (trainer.head: its bf16 logits, their gradient
-  written over them), FUSED_HEAD_BYTES.
+  the whole arena in it (counted by the plan with what is resident, and in each new job's state).
+  The head's float32 logits, softmax and gradient (HEAD_BYTES a logit), or, where the head's
+  cross-entropy runs fused (trainer.head: its bf16 logits, their gradient written over them),
+  FUSED_HEAD_BYTES.
 - the attention's key and value as each layer keeps them: at their own heads' width where the
   flash kernel takes grouped-query heads as they are (trainer.varlen), else expanded to the
   query's heads (`kv_expanded`, every other attention path: transformers' own repeat them).

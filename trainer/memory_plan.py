@@ -269,18 +269,16 @@ class MemoryPlan:
         must decide alike; the CPU; after two evaluations ran out of memory)."""
         if self.eval_per_token is None:
             return None
-        live = self.admission.resident is not None  # its resident holds a step's arena copy: not here
-        room = self.admission.headroom + (self.step_copy() if live else 0.0)
+        # what is resident, not admission's step_resident: an evaluation makes no step's arena copy
+        room = self.admission.limit_bytes - (self.resident_bytes() if self.admission.resident is not None else 0.0)
         return max(0, int((room - self.eval_fixed) / self.eval_per_token))
 
     def eval_job_tokens(self) -> int:
         """What a job adds to an evaluation forward beside its tokens, in tokens' worth: its
         adapter's copy in the compute dtype (AdapterArena.compute_copy; the largest rank's)."""
-        eng = self.engine
-        if self.eval_per_token is None or eng.slots.arena.dtype == eng.compute_dtype:
+        if self.eval_per_token is None or not self.copy_per_param:
             return 0
-        copy = eng.params_per_rank * self.max_rank * eng.compute_dtype.itemsize
-        return math.ceil(copy / self.eval_per_token)
+        return math.ceil(self.engine.params_per_rank * self.max_rank * self.copy_per_param / self.eval_per_token)
 
     def evaluation(self, run: Callable[[], tuple[Any, int]], relieve: Callable[[], bool] | None = None) -> Any:
         """An evaluation's forwards, sized by eval_tokens when `run` plans them: `run` returns its
