@@ -1549,5 +1549,24 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     rm -f "$OUT/host_memory.txt"
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt ./*.md && rm -f ./*.log ./*.md)
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d|s38_a|s38_b|s38_c|s38_d|s39_a|s39_b|s39_c|s39_d|s39_e" >&2; exit 2 ;;
+  s40_a)  # session 40, call 1 (issue 40's small steps; H200): a 419-token and a ~1.9k-token step of 2 jobs (graphs) on the
+          # shipped table; the fused kernels tuned on this device at 128-2048 rows with the small-step candidates (the
+          # larger keys kept from the H100 table), cuBLAS beside them; the same steps on that table, and in the compose form
+    export TRITON_CACHE_DIR=/tmp/s40a/triton
+    rm -rf /tmp/s40a && mkdir -p /tmp/s40a/cfg && cp kernels/configs/NVIDIA_H100_80GB_HBM3.json /tmp/s40a/cfg/
+    hp() {  # hp NAME TOKENS: host_profile's 2-job step at 32 layers, replayed as graphs
+      step 75 "$1" python3 bench/host_profile.py --layers 32 --tokens "$2" --recompute 0 --modes graphs --warmup 12 \
+        --iters 10 --out "$OUT/$1.md"
+    }
+    hp hp_small_shipped 100
+    hp hp_mid_shipped 400
+    LORAPLEX_KERNEL_CONFIGS=/tmp/s40a/cfg step 280 tune python3 bench/tune_kernels.py --shapes llama8b \
+      --tokens 128,256,512,1024,2048 --ranks 16,64 --fresh-below 2048 --max-configs 0 --cublas
+    cp /tmp/s40a/cfg/NVIDIA_H200*.json "$OUT/" 2>/dev/null
+    LORAPLEX_KERNEL_CONFIGS=/tmp/s40a/cfg hp hp_small_tuned 100
+    LORAPLEX_KERNEL_CONFIGS=/tmp/s40a/cfg hp hp_mid_tuned 400
+    [ $SECONDS -lt 500 ] && LORAPLEX_LORA_FORM=compose hp hp_small_compose 100
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d|s38_a|s38_b|s38_c|s38_d|s39_a|s39_b|s39_c|s39_d|s39_e|s40_a" >&2; exit 2 ;;
 esac

@@ -46,6 +46,33 @@ def case(tokens: int, r_max: int, d_in: int, d_out: int) -> object:
     return make_case(counts, ranks, d_in, d_out, dtype=torch.bfloat16, device="cuda", bias=False, seed=tokens + r_max)
 
 
+def cublas_lines(table: tuned.Table, shapes: list[str], tokens: list[int]) -> None:
+    """Per projection and token count: cuBLAS's forward GEMM and input-gradient GEMM (bf16, no LoRA,
+    median of do_bench) beside the fastest tuned fused GEMM of each (the table's timings, LoRA epilogue
+    included, R_MAX 16)."""
+    import triton.testing as tt
+
+    best = {}
+    for row in table.kernels.get("gemm_lora_persist", []):
+        k = row["key"]
+        if row.get("timings") and k["R_MAX"] == 16:
+            best[(k["T_BUCKET"], k["K"], k["NC"], k["B_NK"])] = min(t["ms"] for t in row["timings"])
+    print("| d_in x d_out | T | cuBLAS fwd us | fused fwd us (best) | cuBLAS dX us | fused dX us (best) |")
+    print("|---|---|---|---|---|---|")
+    for shape in shapes:
+        for d_in, d_out in projections(*SHAPES[shape]):
+            w = torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16)
+            for t in tokens:
+                x = torch.randn(t, d_in, device="cuda", dtype=torch.bfloat16)
+                dy = torch.randn(t, d_out, device="cuda", dtype=torch.bfloat16)
+                fwd = tt.do_bench(lambda x=x, w=w: torch.nn.functional.linear(x, w), warmup=5, rep=30)
+                dgrad = tt.do_bench(lambda dy=dy, w=w: dy @ w, warmup=5, rep=30)
+                b = t if t & (t - 1) == 0 else 1 << t.bit_length()
+                ff, fd = best.get((b, d_in, d_out, 1)), best.get((b, d_out, d_in, 0))
+                print(f"| {d_in}x{d_out} | {t} | {fwd * 1e3:.1f} | {ff * 1e3 if ff else float('nan'):.1f} "
+                      f"| {dgrad * 1e3:.1f} | {fd * 1e3 if fd else float('nan'):.1f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama8b,qwen7b")
@@ -57,11 +84,18 @@ def main() -> None:
                     help="distinct configurations kept per kernel (each is a compile on a cold node); 0: all")
     ap.add_argument("--retune", default="", help="kernels whose table entries are dropped first, so tuned again "
                     "(new candidates); only they are reduced. Default: none dropped, every kernel reduced")
+    ap.add_argument("--fresh-below", type=int, default=0, help="drop every kernel's entries of T_BUCKET <= this "
+                    "first (tuned again on this device; the larger ones kept as the table has them)")
+    ap.add_argument("--cublas", action="store_true", help="print cuBLAS's forward and input-gradient GEMMs "
+                    "(no LoRA) at each shape and token count beside the tuned fused GEMMs' best")
     args = ap.parse_args()
     dev = torch.device("cuda")
     retune = [k for k in args.retune.split(",") if k]
     for kernel in retune:
         tuned.table_for(dev).kernels.pop(kernel, None)
+    if args.fresh_below:
+        for rows in tuned.table_for(dev).kernels.values():
+            rows[:] = [r for r in rows if r["key"].get("T_BUCKET", 0) > args.fresh_below]
     t0 = time.perf_counter()
     for variant in args.variants.split(","):
         fl.GEMM_DEFAULT = variant  # the variant every call of this run launches
@@ -82,6 +116,8 @@ def main() -> None:
             kept = table.reduce(kernel, args.max_configs)
             print(f"{kernel}: kept {len(kept)} configurations: {kept}")
     path = tuned.save_table(dev, Path(args.out) if args.out else None)
+    if args.cublas:
+        cublas_lines(table, args.shapes.split(","), [int(t) for t in args.tokens.split(",")])
     print(f"wrote {path}: " + ", ".join(f"{k} {len(v)}" for k, v in sorted(table.kernels.items()))
           + f" entries; {len(tuned.BENCHMARKS)} keys benchmarked in {time.perf_counter() - t0:.0f} s")
 

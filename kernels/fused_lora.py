@@ -557,6 +557,28 @@ _shrink_wgrad = Tuned("shrink_wgrad", _shrink_jit, _SHRINK_CONFIGS, ["T_BUCKET",
                       restore=("g_ptr",))
 _wgrad = Tuned("wgrad", _wgrad_jit, _WGRAD_CONFIGS, ["T_BUCKET", "C", "R_MAX"], _PRUNE["wgrad"],
                restore=("g_ptr",))
+# Candidates for small steps (session 40): a step of a few hundred rows leaves most SMs idle under the tiles above
+# (a k/v projection of 419 rows is 16 tiles of 128 x 256 on 132 SMs; a shrink of 7 row tiles sweeps 4096-14336
+# columns in 4 parts). Appended here, below every @triton.jit function: a line added above one moves it, and its
+# first line is in its Triton cache key (the shipped archive's). A table without entries that name them never
+# launches them.
+if not _INTERPRET and _WIDE:
+    _SMALL_GEMM = [_cfg(**t) for t in (
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4))]
+    _SMALL_SHRINK = [
+        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=16, SPLIT_C=8),
+        _cfg(BLOCK_M=32, BLOCK_K=128, BLOCK_R=16, SPLIT_C=8, num_stages=4),
+        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=16, SPLIT_C=16),
+        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=64, SPLIT_C=8)]
+    _SMALL_WGRAD = [
+        _cfg(BLOCK_M=64, BLOCK_N=64, CHUNK=256, BLOCK_R=16),
+        _cfg(BLOCK_M=64, BLOCK_N=64, CHUNK=256, BLOCK_R=64),
+        _cfg(BLOCK_M=32, BLOCK_N=128, CHUNK=256, BLOCK_R=16, num_stages=4)]
+    for _k, _more in ((_gemm_lora, _SMALL_GEMM), (_gemm_lora_tma, _SMALL_GEMM), (_gemm_lora_persist, _SMALL_GEMM),
+                      (_shrink, _SMALL_SHRINK), (_shrink_wgrad, _SMALL_SHRINK), (_wgrad, _SMALL_WGRAD)):
+        _k.configs += _more
 
 
 class _Ctx:
