@@ -1568,5 +1568,28 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     [ $SECONDS -lt 500 ] && LORAPLEX_LORA_FORM=compose hp hp_small_compose 100
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log)
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d|s38_a|s38_b|s38_c|s38_d|s39_a|s39_b|s39_c|s39_d|s39_e|s40_a" >&2; exit 2 ;;
+  s40_b)  # session 40, call 2 (issue 40's small steps; H200): the H200's own kernel table (call 1's small-row tuning, the
+          # H100's entries above 2048 rows) on a fresh cache seeded from the shipped archive: search (a), the 60-step and
+          # the 200-step tasks, the 2-job steps of call 1; the cubins counted after each, the cache brought back if it grew
+    export TRITON_CACHE_DIR=/tmp/s40b/triton
+    rm -rf /tmp/s40b
+    cubins() { find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l; }
+    echo "cubins shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')" | tee -a "$OUT/steps.txt"
+    search_a 200 190
+    echo "cubins after search (a): $(cubins)" | tee -a "$OUT/steps.txt"
+    task60 100
+    echo "cubins after the 60-step task: $(cubins)" | tee -a "$OUT/steps.txt"
+    [ $SECONDS -lt 430 ] && step $((520 - SECONDS)) executor_task200 python3 bench/executor_task.py --layers 32 \
+      --steps 200 --runs cold --out "$OUT/executor_task200.md" --json "$OUT/executor_task200.json"
+    echo "cubins after the 200-step task: $(cubins)" | tee -a "$OUT/steps.txt"
+    for t in 100 400; do
+      [ $SECONDS -lt 530 ] && step 40 "hp_$t" python3 bench/host_profile.py --layers 32 --tokens $t --recompute 0 \
+        --modes graphs --warmup 12 --iters 10 --out "$OUT/hp_$t.md"
+    done
+    echo "cubins at the end: $(cubins)" | tee -a "$OUT/steps.txt"
+    tar -C /tmp/s40b -czf "$OUT/triton_cache_sm90.tar.gz" triton
+    rm -f "$OUT/host_memory.txt"
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt ./*.md && rm -f ./*.log ./*.md)
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d|s38_a|s38_b|s38_c|s38_d|s39_a|s39_b|s39_c|s39_d|s39_e|s40_a|s40_b" >&2; exit 2 ;;
 esac

@@ -13,6 +13,7 @@ configuration goes into the device's table, which executors then read (no tuning
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -44,6 +45,39 @@ def case(tokens: int, r_max: int, d_in: int, d_out: int) -> object:
     counts = [tokens * w // sum(weights) for w in weights]
     counts[0] += tokens - sum(counts)
     return make_case(counts, ranks, d_in, d_out, dtype=torch.bfloat16, device="cuda", bias=False, seed=tokens + r_max)
+
+
+def reduce_scope(kept: list[dict], fresh_below: int) -> tuple:
+    """`Table.reduce`'s (keep, scope) after --fresh-below: the entries left alone keep their
+    configurations (already shipped), the retuned ones choose among those and --max-configs more."""
+    if not fresh_below:
+        return (), None
+    return kept, lambda key: key.get("T_BUCKET", 0) <= fresh_below
+
+
+def reduce_file(path: Path, out: Path, max_configs: int, fresh_below: int) -> int:
+    """--reduce: a tuned table's kernels reduced offline (no GPU), each entry's time against its best
+    per token bucket printed."""
+    table = tuned.Table.read(path)
+    for kernel, rows in sorted(table.kernels.items()):
+        kept = [dict(c) for c in {tuple(sorted(r["config"].items())) for r in rows
+                                  if r["key"].get("T_BUCKET", 0) > fresh_below}] if fresh_below else []
+        chosen = table.reduce(kernel, max_configs, *reduce_scope(kept, fresh_below))
+        loss: dict[int, list[float]] = {}
+        for r in rows:
+            ms = {tuple(sorted(t["config"].items())): t["ms"] for t in r.get("timings", [])}
+            mine = ms.get(tuple(sorted(r["config"].items())))
+            if mine:
+                loss.setdefault(r["key"]["T_BUCKET"], [0.0, 0.0])
+                loss[r["key"]["T_BUCKET"]][0] += mine
+                loss[r["key"]["T_BUCKET"]][1] += min(ms.values())
+        print(f"{kernel}: {len(kept)} kept + {len(chosen)} chosen {chosen}; time / best by T: "
+              + " ".join(f"{t}:{a / b:.2f}" for t, (a, b) in sorted(loss.items())))
+    table.write(out)
+    body = json.loads(out.read_text())  # the tuning run's versions, not this process's
+    body.update({k: v for k, v in json.loads(path.read_text()).items() if k in ("triton", "torch")})
+    out.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+    return 0
 
 
 def cublas_lines(table: tuned.Table, shapes: list[str], tokens: list[int]) -> None:
@@ -81,21 +115,29 @@ def main() -> None:
     ap.add_argument("--ranks", default="8,16,32,64")
     ap.add_argument("--out", default="", help="table file (default kernels/configs/<GPU name>.json)")
     ap.add_argument("--max-configs", type=int, default=3,
-                    help="distinct configurations kept per kernel (each is a compile on a cold node); 0: all")
+                    help="distinct configurations kept per kernel (each is a compile on a cold node); 0: all. "
+                    "With --fresh-below: the retuned entries' configurations besides those of the entries kept")
     ap.add_argument("--retune", default="", help="kernels whose table entries are dropped first, so tuned again "
                     "(new candidates); only they are reduced. Default: none dropped, every kernel reduced")
     ap.add_argument("--fresh-below", type=int, default=0, help="drop every kernel's entries of T_BUCKET <= this "
                     "first (tuned again on this device; the larger ones kept as the table has them)")
     ap.add_argument("--cublas", action="store_true", help="print cuBLAS's forward and input-gradient GEMMs "
                     "(no LoRA) at each shape and token count beside the tuned fused GEMMs' best")
+    ap.add_argument("--reduce", default="", help="no tuning: reduce this table file (its timings) as --max-configs "
+                    "and --fresh-below say, and write it to --out")
     args = ap.parse_args()
+    if args.reduce:
+        raise SystemExit(reduce_file(Path(args.reduce), Path(args.out or args.reduce), args.max_configs,
+                                     args.fresh_below))
     dev = torch.device("cuda")
     retune = [k for k in args.retune.split(",") if k]
     for kernel in retune:
         tuned.table_for(dev).kernels.pop(kernel, None)
+    kept_configs: dict[str, list[dict]] = {}
     if args.fresh_below:
-        for rows in tuned.table_for(dev).kernels.values():
+        for kernel, rows in tuned.table_for(dev).kernels.items():
             rows[:] = [r for r in rows if r["key"].get("T_BUCKET", 0) > args.fresh_below]
+            kept_configs[kernel] = [dict(c) for c in {tuple(sorted(r["config"].items())) for r in rows}]
     t0 = time.perf_counter()
     for variant in args.variants.split(","):
         fl.GEMM_DEFAULT = variant  # the variant every call of this run launches
@@ -113,7 +155,7 @@ def main() -> None:
     table = tuned.table_for(dev)
     if args.max_configs:
         for kernel in sorted(retune or table.kernels):
-            kept = table.reduce(kernel, args.max_configs)
+            kept = table.reduce(kernel, args.max_configs, *reduce_scope(kept_configs.get(kernel, []), args.fresh_below))
             print(f"{kernel}: kept {len(kept)} configurations: {kept}")
     path = tuned.save_table(dev, Path(args.out) if args.out else None)
     if args.cublas:

@@ -92,20 +92,25 @@ class Table:
             row["timings"] = [{"config": c, "ms": ms} for c, ms in timings if math.isfinite(ms)]
         rows[:] = [r for r in rows if r["key"] != key] + [row]
 
-    def reduce(self, kernel: str, max_configs: int) -> list[dict[str, int]]:
+    def reduce(self, kernel: str, max_configs: int, keep: Sequence[dict[str, int]] = (),
+               scope: Callable[[dict], bool] | None = None) -> list[dict[str, int]]:
         """Keep at most `max_configs` distinct configurations of a kernel (each one is another
-        compile on a cold node): the set that loses least against every key's best (sum of
-        time / best over the keys with timings; every subset when that is cheap, else greedily),
-        then each key takes its fastest of them.
-        Returns the configurations kept."""
-        rows = [r for r in self.kernels.get(kernel, []) if r.get("timings")]
+        compile on a cold node) besides those in `keep` (already compiled: e.g. the configurations
+        of the entries a retuning left alone): the set that loses least against every key's best
+        (sum of time / best over the keys with timings; every subset when that is cheap, else
+        greedily), then each key takes its fastest of them and `keep`. `scope(key)`: only those
+        entries are scored and re-pointed (default all with timings).
+        Returns the configurations chosen (without `keep`)."""
+        rows = [r for r in self.kernels.get(kernel, []) if r.get("timings") and (scope is None or scope(r["key"]))]
         if not rows:
             return []
         per_key = [{_ident(t["config"]): t["ms"] for t in r["timings"]} for r in rows]
-        candidates = sorted({c for m in per_key for c in m})
+        fixed = [_ident(c) for c in keep]
+        candidates = sorted({c for m in per_key for c in m} - set(fixed))
 
         def cost(cfgs: Sequence[tuple]) -> float:
-            return sum(min((m[c] for c in cfgs if c in m), default=math.inf) / min(m.values()) for m in per_key)
+            return sum(min((m[c] for c in [*fixed, *cfgs] if c in m), default=math.inf) / min(m.values())
+                       for m in per_key)
 
         size = min(max_configs, len(candidates))
         if math.comb(len(candidates), size) <= 20_000:  # a dozen candidates: every subset
@@ -115,7 +120,7 @@ class Table:
             while len(chosen) < size:
                 chosen.append(min((c for c in candidates if c not in chosen), key=lambda c: cost([*chosen, c])))
         for r, m in zip(rows, per_key, strict=True):
-            kept = [c for c in chosen if c in m]
+            kept = [c for c in [*fixed, *chosen] if c in m]
             if kept:
                 r["config"] = dict(min(kept, key=m.__getitem__))
         return [dict(c) for c in chosen]

@@ -169,3 +169,19 @@ def test_reduce_keeps_the_configurations_that_lose_least() -> None:
     assert [r["config"] for r in sorted(t.kernels["k"], key=lambda r: r["key"]["T_BUCKET"])] == [c, c, a, c]
     assert t.reduce("k", 1) in ([c], [b])  # one config for all: the least total loss
     assert len({tuple(sorted(r["config"].items())) for r in t.kernels["k"]}) == 1
+
+
+def test_reduce_after_a_partial_retune_keeps_the_untouched_entries_and_adds_the_fewest_configs() -> None:
+    a, b, c = ({"BLOCK": 16, "num_warps": 4, "num_stages": 3}, {"BLOCK": 32, "num_warps": 4, "num_stages": 3},
+               {"BLOCK": 64, "num_warps": 8, "num_stages": 3})
+    t = tuned.Table("x")
+    # a large key left as it was (its timings say b, but it is not retuned: it keeps c); two small keys retuned
+    t.add("k", {"T_BUCKET": 4096}, c, [(a, 2.0), (b, 1.0), (c, 1.5)])
+    t.add("k", {"T_BUCKET": 256}, a, [(a, 1.0), (b, 1.2), (c, 3.0)])
+    t.add("k", {"T_BUCKET": 512}, a, [(a, 1.1), (b, 1.0), (c, 2.0)])
+    chosen = t.reduce("k", 1, keep=[c], scope=lambda key: key["T_BUCKET"] <= 2048)
+    assert chosen == [a]  # one more config besides the kept c: a loses least over the retuned keys
+    by_t = {r["key"]["T_BUCKET"]: r["config"] for r in t.kernels["k"]}
+    assert by_t == {4096: c, 256: a, 512: a}
+    assert t.reduce("k", 0, keep=[c], scope=lambda key: key["T_BUCKET"] <= 2048) == []
+    assert {r["key"]["T_BUCKET"]: r["config"] for r in t.kernels["k"]} == {4096: c, 256: c, 512: c}
