@@ -1603,8 +1603,8 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
           # Liger from .whl (carried: liger_kernel-0.8.5)
     export TRITON_CACHE_DIR=/tmp/s40d/triton
     rm -rf /tmp/s40d /dev/shm/tb
-    step 580 baselines_c2c3 python3 bench/task_e2e_baselines.py --layers 32 --arms c2,c3 --quality-arms c3 \
-      --deadline-s 560 --reserve-s 50 --work /dev/shm/tb --json "$OUT/baselines_c2c3_32l.json" \
+    step 470 baselines_c2c3 python3 bench/task_e2e_baselines.py --layers 32 --arms c2,c3 --quality-arms c3 \
+      --deadline-s 450 --reserve-s 40 --work /dev/shm/tb --json "$OUT/baselines_c2c3_32l.json" \
       --out "$OUT/baselines_c2c3_32l.md"
     rm -rf /dev/shm/tb
     pack_logs
