@@ -93,6 +93,12 @@ for name, args in (("fwd", fwd), ("dx", dxg)):
     # the epilogue with a rank tile of 64 (one block for a rank-64 adapter; the kernel takes any)
     res[f"gemm persist r64 {name}"] = _compile(fl._gemm_lora_persist_jit, no_ak, dict(
         meta, HAS_BIAS=False, B_NK=name == "fwd", NUM_SMS=132, **(kw | {"BLOCK_R": 64})), 8, 3)
+# the small-step tiles (appended candidates: kernels.fused_lora._SMALL_GEMM), forward, persistent as on Hopper
+for cfg in fl._SMALL_GEMM:
+    kw = dict(cfg.kwargs) | fl._gemm_rank_tile(R)
+    res[f"gemm small {kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}"] = _compile(
+        fl._gemm_lora_persist_jit, {k: v for k, v in fwd.items() if k != "stride_ak"},
+        dict(meta, HAS_BIAS=False, B_NK=True, NUM_SMS=132, **kw), cfg.num_warps, cfg.num_stages)
 no_pf = {k: v for k, v in meta.items() if k != "PREFETCH"}  # kernels without the GEMM epilogue
 shr = dict(m_ptr=P, w_ptr=P, p_ptr="*fp32", woff_ptr="*i64", off_ptr="*i64", rank_ptr="*i32", s_ptr="*fp32",
            g_ptr="*fp32", goff_ptr="*i64", scale_ptr="*fp32", N=8, C=DO, R_MAX=R, T_BUCKET=T, stride_mm=DO,
@@ -104,9 +110,12 @@ for fuse in (False, True):
 wg = dict(p_ptr="*fp32", m_ptr=P, g_ptr="*fp32", goff_ptr="*i64", off_ptr="*i64", rank_ptr="*i32",
           scale_ptr="*fp32", N=8, C=DI, R_MAX=R, T_BUCKET=T, stride_pm=R, stride_mm=DI, stride_mc=1, stride_gn=0,
           stride_gr=DI, stride_gc=1)
-for cfg in (fl._WGRAD_CONFIGS[0], fl._WGRAD_CONFIGS[-1]):
-    res[f"wgrad r{cfg.kwargs['BLOCK_R']}"] = _compile(fl._wgrad_jit, wg, dict(no_pf, **cfg.kwargs), cfg.num_warps,
-                                                      cfg.num_stages)
+cfg = fl._SMALL_SHRINK[2]  # 16 column splits
+res["shrink small split16"] = _compile(fl._shrink_jit, shr, dict(no_pf, FUSE_WGRAD=True, **cfg.kwargs), cfg.num_warps,
+                                       cfg.num_stages)
+for cfg in (fl._WGRAD_CONFIGS[0], fl._WGRAD_CONFIGS[-1], fl._SMALL_WGRAD[-1]):
+    name = f"wgrad r{cfg.kwargs['BLOCK_R']} chunk{cfg.kwargs['CHUNK']} m{cfg.kwargs['BLOCK_M']}"
+    res[name] = _compile(fl._wgrad_jit, wg, dict(no_pf, **cfg.kwargs), cfg.num_warps, cfg.num_stages)
 # the composition's kernels (kernels.triton_lora), which share the shrink sweep with the fused form
 cmp_args = dict(x_ptr=P, a_ptr=P, b_ptr=P, y_ptr=P, s_ptr="*fp32", dy_ptr=P, dx_ptr=P, da_ptr="*fp32",
                 db_ptr="*fp32", off_ptr="*i64", rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i64", boff_ptr="*i64",
@@ -156,7 +165,8 @@ def test_kernels_compile_for_hopper() -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
     # + persist r64 fwd/dx, shrink r64 x2, wgrad r64, the arena's two modes x2, fp32's small configs
-    assert len(res) == 17 + 2 + 2 + 1 + 4 + 3
+    # + the small-step tiles: 3 GEMMs, a shrink of 16 column splits, a weight gradient of 256-row chunks
+    assert len(res) == 17 + 2 + 2 + 1 + 4 + 3 + 5
     # unknown arena offsets: the adapters' bf16 rows load one element at a time; vouched-for
     # 16-element offsets: none does (16-byte vectors)
     assert res["gemm persist arena1"]["scalar16"] > 0 and res["shrink arena1"]["scalar16"] > 0

@@ -185,3 +185,32 @@ def test_reduce_after_a_partial_retune_keeps_the_untouched_entries_and_adds_the_
     assert by_t == {4096: c, 256: a, 512: a}
     assert t.reduce("k", 0, keep=[c], scope=lambda key: key["T_BUCKET"] <= 2048) == []
     assert {r["key"]["T_BUCKET"]: r["config"] for r in t.kernels["k"]} == {4096: c, 256: c, 512: c}
+
+
+_CANDIDATES = r"""
+import json
+from kernels import fused_lora as fl, tuned
+kernels = {k.name: k for k in (fl._gemm_lora, fl._gemm_lora_tma, fl._gemm_lora_persist, fl._shrink, fl._shrink_wgrad,
+                              fl._wgrad)}
+print("RESULT" + json.dumps({name: [tuned.config_dict(c) for c in k.configs] for name, k in kernels.items()}))
+"""
+
+
+def test_every_shipped_tables_configuration_is_a_candidate_of_its_kernel() -> None:
+    """A table entry whose configuration no candidate matches is passed over at its lookup (the
+    nearest allowed entry decides instead): each shipped table's configurations must all be
+    candidates of the GPU's lists (the interpreter's lists are others)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", _CANDIDATES], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    candidates = json.loads(proc.stdout.split("RESULT", 1)[1])
+    files = sorted((ROOT / "kernels" / "configs").glob("*.json"))
+    assert {f.stem for f in files} >= {"NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"}
+    for path in files:
+        table = json.loads(path.read_text())
+        for kernel, rows in table["kernels"].items():
+            allowed = candidates[kernel]
+            missing = {json.dumps(r["config"], sort_keys=True) for r in rows if r["config"] not in allowed}
+            assert not missing, f"{path.name} {kernel}: {sorted(missing)[:3]}"
