@@ -8,6 +8,11 @@ configuration goes into the device's table, which executors then read (no tuning
 
     python bench/tune_kernels.py [--shapes llama8b,qwen7b] [--variants persist] [--out FILE]
     python bench/tune_kernels.py --retune shrink,shrink_wgrad,wgrad   # those kernels' entries again
+    # another GPU's table, its small-step entries tuned on this one (session 40, the H200), then reduced offline:
+    LORAPLEX_KERNEL_CONFIGS=DIR python bench/tune_kernels.py --shapes llama8b --tokens 128,256,512,1024,2048 \
+        --ranks 16,64 --fresh-below 2048 --max-configs 0 --cublas      # DIR holds the other GPU's table
+    python bench/tune_kernels.py --reduce DIR/<GPU name>.json --out kernels/configs/<GPU name>.json \
+        --max-configs 3 --fresh-below 2048
 """
 
 from __future__ import annotations
