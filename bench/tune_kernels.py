@@ -52,6 +52,13 @@ def case(tokens: int, r_max: int, d_in: int, d_out: int) -> object:
     return make_case(counts, ranks, d_in, d_out, dtype=torch.bfloat16, device="cuda", bias=False, seed=tokens + r_max)
 
 
+def configs_above(rows: list[dict], fresh_below: int) -> list[dict]:
+    """The distinct configurations of a kernel's entries of T_BUCKET > fresh_below (those a
+    --fresh-below run leaves as they were)."""
+    return [dict(c) for c in {tuple(sorted(r["config"].items())) for r in rows
+                              if r["key"].get("T_BUCKET", 0) > fresh_below}]
+
+
 def reduce_scope(kept: list[dict], fresh_below: int) -> tuple:
     """`Table.reduce`'s (keep, scope) after --fresh-below: the entries left alone keep their
     configurations (already shipped), the retuned ones choose among those and --max-configs more."""
@@ -65,9 +72,8 @@ def reduce_file(path: Path, out: Path, max_configs: int, fresh_below: int) -> in
     per token bucket printed."""
     table = tuned.Table.read(path)
     for kernel, rows in sorted(table.kernels.items()):
-        kept = [dict(c) for c in {tuple(sorted(r["config"].items())) for r in rows
-                                  if r["key"].get("T_BUCKET", 0) > fresh_below}] if fresh_below else []
-        chosen = table.reduce(kernel, max_configs, *reduce_scope(kept, fresh_below))
+        kept = configs_above(rows, fresh_below) if fresh_below else []
+        chosen = table.reduce(kernel, max_configs, *reduce_scope(kept, fresh_below)) if max_configs else []
         loss: dict[int, list[float]] = {}
         for r in rows:
             ms = {tuple(sorted(t["config"].items())): t["ms"] for t in r.get("timings", [])}
@@ -142,7 +148,7 @@ def main() -> None:
     if args.fresh_below:
         for kernel, rows in tuned.table_for(dev).kernels.items():
             rows[:] = [r for r in rows if r["key"].get("T_BUCKET", 0) > args.fresh_below]
-            kept_configs[kernel] = [dict(c) for c in {tuple(sorted(r["config"].items())) for r in rows}]
+            kept_configs[kernel] = configs_above(rows, args.fresh_below)
     t0 = time.perf_counter()
     for variant in args.variants.split(","):
         fl.GEMM_DEFAULT = variant  # the variant every call of this run launches
