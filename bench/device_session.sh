@@ -60,13 +60,29 @@ search_then_task() {  # search_then_task DIR LIMIT DEADLINE: search (a), then th
   export TRITON_CACHE_DIR=$1/triton
   rm -rf "$1"
   local shipped after_search after
-  shipped=$(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')
+  shipped=$(shipped_cubins)
   search_a "$2" "$3"
-  after_search=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
+  after_search=$(cubins)
   task60 100
-  after=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
+  after=$(cubins)
   echo "cubins shipped: $shipped, after search (a): $after_search, after the 60-step task: $after" | tee -a "$OUT/steps.txt"
   if [ "$after" -gt "$shipped" ]; then tar -C "$1" -czf "$OUT/triton_cache_sm90.tar.gz" triton; fi
+}
+cubins() { find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l; }  # compiled kernels in this call's Triton cache
+shipped_cubins() { tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$'; }
+hp() {  # hp NAME TOKENS [LIMIT]: host_profile's 2-job step at 32 layers, replayed as graphs
+  step "${3:-75}" "$1" python3 bench/host_profile.py --layers 32 --tokens "$2" --recompute 0 --modes graphs --warmup 12 \
+    --iters 10 --out "$OUT/$1.md"
+}
+baselines_c2c3() {  # baselines_c2c3 DIR LIMIT DEADLINE RESERVE: every (batch size, rank) pair of (c2) at 32 layers
+  # trained whole, (c3) from them with its own quality phase's decisions; Liger from .whl (carry it)
+  export TRITON_CACHE_DIR=$1/triton
+  rm -rf "$1" /dev/shm/tb
+  step "$2" baselines_c2c3 python3 bench/task_e2e_baselines.py --layers 32 --arms c2,c3 --quality-arms c3 \
+    --deadline-s "$3" --reserve-s "$4" --work /dev/shm/tb --json "$OUT/baselines_c2c3_32l.json" \
+    --out "$OUT/baselines_c2c3_32l.md"
+  rm -rf /dev/shm/tb
+  pack_logs
 }
 gpu_mib() { nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1; }
 pack_logs() { (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log); }
@@ -374,8 +390,8 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     rm -rf "$TRITON_CACHE_DIR"
     step 200 task60 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold \
       --out "$OUT/executor_task60_h100.md" --json "$OUT/executor_task60_h100.json"
-    echo "cubins in the Triton cache after the task: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)," \
-      "shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')" | tee -a "$OUT/steps.txt"
+    echo "cubins in the Triton cache after the task: $(cubins)," \
+      "shipped: $(shipped_cubins)" | tee -a "$OUT/steps.txt"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site step 230 warm_host python3 bench/warm_host.py --layers 32 --n-train 120 \
       --work /tmp/executor_task --reuse --deadline-s 210 --out "$OUT/warm_host_h100.md" --json "$OUT/warm_host_h100.json"
@@ -627,8 +643,8 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     export TRITON_CACHE_DIR=/tmp/s26/triton
     rm -rf /tmp/s26
     task60 170
-    echo "cubins after: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)," \
-      "shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')" | tee -a "$OUT/steps.txt"
+    echo "cubins after: $(cubins)," \
+      "shipped: $(shipped_cubins)" | tee -a "$OUT/steps.txt"
     tar -C /tmp/s26 -czf "$OUT/triton_cache_sm90.tar.gz" triton
     pack_logs
     ;;
@@ -637,8 +653,8 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     export TRITON_CACHE_DIR=/tmp/s26b/triton
     rm -rf /tmp/s26b
     task60 150
-    echo "cubins after: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)," \
-      "shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')" | tee -a "$OUT/steps.txt"
+    echo "cubins after: $(cubins)," \
+      "shipped: $(shipped_cubins)" | tee -a "$OUT/steps.txt"
     search_a 380 360
     pack_logs
     ;;
@@ -725,8 +741,8 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     echo "cache entries after search (a): $(ls "$TRITON_CACHE_DIR" | wc -l)" | tee -a "$OUT/steps.txt"
     task60 130
     echo "cache entries after the 60-step task: $(ls "$TRITON_CACHE_DIR" | wc -l)," \
-      "cubins $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)," \
-      "shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')" | tee -a "$OUT/steps.txt"
+      "cubins $(cubins)," \
+      "shipped: $(shipped_cubins)" | tee -a "$OUT/steps.txt"
     tar -C /tmp/s27b -czf "$OUT/triton_cache_sm90.tar.gz" triton
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/executor_task60.md" "$OUT/host_memory.txt"  # at most 8 files come back
@@ -739,7 +755,7 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     echo "cache entries after search (a): $(ls "$TRITON_CACHE_DIR" | wc -l)" | tee -a "$OUT/steps.txt"
     task60 130
     echo "cache entries after the 60-step task: $(ls "$TRITON_CACHE_DIR" | wc -l)," \
-      "shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$') cubins" | tee -a "$OUT/steps.txt"
+      "shipped: $(shipped_cubins) cubins" | tee -a "$OUT/steps.txt"
     pack_logs
     rm -f "$OUT/search_a.md" "$OUT/executor_task60.md" "$OUT/host_memory.txt"
     ;;
@@ -817,9 +833,9 @@ for name, op in (('compose', lambda: multilora_linear(x, c.weight, None, a, b, c
     PYTHONPATH=/tmp/site step 220 warm_host python3 bench/warm_host.py --layers 32 --n-train 120 \
       --work /tmp/executor_task --deadline-s 200 --out "$OUT/warm_host.md" --json "$OUT/warm_host.json"
     rm -rf /tmp/executor_task
-    before=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
+    before=$(cubins)
     LORAPLEX_SPLIT_STEPS=1 search_a 300 270
-    after=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
+    after=$(cubins)
     echo "cubins before search (a): $before, after: $after" | tee -a "$OUT/steps.txt"
     [ "$after" -gt "$before" ] && tar -C /tmp/s28c -czf "$OUT/triton_cache_sm90.tar.gz" triton
     pack_logs
@@ -1109,13 +1125,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
           # extrapolated (12 configurations trained whole: ~270 s), and (c3) from them with its own quality
           # phase (its successive-halving decisions) in the same call; (a) comes from search_a (s33_b) on the
           # same device kind. Liger from .whl (carry it: liger_kernel-0.8.5 was downloaded there in session 32)
-    export TRITON_CACHE_DIR=/tmp/s33a/triton
-    rm -rf /tmp/s33a /dev/shm/tb
-    step 590 baselines_c2c3 python3 bench/task_e2e_baselines.py --layers 32 --arms c2,c3 --quality-arms c3 \
-      --deadline-s 570 --reserve-s 50 --work /dev/shm/tb --json "$OUT/baselines_c2c3_32l.json" \
-      --out "$OUT/baselines_c2c3_32l.md"
-    rm -rf /dev/shm/tb
-    pack_logs
+    baselines_c2c3 /tmp/s33a 590 570 50
     ;;
   s33_b)  # the next session, call 2 (issue 40): search (a) (its steps now record what the device holds at their
           # start: allocated, states parked on the device, the step graphs' pool; session 32 found 27 steps of
@@ -1235,11 +1245,11 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
           # then every GPU test with the code that lands; the cubins counted after each
     export TRITON_CACHE_DIR=/tmp/s34c/triton
     rm -rf /tmp/s34c
-    shipped=$(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')
+    shipped=$(shipped_cubins)
     task60 100
-    after_task=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
+    after_task=$(cubins)
     step $((590 - SECONDS)) gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
-    after=$(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)
+    after=$(cubins)
     echo "cubins shipped: $shipped, after the 60-step task: $after_task, after the GPU tests: $after" | tee -a "$OUT/steps.txt"
     [ "$after_task" -gt "$shipped" ] && tar -C /tmp/s34c -czf "$OUT/triton_cache_sm90.tar.gz" triton
     pack_logs
@@ -1403,7 +1413,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     export TRITON_CACHE_DIR=/tmp/s36f/triton
     rm -rf /tmp/s36f
     SEARCH_A_NAME=search_a_hold search_a 240 220
-    echo "cubins shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$'), after: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)" | tee -a "$OUT/steps.txt"
+    echo "cubins shipped: $(shipped_cubins), after: $(cubins)" | tee -a "$OUT/steps.txt"
     LORAPLEX_PIN_HOLD_EVAL=0 SEARCH_A_NAME=search_a_nohold search_a $((590 - SECONDS)) 220
     pack_logs
     rm -f "$OUT/host_memory.txt"
@@ -1418,7 +1428,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     LORAPLEX_MLP_REBUILD=1 task60 100
     LORAPLEX_MLP_REBUILD=1 SEARCH_A_NAME=search_a_rebuild search_a 200 190
     LORAPLEX_MLP_REBUILD=0 SEARCH_A_NAME=search_a_kept search_a $((590 - SECONDS)) 190
-    echo "cubins shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$'), after: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)" | tee -a "$OUT/steps.txt"
+    echo "cubins shipped: $(shipped_cubins), after: $(cubins)" | tee -a "$OUT/steps.txt"
     pack_logs
     rm -f "$OUT/host_memory.txt" "$OUT/executor_task60.md"
     ;;
@@ -1429,7 +1439,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     step 90 gpu_rebuild python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mlp_rebuild_gpu.py
     search_then_task /tmp/s37b 200 190
     SEARCH_A_NAME=search_a_again search_a $((590 - SECONDS)) 190
-    echo "cubins after the second search: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)" | tee -a "$OUT/steps.txt"
+    echo "cubins after the second search: $(cubins)" | tee -a "$OUT/steps.txt"
     pack_logs
     rm -f "$OUT/host_memory.txt"
     ;;
@@ -1439,7 +1449,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     export TRITON_CACHE_DIR=/tmp/s37c/triton
     rm -rf /tmp/s37c
     search_a $((590 - SECONDS)) 190
-    echo "cubins shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$'), after: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)" | tee -a "$OUT/steps.txt"
+    echo "cubins shipped: $(shipped_cubins), after: $(cubins)" | tee -a "$OUT/steps.txt"
     pack_logs
     rm -f "$OUT/host_memory.txt"
     ;;
@@ -1448,7 +1458,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     export TRITON_CACHE_DIR=/tmp/s37d/triton
     rm -rf /tmp/s37d
     search_a 200 190
-    echo "cubins shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$'), after: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)" | tee -a "$OUT/steps.txt"
+    echo "cubins shipped: $(shipped_cubins), after: $(cubins)" | tee -a "$OUT/steps.txt"
     pack_logs
     rm -f "$OUT/host_memory.txt"
     ;;
@@ -1476,7 +1486,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
       tests/gpu/test_cross_entropy_gpu.py tests/gpu/test_families_gpu.py
     search_then_task /tmp/s38b 200 190
     SEARCH_A_NAME=search_a_again search_a $((590 - SECONDS)) 190
-    echo "cubins after the second search: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)" | tee -a "$OUT/steps.txt"
+    echo "cubins after the second search: $(cubins)" | tee -a "$OUT/steps.txt"
     rm -f "$OUT/host_memory.txt"
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt ./*.md && rm -f ./*.log ./*.md)
     ;;
@@ -1494,7 +1504,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     rm -rf /tmp/s38d
     task60 90
     search_a $((275 - SECONDS)) 190
-    echo "cubins shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$'), after: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)" | tee -a "$OUT/steps.txt"
+    echo "cubins shipped: $(shipped_cubins), after: $(cubins)" | tee -a "$OUT/steps.txt"
     rm -f "$OUT/host_memory.txt"
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt ./*.md && rm -f ./*.log ./*.md)
     ;;
@@ -1508,7 +1518,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     task60 90
     LORAPLEX_FUSED_HEAD_BYTES=16 SEARCH_A_NAME=search_a_head16 search_a 200 190
     SEARCH_A_NAME=search_a_head8 search_a 200 190
-    echo "cubins shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$'), after: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)" | tee -a "$OUT/steps.txt"
+    echo "cubins shipped: $(shipped_cubins), after: $(cubins)" | tee -a "$OUT/steps.txt"
     [ $SECONDS -lt 500 ] && step $((590 - SECONDS)) executor_task200 python3 bench/executor_task.py --layers 32 \
       --steps 200 --runs cold --out "$OUT/executor_task200.md" --json "$OUT/executor_task200.json"
     rm -f "$OUT/host_memory.txt"
@@ -1545,7 +1555,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
     export TRITON_CACHE_DIR=/tmp/s39e/triton
     rm -rf /tmp/s39e
     search_a 175 160
-    echo "cubins shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$'), after: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l)" | tee -a "$OUT/steps.txt"
+    echo "cubins shipped: $(shipped_cubins), after: $(cubins)" | tee -a "$OUT/steps.txt"
     rm -f "$OUT/host_memory.txt"
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt ./*.md && rm -f ./*.log ./*.md)
     ;;
@@ -1554,10 +1564,6 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
           # larger keys kept from the H100 table), cuBLAS beside them; the same steps on that table, and in the compose form
     export TRITON_CACHE_DIR=/tmp/s40a/triton
     rm -rf /tmp/s40a && mkdir -p /tmp/s40a/cfg && cp kernels/configs/NVIDIA_H100_80GB_HBM3.json /tmp/s40a/cfg/
-    hp() {  # hp NAME TOKENS: host_profile's 2-job step at 32 layers, replayed as graphs
-      step 75 "$1" python3 bench/host_profile.py --layers 32 --tokens "$2" --recompute 0 --modes graphs --warmup 12 \
-        --iters 10 --out "$OUT/$1.md"
-    }
     hp hp_small_shipped 100
     hp hp_mid_shipped 400
     LORAPLEX_KERNEL_CONFIGS=/tmp/s40a/cfg step 280 tune python3 bench/tune_kernels.py --shapes llama8b \
@@ -1573,8 +1579,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
           # the 200-step tasks, the 2-job steps of call 1; the cubins counted after each, the cache brought back if it grew
     export TRITON_CACHE_DIR=/tmp/s40b/triton
     rm -rf /tmp/s40b
-    cubins() { find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l; }
-    echo "cubins shipped: $(tar tzf kernels/triton_cache/sm90-triton3.6.0.tar.gz | grep -c '\.cubin$')" | tee -a "$OUT/steps.txt"
+    echo "cubins shipped: $(shipped_cubins)" | tee -a "$OUT/steps.txt"
     search_a 200 190
     echo "cubins after search (a): $(cubins)" | tee -a "$OUT/steps.txt"
     task60 100
@@ -1583,8 +1588,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
       --steps 200 --runs cold --out "$OUT/executor_task200.md" --json "$OUT/executor_task200.json"
     echo "cubins after the 200-step task: $(cubins)" | tee -a "$OUT/steps.txt"
     for t in 100 400; do
-      [ $SECONDS -lt 530 ] && step 40 "hp_$t" python3 bench/host_profile.py --layers 32 --tokens $t --recompute 0 \
-        --modes graphs --warmup 12 --iters 10 --out "$OUT/hp_$t.md"
+      [ $SECONDS -lt 530 ] && hp "hp_$t" $t 40
     done
     echo "cubins at the end: $(cubins)" | tee -a "$OUT/steps.txt"
     tar -C /tmp/s40b -czf "$OUT/triton_cache_sm90.tar.gz" triton
@@ -1601,13 +1605,7 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
   s40_d)  # session 40, call 4 (issue 40's ratios on an H200): every (batch size, rank) pair of (c2) at 32 layers trained
           # whole, (c3) from them with its own quality phase's decisions (s33_a's recipe; (a) from s40_c, the same kind).
           # Liger from .whl (carried: liger_kernel-0.8.5)
-    export TRITON_CACHE_DIR=/tmp/s40d/triton
-    rm -rf /tmp/s40d /dev/shm/tb
-    step 470 baselines_c2c3 python3 bench/task_e2e_baselines.py --layers 32 --arms c2,c3 --quality-arms c3 \
-      --deadline-s 450 --reserve-s 40 --work /dev/shm/tb --json "$OUT/baselines_c2c3_32l.json" \
-      --out "$OUT/baselines_c2c3_32l.md"
-    rm -rf /dev/shm/tb
-    pack_logs
+    baselines_c2c3 /tmp/s40d 470 450 40
     ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d|s38_a|s38_b|s38_c|s38_d|s39_a|s39_b|s39_c|s39_d|s39_e|s40_a|s40_b|s40_c|s40_d" >&2; exit 2 ;;
 esac

@@ -18,7 +18,6 @@ configuration goes into the device's table, which executors then read (no tuning
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -55,7 +54,7 @@ def case(tokens: int, r_max: int, d_in: int, d_out: int) -> object:
 def configs_above(rows: list[dict], fresh_below: int) -> list[dict]:
     """The distinct configurations of a kernel's entries of T_BUCKET > fresh_below (those a
     --fresh-below run leaves as they were)."""
-    return [dict(c) for c in {tuple(sorted(r["config"].items())) for r in rows
+    return [dict(c) for c in {tuned._ident(r["config"]) for r in rows
                               if r["key"].get("T_BUCKET", 0) > fresh_below}]
 
 
@@ -76,18 +75,15 @@ def reduce_file(path: Path, out: Path, max_configs: int, fresh_below: int) -> in
         chosen = table.reduce(kernel, max_configs, *reduce_scope(kept, fresh_below)) if max_configs else []
         loss: dict[int, list[float]] = {}
         for r in rows:
-            ms = {tuple(sorted(t["config"].items())): t["ms"] for t in r.get("timings", [])}
-            mine = ms.get(tuple(sorted(r["config"].items())))
+            ms = {tuned._ident(t["config"]): t["ms"] for t in r.get("timings", [])}
+            mine = ms.get(tuned._ident(r["config"]))
             if mine:
                 loss.setdefault(r["key"]["T_BUCKET"], [0.0, 0.0])
                 loss[r["key"]["T_BUCKET"]][0] += mine
                 loss[r["key"]["T_BUCKET"]][1] += min(ms.values())
         print(f"{kernel}: {len(kept)} kept + {len(chosen)} chosen {chosen}; time / best by T: "
               + " ".join(f"{t}:{a / b:.2f}" for t, (a, b) in sorted(loss.items())))
-    table.write(out)
-    body = json.loads(out.read_text())  # the tuning run's versions, not this process's
-    body.update({k: v for k, v in json.loads(path.read_text()).items() if k in ("triton", "torch")})
-    out.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+    table.write(out)  # with the tuning run's versions (Table.read kept them), not this process's
     return 0
 
 
@@ -95,6 +91,7 @@ def cublas_lines(table: tuned.Table, shapes: list[str], tokens: list[int]) -> No
     """Per projection and token count: cuBLAS's forward GEMM and input-gradient GEMM (bf16, no LoRA,
     median of do_bench) beside the fastest tuned fused GEMM of each (the table's timings, LoRA epilogue
     included, R_MAX 16)."""
+    import triton
     import triton.testing as tt
 
     best = {}
@@ -112,7 +109,7 @@ def cublas_lines(table: tuned.Table, shapes: list[str], tokens: list[int]) -> No
                 dy = torch.randn(t, d_out, device="cuda", dtype=torch.bfloat16)
                 fwd = tt.do_bench(lambda x=x, w=w: torch.nn.functional.linear(x, w), warmup=5, rep=30)
                 dgrad = tt.do_bench(lambda dy=dy, w=w: dy @ w, warmup=5, rep=30)
-                b = t if t & (t - 1) == 0 else 1 << t.bit_length()
+                b = triton.next_power_of_2(t)  # the kernels' T_BUCKET
                 ff, fd = best.get((b, d_in, d_out, 1)), best.get((b, d_out, d_in, 0))
                 print(f"| {d_in}x{d_out} | {t} | {fwd * 1e3:.1f} | {ff * 1e3 if ff else float('nan'):.1f} "
                       f"| {dgrad * 1e3:.1f} | {fd * 1e3 if fd else float('nan'):.1f} |", flush=True)

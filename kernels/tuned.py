@@ -61,23 +61,28 @@ def config_dict(cfg: triton.Config) -> dict[str, int]:
 
 
 class Table:
-    """One device's configurations: kernel name -> [(key fields, configuration)]."""
+    """One device's configurations: kernel name -> [(key fields, configuration)]. `versions`: the
+    Triton and torch its timings were measured under (a table read from a file keeps the file's;
+    a new one writes this process's)."""
 
     def __init__(self, device: str, capability: list[int] | None = None,
-                 kernels: dict[str, list[dict]] | None = None, source: str = "") -> None:
+                 kernels: dict[str, list[dict]] | None = None, source: str = "",
+                 versions: dict[str, str] | None = None) -> None:
         self.device, self.capability, self.source = device, capability, source
         self.kernels: dict[str, list[dict]] = kernels or {}
+        self.versions = versions or {"triton": triton.__version__, "torch": torch.__version__}
 
     @classmethod
     def read(cls, path: Path) -> Table:
         d = json.loads(path.read_text())
-        return cls(d["device"], d.get("capability"), d.get("kernels", {}), source=path.name)
+        versions = {k: d[k] for k in ("triton", "torch") if k in d}
+        return cls(d["device"], d.get("capability"), d.get("kernels", {}), source=path.name,
+                   versions=versions if len(versions) == 2 else None)
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        body = {"device": self.device, "capability": self.capability, "triton": triton.__version__,
-                "torch": torch.__version__, "kernels": {k: sorted(v, key=lambda e: sorted(e["key"].items()))
-                                                        for k, v in sorted(self.kernels.items())}}
+        kernels = {k: sorted(v, key=lambda e: sorted(e["key"].items())) for k, v in sorted(self.kernels.items())}
+        body = {"device": self.device, "capability": self.capability, **self.versions, "kernels": kernels}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, path)

@@ -155,9 +155,13 @@ def test_the_fused_kernels_are_table_launched() -> None:
     assert fl._shrink_wgrad.restore == ("g_ptr",) and fl._wgrad.restore == ("g_ptr",)
 
 
+# three configurations the reduce tests time against each other
+REDUCE_CONFIGS = ({"BLOCK": 16, "num_warps": 4, "num_stages": 3}, {"BLOCK": 32, "num_warps": 4, "num_stages": 3},
+                  {"BLOCK": 64, "num_warps": 8, "num_stages": 3})
+
+
 def test_reduce_keeps_the_configurations_that_lose_least() -> None:
-    a, b, c = ({"BLOCK": 16, "num_warps": 4, "num_stages": 3}, {"BLOCK": 32, "num_warps": 4, "num_stages": 3},
-               {"BLOCK": 64, "num_warps": 8, "num_stages": 3})
+    a, b, c = REDUCE_CONFIGS
     t = tuned.Table("x")
     # four keys: c best on two, a best on one, b best on one but nearly as good as c everywhere
     t.add("k", {"T_BUCKET": 1}, c, [(a, 3.0), (b, 1.02), (c, 1.0)])
@@ -172,8 +176,7 @@ def test_reduce_keeps_the_configurations_that_lose_least() -> None:
 
 
 def test_reduce_after_a_partial_retune_keeps_the_untouched_entries_and_adds_the_fewest_configs() -> None:
-    a, b, c = ({"BLOCK": 16, "num_warps": 4, "num_stages": 3}, {"BLOCK": 32, "num_warps": 4, "num_stages": 3},
-               {"BLOCK": 64, "num_warps": 8, "num_stages": 3})
+    a, b, c = REDUCE_CONFIGS
     t = tuned.Table("x")
     # a large key left as it was (its timings say b, but it is not retuned: it keeps c); two small keys retuned
     t.add("k", {"T_BUCKET": 4096}, c, [(a, 2.0), (b, 1.0), (c, 1.5)])
@@ -214,3 +217,16 @@ def test_every_shipped_tables_configuration_is_a_candidate_of_its_kernel() -> No
             allowed = candidates[kernel]
             missing = {json.dumps(r["config"], sort_keys=True) for r in rows if r["config"] not in allowed}
             assert not missing, f"{path.name} {kernel}: {sorted(missing)[:3]}"
+
+
+def test_a_table_read_and_written_again_keeps_the_versions_it_was_tuned_under(tmp_path: Path) -> None:
+    path = tmp_path / "NVIDIA_X.json"
+    path.write_text(json.dumps({"device": "NVIDIA_X", "capability": [9, 0], "triton": "3.6.0", "torch": "2.11.0",
+                                "kernels": {"k": [{"key": {"T_BUCKET": 512}, "config": {"BLOCK": 16}}]}}))
+    out = tmp_path / "out.json"
+    tuned.Table.read(path).write(out)
+    body = json.loads(out.read_text())
+    assert (body["triton"], body["torch"]) == ("3.6.0", "2.11.0")
+    assert body["kernels"] == {"k": [{"key": {"T_BUCKET": 512}, "config": {"BLOCK": 16}}]}
+    tuned.Table("NVIDIA_X").write(out)  # a new table: this process's versions
+    assert json.loads(out.read_text())["triton"] == triton.__version__
