@@ -159,8 +159,8 @@ class TraceExecutor(Executor):
             if prof is not None and n == prof + 2:
                 p = self.recorder.pop("profiler")
                 p.__exit__(None, None, None)
-                self.recorder["profile_table"] = p.key_averages().table(
-                    sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+                self.recorder["profile_table"] = "".join(p.key_averages().table(sort_by=k, row_limit=25,
+                    max_name_column_width=60) for k in ("self_cpu_time_total", "self_device_time_total"))
                 self.recorder["profile_steps_s"] = self.recorder["step_s"][-3:]
             if self.trace is not None:
                 for j in report.losses:
@@ -440,8 +440,9 @@ def large_run(name: str, ee: bool, attention: str, *, args: argparse.Namespace, 
     quality phase's statuses ((a)'s decisions are checked against them)."""
     spec = {j.job_id: j for j in jobs}
     rec = install_recorder()
-    profile_out = getattr(args, "profile_out", "")
-    rec["profile_at"] = 100 if name == "b" and profile_out else None
+    at = os.environ.get("LORAPLEX_BENCH_PROFILE_A", "").partition(":")  # "N:FILE": (a)'s steps N..N+2 instead
+    profile_out = (at[2] if name == "a" else "") if at[2] else getattr(args, "profile_out", "")
+    rec["profile_at"] = (int(at[0]) if at[2] else 100) if profile_out and (at[2] or name == "b") else None
     out = Record()
     runs_dir = getattr(args, "runs_dir", "")  # e.g. tmpfs: (a)'s checkpoints outgrow a small disk
     out_dir = Path(runs_dir or root) / f"large_{name}"
@@ -480,8 +481,7 @@ def large_run(name: str, ee: bool, attention: str, *, args: argparse.Namespace, 
            "memory_trace": [[p.tokens, int(p.recompute), p.resident >> 20, p.peak >> 20, round(p.predicted) >> 20,
                              round(p.adapter_params / 1e6)] for c in ex.memory.corrections.values() for p in c.trace]}
     if rec.get("profile_table") and profile_out:
-        Path(profile_out).write_text(
-            f"steps (s, profiled): {rec['profile_steps_s']}\n{rec['profile_table']}\n")
+        Path(profile_out).write_text(f"steps (s, profiled): {rec['profile_steps_s']}\n{rec['profile_table']}\n")
     if name == "a" and "quality" in res:
         run["decisions_match_small"] = run["statuses"] == res["quality"]["statuses_a"]
     elif not rec["batches"]:  # no training step ran: say why instead of timing nothing
