@@ -151,32 +151,3 @@ class TaskExecutor(Protocol):
     def log_state(self, task_id: str, job_id: str, state: str, details: dict) -> None: ...
 
 
-
-
-def beside(work: Callable[[], Any], reads: Sequence[Callable[[], None]]) -> tuple[Any, list[Exception | None]]:
-    """`work()` (the backbone's load) with `reads` (the tasks' data, read and tokenised) run
-    meanwhile in one other thread: work's result, and each read's exception or None, for the
-    caller to raise under that task's own guard in this thread (a guard of adapter parallelism
-    decides with the other ranks). An exception of `work` is raised after the reads end."""
-    import threading
-
-    errors: list[Exception | None] = [None] * len(reads)
-
-    def read_all() -> None:
-        for i, read in enumerate(reads):
-            try:
-                read()
-            except Exception as exc:  # noqa: BLE001 - the task's own, raised again under its guard
-                errors[i] = exc
-
-    reader = threading.Thread(target=read_all, name="loraplex-task-data", daemon=True)
-    reader.start()
-    try:
-        return work(), errors
-    finally:
-        reader.join()
-
-
-def raise_if(exc: Exception | None) -> None:
-    if exc is not None:
-        raise exc
