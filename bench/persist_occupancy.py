@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from tune_kernels import SHAPES, case, projections  # noqa: E402
 
 from kernels import fused_lora as fl  # noqa: E402
 from kernels.testing import run_arena  # noqa: E402
-from tune_kernels import SHAPES, case, projections  # noqa: E402
 
 TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): two fit an SM's registers and shared memory
     (128, 128, 64, 4, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 2), (256, 128, 64, 8, 2)]
