@@ -1624,8 +1624,8 @@ print('import chain s:', {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])
       --out "$OUT/persist_occupancy.md" --json "$OUT/persist_occupancy.json"
     pack_logs
     ;;
-  s41_c)  # session 41, call 3 (issues 40, 41; H200): the code that lands (the tasks' data read while the backbone loads):
-          # search (a) and the 60-step task on a fresh seeded cache, then every GPU test
+  s41_c)  # session 41, call 3 (issues 40, 41; H200): the tasks' data read while the backbone loads (7e5eebc; slower, reverted
+          # in 613e9bb): search (a) and the 60-step task on a fresh seeded cache, then every GPU test
     search_then_task /tmp/s41c 200 190
     step $((590 - SECONDS)) gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
     rm -f "$OUT/host_memory.txt"
