@@ -75,7 +75,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--liger-wheels", default=str(REPO / ".whl"))
     ap.add_argument("--work", default="/tmp/task_e2e_baselines")
     ap.add_argument("--write-buffer-gb", type=float, default=None,
-                    help="ExecutorConfig.write_buffer_bytes of (a) and (b), in GiB (default: the product's)")
+                    help="ExecutorConfig.write_buffer_bytes of (a) and (b), in GiB (default: the product's): "
+                    "the snapshots the writer may hold before the loop waits")
+    ap.add_argument("--train-while-waiting", action="store_true",
+                    help="EarlyExitSettings.train_while_waiting: jobs waiting for the ranking train on "
+                    "(the product's default until session 42) rather than park")
     ap.add_argument("--runs-dir", default="", help="the large runs' executor folders (checkpoints, exports): "
                     "default under --work; e.g. /dev/shm where (a)'s first checkpoint outgrows the disk")
     ap.add_argument("--json", default="")

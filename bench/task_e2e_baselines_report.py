@@ -164,7 +164,8 @@ def render(runs: list, quality: dict, timing: dict) -> str:
               f"validation samples, max_seq_len {first['seq']}, evaluation every {first['eval_every_samples']} "
               "samples and at the end on the executor's evaluation policy (EvalSettings: sizes by samples "
               "trained, leading subset of one shuffled order); one epoch per configuration; early-exit "
-              "defaults (warmup 5% of a job's steps, keep 25%)."]
+              "defaults (warmup 5% of a job's steps, keep 25%); a job waiting for the ranking "
+              + ("trains on (--train-while-waiting)." if first.get("train_while_waiting") else "waits parked.")]
     for layers in sorted(timing):
         lines += render_timing(layers, timing[layers], quality.get(SMALL_SHAPE, {}))
     for shape in sorted(quality, key=lambda s: s != SMALL_SHAPE):

@@ -311,11 +311,11 @@ def executor_cfg(model_dir: Path, data: tuple[Path, Path], out: Path, jobs: list
     return ExecutorConfig(
         model_dir=str(model_dir), train_file=str(data[0]), val_file=str(data[1]),
         output_dir=str(out), jobs=[TrainJob(**vars(j)) for j in jobs],
-        settings=TaskSettings(max_seq_len=args.seq, early_exit=EarlyExitSettings(enabled=early_exit),
+        settings=TaskSettings(max_seq_len=args.seq, early_exit=EarlyExitSettings(
+            enabled=early_exit, train_while_waiting=getattr(args, "train_while_waiting", False)),
                               eval=EvalSettings(eval_every_steps=50, eval_max_samples=args.n_val,
                                                 eval_every_samples=args.eval_every_samples)),
         checkpoint_every=None, checkpoint_every_s=300.0, profile_cache=str(cache) if cache else None,
-        # --write-buffer-gb: the snapshots the writer may hold before the loop waits (else the product's default)
         **({"write_buffer_bytes": args.write_buffer_gb * 2**30} if getattr(args, "write_buffer_gb", None) else {}))
 
 

@@ -45,6 +45,13 @@ class EarlyExitSettings(Message):
         description="Grace period: no job is stopped as diverging or overfitting before it has "
                     "trained this many steps (the detectors watch, the decision waits; a "
                     "non-finite loss still stops it at once). Ray Tune's ASHA grace_period.")
+    train_while_waiting: bool = Field(
+        default=False,
+        description="A job that ends its warmup before the others: true, it trains on while the "
+                    "ranking waits for them; false, it waits parked, so the steps serve the jobs "
+                    "still warming up (a kept job resumes after the ranking, an evicted one ends "
+                    "where the ranking measured it). Waiting jobs park whenever a queued "
+                    "configuration needs the room.")
 
     def warmup_steps(self, total_steps: int) -> int:
         """Warmup length of a job with `total_steps` steps: ceil(fraction * total), in [1, total]."""

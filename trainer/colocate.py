@@ -313,18 +313,21 @@ class TaskRun:
         return self.ranking is not None and job_id in self.ranking.waiting
 
     def warmup_policy(self) -> None:
-        """Rank the task's jobs among themselves once all finished warmup; meanwhile park a job
-        that finished its warmup so a queued configuration of the task gets its warmup (else it
-        trains on, its end held for the ranking: trainer.warmup_hold)."""
+        """Rank the task's jobs among themselves once all finished warmup. Meanwhile a job that
+        finished its warmup parks, so a queued configuration gets its warmup, or (unless
+        `train_while_waiting`) so the steps serve the jobs still warming up: most waiting jobs
+        are evicted, and a large step's tokens cost the same whichever job they train. A job
+        that trains on, or ran its last step, has its end held (trainer.warmup_hold)."""
         if self.ranking is None or self.ranking.result is not None:
             return
-        fresh_waiting = any(isinstance(q, TrainJob) for q in self.queue)
-        for job_id, s in list(self.placed.items()):
-            if self.in_warmup(job_id) and s.step >= self.warmup_len(s):
-                mon = self.monitors[job_id]
-                self.ranking.report(job_id, mon.eval_val[-1] if mon.eval_val else math.inf)
-                if fresh_waiting:  # rotate: park it on its rank so a queued configuration gets its warmup
-                    park(self, job_id, "parked_after_warmup", {})
+        rotate = any(isinstance(q, TrainJob) for q in self.queue)
+        train_on = self.cfg.settings.early_exit.train_while_waiting
+        ended = [(j, s) for j, s in self.placed.items() if self.in_warmup(j) and s.step >= self.warmup_len(s)]
+        for job_id, _ in ended:  # its last validation loss (none: infinite)
+            self.ranking.report(job_id, (self.monitors[job_id].eval_val or [math.inf])[-1])
+        for job_id, s in ended:  # not while the ranking decides now
+            if rotate or not (train_on or self.ranking.ready or s.done):
+                park(self, job_id, "parked_after_warmup", {})
         if self.ranking.ready:
             keep, evict = self.ranking.decide()
             self.cb.on_event("", "warmup_ranking", {"keep": keep, "evict": evict})

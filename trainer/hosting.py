@@ -31,6 +31,7 @@ from trainer.checkpoint_files import STATE_NAME, load_checkpoint
 from trainer.colocate import TaskRun
 from trainer.config import CALLBACK_KINDS, HOST_FIELDS, Callbacks, ExecutorConfig
 from trainer.host_pool import POOL
+from trainer.jobs import TrainJob
 from trainer.task_parts import JobSlot, TaskExecutor
 from trainer.task_samples import task_samples, write_samples
 
@@ -234,15 +235,18 @@ class TaskRoster:
 
     def reserve_parking(self, task: TaskRun) -> None:
         """After the task's first step (trainer.host_pool): pin, in the background, host memory
-        for the states its configurations may park beyond what the device keeps (parks stay on
-        the device while PARK_RESERVE of it stays free) and for the snapshots its writes take;
-        within the pool's limit (PinnedPool.target_for), only on a GPU."""
+        for the snapshots its writes take and, where configurations are queued (they need the
+        room: trainer.warmup_hold.park), for the states they may park beyond what the device
+        keeps (parks stay on the device while PARK_RESERVE of it stays free); within the pool's
+        limit (PinnedPool.target_for), only on a GPU. With nothing queued a park stays on the
+        device: pinning 36 GB beside an H200 search's steps slowed two of them by 3 s."""
         eng = self.executor.engine
         if eng.device.type != "cuda" or len(task.cfg.jobs) <= 1:
             return
         per_rank = eng.params_per_rank
         item = eng.adapter_dtype.itemsize
-        states = sum(3 * item * per_rank * j.lora_rank for j in task.cfg.jobs)  # weights + 2 moments
+        queued = any(isinstance(q, TrainJob) for q in task.queue)
+        states = sum(3 * item * per_rank * j.lora_rank for j in task.cfg.jobs) if queued else 0  # weights + 2 moments
         free, total = torch.cuda.mem_get_info(eng.device)
         # and the snapshots of checkpoints and exports waiting for the writer thread
         POOL.reserve(POOL.target_for(states - max(0.0, park_room(free, total)), task.cfg.write_buffer_bytes),

@@ -47,13 +47,17 @@ def awaits_ranking(task: RankedTask, job_id: str) -> bool:
 
 
 def park(task: RankedTask, job_id: str, event: str, details: dict) -> None:
-    """Take a placed job off the engine to wait in its task's queue for its own rank: its state
-    kept on the device while its memory allows (else in pinned host memory); then `event`."""
+    """Take a placed job off the engine to wait in its task's queue for its own rank; then
+    `event`. Its state stays on the device: where a queued configuration of the task needs the
+    room, while the device keeps PARK_RESERVE free after it (else in pinned host memory); where
+    none does, there (a copy of its adapter's region, nothing crosses to the host; where the
+    device runs short later, the executor's room checks spill it: Executor._spill_parked)."""
     executor, slot = task.executor, task.placed.pop(job_id)
+    room = any(isinstance(q, TrainJob) for q in task.queue)
     task.queue.append(slot)
     if slot.owner == executor.rank:  # adapter parallelism: the other ranks keep the books alone
         with executor.phase("park"):
-            target = executor.engine.slots.park_target(job_id)
+            target = executor.engine.slots.park_target(job_id) if room else None
             task.parked[job_id] = executor.engine.detach(job_id, park_device=target)
             if target is None:
                 task.parked_on_device.add(job_id)

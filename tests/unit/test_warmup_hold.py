@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from contract.protocol import EarlyExitSettings, EvalSettings
 from tests.helpers.engine_ref import synthetic_rows, tiny_model_dir, write_jsonl
@@ -129,7 +130,7 @@ def run_holds(tmp_path: Path, long_val: float, keep_fraction: float, rank: int =
     step 3 (diverging), `over` overfits at steps 3 and 4 (tau_gap 10, patience 2), `short` runs
     its last step at 4; the ranking comes at step 5."""
     books = Books(tmp_path, HOLD_JOBS, EarlyExitSettings(warmup_fraction=0.25, keep_fraction=keep_fraction,
-                                                         tau_gap=10.0), rank, world)
+                                                         tau_gap=10.0, train_while_waiting=True), rank, world)
     books.step({}, {"short": 3.0})
     books.step({}, {"nan": 3.0, "over": 3.0})
     books.step({"nan": math.nan}, {"over": 100.0})
@@ -143,7 +144,8 @@ def run_holds(tmp_path: Path, long_val: float, keep_fraction: float, rank: int =
     assert [q.job_id for q in books.task.queue] == ["nan", "over", "short"]
     mine = {j for k, j in enumerate(["short", "nan", "over"]) if k % world == rank}
     assert sorted(books.task.parked) == sorted(mine)  # their states kept, on the owner alone
-    assert sorted(books.executor.engine.detached) == sorted((j, "cpu") for j in mine)
+    # nothing queued needs the room: on the device (the stand-in's park_target would say "cpu")
+    assert sorted(books.executor.engine.detached) == sorted((j, None) for j in mine)
     books.step({}, {"long": long_val})  # long's warmup ends: the ranking decides
     return books
 
@@ -170,7 +172,7 @@ def test_held_ends_of_kept_jobs_are_applied_after_the_ranking(tmp_path: Path) ->
     assert details["short"] == {"steps": 4, "best_val": 3.0}
     # the completion's final adapter from the state it kept, its host copies complete first
     ((job, kind, state),) = books.exports
-    assert (job, kind, state.job_id, state.where, state.settled) == ("short", "final", "short", "cpu", True)
+    assert (job, kind, state.job_id, state.where, state.settled) == ("short", "final", "short", "device", True)
     assert books.task.parked == {} and books.task.queue == [] and books.task.placed == {}
 
 
@@ -184,6 +186,33 @@ def test_every_rank_keeps_the_same_books_and_only_the_owner_detaches(tmp_path: P
     assert {j for j, _ in books.executor.engine.detached} == {j for j, r in owned.items() if r == rank}
     assert [(j, k) for j, k, _ in books.exports] == [("short", "final")]  # announced by every rank
     assert all((s is not None) == (owned[j] == rank) for j, _, s in books.exports)  # weights: the owner's
+
+
+@pytest.mark.parametrize("train_on", [False, True])
+def test_a_park_for_a_queued_configuration_asks_where_and_a_waiting_one_stays(tmp_path: Path,
+                                                                               train_on: bool) -> None:
+    # "a" ends its warmup at step 1 while "c" is queued: it parks for c's room where the engine
+    # says (the stand-in's park_target: the host), in either mode; once c is placed and "b" is
+    # still warming up, c's warmup end at step 2 parks it on the device (train_while_waiting
+    # false) or lets it train on (true), nothing queued needing the room
+    jobs = [TrainJob("a", batch_size=2, max_steps=4), TrainJob("b", batch_size=2, max_steps=40),
+            TrainJob("c", batch_size=2, max_steps=8)]
+    books = Books(tmp_path, jobs, EarlyExitSettings(warmup_fraction=0.25, keep_fraction=0.5, tau_gap=10.0,
+                                                    train_while_waiting=train_on))
+    task = books.task
+    task.placed.pop("c")
+    books.executor.engine.jobs.pop("c")
+    task.queue.append(jobs[2])
+    books.step({}, {"a": 3.0})
+    assert books.executor.engine.detached == [("a", "cpu")]
+    assert list(books.events_named("parked_after_warmup")) == ["a"]
+    task.queue.remove(jobs[2])  # c admitted
+    task.placed["c"] = JobSlot("c", 0, 2, 0, 8)
+    books.executor.engine.jobs["c"] = StandInState("c")
+    books.step({}, {"c": 3.0})
+    books.step({}, {"c": 3.0})
+    assert books.executor.engine.detached == [("a", "cpu")] + ([] if train_on else [("c", None)])
+    assert sorted(task.placed) == (["b", "c"] if train_on else ["b"])
 
 
 def test_without_a_ranking_a_detector_and_the_last_step_end_a_job_at_once(tmp_path: Path) -> None:
@@ -205,12 +234,13 @@ def test_without_a_ranking_a_detector_and_the_last_step_end_a_job_at_once(tmp_pa
 
 
 # ----- whole tasks on a tiny Llama ------------------------------------------------------------
-def search(tmp_path: Path, out: str, max_active_jobs: int, **kw: Any) -> Any:
+def search(tmp_path: Path, out: str, max_active_jobs: int, train_on: bool = True, **kw: Any) -> Any:
     """Five configurations, a quarter of each run its warmup, the best 3 kept. The two short
     ones (4 steps, warmup 1) run their last step before the long ones (20 steps) end their
-    warmup at 5; `nan_later` (lr 1e30 after a learning-rate warmup of 2 steps: its first update
-    is at lr 0, its second breaks it) has a NaN train loss at step 3; `slow_short` barely trains.
-    At the ranking, `slow_short` and `nan_later` are the two worst (the base model's loss)."""
+    warmup at 5 where they train on while waiting (`train_on`, train_while_waiting); `nan_later`
+    (lr 1e30 after a learning-rate warmup of 2 steps: its first update is at lr 0, its second
+    breaks it) has a NaN train loss at step 3; `slow_short` barely trains. At the ranking,
+    `slow_short` and `nan_later` are the two worst (the base model's loss)."""
     d = tiny_model_dir("llama", tmp_path)
     train = write_jsonl(tmp_path / "train.jsonl", synthetic_rows(30, seed=5, fmt="completion"))
     jobs = [TrainJob("keep_short", lora_rank=4, lora_alpha=8, learning_rate=3e-2, batch_size=2, max_steps=4, seed=1),
@@ -222,7 +252,8 @@ def search(tmp_path: Path, out: str, max_active_jobs: int, **kw: Any) -> Any:
     return executor_config(model_dir=str(d), train_file=str(train), output_dir=str(tmp_path / out), jobs=jobs,
                            max_seq_len=48, eval=EvalSettings(eval_every_steps=4, eval_max_samples=None),
                            checkpoint_every=None, max_active_jobs=max_active_jobs,
-                           early_exit=EarlyExitSettings(warmup_fraction=0.25, keep_fraction=0.6, tau_gap=10.0), **kw)
+                           early_exit=EarlyExitSettings(warmup_fraction=0.25, keep_fraction=0.6, tau_gap=10.0,
+                                                        train_while_waiting=train_on), **kw)
 
 
 class Recorder:
@@ -230,10 +261,18 @@ class Recorder:
         self.train: dict[str, list[int]] = defaultdict(list)
         self.events: list[tuple[str, str, dict]] = []
         self.adapters: list[tuple[str, str]] = []
+        self.order: list[tuple[str, object]] = []  # (job, step) of train losses and (job, event) in turn
 
     def callbacks(self) -> Callbacks:
-        return Callbacks(on_train_loss=lambda j, s, v: self.train[j].append(s),
-                         on_event=lambda j, m, d: self.events.append((j, m, d)),
+        def train(j: str, step: int, _: float) -> None:
+            self.train[j].append(step)
+            self.order.append((j, step))
+
+        def event(j: str, m: str, d: dict) -> None:
+            self.events.append((j, m, d))
+            self.order.append((j, m))
+
+        return Callbacks(on_train_loss=train, on_event=event,
                          on_adapter=lambda j, kind, p: self.adapters.append((j, kind)))
 
     def named(self, name: str) -> dict[str, dict]:
@@ -268,6 +307,31 @@ def test_a_jobs_final_status_does_not_depend_on_how_many_jobs_run_at_once(tmp_pa
         assert ("slow_short", "final") not in rec.adapters and ("nan_later", "final") not in rec.adapters
         assert (tmp_path / ("together" if rec is together else "rotated") / "jobs" / "keep_short" / "final"
                 / "adapter_model.safetensors").exists()
+
+
+def test_waiting_jobs_park_and_a_kept_one_trains_as_it_would_have(tmp_path: Path) -> None:
+    # the default (train_while_waiting false): the short ones park at their warmup's end (step 1)
+    # with all five at once too, train nothing while the long ones warm up, and end as before; the
+    # kept one trains its last 3 steps after the ranking into the final adapter of training on
+    parked, trained_on = Recorder(), Recorder()
+    got = statuses(Executor(search(tmp_path, "parked", 5, train_on=False), parked.callbacks()).run())
+    Executor(search(tmp_path, "trained_on", 5), trained_on.callbacks()).run()
+    assert got == EXPECTED
+    assert parked.named("warmup_ranking") == trained_on.named("warmup_ranking")
+    assert {j: d["step"] for j, d in parked.named("parked_after_warmup").items()} == {
+        "keep_short": 1, "slow_short": 1, "nan_later": 1}
+    assert not parked.named("exit_held") and not parked.named("completion_held")
+    assert parked.train["slow_short"] == parked.train["nan_later"] == [1]  # no step past the warmup
+    assert parked.train["keep_short"] == trained_on.train["keep_short"] == [1, 2, 3, 4]
+    # parked, the kept one's steps 2-4 come after the ranking; trained on, before it
+    ranking = parked.order.index(("", "warmup_ranking"))
+    assert parked.order.index(("keep_short", 2)) > ranking > parked.order.index(("long_a", 5))
+    assert trained_on.order.index(("keep_short", 4)) < trained_on.order.index(("", "warmup_ranking"))
+    finals = [load_file(tmp_path / run / "jobs" / "keep_short" / "final" / "adapter_model.safetensors")
+              for run in ("parked", "trained_on")]
+    assert finals[0].keys() == finals[1].keys()
+    for name, tensor in finals[0].items():
+        torch.testing.assert_close(tensor, finals[1][name], rtol=1e-5, atol=1e-6)
 
 
 def test_held_jobs_survive_a_stop_and_resume(tmp_path: Path) -> None:
