@@ -320,7 +320,7 @@ def test_a_step_that_one_pass_would_recompute_runs_as_passes_that_each_fit_witho
 
 
 def test_a_step_that_fits_without_recompute_only_once_the_device_parks_leave_sends_them_to_the_host() -> None:
-    from trainer.admission import RecomputePolicy
+    from trainer.admission import MIN_PASS_TOKENS, RecomputePolicy
 
     parked = [3e9]  # states parked on the device, counted resident
 
@@ -341,6 +341,14 @@ def test_a_step_that_fits_without_recompute_only_once_the_device_parks_leave_sen
     assert policy.room_tokens() == pytest.approx(7200)
     parked[0] = 3e9
     assert policy.passes([3000, 3000]) is None and moved == [3e9, 3e9]  # one pass once they left
+    parked[0] = 3e9
+    # a step under MIN_PASS_TOKENS recomputes rather than send them off: room 2,400 tokens beside
+    # them, 4,800 without
+    small = RecomputePolicy(MemoryModel(1e9, 1e6), 17e9, 1024, resident=lambda: 10e9 + parked[0],
+                            spare=lambda: parked[0], release=release)
+    assert small.recompute_tokens(3000) and moved == [3e9, 3e9]  # they stay
+    assert small.passes([1500, 1500]) is None and moved == [3e9, 3e9]  # recompute, they stay
+    assert not small.recompute_tokens(MIN_PASS_TOKENS) and moved == [3e9, 3e9, 3e9]  # large enough: moved
     parked[0] = 3e9
     plain = RecomputePolicy(MemoryModel(1e9, 1e6), 20e9, 1024, resident=lambda: 10e9 + parked[0])
     assert plain.recompute_tokens(6000) and plain.passes([3000, 3000]) == [[0], [1]]  # nothing to move
