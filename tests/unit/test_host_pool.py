@@ -242,3 +242,30 @@ def test_the_pin_share_caps_the_target_and_a_bad_one_is_refused(monkeypatch: pyt
     pool = PinnedPool()
     assert pool.limit_bytes() == 32 * gib  # the loop's growth keeps half
     assert pool.target_for(40 * gib, 4 * gib) == 16 * gib and pool.target_for(8 * gib, 4 * gib) == 12 * gib
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_a_task_reserves_parks_only_where_configurations_are_queued(monkeypatch: pytest.MonkeyPatch,
+                                                                    queued: bool) -> None:
+    # trainer.hosting.TaskRoster.reserve_parking after a task's first step: the writes' snapshots
+    # always; the states that may park beyond the device's room only where a queued configuration
+    # will need that room (a park nothing queued needs stays on the device: trainer.warmup_hold)
+    from types import SimpleNamespace
+
+    from trainer import hosting
+    from trainer.jobs import TrainJob
+
+    reserved: list[tuple[int, int]] = []
+    monkeypatch.setattr(hosting.POOL, "reserve", lambda nbytes, largest=0: reserved.append((nbytes, largest)))
+    monkeypatch.setattr(hosting.POOL, "target_for", lambda parked, buffer: int(max(0.0, parked) + buffer))
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * gib, 100 * gib))
+    monkeypatch.setattr(hosting, "park_room", lambda free, total: 0.25 * gib)
+    jobs = [TrainJob(f"j{r}", lora_rank=r) for r in (8, 16, 64)]
+    engine = SimpleNamespace(device=torch.device("cuda"), params_per_rank=2**20, adapter_dtype=torch.float32)
+    task = SimpleNamespace(cfg=SimpleNamespace(jobs=jobs, write_buffer_bytes=4 * gib),
+                           queue=[jobs[2]] if queued else [])
+    hosting.TaskRoster.reserve_parking(SimpleNamespace(executor=SimpleNamespace(engine=engine)), task)
+    states = sum(3 * 4 * 2**20 * r for r in (8, 16, 64))  # weights and two moments, float32
+    assert states > gib // 4  # more than the device keeps
+    assert reserved == [((states - gib // 4 if queued else 0) + 4 * gib, 4 * 2**20 * 64)]
