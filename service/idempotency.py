@@ -52,6 +52,9 @@ def legacy_request_hash(body: TaskCreate) -> str:
         if data.get(added) is None or (added == "integrations" and not data[added]):
             data.pop(added, None)
     data.pop("samples", None)
+    early = data.get("early_exit")  # train_while_waiting (session 42) at its default: not in that schema
+    if isinstance(early, dict) and not early.get("train_while_waiting"):
+        early.pop("train_while_waiting", None)
     # That schema's search space: the shared knobs and DPO's beta (a method's knob added since,
     # contract.methods, is not in a body that release hashed).
     space = data.get("search_space") or {}
