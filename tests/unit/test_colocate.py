@@ -184,8 +184,10 @@ def test_a_task_attached_mid_run_trains_exactly_as_alone(files, tmp_path, fixed_
     report_a = timings_report(tim_a)
     assert {"load_part_model", "load_part_data", "load_part_engine"} <= set(report_a["details"])
     assert not any(k.startswith("load_part") for k in report_a["phases"])
-    assert sum(v for k, v in report_a["details"].items()
-               if k.startswith("load_part_") and k != "load_part_process_age_at_load") <= tim_a["load_s"] + 1e-3
+    parts = [v for k, v in report_a["details"].items()
+             if k.startswith("load_part_") and k != "load_part_process_age_at_load"]
+    # each part is rounded to the millisecond: up to half of one each over the unrounded load
+    assert sum(parts) <= tim_a["load_s"] + 5e-4 * len(parts) + 1e-3
     assert not any(k.startswith("load_part") for k in tim_b)
     assert tim_b["wall_s"] < tim_b["host_wall"]  # the host started before B arrived
     assert 0 < tim_b["first_step_s"] < tim_b["wall_s"]
