@@ -47,6 +47,7 @@ from trainer.jobs import JobRun, TrainJob
 from trainer.pairs import PairExample
 from trainer.task_files import TaskFiles
 from trainer.task_parts import JobSlot, StepNumbers, TaskExecutor, TaskStream, ThroughputWindow
+from trainer.task_parts import fresh as fresh_configurations
 from trainer.warmup_hold import awaits_ranking, hold_completion, hold_exit, park, settle_kept
 
 log = logging.getLogger("loraplex.executor")
@@ -181,7 +182,7 @@ class TaskRun:
 
     def fail_unschedulable(self) -> None:
         executor = self.executor
-        for job_id in executor.admission.unschedulable([q for q in self.queue if isinstance(q, TrainJob)]):
+        for job_id in executor.admission.unschedulable(fresh_configurations(self.queue)):
             self.queue = [q for q in self.queue if q.job_id != job_id]
             self.set_state(job_id, JobLifecycle.FAILED, {"error": "does not fit the executor's memory even alone"})
             if self.ranking is not None:
@@ -313,14 +314,13 @@ class TaskRun:
         return self.ranking is not None and job_id in self.ranking.waiting
 
     def warmup_policy(self) -> None:
-        """Rank the task's jobs among themselves once all finished warmup. Meanwhile a job that
-        finished its warmup parks, so a queued configuration gets its warmup, or (unless
-        `train_while_waiting`) so the steps serve the jobs still warming up: most waiting jobs
-        are evicted, and a large step's tokens cost the same whichever job they train. A job
-        that trains on, or ran its last step, has its end held (trainer.warmup_hold)."""
+        """Rank the task's jobs once all finished warmup. Meanwhile a job that finished its warmup
+        parks, so a queued configuration gets its warmup, or (unless `train_while_waiting`) so the
+        steps serve the jobs still warming up: most waiting jobs are evicted, and a large step's
+        tokens cost the same whichever job they train. One that trains on has its end held."""
         if self.ranking is None or self.ranking.result is not None:
             return
-        rotate = any(isinstance(q, TrainJob) for q in self.queue)
+        rotate = bool(fresh_configurations(self.queue))
         train_on = self.cfg.settings.early_exit.train_while_waiting
         ended = [(j, s) for j, s in self.placed.items() if self.in_warmup(j) and s.step >= self.warmup_len(s)]
         for job_id, _ in ended:  # its last validation loss (none: infinite)

@@ -31,8 +31,7 @@ from trainer.checkpoint_files import STATE_NAME, load_checkpoint
 from trainer.colocate import TaskRun
 from trainer.config import CALLBACK_KINDS, HOST_FIELDS, Callbacks, ExecutorConfig
 from trainer.host_pool import POOL
-from trainer.jobs import TrainJob
-from trainer.task_parts import JobSlot, TaskExecutor
+from trainer.task_parts import JobSlot, TaskExecutor, fresh
 from trainer.task_samples import task_samples, write_samples
 
 log = logging.getLogger("loraplex.executor")
@@ -245,7 +244,7 @@ class TaskRoster:
             return
         per_rank = eng.params_per_rank
         item = eng.adapter_dtype.itemsize
-        queued = any(isinstance(q, TrainJob) for q in task.queue)
+        queued = bool(fresh(task.queue))
         states = sum(3 * item * per_rank * j.lora_rank for j in task.cfg.jobs) if queued else 0  # weights + 2 moments
         free, total = torch.cuda.mem_get_info(eng.device)
         # and the snapshots of checkpoints and exports waiting for the writer thread

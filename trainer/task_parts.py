@@ -85,6 +85,12 @@ class JobSlot:
         return self.step >= self.total_steps
 
 
+def fresh(queue: Sequence[Any]) -> list[Any]:
+    """A task's queue's configurations that never started (TrainJob), not its started jobs'
+    slots: what admission places first and what a park may make room for."""
+    return [q for q in queue if not isinstance(q, JobSlot)]
+
+
 @dataclass
 class StepNumbers:
     """What one executor step measured (all hosted jobs): its seconds, real tokens, samples, the

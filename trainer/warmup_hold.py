@@ -20,7 +20,7 @@ from typing import Protocol
 from trainer.config import Callbacks
 from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
 from trainer.jobs import JobRun, TrainJob
-from trainer.task_parts import JobSlot, TaskExecutor
+from trainer.task_parts import JobSlot, TaskExecutor, fresh
 
 
 class RankedTask(Protocol):
@@ -53,7 +53,7 @@ def park(task: RankedTask, job_id: str, event: str, details: dict) -> None:
     none does, there (a copy of its adapter's region, nothing crosses to the host; where the
     device runs short later, the executor's room checks spill it: Executor._spill_parked)."""
     executor, slot = task.executor, task.placed.pop(job_id)
-    room = any(isinstance(q, TrainJob) for q in task.queue)
+    room = bool(fresh(task.queue))
     task.queue.append(slot)
     if slot.owner == executor.rank:  # adapter parallelism: the other ranks keep the books alone
         with executor.phase("park"):
