@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from contract.protocol import EarlyExitSettings, EvalSettings
-from trainer.colocate import eval_subset_size
 from trainer.jobs import TrainJob
+from trainer.task_eval import eval_subset_size
 
 SEED_STRIDE = 1000  # --seed s: job seeds index + 1000 s (s = 0: bench/task_e2e.py's jobs)
 

@@ -49,6 +49,8 @@ from task_e2e_baselines_setup import SMALL_SHAPE, left  # noqa: E402
 from task_e2e_baselines_timing import timing  # noqa: E402
 from task_e2e_data import DEV, SMOKE, T0, log, make_tokenizer  # noqa: E402
 
+from trainer import task_eval  # noqa: E402
+
 ARMS = ("a", "b", "c1", "c2", "c3")
 
 
@@ -80,6 +82,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--train-while-waiting", action="store_true",
                     help="EarlyExitSettings.train_while_waiting: jobs waiting for the ranking train on "
                     "(the product's default until session 42) rather than park")
+    ap.add_argument("--one-stage-ranking", action="store_true",
+                    help="the warmup ranking evaluates every job on its whole subset at once (before session "
+                    "43) rather than staged (trainer.task_eval: a lead quarter first)")
     ap.add_argument("--runs-dir", default="", help="the large runs' executor folders (checkpoints, exports): "
                     "default under --work; e.g. /dev/shm where (a)'s first checkpoint outgrows the disk")
     ap.add_argument("--json", default="")
@@ -103,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         print(text)
         return
     SMOKE["on"] = args.smoke
+    if args.one_stage_ranking:  # every executor of this process (both phases): no ranking subset is staged
+        task_eval.LEAD_MIN_SUBSET = 1 << 30
     if args.smoke:
         torch.set_num_threads(1)
     arms = [a for a in args.arms.split(",") if a]

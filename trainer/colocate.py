@@ -41,10 +41,10 @@ from trainer.checkpoint import restore_job
 from trainer.config import Callbacks, ExecutorConfig
 from trainer.data import Example, read_jsonl, split_validation
 from trainer.early_exit import ExitDecision, JobMonitor, WarmupRanking
-from trainer.evaluation import eval_forwards
 from trainer.export import export_peft, peft_config_dict, write_peft
 from trainer.jobs import JobRun, TrainJob
 from trainer.pairs import PairExample
+from trainer.task_eval import eval_subset_size, evaluate_due
 from trainer.task_files import TaskFiles
 from trainer.task_parts import JobSlot, StepNumbers, TaskExecutor, TaskStream, ThroughputWindow
 from trainer.task_parts import fresh as fresh_configurations
@@ -256,56 +256,25 @@ class TaskRun:
 
     def evaluate_due(self) -> None:
         """Evaluate the task's jobs at their evaluation points, each on the leading subset of the
-        task's validation set its training since the last evaluation earns (`eval_size`)."""
-        due: dict[int, list[str]] = {}
-        for job_id, s in self.placed.items():
-            warm_end = self.warmup_len(s) if self.in_warmup(job_id) else -1
-            if self.cadence_due(s) or s.done or s.step == warm_end:
-                if self.last_eval.get(job_id) != s.step:
-                    due.setdefault(self.eval_size(job_id, s), []).append(job_id)
-        if not due:
-            return
-        executor = self.executor
-        subsets = {n: sorted(self.val[:n], key=_length, reverse=True) for n in due}  # longest first
-        lengths = {n: [_length(e) for e in subset] for n, subset in subsets.items()}
-        executor.eval_room(sum(len(ids) * sum(lengths[n]) for n, ids in due.items()))  # before any plan
+        task's validation set its training since the last evaluation earns (`eval_size`); the
+        warmup ranking's in two stages (trainer.task_eval)."""
+        evaluate_due(self)
 
-        def plan(ids: list[str], n: int, r: int) -> tuple[list[str], int, int]:
-            mine = [j for j in ids if self.placed[j].owner == r]
-            return (mine, *self.eval_shape(len(mine), n, lengths[n]))
-
-        def run(ids: list[str], n: int) -> tuple[tuple[dict, int], int]:
-            mine, bs, cap = plan(ids, n, executor.rank)  # planned now: the room as it is
-            largest = min(len(mine), max(1, cap // bs)) * sum(lengths[n][:bs])
-            metrics = executor.engine.evaluate_metrics(subsets[n], bs, mine, cap)
-            return (metrics, eval_forwards(len(mine), n, bs, cap)), largest
-
-        # in lockstep every rank makes as many forwards as the rank that needs the most
-        forwards = max(sum(eval_forwards(len(m), n, bs, cap) for n, ids in due.items()
-                           for m, bs, cap in [plan(ids, n, r)]) for r in range(executor.world))
-        local: dict[str, dict[str, float]] = {}
-        own = 0
-        for n, ids in sorted(due.items()):
-            metrics, made = executor.evaluation(lambda ids=ids, n=n: run(ids, n))
-            local.update(metrics)
-            own += made
-        for _ in range(forwards - own):
-            executor.engine.idle_forward()
-        numbers = {j: v for part in executor.strategy.gather(local) for j, v in part.items()}
-        for job_id in (j for ids in due.values() for j in ids):
-            s, m = self.placed[job_id], numbers[job_id]
-            val = m["loss"]  # DPO: the validation DPO loss, for the same detectors
-            self.last_eval[job_id] = s.step
-            extra = {k: v for k, v in m.items() if k != "loss"}
-            if extra:
-                self.cb.on_metrics(job_id, s.step, "val", extra)
-            self.cb.on_eval(job_id, s.step, val)
-            mon = self.monitors[job_id]
-            decision = mon.observe_eval(s.step, val)
-            if mon.last_eval_was_best:
-                self.export(job_id, "best")
-            if decision is not None:
-                self.exit(job_id, decision)
+    def observe_eval(self, job_id: str, m: dict[str, float]) -> None:
+        """A job's evaluation numbers: callbacks, its best adapter, a detector's exit."""
+        s = self.placed[job_id]
+        val = m["loss"]  # DPO: the validation DPO loss, for the same detectors
+        self.last_eval[job_id] = s.step
+        extra = {k: v for k, v in m.items() if k != "loss"}
+        if extra:
+            self.cb.on_metrics(job_id, s.step, "val", extra)
+        self.cb.on_eval(job_id, s.step, val)
+        mon = self.monitors[job_id]
+        decision = mon.observe_eval(s.step, val)
+        if mon.last_eval_was_best:
+            self.export(job_id, "best")
+        if decision is not None:
+            self.exit(job_id, decision)
 
     def warmup_len(self, s: JobSlot) -> int:
         return self.cfg.settings.early_exit.warmup_steps(s.total_steps)
@@ -431,20 +400,3 @@ class TaskRun:
                 "tokens_per_s": tokens_per_s, "samples_per_s": w.samples / w.seconds,
                 "memory_k0": mm.k0 if mm else None, "memory_k1": mm.k1 if mm else None,
             })
-
-
-def eval_subset_size(earned: float, minimum: int, full: int) -> int:
-    """An evaluation's validation samples: `earned` rounded up to `minimum` times a power of two
-    (few distinct sizes, so jobs due together share forwards), within [minimum, full]."""
-    if full <= minimum:
-        return full
-    n = max(1, minimum)
-    while n < earned and n < full:
-        n *= 2
-    return min(n, full)
-
-
-def _length(example: Example | PairExample) -> int:
-    if isinstance(example, PairExample):
-        return len(example.chosen.input_ids) + len(example.rejected.input_ids)
-    return len(example.input_ids)

@@ -14,6 +14,9 @@ from contract.protocol import EarlyExitSettings
 from contract.states import ExitReason
 
 _EPS = 1e-9
+# the staged warmup ranking (WarmupRanking.clearly_out): a job whose loss on the lead samples is
+# above this fraction of it over as many jobs' as can be kept is evicted on that evidence
+LEAD_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -39,14 +42,14 @@ def keep_count(n: int, keep_fraction: float) -> int:
 
 
 def warmup_ranking(
-    val_losses: Mapping[str, float], keep_fraction: float
+    val_losses: Mapping[str, float], keep_fraction: float, n_keep: int | None = None
 ) -> tuple[list[str], list[str]]:
     """Split jobs into (keep_ids, evict_ids) by validation loss at the end of warmup.
 
-    Keeps the ceil(keep_fraction * n) lowest losses; NaN/inf rank last; equal losses keep the
-    mapping's order (stable), so the result is deterministic for a given input order.
+    Keeps the ceil(keep_fraction * n) lowest losses (or `n_keep`); NaN/inf rank last; equal
+    losses keep the mapping's order (stable), so the result is deterministic for a given input order.
     """
-    n_keep = keep_count(len(val_losses), keep_fraction)
+    n_keep = keep_count(len(val_losses), keep_fraction) if n_keep is None else n_keep
     def key(item: tuple[int, tuple[str, float]]) -> tuple[bool, float, int]:
         position, (_, loss) = item
         finite = _finite(loss)
@@ -227,6 +230,12 @@ class WarmupRanking:
     Jobs may finish warmup at different times (queued configurations rotate in as others exit
     or finish warmup); the ranking is decided once every registered job has either reported its
     end-of-warmup loss or exited. Jobs that exited during warmup do not count as surviving.
+
+    Staged (trainer.task_eval): a job's warmup-end evaluation starts on the leading part of the
+    ranking's subset (`lead`). One that at least as many jobs as the ranking can keep beat there
+    by LEAD_MARGIN (`clearly_out`) cannot be kept, whatever the rest of the subset says of it: it
+    reports with `early=True` and is evicted at once; it still counts among the ranked jobs (the
+    number kept is the same as without staging) and is never kept.
     """
 
     def __init__(self, job_ids: Iterable[str], keep_fraction: float = 0.25) -> None:
@@ -234,8 +243,13 @@ class WarmupRanking:
         keep_count(0, keep_fraction)  # validates the ratio
         self._pending: dict[str, None] = dict.fromkeys(job_ids)
         self._losses: dict[str, float] = {}
+        self._leads: dict[str, float] = {}  # each job's loss on the lead part of the subset
+        self._early: set[str] = set()  # evicted on their lead loss
         self.exited: list[str] = []
         self.result: tuple[list[str], list[str]] | None = None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # a checkpoint from before staging
+        self.__dict__.update({"_leads": {}, "_early": set(), **state})
 
     def add(self, job_id: str) -> None:
         """Register a configuration that has to go through warmup before the ranking."""
@@ -245,20 +259,42 @@ class WarmupRanking:
             raise ValueError(f"job {job_id} already reported")
         self._pending[job_id] = None
 
-    def report(self, job_id: str, val_loss: float) -> None:
-        """The job finished its warmup with this validation loss."""
+    def lead(self, job_id: str, val_loss: float) -> None:
+        """The job's validation loss on the lead part of the ranking's subset."""
+        self._leads[self._known(job_id)] = float(val_loss)
+
+    def clearly_out(self, job_id: str, margin: float = LEAD_MARGIN) -> dict[str, Any] | None:
+        """Why the job cannot be kept, from the lead losses alone, or None: at least as many
+        jobs as the ranking can keep (it counts the jobs still in warmup too) have a lead loss
+        below this job's by `margin` of it. Losses compared on the same samples."""
+        mine = self._leads.get(job_id)
+        if mine is None or not _finite(mine):
+            return None
+        limit = keep_count(len(self._pending) + len(self._losses), self.keep_fraction)
+        bar = mine - margin * abs(mine)
+        beaten_by = sum(1 for j, v in self._leads.items() if j != job_id and _finite(v) and v < bar)
+        if beaten_by < limit:
+            return None
+        return {"lead_val_loss": mine, "beaten_by": beaten_by, "keep_at_most": limit, "margin": margin}
+
+    def report(self, job_id: str, val_loss: float, early: bool = False) -> None:
+        """The job finished its warmup with this validation loss (`early`: on its lead samples,
+        `clearly_out`, so it is evicted now)."""
         self._pending.pop(self._known(job_id))
         self._losses[job_id] = float(val_loss)
+        if early:
+            self._early.add(job_id)
 
     def exit(self, job_id: str) -> None:
         """The job exited (a detector fired) before finishing its warmup."""
         self._pending.pop(self._known(job_id))
+        self._leads.pop(job_id, None)
         self.exited.append(job_id)
 
     def awaits(self, job_id: str) -> bool:
         """Whether the job reported its end-of-warmup loss and the ranking has not decided yet:
         its end (a detector's exit, its last step) waits for the decision (trainer.warmup_hold)."""
-        return self.result is None and job_id in self._losses
+        return self.result is None and job_id in self._losses and job_id not in self._early
 
     @property
     def waiting(self) -> list[str]:
@@ -270,11 +306,16 @@ class WarmupRanking:
         return not self._pending
 
     def decide(self) -> tuple[list[str], list[str]]:
-        """(keep_ids, evict_ids) among jobs that finished warmup; call when `ready`."""
+        """(keep_ids, evict_ids) among jobs that finished warmup; call when `ready`. The early
+        evicted are ranked (they count in how many are kept) but never kept."""
         if not self.ready:
             raise RuntimeError(f"{len(self._pending)} jobs have not finished warmup")
         if self.result is None:
-            self.result = warmup_ranking(self._losses, self.keep_fraction)
+            n_keep = keep_count(len(self._losses), self.keep_fraction)
+            full = {j: v for j, v in self._losses.items() if j not in self._early}
+            keep, evict = warmup_ranking(full, self.keep_fraction, min(n_keep, len(full)))
+            early = sorted(self._early, key=lambda j: (not _finite(self._losses[j]), self._losses[j]))
+            self.result = keep, evict + early
         return self.result
 
     def eviction_decisions(self) -> dict[str, ExitDecision]:
@@ -287,7 +328,7 @@ class WarmupRanking:
             job_id: ExitDecision(ExitReason.UNDERPERFORMING, {
                 "val_loss": self._losses[job_id], "rank": ranked.index(job_id) + 1,
                 "ranked": len(ranked), "kept": len(keep), "keep_fraction": self.keep_fraction,
-                "worst_kept_val_loss": cutoff,
+                "worst_kept_val_loss": cutoff, "early": job_id in self._early,
             })
             for job_id in evict
         }

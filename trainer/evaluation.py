@@ -116,6 +116,9 @@ class Evaluation:
 
     def __init__(self, engine: Evaluated) -> None:
         self.engine = engine
+        # each job's denominator in the last `metrics` (the target tokens or pairs its means
+        # average over): evaluations of disjoint subsets merge exactly (trainer.task_eval)
+        self.last_weights: dict[str, float] = {}
 
     def token_sums(self, states: Sequence[JobRun], chunk: Sequence[Example]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,6 +153,7 @@ class Evaluation:
         was_training = eng.model.training
         eng.model.eval()
         out: dict[str, dict[str, float]] = {}
+        self.last_weights = {}
         try:
             for g in range(0, len(states), group):
                 members = states[g : g + group]
@@ -157,6 +161,7 @@ class Evaluation:
                 with eng.slots.compute_copy(members):
                     totals, denoms = self._group_sums(members, examples, batch_size)
                 means = (totals.cpu() / denoms.clamp(min=1).unsqueeze(1)).tolist()
+                self.last_weights.update({s.job_id: float(d) for s, d in zip(members, denoms.tolist(), strict=True)})
                 out.update({s.job_id: dict(zip(eng.eval_metric_names, row, strict=True))
                             for s, row in zip(members, means, strict=True)})
         finally:

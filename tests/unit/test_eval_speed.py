@@ -258,7 +258,7 @@ def test_executor_attention_setting_packs_varlen_with_the_rows_losses(files) -> 
 
 
 def test_eval_subset_size_rounds_to_the_minimum_times_a_power_of_two() -> None:
-    from trainer.colocate import eval_subset_size
+    from trainer.task_eval import eval_subset_size
 
     assert [eval_subset_size(e, 64, 256) for e in (0, 1, 64, 65, 128, 129, 250, 10_000)] == [
         64, 64, 64, 128, 128, 256, 256, 256]
