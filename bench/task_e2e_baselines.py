@@ -49,7 +49,7 @@ from task_e2e_baselines_setup import SMALL_SHAPE, left  # noqa: E402
 from task_e2e_baselines_timing import timing  # noqa: E402
 from task_e2e_data import DEV, SMOKE, T0, log, make_tokenizer  # noqa: E402
 
-from trainer import task_eval  # noqa: E402
+from trainer import step_graphs, task_eval  # noqa: E402
 
 ARMS = ("a", "b", "c1", "c2", "c3")
 
@@ -85,6 +85,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--one-stage-ranking", action="store_true",
                     help="the warmup ranking evaluates every job on its whole subset at once (before session "
                     "43) rather than staged (trainer.task_eval: a lead quarter first)")
+    ap.add_argument("--capture-transient", action="store_true",
+                    help="capture a training key at its job set's last step too (before session 43; "
+                    "trainer.step_graphs.TRANSIENT_MIN_TOKENS)")
     ap.add_argument("--runs-dir", default="", help="the large runs' executor folders (checkpoints, exports): "
                     "default under --work; e.g. /dev/shm where (a)'s first checkpoint outgrows the disk")
     ap.add_argument("--json", default="")
@@ -110,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     SMOKE["on"] = args.smoke
     if args.one_stage_ranking:  # every executor of this process (both phases): no ranking subset is staged
         task_eval.LEAD_MIN_SUBSET = 1 << 30
+    if args.capture_transient:
+        step_graphs.TRANSIENT_MIN_TOKENS = 1 << 62
     if args.smoke:
         torch.set_num_threads(1)
     arms = [a for a in args.arms.split(",") if a]

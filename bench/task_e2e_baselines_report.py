@@ -167,7 +167,9 @@ def render(runs: list, quality: dict, timing: dict) -> str:
               "defaults (warmup 5% of a job's steps, keep 25%); a job waiting for the ranking "
               + ("trains on (--train-while-waiting)" if first.get("train_while_waiting") else "waits parked")
               + ("; the ranking evaluates each job's whole subset at once (--one-stage-ranking)."
-                 if first.get("one_stage_ranking", True) else "; the ranking's evaluation is staged (a lead quarter first).")]
+                 if first.get("one_stage_ranking", True) else "; the ranking's evaluation is staged (a lead quarter first).")
+              + (" A training key is captured at its job set's last step too (--capture-transient)."
+                 if first.get("capture_transient") else "")]
     for layers in sorted(timing):
         lines += render_timing(layers, timing[layers], quality.get(SMALL_SHAPE, {}))
     for shape in sorted(quality, key=lambda s: s != SMALL_SHAPE):

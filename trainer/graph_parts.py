@@ -110,3 +110,16 @@ def steps_left(engine: Any, tasks: Iterable[Any]) -> int | None:
     if any(task.queue for task in tasks):
         return None
     return max((j.total_steps - j.step for j in engine.jobs.values()), default=0)
+
+
+def set_lasts(engine: Any, tasks: Iterable[Any]) -> int | None:
+    """The steps the engine's attached job set runs unchanged, the step now running included
+    (StepGraphs.set_lasts): the fewest any attached job has to its last step or, while its task's
+    warmup ranking waits for it, to its warmup's end (None: no job attached)."""
+    left = []
+    for task in tasks:
+        for job_id, s in task.placed.items():
+            if job_id in engine.jobs:
+                n = s.total_steps - s.step
+                left.append(min(n, task.warmup_len(s) - s.step) if task.in_warmup(job_id) else n)
+    return min(left, default=None)

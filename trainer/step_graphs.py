@@ -17,7 +17,8 @@ Keys over MAX_CAPTURE_TOKENS (evaluation: MAX_EVAL_CAPTURE_TOKENS) run eagerly o
 first key of a class (`GraphKey.warm_class`) runs eagerly (it compiles and loads every kernel: nothing
 may wait for the device inside a capture); a key of a warm class is captured at its first step, unless
 a captured key within `cover_ratio` of its tokens can run it padded. All graphs share one memory pool; a
-capture the device lacks the free memory for waits (`graph_parts.capture_short`); graphs live in their
+capture the device lacks the free memory for waits (`graph_parts.capture_short`); a training key of
+TRANSIENT_MIN_TOKENS or more runs eagerly at its job set's last step (`set_lasts`); graphs live in their
 process only; the arena growing or packed drops them, and so does a step that runs
 without recompute only once a mostly stale pool is gone (`stale_pool`). Without CUDA graphs (CPU
 tests) the same body runs eagerly on the same static buffers (`_Replay`), which is what the tests
@@ -97,6 +98,11 @@ STALE_STEPS = 16  # captures no step ran for this many steps are stale (StepGrap
 # costs 0.25-0.8 s over a replay and a padded replay ~0.03 s (search (a)'s 2-job tail captured 3 keys in
 # its last 18 steps, ~0.7 s); the executor gives the steps left (`steps_left`)
 CAPTURE_HORIZON = 16
+# a training key of this many tokens or more is not captured at the last step of its job set (the
+# set changes after it: `set_lasts`): its eager run costs about a replay (GEMM-bound), and search
+# (a)'s 24- and 12-job sets captured such keys at their last step (+0.46 s and +0.25 s over eager,
+# never replayed; the first one's 42 GB pool made the next step recompute)
+TRANSIENT_MIN_TOKENS = 2048
 
 
 class StepGraphs:
@@ -134,6 +140,9 @@ class StepGraphs:
         self.calls = 0  # steps and forwards run
         # -> the steps left to run (None: not known, or more will come; the executor's graph_parts.steps_left)
         self.steps_left: Callable[[], int | None] | None = None
+        # -> the steps the attached job set runs unchanged, this one included (1: it changes after
+        # this step; None: not known; the executor's graph_parts.set_lasts)
+        self.set_lasts: Callable[[], int | None] | None = None
 
     # ----- which steps -----------------------------------------------------------------
     def serves(self, states: Sequence[JobRun]) -> bool:
@@ -246,11 +255,18 @@ class StepGraphs:
 
     def _captures(self, key: GraphKey, limit: int) -> bool:
         """Whether a step of `key` is captured now: not yet (nor failed, nor deferred in the last
-        CAPTURE_RETRY_STEPS steps), its class warm, <= limit tokens."""
+        CAPTURE_RETRY_STEPS steps), its class warm, <= limit tokens, not `_transient`."""
         entry = self.entries.get(key)
         waits = entry is not None and entry.deferred >= 0 and self.calls - entry.deferred < CAPTURE_RETRY_STEPS
         return ((entry is None or (entry.graph is None and not entry.failed and not waits))
-                and key.warm_class in self.warm and key.tokens <= limit)
+                and key.warm_class in self.warm and key.tokens <= limit and not self._transient(key))
+
+    def _transient(self, key: GraphKey) -> bool:
+        """A training key of TRANSIENT_MIN_TOKENS or more at its job set's last step (`set_lasts`)."""
+        if not key.train or key.tokens < TRANSIENT_MIN_TOKENS or self.set_lasts is None:
+            return False
+        lasts = self.set_lasts()
+        return lasts is not None and lasts <= 1
 
     def _cover(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
         """The smallest captured key that can run this step padded (at most `cover_ratio` times

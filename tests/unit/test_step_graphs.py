@@ -427,3 +427,38 @@ def test_near_the_end_a_key_a_capture_can_replay_padded_is_not_captured(model_di
     assert steps_left(engine_, [SimpleNamespace(queue=[]), SimpleNamespace(queue=[])]) == 78
     assert steps_left(engine_, [SimpleNamespace(queue=[]), SimpleNamespace(queue=["queued"])]) is None
     assert steps_left(SimpleNamespace(jobs={}), []) == 0
+
+
+def test_a_large_key_at_its_job_sets_last_step_runs_eagerly(model_dir, monkeypatch) -> None:  # noqa: ANN001
+    # search (a)'s 24-job set captured a 7.6k-token key at its last step (+0.46 s over its eager
+    # run, never replayed, 42 GB of pool): a key of TRANSIENT_MIN_TOKENS or more is not captured
+    # while the attached job set changes after the step (set_lasts 1); a smaller one still is
+    from types import SimpleNamespace
+
+    from trainer import step_graphs
+    from trainer.graph_parts import set_lasts
+
+    eager, graphed = two_jobs(model_dir)
+    g = graphed.step_graphs
+    monkeypatch.setattr(step_graphs, "TRANSIENT_MIN_TOKENS", 100)  # the two jobs' key: 144 tokens
+    g.set_lasts = lambda: 1
+    same_steps(eager, graphed, 2)  # the class's first (eager), then its last step twice: eager again
+    assert (g.eager_runs, g.captures) == (2, 0)
+    g.set_lasts = lambda: 2
+    same_steps(eager, graphed, 2)  # the set lasts: captured, then replayed
+    assert (g.eager_runs, g.captures, g.replays) == (2, 1, 2)
+    monkeypatch.setattr(step_graphs, "TRANSIENT_MIN_TOKENS", 4096)
+    for eng in (eager, graphed):
+        eng.detach("b")
+    g.set_lasts, g.cover_tokens = (lambda: 1), 0  # 72 tokens, under the floor: captured at its set's last step
+    same_steps(eager, graphed, 1)
+    assert g.captures == 2
+    # the executor's: the fewest steps of this rank's jobs to their end, or to their warmup's end
+    # while their ranking waits (another rank's jobs do not count)
+    slots = {"a": SimpleNamespace(total_steps=40, step=30), "b": SimpleNamespace(total_steps=90, step=2),
+             "c": SimpleNamespace(total_steps=9, step=1)}
+    task = SimpleNamespace(placed=slots, in_warmup=lambda j: j == "b", warmup_len=lambda s: 5)
+    engine_ = SimpleNamespace(jobs={"a": 0, "b": 0})
+    assert set_lasts(engine_, [task]) == 3
+    assert set_lasts(SimpleNamespace(jobs={"a": 0}), [task]) == 10
+    assert set_lasts(SimpleNamespace(jobs={}), [task]) is None
