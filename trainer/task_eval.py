@@ -12,22 +12,40 @@ rest of the subset, and the two parts merge exactly (each mean weighted by what 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from contract.states import ExitReason
 from trainer.data import Example
-from trainer.early_exit import LEAD_MARGIN, ExitDecision
+from trainer.early_exit import LEAD_MARGIN, ExitDecision, WarmupRanking
 from trainer.evaluation import eval_forwards
 from trainer.pairs import PairExample
-
-if TYPE_CHECKING:
-    from trainer.colocate import TaskRun
+from trainer.task_parts import JobSlot, TaskExecutor
 
 LEAD_DIVISOR = 4  # the lead part: a quarter of the ranking's subset
 LEAD_MIN_SUBSET = 32  # a smaller ranking subset is evaluated in one stage
 _WEIGHT = "_weight"  # a job's denominator, beside its numbers until the parts merge
 
 Part = tuple[int, int]  # [lo, hi) of the task's validation order
+
+
+class EvaluatedTask(Protocol):
+    """What the evaluations use of a task (trainer.colocate.TaskRun)."""
+
+    executor: TaskExecutor
+    ranking: WarmupRanking | None
+    placed: dict[str, JobSlot]
+    last_eval: dict[str, int]
+    val: list[Example | PairExample]
+
+    def warmup_len(self, s: JobSlot) -> int: ...
+    def in_warmup(self, job_id: str) -> bool: ...
+    def cadence_due(self, s: JobSlot) -> bool: ...
+    def eval_size(self, job_id: str, s: JobSlot) -> int: ...
+    def eval_shape(self, n_jobs: int, n_examples: int | None = None,
+                   lengths: Sequence[int] | None = None) -> tuple[int, int]: ...
+    def observe_eval(self, job_id: str, m: dict[str, float]) -> None: ...
+    def exit(self, job_id: str, decision: ExitDecision) -> None: ...
 
 
 def lead_size(n: int) -> int:
@@ -46,7 +64,7 @@ def eval_subset_size(earned: float, minimum: int, full: int) -> int:
     return min(n, full)
 
 
-def evaluate_due(task: TaskRun) -> None:
+def evaluate_due(task: EvaluatedTask) -> None:
     """Evaluate the task's jobs at their evaluation points (see the module docstring)."""
     due: dict[str, int] = {}
     for job_id, s in task.placed.items():
@@ -96,7 +114,7 @@ def merged(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: (a[k] * wa + b[k] * wb) / total for k in b} | {_WEIGHT: total}
 
 
-def evaluate_parts(task: TaskRun, parts: dict[Part, list[str]]) -> dict[str, dict[str, float]]:
+def evaluate_parts(task: EvaluatedTask, parts: dict[Part, list[str]]) -> dict[str, dict[str, float]]:
     """Each part's jobs on that part of the task's validation order (sorted longest first: a
     forward packs sequences of like length), every rank's numbers gathered, with each job's
     denominator under _WEIGHT. In lockstep every rank makes as many forwards as the rank that
