@@ -6,7 +6,7 @@ The warmup ranking's evaluation is staged (docs/architecture.md, "Loss-aware ear
 ending its warmup is evaluated first on the lead quarter of the ranking's subset (`lead_size`).
 One that at least as many jobs as the ranking can keep beat there by LEAD_MARGIN
 (`WarmupRanking.clearly_out`: the same samples for all) cannot be kept whatever the rest would
-say: it is evicted now, on its lead loss, and the exit says so. The others are evaluated on the
+say: it is evicted now, on its lead loss (event `evicted_on_lead`: the numbers, on how many samples). The others are evaluated on the
 rest of the subset, and the two parts merge exactly (each mean weighted by what it averages over,
 `Evaluation.last_weights`): the number one pass over the whole subset gives.
 """
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from contract.states import ExitReason
+from trainer.config import Callbacks
 from trainer.data import Example
 from trainer.early_exit import LEAD_MARGIN, ExitDecision, WarmupRanking
 from trainer.evaluation import eval_forwards
@@ -33,6 +34,7 @@ class EvaluatedTask(Protocol):
     """What the evaluations use of a task (trainer.colocate.TaskRun)."""
 
     executor: TaskExecutor
+    cb: Callbacks
     ranking: WarmupRanking | None
     placed: dict[str, JobSlot]
     last_eval: dict[str, int]
@@ -102,6 +104,7 @@ def evaluate_due(task: EvaluatedTask) -> None:
     for job_id, why in early.items():  # unless a detector ended it already
         if task.in_warmup(job_id) and job_id in task.placed:
             ranking.report(job_id, numbers[job_id]["loss"], early=True)
+            task.cb.on_event(job_id, "evicted_on_lead", {"step": task.placed[job_id].step, **why})
             task.exit(job_id, ExitDecision(ExitReason.UNDERPERFORMING, {"early": True, **why}))
 
 

@@ -158,5 +158,10 @@ def test_staged_ranking_evicts_early_and_keeps_what_one_stage_keeps(tmp_path: Pa
         assert curve.keys() == staged.evals[job_id].keys()
         for step, v in curve.items():
             assert staged.evals[job_id][step] == pytest.approx(v, rel=1e-6)
+    # the event a user sees of each (the API's task events), with the same numbers
+    shown = {j: d for j, m, d in staged.events if m == "evicted_on_lead"}
+    assert shown == {j: {"step": 3, **{k: v for k, v in d.items() if k not in ("early", "exit_reason")}}
+                     for j, d in early.items()}
+    assert not [m for _, m, _ in whole.events if m == "evicted_on_lead"]
     # evicted at their warmup's end (their one evaluation, step 3, above), never parked
     assert not {j for j, m, _ in staged.events if m == "parked_after_warmup"} & set(early)
