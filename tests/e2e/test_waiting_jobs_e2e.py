@@ -7,27 +7,15 @@ from __future__ import annotations
 
 import io
 import json
-import random
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.conftest import Stack, tiny_llama_models, wait_for
+from tests.e2e.test_train_e2e import dataset
 
 pytest.importorskip("torch")
 pytest.importorskip("trainer.executor", reason="the training executor has not landed")
-
-WORDS = "one two three four five six seven eight nine ten".split()
-
-
-def dataset(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        i = rng.randrange(0, 6)
-        out.append({"prompt": " ".join(WORDS[i:i + 2]), "completion": " ".join(WORDS[i + 2:i + 5])})
-    return out
-
 
 @pytest.fixture
 def models_yaml(tmp_path: Path) -> Path:
