@@ -313,7 +313,7 @@ class WarmupRanking:
         if self.result is None:
             n_keep = keep_count(len(self._losses), self.keep_fraction)
             full = {j: v for j, v in self._losses.items() if j not in self._early}
-            keep, evict = warmup_ranking(full, self.keep_fraction, min(n_keep, len(full)))
+            keep, evict = warmup_ranking(full, self.keep_fraction, n_keep)
             early = sorted(self._early, key=lambda j: (not _finite(self._losses[j]), self._losses[j]))
             self.result = keep, evict + early
         return self.result

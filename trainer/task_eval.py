@@ -6,9 +6,10 @@ The warmup ranking's evaluation is staged (docs/architecture.md, "Loss-aware ear
 ending its warmup is evaluated first on the lead quarter of the ranking's subset (`lead_size`).
 One that at least as many jobs as the ranking can keep beat there by LEAD_MARGIN
 (`WarmupRanking.clearly_out`: the same samples for all) cannot be kept whatever the rest would
-say: it is evicted now, on its lead loss (event `evicted_on_lead`: the numbers, on how many samples). The others are evaluated on the
-rest of the subset, and the two parts merge exactly (each mean weighted by what it averages over,
-`Evaluation.last_weights`): the number one pass over the whole subset gives.
+say: it is evicted now, on its lead loss (event `evicted_on_lead`: the numbers, on how many
+samples). The others are evaluated on the rest of the subset, and the two parts merge exactly
+(each mean weighted by what it averages over, `Evaluation.last_weights`): the number one pass over
+the whole subset gives.
 """
 from __future__ import annotations
 
@@ -69,17 +70,17 @@ def eval_subset_size(earned: float, minimum: int, full: int) -> int:
 def evaluate_due(task: EvaluatedTask) -> None:
     """Evaluate the task's jobs at their evaluation points (see the module docstring)."""
     due: dict[str, int] = {}
+    staged: dict[str, int] = {}  # the warmup ranking's evaluations: their lead part's samples
     for job_id, s in task.placed.items():
         warm_end = task.warmup_len(s) if task.in_warmup(job_id) else -1
         if task.cadence_due(s) or s.done or s.step == warm_end:
             if task.last_eval.get(job_id) != s.step:
                 due[job_id] = task.eval_size(job_id, s)
+                if s.step == warm_end and (lead := lead_size(due[job_id])):
+                    staged[job_id] = lead
     if not due:
         return
     ranking = task.ranking
-    staged = {j: lead_size(n) for j, n in due.items()
-              if ranking is not None and task.in_warmup(j) and task.placed[j].step == task.warmup_len(task.placed[j])}
-    staged = {j: lead for j, lead in staged.items() if lead}
     first: dict[Part, list[str]] = {}
     for job_id, n in due.items():
         first.setdefault((0, staged.get(job_id, n)), []).append(job_id)
@@ -114,7 +115,7 @@ def merged(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     total = wa + wb
     if total <= 0:
         return b
-    return {k: (a[k] * wa + b[k] * wb) / total for k in b} | {_WEIGHT: total}
+    return {k: (a[k] * wa + b[k] * wb) / total for k in b}
 
 
 def evaluate_parts(task: EvaluatedTask, parts: dict[Part, list[str]]) -> dict[str, dict[str, float]]:
