@@ -19,14 +19,32 @@ same static path eagerly in tests.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers import StaticCache
 
 log = logging.getLogger("loraplex.sampling")
 CHECK_EVERY = 16  # token steps between the host's reads of the tokens (the EOS check)
+
+
+@contextlib.contextmanager
+def part(parts: dict[str, float] | None, name: str, device: torch.device) -> Iterator[None]:
+    """Add the seconds of the block to parts[name] (None: not timed), the device's queued work
+    included (a sync at the end: the decode reads its tokens back anyway)."""
+    if parts is None:
+        yield
+        return
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        parts[name] = parts.get(name, 0.0) + time.perf_counter() - t0
 
 
 def static_decodable(model: torch.nn.Module, temperature: float) -> bool:
@@ -44,8 +62,10 @@ class StaticDecoder:
 
     def __init__(self, backbone: torch.nn.Module, config: object, logits: Callable[[torch.Tensor], torch.Tensor],
                  cache_arg: str, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 max_new_tokens: int, eos: frozenset[int], graphs: bool) -> None:
+                 max_new_tokens: int, eos: frozenset[int], graphs: bool,
+                 parts: dict[str, float] | None = None) -> None:
         self.backbone, self.logits, self.cache_arg = backbone, logits, cache_arg
+        self.parts = parts  # seconds by part (prefill, eager step, capture, replays), when timed
         self.ids, self.mask2d, self.positions = ids, mask, positions
         self.new, self.eos, self.graphs = max_new_tokens, eos, graphs
         rows, length = ids.shape
@@ -100,8 +120,8 @@ class StaticDecoder:
         seen = self.produced[:, :steps].tolist()
         return all(any(t in self.eos for t in row) for row in seen)
 
-    def run(self) -> list[list[int]]:
-        self._prefill()
+    def _steps(self, device: torch.device) -> int:
+        """The token steps after the prefill's; how many tokens each row has."""
         steps = 1
         while steps < self.new:
             if steps % CHECK_EVERY == 0 and self.eos and self._done(steps):
@@ -110,11 +130,23 @@ class StaticDecoder:
                 self.graph.replay()
             else:
                 if self.graphs and steps == 2:  # step 1 ran eagerly: the kernels are warm
-                    self._capture()
+                    with part(self.parts, "capture", device):
+                        self._capture()
                     if self.graph is not None:
                         continue  # captured, not run: replayed as this step
-                self._step()
+                with part(self.parts, "eager_steps", device):
+                    self._step()
             steps += 1
+        return steps
+
+    def run(self) -> list[list[int]]:
+        device = self.ids.device
+        with part(self.parts, "prefill", device):
+            self._prefill()
+        with part(self.parts, "steps", device):  # every token step (the eager and captured ones too)
+            steps = self._steps(device)
+        if self.parts is not None:
+            self.parts["token_steps"] = self.parts.get("token_steps", 0) + steps
         result = []
         for row in self.produced[:, :steps].tolist():
             end = next((i + 1 for i, t in enumerate(row) if t in self.eos), len(row))

@@ -31,6 +31,7 @@ from trainer.checkpoint_files import STATE_NAME, load_checkpoint
 from trainer.colocate import TaskRun
 from trainer.config import CALLBACK_KINDS, HOST_FIELDS, Callbacks, ExecutorConfig
 from trainer.host_pool import POOL
+from trainer.phase_clock import PhaseClock
 from trainer.task_parts import JobSlot, TaskExecutor, fresh
 from trainer.task_samples import task_samples, write_samples
 
@@ -43,6 +44,7 @@ class RosterExecutor(TaskExecutor, Protocol):
 
     tokenizer: Any  # the model's tokenizer: a task's data, its samples
     global_step: int  # the executor's steps (a task resuming alone continues them)
+    clock: PhaseClock  # its wall by phase: the samples add their parts
 
     def timings(self, task: TaskRun | None = None) -> dict[str, Any]: ...
 
@@ -306,12 +308,15 @@ class TaskRoster:
             return None
         from trainer.sampling import generate
 
+        parts: dict[str, float] = {}  # the phase's split, reported in the timings (samples_part_*)
         try:
             with executor.phase("samples"):
-                return task_samples(task, executor.engine, executor.tokenizer, generate)
+                return task_samples(task, executor.engine, executor.tokenizer, generate, parts)
         except Exception as exc:  # noqa: BLE001 - the training succeeded; its samples did not
             self._samples_failed(task, exc)
             return None
+        finally:
+            executor.clock.add_parts("samples", parts)
 
     def _announce_samples(self, task: TaskRun, rows: list[dict[str, Any]]) -> None:
         """The samples' file and event, once the task's other files are complete and announced."""

@@ -38,6 +38,7 @@ class PhaseClock:
         self._nested: list[float] = []
         self.started_at: float | None = None
         self.first_step_s: float | None = None  # executor start -> end of the first step
+        self.parts: dict[str, float] = {}  # a phase's parts: "<phase>_part_<part>" -> seconds (or a count)
 
     def start(self) -> float:
         """The executor's loop begins now (its wall counts from here); the time."""
@@ -62,6 +63,13 @@ class PhaseClock:
             if self._nested:
                 self._nested[-1] += elapsed
 
+    def add_parts(self, phase: str, parts: dict[str, float]) -> None:
+        """A phase's own split (e.g. the samples' attach, prefill and token steps), reported beside
+        the phases as details: "<phase>_part_<name>"."""
+        for name, value in parts.items():
+            key = f"{phase}_part_{name}"
+            self.parts[key] = self.parts.get(key, 0.0) + value
+
     def writer_busy(self) -> dict[str, float]:
         return dict(self.writer.busy) if self.writer else dict.fromkeys(("checkpoint", "export"), 0.0)
 
@@ -69,7 +77,7 @@ class PhaseClock:
         """Where a task's own timings count from: the executor's start for the tasks it started
         with (their wall includes the load), else now (a task that joins a warm host)."""
         task.joined_at = self.started_at if at_start else time.perf_counter()
-        task.phases_at_join = {} if at_start else {**self.phases, **{
+        task.phases_at_join = {} if at_start else {**self.phases, **self.parts, **{
             f"writer_{k}": v for k, v in self.writer_busy().items()}}
 
     def split(self, task: Joined | None = None) -> dict[str, Any]:
@@ -85,6 +93,8 @@ class PhaseClock:
         first = self.first_step_s if task is None else task.first_step_s
         busy = sum(phases.values())
         extra = {} if task is None else {"host_wall": host_wall}  # seconds; a detail, not a phase
+        # the phases' parts (details: no "_s" suffix), since the task joined
+        extra.update({k: round(v - since.get(k, 0.0), 4) for k, v in self.parts.items()})
         return {"wall_s": wall, **{f"{k}_s": v for k, v in phases.items()},
                 "idle_s": max(0.0, wall - busy), "first_step_s": first, **extra,
                 # the writer thread's seconds (beside the loop's: checkpoint_s / export_s are

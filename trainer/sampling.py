@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from trainer.decode_attention import register_decode_attention
-from trainer.decode_graph import StaticDecoder, static_decodable
+from trainer.decode_graph import StaticDecoder, part, static_decodable
 from trainer.jobs import JobRun
 
 if TYPE_CHECKING:
@@ -173,15 +173,23 @@ def _cache_arg(backbone: torch.nn.Module) -> str:
 
 def _decode(engine: MultiLoraEngine, prompts: Sequence[Sequence[int]],
             states: list[JobRun | None], counts: list[int], *, max_new_tokens: int, pick: Picker, eos: frozenset[int],
-            pad_id: int, static: bool = False) -> list[list[int]]:
+            pad_id: int, static: bool = False, parts: dict[str, float] | None = None) -> list[list[int]]:
     """The decode loop over rows already grouped by job: a prefill of the padded prompts, then one
     token per row per step with the model's KV cache; each row's new tokens."""
-    ids, mask, positions = _left_padded(prompts, pad_id, engine.device)
-    backbone = engine.model.base_model
-    _point(engine, states, counts)
+    with part(parts, "point", engine.device):
+        ids, mask, positions = _left_padded(prompts, pad_id, engine.device)
+        backbone = engine.model.base_model
+        _point(engine, states, counts)
     if static:  # greedy on CUDA: a static cache, each token step one CUDA graph (trainer.decode_graph)
         return StaticDecoder(backbone, engine.model.config, engine.output_logits, _cache_arg(backbone), ids, mask,
-                             positions, max_new_tokens, eos, graphs=engine.device.type == "cuda").run()
+                             positions, max_new_tokens, eos, graphs=engine.device.type == "cuda", parts=parts).run()
+    with part(parts, "steps", engine.device):  # the eager loop: its prefill and token steps
+        return _eager_loop(backbone, engine, prompts, ids, mask, positions, max_new_tokens, pick, eos)
+
+
+def _eager_loop(backbone: torch.nn.Module, engine: MultiLoraEngine, prompts: Sequence[Sequence[int]],
+                ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, max_new_tokens: int, pick: Picker,
+                eos: frozenset[int]) -> list[list[int]]:
     # the model's own KV cache (sliding-window layers included), filled in place by each forward;
     # transformers 5 renames the forward's `past_key_values` to `cache`
     cache = {_cache_arg(backbone): DynamicCache(config=engine.model.config)}
@@ -231,6 +239,7 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     pad_id: int,
     static: bool | None = None,
+    parts: dict[str, float] | None = None,
 ) -> list[list[int]]:
     """Row r's continuation of prompts[r] by the adapter of attached job job_ids[r] (None: the base
     model alone), all rows in one batch: its new tokens, the EOS included where one ended it, at
@@ -238,7 +247,9 @@ def generate(
     top-p filtering drawn from a generator seeded with `seed` on the engine's device (the same
     inputs and seed give the same tokens). static (default: on CUDA, unless
     LORAPLEX_STATIC_DECODE=0): greedy decoding over a static KV cache with graphed token steps
-    (trainer.decode_graph) where it gives the eager loop's result. A model on SDPA attention decodes
+    (trainer.decode_graph) where it gives the eager loop's result. `parts`, when given, gains the
+    seconds of the decode's parts (point, prefill, steps, capture, eager_steps; the device synced at
+    each part's end) and its token steps. A model on SDPA attention decodes
     on trainer.decode_attention's (the token steps on two GEMMs over the cache's own key/value
     heads, no repeat_kv and no float32 copy of the cache; LORAPLEX_DECODE_GQA=0: off).
     The engine is left as found,
@@ -273,7 +284,8 @@ def generate(
             regrouped = True
         with torch.no_grad(), repeatable(engine.device, algorithms=not static):
             grouped = _decode(engine, [prompts[r] for r in order], states, counts,
-                              max_new_tokens=max_new_tokens, pick=pick, eos=eos, pad_id=pad_id, static=static)
+                              max_new_tokens=max_new_tokens, pick=pick, eos=eos, pad_id=pad_id, static=static,
+                              parts=parts)
     finally:
         if regrouped:
             model.set_attn_implementation("sdpa")

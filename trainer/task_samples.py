@@ -16,6 +16,7 @@ import torch
 
 from contract.protocol import SampleSettings
 from trainer.data import IGNORE, render_chat
+from trainer.decode_graph import part
 from trainer.jobs import TrainJob
 
 SAMPLES_FILE = "samples.jsonl"
@@ -64,9 +65,12 @@ def adapter_dir(task: SamplingTask, job_id: str) -> Path:
     return task.out / "jobs" / job_id / "best"
 
 
-def task_samples(task: SamplingTask, engine: Any, tokenizer: Any, generate: Any) -> list[dict[str, Any]]:
+def task_samples(task: SamplingTask, engine: Any, tokenizer: Any, generate: Any,
+                 parts: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """Every prompt answered by the base model and each leading adapter (rows of one decode batch,
-    `generate`: trainer.sampling.generate); the sample jobs leave the engine afterwards."""
+    `generate`: trainer.sampling.generate); the sample jobs leave the engine afterwards. `parts`,
+    when given, gains the seconds of the prompts and adapters' attach ("attach"), of the decode's
+    parts (trainer.sampling.generate) and of the completions' text ("text")."""
     cfg: SampleSettings = task.cfg.settings.samples
     if not cfg.enabled:
         return []
@@ -77,33 +81,42 @@ def task_samples(task: SamplingTask, engine: Any, tokenizer: Any, generate: Any)
         prompts = [prompt_ids(ex) for ex in task.val[: cfg.n_prompts]]
         texts = [tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
     jobs = leading_jobs(task, cfg.top_k)
-    specs = {j.job_id: j for j in task.cfg.jobs}
-    attached = []
+    attached: list[str] = []
     try:
-        for job_id in jobs:
-            spec = specs[job_id]
-            name = f"__sample__{job_id}"
-            pending = task.files.pending_best(job_id)  # files not complete yet: their snapshot
-            run = engine.attach(TrainJob(name, lora_rank=spec.lora_rank, lora_alpha=spec.lora_alpha,
-                                         use_rslora=spec.use_rslora, max_steps=1,
-                                         init_adapter=None if pending is not None else str(adapter_dir(task, job_id))))
-            attached.append(name)
-            if pending is not None:
-                with torch.no_grad():
-                    run.adapter.flat.copy_(pending)
+        with part(parts, "attach", engine.device):
+            _attach(task, engine, jobs, attached)
         columns: Sequence[str | None] = [None, *attached]
         rows = [(p, c) for p in range(len(prompts)) for c in columns]
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
         new = generate(engine, [prompts[p] for p, _ in rows], [c for _, c in rows],
                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                       seed=cfg.seed, eos_token_id=eos, pad_id=pad)
+                       seed=cfg.seed, eos_token_id=eos, pad_id=pad, parts=parts)
     finally:
-        for name in attached:
-            engine.detach(name)
-    return [{"prompt": shown(texts[p]), "job_id": None if c is None else c.removeprefix("__sample__"),
-             "completion": tokenizer.decode(tokens, skip_special_tokens=True), "tokens": len(tokens)}
-            for (p, c), tokens in zip(rows, new, strict=True)]
+        with part(parts, "detach", engine.device):
+            for name in attached:
+                engine.detach(name)
+    with part(parts, "text", engine.device):
+        return [{"prompt": shown(texts[p]), "job_id": None if c is None else c.removeprefix("__sample__"),
+                 "completion": tokenizer.decode(tokens, skip_special_tokens=True), "tokens": len(tokens)}
+                for (p, c), tokens in zip(rows, new, strict=True)]
+
+
+def _attach(task: SamplingTask, engine: Any, jobs: list[str], attached: list[str]) -> None:
+    """Each leading job's best adapter attached to the engine as a sample job (its files, or the
+    snapshot being written to them); `attached` gains each name as it joins."""
+    specs = {j.job_id: j for j in task.cfg.jobs}
+    for job_id in jobs:
+        spec = specs[job_id]
+        name = f"__sample__{job_id}"
+        pending = task.files.pending_best(job_id)  # files not complete yet: their snapshot
+        run = engine.attach(TrainJob(name, lora_rank=spec.lora_rank, lora_alpha=spec.lora_alpha,
+                                     use_rslora=spec.use_rslora, max_steps=1,
+                                     init_adapter=None if pending is not None else str(adapter_dir(task, job_id))))
+        attached.append(name)
+        if pending is not None:
+            with torch.no_grad():
+                run.adapter.flat.copy_(pending)
 
 
 PROMPT_CHARS = 8000  # the report's bound on a prompt's text (contract.protocol.Sample)

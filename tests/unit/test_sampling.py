@@ -275,5 +275,10 @@ def test_static_decode_stops_rows_at_eos_like_the_eager_loop(llama: MultiLoraEng
     want = [c[: c.index(eos) + 1] if eos in c else c for c in full]
     assert generate(llama, prompts, job_ids, max_new_tokens=new, eos_token_id=eos, pad_id=pad, static=True) == want
     everyone = [c[0] for c in full]  # each row's first token ends it: the loop stops at its first check
+    parts: dict[str, float] = {}
     assert generate(llama, prompts, job_ids, max_new_tokens=new, eos_token_id=everyone, pad_id=pad,
-                    static=True) == [c[: c.index(next(t for t in c if t in everyone)) + 1] for c in full]
+                    static=True, parts=parts) == [c[: c.index(next(t for t in c if t in everyone)) + 1] for c in full]
+    # the decode's split: the static path's prefill and token steps (no graphs on the CPU: every step
+    # eager), stopped at the first EOS check (16 steps in)
+    assert {"point", "prefill", "steps", "eager_steps"} <= set(parts) and "capture" not in parts
+    assert parts["token_steps"] == 16 and parts["eager_steps"] <= parts["steps"]

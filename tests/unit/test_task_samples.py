@@ -69,6 +69,11 @@ def test_a_task_ends_with_its_leading_adapters_and_the_base_model_side_by_side(t
     assert all(status[j]["state"] == "completed" for j in leaders)
     timings = [d for j, m, d in rec.events if m == "timings"][0]
     assert timings["samples_s"] > 0
+    # the phase's split, as details: the adapters' attach, the decode's parts, the text
+    parts = {k.removeprefix("samples_part_"): v for k, v in timings.items() if k.startswith("samples_part_")}
+    assert {"attach", "point", "steps", "detach", "text"} <= set(parts)
+    assert all(v >= 0 for v in parts.values()) and parts["steps"] > 0
+    assert sum(parts.values()) <= timings["samples_s"] + 1e-3
 
 
 def test_inline_prompts_and_a_failure_that_leaves_the_task_succeeded(tmp_path, monkeypatch) -> None:  # noqa: ANN001
