@@ -70,16 +70,18 @@ class MultiLoraLinear(nn.Module):
         return self.base.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None:
+        if self.dense is not None:  # the LoRA term added by the second matmul itself (beta = 1)
             y = self.base(x)
             if isinstance(self.dense, tuple):  # every group the same rows: two batched matmuls
                 a_t, b_t = self.dense
-                y += torch.bmm(torch.bmm(x.reshape(a_t.shape[0], -1, x.shape[-1]), a_t), b_t).view_as(y)
+                groups = a_t.shape[0]
+                s = torch.bmm(x.reshape(groups, -1, x.shape[-1]), a_t)
+                y.view(groups, -1, y.shape[-1]).baddbmm_(s, b_t)
                 return y
-            for group in self.dense:
+            for group in self.dense:  # batch rows [lo, hi) (a prefill's rows hold many tokens each)
                 if group is not None:
                     lo, hi, a_t, b_t = group
-                    y[lo:hi] += (x[lo:hi] @ a_t) @ b_t
+                    y[lo:hi].view(-1, y.shape[-1]).addmm_(x[lo:hi].reshape(-1, x.shape[-1]) @ a_t, b_t)
             return y
         lay = self.layout
         if lay is None or self.a_off is None:

@@ -113,6 +113,21 @@ def test_greedy_equals_each_adapters_own_generate(family: str, root: Path) -> No
     assert len(changed) >= (1 if family == "gemma2" else len(RANKS)), changed
 
 
+def test_groups_of_unequal_rows_equal_each_adapters_own_generate(root: Path) -> None:
+    # rows per job differ (the layers' per-group matmuls, not the stacked ones): a prefill's row
+    # holds many tokens, each group's term lands on its own batch rows
+    model_dir = tiny_model_dir("llama", root)
+    engine = engine_with_adapters(model_dir, torch.float64)
+    config = engine.model.config
+    prompts = random_prompts(config.vocab_size, (3, 9, 14, 6, 5), seed=4)
+    job_ids = ["a", None, "b", "a", "a"]
+    got = generate(engine, prompts, job_ids, max_new_tokens=NEW, eos_token_id=config.eos_token_id,
+                   pad_id=config.pad_token_id)
+    references = {None: load(model_dir, torch.float64)}
+    references.update({j: peft_of(model_dir, torch.float64, engine, j) for j in set(job_ids) - {None}})
+    assert got == [hf_greedy(references[j], p, config.eos_token_id) for p, j in zip(prompts, job_ids, strict=True)]
+
+
 @pytest.fixture(scope="module")
 def llama(root: Path) -> MultiLoraEngine:
     return engine_with_adapters(tiny_model_dir("llama", root), torch.float32)

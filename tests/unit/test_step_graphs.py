@@ -392,6 +392,9 @@ def test_a_capture_fits_what_the_device_has_free_and_the_pool_holds(monkeypatch)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {
         "reserved_bytes.all.current": 70 * gib, "allocated_bytes.all.current": 45 * gib,
         "inactive_split_bytes.all.current": 20 * gib, "segment.all.current": 900})
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
     cuda = torch.device("cuda", 0)
     assert graph_parts.capture_short(cuda, None, 0) is None  # no need known: no check
     assert graph_parts.capture_short(torch.device("cpu"), 1e12, 0) is None
@@ -399,6 +402,11 @@ def test_a_capture_fits_what_the_device_has_free_and_the_pool_holds(monkeypatch)
     why = graph_parts.capture_short(cuda, 6 * gib, 3 * gib)
     assert why is not None and "needs 6.0 GiB" in why and "split free 20.00 in 900 segments" in why
     assert "outside PyTorch 8.00" in why  # 80 - 2 free - 70 reserved
+    # the cached blocks went back before each capture on the device that lacked room (or no need known)
+    assert len(emptied) == 3
+    emptied.clear()
+    assert graph_parts.capture_short(cuda, 1 * gib, 0) is None and not emptied  # 2 free: room twice over
+    assert graph_parts.capture_short(cuda, 1.5 * gib, 0) is None and len(emptied) == 1  # under 2 x 1.5
 
 
 def test_near_the_end_a_key_a_capture_can_replay_padded_is_not_captured(model_dir) -> None:  # noqa: ANN001
