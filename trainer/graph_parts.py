@@ -7,6 +7,7 @@ out of memory, and their keys ran eagerly for the rest of the search (21 eager s
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,8 +17,8 @@ import torch
 # a capture deferred for want of free device memory is tried again after this many steps
 CAPTURE_RETRY_STEPS = 8
 # a capture keeps the caching allocator's blocks where the device's free memory holds its pool's
-# estimated need this many times over (`capturing`)
-ROOM_FACTOR = 2.0
+# estimated need this many times over (`make_room`; LORAPLEX_CAPTURE_ROOM=inf: never, as before)
+ROOM_FACTOR = float(os.environ.get("LORAPLEX_CAPTURE_ROOM", "2"))
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
