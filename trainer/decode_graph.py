@@ -34,13 +34,23 @@ CHECK_EVERY = 16  # token steps between the host's reads of the tokens (the EOS 
 POOL_NEED = 1 << 30  # a token step's graph pool, bytes, at most (a few rows' activations and logits)
 
 
+def _allocator(device: torch.device) -> tuple[int, int]:
+    if device.type != "cuda":
+        return 0, 0
+    stats = torch.cuda.memory_stats(device)
+    return int(stats.get("num_alloc_retries", 0)), int(stats.get("num_device_alloc", 0))
+
+
 @contextlib.contextmanager
 def part(parts: dict[str, float] | None, name: str, device: torch.device) -> Iterator[None]:
     """Add the seconds of the block to parts[name] (None: not timed), the device's queued work
-    included (a sync at the end: the decode reads its tokens back anyway)."""
+    included (a sync at the end: the decode reads its tokens back anyway); on a GPU also the
+    caching allocator's retries (a full device: cached blocks freed, a sync each) and cudaMalloc
+    calls in it, as name_retries and name_mallocs where there were any."""
     if parts is None:
         yield
         return
+    before = _allocator(device)
     t0 = time.perf_counter()
     try:
         yield
@@ -48,6 +58,9 @@ def part(parts: dict[str, float] | None, name: str, device: torch.device) -> Ite
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         parts[name] = parts.get(name, 0.0) + time.perf_counter() - t0
+        for what, n_before, n_after in zip(("retries", "mallocs"), before, _allocator(device), strict=True):
+            if n_after > n_before:
+                parts[f"{name}_{what}"] = parts.get(f"{name}_{what}", 0) + n_after - n_before
 
 
 def static_decodable(model: torch.nn.Module, temperature: float) -> bool:
@@ -86,6 +99,8 @@ class StaticDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def _prefill(self) -> None:
+        if self.parts is not None:  # the prefill's rows x their padded length
+            self.parts["prefill_tokens"] = self.parts.get("prefill_tokens", 0) + self.ids.numel()
         padded = torch.cat([self.mask2d, self.mask2d.new_zeros(self.mask2d.shape[0], self.new)], dim=1)
         out = self.backbone(input_ids=self.ids, attention_mask=padded, position_ids=self.positions,
                             use_cache=True, **{self.cache_arg: self.cache})

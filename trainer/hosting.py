@@ -31,7 +31,7 @@ from trainer.checkpoint_files import STATE_NAME, load_checkpoint
 from trainer.colocate import TaskRun
 from trainer.config import CALLBACK_KINDS, HOST_FIELDS, Callbacks, ExecutorConfig
 from trainer.host_pool import POOL
-from trainer.phase_clock import PhaseClock
+from trainer.phase_clock import PhaseClock, collecting
 from trainer.task_parts import JobSlot, TaskExecutor, fresh
 from trainer.task_samples import task_samples, write_samples
 
@@ -310,7 +310,7 @@ class TaskRoster:
 
         parts: dict[str, float] = {}  # the phase's split, reported in the timings (samples_part_*)
         try:
-            with executor.phase("samples"):
+            with executor.phase("samples"), collecting(parts):
                 return task_samples(task, executor.engine, executor.tokenizer, generate, parts)
         except Exception as exc:  # noqa: BLE001 - the training succeeded; its samples did not
             self._samples_failed(task, exc)

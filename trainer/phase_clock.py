@@ -10,6 +10,7 @@ report (Executor.timings)."""
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -100,3 +101,22 @@ class PhaseClock:
                 # the writer thread's seconds (beside the loop's: checkpoint_s / export_s are
                 # the loop's snapshots and waits for the writer)
                 **{f"writer_{k}_s": v for k, v in writer.items()}}
+
+
+@contextmanager
+def collecting(parts: dict[str, float]) -> Iterator[None]:
+    """parts["gc"] gains the seconds Python's garbage collector ran in the block (any thread's
+    collections: the host is one process)."""
+    started: list[float] = []
+
+    def timer(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            parts["gc"] = parts.get("gc", 0.0) + time.perf_counter() - started.pop()
+
+    gc.callbacks.append(timer)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(timer)

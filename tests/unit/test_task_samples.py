@@ -170,3 +170,32 @@ def test_the_samples_read_a_best_adapter_still_being_written_from_its_snapshot(t
     assert decode < last_best  # it read at least one best adapter before its files were complete
     assert samples_of(rec) == expected
     assert (tmp_path / "slow" / "samples.jsonl").exists()
+
+
+def test_the_phase_clock_counts_garbage_collection_and_parts_since_a_task_joined() -> None:
+    import gc
+
+    from trainer.phase_clock import PhaseClock, collecting
+
+    parts: dict[str, float] = {}
+    with collecting(parts):
+        gc.collect()
+    assert parts["gc"] > 0
+    seen = parts["gc"]
+    gc.collect()  # after the block: not counted
+    assert parts["gc"] == seen
+    clock = PhaseClock(None)
+    clock.start()
+    clock.add_parts("samples", {"steps": 1.5, "token_steps": 16})
+
+    class Task:  # what the clock reads and marks of a task (trainer.phase_clock.Joined)
+        joined_at = None
+        phases_at_join: dict = {}
+        first_step_s = None
+
+    task = Task()
+    clock.mark_joined(task, at_start=False)  # a task that joins after another one's samples
+    clock.add_parts("samples", {"steps": 0.5, "token_steps": 8})
+    assert clock.split()["samples_part_steps"] == 2.0 and clock.split()["samples_part_token_steps"] == 24
+    own = clock.split(task)
+    assert own["samples_part_steps"] == 0.5 and own["samples_part_token_steps"] == 8
