@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -50,6 +51,7 @@ from task_e2e_baselines_timing import timing  # noqa: E402
 from task_e2e_data import DEV, SMOKE, T0, log, make_tokenizer  # noqa: E402
 
 from trainer import step_graphs, task_eval  # noqa: E402
+from worker.processes import CUBLAS_WORKSPACE  # noqa: E402
 
 ARMS = ("a", "b", "c1", "c2", "c3")
 
@@ -88,6 +90,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--capture-transient", action="store_true",
                     help="capture a training key at its job set's last step too (before session 43; "
                     "trainer.step_graphs.TRANSIENT_MIN_TOKENS)")
+    ap.add_argument("--bare-env", action="store_true",
+                    help="leave CUBLAS_WORKSPACE_CONFIG unset (before session 44): a node sets it for every "
+                    "GPU process (worker.processes.spawn), which puts the samples' prefill on SDPA's math "
+                    "backend (trainer.sampling.repeatable); unset, torch picked cuDNN's and search (a)'s "
+                    "prefill of 4.4k tokens took 1.1-1.7 s where the 60-step task's 5.9k took 0.3 s")
     ap.add_argument("--runs-dir", default="", help="the large runs' executor folders (checkpoints, exports): "
                     "default under --work; e.g. /dev/shm where (a)'s first checkpoint outgrows the disk")
     ap.add_argument("--json", default="")
@@ -111,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         print(text)
         return
     SMOKE["on"] = args.smoke
+    if not args.bare_env:  # as worker.processes.spawn gives every GPU process of a node (before any cuBLAS call)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     if args.one_stage_ranking:  # every executor of this process (both phases): no ranking subset is staged
         task_eval.LEAD_MIN_SUBSET = 1 << 30
     if args.capture_transient:

@@ -169,7 +169,10 @@ def render(runs: list, quality: dict, timing: dict) -> str:
               + ("; the ranking evaluates each job's whole subset at once (--one-stage-ranking)."
                  if first.get("one_stage_ranking", True) else "; the ranking's evaluation is staged (a lead quarter first).")
               + (" A training key is captured at its job set's last step too (--capture-transient)."
-                 if first.get("capture_transient") else "")]
+                 if first.get("capture_transient") else "")
+              + (" CUBLAS_WORKSPACE_CONFIG unset (--bare-env: not a node's process environment)."
+                 if first.get("bare_env", True) else " The process environment a node gives its GPU "
+                 "processes (CUBLAS_WORKSPACE_CONFIG set: the samples' prefill on SDPA's math backend).")]
     for layers in sorted(timing):
         lines += render_timing(layers, timing[layers], quality.get(SMALL_SHAPE, {}))
     for shape in sorted(quality, key=lambda s: s != SMALL_SHAPE):
