@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers import StaticCache
 
-from trainer.graph_parts import capturing, make_room
+from trainer.graph_parts import capturing
 
 log = logging.getLogger("loraplex.sampling")
 CHECK_EVERY = 16  # token steps between the host's reads of the tokens (the EOS check)
@@ -123,11 +123,11 @@ class StaticDecoder:
         """The next step as a CUDA graph (captured, not run); on failure the step stays eager."""
         try:
             graph = torch.cuda.CUDAGraph()
-            make_room(self.ids.device, POOL_NEED)  # the cached blocks stay where the device has room
             # this thread's calls alone are checked: the task's writer thread may wait on a
             # snapshot's event meanwhile (the samples no longer wait for it), which the default
-            # mode (global) turns into an error there (an H100's 60-step task lost its export)
-            with capturing(graph, mode="thread_local"):
+            # mode (global) turns into an error there (an H100's 60-step task lost its export);
+            # the cached blocks stay where the device has room for the step's pool
+            with capturing(graph, None, "thread_local", POOL_NEED):
                 self._step()
             self.graph = graph
         except Exception as exc:  # noqa: BLE001 - a forward that cannot be captured decodes eagerly

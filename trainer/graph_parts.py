@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,36 +20,48 @@ CAPTURE_RETRY_STEPS = 8
 # a capture keeps the caching allocator's blocks where the device's free memory holds its pool's
 # estimated need this many times over (`make_room`; LORAPLEX_CAPTURE_ROOM=inf: never, as before)
 ROOM_FACTOR = float(os.environ.get("LORAPLEX_CAPTURE_ROOM", "2"))
-_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def make_room(device: torch.device, need: float | None) -> None:
     """Before a capture: the caching allocator's blocks go back to the device (the capture's private
-    pool can then take that memory) unless the device's free memory already holds `need` (the pool's
-    estimated bytes) ROOM_FACTOR times over. torch.cuda.graph gives every cached block back before
-    each capture (and the pinned host cache), and the eager steps after it allocate them again: an
-    H200's capture at 32 layers of the 8B shape spent ~110 ms of its ~300 ms over a replay in 740
-    cudaFree and 392 cudaMalloc calls (bench/capture_anatomy.py, session 44)."""
+    pool can then take that memory) unless `has_room` (the device's free memory already holds the
+    pool's estimated need ROOM_FACTOR times over). torch.cuda.graph gives every cached block back
+    before each capture (and the pinned host cache), and the eager steps after it allocate them
+    again: an H200's capture at 32 layers of the 8B shape spent ~110 ms of its ~300 ms over a
+    replay in 740 cudaFree and 392 cudaMalloc calls (bench/capture_anatomy.py, session 44)."""
     torch.cuda.synchronize(device)
-    if need is None or torch.cuda.mem_get_info(device)[0] < ROOM_FACTOR * need:
+    if not has_room(device, need):
         torch.cuda.empty_cache()
 
 
+def has_room(device: torch.device | int, need: float | None) -> bool:
+    return need is not None and torch.cuda.mem_get_info(device)[0] >= ROOM_FACTOR * need
+
+
+def _nothing() -> None:
+    return None
+
+
 @contextlib.contextmanager
-def capturing(graph: torch.cuda.CUDAGraph, pool: Any = None, mode: str = "thread_local") -> Iterator[None]:
-    """torch.cuda.graph's capture (into `pool`, on a side stream of the current device that waits
-    for its current stream) without its emptying of the caches: `make_room` decides that first."""
-    device = torch.cuda.current_device()
-    stream = _STREAMS.get(device)
-    if stream is None:
-        stream = _STREAMS[device] = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        graph.capture_begin(*(() if pool is None else (pool,)), capture_error_mode=mode)
-        try:
-            yield
-        finally:
-            graph.capture_end()
+def capturing(graph: torch.cuda.CUDAGraph, pool: Any = None, mode: str = "thread_local",
+              need: float | None = None) -> Iterator[None]:
+    """torch.cuda.graph's capture, as it is (its stream, and what a failed capture leaves), except
+    that where the device `has_room` for `need` its emptying of the caches on entry is skipped."""
+    ctx = torch.cuda.graph(graph, pool=pool, capture_error_mode=mode)
+    saved = torch.cuda.empty_cache, torch._C._host_emptyCache
+    if has_room(torch.cuda.current_device(), need):
+        torch.cuda.empty_cache = torch._C._host_emptyCache = _nothing
+    try:
+        ctx.__enter__()
+    finally:
+        torch.cuda.empty_cache, torch._C._host_emptyCache = saved
+    try:
+        yield
+    except BaseException:
+        if not ctx.__exit__(*sys.exc_info()):
+            raise
+    else:
+        ctx.__exit__(None, None, None)
 
 
 def pow2(n: int, floor: int) -> int:

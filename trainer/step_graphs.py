@@ -413,7 +413,7 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.memory_reserved(device)
         try:
-            with _capturing(graph, self.pool, "relaxed"):
+            with _capturing(graph, self.pool, "relaxed", need):
                 self._run(st, key)
         except RuntimeError as err:
             entry.failed = True

@@ -187,8 +187,10 @@ def test_a_graph_capture_leaves_other_threads_free() -> None:
             if not isinstance(node, ast.Call):
                 continue
             called = ast.unparse(node.func)
-            if called.endswith(".capture_begin") and name != "trainer.graph_parts":
+            if called.endswith(".capture_begin"):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno} begins a capture of its own")
+            if name == "trainer.graph_parts" and called == "torch.cuda.graph":
+                continue  # capturing's own (its callers are checked)
             if called in ("torch.cuda.graph", "torch.cuda.graphs.graph", "capturing", "_capturing"):
                 captures += 1
                 mode = next((k.value for k in node.keywords if k.arg in ("capture_error_mode", "mode")),

@@ -470,3 +470,40 @@ def test_a_large_key_at_its_job_sets_last_step_runs_eagerly(model_dir, monkeypat
     assert set_lasts(engine_, [task]) == 3
     assert set_lasts(SimpleNamespace(jobs={"a": 0}), [task]) == 10
     assert set_lasts(SimpleNamespace(jobs={}), [task]) is None
+
+
+def test_a_capture_skips_torchs_emptying_of_the_caches_only_where_the_device_has_room(monkeypatch) -> None:  # noqa: ANN001
+    from trainer import graph_parts
+
+    gib = 1 << 30
+    calls: list[str] = []
+
+    class Graph:  # torch.cuda.graph's shape: it empties both caches on entry
+        def __init__(self, graph, pool=None, capture_error_mode="global") -> None:  # noqa: ANN001
+            calls.append(f"mode {capture_error_mode}")
+
+        def __enter__(self) -> None:
+            torch.cuda.empty_cache()
+            torch._C._host_emptyCache()
+
+        def __exit__(self, *exc) -> None:  # noqa: ANN002
+            calls.append(f"exit {exc[0].__name__ if exc[0] else None}")
+
+    empty, host_empty = (lambda: calls.append("empty")), (lambda: calls.append("host empty"))
+    monkeypatch.setattr(torch.cuda, "graph", Graph)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", host_empty, raising=False)
+    with graph_parts.capturing(None, None, "relaxed", need=gib):  # 2 GiB free: room twice over
+        calls.append("body")
+    assert calls == ["mode relaxed", "body", "exit None"]
+    assert torch.cuda.empty_cache is empty and torch._C._host_emptyCache is host_empty  # put back
+    calls.clear()
+    with pytest.raises(ValueError, match="inside"), graph_parts.capturing(None, None, "relaxed", need=1.5 * gib):
+        raise ValueError("inside")
+    assert calls == ["mode relaxed", "empty", "host empty", "exit ValueError"]  # no room: as torch does
+    calls.clear()
+    with graph_parts.capturing(None):  # no need known: torch's own entry
+        pass
+    assert calls == ["mode thread_local", "empty", "host empty", "exit None"]
