@@ -6,10 +6,7 @@ search (a) on an H100 tried three captures with 0.2 GB free on the device (45 GB
 out of memory, and their keys ran eagerly for the rest of the search (21 eager steps where 6 had)."""
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,51 +14,6 @@ import torch
 
 # a capture deferred for want of free device memory is tried again after this many steps
 CAPTURE_RETRY_STEPS = 8
-# a capture keeps the caching allocator's blocks where the device's free memory holds its pool's
-# estimated need this many times over (`make_room`; LORAPLEX_CAPTURE_ROOM=inf: never, as before)
-ROOM_FACTOR = float(os.environ.get("LORAPLEX_CAPTURE_ROOM", "2"))
-
-
-def make_room(device: torch.device, need: float | None) -> None:
-    """Before a capture: the caching allocator's blocks go back to the device (the capture's private
-    pool can then take that memory) unless `has_room` (the device's free memory already holds the
-    pool's estimated need ROOM_FACTOR times over). torch.cuda.graph gives every cached block back
-    before each capture (and the pinned host cache), and the eager steps after it allocate them
-    again: an H200's capture at 32 layers of the 8B shape spent ~110 ms of its ~300 ms over a
-    replay in 740 cudaFree and 392 cudaMalloc calls (bench/capture_anatomy.py, session 44)."""
-    torch.cuda.synchronize(device)
-    if not has_room(device, need):
-        torch.cuda.empty_cache()
-
-
-def has_room(device: torch.device | int, need: float | None) -> bool:
-    return need is not None and torch.cuda.mem_get_info(device)[0] >= ROOM_FACTOR * need
-
-
-def _nothing() -> None:
-    return None
-
-
-@contextlib.contextmanager
-def capturing(graph: torch.cuda.CUDAGraph, pool: Any = None, mode: str = "thread_local",
-              need: float | None = None) -> Iterator[None]:
-    """torch.cuda.graph's capture, as it is (its stream, and what a failed capture leaves), except
-    that where the device `has_room` for `need` its emptying of the caches on entry is skipped."""
-    ctx = torch.cuda.graph(graph, pool=pool, capture_error_mode=mode)
-    saved = torch.cuda.empty_cache, torch._C._host_emptyCache
-    if has_room(torch.cuda.current_device(), need):
-        torch.cuda.empty_cache = torch._C._host_emptyCache = _nothing
-    try:
-        ctx.__enter__()
-    finally:
-        torch.cuda.empty_cache, torch._C._host_emptyCache = saved
-    try:
-        yield
-    except BaseException:
-        if not ctx.__exit__(*sys.exc_info()):
-            raise
-    else:
-        ctx.__exit__(None, None, None)
 
 
 def pow2(n: int, floor: int) -> int:
@@ -129,10 +81,7 @@ class Entry:
 
 def capture_short(device: torch.device, need: float | None, pool_bytes: int) -> str | None:
     """Why a capture whose pool needs `need` bytes would not fit now (None: it fits, or no need is
-    known): it has the device's free memory, once `make_room` made it, and the graphs' pool (a
-    capture reuses the pool)."""
-    if device.type == "cuda":
-        make_room(device, need)
+    known): it has the device's free memory and the graphs' pool (a capture reuses the pool)."""
     if need is None or device.type != "cuda":
         return None
     free = torch.cuda.mem_get_info(device)[0]
