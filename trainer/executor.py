@@ -52,7 +52,7 @@ from trainer.objectives import objective_for
 from trainer.pairs import PairExample
 from trainer.phase_clock import PhaseClock
 from trainer.strategy import OneGpu, Strategy
-from trainer.task_parts import ExamplePool, Reading, StepNumbers
+from trainer.task_parts import ExamplePool, StepNumbers
 from trainer.varlen import flash_exact, flash_varlen_available
 
 log = logging.getLogger("loraplex.executor")
@@ -153,14 +153,13 @@ class Executor:
         marks.append(("device", time.perf_counter()))
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         marks.append(("tokenizer", time.perf_counter()))
-        reading = Reading(list(self.tasks.values()), self.tokenizer)  # the tasks' data, beside the weights
         model = self.strategy.load_model(cfg.model_dir, device, dtype)
         marks.append(("model", time.perf_counter()))
         self.device = device
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         for task in list(self.tasks.values()):
-            self.roster.guarded(task, lambda t=task: reading.wait(t))
-        marks.append(("data", time.perf_counter()))  # what the reading took beyond the weights
+            self.roster.guarded(task, lambda t=task: t.read(self.tokenizer))
+        marks.append(("data", time.perf_counter()))
         # built on the first task's examples, as a one-task executor is; then it reads the pool
         self.engine = self.strategy.prepare_engine(self.objective.engine_class(
             model, self.first.train, pad, cfg.targets, cfg.gradient_checkpointing is not False, cfg.backend,

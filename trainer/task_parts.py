@@ -1,7 +1,6 @@
 """The small pieces a task on an executor is made of: the engine's pool of every hosted task's
-examples, a job's data stream at its task's offset, a started job as every rank knows it, the
-tasks' data read beside the load, and what one step measured; and what a task may use of the
-executor that hosts it (`TaskExecutor`)."""
+examples, a job's data stream at its task's offset, a started job as every rank knows it, and
+what one step measured; and what a task may use of the executor that hosts it (`TaskExecutor`)."""
 
 from __future__ import annotations
 
@@ -90,24 +89,6 @@ def fresh(queue: Sequence[Any]) -> list[Any]:
     """A task's queue's configurations that never started (TrainJob), not its started jobs'
     slots: what admission places first and what a park may make room for."""
     return [q for q in queue if not isinstance(q, JobSlot)]
-
-
-class Reading:
-    """The hosted tasks' data read and tokenised on a thread of its own (`TaskRun.read`), while the
-    executor's load goes on (the backbone's weights to the device: I/O and copies that leave the
-    interpreter free); `wait(task)` on the loop's thread gives that task's outcome, its exception
-    raised there (where the task's own failures are contained). A 60-step task's 2,000 samples
-    took 0.5-0.7 s to read beside ~1 s of weights (H200, session 44)."""
-
-    def __init__(self, tasks: Sequence[Any], tokenizer: Any) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-read")
-        self.futures = {task.task_id: pool.submit(task.read, tokenizer) for task in tasks}
-        pool.shutdown(wait=False)  # its thread ends with the last read
-
-    def wait(self, task: Any) -> None:
-        self.futures.pop(task.task_id).result()
 
 
 @dataclass

@@ -291,28 +291,3 @@ def test_a_final_adapter_at_its_best_step_is_the_best_exports_files_not_a_second
                 assert (final / name).read_bytes() != (best / name).read_bytes() or name.endswith(".json")
         assert (job_id, "final") in rec.adapters
     assert linked  # at least one job ended on its best step (evaluated at its last step)
-
-
-def test_the_tasks_data_is_read_beside_the_weights_and_a_bad_file_fails_its_task_as_before(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    import threading
-
-    from trainer import colocate
-
-    seen, real = [], colocate.TaskRun.read
-
-    def read(self, tokenizer):  # noqa: ANN001, ANN202
-        seen.append(threading.current_thread().name)
-        return real(self, tokenizer)
-
-    monkeypatch.setattr(colocate.TaskRun, "read", read)
-    rec = Recorder()
-    Executor(config(tmp_path, "ok", max_active_jobs=2, jobs=[TrainJob("j", lora_rank=2, max_steps=2)]),
-             rec.callbacks()).run()
-    assert [n.split("_")[0] for n in seen] == ["loraplex-read"] and [s for s, _ in rec.train["j"]] == [1, 2]
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    ex = Executor(config(tmp_path, "bad", train_file=str(empty)), Recorder().callbacks())
-    with pytest.raises(ValueError, match="at least 2 examples"):  # raised on the loop's thread, as before
-        ex.run()
-    [result] = ex.roster.results().values()
-    assert result["outcome"] == "failed" and "at least 2 examples" in result["error"]
