@@ -27,15 +27,10 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers import StaticCache
 
+from trainer.memory_plan import allocator_counts
+
 log = logging.getLogger("loraplex.sampling")
 CHECK_EVERY = 16  # token steps between the host's reads of the tokens (the EOS check)
-
-
-def _allocator(device: torch.device) -> tuple[int, int]:
-    if device.type != "cuda":
-        return 0, 0
-    stats = torch.cuda.memory_stats(device)
-    return int(stats.get("num_alloc_retries", 0)), int(stats.get("num_device_alloc", 0))
 
 
 @contextlib.contextmanager
@@ -47,7 +42,7 @@ def part(parts: dict[str, float] | None, name: str, device: torch.device) -> Ite
     if parts is None:
         yield
         return
-    before = _allocator(device)
+    before = allocator_counts(device)
     t0 = time.perf_counter()
     try:
         yield
@@ -55,9 +50,10 @@ def part(parts: dict[str, float] | None, name: str, device: torch.device) -> Ite
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         parts[name] = parts.get(name, 0.0) + time.perf_counter() - t0
-        for what, n_before, n_after in zip(("retries", "mallocs"), before, _allocator(device), strict=True):
-            if n_after > n_before:
-                parts[f"{name}_{what}"] = parts.get(f"{name}_{what}", 0) + n_after - n_before
+        for counter, n_after in allocator_counts(device).items():
+            if n_after > before[counter]:
+                what = {"alloc_retries": "retries", "device_mallocs": "mallocs"}[counter]
+                parts[f"{name}_{what}"] = parts.get(f"{name}_{what}", 0) + n_after - before[counter]
 
 
 def static_decodable(model: torch.nn.Module, temperature: float) -> bool:
