@@ -27,10 +27,12 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers import StaticCache
 
+from trainer.graph_parts import capturing
 from trainer.memory_plan import allocator_counts
 
 log = logging.getLogger("loraplex.sampling")
 CHECK_EVERY = 16  # token steps between the host's reads of the tokens (the EOS check)
+POOL_NEED = 1 << 30  # a token step's graph pool, bytes, at most (a few rows' activations and logits)
 
 
 @contextlib.contextmanager
@@ -118,8 +120,9 @@ class StaticDecoder:
             graph = torch.cuda.CUDAGraph()
             # this thread's calls alone are checked: the task's writer thread may wait on a
             # snapshot's event meanwhile (the samples no longer wait for it), which the default
-            # mode (global) turns into an error there (an H100's 60-step task lost its export)
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            # mode (global) turns into an error there (an H100's 60-step task lost its export);
+            # the cached blocks stay where the device has room for the step's pool
+            with capturing(graph, None, "thread_local", POOL_NEED):
                 self._step()
             self.graph = graph
         except Exception as exc:  # noqa: BLE001 - a forward that cannot be captured decodes eagerly

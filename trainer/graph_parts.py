@@ -6,6 +6,7 @@ search (a) on an H100 tried three captures with 0.2 GB free on the device (45 GB
 out of memory, and their keys ran eagerly for the rest of the search (21 eager steps where 6 had)."""
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,59 @@ import torch
 
 # a capture deferred for want of free device memory is tried again after this many steps
 CAPTURE_RETRY_STEPS = 8
+# a capture keeps the caching allocator's blocks where the device's free memory holds its pool's
+# estimated need this many times over (`has_room`; LORAPLEX_CAPTURE_ROOM=inf: never, as torch does)
+ROOM_FACTOR = float(os.environ.get("LORAPLEX_CAPTURE_ROOM", "2"))
+
+
+def has_room(device: torch.device | int, need: float | None) -> bool:
+    return need is not None and torch.cuda.mem_get_info(device)[0] >= ROOM_FACTOR * need
+
+
+def make_room(device: torch.device, need: float | None) -> None:
+    """Before a capture: the caching allocator's blocks go back to the device (the capture's private
+    pool can then take that memory) unless it `has_room` for the pool's estimated `need`. Emptied
+    before every capture (torch.cuda.graph's own habit), the eager steps after it allocate them all
+    again: an H200's capture at 32 layers of the 8B shape spent ~110 ms of its ~300 ms over a replay
+    in 740 cudaFree and 392 cudaMalloc calls (bench/capture_anatomy.py, session 44)."""
+    torch.cuda.synchronize(device)
+    if not has_room(device, need):
+        torch.cuda.empty_cache()
+
+
+def _nothing() -> None:
+    return None
+
+
+class capturing:  # noqa: N801 - a context manager, named as torch.cuda.graph is
+    """torch.cuda.graph's capture as it is (its capture stream, pool and error mode), except that
+    - where the device `has_room` for `need`, its emptying of the caches on entry is skipped;
+    - the stream current before it is current again after it, a failed capture included:
+      torch.cuda.graph's exit ends the capture before it leaves its stream, so when that end
+      raises (a capture invalidated inside) its capture stream stays the thread's current one.
+    A class, not a generator: a failed capture's exception then holds no frame of ours."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, pool: Any = None, mode: str = "thread_local",
+                 need: float | None = None) -> None:
+        self._graph = torch.cuda.graph(graph, pool=pool, capture_error_mode=mode)
+        self._need = need
+        self._stream: torch.cuda.Stream | None = None
+
+    def __enter__(self) -> None:
+        self._stream = torch.cuda.current_stream()
+        saved = torch.cuda.empty_cache, torch._C._host_emptyCache
+        if has_room(self._stream.device, self._need):
+            torch.cuda.empty_cache = torch._C._host_emptyCache = _nothing
+        try:
+            self._graph.__enter__()
+        finally:
+            torch.cuda.empty_cache, torch._C._host_emptyCache = saved
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        try:
+            return self._graph.__exit__(*exc)
+        finally:
+            torch.cuda.set_stream(self._stream)
 
 
 def pow2(n: int, floor: int) -> int:
@@ -81,7 +135,10 @@ class Entry:
 
 def capture_short(device: torch.device, need: float | None, pool_bytes: int) -> str | None:
     """Why a capture whose pool needs `need` bytes would not fit now (None: it fits, or no need is
-    known): it has the device's free memory and the graphs' pool (a capture reuses the pool)."""
+    known): it has the device's free memory, once `make_room` made it, and the graphs' pool (a
+    capture reuses the pool)."""
+    if device.type == "cuda":
+        make_room(device, need)
     if need is None or device.type != "cuda":
         return None
     free = torch.cuda.mem_get_info(device)[0]

@@ -41,6 +41,7 @@ from trainer.graph_parts import CAPTURE_RETRY_STEPS, GraphKey, capture_short, me
 from trainer.graph_parts import Entry as _Entry
 from trainer.graph_parts import Replay as _Replay
 from trainer.graph_parts import Static as _Static
+from trainer.graph_parts import capturing as _capturing
 from trainer.head import token_losses, token_losses_and_hits
 from trainer.jobs import JobRun
 from trainer.multilora import MultiLoraLinear, StepLayout
@@ -398,10 +399,8 @@ class StepGraphs:
         eagerly."""
         st, device = entry.static, self.engine.device
         cuda = self.use_cuda_graphs(device)
-        if cuda:  # the eager runs' cached blocks go back first: the graph's pool then takes that memory
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
         need = self.capture_need(key.tokens, key.recompute) if self.capture_need and key.train else None
+        # the eager runs' cached blocks go back first where the device lacks room for the graph's pool
         short = capture_short(device, need, self.pool_bytes)
         if short is not None:
             entry.deferred = self.calls
@@ -414,12 +413,13 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.memory_reserved(device)
         try:
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="relaxed"):
+            with _capturing(graph, self.pool, "relaxed", need):
                 self._run(st, key)
         except RuntimeError as err:
             entry.failed = True
             self.failures += 1
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # what the failed capture allocated: the eager step starts clean
             log.warning("step graph capture failed for %s: %s [%s]", key, str(err).split(". ")[0][:200],
                         memory_report(device))
             return None

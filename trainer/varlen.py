@@ -139,6 +139,10 @@ def _per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 _positions_seen: list[Any] = []  # [weakref to the position ids, their version, (cu, longest)]
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def bounds_from_positions(position_ids: torch.Tensor | None, query: torch.Tensor,
                           key: torch.Tensor) -> tuple[torch.Tensor | None, int | None]:
     """The sequence bounds of a packed row [1, T] from its position ids, for the layers that
@@ -150,6 +154,10 @@ def bounds_from_positions(position_ids: torch.Tensor | None, query: torch.Tensor
     on the host: one device sync per forward (the bounds are kept for the layers after the first
     while the same position-id tensor comes unchanged), paid only by a model whose layers drop
     the bounds; a model that passes them never comes here."""
+    if _capturing(query):
+        # the host cannot read what a capture has not computed: fail it here, before a read whose
+        # garbage (kernels captured, not run) a bound kept for the later layers would carry on
+        raise RuntimeError("the sequence bounds are read from the positions on the host: not capturable")
     if (position_ids is None or query.shape[0] != 1 or position_ids.dim() != 2
             or position_ids.shape != (1, query.shape[2]) or key.shape[2] != query.shape[2]):
         return None, None

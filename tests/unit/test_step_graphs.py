@@ -392,6 +392,9 @@ def test_a_capture_fits_what_the_device_has_free_and_the_pool_holds(monkeypatch)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {
         "reserved_bytes.all.current": 70 * gib, "allocated_bytes.all.current": 45 * gib,
         "inactive_split_bytes.all.current": 20 * gib, "segment.all.current": 900})
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
     cuda = torch.device("cuda", 0)
     assert graph_parts.capture_short(cuda, None, 0) is None  # no need known: no check
     assert graph_parts.capture_short(torch.device("cpu"), 1e12, 0) is None
@@ -399,6 +402,11 @@ def test_a_capture_fits_what_the_device_has_free_and_the_pool_holds(monkeypatch)
     why = graph_parts.capture_short(cuda, 6 * gib, 3 * gib)
     assert why is not None and "needs 6.0 GiB" in why and "split free 20.00 in 900 segments" in why
     assert "outside PyTorch 8.00" in why  # 80 - 2 free - 70 reserved
+    # the cached blocks went back before each capture on the device that lacked room (or no need known)
+    assert len(emptied) == 3
+    emptied.clear()
+    assert graph_parts.capture_short(cuda, 1 * gib, 0) is None and not emptied  # 2 free: room twice over
+    assert graph_parts.capture_short(cuda, 1.5 * gib, 0) is None and len(emptied) == 1  # under 2 x 1.5
 
 
 def test_near_the_end_a_key_a_capture_can_replay_padded_is_not_captured(model_dir) -> None:  # noqa: ANN001
@@ -462,3 +470,55 @@ def test_a_large_key_at_its_job_sets_last_step_runs_eagerly(model_dir, monkeypat
     assert set_lasts(engine_, [task]) == 3
     assert set_lasts(SimpleNamespace(jobs={"a": 0}), [task]) == 10
     assert set_lasts(SimpleNamespace(jobs={}), [task]) is None
+
+
+def test_a_capture_skips_torchs_emptying_only_where_the_device_has_room_and_restores_the_stream(monkeypatch) -> None:  # noqa: ANN001
+    from trainer import graph_parts
+
+    gib = 1 << 30
+    calls: list[str] = []
+    streams = {"current": "default"}
+
+    class Graph:  # torch.cuda.graph's shape: it empties both caches on entry, then makes its stream current;
+        # its exit ends the capture before it leaves that stream, so an end that raises leaves it current
+        def __init__(self, graph, pool=None, capture_error_mode="global") -> None:  # noqa: ANN001
+            calls.append(f"mode {capture_error_mode}")
+
+        def __enter__(self) -> None:
+            torch.cuda.empty_cache()
+            torch._C._host_emptyCache()
+            streams["current"] = "capture"
+
+        def __exit__(self, *exc) -> None:  # noqa: ANN002
+            calls.append(f"exit {exc[0].__name__ if exc[0] else None}")
+            if exc[0] is not None:
+                raise RuntimeError("operation failed due to a previous error during capture")
+            streams["current"] = "default"
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name, self.device = name, 0
+
+    empty, host_empty = (lambda: calls.append("empty")), (lambda: calls.append("host empty"))
+    monkeypatch.setattr(torch.cuda, "graph", Graph)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(streams["current"]))
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: streams.update(current=stream.name))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", host_empty, raising=False)
+    with graph_parts.capturing(None, None, "relaxed", need=gib):  # 2 GiB free: room twice over
+        calls.append("body")
+        assert streams["current"] == "capture"
+    assert calls == ["mode relaxed", "body", "exit None"] and streams["current"] == "default"
+    assert torch.cuda.empty_cache is empty and torch._C._host_emptyCache is host_empty  # put back
+    calls.clear()
+    # a capture that fails inside: the end's error comes out, and the stream before it is current again
+    with pytest.raises(RuntimeError, match="previous error"), \
+            graph_parts.capturing(None, None, "relaxed", need=1.5 * gib):
+        raise ValueError("a host read inside the capture")
+    assert calls == ["mode relaxed", "empty", "host empty", "exit ValueError"]  # no room: as torch does
+    assert streams["current"] == "default"
+    calls.clear()
+    with graph_parts.capturing(None):  # no need known: torch's own entry
+        pass
+    assert calls == ["mode thread_local", "empty", "host empty", "exit None"]

@@ -85,6 +85,24 @@ def test_without_bounds_the_position_ids_give_them(window: int | None,
     assert bounds_from_positions(pos, q, k)[0].tolist() == [0, 5, BOUNDS[-1]]
 
 
+def test_a_capture_fails_at_the_positions_read_and_keeps_no_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a CUDA-graph capture the positions' kernels are captured, not run: the read fails the
+    capture at once (the step runs eagerly), and the bounds kept for the next layers stay the eager
+    forward's own."""
+    from trainer import varlen
+
+    q, k, _ = packed(4)
+    pos = positions(BOUNDS)
+    kept = bounds_from_positions(pos, q, k)
+    monkeypatch.setattr(varlen, "_capturing", lambda t: True)
+    with pytest.raises(RuntimeError, match="not capturable"):
+        bounds_from_positions(positions([0, BOUNDS[-1]]), q, k)
+    with pytest.raises(RuntimeError, match="not capturable"):
+        bounds_from_positions(pos, q, k)  # not even the kept bounds: a replay would keep them forever
+    monkeypatch.undo()
+    assert bounds_from_positions(pos, q, k)[0] is kept[0]
+
+
 def test_positions_that_do_not_describe_the_row_give_no_bounds() -> None:
     q, k, v = packed(3)
     assert bounds_from_positions(None, q, k) == (None, None)
