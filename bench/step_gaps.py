@@ -94,7 +94,7 @@ def gaps_of(events: list, min_us: float) -> tuple[list[tuple[float, float]], dic
             o = min(b, e.time_range.end) - max(a, e.time_range.start)
             if o > 0:
                 share[e.name] += o
-    return gaps, share, hi - lo, sum(b - a for a, b in busy if lo <= a < hi)
+    return gaps, share, hi - lo, sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in busy)
 
 
 def main() -> None:
