@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--on", default="", help="the changes kept: guard, restore, empty (comma-separated)")
     on = set(filter(None, ap.parse_args().on.split(",")))
     if "guard" not in on:
-        varlen._capturing = lambda t: False
+        varlen._in_capture = lambda t: False
     if "restore" not in on:
         graph_parts.capturing.__exit__ = lambda self, *exc: self._graph.__exit__(*exc)
     if "empty" not in on:  # the tests' device has room: no capture empties the cache but the failed one's

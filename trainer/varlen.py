@@ -139,7 +139,7 @@ def _per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 _positions_seen: list[Any] = []  # [weakref to the position ids, their version, (cu, longest)]
 
 
-def _capturing(t: torch.Tensor) -> bool:
+def _in_capture(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
@@ -154,7 +154,7 @@ def bounds_from_positions(position_ids: torch.Tensor | None, query: torch.Tensor
     on the host: one device sync per forward (the bounds are kept for the layers after the first
     while the same position-id tensor comes unchanged), paid only by a model whose layers drop
     the bounds; a model that passes them never comes here."""
-    if _capturing(query):
+    if _in_capture(query):
         # the host cannot read what a capture has not computed: fail it here, before a read whose
         # garbage (kernels captured, not run) a bound kept for the later layers would carry on
         raise RuntimeError("the sequence bounds are read from the positions on the host: not capturable")
