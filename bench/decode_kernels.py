@@ -23,10 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from decode_probe import three_adapters  # noqa: E402
 from engine_step import llama8b_config  # noqa: E402
 
-from trainer.engine import MultiLoraEngine  # noqa: E402
-from trainer.jobs import TrainJob  # noqa: E402
 from trainer.sampling import generate  # noqa: E402
 
 
@@ -38,23 +37,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as a node's GPU processes get it
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = llama8b_config(args.layers)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    eng = MultiLoraEngine(model, [], 0, gradient_checkpointing=True)
-    names = []
-    for i, rank in enumerate((16, 32, 64)):
-        eng.attach(TrainJob(f"a{rank}", lora_rank=rank, lora_alpha=2.0 * rank, max_steps=1, seed=i))
-        with torch.no_grad():
-            for _, _, b in eng.jobs[f"a{rank}"].adapter.pairs():
-                b.normal_(0, 0.02)
-        names.append(f"a{rank}")
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, config.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(8)]
-    rows = [(p, c) for p in prompts for c in [None, *names]]
+    _, eng, rows = three_adapters(llama8b_config(args.layers), torch.device("cuda"), args.prompt_len)
 
     def run(parts: dict | None = None) -> list[list[int]]:
         return generate(eng, [p for p, _ in rows], [c for _, c in rows], max_new_tokens=args.new, pad_id=0,

@@ -29,6 +29,28 @@ from trainer.jobs import TrainJob  # noqa: E402
 from trainer.sampling import generate  # noqa: E402
 
 
+def three_adapters(config, dev: torch.device, prompt_len: int):  # noqa: ANN001, ANN201
+    """A model of `config` (random weights; bf16 on CUDA) on `dev`, its engine with 3 adapters of rank
+    16/32/64 (B non-zero: the LoRA paths do real work), and 32 rows: 8 prompts of `prompt_len` random
+    tokens, each for the base and every adapter -> (model, engine, [(prompt, job id or None)])."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    eng = MultiLoraEngine(model, [], 0, gradient_checkpointing=True)
+    names = []
+    for i, rank in enumerate((16, 32, 64)):
+        eng.attach(TrainJob(f"a{rank}", lora_rank=rank, lora_alpha=2.0 * rank, max_steps=1, seed=i))
+        with torch.no_grad():
+            for _, _, b in eng.jobs[f"a{rank}"].adapter.pairs():
+                b.normal_(0, 0.02)
+        names.append(f"a{rank}")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, config.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(8)]
+    return model, eng, [(p, c) for p in prompts for c in [None, *names]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
@@ -42,27 +64,14 @@ def main() -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as a node's GPU processes get it
     if args.sdpa:
         os.environ["LORAPLEX_DECODE_SDPA"] = args.sdpa
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = llama8b_config(args.layers) if not args.smoke else LlamaConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    eng = MultiLoraEngine(model, [], 0, gradient_checkpointing=True)
-    names = []
-    for i, rank in enumerate((16, 32, 64)):
-        eng.attach(TrainJob(f"a{rank}", lora_rank=rank, lora_alpha=2.0 * rank, max_steps=1, seed=i))
-        with torch.no_grad():
-            for _, _, b in eng.jobs[f"a{rank}"].adapter.pairs():
-                b.normal_(0, 0.02)
-        names.append(f"a{rank}")
-    g = torch.Generator().manual_seed(0)
     n_prompt = min(args.prompt_len, 12) if args.smoke else args.prompt_len
-    prompts = [torch.randint(3, config.vocab_size, (n_prompt,), generator=g).tolist() for _ in range(8)]
-    rows = [(p, c) for p in prompts for c in [None, *names]]
+    model, eng, rows = three_adapters(config, dev, n_prompt)
     mod_names = {m: n for n, m in model.named_modules()}
     records: list[list[tuple[str, tuple[float, ...], tuple[float, ...]]]] = []
     keep: dict[int, tuple] = {}  # call index -> (module, args, kwargs) kept in the third run
