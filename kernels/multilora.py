@@ -11,8 +11,10 @@ Tensor layout contract (asserted at the launchers):
     scales   [N] float32        s_i, no grad
     ranks    [N] int32          r_i <= r_max; A[i][:, r_i:] and B[i][r_i:] read as zero, and
                                 their gradients are written as exact zeros
-    offsets  [N+1] int32/int64  offsets[0] = 0, offsets[N] = T, nondecreasing; adapter i owns
-                                rows offsets[i]:offsets[i+1]; zero-length adapters are legal
+    offsets  [N+1] int32/int64  offsets[0] = 0, offsets[N] <= T, nondecreasing; adapter i owns
+                                rows offsets[i]:offsets[i+1]; zero-length adapters are legal;
+                                rows past offsets[N] (padding) get the base output only (the
+                                fused "live" GEMM stores zeros in their row tiles past it)
     returns  y [T, d_out] = x @ weight.T + bias + s_i * (x_i @ A_i[:, :r_i]) @ B_i[:r_i]
 x, weight and lora_* share one dtype (bf16/fp16/fp32 for Triton; any float for torch); y has
 that dtype; accumulation is fp32. Gradients flow to x, lora_a and lora_b only.

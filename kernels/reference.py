@@ -21,10 +21,11 @@ def rank_mask(ranks: torch.Tensor, r_max: int) -> torch.Tensor:
 
 
 def _row_bounds(offsets: torch.Tensor, t: int) -> list[int]:
-    """offsets as host ints, checked: start at 0, end at T, nondecreasing (the one host sync)."""
+    """offsets as host ints, checked: start at 0, end at most at T (rows past the end belong to no
+    adapter), nondecreasing (the one host sync)."""
     bounds = [int(v) for v in offsets.tolist()]
-    if bounds[0] != 0 or bounds[-1] != t or any(lo > hi for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)):
-        raise ValueError(f"offsets must start at 0, end at T={t} and be nondecreasing, got {bounds}")
+    if bounds[0] != 0 or bounds[-1] > t or any(lo > hi for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)):
+        raise ValueError(f"offsets must start at 0, end at most at T={t} and be nondecreasing, got {bounds}")
     return bounds
 
 
@@ -68,10 +69,10 @@ def multilora_linear_reference(
         shrink = xi @ a[i].to(acc)
         pieces.append(base[lo:hi] + s[i] * (shrink @ b[i].to(acc)))
     if not pieces:
-        # T == 0: keep y on the graph of lora_a/lora_b so their gradients are zeros, not None,
-        # exactly as the Triton path returns them.
-        pieces.append(base + (x.to(acc) @ a[0].to(acc)) @ b[0].to(acc))
-    y = torch.cat(pieces, 0)
+        # no adapter rows: keep y on the graph of lora_a/lora_b so their gradients are zeros, not
+        # None, exactly as the Triton path returns them.
+        pieces.append(base[:0] + (x[:0].to(acc) @ a[0].to(acc)) @ b[0].to(acc))
+    y = torch.cat(pieces + [base[bounds[-1]:]], 0)  # rows past the last adapter's: the base output
     return y.to(x.dtype)
 
 

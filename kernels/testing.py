@@ -45,11 +45,14 @@ def make_case(
     seed: int | None = None,
     bias: bool = True,
     nan_padding: bool = True,
+    pad_rows: int = 0,
 ) -> Case:
     """Random inputs, scaled so that the LoRA term is as large as the base term (errors show).
 
     With `nan_padding` the padded rank region of A and B is filled with NaN: a kernel that reads
-    it instead of masking it produces NaN everywhere downstream.
+    it instead of masking it produces NaN everywhere downstream. `pad_rows` rows follow the last
+    adapter's (offsets[N] < T: padding no adapter owns), their upstream gradient zero as a step's
+    padding gets it (its targets are ignored).
     """
     if seed is None:
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
@@ -57,7 +60,7 @@ def make_case(
     gen = torch.Generator(device=device).manual_seed(seed)
     n = len(counts)
     r_max = r_max or max(ranks)
-    t = int(sum(counts))
+    t = int(sum(counts)) + pad_rows
 
     def rnd(*shape: int, std: float = 1.0) -> torch.Tensor:
         wide = torch.float64 if dtype == torch.float64 else torch.float32
@@ -71,7 +74,7 @@ def make_case(
             b[i, r:, :] = float("nan")
     offsets = torch.zeros(n + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(list(counts), dtype=torch.int64).cumsum(0)
-    return Case(
+    case = Case(
         x=rnd(t, d_in),
         weight=rnd(d_out, d_in, std=d_in**-0.5),
         bias=rnd(d_out) if bias else None,
@@ -83,6 +86,8 @@ def make_case(
         dy=rnd(t, d_out),
         seed=seed,
     )
+    case.dy[t - pad_rows :] = 0
+    return case
 
 
 def oracle_fp64(case: Case, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -101,7 +106,9 @@ def oracle_fp64(case: Case, device: str | torch.device = "cpu") -> dict[str, tor
     for i, r in enumerate(case.ranks.tolist()):
         xi = x[bounds[i]:bounds[i + 1]]
         deltas.append(float(case.scales[i]) * (xi @ a[i, :, :r]) @ b[i, :r, :])
-    y = y + torch.cat(deltas, 0) if deltas else y
+    if deltas:  # rows past the last adapter's (padding): the base output only
+        deltas.append(torch.zeros(x.shape[0] - bounds[-1], y.shape[1], **f))
+        y = y + torch.cat(deltas, 0)
     y.backward(case.dy.to(**f))
     return {"y": y.detach(), "dx": x.grad, "dA": a.grad, "dB": b.grad}
 

@@ -18,6 +18,10 @@ CAPTURE_RETRY_STEPS = 8
 # a capture keeps the caching allocator's blocks where the device's free memory holds its pool's
 # estimated need this many times over (`has_room`; LORAPLEX_CAPTURE_ROOM=inf: never, as torch does)
 ROOM_FACTOR = float(os.environ.get("LORAPLEX_CAPTURE_ROOM", "2"))
+# LORAPLEX_FREE_PADDING=1: a graph's padding tail belongs to no job (its device offsets end at the step's
+# real tokens): the LoRA passes skip its rows, and the fused "live" GEMM (LORAPLEX_FUSED_GEMM=live) its row
+# tiles. Off (the padding is the last job's rows) until a device measures it (bench/pad_cost.py).
+FREE_PADDING = os.environ.get("LORAPLEX_FREE_PADDING", "0") == "1"
 
 
 def has_room(device: torch.device | int, need: float | None) -> bool:

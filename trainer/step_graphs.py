@@ -35,6 +35,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from trainer import graph_parts
 from trainer.arena import AdapterArena
 from trainer.data import IGNORE, Example
 from trainer.graph_parts import CAPTURE_RETRY_STEPS, GraphKey, capture_short, memory_report, pow2
@@ -321,9 +322,10 @@ class StepGraphs:
         Returns each slot's target count."""
         t, n, n_jobs = key.tokens, key.job_slots, len(states)
         n_layers = len(self.engine.layer_list)
-        bounds = list(cpu.token_offsets)
+        owned = list(cpu.token_offsets)  # pack_flat's: the padding tail is the last job's rows (zero loss)
+        bounds = owned[:-1] + [cpu.real_tokens] if graph_parts.FREE_PADDING else owned  # the kernels' job rows
         cu = list(cpu.cu_seqlens) + [t] * (key.seq_slots + 1 - len(cpu.cu_seqlens))
-        job = torch.repeat_interleave(torch.arange(n_jobs), torch.tensor(bounds).diff())
+        job = torch.repeat_interleave(torch.arange(n_jobs), torch.tensor(owned).diff())
         a_pad = [0] * (n - n_jobs)
 
         def per_slot(values: list[int]) -> list[int]:
@@ -331,7 +333,7 @@ class StepGraphs:
 
         half = n_layers * n_jobs
         tail = per_slot(ints[:half]) + per_slot(ints[half:])
-        tail += [s.adapter.rank for s in states] + a_pad + bounds + [t] * (n - n_jobs)
+        tail += [s.adapter.rank for s in states] + a_pad + bounds + [bounds[-1]] * (n - n_jobs)
         host = torch.cat([cpu.input_ids.reshape(-1), cpu.position_ids.reshape(-1), cpu.targets.reshape(-1),
                           job, torch.tensor(cu + tail, dtype=torch.int64)])
         counts = torch.zeros(n, dtype=torch.float32)

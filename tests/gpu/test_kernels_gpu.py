@@ -141,3 +141,34 @@ def test_fused_gemm_variants_match_fp64(idx: int, variant: str) -> None:
     got = run_op(case, fused_lora.multilora_linear_fused, gemm=variant)
     errs = rel_errors(got, oracle_fp64(case, device="cuda"))
     assert all(e <= TOL[dtype] for e in errs.values()), f"{errs} for {case.describe()}"
+
+
+@pytest.mark.parametrize("variant", ["persist", "live", "live+pf"])
+@pytest.mark.parametrize(("counts", "ranks", "pad"), [
+    ([700, 0, 129, 77], [64, 8, 32, 16], 430),    # a step's padding tail, row tiles wholly past it
+    ([1024, 384], [16, 64], 0),                   # no padding: "live" is the persistent GEMM
+    ([0, 0], [16, 64], 300),                      # nothing but padding
+])
+def test_rows_past_the_last_adapter_are_padding(counts: list[int], ranks: list[int], pad: int, variant: str) -> None:
+    """offsets[N] < T (a graphed step's padding under LORAPLEX_FREE_PADDING=1, its upstream
+    gradient zero): every GEMM variant matches the fp64 oracle on the adapters' rows and their
+    gradients; "live" stores zeros in the row tiles wholly past the last adapter's rows."""
+    from kernels import fused_lora
+
+    case = make_case(counts, ranks, 4096, 14336, dtype=torch.bfloat16, device="cuda", bias=True, pad_rows=pad)
+    want = oracle_fp64(case, device="cuda")
+    runs = [(run_op(case, fused_lora.multilora_linear_fused, gemm=variant), 0)]
+    fused_lora.GEMM_DEFAULT = variant  # the arena form takes the process default
+    try:
+        runs.append(run_arena(case, multilora_linear_arena, form="fused", aligned=True))
+    finally:
+        fused_lora.GEMM_DEFAULT = None
+    live = int(case.offsets[-1])
+    for got, stray in runs:
+        tail = got["y"][live:]
+        if variant.startswith("live"):  # zeros from the first row tile wholly past (tiles of 64-256 rows)
+            assert bool((tail[-(-live // 256) * 256 - live:] == 0).all())
+            got["y"] = torch.cat([got["y"][:live], want["y"][live:].to(got["y"].dtype)])
+        errs = rel_errors(got, want)
+        assert all(e <= TOL[torch.bfloat16] for e in errs.values()), f"{errs} for {case.describe()}"
+        assert stray == 0 and empty_adapter_grad_nonzero(got, case.offsets) == 0, case.describe()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.helpers.engine_ref import tiny_model_dir
+from trainer import graph_parts
 from trainer.data import IGNORE, Example
 from trainer.engine import MultiLoraEngine
 from trainer.jobs import TrainJob
@@ -138,6 +139,41 @@ def test_graphed_steps_equal_eager_steps_and_a_new_job_set_reuses_the_capture(mo
             eng.detach(j)
     both_steps(1)
     assert (g.captures, g.covered) == (3, 2)
+
+
+@pytest.mark.parametrize("free", [False, True])
+def test_a_graphs_padding_tail_owned_by_no_job_trains_and_evaluates_as_eager_steps(model_dir, monkeypatch, free) -> None:  # noqa: ANN001
+    """LORAPLEX_FREE_PADDING=1: the graph's device offsets end at the step's real tokens, so its
+    padding tail belongs to no job (the LoRA passes skip its rows; the reference gives them the base
+    output). Steps, updates and evaluations equal the eager engine's either way."""
+    monkeypatch.setattr(graph_parts, "FREE_PADDING", free)
+    data = [e for pair in zip(examples(24, 24), examples(24, 10, seed=1), strict=True) for e in pair]
+    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
+    for eng in (eager, graphed):
+        for spec in (job("a", 4, 3, 1), job("b", 8, 3, 2)):
+            eng.attach(spec)
+    rows = []  # each step's real tokens, its row's and the job offsets its graph read
+    fill = graphed.step_graphs._fill
+
+    def filled(st, key, cpu, *a):  # noqa: ANN001, ANN002, ANN202
+        counts = fill(st, key, cpu, *a)
+        rows.append((cpu.real_tokens, key.tokens, st.offsets.tolist()))
+        return counts
+
+    monkeypatch.setattr(graphed.step_graphs, "_fill", filled)
+    same_steps(eager, graphed, 4)
+    assert any(n < t for n, t, _ in rows)  # padded rows
+    for n, t, offsets in rows:  # the last job's end and the empty slots': the real tokens, or the row's
+        assert offsets[2:] == [n if free else t] * (len(offsets) - 2)
+    for j in graphed.jobs:
+        torch.testing.assert_close(graphed.jobs[j].adapter.flat, eager.jobs[j].adapter.flat, rtol=1e-4, atol=1e-6)
+    held_out = examples(7, 20, seed=9) + examples(3, 12, seed=10)
+    for _ in range(2):  # the second evaluation replays the first one's captures
+        want, got = eager.evaluate_metrics(held_out, batch_size=4), graphed.evaluate_metrics(held_out, batch_size=4)
+        for j, metrics in want.items():
+            assert math.isclose(got[j]["loss"], metrics["loss"], rel_tol=1e-5), (j, got, want)
+    assert any(k.tokens > sum(len(e.input_ids) for e in held_out[:4]) for k in graphed.step_graphs.entries
+               if not k.train)  # an evaluation row was padded too
 
 
 def test_small_steps_replay_a_capture_a_few_hundred_tokens_larger_until_their_key_keeps_coming(model_dir) -> None:  # noqa: ANN001
