@@ -22,6 +22,9 @@ ROOM_FACTOR = float(os.environ.get("LORAPLEX_CAPTURE_ROOM", "2"))
 # real tokens): the LoRA passes skip its rows, and the fused "live" GEMM (LORAPLEX_FUSED_GEMM=live) its row
 # tiles. Off (the padding is the last job's rows) until a device measures it (bench/pad_cost.py).
 FREE_PADDING = os.environ.get("LORAPLEX_FREE_PADDING", "0") == "1"
+# a graph's row lengths per doubling of its tokens (StepGraphs.per_octave): fewer keys (captures, ~0.3 s each)
+# for more padding, which FREE_PADDING makes cheaper; LORAPLEX_GRAPH_BUCKETS (a power of two) to measure it
+GRAPH_BUCKETS = max(1, int(os.environ.get("LORAPLEX_GRAPH_BUCKETS", "4")))
 
 
 def has_room(device: torch.device | int, need: float | None) -> bool:

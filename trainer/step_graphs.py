@@ -111,7 +111,7 @@ class StepGraphs:
     """The engine's graphed training steps (SFT on the varlen packing, one GPU); `serves` says
     whether a step can take this path, `forward_backward` runs it."""
 
-    def __init__(self, engine: GraphedEngine, per_octave: int = 4, max_graphs: int = 64,
+    def __init__(self, engine: GraphedEngine, per_octave: int = graph_parts.GRAPH_BUCKETS, max_graphs: int = 64,
                  cover_ratio: float = 1.19, max_capture_tokens: int = MAX_CAPTURE_TOKENS,
                  max_eval_capture_tokens: int = MAX_EVAL_CAPTURE_TOKENS, cover_tokens: int = COVER_TOKENS,
                  capture_after: int = CAPTURE_AFTER) -> None:
