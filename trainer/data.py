@@ -199,6 +199,14 @@ def _encode(tokenizer: Any, texts: list[str], offsets: bool) -> tuple[list[list[
     GPU node, most of the load before a task's first step)."""
     if not texts:
         return [], [] if offsets else None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is not None and backend.truncation is None and backend.padding is None
+            and not backend.encode_special_tokens and not getattr(tokenizer, "split_special_tokens", False)):
+        # the call below without its conversion of every encoding to a dict (2,000 records, 2 CPU
+        # cores: 0.31 s against 0.43 s, bench/results/data_tokenize_cpu.md); what the call sets up
+        # first (no truncation, no padding, special tokens kept whole) is checked above
+        encodings = backend.encode_batch(texts, add_special_tokens=False)
+        return [e.ids for e in encodings], ([e.offsets for e in encodings] if offsets else None)
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=offsets)
     return enc["input_ids"], (enc["offset_mapping"] if offsets else None)
 

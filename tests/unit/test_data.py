@@ -292,6 +292,25 @@ def test_a_file_tokenised_in_batches_equals_one_record_at_a_time(tok, template: 
         assert tokenize_record(tok, records[0], 24) == one_at_a_time(tok, records[0], 24)
 
 
+def test_the_backend_encodes_unless_the_call_would_set_it_up_otherwise(tok, monkeypatch) -> None:  # noqa: ANN001
+    """tokenize_all encodes through the fast tokenizer's backend, without the call's conversion of
+    its encodings, unless the backend truncates, pads or splits special tokens (which the call
+    turns off for its encoding): then through the call. The same examples either way."""
+    records = [parse_record(r) for r in synthetic_rows(6, seed=7)]
+    calls = []
+    call = type(tok).__call__
+    monkeypatch.setattr(type(tok), "__call__", lambda self, *a, **k: (calls.append(1), call(self, *a, **k))[1])
+    want = [ex for ex in (one_at_a_time(tok, r, 64) for r in records) if ex is not None]
+    assert want and calls
+    calls.clear()
+    assert tokenize_all(tok, records, 64) == want and calls == []
+    tok.backend_tokenizer.enable_truncation(max_length=4)
+    try:
+        assert tokenize_all(tok, records, 64) == want and calls  # not cut to 4 tokens: the call's way
+    finally:
+        tok.backend_tokenizer.no_truncation()
+
+
 def test_validation_split_is_seeded_disjoint_and_shared() -> None:
     exs = [Example((i, i + 1), (IGNORE, i + 1)) for i in range(50)]
     tr, va = split_validation(exs, 0.1, seed=3)
