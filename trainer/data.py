@@ -193,18 +193,36 @@ class _Plan:
         return ex if ex.n_trained > 0 else None
 
 
+_ENCODING_METHODS = ("__call__", "_call_one", "_encode_plus", "_batch_encode_plus", "encode_plus", "batch_encode_plus")
+
+
+def _plain_backend(tokenizer: Any) -> Any:
+    """The fast tokenizer's backend where its call would only run it (None: the call it is): a class
+    that encodes as transformers' fast tokenizer does, and a backend that neither truncates nor
+    pads nor splits special tokens (what the call would set up before encoding)."""
+    from transformers import PreTrainedTokenizerFast
+
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or any(
+            getattr(cls, m, None) is not getattr(PreTrainedTokenizerFast, m, None) for m in _ENCODING_METHODS):
+        return None
+    backend = tokenizer.backend_tokenizer
+    if (backend.truncation is not None or backend.padding is not None
+            or getattr(backend, "encode_special_tokens", False) or getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    return backend
+
+
 def _encode(tokenizer: Any, texts: list[str], offsets: bool) -> tuple[list[list[int]], list | None]:
     """Every text's ids (and character offsets) from ONE tokenizer call: a fast tokenizer encodes a
     batch on all its threads (a record at a time, a 2,000-record file took 1.6 s to tokenise on a
     GPU node, most of the load before a task's first step)."""
     if not texts:
         return [], [] if offsets else None
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if (backend is not None and backend.truncation is None and backend.padding is None
-            and not backend.encode_special_tokens and not getattr(tokenizer, "split_special_tokens", False)):
+    backend = _plain_backend(tokenizer)
+    if backend is not None:
         # the call below without its conversion of every encoding to a dict (2,000 records, 2 CPU
-        # cores: 0.31 s against 0.43 s, bench/results/data_tokenize_cpu.md); what the call sets up
-        # first (no truncation, no padding, special tokens kept whole) is checked above
+        # cores: 0.31 s against 0.43 s, bench/results/data_tokenize_cpu.md)
         encodings = backend.encode_batch(texts, add_special_tokens=False)
         return [e.ids for e in encodings], ([e.offsets for e in encodings] if offsets else None)
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=offsets)

@@ -295,18 +295,33 @@ def test_a_file_tokenised_in_batches_equals_one_record_at_a_time(tok, template: 
 def test_the_backend_encodes_unless_the_call_would_set_it_up_otherwise(tok, monkeypatch) -> None:  # noqa: ANN001
     """tokenize_all encodes through the fast tokenizer's backend, without the call's conversion of
     its encodings, unless the backend truncates, pads or splits special tokens (which the call
-    turns off for its encoding): then through the call. The same examples either way."""
+    sets up before encoding) or the tokenizer's class encodes its own way: then through the call.
+    The same examples every way."""
+    from transformers import PreTrainedTokenizerFast
+
     records = [parse_record(r) for r in synthetic_rows(6, seed=7)]
     calls = []
-    call = type(tok).__call__
-    monkeypatch.setattr(type(tok), "__call__", lambda self, *a, **k: (calls.append(1), call(self, *a, **k))[1])
+    encode_plus = PreTrainedTokenizerFast._encode_plus
+    monkeypatch.setattr(PreTrainedTokenizerFast, "_encode_plus",
+                        lambda self, *a, **k: (calls.append(1), encode_plus(self, *a, **k))[1])
     want = [ex for ex in (one_at_a_time(tok, r, 64) for r in records) if ex is not None]
-    assert want and calls
+    assert want and calls  # the reference went through the call
     calls.clear()
     assert tokenize_all(tok, records, 64) == want and calls == []
+
+    class OwnCall(type(tok)):
+        def __call__(self, *a, **k):  # noqa: ANN002, ANN003, ANN204
+            return super().__call__(*a, **k)
+
+    cls = tok.__class__
+    tok.__class__ = OwnCall
+    try:
+        assert tokenize_all(tok, records, 64) == want and len(calls) == 1
+    finally:
+        tok.__class__ = cls
     tok.backend_tokenizer.enable_truncation(max_length=4)
     try:
-        assert tokenize_all(tok, records, 64) == want and calls  # not cut to 4 tokens: the call's way
+        assert tokenize_all(tok, records, 64) == want and len(calls) == 2  # not cut to 4 tokens: the call's way
     finally:
         tok.backend_tokenizer.no_truncation()
 
