@@ -213,7 +213,7 @@ def _plain_backend(tokenizer: Any) -> Any:
     return backend
 
 
-def _encode(tokenizer: Any, texts: list[str], offsets: bool) -> tuple[list[list[int]], list | None]:
+def encode_texts(tokenizer: Any, texts: list[str], offsets: bool) -> tuple[list[list[int]], list | None]:
     """Every text's ids (and character offsets) from ONE tokenizer call: a fast tokenizer encodes a
     batch on all its threads (a record at a time, a 2,000-record file took 1.6 s to tokenise on a
     GPU node, most of the load before a task's first step)."""
@@ -241,7 +241,7 @@ def tokenize_all(tokenizer: Any, records: Iterable[Record], max_seq_len: int, ke
         made: list[Example | None] = [None] * len(plans)
         for chat in (False, True):  # chat texts need their character offsets; the others do not
             group = [i for i, p in enumerate(plans) if p.chat == chat]
-            ids, offs = _encode(tokenizer, [t for i in group for t in plans[i].texts], chat)
+            ids, offs = encode_texts(tokenizer, [t for i in group for t in plans[i].texts], chat)
             at = 0
             for i in group:
                 n = len(plans[i].texts)

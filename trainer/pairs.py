@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from trainer.data import IGNORE, Example, Record, render_chat
+from trainer.data import IGNORE, Example, Record, encode_texts, render_chat
 from trainer.engine import MultiLoraEngine
 from trainer.head import token_losses
 from trainer.jobs import JobRun
@@ -41,27 +41,59 @@ class PairExample:
         return h.digest()
 
 
-def _prompt_and_response(tokenizer: Any, prompt: Sequence[dict[str, str]], response: str
-                         ) -> tuple[list[int], list[int], list[bool]]:
-    """Prompt ids, response ids and which response ids are trained, tokenised as SFT does
-    (chat template when the tokenizer has one, else prompt + response + EOS)."""
-    msgs = [*prompt, {"role": "assistant", "content": response}]
-    if getattr(tokenizer, "chat_template", None):
-        start = len(render_chat(tokenizer, prompt, True))
-        end = len(render_chat(tokenizer, msgs, False))
-        enc = tokenizer(render_chat(tokenizer, msgs, False), add_special_tokens=False,
-                        return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        n_prompt = sum(1 for a, _ in enc["offset_mapping"] if a < start)
-        train = [start <= a < end for a, _ in enc["offset_mapping"][n_prompt:]]
-        return ids[:n_prompt], ids[n_prompt:], train
-    ids: list[int] = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    for m in prompt:
-        ids += tokenizer(m["content"], add_special_tokens=False)["input_ids"]
-    resp = tokenizer(response, add_special_tokens=False)["input_ids"]
-    if tokenizer.eos_token_id is not None:
-        resp = [*resp, tokenizer.eos_token_id]
-    return ids, resp, [True] * len(resp)
+class _Side:
+    """One side of a pair, prompt + response, as SFT tokenises a conversation (chat template when
+    the tokenizer has one, else prompt + response + EOS): the texts it encodes, then its prompt
+    ids, response ids and which response ids are trained (`split`)."""
+
+    def __init__(self, tokenizer: Any, prompt: Sequence[dict[str, str]], response: str) -> None:
+        self.chat = bool(getattr(tokenizer, "chat_template", None))
+        if self.chat:
+            text = render_chat(tokenizer, [*prompt, {"role": "assistant", "content": response}], False)
+            self.start, self.end = len(render_chat(tokenizer, prompt, True)), len(text)
+            self.texts = [text]
+        else:
+            self.texts = [*(m["content"] for m in prompt), response]
+
+    def split(self, tokenizer: Any, encoded: list[list[int]], offsets: list | None
+              ) -> tuple[list[int], list[int], list[bool]]:
+        if self.chat:
+            assert offsets is not None
+            ids, spans = list(encoded[0]), offsets[0]
+            n_prompt = sum(1 for a, _ in spans if a < self.start)
+            return ids[:n_prompt], ids[n_prompt:], [self.start <= a < self.end for a, _ in spans[n_prompt:]]
+        ids: list[int] = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+        for piece in encoded[:-1]:
+            ids += piece
+        resp = list(encoded[-1]) + ([] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id])
+        return ids, resp, [True] * len(resp)
+
+
+def _sides(record: Record, tokenizer: Any) -> tuple[_Side, _Side]:
+    if record.rejected is None:
+        raise ValueError("a DPO example needs 'prompt', 'chosen' and 'rejected'")
+    prompt = list(record.messages[:-1])
+    return _Side(tokenizer, prompt, record.messages[-1]["content"]), _Side(tokenizer, prompt, record.rejected)
+
+
+def _pair(sides: Sequence[tuple[list[int], list[int], list[bool]]], max_seq_len: int,
+          prompt_floor: int | None) -> PairExample | None:
+    """The pair from its sides' (prompt ids, response ids, trained) truncated by `truncate_pair`
+    (default floor: half of max_seq_len); None when a side trains nothing."""
+    (p_c, r_c, _), (p_r, r_r, _) = sides
+    floor = max_seq_len // 2 if prompt_floor is None else prompt_floor
+    keep_p, keep_c, keep_r = truncate_pair(max(len(p_c), len(p_r)), len(r_c), len(r_r), max_seq_len, floor)
+    out = []
+    for (p, r, t), keep_resp in zip(sides, (keep_c, keep_r), strict=True):
+        kept_prompt = p[len(p) - min(keep_p, len(p)):]
+        ids = kept_prompt + r[:keep_resp]
+        labels = [IGNORE] * len(kept_prompt) + [
+            tok if trained else IGNORE for tok, trained in zip(r[:keep_resp], t[:keep_resp], strict=True)]
+        ex = Example(tuple(ids), tuple(labels))
+        if ex.n_trained == 0:
+            return None
+        out.append(ex)
+    return PairExample(out[0], out[1])
 
 
 def truncate_pair(prompt_len: int, chosen_len: int, rejected_len: int, max_seq_len: int,
@@ -80,36 +112,28 @@ def tokenize_pair(tokenizer: Any, record: Record, max_seq_len: int,
                   prompt_floor: int | None = None) -> PairExample | None:
     """Both sequences of a DPO record with labels on the response tokens only, truncated by
     `truncate_pair` (default floor: half of max_seq_len). None when a side trains nothing."""
-    if record.rejected is None:
-        raise ValueError("a DPO example needs 'prompt', 'chosen' and 'rejected'")
-    prompt, chosen = list(record.messages[:-1]), record.messages[-1]["content"]
-    p_c, r_c, t_c = _prompt_and_response(tokenizer, prompt, chosen)
-    p_r, r_r, t_r = _prompt_and_response(tokenizer, prompt, record.rejected)
-    floor = max_seq_len // 2 if prompt_floor is None else prompt_floor
-    keep_p, keep_c, keep_r = truncate_pair(max(len(p_c), len(p_r)), len(r_c), len(r_r),
-                                           max_seq_len, floor)
-    out = []
-    for p, r, t, keep_resp in ((p_c, r_c, t_c, keep_c), (p_r, r_r, t_r, keep_r)):
-        kept_prompt = p[len(p) - min(keep_p, len(p)):]
-        ids = kept_prompt + r[:keep_resp]
-        labels = [IGNORE] * len(kept_prompt) + [
-            tok if trained else IGNORE for tok, trained in zip(r[:keep_resp], t[:keep_resp], strict=True)]
-        ex = Example(tuple(ids), tuple(labels))
-        if ex.n_trained == 0:
-            return None
-        out.append(ex)
-    return PairExample(out[0], out[1])
+    return tokenize_pairs(tokenizer, [record], max_seq_len, prompt_floor, keep_empty=True)[0]
 
 
 def tokenize_pairs(tokenizer: Any, records: Iterable[Record], max_seq_len: int,
-                   prompt_floor: int | None = None) -> list[PairExample]:
-    """Tokenise DPO records, dropping pairs with a side that has no trained token left."""
-    out = []
-    for r in records:
-        pair = tokenize_pair(tokenizer, r, max_seq_len, prompt_floor)
-        if pair is not None:
-            out.append(pair)
-    return out
+                   prompt_floor: int | None = None, keep_empty: bool = False, batch: int = 2048
+                   ) -> list[PairExample]:
+    """Tokenise DPO records (tokenize_pair's rules), dropping pairs with a side that has no
+    trained token left (keep_empty: None in their place). The texts of up to `batch` records are
+    encoded in one tokenizer call each (trainer.data.encode_texts)."""
+    records = list(records)
+    out: list[PairExample | None] = []
+    for lo in range(0, len(records), batch):
+        sides = [side for r in records[lo : lo + batch] for side in _sides(r, tokenizer)]
+        chat = bool(sides) and sides[0].chat
+        ids, offs = encode_texts(tokenizer, [t for side in sides for t in side.texts], chat)
+        split, at = [], 0
+        for side in sides:
+            n = len(side.texts)
+            split.append(side.split(tokenizer, ids[at : at + n], offs[at : at + n] if chat else None))
+            at += n
+        out += [_pair(split[i : i + 2], max_seq_len, prompt_floor) for i in range(0, len(split), 2)]
+    return out if keep_empty else [p for p in out if p is not None]
 
 
 def pair_sequences(pairs: Sequence[PairExample]) -> list[Example]:

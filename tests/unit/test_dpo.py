@@ -233,6 +233,50 @@ def test_truncation_keeps_prompt_end_and_response_starts(chat: bool) -> None:
         tokenize_pair(tok, parse_record({"prompt": "a", "completion": "b"}), 32)
 
 
+def pair_one_call_at_a_time(tok, rec: Record, max_seq_len: int) -> tuple | None:  # noqa: ANN001
+    """tokenize_pair's rules with one tokenizer call per text (the reference for the batched one)."""
+    prompt = list(rec.messages[:-1])
+    sides = []
+    for response in (rec.messages[-1]["content"], rec.rejected):
+        msgs = [*prompt, {"role": "assistant", "content": response}]
+        if tok.chat_template:
+            start = len(tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True))
+            text = tok.apply_chat_template(msgs, tokenize=False)
+            enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            n = sum(1 for a, _ in enc["offset_mapping"] if a < start)
+            sides.append((enc["input_ids"][:n], enc["input_ids"][n:],
+                          [start <= a < len(text) for a, _ in enc["offset_mapping"][n:]]))
+        else:
+            ids = [tok.bos_token_id] + [t for m in prompt for t in tok(m["content"], add_special_tokens=False)["input_ids"]]
+            resp = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            sides.append((ids, resp, [True] * len(resp)))
+    keep_p, *keeps = truncate_pair(max(len(sides[0][0]), len(sides[1][0])), len(sides[0][1]), len(sides[1][1]),
+                                   max_seq_len, max_seq_len // 2)
+    out = []
+    for (p, r, t), keep in zip(sides, keeps, strict=True):
+        kept = p[len(p) - min(keep_p, len(p)):]
+        labels = [IGNORE] * len(kept) + [x if k else IGNORE for x, k in zip(r[:keep], t[:keep], strict=True)]
+        if all(lab == IGNORE for lab in labels[1:]):
+            return None
+        out.append((tuple(kept + r[:keep]), tuple(labels)))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_pairs_tokenised_in_batches_equal_one_call_per_text(chat: bool) -> None:
+    """tokenize_pairs encodes many records' texts in one tokenizer call: the same pairs, in order,
+    as encoding every text alone, across batch boundaries, a long prompt cut from the left."""
+    tok = train_tokenizer(chat_template=chat)
+    records = [parse_record(r) for r in preference_rows(11, seed=5)]
+    records.insert(4, Record(({"role": "user", "content": " ".join(_WORDS[:40])},
+                              {"role": "assistant", "content": "a b"}), rejected="c"))  # its prompt cut
+    want = [w for w in (pair_one_call_at_a_time(tok, r, 8 if chat else 12) for r in records) if w is not None]
+    assert len(want) == len(records)
+    for batch in (2048, 3):
+        got = tokenize_pairs(tok, records, 8 if chat else 12, batch=batch)
+        assert [((p.chosen.input_ids, p.chosen.labels), (p.rejected.input_ids, p.rejected.labels)) for p in got] == want
+
+
 class Recorder:
     def __init__(self) -> None:
         self.train: dict[str, list[tuple[int, float]]] = defaultdict(list)
