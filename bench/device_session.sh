@@ -1893,7 +1893,8 @@ with c.set_checkpoint_debug_enabled(True):
     ;;
   pad_free_tasks)  # the next call: the 200-step task today, with the padding free, and free with 2 row lengths per
           # doubling instead of 4 (fewer captures, more padding); the live kernels from pad_free's cache where carried
-          # (.device/triton_cache_padfree.tar.gz), else they compile in the first free run
+          # (its returned triton_cache_padfree.tar.gz copied to .device/ of the tree the call runs in, e.g.
+          # .device/snap/.device/), else they compile in the first free run
     export TRITON_CACHE_DIR=/tmp/padfree2/triton
     rm -rf /tmp/padfree2 && mkdir -p /tmp/padfree2
     [ -f .device/triton_cache_padfree.tar.gz ] && tar -C /tmp/padfree2 -xzf .device/triton_cache_padfree.tar.gz
