@@ -83,10 +83,7 @@ def main() -> None:
               f"equal: **{same_pairs}** ({len(pairs_made['batched (now)'])} pairs).", "",
               "| encoding | median s | min s |", "|---|---|---|"]
     lines += [f"| {k} | {statistics.median(v):.3f} | {min(v):.3f} |" for k, v in pair_times.items()]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    te.emit("\n".join(lines) + "\n", {}, args)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_probe import three_adapters  # noqa: E402
 from engine_step import llama8b_config  # noqa: E402
+from task_e2e_data import emit  # noqa: E402
 
 from trainer.sampling import generate  # noqa: E402
 
@@ -73,10 +74,7 @@ def main() -> None:
     for name, t in time_us.most_common(30):
         n = by_name[name]
         lines.append(f"| {name[:90]} | {n} | {n / steps:.1f} | {t / 1e3:.2f} | {t / n:.1f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit("\n".join(lines) + "\n", {}, args)
 
 
 if __name__ == "__main__":

@@ -75,10 +75,7 @@ def main() -> None:
              f"{sorted(outside)[int(0.9 * (len(outside) - 1))] * 1e3:.2f} |",
              f"| outside it, the lower three quarters | {statistics.median(plain) * 1e3:.2f} | "
              f"{max(plain) * 1e3:.2f} |"]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    te.emit("\n".join(lines) + "\n", {}, args)
 
 
 if __name__ == "__main__":

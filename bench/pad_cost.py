@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from host_profile import build  # noqa: E402
+from task_e2e_data import emit  # noqa: E402
 
 import trainer.step_graphs as sg_mod  # noqa: E402
 from trainer.packing import bucket_up, pack_flat  # noqa: E402
@@ -100,10 +101,7 @@ def main() -> None:
         per100 = f"{(wall - base) * 1e3 / pad * 100:.2f}" if pad else "-"
         lines.append(f"| {length} | {pad / real:+.1%} | {wall * 1e3:.1f} | {(wall - base) * 1e3:+.1f} | {per100} | "
                      f"{diff:.1e} | {fill_s * 1e3:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit("\n".join(lines) + "\n", {}, args)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from host_profile import build  # noqa: E402
+from task_e2e_data import emit  # noqa: E402
 
 LABELS = {  # (module, owner, attribute) -> the label of its host time
     ("trainer.engine", "MultiLoraEngine", "step"): "step",
@@ -136,10 +137,7 @@ def main() -> None:
     lines += ["", "Gaps of the last step (start after the step's start, ms; length, us):", ""]
     last = max(e.time_range.start for e in events if e.name == "@step")
     lines += [f"- +{(a - last) / 1e3:.2f} ms: {b - a:.0f} us" for a, b in gaps if a >= last]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit("\n".join(lines) + "\n", {}, args)
 
 
 if __name__ == "__main__":
