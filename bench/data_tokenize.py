@@ -69,11 +69,11 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, batch, encode in (("batched (now)", 2048, ways["backend (now)"]),
                                     (before, 1, through_the_call)):
-            pairs_mod.encode_texts = encode
+            data.encode_texts = encode
             t0 = time.perf_counter()
             pairs_made[name] = pairs_mod.tokenize_pairs(tok, prefs, 1024, batch=batch)
             pair_times[name].append(time.perf_counter() - t0)
-    pairs_mod.encode_texts = ways["backend (now)"]
+    data.encode_texts = ways["backend (now)"]
     same_pairs = pairs_made["batched (now)"] == pairs_made[before]
     lines = [f"# A task's data tokenised ({args.records} records, {os.cpu_count()} CPU cores)", "",
              f"`trainer.data.tokenize_all`, {args.rounds} rounds alternated; the examples equal: **{same}** "

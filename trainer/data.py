@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,11 +222,22 @@ def encode_texts(tokenizer: Any, texts: list[str], offsets: bool) -> tuple[list[
     backend = _plain_backend(tokenizer)
     if backend is not None:
         # the call below without its conversion of every encoding to a dict (2,000 records, 2 CPU
-        # cores: 0.31 s against 0.43 s, bench/results/data_tokenize_cpu.md)
+        # cores: 0.30 s against 0.43 s, bench/results/data_tokenize_cpu.md)
         encodings = backend.encode_batch(texts, add_special_tokens=False)
         return [e.ids for e in encodings], ([e.offsets for e in encodings] if offsets else None)
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=offsets)
     return enc["input_ids"], (enc["offset_mapping"] if offsets else None)
+
+
+def encode_each(tokenizer: Any, items: Sequence[Any], offsets: bool) -> Iterator[tuple[list[list[int]], list | None]]:
+    """Each item's encoded `texts` (ids, and character offsets where asked), every item's texts
+    encoded in one `encode_texts` call."""
+    ids, offs = encode_texts(tokenizer, [t for item in items for t in item.texts], offsets)
+    at = 0
+    for item in items:
+        n = len(item.texts)
+        yield ids[at : at + n], (offs[at : at + n] if offsets else None)
+        at += n
 
 
 def tokenize_all(tokenizer: Any, records: Iterable[Record], max_seq_len: int, keep_empty: bool = False,
@@ -241,12 +252,8 @@ def tokenize_all(tokenizer: Any, records: Iterable[Record], max_seq_len: int, ke
         made: list[Example | None] = [None] * len(plans)
         for chat in (False, True):  # chat texts need their character offsets; the others do not
             group = [i for i, p in enumerate(plans) if p.chat == chat]
-            ids, offs = encode_texts(tokenizer, [t for i in group for t in plans[i].texts], chat)
-            at = 0
-            for i in group:
-                n = len(plans[i].texts)
-                made[i] = plans[i].example(tokenizer, ids[at : at + n], offs[at : at + n] if chat else None, max_seq_len)
-                at += n
+            for i, (ids, offs) in zip(group, encode_each(tokenizer, [plans[i] for i in group], chat), strict=True):
+                made[i] = plans[i].example(tokenizer, ids, offs, max_seq_len)
         out += made
     return out if keep_empty else [ex for ex in out if ex is not None]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from trainer.data import IGNORE, Example, Record, encode_texts, render_chat
+from trainer.data import IGNORE, Example, Record, encode_each, render_chat
 from trainer.engine import MultiLoraEngine
 from trainer.head import token_losses
 from trainer.jobs import JobRun
@@ -120,18 +120,14 @@ def tokenize_pairs(tokenizer: Any, records: Iterable[Record], max_seq_len: int,
                    ) -> list[PairExample]:
     """Tokenise DPO records (tokenize_pair's rules), dropping pairs with a side that has no
     trained token left (keep_empty: None in their place). The texts of up to `batch` records are
-    encoded in one tokenizer call each (trainer.data.encode_texts)."""
+    encoded in one tokenizer call each (trainer.data.encode_each)."""
     records = list(records)
     out: list[PairExample | None] = []
     for lo in range(0, len(records), batch):
         sides = [side for r in records[lo : lo + batch] for side in _sides(r, tokenizer)]
         chat = bool(sides) and sides[0].chat
-        ids, offs = encode_texts(tokenizer, [t for side in sides for t in side.texts], chat)
-        split, at = [], 0
-        for side in sides:
-            n = len(side.texts)
-            split.append(side.split(tokenizer, ids[at : at + n], offs[at : at + n] if chat else None))
-            at += n
+        split = [side.split(tokenizer, ids, offs)
+                 for side, (ids, offs) in zip(sides, encode_each(tokenizer, sides, chat), strict=True)]
         out += [_pair(split[i : i + 2], max_seq_len, prompt_floor) for i in range(0, len(split), 2)]
     return out if keep_empty else [p for p in out if p is not None]
 
