@@ -507,16 +507,21 @@ def _gemm_lora_persist_jit(
 ):
     """The TMA GEMM as a persistent kernel: NUM_SMS programs walk the output tiles (grouped order)
     in one flattened loop, so the compiler can pipeline the next tile's TMA loads under this
-    tile's epilogue (the LoRA term and the store). The epilogue's tile index is carried in its
-    own counter, independent of the main loop's."""
+    tile's epilogue (the LoRA term and the store); the epilogue's tile index has its own counter.
+    The walk covers the row tiles that meet an adapter's rows: M_LIVE, the last adapter's end row
+    (read from the offsets on the device, so one CUDA graph serves every step of its shape); the
+    row tiles wholly past it (padding no adapter owns) are stored as zeros, with no main loop."""
     a_desc, b_desc = _tma_descs(a_ptr, b_ptr, M, NC, K, stride_am, stride_bk, stride_bn, B_NK, BLOCK_M, BLOCK_N,
                                 BLOCK_K)
-    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(NC, BLOCK_N)
-    k_steps = tl.cdiv(K, BLOCK_K)
     live, lo, hi, rk, sc, wo = _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, N_P2, ACC, ARENA)
+    m_live = tl.minimum(tl.max(tl.where(live, hi, 0), 0), M)
+    num_n = tl.cdiv(NC, BLOCK_N)
+    live_m = tl.cdiv(m_live, BLOCK_M)
+    tiles = live_m * num_n
+    k_steps = tl.cdiv(K, BLOCK_K)
     tile_c = tl.program_id(0) - NUM_SMS
     for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile_of(tile, M, NC, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_m, pid_n = _tile_of(tile, m_live, NC, BLOCK_M, BLOCK_N, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         pre_p, pre_w = _lora_prefetch(m0, n0, M, NC, R_MAX, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, stride_pm,
@@ -531,10 +536,16 @@ def _gemm_lora_persist_jit(
                 bt = b_desc.load([ki * BLOCK_K, n0])
             acc = tl.dot(at, bt, acc, input_precision=DOT_PREC)
         tile_c += NUM_SMS
-        pid_mc, pid_nc = _tile_of(tile_c, M, NC, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_mc, pid_nc = _tile_of(tile_c, m_live, NC, BLOCK_M, BLOCK_N, GROUP_M)
         _lora_epilogue_store(acc, pid_mc, pid_nc, c_ptr, bias_ptr, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, M, NC,
                              R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc, pre_p, pre_w,
                              HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
+    for pad in range(tl.program_id(0), (tl.cdiv(M, BLOCK_M) - live_m) * num_n, NUM_SMS):
+        rm = (live_m + pad // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = (pad % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn, zeros,
+                 mask=(rm < M)[:, None] & (rn < NC)[None, :])
 
 
 # The GEMMs' tuning keys name B's layout too: the forward (B = W^T, read as W's [NC, K] rows) and the
@@ -621,13 +632,13 @@ def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: int) -> None:  # noq
 
 
 # The fused GEMMs' main loop and epilogue schedule: "ptr" (pointer loads, one program per tile),
-# "tma" (TMA tensor descriptors), "persist" (TMA, persistent programs, one flattened loop over
-# tiles), "live" (the persistent GEMM over the row tiles that meet an adapter's rows, zeros past the last
-# one's end: `_gemm_lora_live_jit`); "+pf" prefetches the epilogue's first LoRA operands before the main loop. The process
+# "tma" (TMA tensor descriptors), "persist" (TMA, persistent programs, one flattened loop over the
+# tiles that meet an adapter's rows; zeros in the row tiles wholly past the last adapter's end); "+pf"
+# prefetches the epilogue's first LoRA operands before the main loop. The process
 # default comes from $LORAPLEX_FUSED_GEMM ($LORAPLEX_FUSED_TMA=1 is the older spelling of "tma");
 # unset (None): "persist" on Hopper or newer (the fastest on H100: bench/results/lora_op_variants_h100.md),
 # "ptr" elsewhere and under the interpreter.
-GEMM_VARIANTS = ("ptr", "ptr+pf", "tma", "tma+pf", "persist", "persist+pf", "live", "live+pf")
+GEMM_VARIANTS = ("ptr", "ptr+pf", "tma", "tma+pf", "persist", "persist+pf")
 GEMM_DEFAULT: str | None = os.environ.get("LORAPLEX_FUSED_GEMM") or (
     "tma" if os.environ.get("LORAPLEX_FUSED_TMA", "0") == "1" else None)
 
@@ -691,8 +702,8 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
         triton.set_allocator(_scratch)
         sms = _num_sms(a.device)
         kernel = _gemm_lora_tma
-        if base in ("persist", "live"):
-            kernel = _gemm_lora_persist if base == "persist" else _gemm_lora_live
+        if base == "persist":
+            kernel = _gemm_lora_persist
             grid = lambda meta: (min(sms, triton.cdiv(t, meta["BLOCK_M"]) * triton.cdiv(nc, meta["BLOCK_N"])),)  # noqa: E731
         kernel[grid](
             a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, *common,
@@ -849,64 +860,3 @@ def multilora_linear_arena_fused(x, weight, bias, arena, grad_arena, a_off, b_of
     _check_arena(x, weight, arena, grad_arena)
     return FusedArenaFn.apply(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets, r_max,
                               token, onepass, bool(aligned))
-
-
-# ----- "live": the persistent GEMM over the adapters' rows only ---------------------------------------------
-# Below every other @triton.jit function (a line added above one moves it, and its first line is in its Triton
-# cache key: the shipped archive's entries of the others stay valid). A graphed step's row is padded to its
-# shape key's length (trainer.step_graphs: ~9% of the 200-step task's rows); with the padding owned by no
-# adapter (LORAPLEX_FREE_PADDING=1) the rows past the last adapter's end are padding that nothing reads.
-@triton.jit(**_VARYING)
-def _gemm_lora_live_jit(
-    a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
-    M, NC, K, N, R_MAX, T_BUCKET,
-    stride_am, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
-    B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
-    ARENA: tl.constexpr, PREFETCH: tl.constexpr, NUM_SMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """`_gemm_lora_persist_jit` over the row tiles that meet an adapter's rows: M_LIVE, the last
-    adapter's end row (read from the offsets on the device, so one CUDA graph serves every step of
-    its shape), bounds the tile walk; the row tiles wholly past it are not computed but stored as
-    zeros (the caller's padding: no main loop, no LoRA term, no bias)."""
-    a_desc, b_desc = _tma_descs(a_ptr, b_ptr, M, NC, K, stride_am, stride_bk, stride_bn, B_NK, BLOCK_M, BLOCK_N,
-                                BLOCK_K)
-    live, lo, hi, rk, sc, wo = _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, N_P2, ACC, ARENA)
-    m_live = tl.minimum(tl.max(tl.where(live, hi, 0), 0), M)
-    num_n = tl.cdiv(NC, BLOCK_N)
-    live_m = tl.cdiv(m_live, BLOCK_M)
-    tiles = live_m * num_n
-    k_steps = tl.cdiv(K, BLOCK_K)
-    tile_c = tl.program_id(0) - NUM_SMS
-    for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile_of(tile, m_live, NC, BLOCK_M, BLOCK_N, GROUP_M)
-        m0 = pid_m * BLOCK_M
-        n0 = pid_n * BLOCK_N
-        pre_p, pre_w = _lora_prefetch(m0, n0, M, NC, R_MAX, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, stride_pm,
-                                      stride_wn, stride_wr, stride_wc, PREFETCH, N_P2, ARENA, BLOCK_M, BLOCK_N,
-                                      BLOCK_R)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
-        for ki in range(k_steps):
-            at = a_desc.load([m0, ki * BLOCK_K])
-            if B_NK:
-                bt = b_desc.load([n0, ki * BLOCK_K]).T
-            else:
-                bt = b_desc.load([ki * BLOCK_K, n0])
-            acc = tl.dot(at, bt, acc, input_precision=DOT_PREC)
-        tile_c += NUM_SMS
-        pid_mc, pid_nc = _tile_of(tile_c, m_live, NC, BLOCK_M, BLOCK_N, GROUP_M)
-        _lora_epilogue_store(acc, pid_mc, pid_nc, c_ptr, bias_ptr, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, M, NC,
-                             R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc, pre_p, pre_w,
-                             HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
-    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
-    for pad in range(tl.program_id(0), (tl.cdiv(M, BLOCK_M) - live_m) * num_n, NUM_SMS):
-        rm = (live_m + pad // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = (pad % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn, zeros,
-                 mask=(rm < M)[:, None] & (rn < NC)[None, :])
-
-
-# the persistent GEMM's table entries serve it (the same tiles, keys and candidates)
-_gemm_lora_live = Tuned("gemm_lora_persist", _gemm_lora_live_jit, _gemm_lora_persist.configs,
-                        ["T_BUCKET", "NC", "K", "R_MAX", "B_NK"], _PRUNE["gemm"])

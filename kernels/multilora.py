@@ -13,8 +13,9 @@ Tensor layout contract (asserted at the launchers):
                                 their gradients are written as exact zeros
     offsets  [N+1] int32/int64  offsets[0] = 0, offsets[N] <= T, nondecreasing; adapter i owns
                                 rows offsets[i]:offsets[i+1]; zero-length adapters are legal;
-                                rows past offsets[N] (padding) get the base output only (the
-                                fused "live" GEMM stores zeros in their row tiles past it)
+                                rows past offsets[N] are padding: they get the base output
+                                (the persistent fused GEMM, Hopper's default, stores zeros in
+                                the row tiles wholly past offsets[N]: read no padding row)
     returns  y [T, d_out] = x @ weight.T + bias + s_i * (x_i @ A_i[:, :r_i]) @ B_i[:r_i]
 x, weight and lora_* share one dtype (bf16/fp16/fp32 for Triton; any float for torch); y has
 that dtype; accumulation is fp32. Gradients flow to x, lora_a and lora_b only.

@@ -18,10 +18,10 @@ CAPTURE_RETRY_STEPS = 8
 # a capture keeps the caching allocator's blocks where the device's free memory holds its pool's
 # estimated need this many times over (`has_room`; LORAPLEX_CAPTURE_ROOM=inf: never, as torch does)
 ROOM_FACTOR = float(os.environ.get("LORAPLEX_CAPTURE_ROOM", "2"))
-# LORAPLEX_FREE_PADDING=1: a graph's padding tail belongs to no job (its device offsets end at the step's
-# real tokens): the LoRA passes skip its rows, and the fused "live" GEMM (LORAPLEX_FUSED_GEMM=live) its row
-# tiles. Off (the padding is the last job's rows) until a device measures it (bench/pad_cost.py).
-FREE_PADDING = os.environ.get("LORAPLEX_FREE_PADDING", "0") == "1"
+# A graph's padding tail belongs to no job (its device offsets end at the step's real tokens): the LoRA
+# passes skip its rows and the persistent fused GEMM its row tiles, a padded row a third of the cost it had as
+# the last job's (bench/results/session47_h200.md). LORAPLEX_FREE_PADDING=0: the padding is the last job's rows
+FREE_PADDING = os.environ.get("LORAPLEX_FREE_PADDING", "1") != "0"
 # a graph's row lengths per doubling of its tokens (StepGraphs.per_octave): fewer keys (captures, ~0.3 s each)
 # for more padding, which FREE_PADDING makes cheaper; LORAPLEX_GRAPH_BUCKETS (a power of two) to measure it
 GRAPH_BUCKETS = max(1, int(os.environ.get("LORAPLEX_GRAPH_BUCKETS", "4")))

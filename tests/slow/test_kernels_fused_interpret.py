@@ -101,8 +101,8 @@ for v in fl.GEMM_VARIANTS:
     variants_ok.append(v)
 fl.GEMM_DEFAULT = None  # back to the device default ("ptr" under the interpreter)
 # padding no adapter owns (offsets[N] < T: a graphed step's row under LORAPLEX_FREE_PADDING=1, its upstream
-# gradient zero): every variant, the compose form and the reference give its rows the base output; "live"
-# stores zeros in the row tiles wholly past the last adapter's rows (and nothing else differs)
+# gradient zero): every variant, the compose form and the reference give its rows the base output, but
+# "persist" stores zeros in the row tiles wholly past the last adapter's rows (and nothing else differs)
 c = make_case([5, 0, 17, 3], [8, 64, 24, 16], 40, 56, dtype=torch.float64, bias=True, pad_rows=37)
 edge = -(-int(c.offsets[-1]) // fl._IB) * fl._IB
 live_zero = []
@@ -110,7 +110,7 @@ for v in fl.GEMM_VARIANTS:
     fl.GEMM_DEFAULT = v
     for name, (got, stray) in ((f"padded gemm {v}", (run_op(c, multilora_linear_fused, gemm=v), 0)),
                                (f"padded arena gemm {v}", run_arena(c, multilora_linear_arena_fused))):
-        if v.startswith("live"):
+        if v.startswith("persist"):
             live_zero.append(bool((got["y"][edge:] == 0).all()) and bool((got["y"][:edge] != 0).all()))
             got["y"][edge:] = oracle_fp64(c)["y"][edge:]
         record(name, c, got, stray)
@@ -241,7 +241,7 @@ def test_fused_kernels_under_interpreter(block_m: str, chunk: str, block_r: str,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert len(res["results"]) == (2 * 3 if part == "core" else 2 * 6 + 1 + 1 + 1 + 2 + 2 * 8 + 2 * 8 + 4 + 2 + 8 + 1)
+    assert len(res["results"]) == (2 * 3 if part == "core" else 2 * 6 + 1 + 1 + 1 + 2 + 2 * 6 + 2 * 6 + 4 + 2 + 8 + 1)
     for r in res["results"]:
         tol = TOL[r["dtype"]]
         assert all(e <= tol for e in r["errs"].values()), f"{r['errs']} > {tol}: {r['case']}"
@@ -250,9 +250,9 @@ def test_fused_kernels_under_interpreter(block_m: str, chunk: str, block_r: str,
         return
     got_items, want_items = res["items"]
     assert got_items == want_items
-    assert res["variants"] == ["ptr", "ptr+pf", "tma", "tma+pf", "persist", "persist+pf", "live", "live+pf"]
+    assert res["variants"] == ["ptr", "ptr+pf", "tma", "tma+pf", "persist", "persist+pf"]
     assert res["refused"]
-    assert res["live_zero"] == [True] * 4  # stacked and arena, both "live" forms: zeros past the edge only
+    assert res["live_zero"] == [True] * 4  # stacked and arena, both "persist" forms: zeros past the edge only
     assert res["aligned_modes"] == [16, 16], res["aligned_modes"]  # vouched-for offsets took the aligned mode
     assert res["spare_ok"]
     # per-adapter rank tiles: the rank-16 adapter has one rank block per row block, rank 64 four

@@ -90,8 +90,8 @@ for name, args in (("fwd", fwd), ("dx", dxg)):
         meta, HAS_BIAS=False, B_NK=name == "fwd", NUM_SMS=132, **kw), 8, 3)
     res[f"gemm persist+pf {name}"] = _compile(fl._gemm_lora_persist_jit, no_ak, dict(
         meta, HAS_BIAS=False, B_NK=name == "fwd", NUM_SMS=132, **kw) | {"PREFETCH": True}, 8, 3)
-    # the persistent GEMM over the adapters' rows only (padding past them stored as zeros): the opt-in "live"
-    res[f"gemm live {name}"] = _compile(fl._gemm_lora_live_jit, no_ak, dict(
+    # with a bias (the forward of a biased projection: its stores and its padding's zeros)
+    res[f"gemm persist bias {name}"] = _compile(fl._gemm_lora_persist_jit, no_ak, dict(
         meta, HAS_BIAS=name == "fwd", B_NK=name == "fwd", NUM_SMS=132, **kw), 8, 3)
     # the epilogue with a rank tile of 64 (one block for a rank-64 adapter; the kernel takes any)
     res[f"gemm persist r64 {name}"] = _compile(fl._gemm_lora_persist_jit, no_ak, dict(
@@ -169,7 +169,7 @@ def test_kernels_compile_for_hopper() -> None:
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
     # + persist r64 fwd/dx, shrink r64 x2, wgrad r64, the arena's two modes x2, fp32's small configs
     # + the small-step tiles: 3 GEMMs, a shrink of 16 column splits, a weight gradient of 256-row chunks
-    # + the "live" GEMM, forward (with bias) and dX
+    # + the persistent GEMM with a bias, forward and dX
     assert len(res) == 17 + 2 + 2 + 1 + 4 + 3 + 5 + 2
     # unknown arena offsets: the adapters' bf16 rows load one element at a time; vouched-for
     # 16-element offsets: none does (16-byte vectors)
@@ -183,7 +183,5 @@ def test_kernels_compile_for_hopper() -> None:
             assert r["shared"] <= 227 * 1024, f"{name} needs more shared memory than an H100 SM has: {r}"
     assert res["gemm tma fwd"]["tma"] and res["gemm tma dx"]["tma"]
     assert all(res[f"gemm persist{pf} {d}"]["tma"] for pf in ("", "+pf") for d in ("fwd", "dx"))
-    assert res["gemm live fwd"]["tma"] and res["gemm live dx"]["tma"]
-    # the live walk pipelines as the persistent one does (its padding stores add no stage)
-    assert res["gemm live fwd"]["shared"] <= res["gemm persist fwd"]["shared"] + 1024
+    assert res["gemm persist bias fwd"]["tma"] and res["gemm persist bias dx"]["tma"]
     assert not res["gemm fwd 128x256 s3"]["tma"]
