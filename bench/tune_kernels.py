@@ -91,7 +91,6 @@ def cublas_lines(table: tuned.Table, shapes: list[str], tokens: list[int]) -> No
     """Per projection and token count: cuBLAS's forward GEMM and input-gradient GEMM (bf16, no LoRA,
     median of do_bench) beside the fastest tuned fused GEMM of each (the table's timings, LoRA epilogue
     included, R_MAX 16)."""
-    import triton
     import triton.testing as tt
 
     best = {}
@@ -109,7 +108,7 @@ def cublas_lines(table: tuned.Table, shapes: list[str], tokens: list[int]) -> No
                 dy = torch.randn(t, d_out, device="cuda", dtype=torch.bfloat16)
                 fwd = tt.do_bench(lambda x=x, w=w: torch.nn.functional.linear(x, w), warmup=5, rep=30)
                 dgrad = tt.do_bench(lambda dy=dy, w=w: dy @ w, warmup=5, rep=30)
-                b = triton.next_power_of_2(t)  # the kernels' T_BUCKET
+                b = tuned.row_bucket(t)  # the kernels' T_BUCKET
                 ff, fd = best.get((b, d_in, d_out, 1)), best.get((b, d_out, d_in, 0))
                 print(f"| {d_in}x{d_out} | {t} | {fwd * 1e3:.1f} | {ff * 1e3 if ff else float('nan'):.1f} "
                       f"| {dgrad * 1e3:.1f} | {fd * 1e3 if fd else float('nan'):.1f} |", flush=True)

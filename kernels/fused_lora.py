@@ -50,7 +50,7 @@ from kernels.triton_lora import (
     _shrink_sweep,
     wide_dtype_pruner,
 )
-from kernels.tuned import Tuned
+from kernels.tuned import Tuned, row_bucket
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Under the interpreter one small config runs; tests vary the tile sizes through the env.
@@ -603,7 +603,7 @@ class _Ctx:
         self.n_p2 = max(16, triton.next_power_of_2(n))
         self.acc = tl.float64 if x.dtype == torch.float64 else tl.float32
         self.prec = "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
-        self.t_bucket = triton.next_power_of_2(max(self.t, 1))
+        self.t_bucket = row_bucket(self.t)  # the tables' key (kernels.tuned), not a size any kernel reads
 
     def items(self, rows: int, block_r: int) -> int:
         """Upper bound of the work list's length for row blocks of `rows` and rank tiles of `block_r`."""

@@ -42,6 +42,19 @@ def tuning(on: bool) -> None:
     _TUNING["on"] = bool(on)
 
 
+def row_bucket(rows: int) -> int:
+    """The tuning key's bucket (T_BUCKET) of a call of `rows` rows: the next power of two, or from 48
+    rows on three quarters of it where that covers `rows` (48, 96, ..., 768, 1536, 3072, ...). A
+    2-job step of ~1.45k rows then gets tiles tuned for ~1.5k rows instead of 2k rows' 128 x 256
+    ones, which cover a 4096-wide output in 192 tiles there: 1.45 waves of an H100's or H200's 132
+    SMs, the second one half idle. A table without an entry for a three-quarter bucket serves it
+    from its power of two above (the nearest in log2, as before). Every bucket of 48 or more is a
+    multiple of 16, so the kernels' integer specialisation (and the shipped archive) is as before."""
+    power = 1 << max(rows - 1, 0).bit_length()
+    three_quarters = 3 * power // 4
+    return three_quarters if power >= 64 and rows <= three_quarters else power
+
+
 def device_name(device: torch.device | None = None) -> str:
     """The table name of a device: its GPU name with every run of other characters as '_'
     ("NVIDIA H100 80GB HBM3" -> "NVIDIA_H100_80GB_HBM3"); "cpu" off CUDA."""
