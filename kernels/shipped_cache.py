@@ -9,9 +9,10 @@ the entry for a miss and compiles it again). An entry of the cache is keyed by t
 specialisation, the compiler and the device: an archive from other sources only adds entries
 nobody asks for, never a wrong kernel.
 
-Refreshing an archive (after the kernels change): on the device, run a task with an empty
-`TRITON_CACHE_DIR`, then tar that directory's contents (bench/device_session.sh s20_task does), and
-write the manifest again: `python -m kernels.shipped_cache --manifest`. The manifest names, per
+Refreshing an archive (after the kernels change): on the device, run search (a) and the tasks on a
+cache seeded from the archive and bring the grown cache back (bench/device_session.sh's
+`search_then_task`), then `python -m kernels.shipped_cache --merge GROWN.tar.gz` (`merge`: the
+entries of kernels changed since the manifest dropped, the new ones added, the manifest written). The manifest names, per
 archive, its digest and every kernel's fingerprint (`kernel_fingerprints`) at the time it was made;
 tests/unit/test_shipped_cache.py fails where a kernel changed since, or moved: Triton's cache key
 holds a kernel's first line, so lines added above a kernel make every shipped entry of it a miss
@@ -24,6 +25,7 @@ import argparse
 import hashlib
 import importlib
 import inspect
+import io
 import json
 import logging
 import os
@@ -176,8 +178,67 @@ def write_manifest(archives: Path = ARCHIVES, manifest: Path = MANIFEST) -> dict
     return body
 
 
+def _entries(tar: tarfile.TarFile) -> dict[str, list[tuple[tarfile.TarInfo, PurePosixPath]]]:
+    """An archive's (or a returned cache's) entries: entry folder -> its files (markers and files
+    outside an entry folder left out)."""
+    out: dict[str, list[tuple[tarfile.TarInfo, PurePosixPath]]] = {}
+    for member in tar:
+        rel = _entry_path(member.name)
+        if rel is not None and member.isfile() and len(rel.parts) == 2:
+            out.setdefault(rel.parts[0], []).append((member, rel))
+    return out
+
+
+def stale_kernels(made_from: dict[str, list], now: dict[str, list], compiled: set[str]) -> set[str]:
+    """The compiled kernels (their function names, as their entry files are named) whose entries no
+    longer serve: a kernel whose source or first line changed, and every kernel of a module whose
+    helper (a JIT function no entry is named by: Triton keys the kernels calling it by its source
+    too) changed or went."""
+    stale: set[str] = set()
+    for qual, fp in made_from.items():
+        if now.get(qual) == fp:
+            continue
+        module, name = qual.rsplit(".", 1)
+        stale |= {name} if name in compiled else {q.rsplit(".", 1)[1] for q in made_from if q.startswith(module + ".")}
+    return stale
+
+
+def merge(grown: Path, archive: Path, manifest: Path = MANIFEST) -> dict[str, int]:
+    """Refresh `archive` from a cache a device grew from it (bench/device_session.sh returns one as
+    triton_cache_sm90.tar.gz): its entries of kernels changed since the manifest was written are
+    dropped (`stale_kernels`), every entry of the grown cache it lacks is added, and the manifest is
+    written again. Members are written in sorted order with neutral owners."""
+    made_from = json.loads(manifest.read_text()).get(archive.name, {}).get("kernels", {})
+    with tarfile.open(archive, "r:gz") as tar:
+        old = {d: [(m, r, tar.extractfile(m).read()) for m, r in files] for d, files in _entries(tar).items()}
+    compiled = {PurePosixPath(r.name).stem for files in old.values() for _, r, _ in files
+                if not r.name.startswith("__grp__")}
+    stale = stale_kernels(made_from, kernel_fingerprints(), compiled)
+    keep = {d: f for d, f in old.items() if not any(PurePosixPath(r.name).stem in stale for _, r, _ in f)}
+    with tarfile.open(grown, "r:gz") as tar:
+        new = {d: [(m, r, tar.extractfile(m).read()) for m, r in files]
+               for d, files in _entries(tar).items() if d not in old}
+    body = {**keep, **new}
+    tmp = archive.with_name(f".{archive.name}.{os.getpid()}.tmp")
+    with tarfile.open(tmp, "w:gz") as out:
+        for d in sorted(body):
+            for m, r, data in sorted(body[d], key=lambda f: f[1].name):
+                info = tarfile.TarInfo(f"triton/{d}/{r.name}")
+                info.size, info.mtime, info.mode = len(data), int(m.mtime), 0o644
+                out.addfile(info, io.BytesIO(data))
+    os.replace(tmp, archive)
+    write_manifest(archive.parent, manifest)
+    return {"kept": len(keep), "dropped": len(old) - len(keep), "added": len(new)}
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="the shipped Triton archives' manifest")
     ap.add_argument("--manifest", action="store_true", help=f"write {MANIFEST.name} from the kernels as they are")
-    if ap.parse_args().manifest:
+    ap.add_argument("--merge", type=Path, help="a Triton cache (.tar.gz) a device grew from the archive: "
+                    "the archive refreshed from it (stale entries dropped, new ones added) and the manifest written")
+    ap.add_argument("--archive", default="sm90-triton3.6.0.tar.gz", help="the archive --merge refreshes")
+    args = ap.parse_args()
+    if args.merge:
+        print(merge(args.merge, ARCHIVES / args.archive))
+    if args.manifest or args.merge:
         print(", ".join(f"{k}: {len(v['kernels'])} kernels" for k, v in write_manifest().items()))

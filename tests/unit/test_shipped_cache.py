@@ -162,3 +162,41 @@ def test_a_kernel_moved_by_a_line_gets_another_fingerprint(tmp_path: Path, monke
     assert second["moved_kernel._k"][0] == first["moved_kernel._k"][0]
     assert second["moved_kernel._k"][1] == first["moved_kernel._k"][1] + 1 and second != first
     sys.modules.pop("moved_kernel")
+
+
+def test_merge_drops_the_entries_of_changed_kernels_and_adds_the_grown_ones(tmp_path: Path) -> None:
+    """`merge` (python -m kernels.shipped_cache --merge): an archive refreshed from a cache a device
+    grew from it. Entries of a kernel changed since the manifest are dropped; a helper's change drops
+    every kernel of its module (Triton keys a kernel by its callees' sources); the rest are kept, the
+    grown cache's new entries added (its seed markers not), the manifest written for the result."""
+    now = shipped_cache.kernel_fingerprints()
+    made_from = dict(now)
+    made_from["kernels.fused_lora._gemm_lora_persist_jit"] = ["0" * 16, 1]  # changed since the archive
+    made_from["kernels.fused_lora._gone_jit"] = ["1" * 16, 2]  # a helper since removed: its module's kernels go
+    made_from["kernels.norm_act._gone_helper"] = now["kernels.cross_entropy._ce_rows"]
+    old = {"triton/P1/_gemm_lora_persist_jit.cubin": b"old persist", "triton/P1/__grp___gemm_lora_persist_jit.json": b"{}",
+           "triton/S1/_shrink_jit.cubin": b"old shrink", "triton/C1/_ce_rows.cubin": b"ce",
+           "triton/N1/_rms_fwd.cubin": b"norm"}
+    archive = make_archive(tmp_path / "archives", old)
+    manifest = tmp_path / "archives" / "manifest.json"
+    manifest.write_text(json.dumps({archive.name: {"sha256": "x", "kernels": made_from}}))
+    grown = make_archive(tmp_path / "grown", {**old, "triton/P2/_gemm_lora_persist_jit.cubin": b"new persist",
+                                               "triton/S2/_shrink_jit.cubin": b"new shrink",
+                                               "triton/.loraplex-shipped-abc": b""})
+    res = shipped_cache.merge(grown, archive, manifest)
+    with tarfile.open(archive) as tar:
+        got = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
+    # fused_lora's helper went: its kernels' old entries (persist, shrink) are dropped, the grown ones added;
+    # cross_entropy's kernel is as it was; norm_act lost a helper: its kernel's entry goes too
+    assert got == {"triton/C1/_ce_rows.cubin": b"ce", "triton/P2/_gemm_lora_persist_jit.cubin": b"new persist",
+                   "triton/S2/_shrink_jit.cubin": b"new shrink"}
+    assert res == {"kept": 1, "dropped": 3, "added": 2}
+    written = json.loads(manifest.read_text())[archive.name]
+    assert written["sha256"] == shipped_cache.archive_digest(archive) and written["kernels"] == now
+
+
+def test_stale_kernels_are_the_changed_ones_or_all_of_a_module_whose_helper_changed() -> None:
+    now = {"m.a": ["1", 10], "m.b": ["2", 20], "m.helper": ["3", 5], "n.c": ["4", 1]}
+    assert shipped_cache.stale_kernels(now, now, {"a", "b", "c"}) == set()
+    assert shipped_cache.stale_kernels(now | {"m.a": ["1", 11]}, now, {"a", "b", "c"}) == {"a"}  # moved a line
+    assert shipped_cache.stale_kernels(now | {"m.helper": ["9", 5]}, now, {"a", "b", "c"}) == {"a", "b", "helper"}
