@@ -1973,11 +1973,13 @@ with c.set_checkpoint_debug_enabled(True):
     ;;
   s48_b)  # the call after s48_a, once its table is committed as kernels/configs/NVIDIA_H200.json: the kernels of the new
           # configurations compile here (the persistent GEMM's tiles for 1536 rows, if new), in search (a) and the 200-step
-          # task on a cache seeded from the shipped archive; the grown cache comes back for the archive (s47_a's way)
+          # task on a cache seeded from the shipped archive; the grown cache comes back for the archive (s47_a's way;
+          # python -m kernels.shipped_cache --merge triton_cache_sm90.tar.gz), and one evaluation's kernels
     export TRITON_CACHE_DIR=/tmp/s48b/triton
     rm -rf /tmp/s48b
     shipped=$(shipped_cubins)
-    search_a 230 220
+    # its second evaluation (12 jobs x 48 examples, ~3.7 s) under torch.profiler: where the evaluation's 41% goes
+    LORAPLEX_BENCH_PROFILE_EVAL=1 search_a 230 220
     step 110 task200 python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
       --out "$OUT/executor_task200.md" --json "$OUT/executor_task200.json"
     task60 100
