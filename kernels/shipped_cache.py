@@ -206,8 +206,8 @@ def stale_kernels(made_from: dict[str, list], now: dict[str, list], compiled: se
 def merge(grown: Path, archive: Path, manifest: Path = MANIFEST) -> dict[str, int]:
     """Refresh `archive` from a cache a device grew from it (bench/device_session.sh returns one as
     triton_cache_sm90.tar.gz): its entries of kernels changed since the manifest was written are
-    dropped (`stale_kernels`), every entry of the grown cache it lacks is added, and the manifest is
-    written again. Members are written in sorted order with neutral owners."""
+    dropped (`stale_kernels`), every entry the device compiled (written after the seed's marker) that
+    it lacks is added, and the manifest is written again. Members are written in sorted order with neutral owners."""
     made_from = json.loads(manifest.read_text()).get(archive.name, {}).get("kernels", {})
     with tarfile.open(archive, "r:gz") as tar:
         old = {d: [(m, r, tar.extractfile(m).read()) for m, r in files] for d, files in _entries(tar).items()}
@@ -216,8 +216,12 @@ def merge(grown: Path, archive: Path, manifest: Path = MANIFEST) -> dict[str, in
     stale = stale_kernels(made_from, kernel_fingerprints(), compiled)
     keep = {d: f for d, f in old.items() if not any(PurePosixPath(r.name).stem in stale for _, r, _ in f)}
     with tarfile.open(grown, "r:gz") as tar:
+        # what the seed copied in (no later than its marker) is not a compile of this code: a cache
+        # seeded from another archive holds that archive's entries, stale ones included
+        seeded = max((m.mtime for m in tar.getmembers() if PurePosixPath(m.name).name.startswith(MARKER_PREFIX)),
+                     default=-1)
         new = {d: [(m, r, tar.extractfile(m).read()) for m, r in files]
-               for d, files in _entries(tar).items() if d not in old}
+               for d, files in _entries(tar).items() if d not in old and max(m.mtime for m, _ in files) > seeded}
     body = {**keep, **new}
     tmp = archive.with_name(f".{archive.name}.{os.getpid()}.tmp")
     with tarfile.open(tmp, "w:gz") as out:

@@ -168,7 +168,8 @@ def test_merge_drops_the_entries_of_changed_kernels_and_adds_the_grown_ones(tmp_
     """`merge` (python -m kernels.shipped_cache --merge): an archive refreshed from a cache a device
     grew from it. Entries of a kernel changed since the manifest are dropped; a helper's change drops
     every kernel of its module (Triton keys a kernel by its callees' sources); the rest are kept, the
-    grown cache's new entries added (its seed markers not), the manifest written for the result."""
+    entries the device compiled added (not what its seed copied in, nor the seed's markers), the
+    manifest written for the result."""
     now = shipped_cache.kernel_fingerprints()
     made_from = dict(now)
     made_from["kernels.fused_lora._gemm_lora_persist_jit"] = ["0" * 16, 1]  # changed since the archive
@@ -180,9 +181,17 @@ def test_merge_drops_the_entries_of_changed_kernels_and_adds_the_grown_ones(tmp_
     archive = make_archive(tmp_path / "archives", old)
     manifest = tmp_path / "archives" / "manifest.json"
     manifest.write_text(json.dumps({archive.name: {"sha256": "x", "kernels": made_from}}))
-    grown = make_archive(tmp_path / "grown", {**old, "triton/P2/_gemm_lora_persist_jit.cubin": b"new persist",
-                                               "triton/S2/_shrink_jit.cubin": b"new shrink",
-                                               "triton/.loraplex-shipped-abc": b""})
+    # the device's cache: seeded (at t=100, its marker) from this archive and from an older one (X0: an entry of
+    # a kernel since changed, which that archive had), then two kernels compiled (t=200)
+    grown = tmp_path / "grown.tar.gz"
+    with tarfile.open(grown, "w:gz") as tar:
+        for name, data, mtime in [*((n, d, 100) for n, d in old.items()), ("triton/X0/_gemm_lora_persist_jit.cubin",
+                                  b"older persist", 90), ("triton/.loraplex-shipped-abc", b"", 100),
+                                  ("triton/P2/_gemm_lora_persist_jit.cubin", b"new persist", 200),
+                                  ("triton/S2/_shrink_jit.cubin", b"new shrink", 200)]:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), mtime
+            tar.addfile(info, io.BytesIO(data))
     res = shipped_cache.merge(grown, archive, manifest)
     with tarfile.open(archive) as tar:
         got = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
