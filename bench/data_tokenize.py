@@ -29,12 +29,28 @@ import trainer.data as data  # noqa: E402
 import trainer.pairs as pairs_mod  # noqa: E402
 
 
-def through_the_call(tokenizer, texts: list[str], offsets: bool):  # noqa: ANN001, ANN201
-    """`trainer.data.encode_texts` before session 46: the tokenizer's call."""
-    if not texts:
-        return [], [] if offsets else None
-    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=offsets)
-    return enc["input_ids"], (enc["offset_mapping"] if offsets else None)
+def alternate(rounds: int, ways: dict[str, tuple]) -> tuple[dict[str, list[float]], dict[str, object]]:
+    """Each way (name -> (its `trainer.data._plain_backend`, its run)) timed `rounds` times, the ways
+    alternated: the seconds of each and what each made last. A way whose backend pick answers None
+    encodes through the tokenizer's call (the product's fallback, what every call did before session 46)."""
+    pick = data._plain_backend
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    made: dict[str, object] = {}
+    try:
+        for _ in range(rounds):
+            for name, (backend, run) in ways.items():
+                data._plain_backend = backend
+                t0 = time.perf_counter()
+                made[name] = run()
+                times[name].append(time.perf_counter() - t0)
+    finally:
+        data._plain_backend = pick
+    return times, made
+
+
+def the_call(tokenizer: object) -> None:
+    """No backend: `trainer.data.encode_texts` takes the tokenizer's call."""
+    return None
 
 
 def main() -> None:
@@ -48,42 +64,33 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     tok = te.make_tokenizer()
     records = data.read_jsonl(et.write_data(root / "train.jsonl", args.records, 1))
-    ways = {"backend (now)": data.encode_texts, "the call (before)": through_the_call}
-    times: dict[str, list[float]] = {k: [] for k in ways}
-    made = {}
-    for _ in range(args.rounds):
-        for name, encode in ways.items():
-            data.encode_texts = encode
-            t0 = time.perf_counter()
-            made[name] = data.tokenize_all(tok, records, 1024)
-            times[name].append(time.perf_counter() - t0)
-    data.encode_texts = ways["backend (now)"]
+    now = data._plain_backend
+    times, made = alternate(args.rounds, {
+        "backend (now)": (now, lambda: data.tokenize_all(tok, records, 1024)),
+        "the call (before)": (the_call, lambda: data.tokenize_all(tok, records, 1024))})
     same = made["backend (now)"] == made["the call (before)"]
     # DPO pairs (trainer.pairs): every record's texts in one backend encoding per 2,048 records (now)
     # against a tokenizer call per record (batch=1 through the call; before session 46 it made one
     # call per text, 2-3 a record, so this baseline is the cheaper of the two)
     prefs = [data.Record(r.messages, rejected=r.messages[-1]["content"][::-1]) for r in records]
     before = "a record a call, through the tokenizer's call"
-    pair_times: dict[str, list[float]] = {"batched (now)": [], before: []}
-    pairs_made = {}
-    for _ in range(args.rounds):
-        for name, batch, encode in (("batched (now)", 2048, ways["backend (now)"]),
-                                    (before, 1, through_the_call)):
-            data.encode_texts = encode
-            t0 = time.perf_counter()
-            pairs_made[name] = pairs_mod.tokenize_pairs(tok, prefs, 1024, batch=batch)
-            pair_times[name].append(time.perf_counter() - t0)
-    data.encode_texts = ways["backend (now)"]
+    pair_times, pairs_made = alternate(args.rounds, {
+        "batched (now)": (now, lambda: pairs_mod.tokenize_pairs(tok, prefs, 1024, batch=2048)),
+        before: (the_call, lambda: pairs_mod.tokenize_pairs(tok, prefs, 1024, batch=1))})
     same_pairs = pairs_made["batched (now)"] == pairs_made[before]
     lines = [f"# A task's data tokenised ({args.records} records, {os.cpu_count()} CPU cores)", "",
              f"`trainer.data.tokenize_all`, {args.rounds} rounds alternated; the examples equal: **{same}** "
-             f"({len(made['backend (now)'])} examples).", "", "| encoding | median s | min s |", "|---|---|---|"]
-    lines += [f"| {k} | {statistics.median(v):.3f} | {min(v):.3f} |" for k, v in times.items()]
+             f"({len(made['backend (now)'])} examples).", ""]
+    lines += table(times)
     lines += ["", f"DPO pairs (`trainer.pairs.tokenize_pairs`, the same records with a rejected answer), the pairs "
-              f"equal: **{same_pairs}** ({len(pairs_made['batched (now)'])} pairs).", "",
-              "| encoding | median s | min s |", "|---|---|---|"]
-    lines += [f"| {k} | {statistics.median(v):.3f} | {min(v):.3f} |" for k, v in pair_times.items()]
+              f"equal: **{same_pairs}** ({len(pairs_made['batched (now)'])} pairs).", ""]
+    lines += table(pair_times)
     te.emit("\n".join(lines) + "\n", {}, args)
+
+
+def table(times: dict[str, list[float]]) -> list[str]:
+    return ["| encoding | median s | min s |", "|---|---|---|"] + [
+        f"| {k} | {statistics.median(v):.3f} | {min(v):.3f} |" for k, v in times.items()]
 
 
 if __name__ == "__main__":
