@@ -242,7 +242,7 @@ if __name__ == "__main__":
                     "the archive refreshed from it (stale entries dropped, new ones added) and the manifest written")
     ap.add_argument("--archive", default="sm90-triton3.6.0.tar.gz", help="the archive --merge refreshes")
     args = ap.parse_args()
-    if args.merge:
+    if args.merge:  # merge writes the manifest itself
         print(merge(args.merge, ARCHIVES / args.archive))
-    if args.manifest or args.merge:
+    elif args.manifest:
         print(", ".join(f"{k}: {len(v['kernels'])} kernels" for k, v in write_manifest().items()))

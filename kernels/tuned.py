@@ -50,7 +50,7 @@ def row_bucket(rows: int) -> int:
     SMs, the second one half idle. A table without an entry for a three-quarter bucket serves it
     from its power of two above (the nearest in log2, as before). Every bucket of 48 or more is a
     multiple of 16, so the kernels' integer specialisation (and the shipped archive) is as before."""
-    power = 1 << max(rows - 1, 0).bit_length()
+    power = triton.next_power_of_2(max(rows, 1))
     three_quarters = 3 * power // 4
     return three_quarters if power >= 64 and rows <= three_quarters else power
 
