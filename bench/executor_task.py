@@ -167,8 +167,7 @@ def render(res: dict, args: argparse.Namespace) -> str:
     for name, r in res["runs"].items():
         ph, train = r["phases"], max(r["phases"]["train"], 1e-9)
         tps = r["train_tokens"] / train
-        recompute = 8 if (r.get("timings") or {}).get("recompute", True) else 6
-        mfu = recompute * n_backbone * tps / (PEAK_TFLOPS * 1e12)
+        mfu = flops_per_token(r.get("timings") or {}) * n_backbone * tps / (PEAK_TFLOPS * 1e12)
         lines.append(
             f"| {name} | {r['wall_s']:.1f} | {ph['load']:.1f} | {ph['profile']:.1f} | {ph['train']:.1f} | "
             f"{ph['eval']:.1f} | {ph['checkpoint']:.1f} | {ph['export']:.1f} | {r['first_step_s'] or 0:.1f} | "
@@ -190,6 +189,17 @@ def render(res: dict, args: argparse.Namespace) -> str:
               "", "Admission and timings events: " + json.dumps({k: (r.get("admission"), r.get("timings"))
                                                                  for k, r in res["runs"].items()}, default=str)]
     return "\n".join(lines) + "\n"
+
+
+def flops_per_token(timings: dict) -> float:
+    """FLOPs per backbone parameter and training token: 6 (forward and backward), 8 with the forward
+    recomputed, weighted by the steps that recomputed (the executor's `recompute_steps` and
+    `no_recompute_steps`: the "recompute" setting, "auto" included, does not say which did; without
+    the counts, as before them: 8 unless recompute is off)."""
+    rec, plain = timings.get("recompute_steps"), timings.get("no_recompute_steps")
+    if rec is None or plain is None or rec + plain == 0:
+        return 8.0 if timings.get("recompute", True) else 6.0
+    return 6.0 + 2.0 * rec / (rec + plain)
 
 
 def main() -> None:
