@@ -1996,5 +1996,109 @@ with c.set_checkpoint_debug_enabled(True):
     rm -rf /tmp/s48c
     tasks_then_search
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d|s38_a|s38_b|s38_c|s38_d|s39_a|s39_b|s39_c|s39_d|s39_e|s40_a|s40_b|s40_c|s40_d|s41_a|s41_b|s41_c|s41_d|s42_a|s42_b|s42_c|s42_d|s43_a|s43_b|s43_c|s43_d|s44_a|s44_b|s44_c|s44_d|s44_e|s44_f|s45_a|s45_b|s45_c|s45_d|s45_e|s46_a|pad_free|pad_free_tasks|s47_a|s47_b|s47_c|s48_a|s48_b|s48_c" >&2; exit 2 ;;
+  s48_cublas)  # session 48 (issue 40's 14k tok/s): the 2-job step's fused GEMMs ran 104 us (4096 x 4096) and 300 us
+               # (gate/up/down) in the graph where cuBLAS takes 69 and 240-243 (s48_a's table): the "cublas" GEMM variant
+               # (cuBLAS beta = 1 over an epilogue-only LoRA pass) against the default, alternating, traced; its GPU tests;
+               # the 200-step task both ways
+    export TRITON_CACHE_DIR=/tmp/s48c/triton
+    rm -rf /tmp/s48c && mkdir -p /tmp/s48c
+    for round in 1 2; do
+      for v in persist cublas; do
+        # (as run, each also wrote a chrome trace read by a script since dropped for bench/step_gaps.py, its twin)
+        LORAPLEX_FUSED_GEMM=$v step 90 "hp_${v}_$round" python3 bench/host_profile.py --layers 32 --tokens 290 \
+          --recompute 0 --modes graphs --warmup 12 --iters 10 --out "$OUT/hp_${v}_$round.md"
+      done
+    done
+    step 150 gpu_variants python3 -m pytest -q -x tests/gpu/test_kernels_gpu.py -k "variants or rows_past" -p no:cacheprovider
+    LORAPLEX_FUSED_GEMM=cublas step 110 task200_cublas python3 bench/executor_task.py --layers 32 --steps 200 \
+      --runs cold --out "$OUT/executor_task200_cublas.md" --json "$OUT/executor_task200_cublas.json"
+    [ $((585 - SECONDS)) -ge 90 ] && step $((585 - SECONDS)) task200_persist python3 bench/executor_task.py --layers 32 \
+      --steps 200 --runs cold --out "$OUT/executor_task200_persist.md" --json "$OUT/executor_task200_persist.json"
+    rm -f "$OUT"/executor_task*.md
+    pack_logs
+    ;;
+  s48_replay)  # session 48: the 2-job step's wall against its graphs replayed back to back (the host's share of a
+               # step), the shipped table and s48_a's 1,536-row table (carried as .device/cfg48), each traced
+    export TRITON_CACHE_DIR=/tmp/s48r/triton
+    rm -rf /tmp/s48r && mkdir -p /tmp/s48r
+    for round in 1 2; do
+      for t in shipped tuned; do
+        cfg=""; [ $t = tuned ] && cfg=$PWD/.device/cfg48
+        LORAPLEX_KERNEL_CONFIGS=${cfg:-$PWD/kernels/configs} step 90 "hp_${t}_$round" python3 bench/host_profile.py \
+          --layers 32 --tokens 290 --recompute 0 --modes graphs --warmup 12 --iters 10 --out "$OUT/hp_${t}_$round.md"
+      done
+    done
+    pack_logs
+    ;;
+  s48_store)  # session 48: the "cublas" variant's LoRA store pass cost 7.3 ms of a 2-job step (16 us a call, ~3x its
+              # bytes' time) and ate the 8 ms cuBLAS saved: its tile (BLOCK_M, BLOCK_N, warps) against the default GEMM,
+              # each graph's replays back to back (1,536-2,048 rows) and the step's kernels
+    export TRITON_CACHE_DIR=/tmp/s48s/triton
+    rm -rf /tmp/s48s
+    for v in persist 64,128,4 128,256,8 128,128,8 64,256,4 persist; do
+      gemm=cublas; [ $v = persist ] && gemm=persist
+      n=$(echo "$v" | tr ',' 'x')
+      LORAPLEX_FUSED_GEMM=$gemm LORAPLEX_LORA_STORE_TILE=${v/persist/64,128,4} step 80 "hp_$n" python3 \
+        bench/host_profile.py --layers 32 --tokens 290 --recompute 0 --modes graphs --warmup 12 --iters 10 \
+        --out "$OUT/hp_$n.md"
+      mv "$OUT/hp_$n.md" "$OUT/hp_${n}_$SECONDS.md"
+    done
+    pack_logs
+    ;;
+  s48_auto)  # session 48 (issue 40): the "auto" GEMM (Hopper's default now: cuBLAS over the LoRA store where the
+             # persistent tiles fill under 75% of their last round) against "persist", each graph's replays back to back;
+             # then search (a), the 200- and 60-step tasks on a cache seeded from the archive (cubins counted; the grown
+             # cache back for python -m kernels.shipped_cache --merge)
+    export TRITON_CACHE_DIR=/tmp/s48a2/triton
+    rm -rf /tmp/s48a2
+    shipped=$(shipped_cubins)
+    for v in persist auto; do
+      LORAPLEX_FUSED_GEMM=$v step 60 "hp_$v" python3 bench/host_profile.py --layers 32 --tokens 290 --recompute 0 \
+        --modes graphs --warmup 12 --iters 10 --out "$OUT/hp_$v.md"
+    done
+    rm -rf /tmp/s48a2 && shipped=$(shipped_cubins)  # the tasks on a cache seeded afresh from the archive
+    search_a 200 190
+    after_search=$(cubins)
+    step 100 task200 python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
+      --out "$OUT/executor_task200.md" --json "$OUT/executor_task200.json"
+    task60 90
+    echo "cubins shipped: $shipped, after search (a): $after_search, after the tasks: $(cubins)" | tee -a "$OUT/steps.txt"
+    if [ "$(cubins)" -gt "$shipped" ]; then tar -C /tmp/s48a2 -czf "$OUT/triton_cache_sm90.tar.gz" triton; fi
+    rm -f "$OUT"/executor_task*.md "$OUT"/search_a.md "$OUT"/host_memory.txt
+    pack_logs
+    ;;
+  s48_seed)  # session 48: s48_auto's grown cache did not come back (a ninth file under $OUT is left out): search (a)
+             # again on a cache seeded afresh from the archive (it compiled every kernel the tasks added: 89 -> 98), its
+             # cache back for the archive
+    export TRITON_CACHE_DIR=/tmp/s48s2/triton
+    rm -rf /tmp/s48s2
+    shipped=$(shipped_cubins)
+    search_a 170 160
+    echo "cubins shipped: $shipped, after search (a): $(cubins)" | tee -a "$OUT/steps.txt"
+    if [ "$(cubins)" -gt "$shipped" ]; then tar -C /tmp/s48s2 -czf "$OUT/triton_cache_sm90.tar.gz" triton; fi
+    rm -f "$OUT"/search_a.md "$OUT"/host_memory.txt
+    pack_logs
+    ;;
+  s49_a)  # prepared in session 48 (issue 40): the "auto" GEMM's store-pass kernels into the sm90 archive. Search (a)
+          # and the 200-step task with LORAPLEX_FUSED_GEMM=auto on a cache seeded from the archive (session 48: 89 -> 98
+          # cubins, all in search (a)); at most 8 files come back, the grown cache among them. Then, here:
+          # python -m kernels.shipped_cache --merge triton_cache_sm90.tar.gz; kernels.fused_lora.AUTO_READY = True;
+          # run s49_b (nothing compiling, the default now "auto") and tests/gpu
+    export TRITON_CACHE_DIR=/tmp/s49a/triton LORAPLEX_FUSED_GEMM=auto
+    rm -rf /tmp/s49a
+    shipped=$(shipped_cubins)
+    search_a 200 190
+    step 100 task200 python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
+      --out "$OUT/executor_task200.md" --json "$OUT/executor_task200.json"
+    echo "cubins shipped: $shipped, after: $(cubins)" | tee -a "$OUT/steps.txt"
+    if [ "$(cubins)" -gt "$shipped" ]; then tar -C /tmp/s49a -czf "$OUT/triton_cache_sm90.tar.gz" triton; fi
+    rm -f "$OUT"/executor_task*.md "$OUT"/search_a.md "$OUT"/host_memory.txt
+    pack_logs
+    ;;
+  s49_b)  # the call after s49_a's cache is merged and AUTO_READY set: the tasks and search (a), nothing compiling
+    export TRITON_CACHE_DIR=/tmp/s49b/triton
+    rm -rf /tmp/s49b
+    tasks_then_search
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d|s38_a|s38_b|s38_c|s38_d|s39_a|s39_b|s39_c|s39_d|s39_e|s40_a|s40_b|s40_c|s40_d|s41_a|s41_b|s41_c|s41_d|s42_a|s42_b|s42_c|s42_d|s43_a|s43_b|s43_c|s43_d|s44_a|s44_b|s44_c|s44_d|s44_e|s44_f|s45_a|s45_b|s45_c|s45_d|s45_e|s46_a|pad_free|pad_free_tasks|s47_a|s47_b|s47_c|s48_a|s48_b|s48_c|s48_cublas|s48_replay|s48_store|s48_auto|s48_seed|s49_a|s49_b" >&2; exit 2 ;;
 esac

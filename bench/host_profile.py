@@ -75,9 +75,30 @@ def measure(eng: MultiLoraEngine, warmup: int, iters: int) -> dict:
                                                           "cudaLaunchKernelExC")) / 3
     graph_launches = sum(e.count for e in events if e.key in ("cudaGraphLaunch", "cuGraphLaunch")) / 3
     wall = statistics.median(walls)
-    return {"wall_ms": wall * 1e3, "tokens": statistics.median(toks), "gpu_ms": gpu_us / 1e3,
+    return {"wall_ms": wall * 1e3, "replay": replay_only(eng, iters), "tokens": statistics.median(toks),
+            "gpu_ms": gpu_us / 1e3,
             "busy": gpu_us / 1e3 / (wall * 1e3), "launches": launches, "graph_launches": graph_launches,
             "graphs": {k: after.get(k, 0) - before.get(k, 0) for k in after}, "events": events}
+
+
+def replay_only(eng: MultiLoraEngine, iters: int) -> str:
+    """Each captured graph's GPU time alone: `iters` replays back to back (no host work between
+    them), synced once, per replay in ms; what a step's wall spends beyond it is the host's."""
+    sg = eng.step_graphs
+    if sg is None or not torch.cuda.is_available():
+        return ""
+    out = []
+    for key, entry in sg.entries.items():
+        if entry.graph is None or not key.train:
+            continue
+        entry.graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            entry.graph.replay()
+        torch.cuda.synchronize()
+        out.append(f"{key.tokens} rows: {(time.perf_counter() - t0) / iters * 1e3:.1f} ms")
+    return "; ".join(out)
 
 
 def main() -> None:
@@ -105,6 +126,9 @@ def main() -> None:
                         f"{m['busy']:.0%} | {m['tokens'] / m['wall_ms'] * 1e3:,.0f} | {m['launches']:.0f} | "
                         f"{m['graph_launches']:.0f} | {m['graphs'] or ''} |")
             print(rows[-1], flush=True)
+            if m["replay"]:
+                tables.append(f"Graph replays back to back (recompute {recompute}): {m['replay']}\n")
+                print(tables[-1], flush=True)
             tables.append(f"### recompute {recompute}, {mode}: torch.profiler, 3 steps, by self CPU time\n\n```\n"
                           + m["events"].table(sort_by="self_cpu_time_total", row_limit=12)[:5000] + "\n```\n")
             tables.append(f"### recompute {recompute}, {mode}: the same 3 steps' kernels, by GPU time\n\n```\n"

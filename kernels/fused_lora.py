@@ -29,7 +29,7 @@ separate LoRA passes) is the faster choice; `kernels.form_choice` picks per shap
 timings (bench/lora_op.py writes them). GEMM variants (`GEMM_VARIANTS`, `gemm=` or
 $LORAPLEX_FUSED_GEMM): pointer loads or TMA tensor descriptors for the main loop, one program per
 tile or persistent programs over a flattened tile loop, and optionally the epilogue's first LoRA
-operands prefetched before the main loop; same epilogue math in all.
+operands prefetched before the main loop; same epilogue math in all ("cublas", "auto": GEMM_VARIANTS).
 Design, predictions and what to measure: bench/NOTES_kernels.md ("Issue 20").
 """
 
@@ -561,6 +561,13 @@ _gemm_lora_tma = Tuned("gemm_lora_tma", _gemm_lora_tma_jit, _GEMM_CONFIGS, ["T_B
                        _PRUNE["gemm"])
 _gemm_lora_persist = Tuned("gemm_lora_persist", _gemm_lora_persist_jit, _GEMM_CONFIGS,
                            ["T_BUCKET", "NC", "K", "R_MAX", "B_NK"], _PRUNE["gemm"])
+# The "cublas" variant's epilogue-only pass (K = 0: the LoRA term and bias stored, cuBLAS adds the base GEMM
+# onto them): one configuration, so nothing is tuned (its tiles move no main loop's bytes);
+# $LORAPLEX_LORA_STORE_TILE="BLOCK_M,BLOCK_N,num_warps" picks another (bench/device_session.sh s48_store)
+_STORE_TILE = [int(v) for v in os.environ.get("LORAPLEX_LORA_STORE_TILE", "64,256,4").split(",")]
+_lora_store = Tuned("lora_store", _gemm_lora_jit, _GEMM_CONFIGS[:1] if _INTERPRET else [
+    _cfg(BLOCK_M=_STORE_TILE[0], BLOCK_N=_STORE_TILE[1], BLOCK_K=16, GROUP_M=8, num_warps=_STORE_TILE[2],
+         num_stages=1)], ["T_BUCKET", "NC", "K", "R_MAX", "stride_bk"])
 _shrink = Tuned("shrink", _shrink_jit, _SHRINK_CONFIGS, ["T_BUCKET", "C", "R_MAX"], _PRUNE["shrink"])
 # Kernels that add into caller-owned gradients (an arena already holds other layers' sums): an
 # offline tuning run restores those around its trials (kernels.tuned)
@@ -638,7 +645,19 @@ def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: int) -> None:  # noq
 # default comes from $LORAPLEX_FUSED_GEMM ($LORAPLEX_FUSED_TMA=1 is the older spelling of "tma");
 # unset (None): "persist" on Hopper or newer (the fastest on H100: bench/results/lora_op_variants_h100.md),
 # "ptr" elsewhere and under the interpreter.
-GEMM_VARIANTS = ("ptr", "ptr+pf", "tma", "tma+pf", "persist", "persist+pf")
+# "cublas": the base GEMM by cuBLAS (beta = 1) over the LoRA term and bias, which an epilogue-only pass
+# of the pointer kernel stores first (no main loop: K = 0); rows of no adapter hold the base output.
+# "auto": per call, "persist", or "cublas" where the persistent kernel's tiles (its table's configuration
+# for the call) keep under CUBLAS_BELOW of its last round of programs busy (`wave_fill`): a 2-job step of
+# ~1.4k tokens graphed at 1,536 rows runs its 4096-wide GEMMs as 192 tiles of 128 x 256 on 132 SMs (1.45
+# rounds); there its graph replays 5.6% faster than "persist", at 1,792 and 2,048 rows (1.70 and 1.94
+# rounds) within 1% (bench/results/session48_h200.md). Opt-in until the sm90 archive holds the store
+# pass's kernels (AUTO_READY below; the device phase that grows them: bench/device_session.sh s49_a).
+GEMM_VARIANTS = ("ptr", "ptr+pf", "tma", "tma+pf", "persist", "persist+pf", "cublas", "auto")
+CUBLAS_BELOW = 0.75
+# Hopper's default: "auto" once the shipped sm90 archive holds the store pass's kernels (a default that
+# compiled them inside a node's first tasks would break the start issue's "nothing compiles in a task")
+AUTO_READY = False
 GEMM_DEFAULT: str | None = os.environ.get("LORAPLEX_FUSED_GEMM") or (
     "tma" if os.environ.get("LORAPLEX_FUSED_TMA", "0") == "1" else None)
 
@@ -648,11 +667,20 @@ def gemm_variant(gemm: str | None = None, tma: bool | None = None, device: torch
     process default, else the device's. Unknown names are refused here, before any launch."""
     v = gemm if gemm is not None else ("tma" if tma else "ptr") if tma is not None else GEMM_DEFAULT
     if v is None:
-        v = "persist" if device is not None and not _INTERPRET and hopper_or_newer(device) else "ptr"
+        hopper = device is not None and not _INTERPRET and hopper_or_newer(device)
+        v = ("auto" if AUTO_READY else "persist") if hopper else "ptr"
     if v not in GEMM_VARIANTS:
         raise ValueError(f"unknown fused GEMM variant {v!r} (LORAPLEX_FUSED_GEMM or gemm=): "
                          f"expected one of {', '.join(GEMM_VARIANTS)}")
     return v
+
+
+def wave_fill(tiles: int, programs: int) -> float:
+    """The share of its rounds' program slots that `tiles` tiles keep busy on `programs` SMs (1.0:
+    the last round full)."""
+    if tiles <= 0:
+        return 1.0
+    return tiles / (-(-tiles // programs) * programs)
 
 
 _NUM_SMS: dict[int, int] = {}
@@ -695,6 +723,13 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
     meta = dict(HAS_BIAS=bias is not None, N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, PREFETCH=prefetch,
                 **_gemm_rank_tile(c.r_max))
     bias_arg = bias if bias is not None else out
+    if base == "cublas":
+        _lora_store[grid](
+            a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, 0, *common,
+            a.stride(0), a.stride(1), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1), p.stride(0),
+            *w_strides, **meta,
+        )
+        return out.addmm_(a, b_kn)
     if base != "ptr" and _tma_ok(a, b_kn):
         # device-side descriptors need a little global scratch per program. Triton keeps its
         # allocator in a context variable, which the autograd engine's thread (the backward) does
@@ -702,14 +737,17 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
         triton.set_allocator(_scratch)
         sms = _num_sms(a.device)
         kernel = _gemm_lora_tma
-        if base == "persist":
+        if base in ("persist", "auto"):
             kernel = _gemm_lora_persist
             grid = lambda meta: (min(sms, triton.cdiv(t, meta["BLOCK_M"]) * triton.cdiv(nc, meta["BLOCK_N"])),)  # noqa: E731
-        kernel[grid](
-            a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, *common,
-            a.stride(0), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1), p.stride(0), *w_strides,
-            B_NK=b_kn.stride(0) == 1, NUM_SMS=sms, **meta,
-        )
+        args = (a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, *common,
+                a.stride(0), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1), p.stride(0), *w_strides)
+        kw = dict(B_NK=b_kn.stride(0) == 1, NUM_SMS=sms, **meta)
+        if base == "auto":
+            tile = kernel.choose(grid, args, kw).kwargs
+            if wave_fill(triton.cdiv(t, tile["BLOCK_M"]) * triton.cdiv(nc, tile["BLOCK_N"]), sms) < CUBLAS_BELOW:
+                return _gemm_launch(c, a, b_kn, bias, p, w, w_strides, woff, arena, out_dtype, "cublas")
+        kernel[grid](*args, **kw)
         return out
     _gemm_lora[grid](
         a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, *common,

@@ -100,6 +100,22 @@ for v in fl.GEMM_VARIANTS:
     record(f"arena gemm {v}", c, got, stray)
     variants_ok.append(v)
 fl.GEMM_DEFAULT = None  # back to the device default ("ptr" under the interpreter)
+# "auto" per GEMM: persist where its tiles fill the last round of programs (4 under the interpreter), cuBLAS
+# over the LoRA store where they keep under CUBLAS_BELOW of it busy: 13 rows x 80 columns are 5 tiles of
+# 16 x 16 (5 of 8 slots: the forward takes cuBLAS), their dX 13 x 40 3 tiles (3 of 4: persist)
+auto_stores = []
+_orig_store = fl._lora_store.launch
+for counts, ranks, d_in, d_out in (([5, 8], [8, 16], 40, 80), ([5, 0, 17, 30], [8, 64, 24, 16], 40, 48)):
+    c = make_case(counts, ranks, d_in, d_out, dtype=torch.float64, bias=True)
+    stores = []
+    fl._lora_store.launch = lambda *a, **k: (stores.append(1), _orig_store(*a, **k))[1]
+    record("gemm auto", c, run_op(c, multilora_linear_fused, gemm="auto"))
+    fl.GEMM_DEFAULT = "auto"
+    got, stray = run_arena(c, multilora_linear_arena_fused)
+    record("arena gemm auto", c, got, stray)
+    fl.GEMM_DEFAULT = None
+    auto_stores.append(len(stores))
+fl._lora_store.launch = _orig_store
 # padding no adapter owns (offsets[N] < T: a graphed step's row under LORAPLEX_FREE_PADDING=1, its upstream
 # gradient zero): every variant, the compose form and the reference give its rows the base output, but
 # "persist" stores zeros in the row tiles wholly past the last adapter's rows (and nothing else differs)
@@ -112,6 +128,7 @@ for v in fl.GEMM_VARIANTS:
                                (f"padded arena gemm {v}", run_arena(c, multilora_linear_arena_fused))):
         if v.startswith("persist"):
             live_zero.append(bool((got["y"][edge:] == 0).all()) and bool((got["y"][:edge] != 0).all()))
+        if v.startswith("persist") or v == "auto":  # "auto": per GEMM, persist's zeros or the base output
             got["y"][edge:] = oracle_fp64(c)["y"][edge:]
         record(name, c, got, stray)
 fl.GEMM_DEFAULT = None
@@ -216,7 +233,7 @@ record("MultiLoraLinear form=fused", c, got, stray)
 layer_calls = list(calls)
 print("RESULT" + json.dumps({"results": out, "items": [got_items, want_items], "spare_ok": spare_ok,
                              "dispatch": seen, "layer_calls": layer_calls, "tma_ok": tma_ok,
-                             "variants": variants_ok, "refused": refused, "aligned_modes": aligned_modes,
+                             "variants": variants_ok, "refused": refused, "auto_stores": auto_stores, "aligned_modes": aligned_modes,
                              "live_zero": live_zero}))
 """
 
@@ -241,7 +258,7 @@ def test_fused_kernels_under_interpreter(block_m: str, chunk: str, block_r: str,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert len(res["results"]) == (2 * 3 if part == "core" else 2 * 6 + 1 + 1 + 1 + 2 + 2 * 6 + 2 * 6 + 4 + 2 + 8 + 1)
+    assert len(res["results"]) == (2 * 3 if part == "core" else 2 * 6 + 1 + 1 + 1 + 2 + 2 * 8 + 2 * 8 + 4 + 2 + 8 + 1 + 4)
     for r in res["results"]:
         tol = TOL[r["dtype"]]
         assert all(e <= tol for e in r["errs"].values()), f"{r['errs']} > {tol}: {r['case']}"
@@ -250,8 +267,9 @@ def test_fused_kernels_under_interpreter(block_m: str, chunk: str, block_r: str,
         return
     got_items, want_items = res["items"]
     assert got_items == want_items
-    assert res["variants"] == ["ptr", "ptr+pf", "tma", "tma+pf", "persist", "persist+pf"]
+    assert res["variants"] == ["ptr", "ptr+pf", "tma", "tma+pf", "persist", "persist+pf", "cublas", "auto"]
     assert res["refused"]
+    assert res["auto_stores"] == [2, 0]  # the first case's forwards (stacked, arena) took cuBLAS, the second's none
     assert res["live_zero"] == [True] * 4  # stacked and arena, both "persist" forms: zeros past the edge only
     assert res["aligned_modes"] == [16, 16], res["aligned_modes"]  # vouched-for offsets took the aligned mode
     assert res["spare_ok"]

@@ -217,3 +217,27 @@ def test_autotune_results_persist_where_triton_supports_it() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_auto_gemm_takes_cublas_where_the_persistent_tiles_leave_their_last_round_short(monkeypatch) -> None:  # noqa: ANN001
+    """The "auto" GEMM variant (Hopper's default once the archive holds its kernels): per call the
+    persistent kernel, or cuBLAS over the LoRA store where the persistent tiles keep under CUBLAS_BELOW
+    of their last round of programs busy."""
+    import kernels.fused_lora as fl
+
+    # 128 x 256 tiles of a 4096-wide output on 132 SMs: 1,536 rows are 192 tiles (1.45 rounds), 1,792
+    # rows 224 (1.70), 2,048 rows 256 (1.94); a 1024-wide output at 1,536 rows 48 (0.36)
+    assert fl.wave_fill(192, 132) == pytest.approx(192 / 264) and fl.wave_fill(192, 132) < fl.CUBLAS_BELOW
+    assert fl.wave_fill(48, 132) < fl.CUBLAS_BELOW
+    assert fl.wave_fill(224, 132) >= fl.CUBLAS_BELOW and fl.wave_fill(256, 132) >= fl.CUBLAS_BELOW
+    assert fl.wave_fill(132, 132) == 1.0 and fl.wave_fill(133, 132) == pytest.approx(133 / 264)
+    assert fl.wave_fill(0, 132) == 1.0  # no rows: nothing to balance, the kernel of the variant
+    monkeypatch.setattr(fl, "_INTERPRET", False)
+    monkeypatch.setattr(fl, "GEMM_DEFAULT", None)
+    monkeypatch.setattr(fl, "hopper_or_newer", lambda device: True)
+    assert fl.gemm_variant(device=torch.device("cpu")) == ("auto" if fl.AUTO_READY else "persist")
+    monkeypatch.setattr(fl, "AUTO_READY", True)
+    assert fl.gemm_variant(device=torch.device("cpu")) == "auto"
+    monkeypatch.setattr(fl, "hopper_or_newer", lambda device: False)
+    assert fl.gemm_variant(device=torch.device("cpu")) == "ptr"
+    assert fl.gemm_variant("persist") == "persist" and fl.gemm_variant("cublas") == "cublas"
