@@ -562,12 +562,13 @@ _gemm_lora_tma = Tuned("gemm_lora_tma", _gemm_lora_tma_jit, _GEMM_CONFIGS, ["T_B
 _gemm_lora_persist = Tuned("gemm_lora_persist", _gemm_lora_persist_jit, _GEMM_CONFIGS,
                            ["T_BUCKET", "NC", "K", "R_MAX", "B_NK"], _PRUNE["gemm"])
 # The "cublas" variant's epilogue-only pass (K = 0: the LoRA term and bias stored, cuBLAS adds the base GEMM
-# onto them): one configuration, so nothing is tuned (its tiles move no main loop's bytes);
-# $LORAPLEX_LORA_STORE_TILE="BLOCK_M,BLOCK_N,num_warps" picks another (bench/device_session.sh s48_store)
+# onto them): one configuration, so nothing is tuned (its tiles move no main loop's bytes; fp32/fp64 calls take
+# the GEMMs' small one); $LORAPLEX_LORA_STORE_TILE="BLOCK_M,BLOCK_N,num_warps" picks another (64 x 256, 4 warps:
+# bench/results/session48_h200.md, device phase s48_store)
 _STORE_TILE = [int(v) for v in os.environ.get("LORAPLEX_LORA_STORE_TILE", "64,256,4").split(",")]
 _lora_store = Tuned("lora_store", _gemm_lora_jit, _GEMM_CONFIGS[:1] if _INTERPRET else [
     _cfg(BLOCK_M=_STORE_TILE[0], BLOCK_N=_STORE_TILE[1], BLOCK_K=16, GROUP_M=8, num_warps=_STORE_TILE[2],
-         num_stages=1)], ["T_BUCKET", "NC", "K", "R_MAX", "stride_bk"])
+         num_stages=1)], ["T_BUCKET", "NC", "K", "R_MAX", "stride_bk"], _PRUNE["gemm"])
 _shrink = Tuned("shrink", _shrink_jit, _SHRINK_CONFIGS, ["T_BUCKET", "C", "R_MAX"], _PRUNE["shrink"])
 # Kernels that add into caller-owned gradients (an arena already holds other layers' sums): an
 # offline tuning run restores those around its trials (kernels.tuned)
