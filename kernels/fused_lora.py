@@ -724,31 +724,35 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
     meta = dict(HAS_BIAS=bias is not None, N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, PREFETCH=prefetch,
                 **_gemm_rank_tile(c.r_max))
     bias_arg = bias if bias is not None else out
-    if base == "cublas":
+
+    def cublas() -> torch.Tensor:  # the LoRA term (+ bias) stored by the pointer kernel's epilogue, cuBLAS over it
         _lora_store[grid](
             a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, 0, *common,
             a.stride(0), a.stride(1), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1), p.stride(0),
             *w_strides, **meta,
         )
         return out.addmm_(a, b_kn)
+
+    if base == "cublas":
+        return cublas()
     if base != "ptr" and _tma_ok(a, b_kn):
         # device-side descriptors need a little global scratch per program. Triton keeps its
         # allocator in a context variable, which the autograd engine's thread (the backward) does
         # not inherit: set it at every launch, in whichever thread launches
         triton.set_allocator(_scratch)
         sms = _num_sms(a.device)
-        kernel = _gemm_lora_tma
+        kernel, kgrid = _gemm_lora_tma, grid
         if base in ("persist", "auto"):
             kernel = _gemm_lora_persist
-            grid = lambda meta: (min(sms, triton.cdiv(t, meta["BLOCK_M"]) * triton.cdiv(nc, meta["BLOCK_N"])),)  # noqa: E731
+            kgrid = lambda meta: (min(sms, triton.cdiv(t, meta["BLOCK_M"]) * triton.cdiv(nc, meta["BLOCK_N"])),)  # noqa: E731
         args = (a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, *common,
                 a.stride(0), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1), p.stride(0), *w_strides)
         kw = dict(B_NK=b_kn.stride(0) == 1, NUM_SMS=sms, **meta)
         if base == "auto":
-            tile = kernel.choose(grid, args, kw).kwargs
+            tile = kernel.choose(kgrid, args, kw).kwargs
             if wave_fill(triton.cdiv(t, tile["BLOCK_M"]) * triton.cdiv(nc, tile["BLOCK_N"]), sms) < CUBLAS_BELOW:
-                return _gemm_launch(c, a, b_kn, bias, p, w, w_strides, woff, arena, out_dtype, "cublas")
-        kernel[grid](*args, **kw)
+                return cublas()  # over every tile (`grid`), not the persistent programs' count
+        kernel[kgrid](*args, **kw)
         return out
     _gemm_lora[grid](
         a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, *common,
