@@ -83,7 +83,8 @@ def measure(eng: MultiLoraEngine, warmup: int, iters: int) -> dict:
 
 def replay_only(eng: MultiLoraEngine, iters: int) -> str:
     """Each captured graph's GPU time alone: `iters` replays back to back (no host work between
-    them), synced once, per replay in ms; what a step's wall spends beyond it is the host's."""
+    them), synced once, per replay in ms; what a step's wall spends beyond it is the host's. The
+    replays really run their step's forward and backward (gradients, not updates): timings only."""
     sg = eng.step_graphs
     if sg is None or not torch.cuda.is_available():
         return ""

@@ -568,7 +568,8 @@ _gemm_lora_persist = Tuned("gemm_lora_persist", _gemm_lora_persist_jit, _GEMM_CO
 _STORE_TILE = [int(v) for v in os.environ.get("LORAPLEX_LORA_STORE_TILE", "64,256,4").split(",")]
 _lora_store = Tuned("lora_store", _gemm_lora_jit, _GEMM_CONFIGS[:1] if _INTERPRET else [
     _cfg(BLOCK_M=_STORE_TILE[0], BLOCK_N=_STORE_TILE[1], BLOCK_K=16, GROUP_M=8, num_warps=_STORE_TILE[2],
-         num_stages=1)], ["T_BUCKET", "NC", "K", "R_MAX", "stride_bk"], _PRUNE["gemm"])
+         num_stages=1, **({} if _WIDE else {"BLOCK_R": 16}))], ["T_BUCKET", "NC", "K", "R_MAX", "stride_bk"],
+    _PRUNE["gemm"])
 _shrink = Tuned("shrink", _shrink_jit, _SHRINK_CONFIGS, ["T_BUCKET", "C", "R_MAX"], _PRUNE["shrink"])
 # Kernels that add into caller-owned gradients (an arena already holds other layers' sums): an
 # offline tuning run restores those around its trials (kernels.tuned)
