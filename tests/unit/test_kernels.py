@@ -241,3 +241,17 @@ def test_auto_gemm_takes_cublas_where_the_persistent_tiles_leave_their_last_roun
     monkeypatch.setattr(fl, "hopper_or_newer", lambda device: False)
     assert fl.gemm_variant(device=torch.device("cpu")) == "ptr"
     assert fl.gemm_variant("persist") == "persist" and fl.gemm_variant("cublas") == "cublas"
+
+
+@pytest.mark.parametrize("tiles", ["tuned", "narrow"])
+def test_the_lora_store_pass_always_has_a_rank_tile(tiles: str) -> None:
+    """The "cublas" variant's store pass launches the pointer GEMM with K = 0: its rank tile comes
+    from `_gemm_rank_tile` where the GEMM configs carry none, else from its own configuration
+    ($LORAPLEX_FUSED_RANK_TILES=narrow, the bench baseline: a launch without one would not compile)."""
+    code = ("import kernels.fused_lora as f; cfg = f._lora_store.configs[0].kwargs; "
+            "print(sorted(set(cfg) | set(f._gemm_rank_tile(64))))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(LORAPLEX_FUSED_RANK_TILES=tiles, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)
+    assert "'BLOCK_R'" in out.stdout, out.stdout
