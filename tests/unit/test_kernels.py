@@ -251,7 +251,6 @@ def test_the_lora_store_pass_always_has_a_rank_tile(tiles: str) -> None:
     code = ("import kernels.fused_lora as f; cfg = f._lora_store.configs[0].kwargs; "
             "print(sorted(set(cfg) | set(f._gemm_rank_tile(64))))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(LORAPLEX_FUSED_RANK_TILES=tiles, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))))
+    env["LORAPLEX_FUSED_RANK_TILES"] = tiles
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)
     assert "'BLOCK_R'" in out.stdout, out.stdout
