@@ -645,21 +645,21 @@ def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: int) -> None:  # noq
 # tiles that meet an adapter's rows; zeros in the row tiles wholly past the last adapter's end); "+pf"
 # prefetches the epilogue's first LoRA operands before the main loop. The process
 # default comes from $LORAPLEX_FUSED_GEMM ($LORAPLEX_FUSED_TMA=1 is the older spelling of "tma");
-# unset (None): "persist" on Hopper or newer (the fastest on H100: bench/results/lora_op_variants_h100.md),
-# "ptr" elsewhere and under the interpreter.
+# unset (None): "auto" on Hopper or newer ("persist" alone was the fastest of the first six on H100:
+# bench/results/lora_op_variants_h100.md), "ptr" elsewhere and under the interpreter.
 # "cublas": the base GEMM by cuBLAS (beta = 1) over the LoRA term and bias, which an epilogue-only pass
 # of the pointer kernel stores first (no main loop: K = 0); rows of no adapter hold the base output.
 # "auto": per call, "persist", or "cublas" where the persistent kernel's tiles (its table's configuration
 # for the call) keep under CUBLAS_BELOW of its last round of programs busy (`wave_fill`): a 2-job step of
 # ~1.4k tokens graphed at 1,536 rows runs its 4096-wide GEMMs as 192 tiles of 128 x 256 on 132 SMs (1.45
 # rounds); there its graph replays 5.6% faster than "persist", at 1,792 and 2,048 rows (1.70 and 1.94
-# rounds) within 1% (bench/results/session48_h200.md). Opt-in until the sm90 archive holds the store
-# pass's kernels (AUTO_READY below; the device phase that grows them: bench/device_session.sh s49_a).
+# rounds) within 1% (bench/results/session48_h200.md). The sm90 archive holds the store pass's kernels
+# since session 49 (AUTO_READY below; the device phase that grew them: bench/device_session.sh s49_a).
 GEMM_VARIANTS = ("ptr", "ptr+pf", "tma", "tma+pf", "persist", "persist+pf", "cublas", "auto")
 CUBLAS_BELOW = 0.75
 # Hopper's default: "auto" once the shipped sm90 archive holds the store pass's kernels (a default that
 # compiled them inside a node's first tasks would break the start issue's "nothing compiles in a task")
-AUTO_READY = False
+AUTO_READY = True
 GEMM_DEFAULT: str | None = os.environ.get("LORAPLEX_FUSED_GEMM") or (
     "tma" if os.environ.get("LORAPLEX_FUSED_TMA", "0") == "1" else None)
 
