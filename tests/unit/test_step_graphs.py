@@ -473,22 +473,24 @@ def test_near_the_end_a_key_a_capture_can_replay_padded_is_not_captured(model_di
     assert steps_left(SimpleNamespace(jobs={}), []) == 0
 
 
-def test_a_large_key_at_its_job_sets_last_step_runs_eagerly(model_dir, monkeypatch) -> None:  # noqa: ANN001
+def test_a_large_key_of_a_short_lived_job_set_runs_eagerly(model_dir, monkeypatch) -> None:  # noqa: ANN001
     # search (a)'s 24-job set captured a 7.6k-token key at its last step (+0.46 s over its eager
-    # run, never replayed, 42 GB of pool): a key of TRANSIENT_MIN_TOKENS or more is not captured
-    # while the attached job set changes after the step (set_lasts 1); a smaller one still is
+    # run, never replayed, 42 GB of pool), the 200-step task's 10-step 8-job set two keys (~1 s over
+    # eager): a key of TRANSIENT_MIN_TOKENS or more is not captured while the attached job set runs
+    # under TRANSIENT_SET_STEPS more steps (set_lasts); a smaller one still is
     from types import SimpleNamespace
 
     from trainer import step_graphs
     from trainer.graph_parts import set_lasts
+    from trainer.step_graphs import TRANSIENT_SET_STEPS
 
     eager, graphed = two_jobs(model_dir)
     g = graphed.step_graphs
     monkeypatch.setattr(step_graphs, "TRANSIENT_MIN_TOKENS", 100)  # the two jobs' key: 144 tokens
-    g.set_lasts = lambda: 1
-    same_steps(eager, graphed, 2)  # the class's first (eager), then its last step twice: eager again
+    g.set_lasts = lambda: TRANSIENT_SET_STEPS - 1
+    same_steps(eager, graphed, 2)  # the class's first (eager), then a short-lived set's step: eager again
     assert (g.eager_runs, g.captures) == (2, 0)
-    g.set_lasts = lambda: 2
+    g.set_lasts = lambda: TRANSIENT_SET_STEPS
     same_steps(eager, graphed, 2)  # the set lasts: captured, then replayed
     assert (g.eager_runs, g.captures, g.replays) == (2, 1, 2)
     monkeypatch.setattr(step_graphs, "TRANSIENT_MIN_TOKENS", 4096)
@@ -506,6 +508,31 @@ def test_a_large_key_at_its_job_sets_last_step_runs_eagerly(model_dir, monkeypat
     assert set_lasts(engine_, [task]) == 3
     assert set_lasts(SimpleNamespace(jobs={"a": 0}), [task]) == 10
     assert set_lasts(SimpleNamespace(jobs={}), [task]) is None
+
+
+def test_a_key_beyond_the_cover_window_replays_a_timed_capture_until_its_padding_paid_a_capture(model_dir) -> None:  # noqa: ANN001
+    # the 60-step task's first 2-job steps captured 5 keys in a row (0.45-0.53 s each, a replay 0.10-0.18
+    # s): a key no capture covers within the window replays one of up to LOOSE_COVER_RATIO times its
+    # tokens while its padding's estimated cost (the capture's observed step time x its padded share)
+    # sums to under a capture's host time; then it is captured, and its own graph replays
+    eager, graphed = two_jobs(model_dir)
+    g = graphed.step_graphs
+    g.cover_ratio, g.cover_tokens = 1.0, 0  # no window: only loose covers
+    same_steps(eager, graphed, 2)  # 144 tokens: an eager run, then its capture (observed)
+    big = next(iter(g.entries))
+    assert g.captures == 1 and g.step_s[big] > 0
+    for eng in (eager, graphed):
+        eng.detach("b")
+    # 72 tokens: half the capture's; each padded run is estimated at half its observed step
+    pad = g.step_s[big] * (big.tokens - 72) / big.tokens
+    g.capture_s = 2.5 * pad  # what a capture's host time was: two padded runs stay under it
+    same_steps(eager, graphed, 2)
+    assert (g.captures, g.covered, g.loose, len(g.entries)) == (1, 2, 2, 1)
+    same_steps(eager, graphed, 2)  # a third would pay more than a capture: captured, then replayed
+    assert (g.captures, g.covered, g.loose, len(g.entries)) == (2, 2, 2, 2)
+    assert g.stats()["replays"] == 5
+    for j in graphed.jobs:
+        torch.testing.assert_close(graphed.jobs[j].adapter.flat, eager.jobs[j].adapter.flat, rtol=1e-4, atol=1e-6)
 
 
 def test_a_capture_skips_torchs_emptying_only_where_the_device_has_room_and_restores_the_stream(monkeypatch) -> None:  # noqa: ANN001
