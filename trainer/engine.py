@@ -362,8 +362,6 @@ class MultiLoraEngine:
         # one device sync per step: every job's numbers and gradient norm together
         flat = torch.cat([torch.stack([n.reshape(-1) for n in numbers]).reshape(-1),
                           torch.stack(norms).to(numbers[0].dtype)]).tolist()
-        if self.step_graphs is not None:
-            self.step_graphs.observe()  # a replayed key's step time, for its padded replays (loose covers)
         rows = [flat[i * width : (i + 1) * width] for i in range(len(states))]
         report = self._update(states, rows, flat[len(states) * width :], batch)
         report.job_tokens = {s.job_id: n for s, n in zip(states, tokens, strict=True)}

@@ -19,9 +19,7 @@ may wait for the device inside a capture); a key of a warm class is captured at 
 a captured key within `cover_ratio` of its tokens can run it padded. All graphs share one memory pool; a
 capture the device lacks the free memory for waits (`graph_parts.capture_short`); a training key of
 TRANSIENT_MIN_TOKENS or more runs eagerly while its job set runs under TRANSIENT_SET_STEPS more steps
-(`set_lasts`). A key no capture covers within `cover_ratio` may replay one of up to LOOSE_COVER_RATIO
-times its tokens while the padding this costs (from that capture's measured step time, `observe`) sums to
-less than a capture's host time (a rent-or-buy rule: at most twice the better choice); graphs live in their
+(`set_lasts`); graphs live in their
 process only; the arena growing or packed drops them, and so does a step that runs
 without recompute only once a mostly stale pool is gone (`stale_pool`). Without CUDA graphs (CPU
 tests) the same body runs eagerly on the same static buffers (`_Replay`), which is what the tests
@@ -30,7 +28,6 @@ compare against the engine's eager step.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -109,17 +106,11 @@ CAPTURE_HORIZON = 16
 # (a)'s 24- and 12-job sets captured such keys at their last step (+0.46 s and +0.25 s over eager,
 # never replayed; the first one's 42 GB pool made the next step recompute)
 TRANSIENT_MIN_TOKENS = 2048
-# ... nor while its job set runs fewer steps than this, this one included: the 200-step task's 8-job set
-# (10 steps) captured its 6.9k- and 7.3k-token keys (1.02 and 0.80 s, ~0.6 and ~0.4 s over a replay) and
-# search (a)'s 12-job set (10 steps) a 3.0k-token key (0.57 s, never replayed); above ~2k tokens an eager
-# step costs about a replay (bench/results/session49_h200.md)
+# ... nor while its job set runs fewer steps than this, this one included: the 200-step task's 10-step 8-job
+# set captured its 6.9k- and 7.3k-token keys (+0.6 and +0.3 s over a replay) and search (a)'s 10-step 12-job
+# set a 3.0k-token key (+0.28 s, never replayed). With this rule the 200-step task's 8-job steps took 5.04 s
+# against 5.62 s, side by side on an H200 (bench/results/session49_h200.md)
 TRANSIENT_SET_STEPS = 16
-# A training key that would be captured and that no capture covers within cover_ratio / cover_tokens
-# replays a capture of up to this many times its tokens instead, while the padding it costs (a share of
-# that capture's measured step time, (C - T) / C: an upper bound where a step's time is affine in its
-# tokens) has summed to less than the host time a capture takes (`capture_s`); then it is captured. The
-# 60-step task's first 2-job steps captured 5 keys in a row (0.45-0.53 s each, a replay 0.10-0.18 s).
-LOOSE_COVER_RATIO = 2.0
 
 
 class StepGraphs:
@@ -151,11 +142,6 @@ class StepGraphs:
         # the executor's memory plan, MemoryPlan.capture_bytes)
         self.capture_need: Callable[[int, bool], float | None] | None = None
         self.covered = 0  # steps that replayed a larger key's capture (padded) instead of capturing
-        self.loose = 0  # ... of those, the ones beyond the cover window (`_loose_cover`)
-        self.loose_paid: Counter[GraphKey] = Counter()  # a key's padding seconds run under loose covers
-        self.step_s: dict[GraphKey, float] = {}  # a captured key's fastest observed step (`observe`)
-        self.capture_s: float | None = None  # the host seconds of the last capture
-        self._timing: tuple[GraphKey, float, float] | None = None  # (key, start, capture seconds): `observe`
         self._storage = None  # (arena, grad arena) storages the graphs read and write
         self.pool_bytes = 0  # device memory the captures' pool took
         self.last_replayed = False  # the last step replayed an earlier capture
@@ -196,8 +182,6 @@ class StepGraphs:
         """Pack, fill the key's buffers and run its graph (captured now if its class is warm, else
         eagerly): the host batch, the entry and each slot's target count."""
         eng = self.engine
-        start = time.perf_counter()
-        self._timing = None
         longest = max((len(e.input_ids) for seqs in per_job for e in seqs), default=1)
         eng.seq_cap = max(eng.seq_cap, longest)
         n_seqs = sum(len(seqs) for seqs in per_job)
@@ -211,13 +195,9 @@ class StepGraphs:
                        recompute=eng.gradient_checkpointing and train, train=train)
         if train and eng.recompute_for is not None:
             key = self._recompute_key(key, cpu.real_tokens, n_seqs)
-        limit = self.max_capture_tokens if train else min(self.max_capture_tokens, self.max_eval_capture_tokens)
         cover = self._cover_for(key, cpu.real_tokens, n_seqs)
-        if cover is not None:
-            self.cover_uses[key] += 1
-        elif train:
-            cover = self._loose_cover(key, cpu.real_tokens, n_seqs, limit)
         if cover is not None:  # replay a larger capture rather than capture this key
+            self.cover_uses[key] += 1
             key = cover
             cpu = pack_flat(per_job, eng.pad_id, length=cover.tokens, max_len=eng.seq_cap)
             self.covered += 1
@@ -225,54 +205,20 @@ class StepGraphs:
         entry.last = self.calls = self.calls + 1
         counts = self._fill(entry.static, key, cpu, states, ints)
         eng.forward_shapes[(*cpu.input_ids.shape, train)] += 1
+        limit = self.max_capture_tokens if train else min(self.max_capture_tokens, self.max_eval_capture_tokens)
         captured_now = self._captures(key, limit)
-        took = 0.0
         if captured_now:
-            t0 = time.perf_counter()
             entry.graph = self._capture(entry, key)
-            took = time.perf_counter() - t0
-            if entry.graph is not None:
-                self.capture_s = took
         # a replay of an earlier capture allocates nothing (its memory is the pool's)
         self.last_replayed = entry.graph is not None and not captured_now
         if entry.graph is not None:
             entry.graph.replay()
             self.replays += 1
-            if train:
-                self._timing = (key, start, took)
         else:
             self._run(entry.static, key)
             self.eager_runs += 1
             self.warm.add(key.warm_class)
         return cpu, entry, counts
-
-    def observe(self) -> None:
-        """The engine's step has synced: the replayed key's step time (from its packing to the sync,
-        a capture's host time left out) is kept, its fastest so far (`step_s`)."""
-        if self._timing is None:
-            return
-        key, start, took = self._timing
-        self._timing = None
-        seconds = time.perf_counter() - start - took
-        self.step_s[key] = min(seconds, self.step_s.get(key, seconds))
-
-    def _loose_cover(self, key: GraphKey, n_tokens: int, n_seqs: int, limit: int) -> GraphKey | None:
-        """A timed capture of up to LOOSE_COVER_RATIO times the key's tokens that runs this step
-        padded, where the key would be captured now and the padding it costs, summed over its loose
-        covers, stays under a capture's host time (`capture_s`; with under CAPTURE_HORIZON steps left,
-        each cover's alone does)."""
-        if self.capture_s is None or not self._captures(key, limit):
-            return None
-        cover = self._cover(key, n_tokens, n_seqs, ceiling=int(LOOSE_COVER_RATIO * key.tokens), timed=True)
-        if cover is None:
-            return None
-        pad = self.step_s[cover] * (cover.tokens - key.tokens) / cover.tokens
-        paid = 0.0 if self._near_end() else self.loose_paid[key]
-        if paid + pad >= self.capture_s:
-            return None
-        self.loose_paid[key] += pad
-        self.loose += 1
-        return cover
 
     def _recompute_key(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey:
         """Recompute off or on for a training step, from what the step will run (the memory plan's
@@ -331,21 +277,18 @@ class StepGraphs:
         lasts = self.set_lasts()
         return lasts is not None and lasts < TRANSIENT_SET_STEPS
 
-    def _cover(self, key: GraphKey, n_tokens: int, n_seqs: int, ceiling: float | None = None,
-               timed: bool = False) -> GraphKey | None:
-        """The smallest captured key that can run this step padded (at most `ceiling` tokens, by
-        default `cover_ratio` times this key's tokens or `cover_tokens` more, enough sequence and job
-        slots, a rank tile as large; `timed`: a step of it observed)."""
-        if ceiling is None:
-            ceiling = max(self.cover_ratio * key.tokens, key.tokens + self.cover_tokens)
+    def _cover(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
+        """The smallest captured key that can run this step padded (at most `cover_ratio` times
+        this key's tokens or `cover_tokens` more, enough sequence and job slots, a rank tile as
+        large), until the key has been covered `capture_after` times."""
         best = None
         for k, e in self.entries.items():
             if e.graph is None or (k.max_len, k.aligned, k.recompute, k.train) != (
                     key.max_len, key.aligned, key.recompute, key.train):
                 continue
-            if k.job_slots < key.job_slots or k.rank < key.rank or (timed and k not in self.step_s):
+            if k.job_slots < key.job_slots or k.rank < key.rank:
                 continue
-            if not n_tokens <= k.tokens <= ceiling:
+            if not n_tokens <= k.tokens <= max(self.cover_ratio * key.tokens, key.tokens + self.cover_tokens):
                 continue
             pieces = -(-(k.tokens - n_tokens) // key.max_len)  # the padding tail's sequences
             if k.seq_slots < n_seqs + pieces:
@@ -365,9 +308,6 @@ class StepGraphs:
         """Drop every capture (their memory goes back with the pool)."""
         self.entries.clear()
         self.cover_uses.clear()
-        self.step_s.clear()
-        self.loose_paid.clear()
-        self._timing = None
         self.pool = None
         self.pool_bytes = 0
 
@@ -508,4 +448,4 @@ class StepGraphs:
     def stats(self) -> dict[str, int]:
         return {"graphs": sum(e.graph is not None for e in self.entries.values()), "captures": self.captures,
                 "replays": self.replays, "eager_runs": self.eager_runs, "failures": self.failures,
-                "deferrals": self.deferrals, "covered": self.covered, "loose": self.loose}
+                "deferrals": self.deferrals, "covered": self.covered}

@@ -510,31 +510,6 @@ def test_a_large_key_of_a_short_lived_job_set_runs_eagerly(model_dir, monkeypatc
     assert set_lasts(SimpleNamespace(jobs={}), [task]) is None
 
 
-def test_a_key_beyond_the_cover_window_replays_a_timed_capture_until_its_padding_paid_a_capture(model_dir) -> None:  # noqa: ANN001
-    # the 60-step task's first 2-job steps captured 5 keys in a row (0.45-0.53 s each, a replay 0.10-0.18
-    # s): a key no capture covers within the window replays one of up to LOOSE_COVER_RATIO times its
-    # tokens while its padding's estimated cost (the capture's observed step time x its padded share)
-    # sums to under a capture's host time; then it is captured, and its own graph replays
-    eager, graphed = two_jobs(model_dir)
-    g = graphed.step_graphs
-    g.cover_ratio, g.cover_tokens = 1.0, 0  # no window: only loose covers
-    same_steps(eager, graphed, 2)  # 144 tokens: an eager run, then its capture (observed)
-    big = next(iter(g.entries))
-    assert g.captures == 1 and g.step_s[big] > 0
-    for eng in (eager, graphed):
-        eng.detach("b")
-    # 72 tokens: half the capture's; each padded run is estimated at half its observed step
-    pad = g.step_s[big] * (big.tokens - 72) / big.tokens
-    g.capture_s = 2.5 * pad  # what a capture's host time was: two padded runs stay under it
-    same_steps(eager, graphed, 2)
-    assert (g.captures, g.covered, g.loose, len(g.entries)) == (1, 2, 2, 1)
-    same_steps(eager, graphed, 2)  # a third would pay more than a capture: captured, then replayed
-    assert (g.captures, g.covered, g.loose, len(g.entries)) == (2, 2, 2, 2)
-    assert g.stats()["replays"] == 5
-    for j in graphed.jobs:
-        torch.testing.assert_close(graphed.jobs[j].adapter.flat, eager.jobs[j].adapter.flat, rtol=1e-4, atol=1e-6)
-
-
 def test_a_capture_skips_torchs_emptying_only_where_the_device_has_room_and_restores_the_stream(monkeypatch) -> None:  # noqa: ANN001
     from trainer import graph_parts
 
