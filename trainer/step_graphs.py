@@ -101,12 +101,13 @@ STALE_STEPS = 16  # captures no step ran for this many steps are stale (StepGrap
 # costs 0.25-0.8 s over a replay and a padded replay ~0.03 s (search (a)'s 2-job tail captured 3 keys in
 # its last 18 steps, ~0.7 s); the executor gives the steps left (`steps_left`)
 CAPTURE_HORIZON = 16
-# a training key of this many tokens or more is not captured at the last step of its job set (the
-# set changes after it: `set_lasts`): its eager run costs about a replay (GEMM-bound), and search
+# a training key of this many tokens or more is not captured while its job set runs under TRANSIENT_SET_STEPS
+# more steps (the set changes then: `set_lasts`): its eager run costs about a replay (GEMM-bound), and search
 # (a)'s 24- and 12-job sets captured such keys at their last step (+0.46 s and +0.25 s over eager,
-# never replayed; the first one's 42 GB pool made the next step recompute)
+# never replayed; the first one's 42 GB pool made the next step recompute); a larger capture may still run it
+# padded, past capture_after too (`_cover_for`)
 TRANSIENT_MIN_TOKENS = 2048
-# ... nor while its job set runs fewer steps than this, this one included: the 200-step task's 10-step 8-job
+# the steps a job set must still run for such a key's capture: the 200-step task's 10-step 8-job
 # set captured its 6.9k- and 7.3k-token keys (+0.6 and +0.3 s over a replay) and search (a)'s 10-step 12-job
 # set a 3.0k-token key (+0.28 s, never replayed). With this rule the 200-step task's 8-job steps took 5.04 s
 # against 5.62 s, side by side on an H200 (bench/results/session49_h200.md)
@@ -252,7 +253,9 @@ class StepGraphs:
         if (known is not None and known.graph is not None) or key.warm_class not in self.warm:
             return None
         barred = known is not None and (known.failed or known.deferred >= 0)
-        if not barred and self.cover_uses[key] >= self.capture_after and not self._near_end():
+        # past capture_after the key is captured, unless it may not be (`_transient`): then it stays covered
+        if not barred and self.cover_uses[key] >= self.capture_after and not self._near_end() \
+                and not self._transient(key):
             return None
         return self._cover(key, n_tokens, n_seqs)
 

@@ -510,6 +510,26 @@ def test_a_large_key_of_a_short_lived_job_set_runs_eagerly(model_dir, monkeypatc
     assert set_lasts(SimpleNamespace(jobs={}), [task]) is None
 
 
+def test_a_large_key_of_a_short_lived_job_set_stays_covered_past_capture_after(model_dir, monkeypatch) -> None:  # noqa: ANN001
+    # a key the short-lived-set rule keeps from capture is not run eagerly once covered capture_after times:
+    # the larger capture keeps running it padded
+    from trainer import step_graphs
+
+    eager, graphed = two_jobs(model_dir)
+    g = graphed.step_graphs
+    g.cover_ratio, g.cover_tokens, g.capture_after = 1.19, 200, 2
+    same_steps(eager, graphed, 2)  # 144 tokens: an eager run, then its capture (no set_lasts: the set lasts)
+    for eng in (eager, graphed):
+        eng.detach("b")
+    monkeypatch.setattr(step_graphs, "TRANSIENT_MIN_TOKENS", 50)  # the 72-token key counts as large
+    g.set_lasts = lambda: 2
+    same_steps(eager, graphed, 4)  # covered past capture_after, never captured, never eager
+    assert (g.captures, g.covered, g.eager_runs) == (1, 4, 1)
+    g.set_lasts = lambda: None  # the set lasts: captured at its next step
+    same_steps(eager, graphed, 1)
+    assert (g.captures, g.covered, g.eager_runs) == (2, 4, 1)
+
+
 def test_a_capture_skips_torchs_emptying_only_where_the_device_has_room_and_restores_the_stream(monkeypatch) -> None:  # noqa: ANN001
     from trainer import graph_parts
 
