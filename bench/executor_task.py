@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import task_e2e_data as te  # noqa: E402
 from baselines import config_matmul_params  # noqa: E402
 from engine_step import llama8b_config  # noqa: E402
+from task_e2e_runs import graph_counts, graph_event  # noqa: E402
 
 from contract.protocol import EvalSettings, TaskSettings  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
@@ -71,16 +72,19 @@ class Counted(Executor):
         self.step_tokens: list[int] = []
         real = self.engine.step
 
-        self.step_trace: list[list] = []  # [tokens, jobs, recompute, synced seconds, each pass's cells or 0]
+        # [tokens, jobs, recompute, synced seconds, each pass's cells or 0, what the step graphs did (session 49)]
+        self.step_trace: list[list] = []
 
         def step():  # noqa: ANN202
             te.sync()
+            before = graph_counts(self.engine)
             t0 = time.perf_counter()
             report = real()
             te.sync()
             self.step_tokens.append(report.tokens)
             self.step_trace.append([report.tokens, len(report.losses), int(bool(self.engine.gradient_checkpointing)),
-                                    round(time.perf_counter() - t0, 4), report.pass_cells or 0])
+                                    round(time.perf_counter() - t0, 4), report.pass_cells or 0,
+                                    graph_event(self.engine, before)])
             return report
 
         self.engine.step = step
