@@ -102,15 +102,11 @@ STALE_STEPS = 16  # captures no step ran for this many steps are stale (StepGrap
 # its last 18 steps, ~0.7 s); the executor gives the steps left (`steps_left`)
 CAPTURE_HORIZON = 16
 # a training key of this many tokens or more is not captured while its job set runs under TRANSIENT_SET_STEPS
-# more steps (the set changes then: `set_lasts`): its eager run costs about a replay (GEMM-bound), and search
-# (a)'s 24- and 12-job sets captured such keys at their last step (+0.46 s and +0.25 s over eager,
-# never replayed; the first one's 42 GB pool made the next step recompute); a larger capture may still run it
-# padded, past capture_after too (`_cover_for`)
+# more steps (`set_lasts`; a larger capture may still run it padded, `_cover_for`): its eager run costs about a
+# replay (GEMM-bound). Search (a)'s 24- and 12-job sets captured such keys, never replayed (+0.25-0.46 s over
+# eager; a 42 GB pool made the next step recompute); the 200-step task's 10-step 8-job set took 5.62 s
+# with its captures, 5.04 s without, side by side on an H200 (bench/results/session49_h200.md)
 TRANSIENT_MIN_TOKENS = 2048
-# the steps a job set must still run for such a key's capture: the 200-step task's 10-step 8-job
-# set captured its 6.9k- and 7.3k-token keys (+0.6 and +0.3 s over a replay) and search (a)'s 10-step 12-job
-# set a 3.0k-token key (+0.28 s, never replayed). With this rule the 200-step task's 8-job steps took 5.04 s
-# against 5.62 s, side by side on an H200 (bench/results/session49_h200.md)
 TRANSIENT_SET_STEPS = 16
 
 
