@@ -749,11 +749,11 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
         args = (a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, *common,
                 a.stride(0), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1), p.stride(0), *w_strides)
         kw = dict(B_NK=b_kn.stride(0) == 1, NUM_SMS=sms, **meta)
-        if base == "auto":
-            tile = kernel.choose(kgrid, args, kw).kwargs
-            if wave_fill(triton.cdiv(t, tile["BLOCK_M"]) * triton.cdiv(nc, tile["BLOCK_N"]), sms) < CUBLAS_BELOW:
-                return cublas()  # over every tile (`grid`), not the persistent programs' count
-        kernel[kgrid](*args, **kw)
+        cfg = kernel.choose(kgrid, args, kw)
+        tiles = triton.cdiv(t, cfg.kwargs["BLOCK_M"]) * triton.cdiv(nc, cfg.kwargs["BLOCK_N"])
+        if base == "auto" and wave_fill(tiles, sms) < CUBLAS_BELOW:
+            return cublas()  # over every tile (`grid`), not the persistent programs' count
+        kernel.run_config(cfg, kgrid, args, kw)
         return out
     _gemm_lora[grid](
         a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, *common,

@@ -256,9 +256,10 @@ class Tuned:
         return cfg
 
     def launch(self, grid: Any, args: tuple, meta: dict) -> None:
-        self._run(self.choose(grid, args, meta), grid, args, meta)
+        self.run_config(self.choose(grid, args, meta), grid, args, meta)
 
-    def _run(self, cfg: triton.Config, grid: Any, args: tuple, meta: dict) -> None:
+    def run_config(self, cfg: triton.Config, grid: Any, args: tuple, meta: dict) -> None:
+        """Launch with `cfg` (a caller that already asked `choose`, as `launch` does)."""
         full = {**meta, **cfg.kwargs}
         if cfg.pre_hook is not None:
             cfg.pre_hook({**dict(zip(self.arg_names, args, strict=False)), **full})
@@ -274,7 +275,7 @@ class Tuned:
         timings = []
         for cfg in allowed:
             try:
-                ms = _bench(lambda c=cfg: self._run(c, grid, args, meta), device)
+                ms = _bench(lambda c=cfg: self.run_config(c, grid, args, meta), device)
             except Exception:  # noqa: BLE001 (a configuration that does not compile or fit is skipped)
                 ms = math.inf
             timings.append(ms)
