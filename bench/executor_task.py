@@ -64,6 +64,57 @@ def jobs(steps: int) -> list[TrainJob]:
                                                  strict=True))]
 
 
+class KernelLoads:
+    """Where a fresh process spends host time making kernels ready (session 50): every Triton kernel
+    the JIT compiles or finds in its cache (`JITFunction._do_compile`) and every module it loads onto
+    the device (`CompiledKernel._init_handles`), as (start, seconds, kind) on the perf_counter clock,
+    plus the caching allocator's segments; `within(t0, t1)` sums what fell inside a step."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, float, str]] = []
+        self._undo: list = []
+
+    def _wrap(self, owner: type, name: str, kind: str) -> None:
+        real = getattr(owner, name)
+
+        def timed(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            try:
+                return real(*args, **kw)
+            finally:
+                self.events.append((t0, time.perf_counter() - t0, kind))
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, real))
+
+    def __enter__(self) -> KernelLoads:
+        if torch.cuda.is_available():
+            from triton.compiler.compiler import CompiledKernel
+            from triton.runtime.jit import JITFunction
+            self._wrap(JITFunction, "_do_compile", "jit")
+            if hasattr(CompiledKernel, "_init_handles"):
+                self._wrap(CompiledKernel, "_init_handles", "module")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, real in reversed(self._undo):
+            setattr(owner, name, real)
+
+    def within(self, t0: float, t1: float) -> list[float]:
+        """[JIT seconds, module-load seconds, how many of each] of the events that began in [t0, t1)."""
+        inside = [e for e in self.events if t0 <= e[0] < t1]
+        jit = [d for _, d, k in inside if k == "jit"]
+        mod = [d for _, d, k in inside if k == "module"]
+        return [round(sum(jit), 4), round(sum(mod), 4), len(jit), len(mod)]
+
+
+def segments() -> int:
+    """The caching allocator's device segments so far (each one a cudaMalloc)."""
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.memory_stats().get("segment.all.allocated", 0))
+
+
 class Counted(Executor):
     """The executor with its engine's steps counted: real tokens of every training step."""
 
@@ -72,19 +123,23 @@ class Counted(Executor):
         self.step_tokens: list[int] = []
         real = self.engine.step
 
-        # [tokens, jobs, recompute, synced seconds, each pass's cells or 0, what the step graphs did (session 49)]
+        # [tokens, jobs, recompute, synced seconds, each pass's cells or 0, what the step graphs did (session 49),
+        # kernels made ready inside the step: [JIT s, module-load s, JIT count, module count] and the allocator's
+        # new segments (session 50; KernelLoads)]
         self.step_trace: list[list] = []
 
         def step():  # noqa: ANN202
             te.sync()
-            before = graph_counts(self.engine)
+            before, segs = graph_counts(self.engine), segments()
             t0 = time.perf_counter()
             report = real()
             te.sync()
+            t1 = time.perf_counter()
             self.step_tokens.append(report.tokens)
+            loads = LOADS.within(t0, t1) if LOADS is not None else []
             self.step_trace.append([report.tokens, len(report.losses), int(bool(self.engine.gradient_checkpointing)),
-                                    round(time.perf_counter() - t0, 4), report.pass_cells or 0,
-                                    graph_event(self.engine, before)])
+                                    round(t1 - t0, 4), report.pass_cells or 0, graph_event(self.engine, before),
+                                    [*loads, segments() - segs]])
             return report
 
         self.engine.step = step
@@ -105,6 +160,8 @@ class Counted(Executor):
         self.engine.evaluate_metrics = evaluate_metrics
 
 
+LOADS: KernelLoads | None = None  # the run's tracer while it runs (Counted's steps read it)
+
 EVALS = {"product": EvalSettings(),  # the product's cadence: every 1024 samples a job trained on
          "every10": EvalSettings(eval_every_steps=10, eval_max_samples=None)}  # sessions 17-20's tables
 
@@ -119,11 +176,15 @@ def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: P
                          jobs=jobs(steps), profile_cache=str(cache), cuda_graphs=graphs,
                          settings=TaskSettings(max_seq_len=1024, eval=EVALS[evaluation]))
     te.sync()
+    global LOADS
     t0 = time.perf_counter()
-    ex = Counted(cfg, cb)
-    status = ex.run()
-    te.sync()
+    with KernelLoads() as LOADS:
+        ex = Counted(cfg, cb)
+        status = ex.run()
+        te.sync()
     wall = time.perf_counter() - t0
+    loads, LOADS = LOADS, None
+    first = ex.clock.first_step_s
     train_tokens = sum(ex.step_tokens)
     corrections = ex.memory.corrections if ex.memory is not None else {}
     return {"wall_s": wall, "phases": dict(ex.clock.phases), "first_step_s": ex.clock.first_step_s,
@@ -140,7 +201,10 @@ def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: P
             "memory_trace": [(p.tokens, p.recompute, p.resident, p.peak, round(p.predicted), p.adapter_params)
                              for c in corrections.values() for p in c.trace],
             "samples": samples_summary(out),
-            "memory_final": {str(k): (c.model.k0, c.model.k1) for k, c in corrections.items()}}
+            "memory_final": {str(k): (c.model.k0, c.model.k1) for k, c in corrections.items()},
+            # kernels made ready in the whole run and before its first step ended: [JIT s, module s, counts]
+            "kernel_loads": {"run": loads.within(t0, math.inf),
+                             "to_first_step": loads.within(t0, t0 + first) if first else None}}
 
 
 def samples_summary(out: Path) -> dict | None:

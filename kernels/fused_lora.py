@@ -656,7 +656,7 @@ def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: int) -> None:  # noq
 # rounds) within 1% (bench/results/session48_h200.md). The sm90 archive holds the store pass's kernels
 # since session 49 (AUTO_READY below; the device phase that grew them: bench/device_session.sh s49_a).
 GEMM_VARIANTS = ("ptr", "ptr+pf", "tma", "tma+pf", "persist", "persist+pf", "cublas", "auto")
-CUBLAS_BELOW = 0.75
+CUBLAS_BELOW = float(os.environ.get("LORAPLEX_CUBLAS_BELOW", "0.75"))  # measured side by side: bench/device_session.sh s50_a
 # Hopper's default: "auto" once the shipped sm90 archive holds the store pass's kernels (a default that
 # compiled them inside a node's first tasks would break the start issue's "nothing compiles in a task")
 AUTO_READY = True
