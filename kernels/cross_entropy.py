@@ -89,9 +89,9 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, grad: bool =
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
     hit = torch.empty(rows if hits else 1, dtype=torch.float32, device=logits.device)
     if rows:
-        _ce_rows[(rows,)](logits, targets.contiguous(), losses, hit, logits.shape[1], logits.stride(0),
-                          IGNORE_INDEX=IGNORE, GRAD=grad, HITS=hits, BLOCK_V=BLOCK,
-                          num_warps=1 if _INTERPRET else 8)
+        launch(_ce_rows, (rows,), (logits, targets.contiguous(), losses, hit, logits.shape[1], logits.stride(0)),
+               {"IGNORE_INDEX": IGNORE, "GRAD": grad, "HITS": hits, "BLOCK_V": BLOCK,
+                "num_warps": 1 if _INTERPRET else 8})
         if hits:  # the kernel's max passes over a NaN; torch.argmax takes it: no hit on a row whose loss is NaN
             hit.masked_fill_(torch.isnan(losses), 0.0)
     return losses, hit if hits else None
@@ -106,3 +106,5 @@ def cross_entropy_reference(logits: torch.Tensor, targets: torch.Tensor, grad: b
         losses = torch.nn.functional.cross_entropy(x, targets, reduction="none", ignore_index=IGNORE)
         g = torch.autograd.grad(losses.sum(), x)[0].to(logits.dtype) if grad else None
     return losses.detach(), (x.detach().argmax(dim=-1) == targets).float(), g
+
+from kernels.lean_launch import launch  # noqa: E402 (here, not above: a line above a @triton.jit function moves it, and its first line is in its cache key)

@@ -77,10 +77,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     block_h = max(1, min(triton.next_power_of_2(heads), HEAD_ELEMENTS // (2 * block_d)))
     scb = cos.stride(0) if cos.shape[0] > 1 else 0  # one row of positions for every batch row
     grid = (bsz * length, triton.cdiv(heads, block_h))
-    _rope_kernel[grid](x, cos, sin, y, heads, length, x.stride(0), x.stride(1), x.stride(2),
-                       y.stride(0), y.stride(1), y.stride(2), scb, cos.stride(1),
-                       HALF=half, BLOCK_D=block_d, BLOCK_H=block_h, BACKWARD=backward,
-                       num_warps=1 if _INTERPRET else 4)
+    launch(_rope_kernel, grid, (x, cos, sin, y, heads, length, x.stride(0), x.stride(1), x.stride(2),
+                                y.stride(0), y.stride(1), y.stride(2), scb, cos.stride(1)),
+           {"HALF": half, "BLOCK_D": block_d, "BLOCK_H": block_h, "BACKWARD": backward,
+            "num_warps": 1 if _INTERPRET else 4})
     return y
 
 
@@ -147,3 +147,5 @@ def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
 
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+from kernels.lean_launch import launch  # noqa: E402 (here, not above: a line above a @triton.jit function moves it, and its first line is in its cache key)

@@ -1,0 +1,119 @@
+"""`kernels.lean_launch`: after Triton has launched a specialization once, the same specialization
+goes straight to the compiled kernel's launcher (arguments in the kernel's parameter order, the
+grid padded to three axes, the current stream); anything Triton would specialize differently, or
+that the path does not cover, goes through Triton again. A stand-in JIT function and compiled
+kernel record which path ran (no CUDA here); tests/gpu/test_lean_launch_gpu.py runs the real one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import lean_launch as ll
+
+
+class FakeKernel:
+    """Stands in for triton's CompiledKernel: `run` is its launcher."""
+
+    packed_metadata = ("meta",)
+    function = 0xF00
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def run(self, *args: object) -> None:
+        self.calls.append(args)
+
+
+class FakeJit:
+    """Stands in for a triton.jit function with parameters (x_ptr, n, flag, BLOCK): a launch through
+    it returns one compiled kernel per distinct keyword set, as Triton's run returns its kernel."""
+
+    arg_names = ["x_ptr", "n", "flag", "BLOCK"]
+
+    def __init__(self) -> None:
+        self.launches: list[tuple] = []
+        self.kernels: dict[tuple, FakeKernel] = {}
+
+    def __getitem__(self, grid):  # noqa: ANN001, ANN204
+        def run(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+            self.launches.append((tuple(grid), args, kw))
+            return self.kernels.setdefault(tuple(sorted(kw.items())), FakeKernel())
+        return run
+
+
+@pytest.fixture
+def lean(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ll, "ENABLED", True)
+    monkeypatch.setattr(ll, "_device_and_stream", lambda: (0, 77))
+    monkeypatch.setattr(ll, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(ll, "_CACHE", {})
+
+
+def test_a_repeated_specialization_goes_straight_to_the_launcher(lean: None) -> None:
+    fn, x = FakeJit(), torch.zeros(64)
+    kw = {"BLOCK": 32, "num_warps": 4, "num_stages": 3}
+    ll.launch(fn, (5,), (x, 40, True), kw)
+    assert len(fn.launches) == 1  # the first launch of a specialization is Triton's
+    kernel = next(iter(fn.kernels.values()))
+    assert kernel.calls == []
+    ll.launch(fn, (6, 2), (x, 72, True), kw)  # 72: as 40, neither 1 nor a multiple of 16
+    assert len(fn.launches) == 1
+    assert kernel.calls == [(6, 2, 1, 77, 0xF00, ("meta",), None, None, None, x, 72, True, 32)]
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "one", "multiple_of_16", "wide_int", "flag", "keyword"])
+def test_what_triton_specializes_on_goes_through_triton_again(lean: None, change: str) -> None:
+    fn, x = FakeJit(), torch.zeros(64)
+    args, kw = [x, 40, True], {"BLOCK": 32, "num_warps": 4}
+    ll.launch(fn, (1,), tuple(args), kw)
+    if change == "misaligned":
+        args[0] = torch.zeros(64)[1:]  # 4 bytes past an aligned start
+        assert args[0].data_ptr() % 16 != 0
+    elif change == "dtype":
+        args[0] = torch.zeros(64, dtype=torch.float16)
+    elif change == "one":
+        args[1] = 1
+    elif change == "multiple_of_16":
+        args[1] = 48
+    elif change == "wide_int":
+        args[1] = 2**33 + 3
+    elif change == "flag":
+        args[2] = False
+    else:
+        kw = {**kw, "BLOCK": 64}
+    ll.launch(fn, (1,), tuple(args), kw)
+    assert len(fn.launches) == 2
+    ll.launch(fn, (1,), tuple(args), kw)  # and that one is then cached on its own
+    assert len(fn.launches) == 2
+
+
+def test_launch_hooks_unknown_kinds_and_unnamed_parameters_keep_triton_s_path(
+        lean: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    fn, x = FakeJit(), torch.zeros(64)
+    kw = {"BLOCK": 32, "num_warps": 4}
+    ll.launch(fn, (1,), (x, 40, True), kw)
+    monkeypatch.setattr(ll, "_hooks_installed", lambda: True)  # a profiler's launch hooks see every launch
+    ll.launch(fn, (1,), (x, 40, True), kw)
+    assert len(fn.launches) == 2
+    monkeypatch.setattr(ll, "_hooks_installed", lambda: False)
+    for _ in range(2):
+        ll.launch(fn, (1,), (x, [40], True), kw)  # an argument kind the key does not cover
+    assert len(fn.launches) == 4
+    for _ in range(2):
+        ll.launch(fn, (1,), (x, 40), kw)  # "flag" neither positional nor a keyword: never cached
+    assert len(fn.launches) == 6
+
+
+def test_off_or_without_cuda_every_launch_is_triton_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ll, "_CACHE", {})
+    fn, x = FakeJit(), torch.zeros(64)
+    monkeypatch.setattr(ll, "ENABLED", True)  # this machine's torch has no CUDA: the stream lookup fails
+    for _ in range(2):
+        ll.launch(fn, (1,), (x, 40, True), {"BLOCK": 32})
+    monkeypatch.setattr(ll, "ENABLED", False)
+    monkeypatch.setattr(ll, "_device_and_stream", lambda: (0, 77))
+    for _ in range(2):
+        ll.launch(fn, (1,), (x, 40, True), {"BLOCK": 32})
+    assert len(fn.launches) == 4
+    assert all(k.calls == [] for k in fn.kernels.values())
