@@ -34,24 +34,44 @@ _CACHE: dict[tuple, tuple[Any, tuple[str, ...]]] = {}
 _STATS = {"lean": 0, "triton": 0}
 
 
-def _spec(a: object) -> object:
-    """What Triton specializes an argument on (or finer); TypeError for a kind it does not cover."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if isinstance(a, bool) or a is None or isinstance(a, float):
-        return type(a), a
-    if isinstance(a, int):
-        return a == 1, a % 16 == 0, _I32[0] <= a < _I32[1]
-    raise TypeError(type(a).__name__)
+def _specs(args: Sequence[object]) -> list[object]:
+    """What Triton specializes each argument on (or finer); TypeError for a kind it does not cover.
+    One loop, no call per argument: this runs at every launch."""
+    out = []
+    add = out.append
+    for a in args:
+        t = type(a)
+        if t is int:
+            add((a == 1, a % 16 == 0, -2147483648 <= a < 2147483648))
+        elif isinstance(a, torch.Tensor):
+            add((a.dtype, a.data_ptr() % 16 == 0))
+        elif a is None or t is bool or t is float:
+            add((t, a))
+        else:
+            raise TypeError(t.__name__)
+    return out
+
+
+_RUNTIME: list = []  # triton.knobs.runtime, once found
+
+
+def _installed(hook: object) -> bool:
+    """Whether a launch hook does anything: Triton 3.6 keeps an empty HookChain there, not None."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
 
 
 def _hooks_installed() -> bool:
-    try:
-        from triton import knobs
-    except ImportError:  # a Triton without knobs: no hooks to honour
-        return False
-    rt = knobs.runtime
-    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+    if not _RUNTIME:
+        try:
+            from triton import knobs
+        except ImportError:  # a Triton without knobs: no hooks to honour
+            return False
+        _RUNTIME.append(knobs.runtime)
+    rt = _RUNTIME[0]
+    return _installed(rt.launch_enter_hook) or _installed(rt.launch_exit_hook)
 
 
 def _device_and_stream() -> tuple[int, int]:
@@ -67,7 +87,7 @@ def launch(fn: Any, grid: Sequence[int], args: Sequence[object], kwargs: dict[st
         return
     try:
         device, stream = _device_and_stream()
-        key = (fn, device, tuple(kwargs.items()), *[_spec(a) for a in args])
+        key = (fn, device, *kwargs.items(), *_specs(args))
         hit = _CACHE.get(key)
     except (TypeError, AttributeError, RuntimeError):  # unhashable or unknown kind; no CUDA
         _STATS["triton"] += 1
@@ -83,9 +103,9 @@ def launch(fn: Any, grid: Sequence[int], args: Sequence[object], kwargs: dict[st
         return
     kernel, names = hit
     _STATS["lean"] += 1
-    g = tuple(grid)
-    kernel.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, kernel.function,
-               kernel.packed_metadata, None, None, None, *args, *[kwargs[n] for n in names])
+    n = len(grid)
+    kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
+               kernel.packed_metadata, None, None, None, *args, *[kwargs[k] for k in names])
 
 
 def stats() -> dict[str, int]:

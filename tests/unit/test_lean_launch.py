@@ -117,3 +117,21 @@ def test_off_or_without_cuda_every_launch_is_triton_s(monkeypatch: pytest.Monkey
         ll.launch(fn, (1,), (x, 40, True), {"BLOCK": 32})
     assert len(fn.launches) == 4
     assert all(k.calls == [] for k in fn.kernels.values())
+
+
+def test_an_empty_hook_chain_is_no_hook() -> None:
+    class Chain:  # triton 3.6's knobs.runtime.launch_enter_hook: a HookChain, empty unless a profiler adds one
+        def __init__(self, calls: list) -> None:
+            self.calls = calls
+
+    assert not ll._installed(None)
+    assert not ll._installed(Chain([]))
+    assert ll._installed(Chain([print]))
+    assert ll._installed(print)  # an older Triton's plain callable
+
+
+def test_a_parameter_is_keyed_as_the_tensor_it_is() -> None:
+    p = torch.nn.Parameter(torch.zeros(8))
+    assert ll._specs([p, 3, 32, 1, None, 2.0, True]) == [
+        (torch.float32, True), (False, False, True), (False, True, True), (True, False, True),
+        (type(None), None), (float, 2.0), (bool, True)]
