@@ -1,6 +1,6 @@
 """The lean launch path on the device (kernels.lean_launch): the fused multi-LoRA operator's forward
-and backward give bit-identical outputs and gradients with it and without it, its launches do take
-it, and a CUDA graph captured through it replays to the eager result. Skipped without CUDA."""
+and backward match the float64 oracle with it and without it, its launches do take it, and a CUDA
+graph captured through it replays to the eager result. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -12,26 +12,31 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from kernels import fused_lora as fl  # noqa: E402
 from kernels import lean_launch as ll  # noqa: E402
-from kernels.testing import make_case, run_arena  # noqa: E402
+from kernels.testing import make_case, oracle_fp64, rel_errors, run_arena  # noqa: E402
+
+CASE = dict(counts=[300, 0, 517, 90], ranks=[16, 8, 64, 32], d_in=1024, d_out=768, dtype=torch.bfloat16, device="cuda",
+            seed=3)
 
 
 def _run(on: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.Tensor]:
     monkeypatch.setattr(ll, "ENABLED", on)
-    case = make_case([300, 0, 517, 90], [16, 8, 64, 32], 1024, 768, dtype=torch.bfloat16, device="cuda", seed=3)
-    got, stray = run_arena(case, fl.multilora_linear_arena_fused, aligned=True)
+    got, stray = run_arena(make_case(**CASE), fl.multilora_linear_arena_fused, aligned=True)
     assert stray == 0
     return got
 
 
-def test_the_fused_operator_is_bit_identical_with_and_without_the_lean_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fused_operator_matches_the_oracle_with_and_without_the_lean_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against the float64 oracle, as tests/gpu/test_kernels_gpu.py checks the operator: the LoRA passes
+    add split sums with atomics, so two runs of either path need not agree to the bit."""
+    want = oracle_fp64(make_case(**CASE), device="cuda")
     off = _run(False, monkeypatch)
     before = ll.stats()["lean"]
     first = _run(True, monkeypatch)  # Triton's path where a specialization is new, the launcher's after
     again = _run(True, monkeypatch)
     assert ll.stats()["lean"] > before
-    for name, want in off.items():
-        assert torch.equal(first[name], want), name
-        assert torch.equal(again[name], want), name
+    for name, got in (("off", off), ("first", first), ("again", again)):
+        errors = rel_errors(got, want)
+        assert max(errors.values()) < 1.5e-2, (name, errors)
 
 
 def test_a_graph_captured_through_the_lean_path_replays_the_eager_result(monkeypatch: pytest.MonkeyPatch) -> None:
