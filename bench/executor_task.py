@@ -72,6 +72,7 @@ class KernelLoads:
 
     def __init__(self) -> None:
         self.events: list[tuple[float, float, str]] = []
+        self.slow: list[tuple[float, float, str, str]] = []  # the events of SLOW_LOAD_S or more, with the kernel's name
         self._undo: list = []
 
     def _wrap(self, owner: type, name: str, kind: str) -> None:
@@ -82,7 +83,12 @@ class KernelLoads:
             try:
                 return real(*args, **kw)
             finally:
-                self.events.append((t0, time.perf_counter() - t0, kind))
+                took = time.perf_counter() - t0
+                self.events.append((t0, took, kind))
+                if took >= SLOW_LOAD_S:  # which kernel, and when: the run's JSON lists them
+                    me = args[0] if args else None
+                    name = getattr(me, "name", None) or getattr(getattr(me, "fn", None), "__name__", "?")
+                    self.slow.append((t0, round(took, 4), kind, str(name)))
 
         setattr(owner, name, timed)
         self._undo.append((owner, name, real))
@@ -160,6 +166,8 @@ class Counted(Executor):
         self.engine.evaluate_metrics = evaluate_metrics
 
 
+SLOW_LOAD_S = 0.02  # a kernel made ready this slowly is named in the run's JSON (session 50: ~1 s of module loads
+# came after the training steps, in evaluation or the samples)
 LOADS: KernelLoads | None = None  # the run's tracer while it runs (Counted's steps read it)
 
 EVALS = {"product": EvalSettings(),  # the product's cadence: every 1024 samples a job trained on
@@ -204,7 +212,9 @@ def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: P
             "memory_final": {str(k): (c.model.k0, c.model.k1) for k, c in corrections.items()},
             # kernels made ready in the whole run and before its first step ended: [JIT s, module s, counts]
             "kernel_loads": {"run": loads.within(t0, math.inf),
-                             "to_first_step": loads.within(t0, t0 + first) if first else None}}
+                             "to_first_step": loads.within(t0, t0 + first) if first else None,
+                             # [seconds into the run, seconds, jit or module, kernel] of each slow one
+                             "slow": [[round(t - t0, 3), took, kind, name] for t, took, kind, name in loads.slow]}}
 
 
 def samples_summary(out: Path) -> dict | None:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import triton
 
-from kernels import lean_launch
+from kernels.lean_launch import launch as launch_lean
 
 CONFIG_DIR = Path(os.environ.get("LORAPLEX_KERNEL_CONFIGS", Path(__file__).with_name("configs")))
 _TUNING = {"on": os.environ.get("LORAPLEX_TUNE", "0") == "1"}
@@ -266,7 +266,7 @@ class Tuned:
         if cfg.pre_hook is not None:
             cfg.pre_hook({**dict(zip(self.arg_names, args, strict=False)), **full})
         g = grid(full) if callable(grid) else grid
-        lean_launch.launch(self.fn, g, args, {**full, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        launch_lean(self.fn, g, args, {**full, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
     def _tune(self, grid: Any, args: tuple, meta: dict, named: dict, allowed: list[triton.Config],
               device: torch.device) -> list[float]:
