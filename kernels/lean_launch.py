@@ -8,7 +8,8 @@ does what `fn[grid](*args, **kwargs)` does, but after the first launch of a spec
 calls the compiled kernel's launcher directly, keyed by what Triton specializes on, or finer:
 
 - a tensor: its dtype and whether its data pointer is 16-byte aligned;
-- an int: whether it is 1, whether 16 divides it, and whether it fits 32 bits (Triton's i32/i64);
+- an int: whether it is 1, whether 16 divides it, whether it fits 32 bits and whether it needs 64 unsigned
+  ones (Triton's i32/i64/u64);
 - a bool or a float: its type and value; None; the constexpr and option keyword arguments' values;
 - the function, the current CUDA device.
 
@@ -31,6 +32,9 @@ _OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_
 _I32 = (-(2**31), 2**31)
 # (function, device, keywords, argument specs) -> (compiled kernel, names of the keyword parameters in order)
 _CACHE: dict[tuple, tuple[Any, tuple[str, ...]]] = {}
+# at most this many specializations are kept (a float argument that changed every call would otherwise grow it:
+# its value is in the key); past it, new ones take Triton's path
+MAX_ENTRIES = 4096
 _STATS = {"lean": 0, "triton": 0}
 
 
@@ -42,7 +46,7 @@ def _specs(args: Sequence[object]) -> list[object]:
     for a in args:
         t = type(a)
         if t is int:
-            add((a == 1, a % 16 == 0, -2147483648 <= a < 2147483648))
+            add((a == 1, a % 16 == 0, -2147483648 <= a < 2147483648, a >= 9223372036854775808))
         elif isinstance(a, torch.Tensor):
             add((a.dtype, a.data_ptr() % 16 == 0))
         elif a is None or t is bool or t is float:
@@ -98,7 +102,7 @@ def launch(fn: Any, grid: Sequence[int], args: Sequence[object], kwargs: dict[st
         kernel = fn[grid](*args, **kwargs)
         if hit is None and kernel is not None and hasattr(kernel, "packed_metadata"):
             names = tuple(fn.arg_names[len(args):])
-            if all(n in kwargs and n not in _OPTIONS for n in names):
+            if len(_CACHE) < MAX_ENTRIES and all(n in kwargs and n not in _OPTIONS for n in names):
                 _CACHE[key] = (kernel, names)
         return
     kernel, names = hit

@@ -132,6 +132,15 @@ def test_an_empty_hook_chain_is_no_hook() -> None:
 
 def test_a_parameter_is_keyed_as_the_tensor_it_is() -> None:
     p = torch.nn.Parameter(torch.zeros(8))
-    assert ll._specs([p, 3, 32, 1, None, 2.0, True]) == [
-        (torch.float32, True), (False, False, True), (False, True, True), (True, False, True),
-        (type(None), None), (float, 2.0), (bool, True)]
+    assert ll._specs([p, 3, 32, 1, None, 2.0, True, 2**63]) == [
+        (torch.float32, True), (False, False, True, False), (False, True, True, False), (True, False, True, False),
+        (type(None), None), (float, 2.0), (bool, True), (False, True, False, True)]
+
+
+def test_the_kept_specializations_are_bounded(lean: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ll, "MAX_ENTRIES", 2)
+    fn, x = FakeJit(), torch.zeros(64)
+    for eps in (0.1, 0.2, 0.3, 0.3):  # a float's value is in the key: the third one is not kept
+        ll.launch(fn, (1,), (x, eps, True), {"BLOCK": 32})
+    assert len(ll._CACHE) == 2
+    assert len(fn.launches) == 4
