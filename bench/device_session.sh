@@ -2185,7 +2185,10 @@ with c.set_checkpoint_debug_enabled(True):
           # spent ~1 s in CompiledKernel._init_handles outside their steps: evaluation or samples; the run's JSON now
           # names every kernel made ready in 20 ms or more), the launchers counted beside the cubins
     export TRITON_CACHE_DIR=/tmp/s51a/triton
-    rm -rf /tmp/s51a
+    rm -rf /tmp/s51a /tmp/s51a_tests
+    # session 50's post-review lean-path tests (a float16 case, widths 16 does not divide, rows of one, after warm)
+    TRITON_CACHE_DIR=/tmp/s51a_tests/triton step 120 gpu_lean python3 -m pytest -q -p no:cacheprovider \
+      tests/gpu/test_lean_launch_gpu.py
     step 120 task200 python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
       --out "$OUT/executor_task200.md" --json "$OUT/executor_task200.json"
     step 80 task60 python3 bench/executor_task.py --layers 32 --steps 60 --runs cold --reuse \

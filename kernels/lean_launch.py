@@ -14,8 +14,8 @@ calls the compiled kernel's launcher directly, keyed by what Triton specializes 
 - the function, the current CUDA device.
 
 Anything else (an argument of another kind, an unhashable keyword value, launch hooks installed,
-the interpreter, a kernel whose trailing parameters the keywords do not name) takes Triton's own
-path every time. $LORAPLEX_LEAN_LAUNCH=0 turns the lean path off (the side-by-side baseline).
+Triton's debug or instrumentation modes, the interpreter, a callable grid, a kernel with pre-run hooks
+or whose trailing parameters are not all constexprs the keywords name) takes Triton's own path. $LORAPLEX_LEAN_LAUNCH=0 turns the lean path off (the side-by-side baseline).
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ _OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_
 _I32 = (-(2**31), 2**31)
 # (function, device, keywords, argument specs) -> (compiled kernel, names of the keyword parameters in order)
 _CACHE: dict[tuple, tuple[Any, tuple[str, ...]]] = {}
-# at most this many specializations are kept (a float argument that changed every call would otherwise grow it:
-# its value is in the key); past it, new ones take Triton's path
-MAX_ENTRIES = 4096
+# at most this many specializations are kept per kernel (a float argument that changed every call would
+# otherwise grow the cache: its value is in the key); past it, that kernel's new ones take Triton's path
+MAX_ENTRIES = 1024
+_KEPT: dict[Any, int] = {}
 _STATS = {"lean": 0, "triton": 0}
 
 
@@ -56,7 +57,7 @@ def _specs(args: Sequence[object]) -> list[object]:
     return out
 
 
-_RUNTIME: list = []  # triton.knobs.runtime, once found
+_KNOBS: list = []  # triton.knobs, once found
 
 
 def _installed(hook: object) -> bool:
@@ -67,15 +68,19 @@ def _installed(hook: object) -> bool:
     return bool(calls) if calls is not None else True
 
 
-def _hooks_installed() -> bool:
-    if not _RUNTIME:
+def _triton_only() -> bool:
+    """Whether this launch must take Triton's path: launch hooks that do something (a profiler's),
+    or Triton's debug or instrumentation modes (they change what Triton compiles)."""
+    if not _KNOBS:
         try:
             from triton import knobs
-        except ImportError:  # a Triton without knobs: no hooks to honour
+        except ImportError:  # a Triton without knobs: nothing to honour
             return False
-        _RUNTIME.append(knobs.runtime)
-    rt = _RUNTIME[0]
-    return _installed(rt.launch_enter_hook) or _installed(rt.launch_exit_hook)
+        _KNOBS.append(knobs)
+    knobs = _KNOBS[0]
+    rt = knobs.runtime
+    return (_installed(rt.launch_enter_hook) or _installed(rt.launch_exit_hook) or bool(rt.debug)
+            or bool(getattr(knobs.compilation, "instrumentation_mode", "")))
 
 
 def _device_and_stream() -> tuple[int, int]:
@@ -83,10 +88,25 @@ def _device_and_stream() -> tuple[int, int]:
     return device, torch._C._cuda_getCurrentRawStream(device)
 
 
+def _keyword_names(fn: Any, n_args: int, kwargs: dict[str, object]) -> tuple[str, ...] | None:
+    """The parameters after the positional arguments, in order, where every one is a constexpr the
+    keywords name (their values are then in the key as Triton keys constexprs); None otherwise (a
+    non-constexpr keyword, one left to its default, a pre-run hook: not cached)."""
+    if getattr(fn, "pre_run_hooks", None):
+        return None
+    names = tuple(fn.arg_names[n_args:])
+    params = getattr(fn, "params", None)
+    constexpr = all(p.is_constexpr for p in params[n_args:]) if params is not None else True
+    if not constexpr or not all(n in kwargs and n not in _OPTIONS for n in names):
+        return None
+    return names
+
+
 def launch(fn: Any, grid: Sequence[int], args: Sequence[object], kwargs: dict[str, object]) -> None:
     """`fn[grid](*args, **kwargs)` for a CUDA launch, through the compiled kernel's launcher once
-    Triton has launched this specialization (see the module docstring)."""
-    if not ENABLED:
+    Triton has launched this specialization (see the module docstring). `grid`: a tuple (a callable
+    grid takes Triton's path)."""
+    if not ENABLED or callable(grid):
         fn[grid](*args, **kwargs)
         return
     try:
@@ -97,13 +117,14 @@ def launch(fn: Any, grid: Sequence[int], args: Sequence[object], kwargs: dict[st
         _STATS["triton"] += 1
         fn[grid](*args, **kwargs)
         return
-    if hit is None or _hooks_installed():
+    if hit is None or _triton_only():
         _STATS["triton"] += 1
         kernel = fn[grid](*args, **kwargs)
         if hit is None and kernel is not None and hasattr(kernel, "packed_metadata"):
-            names = tuple(fn.arg_names[len(args):])
-            if len(_CACHE) < MAX_ENTRIES and all(n in kwargs and n not in _OPTIONS for n in names):
+            names = _keyword_names(fn, len(args), kwargs)
+            if names is not None and _KEPT.get(fn, 0) < MAX_ENTRIES:
                 _CACHE[key] = (kernel, names)
+                _KEPT[fn] = _KEPT.get(fn, 0) + 1
         return
     kernel, names = hit
     _STATS["lean"] += 1

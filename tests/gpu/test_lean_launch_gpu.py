@@ -1,6 +1,7 @@
 """The lean launch path on the device (kernels.lean_launch): the fused multi-LoRA operator's forward
-and backward match the float64 oracle with it and without it, its launches do take it, and a CUDA
-graph captured through it replays to the eager result. Skipped without CUDA."""
+and backward match the float64 oracle with it and without it, its launches do take it, shapes and
+dtypes Triton specializes differently after it is warm still match the oracle, and a CUDA graph
+captured through it replays to the eager result. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -39,6 +40,19 @@ def test_the_fused_operator_matches_the_oracle_with_and_without_the_lean_path(mo
         assert max(errors.values()) < 1.5e-2, (name, errors)
 
 
+@pytest.mark.parametrize("other", [dict(d_in=1000, d_out=776), dict(dtype=torch.float16), dict(counts=[1, 0, 15, 1])])
+def test_a_new_specialization_after_the_lean_path_is_warm_matches_the_oracle(
+        monkeypatch: pytest.MonkeyPatch, other: dict) -> None:
+    """Widths 16 does not divide, another dtype, rows of one: what Triton specializes differently must
+    not reuse a kernel the lean path kept for the warm case."""
+    _run(True, monkeypatch)
+    _run(True, monkeypatch)
+    case = make_case(**{**CASE, **other})
+    got, stray = run_arena(case, fl.multilora_linear_arena_fused, aligned=True)
+    errors = rel_errors(got, oracle_fp64(case, device="cuda"))
+    assert stray == 0 and max(errors.values()) < 1.5e-2, errors
+
+
 def test_a_graph_captured_through_the_lean_path_replays_the_eager_result(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ll, "ENABLED", True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -65,7 +79,6 @@ def test_a_graph_captured_through_the_lean_path_replays_the_eager_result(monkeyp
     with torch.cuda.graph(graph):
         out = forward()
     assert ll.stats()["lean"] > lean_before
-    x.mul_(1.0)  # same inputs: the replay must reproduce the eager output
-    graph.replay()
+    graph.replay()  # the same inputs: the eager output, up to the LoRA passes' atomics' order
     torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    assert ((out.float() - eager.float()).norm() / eager.float().norm()).item() < 1e-2

@@ -31,13 +31,20 @@ class FakeJit:
 
     arg_names = ["x_ptr", "n", "flag", "BLOCK"]
 
+    class Param:
+        def __init__(self, is_constexpr: bool) -> None:
+            self.is_constexpr = is_constexpr
+
+    params = [Param(False), Param(False), Param(False), Param(True)]
+
     def __init__(self) -> None:
         self.launches: list[tuple] = []
         self.kernels: dict[tuple, FakeKernel] = {}
+        self.pre_run_hooks: list = []
 
     def __getitem__(self, grid):  # noqa: ANN001, ANN204
         def run(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-            self.launches.append((tuple(grid), args, kw))
+            self.launches.append((grid if callable(grid) else tuple(grid), args, kw))
             return self.kernels.setdefault(tuple(sorted(kw.items())), FakeKernel())
         return run
 
@@ -46,8 +53,9 @@ class FakeJit:
 def lean(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ll, "ENABLED", True)
     monkeypatch.setattr(ll, "_device_and_stream", lambda: (0, 77))
-    monkeypatch.setattr(ll, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(ll, "_triton_only", lambda: False)
     monkeypatch.setattr(ll, "_CACHE", {})
+    monkeypatch.setattr(ll, "_KEPT", {})
 
 
 def test_a_repeated_specialization_goes_straight_to_the_launcher(lean: None) -> None:
@@ -93,22 +101,39 @@ def test_launch_hooks_unknown_kinds_and_unnamed_parameters_keep_triton_s_path(
     fn, x = FakeJit(), torch.zeros(64)
     kw = {"BLOCK": 32, "num_warps": 4}
     ll.launch(fn, (1,), (x, 40, True), kw)
-    monkeypatch.setattr(ll, "_hooks_installed", lambda: True)  # a profiler's launch hooks see every launch
+    monkeypatch.setattr(ll, "_triton_only", lambda: True)  # a profiler's launch hooks see every launch
     ll.launch(fn, (1,), (x, 40, True), kw)
     assert len(fn.launches) == 2
-    monkeypatch.setattr(ll, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(ll, "_triton_only", lambda: False)
     for _ in range(2):
         ll.launch(fn, (1,), (x, [40], True), kw)  # an argument kind the key does not cover
     assert len(fn.launches) == 4
     for _ in range(2):
         ll.launch(fn, (1,), (x, 40), kw)  # "flag" neither positional nor a keyword: never cached
     assert len(fn.launches) == 6
+    for _ in range(2):
+        ll.launch(fn, (1,), (x, 40), {**kw, "flag": True})  # a keyword that is no constexpr: never cached
+    assert len(fn.launches) == 8
+    for _ in range(2):
+        ll.launch(fn, lambda meta: (1,), (x, 40, True), kw)  # a callable grid
+    assert len(fn.launches) == 10
+    hooked = FakeJit()
+    hooked.pre_run_hooks.append(print)
+    for _ in range(2):
+        ll.launch(hooked, (1,), (x, 40, True), kw)
+    assert len(hooked.launches) == 2
 
 
 def test_off_or_without_cuda_every_launch_is_triton_s(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ll, "_CACHE", {})
+    monkeypatch.setattr(ll, "_triton_only", lambda: False)
     fn, x = FakeJit(), torch.zeros(64)
-    monkeypatch.setattr(ll, "ENABLED", True)  # this machine's torch has no CUDA: the stream lookup fails
+    monkeypatch.setattr(ll, "ENABLED", True)
+
+    def no_cuda() -> tuple[int, int]:
+        raise RuntimeError("no CUDA device")
+
+    monkeypatch.setattr(ll, "_device_and_stream", no_cuda)
     for _ in range(2):
         ll.launch(fn, (1,), (x, 40, True), {"BLOCK": 32})
     monkeypatch.setattr(ll, "ENABLED", False)
@@ -119,14 +144,22 @@ def test_off_or_without_cuda_every_launch_is_triton_s(monkeypatch: pytest.Monkey
     assert all(k.calls == [] for k in fn.kernels.values())
 
 
-def test_an_empty_hook_chain_is_no_hook() -> None:
-    class Chain:  # triton 3.6's knobs.runtime.launch_enter_hook: a HookChain, empty unless a profiler adds one
-        def __init__(self, calls: list) -> None:
-            self.calls = calls
+def test_triton_s_debug_and_instrumentation_modes_take_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    knobs = pytest.importorskip("triton").knobs
+    assert not ll._triton_only()
+    monkeypatch.setattr(knobs.runtime, "debug", True)
+    assert ll._triton_only()
+    monkeypatch.setattr(knobs.runtime, "debug", False)
+    monkeypatch.setattr(knobs.compilation, "instrumentation_mode", "consan")
+    assert ll._triton_only()
 
+
+def test_an_empty_hook_chain_is_no_hook() -> None:
+    chain = pytest.importorskip("triton.knobs").HookChain()  # knobs.runtime.launch_enter_hook's kind in 3.6
     assert not ll._installed(None)
-    assert not ll._installed(Chain([]))
-    assert ll._installed(Chain([print]))
+    assert not ll._installed(chain)
+    chain.add(print)
+    assert ll._installed(chain)
     assert ll._installed(print)  # an older Triton's plain callable
 
 
@@ -137,10 +170,13 @@ def test_a_parameter_is_keyed_as_the_tensor_it_is() -> None:
         (type(None), None), (float, 2.0), (bool, True), (False, True, False, True)]
 
 
-def test_the_kept_specializations_are_bounded(lean: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_kept_specializations_are_bounded_per_kernel(lean: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ll, "MAX_ENTRIES", 2)
-    fn, x = FakeJit(), torch.zeros(64)
+    fn, other, x = FakeJit(), FakeJit(), torch.zeros(64)
     for eps in (0.1, 0.2, 0.3, 0.3):  # a float's value is in the key: the third one is not kept
         ll.launch(fn, (1,), (x, eps, True), {"BLOCK": 32})
     assert len(ll._CACHE) == 2
     assert len(fn.launches) == 4
+    for _ in range(2):  # another kernel keeps its own
+        ll.launch(other, (1,), (x, 0.1, True), {"BLOCK": 32})
+    assert len(other.launches) == 1
