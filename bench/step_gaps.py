@@ -55,9 +55,9 @@ def label_host_parts() -> None:
         m = importlib.import_module(mod)
         target = getattr(m, owner) if owner else m
         setattr(target, attr, _labelled(getattr(target, attr), label))
-    import trainer.engine as engine_mod
     import trainer.jobs as jobs_mod
-    engine_mod.update_jobs = _labelled(jobs_mod.update_jobs, "update_jobs")
+    import trainer.step_update as update_mod  # the step's update is called from there (session 50)
+    update_mod.update_jobs = _labelled(jobs_mod.update_jobs, "update_jobs")
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -32,11 +32,12 @@ from trainer.data import IGNORE, Example, sequence_tokens
 from trainer.evaluation import TOKEN_METRICS, Evaluation
 from trainer.fused_blocks import fuse_blocks, set_mlp_rebuild
 from trainer.head import ModelHead, default_chunk, token_losses, token_losses_and_hits
-from trainer.jobs import JobRun, TrainJob, update_jobs
+from trainer.jobs import JobRun, TrainJob
 from trainer.multilora import inject_multilora, without_backbone_dropout
 from trainer.packing import PackedBatch, ShapeBuckets, pack_flat, pack_step
 from trainer.step_graphs import StepGraphs
 from trainer.step_passes import StepTotals, forward_backward_passes
+from trainer.step_update import sync_and_update
 from trainer.varlen import register_varlen
 
 
@@ -356,14 +357,16 @@ class MultiLoraEngine:
                 want = None if self.recompute_for is None else self.recompute_for(sum(tokens))
                 self.set_recompute(self.gradient_checkpointing if want is None else want)
                 batch, numbers = self._eager_forward_backward(states, per_job)
-        regions = [self.slots.regions[s.job_id] for s in states]
-        norms = torch._foreach_norm([self.slots.grad_arena[lo:hi] for lo, hi in regions])
+        grads = [self.slots.grad_arena[slice(*self.slots.regions[s.job_id])] for s in states]
+        norms = torch._foreach_norm(grads)
         width = len(self.metric_names)
-        # one device sync per step: every job's numbers and gradient norm together
-        flat = torch.cat([torch.stack([n.reshape(-1) for n in numbers]).reshape(-1),
-                          torch.stack(norms).to(numbers[0].dtype)]).tolist()
+        lrs = {s.job_id: s.optimizer.param_groups[0]["lr"] for s in states}  # the step's, before its update
+        # one device sync per step: every job's numbers and gradient norm together, and every job's
+        # update (trainer.step_update: its skip and clip decided on the host after the sync, or on the device)
+        flat, skipped = sync_and_update(states, torch.cat([torch.stack([n.reshape(-1) for n in numbers]).reshape(-1),
+                                                           torch.stack(norms).to(numbers[0].dtype)]), width, grads)
         rows = [flat[i * width : (i + 1) * width] for i in range(len(states))]
-        report = self._update(states, rows, flat[len(states) * width :], batch)
+        report = self._report(states, rows, flat[len(states) * width :], batch, skipped, lrs)
         report.job_tokens = {s.job_id: n for s, n in zip(states, tokens, strict=True)}
         report.pass_cells = pass_cells
         if width > 1:
@@ -422,14 +425,12 @@ class MultiLoraEngine:
         ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
         self.model.base_model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
 
-    def _update(self, states: Sequence[JobRun], rows: list[list[float]], norms: list[float],
-                batch: PackedBatch | StepTotals) -> StepReport:
-        """The step's report, each job's clip and AdamW update done from its gradient sums in the
-        arena (trainer.jobs.update_jobs: a job with a non-finite loss or norm skips its own)."""
+    def _report(self, states: Sequence[JobRun], rows: list[list[float]], norms: list[float],
+                batch: PackedBatch | StepTotals, skipped: list[bool], lrs: dict[str, float]) -> StepReport:
+        """The step's report, after each job's clip and AdamW update (trainer.step_update: a job with a
+        non-finite loss or norm skipped its own)."""
         report = StepReport({}, {}, {}, {}, batch.real_tokens, batch.padded_fraction)
-        report.lrs = {s.job_id: s.optimizer.param_groups[0]["lr"] for s in states}  # the step's, before it
-        grads = [self.slots.grad_arena[slice(*self.slots.regions[s.job_id])] for s in states]
-        skipped = update_jobs(states, [row[0] for row in rows], norms, grads)
+        report.lrs = lrs
         for s, row, norm, skip in zip(states, rows, norms, skipped, strict=True):
             report.losses[s.job_id], report.skipped[s.job_id], report.grad_norms[s.job_id] = row[0], skip, norm
             report.steps[s.job_id] = s.step

@@ -157,17 +157,10 @@ def multi_adamw(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[to
         update(group)
 
 
-@torch.no_grad()
-def _multi_adamw(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor],
-                 grads: Sequence[torch.Tensor], clips: Sequence[float] | None = None) -> None:
-    """One AdamW step of many jobs at once: torch's single-tensor AdamW (decoupled weight decay,
-    bias corrections from the host step count) per job, each with its own optimizer's lr, betas,
-    eps and weight decay, as a few multi-tensor (`torch._foreach_*`) kernels over all jobs instead
-    of one optimizer step per job. Elementwise per tensor: one job's values never reach another's.
-    Bit for bit torch.optim.AdamW(foreach=False) on CPU; within float32 rounding of its fused
-    CUDA kernel, which is what runs on CUDA (`_fused_each`)."""
-    if not params:
-        return
+def adamw_states(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]
+                 ) -> tuple[list[dict], list[tuple]]:
+    """Each job's AdamW state (made on its first step; the step counted on the host, one more now)
+    and its (lr, beta1, beta2, eps, weight decay, step)."""
     states, hyper = [], []
     for opt, p in zip(optimizers, params, strict=True):
         st = opt.state[p]
@@ -182,6 +175,21 @@ def _multi_adamw(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[t
         g = opt.param_groups[0]
         states.append(st)
         hyper.append((g["lr"], *g["betas"], g["eps"], g["weight_decay"], float(st["step"])))
+    return states, hyper
+
+
+@torch.no_grad()
+def _multi_adamw(optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor],
+                 grads: Sequence[torch.Tensor], clips: Sequence[float] | None = None) -> None:
+    """One AdamW step of many jobs at once: torch's single-tensor AdamW (decoupled weight decay,
+    bias corrections from the host step count) per job, each with its own optimizer's lr, betas,
+    eps and weight decay, as a few multi-tensor (`torch._foreach_*`) kernels over all jobs instead
+    of one optimizer step per job. Elementwise per tensor: one job's values never reach another's.
+    Bit for bit torch.optim.AdamW(foreach=False) on CPU; within float32 rounding of its fused
+    CUDA kernel, which is what runs on CUDA (`_fused_each`)."""
+    if not params:
+        return
+    states, hyper = adamw_states(optimizers, params)
     clips = [1.0] * len(params) if clips is None else list(clips)
     if _use_fused(params[0]):
         _fused_each(params, grads, states, hyper, clips)
