@@ -34,7 +34,8 @@ LABELS = {  # (module, owner, attribute) -> the label of its host time
     ("trainer.step_graphs", None, "pack_flat"): "pack",
     ("trainer.step_graphs", "StepGraphs", "_fill"): "fill",
     ("trainer.arena", "AdapterArena", "layout_offsets"): "layout",
-    ("trainer.engine", "MultiLoraEngine", "_update"): "update",
+    ("trainer.engine", None, "sync_and_update"): "update",  # the sync and every job's update (session 50)
+    ("trainer.step_update", None, "update_on_device"): "update_on_device",
     ("trainer.jobs", None, "multi_adamw"): "adamw",
     ("torch.cuda.graphs", "CUDAGraph", "replay"): "replay",
 }

@@ -16,8 +16,12 @@ norm) and clip (by max_grad_norm).
   factor, inverted). It is launched before the sync, behind a copy of the numbers to pinned memory,
   so the host reads them while the updates run. The learning rates and bias corrections come from
   the host's counts, as before. Each count advances for every job at launch; after the sync, a
-  skipped job's count is taken back and its skip counted. The outcome is the same as the host's
-  decisions, within float32 rounding of the clip factor.
+  skipped job's count is taken back and its skip counted (a skipped first step leaves no AdamW state,
+  as the host's decisions do). The weights and moments are those of the host's decisions on CUDA,
+  within float32 rounding of the clip factor; the update is always torch's fused kernel (on the CPU
+  too, where the host's path is the foreach one, bit for bit torch.optim.AdamW: ~1e-8 apart), and
+  every job with a max_grad_norm passes its scale (the kernel then writes the unscaled gradient back).
+  The counts advance before the sync: a sync that raises leaves a skipped job's counts advanced.
 
 Off by default until a device run measures it (bench/device_session.sh s51_b).
 """
@@ -47,7 +51,7 @@ def sync_and_update(states: Sequence[JobRun], numbers: torch.Tensor, width: int,
         host = torch.empty(numbers.shape, dtype=numbers.dtype, pin_memory=True)
         host.copy_(numbers, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(numbers.device))  # the numbers' device, whichever is current
     else:
         host, ready = numbers.clone(), None
     update_on_device(states, numbers[0:n * width:width], numbers[n * width:], grads)
@@ -59,7 +63,10 @@ def sync_and_update(states: Sequence[JobRun], numbers: torch.Tensor, width: int,
         skip = not (math.isfinite(loss) and math.isfinite(norm))
         if skip:  # the kernel left it as it was: so does the host's count
             s.skipped_steps += 1
-            s.optimizer.state[s.adapter.flat]["step"] -= 1
+            st = s.optimizer.state[s.adapter.flat]
+            st["step"] -= 1
+            if float(st["step"]) == 0:  # its first step: no state, as the host's decisions leave it
+                del s.optimizer.state[s.adapter.flat]
         s.last_loss = loss
         skipped.append(skip)
     return values, skipped
