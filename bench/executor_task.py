@@ -68,8 +68,8 @@ def jobs(steps: int) -> list[TrainJob]:
 class KernelLoads:
     """Where a fresh process spends host time making kernels ready (session 50): every Triton kernel
     the JIT compiles or finds in its cache (`JITFunction._do_compile`) and every module it loads onto
-    the device (`CompiledKernel._init_handles`), as (start, seconds, kind) on the perf_counter clock,
-    plus the caching allocator's segments; `within(t0, t1)` sums what fell inside a step."""
+    the device (`CompiledKernel._init_handles`, its first call for a kernel), as (start, seconds, kind) on
+    the perf_counter clock; `within(t0, t1)` sums what fell inside a step (`segments` counts the allocator's)."""
 
     def __init__(self) -> None:
         self.events: list[tuple[float, float, str]] = []
@@ -201,7 +201,7 @@ def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: P
     first = ex.clock.first_step_s
     train_tokens = sum(ex.step_tokens)
     corrections = ex.memory.corrections if ex.memory is not None else {}
-    return {"wall_s": wall, "phases": dict(ex.clock.phases), "first_step_s": ex.clock.first_step_s,
+    return {"wall_s": wall, "phases": dict(ex.clock.phases), "first_step_s": first,
             "profile_reused": ex.memory.profile_reused if ex.memory is not None else None,
             "load_parts": getattr(ex, "load_parts", None), "steps": ex.global_step, "train_tokens": train_tokens,
             "states": sorted({s["state"] for s in status.values()}), "timings": events.get("timings"),

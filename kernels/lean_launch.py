@@ -29,7 +29,6 @@ import torch
 ENABLED = os.environ.get("LORAPLEX_LEAN_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 _OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl",
                       "debug", "sanitize_overflow"})
-_I32 = (-(2**31), 2**31)
 # (function, device, keywords, argument specs) -> (compiled kernel, names of the keyword parameters in order)
 _CACHE: dict[tuple, tuple[Any, tuple[str, ...]]] = {}
 # at most this many specializations are kept per kernel (a float argument that changed every call would
