@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from contract.states import TaskOutcome
+from kernels import triton_warm
 from kernels.shipped_cache import seed as seed_triton_cache
 from trainer.admission import AdmissionController, MemoryModel
 from trainer.colocate import TaskRun
@@ -147,6 +148,7 @@ class Executor:
             raise ValueError(f"attention {cfg.attention!r}: 'auto', 'rows', or 'varlen' for sft")
         device = self.strategy.device(cfg.device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        warming = triton_warm.start(device.type == "cuda")  # Triton's one-time key, hidden by the load
         if device.type == "cuda":
             torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
             seed_triton_cache()  # the kernels shipped for this GPU kind: none compiles in the task
@@ -160,6 +162,7 @@ class Executor:
         for task in list(self.tasks.values()):
             self.roster.guarded(task, lambda t=task: t.read(self.tokenizer))
         marks.append(("data", time.perf_counter()))
+        warming.join()  # before the engine's probes launch its first Triton kernel
         # built on the first task's examples, as a one-task executor is; then it reads the pool
         self.engine = self.strategy.prepare_engine(self.objective.engine_class(
             model, self.first.train, pad, cfg.targets, cfg.gradient_checkpointing is not False, cfg.backend,

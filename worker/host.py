@@ -70,7 +70,7 @@ WARM_MODULES = ("transformers.modeling_utils", "transformers.integrations.tensor
 
 def warm_imports() -> None:
     """The executor's imports (torch, transformers' model-building modules, the engine and its
-    kernels), none of which touches CUDA."""
+    kernels) and Triton's one-time key (kernels.triton_warm), none of which touches CUDA."""
     import importlib
 
     _executor_class()
@@ -79,6 +79,9 @@ def warm_imports() -> None:
             importlib.import_module(name)
         except ImportError:  # another transformers version: what is not there is not needed
             log.debug("warm-up module missing name=%s", name)
+    from kernels import triton_warm
+
+    triton_warm.compute()  # every executor forked from here (or run here) starts with it
 
 
 def warm_up() -> float:

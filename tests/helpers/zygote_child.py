@@ -1,6 +1,7 @@
 """``python -m tests.helpers.zygote_child --dir DIR [CODE [SLEEP_S]]``: what a node's process sees at
-its start (argv, folder, environment, session, the modules already imported), written to
-DIR/child.json; a line to stdout and one to stderr; then it sleeps SLEEP_S and exits with CODE."""
+its start (argv, folder, environment, session, the modules already imported, whether Triton's key
+is computed), written to DIR/child.json; a line to stdout and one to stderr; then it sleeps SLEEP_S
+and exits with CODE."""
 
 import json
 import os
@@ -17,6 +18,8 @@ if __name__ == "__main__":
             "stdin": sys.stdin.read()}
     torch = sys.modules.get("torch")
     seen["cuda_initialized"] = bool(torch is not None and torch.cuda.is_initialized())
+    warm = sys.modules.get("kernels.triton_warm")  # Triton's one-time key, inherited from the zygote
+    seen["triton_key_cached"] = bool(warm is not None and warm.cached())
     Path(sys.argv[2], "child.json").write_text(json.dumps(seen))
     print("to stdout")
     print("to stderr", file=sys.stderr)

@@ -129,6 +129,7 @@ def test_the_executors_imports_are_done_before_the_fork_and_cuda_is_untouched(tm
         child = seen(d)
         assert child["imported"] == ["json", "torch", "trainer.executor", "transformers"]
         assert not child["cuda_initialized"]
+        assert child["triton_key_cached"]  # hashed once in the zygote, not in each executor's first step
         assert z.info["imports_s"] > 0
     finally:
         z.close()

@@ -1,0 +1,88 @@
+"""Triton's one-time cost in a new process, taken off the first step's path.
+
+Before Triton compiles, or finds in its cache, the first kernel of a process, it computes
+`triton_key()`: a hash of its own sources and of its compiled library (libtriton.so, ~500 MB on the
+GPU image), kept for the process's life (an lru_cache). On the H200 that was 0.36-0.41 s of the first
+Triton kernel of every fresh executor process (bench/executor_task.py's kernel loads, session 51:
+`_silu_mul_fwd`'s JIT in the fused blocks' probes, on the way to the first step).
+
+- `compute()` fills that cache now: a node's zygote and a spare host call it with their imports
+  (`worker.host.warm_imports`), so every executor they fork or serve starts with it.
+- `start()` fills it in a daemon thread (file reads and sha256 let go of the GIL): the executor starts
+  it when it has a CUDA device and joins it before its engine's first kernel, so the backbone's load
+  hides it.
+
+Nothing here touches CUDA (a zygote forks after it) or runs under the interpreter's CPU-only path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+def _key_function() -> Callable[[], str] | None:
+    """Triton's `triton_key` (in runtime.cache, or compiler.compiler in older releases), or None."""
+    try:
+        from triton.runtime import cache
+    except ImportError:
+        return None
+    fn = getattr(cache, "triton_key", None)
+    if fn is None:
+        try:
+            from triton.compiler import compiler
+        except ImportError:
+            return None
+        fn = getattr(compiler, "triton_key", None)
+    return fn if callable(fn) and hasattr(fn, "cache_info") else None
+
+
+def cached() -> bool:
+    """Whether this process has Triton's key already (False where Triton or its key is missing)."""
+    fn = _key_function()
+    return fn is not None and fn.cache_info().currsize > 0
+
+
+def compute() -> float:
+    """Triton's key, computed now where it is not yet: the seconds it took (0.0 if it was there)."""
+    fn = _key_function()
+    if fn is None or fn.cache_info().currsize > 0:
+        return 0.0
+    started = time.perf_counter()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - Triton then computes it at its first compile, as it did
+        log.debug("triton key not computed ahead: %s", exc)
+    return time.perf_counter() - started
+
+
+class Warming:
+    """`start()`'s handle: `join()` waits for the key (at once where none was started)."""
+
+    def __init__(self, thread: threading.Thread | None) -> None:
+        self.thread = thread
+        self.seconds = 0.0
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+
+def start(wanted: bool = True) -> Warming:
+    """Compute Triton's key in a daemon thread, unless this process has it, has no Triton, or the
+    caller has no use for it (`wanted` False: a CPU device, whose kernels never compile)."""
+    if not wanted or _key_function() is None or cached():
+        return Warming(None)
+    warming = Warming(None)
+
+    def run() -> None:
+        warming.seconds = compute()
+
+    warming.thread = threading.Thread(target=run, name="triton-key", daemon=True)
+    warming.thread.start()
+    return warming
