@@ -25,6 +25,9 @@ FREE_PADDING = os.environ.get("LORAPLEX_FREE_PADDING", "1") != "0"
 # a graph's row lengths per doubling of its tokens (StepGraphs.per_octave): fewer keys (captures, ~0.3 s each)
 # for more padding, which FREE_PADDING makes cheaper; LORAPLEX_GRAPH_BUCKETS (a power of two) to measure it
 GRAPH_BUCKETS = max(1, int(os.environ.get("LORAPLEX_GRAPH_BUCKETS", "4")))
+# a key's step inputs reach the device from a pinned host mirror kept with its buffers (`Static.load`);
+# LORAPLEX_PINNED_STAGING=0: from a fresh pinned copy each step (torch's pin_memory), as before session 51
+PINNED_STAGING = os.environ.get("LORAPLEX_PINNED_STAGING", "1") != "0"
 
 
 def has_room(device: torch.device | int, need: float | None) -> bool:
@@ -118,6 +121,28 @@ class Static:
         self.floats = torch.zeros(2 * n, dtype=torch.float32, device=device)  # scalings, target counts
         self.scales, self.counts = self.floats[:n], self.floats[n:]
         self.out = torch.zeros(n, 2, dtype=torch.float32, device=device)
+        staged = device.type == "cuda" and PINNED_STAGING
+        self._host = (torch.empty(sum(self.sizes), dtype=torch.int64, pin_memory=True),
+                      torch.empty(2 * n, dtype=torch.float32, pin_memory=True)) if staged else None
+        self._copied = torch.cuda.Event() if staged else None
+
+    def load(self, ints: list[torch.Tensor], floats: list[torch.Tensor]) -> None:
+        """The step's inputs (host parts, in `sizes` order; the floats: scalings, target counts) into
+        the buffers, by one asynchronous copy each on the current stream. On CUDA the parts are
+        concatenated straight into the pinned mirror, once the last copy out of it has run."""
+        if self._host is None:
+            cuda = self.ints.device.type == "cuda"
+            for dst, parts in ((self.ints, ints), (self.floats, floats)):
+                host = torch.cat(parts)
+                dst.copy_(host.pin_memory() if cuda else host, non_blocking=True)
+            return
+        self._copied.synchronize()  # the previous step's copies out of the mirror (long done, as a rule)
+        host_ints, host_floats = self._host
+        torch.cat(ints, out=host_ints)
+        torch.cat(floats, out=host_floats)
+        self.ints.copy_(host_ints, non_blocking=True)
+        self.floats.copy_(host_floats, non_blocking=True)
+        self._copied.record()
 
 
 class Replay:

@@ -340,18 +340,13 @@ class StepGraphs:
         half = n_layers * n_jobs
         tail = per_slot(ints[:half]) + per_slot(ints[half:])
         tail += [s.adapter.rank for s in states] + a_pad + bounds + [bounds[-1]] * (n - n_jobs)
-        host = torch.cat([cpu.input_ids.reshape(-1), cpu.position_ids.reshape(-1), cpu.targets.reshape(-1),
-                          job, torch.tensor(cu + tail, dtype=torch.int64)])
         counts = torch.zeros(n, dtype=torch.float32)
         counts.index_add_(0, job, (cpu.targets.reshape(-1) != IGNORE).to(torch.float32))
         scales = [s.adapter.scaling for s in states] + [0.0] * (n - n_jobs)
-        floats = torch.cat([torch.tensor(scales, dtype=torch.float32), counts.clamp(min=1.0)])
-        st.ints.copy_(self._pinned(host), non_blocking=True)
-        st.floats.copy_(self._pinned(floats), non_blocking=True)
+        st.load([cpu.input_ids.reshape(-1), cpu.position_ids.reshape(-1), cpu.targets.reshape(-1), job,
+                 torch.tensor(cu + tail, dtype=torch.int64)],
+                [torch.tensor(scales, dtype=torch.float32), counts.clamp(min=1.0)])
         return counts
-
-    def _pinned(self, cpu: torch.Tensor) -> torch.Tensor:
-        return cpu.pin_memory() if self.engine.device.type == "cuda" else cpu
 
     # ----- the body, its eager run and its capture -------------------------------------
     def _run(self, st: _Static, key: GraphKey) -> None:

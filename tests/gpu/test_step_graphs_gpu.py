@@ -103,3 +103,28 @@ def test_an_evaluation_on_its_arena_copy_equals_the_whole_arena(tmp_path) -> Non
         assert eng.step_graphs.replays == replays  # the copy's forward ran eagerly
     assert torch.equal(counts, got_counts)
     torch.testing.assert_close(got.double().cpu(), want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_a_keys_inputs_arrive_whole_while_the_stream_is_busy(monkeypatch, staged: bool) -> None:  # noqa: ANN001
+    """Static.load's pinned mirror is rewritten only once the copy out of it ran: three loads
+    queued behind a sleeping stream each land as loaded (without the wait, an earlier copy
+    would read a later step's values)."""
+    from trainer import graph_parts
+    from trainer.graph_parts import GraphKey, Static
+
+    monkeypatch.setattr(graph_parts, "PINNED_STAGING", staged)
+    key = GraphKey(tokens=64, seq_slots=16, job_slots=8, rank=16, max_len=64, aligned=True, recompute=False)
+    st = Static(key, 3, torch.device("cuda"))
+    assert (st._host is not None) == staged
+    seen, wanted = [], []
+    for i in range(3):
+        torch.cuda._sleep(20_000_000)  # the copies wait behind this on the current stream
+        ints = [torch.full((size,), 1000 * i + j, dtype=torch.int64) for j, size in enumerate(st.sizes)]
+        floats = [torch.full((8,), float(i)), torch.full((8,), i + 0.5)]
+        st.load(ints, floats)
+        seen.append((st.ints.clone(), st.floats.clone()))  # queued after the copies, before the next load
+        wanted.append((torch.cat(ints), torch.cat(floats)))
+    torch.cuda.synchronize()
+    for (got_i, got_f), (want_i, want_f) in zip(seen, wanted, strict=True):
+        assert torch.equal(got_i.cpu(), want_i) and torch.equal(got_f.cpu(), want_f)
