@@ -48,9 +48,10 @@ def build(layers: int, recompute: bool, tokens: int) -> MultiLoraEngine:
     return eng
 
 
-def measure(eng: MultiLoraEngine, warmup: int, iters: int) -> dict:
+def measure(eng: MultiLoraEngine, warmup: int, iters: int, stacks: int = 0) -> dict:
     """One mode's numbers: step wall (median, synced), tokens, GPU busy (torch.profiler's kernel
-    time over 3 steps, graph replays' kernels included), kernel launches from the host."""
+    time over 3 steps, graph replays' kernels included), kernel launches from the host; with
+    `stacks`, the ops' own GPU time by their callers (`op_table`)."""
     for _ in range(warmup):
         eng.step()
     torch.cuda.synchronize()
@@ -65,11 +66,14 @@ def measure(eng: MultiLoraEngine, warmup: int, iters: int) -> dict:
     after = dict(eng.step_graphs.stats()) if eng.step_graphs is not None else {}
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # Python frames reach the events only with the verbose experimental config (torch 2.11-2.13)
+    verbose = {"experimental_config": torch._C._profiler._ExperimentalConfig(verbose=True)} if stacks else {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks > 0, **verbose) as prof:
         for _ in range(3):
             eng.step()
         torch.cuda.synchronize()
     events = prof.key_averages()
+    by_op = op_table(prof, stacks) if stacks > 0 else ""
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 3
     launches = sum(e.count for e in events if e.key in ("cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx",
                                                           "cudaLaunchKernelExC")) / 3
@@ -78,7 +82,21 @@ def measure(eng: MultiLoraEngine, warmup: int, iters: int) -> dict:
     return {"wall_ms": wall * 1e3, "replay": replay_only(eng, iters), "tokens": statistics.median(toks),
             "gpu_ms": gpu_us / 1e3,
             "busy": gpu_us / 1e3 / (wall * 1e3), "launches": launches, "graph_launches": graph_launches,
-            "graphs": {k: after.get(k, 0) - before.get(k, 0) for k in after}, "events": events}
+            "graphs": {k: after.get(k, 0) - before.get(k, 0) for k in after}, "events": events, "by_op": by_op}
+
+
+def op_table(prof, frames: int, rows: int = 30) -> str:  # noqa: ANN001
+    """The aten ops whose own kernels take the most GPU time over the 3 steps, each with the
+    innermost `frames` Python frames outside torch that called it (an eager step: a replay has no ops)."""
+    events = [e for e in prof.key_averages(group_by_stack_n=4 * frames)
+              if e.key.startswith("aten::") and e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    out = ["| aten op | calls a step | own GPU ms a step | called from (innermost first) |", "|---|---|---|---|"]
+    for e in events[:rows]:
+        own = [f.strip() for f in (e.stack or []) if "torch/" not in f and "built-in" not in f]  # torch's own frames left out
+        where = " <- ".join(own[:frames]) or "?"
+        out.append(f"| {e.key} | {e.count / 3:.0f} | {e.self_device_time_total / 3e3:.2f} | {where[:300]} |")
+    return "\n".join(out) + "\n"
 
 
 def replay_only(eng: MultiLoraEngine, iters: int) -> str:
@@ -110,6 +128,8 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,graphs", help="eager (host launches) and/or graphs (CUDA graphs)")
     ap.add_argument("--warmup", type=int, default=24, help="steps before timing (the graphs capture their shapes)")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--stacks", type=int, default=0,
+                    help="eager steps: a table of the aten ops' own GPU time by this many calling frames")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     from trainer.step_graphs import StepGraphs
@@ -122,7 +142,7 @@ def main() -> None:
         eng.set_recompute(recompute)
         for mode in args.modes.split(","):
             eng.step_graphs = StepGraphs(eng) if mode == "graphs" else None
-            m = measure(eng, args.warmup, args.iters)
+            m = measure(eng, args.warmup, args.iters, args.stacks if mode == "eager" else 0)
             rows.append(f"| {recompute} | {mode} | {m['wall_ms']:.1f} | {m['tokens']:.0f} | {m['gpu_ms']:.1f} | "
                         f"{m['busy']:.0%} | {m['tokens'] / m['wall_ms'] * 1e3:,.0f} | {m['launches']:.0f} | "
                         f"{m['graph_launches']:.0f} | {m['graphs'] or ''} |")
@@ -130,6 +150,8 @@ def main() -> None:
             if m["replay"]:
                 tables.append(f"Graph replays back to back (recompute {recompute}): {m['replay']}\n")
                 print(tables[-1], flush=True)
+            if m["by_op"]:
+                tables.append(f"### recompute {recompute}, {mode}: the aten ops' own GPU time by caller\n\n{m['by_op']}")
             tables.append(f"### recompute {recompute}, {mode}: torch.profiler, 3 steps, by self CPU time\n\n```\n"
                           + m["events"].table(sort_by="self_cpu_time_total", row_limit=12)[:5000] + "\n```\n")
             tables.append(f"### recompute {recompute}, {mode}: the same 3 steps' kernels, by GPU time\n\n```\n"
