@@ -6,7 +6,7 @@ second process on the same seeded cache did not (bench/executor_task.py's kernel
 does what the executor does before its probes (the shipped archive seeded into `TRITON_CACHE_DIR`,
 Triton's key computed ahead: kernels.triton_warm), then launches each kernel once on the probes'
 shapes under cProfile and prints, per kernel, its seconds and the 15 functions with the most
-cumulative time inside its launch. Run it twice in fresh processes on the same cache: the first
+cumulative time inside its launch, and the modules its launch imported. Run it twice in fresh processes on the same cache: the first
 process's extra is what a node's first executor pays.
 
     python bench/first_kernels.py [--hidden 4096] [--inter 14336] [--head-dim 128] [--out FILE.md]
@@ -55,6 +55,7 @@ def main() -> None:
     for name, call in (("rms_norm", lambda: rms_norm(x, w, 1e-5)), ("silu_mul", lambda: silu_mul(g, u)),
                        ("rope", lambda: rope(q, k, cos, sin))):
         prof = cProfile.Profile()
+        before = set(sys.modules)
         t1 = time.perf_counter()
         prof.enable()
         call()
@@ -63,7 +64,9 @@ def main() -> None:
         took = time.perf_counter() - t1
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(15)
-        lines += [f"## {name}: {took:.3f} s", "", "```", buf.getvalue().strip()[-4000:], "```", ""]
+        new = sorted(set(sys.modules) - before)  # what its launch imported
+        lines += [f"## {name}: {took:.3f} s", "", f"Imported by it ({len(new)}): {', '.join(new) or 'nothing'}", "",
+                  "```", buf.getvalue().strip()[-4000:], "```", ""]
     text = "\n".join(lines)
     print(text)
     if args.out:
