@@ -4,7 +4,9 @@ Before Triton compiles, or finds in its cache, the first kernel of a process, it
 `triton_key()`: a hash of its own sources and of its compiled library (libtriton.so, ~500 MB on the
 GPU image), kept for the process's life (an lru_cache). On the H200 that was 0.36-0.41 s of the first
 Triton kernel of every fresh executor process (bench/executor_task.py's kernel loads, session 51:
-`_silu_mul_fwd`'s JIT in the fused blocks' probes, on the way to the first step).
+`_silu_mul_fwd`'s JIT in the fused blocks' probes, on the way to the first step). The same first
+launch imports Triton's code generator (bench/first_kernels.py: ~40 modules, 0.15-0.19 s); that
+import goes with the key.
 
 - `compute()` fills that cache now: a node's zygote and a spare host call it with their imports
   (`worker.host.warm_imports`), so every executor they fork or serve starts with it.
@@ -17,6 +19,7 @@ Nothing here touches CUDA (a zygote forks after it) or runs under the interprete
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import time
@@ -48,14 +51,18 @@ def cached() -> bool:
 
 
 def compute() -> float:
-    """Triton's key, computed now where it is not yet: the seconds it took (0.0 if it was there)."""
+    """Triton's key, computed now where it is not yet, and its code generator imported: the seconds
+    it took (0.0 if the key was there)."""
     fn = _key_function()
     if fn is None or fn.cache_info().currsize > 0:
         return 0.0
     started = time.perf_counter()
     try:
         fn()
-    except Exception as exc:  # noqa: BLE001 - Triton then computes it at its first compile, as it did
+        # the first launch's specialization imports the code generator and, with it, ~40 modules of
+        # Triton's experimental Gluon language (0.15-0.19 s of the first kernel on the H200, session 51)
+        importlib.import_module("triton.compiler.code_generator")
+    except Exception as exc:  # noqa: BLE001 - Triton then does it at its first compile, as it did
         log.debug("triton key not computed ahead: %s", exc)
     return time.perf_counter() - started
 
