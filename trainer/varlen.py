@@ -79,8 +79,12 @@ def gqa_unexpanded() -> bool:
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor,
            max_len: int, scaling: float | None, window: int | None) -> torch.Tensor:
     varlen_attn, params = _flash_options()
-    # [1, H, T, D] -> [T, H, D]
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    # [1, H, T, D] -> [T, H, D], by views whose backward are views too: the kernel's gradients
+    # ([T, H, D], contiguous) reach the projections laid out as their outputs are. `t[0]` here cost
+    # its backward a zeroed [1, H, T, D] copy of each gradient, then the projections' view a copy
+    # back: 6 copies and 3 fills of a query's size a layer (2.0 ms of an H200's 2-job step at
+    # 32 layers, session 51's `bench/host_profile.py --stacks`)
+    q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))
     kw: dict[str, Any] = {"scale": scaling} if "scale" in params else {}
     if "window_size" in params:
         kw["window_size"] = (-1 if window is None else window - 1, 0)

@@ -174,3 +174,56 @@ def test_grouped_query_heads_reach_the_flash_kernel_unexpanded(
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     assert seen == heads_seen
     assert varlen._GQA_STRAIGHT == [not (check and not flag)]
+
+
+class _FlashLike(torch.autograd.Function):
+    """The flash kernel's contract in a stand-in: [T, H, D] in, [T, H, D] out, and gradients
+    returned contiguous in [T, H, D] (the reference's own backward gives them in its layout)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bounds, scale):  # noqa: ANN001, ANN205, D102
+        ctx.save_for_backward(q, k, v)
+        ctx.bounds, ctx.scale = bounds, scale
+        return _FlashLike._attend(q, k, v, bounds, scale).contiguous()
+
+    @staticmethod
+    def _attend(q, k, v, bounds, scale):  # noqa: ANN001, ANN205
+        t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+        return packed_attention_ref(t(q), t(k), t(v), bounds, scale)[0].to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205, D102
+        inputs = [x.detach().requires_grad_() for x in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = _FlashLike._attend(*inputs, ctx.bounds, ctx.scale)
+        grads = torch.autograd.grad(out, inputs, grad)
+        return (*(g.contiguous() for g in grads), None, None)
+
+
+def test_the_kernels_gradients_reach_the_projections_in_their_own_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """q, k and v come from the projections as [1, T, H, D] memory seen as [1, H, T, D]; the flash
+    path hands the kernel's [T, H, D] gradients back in that layout (views only: the projections'
+    own view then needs no copy), and they are the reference's gradients."""
+    def attend(q, k, v, cu, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):  # noqa: ANN001, ANN202
+        return _FlashLike.apply(q, k, v, [int(x) for x in cu.tolist()], scale)
+
+    import inspect
+    monkeypatch.setattr(varlen, "_flash_options", lambda: (attend, frozenset(inspect.signature(attend).parameters)))
+    monkeypatch.setattr(varlen, "_GQA_STRAIGHT", [True])
+    total, dim = BOUNDS[-1], 16
+    g = torch.Generator().manual_seed(3)
+    rows = {name: torch.randn(1, total, heads * dim, generator=g, dtype=torch.float64, requires_grad=True)
+            for name, heads in (("q", 4), ("k", 2), ("v", 2))}
+    q, k, v = (rows[n].view(1, total, -1, dim).transpose(1, 2) for n in ("q", "k", "v"))
+    seen = []
+    for t in (q, k, v):
+        t.register_hook(lambda grad: seen.append(grad))
+    weight = torch.randn(1, total, 4, dim, generator=g, dtype=torch.float64)
+    cu = torch.tensor(BOUNDS, dtype=torch.int32)
+    (varlen._flash(q, k, v, cu, 24, 0.3, None) * weight).sum().backward()
+    assert len(seen) == 3 and all(grad.transpose(1, 2).is_contiguous() for grad in seen)
+    ref = [x.detach().clone().requires_grad_() for x in rows.values()]
+    rq, rk, rv = (x.view(1, total, -1, dim).transpose(1, 2) for x in ref)
+    (packed_attention_ref(rq, rk, rv, BOUNDS, 0.3) * weight).sum().backward()
+    for got, want in zip(rows.values(), ref, strict=True):
+        torch.testing.assert_close(got.grad, want.grad)
