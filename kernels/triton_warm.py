@@ -10,9 +10,9 @@ import goes with the key.
 
 - `compute()` fills that cache now: a node's zygote and a spare host call it with their imports
   (`worker.host.warm_imports`), so every executor they fork or serve starts with it.
-- `start()` fills it in a daemon thread (file reads and sha256 let go of the GIL): the executor starts
-  it when it has a CUDA device and joins it before its engine's first kernel, so the backbone's load
-  hides it.
+- The executor fills it on a background worker (`trainer.triton_ahead`; file reads and sha256 let go
+  of the GIL) from the moment it has a CUDA device, joined before its engine's first kernel, so the
+  backbone's load hides it.
 
 Nothing here touches CUDA (a zygote forks after it) or runs under the interpreter's CPU-only path.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -42,6 +41,11 @@ def _key_function() -> Callable[[], str] | None:
             return None
         fn = getattr(compiler, "triton_key", None)
     return fn if callable(fn) and hasattr(fn, "cache_info") else None
+
+
+def available() -> bool:
+    """Whether this Triton has the key to compute (its `triton_key`, an lru_cache)."""
+    return _key_function() is not None
 
 
 def cached() -> bool:
@@ -65,31 +69,3 @@ def compute() -> float:
     except Exception as exc:  # noqa: BLE001 - Triton then does it at its first compile, as it did
         log.debug("triton key not computed ahead: %s", exc)
     return time.perf_counter() - started
-
-
-class Warming:
-    """`start()`'s handle: `join()` waits for the key (at once where none was started)."""
-
-    def __init__(self, thread: threading.Thread | None) -> None:
-        self.thread = thread
-        self.seconds = 0.0
-
-    def join(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-
-
-def start(wanted: bool = True) -> Warming:
-    """Compute Triton's key in a daemon thread, unless this process has it, has no Triton, or the
-    caller has no use for it (`wanted` False: a CPU device, whose kernels never compile)."""
-    if not wanted or _key_function() is None or cached():
-        return Warming(None)
-    warming = Warming(None)
-
-    def run() -> None:
-        warming.seconds = compute()
-
-    warming.thread = threading.Thread(target=run, name="triton-key", daemon=True)
-    warming.thread.start()
-    return warming

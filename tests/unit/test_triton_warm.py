@@ -1,7 +1,7 @@
 """Unit: Triton's one-time key (kernels.triton_warm) is computed once, with its code generator
-imported, ahead of the first kernel: in a daemon thread the executor joins before its engine, or at
-once in a zygote; never twice, never where nothing wants it, and a Triton without it (or one whose key
-fails) changes nothing."""
+imported, ahead of the first kernel: on a background worker the executor joins before its engine
+(trainer.triton_ahead), or at once in a zygote; never twice, never where nothing wants it, and a
+Triton without it (or one whose key fails) changes nothing."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 import pytest
 
 from kernels import triton_warm
+from trainer import triton_ahead
 
 
 def fake_key(calls: list[str], delay: float = 0.0, fail: bool = False):  # noqa: ANN201
@@ -33,45 +34,45 @@ def test_the_real_key_is_triton_compilers_own_and_computed_once() -> None:
     fn = triton_warm._key_function()
     assert fn is cache.triton_key  # the function Triton's compile calls, so its cache is the one filled
     fn.cache_clear()
-    assert not triton_warm.cached()
+    assert triton_warm.available() and not triton_warm.cached()
     assert triton_warm.compute() > 0.0
     assert triton_warm.cached() and "triton.compiler.code_generator" in sys.modules  # the first launch's import too
     assert triton_warm.compute() == 0.0  # there already: nothing hashed again
 
 
-def test_start_computes_it_in_a_daemon_thread_and_join_waits_for_it(monkeypatch) -> None:  # noqa: ANN001
+def test_the_executors_worker_computes_it_in_its_thread_and_join_waits(monkeypatch) -> None:  # noqa: ANN001
     calls: list[str] = []
     key = fake_key(calls, delay=0.2)
     monkeypatch.setattr(triton_warm, "_key_function", lambda: key)
-    warming = triton_warm.start()
-    assert warming.thread is not None and warming.thread.daemon
-    warming.join()
-    assert calls == ["triton-key"] and triton_warm.cached()
-    assert warming.seconds >= 0.2
-    assert key() == "key" and calls == ["triton-key"]  # the first compile finds it: not computed again
-    warming.join()  # a second join returns at once
+    worker = triton_ahead.start(True)
+    assert worker.alive
+    assert worker.join(timeout=10.0)  # its one step stops the loop
+    assert calls == ["loraplex-triton-key"] and triton_warm.cached()
+    assert key() == "key" and calls == ["loraplex-triton-key"]  # the first compile finds it: not computed again
+    assert worker.health().runs == 1 and worker.health().crashes == 0
 
 
 def test_nothing_starts_where_it_is_cached_unwanted_or_missing(monkeypatch) -> None:  # noqa: ANN001
     calls: list[str] = []
     key = fake_key(calls)
     monkeypatch.setattr(triton_warm, "_key_function", lambda: key)
-    assert triton_warm.start(False).thread is None  # a CPU executor: its kernels never compile
-    assert calls == []
+    worker = triton_ahead.start(False)  # a CPU executor: its kernels never compile
+    assert not worker.alive and worker.join() and calls == []
     key()
-    assert triton_warm.start().thread is None  # cached: a zygote's child, a warm host
+    assert not triton_ahead.start(True).alive  # cached: a zygote's child, a warm host
     monkeypatch.setattr(triton_warm, "_key_function", lambda: None)  # a Triton without the key
-    assert triton_warm.start().thread is None
+    assert not triton_warm.available() and not triton_ahead.start(True).alive
     assert triton_warm.compute() == 0.0 and not triton_warm.cached()
 
 
-@pytest.mark.parametrize("in_thread", [False, True])
-def test_a_key_that_fails_is_left_to_tritons_first_compile(monkeypatch, in_thread: bool) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("on_worker", [False, True])
+def test_a_key_that_fails_is_left_to_tritons_first_compile(monkeypatch, on_worker: bool) -> None:  # noqa: ANN001
     calls: list[str] = []
     key = fake_key(calls, fail=True)
     monkeypatch.setattr(triton_warm, "_key_function", lambda: key)
-    if in_thread:
-        triton_warm.start().join()
+    if on_worker:
+        worker = triton_ahead.start(True)
+        assert worker.join(timeout=10.0) and worker.health().crashes == 0  # no restart loop
     else:
         triton_warm.compute()
     assert len(calls) == 1 and not triton_warm.cached()  # nothing kept: Triton computes (and raises) itself
