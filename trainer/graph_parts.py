@@ -142,7 +142,7 @@ class Static:
         torch.cat(floats, out=host_floats)
         self.ints.copy_(host_ints, non_blocking=True)
         self.floats.copy_(host_floats, non_blocking=True)
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.ints.device))  # the copies' stream, whatever device is current
 
 
 class Replay:

@@ -28,16 +28,22 @@ def fake_key(calls: list[str], delay: float = 0.0, fail: bool = False):  # noqa:
     return triton_key
 
 
-def test_the_real_key_is_triton_compilers_own_and_computed_once() -> None:
+def test_the_real_key_is_triton_compilers_own_and_computed_once(monkeypatch) -> None:  # noqa: ANN001
     from triton.runtime import cache
 
+    imported: list[str] = []
+    real_import = triton_warm.importlib.import_module
+    monkeypatch.setattr(triton_warm.importlib, "import_module",
+                        lambda name: imported.append(name) or real_import(name))
     fn = triton_warm._key_function()
     assert fn is cache.triton_key  # the function Triton's compile calls, so its cache is the one filled
     fn.cache_clear()
     assert triton_warm.available() and not triton_warm.cached()
-    assert triton_warm.compute() > 0.0
-    assert triton_warm.cached() and "triton.compiler.code_generator" in sys.modules  # the first launch's import too
-    assert triton_warm.compute() == 0.0  # there already: nothing hashed again
+    triton_warm.compute()
+    assert triton_warm.cached() and fn.cache_info().misses == 1
+    assert imported == ["triton.compiler.code_generator"] and imported[0] in sys.modules  # the first launch's import
+    assert triton_warm.compute() == 0.0 and fn.cache_info().misses == 1  # there already: nothing hashed again
+    assert imported == ["triton.compiler.code_generator"]
 
 
 def test_the_executors_worker_computes_it_in_its_thread_and_join_waits(monkeypatch) -> None:  # noqa: ANN001
