@@ -7,6 +7,7 @@ out of memory, and their keys ran eagerly for the rest of the search (21 eager s
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -55,13 +56,16 @@ class capturing:  # noqa: N801 - a context manager, named as torch.cuda.graph is
     - the stream current before it is current again after it, a failed capture included:
       torch.cuda.graph's exit ends the capture before it leaves its stream, so when that end
       raises (a capture invalidated inside) its capture stream stays the thread's current one.
-    A class, not a generator: a failed capture's exception then holds no frame of ours."""
+    A class, not a generator: a failed capture's exception then holds no frame of ours.
+    `body_s` and `end_s`: the seconds of the captured host pass and of the capture's end (the graph's
+    instantiation), for the step graphs' stats."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, pool: Any = None, mode: str = "thread_local",
                  need: float | None = None) -> None:
         self._graph = torch.cuda.graph(graph, pool=pool, capture_error_mode=mode)
         self._need = need
         self._stream: torch.cuda.Stream | None = None
+        self.body_s = self.end_s = 0.0
 
     def __enter__(self) -> None:
         self._stream = torch.cuda.current_stream()
@@ -72,12 +76,16 @@ class capturing:  # noqa: N801 - a context manager, named as torch.cuda.graph is
             self._graph.__enter__()
         finally:
             torch.cuda.empty_cache, torch._C._host_emptyCache = saved
+        self.body_s = time.perf_counter()
 
     def __exit__(self, *exc: Any) -> bool | None:
+        started = time.perf_counter()
+        self.body_s = started - self.body_s
         try:
             return self._graph.__exit__(*exc)
         finally:
             torch.cuda.set_stream(self._stream)
+            self.end_s = time.perf_counter() - started
 
 
 def pow2(n: int, floor: int) -> int:

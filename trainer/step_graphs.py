@@ -135,6 +135,7 @@ class StepGraphs:
         self.eager_runs = 0
         self.failures = 0
         self.deferrals = 0  # captures put off: the device had too little free memory for their pool
+        self.capture_s = [0.0, 0.0]  # the captures' host passes and their ends (instantiation), seconds
         # a training key's tokens, recompute -> the bytes its capture keeps in the pool (None: unknown;
         # the executor's memory plan, MemoryPlan.capture_bytes)
         self.capture_need: Callable[[int, bool], float | None] | None = None
@@ -415,8 +416,9 @@ class StepGraphs:
             return _Replay(lambda: self._run(st, key))
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.memory_reserved(device)
+        cap = _capturing(graph, self.pool, "relaxed", need)
         try:
-            with _capturing(graph, self.pool, "relaxed", need):
+            with cap:
                 self._run(st, key)
         except RuntimeError as err:
             entry.failed = True
@@ -426,6 +428,7 @@ class StepGraphs:
             log.warning("step graph capture failed for %s: %s [%s]", key, str(err).split(". ")[0][:200],
                         memory_report(device))
             return None
+        self.capture_s = [self.capture_s[0] + cap.body_s, self.capture_s[1] + cap.end_s]
         if self.pool is None:
             self.pool = graph.pool()
         # the pool's memory: kept for the replays, invisible to memory_allocated (admission adds it)
@@ -442,4 +445,5 @@ class StepGraphs:
     def stats(self) -> dict[str, int]:
         return {"graphs": sum(e.graph is not None for e in self.entries.values()), "captures": self.captures,
                 "replays": self.replays, "eager_runs": self.eager_runs, "failures": self.failures,
-                "deferrals": self.deferrals, "covered": self.covered}
+                "deferrals": self.deferrals, "covered": self.covered, "capture_host_ms": round(1e3 * self.capture_s[0]),
+                "capture_end_ms": round(1e3 * self.capture_s[1])}
