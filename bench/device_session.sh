@@ -22,6 +22,18 @@ side_by_side() {  # this tree's engine stages and fused engine step against the 
   PYTHONPATH=$PWD step 110 engine_old python3 "$old/bench/engine_step.py" --jobs 8 --skip-peft --skip-torch \
     --forms fused --out "$OUT/engine_step_old_h100.md"
 }
+search_rest() {  # search (a) in what is left of the call (if 150 s are), the cubins counted before and after
+  local shipped
+  shipped=$(shipped_cubins)
+  [ $((585 - SECONDS)) -ge 150 ] && search_a $((585 - SECONDS)) $((575 - SECONDS))
+  echo "cubins shipped: $shipped, after search (a): $(cubins)" | tee -a "$OUT/steps.txt"
+  rm -f "$OUT"/search_a.md "$OUT"/host_memory.txt
+}
+gpu_tests() {  # gpu_tests DIR: every GPU test on a Triton cache of its own (DIR_tests), the call's cache DIR/triton
+  export TRITON_CACHE_DIR=$1/triton
+  rm -rf "$1" "$1_tests"
+  TRITON_CACHE_DIR=$1_tests/triton step 385 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
+}
 search_a() {  # search_a LIMIT DEADLINE: the user's search (a) at 32 layers, 48 configurations, its quality
   # phase in the same call, the host's memory and disk logged every 5 s. Its executor folder (a
   # checkpoint of ~40-50 GB: every started job's adapter and AdamW moments) does not fit the device's
@@ -2160,13 +2172,8 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     ;;
   s50_c)  # session 50: the code that lands (the lean launch path on): every GPU test, then search (a)
-    export TRITON_CACHE_DIR=/tmp/s50c/triton
-    rm -rf /tmp/s50c /tmp/s50c_tests
-    TRITON_CACHE_DIR=/tmp/s50c_tests/triton step 385 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
-    shipped=$(shipped_cubins)
-    [ $((585 - SECONDS)) -ge 150 ] && search_a $((585 - SECONDS)) $((575 - SECONDS))
-    echo "cubins shipped: $shipped, after search (a): $(cubins)" | tee -a "$OUT/steps.txt"
-    rm -f "$OUT"/search_a.md "$OUT"/host_memory.txt
+    gpu_tests /tmp/s50c
+    search_rest
     pack_logs
     ;;
   s50_d)  # session 50: the lean launch path's host time, order balanced (off, on, on, off): an eager 2-job step at
@@ -2237,13 +2244,8 @@ with c.set_checkpoint_debug_enabled(True):
     ;;
   s51_d)  # session 51: the code that lands (Triton's key computed ahead, the pinned staging): every GPU test, then
           # search (a)
-    export TRITON_CACHE_DIR=/tmp/s51d/triton
-    rm -rf /tmp/s51d /tmp/s51d_tests
-    TRITON_CACHE_DIR=/tmp/s51d_tests/triton step 385 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
-    shipped=$(shipped_cubins)
-    [ $((585 - SECONDS)) -ge 150 ] && search_a $((585 - SECONDS)) $((575 - SECONDS))
-    echo "cubins shipped: $shipped, after search (a): $(cubins)" | tee -a "$OUT/steps.txt"
-    rm -f "$OUT"/search_a.md "$OUT"/host_memory.txt
+    gpu_tests /tmp/s51d
+    search_rest
     pack_logs
     ;;
   s51_e)  # session 51: which aten ops own an eager 2-job step's small kernels, by caller (host_profile --stacks),
@@ -2267,9 +2269,7 @@ with c.set_checkpoint_debug_enabled(True):
   s52_a)  # prepared in session 51 for the next: the code that lands first (the varlen layout: 6 copies and 3 fills of
           # a query's size a layer less in the backward; the code generator imported with Triton's key), every GPU
           # test, a 2-job step replayed (call 3 of session 51: 114.3-117.7 ms), the tasks (their first step, steps)
-    export TRITON_CACHE_DIR=/tmp/s52a/triton
-    rm -rf /tmp/s52a /tmp/s52a_tests
-    TRITON_CACHE_DIR=/tmp/s52a_tests/triton step 385 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
+    gpu_tests /tmp/s52a
     hp hp_graphs 290 60
     [ $((585 - SECONDS)) -ge 90 ] && step 85 task200 python3 bench/executor_task.py --layers 32 --steps 200 \
       --runs cold --out "$OUT/executor_task200.md" --json "$OUT/executor_task200.json"
@@ -2284,10 +2284,7 @@ with c.set_checkpoint_debug_enabled(True):
     rm -rf /tmp/s52b
     step 150 hp_ops python3 bench/host_profile.py --layers 32 --tokens 290 --recompute 0 --modes eager --warmup 4 \
       --iters 4 --stacks 4 --out "$OUT/hp_ops.md"
-    shipped=$(shipped_cubins)
-    [ $((585 - SECONDS)) -ge 150 ] && search_a $((585 - SECONDS)) $((575 - SECONDS))
-    echo "cubins shipped: $shipped, after search (a): $(cubins)" | tee -a "$OUT/steps.txt"
-    rm -f "$OUT"/search_a.md "$OUT"/host_memory.txt
+    search_rest
     pack_logs
     ;;
   *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d|s38_a|s38_b|s38_c|s38_d|s39_a|s39_b|s39_c|s39_d|s39_e|s40_a|s40_b|s40_c|s40_d|s41_a|s41_b|s41_c|s41_d|s42_a|s42_b|s42_c|s42_d|s43_a|s43_b|s43_c|s43_d|s44_a|s44_b|s44_c|s44_d|s44_e|s44_f|s45_a|s45_b|s45_c|s45_d|s45_e|s46_a|pad_free|pad_free_tasks|s47_a|s47_b|s47_c|s48_a|s48_c|s48_cublas|s48_replay|s48_store|s48_auto|s48_seed|s49_a|s49_b|s49_c|s49_d|s50_a|s50_b|s50_c|s50_d|s51_a|s51_b|s51_c|s51_d|s51_e|s51_f|s52_a|s52_b" >&2; exit 2 ;;

@@ -65,7 +65,7 @@ class capturing:  # noqa: N801 - a context manager, named as torch.cuda.graph is
         self._graph = torch.cuda.graph(graph, pool=pool, capture_error_mode=mode)
         self._need = need
         self._stream: torch.cuda.Stream | None = None
-        self.body_s = self.end_s = 0.0
+        self.body_s = self.end_s = self._entered = 0.0
 
     def __enter__(self) -> None:
         self._stream = torch.cuda.current_stream()
@@ -76,11 +76,11 @@ class capturing:  # noqa: N801 - a context manager, named as torch.cuda.graph is
             self._graph.__enter__()
         finally:
             torch.cuda.empty_cache, torch._C._host_emptyCache = saved
-        self.body_s = time.perf_counter()
+        self._entered = time.perf_counter()
 
     def __exit__(self, *exc: Any) -> bool | None:
         started = time.perf_counter()
-        self.body_s = started - self.body_s
+        self.body_s = started - self._entered
         try:
             return self._graph.__exit__(*exc)
         finally:

@@ -325,24 +325,40 @@ def update_jobs(states: Sequence[JobRun], losses: Sequence[float], norms: Sequen
     which jobs skipped."""
     coefs, run, skipped = [], [], []
     for s, v, norm, g in zip(states, losses, norms, grads, strict=True):
-        skip = not (math.isfinite(v) and math.isfinite(norm))
+        skip = note_step(s, v, norm)
         if not skip:
             coef = 1.0
             if s.spec.max_grad_norm is not None:
                 coef = min(1.0, s.spec.max_grad_norm / (norm + 1e-6))  # clip_grads_with_norm_'s rule
             coefs.append(coef)
             run.append((s, g))
-        else:
-            s.skipped_steps += 1
-        s.last_loss = v
         skipped.append(skip)
     flats = [s.adapter.flat for s, _ in run]
-    multi_adamw([s.optimizer for s, _ in run], flats,
-                [g if g.dtype == f.dtype else g.to(f.dtype) for (_, g), f in zip(run, flats, strict=True)], coefs)
+    multi_adamw([s.optimizer for s, _ in run], flats, [as_param_dtype(g, f) for (_, g), f in zip(run, flats, strict=True)],
+                coefs)
+    advance(states)
+    return skipped
+
+
+def note_step(s: JobRun, loss: float, norm: float) -> bool:
+    """Whether the job skips this step's update (its loss or gradient norm non-finite), the skip
+    counted and the loss noted (the host's record of the step, whichever side decided it)."""
+    skip = not (math.isfinite(loss) and math.isfinite(norm))
+    s.skipped_steps += int(skip)
+    s.last_loss = loss
+    return skip
+
+
+def as_param_dtype(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A job's gradient sums in its weights' dtype (the arena's float32 sums for bf16 weights)."""
+    return grad if grad.dtype == param.dtype else grad.to(param.dtype)
+
+
+def advance(states: Sequence[JobRun]) -> None:
+    """After the step's updates: every job's learning-rate schedule and step count, one step on."""
     for s in states:
         s.scheduler.step()
         s.step += 1
-    return skipped
 
 
 def release_host_cache() -> None:

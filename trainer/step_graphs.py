@@ -428,7 +428,8 @@ class StepGraphs:
             log.warning("step graph capture failed for %s: %s [%s]", key, str(err).split(". ")[0][:200],
                         memory_report(device))
             return None
-        self.capture_s = [self.capture_s[0] + cap.body_s, self.capture_s[1] + cap.end_s]
+        self.capture_s[0] += cap.body_s
+        self.capture_s[1] += cap.end_s
         if self.pool is None:
             self.pool = graph.pool()
         # the pool's memory: kept for the replays, invisible to memory_allocated (admission adds it)

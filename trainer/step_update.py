@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trainer.jobs import JobRun, adamw_states, update_jobs
+from trainer.jobs import JobRun, adamw_states, advance, as_param_dtype, note_step, update_jobs
 
 DEVICE_UPDATE = os.environ.get("LORAPLEX_DEVICE_UPDATE", "0") == "1"
 
@@ -60,14 +60,12 @@ def sync_and_update(states: Sequence[JobRun], numbers: torch.Tensor, width: int,
     values = host.tolist()
     skipped = []
     for s, loss, norm in zip(states, values[0:n * width:width], values[n * width:], strict=True):
-        skip = not (math.isfinite(loss) and math.isfinite(norm))
+        skip = note_step(s, loss, norm)
         if skip:  # the kernel left it as it was: so does the host's count
-            s.skipped_steps += 1
             st = s.optimizer.state[s.adapter.flat]
             st["step"] -= 1
             if float(st["step"]) == 0:  # its first step: no state, as the host's decisions leave it
                 del s.optimizer.state[s.adapter.flat]
-        s.last_loss = loss
         skipped.append(skip)
     return values, skipped
 
@@ -88,11 +86,9 @@ def update_on_device(states: Sequence[JobRun], losses: torch.Tensor, norms: torc
     bad = (~(torch.isfinite(losses) & torch.isfinite(norms))).to(torch.float32)
     scales = torch.clamp((norms.to(torch.float32) + 1e-6) / vals[n:], min=1.0)  # no limit: inf -> 1
     for i, (p, g, h) in enumerate(zip(params, grads, hyper, strict=True)):
-        torch._fused_adamw_([p], [g if g.dtype == p.dtype else g.to(p.dtype)], [st[i]["exp_avg"]],
+        torch._fused_adamw_([p], [as_param_dtype(g, p)], [st[i]["exp_avg"]],
                             [st[i]["exp_avg_sq"]], [], [vals[i]], lr=h[0], beta1=h[1], beta2=h[2],
                             weight_decay=h[4], eps=h[3], amsgrad=False, maximize=False,
                             grad_scale=scales[i] if states[i].spec.max_grad_norm is not None else None,
                             found_inf=bad[i])
-    for s in states:
-        s.scheduler.step()
-        s.step += 1
+    advance(states)
