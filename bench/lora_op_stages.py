@@ -80,13 +80,13 @@ def breakdown(d_in: int, d_out: int, n: int, per: int, r: int, gbs: float) -> li
     return out
 
 
-def _engine_kernels(si: SimpleNamespace) -> list:
-    """engine_stages' kernels on one shape's inputs, in its column order, on the engine's layout:
-    every adapter's A [r, d_in] and B^T [r, d_out] blocks in one arena at 16-element-aligned
-    offsets, gradients added into a gradient arena."""
-    from kernels.fused_lora import _arena_rank_major, _gemm_launch, _shrink_launch, _wgrad_launch
+def arena_inputs(si: SimpleNamespace) -> SimpleNamespace:
+    """The engine's layout of one shape's adapters (stage_inputs): every adapter's A [r, d_in] and
+    B^T [r, d_out] blocks in one arena at 16-element-aligned offsets, a gradient arena, the offsets,
+    the rank-major strides, a dS buffer and the kernels' arena mode."""
+    from kernels.fused_lora import _arena_rank_major
 
-    x, w, a, b, dy, s_buf, c = si.x, si.w, si.a, si.b, si.dy, si.s_buf, si.c
+    x, w, a, b, s_buf = si.x, si.w, si.a, si.b, si.s_buf
     d_in, d_out = x.shape[1], w.shape[0]
     pieces, a_off, b_off, pos = [], [], [], 0
     for i, r in enumerate(si.case.ranks.tolist()):
@@ -106,6 +106,17 @@ def _engine_kernels(si: SimpleNamespace) -> list:
     # the engine) unless $LORAPLEX_BENCH_ARENA says 1 (offsets of unknown alignment)
     mode = int(os.environ.get("LORAPLEX_BENCH_ARENA", "16"))
     assert all(o % 16 == 0 for o in a_off + b_off)
+    return SimpleNamespace(arena=arena, grad=grad, ao=ao, bo=bo, sa=sa, sb=sb, ds=ds, mode=mode)
+
+
+def _engine_kernels(si: SimpleNamespace) -> list:
+    """engine_stages' kernels on one shape's inputs, in its column order, on the engine's layout
+    (arena_inputs)."""
+    from kernels.fused_lora import _gemm_launch, _shrink_launch, _wgrad_launch
+
+    x, w, dy, s_buf, c = si.x, si.w, si.dy, si.s_buf, si.c
+    ai = arena_inputs(si)
+    arena, grad, ao, bo, sa, sb, ds, mode = ai.arena, ai.grad, ai.ao, ai.bo, ai.sa, ai.sb, ai.ds, ai.mode
     return [lambda: F.linear(x, w),
             lambda: _gemm_launch(c, x, w.t(), None, s_buf, arena, sb, bo, mode, x.dtype),
             lambda: _shrink_launch(c, x, arena, sa, ao, s_buf, mode),

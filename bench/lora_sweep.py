@@ -1,0 +1,203 @@
+"""Every candidate launch configuration of the fused form's LoRA passes at one step's layout, timed apart.
+
+The shipped tables (kernels/configs/<GPU>.json) pick one configuration per (kernel, row bucket, width,
+largest rank), tuned offline on eight-adapter cases with a cold L2 (`kernels.tuned._bench`). A small step
+of the 200-step task is two adapters (~1.4-1.6k rows), and each pass then reads an input its previous
+kernel has just written. This script times, at such a layout (default: the host profile's 2-job step,
+rank 16 x 290 rows + rank 64 x 1160 rows, padded to the 1,536-row graph key as a replayed step is), each
+pass of one projection with the table's choice and with every candidate configuration of its kernel,
+as CUDA-graph replays (`triton.testing.do_bench_cudagraph`, medians), and sums them per step
+(32 layers, the 8B shape's 7 projections a layer, no recompute). Both backward schedules of dB: one pass
+(dS and dB from one read of dY, atomics per row tile: what the engine runs) and two passes (dS, then
+dB by the work-list `_wgrad`). The base GEMM's three forms sit beside them (cuBLAS alone; the fused
+persistent GEMM; the store pass + cuBLAS, "auto"'s choice on small steps), and the bytes each LoRA pass
+must move at the measured copy bandwidth.
+
+    python3 bench/lora_sweep.py [--layout 290x16,1160x64] [--pad-to 1536] [--budget-s 200] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lora_op_paths as paths  # noqa: E402
+from lora_op_stages import ENGINE_SHAPES, arena_inputs  # noqa: E402
+
+PASSES = ("fwd shrink", "dS + dB one pass", "dS alone", "dB pass", "dA pass")
+
+
+def _parse_layout(text: str) -> tuple[list[int], list[int]]:
+    counts, ranks = [], []
+    for item in text.split(","):
+        rows, rank = item.lower().split("x")
+        counts.append(int(rows))
+        ranks.append(int(rank))
+    return counts, ranks
+
+
+def _passes(si, ai) -> dict:  # noqa: ANN001
+    """Each pass as (Tuned kernel, launch thunk), on the engine's arena layout."""
+    from kernels import fused_lora as fl
+
+    c, x, dy, s_buf = si.c, si.x, si.dy, si.s_buf
+    return {
+        "fwd shrink": (fl._shrink, lambda: fl._shrink_launch(c, x, ai.arena, ai.sa, ai.ao, s_buf, ai.mode)),
+        "dS + dB one pass": (fl._shrink_wgrad, lambda: fl._shrink_launch(c, dy, ai.arena, ai.sb, ai.bo, ai.ds, ai.mode,
+                                                                         wgrad=(s_buf, ai.grad, ai.bo))),
+        "dS alone": (fl._shrink, lambda: fl._shrink_launch(c, dy, ai.arena, ai.sb, ai.bo, ai.ds, ai.mode)),
+        "dB pass": (fl._wgrad, lambda: fl._wgrad_launch(c, s_buf, dy, ai.grad, ai.sb, ai.bo, ai.mode)),
+        "dA pass": (fl._wgrad, lambda: fl._wgrad_launch(c, ai.ds, x, ai.grad, ai.sa, ai.ao, ai.mode)),
+    }
+
+
+def _gemms(si, ai) -> dict:  # noqa: ANN001
+    """The forward's base GEMM of one projection in its three forms."""
+    from kernels.fused_lora import _gemm_launch
+
+    x, w, c, s_buf = si.x, si.w, si.c, si.s_buf
+
+    def fused(variant: str):  # noqa: ANN202
+        return lambda: _gemm_launch(c, x, w.t(), None, s_buf, ai.arena, ai.sb, ai.bo, ai.mode, x.dtype, gemm=variant)
+
+    return {"cuBLAS alone": lambda: F.linear(x, w), "persist": fused("persist"), "store + cuBLAS": fused("cublas")}
+
+
+def _forced(kernel, cfg, fn) -> float:  # noqa: ANN001
+    """fn's graph-replay milliseconds with `kernel` launched at `cfg` (inf where it fails)."""
+    kernel.choose = lambda *_a, **_k: cfg
+    try:
+        return paths.graph_ms(fn)
+    except Exception:  # noqa: BLE001 (a configuration that does not compile or fit is skipped)
+        return float("inf")
+    finally:
+        del kernel.choose
+
+
+def _label(cfg) -> str:  # noqa: ANN001
+    kw = cfg.kwargs
+    parts = [f"{k.removeprefix('BLOCK_')}{v}" if k.startswith("BLOCK") else f"{k}={v}" for k, v in kw.items()]
+    return " ".join(parts) + f" w{cfg.num_warps} s{cfg.num_stages}"
+
+
+def _bytes(name: str, t: int, d_in: int, d_out: int) -> int:
+    """The fewest bytes a pass moves (bf16 inputs read once)."""
+    return 2 * t * (d_in if name in ("fwd shrink", "dA pass") else d_out)
+
+
+def sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, budget_s: float, layers: int) -> list[str]:
+    t0 = time.time()
+    t = sum(counts)
+    pad = max(0, pad_to - t)
+    need = max(16, 1 << (max(ranks) - 1).bit_length())
+    out = [f"layout {', '.join(f'{n} rows at rank {r}' for n, r in zip(counts, ranks, strict=True))}; {pad} rows of "
+           f"padding no adapter owns ({t + pad} rows); {layers} layers; copy bandwidth {gbs:.0f} GB/s", ""]
+    totals = {"tuned": dict.fromkeys(PASSES, 0.0), "best": dict.fromkeys(PASSES, 0.0)}
+    gemm = {"cuBLAS alone": 0.0, "persist": 0.0, "store + cuBLAS": 0.0}
+    floor = dict.fromkeys(PASSES, 0.0)
+    detail = []
+    for d_in, d_out, count in ENGINE_SHAPES:
+        torch.manual_seed(0)
+        si = paths.stage_inputs(d_in, d_out, len(counts), 0, ranks, counts=counts)
+        if pad:
+            si = _padded(si, pad)
+        ai = arena_inputs(si)
+        per = count * layers
+        for name, fn in _gemms(si, ai).items():
+            gemm[name] += paths.graph_ms(fn) * per
+        detail += [f"### {d_in}x{d_out} (x{count} a layer)", "", "| pass | table's choice | ms | best candidate | ms | "
+                   "bytes floor ms | candidates timed |", "|---|---|---|---|---|---|---|"]
+        for name, (kernel, fn) in _passes(si, ai).items():
+            tuned_ms = paths.graph_ms(fn)
+            args_cfg = _chosen(kernel, fn)
+            cands = [cfg for cfg in kernel.configs if cfg.kwargs.get("BLOCK_R", 16) <= need]
+            timed = []
+            for cfg in cands:
+                if time.time() - t0 > budget_s:
+                    break
+                timed.append((_forced(kernel, cfg, fn), cfg))
+            best_ms, best_cfg = min(timed, key=lambda p: p[0]) if timed else (tuned_ms, args_cfg)
+            best_ms = min(best_ms, tuned_ms)
+            fl_ms = _bytes(name, sum(counts), d_in, d_out) / gbs / 1e6
+            totals["tuned"][name] += tuned_ms * per
+            totals["best"][name] += best_ms * per
+            floor[name] += fl_ms * per
+            detail.append(f"| {name} | {_label(args_cfg) if args_cfg else '-'} | {tuned_ms:.4f} | "
+                          f"{_label(best_cfg) if best_cfg else '-'} | {best_ms:.4f} | {fl_ms:.4f} | "
+                          f"{len(timed)}/{len(cands)} |")
+            print(detail[-1], flush=True)
+        detail.append("")
+    out += ["Per step (ms, the shapes' passes times their count a layer times the layers):", "",
+            "| pass | table's choices | best candidates | bytes floor |", "|---|---|---|---|"]
+    out += [f"| {k} | {totals['tuned'][k]:.2f} | {totals['best'][k]:.2f} | {floor[k]:.2f} |" for k in PASSES]
+    for label, key in (("one pass (fwd shrink + dS+dB + dA)", ("fwd shrink", "dS + dB one pass", "dA pass")),
+                       ("two passes (fwd shrink + dS + dB + dA)", ("fwd shrink", "dS alone", "dB pass", "dA pass"))):
+        out.append(f"| {label} | {sum(totals['tuned'][k] for k in key):.2f} | "
+                   f"{sum(totals['best'][k] for k in key):.2f} | {sum(floor[k] for k in key):.2f} |")
+    out += ["", "The forward's base GEMM a step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in gemm.items()), ""]
+    out += detail
+    out.append(f"sweep took {time.time() - t0:.0f} s (budget {budget_s:.0f} s: cells past it time only the "
+               "table's choice)")
+    return out
+
+
+def _chosen(kernel, fn):  # noqa: ANN001, ANN202
+    """The configuration the table gives this call (fn run once with `choose` observed)."""
+    seen = []
+    own = kernel.choose
+
+    def spy(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        cfg = own(*a, **k)
+        seen.append(cfg)
+        return cfg
+
+    kernel.choose = spy
+    try:
+        fn()
+    finally:
+        del kernel.choose
+    return seen[0] if seen else None
+
+
+def _padded(si, pad: int):  # noqa: ANN001, ANN202
+    """The layout with `pad` rows after the last adapter's (zero gradient), as a graph key pads a step."""
+    x = torch.cat([si.x, torch.zeros(pad, si.x.shape[1], dtype=si.x.dtype, device=si.x.device)])
+    dy = torch.cat([si.dy, torch.zeros(pad, si.dy.shape[1], dtype=si.dy.dtype, device=si.dy.device)])
+    s_buf = torch.cat([si.s_buf, torch.zeros(pad, si.s_buf.shape[1], dtype=si.s_buf.dtype, device=si.s_buf.device)])
+    from kernels.fused_lora import _Ctx
+
+    c = _Ctx(x, si.c.n, si.c.r_max, si.c.offsets, si.c.ranks, si.c.scales)
+    si.x, si.dy, si.s_buf, si.c = x, dy, s_buf, c
+    return si
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layout", default="290x16,1160x64", help="rows x rank of each adapter")
+    ap.add_argument("--pad-to", type=int, default=1536, help="rows of the graph key (padding no adapter owns)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--budget-s", type=float, default=200.0, help="stop timing candidates after this many seconds")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import triton
+
+    counts, ranks = _parse_layout(args.layout)
+    gbs = paths.bandwidth_gbs()
+    text = "\n".join([f"# The fused form's LoRA passes at a small step's layout ({torch.cuda.get_device_name()}; "
+                      f"torch {torch.__version__}, triton {triton.__version__}; bf16; CUDA-graph medians)", ""]
+                     + sweep(counts, ranks, args.pad_to, gbs, args.budget_s, args.layers))
+    print(text, flush=True)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
