@@ -13,7 +13,7 @@ dB by the work-list `_wgrad`). The base GEMM's three forms sit beside them (cuBL
 persistent GEMM; the store pass + cuBLAS, "auto"'s choice on small steps), and the bytes each LoRA pass
 must move at the measured copy bandwidth.
 
-    python3 bench/lora_sweep.py [--layout 290x16,1160x64] [--pad-to 1536] [--budget-s 200] [--out FILE.md]
+    python3 bench/lora_sweep.py [--layout 290x16,1160x64] [--pad-to 1536] [--budget-s 200] [--extra] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -71,6 +71,25 @@ def _gemms(si, ai) -> dict:  # noqa: ANN001
     return {"cuBLAS alone": lambda: F.linear(x, w), "persist": fused("persist"), "store + cuBLAS": fused("cublas")}
 
 
+def _extra() -> dict:
+    """--extra: configurations no table offers yet, beside each kernel's candidates (marked "new" where best):
+    taller row tiles for the one-pass dB (fewer fp32 atomics per column), longer column splits, and
+    shorter row chunks with deeper pipelines for the work-list weight gradients."""
+    from kernels.fused_lora import _cfg
+
+    shrink = [_cfg(BLOCK_M=256, BLOCK_K=64, BLOCK_R=64, SPLIT_C=8, num_warps=8),
+              _cfg(BLOCK_M=256, BLOCK_K=64, BLOCK_R=16, SPLIT_C=8, num_warps=8),
+              _cfg(BLOCK_M=128, BLOCK_K=64, BLOCK_R=64, SPLIT_C=8, num_warps=8, num_stages=4),
+              _cfg(BLOCK_M=64, BLOCK_K=256, BLOCK_R=16, SPLIT_C=16),
+              _cfg(BLOCK_M=32, BLOCK_K=256, BLOCK_R=16, SPLIT_C=16, num_stages=4)]
+    wgrad = [_cfg(BLOCK_M=32, BLOCK_N=256, CHUNK=256, BLOCK_R=64, num_warps=8, num_stages=4),
+             _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=256, BLOCK_R=64, num_stages=5),
+             _cfg(BLOCK_M=32, BLOCK_N=64, CHUNK=128, BLOCK_R=16, num_stages=5),
+             _cfg(BLOCK_M=64, BLOCK_N=256, CHUNK=512, BLOCK_R=64, num_warps=8, num_stages=4),
+             _cfg(BLOCK_M=128, BLOCK_N=128, CHUNK=512, BLOCK_R=64, num_warps=8)]
+    return {"shrink": shrink, "shrink_wgrad": shrink, "wgrad": wgrad}
+
+
 def _forced(kernel, cfg, fn) -> float:  # noqa: ANN001
     """fn's graph-replay milliseconds with `kernel` launched at `cfg` (inf where it fails)."""
     kernel.choose = lambda *_a, **_k: cfg
@@ -93,8 +112,10 @@ def _bytes(name: str, t: int, d_in: int, d_out: int) -> int:
     return 2 * t * (d_in if name in ("fwd shrink", "dA pass") else d_out)
 
 
-def sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, budget_s: float, layers: int) -> list[str]:
+def sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, budget_s: float, layers: int,
+          extra: bool = False) -> list[str]:
     t0 = time.time()
+    more = _extra() if extra else {}
     t = sum(counts)
     pad = max(0, pad_to - t)
     need = max(16, 1 << (max(ranks) - 1).bit_length())
@@ -118,7 +139,8 @@ def sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, budget_s
         for name, (kernel, fn) in _passes(si, ai).items():
             tuned_ms = paths.graph_ms(fn)
             args_cfg = _chosen(kernel, fn)
-            cands = [cfg for cfg in kernel.configs if cfg.kwargs.get("BLOCK_R", 16) <= need]
+            fresh = more.get(kernel.name, [])
+            cands = [cfg for cfg in kernel.configs + fresh if cfg.kwargs.get("BLOCK_R", 16) <= need]
             timed = []
             for cfg in cands:
                 if time.time() - t0 > budget_s:
@@ -130,8 +152,9 @@ def sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, budget_s
             totals["tuned"][name] += tuned_ms * per
             totals["best"][name] += best_ms * per
             floor[name] += fl_ms * per
+            new = " (new)" if any(best_cfg is c for c in fresh) else ""
             detail.append(f"| {name} | {_label(args_cfg) if args_cfg else '-'} | {tuned_ms:.4f} | "
-                          f"{_label(best_cfg) if best_cfg else '-'} | {best_ms:.4f} | {fl_ms:.4f} | "
+                          f"{_label(best_cfg) if best_cfg else '-'}{new} | {best_ms:.4f} | {fl_ms:.4f} | "
                           f"{len(timed)}/{len(cands)} |")
             print(detail[-1], flush=True)
         detail.append("")
@@ -185,6 +208,7 @@ def main() -> None:
     ap.add_argument("--pad-to", type=int, default=1536, help="rows of the graph key (padding no adapter owns)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop timing candidates after this many seconds")
+    ap.add_argument("--extra", action="store_true", help="also time configurations no table offers yet (_extra)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import triton
@@ -193,7 +217,7 @@ def main() -> None:
     gbs = paths.bandwidth_gbs()
     text = "\n".join([f"# The fused form's LoRA passes at a small step's layout ({torch.cuda.get_device_name()}; "
                       f"torch {torch.__version__}, triton {triton.__version__}; bf16; CUDA-graph medians)", ""]
-                     + sweep(counts, ranks, args.pad_to, gbs, args.budget_s, args.layers))
+                     + sweep(counts, ranks, args.pad_to, gbs, args.budget_s, args.layers, args.extra))
     print(text, flush=True)
     if args.out:
         Path(args.out).write_text(text + "\n")
