@@ -591,11 +591,19 @@ if not _INTERPRET and _WIDE:
         _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=16, SPLIT_C=8),
         _cfg(BLOCK_M=32, BLOCK_K=128, BLOCK_R=16, SPLIT_C=8, num_stages=4),
         _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=16, SPLIT_C=16),
-        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=64, SPLIT_C=8)]
+        _cfg(BLOCK_M=64, BLOCK_K=128, BLOCK_R=64, SPLIT_C=8),
+        # session 52 (bench/lora_sweep.py --extra, a 2-job step of 1,450 rows at ranks 16 and 64): the one-pass dS + dB
+        # with taller, narrower tiles (fewer fp32 atomics per column of dB) and deeper pipelines, 42 against 54 us at
+        # 4096 x 14336, 17.7 against 20.1 us at 4096 x 4096
+        _cfg(BLOCK_M=128, BLOCK_K=64, BLOCK_R=64, SPLIT_C=8, num_warps=8, num_stages=4)]
     _SMALL_WGRAD = [
         _cfg(BLOCK_M=64, BLOCK_N=64, CHUNK=256, BLOCK_R=16),
         _cfg(BLOCK_M=64, BLOCK_N=64, CHUNK=256, BLOCK_R=64),
-        _cfg(BLOCK_M=32, BLOCK_N=128, CHUNK=256, BLOCK_R=16, num_stages=4)]
+        _cfg(BLOCK_M=32, BLOCK_N=128, CHUNK=256, BLOCK_R=16, num_stages=4),
+        # session 52, the same sweep: dA in short row chunks with wide column tiles, 10.8 against 19.3 us at d_in 4096,
+        # and in 512-row chunks, 28.5 against 32.3 us at d_in 14336
+        _cfg(BLOCK_M=32, BLOCK_N=256, CHUNK=256, BLOCK_R=64, num_warps=8, num_stages=4),
+        _cfg(BLOCK_M=64, BLOCK_N=256, CHUNK=512, BLOCK_R=64, num_warps=8, num_stages=4)]
     for _k, _more in ((_gemm_lora, _SMALL_GEMM), (_gemm_lora_tma, _SMALL_GEMM), (_gemm_lora_persist, _SMALL_GEMM),
                       (_shrink, _SMALL_SHRINK), (_shrink_wgrad, _SMALL_SHRINK), (_wgrad, _SMALL_WGRAD)):
         _k.configs += _more
