@@ -793,6 +793,27 @@ def fused_forward(c: _Ctx, x, weight, bias, a, a_strides, aoff, b, b_strides, bo
     return y, s_buf
 
 
+# dA (s dS^T X) feeds nothing of the layer's backward but the gradient arena. With $LORAPLEX_DA_SIDE_STREAM=1 it
+# runs on a side stream beside the dX GEMM, whose last round of tiles leaves SMs idle at a small step's sizes (a
+# 1,536-row 4096-wide output is 1.45 rounds of 128 x 256 tiles on 132 SMs; dA is 3.0-4.8 ms of a 2-job step,
+# bench/results/session52_h200.md). The side stream forks from the current one after dS and joins back before the
+# call returns: every tensor dA reads is alive until then and nothing later is reordered, in an eager step and
+# inside a graph capture alike (the capture gets two branches). Off until a device run measures it.
+DA_SIDE_STREAM = os.environ.get("LORAPLEX_DA_SIDE_STREAM", "0") == "1"
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The device's side stream for dA (created once, outside any capture in practice: a step class runs
+    eagerly before it is captured), or None where dA stays on the current stream."""
+    if not DA_SIDE_STREAM or device.type != "cuda" or _INTERPRET:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
 def fused_backward(c: _Ctx, x, dy, s_buf, weight, a, a_strides, aoff, b, b_strides, boff, da, da_strides,
                    db, db_strides, arena: int, need_x: bool, need_a: bool, need_b: bool, onepass: bool,  # noqa: ANN001
                    gemm: str | None = None):
@@ -802,11 +823,20 @@ def fused_backward(c: _Ctx, x, dy, s_buf, weight, a, a_strides, aoff, b, b_strid
     _shrink_launch(c, dy, b, b_strides, boff, ds, arena, wgrad=(s_buf, db, boff) if fuse_db else None)
     if need_b and not fuse_db:
         _wgrad_launch(c, s_buf, dy, db, db_strides, boff, arena)
-    if need_a:
+    side = _side_stream(x.device) if need_a and need_x else None
+    if need_a and side is None:
         _wgrad_launch(c, ds, x, da, da_strides, aoff, arena)
     if not need_x:
         return None
-    return _gemm_launch(c, dy, weight, None, ds, a, a_strides, aoff, arena, dy.dtype, gemm)
+    if side is None:
+        return _gemm_launch(c, dy, weight, None, ds, a, a_strides, aoff, arena, dy.dtype, gemm)
+    main = torch.cuda.current_stream(x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        _wgrad_launch(c, ds, x, da, da_strides, aoff, arena)
+    dx = _gemm_launch(c, dy, weight, None, ds, a, a_strides, aoff, arena, dy.dtype, gemm)
+    main.wait_stream(side)
+    return dx
 
 
 class FusedMultiLoraFn(torch.autograd.Function):
