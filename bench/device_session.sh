@@ -2343,7 +2343,7 @@ with c.set_checkpoint_debug_enabled(True):
     rm -rf /tmp/s52h /tmp/s52h_tests
     shipped=$(shipped_cubins)
     TRITON_CACHE_DIR=/tmp/s52h_tests/triton step 75 gpu_configs python3 -m pytest -q -p no:cacheprovider \
-      tests/gpu/test_lora_configs_gpu.py
+      tests/gpu/test_kernels_gpu.py -k "small_step or side_stream"
     step 95 task200 python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
       --out "$OUT/executor_task200.md" --json "$OUT/executor_task200.json"
     echo "cubins shipped: $shipped, after the 200-step task: $(cubins)" | tee -a "$OUT/steps.txt"
@@ -2365,7 +2365,7 @@ with c.set_checkpoint_debug_enabled(True):
       --out "$OUT/executor_task60.md" --json "$OUT/executor_task60.json"
     echo "cubins shipped: $shipped, after the tasks: $(cubins)" | tee -a "$OUT/steps.txt"
     TRITON_CACHE_DIR=/tmp/s53a_tests/triton step 90 gpu_configs python3 -m pytest -q -p no:cacheprovider \
-      tests/gpu/test_lora_configs_gpu.py
+      tests/gpu/test_kernels_gpu.py -k "small_step or side_stream"
     for v in 0 1 1 0; do LORAPLEX_DA_SIDE_STREAM=$v hp "hp_da_side${v}_$SECONDS" 290 60; done
     (cd "$OUT" && tar -czf hp.tar.gz hp_da_side*.md && rm -f hp_da_side*.md)
     rm -f "$OUT"/executor_task*.md
