@@ -13,7 +13,8 @@ dB by the work-list `_wgrad`). The base GEMM's three forms sit beside them (cuBL
 persistent GEMM; the store pass + cuBLAS, "auto"'s choice on small steps), and the bytes each LoRA pass
 must move at the measured copy bandwidth.
 
-    python3 bench/lora_sweep.py [--layout 290x16,1160x64] [--pad-to 1536] [--budget-s 200] [--extra] [--out FILE.md]
+    python3 bench/lora_sweep.py [--layout 290x16,1160x64] [--pad-to 1536] [--budget-s 200] [--extra] [--engine-passes]
+                                [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def _gemms(si, ai) -> dict:  # noqa: ANN001
 def _extra() -> dict:
     """--extra: configurations no table offers yet, beside each kernel's candidates (marked "new" where best):
     taller row tiles for the one-pass dB (fewer fp32 atomics per column), longer column splits, and
-    shorter row chunks with deeper pipelines for the work-list weight gradients."""
+    shorter row chunks with deeper pipelines for the work-list weight gradients. Those that became
+    candidates (session 52's winners, in kernels.fused_lora's small-step lists) count as candidates."""
     from kernels.fused_lora import _cfg
 
     shrink = [_cfg(BLOCK_M=256, BLOCK_K=64, BLOCK_R=64, SPLIT_C=8, num_warps=8),
@@ -112,8 +114,11 @@ def _bytes(name: str, t: int, d_in: int, d_out: int) -> int:
     return 2 * t * (d_in if name in ("fwd shrink", "dA pass") else d_out)
 
 
+ENGINE_PASSES = ("fwd shrink", "dS + dB one pass", "dA pass")  # what the engine runs (one-pass dB)
+
+
 def sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, budget_s: float, layers: int,
-          extra: bool = False) -> list[str]:
+          extra: bool = False, only: tuple[str, ...] = PASSES) -> list[str]:
     t0 = time.time()
     more = _extra() if extra else {}
     t = sum(counts)
@@ -137,9 +142,12 @@ def sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, budget_s
         detail += [f"### {d_in}x{d_out} (x{count} a layer)", "", "| pass | table's choice | ms | best candidate | ms | "
                    "bytes floor ms | candidates timed |", "|---|---|---|---|---|---|---|"]
         for name, (kernel, fn) in _passes(si, ai).items():
+            if name not in only:
+                continue
             tuned_ms = paths.graph_ms(fn)
             args_cfg = _chosen(kernel, fn)
-            fresh = more.get(kernel.name, [])
+            known = {_label(cfg) for cfg in kernel.configs}
+            fresh = [cfg for cfg in more.get(kernel.name, []) if _label(cfg) not in known]  # not yet a candidate
             cands = [cfg for cfg in kernel.configs + fresh if cfg.kwargs.get("BLOCK_R", 16) <= need]
             timed = []
             for cfg in cands:
@@ -160,9 +168,11 @@ def sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, budget_s
         detail.append("")
     out += ["Per step (ms, the shapes' passes times their count a layer times the layers):", "",
             "| pass | table's choices | best candidates | bytes floor |", "|---|---|---|---|"]
-    out += [f"| {k} | {totals['tuned'][k]:.2f} | {totals['best'][k]:.2f} | {floor[k]:.2f} |" for k in PASSES]
+    out += [f"| {k} | {totals['tuned'][k]:.2f} | {totals['best'][k]:.2f} | {floor[k]:.2f} |" for k in only]
     for label, key in (("one pass (fwd shrink + dS+dB + dA)", ("fwd shrink", "dS + dB one pass", "dA pass")),
                        ("two passes (fwd shrink + dS + dB + dA)", ("fwd shrink", "dS alone", "dB pass", "dA pass"))):
+        if not set(key) <= set(only):
+            continue
         out.append(f"| {label} | {sum(totals['tuned'][k] for k in key):.2f} | "
                    f"{sum(totals['best'][k] for k in key):.2f} | {sum(floor[k] for k in key):.2f} |")
     out += ["", "The forward's base GEMM a step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in gemm.items()), ""]
@@ -209,6 +219,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop timing candidates after this many seconds")
     ap.add_argument("--extra", action="store_true", help="also time configurations no table offers yet (_extra)")
+    ap.add_argument("--engine-passes", action="store_true", help="only the passes the engine runs (one-pass dB)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import triton
@@ -217,7 +228,8 @@ def main() -> None:
     gbs = paths.bandwidth_gbs()
     text = "\n".join([f"# The fused form's LoRA passes at a small step's layout ({torch.cuda.get_device_name()}; "
                       f"torch {torch.__version__}, triton {triton.__version__}; bf16; CUDA-graph medians)", ""]
-                     + sweep(counts, ranks, args.pad_to, gbs, args.budget_s, args.layers, args.extra))
+                     + sweep(counts, ranks, args.pad_to, gbs, args.budget_s, args.layers, args.extra,
+                           ENGINE_PASSES if args.engine_passes else PASSES))
     print(text, flush=True)
     if args.out:
         Path(args.out).write_text(text + "\n")
