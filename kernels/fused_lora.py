@@ -832,11 +832,12 @@ def fused_backward(c: _Ctx, x, dy, s_buf, weight, a, a_strides, aoff, b, b_strid
         return _gemm_launch(c, dy, weight, None, ds, a, a_strides, aoff, arena, dy.dtype, gemm)
     main = torch.cuda.current_stream(x.device)
     side.wait_stream(main)
-    with torch.cuda.stream(side):
-        _wgrad_launch(c, ds, x, da, da_strides, aoff, arena)
-    dx = _gemm_launch(c, dy, weight, None, ds, a, a_strides, aoff, arena, dy.dtype, gemm)
-    main.wait_stream(side)
-    return dx
+    try:
+        with torch.cuda.stream(side):
+            _wgrad_launch(c, ds, x, da, da_strides, aoff, arena)
+        return _gemm_launch(c, dy, weight, None, ds, a, a_strides, aoff, arena, dy.dtype, gemm)
+    finally:  # joined even where a launch raised: nothing freed here is still read there, no capture branch left open
+        main.wait_stream(side)
 
 
 class FusedMultiLoraFn(torch.autograd.Function):

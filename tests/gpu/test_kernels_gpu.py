@@ -228,6 +228,15 @@ def test_da_on_a_side_stream_matches_fp64_eager_and_captured(form: str, monkeypa
     from kernels import fused_lora
 
     monkeypatch.setattr(fused_lora, "DA_SIDE_STREAM", True)
+    streams = []  # the stream each dA launch ran on
+    own_launch = fused_lora._wgrad_launch
+
+    def spy(c, p, *rest):  # noqa: ANN001, ANN002, ANN202
+        if p.dtype == torch.float32 and rest[0].shape[1] == 4096:  # dA: dS (fp32) against X
+            streams.append(torch.cuda.current_stream())
+        return own_launch(c, p, *rest)
+
+    monkeypatch.setattr(fused_lora, "_wgrad_launch", spy)
     case = make_case([290, 1160], [16, 64], 4096, 4096, dtype=torch.bfloat16, device="cuda", bias=False, pad_rows=86)
     want = oracle_fp64(case, device="cuda")
     live = int(case.offsets[-1])
@@ -246,23 +255,24 @@ def test_da_on_a_side_stream_matches_fp64_eager_and_captured(form: str, monkeypa
         a = case.lora_a.detach().clone().requires_grad_(True)
         b = case.lora_b.detach().clone().requires_grad_(True)
 
-        def run() -> torch.Tensor:
-            y = fused_lora.multilora_linear_fused(x, case.weight, None, a, b, case.scales, case.ranks, case.offsets,
-                                                  gemm="cublas")
+        def run() -> torch.Tensor:  # the process default GEMM variant ("auto" on Hopper), as the engine runs
+            y = fused_lora.multilora_linear_fused(x, case.weight, None, a, b, case.scales, case.ranks, case.offsets)
             y.backward(case.dy)
             return y
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm: compiles and loads outside the capture
-            run()
-        torch.cuda.current_stream().wait_stream(side)
+        warm = torch.cuda.Stream()
+        warm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(warm):  # eager, and it compiles and loads outside the capture
+            y = run()
+        torch.cuda.current_stream().wait_stream(warm)
         torch.cuda.synchronize()
+        check({"y": y.detach(), "dx": x.grad, "dA": a.grad, "dB": b.grad})
         x.grad = a.grad = b.grad = None
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="relaxed"):  # the step graphs' mode
             y = run()
         graph.replay()
         torch.cuda.synchronize()
         check({"y": y, "dx": x.grad, "dA": a.grad, "dB": b.grad})
-    assert torch.cuda.current_device() in fused_lora._SIDE_STREAMS
+    side = fused_lora._SIDE_STREAMS[torch.cuda.current_device()]
+    assert streams and all(s == side for s in streams), "every dA launch ran on the side stream"

@@ -250,21 +250,36 @@ def test_a_row_bucket_covers_its_rows_and_keeps_the_kernels_specialisation() -> 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "kernels" / "configs").glob("*.json")))
 def test_a_three_quarter_bucket_the_table_lacks_takes_the_power_of_two_above(name: str) -> None:
-    """Until a device tunes the three-quarter buckets, every shipped table's entry serves the row
-    counts it served under power-of-two buckets; once an entry of 1536 rows exists, ~1.45k rows
-    take it and ~1.7k rows still take 2048's."""
+    """Every shipped table's entry serves the row counts it served under power-of-two buckets, except
+    where a device tuned a three-quarter bucket's row (session 52: the H200's 1,536-row rank-64 LoRA
+    passes): that row serves its own key, and a key the table has no nearer row for (rank 32 at 1,536
+    rows, where the table's rank-32 rows start at 4,096) may take it. Once an entry of 1536 rows
+    exists, ~1.45k rows take it and ~1.7k rows still take 2048's."""
     table = tuned.Table.read(ROOT / "kernels" / "configs" / name)
     anything = lambda cfg: True  # noqa: E731
-    checked = 0
+    own = {(kernel, json.dumps(r["key"], sort_keys=True)): r["config"]
+           for kernel, rows in table.kernels.items() for r in rows}
+    checked = moved = 0
     for kernel, rows in table.kernels.items():
         for key in {json.dumps(r["key"], sort_keys=True) for r in rows}:
             key = json.loads(key)
+            # what a call may launch (the kernels' prune: no rank tile wider than the call's largest rank needs)
+            wide = max(16, triton.next_power_of_2(key.get("R_MAX", 16)))
+            allowed = lambda cfg, wide=wide: cfg.get("BLOCK_R", 16) <= wide  # noqa: E731
             for t in (40, 80, 200, 700, 1100, 1448, 1722, 3000, 5000):
-                was = table.nearest(kernel, key | {"T_BUCKET": triton.next_power_of_2(t)}, anything)
-                now = table.nearest(kernel, key | {"T_BUCKET": tuned.row_bucket(t)}, anything)
-                assert now == was, (kernel, key, t)
+                was = table.nearest(kernel, key | {"T_BUCKET": triton.next_power_of_2(t)}, allowed)
+                bucket = key | {"T_BUCKET": tuned.row_bucket(t)}
+                now = table.nearest(kernel, bucket, allowed)
+                tuned_here = own.get((kernel, json.dumps(bucket, sort_keys=True)))
+                if tuned_here is not None:  # the bucket's own row serves it
+                    assert now == tuned_here, (kernel, key, t)
+                elif now != was:  # else only a row a device tuned at this three-quarter bucket may take over
+                    assert bucket["T_BUCKET"] != triton.next_power_of_2(t), (kernel, key, t)
+                    assert now in [r["config"] for r in rows if r["key"]["T_BUCKET"] == bucket["T_BUCKET"]], (
+                        kernel, key, t)
+                    moved += 1
                 checked += 1
-    assert checked > 1000
+    assert checked > 1000 and moved < checked // 100
     row = next(r for r in table.kernels["gemm_lora_persist"] if r["key"]["T_BUCKET"] == 2048)
     mine = dict(row["config"], BLOCK_N=row["config"]["BLOCK_N"] // 2)
     table.kernels["gemm_lora_persist"].append({"key": dict(row["key"], T_BUCKET=1536), "config": mine})
