@@ -138,17 +138,18 @@ def oracle_check(case, ops: dict, where: str) -> dict[str, float]:
 
 
 def stage_inputs(d_in: int, d_out: int, n: int, per: int, r: int | list[int],
-                 counts: list[int] | None = None) -> SimpleNamespace:
+                 counts: list[int] | None = None, pad_rows: int = 0) -> SimpleNamespace:
     """Inputs of the GEMMs and LoRA passes timed apart: n adapters of `per` tokens (or of `counts`)
-    at rank r (a list: cycled over the adapters), the forward's S, the fused kernels' contexts with
-    the adapters (c) and without (c0: the bare Triton GEMM), and the rank-major strides of A and B."""
+    at rank r (a list: cycled over the adapters), then `pad_rows` rows no adapter owns (a graph key's
+    padding, zero upstream gradient), the forward's S, the fused kernels' contexts with the adapters
+    (c) and without (c0: the bare Triton GEMM), and the rank-major strides of A and B."""
     from kernels.fused_lora import _Ctx, _stacked_a, _stacked_b
     from kernels.triton_lora import lora_forward
 
     ranks = [r[i % len(r)] for i in range(n)] if isinstance(r, list) else [r] * n
     r = max(ranks)
     case = make_case(counts or [per] * n, ranks, d_in, d_out, dtype=DTYPE, device=DEVICE, bias=False,
-                     nan_padding=False)
+                     nan_padding=False, pad_rows=pad_rows)
     x, w, a, b, off = case.x, case.weight, case.lora_a, case.lora_b, case.offsets
     y = F.linear(x, w)
     return SimpleNamespace(

@@ -75,19 +75,16 @@ def _gemms(si, ai) -> dict:  # noqa: ANN001
 def _extra() -> dict:
     """--extra: configurations no table offers yet, beside each kernel's candidates (marked "new" where best):
     taller row tiles for the one-pass dB (fewer fp32 atomics per column), longer column splits, and
-    shorter row chunks with deeper pipelines for the work-list weight gradients. Those that became
-    candidates (session 52's winners, in kernels.fused_lora's small-step lists) count as candidates."""
+    shorter row chunks with deeper pipelines for the work-list weight gradients. Session 52's winners
+    among them are candidates now (kernels.fused_lora's small-step lists), so they left this list."""
     from kernels.fused_lora import _cfg
 
     shrink = [_cfg(BLOCK_M=256, BLOCK_K=64, BLOCK_R=64, SPLIT_C=8, num_warps=8),
               _cfg(BLOCK_M=256, BLOCK_K=64, BLOCK_R=16, SPLIT_C=8, num_warps=8),
-              _cfg(BLOCK_M=128, BLOCK_K=64, BLOCK_R=64, SPLIT_C=8, num_warps=8, num_stages=4),
               _cfg(BLOCK_M=64, BLOCK_K=256, BLOCK_R=16, SPLIT_C=16),
               _cfg(BLOCK_M=32, BLOCK_K=256, BLOCK_R=16, SPLIT_C=16, num_stages=4)]
-    wgrad = [_cfg(BLOCK_M=32, BLOCK_N=256, CHUNK=256, BLOCK_R=64, num_warps=8, num_stages=4),
-             _cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=256, BLOCK_R=64, num_stages=5),
+    wgrad = [_cfg(BLOCK_M=64, BLOCK_N=128, CHUNK=256, BLOCK_R=64, num_stages=5),
              _cfg(BLOCK_M=32, BLOCK_N=64, CHUNK=128, BLOCK_R=16, num_stages=5),
-             _cfg(BLOCK_M=64, BLOCK_N=256, CHUNK=512, BLOCK_R=64, num_warps=8, num_stages=4),
              _cfg(BLOCK_M=128, BLOCK_N=128, CHUNK=512, BLOCK_R=64, num_warps=8)]
     return {"shrink": shrink, "shrink_wgrad": shrink, "wgrad": wgrad}
 
@@ -132,9 +129,7 @@ def sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, budget_s
     detail = []
     for d_in, d_out, count in ENGINE_SHAPES:
         torch.manual_seed(0)
-        si = paths.stage_inputs(d_in, d_out, len(counts), 0, ranks, counts=counts)
-        if pad:
-            si = _padded(si, pad)
+        si = paths.stage_inputs(d_in, d_out, len(counts), 0, ranks, counts=counts, pad_rows=pad)
         ai = arena_inputs(si)
         per = count * layers
         for name, fn in _gemms(si, ai).items():
@@ -146,8 +141,7 @@ def sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, budget_s
                 continue
             tuned_ms = paths.graph_ms(fn)
             args_cfg = _chosen(kernel, fn)
-            known = {_label(cfg) for cfg in kernel.configs}
-            fresh = [cfg for cfg in more.get(kernel.name, []) if _label(cfg) not in known]  # not yet a candidate
+            fresh = more.get(kernel.name, [])
             cands = [cfg for cfg in kernel.configs + fresh if cfg.kwargs.get("BLOCK_R", 16) <= need]
             timed = []
             for cfg in cands:
@@ -198,18 +192,6 @@ def _chosen(kernel, fn):  # noqa: ANN001, ANN202
     finally:
         del kernel.choose
     return seen[0] if seen else None
-
-
-def _padded(si, pad: int):  # noqa: ANN001, ANN202
-    """The layout with `pad` rows after the last adapter's (zero gradient), as a graph key pads a step."""
-    x = torch.cat([si.x, torch.zeros(pad, si.x.shape[1], dtype=si.x.dtype, device=si.x.device)])
-    dy = torch.cat([si.dy, torch.zeros(pad, si.dy.shape[1], dtype=si.dy.dtype, device=si.dy.device)])
-    s_buf = torch.cat([si.s_buf, torch.zeros(pad, si.s_buf.shape[1], dtype=si.s_buf.dtype, device=si.s_buf.device)])
-    from kernels.fused_lora import _Ctx
-
-    c = _Ctx(x, si.c.n, si.c.r_max, si.c.offsets, si.c.ranks, si.c.scales)
-    si.x, si.dy, si.s_buf, si.c = x, dy, s_buf, c
-    return si
 
 
 def main() -> None:

@@ -51,12 +51,17 @@ def _affine(x_ptr, y_ptr, n, a, b, BLOCK: tl.constexpr, PDL: tl.constexpr):
     tl.store(y_ptr + offs, (x.to(tl.float32) * a + b).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _coefs(i: int) -> tuple[float, float]:
+    """Kernel i's (a, b): two steps, (0.5 x + 1) then (2 y - 2), restore x exactly in binary floats."""
+    return (0.5, 1.0) if i % 2 == 0 else (2.0, -2.0)
+
+
 def _chain(x: torch.Tensor, y: torch.Tensor, kernels: int, pdl: bool, block: int) -> None:
     n = x.numel()
     grid = (triton.cdiv(n, block),)
     src, dst = x, y
     for i in range(kernels):
-        a, b = (0.5, 1.0) if i % 2 == 0 else (2.0, -2.0)  # two steps restore x exactly in binary floats
+        a, b = _coefs(i)
         kw = {"launch_pdl": True} if pdl else {}
         _affine[grid](src, dst, n, a, b, BLOCK=block, PDL=pdl, **kw)
         src, dst = dst, src
@@ -108,7 +113,7 @@ def main() -> None:
         plain, out_plain = _graph_us(x0, kernels, False, block)
         ref = x0.clone()
         for i in range(kernels):
-            a, b = (0.5, 1.0) if i % 2 == 0 else (2.0, -2.0)
+            a, b = _coefs(i)
             ref = (ref.float() * a + b).to(dtype)
         ok_plain = bool(torch.equal(out_plain, ref))
         if HAS_GDC:
