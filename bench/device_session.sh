@@ -109,6 +109,18 @@ baselines_c2c3() {  # baselines_c2c3 DIR LIMIT DEADLINE RESERVE: every (batch si
   pack_logs
 }
 gpu_mib() { nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1; }
+configs_then_task200() {  # configs_then_task200 DIR: the small-step configurations' and the side-stream dA's GPU
+  # tests (on a Triton cache of their own), then the 200-step task on DIR/triton seeded from the archive, with the
+  # cubins counted before (`shipped`, read again by the phase) and after
+  export TRITON_CACHE_DIR=$1/triton
+  rm -rf "$1" "$1_tests"
+  shipped=$(shipped_cubins)
+  TRITON_CACHE_DIR=$1_tests/triton step 75 gpu_configs python3 -m pytest -q -p no:cacheprovider \
+    tests/gpu/test_kernels_gpu.py -k "small_step or side_stream"
+  step 95 task200 python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
+    --out "$OUT/executor_task200.md" --json "$OUT/executor_task200.json"
+  echo "cubins shipped: $shipped, after the 200-step task: $(cubins)" | tee -a "$OUT/steps.txt"
+}
 pack_logs() { (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log); }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print(torch.__version__, triton.__version__, transformers.__version__, peft.__version__)" | tee -a "$OUT/gpu.txt"
@@ -2339,14 +2351,7 @@ with c.set_checkpoint_debug_enabled(True):
   s52_h)  # session 52: session 52's small-step LoRA configurations (the H200 table's 1,536-row, rank-64 keys): their
           # GPU test, the 200-step task and search (a) on a cache seeded from the archive; the grown cache comes back
           # for python -m kernels.shipped_cache --merge (the new configurations' kernels into the sm90 archive)
-    export TRITON_CACHE_DIR=/tmp/s52h/triton
-    rm -rf /tmp/s52h /tmp/s52h_tests
-    shipped=$(shipped_cubins)
-    TRITON_CACHE_DIR=/tmp/s52h_tests/triton step 75 gpu_configs python3 -m pytest -q -p no:cacheprovider \
-      tests/gpu/test_kernels_gpu.py -k "small_step or side_stream"
-    step 95 task200 python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
-      --out "$OUT/executor_task200.md" --json "$OUT/executor_task200.json"
-    echo "cubins shipped: $shipped, after the 200-step task: $(cubins)" | tee -a "$OUT/steps.txt"
+    configs_then_task200 /tmp/s52h
     search_a 165 155
     echo "cubins shipped: $shipped, after search (a): $(cubins)" | tee -a "$OUT/steps.txt"
     if [ "$(cubins)" -gt "$shipped" ]; then tar -C /tmp/s52h -czf "$OUT/triton_cache_sm90.tar.gz" triton; fi
@@ -2371,33 +2376,11 @@ with c.set_checkpoint_debug_enabled(True):
     rm -f "$OUT"/executor_task*.md
     pack_logs
     ;;
-  s53_b)  # prepared in session 52: the 200-step task with the side-stream dA off / on in one call, then search (a)
-    export TRITON_CACHE_DIR=/tmp/s53b/triton
-    rm -rf /tmp/s53b
-    step 95 task200_side0 python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
-      --out "$OUT/executor_task200_side0.md" --json "$OUT/executor_task200_side0.json"
-    LORAPLEX_DA_SIDE_STREAM=1 step 95 task200_side1 python3 bench/executor_task.py --layers 32 --steps 200 \
-      --runs cold --out "$OUT/executor_task200_side1.md" --json "$OUT/executor_task200_side1.json"
-    search_rest
-    rm -f "$OUT"/executor_task*.md
-    pack_logs
-    ;;
-  s53_c)  # prepared in session 52: session 52's sweep at the 2-job step's neighbouring graph keys (768, 1,024, 2,048 and
-          # 2,560 rows: the table's rows there came from 8-adapter tuning), the passes the engine runs, new configurations
-          # beside the candidates; the winners then go into the H200 table and their kernels into the archive (s52_h)
-    export TRITON_CACHE_DIR=/tmp/s53c/triton
-    rm -rf /tmp/s53c
-    for lay in 150x16,600x64:768 200x16,800x64:1024 360x16,1440x64:2048 500x16,2000x64:2560; do
-      [ $((585 - SECONDS)) -ge 100 ] && step $((585 - SECONDS)) "sweep_${lay##*:}" python3 bench/lora_sweep.py --extra \
-        --engine-passes --layout "${lay%%:*}" --pad-to "${lay##*:}" --budget-s 120 --out "$OUT/lora_sweep_${lay##*:}.md"
-    done
-    pack_logs
-    ;;
   s53_d)  # session 53: the 200-step task with the side-stream dA off / on, then session 52's sweep at the 2,048- and
           # 1,024-row keys (the 2-job task's second and third most used table keys after 1,536)
     export TRITON_CACHE_DIR=/tmp/s53d/triton
     rm -rf /tmp/s53d
-    step 95 task200_side0 python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
+    LORAPLEX_DA_SIDE_STREAM=0 step 95 task200_side0 python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
       --out "$OUT/executor_task200_side0.md" --json "$OUT/executor_task200_side0.json"
     LORAPLEX_DA_SIDE_STREAM=1 step 95 task200_side1 python3 bench/executor_task.py --layers 32 --steps 200 \
       --runs cold --out "$OUT/executor_task200_side1.md" --json "$OUT/executor_task200_side1.json"
@@ -2412,14 +2395,7 @@ with c.set_checkpoint_debug_enabled(True):
           # dA on by default: the configurations' GPU tests, the 200-step task on a cache seeded from the archive,
           # the same sweep at an 8-job layout of 2,048 rows (do the new rows hold beside 8 adapters?), search (a);
           # a grown cache comes back for python -m kernels.shipped_cache --merge
-    export TRITON_CACHE_DIR=/tmp/s53e/triton
-    rm -rf /tmp/s53e /tmp/s53e_tests
-    shipped=$(shipped_cubins)
-    TRITON_CACHE_DIR=/tmp/s53e_tests/triton step 75 gpu_configs python3 -m pytest -q -p no:cacheprovider \
-      tests/gpu/test_kernels_gpu.py -k "small_step or side_stream"
-    step 95 task200 python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
-      --out "$OUT/executor_task200.md" --json "$OUT/executor_task200.json"
-    echo "cubins shipped: $shipped, after the 200-step task: $(cubins)" | tee -a "$OUT/steps.txt"
+    configs_then_task200 /tmp/s53e
     step 110 sweep_8jobs python3 bench/lora_sweep.py --engine-passes \
       --layout 128x16,256x16,128x32,256x32,256x64,256x64,384x64,256x64 --pad-to 2048 --budget-s 80 \
       --out "$OUT/lora_sweep_2048_8jobs.md"
@@ -2440,5 +2416,5 @@ with c.set_checkpoint_debug_enabled(True):
     rm -f "$OUT"/executor_task*.md
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d|s38_a|s38_b|s38_c|s38_d|s39_a|s39_b|s39_c|s39_d|s39_e|s40_a|s40_b|s40_c|s40_d|s41_a|s41_b|s41_c|s41_d|s42_a|s42_b|s42_c|s42_d|s43_a|s43_b|s43_c|s43_d|s44_a|s44_b|s44_c|s44_d|s44_e|s44_f|s45_a|s45_b|s45_c|s45_d|s45_e|s46_a|pad_free|pad_free_tasks|s47_a|s47_b|s47_c|s48_a|s48_c|s48_cublas|s48_replay|s48_store|s48_auto|s48_seed|s49_a|s49_b|s49_c|s49_d|s50_a|s50_b|s50_c|s50_d|s51_a|s51_b|s51_c|s51_d|s51_e|s51_f|s52_a|s52_b|s52_c|s52_d|s52_e|s52_f|s52_g|s52_h|s53_a|s53_b|s53_c|s53_d|s53_e|s53_f" >&2; exit 2 ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d|s38_a|s38_b|s38_c|s38_d|s39_a|s39_b|s39_c|s39_d|s39_e|s40_a|s40_b|s40_c|s40_d|s41_a|s41_b|s41_c|s41_d|s42_a|s42_b|s42_c|s42_d|s43_a|s43_b|s43_c|s43_d|s44_a|s44_b|s44_c|s44_d|s44_e|s44_f|s45_a|s45_b|s45_c|s45_d|s45_e|s46_a|pad_free|pad_free_tasks|s47_a|s47_b|s47_c|s48_a|s48_c|s48_cublas|s48_replay|s48_store|s48_auto|s48_seed|s49_a|s49_b|s49_c|s49_d|s50_a|s50_b|s50_c|s50_d|s51_a|s51_b|s51_c|s51_d|s51_e|s51_f|s52_a|s52_b|s52_c|s52_d|s52_e|s52_f|s52_g|s52_h|s53_a|s53_d|s53_e|s53_f" >&2; exit 2 ;;
 esac
