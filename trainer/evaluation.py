@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -119,6 +119,9 @@ class Evaluation:
         # each job's denominator in the last `metrics` (the target tokens or pairs its means
         # average over): evaluations of disjoint subsets merge exactly (trainer.task_eval)
         self.last_weights: dict[str, float] = {}
+        # called once, by the next `metrics`, between its first forwards' launch and their numbers' sync,
+        # with whether the device still runs them (trainer.graph_ahead: step graphs captured meanwhile)
+        self.ahead: Callable[[Callable[[], bool]], object] | None = None
 
     def token_sums(self, states: Sequence[JobRun], chunk: Sequence[Example]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +163,8 @@ class Evaluation:
                 # the group's adapters copied once in the compute dtype (AdapterArena.compute_copy)
                 with eng.slots.compute_copy(members):
                     totals, denoms = self._group_sums(members, examples, batch_size)
+                if self.ahead is not None:
+                    self._ahead(was_training)
                 means = (totals.cpu() / denoms.clamp(min=1).unsqueeze(1)).tolist()
                 self.last_weights.update({s.job_id: float(d) for s, d in zip(members, denoms.tolist(), strict=True)})
                 out.update({s.job_id: dict(zip(eng.eval_metric_names, row, strict=True))
@@ -174,6 +179,21 @@ class Evaluation:
             for _ in range(forwards - own):
                 eng.idle_forward()
         return out
+
+    def _ahead(self, was_training: bool) -> None:
+        """The `ahead` call, once: the model as it was before the evaluation (a capture records the training
+        step) and gradients on, the device's queued forwards still running."""
+        ahead, self.ahead = self.ahead, None
+        eng = self.engine
+        queued = torch.cuda.Event() if eng.device.type == "cuda" else None
+        if queued is not None:
+            queued.record()
+        eng.model.train(was_training)
+        try:
+            with torch.enable_grad():
+                ahead(lambda: queued is None or not queued.query())
+        finally:
+            eng.model.eval()
 
     def _group_sums(self, members: Sequence[JobRun], examples: Sequence[Example], batch_size: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:

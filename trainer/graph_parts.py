@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,21 +61,24 @@ class capturing:  # noqa: N801 - a context manager, named as torch.cuda.graph is
     instantiation), for the step graphs' stats."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, pool: Any = None, mode: str = "thread_local",
-                 need: float | None = None) -> None:
+                 need: float | None = None, sync: bool = True) -> None:
         self._graph = torch.cuda.graph(graph, pool=pool, capture_error_mode=mode)
         self._need = need
+        self._sync = sync  # False: no device sync on entry (a capture ahead, beside queued work: trainer.graph_ahead)
         self._stream: torch.cuda.Stream | None = None
         self.body_s = self.end_s = self._entered = 0.0
 
     def __enter__(self) -> None:
         self._stream = torch.cuda.current_stream()
-        saved = torch.cuda.empty_cache, torch._C._host_emptyCache
+        saved = torch.cuda.empty_cache, torch._C._host_emptyCache, torch.cuda.synchronize
         if has_room(self._stream.device, self._need):
             torch.cuda.empty_cache = torch._C._host_emptyCache = _nothing
+        if not self._sync:
+            torch.cuda.synchronize = _nothing
         try:
             self._graph.__enter__()
         finally:
-            torch.cuda.empty_cache, torch._C._host_emptyCache = saved
+            torch.cuda.empty_cache, torch._C._host_emptyCache, torch.cuda.synchronize = saved
         self._entered = time.perf_counter()
 
     def __exit__(self, *exc: Any) -> bool | None:
@@ -90,6 +93,23 @@ class capturing:  # noqa: N801 - a context manager, named as torch.cuda.graph is
 
 def pow2(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+def step_key(eng: Any, per_octave: int, states: Sequence[Any], per_job: Sequence[Sequence[Any]], train: bool,
+             seq_cap: int | None = None) -> tuple[GraphKey, Any, list[int]]:
+    """The key a step of these jobs over these examples runs (before its recompute decision), its host
+    batch packed as the step packs it and the jobs' arena offsets; `seq_cap`: the engine's (default)."""
+    from trainer.packing import pack_flat
+
+    cap = eng.seq_cap if seq_cap is None else seq_cap
+    n_seqs = sum(len(seqs) for seqs in per_job)
+    cpu = pack_flat(per_job, eng.pad_id, per_octave=per_octave, max_cells=n_seqs * cap, max_len=cap)
+    ints = eng.slots.layout_offsets(states)
+    key = GraphKey(tokens=cpu.input_ids.shape[1], seq_slots=pow2(len(cpu.cu_seqlens) - 1, 16),
+                   job_slots=pow2(len(states), 8), rank=pow2(max(s.adapter.rank for s in states), 16),
+                   max_len=cap, aligned=all(v % 16 == 0 for v in ints),
+                   recompute=eng.gradient_checkpointing and train, train=train)
+    return key, cpu, ints
 
 
 @dataclass(frozen=True)
@@ -173,11 +193,11 @@ class Entry:
     last: int = 0  # the step (StepGraphs.calls) that last ran it
 
 
-def capture_short(device: torch.device, need: float | None, pool_bytes: int) -> str | None:
+def capture_short(device: torch.device, need: float | None, pool_bytes: int, sync: bool = True) -> str | None:
     """Why a capture whose pool needs `need` bytes would not fit now (None: it fits, or no need is
-    known): it has the device's free memory, once `make_room` made it, and the graphs' pool (a
-    capture reuses the pool)."""
-    if device.type == "cuda":
+    known): it has the device's free memory, once `make_room` made it (not with sync=False: no
+    device sync, nothing emptied), and the graphs' pool (a capture reuses the pool)."""
+    if device.type == "cuda" and sync:
         make_room(device, need)
     if need is None or device.type != "cuda":
         return None

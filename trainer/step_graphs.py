@@ -39,7 +39,7 @@ from torch import nn
 from trainer import graph_parts
 from trainer.arena import AdapterArena
 from trainer.data import IGNORE, Example
-from trainer.graph_parts import CAPTURE_RETRY_STEPS, GraphKey, capture_short, memory_report, pow2
+from trainer.graph_parts import CAPTURE_RETRY_STEPS, GraphKey, capture_short, memory_report
 from trainer.graph_parts import Entry as _Entry
 from trainer.graph_parts import Replay as _Replay
 from trainer.graph_parts import Static as _Static
@@ -140,6 +140,7 @@ class StepGraphs:
         # the executor's memory plan, MemoryPlan.capture_bytes)
         self.capture_need: Callable[[int, bool], float | None] | None = None
         self.covered = 0  # steps that replayed a larger key's capture (padded) instead of capturing
+        self.ahead = 0  # keys captured ahead of their steps, beside an evaluation's forwards (trainer.graph_ahead)
         self._storage = None  # (arena, grad arena) storages the graphs read and write
         self.pool_bytes = 0  # device memory the captures' pool took
         self.last_replayed = False  # the last step replayed an earlier capture
@@ -180,17 +181,10 @@ class StepGraphs:
         """Pack, fill the key's buffers and run its graph (captured now if its class is warm, else
         eagerly): the host batch, the entry and each slot's target count."""
         eng = self.engine
-        longest = max((len(e.input_ids) for seqs in per_job for e in seqs), default=1)
-        eng.seq_cap = max(eng.seq_cap, longest)
+        eng.seq_cap = max(eng.seq_cap, max((len(e.input_ids) for seqs in per_job for e in seqs), default=1))
         n_seqs = sum(len(seqs) for seqs in per_job)
-        cpu = pack_flat(per_job, eng.pad_id, per_octave=self.per_octave, max_cells=n_seqs * eng.seq_cap,
-                        max_len=eng.seq_cap)
         self._check_storage()
-        ints = eng.slots.layout_offsets(states)
-        key = GraphKey(tokens=cpu.input_ids.shape[1], seq_slots=pow2(len(cpu.cu_seqlens) - 1, 16),
-                       job_slots=pow2(len(states), 8), rank=pow2(max(s.adapter.rank for s in states), 16),
-                       max_len=eng.seq_cap, aligned=all(v % 16 == 0 for v in ints),
-                       recompute=eng.gradient_checkpointing and train, train=train)
+        key, cpu, ints = graph_parts.step_key(eng, self.per_octave, states, per_job, train)
         if train and eng.recompute_for is not None:
             key = self._recompute_key(key, cpu.real_tokens, n_seqs)
         cover = self._cover_for(key, cpu.real_tokens, n_seqs)
@@ -230,17 +224,20 @@ class StepGraphs:
           later steps recomputed and its evaluation ran 13 sequences a forward (11.0 s, not 4.2).
         With these rules search (a) ran 73-80 of its 129 steps without recompute, against 56 under
         the eager rule alone (its 5-job steps 0.14-0.17 s against 0.21-0.30 s)."""
+        on = self.recompute_on(key, n_tokens, n_seqs)
+        if on is None:  # no policy: the setting stays
+            return key
+        self.engine.set_recompute(on)
+        return replace(key, recompute=on)
+
+    def recompute_on(self, key: GraphKey, n_tokens: int, n_seqs: int) -> bool | None:
+        """`_recompute_key`'s decision for a training key, without setting it (None: no policy)."""
         off = replace(key, recompute=False)
         known = self.entries.get(off)
         replays = (known is not None and known.graph is not None) or self._cover_for(off, n_tokens, n_seqs) is not None
         captures = not replays and self._captures(off, self.max_capture_tokens)
-        eng = self.engine
-        want = eng.recompute_for(off.tokens, padding=CAPTURE_PADDING if captures else 1.0)  # type: ignore[misc]
-        if want is None:  # no policy: the setting stays
-            return key
-        on = bool(want) and not replays
-        eng.set_recompute(on)
-        return replace(key, recompute=on)
+        want = self.engine.recompute_for(off.tokens, padding=CAPTURE_PADDING if captures else 1.0)  # type: ignore[misc]
+        return None if want is None else bool(want) and not replays
 
     def _cover_for(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
         """`_cover`, where one may serve: the key not captured, its class warm, covered < capture_after
@@ -395,17 +392,17 @@ class StepGraphs:
         st.out[:, 0].index_add_(0, st.job_of_token, losses.float())
         st.out[:, 1].index_add_(0, st.job_of_token, hits.float())
 
-    def _capture(self, entry: _Entry, key: GraphKey) -> torch.cuda.CUDAGraph | _Replay | None:
+    def _capture(self, entry: _Entry, key: GraphKey, sync: bool = True) -> torch.cuda.CUDAGraph | _Replay | None:
         """The key's graph, captured now (None: the capture failed, the key stays eager; or the
         device lacks the free memory its pool needs, `capture_need`: it is tried again later).
         Relaxed capture: a kernel of another token count may still compile or load its module
         inside it; anything that waits for the device fails the capture instead, and the step runs
-        eagerly."""
+        eagerly. sync=False: no device sync first (a capture ahead: trainer.graph_ahead)."""
         st, device = entry.static, self.engine.device
         cuda = self.use_cuda_graphs(device)
         need = self.capture_need(key.tokens, key.recompute) if self.capture_need and key.train else None
         # the eager runs' cached blocks go back first where the device lacks room for the graph's pool
-        short = capture_short(device, need, self.pool_bytes)
+        short = capture_short(device, need, self.pool_bytes, sync)
         if short is not None:
             entry.deferred = self.calls
             self.deferrals += 1
@@ -416,7 +413,7 @@ class StepGraphs:
             return _Replay(lambda: self._run(st, key))
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.memory_reserved(device)
-        cap = _capturing(graph, self.pool, "relaxed", need)
+        cap = _capturing(graph, self.pool, "relaxed", need, sync)
         try:
             with cap:
                 self._run(st, key)
@@ -446,5 +443,6 @@ class StepGraphs:
     def stats(self) -> dict[str, int]:
         return {"graphs": sum(e.graph is not None for e in self.entries.values()), "captures": self.captures,
                 "replays": self.replays, "eager_runs": self.eager_runs, "failures": self.failures,
-                "deferrals": self.deferrals, "covered": self.covered, "capture_host_ms": round(1e3 * self.capture_s[0]),
+                "deferrals": self.deferrals, "covered": self.covered, "ahead": self.ahead,
+                "capture_host_ms": round(1e3 * self.capture_s[0]),
                 "capture_end_ms": round(1e3 * self.capture_s[1])}

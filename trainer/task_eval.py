@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from contract.states import ExitReason
+from trainer import graph_ahead
 from trainer.config import Callbacks
 from trainer.data import Example
 from trainer.early_exit import LEAD_MARGIN, ExitDecision, WarmupRanking
@@ -38,6 +39,7 @@ class EvaluatedTask(Protocol):
     cb: Callbacks
     ranking: WarmupRanking | None
     placed: dict[str, JobSlot]
+    queue: Any  # configurations waiting for a slot (they join as the ranking's evicted leave)
     last_eval: dict[str, int]
     val: list[Example | PairExample]
 
@@ -84,6 +86,7 @@ def evaluate_due(task: EvaluatedTask) -> None:
     first: dict[Part, list[str]] = {}
     for job_id, n in due.items():
         first.setdefault((0, staged.get(job_id, n)), []).append(job_id)
+    ahead(task, list(staged), len(staged))
     numbers = evaluate_parts(task, first)
     early: dict[str, dict[str, Any]] = {}
     if staged:
@@ -96,6 +99,7 @@ def evaluate_due(task: EvaluatedTask) -> None:
                 rest.setdefault((lead, due[job_id]), []).append(job_id)
             else:
                 early[job_id] = {**why, "samples": lead, "of_samples": due[job_id]}
+        ahead(task, [j for ids in rest.values() for j in ids], len(staged))
         more = evaluate_parts(task, rest) if rest else {}
         for job_id, m in more.items():
             numbers[job_id] = merged(numbers[job_id], m)
@@ -107,6 +111,22 @@ def evaluate_due(task: EvaluatedTask) -> None:
             ranking.report(job_id, numbers[job_id]["loss"], early=True)
             task.cb.on_event(job_id, "evicted_on_lead", {"step": task.placed[job_id].step, **why})
             task.exit(job_id, ExitDecision(ExitReason.UNDERPERFORMING, {"early": True, **why}))
+
+
+def ahead(task: EvaluatedTask, ranked: list[str], n_staged: int) -> None:
+    """Under LORAPLEX_CAPTURE_AHEAD=1, where this evaluation decides the warmup ranking (every job it waits
+    for is among `ranked`, this stage's) and no configuration is queued to join after it: the next
+    evaluation forwards' device time captures the step graphs of the sets the ranking may keep
+    (trainer.graph_ahead). `n_staged`: the jobs ending their warmup in this evaluation."""
+    eng, ranking = task.executor.engine, task.ranking
+    graphs = getattr(eng, "step_graphs", None)
+    if not graph_ahead.ON or graphs is None or ranking is None or task.queue or not ranked \
+            or getattr(task.executor, "world", 1) > 1 or not set(ranking.waiting) <= set(ranked):
+        return
+    reported = [j for j in task.placed if ranking.awaits(j) and j not in ranked]
+    sets = graph_ahead.ranking_sets(eng, list(task.placed), ranked, reported, n_staged + len(reported),
+                                    ranking.keep_fraction)
+    eng.evaluation.ahead = lambda busy: graph_ahead.capture_ahead(graphs, graph_ahead.coming_keys(graphs, sets), busy)
 
 
 def merged(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:

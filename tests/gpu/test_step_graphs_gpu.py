@@ -129,3 +129,42 @@ def test_a_keys_inputs_arrive_whole_while_the_stream_is_busy(monkeypatch, staged
     torch.cuda.synchronize()
     for (got_i, got_f), (want_i, want_f) in zip(seen, wanted, strict=True):
         assert torch.equal(got_i.cpu(), want_i) and torch.equal(got_f.cpu(), want_f)
+
+
+def test_graphs_captured_ahead_beside_a_queued_evaluation_serve_the_kept_sets_steps(tmp_path) -> None:  # noqa: ANN001
+    """trainer.graph_ahead on CUDA: an evaluation's `ahead` captures the keys of a set's next steps before
+    the evaluation's numbers are read, without a device sync (its forwards may still run); the set's
+    steps then replay them, capture nothing, and equal the eager steps."""
+    from trainer import graph_ahead
+
+    d = tiny_model_dir("llama", tmp_path)
+    data = examples(64, 40)
+    eager, graphed = _engine(d, False, data, False), _engine(d, True, data, False)
+    for eng in (eager, graphed):
+        for spec in (job("a", 8, 1, 1), job("b", 16, 2, 2), job("c", 8, 3, 3), job("d", 16, 1, 4)):
+            eng.attach(spec)
+        eng.step()
+    g = graphed.step_graphs
+    kept = [graphed.jobs["b"], graphed.jobs["c"]]
+    syncs = []
+
+    def ahead(busy):  # noqa: ANN001, ANN202
+        real = torch.cuda.synchronize
+        torch.cuda.synchronize = lambda *a, **k: syncs.append(1) or real(*a, **k)
+        try:
+            return graph_ahead.capture_ahead(g, graph_ahead.coming_keys(g, [kept], steps=5), busy=lambda: True)
+        finally:
+            torch.cuda.synchronize = real
+
+    graphed.evaluation.ahead = ahead
+    graphed.evaluate_metrics(examples(256, 40, seed=9), batch_size=64)
+    assert syncs == [] and g.ahead >= 1 and graphed.evaluation.ahead is None
+    captures, replays = g.captures, g.replays
+    for eng in (eager, graphed):
+        for j in ("a", "d"):
+            eng.detach(j)
+    for _ in range(5):
+        want, got = eager.step(), graphed.step()
+        for j in want.losses:
+            assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-2), (j, got.losses, want.losses)
+    assert g.captures == captures and g.replays == replays + 5

@@ -391,7 +391,7 @@ def test_a_capture_the_device_lacks_free_memory_for_waits_and_its_key_replays_a_
 
     short: list[bool] = [False]
     asked: list[tuple[int, bool]] = []
-    monkeypatch.setattr(sg, "capture_short", lambda device, need, pool: "no room" if short[0] else None)
+    monkeypatch.setattr(sg, "capture_short", lambda device, need, pool, sync=True: "no room" if short[0] else None)
     eager, graphed = two_jobs(model_dir)
     g = graphed.step_graphs
     g.capture_need = lambda tokens, recompute: asked.append((tokens, recompute)) or 1.0

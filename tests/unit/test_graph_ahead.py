@@ -1,0 +1,130 @@
+"""Unit: step graphs captured ahead of their steps (trainer.graph_ahead) on the CPU, where a capture is
+its stand-in (the body replayed on the same static buffers): the keys a job set's next steps run come
+from copies of its jobs' data streams (the jobs' own stay where they are), their captures serve those
+steps (no capture at their first step, the same numbers as eager steps), and an evaluation calls its
+`ahead` once, between its forwards' launch and their numbers, with the model in training mode."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.unit.test_step_graphs import engine, examples, job, model_dir  # noqa: F401 - the fixture
+from trainer import graph_ahead
+from trainer.early_exit import keep_count
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def four_jobs(model_dir):  # noqa: ANN001, ANN201, F811
+    """An eager and a graphed engine with the same four jobs (batches 1-3 of 24-token examples), one step each."""
+    data = examples(64, 24)
+    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
+    for eng in (eager, graphed):
+        for spec in (job("a", 4, 1, 1), job("b", 8, 2, 2), job("c", 4, 3, 3), job("d", 8, 1, 4)):
+            eng.attach(spec)
+        eng.step()  # the key class runs eagerly once (what a capture needs first)
+    return eager, graphed
+
+
+def test_the_next_steps_keys_come_from_copies_of_the_streams_and_their_captures_serve_those_steps(model_dir) -> None:  # noqa: ANN001, F811
+    eager, graphed = four_jobs(model_dir)
+    g = graphed.step_graphs
+    kept = [graphed.jobs["b"], graphed.jobs["c"]]  # the set a ranking would keep
+    positions = {j: dict(s.stream.state_dict()) for j, s in graphed.jobs.items()}
+    keys = graph_ahead.coming_keys(g, [kept], steps=6)
+    assert {j: s.stream.state_dict() for j, s in graphed.jobs.items()} == positions  # nothing moved
+    assert sum(keys.values()) == 6 and all(k.tokens >= 5 * 24 for k in keys)  # b + c: 5 sequences a step
+    captures, replays = g.captures, g.replays
+    made = graph_ahead.capture_ahead(g, keys, busy=lambda: True)
+    assert made == len(keys) >= 1 and g.ahead == made and g.captures == captures + made
+    assert g.replays == replays  # captured, not run
+    for eng in (eager, graphed):
+        for j in ("a", "d"):
+            eng.detach(j)
+    for _ in range(6):
+        want, got = eager.step(), graphed.step()
+        for j in want.losses:
+            assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-5), j
+            assert math.isclose(got.grad_norms[j], want.grad_norms[j], rel_tol=1e-4), j
+    assert g.captures == captures + made and g.replays == replays + 6  # every step replayed a capture made ahead
+    for j in ("b", "c"):
+        torch.testing.assert_close(graphed.jobs[j].adapter.flat, eager.jobs[j].adapter.flat, rtol=1e-4, atol=1e-6)
+
+
+def test_capture_ahead_stops_once_the_device_is_done_and_leaves_keys_of_a_cold_class(model_dir) -> None:  # noqa: ANN001, F811
+    _, graphed = four_jobs(model_dir)
+    g = graphed.step_graphs
+    keys = graph_ahead.coming_keys(g, [[graphed.jobs["a"]], [graphed.jobs["c"]]], steps=4)
+    assert len(keys) >= 2
+    calls = []
+    assert graph_ahead.capture_ahead(g, keys, busy=lambda: calls.append(1) is None and len(calls) <= 1) == 1
+    cold = Counter({replace(k, rank=64): 1 for k in keys})  # a rank tile no step ran eagerly yet
+    assert graph_ahead.capture_ahead(g, cold, busy=lambda: True) == 0
+
+
+def test_the_sets_a_ranking_may_keep(model_dir) -> None:  # noqa: ANN001, F811
+    _, graphed = four_jobs(model_dir)
+    sets = graph_ahead.ranking_sets(graphed, ["a", "b", "c", "d"], ["a", "b", "c"], [], 3, 0.5)
+    assert keep_count(3, 0.5) == 2
+    assert sorted(sorted(s.job_id for s in one) for one in sets) == [["a", "b", "d"], ["a", "c", "d"], ["b", "c", "d"]]
+
+
+def test_an_evaluation_calls_ahead_once_between_its_forwards_and_their_numbers(model_dir) -> None:  # noqa: ANN001, F811
+    _, graphed = four_jobs(model_dir)
+    held_out = examples(8, 24, seed=7)
+    want = graphed.evaluate_metrics(held_out, batch_size=4)
+    seen = []
+    training = graphed.model.training
+    graphed.evaluation.ahead = lambda busy: seen.append((graphed.model.training, torch.is_grad_enabled(), busy()))
+    got = graphed.evaluate_metrics(held_out, batch_size=4, max_sequences=4)  # two groups of jobs
+    assert seen == [(True, True, True)] and graphed.evaluation.ahead is None
+    assert graphed.model.training == training
+    for j, m in want.items():
+        assert math.isclose(got[j]["loss"], m["loss"], rel_tol=1e-5), j
+
+
+def test_a_ranking_evaluation_captures_what_the_sets_it_may_keep_will_run(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
+    from types import SimpleNamespace
+
+    from trainer import task_eval
+    from trainer.early_exit import WarmupRanking
+
+    _, graphed = four_jobs(model_dir)
+    g = graphed.step_graphs
+    held_out = examples(8, 24, seed=7)
+
+    def fake(queue: list, ranked: list[str]) -> SimpleNamespace:
+        return SimpleNamespace(executor=SimpleNamespace(engine=graphed, world=1), queue=queue, placed=dict.fromkeys("abcd"),
+                               ranking=WarmupRanking(ranked, keep_fraction=0.5))
+
+    task_eval.ahead(fake([], list("abcd")), list("abcd"), 4)
+    assert graphed.evaluation.ahead is None  # off unless LORAPLEX_CAPTURE_AHEAD=1
+    monkeypatch.setattr(graph_ahead, "ON", True)
+    task_eval.ahead(fake(["queued"], list("abcd")), list("abcd"), 4)  # a queued configuration joins after it
+    task_eval.ahead(fake([], list("abcd")), list("abc"), 4)  # the ranking still waits for d
+    assert graphed.evaluation.ahead is None
+    task_eval.ahead(fake([], list("abcd")), list("abcd"), 4)
+    assert graphed.evaluation.ahead is not None
+    graphed.evaluate_metrics(held_out, batch_size=4)
+    assert g.ahead >= 2 and graphed.evaluation.ahead is None  # the 6 pairs' keys (4-8 sequences a step)
+    captures = g.captures
+    for j in ("a", "d"):  # the ranking kept b and c
+        graphed.detach(j)
+    for _ in range(4):
+        graphed.step()
+    assert g.captures == captures  # their steps replayed captures made ahead
+
+
+def test_a_large_ranking_lists_at_most_max_sets_sets(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
+    _, graphed = four_jobs(model_dir)
+    many = [f"x{k}" for k in range(40)]  # not attached (another rank's): only the attached are choices
+    sets = graph_ahead.ranking_sets(graphed, list("abcd"), list("abcd") + many, [], 48, 0.25)
+    assert len(sets) == 1 and sorted(s.job_id for s in sets[0]) == list("abcd")  # 12 kept of 48: the 4 attached
+    assert len(graph_ahead.ranking_sets(graphed, list("abcd"), list("abcd"), [], 8, 0.25)) == 6  # 2 of the 4
+    monkeypatch.setattr(graph_ahead, "MAX_SETS", 3)
+    assert len(graph_ahead.ranking_sets(graphed, list("abcd"), list("abcd"), [], 8, 0.25)) == 3

@@ -1,0 +1,117 @@
+"""Step graphs captured ahead of the steps that need them, while the device runs an evaluation's
+forwards and the host would only wait for their numbers (issue 40; off unless LORAPLEX_CAPTURE_AHEAD=1,
+not yet measured on a device).
+
+A capture costs its step ~0.3 s of host time over a replay at 32 layers of the 8B shape (the whole
+step's Python, captured), and the device idles through it. The captures fall right after a ranking
+evaluation changes the job set (bench/results/session53_h200.md: the 60-step task's 5 at steps 4-7,
+after step 3's ranking; 3 of the 200-step task's 7 at steps 11-20; search (a)'s at steps 15-19 and
+37-41), and during that evaluation's forwards the host sat idle for 1-4 s. The next set's keys need
+no guess: each job's data order is a seeded permutation (trainer.data.JobDataStream), so copies of
+the candidates' streams give the examples of their next steps, packed as a step packs them
+(graph_parts.step_key), for every set the ranking may keep (`ranking_sets`).
+
+- `coming_keys(graphs, sets)`: per set, the keys of its next STEPS steps that no capture serves yet
+  (its own or a cover), counted over the sets.
+- `capture_ahead(graphs, keys, busy)`: captures them, the most used first, while `busy()` says the
+  device still has queued work: no device sync before a capture and no caches emptied, and only
+  where the device has room for the pool's estimated need (graph_parts.has_room).
+A key captured ahead and never run stays in the graphs' pool until a stale pool goes
+(StepGraphs.stale_pool). An arena packed after the ranking drops every capture, these included.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from trainer.data import JobDataStream, sequence_tokens
+from trainer.early_exit import keep_count
+from trainer.graph_parts import GraphKey, has_room, step_key
+
+ON = os.environ.get("LORAPLEX_CAPTURE_AHEAD", "0") == "1"
+STEPS = 24  # each set's next steps whose keys are counted
+MAX_SETS = 32  # the sets beyond this many are not listed (in the candidates' order)
+
+
+def _peek(stream: JobDataStream) -> JobDataStream:
+    """A copy of the stream at its position: its batches are the job's next ones, the job's stream stays."""
+    copy = JobDataStream(stream.n, stream.seed)
+    copy.load_state_dict(stream.state_dict())
+    return copy
+
+
+def coming_keys(graphs: Any, sets: Iterable[Sequence[Any]], steps: int = STEPS) -> Counter[GraphKey]:  # noqa: ANN401
+    """The keys of each set's next `steps` steps (at most its jobs' steps left) that its graphed steps
+    would capture: not a key captured already, nor one a capture covers; counted over the sets."""
+    eng = graphs.engine
+    counts: Counter[GraphKey] = Counter()
+    for states in itertools.islice(sets, MAX_SETS):
+        if not graphs.serves(states):
+            continue
+        streams = [_peek(s.stream) for s in states]
+        cap = eng.seq_cap
+        for _ in range(min([steps] + [s.total_steps - s.step for s in states])):
+            per_job = [[eng.train_examples[i] for i in st.next_indices(s.spec.batch_size)]
+                       for s, st in zip(states, streams, strict=True)]
+            tokens = [sum(sequence_tokens(e) for e in items) for items in per_job]
+            passes = eng.split_for(tokens) if eng.split_for is not None else None
+            if passes is not None and len(passes) > 1:  # passes run eagerly
+                continue
+            cap = max(cap, max(len(e.input_ids) for items in per_job for e in items))
+            key, cpu, _ = step_key(eng, graphs.per_octave, states, per_job, True, cap)
+            n_seqs = sum(len(items) for items in per_job)
+            if eng.recompute_for is not None:
+                on = graphs.recompute_on(key, cpu.real_tokens, n_seqs)
+                key = key if on is None else replace(key, recompute=on)
+            known = graphs.entries.get(key)
+            if (known is not None and known.graph is not None) or graphs._cover(key, cpu.real_tokens, n_seqs):
+                continue
+            counts[key] += 1
+    return counts
+
+
+def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool]) -> int:  # noqa: ANN401
+    """Capture `keys`, the most used first, while `busy()`; returns how many were captured. Keys of a
+    class no step ran eagerly yet, over the capture limit, failed before or without room are left."""
+    eng = graphs.engine
+    graphs._check_storage()
+    was = eng.gradient_checkpointing
+    made = 0
+    try:
+        for key, _ in keys.most_common():
+            if not busy():
+                break
+            entry = graphs.entries.get(key)
+            if (entry is not None and (entry.graph is not None or entry.failed)) or key.warm_class not in graphs.warm \
+                    or key.tokens > graphs.max_capture_tokens:
+                continue
+            need = graphs.capture_need(key.tokens, key.recompute) if graphs.capture_need else None
+            if eng.device.type == "cuda" and need is not None and not has_room(eng.device, need):
+                continue
+            eng.set_recompute(key.recompute)
+            entry = graphs._entry(key)
+            entry.last = graphs.calls
+            entry.graph = graphs._capture(entry, key, sync=False)
+            made += entry.graph is not None
+    finally:
+        eng.set_recompute(was)
+    graphs.ahead += made
+    return made
+
+
+def ranking_sets(engine: Any, placed: Iterable[str], ranked: Sequence[str], reported: Sequence[str],  # noqa: ANN401
+                 n_ranked: int, keep_fraction: float) -> list[list[Any]]:
+    """The job sets that may train after a warmup ranking decides (its last evaluation running now):
+    the placed jobs outside the ranking with every choice of the kept among `ranked` (this stage's jobs)
+    and `reported` (those that reported before), as many as the ranking keeps of its `n_ranked` jobs
+    (the ones its staging evicted on their lead count too)."""
+    ranked_set = set(ranked) | set(reported)
+    others = [j for j in placed if j not in ranked_set and j in engine.jobs and not engine.jobs[j].done]
+    pool = [j for j in [*ranked, *reported] if j in engine.jobs and not engine.jobs[j].done]
+    n_keep = min(keep_count(n_ranked, keep_fraction), len(pool))
+    choices = itertools.islice(itertools.combinations(pool, n_keep), MAX_SETS)  # C(48, 12) is never listed
+    return [[engine.jobs[j] for j in others + list(kept)] for kept in choices]
