@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.unit.test_step_graphs import engine, examples, job, model_dir  # noqa: F401 - the fixture
+from tests.unit.test_step_graphs import engine, examples, job, model_dir, same_steps  # noqa: F401 - the fixture
 from trainer import graph_ahead
 from trainer.early_exit import keep_count
 
@@ -46,11 +46,7 @@ def test_the_next_steps_keys_come_from_copies_of_the_streams_and_their_captures_
     for eng in (eager, graphed):
         for j in ("a", "d"):
             eng.detach(j)
-    for _ in range(6):
-        want, got = eager.step(), graphed.step()
-        for j in want.losses:
-            assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-5), j
-            assert math.isclose(got.grad_norms[j], want.grad_norms[j], rel_tol=1e-4), j
+    same_steps(eager, graphed, 6)
     assert g.captures == captures + made and g.replays == replays + 6  # every step replayed a capture made ahead
     for j in ("b", "c"):
         torch.testing.assert_close(graphed.jobs[j].adapter.flat, eager.jobs[j].adapter.flat, rtol=1e-4, atol=1e-6)
