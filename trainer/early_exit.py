@@ -302,6 +302,16 @@ class WarmupRanking:
         return list(self._pending)
 
     @property
+    def ranked_count(self) -> int:
+        """How many jobs the decision ranks: the reported (those evicted on their lead too) and the waiting."""
+        return len(self._losses) + len(self._pending)
+
+    def lead_loss(self, job_id: str) -> float:
+        """The job's loss on the lead part of the subset (inf where it has none: not staged, or not yet)."""
+        v = self._leads.get(job_id)
+        return v if v is not None and _finite(v) else math.inf
+
+    @property
     def ready(self) -> bool:
         return not self._pending
 

@@ -9,6 +9,7 @@ count). A whole class: it sees its engine through `Evaluated`
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -21,6 +22,8 @@ from trainer.data import Example
 from trainer.jobs import JobRun
 from trainer.packing import PackedBatch
 from trainer.step_graphs import StepGraphs
+
+log = logging.getLogger(__name__)
 
 # evaluation's numbers without an objective (SFT's): the mean token loss and the mean token
 # accuracy (argmax == target over target tokens)
@@ -192,6 +195,8 @@ class Evaluation:
         try:
             with torch.enable_grad():
                 ahead(lambda: queued is None or not queued.query())
+        except Exception as err:  # noqa: BLE001 - an optimisation: the evaluation goes on without it
+            log.warning("captures ahead of the next steps failed: %s", str(err)[:200])
         finally:
             eng.model.eval()
 

@@ -21,6 +21,7 @@ A key captured ahead and never run stays in the graphs' pool until a stale pool 
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 from collections import Counter
@@ -28,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from trainer.data import JobDataStream, sequence_tokens
+from trainer.data import sequence_tokens
 from trainer.early_exit import keep_count
 from trainer.graph_parts import GraphKey, has_room, step_key
 
@@ -37,11 +38,9 @@ STEPS = 24  # each set's next steps whose keys are counted
 MAX_SETS = 32  # the sets beyond this many are not listed (in the candidates' order)
 
 
-def _peek(stream: JobDataStream) -> JobDataStream:
+def _peek(stream: Any) -> Any:  # noqa: ANN401 - a JobDataStream, or a co-located task's TaskStream around one
     """A copy of the stream at its position: its batches are the job's next ones, the job's stream stays."""
-    copy = JobDataStream(stream.n, stream.seed)
-    copy.load_state_dict(stream.state_dict())
-    return copy
+    return copy.deepcopy(stream)
 
 
 def coming_keys(graphs: Any, sets: Iterable[Sequence[Any]], steps: int = STEPS) -> Counter[GraphKey]:  # noqa: ANN401
@@ -97,20 +96,23 @@ def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool]
             entry.last = graphs.calls
             entry.graph = graphs._capture(entry, key, sync=False)
             made += entry.graph is not None
+            if entry.graph is None:  # failed or short of room: the key's own step tries again, as it would have
+                entry.failed, entry.deferred = False, -1
     finally:
         eng.set_recompute(was)
     graphs.ahead += made
     return made
 
 
-def ranking_sets(engine: Any, placed: Iterable[str], ranked: Sequence[str], reported: Sequence[str],  # noqa: ANN401
-                 n_ranked: int, keep_fraction: float) -> list[list[Any]]:
+def ranking_sets(engine: Any, ranked: Sequence[str], reported: Sequence[str], n_ranked: int,  # noqa: ANN401
+                 keep_fraction: float) -> list[list[Any]]:
     """The job sets that may train after a warmup ranking decides (its last evaluation running now):
-    the placed jobs outside the ranking with every choice of the kept among `ranked` (this stage's jobs)
-    and `reported` (those that reported before), as many as the ranking keeps of its `n_ranked` jobs
-    (the ones its staging evicted on their lead count too)."""
+    the engine's other attached jobs (a co-located task's too: a step runs them all) with every choice of
+    the kept among `ranked` (this stage's jobs) and `reported` (those that reported before), as many as the
+    ranking keeps of its `n_ranked` jobs (the ones its staging evicted on their lead count too). List the
+    likely kept first: sort `ranked` by their lead loss."""
     ranked_set = set(ranked) | set(reported)
-    others = [j for j in placed if j not in ranked_set and j in engine.jobs and not engine.jobs[j].done]
+    others = [j for j, s in engine.jobs.items() if j not in ranked_set and not s.done]
     pool = [j for j in [*ranked, *reported] if j in engine.jobs and not engine.jobs[j].done]
     n_keep = min(keep_count(n_ranked, keep_fraction), len(pool))
     choices = itertools.islice(itertools.combinations(pool, n_keep), MAX_SETS)  # C(48, 12) is never listed

@@ -71,7 +71,7 @@ class capturing:  # noqa: N801 - a context manager, named as torch.cuda.graph is
     def __enter__(self) -> None:
         self._stream = torch.cuda.current_stream()
         saved = torch.cuda.empty_cache, torch._C._host_emptyCache, torch.cuda.synchronize
-        if has_room(self._stream.device, self._need):
+        if has_room(self._stream.device, self._need) or not self._sync:  # freeing would wait for the device
             torch.cuda.empty_cache = torch._C._host_emptyCache = _nothing
         if not self._sync:
             torch.cuda.synchronize = _nothing

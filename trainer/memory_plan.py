@@ -290,6 +290,7 @@ class MemoryPlan:
         if self.eval_per_token is None:
             return run()[0]
         torch.cuda.reset_peak_memory_stats(self.device)
+        self.peak_floor = 0  # a peak before a reset inside it (captures ahead: trainer.task_eval.ahead)
         before = torch.cuda.memory_allocated(self.device)
         try:
             out, tokens = run()
@@ -303,7 +304,7 @@ class MemoryPlan:
             log.warning("an evaluation ran out of device memory: run again %s", "sized as a training step"
                         if self.eval_per_token is None else "with fewer tokens a forward or more room")
             return self.evaluation(run, relieve)
-        seen = (torch.cuda.max_memory_allocated(self.device) - before - self.eval_fixed) / max(1, tokens)
+        seen = (max(torch.cuda.max_memory_allocated(self.device), self.peak_floor) - before - self.eval_fixed) / max(1, tokens)
         if tokens > MAX_EVAL_CAPTURE_TOKENS and seen > self.eval_per_token:  # a large forward's peak
             self.eval_per_token = seen * 1.05
         torch.cuda.empty_cache()

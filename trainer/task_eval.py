@@ -13,8 +13,10 @@ the whole subset gives.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+import torch
 
 from contract.states import ExitReason
 from trainer import graph_ahead
@@ -86,8 +88,8 @@ def evaluate_due(task: EvaluatedTask) -> None:
     first: dict[Part, list[str]] = {}
     for job_id, n in due.items():
         first.setdefault((0, staged.get(job_id, n)), []).append(job_id)
-    ahead(task, list(staged), len(staged))
-    numbers = evaluate_parts(task, first)
+    ahead(task, list(staged))
+    numbers = _parts(task, first)
     early: dict[str, dict[str, Any]] = {}
     if staged:
         for job_id in staged:
@@ -99,8 +101,8 @@ def evaluate_due(task: EvaluatedTask) -> None:
                 rest.setdefault((lead, due[job_id]), []).append(job_id)
             else:
                 early[job_id] = {**why, "samples": lead, "of_samples": due[job_id]}
-        ahead(task, [j for ids in rest.values() for j in ids], len(staged))
-        more = evaluate_parts(task, rest) if rest else {}
+        ahead(task, [j for ids in rest.values() for j in ids])
+        more = _parts(task, rest) if rest else {}
         for job_id, m in more.items():
             numbers[job_id] = merged(numbers[job_id], m)
     for job_id in due:
@@ -113,20 +115,43 @@ def evaluate_due(task: EvaluatedTask) -> None:
             task.exit(job_id, ExitDecision(ExitReason.UNDERPERFORMING, {"early": True, **why}))
 
 
-def ahead(task: EvaluatedTask, ranked: list[str], n_staged: int) -> None:
+def ahead(task: EvaluatedTask, ranked: list[str]) -> None:
     """Under LORAPLEX_CAPTURE_AHEAD=1, where this evaluation decides the warmup ranking (every job it waits
     for is among `ranked`, this stage's) and no configuration is queued to join after it: the next
     evaluation forwards' device time captures the step graphs of the sets the ranking may keep
-    (trainer.graph_ahead). `n_staged`: the jobs ending their warmup in this evaluation."""
+    (trainer.graph_ahead). The hook goes with the evaluation, used or not (`_parts`)."""
     eng, ranking = task.executor.engine, task.ranking
     graphs = getattr(eng, "step_graphs", None)
     if not graph_ahead.ON or graphs is None or ranking is None or task.queue or not ranked \
             or getattr(task.executor, "world", 1) > 1 or not set(ranking.waiting) <= set(ranked):
         return
     reported = [j for j in task.placed if ranking.awaits(j) and j not in ranked]
-    sets = graph_ahead.ranking_sets(eng, list(task.placed), ranked, reported, n_staged + len(reported),
-                                    ranking.keep_fraction)
-    eng.evaluation.ahead = lambda busy: graph_ahead.capture_ahead(graphs, graph_ahead.coming_keys(graphs, sets), busy)
+    order = sorted(ranked, key=ranking.lead_loss)  # stage 2: the lowest lead losses first
+    sets = graph_ahead.ranking_sets(eng, order, reported, ranking.ranked_count, ranking.keep_fraction)
+    memory = getattr(task.executor, "memory", None)
+
+    def run(busy: Callable[[], bool]) -> int:
+        cuda = eng.device.type == "cuda"
+        peak = torch.cuda.max_memory_allocated(eng.device) if cuda else 0
+        try:
+            return graph_ahead.capture_ahead(graphs, graph_ahead.coming_keys(graphs, sets), busy)
+        finally:  # the evaluation's own peak, for the memory plan (MemoryPlan.evaluation): not the captures'
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(eng.device)
+                if memory is not None:
+                    memory.peak_floor = max(getattr(memory, "peak_floor", 0), peak)
+
+    eng.evaluation.ahead = run
+
+
+def _parts(task: EvaluatedTask, parts: dict[Part, list[str]]) -> dict[str, dict[str, float]]:
+    """evaluate_parts, then no `ahead` left behind for another evaluation (a co-located task's)."""
+    try:
+        return evaluate_parts(task, parts)
+    finally:
+        evaluation = getattr(task.executor.engine, "evaluation", None)
+        if evaluation is not None:
+            evaluation.ahead = None
 
 
 def merged(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:

@@ -65,9 +65,22 @@ def test_capture_ahead_stops_once_the_device_is_done_and_leaves_keys_of_a_cold_c
 
 def test_the_sets_a_ranking_may_keep(model_dir) -> None:  # noqa: ANN001, F811
     _, graphed = four_jobs(model_dir)
-    sets = graph_ahead.ranking_sets(graphed, ["a", "b", "c", "d"], ["a", "b", "c"], [], 3, 0.5)
+    sets = graph_ahead.ranking_sets(graphed, ["a", "b", "c"], [], 3, 0.5)  # d, outside the ranking, trains on
     assert keep_count(3, 0.5) == 2
-    assert sorted(sorted(s.job_id for s in one) for one in sets) == [["a", "b", "d"], ["a", "c", "d"], ["b", "c", "d"]]
+    assert [sorted(s.job_id for s in one) for one in sets] == [["a", "b", "d"], ["a", "c", "d"], ["b", "c", "d"]]
+    # one that reported before this evaluation is a choice too; a job of another task (attached) always trains
+    sets = graph_ahead.ranking_sets(graphed, ["a", "b"], ["c"], 4, 0.25)
+    assert [sorted(s.job_id for s in one) for one in sets] == [["a", "d"], ["b", "d"], ["c", "d"]]
+
+
+def test_a_copied_stream_of_a_colocated_task_reads_at_its_base() -> None:
+    from trainer.data import JobDataStream
+    from trainer.task_parts import TaskStream
+
+    stream = TaskStream(JobDataStream(10, 3), 100)
+    stream.next_indices(4)
+    copy = graph_ahead._peek(stream)
+    assert copy.next_indices(6) == stream.next_indices(6) and min(copy.next_indices(3)) >= 100
 
 
 def test_an_evaluation_calls_ahead_once_between_its_forwards_and_their_numbers(model_dir) -> None:  # noqa: ANN001, F811
@@ -98,13 +111,14 @@ def test_a_ranking_evaluation_captures_what_the_sets_it_may_keep_will_run(model_
         return SimpleNamespace(executor=SimpleNamespace(engine=graphed, world=1), queue=queue, placed=dict.fromkeys("abcd"),
                                ranking=WarmupRanking(ranked, keep_fraction=0.5))
 
-    task_eval.ahead(fake([], list("abcd")), list("abcd"), 4)
+    monkeypatch.setattr(graph_ahead, "ON", False)
+    task_eval.ahead(fake([], list("abcd")), list("abcd"))
     assert graphed.evaluation.ahead is None  # off unless LORAPLEX_CAPTURE_AHEAD=1
     monkeypatch.setattr(graph_ahead, "ON", True)
-    task_eval.ahead(fake(["queued"], list("abcd")), list("abcd"), 4)  # a queued configuration joins after it
-    task_eval.ahead(fake([], list("abcd")), list("abc"), 4)  # the ranking still waits for d
+    task_eval.ahead(fake(["queued"], list("abcd")), list("abcd"))  # a queued configuration joins after it
+    task_eval.ahead(fake([], list("abcd")), list("abc"))  # the ranking still waits for d
     assert graphed.evaluation.ahead is None
-    task_eval.ahead(fake([], list("abcd")), list("abcd"), 4)
+    task_eval.ahead(fake([], list("abcd")), list("abcd"))
     assert graphed.evaluation.ahead is not None
     graphed.evaluate_metrics(held_out, batch_size=4)
     assert g.ahead >= 2 and graphed.evaluation.ahead is None  # the 6 pairs' keys (4-8 sequences a step)
@@ -116,11 +130,25 @@ def test_a_ranking_evaluation_captures_what_the_sets_it_may_keep_will_run(model_
     assert g.captures == captures  # their steps replayed captures made ahead
 
 
+def test_a_failing_ahead_leaves_the_evaluation_and_its_numbers_alone(model_dir) -> None:  # noqa: ANN001, F811
+    _, graphed = four_jobs(model_dir)
+    held_out = examples(8, 24, seed=7)
+    want = graphed.evaluate_metrics(held_out, batch_size=4)
+
+    def broken(busy):  # noqa: ANN001, ANN202
+        raise RuntimeError("no capture today")
+
+    graphed.evaluation.ahead = broken
+    got = graphed.evaluate_metrics(held_out, batch_size=4)
+    assert got == want and graphed.evaluation.ahead is None
+
+
 def test_a_large_ranking_lists_at_most_max_sets_sets(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
     _, graphed = four_jobs(model_dir)
     many = [f"x{k}" for k in range(40)]  # not attached (another rank's): only the attached are choices
-    sets = graph_ahead.ranking_sets(graphed, list("abcd"), list("abcd") + many, [], 48, 0.25)
+    sets = graph_ahead.ranking_sets(graphed, list("abcd") + many, [], 48, 0.25)
     assert len(sets) == 1 and sorted(s.job_id for s in sets[0]) == list("abcd")  # 12 kept of 48: the 4 attached
-    assert len(graph_ahead.ranking_sets(graphed, list("abcd"), list("abcd"), [], 8, 0.25)) == 6  # 2 of the 4
+    assert len(graph_ahead.ranking_sets(graphed, list("abcd"), [], 8, 0.25)) == 6  # 2 of the 4
     monkeypatch.setattr(graph_ahead, "MAX_SETS", 3)
-    assert len(graph_ahead.ranking_sets(graphed, list("abcd"), list("abcd"), [], 8, 0.25)) == 3
+    sets = graph_ahead.ranking_sets(graphed, list("cabd"), [], 8, 0.25)  # the likely kept first (lead order)
+    assert [sorted(s.job_id for s in one) for one in sets] == [["a", "c"], ["b", "c"], ["c", "d"]]
