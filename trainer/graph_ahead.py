@@ -60,8 +60,8 @@ def coming_keys(graphs: Any, sets: Iterable[Sequence[Any]], steps: int = STEPS) 
             passes = eng.split_for(tokens) if eng.split_for is not None else None
             if passes is not None and len(passes) > 1:  # passes run eagerly
                 continue
-            cap = max(cap, max(len(e.input_ids) for items in per_job for e in items))
             key, cpu, _ = step_key(eng, graphs.per_octave, states, per_job, True, cap)
+            cap = key.max_len  # grown as the engine's would be by this step
             n_seqs = sum(len(items) for items in per_job)
             if eng.recompute_for is not None:
                 on = graphs.recompute_on(key, cpu.real_tokens, n_seqs)

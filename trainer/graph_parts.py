@@ -71,7 +71,7 @@ class capturing:  # noqa: N801 - a context manager, named as torch.cuda.graph is
     def __enter__(self) -> None:
         self._stream = torch.cuda.current_stream()
         saved = torch.cuda.empty_cache, torch._C._host_emptyCache, torch.cuda.synchronize
-        if has_room(self._stream.device, self._need) or not self._sync:  # freeing would wait for the device
+        if not self._sync or has_room(self._stream.device, self._need):  # without sync: freeing would wait for the device
             torch.cuda.empty_cache = torch._C._host_emptyCache = _nothing
         if not self._sync:
             torch.cuda.synchronize = _nothing
@@ -98,10 +98,12 @@ def pow2(n: int, floor: int) -> int:
 def step_key(eng: Any, per_octave: int, states: Sequence[Any], per_job: Sequence[Sequence[Any]], train: bool,
              seq_cap: int | None = None) -> tuple[GraphKey, Any, list[int]]:
     """The key a step of these jobs over these examples runs (before its recompute decision), its host
-    batch packed as the step packs it and the jobs' arena offsets; `seq_cap`: the engine's (default)."""
+    batch packed as the step packs it and the jobs' arena offsets. The key's max_len is the longest
+    sequence so far: `seq_cap` (default the engine's) grown to this step's longest."""
     from trainer.packing import pack_flat
 
-    cap = eng.seq_cap if seq_cap is None else seq_cap
+    longest = max((len(e.input_ids) for seqs in per_job for e in seqs), default=1)
+    cap = max(eng.seq_cap if seq_cap is None else seq_cap, longest)
     n_seqs = sum(len(seqs) for seqs in per_job)
     cpu = pack_flat(per_job, eng.pad_id, per_octave=per_octave, max_cells=n_seqs * cap, max_len=cap)
     ints = eng.slots.layout_offsets(states)

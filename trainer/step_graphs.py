@@ -181,10 +181,10 @@ class StepGraphs:
         """Pack, fill the key's buffers and run its graph (captured now if its class is warm, else
         eagerly): the host batch, the entry and each slot's target count."""
         eng = self.engine
-        eng.seq_cap = max(eng.seq_cap, max((len(e.input_ids) for seqs in per_job for e in seqs), default=1))
         n_seqs = sum(len(seqs) for seqs in per_job)
         self._check_storage()
         key, cpu, ints = graph_parts.step_key(eng, self.per_octave, states, per_job, train)
+        eng.seq_cap = key.max_len  # the longest sequence so far
         if train and eng.recompute_for is not None:
             key = self._recompute_key(key, cpu.real_tokens, n_seqs)
         cover = self._cover_for(key, cpu.real_tokens, n_seqs)
