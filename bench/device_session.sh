@@ -32,7 +32,7 @@ search_rest() {  # search (a) in what is left of the call (if 150 s are), the cu
 gpu_tests() {  # gpu_tests DIR: every GPU test on a Triton cache of its own (DIR_tests), the call's cache DIR/triton
   export TRITON_CACHE_DIR=$1/triton
   rm -rf "$1" "$1_tests"
-  TRITON_CACHE_DIR=$1_tests/triton step 385 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
+  TRITON_CACHE_DIR=$1_tests/triton step 430 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
 }
 search_a() {  # search_a LIMIT DEADLINE: the user's search (a) at 32 layers, 48 configurations, its quality
   # phase in the same call, the host's memory and disk logged every 5 s. Its executor folder (a
@@ -2454,5 +2454,22 @@ with c.set_checkpoint_debug_enabled(True):
     rm -f "$OUT"/executor_task*.md
     pack_logs
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d|s38_a|s38_b|s38_c|s38_d|s39_a|s39_b|s39_c|s39_d|s39_e|s40_a|s40_b|s40_c|s40_d|s41_a|s41_b|s41_c|s41_d|s42_a|s42_b|s42_c|s42_d|s43_a|s43_b|s43_c|s43_d|s44_a|s44_b|s44_c|s44_d|s44_e|s44_f|s45_a|s45_b|s45_c|s45_d|s45_e|s46_a|pad_free|pad_free_tasks|s47_a|s47_b|s47_c|s48_a|s48_c|s48_cublas|s48_replay|s48_store|s48_auto|s48_seed|s49_a|s49_b|s49_c|s49_d|s50_a|s50_b|s50_c|s50_d|s51_a|s51_b|s51_c|s51_d|s51_e|s51_f|s52_a|s52_b|s52_c|s52_d|s52_e|s52_f|s52_g|s52_h|s53_a|s53_d|s53_e|s53_f|s54_a|s54_b|s54_c" >&2; exit 2 ;;
+  s54_d)  # session 54, call 2: call 1's 200-step task captured nothing ahead (graphs.ahead 0). The capture ahead now
+          # counts why it leaves keys (graphs.ahead_*) and tries keys whose class differs from a warm one only in
+          # the rank tile and the alignment (graph_ahead.near_warm). The 200-step task on, the 60-step task off / on,
+          # then the step graphs' GPU tests alone, timed to their exit (call 1's full run was cut at 385 s after 100%)
+    export TRITON_CACHE_DIR=/tmp/s54d/triton
+    rm -rf /tmp/s54d
+    LORAPLEX_CAPTURE_AHEAD=1 step 95 task200_ahead1 python3 bench/executor_task.py --layers 32 --steps 200 \
+      --runs cold --out "$OUT/executor_task200_ahead1.md" --json "$OUT/executor_task200_ahead1.json"
+    for v in 0 1; do
+      LORAPLEX_CAPTURE_AHEAD=$v step 70 "task60_ahead$v" python3 bench/executor_task.py --layers 32 --steps 60 \
+        --runs cold --reuse --out "$OUT/executor_task60_ahead$v.md" --json "$OUT/executor_task60_ahead$v.json"
+    done
+    TRITON_CACHE_DIR=/tmp/s54d_tests/triton step 150 graphs_tests python3 -X faulthandler -m pytest -q -p no:cacheprovider \
+      --durations=8 tests/gpu/test_step_graphs_gpu.py
+    rm -f "$OUT"/executor_task*.md
+    pack_logs
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d|s38_a|s38_b|s38_c|s38_d|s39_a|s39_b|s39_c|s39_d|s39_e|s40_a|s40_b|s40_c|s40_d|s41_a|s41_b|s41_c|s41_d|s42_a|s42_b|s42_c|s42_d|s43_a|s43_b|s43_c|s43_d|s44_a|s44_b|s44_c|s44_d|s44_e|s44_f|s45_a|s45_b|s45_c|s45_d|s45_e|s46_a|pad_free|pad_free_tasks|s47_a|s47_b|s47_c|s48_a|s48_c|s48_cublas|s48_replay|s48_store|s48_auto|s48_seed|s49_a|s49_b|s49_c|s49_d|s50_a|s50_b|s50_c|s50_d|s51_a|s51_b|s51_c|s51_d|s51_e|s51_f|s52_a|s52_b|s52_c|s52_d|s52_e|s52_f|s52_g|s52_h|s53_a|s53_d|s53_e|s53_f|s54_a|s54_b|s54_c|s54_d" >&2; exit 2 ;;
 esac

@@ -74,22 +74,29 @@ def coming_keys(graphs: Any, sets: Iterable[Sequence[Any]], steps: int = STEPS) 
 
 
 def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool]) -> int:  # noqa: ANN401
-    """Capture `keys`, the most used first, while `busy()`; returns how many were captured. Keys of a
-    class no step ran eagerly yet, over the capture limit, failed before or without room are left."""
-    eng = graphs.engine
+    """Capture `keys`, the most used first, while `busy()`; returns how many were captured. Keys failed
+    before, over the capture limit, without room or of a class `near_warm` does not admit are left.
+    `graphs.ahead` counts the calls, the keys, the captures ("made") and each reason a key was left."""
+    eng, why = graphs.engine, graphs.ahead
     graphs._check_storage()
     was = eng.gradient_checkpointing
     made = 0
+    why["calls"] += 1
+    why["keys"] += len(keys)
     try:
         for key, _ in keys.most_common():
             if not busy():
+                why["late"] += 1  # the evaluation's forwards were done: the keys left go to their steps
                 break
             entry = graphs.entries.get(key)
-            if (entry is not None and (entry.graph is not None or entry.failed)) or key.warm_class not in graphs.warm \
-                    or key.tokens > graphs.max_capture_tokens:
-                continue
+            left = "failed" if entry is not None and (entry.graph is not None or entry.failed) else \
+                "cold" if not near_warm(graphs.warm, key) else \
+                "large" if key.tokens > graphs.max_capture_tokens else None
             need = graphs.capture_need(key.tokens, key.recompute) if graphs.capture_need else None
-            if eng.device.type == "cuda" and need is not None and not has_room(eng.device, need):
+            if left is None and eng.device.type == "cuda" and need is not None and not has_room(eng.device, need):
+                left = "room"
+            if left is not None:
+                why[left] += 1
                 continue
             eng.set_recompute(key.recompute)
             entry = graphs._entry(key)
@@ -98,10 +105,23 @@ def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool]
             made += entry.graph is not None
             if entry.graph is None:  # failed or short of room: the key's own step tries again, as it would have
                 entry.failed, entry.deferred = False, -1
+                why["unmade"] += 1
+            else:  # its kernels are loaded now: the class's other keys capture at their first steps
+                graphs.warm.add(key.warm_class)
     finally:
         eng.set_recompute(was)
-    graphs.ahead += made
+    why["made"] += made
     return made
+
+
+def near_warm(warm: set[tuple], key: GraphKey) -> bool:
+    """Whether a capture ahead may try `key`: its class ran eagerly, or one that differs from it only in
+    the rank tile and the arena's alignment (the LoRA kernels' constants: a relaxed capture loads their
+    modules from the Triton cache). A ranking that keeps only jobs of lower ranks than the warmup's
+    largest one (the 200-step task of session 54) moves its steps to such a class; its first step would
+    otherwise run eagerly and its keys would wait for it."""
+    same = (key.job_slots, key.max_len, key.recompute, key.train)
+    return key.warm_class in warm or any((w[0], w[2], w[4], w[5]) == same for w in warm)
 
 
 def ranking_sets(engine: Any, ranked: Sequence[str], reported: Sequence[str], n_ranked: int,  # noqa: ANN401

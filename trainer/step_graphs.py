@@ -140,7 +140,7 @@ class StepGraphs:
         # the executor's memory plan, MemoryPlan.capture_bytes)
         self.capture_need: Callable[[int, bool], float | None] | None = None
         self.covered = 0  # steps that replayed a larger key's capture (padded) instead of capturing
-        self.ahead = 0  # keys captured ahead of their steps, beside an evaluation's forwards (trainer.graph_ahead)
+        self.ahead: Counter[str] = Counter()  # captures ahead ("made") and why keys were left (trainer.graph_ahead)
         self._storage = None  # (arena, grad arena) storages the graphs read and write
         self.pool_bytes = 0  # device memory the captures' pool took
         self.last_replayed = False  # the last step replayed an earlier capture
@@ -443,6 +443,6 @@ class StepGraphs:
     def stats(self) -> dict[str, int]:
         return {"graphs": sum(e.graph is not None for e in self.entries.values()), "captures": self.captures,
                 "replays": self.replays, "eager_runs": self.eager_runs, "failures": self.failures,
-                "deferrals": self.deferrals, "covered": self.covered, "ahead": self.ahead,
+                "deferrals": self.deferrals, "covered": self.covered, "ahead": self.ahead["made"],
                 "capture_host_ms": round(1e3 * self.capture_s[0]),
-                "capture_end_ms": round(1e3 * self.capture_s[1])}
+                "capture_end_ms": round(1e3 * self.capture_s[1]), **{f"ahead_{k}": v for k, v in self.ahead.items()}}

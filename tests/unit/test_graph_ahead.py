@@ -20,28 +20,31 @@ from trainer.early_exit import keep_count
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def four_jobs(model_dir):  # noqa: ANN001, ANN201, F811
+def four_jobs(model_dir, d_rank: int = 8):  # noqa: ANN001, ANN201, F811
     """An eager and a graphed engine with the same four jobs (batches 1-3 of 24-token examples), one step each."""
     data = examples(64, 24)
     eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
     for eng in (eager, graphed):
-        for spec in (job("a", 4, 1, 1), job("b", 8, 2, 2), job("c", 4, 3, 3), job("d", 8, 1, 4)):
+        for spec in (job("a", 4, 1, 1), job("b", 8, 2, 2), job("c", 4, 3, 3), job("d", d_rank, 1, 4)):
             eng.attach(spec)
         eng.step()  # the key class runs eagerly once (what a capture needs first)
     return eager, graphed
 
 
-def test_the_next_steps_keys_come_from_copies_of_the_streams_and_their_captures_serve_those_steps(model_dir) -> None:  # noqa: ANN001, F811
-    eager, graphed = four_jobs(model_dir)
+@pytest.mark.parametrize("d_rank", [8, 32])  # 32: the kept jobs' rank tile (16) is not the warm class's (32)
+def test_the_next_steps_keys_come_from_copies_of_the_streams_and_their_captures_serve_those_steps(
+        model_dir, d_rank: int) -> None:  # noqa: ANN001, F811
+    eager, graphed = four_jobs(model_dir, d_rank)
     g = graphed.step_graphs
     kept = [graphed.jobs["b"], graphed.jobs["c"]]  # the set a ranking would keep
     positions = {j: dict(s.stream.state_dict()) for j, s in graphed.jobs.items()}
     keys = graph_ahead.coming_keys(g, [kept], steps=6)
+    assert all((k.warm_class in g.warm) == (d_rank == 8) for k in keys)
     assert {j: s.stream.state_dict() for j, s in graphed.jobs.items()} == positions  # nothing moved
     assert sum(keys.values()) == 6 and all(k.tokens >= 5 * 24 for k in keys)  # b + c: 5 sequences a step
     captures, replays = g.captures, g.replays
     made = graph_ahead.capture_ahead(g, keys, busy=lambda: True)
-    assert made == len(keys) >= 1 and g.ahead == made and g.captures == captures + made
+    assert made == len(keys) >= 1 and g.ahead["made"] == made and g.captures == captures + made
     assert g.replays == replays  # captured, not run
     for eng in (eager, graphed):
         for j in ("a", "d"):
@@ -59,8 +62,21 @@ def test_capture_ahead_stops_once_the_device_is_done_and_leaves_keys_of_a_cold_c
     assert len(keys) >= 2
     calls = []
     assert graph_ahead.capture_ahead(g, keys, busy=lambda: calls.append(1) is None and len(calls) <= 1) == 1
-    cold = Counter({replace(k, rank=64): 1 for k in keys})  # a rank tile no step ran eagerly yet
-    assert graph_ahead.capture_ahead(g, cold, busy=lambda: True) == 0
+    assert g.ahead["late"] == 1 and g.ahead["keys"] == len(keys)
+    cold = Counter({replace(k, max_len=2 * k.max_len): 1 for k in keys})  # a longest sequence no step ran yet
+    assert graph_ahead.capture_ahead(g, cold, busy=lambda: True) == 0 and g.ahead["cold"] == len(cold)
+    assert g.stats()["ahead"] == 1 and g.stats()["ahead_cold"] == len(cold)
+
+
+def test_a_class_near_a_warm_one_differs_only_in_the_lora_kernels_constants() -> None:
+    from trainer.graph_parts import GraphKey
+
+    key = GraphKey(tokens=1536, seq_slots=16, job_slots=8, rank=64, max_len=1024, aligned=True, recompute=False)
+    warm = {key.warm_class}
+    assert graph_ahead.near_warm(warm, replace(key, tokens=896, rank=32, aligned=False))
+    for other in (replace(key, job_slots=16), replace(key, max_len=2048), replace(key, recompute=True),
+                  replace(key, train=False)):
+        assert not graph_ahead.near_warm(warm, other), other
 
 
 def test_the_sets_a_ranking_may_keep(model_dir) -> None:  # noqa: ANN001, F811
@@ -121,7 +137,7 @@ def test_a_ranking_evaluation_captures_what_the_sets_it_may_keep_will_run(model_
     task_eval.ahead(fake([], list("abcd")), list("abcd"))
     assert graphed.evaluation.ahead is not None
     graphed.evaluate_metrics(held_out, batch_size=4)
-    assert g.ahead >= 2 and graphed.evaluation.ahead is None  # the 6 pairs' keys (4-8 sequences a step)
+    assert g.ahead["made"] >= 2 and graphed.evaluation.ahead is None  # the 6 pairs' keys (4-8 sequences a step)
     captures = g.captures
     for j in ("a", "d"):  # the ranking kept b and c
         graphed.detach(j)
