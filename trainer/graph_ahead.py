@@ -31,7 +31,7 @@ from typing import Any
 
 from trainer.data import sequence_tokens
 from trainer.early_exit import keep_count
-from trainer.graph_parts import GraphKey, has_room, step_key
+from trainer.graph_parts import GraphKey, has_room, lengths_key
 
 ON = os.environ.get("LORAPLEX_CAPTURE_AHEAD", "0") == "1"
 STEPS = 24  # each set's next steps whose keys are counted
@@ -43,31 +43,45 @@ def _peek(stream: Any) -> Any:  # noqa: ANN401 - a JobDataStream, or a co-locate
     return copy.deepcopy(stream)
 
 
-def coming_keys(graphs: Any, sets: Iterable[Sequence[Any]], steps: int = STEPS) -> Counter[GraphKey]:  # noqa: ANN401
+def coming_keys(graphs: Any, sets: Iterable[Sequence[Any]], steps: int = STEPS,  # noqa: ANN401
+                busy: Callable[[], bool] = lambda: True) -> Counter[GraphKey]:
     """The keys of each set's next `steps` steps (at most its jobs' steps left) that its graphed steps
-    would capture: not a key captured already, nor one a capture covers; counted over the sets."""
+    would capture: not a key captured already, nor one a capture covers; counted over the sets, while
+    `busy()` (the device's forwards done, captures ahead are no longer free). Each job's next batches
+    come from one copy of its stream; a step's key from its sequences' lengths (graph_parts.lengths_key)."""
     eng = graphs.engine
     counts: Counter[GraphKey] = Counter()
-    for states in itertools.islice(sets, MAX_SETS):
+    coming: dict[str, list[list[Any]]] = {}  # job -> its next steps' examples
+
+    def batches(s: Any) -> list[list[Any]]:  # noqa: ANN401
+        if s.job_id not in coming:
+            stream = _peek(s.stream)
+            coming[s.job_id] = [[eng.train_examples[i] for i in stream.next_indices(s.spec.batch_size)]
+                                for _ in range(min(steps, s.total_steps - s.step))]
+        return coming[s.job_id]
+
+    for n, states in enumerate(itertools.islice(sets, MAX_SETS)):
+        if not busy():
+            graphs.ahead["idle" if n == 0 else "sets_left"] += 1  # idle: the forwards were done at the hook
+            break
         if not graphs.serves(states):
             continue
-        streams = [_peek(s.stream) for s in states]
-        cap = eng.seq_cap
-        for _ in range(min([steps] + [s.total_steps - s.step for s in states])):
-            per_job = [[eng.train_examples[i] for i in st.next_indices(s.spec.batch_size)]
-                       for s, st in zip(states, streams, strict=True)]
+        per_set = [batches(s) for s in states]
+        ints, cap = eng.slots.layout_offsets(states), eng.seq_cap
+        for per_job in zip(*per_set, strict=False):  # the set's steps: as many as its shortest job has left
             tokens = [sum(sequence_tokens(e) for e in items) for items in per_job]
             passes = eng.split_for(tokens) if eng.split_for is not None else None
             if passes is not None and len(passes) > 1:  # passes run eagerly
                 continue
-            key, cpu, _ = step_key(eng, graphs.per_octave, states, per_job, True, cap)
+            lengths = [len(e.input_ids) for items in per_job for e in items]
+            key = lengths_key(eng, graphs.per_octave, states, ints, lengths, True, cap)
             cap = key.max_len  # grown as the engine's would be by this step
-            n_seqs = sum(len(items) for items in per_job)
+            real = sum(lengths)
             if eng.recompute_for is not None:
-                on = graphs.recompute_on(key, cpu.real_tokens, n_seqs)
+                on = graphs.recompute_on(key, real, len(lengths))
                 key = key if on is None else replace(key, recompute=on)
             known = graphs.entries.get(key)
-            if (known is not None and known.graph is not None) or graphs._cover(key, cpu.real_tokens, n_seqs):
+            if (known is not None and known.graph is not None) or graphs._cover(key, real, len(lengths)):
                 continue
             counts[key] += 1
     return counts
@@ -125,13 +139,13 @@ def near_warm(warm: set[tuple], key: GraphKey) -> bool:
 
 
 def ranking_sets(engine: Any, ranked: Sequence[str], reported: Sequence[str], n_ranked: int,  # noqa: ANN401
-                 keep_fraction: float) -> list[list[Any]]:
+                 keep_fraction: float, out: Sequence[str] = ()) -> list[list[Any]]:
     """The job sets that may train after a warmup ranking decides (its last evaluation running now):
     the engine's other attached jobs (a co-located task's too: a step runs them all) with every choice of
     the kept among `ranked` (this stage's jobs) and `reported` (those that reported before), as many as the
     ranking keeps of its `n_ranked` jobs (the ones its staging evicted on their lead count too). List the
-    likely kept first: sort `ranked` by their lead loss."""
-    ranked_set = set(ranked) | set(reported)
+    likely kept first: sort `ranked` by their lead loss. `out`: jobs the staging evicts (in none)."""
+    ranked_set = set(ranked) | set(reported) | set(out)
     others = [j for j, s in engine.jobs.items() if j not in ranked_set and not s.done]
     pool = [j for j in [*ranked, *reported] if j in engine.jobs and not engine.jobs[j].done]
     n_keep = min(keep_count(n_ranked, keep_fraction), len(pool))

@@ -102,16 +102,29 @@ def step_key(eng: Any, per_octave: int, states: Sequence[Any], per_job: Sequence
     sequence so far: `seq_cap` (default the engine's) grown to this step's longest."""
     from trainer.packing import pack_flat
 
-    longest = max((len(e.input_ids) for seqs in per_job for e in seqs), default=1)
-    cap = max(eng.seq_cap if seq_cap is None else seq_cap, longest)
-    n_seqs = sum(len(seqs) for seqs in per_job)
-    cpu = pack_flat(per_job, eng.pad_id, per_octave=per_octave, max_cells=n_seqs * cap, max_len=cap)
+    lengths = [len(e.input_ids) for seqs in per_job for e in seqs]
+    cap = max(eng.seq_cap if seq_cap is None else seq_cap, max(lengths, default=1))
+    cpu = pack_flat(per_job, eng.pad_id, per_octave=per_octave, max_cells=len(lengths) * cap, max_len=cap)
     ints = eng.slots.layout_offsets(states)
-    key = GraphKey(tokens=cpu.input_ids.shape[1], seq_slots=pow2(len(cpu.cu_seqlens) - 1, 16),
-                   job_slots=pow2(len(states), 8), rank=pow2(max(s.adapter.rank for s in states), 16),
-                   max_len=cap, aligned=all(v % 16 == 0 for v in ints),
-                   recompute=eng.gradient_checkpointing and train, train=train)
-    return key, cpu, ints
+    return shaped_key(eng, states, ints, cpu.input_ids.shape[1], len(cpu.cu_seqlens) - 1, cap, train), cpu, ints
+
+
+def lengths_key(eng: Any, per_octave: int, states: Sequence[Any], ints: Sequence[int], lengths: Sequence[int],
+                train: bool, seq_cap: int) -> GraphKey:
+    """`step_key`'s key from the step's sequence lengths alone (no batch packed: trainer.graph_ahead's
+    many steps), `ints` the jobs' arena offsets."""
+    from trainer.packing import flat_length, flat_sequences
+
+    cap, total = max(seq_cap, max(lengths, default=1)), sum(lengths)
+    tokens = flat_length(total, per_octave, len(lengths) * cap)
+    return shaped_key(eng, states, ints, tokens, flat_sequences(len(lengths), total, tokens, cap), cap, train)
+
+
+def shaped_key(eng: Any, states: Sequence[Any], ints: Sequence[int], tokens: int, n_seqs: int, cap: int,
+               train: bool) -> GraphKey:
+    return GraphKey(tokens=tokens, seq_slots=pow2(n_seqs, 16), job_slots=pow2(len(states), 8),
+                    rank=pow2(max(s.adapter.rank for s in states), 16), max_len=cap,
+                    aligned=all(v % 16 == 0 for v in ints), recompute=eng.gradient_checkpointing and train, train=train)
 
 
 @dataclass(frozen=True)

@@ -207,9 +207,7 @@ def pack_flat(per_job: Sequence[Sequence[Example]], pad_id: int, per_octave: int
             total += len(ex.input_ids)
         token_offsets.append(total)
     if length is None:
-        length = max(bucket_up(total, per_octave), 1)
-        if max_cells is not None and length > max_cells:
-            length = max(total, 1)
+        length = flat_length(total, per_octave, max_cells)
     elif length < total:
         raise ValueError(f"a row of {length} tokens cannot hold {total}")
     token_offsets[-1] = length  # the padding tail is the last job's (nothing trained)
@@ -219,6 +217,18 @@ def pack_flat(per_job: Sequence[Sequence[Example]], pad_id: int, per_octave: int
         cu = [start for start, _, _ in placed] + [total]
     ids, pos, tgt, seq = _write(placed, [total], 1, length, pad_id, True)
     return PackedBatch(ids, pos, tgt, [0] * len(per_job) + [1], total, seq, token_offsets, cu)
+
+
+def flat_length(total: int, per_octave: int = 16, max_cells: int | None = None) -> int:
+    """pack_flat's row length T for `total` tokens: rounded up to `per_octave` sizes per doubling, or the
+    tokens alone where that exceeds max_cells."""
+    length = max(bucket_up(total, per_octave), 1)
+    return max(total, 1) if max_cells is not None and length > max_cells else length
+
+
+def flat_sequences(n_seqs: int, total: int, length: int, max_len: int | None) -> int:
+    """pack_flat's sequence count (len(cu_seqlens) - 1): the sequences, then the padding tail's pieces."""
+    return n_seqs + len(range(total, length, max_len or max(length - total, 1)))
 
 
 def _write(placed: Sequence[tuple[int, Example, int]], fill: Sequence[int], n_rows: int,

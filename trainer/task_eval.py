@@ -13,6 +13,7 @@ the whole subset gives.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -101,7 +102,7 @@ def evaluate_due(task: EvaluatedTask) -> None:
                 rest.setdefault((lead, due[job_id]), []).append(job_id)
             else:
                 early[job_id] = {**why, "samples": lead, "of_samples": due[job_id]}
-        ahead(task, [j for ids in rest.values() for j in ids])
+        ahead(task, [j for ids in rest.values() for j in ids], out=list(early))
         more = _parts(task, rest) if rest else {}
         for job_id, m in more.items():
             numbers[job_id] = merged(numbers[job_id], m)
@@ -115,26 +116,29 @@ def evaluate_due(task: EvaluatedTask) -> None:
             task.exit(job_id, ExitDecision(ExitReason.UNDERPERFORMING, {"early": True, **why}))
 
 
-def ahead(task: EvaluatedTask, ranked: list[str]) -> None:
+def ahead(task: EvaluatedTask, ranked: list[str], out: Sequence[str] = ()) -> None:
     """Under LORAPLEX_CAPTURE_AHEAD=1, where this evaluation decides the warmup ranking (every job it waits
-    for is among `ranked`, this stage's) and no configuration is queued to join after it: the next
-    evaluation forwards' device time captures the step graphs of the sets the ranking may keep
-    (trainer.graph_ahead). The hook goes with the evaluation, used or not (`_parts`)."""
+    for is among `ranked`, this stage's, or `out`, evicted on its lead count after it) and no configuration
+    is queued to join after it: the next evaluation forwards' device time captures the step graphs of the
+    sets the ranking may keep (trainer.graph_ahead). The hook goes with the evaluation, used or not (`_parts`)."""
     eng, ranking = task.executor.engine, task.ranking
     graphs = getattr(eng, "step_graphs", None)
     if not graph_ahead.ON or graphs is None or ranking is None or task.queue or not ranked \
-            or getattr(task.executor, "world", 1) > 1 or not set(ranking.waiting) <= set(ranked):
+            or getattr(task.executor, "world", 1) > 1 or not set(ranking.waiting) <= {*ranked, *out}:
         return
     reported = [j for j in task.placed if ranking.awaits(j) and j not in ranked]
     order = sorted(ranked, key=ranking.lead_loss)  # stage 2: the lowest lead losses first
-    sets = graph_ahead.ranking_sets(eng, order, reported, ranking.ranked_count, ranking.keep_fraction)
+    sets = graph_ahead.ranking_sets(eng, order, reported, ranking.ranked_count, ranking.keep_fraction, out)
     memory = getattr(task.executor, "memory", None)
 
     def run(busy: Callable[[], bool]) -> int:
         cuda = eng.device.type == "cuda"
         peak = torch.cuda.max_memory_allocated(eng.device) if cuda else 0
         try:
-            return graph_ahead.capture_ahead(graphs, graph_ahead.coming_keys(graphs, sets), busy)
+            t0 = time.perf_counter()
+            keys = graph_ahead.coming_keys(graphs, sets, busy=busy)
+            graphs.ahead["keys_ms"] += round(1e3 * (time.perf_counter() - t0))
+            return graph_ahead.capture_ahead(graphs, keys, busy)
         finally:  # the evaluation's own peak, for the memory plan (MemoryPlan.evaluation): not the captures'
             if cuda:
                 torch.cuda.reset_peak_memory_stats(eng.device)

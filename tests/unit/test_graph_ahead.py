@@ -87,6 +87,26 @@ def test_the_sets_a_ranking_may_keep(model_dir) -> None:  # noqa: ANN001, F811
     # one that reported before this evaluation is a choice too; a job of another task (attached) always trains
     sets = graph_ahead.ranking_sets(graphed, ["a", "b"], ["c"], 4, 0.25)
     assert [sorted(s.job_id for s in one) for one in sets] == [["a", "d"], ["b", "d"], ["c", "d"]]
+    # stage 2 of a staged ranking: d, evicted on its lead count, is in no set; 2 of a, b, c are kept
+    sets = graph_ahead.ranking_sets(graphed, ["a", "b", "c"], [], 4, 0.5, out=["d"])
+    assert [sorted(s.job_id for s in one) for one in sets] == [["a", "b"], ["a", "c"], ["b", "c"]]
+
+
+def test_a_steps_key_from_its_lengths_alone_is_the_packed_steps_key(model_dir) -> None:  # noqa: ANN001, F811
+    import random
+
+    from trainer.graph_parts import lengths_key, step_key
+
+    _, graphed = four_jobs(model_dir)
+    rng = random.Random(3)
+    for trial in range(60):
+        states = rng.sample(list(graphed.jobs.values()), rng.randint(1, 4))
+        per_job = [examples(rng.randint(1, 4), rng.choice([3, 24, 40, 97]), seed=trial) for _ in states]
+        cap = rng.choice([1, 24, 64, 200])
+        key, cpu, ints = step_key(graphed, 16, states, per_job, True, cap)
+        lengths = [len(e.input_ids) for seqs in per_job for e in seqs]
+        assert lengths_key(graphed, 16, states, ints, lengths, True, cap) == key, (trial, key)
+        assert key.seq_slots >= len(cpu.cu_seqlens) - 1 and key.tokens == cpu.input_ids.shape[1] >= sum(lengths)
 
 
 def test_a_copied_stream_of_a_colocated_task_reads_at_its_base() -> None:
@@ -134,6 +154,9 @@ def test_a_ranking_evaluation_captures_what_the_sets_it_may_keep_will_run(model_
     task_eval.ahead(fake(["queued"], list("abcd")), list("abcd"))  # a queued configuration joins after it
     task_eval.ahead(fake([], list("abcd")), list("abc"))  # the ranking still waits for d
     assert graphed.evaluation.ahead is None
+    task_eval.ahead(fake([], list("abcd")), list("abc"), out=["d"])  # stage 2: d evicted on its lead count
+    assert graphed.evaluation.ahead is not None
+    graphed.evaluation.ahead = None
     task_eval.ahead(fake([], list("abcd")), list("abcd"))
     assert graphed.evaluation.ahead is not None
     graphed.evaluate_metrics(held_out, batch_size=4)
