@@ -176,6 +176,56 @@ SLOW_LOAD_S = 0.02  # a kernel made ready this slowly is named in the run's JSON
 # came after the training steps, in evaluation or the samples)
 LOADS: KernelLoads | None = None  # the run's tracer while it runs (Counted's steps read it)
 
+PROBE: list[dict] | None = None  # --sync-probe: per evaluation group, what held its host up (below)
+
+
+def sync_probe() -> None:
+    """--sync-probe: each evaluation group's `_group_sums` under torch's sync debug mode (the Python line
+    of every host sync it made), its host seconds, the kernel modules loaded meanwhile (a module load
+    waits for the device's queue), and whether the device still ran its forwards when it returned
+    (trainer.graph_ahead captures only while they run: session 54 found them done at every hook)."""
+    import traceback
+    import warnings
+
+    from trainer import evaluation
+
+    global PROBE
+    PROBE, orig = [], evaluation.Evaluation._group_sums
+
+    def probed(self, members, examples, batch_size):  # noqa: ANN001, ANN202
+        syncs: list[str] = []
+
+        def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
+            stack = [f"{f.filename.split('/')[-1]}:{f.lineno}" for f in traceback.extract_stack()[:-1]
+                     if not f.filename.endswith("warnings.py")][-8:]
+            syncs.append(f"{str(message)[:60]} @ {' < '.join(reversed(stack))}")
+
+        t0, before, cuda = time.perf_counter(), warnings.showwarning, torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        warnings.showwarning = show
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = show
+                out = orig(self, members, examples, batch_size)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = before
+        t1 = time.perf_counter()
+        ev = torch.cuda.Event() if cuda else None
+        if ev is not None:
+            ev.record()
+        busy = ev is not None and not ev.query()
+        loads = LOADS.within(t0, t1) if LOADS is not None else []
+        PROBE.append({"jobs": len(members), "examples": len(examples), "host_s": round(t1 - t0, 4),
+                      "busy_after": busy, "loads": loads, "syncs": syncs[:12], "n_syncs": len(syncs)})
+        return out
+
+    evaluation.Evaluation._group_sums = probed
+
+
 EVALS = {"product": EvalSettings(),  # the product's cadence: every 1024 samples a job trained on
          "every10": EvalSettings(eval_every_steps=10, eval_max_samples=None)}  # sessions 17-20's tables
 
@@ -208,6 +258,7 @@ def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: P
             "admission": events.get("memory_model"), "throughput_reports": len(tokens),
             "attention": ex.engine.attention if getattr(ex, "engine", None) is not None else None,
             "eval_calls": getattr(ex, "eval_calls", []), "step_trace": getattr(ex, "step_trace", []),
+            "eval_probe": PROBE,
             "graphs": ex.engine.step_graphs.stats() if getattr(ex, "engine", None) is not None
             and ex.engine.step_graphs is not None else None,
             # the memory model (analytic or stored, corrected online) against every step the
@@ -300,11 +351,15 @@ def main() -> None:
     ap.add_argument("--eval", choices=sorted(EVALS), default="product",
                     help="product: the product's evaluation defaults; every10: every 10 steps on the whole "
                          "validation set (the tables of sessions 17-20)")
+    ap.add_argument("--sync-probe", action="store_true",
+                    help="each evaluation group's host syncs, host time and module loads (sync_probe)")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the work directory's model (and stored profiles): a later process of a node")
     args = ap.parse_args()
     # as worker.processes.spawn gives every GPU process of a node (the repeatable decode's samples)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    if args.sync_probe:
+        sync_probe()
     if args.smoke:
         te.SMOKE["on"] = True
         args.layers, args.steps, args.n_train, args.n_val = 2, 3, 24, 8
