@@ -19,6 +19,7 @@ from torch import nn
 
 from trainer.arena import AdapterArena
 from trainer.data import Example
+from trainer.head import load_hits_kernel
 from trainer.jobs import JobRun
 from trainer.packing import PackedBatch
 from trainer.step_graphs import StepGraphs
@@ -99,6 +100,7 @@ class Evaluated(Protocol):
 
     model: nn.Module
     device: torch.device
+    compute_dtype: torch.dtype
     slots: AdapterArena
     step_graphs: StepGraphs | None
 
@@ -125,6 +127,7 @@ class Evaluation:
         # called once, by the next `metrics`, between its first forwards' launch and their numbers' sync,
         # with whether the device still runs them (trainer.graph_ahead: step graphs captured meanwhile)
         self.ahead: Callable[[Callable[[], bool]], object] | None = None
+        load_hits_kernel(engine.device, engine.compute_dtype)  # not at the first evaluation (see there)
 
     def token_sums(self, states: Sequence[JobRun], chunk: Sequence[Example]
                    ) -> tuple[torch.Tensor, torch.Tensor]:

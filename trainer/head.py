@@ -98,6 +98,17 @@ def token_losses(logits_fn: LogitsFn, h: torch.Tensor, targets: torch.Tensor, ch
 
 
 @torch.no_grad()
+def load_hits_kernel(device: torch.device, dtype: torch.dtype) -> None:
+    """The evaluation's cross-entropy kernel (with hits) loaded now, on a tiny row. A kernel module's first
+    load waits for everything queued on the device: at a task's first evaluation that was its forwards
+    (1.1 s at 32 layers of the 8B shape, session 54's probe), and a capture ahead (trainer.graph_ahead)
+    then found the device idle. The engine calls this while the device is idle (its construction)."""
+    if device.type == "cuda" and dtype in DTYPES and fused_ce_available(torch.empty(0, device=device)):
+        cross_entropy_rows(torch.zeros(1, 16, dtype=dtype, device=device), torch.zeros(1, dtype=torch.long, device=device),
+                           hits=True)
+
+
+@torch.no_grad()
 def token_losses_and_hits(logits_fn: LogitsFn, h: torch.Tensor, targets: torch.Tensor, chunk: int
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token cross-entropy [T] and hits [T] (1.0 where the logits' argmax is the target, else

@@ -62,3 +62,35 @@ def test_the_head_with_the_fused_kernel_equals_its_torch_path() -> None:
     assert int((got[True][3] != got[False][3]).sum()) == 0
     scale = got[False][1].float().abs().max().item()
     assert (got[True][1].float() - got[False][1].float()).abs().max().item() <= 1e-2 * scale
+
+
+_FIRST_HITS_CALL = """
+import sys, time, torch
+from kernels.cross_entropy import cross_entropy_rows
+from trainer.head import load_hits_kernel
+dev = torch.device("cuda")
+x, t = torch.randn(64, 4096, device=dev).to(torch.bfloat16), torch.randint(0, 4096, (64,), device=dev)
+cross_entropy_rows(x.clone(), t, grad=True)  # the training variant: loaded either way
+if sys.argv[1] == "1":
+    load_hits_kernel(dev, torch.bfloat16)
+torch.cuda.synchronize()
+torch.cuda._sleep(2_000_000_000)  # ~1 s of queued device work (an evaluation's forwards)
+queued = torch.cuda.Event()
+queued.record()
+cross_entropy_rows(x, t, hits=True)
+print(int(not queued.query()))
+"""
+
+
+@pytest.mark.parametrize("preloaded", [1, 0])
+def test_the_evaluations_first_hits_call_waits_for_the_device_only_without_the_preload(preloaded: int) -> None:
+    """trainer.head.load_hits_kernel (the engine's construction calls it): in a fresh process, the first
+    evaluation-variant call returns while the device still runs earlier work; without it, its module's
+    first load waits for that work (what session 54's probe found at a task's first evaluation)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-c", _FIRST_HITS_CALL, str(preloaded)], capture_output=True, text=True,
+                         timeout=300, check=True, cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip().splitlines()[-1] == str(preloaded), out.stderr[-2000:]
