@@ -201,6 +201,9 @@ def sync_probe() -> None:
             syncs.append(f"{str(message)[:60]} @ {' < '.join(reversed(stack))}")
 
         t0, before, cuda = time.perf_counter(), warnings.showwarning, torch.cuda.is_available()
+        # the caching allocator's syncs and device mallocs (sync debug mode does not see them)
+        names = ("num_sync_all_streams", "num_device_alloc", "num_device_free", "num_alloc_retries")
+        stats0 = torch.cuda.memory_stats() if cuda else {}
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         warnings.showwarning = show
@@ -219,8 +222,10 @@ def sync_probe() -> None:
             ev.record()
         busy = ev is not None and not ev.query()
         loads = LOADS.within(t0, t1) if LOADS is not None else []
+        stats1 = torch.cuda.memory_stats() if cuda else {}
         PROBE.append({"jobs": len(members), "examples": len(examples), "host_s": round(t1 - t0, 4),
-                      "busy_after": busy, "loads": loads, "syncs": syncs[:12], "n_syncs": len(syncs)})
+                      "busy_after": busy, "loads": loads, "syncs": syncs[:12], "n_syncs": len(syncs),
+                      "allocator": {k: stats1.get(k, 0) - stats0.get(k, 0) for k in names}})
         return out
 
     evaluation.Evaluation._group_sums = probed

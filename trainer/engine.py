@@ -278,6 +278,8 @@ class MultiLoraEngine:
         batch, (index,) = self.batch_to_device(cpu, index)
         self.slots.set_layout(states, bounds)
         hidden = self.hidden(batch)
+        if hits:  # an evaluation's forward: its backbone queued (Evaluation.offer_ahead)
+            self.evaluation.offer_ahead()
         hidden = hidden.reshape(-1, hidden.shape[-1])
         targets = batch.targets.reshape(-1)
         h, t = hidden.index_select(0, index), targets.index_select(0, index)

@@ -124,9 +124,10 @@ class Evaluation:
         # each job's denominator in the last `metrics` (the target tokens or pairs its means
         # average over): evaluations of disjoint subsets merge exactly (trainer.task_eval)
         self.last_weights: dict[str, float] = {}
-        # called once, by the next `metrics`, between its first forwards' launch and their numbers' sync,
-        # with whether the device still runs them (trainer.graph_ahead: step graphs captured meanwhile)
+        # called once, by the next `metrics` (`offer_ahead`), while the device runs its forwards, with
+        # whether it still does (trainer.graph_ahead: step graphs captured meanwhile)
         self.ahead: Callable[[Callable[[], bool]], object] | None = None
+        self._was_training = True  # the model's mode before the running `metrics`
         load_hits_kernel(engine.device, engine.compute_dtype)  # not at the first evaluation (see there)
 
     def token_sums(self, states: Sequence[JobRun], chunk: Sequence[Example]
@@ -139,7 +140,9 @@ class Evaluation:
         # within an evaluation's arena copy (AdapterArena.compute_copy) the forwards run eagerly:
         # a capture would keep the copy's address past it
         if graphs is not None and graphs.serves(states) and not eng.slots.copied:
-            return graphs.eval_sums(states, chunk)  # the same sums from a replayed graph
+            sums = graphs.eval_sums(states, chunk)  # the same sums from a replayed graph
+            self.offer_ahead()
+            return sums
         _, losses, hits, counts = eng.forward_tokens(states, [chunk] * len(states), hits=True)
         assert hits is not None  # asked for
         sums = [torch.stack([loss.sum(), hit.sum()])
@@ -159,7 +162,7 @@ class Evaluation:
         jobs = eng.slots.jobs
         states = [jobs[j] for j in (job_ids if job_ids is not None else list(jobs))]
         group = max(1, (max_sequences or 1 << 62) // batch_size)
-        was_training = eng.model.training
+        was_training = self._was_training = eng.model.training
         eng.model.eval()
         out: dict[str, dict[str, float]] = {}
         self.last_weights = {}
@@ -169,8 +172,7 @@ class Evaluation:
                 # the group's adapters copied once in the compute dtype (AdapterArena.compute_copy)
                 with eng.slots.compute_copy(members):
                     totals, denoms = self._group_sums(members, examples, batch_size)
-                if self.ahead is not None:
-                    self._ahead(was_training)
+                self.offer_ahead()
                 means = (totals.cpu() / denoms.clamp(min=1).unsqueeze(1)).tolist()
                 self.last_weights.update({s.job_id: float(d) for s, d in zip(members, denoms.tolist(), strict=True)})
                 out.update({s.job_id: dict(zip(eng.eval_metric_names, row, strict=True))
@@ -185,6 +187,21 @@ class Evaluation:
             for _ in range(forwards - own):
                 eng.idle_forward()
         return out
+
+    def offer_ahead(self) -> None:
+        """Run `ahead` here if the device still runs queued work (on the CPU: at once), else keep it for
+        the next point: after each forward's backbone is queued (the engine's `forward_tokens`) and after
+        each group's forwards. Session 54 offered it only after a group's forwards: at a task's first
+        rankings the host had waited for them by then (1.3 and 0.7 s of host in the group's forwards at 32
+        layers of the 8B shape, with no sync torch saw), and the captures found the device idle."""
+        if self.ahead is None:
+            return
+        if self.engine.device.type == "cuda":
+            queued = torch.cuda.Event()
+            queued.record()
+            if queued.query():
+                return
+        self._ahead(self._was_training)
 
     def _ahead(self, was_training: bool) -> None:
         """The `ahead` call, once: the model as it was before the evaluation (a capture records the training

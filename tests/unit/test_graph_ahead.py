@@ -169,6 +169,24 @@ def test_a_ranking_evaluation_captures_what_the_sets_it_may_keep_will_run(model_
     assert g.captures == captures  # their steps replayed captures made ahead
 
 
+def test_ahead_is_offered_once_the_first_backbone_is_queued_before_its_head(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
+    import trainer.engine as engine_module
+
+    _, graphed = four_jobs(model_dir)
+    held_out = examples(8, 24, seed=7)
+    want = graphed.evaluate_metrics(held_out, batch_size=4)
+    order: list[str] = []
+    hidden, head = graphed.hidden, engine_module.token_losses_and_hits
+    monkeypatch.setattr(graphed.step_graphs, "serves", lambda states: False)  # eager forwards (an arena copy's)
+    monkeypatch.setattr(graphed, "hidden", lambda batch: order.append("backbone") or hidden(batch))
+    monkeypatch.setattr(engine_module, "token_losses_and_hits", lambda *a: order.append("head") or head(*a))
+    graphed.evaluation.ahead = lambda busy: order.append("ahead")
+    got = graphed.evaluate_metrics(held_out, batch_size=4)  # 4 jobs x 2 chunks: 2 forwards
+    assert order == ["backbone", "ahead", "head", "backbone", "head"] and graphed.evaluation.ahead is None
+    for j, m in want.items():
+        assert math.isclose(got[j]["loss"], m["loss"], rel_tol=1e-5), j
+
+
 def test_a_failing_ahead_leaves_the_evaluation_and_its_numbers_alone(model_dir) -> None:  # noqa: ANN001, F811
     _, graphed = four_jobs(model_dir)
     held_out = examples(8, 24, seed=7)
