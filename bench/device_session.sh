@@ -34,6 +34,16 @@ gpu_tests() {  # gpu_tests DIR: every GPU test on a Triton cache of its own (DIR
   rm -rf "$1" "$1_tests"
   TRITON_CACHE_DIR=$1_tests/triton step 430 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
 }
+ahead_tasks() {  # ahead_tasks LIMIT200 LIMIT60 [FLAGS...]: the 200-step task with the capture ahead on, then the
+  # 60-step task (a second process, --reuse) off and on; FLAGS go to every run (e.g. --sync-probe)
+  local l200=$1 l60=$2; shift 2
+  LORAPLEX_CAPTURE_AHEAD=1 step "$l200" task200_ahead1 python3 bench/executor_task.py --layers 32 --steps 200 \
+    --runs cold "$@" --out "$OUT/executor_task200_ahead1.md" --json "$OUT/executor_task200_ahead1.json"
+  for v in 0 1; do
+    LORAPLEX_CAPTURE_AHEAD=$v step "$l60" "task60_ahead$v" python3 bench/executor_task.py --layers 32 --steps 60 \
+      --runs cold --reuse "$@" --out "$OUT/executor_task60_ahead$v.md" --json "$OUT/executor_task60_ahead$v.json"
+  done
+}
 search_a() {  # search_a LIMIT DEADLINE: the user's search (a) at 32 layers, 48 configurations, its quality
   # phase in the same call, the host's memory and disk logged every 5 s. Its executor folder (a
   # checkpoint of ~40-50 GB: every started job's adapter and AdamW moments) does not fit the device's
@@ -2460,12 +2470,7 @@ with c.set_checkpoint_debug_enabled(True):
           # then the step graphs' GPU tests alone, timed to their exit (call 1's full run was cut at 385 s after 100%)
     export TRITON_CACHE_DIR=/tmp/s54d/triton
     rm -rf /tmp/s54d
-    LORAPLEX_CAPTURE_AHEAD=1 step 95 task200_ahead1 python3 bench/executor_task.py --layers 32 --steps 200 \
-      --runs cold --out "$OUT/executor_task200_ahead1.md" --json "$OUT/executor_task200_ahead1.json"
-    for v in 0 1; do
-      LORAPLEX_CAPTURE_AHEAD=$v step 70 "task60_ahead$v" python3 bench/executor_task.py --layers 32 --steps 60 \
-        --runs cold --reuse --out "$OUT/executor_task60_ahead$v.md" --json "$OUT/executor_task60_ahead$v.json"
-    done
+    ahead_tasks 95 70
     TRITON_CACHE_DIR=/tmp/s54d_tests/triton step 150 graphs_tests python3 -X faulthandler -m pytest -q -p no:cacheprovider \
       --durations=8 tests/gpu/test_step_graphs_gpu.py
     rm -f "$OUT"/executor_task*.md
@@ -2476,12 +2481,7 @@ with c.set_checkpoint_debug_enabled(True):
           # the ranking's stage 2 hooks too. The 200-step task on, then the 60-step task off / on
     export TRITON_CACHE_DIR=/tmp/s54e/triton
     rm -rf /tmp/s54e
-    LORAPLEX_CAPTURE_AHEAD=1 step 95 task200_ahead1 python3 bench/executor_task.py --layers 32 --steps 200 \
-      --runs cold --out "$OUT/executor_task200_ahead1.md" --json "$OUT/executor_task200_ahead1.json"
-    for v in 0 1; do
-      LORAPLEX_CAPTURE_AHEAD=$v step 70 "task60_ahead$v" python3 bench/executor_task.py --layers 32 --steps 60 \
-        --runs cold --reuse --out "$OUT/executor_task60_ahead$v.md" --json "$OUT/executor_task60_ahead$v.json"
-    done
+    ahead_tasks 95 70
     rm -f "$OUT"/executor_task*.md
     pack_logs
     ;;
@@ -2504,12 +2504,7 @@ with c.set_checkpoint_debug_enabled(True):
     rm -rf /tmp/s54g
     TRITON_CACHE_DIR=/tmp/s54g_tests/triton step 60 ce_tests python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_cross_entropy_gpu.py
-    LORAPLEX_CAPTURE_AHEAD=1 step 95 task200_ahead1 python3 bench/executor_task.py --layers 32 --steps 200 \
-      --runs cold --out "$OUT/executor_task200_ahead1.md" --json "$OUT/executor_task200_ahead1.json"
-    for v in 0 1; do
-      LORAPLEX_CAPTURE_AHEAD=$v step 60 "task60_ahead$v" python3 bench/executor_task.py --layers 32 --steps 60 \
-        --runs cold --reuse --sync-probe --out "$OUT/executor_task60_ahead$v.md" --json "$OUT/executor_task60_ahead$v.json"
-    done
+    ahead_tasks 95 60 --sync-probe  # (call 5 ran the 200-step task without the probe)
     rm -f "$OUT"/executor_task*.md
     pack_logs
     ;;
@@ -2523,12 +2518,7 @@ with c.set_checkpoint_debug_enabled(True):
     rm -rf /tmp/s55a
     TRITON_CACHE_DIR=/tmp/s55a_tests/triton step 80 graphs_tests python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_step_graphs_gpu.py
-    LORAPLEX_CAPTURE_AHEAD=1 step 100 task200_ahead1 python3 bench/executor_task.py --layers 32 --steps 200 \
-      --runs cold --sync-probe --out "$OUT/executor_task200_ahead1.md" --json "$OUT/executor_task200_ahead1.json"
-    for v in 0 1; do
-      LORAPLEX_CAPTURE_AHEAD=$v step 60 "task60_ahead$v" python3 bench/executor_task.py --layers 32 --steps 60 \
-        --runs cold --reuse --sync-probe --out "$OUT/executor_task60_ahead$v.md" --json "$OUT/executor_task60_ahead$v.json"
-    done
+    ahead_tasks 100 60 --sync-probe
     CUDA_MODULE_LOADING=EAGER LORAPLEX_CAPTURE_AHEAD=1 step 80 task60_eager_loading python3 bench/executor_task.py \
       --layers 32 --steps 60 --runs cold --reuse --sync-probe --out "$OUT/executor_task60_eagerload.md" \
       --json "$OUT/executor_task60_eagerload.json"
