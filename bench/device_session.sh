@@ -2511,7 +2511,8 @@ with c.set_checkpoint_debug_enabled(True):
   s55_a)  # prepared in session 54 for the next: the capture ahead is now offered at every point of an evaluation
           # (after each forward's backbone is queued, after each group) and runs at the first where the device is
           # still busy (Evaluation.offer_ahead; session 54's hooks after the groups found it idle: the host had
-          # waited out the forwards with no sync torch saw: the probe's allocator counts now show malloc / sync).
+          # waited out the forwards with no sync torch saw: the probe now counts the allocator's mallocs and syncs
+          # and marks the host's time at each decoder layer: where it stalls).
           # The step graphs' GPU tests (the ahead test), the 200-step task on (probed), the 60-step task off / on
           # (probed), and the 60-step task on with CUDA_MODULE_LOADING=EAGER (does a lazy kernel load hold the host?)
     export TRITON_CACHE_DIR=/tmp/s55a/triton

@@ -204,6 +204,13 @@ def sync_probe() -> None:
         # the caching allocator's syncs and device mallocs (sync debug mode does not see them)
         names = ("num_sync_all_streams", "num_device_alloc", "num_device_free", "num_alloc_retries")
         stats0 = torch.cuda.memory_stats() if cuda else {}
+        # where the host stalls: its seconds at each decoder layer's start and at the final norm's end
+        decoder = self.engine.model.get_decoder()
+        marks: list[tuple[str, float]] = []
+        hooks = [layer.register_forward_pre_hook(lambda m, a, k=k: marks.append((f"L{k}", time.perf_counter())))
+                 for k, layer in enumerate(getattr(decoder, "layers", []))]
+        if getattr(decoder, "norm", None) is not None:
+            hooks.append(decoder.norm.register_forward_hook(lambda m, a, o: marks.append(("norm", time.perf_counter()))))
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         warnings.showwarning = show
@@ -213,6 +220,8 @@ def sync_probe() -> None:
                 warnings.showwarning = show
                 out = orig(self, members, examples, batch_size)
         finally:
+            for h in hooks:
+                h.remove()
             if cuda:
                 torch.cuda.set_sync_debug_mode(0)
             warnings.showwarning = before
@@ -225,7 +234,9 @@ def sync_probe() -> None:
         stats1 = torch.cuda.memory_stats() if cuda else {}
         PROBE.append({"jobs": len(members), "examples": len(examples), "host_s": round(t1 - t0, 4),
                       "busy_after": busy, "loads": loads, "syncs": syncs[:12], "n_syncs": len(syncs),
-                      "allocator": {k: stats1.get(k, 0) - stats0.get(k, 0) for k in names}})
+                      "allocator": {k: stats1.get(k, 0) - stats0.get(k, 0) for k in names},
+                      # the first forward's marks (host seconds from the group's start), then the group's end
+                      "marks": [(n, round(t - t0, 4)) for n, t in marks[: len(hooks)]] + [("end", round(t1 - t0, 4))]})
         return out
 
     evaluation.Evaluation._group_sums = probed
