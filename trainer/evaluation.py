@@ -128,7 +128,7 @@ class Evaluation:
         # whether it still does (trainer.graph_ahead: step graphs captured meanwhile)
         self.ahead: Callable[[Callable[[], bool]], object] | None = None
         self._was_training = True  # the model's mode before the running `metrics`
-        load_hits_kernel(engine.device, engine.compute_dtype)  # not at the first evaluation (see there)
+        self._load_kernels()
 
     def token_sums(self, states: Sequence[JobRun], chunk: Sequence[Example]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,6 +187,17 @@ class Evaluation:
             for _ in range(forwards - own):
                 eng.idle_forward()
         return out
+
+    def _load_kernels(self) -> None:
+        """The evaluation's own kernels loaded while the device is idle (the engine's construction), not at
+        the first evaluation, where a kernel's first load waits for the forwards queued before it: the
+        head's hits variant of the cross-entropy (trainer.head.load_hits_kernel; 1.1 s in session 54's
+        probe) and the float64 sums `_group_sums` keeps (a training step never runs them)."""
+        eng = self.engine
+        load_hits_kernel(eng.device, eng.compute_dtype)
+        if eng.device.type == "cuda":
+            totals = torch.zeros(1, 2, dtype=torch.float64, device=eng.device)
+            totals += torch.ones(1, 2, device=eng.device).double()
 
     def offer_ahead(self) -> None:
         """Run `ahead` here if the device still runs queued work (on the CPU: at once), else keep it for
