@@ -211,6 +211,7 @@ def sync_probe() -> None:
                  for k, layer in enumerate(getattr(decoder, "layers", []))]
         if getattr(decoder, "norm", None) is not None:
             hooks.append(decoder.norm.register_forward_hook(lambda m, a, o: marks.append(("norm", time.perf_counter()))))
+        mode = torch.cuda.get_sync_debug_mode() if cuda else 0
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         warnings.showwarning = show
@@ -223,7 +224,7 @@ def sync_probe() -> None:
             for h in hooks:
                 h.remove()
             if cuda:
-                torch.cuda.set_sync_debug_mode(0)
+                torch.cuda.set_sync_debug_mode(mode)
             warnings.showwarning = before
         t1 = time.perf_counter()
         ev = torch.cuda.Event() if cuda else None
@@ -235,7 +236,9 @@ def sync_probe() -> None:
         PROBE.append({"jobs": len(members), "examples": len(examples), "host_s": round(t1 - t0, 4),
                       "busy_after": busy, "loads": loads, "syncs": syncs[:12], "n_syncs": len(syncs),
                       "allocator": {k: stats1.get(k, 0) - stats0.get(k, 0) for k in names},
-                      # the first forward's marks (host seconds from the group's start), then the group's end
+                      # the first forward's marks (host seconds from the group's start), then the group's end;
+                      # captures ahead run inside the group (after a backbone) and add their own host time
+                      "ahead_made": dict(self.engine.step_graphs.ahead) if self.engine.step_graphs else None,
                       "marks": [(n, round(t - t0, 4)) for n, t in marks[: len(hooks)]] + [("end", round(t1 - t0, 4))]})
         return out
 

@@ -88,13 +88,15 @@ def coming_keys(graphs: Any, sets: Iterable[Sequence[Any]], steps: int = STEPS, 
 
 
 def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool]) -> int:  # noqa: ANN401
-    """Capture `keys`, the most used first, while `busy()`; returns how many were captured. Keys failed
-    before, over the capture limit, without room or of a class `near_warm` does not admit are left.
-    `graphs.ahead` counts the calls, the keys, the captures ("made") and each reason a key was left."""
+    """Capture `keys`, the most used first, while `busy()`; returns how many were captured. Keys captured or
+    failed before, over the capture limit, without room (or of an unknown need, on a device), or of a class
+    `near_warm` does not admit are left; so is the rest of a class not warm once one of its keys failed (a
+    LoRA form that tunes at a new rank tile syncs inside the capture). `graphs.ahead` counts the calls, the
+    keys, the captures ("made") and each reason a key was left."""
     eng, why = graphs.engine, graphs.ahead
     graphs._check_storage()
     was = eng.gradient_checkpointing
-    made = 0
+    made, cold_failed = 0, set()
     why["calls"] += 1
     why["keys"] += len(keys)
     try:
@@ -103,25 +105,32 @@ def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool]
                 why["late"] += 1  # the evaluation's forwards were done: the keys left go to their steps
                 break
             entry = graphs.entries.get(key)
-            left = "failed" if entry is not None and (entry.graph is not None or entry.failed) else \
-                "cold" if not near_warm(graphs.warm, key) else \
+            warm = key.warm_class in graphs.warm
+            left = "captured" if entry is not None and entry.graph is not None else \
+                "failed" if entry is not None and entry.failed else \
+                "cold" if key.warm_class in cold_failed or not (warm or near_warm(graphs.warm, key)) else \
                 "large" if key.tokens > graphs.max_capture_tokens else None
-            need = graphs.capture_need(key.tokens, key.recompute) if graphs.capture_need else None
-            if left is None and eng.device.type == "cuda" and need is not None and not has_room(eng.device, need):
-                left = "room"
+            if left is None and eng.device.type == "cuda":
+                need = graphs.capture_need(key.tokens, key.recompute) if graphs.capture_need else None
+                left = "room" if need is None or not has_room(eng.device, need) else None
             if left is not None:
                 why[left] += 1
                 continue
             eng.set_recompute(key.recompute)
+            new = entry is None
             entry = graphs._entry(key)
             entry.last = graphs.calls
             entry.graph = graphs._capture(entry, key, sync=False)
             made += entry.graph is not None
-            if entry.graph is None:  # failed or short of room: the key's own step tries again, as it would have
-                entry.failed, entry.deferred = False, -1
-                why["unmade"] += 1
-            else:  # its kernels are loaded now: the class's other keys capture at their first steps
+            if entry.graph is not None:  # its kernels are loaded now: the class's other keys capture at their first steps
                 graphs.warm.add(key.warm_class)
+                continue
+            why["unmade"] += 1  # failed or short of room: the key's own step tries again, as it would have
+            entry.failed, entry.deferred = False, -1
+            if new:  # its buffers go
+                graphs.entries.pop(key, None)
+            if not warm:
+                cold_failed.add(key.warm_class)
     finally:
         eng.set_recompute(was)
     why["made"] += made

@@ -103,7 +103,8 @@ def load_hits_kernel(device: torch.device, dtype: torch.dtype) -> None:
     load waits for everything queued on the device: at a task's first evaluation that was its forwards
     (1.1 s at 32 layers of the 8B shape, session 54's probe), and a capture ahead (trainer.graph_ahead)
     then found the device idle. The engine calls this while the device is idle (its construction)."""
-    if device.type == "cuda" and dtype in DTYPES and fused_ce_available(torch.empty(0, device=device)):
+    if device.type == "cuda" and dtype in DTYPES and os.environ.get("LORAPLEX_FUSED_CE", "1") != "0" \
+            and fused_ce_available(torch.empty(0, device=device)):
         cross_entropy_rows(torch.zeros(1, 16, dtype=dtype, device=device), torch.zeros(1, dtype=torch.long, device=device),
                            hits=True)
 

@@ -68,6 +68,26 @@ def test_capture_ahead_stops_once_the_device_is_done_and_leaves_keys_of_a_cold_c
     assert g.stats()["ahead"] == 1 and g.stats()["ahead_cold"] == len(cold)
 
 
+def test_a_failed_capture_of_a_near_class_leaves_no_entry_and_stops_that_class(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
+    _, graphed = four_jobs(model_dir, d_rank=32)
+    g = graphed.step_graphs
+    keys = graph_ahead.coming_keys(g, [[graphed.jobs["b"], graphed.jobs["c"]]], steps=6)
+    near = Counter({replace(k, tokens=k.tokens + 16 * i): 1 for i, k in enumerate(list(keys) * 3)})
+    assert len(near) >= 3 and all(k.warm_class not in g.warm for k in near)  # rank tile 16; warm: 32
+    tried = []
+
+    def failing(entry, key, sync=True):  # noqa: ANN001, ANN202 - as a capture that synced inside (a tuning form)
+        tried.append(key)
+        entry.failed = True
+        return None
+
+    monkeypatch.setattr(g, "_capture", failing)
+    entries = dict(g.entries)
+    assert graph_ahead.capture_ahead(g, near, busy=lambda: True) == 0
+    assert len(tried) == 1 and g.ahead["unmade"] == 1 and g.ahead["cold"] == len(near) - 1
+    assert dict(g.entries) == entries and tried[0].warm_class not in g.warm  # nothing left behind
+
+
 def test_a_class_near_a_warm_one_differs_only_in_the_lora_kernels_constants() -> None:
     from trainer.graph_parts import GraphKey
 
