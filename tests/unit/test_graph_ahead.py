@@ -229,3 +229,26 @@ def test_a_large_ranking_lists_at_most_max_sets_sets(model_dir, monkeypatch) -> 
     monkeypatch.setattr(graph_ahead, "MAX_SETS", 3)
     sets = graph_ahead.ranking_sets(graphed, list("cabd"), [], 8, 0.25)  # the likely kept first (lead order)
     assert [sorted(s.job_id for s in one) for one in sets] == [["a", "c"], ["b", "c"], ["c", "d"]]
+
+
+def test_the_engine_loads_the_evaluations_kernels_when_built_and_a_failure_only_logs(model_dir, monkeypatch,  # noqa: ANN001, F811
+                                                                                    caplog) -> None:  # noqa: ANN001
+    """Evaluation._load_kernels (trainer.head.load_hits_kernel: a no-op off CUDA) runs at the engine's construction
+    with its device and compute dtype; a kernel that cannot load leaves the engine built (the first evaluation
+    loads its own)."""
+    import logging
+
+    from trainer import evaluation
+
+    seen = []
+    monkeypatch.setattr(evaluation, "load_hits_kernel", lambda device, dtype: seen.append((device.type, dtype)))
+    eng = engine(model_dir, True, examples(8, 24))
+    assert seen == [("cpu", eng.compute_dtype)]
+
+    def broken(device, dtype):  # noqa: ANN001, ANN202
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(evaluation, "load_hits_kernel", broken)
+    with caplog.at_level(logging.WARNING, logger=evaluation.log.name):
+        eng = engine(model_dir, True, examples(8, 24))
+    assert eng.evaluation is not None and "no kernel here" in caplog.text
