@@ -200,7 +200,7 @@ def sync_probe() -> None:
                      if not f.filename.endswith("warnings.py")][-8:]
             syncs.append(f"{str(message)[:60]} @ {' < '.join(reversed(stack))}")
 
-        t0, before, cuda = time.perf_counter(), warnings.showwarning, torch.cuda.is_available()
+        t0, cuda = time.perf_counter(), torch.cuda.is_available()
         # the caching allocator's syncs and device mallocs (sync debug mode does not see them)
         names = ("num_sync_all_streams", "num_device_alloc", "num_device_free", "num_alloc_retries")
         stats0 = torch.cuda.memory_stats() if cuda else {}
@@ -214,9 +214,8 @@ def sync_probe() -> None:
         mode = torch.cuda.get_sync_debug_mode() if cuda else 0
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
-        warnings.showwarning = show
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings():  # restores showwarning
                 warnings.simplefilter("always")
                 warnings.showwarning = show
                 out = orig(self, members, examples, batch_size)
@@ -225,7 +224,6 @@ def sync_probe() -> None:
                 h.remove()
             if cuda:
                 torch.cuda.set_sync_debug_mode(mode)
-            warnings.showwarning = before
         t1 = time.perf_counter()
         ev = torch.cuda.Event() if cuda else None
         if ev is not None:
@@ -236,9 +234,9 @@ def sync_probe() -> None:
         PROBE.append({"jobs": len(members), "examples": len(examples), "host_s": round(t1 - t0, 4),
                       "busy_after": busy, "loads": loads, "syncs": syncs[:12], "n_syncs": len(syncs),
                       "allocator": {k: stats1.get(k, 0) - stats0.get(k, 0) for k in names},
-                      # the first forward's marks (host seconds from the group's start), then the group's end;
                       # captures ahead run inside the group (after a backbone) and add their own host time
                       "ahead_made": dict(self.engine.step_graphs.ahead) if self.engine.step_graphs else None,
+                      # the first forward's marks (host seconds from the group's start), then the group's end
                       "marks": [(n, round(t - t0, 4)) for n, t in marks[: len(hooks)]] + [("end", round(t1 - t0, 4))]})
         return out
 

@@ -210,22 +210,16 @@ class Evaluation:
         layers of the 8B shape, with no sync torch saw), and the captures found the device idle."""
         if self.ahead is None:
             return
-        if self.engine.device.type == "cuda":
-            queued = torch.cuda.Event()
-            queued.record()
-            if queued.query():
-                return
-        self._ahead(self._was_training)
-
-    def _ahead(self, was_training: bool) -> None:
-        """The `ahead` call, once: the model as it was before the evaluation (a capture records the training
-        step) and gradients on, the device's queued forwards still running."""
-        ahead, self.ahead = self.ahead, None
         eng = self.engine
         queued = torch.cuda.Event() if eng.device.type == "cuda" else None
         if queued is not None:
             queued.record()
-        eng.model.train(was_training)
+            if queued.query():
+                return
+        # the call, once: the model as it was before the evaluation (a capture records the training step)
+        # and gradients on, while the queued work still runs
+        ahead, self.ahead = self.ahead, None
+        eng.model.train(self._was_training)
         try:
             with torch.enable_grad():
                 ahead(lambda: queued is None or not queued.query())
