@@ -1,6 +1,6 @@
 """Step graphs captured ahead of the steps that need them, while the device runs an evaluation's
-forwards and the host would only wait for their numbers (issue 40; off unless LORAPLEX_CAPTURE_AHEAD=1,
-not yet measured on a device).
+forwards and the host would only wait for their numbers (issue 40; off unless LORAPLEX_CAPTURE_AHEAD=1:
+in session 54's device runs it captured nothing yet, bench/results/session54_h200.md).
 
 A capture costs its step ~0.3 s of host time over a replay at 32 layers of the 8B shape (the whole
 step's Python, captured), and the device idles through it. The captures fall right after a ranking
@@ -8,8 +8,9 @@ evaluation changes the job set (bench/results/session53_h200.md: the 60-step tas
 after step 3's ranking; 3 of the 200-step task's 7 at steps 11-20; search (a)'s at steps 15-19 and
 37-41), and during that evaluation's forwards the host sat idle for 1-4 s. The next set's keys need
 no guess: each job's data order is a seeded permutation (trainer.data.JobDataStream), so copies of
-the candidates' streams give the examples of their next steps, packed as a step packs them
-(graph_parts.step_key), for every set the ranking may keep (`ranking_sets`).
+the candidates' streams give the examples of their next steps, keyed as a step keys them
+(graph_parts.lengths_key, step_key's key without the packing), for every set the ranking may keep
+(`ranking_sets`).
 
 - `coming_keys(graphs, sets)`: per set, the keys of its next STEPS steps that no capture serves yet
   (its own or a cover), counted over the sets.
