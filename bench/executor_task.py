@@ -315,11 +315,10 @@ def render(res: dict, args: argparse.Namespace) -> str:
              "MFU | wall / train | eval share | samples s | steps | jobs end |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     memory = []
-    n_backbone = config_matmul_params(llama8b_config(args.layers))
     for name, r in res["runs"].items():
         ph, train = r["phases"], max(r["phases"]["train"], 1e-9)
         tps = r["train_tokens"] / train
-        mfu = flops_per_token(r.get("timings") or {}) * n_backbone * tps / (PEAK_TFLOPS * 1e12)
+        mfu = mfu_of(r, args.layers)
         lines.append(
             f"| {name} | {r['wall_s']:.1f} | {ph['load']:.1f} | {ph['profile']:.1f} | {ph['train']:.1f} | "
             f"{ph['eval']:.1f} | {ph['checkpoint']:.1f} | {ph['export']:.1f} | {r['first_step_s'] or 0:.1f} | "
@@ -341,6 +340,14 @@ def render(res: dict, args: argparse.Namespace) -> str:
               "", "Admission and timings events: " + json.dumps({k: (r.get("admission"), r.get("timings"))
                                                                  for k, r in res["runs"].items()}, default=str)]
     return "\n".join(lines) + "\n"
+
+
+def mfu_of(run: dict, layers: int) -> float:
+    """A run's training MFU: its matmul FLOPs per token (flops_per_token) over the training phase, against
+    PEAK_TFLOPS."""
+    tps = run["train_tokens"] / max(run["phases"]["train"], 1e-9)
+    return flops_per_token(run.get("timings") or {}) * config_matmul_params(llama8b_config(layers)) * tps \
+        / (PEAK_TFLOPS * 1e12)
 
 
 def flops_per_token(timings: dict) -> float:

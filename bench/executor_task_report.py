@@ -12,6 +12,10 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from executor_task import mfu_of  # noqa: E402
+
 
 def stall(marks: list) -> str:
     """The largest gap between consecutive marks: 'L3 -> L4 0.912 s' (host seconds)."""
@@ -24,12 +28,13 @@ def stall(marks: list) -> str:
 
 def report(path: str) -> None:
     data = json.loads(Path(path).read_text())
+    layers = data["args"]["layers"]
     for name, r in data["runs"].items():
         ph, g = r["phases"], r.get("graphs") or {}
         steps = r["step_trace"]
         busy = {k: round(v, 2) for k, v in ph.items() if v > 0.05}
         print(f"{Path(path).name} [{name}] wall {r['wall_s']:.2f} s, first step {r['first_step_s']:.2f} s, "
-              f"{r['train_tokens'] / ph['train'] / 1e3:.2f}k tok/s; phases {busy}")
+              f"{r['train_tokens'] / ph['train'] / 1e3:.2f}k tok/s (MFU {mfu_of(r, layers):.1%}); phases {busy}")
         print(f"  graphs {g}")
         odd = [(i, s[1], s[3], s[5]) for i, s in enumerate(steps) if "capture" in s[5] or "eager" in s[5]]
         print(f"  captured / eager steps (index, jobs, s, how): {odd}")
