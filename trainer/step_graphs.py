@@ -60,7 +60,6 @@ class GraphedEngine(Protocol):
     compute_dtype: torch.dtype
     attention: str
     pad_id: int
-    seq_cap: int
     head_chunk: int
     gradient_checkpointing: bool
     layer_list: list[MultiLoraLinear]
@@ -71,6 +70,8 @@ class GraphedEngine(Protocol):
     recompute_for: Callable[..., bool | None] | None
 
     def set_recompute(self, on: bool) -> None: ...
+    def cap_for(self, train: bool) -> int: ...
+    def grow_cap(self, train: bool, longest: int) -> int: ...
 
     @property
     def lockstep(self) -> bool: ...
@@ -183,15 +184,15 @@ class StepGraphs:
         eng = self.engine
         n_seqs = sum(len(seqs) for seqs in per_job)
         self._check_storage()
-        key, cpu, ints = graph_parts.step_key(eng, self.per_octave, states, per_job, train)
-        eng.seq_cap = key.max_len  # the longest sequence so far
+        key, cpu, ints = graph_parts.step_key(eng, self.per_octave, states, per_job, train, eng.cap_for(train))
+        eng.grow_cap(train, key.max_len)  # the longest sequence so far (of the steps, or of the evaluations)
         if train and eng.recompute_for is not None:
             key = self._recompute_key(key, cpu.real_tokens, n_seqs)
         cover = self._cover_for(key, cpu.real_tokens, n_seqs)
         if cover is not None:  # replay a larger capture rather than capture this key
             self.cover_uses[key] += 1
             key = cover
-            cpu = pack_flat(per_job, eng.pad_id, length=cover.tokens, max_len=eng.seq_cap)
+            cpu = pack_flat(per_job, eng.pad_id, length=cover.tokens, max_len=eng.cap_for(train))
             self.covered += 1
         entry = self._entry(key)
         entry.last = self.calls = self.calls + 1

@@ -88,6 +88,26 @@ def test_a_failed_capture_of_a_near_class_leaves_no_entry_and_stops_that_class(m
     assert dict(g.entries) == entries and tried[0].warm_class not in g.warm  # nothing left behind
 
 
+def test_held_out_sequences_longer_than_every_training_one_leave_the_steps_keys_warm(model_dir) -> None:  # noqa: ANN001, F811
+    """An evaluation grows its own longest length (engine.eval_cap), not the training steps' (seq_cap): on
+    session 55's device runs every key a capture ahead counted had the held-out set's longest length, a class
+    no step ran (all cold), and the first step after each ranking ran eagerly."""
+    eager, graphed = four_jobs(model_dir)
+    g, cap = graphed.step_graphs, graphed.seq_cap
+    kept = [graphed.jobs["b"], graphed.jobs["c"]]
+    warm = set(g.warm)
+    for eng in (eager, graphed):
+        numbers = eng.evaluate_metrics(examples(12, 2 * cap, seed=5), batch_size=4)  # eager and replayed
+        assert eng.seq_cap == cap and eng.eval_cap == eng.cap_for(False) == 2 * cap
+        assert all(math.isfinite(m["loss"]) for m in numbers.values())
+    assert any(w[2] == 2 * cap and not w[5] for w in g.warm - warm)  # the evaluation's own class, its length
+    keys = graph_ahead.coming_keys(g, [kept], steps=4)
+    assert keys and all(k.max_len == cap and k.warm_class in g.warm for k in keys)
+    assert graph_ahead.capture_ahead(g, keys, busy=lambda: True) == len(keys) and g.ahead["cold"] == 0
+    graphed.evaluate_metrics(examples(12, 3 * cap, seed=6), batch_size=4)
+    assert graphed.eval_cap == 3 * cap and graphed.cap_for(True) == cap  # training's is its own
+
+
 def test_a_class_near_a_warm_one_differs_only_in_the_lora_kernels_constants() -> None:
     from trainer.graph_parts import GraphKey
 
