@@ -133,10 +133,7 @@ class MultiLoraEngine:
         self.attention = "rows"
         self.set_attention(attention)
         self.seq_cap = max((self._longest(e) for e in self.train_examples), default=1)
-        # an evaluation's own longest sequence so far (`cap_for`): a held-out sequence longer than every
-        # training one moves no training step's key to a class no step ran (session 55: every key a
-        # capture ahead counted was of such a class, and the first step after a ranking ran eagerly)
-        self.eval_cap = self.seq_cap
+        self.eval_cap = self.seq_cap  # the evaluations' own (`cap_for`)
         # backbone forwards by (rows, length, with grad): attention plans are built per shape
         self.forward_shapes: Counter[tuple[int, int, bool]] = Counter()
         self.gradient_checkpointing = not gradient_checkpointing  # so the first set_recompute sets it all
@@ -226,8 +223,7 @@ class MultiLoraEngine:
     def pack_batch(self, per_job: Sequence[Sequence[Example]]) -> PackedBatch:
         """A step's or an evaluation's sequences packed (on the host) into a bucketed shape, at most
         as many cells as its sequences at the longest length seen (what admission planned for)."""
-        longest = max((len(e.input_ids) for seqs in per_job for e in seqs), default=1)
-        cap = self.grow_cap(self.model.training, longest)
+        cap = self.grow_cap(self.model.training, max((len(e.input_ids) for seqs in per_job for e in seqs), default=1))
         n_seqs = sum(len(seqs) for seqs in per_job)
         if self.attention == "varlen":
             return pack_flat(per_job, self.pad_id, max_cells=n_seqs * cap)
@@ -235,17 +231,14 @@ class MultiLoraEngine:
                          buckets=self.shape_buckets, max_cells=n_seqs * cap)
 
     def cap_for(self, train: bool) -> int:
-        """The longest sequence so far of the training steps (`seq_cap`), or of the evaluations (at least
-        the training steps': an evaluation's keys stay in their class while training grows)."""
+        """The longest sequence so far of the training steps (`seq_cap`) or of the evaluations (at least the
+        steps'). Session 55: held-out sequences had grown the steps' own, every later step's key left its warm
+        class, and a step after each ranking ran eagerly. `grow_cap` grows it to a batch's longest."""
         return self.seq_cap if train else max(self.seq_cap, self.eval_cap)
 
     def grow_cap(self, train: bool, longest: int) -> int:
-        """`cap_for(train)` grown to `longest`, kept and returned."""
         cap = max(self.cap_for(train), longest)
-        if train:
-            self.seq_cap = cap
-        else:
-            self.eval_cap = cap
+        setattr(self, "seq_cap" if train else "eval_cap", cap)
         return cap
 
     def batch_to_device(self, cpu: PackedBatch, *extra: torch.Tensor) -> tuple[PackedBatch, list[torch.Tensor]]:
