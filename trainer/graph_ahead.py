@@ -1,6 +1,8 @@
 """Step graphs captured ahead of the steps that need them, while the device runs an evaluation's
-forwards and the host would only wait for their numbers (issue 40; off unless LORAPLEX_CAPTURE_AHEAD=1:
-in session 54's device runs it captured nothing yet, bench/results/session54_h200.md).
+forwards and the host would only wait for their numbers (issue 40; off unless LORAPLEX_CAPTURE_AHEAD=1).
+Session 55 (bench/results/session55_h200.md): it captures, but no gain. Each ranking stage's first capture
+loaded a LoRA kernel variant (the new set's rank tile or token bucket), and a module's first load waits for the
+queued forwards (0.5-0.9 s). To gain, those variants must load while the device is idle, before the evaluation.
 
 A capture costs its step ~0.3 s of host time over a replay at 32 layers of the 8B shape (the whole
 step's Python, captured), and the device idles through it. The captures fall right after a ranking
