@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from contract.families import family_of, resolve_targets
+from trainer import graph_ahead
 from trainer.arena import AdapterArena, host_to_device
 from trainer.data import IGNORE, Example, sequence_tokens
 from trainer.evaluation import TOKEN_METRICS, Evaluation
@@ -119,10 +120,7 @@ class MultiLoraEngine:
         self.layer_list = list(self.layers.values())
         self.shapes = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
         self.train_examples = list(train_examples)
-        self.pad_id = pad_id
-        self.adapter_dtype = adapter_dtype
-        self.pack = pack
-        self.pad_multiple = pad_multiple
+        self.pad_id, self.adapter_dtype, self.pack, self.pad_multiple = pad_id, adapter_dtype, pack, pad_multiple
         # packed steps take their [rows, length] from these buckets (None: free shapes); a step
         # never holds more cells than its sequences at the longest length seen, which is what
         # admission sized it for (sequences x max_seq_len)
@@ -366,6 +364,8 @@ class MultiLoraEngine:
         else:
             if self.step_graphs is not None and self.step_graphs.serves(states):  # recompute decided there
                 batch, numbers = self.step_graphs.forward_backward(states, per_job)
+                if graph_ahead.NEXT:  # the next step's capture, if it makes one, while the device runs this one
+                    graph_ahead.capture_next(self.step_graphs, states)
             else:
                 want = None if self.recompute_for is None else self.recompute_for(sum(tokens))
                 self.set_recompute(self.gradient_checkpointing if want is None else want)

@@ -37,6 +37,7 @@ from trainer.early_exit import keep_count
 from trainer.graph_parts import GraphKey, has_room, lengths_key
 
 ON = os.environ.get("LORAPLEX_CAPTURE_AHEAD", "0") == "1"
+NEXT = os.environ.get("LORAPLEX_CAPTURE_NEXT", "0") == "1"  # capture_next (off until a device run shows a gain)
 STEPS = 24  # each set's next steps whose keys are counted
 MAX_SETS = 32  # the sets beyond this many are not listed (in the candidates' order)
 
@@ -72,31 +73,58 @@ def coming_keys(graphs: Any, sets: Iterable[Sequence[Any]], steps: int = STEPS, 
         per_set = [batches(s) for s in states]
         ints, cap = eng.slots.layout_offsets(states), eng.seq_cap
         for per_job in zip(*per_set, strict=False):  # the set's steps: as many as its shortest job has left
-            tokens = [sum(sequence_tokens(e) for e in items) for items in per_job]
-            passes = eng.split_for(tokens) if eng.split_for is not None else None
-            if passes is not None and len(passes) > 1:  # passes run eagerly
+            step = _step_key(graphs, states, ints, per_job, cap)
+            if step is None:  # passes run eagerly
                 continue
-            lengths = [len(e.input_ids) for items in per_job for e in items]
-            key = lengths_key(eng, graphs.per_octave, states, ints, lengths, True, cap)
+            key, real, n_seqs = step
             cap = key.max_len  # grown as the engine's would be by this step
-            real = sum(lengths)
-            if eng.recompute_for is not None:
-                on = graphs.recompute_on(key, real, len(lengths))
-                key = key if on is None else replace(key, recompute=on)
             known = graphs.entries.get(key)
-            if (known is not None and known.graph is not None) or graphs._cover(key, real, len(lengths)):
+            if (known is not None and known.graph is not None) or graphs._cover(key, real, n_seqs):
                 continue
             counts[key] += 1
     return counts
 
 
-def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool]) -> int:  # noqa: ANN401
+def _step_key(graphs: Any, states: Sequence[Any], ints: Sequence[int], per_job: Sequence[Sequence[Any]],  # noqa: ANN401
+              cap: int) -> tuple[GraphKey, int, int] | None:
+    """The training key a step of `states` over `per_job` runs, with its recompute decision, its real tokens and
+    sequences; None where the step runs in passes (eagerly)."""
+    eng = graphs.engine
+    tokens = [sum(sequence_tokens(e) for e in items) for items in per_job]
+    passes = eng.split_for(tokens) if eng.split_for is not None else None
+    if passes is not None and len(passes) > 1:
+        return None
+    lengths = [len(e.input_ids) for items in per_job for e in items]
+    key, real = lengths_key(eng, graphs.per_octave, states, ints, lengths, True, cap), sum(lengths)
+    on = graphs.recompute_on(key, real, len(lengths)) if eng.recompute_for is not None else None
+    return (key if on is None else replace(key, recompute=on)), real, len(lengths)
+
+
+def capture_next(graphs: Any, states: Sequence[Any]) -> int:  # noqa: ANN401
+    """The next step's key captured during this step (LORAPLEX_CAPTURE_NEXT=1; the engine calls it once the
+    step's forward and backward are queued, before its sync), where that step would capture it at its start:
+    the same job set next (`set_lasts` and every job's steps left), its class warm, no capture or cover serving
+    it (`StepGraphs._cover_for`, `_captures`). A capture's host pass (~0.25 s at 32 layers of the 8B shape) then
+    runs while the device runs this step, not after it, with the device idle. Its kernels' first module loads
+    wait for this step's queued work at most. Counted in `graphs.ahead` as next_*; returns 0 or 1."""
+    lasts = graphs.set_lasts() if graphs.set_lasts is not None else None
+    if (lasts is not None and lasts < 2) or not graphs.serves(states) or any(s.total_steps - s.step < 2 for s in states):
+        return 0
+    eng = graphs.engine
+    per_job = [[eng.train_examples[i] for i in _peek(s.stream).next_indices(s.spec.batch_size)] for s in states]
+    step = _step_key(graphs, states, eng.slots.layout_offsets(states), per_job, eng.cap_for(True))
+    if step is None or graphs._cover_for(*step) is not None or not graphs._captures(step[0], graphs.max_capture_tokens):
+        return 0
+    return capture_ahead(graphs, Counter({step[0]: 1}), busy=lambda: True, prefix="next_")
+
+
+def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool], prefix: str = "") -> int:  # noqa: ANN401
     """Capture `keys`, the most used first, while `busy()`; returns how many were captured. Keys captured or
     failed before, over the capture limit, without room (or of an unknown need, on a device), or of a class
     `near_warm` does not admit are left; so is the rest of a class not warm once one of its keys failed (a
     LoRA form that tunes at a new rank tile syncs inside the capture). `graphs.ahead` counts the calls, the
-    keys, the captures ("made") and each reason a key was left."""
-    eng, why = graphs.engine, graphs.ahead
+    keys, the captures ("made") and each reason a key was left, each name after `prefix`."""
+    eng, why = graphs.engine, _Prefixed(graphs.ahead, prefix)
     graphs._check_storage()
     was = eng.gradient_checkpointing
     made, cold_failed = 0, set()
@@ -138,6 +166,19 @@ def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool]
         eng.set_recompute(was)
     why["made"] += made
     return made
+
+
+class _Prefixed:
+    """A Counter's counts under names after a prefix (`capture_ahead`'s, of `capture_next`: next_made, ...)."""
+
+    def __init__(self, counts: Counter[str], prefix: str) -> None:
+        self.counts, self.prefix = counts, prefix
+
+    def __getitem__(self, name: str) -> int:
+        return self.counts[self.prefix + name]
+
+    def __setitem__(self, name: str, value: int) -> None:
+        self.counts[self.prefix + name] = value
 
 
 def near_warm(warm: set[tuple], key: GraphKey) -> bool:

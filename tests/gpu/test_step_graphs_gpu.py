@@ -176,3 +176,37 @@ def test_graphs_captured_ahead_beside_a_queued_evaluation_serve_the_kept_sets_st
         for j in want.losses:
             assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-2), (j, got.losses, want.losses)
     assert g.captures == captures and g.replays == replays + 5
+
+
+def test_the_next_steps_capture_during_a_queued_step_serves_it_with_no_sync(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """trainer.graph_ahead.capture_next on CUDA (LORAPLEX_CAPTURE_NEXT): each new key is captured while the step
+    before it is still queued (no device sync, none of the steps' numbers changed), and the step of that key
+    replays it: the same losses as eager steps."""
+    from trainer import graph_ahead
+
+    d = tiny_model_dir("llama", tmp_path)
+    data = [e for trio in zip(examples(24, 16, seed=16), examples(24, 40, seed=40), examples(24, 72, seed=72),
+                              strict=True) for e in trio]
+    eager, graphed = _engine(d, False, data, False), _engine(d, True, data, False)
+    g = graphed.step_graphs
+    g.capture_after, g.capture_need = 0, (lambda tokens, recompute: 0.0)  # no cover; the executor's plan gives a need
+    for eng in (eager, graphed):
+        for spec in (job("a", 8, 2, 1), job("b", 16, 3, 2)):
+            eng.attach(spec)
+    syncs, real_next, real_sync = [], graph_ahead.capture_next, torch.cuda.synchronize
+
+    def next_without_sync(graphs, states):  # noqa: ANN001, ANN202
+        torch.cuda.synchronize = lambda *a, **k: syncs.append(1) or real_sync(*a, **k)
+        try:
+            return real_next(graphs, states)
+        finally:
+            torch.cuda.synchronize = real_sync
+
+    monkeypatch.setattr(graph_ahead, "NEXT", True)
+    monkeypatch.setattr(graph_ahead, "capture_next", next_without_sync)
+    for _ in range(10):
+        want, got = eager.step(), graphed.step()
+        for j in want.losses:
+            assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-2), (j, got.losses, want.losses)
+    made = g.ahead["next_made"]
+    assert syncs == [] and made >= 2 and g.captures == made and g.eager_runs == 1 and g.replays == 9, g.stats()

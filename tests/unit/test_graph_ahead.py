@@ -16,6 +16,7 @@ import torch
 from tests.unit.test_step_graphs import engine, examples, job, model_dir, same_steps  # noqa: F401 - the fixture
 from trainer import graph_ahead
 from trainer.early_exit import keep_count
+from trainer.step_graphs import StepGraphs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -106,6 +107,73 @@ def test_held_out_sequences_longer_than_every_training_one_leave_the_steps_keys_
     assert graph_ahead.capture_ahead(g, keys, busy=lambda: True) == len(keys) and g.ahead["cold"] == 0
     graphed.evaluate_metrics(examples(12, 3 * cap, seed=6), batch_size=4)
     assert graphed.eval_cap == 3 * cap and graphed.cap_for(True) == cap  # training's is its own
+
+
+def _mixed_lengths() -> list:
+    """Examples of three lengths, interleaved: a job's steps then run keys of several token counts."""
+    parts = [examples(24, n, seed=n) for n in (16, 40, 72)]
+    return [e for trio in zip(*parts, strict=True) for e in trio]
+
+
+def _steps_with_next(model_dir, monkeypatch, on: bool, n: int):  # noqa: ANN001, ANN202, F811
+    """An eager and a graphed engine (capture_next on or off) with the same two jobs, n steps of both (the same
+    numbers checked), and the graphed engine's step graphs. The engine's capture limits: the tiny model's."""
+    monkeypatch.setattr(graph_ahead, "NEXT", on)
+    data = _mixed_lengths()
+    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
+    graphed.step_graphs.capture_after = 0  # a key is captured at its first step, never covered (more captures)
+    for eng in (eager, graphed):
+        for spec in (job("a", 8, 2, 1), job("b", 16, 3, 2)):
+            eng.attach(spec)
+    same_steps(eager, graphed, n)
+    for j in ("a", "b"):
+        torch.testing.assert_close(graphed.jobs[j].adapter.flat, eager.jobs[j].adapter.flat, rtol=1e-4, atol=1e-6)
+    return graphed.step_graphs
+
+
+def test_the_next_steps_capture_runs_during_this_step_and_serves_that_step(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
+    """LORAPLEX_CAPTURE_NEXT: a step's new key is captured during the step before it (between its queued
+    backward and its sync), not at its own start; the same keys are captured in all, and the steps equal
+    eager steps."""
+    calls = []
+    real_next = graph_ahead.capture_next
+    monkeypatch.setattr(graph_ahead, "capture_next", lambda g, states: calls.append(len(states)) or real_next(g, states))
+    off = _steps_with_next(model_dir, monkeypatch, False, 12)
+    assert calls == [] and off.ahead["next_made"] == 0
+    at_start: list[int] = []
+    real_capture = StepGraphs._capture
+
+    def capture(self, entry, key, sync=True):  # noqa: ANN001, ANN202 - which captures ran at a step's start
+        at_start.append(sync)
+        return real_capture(self, entry, key, sync)
+
+    monkeypatch.setattr(StepGraphs, "_capture", capture)
+    on = _steps_with_next(model_dir, monkeypatch, True, 12)
+    made = on.ahead["next_made"]
+    assert len(calls) == 12 and made >= 2 and on.ahead["next_calls"] == made  # tried only where a step would capture
+    # every capture ran during the step before its own (the first step's key ran eagerly, warming its class)
+    assert at_start.count(False) == made == on.captures and at_start.count(True) == 0 and off.captures >= 2
+    # the same keys as without, and at most one more: the 13th step's, which these 12 steps did not reach
+    assert set(off.entries) <= set(on.entries) and len(on.entries) - len(off.entries) <= 1
+    assert on.replays == off.replays == 11 and on.eager_runs == off.eager_runs == 1
+
+
+def test_no_next_capture_where_the_set_changes_or_a_job_ends(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
+    monkeypatch.setattr(graph_ahead, "NEXT", False)
+    _, graphed = four_jobs(model_dir)
+    g = graphed.step_graphs
+    states = [graphed.jobs["b"], graphed.jobs["c"]]
+    captures, step = g.captures, states[0].step
+    g.capture_after = 0  # no cover: the next key would be captured
+    g.set_lasts = lambda: 1  # the set changes after this step (a job's end, a ranking)
+    assert graph_ahead.capture_next(g, states) == 0
+    g.set_lasts = lambda: 5
+    states[0].step = states[0].total_steps - 1  # its last step
+    assert graph_ahead.capture_next(g, states) == 0
+    assert g.ahead["next_calls"] == 0 and g.captures == captures  # nothing tried
+    states[0].step = step
+    assert graph_ahead.capture_next(g, states) == 1 and g.captures == captures + 1  # the set goes on: captured
+    assert graph_ahead.capture_next(g, states) == 0 and g.ahead["next_calls"] == 1  # and only once
 
 
 def test_a_class_near_a_warm_one_differs_only_in_the_lora_kernels_constants() -> None:
