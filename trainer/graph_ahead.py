@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -37,6 +38,7 @@ from trainer.early_exit import keep_count
 from trainer.graph_parts import GraphKey, has_room, lengths_key
 
 ON = os.environ.get("LORAPLEX_CAPTURE_AHEAD", "0") == "1"
+log = logging.getLogger(__name__)
 NEXT = os.environ.get("LORAPLEX_CAPTURE_NEXT", "0") == "1"  # capture_next (off until a device run shows a gain)
 STEPS = 24  # each set's next steps whose keys are counted
 MAX_SETS = 32  # the sets beyond this many are not listed (in the candidates' order)
@@ -104,18 +106,33 @@ def capture_next(graphs: Any, states: Sequence[Any]) -> int:  # noqa: ANN401
     """The next step's key captured during this step (LORAPLEX_CAPTURE_NEXT=1; the engine calls it once the
     step's forward and backward are queued, before its sync), where that step would capture it at its start:
     the same job set next (`set_lasts` and every job's steps left), its class warm, no capture or cover serving
-    it (`StepGraphs._cover_for`, `_captures`). A capture's host pass (~0.25 s at 32 layers of the 8B shape) then
-    runs while the device runs this step, not after it, with the device idle. Its kernels' first module loads
-    wait for this step's queued work at most. Counted in `graphs.ahead` as next_*; returns 0 or 1."""
+    it (`StepGraphs._cover_for`, `_captures`, `_transient` and `_near_end` as the next step reads them). A
+    capture's host pass (~0.25 s at 32 layers of the 8B shape) then runs while the device runs this step, not
+    after it with the device idle; its kernels' first module loads wait for this step's queued work at most.
+    Only after a replayed step (`last_replayed`): its memory is not observed (memory_plan.step_end), so the
+    capture's allocations reach no step's peak. A key of unknown need (recompute on, on CUDA) is left to its
+    step. Counted in `graphs.ahead` as next_*; returns 0 or 1; an error is logged, never raised."""
+    from trainer.step_graphs import CAPTURE_HORIZON, TRANSIENT_MIN_TOKENS, TRANSIENT_SET_STEPS
+
     lasts = graphs.set_lasts() if graphs.set_lasts is not None else None
-    if (lasts is not None and lasts < 2) or not graphs.serves(states) or any(s.total_steps - s.step < 2 for s in states):
+    if (not graphs.last_replayed or (lasts is not None and lasts < 2) or not graphs.serves(states)
+            or any(s.total_steps - s.step < 2 for s in states)):
         return 0
     eng = graphs.engine
-    per_job = [[eng.train_examples[i] for i in _peek(s.stream).next_indices(s.spec.batch_size)] for s in states]
-    step = _step_key(graphs, states, eng.slots.layout_offsets(states), per_job, eng.cap_for(True))
-    if step is None or graphs._cover_for(*step) is not None or not graphs._captures(step[0], graphs.max_capture_tokens):
+    try:
+        per_job = [[eng.train_examples[i] for i in _peek(s.stream).next_indices(s.spec.batch_size)] for s in states]
+        step = _step_key(graphs, states, eng.slots.layout_offsets(states), per_job, eng.cap_for(True))
+        if step is None or graphs._cover_for(*step) is not None or not graphs._captures(step[0], graphs.max_capture_tokens):
+            return 0
+        key, real, n_seqs = step
+        left = graphs.steps_left() if graphs.steps_left is not None else None
+        if (key.tokens >= TRANSIENT_MIN_TOKENS and lasts is not None and lasts - 1 < TRANSIENT_SET_STEPS) or (
+                left is not None and left - 1 < CAPTURE_HORIZON and graphs._cover(key, real, n_seqs) is not None):
+            return 0  # the next step would run it eagerly (a short-lived set) or padded (near the end)
+        return capture_ahead(graphs, Counter({key: 1}), busy=lambda: True, prefix="next_")
+    except Exception as err:  # noqa: BLE001 - an optimisation: the step goes on, and its next captures as before
+        log.warning("the next step's capture failed: %s", str(err)[:200])
         return 0
-    return capture_ahead(graphs, Counter({step[0]: 1}), busy=lambda: True, prefix="next_")
 
 
 def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool], prefix: str = "") -> int:  # noqa: ANN401

@@ -16,7 +16,7 @@ import torch
 from tests.unit.test_step_graphs import engine, examples, job, model_dir, same_steps  # noqa: F401 - the fixture
 from trainer import graph_ahead
 from trainer.early_exit import keep_count
-from trainer.step_graphs import StepGraphs
+from trainer.step_graphs import TRANSIENT_SET_STEPS, StepGraphs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -137,10 +137,10 @@ def test_the_next_steps_capture_runs_during_this_step_and_serves_that_step(model
     eager steps."""
     calls = []
     real_next = graph_ahead.capture_next
-    monkeypatch.setattr(graph_ahead, "capture_next", lambda g, states: calls.append(len(states)) or real_next(g, states))
+    monkeypatch.setattr(graph_ahead, "capture_next", lambda g, states: calls.append(g.last_replayed) or real_next(g, states))
     off = _steps_with_next(model_dir, monkeypatch, False, 12)
     assert calls == [] and off.ahead["next_made"] == 0
-    at_start: list[int] = []
+    at_start: list[bool] = []
     real_capture = StepGraphs._capture
 
     def capture(self, entry, key, sync=True):  # noqa: ANN001, ANN202 - which captures ran at a step's start
@@ -150,11 +150,13 @@ def test_the_next_steps_capture_runs_during_this_step_and_serves_that_step(model
     monkeypatch.setattr(StepGraphs, "_capture", capture)
     on = _steps_with_next(model_dir, monkeypatch, True, 12)
     made = on.ahead["next_made"]
-    assert len(calls) == 12 and made >= 2 and on.ahead["next_calls"] == made  # tried only where a step would capture
-    # every capture ran during the step before its own (the first step's key ran eagerly, warming its class)
-    assert at_start.count(False) == made == on.captures and at_start.count(True) == 0 and off.captures >= 2
+    # offered at every graphed step; tried only after a replayed step (whose memory no step's peak observes)
+    # and where the next step would capture
+    assert len(calls) == 12 and made >= 2 and on.ahead["next_calls"] == made <= calls.count(True)
+    assert at_start.count(False) == made and at_start.count(True) == on.captures - made
     # the same keys as without, and at most one more: the 13th step's, which these 12 steps did not reach
-    assert set(off.entries) <= set(on.entries) and len(on.entries) - len(off.entries) <= 1
+    assert set(off.entries) <= set(on.entries) and on.captures - off.captures == len(on.entries) - len(off.entries) <= 1
+    assert on.captures - made < off.captures  # fewer captures at a step's start
     assert on.replays == off.replays == 11 and on.eager_runs == off.eager_runs == 1
 
 
@@ -165,8 +167,16 @@ def test_no_next_capture_where_the_set_changes_or_a_job_ends(model_dir, monkeypa
     states = [graphed.jobs["b"], graphed.jobs["c"]]
     captures, step = g.captures, states[0].step
     g.capture_after = 0  # no cover: the next key would be captured
+    g.last_replayed = False  # this step's memory is observed: no capture beside it
+    assert graph_ahead.capture_next(g, states) == 0
+    g.last_replayed = True
     g.set_lasts = lambda: 1  # the set changes after this step (a job's end, a ranking)
     assert graph_ahead.capture_next(g, states) == 0
+    with monkeypatch.context() as m:  # a key the next step would find transient (its set's last steps)
+        m.setattr("trainer.step_graphs.TRANSIENT_MIN_TOKENS", 0)
+        g.set_lasts = lambda: TRANSIENT_SET_STEPS  # not transient at this step; at the next, one step fewer
+        assert not g._transient(graph_ahead.coming_keys(g, [states], steps=1).most_common(1)[0][0])
+        assert graph_ahead.capture_next(g, states) == 0
     g.set_lasts = lambda: 5
     states[0].step = states[0].total_steps - 1  # its last step
     assert graph_ahead.capture_next(g, states) == 0
