@@ -112,8 +112,6 @@ def capture_next(graphs: Any, states: Sequence[Any]) -> int:  # noqa: ANN401
     Only after a replayed step (`last_replayed`): its memory is not observed (memory_plan.step_end), so the
     capture's allocations reach no step's peak. A key of unknown need (recompute on, on CUDA) is left to its
     step. Counted in `graphs.ahead` as next_*; returns 0 or 1; an error is logged, never raised."""
-    from trainer.step_graphs import CAPTURE_HORIZON, TRANSIENT_MIN_TOKENS, TRANSIENT_SET_STEPS
-
     lasts = graphs.set_lasts() if graphs.set_lasts is not None else None
     if (not graphs.last_replayed or (lasts is not None and lasts < 2) or not graphs.serves(states)
             or any(s.total_steps - s.step < 2 for s in states)):
@@ -122,14 +120,11 @@ def capture_next(graphs: Any, states: Sequence[Any]) -> int:  # noqa: ANN401
     try:
         per_job = [[eng.train_examples[i] for i in _peek(s.stream).next_indices(s.spec.batch_size)] for s in states]
         step = _step_key(graphs, states, eng.slots.layout_offsets(states), per_job, eng.cap_for(True))
-        if step is None or graphs._cover_for(*step) is not None or not graphs._captures(step[0], graphs.max_capture_tokens):
+        # as the next step reads them: covered (near the end too), or eager (a short-lived set), it is not captured
+        if step is None or graphs._cover_for(*step, ahead=1) is not None \
+                or not graphs._captures(step[0], graphs.max_capture_tokens, ahead=1):
             return 0
-        key, real, n_seqs = step
-        left = graphs.steps_left() if graphs.steps_left is not None else None
-        if (key.tokens >= TRANSIENT_MIN_TOKENS and lasts is not None and lasts - 1 < TRANSIENT_SET_STEPS) or (
-                left is not None and left - 1 < CAPTURE_HORIZON and graphs._cover(key, real, n_seqs) is not None):
-            return 0  # the next step would run it eagerly (a short-lived set) or padded (near the end)
-        return capture_ahead(graphs, Counter({key: 1}), busy=lambda: True, prefix="next_")
+        return capture_ahead(graphs, Counter({step[0]: 1}), busy=lambda: True, prefix="next_")
     except Exception as err:  # noqa: BLE001 - an optimisation: the step goes on, and its next captures as before
         log.warning("the next step's capture failed: %s", str(err)[:200])
         return 0
@@ -141,16 +136,16 @@ def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool]
     `near_warm` does not admit are left; so is the rest of a class not warm once one of its keys failed (a
     LoRA form that tunes at a new rank tile syncs inside the capture). `graphs.ahead` counts the calls, the
     keys, the captures ("made") and each reason a key was left, each name after `prefix`."""
-    eng, why = graphs.engine, _Prefixed(graphs.ahead, prefix)
+    eng, why, p = graphs.engine, graphs.ahead, prefix
     graphs._check_storage()
     was = eng.gradient_checkpointing
     made, cold_failed = 0, set()
-    why["calls"] += 1
-    why["keys"] += len(keys)
+    why[p + "calls"] += 1
+    why[p + "keys"] += len(keys)
     try:
         for key, _ in keys.most_common():
             if not busy():
-                why["late"] += 1  # the evaluation's forwards were done: the keys left go to their steps
+                why[p + "late"] += 1  # the evaluation's forwards were done: the keys left go to their steps
                 break
             entry = graphs.entries.get(key)
             warm = key.warm_class in graphs.warm
@@ -162,7 +157,7 @@ def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool]
                 need = graphs.capture_need(key.tokens, key.recompute) if graphs.capture_need else None
                 left = "room" if need is None or not has_room(eng.device, need) else None
             if left is not None:
-                why[left] += 1
+                why[p + left] += 1
                 continue
             eng.set_recompute(key.recompute)
             new = entry is None
@@ -173,7 +168,7 @@ def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool]
             if entry.graph is not None:  # its kernels are loaded now: the class's other keys capture at their first steps
                 graphs.warm.add(key.warm_class)
                 continue
-            why["unmade"] += 1  # failed or short of room: the key's own step tries again, as it would have
+            why[p + "unmade"] += 1  # failed or short of room: the key's own step tries again, as it would have
             entry.failed, entry.deferred = False, -1
             if new:  # its buffers go
                 graphs.entries.pop(key, None)
@@ -181,21 +176,8 @@ def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool]
                 cold_failed.add(key.warm_class)
     finally:
         eng.set_recompute(was)
-    why["made"] += made
+    why[p + "made"] += made
     return made
-
-
-class _Prefixed:
-    """A Counter's counts under names after a prefix (`capture_ahead`'s, of `capture_next`: next_made, ...)."""
-
-    def __init__(self, counts: Counter[str], prefix: str) -> None:
-        self.counts, self.prefix = counts, prefix
-
-    def __getitem__(self, name: str) -> int:
-        return self.counts[self.prefix + name]
-
-    def __setitem__(self, name: str, value: int) -> None:
-        self.counts[self.prefix + name] = value
 
 
 def near_warm(warm: set[tuple], key: GraphKey) -> bool:

@@ -240,40 +240,40 @@ class StepGraphs:
         want = self.engine.recompute_for(off.tokens, padding=CAPTURE_PADDING if captures else 1.0)  # type: ignore[misc]
         return None if want is None else bool(want) and not replays
 
-    def _cover_for(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
+    def _cover_for(self, key: GraphKey, n_tokens: int, n_seqs: int, ahead: int = 0) -> GraphKey | None:
         """`_cover`, where one may serve: the key not captured, its class warm, covered < capture_after
         (a key whose capture failed or was deferred, or with under CAPTURE_HORIZON steps left, any
-        number of times)."""
+        number of times). `ahead`: as the step that many steps on reads it (graph_ahead.capture_next)."""
         known = self.entries.get(key)
         if (known is not None and known.graph is not None) or key.warm_class not in self.warm:
             return None
         barred = known is not None and (known.failed or known.deferred >= 0)
         # past capture_after the key is captured, unless it may not be (`_transient`): then it stays covered
-        if not barred and self.cover_uses[key] >= self.capture_after and not self._near_end() \
-                and not self._transient(key):
+        if not barred and self.cover_uses[key] >= self.capture_after and not self._near_end(ahead) \
+                and not self._transient(key, ahead):
             return None
         return self._cover(key, n_tokens, n_seqs)
 
-    def _near_end(self) -> bool:
-        """Under CAPTURE_HORIZON steps left to run (`steps_left`; unknown: not near)."""
+    def _near_end(self, ahead: int = 0) -> bool:
+        """Under CAPTURE_HORIZON steps left to run (`steps_left`, `ahead` steps on; unknown: not near)."""
         left = self.steps_left() if self.steps_left is not None else None
-        return left is not None and left < CAPTURE_HORIZON
+        return left is not None and left - ahead < CAPTURE_HORIZON
 
-    def _captures(self, key: GraphKey, limit: int) -> bool:
+    def _captures(self, key: GraphKey, limit: int, ahead: int = 0) -> bool:
         """Whether a step of `key` is captured now: not yet (nor failed, nor deferred in the last
-        CAPTURE_RETRY_STEPS steps), its class warm, <= limit tokens, not `_transient`."""
+        CAPTURE_RETRY_STEPS steps), its class warm, <= limit tokens, not `_transient` (`ahead` steps on)."""
         entry = self.entries.get(key)
         waits = entry is not None and entry.deferred >= 0 and self.calls - entry.deferred < CAPTURE_RETRY_STEPS
         return ((entry is None or (entry.graph is None and not entry.failed and not waits))
-                and key.warm_class in self.warm and key.tokens <= limit and not self._transient(key))
+                and key.warm_class in self.warm and key.tokens <= limit and not self._transient(key, ahead))
 
-    def _transient(self, key: GraphKey) -> bool:
+    def _transient(self, key: GraphKey, ahead: int = 0) -> bool:
         """A training key of TRANSIENT_MIN_TOKENS or more whose job set runs under TRANSIENT_SET_STEPS
-        more steps, this one included (`set_lasts`)."""
+        more steps, this one included (`set_lasts`, `ahead` steps on)."""
         if not key.train or key.tokens < TRANSIENT_MIN_TOKENS or self.set_lasts is None:
             return False
         lasts = self.set_lasts()
-        return lasts is not None and lasts < TRANSIENT_SET_STEPS
+        return lasts is not None and lasts - ahead < TRANSIENT_SET_STEPS
 
     def _cover(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
         """The smallest captured key that can run this step padded (at most `cover_ratio` times
