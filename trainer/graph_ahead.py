@@ -39,7 +39,7 @@ from trainer.graph_parts import GraphKey, has_room, lengths_key
 
 ON = os.environ.get("LORAPLEX_CAPTURE_AHEAD", "0") == "1"
 log = logging.getLogger(__name__)
-NEXT = os.environ.get("LORAPLEX_CAPTURE_NEXT", "0") == "1"  # capture_next (off until a device run shows a gain)
+NEXT = os.environ.get("LORAPLEX_CAPTURE_NEXT", "1") == "1"  # capture_next (on: session 56 measured its gain)
 STEPS = 24  # each set's next steps whose keys are counted
 MAX_SETS = 32  # the sets beyond this many are not listed (in the candidates' order)
 

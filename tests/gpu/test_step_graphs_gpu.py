@@ -211,14 +211,17 @@ def test_the_next_steps_capture_during_a_queued_step_serves_it_with_no_sync(tmp_
 
     monkeypatch.setattr(graph_ahead, "NEXT", True)
     monkeypatch.setattr(graph_ahead, "capture_next", next_without_sync)
-    for _ in range(10):
+    steps = 14
+    for _ in range(steps):
         want, got = eager.step(), graphed.step()
         for j in want.losses:
             assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-2), (j, got.losses, want.losses)
     made = g.ahead["next_made"]
-    # the captures during a replayed step ran while it was still queued, with no sync; every later step replayed
+    # the captures during a replayed step ran while it was still queued, with no sync; every later step replayed.
+    # A capture step is no replay, so a new key right after one is captured at its own step: in this data's order
+    # the keys of steps 9 and 12 come after a replay (10 steps made 1 in session 56's call 1; the CPU trace agrees)
     assert syncs == [] and made >= 2 and sum(map(bool, overlapped)) == made, (g.stats(), overlapped)
-    assert g.captures > made and g.eager_runs == 1 and g.replays == 9, g.stats()
+    assert g.captures > made and g.eager_runs == 1 and g.replays == steps - 1, g.stats()
     for j in ("a", "b"):  # the weights as the eager steps left them (AdamW's bf16 noise: by norm)
         got, want = graphed.jobs[j].adapter.flat.double(), eager.jobs[j].adapter.flat.double()
         assert ((got - want).norm() / want.norm()).item() < 1e-2, j
