@@ -2526,11 +2526,19 @@ with c.set_checkpoint_debug_enabled(True):
     rm -f "$OUT"/executor_task*.md
     pack_logs
     ;;
-  s55_b|s56_c)  # every GPU test on the code that lands (292 s in session 54's call 4, 358 s in session 55's call
+  s55_b)  # every GPU test on the code that lands (292 s in session 54's call 4, 358 s in session 55's call
           # 3), then search (a) where 150 s are left (search_rest; else s55_c)
     gpu_tests "/tmp/$1"
     export TRITON_CACHE_DIR="/tmp/$1/triton"
     search_rest
+    pack_logs
+    ;;
+  s56_c)  # session 56, call 3: every GPU test on the code that lands, then the graphed 2-job step's wall beyond
+          # its graph with the kernels' own time on the same steps (bench/step_gap.py: issue 40's 90% busy)
+    gpu_tests "/tmp/$1"
+    export TRITON_CACHE_DIR="/tmp/$1/triton"
+    [ $((585 - SECONDS)) -ge 60 ] && step $((585 - SECONDS)) step_gap python3 bench/step_gap.py --layers 32 \
+      --tokens 290 --recompute 0,1 --out "$OUT/step_gap.md"
     pack_logs
     ;;
   s55_c)  # prepared in session 54: search (a) on the code that lands, then the graphed 2-job step with and

@@ -77,6 +77,7 @@ def measure(eng, warmup: int, iters: int) -> dict:  # noqa: ANN001
                      "tokens": rep.tokens})
     for key, g in originals.items():
         sg.entries[key].graph = g
+    kernels_ms, profiled_wall = profiled(eng, iters)
     # the graph alone: replays back to back, and the step's updates alone (norms and AdamW of both jobs)
     key = max(originals, key=lambda k: sg.entries[k].last)
     g = originals[key]
@@ -88,7 +89,24 @@ def measure(eng, warmup: int, iters: int) -> dict:  # noqa: ANN001
     torch.cuda.synchronize()
     b2b = (time.perf_counter() - t0) / iters * 1e3
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
-    return {"steps": len(rows), "key_tokens": key.tokens, "b2b": b2b, **med}
+    return {"steps": len(rows), "key_tokens": key.tokens, "b2b": b2b, "kernels": kernels_ms,
+            "profiled_wall": profiled_wall, **med}
+
+
+def profiled(eng, steps: int) -> tuple[float, float]:  # noqa: ANN001
+    """The kernels' own time a step (torch.profiler's CUDA activity alone: a replay makes no host op to trace)
+    and the wall a step over the same `steps` synced steps, in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages()
+                    if e.device_type == torch.autograd.DeviceType.CUDA)
+    return kernel_us / 1e3 / steps, wall * 1e3 / steps
 
 
 def main() -> None:
@@ -106,15 +124,22 @@ def main() -> None:
              f"of the Llama-3.1-8B shape, random bf16 weights, 2 jobs: r16 b1 + r64 b4, ~{args.tokens} tokens a "
              "sample)", "",
              f"{args.warmup} steps, then the medians of {args.iters} synced steps that replayed (ms). `b2b`: the "
-             "last replayed key's graph replayed back to back. `graph - b2b`: the launch's delay.", "",
+             "last replayed key's graph replayed back to back. `graph - b2b`: the launch's delay. `graph / wall`: "
+             "the share of a step's wall its graph runs on the device. Then "
+             f"{args.iters} more steps under torch.profiler (CUDA activity only): their kernels' own time a step "
+             "against their wall a step (`kernels / wall`: the device busy in kernels; the rest of a graph's span "
+             "is the gaps between its kernels on the device).", "",
              "| recompute | steps | tokens | key rows | wall | device | pre | graph | b2b | graph - b2b | tail | "
-             "launch call (host) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "launch call (host) | graph / wall | profiled wall | kernels | kernels / wall |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rc in [bool(int(v)) for v in args.recompute.split(",")]:
         eng = build(args.layers, rc, args.tokens)
         m = measure(eng, args.warmup, args.iters)
         lines.append(f"| {rc} | {m['steps']} | {m.get('tokens', 0):.0f} | {m['key_tokens']} | {m.get('wall', 0):.1f} | "
                      f"{m.get('device', 0):.1f} | {m.get('pre', 0):.2f} | {m.get('graph', 0):.1f} | {m['b2b']:.1f} | "
-                     f"{m.get('graph', 0) - m['b2b']:.2f} | {m.get('tail', 0):.2f} | {m.get('launch', 0):.2f} |")
+                     f"{m.get('graph', 0) - m['b2b']:.2f} | {m.get('tail', 0):.2f} | {m.get('launch', 0):.2f} | "
+                     f"{m.get('graph', 0) / max(m.get('wall', 0), 1e-9):.1%} | {m['profiled_wall']:.1f} | "
+                     f"{m['kernels']:.1f} | {m['kernels'] / m['profiled_wall']:.1%} |")
         print(lines[-1], flush=True)
         del eng
         torch.cuda.empty_cache()

@@ -217,10 +217,12 @@ def test_the_next_steps_capture_during_a_queued_step_serves_it_with_no_sync(tmp_
         for j in want.losses:
             assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-2), (j, got.losses, want.losses)
     made = g.ahead["next_made"]
-    # the captures during a replayed step ran while it was still queued, with no sync; every later step replayed.
-    # A capture step is no replay, so a new key right after one is captured at its own step: in this data's order
-    # the keys of steps 9 and 12 come after a replay (10 steps made 1 in session 56's call 1; the CPU trace agrees)
-    assert syncs == [] and made >= 2 and sum(map(bool, overlapped)) == made, (g.stats(), overlapped)
+    # the captures during a replayed step ran with no sync, and while it was still queued; every later step
+    # replayed. A capture step is no replay, so a new key right after one is captured at its own step: in this
+    # data's order the keys of steps 9 and 12 come after a replay (the CPU trace agrees). A capture whose kernels
+    # load a module of a new token bucket waits for the queued work at that load (session 55): in session 56's
+    # call 2 one of the 2 captures did, so at least one overlaps, not each
+    assert syncs == [] and made >= 2 and sum(map(bool, overlapped)) >= 1, (g.stats(), overlapped)
     assert g.captures > made and g.eager_runs == 1 and g.replays == steps - 1, g.stats()
     for j in ("a", "b"):  # the weights as the eager steps left them (AdamW's bf16 noise: by norm)
         got, want = graphed.jobs[j].adapter.flat.double(), eager.jobs[j].adapter.flat.double()

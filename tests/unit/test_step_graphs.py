@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers.engine_ref import tiny_model_dir
-from trainer import graph_parts
+from trainer import graph_ahead, graph_parts
 from trainer.data import IGNORE, Example
 from trainer.engine import MultiLoraEngine
 from trainer.jobs import TrainJob
@@ -176,10 +176,14 @@ def test_a_graphs_padding_tail_owned_by_no_job_trains_and_evaluates_as_eager_ste
                if not k.train)  # an evaluation row was padded too
 
 
-def test_small_steps_replay_a_capture_a_few_hundred_tokens_larger_until_their_key_keeps_coming(model_dir) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("ahead", [False, True])
+def test_small_steps_replay_a_capture_a_few_hundred_tokens_larger_until_their_key_keeps_coming(
+        model_dir, monkeypatch, ahead: bool) -> None:  # noqa: ANN001
     """A step of a new key replays a captured one of up to cover_tokens more tokens (far beyond
     cover_ratio) with the eager step's numbers; once its key has been covered capture_after
-    times, its next step captures it, and later ones replay that capture."""
+    times, its next step captures it, and later ones replay that capture. With the next step's
+    capture (graph_ahead.NEXT, the default) that capture runs during the last covered step instead."""
+    monkeypatch.setattr(graph_ahead, "NEXT", ahead)
     eager, graphed = two_jobs(model_dir)
 
     def both_steps(n: int) -> None:
@@ -193,7 +197,8 @@ def test_small_steps_replay_a_capture_a_few_hundred_tokens_larger_until_their_ke
         eng.detach("b")
     # 72 tokens: half the capture's (over cover_ratio, within cover_tokens): covered twice ...
     both_steps(2)
-    assert (g.captures, g.covered, len(g.entries)) == (1, 2, 1)
+    # (ahead: the second covered step captured the key its next step would capture)
+    assert (g.captures, g.covered, len(g.entries), g.ahead["next_made"]) == (1 + ahead, 2, 1 + ahead, ahead)
     # ... then captured (the key keeps coming), and replayed from then on
     both_steps(2)
     assert (g.captures, g.covered, g.replays, len(g.entries)) == (2, 2, 5, 2)
@@ -385,8 +390,11 @@ def test_a_capture_the_device_lacks_free_memory_for_waits_and_its_key_replays_a_
     # caching allocator held the rest for eager steps) and failed; their keys then ran eagerly for
     # good. Now a capture first asks whether its pool fits what the device has free: where not, the
     # step runs eagerly, the key waits CAPTURE_RETRY_STEPS steps, and meanwhile a larger capture may
-    # replay it padded however often. On the CPU the device's answer is set.
+    # replay it padded however often. On the CPU the device's answer is set. The rules at a step's
+    # start: the next step's capture (graph_ahead.NEXT) is left out.
     import trainer.step_graphs as sg
+
+    monkeypatch.setattr(graph_ahead, "NEXT", False)
     from trainer.graph_parts import CAPTURE_RETRY_STEPS
 
     short: list[bool] = [False]
