@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_step import llama8b_config  # noqa: E402
+from step_trace import traced_busy  # noqa: E402
 
 from trainer.data import Example  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
@@ -80,7 +81,9 @@ def measure(eng: MultiLoraEngine, warmup: int, iters: int, stacks: int = 0) -> d
                                                           "cudaLaunchKernelExC")) / 3
     graph_launches = sum(e.count for e in events if e.key in ("cudaGraphLaunch", "cuGraphLaunch")) / 3
     wall = statistics.median(walls)
+    traced, traced_wall = traced_busy(eng, 3)
     return {"wall_ms": wall * 1e3, "replay": replay_only(eng, iters), "tokens": statistics.median(toks),
+            "traced_ms": traced, "traced_wall_ms": traced_wall,
             "gpu_ms": gpu_us / 1e3,
             "busy": gpu_us / 1e3 / (wall * 1e3), "launches": launches, "graph_launches": graph_launches,
             "graphs": {k: after.get(k, 0) - before.get(k, 0) for k in after}, "events": events, "by_op": by_op}
@@ -157,7 +160,8 @@ def main() -> None:
             m = measure(eng, args.warmup, args.iters, args.stacks if mode == "eager" else 0)
             rows.append(f"| {recompute} | {mode} | {m['wall_ms']:.1f} | {m['tokens']:.0f} | {m['gpu_ms']:.1f} | "
                         f"{m['busy']:.0%} | {m['tokens'] / m['wall_ms'] * 1e3:,.0f} | {m['launches']:.0f} | "
-                        f"{m['graph_launches']:.0f} | {m['graphs'] or ''} |")
+                        f"{m['graph_launches']:.0f} | {m['graphs'] or ''} | {m['traced_wall_ms']:.1f} | "
+                        f"{m['traced_ms']:.1f} | {m['traced_ms'] / m['traced_wall_ms']:.0%} |")
             print(rows[-1], flush=True)
             if m["replay"]:
                 tables.append(f"Graph replays back to back (recompute {recompute}): {m['replay']}\n")
@@ -175,10 +179,14 @@ def main() -> None:
              f"~{args.tokens} tokens a sample, {n_linears} LoRA linears)", "",
              f"Each mode: {args.warmup} steps, then the median of {args.iters} synced steps; GPU busy = torch.profiler's "
              "kernel time over 3 more steps / the median wall. `graphs`: the forward and backward replayed as CUDA "
-             "graphs (trainer.step_graphs); the counts are of the timed steps.", "",
+             "graphs (trainer.step_graphs); the counts are of the timed steps. The last three columns measure busy "
+             "on the same steps as their wall: 3 more synced steps under torch.profiler's CUDA activity alone, the "
+             "device busy = the union of their kernels', memsets' and copies' intervals (bench/step_trace.py; the "
+             "op table's kernel sum above misses part of a replay's kernels and mixes steps of other keys).", "",
              "| recompute | mode | step wall ms | tokens | GPU busy ms | GPU busy % of wall | tok/s | "
-             "kernel launches from the host | graph launches | graph counts |",
-             "|---|---|---|---|---|---|---|---|---|---|", *rows, "", *tables]
+             "kernel launches from the host | graph launches | graph counts | traced steps' wall ms | "
+             "their device busy ms | busy % (same steps) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, "", *tables]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -19,6 +19,7 @@ import json
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -26,7 +27,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from host_profile import build  # noqa: E402
 
 _WORK = ("kernel", "gpu_memset", "gpu_memcpy")
 
@@ -42,6 +42,39 @@ def device_work(trace: dict) -> list[dict]:
     """The trace's kernels, memsets and copies in the order they started on the device."""
     work = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in _WORK]
     return sorted(work, key=lambda e: e["ts"])
+
+
+def busy_us(work: list[dict]) -> float:
+    """The device's busy time over `work` (from `device_work`): the union of its intervals (work on several
+    streams at once counted once)."""
+    total, start, end = 0.0, None, None
+    for e in work:
+        s, t = e["ts"], e["ts"] + e["dur"]
+        if end is None or s > end:
+            total += 0.0 if end is None else end - start
+            start, end = s, t
+        else:
+            end = max(end, t)
+    return total + (0.0 if end is None else end - start)
+
+
+def traced_busy(eng, steps: int) -> tuple[float, float]:  # noqa: ANN001
+    """`steps` synced engine steps under torch.profiler (CUDA activity only): the device's busy ms a step (the
+    union of its kernels', memsets' and copies' intervals) and the wall ms a step of the same steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        work = device_work(json.loads(path.read_text()))
+    return busy_us(work) / 1e3 / steps, wall * 1e3 / steps
 
 
 def report(work: list[dict], steps: int) -> tuple[dict, list[str]]:
@@ -64,6 +97,7 @@ def report(work: list[dict], steps: int) -> tuple[dict, list[str]]:
         by_next[kind].append(gap)
         by_pair[(short(prev["name"]) if prev["cat"] == "kernel" else prev["cat"], kind)].append(gap)
     numbers = {"work_a_step": len(work) / steps, "own_ms_a_step": own / 1e3 / steps, "span_ms": span / 1e3,
+               "busy_ms": busy_us(work) / 1e3,
                "gap_ms_a_step": sum(gaps) / 1e3 / steps, "median_gap_us": sorted(gaps)[len(gaps) // 2] if gaps else 0,
                "streams": dict(streams)}
     lines = ["| work after the gap | a step | gaps ms a step | mean gap us |", "|---|---|---|---|"]
@@ -95,6 +129,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
+    from host_profile import build  # (host_profile imports traced_busy from here)
     from torch.profiler import ProfilerActivity, profile
 
     eng = build(args.layers, bool(args.recompute), args.tokens)
