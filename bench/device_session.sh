@@ -2534,10 +2534,10 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     ;;
   s56_c)  # session 56, call 3: every GPU test on the code that lands, then the graphed 2-job step's wall beyond
-          # its graph with the kernels' own time on the same steps (bench/step_gap.py: issue 40's 90% busy)
+          # its graph with the kernels' own time on the same steps (bench/replay_wall.py: issue 40's 90% busy)
     gpu_tests "/tmp/$1"
     export TRITON_CACHE_DIR="/tmp/$1/triton"
-    [ $((585 - SECONDS)) -ge 60 ] && step $((585 - SECONDS)) step_gap python3 bench/step_gap.py --layers 32 \
+    [ $((585 - SECONDS)) -ge 60 ] && step $((585 - SECONDS)) step_gap python3 bench/replay_wall.py --layers 32 \
       --tokens 290 --recompute 0,1 --out "$OUT/step_gap.md"
     pack_logs
     ;;
@@ -2621,13 +2621,13 @@ with c.set_checkpoint_debug_enabled(True):
     ;;
   s56_b)  # session 56, call 2: call 1 ran the tasks off, on, on, off (the next step's capture gained 1.0 s and
           # 0.12 s against the first process's lead). The step graphs' GPU tests (capture_next's test: 14 steps),
-          # the graphed 2-job step's wall beyond its graph (bench/step_gap.py), the 200-step task on first, search
+          # the graphed 2-job step's wall beyond its graph (bench/replay_wall.py), the 200-step task on first, search
           # (a) with it on, then the 200-step task off (the other order of call 1)
     export TRITON_CACHE_DIR=/tmp/s56b/triton
     rm -rf /tmp/s56b
     TRITON_CACHE_DIR=/tmp/s56b_tests/triton step 70 graphs_tests python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_step_graphs_gpu.py
-    step 110 step_gap python3 bench/step_gap.py --layers 32 --tokens 290 --recompute 0,1 --out "$OUT/step_gap.md"
+    step 110 step_gap python3 bench/replay_wall.py --layers 32 --tokens 290 --recompute 0,1 --out "$OUT/step_gap.md"
     LORAPLEX_CAPTURE_NEXT=1 step 100 task200_next1 python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
       --out "$OUT/executor_task200_next1.md" --json "$OUT/executor_task200_next1.json"
     LORAPLEX_CAPTURE_NEXT=1 SEARCH_A_NAME=search_a_next1 search_a 240 230

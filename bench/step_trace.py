@@ -1,6 +1,6 @@
 """The gaps between a replayed step's kernels on the device (issue 40: a 2-job step's fixed cost).
 
-bench/step_gap.py found a graphed 2-job step at 32 layers of the Llama-3.1-8B shape busy in kernels 82-86% of
+bench/replay_wall.py found a graphed 2-job step at 32 layers of the Llama-3.1-8B shape busy in kernels 82-86% of
 its wall while its graph spans 97-98% of it: the rest is the device's own time between the graph's kernels. This
 script replays the same step (bench/host_profile.py's engine, after `--warmup` steps) under torch.profiler (CUDA
 activity only), exports the trace and reports, over the kernels, memsets and copies of `--steps` steps in device
@@ -58,9 +58,9 @@ def busy_us(work: list[dict]) -> float:
     return total + (0.0 if end is None else end - start)
 
 
-def traced_busy(eng, steps: int) -> tuple[float, float]:  # noqa: ANN001
-    """`steps` synced engine steps under torch.profiler (CUDA activity only): the device's busy ms a step (the
-    union of its kernels', memsets' and copies' intervals) and the wall ms a step of the same steps."""
+def profiled_steps(eng, steps: int) -> tuple[object, float]:  # noqa: ANN001
+    """`steps` synced engine steps under torch.profiler (CUDA activity only: a replay makes no host op to
+    trace): the profile and the wall ms a step."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -70,11 +70,22 @@ def traced_busy(eng, steps: int) -> tuple[float, float]:  # noqa: ANN001
             eng.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    return prof, wall * 1e3 / steps
+
+
+def traced_work(prof) -> list[dict]:  # noqa: ANN001
+    """A profile's device work in device order (`device_work` of its exported trace)."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "trace.json"
         prof.export_chrome_trace(str(path))
-        work = device_work(json.loads(path.read_text()))
-    return busy_us(work) / 1e3 / steps, wall * 1e3 / steps
+        return device_work(json.loads(path.read_text()))
+
+
+def traced_busy(eng, steps: int) -> tuple[float, float]:  # noqa: ANN001
+    """`steps` synced engine steps (`profiled_steps`): the device's busy ms a step (the union of its kernels',
+    memsets' and copies' intervals) and the wall ms a step of the same steps."""
+    prof, wall = profiled_steps(eng, steps)
+    return busy_us(traced_work(prof)) / 1e3 / steps, wall
 
 
 def report(work: list[dict], steps: int) -> tuple[dict, list[str]]:
@@ -130,26 +141,19 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
     from host_profile import build  # (host_profile imports traced_busy from here)
-    from torch.profiler import ProfilerActivity, profile
 
     eng = build(args.layers, bool(args.recompute), args.tokens)
     for _ in range(args.warmup):
         eng.step()
     torch.cuda.synchronize()
     before = dict(eng.step_graphs.stats())
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            eng.step()
-        torch.cuda.synchronize()
+    prof, _ = profiled_steps(eng, args.steps)
     after = eng.step_graphs.stats()
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
+    work = traced_work(prof)
     if args.trace:
         with gzip.open(args.trace, "wt") as f:
-            json.dump({"traceEvents": device_work(trace)}, f)
-    numbers, lines = report(device_work(trace), args.steps)
+            json.dump({"traceEvents": work}, f)
+    numbers, lines = report(work, args.steps)
     head = [f"# The gaps between a replayed step's kernels ({torch.cuda.get_device_name()}, {args.layers} layers of "
             f"the Llama-3.1-8B shape, random bf16 weights, 2 jobs: r16 b1 + r64 b4, ~{args.tokens} tokens a sample, "
             f"recompute {bool(args.recompute)})", "",

@@ -13,7 +13,7 @@ events split each step's device timeline into
 against the same graph's replays back to back (`b2b`: no host between them). `graph - b2b` is what the
 launch keeps the device waiting; `pre + tail - update` is the idle a step's host work leaves.
 
-    python bench/step_gap.py [--layers 32] [--tokens 290] [--recompute 0,1] [--out FILE]
+    python bench/replay_wall.py [--layers 32] [--tokens 290] [--recompute 0,1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from host_profile import build  # noqa: E402
+from step_trace import profiled_steps  # noqa: E402
 
 
 class _Timed:
@@ -94,19 +95,12 @@ def measure(eng, warmup: int, iters: int) -> dict:  # noqa: ANN001
 
 
 def profiled(eng, steps: int) -> tuple[float, float]:  # noqa: ANN001
-    """The kernels' own time a step (torch.profiler's CUDA activity alone: a replay makes no host op to trace)
-    and the wall a step over the same `steps` synced steps, in ms."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+    """The kernels' own time a step by torch.profiler's `key_averages` (it misses part of a replay's kernels:
+    bench/step_trace.py reads the trace itself) and the wall a step over the same `steps` synced steps, in ms."""
+    prof, wall = profiled_steps(eng, steps)
     kernel_us = sum(e.self_device_time_total for e in prof.key_averages()
                     if e.device_type == torch.autograd.DeviceType.CUDA)
-    return kernel_us / 1e3 / steps, wall * 1e3 / steps
+    return kernel_us / 1e3 / steps, wall
 
 
 def main() -> None:
