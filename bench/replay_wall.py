@@ -79,7 +79,9 @@ def measure(eng, warmup: int, iters: int) -> dict:  # noqa: ANN001
     for key, g in originals.items():
         sg.entries[key].graph = g
     kernels_ms, profiled_wall = profiled(eng, iters)
-    # the graph alone: replays back to back, and the step's updates alone (norms and AdamW of both jobs)
+    if not originals:
+        raise SystemExit("no training graph was captured in the warmup steps")
+    # the graph alone: replays back to back (the key replayed last: the timed steps' own, as a rule)
     key = max(originals, key=lambda k: sg.entries[k].last)
     g = originals[key]
     g.replay()

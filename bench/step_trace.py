@@ -88,8 +88,11 @@ def traced_busy(eng, steps: int) -> tuple[float, float]:  # noqa: ANN001
     return busy_us(traced_work(prof)) / 1e3 / steps, wall
 
 
-def report(work: list[dict], steps: int) -> tuple[dict, list[str]]:
-    """The numbers of `work` (from `device_work`) a step, and markdown tables of where its gaps are."""
+def report(work: list[dict], steps: int, wall_ms: float) -> tuple[dict, list[str]]:
+    """The numbers of `work` (from `device_work`) a step, against the steps' wall a step, and markdown tables
+    of where its gaps are."""
+    if not work:
+        return {"work_a_step": 0}, ["(no device work traced)"]
     streams = collections.Counter(e.get("args", {}).get("stream") for e in work)
     own = sum(e["dur"] for e in work)
     span = work[-1]["ts"] + work[-1]["dur"] - work[0]["ts"]
@@ -107,8 +110,10 @@ def report(work: list[dict], steps: int) -> tuple[dict, list[str]]:
         kind = e["cat"] if e["cat"] != "kernel" else short(e["name"])
         by_next[kind].append(gap)
         by_pair[(short(prev["name"]) if prev["cat"] == "kernel" else prev["cat"], kind)].append(gap)
-    numbers = {"work_a_step": len(work) / steps, "own_ms_a_step": own / 1e3 / steps, "span_ms": span / 1e3,
-               "busy_ms": busy_us(work) / 1e3,
+    busy = busy_us(work) / 1e3 / steps
+    numbers = {"work_a_step": len(work) / steps, "own_ms_a_step": own / 1e3 / steps,
+               "span_ms_a_step": span / 1e3 / steps, "busy_ms_a_step": busy, "wall_ms_a_step": wall_ms,
+               "busy_of_wall": busy / wall_ms,
                "gap_ms_a_step": sum(gaps) / 1e3 / steps, "median_gap_us": sorted(gaps)[len(gaps) // 2] if gaps else 0,
                "streams": dict(streams)}
     lines = ["| work after the gap | a step | gaps ms a step | mean gap us |", "|---|---|---|---|"]
@@ -147,13 +152,13 @@ def main() -> None:
         eng.step()
     torch.cuda.synchronize()
     before = dict(eng.step_graphs.stats())
-    prof, _ = profiled_steps(eng, args.steps)
+    prof, wall = profiled_steps(eng, args.steps)
     after = eng.step_graphs.stats()
     work = traced_work(prof)
     if args.trace:
         with gzip.open(args.trace, "wt") as f:
             json.dump({"traceEvents": work}, f)
-    numbers, lines = report(work, args.steps)
+    numbers, lines = report(work, args.steps, wall)
     head = [f"# The gaps between a replayed step's kernels ({torch.cuda.get_device_name()}, {args.layers} layers of "
             f"the Llama-3.1-8B shape, random bf16 weights, 2 jobs: r16 b1 + r64 b4, ~{args.tokens} tokens a sample, "
             f"recompute {bool(args.recompute)})", "",

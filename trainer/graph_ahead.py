@@ -49,8 +49,14 @@ MAX_SETS = 32  # the sets beyond this many are not listed (in the candidates' or
 
 
 def _peek(stream: Any) -> Any:  # noqa: ANN401 - a JobDataStream, or a co-located task's TaskStream around one
-    """A copy of the stream at its position: its batches are the job's next ones, the job's stream stays."""
-    return copy.deepcopy(stream)
+    """A copy of the stream at its position: its batches are the job's next ones, the job's stream stays. A
+    shallow copy (each wrapped stream's too): `next_indices` replaces a stream's order list, never changes it,
+    so the copy shares the job's. capture_next peeks every job at every replayed step; a deep copy of a
+    100k-example order took ~21 ms."""
+    peek = copy.copy(stream)
+    if getattr(stream, "inner", None) is not None:
+        peek.inner = _peek(stream.inner)
+    return peek
 
 
 def coming_keys(graphs: Any, sets: Iterable[Sequence[Any]], steps: int = STEPS,  # noqa: ANN401
@@ -167,13 +173,15 @@ def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool]
             new = entry is None
             entry = graphs._entry(key)
             entry.last = graphs.calls
+            counts = graphs.failures, graphs.deferrals
             entry.graph = graphs._capture(entry, key, sync=False)
             made += entry.graph is not None
             if entry.graph is not None:  # its kernels are loaded now: the class's other keys capture at their first steps
                 graphs.warm.add(key.warm_class)
                 continue
             why[p + "unmade"] += 1  # failed or short of room: the key's own step tries again, as it would have
-            entry.failed, entry.deferred = False, -1
+            entry.failed, entry.deferred = False, -1  # (and counts it there, not here)
+            graphs.failures, graphs.deferrals = counts
             if new:  # its buffers go
                 graphs.entries.pop(key, None)
             if not warm:

@@ -407,7 +407,7 @@ class StepGraphs:
         if short is not None:
             entry.deferred = self.calls
             self.deferrals += 1
-            log.warning("step graph capture deferred for %s: %s", key, short)
+            (log.warning if sync else log.info)("step graph capture deferred for %s: %s", key, short)
             return None
         self.captures += 1
         if not cuda:
@@ -423,8 +423,8 @@ class StepGraphs:
             self.failures += 1
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # what the failed capture allocated: the eager step starts clean
-            log.warning("step graph capture failed for %s: %s [%s]", key, str(err).split(". ")[0][:200],
-                        memory_report(device))
+            (log.warning if sync else log.info)("step graph capture failed for %s: %s [%s]", key,
+                                                 str(err).split(". ")[0][:200], memory_report(device))
             return None
         self.capture_s[0] += cap.body_s
         self.capture_s[1] += cap.end_s

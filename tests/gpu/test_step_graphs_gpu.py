@@ -179,9 +179,10 @@ def test_graphs_captured_ahead_beside_a_queued_evaluation_serve_the_kept_sets_st
 
 
 def test_the_next_steps_capture_during_a_queued_step_serves_it_with_no_sync(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    """trainer.graph_ahead.capture_next on CUDA (LORAPLEX_CAPTURE_NEXT): each new key is captured while the step
-    before it is still queued (no device sync, none of the steps' numbers changed), and the step of that key
-    replays it: the same losses as eager steps."""
+    """trainer.graph_ahead.capture_next on CUDA (LORAPLEX_CAPTURE_NEXT): a new key that follows a replayed step is
+    captured during that step with no device sync (at least one while its queued work still runs; a new token
+    bucket's module load waits for it), none of the steps' numbers change, and every step after the first
+    replays: the same losses as eager steps."""
     from trainer import graph_ahead
 
     d = tiny_model_dir("llama", tmp_path)

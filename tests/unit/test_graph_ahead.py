@@ -186,6 +186,50 @@ def test_no_next_capture_where_the_set_changes_or_a_job_ends(model_dir, monkeypa
     assert graph_ahead.capture_next(g, states) == 0 and g.ahead["next_calls"] == 1  # and only once
 
 
+def test_a_peek_reads_the_next_batches_without_moving_or_copying_the_order() -> None:
+    """capture_next peeks every job's stream at every replayed step: the copy gives the job's next batches
+    (across an epoch's end too), leaves the job's stream where it was and shares its order list, inside a
+    co-located task's TaskStream as well."""
+    from trainer.data import JobDataStream
+    from trainer.task_parts import TaskStream
+
+    stream = JobDataStream(n=10, seed=3)
+    stream.next_indices(7)
+    wrapped = TaskStream(JobDataStream(n=10, seed=3), base=100)
+    wrapped.next_indices(7)
+    for s, inner in ((stream, stream), (wrapped, wrapped.inner)):
+        before = inner.state_dict()
+        peek = graph_ahead._peek(s)
+        got = [peek.next_indices(2), peek.next_indices(4)]  # the second crosses into the next epoch
+        assert inner.state_dict() == before  # the job's stream did not move
+        assert got == [s.next_indices(2), s.next_indices(4)]  # the job's next batches, as peeked
+    fresh = JobDataStream(n=100_000, seed=1)
+    fresh.next_indices(1)
+    peek = graph_ahead._peek(TaskStream(fresh, base=0))
+    assert peek.inner is not fresh and peek.inner._order is fresh._order  # no copy of the 100k-example order
+
+
+def test_a_next_capture_short_of_room_leaves_the_key_to_its_step_uncounted(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
+    """A next-step capture the device lacks room for is left (`next_unmade`): no deferral counted, no wait
+    set, so the key's own step asks again and defers as it would have without the next-step capture."""
+    import trainer.step_graphs as sg
+
+    monkeypatch.setattr(graph_ahead, "NEXT", False)  # the calls below are made here
+    monkeypatch.setattr(sg, "capture_short", lambda device, need, pool, sync=True: "no room")
+    _, graphed = four_jobs(model_dir)
+    g = graphed.step_graphs
+    for j in ("a", "d"):
+        graphed.detach(j)
+    states = list(graphed.jobs.values())
+    g.capture_after, g.last_replayed, g.set_lasts = 0, True, (lambda: 5)
+    deferrals, captures = g.deferrals, g.captures
+    assert graph_ahead.capture_next(g, states) == 0
+    assert g.ahead["next_unmade"] == 1 and (g.deferrals, g.captures) == (deferrals, captures)
+    assert all(e.deferred == -1 and not e.failed for e in g.entries.values())
+    graphed.step()  # the key's own step: deferred there, and run eagerly
+    assert (g.deferrals, g.captures) == (deferrals + 1, captures)
+
+
 def test_a_class_near_a_warm_one_differs_only_in_the_lora_kernels_constants() -> None:
     from trainer.graph_parts import GraphKey
 
