@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from host_profile import build  # noqa: E402
+from host_profile import back_to_back_ms, build  # noqa: E402
 from step_trace import profiled_steps  # noqa: E402
 
 
@@ -60,6 +60,8 @@ def measure(eng, warmup: int, iters: int) -> dict:  # noqa: ANN001
         if entry.graph is not None and key.train:
             originals[key] = entry.graph
             entry.graph = _Timed(entry.graph, log)
+    if not originals:
+        raise SystemExit("no training graph was captured in the warmup steps")
     rows = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -79,18 +81,9 @@ def measure(eng, warmup: int, iters: int) -> dict:  # noqa: ANN001
     for key, g in originals.items():
         sg.entries[key].graph = g
     kernels_ms, profiled_wall = profiled(eng, iters)
-    if not originals:
-        raise SystemExit("no training graph was captured in the warmup steps")
     # the graph alone: replays back to back (the key replayed last: the timed steps' own, as a rule)
     key = max(originals, key=lambda k: sg.entries[k].last)
-    g = originals[key]
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        g.replay()
-    torch.cuda.synchronize()
-    b2b = (time.perf_counter() - t0) / iters * 1e3
+    b2b = back_to_back_ms(originals[key], iters)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
     return {"steps": len(rows), "key_tokens": key.tokens, "b2b": b2b, "kernels": kernels_ms,
             "profiled_wall": profiled_wall, **med}

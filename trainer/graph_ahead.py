@@ -113,7 +113,7 @@ def _step_key(graphs: Any, states: Sequence[Any], ints: Sequence[int], per_job: 
 
 
 def capture_next(graphs: Any, states: Sequence[Any]) -> int:  # noqa: ANN401
-    """The next step's key captured during this step (LORAPLEX_CAPTURE_NEXT=1; the engine calls it once the
+    """The next step's key captured during this step (unless LORAPLEX_CAPTURE_NEXT=0; the engine calls it once the
     step's forward and backward are queued, before its sync), where that step would capture it at its start:
     the same job set next (`set_lasts` and every job's steps left), its class warm, no capture or cover serving
     it (`StepGraphs._cover_for`, `_captures`, `_transient` and `_near_end` as the next step reads them). A
