@@ -15,6 +15,11 @@ must move at the measured copy bandwidth.
 
     python3 bench/lora_sweep.py [--layout 290x16,1160x64] [--pad-to 1536] [--budget-s 200] [--extra] [--engine-passes]
                                 [--out FILE.md]
+
+--store times instead the "cublas" variant's store pass (`kernels.fused_lora.store_launch`: the LoRA term
+written for cuBLAS to add the base GEMM onto; the forward's s P B^T at d_out columns and the backward's dS A at
+d_in columns) at every candidate tile of STORE_TILES, each checked against a float64 reference in the same run,
+and prints the tile of the least time a step (`--best-out FILE` writes it as $LORAPLEX_LORA_STORE_TILE reads it).
 """
 
 from __future__ import annotations
@@ -176,6 +181,89 @@ def sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, budget_s
     return out
 
 
+# "BLOCK_M,BLOCK_N,num_warps[,BLOCK_R cap]" ($LORAPLEX_LORA_STORE_TILE's form); the first is the default
+STORE_TILES = ("64,256,4", "64,128,4", "32,128,4", "32,256,4", "64,64,4", "32,64,2", "16,128,2", "128,128,8",
+               "64,128,4,64", "32,128,4,64", "64,256,4,64", "32,256,8,64")
+
+
+def _store_cfg(tile: str, r_max: int):  # noqa: ANN202
+    """The store pass's configuration for a tile string (its rank tile capped as `_store_rank_tile` caps it)."""
+    import triton
+
+    from kernels.fused_lora import _cfg, _gemm_rank_tile
+
+    v = [int(x) for x in tile.split(",")]
+    br = min(v[3], max(16, triton.next_power_of_2(r_max))) if len(v) > 3 else _gemm_rank_tile(r_max).get("BLOCK_R", 16)
+    return _cfg(BLOCK_M=v[0], BLOCK_N=v[1], BLOCK_K=16, GROUP_M=8, BLOCK_R=br, num_warps=v[2], num_stages=1)
+
+
+def _store_ref(si, p: torch.Tensor, weights: str) -> torch.Tensor:  # noqa: ANN001
+    """float64 s_i P[rows_i, :r_i] W_i: W_i = B_i (forward, `weights` "b") or A_i^T (backward, "a"); 0 elsewhere."""
+    case = si.case
+    width = si.w.shape[0] if weights == "b" else si.w.shape[1]
+    out = torch.zeros(p.shape[0], width, dtype=torch.float64, device=p.device)
+    off, ranks, scales = case.offsets.tolist(), case.ranks.tolist(), case.scales.tolist()
+    for i, r in enumerate(ranks):
+        w = case.lora_b[i, :r, :] if weights == "b" else case.lora_a[i, :, :r].t()
+        out[off[i]:off[i + 1]] = scales[i] * p[off[i]:off[i + 1], :r].double() @ w.double()
+    return out
+
+
+def store_sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, layers: int,
+                tiles: tuple[str, ...] = STORE_TILES) -> tuple[list[str], str]:
+    """Every tile's store pass, forward and backward, at ENGINE_SHAPES: the table and the tile of the least
+    time a step (only tiles whose every output matched the reference)."""
+    from kernels import fused_lora as fl
+
+    t = sum(counts)
+    pad = max(0, pad_to - t)
+    totals = dict.fromkeys(tiles, 0.0)
+    worst = dict.fromkeys(tiles, 0.0)
+    floor = 0.0
+    rows = ["| shape | pass | bytes floor us | " + " | ".join(tiles) + " |", "|---|---|---|" + "---|" * len(tiles)]
+    for d_in, d_out, count in ENGINE_SHAPES:
+        torch.manual_seed(0)
+        si = paths.stage_inputs(d_in, d_out, len(counts), 0, ranks, counts=counts, pad_rows=pad)
+        ai = arena_inputs(si)
+        ai.ds.copy_(torch.randn_like(ai.ds))  # never time on zeros
+        for name, p, b_kn, width, w_strides, woff, weights in (
+                ("fwd s P B^T", si.s_buf, si.w.t(), d_out, ai.sb, ai.bo, "b"),
+                ("bwd dS A", ai.ds, si.w, d_in, ai.sa, ai.ao, "a")):
+            out = torch.empty(t + pad, width, dtype=si.x.dtype, device=si.x.device)
+            ref = _store_ref(si, p, weights)
+            fl_us = 2 * (t + pad) * width / gbs / 1e3
+            floor += fl_us * count * layers / 1e3
+            cells = []
+            for tile in tiles:
+                cfg = _store_cfg(tile, si.c.r_max)
+                fl._lora_store.choose = lambda *_a, _c=cfg, **_k: _c
+                try:
+                    def fn(si=si, ai=ai, p=p, b_kn=b_kn, out=out, w_strides=w_strides, woff=woff) -> None:  # noqa: ANN001
+                        fl.store_launch(si.c, si.x, b_kn, out, None, p, ai.arena, w_strides, woff, ai.mode)
+                    fn()
+                    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+                    us = paths.graph_ms(fn) * 1e3 if err < 2e-2 else float("inf")
+                except Exception as exc:  # noqa: BLE001 (a tile that does not compile or fit is left out)
+                    print(f"tile {tile} at {d_in}x{d_out} {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    err, us = float("nan"), float("inf")
+                finally:
+                    del fl._lora_store.choose
+                totals[tile] += us * count * layers / 1e3
+                worst[tile] = max(worst[tile], err if err == err else float("inf"))
+                cells.append(f"{us:.1f}" + ("" if err < 2e-2 else f" (err {err:.1e})"))
+            rows.append(f"| {d_in}x{d_out} (x{count}) | {name} | {fl_us:.1f} | " + " | ".join(cells) + " |")
+            print(rows[-1], flush=True)
+    best = min(tiles, key=lambda k: totals[k])
+    out = [f"layout {', '.join(f'{n} rows at rank {r}' for n, r in zip(counts, ranks, strict=True))}; {pad} rows of "
+           f"padding ({t + pad} rows); {layers} layers; copy bandwidth {gbs:.0f} GB/s. Microseconds a call "
+           "(CUDA-graph medians); tile = BLOCK_M,BLOCK_N,warps[,rank tile cap].", "", *rows, "",
+           "| tile | ms a step (forward + backward stores, every projection) | worst relative error |", "|---|---|---|"]
+    out += [f"| {k} | {totals[k]:.2f} | {worst[k]:.1e} |" for k in tiles]
+    out += [f"| bytes floor | {floor:.2f} | - |", "", f"best: {best} ({totals[best]:.2f} ms a step against the default "
+            f"{tiles[0]}'s {totals[tiles[0]]:.2f})"]
+    return out, best
+
+
 def _chosen(kernel, fn):  # noqa: ANN001, ANN202
     """The configuration the table gives this call (fn run once with `choose` observed)."""
     seen = []
@@ -202,12 +290,24 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop timing candidates after this many seconds")
     ap.add_argument("--extra", action="store_true", help="also time configurations no table offers yet (_extra)")
     ap.add_argument("--engine-passes", action="store_true", help="only the passes the engine runs (one-pass dB)")
+    ap.add_argument("--store", action="store_true", help="time the store pass's tiles instead (STORE_TILES)")
+    ap.add_argument("--best-out", default=None, help="with --store: write the best tile to this file")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import triton
 
     counts, ranks = _parse_layout(args.layout)
     gbs = paths.bandwidth_gbs()
+    if args.store:
+        lines, best = store_sweep(counts, ranks, args.pad_to, gbs, args.layers)
+        text = "\n".join([f"# The store pass's tiles at a small step's layout ({torch.cuda.get_device_name()}; "
+                          f"torch {torch.__version__}, triton {triton.__version__}; bf16)", "", *lines])
+        print(text, flush=True)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        if args.best_out:
+            Path(args.best_out).write_text(best + "\n")
+        return
     text = "\n".join([f"# The fused form's LoRA passes at a small step's layout ({torch.cuda.get_device_name()}; "
                       f"torch {torch.__version__}, triton {triton.__version__}; bf16; CUDA-graph medians)", ""]
                      + sweep(counts, ranks, args.pad_to, gbs, args.budget_s, args.layers, args.extra,

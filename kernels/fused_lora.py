@@ -563,13 +563,24 @@ _gemm_lora_persist = Tuned("gemm_lora_persist", _gemm_lora_persist_jit, _GEMM_CO
                            ["T_BUCKET", "NC", "K", "R_MAX", "B_NK"], _PRUNE["gemm"])
 # The "cublas" variant's epilogue-only pass (K = 0: the LoRA term and bias stored, cuBLAS adds the base GEMM
 # onto them): one configuration, so nothing is tuned (its tiles move no main loop's bytes; fp32/fp64 calls take
-# the GEMMs' small one); $LORAPLEX_LORA_STORE_TILE="BLOCK_M,BLOCK_N,num_warps" picks another (64 x 256, 4 warps:
-# bench/results/session48_h200.md, device phase s48_store)
+# the GEMMs' small one); $LORAPLEX_LORA_STORE_TILE="BLOCK_M,BLOCK_N,num_warps[,BLOCK_R]" picks another (64 x 256,
+# 4 warps: bench/results/session48_h200.md, device phase s48_store; a fourth number caps the rank tile, else
+# `_gemm_rank_tile`'s; `bench/lora_sweep.py --store` times candidates apart)
 _STORE_TILE = [int(v) for v in os.environ.get("LORAPLEX_LORA_STORE_TILE", "64,256,4").split(",")]
 _lora_store = Tuned("lora_store", _gemm_lora_jit, _GEMM_CONFIGS[:1] if _INTERPRET else [
     _cfg(BLOCK_M=_STORE_TILE[0], BLOCK_N=_STORE_TILE[1], BLOCK_K=16, GROUP_M=8, num_warps=_STORE_TILE[2],
          num_stages=1, **({} if _WIDE else {"BLOCK_R": 16}))], ["T_BUCKET", "NC", "K", "R_MAX", "stride_bk"],
     _PRUNE["gemm"])
+
+
+def _store_rank_tile(r_max: int) -> dict:
+    """The store pass's rank tile: `_gemm_rank_tile`'s, or up to the tile's fourth number (no wider than the
+    call's largest rank needs)."""
+    if len(_STORE_TILE) < 4 or "BLOCK_R" in _GEMM_CONFIGS[0].kwargs:
+        return _gemm_rank_tile(r_max)
+    return {"BLOCK_R": min(_STORE_TILE[3], max(16, triton.next_power_of_2(r_max)))}
+
+
 _shrink = Tuned("shrink", _shrink_jit, _SHRINK_CONFIGS, ["T_BUCKET", "C", "R_MAX"], _PRUNE["shrink"])
 # Kernels that add into caller-owned gradients (an arena already holds other layers' sums): an
 # offline tuning run restores those around its trials (kernels.tuned)
@@ -735,11 +746,7 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
     bias_arg = bias if bias is not None else out
 
     def cublas() -> torch.Tensor:  # the LoRA term (+ bias) stored by the pointer kernel's epilogue, cuBLAS over it
-        _lora_store[grid](
-            a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, 0, *common,
-            a.stride(0), a.stride(1), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1), p.stride(0),
-            *w_strides, **meta,
-        )
+        store_launch(c, a, b_kn, out, bias, p, w, w_strides, woff, arena)
         return out.addmm_(a, b_kn)
 
     if base == "cublas":
@@ -769,6 +776,19 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
         *w_strides, **meta,
     )
     return out
+
+
+def store_launch(c: _Ctx, a, b_kn, out, bias, p, w, w_strides, woff, arena: int) -> None:  # noqa: ANN001
+    """The "cublas" variant's first pass: out = s_i P[rows_i] W_i (+ bias), the pointer kernel's epilogue alone
+    (K = 0; a and b_kn give only their strides), for cuBLAS to add a @ b_kn onto."""
+    t, nc = out.shape
+    meta = dict(HAS_BIAS=bias is not None, N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, PREFETCH=False,
+                **_store_rank_tile(c.r_max))
+    _lora_store[lambda m: (triton.cdiv(t, m["BLOCK_M"]) * triton.cdiv(nc, m["BLOCK_N"]),)](
+        a, b_kn, out, bias if bias is not None else out, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, 0, c.n,
+        c.r_max, c.t_bucket, a.stride(0), a.stride(1), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1),
+        p.stride(0), *w_strides, **meta,
+    )
 
 
 # Rank-major views of the weights: A_i and B_i^T as [r, C] with (adapter, rank, column) strides.
