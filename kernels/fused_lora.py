@@ -676,6 +676,10 @@ def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: int) -> None:  # noq
 # since session 49 (AUTO_READY below; the device phase that grew them: bench/device_session.sh s49_a).
 GEMM_VARIANTS = ("ptr", "ptr+pf", "tma", "tma+pf", "persist", "persist+pf", "cublas", "auto")
 CUBLAS_BELOW = float(os.environ.get("LORAPLEX_CUBLAS_BELOW", "0.75"))  # measured side by side: bench/device_session.sh s50_a
+# $LORAPLEX_CUBLAS_WIDTH: "auto" also takes cuBLAS for every output of at most this many columns, whatever the fill
+# (0: none). Session 56's trace of a 1,792-row step: the persistent kernel ran its 4096-wide GEMMs at ~500 TFLOP/s
+# and its 1024-wide ones at 300-375, where cuBLAS ran the 1,536-row step's at ~650-725 (bench/device_session.sh s57_d)
+CUBLAS_WIDTH = int(os.environ.get("LORAPLEX_CUBLAS_WIDTH", "0"))
 # Hopper's default: "auto" once the shipped sm90 archive holds the store pass's kernels (a default that
 # compiled them inside a node's first tasks would break the start issue's "nothing compiles in a task")
 AUTO_READY = True
@@ -694,6 +698,12 @@ def gemm_variant(gemm: str | None = None, tma: bool | None = None, device: torch
         raise ValueError(f"unknown fused GEMM variant {v!r} (LORAPLEX_FUSED_GEMM or gemm=): "
                          f"expected one of {', '.join(GEMM_VARIANTS)}")
     return v
+
+
+def auto_takes_cublas(tiles: int, programs: int, width: int) -> bool:
+    """"auto"'s choice for one GEMM: cuBLAS over the LoRA store where the persistent tiles keep under CUBLAS_BELOW
+    of their last round busy, or the output is at most CUBLAS_WIDTH columns wide; else the persistent kernel."""
+    return width <= CUBLAS_WIDTH or wave_fill(tiles, programs) < CUBLAS_BELOW
 
 
 def wave_fill(tiles: int, programs: int) -> float:
@@ -766,7 +776,7 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
         kw = dict(B_NK=b_kn.stride(0) == 1, NUM_SMS=sms, **meta)
         cfg = kernel.choose(kgrid, args, kw)
         tiles = triton.cdiv(t, cfg.kwargs["BLOCK_M"]) * triton.cdiv(nc, cfg.kwargs["BLOCK_N"])
-        if base == "auto" and wave_fill(tiles, sms) < CUBLAS_BELOW:
+        if base == "auto" and auto_takes_cublas(tiles, sms, nc):
             return cublas()  # over every tile (`grid`), not the persistent programs' count
         kernel.run_config(cfg, kgrid, args, kw)
         return out

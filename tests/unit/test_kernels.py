@@ -243,6 +243,21 @@ def test_auto_gemm_takes_cublas_where_the_persistent_tiles_leave_their_last_roun
     assert fl.gemm_variant("persist") == "persist" and fl.gemm_variant("cublas") == "cublas"
 
 
+def test_auto_gemm_takes_cublas_for_outputs_no_wider_than_cublas_width(monkeypatch) -> None:  # noqa: ANN001
+    """$LORAPLEX_CUBLAS_WIDTH: "auto" also takes cuBLAS for every output of at most that many columns, whatever
+    the persistent tiles' fill; wider ones keep the fill rule; 0 (the default) changes nothing."""
+    import kernels.fused_lora as fl
+
+    full = 264  # two full rounds of 132 SMs
+    assert fl.CUBLAS_WIDTH == 0 or "LORAPLEX_CUBLAS_WIDTH" in os.environ
+    monkeypatch.setattr(fl, "CUBLAS_WIDTH", 0)
+    assert not fl.auto_takes_cublas(full, 132, 1024) and fl.auto_takes_cublas(192, 132, 4096)
+    monkeypatch.setattr(fl, "CUBLAS_WIDTH", 4096)
+    assert fl.auto_takes_cublas(full, 132, 1024) and fl.auto_takes_cublas(full, 132, 4096)
+    assert not fl.auto_takes_cublas(full, 132, 14336)  # wider: the fill decides
+    assert fl.auto_takes_cublas(192, 132, 14336)
+
+
 @pytest.mark.parametrize("tiles", ["tuned", "narrow"])
 def test_the_lora_store_pass_always_has_a_rank_tile(tiles: str) -> None:
     """The "cublas" variant's store pass launches the pointer GEMM with K = 0: its rank tile comes
