@@ -210,9 +210,9 @@ def _store_ref(si, p: torch.Tensor, weights: str) -> torch.Tensor:  # noqa: ANN0
 
 
 def store_sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, layers: int,
-                tiles: tuple[str, ...] = STORE_TILES) -> tuple[list[str], str]:
+                tiles: tuple[str, ...] = STORE_TILES) -> tuple[list[str], str | None]:
     """Every tile's store pass, forward and backward, at ENGINE_SHAPES: the table and the tile of the least
-    time a step (only tiles whose every output matched the reference)."""
+    time a step (only tiles whose every output matched the reference; None where none did)."""
     from kernels import fused_lora as fl
 
     t = sum(counts)
@@ -240,6 +240,7 @@ def store_sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, la
                 try:
                     def fn(si=si, ai=ai, p=p, b_kn=b_kn, out=out, w_strides=w_strides, woff=woff) -> None:  # noqa: ANN001
                         fl.store_launch(si.c, si.x, b_kn, out, None, p, ai.arena, w_strides, woff, ai.mode)
+                    out.fill_(float("nan"))  # a tile that leaves part of it unwritten fails the check
                     fn()
                     err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
                     us = paths.graph_ms(fn) * 1e3 if err < 2e-2 else float("inf")
@@ -253,14 +254,16 @@ def store_sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, la
                 cells.append(f"{us:.1f}" + ("" if err < 2e-2 else f" (err {err:.1e})"))
             rows.append(f"| {d_in}x{d_out} (x{count}) | {name} | {fl_us:.1f} | " + " | ".join(cells) + " |")
             print(rows[-1], flush=True)
-    best = min(tiles, key=lambda k: totals[k])
+    measured = [k for k in tiles if totals[k] < float("inf")]
+    best = min(measured, key=lambda k: totals[k]) if measured else None
     out = [f"layout {', '.join(f'{n} rows at rank {r}' for n, r in zip(counts, ranks, strict=True))}; {pad} rows of "
            f"padding ({t + pad} rows); {layers} layers; copy bandwidth {gbs:.0f} GB/s. Microseconds a call "
            "(CUDA-graph medians); tile = BLOCK_M,BLOCK_N,warps[,rank tile cap].", "", *rows, "",
            "| tile | ms a step (forward + backward stores, every projection) | worst relative error |", "|---|---|---|"]
     out += [f"| {k} | {totals[k]:.2f} | {worst[k]:.1e} |" for k in tiles]
-    out += [f"| bytes floor | {floor:.2f} | - |", "", f"best: {best} ({totals[best]:.2f} ms a step against the default "
-            f"{tiles[0]}'s {totals[tiles[0]]:.2f})"]
+    out += [f"| bytes floor | {floor:.2f} | - |", ""]
+    out.append(f"best: {best} ({totals[best]:.2f} ms a step against the default {tiles[0]}'s {totals[tiles[0]]:.2f})"
+               if best else "best: none (no tile ran correctly at every shape)")
     return out, best
 
 
@@ -305,7 +308,7 @@ def main() -> None:
         print(text, flush=True)
         if args.out:
             Path(args.out).write_text(text + "\n")
-        if args.best_out:
+        if args.best_out and best:
             Path(args.best_out).write_text(best + "\n")
         return
     text = "\n".join([f"# The fused form's LoRA passes at a small step's layout ({torch.cuda.get_device_name()}; "

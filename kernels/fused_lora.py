@@ -565,7 +565,8 @@ _gemm_lora_persist = Tuned("gemm_lora_persist", _gemm_lora_persist_jit, _GEMM_CO
 # onto them): one configuration, so nothing is tuned (its tiles move no main loop's bytes; fp32/fp64 calls take
 # the GEMMs' small one); $LORAPLEX_LORA_STORE_TILE="BLOCK_M,BLOCK_N,num_warps[,BLOCK_R]" picks another (64 x 256,
 # 4 warps: bench/results/session48_h200.md, device phase s48_store; a fourth number caps the rank tile, else
-# `_gemm_rank_tile`'s; `bench/lora_sweep.py --store` times candidates apart)
+# `_gemm_rank_tile`'s, and under narrow rank tiles or the interpreter the configuration's own;
+# `bench/lora_sweep.py --store` times candidates apart: session 57 kept the default)
 _STORE_TILE = [int(v) for v in os.environ.get("LORAPLEX_LORA_STORE_TILE", "64,256,4").split(",")]
 _lora_store = Tuned("lora_store", _gemm_lora_jit, _GEMM_CONFIGS[:1] if _INTERPRET else [
     _cfg(BLOCK_M=_STORE_TILE[0], BLOCK_N=_STORE_TILE[1], BLOCK_K=16, GROUP_M=8, num_warps=_STORE_TILE[2],
@@ -703,7 +704,7 @@ def gemm_variant(gemm: str | None = None, tma: bool | None = None, device: torch
 def auto_takes_cublas(tiles: int, programs: int, width: int) -> bool:
     """"auto"'s choice for one GEMM: cuBLAS over the LoRA store where the persistent tiles keep under CUBLAS_BELOW
     of their last round busy, or the output is at most CUBLAS_WIDTH columns wide; else the persistent kernel."""
-    return width <= CUBLAS_WIDTH or wave_fill(tiles, programs) < CUBLAS_BELOW
+    return 0 < width <= CUBLAS_WIDTH or wave_fill(tiles, programs) < CUBLAS_BELOW
 
 
 def wave_fill(tiles: int, programs: int) -> float:

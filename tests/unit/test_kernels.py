@@ -250,8 +250,10 @@ def test_auto_gemm_takes_cublas_for_outputs_no_wider_than_cublas_width(monkeypat
 
     full = 264  # two full rounds of 132 SMs
     assert fl.CUBLAS_WIDTH == 0 or "LORAPLEX_CUBLAS_WIDTH" in os.environ
+    monkeypatch.setattr(fl, "CUBLAS_BELOW", 0.75)
     monkeypatch.setattr(fl, "CUBLAS_WIDTH", 0)
     assert not fl.auto_takes_cublas(full, 132, 1024) and fl.auto_takes_cublas(192, 132, 4096)
+    assert not fl.auto_takes_cublas(full, 132, 0)  # no columns: never by width
     monkeypatch.setattr(fl, "CUBLAS_WIDTH", 4096)
     assert fl.auto_takes_cublas(full, 132, 1024) and fl.auto_takes_cublas(full, 132, 4096)
     assert not fl.auto_takes_cublas(full, 132, 14336)  # wider: the fill decides
