@@ -187,14 +187,14 @@ STORE_TILES = ("64,256,4", "64,128,4", "32,128,4", "32,256,4", "64,64,4", "32,64
 
 
 def _store_cfg(tile: str, r_max: int):  # noqa: ANN202
-    """The store pass's configuration for a tile string (its rank tile capped as `_store_rank_tile` caps it)."""
-    import triton
-
-    from kernels.fused_lora import _cfg, _gemm_rank_tile
+    """The store pass's configuration for a tile string, with the rank tile the process would give it at
+    `r_max` (`_store_config`, `_store_rank_tile`: the config carries it, as the launch's meta would)."""
+    from kernels.fused_lora import _store_config, _store_rank_tile
 
     v = [int(x) for x in tile.split(",")]
-    br = min(v[3], max(16, triton.next_power_of_2(r_max))) if len(v) > 3 else _gemm_rank_tile(r_max).get("BLOCK_R", 16)
-    return _cfg(BLOCK_M=v[0], BLOCK_N=v[1], BLOCK_K=16, GROUP_M=8, BLOCK_R=br, num_warps=v[2], num_stages=1)
+    cfg = _store_config(v)
+    cfg.kwargs.update(_store_rank_tile(r_max, v))
+    return cfg
 
 
 def _store_ref(si, p: torch.Tensor, weights: str) -> torch.Tensor:  # noqa: ANN001

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from host_profile import build  # noqa: E402
+from step_trace import union  # noqa: E402
 from task_e2e_data import emit  # noqa: E402
 
 LABELS = {  # (module, owner, attribute) -> the label of its host time
@@ -59,16 +60,6 @@ def label_host_parts() -> None:
     import trainer.jobs as jobs_mod
     import trainer.step_update as update_mod  # the step's update is called from there (session 50)
     update_mod.update_jobs = _labelled(jobs_mod.update_jobs, "update_jobs")
-
-
-def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
 
 
 def gaps_of(events: list, min_us: float) -> tuple[list[tuple[float, float]], dict, float, float]:

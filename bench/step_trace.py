@@ -44,18 +44,26 @@ def device_work(trace: dict) -> list[dict]:
     return sorted(work, key=lambda e: e["ts"])
 
 
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals, as disjoint intervals in order."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
 def busy_us(work: list[dict]) -> float:
     """The device's busy time over `work` (from `device_work`): the union of its intervals (work on several
     streams at once counted once)."""
-    total, start, end = 0.0, None, None
-    for e in work:
-        s, t = e["ts"], e["ts"] + e["dur"]
-        if end is None or s > end:
-            total += 0.0 if end is None else end - start
-            start, end = s, t
-        else:
-            end = max(end, t)
-    return total + (0.0 if end is None else end - start)
+    return sum(b - a for a, b in union([(e["ts"], e["ts"] + e["dur"]) for e in work]))
+
+
+def kind(e: dict) -> str:
+    """A work item's family: a kernel's short name, else its category (memset, copy)."""
+    return short(e["name"]) if e["cat"] == "kernel" else e["cat"]
 
 
 def profiled_steps(eng, steps: int) -> tuple[object, float]:  # noqa: ANN001
@@ -107,9 +115,8 @@ def report(work: list[dict], steps: int, wall_ms: float) -> tuple[dict, list[str
             continue
         gap = max(gap, 0.0)  # overlapping work on another stream
         gaps.append(gap)
-        kind = e["cat"] if e["cat"] != "kernel" else short(e["name"])
-        by_next[kind].append(gap)
-        by_pair[(short(prev["name"]) if prev["cat"] == "kernel" else prev["cat"], kind)].append(gap)
+        by_next[kind(e)].append(gap)
+        by_pair[(kind(prev), kind(e))].append(gap)
     busy = busy_us(work) / 1e3 / steps
     numbers = {"work_a_step": len(work) / steps, "own_ms_a_step": own / 1e3 / steps,
                "span_ms_a_step": span / 1e3 / steps, "busy_ms_a_step": busy, "wall_ms_a_step": wall_ms,
@@ -117,16 +124,15 @@ def report(work: list[dict], steps: int, wall_ms: float) -> tuple[dict, list[str
                "gap_ms_a_step": sum(gaps) / 1e3 / steps, "median_gap_us": sorted(gaps)[len(gaps) // 2] if gaps else 0,
                "streams": dict(streams)}
     lines = ["| work after the gap | a step | gaps ms a step | mean gap us |", "|---|---|---|---|"]
-    for kind, g in sorted(by_next.items(), key=lambda kv: -sum(kv[1]))[:25]:
-        lines.append(f"| {kind} | {len(g) / steps:.0f} | {sum(g) / 1e3 / steps:.2f} | {sum(g) / len(g):.2f} |")
+    for k, g in sorted(by_next.items(), key=lambda kv: -sum(kv[1]))[:25]:
+        lines.append(f"| {k} | {len(g) / steps:.0f} | {sum(g) / 1e3 / steps:.2f} | {sum(g) / len(g):.2f} |")
     lines += ["", "| before | after | a step | gaps ms a step | mean gap us |", "|---|---|---|---|---|"]
     for (a, b), g in sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:30]:
         lines.append(f"| {a} | {b} | {len(g) / steps:.0f} | {sum(g) / 1e3 / steps:.2f} | {sum(g) / len(g):.2f} |")
     own_by = collections.defaultdict(lambda: [0, 0.0])
     for e in work:
-        k = e["cat"] if e["cat"] != "kernel" else short(e["name"])
-        own_by[k][0] += 1
-        own_by[k][1] += e["dur"]
+        own_by[kind(e)][0] += 1
+        own_by[kind(e)][1] += e["dur"]
     lines += ["", "| work | a step | own ms a step | mean us |", "|---|---|---|---|"]
     for k, (n, us) in sorted(own_by.items(), key=lambda kv: -kv[1][1])[:30]:
         lines.append(f"| {k} | {n / steps:.0f} | {us / 1e3 / steps:.2f} | {us / n:.2f} |")

@@ -568,18 +568,25 @@ _gemm_lora_persist = Tuned("gemm_lora_persist", _gemm_lora_persist_jit, _GEMM_CO
 # `_gemm_rank_tile`'s, and under narrow rank tiles or the interpreter the configuration's own;
 # `bench/lora_sweep.py --store` times candidates apart: session 57 kept the default)
 _STORE_TILE = [int(v) for v in os.environ.get("LORAPLEX_LORA_STORE_TILE", "64,256,4").split(",")]
-_lora_store = Tuned("lora_store", _gemm_lora_jit, _GEMM_CONFIGS[:1] if _INTERPRET else [
-    _cfg(BLOCK_M=_STORE_TILE[0], BLOCK_N=_STORE_TILE[1], BLOCK_K=16, GROUP_M=8, num_warps=_STORE_TILE[2],
-         num_stages=1, **({} if _WIDE else {"BLOCK_R": 16}))], ["T_BUCKET", "NC", "K", "R_MAX", "stride_bk"],
-    _PRUNE["gemm"])
 
 
-def _store_rank_tile(r_max: int) -> dict:
-    """The store pass's rank tile: `_gemm_rank_tile`'s, or up to the tile's fourth number (no wider than the
-    call's largest rank needs)."""
-    if len(_STORE_TILE) < 4 or "BLOCK_R" in _GEMM_CONFIGS[0].kwargs:
+def _store_config(tile: list[int]) -> triton.Config:
+    """The store pass's configuration for a tile [BLOCK_M, BLOCK_N, num_warps(, rank tile cap)]: a rank tile of 16
+    where the GEMMs' configurations carry one (narrow rank tiles), else none (`_store_rank_tile` gives it)."""
+    return _cfg(BLOCK_M=tile[0], BLOCK_N=tile[1], BLOCK_K=16, GROUP_M=8, num_warps=tile[2], num_stages=1,
+                **({"BLOCK_R": 16} if "BLOCK_R" in _GEMM_CONFIGS[0].kwargs else {}))
+
+
+_lora_store = Tuned("lora_store", _gemm_lora_jit, _GEMM_CONFIGS[:1] if _INTERPRET else [_store_config(_STORE_TILE)],
+                    ["T_BUCKET", "NC", "K", "R_MAX", "stride_bk"], _PRUNE["gemm"])
+
+
+def _store_rank_tile(r_max: int, tile: list[int] = _STORE_TILE) -> dict:
+    """The store pass's rank tile for a tile (default: the process's): `_gemm_rank_tile`'s, or up to the tile's
+    fourth number (no wider than the call's largest rank needs)."""
+    if len(tile) < 4 or "BLOCK_R" in _GEMM_CONFIGS[0].kwargs:
         return _gemm_rank_tile(r_max)
-    return {"BLOCK_R": min(_STORE_TILE[3], max(16, triton.next_power_of_2(r_max)))}
+    return {"BLOCK_R": min(tile[3], max(16, triton.next_power_of_2(r_max)))}
 
 
 _shrink = Tuned("shrink", _shrink_jit, _SHRINK_CONFIGS, ["T_BUCKET", "C", "R_MAX"], _PRUNE["shrink"])

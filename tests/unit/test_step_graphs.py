@@ -393,9 +393,9 @@ def test_a_capture_the_device_lacks_free_memory_for_waits_and_its_key_replays_a_
     # replay it padded however often. On the CPU the device's answer is set. The rules at a step's
     # start: the next step's capture (graph_ahead.NEXT) is left out.
     import trainer.step_graphs as sg
+    from trainer.graph_parts import CAPTURE_RETRY_STEPS
 
     monkeypatch.setattr(graph_ahead, "NEXT", False)
-    from trainer.graph_parts import CAPTURE_RETRY_STEPS
 
     short: list[bool] = [False]
     asked: list[tuple[int, bool]] = []
