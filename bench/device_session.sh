@@ -2730,7 +2730,9 @@ with c.set_checkpoint_debug_enabled(True):
     gpu_tests "/tmp/$1"
     pack_logs
     ;;
-  s58_a)  # session 58, call 1: the persistent GEMM's short last round shared out by main-loop steps
+  s58_a)  # session 58, call 1 (code at b4224bc's parent dfa38a0; the stream-K code was not kept: `git show
+          # b4224bc:kernels/fused_lora.py`, `git show b4224bc:bench/gemm_tail.py`, bench/results/session58_h200.md):
+          # the persistent GEMM's short last round shared out by main-loop steps
           # ($LORAPLEX_STREAM_K=1, kernels.fused_lora._streamk_tail): its GPU tests, every GEMM of a 2-job step at
           # 4 graph keys in its six forms with outputs checked (bench/gemm_tail.py), the graphed 2-job step with
           # and without, then the 200-step task with, and without (the later run of a call tends to be faster)
@@ -2750,7 +2752,7 @@ with c.set_checkpoint_debug_enabled(True):
     rm -f "$OUT"/executor_task*.md
     pack_logs
     ;;
-  s58_b)  # session 58, call 2: stream-K only where the tail is at most a quarter of a tile's steps, "auto"'s cuBLAS
+  s58_b)  # session 58, call 2 (code at b4224bc, not kept; see s58_a): stream-K only where the tail is at most a quarter of a tile's steps, "auto"'s cuBLAS
           # rule first, every program launched for a shared-out tail (call 1's 48-tile GEMMs launched 48 and read
           # unwritten partials). Its GPU tests, the GEMMs at a 1,280- and a 1,536-row key, the graphed 2-job step
           # with and without, then the 200-step task with and without on the same call's cache

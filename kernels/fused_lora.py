@@ -497,11 +497,11 @@ def _gemm_lora_tma_jit(
 
 @triton.jit(**_VARYING)
 def _gemm_lora_persist_jit(
-    a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr, ws_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr,
     M, NC, K, N, R_MAX, T_BUCKET,
     stride_am, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
     B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
-    ARENA: tl.constexpr, PREFETCH: tl.constexpr, NUM_SMS: tl.constexpr, STREAM_K: tl.constexpr,
+    ARENA: tl.constexpr, PREFETCH: tl.constexpr, NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
@@ -510,10 +510,7 @@ def _gemm_lora_persist_jit(
     tile's epilogue (the LoRA term and the store); the epilogue's tile index has its own counter.
     The walk covers the row tiles that meet an adapter's rows: M_LIVE, the last adapter's end row
     (read from the offsets on the device, so one CUDA graph serves every step of its shape); the
-    row tiles wholly past it (padding no adapter owns) are stored as zeros, with no main loop.
-    STREAM_K: the tiles of a short last round are shared out by main-loop steps instead
-    (`_streamk_partials`: every program the same number of steps, each tile's partial sums into ws_ptr),
-    and `_streamk_fixup_jit`, launched next, adds them up and runs their epilogue."""
+    row tiles wholly past it (padding no adapter owns) are stored as zeros, with no main loop."""
     a_desc, b_desc = _tma_descs(a_ptr, b_ptr, M, NC, K, stride_am, stride_bk, stride_bn, B_NK, BLOCK_M, BLOCK_N,
                                 BLOCK_K)
     live, lo, hi, rk, sc, wo = _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, N_P2, ACC, ARENA)
@@ -522,12 +519,8 @@ def _gemm_lora_persist_jit(
     live_m = tl.cdiv(m_live, BLOCK_M)
     tiles = live_m * num_n
     k_steps = tl.cdiv(K, BLOCK_K)
-    if STREAM_K:
-        dp_tiles, rem, per = _streamk_tail(tiles, k_steps, NUM_SMS)
-    else:
-        dp_tiles = tiles
     tile_c = tl.program_id(0) - NUM_SMS
-    for tile in tl.range(tl.program_id(0), dp_tiles, NUM_SMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, flatten=True):
         pid_m, pid_n = _tile_of(tile, m_live, NC, BLOCK_M, BLOCK_N, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
@@ -547,93 +540,12 @@ def _gemm_lora_persist_jit(
         _lora_epilogue_store(acc, pid_mc, pid_nc, c_ptr, bias_ptr, p_ptr, w_ptr, live, lo, hi, rk, sc, wo, M, NC,
                              R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc, pre_p, pre_w,
                              HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_R)
-    if STREAM_K:
-        _streamk_partials(a_desc, b_desc, ws_ptr, dp_tiles, rem, per, k_steps, m_live, NC, B_NK, ACC, DOT_PREC,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
     for pad in range(tl.program_id(0), (tl.cdiv(M, BLOCK_M) - live_m) * num_n, NUM_SMS):
         rm = (live_m + pad // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = (pad % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn, zeros,
                  mask=(rm < M)[:, None] & (rn < NC)[None, :])
-
-
-@triton.jit
-def _streamk_tail(tiles, k_steps, NUM_SMS: tl.constexpr):
-    """(dp_tiles, rem, per): the first dp_tiles tiles go whole to the persistent programs (full rounds); the last
-    round's rem tiles are shared out as `per` main-loop steps a program (at least an eighth of a tile's, so a tile
-    has at most 9 pieces), where that is at most a quarter of a tile's steps; else rem is 0 and every tile goes
-    whole (session 58, bench/gemm_tail.py: a tail of half a tile's steps or more lost to whole tiles, its partial
-    sums' second pass costing more than the steps saved). `streamk_split` is the host's copy of the rule."""
-    rem = tiles % NUM_SMS
-    per = tl.maximum(tl.cdiv(rem * k_steps, NUM_SMS), tl.cdiv(k_steps, 8))
-    rem = tl.where(per * 4 <= k_steps, rem, 0)
-    return tiles - rem, rem, tl.maximum(per, 1)
-
-
-@triton.jit
-def _streamk_partials(a_desc, b_desc, ws_ptr, dp_tiles, rem, per, k_steps, m_live, NC, B_NK: tl.constexpr,
-                      ACC: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's share of the last round: steps [pid * per, (pid + 1) * per) of the rem tiles' main-loop steps
-    laid end to end (pieces of at most two tiles, per <= a tile's steps), each piece's partial sum stored whole in
-    ws slot pid + j (j: its tile's place in the round). A tile's pieces take consecutive programs, so their slots
-    are consecutive and no two pieces share one."""
-    pid = tl.program_id(0)
-    end = tl.minimum(pid * per + per, rem * k_steps)
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    it = pid * per
-    for _piece in range(2):
-        if it < end:
-            j = it // k_steps
-            k_lo = it - j * k_steps
-            k_hi = tl.minimum(k_steps, k_lo + end - it)
-            pid_m, pid_n = _tile_of(dp_tiles + j, m_live, NC, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
-            for ki in range(k_lo, k_hi):
-                at = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
-                if B_NK:
-                    bt = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T
-                else:
-                    bt = b_desc.load([ki * BLOCK_K, pid_n * BLOCK_N])
-                acc = tl.dot(at, bt, acc, input_precision=DOT_PREC)
-            tl.store(ws_ptr + (pid + j).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs, acc)
-            it += k_hi - k_lo
-
-
-@triton.jit(**_VARYING)
-def _streamk_fixup_jit(
-    c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr, ws_ptr,
-    M, NC, K, N, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr, stride_wc,
-    HAS_BIAS: tl.constexpr, N_P2: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, ARENA: tl.constexpr,
-    NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, SUB_M: tl.constexpr, SUB_N: tl.constexpr,
-):
-    """The stream-K tail's second pass, after `_gemm_lora_persist_jit` with STREAM_K (same tiles, same rule, from
-    the same offsets): each SUB_M x SUB_N piece of each of the last round's tiles is the sum of its partials, added
-    in slot order (the same sums whichever program ran first), and then `_lora_epilogue_store`'s LoRA term, bias
-    and store."""
-    live, lo, hi, rk, sc, wo = _lora_meta(off_ptr, rank_ptr, scale_ptr, woff_ptr, N, R_MAX, N_P2, ACC, ARENA)
-    m_live = tl.minimum(tl.max(tl.where(live, hi, 0), 0), M)
-    k_steps = tl.cdiv(K, BLOCK_K)
-    dp_tiles, rem, per = _streamk_tail(tl.cdiv(m_live, BLOCK_M) * tl.cdiv(NC, BLOCK_N), k_steps, NUM_SMS)
-    pieces_m = BLOCK_M // SUB_M
-    pieces_n = BLOCK_N // SUB_N
-    pre_p = tl.zeros((SUB_M, BLOCK_R), dtype=w_ptr.dtype.element_ty)
-    pre_w = tl.zeros((BLOCK_R, SUB_N), dtype=w_ptr.dtype.element_ty)
-    for item in range(tl.program_id(0), rem * pieces_m * pieces_n, NUM_SMS):
-        j = item // (pieces_m * pieces_n)
-        sm = (item % (pieces_m * pieces_n)) // pieces_n
-        sn = item % pieces_n
-        pid_m, pid_n = _tile_of(dp_tiles + j, m_live, NC, BLOCK_M, BLOCK_N, GROUP_M)
-        offs = (sm * SUB_M + tl.arange(0, SUB_M))[:, None] * BLOCK_N + (sn * SUB_N + tl.arange(0, SUB_N))[None, :]
-        acc = tl.zeros((SUB_M, SUB_N), dtype=ACC)
-        for p in range(j * k_steps // per, ((j + 1) * k_steps - 1) // per + 1):
-            acc += tl.load(ws_ptr + (p + j).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs)
-        _lora_epilogue_store(acc, pid_m * pieces_m + sm, pid_n * pieces_n + sn, c_ptr, bias_ptr, p_ptr, w_ptr, live,
-                             lo, hi, rk, sc, wo, M, NC, R_MAX, stride_cm, stride_cn, stride_pm, stride_wn, stride_wr,
-                             stride_wc, pre_p, pre_w, HAS_BIAS, N_P2, ACC, DOT_PREC, ARENA, False, SUB_M, SUB_N,
-                             BLOCK_R)
 
 
 # The GEMMs' tuning keys name B's layout too: the forward (B = W^T, read as W's [NC, K] rows) and the
@@ -776,12 +688,6 @@ CUBLAS_BELOW = float(os.environ.get("LORAPLEX_CUBLAS_BELOW", "0.75"))  # measure
 # (0: none). Session 56's trace of a 1,792-row step: the persistent kernel ran its 4096-wide GEMMs at ~500 TFLOP/s
 # and its 1024-wide ones at 300-375, where cuBLAS ran the 1,536-row step's at ~650-725 (bench/device_session.sh s57_d)
 CUBLAS_WIDTH = int(os.environ.get("LORAPLEX_CUBLAS_WIDTH", "0"))
-# $LORAPLEX_STREAM_K=1: "persist" and "auto" share out a short last round of the persistent tiles by main-loop steps
-# (`_streamk_tail`; every program the same number of steps, then `_streamk_fixup_jit` sums each tile's partials and
-# runs its epilogue) where that tail is at most a quarter of a tile's steps; "auto" sends a call to cuBLAS by its
-# rule first. A 2-job step at 1,536 rows runs its 14336-wide GEMMs as 672 tiles of 128 x 256 on 132 SMs: 5.09
-# rounds in 6.
-STREAM_K = os.environ.get("LORAPLEX_STREAM_K", "0") == "1"
 # Hopper's default: "auto" once the shipped sm90 archive holds the store pass's kernels (a default that
 # compiled them inside a node's first tasks would break the start issue's "nothing compiles in a task")
 AUTO_READY = True
@@ -806,14 +712,6 @@ def auto_takes_cublas(tiles: int, programs: int, width: int) -> bool:
     """"auto"'s choice for one GEMM: cuBLAS over the LoRA store where the persistent tiles keep under CUBLAS_BELOW
     of their last round busy, or the output is at most CUBLAS_WIDTH columns wide; else the persistent kernel."""
     return 0 < width <= CUBLAS_WIDTH or wave_fill(tiles, programs) < CUBLAS_BELOW
-
-
-def streamk_split(tiles: int, k_steps: int, programs: int) -> bool:
-    """Whether `_streamk_tail` shares out the last round of `tiles` tiles of `k_steps` main-loop steps on
-    `programs` SMs (the host's copy of its rule, from the call's rows rather than its live ones)."""
-    rem = tiles % programs
-    per = max(-(-rem * k_steps // programs), -(-k_steps // 8), 1)
-    return rem > 0 and per * 4 <= k_steps
 
 
 def wave_fill(tiles: int, programs: int) -> float:
@@ -877,27 +775,18 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
         # not inherit: set it at every launch, in whichever thread launches
         triton.set_allocator(_scratch)
         sms = _num_sms(a.device)
-        kernel, kgrid, ws = _gemm_lora_tma, grid, ()
-        kw = dict(B_NK=b_kn.stride(0) == 1, NUM_SMS=sms, **meta)
+        kernel, kgrid = _gemm_lora_tma, grid
         if base in ("persist", "auto"):
-            kernel, ws = _gemm_lora_persist, (out,)  # ws_ptr: `out` stands in unless the tail is shared out
+            kernel = _gemm_lora_persist
             kgrid = lambda meta: (min(sms, triton.cdiv(t, meta["BLOCK_M"]) * triton.cdiv(nc, meta["BLOCK_N"])),)  # noqa: E731
-            kw["STREAM_K"] = False
-        args = (a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, *ws, t, nc, k, *common,
+        args = (a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, *common,
                 a.stride(0), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1), p.stride(0), *w_strides)
+        kw = dict(B_NK=b_kn.stride(0) == 1, NUM_SMS=sms, **meta)
         cfg = kernel.choose(kgrid, args, kw)
-        bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-        tiles = triton.cdiv(t, bm) * triton.cdiv(nc, bn)
+        tiles = triton.cdiv(t, cfg.kwargs["BLOCK_M"]) * triton.cdiv(nc, cfg.kwargs["BLOCK_N"])
         if base == "auto" and auto_takes_cublas(tiles, sms, nc):
             return cublas()  # over every tile (`grid`), not the persistent programs' count
-        split = bool(ws) and STREAM_K and streamk_split(tiles, triton.cdiv(k, cfg.kwargs["BLOCK_K"]), sms)
-        if split:  # a slot per piece of the last round (fewer than 2 per program), and every program: the pieces
-            # are dealt to all NUM_SMS of them, however few the tiles
-            ws = torch.empty(2 * sms * bm * bn, dtype=_acc_torch(a.dtype), device=a.device)
-            args, kw["STREAM_K"], kgrid = (*args[:10], ws, *args[11:]), True, (sms,)
         kernel.run_config(cfg, kgrid, args, kw)
-        if split:
-            _fixup_launch(c, out, bias, p, w, w_strides, woff, ws, k, {**meta, **cfg.kwargs}, sms)
         return out
     _gemm_lora[grid](
         a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, *common,
@@ -905,20 +794,6 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
         *w_strides, **meta,
     )
     return out
-
-
-def _fixup_launch(c: _Ctx, out, bias, p, w, w_strides, woff, ws, k: int, meta: dict, sms: int) -> None:  # noqa: ANN001
-    """The stream-K tail's second pass (`_streamk_fixup_jit`) over the tiles `meta` (the GEMM's launch
-    configuration and constants) gave the persistent programs: pieces of 64 x 64 at most, one program per SM."""
-    # imported here: an import line above would move every kernel (its first line is in its cache key)
-    from kernels.lean_launch import launch as launch_lean
-
-    fixed = {k_: meta[k_] for k_ in ("HAS_BIAS", "N_P2", "ACC", "DOT_PREC", "ARENA", "BLOCK_M", "BLOCK_N", "BLOCK_K",
-                                     "BLOCK_R", "GROUP_M")}
-    launch_lean(_streamk_fixup_jit, (sms,), (
-        out, bias if bias is not None else out, p, w, woff, c.offsets, c.ranks, c.scales, ws, c.t, out.shape[1], k,
-        c.n, c.r_max, out.stride(0), out.stride(1), p.stride(0), *w_strides), dict(
-        fixed, NUM_SMS=sms, SUB_M=min(64, meta["BLOCK_M"]), SUB_N=min(64, meta["BLOCK_N"]), num_warps=4, num_stages=2))
 
 
 def store_launch(c: _Ctx, a, b_kn, out, bias, p, w, w_strides, woff, arena: int) -> None:  # noqa: ANN001

@@ -176,39 +176,6 @@ def test_rows_past_the_last_adapter_are_padding(counts: list[int], ranks: list[i
         assert stray == 0 and empty_adapter_grad_nonzero(got, case.offsets) == 0, case.describe()
 
 
-@pytest.mark.parametrize("variant", ["persist", "auto"])
-@pytest.mark.parametrize(("counts", "ranks", "pad", "d_in", "d_out"), [
-    ([290, 1160], [16, 64], 86, 4096, 14336),       # a 2-job step at 1,536 rows: 672 tiles, 5.09 rounds
-    ([240, 960], [16, 64], 80, 4096, 14336),        # 1,280 rows: 560 tiles, 32 in the last round; dX 160 tiles of
-                                                    # 224 steps, 28 shared out in runs of 48 (pieces cross tiles)
-    ([700, 0, 129, 77], [64, 8, 32, 16], 630, 14336, 4096),  # 1,536 rows: the host shares out the last round,
-                                                              # the 906 live rows' (448 tiles) is not short
-])
-def test_stream_k_tail_matches_fp64(counts: list[int], ranks: list[int], pad: int, d_in: int, d_out: int,
-                                    variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """$LORAPLEX_STREAM_K: the persistent GEMM's short last round shared out by main-loop steps and summed by the
-    second pass (`_streamk_fixup_jit`) matches the fp64 oracle on the adapters' rows, forward and dX, and the
-    second pass really ran (its launch counted); the whole-tile persistent kernel's outputs agree with it."""
-    from kernels import fused_lora
-
-    case = make_case(counts, ranks, d_in, d_out, dtype=torch.bfloat16, device="cuda", bias=True, pad_rows=pad)
-    want = oracle_fp64(case, device="cuda")
-    live = int(case.offsets[-1])
-    fixups = []
-    real = fused_lora._fixup_launch
-    monkeypatch.setattr(fused_lora, "_fixup_launch", lambda *a, **k: (fixups.append(1), real(*a, **k))[1])
-    monkeypatch.setattr(fused_lora, "STREAM_K", True)
-    got = run_op(case, fused_lora.multilora_linear_fused, gemm=variant)
-    assert len(fixups) >= 1, fixups  # the 14336-wide GEMM's tail (the forward's, or the dX GEMM's)
-    monkeypatch.setattr(fused_lora, "STREAM_K", False)
-    whole = run_op(case, fused_lora.multilora_linear_fused, gemm="persist")
-    for out in (got, whole):
-        out["y"] = torch.cat([out["y"][:live], want["y"][live:].to(out["y"].dtype)])
-        errs = rel_errors(out, want)
-        assert all(e <= TOL[torch.bfloat16] for e in errs.values()), f"{errs} for {case.describe()}"
-    assert (got["y"][:live].float() - whole["y"][:live].float()).abs().max() <= 0.05 * whole["y"][:live].abs().max()
-
-
 # Every small-step launch configuration of the fused form's LoRA passes (session 40's and session 52's taller and
 # deeper tiles), forced one by one on the arena form at a 2-job step's layout against the float64 oracle; and dA on
 # a side stream ($LORAPLEX_DA_SIDE_STREAM), eagerly and inside a capture.

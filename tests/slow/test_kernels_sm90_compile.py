@@ -36,7 +36,7 @@ cuobjdump = os.path.join(sys.argv[1], "cuobjdump")
 
 
 def _compile(fn, args, consts, warps, stages):
-    sig, cx, attrs = {}, {k: v for k, v in consts.items() if k in fn.arg_names}, {}
+    sig, cx, attrs = {}, dict(consts), {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
@@ -70,11 +70,11 @@ def _compile(fn, args, consts, warps, stages):
 P = "*bf16"
 T, DI, DO, R = 8192, 4096, 14336, 64
 base = dict(a_ptr=P, b_ptr=P, c_ptr=P, bias_ptr=P, p_ptr="*fp32", w_ptr=P, woff_ptr="*i64", off_ptr="*i64",
-            rank_ptr="*i32", scale_ptr="*fp32", ws_ptr="*fp32", M=T, K=DI, N=8, R_MAX=R, T_BUCKET=T, stride_pm=R, stride_wn=0,
+            rank_ptr="*i32", scale_ptr="*fp32", M=T, K=DI, N=8, R_MAX=R, T_BUCKET=T, stride_pm=R, stride_wn=0,
             stride_cn=1, stride_wc=1)
 fwd = dict(base, NC=DO, stride_am=DI, stride_ak=1, stride_bk=1, stride_bn=DI, stride_cm=DO, stride_wr=DO)
 dxg = dict(base, NC=DI, K=DO, stride_am=DO, stride_ak=1, stride_bk=DI, stride_bn=1, stride_cm=DI, stride_wr=DI)
-meta = dict(N_P2=16, ACC=tl.float32, DOT_PREC="tf32", ARENA=True, PREFETCH=False, STREAM_K=False)
+meta = dict(N_P2=16, ACC=tl.float32, DOT_PREC="tf32", ARENA=True, PREFETCH=False)
 res = {}
 for name, args in (("fwd", fwd), ("dx", dxg)):
     for cfg in fl._GEMM_CONFIGS[:3]:  # 128x256 in 3 and 4 stages, 256x128
@@ -93,11 +93,6 @@ for name, args in (("fwd", fwd), ("dx", dxg)):
     if name == "fwd":  # with a bias (a biased projection's forward: its stores and its padding's zeros)
         res["gemm persist bias fwd"] = _compile(fl._gemm_lora_persist_jit, no_ak, dict(
             meta, HAS_BIAS=True, B_NK=True, NUM_SMS=132, **kw), 8, 3)
-    # a short last round shared out by main-loop steps (STREAM_K), and its second pass (sums, epilogue, store)
-    res[f"gemm persist stream-k {name}"] = _compile(fl._gemm_lora_persist_jit, no_ak, dict(
-        meta, HAS_BIAS=False, B_NK=name == "fwd", NUM_SMS=132, **kw) | {"STREAM_K": True}, 8, 3)
-    res[f"fixup stream-k {name}"] = _compile(fl._streamk_fixup_jit, no_ak, dict(
-        meta, HAS_BIAS=name == "fwd", NUM_SMS=132, SUB_M=64, SUB_N=64, **kw), 4, 2)
     # the epilogue with a rank tile of 64 (one block for a rank-64 adapter; the kernel takes any)
     res[f"gemm persist r64 {name}"] = _compile(fl._gemm_lora_persist_jit, no_ak, dict(
         meta, HAS_BIAS=False, B_NK=name == "fwd", NUM_SMS=132, **(kw | {"BLOCK_R": 64})), 8, 3)
@@ -175,8 +170,7 @@ def test_kernels_compile_for_hopper() -> None:
     # + persist r64 fwd/dx, shrink r64 x2, wgrad r64, the arena's two modes x2, fp32's small configs
     # + the small-step tiles: 3 GEMMs, a shrink of 16 column splits, a weight gradient of 256-row chunks
     # + the persistent GEMM's forward with a bias (dX has none: its compile is "gemm persist dx")
-    # + the stream-K tail: the persistent GEMM with it and its second pass, forward and dX
-    assert len(res) == 17 + 2 + 2 + 1 + 4 + 3 + 5 + 1 + 4
+    assert len(res) == 17 + 2 + 2 + 1 + 4 + 3 + 5 + 1
     # unknown arena offsets: the adapters' bf16 rows load one element at a time; vouched-for
     # 16-element offsets: none does (16-byte vectors)
     assert res["gemm persist arena1"]["scalar16"] > 0 and res["shrink arena1"]["scalar16"] > 0
@@ -190,5 +184,4 @@ def test_kernels_compile_for_hopper() -> None:
     assert res["gemm tma fwd"]["tma"] and res["gemm tma dx"]["tma"]
     assert all(res[f"gemm persist{pf} {d}"]["tma"] for pf in ("", "+pf") for d in ("fwd", "dx"))
     assert res["gemm persist bias fwd"]["tma"]
-    assert res["gemm persist stream-k fwd"]["tma"] and res["gemm persist stream-k dx"]["tma"]
     assert not res["gemm fwd 128x256 s3"]["tma"]

@@ -271,18 +271,3 @@ def test_the_lora_store_pass_always_has_a_rank_tile(tiles: str) -> None:
     env["LORAPLEX_FUSED_RANK_TILES"] = tiles
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)
     assert "'BLOCK_R'" in out.stdout, out.stdout
-
-
-def test_stream_k_shares_out_only_a_short_last_round() -> None:
-    """The host's copy of `_streamk_tail`'s rule (a call's last round shared out by main-loop steps): where the
-    tail's run of steps a program is at most a quarter of a tile's (and at least an eighth), never a full round."""
-    fl = pytest.importorskip("kernels.fused_lora")
-    # a 2-job step at 1,536 rows: the 14336-wide forward's 672 tiles leave 12 on 132 SMs, 8 of 64 steps each
-    assert fl.streamk_split(672, 64, 132)
-    # 1,280 rows: 560 tiles leave 32 (16 steps each); the 4096-wide dX of 14336 steps: 28 of 160 (48 of 224)
-    assert fl.streamk_split(560, 64, 132) and fl.streamk_split(160, 224, 132)
-    # half a tile's steps or more a program: whole tiles (session 58: the second pass cost more than it saved)
-    assert not fl.streamk_split(192, 64, 132) and not fl.streamk_split(192, 224, 132)
-    # full rounds, and a round too short to split into quarters
-    assert not fl.streamk_split(264, 64, 132) and not fl.streamk_split(0, 64, 132)
-    assert not fl.streamk_split(13, 2, 132)
