@@ -2772,7 +2772,8 @@ with c.set_checkpoint_debug_enabled(True):
     rm -f "$OUT"/executor_task*.md
     pack_logs
     ;;
-  s58_c)  # session 58, call 3: gate_proj on a side stream beside up_proj ($LORAPLEX_MLP_STREAMS=1, trainer.fused_blocks;
+  s58_c)  # session 58, call 3 (code at a2b06c0, not kept: `git show a2b06c0:trainer/fused_blocks.py`,
+          # bench/results/session58_h200.md): gate_proj on a side stream beside up_proj ($LORAPLEX_MLP_STREAMS=1, trainer.fused_blocks;
           # their backwards follow): the graphs', fused blocks' and engine GPU tests with it, the graphed 2-job step
           # with and without, the 200-step task with and without (on the shipped archive: no kernel changed)
     export TRITON_CACHE_DIR=/tmp/s58c/triton
@@ -2791,7 +2792,7 @@ with c.set_checkpoint_debug_enabled(True):
     rm -f "$OUT"/executor_task*.md
     pack_logs
     ;;
-  s58_d)  # session 58, call 4: $LORAPLEX_MLP_STREAMS side by side in one process kind: the 200-step task four times,
+  s58_d)  # session 58, call 4 (code at bc0dc47, the MLP streams not kept: see s58_c): $LORAPLEX_MLP_STREAMS side by side in one process kind: the 200-step task four times,
           # on, off, on, off (the first builds the model, the others reuse it), then the graphed 2-job step off, on
     export TRITON_CACHE_DIR=/tmp/s58d/triton
     rm -rf /tmp/s58d
