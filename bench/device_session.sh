@@ -2818,7 +2818,7 @@ with c.set_checkpoint_debug_enabled(True):
     rm -rf /tmp/s58e
     for combo in auto:0 tma:1 tma:0 auto:1 tma:1; do
       [ $((585 - SECONDS)) -ge 40 ] && LORAPLEX_FUSED_GEMM=${combo%:*} LORAPLEX_MLP_STREAMS=${combo#*:} \
-        hp "hp_${combo%:*}_ms${combo#*:}_$SECONDS" 290 60
+        hp "hp_${combo%:*}_ms${combo#*:}_$SECONDS" 290 90
     done
     pack_logs
     ;;
