@@ -2810,7 +2810,7 @@ with c.set_checkpoint_debug_enabled(True):
     rm -f "$OUT"/executor_task*.md
     pack_logs
     ;;
-  s58_e)  # session 58, call 5: is the last round's idle time the persistent kernel's static tile order? The graphed
+  s58_e)  # session 58, call 5 (code at 2b8a57c; the streams not kept, see s58_c): is the last round's idle time the persistent kernel's static tile order? The graphed
           # 2-job step with gate/up on two streams ($LORAPLEX_MLP_STREAMS, a2b06c0's) under the one-program-a-tile
           # TMA GEMM ("tma": the hardware deals tiles to SMs as they free up) against the default ("auto"), each
           # with and without the streams

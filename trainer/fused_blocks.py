@@ -84,36 +84,8 @@ class _Rebuilt:
         self.gate, self.up, self.shape = gate, up, shape
 
 
-# $LORAPLEX_MLP_STREAMS=1: gate_proj runs on a side stream beside up_proj, and so do their backwards (autograd runs an
-# op's backward on its forward's stream and joins the streams where gradients meet). A 2-job step's 14336-wide GEMMs
-# leave their last round of tiles short (at 1,536 rows, 5.09 rounds in 6 each); side by side, one's tiles fill the
-# other's idle SMs. The side stream forks from the current one and joins back before the forward goes on (inside a
-# graph capture too: two branches); it is created in an eager step, before any capture of its class.
-MLP_STREAMS = os.environ.get("LORAPLEX_MLP_STREAMS", "0") == "1"
-_MLP_SIDE: dict[int, torch.cuda.Stream] = {}
-
-
-def _gate_up(self: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if not MLP_STREAMS or x.device.type != "cuda":
-        return self.gate_proj(x), self.up_proj(x)
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    side = _MLP_SIDE.get(index)
-    if side is None:
-        side = _MLP_SIDE[index] = torch.cuda.Stream(device=index)
-    main = torch.cuda.current_stream(x.device)
-    side.wait_stream(main)
-    try:
-        with torch.cuda.stream(side):
-            gate = self.gate_proj(x)
-        up = self.up_proj(x)
-    finally:  # joined even where a projection raised: no capture branch left open
-        main.wait_stream(side)
-    gate.record_stream(main)  # made on the side stream, read and freed on this one
-    return gate, up
-
-
 def _fused_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    gate, up = _gate_up(self, x)
+    gate, up = self.gate_proj(x), self.up_proj(x)
     h = silu_mul(gate, up)
     if not (getattr(self, "_loraplex_rebuild", False) and h.requires_grad):
         return self.down_proj(h)
