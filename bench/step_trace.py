@@ -131,8 +131,9 @@ def report(work: list[dict], steps: int, wall_ms: float) -> tuple[dict, list[str
         lines.append(f"| {a} | {b} | {len(g) / steps:.0f} | {sum(g) / 1e3 / steps:.2f} | {sum(g) / len(g):.2f} |")
     own_by = collections.defaultdict(lambda: [0, 0.0])
     for e in work:
-        own_by[kind(e)][0] += 1
-        own_by[kind(e)][1] += e["dur"]
+        entry = own_by[kind(e)]
+        entry[0] += 1
+        entry[1] += e["dur"]
     lines += ["", "| work | a step | own ms a step | mean us |", "|---|---|---|---|"]
     for k, (n, us) in sorted(own_by.items(), key=lambda kv: -kv[1][1])[:30]:
         lines.append(f"| {k} | {n / steps:.0f} | {us / 1e3 / steps:.2f} | {us / n:.2f} |")

@@ -645,6 +645,11 @@ class _Ctx:
         """Upper bound of the work list's length for row blocks of `rows` and rank tiles of `block_r`."""
         return (triton.cdiv(self.t, rows) + self.n) * triton.cdiv(self.r_max, block_r)
 
+    def epilogue(self, bias: torch.Tensor | None, arena: int, prefetch: bool) -> dict:
+        """The LoRA epilogue's constants of a GEMM launch (the fused GEMMs' and the store pass's)."""
+        return dict(HAS_BIAS=bias is not None, N_P2=self.n_p2, ACC=self.acc, DOT_PREC=self.prec, ARENA=arena,
+                    PREFETCH=prefetch)
+
 
 def _shrink_launch(c: _Ctx, m, w, w_strides, woff, p, arena: int, wgrad=None) -> None:  # noqa: ANN001
     """p[rows_i, :r_i] = m[rows_i] @ W_i^T; with wgrad = (s_buf, g, goff): also g_i += s_i S^T m."""
@@ -759,8 +764,7 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
     out = torch.empty((t, nc), dtype=out_dtype, device=a.device)
     grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]) * triton.cdiv(nc, meta["BLOCK_N"]),)  # noqa: E731
     common = (c.n, c.r_max, c.t_bucket)
-    meta = dict(HAS_BIAS=bias is not None, N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, PREFETCH=prefetch,
-                **_gemm_rank_tile(c.r_max))
+    meta = dict(c.epilogue(bias, arena, prefetch), **_gemm_rank_tile(c.r_max))
     bias_arg = bias if bias is not None else out
 
     def cublas() -> torch.Tensor:  # the LoRA term (+ bias) stored by the pointer kernel's epilogue, cuBLAS over it
@@ -800,8 +804,7 @@ def store_launch(c: _Ctx, a, b_kn, out, bias, p, w, w_strides, woff, arena: int)
     """The "cublas" variant's first pass: out = s_i P[rows_i] W_i (+ bias), the pointer kernel's epilogue alone
     (K = 0; a and b_kn give only their strides), for cuBLAS to add a @ b_kn onto."""
     t, nc = out.shape
-    meta = dict(HAS_BIAS=bias is not None, N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, PREFETCH=False,
-                **_store_rank_tile(c.r_max))
+    meta = dict(c.epilogue(bias, arena, False), **_store_rank_tile(c.r_max))
     _lora_store[lambda m: (triton.cdiv(t, m["BLOCK_M"]) * triton.cdiv(nc, m["BLOCK_N"]),)](
         a, b_kn, out, bias if bias is not None else out, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, 0, c.n,
         c.r_max, c.t_bucket, a.stride(0), a.stride(1), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1),
