@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -79,7 +79,14 @@ class AdapterArena:
         # within compute_copy: its jobs' regions copied in the compute dtype, where each starts, and
         # a gradient arena of its shape that holds nothing
         self._copy: tuple[torch.Tensor, dict[str, tuple[int, int]], torch.Tensor] | None = None
+        self.guard: Callable[[], None] | None = None  # while a step capture runs on a thread (`settle`)
         self.reset(device)
+
+    def settle(self) -> None:
+        """Wait for a step graph's capture under way on a thread (trainer.graph_thread), which reads the
+        layers' layouts and the arenas as they are: every change of them (and of the layers) waits first."""
+        if self.guard is not None:
+            self.guard()
 
     @contextlib.contextmanager
     def pass_of(self, step: Sequence[JobRun], later: bool) -> Iterator[None]:
@@ -124,6 +131,7 @@ class AdapterArena:
         if self._copy is not None or self.arena.dtype == self.compute_dtype or not states:
             yield
             return
+        self.settle()
         copy, regions = self._packed([s.job_id for s in states], self.compute_dtype)
         # the kernels take a gradient arena of the arena's shape; a no-grad forward never writes it
         grads = torch.zeros(1, dtype=self.grad_dtype, device=self.device).expand(copy.numel())
@@ -164,6 +172,7 @@ class AdapterArena:
         """Empty arenas on `device` (an engine whose backbone moved there calls it again)."""
         if self.jobs:
             raise RuntimeError("the arena is reset only while no job is attached")
+        self.settle()
         self.device = device
         # job_id -> [lo, hi) element region; gradients in the accumulation dtype
         self.grad_dtype = torch.float64 if self.compute_dtype == torch.float64 else torch.float32
@@ -211,6 +220,7 @@ class AdapterArena:
         free = self.free_bytes()
         if free < max(1, min_free) or self._step is not None or self._copy is not None:
             return 0
+        self.settle()
         self.grad_arena = self.grad_arena.new_zeros(0)  # the gradient sums are dead between steps
         self.arena, self.regions = self._packed(sorted(self.regions, key=lambda j: self.regions[j][0]),
                                                 self.arena.dtype)
@@ -245,6 +255,7 @@ class AdapterArena:
         flat = state.adapter.flat
         if flat.dtype != self.arena.dtype:
             raise ValueError(f"job {state.job_id}: adapter dtype {flat.dtype} != engine's {self.arena.dtype}")
+        self.settle()
         lo = self._alloc(flat.numel())
         hi = lo + flat.numel()
         self.jobs[state.job_id] = state
@@ -256,6 +267,7 @@ class AdapterArena:
 
     def detach(self, job_id: str, park_device: torch.device | str | None = None) -> JobRun:
         """Free a job's slot; with park_device its state moves there (e.g. 'cpu')."""
+        self.settle()
         state = self.jobs.pop(job_id)
         self.regions.pop(job_id)
         flat = state.adapter.flat
@@ -287,6 +299,7 @@ class AdapterArena:
     def set_layout(self, states: Sequence[JobRun], token_offsets: list[int]) -> None:
         """Point every layer at the arena for these jobs (in this order) and zero their gradient
         sums: one host-to-device copy of all layers' offsets, no per-layer work, no sync."""
+        self.settle()
         states, token_offsets = self._whole_step(states, token_offsets)
         n_layers = len(self.layers)
         ints = self.layout_offsets(states) + [s.adapter.rank for s in states] + list(token_offsets)
@@ -314,5 +327,6 @@ class AdapterArena:
 
     def clear_layout(self) -> None:
         """Every layer back to its base linear alone, until the next layout."""
+        self.settle()
         for layer in self.layers:
             layer.layout = layer.a_off = layer.b_off = None

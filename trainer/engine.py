@@ -7,14 +7,13 @@ a non-finite loss counts zero in the backward objective (so only its own job's g
 non-finite), and a job whose loss or gradient norm is non-finite skips its own update; the other
 jobs are untouched (bit for bit).
 
-Memory: attached jobs' weights live in one arena and their gradients in one float32 gradient
-arena of the same layout, which the kernels address by per-job offsets: the engine's job slots,
-`engine.slots` (trainer.arena.AdapterArena). A step costs no per-layer stacking, one
-host-to-device copy of the batch and layout, one device sync (the report's numbers), and every
-job's norm, clip and AdamW in a few multi-tensor kernels over the arena's regions. Held-out
-evaluation: `engine.evaluation` (trainer.evaluation.Evaluation). Both are components the engine
-holds and builds from what they read; the engine keeps the calls its users make (`jobs`,
-`attach`, `detach`, `evaluate_metrics`, `evaluate`) and makes a job's state (`new_job`).
+Memory: attached jobs' weights live in one arena and their gradients in one float32 gradient arena of the
+same layout, which the kernels address by per-job offsets: the engine's job slots, `engine.slots`
+(trainer.arena.AdapterArena). A step costs no per-layer stacking, one host-to-device copy of the batch and
+layout, one device sync (the report's numbers), and every job's norm, clip and AdamW in a few multi-tensor
+kernels over the arena's regions. Held-out evaluation: `engine.evaluation` (trainer.evaluation.Evaluation).
+Both are components the engine holds and builds from what they read; the engine keeps the calls its users
+make (`jobs`, `attach`, `detach`, `evaluate_metrics`, `evaluate`) and makes a job's state (`new_job`).
 """
 from __future__ import annotations
 
@@ -134,6 +133,8 @@ class MultiLoraEngine:
         self.eval_cap = self.seq_cap  # the evaluations' own (`cap_for`)
         # backbone forwards by (rows, length, with grad): attention plans are built per shape
         self.forward_shapes: Counter[tuple[int, int, bool]] = Counter()
+        # the attached jobs, in slot order, and their arenas
+        self.slots = AdapterArena(self.layer_list, self.device, adapter_dtype, self.compute_dtype, backend)
         self.gradient_checkpointing = not gradient_checkpointing  # so the first set_recompute sets it all
         self.set_recompute(gradient_checkpointing)
         model.train()
@@ -141,9 +142,7 @@ class MultiLoraEngine:
         # adapter parallelism sets this to an all-reduce (max over ranks) of a local count, to
         # agree on extra backbone passes; None: this engine runs alone (see `lockstep`)
         self.agree: Callable[[int], int] | None = None
-        # the attached jobs, in slot order, and their arenas; the held-out evaluation
-        self.slots = AdapterArena(self.layer_list, self.device, adapter_dtype, self.compute_dtype, backend)
-        self.evaluation = Evaluation(self)
+        self.evaluation = Evaluation(self)  # the held-out evaluation
         # the training step's forward and backward as CUDA graphs per shape (trainer.step_graphs:
         # SFT on the varlen packing, one GPU); None: on where CUDA graphs exist
         use = StepGraphs.use_cuda_graphs(self.device) if step_graphs is None else step_graphs
@@ -161,6 +160,7 @@ class MultiLoraEngine:
         on = bool(on)
         if on == self.gradient_checkpointing:
             return
+        self.slots.settle()  # a step capture under way on a thread reads the layers' setting
         if on:
             # no RNG state stashed per layer: the backbone has no dropout (without_backbone_dropout),
             # and reading the CUDA generator's state is not allowed inside a graph capture

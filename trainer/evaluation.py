@@ -162,6 +162,7 @@ class Evaluation:
         jobs = eng.slots.jobs
         states = [jobs[j] for j in (job_ids if job_ids is not None else list(jobs))]
         group = max(1, (max_sequences or 1 << 62) // batch_size)
+        eng.slots.settle()  # before the modules' mode changes (a step capture on a thread reads it)
         was_training = self._was_training = eng.model.training
         eng.model.eval()
         out: dict[str, dict[str, float]] = {}
@@ -246,6 +247,7 @@ class Evaluation:
         """Full logits of one job on plain (unpacked) rows [B, L] (for the export round trip)."""
         eng = self.engine
         state = eng.slots.jobs[job_id]
+        eng.slots.settle()
         was_training = eng.model.training
         eng.model.eval()
         try:

@@ -24,7 +24,8 @@ A key captured ahead and never run stays in the graphs' pool until a stale pool 
 
 `capture_next` (on unless LORAPLEX_CAPTURE_NEXT=0): a step's new key captured during the step before it, once
 that step's work is queued. Session 56 (bench/results/session56_h200.md): the 200-step task's capture steps
-0.36-0.74 s less in three calls.
+0.36-0.74 s less in three calls. Under LORAPLEX_CAPTURE_THREAD=1 it hands over to trainer.graph_thread (a key
+of the next steps, captured on a thread while the steps before it replay).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from trainer import graph_thread
 from trainer.data import sequence_tokens
 from trainer.early_exit import keep_count
 from trainer.graph_parts import GraphKey, has_room, lengths_key
@@ -126,6 +128,8 @@ def capture_next(graphs: Any, states: Sequence[Any]) -> int:  # noqa: ANN401
     if (not graphs.last_replayed or (lasts is not None and lasts < 2) or not graphs.serves(states)
             or any(s.total_steps - s.step < 2 for s in states)):
         return 0
+    if graph_thread.ON:  # a key of the next steps (not only the next one's) captured on a thread
+        return graph_thread.begin(graphs, states, _peek, _step_key)
     eng = graphs.engine
     try:
         per_job = [[eng.train_examples[i] for i in _peek(s.stream).next_indices(s.spec.batch_size)] for s in states]

@@ -53,6 +53,8 @@ def _nothing() -> None:
 class capturing:  # noqa: N801 - a context manager, named as torch.cuda.graph is
     """torch.cuda.graph's capture as it is (its capture stream, pool and error mode), except that
     - where the device `has_room` for `need`, its emptying of the caches on entry is skipped;
+    - with sync=False its entry neither syncs, empties nor collects: only the capture stream and
+      capture_begin (no process-wide function is swapped: another thread may sync meanwhile);
     - the stream current before it is current again after it, a failed capture included:
       torch.cuda.graph's exit ends the capture before it leaves its stream, so when that end
       raises (a capture invalidated inside) its capture stream stays the thread's current one.
@@ -70,15 +72,23 @@ class capturing:  # noqa: N801 - a context manager, named as torch.cuda.graph is
 
     def __enter__(self) -> None:
         self._stream = torch.cuda.current_stream()
-        saved = torch.cuda.empty_cache, torch._C._host_emptyCache, torch.cuda.synchronize
-        if not self._sync or has_room(self._stream.device, self._need):  # without sync: freeing would wait for the device
+        if not self._sync:  # torch.cuda.graph's entry without its sync, emptying and collection
+            g = self._graph
+            g.stream_ctx.__enter__()
+            try:
+                g.cuda_graph.capture_begin(*g.pool, capture_error_mode=g.capture_error_mode)
+            except BaseException:
+                g.stream_ctx.__exit__(None, None, None)
+                raise
+            self._entered = time.perf_counter()
+            return
+        saved = torch.cuda.empty_cache, torch._C._host_emptyCache
+        if has_room(self._stream.device, self._need):
             torch.cuda.empty_cache = torch._C._host_emptyCache = _nothing
-        if not self._sync:
-            torch.cuda.synchronize = _nothing
         try:
             self._graph.__enter__()
         finally:
-            torch.cuda.empty_cache, torch._C._host_emptyCache, torch.cuda.synchronize = saved
+            torch.cuda.empty_cache, torch._C._host_emptyCache = saved
         self._entered = time.perf_counter()
 
     def __exit__(self, *exc: Any) -> bool | None:

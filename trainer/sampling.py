@@ -271,6 +271,7 @@ def generate(
     def pick(logits: torch.Tensor) -> torch.Tensor:
         return nucleus_pick(logits, temperature, top_p, generator)
 
+    engine.slots.settle()  # a step capture on a thread reads the modules' mode, attention and layouts
     model, attention = engine.model, engine.attention
     modes = [(m, m.training) for m in model.modules()]
     regrouped = False

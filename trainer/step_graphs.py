@@ -1,29 +1,27 @@
-"""The training step's forward and backward replayed as CUDA graphs, one per shape key, so the
-host does not bound the step: at 32 layers an eager step launches ~6.5k kernels and the GPU sat
-idle two thirds of its wall (bench/results/host_profile_h100_recompute.md).
+"""The training step's forward and backward replayed as CUDA graphs, one per shape key, so the host does not
+bound the step: at 32 layers an eager step launches ~6.5k kernels and the GPU sat idle two thirds of its wall
+(bench/results/host_profile_h100_recompute.md).
 
-What varies per step lives in device tensors that one capture reads (`_Static`): the packed
-tokens, positions, next-token targets, each token's job slot, the sequence bounds, and the job
-layout (every layer's arena offsets, ranks, scalings, token offsets). A key fixes only shapes:
-tokens T (flat varlen packing, `per_octave` sizes per doubling), sequence slots, job slots and the
-rank tile, all rounded up, so admitting, finishing or exiting a job refills the same buffers and
-replays the same graph. Empty job slots own no tokens (zero-length groups: the kernels do no work
-for them). The graph holds: the gradient arena's zeroing, the backbone forward with the multi-LoRA
-layers, the head's per-token losses over every position (ignored targets count zero), each job's
-mean loss (segment sums by slot), the non-finite guard and the backward into the gradient arena.
-What follows the graph (norms, the one sync, clipping, AdamW) is the engine's, as in eager steps.
+What varies per step lives in device tensors that one capture reads (`_Static`): the packed tokens, positions,
+next-token targets, each token's job slot, the sequence bounds, and the job layout (every layer's arena
+offsets, ranks, scalings, token offsets). A key fixes only shapes: tokens T (flat varlen packing, `per_octave`
+sizes per doubling), sequence slots, job slots and the rank tile, all rounded up, so admitting, finishing or
+exiting a job refills the same buffers and replays the same graph. Empty job slots own no tokens (zero-length
+groups: the kernels do no work for them). The graph holds: the gradient arena's zeroing, the backbone forward
+with the multi-LoRA layers, the head's per-token losses over every position (ignored targets count zero), each
+job's mean loss (segment sums by slot), the non-finite guard and the backward into the gradient arena. What
+follows the graph (norms, the one sync, clipping, AdamW) is the engine's, as in eager steps.
 
-Keys over MAX_CAPTURE_TOKENS (evaluation: MAX_EVAL_CAPTURE_TOKENS) run eagerly on their buffers. The
-first key of a class (`GraphKey.warm_class`) runs eagerly (it compiles and loads every kernel: nothing
-may wait for the device inside a capture); a key of a warm class is captured at its first step, unless
-a captured key within `cover_ratio` of its tokens can run it padded. All graphs share one memory pool; a
-capture the device lacks the free memory for waits (`graph_parts.capture_short`); a training key of
-TRANSIENT_MIN_TOKENS or more runs eagerly while its job set runs under TRANSIENT_SET_STEPS more steps
-(`set_lasts`); graphs live in their
-process only; the arena growing or packed drops them, and so does a step that runs
-without recompute only once a mostly stale pool is gone (`stale_pool`). Without CUDA graphs (CPU
-tests) the same body runs eagerly on the same static buffers (`_Replay`), which is what the tests
-compare against the engine's eager step.
+Keys over MAX_CAPTURE_TOKENS (evaluation: MAX_EVAL_CAPTURE_TOKENS) run eagerly on their buffers. The first key
+of a class (`GraphKey.warm_class`) runs eagerly (it compiles and loads every kernel: nothing may wait for the
+device inside a capture); a key of a warm class is captured at its first step, unless a captured key within
+`cover_ratio` of its tokens can run it padded. All graphs share one memory pool; a capture the device lacks
+the free memory for waits (`graph_parts.capture_short`); a training key of TRANSIENT_MIN_TOKENS or more runs
+eagerly while its job set runs under TRANSIENT_SET_STEPS more steps (`set_lasts`); graphs live in their process
+only; the arena growing or packed drops them, and so does a step that runs without recompute only once a mostly
+stale pool is gone (`stale_pool`). A capture may run on a thread a few steps ahead (trainer.graph_thread,
+`flight`). Without CUDA graphs (CPU tests) the same body runs eagerly on the same static buffers (`_Replay`),
+which is what the tests compare against the engine's eager step.
 """
 from __future__ import annotations
 
@@ -36,7 +34,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from trainer import graph_parts
+from trainer import graph_parts, graph_thread
 from trainer.arena import AdapterArena
 from trainer.data import IGNORE, Example
 from trainer.graph_parts import CAPTURE_RETRY_STEPS, GraphKey, capture_short, memory_report
@@ -142,6 +140,7 @@ class StepGraphs:
         self.capture_need: Callable[[int, bool], float | None] | None = None
         self.covered = 0  # steps that replayed a larger key's capture (padded) instead of capturing
         self.ahead: Counter[str] = Counter()  # captures ahead ("made") and why keys were left (trainer.graph_ahead)
+        self.flight: graph_thread.Flight | None = None  # a capture under way on a thread
         self._storage = None  # (arena, grad arena) storages the graphs read and write
         self.pool_bytes = 0  # device memory the captures' pool took
         self.last_replayed = False  # the last step replayed an earlier capture
@@ -195,6 +194,8 @@ class StepGraphs:
             cpu = pack_flat(per_job, eng.pad_id, length=cover.tokens, max_len=eng.cap_for(train))
             self.covered += 1
         entry = self._entry(key)
+        if self.flight is not None and (entry.graph is None or self.flight.done.is_set()):
+            graph_thread.settle(self)  # this step captures or runs eagerly, or the thread's capture is done
         entry.last = self.calls = self.calls + 1
         counts = self._fill(entry.static, key, cpu, states, ints)
         eng.forward_shapes[(*cpu.input_ids.shape, train)] += 1
@@ -276,9 +277,8 @@ class StepGraphs:
         return lasts is not None and lasts - ahead < TRANSIENT_SET_STEPS
 
     def _cover(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
-        """The smallest captured key that can run this step padded (at most `cover_ratio` times
-        this key's tokens or `cover_tokens` more, enough sequence and job slots, a rank tile as
-        large), until the key has been covered `capture_after` times."""
+        """The smallest captured key that can run this step padded (at most `cover_ratio` times this key's tokens
+        or `cover_tokens` more, enough sequence and job slots, a rank tile as large)."""
         best = None
         for k, e in self.entries.items():
             if e.graph is None or (k.max_len, k.aligned, k.recompute, k.train) != (
@@ -304,6 +304,7 @@ class StepGraphs:
 
     def reset(self) -> None:
         """Drop every capture (their memory goes back with the pool)."""
+        graph_thread.settle(self)
         self.entries.clear()
         self.cover_uses.clear()
         self.pool = None
@@ -394,11 +395,11 @@ class StepGraphs:
         st.out[:, 1].index_add_(0, st.job_of_token, hits.float())
 
     def _capture(self, entry: _Entry, key: GraphKey, sync: bool = True) -> torch.cuda.CUDAGraph | _Replay | None:
-        """The key's graph, captured now (None: the capture failed, the key stays eager; or the
-        device lacks the free memory its pool needs, `capture_need`: it is tried again later).
-        Relaxed capture: a kernel of another token count may still compile or load its module
-        inside it; anything that waits for the device fails the capture instead, and the step runs
-        eagerly. sync=False: no device sync first (a capture ahead: trainer.graph_ahead)."""
+        """The key's graph, captured now (None: the capture failed, the key stays eager; or the device lacks the
+        free memory its pool needs, `capture_need`: it is tried again later). Relaxed capture: a kernel of another
+        token count may still compile or load its module inside it; anything that waits for the device fails the
+        capture instead, and the step runs eagerly. sync=False: no device sync first (a capture ahead or on a
+        thread: trainer.graph_ahead, trainer.graph_thread)."""
         st, device = entry.static, self.engine.device
         cuda = self.use_cuda_graphs(device)
         need = self.capture_need(key.tokens, key.recompute) if self.capture_need and key.train else None

@@ -228,3 +228,46 @@ def test_the_next_steps_capture_during_a_queued_step_serves_it_with_no_sync(tmp_
     for j in ("a", "b"):  # the weights as the eager steps left them (AdamW's bf16 noise: by norm)
         got, want = graphed.jobs[j].adapter.flat.double(), eager.jobs[j].adapter.flat.double()
         assert ((got - want).norm() / want.norm()).item() < 1e-2, j
+
+
+def test_a_capture_on_a_thread_beside_the_replays_serves_its_step(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """trainer.graph_thread on CUDA (LORAPLEX_CAPTURE_THREAD): a key of the coming steps is captured on a thread
+    while the main thread replays, syncs the device and reads the steps' numbers; the graph it makes is a real
+    CUDA graph, every step after the first replays, and the losses equal the eager steps'."""
+    from trainer import graph_ahead, graph_thread
+
+    d = tiny_model_dir("llama", tmp_path)
+    data = [e for trio in zip(examples(24, 16, seed=16), examples(24, 40, seed=40), examples(24, 72, seed=72),
+                              strict=True) for e in trio]
+    eager, graphed = _engine(d, False, data, False), _engine(d, True, data, False)
+    g = graphed.step_graphs
+    g.capture_after, g.capture_need = 0, (lambda tokens, recompute: 0.0)  # no cover; the executor's plan gives a need
+    for eng in (eager, graphed):
+        for spec in (job("a", 8, 2, 1), job("b", 16, 3, 2)):
+            eng.attach(spec)
+    real_next, began = graph_ahead.capture_next, []
+
+    def next_on_thread(graphs, states):  # noqa: ANN001, ANN202
+        torch.cuda._sleep(50_000_000)  # queued work, as an 8B model's step
+        made = real_next(graphs, states)
+        if made:
+            began.append(graphs.flight.key)
+            torch.cuda.synchronize()  # the main thread syncs while the thread captures (relaxed: allowed)
+        return made
+
+    monkeypatch.setattr(graph_ahead, "NEXT", True)
+    monkeypatch.setattr(graph_thread, "ON", True)
+    monkeypatch.setattr(graph_ahead, "capture_next", next_on_thread)
+    steps = 14
+    for _ in range(steps):
+        want, got = eager.step(), graphed.step()
+        for j in want.losses:
+            assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-2), (j, got.losses, want.losses)
+    graph_thread.settle(g)
+    made = g.ahead["thread_made"]
+    assert made >= 2 and made == len(began) and g.ahead["thread_unmade"] == 0, g.stats()
+    assert all(isinstance(g.entries[k].graph, torch.cuda.CUDAGraph) for k in began if k in g.entries)
+    assert g.eager_runs == 1 and g.replays == steps - 1, g.stats()
+    for j in ("a", "b"):  # the weights as the eager steps left them (AdamW's bf16 noise: by norm)
+        got, want = graphed.jobs[j].adapter.flat.double(), eager.jobs[j].adapter.flat.double()
+        assert ((got - want).norm() / want.norm()).item() < 1e-2, j

@@ -1,0 +1,177 @@
+"""Unit: step graphs captured on a thread a few steps ahead (trainer.graph_thread) on the CPU, where a capture
+is its stand-in (the body replayed on the same static buffers): the key found is the one the coming step would
+capture, the thread's captures serve their steps with the eager steps' numbers, everything that changes what a
+capture reads waits for it, and a capture that makes nothing leaves its key to its own step.
+The CUDA graph captured on a thread is checked on a device (tests/gpu/test_step_graphs_gpu.py)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+
+from tests.unit.test_graph_ahead import _mixed_lengths
+from tests.unit.test_step_graphs import engine, examples, job, model_dir, same_steps  # noqa: F401 - the fixture
+from trainer import graph_ahead, graph_thread
+from trainer.step_graphs import StepGraphs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _upcoming(g: StepGraphs, states: list) -> tuple | None:  # noqa: ANN001
+    return graph_thread.upcoming(g, states, graph_ahead._peek, graph_ahead._step_key)
+
+
+def _two_jobs(model_dir, steps: int = 1):  # noqa: ANN001, ANN202, F811
+    """An eager and a graphed engine with the same two jobs over examples of three lengths (a key per token
+    count: capture_after 0, no cover), `steps` steps of both."""
+    data = _mixed_lengths()
+    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
+    graphed.step_graphs.capture_after = 0
+    for eng in (eager, graphed):
+        for spec in (job("a", 8, 2, 1), job("b", 16, 3, 2)):
+            eng.attach(spec)
+    same_steps(eager, graphed, steps)
+    return eager, graphed
+
+
+def test_the_key_found_is_the_one_the_coming_step_captures_and_the_streams_stay(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
+    monkeypatch.setattr(graph_ahead, "NEXT", False)
+    _, graphed = _two_jobs(model_dir)
+    g, states = graphed.step_graphs, list(graphed.jobs.values())
+    positions = [dict(s.stream.state_dict()) for s in states]
+    found = _upcoming(g, states)
+    assert found is not None
+    key, on = found
+    assert [s.stream.state_dict() for s in states] == positions and not g.cover_uses  # nothing moved or kept
+    assert 1 <= on <= graph_thread.LOOKAHEAD and key not in g.entries
+    for n in range(1, on + 1):
+        captures = g.captures
+        graphed.step()
+        assert (g.captures == captures + 1) == (n == on)  # the steps before it replay what they have
+    assert g.entries[key].graph is not None
+    # a set that changes after this step (a job's end, a ranking) has no coming step to look at
+    g.set_lasts = lambda: 1
+    assert _upcoming(g, states) is None
+
+
+def test_a_capture_on_a_thread_serves_its_step_with_the_eager_steps_numbers(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
+    """With LORAPLEX_CAPTURE_THREAD, the graphed engine's steps equal the eager engine's, every key is captured
+    as without it, and fewer captures run at their own step's start (the thread captured them ahead)."""
+    monkeypatch.setattr(graph_ahead, "NEXT", True)
+    threads: list[str] = []
+    real = StepGraphs._capture
+
+    def capture(self, entry, key, sync=True):  # noqa: ANN001, ANN202 - on which thread each capture ran
+        threads.append(threading.current_thread().name)
+        return real(self, entry, key, sync)
+
+    monkeypatch.setattr(StepGraphs, "_capture", capture)
+    counts = {}
+    for on in (False, True):
+        monkeypatch.setattr(graph_thread, "ON", on)
+        threads.clear()
+        eager, graphed = _two_jobs(model_dir, steps=14)
+        g = graphed.step_graphs
+        graph_thread.settle(g)
+        for j in ("a", "b"):
+            torch.testing.assert_close(graphed.jobs[j].adapter.flat, eager.jobs[j].adapter.flat, rtol=1e-4, atol=1e-6)
+        counts[on] = (set(g.entries), g.captures, threads.count("step-capture"), g.ahead["thread_made"], g.replays)
+    keys_off, captures_off, thread_off, made_off, replays_off = counts[False]
+    keys_on, captures_on, thread_on, made_on, replays_on = counts[True]
+    assert thread_off == made_off == 0 and made_on == thread_on >= 2
+    assert keys_off <= keys_on and captures_on - captures_off == len(keys_on) - len(keys_off) <= 1
+    assert replays_on == replays_off == 13  # every step after the first replayed a capture
+    assert sys.getswitchinterval() > graph_thread.SWITCH_S  # put back
+
+
+def _held(monkeypatch, release: threading.Event) -> list[str]:  # noqa: ANN001
+    """A capture on the thread that lasts until `release` (a device's ~0.3 s of host), once it has made its graph."""
+    real = StepGraphs._capture
+    order: list[str] = []
+
+    def capture(self, entry, key, sync=True):  # noqa: ANN001, ANN202
+        graph = real(self, entry, key, sync)
+        if threading.current_thread().name == "step-capture":
+            release.wait(5)
+            order.append("captured")
+        return graph
+
+    monkeypatch.setattr(StepGraphs, "_capture", capture)
+    return order
+
+
+CHANGES = {
+    "detach": lambda eng: eng.detach("a"),
+    "recompute": lambda eng: eng.set_recompute(not eng.gradient_checkpointing),
+    "evaluation": lambda eng: eng.evaluate(examples(4, 12, seed=4), batch_size=2),
+    "forward": lambda eng: eng.idle_forward(),
+    "layout": lambda eng: (eng.slots.set_layout(list(eng.jobs.values()), [0, 1, 2]), eng.slots.clear_layout()),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_what_a_capture_reads_changes_only_once_it_ended(model_dir, monkeypatch, change: str) -> None:  # noqa: ANN001, F811
+    monkeypatch.setattr(graph_ahead, "NEXT", False)
+    _, graphed = _two_jobs(model_dir)
+    g = graphed.step_graphs
+    release = threading.Event()
+    order = _held(monkeypatch, release)
+    assert graph_thread.begin(g, list(graphed.jobs.values()), graph_ahead._peek, graph_ahead._step_key) == 1
+    flight = g.flight
+    assert flight is not None and sys.getswitchinterval() == graph_thread.SWITCH_S
+    timer = threading.Timer(0.2, lambda: (order.append("released"), release.set()))
+    timer.start()
+    try:
+        CHANGES[change](graphed)
+        order.append("changed")
+    finally:
+        release.set()
+        timer.join()
+    assert order == ["released", "captured", "changed"]  # the change waited for the capture's end
+    assert g.flight is None and g.ahead["thread_made"] == 1 and sys.getswitchinterval() > graph_thread.SWITCH_S
+    assert graphed.slots.guard is None and flight.entry.graph is not None
+
+
+def test_only_the_thread_that_began_a_capture_waits_for_it(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
+    monkeypatch.setattr(graph_ahead, "NEXT", False)
+    _, graphed = _two_jobs(model_dir)
+    g = graphed.step_graphs
+    release = threading.Event()
+    _held(monkeypatch, release)
+    assert graph_thread.begin(g, list(graphed.jobs.values()), graph_ahead._peek, graph_ahead._step_key) == 1
+    passed = []
+    other = threading.Thread(target=lambda: (graph_thread.settle(g), passed.append(g.flight is not None)))
+    other.start()
+    other.join(2)
+    assert passed == [True]  # another thread (the capture's own calls, autograd's) does not wait
+    release.set()
+    graph_thread.settle(g)
+    assert g.flight is None
+
+
+@pytest.mark.parametrize("how", ["raises", "no room"])
+def test_a_capture_that_makes_nothing_leaves_its_key_to_its_step(model_dir, monkeypatch, how: str) -> None:  # noqa: ANN001, F811
+    import trainer.step_graphs as sg
+
+    monkeypatch.setattr(graph_ahead, "NEXT", False)
+    _, graphed = _two_jobs(model_dir)
+    g, states = graphed.step_graphs, list(graphed.jobs.values())
+    key, on = _upcoming(g, states)
+    failures, deferrals, captures = g.failures, g.deferrals, g.captures
+    with monkeypatch.context() as m:
+        if how == "raises":
+            m.setattr(StepGraphs, "_run", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+            m.setattr(StepGraphs, "use_cuda_graphs", staticmethod(lambda device: False))
+            m.setattr(sg, "_Replay", lambda body: body())  # the stand-in runs its body at capture: it raises
+        else:
+            m.setattr(sg, "capture_short", lambda device, need, pool, sync=True: "no room")
+        assert graph_thread.begin(g, states, graph_ahead._peek, graph_ahead._step_key) == 1
+        graph_thread.settle(g)
+    assert g.ahead["thread_unmade"] == 1 and g.ahead["thread_made"] == 0
+    assert key not in g.entries and (g.failures, g.deferrals) == (failures, deferrals)
+    for _ in range(on):
+        graphed.step()
+    assert g.entries[key].graph is not None and g.captures >= captures + 1  # captured at its own step, as before
