@@ -27,8 +27,11 @@ SMOKE = {"on": False}  # --smoke: a CPU run at toy sizes, to check the script it
 
 
 def sync() -> None:
+    """Wait for the work this thread queued (its current stream: a step's side streams join it before its
+    update). Not the whole device: a step graph captured on a thread meanwhile (trainer.graph_thread) may not
+    be synced with; session 59 changed it from torch.cuda.synchronize."""
     if DEV.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
 
 
 def log(*a: Any) -> None:

@@ -17,8 +17,12 @@ One capture at a time, and nothing it reads changes until it ends. The main thre
 before any step that is not a replay of another capture (StepGraphs._execute), any change of the arena's
 layout, jobs or storage (`AdapterArena.settle`, through its guard), of the recompute setting (the engine),
 of the modules' mode (an evaluation, the samples' decode), and before any forward of the backbone (a
-forward pre-hook: the net under all of them). Only the thread that began the capture waits: the capture's own
-calls (its layouts, its forward) and autograd's threads pass. The graphs' own state changes on the main
+forward pre-hook: the net under all of them), and before a device-wide sync or an emptying of the allocator's
+cache (torch.cuda.synchronize and empty_cache wait first while a capture runs: a device sync meanwhile fails,
+"operation not permitted when stream is capturing", as the 200-step bench's per-step sync did in session 59's
+first call). Only the thread that began the capture waits: the capture's own calls (its layouts, its forward)
+and autograd's threads pass; another thread must not sync the whole device while a capture runs (none of the
+executor's does: they wait on their own events). The graphs' own state changes on the main
 thread alone: the thread hands back its graph, and `settle` files it. A capture that fails or lacks room
 leaves nothing behind: its key's own step captures it as before (counted as ahead["thread_unmade"]). The
 capture's allocations are no step's peak: `settle` resets the device's peak after it (the memory plan
@@ -63,6 +67,7 @@ class Flight:
     graph: Any = None
     error: str | None = None
     hook: Any = None
+    saved: tuple[Callable[..., Any], Callable[..., Any]] | None = None  # torch.cuda's synchronize and empty_cache
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -136,6 +141,8 @@ def begin(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], step_k
     graphs.flight = flight
     eng.slots.guard = lambda: settle(graphs)
     flight.hook = eng.model.base_model.register_forward_pre_hook(lambda *_: settle(graphs))
+    flight.saved = torch.cuda.synchronize, torch.cuda.empty_cache
+    torch.cuda.synchronize, torch.cuda.empty_cache = (_settled(graphs, f) for f in flight.saved)
     worker: BackgroundWorker
 
     def run() -> None:
@@ -156,6 +163,14 @@ def begin(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], step_k
     return 1
 
 
+def _settled(graphs: Any, real: Callable[..., Any]) -> Callable[..., Any]:  # noqa: ANN401
+    def call(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        settle(graphs)
+        return real(*args, **kwargs)
+
+    return call
+
+
 def settle(graphs: Any) -> None:  # noqa: ANN401
     """Wait for the capture under way (from the thread that began it; any other thread passes), then file it:
     its graph into its entry and its class warm, or, where it made none, the entry and counters as they were."""
@@ -169,6 +184,7 @@ def settle(graphs: Any) -> None:  # noqa: ANN401
     eng, why, key, entry = graphs.engine, graphs.ahead, flight.key, flight.entry
     eng.slots.guard = None
     flight.hook.remove()
+    torch.cuda.synchronize, torch.cuda.empty_cache = flight.saved
     sys.setswitchinterval(flight.switch)
     if eng.device.type == "cuda":  # the capture's allocations are no step's peak
         torch.cuda.reset_peak_memory_stats(eng.device)
