@@ -45,6 +45,10 @@ def sync_and_update(states: Sequence[JobRun], numbers: torch.Tensor, width: int,
     and which jobs skipped theirs. `on_device`: decide on the device (default $LORAPLEX_DEVICE_UPDATE)."""
     n = len(states)
     if not (DEVICE_UPDATE if on_device is None else on_device):
+        if numbers.is_cuda:  # the wait on an event, then the copy: a copy's own wait is the driver's, not ours
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(numbers.device))
+            done.synchronize()
         values = numbers.tolist()
         return values, update_jobs(states, values[0:n * width:width], values[n * width:], grads)
     if numbers.is_cuda:
