@@ -38,6 +38,12 @@ def report(path: str) -> None:
         print(f"  graphs {g}")
         odd = [(i, s[1], s[3], s[5]) for i, s in enumerate(steps) if "capture" in s[5] or "eager" in s[5]]
         print(f"  captured / eager steps (index, jobs, s, how): {odd}")
+        kinds: dict[str, list[float]] = {}  # a step with a capture (its own, or the next one's) counts as one
+        for s in steps:
+            kind = "captures" if "capture" in s[5] else s[5]
+            kinds.setdefault(kind, []).append(s[3])
+        sums = ", ".join(f"{k} {len(v)} steps {sum(v):.2f} s" for k, v in sorted(kinds.items()))
+        print(f"  steps by kind: {sums}; all {len(steps)} steps {sum(s[3] for s in steps):.2f} s")
         print(f"  evaluations (jobs, step, s): {[(e['jobs'], e['step'], e['s']) for e in r.get('eval_calls', [])]}")
         for p in r.get("eval_probe") or []:
             print(f"  probe: {p['jobs']} jobs x {p['examples']}: host {p['host_s']} s, busy after {p['busy_after']}, "

@@ -158,7 +158,13 @@ def begin(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], step_k
             worker.stop()  # one capture: from inside, this only asks the loop to end
 
     worker = BackgroundWorker("step-capture", run, logger=log)
-    worker.start()
+    try:
+        worker.start()
+    except RuntimeError as err:  # no thread to be had: nothing was captured, nothing waits
+        flight.error = str(err)[:200]
+        flight.done.set()
+        settle(graphs)
+        return 0
     why["thread_started"] += 1
     return 1
 
