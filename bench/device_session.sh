@@ -131,6 +131,20 @@ configs_then_task200() {  # configs_then_task200 DIR: the small-step configurati
     --out "$OUT/executor_task200.md" --json "$OUT/executor_task200.json"
   echo "cubins shipped: $shipped, after the 200-step task: $(cubins)" | tee -a "$OUT/steps.txt"
 }
+graph_tests_then_thread_abab() {  # DIR: the step graphs' GPU tests (a Triton cache of their own), then the 200-step
+  # task with $LORAPLEX_CAPTURE_THREAD on, off, on, off (the first builds the model, the others reuse it; session 59)
+  export TRITON_CACHE_DIR=$1/triton
+  rm -rf "$1" "$1_tests"
+  TRITON_CACHE_DIR=$1_tests/triton step 150 graph_tests python3 -m pytest -q -p no:cacheprovider \
+    tests/gpu/test_step_graphs_gpu.py
+  local i=0 v
+  for v in 1 0 1 0; do
+    i=$((i + 1))
+    [ $((585 - SECONDS)) -ge 70 ] && LORAPLEX_CAPTURE_THREAD=$v step 100 "task200_th${v}_$i" python3 bench/executor_task.py \
+      --layers 32 --steps 200 --runs cold $([ $i -gt 1 ] && echo --reuse) --out "$OUT/executor_task200_th${v}_$i.md" \
+      --json "$OUT/executor_task200_th${v}_$i.json"
+  done
+}
 pack_logs() { (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log); }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print(torch.__version__, triton.__version__, transformers.__version__, peft.__version__)" | tee -a "$OUT/gpu.txt"
@@ -2825,17 +2839,7 @@ with c.set_checkpoint_debug_enabled(True):
   s59_a)  # session 59, call 1: the step graphs' GPU tests (the capture on a thread's among them, capturing's entry
           # without a sync for capture_next's), then $LORAPLEX_CAPTURE_THREAD side by side in one process kind: the
           # 200-step task four times, on, off, on, off (the first builds the model, the others reuse it)
-    export TRITON_CACHE_DIR=/tmp/s59a/triton
-    rm -rf /tmp/s59a /tmp/s59a_tests
-    TRITON_CACHE_DIR=/tmp/s59a_tests/triton step 150 graph_tests python3 -m pytest -q -p no:cacheprovider \
-      tests/gpu/test_step_graphs_gpu.py
-    i=0
-    for v in 1 0 1 0; do
-      i=$((i + 1))
-      [ $((585 - SECONDS)) -ge 70 ] && LORAPLEX_CAPTURE_THREAD=$v step 100 "task200_th${v}_$i" python3 bench/executor_task.py \
-        --layers 32 --steps 200 --runs cold $([ $i -gt 1 ] && echo --reuse) --out "$OUT/executor_task200_th${v}_$i.md" \
-        --json "$OUT/executor_task200_th${v}_$i.json"
-    done
+    graph_tests_then_thread_abab /tmp/s59a
     echo "cubins shipped: $(shipped_cubins), after: $(cubins)" | tee -a "$OUT/steps.txt"
     rm -f "$OUT"/executor_task*.md
     pack_logs
@@ -2843,17 +2847,7 @@ with c.set_checkpoint_debug_enabled(True):
   s59_b)  # session 59, call 2 (s59_a's runs with the capture on a thread failed at the bench's per-step device sync,
           # "operation not permitted when stream is capturing"): the same, with the bench's step timing on the current
           # stream's sync and torch.cuda.synchronize / empty_cache waiting for a capture under way
-    export TRITON_CACHE_DIR=/tmp/s59b/triton
-    rm -rf /tmp/s59b /tmp/s59b_tests
-    TRITON_CACHE_DIR=/tmp/s59b_tests/triton step 150 graph_tests python3 -m pytest -q -p no:cacheprovider \
-      tests/gpu/test_step_graphs_gpu.py
-    i=0
-    for v in 1 0 1 0; do
-      i=$((i + 1))
-      [ $((585 - SECONDS)) -ge 70 ] && LORAPLEX_CAPTURE_THREAD=$v step 100 "task200_th${v}_$i" python3 bench/executor_task.py \
-        --layers 32 --steps 200 --runs cold $([ $i -gt 1 ] && echo --reuse) --out "$OUT/executor_task200_th${v}_$i.md" \
-        --json "$OUT/executor_task200_th${v}_$i.json"
-    done
+    graph_tests_then_thread_abab /tmp/s59b
     [ $((585 - SECONDS)) -ge 60 ] && LORAPLEX_CAPTURE_THREAD=1 step 80 task60_th1 python3 bench/executor_task.py \
       --layers 32 --steps 60 --runs cold --reuse --out "$OUT/executor_task60_th1.md" --json "$OUT/executor_task60_th1.json"
     echo "cubins shipped: $(shipped_cubins), after: $(cubins)" | tee -a "$OUT/steps.txt"
@@ -2862,17 +2856,7 @@ with c.set_checkpoint_debug_enabled(True):
     ;;
   s59_c)  # session 59, call 3: s59_b's runs again with the step's sync on an event before its numbers' copy (is a
           # synchronous copy's wait what held the capture thread back: 0.8 s a capture on the thread against 0.3 s inline?)
-    export TRITON_CACHE_DIR=/tmp/s59c/triton
-    rm -rf /tmp/s59c /tmp/s59c_tests
-    TRITON_CACHE_DIR=/tmp/s59c_tests/triton step 150 graph_tests python3 -m pytest -q -p no:cacheprovider \
-      tests/gpu/test_step_graphs_gpu.py
-    i=0
-    for v in 1 0 1 0; do
-      i=$((i + 1))
-      [ $((585 - SECONDS)) -ge 70 ] && LORAPLEX_CAPTURE_THREAD=$v step 100 "task200_th${v}_$i" python3 bench/executor_task.py \
-        --layers 32 --steps 200 --runs cold $([ $i -gt 1 ] && echo --reuse) --out "$OUT/executor_task200_th${v}_$i.md" \
-        --json "$OUT/executor_task200_th${v}_$i.json"
-    done
+    graph_tests_then_thread_abab /tmp/s59c
     echo "cubins shipped: $(shipped_cubins), after: $(cubins)" | tee -a "$OUT/steps.txt"
     rm -f "$OUT"/executor_task*.md
     pack_logs

@@ -178,6 +178,33 @@ def test_graphs_captured_ahead_beside_a_queued_evaluation_serve_the_kept_sets_st
     assert g.captures == captures and g.replays == replays + 5
 
 
+def _mixed_two_jobs(tmp_path):  # noqa: ANN001, ANN202
+    """An eager and a graphed engine (no recompute) with the same two jobs over examples of three lengths: a key
+    per token count, never covered (capture_after 0), and a pool need as the executor's plan gives one."""
+    d = tiny_model_dir("llama", tmp_path)
+    data = [e for trio in zip(examples(24, 16, seed=16), examples(24, 40, seed=40), examples(24, 72, seed=72),
+                              strict=True) for e in trio]
+    eager, graphed = _engine(d, False, data, False), _engine(d, True, data, False)
+    graphed.step_graphs.capture_after, graphed.step_graphs.capture_need = 0, (lambda tokens, recompute: 0.0)
+    for eng in (eager, graphed):
+        for spec in (job("a", 8, 2, 1), job("b", 16, 3, 2)):
+            eng.attach(spec)
+    return eager, graphed
+
+
+def _same_losses(eager, graphed, steps: int) -> None:  # noqa: ANN001
+    for _ in range(steps):
+        want, got = eager.step(), graphed.step()
+        for j in want.losses:
+            assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-2), (j, got.losses, want.losses)
+
+
+def _same_weights(eager, graphed) -> None:  # noqa: ANN001
+    for j in graphed.jobs:  # the weights as the eager steps left them (AdamW's bf16 noise: by norm)
+        got, want = graphed.jobs[j].adapter.flat.double(), eager.jobs[j].adapter.flat.double()
+        assert ((got - want).norm() / want.norm()).item() < 1e-2, j
+
+
 def test_the_next_steps_capture_during_a_queued_step_serves_it_with_no_sync(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """trainer.graph_ahead.capture_next on CUDA (LORAPLEX_CAPTURE_NEXT): a new key that follows a replayed step is
     captured during that step with no device sync (at least one while its queued work still runs; a new token
@@ -185,15 +212,8 @@ def test_the_next_steps_capture_during_a_queued_step_serves_it_with_no_sync(tmp_
     replays: the same losses as eager steps."""
     from trainer import graph_ahead
 
-    d = tiny_model_dir("llama", tmp_path)
-    data = [e for trio in zip(examples(24, 16, seed=16), examples(24, 40, seed=40), examples(24, 72, seed=72),
-                              strict=True) for e in trio]
-    eager, graphed = _engine(d, False, data, False), _engine(d, True, data, False)
+    eager, graphed = _mixed_two_jobs(tmp_path)
     g = graphed.step_graphs
-    g.capture_after, g.capture_need = 0, (lambda tokens, recompute: 0.0)  # no cover; the executor's plan gives a need
-    for eng in (eager, graphed):
-        for spec in (job("a", 8, 2, 1), job("b", 16, 3, 2)):
-            eng.attach(spec)
     syncs, overlapped, real_next, real_sync = [], [], graph_ahead.capture_next, torch.cuda.synchronize
 
     def next_without_sync(graphs, states):  # noqa: ANN001, ANN202
@@ -213,10 +233,7 @@ def test_the_next_steps_capture_during_a_queued_step_serves_it_with_no_sync(tmp_
     monkeypatch.setattr(graph_ahead, "NEXT", True)
     monkeypatch.setattr(graph_ahead, "capture_next", next_without_sync)
     steps = 14
-    for _ in range(steps):
-        want, got = eager.step(), graphed.step()
-        for j in want.losses:
-            assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-2), (j, got.losses, want.losses)
+    _same_losses(eager, graphed, steps)
     made = g.ahead["next_made"]
     # the captures during a replayed step ran with no sync, and while it was still queued; every later step
     # replayed. A capture step is no replay, so a new key right after one is captured at its own step: in this
@@ -225,26 +242,18 @@ def test_the_next_steps_capture_during_a_queued_step_serves_it_with_no_sync(tmp_
     # call 2 one of the 2 captures did, so at least one overlaps, not each
     assert syncs == [] and made >= 2 and sum(map(bool, overlapped)) >= 1, (g.stats(), overlapped)
     assert g.captures > made and g.eager_runs == 1 and g.replays == steps - 1, g.stats()
-    for j in ("a", "b"):  # the weights as the eager steps left them (AdamW's bf16 noise: by norm)
-        got, want = graphed.jobs[j].adapter.flat.double(), eager.jobs[j].adapter.flat.double()
-        assert ((got - want).norm() / want.norm()).item() < 1e-2, j
+    _same_weights(eager, graphed)
 
 
 def test_a_capture_on_a_thread_beside_the_replays_serves_its_step(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """trainer.graph_thread on CUDA (LORAPLEX_CAPTURE_THREAD): a key of the coming steps is captured on a thread
-    while the main thread replays, syncs the device and reads the steps' numbers; the graph it makes is a real
-    CUDA graph, every step after the first replays, and the losses equal the eager steps'."""
+    while the main thread replays and reads the steps' numbers (a device sync meanwhile waits for the capture);
+    the graph it makes is a real CUDA graph, every step after the first replays, and the losses equal the eager
+    steps'."""
     from trainer import graph_ahead, graph_thread
 
-    d = tiny_model_dir("llama", tmp_path)
-    data = [e for trio in zip(examples(24, 16, seed=16), examples(24, 40, seed=40), examples(24, 72, seed=72),
-                              strict=True) for e in trio]
-    eager, graphed = _engine(d, False, data, False), _engine(d, True, data, False)
+    eager, graphed = _mixed_two_jobs(tmp_path)
     g = graphed.step_graphs
-    g.capture_after, g.capture_need = 0, (lambda tokens, recompute: 0.0)  # no cover; the executor's plan gives a need
-    for eng in (eager, graphed):
-        for spec in (job("a", 8, 2, 1), job("b", 16, 3, 2)):
-            eng.attach(spec)
     real_next, began = graph_ahead.capture_next, []
 
     def next_on_thread(graphs, states):  # noqa: ANN001, ANN202
@@ -252,22 +261,17 @@ def test_a_capture_on_a_thread_beside_the_replays_serves_its_step(tmp_path, monk
         made = real_next(graphs, states)
         if made:
             began.append(graphs.flight.key)
-            torch.cuda.synchronize()  # the main thread syncs while the thread captures (relaxed: allowed)
+            torch.cuda.synchronize()  # a device sync while the thread captures waits for the capture, not fails
         return made
 
     monkeypatch.setattr(graph_ahead, "NEXT", True)
     monkeypatch.setattr(graph_thread, "ON", True)
     monkeypatch.setattr(graph_ahead, "capture_next", next_on_thread)
     steps = 14
-    for _ in range(steps):
-        want, got = eager.step(), graphed.step()
-        for j in want.losses:
-            assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-2), (j, got.losses, want.losses)
+    _same_losses(eager, graphed, steps)
     graph_thread.settle(g)
     made = g.ahead["thread_made"]
     assert made >= 2 and made == len(began) and g.ahead["thread_unmade"] == 0, g.stats()
     assert all(isinstance(g.entries[k].graph, torch.cuda.CUDAGraph) for k in began if k in g.entries)
     assert g.eager_runs == 1 and g.replays == steps - 1, g.stats()
-    for j in ("a", "b"):  # the weights as the eager steps left them (AdamW's bf16 noise: by norm)
-        got, want = graphed.jobs[j].adapter.flat.double(), eager.jobs[j].adapter.flat.double()
-        assert ((got - want).norm() / want.norm()).item() < 1e-2, j
+    _same_weights(eager, graphed)
