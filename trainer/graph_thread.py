@@ -1,7 +1,7 @@
 """Step graphs captured on a thread, up to LOOKAHEAD steps before the step that first runs them (issue 40;
 on with LORAPLEX_CAPTURE_THREAD=1, off until a device run shows a gain).
 
-A capture's host pass (~0.3 s at 32 layers of the 8B shape: the whole step's Python, every launch recorded)
+A capture's host pass (0.2-0.3 s at 32 layers of the 8B shape: the whole step's Python, every launch recorded)
 leaves the device idle unless queued work covers it. `graph_ahead.capture_next` runs it during the one step
 queued before the step that needs it, and a replay of 40-120 ms covers a third of it at most: search (a)'s
 captures cost 0.25-0.4 s each over a replay, the 200-step task's ~1 s in all (bench/results/session57_h200.md).

@@ -175,3 +175,22 @@ def test_a_capture_that_makes_nothing_leaves_its_key_to_its_step(model_dir, monk
     for _ in range(on):
         graphed.step()
     assert g.entries[key].graph is not None and g.captures >= captures + 1  # captured at its own step, as before
+
+
+def test_a_capture_thread_that_cannot_start_leaves_nothing_waiting(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
+    from contract.background import BackgroundWorker
+
+    monkeypatch.setattr(graph_ahead, "NEXT", False)
+    _, graphed = _two_jobs(model_dir)
+    g, states = graphed.step_graphs, list(graphed.jobs.values())
+    key, _ = _upcoming(g, states)
+    switch, sync = sys.getswitchinterval(), torch.cuda.synchronize
+
+    def refuse(self):  # noqa: ANN001, ANN202 - as threading does when no thread can be had
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(BackgroundWorker, "start", refuse)
+    assert graph_thread.begin(g, states, graph_ahead._peek, graph_ahead._step_key) == 0
+    assert g.flight is None and graphed.slots.guard is None and key not in g.entries
+    assert sys.getswitchinterval() == switch and torch.cuda.synchronize is sync and g.ahead["thread_unmade"] == 1
+    graphed.step()  # the steps go on as without it
