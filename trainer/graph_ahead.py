@@ -129,7 +129,11 @@ def capture_next(graphs: Any, states: Sequence[Any]) -> int:  # noqa: ANN401
             or any(s.total_steps - s.step < 2 for s in states)):
         return 0
     if graph_thread.ON:  # a key of the next steps (not only the next one's) captured on a thread
-        return graph_thread.begin(graphs, states, _peek, _step_key)
+        try:
+            return graph_thread.begin(graphs, states, _peek, _step_key)
+        except Exception as err:  # noqa: BLE001 - an optimisation: the steps go on, each capturing its own key
+            log.warning("a capture on a thread was not begun: %s", str(err)[:200])
+            return 0
     eng = graphs.engine
     try:
         per_job = [[eng.train_examples[i] for i in _peek(s.stream).next_indices(s.spec.batch_size)] for s in states]

@@ -25,8 +25,10 @@ and autograd's threads pass; another thread must not sync the whole device while
 executor's does: they wait on their own events). The graphs' own state changes on the main
 thread alone: the thread hands back its graph, and `settle` files it. A capture that fails or lacks room
 leaves nothing behind: its key's own step captures it as before (counted as ahead["thread_unmade"]). The
-capture's allocations are no step's peak: `settle` resets the device's peak after it (the memory plan
-observes eager steps and evaluations, which settle first).
+capture's allocations are no step's peak: `settle` resets the device's peak after it, and a step begun while a
+capture ran is not observed by the memory plan (`StepGraphs.last_replayed`: the resident bytes it read at its
+start held the capture's tensors). A prediction releases nothing: the recompute policy's release of the parked
+states is off while `upcoming` asks it about coming steps.
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ class Flight:
     error: str | None = None
     hook: Any = None
     saved: tuple[Callable[..., Any], Callable[..., Any]] | None = None  # torch.cuda's synchronize and empty_cache
+    wrappers: tuple[Callable[..., Any], Callable[..., Any]] | None = None  # what stands in for them meanwhile
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -86,6 +89,13 @@ def upcoming(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], ste
     peeks = [peek(s.stream) for s in states]
     ints, cap = eng.slots.layout_offsets(states), eng.cap_for(True)
     taken: Counter[GraphKey] = Counter()
+    # the memory plan's recompute policy (trainer.admission.RecomputePolicy) may release the parked states for a
+    # step that fits once they left: a prediction releases nothing (such a step recomputes or splits here)
+    plan = getattr(eng.recompute_for, "__self__", None) or getattr(eng.split_for, "__self__", None)
+    policy = getattr(plan, "recompute_policy", None)
+    release = getattr(policy, "release", None)
+    if release is not None:
+        policy.release = None
     try:
         for on in range(1, horizon + 1):
             per_job = [[eng.train_examples[i] for i in p.next_indices(s.spec.batch_size)]
@@ -105,6 +115,8 @@ def upcoming(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], ste
             return (key, on) if graphs._captures(key, graphs.max_capture_tokens, ahead=on) else None
         return None
     finally:
+        if release is not None:
+            policy.release = release
         for key, n in taken.items():
             graphs.cover_uses[key] -= n
             if graphs.cover_uses[key] <= 0:
@@ -137,12 +149,28 @@ def begin(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], step_k
     entry.last = graphs.calls
     flight = Flight(key, entry, threading.current_thread(), (graphs.failures, graphs.deferrals), new, steps_on)
     flight.switch = sys.getswitchinterval()
-    sys.setswitchinterval(min(flight.switch, SWITCH_S))
     graphs.flight = flight
+    try:
+        _fly(graphs, flight)
+    except Exception as err:  # noqa: BLE001 - no thread to be had, or a hook refused: nothing captured, nothing waits
+        flight.error = str(err)[:200]
+        flight.done.set()
+        settle(graphs)
+        return 0
+    why["thread_started"] += 1
+    return 1
+
+
+def _fly(graphs: Any, flight: Flight) -> None:  # noqa: ANN401
+    """The guards up (the arena's, the backbone's forward pre-hook, torch.cuda's sync and empty_cache), then the
+    thread that captures `flight.key` started."""
+    eng, entry, key = graphs.engine, flight.entry, flight.key
+    sys.setswitchinterval(min(flight.switch, SWITCH_S))
     eng.slots.guard = lambda: settle(graphs)
     flight.hook = eng.model.base_model.register_forward_pre_hook(lambda *_: settle(graphs))
     flight.saved = torch.cuda.synchronize, torch.cuda.empty_cache
-    torch.cuda.synchronize, torch.cuda.empty_cache = (_settled(graphs, f) for f in flight.saved)
+    flight.wrappers = (_settled(graphs, flight.saved[0]), _settled(graphs, flight.saved[1]))
+    torch.cuda.synchronize, torch.cuda.empty_cache = flight.wrappers
     worker: BackgroundWorker
 
     def run() -> None:
@@ -158,15 +186,7 @@ def begin(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], step_k
             worker.stop()  # one capture: from inside, this only asks the loop to end
 
     worker = BackgroundWorker("step-capture", run, logger=log)
-    try:
-        worker.start()
-    except RuntimeError as err:  # no thread to be had: nothing was captured, nothing waits
-        flight.error = str(err)[:200]
-        flight.done.set()
-        settle(graphs)
-        return 0
-    why["thread_started"] += 1
-    return 1
+    worker.start()
 
 
 def _settled(graphs: Any, real: Callable[..., Any]) -> Callable[..., Any]:  # noqa: ANN401
@@ -189,8 +209,12 @@ def settle(graphs: Any) -> None:  # noqa: ANN401
     graphs.flight = None
     eng, why, key, entry = graphs.engine, graphs.ahead, flight.key, flight.entry
     eng.slots.guard = None
-    flight.hook.remove()
-    torch.cuda.synchronize, torch.cuda.empty_cache = flight.saved
+    if flight.hook is not None:
+        flight.hook.remove()
+    if flight.saved is not None and torch.cuda.synchronize is flight.wrappers[0]:
+        torch.cuda.synchronize = flight.saved[0]
+    if flight.saved is not None and torch.cuda.empty_cache is flight.wrappers[1]:
+        torch.cuda.empty_cache = flight.saved[1]
     sys.setswitchinterval(flight.switch)
     if eng.device.type == "cuda":  # the capture's allocations are no step's peak
         torch.cuda.reset_peak_memory_stats(eng.device)

@@ -193,9 +193,9 @@ class StepGraphs:
             key = cover
             cpu = pack_flat(per_job, eng.pad_id, length=cover.tokens, max_len=eng.cap_for(train))
             self.covered += 1
-        entry = self._entry(key)
-        if self.flight is not None and (entry.graph is None or self.flight.done.is_set()):
+        if (flew := self.flight is not None) and ((k := self.entries.get(key)) is None or k.graph is None or self.flight.done.is_set()):
             graph_thread.settle(self)  # this step captures or runs eagerly, or the thread's capture is done
+        entry = self._entry(key)
         entry.last = self.calls = self.calls + 1
         counts = self._fill(entry.static, key, cpu, states, ints)
         eng.forward_shapes[(*cpu.input_ids.shape, train)] += 1
@@ -203,8 +203,8 @@ class StepGraphs:
         captured_now = self._captures(key, limit)
         if captured_now:
             entry.graph = self._capture(entry, key)
-        # a replay of an earlier capture allocates nothing (its memory is the pool's)
-        self.last_replayed = entry.graph is not None and not captured_now
+        # a replay allocates nothing (its memory is the pool's); a step begun beside a capture on a thread: not observed
+        self.last_replayed = entry.graph is not None and not captured_now or flew
         if entry.graph is not None:
             entry.graph.replay()
             self.replays += 1

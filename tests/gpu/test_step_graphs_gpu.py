@@ -261,7 +261,8 @@ def test_a_capture_on_a_thread_beside_the_replays_serves_its_step(tmp_path, monk
         made = real_next(graphs, states)
         if made:
             began.append(graphs.flight.key)
-            torch.cuda.synchronize()  # a device sync while the thread captures waits for the capture, not fails
+            if len(began) > 1:  # the first capture runs beside the replays; a device sync while a later one
+                torch.cuda.synchronize()  # runs waits for it, not fails
         return made
 
     monkeypatch.setattr(graph_ahead, "NEXT", True)
@@ -272,6 +273,6 @@ def test_a_capture_on_a_thread_beside_the_replays_serves_its_step(tmp_path, monk
     graph_thread.settle(g)
     made = g.ahead["thread_made"]
     assert made >= 2 and made == len(began) and g.ahead["thread_unmade"] == 0, g.stats()
-    assert all(isinstance(g.entries[k].graph, torch.cuda.CUDAGraph) for k in began if k in g.entries)
+    assert all(isinstance(g.entries[k].graph, torch.cuda.CUDAGraph) for k in began)
     assert g.eager_runs == 1 and g.replays == steps - 1, g.stats()
     _same_weights(eager, graphed)
