@@ -137,12 +137,25 @@ graph_tests_then_thread_abab() {  # DIR: the step graphs' GPU tests (a Triton ca
   rm -rf "$1" "$1_tests"
   TRITON_CACHE_DIR=$1_tests/triton step 150 graph_tests python3 -m pytest -q -p no:cacheprovider \
     tests/gpu/test_step_graphs_gpu.py
+  task200_abab LORAPLEX_CAPTURE_THREAD th
+}
+search_a_thread() {  # DIR V END: search (a) whole with $LORAPLEX_CAPTURE_THREAD=V on a Triton cache in DIR, until END s
+  # into the call (its deadline 15 s before), the cubins counted after, then the logs packed (session 59)
+  export TRITON_CACHE_DIR=$1/triton
+  rm -rf "$1"
+  LORAPLEX_CAPTURE_THREAD=$2 SEARCH_A_NAME=search_a_th$2 search_a $(($3 - SECONDS)) $(($3 - 15 - SECONDS))
+  echo "cubins shipped: $(shipped_cubins), after: $(cubins)" | tee -a "$OUT/steps.txt"
+  rm -f "$OUT"/search_a_th"$2".md "$OUT"/host_memory.txt
+  pack_logs
+}
+task200_abab() {  # VAR NAME: the 200-step task with $VAR=1, 0, 1, 0 (the first builds the model, the others reuse it),
+  # each while the call has 70 s left; runs task200_NAME{1,0}_i (sessions 58, 59)
   local i=0 v
   for v in 1 0 1 0; do
     i=$((i + 1))
-    [ $((585 - SECONDS)) -ge 70 ] && LORAPLEX_CAPTURE_THREAD=$v step 100 "task200_th${v}_$i" python3 bench/executor_task.py \
-      --layers 32 --steps 200 --runs cold $([ $i -gt 1 ] && echo --reuse) --out "$OUT/executor_task200_th${v}_$i.md" \
-      --json "$OUT/executor_task200_th${v}_$i.json"
+    [ $((585 - SECONDS)) -ge 70 ] && (export "$1=$v"; step 100 "task200_$2${v}_$i" python3 bench/executor_task.py \
+      --layers 32 --steps 200 --runs cold $([ $i -gt 1 ] && echo --reuse) --out "$OUT/executor_task200_$2${v}_$i.md" \
+      --json "$OUT/executor_task200_$2${v}_$i.json")
   done
 }
 pack_logs() { (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log); }
@@ -2810,13 +2823,7 @@ with c.set_checkpoint_debug_enabled(True):
           # on, off, on, off (the first builds the model, the others reuse it), then the graphed 2-job step off, on
     export TRITON_CACHE_DIR=/tmp/s58d/triton
     rm -rf /tmp/s58d
-    i=0
-    for v in 1 0 1 0; do
-      i=$((i + 1))
-      [ $((585 - SECONDS)) -ge 70 ] && LORAPLEX_MLP_STREAMS=$v step 100 "task200_ms${v}_$i" python3 bench/executor_task.py \
-        --layers 32 --steps 200 --runs cold $([ $i -gt 1 ] && echo --reuse) --out "$OUT/executor_task200_ms${v}_$i.md" \
-        --json "$OUT/executor_task200_ms${v}_$i.json"
-    done
+    task200_abab LORAPLEX_MLP_STREAMS ms
     for v in 0 1; do
       [ $((585 - SECONDS)) -ge 40 ] && LORAPLEX_MLP_STREAMS=$v hp "hp_ms${v}_2" 290 40
     done
@@ -2879,20 +2886,10 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     ;;
   s59_f)  # session 59, call 6: search (a) whole (its quality phase replays), with the capture on a thread on
-    export TRITON_CACHE_DIR=/tmp/s59f/triton
-    rm -rf /tmp/s59f
-    LORAPLEX_CAPTURE_THREAD=1 SEARCH_A_NAME=search_a_th1 search_a $((440 - SECONDS)) $((425 - SECONDS))
-    echo "cubins shipped: $(shipped_cubins), after: $(cubins)" | tee -a "$OUT/steps.txt"
-    rm -f "$OUT"/search_a_th1.md "$OUT"/host_memory.txt
-    pack_logs
+    search_a_thread /tmp/s59f 1 440
     ;;
   s59_g)  # session 59, call 7: s59_f's search (a) with the capture on a thread off (the same machine, right after)
-    export TRITON_CACHE_DIR=/tmp/s59g/triton
-    rm -rf /tmp/s59g
-    LORAPLEX_CAPTURE_THREAD=0 SEARCH_A_NAME=search_a_th0 search_a $((300 - SECONDS)) $((285 - SECONDS))
-    echo "cubins shipped: $(shipped_cubins), after: $(cubins)" | tee -a "$OUT/steps.txt"
-    rm -f "$OUT"/search_a_th0.md "$OUT"/host_memory.txt
-    pack_logs
+    search_a_thread /tmp/s59g 0 300
     ;;
   s59_h)  # session 59, call 8: the GPU tests nearest the step graphs with the capture on a thread on for every step
     export TRITON_CACHE_DIR=/tmp/s59h/triton

@@ -41,7 +41,7 @@ from typing import Any
 from trainer import graph_thread
 from trainer.data import sequence_tokens
 from trainer.early_exit import keep_count
-from trainer.graph_parts import GraphKey, has_room, lengths_key
+from trainer.graph_parts import GraphKey, has_room, lengths_key, unmade
 
 ON = os.environ.get("LORAPLEX_CAPTURE_AHEAD", "0") == "1"
 log = logging.getLogger(__name__)
@@ -187,11 +187,8 @@ def capture_ahead(graphs: Any, keys: Counter[GraphKey], busy: Callable[[], bool]
             if entry.graph is not None:  # its kernels are loaded now: the class's other keys capture at their first steps
                 graphs.warm.add(key.warm_class)
                 continue
-            why[p + "unmade"] += 1  # failed or short of room: the key's own step tries again, as it would have
-            entry.failed, entry.deferred = False, -1  # (and counts it there, not here)
-            graphs.failures, graphs.deferrals = counts
-            if new:  # its buffers go
-                graphs.entries.pop(key, None)
+            why[p + "unmade"] += 1
+            unmade(graphs, key, entry, counts, new)
             if not warm:
                 cold_failed.add(key.warm_class)
     finally:

@@ -218,6 +218,17 @@ class Entry:
     last: int = 0  # the step (StepGraphs.calls) that last ran it
 
 
+def unmade(graphs: Any, key: GraphKey, entry: Entry, counts: tuple[int, int], new: bool) -> None:  # noqa: ANN401
+    """A capture made before its step (trainer.graph_ahead, trainer.graph_thread) that made nothing (it failed, or
+    the device lacked room): the key's own step tries again as it would have, and counts it there. The entry
+    neither failed nor deferred, the graphs' failures and deferrals as `counts` held them, and an entry made
+    for the capture (`new`) dropped with its buffers."""
+    entry.failed, entry.deferred = False, -1
+    graphs.failures, graphs.deferrals = counts
+    if new and graphs.entries.get(key) is entry:
+        graphs.entries.pop(key)
+
+
 def capture_short(device: torch.device, need: float | None, pool_bytes: int, sync: bool = True) -> str | None:
     """Why a capture whose pool needs `need` bytes would not fit now (None: it fits, or no need is
     known): it has the device's free memory, once `make_room` made it (not with sync=False: no

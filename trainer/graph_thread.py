@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from contract.background import BackgroundWorker
-from trainer.graph_parts import GraphKey, has_room
+from trainer.graph_parts import GraphKey, has_room, unmade
 
 ON = os.environ.get("LORAPLEX_CAPTURE_THREAD", "0") == "1"
 LOOKAHEAD = 8  # the set's next steps whose keys are looked at
@@ -62,10 +62,8 @@ class Flight:
     owner: threading.Thread  # the thread that began it: the only one that waits for it
     counts: tuple[int, int]  # the graphs' failures and deferrals before it
     new: bool  # its entry was made for it
-    steps_on: int  # how many steps after the one that began it the key's step comes
     switch: float = 0.0  # Python's switch interval before it
     done: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
     graph: Any = None
     error: str | None = None
     hook: Any = None
@@ -135,7 +133,7 @@ def begin(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], step_k
     found = upcoming(graphs, states, peek, step_key)
     if found is None:
         return 0
-    key, steps_on = found
+    key, _ = found
     eng, why = graphs.engine, graphs.ahead
     why["thread_keys"] += 1
     if eng.device.type == "cuda":
@@ -147,7 +145,7 @@ def begin(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], step_k
     new = key not in graphs.entries
     entry = graphs._entry(key)
     entry.last = graphs.calls
-    flight = Flight(key, entry, threading.current_thread(), (graphs.failures, graphs.deferrals), new, steps_on)
+    flight = Flight(key, entry, threading.current_thread(), (graphs.failures, graphs.deferrals), new)
     flight.switch = sys.getswitchinterval()
     graphs.flight = flight
     try:
@@ -174,7 +172,6 @@ def _fly(graphs: Any, flight: Flight) -> None:  # noqa: ANN401
     worker: BackgroundWorker
 
     def run() -> None:
-        flight.thread = threading.current_thread()
         try:
             if eng.device.type == "cuda":
                 torch.cuda.set_device(eng.device)
@@ -225,10 +222,7 @@ def settle(graphs: Any) -> None:  # noqa: ANN401
         graphs.warm.add(key.warm_class)
         why["thread_made"] += 1
         return
-    why["thread_unmade"] += 1  # failed or short of room: the key's own step tries again, and counts it there
-    entry.failed, entry.deferred = False, -1
-    graphs.failures, graphs.deferrals = flight.counts
-    if flight.new and graphs.entries.get(key) is entry:
-        graphs.entries.pop(key)
+    why["thread_unmade"] += 1
+    unmade(graphs, key, entry, flight.counts, flight.new)
     if flight.error is not None:
         log.warning("a step capture on a thread failed: %s", flight.error)

@@ -115,19 +115,30 @@ def _mixed_lengths() -> list:
     return [e for trio in zip(*parts, strict=True) for e in trio]
 
 
-def _steps_with_next(model_dir, monkeypatch, on: bool, n: int):  # noqa: ANN001, ANN202, F811
-    """An eager and a graphed engine (capture_next on or off) with the same two jobs, n steps of both (the same
-    numbers checked), and the graphed engine's step graphs. The engine's capture limits: the tiny model's."""
-    monkeypatch.setattr(graph_ahead, "NEXT", on)
+def mixed_two_jobs(model_dir, steps: int):  # noqa: ANN001, ANN202, F811
+    """An eager and a graphed engine with the same two jobs over examples of three lengths (a key per token count:
+    capture_after 0, a key is captured at its first step, never covered), `steps` steps of both (the same numbers
+    checked). The engine's capture limits: the tiny model's."""
     data = _mixed_lengths()
     eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
-    graphed.step_graphs.capture_after = 0  # a key is captured at its first step, never covered (more captures)
+    graphed.step_graphs.capture_after = 0
     for eng in (eager, graphed):
         for spec in (job("a", 8, 2, 1), job("b", 16, 3, 2)):
             eng.attach(spec)
-    same_steps(eager, graphed, n)
-    for j in ("a", "b"):
+    same_steps(eager, graphed, steps)
+    return eager, graphed
+
+
+def same_weights(eager, graphed) -> None:  # noqa: ANN001
+    for j in graphed.jobs:
         torch.testing.assert_close(graphed.jobs[j].adapter.flat, eager.jobs[j].adapter.flat, rtol=1e-4, atol=1e-6)
+
+
+def _steps_with_next(model_dir, monkeypatch, on: bool, n: int):  # noqa: ANN001, ANN202, F811
+    """mixed_two_jobs with capture_next on or off, the weights checked: the graphed engine's step graphs."""
+    monkeypatch.setattr(graph_ahead, "NEXT", on)
+    eager, graphed = mixed_two_jobs(model_dir, n)
+    same_weights(eager, graphed)
     return graphed.step_graphs
 
 

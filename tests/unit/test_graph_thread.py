@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 
-from tests.unit.test_graph_ahead import _mixed_lengths
-from tests.unit.test_step_graphs import engine, examples, job, model_dir, same_steps  # noqa: F401 - the fixture
+from tests.unit.test_graph_ahead import mixed_two_jobs, same_weights
+from tests.unit.test_step_graphs import examples, job, model_dir  # noqa: F401 - the fixture
 from trainer import graph_ahead, graph_thread
 from trainer.step_graphs import StepGraphs
 
@@ -32,22 +32,9 @@ def _upcoming(g: StepGraphs, states: list) -> tuple | None:  # noqa: ANN001
     return graph_thread.upcoming(g, states, graph_ahead._peek, graph_ahead._step_key)
 
 
-def _two_jobs(model_dir, steps: int = 1):  # noqa: ANN001, ANN202, F811
-    """An eager and a graphed engine with the same two jobs over examples of three lengths (a key per token
-    count: capture_after 0, no cover), `steps` steps of both."""
-    data = _mixed_lengths()
-    eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
-    graphed.step_graphs.capture_after = 0
-    for eng in (eager, graphed):
-        for spec in (job("a", 8, 2, 1), job("b", 16, 3, 2)):
-            eng.attach(spec)
-    same_steps(eager, graphed, steps)
-    return eager, graphed
-
-
 def test_the_key_found_is_the_one_the_coming_step_captures_and_the_streams_stay(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
     monkeypatch.setattr(graph_ahead, "NEXT", False)
-    _, graphed = _two_jobs(model_dir)
+    _, graphed = mixed_two_jobs(model_dir, 1)
     g, states = graphed.step_graphs, list(graphed.jobs.values())
     positions = [dict(s.stream.state_dict()) for s in states]
     found = _upcoming(g, states)
@@ -81,11 +68,10 @@ def test_a_capture_on_a_thread_serves_its_step_with_the_eager_steps_numbers(mode
     for on in (False, True):
         monkeypatch.setattr(graph_thread, "ON", on)
         threads.clear()
-        eager, graphed = _two_jobs(model_dir, steps=14)
+        eager, graphed = mixed_two_jobs(model_dir, 14)
         g = graphed.step_graphs
         graph_thread.settle(g)
-        for j in ("a", "b"):
-            torch.testing.assert_close(graphed.jobs[j].adapter.flat, eager.jobs[j].adapter.flat, rtol=1e-4, atol=1e-6)
+        same_weights(eager, graphed)
         counts[on] = (set(g.entries), g.captures, threads.count("step-capture"), g.ahead["thread_made"], g.replays)
     keys_off, captures_off, thread_off, made_off, replays_off = counts[False]
     keys_on, captures_on, thread_on, made_on, replays_on = counts[True]
@@ -126,7 +112,7 @@ CHANGES = {
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_what_a_capture_reads_changes_only_once_it_ended(model_dir, monkeypatch, change: str) -> None:  # noqa: ANN001, F811
     monkeypatch.setattr(graph_ahead, "NEXT", False)
-    _, graphed = _two_jobs(model_dir)
+    _, graphed = mixed_two_jobs(model_dir, 1)
     g = graphed.step_graphs
     release, empty = threading.Event(), torch.cuda.empty_cache
     order = _held(monkeypatch, release)
@@ -150,7 +136,7 @@ def test_what_a_capture_reads_changes_only_once_it_ended(model_dir, monkeypatch,
 
 def test_only_the_thread_that_began_a_capture_waits_for_it(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
     monkeypatch.setattr(graph_ahead, "NEXT", False)
-    _, graphed = _two_jobs(model_dir)
+    _, graphed = mixed_two_jobs(model_dir, 1)
     g = graphed.step_graphs
     release = threading.Event()
     _held(monkeypatch, release)
@@ -170,7 +156,7 @@ def test_a_capture_that_makes_nothing_leaves_its_key_to_its_step(model_dir, monk
     import trainer.step_graphs as sg
 
     monkeypatch.setattr(graph_ahead, "NEXT", False)
-    _, graphed = _two_jobs(model_dir)
+    _, graphed = mixed_two_jobs(model_dir, 1)
     g, states = graphed.step_graphs, list(graphed.jobs.values())
     key, on = _upcoming(g, states)
     failures, deferrals, captures = g.failures, g.deferrals, g.captures
@@ -197,7 +183,7 @@ def test_a_capture_thread_that_cannot_start_leaves_nothing_waiting(model_dir, mo
     from contract.background import BackgroundWorker
 
     monkeypatch.setattr(graph_ahead, "NEXT", False)
-    _, graphed = _two_jobs(model_dir)
+    _, graphed = mixed_two_jobs(model_dir, 1)
     g, states = graphed.step_graphs, list(graphed.jobs.values())
     key, _ = _upcoming(g, states)
     switch, sync = sys.getswitchinterval(), torch.cuda.synchronize
@@ -217,7 +203,7 @@ def test_the_covers_the_steps_before_the_key_take_are_counted_then_given_back(mo
     before it run covered, their covers counted as taken in the prediction (a key covered capture_after times is
     captured at its next step) and given back after it."""
     monkeypatch.setattr(graph_ahead, "NEXT", False)
-    _, graphed = _two_jobs(model_dir)
+    _, graphed = mixed_two_jobs(model_dir, 1)
     g = graphed.step_graphs
     g.capture_after = 2
     found = None
