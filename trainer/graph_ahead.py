@@ -24,7 +24,7 @@ A key captured ahead and never run stays in the graphs' pool until a stale pool 
 
 `capture_next` (on unless LORAPLEX_CAPTURE_NEXT=0): a step's new key captured during the step before it, once
 that step's work is queued. Session 56 (bench/results/session56_h200.md): the 200-step task's capture steps
-0.36-0.74 s less in three calls. Under LORAPLEX_CAPTURE_THREAD=1 it hands over to trainer.graph_thread (a key
+0.36-0.74 s less in three calls. Unless LORAPLEX_CAPTURE_THREAD=0 it hands over to trainer.graph_thread (a key
 of the next steps, captured on a thread while the steps before it replay).
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Step graphs captured on a thread, up to LOOKAHEAD steps before the step that first runs them (issue 40;
-on with LORAPLEX_CAPTURE_THREAD=1, off until a device run shows a gain).
+on by default since session 60, off with LORAPLEX_CAPTURE_THREAD=0).
 
 A capture's host pass (0.2-0.3 s at 32 layers of the 8B shape: the whole step's Python, every launch recorded)
 leaves the device idle unless queued work covers it. `graph_ahead.capture_next` runs it during the one step
@@ -47,7 +47,7 @@ import torch
 from contract.background import BackgroundWorker
 from trainer.graph_parts import GraphKey, has_room, unmade
 
-ON = os.environ.get("LORAPLEX_CAPTURE_THREAD", "0") == "1"
+ON = os.environ.get("LORAPLEX_CAPTURE_THREAD", "1") != "0"
 LOOKAHEAD = 8  # the set's next steps whose keys are looked at
 SWITCH_S = 0.0005  # Python's switch interval while a capture runs on the thread
 log = logging.getLogger(__name__)

@@ -11,13 +11,20 @@ import pytest
 import torch
 
 from tests.helpers.engine_ref import tiny_model_dir
-from trainer import graph_ahead, graph_parts
+from trainer import graph_ahead, graph_parts, graph_thread
 from trainer.data import IGNORE, Example
 from trainer.engine import MultiLoraEngine
 from trainer.jobs import TrainJob
 from trainer.step_graphs import CAPTURE_PADDING
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def _captures_inline(monkeypatch) -> None:  # noqa: ANN001 - the step-start and capture_next rules alone
+    """These rules' counts are of captures made inline; the capture on a thread (on by default) changes
+    when and which keys are made, and is checked with the thread on in test_graph_thread.py."""
+    monkeypatch.setattr(graph_thread, "ON", False)
 
 
 def examples(n: int, length: int, seed: int = 0) -> list[Example]:
