@@ -39,7 +39,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -89,11 +89,12 @@ def upcoming(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], ste
     taken: Counter[GraphKey] = Counter()
     # the memory plan's recompute policy (trainer.admission.RecomputePolicy) may release the parked states for a
     # step that fits once they left: a prediction releases nothing (such a step recomputes or splits here)
+    # (a frozen dataclass: the plan holds a copy without it meanwhile)
     plan = getattr(eng.recompute_for, "__self__", None) or getattr(eng.split_for, "__self__", None)
     policy = getattr(plan, "recompute_policy", None)
-    release = getattr(policy, "release", None)
-    if release is not None:
-        policy.release = None
+    quiet = None
+    if getattr(policy, "release", None) is not None:
+        quiet = plan.recompute_policy = replace(policy, release=None)
     try:
         for on in range(1, horizon + 1):
             per_job = [[eng.train_examples[i] for i in p.next_indices(s.spec.batch_size)]
@@ -113,8 +114,8 @@ def upcoming(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], ste
             return (key, on) if graphs._captures(key, graphs.max_capture_tokens, ahead=on) else None
         return None
     finally:
-        if release is not None:
-            policy.release = release
+        if quiet is not None and plan.recompute_policy is quiet:  # (unless the plan replaced it meanwhile)
+            plan.recompute_policy = policy
         for key, n in taken.items():
             graphs.cover_uses[key] -= n
             if graphs.cover_uses[key] <= 0:

@@ -209,9 +209,11 @@ def test_the_next_steps_capture_during_a_queued_step_serves_it_with_no_sync(tmp_
     """trainer.graph_ahead.capture_next on CUDA (LORAPLEX_CAPTURE_NEXT): a new key that follows a replayed step is
     captured during that step with no device sync (at least one while its queued work still runs; a new token
     bucket's module load waits for it), none of the steps' numbers change, and every step after the first
-    replays: the same losses as eager steps."""
-    from trainer import graph_ahead
+    replays: the same losses as eager steps. The inline capture_next: the capture on a thread (on by default)
+    has its own test below."""
+    from trainer import graph_ahead, graph_thread
 
+    monkeypatch.setattr(graph_thread, "ON", False)
     eager, graphed = _mixed_two_jobs(tmp_path)
     g = graphed.step_graphs
     syncs, overlapped, real_next, real_sync = [], [], graph_ahead.capture_next, torch.cuda.synchronize

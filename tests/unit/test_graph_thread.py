@@ -6,6 +6,7 @@ The CUDA graph captured on a thread is checked on a device (tests/gpu/test_step_
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 
@@ -14,8 +15,14 @@ import torch
 
 from tests.unit.test_graph_ahead import mixed_two_jobs, same_weights
 from tests.unit.test_step_graphs import examples, job, model_dir  # noqa: F401 - the fixture
-from trainer import graph_ahead, graph_thread
+from trainer import admission, graph_ahead, graph_thread
+from trainer.admission import RecomputePolicy
+from trainer.config import ExecutorConfig
+from trainer.memory_model import MemoryModel
+from trainer.memory_plan import MemoryPlan
+from trainer.sft import Sft
 from trainer.step_graphs import StepGraphs
+from trainer.strategy import OneGpu
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -222,3 +229,27 @@ def test_the_covers_the_steps_before_the_key_take_are_counted_then_given_back(mo
         graphed.step()
         assert (g.captures == captures + 1) == (n == on), (n, on)  # only the key's own step captures
     assert g.entries[key].graph is not None and g.covered > covered  # steps before it ran covered
+
+
+def test_a_prediction_releases_no_parked_state_and_leaves_the_plans_policy(model_dir, monkeypatch, tmp_path) -> None:  # noqa: ANN001, F811
+    """The keys `upcoming` looks at go through the memory plan's recompute rule, whose policy (a frozen
+    dataclass) would send the parked states to the host for a step that then fits: a prediction releases
+    nothing, and the plan holds its own policy after (session 60's first call: the assignment to the frozen
+    policy failed every begin, so no capture ran on the thread)."""
+    monkeypatch.setattr(graph_thread, "ON", False)
+    _, graphed = mixed_two_jobs(model_dir, 1)
+    g, states = graphed.step_graphs, list(graphed.jobs.values())
+    cfg = ExecutorConfig(model_dir=str(tmp_path), train_file="", output_dir=str(tmp_path), jobs=[])
+    plan = MemoryPlan(cfg, graphed, torch.device("cpu"), Sft(), OneGpu(), lambda _n: contextlib.nullcontext(),
+                      lambda _j: None)
+    released: list[int] = []
+    # no room for any step unless the (huge) spare bytes leave; releasing them makes room
+    policy = RecomputePolicy(MemoryModel(0.0, 1.0), limit_bytes=1.0, seq_len=64, resident=lambda: 0.0,
+                             spare=lambda: 1e12, release=lambda: released.append(1) is None)
+    plan.recompute_policy = policy
+    monkeypatch.setattr(graphed, "recompute_for", plan.recompute_for)
+    monkeypatch.setattr(admission, "MIN_PASS_TOKENS", 0)
+    assert plan.recompute_for(10, 1.0) is False and released == [1]  # a step's own rule releases them
+    released.clear()
+    _upcoming(g, states)
+    assert released == [] and plan.recompute_policy is policy
