@@ -123,7 +123,7 @@ def upcoming(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], ste
 
 
 def begin(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], step_key: Callable[..., Any]) -> int:  # noqa: ANN401
-    """`capture_next` under LORAPLEX_CAPTURE_THREAD: file a finished capture; where none is under way, start
+    """`capture_next` with the thread on: file a finished capture; where none is under way, start
     the capture of the first coming key (`upcoming`) on a thread. Returns 1 if one started. Counted in
     `graphs.ahead` as thread_*."""
     flight = graphs.flight
