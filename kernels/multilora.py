@@ -104,7 +104,8 @@ def triton_available() -> bool:
     return True
 
 
-def _use_triton(x: torch.Tensor, backend: str) -> bool:
+def use_triton(x: torch.Tensor, backend: str) -> bool:
+    """Whether the Triton kernels serve a call on `x` under `backend` ("auto": CUDA in a kernel dtype)."""
     if backend == "torch":
         return False
     if backend == "triton":
@@ -130,7 +131,7 @@ def multilora_linear(
 ) -> torch.Tensor:
     """Base linear plus per-adapter LoRA for row-grouped tokens; see the module docstring."""
     _check_form(form)
-    if _use_triton(x, backend):
+    if use_triton(x, backend):
         if resolve_form(form, x, weight.shape[0], lora_a.shape[2]) == "fused":
             from kernels.fused_lora import multilora_linear_fused
 
@@ -162,7 +163,7 @@ def multilora_linear_arena(
     caller vouches that every offset in a_off and b_off is a multiple of 16 elements (the fused
     kernels then load the adapters' rows as 16-byte vectors; a false word gives wrong results)."""
     _check_form(form)
-    if _use_triton(x, backend):
+    if use_triton(x, backend):
         if resolve_form(form, x, weight.shape[0], r_max) == "fused":
             from kernels.fused_lora import multilora_linear_arena_fused
 

@@ -209,3 +209,94 @@ def run_arena(case: Case, op: Callable[..., torch.Tensor], x_grad: bool = True, 
     stray = int((delta[~touched] != 0).sum())
     out = {"y": y.detach(), "dx": x.grad if x_grad else None, "dA": da, "dB": db}
     return out, stray
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item() if b.numel() else 0.0
+
+
+def group_against_siblings(counts: Sequence[int], ranks: Sequence[int], d_in: int, d_outs: Sequence[int],
+                           dtype: torch.dtype, bias: bool, aligned: bool, x_grad: bool, onepass: bool,
+                           device: str | torch.device = "cpu", graphed: bool = False) -> dict[str, float | bool]:
+    """One grouped call (kernels.fused_groups) against each sibling's own fused arena call on the same inputs:
+    every sibling's adapters in one arena with NaN gaps between the blocks (a read outside one poisons the
+    result), random prior gradient sums. Returns the relative differences of the outputs, dX and the arena's
+    added gradients, whether a NaN reached them, and how much gradient the arena got (0 for no rows). With
+    `graphed` (CUDA) the grouped call's forward and backward run as a captured graph, replayed."""
+    from kernels.fused_groups import multilora_group_arena_fused
+    from kernels.fused_lora import multilora_linear_arena_fused
+
+    g = torch.Generator().manual_seed(len(d_outs) * 7 + sum(counts))
+    n, sibs, t = len(counts), len(d_outs), sum(counts)
+    offsets = torch.tensor([0, *torch.tensor(list(counts)).cumsum(0).tolist()], dtype=torch.int64)
+    x = torch.randn(t, d_in, generator=g).to(dtype)
+    weights = [(torch.randn(d, d_in, generator=g) / d_in ** 0.5).to(dtype) for d in d_outs]
+    biases = [torch.randn(d, generator=g).to(dtype) if bias else None for d in d_outs]
+    pieces, pos = [], 0
+    a_offs, b_offs = torch.zeros(sibs, n, dtype=torch.int64), torch.zeros(sibs, n, dtype=torch.int64)
+
+    def gap(size: int) -> None:
+        nonlocal pos
+        pieces.append(torch.full((size,), float("nan"), dtype=dtype))
+        pos += size
+
+    for s, d_out in enumerate(d_outs):
+        for i, r in enumerate(ranks):
+            gap(-pos % 16 + 16 if aligned else 3 + i)
+            a_offs[s, i] = pos
+            pieces.append((torch.randn(r * d_in, generator=g) / d_in ** 0.5).to(dtype))
+            pos += r * d_in
+            gap(-pos % 16 if aligned else 1)
+            b_offs[s, i] = pos
+            pieces.append((torch.randn(r * d_out, generator=g) / r ** 0.5).to(dtype))
+            pos += r * d_out
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    dev = torch.device(device)
+    arena = torch.cat(pieces).to(dev)
+    prior = torch.randn(arena.shape, generator=g, dtype=acc).to(dev)
+    scales = torch.tensor([0.5 + i for i in range(n)], dtype=torch.float32, device=dev)
+    rk = torch.tensor(list(ranks), dtype=torch.int32, device=dev)
+    offsets, a_offs, b_offs = offsets.to(dev), a_offs.to(dev), b_offs.to(dev)
+    x, weights = x.to(dev), [w.to(dev) for w in weights]
+    biases = [b.to(dev) if b is not None else None for b in biases]
+    grads_out = [torch.randn(t, d, generator=g).to(dtype).to(dev) for d in d_outs]
+    r_max = max(ranks)
+    results = []
+    for grouped in (False, True):
+        xx = x.clone().requires_grad_(x_grad)
+        grad = prior.clone()
+        token = torch.zeros((), device=dev, requires_grad=True)
+
+        def run(xx=xx, grad=grad, token=token, grouped=grouped) -> list[torch.Tensor]:  # noqa: ANN001
+            if grouped:
+                ys = multilora_group_arena_fused(xx, weights, biases, arena, grad, a_offs, b_offs, scales, rk,
+                                                 offsets, r_max, token, onepass=onepass, aligned=aligned)
+            else:
+                ys = [multilora_linear_arena_fused(xx, w, b, arena, grad, a_offs[s], b_offs[s], scales, rk, offsets,
+                                                   r_max, token, onepass=onepass, aligned=aligned)
+                      for s, (w, b) in enumerate(zip(weights, biases, strict=True))]
+            sum((y * gy).sum() for y, gy in zip(ys, grads_out, strict=True)).backward()
+            return [y.detach() for y in ys]
+
+        if grouped and graphed:  # warm up (compiles), capture, then replay once from the prior sums
+            run()
+            grad.copy_(prior)
+            xx.grad = None
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                ys = run()
+            grad.copy_(prior)
+            if x_grad:
+                xx.grad.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+        else:
+            ys = run()
+        results.append((ys, xx.grad, grad))
+    (ys0, dx0, g0), (ys1, dx1, g1) = results
+    return {"y": max(_rel(a, b) for a, b in zip(ys1, ys0, strict=True)),
+            "dx": _rel(dx1, dx0) if x_grad else 0.0,
+            "grad": _rel(g1 - prior, g0 - prior),
+            "nan": bool(torch.isnan(g1).any() or any(torch.isnan(y).any() for y in ys1)),
+            "moved": float((g1 - prior).abs().sum())}
