@@ -283,31 +283,12 @@ def test_fused_kernels_under_interpreter(block_m: str, chunk: str, block_r: str,
 
 
 _ENGINE = r"""
-import json, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from kernels import set_default_form
-from trainer.data import Example
-from trainer.engine import MultiLoraEngine
-from trainer.jobs import TrainJob
+import json
+from kernels.testing import tiny_engine_steps
 
 
 def losses(backend, form):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg).float()
-    data = torch.randint(1, 64, (6, 12), generator=torch.Generator().manual_seed(1))
-    eng = MultiLoraEngine(model, [Example(tuple(r.tolist()), tuple(r.tolist())) for r in data], pad_id=0,
-                          backend=backend)
-    for i, r in enumerate([8, 16, 24]):  # mixed ranks, one not a power of two
-        eng.attach(TrainJob(f"j{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=1e-2, batch_size=1, max_steps=100,
-                            seed=i))
-    set_default_form(form)
-    out = []
-    for _ in range(2):  # the second step's losses see the first step's gradients and updates
-        rep = eng.step()
-        out.append([rep.losses[f"j{i}"] for i in range(3)])
-    return out
+    return tiny_engine_steps(backend, form)[0]
 
 
 print("RESULT" + json.dumps({"torch": losses("torch", "compose"), "fused": losses("triton", "fused")}))

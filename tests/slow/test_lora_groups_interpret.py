@@ -36,17 +36,11 @@ def test_a_grouped_call_equals_each_siblings_own_fused_call() -> None:
 
 
 _ENGINE = r"""
-import os
-from transformers import LlamaConfig, LlamaForCausalLM
-from kernels import set_default_form
-import kernels.fused_groups as fg
-from trainer import multilora
-from trainer.data import Example
-from trainer.engine import MultiLoraEngine
-from trainer.jobs import TrainJob
-
 from collections import Counter
+import kernels.fused_groups as fg
+from kernels.testing import tiny_engine_steps
 from kernels.tuned import Tuned
+from trainer import multilora
 
 calls, launches = [], Counter()
 real = fg.FusedGroupArenaFn.forward
@@ -57,22 +51,7 @@ Tuned.run_config = lambda self, *a: launches.update([self.name]) or real_run(sel
 
 def run(grouped):
     multilora.GROUPS = grouped
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg).float()
-    data = torch.randint(1, 64, (6, 12), generator=torch.Generator().manual_seed(1))
-    eng = MultiLoraEngine(model, [Example(tuple(r.tolist()), tuple(r.tolist())) for r in data], pad_id=0,
-                          backend="triton")
-    for i, r in enumerate([8, 16, 24]):
-        eng.attach(TrainJob(f"j{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=1e-2, batch_size=1, max_steps=100,
-                            seed=i))
-    set_default_form("fused")
-    losses = []
-    for _ in range(2):
-        rep = eng.step()
-        losses.append([rep.losses[f"j{i}"] for i in range(3)])
-    return losses, [eng.jobs[f"j{i}"].adapter.flat.detach().clone() for i in range(3)]
+    return tiny_engine_steps("triton", "fused")
 
 
 plain, plain_w = run(False)
