@@ -10,7 +10,7 @@ Per sibling s (same input X, each its own base weight W_s and adapters' A_s, B_s
             dX = sum_s dY_s W_s + dS_s A_s   the fused GEMM per sibling, summed in place
 
 So a q/k/v group launches one forward shrink and one dA pass where the layers alone launch three of each
-(each ~20-25 us at a 2-job step's ~1.4k rows, bench/results/session57_h200.md), and X is saved once. Numbers
+(each ~20-25 us at a 2-job step's ~1.4k rows, bench/results/session57_h200.md). Numbers
 equal the layers' own (the same kernels' programs, per sibling). The kernels run the plain kernels' programs
 (`_shrink_jit`, `_wgrad_jit`) once per sibling, on the configuration the plain kernel's table gives for the
 call's key. Their sources differ from the shipped archive's, so until a device grows their cubins into it they
@@ -155,9 +155,10 @@ class FusedGroupArenaFn(torch.autograd.Function):
             _wgrad_group_launch(c, ds_all, x, g, sa, a_offs, mode)
         else:  # dA beside the dX GEMMs (kernels.fused_lora.DA_SIDE_STREAM), joined before the call returns
             side.wait_stream(main)
-            with torch.cuda.stream(side):
-                _wgrad_group_launch(c, ds_all, x, g, sa, a_offs, mode)
         try:
+            if side is not None:
+                with torch.cuda.stream(side):
+                    _wgrad_group_launch(c, ds_all, x, g, sa, a_offs, mode)
             dx = None
             if need_x:
                 for s, (dy, w) in enumerate(zip(dys, weights, strict=True)):
@@ -176,8 +177,11 @@ def multilora_group_arena_fused(x, weights, biases, arena, grad_arena, a_offs, b
     offsets). Returns each sibling's output."""
     for w in weights:
         _check_arena(x, w, arena, grad_arena)
-    if len(weights) != a_offs.shape[0] or len(biases) != len(weights) or b_offs.shape != a_offs.shape:
+    if (len(weights) != a_offs.shape[0] or len(biases) != len(weights) or b_offs.shape != a_offs.shape
+            or a_offs.dim() != 2 or a_offs.shape[1] != scales.shape[0]):
         raise ValueError(f"{len(weights)} weights, {len(biases)} biases, offsets {tuple(a_offs.shape)} / "
-                         f"{tuple(b_offs.shape)}: one row of offsets and one bias (or None) per sibling")
+                         f"{tuple(b_offs.shape)}, {scales.shape[0]} adapters: one row of offsets per sibling, one "
+                         "offset per adapter, one bias (or None) per sibling")
+    a_offs, b_offs = a_offs.contiguous(), b_offs.contiguous()  # the kernels read row s at s * N
     return FusedGroupArenaFn.apply(x, arena, grad_arena, a_offs, b_offs, scales, ranks, offsets, r_max, token,
                                    onepass, bool(aligned), *weights, *biases)

@@ -284,7 +284,7 @@ def group_against_siblings(counts: Sequence[int], ranks: Sequence[int], d_in: in
             grad.copy_(prior)
             xx.grad = None
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 ys = run()
             grad.copy_(prior)
             if x_grad:

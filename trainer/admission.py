@@ -5,7 +5,9 @@ and the policy that decides which pending jobs attach to the executor (torch onl
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -282,6 +284,22 @@ MIN_PASS_TOKENS = 4096
 MAX_PASSES = 16
 
 
+_PREDICTING = threading.local()
+
+
+@contextmanager
+def predicting() -> Iterator[None]:
+    """While this thread works out a coming step's key (trainer.graph_ahead._step_key, for the captures made ahead):
+    no RecomputePolicy releases the parked states, whatever hook asks it (a prediction is about a step that may
+    never run; the step itself decides again). Such a step is predicted to recompute or split."""
+    was = getattr(_PREDICTING, "on", False)
+    _PREDICTING.on = True
+    try:
+        yield
+    finally:
+        _PREDICTING.on = was
+
+
 @dataclass(frozen=True)
 class RecomputePolicy:
     """Activation recompute only where it is needed: a step runs without it when the memory model
@@ -323,8 +341,10 @@ class RecomputePolicy:
         """Whether the spare bytes were released so that one pass of `tokens` fits without recompute
         (they are only where it would then fit, and for a step of MIN_PASS_TOKENS or more: a
         smaller one recomputes for less than the states' trip to the host and back costs; an H200
-        search's 1.7k-token step sent 31 GB of them there, pinning memory for 9.7 s)."""
-        if self.release is None or self.spare is None or tokens < MIN_PASS_TOKENS or not self.spare():
+        search's 1.7k-token step sent 31 GB of them there, pinning memory for 9.7 s). Never while this
+        thread predicts a coming step (`predicting`)."""
+        if (self.release is None or self.spare is None or tokens < MIN_PASS_TOKENS or getattr(_PREDICTING, "on", False)
+                or not self.spare()):
             return False
         return tokens <= self.room_tokens(padding, spare=True) and self.release()
 

@@ -39,6 +39,7 @@ from dataclasses import replace
 from typing import Any
 
 from trainer import graph_thread
+from trainer.admission import predicting
 from trainer.data import sequence_tokens
 from trainer.early_exit import keep_count
 from trainer.graph_parts import GraphKey, has_room, lengths_key, unmade
@@ -102,15 +103,17 @@ def coming_keys(graphs: Any, sets: Iterable[Sequence[Any]], steps: int = STEPS, 
 def _step_key(graphs: Any, states: Sequence[Any], ints: Sequence[int], per_job: Sequence[Sequence[Any]],  # noqa: ANN401
               cap: int) -> tuple[GraphKey, int, int] | None:
     """The training key a step of `states` over `per_job` runs, with its recompute decision, its real tokens and
-    sequences; None where the step runs in passes (eagerly)."""
+    sequences; None where the step runs in passes (eagerly). A prediction: the memory plan's hooks release no parked
+    state meanwhile (trainer.admission.predicting)."""
     eng = graphs.engine
     tokens = [sum(sequence_tokens(e) for e in items) for items in per_job]
-    passes = eng.split_for(tokens) if eng.split_for is not None else None
-    if passes is not None and len(passes) > 1:
-        return None
-    lengths = [len(e.input_ids) for items in per_job for e in items]
-    key, real = lengths_key(eng, graphs.per_octave, states, ints, lengths, True, cap), sum(lengths)
-    on = graphs.recompute_on(key, real, len(lengths)) if eng.recompute_for is not None else None
+    with predicting():
+        passes = eng.split_for(tokens) if eng.split_for is not None else None
+        if passes is not None and len(passes) > 1:
+            return None
+        lengths = [len(e.input_ids) for items in per_job for e in items]
+        key, real = lengths_key(eng, graphs.per_octave, states, ints, lengths, True, cap), sum(lengths)
+        on = graphs.recompute_on(key, real, len(lengths)) if eng.recompute_for is not None else None
     return (key if on is None else replace(key, recompute=on)), real, len(lengths)
 
 

@@ -27,8 +27,8 @@ thread alone: the thread hands back its graph, and `settle` files it. A capture 
 leaves nothing behind: its key's own step captures it as before (counted as ahead["thread_unmade"]). The
 capture's allocations are no step's peak: `settle` resets the device's peak after it, and a step begun while a
 capture ran is not observed by the memory plan (`StepGraphs.last_replayed`: the resident bytes it read at its
-start held the capture's tensors). A prediction releases nothing: the recompute policy's release of the parked
-states is off while `upcoming` asks it about coming steps.
+start held the capture's tensors). A prediction releases nothing: the keys come from graph_ahead._step_key, under
+which no recompute policy releases the parked states (trainer.admission.predicting).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -87,14 +87,6 @@ def upcoming(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], ste
     peeks = [peek(s.stream) for s in states]
     ints, cap = eng.slots.layout_offsets(states), eng.cap_for(True)
     taken: Counter[GraphKey] = Counter()
-    # the memory plan's recompute policy (trainer.admission.RecomputePolicy) may release the parked states for a
-    # step that fits once they left: a prediction releases nothing (such a step recomputes or splits here)
-    # (a frozen dataclass: the plan holds a copy without it meanwhile)
-    plan = getattr(eng.recompute_for, "__self__", None) or getattr(eng.split_for, "__self__", None)
-    policy = getattr(plan, "recompute_policy", None)
-    quiet = None
-    if getattr(policy, "release", None) is not None:
-        quiet = plan.recompute_policy = replace(policy, release=None)
     try:
         for on in range(1, horizon + 1):
             per_job = [[eng.train_examples[i] for i in p.next_indices(s.spec.batch_size)]
@@ -114,8 +106,6 @@ def upcoming(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], ste
             return (key, on) if graphs._captures(key, graphs.max_capture_tokens, ahead=on) else None
         return None
     finally:
-        if quiet is not None and plan.recompute_policy is quiet:  # (unless the plan replaced it meanwhile)
-            plan.recompute_policy = policy
         for key, n in taken.items():
             graphs.cover_uses[key] -= n
             if graphs.cover_uses[key] <= 0:

@@ -24,7 +24,7 @@ from torch import nn
 from kernels import multilora_linear_arena
 from kernels.multilora import resolve_form, use_triton
 
-# linears of one module that read the same input, grouped when they are all targets (off until measured on a device
+# linears of one module that read the same input, grouped where two or more are targets (off until measured on a device
 # and their kernels are in the shipped archive: kernels.fused_groups)
 GROUPS = os.environ.get("LORAPLEX_LORA_GROUPS", "0") == "1"
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -117,8 +117,9 @@ def _rows(offsets: list[torch.Tensor]) -> torch.Tensor:
     (the layers' offsets are: trainer.arena, trainer.graph_parts), else a stack."""
     first, n = offsets[0], offsets[0].numel()
     base = first.storage_offset()
-    if all(t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and t.dim() == 1
-           and t.stride() == (1,) and t.storage_offset() == base + k * n for k, t in enumerate(offsets)):
+    if all(t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and t.shape == first.shape
+           and t.dtype == first.dtype and t.dim() == 1 and t.stride() == (1,) and t.storage_offset() == base + k * n
+           for k, t in enumerate(offsets)):
         return first.as_strided((len(offsets), n), (n, 1), base)
     return torch.stack(offsets)
 
@@ -131,15 +132,20 @@ class SiblingGroup:
 
     def __init__(self, members: list[MultiLoraLinear]) -> None:
         self.members = members
-        self._kept: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None  # (input, sibling index -> output)
+        # (input, grad mode, sibling index -> output): what the siblings not yet called take
+        self._kept: tuple[torch.Tensor, bool, dict[int, torch.Tensor]] | None = None
+
+    def clear(self) -> None:
+        """Drop outputs kept for siblings (a forward that stopped short between them; AdapterArena.clear_layout)."""
+        self._kept = None
 
     def output(self, member: MultiLoraLinear, x: torch.Tensor) -> torch.Tensor | None:
         """`member`'s output for `x` (computed with its siblings' now, or kept from that), or None: it runs alone."""
-        k = self.members.index(member)
+        k, grad = self.members.index(member), torch.is_grad_enabled()
         kept = self._kept
-        if kept is not None and kept[0] is x and k in kept[1]:
-            y = kept[1].pop(k)
-            if not kept[1]:
+        if kept is not None and kept[0] is x and kept[1] == grad and k in kept[2]:
+            y = kept[2].pop(k)
+            if not kept[2]:
                 self._kept = None
             return y
         self._kept = None
@@ -147,7 +153,7 @@ class SiblingGroup:
         if outs is None:
             return None
         rest = {i: y for i, y in enumerate(outs) if i != k}
-        self._kept = (x, rest) if rest else None
+        self._kept = (x, grad, rest) if rest else None
         return outs[k]
 
     def _all(self, x: torch.Tensor) -> list[torch.Tensor] | None:
@@ -167,15 +173,17 @@ class SiblingGroup:
 
 
 def _sibling_groups(layers: dict[str, MultiLoraLinear]) -> Iterator[list[MultiLoraLinear]]:
-    """Each module's target linears named in one SIBLINGS set, all of them present, of one input width."""
+    """Each module's target linears named in one SIBLINGS set, two or more (e.g. q_proj and v_proj alone), of one
+    input width, in module order (the order of the layers' offset rows: `_rows` then takes a view)."""
     by_parent: dict[str, dict[str, MultiLoraLinear]] = {}
+    order = {layer: i for i, layer in enumerate(layers.values())}
     for full, layer in layers.items():
         parent, _, child = full.rpartition(".")
         by_parent.setdefault(parent, {})[child] = layer
     for children in by_parent.values():
         for names in SIBLINGS:
-            members = [children.get(n) for n in names]
-            if all(m is not None for m in members) and len({m.in_features for m in members}) == 1:
+            members = sorted((children[n] for n in names if n in children), key=order.__getitem__)
+            if len(members) >= 2 and len({m.in_features for m in members}) == 1:
                 yield members
 
 

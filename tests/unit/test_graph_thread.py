@@ -231,11 +231,12 @@ def test_the_covers_the_steps_before_the_key_take_are_counted_then_given_back(mo
     assert g.entries[key].graph is not None and g.covered > covered  # steps before it ran covered
 
 
-def test_a_prediction_releases_no_parked_state_and_leaves_the_plans_policy(model_dir, monkeypatch, tmp_path) -> None:  # noqa: ANN001, F811
-    """The keys `upcoming` looks at go through the memory plan's recompute rule, whose policy (a frozen
-    dataclass) would send the parked states to the host for a step that then fits: a prediction releases
-    nothing, and the plan holds its own policy after (session 60's first call: the assignment to the frozen
-    policy failed every begin, so no capture ran on the thread)."""
+def test_no_prediction_releases_parked_states_whatever_hook_asks(model_dir, monkeypatch, tmp_path) -> None:  # noqa: ANN001, F811
+    """The keys every predictor looks at (the thread's `upcoming`, the inline capture_next's and the capture ahead's
+    `graph_ahead._step_key`) go through the memory plan's recompute and split rules, whose policy would send the
+    parked states to the host for a step that then fits: a prediction releases nothing, through the plan's bound
+    hooks or wrapped ones, and the step's own rule still does (session 60's first call: session 59's way of
+    keeping the release out, an assignment to the frozen policy, failed every begin on the thread)."""
     monkeypatch.setattr(graph_thread, "ON", False)
     _, graphed = mixed_two_jobs(model_dir, 1)
     g, states = graphed.step_graphs, list(graphed.jobs.values())
@@ -247,9 +248,17 @@ def test_a_prediction_releases_no_parked_state_and_leaves_the_plans_policy(model
     policy = RecomputePolicy(MemoryModel(0.0, 1.0), limit_bytes=1.0, seq_len=64, resident=lambda: 0.0,
                              spare=lambda: 1e12, release=lambda: released.append(1) is None)
     plan.recompute_policy = policy
-    monkeypatch.setattr(graphed, "recompute_for", plan.recompute_for)
     monkeypatch.setattr(admission, "MIN_PASS_TOKENS", 0)
-    assert plan.recompute_for(10, 1.0) is False and released == [1]  # a step's own rule releases them
-    released.clear()
-    _upcoming(g, states)
-    assert released == [] and plan.recompute_policy is policy
+    peek = graph_ahead._peek
+    for hooks in ((plan.recompute_for, plan.split_for),
+                  (lambda *a, **k: plan.recompute_for(*a, **k), lambda t: plan.split_for(t))):  # wrapped: no __self__
+        monkeypatch.setattr(graphed, "recompute_for", hooks[0])
+        monkeypatch.setattr(graphed, "split_for", hooks[1])
+        released.clear()
+        assert hooks[0](10, 1.0) is False and released == [1]  # a step's own rule releases them
+        released.clear()
+        _upcoming(g, states)
+        per_job = [[graphed.train_examples[i] for i in peek(s.stream).next_indices(s.spec.batch_size)] for s in states]
+        step = graph_ahead._step_key(g, states, graphed.slots.layout_offsets(states), per_job, graphed.cap_for(True))
+        assert released == [] and plan.recompute_policy is policy
+        assert step is None or step[0].recompute  # predicted to recompute (or split): it fits only after a release
