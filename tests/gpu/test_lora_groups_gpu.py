@@ -28,10 +28,12 @@ CASES = [
 def test_a_grouped_call_equals_each_siblings_own_fused_call_on_cuda(idx: int) -> None:
     r = group_against_siblings(*CASES[idx][:9], device="cuda", graphed=CASES[idx][9])
     assert not r["nan"] and r["moved"] > 0, r
-    # the same kernels' programs per sibling: outputs and gradients as the siblings' own calls, dX up to the order
-    # of its sum (bf16 partial sums)
-    assert r["y"] <= 1e-6 and r["grad"] <= 1e-6, r
-    assert r["dx"] <= (1e-2 if CASES[idx][4] == torch.bfloat16 else 1e-6), r
+    # the same kernels' programs per sibling on the same configuration: the outputs and gradients of the siblings'
+    # own calls up to the order of fp32 atomics (split shrinks, weight-gradient chunks; a bf16 output's rounding
+    # may flip where its LoRA term moved by one), dX up to the order of its sum
+    bf16 = CASES[idx][4] == torch.bfloat16
+    assert r["y"] <= (1e-3 if bf16 else 1e-5) and r["grad"] <= 1e-5, r
+    assert r["dx"] <= (1e-2 if bf16 else 1e-5), r
 
 
 def test_graphed_engine_steps_with_siblings_grouped_equal_the_steps_without(tmp_path, monkeypatch) -> None:  # noqa: ANN001
