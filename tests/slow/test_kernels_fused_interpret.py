@@ -284,7 +284,7 @@ def test_fused_kernels_under_interpreter(block_m: str, chunk: str, block_r: str,
 
 _ENGINE = r"""
 import json
-from kernels.testing import tiny_engine_steps
+from tests.helpers.tiny_engine import tiny_engine_steps
 
 
 def losses(backend, form):

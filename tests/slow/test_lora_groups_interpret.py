@@ -38,7 +38,7 @@ def test_a_grouped_call_equals_each_siblings_own_fused_call() -> None:
 _ENGINE = r"""
 from collections import Counter
 import kernels.fused_groups as fg
-from kernels.testing import tiny_engine_steps
+from tests.helpers.tiny_engine import tiny_engine_steps
 from kernels.tuned import Tuned
 from trainer import multilora
 
