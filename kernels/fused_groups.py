@@ -149,16 +149,15 @@ class FusedGroupArenaFn(torch.autograd.Function):
                            wgrad=(s_all[s], g, b_offs[s]) if ctx.onepass else None)
             if not ctx.onepass:
                 _wgrad_launch(c, s_all[s], dy, g, sb, b_offs[s], mode)
+        # dA beside the dX GEMMs (kernels.fused_lora.DA_SIDE_STREAM), joined before the call returns; in line where
+        # there is no side stream (torch.cuda.stream(None) changes nothing)
         side = _side_stream(x.device) if need_x else None
         main = torch.cuda.current_stream(x.device) if side is not None else None
-        if side is None:
-            _wgrad_group_launch(c, ds_all, x, g, sa, a_offs, mode)
-        else:  # dA beside the dX GEMMs (kernels.fused_lora.DA_SIDE_STREAM), joined before the call returns
+        if side is not None:
             side.wait_stream(main)
         try:
-            if side is not None:
-                with torch.cuda.stream(side):
-                    _wgrad_group_launch(c, ds_all, x, g, sa, a_offs, mode)
+            with torch.cuda.stream(side):
+                _wgrad_group_launch(c, ds_all, x, g, sa, a_offs, mode)
             dx = None
             if need_x:
                 for s, (dy, w) in enumerate(zip(dys, weights, strict=True)):

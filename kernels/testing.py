@@ -300,4 +300,3 @@ def group_against_siblings(counts: Sequence[int], ranks: Sequence[int], d_in: in
             "grad": _rel(g1 - prior, g0 - prior),
             "nan": bool(torch.isnan(g1).any() or any(torch.isnan(y).any() for y in ys1)),
             "moved": float((g1 - prior).abs().sum())}
-

@@ -13,19 +13,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.unit.test_step_graphs import engine, examples, job, model_dir, same_steps  # noqa: F401 - the fixture
-from trainer import graph_ahead, graph_thread
+from tests.unit.test_step_graphs import (  # noqa: F401 - the fixtures
+    _captures_inline,
+    engine,
+    examples,
+    job,
+    model_dir,
+    same_steps,
+)
+from trainer import graph_ahead
 from trainer.early_exit import keep_count
 from trainer.step_graphs import TRANSIENT_SET_STEPS, StepGraphs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def _captures_inline(monkeypatch) -> None:  # noqa: ANN001 - the step-start and capture_next rules alone
-    """These rules' counts are of captures made inline; the capture on a thread (on by default) changes
-    when and which keys are made, and is checked with the thread on in test_graph_thread.py."""
-    monkeypatch.setattr(graph_thread, "ON", False)
 
 
 def four_jobs(model_dir, d_rank: int = 8):  # noqa: ANN001, ANN201, F811
