@@ -330,5 +330,3 @@ class AdapterArena:
         self.settle()
         for layer in self.layers:
             layer.layout = layer.a_off = layer.b_off = None
-            if layer.group is not None:  # outputs a forward that stopped short left for siblings (and their graph)
-                layer.group.clear()

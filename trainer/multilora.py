@@ -7,27 +7,18 @@ of the engine's arena (one buffer for all attached jobs), and each layer reads i
 per-job offsets: nothing is stacked, padded or copied per step, and backward adds the weight
 gradients straight into the engine's gradient arena (kernels.multilora_linear_arena). The
 backbone's own dropout is turned off (`without_backbone_dropout`: one pass serves every job).
-Under $LORAPLEX_LORA_GROUPS=1 target linears of one module that read one input (q/k/v, gate/up: SIBLINGS) run
-as one node (`SiblingGroup`, kernels.fused_groups) where the fused Triton form serves them all.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from kernels import multilora_linear_arena
-from kernels.multilora import resolve_form, use_triton
-
-# linears of one module that read the same input, grouped where two or more are targets (off until measured on a device
-# and their kernels are in the shipped archive: kernels.fused_groups)
-GROUPS = os.environ.get("LORAPLEX_LORA_GROUPS", "0") == "1"
-SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 @dataclass
@@ -69,7 +60,6 @@ class MultiLoraLinear(nn.Module):
         # group of batch rows [lo, hi) its A^T and scaled B^T (None for the base model's rows)
         self.dense: tuple[torch.Tensor, torch.Tensor] | list[tuple[int, int, torch.Tensor, torch.Tensor] | None] \
             | None = None
-        self.group: SiblingGroup | None = None  # set by inject_multilora where its siblings are targets too
 
     @property
     def weight(self) -> torch.Tensor:
@@ -96,10 +86,6 @@ class MultiLoraLinear(nn.Module):
         lay = self.layout
         if lay is None or self.a_off is None:
             return self.base(x)
-        if GROUPS and self.group is not None:
-            y = self.group.output(self, x)
-            if y is not None:
-                return y
         shape = x.shape
         y = multilora_linear_arena(
             x.reshape(-1, shape[-1]), self.base.weight, self.base.bias, lay.arena, lay.grad_arena,
@@ -110,81 +96,6 @@ class MultiLoraLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"name={self.name}, in={self.in_features}, out={self.out_features}"
-
-
-def _rows(offsets: list[torch.Tensor]) -> torch.Tensor:
-    """The siblings' per-job offsets as one [S, N] tensor: a view where they are consecutive rows of one tensor
-    (the layers' offsets are: trainer.arena, trainer.graph_parts), else a stack."""
-    first, n = offsets[0], offsets[0].numel()
-    base = first.storage_offset()
-    if all(t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() and t.shape == first.shape
-           and t.dtype == first.dtype and t.dim() == 1 and t.stride() == (1,) and t.storage_offset() == base + k * n
-           for k, t in enumerate(offsets)):
-        return first.as_strided((len(offsets), n), (n, 1), base)
-    return torch.stack(offsets)
-
-
-class SiblingGroup:
-    """Target linears of one module that read one input (SIBLINGS), under $LORAPLEX_LORA_GROUPS: the first of them
-    called computes every sibling's output in one node (kernels.fused_groups: one forward shrink and one dA pass
-    for all), and the others, called with the same tensor, take theirs. Where the fused Triton form does not serve
-    every sibling (the CPU, "compose" by the form table, a decode's dense path, another input), each runs alone."""
-
-    def __init__(self, members: list[MultiLoraLinear]) -> None:
-        self.members = members
-        # (input, grad mode, sibling index -> output): what the siblings not yet called take
-        self._kept: tuple[torch.Tensor, bool, dict[int, torch.Tensor]] | None = None
-
-    def clear(self) -> None:
-        """Drop outputs kept for siblings (a forward that stopped short between them; AdapterArena.clear_layout)."""
-        self._kept = None
-
-    def output(self, member: MultiLoraLinear, x: torch.Tensor) -> torch.Tensor | None:
-        """`member`'s output for `x` (computed with its siblings' now, or kept from that), or None: it runs alone."""
-        k, grad = self.members.index(member), torch.is_grad_enabled()
-        kept = self._kept
-        if kept is not None and kept[0] is x and kept[1] == grad and k in kept[2]:
-            y = kept[2].pop(k)
-            if not kept[2]:
-                self._kept = None
-            return y
-        self._kept = None
-        outs = self._all(x)
-        if outs is None:
-            return None
-        rest = {i: y for i, y in enumerate(outs) if i != k}
-        self._kept = (x, grad, rest) if rest else None
-        return outs[k]
-
-    def _all(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        lay = self.members[0].layout
-        flat = x.reshape(-1, x.shape[-1])
-        if lay is None or any(m.layout is not lay or m.a_off is None or m.dense is not None for m in self.members) \
-                or not use_triton(flat, lay.backend) \
-                or any(resolve_form(lay.form, flat, m.out_features, lay.r_max) != "fused" for m in self.members):
-            return None
-        from kernels.fused_groups import multilora_group_arena_fused
-
-        ys = multilora_group_arena_fused(
-            flat, [m.base.weight for m in self.members], [m.base.bias for m in self.members], lay.arena,
-            lay.grad_arena, _rows([m.a_off for m in self.members]), _rows([m.b_off for m in self.members]),
-            lay.scales, lay.ranks, lay.offsets, lay.r_max, lay.token, aligned=lay.aligned)
-        return [y.reshape(*x.shape[:-1], m.out_features) for y, m in zip(ys, self.members, strict=True)]
-
-
-def _sibling_groups(layers: dict[str, MultiLoraLinear]) -> Iterator[list[MultiLoraLinear]]:
-    """Each module's target linears named in one SIBLINGS set, two or more (e.g. q_proj and v_proj alone), of one
-    input width, in module order (the order of the layers' offset rows: `_rows` then takes a view)."""
-    by_parent: dict[str, dict[str, MultiLoraLinear]] = {}
-    order = {layer: i for i, layer in enumerate(layers.values())}
-    for full, layer in layers.items():
-        parent, _, child = full.rpartition(".")
-        by_parent.setdefault(parent, {})[child] = layer
-    for children in by_parent.values():
-        for names in SIBLINGS:
-            members = sorted((children[n] for n in names if n in children), key=order.__getitem__)
-            if len(members) >= 2 and len({m.in_features for m in members}) == 1:
-                yield members
 
 
 def without_backbone_dropout(model: nn.Module) -> None:
@@ -222,10 +133,6 @@ def inject_multilora(model: nn.Module, targets: Iterable[str]) -> dict[str, Mult
         layer = MultiLoraLinear(child, full)
         setattr(parent, child_name, layer)
         layers[full] = layer
-    for members in _sibling_groups(layers):
-        group = SiblingGroup(members)
-        for m in members:
-            m.group = group
     return layers
 
 

@@ -153,14 +153,6 @@ res["wide shrink fp32"] = _compile(fl._shrink_jit, {k: (F32 if v == P else v) fo
 cfg = fl._WGRAD_WIDE
 res["wide wgrad fp32"] = _compile(fl._wgrad_jit, {k: (F32 if v == P else v) for k, v in wg.items()},
                                   dict(no_pf, DOT_PREC="ieee", **cfg.kwargs), cfg.num_warps, cfg.num_stages)
-# sibling groups (kernels.fused_groups): the plain shrink's and dA's programs once per sibling (grid axis 2)
-import kernels.fused_groups as fgr
-cfg = fl._SHRINK_CONFIGS[-1]  # rank tile 64, column split
-res["shrink group r64"] = _compile(fgr._shrink_group_jit, dict(shr, C=DI, stride_mm=DI, stride_wr=DI, stride_ps=T * R),
-                                   dict(no_pf, FUSE_WGRAD=False, **cfg.kwargs), cfg.num_warps, cfg.num_stages)
-cfg = fl._SMALL_WGRAD[-1]
-res["wgrad group r64"] = _compile(fgr._wgrad_group_jit, dict(wg, stride_ps=T * R), dict(no_pf, **cfg.kwargs),
-                                  cfg.num_warps, cfg.num_stages)
 print("RESULT" + json.dumps(res))
 """
 
@@ -178,8 +170,7 @@ def test_kernels_compile_for_hopper() -> None:
     # + persist r64 fwd/dx, shrink r64 x2, wgrad r64, the arena's two modes x2, fp32's small configs
     # + the small-step tiles: 3 GEMMs, a shrink of 16 column splits, a weight gradient of 256-row chunks
     # + the persistent GEMM's forward with a bias (dX has none: its compile is "gemm persist dx")
-    # + the sibling groups' shrink and weight gradient
-    assert len(res) == 17 + 2 + 2 + 1 + 4 + 3 + 5 + 1 + 2
+    assert len(res) == 17 + 2 + 2 + 1 + 4 + 3 + 5 + 1
     # unknown arena offsets: the adapters' bf16 rows load one element at a time; vouched-for
     # 16-element offsets: none does (16-byte vectors)
     assert res["gemm persist arena1"]["scalar16"] > 0 and res["shrink arena1"]["scalar16"] > 0
