@@ -44,15 +44,21 @@ def calls(attn, kw: dict, layers: int, tensors: tuple, backward: bool) -> None: 
     q, k, v, dout, cu, max_len = tensors
     with torch.set_grad_enabled(backward):
         for _ in range(layers):
-            out = attn(q, k, v, cu, cu, max_len, max_len, **kw)
+            # fresh leaves per call: no gradient accumulates into a leaf made outside the capture
+            qq, kk, vv = (t.detach().requires_grad_(backward) for t in (q, k, v))
+            out = attn(qq, kk, vv, cu, cu, max_len, max_len, **kw)
             if backward:
-                torch.autograd.grad(out, (q, k, v), dout)
+                torch.autograd.grad(out, (qq, kk, vv), dout)
 
 
 def timed(fn, iters: int) -> float:  # noqa: ANN001
-    """Median ms of `iters` graph replays of fn's 32 calls (captured after a warmup)."""
-    for _ in range(3):
-        fn()
+    """Median ms of `iters` graph replays of fn's 32 calls (captured after a warmup on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, capture_error_mode="thread_local"):
@@ -93,9 +99,9 @@ def main() -> None:
         t, longest = sum(lens), max(lens)
         cu_real = [0, *[sum(lens[: i + 1]) for i in range(len(lens))]]
         g = torch.Generator(device="cuda").manual_seed(seed)
-        q = torch.randn(t, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-        k = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-        v = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        q = torch.randn(t, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
         dout = torch.randn(t, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
         ref = None
         for name, max_len, spare in (("tight", longest, 0), ("cap", args.cap, 0), ("cap+spare", args.cap, args.spare),
@@ -105,9 +111,9 @@ def main() -> None:
             tensors = (q, k, v, dout, cu, max_len)
             fwd = functools.partial(calls, varlen_attn, kw, args.layers, tensors, False)
             both = functools.partial(calls, varlen_attn, kw, args.layers, tensors, True)
-            out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
-            grads = torch.autograd.grad(out, (q, k, v), dout)
-            got = [out.detach(), *grads]
+            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+            out = varlen_attn(qq, kk, vv, cu, cu, max_len, max_len, **kw)
+            got = [out.detach(), *torch.autograd.grad(out, (qq, kk, vv), dout)]
             if ref is None:
                 ref = got
             # the forward exactly; the gradients up to the order of the backward's fp32 dQ atomics
