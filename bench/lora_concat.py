@@ -21,7 +21,12 @@ backward, replayed as one CUDA graph, three ways:
 - `fused`: today's operator (kernels.fused_lora.multilora_linear_arena_fused, the process's GEMM variant);
 - `concat`: the design's GEMMs alone (the factors already in W_ext, gradients added to per-linear buffers);
 - `concat+copies`: with the per-step copies in (gathers into W_ext, index_add_ into the gradient arena);
-- `base`: the frozen GEMMs alone (no LoRA), the floor.
+- `rows`: only the forward's shrink from the base GEMM (W_rows = [W; A_all], rows contiguous, W itself a
+  contiguous view), the backward's dS its own GEMM dY @ B_all^T (B_all in a staging [R_cap, d_out]);
+- `rows+foreach`: `rows` with its copies, all between contiguous blocks: the factors in by one multi-tensor copy
+  per graph, the float32 gradients (cuBLAS's bf16 -> fp32 GEMMs) out by one multi-tensor add (a step would make
+  one of each for all its layers; here each layer's graph has its own);
+- `base`: the frozen GEMMs alone (no LoRA), the floor (its numbers are not checked: they lack the LoRA term).
 
 Every form's outputs, dX, dA and dB are checked against a float64 reference of the same numbers. CUDA only.
 
@@ -80,6 +85,20 @@ class Layer:
         self.fill_ext()
         self.ga = torch.zeros(self.r, d_in, device=dev)  # concat: the gradients before they reach the arena
         self.gb = torch.zeros(self.r, d_out, device=dev)
+        # the "rows" layout: W_rows [d_out + R_cap, d_in] (W, then the jobs' A rows: contiguous blocks) and a
+        # staging B_all [R_cap, d_out]; the per-job views the copies go between
+        self.wrows = torch.zeros(d_out + CAP, d_in, device=dev, dtype=bf)
+        self.wrows[:d_out] = self.w
+        self.bstage = torch.zeros(CAP, d_out, device=dev, dtype=bf)
+        self.dst, self.src, self.grad_dst, self.grad_src = [], [], [], []
+        row = 0
+        for r, ao, bo in zip(ranks, a_off, b_off, strict=True):
+            self.dst += [self.wrows[d_out + row:d_out + row + r], self.bstage[row:row + r]]
+            self.src += [self.arena[ao:ao + r * d_in].view(r, d_in), self.arena[bo:bo + r * d_out].view(r, d_out)]
+            self.grad_dst += [self.grad[ao:ao + r * d_in].view(r, d_in), self.grad[bo:bo + r * d_out].view(r, d_out)]
+            row += r
+        torch._foreach_copy_(self.dst, self.src)
+        self.da = self.db = None  # "rows+foreach": the step's float32 gradients, added to the arena after
 
     def fill_ext(self) -> None:
         """The arena's factors into W_ext: A_all below W, B_all^T right of it."""
@@ -123,6 +142,42 @@ class ConcatFn(torch.autograd.Function):
         return dx, None, None, None
 
 
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b accumulated and stored in float32 (cuBLAS's bf16 -> fp32 GEMM on CUDA)."""
+    return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda else (a @ b).float()
+
+
+class RowsFn(torch.autograd.Function):
+    """The "rows" variant: only the forward's shrink comes from the base GEMM (W_rows = [W; A_all], contiguous
+    rows); the backward's dS is its own small GEMM dY @ B_all^T, so W itself stays a contiguous [d_out, d_in]."""
+
+    @staticmethod
+    def forward(ctx, x, layer, mask, copies):  # noqa: ANN001, D102
+        d_out, r = layer.d_out, layer.r
+        y_ext = x @ layer.wrows[:d_out + r].t()
+        s = y_ext[:, d_out:] * mask
+        y = y_ext[:, :d_out]
+        y.addmm_(s, layer.bstage[:r])
+        ctx.save_for_backward(x, s, mask)
+        ctx.layer, ctx.copies = layer, copies
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, D102
+        x, s, mask = ctx.saved_tensors
+        layer = ctx.layer
+        d_out, r = layer.d_out, layer.r
+        dx = dy @ layer.wrows[:d_out]
+        ds = (dy @ layer.bstage[:r].t()) * mask
+        dx.addmm_(ds, layer.wrows[d_out:d_out + r])
+        if ctx.copies:
+            layer.da, layer.db = _mm32(ds.t(), x), _mm32(s.t(), dy)
+        else:
+            layer.ga.add_(ds.t() @ x)
+            layer.gb.add_(s.t() @ dy)
+        return dx, None, None, None
+
+
 def mask_of(counts: list[int], ranks: list[int], scales: list[float], t: int) -> torch.Tensor:
     """M [T, R]: row t's own job's rank columns at the job's scale, zero elsewhere (padding rows: zero)."""
     m = torch.zeros(t, sum(ranks), device=DEV, dtype=torch.bfloat16)
@@ -139,6 +194,8 @@ def run(form: str, layers: list[Layer], xs: list[torch.Tensor], dys: list[torch.
     from kernels.fused_lora import multilora_linear_arena_fused
 
     ys, leaves = [], []
+    if form == "rows+foreach":  # the arena's factors into W_rows and the staging B: one multi-tensor copy
+        torch._foreach_copy_([d for layer in layers for d in layer.dst], [s for layer in layers for s in layer.src])
     for layer, x in zip(layers, xs, strict=True):
         xx = x.detach().requires_grad_()
         leaves.append(xx)
@@ -148,10 +205,26 @@ def run(form: str, layers: list[Layer], xs: list[torch.Tensor], dys: list[torch.
                                                    meta["r_max"], meta["token"], aligned=True))
         elif form == "base":
             ys.append(xx @ layer.w.t())
+        elif form.startswith("rows"):
+            ys.append(RowsFn.apply(xx, layer, mask, form == "rows+foreach"))
         else:
             ys.append(ConcatFn.apply(xx, layer, mask, form == "concat+copies"))
     grads = torch.autograd.grad(ys, leaves, dys)
+    if form == "rows+foreach":  # every job's gradient rows into the gradient arena: one multi-tensor add
+        torch._foreach_add_([d for layer in layers for d in layer.grad_dst],
+                            [g[row:row + len(d)] for layer in layers
+                             for g, row, d in _grad_rows(layer)])
     return [(y.detach(), g) for y, g in zip(ys, grads, strict=True)]
+
+
+def _grad_rows(layer: Layer) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """(the step's dA or dB of all jobs, the job's first row, the job's arena view) in grad_dst's order."""
+    out, row = [], 0
+    for k in range(0, len(layer.grad_dst), 2):
+        a_view, b_view = layer.grad_dst[k], layer.grad_dst[k + 1]
+        out += [(layer.da, row, a_view), (layer.db, row, b_view)]
+        row += a_view.shape[0]
+    return out
 
 
 def replay_ms(fn, iters: int) -> float:  # noqa: ANN001
@@ -227,7 +300,7 @@ def main() -> None:
              "Errors: relative (Frobenius) against float64, the worst of the seven linears.", "",
              "| form | ms a layer | x 32 layers ms | y err | dX err | dA err | dB err |", "|---|---|---|---|---|---|---|"]
     refs = [reference(layer, x, dy, counts, ranks, scales) for layer, x, dy in zip(layers, xs, dys, strict=True)]
-    for form in ("base", "fused", "concat", "concat+copies"):
+    for form in ("base", "fused", "concat", "concat+copies", "rows", "rows+foreach"):
         errs = {"y": 0.0, "dx": 0.0, "dA": 0.0, "dB": 0.0}
         for i, layer in enumerate(layers):  # one linear's check at a time: gradients from zero
             layer.grad.zero_()
@@ -238,7 +311,7 @@ def main() -> None:
             errs["dx"] = max(errs["dx"], rel(out[1], refs[i]["dx"]))
             if form == "base":
                 continue
-            if form == "concat":
+            if form in ("concat", "rows"):
                 da, db = layer.ga, layer.gb
             else:
                 da = layer.grad[layer.idx_a].view(layer.r, layer.d_in)
@@ -246,8 +319,8 @@ def main() -> None:
             errs["dA"] = max(errs["dA"], rel(da, refs[i]["dA"]))
             errs["dB"] = max(errs["dB"], rel(db, refs[i]["dB"]))
         ms = replay_ms(functools.partial(run, form, layers, xs, dys, mask, meta), args.iters)
-        lines.append(f"| {form} | {ms:.3f} | {ms * 32:.1f} | {errs['y']:.1e} | {errs['dx']:.1e} | "
-                     + (f"{errs['dA']:.1e} | {errs['dB']:.1e} |" if form != "base" else "- | - |"))
+        errors = " | ".join(f"{errs[k]:.1e}" for k in ("y", "dx", "dA", "dB")) if form != "base" else "- | - | - | -"
+        lines.append(f"| {form} | {ms:.3f} | {ms * 32:.1f} | {errors} |")
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)
