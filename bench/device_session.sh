@@ -2968,7 +2968,7 @@ with c.set_checkpoint_debug_enabled(True):
     step 120 attention python3 bench/attention_varlen.py --out "$OUT/attention_varlen.md"
     pack_logs
     ;;
-  s61_e)  # session 61, calls 4 and 5: bench/lora_concat.py, every LoRA pass as cuBLAS GEMMs on factors kept beside the frozen
+  s61_e)  # session 61, calls 4 to 6: bench/lora_concat.py, every LoRA pass as cuBLAS GEMMs on factors kept beside the frozen
           # weight, against today's fused operator: one layer's seven linears as a graph, a 2-job step's rows and an
           # 8-job step's
     step 200 concat2 python3 bench/lora_concat.py --out "$OUT/lora_concat_2jobs.md"

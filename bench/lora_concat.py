@@ -26,6 +26,8 @@ backward, replayed as one CUDA graph, three ways:
 - `rows+foreach`: `rows` with its copies, all between contiguous blocks: the factors in by one multi-tensor copy
   per graph, the float32 gradients (cuBLAS's bf16 -> fp32 GEMMs) out by one multi-tensor add (a step would make
   one of each for all its layers; here each layer's graph has its own);
+- `stage`: W untouched, every LoRA pass a cuBLAS GEMM on staged A_all and B_all (the shrink its own GEMM, y and
+  dX contiguous), with `rows+foreach`'s copies;
 - `base`: the frozen GEMMs alone (no LoRA), the floor (its numbers are not checked: they lack the LoRA term).
 
 Every form's outputs, dX, dA and dB are checked against a float64 reference of the same numbers. CUDA only.
@@ -90,6 +92,7 @@ class Layer:
         self.wrows = torch.zeros(d_out + CAP, d_in, device=dev, dtype=bf)
         self.wrows[:d_out] = self.w
         self.bstage = torch.zeros(CAP, d_out, device=dev, dtype=bf)
+        self.astage = torch.zeros(CAP, d_in, device=dev, dtype=bf)  # the "stage" variant's A_all
         self.dst, self.src, self.grad_dst, self.grad_src = [], [], [], []
         row = 0
         for r, ao, bo in zip(ranks, a_off, b_off, strict=True):
@@ -98,6 +101,9 @@ class Layer:
             self.grad_dst += [self.grad[ao:ao + r * d_in].view(r, d_in), self.grad[bo:bo + r * d_out].view(r, d_out)]
             row += r
         torch._foreach_copy_(self.dst, self.src)
+        self.stage_dst = [self.astage[d_out_row:d_out_row + len(v)] if k % 2 == 0 else v
+                          for k, (v, d_out_row) in enumerate(zip(self.dst, _rows_of(self.dst, d_out), strict=True))]
+        torch._foreach_copy_(self.stage_dst, self.src)
         self.da = self.db = None  # "rows+foreach": the step's float32 gradients, added to the arena after
 
     def fill_ext(self) -> None:
@@ -139,6 +145,42 @@ class ConcatFn(torch.autograd.Function):
         else:
             layer.ga.add_(da)
             layer.gb.add_(db)
+        return dx, None, None, None
+
+
+def _rows_of(dst: list[torch.Tensor], d_out: int) -> list[int]:
+    """Each A block's first row in the stacked A_all (dst alternates A rows of W_rows, B rows of the staging)."""
+    out, row = [], 0
+    for k, v in enumerate(dst):
+        out.append(row)
+        if k % 2 == 1:
+            row += v.shape[0]
+    return out
+
+
+class StageFn(torch.autograd.Function):
+    """The "stage" variant: W untouched; every LoRA pass a cuBLAS GEMM on staged A_all [R_cap, d_in] and
+    B_all [R_cap, d_out] (the shrink x @ A_all^T its own GEMM; y and dX contiguous)."""
+
+    @staticmethod
+    def forward(ctx, x, layer, mask, copies):  # noqa: ANN001, D102
+        r = layer.r
+        y = x @ layer.w.t()
+        s = (x @ layer.astage[:r].t()) * mask
+        y.addmm_(s, layer.bstage[:r])
+        ctx.save_for_backward(x, s, mask)
+        ctx.layer, ctx.copies = layer, copies
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, D102
+        x, s, mask = ctx.saved_tensors
+        layer = ctx.layer
+        r = layer.r
+        dx = dy @ layer.w
+        ds = (dy @ layer.bstage[:r].t()) * mask
+        dx.addmm_(ds, layer.astage[:r])
+        layer.da, layer.db = _mm32(ds.t(), x), _mm32(s.t(), dy)
         return dx, None, None, None
 
 
@@ -196,6 +238,9 @@ def run(form: str, layers: list[Layer], xs: list[torch.Tensor], dys: list[torch.
     ys, leaves = [], []
     if form == "rows+foreach":  # the arena's factors into W_rows and the staging B: one multi-tensor copy
         torch._foreach_copy_([d for layer in layers for d in layer.dst], [s for layer in layers for s in layer.src])
+    if form == "stage":  # the arena's factors into the staging A and B: one multi-tensor copy
+        torch._foreach_copy_([d for layer in layers for d in layer.stage_dst],
+                             [s for layer in layers for s in layer.src])
     for layer, x in zip(layers, xs, strict=True):
         xx = x.detach().requires_grad_()
         leaves.append(xx)
@@ -205,12 +250,14 @@ def run(form: str, layers: list[Layer], xs: list[torch.Tensor], dys: list[torch.
                                                    meta["r_max"], meta["token"], aligned=True))
         elif form == "base":
             ys.append(xx @ layer.w.t())
+        elif form == "stage":
+            ys.append(StageFn.apply(xx, layer, mask, True))
         elif form.startswith("rows"):
             ys.append(RowsFn.apply(xx, layer, mask, form == "rows+foreach"))
         else:
             ys.append(ConcatFn.apply(xx, layer, mask, form == "concat+copies"))
     grads = torch.autograd.grad(ys, leaves, dys)
-    if form == "rows+foreach":  # every job's gradient rows into the gradient arena: one multi-tensor add
+    if form in ("rows+foreach", "stage"):  # every job's gradient rows into the gradient arena: one multi-tensor add
         torch._foreach_add_([d for layer in layers for d in layer.grad_dst],
                             [g[row:row + len(d)] for layer in layers
                              for g, row, d in _grad_rows(layer)])
@@ -300,7 +347,7 @@ def main() -> None:
              "Errors: relative (Frobenius) against float64, the worst of the seven linears.", "",
              "| form | ms a layer | x 32 layers ms | y err | dX err | dA err | dB err |", "|---|---|---|---|---|---|---|"]
     refs = [reference(layer, x, dy, counts, ranks, scales) for layer, x, dy in zip(layers, xs, dys, strict=True)]
-    for form in ("base", "fused", "concat", "concat+copies", "rows", "rows+foreach"):
+    for form in ("base", "fused", "concat", "concat+copies", "rows", "rows+foreach", "stage"):
         errs = {"y": 0.0, "dx": 0.0, "dA": 0.0, "dB": 0.0}
         for i, layer in enumerate(layers):  # one linear's check at a time: gradients from zero
             layer.grad.zero_()
