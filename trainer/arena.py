@@ -15,7 +15,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from trainer import lora_stage
 from trainer.jobs import JobRun
+from trainer.lora_stage import StagePlan, Stager, rank_tile
 from trainer.multilora import MultiLoraLinear, StepLayout
 
 # the share of device memory a job parked on the device leaves free: the steps' peak is already
@@ -81,6 +83,7 @@ class AdapterArena:
         self._copy: tuple[torch.Tensor, dict[str, tuple[int, int]], torch.Tensor] | None = None
         self.guard: Callable[[], None] | None = None  # while a step capture runs on a thread (`settle`)
         self.reset(device)
+        self.stager = Stager(self.layers, compute_dtype, self.device) if lora_stage.STAGE else None
 
     def settle(self) -> None:
         """Wait for a step graph's capture under way on a thread (trainer.graph_thread), which reads the
@@ -309,6 +312,7 @@ class AdapterArena:
         arena, grad_arena = self.layout_arenas()
         if torch.is_grad_enabled() and not self._accumulate:
             self.grad_arena.zero_()
+        plan = self.stage_in(states, ints, len(states), torch.is_grad_enabled() and self._step is None)
         lay = StepLayout(
             offsets=dev[2 * n_layers * n + n :],
             scales=host_to_device(torch.tensor([s.adapter.scaling for s in states], dtype=torch.float32),
@@ -320,10 +324,35 @@ class AdapterArena:
             token=self.token,
             backend=self.backend,
             aligned=all(v % 16 == 0 for v in ints[: 2 * n_layers * n]),
+            stage=plan,
         )
         for k, layer in enumerate(self.layers):
             layer.layout = lay
             layer.a_off, layer.b_off = offs[0, k], offs[1, k]
+
+    def stage_in(self, states: Sequence[JobRun], ints: Sequence[int], slots: int, train: bool,
+                 graph: bool = False) -> StagePlan | None:
+        """The step's staging plan (trainer.lora_stage) with every job's factors copied into the stacked buffers, or
+        None where the step does not stage (off, no gradients, a step's pass, a copy, R over the cap)."""
+        r_max = max((s.adapter.rank for s in states), default=0)
+        if self.stager is None or self._copy is not None or not self.stager.serves(slots, r_max, train):
+            return None
+        plan = StagePlan(slots, rank_tile(r_max), graph=graph)
+        arena, grad_arena = self.layout_arenas()
+        self.stager.stage_in(plan, arena, grad_arena, ints[: 2 * len(self.layers) * len(states)],
+                             [s.adapter.rank for s in states])
+        return plan
+
+    def graph_stage(self, slots: int, tile: int, train: bool) -> StagePlan | None:
+        """A graph body's staging plan (its key's job slots and rank tile), or None where it does not stage."""
+        ok = self.stager is not None and self.stager.serves(slots, tile, train)
+        return StagePlan(slots, tile, graph=True) if ok else None
+
+    def job_grads(self, states: Sequence[JobRun]) -> list[torch.Tensor]:
+        """Each job's gradient region, a staged step's gradients added first (trainer.lora_stage)."""
+        if self.stager is not None:
+            self.stager.flush()
+        return [self.grad_arena[slice(*self.regions[s.job_id])] for s in states]
 
     def clear_layout(self) -> None:
         """Every layer back to its base linear alone, until the next layout."""

@@ -20,8 +20,7 @@ the free memory for waits (`graph_parts.capture_short`); a training key of TRANS
 eagerly while its job set runs under TRANSIENT_SET_STEPS more steps (`set_lasts`); graphs live in their process
 only; the arena growing or packed drops them, and so does a step that runs without recompute only once a mostly
 stale pool is gone (`stale_pool`). A capture may run on a thread a few steps ahead (trainer.graph_thread,
-`flight`). Without CUDA graphs (CPU tests) the same body runs eagerly on the same static buffers (`_Replay`),
-which is what the tests compare against the engine's eager step.
+`flight`). Without CUDA graphs (CPU tests) the same body runs eagerly on the same static buffers (`_Replay`).
 """
 from __future__ import annotations
 
@@ -198,6 +197,7 @@ class StepGraphs:
         entry = self._entry(key)
         entry.last = self.calls = self.calls + 1
         counts = self._fill(entry.static, key, cpu, states, ints)
+        eng.slots.stage_in(states, ints, key.job_slots, train, graph=True)  # a staged body's factors (lora_stage)
         eng.forward_shapes[(*cpu.input_ids.shape, train)] += 1
         limit = self.max_capture_tokens if train else min(self.max_capture_tokens, self.max_eval_capture_tokens)
         captured_now = self._captures(key, limit)
@@ -356,7 +356,7 @@ class StepGraphs:
         arena, grad_arena = slots.layout_arenas()  # never an evaluation's copy here (it runs eagerly)
         lay = StepLayout(offsets=st.offsets, scales=st.scales, ranks=st.ranks.to(torch.int32), arena=arena,
                          grad_arena=grad_arena, r_max=key.rank, token=slots.token, backend=slots.backend,
-                         aligned=key.aligned)
+                         aligned=key.aligned, stage=slots.graph_stage(key.job_slots, key.rank, key.train))
         for k, layer in enumerate(eng.layer_list):
             layer.layout, layer.a_off, layer.b_off = lay, st.a_off[k], st.b_off[k]
         try:
