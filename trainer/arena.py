@@ -335,7 +335,7 @@ class AdapterArena:
         """The step's staging plan (trainer.lora_stage) with every job's factors copied into the stacked buffers, or
         None where the step does not stage (off, no gradients, a step's pass, a copy, R over the cap)."""
         r_max = max((s.adapter.rank for s in states), default=0)
-        if self.stager is None or self._copy is not None or not self.stager.serves(slots, r_max, train):
+        if not slots or self.stager is None or self._copy is not None or not self.stager.serves(slots, r_max, train):
             return None
         plan = StagePlan(slots, rank_tile(r_max), graph=graph)
         arena, grad_arena = self.layout_arenas()
@@ -343,9 +343,15 @@ class AdapterArena:
                              [s.adapter.rank for s in states])
         return plan
 
+    def stage_slots(self, n_jobs: int, r_max: int, train: bool) -> int:
+        """A graph key's staged job slots for a step of n_jobs (a power of two: the key serves other sets of as
+        many), 0 where such a step does not stage."""
+        slots = 1 << max(n_jobs - 1, 0).bit_length()
+        return slots if self.stager is not None and self.stager.serves(slots, r_max, train) else 0
+
     def graph_stage(self, slots: int, tile: int, train: bool) -> StagePlan | None:
-        """A graph body's staging plan (its key's job slots and rank tile), or None where it does not stage."""
-        ok = self.stager is not None and self.stager.serves(slots, tile, train)
+        """A graph body's staging plan (its key's staged job slots and rank tile), or None where it does not stage."""
+        ok = slots > 0 and self.stager is not None and self.stager.serves(slots, tile, train)
         return StagePlan(slots, tile, graph=True) if ok else None
 
     def job_grads(self, states: Sequence[JobRun]) -> list[torch.Tensor]:

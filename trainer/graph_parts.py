@@ -132,9 +132,12 @@ def lengths_key(eng: Any, per_octave: int, states: Sequence[Any], ints: Sequence
 
 def shaped_key(eng: Any, states: Sequence[Any], ints: Sequence[int], tokens: int, n_seqs: int, cap: int,
                train: bool) -> GraphKey:
-    return GraphKey(tokens=tokens, seq_slots=pow2(n_seqs, 16), job_slots=pow2(len(states), 8),
-                    rank=pow2(max(s.adapter.rank for s in states), 16), max_len=cap,
-                    aligned=all(v % 16 == 0 for v in ints), recompute=eng.gradient_checkpointing and train, train=train)
+    rank = max(s.adapter.rank for s in states)
+    slots = getattr(eng, "slots", None)
+    stage = slots.stage_slots(len(states), rank, train) if getattr(slots, "stager", None) is not None else 0
+    return GraphKey(tokens=tokens, seq_slots=pow2(n_seqs, 16), job_slots=pow2(len(states), 8), rank=pow2(rank, 16),
+                    max_len=cap, aligned=all(v % 16 == 0 for v in ints), recompute=eng.gradient_checkpointing and train,
+                    train=train, stage=stage)
 
 
 @dataclass(frozen=True)
@@ -149,13 +152,14 @@ class GraphKey:
     aligned: bool      # every arena offset a multiple of 16 elements (vector loads)
     recompute: bool    # activation recompute on
     train: bool = True  # the training step (forward and backward); False: an evaluation forward
+    stage: int = 0     # job slots of staged LoRA (trainer.lora_stage: stage * rank stacked rows); 0: not staged
 
     @property
     def warm_class(self) -> tuple:
         """Keys of one class launch the same kernels (other token and sequence counts): once one
         of them ran eagerly (compiling, loading and looking up every kernel, creating the
         backward's handles), any other is captured at its first step."""
-        return (self.job_slots, self.rank, self.max_len, self.aligned, self.recompute, self.train)
+        return (self.job_slots, self.rank, self.max_len, self.aligned, self.recompute, self.train, self.stage)
 
 
 class Static:

@@ -197,7 +197,7 @@ class StepGraphs:
         entry = self._entry(key)
         entry.last = self.calls = self.calls + 1
         counts = self._fill(entry.static, key, cpu, states, ints)
-        eng.slots.stage_in(states, ints, key.job_slots, train, graph=True)  # a staged body's factors (lora_stage)
+        eng.slots.stage_in(states, ints, key.stage, train, graph=True)  # a staged body's factors (lora_stage)
         eng.forward_shapes[(*cpu.input_ids.shape, train)] += 1
         limit = self.max_capture_tokens if train else min(self.max_capture_tokens, self.max_eval_capture_tokens)
         captured_now = self._captures(key, limit)
@@ -281,8 +281,8 @@ class StepGraphs:
         or `cover_tokens` more, enough sequence and job slots, a rank tile as large)."""
         best = None
         for k, e in self.entries.items():
-            if e.graph is None or (k.max_len, k.aligned, k.recompute, k.train) != (
-                    key.max_len, key.aligned, key.recompute, key.train):
+            if e.graph is None or (k.max_len, k.aligned, k.recompute, k.train, k.stage, k.rank if k.stage else 0) != (
+                    key.max_len, key.aligned, key.recompute, key.train, key.stage, key.rank if key.stage else 0):
                 continue
             if k.job_slots < key.job_slots or k.rank < key.rank:
                 continue
@@ -356,7 +356,7 @@ class StepGraphs:
         arena, grad_arena = slots.layout_arenas()  # never an evaluation's copy here (it runs eagerly)
         lay = StepLayout(offsets=st.offsets, scales=st.scales, ranks=st.ranks.to(torch.int32), arena=arena,
                          grad_arena=grad_arena, r_max=key.rank, token=slots.token, backend=slots.backend,
-                         aligned=key.aligned, stage=slots.graph_stage(key.job_slots, key.rank, key.train))
+                         aligned=key.aligned, stage=slots.graph_stage(key.stage, key.rank, key.train))
         for k, layer in enumerate(eng.layer_list):
             layer.layout, layer.a_off, layer.b_off = lay, st.a_off[k], st.b_off[k]
         try:

@@ -104,7 +104,7 @@ def test_graphed_staged_steps_equal_unstaged_steps_on_cuda(tmp_path, monkeypatch
         eng.attach(job("c", 4, 2, 3, lr=1e-2))  # the same rank tile (16): the same capture
     both(3)
     g = staged.step_graphs
-    assert g.captures == 1 and g.replays == 6
+    assert g.captures == 1 and g.replays == 6 and {k.stage for k in g.entries} == {2}  # 2 staged slots
     for j in ("a", "c"):
         got, want = staged.jobs[j].adapter.flat.double(), plain.jobs[j].adapter.flat.double()
         assert ((got - want).norm() / want.norm()).item() < 1e-2, j

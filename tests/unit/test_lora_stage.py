@@ -176,19 +176,21 @@ def test_staged_steps_equal_unstaged_steps_through_a_change_of_job_set(model_dir
                 assert math.isclose(got.losses[j], want.losses[j], rel_tol=2e-5), j
                 assert math.isclose(got.grad_norms[j], want.grad_norms[j], rel_tol=1e-4), j
 
-    for eng in (plain, staged):
-        for spec in (job("a", 4, 2, 1), job("b", 8, 2, 2)):
+    for eng in (plain, staged):  # 2 jobs of rank tile 64: 128 stacked rows (a graph key's 8 job slots would be 512)
+        for spec in (job("a", 16, 2, 1), job("b", 64, 2, 2)):
             eng.attach(spec)
     both(3)
-    for eng in (plain, staged):  # another job of another rank takes b's slot
-        eng.detach("b")
-        eng.attach(job("c", 16, 2, 3, lr=1e-2))
+    for eng in (plain, staged):  # another job of another rank (the same tile) takes a's slot
+        eng.detach("a")
+        eng.attach(job("c", 8, 2, 3, lr=1e-2))
     both(3)
-    for j in ("a", "c"):
+    for j in ("b", "c"):
         torch.testing.assert_close(staged.jobs[j].adapter.flat, plain.jobs[j].adapter.flat, rtol=1e-4, atol=1e-6)
-    assert seen and all(p is not None for p in seen)  # every step's forward staged
+    assert seen and all(p is not None and p.rows == 128 for p in seen)  # every step's forward staged
     if graphs:
-        assert staged.step_graphs.replays > 0 and all(p.graph for p in seen)
+        g = staged.step_graphs
+        assert g.replays > 0 and all(p.graph for p in seen) and {k.stage for k in g.entries} == {2}
+        assert g.captures == 1, list(g.entries)  # the new job set replays the same capture
 
 
 def test_a_step_whose_stacked_ranks_pass_the_cap_runs_the_arena_operator(model_dir, monkeypatch) -> None:  # noqa: ANN001
