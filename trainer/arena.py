@@ -83,7 +83,8 @@ class AdapterArena:
         self._copy: tuple[torch.Tensor, dict[str, tuple[int, int]], torch.Tensor] | None = None
         self.guard: Callable[[], None] | None = None  # while a step capture runs on a thread (`settle`)
         self.reset(device)
-        self.stager = Stager(self.layers, compute_dtype, self.device) if lora_stage.STAGE else None
+        if lora_stage.STAGE:
+            self.stager = Stager(self.layers, compute_dtype, self.device)
 
     def settle(self) -> None:
         """Wait for a step graph's capture under way on a thread (trainer.graph_thread), which reads the
@@ -184,6 +185,11 @@ class AdapterArena:
         self.regions: dict[str, tuple[int, int]] = {}
         # a scalar that requires grad: the backward reaches every layer (and the gradient arena)
         self.token = torch.zeros((), device=self.device, requires_grad=True)
+        # staged LoRA (trainer.lora_stage) lives where the engine was built: a moved engine (adapter parallelism's
+        # sharded backbone, whose staging no test has run) runs the arena operator
+        self.stager = None
+        for layer in self.layers:
+            layer.stage_bufs = None
 
     def _alloc(self, size: int) -> int:
         """First fit among the gaps between regions, else at the end (growing the arena by at

@@ -207,3 +207,15 @@ def test_a_step_whose_stacked_ranks_pass_the_cap_runs_the_arena_operator(model_d
     monkeypatch.setattr(lora_stage, "CAP", 32)
     eng.step()
     assert eng.slots.stager._views is not None
+
+
+def test_a_moved_engine_drops_its_staging_and_runs_the_arena_operator(model_dir, monkeypatch) -> None:  # noqa: ANN001
+    from tests.unit.test_step_graphs import examples, job
+
+    monkeypatch.setattr(lora_stage, "STAGE", True)
+    eng = _engine(model_dir, False, examples(24, 24))
+    assert eng.slots.stager is not None and all(m.stage_bufs is not None for m in eng.layer_list)
+    eng.move_to(torch.device("cpu"))  # what adapter parallelism's shard_engine does after sharding
+    assert eng.slots.stager is None and all(m.stage_bufs is None for m in eng.layer_list)
+    eng.attach(job("a", 4, 2, 1))
+    assert math.isfinite(eng.step().losses["a"])
