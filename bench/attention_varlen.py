@@ -24,9 +24,14 @@ import functools
 import inspect
 import math
 import random
-import statistics
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from graph_timing import replay_ms  # noqa: E402
 
 
 def lengths(total: int, seed: int) -> list[int]:
@@ -49,29 +54,6 @@ def calls(attn, kw: dict, layers: int, tensors: tuple, backward: bool) -> None: 
             out = attn(qq, kk, vv, cu, cu, max_len, max_len, **kw)
             if backward:
                 torch.autograd.grad(out, (qq, kk, vv), dout)
-
-
-def timed(fn, iters: int) -> float:  # noqa: ANN001
-    """Median ms of `iters` graph replays of fn's 32 calls (captured after a warmup on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -119,7 +101,7 @@ def main() -> None:
             # the forward exactly; the gradients up to the order of the backward's fp32 dQ atomics
             assert torch.equal(got[0], ref[0]), f"{name}: outputs differ"
             assert all(float((a - b).abs().max()) <= 1e-2 * float(b.abs().max()) for a, b in zip(got, ref, strict=True))
-            f_ms, b_ms = timed(fwd, args.iters), timed(both, args.iters)
+            f_ms, b_ms = replay_ms(fwd, args.iters), replay_ms(both, args.iters)
             rows.append(f"| {seed} | {len(lens)} | {t} | {longest} | {name} | {max_len} | {len(lens) + spare} | "
                         f"{f_ms:.2f} | {b_ms:.2f} | {b_ms / args.layers * 1e3:.0f} |")
             print(rows[-1], flush=True)

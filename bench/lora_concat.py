@@ -39,13 +39,15 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from graph_timing import replay_ms  # noqa: E402
 
 SHAPES = (("q", 4096, 4096), ("k", 4096, 1024), ("v", 4096, 1024), ("o", 4096, 4096), ("gate", 4096, 14336),
           ("up", 4096, 14336), ("down", 14336, 4096))
@@ -174,14 +176,8 @@ class StageFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, D102
-        x, s, mask = ctx.saved_tensors
         layer = ctx.layer
-        r = layer.r
-        dx = dy @ layer.w
-        ds = (dy @ layer.bstage[:r].t()) * mask
-        dx.addmm_(ds, layer.astage[:r])
-        layer.da, layer.db = _mm32(ds.t(), x), _mm32(s.t(), dy)
-        return dx, None, None, None
+        return _separate_backward(ctx, dy, layer.w, layer.astage[:layer.r], True), None, None, None
 
 
 def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -206,18 +202,26 @@ class RowsFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, D102
-        x, s, mask = ctx.saved_tensors
         layer = ctx.layer
         d_out, r = layer.d_out, layer.r
-        dx = dy @ layer.wrows[:d_out]
-        ds = (dy @ layer.bstage[:r].t()) * mask
-        dx.addmm_(ds, layer.wrows[d_out:d_out + r])
-        if ctx.copies:
-            layer.da, layer.db = _mm32(ds.t(), x), _mm32(s.t(), dy)
-        else:
-            layer.ga.add_(ds.t() @ x)
-            layer.gb.add_(s.t() @ dy)
-        return dx, None, None, None
+        return _separate_backward(ctx, dy, layer.wrows[:d_out], layer.wrows[d_out:d_out + r], ctx.copies), \
+            None, None, None
+
+
+def _separate_backward(ctx, dy: torch.Tensor, w: torch.Tensor, a_all: torch.Tensor, wide: bool) -> torch.Tensor:  # noqa: ANN001
+    """`rows` and `stage`'s backward: dX = dY W + ((dY B_all^T) * M) A_all, dS its own GEMM; dA_all and dB_all
+    in float32 for the multi-tensor add (`wide`), else added to the linear's own buffers."""
+    x, s, mask = ctx.saved_tensors
+    layer = ctx.layer
+    dx = dy @ w
+    ds = (dy @ layer.bstage[:layer.r].t()) * mask
+    dx.addmm_(ds, a_all)
+    if wide:
+        layer.da, layer.db = _mm32(ds.t(), x), _mm32(s.t(), dy)
+    else:
+        layer.ga.add_(ds.t() @ x)
+        layer.gb.add_(s.t() @ dy)
+    return dx
 
 
 def mask_of(counts: list[int], ranks: list[int], scales: list[float], t: int) -> torch.Tensor:
@@ -272,28 +276,6 @@ def _grad_rows(layer: Layer) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
         out += [(layer.da, row, a_view), (layer.db, row, b_view)]
         row += a_view.shape[0]
     return out
-
-
-def replay_ms(fn, iters: int) -> float:  # noqa: ANN001
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def reference(layer: Layer, x: torch.Tensor, dy: torch.Tensor, counts: list[int], ranks: list[int],

@@ -1,0 +1,33 @@
+"""Timing a piece of work as a CUDA graph replays it, for the probes that measure one part of a step (the attention:
+bench/attention_varlen.py; the LoRA passes: bench/lora_concat.py)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+
+def replay_ms(fn: Callable[[], object], iters: int) -> float:
+    """Median ms of `iters` replays of fn captured as one graph: three warmup runs on a side stream first (what a
+    capture of autograd work needs), CUDA events around each replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
