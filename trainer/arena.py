@@ -151,13 +151,15 @@ class AdapterArena:
         which would keep its address past the scope)."""
         return self._copy is not None
 
-    def layout_arenas(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def layout_arenas(self, staged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(the arena as the kernels read it, a gradient arena of its shape) for a layout: the
         arena itself where it is in the compute dtype, else a copy of it made now; for a no-grad
         layout within compute_copy, the scope's copy of its jobs and a zero-stride stand-in for
         the gradients (nothing is written to it)."""
         if self._copy is not None and not torch.is_grad_enabled():
             return self._copy[0], self._copy[2]
+        if staged:  # a staged step reads its stacked buffers, never the arena: no copy in the compute dtype
+            return self.arena, self.grad_arena
         arena = self.arena if self.arena.dtype == self.compute_dtype else self.arena.to(self.compute_dtype)
         return arena, self.grad_arena
 
@@ -315,10 +317,10 @@ class AdapterArena:
         dev = host_to_device(torch.tensor(ints, dtype=torch.int64), self.device)
         n = len(states)
         offs = dev[: 2 * n_layers * n].view(2, n_layers, n)
-        arena, grad_arena = self.layout_arenas()
         if torch.is_grad_enabled() and not self._accumulate:
             self.grad_arena.zero_()
         plan = self.stage_in(states, ints, len(states), torch.is_grad_enabled() and self._step is None)
+        arena, grad_arena = self.layout_arenas(staged=plan is not None)
         lay = StepLayout(
             offsets=dev[2 * n_layers * n + n :],
             scales=host_to_device(torch.tensor([s.adapter.scaling for s in states], dtype=torch.float32),
@@ -339,21 +341,32 @@ class AdapterArena:
     def stage_in(self, states: Sequence[JobRun], ints: Sequence[int], slots: int, train: bool,
                  graph: bool = False) -> StagePlan | None:
         """The step's staging plan (trainer.lora_stage) with every job's factors copied into the stacked buffers, or
-        None where the step does not stage (off, no gradients, a step's pass, a copy, R over the cap)."""
+        None where the step does not stage (off, no gradients, a step's pass, a copy, R over the cap, a job that
+        ever skipped a step)."""
         r_max = max((s.adapter.rank for s in states), default=0)
-        if not slots or self.stager is None or self._copy is not None or not self.stager.serves(slots, r_max, train):
+        if not slots or self.stager is None or self._copy is not None or not self._stages(states, slots, train):
             return None
         plan = StagePlan(slots, rank_tile(r_max), graph=graph)
-        arena, grad_arena = self.layout_arenas()
-        self.stager.stage_in(plan, arena, grad_arena, ints[: 2 * len(self.layers) * len(states)],
+        self.stager.stage_in(plan, self.arena, self.grad_arena, ints[: 2 * len(self.layers) * len(states)],
                              [s.adapter.rank for s in states])
         return plan
 
-    def stage_slots(self, n_jobs: int, r_max: int, train: bool) -> int:
-        """A graph key's staged job slots for a step of n_jobs (a power of two: the key serves other sets of as
+    def _stages(self, states: Sequence[JobRun], slots: int, train: bool) -> bool:
+        """Whether a step of these jobs in `slots` staged slots stages. Not with a job that ever skipped a step. A
+        staged step keeps a job's non-finite products out of its step-mates' columns (the mask's where), but not
+        its non-finite rows or factors: the weight-gradient GEMMs sum over every row and the expand over every
+        job's rank rows (0 * NaN), so its step-mates would skip too. The arena operator keeps each job's rows and
+        factors to itself, so after a job's first skipped step its sets run there. (Updates keep factors finite:
+        a non-finite gradient skips its job's update.)"""
+        r_max = max((s.adapter.rank for s in states), default=0)
+        return (self.stager is not None and all(s.skipped_steps == 0 for s in states)
+                and self.stager.serves(slots, r_max, train))
+
+    def stage_slots(self, states: Sequence[JobRun], train: bool) -> int:
+        """A graph key's staged job slots for a step of these jobs (a power of two: the key serves other sets of as
         many), 0 where such a step does not stage."""
-        slots = 1 << max(n_jobs - 1, 0).bit_length()
-        return slots if self.stager is not None and self.stager.serves(slots, r_max, train) else 0
+        slots = 1 << max(len(states) - 1, 0).bit_length()
+        return slots if self._stages(states, slots, train) else 0
 
     def graph_stage(self, slots: int, tile: int, train: bool) -> StagePlan | None:
         """A graph body's staging plan (its key's staged job slots and rank tile), or None where it does not stage."""

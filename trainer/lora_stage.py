@@ -16,9 +16,13 @@ ranks and scalings, so a graph replay rebuilds it for the step it serves). Then,
 Every row pays for every job's ranks (R columns, not its own r): at a 2-job step's R of 128 that is a few percent
 of a 4096-wide GEMM's work and less than the fused passes' latency; at 8 jobs it is not, so a step stages only where
 R <= CAP. Around the step, two multi-tensor launches move the factors: `stage_in` copies each job's blocks from the
-arena into the linears' stacked buffers before the forward (the arena changes at every update), `flush` adds the
-float32 gradient rows into the gradient arena after the backward (before the norms read it). Both run eagerly, on
-views cached per layout, outside any graph: a graph reused for another job set reads the same buffers.
+arena into the linears' stacked buffers before the forward (the arena changes at every update; the copy casts an
+arena of another dtype, and writes through `.data`, so factors a capture saved keep their autograd version),
+`flush` adds the float32 gradient rows into the gradient arena after the backward (before the norms read it).
+Both run eagerly, on views cached per layout, outside any graph: a graph reused for another job set reads the same
+buffers. The mask applies as a where, so a job's non-finite products stay out of its step-mates' rows; its
+non-finite rows or factors would not (the GEMMs sum over every row and rank row), so a set holding a job that ever
+skipped a step runs the arena operator (`AdapterArena._stages`).
 
 bench/lora_concat.py measured the design on one layer's seven linears (H200, a 2-job step's 1,440 rows, as a CUDA
 graph): 2.22 ms a layer against the fused operator's 2.34 (`stage`; bench/results/session61_h200.md).
@@ -67,6 +71,7 @@ class StagePlan:
     tile: int
     graph: bool = False  # a graph's body: one backward a linear, always overwriting
     mask: torch.Tensor | None = None
+    hit: torch.Tensor | None = None  # the mask's nonzero cells (bool)
     seen: set[int] = field(default_factory=set)
 
     @property
@@ -87,27 +92,41 @@ class StagePlan:
             live = (cols - col_job * self.tile) < ranks.to(cols.dtype)[col_job]
             wide = torch.float64 if dtype == torch.float64 else torch.float32
             scale = torch.cat([scales.to(wide), scales.new_zeros(1, dtype=wide)])[job]
-            hit = (job[:, None] == col_job[None, :]) & live[None, :]
-            self.mask = hit.to(wide) * scale[:, None]
+            self.hit = (job[:, None] == col_job[None, :]) & live[None, :]
+            self.mask = self.hit.to(wide) * scale[:, None]
         return self.mask
 
 
-_WIDE_MM: list[bool] = []  # whether this torch has cuBLAS's bf16 -> fp32 GEMM (torch.mm's out_dtype), once known
+def masked(product: torch.Tensor, mask: torch.Tensor, hit: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """product * M in M's precision, rounded to `dtype`, exactly zero outside each row's own job's columns: a where,
+    not a multiply, so another job's non-finite values (0 * NaN) stay out of this job's rows."""
+    return torch.where(hit, product * mask, 0.0).to(dtype)
+
+
+def wide_mm_available(device: torch.device) -> bool:
+    """Whether this torch has cuBLAS's bf16 -> fp32 GEMM (torch.mm's out_dtype) on `device`: probed once, on tiny
+    tensors, where the stacked buffers are made (outside any step and any capture)."""
+    if device.type != "cuda":
+        return False
+    a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+    try:
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+WIDE_MM: list[bool] = [False]  # set by Stager (wide_mm_available)
 
 
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
     """out (float32) = or += a @ b, a and b in the compute dtype: accumulated and stored in float32 by cuBLAS where
     torch has it (torch.mm's out_dtype, CUDA), else the product in a's dtype then widened."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _WIDE_MM != [False]:
-        try:
-            if add:
-                out.add_(torch.mm(a, b, out_dtype=out.dtype))
-            else:
-                torch.mm(a, b, out_dtype=out.dtype, out=out)
-            _WIDE_MM[:] = [True]
-            return
-        except (TypeError, RuntimeError):
-            _WIDE_MM[:] = [False]
+    if WIDE_MM[0] and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        if add:
+            out.add_(torch.mm(a, b, out_dtype=out.dtype))
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+        return
     out.add_(a @ b) if add else out.copy_(a @ b)
 
 
@@ -118,23 +137,23 @@ class StagedLoraFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, a_all, b_all, mask, bufs, plan, key, token):  # noqa: ANN001, D102
         y = F.linear(x, weight, bias)
-        s = ((x @ a_all.t()) * mask).to(x.dtype)
+        s = masked(x @ a_all.t(), mask, plan.hit, x.dtype)
         y.addmm_(s, b_all)
-        ctx.save_for_backward(x, weight, a_all, b_all, mask, s)
+        ctx.save_for_backward(x, weight, a_all, b_all, mask, plan.hit, s)
         ctx.bufs, ctx.plan, ctx.key = bufs, plan, key
         return y
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, D102
-        x, weight, a_all, b_all, mask, s = ctx.saved_tensors
+        x, weight, a_all, b_all, mask, hit, s = ctx.saved_tensors
         bufs, plan, r = ctx.bufs, ctx.plan, a_all.shape[0]
         dy = dy.contiguous()
-        ds = ((dy @ b_all.t()) * mask).to(dy.dtype)
+        ds = masked(dy @ b_all.t(), mask, hit, dy.dtype)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = dy @ weight
             dx.addmm_(ds, a_all)
-        add = not plan.graph and ctx.key in plan.seen
+        add = ctx.key in plan.seen  # a linear called twice in one forward: the second adds
         plan.seen.add(ctx.key)
         _mm_into(bufs.da[:r], ds.t(), x, add)
         _mm_into(bufs.db[:r], s.t(), dy, add)
@@ -159,6 +178,7 @@ class Stager:
         self.bufs = [StageBuffers.make(m.in_features, m.out_features, dtype, device) for m in self.layers]
         for k, (m, bufs) in enumerate(zip(self.layers, self.bufs, strict=True)):
             m.stage_bufs, m.stage_index = bufs, k
+        WIDE_MM[0] = wide_mm_available(device)
         self._views: tuple | None = None  # (layout key, copy dst, copy src, grad dst, grad src)
         self.pending: StagePlan | None = None  # a step staged and not yet flushed
 
@@ -170,19 +190,21 @@ class Stager:
     def stage_in(self, plan: StagePlan, arena: torch.Tensor, grad_arena: torch.Tensor, ints: Sequence[int],
                  ranks: Sequence[int]) -> None:
         """Copy every job's factors from the arena into the stacked buffers (ints: the layout's A then B element
-        offsets, layer-major, jobs in slot order: AdapterArena.layout_offsets). One multi-tensor copy."""
+        offsets, layer-major, jobs in slot order: AdapterArena.layout_offsets). One multi-tensor copy, which casts
+        an arena of another dtype as it copies. The copies write through `.data`: a staged step's saved factors
+        (a capture's on a thread among them) keep their autograd version."""
         n, n_layers = len(ranks), len(self.layers)
         key = (arena.data_ptr(), grad_arena.data_ptr(), plan.tile, tuple(ints), tuple(ranks))
         if self._views is None or self._views[0] != key:
             dst, src, gdst, gsrc, owner = [], [], [], [], []
             for k, (m, bufs) in enumerate(zip(self.layers, self.bufs, strict=True)):
-                bufs.a.zero_()  # rows no job owns stay zero: the mask zeroes their columns, a NaN would not be
-                bufs.b.zero_()
+                bufs.a.data.zero_()  # rows no job owns stay zero (finite: the mask's where keeps them out anyway)
+                bufs.b.data.zero_()
                 for i, r in enumerate(ranks):
                     lo = i * plan.tile
                     a_off, b_off = ints[k * n + i], ints[n_layers * n + k * n + i]
-                    for buf, grad, off, width in ((bufs.a, bufs.da, a_off, m.in_features),
-                                                  (bufs.b, bufs.db, b_off, m.out_features)):
+                    for buf, grad, off, width in ((bufs.a.data, bufs.da, a_off, m.in_features),
+                                                  (bufs.b.data, bufs.db, b_off, m.out_features)):
                         dst.append(buf[lo:lo + r])
                         src.append(arena[off:off + r * width].view(r, width))
                         gdst.append(grad_arena[off:off + r * width].view(r, width))

@@ -353,10 +353,10 @@ class StepGraphs:
         """The graph's body: the backbone over the static batch with the static job layout, then
         the training objective and its backward, or the evaluation's sums."""
         eng, slots = self.engine, self.engine.slots
-        arena, grad_arena = slots.layout_arenas()  # never an evaluation's copy here (it runs eagerly)
+        arena, grad_arena = slots.layout_arenas(staged=(stage := slots.graph_stage(key.stage, key.rank, key.train)) is not None)
         lay = StepLayout(offsets=st.offsets, scales=st.scales, ranks=st.ranks.to(torch.int32), arena=arena,
                          grad_arena=grad_arena, r_max=key.rank, token=slots.token, backend=slots.backend,
-                         aligned=key.aligned, stage=slots.graph_stage(key.stage, key.rank, key.train))
+                         aligned=key.aligned, stage=stage)
         for k, layer in enumerate(eng.layer_list):
             layer.layout, layer.a_off, layer.b_off = lay, st.a_off[k], st.b_off[k]
         try:

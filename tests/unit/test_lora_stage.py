@@ -219,3 +219,35 @@ def test_a_moved_engine_drops_its_staging_and_runs_the_arena_operator(model_dir,
     assert eng.slots.stager is None and all(m.stage_bufs is None for m in eng.layer_list)
     eng.attach(job("a", 4, 2, 1))
     assert math.isfinite(eng.step().losses["a"])
+
+
+def test_after_a_jobs_non_finite_step_its_sets_run_the_arena_operator_and_its_step_mates_train(model_dir, monkeypatch) -> None:  # noqa: ANN001, E501
+    """A job's non-finite gradients stay its own in a staged step (the mask's where keeps its columns out of its
+    step-mates' rows). Its non-finite rows would not (the weight-gradient GEMMs sum over every row: 0 * NaN), so from
+    then on a set holding a job that ever skipped runs the arena operator, and its step-mates train on."""
+    from tests.unit.test_step_graphs import examples, job
+
+    monkeypatch.setattr(graph_thread, "ON", False)
+    monkeypatch.setattr(lora_stage, "STAGE", True)
+    eng = _engine(model_dir, False, examples(48, 24))
+    for spec in (job("a", 4, 2, 1), job("b", 8, 2, 2)):
+        eng.attach(spec)
+    first = eng.step()
+    assert not any(first.skipped.values()) and eng.slots.stager._views is not None
+    with torch.no_grad():
+        eng.jobs["b"].adapter.flat.mul_(1e30)  # b's rows overflow: non-finite gradients
+    hit = eng.step()
+    assert hit.skipped["b"] and not math.isfinite(hit.grad_norms["b"])
+    assert not hit.skipped["a"] and math.isfinite(hit.grad_norms["a"])  # a's rows and gradients untouched
+    staged: list[object] = []
+    orig = eng.slots.stage_in
+
+    def spy(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        staged.append(orig(*args, **kw))
+        return staged[-1]
+
+    monkeypatch.setattr(eng.slots, "stage_in", spy)
+    later = [eng.step() for _ in range(2)]
+    assert staged and all(p is None for p in staged)  # b's sets no longer stage
+    assert all(not r.skipped["a"] and r.skipped["b"] for r in later)
+    assert all(math.isfinite(r.losses["a"]) and math.isfinite(r.grad_norms["a"]) for r in later)
