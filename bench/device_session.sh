@@ -2991,12 +2991,13 @@ with c.set_checkpoint_debug_enabled(True):
     rm -f "$OUT"/executor_task*.md
     pack_logs
     ;;
-  s62_a)  # prepared in session 61 for the next: staged LoRA with the keys' own staged slots. Its GPU tests and the
-          # step graphs' with it on; the graphed 2-job step off / on / off / on (its kernel table shows whether the
-          # step staged: no _shrink_jit in the LoRA linears' place); the 200-step task on, off, on, off (runs 3, 4)
+  s62_a)  # prepared in session 61 for the next: staged LoRA with the keys' own staged slots. Its GPU tests; the
+          # graphed 2-job step off / on / off / on (its kernel table shows whether the step staged: no _shrink_jit
+          # in the LoRA linears' place); the 200-step task on, off, on, off (compare runs 3 and 4). Not the other
+          # GPU tests with it on: their isolation and capture-count tests fail with it on by design (docs/architecture.md)
     rm -rf /tmp/s62a
-    LORAPLEX_LORA_STAGE=1 TRITON_CACHE_DIR=/tmp/s62a/triton step 150 stage_tests python3 -m pytest -q \
-      -p no:cacheprovider tests/gpu/test_lora_stage_gpu.py tests/gpu/test_step_graphs_gpu.py
+    TRITON_CACHE_DIR=/tmp/s62a/triton step 100 stage_tests python3 -m pytest -q -p no:cacheprovider \
+      tests/gpu/test_lora_stage_gpu.py
     for v in 0 1 0 1; do
       [ $((585 - SECONDS)) -ge 300 ] && LORAPLEX_LORA_STAGE=$v hp "hp_stage${v}_$SECONDS" 290 60
     done
