@@ -69,7 +69,7 @@ class StagePlan:
 
     slots: int
     tile: int
-    graph: bool = False  # a graph's body: one backward a linear, always overwriting
+    graph: bool = False  # a graph's step: its flush adds every linear's gradients (the body's own plan is not seen)
     mask: torch.Tensor | None = None
     hit: torch.Tensor | None = None  # the mask's nonzero cells (bool)
     seen: set[int] = field(default_factory=set)
