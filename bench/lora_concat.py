@@ -95,16 +95,15 @@ class Layer:
         self.wrows[:d_out] = self.w
         self.bstage = torch.zeros(CAP, d_out, device=dev, dtype=bf)
         self.astage = torch.zeros(CAP, d_in, device=dev, dtype=bf)  # the "stage" variant's A_all
-        self.dst, self.src, self.grad_dst, self.grad_src = [], [], [], []
+        self.dst, self.stage_dst, self.src, self.grad_dst = [], [], [], []
         row = 0
         for r, ao, bo in zip(ranks, a_off, b_off, strict=True):
             self.dst += [self.wrows[d_out + row:d_out + row + r], self.bstage[row:row + r]]
+            self.stage_dst += [self.astage[row:row + r], self.bstage[row:row + r]]
             self.src += [self.arena[ao:ao + r * d_in].view(r, d_in), self.arena[bo:bo + r * d_out].view(r, d_out)]
             self.grad_dst += [self.grad[ao:ao + r * d_in].view(r, d_in), self.grad[bo:bo + r * d_out].view(r, d_out)]
             row += r
         torch._foreach_copy_(self.dst, self.src)
-        self.stage_dst = [self.astage[d_out_row:d_out_row + len(v)] if k % 2 == 0 else v
-                          for k, (v, d_out_row) in enumerate(zip(self.dst, _rows_of(self.dst, d_out), strict=True))]
         torch._foreach_copy_(self.stage_dst, self.src)
         self.da = self.db = None  # "rows+foreach": the step's float32 gradients, added to the arena after
 
@@ -123,13 +122,7 @@ class ConcatFn(torch.autograd.Function):
         d_in, d_out, r, wext = layer.d_in, layer.d_out, layer.r, layer.wext
         if copies:
             layer.fill_ext()
-        y_ext = x @ wext[:d_out + r, :d_in].t()
-        s = y_ext[:, d_out:] * mask
-        y = y_ext[:, :d_out]
-        y.addmm_(s, wext[:d_out, d_in:d_in + r].t())
-        ctx.save_for_backward(x, s, mask)
-        ctx.layer, ctx.copies = layer, copies
-        return y
+        return _folded_forward(ctx, x, layer, mask, copies, wext[:d_out + r, :d_in], wext[:d_out, d_in:d_in + r].t())
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, D102
@@ -150,14 +143,16 @@ class ConcatFn(torch.autograd.Function):
         return dx, None, None, None
 
 
-def _rows_of(dst: list[torch.Tensor], d_out: int) -> list[int]:
-    """Each A block's first row in the stacked A_all (dst alternates A rows of W_rows, B rows of the staging)."""
-    out, row = [], 0
-    for k, v in enumerate(dst):
-        out.append(row)
-        if k % 2 == 1:
-            row += v.shape[0]
-    return out
+def _folded_forward(ctx, x: torch.Tensor, layer: Layer, mask: torch.Tensor, copies: bool, w_ext: torch.Tensor,  # noqa: ANN001
+                    b_all: torch.Tensor) -> torch.Tensor:
+    """`concat` and `rows`' forward: [y | S] = x @ w_ext^T (w_ext: W then A_all), y += (S * M) @ b_all."""
+    y_ext = x @ w_ext.t()
+    s = y_ext[:, layer.d_out:] * mask
+    y = y_ext[:, :layer.d_out]
+    y.addmm_(s, b_all)
+    ctx.save_for_backward(x, s, mask)
+    ctx.layer, ctx.copies = layer, copies
+    return y
 
 
 class StageFn(torch.autograd.Function):
@@ -191,14 +186,7 @@ class RowsFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, layer, mask, copies):  # noqa: ANN001, D102
-        d_out, r = layer.d_out, layer.r
-        y_ext = x @ layer.wrows[:d_out + r].t()
-        s = y_ext[:, d_out:] * mask
-        y = y_ext[:, :d_out]
-        y.addmm_(s, layer.bstage[:r])
-        ctx.save_for_backward(x, s, mask)
-        ctx.layer, ctx.copies = layer, copies
-        return y
+        return _folded_forward(ctx, x, layer, mask, copies, layer.wrows[:layer.d_out + layer.r], layer.bstage[:layer.r])
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, D102

@@ -343,30 +343,31 @@ class AdapterArena:
         """The step's staging plan (trainer.lora_stage) with every job's factors copied into the stacked buffers, or
         None where the step does not stage (off, no gradients, a step's pass, a copy, R over the cap, a job that
         ever skipped a step)."""
-        r_max = max((s.adapter.rank for s in states), default=0)
-        if not slots or self.stager is None or self._copy is not None or not self._stages(states, slots, train):
+        tile = self._stage_tile(states, slots, train)
+        if not slots or not tile or self._copy is not None:
             return None
-        plan = StagePlan(slots, rank_tile(r_max), graph=graph)
+        plan = StagePlan(slots, tile, graph=graph)
         self.stager.stage_in(plan, self.arena, self.grad_arena, ints[: 2 * len(self.layers) * len(states)],
                              [s.adapter.rank for s in states])
         return plan
 
-    def _stages(self, states: Sequence[JobRun], slots: int, train: bool) -> bool:
-        """Whether a step of these jobs in `slots` staged slots stages. Not with a job that ever skipped a step. A
-        staged step keeps a job's non-finite products out of its step-mates' columns (the mask's where), but not
-        its non-finite rows or factors: the weight-gradient GEMMs sum over every row and the expand over every
-        job's rank rows (0 * NaN), so its step-mates would skip too. The arena operator keeps each job's rows and
-        factors to itself, so after a job's first skipped step its sets run there. (Updates keep factors finite:
-        a non-finite gradient skips its job's update.)"""
+    def _stage_tile(self, states: Sequence[JobRun], slots: int, train: bool) -> int:
+        """The rank tile a step of these jobs in `slots` staged slots stages with, 0 where it does not. Not with a
+        job that ever skipped a step. A staged step keeps a job's non-finite products out of its step-mates'
+        columns (the mask's where), but not its non-finite rows or factors: the weight-gradient GEMMs sum over
+        every row and the expand over every job's rank rows (0 * NaN), so its step-mates would skip too. The arena
+        operator keeps each job's rows and factors to itself, so after a job's first skipped step its sets run
+        there. (Updates keep factors finite: a non-finite gradient skips its job's update.)"""
         r_max = max((s.adapter.rank for s in states), default=0)
-        return (self.stager is not None and all(s.skipped_steps == 0 for s in states)
-                and self.stager.serves(slots, r_max, train))
+        ok = (self.stager is not None and all(s.skipped_steps == 0 for s in states)
+              and self.stager.serves(slots, r_max, train))
+        return rank_tile(r_max) if ok else 0
 
     def stage_slots(self, states: Sequence[JobRun], train: bool) -> int:
         """A graph key's staged job slots for a step of these jobs (a power of two: the key serves other sets of as
         many), 0 where such a step does not stage."""
         slots = 1 << max(len(states) - 1, 0).bit_length()
-        return slots if self._stages(states, slots, train) else 0
+        return slots if self._stage_tile(states, slots, train) else 0
 
     def graph_stage(self, slots: int, tile: int, train: bool) -> StagePlan | None:
         """A graph body's staging plan (its key's staged job slots and rank tile), or None where it does not stage."""

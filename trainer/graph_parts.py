@@ -132,12 +132,10 @@ def lengths_key(eng: Any, per_octave: int, states: Sequence[Any], ints: Sequence
 
 def shaped_key(eng: Any, states: Sequence[Any], ints: Sequence[int], tokens: int, n_seqs: int, cap: int,
                train: bool) -> GraphKey:
-    rank = max(s.adapter.rank for s in states)
-    slots = getattr(eng, "slots", None)
-    stage = slots.stage_slots(states, train) if getattr(slots, "stager", None) is not None else 0
-    return GraphKey(tokens=tokens, seq_slots=pow2(n_seqs, 16), job_slots=pow2(len(states), 8), rank=pow2(rank, 16),
-                    max_len=cap, aligned=all(v % 16 == 0 for v in ints), recompute=eng.gradient_checkpointing and train,
-                    train=train, stage=stage)
+    return GraphKey(tokens=tokens, seq_slots=pow2(n_seqs, 16), job_slots=pow2(len(states), 8),
+                    rank=pow2(max(s.adapter.rank for s in states), 16), max_len=cap,
+                    aligned=all(v % 16 == 0 for v in ints), recompute=eng.gradient_checkpointing and train, train=train,
+                    stage=eng.slots.stage_slots(states, train))
 
 
 @dataclass(frozen=True)

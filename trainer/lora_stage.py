@@ -22,7 +22,7 @@ arena of another dtype, and writes through `.data`, so factors a capture saved k
 Both run eagerly, on views cached per layout, outside any graph: a graph reused for another job set reads the same
 buffers. The mask applies as a where, so a job's non-finite products stay out of its step-mates' rows; its
 non-finite rows or factors would not (the GEMMs sum over every row and rank row), so a set holding a job that ever
-skipped a step runs the arena operator (`AdapterArena._stages`).
+skipped a step runs the arena operator (`AdapterArena._stage_tile`).
 
 bench/lora_concat.py measured the design on one layer's seven linears (H200, a 2-job step's 1,440 rows, as a CUDA
 graph): 2.22 ms a layer against the fused operator's 2.34 (`stage`; bench/results/session61_h200.md).
@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F  # noqa: N812
@@ -169,6 +170,18 @@ def staged_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return StagedLoraFn.apply(x, weight, bias, bufs.a[:r], bufs.b[:r], mask, bufs, plan, key, token)
 
 
+class _Views(NamedTuple):
+    """A layout's copy lists: the stacked rows and the arena blocks they copy from, the gradient arena blocks and the
+    gradient rows added into them, and each gradient pair's layer (Stager.flush keeps the layers whose backward ran)."""
+
+    key: tuple
+    dst: list[torch.Tensor]
+    src: list[torch.Tensor]
+    grad_dst: list[torch.Tensor]
+    grad_src: list[torch.Tensor]
+    owner: list[int]
+
+
 class Stager:
     """The arena's side of staging for one engine's layers: the buffers, and the per-layout views that `stage_in`
     and `flush` move between (rebuilt where the layout changes)."""
@@ -179,7 +192,7 @@ class Stager:
         for k, (m, bufs) in enumerate(zip(self.layers, self.bufs, strict=True)):
             m.stage_bufs, m.stage_index = bufs, k
         WIDE_MM[0] = wide_mm_available(device)
-        self._views: tuple | None = None  # (layout key, copy dst, copy src, grad dst, grad src)
+        self._views: _Views | None = None
         self.pending: StagePlan | None = None  # a step staged and not yet flushed
 
     def serves(self, slots: int, r_max: int, grad: bool) -> bool:
@@ -195,7 +208,7 @@ class Stager:
         (a capture's on a thread among them) keep their autograd version."""
         n, n_layers = len(ranks), len(self.layers)
         key = (arena.data_ptr(), grad_arena.data_ptr(), plan.tile, tuple(ints), tuple(ranks))
-        if self._views is None or self._views[0] != key:
+        if self._views is None or self._views.key != key:
             dst, src, gdst, gsrc, owner = [], [], [], [], []
             for k, (m, bufs) in enumerate(zip(self.layers, self.bufs, strict=True)):
                 bufs.a.data.zero_()  # rows no job owns stay zero (finite: the mask's where keeps them out anyway)
@@ -210,8 +223,8 @@ class Stager:
                         gdst.append(grad_arena[off:off + r * width].view(r, width))
                         gsrc.append(grad[lo:lo + r])
                         owner.append(k)
-            self._views = (key, dst, src, gdst, gsrc, owner)
-        torch._foreach_copy_(self._views[1], self._views[2])
+            self._views = _Views(key, dst, src, gdst, gsrc, owner)
+        torch._foreach_copy_(self._views.dst, self._views.src)
         self.pending = plan
 
     def flush(self) -> None:
@@ -220,7 +233,7 @@ class Stager:
         plan, self.pending = self.pending, None
         if plan is None or self._views is None:
             return
-        _, _, _, gdst, gsrc, owner = self._views
+        gdst, gsrc, owner = self._views.grad_dst, self._views.grad_src, self._views.owner
         if not plan.graph and len(plan.seen) < len(self.layers):
             keep = [j for j, k in enumerate(owner) if k in plan.seen]
             gdst, gsrc = [gdst[j] for j in keep], [gsrc[j] for j in keep]
