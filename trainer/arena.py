@@ -15,9 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from trainer import lora_stage
 from trainer.jobs import JobRun
-from trainer.lora_stage import StagePlan, Stager, rank_tile
 from trainer.multilora import MultiLoraLinear, StepLayout
 
 # the share of device memory a job parked on the device leaves free: the steps' peak is already
@@ -83,8 +81,6 @@ class AdapterArena:
         self._copy: tuple[torch.Tensor, dict[str, tuple[int, int]], torch.Tensor] | None = None
         self.guard: Callable[[], None] | None = None  # while a step capture runs on a thread (`settle`)
         self.reset(device)
-        if lora_stage.STAGE:
-            self.stager = Stager(self.layers, compute_dtype, self.device)
 
     def settle(self) -> None:
         """Wait for a step graph's capture under way on a thread (trainer.graph_thread), which reads the
@@ -151,15 +147,13 @@ class AdapterArena:
         which would keep its address past the scope)."""
         return self._copy is not None
 
-    def layout_arenas(self, staged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def layout_arenas(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(the arena as the kernels read it, a gradient arena of its shape) for a layout: the
         arena itself where it is in the compute dtype, else a copy of it made now; for a no-grad
         layout within compute_copy, the scope's copy of its jobs and a zero-stride stand-in for
         the gradients (nothing is written to it)."""
         if self._copy is not None and not torch.is_grad_enabled():
             return self._copy[0], self._copy[2]
-        if staged:  # a staged step reads its stacked buffers, never the arena: no copy in the compute dtype
-            return self.arena, self.grad_arena
         arena = self.arena if self.arena.dtype == self.compute_dtype else self.arena.to(self.compute_dtype)
         return arena, self.grad_arena
 
@@ -187,11 +181,6 @@ class AdapterArena:
         self.regions: dict[str, tuple[int, int]] = {}
         # a scalar that requires grad: the backward reaches every layer (and the gradient arena)
         self.token = torch.zeros((), device=self.device, requires_grad=True)
-        # staged LoRA (trainer.lora_stage) lives where the engine was built: a moved engine (adapter parallelism's
-        # sharded backbone, whose staging no test has run) runs the arena operator
-        self.stager = None
-        for layer in self.layers:
-            layer.stage_bufs = None
 
     def _alloc(self, size: int) -> int:
         """First fit among the gaps between regions, else at the end (growing the arena by at
@@ -317,10 +306,9 @@ class AdapterArena:
         dev = host_to_device(torch.tensor(ints, dtype=torch.int64), self.device)
         n = len(states)
         offs = dev[: 2 * n_layers * n].view(2, n_layers, n)
+        arena, grad_arena = self.layout_arenas()
         if torch.is_grad_enabled() and not self._accumulate:
             self.grad_arena.zero_()
-        plan = self.stage_in(states, ints, len(states), torch.is_grad_enabled() and self._step is None)
-        arena, grad_arena = self.layout_arenas(staged=plan is not None)
         lay = StepLayout(
             offsets=dev[2 * n_layers * n + n :],
             scales=host_to_device(torch.tensor([s.adapter.scaling for s in states], dtype=torch.float32),
@@ -332,53 +320,10 @@ class AdapterArena:
             token=self.token,
             backend=self.backend,
             aligned=all(v % 16 == 0 for v in ints[: 2 * n_layers * n]),
-            stage=plan,
         )
         for k, layer in enumerate(self.layers):
             layer.layout = lay
             layer.a_off, layer.b_off = offs[0, k], offs[1, k]
-
-    def stage_in(self, states: Sequence[JobRun], ints: Sequence[int], slots: int, train: bool,
-                 graph: bool = False) -> StagePlan | None:
-        """The step's staging plan (trainer.lora_stage) with every job's factors copied into the stacked buffers, or
-        None where the step does not stage (off, no gradients, a step's pass, a copy, R over the cap, a job that
-        ever skipped a step)."""
-        tile = self._stage_tile(states, slots, train)
-        if not slots or not tile or self._copy is not None:
-            return None
-        plan = StagePlan(slots, tile, graph=graph)
-        self.stager.stage_in(plan, self.arena, self.grad_arena, ints[: 2 * len(self.layers) * len(states)],
-                             [s.adapter.rank for s in states])
-        return plan
-
-    def _stage_tile(self, states: Sequence[JobRun], slots: int, train: bool) -> int:
-        """The rank tile a step of these jobs in `slots` staged slots stages with, 0 where it does not. Not with a
-        job that ever skipped a step. A staged step keeps a job's non-finite products out of its step-mates'
-        columns (the mask's where), but not its non-finite rows or factors: the weight-gradient GEMMs sum over
-        every row and the expand over every job's rank rows (0 * NaN), so its step-mates would skip too. The arena
-        operator keeps each job's rows and factors to itself, so after a job's first skipped step its sets run
-        there. (Updates keep factors finite: a non-finite gradient skips its job's update.)"""
-        r_max = max((s.adapter.rank for s in states), default=0)
-        ok = (self.stager is not None and all(s.skipped_steps == 0 for s in states)
-              and self.stager.serves(slots, r_max, train))
-        return rank_tile(r_max) if ok else 0
-
-    def stage_slots(self, states: Sequence[JobRun], train: bool) -> int:
-        """A graph key's staged job slots for a step of these jobs (a power of two: the key serves other sets of as
-        many), 0 where such a step does not stage."""
-        slots = 1 << max(len(states) - 1, 0).bit_length()
-        return slots if self._stage_tile(states, slots, train) else 0
-
-    def graph_stage(self, slots: int, tile: int, train: bool) -> StagePlan | None:
-        """A graph body's staging plan (its key's staged job slots and rank tile), or None where it does not stage."""
-        ok = slots > 0 and self.stager is not None and self.stager.serves(slots, tile, train)
-        return StagePlan(slots, tile, graph=True) if ok else None
-
-    def job_grads(self, states: Sequence[JobRun]) -> list[torch.Tensor]:
-        """Each job's gradient region, a staged step's gradients added first (trainer.lora_stage)."""
-        if self.stager is not None:
-            self.stager.flush()
-        return [self.grad_arena[slice(*self.regions[s.job_id])] for s in states]
 
     def clear_layout(self) -> None:
         """Every layer back to its base linear alone, until the next layout."""

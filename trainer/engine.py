@@ -370,7 +370,7 @@ class MultiLoraEngine:
                 want = None if self.recompute_for is None else self.recompute_for(sum(tokens))
                 self.set_recompute(self.gradient_checkpointing if want is None else want)
                 batch, numbers = self._eager_forward_backward(states, per_job)
-        grads = self.slots.job_grads(states)  # a staged step's gradients added first (trainer.lora_stage)
+        grads = [self.slots.grad_arena[slice(*self.slots.regions[s.job_id])] for s in states]
         norms = torch._foreach_norm(grads)
         width = len(self.metric_names)
         lrs = {s.job_id: s.optimizer.param_groups[0]["lr"] for s in states}  # the step's, before its update

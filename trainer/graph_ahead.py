@@ -206,8 +206,8 @@ def near_warm(warm: set[tuple], key: GraphKey) -> bool:
     modules from the Triton cache). A ranking that keeps only jobs of lower ranks than the warmup's
     largest one (the 200-step task of session 54) moves its steps to such a class; its first step would
     otherwise run eagerly and its keys would wait for it."""
-    same = (key.job_slots, key.max_len, key.recompute, key.train, key.stage)
-    return key.warm_class in warm or any((w[0], w[2], w[4], w[5], w[6]) == same for w in warm)
+    same = (key.job_slots, key.max_len, key.recompute, key.train)
+    return key.warm_class in warm or any((w[0], w[2], w[4], w[5]) == same for w in warm)
 
 
 def ranking_sets(engine: Any, ranked: Sequence[str], reported: Sequence[str], n_ranked: int,  # noqa: ANN401

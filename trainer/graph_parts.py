@@ -134,8 +134,7 @@ def shaped_key(eng: Any, states: Sequence[Any], ints: Sequence[int], tokens: int
                train: bool) -> GraphKey:
     return GraphKey(tokens=tokens, seq_slots=pow2(n_seqs, 16), job_slots=pow2(len(states), 8),
                     rank=pow2(max(s.adapter.rank for s in states), 16), max_len=cap,
-                    aligned=all(v % 16 == 0 for v in ints), recompute=eng.gradient_checkpointing and train, train=train,
-                    stage=eng.slots.stage_slots(states, train))
+                    aligned=all(v % 16 == 0 for v in ints), recompute=eng.gradient_checkpointing and train, train=train)
 
 
 @dataclass(frozen=True)
@@ -150,14 +149,13 @@ class GraphKey:
     aligned: bool      # every arena offset a multiple of 16 elements (vector loads)
     recompute: bool    # activation recompute on
     train: bool = True  # the training step (forward and backward); False: an evaluation forward
-    stage: int = 0     # job slots of staged LoRA (trainer.lora_stage: stage * rank stacked rows); 0: not staged
 
     @property
     def warm_class(self) -> tuple:
         """Keys of one class launch the same kernels (other token and sequence counts): once one
         of them ran eagerly (compiling, loading and looking up every kernel, creating the
         backward's handles), any other is captured at its first step."""
-        return (self.job_slots, self.rank, self.max_len, self.aligned, self.recompute, self.train, self.stage)
+        return (self.job_slots, self.rank, self.max_len, self.aligned, self.recompute, self.train)
 
 
 class Static:

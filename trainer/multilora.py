@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from kernels import multilora_linear_arena
-from trainer.lora_stage import StageBuffers, StagePlan, staged_linear
 
 
 @dataclass
@@ -41,7 +40,6 @@ class StepLayout:
     # every a/b offset of this step is a multiple of 16 elements (the engine checks its host ints):
     # the fused kernels may then load the adapters' rows as 16-byte vectors
     aligned: bool = False
-    stage: StagePlan | None = None  # a staged step (trainer.lora_stage): every layer with buffers stages
 
 
 class MultiLoraLinear(nn.Module):
@@ -55,8 +53,6 @@ class MultiLoraLinear(nn.Module):
         self.in_features = base.in_features
         self.out_features = base.out_features
         self.layout: StepLayout | None = None
-        self.stage_bufs: StageBuffers | None = None  # trainer.lora_stage's stacked factors (where staging is on)
-        self.stage_index = -1  # this layer's place in its Stager
         self.a_off: torch.Tensor | None = None
         self.b_off: torch.Tensor | None = None
         # decoding (trainer.sampling), plain matmuls with few launches: groups of equal rows as
@@ -91,10 +87,6 @@ class MultiLoraLinear(nn.Module):
         if lay is None or self.a_off is None:
             return self.base(x)
         shape = x.shape
-        if lay.stage is not None and self.stage_bufs is not None:
-            y = staged_linear(x.reshape(-1, shape[-1]), self.base.weight, self.base.bias, self.stage_bufs, lay.stage,
-                              self.stage_index, lay.offsets, lay.ranks, lay.scales, lay.token)
-            return y.reshape(*shape[:-1], self.out_features)
         y = multilora_linear_arena(
             x.reshape(-1, shape[-1]), self.base.weight, self.base.bias, lay.arena, lay.grad_arena,
             self.a_off, self.b_off, lay.scales, lay.ranks, lay.offsets, lay.r_max, lay.token,

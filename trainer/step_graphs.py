@@ -20,7 +20,8 @@ the free memory for waits (`graph_parts.capture_short`); a training key of TRANS
 eagerly while its job set runs under TRANSIENT_SET_STEPS more steps (`set_lasts`); graphs live in their process
 only; the arena growing or packed drops them, and so does a step that runs without recompute only once a mostly
 stale pool is gone (`stale_pool`). A capture may run on a thread a few steps ahead (trainer.graph_thread,
-`flight`). Without CUDA graphs (CPU tests) the same body runs eagerly on the same static buffers (`_Replay`).
+`flight`). Without CUDA graphs (CPU tests) the same body runs eagerly on the same static buffers (`_Replay`),
+which is what the tests compare against the engine's eager step.
 """
 from __future__ import annotations
 
@@ -197,7 +198,6 @@ class StepGraphs:
         entry = self._entry(key)
         entry.last = self.calls = self.calls + 1
         counts = self._fill(entry.static, key, cpu, states, ints)
-        eng.slots.stage_in(states, ints, key.stage, train, graph=True)  # a staged body's factors (lora_stage)
         eng.forward_shapes[(*cpu.input_ids.shape, train)] += 1
         limit = self.max_capture_tokens if train else min(self.max_capture_tokens, self.max_eval_capture_tokens)
         captured_now = self._captures(key, limit)
@@ -281,8 +281,8 @@ class StepGraphs:
         or `cover_tokens` more, enough sequence and job slots, a rank tile as large)."""
         best = None
         for k, e in self.entries.items():
-            if e.graph is None or (k.max_len, k.aligned, k.recompute, k.train, k.stage, k.rank if k.stage else 0) != (
-                    key.max_len, key.aligned, key.recompute, key.train, key.stage, key.rank if key.stage else 0):
+            if e.graph is None or (k.max_len, k.aligned, k.recompute, k.train) != (
+                    key.max_len, key.aligned, key.recompute, key.train):
                 continue
             if k.job_slots < key.job_slots or k.rank < key.rank:
                 continue
@@ -353,10 +353,10 @@ class StepGraphs:
         """The graph's body: the backbone over the static batch with the static job layout, then
         the training objective and its backward, or the evaluation's sums."""
         eng, slots = self.engine, self.engine.slots
-        arena, grad_arena = slots.layout_arenas(staged=(stage := slots.graph_stage(key.stage, key.rank, key.train)) is not None)
+        arena, grad_arena = slots.layout_arenas()  # never an evaluation's copy here (it runs eagerly)
         lay = StepLayout(offsets=st.offsets, scales=st.scales, ranks=st.ranks.to(torch.int32), arena=arena,
                          grad_arena=grad_arena, r_max=key.rank, token=slots.token, backend=slots.backend,
-                         aligned=key.aligned, stage=stage)
+                         aligned=key.aligned)
         for k, layer in enumerate(eng.layer_list):
             layer.layout, layer.a_off, layer.b_off = lay, st.a_off[k], st.b_off[k]
         try:
