@@ -3034,7 +3034,7 @@ with c.set_checkpoint_debug_enabled(True):
     done
     for v in :4096:8 :32768:8 :4096:8 :32768:8; do
       i=$((i + 1))
-      [ $((460 - SECONDS)) -ge 60 ] && CUBLAS_WORKSPACE_CONFIG=$v step 90 "task200_ws${v//:/_}_$i" python3 \
+      [ $((420 - SECONDS)) -ge 60 ] && CUBLAS_WORKSPACE_CONFIG=$v step 90 "task200_ws${v//:/_}_$i" python3 \
         bench/executor_task.py --layers 32 --steps 200 --runs cold $([ $i -gt 1 ] && echo --reuse) \
         --out "$OUT/executor_task200_ws_$i.md" --json "$OUT/executor_task200_ws_$i.json"
     done
