@@ -1,4 +1,4 @@
-"""Unit: bench/lora_concat.py's LoRA forms (the probe behind trainer.lora_stage) compute what they claim on the CPU:
+"""Unit: bench/lora_concat.py's LoRA forms (the probe behind session 61's staged LoRA, taken out in session 62) compute what they claim on the CPU:
 each form's y, dX, dA and dB against the script's own float64 reference, so its device table compares forms that
 agree. The timing itself needs CUDA graphs (a device run)."""
 
