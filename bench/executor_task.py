@@ -379,7 +379,14 @@ def main() -> None:
                     help="each evaluation group's host syncs, host time and module loads (sync_probe)")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the work directory's model (and stored profiles): a later process of a node")
+    ap.add_argument("--lora-form", choices=("product", "base"), default="product",
+                    help="base: every LoRA linear its backbone GEMM alone (bench/kconcat_step.py): the task's pace "
+                         "were the LoRA term free (its jobs learn nothing: the early exit ranks ties)")
     args = ap.parse_args()
+    if args.lora_form == "base":
+        from kconcat_step import use_base_form
+
+        use_base_form()
     # as worker.processes.spawn gives every GPU process of a node (the repeatable decode's samples)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     if args.sync_probe:

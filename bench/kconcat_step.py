@@ -149,6 +149,23 @@ def _forward(self: MultiLoraLinear, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*shape[:-1], d_out)
 
 
+def _base_forward(self: MultiLoraLinear, x: torch.Tensor) -> torch.Tensor:
+    """The backbone alone in place of the operator (the `base` form without E buffers): its linear by cuBLAS, no
+    LoRA term, the jobs' gradients left zero. Bias-free models only (a bench's Llama shape)."""
+    lay = self.layout
+    if lay is None or self.a_off is None or self.dense is not None:
+        return _PRODUCT_FORWARD(self, x)
+    assert self.base.bias is None, "the base form is for bias-free linears"
+    shape = x.shape
+    return _Base.apply(x.reshape(-1, shape[-1]), lay.token, self.base.weight).reshape(*shape[:-1], self.out_features)
+
+
+def use_base_form() -> None:
+    """Every MultiLoraLinear of this process runs `_base_forward` (bench/executor_task.py --lora-form base: the
+    task's pace were the LoRA term free; its evaluations see no adapter, so its early exit ranks ties)."""
+    MultiLoraLinear.forward = _base_forward
+
+
 def check(eng, form: KForm) -> str:  # noqa: ANN001
     """One eager forward and backward of one batch in the product's form and in kconcat, A and B random."""
     states = list(eng.jobs.values())
