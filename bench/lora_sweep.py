@@ -20,8 +20,6 @@ must move at the measured copy bandwidth.
 written for cuBLAS to add the base GEMM onto; the forward's s P B^T at d_out columns and the backward's dS A at
 d_in columns) at every candidate tile of STORE_TILES, each checked against a float64 reference in the same run,
 and prints the tile of the least time a step (`--best-out FILE` writes it as $LORAPLEX_LORA_STORE_TILE reads it).
-Candidates named "tma:..." are the TMA-stored form (kernels/lora_store.py, $LORAPLEX_LORA_STORE_FORM=tma) at a
-$LORAPLEX_LORA_STORE_TMA tile, timed and checked in the same table (`--tmas` picks which).
 """
 
 from __future__ import annotations
@@ -188,11 +186,6 @@ STORE_TILES = ("64,256,4", "64,128,4", "32,128,4", "32,256,4", "64,64,4", "32,64
                "64,128,4,64", "32,128,4,64", "64,256,4,64", "32,256,8,64")
 
 
-# the TMA-stored form's candidates: "tma:BLOCK_M,BLOCK_N,warps" (session 64: the column loop, "loop:", lost at
-# 12.7 against 6.8 ms a step, code at a7a23a0)
-STORE_TMAS = ("tma:64,256,8", "tma:64,256,4", "tma:128,128,8", "tma:64,128,4", "tma:128,256,8", "tma:64,128,8",
-              "tma:32,256,4", "tma:128,128,4")
-
 STORE_TOL = 2e-2  # a tile's worst error against float64 (bf16 output) for its time to count
 
 
@@ -224,7 +217,6 @@ def store_sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, la
     """Every tile's store pass, forward and backward, at ENGINE_SHAPES: the table and the tile of the least
     time a step (only tiles whose every output matched the reference; None where none did)."""
     from kernels import fused_lora as fl
-    from kernels.lora_store import parse_tile, store_tma_launch
 
     t = sum(counts)
     pad = max(0, pad_to - t)
@@ -246,18 +238,11 @@ def store_sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, la
             floor += fl_us * count * layers / 1e3
             cells = []
             for tile in tiles:
-                tma = tile.startswith("tma:")
-                if not tma:
-                    cfg = _store_cfg(tile, si.c.r_max)
-                    fl._lora_store.choose = lambda *_a, _c=cfg, **_k: _c
+                cfg = _store_cfg(tile, si.c.r_max)
+                fl._lora_store.choose = lambda *_a, _c=cfg, **_k: _c
                 try:
-                    if tma:
-                        def fn(si=si, ai=ai, p=p, out=out, w_strides=w_strides, woff=woff,  # noqa: ANN001
-                               v=parse_tile(tile[4:])) -> None:
-                            store_tma_launch(si.c, out, None, p, ai.arena, w_strides, woff, ai.mode, tile=v)
-                    else:
-                        def fn(si=si, ai=ai, p=p, b_kn=b_kn, out=out, w_strides=w_strides, woff=woff) -> None:  # noqa: ANN001
-                            fl.store_launch(si.c, si.x, b_kn, out, None, p, ai.arena, w_strides, woff, ai.mode)
+                    def fn(si=si, ai=ai, p=p, b_kn=b_kn, out=out, w_strides=w_strides, woff=woff) -> None:  # noqa: ANN001
+                        fl.store_launch(si.c, si.x, b_kn, out, None, p, ai.arena, w_strides, woff, ai.mode)
                     out.fill_(float("nan"))  # a tile that leaves part of it unwritten fails the check
                     fn()
                     err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
@@ -266,17 +251,14 @@ def store_sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, la
                     print(f"tile {tile} at {d_in}x{d_out} {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     err, us = float("nan"), float("inf")
                 finally:
-                    if not tma:
-                        del fl._lora_store.choose
+                    del fl._lora_store.choose
                 totals[tile] += us * count * layers / 1e3
                 worst[tile] = max(worst[tile], err if err == err else float("inf"))
                 cells.append(f"{us:.1f}" + ("" if err < STORE_TOL else f" (err {err:.1e})"))
             rows.append(f"| {d_in}x{d_out} (x{count}) | {name} | {fl_us:.1f} | " + " | ".join(cells) + " |")
             print(rows[-1], flush=True)
-    measured = [k for k in tiles if totals[k] < float("inf") and not k.startswith("tma:")]
-    best = min(measured, key=lambda k: totals[k]) if measured else None  # a tile $LORAPLEX_LORA_STORE_TILE reads
-    tmas = [k for k in tiles if totals[k] < float("inf") and k.startswith("tma:")]
-    best_tma = min(tmas, key=lambda k: totals[k]) if tmas else None
+    measured = [k for k in tiles if totals[k] < float("inf")]
+    best = min(measured, key=lambda k: totals[k]) if measured else None
     out = [f"layout {', '.join(f'{n} rows at rank {r}' for n, r in zip(counts, ranks, strict=True))}; {pad} rows of "
            f"padding ({t + pad} rows); {layers} layers; copy bandwidth {gbs:.0f} GB/s. Microseconds a call "
            "(CUDA-graph medians); tile = BLOCK_M,BLOCK_N,warps[,rank tile cap].", "", *rows, "",
@@ -285,9 +267,6 @@ def store_sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, la
     out += [f"| bytes floor | {floor:.2f} | - |", ""]
     out.append(f"best: {best} ({totals[best]:.2f} ms a step against the default {tiles[0]}'s {totals[tiles[0]]:.2f})"
                if best else "best: none (no tile ran correctly at every shape)")
-    if best_tma:
-        out.append(f"best TMA store: {best_tma} ({totals[best_tma]:.2f} ms a step against the default tile "
-                   f"{tiles[0]}'s {totals[tiles[0]]:.2f})")
     return out, best
 
 
@@ -319,12 +298,6 @@ def main() -> None:
     ap.add_argument("--engine-passes", action="store_true", help="only the passes the engine runs (one-pass dB)")
     ap.add_argument("--store", action="store_true", help="time the store pass's tiles instead (STORE_TILES)")
     ap.add_argument("--best-out", default=None, help="with --store: write the best tile to this file")
-    ap.add_argument("--tiles", default=";".join(STORE_TILES),
-                    help="with --store: the tile form's candidates, ';'-separated (the first is the default's place)")
-    ap.add_argument("--best-tma-out", default=None,
-                    help="with --store: write the best TMA-stored tile ($LORAPLEX_LORA_STORE_TMA's form) here")
-    ap.add_argument("--tmas", default=";".join(STORE_TMAS),
-                    help="with --store: the TMA-stored form's candidates, ';'-separated ('' for none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import triton
@@ -332,9 +305,7 @@ def main() -> None:
     counts, ranks = _parse_layout(args.layout)
     gbs = paths.bandwidth_gbs()
     if args.store:
-        tmas = tuple(x for x in args.tmas.split(";") if x)
-        tiles = tuple(x for x in args.tiles.split(";") if x)
-        lines, best = store_sweep(counts, ranks, args.pad_to, gbs, args.layers, tiles + tmas)
+        lines, best = store_sweep(counts, ranks, args.pad_to, gbs, args.layers)
         text = "\n".join([f"# The store pass's tiles at a small step's layout ({torch.cuda.get_device_name()}; "
                           f"torch {torch.__version__}, triton {triton.__version__}; bf16)", "", *lines])
         print(text, flush=True)
@@ -342,9 +313,6 @@ def main() -> None:
             Path(args.out).write_text(text + "\n")
         if args.best_out and best:
             Path(args.best_out).write_text(best + "\n")
-        tma_line = [x for x in lines if x.startswith("best TMA store: ")]
-        if args.best_tma_out and tma_line:
-            Path(args.best_tma_out).write_text(tma_line[0].split()[3][len("tma:"):] + "\n")
         return
     text = "\n".join([f"# The fused form's LoRA passes at a small step's layout ({torch.cuda.get_device_name()}; "
                       f"torch {torch.__version__}, triton {triton.__version__}; bf16; CUDA-graph medians)", ""]

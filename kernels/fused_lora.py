@@ -804,11 +804,6 @@ def store_launch(c: _Ctx, a, b_kn, out, bias, p, w, w_strides, woff, arena: int)
     """The "cublas" variant's first pass: out = s_i P[rows_i] W_i (+ bias), the pointer kernel's epilogue alone
     (K = 0; a and b_kn give only their strides), for cuBLAS to add a @ b_kn onto."""
     t, nc = out.shape
-    from kernels import lora_store
-
-    if lora_store.FORM == "tma" and lora_store.tma_store_ok(out):  # kernels/lora_store.py; the tile form below
-        lora_store.store_tma_launch(c, out, bias, p, w, w_strides, woff, arena)
-        return
     meta = dict(c.epilogue(bias, arena, False), **_store_rank_tile(c.r_max))
     _lora_store[lambda m: (triton.cdiv(t, m["BLOCK_M"]) * triton.cdiv(nc, m["BLOCK_N"]),)](
         a, b_kn, out, bias if bias is not None else out, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, 0, c.n,
