@@ -825,69 +825,10 @@ def _arena_rank_major(cols: int) -> tuple[int, int, int]:
     return 0, cols, 1  # arena blocks are [r, cols] row-major at per-adapter offsets (stride unused)
 
 
-# $LORAPLEX_LORA_OVERLAP=1 (off until measured on a device): where "auto" (or "cublas") gives a GEMM to cuBLAS, the LoRA
-# pass that makes its P runs on the side stream beside cuBLAS's beta = 0 GEMM instead of before it (the forward's
-# shrink beside X W^T, the backward's dS + dB beside dY W), and kernels/lora_add.py then adds s P W (+ bias) onto
-# cuBLAS's output in place, instead of the store pass before a beta = 1 GEMM. Where no side stream exists (the
-# CPU, the interpreter, LORAPLEX_DA_SIDE_STREAM=0) the same passes run in order on the current stream.
-LORA_OVERLAP = os.environ.get("LORAPLEX_LORA_OVERLAP", "0") == "1"
-
-
-def takes_cublas(c: _Ctx, a, b_kn, p, w, w_strides, woff, arena: int, gemm: str | None = None) -> bool:  # noqa: ANN001
-    """Whether `_gemm_launch` gives a [T, K] @ b_kn GEMM to cuBLAS over the LoRA store ("cublas", or "auto" where
-    the persistent kernel's tiles at its table's configuration keep under CUBLAS_BELOW of their last round busy):
-    the same choice, asked before any launch (the configuration lookup is memoised per key)."""
-    base = gemm_variant(gemm, device=a.device).split("+")[0]
-    if base == "cublas":
-        return True
-    if base != "auto" or not _tma_ok(a, b_kn):
-        return False
-    t, k = a.shape
-    nc = b_kn.shape[1]
-    sms = _num_sms(a.device)
-    meta = dict(c.epilogue(None, arena, False), **_gemm_rank_tile(c.r_max))
-    args = (a, b_kn, a, a, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, c.n, c.r_max, c.t_bucket,
-            a.stride(0), b_kn.stride(0), b_kn.stride(1), nc, 1, p.stride(0), *w_strides)
-    cfg = _gemm_lora_persist.choose(None, args, dict(B_NK=b_kn.stride(0) == 1, NUM_SMS=sms, **meta))
-    tiles = triton.cdiv(t, cfg.kwargs["BLOCK_M"]) * triton.cdiv(nc, cfg.kwargs["BLOCK_N"])
-    return auto_takes_cublas(tiles, sms, nc)
-
-
-def _overlap_out(c: _Ctx, a, b_kn, p, w, w_strides, woff, arena: int, out_dtype, gemm: str | None):  # noqa: ANN001
-    """The output of an overlapped GEMM (LORA_OVERLAP, a GEMM cuBLAS takes, an output TMA can load and store), or
-    None where the call keeps the passes in order."""
-    if not LORA_OVERLAP or c.t == 0 or not takes_cublas(c, a, b_kn, p, w, w_strides, woff, arena, gemm):
-        return None
-    from kernels import lora_add
-
-    out = torch.empty((c.t, b_kn.shape[1]), dtype=out_dtype, device=a.device)
-    return out if lora_add.tma_ok(out) else None
-
-
 def fused_forward(c: _Ctx, x, weight, bias, a, a_strides, aoff, b, b_strides, boff, arena: int,  # noqa: ANN001
                   gemm: str | None = None):
-    """(y, S): S = X A_i^T by `_shrink`, then y from the fused GEMM (LORA_OVERLAP: the shrink beside cuBLAS's
-    X W^T where cuBLAS takes the GEMM, the LoRA term added after)."""
+    """(y, S): S = X A_i^T by `_shrink`, then y from the fused GEMM."""
     s_buf = torch.empty((c.t, c.r_max), dtype=_acc_torch(x.dtype), device=x.device)
-    out = _overlap_out(c, x, weight.t(), s_buf, b, b_strides, boff, arena, x.dtype, gemm)
-    if out is not None:
-        import contextlib
-
-        from kernels import lora_add
-
-        side = _side_stream(x.device)
-        main = torch.cuda.current_stream(x.device) if side is not None else None
-        if side is not None:
-            side.wait_stream(main)
-        try:
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                _shrink_launch(c, x, a, a_strides, aoff, s_buf, arena)
-            torch.mm(x, weight.t(), out=out)
-        finally:  # joined even where a launch raised (no capture branch left open)
-            if side is not None:
-                main.wait_stream(side)
-        lora_add.add_launch(c, out, bias, s_buf, b, b_strides, boff, arena)
-        return out, s_buf
     _shrink_launch(c, x, a, a_strides, aoff, s_buf, arena)
     y = _gemm_launch(c, x, weight.t(), bias, s_buf, b, b_strides, boff, arena, x.dtype, gemm)
     return y, s_buf
@@ -921,10 +862,6 @@ def fused_backward(c: _Ctx, x, dy, s_buf, weight, a, a_strides, aoff, b, b_strid
     """Adds dA_i into da and dB_i^T into db (at the adapters' blocks); returns dX (or None)."""
     ds = torch.empty((c.t, c.r_max), dtype=_acc_torch(x.dtype), device=x.device)
     fuse_db = need_b and onepass
-    out = _overlap_out(c, dy, weight, ds, a, a_strides, aoff, arena, dy.dtype, gemm) if need_x else None
-    if out is not None:
-        return _overlapped_backward(c, x, dy, s_buf, weight, a, a_strides, aoff, b, b_strides, boff, da, da_strides,
-                                    db, db_strides, arena, need_a, need_b, fuse_db, ds, out)
     _shrink_launch(c, dy, b, b_strides, boff, ds, arena, wgrad=(s_buf, db, boff) if fuse_db else None)
     if need_b and not fuse_db:
         _wgrad_launch(c, s_buf, dy, db, db_strides, boff, arena)
@@ -943,39 +880,6 @@ def fused_backward(c: _Ctx, x, dy, s_buf, weight, a, a_strides, aoff, b, b_strid
         return _gemm_launch(c, dy, weight, None, ds, a, a_strides, aoff, arena, dy.dtype, gemm)
     finally:  # joined even where a launch raised: nothing freed here is still read there, no capture branch left open
         main.wait_stream(side)
-
-
-def _overlapped_backward(c: _Ctx, x, dy, s_buf, weight, a, a_strides, aoff, b, b_strides, boff, da, da_strides,  # noqa: ANN001
-                         db, db_strides, arena: int, need_a: bool, need_b: bool, fuse_db: bool, ds, out):
-    """`fused_backward` under LORA_OVERLAP for a dX GEMM cuBLAS takes: dS (+ dB) then dA on the side stream, beside
-    cuBLAS's dY W into `out`; dS A added onto it once dS is made. Returns dX (`out`)."""
-    import contextlib
-
-    from kernels import lora_add
-
-    side = _side_stream(x.device)
-    main = torch.cuda.current_stream(x.device) if side is not None else None
-    made = None
-    if side is not None:
-        side.wait_stream(main)
-    try:
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            _shrink_launch(c, dy, b, b_strides, boff, ds, arena, wgrad=(s_buf, db, boff) if fuse_db else None)
-            if side is not None:
-                made = torch.cuda.Event()
-                made.record(side)
-            if need_b and not fuse_db:
-                _wgrad_launch(c, s_buf, dy, db, db_strides, boff, arena)
-            if need_a:
-                _wgrad_launch(c, ds, x, da, da_strides, aoff, arena)
-        torch.mm(dy, weight, out=out)
-        if made is not None:
-            main.wait_event(made)
-        lora_add.add_launch(c, out, None, ds, a, a_strides, aoff, arena)
-        return out
-    finally:  # dA (and a two-pass dB) joined before the call returns, as the side-stream dA is
-        if side is not None:
-            main.wait_stream(side)
 
 
 class FusedMultiLoraFn(torch.autograd.Function):
