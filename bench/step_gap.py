@@ -113,8 +113,9 @@ def main() -> None:
     ap.add_argument("--device-update", action="store_true", help="the updates decided on the device (before the sync)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    import trainer.step_update as step_update
     from host_profile import back_to_back_ms, build
+
+    import trainer.step_update as step_update
 
     step_update.DEVICE_UPDATE = args.device_update
     eng = build(args.layers, False, args.tokens)
