@@ -135,23 +135,27 @@ class Counted(Executor):
         self.step_tokens: list[int] = []
         real = self.engine.step
 
-        # [tokens, jobs, recompute, synced seconds, each pass's cells or 0, what the step graphs did (session 49),
-        # kernels made ready inside the step: [JIT s, module-load s, JIT count, module count] and the allocator's
-        # new segments (session 50; KernelLoads)]
+        # [tokens, jobs, recompute, seconds, each pass's cells or 0, what the step graphs did (session 49), kernels
+        # made ready inside the step: [JIT s, module-load s, JIT count, module count] and the allocator's new segments
+        # (session 50; KernelLoads; 0 unless STEP_SYNC)]. The seconds: with STEP_SYNC (--step-sync, the tables of
+        # sessions 19-64), the step synced before and after; else the host's time in engine.step, which ends after
+        # the step's one sync (its numbers) and its updates' launch, as the product runs it.
         self.step_trace: list[list] = []
 
         def step():  # noqa: ANN202
-            te.sync()
-            before, segs = graph_counts(self.engine), segments()
+            if STEP_SYNC:
+                te.sync()
+            before, segs = graph_counts(self.engine), segments() if STEP_SYNC else 0
             t0 = time.perf_counter()
             report = real()
-            te.sync()
+            if STEP_SYNC:
+                te.sync()
             t1 = time.perf_counter()
             self.step_tokens.append(report.tokens)
             loads = LOADS.within(t0, t1) if LOADS is not None else []
             self.step_trace.append([report.tokens, len(report.losses), int(bool(self.engine.gradient_checkpointing)),
                                     round(t1 - t0, 4), report.pass_cells or 0, graph_event(self.engine, before),
-                                    [*loads, segments() - segs]])
+                                    [*loads, segments() - segs if STEP_SYNC else 0]])
             return report
 
         self.engine.step = step
@@ -172,6 +176,12 @@ class Counted(Executor):
         self.engine.evaluate_metrics = evaluate_metrics
 
 
+# --step-sync: every training step synced before and after (and the allocator's segments read): the per-step timings
+# of sessions 19-64's tables. Those two syncs a step keep the host's work for the next step from overlapping the
+# device's updates, and the memory statistics cost host time at each: the task then runs slower than the product
+# (session 64: replayed 2-job steps 107.7-110.7 ms in the task against ~103-105 ms back to back in
+# bench/step_gap.py). Off by default since session 64: the product's executor syncs once a step (its numbers).
+STEP_SYNC = False
 SLOW_LOAD_S = 0.02  # a kernel made ready this slowly is named in the run's JSON (session 50: ~1 s of module loads
 # came after the training steps, in evaluation or the samples)
 LOADS: KernelLoads | None = None  # the run's tracer while it runs (Counted's steps read it)
@@ -309,8 +319,9 @@ def render(res: dict, args: argparse.Namespace) -> str:
              "validation samples; product defaults (early exit, checkpoints, exports, end-of-task samples, attention "
              "auto); evaluation " + ("the product's (every 1024 samples a job trained on, 0.25 validation sample "
              "per trained one, at least 64)" if args.eval == "product" else "every 10 steps on the whole validation "
-             "set (as sessions 17-20's tables)") + ". "
-             "`python bench/executor_task.py " + " ".join(sys.argv[1:]) + "`.", "",
+             "set (as sessions 17-20's tables)") + ". " + ("Every training step synced before and after (--step-sync). "
+             if getattr(args, "step_sync", False) else "Training steps as the product runs them (no sync of the "
+             "script's own). ") + "`python bench/executor_task.py " + " ".join(sys.argv[1:]) + "`.", "",
              "| run | wall s | load | profile | train | eval | checkpoint | export | first step s | train tok/s | "
              "MFU | wall / train | eval share | samples s | steps | jobs end |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -382,7 +393,12 @@ def main() -> None:
     ap.add_argument("--lora-form", choices=("product", "base"), default="product",
                     help="base: every LoRA linear its backbone GEMM alone (bench/kconcat_step.py): the task's pace "
                          "were the LoRA term free (its jobs learn nothing: the early exit ranks ties)")
+    ap.add_argument("--step-sync", action="store_true",
+                    help="sync before and after every training step (the per-step timings of sessions 19-64; "
+                         "slower than the product, STEP_SYNC)")
     args = ap.parse_args()
+    global STEP_SYNC
+    STEP_SYNC = args.step_sync
     if args.lora_form == "base":
         from kconcat_step import use_base_form
 
