@@ -6,7 +6,9 @@ engine (host_profile's 2-job step, CUDA graphs, no recompute): steps run back to
 (no sync of its own between steps), and each step's host path is cut at its calls:
 
 - pre: from the step's start to the graph call (the jobs' next examples, the token counts, the memory plan);
-- graph call: `step_graphs.forward_backward` (the step key, the inputs' fill and copy, the replay's launch);
+- graph call: `step_graphs.forward_backward` (the step key, the inputs' fill and copy, the replay's launch), and
+  inside it: key (`graph_parts.step_key`: the packing), fill (`StepGraphs._fill`: the pinned mirror and its copy to
+  the key's buffers) and graph launch (`CUDAGraph.replay`'s host time);
 - ahead: `graph_ahead.capture_next` (a capture of the next step's key, if it makes one);
 - launch: the norms and the numbers' concatenation, up to the sync;
 - wait: blocked in the sync (the device still running the step);
@@ -34,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SEGMENTS = ("pre", "graph call", "ahead", "launch", "wait", "update", "report")
+SEGMENTS = ("pre", "graph call", "key", "fill", "graph launch", "ahead", "launch", "wait", "update", "report")
 
 
 class Clock:
@@ -69,9 +71,13 @@ def instrument(eng, clock: Clock) -> None:  # noqa: ANN001
     """Cut points on the engine's calls (bench only: module attributes and the instance's methods)."""
     import trainer.engine as engine_mod
     import trainer.graph_ahead as graph_ahead
+    import trainer.graph_parts as graph_parts
     import trainer.step_update as step_update
 
     _wrap(eng.step_graphs, "forward_backward", "graph_start", "graph_end", clock)
+    _wrap(graph_parts, "step_key", "key_start", "key_end", clock)
+    _wrap(eng.step_graphs, "_fill", "fill_start", "fill_end", clock)
+    _wrap(torch.cuda.CUDAGraph, "replay", "launch_start", "launch_end", clock)
     _wrap(graph_ahead, "capture_next", "ahead_start", "ahead_end", clock)
     _wrap(engine_mod, "sync_and_update", "sync_start", "sync_end", clock)
     _wrap(step_update, "update_jobs", "update_start", "update_end", clock)
@@ -94,6 +100,9 @@ def segments(m: dict[str, float], nxt: dict[str, float] | None) -> dict[str, flo
     step's graph call's end)."""
     ms = lambda a, b: (m[b] - m[a]) * 1e3  # noqa: E731
     out = {"pre": ms("step_start", "graph_start"), "graph call": ms("graph_start", "graph_end"),
+           "key": ms("key_start", "key_end") if "key_start" in m else 0.0,
+           "fill": ms("fill_start", "fill_end") if "fill_start" in m else 0.0,
+           "graph launch": ms("launch_start", "launch_end") if "launch_start" in m else 0.0,
            "ahead": ms("ahead_start", "ahead_end") if "ahead_start" in m else 0.0,
            "launch": ms("ahead_end" if "ahead_end" in m else "graph_end", "sync_start"),
            "wait": ms("wait_start", "wait_end"),
