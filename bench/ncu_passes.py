@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lora_op_paths import stage_inputs  # noqa: E402
 from lora_op_stages import arena_inputs  # noqa: E402
+from ncu_epilogue import profile_once  # noqa: E402
 
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
 COUNTS, RANKS, PAD = [290, 1160], [16, 64], 86
@@ -53,18 +54,7 @@ def main() -> None:
     for d_in, d_out in SHAPES:
         for name, fn in passes(d_in, d_out).items():
             runs[f"{name} {d_in}x{d_out}"] = fn
-    for fn in runs.values():  # compile and pick configurations outside the profiled range
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for name, fn in runs.items():
-        torch.cuda.nvtx.range_push(name)
-        fn()
-        torch.cuda.nvtx.range_pop()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
-    print("profiled:", ", ".join(runs), flush=True)
+    profile_once(runs)
 
 
 if __name__ == "__main__":
