@@ -3178,13 +3178,17 @@ with c.set_checkpoint_debug_enabled(True):
     ;;
   s65_a)  # next session, call 1: the 200-step task as the product runs its steps (no sync of the script's own, the new
           # default of bench/executor_task.py) against --step-sync (a sync before and after every step and the
-          # allocator's statistics: sessions 19-64's tables), alternating; bench/step_gap.py's bare engine beside it
+          # allocator's statistics: sessions 19-64's tables), alternating, and once with the updates decided on the
+          # device; bench/step_gap.py's bare engine beside it (files: 5 JSON + step_gap + steps + logs = 8)
     export TRITON_CACHE_DIR=/tmp/s65a/triton
     rm -rf /tmp/s65a
+    # "device": light, with the updates decided on the device (LORAPLEX_DEVICE_UPDATE=1: launched before the step's
+    # sync; session 51 found no gain in the task, measured with the script's per-step syncs, which wait for them)
     i=0
-    for mode in light synced light synced; do
+    for mode in light synced device light synced; do
       i=$((i + 1))
-      [ $((585 - SECONDS)) -ge 80 ] && step 100 "task200_${mode}_$i" python3 bench/executor_task.py --layers 32 \
+      [ $((585 - SECONDS)) -ge 80 ] && LORAPLEX_DEVICE_UPDATE=$([ "$mode" = device ] && echo 1 || echo 0) \
+        step 100 "task200_${mode}_$i" python3 bench/executor_task.py --layers 32 \
         --steps 200 --runs cold $([ $i -gt 1 ] && echo --reuse) $([ "$mode" = synced ] && echo --step-sync) \
         --out "$OUT/executor_task200_${mode}_$i.md" --json "$OUT/executor_task200_${mode}_$i.json"
     done
