@@ -320,7 +320,7 @@ def render(res: dict, args: argparse.Namespace) -> str:
              "auto); evaluation " + ("the product's (every 1024 samples a job trained on, 0.25 validation sample "
              "per trained one, at least 64)" if args.eval == "product" else "every 10 steps on the whole validation "
              "set (as sessions 17-20's tables)") + ". " + ("Every training step synced before and after (--step-sync). "
-             if getattr(args, "step_sync", False) else "Training steps as the product runs them (no sync of the "
+             if args.step_sync else "Training steps as the product runs them (no sync of the "
              "script's own). ") + "`python bench/executor_task.py " + " ".join(sys.argv[1:]) + "`.", "",
              "| run | wall s | load | profile | train | eval | checkpoint | export | first step s | train tok/s | "
              "MFU | wall / train | eval share | samples s | steps | jobs end |",

@@ -39,16 +39,27 @@ def build(layers: int, recompute: bool, tokens: int) -> MultiLoraEngine:
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(llama8b_config(layers), dtype=torch.bfloat16)
+    eng = MultiLoraEngine(model, samples(64, tokens // 2, tokens * 3 // 2, 0, 128000), 0,
+                          gradient_checkpointing=recompute, attention="varlen")
+    attach_pair(eng)
+    return eng
+
+
+def samples(count: int, lo: int, hi: int, vocab_lo: int, vocab_hi: int) -> list[Example]:
+    """`count` samples of lo..hi-1 tokens (ids vocab_lo..vocab_hi-1, seeded), the first third of each a prompt."""
     g = torch.Generator().manual_seed(1)
-    ex = []
-    for _ in range(64):
-        n = int(torch.randint(tokens // 2, tokens * 3 // 2, (), generator=g))
-        ids = torch.randint(0, 128000, (n,), generator=g).tolist()
-        ex.append(Example(tuple(ids), tuple([-100] * (n // 3) + ids[n // 3:])))
-    eng = MultiLoraEngine(model, ex, 0, gradient_checkpointing=recompute, attention="varlen")
+    out = []
+    for _ in range(count):
+        n = int(torch.randint(lo, hi, (), generator=g))
+        ids = torch.randint(vocab_lo, vocab_hi, (n,), generator=g).tolist()
+        out.append(Example(tuple(ids), tuple([-100] * (n // 3) + ids[n // 3:])))
+    return out
+
+
+def attach_pair(eng: MultiLoraEngine) -> None:
+    """The small step's two jobs: rank 16 batch 1 and rank 64 batch 4."""
     eng.attach(TrainJob("a", lora_rank=16, lora_alpha=32, learning_rate=1e-4, batch_size=1, max_steps=10**6, seed=1))
     eng.attach(TrainJob("b", lora_rank=64, lora_alpha=128, learning_rate=1e-4, batch_size=4, max_steps=10**6, seed=2))
-    return eng
 
 
 def measure(eng: MultiLoraEngine, warmup: int, iters: int, stacks: int = 0) -> dict:

@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from host_profile import build, measure  # noqa: E402
+from host_profile import attach_pair, build, measure, samples  # noqa: E402
 
 from trainer.multilora import MultiLoraLinear  # noqa: E402
 from trainer.step_graphs import StepGraphs  # noqa: E402
@@ -195,23 +195,14 @@ def tiny_cpu_engine():  # noqa: ANN201
     """host_profile.build's engine on the CPU: 2 layers of a 64-wide Llama in float32, the same 2 jobs."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainer.data import Example
     from trainer.engine import MultiLoraEngine
-    from trainer.jobs import TrainJob
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
     model = LlamaForCausalLM(cfg)
-    g = torch.Generator().manual_seed(1)
-    ex = []
-    for _ in range(32):
-        n = int(torch.randint(10, 40, (), generator=g))
-        ids = torch.randint(0, 256, (n,), generator=g).tolist()
-        ex.append(Example(tuple(ids), tuple([-100] * (n // 3) + ids[n // 3:])))
-    eng = MultiLoraEngine(model, ex, 0, gradient_checkpointing=False, attention="varlen")
-    eng.attach(TrainJob("a", lora_rank=16, lora_alpha=32, learning_rate=1e-4, batch_size=1, max_steps=10**6, seed=1))
-    eng.attach(TrainJob("b", lora_rank=64, lora_alpha=128, learning_rate=1e-4, batch_size=4, max_steps=10**6, seed=2))
+    eng = MultiLoraEngine(model, samples(32, 10, 40, 0, 256), 0, gradient_checkpointing=False, attention="varlen")
+    attach_pair(eng)
     return eng
 
 

@@ -36,9 +36,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SEGMENTS = ("pre", "graph call", "key", "fill", "graph launch", "ahead", "launch", "wait", "update", "report")
-
-
 class Clock:
     """Timestamps of one step's cut points (perf_counter seconds)."""
 

@@ -16,12 +16,12 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
@@ -29,50 +29,35 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=15)
     args = ap.parse_args()
+    from host_profile import attach_pair, samples
+    from step_gap import Clock, _wrap
     from transformers import AutoModelForCausalLM
 
     import trainer.step_update as step_update
     from tests.helpers.engine_ref import tiny_model_dir
     from trainer import graph_parts, graph_thread
-    from trainer.data import Example
     from trainer.engine import MultiLoraEngine
-    from trainer.jobs import TrainJob
 
     torch.set_num_threads(1)
     graph_thread.ON = False  # captures inline: the thread's timing is the GPU's question
-    gen = torch.Generator().manual_seed(1)
-    data = []
-    for _ in range(64):
-        n = int(torch.randint(145, 435, (), generator=gen))
-        ids = torch.randint(3, 250, (n,), generator=gen).tolist()
-        data.append(Example(tuple(ids), tuple([-100] * (n // 3) + ids[n // 3:])))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama", Path(tempfile.mkdtemp())), dtype=torch.float32)
-    eng = MultiLoraEngine(model, data, 0, gradient_checkpointing=False, attention="varlen", step_graphs=True)
-    eng.attach(TrainJob("a", lora_rank=16, lora_alpha=32, learning_rate=1e-4, batch_size=1, max_steps=10**6, seed=1))
-    eng.attach(TrainJob("b", lora_rank=64, lora_alpha=128, learning_rate=1e-4, batch_size=4, max_steps=10**6, seed=2))
+    eng = MultiLoraEngine(model, samples(64, 145, 435, 3, 250), 0, gradient_checkpointing=False, attention="varlen",
+                          step_graphs=True)
+    attach_pair(eng)
     for _ in range(args.warmup):
         eng.step()
-    times: dict[str, list[float]] = {}
-
-    def wrap(owner: object, name: str) -> None:
-        own = getattr(owner, name)
-
-        def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            t0 = time.perf_counter()
-            try:
-                return own(*a, **k)
-            finally:
-                times.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
-
-        setattr(owner, name, timed)
-
-    for owner, name in ((graph_parts, "step_key"), (eng.step_graphs, "_fill"), (step_update, "update_jobs"),
-                        (eng, "_report")):
-        wrap(owner, name)
-    tokens = [eng.step().tokens for _ in range(args.steps)]
+    clock = Clock()
+    pieces = ((graph_parts, "step_key"), (eng.step_graphs, "_fill"), (step_update, "update_jobs"), (eng, "_report"))
+    for owner, name in pieces:
+        _wrap(owner, name, f"{name}_start", f"{name}_end", clock)
+    tokens = []
+    for _ in range(args.steps):
+        tokens.append(eng.step().tokens)
+        clock.close()
     print(f"{args.steps} steps, tokens a step median {statistics.median(tokens):.0f}; graphs {eng.step_graphs.stats()}")
-    for name, v in times.items():
-        print(f"{name}: {statistics.median(v):.3f} ms (median)")
+    for _, name in pieces:
+        ms = [(m[f"{name}_end"] - m[f"{name}_start"]) * 1e3 for m in clock.steps if f"{name}_end" in m]
+        print(f"{name}: {statistics.median(ms):.3f} ms (median)")
 
 
 if __name__ == "__main__":
