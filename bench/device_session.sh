@@ -173,6 +173,27 @@ grow_archive() {  # DIR LIMIT DEADLINE: search (a) (its LIMIT and DEADLINE), the
   pack_logs
 }
 pack_logs() { (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.txt && rm -f ./*.log); }
+on_off() {  # on_off ON OFF "VAR=V ..." "VAR=V ...": a form (ON's environment) against another (OFF's), side by side: the
+  # graphed 2-job step ON / OFF / ON (host_profile's replays back to back), then, where the call has the time, the
+  # 200-step task ON (a fresh model), then OFF (--reuse); files hp_NAME_SECONDS.md and executor_task200_NAME.json
+  local on=$1 off=$2 env_on=$3 env_off=$4 name
+  for name in "$on" "$off" "$on"; do
+    # shellcheck disable=SC2046,SC2086
+    [ $((585 - SECONDS)) -ge 60 ] && (export $([ "$name" = "$on" ] && echo "$env_on" || echo "$env_off")
+      step 55 "hp_$name" python3 bench/host_profile.py --layers 32 --tokens 290 --recompute 0 --modes graphs \
+        --warmup 12 --iters 10 --out "$OUT/hp_${name}_$SECONDS.md")
+  done
+  if [ $((585 - SECONDS)) -ge 180 ]; then
+    # shellcheck disable=SC2086
+    (export $env_on; step 100 "task200_$on" python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
+      --out "$OUT/executor_task200_$on.md" --json "$OUT/executor_task200_$on.json")
+    # shellcheck disable=SC2086
+    [ $((585 - SECONDS)) -ge 70 ] && (export $env_off; step $((580 - SECONDS)) "task200_$off" python3 \
+      bench/executor_task.py --layers 32 --steps 200 --runs cold --reuse --out "$OUT/executor_task200_$off.md" \
+      --json "$OUT/executor_task200_$off.json")
+  fi
+  rm -f "$OUT"/executor_task*.md
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print(torch.__version__, triton.__version__, transformers.__version__, peft.__version__)" | tee -a "$OUT/gpu.txt"
 case "${1:-}" in
@@ -3080,21 +3101,8 @@ with c.set_checkpoint_debug_enabled(True):
     best=$(cat "$OUT/store_loop_best.txt" 2>/dev/null)
     rm -f "$OUT/store_loop_best.txt"
     echo "store loop: ${best:-none}" | tee -a "$OUT/steps.txt"
-    if [ -n "$best" ]; then
-      for form in loop tile loop; do
-        [ $((585 - SECONDS)) -ge 60 ] && LORAPLEX_LORA_STORE_FORM=$form LORAPLEX_LORA_STORE_LOOP=$best step 55 \
-          "hp_$form" python3 bench/host_profile.py --layers 32 --tokens 290 --recompute 0 --modes graphs --warmup 12 \
-          --iters 10 --out "$OUT/hp_${form}_$SECONDS.md"
-      done
-      if [ $((585 - SECONDS)) -ge 180 ]; then
-        LORAPLEX_LORA_STORE_FORM=loop LORAPLEX_LORA_STORE_LOOP=$best step 100 task200_loop python3 bench/executor_task.py \
-          --layers 32 --steps 200 --runs cold --out "$OUT/executor_task200_loop.md" --json "$OUT/executor_task200_loop.json"
-        [ $((585 - SECONDS)) -ge 70 ] && LORAPLEX_LORA_STORE_FORM=tile step $((580 - SECONDS)) task200_tile python3 \
-          bench/executor_task.py --layers 32 --steps 200 --runs cold --reuse --out "$OUT/executor_task200_tile.md" \
-          --json "$OUT/executor_task200_tile.json"
-      fi
-    fi
-    rm -f "$OUT"/executor_task*.md
+    [ -n "$best" ] && on_off loop tile "LORAPLEX_LORA_STORE_FORM=loop LORAPLEX_LORA_STORE_LOOP=$best" \
+      LORAPLEX_LORA_STORE_FORM=tile
     pack_logs
     ;;
   s64_b)  # session 64, call 2: Nsight Compute on a small step's LoRA passes (bench/ncu_passes.py: forward shrink, one-pass
@@ -3126,21 +3134,8 @@ with c.set_checkpoint_debug_enabled(True):
     best=$(cat "$OUT/store_tma_best.txt" 2>/dev/null)
     rm -f "$OUT/store_tma_best.txt"
     echo "store tma: ${best:-none}" | tee -a "$OUT/steps.txt"
-    if [ -n "$best" ]; then
-      for form in tma tile tma; do
-        [ $((585 - SECONDS)) -ge 60 ] && LORAPLEX_LORA_STORE_FORM=$form LORAPLEX_LORA_STORE_TMA=$best step 55 \
-          "hp_$form" python3 bench/host_profile.py --layers 32 --tokens 290 --recompute 0 --modes graphs --warmup 12 \
-          --iters 10 --out "$OUT/hp_${form}_$SECONDS.md"
-      done
-      if [ $((585 - SECONDS)) -ge 180 ]; then
-        LORAPLEX_LORA_STORE_FORM=tma LORAPLEX_LORA_STORE_TMA=$best step 100 task200_tma python3 bench/executor_task.py \
-          --layers 32 --steps 200 --runs cold --out "$OUT/executor_task200_tma.md" --json "$OUT/executor_task200_tma.json"
-        [ $((585 - SECONDS)) -ge 70 ] && LORAPLEX_LORA_STORE_FORM=tile step $((580 - SECONDS)) task200_tile python3 \
-          bench/executor_task.py --layers 32 --steps 200 --runs cold --reuse --out "$OUT/executor_task200_tile.md" \
-          --json "$OUT/executor_task200_tile.json"
-      fi
-    fi
-    rm -f "$OUT"/executor_task*.md
+    [ -n "$best" ] && on_off tma tile "LORAPLEX_LORA_STORE_FORM=tma LORAPLEX_LORA_STORE_TMA=$best" \
+      LORAPLEX_LORA_STORE_FORM=tile
     pack_logs
     ;;
   s64_d)  # session 64, call 4: the LoRA pass beside cuBLAS's GEMM (LORAPLEX_LORA_OVERLAP=1: where "auto" gives a GEMM to
@@ -3150,18 +3145,7 @@ with c.set_checkpoint_debug_enabled(True):
     export TRITON_CACHE_DIR=/tmp/s64d/triton
     rm -rf /tmp/s64d
     step 120 lora_overlap_gpu python3 -m pytest -q -p no:cacheprovider tests/gpu/test_lora_overlap_gpu.py
-    for v in 1 0 1; do
-      [ $((585 - SECONDS)) -ge 60 ] && LORAPLEX_LORA_OVERLAP=$v step 55 "hp_overlap$v" python3 bench/host_profile.py \
-        --layers 32 --tokens 290 --recompute 0 --modes graphs --warmup 12 --iters 10 --out "$OUT/hp_overlap${v}_$SECONDS.md"
-    done
-    if [ $((585 - SECONDS)) -ge 180 ]; then
-      LORAPLEX_LORA_OVERLAP=1 step 100 task200_overlap1 python3 bench/executor_task.py --layers 32 --steps 200 \
-        --runs cold --out "$OUT/executor_task200_overlap1.md" --json "$OUT/executor_task200_overlap1.json"
-      [ $((585 - SECONDS)) -ge 70 ] && LORAPLEX_LORA_OVERLAP=0 step $((580 - SECONDS)) task200_overlap0 python3 \
-        bench/executor_task.py --layers 32 --steps 200 --runs cold --reuse --out "$OUT/executor_task200_overlap0.md" \
-        --json "$OUT/executor_task200_overlap0.json"
-    fi
-    rm -f "$OUT"/executor_task*.md
+    on_off overlap1 overlap0 LORAPLEX_LORA_OVERLAP=1 LORAPLEX_LORA_OVERLAP=0
     pack_logs
     ;;
   s64_e)  # session 64, call 5: where a replayed 2-job step's wall goes beyond its graph (bench/step_gap.py: steps back to
