@@ -1,19 +1,16 @@
 """The multi-job training engine: one frozen backbone, many LoRA jobs attached into slots, one
 forward and one backward per step over all active jobs' micro-batches, per-job loss and AdamW.
 
-Isolation: no attention crosses a job's sequences (rows: a job's rows hold only its own
-sequences; varlen: attention by sequence bounds), every loss is computed on the job's own tokens,
-a non-finite loss counts zero in the backward objective (so only its own job's gradients turn
-non-finite), and a job whose loss or gradient norm is non-finite skips its own update; the other
-jobs are untouched (bit for bit).
+Isolation: no attention crosses a job's sequences (rows: a job's rows hold only its own sequences; varlen:
+attention by sequence bounds), every loss is computed on the job's own tokens, a non-finite loss counts zero in
+the backward objective (only its own job's gradients turn non-finite), and a job whose loss or gradient norm is
+non-finite skips its own update; the other jobs are untouched (bit for bit).
 
-Memory: attached jobs' weights live in one arena and their gradients in one float32 gradient arena of the
-same layout, which the kernels address by per-job offsets: the engine's job slots, `engine.slots`
-(trainer.arena.AdapterArena). A step costs no per-layer stacking, one host-to-device copy of the batch and
-layout, one device sync (the report's numbers), and every job's norm, clip and AdamW in a few multi-tensor
-kernels over the arena's regions. Held-out evaluation: `engine.evaluation` (trainer.evaluation.Evaluation).
-Both are components the engine holds and builds from what they read; the engine keeps the calls its users
-make (`jobs`, `attach`, `detach`, `evaluate_metrics`, `evaluate`) and makes a job's state (`new_job`).
+Memory: attached jobs' weights live in one arena and their gradients in one float32 gradient arena of the same
+layout, which the kernels address by per-job offsets: `engine.slots` (trainer.arena.AdapterArena). A step costs
+one host-to-device copy of the batch and layout, one device sync (the report's numbers), and every job's norm,
+clip and AdamW in a few multi-tensor kernels. Held-out evaluation: `engine.evaluation` (trainer.evaluation).
+The engine keeps the calls its users make (`jobs`, `attach`, `detach`, `evaluate_metrics`, `evaluate`).
 """
 from __future__ import annotations
 
@@ -37,6 +34,7 @@ from trainer.multilora import inject_multilora, without_backbone_dropout
 from trainer.packing import PackedBatch, ShapeBuckets, pack_flat, pack_step
 from trainer.step_graphs import StepGraphs
 from trainer.step_passes import StepTotals, forward_backward_passes
+from trainer.step_pipeline import StepPipeline
 from trainer.step_update import sync_and_update
 from trainer.varlen import register_varlen
 
@@ -147,6 +145,7 @@ class MultiLoraEngine:
         # SFT on the varlen packing, one GPU); None: on where CUDA graphs exist
         use = StepGraphs.use_cuda_graphs(self.device) if step_graphs is None else step_graphs
         self.step_graphs: StepGraphs | None = StepGraphs(self) if use else None
+        self.pipeline = StepPipeline(self)  # a graphed step launched before the last one's sync (trainer.step_pipeline)
 
     # a step's tokens (keyword `padding`: the row's allowance over them) -> recompute on (None: stays)
     recompute_for: Callable[..., bool | None] | None = None
@@ -229,9 +228,8 @@ class MultiLoraEngine:
                          buckets=self.shape_buckets, max_cells=n_seqs * cap)
 
     def cap_for(self, train: bool) -> int:
-        """The longest sequence so far of the training steps (`seq_cap`) or of the evaluations (at least the
-        steps'). Session 55: held-out sequences had grown the steps' own, every later step's key left its warm
-        class, and a step after each ranking ran eagerly. `grow_cap` grows it to a batch's longest."""
+        """The longest sequence so far of the training steps (`seq_cap`) or of the evaluations (at least the steps':
+        session 55's held-out sequences had grown the steps' own and moved their keys). `grow_cap` grows it."""
         return self.seq_cap if train else max(self.seq_cap, self.eval_cap)
 
     def grow_cap(self, train: bool, longest: int) -> int:
@@ -266,9 +264,8 @@ class MultiLoraEngine:
         return out.last_hidden_state
 
     def _forward_losses(self, states: Sequence[JobRun], per_job: Sequence[Sequence[Example]]):  # noqa: ANN202
-        """One forward of every job's micro-batch: the batch, each job's summed token loss and
-        its number of target tokens. The head and cross-entropy run once for all jobs' target
-        tokens (trainer.head: in chunks, logits never kept), then sum per job."""
+        """One forward of every job's micro-batch: the batch, each job's summed token loss and its number of target
+        tokens. The head and cross-entropy run once for all jobs' target tokens (trainer.head), then sum per job."""
         batch, losses, _, counts = self.forward_tokens(states, per_job)
         return batch, [part.sum() for part in losses.split(counts)], counts
 
@@ -345,47 +342,51 @@ class MultiLoraEngine:
         return batch, numbers
 
     def step(self) -> StepReport:
-        """One training step of every attached job that has steps left: one forward and one
-        backward over all their micro-batches, then every job's own update; one device sync (the
-        numbers of the report). The backward runs even when every loss is non-finite (in
-        lockstep the other ranks' backward all-gathers wait for it)."""
+        """One training step of every attached job that has steps left: one forward and one backward over all
+        their micro-batches, then every job's own update; one device sync (the report's numbers). The backward
+        runs even when every loss is non-finite (in lockstep the other ranks' all-gathers wait for it). A graphed
+        step may have been launched during the one before, and may launch the next (trainer.step_pipeline)."""
         states = [s for s in self.jobs.values() if not s.done]
         if not states:
             raise RuntimeError("no attached job has steps left")
-        per_job = [
-            [self.train_examples[i] for i in s.stream.next_indices(s.spec.batch_size)] for s in states
-        ]
+        pipe = self.pipeline if self.step_graphs is not None and self.step_graphs.serves(states) else None
+        ran = pipe.adopt(states) if pipe is not None else None
+        batch, numbers, tokens, pass_cells, graphed = ran or self._forward_backward(states)
+        grads = [self.slots.grad_arena[slice(*self.slots.regions[s.job_id])] for s in states]
+        norms = torch._foreach_norm(grads)
+        width = len(self.metric_names)
+        lrs = {s.job_id: s.optimizer.param_groups[0]["lr"] for s in states}  # the step's, before its update
+        # one sync: every job's numbers and norm; its update's skip and clip decided after it or on the device
+        flat, skipped = sync_and_update(states, torch.cat([torch.stack([n.reshape(-1) for n in numbers]).reshape(-1),
+                                                           torch.stack(norms).to(numbers[0].dtype)]), width, grads,
+                                        then=pipe.launcher(states) if pipe is not None and graphed else None)
+        rows = [flat[i * width : (i + 1) * width] for i in range(len(states))]
+        report = self._report(states, rows, flat[len(states) * width :], batch, skipped, lrs)
+        report.job_tokens, report.pass_cells = {s.job_id: n for s, n in zip(states, tokens, strict=True)}, pass_cells
+        if width > 1:
+            report.metrics = {s.job_id: dict(zip(self.metric_names[1:], row[1:], strict=True))
+                              for s, row in zip(states, rows, strict=True)}
+        return report
+
+    def _forward_backward(self, states: list[JobRun]) -> tuple:
+        """`step`'s forward and backward: (batch, each job's numbers and tokens, each pass's cells or None, graphed)."""
+        per_job = [[self.train_examples[i] for i in s.stream.next_indices(s.spec.batch_size)] for s in states]
         tokens = [sum(sequence_tokens(e) for e in items) for items in per_job]
         passes, pass_cells = self.split_for(tokens) if self.split_for is not None else None, None
         if passes is not None and len(passes) > 1:  # trainer.step_passes: each pass its own jobs
             self.set_recompute(False)
             batch, numbers, pass_cells = forward_backward_passes(self.slots, self._eager_forward_backward,
                                                                  states, per_job, passes)
-        else:
-            if self.step_graphs is not None and self.step_graphs.serves(states):  # recompute decided there
-                batch, numbers = self.step_graphs.forward_backward(states, per_job)
-                if graph_ahead.NEXT:  # the next step's capture, if it makes one, while the device runs this one
-                    graph_ahead.capture_next(self.step_graphs, states)
-            else:
-                want = None if self.recompute_for is None else self.recompute_for(sum(tokens))
-                self.set_recompute(self.gradient_checkpointing if want is None else want)
-                batch, numbers = self._eager_forward_backward(states, per_job)
-        grads = [self.slots.grad_arena[slice(*self.slots.regions[s.job_id])] for s in states]
-        norms = torch._foreach_norm(grads)
-        width = len(self.metric_names)
-        lrs = {s.job_id: s.optimizer.param_groups[0]["lr"] for s in states}  # the step's, before its update
-        # one device sync per step: every job's numbers and gradient norm together, and every job's
-        # update (trainer.step_update: its skip and clip decided on the host after the sync, or on the device)
-        flat, skipped = sync_and_update(states, torch.cat([torch.stack([n.reshape(-1) for n in numbers]).reshape(-1),
-                                                           torch.stack(norms).to(numbers[0].dtype)]), width, grads)
-        rows = [flat[i * width : (i + 1) * width] for i in range(len(states))]
-        report = self._report(states, rows, flat[len(states) * width :], batch, skipped, lrs)
-        report.job_tokens = {s.job_id: n for s, n in zip(states, tokens, strict=True)}
-        report.pass_cells = pass_cells
-        if width > 1:
-            report.metrics = {s.job_id: dict(zip(self.metric_names[1:], row[1:], strict=True))
-                              for s, row in zip(states, rows, strict=True)}
-        return report
+            return batch, numbers, tokens, pass_cells, False
+        if self.step_graphs is not None and self.step_graphs.serves(states):  # recompute decided there
+            batch, numbers = self.step_graphs.forward_backward(states, per_job)
+            if graph_ahead.NEXT:  # the next step's capture, if it makes one, while the device runs this one
+                graph_ahead.capture_next(self.step_graphs, states)
+            return batch, numbers, tokens, None, True
+        want = None if self.recompute_for is None else self.recompute_for(sum(tokens))
+        self.set_recompute(self.gradient_checkpointing if want is None else want)
+        batch, numbers = self._eager_forward_backward(states, per_job)
+        return batch, numbers, tokens, None, False
 
     # ----- held-out evaluation (self.evaluation; the objective's sums) ---------------------
     @property
@@ -418,8 +419,7 @@ class MultiLoraEngine:
         return self.agree is not None
 
     def idle_step(self) -> None:
-        """A rank with no runnable job: the step's backbone forward + backward over one pad token
-        (loss 0, nothing updated), so it joins every layer's all-gathers of the step."""
+        """A rank with no runnable job: a backbone forward + backward over one pad token (nothing updated)."""
         self._prepare([])
         ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
         emb = self.model.get_input_embeddings()

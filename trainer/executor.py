@@ -44,7 +44,7 @@ from trainer.config import Callbacks, ExecutorConfig
 from trainer.data import Example
 from trainer.device_room import eval_short, release, spare_bytes
 from trainer.evaluation import eval_chunk, eval_chunk_tokens
-from trainer.graph_parts import set_lasts, steps_left
+from trainer.graph_parts import holds_next, set_lasts, steps_left
 from trainer.host_pool import POOL
 from trainer.hosting import TaskRoster
 from trainer.jobs import JobRun, release_host_cache
@@ -185,6 +185,7 @@ class Executor:
             self.engine.step_graphs.capture_need = self.memory.capture_bytes
             self.engine.step_graphs.steps_left = lambda: steps_left(self.engine, self.tasks.values())
             self.engine.step_graphs.set_lasts = lambda: set_lasts(self.engine, self.tasks.values())
+            self.engine.pipeline.holds = lambda: holds_next(self.engine, self.tasks.values())
         marks.append(("memory", time.perf_counter()))
         for task in list(self.tasks.values()):
             self.roster.guarded(task, task.open)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -276,3 +276,15 @@ def set_lasts(engine: Any, tasks: Iterable[Any]) -> int | None:
                 n = s.total_steps - s.step
                 left.append(min(n, task.warmup_len(s) - s.step) if task.in_warmup(job_id) else n)
     return min(left, default=None)
+
+
+def holds_next(engine: Any, tasks: Iterable[Any]) -> bool:
+    """Whether the attached job set runs the step after this one unchanged, as far as the executor knows now
+    (trainer.step_pipeline launches that step before this one's sync only then): no job's last step or warmup
+    end at this step (`set_lasts`), and no evaluation due after it (each task's cadence, which may exit a job)."""
+    tasks = list(tasks)
+    lasts = set_lasts(engine, tasks)
+    if lasts is None or lasts < 2:
+        return False
+    return not any(task.cadence_due(replace(s, step=s.step + 1))
+                   for task in tasks for job_id, s in task.placed.items() if job_id in engine.jobs)

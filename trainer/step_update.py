@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -40,11 +40,14 @@ DEVICE_UPDATE = os.environ.get("LORAPLEX_DEVICE_UPDATE", "0") == "1"
 
 
 def sync_and_update(states: Sequence[JobRun], numbers: torch.Tensor, width: int,
-                    grads: Sequence[torch.Tensor], on_device: bool | None = None) -> tuple[list[float], list[bool]]:
+                    grads: Sequence[torch.Tensor], on_device: bool | None = None,
+                    then: Callable[[], object] | None = None) -> tuple[list[float], list[bool]]:
     """The step's numbers on the host (one sync) and every job's update done: the numbers as a list
-    and which jobs skipped theirs. `on_device`: decide on the device (default $LORAPLEX_DEVICE_UPDATE)."""
+    and which jobs skipped theirs. `on_device`: decide on the device (default $LORAPLEX_DEVICE_UPDATE).
+    `then`: called once the updates are queued, before the sync (trainer.step_pipeline: the next step
+    launched); the updates are then decided on the device."""
     n = len(states)
-    if not (DEVICE_UPDATE if on_device is None else on_device):
+    if then is None and not (DEVICE_UPDATE if on_device is None else on_device):
         if numbers.is_cuda:  # the wait on an event, then the copy: a copy's own wait is the driver's, not ours
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(numbers.device))
@@ -59,6 +62,8 @@ def sync_and_update(states: Sequence[JobRun], numbers: torch.Tensor, width: int,
     else:
         host, ready = numbers.clone(), None
     update_on_device(states, numbers[0:n * width:width], numbers[n * width:], grads)
+    if then is not None:
+        then()
     if ready is not None:
         ready.synchronize()
     values = host.tolist()
