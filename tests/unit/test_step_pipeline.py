@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.unit.test_graph_ahead import _mixed_lengths
-from tests.unit.test_step_graphs import _captures_inline, engine, examples, job, model_dir  # noqa: F401 - fixtures
+from tests.unit.test_step_graphs import _captures_inline, engine, job, model_dir  # noqa: F401 - fixtures
 from trainer import graph_parts, step_update
 from trainer.engine import MultiLoraEngine
 
@@ -27,7 +27,7 @@ def _device_updates(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(step_update, "DEVICE_UPDATE", True)
 
 
-def pair(model_dir, data=None, specs=None) -> tuple[MultiLoraEngine, MultiLoraEngine]:  # noqa: ANN001
+def pair(model_dir, data=None, specs=None) -> tuple[MultiLoraEngine, MultiLoraEngine]:  # noqa: ANN001, F811
     """Two graphed engines with the same jobs, the second launching steps ahead (holds: always)."""
     data = data if data is not None else _mixed_lengths()
     plain, piped = engine(model_dir, True, data), engine(model_dir, True, data)

@@ -1,0 +1,63 @@
+"""The next graphed step launched before this one's sync (trainer.step_pipeline) on CUDA: real CUDA graphs replayed
+ahead, in stream order behind the step before's updates, give the steps of the same engine without it (a large
+learning rate: a step that read the weights before the updates of the step before would differ by far more than
+the tolerance), steps were launched and adopted, and a job leaving under a launched step drops it. Skipped without
+CUDA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+from tests.helpers.engine_ref import tiny_model_dir  # noqa: E402
+from tests.unit.test_graph_ahead import _mixed_lengths  # noqa: E402
+from tests.unit.test_step_graphs import job  # noqa: E402
+from trainer import graph_thread, step_update  # noqa: E402
+from trainer.engine import MultiLoraEngine  # noqa: E402
+
+
+def _engine(model_dir, data):  # noqa: ANN001, ANN202
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    eng = MultiLoraEngine(model, data, 0, gradient_checkpointing=False, attention="varlen", step_graphs=True)
+    eng.step_graphs.capture_after = 0
+    return eng
+
+
+def test_steps_launched_ahead_on_cuda_equal_the_steps_without(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(step_update, "DEVICE_UPDATE", True)
+    monkeypatch.setattr(graph_thread, "ON", False)
+    d = tiny_model_dir("llama", tmp_path)
+    data = _mixed_lengths()
+    plain, piped = _engine(d, data), _engine(d, data)
+    piped.pipeline.holds = lambda: True
+    for eng in (plain, piped):
+        for spec in (job("a", 8, 2, 1, lr=5e-2), job("b", 16, 3, 2, lr=5e-2), job("c", 8, 1, 3, lr=5e-2)):
+            eng.attach(spec)
+
+    def both(n: int) -> None:
+        for _ in range(n):
+            want, got = plain.step(), piped.step()
+            assert got.skipped == want.skipped and got.job_tokens == want.job_tokens
+            for j in want.losses:
+                assert math.isclose(got.losses[j], want.losses[j], rel_tol=1e-3), (j, got.losses, want.losses)
+                assert math.isclose(got.grad_norms[j], want.grad_norms[j], rel_tol=2e-2), j
+
+    both(12)
+    g = piped.step_graphs.ahead
+    assert g["step_launched"] >= 6 and g["step_adopted"] >= 5 and g["step_dropped"] == 0, dict(g)
+    assert isinstance(next(iter(piped.step_graphs.entries.values())).graph, torch.cuda.CUDAGraph)
+    for eng in (plain, piped):
+        eng.detach("b", park_device="cpu").settle()
+    both(6)
+    assert g["step_dropped"] == 1, dict(g)
+    for j in ("a", "c"):
+        got, want = piped.jobs[j].adapter.flat.double(), plain.jobs[j].adapter.flat.double()
+        assert ((got - want).norm() / want.norm()).item() < 1e-3, j
+        assert piped.jobs[j].stream.state_dict() == plain.jobs[j].stream.state_dict()
