@@ -3192,14 +3192,14 @@ with c.set_checkpoint_debug_enabled(True):
     ;;
   s65_c)  # session 65, call 3 (the session's last 626 s of device time): the step pipeline's GPU tests (rewritten after
           # s65_b: tolerances of two runs of the same graphs, and stream order measured), then the 200-step task with it
-          # on / off / on / off while 75 s are left before 420 s (files: up to 4 JSON + steps + logs)
+          # on / off / on / off while 75 s are left before 350 s (files: up to 4 JSON + steps + logs)
     export TRITON_CACHE_DIR=/tmp/s65c/triton
     rm -rf /tmp/s65c
     step 120 pipeline_gpu python3 -m pytest -q -p no:cacheprovider tests/gpu/test_step_pipeline_gpu.py
     i=0
     for v in 1 0 1 0; do
       i=$((i + 1))
-      [ $((420 - SECONDS)) -ge 75 ] && LORAPLEX_STEP_AHEAD=$v step 100 "task200_ahead${v}_$i" python3 \
+      [ $((350 - SECONDS)) -ge 75 ] && LORAPLEX_STEP_AHEAD=$v step 100 "task200_ahead${v}_$i" python3 \
         bench/executor_task.py --layers 32 --steps 200 --runs cold $([ $i -gt 1 ] && echo --reuse) \
         --out "$OUT/executor_task200_ahead${v}_$i.md" --json "$OUT/executor_task200_ahead${v}_$i.json"
     done
