@@ -22,7 +22,13 @@ warmup end or evaluation after this step, graph_parts.holds_next).
 Device work stays in stream order: N+1's graph reads the weights after N's updates and writes its own buffers
 after N's numbers were taken out of them; anything the host queues between the two steps (an evaluation, a park,
 a checkpoint's copies) runs after N+1's graph and sees N's weights. A dropped step's graph and buffers are kept
-until the device has run them. Off with LORAPLEX_STEP_AHEAD=0; on only where the executor sets `holds`.
+until the device has run them.
+
+Off unless LORAPLEX_STEP_AHEAD=1, and then only where the executor sets `holds`. Session 65 (bench/results/
+session65_h200.md): in the 200-step task every step launched ahead was adopted (185 of 200, none dropped), its
+numbers equal the task's without (tests), but the task was even: 12.64-12.69k tok/s on against 12.28-12.85k off
+in three pairs, the replayed steps' walls within a millisecond. The device was not idle between replays for as
+long as the host's path (bench/step_gap.py) suggested. Search (a) with it on has not run yet.
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ from trainer import graph_ahead, graph_parts, graph_thread
 from trainer.data import sequence_tokens
 from trainer.packing import pack_flat
 
-ON = os.environ.get("LORAPLEX_STEP_AHEAD", "1") != "0"
+ON = os.environ.get("LORAPLEX_STEP_AHEAD", "0") == "1"
 log = logging.getLogger(__name__)
 
 

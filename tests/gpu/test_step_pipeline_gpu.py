@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 from tests.helpers.engine_ref import tiny_model_dir  # noqa: E402
 from tests.unit.test_graph_ahead import _mixed_lengths  # noqa: E402
 from tests.unit.test_step_graphs import job  # noqa: E402
-from trainer import graph_thread, step_update  # noqa: E402
+from trainer import graph_thread, step_pipeline, step_update  # noqa: E402
 from trainer.engine import MultiLoraEngine  # noqa: E402
 
 
@@ -40,6 +40,7 @@ def test_steps_launched_ahead_on_cuda_equal_the_steps_without(tmp_path, monkeypa
     AdamW can turn into a learning rate's move of a near-zero element either way: session 65's first run of this
     test, at a learning rate of 5e-2, saw a job's gradient norm 4% apart at equal losses)."""
     monkeypatch.setattr(step_update, "DEVICE_UPDATE", True)
+    monkeypatch.setattr(step_pipeline, "ON", True)
     monkeypatch.setattr(graph_thread, "ON", False)
     d = tiny_model_dir("llama", tmp_path)
     data = _mixed_lengths()
@@ -60,6 +61,11 @@ def test_steps_launched_ahead_on_cuda_equal_the_steps_without(tmp_path, monkeypa
     g = piped.step_graphs.ahead
     assert g["step_launched"] >= 6 and g["step_adopted"] >= 5 and g["step_dropped"] == 0, dict(g)
     assert isinstance(next(iter(piped.step_graphs.entries.values())).graph, torch.cuda.CUDAGraph)
+    for _ in range(8):  # until a step is launched ahead (session 65: after the 12th, the 13th's key was new)
+        if piped.pipeline.ahead is not None:
+            break
+        both(1)
+    assert piped.pipeline.ahead is not None, dict(g)
     for eng in (plain, piped):
         eng.detach("b", park_device="cpu").settle()
     both(6)
@@ -74,6 +80,7 @@ def test_a_step_launched_ahead_reads_the_weights_after_the_updates_before_it(tmp
     """Stream order, measured: the losses the launched step's graph wrote equal its body run again eagerly on the
     weights after the step before's updates, and are far from what the weights before them give."""
     monkeypatch.setattr(step_update, "DEVICE_UPDATE", True)
+    monkeypatch.setattr(step_pipeline, "ON", True)
     monkeypatch.setattr(graph_thread, "ON", False)
     d = tiny_model_dir("llama", tmp_path)
     eng = _engine(d, _mixed_lengths())

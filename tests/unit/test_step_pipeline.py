@@ -15,7 +15,7 @@ import torch
 
 from tests.unit.test_graph_ahead import _mixed_lengths
 from tests.unit.test_step_graphs import _captures_inline, engine, job, model_dir  # noqa: F401 - fixtures
-from trainer import graph_parts, step_update
+from trainer import graph_parts, step_pipeline, step_update
 from trainer.engine import MultiLoraEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,8 +23,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(autouse=True)
 def _device_updates(monkeypatch) -> None:  # noqa: ANN001
-    """Both engines decide their updates on the device (the pipeline's steps always do): bit for bit."""
+    """The pipeline on (LORAPLEX_STEP_AHEAD=1); both engines decide their updates on the device (the pipeline's
+    steps always do): bit for bit."""
     monkeypatch.setattr(step_update, "DEVICE_UPDATE", True)
+    monkeypatch.setattr(step_pipeline, "ON", True)
 
 
 def pair(model_dir, data=None, specs=None) -> tuple[MultiLoraEngine, MultiLoraEngine]:  # noqa: ANN001, F811
@@ -101,7 +103,12 @@ def test_a_change_under_the_step_launched_ahead_drops_it_and_the_steps_go_on_as_
     same_state(plain, piped)
 
 
-def test_nothing_is_launched_where_the_set_changes_next_or_a_job_ends(model_dir) -> None:  # noqa: ANN001, F811
+def test_nothing_is_launched_where_the_set_changes_next_or_a_job_ends(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
+    with monkeypatch.context() as m:  # off (the default): nothing launched, whatever the executor says
+        m.setattr(step_pipeline, "ON", False)
+        plain, piped = pair(model_dir)
+        same_reports(plain, piped, 4)
+        assert piped.step_graphs.ahead["step_launched"] == 0 and piped.step_graphs.replays >= 1
     plain, piped = pair(model_dir)
     answers = iter([False, True] * 20)
     piped.pipeline.holds = lambda: next(answers)

@@ -31,7 +31,7 @@ def test_a_task_with_steps_launched_ahead_reports_what_it_reports_without(tmp_pa
     monkeypatch.setattr(graph_thread, "ON", False)  # captures inline: the same captures in both runs
     # the step graphs where CUDA graphs do not exist: their stand-in (what the CPU tests of step_graphs run)
     monkeypatch.setattr("trainer.sft.MultiLoraEngine", functools.partial(MultiLoraEngine, step_graphs=True))
-    off, off_status, off_graphs = _run(tmp_path, monkeypatch, False, "off")
+    off, off_status, off_graphs = _run(tmp_path, monkeypatch, False, "off")  # the default
     on, on_status, graphs = _run(tmp_path, monkeypatch, True, "on")
     assert graphs is not None and graphs.replays > 0
     assert off_graphs.ahead["step_launched"] == 0
