@@ -148,12 +148,12 @@ search_a_thread() {  # DIR V END: search (a) whole with $LORAPLEX_CAPTURE_THREAD
   rm -f "$OUT"/search_a_th"$2".md "$OUT"/host_memory.txt
   pack_logs
 }
-task200_abab() {  # VAR NAME: the 200-step task with $VAR=1, 0, 1, 0 (the first builds the model, the others reuse it),
-  # each while the call has 70 s left; runs task200_NAME{1,0}_i (sessions 58, 59)
-  local i=0 v
+task200_abab() {  # VAR NAME [DEADLINE LEFT]: the 200-step task with $VAR=1, 0, 1, 0 (the first builds the model, the
+  # others reuse it), each while the call has LEFT s (70) before DEADLINE (585); runs task200_NAME{1,0}_i (sessions 58, 59)
+  local i=0 v deadline=${3:-585} left=${4:-70}
   for v in 1 0 1 0; do
     i=$((i + 1))
-    [ $((585 - SECONDS)) -ge 70 ] && (export "$1=$v"; step 100 "task200_$2${v}_$i" python3 bench/executor_task.py \
+    [ $((deadline - SECONDS)) -ge "$left" ] && (export "$1=$v"; step 100 "task200_$2${v}_$i" python3 bench/executor_task.py \
       --layers 32 --steps 200 --runs cold $([ $i -gt 1 ] && echo --reuse) --out "$OUT/executor_task200_$2${v}_$i.md" \
       --json "$OUT/executor_task200_$2${v}_$i.json")
   done
@@ -3196,13 +3196,7 @@ with c.set_checkpoint_debug_enabled(True):
     export TRITON_CACHE_DIR=/tmp/s65c/triton
     rm -rf /tmp/s65c
     step 120 pipeline_gpu python3 -m pytest -q -p no:cacheprovider tests/gpu/test_step_pipeline_gpu.py
-    i=0
-    for v in 1 0 1 0; do
-      i=$((i + 1))
-      [ $((350 - SECONDS)) -ge 75 ] && LORAPLEX_STEP_AHEAD=$v step 100 "task200_ahead${v}_$i" python3 \
-        bench/executor_task.py --layers 32 --steps 200 --runs cold $([ $i -gt 1 ] && echo --reuse) \
-        --out "$OUT/executor_task200_ahead${v}_$i.md" --json "$OUT/executor_task200_ahead${v}_$i.json"
-    done
+    task200_abab LORAPLEX_STEP_AHEAD ahead 350 75
     rm -f "$OUT"/executor_task*.md
     pack_logs
     rm -f "$OUT"/gpu.txt
