@@ -3201,9 +3201,11 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     rm -f "$OUT"/gpu.txt
     ;;
-  s66_a)  # prepared in session 65 for the next session's first call: every GPU test on the code that lands (the step
+  s66_a)  # prepared in session 65 for the next session's first call: what the allocator's growth costs (many segments
+          # against one, bench/alloc_growth.py), every GPU test on the code that lands (the step
           # pipeline off by default; its own file, rewritten after s65_c, turns it on), then the 200-step task with the
           # pipeline on / off while the call has the time
+    step 60 alloc_growth python3 bench/alloc_growth.py --out "$OUT/alloc_growth.md"
     gpu_tests /tmp/s66a
     task200_abab LORAPLEX_STEP_AHEAD ahead 585 75
     rm -f "$OUT"/executor_task*.md
