@@ -17,11 +17,18 @@ import time
 import torch
 
 
-def _timed(sizes: list[int], device: torch.device) -> tuple[float, int]:
-    """Seconds to allocate tensors of `sizes` bytes from an empty cache (each kept until all are made), and the
-    device segments the allocator made for them."""
+def _timed(sizes: list[int], device: torch.device, reserve: int = 0) -> tuple[float, float, int]:
+    """Seconds to allocate tensors of `sizes` bytes from an empty cache (each kept until all are made), the
+    seconds of a `reserve`-byte block taken and freed to the cache first (0: none), and the device segments the
+    allocator made for the tensors."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    if reserve:
+        block = torch.empty(reserve, dtype=torch.uint8, device=device)
+        del block
+        torch.cuda.synchronize(device)
+    reserved = time.perf_counter() - t0
     before = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
     t0 = time.perf_counter()
     held = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
@@ -29,7 +36,7 @@ def _timed(sizes: list[int], device: torch.device) -> tuple[float, int]:
     seconds = time.perf_counter() - t0
     made = torch.cuda.memory_stats(device).get("segment.all.allocated", 0) - before
     del held
-    return seconds, made
+    return seconds, reserved, made
 
 
 def main() -> None:
@@ -43,37 +50,17 @@ def main() -> None:
         raise SystemExit("needs CUDA")
     device = torch.device("cuda")
     one = args.mib << 20
-    forms = {
-        f"{args.segments} segments of {args.mib} MiB": [one] * args.segments,
-        f"1 segment of {args.segments * args.mib} MiB": [one * args.segments],
-        f"{args.segments} x {args.mib} MiB split from 1 reserved segment": None,
+    pieces = [one] * args.segments
+    forms = {  # name: (sizes, reserved first)
+        f"{args.segments} segments of {args.mib} MiB": (pieces, 0),
+        f"1 segment of {args.segments * args.mib} MiB": ([one * args.segments], 0),
+        f"{args.segments} x {args.mib} MiB split from 1 reserved segment": (pieces, one * args.segments),
     }
     rows = []
-    for name, sizes in forms.items():
-        runs, made = [], 0
-        for _ in range(args.repeats + 1):  # the first run warms the driver's paths: not counted
-            if sizes is None:  # reserve once (timed apart), free it to the cache, then take the pieces from it
-                torch.cuda.synchronize(device)
-                torch.cuda.empty_cache()
-                t0 = time.perf_counter()
-                block = torch.empty(one * args.segments, dtype=torch.uint8, device=device)
-                del block
-                torch.cuda.synchronize(device)
-                reserve = time.perf_counter() - t0
-                before = torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
-                t0 = time.perf_counter()
-                held = [torch.empty(one, dtype=torch.uint8, device=device) for _ in range(args.segments)]
-                torch.cuda.synchronize(device)
-                seconds = time.perf_counter() - t0
-                made = torch.cuda.memory_stats(device).get("segment.all.allocated", 0) - before
-                del held
-                runs.append((seconds, reserve))
-            else:
-                seconds, made = _timed(sizes, device)
-                runs.append((seconds, 0.0))
-        runs = runs[1:]
+    for name, (sizes, reserve) in forms.items():
+        runs = [_timed(sizes, device, reserve) for _ in range(args.repeats + 1)][1:]  # the first warms the driver
         rows.append((name, statistics.median(r[0] for r in runs) * 1e3, statistics.median(r[1] for r in runs) * 1e3,
-                     made))
+                     runs[-1][2]))
     torch.cuda.empty_cache()
     lines = [f"# The allocator's growth ({torch.cuda.get_device_name(device)}, torch {torch.__version__}; medians of "
              f"{args.repeats})", "", "| form | allocation ms | reservation ms (apart) | new segments |", "|---|---|---|---|"]

@@ -204,6 +204,11 @@ class AdapterArena:
         for job_id, (lo, hi) in self.regions.items():
             self.jobs[job_id].adapter.flat.data = arena[lo:hi]
 
+    def storage(self) -> tuple[int, int, int]:
+        """Where the arenas live now (weights' and gradients' addresses, their elements): a capture or a step
+        launched ahead reads them there, and a grown or packed arena moves them (StepGraphs, StepPipeline)."""
+        return self.arena.data_ptr(), self.grad_arena.data_ptr(), self.arena.numel()
+
     def free_bytes(self) -> int:
         """Device bytes the arenas (weights and gradient sums) hold for no attached job."""
         live = sum(hi - lo for lo, hi in self.regions.values())

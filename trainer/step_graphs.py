@@ -296,8 +296,7 @@ class StepGraphs:
         return best
 
     def _check_storage(self) -> None:
-        slots = self.engine.slots
-        now = (slots.arena.data_ptr(), slots.grad_arena.data_ptr(), slots.arena.numel())
+        now = self.engine.slots.storage()
         if self._storage is not None and now != self._storage:
             self.reset()  # the arena grew or was packed: every capture points at the old storage
         self._storage = now

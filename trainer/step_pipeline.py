@@ -59,8 +59,7 @@ class Ahead:
     storage: tuple  # the arenas' storage at launch
     recompute: bool  # the key's recompute setting
     cpu: Any  # the host batch (PackedBatch)
-    entry: Any  # the key's entry (its graph and buffers kept until the device ran them)
-    graph: Any
+    entry: Any  # the key's entry: its graph and buffers, kept (even if the graphs drop it) until the device ran them
     tokens: list[int]  # each job's sequence tokens
     done: torch.cuda.Event | None  # recorded after the graph (None off CUDA)
 
@@ -79,10 +78,6 @@ class StepPipeline:
     def counts(self) -> Any:  # noqa: ANN401 - the graphs' Counter (StepGraphs.stats: ahead_step_*)
         return self.engine.step_graphs.ahead
 
-    def _storage(self) -> tuple:
-        slots = self.engine.slots
-        return slots.arena.data_ptr(), slots.grad_arena.data_ptr(), slots.arena.numel()
-
     def adopt(self, states: Sequence[Any]) -> tuple | None:  # noqa: ANN401
         """The step launched during the one before, where it is still this step: its host batch, each job's
         mean loss (device), each job's tokens, no passes, graphed. None: there is none, or it was dropped."""
@@ -92,7 +87,7 @@ class StepPipeline:
         eng = self.engine
         slots = eng.slots
         same = (len(states) == len(ahead.states) and all(a is b for a, b in zip(states, ahead.states, strict=True))
-                and [s.step for s in states] == ahead.steps and self._storage() == ahead.storage
+                and [s.step for s in states] == ahead.steps and slots.storage() == ahead.storage
                 and [slots.regions.get(s.job_id) for s in states] == ahead.regions
                 and all(graph_ahead._peek(s.stream).next_indices(s.spec.batch_size) == idx
                         for s, idx in zip(states, ahead.indices, strict=True)))
@@ -175,6 +170,6 @@ class StepPipeline:
             done.record(torch.cuda.current_stream(eng.device))
         tokens = [sum(sequence_tokens(e) for e in items) for items in per_job]
         self.ahead = Ahead(states, [s.step for s in states], indices, [eng.slots.regions.get(s.job_id) for s in states],
-                           self._storage(), target.recompute, cpu, entry, entry.graph, tokens, done)
+                           eng.slots.storage(), target.recompute, cpu, entry, tokens, done)
         counts["step_launched"] += 1
         return True
