@@ -37,7 +37,7 @@ from torch import nn
 from trainer import graph_parts, graph_thread
 from trainer.arena import AdapterArena
 from trainer.data import IGNORE, Example
-from trainer.graph_parts import CAPTURE_RETRY_STEPS, TRANSIENT_SET_STEPS, GraphKey, capture_short, memory_report
+from trainer.graph_parts import CAPTURE_RETRY_STEPS, GraphKey, capture_short, memory_report
 from trainer.graph_parts import Entry as _Entry
 from trainer.graph_parts import Replay as _Replay
 from trainer.graph_parts import Static as _Static
@@ -275,7 +275,7 @@ class StepGraphs:
         if not key.train or key.tokens < TRANSIENT_MIN_TOKENS or self.set_lasts is None:
             return False
         lasts = self.set_lasts()
-        return lasts is not None and lasts - ahead < TRANSIENT_SET_STEPS
+        return lasts is not None and lasts - ahead < graph_parts.TRANSIENT_SET_STEPS
 
     def _cover(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
         """The smallest captured key that can run this step padded (at most `cover_ratio` times this key's tokens
