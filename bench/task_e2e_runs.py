@@ -267,9 +267,11 @@ def graph_counts(eng: Any) -> dict[str, int]:
 
 
 def graph_event(eng: Any, before: dict[str, int]) -> str:
-    """What the step graphs did in a step: replay, capture, eager, covered (or none)."""
+    """What the step graphs did in a step: replay, capture, eager, covered (or none); "ahead_thread_started" where
+    a capture on the thread began in it (its "captures" is then the thread's, not one at the step's start)."""
     after = graph_counts(eng)
-    changed = [k for k in ("captures", "eager_runs", "covered", "replays") if after.get(k, 0) != before.get(k, 0)]
+    changed = [k for k in ("captures", "eager_runs", "covered", "replays", "ahead_thread_started")
+               if after.get(k, 0) != before.get(k, 0)]
     return "+".join(changed) or "none"
 
 

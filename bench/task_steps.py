@@ -1,0 +1,55 @@
+"""Where a 200-step task's training time goes, by kind of step, from `bench/executor_task.py --json` files (one
+table row a file): the first job set's eager steps, the steps that captured at their start, the steps that
+replayed a larger key's capture padded (covered), the plain replays; each kind's steps and seconds, and the
+graphs' counts (captures, those the thread made, covered steps). Sessions 65-66: covered steps ran ~25 ms over
+their own keys' replays, and padding rows cost about what real rows cost.
+
+    python3 bench/task_steps.py FILE.json [FILE.json ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from executor_task import mfu_of
+
+KINDS = ("eager", "capture", "covered", "replay")
+
+
+def kind_of(how: str) -> str:
+    """A step's kind from the trace's how ("eager_runs", "captures+covered+replays", ...): eager before all,
+    then a capture at the step's start, then covered. A step where a capture on the thread began
+    ("ahead_thread_started", since session 66; earlier files count those as captures at the start) is the
+    kind it is without."""
+    thread = "ahead_thread_started" in how
+    for word, kind in (("eager", "eager"), ("captures", "capture"), ("covered", "covered")):
+        if word in how and not (thread and kind == "capture"):
+            return kind
+    return "replay"
+
+
+def row(path: str) -> str:
+    run = json.load(open(path))["runs"]["cold"]  # noqa: SIM115
+    steps: dict[str, list] = {k: [] for k in KINDS}
+    for s in run["step_trace"]:  # [tokens, jobs, recompute, wall s, ., how, ...]
+        steps[kind_of(s[5])].append(s)
+    train, tokens, g = run["phases"]["train"], run["train_tokens"], run["graphs"]
+    layers = json.load(open(path))["args"]["layers"]  # noqa: SIM115
+    cells = [os.path.basename(path), f"{tokens / train / 1e3:.2f}k", f"{100 * mfu_of(run, layers):.1f}%", f"{train:.2f}"]
+    cells += [f"{len(steps[k])}, {sum(s[3] for s in steps[k]):.2f}" for k in KINDS]
+    cells += [str(g.get("captures", 0)), str(g.get("ahead_thread_made", 0)), str(g.get("graphs", 0))]
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    print("| run | tok/s | MFU | train s | eager: steps, s | captured at start: steps, s | covered: steps, s "
+          "| replays: steps, s | captures | the thread's | graphs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for path in sys.argv[1:]:
+        print(row(path))
+
+
+if __name__ == "__main__":
+    main()
