@@ -3212,16 +3212,19 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     rm -f "$OUT"/gpu.txt
     ;;
-  s66_a)  # session 66, call 1: the 200-step task with a covered key captured on the thread at once
-          # (LORAPLEX_EARLY_CAPTURE, graph_thread.early) on / off / on with 8 and with 16 graph sizes an octave, twice, while
-          # the call has 60 s before 545; then bench/alloc_growth.py (files: the runs' JSON in one archive, steps, logs)
+  s66_a)  # session 66, call 1: the step graphs' and the pipeline's GPU tests on this code; the 200-step task with a
+          # covered key captured on the thread at once (LORAPLEX_EARLY_CAPTURE, graph_thread.early) on / off, and on
+          # with 16 and with 8 graph sizes an octave, twice, while the call has 60 s before 530; then
+          # bench/alloc_growth.py (files: the runs' JSON in one archive, steps, logs)
     export TRITON_CACHE_DIR=/tmp/s66a/triton
     rm -rf /tmp/s66a
-    task200_runs 545 60 early1_1 "LORAPLEX_EARLY_CAPTURE=1" early0_2 "LORAPLEX_EARLY_CAPTURE=0" \
-      early1b8_3 "LORAPLEX_EARLY_CAPTURE=1 LORAPLEX_GRAPH_BUCKETS=8" \
-      early1b16_4 "LORAPLEX_EARLY_CAPTURE=1 LORAPLEX_GRAPH_BUCKETS=16" early1_5 "LORAPLEX_EARLY_CAPTURE=1" \
-      early0_6 "LORAPLEX_EARLY_CAPTURE=0" early1b8_7 "LORAPLEX_EARLY_CAPTURE=1 LORAPLEX_GRAPH_BUCKETS=8" \
-      early1b16_8 "LORAPLEX_EARLY_CAPTURE=1 LORAPLEX_GRAPH_BUCKETS=16"
+    step 150 graphs_gpu python3 -m pytest -q -p no:cacheprovider tests/gpu/test_step_graphs_gpu.py \
+      tests/gpu/test_step_pipeline_gpu.py
+    task200_runs 530 60 early1_1 "LORAPLEX_EARLY_CAPTURE=1" early0_2 "LORAPLEX_EARLY_CAPTURE=0" \
+      early1b16_3 "LORAPLEX_EARLY_CAPTURE=1 LORAPLEX_GRAPH_BUCKETS=16" \
+      early1b8_4 "LORAPLEX_EARLY_CAPTURE=1 LORAPLEX_GRAPH_BUCKETS=8" early1_5 "LORAPLEX_EARLY_CAPTURE=1" \
+      early0_6 "LORAPLEX_EARLY_CAPTURE=0" early1b16_7 "LORAPLEX_EARLY_CAPTURE=1 LORAPLEX_GRAPH_BUCKETS=16" \
+      early1b8_8 "LORAPLEX_EARLY_CAPTURE=1 LORAPLEX_GRAPH_BUCKETS=8"
     step 40 alloc_growth python3 bench/alloc_growth.py --out "$OUT/alloc_growth.md"
     (cd "$OUT" && tar -czf tasks.tar.gz executor_task200_*.json && rm -f executor_task*.json executor_task*.md)
     pack_logs
