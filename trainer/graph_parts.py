@@ -26,9 +26,6 @@ FREE_PADDING = os.environ.get("LORAPLEX_FREE_PADDING", "1") != "0"
 # a graph's row lengths per doubling of its tokens (StepGraphs.per_octave): fewer keys (captures, ~0.3 s each)
 # for more padding, which FREE_PADDING makes cheaper; LORAPLEX_GRAPH_BUCKETS (a power of two) to measure it
 GRAPH_BUCKETS = max(1, int(os.environ.get("LORAPLEX_GRAPH_BUCKETS", "4")))
-# a training key of step_graphs.TRANSIENT_MIN_TOKENS or more is not captured while its job set runs under this
-# many more steps (StepGraphs._transient); nor is a covered key early (graph_thread.early)
-TRANSIENT_SET_STEPS = 16
 # a key's step inputs reach the device from a pinned host mirror kept with its buffers (`Static.load`);
 # LORAPLEX_PINNED_STAGING=0: from a fresh pinned copy each step (torch's pin_memory), as before session 51
 PINNED_STAGING = os.environ.get("LORAPLEX_PINNED_STAGING", "1") != "0"

@@ -45,14 +45,11 @@ from typing import Any
 import torch
 
 from contract.background import BackgroundWorker
-from trainer.graph_parts import TRANSIENT_SET_STEPS, GraphKey, has_room, unmade
+from trainer.graph_parts import GraphKey, has_room, unmade
 
 ON = os.environ.get("LORAPLEX_CAPTURE_THREAD", "1") != "0"
 LOOKAHEAD = 8  # the set's next steps whose keys are looked at
 SWITCH_S = 0.0005  # Python's switch interval while a capture runs on the thread
-# a coming key that would replay a larger capture padded is captured on the thread at once (`early`);
-# LORAPLEX_EARLY_CAPTURE=0: only once covered CAPTURE_AFTER times, as before session 66
-EARLY = os.environ.get("LORAPLEX_EARLY_CAPTURE", "1") != "0"
 log = logging.getLogger(__name__)
 
 
@@ -103,8 +100,6 @@ def upcoming(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], ste
             if known is not None and known.graph is not None:
                 continue
             if graphs._cover_for(key, real, n_seqs, ahead=on) is not None:
-                if early(graphs, key, lasts, on):
-                    return key, on  # covered only until the thread has it
                 graphs.cover_uses[key] += 1
                 taken[key] += 1
                 continue
@@ -115,18 +110,6 @@ def upcoming(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], ste
             graphs.cover_uses[key] -= n
             if graphs.cover_uses[key] <= 0:
                 del graphs.cover_uses[key]
-
-
-def early(graphs: Any, key: GraphKey, lasts: int | None, on: int) -> bool:  # noqa: ANN401
-    """Whether a key that `on` steps from now would replay a larger capture padded is captured on the thread
-    now (EARLY), not after CAPTURE_AFTER covers: a capture here costs the step's wall next to nothing (the
-    200-step task's steps of three of the thread's captures ran at their peers' pace), while each covered
-    step pays for its padding rows (24 covered steps of that task ran ~25 ms over their own keys' replays,
-    bench/results/session66_h200.md). Only in a set that runs TRANSIENT_SET_STEPS more steps then (when
-    known) and not near the task's end, where the key is one `_captures` would take at that step."""
-    if not EARLY or graphs._near_end(on) or (lasts is not None and lasts - on < TRANSIENT_SET_STEPS):
-        return False
-    return graphs._captures(key, graphs.max_capture_tokens, ahead=on)
 
 
 def begin(graphs: Any, states: Sequence[Any], peek: Callable[[Any], Any], step_key: Callable[..., Any]) -> int:  # noqa: ANN401

@@ -106,6 +106,7 @@ CAPTURE_HORIZON = 16
 # eager; a 42 GB pool made the next step recompute); the 200-step task's 10-step 8-job set took 5.62 s
 # with its captures, 5.04 s without, side by side on an H200 (bench/results/session49_h200.md)
 TRANSIENT_MIN_TOKENS = 2048
+TRANSIENT_SET_STEPS = 16
 
 
 class StepGraphs:
@@ -186,16 +187,14 @@ class StepGraphs:
         eng.grow_cap(train, key.max_len)  # the longest sequence so far (of the steps, or of the evaluations)
         if train and eng.recompute_for is not None:
             key = self._recompute_key(key, cpu.real_tokens, n_seqs)
-        if (flew := self.flight is not None) and self.flight.done.is_set():
-            graph_thread.settle(self)  # the thread's capture is done: filed first (it may be this step's key)
         cover = self._cover_for(key, cpu.real_tokens, n_seqs)
         if cover is not None:  # replay a larger capture rather than capture this key
             self.cover_uses[key] += 1
             key = cover
             cpu = pack_flat(per_job, eng.pad_id, length=cover.tokens, max_len=eng.cap_for(train))
             self.covered += 1
-        if self.flight is not None and ((k := self.entries.get(key)) is None or k.graph is None):
-            graph_thread.settle(self)  # this step captures or runs eagerly
+        if (flew := self.flight is not None) and ((k := self.entries.get(key)) is None or k.graph is None or self.flight.done.is_set()):
+            graph_thread.settle(self)  # this step captures or runs eagerly, or the thread's capture is done
         entry = self._entry(key)
         entry.last = self.calls = self.calls + 1
         counts = self._fill(entry.static, key, cpu, states, ints)
@@ -275,7 +274,7 @@ class StepGraphs:
         if not key.train or key.tokens < TRANSIENT_MIN_TOKENS or self.set_lasts is None:
             return False
         lasts = self.set_lasts()
-        return lasts is not None and lasts - ahead < graph_parts.TRANSIENT_SET_STEPS
+        return lasts is not None and lasts - ahead < TRANSIENT_SET_STEPS
 
     def _cover(self, key: GraphKey, n_tokens: int, n_seqs: int) -> GraphKey | None:
         """The smallest captured key that can run this step padded (at most `cover_ratio` times this key's tokens

@@ -23,8 +23,7 @@ from tests.unit.test_step_graphs import (  # noqa: F401 - the fixtures
 )
 from trainer import graph_ahead
 from trainer.early_exit import keep_count
-from trainer.graph_parts import TRANSIENT_SET_STEPS
-from trainer.step_graphs import StepGraphs
+from trainer.step_graphs import TRANSIENT_SET_STEPS, StepGraphs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

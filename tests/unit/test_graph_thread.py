@@ -9,13 +9,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from dataclasses import replace
 
 import pytest
 import torch
 
-from tests.unit.test_graph_ahead import _mixed_lengths, mixed_two_jobs, same_weights
-from tests.unit.test_step_graphs import engine, examples, job, model_dir, same_steps  # noqa: F401 - the fixture
+from tests.unit.test_graph_ahead import mixed_two_jobs, same_weights
+from tests.unit.test_step_graphs import examples, job, model_dir  # noqa: F401 - the fixture
 from trainer import admission, graph_ahead, graph_thread
 from trainer.admission import RecomputePolicy
 from trainer.config import ExecutorConfig
@@ -209,10 +208,8 @@ def test_a_capture_thread_that_cannot_start_leaves_nothing_waiting(model_dir, mo
 def test_the_covers_the_steps_before_the_key_take_are_counted_then_given_back(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
     """With covers (capture_after 2), the key found several steps on is the one whose step captures it: the steps
     before it run covered, their covers counted as taken in the prediction (a key covered capture_after times is
-    captured at its next step) and given back after it. (With EARLY, the first covered key is the one found:
-    test_a_key_a_cover_would_serve_is_captured_on_the_thread_at_once.)"""
+    captured at its next step) and given back after it."""
     monkeypatch.setattr(graph_ahead, "NEXT", False)
-    monkeypatch.setattr(graph_thread, "EARLY", False)
     _, graphed = mixed_two_jobs(model_dir, 1)
     g = graphed.step_graphs
     g.capture_after = 2
@@ -232,39 +229,6 @@ def test_the_covers_the_steps_before_the_key_take_are_counted_then_given_back(mo
         graphed.step()
         assert (g.captures == captures + 1) == (n == on), (n, on)  # only the key's own step captures
     assert g.entries[key].graph is not None and g.covered > covered  # steps before it ran covered
-
-
-def test_a_key_a_cover_would_serve_is_captured_on_the_thread_at_once(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
-    """EARLY (LORAPLEX_EARLY_CAPTURE): under covers (capture_after 8), a coming key that a larger capture would run
-    padded is captured on the thread when found, not after 8 covered steps: fewer steps run covered, more keys
-    are the thread's, and the graphed steps still equal the eager engine's. Not in a set about to change, nor near
-    the task's end."""
-    monkeypatch.setattr(graph_ahead, "NEXT", True)
-    monkeypatch.setattr(graph_thread, "ON", True)
-    runs = {}
-    for early in (False, True):
-        monkeypatch.setattr(graph_thread, "EARLY", early)
-        data = _mixed_lengths()
-        eager, graphed = engine(model_dir, False, data), engine(model_dir, True, data)
-        g = graphed.step_graphs
-        g.capture_after = 8
-        for eng in (eager, graphed):
-            for spec in (job("a", 8, 2, 1), job("b", 16, 3, 2)):
-                eng.attach(spec)
-        same_steps(eager, graphed, 14)
-        graph_thread.settle(g)
-        same_weights(eager, graphed)
-        runs[early] = (g.covered, g.ahead["thread_made"], {k for k, e in g.entries.items() if e.graph is not None})
-        if early:  # a key of no capture: early, unless its set or the task ends within the horizon
-            key = replace(next(iter(runs[early][2])), tokens=10**4 - 1)
-            g.max_capture_tokens = 10**4
-            assert graph_thread.early(g, key, None, 1)
-            assert not graph_thread.early(g, key, graph_thread.TRANSIENT_SET_STEPS, 1)
-            g.steps_left = lambda: 2
-            assert not graph_thread.early(g, key, None, 1)
-    (covered_off, made_off, keys_off), (covered_on, made_on, keys_on) = runs[False], runs[True]
-    assert covered_off >= 3 and covered_on < covered_off, (covered_off, covered_on)
-    assert made_on > made_off and keys_off <= keys_on
 
 
 def test_no_prediction_releases_parked_states_whatever_hook_asks(model_dir, monkeypatch, tmp_path) -> None:  # noqa: ANN001, F811

@@ -497,7 +497,7 @@ def test_a_large_key_of_a_short_lived_job_set_runs_eagerly(model_dir, monkeypatc
 
     from trainer import step_graphs
     from trainer.graph_parts import set_lasts
-    from trainer.graph_parts import TRANSIENT_SET_STEPS
+    from trainer.step_graphs import TRANSIENT_SET_STEPS
 
     eager, graphed = two_jobs(model_dir)
     g = graphed.step_graphs

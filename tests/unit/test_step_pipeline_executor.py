@@ -14,7 +14,6 @@ from tests.unit.test_engine_executor import Recorder, config
 from trainer import graph_thread, step_pipeline, step_update
 from trainer.engine import MultiLoraEngine
 from trainer.executor import Executor
-from trainer.jobs import TrainJob
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,29 +44,4 @@ def test_a_task_with_steps_launched_ahead_reports_what_it_reports_without(tmp_pa
     assert [(j, s) for j, s, _ in on.states] == [(j, s) for j, s, _ in off.states]
     ranking = [[d for _, m, d in rec.events if m == "warmup_ranking"] for rec in (on, off)]
     assert len(ranking[0]) == 1 and repr(ranking[0]) == repr(ranking[1])
-    assert sorted(on.adapters) == sorted(off.adapters)
-
-
-def test_a_task_whose_covered_keys_are_captured_early_reports_what_it_reports_without(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    """graph_thread.EARLY (a coming key that a larger capture would run padded, captured on the thread at once) in a
-    whole task of 40-step jobs, the captures on the thread in both runs: fewer steps run covered, more keys are the
-    thread's, and the task reports the same losses, evaluations, states, statuses and ranking as with covers kept
-    until CAPTURE_AFTER."""
-    monkeypatch.setattr(graph_thread, "ON", True)
-    monkeypatch.setattr("trainer.sft.MultiLoraEngine", functools.partial(MultiLoraEngine, step_graphs=True))
-    jobs = [TrainJob(f"job{i}", lora_rank=r, lora_alpha=2 * r, learning_rate=lr, batch_size=b, max_steps=40, seed=i)
-            for i, (r, lr, b) in enumerate([(4, 3e-3, 2), (8, 1e-2, 3), (2, 1e-3, 1)])]
-    runs = {}
-    for early in (False, True):
-        monkeypatch.setattr(graph_thread, "EARLY", early)
-        rec = Recorder()
-        ex = Executor(config(tmp_path, f"early{int(early)}", attention="varlen", jobs=jobs), rec.callbacks())
-        runs[early] = rec, ex.run(), ex.engine.step_graphs
-    (off, off_status, off_graphs), (on, on_status, graphs) = runs[False], runs[True]
-    assert off_graphs.covered > graphs.covered, (off_graphs.covered, graphs.covered)
-    assert graphs.ahead["thread_made"] > off_graphs.ahead["thread_made"]
-    assert repr(dict(on.train)) == repr(dict(off.train)) and len(on.train["job0"]) == 40
-    assert repr(dict(on.evals)) == repr(dict(off.evals))
-    assert on_status == off_status
-    assert [(j, s) for j, s, _ in on.states] == [(j, s) for j, s, _ in off.states]
     assert sorted(on.adapters) == sorted(off.adapters)
