@@ -159,13 +159,15 @@ task200_abab() {  # VAR NAME [DEADLINE LEFT]: the 200-step task with $VAR=1, 0, 
   done
 }
 task200_runs() {  # DEADLINE LEFT NAME "VAR=V ..." [NAME "VAR=V ..."]...: the 200-step task once per NAME with its
-  # environment, each while the call has LEFT s before DEADLINE; the first builds the model, the others reuse it
+  # environment, each while the call has LEFT s before DEADLINE; the first builds the model, the others reuse it;
+  # $TASK_FLAGS go to every run
   local deadline=$1 left=$2 first=1 name envs; shift 2
   while [ $# -ge 2 ]; do
     name=$1 envs=$2; shift 2
     [ $((deadline - SECONDS)) -ge "$left" ] || continue
     (export $envs; step 100 "task200_$name" python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
-      $([ $first = 0 ] && echo --reuse) --out "$OUT/executor_task200_$name.md" --json "$OUT/executor_task200_$name.json")
+      $([ $first = 0 ] && echo --reuse) ${TASK_FLAGS:-} --out "$OUT/executor_task200_$name.md" \
+      --json "$OUT/executor_task200_$name.json")
     first=0
   done
 }
@@ -3229,10 +3231,18 @@ with c.set_checkpoint_debug_enabled(True):
     (cd "$OUT" && tar -czf tasks.tar.gz executor_task200_*.json && rm -f executor_task*.json executor_task*.md)
     pack_logs
     ;;
-  s66_b)  # session 66, call 2: every GPU test on the code that lands, then the 200-step task while the call has the time
-    gpu_tests /tmp/s66b
-    task200_runs 585 70 final1_1 "LORAPLEX_EARLY_CAPTURE=1" final0_2 "LORAPLEX_EARLY_CAPTURE=0"
-    rm -f "$OUT"/executor_task*.md
+  s66_b)  # session 66, call 2: the 200-step task (the code that lands) with its first three steps, the two after the
+          # ranking (each a capture at its start) and a replay under torch.profiler (bench/step_profile.py), in a fresh
+          # process and in a second one; then every GPU test while the call has the time (files: one archive of the
+          # runs' JSON and profiles, steps, logs, gpu tests)
+    export TRITON_CACHE_DIR=/tmp/s66b/triton
+    rm -rf /tmp/s66b
+    TASK_FLAGS="--profile-steps 0,1,2,10,11,12" task200_runs 585 60 prof_1 "LORAPLEX_STEP_AHEAD=0" \
+      prof_2 "LORAPLEX_STEP_AHEAD=0"
+    (cd "$OUT" && tar -czf tasks.tar.gz executor_task200_*.json executor_task200_*_step*.txt \
+      && rm -f executor_task*.json executor_task*.md executor_task200_*_step*.txt)
+    TRITON_CACHE_DIR=/tmp/s66b_tests/triton step $((585 - SECONDS)) gpu_tests python3 -m pytest -q -p no:cacheprovider \
+      tests/gpu
     pack_logs
     rm -f "$OUT"/gpu.txt
     ;;

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import task_e2e_data as te  # noqa: E402
 from baselines import config_matmul_params  # noqa: E402
 from engine_step import llama8b_config  # noqa: E402
+from step_profile import PROFILE, profiled  # noqa: E402
 from task_e2e_runs import graph_counts, graph_event  # noqa: E402
 
 from contract.protocol import EvalSettings, TaskSettings  # noqa: E402
@@ -147,7 +148,7 @@ class Counted(Executor):
                 te.sync()
             before, segs = graph_counts(self.engine), segments() if STEP_SYNC else 0
             t0 = time.perf_counter()
-            report = real()
+            report = profiled(len(self.step_trace), real)
             if STEP_SYNC:
                 te.sync()
             t1 = time.perf_counter()
@@ -396,9 +397,15 @@ def main() -> None:
     ap.add_argument("--step-sync", action="store_true",
                     help="sync before and after every training step (the per-step timings of sessions 19-64; "
                          "slower than the product, STEP_SYNC)")
+    ap.add_argument("--profile-steps", default="",
+                    help="training steps (0-based, comma-separated) run under torch.profiler: a table file each, "
+                         "OUT's name + _stepN.txt (bench/step_profile.py)")
     args = ap.parse_args()
     global STEP_SYNC
     STEP_SYNC = args.step_sync
+    if args.profile_steps:
+        PROFILE["steps"] = {int(i) for i in args.profile_steps.split(",")}
+        PROFILE["prefix"] = str(Path(args.out or "executor_task").with_suffix(""))
     if args.lora_form == "base":
         from kconcat_step import use_base_form
 
