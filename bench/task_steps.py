@@ -1,19 +1,23 @@
 """Where a 200-step task's training time goes, by kind of step, from `bench/executor_task.py --json` files (one
 table row a file): the first job set's eager steps, the steps that captured at their start, the steps that
 replayed a larger key's capture padded (covered), the plain replays; each kind's steps and seconds, and the
-graphs' counts (captures, those the thread made, covered steps). Sessions 65-66: covered steps ran ~25 ms over
-their own keys' replays, and padding rows cost about what real rows cost.
+graphs' counts (captures, those the thread made, graphs kept). "covered over own" sums each covered step's wall over
+the median replay of the key it would have run itself (of the same run's plain replays; `--per-octave`, the run's
+graph sizes an octave, LORAPLEX_GRAPH_BUCKETS: 4 unless the run set it).
 
-    python3 bench/task_steps.py FILE.json [FILE.json ...]
+    python3 bench/task_steps.py [--per-octave 4] FILE.json [FILE.json ...]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
+import statistics
 
 from executor_task import mfu_of
+
+from trainer.packing import bucket_up
 
 KINDS = ("eager", "capture", "covered", "replay")
 
@@ -30,7 +34,16 @@ def kind_of(how: str) -> str:
     return "replay"
 
 
-def row(path: str) -> str:
+def covered_over_own(steps: dict[str, list], per_octave: int) -> float:
+    """Seconds the covered steps ran over their own keys' median replay (keys with no plain replay left out)."""
+    walls: dict[tuple[int, int], list[float]] = {}
+    for s in steps["replay"]:
+        walls.setdefault((s[1], bucket_up(s[0], per_octave)), []).append(s[3])
+    own = {k: statistics.median(v) for k, v in walls.items()}
+    return sum(s[3] - own[k] for s in steps["covered"] if (k := (s[1], bucket_up(s[0], per_octave))) in own)
+
+
+def row(path: str, per_octave: int = 4) -> str:
     run = json.load(open(path))["runs"]["cold"]  # noqa: SIM115
     steps: dict[str, list] = {k: [] for k in KINDS}
     for s in run["step_trace"]:  # [tokens, jobs, recompute, wall s, ., how, ...]
@@ -39,16 +52,21 @@ def row(path: str) -> str:
     layers = json.load(open(path))["args"]["layers"]  # noqa: SIM115
     cells = [os.path.basename(path), f"{tokens / train / 1e3:.2f}k", f"{100 * mfu_of(run, layers):.1f}%", f"{train:.2f}"]
     cells += [f"{len(steps[k])}, {sum(s[3] for s in steps[k]):.2f}" for k in KINDS]
+    cells.insert(7, f"{covered_over_own(steps, per_octave):.2f}")
     cells += [str(g.get("captures", 0)), str(g.get("ahead_thread_made", 0)), str(g.get("graphs", 0))]
     return "| " + " | ".join(cells) + " |"
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--per-octave", type=int, default=4)
+    ap.add_argument("files", nargs="+")
+    args = ap.parse_args()
     print("| run | tok/s | MFU | train s | eager: steps, s | captured at start: steps, s | covered: steps, s "
-          "| replays: steps, s | captures | the thread's | graphs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for path in sys.argv[1:]:
-        print(row(path))
+          "| covered over own s | replays: steps, s | captures | the thread's | graphs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for path in args.files:
+        print(row(path, args.per_octave))
 
 
 if __name__ == "__main__":
