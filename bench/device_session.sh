@@ -3217,7 +3217,8 @@ with c.set_checkpoint_debug_enabled(True):
   s66_a)  # session 66, call 1: the step graphs' and the pipeline's GPU tests on this code; the 200-step task with a
           # covered key captured on the thread at once (LORAPLEX_EARLY_CAPTURE, graph_thread.early) on / off, and on
           # with 16 and with 8 graph sizes an octave, twice, while the call has 60 s before 530; then
-          # bench/alloc_growth.py (files: the runs' JSON in one archive, steps, logs)
+          # bench/alloc_growth.py (files: the runs' JSON in one archive, steps, logs). The early capture was taken out
+          # after this call (its code: c8ed99a); on later trees LORAPLEX_EARLY_CAPTURE does nothing
     export TRITON_CACHE_DIR=/tmp/s66a/triton
     rm -rf /tmp/s66a
     step 150 graphs_gpu python3 -m pytest -q -p no:cacheprovider tests/gpu/test_step_graphs_gpu.py \
