@@ -3247,8 +3247,9 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     rm -f "$OUT"/gpu.txt
     ;;
-  s66_c)  # session 66, call 3 (the last ~220 s of device time): the first calls of a fresh process's ops
-          # (bench/first_calls.py), lazily loaded modules (the default) and then CUDA_MODULE_LOADING=EAGER
+  s66_c)  # prepared in session 66 (its last 222 s could not start a machine), ~1 min for the next session's first call:
+          # the first calls of a fresh process's ops (bench/first_calls.py), lazily loaded modules (the default), then
+          # CUDA_MODULE_LOADING=EAGER
     step 25 first_calls python3 bench/first_calls.py --out "$OUT/first_calls.md"
     CUDA_MODULE_LOADING=EAGER step 25 first_calls_eager python3 bench/first_calls.py --out "$OUT/first_calls_eager.md"
     ;;
