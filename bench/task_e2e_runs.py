@@ -267,11 +267,9 @@ def graph_counts(eng: Any) -> dict[str, int]:
 
 
 def graph_event(eng: Any, before: dict[str, int]) -> str:
-    """What the step graphs did in a step: replay, capture, eager, covered (or none); "ahead_thread_started" where
-    a capture on the thread began in it (its "captures" is then the thread's, not one at the step's start)."""
-    after = graph_counts(eng)
-    changed = [k for k in ("captures", "eager_runs", "covered", "replays", "ahead_thread_started")
-               if after.get(k, 0) != before.get(k, 0)]
+    """What the step graphs did in a step: replay, capture, eager, covered, a capture begun on the thread (or none)."""
+    keys, after = ("captures", "eager_runs", "covered", "replays", "ahead_thread_started"), graph_counts(eng)
+    changed = [k for k in keys if after.get(k, 0) != before.get(k, 0)]
     return "+".join(changed) or "none"
 
 
