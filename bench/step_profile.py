@@ -1,7 +1,7 @@
 """Chosen training steps of a task under torch.profiler (`bench/executor_task.py --profile-steps 0,1,10,11`): where
 a step's host time goes when it runs over its peers' pace. Session 66 measured the 200-step task's first two steps
 ~0.5 s and its two steps after the ranking (each a capture at its start) ~0.8 s over the pace of the steps around
-them, and the allocator's growth at ~15 ms of it (bench/alloc_growth.py). Each profiled step writes one text
+them, and the allocator's growth at ~20 ms of it (bench/alloc_growth.py). Each profiled step writes one text
 file: its host seconds (the step as the product runs it) and with the device synced after it, then the ops by
 their own CPU time and the kernels by their device time. The profiler's recording slows the host a little.
 

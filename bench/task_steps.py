@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import statistics
+from pathlib import Path
 
 from executor_task import mfu_of
 
@@ -44,16 +45,16 @@ def covered_over_own(steps: dict[str, list], per_octave: int) -> float:
 
 
 def row(path: str, per_octave: int = 4) -> str:
-    run = json.load(open(path))["runs"]["cold"]  # noqa: SIM115
+    res = json.loads(Path(path).read_text())
+    run = res["runs"]["cold"]
     steps: dict[str, list] = {k: [] for k in KINDS}
     for s in run["step_trace"]:  # [tokens, jobs, recompute, wall s, ., how, ...]
         steps[kind_of(s[5])].append(s)
     train, tokens, g = run["phases"]["train"], run["train_tokens"], run["graphs"]
-    layers = json.load(open(path))["args"]["layers"]  # noqa: SIM115
-    cells = [os.path.basename(path), f"{tokens / train / 1e3:.2f}k", f"{100 * mfu_of(run, layers):.1f}%", f"{train:.2f}"]
-    cells += [f"{len(steps[k])}, {sum(s[3] for s in steps[k]):.2f}" for k in KINDS]
-    cells.insert(7, f"{covered_over_own(steps, per_octave):.2f}")
-    cells += [str(g.get("captures", 0)), str(g.get("ahead_thread_made", 0)), str(g.get("graphs", 0))]
+    kinds = [f"{len(steps[k])}, {sum(s[3] for s in steps[k]):.2f}" for k in KINDS]
+    cells = [os.path.basename(path), f"{tokens / train / 1e3:.2f}k", f"{100 * mfu_of(run, res['args']['layers']):.1f}%",
+             f"{train:.2f}", *kinds[:3], f"{covered_over_own(steps, per_octave):.2f}", kinds[3],
+             str(g.get("captures", 0)), str(g.get("ahead_thread_made", 0)), str(g.get("graphs", 0))]
     return "| " + " | ".join(cells) + " |"
 
 
