@@ -150,13 +150,7 @@ search_a_thread() {  # DIR V END: search (a) whole with $LORAPLEX_CAPTURE_THREAD
 }
 task200_abab() {  # VAR NAME [DEADLINE LEFT]: the 200-step task with $VAR=1, 0, 1, 0 (the first builds the model, the
   # others reuse it), each while the call has LEFT s (70) before DEADLINE (585); runs task200_NAME{1,0}_i (sessions 58, 59)
-  local i=0 v deadline=${3:-585} left=${4:-70}
-  for v in 1 0 1 0; do
-    i=$((i + 1))
-    [ $((deadline - SECONDS)) -ge "$left" ] && (export "$1=$v"; step 100 "task200_$2${v}_$i" python3 bench/executor_task.py \
-      --layers 32 --steps 200 --runs cold $([ $i -gt 1 ] && echo --reuse) --out "$OUT/executor_task200_$2${v}_$i.md" \
-      --json "$OUT/executor_task200_$2${v}_$i.json")
-  done
+  task200_runs "${3:-585}" "${4:-70}" "$2"1_1 "$1=1" "$2"0_2 "$1=0" "$2"1_3 "$1=1" "$2"0_4 "$1=0"
 }
 task200_runs() {  # DEADLINE LEFT NAME "VAR=V ..." [NAME "VAR=V ..."]...: the 200-step task once per NAME with its
   # environment, each while the call has LEFT s before DEADLINE; the first builds the model, the others reuse it;
