@@ -35,6 +35,12 @@ from contract.background import BackgroundWorker
 log = logging.getLogger("loraplex.executor")
 
 ALIGN = 512  # bytes: every slice starts on a boundary any dtype and the copy engine like
+# The pinner registers a chunk (~17 ms for 256 MB, under the driver's lock) once the loop's thread waits for the
+# device (`device_wait`), or after this many seconds without such a wait: registered beside the eager first steps'
+# launches, 7 chunks slowed the 200-step task's step 1 by 0.07-0.16 s (bench/results/session66_h200.md);
+# $LORAPLEX_PIN_QUIET_S=0: no wait (as before)
+QUIET_WAIT_S = float(os.environ.get("LORAPLEX_PIN_QUIET_S", "0.5"))
+_GATE = threading.local()  # the pinner's thread: what it waits for before a registration
 
 
 def _pin_share(value: str | None) -> float:
@@ -79,6 +85,22 @@ class PinnedPool:
         # the background pinning: a daemon thread (a killed executor still exits) whose step pins
         # one chunk; it stops itself at the target, and `reserve` starts it again
         self._pinner = BackgroundWorker("loraplex-pin", self._pin_next, logger=log)
+        self._quiet = threading.Event()  # set while the loop's thread waits for the device
+        self.quiet_pins = 0  # registrations that began in such a wait (the others waited QUIET_WAIT_S)
+
+    @contextlib.contextmanager
+    def device_wait(self):  # noqa: ANN201
+        """Around the loop's wait for the device: the pinner's registrations go there, where the loop
+        launches nothing that the driver's lock would hold back."""
+        self._quiet.set()
+        try:
+            yield
+        finally:
+            self._quiet.clear()
+
+    def _await_quiet(self) -> None:
+        if self._quiet.wait(QUIET_WAIT_S):
+            self.quiet_pins += 1
 
     # ----- filling ---------------------------------------------------------------------
     @property
@@ -107,12 +129,15 @@ class PinnedPool:
                 return False
             size = max(min(self.chunk_bytes, max(ALIGN, want)), self._largest)
         t0 = time.perf_counter()
+        _GATE.before_register = self._await_quiet
         try:
             chunk = _pinned_bytes(size)
         except Exception as err:  # noqa: BLE001 - no more pinned memory to be had: serve what there is
             log.warning("pinned pool stops at %d bytes: %s", self.pinned_bytes, err)
             self._pinner.stop()
             return False
+        finally:
+            _GATE.before_register = None
         with self._lock:
             self.pin_s += time.perf_counter() - t0
             self._chunks.append(chunk)
@@ -122,10 +147,11 @@ class PinnedPool:
 
     def counts(self) -> dict[str, float]:
         """The timings report's view: slices served and missed, chunks grown on a caller's
-        thread and the seconds that took, the background thread's pinning seconds, GB pinned now."""
+        thread and the seconds that took, the background thread's pinning seconds and how many of its
+        registrations began while the loop waited for the device, GB pinned now."""
         return {"pool_served": self.served, "pool_missed": self.missed, "pool_grown": self.grown,
                 "pool_grow_s": round(self.grow_s, 3), "pool_pin_s": round(self.pin_s, 3),
-                "pool_pinned_gb": round(self.pinned_bytes / 2**30, 2)}
+                "pool_quiet_pins": self.quiet_pins, "pool_pinned_gb": round(self.pinned_bytes / 2**30, 2)}
 
     def wait(self) -> None:
         """Until the background pinning is done (tests, benchmarks)."""
@@ -262,6 +288,9 @@ def _registered_bytes(size: int) -> torch.Tensor:
             mm.madvise(mmap.MADV_HUGEPAGE)
     buf = torch.frombuffer(mm, dtype=torch.uint8)  # its storage keeps the mapping alive
     buf.fill_(0)  # the pages faulted in by this thread, not under the driver's lock
+    gate = getattr(_GATE, "before_register", None)
+    if gate is not None:  # the pinner's thread: registered while the loop waits for the device
+        gate()
     err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister returned {err}")

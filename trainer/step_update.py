@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from trainer.host_pool import POOL
 from trainer.jobs import JobRun, adamw_states, advance, as_param_dtype, note_step, update_jobs
 
 DEVICE_UPDATE = os.environ.get("LORAPLEX_DEVICE_UPDATE", "0") == "1"
@@ -51,7 +52,8 @@ def sync_and_update(states: Sequence[JobRun], numbers: torch.Tensor, width: int,
         if numbers.is_cuda:  # the wait on an event, then the copy: a copy's own wait is the driver's, not ours
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(numbers.device))
-            done.synchronize()
+            with POOL.device_wait():
+                done.synchronize()
         values = numbers.tolist()
         return values, update_jobs(states, values[0:n * width:width], values[n * width:], grads)
     if numbers.is_cuda:
@@ -65,7 +67,8 @@ def sync_and_update(states: Sequence[JobRun], numbers: torch.Tensor, width: int,
     if then is not None:
         then()
     if ready is not None:
-        ready.synchronize()
+        with POOL.device_wait():
+            ready.synchronize()
     values = host.tolist()
     skipped = []
     for s, loss, norm in zip(states, values[0:n * width:width], values[n * width:], strict=True):

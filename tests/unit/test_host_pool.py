@@ -74,7 +74,7 @@ def test_a_miss_grows_the_pool_by_a_chunk_on_the_callers_thread_within_its_limit
     assert pool.take((2 * ALIGN,), torch.uint8) is None  # 9 + 4 over the limit of 10: the caller's
     counts = pool.counts()
     assert counts.pop("pool_grow_s") >= 0 and counts.pop("pool_pin_s") == 0  # nothing pinned by the thread
-    assert counts == {"pool_served": 3, "pool_missed": 1, "pool_grown": 2,
+    assert counts == {"pool_served": 3, "pool_missed": 1, "pool_grown": 2, "pool_quiet_pins": 0,
                       "pool_pinned_gb": round(9 * ALIGN / 2**30, 2)}
     for t in (a, b, big):
         t.fill_(7)
@@ -269,3 +269,54 @@ def test_a_task_reserves_parks_only_where_configurations_are_queued(monkeypatch:
     states = sum(3 * 4 * 2**20 * r for r in (8, 16, 64))  # weights and two moments, float32
     assert states > gib // 4  # more than the device keeps
     assert reserved == [((states - gib // 4 if queued else 0) + 4 * gib, 4 * 2**20 * 64)]
+
+
+class _FakeCudart:
+    """torch.cuda.cudart() stand-in: registrations succeed and record whether the pool's loop was then
+    waiting for the device, and on which thread."""
+
+    def __init__(self, pool: PinnedPool) -> None:
+        self.pool, self.seen = pool, []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 (cudart's name)
+        self.seen.append((self.pool._quiet.is_set(), threading.current_thread().name))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        return 0
+
+
+def _registering_pool(monkeypatch: pytest.MonkeyPatch, quiet_s: float) -> tuple[PinnedPool, _FakeCudart]:
+    pool = PinnedPool(chunk_bytes=1 << 20, pause_s=0.0)
+    fake = _FakeCudart(pool)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the real registering path, on plain memory
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(host_pool, "QUIET_WAIT_S", quiet_s)
+    return pool, fake
+
+
+def test_the_pinner_registers_while_the_loop_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, fake = _registering_pool(monkeypatch, quiet_s=30.0)
+    pool.reserve(2 << 20)
+    threading.Event().wait(0.3)  # the pinner has faulted its first chunk in and waits for a quiet window
+    assert fake.seen == [] and pool.pinned_bytes == 0
+    with pool.device_wait():
+        wait_until(lambda: len(fake.seen) == 2)
+    pool.wait()
+    assert fake.seen == [(True, "loraplex-pin")] * 2 and pool.quiet_pins == 2
+    assert pool.counts()["pool_quiet_pins"] == 2 and pool.pinned_bytes == 2 << 20
+    assert not pool._quiet.is_set()  # the window closes with the wait
+    pool.release()
+
+
+def test_without_a_wait_the_pinner_registers_after_its_limit_and_a_caller_never_waits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pool, fake = _registering_pool(monkeypatch, quiet_s=0.05)
+    pool.reserve(1 << 20)
+    pool.wait()
+    assert fake.seen == [(False, "loraplex-pin")] and pool.quiet_pins == 0 and pool.pinned_bytes == 1 << 20
+    monkeypatch.setattr(host_pool, "QUIET_WAIT_S", 30.0)
+    caller = threading.current_thread().name
+    t = pool.take((3 << 20,), torch.uint8)  # no chunk holds it: grown on this thread, at once
+    assert t is not None and fake.seen[-1] == (False, caller) and pool.grown == 1
+    pool.release()
