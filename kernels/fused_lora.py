@@ -628,32 +628,6 @@ if not _INTERPRET and _WIDE:
         _k.configs += _more
 
 
-import copy  # noqa: E402 (below the kernels: a line above one moves its Triton cache key)
-
-from kernels.tuned import BENCHMARKS  # noqa: E402
-from kernels.zero_slab import ZeroSlab, slab_on  # noqa: E402
-
-_UNHOOKED: dict[int, tuple[triton.Config, triton.Config]] = {}
-
-
-def _unhooked(cfg: triton.Config) -> triton.Config:
-    """`cfg` without its pre_hook (a split shrink's zeroing of S), made once per configuration."""
-    known = _UNHOOKED.get(id(cfg))
-    if known is None or known[0] is not cfg:
-        bare = copy.copy(cfg)
-        bare.pre_hook = None
-        known = _UNHOOKED[id(cfg)] = (cfg, bare)  # the key's configuration kept alive: its id stays its own
-    return known[1]
-
-
-def _s_buffer(c: _Ctx, x: torch.Tensor, slab: ZeroSlab | None) -> tuple[torch.Tensor, bool]:
-    """A shrink's output S [T, r_max] (fp32 for half inputs) and whether it is a zeroed slab's fresh slice."""
-    dtype = _acc_torch(x.dtype)
-    if slab is None or not slab_on():
-        return torch.empty((c.t, c.r_max), dtype=dtype, device=x.device), False
-    return slab.take(c.t, c.r_max, dtype, x.device), True
-
-
 class _Ctx:
     """Per-call constants every launch shares: work-list bounds and dtype metadata."""
 
@@ -677,24 +651,17 @@ class _Ctx:
                     PREFETCH=prefetch)
 
 
-def _shrink_launch(c: _Ctx, m, w, w_strides, woff, p, arena: int, wgrad=None, zeroed: bool = False) -> None:  # noqa: ANN001
-    """p[rows_i, :r_i] = m[rows_i] @ W_i^T; with wgrad = (s_buf, g, goff): also g_i += s_i S^T m. zeroed: p is a
-    fresh slice of a zeroed slab (kernels.zero_slab) that no launch wrote yet, so a split configuration's own
-    zeroing of p is skipped (not where this call tuned: the trials wrote p)."""
+def _shrink_launch(c: _Ctx, m, w, w_strides, woff, p, arena: int, wgrad=None) -> None:  # noqa: ANN001
+    """p[rows_i, :r_i] = m[rows_i] @ W_i^T; with wgrad = (s_buf, g, goff): also g_i += s_i S^T m."""
     s_buf, g, goff = wgrad if wgrad is not None else (p, p, woff)
     grid = lambda meta: (c.items(meta["BLOCK_M"], meta["BLOCK_R"]), meta["SPLIT_C"])  # noqa: E731
     args = (m, w, p, woff, c.offsets, c.ranks, s_buf, g, goff, c.scales, c.n, m.shape[1], c.r_max, c.t_bucket,
             m.stride(0), m.stride(1), *w_strides, p.stride(0), s_buf.stride(0))
     meta = dict(N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena, FUSE_WGRAD=wgrad is not None)
-    kernel = _shrink if wgrad is None else _shrink_wgrad
-    if not zeroed:
-        kernel[grid](*args, **meta)
-        return
-    trials = len(BENCHMARKS)
-    cfg = kernel.choose(grid, args, meta)
-    if cfg.pre_hook is not None and len(BENCHMARKS) == trials:
-        cfg = _unhooked(cfg)
-    kernel.run_config(cfg, grid, args, meta)
+    if wgrad is None:
+        _shrink[grid](*args, **meta)
+    else:
+        _shrink_wgrad[grid](*args, **meta)
 
 
 def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: int) -> None:  # noqa: ANN001
@@ -859,10 +826,10 @@ def _arena_rank_major(cols: int) -> tuple[int, int, int]:
 
 
 def fused_forward(c: _Ctx, x, weight, bias, a, a_strides, aoff, b, b_strides, boff, arena: int,  # noqa: ANN001
-                  gemm: str | None = None, slab: ZeroSlab | None = None):
-    """(y, S): S = X A_i^T by `_shrink`, then y from the fused GEMM (S from `slab` where given)."""
-    s_buf, zeroed = _s_buffer(c, x, slab)
-    _shrink_launch(c, x, a, a_strides, aoff, s_buf, arena, zeroed=zeroed)
+                  gemm: str | None = None):
+    """(y, S): S = X A_i^T by `_shrink`, then y from the fused GEMM."""
+    s_buf = torch.empty((c.t, c.r_max), dtype=_acc_torch(x.dtype), device=x.device)
+    _shrink_launch(c, x, a, a_strides, aoff, s_buf, arena)
     y = _gemm_launch(c, x, weight.t(), bias, s_buf, b, b_strides, boff, arena, x.dtype, gemm)
     return y, s_buf
 
@@ -891,13 +858,11 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 def fused_backward(c: _Ctx, x, dy, s_buf, weight, a, a_strides, aoff, b, b_strides, boff, da, da_strides,
                    db, db_strides, arena: int, need_x: bool, need_a: bool, need_b: bool, onepass: bool,  # noqa: ANN001
-                   gemm: str | None = None, slab: ZeroSlab | None = None):
-    """Adds dA_i into da and dB_i^T into db (at the adapters' blocks); returns dX (or None). dS comes from
-    `slab` where given."""
-    ds, zeroed = _s_buffer(c, x, slab)
+                   gemm: str | None = None):
+    """Adds dA_i into da and dB_i^T into db (at the adapters' blocks); returns dX (or None)."""
+    ds = torch.empty((c.t, c.r_max), dtype=_acc_torch(x.dtype), device=x.device)
     fuse_db = need_b and onepass
-    _shrink_launch(c, dy, b, b_strides, boff, ds, arena, wgrad=(s_buf, db, boff) if fuse_db else None,
-                   zeroed=zeroed)
+    _shrink_launch(c, dy, b, b_strides, boff, ds, arena, wgrad=(s_buf, db, boff) if fuse_db else None)
     if need_b and not fuse_db:
         _wgrad_launch(c, s_buf, dy, db, db_strides, boff, arena)
     side = _side_stream(x.device) if need_a and need_x else None
@@ -974,7 +939,7 @@ class FusedArenaFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets, r_max, token,  # noqa: D102
-                onepass, aligned, slab):
+                onepass, aligned):
         d_in, d_out = x.shape[1], weight.shape[0]
         c = _Ctx(x, scales.shape[0], r_max, offsets, ranks, scales)
         mode = _arena_mode(aligned, arena, grad_arena, d_in, d_out)
@@ -982,9 +947,9 @@ class FusedArenaFn(torch.autograd.Function):
             y, s_buf = torch.nn.functional.linear(x, weight, bias), x.new_empty((0, r_max))
         else:
             y, s_buf = fused_forward(c, x, weight, bias, arena, _arena_rank_major(d_in), a_off, arena,
-                                     _arena_rank_major(d_out), b_off, mode, slab=slab)
+                                     _arena_rank_major(d_out), b_off, mode)
         ctx.save_for_backward(x, weight, arena, a_off, b_off, scales, ranks, offsets, s_buf)
-        ctx.grad_arena, ctx.r_max, ctx.onepass, ctx.mode, ctx.slab = grad_arena, r_max, onepass, mode, slab
+        ctx.grad_arena, ctx.r_max, ctx.onepass, ctx.mode = grad_arena, r_max, onepass, mode
         return y
 
     @staticmethod
@@ -1000,8 +965,8 @@ class FusedArenaFn(torch.autograd.Function):
         else:
             sa, sb = _arena_rank_major(d_in), _arena_rank_major(d_out)
             dx = fused_backward(c, x, dy, s_buf, weight, arena, sa, a_off, arena, sb, b_off, g, sa, g, sb, ctx.mode,
-                                need_x, True, True, ctx.onepass, slab=ctx.slab)
-        return (dx,) + (None,) * 14
+                                need_x, True, True, ctx.onepass)
+        return (dx,) + (None,) * 13
 
 
 def _arena_mode(aligned: bool, arena: torch.Tensor, grad_arena: torch.Tensor, d_in: int, d_out: int) -> int:
@@ -1013,12 +978,10 @@ def _arena_mode(aligned: bool, arena: torch.Tensor, grad_arena: torch.Tensor, d_
 
 
 def multilora_linear_arena_fused(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets, r_max,
-                                 token, onepass: bool = True, aligned: bool = False,
-                                 slab: ZeroSlab | None = None) -> torch.Tensor:  # noqa: ANN001
+                                 token, onepass: bool = True, aligned: bool = False) -> torch.Tensor:  # noqa: ANN001
     """Fused Triton form of `kernels.multilora_linear_arena` (same contract). aligned: the caller
     vouches that every offset in a_off and b_off is a multiple of 16 elements (the kernels then load
-    the adapters' rows as 16-byte vectors). slab: the step's zeroed S buffers (kernels.zero_slab; None:
-    each shrink's own)."""
+    the adapters' rows as 16-byte vectors)."""
     _check_arena(x, weight, arena, grad_arena)
     return FusedArenaFn.apply(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks, offsets, r_max,
-                              token, onepass, bool(aligned), slab)
+                              token, onepass, bool(aligned))

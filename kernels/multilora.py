@@ -47,7 +47,6 @@ import torch
 
 from kernels.devices import cuda_index, hopper_or_newer
 from kernels.reference import multilora_linear_arena_reference, multilora_linear_reference
-from kernels.zero_slab import ZeroSlab
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FORMS = ("compose", "fused", "auto")
@@ -159,19 +158,17 @@ def multilora_linear_arena(
     backend: str = "auto",
     form: str | None = None,
     aligned: bool = False,
-    slab: ZeroSlab | None = None,
 ) -> torch.Tensor:
     """Base linear plus per-adapter LoRA read from an arena; see "Arena form" above. aligned: the
     caller vouches that every offset in a_off and b_off is a multiple of 16 elements (the fused
-    kernels then load the adapters' rows as 16-byte vectors; a false word gives wrong results).
-    slab: the step's zeroed buffers for the fused form's shrinks (kernels.zero_slab), one per step."""
+    kernels then load the adapters' rows as 16-byte vectors; a false word gives wrong results)."""
     _check_form(form)
     if use_triton(x, backend):
         if resolve_form(form, x, weight.shape[0], r_max) == "fused":
             from kernels.fused_lora import multilora_linear_arena_fused
 
             return multilora_linear_arena_fused(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks,
-                                                offsets, r_max, token, aligned=aligned, slab=slab)
+                                                offsets, r_max, token, aligned=aligned)
         from kernels.triton_lora import multilora_linear_arena_triton
 
         return multilora_linear_arena_triton(x, weight, bias, arena, grad_arena, a_off, b_off, scales, ranks,

@@ -148,7 +148,7 @@ class Executor:
             raise ValueError(f"attention {cfg.attention!r}: 'auto', 'rows', or 'varlen' for sft")
         device = self.strategy.device(cfg.device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        warming = triton_ahead.start(device.type == "cuda")  # Triton's one-time key, hidden by the load
+        warming = triton_ahead.start(device.type == "cuda", device)  # Triton's key, the first calls: beside the load
         if device.type == "cuda":
             torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
             seed_triton_cache()  # the kernels shipped for this GPU kind: none compiles in the task

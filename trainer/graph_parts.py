@@ -35,22 +35,6 @@ def has_room(device: torch.device | int, need: float | None) -> bool:
     return need is not None and torch.cuda.mem_get_info(device)[0] >= ROOM_FACTOR * need
 
 
-# $LORAPLEX_CAPTURE_SYNC=always: every capture at a step's start syncs the device, collects and may empty the
-# caches first (torch.cuda.graph's entry), as before session 67; default "room": only where the device lacks room
-CAPTURE_SYNC = os.environ.get("LORAPLEX_CAPTURE_SYNC", "room")
-
-
-def capture_syncs(device: torch.device, need: float | None) -> bool:
-    """Whether a capture at its step's start enters as torch.cuda.graph does (a device sync, Python's collection and,
-    where the device lacks room for the graph's pool, the eager runs' cached blocks given back: `make_room`). Where
-    it `has_room` for the pool's estimate, it enters as a capture on the thread does (sync=False): the previous
-    step's queued work runs beside its host pass instead of before it. Session 66's profile of the 200-step task
-    had the sync at 41-47 ms of each of the two captures at the 2-job set's start (bench/results/session66_h200.md)."""
-    if CAPTURE_SYNC == "always" or device.type != "cuda" or not torch.cuda.is_available():
-        return True
-    return not has_room(device, need)
-
-
 def make_room(device: torch.device, need: float | None) -> None:
     """Before a capture: the caching allocator's blocks go back to the device (the capture's private
     pool can then take that memory) unless it `has_room` for the pool's estimated `need`. Emptied

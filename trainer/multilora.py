@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from kernels import multilora_linear_arena
-from kernels.zero_slab import ZeroSlab
 
 
 @dataclass
@@ -41,9 +40,6 @@ class StepLayout:
     # every a/b offset of this step is a multiple of 16 elements (the engine checks its host ints):
     # the fused kernels may then load the adapters' rows as 16-byte vectors
     aligned: bool = False
-    # the step's zeroed buffers for the fused shrinks (kernels.zero_slab): each layout (a step, a capture's body)
-    # has its own, so no step or graph reads another's
-    slab: ZeroSlab = field(default_factory=ZeroSlab)
 
 
 class MultiLoraLinear(nn.Module):
@@ -94,7 +90,7 @@ class MultiLoraLinear(nn.Module):
         y = multilora_linear_arena(
             x.reshape(-1, shape[-1]), self.base.weight, self.base.bias, lay.arena, lay.grad_arena,
             self.a_off, self.b_off, lay.scales, lay.ranks, lay.offsets, lay.r_max, lay.token,
-            backend=lay.backend, form=lay.form, aligned=lay.aligned, slab=lay.slab,
+            backend=lay.backend, form=lay.form, aligned=lay.aligned,
         )
         return y.reshape(*shape[:-1], self.out_features)
 

@@ -402,7 +402,7 @@ class StepGraphs:
         st, device = entry.static, self.engine.device
         cuda = self.use_cuda_graphs(device)
         need = self.capture_need(key.tokens, key.recompute) if self.capture_need and key.train else None
-        sync = sync and graph_parts.capture_syncs(device, need)  # no sync, emptying or collection where room is plenty
+        # the eager runs' cached blocks go back first where the device lacks room for the graph's pool
         short = capture_short(device, need, self.pool_bytes, sync)
         if short is not None:
             entry.deferred = self.calls

@@ -595,18 +595,3 @@ def test_a_capture_skips_torchs_emptying_only_where_the_device_has_room_and_rest
     with graph_parts.capturing(None):  # no need known: torch's own entry
         pass
     assert calls == ["mode thread_local", "empty", "host empty", "exit None"]
-
-
-def test_a_capture_at_its_steps_start_syncs_only_where_the_device_lacks_room(monkeypatch) -> None:  # noqa: ANN001
-    from trainer import graph_parts
-
-    gib = 1 << 30
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 80 * gib))
-    assert not graph_parts.capture_syncs(cuda, gib)  # room twice over: entered as a capture on the thread
-    assert graph_parts.capture_syncs(cuda, 1.5 * gib)  # short of ROOM_FACTOR: sync, collect, make room
-    assert graph_parts.capture_syncs(cuda, None)  # no estimate: as torch.cuda.graph enters
-    assert graph_parts.capture_syncs(torch.device("cpu"), gib)
-    monkeypatch.setattr(graph_parts, "CAPTURE_SYNC", "always")
-    assert graph_parts.capture_syncs(cuda, gib)

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from kernels import triton_warm
 from trainer import triton_ahead
@@ -82,3 +83,34 @@ def test_a_key_that_fails_is_left_to_tritons_first_compile(monkeypatch, on_worke
     else:
         triton_warm.compute()
     assert len(calls) == 1 and not triton_warm.cached()  # nothing kept: Triton computes (and raises) itself
+
+
+def test_the_first_calls_run_on_the_device_they_are_given() -> None:
+    triton_ahead.first_calls(torch.device("cpu"), tokens=32)  # the same ops, on the CPU: they run as written
+
+
+def test_the_worker_makes_the_first_calls_on_a_cuda_device_even_with_the_key_cached(monkeypatch) -> None:  # noqa: ANN001
+    calls: list[str] = []
+    key = fake_key(calls)
+    monkeypatch.setattr(triton_warm, "_key_function", lambda: key)
+    key()  # cached: a zygote's child
+    made: list[torch.device] = []
+    monkeypatch.setattr(triton_ahead, "first_calls", lambda device: made.append(device))
+    cuda = torch.device("cuda", 0)
+    worker = triton_ahead.start(True, cuda)
+    assert worker.join(timeout=10.0) and made == [cuda] and calls == ["MainThread"]  # the key not again
+    assert not triton_ahead.start(True, torch.device("cpu")).alive  # a CPU device: nothing to warm
+    assert not triton_ahead.start(False, cuda).alive
+    monkeypatch.setattr(triton_ahead, "FIRST_CALLS", False)
+    assert not triton_ahead.start(True, cuda).alive
+
+
+def test_first_calls_that_fail_leave_the_load_alone(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(triton_warm, "cached", lambda: True)
+
+    def broken(device: torch.device) -> None:
+        raise RuntimeError("no CUDA here")
+
+    monkeypatch.setattr(triton_ahead, "first_calls", broken)
+    worker = triton_ahead.start(True, torch.device("cuda", 0))
+    assert worker.join(timeout=10.0) and worker.health().crashes == 0  # logged, the worker's step ends cleanly
