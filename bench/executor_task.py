@@ -41,6 +41,7 @@ from step_profile import PROFILE, profiled  # noqa: E402
 from task_e2e_runs import graph_counts, graph_event  # noqa: E402
 
 from contract.protocol import EvalSettings, TaskSettings  # noqa: E402
+from trainer import triton_ahead  # noqa: E402
 from trainer.executor import Callbacks, Executor, ExecutorConfig  # noqa: E402
 from trainer.jobs import TrainJob  # noqa: E402
 from worker.processes import CUBLAS_WORKSPACE  # noqa: E402
@@ -286,7 +287,7 @@ def run(model_dir: Path, train: Path, val: Path, out: Path, steps: int, cache: P
             "admission": events.get("memory_model"), "throughput_reports": len(tokens),
             "attention": ex.engine.attention if getattr(ex, "engine", None) is not None else None,
             "eval_calls": getattr(ex, "eval_calls", []), "step_trace": getattr(ex, "step_trace", []),
-            "eval_probe": PROBE,
+            "eval_probe": PROBE, "first_calls_s": list(triton_ahead.MADE),  # the load worker's first calls (s each)
             "graphs": ex.engine.step_graphs.stats() if getattr(ex, "engine", None) is not None
             and ex.engine.step_graphs is not None else None,
             # the memory model (analytic or stored, corrected online) against every step the

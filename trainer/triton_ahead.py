@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -25,6 +26,7 @@ from kernels import triton_warm
 log = logging.getLogger(__name__)
 
 FIRST_CALLS = os.environ.get("LORAPLEX_FIRST_CALLS", "1") != "0"
+MADE: list[float] = []  # seconds of each `first_calls` a worker of this process made (benchmarks read it)
 
 
 def first_calls(device: torch.device, tokens: int = 256) -> None:
@@ -59,7 +61,9 @@ def start(wanted: bool, device: torch.device | None = None) -> BackgroundWorker:
                 triton_warm.compute()
             if calls:
                 try:
+                    began = time.perf_counter()
                     first_calls(device)
+                    MADE.append(round(time.perf_counter() - began, 4))
                 except Exception as err:  # noqa: BLE001 - a warm-up only: the step makes these calls anyway
                     log.info("first calls not made ahead: %s", err)
         finally:
