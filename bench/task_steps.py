@@ -5,7 +5,11 @@ graphs' counts (captures, those the thread made, graphs kept). "covered over own
 the median replay of the key it would have run itself (of the same run's plain replays; `--per-octave`, the run's
 graph sizes an octave, LORAPLEX_GRAPH_BUCKETS: 4 unless the run set it).
 
-    python3 bench/task_steps.py [--per-octave 4] FILE.json [FILE.json ...]
+`--first N` prints the first N steps' walls of each file instead (with the first job set's eager steps' sum, the
+load worker's first calls (`first_calls_s`, session 67) and the pinner's registrations made in the loop's device
+waits, `pool_quiet_pins`).
+
+    python3 bench/task_steps.py [--per-octave 4] [--first N] FILE.json [FILE.json ...]
 """
 
 from __future__ import annotations
@@ -58,11 +62,30 @@ def row(path: str, per_octave: int = 4) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def first_row(path: str, n: int) -> str:
+    """One file's first `n` step walls, its eager steps' seconds, the first calls' seconds and the quiet pins."""
+    run = json.loads(Path(path).read_text())["runs"]["cold"]
+    trace = run["step_trace"]
+    eager = sum(t[3] for t in trace if kind_of(t[5]) == "eager")
+    made = ", ".join(f"{s:.2f}" for s in run.get("first_calls_s") or []) or "-"
+    cells = [os.path.basename(path), *(f"{t[3]:.3f}" for t in trace[:n]), f"{eager:.2f}", made,
+             str((run.get("timings") or {}).get("pool_quiet_pins", "-"))]
+    return "| " + " | ".join(cells) + " |"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--per-octave", type=int, default=4)
+    ap.add_argument("--first", type=int, default=0, help="the first N steps' walls instead")
     ap.add_argument("files", nargs="+")
     args = ap.parse_args()
+    if args.first:
+        print("| run | " + " | ".join(f"step {i} s" for i in range(args.first))
+              + " | eager steps s | first calls s | quiet pins |")
+        print("|---|" + "---|" * (args.first + 3))
+        for path in args.files:
+            print(first_row(path, args.first))
+        return
     print("| run | tok/s | MFU | train s | eager: steps, s | captured at start: steps, s | covered: steps, s "
           "| covered over own s | replays: steps, s | captures | the thread's | graphs |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -43,3 +43,7 @@ def test_a_tasks_steps_are_sorted_by_kind_and_summed(tmp_path) -> None:  # noqa:
     assert cells[0] == "t.json" and cells[1] == f"{10500 / 1.39 / 1e3:.2f}k"
     # the covered step (1,200 tokens: the 1,280 key at 4 sizes an octave) over that key's one replay, 0.09 s
     assert cells[4:9] == ["1, 0.50", "1, 0.40", "1, 0.12", "0.03", "3, 0.37"] and cells[9:] == ["2", "1", "2"]
+    run.update(first_calls_s=[0.2618], timings={"pool_quiet_pins": 7})
+    path.write_text(json.dumps({"args": {"layers": 2}, "runs": {"cold": run}}))
+    first = [c.strip() for c in task_steps.first_row(str(path), 2).strip("|").split("|")]
+    assert first == ["t.json", "0.500", "0.400", "0.50", "0.26", "7"]  # two walls, the eager step, the warm-up
