@@ -52,7 +52,7 @@ def row_bucket(rows: int) -> int:
     SMs, the second one half idle. A table without an entry for a three-quarter bucket serves it
     from its power of two above (the nearest in log2, as before). Every bucket of 48 or more is a
     multiple of 16, so the kernels' integer specialisation (and the shipped archive) is as before."""
-    power = triton.next_power_of_2(max(rows, 1))
+    power = 1 << (max(rows, 1) - 1).bit_length()  # triton.next_power_of_2, without its constexpr wrapper
     three_quarters = 3 * power // 4
     return three_quarters if power >= 64 and rows <= three_quarters else power
 
@@ -221,22 +221,27 @@ class Tuned:
         self.name, self.fn, self.configs, self.key = name, fn, list(configs), list(key)
         self.prune, self.restore = prune, tuple(restore)
         self.arg_names = list(fn.arg_names)
+        # each key name's position among the arguments (len(arg_names): a keyword only)
+        self._key_pos = [(k, self.arg_names.index(k) if k in self.arg_names else len(self.arg_names)) for k in key]
         self._memo: dict[tuple, triton.Config] = {}
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
         return lambda *args, **meta: self.launch(grid, args, meta)
 
     def choose(self, grid: Any, args: tuple, meta: dict) -> triton.Config:
-        """The configuration of a call with these arguments (memoised per device, dtype and key)."""
-        named = dict(zip(self.arg_names, args, strict=False))
-        named.update(meta)
+        """The configuration of a call with these arguments (memoised per device, dtype and key). The memo's
+        key is read from the arguments in place (a keyword's value over a positional one, as Triton binds
+        them): no dict of every argument is built on the way to a hit (~7 calls a LoRA linear a step)."""
         first = args[0]
         device = first.device
-        key = {k: int(named[k]) for k in self.key}
-        memo_key = (device.type, device.index, first.dtype, *key.values())
+        values = [int(meta[k]) if k in meta else int(args[i]) for k, i in self._key_pos]
+        memo_key = (device.type, device.index, first.dtype, *values)
         cfg = self._memo.get(memo_key)
         if cfg is not None:
             return cfg
+        named = dict(zip(self.arg_names, args, strict=False))
+        named.update(meta)
+        key = {k: int(named[k]) for k in self.key}
         allowed = self.prune(self.configs, named) if self.prune else self.configs
         if len(allowed) == 1:
             cfg = allowed[0]

@@ -285,3 +285,27 @@ def test_a_three_quarter_bucket_the_table_lacks_takes_the_power_of_two_above(nam
     table.kernels["gemm_lora_persist"].append({"key": dict(row["key"], T_BUCKET=1536), "config": mine})
     for t, want in ((1448, mine), (1536, mine), (1722, row["config"]), (2048, row["config"])):
         assert table.nearest("gemm_lora_persist", dict(row["key"], T_BUCKET=tuned.row_bucket(t)), anything) == want
+
+
+def test_the_memo_reads_its_key_from_the_arguments_as_triton_binds_them(table_dir) -> None:  # noqa: ANN001
+    """choose's memo key comes from the arguments in place (a keyword over a positional one): calls that differ in
+    a key value get their own entries, calls that differ elsewhere share one, as with a dict of every argument."""
+    k = tuned.Tuned("memo_probe", FakeJit(), CONFIGS, ["T_BUCKET", "R_MAX"])
+    x, out = torch.zeros(4), torch.zeros(4)
+    first = k.choose((1,), (x, out, 128, 16), {})
+    assert list(k._memo) == [("cpu", None, torch.float32, 128, 16)]
+    assert k.choose((1,), (x, torch.zeros(8), 128, 16), {}) is first and len(k._memo) == 1  # another output: a hit
+    k.choose((1,), (x, out, 128, 16), {"R_MAX": 64})  # the keyword wins over the positional 16
+    k.choose((1,), (x, out), {"T_BUCKET": 256, "R_MAX": 32})  # keywords alone
+    k.choose((1,), (x.double(), out, 128, 16), {})
+    assert list(k._memo)[1:] == [("cpu", None, torch.float32, 128, 64), ("cpu", None, torch.float32, 256, 32),
+                                 ("cpu", None, torch.float64, 128, 16)]
+
+
+def test_the_host_side_cdiv_and_next_power_of_two_equal_tritons() -> None:
+    for a in range(0, 300):
+        assert fl._next_p2(a) == triton.next_power_of_2(a)
+        for b in (1, 7, 16, 64, 128):
+            assert fl._cdiv(a, b) == triton.cdiv(a, b)
+    for rows in (1, 2, 47, 48, 49, 96, 700, 1421, 1536, 1537, 4752, 65536):
+        assert tuned.row_bucket(rows) in (triton.next_power_of_2(rows), 3 * triton.next_power_of_2(rows) // 4)
