@@ -50,7 +50,7 @@ from kernels.triton_lora import (
     _shrink_sweep,
     wide_dtype_pruner,
 )
-from kernels.tuned import Tuned, row_bucket
+from kernels.tuned import Tuned, cdiv, next_pow2, row_bucket
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Under the interpreter one small config runs; tests vary the tile sizes through the env.
@@ -628,17 +628,6 @@ if not _INTERPRET and _WIDE:
         _k.configs += _more
 
 
-def _cdiv(a: int, b: int) -> int:
-    """triton.cdiv for host ints: Triton's is a constexpr function whose wrapper unwraps its arguments
-    (~19 calls a LoRA linear's forward and backward, ~0.1 ms of an eager step's or a capture's host time)."""
-    return -(-a // b)
-
-
-def _next_p2(n: int) -> int:
-    """triton.next_power_of_2 for host ints, without its wrapper (0 for 0, as Triton's)."""
-    return 1 << (n - 1).bit_length() if n > 0 else 0
-
-
 class _Ctx:
     """Per-call constants every launch shares: work-list bounds and dtype metadata."""
 
@@ -647,14 +636,14 @@ class _Ctx:
         self.n = n
         self.r_max = r_max
         self.offsets, self.ranks, self.scales = offsets, ranks, scales
-        self.n_p2 = max(16, _next_p2(n))
+        self.n_p2 = max(16, next_pow2(n))
         self.acc = tl.float64 if x.dtype == torch.float64 else tl.float32
         self.prec = "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
         self.t_bucket = row_bucket(self.t)  # the tables' key (kernels.tuned), not a size any kernel reads
 
     def items(self, rows: int, block_r: int) -> int:
         """Upper bound of the work list's length for row blocks of `rows` and rank tiles of `block_r`."""
-        return (_cdiv(self.t, rows) + self.n) * _cdiv(self.r_max, block_r)
+        return (cdiv(self.t, rows) + self.n) * cdiv(self.r_max, block_r)
 
     def epilogue(self, bias: torch.Tensor | None, arena: int, prefetch: bool) -> dict:
         """The LoRA epilogue's constants of a GEMM launch (the fused GEMMs' and the store pass's)."""
@@ -678,7 +667,7 @@ def _shrink_launch(c: _Ctx, m, w, w_strides, woff, p, arena: int, wgrad=None) ->
 def _wgrad_launch(c: _Ctx, p, m, g, g_strides, goff, arena: int) -> None:  # noqa: ANN001
     """g_i[:r_i, :] += s_i p[rows_i, :r_i]^T m[rows_i] (g_strides: adapter, rank, column)."""
     cols = m.shape[1]
-    _wgrad[lambda meta: (c.items(meta["CHUNK"], meta["BLOCK_R"]), _cdiv(cols, meta["BLOCK_N"]))](
+    _wgrad[lambda meta: (c.items(meta["CHUNK"], meta["BLOCK_R"]), cdiv(cols, meta["BLOCK_N"]))](
         p, m, g, goff, c.offsets, c.ranks, c.scales, c.n, cols, c.r_max, c.t_bucket, p.stride(0), m.stride(0),
         m.stride(1), *g_strides, N_P2=c.n_p2, ACC=c.acc, DOT_PREC=c.prec, ARENA=arena)
 
@@ -773,7 +762,7 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
     t, k = a.shape
     nc = b_kn.shape[1]
     out = torch.empty((t, nc), dtype=out_dtype, device=a.device)
-    grid = lambda meta: (_cdiv(t, meta["BLOCK_M"]) * _cdiv(nc, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (cdiv(t, meta["BLOCK_M"]) * cdiv(nc, meta["BLOCK_N"]),)  # noqa: E731
     common = (c.n, c.r_max, c.t_bucket)
     meta = dict(c.epilogue(bias, arena, prefetch), **_gemm_rank_tile(c.r_max))
     bias_arg = bias if bias is not None else out
@@ -793,12 +782,12 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
         kernel, kgrid = _gemm_lora_tma, grid
         if base in ("persist", "auto"):
             kernel = _gemm_lora_persist
-            kgrid = lambda meta: (min(sms, _cdiv(t, meta["BLOCK_M"]) * _cdiv(nc, meta["BLOCK_N"])),)  # noqa: E731
+            kgrid = lambda meta: (min(sms, cdiv(t, meta["BLOCK_M"]) * cdiv(nc, meta["BLOCK_N"])),)  # noqa: E731
         args = (a, b_kn, out, bias_arg, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, k, *common,
                 a.stride(0), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1), p.stride(0), *w_strides)
         kw = dict(B_NK=b_kn.stride(0) == 1, NUM_SMS=sms, **meta)
         cfg = kernel.choose(kgrid, args, kw)
-        tiles = _cdiv(t, cfg.kwargs["BLOCK_M"]) * _cdiv(nc, cfg.kwargs["BLOCK_N"])
+        tiles = cdiv(t, cfg.kwargs["BLOCK_M"]) * cdiv(nc, cfg.kwargs["BLOCK_N"])
         if base == "auto" and auto_takes_cublas(tiles, sms, nc):
             return cublas()  # over every tile (`grid`), not the persistent programs' count
         kernel.run_config(cfg, kgrid, args, kw)
@@ -816,7 +805,7 @@ def store_launch(c: _Ctx, a, b_kn, out, bias, p, w, w_strides, woff, arena: int)
     (K = 0; a and b_kn give only their strides), for cuBLAS to add a @ b_kn onto."""
     t, nc = out.shape
     meta = dict(c.epilogue(bias, arena, False), **_store_rank_tile(c.r_max))
-    _lora_store[lambda m: (_cdiv(t, m["BLOCK_M"]) * _cdiv(nc, m["BLOCK_N"]),)](
+    _lora_store[lambda m: (cdiv(t, m["BLOCK_M"]) * cdiv(nc, m["BLOCK_N"]),)](
         a, b_kn, out, bias if bias is not None else out, p, w, woff, c.offsets, c.ranks, c.scales, t, nc, 0, c.n,
         c.r_max, c.t_bucket, a.stride(0), a.stride(1), b_kn.stride(0), b_kn.stride(1), out.stride(0), out.stride(1),
         p.stride(0), *w_strides, **meta,

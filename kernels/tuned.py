@@ -44,6 +44,17 @@ def tuning(on: bool) -> None:
     _TUNING["on"] = bool(on)
 
 
+def cdiv(a: int, b: int) -> int:
+    """triton.cdiv for host ints: Triton's is a constexpr function whose wrapper unwraps its arguments
+    (~19 calls a LoRA linear's forward and backward in kernels.fused_lora's launches)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """triton.next_power_of_2 for host ints, without its wrapper (0 for 0, as Triton's)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def row_bucket(rows: int) -> int:
     """The tuning key's bucket (T_BUCKET) of a call of `rows` rows: the next power of two, or from 48
     rows on three quarters of it where that covers `rows` (48, 96, ..., 768, 1536, 3072, ...). A
@@ -52,7 +63,7 @@ def row_bucket(rows: int) -> int:
     SMs, the second one half idle. A table without an entry for a three-quarter bucket serves it
     from its power of two above (the nearest in log2, as before). Every bucket of 48 or more is a
     multiple of 16, so the kernels' integer specialisation (and the shipped archive) is as before."""
-    power = 1 << (max(rows, 1) - 1).bit_length()  # triton.next_power_of_2, without its constexpr wrapper
+    power = next_pow2(max(rows, 1))
     three_quarters = 3 * power // 4
     return three_quarters if power >= 64 and rows <= three_quarters else power
 

@@ -304,8 +304,8 @@ def test_the_memo_reads_its_key_from_the_arguments_as_triton_binds_them(table_di
 
 def test_the_host_side_cdiv_and_next_power_of_two_equal_tritons() -> None:
     for a in range(0, 300):
-        assert fl._next_p2(a) == triton.next_power_of_2(a)
+        assert tuned.next_pow2(a) == triton.next_power_of_2(a)
         for b in (1, 7, 16, 64, 128):
-            assert fl._cdiv(a, b) == triton.cdiv(a, b)
+            assert tuned.cdiv(a, b) == triton.cdiv(a, b)
     for rows in (1, 2, 47, 48, 49, 96, 700, 1421, 1536, 1537, 4752, 65536):
         assert tuned.row_bucket(rows) in (triton.next_power_of_2(rows), 3 * triton.next_power_of_2(rows) // 4)
