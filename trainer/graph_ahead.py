@@ -48,6 +48,8 @@ ON = os.environ.get("LORAPLEX_CAPTURE_AHEAD", "0") == "1"
 log = logging.getLogger(__name__)
 NEXT = os.environ.get("LORAPLEX_CAPTURE_NEXT", "1") == "1"  # capture_next (on: session 56 measured its gain)
 STEPS = 24  # each set's next steps whose keys are counted
+WIDEN = os.environ.get("LORAPLEX_WIDEN_START", "1") == "1"  # `widen` (session 68)
+WIDEN_RATIO = 2.0  # `widen`: the next step's key at most this many times this one's tokens
 MAX_SETS = 32  # the sets beyond this many are not listed (in the candidates' order)
 
 
@@ -115,6 +117,42 @@ def _step_key(graphs: Any, states: Sequence[Any], ints: Sequence[int], per_job: 
         key, real = lengths_key(eng, graphs.per_octave, states, ints, lengths, True, cap), sum(lengths)
         on = graphs.recompute_on(key, real, len(lengths)) if eng.recompute_for is not None else None
     return (key if on is None else replace(key, recompute=on)), real, len(lengths)
+
+
+def widen(graphs: Any, states: Sequence[Any], key: GraphKey, real: int, n_seqs: int, train: bool  # noqa: ANN401
+          ) -> GraphKey | None:
+    """The next step's key, for a training step that would capture its own `key` at its start (no capture under
+    way on the thread, none or no cover serving it) where the next step would capture its own at its start too:
+    this step then captures the next one's key and runs padded on it, and the next step replays it. A job set's
+    first steps capture at their start with the device idle (no replayed step to hide a thread's capture behind):
+    the 200-step task's first two 2-job steps, 823 and 1,704 tokens, captured 1,024 and 1,792 rows at 0.40-0.47 s
+    each (bench/results/session68_h200.md). Only within WIDEN_RATIO of this key's tokens, in its class (slots,
+    rank tile, longest sequence, alignment, recompute), with sequence slots for this step's padding; None otherwise
+    (and with LORAPLEX_WIDEN_START=0). An error is logged, never raised: the step captures its own key."""
+    if not (WIDEN and train and NEXT and graph_thread.ON) or graphs.flight is not None:
+        return None
+    lasts = graphs.set_lasts() if graphs.set_lasts is not None else None
+    if (lasts is not None and lasts < 2) or any(s.total_steps - s.step < 2 for s in states) \
+            or not graphs._captures(key, graphs.max_capture_tokens):
+        return None
+    eng = graphs.engine
+    try:
+        per_job = [[eng.train_examples[i] for i in _peek(s.stream).next_indices(s.spec.batch_size)] for s in states]
+        step = _step_key(graphs, states, eng.slots.layout_offsets(states), per_job, eng.cap_for(True))
+    except Exception as err:  # noqa: BLE001 - an optimisation: the step captures its own key
+        log.warning("the next step's key was not found: %s", str(err)[:200])
+        return None
+    if step is None:
+        return None
+    nxt, nxt_real, nxt_seqs = step
+    if replace(nxt, tokens=key.tokens, seq_slots=key.seq_slots) != key or not key.tokens < nxt.tokens <= WIDEN_RATIO * key.tokens:
+        return None
+    known = graphs.entries.get(nxt)
+    if (known is not None and known.graph is not None) or graphs._cover_for(nxt, nxt_real, nxt_seqs, ahead=1) is not None \
+            or not graphs._captures(nxt, graphs.max_capture_tokens, ahead=1) or nxt.seq_slots < n_seqs + -(-(nxt.tokens - real) // key.max_len):
+        return None
+    graphs.ahead["widened"] += 1
+    return nxt
 
 
 def capture_next(graphs: Any, states: Sequence[Any]) -> int:  # noqa: ANN401

@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from trainer import graph_parts, graph_thread
+from trainer import graph_ahead, graph_parts, graph_thread
 from trainer.arena import AdapterArena
 from trainer.data import IGNORE, Example
 from trainer.graph_parts import CAPTURE_RETRY_STEPS, GraphKey, capture_short, memory_report
@@ -187,8 +187,8 @@ class StepGraphs:
         eng.grow_cap(train, key.max_len)  # the longest sequence so far (of the steps, or of the evaluations)
         if train and eng.recompute_for is not None:
             key = self._recompute_key(key, cpu.real_tokens, n_seqs)
-        cover = self._cover_for(key, cpu.real_tokens, n_seqs)
-        if cover is not None:  # replay a larger capture rather than capture this key
+        cover = self._cover_for(key, cpu.real_tokens, n_seqs) or graph_ahead.widen(self, states, key, cpu.real_tokens, n_seqs, train)
+        if cover is not None:  # replay a larger capture (or capture the next step's key: widen) rather than capture this key
             self.cover_uses[key] += 1
             key = cover
             cpu = pack_flat(per_job, eng.pad_id, length=cover.tokens, max_len=eng.cap_for(train))

@@ -262,3 +262,44 @@ def test_no_prediction_releases_parked_states_whatever_hook_asks(model_dir, monk
         step = graph_ahead._step_key(g, states, graphed.slots.layout_offsets(states), per_job, graphed.cap_for(True))
         assert released == [] and plan.recompute_policy is policy
         assert step is None or step[0].recompute  # predicted to recompute (or split): it fits only after a release
+
+
+def _main_captures(model_dir, monkeypatch, **knobs) -> tuple[list[int], dict, int]:  # noqa: ANN001, F811
+    """mixed_two_jobs over 10 steps with the thread and capture_next on (graph_ahead's `knobs` set), the weights
+    checked against the eager engine: the tokens of the keys captured on the main thread (at their step's start),
+    the graphs' ahead counts and replays."""
+    monkeypatch.setattr(graph_ahead, "NEXT", True)
+    monkeypatch.setattr(graph_thread, "ON", True)
+    for name, value in knobs.items():
+        monkeypatch.setattr(graph_ahead, name, value)
+    main: list[int] = []
+    real = StepGraphs._capture
+
+    def capture(self, entry, key, sync=True):  # noqa: ANN001, ANN202
+        if threading.current_thread() is threading.main_thread():
+            main.append(key.tokens)
+        return real(self, entry, key, sync)
+
+    monkeypatch.setattr(StepGraphs, "_capture", capture)
+    eager, graphed = mixed_two_jobs(model_dir, 10)
+    g = graphed.step_graphs
+    graph_thread.settle(g)
+    same_weights(eager, graphed)
+    return list(main), dict(g.ahead), g.replays  # a copy: a later call wraps this wrapper
+
+
+def test_a_capture_at_a_steps_start_takes_the_next_steps_key_and_the_thread_takes_over(model_dir, monkeypatch) -> None:  # noqa: ANN001, F811
+    """graph_ahead.widen: where a step and the next would each capture their own key at their start (a set's first
+    steps: no replay to hide a thread's capture behind), the first captures the next one's key (larger, within
+    WIDEN_RATIO) and runs padded on it; the next replays it, and from there the thread captures ahead. The steps
+    equal the eager engine's either way."""
+    off, ahead_off, replays_off = _main_captures(model_dir, monkeypatch, WIDEN=False)
+    on, ahead_on, replays_on = _main_captures(model_dir, monkeypatch, WIDEN=True)
+    assert "widened" not in ahead_off and ahead_on["widened"] == 1
+    assert len(off) >= 2 and off[1] > off[0]  # without it, the first two graphed steps captured at their start
+    assert on == [off[1]]  # with it, one capture at a step's start: the second step's key
+    assert replays_on == replays_off  # every graphed step replayed a capture
+    assert ahead_on["thread_made"] > ahead_off["thread_made"]
+    # the next step's key over WIDEN_RATIO times this one's tokens: each captures its own, as without
+    capped, ahead_capped, _ = _main_captures(model_dir, monkeypatch, WIDEN=True, WIDEN_RATIO=1.0)
+    assert capped == off and "widened" not in ahead_capped
