@@ -119,37 +119,50 @@ def _step_key(graphs: Any, states: Sequence[Any], ints: Sequence[int], per_job: 
     return (key if on is None else replace(key, recompute=on)), real, len(lengths)
 
 
+def _set_runs_on(graphs: Any, states: Sequence[Any]) -> bool:  # noqa: ANN401
+    """Whether this job set runs the next step too (`set_lasts` and every job's steps left)."""
+    lasts = graphs.set_lasts() if graphs.set_lasts is not None else None
+    return (lasts is None or lasts >= 2) and all(s.total_steps - s.step >= 2 for s in states)
+
+
+def _next_capture(graphs: Any, states: Sequence[Any]) -> tuple[GraphKey, int, int] | None:  # noqa: ANN401
+    """The next step's key, real tokens and sequences (each job's next batch from a copy of its stream), where that
+    step would capture its key at its start: its class warm, no capture or cover serving it (`StepGraphs._cover_for`,
+    `_captures`, `_transient` and `_near_end` as the next step reads them); None otherwise (covered, near the end
+    too, eager in a short-lived set, or in passes)."""
+    eng = graphs.engine
+    per_job = [[eng.train_examples[i] for i in _peek(s.stream).next_indices(s.spec.batch_size)] for s in states]
+    step = _step_key(graphs, states, eng.slots.layout_offsets(states), per_job, eng.cap_for(True))
+    if step is None or graphs._cover_for(*step, ahead=1) is not None \
+            or not graphs._captures(step[0], graphs.max_capture_tokens, ahead=1):
+        return None
+    return step
+
+
 def widen(graphs: Any, states: Sequence[Any], key: GraphKey, real: int, n_seqs: int, train: bool  # noqa: ANN401
           ) -> GraphKey | None:
     """The next step's key, for a training step that would capture its own `key` at its start (no capture under
-    way on the thread, none or no cover serving it) where the next step would capture its own at its start too:
-    this step then captures the next one's key and runs padded on it, and the next step replays it. A job set's
-    first steps capture at their start with the device idle (no replayed step to hide a thread's capture behind):
-    the 200-step task's first two 2-job steps, 823 and 1,704 tokens, captured 1,024 and 1,792 rows at 0.40-0.47 s
-    each (bench/results/session68_h200.md). Only within WIDEN_RATIO of this key's tokens, in its class (slots,
-    rank tile, longest sequence, alignment, recompute), with sequence slots for this step's padding; None otherwise
-    (and with LORAPLEX_WIDEN_START=0). An error is logged, never raised: the step captures its own key."""
-    if not (WIDEN and train and NEXT and graph_thread.ON) or graphs.flight is not None:
+    way on the thread, none or no cover serving it) where the next step would capture its own at its start too
+    (`_next_capture`): this step then captures the next one's key and runs padded on it, and the next step replays
+    it. A job set's first steps capture at their start with the device idle (no replayed step to hide a thread's
+    capture behind): the 200-step task's first two 2-job steps, 823 and 1,704 tokens, captured 1,024 and 1,792 rows
+    at 0.33-0.43 s each (bench/results/session68_h200.md). Only within WIDEN_RATIO of this key's tokens, in its
+    class (slots, rank tile, longest sequence, alignment, recompute), with sequence slots for this step's padding;
+    None otherwise (and with LORAPLEX_WIDEN_START=0). An error is logged, never raised: the step captures its own."""
+    if not (WIDEN and train and NEXT and graph_thread.ON) or graphs.flight is not None \
+            or not graphs._captures(key, graphs.max_capture_tokens) or not _set_runs_on(graphs, states):
         return None
-    lasts = graphs.set_lasts() if graphs.set_lasts is not None else None
-    if (lasts is not None and lasts < 2) or any(s.total_steps - s.step < 2 for s in states) \
-            or not graphs._captures(key, graphs.max_capture_tokens):
-        return None
-    eng = graphs.engine
     try:
-        per_job = [[eng.train_examples[i] for i in _peek(s.stream).next_indices(s.spec.batch_size)] for s in states]
-        step = _step_key(graphs, states, eng.slots.layout_offsets(states), per_job, eng.cap_for(True))
+        step = _next_capture(graphs, states)
     except Exception as err:  # noqa: BLE001 - an optimisation: the step captures its own key
         log.warning("the next step's key was not found: %s", str(err)[:200])
         return None
     if step is None:
         return None
-    nxt, nxt_real, nxt_seqs = step
-    if replace(nxt, tokens=key.tokens, seq_slots=key.seq_slots) != key or not key.tokens < nxt.tokens <= WIDEN_RATIO * key.tokens:
-        return None
-    known = graphs.entries.get(nxt)
-    if (known is not None and known.graph is not None) or graphs._cover_for(nxt, nxt_real, nxt_seqs, ahead=1) is not None \
-            or not graphs._captures(nxt, graphs.max_capture_tokens, ahead=1) or nxt.seq_slots < n_seqs + -(-(nxt.tokens - real) // key.max_len):
+    nxt = step[0]
+    pieces = -(-(nxt.tokens - real) // key.max_len)  # this step's padding tail as sequences
+    if replace(nxt, tokens=key.tokens, seq_slots=key.seq_slots) != key \
+            or not key.tokens < nxt.tokens <= WIDEN_RATIO * key.tokens or nxt.seq_slots < n_seqs + pieces:
         return None
     graphs.ahead["widened"] += 1
     return nxt
@@ -158,16 +171,13 @@ def widen(graphs: Any, states: Sequence[Any], key: GraphKey, real: int, n_seqs: 
 def capture_next(graphs: Any, states: Sequence[Any]) -> int:  # noqa: ANN401
     """The next step's key captured during this step (unless LORAPLEX_CAPTURE_NEXT=0; the engine calls it once the
     step's forward and backward are queued, before its sync), where that step would capture it at its start:
-    the same job set next (`set_lasts` and every job's steps left), its class warm, no capture or cover serving
-    it (`StepGraphs._cover_for`, `_captures`, `_transient` and `_near_end` as the next step reads them). A
+    the same job set next (`_set_runs_on`) and `_next_capture`. A
     capture's host pass (~0.25 s at 32 layers of the 8B shape) then runs while the device runs this step, not
     after it with the device idle; its kernels' first module loads wait for this step's queued work at most.
     Only after a replayed step (`last_replayed`): its memory is not observed (memory_plan.step_end), so the
     capture's allocations reach no step's peak. A key of unknown need (recompute on, on CUDA) is left to its
     step. Counted in `graphs.ahead` as next_*; returns 0 or 1; an error is logged, never raised."""
-    lasts = graphs.set_lasts() if graphs.set_lasts is not None else None
-    if (not graphs.last_replayed or (lasts is not None and lasts < 2) or not graphs.serves(states)
-            or any(s.total_steps - s.step < 2 for s in states)):
+    if not graphs.last_replayed or not _set_runs_on(graphs, states) or not graphs.serves(states):
         return 0
     if graph_thread.ON:  # a key of the next steps (not only the next one's) captured on a thread
         try:
@@ -175,15 +185,9 @@ def capture_next(graphs: Any, states: Sequence[Any]) -> int:  # noqa: ANN401
         except Exception as err:  # noqa: BLE001 - an optimisation: the steps go on, each capturing its own key
             log.warning("a capture on a thread was not begun: %s", str(err)[:200])
             return 0
-    eng = graphs.engine
     try:
-        per_job = [[eng.train_examples[i] for i in _peek(s.stream).next_indices(s.spec.batch_size)] for s in states]
-        step = _step_key(graphs, states, eng.slots.layout_offsets(states), per_job, eng.cap_for(True))
-        # as the next step reads them: covered (near the end too), or eager (a short-lived set), it is not captured
-        if step is None or graphs._cover_for(*step, ahead=1) is not None \
-                or not graphs._captures(step[0], graphs.max_capture_tokens, ahead=1):
-            return 0
-        return capture_ahead(graphs, Counter({step[0]: 1}), busy=lambda: True, prefix="next_")
+        step = _next_capture(graphs, states)
+        return 0 if step is None else capture_ahead(graphs, Counter({step[0]: 1}), busy=lambda: True, prefix="next_")
     except Exception as err:  # noqa: BLE001 - an optimisation: the step goes on, and its next captures as before
         log.warning("the next step's capture failed: %s", str(err)[:200])
         return 0

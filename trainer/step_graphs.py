@@ -187,7 +187,8 @@ class StepGraphs:
         eng.grow_cap(train, key.max_len)  # the longest sequence so far (of the steps, or of the evaluations)
         if train and eng.recompute_for is not None:
             key = self._recompute_key(key, cpu.real_tokens, n_seqs)
-        cover = self._cover_for(key, cpu.real_tokens, n_seqs) or graph_ahead.widen(self, states, key, cpu.real_tokens, n_seqs, train)
+        cover = self._cover_for(key, cpu.real_tokens, n_seqs) \
+            or graph_ahead.widen(self, states, key, cpu.real_tokens, n_seqs, train)
         if cover is not None:  # replay a larger capture (or capture the next step's key: widen) rather than capture this key
             self.cover_uses[key] += 1
             key = cover
