@@ -6,8 +6,10 @@ CUDA-graph medians (`do_bench_cudagraph`) of:
 - "cuBLAS": `a @ b` over the key's rows (what a graph replays; no LoRA term);
 - "auto" and "persist": the product's fused GEMM + LoRA (`kernels.fused_lora._gemm_launch`; two adapters, ranks
   16 and 64 in a 1:4 row split of the live rows, as `bench/gemm_tail.py` laid them out);
-- each `ws_gemm.VARIANTS` entry: the base GEMM alone over the live rows (no LoRA term yet).
-Each Gluon output's live rows are checked against a float64 reference in the same run (relative Frobenius error);
+- each `ws_gemm.VARIANTS` entry: the base GEMM alone over the live rows, and with --lora "+lora": with the same
+  LoRA term as the product's forms (its epilogue, rank blocks of --block-r).
+Each Gluon output's live rows are checked against a float64 reference in the same run (relative Frobenius error; the
+row tiles past the live rows must hold zeros, from an output filled with NaN);
 the product forms are checked against the reference with their LoRA term. TFLOP/s counts the live rows' FLOPs.
 
     python3 bench/ws_gemm_bench.py [--layouts 1536:1450,2048:1800] [--variants coop,pingpong] [--json FILE]
@@ -41,7 +43,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).norm() / want.norm()).item()
 
 
-def run(layouts: list[tuple[int, int]], variants: list[str], layers: int, product: bool) -> dict:
+def run(layouts: list[tuple[int, int]], variants: list[str], layers: int, product: bool, lora: bool,
+        block_r: int) -> dict:
     import lora_op_paths as paths
     from lora_op_stages import ENGINE_SHAPES, arena_inputs
 
@@ -80,15 +83,25 @@ def run(layouts: list[tuple[int, int]], variants: list[str], layers: int, produc
                                        fl._gemm_launch(si.c, a, b_kn, None, p, ai.arena, strides, woff, ai.mode,
                                                        a.dtype, gemm=form), want)
                 for v in variants:
-                    out = torch.empty(a.shape[0], nc, dtype=a.dtype, device="cuda")
+                    out = torch.full((a.shape[0], nc), float("nan"), dtype=a.dtype, device="cuda")
                     forms[v] = (lambda v=v, a=a, b=b, b_nk=b_nk, out=out, m_live=m_live:
                                 ws_gemm.ws_gemm(a, b, out, b_nk, m_live, variant=v), base)
+                    if lora and product:
+                        term = (p, ai.arena, woff, si.case.offsets, si.case.ranks, si.case.scales, 64, block_r)
+                        out2 = torch.full((a.shape[0], nc), float("nan"), dtype=a.dtype, device="cuda")
+                        forms[v + "+lora"] = (lambda v=v, a=a, b=b, b_nk=b_nk, out=out2, term=term, m_live=m_live:
+                                              ws_gemm.ws_gemm(a, b, out, b_nk, m_live, variant=v, lora=term), want)
                 line = []
                 for name, (fn, ref) in forms.items():
                     err = None
                     try:
                         if ref is not None:
-                            err = _rel(fn()[:live], ref)
+                            got = fn()
+                            err = _rel(got[:live], ref)
+                            if name in variants or name.endswith("+lora"):  # row tiles past the live ones: zeros
+                                bm = ws_gemm.VARIANTS[name.split("+")[0]][0]
+                                tail = got[-(-live // bm) * bm:]
+                                err = max(err, float(tail.abs().max().nan_to_num(1.0)) if tail.numel() else 0.0)
                             worst = max(worst, err)
                         ms = _time_ms(fn)
                     except Exception as e:  # a variant that fails to compile or run is reported, not fatal
@@ -111,11 +124,13 @@ def main() -> None:
     ap.add_argument("--variants", default="coop,pingpong,pingpong_n256")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--no-product", action="store_true", help="skip the product's fused forms")
+    ap.add_argument("--lora", action="store_true", help="each variant also with the LoRA term (+lora)")
+    ap.add_argument("--block-r", type=int, default=32, help="the Gluon epilogue's rank block")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     layouts = [tuple(int(v) for v in x.split(":")) for x in args.layouts.split(",")]
     t0 = time.time()
-    res = run(layouts, args.variants.split(","), args.layers, not args.no_product)
+    res = run(layouts, args.variants.split(","), args.layers, not args.no_product, args.lora, args.block_r)
     res.update(device=torch.cuda.get_device_name(), torch=torch.__version__, seconds=time.time() - t0,
                args=vars(args))
     import triton

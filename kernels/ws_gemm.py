@@ -38,11 +38,12 @@ VARIANTS = {
     "coop": (128, 256, 64, 3, 8, 1),
     "pingpong": (128, 128, 64, 4, 4, 2),
     "pingpong_n256": (64, 256, 64, 4, 4, 2),
+    "pingpong_s5": (128, 128, 64, 5, 4, 2),
 }
 
 
 @gluon.jit
-def _tile_mn(tile, num_m, num_n, GROUP_M: gl.constexpr):
+def _tile_mn(tile, num_m, num_n, GROUP_M):
     """Grouped order: GROUP_M row tiles in a row share their B tiles through L2."""
     per_group = GROUP_M * num_n
     first_m = (tile // per_group) * GROUP_M
@@ -51,24 +52,28 @@ def _tile_mn(tile, num_m, num_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _walk(m_live_ptr, NC, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-    m_live = gl.load(m_live_ptr)
+def _walk(walk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """(row tiles, column tiles, live tiles, K steps, row tiles in all) of the walk over the live rows."""
+    m_live_ptr, M, NC, K, NUM_SMS, GROUP_M, CONSUMERS = walk
+    m_live = gl.minimum(gl.load(m_live_ptr).to(gl.int32), M)
     num_m = gl.cdiv(m_live, BLOCK_M)
     num_n = gl.cdiv(NC, BLOCK_N)
-    return num_m, num_n, num_m * num_n, gl.cdiv(K, BLOCK_K)
+    return num_m, num_n, num_m * num_n, gl.cdiv(K, BLOCK_K), gl.cdiv(M, BLOCK_M)
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, m_live_ptr, NC, K,
-              NUM_SMS, B_NK_ARG, GROUP_M, CONSUMERS):
+def _producer(descs, ring, walk, lora, spec):
     """One warp: every tile's K steps in the program's walk order, each into the next ring stage once
     its consumer released it."""
+    a_desc, b_desc, c_desc = descs
+    a_bufs, b_bufs, c_bufs, ready, empty, turn = ring
+    m_live_ptr, M, NC, K, NUM_SMS, GROUP_M, CONSUMERS = walk
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = c_bufs.type.shape[2]
     B_NK: gl.constexpr = b_bufs.type.shape[2] == BLOCK_K  # constexprs do not cross warp_specialize's arguments
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    num_m, num_n, tiles, k_steps = _walk(m_live_ptr, NC, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    num_m, num_n, tiles, k_steps, all_m = _walk(walk, BLOCK_M, BLOCK_N, BLOCK_K)
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     c = 0
     for tile in range(gl.program_id(0), tiles, NUM_SMS):
@@ -88,20 +93,59 @@ def _producer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn
 
 
 @gluon.jit
-def _consume(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, m_live_ptr, NC, K,
-             NUM_SMS, B_NK_ARG, GROUP_M, CONSUMERS, WHICH: gl.constexpr):
+def _lora_term(acc, m0, n0, w_tile, lora, BLOCK_R: gl.constexpr):
+    """acc + s_i P[rows_i, :r_i] @ W_i[:, cols] for every adapter i whose rows meet the tile (its rank blocks
+    of BLOCK_R): P (fp32) from registers as the wgmma's A operand, W_i's block stored into `w_tile` (shared
+    memory the tile's store does not hold now) as its B operand. The P rows of other adapters and the
+    columns past r_i load as zeros."""
+    p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr, bias_ptr, N, R_MAX, stride_pm, stride_wr = lora
+    BLOCK_M: gl.constexpr = acc.type.shape[0]
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    rm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, p_layout))
+    rr = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, p_layout))
+    wr = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, w_layout))
+    wn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, w_layout))
+    for i in range(N):
+        lo = gl.load(off_ptr + i).to(gl.int32)
+        hi = gl.load(off_ptr + i + 1).to(gl.int32)
+        rank = gl.minimum(gl.load(rank_ptr + i).to(gl.int32), R_MAX)
+        if (hi > m0) & (lo < m0 + BLOCK_M) & (rank > 0):
+            sc = gl.load(scale_ptr + i).to(gl.float32)
+            wo = gl.load(woff_ptr + i).to(gl.int64)
+            rows = (rm >= lo) & (rm < hi)
+            for r0 in range(0, rank, BLOCK_R):
+                pt = gl.load(p_ptr + rm.to(gl.int64)[:, None] * stride_pm + (r0 + rr)[None, :],
+                             mask=rows[:, None] & ((r0 + rr) < rank)[None, :], other=0.0)
+                wt = gl.load(w_ptr + wo + (r0 + wr).to(gl.int64)[:, None] * stride_wr + wn[None, :],
+                             mask=((r0 + wr) < rank)[:, None], other=0.0)
+                w_tile.store(wt)
+                fence_async_shared()
+                acc = warpgroup_mma((pt * sc).to(w_ptr.dtype.element_ty), w_tile, acc)
+    return acc
+
+
+@gluon.jit
+def _consume(descs, ring, walk, lora, spec, WHICH: gl.constexpr):
     """The tiles WHICH, WHICH + CONSUMERS, ... of the program's walk: the main loop on the ring (one
     wgmma in flight; a stage is released once the wgmma after it has been issued and the one reading
-    it retired), then the tile through shared memory to a TMA store left in flight."""
+    it retired), the LoRA term and bias, then the tile through shared memory to a TMA store left in
+    flight. Then the row tiles past the live rows, stored as zeros."""
+    a_desc, b_desc, c_desc = descs
+    a_bufs, b_bufs, c_bufs, ready, empty, turn = ring
+    m_live_ptr, M, NC, K, NUM_SMS, GROUP_M, CONSUMERS = walk
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = c_bufs.type.shape[2]
     B_NK: gl.constexpr = b_bufs.type.shape[2] == BLOCK_K  # constexprs do not cross warp_specialize's arguments
     STAGES: gl.constexpr = a_bufs.type.shape[0]
+    HAS_BIAS: gl.constexpr = spec.type.shape[0] == 2
+    BLOCK_R: gl.constexpr = spec.type.shape[1]  # 1: no LoRA term
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     c_buf = c_bufs.index(WHICH)
-    num_m, num_n, tiles, k_steps = _walk(m_live_ptr, NC, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    num_m, num_n, tiles, k_steps, all_m = _walk(walk, BLOCK_M, BLOCK_N, BLOCK_K)
     local = WHICH
     mine = 0
     for tile in range(gl.program_id(0) + WHICH * NUM_SMS, tiles, NUM_SMS * CONSUMERS):
@@ -126,35 +170,48 @@ def _consume(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn,
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
         tma.store_wait(0)  # the last tile's store has left c_buf
+        if BLOCK_R > 1:
+            acc = _lora_term(acc, pm * BLOCK_M, pn * BLOCK_N, c_buf.slice(0, BLOCK_R, dim=0), lora, BLOCK_R)
+        if HAS_BIAS:
+            bias_ptr = lora[6]
+            cols = pn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            acc = acc + gl.load(bias_ptr + cols, mask=cols < NC, other=0.0).to(gl.float32)[None, :]
         c_buf.store(acc.to(c_desc.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(c_desc, [pm * BLOCK_M, pn * BLOCK_N], c_buf)
         local += CONSUMERS
         mine += 1
+    dead = (all_m - num_m) * num_n
+    first = gl.program_id(0) + WHICH * NUM_SMS
+    if first < dead:  # padding no adapter owns: zeros (what the persistent kernel stores there)
+        tma.store_wait(0)
+        c_buf.store(gl.zeros([BLOCK_M, BLOCK_N], c_desc.dtype, acc_layout))
+        fence_async_shared()
+        for pad in range(first, dead, NUM_SMS * CONSUMERS):
+            tma.async_copy_shared_to_global(c_desc, [(num_m + pad // num_n) * BLOCK_M, (pad % num_n) * BLOCK_N],
+                                            c_buf)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _consume_first(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, m_live_ptr, NC, K, NUM_SMS,
-                   B_NK, GROUP_M, CONSUMERS):
+def _consume_first(descs, ring, walk, lora, spec):
     """The first consumer: the default partition (the kernel's num_warps)."""
-    _consume(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, m_live_ptr, NC, K, NUM_SMS, B_NK,
-             GROUP_M, CONSUMERS, 0)
+    _consume(descs, ring, walk, lora, spec, 0)
 
 
 @gluon.jit
-def _consume_other(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, m_live_ptr, NC, K, NUM_SMS,
-                   B_NK, GROUP_M, CONSUMERS):
+def _consume_other(descs, ring, walk, lora, spec):
     """The second consumer (a worker partition: one warpgroup)."""
-    _consume(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, m_live_ptr, NC, K, NUM_SMS, B_NK,
-             GROUP_M, CONSUMERS, 1)
+    _consume(descs, ring, walk, lora, spec, 1)
 
 
 @gluon.jit
-def _ws_gemm_jit(a_ptr, b_ptr, c_ptr, m_live_ptr, M, NC, K, stride_am, stride_b, stride_cm,
-                 B_NK: gl.constexpr, NUM_SMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr,
-                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+def _ws_gemm_jit(a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr, m_live_ptr,
+                 M, NC, K, N, R_MAX, stride_am, stride_b, stride_cm, stride_pm, stride_wr,
+                 B_NK: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_R: gl.constexpr, NUM_SMS: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                 GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                 CONSUMER_REGS: gl.constexpr):
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
     if B_NK:
@@ -173,14 +230,20 @@ def _ws_gemm_jit(a_ptr, b_ptr, c_ptr, m_live_ptr, M, NC, K, stride_am, stride_b,
     c_bufs = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [CONSUMERS, BLOCK_M, BLOCK_N], c_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # the partitions' constants, carried by a shape (constexprs do not cross warp_specialize's arguments)
+    spec = gl.allocate_shared_memory(gl.int8, [1 + HAS_BIAS, BLOCK_R],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
-    args = (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, m_live_ptr, NC, K, NUM_SMS, B_NK,
-            GROUP_M, CONSUMERS)
+    descs = (a_desc, b_desc, c_desc)
+    ring = (a_bufs, b_bufs, c_bufs, ready, empty, turn)
+    walk = (m_live_ptr, M, NC, K, NUM_SMS, GROUP_M, CONSUMERS)
+    lora = (p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr, bias_ptr, N, R_MAX, stride_pm, stride_wr)
+    args = (descs, ring, walk, lora, spec)
     if CONSUMERS == 1:
         gl.warp_specialize([(_consume_first, args), (_producer, args)], [1], [PRODUCER_REGS])
     else:
@@ -193,19 +256,31 @@ def _num_sms(device: torch.device) -> int:
 
 
 def ws_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_nk: bool, m_live: torch.Tensor,
-            variant: str = "coop", group_m: int = 8, num_sms: int | None = None) -> torch.Tensor:
-    """out[:m_live] = a[:m_live] @ (b.T if b_nk else b); a [M, K], b [NC, K] or [K, NC], unit last strides,
-    16-byte aligned rows; m_live a one-element int32 device tensor."""
+            variant: str = "coop", bias: torch.Tensor | None = None, lora: tuple | None = None,
+            group_m: int = 8, num_sms: int | None = None) -> torch.Tensor:
+    """out[:m_live] = a[:m_live] @ (b.T if b_nk else b) (+ bias) (+ the LoRA term), the rows past m_live's row
+    tiles zero; a [M, K], b [NC, K] or [K, NC], unit last strides, 16-byte aligned rows; m_live a one-element
+    integer device tensor. lora = (p [M, >= r_max] fp32, w arena, woff [N], offsets [N + 1], ranks [N], scales [N],
+    r_max, block_r): adapter i adds scales[i] p[offsets[i]:offsets[i+1], :r_i] @ W_i, W_i the [r_i, NC] rows of the
+    arena at woff[i]."""
     bm, bn, bk, stages, warps, consumers = VARIANTS[variant]
     m, k = a.shape
     nc = b.shape[0] if b_nk else b.shape[1]
     sms = num_sms or _num_sms(a.device)
     grid = (min(sms, triton.cdiv(m, bm) * triton.cdiv(nc, bn)),)
+    if lora is None:
+        p = w = woff = offsets = ranks = scales = out
+        n = r_max = stride_pm = 0
+        block_r = 1
+    else:
+        p, w, woff, offsets, ranks, scales, r_max, block_r = lora
+        n, stride_pm = ranks.numel(), p.stride(0)
     from kernels.fused_lora import _scratch
 
     triton.set_allocator(_scratch)  # the descriptors' global scratch (a context variable: set in the launching thread)
-    _ws_gemm_jit[grid](a, b, out, m_live, m, nc, k, a.stride(0), b.stride(0), out.stride(0),
-                       B_NK=b_nk, NUM_SMS=grid[0], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages,
-                       GROUP_M=group_m, CONSUMERS=consumers, PRODUCER_REGS=40, CONSUMER_REGS=232,
-                       num_warps=warps, maxnreg=168)
+    _ws_gemm_jit[grid](a, b, out, bias if bias is not None else out, p, w, woff, offsets, ranks, scales, m_live,
+                       m, nc, k, n, r_max, a.stride(0), b.stride(0), out.stride(0), stride_pm, nc,
+                       B_NK=b_nk, HAS_BIAS=bias is not None, BLOCK_R=block_r, NUM_SMS=grid[0], BLOCK_M=bm,
+                       BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, GROUP_M=group_m, CONSUMERS=consumers,
+                       PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=warps, maxnreg=168)
     return out
