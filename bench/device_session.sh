@@ -3339,9 +3339,22 @@ with c.set_checkpoint_debug_enabled(True):
     rm -rf /tmp/s69b
     step 150 gpu_tests_ws python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ws_gemm_gpu.py
     step 330 ws_lora python3 bench/ws_gemm_bench.py --variants pingpong,pingpong_s5,pingpong_n256,coop --lora \
-      --layouts 1024:960,1536:1450,2560:2400 --json "$OUT/ws_gemm_lora.json"
+      --layouts 1024:960,1536:1450,2048:1800,2560:2400 --json "$OUT/ws_gemm_lora.json"
     pack_logs
     rm -f "$OUT"/gpu.txt
     ;;
-  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d|s38_a|s38_b|s38_c|s38_d|s39_a|s39_b|s39_c|s39_d|s39_e|s40_a|s40_b|s40_c|s40_d|s41_a|s41_b|s41_c|s41_d|s42_a|s42_b|s42_c|s42_d|s43_a|s43_b|s43_c|s43_d|s44_a|s44_b|s44_c|s44_d|s44_e|s44_f|s45_a|s45_b|s45_c|s45_d|s45_e|s46_a|pad_free|pad_free_tasks|s47_a|s47_b|s47_c|s48_a|s48_c|s48_cublas|s48_replay|s48_store|s48_auto|s48_seed|s49_a|s49_b|s49_c|s49_d|s50_a|s50_b|s50_c|s50_d|s51_a|s51_b|s51_c|s51_d|s51_e|s51_f|s52_a|s52_b|s52_c|s52_d|s52_e|s52_f|s52_g|s52_h|s53_a|s53_d|s53_e|s53_f|s54_a|s54_b|s54_c|s54_d|s54_e|s54_f|s54_g|s55_a|s55_b|s55_c|s55_d|s55_e|s55_f|s56_a|s56_b|s56_c|s56_d|s56_e|s57_a|s57_b|s57_c|s57_d|s57_e|s58_a|s58_b|s58_c|s58_d|s58_e|s59_a|s59_b|s59_c|s59_d|s59_e|s59_f|s59_g|s59_h|s60_a|s60_b|s60_c|s60_d|s60_e|s61_a|s61_c|s61_d|s61_e|s61_f|s62_a|s62_b|s62_c|s62_d|s63_a|s63_b|s64_a|s64_b|s64_c|s64_d|s64_e|s65_a|s65_b|s65_c|s66_a|s66_b|s66_c|s67_a|s67_b|s67_c|s68_a|s68_b|s68_c|s69_a|s69_b" >&2; exit 2 ;;
+  s69_c)  # session 69's third call: the 200-step task with the GEMMs of 2,048 columns or more on the Gluon GEMM
+          # (LORAPLEX_WS_GEMM=$WS_VARIANT, default pingpong) against today's forms, alternating; ws_1 compiles the Gluon
+          # kernels (not in the shipped cache): compare the later runs
+    export TRITON_CACHE_DIR=/tmp/s69c/triton
+    rm -rf /tmp/s69c
+    V=${WS_VARIANT:-pingpong}
+    task200_runs 585 60 base_1 "LORAPLEX_WS_GEMM=0" ws_1 "LORAPLEX_WS_GEMM=$V" base_2 "LORAPLEX_WS_GEMM=0" \
+      ws_2 "LORAPLEX_WS_GEMM=$V" base_3 "LORAPLEX_WS_GEMM=0" ws_3 "LORAPLEX_WS_GEMM=$V" base_4 "LORAPLEX_WS_GEMM=0" \
+      ws_4 "LORAPLEX_WS_GEMM=$V"
+    (cd "$OUT" && tar -czf tasks.tar.gz executor_task200_*.json && rm -f executor_task*.json executor_task*.md)
+    pack_logs
+    rm -f "$OUT"/gpu.txt
+    ;;
+  *) echo "usage: $0 pace|pace_task|kernels|e2e|more|next|next2|variants|tests|hostprof|final|profile|tiles|tiles2|split|final2|compose|meta|pf|ncu|aligned|gpufinal|tables|verify|gputests|s21_a|s21_b|s21_search|s22_a|s22_b|s22_c|s22_d|s22_e|s22_f|s23_a|s23_b|s23_c|s23_d|s23_e|s23_f|s23_g|s24_a|s24_b|s24_c|s24_d|s24_e|s24_f|s24_g|s24_h|s25_a|s25_b|s25_c|s25_d|s25_e|s26_a|s26_b|s26_c|s26_d|s26_e|s26_f|s26_g|s27_a|s27_b|s27_c|s27_d|s27_e|s27_f|s28_a|s28_b|s28_c|s28_d|s28_imports|s28_e|s28_f|s29_a|s29_b|s29_c|s29_d|s30_a|s30_b|s30_c|s30_d|s30_e|s31_a|s31_b|s31_c|s31_d|s31_e|s31_f|s31_g|s32_b|s32_c|s32_d|s33_a|s33_b|s33_c|s33_d|s33_e|s33_f|s33_g|s33_h|s33_i|s34_a|s34_b|s34_c|s34_d|s34_e|s34_f|s34_g|s34_h|s35_a|s35_b|s35_c|s35_d|s35_e|s35_f|s35_g|s36_a|s36_b|s36_c|s36_d|s36_e|s36_f|s37_a|s37_b|s37_c|s37_d|s38_a|s38_b|s38_c|s38_d|s39_a|s39_b|s39_c|s39_d|s39_e|s40_a|s40_b|s40_c|s40_d|s41_a|s41_b|s41_c|s41_d|s42_a|s42_b|s42_c|s42_d|s43_a|s43_b|s43_c|s43_d|s44_a|s44_b|s44_c|s44_d|s44_e|s44_f|s45_a|s45_b|s45_c|s45_d|s45_e|s46_a|pad_free|pad_free_tasks|s47_a|s47_b|s47_c|s48_a|s48_c|s48_cublas|s48_replay|s48_store|s48_auto|s48_seed|s49_a|s49_b|s49_c|s49_d|s50_a|s50_b|s50_c|s50_d|s51_a|s51_b|s51_c|s51_d|s51_e|s51_f|s52_a|s52_b|s52_c|s52_d|s52_e|s52_f|s52_g|s52_h|s53_a|s53_d|s53_e|s53_f|s54_a|s54_b|s54_c|s54_d|s54_e|s54_f|s54_g|s55_a|s55_b|s55_c|s55_d|s55_e|s55_f|s56_a|s56_b|s56_c|s56_d|s56_e|s57_a|s57_b|s57_c|s57_d|s57_e|s58_a|s58_b|s58_c|s58_d|s58_e|s59_a|s59_b|s59_c|s59_d|s59_e|s59_f|s59_g|s59_h|s60_a|s60_b|s60_c|s60_d|s60_e|s61_a|s61_c|s61_d|s61_e|s61_f|s62_a|s62_b|s62_c|s62_d|s63_a|s63_b|s64_a|s64_b|s64_c|s64_d|s64_e|s65_a|s65_b|s65_c|s66_a|s66_b|s66_c|s67_a|s67_b|s67_c|s68_a|s68_b|s68_c|s69_a|s69_b|s69_c" >&2; exit 2 ;;
 esac

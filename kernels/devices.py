@@ -1,5 +1,5 @@
-"""What the kernels ask of a CUDA device: its index and whether it is Hopper or newer (cached per
-device: the answer never changes within a process)."""
+"""What the kernels ask of a CUDA device: its index, whether it is Hopper or newer (cached per device: the answer
+never changes within a process), and the global scratch Triton's device-side TMA descriptors take."""
 
 from __future__ import annotations
 
@@ -13,11 +13,21 @@ def cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def hopper_or_newer(device: torch.device) -> bool:
-    """True on a CUDA device of compute capability 9.0 or more (TMA, the persistent fused GEMMs)."""
+def capability(device: torch.device) -> tuple[int, int]:
+    """A device's compute capability ((0, 0) off CUDA)."""
     if device.type != "cuda":
-        return False
+        return (0, 0)
     idx = cuda_index(device)
     if idx not in _capabilities:
         _capabilities[idx] = torch.cuda.get_device_capability(idx)
-    return _capabilities[idx] >= (9, 0)
+    return _capabilities[idx]
+
+
+def hopper_or_newer(device: torch.device) -> bool:
+    """True on a CUDA device of compute capability 9.0 or more (TMA, the persistent fused GEMMs)."""
+    return capability(device) >= (9, 0)
+
+
+def tma_scratch(size: int, align: int, stream: object) -> torch.Tensor:
+    """Triton's allocator for TMA descriptors' global scratch (on the current CUDA device)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")

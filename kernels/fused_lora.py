@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.devices import cuda_index, hopper_or_newer
+from kernels.devices import cuda_index, hopper_or_newer, tma_scratch
 from kernels.triton_lora import (
     _acc_torch,
     _adapter_base,
@@ -739,11 +739,6 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
-def _scratch(size: int, align: int, stream: object) -> torch.Tensor:
-    """Triton's allocator for TMA descriptors' global scratch (on the current CUDA device)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def _tma_ok(a: torch.Tensor, b_kn: torch.Tensor) -> bool:
     """TMA wants 16-byte aligned bases and row strides, unit stride along the loaded rows."""
     es = a.element_size()
@@ -751,6 +746,28 @@ def _tma_ok(a: torch.Tensor, b_kn: torch.Tensor) -> bool:
     b_row = b_kn.stride(1) if b_nk else b_kn.stride(0)
     return (a.stride(1) == 1 and (b_kn.stride(1) == 1 or b_nk) and a.data_ptr() % 16 == 0
             and b_kn.data_ptr() % 16 == 0 and (a.stride(0) * es) % 16 == 0 and (b_row * es) % 16 == 0)
+
+
+# The warp-specialised Gluon GEMM (kernels/ws_gemm.py) for the GEMMs it serves (`_ws_takes`): $LORAPLEX_WS_GEMM names
+# its variant ("0", the default: none); outputs narrower than WS_MIN_WIDTH keep "auto"'s forms (its 128-wide tiles
+# leave a 1,024-wide output's last round short: bench/results/session69_h200.md)
+WS_GEMM = os.environ.get("LORAPLEX_WS_GEMM", "0")
+WS_MIN_WIDTH = int(os.environ.get("LORAPLEX_WS_MIN_WIDTH", "2048"))
+
+
+def _ws_takes(c: _Ctx, a, b_kn, p, arena: int, out_dtype) -> str | None:  # noqa: ANN001
+    """The Gluon GEMM's variant for this call, or None: bf16/fp16 on an sm_90 device, the engine's arena (16-element
+    offsets or not), adapters present, an fp32 LoRA operand, TMA-loadable operands, an output at least
+    WS_MIN_WIDTH wide."""
+    if WS_GEMM in ("", "0") or _INTERPRET or a.device.type != "cuda" or not arena or c.n == 0:
+        return None
+    if a.dtype not in (torch.bfloat16, torch.float16) or out_dtype != a.dtype or p.dtype != torch.float32:
+        return None
+    if b_kn.shape[1] < WS_MIN_WIDTH or not _tma_ok(a, b_kn):
+        return None
+    from kernels.ws_gemm import serves
+
+    return WS_GEMM if serves(a.device) else None
 
 
 def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_dtype,  # noqa: ANN001
@@ -767,6 +784,14 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
     meta = dict(c.epilogue(bias, arena, prefetch), **_gemm_rank_tile(c.r_max))
     bias_arg = bias if bias is not None else out
 
+    if gemm is None and (ws := _ws_takes(c, a, b_kn, p, arena, out_dtype)) is not None:
+        from kernels.ws_gemm import ws_gemm
+
+        b_nk = b_kn.stride(0) == 1
+        lora = (p, w, woff, c.offsets, c.ranks, c.scales, c.r_max, 16 if c.r_max <= 16 else 32)
+        return ws_gemm(a, b_kn.t() if b_nk else b_kn, out, b_nk, c.offsets[c.n:c.n + 1], variant=ws,
+                       bias=bias, lora=lora)
+
     def cublas() -> torch.Tensor:  # the LoRA term (+ bias) stored by the pointer kernel's epilogue, cuBLAS over it
         store_launch(c, a, b_kn, out, bias, p, w, w_strides, woff, arena)
         return out.addmm_(a, b_kn)
@@ -777,7 +802,7 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
         # device-side descriptors need a little global scratch per program. Triton keeps its
         # allocator in a context variable, which the autograd engine's thread (the backward) does
         # not inherit: set it at every launch, in whichever thread launches
-        triton.set_allocator(_scratch)
+        triton.set_allocator(tma_scratch)
         sms = _num_sms(a.device)
         kernel, kgrid = _gemm_lora_tma, grid
         if base in ("persist", "auto"):

@@ -33,6 +33,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from kernels.devices import capability, cuda_index, tma_scratch
+
+_SMS: dict[int, int] = {}
+
 VARIANTS = {
     # name: (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, consumer warps, consumers)
     "coop": (128, 256, 64, 3, 8, 1),
@@ -93,7 +97,7 @@ def _producer(descs, ring, walk, lora, spec):
 
 
 @gluon.jit
-def _lora_term(acc, m0, n0, w_tile, lora, BLOCK_R: gl.constexpr):
+def _lora_term(acc, m0, n0, NC, w_tile, lora, BLOCK_R: gl.constexpr):
     """acc + s_i P[rows_i, :r_i] @ W_i[:, cols] for every adapter i whose rows meet the tile (its rank blocks
     of BLOCK_R): P (fp32) from registers as the wgmma's A operand, W_i's block stored into `w_tile` (shared
     memory the tile's store does not hold now) as its B operand. The P rows of other adapters and the
@@ -119,7 +123,7 @@ def _lora_term(acc, m0, n0, w_tile, lora, BLOCK_R: gl.constexpr):
                 pt = gl.load(p_ptr + rm.to(gl.int64)[:, None] * stride_pm + (r0 + rr)[None, :],
                              mask=rows[:, None] & ((r0 + rr) < rank)[None, :], other=0.0)
                 wt = gl.load(w_ptr + wo + (r0 + wr).to(gl.int64)[:, None] * stride_wr + wn[None, :],
-                             mask=((r0 + wr) < rank)[:, None], other=0.0)
+                             mask=((r0 + wr) < rank)[:, None] & (wn < NC)[None, :], other=0.0)
                 w_tile.store(wt)
                 fence_async_shared()
                 acc = warpgroup_mma((pt * sc).to(w_ptr.dtype.element_ty), w_tile, acc)
@@ -171,7 +175,7 @@ def _consume(descs, ring, walk, lora, spec, WHICH: gl.constexpr):
         mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
         tma.store_wait(0)  # the last tile's store has left c_buf
         if BLOCK_R > 1:
-            acc = _lora_term(acc, pm * BLOCK_M, pn * BLOCK_N, c_buf.slice(0, BLOCK_R, dim=0), lora, BLOCK_R)
+            acc = _lora_term(acc, pm * BLOCK_M, pn * BLOCK_N, NC, c_buf.slice(0, BLOCK_R, dim=0), lora, BLOCK_R)
         if HAS_BIAS:
             bias_ptr = lora[6]
             cols = pn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
@@ -251,8 +255,9 @@ def _ws_gemm_jit(a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr,
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def serves(device: torch.device) -> bool:
+    """Whether this kernel runs on `device`: sm_90 (Hopper's wgmma and TMA; Blackwell has neither wgmma)."""
+    return capability(device) == (9, 0)
 
 
 def ws_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_nk: bool, m_live: torch.Tensor,
@@ -266,8 +271,12 @@ def ws_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_nk: bool, m_l
     bm, bn, bk, stages, warps, consumers = VARIANTS[variant]
     m, k = a.shape
     nc = b.shape[0] if b_nk else b.shape[1]
-    sms = num_sms or _num_sms(a.device)
-    grid = (min(sms, triton.cdiv(m, bm) * triton.cdiv(nc, bn)),)
+    if num_sms is None:
+        idx = cuda_index(a.device)
+        if idx not in _SMS:
+            _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        num_sms = _SMS[idx]
+    grid = (num_sms,)  # one program an SM whatever the rows: one compile a shape class
     if lora is None:
         p = w = woff = offsets = ranks = scales = out
         n = r_max = stride_pm = 0
@@ -275,9 +284,7 @@ def ws_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_nk: bool, m_l
     else:
         p, w, woff, offsets, ranks, scales, r_max, block_r = lora
         n, stride_pm = ranks.numel(), p.stride(0)
-    from kernels.fused_lora import _scratch
-
-    triton.set_allocator(_scratch)  # the descriptors' global scratch (a context variable: set in the launching thread)
+    triton.set_allocator(tma_scratch)  # the descriptors' scratch (a context variable: set in the launching thread)
     _ws_gemm_jit[grid](a, b, out, bias if bias is not None else out, p, w, woff, offsets, ranks, scales, m_live,
                        m, nc, k, n, r_max, a.stride(0), b.stride(0), out.stride(0), stride_pm, nc,
                        B_NK=b_nk, HAS_BIAS=bias is not None, BLOCK_R=block_r, NUM_SMS=grid[0], BLOCK_M=bm,

@@ -96,3 +96,25 @@ def test_a_captured_graph_follows_the_live_rows_written_into_its_scalar() -> Non
         live = sum(counts)
         assert _rel(out[:live], _reference(a, b, True, None, lora, live)) < TOL
         assert (out[-(-live // 128) * 128:] == 0).all()
+
+
+@pytest.mark.parametrize("variant", ["pingpong", "coop"])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_the_fused_operator_on_the_gluon_gemm_matches_the_oracle(monkeypatch: pytest.MonkeyPatch, variant: str,
+                                                                 aligned: bool) -> None:
+    """The product's path ($LORAPLEX_WS_GEMM): forward and backward of the arena operator, its GEMMs on this kernel,
+    against the float64 oracle; NaN gaps between the arena's blocks poison any read outside an adapter's block."""
+    from kernels import fused_lora as fl
+    from kernels.testing import make_case, oracle_fp64, rel_errors, run_arena
+
+    monkeypatch.setattr(fl, "WS_GEMM", variant)
+    monkeypatch.setattr(fl, "WS_MIN_WIDTH", 0)
+    calls = []
+    real = ws_gemm.ws_gemm
+    monkeypatch.setattr(ws_gemm, "ws_gemm", lambda *a, **k: calls.append(k["variant"]) or real(*a, **k))
+    case = make_case(counts=[300, 0, 517, 90], ranks=[16, 8, 64, 32], d_in=1024, d_out=776, dtype=torch.bfloat16,
+                     device="cuda", seed=3)
+    got, stray = run_arena(case, fl.multilora_linear_arena_fused, aligned=aligned)
+    errors = rel_errors(got, oracle_fp64(case, device="cuda"))
+    assert stray == 0 and max(errors.values()) < 1.5e-2, errors
+    assert calls and set(calls) == {variant}
