@@ -35,6 +35,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels.devices import capability, cuda_index, tma_scratch
 
+# Triton 3.6 (the GPU image) names the TMA copies async_copy_*; 3.9 (this repo's CPU pin) removed those names for
+# async_load / async_store
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _SMS: dict[int, int] = {}
 
 VARIANTS = {
@@ -88,11 +92,11 @@ def _producer(descs, ring, walk, lora, spec):
             s = c % STAGES
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(a_desc, [m0, ki * BLOCK_K], ready.index(s), a_bufs.index(s))
+            _tma_load(a_desc, [m0, ki * BLOCK_K], ready.index(s), a_bufs.index(s))
             if B_NK:
-                tma.async_copy_global_to_shared(b_desc, [n0, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
+                _tma_load(b_desc, [n0, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
             else:
-                tma.async_copy_global_to_shared(b_desc, [ki * BLOCK_K, n0], ready.index(s), b_bufs.index(s))
+                _tma_load(b_desc, [ki * BLOCK_K, n0], ready.index(s), b_bufs.index(s))
             c += 1
 
 
@@ -182,7 +186,7 @@ def _consume(descs, ring, walk, lora, spec, WHICH: gl.constexpr):
             acc = acc + gl.load(bias_ptr + cols, mask=cols < NC, other=0.0).to(gl.float32)[None, :]
         c_buf.store(acc.to(c_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [pm * BLOCK_M, pn * BLOCK_N], c_buf)
+        _tma_store(c_desc, [pm * BLOCK_M, pn * BLOCK_N], c_buf)
         local += CONSUMERS
         mine += 1
     dead = (all_m - num_m) * num_n
@@ -192,7 +196,7 @@ def _consume(descs, ring, walk, lora, spec, WHICH: gl.constexpr):
         c_buf.store(gl.zeros([BLOCK_M, BLOCK_N], c_desc.dtype, acc_layout))
         fence_async_shared()
         for pad in range(first, dead, NUM_SMS * CONSUMERS):
-            tma.async_copy_shared_to_global(c_desc, [(num_m + pad // num_n) * BLOCK_M, (pad % num_n) * BLOCK_N],
+            _tma_store(c_desc, [(num_m + pad // num_n) * BLOCK_M, (pad % num_n) * BLOCK_N],
                                             c_buf)
     tma.store_wait(0)
 
