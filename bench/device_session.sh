@@ -3343,15 +3343,15 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     rm -f "$OUT"/gpu.txt
     ;;
-  s69_c)  # session 69's third call: the 200-step task with the GEMMs of 2,048 columns or more on the Gluon GEMM
-          # (LORAPLEX_WS_GEMM=$WS_VARIANT, default pingpong) against today's forms, alternating; ws_1 compiles the Gluon
-          # kernels (not in the shipped cache): compare the later runs
+  s69_c)  # session 69's third call: the 200-step task with the 14336-wide GEMMs (LORAPLEX_WS_MIN_WIDTH's default) on the
+          # Gluon GEMM (LORAPLEX_WS_GEMM=$WS_VARIANT, default pingpong) against today's forms, alternating to 480 s;
+          # ws_1 compiles the Gluon kernels (not in the shipped cache): compare the later runs
     export TRITON_CACHE_DIR=/tmp/s69c/triton
     rm -rf /tmp/s69c
     V=${WS_VARIANT:-pingpong}
-    task200_runs 585 60 base_1 "LORAPLEX_WS_GEMM=0" ws_1 "LORAPLEX_WS_GEMM=$V" base_2 "LORAPLEX_WS_GEMM=0" \
+    task200_runs 480 55 base_1 "LORAPLEX_WS_GEMM=0" ws_1 "LORAPLEX_WS_GEMM=$V" base_2 "LORAPLEX_WS_GEMM=0" \
       ws_2 "LORAPLEX_WS_GEMM=$V" base_3 "LORAPLEX_WS_GEMM=0" ws_3 "LORAPLEX_WS_GEMM=$V" base_4 "LORAPLEX_WS_GEMM=0" \
-      ws_4 "LORAPLEX_WS_GEMM=$V"
+      ws_4 "LORAPLEX_WS_GEMM=$V" base_5 "LORAPLEX_WS_GEMM=0" ws_5 "LORAPLEX_WS_GEMM=$V"
     (cd "$OUT" && tar -czf tasks.tar.gz executor_task200_*.json && rm -f executor_task*.json executor_task*.md)
     pack_logs
     rm -f "$OUT"/gpu.txt

@@ -749,10 +749,11 @@ def _tma_ok(a: torch.Tensor, b_kn: torch.Tensor) -> bool:
 
 
 # The warp-specialised Gluon GEMM (kernels/ws_gemm.py) for the GEMMs it serves (`_ws_takes`): $LORAPLEX_WS_GEMM names
-# its variant ("0", the default: none); outputs narrower than WS_MIN_WIDTH keep "auto"'s forms (its 128-wide tiles
-# leave a 1,024-wide output's last round short: bench/results/session69_h200.md)
+# its variant ("0", the default: none). Outputs narrower than WS_MIN_WIDTH keep "auto"'s forms: with the LoRA term, on
+# an H200 at 1,024-2,560 rows, "pingpong" won every 14336-wide GEMM of the 8B shape (gate/up forward, down dX: 14-22
+# us of ~200-490) and lost or tied the 4096- and 1024-wide ones (bench/results/session69_h200.md)
 WS_GEMM = os.environ.get("LORAPLEX_WS_GEMM", "0")
-WS_MIN_WIDTH = int(os.environ.get("LORAPLEX_WS_MIN_WIDTH", "2048"))
+WS_MIN_WIDTH = int(os.environ.get("LORAPLEX_WS_MIN_WIDTH", "8192"))
 
 
 def _ws_takes(c: _Ctx, a, b_kn, p, arena: int, out_dtype) -> str | None:  # noqa: ANN001
