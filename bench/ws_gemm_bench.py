@@ -13,6 +13,7 @@ row tiles past the live rows must hold zeros, from an output filled with NaN);
 the product forms are checked against the reference with their LoRA term. TFLOP/s counts the live rows' FLOPs.
 
     python3 bench/ws_gemm_bench.py [--layouts 1536:1450,2048:1800] [--variants coop,pingpong] [--json FILE]
+    python3 bench/ws_gemm_bench.py --report FILE.json   # its tables again from a run's JSON (no GPU)
 """
 
 from __future__ import annotations
@@ -118,6 +119,20 @@ def run(layouts: list[tuple[int, int]], variants: list[str], layers: int, produc
     return {"rows": rows_out, "step_ms": totals, "worst_err": worst, "ok": worst < TOL}
 
 
+def report(path: str) -> None:
+    """A run's tables from its JSON: the GEMMs summed a step per form, then each GEMM's microseconds per form."""
+    res = json.loads(Path(path).read_text())
+    for layout, step in res["step_ms"].items():
+        print(f"{layout} a step (ms): " + " | ".join(f"{k} {v:.2f}" for k, v in step.items()))
+    cells: dict[tuple, dict] = {}
+    for r in res["rows"]:
+        if "form" in r:
+            cells.setdefault((r["key_rows"], r["live"], r["shape"], r["dir"]), {})[r["form"]] = r["ms"] * 1e3
+    for (key, live, shape, d), forms in cells.items():
+        print(f"{key}:{live} {shape} {d}: " + " | ".join(f"{k} {v:.1f}" for k, v in forms.items()))
+    print(f"worst error {res['worst_err']:.2e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", default="1024:960,1536:1450,2048:1800,2560:2400")
@@ -127,7 +142,11 @@ def main() -> None:
     ap.add_argument("--lora", action="store_true", help="each variant also with the LoRA term (+lora)")
     ap.add_argument("--block-r", type=int, default=32, help="the Gluon epilogue's rank block")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--report", default=None, help="print a run's tables from its JSON and stop")
     args = ap.parse_args()
+    if args.report:
+        report(args.report)
+        return
     layouts = [tuple(int(v) for v in x.split(":")) for x in args.layouts.split(",")]
     t0 = time.time()
     res = run(layouts, args.variants.split(","), args.layers, not args.no_product, args.lora, args.block_r)
