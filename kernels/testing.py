@@ -209,3 +209,24 @@ def run_arena(case: Case, op: Callable[..., torch.Tensor], x_grad: bool = True, 
     stray = int((delta[~touched] != 0).sum())
     out = {"y": y.detach(), "dx": x.grad if x_grad else None, "dA": da, "dB": db}
     return out, stray
+
+
+def cubin_local_bytes(cubin: bytes, bin_dir: str) -> int | None:
+    """The local memory (spills, stack) a compiled kernel uses, by the cuobjdump in `bin_dir` (Triton's NVIDIA
+    binaries), or None where that tool is missing: the sm_90 compile tests' check that nothing spills."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(bin_dir, "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"LOCAL:(\d+)", out)
+    return int(m.group(1)) if m else None

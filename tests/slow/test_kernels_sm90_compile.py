@@ -24,15 +24,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 _WORKER = r"""
-import json, os, re, subprocess, sys, tempfile
+import json, re, sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels.fused_lora as fl
 import kernels.triton_lora as tlr
+from kernels.testing import cubin_local_bytes
 
 target = GPUTarget("cuda", 90, 32)
-cuobjdump = os.path.join(sys.argv[1], "cuobjdump")
 
 
 def _compile(fn, args, consts, warps, stages):
@@ -55,14 +55,7 @@ def _compile(fn, args, consts, warps, stages):
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs), target=target,
                        options={"num_warps": warps, "num_stages": stages})
     ptx = k.asm["ptx"]
-    local = None
-    if os.path.exists(cuobjdump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(k.asm["cubin"])
-        out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        os.unlink(f.name)
-        m = re.search(r"LOCAL:(\d+)", out)
-        local = int(m.group(1)) if m else None
+    local = cubin_local_bytes(k.asm["cubin"], sys.argv[1])
     return {"shared": k.metadata.shared, "wgmma": "wgmma" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
             "local": local, "scalar16": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.[bu]16 ", ptx))}
 

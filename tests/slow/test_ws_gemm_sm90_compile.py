@@ -23,13 +23,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 _WORKER = r"""
-import json, os, re, subprocess, sys, tempfile
+import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import ws_gemm as W
+from kernels.testing import cubin_local_bytes
 
-cuobjdump = os.path.join(sys.argv[1], "cuobjdump")
 PTRS = dict(p_ptr="*fp32", woff_ptr="*i64", off_ptr="*i64", rank_ptr="*i64", scale_ptr="*fp32", m_live_ptr="*i64")
 res = {}
 for variant, (bm, bn, bk, stages, warps, consumers) in W.VARIANTS.items():
@@ -50,14 +50,7 @@ for variant, (bm, bn, bk, stages, warps, consumers) in W.VARIANTS.items():
         k = triton.compile(GluonASTSource(fn=W._ws_gemm_jit, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "maxnreg": 168})
         ptx = k.asm["ptx"]
-        local = None
-        if os.path.exists(cuobjdump):
-            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-                f.write(k.asm["cubin"])
-            out = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-            os.unlink(f.name)
-            m = re.search(r"LOCAL:(\d+)", out)
-            local = int(m.group(1)) if m else None
+        local = cubin_local_bytes(k.asm["cubin"], sys.argv[1])
         res[f"{variant} b_nk={b_nk} r={block_r} bias={bias}"] = dict(
             shared=k.metadata.shared, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
             setmaxnreg=len(re.findall(r"setmaxnreg", ptx)), tma_load="cp.async.bulk.tensor.2d.shared" in ptx,
