@@ -47,7 +47,11 @@ VARIANTS = {
     "pingpong": (128, 128, 64, 4, 4, 2),
     "pingpong_n256": (64, 256, 64, 4, 4, 2),
     "pingpong_s5": (128, 128, 64, 5, 4, 2),
+    "pingpong_pf": (128, 128, 64, 4, 4, 2),
 }
+# variants whose consumers load the tile's first LoRA block (its first adapter's first rank block) before the main
+# loop, so its latency hides there and not in the SM's last epilogue (session 69: not yet run on a device)
+PREFETCHING = frozenset({"pingpong_pf"})
 
 
 @gluon.jit
@@ -101,36 +105,63 @@ def _producer(descs, ring, walk, lora, spec):
 
 
 @gluon.jit
-def _lora_term(acc, m0, n0, NC, w_tile, lora, BLOCK_R: gl.constexpr):
+def _lora_block(i, r0, m0, n0, NC, lora, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr):
+    """Adapter i's rank block r0 of the tile's LoRA term: (s_i P[rows_i, r0:r0+BLOCK_R] as the wgmma's A operand in
+    registers, W_i[r0:r0+BLOCK_R, cols] to be stored for its B operand); the P rows of other adapters and the
+    ranks past r_i load as zeros (an i of no rows in the tile gives zeros)."""
+    p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr, bias_ptr, N, R_MAX, stride_pm, stride_wr = lora
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BLOCK_N, 16])  # the consumers' accumulator
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    rm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, p_layout))
+    rr = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, p_layout))
+    wr = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, w_layout))
+    wn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, w_layout))
+    lo = gl.load(off_ptr + i).to(gl.int32)
+    hi = gl.load(off_ptr + i + 1).to(gl.int32)
+    rank = gl.minimum(gl.load(rank_ptr + i).to(gl.int32), R_MAX)
+    sc = gl.load(scale_ptr + i).to(gl.float32)
+    wo = gl.load(woff_ptr + i).to(gl.int64)
+    pt = gl.load(p_ptr + rm.to(gl.int64)[:, None] * stride_pm + rr[None, :],
+                 mask=((rm >= lo) & (rm < hi))[:, None] & (rr < rank)[None, :], other=0.0)
+    wt = gl.load(w_ptr + wo + wr.to(gl.int64)[:, None] * stride_wr + wn[None, :],
+                 mask=(wr < rank)[:, None] & (wn < NC)[None, :], other=0.0)
+    return (pt * sc).to(w_ptr.dtype.element_ty), wt
+
+
+@gluon.jit
+def _lora_first(m0, lora, BLOCK_M: gl.constexpr):
+    """The first adapter whose rows meet the row tile at m0 with a rank above zero (N where none does)."""
+    p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr, bias_ptr, N, R_MAX, stride_pm, stride_wr = lora
+    first = N
+    for j in range(N):
+        i = N - 1 - j
+        lo = gl.load(off_ptr + i)
+        hi = gl.load(off_ptr + i + 1)
+        if (hi > m0) & (lo < m0 + BLOCK_M) & (gl.load(rank_ptr + i) > 0):
+            first = i
+    return first
+
+
+@gluon.jit
+def _lora_term(acc, m0, n0, NC, w_tile, lora, skip, BLOCK_R: gl.constexpr):
     """acc + s_i P[rows_i, :r_i] @ W_i[:, cols] for every adapter i whose rows meet the tile (its rank blocks
-    of BLOCK_R): P (fp32) from registers as the wgmma's A operand, W_i's block stored into `w_tile` (shared
-    memory the tile's store does not hold now) as its B operand. The P rows of other adapters and the
-    columns past r_i load as zeros."""
+    of BLOCK_R, `_lora_block`) but adapter `skip`'s first block (added already from a prefetch; N: none): W_i's
+    block is stored into `w_tile` (shared memory the tile's store does not hold now) as the wgmma's B operand."""
     p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr, bias_ptr, N, R_MAX, stride_pm, stride_wr = lora
     BLOCK_M: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
-    w_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-    rm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, p_layout))
-    rr = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, p_layout))
-    wr = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, w_layout))
-    wn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, w_layout))
     for i in range(N):
         lo = gl.load(off_ptr + i).to(gl.int32)
         hi = gl.load(off_ptr + i + 1).to(gl.int32)
         rank = gl.minimum(gl.load(rank_ptr + i).to(gl.int32), R_MAX)
         if (hi > m0) & (lo < m0 + BLOCK_M) & (rank > 0):
-            sc = gl.load(scale_ptr + i).to(gl.float32)
-            wo = gl.load(woff_ptr + i).to(gl.int64)
-            rows = (rm >= lo) & (rm < hi)
-            for r0 in range(0, rank, BLOCK_R):
-                pt = gl.load(p_ptr + rm.to(gl.int64)[:, None] * stride_pm + (r0 + rr)[None, :],
-                             mask=rows[:, None] & ((r0 + rr) < rank)[None, :], other=0.0)
-                wt = gl.load(w_ptr + wo + (r0 + wr).to(gl.int64)[:, None] * stride_wr + wn[None, :],
-                             mask=((r0 + wr) < rank)[:, None] & (wn < NC)[None, :], other=0.0)
+            for r0 in range(gl.where(i == skip, BLOCK_R, 0), rank, BLOCK_R):
+                pt, wt = _lora_block(i, r0, m0, n0, NC, lora, BLOCK_M, BLOCK_N, BLOCK_R)
                 w_tile.store(wt)
                 fence_async_shared()
-                acc = warpgroup_mma((pt * sc).to(w_ptr.dtype.element_ty), w_tile, acc)
+                acc = warpgroup_mma(pt, w_tile, acc)
     return acc
 
 
@@ -148,7 +179,8 @@ def _consume(descs, ring, walk, lora, spec, WHICH: gl.constexpr):
     BLOCK_N: gl.constexpr = c_bufs.type.shape[2]
     B_NK: gl.constexpr = b_bufs.type.shape[2] == BLOCK_K  # constexprs do not cross warp_specialize's arguments
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    HAS_BIAS: gl.constexpr = spec.type.shape[0] == 2
+    HAS_BIAS: gl.constexpr = spec.type.shape[0] % 3 == 2  # the spec's rows: (1 + HAS_BIAS) * (1 + 3 * PREFETCH)
+    PREFETCH: gl.constexpr = spec.type.shape[0] > 2
     BLOCK_R: gl.constexpr = spec.type.shape[1]  # 1: no LoRA term
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BLOCK_N, 16])
@@ -162,6 +194,11 @@ def _consume(descs, ring, walk, lora, spec, WHICH: gl.constexpr):
         # two consumers share the ring: this main loop starts once the other's (the walk's tile before) has
         # taken its last stage, so no wait below runs a whole ring phase ahead (an mbarrier tells phases by parity)
         mbarrier.wait(turn.index(WHICH), (mine + WHICH + 1) & 1, pred=(CONSUMERS > 1) & (mine + WHICH > 0))
+        skip = lora[7]  # N: no block prefetched
+        if PREFETCH and BLOCK_R > 1:
+            skip = _lora_first(pm * BLOCK_M, lora, BLOCK_M)
+            first = gl.maximum(gl.minimum(skip, lora[7] - 1), 0)
+            pre_p, pre_w = _lora_block(first, 0, pm * BLOCK_M, pn * BLOCK_N, NC, lora, BLOCK_M, BLOCK_N, BLOCK_R)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         for ki in range(k_steps):
             s = c % STAGES
@@ -179,7 +216,13 @@ def _consume(descs, ring, walk, lora, spec, WHICH: gl.constexpr):
         mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
         tma.store_wait(0)  # the last tile's store has left c_buf
         if BLOCK_R > 1:
-            acc = _lora_term(acc, pm * BLOCK_M, pn * BLOCK_N, NC, c_buf.slice(0, BLOCK_R, dim=0), lora, BLOCK_R)
+            w_tile = c_buf.slice(0, BLOCK_R, dim=0)
+            if PREFETCH:
+                if skip < lora[7]:
+                    w_tile.store(pre_w)
+                    fence_async_shared()
+                    acc = warpgroup_mma(pre_p, w_tile, acc)
+            acc = _lora_term(acc, pm * BLOCK_M, pn * BLOCK_N, NC, w_tile, lora, skip, BLOCK_R)
         if HAS_BIAS:
             bias_ptr = lora[6]
             cols = pn * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
@@ -216,7 +259,8 @@ def _consume_other(descs, ring, walk, lora, spec):
 @gluon.jit
 def _ws_gemm_jit(a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr, rank_ptr, scale_ptr, m_live_ptr,
                  M, NC, K, N, R_MAX, stride_am, stride_b, stride_cm, stride_pm, stride_wr,
-                 B_NK: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_R: gl.constexpr, NUM_SMS: gl.constexpr,
+                 B_NK: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_R: gl.constexpr, PREFETCH: gl.constexpr,
+                 NUM_SMS: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                  GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                  CONSUMER_REGS: gl.constexpr):
@@ -240,7 +284,7 @@ def _ws_gemm_jit(a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, w_ptr, woff_ptr, off_ptr,
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # the partitions' constants, carried by a shape (constexprs do not cross warp_specialize's arguments)
-    spec = gl.allocate_shared_memory(gl.int8, [1 + HAS_BIAS, BLOCK_R],
+    spec = gl.allocate_shared_memory(gl.int8, [(1 + HAS_BIAS) * (1 + 3 * PREFETCH), BLOCK_R],
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
@@ -291,7 +335,8 @@ def ws_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_nk: bool, m_l
     triton.set_allocator(tma_scratch)  # the descriptors' scratch (a context variable: set in the launching thread)
     _ws_gemm_jit[grid](a, b, out, bias if bias is not None else out, p, w, woff, offsets, ranks, scales, m_live,
                        m, nc, k, n, r_max, a.stride(0), b.stride(0), out.stride(0), stride_pm, nc,
-                       B_NK=b_nk, HAS_BIAS=bias is not None, BLOCK_R=block_r, NUM_SMS=grid[0], BLOCK_M=bm,
+                       B_NK=b_nk, HAS_BIAS=bias is not None, BLOCK_R=block_r, PREFETCH=variant in PREFETCHING,
+                       NUM_SMS=grid[0], BLOCK_M=bm,
                        BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, GROUP_M=group_m, CONSUMERS=consumers,
                        PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=warps, maxnreg=168)
     return out
