@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 _capabilities: dict[int, tuple[int, int]] = {}
+_sm_counts: dict[int, int] = {}
 
 
 def cuda_index(device: torch.device) -> int:
@@ -26,6 +27,14 @@ def capability(device: torch.device) -> tuple[int, int]:
 def hopper_or_newer(device: torch.device) -> bool:
     """True on a CUDA device of compute capability 9.0 or more (TMA, the persistent fused GEMMs)."""
     return capability(device) >= (9, 0)
+
+
+def sm_count(device: torch.device) -> int:
+    """A CUDA device's streaming multiprocessors (the persistent kernels' program count)."""
+    idx = cuda_index(device)
+    if idx not in _sm_counts:
+        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_counts[idx]
 
 
 def tma_scratch(size: int, align: int, stream: object) -> torch.Tensor:

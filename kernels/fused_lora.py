@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.devices import cuda_index, hopper_or_newer, tma_scratch
+from kernels.devices import hopper_or_newer, sm_count, tma_scratch
 from kernels.triton_lora import (
     _acc_torch,
     _adapter_base,
@@ -727,16 +727,10 @@ def wave_fill(tiles: int, programs: int) -> float:
     return tiles / (-(-tiles // programs) * programs)
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
 def _num_sms(device: torch.device) -> int:
     if _INTERPRET or device.type != "cuda":
         return 4
-    idx = cuda_index(device)
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
+    return sm_count(device)
 
 
 def _tma_ok(a: torch.Tensor, b_kn: torch.Tensor) -> bool:
@@ -780,11 +774,6 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
     t, k = a.shape
     nc = b_kn.shape[1]
     out = torch.empty((t, nc), dtype=out_dtype, device=a.device)
-    grid = lambda meta: (cdiv(t, meta["BLOCK_M"]) * cdiv(nc, meta["BLOCK_N"]),)  # noqa: E731
-    common = (c.n, c.r_max, c.t_bucket)
-    meta = dict(c.epilogue(bias, arena, prefetch), **_gemm_rank_tile(c.r_max))
-    bias_arg = bias if bias is not None else out
-
     if gemm is None and (ws := _ws_takes(c, a, b_kn, p, arena, out_dtype)) is not None:
         from kernels.ws_gemm import ws_gemm
 
@@ -792,6 +781,10 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
         lora = (p, w, woff, c.offsets, c.ranks, c.scales, c.r_max, 16 if c.r_max <= 16 else 32)
         return ws_gemm(a, b_kn.t() if b_nk else b_kn, out, b_nk, c.offsets[c.n:c.n + 1], variant=ws,
                        bias=bias, lora=lora)
+    grid = lambda meta: (cdiv(t, meta["BLOCK_M"]) * cdiv(nc, meta["BLOCK_N"]),)  # noqa: E731
+    common = (c.n, c.r_max, c.t_bucket)
+    meta = dict(c.epilogue(bias, arena, prefetch), **_gemm_rank_tile(c.r_max))
+    bias_arg = bias if bias is not None else out
 
     def cublas() -> torch.Tensor:  # the LoRA term (+ bias) stored by the pointer kernel's epilogue, cuBLAS over it
         store_launch(c, a, b_kn, out, bias, p, w, w_strides, woff, arena)

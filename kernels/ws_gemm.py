@@ -33,13 +33,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.devices import capability, cuda_index, tma_scratch
+from kernels.devices import capability, sm_count, tma_scratch
 
 # Triton 3.6 (the GPU image) names the TMA copies async_copy_*; 3.9 (this repo's CPU pin) removed those names for
 # async_load / async_store
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-_SMS: dict[int, int] = {}
 
 VARIANTS = {
     # name: (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, consumer warps, consumers)
@@ -239,8 +238,7 @@ def _consume(descs, ring, walk, lora, spec, WHICH: gl.constexpr):
         c_buf.store(gl.zeros([BLOCK_M, BLOCK_N], c_desc.dtype, acc_layout))
         fence_async_shared()
         for pad in range(first, dead, NUM_SMS * CONSUMERS):
-            _tma_store(c_desc, [(num_m + pad // num_n) * BLOCK_M, (pad % num_n) * BLOCK_N],
-                                            c_buf)
+            _tma_store(c_desc, [(num_m + pad // num_n) * BLOCK_M, (pad % num_n) * BLOCK_N], c_buf)
     tma.store_wait(0)
 
 
@@ -319,12 +317,7 @@ def ws_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_nk: bool, m_l
     bm, bn, bk, stages, warps, consumers = VARIANTS[variant]
     m, k = a.shape
     nc = b.shape[0] if b_nk else b.shape[1]
-    if num_sms is None:
-        idx = cuda_index(a.device)
-        if idx not in _SMS:
-            _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        num_sms = _SMS[idx]
-    grid = (num_sms,)  # one program an SM whatever the rows: one compile a shape class
+    grid = (num_sms or sm_count(a.device),)  # one program an SM whatever the rows: one compile a shape class
     if lora is None:
         p = w = woff = offsets = ranks = scales = out
         n = r_max = stride_pm = 0
@@ -336,7 +329,6 @@ def ws_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_nk: bool, m_l
     _ws_gemm_jit[grid](a, b, out, bias if bias is not None else out, p, w, woff, offsets, ranks, scales, m_live,
                        m, nc, k, n, r_max, a.stride(0), b.stride(0), out.stride(0), stride_pm, nc,
                        B_NK=b_nk, HAS_BIAS=bias is not None, BLOCK_R=block_r, PREFETCH=variant in PREFETCHING,
-                       NUM_SMS=grid[0], BLOCK_M=bm,
-                       BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, GROUP_M=group_m, CONSUMERS=consumers,
-                       PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=warps, maxnreg=168)
+                       NUM_SMS=grid[0], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, GROUP_M=group_m,
+                       CONSUMERS=consumers, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=warps, maxnreg=168)
     return out
