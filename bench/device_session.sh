@@ -3359,14 +3359,18 @@ with c.set_checkpoint_debug_enabled(True):
   s70_a)  # prepared in session 69 for the next session's first call: the Gluon GEMM's GPU tests (with pingpong_pf, whose
           # consumers prefetch the tile's first LoRA block before the main loop, and the epilogue refactored into
           # _lora_block: neither has run on a device), the GEMMs with the LoRA term beside "auto", then the 200-step
-          # task with the 14336-wide GEMMs on pingpong_pf against the default, alternating, while 60 s are left of 585
+          # task with the 14336-wide GEMMs on pingpong_pf (all, or only those dA does not run beside) against the
+          # default, alternating, while 50 s are left of 585
     export TRITON_CACHE_DIR=/tmp/s70a/triton
     rm -rf /tmp/s70a
     step 150 gpu_tests_ws python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ws_gemm_gpu.py
     step 150 ws_lora python3 bench/ws_gemm_bench.py --variants pingpong,pingpong_pf --lora --layouts 1536:1450,2560:2400 \
       --json "$OUT/ws_gemm_lora.json"
-    task200_runs 585 60 base_1 "LORAPLEX_WS_GEMM=0" pf_1 "LORAPLEX_WS_GEMM=pingpong_pf" base_2 "LORAPLEX_WS_GEMM=0" \
-      pf_2 "LORAPLEX_WS_GEMM=pingpong_pf" base_3 "LORAPLEX_WS_GEMM=0" pf_3 "LORAPLEX_WS_GEMM=pingpong_pf"
+    # pffwd: the Gluon GEMM on the 14336-wide GEMMs that dA does not run beside (gate/up forward; session 70)
+    task200_runs 585 50 base_1 "LORAPLEX_WS_GEMM=0" pf_1 "LORAPLEX_WS_GEMM=pingpong_pf" \
+      pffwd_1 "LORAPLEX_WS_GEMM=pingpong_pf LORAPLEX_WS_BESIDE_DA=0" base_2 "LORAPLEX_WS_GEMM=0" \
+      pffwd_2 "LORAPLEX_WS_GEMM=pingpong_pf LORAPLEX_WS_BESIDE_DA=0" pf_2 "LORAPLEX_WS_GEMM=pingpong_pf" \
+      base_3 "LORAPLEX_WS_GEMM=0" pffwd_3 "LORAPLEX_WS_GEMM=pingpong_pf LORAPLEX_WS_BESIDE_DA=0"
     (cd "$OUT" && tar -czf tasks.tar.gz executor_task200_*.json && rm -f executor_task*.json executor_task*.md)
     pack_logs
     rm -f "$OUT"/gpu.txt

@@ -748,13 +748,18 @@ def _tma_ok(a: torch.Tensor, b_kn: torch.Tensor) -> bool:
 # us of ~200-490) and lost or tied the 4096- and 1024-wide ones (bench/results/session69_h200.md)
 WS_GEMM = os.environ.get("LORAPLEX_WS_GEMM", "0")
 WS_MIN_WIDTH = int(os.environ.get("LORAPLEX_WS_MIN_WIDTH", "8192"))
+# "0": not the GEMMs that dA runs beside on the side stream (the down projection's dX). The Gluon kernel holds every
+# SM's shared memory, so dA no longer fills that GEMM's last round (session 69's likely cause of the task's loss)
+WS_BESIDE_DA = os.environ.get("LORAPLEX_WS_BESIDE_DA", "1") == "1"
 
 
-def _ws_takes(c: _Ctx, a, b_kn, p, arena: int, out_dtype) -> str | None:  # noqa: ANN001
+def _ws_takes(c: _Ctx, a, b_kn, p, arena: int, out_dtype, beside: bool = False) -> str | None:  # noqa: ANN001
     """The Gluon GEMM's variant for this call, or None: bf16/fp16 on an sm_90 device, the engine's arena (16-element
     offsets or not), adapters present, an fp32 LoRA operand, TMA-loadable operands, an output at least
-    WS_MIN_WIDTH wide."""
+    WS_MIN_WIDTH wide; where dA runs `beside` the call on the side stream, only with WS_BESIDE_DA."""
     if WS_GEMM in ("", "0") or _INTERPRET or a.device.type != "cuda" or not arena or c.n == 0:
+        return None
+    if beside and not WS_BESIDE_DA:
         return None
     if a.dtype not in (torch.bfloat16, torch.float16) or out_dtype != a.dtype or p.dtype != torch.float32:
         return None
@@ -766,15 +771,16 @@ def _ws_takes(c: _Ctx, a, b_kn, p, arena: int, out_dtype) -> str | None:  # noqa
 
 
 def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_dtype,  # noqa: ANN001
-                 gemm: str | None = None) -> torch.Tensor:
+                 gemm: str | None = None, beside: bool = False) -> torch.Tensor:
     """a [T, K] @ b_kn [K, NC] (+ bias) + s_i p_i W_i into a new [T, NC] tensor (`gemm`: the
-    variant, see GEMM_VARIANTS; TMA variants fall back to pointer loads where TMA cannot load)."""
+    variant, see GEMM_VARIANTS; TMA variants fall back to pointer loads where TMA cannot load;
+    `beside`: dA runs beside it on the side stream)."""
     variant = gemm_variant(gemm, device=a.device)
     base, prefetch = variant.split("+")[0], variant.endswith("+pf")
     t, k = a.shape
     nc = b_kn.shape[1]
     out = torch.empty((t, nc), dtype=out_dtype, device=a.device)
-    if gemm is None and (ws := _ws_takes(c, a, b_kn, p, arena, out_dtype)) is not None:
+    if gemm is None and (ws := _ws_takes(c, a, b_kn, p, arena, out_dtype, beside)) is not None:
         from kernels.ws_gemm import ws_gemm
 
         b_nk = b_kn.stride(0) == 1
@@ -896,7 +902,7 @@ def fused_backward(c: _Ctx, x, dy, s_buf, weight, a, a_strides, aoff, b, b_strid
     try:
         with torch.cuda.stream(side):
             _wgrad_launch(c, ds, x, da, da_strides, aoff, arena)
-        return _gemm_launch(c, dy, weight, None, ds, a, a_strides, aoff, arena, dy.dtype, gemm)
+        return _gemm_launch(c, dy, weight, None, ds, a, a_strides, aoff, arena, dy.dtype, gemm, beside=True)
     finally:  # joined even where a launch raised: nothing freed here is still read there, no capture branch left open
         main.wait_stream(side)
 
