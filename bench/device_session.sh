@@ -3363,7 +3363,6 @@ with c.set_checkpoint_debug_enabled(True):
           # default, alternating, while 50 s are left of 585
     export TRITON_CACHE_DIR=/tmp/s70a/triton
     rm -rf /tmp/s70a
-    step 60 pdl_chain python3 bench/pdl_chain.py --json "$OUT/pdl_chain.json"
     step 150 gpu_tests_ws python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ws_gemm_gpu.py
     step 150 ws_lora python3 bench/ws_gemm_bench.py --variants pingpong,pingpong_pf --lora --layouts 1536:1450,2560:2400 \
       --json "$OUT/ws_gemm_lora.json"
