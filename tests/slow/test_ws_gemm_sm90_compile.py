@@ -34,8 +34,9 @@ PTRS = dict(p_ptr="*fp32", woff_ptr="*i64", off_ptr="*i64", rank_ptr="*i64", sca
 res = {}
 for variant, (bm, bn, bk, stages, warps, consumers) in W.VARIANTS.items():
     for b_nk, block_r, bias in ((True, 1, False), (False, 32, True), (True, 16, False)):
-        consts = dict(B_NK=b_nk, HAS_BIAS=bias, BLOCK_R=block_r, PREFETCH=variant in W.PREFETCHING, NUM_SMS=132, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      STAGES=stages, GROUP_M=8, CONSUMERS=consumers, PRODUCER_REGS=40, CONSUMER_REGS=232)
+        consts = dict(B_NK=b_nk, HAS_BIAS=bias, BLOCK_R=block_r, PREFETCH=variant in W.PREFETCHING, NUM_SMS=132,
+                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, GROUP_M=8, CONSUMERS=consumers,
+                      PRODUCER_REGS=40, CONSUMER_REGS=232)
         sig, attrs = {}, {}
         for i, name in enumerate(W._ws_gemm_jit.arg_names):
             if name in consts:
