@@ -3375,6 +3375,21 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     rm -f "$OUT"/gpu.txt
     ;;
+  s71_b)  # session 71: the store pass as a column sweep (kernels/lora_store.py, LORAPLEX_LORA_STORE=sweep): its
+          # candidates against the tile form at the 2-job layout (each checked against float64), then the 200-step
+          # task with the best of them against the default, alternating; packed inside the call
+    export TRITON_CACHE_DIR=/tmp/s71b/triton
+    rm -rf /tmp/s71b
+    step 200 store_sweep python3 bench/lora_sweep.py --store --sweep --out "$OUT/store_sweep.md"
+    tile=$(grep -o "best sweep tile: [0-9,]*" "$OUT/store_sweep.md" | head -1 | sed 's/best sweep tile: //')
+    echo "sweep tile: ${tile:-none}" | tee -a "$OUT/steps.txt"
+    SW="LORAPLEX_LORA_STORE=sweep LORAPLEX_LORA_STORE_SWEEP=${tile:-32,128,4,4,3}"
+    task200_runs 480 60 base_1 "LORAPLEX_LORA_STORE=tile" sw_1 "$SW" base_2 "LORAPLEX_LORA_STORE=tile" sw_2 "$SW" \
+      base_3 "LORAPLEX_LORA_STORE=tile" sw_3 "$SW"
+    (cd "$OUT" && tar -czf tasks.tar.gz executor_task200_*.json && rm -f executor_task*.json executor_task*.md)
+    pack_logs
+    rm -f "$OUT"/gpu.txt
+    ;;
   s71_a)  # prepared in session 70: the 200-step task with the Gluon GEMM only where dA does not run beside it (gate/up
           # forward: LORAPLEX_WS_BESIDE_DA=0) against the default, alternating; the runs stop 90 s before 480 so the
           # packing runs inside a 560 s call (session 70 lost files to a phase that ran past its limit: 8 files a call)
