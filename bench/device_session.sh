@@ -3375,6 +3375,14 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     rm -f "$OUT"/gpu.txt
     ;;
+  s71_c)  # session 71: the column-sweep store's own GPU test first, then every GPU test on the landing code (its own
+          # Triton cache), inside one call
+    export TRITON_CACHE_DIR=/tmp/s71c/triton
+    rm -rf /tmp/s71c
+    step 90 store_tests python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_lora_store_gpu.py
+    step $((545 - SECONDS)) gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu
+    pack_logs
+    ;;
   s71_b)  # session 71: the store pass as a column sweep (kernels/lora_store.py, LORAPLEX_LORA_STORE=sweep): its
           # candidates against the tile form at the 2-job layout (each checked against float64), then the 200-step
           # task with the best of them against the default, alternating; packed inside the call

@@ -26,9 +26,11 @@ import triton.language as tl
 
 from kernels.triton_lora import _adapter_base
 
-# "BLOCK_M,BLOCK_N,num_warps,SPLIT_N,num_stages" ($LORAPLEX_LORA_STORE_SWEEP); bench/lora_sweep.py --store times
-# the candidates (SWEEP_TILES there) against the tile form
-SWEEP_TILE = [int(v) for v in os.environ.get("LORAPLEX_LORA_STORE_SWEEP", "32,128,4,4,3").split(",")]
+# "BLOCK_M,BLOCK_N,num_warps,SPLIT_N,num_stages" ($LORAPLEX_LORA_STORE_SWEEP); bench/lora_sweep.py --store --sweep
+# times the candidates (SWEEP_TILES there) against the tile form: at a 2-job step's layout on an H200 (session 71)
+# 64,128,4,8,3 stored a step's projections in 5.60 ms against the tile form's 6.80, yet the 200-step task was even
+# with it (bench/results/session71_h200.md), so the tile form stays the default
+SWEEP_TILE = [int(v) for v in os.environ.get("LORAPLEX_LORA_STORE_SWEEP", "64,128,4,8,3").split(",")]
 
 
 @triton.jit
