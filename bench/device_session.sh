@@ -3376,7 +3376,8 @@ with c.set_checkpoint_debug_enabled(True):
     rm -f "$OUT"/gpu.txt
     ;;
   s71_c)  # session 71: the column-sweep store's own GPU test first, then every GPU test on the landing code (its own
-          # Triton cache), inside one call
+          # Triton cache), inside one call. Ran on 985b8f7; the sweep store was then taken out (measured even in the
+          # task), so this phase and s71_b need that tree (their test file and `lora_sweep.py --sweep` are gone)
     export TRITON_CACHE_DIR=/tmp/s71c/triton
     rm -rf /tmp/s71c
     step 90 store_tests python3 -m pytest -rA --tb=short -p no:cacheprovider tests/gpu/test_lora_store_gpu.py

@@ -20,8 +20,6 @@ must move at the measured copy bandwidth.
 written for cuBLAS to add the base GEMM onto; the forward's s P B^T at d_out columns and the backward's dS A at
 d_in columns) at every candidate tile of STORE_TILES, each checked against a float64 reference in the same run,
 and prints the tile of the least time a step (`--best-out FILE` writes it as $LORAPLEX_LORA_STORE_TILE reads it).
-With --sweep it times beside the first four tiles the column-sweep form's candidates (SWEEP_TILES,
-`kernels.lora_store`: $LORAPLEX_LORA_STORE=sweep with $LORAPLEX_LORA_STORE_SWEEP), each checked the same way.
 """
 
 from __future__ import annotations
@@ -188,13 +186,6 @@ STORE_TILES = ("64,256,4", "64,128,4", "32,128,4", "32,256,4", "64,64,4", "32,64
                "64,128,4,64", "32,128,4,64", "64,256,4,64", "32,256,8,64")
 
 
-# the column-sweep form's candidates ("sweep:" + $LORAPLEX_LORA_STORE_SWEEP's BLOCK_M,BLOCK_N,warps,SPLIT_N,stages;
-# kernels.lora_store), timed beside the tile form's with --store --sweep
-SWEEP_TILES = ("sweep:32,128,4,4,3", "sweep:32,256,4,4,3", "sweep:64,128,4,8,3", "sweep:64,256,8,8,3",
-               "sweep:16,128,4,2,3", "sweep:16,256,4,2,3", "sweep:32,128,4,2,4", "sweep:64,128,4,4,3",
-               "sweep:32,64,4,4,4", "sweep:128,128,8,16,2", "sweep:32,128,4,8,3", "sweep:16,128,4,4,3")
-
-
 STORE_TOL = 2e-2  # a tile's worst error against float64 (bf16 output) for its time to count
 
 
@@ -226,9 +217,7 @@ def store_sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, la
     """Every tile's store pass, forward and backward, at ENGINE_SHAPES: the table and the tile of the least
     time a step (only tiles whose every output matched the reference; None where none did)."""
     from kernels import fused_lora as fl
-    from kernels import lora_store as lstore
 
-    form, own = fl.STORE_FORM, list(lstore.SWEEP_TILE)
     t = sum(counts)
     pad = max(0, pad_to - t)
     totals = dict.fromkeys(tiles, 0.0)
@@ -249,11 +238,8 @@ def store_sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, la
             floor += fl_us * count * layers / 1e3
             cells = []
             for tile in tiles:
-                sweep = tile.startswith("sweep:")
-                cfg = None if sweep else _store_cfg(tile, si.c.r_max)
+                cfg = _store_cfg(tile, si.c.r_max)
                 fl._lora_store.choose = lambda *_a, _c=cfg, **_k: _c
-                fl.STORE_FORM = "sweep" if sweep else "tile"
-                lstore.SWEEP_TILE[:] = [int(v) for v in tile.removeprefix("sweep:").split(",")] if sweep else own
                 try:
                     def fn(si=si, ai=ai, p=p, b_kn=b_kn, out=out, w_strides=w_strides, woff=woff) -> None:  # noqa: ANN001
                         fl.store_launch(si.c, si.x, b_kn, out, None, p, ai.arena, w_strides, woff, ai.mode)
@@ -266,7 +252,6 @@ def store_sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, la
                     err, us = float("nan"), float("inf")
                 finally:
                     del fl._lora_store.choose
-                    fl.STORE_FORM, lstore.SWEEP_TILE[:] = form, own
                 totals[tile] += us * count * layers / 1e3
                 worst[tile] = max(worst[tile], err if err == err else float("inf"))
                 cells.append(f"{us:.1f}" + ("" if err < STORE_TOL else f" (err {err:.1e})"))
@@ -276,17 +261,12 @@ def store_sweep(counts: list[int], ranks: list[int], pad_to: int, gbs: float, la
     best = min(measured, key=lambda k: totals[k]) if measured else None
     out = [f"layout {', '.join(f'{n} rows at rank {r}' for n, r in zip(counts, ranks, strict=True))}; {pad} rows of "
            f"padding ({t + pad} rows); {layers} layers; copy bandwidth {gbs:.0f} GB/s. Microseconds a call "
-           "(CUDA-graph medians); tile = BLOCK_M,BLOCK_N,warps[,rank tile cap]; sweep: = the column-sweep form's "
-           "BLOCK_M,BLOCK_N,warps,SPLIT_N,stages (kernels.lora_store).", "", *rows, "",
+           "(CUDA-graph medians); tile = BLOCK_M,BLOCK_N,warps[,rank tile cap].", "", *rows, "",
            "| tile | ms a step (forward + backward stores, every projection) | worst relative error |", "|---|---|---|"]
     out += [f"| {k} | {totals[k]:.2f} | {worst[k]:.1e} |" for k in tiles]
     out += [f"| bytes floor | {floor:.2f} | - |", ""]
     out.append(f"best: {best} ({totals[best]:.2f} ms a step against the default {tiles[0]}'s {totals[tiles[0]]:.2f})"
                if best else "best: none (no tile ran correctly at every shape)")
-    sweeps = [k for k in measured if k.startswith("sweep:")]
-    if sweeps:  # the column-sweep form's best, as $LORAPLEX_LORA_STORE_SWEEP reads it (device phases take it)
-        top = min(sweeps, key=lambda k: totals[k])
-        out.append(f"best sweep tile: {top.removeprefix('sweep:')} ({totals[top]:.2f} ms a step)")
     return out, best
 
 
@@ -317,7 +297,6 @@ def main() -> None:
     ap.add_argument("--extra", action="store_true", help="also time configurations no table offers yet (_extra)")
     ap.add_argument("--engine-passes", action="store_true", help="only the passes the engine runs (one-pass dB)")
     ap.add_argument("--store", action="store_true", help="time the store pass's tiles instead (STORE_TILES)")
-    ap.add_argument("--sweep", action="store_true", help="with --store: also the column-sweep form (SWEEP_TILES)")
     ap.add_argument("--best-out", default=None, help="with --store: write the best tile to this file")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -326,14 +305,13 @@ def main() -> None:
     counts, ranks = _parse_layout(args.layout)
     gbs = paths.bandwidth_gbs()
     if args.store:
-        lines, best = store_sweep(counts, ranks, args.pad_to, gbs, args.layers,
-                                  STORE_TILES[:4] + SWEEP_TILES if args.sweep else STORE_TILES)
+        lines, best = store_sweep(counts, ranks, args.pad_to, gbs, args.layers)
         text = "\n".join([f"# The store pass's tiles at a small step's layout ({torch.cuda.get_device_name()}; "
                           f"torch {torch.__version__}, triton {triton.__version__}; bf16)", "", *lines])
         print(text, flush=True)
         if args.out:
             Path(args.out).write_text(text + "\n")
-        if args.best_out and best and not best.startswith("sweep:"):
+        if args.best_out and best:
             Path(args.best_out).write_text(best + "\n")
         return
     text = "\n".join([f"# The fused form's LoRA passes at a small step's layout ({torch.cuda.get_device_name()}; "

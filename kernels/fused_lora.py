@@ -825,19 +825,9 @@ def _gemm_launch(c: _Ctx, a, b_kn, bias, p, w, w_strides, woff, arena: int, out_
     return out
 
 
-# The store pass's form: "tile" (`_lora_store`, one program per output tile) or "sweep" (`kernels.lora_store`:
-# a program per adapter row tile sweeping its columns)
-STORE_FORM = os.environ.get("LORAPLEX_LORA_STORE", "tile")
-
-
 def store_launch(c: _Ctx, a, b_kn, out, bias, p, w, w_strides, woff, arena: int) -> None:  # noqa: ANN001
     """The "cublas" variant's first pass: out = s_i P[rows_i] W_i (+ bias), the pointer kernel's epilogue alone
     (K = 0; a and b_kn give only their strides), for cuBLAS to add a @ b_kn onto."""
-    if STORE_FORM == "sweep":
-        from kernels.lora_store import sweep_store
-
-        sweep_store(c, out, bias, p, w, w_strides, woff, arena)
-        return
     t, nc = out.shape
     meta = dict(c.epilogue(bias, arena, False), **_store_rank_tile(c.r_max))
     _lora_store[lambda m: (cdiv(t, m["BLOCK_M"]) * cdiv(nc, m["BLOCK_N"]),)](
