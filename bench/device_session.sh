@@ -3375,6 +3375,12 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     rm -f "$OUT"/gpu.txt
     ;;
+  s71_d)  # session 71, the last ~270 s of its device time: bench/silu_lora_probe.py (the MLP's 14336-wide LoRA terms
+          # folded into the SiLU-gate kernels against today's store + cuBLAS, float64-checked in the same run)
+    export TRITON_CACHE_DIR=/tmp/s71d/triton
+    rm -rf /tmp/s71d
+    step 130 silu_probe python3 bench/silu_lora_probe.py --out "$OUT/silu_lora_probe.md"
+    ;;
   s71_c)  # session 71: the column-sweep store's own GPU test first, then every GPU test on the landing code (its own
           # Triton cache), inside one call. Ran on 985b8f7; the sweep store was then taken out (measured even in the
           # task), so this phase and s71_b need that tree (their test file and `lora_sweep.py --sweep` are gone)
