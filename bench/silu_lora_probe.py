@@ -285,7 +285,10 @@ def measure(counts: list[int], ranks: list[int], pad: int, tiles: list[list[int]
         def fbwd(tile=tile):  # noqa: ANN001, ANN202
             return folded_backward(dy @ m["wd"], g0, u0, m["pd"], m["a_d"], *args, tile=tile)
 
-        row(f"folded, tile {','.join(map(str, tile))}", ffwd, fbwd)
+        try:
+            row(f"folded, tile {','.join(map(str, tile))}", ffwd, fbwd)
+        except triton.runtime.errors.OutOfResources as exc:  # session 71: 64,256,8,8 asks 328 KiB of shared memory
+            lines.append(f"| folded, tile {','.join(map(str, tile))} | does not fit: {str(exc)[:80]} | | | | |")
 
     def bare_fwd():  # noqa: ANN202
         return _SiluMul.apply(x @ m["wg"].t(), x @ m["wu"].t())
@@ -325,7 +328,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layout", default="290x16,1160x64", help="rows x rank of each adapter")
     ap.add_argument("--pad-to", type=int, default=1536)
-    ap.add_argument("--tiles", default="32,128,4,4;64,128,4,8;32,128,4,8;64,256,8,8;16,128,4,4",
+    ap.add_argument("--tiles", default="32,128,4,4;64,128,4,8;32,128,4,8;16,128,4,4;32,64,4,4",
                     help="BLOCK_M,BLOCK_N,warps,SPLIT_N of the folded kernels, ';' between")
     ap.add_argument("--check", action="store_true", help="the folded kernels against float64 on the CPU")
     ap.add_argument("--out", default=None)
