@@ -40,9 +40,11 @@ TILE = [int(v) for v in os.environ.get("PROBE_TILE", "32,128,4,4").split(",")]  
 
 
 @triton.jit
-def _item(T, off_ptr, N, N_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+def _setup(T, F, off_ptr, rank_ptr, scale_ptr, N, R_MAX, N_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr):
     """This program's rows: one adapter's row tile (clipped at its end) or a tile of the padding past the last
-    adapter; (adapter or 0, row_start, row_end, owned)."""
+    adapter (rank 0: no term), and its columns [c0, c_end) (none where it has no rows). Returns (adapter or 0,
+    rows as int64, row mask, rank, scale, c0, c_end)."""
     idx = tl.arange(0, N_P2)
     live = idx < N
     lo = tl.load(off_ptr + idx, mask=live, other=0).to(tl.int32)
@@ -59,7 +61,13 @@ def _item(T, off_ptr, N, N_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     row_start = tl.where(owned, tl.sum(tl.where(hit, lo + (pid - start) * BLOCK_M, 0), 0),
                          m_live + (pid - total) * BLOCK_M)
     row_end = tl.minimum(tl.where(owned, tl.sum(tl.where(hit, hi, 0), 0), T), T)
-    return ad, row_start, row_end, owned
+    rank = tl.where(owned, tl.minimum(tl.load(rank_ptr + ad).to(tl.int32), R_MAX), 0)
+    scale = tl.load(scale_ptr + ad).to(tl.float32)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    width = tl.cdiv(tl.cdiv(F, SPLIT_N), BLOCK_N) * BLOCK_N
+    first = tl.program_id(1) * width
+    last = tl.where(row_start < row_end, tl.minimum(first + width, F), first)
+    return ad.to(tl.int64), rows.to(tl.int64), rows < row_end, rank, scale, first, last
 
 
 @triton.jit
@@ -77,34 +85,38 @@ def _term(acc, pt, w_base, rr, rank, cols, c_mask, stride_wr):
 
 
 @triton.jit
+def _gu(g_ptr, u_ptr, at, mask, pg, pu, bg, bu, rr, rank, cols, c_mask, stride_wr, dtype: tl.constexpr):
+    """g = g0 + s S_g B_g and u likewise on one tile, each rounded to the activations' dtype."""
+    g = _term(tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32), pg, bg, rr, rank, cols, c_mask, stride_wr)
+    u = _term(tl.load(u_ptr + at, mask=mask, other=0.0).to(tl.float32), pu, bu, rr, rank, cols, c_mask, stride_wr)
+    return g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _gate_up_p(pg_ptr, pu_ptr, rows64, row_mask, rank, R_MAX, stride_pm, scale, dtype: tl.constexpr,
+               BLOCK_R: tl.constexpr):
+    """The rank columns and this row tile's scaled S_g and S_u (every rank in one block)."""
+    rr = tl.arange(0, BLOCK_R)
+    return (rr, _p_tile(pg_ptr, rows64, row_mask, rr, rank, R_MAX, stride_pm, scale, dtype),
+            _p_tile(pu_ptr, rows64, row_mask, rr, rank, R_MAX, stride_pm, scale, dtype))
+
+
+@triton.jit
 def _silu_lora_fwd(g_ptr, u_ptr, h_ptr, pg_ptr, pu_ptr, bg_ptr, bu_ptr, off_ptr, rank_ptr, scale_ptr,
                    T, F, N, R_MAX, stride_t, stride_pm, stride_wn, stride_wr,
                    N_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                    SPLIT_N: tl.constexpr):
-    ad, row_start, row_end, owned = _item(T, off_ptr, N, N_P2, BLOCK_M)
-    rank = tl.where(owned, tl.minimum(tl.load(rank_ptr + ad).to(tl.int32), R_MAX), 0)
-    scale = tl.load(scale_ptr + ad).to(tl.float32)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
-    rows64 = rows.to(tl.int64)
-    rr = tl.arange(0, BLOCK_R)
+    ad, rows64, row_mask, rank, scale, c0, c_end = _setup(T, F, off_ptr, rank_ptr, scale_ptr, N, R_MAX, N_P2,
+                                                          BLOCK_M, BLOCK_N, SPLIT_N)
     dtype = g_ptr.dtype.element_ty
-    pg = _p_tile(pg_ptr, rows64, row_mask, rr, rank, R_MAX, stride_pm, scale, dtype)
-    pu = _p_tile(pu_ptr, rows64, row_mask, rr, rank, R_MAX, stride_pm, scale, dtype)
-    bg = bg_ptr + ad.to(tl.int64) * stride_wn
-    bu = bu_ptr + ad.to(tl.int64) * stride_wn
-    span = tl.cdiv(tl.cdiv(F, SPLIT_N), BLOCK_N) * BLOCK_N
-    c0 = tl.program_id(1) * span
-    c_end = tl.where(row_start < row_end, tl.minimum(c0 + span, F), c0)
+    rr, pg, pu = _gate_up_p(pg_ptr, pu_ptr, rows64, row_mask, rank, R_MAX, stride_pm, scale, dtype, BLOCK_R)
+    bg, bu = bg_ptr + ad * stride_wn, bu_ptr + ad * stride_wn
     for n0 in range(c0, c_end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         c_mask = cols < F
         mask = row_mask[:, None] & c_mask[None, :]
         at = rows64[:, None] * stride_t + cols[None, :]
-        g = _term(tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32), pg, bg, rr, rank, cols, c_mask, stride_wr)
-        u = _term(tl.load(u_ptr + at, mask=mask, other=0.0).to(tl.float32), pu, bu, rr, rank, cols, c_mask, stride_wr)
-        g = g.to(dtype).to(tl.float32)
-        u = u.to(dtype).to(tl.float32)
+        g, u = _gu(g_ptr, u_ptr, at, mask, pg, pu, bg, bu, rr, rank, cols, c_mask, stride_wr, dtype)
         a = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
         tl.store(h_ptr + at, (a * u).to(dtype), mask=mask)
 
@@ -114,23 +126,12 @@ def _silu_lora_bwd(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, pd_ptr, ad_ptr, pg_ptr,
                    off_ptr, rank_ptr, scale_ptr, T, F, N, R_MAX, stride_t, stride_pm, stride_wn, stride_wr,
                    N_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                    SPLIT_N: tl.constexpr):
-    ad, row_start, row_end, owned = _item(T, off_ptr, N, N_P2, BLOCK_M)
-    rank = tl.where(owned, tl.minimum(tl.load(rank_ptr + ad).to(tl.int32), R_MAX), 0)
-    scale = tl.load(scale_ptr + ad).to(tl.float32)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
-    rows64 = rows.to(tl.int64)
-    rr = tl.arange(0, BLOCK_R)
+    ad, rows64, row_mask, rank, scale, c0, c_end = _setup(T, F, off_ptr, rank_ptr, scale_ptr, N, R_MAX, N_P2,
+                                                          BLOCK_M, BLOCK_N, SPLIT_N)
     dtype = g_ptr.dtype.element_ty
-    pg = _p_tile(pg_ptr, rows64, row_mask, rr, rank, R_MAX, stride_pm, scale, dtype)
-    pu = _p_tile(pu_ptr, rows64, row_mask, rr, rank, R_MAX, stride_pm, scale, dtype)
+    rr, pg, pu = _gate_up_p(pg_ptr, pu_ptr, rows64, row_mask, rank, R_MAX, stride_pm, scale, dtype, BLOCK_R)
     pd = _p_tile(pd_ptr, rows64, row_mask, rr, rank, R_MAX, stride_pm, scale, dtype)
-    bg = bg_ptr + ad.to(tl.int64) * stride_wn
-    bu = bu_ptr + ad.to(tl.int64) * stride_wn
-    wd = ad_ptr + ad.to(tl.int64) * stride_wn
-    span = tl.cdiv(tl.cdiv(F, SPLIT_N), BLOCK_N) * BLOCK_N
-    c0 = tl.program_id(1) * span
-    c_end = tl.where(row_start < row_end, tl.minimum(c0 + span, F), c0)
+    bg, bu, wd = bg_ptr + ad * stride_wn, bu_ptr + ad * stride_wn, ad_ptr + ad * stride_wn
     for n0 in range(c0, c_end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         c_mask = cols < F
@@ -138,10 +139,7 @@ def _silu_lora_bwd(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, pd_ptr, ad_ptr, pg_ptr,
         at = rows64[:, None] * stride_t + cols[None, :]
         dh = _term(tl.load(dh_ptr + at, mask=mask, other=0.0).to(tl.float32), pd, wd, rr, rank, cols, c_mask,
                    stride_wr).to(dtype).to(tl.float32)
-        g = _term(tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32), pg, bg, rr, rank, cols, c_mask, stride_wr)
-        u = _term(tl.load(u_ptr + at, mask=mask, other=0.0).to(tl.float32), pu, bu, rr, rank, cols, c_mask, stride_wr)
-        g = g.to(dtype).to(tl.float32)
-        u = u.to(dtype).to(tl.float32)
+        g, u = _gu(g_ptr, u_ptr, at, mask, pg, pu, bg, bu, rr, rank, cols, c_mask, stride_wr, dtype)
         s = tl.sigmoid(g)
         a = (g * s).to(dtype).to(tl.float32)
         da = (dh * u).to(dtype).to(tl.float32)
