@@ -26,7 +26,6 @@ g = bf16(g0 + term) where today rounds bf16(X W^T + bf16(term)); both are within
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -36,7 +35,6 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TILE = [int(v) for v in os.environ.get("PROBE_TILE", "32,128,4,4").split(",")]  # BLOCK_M, BLOCK_N, warps, SPLIT_N
 
 
 @triton.jit
@@ -155,8 +153,9 @@ def _launch_args(t: int, n: int, r_max: int, tile: list[int]) -> tuple[tuple, di
     return grid, meta
 
 
-def folded_forward(g0, u0, pg, pu, bg, bu, off, ranks, scales, r_max: int, tile: list[int] = TILE):  # noqa: ANN001, ANN201
-    """h = silu(g0 + s S_g B_g) * (u0 + s S_u B_u), each sum rounded to g0's dtype first (B_* [N, R, F])."""
+def folded_forward(g0, u0, pg, pu, bg, bu, off, ranks, scales, r_max: int, tile: list[int]):  # noqa: ANN001, ANN201
+    """h = silu(g0 + s S_g B_g) * (u0 + s S_u B_u), each sum rounded to g0's dtype first (B_* [N, R, F]; tile:
+    BLOCK_M, BLOCK_N, warps, SPLIT_N)."""
     t, f = g0.shape
     h = torch.empty_like(g0)
     grid, meta = _launch_args(t, len(ranks), r_max, tile)
@@ -166,7 +165,7 @@ def folded_forward(g0, u0, pg, pu, bg, bu, off, ranks, scales, r_max: int, tile:
 
 
 def folded_backward(dh0, g0, u0, pd, a_d, pg, pu, bg, bu, off, ranks, scales, r_max: int,  # noqa: ANN001, ANN201
-                    tile: list[int] = TILE):
+                    tile: list[int]):
     """(dg, du) of h from dh = dh0 + s dS_d A_d (A_d [N, R, F] rank-major), g and u recomputed as forward."""
     t, f = g0.shape
     dg, du = torch.empty_like(g0), torch.empty_like(u0)
@@ -242,7 +241,7 @@ def measure(counts: list[int], ranks: list[int], pad: int, tiles: list[list[int]
     from triton.testing import do_bench_cudagraph
 
     from kernels import fused_lora as fl
-    from kernels.norm_act import _SiluMul
+    from kernels.norm_act import _SiluMul, silu_mul_backward
 
     m = make(counts, ranks, pad, 4096, 14336, "cuda", torch.bfloat16)
     n, r_max, x, dy = len(ranks), m["r_max"], m["x"], m["dy"]
@@ -268,13 +267,20 @@ def measure(counts: list[int], ranks: list[int], pad: int, tiles: list[list[int]
                      + " / ".join(f"{e:.1e}" for e in errs) + " |")
         print(lines[-1], flush=True)
 
+    def lora_out(a, w, p, lora, v):  # noqa: ANN001, ANN202 (today's GEMM with its LoRA term, variant v)
+        return fl._gemm_launch(c, a, w, None, m[p], m[lora], strides(m[lora]), m["off"], 0, x.dtype, v)
+
     for variant in ("cublas", "auto"):
         def fwd(v=variant):  # noqa: ANN001, ANN202
-            g = fl._gemm_launch(c, x, m["wg"].t(), None, m["pg"], m["bg"], strides(m["bg"]), m["off"], 0, x.dtype, v)
-            u = fl._gemm_launch(c, x, m["wu"].t(), None, m["pu"], m["bu"], strides(m["bu"]), m["off"], 0, x.dtype, v)
-            return _SiluMul.apply(g, u)
+            return _SiluMul.apply(lora_out(x, m["wg"].t(), "pg", "bg", v), lora_out(x, m["wu"].t(), "pu", "bu", v))
 
-        row(f"today, \"{variant}\"", fwd, _timed_part(variant, c, m, x, strides, fl))
+        # the backward as the step runs it: down's dX, then silu_mul's backward on the forward's g and u (made once)
+        g, u = lora_out(x, m["wg"].t(), "pg", "bg", variant), lora_out(x, m["wu"].t(), "pu", "bu", variant)
+
+        def bwd(v=variant, g=g, u=u):  # noqa: ANN001, ANN202
+            return silu_mul_backward(lora_out(dy, m["wd"], "pd", "a_d", v), g, u)
+
+        row(f"today, \"{variant}\"", fwd, bwd)
     g0, u0 = x @ m["wg"].t(), x @ m["wu"].t()
     for tile in tiles:
         def ffwd(tile=tile):  # noqa: ANN001, ANN202
@@ -292,34 +298,10 @@ def measure(counts: list[int], ranks: list[int], pad: int, tiles: list[list[int]
         return _SiluMul.apply(x @ m["wg"].t(), x @ m["wu"].t())
 
     def bare_bwd():  # noqa: ANN202
-        return _silu_bwd(dy @ m["wd"], g0, u0)
+        return silu_mul_backward(dy @ m["wd"], g0, u0)
 
     row("cuBLAS + silu_mul, no LoRA term (the floor; its errors are the missing term's)", bare_fwd, bare_bwd)
     return lines
-
-
-def _silu_bwd(dh, g, u):  # noqa: ANN001, ANN202
-    from kernels.norm_act import SILU_BLOCK, _silu_mul_bwd, _warps
-
-    dg, du = torch.empty_like(g), torch.empty_like(u)
-    n = g.numel()
-    _silu_mul_bwd[(triton.cdiv(n, SILU_BLOCK),)](dh, g, u, dg, du, n, BLOCK=SILU_BLOCK,
-                                                num_warps=_warps(SILU_BLOCK, 2))
-    return dg, du
-
-
-def _timed_part(variant, c, m, x, strides, fl):  # noqa: ANN001, ANN202
-    """Today's backward as the step runs it: down's dX (store + cuBLAS) and silu_mul's backward on the forward's
-    g and u, made once outside the timed function."""
-    g = fl._gemm_launch(c, x, m["wg"].t(), None, m["pg"], m["bg"], strides(m["bg"]), m["off"], 0, x.dtype, variant)
-    u = fl._gemm_launch(c, x, m["wu"].t(), None, m["pu"], m["bu"], strides(m["bu"]), m["off"], 0, x.dtype, variant)
-
-    def part():  # noqa: ANN202
-        dh = fl._gemm_launch(c, m["dy"], m["wd"], None, m["pd"], m["a_d"], strides(m["a_d"]), m["off"], 0, x.dtype,
-                             variant)
-        return _silu_bwd(dh, g, u)
-
-    return part
 
 
 def main() -> None:

@@ -162,14 +162,18 @@ class _SiluMul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):  # noqa: ANN205
-        g, u = ctx.saved_tensors
-        dh = dh.contiguous()
-        dg, du = torch.empty_like(g), torch.empty_like(u)
-        n = g.numel()
-        if n:
-            launch(_silu_mul_bwd, (triton.cdiv(n, SILU_BLOCK),), (dh, g, u, dg, du, n),
-                   {"BLOCK": SILU_BLOCK, "num_warps": _warps(SILU_BLOCK, 2)})
-        return dg, du
+        return silu_mul_backward(dh, *ctx.saved_tensors)
+
+
+def silu_mul_backward(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate, d up) of silu_mul from its output's gradient and the contiguous gate and up it kept."""
+    dh = dh.contiguous()
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    n = g.numel()
+    if n:
+        launch(_silu_mul_bwd, (triton.cdiv(n, SILU_BLOCK),), (dh, g, u, dg, du, n),
+               {"BLOCK": SILU_BLOCK, "num_warps": _warps(SILU_BLOCK, 2)})
+    return dg, du
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
