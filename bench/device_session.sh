@@ -3375,6 +3375,12 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     rm -f "$OUT"/gpu.txt
     ;;
+  s72_a)  # session 72: bench/attention_forms.py (torch's flash varlen kernel against cuDNN's fused attention on a
+          # step's ragged rows, forward and backward, float64-checked in the same run)
+    export TRITON_CACHE_DIR=/tmp/s72a/triton
+    rm -rf /tmp/s72a
+    step 300 attention_forms python3 bench/attention_forms.py --out "$OUT/attention_forms.md"
+    ;;
   s71_d)  # session 71, the last ~270 s of its device time: bench/silu_lora_probe.py (the MLP's 14336-wide LoRA terms
           # folded into the SiLU-gate kernels against today's store + cuBLAS, float64-checked in the same run)
     export TRITON_CACHE_DIR=/tmp/s71d/triton

@@ -1,0 +1,141 @@
+"""Which attention kernel a training step should run (issue 40): torch's flash varlen kernel (the engine's today)
+against cuDNN's fused attention on the same ragged rows, forward and backward, float64-checked.
+
+A replayed 2-job step of ~1,450 tokens at 32 layers spends ~6-8 ms in the flash kernels (forward, backward and its
+two helpers: bench/results/session61_h200.md, raw hp_tile_129_s64), for a few GFLOP of work: the sequences are
+short (~250 tokens), so the kernels are bound by their own latency. cuDNN's fused attention (Hopper kernels of its
+own, `torch.ops.aten._cudnn_attention_forward` with cumulative sequence bounds, the op torch's nested tensors use)
+is the other kernel torch ships. Forms, each with autograd's backward:
+
+- flash: `torch.nn.attention.varlen.varlen_attn`, causal, grouped-query key/value heads as they are (the engine);
+- cudnn: `_cudnn_attention_forward` on the same rows, grouped-query key/value heads as they are;
+- cudnn_x: the same with the key/value heads expanded to the query heads first (autograd sums their gradients).
+
+Each form is timed as a CUDA graph of `--layers` calls (a step's layers; graph_timing.replay_ms), forward alone and
+forward + backward, under two launch bounds: tight (the step's longest sequence, no spare slot) and the engine's
+graph bounds (max_len --cap, --spare empty sequence slots). Outputs and the three gradients are checked against a
+float64 reference per sequence in the same run; a form that fails or errs is reported, not timed. CUDA only.
+
+    python3 bench/attention_forms.py [--tokens 1450] [--seeds 3] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from attention_varlen import lengths  # noqa: E402
+from graph_timing import replay_ms  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+
+
+def flash_form():  # noqa: ANN201
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        kw["enable_gqa"] = True
+
+    def run(q, k, v, cu, max_len):  # noqa: ANN001, ANN202
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+    return run
+
+
+def cudnn_form(expand: bool):  # noqa: ANN201
+    def run(q, k, v, cu, max_len):  # noqa: ANN001, ANN202
+        if expand:
+            k, v = (t.repeat_interleave(HQ // HKV, dim=1) for t in (k, v))
+        return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True,
+                                                       False, scale=D ** -0.5)[0]
+    return run
+
+
+def reference(q, k, v, dout, bounds):  # noqa: ANN001, ANN201
+    """Output and gradients in float64, one causal sequence at a time."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        if b == a:
+            continue
+        qs = q[a:b].transpose(0, 1)
+        ks, vs = (t[a:b].repeat_interleave(HQ // HKV, dim=1).transpose(0, 1) for t in (k, v))
+        s = qs @ ks.transpose(1, 2) * D ** -0.5
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        outs.append((s.softmax(-1) @ vs).transpose(0, 1))
+    out = torch.cat(outs)
+    return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout.double())]
+
+
+def errors(run, q, k, v, dout, cu, max_len, ref) -> list[float]:  # noqa: ANN001
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    out = run(qq, kk, vv, cu, max_len)
+    got = [out.detach(), *torch.autograd.grad(out, (qq, kk, vv), dout)]
+    return [float((g.double() - r).abs().max() / r.abs().max()) for g, r in zip(got, ref, strict=True)]
+
+
+def calls(run, layers: int, tensors: tuple, backward: bool) -> None:  # noqa: ANN001
+    q, k, v, dout, cu, max_len = tensors
+    with torch.set_grad_enabled(backward):
+        for _ in range(layers):
+            qq, kk, vv = (t.detach().requires_grad_(backward) for t in (q, k, v))
+            out = run(qq, kk, vv, cu, max_len)
+            if backward:
+                torch.autograd.grad(out, (qq, kk, vv), dout)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=1450)
+    ap.add_argument("--cap", type=int, default=1024)
+    ap.add_argument("--spare", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    forms = {"flash": flash_form(), "cudnn": cudnn_form(False), "cudnn_x": cudnn_form(True)}
+    rows = [f"# Attention forms, {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
+            f"{torch.backends.cudnn.version()}: {args.layers} calls a graph (a step's layers), {HQ} query / {HKV} "
+            f"key-value heads of {D}, bf16, causal; median of {args.iters} replays; errors are the largest absolute "
+            "error over the largest reference element, against float64", "",
+            "| seed | sequences | tokens | longest | bounds | form | forward ms | fwd + bwd ms | out err | dq err | "
+            "dk err | dv err |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for seed in range(args.seeds):
+        lens = lengths(args.tokens, seed)
+        t, longest = sum(lens), max(lens)
+        bounds = [0, *[sum(lens[: i + 1]) for i in range(len(lens))]]
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        dout = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        ref = reference(q, k, v, dout, bounds)
+        for bname, max_len, spare in (("tight", longest, 0), ("cap+spare", args.cap, args.spare)):
+            cu = torch.tensor(bounds + [t] * spare, dtype=torch.int32, device="cuda")
+            for fname, run in forms.items():
+                head = f"| {seed} | {len(lens)} | {t} | {longest} | {bname} | {fname} |"
+                try:
+                    err = errors(run, q, k, v, dout, cu, max_len, ref)
+                    tensors = (q, k, v, dout, cu, max_len)
+                    f_ms = replay_ms(functools.partial(calls, run, args.layers, tensors, False), args.iters)
+                    b_ms = replay_ms(functools.partial(calls, run, args.layers, tensors, True), args.iters)
+                    rows.append(f"{head} {f_ms:.2f} | {b_ms:.2f} | " + " | ".join(f"{e:.1e}" for e in err) + " |")
+                except Exception as exc:  # noqa: BLE001 - a form this torch or device lacks is reported, not timed
+                    rows.append(f"{head} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]} | | | | | |")
+                print(rows[-1], flush=True)
+    text = "\n".join(rows) + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
