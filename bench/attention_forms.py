@@ -11,8 +11,9 @@ is the other kernel torch ships. Forms, each with autograd's backward:
 - cudnn: `_cudnn_attention_forward` on the same rows, grouped-query key/value heads as they are;
 - cudnn_x: the same with the key/value heads expanded to the query heads first (autograd sums their gradients).
 
-Each form is timed as a CUDA graph of `--layers` calls (a step's layers; graph_timing.replay_ms), forward alone and
-forward + backward, under two launch bounds: tight (the step's longest sequence, no spare slot) and the engine's
+Each form's kernels are timed eagerly first (torch.profiler's device time of `--layers` calls, forward + backward),
+then as a CUDA graph of `--layers` calls (a step's layers; graph_timing.replay_ms, warmed up and captured on one
+stream), forward alone and forward + backward, under two launch bounds: tight (the step's longest sequence, no spare slot) and the engine's
 graph bounds (max_len --cap, --spare empty sequence slots). Outputs and the three gradients are checked against a
 float64 reference per sequence in the same run; a form that fails or errs is reported, not timed. CUDA only.
 
@@ -92,6 +93,18 @@ def calls(run, layers: int, tensors: tuple, backward: bool) -> None:  # noqa: AN
                 torch.autograd.grad(out, (qq, kk, vv), dout)
 
 
+def kernel_ms(fn, iters: int) -> float:  # noqa: ANN001
+    """Device time of fn's kernels (torch.profiler), ms a call, after three warmup calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / iters / 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=1450)
@@ -107,8 +120,8 @@ def main() -> None:
             f"{torch.backends.cudnn.version()}: {args.layers} calls a graph (a step's layers), {HQ} query / {HKV} "
             f"key-value heads of {D}, bf16, causal; median of {args.iters} replays; errors are the largest absolute "
             "error over the largest reference element, against float64", "",
-            "| seed | sequences | tokens | longest | bounds | form | forward ms | fwd + bwd ms | out err | dq err | "
-            "dk err | dv err |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| seed | sequences | tokens | longest | bounds | form | out err | dq err | dk err | dv err | eager kernels fwd + "
+            "bwd ms | graph: forward ms | graph: fwd + bwd ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for seed in range(args.seeds):
         lens = lengths(args.tokens, seed)
         t, longest = sum(lens), max(lens)
@@ -123,14 +136,18 @@ def main() -> None:
             cu = torch.tensor(bounds + [t] * spare, dtype=torch.int32, device="cuda")
             for fname, run in forms.items():
                 head = f"| {seed} | {len(lens)} | {t} | {longest} | {bname} | {fname} |"
+                cells = []
                 try:
                     err = errors(run, q, k, v, dout, cu, max_len, ref)
+                    cells += [f"{e:.1e}" for e in err]
                     tensors = (q, k, v, dout, cu, max_len)
-                    f_ms = replay_ms(functools.partial(calls, run, args.layers, tensors, False), args.iters)
-                    b_ms = replay_ms(functools.partial(calls, run, args.layers, tensors, True), args.iters)
-                    rows.append(f"{head} {f_ms:.2f} | {b_ms:.2f} | " + " | ".join(f"{e:.1e}" for e in err) + " |")
+                    cells.append(f"{kernel_ms(functools.partial(calls, run, args.layers, tensors, True), 5):.2f}")
+                    for backward in (False, True):
+                        part = functools.partial(calls, run, args.layers, tensors, backward)
+                        cells.append(f"{replay_ms(part, args.iters, same_stream=True):.2f}")
                 except Exception as exc:  # noqa: BLE001 - a form this torch or device lacks is reported, not timed
-                    rows.append(f"{head} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]} | | | | | |")
+                    cells.append(f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+                rows.append(f"{head} " + " | ".join(cells + [""] * (7 - len(cells))) + " |")
                 print(rows[-1], flush=True)
     text = "\n".join(rows) + "\n"
     if args.out:

@@ -9,9 +9,10 @@ from collections.abc import Callable
 import torch
 
 
-def replay_ms(fn: Callable[[], object], iters: int) -> float:
+def replay_ms(fn: Callable[[], object], iters: int, same_stream: bool = False) -> float:
     """Median ms of `iters` replays of fn captured as one graph: three warmup runs on a side stream first (what a
-    capture of autograd work needs), CUDA events around each replay."""
+    capture of autograd work needs), CUDA events around each replay. `same_stream`: the capture runs on that side
+    stream too (a library that keeps per-stream state, such as cuDNN's workspace, then sets it up before the capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -20,7 +21,7 @@ def replay_ms(fn: Callable[[], object], iters: int) -> float:
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+    with torch.cuda.graph(g, capture_error_mode="thread_local", **({"stream": side} if same_stream else {})):
         fn()
     times = []
     for _ in range(iters):
