@@ -3375,6 +3375,17 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     rm -f "$OUT"/gpu.txt
     ;;
+  s72_b)  # session 72: the 200-step task with the capture ahead (LORAPLEX_CAPTURE_AHEAD=1: the ranking's evaluation
+          # captures the kept sets' next keys) against the default, alternating; last measured in session 55, before
+          # the next step's capture, the capture thread, the first calls ahead and the widened first capture
+    export TRITON_CACHE_DIR=/tmp/s72b/triton
+    rm -rf /tmp/s72b
+    task200_runs 400 70 base_1 "LORAPLEX_CAPTURE_AHEAD=0" ahead_1 "LORAPLEX_CAPTURE_AHEAD=1" \
+      base_2 "LORAPLEX_CAPTURE_AHEAD=0" ahead_2 "LORAPLEX_CAPTURE_AHEAD=1"
+    (cd "$OUT" && tar -czf tasks.tar.gz executor_task200_*.json && rm -f executor_task*.json executor_task*.md)
+    pack_logs
+    rm -f "$OUT"/gpu.txt
+    ;;
   s72_a)  # session 72: bench/attention_forms.py (torch's flash varlen kernel against cuDNN's fused attention on a
           # step's ragged rows, forward and backward, float64-checked in the same run)
     export TRITON_CACHE_DIR=/tmp/s72a/triton
