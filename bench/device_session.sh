@@ -3375,6 +3375,10 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     rm -f "$OUT"/gpu.txt
     ;;
+  s72_c)  # session 72: every GPU test on the landing code (its own Triton cache)
+    gpu_tests /tmp/s72c
+    pack_logs
+    ;;
   s72_b)  # session 72: the 200-step task with the capture ahead (LORAPLEX_CAPTURE_AHEAD=1: the ranking's evaluation
           # captures the kept sets' next keys) against the default, alternating; last measured in session 55, before
           # the next step's capture, the capture thread, the first calls ahead and the widened first capture
