@@ -3375,6 +3375,10 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     rm -f "$OUT"/gpu.txt
     ;;
+  s72_d)  # session 72, the last ~290 s of its device time: bench/fused_proj.py (q/k/v and gate/up as one GEMM each,
+          # the backbone's part, against one GEMM per projection)
+    step 110 fused_proj python3 bench/fused_proj.py --out "$OUT/fused_proj.md"
+    ;;
   s72_c)  # session 72: every GPU test on the landing code (its own Triton cache)
     gpu_tests /tmp/s72c
     pack_logs
