@@ -22,7 +22,6 @@ float64 reference per sequence in the same run; a form that fails or errs is rep
 
 from __future__ import annotations
 
-import argparse
 import functools
 import inspect
 import sys
@@ -32,32 +31,31 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention_varlen import lengths  # noqa: E402
+from attention_varlen import calls, step_args, step_rows  # noqa: E402
 from graph_timing import replay_ms  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
 
 def flash_form():  # noqa: ANN201
+    """torch's varlen kernel and its keyword arguments for a causal, grouped-query call (the engine's)."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
     kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if "enable_gqa" in params:
         kw["enable_gqa"] = True
-
-    def run(q, k, v, cu, max_len):  # noqa: ANN001, ANN202
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
-    return run
+    return varlen_attn, kw
 
 
 def cudnn_form(expand: bool):  # noqa: ANN201
-    def run(q, k, v, cu, max_len):  # noqa: ANN001, ANN202
+    """cuDNN's ragged attention in varlen_attn's call form (key/value heads expanded first where `expand`)."""
+    def attn(q, k, v, cu_q, cu_k, max_q, max_k):  # noqa: ANN001, ANN202
         if expand:
             k, v = (t.repeat_interleave(HQ // HKV, dim=1) for t in (k, v))
-        return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True,
+        return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, True,
                                                        False, scale=D ** -0.5)[0]
-    return run
+    return attn, {}
 
 
 def reference(q, k, v, dout, bounds):  # noqa: ANN001, ANN201
@@ -76,21 +74,12 @@ def reference(q, k, v, dout, bounds):  # noqa: ANN001, ANN201
     return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout.double())]
 
 
-def errors(run, q, k, v, dout, cu, max_len, ref) -> list[float]:  # noqa: ANN001
+def errors(form, q, k, v, dout, cu, max_len, ref) -> list[float]:  # noqa: ANN001
+    attn, kw = form
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-    out = run(qq, kk, vv, cu, max_len)
+    out = attn(qq, kk, vv, cu, cu, max_len, max_len, **kw)
     got = [out.detach(), *torch.autograd.grad(out, (qq, kk, vv), dout)]
     return [float((g.double() - r).abs().max() / r.abs().max()) for g, r in zip(got, ref, strict=True)]
-
-
-def calls(run, layers: int, tensors: tuple, backward: bool) -> None:  # noqa: ANN001
-    q, k, v, dout, cu, max_len = tensors
-    with torch.set_grad_enabled(backward):
-        for _ in range(layers):
-            qq, kk, vv = (t.detach().requires_grad_(backward) for t in (q, k, v))
-            out = run(qq, kk, vv, cu, max_len)
-            if backward:
-                torch.autograd.grad(out, (qq, kk, vv), dout)
 
 
 def kernel_ms(fn, iters: int) -> float:  # noqa: ANN001
@@ -106,15 +95,7 @@ def kernel_ms(fn, iters: int) -> float:  # noqa: ANN001
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=1450)
-    ap.add_argument("--cap", type=int, default=1024)
-    ap.add_argument("--spare", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = step_args(__doc__)
     forms = {"flash": flash_form(), "cudnn": cudnn_form(False), "cudnn_x": cudnn_form(True)}
     rows = [f"# Attention forms, {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN "
             f"{torch.backends.cudnn.version()}: {args.layers} calls a graph (a step's layers), {HQ} query / {HKV} "
@@ -123,27 +104,21 @@ def main() -> None:
             "| seed | sequences | tokens | longest | bounds | form | out err | dq err | dk err | dv err | eager kernels fwd + "
             "bwd ms | graph: forward ms | graph: fwd + bwd ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for seed in range(args.seeds):
-        lens = lengths(args.tokens, seed)
+        lens, bounds, (q, k, v, dout) = step_rows(args.tokens, seed)
         t, longest = sum(lens), max(lens)
-        bounds = [0, *[sum(lens[: i + 1]) for i in range(len(lens))]]
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        q = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(t, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        dout = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
         ref = reference(q, k, v, dout, bounds)
         for bname, max_len, spare in (("tight", longest, 0), ("cap+spare", args.cap, args.spare)):
             cu = torch.tensor(bounds + [t] * spare, dtype=torch.int32, device="cuda")
-            for fname, run in forms.items():
+            for fname, (attn, kw) in forms.items():
                 head = f"| {seed} | {len(lens)} | {t} | {longest} | {bname} | {fname} |"
                 cells = []
                 try:
-                    err = errors(run, q, k, v, dout, cu, max_len, ref)
+                    err = errors((attn, kw), q, k, v, dout, cu, max_len, ref)
                     cells += [f"{e:.1e}" for e in err]
                     tensors = (q, k, v, dout, cu, max_len)
-                    cells.append(f"{kernel_ms(functools.partial(calls, run, args.layers, tensors, True), 5):.2f}")
+                    cells.append(f"{kernel_ms(functools.partial(calls, attn, kw, args.layers, tensors, True), 5):.2f}")
                     for backward in (False, True):
-                        part = functools.partial(calls, run, args.layers, tensors, backward)
+                        part = functools.partial(calls, attn, kw, args.layers, tensors, backward)
                         cells.append(f"{replay_ms(part, args.iters, same_stream=True):.2f}")
                 except Exception as exc:  # noqa: BLE001 - a form this torch or device lacks is reported, not timed
                     cells.append(f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")

@@ -56,8 +56,21 @@ def calls(attn, kw: dict, layers: int, tensors: tuple, backward: bool) -> None: 
                 torch.autograd.grad(out, (qq, kk, vv), dout)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def step_rows(tokens: int, seed: int) -> tuple[list[int], list[int], tuple[torch.Tensor, ...]]:
+    """One step's sequences (lengths, their bounds from 0) and random bf16 q, k, v (32 query / 8 key-value heads of
+    128) and an output gradient, on CUDA."""
+    lens = lengths(tokens, seed)
+    bounds = [0, *[sum(lens[: i + 1]) for i in range(len(lens))]]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = ((32, 128), (8, 128), (8, 128), (32, 128))
+    return lens, bounds, tuple(torch.randn(sum(lens), *hd, device="cuda", dtype=torch.bfloat16, generator=g)
+                               for hd in shapes)
+
+
+def step_args(doc: str) -> argparse.Namespace:
+    """The attention probes' arguments: a step's tokens, the graph key's cap and spare slots, layers, replays, seeds
+    and the output file (this script and bench/attention_forms.py)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=1450)
     ap.add_argument("--cap", type=int, default=1024)
     ap.add_argument("--spare", type=int, default=8)
@@ -65,7 +78,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = step_args(__doc__)
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
@@ -77,14 +94,8 @@ def main() -> None:
             "", "| seed | sequences | tokens | longest | bounds | max_len | slots | forward ms | forward + backward ms "
             "| us a layer (fwd + bwd) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for seed in range(args.seeds):
-        lens = lengths(args.tokens, seed)
+        lens, cu_real, (q, k, v, dout) = step_rows(args.tokens, seed)
         t, longest = sum(lens), max(lens)
-        cu_real = [0, *[sum(lens[: i + 1]) for i in range(len(lens))]]
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        q = torch.randn(t, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-        dout = torch.randn(t, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
         ref = None
         for name, max_len, spare in (("tight", longest, 0), ("cap", args.cap, 0), ("cap+spare", args.cap, args.spare),
                                      ("tight+spare", longest, args.spare)):
