@@ -100,6 +100,14 @@ def _gate_up_p(pg_ptr, pu_ptr, rows64, row_mask, rank, R_MAX, stride_pm, scale, 
 
 
 @triton.jit
+def _col_tile(n0, F, rows64, row_mask, stride_t, BLOCK_N: tl.constexpr):
+    """One column tile's columns, their mask, the tile's mask and its offsets into the [T, F] activations."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    c_mask = cols < F
+    return cols, c_mask, row_mask[:, None] & c_mask[None, :], rows64[:, None] * stride_t + cols[None, :]
+
+
+@triton.jit
 def _silu_lora_fwd(g_ptr, u_ptr, h_ptr, pg_ptr, pu_ptr, bg_ptr, bu_ptr, off_ptr, rank_ptr, scale_ptr,
                    T, F, N, R_MAX, stride_t, stride_pm, stride_wn, stride_wr,
                    N_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -110,10 +118,7 @@ def _silu_lora_fwd(g_ptr, u_ptr, h_ptr, pg_ptr, pu_ptr, bg_ptr, bu_ptr, off_ptr,
     rr, pg, pu = _gate_up_p(pg_ptr, pu_ptr, rows64, row_mask, rank, R_MAX, stride_pm, scale, dtype, BLOCK_R)
     bg, bu = bg_ptr + ad * stride_wn, bu_ptr + ad * stride_wn
     for n0 in range(c0, c_end, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        c_mask = cols < F
-        mask = row_mask[:, None] & c_mask[None, :]
-        at = rows64[:, None] * stride_t + cols[None, :]
+        cols, c_mask, mask, at = _col_tile(n0, F, rows64, row_mask, stride_t, BLOCK_N)
         g, u = _gu(g_ptr, u_ptr, at, mask, pg, pu, bg, bu, rr, rank, cols, c_mask, stride_wr, dtype)
         a = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
         tl.store(h_ptr + at, (a * u).to(dtype), mask=mask)
@@ -131,10 +136,7 @@ def _silu_lora_bwd(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, pd_ptr, ad_ptr, pg_ptr,
     pd = _p_tile(pd_ptr, rows64, row_mask, rr, rank, R_MAX, stride_pm, scale, dtype)
     bg, bu, wd = bg_ptr + ad * stride_wn, bu_ptr + ad * stride_wn, ad_ptr + ad * stride_wn
     for n0 in range(c0, c_end, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        c_mask = cols < F
-        mask = row_mask[:, None] & c_mask[None, :]
-        at = rows64[:, None] * stride_t + cols[None, :]
+        cols, c_mask, mask, at = _col_tile(n0, F, rows64, row_mask, stride_t, BLOCK_N)
         dh = _term(tl.load(dh_ptr + at, mask=mask, other=0.0).to(tl.float32), pd, wd, rr, rank, cols, c_mask,
                    stride_wr).to(dtype).to(tl.float32)
         g, u = _gu(g_ptr, u_ptr, at, mask, pg, pu, bg, bu, rr, rank, cols, c_mask, stride_wr, dtype)
