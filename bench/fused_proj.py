@@ -39,10 +39,11 @@ HIDDEN = 4096
 GROUPS = {"q/k/v": (4096, 1024, 1024), "gate/up": (14336, 14336)}
 
 
-def forms(x: torch.Tensor, ws: list[torch.Tensor], grads: list[torch.Tensor], joined: list[torch.Tensor],
-          widths: tuple[int, ...]) -> dict:
-    """Each form's forward and backward over the layers' weights (ws: each layer's joined weight)."""
+def forms(x: torch.Tensor, ws: list[torch.Tensor], joined: torch.Tensor, widths: tuple[int, ...]) -> dict:
+    """Each form's forward and backward over the layers' weights (ws: each layer's joined weight; joined: the
+    siblings' output gradients side by side, whose column blocks, copied apart, are the gradients as they come)."""
     cuts = [sum(widths[:i]) for i in range(len(widths) + 1)]
+    grads = [joined[:, a:b].contiguous() for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
     def apart_fwd() -> list:
         return [F.linear(x, w[a:b]) for w in ws for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
@@ -64,7 +65,7 @@ def forms(x: torch.Tensor, ws: list[torch.Tensor], grads: list[torch.Tensor], jo
         return [torch.cat(grads, dim=1) @ w for w in ws]
 
     def fused_nocat_bwd() -> list:
-        return [joined[0] @ w for w in ws]
+        return [joined @ w for w in ws]
 
     return {"apart": (apart_fwd, apart_bwd), "fused": (fused_fwd, fused_bwd), "fused, no cat": (fused_fwd,
                                                                                                  fused_nocat_bwd)}
@@ -89,10 +90,8 @@ def main() -> None:
         ws = [(torch.randn(width, HIDDEN, device=dev, dtype=dt, generator=g) * 0.02) for _ in range(args.layers)]
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, HIDDEN, device=dev, dtype=dt, generator=g)
-            joined = [torch.randn(m, width, device=dev, dtype=dt, generator=g)]
-            cuts = [sum(widths[:i]) for i in range(len(widths) + 1)]
-            grads = [joined[0][:, a:b].contiguous() for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
-            fs = forms(x, ws, grads, joined, widths)
+            joined = torch.randn(m, width, device=dev, dtype=dt, generator=g)
+            fs = forms(x, ws, joined, widths)
             ref_f, ref_b = (torch.cat(fs["apart"][0]()[: len(widths)], 1), fs["apart"][1]()[0])
             base = None
             for form, (fwd, bwd) in fs.items():
