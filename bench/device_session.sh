@@ -3379,6 +3379,19 @@ with c.set_checkpoint_debug_enabled(True):
           # the backbone's part, against one GEMM per projection)
     step 110 fused_proj python3 bench/fused_proj.py --out "$OUT/fused_proj.md"
     ;;
+  s73_a)  # session 73: the two host-side levers that each measured even alone, together: the next step launched
+          # before the step's sync (LORAPLEX_STEP_AHEAD=1, its updates decided on the device) and the capture ahead
+          # during the ranking's evaluation (LORAPLEX_CAPTURE_AHEAD=1), against the default, alternating x4
+    export TRITON_CACHE_DIR=/tmp/s73a/triton
+    rm -rf /tmp/s73a
+    task200_runs 560 58 base_1 "LORAPLEX_STEP_AHEAD=0" both_1 "LORAPLEX_STEP_AHEAD=1 LORAPLEX_CAPTURE_AHEAD=1" \
+      base_2 "LORAPLEX_STEP_AHEAD=0" both_2 "LORAPLEX_STEP_AHEAD=1 LORAPLEX_CAPTURE_AHEAD=1" \
+      both_3 "LORAPLEX_STEP_AHEAD=1 LORAPLEX_CAPTURE_AHEAD=1" base_3 "LORAPLEX_STEP_AHEAD=0" \
+      both_4 "LORAPLEX_STEP_AHEAD=1 LORAPLEX_CAPTURE_AHEAD=1" base_4 "LORAPLEX_STEP_AHEAD=0"
+    (cd "$OUT" && tar -czf tasks.tar.gz executor_task200_*.json && rm -f executor_task*.json executor_task*.md)
+    pack_logs
+    rm -f "$OUT"/gpu.txt
+    ;;
   s72_c)  # session 72: every GPU test on the landing code (its own Triton cache)
     gpu_tests /tmp/s72c
     pack_logs
