@@ -3379,6 +3379,17 @@ with c.set_checkpoint_debug_enabled(True):
           # the backbone's part, against one GEMM per projection)
     step 110 fused_proj python3 bench/fused_proj.py --out "$OUT/fused_proj.md"
     ;;
+  s73_b)  # session 73: the step pipeline alone (LORAPLEX_STEP_AHEAD=1) against the default, ABBA x2 (s73_a ran it with the
+          # capture ahead, whose evaluations took 0.8 s longer; session 65 ran it alone x3, 0.8% apart)
+    export TRITON_CACHE_DIR=/tmp/s73b/triton
+    rm -rf /tmp/s73b
+    task200_runs 560 58 on_1 "LORAPLEX_STEP_AHEAD=1" off_1 "LORAPLEX_STEP_AHEAD=0" off_2 "LORAPLEX_STEP_AHEAD=0" \
+      on_2 "LORAPLEX_STEP_AHEAD=1" on_3 "LORAPLEX_STEP_AHEAD=1" off_3 "LORAPLEX_STEP_AHEAD=0" \
+      off_4 "LORAPLEX_STEP_AHEAD=0" on_4 "LORAPLEX_STEP_AHEAD=1"
+    (cd "$OUT" && tar -czf tasks.tar.gz executor_task200_*.json && rm -f executor_task*.json executor_task*.md)
+    pack_logs
+    rm -f "$OUT"/gpu.txt
+    ;;
   s73_a)  # session 73: the two host-side levers that each measured even alone, together: the next step launched
           # before the step's sync (LORAPLEX_STEP_AHEAD=1, its updates decided on the device) and the capture ahead
           # during the ranking's evaluation (LORAPLEX_CAPTURE_AHEAD=1), against the default, alternating x4
