@@ -165,6 +165,16 @@ task200_runs() {  # DEADLINE LEFT NAME "VAR=V ..." [NAME "VAR=V ..."]...: the 20
     first=0
   done
 }
+task200_ab() {  # DIR DEADLINE LEFT NAME "VAR=V ..." ...: task200_runs on a Triton cache of its own (DIR/triton), then the
+  # runs' JSON files in tasks.tar.gz and the logs in logs.tar.gz (s73_a on)
+  export TRITON_CACHE_DIR=$1/triton
+  rm -rf "$1"
+  shift
+  task200_runs "$@"
+  (cd "$OUT" && tar -czf tasks.tar.gz executor_task200_*.json && rm -f executor_task*.json executor_task*.md)
+  pack_logs
+  rm -f "$OUT"/gpu.txt
+}
 grow_archive() {  # DIR LIMIT DEADLINE: search (a) (its LIMIT and DEADLINE), then the 200-step task, on DIR/triton seeded
   # from the shipped archive; the cubins counted before and after, and the cache back where it grew (s49_a)
   export TRITON_CACHE_DIR=$1/triton
@@ -3381,27 +3391,17 @@ with c.set_checkpoint_debug_enabled(True):
     ;;
   s73_b)  # session 73: the step pipeline alone (LORAPLEX_STEP_AHEAD=1) against the default, ABBA x2 (s73_a ran it with the
           # capture ahead, whose evaluations took 0.8 s longer; session 65 ran it alone x3, 0.8% apart)
-    export TRITON_CACHE_DIR=/tmp/s73b/triton
-    rm -rf /tmp/s73b
-    task200_runs 560 58 on_1 "LORAPLEX_STEP_AHEAD=1" off_1 "LORAPLEX_STEP_AHEAD=0" off_2 "LORAPLEX_STEP_AHEAD=0" \
+    task200_ab /tmp/s73b 560 58 on_1 "LORAPLEX_STEP_AHEAD=1" off_1 "LORAPLEX_STEP_AHEAD=0" off_2 "LORAPLEX_STEP_AHEAD=0" \
       on_2 "LORAPLEX_STEP_AHEAD=1" on_3 "LORAPLEX_STEP_AHEAD=1" off_3 "LORAPLEX_STEP_AHEAD=0" \
       off_4 "LORAPLEX_STEP_AHEAD=0" on_4 "LORAPLEX_STEP_AHEAD=1"
-    (cd "$OUT" && tar -czf tasks.tar.gz executor_task200_*.json && rm -f executor_task*.json executor_task*.md)
-    pack_logs
-    rm -f "$OUT"/gpu.txt
     ;;
   s73_a)  # session 73: the two host-side levers that each measured even alone, together: the next step launched
           # before the step's sync (LORAPLEX_STEP_AHEAD=1, its updates decided on the device) and the capture ahead
           # during the ranking's evaluation (LORAPLEX_CAPTURE_AHEAD=1), against the default, alternating x4
-    export TRITON_CACHE_DIR=/tmp/s73a/triton
-    rm -rf /tmp/s73a
-    task200_runs 560 58 base_1 "LORAPLEX_STEP_AHEAD=0" both_1 "LORAPLEX_STEP_AHEAD=1 LORAPLEX_CAPTURE_AHEAD=1" \
+    task200_ab /tmp/s73a 560 58 base_1 "LORAPLEX_STEP_AHEAD=0" both_1 "LORAPLEX_STEP_AHEAD=1 LORAPLEX_CAPTURE_AHEAD=1" \
       base_2 "LORAPLEX_STEP_AHEAD=0" both_2 "LORAPLEX_STEP_AHEAD=1 LORAPLEX_CAPTURE_AHEAD=1" \
       both_3 "LORAPLEX_STEP_AHEAD=1 LORAPLEX_CAPTURE_AHEAD=1" base_3 "LORAPLEX_STEP_AHEAD=0" \
       both_4 "LORAPLEX_STEP_AHEAD=1 LORAPLEX_CAPTURE_AHEAD=1" base_4 "LORAPLEX_STEP_AHEAD=0"
-    (cd "$OUT" && tar -czf tasks.tar.gz executor_task200_*.json && rm -f executor_task*.json executor_task*.md)
-    pack_logs
-    rm -f "$OUT"/gpu.txt
     ;;
   s72_c)  # session 72: every GPU test on the landing code (its own Triton cache)
     gpu_tests /tmp/s72c
