@@ -3389,6 +3389,12 @@ with c.set_checkpoint_debug_enabled(True):
           # the backbone's part, against one GEMM per projection)
     step 110 fused_proj python3 bench/fused_proj.py --out "$OUT/fused_proj.md"
     ;;
+  s73_c)  # session 73: the landing code's search (a) (last run in session 60; defaults changed in sessions 66-68 since),
+          # then the 60-step task, on a fresh Triton cache seeded from the shipped archive, cubins counted
+    search_then_task /tmp/s73c 240 230
+    rm -f "$OUT"/executor_task60.md
+    pack_logs
+    ;;
   s73_b)  # session 73: the step pipeline alone (LORAPLEX_STEP_AHEAD=1) against the default, ABBA x2 (s73_a ran it with the
           # capture ahead, whose evaluations took 0.8 s longer; session 65 ran it alone x3, 0.8% apart)
     task200_ab /tmp/s73b 560 58 on_1 "LORAPLEX_STEP_AHEAD=1" off_1 "LORAPLEX_STEP_AHEAD=0" off_2 "LORAPLEX_STEP_AHEAD=0" \
