@@ -3389,6 +3389,16 @@ with c.set_checkpoint_debug_enabled(True):
           # the backbone's part, against one GEMM per projection)
     step 110 fused_proj python3 bench/fused_proj.py --out "$OUT/fused_proj.md"
     ;;
+  s73_d)  # session 73: search (a)'s quality phase alone (the small model and its step-0 check, where call 3 compiled
+          # _rms_bwd at 256 wide) on a fresh Triton cache seeded from the refreshed archive, cubins counted
+    export TRITON_CACHE_DIR=/tmp/s73d/triton
+    rm -rf /tmp/s73d
+    step 100 quality python3 bench/task_e2e_baselines.py --phase quality --layers 32 --arms a --quality-arms a \
+      --json "$OUT/quality.json" --out "$OUT/quality.md"
+    echo "cubins shipped: $(shipped_cubins), after the quality phase: $(cubins)" | tee -a "$OUT/steps.txt"
+    if [ "$(cubins)" -gt "$(shipped_cubins)" ]; then tar -C /tmp/s73d -czf "$OUT/triton_cache_sm90.tar.gz" triton; fi
+    pack_logs
+    ;;
   s73_c)  # session 73: the landing code's search (a) (last run in session 60; defaults changed in sessions 66-68 since),
           # then the 60-step task, on a fresh Triton cache seeded from the shipped archive, cubins counted
     search_then_task /tmp/s73c 240 230
