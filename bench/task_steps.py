@@ -1,7 +1,8 @@
 """Where a 200-step task's training time goes, by kind of step, from `bench/executor_task.py --json` files (one
 table row a file): the first job set's eager steps, the steps that captured at their start, the steps that
 replayed a larger key's capture padded (covered), the plain replays; each kind's steps and seconds, and the
-graphs' counts (captures, those the thread made, graphs kept). "covered over own" sums each covered step's wall over
+graphs' counts (captures, those the thread made, graphs kept), and the task's evaluation seconds (a lever that
+moves work into the evaluations shows there: session 73's capture ahead). "covered over own" sums each covered step's wall over
 the median replay of the key it would have run itself (of the same run's plain replays; `--per-octave`, the run's
 graph sizes an octave, LORAPLEX_GRAPH_BUCKETS: 4 unless the run set it).
 
@@ -58,7 +59,8 @@ def row(path: str, per_octave: int = 4) -> str:
     kinds = [f"{len(steps[k])}, {sum(s[3] for s in steps[k]):.2f}" for k in KINDS]
     cells = [os.path.basename(path), f"{tokens / train / 1e3:.2f}k", f"{100 * mfu_of(run, res['args']['layers']):.1f}%",
              f"{train:.2f}", *kinds[:3], f"{covered_over_own(steps, per_octave):.2f}", kinds[3],
-             str(g.get("captures", 0)), str(g.get("ahead_thread_made", 0)), str(g.get("graphs", 0))]
+             str(g.get("captures", 0)), str(g.get("ahead_thread_made", 0)), str(g.get("graphs", 0)),
+             f"{run['phases'].get('eval', 0.0):.2f}"]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -87,8 +89,8 @@ def main() -> None:
             print(first_row(path, args.first))
         return
     print("| run | tok/s | MFU | train s | eager: steps, s | captured at start: steps, s | covered: steps, s "
-          "| covered over own s | replays: steps, s | captures | the thread's | graphs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| covered over own s | replays: steps, s | captures | the thread's | graphs | evaluation s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for path in args.files:
         print(row(path, args.per_octave))
 

@@ -35,14 +35,14 @@ def test_a_tasks_steps_are_sorted_by_kind_and_summed(tmp_path) -> None:  # noqa:
     trace = [[5000, 8, 0, 0.5, 0, "eager_runs", []], [900, 2, 0, 0.4, 0, "captures+replays", []],
              [1200, 2, 0, 0.12, 0, "covered+replays", []], [1000, 2, 0, 0.08, 0, "replays", []],
              [1100, 2, 0, 0.09, 0, "replays+ahead_thread_started", []], [1300, 2, 0, 0.2, 0, "replays", []]]
-    run = {"phases": {"train": 1.39}, "train_tokens": 10500, "step_trace": trace, "timings": {},
+    run = {"phases": {"train": 1.39, "eval": 0.837}, "train_tokens": 10500, "step_trace": trace, "timings": {},
            "graphs": {"captures": 2, "ahead_thread_made": 1, "graphs": 2}}
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"args": {"layers": 2}, "runs": {"cold": run}}))
     cells = [c.strip() for c in task_steps.row(str(path)).strip("|").split("|")]
     assert cells[0] == "t.json" and cells[1] == f"{10500 / 1.39 / 1e3:.2f}k"
     # the covered step (1,200 tokens: the 1,280 key at 4 sizes an octave) over that key's one replay, 0.09 s
-    assert cells[4:9] == ["1, 0.50", "1, 0.40", "1, 0.12", "0.03", "3, 0.37"] and cells[9:] == ["2", "1", "2"]
+    assert cells[4:9] == ["1, 0.50", "1, 0.40", "1, 0.12", "0.03", "3, 0.37"] and cells[9:] == ["2", "1", "2", "0.84"]
     run.update(first_calls_s=[0.2618], timings={"pool_quiet_pins": 7})
     path.write_text(json.dumps({"args": {"layers": 2}, "runs": {"cold": run}}))
     first = [c.strip() for c in task_steps.first_row(str(path), 2).strip("|").split("|")]
