@@ -23,7 +23,6 @@ float64 reference per sequence in the same run; a form that fails or errs is rep
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 from pathlib import Path
 
@@ -31,21 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention_varlen import calls, step_args, step_rows  # noqa: E402
+from attention_varlen import calls, flash_form, step_args, step_rows  # noqa: E402
 from graph_timing import replay_ms  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
-
-
-def flash_form():  # noqa: ANN201
-    """torch's varlen kernel and its keyword arguments for a causal, grouped-query call (the engine's)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if "enable_gqa" in params:
-        kw["enable_gqa"] = True
-    return varlen_attn, kw
 
 
 def cudnn_form(expand: bool):  # noqa: ANN201

@@ -81,14 +81,21 @@ def step_args(doc: str) -> argparse.Namespace:
     return ap.parse_args()
 
 
-def main() -> None:
-    args = step_args(__doc__)
+def flash_form():  # noqa: ANN201
+    """torch's varlen kernel and its keyword arguments for a causal, grouped-query call (the engine's; this script
+    and bench/attention_forms.py)."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
     kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if "enable_gqa" in params:
         kw["enable_gqa"] = True
+    return varlen_attn, kw
+
+
+def main() -> None:
+    args = step_args(__doc__)
+    varlen_attn, kw = flash_form()
     rows = [f"# flash varlen attention, {torch.cuda.get_device_name()}: {args.layers} calls a graph (a step's layers), "
             f"32 query / 8 key-value heads of 128, bf16, causal; median of {args.iters} replays",
             "", "| seed | sequences | tokens | longest | bounds | max_len | slots | forward ms | forward + backward ms "

@@ -166,7 +166,7 @@ task200_runs() {  # DEADLINE LEFT NAME "VAR=V ..." [NAME "VAR=V ..."]...: the 20
   done
 }
 task200_ab() {  # DIR DEADLINE LEFT NAME "VAR=V ..." ...: task200_runs on a Triton cache of its own (DIR/triton), then the
-  # runs' JSON files in tasks.tar.gz and the logs in logs.tar.gz (s73_a on)
+  # runs' JSON files in tasks.tar.gz and the logs in logs.tar.gz (s72_b, s73_a on)
   export TRITON_CACHE_DIR=$1/triton
   rm -rf "$1"
   shift
@@ -3395,8 +3395,9 @@ with c.set_checkpoint_debug_enabled(True):
     rm -rf /tmp/s73d
     step 100 quality python3 bench/task_e2e_baselines.py --phase quality --layers 32 --arms a --quality-arms a \
       --json "$OUT/quality.json" --out "$OUT/quality.md"
-    echo "cubins shipped: $(shipped_cubins), after the quality phase: $(cubins)" | tee -a "$OUT/steps.txt"
-    if [ "$(cubins)" -gt "$(shipped_cubins)" ]; then tar -C /tmp/s73d -czf "$OUT/triton_cache_sm90.tar.gz" triton; fi
+    shipped=$(shipped_cubins) after=$(cubins)
+    echo "cubins shipped: $shipped, after the quality phase: $after" | tee -a "$OUT/steps.txt"
+    if [ "$after" -gt "$shipped" ]; then tar -C /tmp/s73d -czf "$OUT/triton_cache_sm90.tar.gz" triton; fi
     pack_logs
     ;;
   s73_c)  # session 73: the landing code's search (a) (last run in session 60; defaults changed in sessions 66-68 since),
@@ -3426,13 +3427,8 @@ with c.set_checkpoint_debug_enabled(True):
   s72_b)  # session 72: the 200-step task with the capture ahead (LORAPLEX_CAPTURE_AHEAD=1: the ranking's evaluation
           # captures the kept sets' next keys) against the default, alternating; last measured in session 55, before
           # the next step's capture, the capture thread, the first calls ahead and the widened first capture
-    export TRITON_CACHE_DIR=/tmp/s72b/triton
-    rm -rf /tmp/s72b
-    task200_runs 400 70 base_1 "LORAPLEX_CAPTURE_AHEAD=0" ahead_1 "LORAPLEX_CAPTURE_AHEAD=1" \
+    task200_ab /tmp/s72b 400 70 base_1 "LORAPLEX_CAPTURE_AHEAD=0" ahead_1 "LORAPLEX_CAPTURE_AHEAD=1" \
       base_2 "LORAPLEX_CAPTURE_AHEAD=0" ahead_2 "LORAPLEX_CAPTURE_AHEAD=1"
-    (cd "$OUT" && tar -czf tasks.tar.gz executor_task200_*.json && rm -f executor_task*.json executor_task*.md)
-    pack_logs
-    rm -f "$OUT"/gpu.txt
     ;;
   s72_a)  # session 72: bench/attention_forms.py (torch's flash varlen kernel against cuDNN's fused attention on a
           # step's ragged rows, forward and backward, float64-checked in the same run)

@@ -2,9 +2,9 @@
 table row a file): the first job set's eager steps, the steps that captured at their start, the steps that
 replayed a larger key's capture padded (covered), the plain replays; each kind's steps and seconds, and the
 graphs' counts (captures, those the thread made, graphs kept), and the task's evaluation seconds (a lever that
-moves work into the evaluations shows there: session 73's capture ahead). "covered over own" sums each covered step's wall over
-the median replay of the key it would have run itself (of the same run's plain replays; `--per-octave`, the run's
-graph sizes an octave, LORAPLEX_GRAPH_BUCKETS: 4 unless the run set it).
+moves work into the evaluations shows there: session 73's capture ahead). "covered over own" sums each covered
+step's wall over the median replay of the key it would have run itself (of the same run's plain replays;
+`--per-octave`, the run's graph sizes an octave, LORAPLEX_GRAPH_BUCKETS: 4 unless the run set it).
 
 `--first N` prints the first N steps' walls of each file instead (with the first job set's eager steps' sum, the
 load worker's first calls (`first_calls_s`, session 67) and the pinner's registrations made in the loop's device
