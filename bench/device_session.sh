@@ -3385,6 +3385,30 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     rm -f "$OUT"/gpu.txt
     ;;
+  s74_a)  # session 74: the norm kernels no longer specialise on their row count; compiled for every width (bench/norm_cache.py,
+          # an empty cache), merged into this call's copy of the archive, then search (a) and the 60-step task on a fresh
+          # cache seeded from it, cubins counted (none may be added). Bring back norm_cache_sm90.tar.gz and merge it here.
+    export TRITON_CACHE_DIR=/tmp/s74n/triton
+    rm -rf /tmp/s74n
+    step 150 norm_cache python3 bench/norm_cache.py
+    tar -C /tmp/s74n -czf "$OUT/norm_cache_sm90.tar.gz" triton
+    step 60 merge python3 -m kernels.shipped_cache --merge "$OUT/norm_cache_sm90.tar.gz"
+    echo "cubins in the merged archive: $(shipped_cubins)" | tee -a "$OUT/steps.txt"
+    search_then_task /tmp/s74a 240 230
+    rm -f "$OUT"/executor_task60.md
+    pack_logs
+    rm -f "$OUT"/host_memory.txt "$OUT"/gpu.txt
+    ;;
+  s74_b)  # session 74: every GPU test on the landing code (its own cache), then the 200-step task on a fresh cache seeded
+          # from the refreshed archive, cubins counted
+    gpu_tests /tmp/s74b
+    shipped=$(shipped_cubins)
+    step 110 task200 python3 bench/executor_task.py --layers 32 --steps 200 --runs cold \
+      --out "$OUT/executor_task200.md" --json "$OUT/executor_task200.json"
+    echo "cubins shipped: $shipped, after the 200-step task: $(cubins)" | tee -a "$OUT/steps.txt"
+    pack_logs
+    rm -f "$OUT"/gpu.txt
+    ;;
   s72_d)  # session 72, the last ~290 s of its device time: bench/fused_proj.py (q/k/v and gate/up as one GEMM each,
           # the backbone's part, against one GEMM per projection)
     step 110 fused_proj python3 bench/fused_proj.py --out "$OUT/fused_proj.md"

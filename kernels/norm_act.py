@@ -40,7 +40,7 @@ def available(t: torch.Tensor) -> bool:
 
 # ----------------------------------------------------------------------------- RMSNorm
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _rms_fwd(X, W, Y, RSTD, n_rows, D, eps, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
         r1 = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         rows = r1[:, None]
@@ -53,7 +53,7 @@ if triton is not None:
         tl.store(Y + rows * D + cols, (xhat * w).to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + r1, rstd, mask=r1 < n_rows)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _rms_bwd(DY, X, W, RSTD, DX, n_rows, D, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
         r1 = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         rows = r1[:, None]
