@@ -3399,6 +3399,11 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     rm -f "$OUT"/host_memory.txt "$OUT"/gpu.txt
     ;;
+  s74_c)  # session 74: call 2's 200-step task ran 2-5% slower replays than session 73's in every token bucket. Is it the norm
+          # kernels' lost row specialisation (bench/norm_spec.py, side by side), or the machine (the task x3 more)?
+    TRITON_CACHE_DIR=/tmp/s74c_spec/triton step 90 norm_spec python3 bench/norm_spec.py --out "$OUT/norm_spec.md"
+    task200_ab /tmp/s74c 330 70 run_1 "LORAPLEX_UNUSED=1" run_2 "LORAPLEX_UNUSED=1" run_3 "LORAPLEX_UNUSED=1"
+    ;;
   s74_b)  # session 74: every GPU test on the landing code (its own cache), then the 200-step task on a fresh cache seeded
           # from the refreshed archive, cubins counted
     gpu_tests /tmp/s74b
