@@ -209,3 +209,20 @@ def test_stale_kernels_are_the_changed_ones_or_all_of_a_module_whose_helper_chan
     assert shipped_cache.stale_kernels(now, now, {"a", "b", "c"}) == set()
     assert shipped_cache.stale_kernels(now | {"m.a": ["1", 11]}, now, {"a", "b", "c"}) == {"a"}  # moved a line
     assert shipped_cache.stale_kernels(now | {"m.helper": ["9", 5]}, now, {"a", "b", "c"}) == {"a", "b", "helper"}
+
+
+def test_the_norm_kernels_compile_once_per_width_whatever_the_row_count() -> None:
+    """Session 73 compiled `_rms_bwd` inside search (a): Triton specialised its row count on whether 16
+    divides it, and the archive held only one of the two variants for that width. The norms take
+    `do_not_specialize=["n_rows"]`, so one shipped kernel serves every token count (checked in a process
+    without the interpreter, where the kernels are Triton's JIT functions)."""
+    import os
+    import subprocess
+
+    code = ("from kernels import norm_act as n\n"
+            "for k in (n._rms_fwd, n._rms_bwd):\n"
+            "    print(type(k).__name__, sorted(p.name for p in k.params if p.do_not_specialize))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout.split("\n")
+    assert out[:2] == ["JITFunction ['n_rows']", "JITFunction ['n_rows']"], out
