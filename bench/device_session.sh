@@ -3399,6 +3399,13 @@ with c.set_checkpoint_debug_enabled(True):
     pack_logs
     rm -f "$OUT"/host_memory.txt "$OUT"/gpu.txt
     ;;
+  s74_d)  # session 74, the lease's last ~400 s: bench/head_rows.py (the LM head over target rows only: its bound, and the
+          # persistent fused GEMM skipping the rows past the targets, tuned for the head's shapes)
+    export TRITON_CACHE_DIR=/tmp/s74d/triton
+    rm -rf /tmp/s74d
+    LORAPLEX_TUNE=1 step 280 head_rows python3 bench/head_rows.py --out "$OUT/head_rows.md"
+    pack_logs
+    ;;
   s74_c)  # session 74: call 2's 200-step task ran 2-5% slower replays than session 73's in every token bucket. Is it the norm
           # kernels' lost row specialisation (bench/norm_spec.py, side by side), or the machine (the task x3 more)?
     TRITON_CACHE_DIR=/tmp/s74c_spec/triton step 90 norm_spec python3 bench/norm_spec.py --out "$OUT/norm_spec.md"
