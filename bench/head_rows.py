@@ -15,19 +15,21 @@ largest relative difference is printed). Llama-3.1-8B's head: 4096 x 128,256, bf
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from graph_timing import replay_ms  # noqa: E402
 
 from kernels import fused_lora  # noqa: E402
 from kernels.cross_entropy import IGNORE, cross_entropy_rows  # noqa: E402
 
 HIDDEN, VOCAB = 4096, 128256
-LAUNCHES, WARMUP, REPLAYS = 8, 5, 20
+LAUNCHES, REPLAYS = 8, 20
 
 
 def head_cublas(h: torch.Tensor, t: torch.Tensor, w: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -65,26 +67,8 @@ class PersistHead:
 
 
 def graph_ms(fn) -> float:  # noqa: ANN001
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # autotuning and compiles outside the capture
-            fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):
-        for _ in range(LAUNCHES):
-            fn()
-    times = []
-    for i in range(WARMUP + REPLAYS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        if i >= WARMUP:
-            times.append(a.elapsed_time(b) / LAUNCHES)
-    return statistics.median(times)
+    """One call's device time: a graph of LAUNCHES calls (bench/graph_timing.replay_ms), its median replay over LAUNCHES."""
+    return replay_ms(lambda: [fn() for _ in range(LAUNCHES)], REPLAYS) / LAUNCHES
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -9,43 +9,26 @@ medians of 20 replays after 5 warm-up ones. Both forms are checked equal to each
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import triton  # noqa: E402
+from graph_timing import replay_ms  # noqa: E402
 
 from kernels import norm_act  # noqa: E402
 from kernels.norm_act import _rows_per_program, _warps  # noqa: E402
 
-LAUNCHES, WARMUP, REPLAYS = 64, 5, 20
+LAUNCHES, REPLAYS = 64, 20
 
 
 def graph_ms(fn) -> float:  # noqa: ANN001
-    """One launch's device time: a graph of LAUNCHES calls, replayed; the median replay over LAUNCHES."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):
-        for _ in range(LAUNCHES):
-            fn()
-    times = []
-    for i in range(WARMUP + REPLAYS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        if i >= WARMUP:
-            times.append(a.elapsed_time(b) / LAUNCHES)
-    return statistics.median(times)
+    """One call's device time: a graph of LAUNCHES calls (bench/graph_timing.replay_ms), its median replay over LAUNCHES."""
+    return replay_ms(lambda: [fn() for _ in range(LAUNCHES)], REPLAYS) / LAUNCHES
 
 
 def main() -> None:
