@@ -9,10 +9,12 @@ from collections.abc import Callable
 import torch
 
 
-def replay_ms(fn: Callable[[], object], iters: int, same_stream: bool = False) -> float:
+def replay_ms(fn: Callable[[], object], iters: int, same_stream: bool = False, launches: int = 1) -> float:
     """Median ms of `iters` replays of fn captured as one graph: three warmup runs on a side stream first (what a
     capture of autograd work needs), CUDA events around each replay. `same_stream`: the capture runs on that side
-    stream too (a library that keeps per-stream state, such as cuDNN's workspace, then sets it up before the capture)."""
+    stream too (a library that keeps per-stream state, such as cuDNN's workspace, then sets it up before the capture).
+    `launches`: the graph holds that many calls of fn, and the result is per call (a kernel of a few microseconds
+    timed among its own launches, as a step graph runs it, not against the replay's own overhead)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -31,4 +33,4 @@ def replay_ms(fn: Callable[[], object], iters: int, same_stream: bool = False) -
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(times) / launches

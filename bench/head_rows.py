@@ -5,9 +5,9 @@ gradient in place, the hidden states' gradient) over a step's rows, against the 
 target count: target rows first, the head's two GEMMs on the persistent fused GEMM (kernels.fused_lora, "persist")
 with one rank-0 adapter spanning the target rows, so that its programs skip the row tiles past them.
 
-Each form runs as a CUDA graph of 8 heads, replayed 20 times after 5 (medians, ms per head). Each form's losses and
-hidden-state gradient on the target rows are checked against the all-rows form (bf16 GEMMs in another order: the
-largest relative difference is printed). Llama-3.1-8B's head: 4096 x 128,256, bf16, random weights.
+Each form runs as a CUDA graph of 8 heads (bench/graph_timing.replay_ms), replayed 20 times (medians, ms per
+head). Each form's losses and hidden-state gradient on the target rows are checked against the all-rows form (bf16
+GEMMs in another order: the largest relative difference is printed). Llama-3.1-8B's head: 4096 x 128,256, bf16, random weights.
 
     python bench/head_rows.py [--rows 1418:1007,1920:1363] [--out FILE.md]
 """
@@ -66,11 +66,6 @@ class PersistHead:
         return losses
 
 
-def graph_ms(fn) -> float:  # noqa: ANN001
-    """One call's device time: a graph of LAUNCHES calls (bench/graph_timing.replay_ms), its median replay over LAUNCHES."""
-    return replay_ms(lambda: [fn() for _ in range(LAUNCHES)], REPLAYS) / LAUNCHES
-
-
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-12)).item()
 
@@ -96,9 +91,9 @@ def main() -> None:
         grad_all, grad_t, grad_p = (torch.empty(r, HIDDEN, dtype=torch.bfloat16, device=dev) for r in (rows, n_t, rows))
         persist = PersistHead(rows, dev)
         persist.offsets[1] = n_t
-        ms_all = graph_ms(lambda: head_cublas(h, t, w, grad_all))  # noqa: B023
-        ms_t = graph_ms(lambda: head_cublas(h[:n_t], t[:n_t], w, grad_t))  # noqa: B023
-        ms_p = graph_ms(lambda: persist(h, t, w, grad_p))  # noqa: B023
+        ms_all = replay_ms(lambda: head_cublas(h, t, w, grad_all), REPLAYS, launches=LAUNCHES)  # noqa: B023
+        ms_t = replay_ms(lambda: head_cublas(h[:n_t], t[:n_t], w, grad_t), REPLAYS, launches=LAUNCHES)  # noqa: B023
+        ms_p = replay_ms(lambda: persist(h, t, w, grad_p), REPLAYS, launches=LAUNCHES)  # noqa: B023
         grad_p.fill_(float("nan"))  # the checked run must write every row
         loss_all, loss_p, loss_t = (head_cublas(h, t, w, grad_all), persist(h, t, w, grad_p),
                                     head_cublas(h[:n_t], t[:n_t], w, grad_t))

@@ -1,7 +1,7 @@
 """The RMSNorm kernels without their row count's specialisation (session 74's form) against the same source
 specialised on it (the form before), side by side on one device: forward and backward at the 2-job step's
-row counts, each launch timed as a CUDA graph of 64 launches (the step replays its norms in a graph),
-medians of 20 replays after 5 warm-up ones. Both forms are checked equal to each other bit for bit.
+row counts, each launch timed as a CUDA graph of 64 launches (the step replays its norms in a graph;
+bench/graph_timing.replay_ms), medians of 20 replays. Both forms are checked equal to each other bit for bit.
 
     python bench/norm_spec.py [--width 4096] [--rows 939,1164,1418,1664,1920] [--out FILE.md]
 """
@@ -24,11 +24,6 @@ from kernels import norm_act  # noqa: E402
 from kernels.norm_act import _rows_per_program, _warps  # noqa: E402
 
 LAUNCHES, REPLAYS = 64, 20
-
-
-def graph_ms(fn) -> float:  # noqa: ANN001
-    """One call's device time: a graph of LAUNCHES calls (bench/graph_timing.replay_ms), its median replay over LAUNCHES."""
-    return replay_ms(lambda: [fn() for _ in range(LAUNCHES)], REPLAYS) / LAUNCHES
 
 
 def main() -> None:
@@ -54,8 +49,8 @@ def main() -> None:
         for name, (fwd, bwd) in forms.items():
             y, rstd, dx = torch.empty_like(x), torch.empty(n, device=dev), torch.empty_like(x)
             grid = (triton.cdiv(n, per),)
-            f_ms = graph_ms(lambda: fwd[grid](x, w, y, rstd, n, d, 1e-6, **meta))  # noqa: B023
-            b_ms = graph_ms(lambda: bwd[grid](dy, x, w, rstd, dx, n, d, **meta))  # noqa: B023
+            f_ms = replay_ms(lambda: fwd[grid](x, w, y, rstd, n, d, 1e-6, **meta), REPLAYS, launches=LAUNCHES)  # noqa: B023
+            b_ms = replay_ms(lambda: bwd[grid](dy, x, w, rstd, dx, n, d, **meta), REPLAYS, launches=LAUNCHES)  # noqa: B023
             outs[name] = (y.clone(), dx.clone(), f_ms, b_ms)
         (y0, dx0, *_), (y1, dx1, *_) = outs.values()
         same = bool(torch.equal(y0, y1) and torch.equal(dx0, dx1))

@@ -13,8 +13,8 @@ Refreshing an archive (after the kernels change): on the device, run search (a) 
 cache seeded from the archive and bring the grown cache back (bench/device_session.sh's
 `search_then_task`), then `python -m kernels.shipped_cache --merge GROWN.tar.gz` (`merge`: the
 entries of kernels changed since the manifest dropped, the new ones added, the manifest written).
-Kernels whose only specialisation is their row width (kernels.norm_act's norms) can be compiled
-for every width on an empty cache instead (bench/norm_cache.py) and that cache merged the same way. The manifest names, per
+Kernels whose compiled forms depend only on their row width and dtype (kernels.norm_act's norms) can be
+compiled for every width on an empty cache instead (bench/norm_cache.py) and that cache merged the same way. The manifest names, per
 archive, its digest and every kernel's fingerprint (`kernel_fingerprints`) at the time it was made;
 tests/unit/test_shipped_cache.py fails where a kernel changed since, or moved: Triton's cache key
 holds a kernel's first line, so lines added above a kernel make every shipped entry of it a miss
